@@ -1,0 +1,79 @@
+"""What the attention layers see of one engine step: the flattened batch and the paged KV cache.
+
+A step's query tokens are flattened into one list of T rows. Requests are ordered decodes first:
+
+    rows  [0 ........ num_decodes) [num_decodes ............................... num_tokens)
+          one query token each      prefill chunks (any length >= 1), request after request
+
+Request i owns rows query_start_loc[i] .. query_start_loc[i+1]. Its context after this step holds
+seq_lens[i] tokens, so query row j of request i sits at absolute position
+seq_lens[i] - query_len[i] + j and attends (causally) to context positions 0 .. that position.
+
+KV cache of one layer (one tensor, K and V stacked):
+
+    kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
+             ^K/V  ^physical block id  ^slot in block
+
+Token position p of request i lives in block block_tables[i, p // block_size], slot p % block_size,
+i.e. flat slot  block * block_size + p % block_size. slot_mapping[row] gives that flat slot for each new
+token of this step (-1 for padding rows, which must not be written).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    num_reqs: int
+    num_decodes: int  # the first num_decodes requests have exactly one query token
+    num_tokens: int  # rows of q/k/v this step (padding included when a CUDA graph pads the batch)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32, on the model's device
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length after this step's tokens
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    slot_mapping: torch.Tensor  # [num_tokens] int64, flat cache slot per row, -1 = do not write
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so reference code and planners need no device sync.
+    query_start_loc_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+
+    @property
+    def num_prefills(self) -> int:
+        return self.num_reqs - self.num_decodes
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.num_decodes == self.num_reqs
+
+
+class AttentionBackend(Protocol):
+    """Writes this step's K/V into the paged cache, then attends. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+@dataclass
+class AttentionBatch:
+    """Passed to model.forward as an argument: the step's metadata, every layer's cache, the backend."""
+
+    meta: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    backend: AttentionBackend
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.meta, scale)

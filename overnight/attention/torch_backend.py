@@ -1,0 +1,141 @@
+"""Paged attention in plain PyTorch: the CPU path, and the reference every GPU kernel is tested against.
+
+Layouts are described in metadata.py. The arithmetic is ordinary softmax attention in the dtype of q
+(fp32 accumulation happens inside torch's matmul for fp16/bf16 on CUDA; on CPU we upcast explicitly).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from overnight.attention.metadata import AttentionMetadata
+
+
+def write_kv_ref(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store each row's k/v at its flat slot; rows whose slot is -1 (padding) are skipped."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    n = slot_mapping.shape[0]
+    valid = slot_mapping[:n] >= 0
+    slots = slot_mapping[:n][valid]
+    flat[0, slots] = k[:n][valid].to(kv_cache.dtype)
+    flat[1, slots] = v[:n][valid].to(kv_cache.dtype)
+
+
+def _gather_context(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request's first seq_len positions: [seq_len, Hkv, D] each."""
+    block_size = kv_cache.shape[2]
+    num_blocks_used = (seq_len + block_size - 1) // block_size
+    blocks = block_table[:num_blocks_used].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def paged_attention_ref(
+    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of every query row over its request's cached context (this step's K/V already written).
+
+    q: [T, Hq, D]; returns [T, Hq, D]. Rows past the real tokens (padding) are left as zeros.
+    """
+    out = torch.zeros_like(q)
+    compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
+    qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
+    sl = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
+    qsl_list, sl_list = qsl.tolist(), sl.tolist()
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+
+    # Decodes: one query row each, batched over requests with a padding mask.
+    nd = meta.num_decodes
+    if nd > 0:
+        max_len = max(sl_list[:nd])
+        block_size = kv_cache.shape[2]
+        nblk = (max_len + block_size - 1) // block_size
+        blocks = meta.block_tables[:nd, :nblk].long()
+        k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]  # [nd, L, Hkv, D]
+        v = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
+        lens = sl[:nd].to(q.device)
+        pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [nd, L]
+        group = num_heads // num_kv_heads
+        qd = q[:nd].to(compute_dtype).view(nd, num_kv_heads, group, -1)
+        scores = torch.einsum("bhgd,blhd->bhgl", qd, k.to(compute_dtype)) * scale
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v.to(compute_dtype))
+        out[:nd] = o.reshape(nd, num_heads, -1).to(q.dtype)
+
+    # Prefill chunks: one causal attention per request, offset by the context already cached.
+    for i in range(nd, meta.num_reqs):
+        start, end = qsl_list[i], qsl_list[i + 1]
+        qlen, seq_len = end - start, sl_list[i]
+        if qlen == 0:
+            continue
+        k, v = _gather_context(kv_cache, meta.block_tables[i], seq_len)
+        qi = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, qlen, D]
+        ki = k.to(compute_dtype).transpose(0, 1)  # [Hkv, L, D]
+        vi = v.to(compute_dtype).transpose(0, 1)
+        q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, L]
+        o = F.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+        )
+        out[start:end] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+class TorchAttentionBackend:
+    """The CPU backend: write K/V with indexing, attend with the reference above."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention_ref(q, kv_cache, meta, scale)
+
+
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_decodes: int = 0,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Metadata for a batch described by plain lists (tests, and the simple runner path)."""
+    qsl = [0]
+    slots: list[int] = []
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+        qsl.append(qsl[-1] + qlen)
+        for pos in range(slen - qlen, slen):
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+    width = max((len(t) for t in block_tables), default=1) or 1
+    bt = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for i, t in enumerate(block_tables):
+        bt[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32)
+    sl_t = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        num_reqs=len(query_lens),
+        num_decodes=num_decodes,
+        num_tokens=qsl[-1],
+        query_start_loc=qsl_t.to(device),
+        seq_lens=sl_t.to(device),
+        block_tables=bt.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+        query_start_loc_cpu=qsl_t,
+        seq_lens_cpu=sl_t,
+    )
