@@ -1,0 +1,21 @@
+"""Where a model comes from, resolved once at start-up: a HF folder, a repo in the local HF cache, a GGUF
+file, or a dummy preset. resolve_source() fills this in; loaders and the tokenizer read it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overnight.config import ModelArch
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "hf" | "gguf" | "dummy"
+    path: str  # folder, .gguf file, or preset name
+    arch: ModelArch
+    hf_architecture: str  # e.g. "Qwen3ForCausalLM"
+    tokenizer_path: str | None  # folder holding tokenizer files, the .gguf file, or None
+    eos_token_ids: tuple[int, ...]  # generation_config.json / config.json / GGUF metadata
+    bos_token_id: int | None
+    config_dtype: str | None  # torch_dtype / dtype stated by the checkpoint, for dtype="auto"
+    served_name: str  # the name outputs report as `model`
