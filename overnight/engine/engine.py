@@ -1,0 +1,220 @@
+"""The engine: requests in, RequestOutputs out, one step at a time (schedule -> execute -> update).
+
+Every entry point (LLM, run-batch, serve, bench) is a thin adapter over this class.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING, Protocol
+
+from overnight.config import EngineConfig
+from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.output_processor import OutputProcessor, ParentRequest
+from overnight.engine.request import Request
+from overnight.engine.scheduler import Scheduler, SchedulerStats
+from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
+from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.errors import InvalidRequestError
+from overnight.outputs import RequestMetrics, RequestOutput
+from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+
+class Runner(Protocol):
+    """Runs one forward pass and samples; the model runner, a fake in tests, or a group of workers."""
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: Runner,
+        num_blocks: int,
+        eos_token_ids: tuple[int, ...],
+        vocab_size: int,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.max_model_len = config.scheduler.max_model_len
+        self.kv = KVCacheManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        capacity = num_blocks * config.cache.block_size
+        if capacity < self.max_model_len:
+            raise InvalidRequestError(
+                f"the KV pool holds {capacity} tokens, less than one sequence of max_model_len "
+                f"{self.max_model_len}: lower max_model_len or give the pool more memory"
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv)
+        self.output = OutputProcessor(tokenizer)
+        self.parents: dict[str, ParentRequest] = {}
+        self.children: dict[str, list[Request]] = {}
+        self.observers: list[StatsObserver] = []
+        self._rng = random.Random(config.model.seed)
+        self._last_token_time: dict[str, float] = {}
+        self.num_steps = 0
+
+    # -- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue one prompt (n completions). Raises InvalidRequestError and changes nothing if the
+        request cannot be served."""
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        self._validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        parent = ParentRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            n=params.n,
+            stream=stream,
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+        max_total = self.max_model_len
+        if params.max_tokens is not None:
+            max_total = min(max_total, len(prompt_token_ids) + params.max_tokens)
+        base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        self.parents[request_id] = parent
+        kids = []
+        for i in range(params.n):
+            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(
+                req_id=rid,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                seed=(base_seed + i * 0x9E3779B1) % (1 << 63),
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=max_total,
+                arrival_time=arrival,
+            )
+            self.output.add(req, parent, i)
+            self.scheduler.add(req)
+            kids.append(req)
+        self.children[request_id] = kids
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
+                "at least one token must be left to generate"
+            )
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]!r} is outside the vocabulary (size {self.vocab_size})"
+            )
+        if params.stop_strings and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+        if not self.config.scheduler.enable_chunked_prefill and (
+            len(ids) > self.config.scheduler.max_num_batched_tokens
+        ):
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+                f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off"
+            )
+        params.validate()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its KV blocks; returns its final output if it was still running."""
+        kids = self.children.pop(request_id, None)
+        if kids is None:
+            return None
+        self.scheduler.abort([r.req_id for r in kids])
+        final = None
+        for req in kids:
+            if req.status.finish_reason == "abort":
+                final = self.output.abort(req) or final
+            self._last_token_time.pop(req.req_id, None)
+        for req in kids:
+            self.output.drop(req.req_id)
+        self.parents.pop(request_id, None)
+        return final
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched_out = self.scheduler.schedule()
+        if sched_out.is_empty and not sched_out.finished_req_ids:
+            return []
+        runner_out = self.runner.execute(sched_out)
+        advanced, finished = self.scheduler.update(sched_out, runner_out)
+        logprobs = {}
+        if runner_out.logprobs is not None:
+            logprobs = {
+                rid: lp for rid, lp in zip(runner_out.req_ids, runner_out.logprobs) if lp is not None
+            }
+        outputs, stopped = self.output.process(advanced, logprobs, finished)
+        for req, stop_str in stopped:
+            self.scheduler.finish_stopped(req, stop_str)
+        self._retire([o for o in outputs if o.finished])
+        self.num_steps += 1
+        if self.observers:
+            self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
+        return outputs
+
+    def _retire(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.parents.pop(out.request_id, None)
+            for req in self.children.pop(out.request_id, []):
+                self._last_token_time.pop(req.req_id, None)
+
+    def _observe(
+        self, sched_out: SchedulerOutput, advanced: list[Request], finished: list[Request]
+    ) -> None:
+        now = time.monotonic()
+        it = IterationStats(num_scheduled_tokens=sched_out.total_num_scheduled_tokens)
+        it.num_prompt_tokens = sum(r.num_prompt_tokens for r in sched_out.new_reqs if not r.resumed)
+        it.num_generation_tokens = len(advanced)
+        for req in advanced:
+            last = self._last_token_time.get(req.req_id)
+            if last is None:
+                it.time_to_first_token.append(now - req.arrival_time)
+            else:
+                it.inter_token_latency.append(now - last)
+            self._last_token_time[req.req_id] = now
+        for req in finished:
+            it.finished.append(
+                FinishedRequestStats(
+                    finish_reason=req.status.finish_reason or "stop",
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    num_generation_tokens=req.num_output_tokens,
+                    e2e_latency=now - req.arrival_time,
+                    queue_time=(req.first_scheduled_time or now) - req.arrival_time,
+                )
+            )
+        stats = self.scheduler.stats()
+        for obs in self.observers:
+            obs.on_step(stats, it)

@@ -1,0 +1,247 @@
+"""Turns sampled tokens into RequestOutputs: text, stop strings, logprobs, and the n > 1 fan-in.
+
+Detokenizing every token of every request costs host time that grows with the batch, so text is built
+incrementally only where it is needed (stop strings, streaming); other requests decode once at the end.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from overnight.engine.request import Request
+from overnight.engine.step_io import TokenLogprobs
+from overnight.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class ParentRequest:
+    """What the user submitted: one prompt and its n completions."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    stream: bool
+    metrics: RequestMetrics
+    completions: list[CompletionOutput] = field(default_factory=list)
+    num_finished: int = 0
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == self.n
+
+
+@dataclass
+class _Child:
+    req: Request
+    parent: ParentRequest
+    index: int
+    detok: object | None  # IncrementalDetokenizer when text is built token by token
+    stop_window: int  # characters held back while streaming, so a partial stop string is never sent
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    final_sent: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.children: dict[str, _Child] = {}
+
+    def add(self, req: Request, parent: ParentRequest, index: int) -> None:
+        params = req.params
+        detok = None
+        if params.detokenize and self.tokenizer is not None and (params.stop_strings or parent.stream):
+            from overnight.tokenizer.detokenizer import IncrementalDetokenizer
+
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        window = max((len(s) for s in params.stop_strings), default=1) - 1
+        if params.include_stop_str_in_output:
+            window = 0
+        completion = CompletionOutput(
+            index=index,
+            text="",
+            token_ids=[],
+            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        parent.completions.append(completion)
+        self.children[req.req_id] = _Child(req, parent, index, detok, window)
+
+    def drop(self, req_id: str) -> None:
+        self.children.pop(req_id, None)
+
+    def process(
+        self,
+        advanced: list[Request],
+        logprobs: dict[str, TokenLogprobs],
+        finished: list[Request],
+    ) -> tuple[list[RequestOutput], list[tuple[Request, str]]]:
+        """Returns the outputs to hand back, and the requests a stop string ended (for the scheduler)."""
+        stopped: list[tuple[Request, str]] = []
+        touched: dict[str, ParentRequest] = {}
+        for req in advanced:
+            child = self.children.get(req.req_id)
+            if child is None:
+                continue
+            comp = child.parent.completions[child.index]
+            token = req.all_token_ids[-1]
+            comp.token_ids.append(token)
+            lp = logprobs.get(req.req_id)
+            if lp is not None and comp.logprobs is not None:
+                comp.logprobs.append(self._logprob_dict(lp, token, req.params.logprobs or 0))
+                comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.sampled_logprob
+            if child.detok is not None:
+                delta = child.detok.append([token])
+                if delta:
+                    comp.text += delta
+                    hit = self._find_stop(comp, req, len(delta))
+                    if hit is not None and not req.is_finished:
+                        stopped.append((req, hit))
+            if child.parent.stream:
+                touched[child.parent.request_id] = child.parent
+        for req, stop_str in stopped:
+            req.stop_reason = stop_str
+        now = time.monotonic()
+        done = finished + [r for r, _ in stopped]
+        for req in done:
+            child = self.children.get(req.req_id)
+            if child is None:
+                continue
+            self._complete(child, req)
+            child.parent.num_finished += 1
+            if child.parent.finished:
+                child.parent.metrics.finished_time = now
+            touched[child.parent.request_id] = child.parent
+        outputs = []
+        for parent in touched.values():
+            if parent.stream:
+                outputs.append(self._delta_output(parent))
+            elif parent.finished:
+                outputs.append(self._full_output(parent))
+        for req in done:
+            child = self.children.get(req.req_id)
+            if child is not None and child.parent.finished:
+                for sibling in self._siblings(child.parent):
+                    self.children.pop(sibling, None)
+        return outputs, stopped
+
+    def abort(self, req: Request) -> RequestOutput | None:
+        """Mark an aborted request's completion; returns its parent's output once all are done."""
+        child = self.children.get(req.req_id)
+        if child is None:
+            return None
+        self._complete(child, req)
+        parent = child.parent
+        parent.num_finished += 1
+        if not parent.finished:
+            return None
+        parent.metrics.finished_time = time.monotonic()
+        for sibling in self._siblings(parent):
+            self.children.pop(sibling, None)
+        return self._delta_output(parent) if parent.stream else self._full_output(parent)
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _siblings(self, parent: ParentRequest) -> list[str]:
+        return [rid for rid, c in self.children.items() if c.parent is parent]
+
+    def _find_stop(self, comp: CompletionOutput, req: Request, delta_len: int) -> str | None:
+        """Look for a stop string ending in the newly added text; truncate the text at it."""
+        stops = req.params.stop_strings
+        if not stops:
+            return None
+        text = comp.text
+        for stop in stops:
+            start = max(0, len(text) - delta_len - len(stop) + 1)
+            idx = text.find(stop, start)
+            if idx >= 0:
+                end = idx + len(stop) if req.params.include_stop_str_in_output else idx
+                comp.text = text[:end]
+                return stop
+        return None
+
+    def _complete(self, child: _Child, req: Request) -> None:
+        comp = child.parent.completions[child.index]
+        params = req.params
+        if params.detokenize and self.tokenizer is not None:
+            if child.detok is None:
+                comp.text = self.tokenizer.decode(
+                    comp.token_ids, skip_special_tokens=params.skip_special_tokens
+                )
+            elif not isinstance(req.stop_reason, str):  # not cut at a stop string: flush held bytes
+                comp.text += child.detok.finish()
+        comp.finish_reason = req.status.finish_reason or "stop"
+        comp.stop_reason = req.stop_reason
+
+    def _logprob_dict(self, lp: TokenLogprobs, token: int, k: int) -> dict[int, Logprob]:
+        out: dict[int, Logprob] = {}
+        for rank, (tid, value) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]), start=1):
+            out[tid] = Logprob(value, rank, self._token_text(tid))
+        if token not in out:
+            out[token] = Logprob(lp.sampled_logprob, lp.sampled_rank, self._token_text(token))
+        return out
+
+    def _token_text(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _full_output(self, parent: ParentRequest) -> RequestOutput:
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=sorted(parent.completions, key=lambda c: c.index),
+            finished=True,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+        )
+
+    def _delta_output(self, parent: ParentRequest) -> RequestOutput:
+        deltas = []
+        for child in list(self.children.values()):
+            if child.parent is not parent:
+                continue
+            comp = parent.completions[child.index]
+            is_done = comp.finish_reason is not None
+            text_end = len(comp.text) if is_done else max(child.sent_text, len(comp.text) - child.stop_window)
+            new_text = comp.text[child.sent_text : text_end]
+            new_tokens = comp.token_ids[child.sent_tokens :]
+            new_lps = comp.logprobs[child.sent_logprobs :] if comp.logprobs is not None else None
+            if not new_text and not new_tokens and (not is_done or child.final_sent):
+                continue
+            child.sent_text, child.sent_tokens = text_end, len(comp.token_ids)
+            if comp.logprobs is not None:
+                child.sent_logprobs = len(comp.logprobs)
+            child.final_sent = is_done
+            deltas.append(
+                CompletionOutput(
+                    index=comp.index,
+                    text=new_text,
+                    token_ids=new_tokens,
+                    cumulative_logprob=comp.cumulative_logprob,
+                    logprobs=new_lps,
+                    finish_reason=comp.finish_reason,
+                    stop_reason=comp.stop_reason,
+                )
+            )
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=deltas,
+            finished=parent.finished,
+            metrics=parent.metrics,
+            num_cached_tokens=parent.num_cached_tokens,
+            delta=True,
+        )

@@ -1,0 +1,103 @@
+"""A request as the scheduler sees it: token counts, status, and why it finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from overnight.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self in _FINISHED else None
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence being generated. A prompt with n > 1 becomes n of these (see engine.parent).
+
+    Invariant: 0 <= num_computed_tokens <= num_tokens. The tokens in [num_computed_tokens, num_tokens)
+    still need a forward pass: the prompt tail before the first sample, exactly one (the last sampled
+    token) while decoding, everything again after a preemption.
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # resolved: the user's seed, or one drawn from the engine's RNG
+    eos_token_ids: frozenset[int]
+    max_total_tokens: int  # prompt + output never exceeds this (max_model_len, max_tokens)
+    arrival_time: float
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_remaining(self) -> int:
+        """Tokens that still need a forward pass before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int) -> RequestStatus | None:
+        """Token-level stop rules, applied right after token_id was appended."""
+        n_out = self.num_output_tokens
+        if n_out >= self.params.min_tokens:
+            if not self.params.ignore_eos and token_id in self.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in self.params.stop_token_ids:
+                self.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None

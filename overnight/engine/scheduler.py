@@ -1,0 +1,223 @@
+"""The scheduler: which tokens of which requests the next forward pass computes."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from overnight.config import SchedulerConfig
+from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.request import Request, RequestStatus
+from overnight.engine.step_io import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._gone_since_last_step: set[str] = set()
+        self._sent_to_runner: set[str] = set()  # requests whose state the runner holds
+        self.num_preemptions_total = 0
+
+    # -- queue management -------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def abort(self, req_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def finish_stopped(self, req: Request, stop_reason: str | int | None) -> None:
+        """End a running request for a reason found outside the scheduler (a stop string)."""
+        if req.is_finished:
+            return
+        req.stop_reason = stop_reason
+        if req in self.running:
+            self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_STOPPED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.kv.forget(req)
+        self.requests.pop(req.req_id, None)
+        self._drop_from_runner(req)
+
+    def _drop_from_runner(self, req: Request) -> None:
+        if req.req_id in self._sent_to_runner:
+            self._sent_to_runner.discard(req.req_id)
+            self._gone_since_last_step.add(req.req_id)
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's blocks; it recomputes later (its full blocks may still be cached)."""
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(req)
+        self._drop_from_runner(req)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+        )
+
+    # -- the step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        # The rule: every request has num_computed_tokens and num_tokens, and each step hands out a
+        # budget of max_num_batched_tokens. Running requests are served first, in admission order,
+        # each asking for num_tokens - num_computed_tokens (one token while decoding; a prompt's rest
+        # otherwise, cut to what is left of the budget: that cut is chunked prefill). Then waiting
+        # requests are admitted in arrival order, starting past their prefix-cache hit, while the
+        # budget, max_num_seqs and free KV blocks allow. When a running request cannot get KV blocks,
+        # the most recently admitted running request is preempted (blocks freed, recomputed later).
+        # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        now = time.monotonic()
+
+        preemptions_before = self.num_preemptions_total
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_remaining, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_ids = self.kv.allocate(req, n)
+                if new_ids is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is req:
+                    break
+            if new_ids is None:  # req preempted itself: nothing left behind it to schedule
+                break
+            num_scheduled[req.req_id] = n
+            cached_reqs.append(CachedRequestData(req.req_id, new_ids))
+            budget -= n
+            i += 1
+
+        # A preemption this step means the pool is full: admitting now would only preempt again.
+        pool_full = self.num_preemptions_total > preemptions_before
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if pool_full:
+                break
+            req = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(req)
+            num_hit = len(prefix) * self.kv.block_size
+            n = req.num_tokens - num_hit
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            new_ids = self.kv.allocate(req, n, prefix)
+            if new_ids is None:
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+                req.first_scheduled_time = now
+            self.kv.record_prefix_query(req, num_hit)
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._sent_to_runner.add(req.req_id)
+            new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    token_ids=list(req.all_token_ids),
+                    num_prompt_tokens=req.num_prompt_tokens,
+                    params=req.params,
+                    seed=req.seed,
+                    block_ids=new_ids,
+                    num_computed_tokens=num_hit,
+                    resumed=req.num_preemptions > 0,
+                )
+            )
+            num_scheduled[req.req_id] = n
+            budget -= n
+
+        gone, self._gone_since_last_step = self._gone_since_last_step, set()
+        return SchedulerOutput(
+            new_reqs=new_reqs,
+            cached_reqs=cached_reqs,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=sum(num_scheduled.values()),
+            finished_req_ids=gone,
+        )
+
+    def update(
+        self, out: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> tuple[list[Request], list[Request]]:
+        """Advance computed tokens, append sampled tokens, apply token-level stops.
+
+        Returns (requests that got a token this step, requests that finished this step)."""
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is not None and not req.is_finished:
+                req.num_computed_tokens += n
+                self.kv.cache_computed_blocks(req)
+        advanced: list[Request] = []
+        finished: list[Request] = []
+        now = time.monotonic()
+        for rid, token in zip(runner_out.req_ids, runner_out.sampled_token_ids):
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue  # aborted while the step ran
+            req.append_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            advanced.append(req)
+            status = req.check_stop(token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return advanced, finished

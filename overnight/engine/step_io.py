@@ -1,0 +1,62 @@
+"""What crosses between the scheduler and the model runner each step (typed, picklable messages).
+
+The runner keeps its own copy of each running request (token ids, block table, sampling settings), so a
+step sends only what changed: requests seen for the first time (or again after a preemption) in full,
+running ones as the blocks they gained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from overnight.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    req_id: str
+    token_ids: list[int]  # prompt + any output generated before a preemption
+    num_prompt_tokens: int
+    params: SamplingParams
+    seed: int
+    block_ids: list[int]
+    num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
+    resumed: bool = False  # scheduled again after a preemption
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    req_id: str
+    new_block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    new_reqs: list[NewRequestData]
+    cached_reqs: list[CachedRequestData]
+    # Tokens to compute this step, per request, in schedule order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests gone since the last step (finished, aborted, preempted): the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probabilities of the raw model distribution at one generated position."""
+
+    sampled_logprob: float
+    sampled_rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]  # requests that produced a token this step
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None  # aligned with req_ids when any asked

@@ -1,0 +1,53 @@
+"""What generate() returns: RequestOutput / CompletionOutput with the fields users know."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 = most likely token
+    decoded_token: str | None = None
+
+
+# One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
+SampleLogprobs = list[dict[int, Logprob]]
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    # True for a streaming request: each CompletionOutput then holds only the text and token ids it
+    # gained since the previous RequestOutput of this request (and logprobs of those tokens).
+    delta: bool = False
