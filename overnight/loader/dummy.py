@@ -1,0 +1,29 @@
+"""Random weights of the right shapes, for benchmarks and tests that need no real checkpoint."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from overnight.layers.norm import RMSNorm
+
+# Small enough that activations stay far from overflow in fp16 through any depth.
+DUMMY_RANGE = 1e-3
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Fill every parameter in place, on its own device: RMSNorm weights 1, everything else
+    uniform(-DUMMY_RANGE, DUMMY_RANGE) from a generator seeded with `seed` (same seed, same weights)."""
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    generators: dict[torch.device, torch.Generator] = {}
+    for param in model.parameters():  # a tied weight is visited once
+        if param.is_meta:
+            continue  # shape-only models (tests) have nothing to fill
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+            continue
+        gen = generators.get(param.device)
+        if gen is None:
+            gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)

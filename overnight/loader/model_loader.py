@@ -1,0 +1,106 @@
+"""Build the model for a ModelSource and fill its weights: safetensors, GGUF (dequantized) or random."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from overnight.errors import ModelLoadError
+from overnight.layers.rotary import RotaryEmbedding
+from overnight.loader.dummy import init_dummy_weights
+from overnight.loader.hf import iter_safetensors
+from overnight.loader.source import ModelSource
+from overnight.models.registry import get_model_class
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def resolve_dtype(dtype: str | torch.dtype, source: ModelSource, device: torch.device | str) -> torch.dtype:
+    """The compute dtype. "auto": float32 on the CPU; on CUDA the checkpoint's own dtype when it is
+    bf16/fp16, else bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPE_NAMES.values():
+            raise ModelLoadError(f"unsupported dtype {dtype}; use bfloat16, float16 or float32")
+        return dtype
+    name = dtype.lower().removeprefix("torch.")
+    if name != "auto":
+        if name not in _DTYPE_NAMES:
+            raise ModelLoadError(f"unsupported dtype {dtype!r}; use auto, bfloat16, float16 or float32")
+        return _DTYPE_NAMES[name]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    checkpoint = _DTYPE_NAMES.get(str(source.config_dtype).lower().removeprefix("torch."))
+    return checkpoint if checkpoint in _HALF_DTYPES else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The model in `dtype` on `device` with *uninitialized* weights (the caller fills every one).
+
+    Built on the meta device and then given storage on `device`: a large model never passes through
+    host memory, and no time goes into random init that loading would overwrite. device="meta" gives
+    a shape-only model.
+    """
+    cls = get_model_class(source.arch.architecture)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = cls(source.arch)
+    if torch.device(device).type == "meta":
+        return model
+    _materialize(model, device)
+    return model
+
+
+def _materialize(model: nn.Module, device: torch.device | str) -> None:
+    """Give a meta model storage on `device`, keeping shared parameters (tied embeddings) shared and
+    recomputing the rotary tables."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            owners.setdefault(id(param), []).append((module, name))
+    model.to_empty(device=device)  # replaces each owner's parameter with a separate new one
+    for (first, first_name), *others in owners.values():
+        for module, name in others:
+            setattr(module, name, getattr(first, first_name))
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.reset_table()
+
+
+def load_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+) -> nn.Module:
+    """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd."""
+    model = build_model(source, dtype, device)
+    if source.kind == "dummy":
+        init_dummy_weights(model, seed)
+    elif source.kind == "hf":
+        model.load_weights(iter_safetensors(source.path, device))
+    elif source.kind == "gguf":
+        from overnight.loader.gguf import iter_gguf_weights  # written alongside; imported on use
+
+        model.load_weights(iter_gguf_weights(source.path))
+    else:
+        raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,230 @@
+"""Llama (Llama 3.x, SmolLM2): the reference decoder, with fused qkv and gate/up projections.
+
+Attribute names follow the HF checkpoint keys, except the two fused projections; load_weights maps the
+checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping. Qwen2 and
+Qwen3 reuse the blocks below with their own attention class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+from overnight.layers.activation import SiluAndMul
+from overnight.layers.norm import RMSNorm
+from overnight.layers.rotary import RotaryEmbedding
+
+# checkpoint projection name -> (fused parameter's module name, shard id inside it)
+PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        # Head counts are attributes (not re-derived from arch) so tensor parallelism can shrink them.
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.scale = arch.head_dim**-0.5
+        # Llama's attention_bias covers o_proj as well as q/k/v.
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.rotary_emb = rotary_emb
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        o = attn(self.layer_idx, q, k, v, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[T, (Hq + 2 Hkv) * D] -> q [T, Hq, D], k and v [T, Hkv, D] (views; v is not contiguous)."""
+    n = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim)
+
+
+AttentionClass = Callable[[ModelArch, int, RotaryEmbedding], nn.Module]
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding, attention_cls: AttentionClass
+    ) -> None:
+        super().__init__()
+        self.self_attn = attention_cls(arch, layer_idx, rotary_emb)
+        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size)
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual add of each sub-block is deferred into the next norm (fused add + norm); the
+        # layer returns the un-added pair and the next layer, or the final norm, adds them.
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, attention_cls: AttentionClass = LlamaAttention) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # One table shared by every layer (it is registered under each, but stored once).
+        rotary_emb = RotaryEmbedding(
+            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict()
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, rotary_emb, attention_cls) for i in range(arch.num_hidden_layers)
+        )
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, LlamaAttention)
+        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, weights)
+
+
+def make_lm_head(arch: ModelArch, embed_tokens: nn.Embedding) -> nn.Linear:
+    if not arch.tie_word_embeddings:
+        return nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+    # Tied: allocate nothing (meta) and point the weight at the embedding table.
+    head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
+    head.weight = embed_tokens.weight
+    return head
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoint loading, shared by every family built from these blocks.
+
+
+def _shard_range(arch: ModelArch, shard: str | int) -> tuple[int, int]:
+    """(row offset, rows) of one checkpoint projection inside its fused parameter (full, unsharded)."""
+    if shard == "q":
+        return 0, arch.q_size
+    if shard == "k":
+        return arch.q_size, arch.kv_size
+    if shard == "v":
+        return arch.q_size + arch.kv_size, arch.kv_size
+    return int(shard) * arch.intermediate_size, arch.intermediate_size
+
+
+def _checkpoint_names(
+    pname: str, mapping: dict[str, tuple[str, str | int]]
+) -> list[tuple[str, str | int | None]]:
+    """The checkpoint tensors that fill parameter `pname`, each with its shard id (None: the whole)."""
+    parts = pname.split(".")
+    for i, part in enumerate(parts):
+        sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == part]
+        if sources:
+            return [(".".join(parts[:i] + [src] + parts[i + 1 :]), shard) for src, shard in sources]
+    return [(pname, None)]
+
+
+def _listing(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@torch.no_grad()
+def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
+    separate q/k/v and gate/up tensors. Raises ModelLoadError naming every missing or unexpected tensor,
+    and the first shape mismatch."""
+    arch: ModelArch = model.arch
+    mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+    # checkpoint name -> (parameter name, shard id); the checkpoint must supply every one
+    expected = {
+        ckpt: (pname, shard) for pname in params for ckpt, shard in _checkpoint_names(pname, mapping)
+    }
+
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue  # the rotary table is recomputed, never loaded
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue  # some tied checkpoints store a copy of the embedding
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        pname, shard = expected[name]
+        param = params[pname]
+        target = param.data
+        if shard is not None:
+            start, rows = _shard_range(arch, shard)
+            target = target.narrow(0, start, rows)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
+                f"the model expects {list(target.shape)} (does config.json match the weights?)"
+            )
+        target.copy_(tensor)
+        seen.add(name)
+
+    problems = []
+    missing = set(expected) - seen
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    if problems:
+        raise ModelLoadError(
+            f"checkpoint does not match the {type(model).__name__} architecture: " + "; ".join(problems)
+        )

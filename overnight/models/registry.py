@@ -1,0 +1,113 @@
+"""From a HF config.json to a ModelArch and the class that implements it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+from overnight.models.llama import LlamaForCausalLM
+from overnight.models.qwen2 import Qwen2ForCausalLM
+from overnight.models.qwen3 import Qwen3ForCausalLM
+
+# ModelArch.architecture (the HF model_type) -> implementation
+_FAMILIES: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "qwen2": Qwen2ForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+}
+# HF `architectures` entry -> family
+_HF_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_HF_ARCHITECTURES)
+
+
+def _unsupported(name: str) -> ModelLoadError:
+    return ModelLoadError(
+        f"unsupported model architecture {name!r}; supported: {', '.join(supported_architectures())} "
+        f"(model_type {', '.join(sorted(_FAMILIES))})"
+    )
+
+
+def family_of(name: str) -> str:
+    """'Qwen3ForCausalLM' or 'qwen3' -> 'qwen3'."""
+    if name in _FAMILIES:
+        return name
+    if name in _HF_ARCHITECTURES:
+        return _HF_ARCHITECTURES[name]
+    raise _unsupported(name)
+
+
+def get_model_class(name: str) -> type[nn.Module]:
+    """The implementation for a HF architecture name or a model_type / ModelArch.architecture."""
+    return _FAMILIES[family_of(name)]
+
+
+def hf_architecture_of(cfg: dict[str, Any]) -> str:
+    """The config's `architectures[0]`, or the one implied by its model_type."""
+    archs = cfg.get("architectures") or []
+    if archs:
+        return archs[0]
+    model_type = cfg.get("model_type")
+    if model_type in _FAMILIES:
+        return next(a for a, f in _HF_ARCHITECTURES.items() if f == model_type)
+    raise _unsupported(str(model_type))
+
+
+def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | None]:
+    """(theta, llama3 scaling) from either `rope_parameters` (transformers 5) or `rope_theta` +
+    `rope_scaling` (older configs)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} (supported: default, llama3)")
+    missing = [k for k in _LLAMA3_KEYS if k not in params]
+    if missing:
+        raise ModelLoadError(f"llama3 RoPE scaling is missing {', '.join(missing)}")
+    return theta, tuple((k, float(params[k])) for k in _LLAMA3_KEYS)
+
+
+def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
+    """Read a config.json dict; raises ModelLoadError for architectures or features not implemented."""
+    family = family_of(hf_architecture_of(cfg))
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError("unsupported: mlp_bias=true")
+    if cfg.get("use_sliding_window"):
+        raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
+    theta, scaling = _rope(cfg)
+    try:
+        heads = cfg["num_attention_heads"]
+        return ModelArch(
+            architecture=family,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has a q/k/v bias; the others say so in attention_bias.
+            attention_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
+            qk_norm=family == "qwen3",
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
