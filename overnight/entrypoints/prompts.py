@@ -1,0 +1,73 @@
+"""Prompt forms users pass, turned into token ids: a string, a list of token ids, or a dict with
+"prompt" or "prompt_token_ids"; and chat conversations through the tokenizer's chat template."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Union
+
+from overnight.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+PromptType = Union[str, list[int], dict[str, Any]]
+Conversation = list[dict[str, Any]]
+
+
+def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), _check_ids(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            prompt = prompt["prompt"]
+        else:
+            raise InvalidRequestError('a dict prompt needs "prompt" or "prompt_token_ids"')
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError(
+                "text prompts need a tokenizer: the engine was started with skip_tokenizer_init; "
+                'pass token ids instead ({"prompt_token_ids": [...]})'
+            )
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return None, _check_ids(prompt)
+    raise InvalidRequestError(
+        f"a prompt must be a string, a list of token ids or a dict, not {type(prompt).__name__}"
+    )
+
+
+def _check_ids(ids: Any) -> list[int]:
+    if not isinstance(ids, (list, tuple)) or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise InvalidRequestError("prompt_token_ids must be a list of integers")
+    return list(ids)
+
+
+def is_single_conversation(messages: Sequence[Any]) -> bool:
+    return bool(messages) and isinstance(messages[0], dict)
+
+
+def render_conversation(
+    conversation: Conversation,
+    tokenizer: Tokenizer | None,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    **template_kwargs: Any,
+) -> tuple[str, list[int]]:
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
+    if not conversation:
+        raise InvalidRequestError("messages must not be empty")
+    for m in conversation:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise InvalidRequestError('each message needs "role" and "content"')
+    text = tokenizer.render_chat(
+        conversation,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=chat_template,
+        **template_kwargs,
+    )
+    # The template already holds any special tokens (BOS etc.): do not add them again.
+    return text, tokenizer.encode(text, add_special_tokens=False)
