@@ -1,0 +1,350 @@
+"""GGUF checkpoints: the architecture, stop ids and chat template from the metadata, and the weights as
+HF-named float32 tensors.
+
+The header is parsed here with `struct` rather than `gguf.GGUFReader`: the reader builds a numpy view per
+array element, which costs about 4 s for the 98k strings of a 49k-token vocabulary; this parser takes a
+few tens of milliseconds. Tensor payloads stay memory-mapped and go through `gguf.quants.dequantize`.
+
+File layout (GGUF v2/v3, little-endian):
+
+    magic "GGUF" | u32 version | u64 n_tensors | u64 n_kv
+    n_kv x (string key, u32 value type, value)           strings are u64 length + UTF-8 bytes
+    n_tensors x (string name, u32 n_dims, u64 dims[n_dims], u32 ggml type, u64 offset)
+    padding to `general.alignment` (default 32), then the tensor data; offsets are relative to it.
+
+dims[0] is the fastest-varying axis, so the numpy shape is the reversed dims: [out, in] for a linear layer,
+which is already HF's layout.
+"""
+
+from __future__ import annotations
+
+import functools
+import mmap
+import os
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize
+
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_SCALAR_FORMATS = {
+    GGUFValueType.UINT8: "<B",
+    GGUFValueType.INT8: "<b",
+    GGUFValueType.UINT16: "<H",
+    GGUFValueType.INT16: "<h",
+    GGUFValueType.UINT32: "<I",
+    GGUFValueType.INT32: "<i",
+    GGUFValueType.FLOAT32: "<f",
+    GGUFValueType.BOOL: "<?",
+    GGUFValueType.UINT64: "<Q",
+    GGUFValueType.INT64: "<q",
+    GGUFValueType.FLOAT64: "<d",
+}
+_NUMPY_DTYPES = {t: np.dtype(f) for t, f in _SCALAR_FORMATS.items()}
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    name: str
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # numpy order: reversed GGUF dims
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: str
+    metadata: dict[str, Any]  # arrays of numbers are lists, strings are str
+    tensors: dict[str, GGUFTensorInfo]
+
+
+@dataclass(frozen=True)
+class GGUFInfo:
+    arch: ModelArch
+    hf_architecture: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    chat_template: str | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+
+
+class _Cursor:
+    """Sequential little-endian reads over the mapped header."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def scalar(self, fmt: str) -> Any:
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        (n,) = struct.unpack_from("<Q", self.buf, self.pos)
+        start = self.pos + 8
+        self.pos = start + n
+        # Vocabularies hold byte pieces that are not valid UTF-8 on their own.
+        return self.buf[start : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            item_type = self.scalar("<I")
+            count = self.scalar("<Q")
+            if item_type == GGUFValueType.STRING:
+                return [self.string() for _ in range(count)]
+            if item_type == GGUFValueType.ARRAY:
+                return [self.value(GGUFValueType.ARRAY) for _ in range(count)]
+            dtype = _NUMPY_DTYPES[GGUFValueType(item_type)]
+            items = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+            self.pos += count * dtype.itemsize
+            return items.tolist()
+        return self.scalar(_SCALAR_FORMATS[GGUFValueType(vtype)])
+
+
+def read_gguf_file(path: str) -> GGUFFile:
+    """Parse the header of a GGUF file (metadata and tensor table); cached per file version."""
+    st = os.stat(path)
+    return _read_gguf_file(os.path.realpath(path), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ModelLoadError(f"{path} is not a GGUF file (bad magic {bytes(buf[:4])!r})")
+        cur = _Cursor(buf)
+        cur.pos = 4
+        version = cur.scalar("<I")
+        if version not in (2, 3):
+            raise ModelLoadError(f"{path}: GGUF version {version} is not supported (need 2 or 3, little-endian)")
+        n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
+        metadata: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = cur.string()
+            metadata[key] = cur.value(cur.scalar("<I"))
+        raw = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            n_dims = cur.scalar("<I")
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, cur.pos)
+            cur.pos += 8 * n_dims
+            raw.append((name, dims, cur.scalar("<I"), cur.scalar("<Q")))
+        alignment = int(metadata.get("general.alignment", 32))
+        data_start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, type_id, offset in raw:
+        ggml_type = GGMLQuantizationType(type_id)
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        nbytes = int(np.prod(dims)) // block_size * type_size
+        tensors[name] = GGUFTensorInfo(name, ggml_type, tuple(reversed(dims)), data_start + offset, nbytes)
+    return GGUFFile(path, metadata, tensors)
+
+
+def read_gguf(path: str) -> GGUFInfo:
+    """The architecture and generation facts of a GGUF checkpoint, without touching the weights."""
+    f = read_gguf_file(path)
+    md = f.metadata
+    name = md.get("general.architecture")
+    if name not in HF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: GGUF architecture {name!r} is not supported (supported: {', '.join(HF_ARCHITECTURES)})"
+        )
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"{name}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {name}.{key}")
+        return value
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    kv_heads = get("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):  # per-layer counts; only uniform ones fit a dense transformer
+        if len(set(kv_heads)) != 1:
+            raise ModelLoadError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported")
+        kv_heads = kv_heads[0]
+    head_dim = int(md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads)
+    context = int(get("context_length"))
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    tie = "output.weight" not in f.tensors
+    arch = ModelArch(
+        architecture=name,
+        # The embedding rows are what the weights need; converters pad the token list to match them.
+        vocab_size=embd.shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=int(get("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(f, name, head_dim, float(get("rope.freq_base", 10000.0))),
+        max_position_embeddings=context,
+        tie_word_embeddings=tie,
+        attention_bias="blk.0.attn_q.bias" in f.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+    )
+    # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
+    eos: list[int] = []
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        if key in md and int(md[key]) not in eos:
+            eos.append(int(md[key]))
+    bos = md.get("tokenizer.ggml.bos_token_id")
+    return GGUFInfo(
+        arch=arch,
+        hf_architecture=HF_ARCHITECTURES[name],
+        eos_token_ids=tuple(eos),
+        bos_token_id=None if bos is None else int(bos),
+        chat_template=md.get("tokenizer.chat_template"),
+        max_position_embeddings=context,
+        tie_word_embeddings=tie,
+    )
+
+
+def _rope_scaling(f: GGUFFile, name: str, head_dim: int, theta: float) -> tuple[tuple[str, float], ...] | None:
+    """Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
+
+    The file keeps `rope_freqs.weight[i]` = the divisor of inverse frequency i: 1 for short wavelengths,
+    `factor` for long ones, and 1 / ((1 - s) / factor + s) between, where s = (orig / wavelen - low) /
+    (high - low) is linear in 1 / wavelen. Two in-between points give that line's slope and intercept;
+    any (orig, low, high) on it reproduce every divisor, so orig is taken from the metadata when present
+    and otherwise set to Llama 3's 8192.
+    """
+    scaling_type = f.metadata.get(f"{name}.rope.scaling.type", "none")
+    info = f.tensors.get("rope_freqs.weight")
+    if info is None:
+        if scaling_type != "none":
+            raise ModelLoadError(f"{f.path}: RoPE scaling type {scaling_type!r} is not supported")
+        return None
+    raw = np.fromfile(f.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+    divisors = _dequantize(raw, info).astype(np.float64)
+    factor = float(divisors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    x = inv_freq[: len(divisors)] / (2 * np.pi)  # 1 / wavelength
+    mid = (divisors > 1.0 + 1e-4) & (divisors < factor - 1e-4 * factor)
+    if mid.sum() < 2:
+        raise ModelLoadError(f"{f.path}: cannot recover the Llama 3 RoPE scaling from rope_freqs.weight")
+    s = (1.0 / divisors[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)
+    slope, intercept = np.polyfit(x[mid], s, 1)  # s = slope * x + intercept
+    orig = float(f.metadata.get(f"{name}.rope.scaling.original_context_length", 8192))
+    low = -intercept * orig / slope
+    high = low + orig / slope
+    return (
+        ("factor", round(factor, 4)),
+        ("low_freq_factor", round(float(low), 4)),
+        ("high_freq_factor", round(float(high), 4)),
+        ("original_max_position_embeddings", orig),
+    )
+
+
+# GGUF tensor name suffix -> HF name suffix, per decoder layer.
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
+# Tensors that carry no weights of their own: the RoPE divisors are folded into ModelArch.rope_scaling.
+_SKIPPED = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF state-dict name of a GGUF tensor, or None when the tensor has no HF counterpart."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+# Values dequantized per call: large enough to amortize numpy's per-call overhead, small enough that the
+# temporaries stay in cache (whole-tensor calls on big embeddings are slower and need gigabytes).
+_CHUNK_VALUES = 1 << 18
+
+
+def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
+    """A tensor's raw bytes -> a fresh, writable float32 array of its numpy shape."""
+    block_size, type_size = GGML_QUANT_SIZES[info.ggml_type]
+    out = np.empty(int(np.prod(info.shape)), dtype=np.float32)
+    step_blocks = max(1, _CHUNK_VALUES // block_size)
+    for first in range(0, out.size // block_size, step_blocks):
+        n_blocks = min(step_blocks, out.size // block_size - first)
+        chunk = raw[first * type_size : (first + n_blocks) * type_size]
+        # One row of whole blocks; the quant kernels vectorize over the blocks of a row.
+        values = dequantize(chunk.reshape(1, -1), info.ggml_type)
+        out[first * block_size : (first + n_blocks) * block_size] = values.reshape(-1)
+    return out.reshape(info.shape)
+
+
+def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo the converter's row order for llama q/k projections.
+
+    The converter stores each head's rows as [pair 0 first halves.. | pair 0 second halves..] reordered
+    so that rotating adjacent rows (interleaved RoPE) equals HF's rotate_half on the original order:
+    stored row (h, 2*i + j) is original row (h, j * half + i). Reading the stored rows as
+    [head, i, j] and swapping i and j restores [head, j, i] = the original order.
+    """
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
+    info = read_gguf(path)
+    f = read_gguf_file(path)
+    permute = info.arch.architecture == "llama"
+    with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        data = np.frombuffer(buf, dtype=np.uint8)
+        for t in f.tensors.values():
+            name = hf_name(t.name)
+            if name is None:
+                if t.name in _SKIPPED:
+                    continue
+                raise ModelLoadError(f"{path}: unexpected GGUF tensor {t.name!r}")
+            try:
+                w = _dequantize(data[t.offset : t.offset + t.nbytes], t)
+            except NotImplementedError as e:
+                raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.ggml_type.name}): {e}") from e
+            if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
+                w = _unpermute_rope_rows(w, info.arch.num_attention_heads)
+            elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
+                w = _unpermute_rope_rows(w, info.arch.num_key_value_heads)
+            yield name, torch.from_numpy(np.ascontiguousarray(w))
+        del data  # the mapping cannot close while a numpy view of it is alive
