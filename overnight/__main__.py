@@ -1,0 +1,5 @@
+import sys
+
+from overnight.cli import main
+
+sys.exit(main())
