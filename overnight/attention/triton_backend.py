@@ -1,0 +1,82 @@
+"""The GPU attention backend: Triton kernels for the KV write and paged attention.
+
+Same contract as TorchAttentionBackend in torch_backend.py (its reference): forward writes this step's
+K/V into the layer's cache, then attends. Everything a launch depends on besides device tensors is
+static per batch size (num_tokens, num_decodes, and num_splits derived from them and max_model_len),
+and the split-decode workspace is allocated once here, so a decode step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overnight.attention.metadata import AttentionMetadata
+from overnight.kernels.kv_write import kv_write
+from overnight.kernels.paged_attention import paged_attention
+from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits
+from overnight.kernels.paged_prefill import PrefillConfig
+
+
+class TritonAttentionBackend:
+    """Implements the AttentionBackend protocol of metadata.py.
+
+    k_scale / v_scale: per-tensor scales of a quantized (fp8) cache; the cache holds k / k_scale.
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        device: torch.device | str,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+        num_sms: int | None = None,
+        decode_config: DecodeConfig | None = None,
+        prefill_config: PrefillConfig | None = None,
+    ) -> None:
+        device = torch.device(device)
+        if num_sms is None:
+            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+        self.num_kv_heads = num_kv_heads
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.num_sms = num_sms
+        self.k_scale = k_scale
+        self.v_scale = v_scale
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+        # Splitting only happens for small batches, so the workspace is sized by the largest
+        # num_decodes * num_splits over all batch sizes, not by max_num_seqs * MAX_SPLITS.
+        split_rows = [b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1]
+        self.workspace = DecodeWorkspace(max(split_rows, default=0), num_heads, head_dim, device)
+
+    def num_splits(self, num_decodes: int) -> int:
+        return choose_num_splits(num_decodes, self.num_kv_heads, self.max_model_len, self.num_sms)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        if meta.num_decodes > self.max_num_seqs:
+            raise ValueError(f"{meta.num_decodes} decodes exceed max_num_seqs={self.max_num_seqs}")
+        kv_write(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        return paged_attention(
+            q,
+            kv_cache,
+            meta,
+            scale,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
+            num_splits=self.num_splits(meta.num_decodes),
+            workspace=self.workspace,
+            decode_config=self.decode_config,
+            prefill_config=self.prefill_config,
+        )

@@ -1,0 +1,285 @@
+"""Paged attention for decode rows (one query token per request), split over the context when useful.
+
+Reference: the decode branch of paged_attention_ref in overnight/attention/torch_backend.py.
+
+One program serves every query head of one KV head (GQA): the group's G query rows, zero-padded to
+BLOCK_G >= 16 rows so scores and outputs go through tl.dot, share each K/V tile, which is loaded once.
+The program walks its range of the request's context in tiles of BLOCK_N tokens gathered through the
+block table (a tile spans several pages), with an online softmax in fp32.
+
+    grid = (num_decodes, num_kv_heads, num_splits)
+
+Flash-decoding: split s of a request with seq_len tokens covers [s * L, min((s + 1) * L, seq_len)) with
+L = ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N, computed on the device from seq_lens; programs
+whose range is empty exit at once. With num_splits > 1 each split writes its normalized partial output
+and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_splits is a launch constant
+(chosen from the batch size and max_model_len, never from this step's lengths), so the whole thing can
+be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.kv_write import check_kv_cache
+
+# Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
+# one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
+# HBM. So split only while num_decodes * num_kv_heads < TARGET_CTAS_PER_SM * num_sms, and never into
+# pieces shorter than MIN_SPLIT_TOKENS (the reduce and the extra partial writes would dominate).
+TARGET_CTAS_PER_SM = 4
+MIN_SPLIT_TOKENS = 512
+MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int = 64  # context tokens per tile (a multiple of the page size keeps gathers whole-page)
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
+    """Splits per request: a function of static quantities only, so a captured graph stays valid."""
+    programs = max(1, num_decodes * num_kv_heads)
+    target = TARGET_CTAS_PER_SM * num_sms
+    if programs >= target:
+        return 1
+    useful = max(1, math.ceil(max_model_len / MIN_SPLIT_TOKENS))
+    return max(1, min(math.ceil(target / programs), useful, MAX_SPLITS))
+
+
+@triton.jit
+def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[start, end) of the context handled by split `split`; the reduce kernel repeats this arithmetic."""
+    if NUM_SPLITS == 1:
+        start = seq_len * 0
+        end = seq_len
+    else:
+        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+    return start, end
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, used when NUM_SPLITS > 1
+    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    v_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cblk,
+    stride_cslot,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
+    if NUM_SPLITS > 1:
+        if start >= end:
+            return
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = cache_ptr + kvh * stride_ch
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31 elements
+        kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+        k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
+    if NUM_SPLITS == 1:
+        dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    else:
+        part = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
+        tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < GROUP)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # Splits past the end of a short context never ran and left their workspace rows stale.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    num_active = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_active
+    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no active split: keep exp2 finite
+    w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
+    o_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
+    denom = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+class DecodeWorkspace:
+    """Partial outputs of split decoding, allocated once (static pointers for CUDA graphs).
+
+    Holds max_rows = max over batch sizes of num_decodes * num_splits request-splits.
+    """
+
+    def __init__(self, max_rows: int, num_heads: int, head_dim: int, device: torch.device | str) -> None:
+        self.max_rows = max_rows
+        self.part_out = torch.empty(max_rows * num_heads * head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(max_rows * num_heads, dtype=torch.float32, device=device)
+
+    def views(self, num_decodes: int, num_heads: int, num_splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = num_decodes * num_splits
+        if rows > self.max_rows or rows * num_heads * head_dim > self.part_out.numel():
+            raise ValueError(f"decode workspace holds {self.max_rows} request-splits, need {rows}")
+        return self.part_out[: rows * num_heads * head_dim], self.part_lse[: rows * num_heads]
+
+
+def paged_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_decodes: int,
+    scale: float,
+    out: torch.Tensor,
+    num_splits: int = 1,
+    workspace: DecodeWorkspace | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    config: DecodeConfig | None = None,
+) -> None:
+    """out[b] = attention of q[b] over request b's first seq_lens[b] cached tokens, for b < num_decodes.
+
+    q, out: [>= num_decodes, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] of any float dtype
+    (fp8 with k_scale/v_scale); block_tables: [>= num_decodes, max_blocks] int32; seq_lens: [>= num_decodes]
+    int32. Nothing is synchronized with the host.
+    """
+    cfg = config or DecodeConfig()
+    check_kv_cache(kv_cache)
+    _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
+    if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype:
+        raise ValueError("out must have q's head shape and dtype")
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q and out must have unit stride along head_dim")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        raise ValueError("block_tables and seq_lens must be int32 (block_tables row-contiguous)")
+    if num_decodes == 0:
+        return
+    group = num_heads // num_kv_heads
+    block_d = triton.next_power_of_2(head_dim)
+    if num_splits > 1:
+        ws = workspace or DecodeWorkspace(num_decodes * num_splits, num_heads, head_dim, q.device)
+        part_out, part_lse = ws.views(num_decodes, num_heads, num_splits, head_dim)
+    else:
+        part_out, part_lse = out, out  # unused
+    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * k_scale * math.log2(math.e),
+        v_scale,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(num_decodes, num_heads)](
+            seq_lens,
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_N=cfg.block_n,
+            NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )

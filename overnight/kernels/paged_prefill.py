@@ -1,0 +1,258 @@
+"""Paged causal attention for prefill chunks (varlen; chunked prefill and prefix-cache hits included).
+
+Reference: the prefill loop of paged_attention_ref in overnight/attention/torch_backend.py.
+
+Request i (num_decodes <= i < num_reqs) owns query rows query_start_loc[i] .. query_start_loc[i+1]; its
+q_len rows are the last q_len positions of its seq_len-token context, whose K/V (this chunk's included)
+are already in the paged cache. Row j sits at position seq_len - q_len + j and sees keys 0 .. that position.
+
+    grid = (num_q_heads, num_query_tiles)
+
+A program computes one BLOCK_M x D tile of one query head (heads vary fastest, so the programs sharing
+a KV head run side by side and reuse its K/V through L2). Query tiles never straddle requests. Tile
+numbering needs no host plan: request i's tiles start at
+
+    base_i = (query_start_loc[i] - query_start_loc[num_decodes]) // BLOCK_M + (i - num_decodes)
+
+which increases by at least the request's tile count from one request to the next, so
+num_query_tiles = ceil(prefill_rows / BLOCK_M) + num_prefills covers every tile; a program finds its
+request by binary search over base_i and exits if its tile lies past the request's rows.
+
+Keys are walked in BLOCK_N tiles through the block table. Key tiles below the tile's first query
+position are visible to every row and run unmasked; only the diagonal tiles apply the causal mask, and
+tiles past the last row's position are never visited.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.kv_write import check_kv_cache
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+@triton.jit
+def _load(ptrs, mask, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    acc,
+    m_i,
+    l_i,
+    n0,
+    bt_row,
+    kv_base,
+    stride_ckv,
+    stride_cblk,
+    stride_cslot,
+    pos,
+    kv_end,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_mask = offs_n < kv_end
+    kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    # Off the diagonal every key exists: load without masks unless head_dim needs padding.
+    MASKED: tl.constexpr = CAUSAL or BLOCK_D != HEAD_DIM
+    if CAUSAL:
+        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+    else:
+        page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
+    tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot
+    k = _load(kv_base + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
+    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+    # Every row sees key 0, and the first visited tile holds a key <= every row's position, so m_new is
+    # finite from the first tile on and exp2(-inf - m_new) is a clean 0.
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    v_scale,
+    num_decodes,
+    num_prefills,
+    search_steps,  # ceil(log2(num_prefills + 1))
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cblk,
+    stride_cslot,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    h = tl.program_id(0)
+    # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+
+    # Largest i in [0, num_prefills) with base_i <= tile (base_0 == 0, so i >= 0).
+    first_row = tl.load(query_start_loc_ptr + num_decodes)
+    lo = tl.full([], 0, tl.int32)
+    hi = lo + num_prefills
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        base_mid = (tl.load(query_start_loc_ptr + num_decodes + mid) - first_row) // BLOCK_M + mid
+        go = (base_mid <= tile) & (lo < hi)
+        lo = tl.where(go, mid + 1, lo)
+        hi = tl.where(go | (lo >= hi), hi, mid)
+    i = lo - 1
+    req = num_decodes + i
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    m0 = (tile - ((q_start - first_row) // BLOCK_M + i)) * BLOCK_M
+    if m0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx_start = seq_len - q_len  # absolute position of the chunk's first row
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    pos = ctx_start + offs_m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
+    kv_base = cache_ptr + (h // GROUP) * stride_ch
+
+    # Keys below full_end are visible to all rows of the tile; keys from kv_end on to none of them.
+    full_end = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
+    kv_end = ctx_start + tl.minimum(m0 + BLOCK_M, q_len)
+    for n0 in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, n0, bt_row, kv_base, stride_ckv, stride_cblk, stride_cslot, pos, kv_end,
+            qk_scale, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, False, DOT_PRECISION,
+        )
+    for n0 in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, n0, bt_row, kv_base, stride_ckv, stride_cblk, stride_cslot, pos, kv_end,
+            qk_scale, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, True, DOT_PRECISION,
+        )
+
+    out = acc * (v_scale / l_i)[:, None]
+    dst = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_decodes: int,
+    num_reqs: int,
+    num_prefill_rows: int,
+    scale: float,
+    out: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    config: PrefillConfig | None = None,
+) -> None:
+    """Causal attention of requests num_decodes .. num_reqs-1 over their cached contexts, into out.
+
+    q, out: [T, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] (any float dtype, fp8 with
+    k_scale/v_scale); block_tables [num_reqs, max_blocks], seq_lens [num_reqs], query_start_loc
+    [num_reqs + 1]: int32 on q's device. num_prefill_rows: an upper bound on the prefill requests' rows
+    (query_start_loc[num_reqs] - query_start_loc[num_decodes]); it only sizes the grid.
+    """
+    cfg = config or PrefillConfig()
+    check_kv_cache(kv_cache)
+    _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    num_heads = q.shape[1]
+    if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
+    if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype:
+        raise ValueError("out must have q's head shape and dtype")
+    if q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("q and out must have unit stride along head_dim")
+    for name, x in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if x.dtype != torch.int32 or x.stride(-1) != 1:
+            raise ValueError(f"{name} must be int32 with unit last stride")
+    num_prefills = num_reqs - num_decodes
+    if num_prefills <= 0 or num_prefill_rows <= 0:
+        return
+    num_tiles = triton.cdiv(num_prefill_rows, cfg.block_m) + num_prefills
+    _prefill_kernel[(num_heads, num_tiles)](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * k_scale * math.log2(math.e),
+        v_scale,
+        num_decodes,
+        num_prefills,
+        max(1, math.ceil(math.log2(num_prefills + 1))),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        PAGE=page,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
