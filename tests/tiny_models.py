@@ -1,7 +1,10 @@
 """Tiny random HF checkpoints (Qwen3, Qwen2, Llama) built with transformers, for tests anywhere.
 
 Weights are drawn with a larger spread than transformers' default init so that logits are well
-separated: greedy decoding then has no near-ties, and token-exact comparisons are meaningful.
+separated: greedy decoding then has no near-ties, and token-exact comparisons are meaningful. The
+defaults are untied, so greedy outputs are varied; with tie_word_embeddings=True the random input and
+output embeddings coincide and a tiny model mostly repeats its last token (fine for parity, useless for
+catching mixed-up requests).
 """
 
 from __future__ import annotations
@@ -30,12 +33,11 @@ _COMMON: dict[str, Any] = dict(
 _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3": dict(rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=False),
-    # Llama 3 scaling with a short original context, so the interpolated band covers real positions;
-    # tied embeddings like SmolLM2.
+    # Llama 3 scaling with a short original context, so the interpolated band covers real positions.
     "llama": dict(
         num_hidden_layers=3,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
+        tie_word_embeddings=False,
         rope_scaling={
             "rope_type": "llama3",
             "factor": 8.0,

@@ -33,9 +33,7 @@ def safetensors_files(folder: str) -> list[str]:
     single = os.path.join(folder, SINGLE_FILE)
     if os.path.isfile(single):
         return [single]
-    return sorted(
-        os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".safetensors")
-    )
+    return sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".safetensors"))
 
 
 def pickle_files(folder: str) -> list[str]:

@@ -190,9 +190,7 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
     # checkpoint name -> (parameter name, shard id); the checkpoint must supply every one
-    expected = {
-        ckpt: (pname, shard) for pname in params for ckpt, shard in _checkpoint_names(pname, mapping)
-    }
+    expected = {ckpt: (pname, shard) for pname in params for ckpt, shard in _checkpoint_names(pname, mapping)}
 
     seen: set[str] = set()
     unexpected: list[str] = []
