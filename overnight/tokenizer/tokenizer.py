@@ -1,0 +1,99 @@
+"""The engine's tokenizer: a thin wrapper over a transformers tokenizer with a small, fixed surface.
+
+Stop ids come from the ModelSource (generation_config / GGUF metadata), never from `tokenizer.eos_token`,
+which is often wrong or incomplete (instruct models stop on an end-of-turn token the tokenizer does not
+call eos). Decoding never applies transformers' "clean up tokenization spaces", so that the incremental
+detokenizer and `decode` agree on every character.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from overnight.errors import InvalidRequestError, ModelLoadError
+from overnight.loader.source import ModelSource
+
+
+class Tokenizer:
+    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
+        self.hf = hf
+        self.eos_token_ids = tuple(eos_token_ids)
+        # The Rust tokenizer decodes exactly as the wrapper does (without clean-up) at a fraction of the
+        # per-call overhead, which matters for the detokenizer's one-or-two decodes per output token.
+        self._backend = getattr(hf, "backend_tokenizer", None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return len(self.hf)
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        return list(self.hf.all_special_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+    def render_chat(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """The conversation as the prompt text the chat template produces."""
+        if chat_template is None and not getattr(self.hf, "chat_template", None):
+            raise InvalidRequestError(
+                "this model has no chat template; pass chat_template=... or send a plain text prompt"
+            )
+        text = self.hf.apply_chat_template(
+            conversation,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template,
+            tokenize=False,
+            **kwargs,
+        )
+        assert isinstance(text, str)
+        return text
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """Prompt ids of a conversation. The template writes any bos itself, so none is added on encode
+        (transformers' own tokenize=True path does the same)."""
+        kwargs.pop("tokenize", None)
+        text = self.render_chat(conversation, add_generation_prompt, chat_template, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    """The tokenizer a model source names: its GGUF metadata, or the tokenizer files of its folder."""
+    path = source.tokenizer_path
+    if path is None:
+        raise ModelLoadError(
+            f"no tokenizer for {source.served_name}; pass token-id prompts with skip_tokenizer_init=True"
+        )
+    if path.endswith(".gguf") and os.path.isfile(path):
+        from overnight.tokenizer.gguf_tokenizer import load_gguf_tokenizer
+
+        hf = load_gguf_tokenizer(path)
+    elif os.path.isdir(path):
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
+    else:
+        raise ModelLoadError(f"tokenizer path {path} is neither a folder nor a .gguf file")
+    return Tokenizer(hf, source.eos_token_ids)
