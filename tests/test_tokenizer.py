@@ -321,6 +321,11 @@ def test_load_tokenizer_from_gguf_source():
     assert tok.eos_token_ids == (2,)
     assert tok.vocab_size == 49152
     assert tok.decode(tok.encode("Hello world")) == "Hello world"
+    rng = random.Random(2)
+    for _ in range(50):  # the wrapper decodes through the Rust tokenizer; it must agree with transformers'
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
+        for skip in (True, False):
+            assert tok.decode(ids, skip) == tok.hf.decode(ids, skip_special_tokens=skip)
 
 
 def test_load_tokenizer_errors(tmp_path):

@@ -11,7 +11,7 @@ goes through transformers' own conversion, which is slow (10-20 s), so its resul
 
 Where this build and transformers' conversion differ, this build follows the model's original tokenizer:
   - `.pre` picks the split rules (transformers uses the GPT-2 regex for every llama-architecture file,
-    which splits digit runs differently from Llama 3 and SmolLM);
+    which differs from Llama 3's on digit runs and from SmolLM's on numerals after a space);
   - every control token is special and every user-defined token is an added (non-special) token
     (transformers' qwen2 path hardcodes three special tokens, so e.g. Qwen3's `<think>` gets split);
   - bos/eos/pad/unk are the pieces their ids name (transformers names bos as eos for llama files);
