@@ -89,11 +89,11 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         from overnight.tokenizer.gguf_tokenizer import load_gguf_tokenizer
 
         hf = load_gguf_tokenizer(path)
-    elif os.path.isdir(path):
+    else:
+        # A folder, or a repo id already in the local HF cache; never the network.
         try:
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {e}") from e
-    else:
-        raise ModelLoadError(f"tokenizer path {path} is neither a folder nor a .gguf file")
+            raise ModelLoadError(f"cannot load a tokenizer from {path} (not a tokenizer folder, .gguf file or "
+                                 f"repo in the local HF cache): {e}") from e
     return Tokenizer(hf, source.eos_token_ids)
