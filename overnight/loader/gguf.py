@@ -155,6 +155,11 @@ def _read_gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
+def _f32(value: float) -> float:
+    """The shortest decimal that rounds to the same float32: files store 1e-5 as 9.99999975e-06."""
+    return float(str(np.float32(value)))
+
+
 def read_gguf(path: str) -> GGUFInfo:
     """The architecture and generation facts of a GGUF checkpoint, without touching the weights."""
     f = read_gguf_file(path)
@@ -178,7 +183,10 @@ def read_gguf(path: str) -> GGUFInfo:
         if len(set(kv_heads)) != 1:
             raise ModelLoadError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported")
         kv_heads = kv_heads[0]
-    head_dim = int(md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads)
+    head_dim = int(
+        md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads
+    )
+    theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
     embd = f.tensors.get("token_embd.weight")
     if embd is None:
@@ -194,9 +202,9 @@ def read_gguf(path: str) -> GGUFInfo:
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=head_dim,
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(f, name, head_dim, float(get("rope.freq_base", 10000.0))),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(f, name, head_dim, theta),
         max_position_embeddings=context,
         tie_word_embeddings=tie,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
