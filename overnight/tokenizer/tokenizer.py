@@ -9,12 +9,13 @@ detokenizer and `decode` agree on every character.
 from __future__ import annotations
 
 import os
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.loader.source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer:
@@ -90,7 +91,10 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
 
         hf = load_gguf_tokenizer(path)
     else:
-        # A folder, or a repo id already in the local HF cache; never the network.
+        # A folder, or a repo id already in the local HF cache; never the network. Imported here: the
+        # auto classes cost seconds of start-up that the GGUF path does not need.
+        from transformers import AutoTokenizer
+
         try:
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
