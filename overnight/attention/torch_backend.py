@@ -67,7 +67,10 @@ def paged_attention_ref(
         scores = torch.einsum("bhgd,blhd->bhgl", qd, k.to(compute_dtype)) * scale
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
-        o = torch.einsum("bhgl,blhd->bhgd", probs, v.to(compute_dtype))
+        # Slots past a request's length hold whatever the memory held (possibly NaN): zero them,
+        # since 0 * NaN would poison the sum.
+        v = v.to(compute_dtype).masked_fill(pad[:, :, None, None], 0.0)
+        o = torch.einsum("bhgl,blhd->bhgd", probs, v)
         out[:nd] = o.reshape(nd, num_heads, -1).to(q.dtype)
 
     # Prefill chunks: one causal attention per request, offset by the context already cached.

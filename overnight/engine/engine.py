@@ -81,7 +81,7 @@ class Engine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        self._validate(prompt_token_ids, params)
+        self.validate(prompt_token_ids, params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
             request_id=request_id,
@@ -113,7 +113,8 @@ class Engine:
             kids.append(req)
         self.children[request_id] = kids
 
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this prompt and params cannot be served."""
         if not ids:
             raise InvalidRequestError("the prompt is empty")
         if len(ids) >= self.max_model_len:

@@ -60,15 +60,19 @@ class LLM:
     def generate_stream(
         self,
         prompts: Iterable[PromptType],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
         use_tqdm: bool = True,
         max_in_flight: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
-        """Yields (input index, output) as each prompt finishes, reading prompts lazily, so a
-        million-prompt job holds only the requests in flight. An invalid prompt raises
-        InvalidRequestError naming its index; requests already in flight are aborted first."""
-        params = sampling_params or SamplingParams()
-        items = ((self._prepare(i, p), params) for i, p in enumerate(prompts))
+        """Yields (input index, output) as each prompt finishes, reading prompts (and, when given
+        as an iterable, their params) lazily, so a million-prompt job holds only the requests in
+        flight. An invalid prompt raises InvalidRequestError naming its index; requests already in
+        flight are aborted first."""
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_iter: Iterable[SamplingParams] = itertools.repeat(sampling_params or SamplingParams())
+        else:
+            params_iter = sampling_params
+        items = ((self._prepare(i, p), sp) for i, (p, sp) in enumerate(zip(prompts, params_iter)))
         total = len(prompts) if isinstance(prompts, Sequence) else None
         yield from self._run(items, total, use_tqdm, max_in_flight)
 
@@ -105,7 +109,7 @@ class LLM:
 
     def _precheck(self, index: int, ids: list[int], params: SamplingParams) -> None:
         try:
-            self.engine._validate(ids, params)
+            self.engine.validate(ids, params)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
 

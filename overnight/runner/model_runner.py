@@ -58,8 +58,10 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         arch = self.config.model.arch
         shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
+        # Uninitialized on purpose: every slot is written before it is read, and touching gigabytes
+        # of pages up front costs seconds of start-up.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(arch.num_hidden_layers)
         ]
 
