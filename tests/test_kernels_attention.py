@@ -110,7 +110,13 @@ def test_decode_matches_reference(dtype: torch.dtype, group: int, num_splits: in
     seq_lens = [1, 15, 16, 17, 40, 97]  # on, just before and just after page boundaries
     meta, q, cache = make_batch([1] * 6, seq_lens, 6, hkv * group, hkv, d, bs, dtype, seed=10 + group)
     out = paged_attention(
-        q, cache, meta, scale=d**-0.5, out=poisoned(q), num_splits=num_splits, decode_config=DecodeConfig(block_n=32)
+        q,
+        cache,
+        meta,
+        scale=d**-0.5,
+        out=poisoned(q),
+        num_splits=num_splits,
+        decode_config=DecodeConfig(block_n=32),
     )
     assert_close(out, paged_attention_ref(q, cache, meta, d**-0.5), dtype)
 
@@ -120,7 +126,9 @@ def test_decode_many_splits_and_odd_head_dim() -> None:
     hkv, group, d, bs = 1, 4, 80, 16
     seq_lens = [3, 50, 200]
     meta, q, cache = make_batch([1] * 3, seq_lens, 3, hkv * group, hkv, d, bs, torch.float32, seed=3)
-    out = paged_attention(q, cache, meta, 0.1, out=poisoned(q), num_splits=8, decode_config=DecodeConfig(block_n=16))
+    out = paged_attention(
+        q, cache, meta, 0.1, out=poisoned(q), num_splits=8, decode_config=DecodeConfig(block_n=16)
+    )
     assert_close(out, paged_attention_ref(q, cache, meta, 0.1), torch.float32)
 
 
@@ -145,11 +153,15 @@ PREFILL_CASES = [
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim,config", PREFILL_CASES)
-def test_prefill_matches_reference(dtype: torch.dtype, block_size: int, head_dim: int, config: PrefillConfig) -> None:
+def test_prefill_matches_reference(
+    dtype: torch.dtype, block_size: int, head_dim: int, config: PrefillConfig
+) -> None:
     # Fresh prompts, chunks after cached prefixes (seq_len > q_len) and single-token chunks.
     query_lens = [33, 1, 20, 7, 1, 40]
     seq_lens = [33, 18, 84, 7, 1, 71]
-    meta, q, cache = make_batch(query_lens, seq_lens, 0, 4, 2, head_dim, block_size, dtype, seed=block_size + head_dim)
+    meta, q, cache = make_batch(
+        query_lens, seq_lens, 0, 4, 2, head_dim, block_size, dtype, seed=block_size + head_dim
+    )
     out = paged_attention(q, cache, meta, head_dim**-0.5, out=poisoned(q), prefill_config=config)
     assert_close(out, paged_attention_ref(q, cache, meta, head_dim**-0.5), dtype)
 
@@ -167,8 +179,14 @@ def test_backend_mixed_batch_equals_torch_backend(dtype: torch.dtype) -> None:
     cache_ref = cache.clone()
     ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, 0.125)
     backend = TritonAttentionBackend(
-        hq, hkv, d, max_num_seqs=8, max_model_len=4096, device=DEVICE,
-        decode_config=DecodeConfig(block_n=16), prefill_config=PrefillConfig(32, 32, 4, 1),
+        hq,
+        hkv,
+        d,
+        max_num_seqs=8,
+        max_model_len=4096,
+        device=DEVICE,
+        decode_config=DecodeConfig(block_n=16),
+        prefill_config=PrefillConfig(32, 32, 4, 1),
     )
     assert backend.num_splits(meta.num_decodes) > 1  # the split path and its preallocated workspace
     out = backend.forward(q, k, v, cache, meta, 0.125)
@@ -181,13 +199,23 @@ def test_fp8_cache_matches_reference_on_dequantized_cache(fp8: torch.dtype) -> N
     hq, hkv, d, bs, k_scale, v_scale = 4, 2, 64, 16, 0.05, 0.02
     query_lens = [1, 1, 9, 20]
     seq_lens = [30, 7, 9, 50]
-    meta, q, cache = make_batch(query_lens, seq_lens, 2, hq, hkv, d, bs, torch.float32, seed=5, cache_dtype=fp8)
+    meta, q, cache = make_batch(
+        query_lens, seq_lens, 2, hq, hkv, d, bs, torch.float32, seed=5, cache_dtype=fp8
+    )
     deq = cache.float()
     deq[0] *= k_scale
     deq[1] *= v_scale
     out = paged_attention(
-        q, cache, meta, 0.125, out=poisoned(q), k_scale=k_scale, v_scale=v_scale, num_splits=2,
-        decode_config=DecodeConfig(block_n=16), prefill_config=PrefillConfig(16, 16, 4, 1),
+        q,
+        cache,
+        meta,
+        0.125,
+        out=poisoned(q),
+        k_scale=k_scale,
+        v_scale=v_scale,
+        num_splits=2,
+        decode_config=DecodeConfig(block_n=16),
+        prefill_config=PrefillConfig(16, 16, 4, 1),
     )
     assert_close(out, paged_attention_ref(q, deq, meta, 0.125), torch.float32)
 

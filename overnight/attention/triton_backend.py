@@ -39,7 +39,11 @@ class TritonAttentionBackend:
     ) -> None:
         device = torch.device(device)
         if num_sms is None:
-            num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+            num_sms = (
+                torch.cuda.get_device_properties(device).multi_processor_count
+                if device.type == "cuda"
+                else 132
+            )
         self.num_kv_heads = num_kv_heads
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len

@@ -99,7 +99,9 @@ def kv_write(
     num_tokens = slot_mapping.shape[0]
     for name, x in (("k", k), ("v", v)):
         if x.dim() != 3 or x.shape[1:] != (num_kv_heads, head_dim) or x.shape[0] < num_tokens:
-            raise ValueError(f"{name} must be [>= {num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be [>= {num_tokens}, {num_kv_heads}, {head_dim}], got {tuple(x.shape)}"
+            )
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride along head_dim")
     if slot_mapping.dtype != torch.int64 or slot_mapping.dim() != 1:

@@ -41,8 +41,18 @@ def paged_attention(
         if num_splits is None:
             num_splits = choose_num_splits(nd, kv_cache.shape[3], max_model_len or meta.max_seq_len)
         paged_decode(
-            q, kv_cache, meta.block_tables, meta.seq_lens, nd, scale, out,
-            num_splits=num_splits, workspace=workspace, k_scale=k_scale, v_scale=v_scale, config=decode_config,
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            nd,
+            scale,
+            out,
+            num_splits=num_splits,
+            workspace=workspace,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            config=decode_config,
         )
     if meta.num_prefills > 0:
         if meta.query_start_loc_cpu is not None:
@@ -50,7 +60,18 @@ def paged_attention(
         else:
             prefill_rows = meta.num_tokens - nd  # an upper bound: rows of decodes come first
         paged_prefill(
-            q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, nd, meta.num_reqs,
-            prefill_rows, scale, out, k_scale=k_scale, v_scale=v_scale, config=prefill_config,
+            q,
+            kv_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.query_start_loc,
+            nd,
+            meta.num_reqs,
+            prefill_rows,
+            scale,
+            out,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            config=prefill_config,
         )
     return out

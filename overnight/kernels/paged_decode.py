@@ -12,9 +12,9 @@ block table (a tile spans several pages), with an online softmax in fp32.
 Flash-decoding: split s of a request with seq_len tokens covers [s * L, min((s + 1) * L, seq_len)) with
 L = ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N, computed on the device from seq_lens; programs
 whose range is empty exit at once. With num_splits > 1 each split writes its normalized partial output
-and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_splits is a launch constant
-(chosen from the batch size and max_model_len, never from this step's lengths), so the whole thing can
-be captured in a CUDA graph.
+and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_splits sizes the grid, so
+it is chosen from static quantities (batch size, max_model_len), never from this step's lengths, and
+the whole thing can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -55,16 +55,9 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, n
 
 
 @triton.jit
-def _split_range(seq_len, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[start, end) of the context handled by split `split`; the reduce kernel repeats this arithmetic."""
-    if NUM_SPLITS == 1:
-        start = seq_len * 0
-        end = seq_len
-    else:
-        per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
-    return start, end
+def _split_len(seq_len, num_splits, block_n):
+    """Context tokens per split: an even share rounded up to whole tiles (0 for an empty context)."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
 
 
 @triton.jit
@@ -74,10 +67,11 @@ def _decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
-    part_out_ptr,  # [B, Hq, NUM_SPLITS, D] fp32, used when NUM_SPLITS > 1
-    part_lse_ptr,  # [B, Hq, NUM_SPLITS] fp32, log2 domain
+    part_out_ptr,  # [B, Hq, num_splits, D] fp32, used when SPLIT
+    part_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
     qk_scale,  # softmax scale * k_scale * log2(e)
     v_scale,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -93,23 +87,30 @@ def _decode_kernel(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT: tl.constexpr,  # num_splits > 1: write partials for _decode_reduce_kernel
     DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start, end = _split_range(seq_len, split, NUM_SPLITS, BLOCK_N)
-    if NUM_SPLITS > 1:
+    if SPLIT:
+        per_split = _split_len(seq_len, num_splits, BLOCK_N)
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
         if start >= end:
             return
+    else:
+        start = seq_len * 0
+        end = seq_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     heads = kvh * GROUP + offs_g
     row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask, other=0.0
+    )
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -135,11 +136,11 @@ def _decode_kernel(
 
     # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
     out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split
+        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < GROUP)
 
@@ -150,24 +151,23 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    num_splits,
+    block_n,  # the decode kernel's BLOCK_N
     stride_ot,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # Splits past the end of a short context never ran and left their workspace rows stale.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    num_active = tl.cdiv(seq_len, tl.maximum(per_split, 1))
+    num_active = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, block_n), 1))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_active
-    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + offs_s
+    part = (b * tl.num_programs(1) + h) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no active split: keep exp2 finite
@@ -176,7 +176,11 @@ def _decode_reduce_kernel(
     o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
     denom = tl.sum(w, 0)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
-    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + b * stride_ot + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 class DecodeWorkspace:
@@ -190,7 +194,9 @@ class DecodeWorkspace:
         self.part_out = torch.empty(max_rows * num_heads * head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(max_rows * num_heads, dtype=torch.float32, device=device)
 
-    def views(self, num_decodes: int, num_heads: int, num_splits: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def views(
+        self, num_decodes: int, num_heads: int, num_splits: int, head_dim: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = num_decodes * num_splits
         if rows > self.max_rows or rows * num_heads * head_dim > self.part_out.numel():
             raise ValueError(f"decode workspace holds {self.max_rows} request-splits, need {rows}")
@@ -248,6 +254,7 @@ def paged_decode(
         part_lse,
         scale * k_scale * math.log2(math.e),
         v_scale,
+        num_splits,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -263,7 +270,7 @@ def paged_decode(
         BLOCK_D=block_d,
         PAGE=page,
         BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits,
+        SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -274,12 +281,12 @@ def paged_decode(
             part_out,
             part_lse,
             out,
+            num_splits,
+            cfg.block_n,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            BLOCK_N=cfg.block_n,
-            NUM_SPLITS=num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )

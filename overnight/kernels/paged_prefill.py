@@ -172,13 +172,47 @@ def _prefill_kernel(
     kv_end = ctx_start + tl.minimum(m0 + BLOCK_M, q_len)
     for n0 in range(0, full_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, bt_row, kv_base, stride_ckv, stride_cblk, stride_cslot, pos, kv_end,
-            qk_scale, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, False, DOT_PRECISION,
+            q,
+            acc,
+            m_i,
+            l_i,
+            n0,
+            bt_row,
+            kv_base,
+            stride_ckv,
+            stride_cblk,
+            stride_cslot,
+            pos,
+            kv_end,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            BLOCK_N,
+            False,
+            DOT_PRECISION,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
-            q, acc, m_i, l_i, n0, bt_row, kv_base, stride_ckv, stride_cblk, stride_cslot, pos, kv_end,
-            qk_scale, HEAD_DIM, BLOCK_D, PAGE, BLOCK_N, True, DOT_PRECISION,
+            q,
+            acc,
+            m_i,
+            l_i,
+            n0,
+            bt_row,
+            kv_base,
+            stride_ckv,
+            stride_cblk,
+            stride_cslot,
+            pos,
+            kv_end,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            BLOCK_N,
+            True,
+            DOT_PRECISION,
         )
 
     out = acc * (v_scale / l_i)[:, None]
@@ -218,7 +252,11 @@ def paged_prefill(
         raise ValueError("out must have q's head shape and dtype")
     if q.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("q and out must have unit stride along head_dim")
-    for name, x in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+    for name, x in (
+        ("block_tables", block_tables),
+        ("seq_lens", seq_lens),
+        ("query_start_loc", query_start_loc),
+    ):
         if x.dtype != torch.int32 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be int32 with unit last stride")
     num_prefills = num_reqs - num_decodes
