@@ -180,10 +180,10 @@ class Engine:
         outputs, stopped = self.output.process(advanced, logprobs, finished)
         for req, stop_str in stopped:
             self.scheduler.finish_stopped(req, stop_str)
-        self._retire([o for o in outputs if o.finished])
         self.num_steps += 1
-        if self.observers:
+        if self.observers:  # before _retire, which forgets finished requests' last token times
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
+        self._retire([o for o in outputs if o.finished])
         return outputs
 
     def _retire(self, outputs: list[RequestOutput]) -> None:

@@ -1,0 +1,72 @@
+"""Putting an engine's metrics where users look: attach an observer to any engine (the offline class,
+run-batch, the server), and serve them on a port while a batch job runs.
+
+    from overnight.metrics import attach_metrics
+    metrics = attach_metrics(llm.engine, port=9400)      # scrape http://127.0.0.1:9400/metrics
+    llm.generate(prompts)
+    print(metrics.render().decode())
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+import prometheus_client
+
+from overnight.metrics.prometheus import DEFAULT_PREFIX, PrometheusObserver
+
+if TYPE_CHECKING:
+    from overnight.engine.engine import Engine
+
+
+def engine_model_name(engine: Engine) -> str:
+    source = getattr(engine, "source", None)  # set by build_engine
+    if source is not None:
+        return source.served_name
+    return engine.config.model.model
+
+
+def attach_metrics(
+    engine: Engine,
+    prefix: str = DEFAULT_PREFIX,
+    model_name: str | None = None,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+) -> PrometheusObserver:
+    """Add a PrometheusObserver to the engine's observers; with a port, also serve it over HTTP."""
+    observer = PrometheusObserver(
+        model_name or engine_model_name(engine),
+        prefix=prefix,
+        max_model_len=engine.max_model_len,
+    )
+    observer.update_gauges(engine.stats())
+    engine.observers.append(observer)
+    if port is not None:
+        start_metrics_server(observer, port, host)
+    return observer
+
+
+def start_metrics_server(observer: PrometheusObserver, port: int, host: str = "127.0.0.1") -> int:
+    """Serve GET /metrics from a daemon thread (it dies with the job); returns the bound port (port 0
+    picks a free one)."""
+    hide_created_series()
+    server, _thread = prometheus_client.start_http_server(port, addr=host, registry=observer.registry)
+    return int(server.server_port)
+
+
+def hide_created_series() -> None:
+    """Drop the `<name>_created` timestamp series prometheus_client adds beside each counter and
+    histogram: dashboards never read them and they double the page. Process-wide, so only entry points
+    that own the process call it."""
+    prometheus_client.disable_created_metrics()
+
+
+def add_metrics_args(parser: argparse.ArgumentParser, with_port: bool = True) -> None:
+    g = parser.add_argument_group("metrics")
+    g.add_argument("--metrics-prefix", default=DEFAULT_PREFIX,
+                   help="metric name prefix; 'vllm' makes existing dashboards work unchanged "
+                        f"(default: {DEFAULT_PREFIX})")
+    if with_port:
+        g.add_argument("--metrics-port", type=int, default=None,
+                       help="serve Prometheus metrics on this port (127.0.0.1) while the job runs")
