@@ -1,0 +1,294 @@
+"""Our RequestOutputs as the exact response objects of the OpenAI API, as JSON-ready dicts.
+
+    chat_completion(out, model)         -> ChatCompletion        ("chat.completion")
+    completion([out, ...], model)       -> Completion            ("text_completion"), one output per prompt
+    ChatStream / CompletionStream       -> streaming chunks      ("chat.completion.chunk" / "text_completion")
+
+Choices of a completion with several prompts are numbered prompt-major: prompt p, sample j has index
+p * n + j, the order the OpenAI API uses.
+
+finish_reason: our "stop" and "length" pass through. "abort" becomes "stop": the OpenAI schema (and the
+official client's types) allow only stop / length / content_filter / tool_calls, and an aborted request is
+one nobody is waiting for any more (a closed connection, a shutdown), so what matters is that any body we
+do send stays valid. run-batch never writes an aborted request as a success.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from overnight.outputs import Logprob, RequestOutput, SampleLogprobs
+
+# JSON has no -inf; a token the model gives no chance is reported with this logprob instead.
+_MIN_LOGPROB = -9999.0
+
+
+def new_id(prefix: str) -> str:
+    """"chatcmpl-<hex>", "cmpl-<hex>", "batch_req-<hex>", ..."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def finish_reason(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return "length" if reason == "length" else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Each prompt's tokens count once, however many samples (n) it has."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return usage(prompt, completion)
+
+
+# -- whole responses -----------------------------------------------------------------------------
+
+
+def chat_completion(
+    output: RequestOutput,
+    model: str,
+    *,
+    response_id: str | None = None,
+    created: int | None = None,
+    num_logprobs: int | None = None,
+) -> dict[str, Any]:
+    """A ChatCompletion body. num_logprobs is the request's top_logprobs (0 when logprobs is true
+    without it); the choices carry logprobs when the outputs have them."""
+    choices = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": (
+                _chat_logprobs(c.logprobs, num_logprobs or 0, c.token_ids) if c.logprobs is not None else None
+            ),
+            "finish_reason": finish_reason(c.finish_reason),
+        }
+        for c in sorted(output.outputs, key=lambda c: c.index)
+    ]
+    return {
+        "id": response_id or new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": created if created is not None else int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_of([output]),
+    }
+
+
+def completion(
+    outputs: Sequence[RequestOutput],
+    model: str,
+    *,
+    response_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A Completion body for one output per prompt, in prompt order."""
+    choices = []
+    for p, out in enumerate(outputs):
+        n = len(out.outputs)
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            choices.append(
+                {
+                    "index": p * n + c.index,
+                    "text": c.text,
+                    "logprobs": (
+                        _completion_logprobs(c.logprobs, c.token_ids)[0] if c.logprobs is not None else None
+                    ),
+                    "finish_reason": finish_reason(c.finish_reason),
+                }
+            )
+    return {
+        "id": response_id or new_id("cmpl"),
+        "object": "text_completion",
+        "created": created if created is not None else int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": usage_of(outputs),
+    }
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+
+def _token_text(token_id: int, lp: Logprob) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else f"token_id:{token_id}"
+
+
+def _value(lp: Logprob) -> float:
+    return max(lp.logprob, _MIN_LOGPROB)
+
+
+def _sampled(step: dict[int, Logprob], token_id: int | None) -> tuple[int, Logprob]:
+    """The sampled token's entry: the one at token_id, else (ids lost) the top-ranked."""
+    if token_id is not None and token_id in step:
+        return token_id, step[token_id]
+    return min(step.items(), key=lambda kv: kv[1].rank)
+
+
+def _chat_logprobs(
+    logprobs: SampleLogprobs, k: int, token_ids: Sequence[int] | None = None
+) -> dict[str, Any]:
+    content = []
+    for pos, step in enumerate(logprobs):
+        tid, lp = _sampled(step, token_ids[pos] if token_ids else None)
+        text = _token_text(tid, lp)
+        top = sorted(((i, x) for i, x in step.items() if x.rank <= k), key=lambda kv: kv[1].rank)
+        content.append(
+            {
+                "token": text,
+                "logprob": _value(lp),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [
+                    {"token": (t := _token_text(i, x)), "logprob": _value(x), "bytes": list(t.encode("utf-8"))}
+                    for i, x in top
+                ],
+            }
+        )
+    return {"content": content}
+
+
+def _completion_logprobs(
+    logprobs: SampleLogprobs, token_ids: Sequence[int] | None = None, offset: int = 0
+) -> tuple[dict[str, Any], int]:
+    """The legacy logprobs object, and the text offset after its last token (for the next chunk)."""
+    tokens: list[str] = []
+    values: list[float] = []
+    tops: list[dict[str, float]] = []
+    offsets: list[int] = []
+    for pos, step in enumerate(logprobs):
+        tid, lp = _sampled(step, token_ids[pos] if token_ids else None)
+        text = _token_text(tid, lp)
+        tokens.append(text)
+        values.append(_value(lp))
+        # The top-k by rank, plus the sampled token when it ranks lower.
+        tops.append({_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)})
+        offsets.append(offset)
+        offset += len(text)
+    body = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+    return body, offset
+
+
+# -- streaming -----------------------------------------------------------------------------------
+
+
+class _Stream:
+    """Chunk state of one streaming response: which choices have started, tokens counted so far."""
+
+    def __init__(self, model: str, response_id: str, include_usage: bool, created: int | None) -> None:
+        self.model = model
+        self.id = response_id
+        self.created = created if created is not None else int(time.time())
+        self.include_usage = include_usage
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self._counted_prompts: set[int] = set()
+
+    def _count(self, prompt_index: int, out: RequestOutput) -> None:
+        if prompt_index not in self._counted_prompts:
+            self._counted_prompts.add(prompt_index)
+            self.prompt_tokens += len(out.prompt_token_ids)
+        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+
+    def _chunk(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, obj: str) -> dict[str, Any] | None:
+        """The last chunk when include_usage is set: no choices, the whole response's usage."""
+        if not self.include_usage:
+            return None
+        chunk = self._chunk(obj, [])
+        chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+        return chunk
+
+
+class ChatStream(_Stream):
+    """Streaming chat: feed each delta RequestOutput (stream=True) to chunks(); send the chunks as SSE
+    `data: {json}` lines, then final_chunks(), then `data: [DONE]`."""
+
+    OBJECT = "chat.completion.chunk"
+
+    def __init__(self, model: str, *, response_id: str | None = None, include_usage: bool = False,
+                 num_logprobs: int | None = None, created: int | None = None) -> None:
+        super().__init__(model, response_id or new_id("chatcmpl"), include_usage, created)
+        self.num_logprobs = num_logprobs
+        self._started: set[int] = set()
+
+    def chunks(self, delta: RequestOutput) -> list[dict[str, Any]]:
+        self._count(0, delta)
+        out = []
+        for c in delta.outputs:
+            message: dict[str, Any] = {}
+            if c.index not in self._started:  # the first chunk of a choice names the role
+                self._started.add(c.index)
+                message["role"] = "assistant"
+            if c.text or "role" in message:
+                message["content"] = c.text
+            lps = None
+            if c.logprobs is not None and self.num_logprobs is not None:
+                lps = _chat_logprobs(c.logprobs, self.num_logprobs, c.token_ids)
+            reason = finish_reason(c.finish_reason)
+            if not message and lps is None and reason is None:
+                continue
+            out.append(self._chunk(self.OBJECT, [
+                {"index": c.index, "delta": message, "logprobs": lps, "finish_reason": reason}
+            ]))
+        return out
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        chunk = self.usage_chunk(self.OBJECT)
+        return [chunk] if chunk else []
+
+
+class CompletionStream(_Stream):
+    """Streaming completions: feed each delta RequestOutput with the index of its prompt (0 for a
+    single prompt) and the request's n."""
+
+    OBJECT = "text_completion"
+
+    def __init__(self, model: str, *, response_id: str | None = None, include_usage: bool = False,
+                 n: int = 1, created: int | None = None) -> None:
+        super().__init__(model, response_id or new_id("cmpl"), include_usage, created)
+        self.n = n
+        self._offsets: dict[int, int] = {}
+
+    def chunks(self, prompt_index: int, delta: RequestOutput) -> list[dict[str, Any]]:
+        self._count(prompt_index, delta)
+        out = []
+        for c in delta.outputs:
+            index = prompt_index * self.n + c.index
+            lps = None
+            if c.logprobs is not None:
+                lps, self._offsets[index] = _completion_logprobs(
+                    c.logprobs, c.token_ids, self._offsets.get(index, 0)
+                )
+            reason = finish_reason(c.finish_reason)
+            if not c.text and lps is None and reason is None:
+                continue
+            out.append(self._chunk(self.OBJECT, [
+                {"index": index, "text": c.text, "logprobs": lps, "finish_reason": reason}
+            ]))
+        return out
+
+    def final_chunks(self) -> list[dict[str, Any]]:
+        chunk = self.usage_chunk(self.OBJECT)
+        return [chunk] if chunk else []

@@ -1,0 +1,86 @@
+"""From a validated request body to what the engine takes: prompts (text, token ids) and SamplingParams.
+
+Every check a request can fail before it reaches the engine happens here, so a caller either gets
+inputs the engine accepts or one ApiError naming the cause.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from overnight.errors import InvalidRequestError
+from overnight.openai_api.errors import ApiError
+from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+
+@dataclass
+class EngineInputs:
+    prompts: list[tuple[str | None, list[int]]]  # one engine request each, in choice order
+    params: SamplingParams
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
+
+
+def served_names(served_name: str, model_arg: str | None = None) -> set[str]:
+    """The names a request's `model` may use: the served name, the --model argument as typed, and that
+    path's last component (so "org/model" and "model" both match a folder named model)."""
+    names = {served_name}
+    for name in (model_arg, served_name):
+        if name:
+            names.add(name)
+            names.add(os.path.basename(os.path.normpath(name)))
+    return names
+
+
+def check_model(requested: str | None, names: Collection[str]) -> None:
+    """The body's model may be absent; when present it must name the model being served."""
+    if requested is not None and requested not in names:
+        raise ApiError("model_not_found",
+                       f"the model {requested!r} does not exist here; serving: {', '.join(sorted(names))}",
+                       "model")
+
+
+def check_prompt_length(ids: list[int], max_model_len: int, is_chat: bool) -> None:
+    if len(ids) >= max_model_len:
+        what = "messages" if is_chat else "prompt"
+        raise ApiError(
+            "context_length_exceeded",
+            f"this model's maximum context length is {max_model_len} tokens, but your {what} resulted in "
+            f"{len(ids)} tokens (at least one must be left to generate)",
+            "messages" if is_chat else "prompt",
+        )
+
+
+def prepare(
+    req: OpenAIRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    names: Collection[str],
+    validate: Callable[[list[int], SamplingParams], None] | None = None,
+) -> EngineInputs:
+    """Checks the model name, renders / tokenizes the prompts, checks their length and builds the
+    SamplingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt."""
+    check_model(req.model, names)
+    is_chat = isinstance(req, ChatCompletionRequest)
+    try:
+        params = req.to_sampling_params()
+        prompts = req.engine_prompts(tokenizer)
+    except InvalidRequestError as e:
+        raise ApiError.from_exception(e) from None
+    for _, ids in prompts:
+        check_prompt_length(ids, max_model_len, is_chat)
+        if validate is not None:
+            try:
+                validate(ids, params)
+            except InvalidRequestError as e:
+                raise ApiError.from_exception(e) from None
+    return EngineInputs(prompts, params)
