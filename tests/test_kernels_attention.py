@@ -58,6 +58,16 @@ def poisoned(x: torch.Tensor) -> torch.Tensor:
     return torch.full_like(x, float("nan"))
 
 
+def poison_unused_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None:
+    """NaN in every slot past a request's length: the engine allocates the cache uninitialized."""
+    block_size = cache.shape[2]
+    used = torch.zeros(cache.shape[1] * block_size, dtype=torch.bool)
+    for i, seq_len in enumerate(meta.seq_lens_cpu.tolist()):
+        pos = torch.arange(seq_len)
+        used[meta.block_tables[i].cpu().long()[pos // block_size] * block_size + pos % block_size] = True
+    cache.view(2, -1, *cache.shape[3:])[:, ~used.to(cache.device)] = float("nan")
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert not out.isnan().any(), "kernel left NaN (unwritten rows?)"
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
@@ -173,6 +183,7 @@ def test_backend_mixed_batch_equals_torch_backend(dtype: torch.dtype) -> None:
     query_lens = [1, 1, 1, 12, 30, 1]
     seq_lens = [17, 64, 5, 12, 45, 33]
     meta, q, cache = make_batch(query_lens, seq_lens, 3, hq, hkv, d, bs, dtype, seed=7)
+    poison_unused_slots(cache, meta)
     gen = torch.Generator().manual_seed(8)
     k = torch.randn(meta.num_tokens, hkv, d, generator=gen).to(DEVICE, dtype)
     v = torch.randn(meta.num_tokens, hkv, d, generator=gen).to(DEVICE, dtype)
@@ -190,7 +201,7 @@ def test_backend_mixed_batch_equals_torch_backend(dtype: torch.dtype) -> None:
     )
     assert backend.num_splits(meta.num_decodes) > 1  # the split path and its preallocated workspace
     out = backend.forward(q, k, v, cache, meta, 0.125)
-    assert torch.equal(cache, cache_ref)
+    torch.testing.assert_close(cache, cache_ref, rtol=0, atol=0, equal_nan=True)
     assert_close(out, ref, dtype)
 
 
