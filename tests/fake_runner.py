@@ -20,38 +20,73 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
     return (h + len(token_ids)) % vocab_size
 
 
+class _Handle:
+    def __init__(self, runner: "FakeRunner", req_ids: list[str], tokens: list[int]) -> None:
+        self.runner, self.req_ids, self.tokens = runner, req_ids, tokens
+        self.out: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self.out is None:  # the "device" tokens reach the "host"
+            self.runner.states.resolve(self.req_ids, self.tokens)
+            for rid in self.req_ids:
+                pend = self.runner.device_pending.get(rid)
+                if pend:
+                    pend.pop(0)
+            self.out = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=self.tokens)
+        return self.out
+
+
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int) -> None:
+    """With async_mode, launch() returns before the host learns the sampled tokens, like the CUDA
+    runner: the engine then schedules one step ahead and inputs come from 'device' tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, async_mode: bool = False) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.cache = [-1] * (num_blocks * block_size)
-        self.states = RequestStates()
+        self.states = RequestStates(max_num_reqs=8, max_blocks_per_req=4)  # grows as needed
         self.step_log: list[tuple[int, int]] = []  # (tokens, requests) per step
         self.chunks: dict[str, list[int]] = {}
+        self.supports_async = async_mode
+        self.device_pending: dict[str, list[int]] = {}  # sampled, not yet resolved on the host
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(out).result()
+
+    def launch(self, out: SchedulerOutput) -> _Handle:
+        for rid in out.finished_req_ids:
+            self.device_pending.pop(rid, None)
         scheduled = self.states.apply(out)
+        self.states.begin(scheduled)
         bs = self.block_size
         self.step_log.append((out.total_num_scheduled_tokens, len(scheduled)))
         assert sum(s.num_tokens for s in scheduled) == out.total_num_scheduled_tokens
+        full = {s.state.req_id: s.state.token_ids + self.device_pending.get(s.state.req_id, [])
+                for s in scheduled}
         for s in scheduled:
             st = s.state
+            tokens = full[st.req_id]
+            blocks = self.states.block_table[st.slot, : st.num_blocks].tolist()
             self.chunks.setdefault(st.req_id, []).append(s.num_tokens)
-            end = st.num_computed_tokens + s.num_tokens
-            assert end <= len(st.token_ids), (st.req_id, end, len(st.token_ids))
-            assert len(st.block_ids) * bs >= end, "block table too short"
-            for pos in range(st.num_computed_tokens, end):  # write this step's "KV"
-                self.cache[st.block_ids[pos // bs] * bs + pos % bs] = st.token_ids[pos]
+            end = s.start + s.num_tokens
+            assert end <= len(tokens), (st.req_id, end, len(tokens))
+            assert len(blocks) * bs >= end, "block table too short"
+            for pos in range(s.start, end):  # write this step's "KV"
+                self.cache[blocks[pos // bs] * bs + pos % bs] = tokens[pos]
         for s in scheduled:  # "attend": the whole context must read back as the request's tokens
             st = s.state
-            end = st.num_computed_tokens + s.num_tokens
-            got = [self.cache[st.block_ids[p // bs] * bs + p % bs] for p in range(end)]
-            assert got == st.token_ids[:end], f"{st.req_id}: KV cache does not hold its tokens"
+            blocks = self.states.block_table[st.slot, : st.num_blocks].tolist()
+            end = s.start + s.num_tokens
+            got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(end)]
+            assert got == full[st.req_id][:end], f"{st.req_id}: KV cache does not hold its tokens"
         sampled = {
-            s.state.req_id: next_token(s.state.token_ids, self.vocab_size) for s in scheduled if s.samples
+            s.state.req_id: next_token(full[s.state.req_id], self.vocab_size)
+            for s in scheduled
+            if s.samples
         }
-        self.states.advance(scheduled, sampled)
-        return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=list(sampled.values()))
+        for rid, tok in sampled.items():
+            self.device_pending.setdefault(rid, []).append(tok)
+        return _Handle(self, list(sampled), list(sampled.values()))
 
 
 def reference_output(prompt: list[int], max_tokens: int, vocab_size: int, eos: int | None) -> list[int]:

@@ -24,6 +24,7 @@ def make_engine(
     max_model_len: int = 256,
     caching: bool = True,
     chunked: bool = True,
+    async_mode: bool = False,
 ) -> tuple[Engine, FakeRunner]:
     arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
     import torch
@@ -38,7 +39,7 @@ def make_engine(
             enable_chunked_prefill=chunked,
         ),
     )
-    runner = FakeRunner(num_blocks, block_size, VOCAB)
+    runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)
     engine = Engine(config, runner, num_blocks, eos_token_ids=(EOS,), vocab_size=VOCAB)
     return engine, runner
 
@@ -61,8 +62,9 @@ def random_prompts(n: int, rng: random.Random, lo: int = 1, hi: int = 60) -> lis
     return [[rng.randrange(10, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_limits_respected_every_step_and_all_blocks_freed():
-    engine, runner = make_engine(max_num_seqs=8, max_num_batched_tokens=32)
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_limits_respected_every_step_and_all_blocks_freed(async_mode):
+    engine, runner = make_engine(max_num_seqs=8, max_num_batched_tokens=32, async_mode=async_mode)
     rng = random.Random(0)
     prompts = random_prompts(40, rng)
     max_tokens = [rng.randint(1, 30) for _ in prompts]
@@ -83,12 +85,14 @@ def test_limits_respected_every_step_and_all_blocks_freed():
     assert engine.parents == {} and engine.children == {}
 
 
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
 @pytest.mark.parametrize("num_blocks", [400, 20])
-def test_batch_invariance_with_and_without_preemption(num_blocks):
+def test_batch_invariance_with_and_without_preemption(num_blocks, async_mode):
     rng = random.Random(1)
     prompts = random_prompts(64, rng)
     max_tokens = [rng.randint(5, 40) for _ in prompts]
-    engine, _ = make_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=64, max_model_len=80)
+    engine, _ = make_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=64, max_model_len=80,
+                            async_mode=async_mode)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=m))
     results = run_all(engine)
@@ -101,7 +105,8 @@ def test_batch_invariance_with_and_without_preemption(num_blocks):
     assert engine.kv.pool.num_free == num_blocks
 
 
-def test_prefix_cache_hits_and_same_outputs():
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_prefix_cache_hits_and_same_outputs(async_mode):
     rng = random.Random(2)
     prefix = [rng.randrange(10, VOCAB) for _ in range(200)]
     prompts = [prefix + [rng.randrange(10, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(32)]
@@ -140,8 +145,9 @@ def test_no_chunked_prefill_rejects_prompt_over_budget():
     assert len(run_all(engine)["ok"]) == 3
 
 
-def test_abort_frees_blocks():
-    engine, _ = make_engine()
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_abort_frees_blocks(async_mode):
+    engine, _ = make_engine(async_mode=async_mode)
     engine.add_request("a", list(range(10, 50)), SamplingParams(max_tokens=100, ignore_eos=True))
     engine.add_request("b", list(range(10, 30)), SamplingParams(max_tokens=5, ignore_eos=True))
     engine.step()
@@ -172,8 +178,9 @@ def test_bad_requests_are_refused_and_engine_keeps_serving():
     assert len(run_all(engine)["good"]) == 4
 
 
-def test_stop_token_ids_min_tokens_and_length_cap():
-    engine, _ = make_engine(max_model_len=40)
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_stop_token_ids_min_tokens_and_length_cap(async_mode):
+    engine, _ = make_engine(max_model_len=40, async_mode=async_mode)
     prompt = [20, 21, 22]
     ref = reference_output(prompt, 30, VOCAB, None)
     stop_tok = ref[4]

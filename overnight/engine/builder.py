@@ -142,17 +142,23 @@ def build_engine(opts: EngineOptions) -> Engine:
         else:
             source_for_tok = source
         tokenizer = load_tokenizer(source_for_tok)
-    runner = ModelRunner(config, source)
     sched = config.scheduler
+    if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares
+        from overnight.parallel.workers import start_tp_runner
 
-    def measure() -> int:
-        return runner.profile_peak_bytes(
-            sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
-        )
+        runner, plan = start_tp_runner(config, source)
+    else:
+        runner = ModelRunner(config, source)
 
-    budget = kv_budget_bytes(device, config.cache, measure)
-    plan = plan_pool(budget, runner.kv_bytes_per_block(), config.cache.block_size, sched)
-    runner.init_kv_cache(plan.num_blocks)
+        def measure() -> int:
+            return runner.profile_peak_bytes(
+                sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
+            )
+
+        budget = kv_budget_bytes(device, config.cache, measure)
+        plan = plan_pool(budget, runner.kv_bytes_per_block(), config.cache.block_size, sched)
+        runner.init_kv_cache(plan.num_blocks)
+        runner.capture_graphs()
     tokens = plan.num_blocks * config.cache.block_size
     log.info(
         "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",

@@ -30,6 +30,16 @@ class Runner(Protocol):
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
+class _Done:
+    """A step that already ran (synchronous runners)."""
+
+    def __init__(self, out: ModelRunnerOutput) -> None:
+        self.out = out
+
+    def result(self) -> ModelRunnerOutput:
+        return self.out
+
+
 class Engine:
     def __init__(
         self,
@@ -63,6 +73,9 @@ class Engine:
         self._rng = random.Random(config.model.seed)
         self._last_token_time: dict[str, float] = {}
         self.num_steps = 0
+        # One step may run ahead of the host when the runner can launch without waiting.
+        self._async = bool(getattr(runner, "supports_async", False))
+        self._inflight: tuple[SchedulerOutput, object] | None = None
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -155,7 +168,7 @@ class Engine:
         return final
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -167,10 +180,32 @@ class Engine:
     # -- the step ---------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch the next step, then fold in the results of the step before it.
+
+        With a runner that launches asynchronously (CUDA), step N+1 is launched before step N's
+        tokens are read, so the host work of one step overlaps the GPU work of the other."""
         sched_out = self.scheduler.schedule()
-        if sched_out.is_empty and not sched_out.finished_req_ids:
-            return []
-        runner_out = self.runner.execute(sched_out)
+        handle = None
+        if not sched_out.is_empty or sched_out.finished_req_ids:
+            handle = self._launch(sched_out)
+        outputs: list[RequestOutput] = []
+        if self._inflight is not None:
+            outputs = self._complete(*self._inflight)
+            self._inflight = None
+        if handle is not None:
+            if self._async:
+                self._inflight = (sched_out, handle)
+            else:
+                outputs += self._complete(sched_out, handle)
+        return outputs
+
+    def _launch(self, sched_out: SchedulerOutput):
+        if self._async:
+            return self.runner.launch(sched_out)
+        return _Done(self.runner.execute(sched_out))
+
+    def _complete(self, sched_out: SchedulerOutput, handle) -> list[RequestOutput]:
+        runner_out = handle.result()
         advanced, finished = self.scheduler.update(sched_out, runner_out)
         logprobs = {}
         if runner_out.logprobs is not None:
@@ -181,7 +216,7 @@ class Engine:
         for req, stop_str in stopped:
             self.scheduler.finish_stopped(req, stop_str)
         self.num_steps += 1
-        if self.observers:  # before _retire, which forgets finished requests' last token times
+        if self.observers:
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
         self._retire([o for o in outputs if o.finished])
         return outputs

@@ -66,7 +66,19 @@ class KVCacheManager:
         admitting). Returns the ids of blocks added to its table, or None (nothing changed) if the pool
         cannot supply them."""
         blocks = self.req_blocks.get(req.req_id, [])
-        prefix = cached_prefix or []
+        if not cached_prefix:  # the common case (a running request): often no new block at all
+            num_new = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks)
+            if num_new <= 0:
+                return []
+            if num_new > self.pool.num_free:
+                return None
+            new_blocks = self.pool.allocate(num_new)
+            if blocks:
+                blocks.extend(new_blocks)
+            else:
+                self.req_blocks[req.req_id] = new_blocks
+            return [b.id for b in new_blocks]
+        prefix = cached_prefix
         computed = req.num_computed_tokens + len(prefix) * self.block_size
         num_new = cdiv(computed + num_new_tokens, self.block_size) - len(blocks) - len(prefix)
         num_new = max(num_new, 0)
@@ -84,10 +96,11 @@ class KVCacheManager:
         self.prefix_hits += num_hit_tokens
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Register the request's blocks whose tokens are now all computed."""
+        """Register the request's blocks whose tokens are all computed and known (a step launched
+        ahead may have computed past the tokens the host knows)."""
         if not self.enable_caching:
             return
-        num_full = req.num_computed_tokens // self.block_size
+        num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
         start = self._num_registered.get(req.req_id, 0)
         if num_full <= start:
             return

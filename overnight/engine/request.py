@@ -36,9 +36,11 @@ _FINISHED = {
 class Request:
     """One sequence being generated. A prompt with n > 1 becomes n of these (see engine.parent).
 
-    Invariant: 0 <= num_computed_tokens <= num_tokens. The tokens in [num_computed_tokens, num_tokens)
-    still need a forward pass: the prompt tail before the first sample, exactly one (the last sampled
-    token) while decoding, everything again after a preemption.
+    Invariant: 0 <= num_computed_tokens <= num_tokens + num_pending. The tokens in
+    [num_computed_tokens, num_tokens + num_pending) still need a forward pass: the prompt tail before
+    the first sample, exactly one (the last sampled token) while decoding, everything again after a
+    preemption. num_pending counts tokens a launched step will sample but whose ids have not reached
+    the host yet (at most one step runs ahead of the host, so 0, 1 or 2).
     """
 
     req_id: str
@@ -50,6 +52,7 @@ class Request:
     arrival_time: float
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending: int = 0
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     num_cached_tokens: int = -1  # prefix-cache hit on first scheduling; -1 until then
@@ -80,11 +83,13 @@ class Request:
     @property
     def num_remaining(self) -> int:
         """Tokens that still need a forward pass before the next sample."""
-        return self.num_tokens - self.num_computed_tokens
+        if len(self.all_token_ids) + self.num_pending >= self.max_total_tokens:
+            return 0  # the pending token ends it by length: computing past it would be wasted
+        return len(self.all_token_ids) + self.num_pending - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

@@ -63,8 +63,10 @@ class Scheduler:
         if req.is_finished:
             return
         req.stop_reason = stop_reason
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        else:  # preempted while a step ran ahead
+            self.waiting.remove(req)
         self._finish(req, RequestStatus.FINISHED_STOPPED)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
@@ -80,8 +82,10 @@ class Scheduler:
             self._gone_since_last_step.add(req.req_id)
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's blocks; it recomputes later (its full blocks may still be cached)."""
-        self.running.remove(req)
+        """Free the last running request's blocks; it recomputes later (its full blocks may still be
+        cached)."""
+        assert self.running[-1] is req
+        self.running.pop()
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -139,8 +143,10 @@ class Scheduler:
                     break
             if new_ids is None:  # req preempted itself: nothing left behind it to schedule
                 break
+            self._advance(req, n)
             num_scheduled[req.req_id] = n
-            cached_reqs.append(CachedRequestData(req.req_id, new_ids))
+            if new_ids:
+                cached_reqs.append(CachedRequestData(req.req_id, new_ids))
             budget -= n
             i += 1
 
@@ -150,6 +156,8 @@ class Scheduler:
             if pool_full:
                 break
             req = self.waiting[0]
+            if req.num_pending:  # preempted while a step ran ahead: wait for its token
+                break
             prefix = self.kv.find_cached_prefix(req)
             num_hit = len(prefix) * self.kv.block_size
             n = req.num_tokens - num_hit
@@ -181,6 +189,7 @@ class Scheduler:
                     resumed=req.num_preemptions > 0,
                 )
             )
+            self._advance(req, n)
             num_scheduled[req.req_id] = n
             budget -= n
 
@@ -193,31 +202,52 @@ class Scheduler:
             finished_req_ids=gone,
         )
 
+    @staticmethod
+    def _advance(req: Request, n: int) -> None:
+        """Count n tokens as computed when the step is scheduled (a launched step runs ahead of the
+        host). A step that reaches the end of the known and pending tokens samples one more."""
+        req.num_computed_tokens += n
+        if req.num_computed_tokens == len(req.all_token_ids) + req.num_pending:
+            req.num_pending += 1
+
     def update(
         self, out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> tuple[list[Request], list[Request]]:
-        """Advance computed tokens, append sampled tokens, apply token-level stops.
+        """Fold a finished step's sampled tokens in: append them, apply token-level stops, register
+        newly full blocks in the prefix cache.
 
         Returns (requests that got a token this step, requests that finished this step)."""
-        for rid, n in out.num_scheduled_tokens.items():
-            req = self.requests.get(rid)
-            if req is not None and not req.is_finished:
-                req.num_computed_tokens += n
-                self.kv.cache_computed_blocks(req)
+        requests = self.requests
         advanced: list[Request] = []
         finished: list[Request] = []
         now = time.monotonic()
         for rid, token in zip(runner_out.req_ids, runner_out.sampled_token_ids):
-            req = self.requests.get(rid)
-            if req is None or req.is_finished:
-                continue  # aborted while the step ran
-            req.append_token(token)
+            req = requests.get(rid)
+            if req is None or req.status in _DONE:
+                continue  # aborted, or already ended while this step ran
+            req.num_pending -= 1
+            req.all_token_ids.append(token)
             if req.first_token_time is None:
                 req.first_token_time = now
             advanced.append(req)
             status = req.check_stop(token)
             if status is not None:
-                self.running.remove(req)
+                if req.status != RequestStatus.RUNNING:  # preempted while this step ran ahead
+                    self.waiting.remove(req)
                 self._finish(req, status)
                 finished.append(req)
+        if finished:  # one pass instead of a list removal per finished request
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if self.kv.enable_caching:
+            for rid in out.num_scheduled_tokens:
+                req = requests.get(rid)
+                if req is not None and req.status not in _DONE:
+                    self.kv.cache_computed_blocks(req)
         return advanced, finished
+
+
+_DONE = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+}

@@ -1,5 +1,9 @@
-"""Building one step's model inputs from the scheduled requests, vectorized with numpy so the host
-work per step grows as little as possible with the batch."""
+"""One step's model inputs, built on the host with numpy into reusable buffers.
+
+On CUDA the host side is pinned memory, double-buffered (the copy of step N may still be in flight
+while step N+1 is prepared), and the device side is one set of static tensors that CUDA graphs read.
+Host work per step is a few vectorized passes plus one Python pass over the scheduled requests.
+"""
 
 from __future__ import annotations
 
@@ -9,111 +13,236 @@ import numpy as np
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
-from overnight.runner.request_state import RunnerRequest, ScheduledRequest
+from overnight.runner.request_state import RequestStates, RunnerRequest, ScheduledRequest
 from overnight.runner.sampler import SamplingBatch
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
+    input_ids: torch.Tensor  # [T] int64 (device)
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # [S] rows of the hidden states whose logits are sampled
     sampled: list[RunnerRequest]  # the S requests, in row order
+    pending_rows: torch.Tensor | None  # rows whose input id is a token still on the device
+    pending_src: torch.Tensor | None  # index of that token in the previous step's samples
 
 
-def build_step_inputs(
-    scheduled: list[ScheduledRequest], block_size: int, device: torch.device
-) -> StepInputs:
-    """scheduled must list decodes (one token) first; see attention/metadata.py for the layout."""
-    num_reqs = len(scheduled)
-    lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-    starts = np.fromiter((s.state.num_computed_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-    qsl = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(lens, out=qsl[1:])
-    num_tokens = int(qsl[-1])
-    seq_lens = starts + lens
+class _HostSet:
+    """Host-side staging tensors (pinned on CUDA) and numpy views of them."""
 
-    ids: list[int] = []
-    for s in scheduled:
-        st = s.state
-        ids.extend(st.token_ids[st.num_computed_tokens : st.num_computed_tokens + s.num_tokens])
-    req_of_row = np.repeat(np.arange(num_reqs), lens)
-    positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(qsl[:-1] - starts, lens)
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool) -> None:
+        def alloc(shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-    width = max(len(s.state.block_ids) for s in scheduled)
-    tables = np.zeros((num_reqs, width), dtype=np.int32)
-    for i, s in enumerate(scheduled):
-        b = s.state.block_ids
-        tables[i, : len(b)] = b
-    slots = tables[req_of_row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        self.ids = alloc(max_tokens, torch.int64)
+        self.pos = alloc(max_tokens, torch.int64)
+        self.slots = alloc(max_tokens, torch.int64)
+        self.qsl = alloc(max_reqs + 1, torch.int32)
+        self.seq_lens = alloc(max_reqs, torch.int32)
+        self.tables = alloc((max_reqs, max_blocks), torch.int32)
+        self.sample_rows = alloc(max_reqs, torch.int64)
+        self.pending = alloc((2, max_reqs), torch.int64)
+        self.event: torch.cuda.Event | None = None  # set once this set's copies are enqueued
 
-    num_decodes = 0
-    while num_decodes < num_reqs and lens[num_decodes] == 1:
-        num_decodes += 1
-    sample_idx = [i for i, s in enumerate(scheduled) if s.samples]
-    sample_rows = qsl[1:][sample_idx] - 1
 
-    qsl_t = torch.from_numpy(qsl.astype(np.int32))
-    seq_t = torch.from_numpy(seq_lens.astype(np.int32))
-    meta = AttentionMetadata(
-        num_reqs=num_reqs,
-        num_decodes=num_decodes,
-        num_tokens=num_tokens,
-        query_start_loc=qsl_t.to(device, non_blocking=True),
-        seq_lens=seq_t.to(device, non_blocking=True),
-        block_tables=torch.from_numpy(tables).to(device, non_blocking=True),
-        slot_mapping=torch.from_numpy(slots).to(device, non_blocking=True),
-        max_query_len=int(lens.max()),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=qsl_t,
-        seq_lens_cpu=seq_t,
-    )
-    return StepInputs(
-        input_ids=torch.tensor(ids, dtype=torch.int64).to(device, non_blocking=True),
-        positions=torch.from_numpy(positions).to(device, non_blocking=True),
-        meta=meta,
-        sample_rows=torch.from_numpy(sample_rows).to(device, non_blocking=True),
-        sampled=[scheduled[i].state for i in sample_idx],
-    )
+class StepBuffers:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.max_blocks = max_blocks
+        cuda = device.type == "cuda"
+        self.hosts = [_HostSet(max_tokens, max_reqs, max_blocks, cuda) for _ in range(2 if cuda else 1)]
+        self._turn = 0
+
+        def dev(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros_like(t, device=device) if cuda else t
+
+        h = self.hosts[0]
+        # Device-side static tensors (on CPU: the host tensors themselves).
+        self.ids = dev(h.ids)
+        self.pos = dev(h.pos)
+        self.slots = dev(h.slots)
+        self.qsl = dev(h.qsl)
+        self.seq_lens = dev(h.seq_lens)
+        self.tables = dev(h.tables)
+        self.sample_rows = dev(h.sample_rows)
+        self.pending = dev(h.pending)
+
+    def build(
+        self,
+        scheduled: list[ScheduledRequest],
+        states: RequestStates,
+        prev_index: dict[str, int],
+        pad_to: int | None = None,
+    ) -> StepInputs:
+        """scheduled: decodes first, RequestStates.begin() already applied (start/samples set).
+        prev_index: request id -> row of the previous step's sampled tokens, for pending inputs.
+        pad_to: a decode-only batch padded to a CUDA-graph size (padding rows write nothing)."""
+        h = self.hosts[self._turn]
+        self._turn = (self._turn + 1) % len(self.hosts)
+        if h.event is not None:
+            h.event.synchronize()  # its previous copies have long finished in practice
+        bs = self.block_size
+        num_reqs = len(scheduled)
+        lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_reqs)
+        slots_of = np.fromiter((s.state.slot for s in scheduled), dtype=np.int64, count=num_reqs)
+        qsl = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = starts + lens
+
+        ids = h.ids.numpy()
+        pend_rows: list[int] = []
+        pend_src: list[int] = []
+        row = 0
+        for s in scheduled:
+            toks = s.state.token_ids
+            end = s.start + s.num_tokens
+            if end <= len(toks):
+                if s.num_tokens == 1:
+                    ids[row] = toks[s.start]
+                else:
+                    ids[row : row + s.num_tokens] = toks[s.start : end]
+            else:  # the one token to compute was sampled by the previous step, still on the device
+                assert s.num_tokens == 1 and s.start == len(toks), "only a decode input can be pending"
+                ids[row] = 0
+                pend_rows.append(row)
+                pend_src.append(prev_index[s.state.req_id])
+            row += s.num_tokens
+
+        total = pad_to if pad_to is not None else num_tokens
+        pos = h.pos.numpy()
+        if num_reqs == num_tokens:  # decode only: one row per request
+            pos[:num_tokens] = starts
+        else:
+            pos[:num_tokens] = np.arange(num_tokens) - np.repeat(qsl[:-1] - starts, lens)
+        need = int((seq_lens.max() + bs - 1) // bs)
+        tables = states.block_table[slots_of, :need]
+        row_req = np.repeat(np.arange(num_reqs), lens) if num_reqs != num_tokens else np.arange(num_reqs)
+        p = pos[:num_tokens]
+        slot_np = h.slots.numpy()
+        slot_np[:num_tokens] = tables[row_req, p // bs].astype(np.int64) * bs + p % bs
+        h.tables.numpy()[:num_reqs, :need] = tables
+        h.qsl.numpy()[: num_reqs + 1] = qsl
+        h.seq_lens.numpy()[:num_reqs] = seq_lens
+        if total > num_tokens:  # padding rows: position 0, no cache write, empty context
+            ids[num_tokens:total] = 0
+            pos[num_tokens:total] = 0
+            slot_np[num_tokens:total] = -1
+            h.seq_lens.numpy()[num_reqs:total] = 0
+            h.qsl.numpy()[num_reqs + 1 : total + 1] = num_tokens
+        num_rows = max(total, num_tokens)
+        req_rows = num_reqs if pad_to is None else total
+
+        sampled = [s.state for s in scheduled if s.samples]
+        sample_rows = qsl[1:][[i for i, s in enumerate(scheduled) if s.samples]] - 1
+        h.sample_rows.numpy()[: len(sampled)] = sample_rows
+        npend = len(pend_rows)
+        if npend:
+            h.pending.numpy()[0, :npend] = pend_rows
+            h.pending.numpy()[1, :npend] = pend_src
+
+        if self.device.type == "cuda":
+            self.ids[:num_rows].copy_(h.ids[:num_rows], non_blocking=True)
+            self.pos[:num_rows].copy_(h.pos[:num_rows], non_blocking=True)
+            self.slots[:num_rows].copy_(h.slots[:num_rows], non_blocking=True)
+            self.qsl[: req_rows + 1].copy_(h.qsl[: req_rows + 1], non_blocking=True)
+            self.seq_lens[:req_rows].copy_(h.seq_lens[:req_rows], non_blocking=True)
+            self.tables[:num_reqs, :need].copy_(h.tables[:num_reqs, :need], non_blocking=True)
+            self.sample_rows[: len(sampled)].copy_(h.sample_rows[: len(sampled)], non_blocking=True)
+            if npend:
+                self.pending[:, :npend].copy_(h.pending[:, :npend], non_blocking=True)
+            h.event = torch.cuda.Event()
+            h.event.record()
+
+        # Host copies for planners that run during this step's launch (before this set is reused).
+        qsl_cpu = h.qsl[: req_rows + 1]
+        sl_cpu = h.seq_lens[:req_rows]
+        meta = AttentionMetadata(
+            num_reqs=req_rows,
+            num_decodes=req_rows if num_reqs == num_tokens else _count_decodes(lens),
+            num_tokens=num_rows,
+            query_start_loc=self.qsl[: req_rows + 1],
+            seq_lens=self.seq_lens[:req_rows],
+            block_tables=self.tables[:req_rows],
+            slot_mapping=self.slots[:num_rows],
+            max_query_len=int(lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=qsl_cpu,
+            seq_lens_cpu=sl_cpu,
+        )
+        return StepInputs(
+            input_ids=self.ids[:num_rows],
+            positions=self.pos[:num_rows],
+            meta=meta,
+            sample_rows=self.sample_rows[: len(sampled)],
+            sampled=sampled,
+            pending_rows=self.pending[0, :npend] if npend else None,
+            pending_src=self.pending[1, :npend] if npend else None,
+        )
+
+
+def _count_decodes(lens: np.ndarray) -> int:
+    n = 0
+    while n < len(lens) and lens[n] == 1:
+        n += 1
+    return n
 
 
 def build_sampling_batch(
     reqs: list[RunnerRequest], eos_token_ids: tuple[int, ...], device: torch.device
 ) -> SamplingBatch:
+    """Per-row sampling settings. An all-greedy batch with no extras (the common case of batch
+    jobs) builds no tensors at all."""
     params = [r.params for r in reqs]
-    greedy = [p.is_greedy for p in params]
-    temperature = [0.0 if g else p.temperature for g, p in zip(greedy, params)]
+    all_greedy = all(p.is_greedy for p in params)
     asked = [p.logprobs is not None for p in params]
-    batch = SamplingBatch(
-        temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
-        top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-        seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=device),
-        positions=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64, device=device),
-        all_greedy=all(greedy),
-        any_top_k=any(p.top_k > 0 for g, p in zip(greedy, params) if not g),
-        any_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, params) if not g),
-        any_min_p=any(p.min_p > 0 for g, p in zip(greedy, params) if not g),
-        max_logprobs=max((p.logprobs or 0 for p in params if p.logprobs is not None), default=None)
-        if any(asked)
-        else None,
-        wants_logprobs=asked if any(asked) else None,
-    )
-    rows = [i for i, p in enumerate(params) if p.needs_penalties]
-    if rows:
-        batch.penalty_rows = rows
-        batch.presence = torch.tensor([params[i].presence_penalty for i in rows], device=device)
-        batch.frequency = torch.tensor([params[i].frequency_penalty for i in rows], device=device)
-        batch.repetition = torch.tensor([params[i].repetition_penalty for i in rows], device=device)
-        batch.prompt_ids = [reqs[i].token_ids[: reqs[i].num_prompt_tokens] for i in rows]
-        batch.output_ids = [reqs[i].token_ids[reqs[i].num_prompt_tokens :] for i in rows]
+    any_logprobs = any(asked)
+    pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
     banned = []
     for i, (r, p) in enumerate(zip(reqs, params)):
-        if r.num_output_tokens < p.min_tokens:
+        if p.min_tokens and r.num_output_tokens < p.min_tokens:
             ids = list(p.stop_token_ids or []) + ([] if p.ignore_eos else list(eos_token_ids))
             if ids:
                 banned.append((i, ids))
+    if all_greedy:
+        empty = torch.empty(0, device=device)
+        batch = SamplingBatch(
+            temperature=empty, top_k=empty, top_p=empty, min_p=empty, seeds=empty, positions=empty,
+            all_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False, max_logprobs=None,
+        )
+    else:
+        greedy = [p.is_greedy for p in params]
+        batch = SamplingBatch(
+            temperature=torch.tensor(
+                [0.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32
+            ).to(device, non_blocking=True),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device, non_blocking=True),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device, non_blocking=True),
+            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(device, non_blocking=True),
+            positions=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64).to(
+                device, non_blocking=True
+            ),
+            all_greedy=False,
+            any_top_k=any(p.top_k > 0 for g, p in zip(greedy, params) if not g),
+            any_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, params) if not g),
+            any_min_p=any(p.min_p > 0 for g, p in zip(greedy, params) if not g),
+            max_logprobs=None,
+        )
+    if any_logprobs:
+        batch.max_logprobs = max(p.logprobs or 0 for p in params if p.logprobs is not None)
+        batch.wants_logprobs = asked
+    if pen_rows:
+        batch.penalty_rows = pen_rows
+        batch.presence = torch.tensor([params[i].presence_penalty for i in pen_rows], device=device)
+        batch.frequency = torch.tensor([params[i].frequency_penalty for i in pen_rows], device=device)
+        batch.repetition = torch.tensor([params[i].repetition_penalty for i in pen_rows], device=device)
+        batch.prompt_ids = [reqs[i].token_ids[: reqs[i].num_prompt_tokens] for i in pen_rows]
+        batch.output_ids = [reqs[i].token_ids[reqs[i].num_prompt_tokens :] for i in pen_rows]
     batch.banned = banned or None
     return batch

@@ -1,6 +1,14 @@
-"""The model runner: owns the weights, the KV cache and the sampler; runs one step per call."""
+"""The model runner: owns the weights, the KV cache and the sampler; runs one step per launch.
+
+launch() enqueues a step's work and returns at once on CUDA; result() waits for its sampled tokens.
+The engine launches step N+1 before it reads step N's result, so the host's work for one step overlaps
+the GPU's work for the previous one. A decode whose input token was sampled by the previous, still
+unread step takes it straight from that step's device tensor.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -9,23 +17,49 @@ from overnight.attention.metadata import AttentionBackend, AttentionBatch
 from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.loader.source import ModelSource
-from overnight.runner.inputs import build_sampling_batch, build_step_inputs
+from overnight.runner.inputs import StepBuffers, build_sampling_batch
 from overnight.runner.request_state import RequestStates
-from overnight.runner.sampler import Sampler
+from overnight.runner.sampler import SampledLogprobs, Sampler
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    name = config.runner.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "triton":
         from overnight.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend()
+        arch = config.model.arch
+        return TritonAttentionBackend(
+            num_heads=arch.num_attention_heads,
+            num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            max_model_len=config.scheduler.max_model_len,
+            device=device,
+        )
     if name == "torch":
         from overnight.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r} (auto, torch, triton)")
+
+
+@dataclass
+class StepHandle:
+    """A launched step. result() blocks until its tokens are on the host (once; then cached)."""
+
+    runner: ModelRunner
+    req_ids: list[str]
+    tokens_host: torch.Tensor | None
+    event: torch.cuda.Event | None
+    logprobs: SampledLogprobs | None
+    _result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            self._result = self.runner._finish(self)
+        return self._result
 
 
 class ModelRunner:
@@ -39,11 +73,35 @@ class ModelRunner:
 
             model = load_model(source, config.model.dtype, self.device, seed=config.model.seed)
         self.model = model
-        self.backend = make_attention_backend(config.runner.attention_backend, self.device)
+        self.backend = make_attention_backend(config, self.device)
         self.sampler = Sampler()
-        self.states = RequestStates()
+        sched = config.scheduler
+        self.max_blocks_per_req = -(-sched.max_model_len // self.block_size)
+        self.states = RequestStates(sched.max_num_seqs, self.max_blocks_per_req)
+        self.buffers = StepBuffers(
+            max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
+            max_reqs=sched.max_num_seqs,
+            max_blocks=self.max_blocks_per_req,
+            block_size=self.block_size,
+            device=self.device,
+        )
         self.kv_caches: list[torch.Tensor] = []
         self.eos_token_ids = tuple(source.eos_token_ids)
+        self.graphs = None
+        self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
+        self._prev_tokens: torch.Tensor | None = None
+        self._host_tokens = [
+            torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=self.is_cuda) for _ in range(3)
+        ]
+        self._turn = 0
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def supports_async(self) -> bool:
+        return self.is_cuda
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
@@ -65,25 +123,68 @@ class ModelRunner:
             for _ in range(arch.num_hidden_layers)
         ]
 
-    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        if not self.is_cuda or self.config.runner.enforce_eager:
+            return
+        from overnight.runner.cuda_graph import DecodeGraphs
+
+        max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
+        self.graphs = DecodeGraphs(
+            self.model, self.backend, self.kv_caches, self.buffers, max_batch,
+            self.config.scheduler.max_model_len,
+        )
+        self.graphs.capture()
+
+    # -- a step -----------------------------------------------------------------------------------
+
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> StepHandle:
         scheduled = self.states.apply(out)
         if not scheduled:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        inputs = build_step_inputs(scheduled, self.block_size, self.device)
-        attn = AttentionBatch(inputs.meta, self.kv_caches, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, attn)
-        req_ids: list[str] = []
-        tokens: list[int] = []
-        logprobs = None
-        if inputs.sampled:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows]).float()
-            batch = build_sampling_batch(inputs.sampled, self.eos_token_ids, self.device)
-            sampled, logprobs = self.sampler(logits, batch)
-            tokens = sampled.tolist()
-            req_ids = [r.req_id for r in inputs.sampled]
-        self.states.advance(scheduled, dict(zip(req_ids, tokens)))
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=tokens, logprobs=logprobs)
+            return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
+        sampled = self.states.begin(scheduled)
+        decode_only = all(s.num_tokens == 1 for s in scheduled)
+        bucket = self.graphs.bucket_for(len(scheduled)) if self.graphs and decode_only else None
+        inputs = self.buffers.build(scheduled, self.states, self._prev_index, pad_to=bucket)
+        if inputs.pending_rows is not None:
+            assert self._prev_tokens is not None
+            self.buffers.ids.index_copy_(0, inputs.pending_rows, self._prev_tokens[inputs.pending_src])
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)[: len(scheduled)]
+        else:
+            attn = AttentionBatch(inputs.meta, self.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, attn)
+        req_ids = [r.req_id for r in sampled]
+        if not sampled:
+            return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
+        rows = hidden if decode_only else hidden[inputs.sample_rows]
+        logits = self.model.compute_logits(rows).float()
+        batch = build_sampling_batch(sampled, self.eos_token_ids, self.device)
+        if batch.penalty_rows and any(r.num_pending > 1 for r in sampled):
+            # Penalties need every previous token on the host: wait for the step still in flight.
+            raise RuntimeError("penalties with a pending token")  # the engine resolves first
+        tokens, logprobs = self.sampler(logits, batch)
+        self._prev_tokens = tokens
+        self._prev_index = {rid: j for j, rid in enumerate(req_ids)}
+        if not self.is_cuda:
+            return StepHandle(self, req_ids, tokens, None, logprobs)
+        host = self._host_tokens[self._turn][: len(req_ids)]
+        self._turn = (self._turn + 1) % len(self._host_tokens)
+        host.copy_(tokens, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(self, req_ids, host, event, logprobs)
+
+    def _finish(self, handle: StepHandle) -> ModelRunnerOutput:
+        if handle.event is not None:
+            handle.event.synchronize()
+        tokens = handle.tokens_host.tolist() if handle.tokens_host is not None else []
+        self.states.resolve(handle.req_ids, tokens)
+        logprobs = handle.logprobs.to_host() if handle.logprobs is not None else None
+        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=tokens, logprobs=logprobs)
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int, num_seqs: int, max_model_len: int) -> int:
@@ -104,7 +205,10 @@ class ModelRunner:
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
         shape = (2, next_block, bs, arch.num_key_value_heads, arch.head_dim)
-        caches = [torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(arch.num_hidden_layers)]
+        caches = [
+            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            for _ in range(arch.num_hidden_layers)
+        ]
         meta = build_metadata(seq_lens, seq_lens, tables, bs, device=self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
@@ -113,7 +217,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]).float()
         logits.log_softmax(dim=-1)
         del hidden, logits, caches
-        if self.device.type == "cuda":
+        if self.is_cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device)
         return 0

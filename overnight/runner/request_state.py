@@ -1,8 +1,16 @@
-"""The runner's own copy of each running request, kept up to date from SchedulerOutput diffs."""
+"""The runner's own copy of each running request, kept up to date from SchedulerOutput diffs.
+
+Each request holds a row ("slot") of a persistent block table, so a step gathers the rows it needs
+instead of rebuilding the table from lists. A launched step may run ahead of the host: the token it
+samples is "pending" until its result is read, and the next step takes that token straight from the
+device (see model_runner.py).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
 from overnight.sampling_params import SamplingParams
@@ -11,61 +19,102 @@ from overnight.sampling_params import SamplingParams
 @dataclass(slots=True, eq=False)
 class RunnerRequest:
     req_id: str
-    token_ids: list[int]
+    token_ids: list[int]  # known tokens: prompt + outputs whose ids reached the host
     num_prompt_tokens: int
     params: SamplingParams
     seed: int
-    block_ids: list[int]
+    slot: int  # row in the block table
+    num_blocks: int
     num_computed_tokens: int
+    num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
+        """Output tokens including pending ones: the index of the next token drawn."""
+        return len(self.token_ids) + self.num_pending - self.num_prompt_tokens
 
 
 @dataclass(slots=True)
 class ScheduledRequest:
     state: RunnerRequest
-    num_tokens: int  # tokens computed this step, starting at state.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """The step reaches the end of the known tokens, so its last row's logits are sampled."""
-        return self.state.num_computed_tokens + self.num_tokens >= len(self.state.token_ids)
+    num_tokens: int  # tokens computed this step
+    start: int = 0  # first position computed (num_computed_tokens before the step)
+    samples: bool = False  # the step reaches the end of the known + pending tokens
 
 
 class RequestStates:
-    def __init__(self) -> None:
+    def __init__(self, max_num_reqs: int = 1024, max_blocks_per_req: int = 256) -> None:
         self.reqs: dict[str, RunnerRequest] = {}
+        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+
+    def _grow(self) -> None:
+        rows, cols = self.block_table.shape
+        bigger = np.zeros((rows * 2, cols), dtype=np.int32)
+        bigger[:rows] = self.block_table
+        self.block_table = bigger
+        self._free_slots = list(range(2 * rows - 1, rows - 1, -1)) + self._free_slots
+
+    def _set_blocks(self, st: RunnerRequest, block_ids: list[int]) -> None:
+        end = st.num_blocks + len(block_ids)
+        if end > self.block_table.shape[1]:
+            cols = max(end, 2 * self.block_table.shape[1])
+            wider = np.zeros((self.block_table.shape[0], cols), dtype=np.int32)
+            wider[:, : self.block_table.shape[1]] = self.block_table
+            self.block_table = wider
+        self.block_table[st.slot, st.num_blocks : end] = block_ids
+        st.num_blocks = end
 
     def apply(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Fold one step's diff into the states; return the scheduled requests, decodes (one token)
         first, as the attention metadata requires, otherwise in schedule order."""
         for rid in out.finished_req_ids:
-            self.reqs.pop(rid, None)
+            st = self.reqs.pop(rid, None)
+            if st is not None:
+                self._free_slots.append(st.slot)
         for new in out.new_reqs:
-            self.reqs[new.req_id] = RunnerRequest(
+            if not self._free_slots:
+                self._grow()
+            st = RunnerRequest(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens,
                 params=new.params,
                 seed=new.seed,
-                block_ids=list(new.block_ids),
+                slot=self._free_slots.pop(),
+                num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
             )
+            self._set_blocks(st, new.block_ids)
+            self.reqs[new.req_id] = st
         for cached in out.cached_reqs:
-            if cached.new_block_ids:
-                self.reqs[cached.req_id].block_ids.extend(cached.new_block_ids)
+            self._set_blocks(self.reqs[cached.req_id], cached.new_block_ids)
         decodes, prefills = [], []
+        reqs = self.reqs
         for rid, n in out.num_scheduled_tokens.items():
-            sched = ScheduledRequest(self.reqs[rid], n)
-            (decodes if n == 1 else prefills).append(sched)
+            (decodes if n == 1 else prefills).append(ScheduledRequest(reqs[rid], n))
         return decodes + prefills
 
     @staticmethod
-    def advance(scheduled: list[ScheduledRequest], sampled: dict[str, int]) -> None:
+    def begin(scheduled: list[ScheduledRequest]) -> list[RunnerRequest]:
+        """Mark the step launched: advance computed tokens, note who samples. Returns the sampling
+        requests in row order."""
+        sampled = []
         for s in scheduled:
-            s.state.num_computed_tokens += s.num_tokens
-            token = sampled.get(s.state.req_id)
-            if token is not None:
-                s.state.token_ids.append(token)
+            st = s.state
+            s.start = st.num_computed_tokens
+            st.num_computed_tokens += s.num_tokens
+            if st.num_computed_tokens == len(st.token_ids) + st.num_pending:
+                s.samples = True
+                st.num_pending += 1
+                sampled.append(st)
+        return sampled
+
+    def resolve(self, req_ids: list[str], tokens: list[int]) -> None:
+        """A launched step's tokens reached the host."""
+        reqs = self.reqs
+        for rid, tok in zip(req_ids, tokens):
+            st = reqs.get(rid)
+            if st is not None:  # dropped meanwhile: finished or preempted
+                st.token_ids.append(tok)
+                st.num_pending -= 1

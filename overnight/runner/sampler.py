@@ -131,12 +131,32 @@ def compute_logprobs(
     return sampled, rank, top.indices, top.values
 
 
+@dataclass
+class SampledLogprobs:
+    """Device tensors of the raw-distribution logprobs of the sampled rows (read back with the
+    tokens, so asking for logprobs adds no sync of its own)."""
+
+    sampled: torch.Tensor  # [B]
+    rank: torch.Tensor  # [B]
+    top_ids: torch.Tensor  # [B, k]
+    top_logprobs: torch.Tensor  # [B, k]
+    wants: list[bool]
+
+    def to_host(self) -> list[TokenLogprobs | None]:
+        sampled, rank = self.sampled.tolist(), self.rank.tolist()
+        ids, lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        return [
+            TokenLogprobs(sampled[i], int(rank[i]), ids[i], lps[i]) if want else None
+            for i, want in enumerate(self.wants)
+        ]
+
+
 class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
-    ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
-        """logits: [B, V] float32 (modified in place). Returns the tokens [B] (on device) and, when
-        asked, logprobs per row (host objects, so this path syncs; it is taken only when asked)."""
+    ) -> tuple[torch.Tensor, SampledLogprobs | None]:
+        """logits: [B, V] float32 (modified in place). Returns the tokens [B] and, when asked, the
+        logprobs, both still on the device."""
         raw = logits.clone() if batch.max_logprobs is not None else None
         apply_penalties(logits, batch)
         if batch.banned:
@@ -152,14 +172,6 @@ class Sampler:
             tokens = torch.where(batch.temperature > 0, drawn, greedy)
         if raw is None:
             return tokens, None
-        k = batch.max_logprobs or 0
-        sampled, rank, top_ids, top_lps = compute_logprobs(raw, tokens, k)
-        sampled_l, rank_l = sampled.tolist(), rank.tolist()
-        ids_l, lps_l = top_ids.tolist(), top_lps.tolist()
-        out: list[TokenLogprobs | None] = []
-        for i in range(len(sampled_l)):
-            if batch.wants_logprobs is not None and not batch.wants_logprobs[i]:
-                out.append(None)
-            else:
-                out.append(TokenLogprobs(sampled_l[i], int(rank_l[i]), ids_l[i], lps_l[i]))
-        return tokens, out
+        sampled, rank, top_ids, top_lps = compute_logprobs(raw, tokens, batch.max_logprobs or 0)
+        wants = batch.wants_logprobs or [True] * len(tokens)
+        return tokens, SampledLogprobs(sampled, rank, top_ids, top_lps, wants)
