@@ -1,39 +1,78 @@
-"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer."""
+"""RMSNorm, optionally fused with the residual add that precedes it in every decoder layer.
+
+Path choice, shared by the small-op layers (this file, rotary.py, activation.py): use_kernels(x) is true
+for CUDA tensors when triton imports, and the layer then runs its fused Triton kernel from
+overnight/kernels/; otherwise it runs the PyTorch code here, which is both the CPU path and the kernels'
+reference. FORCE_KERNELS overrides that choice for every input: tests set True to run the kernels on the
+CPU through the Triton interpreter, or False to run the PyTorch path on a GPU.
+"""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
+FORCE_KERNELS: bool | None = None
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the small-op layers take their Triton kernel path for input x."""
+    if FORCE_KERNELS is not None:
+        return FORCE_KERNELS
+    return x.is_cuda and _triton_importable()
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The statistics are taken in fp32 and the result is cast back to the input dtype *before* the
+    weight multiply; that order is what the HF reference does, so fp32 outputs match it bit for bit."""
+    input_dtype = x.dtype
+    x = x.to(torch.float32)
+    variance = x.pow(2).mean(-1, keepdim=True)
+    x = x * torch.rsqrt(variance + eps)
+    return weight * x.to(input_dtype)
+
+
+def add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual): the add is done in the activation dtype, as the reference
+    does between layers, and its sum becomes the next residual."""
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
 
 class RMSNorm(nn.Module):
-    """weight * x / rms(x), normalising over the last dimension.
-
-    The statistics are taken in fp32 and the result is cast back to the input dtype *before* the weight
-    multiply; that order is what the HF reference does, so fp32 outputs match it bit for bit.
-    """
+    """weight * x / rms(x), normalising over the last dimension."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.variance_epsilon = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.to(torch.float32)
-        variance = x.pow(2).mean(-1, keepdim=True)
-        x = x * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * x.to(input_dtype)
-
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); or, with a residual, (norm(x + residual), x + residual): the add is done in the
-        activation dtype, as the reference does between layers, and its sum becomes the next residual."""
+        """norm(x); or, with a residual, (norm(x + residual), x + residual). Inputs are not modified."""
+        if use_kernels(x):
+            from overnight.kernels.rmsnorm import add_rms_norm, rms_norm  # triton loads on first use
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.variance_epsilon)
+            return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
         if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+            return rms_norm_ref(x, self.weight, self.variance_epsilon)
+        return add_rms_norm_ref(x, residual, self.weight, self.variance_epsilon)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"

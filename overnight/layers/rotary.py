@@ -14,6 +14,8 @@ import math
 import torch
 from torch import nn
 
+from overnight.layers.norm import RMSNorm, use_kernels
+
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -73,14 +75,44 @@ class RotaryEmbedding(nn.Module):
         self.cos_sin_cache = self._table(self.cos_sin_cache.device)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int64; q: [T, H, D]; k: [T, Hkv, D]. Returns rotated copies of q and k."""
-        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
+        """positions: [T] int64; q: [T, H, D]; k: [T, Hkv, D]. Returns the rotated q and k; with q_norm
+        and k_norm (Qwen3), each head of q and k is RMS-normalized first.
+
+        The kernel path (use_kernels) rotates q and k in place, norms included, in one launch, and
+        returns them; the PyTorch path returns new tensors and leaves q and k as they were."""
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("q_norm and k_norm come together")
+        if use_kernels(q):
+            from overnight.kernels.rotary import qk_norm_rotary_inplace, rotary_inplace  # triton on use
+
+            if q_norm is None or k_norm is None:
+                rotary_inplace(positions, q, k, self.cos_sin_cache)
+            else:
+                eps = q_norm.variance_epsilon
+                qk_norm_rotary_inplace(positions, q, k, self.cos_sin_cache, q_norm.weight, k_norm.weight, eps)
+            return q, k
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return rotary_ref(positions, q, k, self.cos_sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}"
+
+
+def rotary_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The PyTorch path: rotated copies of q [T, H, D] and k [T, Hkv, D]; the table's cos/sin are cast to
+    each one's dtype before use, as the HF reference does."""
+    cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
+    return _rotate(q, cos.to(q.dtype), sin.to(q.dtype)), _rotate(k, cos.to(k.dtype), sin.to(k.dtype))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

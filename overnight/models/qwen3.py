@@ -37,7 +37,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+        # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
+        q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
         o = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(o.flatten(1))
 
