@@ -146,9 +146,11 @@ class OutputProcessor:
         if not parent.finished:
             return None
         parent.metrics.finished_time = time.monotonic()
+        # Built before the children are dropped: a streamed delta is made from them.
+        out = self._delta_output(parent) if parent.stream else self._full_output(parent)
         for sibling in self._siblings(parent):
             self.children.pop(sibling, None)
-        return self._delta_output(parent) if parent.stream else self._full_output(parent)
+        return out
 
     # -- helpers ----------------------------------------------------------------------------------
 

@@ -1,0 +1,148 @@
+"""The HTTP app: routes, API-key check, error shapes, and the engine thread's lifetime.
+
+    POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
+    GET  /v1/models, /v1/models/{id}              the one model served
+    GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
+    GET  /metrics                                 Prometheus text format
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic.json_schema import models_json_schema
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from overnight import __version__
+from overnight.metrics.prometheus import PrometheusObserver
+from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from overnight.server.async_engine import AsyncEngine
+from overnight.server.errors import EXCEPTION_HANDLERS, HttpError, engine_unavailable, unauthorized
+from overnight.server.serving import OpenAIServing, ServingConfig
+
+OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, orchestrators)
+
+
+def build_app(
+    engine: AsyncEngine,
+    config: ServingConfig,
+    metrics: PrometheusObserver,
+    api_key: str | None = None,
+) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.stop()  # after uvicorn drained or cancelled the in-flight requests
+
+    app = FastAPI(
+        title="overnight",
+        version=__version__,
+        lifespan=lifespan,
+        exception_handlers=EXCEPTION_HANDLERS,  # type: ignore[arg-type]
+        docs_url=None,
+        redoc_url=None,
+    )
+    serving = OpenAIServing(engine, config)
+    created = int(time.time())
+    core = engine.engine
+
+    @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await serving.handle("/v1/chat/completions", request)
+
+    @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await serving.handle("/v1/completions", request)
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": config.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "overnight",
+            "root": core.config.model.model,
+            "max_model_len": core.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id not in config.accepted_names:
+            raise HttpError(404, f"the model {model_id!r} does not exist here; serving: {config.model_name}",
+                            "not_found_error", "model_not_found", "model")
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not engine.is_running:
+            raise engine_unavailable(engine.error)
+        return JSONResponse({})
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    return app
+
+
+class ApiKeyMiddleware:
+    """401 on every route but /health unless `Authorization: Bearer <key>` matches (compared in constant
+    time). Plain ASGI, so streaming responses and disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
+                await unauthorized().response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+# -- OpenAPI ---------------------------------------------------------------------------------------
+# The bodies are parsed by the shared layer (for OpenAI-shaped 400s, not FastAPI's 422s), so FastAPI does
+# not see their models; the schema names them explicitly, for clients, docs and the fuzz tests.
+
+_REF = "#/components/schemas/{model}"
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    ref = {"$ref": _REF.format(model=model.__name__)}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        _, defs = models_json_schema(
+            [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")], ref_template=_REF
+        )
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,117 @@
+"""`overnight serve`: the engine behind an OpenAI-compatible HTTP API, with Prometheus metrics.
+
+    overnight serve                                   # the embedded default model on 127.0.0.1:8000
+    overnight serve --model ./my-model --api-key KEY --metrics-prefix vllm --max-waiting 256
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
+--shutdown-timeout seconds, aborts what is left, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+from dataclasses import dataclass
+
+from overnight.engine.builder import build_engine
+from overnight.engine.engine import Engine
+from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+from overnight.metrics import DEFAULT_PREFIX, PrometheusObserver, engine_model_name, hide_created_series
+from overnight.openai_api.inputs import served_names
+from overnight.server.app import build_app
+from overnight.server.async_engine import AsyncEngine
+from overnight.server.serving import ServingConfig
+
+log = logging.getLogger("overnight.server")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_waiting: int | None = None
+    shutdown_timeout: float = 30.0
+    metrics_prefix: str = DEFAULT_PREFIX
+    access_log: bool = True
+    log_level: str = "info"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server with Prometheus metrics",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health")
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="answer 503 to new requests while this many wait to be scheduled (default: no limit)")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
+    g.add_argument("--metrics-prefix", default=DEFAULT_PREFIX,
+                   help=f"prefix of /metrics names; 'vllm' keeps existing dashboards working (default: {DEFAULT_PREFIX})")
+    g.add_argument("--no-access-log", dest="access_log", action="store_false")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    return ServerOptions(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        shutdown_timeout=args.shutdown_timeout,
+        metrics_prefix=args.metrics_prefix,
+        access_log=args.access_log,
+        log_level=args.log_level,
+    )
+
+
+def make_app(engine: Engine, opts: ServerOptions, model_arg: str | None = None):
+    """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
+    model_name = engine_model_name(engine)
+    metrics = PrometheusObserver(model_name, prefix=opts.metrics_prefix, max_model_len=engine.max_model_len)
+    engine.observers.append(metrics)
+    config = ServingConfig(
+        model_name=model_name,
+        accepted_names=served_names(model_name, model_arg),
+        max_waiting=opts.max_waiting,
+    )
+    return build_app(AsyncEngine(engine, metrics), config, metrics, api_key=opts.api_key)
+
+
+def uvicorn_server(app, opts: ServerOptions):
+    import uvicorn
+
+    config = uvicorn.Config(
+        app,
+        host=opts.host,
+        port=opts.port,
+        timeout_graceful_shutdown=max(int(round(opts.shutdown_timeout)), 0),
+        access_log=opts.access_log,
+        log_level=opts.log_level,
+        lifespan="on",
+    )
+    return uvicorn.Server(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = server_options(args)
+    engine = build_engine(options_from_args(args, mode="server"))
+    hide_created_series()
+    server = uvicorn_server(make_app(engine, opts, model_arg=args.model), opts)
+    # uvicorn turns SIGTERM / SIGINT into a graceful shutdown, then raises the signal again for the handler
+    # that was installed before it started. A no-op there makes a clean drain exit 0, not die by signal.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if not server.started:
+        return 1  # could not bind, or the engine failed to start: uvicorn has logged why
+    return 0

@@ -1,0 +1,162 @@
+"""POST /v1/chat/completions and /v1/completions: a body in, a response object or an SSE stream out.
+
+The request schema, its checks and the response objects are the shared OpenAI layer's (overnight.openai_api,
+which run-batch uses too); this file adds what only a live server has: load shedding, streaming, and
+aborting the work of a client that went away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing, suppress
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from overnight.errors import EngineDeadError
+from overnight.openai_api.convert import ChatStream, CompletionStream, chat_completion, completion, new_id
+from overnight.openai_api.errors import ApiError
+from overnight.openai_api.inputs import prepare
+from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest, parse_request
+from overnight.outputs import RequestOutput
+from overnight.server.async_engine import AsyncEngine
+from overnight.server.errors import engine_unavailable, overloaded
+
+# What a client that closed its connection is logged with (nginx's convention); it never receives it.
+CLIENT_CLOSED = 499
+
+
+@dataclass
+class ServingConfig:
+    model_name: str  # the name responses report as `model`
+    accepted_names: set[str]  # names a request's `model` may use
+    max_waiting: int | None  # refuse new requests (503) while this many wait; None: never
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, config: ServingConfig) -> None:
+        self.engine = engine
+        self.config = config
+
+    async def handle(self, url: str, request: Request) -> Response:
+        req = parse_request(url, await read_json(request))
+        self._check_capacity()
+        core = self.engine.engine
+        inputs = prepare(req, core.tokenizer, core.max_model_len, self.config.accepted_names, core.validate)
+        is_chat = isinstance(req, ChatCompletionRequest)
+        response_id = new_id("chatcmpl" if is_chat else "cmpl")
+        prompts = [
+            (response_id if len(inputs.prompts) == 1 else f"{response_id}-{i}", text, ids)
+            for i, (text, ids) in enumerate(inputs.prompts)
+        ]
+        if req.stream:
+            events = self._stream(req, response_id, prompts, inputs.params)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
+        outputs = await self._collect(request, prompts, inputs.params)
+        if outputs is None:
+            return Response(status_code=CLIENT_CLOSED)
+        model = self.config.model_name
+        if is_chat:
+            body = chat_completion(outputs[0], model, response_id=response_id, num_logprobs=req.num_logprobs)
+        else:
+            body = completion(outputs, model, response_id=response_id)
+        return JSONResponse(body)
+
+    def _check_capacity(self) -> None:
+        if not self.engine.is_running:
+            raise engine_unavailable(self.engine.error)
+        limit = self.config.max_waiting
+        if limit is not None and self.engine.num_waiting >= limit:
+            raise overloaded(self.engine.num_waiting)
+
+    # -- whole responses ----------------------------------------------------------------------------
+
+    async def _collect(self, request: Request, prompts: list, params: Any) -> list[RequestOutput] | None:
+        """Final outputs in prompt order, or None if the client disconnected first (its requests are
+        then aborted: nothing would read the answer)."""
+
+        async def run() -> list[RequestOutput]:
+            results: list[RequestOutput | None] = [None] * len(prompts)
+            async with aclosing(self.engine.generate_many(prompts, params, stream=False)) as outputs:
+                async for index, out in outputs:
+                    results[index] = out
+            return [r for r in results if r is not None]
+
+        work = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(wait_for_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()  # closes generate_many, which aborts the requests
+                with suppress(asyncio.CancelledError):
+                    await work
+            gone.cancel()
+        if work.cancelled():
+            return None
+        try:
+            return work.result()
+        except EngineDeadError as e:
+            raise engine_unavailable(e) from None
+
+    # -- streams ------------------------------------------------------------------------------------
+
+    async def _stream(
+        self, req: OpenAIRequest, response_id: str, prompts: list, params: Any
+    ) -> AsyncIterator[str]:
+        """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`.
+
+        When the client disconnects, the response task is cancelled inside this generator's await; the
+        aclosing block then aborts the unfinished requests, freeing their KV blocks."""
+        model = self.config.model_name
+        include_usage = req.include_usage
+        if isinstance(req, ChatCompletionRequest):
+            chat = ChatStream(model, response_id=response_id, include_usage=include_usage,
+                              num_logprobs=req.num_logprobs)
+            text = None
+        else:
+            chat = None
+            text = CompletionStream(model, response_id=response_id, include_usage=include_usage, n=req.n)
+        try:
+            async with aclosing(self.engine.generate_many(prompts, params, stream=True)) as outputs:
+                async for index, delta in outputs:
+                    chunks = chat.chunks(delta) if chat is not None else text.chunks(index, delta)
+                    for chunk in chunks:
+                        yield sse(chunk)
+            for chunk in (chat or text).final_chunks():
+                yield sse(chunk)
+        except EngineDeadError as e:
+            # The status line is long gone: report the failure in-band, as an error event.
+            yield sse(engine_unavailable(e).body())
+        yield "data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def read_json(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ApiError("invalid_json", f"the request body is not valid JSON: {e}", "body") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection. Only for after the body was read: every message
+    the server sends then is the disconnect."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
