@@ -1,0 +1,297 @@
+"""Tensor parallelism, applied to a built model from outside: each rank keeps its share of every weight.
+
+How one rank r of `world` holds a decoder (the model files stay unaware of it):
+
+    qkv_proj    rows [q | k | v]     -> [q heads of r | kv heads of r | kv heads of r]   column-parallel
+    o_proj      columns of r's q heads; partial outputs all-reduced, bias added once   row-parallel
+    gate_up     rows [gate | up]     -> [gate rows of r | up rows of r]                 column-parallel
+    down_proj   columns of r's intermediate slice; all-reduced                          row-parallel
+    embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
+    lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
+    norms, rotary table: replicated
+
+KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
+group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
+heads its own q heads read. The vocabulary is padded to a multiple of world with zero rows, trimmed again
+after the gather.
+
+The same TPShards.shard() slices checkpoint tensors (q_proj, gate_proj, ...) and the model's fused
+parameters (qkv_proj, gate_up_proj), so weights can be sharded after loading (apply_tp on a loaded model)
+or while loading (load_sharded_model, which never holds a whole model on one device).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+from overnight.loader.source import ModelSource
+
+# Row-parallel projections: module name -> the column-parallel section whose output they read.
+ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
+VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class TPShards:
+    """Which rows and columns of each weight rank `rank` of `world` keeps."""
+
+    arch: ModelArch  # the whole model's
+    rank: int
+    world: int
+
+    def check(self) -> None:
+        a, w = self.arch, self.world
+        problems = []
+        if a.num_attention_heads % w:
+            problems.append(f"num_attention_heads {a.num_attention_heads}")
+        hkv = a.num_key_value_heads
+        # Either whole kv heads per rank, or whole groups of ranks per kv head.
+        if (hkv % w) if hkv >= w else (w % hkv):
+            problems.append(f"num_key_value_heads {hkv}")
+        if a.intermediate_size % w:
+            problems.append(f"intermediate_size {a.intermediate_size}")
+        if problems:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
+            )
+
+    @property
+    def local_arch(self) -> ModelArch:
+        """The shape of one rank's share; vocab_size stays whole, as the logits are gathered."""
+        a, w = self.arch, self.world
+        return replace(
+            a,
+            num_attention_heads=a.num_attention_heads // w,
+            num_key_value_heads=max(1, a.num_key_value_heads // w),
+            intermediate_size=a.intermediate_size // w,
+        )
+
+    def section(self, name: str) -> tuple[int, int]:
+        """(first row, rows) of this rank inside one whole section: "q", "kv" or "ffn"."""
+        a, w, r = self.arch, self.world, self.rank
+        if name == "q":
+            per = a.q_size // w
+            return r * per, per
+        if name == "kv":
+            hkv = a.num_key_value_heads
+            head = r * hkv // w  # with hkv < w, ranks r*hkv//w share one head
+            n = max(1, hkv // w)
+            return head * a.head_dim, n * a.head_dim
+        per = a.intermediate_size // w
+        return r * per, per
+
+    @property
+    def vocab_per_rank(self) -> int:
+        return -(-self.arch.vocab_size // self.world)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_per_rank
+
+    def shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the whole tensor `name` (a checkpoint or a model parameter name).
+        May be a view of `t`; callers that keep it clone it."""
+        parts = name.split(".")
+        module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
+        a = self.arch
+        if module == "qkv_proj":
+            q, k, v = t.split([a.q_size, a.kv_size, a.kv_size])
+            return torch.cat([self._rows(q, "q"), self._rows(k, "kv"), self._rows(v, "kv")])
+        if module == "gate_up_proj":
+            gate, up = t.split([a.intermediate_size, a.intermediate_size])
+            return torch.cat([self._rows(gate, "ffn"), self._rows(up, "ffn")])
+        if module == "q_proj":
+            return self._rows(t, "q")
+        if module in ("k_proj", "v_proj"):
+            return self._rows(t, "kv")
+        if module in ("gate_proj", "up_proj"):
+            return self._rows(t, "ffn")
+        if module in ROW_PARALLEL and kind == "weight":
+            start, n = self.section(ROW_PARALLEL[module])
+            return t.narrow(1, start, n)
+        if module in VOCAB_PARALLEL and kind == "weight":
+            rows = t.narrow(
+                0, self.vocab_start, max(0, min(self.vocab_per_rank, a.vocab_size - self.vocab_start))
+            )
+            if rows.shape[0] < self.vocab_per_rank:
+                pad = t.new_zeros(self.vocab_per_rank - rows.shape[0], *t.shape[1:])
+                rows = torch.cat([rows, pad])
+            return rows
+        return t  # norms, row-parallel biases (added once, after the reduce)
+
+    def _rows(self, t: torch.Tensor, section: str) -> torch.Tensor:
+        start, n = self.section(section)
+        return t.narrow(0, start, n)
+
+
+class RowParallelLinear(nn.Module):
+    """y = sum over ranks of (x_r @ W_r^T), then + bias: each rank holds the input columns of its share."""
+
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank looks up the ids in its vocab rows, zeros for the others; the sum over ranks is the
+    embedding (adding zeros is exact, so the result equals the unsharded lookup bit for bit)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.vocab_start = vocab_start
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0)
+        dist.all_reduce(x, group=self.group)
+        return x
+
+
+class ParallelLMHead(nn.Module):
+    """Logits of this rank's vocab rows, all-gathered into [S, vocab_size] on every rank (all ranks
+    then sample identically, and the runner code stays the same on each)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.weight = (
+            weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        )
+        self.vocab_size = vocab_size
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).contiguous()
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.device.type != "meta" else t.contiguous()
+
+
+@torch.no_grad()
+def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Shard `model` in place for rank `rank` of `world` and return it.
+
+    Works on a loaded model (its weights are sliced) and on a meta model (only shapes change; fill it
+    afterwards with load_sharded_model's loaders). The model must have .arch, .packed_modules_mapping,
+    attention modules with qkv_proj / o_proj and num_heads / num_kv_heads, and MLPs with gate_up_proj /
+    down_proj. Afterwards model.arch is the rank's local arch, so load_weights fuses checkpoint tensors
+    into the local layout.
+    """
+    shards = TPShards(model.arch, rank, world)
+    shards.check()
+    fused = {fused_name for fused_name, _ in model.packed_modules_mapping.values()}
+    head = getattr(model, "lm_head", None)
+    embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
+    embed = model.get_submodule(embed_name)
+    tied = head is not None and head.weight is embed.weight
+
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if leaf in fused and isinstance(module, nn.Linear):
+            module.weight = nn.Parameter(
+                _keep(shards.shard(f"{name}.weight", module.weight)), requires_grad=False
+            )
+            if module.bias is not None:
+                module.bias = nn.Parameter(
+                    _keep(shards.shard(f"{name}.bias", module.bias)), requires_grad=False
+                )
+            module.out_features = module.weight.shape[0]
+        elif leaf in ROW_PARALLEL and isinstance(module, nn.Linear):
+            weight = _keep(shards.shard(f"{name}.weight", module.weight))
+            _set_module(model, name, RowParallelLinear(weight, module.bias, group))
+        if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
+            module.num_heads //= world
+            module.num_kv_heads = max(1, module.num_kv_heads // world)
+
+    new_embed = VocabParallelEmbedding(
+        _keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
+    )
+    _set_module(model, embed_name, new_embed)
+    if head is not None:
+        weight = new_embed.weight if tied else _keep(shards.shard("lm_head.weight", head.weight))
+        model.lm_head = ParallelLMHead(weight, model.arch.vocab_size, group)
+    model.arch = shards.local_arch
+    return model
+
+
+@torch.no_grad()
+def load_sharded_model(
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    rank: int,
+    world: int,
+    seed: int = 0,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Rank `rank`'s share of the model of `source`, loaded onto `device` without ever holding the whole
+    model there: the model is sharded while shapeless (meta), then each checkpoint tensor is sliced as
+    it streams in. Dummy weights are drawn whole, tensor by tensor, exactly as the unsharded loader
+    draws them, so every tensor_parallel_size runs the same random model."""
+    from overnight.loader.model_loader import _materialize, build_model
+
+    model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
+    _materialize(model, device)
+    shards = TPShards(source.arch, rank, world)
+    if source.kind == "dummy":
+        _fill_dummy(model, build_model(source, dtype, "meta"), shards, seed)
+    elif source.kind == "hf":
+        from overnight.loader.hf import iter_safetensors
+
+        model.load_weights((n, shards.shard(n, t)) for n, t in iter_safetensors(source.path, device))
+    elif source.kind == "gguf":
+        from overnight.loader.gguf import iter_gguf_weights
+
+        model.load_weights((n, shards.shard(n, t)) for n, t in iter_gguf_weights(source.path))
+    else:
+        raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+    return model.requires_grad_(False).eval()
+
+
+def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:
+    """The unsharded dummy init, replayed: walk the whole (meta) model's parameters in the same order,
+    draw each whole tensor from one seeded generator, keep this rank's slice."""
+    from overnight.layers.norm import RMSNorm
+    from overnight.loader.dummy import DUMMY_RANGE
+
+    local = dict(model.named_parameters())
+    norms = {id(m.weight) for m in whole.modules() if isinstance(m, RMSNorm)}
+    gen = None
+    for name, param in whole.named_parameters():
+        target = local[name]
+        if id(param) in norms:
+            target.fill_(1.0)
+            continue
+        if gen is None:
+            gen = torch.Generator(device=target.device).manual_seed(seed)
+        full = torch.empty(param.shape, dtype=param.dtype, device=target.device)
+        full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+        target.copy_(shards.shard(name, full))

@@ -1,0 +1,369 @@
+"""Tensor parallel workers: one process per rank, driven by typed messages over pipes.
+
+    engine process (driver)                        rank r process, r = 0 .. world-1 (cuda:r or CPU)
+    TPRunner.execute(SchedulerOutput) --Execute--> every rank: ModelRunner.execute, the unchanged
+      (pickled once, written to every pipe)          single-device code on its shard: all-reduces in the
+                                                     forward, logits all-gathered, every rank samples;
+                                                     rank 0 broadcasts its tokens, the others adopt them
+    <------------- ModelRunnerOutput ------------- rank 0 only
+
+Every rank keeps the same RequestStates copy (they apply the same SchedulerOutputs and the same tokens),
+so each rank builds identical step inputs and runs the same collectives in the same order. The driver
+never joins the process group and never touches a GPU: several engines (tests, data parallel) can each
+drive their own group from one process. While waiting for rank 0 the driver also watches every other
+rank, so a rank that fails or dies raises here instead of leaving the group hung in a collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+
+from overnight.config import EngineConfig
+from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.loader.source import ModelSource
+from overnight.runner.kv_pool import PoolPlan
+
+# NVLink multicast (NVLS) off in every process we start: the GPU machines do not support it reliably.
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+
+# -- messages (driver -> rank) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerInit:
+    config: EngineConfig  # the whole model's; each rank derives its share
+    source: ModelSource
+    rank: int
+    world: int
+    backend: str  # "nccl" | "gloo"
+    init_method: str  # tcp://127.0.0.1:PORT
+
+
+@dataclass(frozen=True)
+class SizeKVPool:
+    """Measure the memory left for this rank's KV share; every rank answers KVPoolShare."""
+
+
+@dataclass(frozen=True)
+class AllocateKVCache:
+    num_blocks: int  # the same on every rank: the scheduler's block ids address all shares at once
+
+
+@dataclass(frozen=True)
+class Execute:
+    out: SchedulerOutput  # only rank 0 answers, with a ModelRunnerOutput
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+# -- messages (rank -> driver) ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    rank: int
+    kv_cache_dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class KVPoolShare:
+    budget_bytes: int
+    block_bytes: int  # of this rank's share of one block (its kv heads only)
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    error: str  # formatted traceback
+
+
+# -- process plumbing, shared with data parallel ----------------------------------------------------
+
+_ENV_LOCK = threading.Lock()
+
+
+def child_env(threads: int | None = None, cuda_visible_devices: str | None = None) -> dict[str, str]:
+    """Environment for a process we start: multicast off, and a CPU thread share unless the user set
+    OMP_NUM_THREADS (processes sharing the cores must not each start one thread per core)."""
+    env = dict(MULTICAST_OFF)
+    if threads is not None and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, threads))
+    if cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = cuda_visible_devices
+    return env
+
+
+@contextlib.contextmanager
+def spawn_environment(extra: dict[str, str]) -> Iterator[None]:
+    """Set `extra` in os.environ while a process is started (a spawned child inherits the environment
+    at start, before it imports anything), then restore ours."""
+    with _ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in extra}
+        os.environ.update(extra)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_processes(
+    procs: list[mp.process.BaseProcess], conns: list[Connection], grace_s: float = 10.0
+) -> None:
+    """Ask each process to stop, wait up to grace_s, then terminate the rest."""
+    message = pickle.dumps(Shutdown())
+    for conn in conns:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send_bytes(message)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    for conn in conns:
+        conn.close()
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r runs on the r-th GPU from the configured one (cuda:0 unless told otherwise)."""
+    d = torch.device(device)
+    return f"cuda:{(d.index or 0) + rank}" if d.type == "cuda" else str(d)
+
+
+# -- the rank process -------------------------------------------------------------------------------
+
+
+def _start_rank(init: WorkerInit):
+    from overnight.parallel.tp import TPShards, load_sharded_model
+    from overnight.runner.model_runner import ModelRunner
+
+    config = init.config
+    device = rank_device(config.runner.device, init.rank)
+    extra = {}
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        extra["device_id"] = torch.device(device)
+    dist.init_process_group(
+        init.backend, init_method=init.init_method, rank=init.rank, world_size=init.world, **extra
+    )
+    model = load_sharded_model(
+        init.source, config.model.dtype, device, init.rank, init.world, seed=config.model.seed
+    )
+    local = replace(
+        config,
+        model=replace(config.model, arch=TPShards(config.model.arch, init.rank, init.world).local_arch),
+        runner=replace(config.runner, device=device),
+    )
+    return ModelRunner(local, init.source, model=model)
+
+
+def _adopt_rank0_tokens(runner, result: ModelRunnerOutput) -> None:
+    """Every rank samples from the same gathered logits with the same seeds, so the tokens agree; rank
+    0's are broadcast anyway (one tiny collective) and adopted, so no rank can ever feed a different
+    token into the next forward."""
+    if not result.sampled_token_ids:
+        return
+    t = torch.tensor(result.sampled_token_ids, dtype=torch.int64, device=runner.device)
+    dist.broadcast(t, src=0)
+    tokens = t.tolist()
+    if tokens != result.sampled_token_ids:
+        for rid, token in zip(result.req_ids, tokens, strict=True):
+            runner.states.reqs[rid].token_ids[-1] = token
+
+
+def _serve(runner, init: WorkerInit, conn: Connection) -> None:
+    from overnight.runner.kv_pool import kv_budget_bytes
+
+    sched = init.config.scheduler
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:  # the driver is gone
+            return
+        if isinstance(msg, Execute):
+            result = runner.execute(msg.out)
+            _adopt_rank0_tokens(runner, result)
+            if init.rank == 0:
+                conn.send(result)
+        elif isinstance(msg, SizeKVPool):
+
+            def measure() -> int:
+                return runner.profile_peak_bytes(
+                    sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
+                )
+
+            budget = kv_budget_bytes(runner.device, init.config.cache, measure)
+            conn.send(KVPoolShare(budget, runner.kv_bytes_per_block()))
+        elif isinstance(msg, AllocateKVCache):
+            runner.init_kv_cache(msg.num_blocks)
+            runner.capture_graphs()  # every rank captures the same buckets, collectives included
+            conn.send(Done())
+        elif isinstance(msg, Shutdown):
+            return
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+
+
+def _worker_main(init: WorkerInit, conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    try:
+        runner = _start_rank(init)
+        conn.send(Ready(init.rank, runner.kv_cache_dtype))
+        _serve(runner, init, conn)
+    except BaseException:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(WorkerFailed(init.rank, traceback.format_exc()))
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# -- the driver side --------------------------------------------------------------------------------
+
+
+class TPRunner:
+    """The engine's Runner over `tensor_parallel_size` rank processes (see the module docstring)."""
+
+    def __init__(self, config: EngineConfig, source: ModelSource) -> None:
+        from overnight.parallel.tp import TPShards
+
+        self.config = config
+        self.world = config.parallel.tensor_parallel_size
+        TPShards(config.model.arch, 0, self.world).check()  # before any process starts
+        on_gpu = torch.device(config.runner.device).type == "cuda"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self._procs: list[mp.process.BaseProcess] = []
+        self._conns: list[Connection] = []
+        env = child_env(threads=None if on_gpu else (os.cpu_count() or 1) // self.world)
+        for rank in range(self.world):
+            ours, theirs = ctx.Pipe()
+            init = WorkerInit(config, source, rank, self.world, "nccl" if on_gpu else "gloo", init_method)
+            proc = ctx.Process(
+                target=_worker_main, args=(init, theirs), name=f"overnight-tp{rank}", daemon=True
+            )
+            with spawn_environment(env):
+                proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+        self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._conns)
+        ready = self._replies(range(self.world))
+        self.kv_cache_dtype: torch.dtype = ready[0].kv_cache_dtype
+
+    def allocate_kv_pool(self) -> PoolPlan:
+        """Size each rank's share of the pool; every rank gets the blocks the tightest one can hold."""
+        from overnight.runner.kv_pool import plan_pool
+
+        self._send_all(SizeKVPool())
+        shares = self._replies(range(self.world))
+        budget = min(s.budget_bytes for s in shares.values())
+        plan = plan_pool(budget, shares[0].block_bytes, self.config.cache.block_size, self.config.scheduler)
+        self._send_all(AllocateKVCache(plan.num_blocks))
+        self._replies(range(self.world))
+        return plan
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self._send_all(Execute(out))
+        return self._replies([0])[0]
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+    def _send_all(self, msg: object) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("the tensor parallel workers have been shut down")
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self._conns:
+            with contextlib.suppress(OSError):  # a dead rank: _replies reports it
+                conn.send_bytes(data)
+
+    def _replies(self, ranks: Iterable[int]) -> dict:
+        """Wait for one message from each rank in `ranks`, while watching every rank for failure."""
+        pending = set(ranks)
+        got: dict[int, object] = {}
+        rank_of_conn = {id(c): r for r, c in enumerate(self._conns)}
+        rank_of_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while pending:
+            ready = wait([*self._conns, *rank_of_sentinel])
+            for obj in ready:
+                if not isinstance(obj, Connection):
+                    continue
+                rank = rank_of_conn[id(obj)]
+                try:
+                    msg = obj.recv()
+                except EOFError:
+                    self._procs[rank].join(1.0)
+                    self._fail(rank, "(no message: the process is gone)")
+                if isinstance(msg, WorkerFailed):
+                    self._fail(rank, msg.error)
+                got[rank] = msg
+                pending.discard(rank)
+            for obj in ready:  # a dead process with nothing left to read
+                if isinstance(obj, int) and not self._conns[rank_of_sentinel[obj]].poll():
+                    rank = rank_of_sentinel[obj]
+                    self._procs[rank].join(1.0)
+                    self._fail(rank, "(no message: the process is gone)")
+        return got
+
+    def _fail(self, rank: int, error: str) -> None:
+        # A rank that died takes its peers down with it (their collectives fail): name the dead first.
+        dead = [f"rank {r} exited (code {p.exitcode})" for r, p in enumerate(self._procs) if p.exitcode]
+        stop_processes(self._procs, self._conns, grace_s=0.0)
+        self._finalizer.detach()
+        summary = "; ".join(dead) or f"rank {rank} failed"
+        raise RuntimeError(f"tensor parallel workers failed ({summary}); rank {rank} reported:\n{error}")
+
+
+def start_tp_runner(config: EngineConfig, source: ModelSource) -> tuple[TPRunner, PoolPlan]:
+    """Start the rank processes, load each rank's shard, size and allocate every KV share."""
+    runner = TPRunner(config, source)
+    try:
+        plan = runner.allocate_kv_pool()
+    except BaseException:
+        runner.shutdown()
+        raise
+    return runner, plan
