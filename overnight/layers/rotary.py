@@ -85,8 +85,9 @@ class RotaryEmbedding(nn.Module):
         """positions: [T] int64; q: [T, H, D]; k: [T, Hkv, D]. Returns the rotated q and k; with q_norm
         and k_norm (Qwen3), each head of q and k is RMS-normalized first.
 
-        The kernel path (use_kernels) rotates q and k in place, norms included, in one launch, and
-        returns them; the PyTorch path returns new tensors and leaves q and k as they were."""
+        The kernel path (use_kernels) rotates q and k in place, norms included, in one launch (with
+        q_norm's eps for both: Qwen3's two norms share one), and returns them; the PyTorch path returns
+        new tensors and leaves q and k as they were."""
         if (q_norm is None) != (k_norm is None):
             raise ValueError("q_norm and k_norm come together")
         if use_kernels(q):
