@@ -306,9 +306,16 @@ class TPRunner:
         self._replies(range(self.world))
         return plan
 
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+    # The ranks run step N while the engine schedules step N+1; each rank still runs its steps one
+    # after the other, so its request states never hold a pending token.
+    supports_async = True
+
+    def launch(self, out: SchedulerOutput) -> PendingStep:
         self._send_all(Execute(out))
-        return self._replies([0])[0]
+        return PendingStep(self)
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(out).result()
 
     def shutdown(self) -> None:
         self._finalizer()
@@ -356,6 +363,19 @@ class TPRunner:
         self._finalizer.detach()
         summary = "; ".join(dead) or f"rank {rank} failed"
         raise RuntimeError(f"tensor parallel workers failed ({summary}); rank {rank} reported:\n{error}")
+
+
+class PendingStep:
+    """A launched step; result() waits for rank 0's answer (steps are answered in launch order)."""
+
+    def __init__(self, runner: TPRunner) -> None:
+        self.runner = runner
+        self._result: ModelRunnerOutput | None = None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            self._result = self.runner._replies([0])[0]
+        return self._result
 
 
 def start_tp_runner(config: EngineConfig, source: ModelSource) -> tuple[TPRunner, PoolPlan]:
