@@ -150,6 +150,17 @@ class Engine:
                 f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off"
             )
         params.validate()
+        # Checked here, not in SamplingParams, because only the engine knows the vocabulary; a bad id
+        # would otherwise fail inside a step and take every other request down with it.
+        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"stop token id {bad[0]!r} is outside the vocabulary (size {self.vocab_size})"
+            )
+        if not 0 <= params.top_k < 1 << 62:  # becomes an int64 tensor entry
+            raise InvalidRequestError(
+                f"top_k must be below 2**62 (any value past the vocabulary means no top-k), got {params.top_k}"
+            )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output if it was still running."""

@@ -138,7 +138,7 @@ class PrometheusObserver:
     def _advance_totals(self, s: SchedulerStats) -> None:
         totals = (s.num_preemptions_total, s.prefix_cache_queries, s.prefix_cache_hits)
         counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits)
-        for counter, now, before in zip(counters, totals, self._last_totals):
+        for counter, now, before in zip(counters, totals, self._last_totals, strict=True):
             if now > before:
                 counter.inc(now - before)
         self._last_totals = totals
