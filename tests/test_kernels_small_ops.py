@@ -40,13 +40,15 @@ def norm_weight(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor) -> None:
     """fp32: within a few ulps. fp16/bf16: the kernels round where the reference does, so outputs are
-    equal except where an fp32 ulp of difference (rsqrt, summation order) crosses a rounding boundary."""
+    equal except where an fp32 ulp of difference (rsqrt, summation order) crosses a rounding boundary;
+    such a flip moves a result by about an ulp of the op's inputs (more ulps of the result where the
+    rotation cancels), hence a bound relative to |ref| plus the mean magnitude."""
     assert out.dtype == ref.dtype and out.shape == ref.shape
     if out.dtype == torch.float32:
         torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
         return
-    eps = torch.finfo(out.dtype).eps
-    torch.testing.assert_close(out.float(), ref.float(), rtol=eps, atol=eps)
+    out, ref, eps = out.float(), ref.float(), torch.finfo(out.dtype).eps
+    assert ((out - ref).abs() <= 2 * eps * (ref.abs() + ref.abs().mean())).all()
     assert (out == ref).float().mean() >= 0.99
 
 
