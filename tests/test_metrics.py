@@ -120,3 +120,18 @@ def test_token_buckets_cover_max_model_len():
     assert token_buckets(1) == (1,)
     assert token_buckets(8192)[-1] == 10000
     assert token_buckets(100) == (1, 2, 5, 10, 20, 50, 100)
+
+
+def test_every_name_dashboards_query_is_there():
+    engine, _ = make_engine()
+    metrics = attach_metrics(engine, prefix="vllm", model_name="fake")
+    engine.add_request("x", [7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
+    run_all(engine)
+    names = {name for name, _ in samples(metrics.render().decode())}
+    for short in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
+                  "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
+                  "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_count",
+                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
+                  "request_queue_time_seconds_count", "request_prompt_tokens_count",
+                  "request_generation_tokens_count", "iteration_tokens_total_count"):
+        assert f"vllm:{short}" in names, short
