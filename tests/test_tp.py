@@ -11,7 +11,7 @@ import torch
 
 from overnight.config import ModelArch
 from overnight.entrypoints.llm import LLM
-from overnight.errors import ModelLoadError
+from overnight.errors import EngineDeadError, ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
@@ -129,5 +129,5 @@ def test_tp2_matches_tp1(engines, family):
 def test_dead_rank_raises_instead_of_hanging(engines):
     llm = engines["llama"][2]
     llm.engine.runner._procs[1].kill()
-    with pytest.raises(RuntimeError, match="rank 1 exited"):
+    with pytest.raises(EngineDeadError, match="rank 1 exited"):
         _generate(llm)

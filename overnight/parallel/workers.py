@@ -20,6 +20,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import signal
 import socket
 import threading
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.errors import EngineDeadError
 from overnight.loader.source import ModelSource
 from overnight.runner.kv_pool import PoolPlan
 
@@ -144,15 +146,47 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PipeSender:
+    """Writes to a pipe from a thread of its own. The caller never blocks on a full pipe, so it can
+    always go on reading: otherwise a large message each way can leave both sides blocked in a write,
+    each waiting for the other to read."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self.conn = conn
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, msg: object) -> None:
+        self.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_bytes(self, data: bytes) -> None:
+        self._queue.put(data)
+
+    def close(self, timeout: float) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (data := self._queue.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (OSError, ValueError):
+                return  # the other side is gone; whoever reads from it reports that
+
+
 def stop_processes(
-    procs: list[mp.process.BaseProcess], conns: list[Connection], grace_s: float = 10.0
+    procs: list[mp.process.BaseProcess],
+    senders: list[PipeSender],
+    conns: list[Connection],
+    grace_s: float = 10.0,
 ) -> None:
     """Ask each process to stop, wait up to grace_s, then terminate the rest."""
-    message = pickle.dumps(Shutdown())
-    for conn in conns:
-        with contextlib.suppress(OSError, ValueError):
-            conn.send_bytes(message)
     deadline = time.monotonic() + grace_s
+    for sender in senders:
+        sender.send(Shutdown())
+    for sender in senders:
+        sender.close(max(0.0, deadline - time.monotonic()))
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -278,6 +312,7 @@ class TPRunner:
         ctx = mp.get_context("spawn")
         self._procs: list[mp.process.BaseProcess] = []
         self._conns: list[Connection] = []
+        self._senders: list[PipeSender] = []
         env = child_env(threads=None if on_gpu else (os.cpu_count() or 1) // self.world)
         for rank in range(self.world):
             ours, theirs = ctx.Pipe()
@@ -290,7 +325,8 @@ class TPRunner:
             theirs.close()
             self._procs.append(proc)
             self._conns.append(ours)
-        self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._conns)
+            self._senders.append(PipeSender(ours, f"overnight-tp{rank}-send"))
+        self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._senders, self._conns)
         ready = self._replies(range(self.world))
         self.kv_cache_dtype: torch.dtype = ready[0].kv_cache_dtype
 
@@ -322,11 +358,10 @@ class TPRunner:
 
     def _send_all(self, msg: object) -> None:
         if not self._finalizer.alive:
-            raise RuntimeError("the tensor parallel workers have been shut down")
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        for conn in self._conns:
-            with contextlib.suppress(OSError):  # a dead rank: _replies reports it
-                conn.send_bytes(data)
+            raise EngineDeadError("the tensor parallel workers have been shut down")
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)  # once for every rank
+        for sender in self._senders:
+            sender.send_bytes(data)
 
     def _replies(self, ranks: Iterable[int]) -> dict:
         """Wait for one message from each rank in `ranks`, while watching every rank for failure."""
@@ -342,7 +377,7 @@ class TPRunner:
                 rank = rank_of_conn[id(obj)]
                 try:
                     msg = obj.recv()
-                except EOFError:
+                except (EOFError, OSError):
                     self._procs[rank].join(1.0)
                     self._fail(rank, "(no message: the process is gone)")
                 if isinstance(msg, WorkerFailed):
@@ -359,10 +394,10 @@ class TPRunner:
     def _fail(self, rank: int, error: str) -> None:
         # A rank that died takes its peers down with it (their collectives fail): name the dead first.
         dead = [f"rank {r} exited (code {p.exitcode})" for r, p in enumerate(self._procs) if p.exitcode]
-        stop_processes(self._procs, self._conns, grace_s=0.0)
+        stop_processes(self._procs, self._senders, self._conns, grace_s=0.0)
         self._finalizer.detach()
         summary = "; ".join(dead) or f"rank {rank} failed"
-        raise RuntimeError(f"tensor parallel workers failed ({summary}); rank {rank} reported:\n{error}")
+        raise EngineDeadError(f"tensor parallel workers failed ({summary}); rank {rank} reported:\n{error}")
 
 
 class PendingStep:

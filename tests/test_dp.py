@@ -1,0 +1,103 @@
+"""Data parallel on the CPU: 2 engine processes on the default model give one engine's outputs.
+
+One 2-process engine serves every end-to-end case (starting processes dominates the time); the case that
+kills a process runs last.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from overnight.entrypoints.llm import LLM
+from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.parallel.dp import DataParallelEngine, LoadBook, request_cost
+from overnight.sampling_params import SamplingParams
+
+PROMPTS = [
+    "Hello, my name is",
+    "The capital of France is",
+    "1 2 3 4",
+    "Write a haiku about the sea.",
+    "Once upon a time",
+    "The best way to learn Python is",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+# Unseeded: the driver draws each seed as one engine would, so even these match.
+SAMPLED = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8)
+PARAMS = [GREEDY, SAMPLED] * (len(PROMPTS) // 2)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return LLM(device="cpu").generate(PROMPTS, PARAMS, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def dp():
+    llm = LLM(device="cpu", data_parallel_size=2)
+    yield llm
+    llm.engine.shutdown()
+
+
+def test_load_book_deals_to_least_outstanding_work():
+    book = LoadBook(2)
+    assert book.assign("a", 100) == 0
+    assert book.assign("b", 10) == 1
+    assert book.assign("c", 10) == 1  # 10 < 100 outstanding tokens
+    assert book.assign("d", 80) == 1  # 20 < 100
+    assert book.assign("e", 5) == 0  # 100 tokens each: fewer requests wins
+    assert book.release("a") == 0 and book.release("a") is None
+    assert book.tokens == [5, 100] and book.requests == [1, 3]
+    assert request_cost(10, SamplingParams(max_tokens=None, n=2), max_model_len=50) == 2 * 50
+
+
+def test_outputs_match_one_engine(dp, reference):
+    assert isinstance(dp.engine, DataParallelEngine)
+    got = dp.generate(PROMPTS, PARAMS, use_tqdm=False)
+    for a, b in zip(reference, got, strict=True):
+        assert a.prompt == b.prompt
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].text == b.outputs[0].text
+    # Both engines did work, and nothing is left outstanding.
+    assert all(s is not None and s.prefix_cache_queries > 0 for s in dp.engine._stats)
+    assert not dp.engine.has_unfinished_requests() and dp.engine.book.tokens == [0, 0]
+
+
+def test_generate_stream_and_stats_observer(dp, reference):
+    seen = []
+
+    class Observer:
+        def on_step(self, scheduler, iteration):
+            seen.append(iteration.num_generation_tokens)
+
+    dp.engine.observers.append(Observer())
+    try:
+        got = dict(dp.generate_stream(PROMPTS, iter(PARAMS), use_tqdm=False))
+    finally:
+        dp.engine.observers.clear()
+    assert sorted(got) == list(range(len(PROMPTS)))
+    # A fresh run draws fresh seeds for unseeded requests, so only greedy rows repeat.
+    for i in range(0, len(PROMPTS), 2):
+        assert got[i].outputs[0].token_ids == reference[i].outputs[0].token_ids
+    assert sum(seen) == sum(len(o.outputs[0].token_ids) for o in got.values())
+
+
+def test_abort_and_invalid_prompt(dp):
+    engine = dp.engine
+    ids = dp.get_tokenizer().encode("A long story about")
+    engine.add_request("gone", ids, SamplingParams(max_tokens=64, ignore_eos=True))
+    engine.add_request("kept", ids, GREEDY)
+    finished = [o.request_id for o in engine.step() if o.finished]  # sends both, waits for news
+    engine.abort_request("gone")
+    while engine.has_unfinished_requests():
+        finished += [o.request_id for o in engine.step() if o.finished]
+    assert finished == ["kept"]
+    with pytest.raises(InvalidRequestError, match="prompt 1"):
+        dp.generate(["fine", "x " * 10_000], GREEDY, use_tqdm=False)
+    assert not engine.has_unfinished_requests()
+
+
+def test_dead_engine_raises(dp):
+    dp.engine._procs[1].kill()
+    with pytest.raises(EngineDeadError, match="engine 1"):
+        dp.generate(PROMPTS, GREEDY, use_tqdm=False)
