@@ -124,6 +124,10 @@ def build_config(opts: EngineOptions, source, device: torch.device) -> EngineCon
 
 
 def build_engine(opts: EngineOptions) -> Engine:
+    if opts.data_parallel_size > 1:  # N engine processes behind the Engine's request methods
+        from overnight.parallel.dp import DataParallelEngine
+
+        return DataParallelEngine(opts)  # type: ignore[return-value]
     from overnight.loader.resolve import resolve_source
     from overnight.runner.kv_pool import kv_budget_bytes, plan_pool
     from overnight.runner.model_runner import ModelRunner
