@@ -90,6 +90,7 @@ class ModelRunner:
         self.graphs = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
+        self._last_handle: StepHandle | None = None
         self._host_tokens = [
             torch.zeros(sched.max_num_seqs, dtype=torch.int64, pin_memory=self.is_cuda) for _ in range(3)
         ]
@@ -162,21 +163,24 @@ class ModelRunner:
             return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
         rows = hidden if decode_only else hidden[inputs.sample_rows]
         logits = self.model.compute_logits(rows).float()
+        last = self._last_handle
+        if last is not None and any(r.params.needs_penalties for r in sampled):
+            last.result()  # penalties count every earlier token: wait for the step in flight
         batch = build_sampling_batch(sampled, self.eos_token_ids, self.device)
-        if batch.penalty_rows and any(r.num_pending > 1 for r in sampled):
-            # Penalties need every previous token on the host: wait for the step still in flight.
-            raise RuntimeError("penalties with a pending token")  # the engine resolves first
         tokens, logprobs = self.sampler(logits, batch)
         self._prev_tokens = tokens
         self._prev_index = {rid: j for j, rid in enumerate(req_ids)}
         if not self.is_cuda:
-            return StepHandle(self, req_ids, tokens, None, logprobs)
-        host = self._host_tokens[self._turn][: len(req_ids)]
-        self._turn = (self._turn + 1) % len(self._host_tokens)
-        host.copy_(tokens, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StepHandle(self, req_ids, host, event, logprobs)
+            handle = StepHandle(self, req_ids, tokens, None, logprobs)
+        else:
+            host = self._host_tokens[self._turn][: len(req_ids)]
+            self._turn = (self._turn + 1) % len(self._host_tokens)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            handle = StepHandle(self, req_ids, host, event, logprobs)
+        self._last_handle = handle
+        return handle
 
     def _finish(self, handle: StepHandle) -> ModelRunnerOutput:
         if handle.event is not None:

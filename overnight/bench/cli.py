@@ -1,0 +1,80 @@
+"""`overnight bench throughput | sweep`. Importable without the server packages."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+
+# sub-command -> module with add_arguments(parser) and run(args) -> int (besides throughput, below)
+SUBCOMMANDS = {"sweep": "overnight.bench.sweep"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure throughput")
+    bench = p.add_subparsers(dest="bench_command", metavar="BENCH")
+    t = bench.add_parser("throughput", help="offline throughput on a fixed workload")
+    t.add_argument("--workload", default=None,
+                   help="seed-512-256, nano-256, long-1024-1024 (GPU, dummy weights) or cpu-64")
+    t.add_argument("--num-prompts", type=int, default=None)
+    t.add_argument("--input-len", type=int, nargs="+", default=None, help="one length, or lo hi")
+    t.add_argument("--output-len", type=int, nargs="+", default=None, help="one length, or lo hi")
+    t.add_argument("--compare", choices=["transformers"], default=None,
+                   help="also run transformers' static-batch generate on the same prompts")
+    t.add_argument("--hf-batch-size", type=int, default=256)
+    t.add_argument("--hf-max-requests", type=int, default=None,
+                   help="run transformers on the first N requests only (its time is long)")
+    t.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    add_engine_args(t)
+    for name, module in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError:
+            continue
+        mod.add_arguments(bench.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0]))
+
+
+def _workload(args: argparse.Namespace):
+    from overnight.bench.workloads import WORKLOADS, Workload
+
+    if args.workload:
+        if args.workload not in WORKLOADS:
+            raise SystemExit(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
+        w = WORKLOADS[args.workload]
+        if args.num_prompts:
+            w = Workload(w.name, w.model, args.num_prompts, w.input_len, w.output_len)
+        return w
+    def span(v, default):
+        v = v or default
+        return (v[0], v[-1])
+    return Workload("custom", "", args.num_prompts or 64, span(args.input_len, [128]), span(args.output_len, [128]))
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bench_command != "throughput":
+        if args.bench_command in SUBCOMMANDS:
+            return int(importlib.import_module(SUBCOMMANDS[args.bench_command]).run(args) or 0)
+        print("usage: overnight bench {throughput,sweep} ...", file=sys.stderr)
+        return 2
+    from overnight.bench.throughput import print_table, run_ours, run_transformers, to_json
+
+    workload = _workload(args)
+    if args.model is None and workload.model not in ("", "default"):
+        args.model = workload.model
+        if args.load_format == "auto":
+            args.load_format = "dummy"
+    opts = options_from_args(args, mode="offline")
+    results = []
+    ours, _ = run_ours(opts, workload)
+    results.append(ours)
+    if args.compare == "transformers":
+        results.append(run_transformers(opts, workload, args.hf_batch_size, args.hf_max_requests))
+    print_table(workload, results)
+    line = to_json(workload, results)
+    print(line)
+    if args.json_out:
+        with open(args.json_out, "a") as f:
+            f.write(line + "\n")
+    return 0

@@ -1,0 +1,58 @@
+"""A transformers model for the same source as ours: the comparison engine in benchmarks and the
+reference in parity checks. GGUF sources get our dequantized weights (transformers' own GGUF import
+takes tens of seconds); dummy sources get transformers' own random init."""
+
+from __future__ import annotations
+
+import torch
+
+from overnight.config import ModelArch
+from overnight.loader.source import ModelSource
+
+
+def hf_config(arch: ModelArch, hf_architecture: str):
+    import transformers
+
+    common = dict(
+        vocab_size=arch.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        rms_norm_eps=arch.rms_norm_eps,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
+    )
+    rope: dict = {"rope_type": "default", "rope_theta": arch.rope_theta}
+    if arch.rope_scaling:
+        rope = {"rope_type": "llama3", "rope_theta": arch.rope_theta, **arch.rope_scaling_dict()}
+    if arch.architecture == "qwen3":
+        cls = transformers.Qwen3Config
+    elif arch.architecture == "qwen2":
+        cls = transformers.Qwen2Config
+    else:
+        cls = transformers.LlamaConfig
+        common["attention_bias"] = arch.attention_bias
+    return cls(**common, rope_parameters=rope)
+
+
+def build_hf_model(source: ModelSource, device: torch.device, dummy: bool, dtype: torch.dtype | None = None):
+    import transformers
+
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if source.kind == "hf" and not dummy:
+        return transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype).to(device).eval()
+    config = hf_config(source.arch, source.hf_architecture)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if source.kind == "gguf" and not dummy:
+        from overnight.loader.gguf import iter_gguf_weights
+
+        state = {name: t.to(dtype) for name, t in iter_gguf_weights(source.path)}
+        model.load_state_dict(state, strict=False)
+        if source.arch.tie_word_embeddings:
+            model.tie_weights()
+    return model.to(device).eval()

@@ -1,0 +1,177 @@
+"""`overnight bench throughput`: offline throughput on a fixed workload, with clocks and the roofline,
+optionally beside transformers' static-batch generate on the same prompts in the same process."""
+
+from __future__ import annotations
+
+import gc
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from overnight.bench.gpu_info import ClockSampler
+from overnight.bench.roofline import estimate
+from overnight.bench.workloads import Workload
+from overnight.engine.builder import EngineOptions
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (start-up time is measured from here)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:
+        return float("nan")
+
+
+@dataclass
+class RunResult:
+    engine: str
+    requests: int
+    input_tokens: int
+    output_tokens: int
+    elapsed_s: float
+    output_tok_s: float
+    total_tok_s: float
+    startup_s: float | None = None
+    clocks: dict | None = None
+    limit_fraction_overlapped: float | None = None
+    limit_fraction_serial: float | None = None
+    extra: dict | None = None
+
+
+def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tuple[RunResult, list[list[int]]]:
+    from overnight import LLM, SamplingParams
+
+    llm = LLM(**opts.__dict__)
+    arch = llm.engine.config.model.arch
+    # One tiny request first: the time to the first finished step is the start-up users feel.
+    llm.generate([[101, 102, 103]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    startup = process_age_s()
+    reqs = workload.requests(arch.vocab_size)
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0) for _, n_out in reqs]
+    device = llm.engine.runner.device
+    device_index = device.index or 0
+    if warmup and device.type == "cuda":
+        # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
+        llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
+    with ClockSampler(device_index) as clocks:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    n_in = sum(len(ids) for ids, _ in reqs)
+    n_out = sum(len(t) for t in tokens)
+    expected = sum(n for _, n in reqs)
+    if n_out != expected:
+        raise RuntimeError(f"generated {n_out} tokens, expected {expected}: lengths were not honoured")
+    sched = llm.engine.config.scheduler
+    kv_elem = torch.empty((), dtype=llm.engine.runner.kv_cache_dtype).element_size()
+    roof = estimate(arch, [(len(i), n) for i, n in reqs], sched.max_num_seqs, kv_elem)
+    result = RunResult(
+        engine="overnight",
+        requests=len(reqs),
+        input_tokens=n_in,
+        output_tokens=n_out,
+        elapsed_s=round(elapsed, 3),
+        output_tok_s=round(n_out / elapsed, 1),
+        total_tok_s=round((n_in + n_out) / elapsed, 1),
+        startup_s=round(startup, 1),
+        clocks=clocks.samples.summary(),
+        limit_fraction_overlapped=round(roof.t_overlapped / elapsed, 3),
+        limit_fraction_serial=round(roof.t_serial / elapsed, 3),
+        extra={
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "kv_pool_tokens": llm.engine.kv.num_blocks * llm.engine.config.cache.block_size,
+            "steps": llm.engine.num_steps,
+            "preemptions": llm.engine.scheduler.num_preemptions_total,
+            "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
+        },
+    )
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result, tokens
+
+
+def run_transformers(opts: EngineOptions, workload: Workload, batch_size: int, max_requests: int | None = None) -> RunResult:
+    """transformers' generate with static batches (left padding), greedy, fixed lengths. Output
+    tokens counted are the ones each request asked for (a static batch runs to its longest)."""
+    from overnight.bench.hf_reference import build_hf_model
+    from overnight.engine.builder import pick_device
+    from overnight.loader.resolve import resolve_source
+
+    device = pick_device(opts.device)
+    source = resolve_source(opts.model, opts.load_format)
+    model = build_hf_model(source, device, opts.load_format == "dummy")
+    reqs = workload.requests(source.arch.vocab_size)
+    if max_requests:
+        reqs = reqs[:max_requests]
+    pad = 0
+    n_in = n_out = 0
+    device_index = device.index or 0
+    with ClockSampler(device_index) as clocks:
+        start = time.perf_counter()
+        for b in range(0, len(reqs), batch_size):
+            chunk = reqs[b : b + batch_size]
+            width = max(len(ids) for ids, _ in chunk)
+            new = max(n for _, n in chunk)
+            ids = torch.full((len(chunk), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(chunk), width), dtype=torch.long)
+            for i, (p, _) in enumerate(chunk):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            with torch.inference_mode():
+                model.generate(
+                    input_ids=ids.to(device),
+                    attention_mask=mask.to(device),
+                    max_new_tokens=new,
+                    min_new_tokens=new,
+                    do_sample=False,
+                    pad_token_id=pad,
+                )
+            n_in += sum(len(p) for p, _ in chunk)
+            n_out += sum(n for _, n in chunk)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    return RunResult(
+        engine=f"transformers generate (static batch {batch_size})",
+        requests=len(reqs),
+        input_tokens=n_in,
+        output_tokens=n_out,
+        elapsed_s=round(elapsed, 3),
+        output_tok_s=round(n_out / elapsed, 1),
+        total_tok_s=round((n_in + n_out) / elapsed, 1),
+        clocks=clocks.samples.summary(),
+    )
+
+
+def print_table(workload: Workload, results: list[RunResult]) -> None:
+    print(f"\nworkload {workload.name}: {workload.num_requests} requests, input {workload.input_len}, "
+          f"output {workload.output_len}")
+    header = f"{'engine':<40} {'req':>5} {'out tok/s':>10} {'total tok/s':>12} {'elapsed s':>10} {'start-up s':>10} {'SM MHz':>7} {'limit frac':>11}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        sm = r.clocks.get("sm_clock_mhz_median", "n/a") if r.clocks else "n/a"
+        frac = f"{r.limit_fraction_overlapped:.2f}" if r.limit_fraction_overlapped is not None else "-"
+        start = f"{r.startup_s:.1f}" if r.startup_s is not None else "-"
+        print(f"{r.engine:<40} {r.requests:>5} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
+              f"{r.elapsed_s:>10.2f} {start:>10} {sm!s:>7} {frac:>11}")
+    if len(results) > 1:
+        print(f"ratio output tok/s, overnight / {results[1].engine}: "
+              f"{results[0].output_tok_s / results[1].output_tok_s:.2f}x")
+
+
+def to_json(workload: Workload, results: list[RunResult]) -> str:
+    return json.dumps({"workload": asdict(workload), "results": [asdict(r) for r in results]})
