@@ -126,7 +126,8 @@ def _token_text(token_id: int, lp: Logprob) -> str:
 
 
 def _value(lp: Logprob) -> float:
-    return max(lp.logprob, _MIN_LOGPROB)
+    v = lp.logprob
+    return v if v >= _MIN_LOGPROB else _MIN_LOGPROB  # also maps NaN, which compares false
 
 
 def _sampled(step: dict[int, Logprob], token_id: int | None) -> tuple[int, Logprob]:

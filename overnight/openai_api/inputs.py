@@ -11,6 +11,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jinja2 import TemplateError
+
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
@@ -42,8 +44,11 @@ def served_names(served_name: str, model_arg: str | None = None) -> set[str]:
 
 
 def check_model(requested: str | None, names: Collection[str]) -> None:
-    """The body's model may be absent; when present it must name the model being served."""
-    if requested is not None and requested not in names:
+    """The body's model may be absent; when present it must name the model being served, in full or by
+    its last path component ("HuggingFaceTB/SmolLM2-135M-Instruct" names SmolLM2-135M-Instruct)."""
+    if requested is None or requested in names:
+        return
+    if os.path.basename(os.path.normpath(requested)) not in names:
         raise ApiError("model_not_found",
                        f"the model {requested!r} does not exist here; serving: {', '.join(sorted(names))}",
                        "model")
@@ -76,6 +81,9 @@ def prepare(
         prompts = req.engine_prompts(tokenizer)
     except InvalidRequestError as e:
         raise ApiError.from_exception(e) from None
+    except TemplateError as e:  # the model's chat template rejected these messages
+        raise ApiError("invalid_request", f"the chat template failed on these messages: {e}",
+                       "messages") from None
     for _, ids in prompts:
         check_prompt_length(ids, max_model_len, is_chat)
         if validate is not None:

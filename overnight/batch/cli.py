@@ -1,0 +1,148 @@
+"""`overnight run-batch -i requests.jsonl -o results.jsonl [--model M]`: an OpenAI batch file through the
+offline engine.
+
+Exit status: 0 when every line was answered (failed lines included: they are answers), 1 when a line
+failed --validate-only or the engine stopped, 2 for a usage error, 130 when interrupted. After 1 or 130,
+`--resume` continues where the output ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Iterator
+
+from overnight.batch.ordering import ORDERS
+from overnight.batch.output import UsageError, check_output
+from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+
+log = logging.getLogger("overnight.batch")
+
+EPILOG = """\
+input lines:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 64}}
+urls: /v1/chat/completions, /v1/completions (a list "prompt" gives one choice per prompt).
+Each output line is written and flushed as its request finishes; after a crash, run again with --resume.
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) through the engine",
+                       description=__doc__, epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-i", "--input-file", required=True, help="batch file (JSONL), or - for stdin")
+    p.add_argument("-o", "--output-file", default=None,
+                   help="results (JSONL), or - for stdout; required unless --validate-only")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue an existing output: drop a torn last line, skip answered custom_ids")
+    mode.add_argument("--overwrite", action="store_true", help="replace a non-empty output file")
+    p.add_argument("--order", choices=ORDERS, default="input",
+                   help="write results in input order (default; bounded reorder window) or as they finish")
+    p.add_argument("--errors-file", default=None, help="write failed lines here instead of the output")
+    p.add_argument("--validate-only", action="store_true",
+                   help="check every line (bodies, model name, prompt lengths) without loading the model")
+    p.add_argument("--summary-json", default=None, help="also write the summary to this file as JSON")
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="engine sequences queued at once (default: 2 x max_num_seqs)")
+    p.add_argument("--reorder-window", type=int, default=None,
+                   help="lines started but not yet written, with --order input (default: 4 x max-in-flight)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_args(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+        if args.validate_only:
+            from overnight.batch.validate import validate_file
+
+            return validate_file(args)
+        return _run_batch(args)
+    except UsageError as e:
+        print(f"overnight run-batch: {e}", file=sys.stderr)
+        return 2
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.input_file != "-" and not os.path.isfile(args.input_file):
+        raise UsageError(f"input file {args.input_file} not found")
+    if args.validate_only:
+        return
+    if args.output_file is None:
+        raise UsageError("-o/--output-file is required (use - for stdout)")
+    paths = [args.input_file, args.output_file] + ([args.errors_file] if args.errors_file else [])
+    real = [os.path.realpath(p) for p in paths if p != "-"]
+    if len(set(real)) < len(real):
+        raise UsageError("the input, output and errors files must be different files")
+    if args.errors_file == "-":
+        raise UsageError("--errors-file must be a file")
+    for path, what in ((args.output_file, "output"), (args.errors_file, "errors")):
+        if path is not None:
+            check_output(path, resume=args.resume, overwrite=args.overwrite, what=what)
+
+
+def input_lines(path: str) -> Iterator[bytes]:
+    """The raw lines of the input, read lazily."""
+    if path == "-":
+        yield from sys.stdin.buffer
+        return
+    with open(path, "rb") as f:
+        yield from f
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from overnight.batch.ordering import OutputOrder
+    from overnight.batch.output import Sink, open_output
+    from overnight.batch.progress import Progress
+    from overnight.batch.reader import count_lines, read_lines
+    from overnight.batch.runner import BatchRunner
+    from overnight.batch.summary import Summary
+    from overnight.engine.builder import build_engine
+    from overnight.openai_api.inputs import served_names
+
+    engine = build_engine(options_from_args(args, mode="batch"))
+    served = engine.source.served_name  # type: ignore[attr-defined]
+    out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
+    errors = None
+    if args.errors_file:
+        errors, answered_errors = open_output(args.errors_file, resume=args.resume, overwrite=args.overwrite,
+                                              what="errors")
+        answered.merge(answered_errors)
+    if answered.num_records:
+        log.info("resuming: %d lines already answered in %s", answered.num_records, args.output_file)
+    sink = Sink(out, errors)
+    summary = Summary(input=args.input_file, output=args.output_file, model=served)
+    total = None
+    if args.input_file != "-":
+        total = max(count_lines(args.input_file) - len(answered.custom_ids) - len(answered.lines), 0)
+    progress = Progress(total, summary, enabled=not args.no_progress)
+    max_in_flight = args.max_in_flight or 2 * engine.config.scheduler.max_num_seqs
+    window = args.reorder_window or max(4 * max_in_flight, 256)
+    runner = BatchRunner(
+        engine, sink, summary,
+        model_name=served,
+        names=served_names(served, args.model),
+        order=OutputOrder(args.order, window),
+        max_in_flight=max_in_flight,
+        answered=answered,
+        progress=progress,
+    )
+    status, code = "completed", 0
+    try:
+        runner.run(read_lines(input_lines(args.input_file)))
+    except KeyboardInterrupt:
+        status, code = "interrupted", 130
+    except Exception:
+        log.exception("the engine stopped; finished lines are written, --resume continues")
+        status, code = "failed", 1
+    finally:
+        progress.close()
+        sink.close()
+    summary.finish(status)
+    print(summary.text(), file=sys.stderr)
+    if args.summary_json:
+        summary.write_json(args.summary_json)
+    return code

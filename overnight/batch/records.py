@@ -1,0 +1,64 @@
+"""The output lines of a batch file, in the format of the OpenAI Batch API.
+
+Success:  {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200, "request_id": ...,
+           "body": <ChatCompletion | Completion>}, "error": null}
+Failure:  {"id": ..., "custom_id": <id or null>, "response": {"status_code": 400, "request_id": ...,
+           "body": null}, "error": {"code": ..., "message": ...}}
+
+Every failure message starts with "line N: " (N counts input lines from 1), so a user can find the line
+and a resumed run can tell which lines without a readable custom_id were already reported.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from overnight.openai_api.errors import ApiError
+
+_LINE_PREFIX = re.compile(r"^line (\d+): ")
+
+
+def _ids() -> tuple[str, str]:
+    u = uuid.uuid4().hex
+    return f"batch_req_{u}", f"req_{u}"
+
+
+def success_record(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    line_id, request_id = _ids()
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_record(custom_id: str | None, line_no: int, error: ApiError) -> dict[str, Any]:
+    line_id, request_id = _ids()
+    return {
+        "id": line_id,
+        "custom_id": custom_id,
+        "response": {"status_code": error.status_code, "request_id": request_id, "body": None},
+        "error": {"code": error.code, "message": f"line {line_no}: {error.message}"},
+    }
+
+
+def encode(record: dict[str, Any]) -> bytes:
+    """One output line. No NaN/Infinity (not JSON); non-ASCII text stays readable."""
+    return (json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n").encode()
+
+
+def is_failure(record: dict[str, Any]) -> bool:
+    return record.get("error") is not None
+
+
+def reported_line(record: dict[str, Any]) -> int | None:
+    """The input line number a failure record names, if any."""
+    error = record.get("error")
+    if not isinstance(error, dict):
+        return None
+    m = _LINE_PREFIX.match(str(error.get("message", "")))
+    return int(m.group(1)) if m else None

@@ -1,0 +1,311 @@
+"""run-batch end to end on a tiny random model with a tiny word-level tokenizer built here: the mixed-file
+round trip (bodies valid for the official openai types, greedy and seeded outputs equal LLM.generate),
+every kind of bad line, resume of a torn file, ordering, stdin/stdout, --validate-only.
+
+The helpers at the top are shared with test_run_batch_crash.py and test_run_batch_memory.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import make_tiny_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 384  # the tiny models' vocabulary; the tokenizer below fills it exactly
+SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+WORDS = [f"w{i}" for i in range(len(SPECIALS), VOCAB)]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SERVED = "tiny-batch"
+MAX_MODEL_LEN = 96
+
+
+def make_batch_model(root: str | os.PathLike) -> str:
+    """A tiny random Qwen3 (eos id 2) with a word-level tokenizer over "w6".."w383" and a chat
+    template, saved as one HF folder."""
+    from tokenizers import AddedToken, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    folder = make_tiny_checkpoint(root, "qwen3", name=SERVED)
+    vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
+    backend = RustTokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                 eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    hf.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
+def batch_model(tmp_path_factory) -> str:
+    return make_batch_model(tmp_path_factory.mktemp("batch-model"))
+
+
+def engine_flags(model: str, max_num_seqs: int = 16) -> list[str]:
+    return ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(8 << 20),
+            "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--no-progress"]
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def chat_line(cid: str, content: str, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": content}], **body}}
+
+
+def completion_line(cid: str, prompt, **body) -> dict:
+    return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+
+
+def write_jsonl(path: str | os.PathLike, lines: list) -> None:
+    with open(path, "w") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def run_cli(args: list[str]) -> int:
+    from overnight.cli import main
+
+    return main(["run-batch", *args])
+
+
+def run_subprocess(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "overnight", "run-batch", *args], env=env, cwd=REPO,
+                          capture_output=True, **kwargs)
+
+
+# ---- the mixed file ---------------------------------------------------------------------------
+
+
+def mixed_lines(n: int, seed: int = 0) -> list[dict]:
+    """Chat and completion lines: greedy and seeded, stop strings, n=2, list and token-id prompts,
+    logprobs; every sampled line has a seed so its output is reproducible."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        kind = i % 6
+        common = {"max_tokens": rng.randint(1, 8)}
+        if rng.random() < 0.3:
+            common["model"] = SERVED
+        if kind == 0:
+            lines.append(chat_line(f"c{i}", words(rng, rng.randint(1, 12)), temperature=0, **common))
+        elif kind == 1:
+            lines.append(chat_line(f"c{i}", words(rng, 5), temperature=0, stop=[rng.choice(WORDS)],
+                                   logprobs=True, top_logprobs=2, **common))
+        elif kind == 2:
+            lines.append(chat_line(f"c{i}", words(rng, 4), n=2, temperature=0.8, seed=rng.randrange(1000),
+                                   **common))
+        elif kind == 3:
+            lines.append(completion_line(f"p{i}", words(rng, rng.randint(1, 10)), temperature=0,
+                                         logprobs=1, **common))
+        elif kind == 4:
+            prompts = [words(rng, rng.randint(1, 6)) for _ in range(rng.randint(2, 3))]
+            lines.append(completion_line(f"p{i}", prompts, n=2, temperature=1.0, seed=rng.randrange(1000),
+                                         stop=rng.choice(WORDS), **common))
+        else:
+            ids = [[rng.randrange(6, VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(2)]
+            lines.append(completion_line(f"p{i}", ids if rng.random() < 0.5 else ids[0], temperature=0,
+                                         **common))
+    return lines
+
+
+def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
+    """What LLM.generate gives for each line's prompts and params, choice by choice."""
+    from overnight import LLM
+    from overnight.openai_api.protocol import parse_request
+
+    llm = LLM(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, kv_cache_memory_bytes=8 << 20,
+              device="cpu", dtype="float32", attention_backend="torch")
+    prompts, params, owners = [], [], []
+    for line in lines:
+        req = parse_request(line["url"], line["body"])
+        for text, ids in req.engine_prompts(llm.get_tokenizer()):
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            params.append(req.to_sampling_params())
+            owners.append(line["custom_id"])
+    texts: dict[str, list[str]] = {}
+    for owner, out in zip(owners, llm.generate(prompts, params, use_tqdm=False)):
+        texts.setdefault(owner, []).extend(c.text for c in out.outputs)
+    return texts
+
+
+def test_mixed_file_round_trip(batch_model, tmp_path):
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    lines = mixed_lines(300)
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(batch_model),
+                    "--summary-json", str(tmp_path / "s.json")]) == 0
+    results = read_jsonl(out)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # input order
+    expected = expected_texts(batch_model, lines)
+    by_id = {line["custom_id"]: line for line in lines}
+    for r in results:
+        assert r["error"] is None and r["response"]["status_code"] == 200, r
+        assert r["id"].startswith("batch_req_")
+        body, line = r["response"]["body"], by_id[r["custom_id"]]
+        if line["url"] == "/v1/chat/completions":
+            parsed = ChatCompletion.model_validate(body)
+            texts = [c.message.content for c in parsed.choices]
+            if line["body"].get("logprobs"):
+                for c in parsed.choices:
+                    assert c.logprobs is not None and c.logprobs.content
+                    assert all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+        else:
+            parsed = Completion.model_validate(body)
+            texts = [c.text for c in parsed.choices]
+            if line["body"].get("logprobs") is not None:
+                assert all(len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) for c in parsed.choices)
+        assert parsed.model == SERVED
+        assert [c.index for c in parsed.choices] == list(range(len(parsed.choices)))
+        assert texts == expected[r["custom_id"]], r["custom_id"]
+        n_prompts = len(line["body"]["prompt"]) if isinstance(line["body"].get("prompt"), list) and \
+            isinstance(line["body"]["prompt"][0], (str, list)) else 1
+        assert len(parsed.choices) == n_prompts * line["body"].get("n", 1)
+        assert parsed.usage.completion_tokens >= len(parsed.choices)
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["ok"] == 300 and summary["failed"] == 0 and summary["status"] == "completed"
+    assert summary["completion_tokens"] == sum(r["response"]["body"]["usage"]["completion_tokens"]
+                                               for r in results)
+
+
+# ---- bad lines ----------------------------------------------------------------------------------
+
+def bad_lines() -> list[tuple[str | dict, str, str | None]]:
+    """(line, expected error code, expected custom_id in the error line)."""
+    ok = {"messages": [{"role": "user", "content": "w10 w11"}], "max_tokens": 2}
+    chat = "/v1/chat/completions"
+    long_prompt = " ".join(WORDS[:MAX_MODEL_LEN + 5])
+    return [
+        ('{"custom_id": "bad-json", "method": "POST", "url": ', "invalid_json", "bad-json"),
+        ("this is not json at all", "invalid_json", None),
+        ("[1, 2, 3]", "invalid_line", None),
+        ({"method": "POST", "url": chat, "body": ok}, "invalid_line", None),
+        ({"custom_id": "no-method", "url": chat, "body": ok}, "invalid_line", "no-method"),
+        ({"custom_id": "get", "method": "GET", "url": chat, "body": ok}, "invalid_method", "get"),
+        ({"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w9"}},
+         "unsupported_url", "embed"),
+        ({"custom_id": "no-body", "method": "POST", "url": chat}, "invalid_line", "no-body"),
+        (chat_line("hot", "w10", temperature=2.5), "invalid_request", "hot"),
+        (chat_line("zero-max", "w10", max_tokens=0), "invalid_request", "zero-max"),
+        ({"custom_id": "no-messages", "method": "POST", "url": chat, "body": {"messages": []}},
+         "invalid_request", "no-messages"),
+        (chat_line("other-model", "w10", model="gpt-4o", max_tokens=2), "model_not_found", "other-model"),
+        (completion_line("too-long", long_prompt, max_tokens=2), "context_length_exceeded", "too-long"),
+        (chat_line("good-1", "w12 w13", max_tokens=2), "duplicate_custom_id", "good-1"),
+        (completion_line("oov", [5, VOCAB + 7], max_tokens=2), "invalid_request", "oov"),
+        (completion_line("no-prompt", None, max_tokens=2), "invalid_request", "no-prompt"),
+        ({"custom_id": "image", "method": "POST", "url": chat, "body": {"messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}},
+         "invalid_request", "image"),
+        (completion_line("min-over-max", "w10", max_tokens=2, min_tokens=5), "invalid_request", "min-over-max"),
+        (completion_line("empty-prompt", "", max_tokens=2), "invalid_request", "empty-prompt"),
+        (b'{"custom_id": "bad-utf8", "body": "\xff\xfe"}', "invalid_json", "bad-utf8"),
+    ]
+
+
+def write_with_good_lines(path: Path, bad: list) -> tuple[list[str], dict[int, tuple[str, str | None]]]:
+    """Each bad line between two good ones; returns the good ids and {line number: (code, custom_id)}."""
+    good, expect = [], {}
+    with open(path, "wb") as f:
+        line_no = 0
+
+        def put(item) -> None:
+            nonlocal line_no
+            line_no += 1
+            data = item if isinstance(item, bytes) else (item if isinstance(item, str) else json.dumps(item)).encode()
+            f.write(data + b"\n")
+
+        for i, (line, code, cid) in enumerate(bad):
+            gid = f"good-{i}"
+            put(chat_line(gid, f"w{20 + i} w30", max_tokens=2, temperature=0) if i % 2 else
+                completion_line(gid, f"w{20 + i}", max_tokens=2, temperature=0))
+            good.append(gid)
+            put(line)
+            expect[line_no] = (code, cid)
+        put(chat_line("good-last", "w40", max_tokens=2))
+        good.append("good-last")
+    return good, expect
+
+
+def test_every_kind_of_bad_line_gets_its_error_and_the_rest_are_served(batch_model, tmp_path):
+    bad = bad_lines()
+    assert len({code for _, code, _ in bad}) >= 8 and len(bad) >= 15
+    good, expect = write_with_good_lines(tmp_path / "in.jsonl", bad)
+    out = tmp_path / "out.jsonl"
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(batch_model)]) == 0
+    results = read_jsonl(out)
+    assert len(results) == len(good) + len(bad)
+    failures = [r for r in results if r["error"] is not None]
+    served = [r for r in results if r["error"] is None]
+    assert [r["custom_id"] for r in served] == good
+    assert all(r["response"]["status_code"] == 200 and r["response"]["body"]["choices"] for r in served)
+    assert len(failures) == len(bad)
+    for r in failures:
+        line_no = int(r["error"]["message"].split(":")[0].removeprefix("line "))
+        code, cid = expect[line_no]
+        assert (r["error"]["code"], r["custom_id"]) == (code, cid), r
+        assert r["response"]["body"] is None
+        assert r["response"]["status_code"] == (404 if code == "model_not_found" else 400)
+        assert r["id"].startswith("batch_req_") and r["response"]["request_id"]
+    by_code = {r["error"]["code"]: r["error"]["message"] for r in failures}
+    assert "temperature" in by_code["invalid_request"] or any(
+        "temperature" in r["error"]["message"] for r in failures)
+    assert f"maximum context length is {MAX_MODEL_LEN}" in by_code["context_length_exceeded"]
+
+
+def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsys):
+    bad = bad_lines()
+    good, expect = write_with_good_lines(tmp_path / "in.jsonl", bad)
+    out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--errors-file", str(errors),
+                    *engine_flags(batch_model)]) == 0
+    assert [r["custom_id"] for r in read_jsonl(out)] == good
+    written = read_jsonl(errors)
+    assert sorted(r["error"]["code"] for r in written) == sorted(code for code, _ in expect.values())
+
+    # --validate-only finds the same problems without building an engine.
+    import overnight.engine.builder as builder
+
+    def no_engine(*a, **k):
+        raise AssertionError("--validate-only must not load the model")
+
+    monkeypatch.setattr(builder, "build_engine", no_engine)
+    capsys.readouterr()
+    report = tmp_path / "validate.jsonl"
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "--validate-only", "--errors-file", str(report),
+                    "--summary-json", str(tmp_path / "v.json"), *engine_flags(batch_model)]) == 1
+    found = {int(r["error"]["message"].split(":")[0].removeprefix("line ")): r["error"]["code"]
+             for r in read_jsonl(report)}
+    assert found == {n: code for n, (code, _) in expect.items()}
+    summary = json.loads((tmp_path / "v.json").read_text())
+    assert summary["ok"] == len(good) and summary["failed"] == len(bad)
+    assert "invalid_json" in capsys.readouterr().err
+    good_only = tmp_path / "good.jsonl"
+    write_jsonl(good_only, [chat_line("a", "w7", max_tokens=1), completion_line("b", ["w8", "w9"])])
+    assert run_cli(["-i", str(good_only), "--validate-only", *engine_flags(batch_model)]) == 0
