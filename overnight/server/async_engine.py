@@ -54,6 +54,8 @@ class Stop:
 
 
 Command = AddRequest | AbortRequest | Stop
+# One request of a generate_many call: (request id, prompt text if known, prompt token ids).
+PromptSpec = tuple[str, str | None, list[int]]
 
 
 class AsyncEngine:
@@ -113,7 +115,7 @@ class AsyncEngine:
 
     async def generate_many(
         self,
-        prompts: list[tuple[str, str | None, list[int]]],
+        prompts: list[PromptSpec],
         params: SamplingParams,
         stream: bool = True,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:

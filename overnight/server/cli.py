@@ -104,6 +104,9 @@ def uvicorn_server(app, opts: ServerOptions):
 
 def run(args: argparse.Namespace) -> int:
     opts = server_options(args)
+    if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
+                    opts.host)
     engine = build_engine(options_from_args(args, mode="server"))
     hide_created_series()
     server = uvicorn_server(make_app(engine, opts, model_arg=args.model), opts)

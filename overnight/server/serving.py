@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
@@ -17,14 +18,17 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from overnight.errors import EngineDeadError
+from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.openai_api.convert import ChatStream, CompletionStream, chat_completion, completion, new_id
 from overnight.openai_api.errors import ApiError
-from overnight.openai_api.inputs import prepare
+from overnight.openai_api.inputs import EngineInputs, prepare
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest, parse_request
 from overnight.outputs import RequestOutput
-from overnight.server.async_engine import AsyncEngine
+from overnight.sampling_params import SamplingParams
+from overnight.server.async_engine import AsyncEngine, PromptSpec
 from overnight.server.errors import engine_unavailable, overloaded
+
+log = logging.getLogger("overnight.server")
 
 # What a client that closed its connection is logged with (nginx's convention); it never receives it.
 CLIENT_CLOSED = 499
@@ -45,8 +49,7 @@ class OpenAIServing:
     async def handle(self, url: str, request: Request) -> Response:
         req = parse_request(url, await read_json(request))
         self._check_capacity()
-        core = self.engine.engine
-        inputs = prepare(req, core.tokenizer, core.max_model_len, self.config.accepted_names, core.validate)
+        inputs = self._prepare(req)
         is_chat = isinstance(req, ChatCompletionRequest)
         response_id = new_id("chatcmpl" if is_chat else "cmpl")
         prompts = [
@@ -68,6 +71,20 @@ class OpenAIServing:
             body = completion(outputs, model, response_id=response_id)
         return JSONResponse(body)
 
+    def _prepare(self, req: OpenAIRequest) -> EngineInputs:
+        core = self.engine.engine
+        try:
+            return prepare(req, core.tokenizer, core.max_model_len, self.config.accepted_names, core.validate)
+        except (ApiError, InvalidRequestError):
+            raise
+        except Exception as e:  # noqa: BLE001
+            # Rendering and tokenizing run the user's text (and chat_template_kwargs) through the chat
+            # template and the tokenizer: what fails there (a lone surrogate, a template that divides by
+            # zero) is the request's fault, never a reason for a 500.
+            log.info("request refused while preparing its prompt: %r", e)
+            raise ApiError("invalid_request", f"the request cannot be turned into a prompt: "
+                                              f"{type(e).__name__}: {e}") from None
+
     def _check_capacity(self) -> None:
         if not self.engine.is_running:
             raise engine_unavailable(self.engine.error)
@@ -77,7 +94,9 @@ class OpenAIServing:
 
     # -- whole responses ----------------------------------------------------------------------------
 
-    async def _collect(self, request: Request, prompts: list, params: Any) -> list[RequestOutput] | None:
+    async def _collect(
+        self, request: Request, prompts: list[PromptSpec], params: SamplingParams
+    ) -> list[RequestOutput] | None:
         """Final outputs in prompt order, or None if the client disconnected first (its requests are
         then aborted: nothing would read the answer)."""
 
@@ -108,7 +127,7 @@ class OpenAIServing:
     # -- streams ------------------------------------------------------------------------------------
 
     async def _stream(
-        self, req: OpenAIRequest, response_id: str, prompts: list, params: Any
+        self, req: OpenAIRequest, response_id: str, prompts: list[PromptSpec], params: SamplingParams
     ) -> AsyncIterator[str]:
         """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`.
 
