@@ -10,6 +10,7 @@ import time
 from contextlib import aclosing
 
 import httpx
+import pytest
 
 from overnight.errors import EngineDeadError
 from overnight.sampling_params import SamplingParams
@@ -28,26 +29,39 @@ class SlowRunner:
         self.delay = delay
         self.fail_at_step = fail_at_step
         self.steps = 0
+        self.supports_async = inner.supports_async
 
-    def execute(self, out):
+    def _tick(self) -> None:
         self.steps += 1
         if self.fail_at_step is not None and self.steps >= self.fail_at_step:
             raise RuntimeError("simulated device failure")
         time.sleep(self.delay)
+
+    def execute(self, out):
+        self._tick()
         return self.inner.execute(out)
 
+    def launch(self, out):
+        self._tick()
+        return self.inner.launch(out)
 
-def slow_engine(delay: float = 0.0, fail_at_step: int | None = None, **kw):
-    engine, runner = make_engine(**kw)
+
+def slow_engine(delay: float = 0.0, fail_at_step: int | None = None, async_mode: bool = False, **kw):
+    """async_mode: the engine runs one step ahead of the host, as it does on a GPU."""
+    engine, runner = make_engine(async_mode=async_mode, **kw)
     engine.runner = SlowRunner(runner, delay, fail_at_step)
     return engine
+
+
+ASYNC_MODES = pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
 
 
 # -- the async engine alone ------------------------------------------------------------------------
 
 
-def test_concurrent_streams_get_their_own_tokens():
-    engine = slow_engine(max_num_seqs=8)
+@ASYNC_MODES
+def test_concurrent_streams_get_their_own_tokens(async_mode):
+    engine = slow_engine(max_num_seqs=8, async_mode=async_mode)
     rng = random.Random(0)
     prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(40)]
 
@@ -76,8 +90,9 @@ def test_concurrent_streams_get_their_own_tokens():
     assert engine.stats().kv_cache_usage == 0 and not engine.parents
 
 
-def test_closing_a_stream_aborts_and_frees_blocks():
-    engine = slow_engine(delay=0.01)
+@ASYNC_MODES
+def test_closing_a_stream_aborts_and_frees_blocks(async_mode):
+    engine = slow_engine(delay=0.01, async_mode=async_mode)
 
     async def main():
         ae = AsyncEngine(engine)
@@ -100,8 +115,9 @@ def test_closing_a_stream_aborts_and_frees_blocks():
     assert not engine.parents
 
 
-def test_stop_aborts_in_flight_requests():
-    engine = slow_engine(delay=0.01)
+@ASYNC_MODES
+def test_stop_aborts_in_flight_requests(async_mode):
+    engine = slow_engine(delay=0.01, async_mode=async_mode)
 
     async def main():
         ae = AsyncEngine(engine)
@@ -120,8 +136,9 @@ def test_stop_aborts_in_flight_requests():
     assert engine.stats().kv_cache_usage == 0
 
 
-def test_a_failing_step_reaches_every_waiting_request():
-    engine = slow_engine(fail_at_step=3)
+@ASYNC_MODES
+def test_a_failing_step_reaches_every_waiting_request(async_mode):
+    engine = slow_engine(fail_at_step=3, async_mode=async_mode)
 
     async def main():
         ae = AsyncEngine(engine)
