@@ -6,6 +6,9 @@ kills a process runs last.
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 
 from overnight.entrypoints.llm import LLM
@@ -28,8 +31,13 @@ PARAMS = [GREEDY, SAMPLED] * (len(PROMPTS) // 2)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return LLM(device="cpu").generate(PROMPTS, PARAMS, use_tqdm=False)
+def one_engine():
+    return LLM(device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference(one_engine):
+    return one_engine.generate(PROMPTS, PARAMS, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +105,50 @@ def test_abort_and_invalid_prompt(dp):
     assert not engine.has_unfinished_requests()
 
 
+def _run_batch(engine, lines: list[dict]) -> list[dict]:
+    """run-batch's runner over `lines` with `engine`; the records it writes, in order."""
+    from overnight.batch.ordering import OutputOrder
+    from overnight.batch.output import Sink
+    from overnight.batch.reader import read_lines
+    from overnight.batch.runner import BatchRunner
+    from overnight.batch.summary import Summary
+    from overnight.openai_api.inputs import served_names
+
+    out = io.BytesIO()
+    served = engine.source.served_name
+    runner = BatchRunner(
+        engine,
+        Sink(out),
+        Summary(input="-", output="-"),
+        model_name=served,
+        names=served_names(served),
+        order=OutputOrder("input", 8),
+        max_in_flight=4,
+    )
+    runner.run(read_lines(json.dumps(line).encode() + b"\n" for line in lines))
+    return [json.loads(x) for x in out.getvalue().splitlines()]
+
+
+def test_run_batch_over_dp_keeps_order_and_errors(dp, one_engine):
+    lines = [
+        {
+            "custom_id": f"r{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"prompt": p, "max_tokens": 6, "temperature": 0},
+        }
+        for i, p in enumerate(PROMPTS)
+    ]
+    lines.insert(3, {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": ""}})
+    got, want = _run_batch(dp.engine, lines), _run_batch(one_engine.engine, lines)
+    assert [r["custom_id"] for r in got] == [line["custom_id"] for line in lines]
+    assert got[3]["error"] is not None and got[3]["error"]["code"] == want[3]["error"]["code"]
+    for a, b in zip(got, want, strict=True):
+        if a["error"] is None:
+            assert a["response"]["body"]["choices"] == b["response"]["body"]["choices"]
+
+
 def test_dead_engine_raises(dp):
-    dp.engine._procs[1].kill()
+    dp.engine.links._procs[1].kill()
     with pytest.raises(EngineDeadError, match="engine 1"):
         dp.generate(PROMPTS, GREEDY, use_tqdm=False)
