@@ -32,8 +32,10 @@ endif
 	touch $(STAMP)
 
 run: install
-	$(PY) -m overnight generate "What is the capital of France?" "Write a haiku about the night." \
-		"Explain what a KV cache is in one sentence."
+	$(PY) -m overnight run-batch -i examples/requests.jsonl -o out/results.jsonl --overwrite \
+		--summary-json out/summary.json
+	@echo "--- first results (out/results.jsonl) ---"
+	@$(PY) -m overnight.batch.show out/results.jsonl -n 6
 
 test: install
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests

@@ -309,3 +309,154 @@ def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsy
     good_only = tmp_path / "good.jsonl"
     write_jsonl(good_only, [chat_line("a", "w7", max_tokens=1), completion_line("b", ["w8", "w9"])])
     assert run_cli(["-i", str(good_only), "--validate-only", *engine_flags(batch_model)]) == 0
+
+
+# ---- resume, overwrite, order, stdin/stdout ----------------------------------------------------
+
+
+def test_resume_drops_a_torn_line_and_answers_the_rest_once(batch_model, tmp_path):
+    lines = mixed_lines(40, seed=3)
+    lines.insert(5, "not json")  # a failure without a custom_id must not be reported twice either
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    args = ["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(batch_model)]
+    assert run_cli(args) == 0
+    full = out.read_bytes().splitlines(keepends=True)
+    assert len(full) == 41
+    out.write_bytes(b"".join(full[:17]) + full[17][: len(full[17]) // 2])  # a crash mid-line
+
+    assert run_cli(args) == 2  # a non-empty output is never overwritten by accident
+    assert out.read_bytes().endswith(full[17][: len(full[17]) // 2])
+    assert run_cli([*args, "--resume", "--summary-json", str(tmp_path / "s.json")]) == 0
+    data = out.read_bytes()
+    assert data.endswith(b"\n")
+    results = [json.loads(x) for x in data.splitlines()]  # every line whole
+    ids = [r["custom_id"] for r in results]
+    expected = [x["custom_id"] for x in lines if isinstance(x, dict)]
+    assert sorted(i for i in ids if i is not None) == sorted(expected)
+    assert ids.count(None) == 1
+    assert data.startswith(b"".join(full[:17]))  # what was there stays
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["skipped"] == 17 and summary["ok"] + summary["failed"] == 41 - 17
+
+    assert run_cli([*args, "--resume"]) == 0  # nothing left to do
+    assert out.read_bytes() == data
+    assert run_cli([*args, "--overwrite"]) == 0
+    assert len(read_jsonl(out)) == 41
+
+
+def test_order_input_with_a_small_window_and_order_completion(batch_model, tmp_path):
+    # One long line first, then short ones: in completion order the long one comes last.
+    lines = [completion_line("long", "w9", max_tokens=40, ignore_eos=True, temperature=0)]
+    lines += [completion_line(f"s{i}", f"w{10 + i}", max_tokens=1) for i in range(20)]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    ids = [x["custom_id"] for x in lines]
+    flags = engine_flags(batch_model, max_num_seqs=4)
+    for order, window in (("input", "3"), ("completion", "3")):
+        out = tmp_path / f"{order}.jsonl"
+        assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--order", order,
+                        "--reorder-window", window, *flags]) == 0
+        got = [r["custom_id"] for r in read_jsonl(out)]
+        assert sorted(got) == sorted(ids)
+        if order == "input":
+            assert got == ids
+        else:
+            assert got[-1] == "long"
+    long = read_jsonl(tmp_path / "input.jsonl")[0]["response"]["body"]
+    assert long["usage"]["completion_tokens"] == 40 and long["choices"][0]["finish_reason"] == "length"
+
+
+def test_stdin_to_stdout_in_a_subprocess(batch_model, tmp_path):
+    lines = [chat_line("a", "w7 w8", max_tokens=3, temperature=0), "{broken",
+             completion_line("b", ["w9", "w10 w11"], max_tokens=2, temperature=0)]
+    data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+    proc = run_subprocess(["-i", "-", "-o", "-", *engine_flags(batch_model)], input=data, timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode()
+    results = [json.loads(x) for x in proc.stdout.decode().splitlines()]
+    assert [r["custom_id"] for r in results] == ["a", None, "b"]
+    assert results[1]["error"]["code"] == "invalid_json"
+    assert len(results[2]["response"]["body"]["choices"]) == 2
+    assert b"run-batch completed: 2 ok, 1 failed" in proc.stderr
+
+
+# ---- pieces ------------------------------------------------------------------------------------
+
+
+def test_output_order_window():
+    from overnight.batch.ordering import OutputOrder
+
+    order = OutputOrder("input", window=3)
+    a, b, c = order.start(), order.start(), order.start()
+    assert not order.has_room
+    assert order.finish(c, {"x": "c"}) == [] and order.finish(b, {"x": "b"}) == []
+    assert not order.has_room  # the head holds the window
+    assert order.finish(a, {"x": "a"}) == [{"x": "a"}, {"x": "b"}, {"x": "c"}]
+    assert order.has_room and order.num_open == 0
+    d, e = order.start(), order.start()
+    assert order.finish(e, {"x": "e"}) == [] and order.drain() == [{"x": "e"}]
+    assert order.finish(d, {"x": "d"}) == [{"x": "d"}]
+    fast = OutputOrder("completion", window=2)
+    f, g = fast.start(), fast.start()
+    assert fast.finish(g, {"x": "g"}) == [{"x": "g"}] and fast.has_room
+
+
+def test_repair_and_scan(tmp_path):
+    from overnight.batch.output import repair_and_scan
+
+    path = tmp_path / "out.jsonl"
+    records = [
+        {"custom_id": "a", "error": None},
+        {"custom_id": None, "error": {"code": "invalid_json", "message": "line 7: not valid JSON"}},
+        {"custom_id": "a", "error": {"code": "duplicate_custom_id", "message": "line 9: custom_id 'a' ..."}},
+        {"custom_id": "b", "error": {"code": "invalid_request", "message": "line 3: ..."}},
+    ]
+    body = "".join(json.dumps(r) + "\n" for r in records).encode()
+    path.write_bytes(body + b'{"custom_id": "c", "resp')
+    answered = repair_and_scan(str(path))
+    assert path.read_bytes() == body
+    assert answered.custom_ids == {"a", "b"} and answered.lines == {7, 9}
+    assert answered.num_records == 4 and answered.num_failures == 3 and answered.torn_bytes == 24
+    path.write_bytes(b'{"custom_id": "only-torn"')
+    assert repair_and_scan(str(path)).num_records == 0 and path.read_bytes() == b""
+
+
+def test_runner_bounds_work_in_flight(batch_model):
+    """Whatever the file size, the engine holds at most max_in_flight sequences (plus one line's worth) and
+    at most `window` lines are started but unwritten."""
+    import io
+
+    from overnight import LLM
+    from overnight.batch.ordering import OutputOrder
+    from overnight.batch.output import Sink
+    from overnight.batch.reader import read_lines
+    from overnight.batch.runner import BatchRunner
+    from overnight.batch.summary import Summary
+
+    engine = LLM(batch_model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_cache_memory_bytes=8 << 20,
+                 device="cpu", dtype="float32", attention_backend="torch").engine
+    rng = random.Random(1)
+    lines = [completion_line(f"x{i}", [words(rng, 2)] * (1 + i % 2), n=1 + i % 3,
+                             max_tokens=rng.randint(1, 12), ignore_eos=True) for i in range(120)]
+    raw = [json.dumps(x).encode() + b"\n" for x in lines]
+    peak = {"seqs": 0, "open": 0}
+    order = OutputOrder("input", window=10)
+    add = engine.add_request
+
+    def counting_add(*args, **kwargs):
+        add(*args, **kwargs)
+        running = sum(len(kids) for kids in engine.children.values())
+        peak["seqs"] = max(peak["seqs"], running)
+        peak["open"] = max(peak["open"], order.num_open)
+
+    engine.add_request = counting_add
+    out = io.BytesIO()
+    out.close = lambda: None
+    summary = Summary(input="-", output="-")
+    BatchRunner(engine, Sink(out), summary, model_name=SERVED, names={SERVED}, order=order,
+                max_in_flight=8).run(read_lines(raw))
+    results = [json.loads(x) for x in out.getvalue().splitlines()]
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+    assert summary.ok == 120
+    assert peak["seqs"] <= 8 + 2 * 3 - 1  # the limit, exceeded by at most one line's sequences
+    assert peak["open"] <= 10
+    assert not engine.has_unfinished_requests() and not engine.parents
