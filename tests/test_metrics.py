@@ -135,3 +135,24 @@ def test_every_name_dashboards_query_is_there():
                   "request_queue_time_seconds_count", "request_prompt_tokens_count",
                   "request_generation_tokens_count", "iteration_tokens_total_count"):
         assert f"vllm:{short}" in names, short
+
+
+def test_offline_class_with_metrics_on_a_port(tmp_path):
+    from overnight import LLM
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    llm = LLM(model=str(folder), skip_tokenizer_init=True, max_model_len=128)
+    metrics = attach_metrics(llm.engine)
+    port = start_metrics_server(metrics, 0)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        page = samples(r.read().decode())
+    name = metrics.model_name
+    assert name == str(folder)
+    assert value(page, "overnight:prompt_tokens_total", model_name=name) == 9
+    assert value(page, "overnight:generation_tokens_total", model_name=name) == sum(
+        len(o.outputs[0].token_ids) for o in outs) == 15
+    assert value(page, "overnight:request_success_total", model_name=name, finished_reason="length") == 3
+    assert value(page, "overnight:num_requests_running", model_name=name) == 0

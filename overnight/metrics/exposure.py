@@ -10,6 +10,7 @@ run-batch, the server), and serve them on a port while a batch job runs.
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING
 
 import prometheus_client
@@ -18,6 +19,8 @@ from overnight.metrics.prometheus import DEFAULT_PREFIX, PrometheusObserver
 
 if TYPE_CHECKING:
     from overnight.engine.engine import Engine
+
+log = logging.getLogger("overnight")
 
 
 def engine_model_name(engine: Engine) -> str:
@@ -43,7 +46,8 @@ def attach_metrics(
     observer.update_gauges(engine.stats())
     engine.observers.append(observer)
     if port is not None:
-        start_metrics_server(observer, port, host)
+        bound = start_metrics_server(observer, port, host)
+        log.info("Prometheus metrics on http://%s:%d/metrics", host, bound)
     return observer
 
 
