@@ -269,6 +269,7 @@ def test_disconnect_mid_stream_frees_blocks(server, model, llm):
     after = wait_idle(server, timeout=15)
     assert after["overnight:kv_cache_usage_perc"] == 0
     assert after["overnight:generation_tokens_total"] - before["overnight:generation_tokens_total"] < 400
+    assert after["overnight:request_success_total"] - before["overnight:request_success_total"] == 1  # abort
     assert not llm.engine.parents
 
 
@@ -280,6 +281,7 @@ def test_disconnect_while_waiting_for_a_whole_response(server, model):
     after = wait_idle(server, timeout=15)
     assert after["overnight:kv_cache_usage_perc"] == 0
     assert after["overnight:generation_tokens_total"] - before["overnight:generation_tokens_total"] < 400
+    assert after["overnight:request_success_total"] - before["overnight:request_success_total"] == 1
 
 
 # -- bad requests ----------------------------------------------------------------------------------

@@ -129,6 +129,12 @@ class PrometheusObserver:
             self.request_prompt_tokens.observe(fin.num_prompt_tokens)
             self.request_generation_tokens.observe(fin.num_generation_tokens)
 
+    def record_aborted(self, num_requests: int) -> None:
+        """Requests ended by abort_request (a client gone, a shutdown): the engine reports those
+        outside a step, so the adapter that aborted them counts them here."""
+        if num_requests:
+            self._request_success.labels(self.model_name, "abort").inc(num_requests)
+
     def update_gauges(self, scheduler: SchedulerStats) -> None:
         self.num_requests_running.set(scheduler.num_running)
         self.num_requests_waiting.set(scheduler.num_waiting)

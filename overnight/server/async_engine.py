@@ -206,16 +206,20 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))
             elif isinstance(cmd, AbortRequest):
-                final = engine.abort_request(cmd.request_id)
-                if final is not None:
-                    replies.append((cmd.request_id, final))
+                self._abort(cmd.request_id, replies)
             else:
                 for rid in list(engine.parents):
-                    final = engine.abort_request(rid)
-                    if final is not None:
-                        replies.append((rid, final))
+                    self._abort(rid, replies)
                 return True
         return False
+
+    def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        final = self.engine.abort_request(request_id)
+        if final is None:  # already finished, or never added
+            return
+        replies.append((request_id, final))
+        if self.metrics is not None:
+            self.metrics.record_aborted(sum(c.finish_reason == "abort" for c in final.outputs))
 
     def _publish(self, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
         stats = self.engine.stats()
