@@ -1,29 +1,49 @@
-"""Ray on a local 2-CPU cluster: 200 rows over 2 engine actors give one engine's outputs, and an actor
-killed mid-run has its rows run again, none lost, none twice. Skipped when ray[data] is not installed."""
+"""Ray on a local 2-CPU cluster (object store capped), with the tiny batch model of test_run_batch.py:
+
+- generate_dataset: 200 rows over 2 engine actors give one engine's outputs;
+- run-batch --ray: a 200-line file over 2 replicas, one of them killed mid-run, gives the file one
+  engine gives: every line once, in input order, the same texts.
+
+Skipped when ray[data] is not installed.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
+psutil = pytest.importorskip("psutil")
 
 from overnight.entrypoints.llm import LLM  # noqa: E402
 from overnight.parallel.ray import generate_dataset  # noqa: E402
 from overnight.sampling_params import SamplingParams  # noqa: E402
+from tests.test_run_batch import (  # noqa: E402
+    MAX_MODEL_LEN,
+    WORDS,
+    engine_flags,
+    expected_texts,
+    make_batch_model,
+    mixed_lines,
+    read_jsonl,
+    run_cli,
+    write_jsonl,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROWS = 200
-MAX_TOKENS = 4
-WORDS = ["river", "mountain", "engine", "garden", "winter", "library", "signal", "harbor"]
+ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, kv_cache_memory_bytes=8 << 20, device="cpu",
+              dtype="float32", attention_backend="torch")
 
 
-def prompt(i: int) -> str:
-    return f"Item {i}: a short note about the {WORDS[i % len(WORDS)]}"
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return make_batch_model(tmp_path_factory.mktemp("ray-model"))
 
 
 @pytest.fixture(scope="module")
@@ -34,83 +54,73 @@ def cluster():
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    ray.init(
-        num_cpus=2,
-        object_store_memory=96 * 2**20,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": env},
-    )
+    ray.init(num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env})
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def reference() -> dict[int, list]:
-    outs = LLM(device="cpu").generate(
-        [prompt(i) for i in range(NUM_ROWS)],
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
-        use_tqdm=False,
-    )
-    return {i: o.outputs[0].text for i, o in enumerate(outs)}
+def prompt(i: int) -> str:
+    return " ".join(WORDS[(i * 7 + k * 13) % len(WORDS)] for k in range(1 + i % 9))
 
 
-def _dataset():
-    return ray.data.from_items(
-        [{"index": i, "prompt": prompt(i)} for i in range(NUM_ROWS)], override_num_blocks=10
-    )
-
-
-def _run(on_first_row=None) -> list[dict]:
-    ds = generate_dataset(
-        _dataset(),
-        num_replicas=2,
-        batch_size=20,
-        sampling_params={"temperature": 0, "max_tokens": MAX_TOKENS},
-        device="cpu",
-    )
-    rows = []
-    for row in ds.iter_rows():
-        if not rows and on_first_row is not None:
-            on_first_row()
-        rows.append(row)
-    return rows
-
-
-def _check(rows: list[dict], reference: dict[int, str]) -> None:
-    indices = sorted(int(r["index"]) for r in rows)
-    assert indices == list(range(NUM_ROWS)), "a row was lost or came out twice"
+def test_generate_dataset_over_two_actors_matches_one_engine(cluster, model):
+    params = {"temperature": 0, "max_tokens": 6}
+    want = LLM(model, **ENGINE).generate([prompt(i) for i in range(NUM_ROWS)], SamplingParams(**params),
+                                         use_tqdm=False)
+    ds = ray.data.from_items([{"index": i, "prompt": prompt(i)} for i in range(NUM_ROWS)],
+                             override_num_blocks=10)
+    rows = generate_dataset(ds, model=model, num_replicas=2, batch_size=20, sampling_params=params,
+                            **ENGINE).take_all()
+    assert sorted(int(r["index"]) for r in rows) == list(range(NUM_ROWS))
     for r in rows:
+        out = want[int(r["index"])]
         assert r["error"] is None
-        assert r["generated_text"] == reference[int(r["index"])]
-        assert r["num_generated_tokens"] == MAX_TOKENS or r["finish_reason"] == "stop"
+        assert r["generated_text"] == out.outputs[0].text
+        assert r["num_prompt_tokens"] == len(out.prompt_token_ids)
+        assert r["num_generated_tokens"] == len(out.outputs[0].token_ids)
+        assert r["finish_reason"] == out.outputs[0].finish_reason
 
 
-def test_two_actors_match_one_engine(cluster, reference):
-    _check(_run(), reference)
+def _replica_pids() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["cmdline"])
+            if any("EngineServer" in part for part in (p.info["cmdline"] or []))]
 
 
-def _engine_actor_pids() -> list[int]:
-    import psutil
+def _kill_a_replica_when(output, num_lines: int, killed: list[int], stop: threading.Event) -> None:
+    """Once the output holds num_lines lines, SIGKILL one replica's process."""
+    while not stop.is_set():
+        lines = output.read_bytes().count(b"\n") if output.exists() else 0
+        pids = _replica_pids()
+        if lines >= num_lines and pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+            return
+        time.sleep(0.05)
 
-    return [
-        p.pid
-        for p in psutil.process_iter(["cmdline"])
-        if any("MapBatches(EngineActor)" in part for part in (p.info["cmdline"] or []))
-    ]
 
-
-def test_killed_actor_rows_run_again(cluster, reference):
+def test_run_batch_ray_survives_a_killed_replica(cluster, model, tmp_path):
+    lines = mixed_lines(NUM_ROWS, seed=3)
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
     killed: list[int] = []
-
-    def kill_one() -> None:
-        deadline = time.monotonic() + 30
-        while not (pids := _engine_actor_pids()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        os.kill(pids[0], signal.SIGKILL)
-        killed.append(pids[0])
-
-    rows = _run(on_first_row=kill_one)
-    assert killed
-    _check(rows, reference)
+    stop = threading.Event()
+    killer = threading.Thread(target=_kill_a_replica_when, args=(out, 40, killed, stop), daemon=True)
+    killer.start()
+    try:
+        code = run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(model),
+                        "--ray", "--num-replicas", "2"])
+    finally:
+        stop.set()
+        killer.join()
+    assert code == 0
+    assert killed, "no replica was killed: the run ended before 40 lines were written?"
+    results = read_jsonl(out)
+    assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # once each, in order
+    expected = expected_texts(model, lines)
+    for r in results:
+        assert r["error"] is None, r
+        choices = r["response"]["body"]["choices"]
+        texts = [c["message"]["content"] if "message" in c else c["text"] for c in choices]
+        assert texts == expected[r["custom_id"]], r["custom_id"]

@@ -19,6 +19,7 @@ ray.py (a lost actor is replaced and its requests are dealt again to the others,
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -42,6 +43,8 @@ from overnight.parallel.links import (
     StepOutputs,
 )
 from overnight.sampling_params import SamplingParams
+
+log = logging.getLogger("overnight")
 
 # Requests buffered per engine before they are sent without waiting for step().
 SEND_BATCH = 64
@@ -236,7 +239,7 @@ class DataParallelEngine:
                     self._items.pop(msg.request_id, None)
                     rejected.append(msg)
             elif isinstance(msg, EngineLost):
-                self._deal_again(msg.index)
+                self._deal_again(msg.index, msg.reason)
             elif isinstance(msg, EngineReady):  # a replacement is up
                 self.book.down.discard(msg.index)
                 if self._forwarding:
@@ -268,11 +271,15 @@ class DataParallelEngine:
         if len(self._pending[i]) >= SEND_BATCH:
             self._flush(i)
 
-    def _deal_again(self, index: int) -> None:
+    def _deal_again(self, index: int, reason: str) -> None:
         """Engine `index` is gone with its requests: deal them to the engines still up, from the start."""
         self._pending[index] = []
         self._stats[index] = None
-        for rid in self.book.take_back(index):
+        lost = self.book.take_back(index)
+        log.warning(
+            "engine %d was lost (%s); dealing its %d requests again", index, reason.splitlines()[0], len(lost)
+        )
+        for rid in lost:
             self._deal(self._items[rid])
 
     def _owned_by(self, request_id: str, index: int) -> bool:
