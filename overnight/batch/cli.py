@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -51,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="lines started but not yet written, with --order input (default: 4 x max-in-flight)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
+    r = p.add_argument_group("ray (pip install 'overnight[ray]')")
+    r.add_argument("--ray", action="store_true", help="run the engines as replicas on a Ray cluster")
+    r.add_argument("--ray-address", default=None,
+                   help="cluster to join (default: RAY_ADDRESS, else a new local cluster)")
+    r.add_argument("--num-replicas", type=int, default=1, help="engines on the cluster, with --ray")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -93,6 +99,10 @@ def input_lines(path: str) -> Iterator[bytes]:
         yield from f
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.ordering import OutputOrder
     from overnight.batch.output import Sink, open_output
@@ -101,9 +111,24 @@ def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.runner import BatchRunner
     from overnight.batch.summary import Summary
     from overnight.engine.builder import build_engine
+    from overnight.errors import ModelLoadError
     from overnight.openai_api.inputs import served_names
 
-    engine = build_engine(options_from_args(args, mode="batch"))
+    if args.ray:  # replicas on a Ray cluster behind the same request methods: overnight/parallel/ray.py
+        from overnight.parallel.ray import build_ray_engine, require_ray
+
+        try:
+            require_ray()
+        except ImportError as e:
+            raise UsageError(str(e)) from None
+        engine = build_ray_engine(options_from_args(args, mode="batch"), args.num_replicas,
+                                  address=args.ray_address)
+    else:
+        try:
+            engine = build_engine(options_from_args(args, mode="batch"))
+        except ModelLoadError as e:
+            print(f"overnight run-batch: {e}", file=sys.stderr)
+            return 1
     served = engine.source.served_name  # type: ignore[attr-defined]
     out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
     errors = None
@@ -131,6 +156,8 @@ def _run_batch(args: argparse.Namespace) -> int:
         progress=progress,
     )
     status, code = "completed", 0
+    # SIGTERM (a scheduler pre-empting the job) stops like Ctrl-C: finished lines written, summary printed.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         runner.run(read_lines(input_lines(args.input_file)))
     except KeyboardInterrupt:
@@ -139,6 +166,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         log.exception("the engine stopped; finished lines are written, --resume continues")
         status, code = "failed", 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         progress.close()
         sink.close()
     summary.finish(status)
