@@ -150,9 +150,12 @@ class OpenAIServing:
                         yield sse(chunk)
             for chunk in (chat or text).final_chunks():
                 yield sse(chunk)
-        except EngineDeadError as e:
-            # The status line is long gone: report the failure in-band, as an error event.
-            yield sse(engine_unavailable(e).body())
+        except Exception as e:  # noqa: BLE001 - the status line is long gone: report it in-band
+            if isinstance(e, EngineDeadError):
+                yield sse(engine_unavailable(e).body())
+            else:
+                log.exception("stream %s failed", response_id)
+                yield sse(ApiError.from_exception(e).body())
         yield "data: [DONE]\n\n"
 
 
