@@ -58,6 +58,9 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
     if warmup and device.type == "cuda":
         # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
         llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
+    from overnight.engine.engine import StepTimings
+
+    llm.engine.timings = StepTimings()
     with ClockSampler(device_index) as clocks:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -92,6 +95,7 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
             "steps": llm.engine.num_steps,
             "preemptions": llm.engine.scheduler.num_preemptions_total,
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
+            "host_per_step": llm.engine.timings.summary(),
         },
     )
     del llm

@@ -138,7 +138,9 @@ def build_engine(opts: EngineOptions) -> Engine:
         source = replace(source, served_name=opts.served_model_name)
     config = build_config(opts, source, device)
     tokenizer = None
-    if not opts.skip_tokenizer_init:
+    if source.tokenizer_path is None and source.kind == "dummy" and not opts.tokenizer:
+        log.info("dummy weights without a tokenizer: prompts must be token ids")
+    elif not opts.skip_tokenizer_init:
         from overnight.tokenizer.tokenizer import load_tokenizer
 
         if opts.tokenizer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from overnight.config import EngineConfig
@@ -28,6 +29,29 @@ class Runner(Protocol):
     """Runs one forward pass and samples; the model runner, a fake in tests, or a group of workers."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass
+class StepTimings:
+    """Where the host's time goes, summed over steps. With a runner that launches asynchronously,
+    wait_s is the time the host sat idle waiting for the GPU: the larger it is, the less the host
+    limits throughput."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0  # building inputs and enqueueing the step (or running it, on the CPU)
+    wait_s: float = 0.0  # blocked on the device for a step's tokens
+    update_s: float = 0.0  # scheduler update, outputs, stats
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "schedule_ms": round(1e3 * self.schedule_s / n, 3),
+            "launch_ms": round(1e3 * self.launch_s / n, 3),
+            "wait_ms": round(1e3 * self.wait_s / n, 3),
+            "update_ms": round(1e3 * self.update_s / n, 3),
+        }
 
 
 class _Done:
@@ -76,6 +100,7 @@ class Engine:
         # One step may run ahead of the host when the runner can launch without waiting.
         self._async = bool(getattr(runner, "supports_async", False))
         self._inflight: tuple[SchedulerOutput, object] | None = None
+        self.timings = StepTimings()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -195,10 +220,16 @@ class Engine:
 
         With a runner that launches asynchronously (CUDA), step N+1 is launched before step N's
         tokens are read, so the host work of one step overlaps the GPU work of the other."""
+        t = self.timings
+        t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         handle = None
         if not sched_out.is_empty or sched_out.finished_req_ids:
             handle = self._launch(sched_out)
+        t2 = time.perf_counter()
+        t.schedule_s += t1 - t0
+        t.launch_s += t2 - t1
         outputs: list[RequestOutput] = []
         if self._inflight is not None:
             outputs = self._complete(*self._inflight)
@@ -208,6 +239,7 @@ class Engine:
                 self._inflight = (sched_out, handle)
             else:
                 outputs += self._complete(sched_out, handle)
+        t.steps += 1
         return outputs
 
     def _launch(self, sched_out: SchedulerOutput):
@@ -216,7 +248,9 @@ class Engine:
         return _Done(self.runner.execute(sched_out))
 
     def _complete(self, sched_out: SchedulerOutput, handle) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         runner_out = handle.result()
+        t1 = time.perf_counter()
         advanced, finished = self.scheduler.update(sched_out, runner_out)
         logprobs = {}
         if runner_out.logprobs is not None:
@@ -230,6 +264,8 @@ class Engine:
         if self.observers:
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
         self._retire([o for o in outputs if o.finished])
+        self.timings.wait_s += t1 - t0
+        self.timings.update_s += time.perf_counter() - t1
         return outputs
 
     def _retire(self, outputs: list[RequestOutput]) -> None:

@@ -22,7 +22,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[Block]] = {}
         self._hashes: dict[str, list[int]] = {}  # full-block hashes of each request's tokens
-        self._num_registered: dict[str, int] = {}  # leading blocks already registered in the cache
         # Prefix-cache counters in tokens, as users' dashboards expect.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -101,14 +100,14 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         num_full = min(req.num_computed_tokens, len(req.all_token_ids)) // self.block_size
-        start = self._num_registered.get(req.req_id, 0)
+        start = req.num_cached_blocks
         if num_full <= start:
             return
         hashes = self._block_hashes(req, num_full * self.block_size)
         blocks = self.req_blocks[req.req_id]
         for i in range(start, num_full):
             self.pool.cache(blocks[i], hashes[i])
-        self._num_registered[req.req_id] = num_full
+        req.num_cached_blocks = num_full
 
     def block_ids(self, req: Request) -> list[int]:
         return [b.id for b in self.req_blocks.get(req.req_id, [])]
@@ -116,7 +115,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         blocks = self.req_blocks.pop(req.req_id, [])
         self.pool.free(list(reversed(blocks)))
-        self._num_registered.pop(req.req_id, None)
+        req.num_cached_blocks = 0
 
     def forget(self, req: Request) -> None:
         """Drop the hash memo of a request that is finished (kept across preemption on purpose)."""

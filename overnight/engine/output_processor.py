@@ -48,6 +48,9 @@ class _Child:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     final_sent: bool = False
+    # Nothing to do per token (no streaming, stop strings or logprobs): the token ids are taken
+    # from the request once it finishes. Keeps host work per step small for batch jobs.
+    plain: bool = False
 
 
 class OutputProcessor:
@@ -75,7 +78,8 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
         )
         parent.completions.append(completion)
-        self.children[req.req_id] = _Child(req, parent, index, detok, window)
+        plain = detok is None and not parent.stream and params.logprobs is None
+        self.children[req.req_id] = _Child(req, parent, index, detok, window, plain=plain)
 
     def drop(self, req_id: str) -> None:
         self.children.pop(req_id, None)
@@ -89,9 +93,10 @@ class OutputProcessor:
         """Returns the outputs to hand back, and the requests a stop string ended (for the scheduler)."""
         stopped: list[tuple[Request, str]] = []
         touched: dict[str, ParentRequest] = {}
+        children = self.children
         for req in advanced:
-            child = self.children.get(req.req_id)
-            if child is None:
+            child = children.get(req.req_id)
+            if child is None or child.plain:
                 continue
             comp = child.parent.completions[child.index]
             token = req.all_token_ids[-1]
@@ -175,6 +180,8 @@ class OutputProcessor:
     def _complete(self, child: _Child, req: Request) -> None:
         comp = child.parent.completions[child.index]
         params = req.params
+        if child.plain:
+            comp.token_ids = req.output_token_ids
         if params.detokenize and self.tokenizer is not None:
             if child.detok is None:
                 comp.text = self.tokenizer.decode(

@@ -59,10 +59,18 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    num_cached_blocks: int = 0  # leading full blocks registered in the prefix cache
+    # Token ids that may end the request (EOS unless ignore_eos, and stop_token_ids): one set lookup
+    # per sampled token on the hot path.
+    stop_ids: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+        ids = set(self.params.stop_token_ids or [])
+        if not self.params.ignore_eos:
+            ids |= self.eos_token_ids
+        self.stop_ids = frozenset(ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -96,13 +104,10 @@ class Request:
 
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Token-level stop rules, applied right after token_id was appended."""
-        n_out = self.num_output_tokens
-        if n_out >= self.params.min_tokens:
-            if not self.params.ignore_eos and token_id in self.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
+        if token_id in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
             if token_id in self.params.stop_token_ids:
                 self.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if self.num_tokens >= self.max_total_tokens:
+            return RequestStatus.FINISHED_STOPPED
+        if len(self.all_token_ids) >= self.max_total_tokens:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -221,9 +221,11 @@ class Scheduler:
         advanced: list[Request] = []
         finished: list[Request] = []
         now = time.monotonic()
+        running = RequestStatus.RUNNING
+        preempted = RequestStatus.PREEMPTED
         for rid, token in zip(runner_out.req_ids, runner_out.sampled_token_ids):
             req = requests.get(rid)
-            if req is None or req.status in _DONE:
+            if req is None or (req.status is not running and req.status is not preempted):
                 continue  # aborted, or already ended while this step ran
             req.num_pending -= 1
             req.all_token_ids.append(token)
@@ -239,15 +241,12 @@ class Scheduler:
         if finished:  # one pass instead of a list removal per finished request
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if self.kv.enable_caching:
+            bs = self.kv.block_size
             for rid in out.num_scheduled_tokens:
                 req = requests.get(rid)
-                if req is not None and req.status not in _DONE:
-                    self.kv.cache_computed_blocks(req)
+                # Cheap test first: most steps complete no block.
+                if req is not None and req.num_computed_tokens // bs > req.num_cached_blocks:
+                    if req.status is running or req.status is preempted:
+                        self.kv.cache_computed_blocks(req)
         return advanced, finished
 
-
-_DONE = {
-    RequestStatus.FINISHED_STOPPED,
-    RequestStatus.FINISHED_LENGTH,
-    RequestStatus.FINISHED_ABORTED,
-}
