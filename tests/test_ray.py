@@ -4,26 +4,23 @@
 - run-batch --ray: a 200-line file over 2 replicas, one of them killed mid-run, gives the file one
   engine gives: every line once, in input order, the same texts.
 
-Skipped when ray[data] is not installed.
+Skipped (but the install message is checked) when ray[data] is not installed.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
-pytest.importorskip("ray.data")
-psutil = pytest.importorskip("psutil")
-
-from overnight.entrypoints.llm import LLM  # noqa: E402
-from overnight.parallel.ray import generate_dataset  # noqa: E402
-from overnight.sampling_params import SamplingParams  # noqa: E402
-from tests.test_run_batch import (  # noqa: E402
+from overnight.entrypoints.llm import LLM
+from overnight.parallel.ray import generate_dataset, require_ray
+from overnight.sampling_params import SamplingParams
+from tests.test_run_batch import (
     MAX_MODEL_LEN,
     WORDS,
     engine_flags,
@@ -35,10 +32,34 @@ from tests.test_run_batch import (  # noqa: E402
     write_jsonl,
 )
 
+try:
+    import psutil
+    import ray
+    import ray.data
+except ImportError:
+    ray = None
+
+needs_ray = pytest.mark.skipif(ray is None, reason="ray[data] and psutil are not installed")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_ROWS = 200
-ENGINE = dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=16, kv_cache_memory_bytes=8 << 20, device="cpu",
-              dtype="float32", attention_backend="torch")
+ENGINE = dict(
+    max_model_len=MAX_MODEL_LEN,
+    max_num_seqs=16,
+    kv_cache_memory_bytes=8 << 20,
+    device="cpu",
+    dtype="float32",
+    attention_backend="torch",
+)
+
+
+def test_without_ray_the_message_says_how_to_install(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install 'overnight\[ray\]'"):
+        require_ray()
+    write_jsonl(tmp_path / "in.jsonl", mixed_lines(1))
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"), "--ray"]) == 2
+    assert "pip install 'overnight[ray]'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +75,13 @@ def cluster():
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
     }
-    ray.init(num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": env})
+    ray.init(
+        num_cpus=2,
+        object_store_memory=96 * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": env},
+    )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield
     ray.shutdown()
@@ -65,14 +91,18 @@ def prompt(i: int) -> str:
     return " ".join(WORDS[(i * 7 + k * 13) % len(WORDS)] for k in range(1 + i % 9))
 
 
+@needs_ray
 def test_generate_dataset_over_two_actors_matches_one_engine(cluster, model):
     params = {"temperature": 0, "max_tokens": 6}
-    want = LLM(model, **ENGINE).generate([prompt(i) for i in range(NUM_ROWS)], SamplingParams(**params),
-                                         use_tqdm=False)
-    ds = ray.data.from_items([{"index": i, "prompt": prompt(i)} for i in range(NUM_ROWS)],
-                             override_num_blocks=10)
-    rows = generate_dataset(ds, model=model, num_replicas=2, batch_size=20, sampling_params=params,
-                            **ENGINE).take_all()
+    want = LLM(model, **ENGINE).generate(
+        [prompt(i) for i in range(NUM_ROWS)], SamplingParams(**params), use_tqdm=False
+    )
+    ds = ray.data.from_items(
+        [{"index": i, "prompt": prompt(i)} for i in range(NUM_ROWS)], override_num_blocks=10
+    )
+    rows = generate_dataset(
+        ds, model=model, num_replicas=2, batch_size=20, sampling_params=params, **ENGINE
+    ).take_all()
     assert sorted(int(r["index"]) for r in rows) == list(range(NUM_ROWS))
     for r in rows:
         out = want[int(r["index"])]
@@ -84,8 +114,11 @@ def test_generate_dataset_over_two_actors_matches_one_engine(cluster, model):
 
 
 def _replica_pids() -> list[int]:
-    return [p.pid for p in psutil.process_iter(["cmdline"])
-            if any("EngineServer" in part for part in (p.info["cmdline"] or []))]
+    return [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any("EngineServer" in part for part in (p.info["cmdline"] or []))
+    ]
 
 
 def _kill_a_replica_when(output, num_lines: int, killed: list[int], stop: threading.Event) -> None:
@@ -100,6 +133,7 @@ def _kill_a_replica_when(output, num_lines: int, killed: list[int], stop: thread
         time.sleep(0.05)
 
 
+@needs_ray
 def test_run_batch_ray_survives_a_killed_replica(cluster, model, tmp_path):
     lines = mixed_lines(NUM_ROWS, seed=3)
     write_jsonl(tmp_path / "in.jsonl", lines)
@@ -109,8 +143,18 @@ def test_run_batch_ray_survives_a_killed_replica(cluster, model, tmp_path):
     killer = threading.Thread(target=_kill_a_replica_when, args=(out, 40, killed, stop), daemon=True)
     killer.start()
     try:
-        code = run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(model),
-                        "--ray", "--num-replicas", "2"])
+        code = run_cli(
+            [
+                "-i",
+                str(tmp_path / "in.jsonl"),
+                "-o",
+                str(out),
+                *engine_flags(model),
+                "--ray",
+                "--num-replicas",
+                "2",
+            ]
+        )
     finally:
         stop.set()
         killer.join()

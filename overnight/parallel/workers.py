@@ -306,6 +306,7 @@ class TPRunner:
 
         self.config = config
         self.world = config.parallel.tensor_parallel_size
+        self.device = torch.device(rank_device(config.runner.device, 0))  # rank 0's, which samples
         TPShards(config.model.arch, 0, self.world).check()  # before any process starts
         on_gpu = torch.device(config.runner.device).type == "cuda"
         init_method = f"tcp://127.0.0.1:{free_port()}"
