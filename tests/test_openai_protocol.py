@@ -24,11 +24,16 @@ from overnight.openai_api import (
     served_names,
 )
 from overnight.outputs import CompletionOutput, Logprob, RequestOutput
-from tests.test_run_batch import batch_model  # noqa: F401  (fixture)
+from tests.test_run_batch import make_batch_model
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"
 MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def batch_model(tmp_path_factory) -> str:
+    return make_batch_model(tmp_path_factory.mktemp("batch-model"))
 
 
 def chat(**body) -> ChatCompletionRequest:

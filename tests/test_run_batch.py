@@ -147,7 +147,7 @@ def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
             params.append(req.to_sampling_params())
             owners.append(line["custom_id"])
     texts: dict[str, list[str]] = {}
-    for owner, out in zip(owners, llm.generate(prompts, params, use_tqdm=False)):
+    for owner, out in zip(owners, llm.generate(prompts, params, use_tqdm=False), strict=True):
         texts.setdefault(owner, []).extend(c.text for c in out.outputs)
     return texts
 
@@ -396,7 +396,8 @@ def test_output_order_window():
     assert order.finish(e, {"x": "e"}) == [] and order.drain() == [{"x": "e"}]
     assert order.finish(d, {"x": "d"}) == [{"x": "d"}]
     fast = OutputOrder("completion", window=2)
-    f, g = fast.start(), fast.start()
+    fast.start()
+    g = fast.start()
     assert fast.finish(g, {"x": "g"}) == [{"x": "g"}] and fast.has_room
 
 

@@ -11,16 +11,23 @@ import subprocess
 import sys
 import time
 
-from tests.test_run_batch import (  # noqa: F401  (batch_model is a fixture)
+import pytest
+
+from tests.test_run_batch import (
     REPO,
-    batch_model,
     chat_line,
     completion_line,
     engine_flags,
+    make_batch_model,
     run_subprocess,
     words,
     write_jsonl,
 )
+
+
+@pytest.fixture(scope="module")
+def batch_model(tmp_path_factory) -> str:
+    return make_batch_model(tmp_path_factory.mktemp("batch-model"))
 
 
 def count_lines(path) -> int:
@@ -78,3 +85,22 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
         body = r["response"]["body"]
         n = len(body["choices"])
         assert n == (1 if body["object"] == "chat.completion" else 2)
+
+
+def test_sigterm_stops_cleanly(batch_model, tmp_path):
+    lines = [completion_line(f"t{i}", "w10 w11", max_tokens=20, ignore_eos=True) for i in range(60)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, lines)
+    args = [sys.executable, "-m", "overnight", "run-batch", "-i", str(inp), "-o", str(out),
+            *engine_flags(batch_model, max_num_seqs=2)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while count_lines(out) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err.decode()[-2000:]
+    assert b"run-batch interrupted" in err
+    done = [json.loads(x) for x in out.read_bytes().splitlines()]
+    assert 3 <= len(done) < 60 and out.read_bytes().endswith(b"\n")

@@ -6,14 +6,21 @@ from __future__ import annotations
 import json
 import random
 
-from tests.test_run_batch import (  # noqa: F401  (batch_model is a fixture)
-    batch_model,
+import pytest
+
+from tests.test_run_batch import (
     chat_line,
     completion_line,
     engine_flags,
+    make_batch_model,
     run_subprocess,
     words,
 )
+
+
+@pytest.fixture(scope="module")
+def batch_model(tmp_path_factory) -> str:
+    return make_batch_model(tmp_path_factory.mktemp("batch-model"))
 
 
 def write_lines(path, n: int) -> None:

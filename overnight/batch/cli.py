@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -98,6 +99,10 @@ def input_lines(path: str) -> Iterator[bytes]:
         yield from f
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.ordering import OutputOrder
     from overnight.batch.output import Sink, open_output
@@ -106,6 +111,7 @@ def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.runner import BatchRunner
     from overnight.batch.summary import Summary
     from overnight.engine.builder import build_engine
+    from overnight.errors import ModelLoadError
     from overnight.openai_api.inputs import served_names
 
     if args.ray:  # replicas on a Ray cluster behind the same request methods: overnight/parallel/ray.py
@@ -118,7 +124,11 @@ def _run_batch(args: argparse.Namespace) -> int:
         engine = build_ray_engine(options_from_args(args, mode="batch"), args.num_replicas,
                                   address=args.ray_address)
     else:
-        engine = build_engine(options_from_args(args, mode="batch"))
+        try:
+            engine = build_engine(options_from_args(args, mode="batch"))
+        except ModelLoadError as e:
+            print(f"overnight run-batch: {e}", file=sys.stderr)
+            return 1
     served = engine.source.served_name  # type: ignore[attr-defined]
     out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
     errors = None
@@ -146,6 +156,8 @@ def _run_batch(args: argparse.Namespace) -> int:
         progress=progress,
     )
     status, code = "completed", 0
+    # SIGTERM (a scheduler pre-empting the job) stops like Ctrl-C: finished lines written, summary printed.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         runner.run(read_lines(input_lines(args.input_file)))
     except KeyboardInterrupt:
@@ -154,6 +166,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         log.exception("the engine stopped; finished lines are written, --resume continues")
         status, code = "failed", 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         progress.close()
         sink.close()
     summary.finish(status)

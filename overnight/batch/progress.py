@@ -25,16 +25,20 @@ class Progress:
             return
         self.bar.update(lines)
         now = time.perf_counter()
-        if now - self._last >= _REFRESH_S:
+        if now - self._last >= _REFRESH_S:  # formatting every line would cost more than the bar is worth
             self._last = now
-            s = self.summary
-            elapsed = max(s.elapsed, 1e-9)
-            self.bar.set_postfix_str(
-                f"ok {s.ok}, failed {s.failed}, in {s.prompt_tokens / elapsed:.0f} tok/s, "
-                f"out {s.completion_tokens / elapsed:.0f} tok/s",
-                refresh=False,
-            )
+            self._postfix()
+
+    def _postfix(self) -> None:
+        s = self.summary
+        elapsed = max(s.elapsed, 1e-9)
+        self.bar.set_postfix_str(
+            f"ok {s.ok}, failed {s.failed}, in {s.prompt_tokens / elapsed:.0f} tok/s, "
+            f"out {s.completion_tokens / elapsed:.0f} tok/s",
+            refresh=False,
+        )
 
     def close(self) -> None:
         if self.bar is not None:
+            self._postfix()
             self.bar.close()

@@ -22,8 +22,7 @@ _LINE_PREFIX = re.compile(r"^line (\d+): ")
 
 
 def _ids() -> tuple[str, str]:
-    u = uuid.uuid4().hex
-    return f"batch_req_{u}", f"req_{u}"
+    return f"batch_req_{uuid.uuid4().hex}", f"req_{uuid.uuid4().hex}"
 
 
 def success_record(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:

@@ -18,8 +18,8 @@ import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from overnight.batch.output import Answered, Sink
 from overnight.batch.ordering import OutputOrder
+from overnight.batch.output import Answered, Sink
 from overnight.batch.progress import Progress
 from overnight.batch.reader import BatchLine
 from overnight.batch.records import error_record, success_record
