@@ -7,5 +7,6 @@
     records   the output line format (success / failure records)
     progress  the progress bar; summary: the end-of-run summary (stderr, --summary-json)
     validate  --validate-only
+    show      `python -m overnight.batch.show results.jsonl`: the first results as text
     cli       the command line
 """

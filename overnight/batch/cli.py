@@ -19,19 +19,22 @@ from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
 from overnight.entrypoints.engine_args import add_engine_args, options_from_args
 
+# Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
+from overnight.openai_api.protocol import ROUTES
+
 log = logging.getLogger("overnight.batch")
 
 EPILOG = """\
 input lines:  {"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions",
                "body": {"messages": [{"role": "user", "content": "Hello"}], "max_completion_tokens": 64}}
-urls: /v1/chat/completions, /v1/completions (a list "prompt" gives one choice per prompt).
+urls: URLS (a list "prompt" gives one choice per prompt).
 Each output line is written and flushed as its request finishes; after a crash, run again with --resume.
 """
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) through the engine",
-                       description=__doc__, epilog=EPILOG,
+                       description=__doc__, epilog=EPILOG.replace("URLS", ", ".join(ROUTES)),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-i", "--input-file", required=True, help="batch file (JSONL), or - for stdin")
     p.add_argument("-o", "--output-file", default=None,
