@@ -3,6 +3,7 @@
 from overnight.metrics.exposure import (
     add_metrics_args,
     attach_metrics,
+    engine_limits,
     engine_model_name,
     hide_created_series,
     start_metrics_server,
@@ -14,6 +15,7 @@ __all__ = [
     "PrometheusObserver",
     "add_metrics_args",
     "attach_metrics",
+    "engine_limits",
     "engine_model_name",
     "hide_created_series",
     "start_metrics_server",

@@ -30,6 +30,21 @@ def engine_model_name(engine: Engine) -> str:
     return engine.config.model.model
 
 
+def engine_limits(engine: Engine) -> dict[str, int]:
+    """The limits a reader of /metrics needs to judge the gauges: the batch ceilings and the pool size."""
+    sched, cache = engine.config.scheduler, engine.config.cache
+    limits = {
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_model_len": sched.max_model_len,
+        "block_size": cache.block_size,
+    }
+    kv = getattr(engine, "kv", None)  # a data-parallel front has no pool of its own
+    if kv is not None:
+        limits["num_kv_blocks"] = kv.num_blocks
+    return limits
+
+
 def attach_metrics(
     engine: Engine,
     prefix: str = DEFAULT_PREFIX,
@@ -42,6 +57,7 @@ def attach_metrics(
         model_name or engine_model_name(engine),
         prefix=prefix,
         max_model_len=engine.max_model_len,
+        limits=engine_limits(engine),
     )
     observer.update_gauges(engine.stats())
     engine.observers.append(observer)

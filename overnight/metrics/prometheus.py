@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
@@ -54,6 +54,7 @@ class PrometheusObserver:
         prefix: str = DEFAULT_PREFIX,
         max_model_len: int = 1 << 20,
         registry: CollectorRegistry | None = None,
+        limits: dict[str, int] | None = None,
     ) -> None:
         self.model_name = model_name
         self.prefix = prefix
@@ -104,6 +105,13 @@ class PrometheusObserver:
             "request_generation_tokens", "Generated length of finished requests.", tok)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens in one forward pass.", ITERATION_TOKEN_BUCKETS)
+
+        if limits:
+            # The engine's fixed limits (max_num_seqs, ...), so a reader of the page can tell whether
+            # the running gauge sits at its ceiling: `<prefix>:engine_limits_info{max_num_seqs="256",...} 1`.
+            info = Info(name("engine_limits"), "The engine's batch and KV-cache limits.", labels,
+                        registry=self.registry)
+            info.labels(model_name).info({k: str(v) for k, v in limits.items()})
 
         self._last_totals = (0, 0, 0)  # the scheduler's running totals at the previous step
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from overnight.engine.builder import build_engine
 from overnight.engine.engine import Engine
 from overnight.entrypoints.engine_args import add_engine_args, options_from_args
-from overnight.metrics import DEFAULT_PREFIX, PrometheusObserver, engine_model_name, hide_created_series
+from overnight.metrics import (
+    DEFAULT_PREFIX,
+    PrometheusObserver,
+    engine_limits,
+    engine_model_name,
+    hide_created_series,
+)
 from overnight.openai_api.inputs import served_names
 from overnight.server.app import build_app
 from overnight.server.async_engine import AsyncEngine
@@ -77,7 +83,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 def make_app(engine: Engine, opts: ServerOptions, model_arg: str | None = None):
     """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
     model_name = engine_model_name(engine)
-    metrics = PrometheusObserver(model_name, prefix=opts.metrics_prefix, max_model_len=engine.max_model_len)
+    metrics = PrometheusObserver(model_name, prefix=opts.metrics_prefix, max_model_len=engine.max_model_len,
+                                 limits=engine_limits(engine))
     engine.observers.append(metrics)
     config = ServingConfig(
         model_name=model_name,
