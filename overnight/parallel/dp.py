@@ -220,10 +220,10 @@ class DataParallelEngine:
     def step(self) -> list[RequestOutput]:
         """Send buffered requests, then return the outputs that have arrived (waiting for at least
         one message while any request is unfinished)."""
-        if self.observers and not self._forwarding:
-            self._forwarding = True
+        if bool(self.observers) != self._forwarding:  # observers came or went
+            self._forwarding = bool(self.observers)
             for i in range(self.num_engines):
-                self.links.send(i, ForwardStats())
+                self.links.send(i, ForwardStats(self._forwarding))
         for i in range(self.num_engines):
             self._flush(i)
         outputs, self._carry = self._carry, []

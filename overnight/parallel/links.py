@@ -55,7 +55,9 @@ class AbortRequests:
 
 @dataclass(frozen=True)
 class ForwardStats:
-    """Send each step's IterationStats from now on (the driver has observers)."""
+    """Send each step's IterationStats from now on (the driver has observers), or stop (on=False)."""
+
+    on: bool = True
 
 
 # -- messages (engine -> driver) ------------------------------------------------------------------
@@ -144,9 +146,12 @@ def serve_engine(
                 for rid in msg.request_ids:
                     engine.abort_request(rid)
             elif isinstance(msg, ForwardStats):
-                if recorder is None:
+                if msg.on and recorder is None:
                     recorder = _Recorder()
                     engine.observers.append(recorder)
+                elif not msg.on and recorder is not None:
+                    engine.observers.remove(recorder)
+                    recorder = None
             elif isinstance(msg, Shutdown):
                 return
             else:
