@@ -9,6 +9,10 @@ class ModelLoadError(OvernightError):
     """The model could not be found, read or understood (path, format, architecture, weights)."""
 
 
+class ConfigError(OvernightError, ValueError):
+    """The engine's options cannot work together on this machine (memory, lengths, limits)."""
+
+
 class InvalidRequestError(OvernightError, ValueError):
     """One request is invalid (empty prompt, too long, bad sampling values); the engine keeps serving."""
 

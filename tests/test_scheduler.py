@@ -8,7 +8,7 @@ import pytest
 
 from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
 from overnight.engine.engine import Engine
-from overnight.errors import InvalidRequestError
+from overnight.errors import ConfigError, InvalidRequestError
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner, reference_output
 
@@ -210,5 +210,5 @@ def test_n_completions_share_the_prompt():
 
 
 def test_pool_smaller_than_one_sequence_is_refused():
-    with pytest.raises(InvalidRequestError, match="max_model_len"):
+    with pytest.raises(ConfigError, match="max_model_len"):
         make_engine(num_blocks=10, block_size=4, max_model_len=64)

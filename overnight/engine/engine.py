@@ -17,7 +17,7 @@ from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler, SchedulerStats
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
-from overnight.errors import InvalidRequestError
+from overnight.errors import ConfigError, InvalidRequestError
 from overnight.outputs import RequestMetrics, RequestOutput
 from overnight.sampling_params import SamplingParams
 
@@ -85,7 +85,7 @@ class Engine:
         )
         capacity = num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
-            raise InvalidRequestError(
+            raise ConfigError(
                 f"the KV pool holds {capacity} tokens, less than one sequence of max_model_len "
                 f"{self.max_model_len}: lower max_model_len or give the pool more memory"
             )
