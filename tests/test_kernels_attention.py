@@ -104,7 +104,7 @@ def test_kv_write_fp8_scales_and_saturates(fp8: torch.dtype) -> None:
     slots = torch.randperm(nb * bs, generator=gen)[:num_tokens].to(DEVICE)
     slots[4] = -1
     cache = torch.zeros(2, nb, bs, hkv, d, dtype=fp8, device=DEVICE)
-    kv_write(k, v, cache, slots, k_scale=k_scale, v_scale=v_scale)
+    kv_write(k, v, cache, slots, kv_scale=torch.tensor([k_scale, v_scale], device=DEVICE))
     limit = torch.finfo(fp8).max
     expected = torch.zeros(2, nb, bs, hkv, d, device=DEVICE)
     write_kv_ref((k / k_scale).clamp(-limit, limit), (v / v_scale).clamp(-limit, limit), expected, slots)
@@ -222,8 +222,7 @@ def test_fp8_cache_matches_reference_on_dequantized_cache(fp8: torch.dtype) -> N
         meta,
         0.125,
         out=poisoned(q),
-        k_scale=k_scale,
-        v_scale=v_scale,
+        kv_scale=torch.tensor([k_scale, v_scale], device=DEVICE),
         num_splits=2,
         decode_config=DecodeConfig(block_n=16),
         prefill_config=PrefillConfig(16, 16, 4, 1),

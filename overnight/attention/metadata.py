@@ -17,6 +17,10 @@ KV cache of one layer (one tensor, K and V stacked):
 Token position p of request i lives in block block_tables[i, p // block_size], slot p % block_size,
 i.e. flat slot  block * block_size + p % block_size. slot_mapping[row] gives that flat slot for each new
 token of this step (-1 for padding rows, which must not be written).
+
+An FP8 cache stores K / k_scale and V / v_scale; the layer's (k_scale, v_scale) pair is a float32
+device tensor of shape [2] (a row of the runner's kv_scales, see kv_quant.py), None for a cache that is
+stored unscaled in the compute dtype.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from overnight.attention.kv_quant import calibrate_kv_scale_
 
 
 @dataclass
@@ -52,7 +58,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    """Writes this step's K/V into the paged cache, then attends. q: [T, Hq, D]; k, v: [T, Hkv, D]."""
+    """Writes this step's K/V into the paged cache, then attends. q: [T, Hq, D]; k, v: [T, Hkv, D].
+
+    kv_scale: the layer's [2] float32 (k_scale, v_scale) of a quantized cache; None: no scaling.
+    """
 
     def forward(
         self,
@@ -62,18 +71,30 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
 @dataclass
 class AttentionBatch:
-    """Passed to model.forward as an argument: the step's metadata, every layer's cache, the backend."""
+    """Passed to model.forward as an argument: the step's metadata, every layer's cache, the backend,
+    and for an FP8 cache every layer's scales."""
 
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]
     backend: AttentionBackend
+    kv_scales: torch.Tensor | None = None  # [num_layers, 2] float32 (k_scale, v_scale); None: unscaled
+    # Set each layer's scales from this step's K/V before they are written (one calibration step).
+    calibrate_kv_scales: bool = False
 
     def __call__(
         self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        return self.backend.forward(q, k, v, self.kv_caches[layer_idx], self.meta, scale)
+        cache = self.kv_caches[layer_idx]
+        if self.kv_scales is None:
+            return self.backend.forward(q, k, v, cache, self.meta, scale)
+        kv_scale = self.kv_scales[layer_idx]  # a view: the pointer stays fixed for CUDA graphs
+        if self.calibrate_kv_scales:
+            n = self.meta.num_tokens
+            calibrate_kv_scale_(kv_scale, k[:n], v[:n], cache.dtype)
+        return self.backend.forward(q, k, v, cache, self.meta, scale, kv_scale)

@@ -2,6 +2,7 @@
 
 Layouts are described in metadata.py. The arithmetic is ordinary softmax attention in the dtype of q
 (fp32 accumulation happens inside torch's matmul for fp16/bf16 on CUDA; on CPU we upcast explicitly).
+With a layer's kv_scale (an FP8 cache, kv_quant.py) K/V are quantized on write and dequantized on read.
 """
 
 from __future__ import annotations
@@ -9,20 +10,38 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 
 
 def write_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
-    """Store each row's k/v at its flat slot; rows whose slot is -1 (padding) are skipped."""
+    """Store each row's k/v at its flat slot; rows whose slot is -1 (padding) are skipped.
+
+    With kv_scale ([2]: k_scale, v_scale) the rows are stored quantized: x / scale, saturated, cast.
+    """
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
     flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
     n = slot_mapping.shape[0]
     valid = slot_mapping[:n] >= 0
     slots = slot_mapping[:n][valid]
-    flat[0, slots] = k[:n][valid].to(kv_cache.dtype)
-    flat[1, slots] = v[:n][valid].to(kv_cache.dtype)
+    k, v = k[:n][valid], v[:n][valid]
+    if kv_scale is None:
+        flat[0, slots] = k.to(kv_cache.dtype)
+        flat[1, slots] = v.to(kv_cache.dtype)
+    else:
+        flat[0, slots] = quantize_kv(k, kv_scale[0], kv_cache.dtype)
+        flat[1, slots] = quantize_kv(v, kv_scale[1], kv_cache.dtype)
+
+
+def _load(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """Cached K or V in the compute dtype (dequantized when the cache is scaled)."""
+    return x.to(dtype) if scale is None else dequantize_kv(x, scale, dtype)
 
 
 def _gather_context(
@@ -38,12 +57,18 @@ def _gather_context(
 
 
 def paged_attention_ref(
-    q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its request's cached context (this step's K/V already written).
 
     q: [T, Hq, D]; returns [T, Hq, D]. Rows past the real tokens (padding) are left as zeros.
+    kv_scale: [2] (k_scale, v_scale) of a quantized cache, multiplied in after the cast.
     """
+    k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.zeros_like(q)
     compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
     qsl = meta.query_start_loc_cpu if meta.query_start_loc_cpu is not None else meta.query_start_loc.cpu()
@@ -64,12 +89,12 @@ def paged_attention_ref(
         pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [nd, L]
         group = num_heads // num_kv_heads
         qd = q[:nd].to(compute_dtype).view(nd, num_kv_heads, group, -1)
-        scores = torch.einsum("bhgd,blhd->bhgl", qd, k.to(compute_dtype)) * scale
+        scores = torch.einsum("bhgd,blhd->bhgl", qd, _load(k, compute_dtype, k_scale)) * scale
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
         probs = scores.softmax(dim=-1)
         # Slots past a request's length hold whatever the memory held (possibly NaN): zero them,
         # since 0 * NaN would poison the sum.
-        v = v.to(compute_dtype).masked_fill(pad[:, :, None, None], 0.0)
+        v = _load(v, compute_dtype, v_scale).masked_fill(pad[:, :, None, None], 0.0)
         o = torch.einsum("bhgl,blhd->bhgd", probs, v)
         out[:nd] = o.reshape(nd, num_heads, -1).to(q.dtype)
 
@@ -81,8 +106,8 @@ def paged_attention_ref(
             continue
         k, v = _gather_context(kv_cache, meta.block_tables[i], seq_len)
         qi = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, qlen, D]
-        ki = k.to(compute_dtype).transpose(0, 1)  # [Hkv, L, D]
-        vi = v.to(compute_dtype).transpose(0, 1)
+        ki = _load(k, compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L, D]
+        vi = _load(v, compute_dtype, v_scale).transpose(0, 1)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, L]
         o = F.scaled_dot_product_attention(
@@ -103,9 +128,10 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention_ref(q, kv_cache, meta, scale)
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        return paged_attention_ref(q, kv_cache, meta, scale, kv_scale)
 
 
 def build_metadata(
@@ -119,7 +145,7 @@ def build_metadata(
     """Metadata for a batch described by plain lists (tests, and the simple runner path)."""
     qsl = [0]
     slots: list[int] = []
-    for qlen, slen, table in zip(query_lens, seq_lens, block_tables):
+    for qlen, slen, table in zip(query_lens, seq_lens, block_tables, strict=True):
         qsl.append(qsl[-1] + qlen)
         for pos in range(slen - qlen, slen):
             slots.append(table[pos // block_size] * block_size + pos % block_size)

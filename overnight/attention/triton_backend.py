@@ -20,7 +20,9 @@ from overnight.kernels.paged_prefill import PrefillConfig
 class TritonAttentionBackend:
     """Implements the AttentionBackend protocol of metadata.py.
 
-    k_scale / v_scale: per-tensor scales of a quantized (fp8) cache; the cache holds k / k_scale.
+    An fp8 cache comes with forward's kv_scale (the layer's (k_scale, v_scale) on the device; the
+    cache holds k / k_scale), read by the kernels through a pointer so captured graphs see new values.
+    decode_config None: the kernel's default for the cache dtype.
     """
 
     def __init__(
@@ -31,8 +33,6 @@ class TritonAttentionBackend:
         max_num_seqs: int,
         max_model_len: int,
         device: torch.device | str,
-        k_scale: float = 1.0,
-        v_scale: float = 1.0,
         num_sms: int | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
@@ -48,8 +48,6 @@ class TritonAttentionBackend:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.num_sms = num_sms
-        self.k_scale = k_scale
-        self.v_scale = v_scale
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         # Splitting only happens for small batches, so the workspace is sized by the largest
@@ -68,17 +66,17 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.num_decodes > self.max_num_seqs:
             raise ValueError(f"{meta.num_decodes} decodes exceed max_num_seqs={self.max_num_seqs}")
-        kv_write(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        kv_write(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return paged_attention(
             q,
             kv_cache,
             meta,
             scale,
-            k_scale=self.k_scale,
-            v_scale=self.v_scale,
+            kv_scale=kv_scale,
             num_splits=self.num_splits(meta.num_decodes),
             workspace=self.workspace,
             decode_config=self.decode_config,

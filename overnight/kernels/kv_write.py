@@ -6,8 +6,10 @@ Row t of k/v ([T, Hkv, D]) goes to flat slot s = slot_mapping[t], i.e. block s /
 s % block_size of kv_cache[0] (K) and kv_cache[1] (V); rows with s == -1 (CUDA-graph padding) are skipped.
 The launch depends only on shapes and device pointers, so it can be captured in a CUDA graph.
 
-For a quantized cache (fp8) each value is divided by its per-tensor scale and saturated to the format's
-range before the cast; the attention kernels multiply the scale back in after loading.
+For a quantized cache (fp8) each value is divided by its layer's scale, read on the device from
+kv_scale ([2] float32: k_scale, v_scale; see overnight/attention/kv_quant.py), and saturated to the
+format's range before the cast; the attention kernels multiply the scale back in after loading. The
+division rounds to nearest, as torch's does, so the kernel stores the reference's bytes exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ def _kv_write_kernel(
     v_ptr,
     cache_ptr,
     slot_ptr,
-    inv_k_scale,
-    inv_v_scale,
+    kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
     stride_kt,
     stride_kh,
     stride_vt,
@@ -46,6 +47,7 @@ def _kv_write_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SAT_MAX: tl.constexpr,  # 0.0: no saturation (cache not fp8)
+    HAS_SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -59,8 +61,11 @@ def _kv_write_kernel(
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_DIM)
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
-    k = k.to(tl.float32) * inv_k_scale
-    v = v.to(tl.float32) * inv_v_scale
+    k = k.to(tl.float32)
+    v = v.to(tl.float32)
+    if HAS_SCALE:
+        k = tl.math.div_rn(k, tl.load(kv_scale_ptr))
+        v = tl.math.div_rn(v, tl.load(kv_scale_ptr + 1))
     if SAT_MAX > 0.0:
         k = tl.minimum(tl.maximum(k, -SAT_MAX), SAT_MAX)
         v = tl.minimum(tl.maximum(v, -SAT_MAX), SAT_MAX)
@@ -80,19 +85,29 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
         raise ValueError("kv_cache must have unit stride along head_dim")
 
 
+def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> None:
+    """A layer's scales: [2] float32 (k_scale, v_scale), contiguous, on the cache's device."""
+    if kv_scale is None:
+        return
+    if kv_scale.shape != (2,) or kv_scale.dtype != torch.float32 or kv_scale.stride(0) != 1:
+        raise ValueError(f"kv_scale must be a contiguous [2] float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    if kv_scale.device != kv_cache.device:
+        raise ValueError("kv_scale must be on the cache's device")
+
+
 def kv_write(
     k: torch.Tensor,
     v: torch.Tensor,
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    kv_scale: torch.Tensor | None = None,
     num_warps: int = KV_WRITE_NUM_WARPS,
 ) -> None:
     """kv_cache[0/1] at slot_mapping[t] = k[t] / k_scale, v[t] / v_scale (cast to the cache dtype).
 
     k, v: [T, Hkv, D] with unit stride along D (views into a fused qkv tensor are fine);
-    slot_mapping: [T] int64, -1 = skip the row.
+    slot_mapping: [T] int64, -1 = skip the row; kv_scale: [2] float32 (k_scale, v_scale) on the
+    device, None = store unscaled. An fp8 cache saturates either way.
     """
     check_kv_cache(kv_cache)
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -108,6 +123,7 @@ def kv_write(
         raise ValueError("slot_mapping must be a 1-D int64 tensor")
     if not (k.device == v.device == kv_cache.device == slot_mapping.device):
         raise ValueError("k, v, kv_cache and slot_mapping must be on one device")
+    check_kv_scale(kv_scale, kv_cache)
     if num_tokens == 0:
         return
     _kv_write_kernel[(num_tokens,)](
@@ -115,8 +131,7 @@ def kv_write(
         v,
         kv_cache,
         slot_mapping,
-        1.0 / k_scale,
-        1.0 / v_scale,
+        kv_scale if kv_scale is not None else slot_mapping,  # not read without a scale
         k.stride(0),
         k.stride(1),
         v.stride(0),
@@ -131,5 +146,6 @@ def kv_write(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         SAT_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
+        HAS_SCALE=kv_scale is not None,
         num_warps=num_warps,
     )

@@ -19,8 +19,7 @@ def paged_attention(
     scale: float,
     out: torch.Tensor | None = None,
     *,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    kv_scale: torch.Tensor | None = None,
     num_splits: int | None = None,
     max_model_len: int | None = None,
     workspace: DecodeWorkspace | None = None,
@@ -31,6 +30,7 @@ def paged_attention(
 
     num_splits (decode only) defaults to choose_num_splits(num_decodes, Hkv, max_model_len or
     meta.max_seq_len); pass it explicitly (and a preallocated workspace) under CUDA-graph capture.
+    kv_scale: [2] float32 (k_scale, v_scale) of an fp8 cache, on the device; None: unscaled.
     Rows owned by no request (CUDA-graph padding) are not written: nothing here may depend on where the
     real rows end, or a captured graph would bake in one step's count.
     """
@@ -50,8 +50,7 @@ def paged_attention(
             out,
             num_splits=num_splits,
             workspace=workspace,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            kv_scale=kv_scale,
             config=decode_config,
         )
     if meta.num_prefills > 0:
@@ -70,8 +69,7 @@ def paged_attention(
             prefill_rows,
             scale,
             out,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            kv_scale=kv_scale,
             config=prefill_config,
         )
     return out

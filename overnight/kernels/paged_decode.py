@@ -15,6 +15,12 @@ whose range is empty exit at once. With num_splits > 1 each split writes its nor
 and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_splits sizes the grid, so
 it is chosen from static quantities (batch size, max_model_len), never from this step's lengths, and
 the whole thing can be captured in a CUDA graph.
+
+FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
+into the score scale, v_scale into the final normalization. The tiles are converted to fp16 for the
+dots (q is cast once), because sm_90 converts fp8 -> fp16 in one instruction per pair while fp8 ->
+bf16 takes several, and with half the bytes per token that conversion, not HBM, bounded the kernel.
+fp16 holds every e4m3 / e5m2 value exactly; scores and accumulators stay fp32.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_write import check_kv_cache
+from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
 # one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
@@ -42,6 +48,26 @@ class DecodeConfig:
     block_n: int = 64  # context tokens per tile (a multiple of the page size keeps gathers whole-page)
     num_warps: int = 4
     num_stages: int = 2
+    # fp8 cache only: dots in fp16 (False: in q's dtype, the slower fp8 -> bf16 conversion; kept so
+    # bench/kernels_gpu.py can compare the two).
+    fp8_via_fp16: bool = True
+
+
+# An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
+# loads per iteration the same. Revisit with bench/kernels_gpu.py's fp8 winners.
+FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=2)
+
+
+def default_decode_config(cache_dtype: torch.dtype) -> DecodeConfig:
+    return FP8_DECODE_CONFIG if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else DecodeConfig()
+
+
+def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8_via_fp16: bool = True) -> tl.dtype:
+    """The dtype both dot operands are converted to: q's, except fp16 for an fp8 cache with a half q."""
+    is_fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if is_fp8 and fp8_via_fp16 and q_dtype in (torch.float16, torch.bfloat16):
+        return tl.float16
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[q_dtype]
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
@@ -69,8 +95,8 @@ def _decode_kernel(
     out_ptr,
     part_out_ptr,  # [B, Hq, num_splits, D] fp32, used when SPLIT
     part_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
-    qk_scale,  # softmax scale * k_scale * log2(e)
-    v_scale,
+    kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    qk_scale,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
     stride_qh,
@@ -89,6 +115,8 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for _decode_reduce_kernel
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (q's, or fp16 for an fp8 cache)
+    HAS_SCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -110,7 +138,12 @@ def _decode_kernel(
     row_mask = (offs_g < GROUP)[:, None] & (offs_d < HEAD_DIM)[None, :]
     q = tl.load(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=row_mask, other=0.0
-    )
+    ).to(DOT_DTYPE)
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+    else:
+        v_scale = 1.0
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -124,14 +157,16 @@ def _decode_kernel(
         tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31 elements
         kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(
+            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+        )
         m_i = m_new
 
     # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
@@ -213,18 +248,19 @@ def paged_decode(
     out: torch.Tensor,
     num_splits: int = 1,
     workspace: DecodeWorkspace | None = None,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    kv_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
 ) -> None:
     """out[b] = attention of q[b] over request b's first seq_lens[b] cached tokens, for b < num_decodes.
 
     q, out: [>= num_decodes, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] of any float dtype
-    (fp8 with k_scale/v_scale); block_tables: [>= num_decodes, max_blocks] int32; seq_lens: [>= num_decodes]
-    int32. Nothing is synchronized with the host.
+    (fp8 with kv_scale, [2] float32 (k_scale, v_scale) on the device); block_tables: [>= num_decodes,
+    max_blocks] int32; seq_lens: [>= num_decodes] int32. Nothing is synchronized with the host.
+    config defaults to default_decode_config(kv_cache.dtype).
     """
-    cfg = config or DecodeConfig()
+    cfg = config or default_decode_config(kv_cache.dtype)
     check_kv_cache(kv_cache)
+    check_kv_scale(kv_scale, kv_cache)
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
@@ -252,8 +288,8 @@ def paged_decode(
         out,
         part_out,
         part_lse,
-        scale * k_scale * math.log2(math.e),
-        v_scale,
+        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        scale * math.log2(math.e),
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -272,6 +308,8 @@ def paged_decode(
         BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype, cfg.fp8_via_fp16),
+        HAS_SCALE=kv_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

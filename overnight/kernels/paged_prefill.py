@@ -21,6 +21,9 @@ request by binary search over base_i and exits if its tile lies past the request
 Keys are walked in BLOCK_N tiles through the block table. Key tiles below the tile's first query
 position are visible to every row and run unmasked; only the diagonal tiles apply the causal mask, and
 tiles past the last row's position are never visited.
+
+FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
+score scale, v_scale into the final normalization) and the dots run in fp16 (dot_dtype).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_write import check_kv_cache
+from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
+from overnight.kernels.paged_decode import dot_dtype
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -86,7 +91,7 @@ def _attend_tile(
         page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
     tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot
     k = _load(kv_base + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
     # Every row sees key 0, and the first visited tile holds a key <= every row's position, so m_new is
@@ -96,7 +101,7 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
-    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -108,8 +113,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
-    qk_scale,  # softmax scale * k_scale * log2(e)
-    v_scale,
+    kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    qk_scale,  # softmax scale * log2(e)
     num_decodes,
     num_prefills,
     search_steps,  # ceil(log2(num_prefills + 1))
@@ -129,6 +134,8 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -159,7 +166,13 @@ def _prefill_kernel(
     io_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
+    q = q.to(DOT_DTYPE)
     pos = ctx_start + offs_m
+    if HAS_SCALE:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+    else:
+        v_scale = 1.0
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -191,6 +204,7 @@ def _prefill_kernel(
             BLOCK_N,
             False,
             DOT_PRECISION,
+            DOT_DTYPE,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -213,6 +227,7 @@ def _prefill_kernel(
             BLOCK_N,
             True,
             DOT_PRECISION,
+            DOT_DTYPE,
         )
 
     out = acc * (v_scale / l_i)[:, None]
@@ -231,19 +246,19 @@ def paged_prefill(
     num_prefill_rows: int,
     scale: float,
     out: torch.Tensor,
-    k_scale: float = 1.0,
-    v_scale: float = 1.0,
+    kv_scale: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
 ) -> None:
     """Causal attention of requests num_decodes .. num_reqs-1 over their cached contexts, into out.
 
-    q, out: [T, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] (any float dtype, fp8 with
-    k_scale/v_scale); block_tables [num_reqs, max_blocks], seq_lens [num_reqs], query_start_loc
-    [num_reqs + 1]: int32 on q's device. num_prefill_rows: an upper bound on the prefill requests' rows
+    q, out: [T, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] (any float dtype; fp8 with
+    kv_scale, [2] float32 (k_scale, v_scale) on the device); block_tables [num_reqs, max_blocks],
+    seq_lens [num_reqs], query_start_loc [num_reqs + 1]: int32 on q's device. num_prefill_rows: an upper bound on the prefill requests' rows
     (query_start_loc[num_reqs] - query_start_loc[num_decodes]); it only sizes the grid.
     """
     cfg = config or PrefillConfig()
     check_kv_cache(kv_cache)
+    check_kv_scale(kv_scale, kv_cache)
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
     num_heads = q.shape[1]
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
@@ -270,8 +285,8 @@ def paged_prefill(
         seq_lens,
         query_start_loc,
         out,
-        scale * k_scale * math.log2(math.e),
-        v_scale,
+        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        scale * math.log2(math.e),
         num_decodes,
         num_prefills,
         max(1, math.ceil(math.log2(num_prefills + 1))),
@@ -291,6 +306,8 @@ def paged_prefill(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype),
+        HAS_SCALE=kv_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
