@@ -7,6 +7,7 @@ Qwen3 reuse the blocks below with their own attention class.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -175,6 +176,15 @@ def _checkpoint_names(
     return [(pname, None)]
 
 
+_KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _kv_scale_of(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for k / 1 for v) when `name` is an FP8 checkpoint's per-layer KV-cache scale."""
+    match = _KV_SCALE_NAME.fullmatch(name)
+    return (int(match.group(1)), "kv".index(match.group(2))) if match else None
+
+
 def _listing(names: Iterable[str], limit: int = 8) -> str:
     names = sorted(names)
     more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
@@ -185,7 +195,11 @@ def _listing(names: Iterable[str], limit: int = 8) -> str:
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
     separate q/k/v and gate/up tensors. Raises ModelLoadError naming every missing or unexpected tensor,
-    and the first shape mismatch."""
+    and the first shape mismatch.
+
+    KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
+    parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
+    1.0 for a missing one, for the runner's FP8 cache."""
     arch: ModelArch = model.arch
     mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
@@ -194,9 +208,15 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
 
     seen: set[str] = set()
     unexpected: list[str] = []
+    kv_scales: dict[int, list[float]] = {}
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name:
             continue  # the rotary table is recomputed, never loaded
+        kv_scale = _kv_scale_of(name)
+        if kv_scale is not None:
+            layer, which = kv_scale
+            kv_scales.setdefault(layer, [1.0, 1.0])[which] = float(tensor.float().max())
+            continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue  # some tied checkpoints store a copy of the embedding
         if name not in expected:
@@ -216,6 +236,7 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         target.copy_(tensor)
         seen.add(name)
 
+    model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
     problems = []
     missing = set(expected) - seen
     if missing:
