@@ -44,10 +44,12 @@ class DecodeGraphs:
         buffers: StepBuffers,
         max_batch: int,
         max_model_len: int,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # read in place by the captured kernels: new values need no recapture
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = bucket_sizes(max_batch)
@@ -76,7 +78,7 @@ class DecodeGraphs:
         )
 
     def _forward(self, b: int) -> torch.Tensor:
-        attn = AttentionBatch(self._meta(b), self.kv_caches, self.backend)
+        attn = AttentionBatch(self._meta(b), self.kv_caches, self.backend, self.kv_scales)
         return self.model(self.buffers.ids[:b], self.buffers.pos[:b], attn)
 
     @torch.inference_mode()

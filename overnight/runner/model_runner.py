@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overnight.attention.metadata import AttentionBackend, AttentionBatch
+from overnight.attention.kv_quant import is_fp8, kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
+from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
 from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.loader.source import ModelSource
@@ -63,7 +64,14 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, model: nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        model: nn.Module | None = None,
+        *,
+        calculate_kv_scales: bool = False,
+    ) -> None:
         self.config = config
         self.source = source
         self.device = torch.device(config.runner.device)
@@ -86,6 +94,7 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches: list[torch.Tensor] = []
+        self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
         self.graphs = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
@@ -106,7 +115,27 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        return self.config.model.dtype
+        return kv_cache_torch_dtype(self.config.cache.kv_cache_dtype, self.config.model.dtype)
+
+    # -- FP8 KV cache scales ----------------------------------------------------------------------
+
+    def _init_kv_scales(self, calculate: bool) -> None:
+        """kv_scales [num_layers, 2] (k_scale, v_scale) on the device, for an fp8 cache only: from the
+        checkpoint when it ships them, else 1.0; with `calculate`, set once from the first prefill.
+        Graphs and kernels read the tensor in place, so it is only ever written, never replaced."""
+        self.kv_scales: torch.Tensor | None = None
+        self._calibrate_kv_scales = False
+        if not is_fp8(self.kv_cache_dtype):
+            return
+        self.kv_scales = new_kv_scales(self.config.model.arch.num_hidden_layers, self.device)
+        load_kv_scales_(self.kv_scales, getattr(self.model, "checkpoint_kv_scales", {}))
+        self._calibrate_kv_scales = calculate
+
+    def _attention_batch(self, meta: AttentionMetadata, has_prefill: bool) -> AttentionBatch:
+        calibrate = self._calibrate_kv_scales and has_prefill
+        if calibrate:
+            self._calibrate_kv_scales = False  # once: later steps keep the first prefill's scales
+        return AttentionBatch(meta, self.kv_caches, self.backend, self.kv_scales, calibrate)
 
     def kv_bytes_per_block(self) -> int:
         arch = self.config.model.arch
@@ -132,7 +161,7 @@ class ModelRunner:
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
         self.graphs = DecodeGraphs(
             self.model, self.backend, self.kv_caches, self.buffers, max_batch,
-            self.config.scheduler.max_model_len,
+            self.config.scheduler.max_model_len, kv_scales=self.kv_scales,
         )
         self.graphs.capture()
 
@@ -156,7 +185,7 @@ class ModelRunner:
         if bucket is not None:
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
         else:
-            attn = AttentionBatch(inputs.meta, self.kv_caches, self.backend)
+            attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
         req_ids = [r.req_id for r in sampled]
         if not sampled:
@@ -216,12 +245,14 @@ class ModelRunner:
         meta = build_metadata(seq_lens, seq_lens, tables, bs, device=self.device)
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
-        hidden = self.model(ids, pos, AttentionBatch(meta, caches, self.backend))
+        hidden = self.model(ids, pos, AttentionBatch(meta, caches, self.backend, self.kv_scales))
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
         logits = self.model.compute_logits(hidden[rows]).float()
         logits.log_softmax(dim=-1)
+        # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
+        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
         del hidden, logits, caches
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - cache_bytes
         return 0
