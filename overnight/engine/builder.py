@@ -41,6 +41,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8 cache: scales from the first prefill's K/V amax, not 1.0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     tensor_parallel_size: int = 1
@@ -154,7 +155,7 @@ def build_engine(opts: EngineOptions) -> Engine:
 
         runner, plan = start_tp_runner(config, source)
     else:
-        runner = ModelRunner(config, source)
+        runner = ModelRunner(config, source, calculate_kv_scales=opts.calculate_kv_scales)
 
         def measure() -> int:
             return runner.profile_peak_bytes(
