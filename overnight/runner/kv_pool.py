@@ -1,20 +1,35 @@
 """Sizing the KV pool: how many blocks fit in the memory the engine may use.
 
-On a GPU the pool gets what is left of gpu_memory_utilization x total memory after the weights and the
-peak activation memory of the largest step (measured by running one). On the CPU the pool is a fixed
-budget (default 2 GiB; memory is touched only as blocks fill). Either way the pool never needs more
-blocks than max_num_seqs sequences of max_model_len, plus room for cached prefixes.
+On a GPU the pool gets what is left of gpu_memory_utilization x total memory after memory used outside
+torch (CUDA context, other processes), the weights, and the peak activation memory of the largest step
+(measured by running one):
+
+    total x utilization
+    |-- outside torch --|-- weights --|-- activations of the largest step --|-- KV pool ..........|
+                        '--------- peak allocated while measuring ---------'
+
+kv_cache_memory_bytes sets the pool directly; on the CPU the pool is a fixed budget (default 2 GiB;
+memory is touched only as blocks fill). Either way the pool never needs more blocks than max_num_seqs
+sequences of max_model_len, twice over (room for cached prefixes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from overnight.config import CacheConfig, SchedulerConfig
+from overnight.errors import ConfigError
 
 CPU_DEFAULT_POOL_BYTES = 2 << 30
+GIB = float(1 << 30)
+
+
+class PoolMemoryError(ConfigError, MemoryError):
+    """The memory the engine may use cannot hold the weights, the largest step and a KV pool (a
+    ConfigError like the engine's other impossible options; a MemoryError for callers that catch that)."""
 
 
 @dataclass(frozen=True)
@@ -29,12 +44,10 @@ class PoolPlan:
         return self.num_blocks * self.block_bytes
 
 
-def plan_pool(
-    budget_bytes: int, block_bytes: int, block_size: int, sched: SchedulerConfig
-) -> PoolPlan:
+def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: SchedulerConfig) -> PoolPlan:
     if budget_bytes < block_bytes:
-        raise MemoryError(
-            f"no memory is left for the KV cache ({budget_bytes / 2**30:.2f} GiB after the weights and "
+        raise PoolMemoryError(
+            f"no memory is left for the KV cache ({budget_bytes / GIB:.2f} GiB after the weights and "
             "activations): raise gpu_memory_utilization, lower max_num_batched_tokens, or use a GPU "
             "with more memory"
         )
@@ -43,8 +56,31 @@ def plan_pool(
     return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
 
 
+def split_budget(
+    total: int, utilization: float, outside_torch: int, weights: int, peak: int
+) -> int:
+    """Bytes left for the pool; raises PoolMemoryError naming what does not fit. peak includes weights."""
+    usable = int(total * utilization) - max(outside_torch, 0)
+    share = f"gpu_memory_utilization {utilization:g} x {total / GIB:.1f} GiB"
+    if outside_torch > 0:
+        share += f" - {outside_torch / GIB:.2f} GiB used outside torch"
+    if weights > usable:
+        raise PoolMemoryError(
+            f"the model's weights take {weights / GIB:.2f} GiB, more than the {usable / GIB:.2f} GiB the "
+            f"engine may use ({share}): raise gpu_memory_utilization, load a smaller dtype, or split the "
+            "model with tensor_parallel_size"
+        )
+    if peak > usable:
+        raise PoolMemoryError(
+            f"the weights ({weights / GIB:.2f} GiB) and the activations of the largest step "
+            f"({(peak - weights) / GIB:.2f} GiB) need more than the {usable / GIB:.2f} GiB the engine may "
+            f"use ({share}): lower max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization"
+        )
+    return usable - peak
+
+
 def kv_budget_bytes(
-    device: torch.device, cache: CacheConfig, measure_peak: "callable[[], int] | None" = None
+    device: torch.device, cache: CacheConfig, measure_peak: Callable[[], int] | None = None
 ) -> int:
     """Bytes available for the pool. measure_peak runs the largest step and returns the peak bytes
     allocated by torch during it (weights included)."""
@@ -52,13 +88,14 @@ def kv_budget_bytes(
         return cache.kv_cache_memory_bytes
     if device.type != "cuda":
         return CPU_DEFAULT_POOL_BYTES
-    free, total = torch.cuda.mem_get_info(device)
+    _, total = torch.cuda.mem_get_info(device)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    peak = measure_peak() if measure_peak is not None else torch.cuda.memory_allocated(device)
+    weights = torch.cuda.memory_allocated(device)  # the model is loaded; nothing else is held yet
+    peak = measure_peak() if measure_peak is not None else weights
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info(device)
     # Memory outside torch's allocator (CUDA context, NCCL, other processes) stays where it is.
-    non_torch = total - free_after - torch.cuda.memory_reserved(device)
-    return int(total * cache.gpu_memory_utilization) - peak - max(non_torch, 0)
+    outside_torch = total - free_after - torch.cuda.memory_reserved(device)
+    return split_budget(total, cache.gpu_memory_utilization, outside_torch, weights, peak)
