@@ -1,0 +1,170 @@
+"""Where raising the concurrency stops paying: the stopping rule, the knee, and why growth stopped.
+
+Pure functions over the levels measured so far, so the rules are tested on synthetic series.
+
+    stop rule   after level k: output tok/s fell below level k-1's, or grew less than min_gain over
+                the last two steps (T_k < (1 + min_gain) * T_{k-2})
+    knee        the smallest level from which no larger level gains min_gain or more:
+                T_i * (1 + min_gain) >= max(T_j for j > i)
+    best        the level with the most output tok/s
+    reason      read from the levels past the knee, first match wins:
+                pool_full      KV usage near 1 (or preemptions) with requests waiting
+                max_num_seqs   running at max_num_seqs with free cache
+                throttling     the SM clock dropped against the fastest level before
+                compute_bound  none of these
+                still_growing  no level past the knee (growth never stopped)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+KV_FULL = 0.9  # KV usage from which the pool counts as full
+SEATS_SLACK = 0.05  # running within 5% (or one request) of max_num_seqs counts as at the ceiling
+MIN_WAITING = 0.5  # mean waiting requests from which requests count as queued
+THROTTLE_DROP = 0.10  # SM clock drop against the best earlier level that counts as throttling
+
+REASONS = ("pool_full", "max_num_seqs", "throttling", "compute_bound", "still_growing")
+
+
+@dataclass(frozen=True)
+class LevelPoint:
+    """What the verdict needs of one measured level (None: not known, e.g. no GPU)."""
+
+    x: float  # the concurrency, or the request rate of a fixed-rate run
+    output_tok_s: float
+    mean_kv_usage: float | None = None
+    mean_waiting: float | None = None
+    mean_running: float | None = None
+    max_num_seqs: int | None = None
+    sm_clock_mhz: float | None = None
+    preemptions: float | None = None  # during the window
+
+
+@dataclass(frozen=True)
+class Verdict:
+    best_x: float
+    best_output_tok_s: float
+    knee_x: float
+    knee_output_tok_s: float
+    stopped: str  # "fell" | "plateau" | "end" (the last level was reached)
+    reason: str  # one of REASONS
+    detail: str
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def at_ceiling(mean_running: float, max_num_seqs: int) -> bool:
+    """Running sits at max_num_seqs: within 5% of it, or within one request, since each finish leaves
+    a seat empty for a step (a large share of the time when there are few seats)."""
+    return max_num_seqs - mean_running <= max(1.0, SEATS_SLACK * max_num_seqs)
+
+
+def stop_reason(throughputs: list[float], min_gain: float) -> str | None:
+    """'fell', 'plateau', or None to go on raising, judged on the levels measured so far."""
+    t = throughputs
+    if len(t) >= 2 and t[-1] < t[-2]:
+        return "fell"
+    if len(t) >= 3 and t[-1] < (1.0 + min_gain) * t[-3]:
+        return "plateau"
+    return None
+
+
+def knee_index(throughputs: list[float], min_gain: float) -> int:
+    best_after = float("-inf")
+    knee = len(throughputs) - 1
+    # Walk down from the top, keeping the most any larger level reached.
+    for i in range(len(throughputs) - 1, -1, -1):
+        if throughputs[i] * (1.0 + min_gain) >= best_after:
+            knee = i
+        best_after = max(best_after, throughputs[i])
+    return knee
+
+
+def best_index(throughputs: list[float]) -> int:
+    return max(range(len(throughputs)), key=lambda i: throughputs[i])
+
+
+def refine_between(a: float, b: float) -> int | None:
+    """The level halfway between two measured concurrencies, or None when none lies between."""
+    lo, hi = sorted((int(a), int(b)))
+    mid = (lo + hi) // 2
+    return mid if lo < mid < hi else None
+
+
+def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
+    """(reason, detail) from the levels past the knee, judged against the levels up to it."""
+    past = points[knee + 1:]
+    if not past:
+        return "still_growing", (
+            f"output still grew at the last level ({_x(points[-1].x)}): measure higher levels"
+        )
+    for p in past:
+        # Preemptions mean the pool ran out, even where evictions keep the mean usage down.
+        full = (p.mean_kv_usage or 0.0) >= KV_FULL or (p.preemptions or 0) > 0
+        if full and (p.mean_waiting or 0) >= MIN_WAITING:
+            return "pool_full", (
+                f"at {_x(p.x)} the KV pool is full (usage {p.mean_kv_usage or 0:.0%}, "
+                f"{p.preemptions or 0:.0f} preemptions) with {p.mean_waiting:.1f} requests waiting: "
+                "FP8 KV cache or a shorter max_model_len"
+            )
+    for p in past:
+        if (
+            p.max_num_seqs
+            and p.mean_running is not None
+            and at_ceiling(p.mean_running, p.max_num_seqs)
+            and (p.mean_kv_usage is None or p.mean_kv_usage < KV_FULL)
+        ):
+            kv = f"{p.mean_kv_usage:.0%}" if p.mean_kv_usage is not None else "n/a"
+            return "max_num_seqs", (
+                f"at {_x(p.x)} running sits at max_num_seqs ({p.max_num_seqs}) with free cache "
+                f"(usage {kv}): raise max_num_seqs"
+            )
+    clocks = [p.sm_clock_mhz for p in points[: knee + 1] if p.sm_clock_mhz is not None]
+    if clocks:
+        fastest = max(clocks)
+        for p in past:
+            if p.sm_clock_mhz is not None and p.sm_clock_mhz < (1.0 - THROTTLE_DROP) * fastest:
+                return "throttling", (
+                    f"at {_x(p.x)} the SM clock fell to {p.sm_clock_mhz:.0f} MHz from {fastest:.0f} MHz: "
+                    "the GPU throttles (power or heat)"
+                )
+    p = past[0]
+    kv = f"{p.mean_kv_usage:.0%}" if p.mean_kv_usage is not None else "n/a"
+    return "compute_bound", (
+        f"past {_x(points[knee].x)} neither the pool (usage {kv}) nor max_num_seqs nor the clock limits: "
+        "the device is busy; more concurrency only adds latency"
+    )
+
+
+def verdict(points: list[LevelPoint], min_gain: float, stopped: str | None = None) -> Verdict:
+    """The verdict over all measured points, sorted by x (a refinement level comes in late). stopped:
+    why the sweep stopped raising, when the caller knows; else the rule is replayed on the series."""
+    if not points:
+        raise ValueError("no levels measured")
+    pts = sorted(points, key=lambda p: p.x)
+    t = [p.output_tok_s for p in pts]
+    knee = knee_index(t, min_gain)
+    best = best_index(t)
+    reason, detail = why_stopped(pts, knee)
+    if stopped is None:
+        stopped = "end"
+        for k in range(1, len(t) + 1):  # the rule as a sweep applies it, level by level
+            s = stop_reason(t[:k], min_gain)
+            if s is not None:
+                stopped = s
+                break
+    return Verdict(
+        best_x=pts[best].x,
+        best_output_tok_s=t[best],
+        knee_x=pts[knee].x,
+        knee_output_tok_s=t[knee],
+        stopped=stopped,
+        reason=reason,
+        detail=detail,
+    )
+
+
+def _x(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"

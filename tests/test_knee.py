@@ -1,0 +1,134 @@
+"""The knee rules on synthetic series: growth, plateau, fall, noise; and the reason growth stopped."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from overnight.bench.knee import (
+    LevelPoint,
+    best_index,
+    knee_index,
+    refine_between,
+    stop_reason,
+    verdict,
+    why_stopped,
+)
+
+LEVELS = [1, 2, 4, 8, 16, 32, 64, 128]
+
+
+def first_stop(series: list[float], min_gain: float = 0.05) -> tuple[int, str] | None:
+    """(index of the level after which the sweep stops, why), replaying the rule level by level."""
+    for k in range(1, len(series) + 1):
+        reason = stop_reason(series[:k], min_gain)
+        if reason is not None:
+            return k - 1, reason
+    return None
+
+
+def test_pure_growth_never_stops_and_the_knee_is_the_last_level():
+    series = [10.0 * 1.8**i for i in range(len(LEVELS))]
+    assert first_stop(series) is None
+    assert knee_index(series, 0.05) == len(series) - 1
+    v = verdict([LevelPoint(x, t) for x, t in zip(LEVELS, series, strict=False)], 0.05)
+    assert v.stopped == "end" and v.reason == "still_growing" and v.knee_x == 128 and v.best_x == 128
+
+
+def test_plateau_stops_after_two_steps_of_little_growth():
+    series = [10, 19, 35, 60, 62, 63.5, 64, 64]
+    # 60 -> 62 -> 63.5 is +5.8% over two steps (goes on); 62 -> 63.5 -> 64 is +3.2% (stops at 64)
+    assert first_stop(series) == (6, "plateau")
+    # The knee: the smallest level no later level beats by 5%: 62 * 1.05 = 65.1 >= 64
+    assert knee_index(series, 0.05) == 4
+    assert LEVELS[knee_index(series, 0.05)] == 16
+
+
+def test_a_fall_stops_at_once_and_the_knee_is_the_peak():
+    # the seed's L4 run: 13.5 tok/s at 1 user ... 273.9 at 32, then 241.4 at 64
+    series = [13.5, 26.0, 50.1, 95.3, 170.2, 273.9, 241.4]
+    assert first_stop(series) == (6, "fell")
+    assert knee_index(series, 0.05) == 5
+    assert best_index(series) == 5
+
+
+def test_noise_on_a_plateau_does_not_move_the_knee_past_the_plateau():
+    rng = random.Random(0)
+    for _ in range(200):
+        growth = [10, 20, 39, 70, 100]
+        plateau = [100 * (1 + rng.uniform(-0.02, 0.02)) for _ in range(3)]
+        series = growth + plateau
+        stop = first_stop(series)
+        assert stop is not None and stop[0] in (5, 6)  # stops on the plateau's first or second level
+        knee = knee_index(series[: stop[0] + 1], 0.05)
+        assert knee in (3, 4, 5)  # 70 * 1.05 < 100, so never before level 8 ... at most one noisy step on
+        assert LEVELS[knee] in (8, 16, 32)
+
+
+def test_small_noise_during_real_growth_does_not_stop_the_sweep():
+    rng = random.Random(1)
+    for _ in range(200):
+        series = [10.0 * 1.6**i * (1 + rng.uniform(-0.03, 0.03)) for i in range(6)]
+        assert first_stop(series) is None
+
+
+def test_min_gain_moves_the_stop():
+    series = [10, 19, 35, 38, 40]  # +14% over the last two steps
+    assert first_stop(series, 0.05) is None
+    assert first_stop(series, 0.20) == (4, "plateau")
+
+
+def test_refine_between():
+    assert refine_between(32, 64) == 48
+    assert refine_between(64, 32) == 48
+    assert refine_between(2, 4) == 3
+    assert refine_between(1, 2) is None
+
+
+def points(series, **kw):
+    return [LevelPoint(x, t, **{k: v[i] for k, v in kw.items()}) for i, (x, t) in enumerate(zip(LEVELS, series, strict=False))]
+
+
+FALL = [10, 19, 35, 60, 100, 90]
+
+
+def test_reason_pool_full():
+    pts = points(FALL, mean_kv_usage=[0.01, 0.02, 0.05, 0.2, 0.7, 0.97], mean_waiting=[0, 0, 0, 0, 0, 9.0],
+                 mean_running=[1, 2, 4, 8, 16, 20], max_num_seqs=[256] * 6)
+    v = verdict(pts, 0.05)
+    assert (v.knee_x, v.best_x, v.stopped, v.reason) == (16, 16, "fell", "pool_full")
+    assert "FP8" in v.detail
+
+
+def test_reason_max_num_seqs():
+    pts = points(FALL, mean_kv_usage=[0.01, 0.02, 0.05, 0.1, 0.15, 0.16], mean_waiting=[0, 0, 0, 0, 0, 16],
+                 mean_running=[1, 2, 4, 8, 16, 16], max_num_seqs=[16] * 6)
+    assert why_stopped(pts, 4)[0] == "max_num_seqs"
+
+
+def test_reason_throttling_and_compute_bound():
+    clocks = [1980, 1980, 1975, 1970, 1960, 1500]
+    pts = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32],
+                 max_num_seqs=[256] * 6, sm_clock_mhz=clocks)
+    assert why_stopped(pts, 4)[0] == "throttling"
+    steady = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32],
+                    max_num_seqs=[256] * 6, sm_clock_mhz=[1980] * 6)
+    assert why_stopped(steady, 4)[0] == "compute_bound"
+    no_gpu = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32])
+    assert why_stopped(no_gpu, 4)[0] == "compute_bound"
+
+
+def test_verdict_sorts_a_late_refinement_level_into_place():
+    pts = points(FALL)
+    v = verdict(pts + [LevelPoint(24, 110.0)], 0.05, stopped="fell")
+    assert v.best_x == 24 and v.best_output_tok_s == 110.0 and v.stopped == "fell"
+    assert v.knee_x == 24
+    # within min_gain of 16's 100 tok/s, a refined level does not move the knee
+    assert verdict(pts + [LevelPoint(24, 104.0)], 0.05).knee_x == 16
+
+
+@pytest.mark.parametrize("series", [[5.0], [5.0, 4.0]])
+def test_short_series(series):
+    v = verdict([LevelPoint(x, t) for x, t in zip(LEVELS, series, strict=False)], 0.05)
+    assert v.best_x == 1

@@ -1,0 +1,147 @@
+"""`overnight bench sweep` on the CPU: three levels with the default model through its own server (a
+subprocess) write the JSON, the plot and a verdict; fixed-rate runs through a tokenizer-free dummy model
+in a thread server with two load processes; and the sweep's pieces on synthetic input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from overnight.bench import level as level_mod
+from overnight.bench import sweep as sweep_mod
+from overnight.bench.knee import REASONS
+from overnight.bench.level import percentiles, window_stats
+from overnight.bench.load import LoadSpec, RequestRecord, Workload, chunk_tokens, split
+from overnight.bench.sweep import engine_flags, levels_up_to
+from overnight.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SHORT = ["--warmup-s", "2", "--window-s", "2.5", "--input-len", "16", "--output-len", "12"]
+
+
+def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["bench", "sweep", "--max-concurrency", "4", "--all-levels", "--max-model-len", "512", *SHORT,
+            "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["x"] == "concurrency"
+    assert [lv["concurrency"] for lv in result["levels"]] == [1, 2, 4]
+    assert result["server"]["max_num_seqs"] == 128 and result["server"]["max_model_len"] == 512
+    assert result["workload"]["token_timing"] == "text"  # the default model streams text
+    for lv in result["levels"]:
+        assert lv["output_tok_s"] > 0 and lv["completed"] >= 1 and lv["errors"] == 0
+        assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] > 0
+        assert lv["total_tok_s"] > lv["output_tok_s"]
+        assert 0 < lv["mean_running"] <= lv["concurrency"] + 0.01 and lv["preemptions"] == 0
+        assert lv["gpu"]["sm_clock_mhz_median"] == "n/a"  # no GPU here
+        # the client's count and the server's own counter agree on the scale of the output
+        assert 0.5 < lv["server_generation_tok_s"] / lv["output_tok_s"] < 2.0
+    v = result["verdict"]
+    assert v["reason"] in REASONS and v["knee_x"] in (1, 2, 4) and v["best_x"] in (1, 2, 4)
+    assert v["best_output_tok_s"] == max(lv["output_tok_s"] for lv in result["levels"])
+    assert (out / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+    assert "server.log" in os.listdir(out)
+    assert "out tok/s" in printed and "knee" in printed
+    assert json.loads(printed.strip().splitlines()[-1])["knee"] == v["knee_x"]
+
+
+def test_fixed_rate_runs_without_a_tokenizer_in_two_load_processes(tmp_path, capsys):
+    out = tmp_path / "rate"
+    argv = ["bench", "sweep", "--server", "thread", "--model", "smollm2-135m", "--load-format", "dummy",
+            "--max-model-len", "256", "--request-rate", "2", "4", "--arrival", "constant",
+            "--client-processes", "2", "--warmup-s", "0.5", "--window-s", "2.5", "--input-len", "16",
+            "--output-len", "6", "--out", str(out)]
+    assert main(argv) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["x"] == "request_rate" and result["workload"]["token_timing"] == "logprobs"
+    rates = [lv["request_rate"] for lv in result["levels"]]
+    assert rates == [2.0, 4.0] and all(lv["client_processes"] == 2 for lv in result["levels"])
+    for lv in result["levels"]:
+        assert lv["output_tok_s"] > 0 and lv["errors"] == 0
+        assert lv["ttft_ms"]["p50"] is not None and lv["itl_ms"]["p50"] is not None
+    assert (out / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+
+
+# -- the pieces --------------------------------------------------------------------------------------
+
+
+def test_window_stats_count_what_arrived_inside_the_window():
+    # window [10, 20): a request inside it, one cut at its end, one that began before it, one failed
+    inside = RequestRecord(start=11.0, chunk_times=[11.5, 12.0, 12.5, 13.0], chunk_tokens=[1, 1, 1, 1],
+                           end=13.0, prompt_tokens=100, output_tokens=4)
+    cut = RequestRecord(start=19.0, chunk_times=[19.4, 19.8, 20.2], chunk_tokens=[1, 2, 1], prompt_tokens=50)
+    before = RequestRecord(start=8.0, chunk_times=[9.0, 9.5, 10.5], chunk_tokens=[1, 1, 1], end=10.5,
+                           prompt_tokens=70, output_tokens=3)
+    failed = RequestRecord(start=15.0, error="HTTP 503")
+    s = window_stats([inside, cut, before, failed], 10.0, 20.0)
+    assert s["output_tokens"] == 4 + 3 + 1  # the cut one's last chunk arrived after the window
+    assert s["output_tok_s"] == 0.8
+    assert s["total_tok_s"] == (8 + 100 + 50) / 10  # prompts whose first token came in the window
+    assert (s["completed"], s["errors"]) == (2, 1)
+    assert s["requests_s"] == 0.2
+    assert s["ttft_ms"]["p50"] == 450.0  # 500 ms and 400 ms
+    assert s["tpot_ms"]["p50"] == 625.0  # 1.5 s over 3 gaps, and 1.5 s over 2
+    assert s["itl_ms"]["p50"] == 500.0
+
+
+def test_percentiles_interpolate():
+    assert percentiles([1.0, 2.0, 3.0, 4.0], scale=1.0) == {"p50": 2.5, "p90": 3.7, "p99": 3.97}
+    assert percentiles([]) == {"p50": None, "p90": None, "p99": None}
+
+
+def test_chunk_tokens_reads_logprobs_or_text():
+    assert chunk_tokens({"text": "", "logprobs": {"tokens": ["token_id:5", "token_id:9"]}}) == 2
+    assert chunk_tokens({"text": " hi", "logprobs": None}) == 1
+    assert chunk_tokens({"text": "", "logprobs": None, "finish_reason": "length"}) == 0
+
+
+def test_split_deals_workers_and_shares_the_rate():
+    spec = LoadSpec("http://x", "m", Workload(), concurrency=5)
+    parts = split(spec, 2)
+    assert [p.workers for p in parts] == [(0, 2, 4), (1, 3)]
+    rate = LoadSpec("http://x", "m", Workload(), concurrency=5, request_rate=8.0)
+    parts = split(rate, 2)
+    assert [(p.rate_share, p.concurrency) for p in parts] == [(0.5, 3), (0.5, 3)]
+
+
+def test_levels_and_engine_flags():
+    assert levels_up_to(1) == [1]
+    assert levels_up_to(8) == [1, 2, 4, 8]
+    assert levels_up_to(48) == [1, 2, 4, 8, 16, 32, 48]
+    parser = argparse.ArgumentParser()
+    sweep_mod.add_arguments(parser)
+    args = parser.parse_args(["--model", "qwen3-8b", "--load-format", "dummy", "--max-num-seqs", "512",
+                              "--no-enable-prefix-caching", "--input-len", "512"])
+    assert engine_flags(args) == ["--model", "qwen3-8b", "--load-format", "dummy", "--max-num-seqs", "512",
+                                  "--no-enable-prefix-caching"]
+
+
+@pytest.mark.parametrize("refine", [False, True])
+def test_sweep_stops_after_a_fall_and_refines(monkeypatch, refine):
+    curve = {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 100.0, 32: 90.0, 64: 50.0, 24: 104.0}
+    measured: list[float] = []
+
+    def fake_measure(args, url, model, workload, x, rate_mode, timing):
+        measured.append(x)
+        return {"x": x, "concurrency": int(x), "output_tok_s": curve[int(x)], "total_tok_s": curve[int(x)] * 2,
+                "ttft_ms": {"p50": 1.0}, "mean_running": min(x, 20), "mean_waiting": max(x - 20, 0),
+                "mean_kv_usage": 0.95 if x >= 32 else 0.2, "max_num_seqs": 256, "preemptions": 0,
+                "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"}}
+
+    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
+    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
+    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
+    parser = argparse.ArgumentParser()
+    sweep_mod.add_arguments(parser)
+    args = parser.parse_args(["--max-concurrency", "64", "--token-timing", "text"] + (["--refine"] if refine else []))
+    result = sweep_mod.sweep(args, "http://x")
+    assert measured == [1, 2, 4, 8, 16, 32] + ([24] if refine else [])
+    v = result["verdict"]
+    assert v["stopped"] == "fell" and v["reason"] == "pool_full"
+    assert (v["best_x"], v["knee_x"]) == ((24, 16) if refine else (16, 16))  # 104 is within 5% of 100
+    assert [lv["x"] for lv in result["levels"]] == sorted(measured)
