@@ -1,0 +1,211 @@
+"""`overnight check --url URL`: which limit holds the batch, and what to change.
+
+Reads the server's /metrics over a window and applies the operator's rules, first match first:
+
+    idle          nothing ran                               send load, then check again
+    kv_pool       KV usage near 1 (or full with preemptions)  FP8 KV cache, or a shorter max_model_len
+                  with requests waiting
+    max_num_seqs  running at max_num_seqs, cache free,      raise max_num_seqs
+                  requests waiting
+    preemptions   preemptions rose in the window            the pool is too small for max_num_seqs:
+                                                            lower it, or give the pool more memory
+    light_load    nothing waits                             the load is too small to fill the engine
+    token_budget  requests wait with seats and cache free   admission is paced by the per-step token
+                                                            budget: raise max_num_batched_tokens
+
+The same rules give batch jobs a periodic line in their log (CheckLog, an engine observer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+
+from overnight.bench.knee import KV_FULL, MIN_WAITING, at_ceiling
+from overnight.bench.metrics_reader import WindowMetrics
+
+log = logging.getLogger("overnight")
+
+
+@dataclass(frozen=True)
+class Finding:
+    limit: str  # idle | kv_pool | max_num_seqs | preemptions | light_load | token_budget
+    summary: str  # what the window showed
+    advice: str  # what to change
+
+
+def diagnose(m: WindowMetrics) -> list[Finding]:
+    """Every rule that holds, the one that holds the batch first."""
+    seats = m.max_num_seqs
+    # Preemption happens only when a running request finds no free block: the pool ran out even if
+    # evictions keep the mean usage down (a thrashing pool frees and refills its blocks).
+    kv_full = m.mean_kv_usage >= KV_FULL or (m.preemptions > 0 and m.max_kv_usage >= KV_FULL)
+    queued = m.mean_waiting >= MIN_WAITING
+    at_seats = seats is not None and at_ceiling(m.mean_running, seats)
+    out: list[Finding] = []
+    if m.mean_running < 0.5 and not queued:
+        return [Finding("idle", "no request ran during the window", "send load, then check again")]
+    if kv_full and queued:
+        out.append(Finding(
+            "kv_pool",
+            f"the KV cache is {m.mean_kv_usage:.0%} full on average (at most {m.max_kv_usage:.0%}, "
+            f"{m.preemptions:.0f} preemptions) while {m.mean_waiting:.1f} requests wait",
+            "make room in the pool: --kv-cache-dtype fp8 (half the bytes per token), a shorter "
+            "--max-model-len, or more memory for it (--gpu-memory-utilization)",
+        ))
+    if queued and not kv_full and (at_seats or seats is None):
+        ceiling = f"max_num_seqs ({seats})" if seats is not None else "its ceiling (max_num_seqs, not exposed)"
+        out.append(Finding(
+            "max_num_seqs",
+            f"running sits at {ceiling} with {1 - m.mean_kv_usage:.0%} of the KV cache free while "
+            f"{m.mean_waiting:.1f} requests wait",
+            f"raise max_num_seqs, e.g. --max-num-seqs {suggest_max_num_seqs(m)}",
+        ))
+    if m.preemptions > 0:
+        fit = max(int(m.mean_running * 0.9), 1)
+        out.append(Finding(
+            "preemptions",
+            f"{m.preemptions:.0f} preemptions in {m.duration_s:.0f} s: requests are evicted and recomputed",
+            f"the pool is too small for max_num_seqs: lower it to about {fit} (--max-num-seqs), or give the "
+            "pool more memory (--kv-cache-dtype fp8, --gpu-memory-utilization)",
+        ))
+    if out:
+        return out
+    if not queued:
+        of = f" of max_num_seqs {seats}" if seats is not None else ""
+        return [Finding(
+            "light_load",
+            f"nothing waits: {m.mean_running:.1f} requests run{of}, KV cache {m.mean_kv_usage:.0%} full",
+            "the load is too small to fill the engine: send more requests at once "
+            "(more clients, or run-batch --max-in-flight)",
+        )]
+    return [Finding(
+        "token_budget",
+        f"{m.mean_waiting:.1f} requests wait with seats and cache free ({m.mean_running:.1f} running, "
+        f"KV {m.mean_kv_usage:.0%})",
+        "admission is paced by the per-step token budget: raise --max-num-batched-tokens",
+    )]
+
+
+def suggest_max_num_seqs(m: WindowMetrics) -> int:
+    """What the pool holds at today's sequence sizes (90% of it), but no more than the queue needs."""
+    seats = m.max_num_seqs or max(int(round(m.mean_running)), 1)
+    pool_fit = int(0.9 * m.mean_running / m.mean_kv_usage) if m.mean_kv_usage > 0 else 4 * seats
+    return max(seats + 1, min(pool_fit, seats + math.ceil(m.mean_waiting)))
+
+
+def describe(m: WindowMetrics) -> str:
+    seats = f" / max_num_seqs {m.max_num_seqs}" if m.max_num_seqs is not None else ""
+    return (f"running {m.mean_running:.1f}{seats}, waiting {m.mean_waiting:.1f}, KV usage "
+            f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}, "
+            f"generation {m.generation_tok_s:.1f} tok/s")
+
+
+# -- the command --------------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("check", help="which limit holds a running server's batch, and what to change",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    p.add_argument("--window-s", type=float, default=10.0, help="seconds of metrics to judge")
+    p.add_argument("--interval-s", type=float, default=0.25, help="seconds between scrapes")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--json", action="store_true", help="print the window and findings as one JSON line")
+
+
+def check_url(url: str, window_s: float, interval_s: float = 0.25, api_key: str | None = None) -> tuple[WindowMetrics, list[Finding]]:
+    import asyncio
+
+    import httpx
+
+    from overnight.bench.metrics_reader import poll, summarize
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+
+    async def window() -> WindowMetrics:
+        async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
+            return summarize(await poll(client, url.rstrip("/"), time.monotonic() + window_s, interval_s))
+
+    m = asyncio.run(window())
+    return m, diagnose(m)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    m, findings = check_url(args.url, args.window_s, args.interval_s, args.api_key)
+    if args.json:
+        print(json.dumps({"window": m.to_dict(), "findings": [asdict(f) for f in findings]}))
+        return 0
+    print(f"{args.url}: {m.duration_s:.1f} s, {m.num_samples} samples")
+    print(f"  {describe(m)}")
+    first, rest = findings[0], findings[1:]
+    print(f"holds the batch: {first.limit}: {first.summary}")
+    print(f"change: {first.advice}")
+    for f in rest:
+        print(f"also: {f.limit}: {f.summary}; {f.advice}")
+    return 0
+
+
+# -- the periodic line of batch jobs ------------------------------------------------------------------
+
+
+class CheckLog:
+    """An engine observer that logs one verdict line every interval_s from the scheduler's own numbers:
+
+        engine.observers.append(CheckLog(engine.config.scheduler.max_num_seqs))
+    """
+
+    def __init__(self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.interval_s = interval_s
+        self.log = logger or log
+        self.lines: list[str] = []  # what was logged, for tests and summaries
+        self._reset(time.monotonic(), None)
+
+    def _reset(self, now: float, preemptions: int | None) -> None:
+        self._t0 = now
+        self._n = 0
+        self._running = self._waiting = self._kv = self._kv_max = 0.0
+        self._waited = 0
+        self._generated = 0
+        self._preempt0 = preemptions
+
+    def on_step(self, scheduler, iteration) -> None:  # (SchedulerStats, IterationStats)
+        if self._preempt0 is None:
+            self._preempt0 = scheduler.num_preemptions_total
+        self._n += 1
+        self._running += scheduler.num_running
+        self._waiting += scheduler.num_waiting
+        self._waited += scheduler.num_waiting > 0
+        kv = scheduler.kv_cache_usage if math.isfinite(scheduler.kv_cache_usage) else 0.0
+        self._kv += kv
+        self._kv_max = max(self._kv_max, kv)
+        self._generated += iteration.num_generation_tokens
+        now = time.monotonic()
+        if now - self._t0 >= self.interval_s:
+            m = self.window(now, scheduler.num_preemptions_total)
+            first = diagnose(m)[0]
+            line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
+            self.lines.append(line)
+            self.log.info(line)
+            self._reset(now, scheduler.num_preemptions_total)
+
+    def window(self, now: float, preemptions_total: int) -> WindowMetrics:
+        n = max(self._n, 1)
+        return WindowMetrics(
+            duration_s=now - self._t0,
+            num_samples=self._n,
+            mean_running=self._running / n,
+            mean_waiting=self._waiting / n,
+            mean_kv_usage=self._kv / n,
+            max_kv_usage=self._kv_max,
+            waiting_fraction=self._waited / n,
+            preemptions=preemptions_total - (self._preempt0 or 0),
+            generation_tokens=self._generated,
+            max_num_seqs=self.max_num_seqs,
+        )

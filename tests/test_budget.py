@@ -1,0 +1,94 @@
+"""`overnight budget`: the CPU row on this machine with the default model, and the arithmetic of the pool
+on a GPU (a made-up H200's memory) for Qwen3-8B's architecture, without loading any weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from overnight.cli import main
+from overnight.loader.resolve import resolve_source
+from overnight.tools.budget import GIB, DeviceMemory, num_parameters, plan_budget
+
+# SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 4 bytes (fp32 on the CPU)
+SMOL_KV_PER_TOKEN = 30 * 2 * 3 * 64 * 4
+H200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+
+
+def test_cli_prints_the_cpu_row_and_the_pool(capsys):
+    assert main(["budget", "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert 'row "CPU"' in out
+    # the CPU row of the defaults table, each mode (offline and batch share the large budget)
+    assert "offline           256                    4096  <- --mode" in out
+    assert "server            128                    2048" in out
+    assert "batch             256                    4096" in out
+    assert f"{SMOL_KV_PER_TOKEN} bytes per token" in out
+    blocks = (2 << 30) // (SMOL_KV_PER_TOKEN * 16)  # the CPU default pool: 2 GiB
+    assert blocks == 2912
+    assert f"2.00 GiB = {blocks} blocks = {blocks * 16} tokens" in out
+    assert f"sequences of 1024 tokens that fit: {blocks // 64} (64 blocks each)" in out
+
+
+def test_cli_json_mode_and_explicit_pool(capsys):
+    pool = 100 * 16 * SMOL_KV_PER_TOKEN
+    argv = ["budget", "--json", "--mode", "server", "--kv-cache-memory-bytes", str(pool), "--seq-len", "100",
+            "--max-model-len", "512"]
+    assert main(argv) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert (b["device"], b["row"], b["mode"]) == ("CPU", "CPU", "server")
+    assert (b["max_num_seqs"], b["max_num_batched_tokens"]) == (128, 2048)
+    assert b["num_blocks"] == 100 and b["pool_tokens"] == 1600 and not b["capped"]
+    assert b["seqs_fit"] == 100 // 7  # 100 tokens take 7 blocks of 16
+
+
+def test_cli_dummy_preset_needs_no_weights(capsys):
+    assert main(["budget", "--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "8192",
+                 "--kv-cache-dtype", "fp8", "--json"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    assert b["kv_bytes_per_token"] == 36 * 2 * 8 * 128 * 1
+
+
+@pytest.fixture(scope="module")
+def qwen3_8b():
+    return resolve_source("qwen3-8b", "dummy").arch
+
+
+def test_qwen3_8b_parameter_count(qwen3_8b):
+    assert abs(num_parameters(qwen3_8b) - 8.19e9) / 8.19e9 < 0.005
+
+
+def test_gpu_pool_arithmetic(qwen3_8b):
+    b = plan_budget(qwen3_8b, 2, H200, mode="server", max_model_len=4096, seq_len=768)
+    assert b.row.startswith(">= 70 GiB") and (b.max_num_seqs, b.max_num_batched_tokens) == (1024, 8192)
+    assert b.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
+    weights = num_parameters(qwen3_8b) * 2
+    expected_budget = int(H200.total_bytes * 0.9) - (H200.total_bytes - H200.free_bytes) - weights - b.activation_bytes
+    assert b.budget_bytes == expected_budget and b.weights_bytes == weights
+    assert 0 < b.activation_bytes < 8 * GIB
+    assert b.num_blocks == expected_budget // (b.kv_bytes_per_token * 16) and not b.capped
+    assert b.seqs_fit == b.num_blocks // 48 and b.seqs_at_once == min(b.seqs_fit, 1024)
+    assert 95 * GIB < b.pool_bytes < 110 * GIB  # what is left of 0.9 x 139.8 GiB after 15.3 GiB of weights
+
+
+def test_fp8_halves_the_bytes_per_token(qwen3_8b):
+    auto = plan_budget(qwen3_8b, 2, H200, max_model_len=4096)
+    fp8 = plan_budget(qwen3_8b, 2, H200, max_model_len=4096, kv_cache_dtype="fp8")
+    assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token
+    assert fp8.num_blocks == fp8.budget_bytes // (fp8.kv_bytes_per_token * 16)
+    assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 16
+
+
+def test_batch_mode_gets_the_offline_budget_and_the_cap_applies(qwen3_8b):
+    batch = plan_budget(qwen3_8b, 2, H200, mode="batch", max_model_len=4096)
+    assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (1024, 16384)
+    assert batch.modes["server"] == (1024, 8192)
+    capped = plan_budget(qwen3_8b, 2, H200, max_model_len=1024, max_num_seqs=2)
+    assert capped.capped and capped.num_blocks == 2 * (2 * 1024 // 16)
+
+
+def test_no_room_is_reported_not_raised(qwen3_8b):
+    small = DeviceMemory("tiny", total_bytes=16 * GIB, free_bytes=16 * GIB)
+    b = plan_budget(qwen3_8b, 2, small, max_model_len=4096)
+    assert b.num_blocks == 0 and b.seqs_fit == 0 and b.budget_bytes < 0
