@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from overnight.cli import main
 from overnight.loader.resolve import resolve_source
@@ -60,7 +61,7 @@ def test_qwen3_8b_parameter_count(qwen3_8b):
 
 
 def test_gpu_pool_arithmetic(qwen3_8b):
-    b = plan_budget(qwen3_8b, 2, H200, mode="server", max_model_len=4096, seq_len=768)
+    b = plan_budget(qwen3_8b, torch.bfloat16, H200, mode="server", max_model_len=4096, seq_len=768)
     assert b.row.startswith(">= 70 GiB") and (b.max_num_seqs, b.max_num_batched_tokens) == (1024, 8192)
     assert b.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
     weights = num_parameters(qwen3_8b) * 2
@@ -73,22 +74,23 @@ def test_gpu_pool_arithmetic(qwen3_8b):
 
 
 def test_fp8_halves_the_bytes_per_token(qwen3_8b):
-    auto = plan_budget(qwen3_8b, 2, H200, max_model_len=4096)
-    fp8 = plan_budget(qwen3_8b, 2, H200, max_model_len=4096, kv_cache_dtype="fp8")
+    auto = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=4096)
+    fp8 = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=4096, kv_cache_dtype="fp8")
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token
     assert fp8.num_blocks == fp8.budget_bytes // (fp8.kv_bytes_per_token * 16)
     assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 16
 
 
 def test_batch_mode_gets_the_offline_budget_and_the_cap_applies(qwen3_8b):
-    batch = plan_budget(qwen3_8b, 2, H200, mode="batch", max_model_len=4096)
+    batch = plan_budget(qwen3_8b, torch.bfloat16, H200, mode="batch", max_model_len=4096)
     assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (1024, 16384)
     assert batch.modes["server"] == (1024, 8192)
-    capped = plan_budget(qwen3_8b, 2, H200, max_model_len=1024, max_num_seqs=2)
+    capped = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=1024, max_num_seqs=2)
     assert capped.capped and capped.num_blocks == 2 * (2 * 1024 // 16)
 
 
 def test_no_room_is_reported_not_raised(qwen3_8b):
     small = DeviceMemory("tiny", total_bytes=16 * GIB, free_bytes=16 * GIB)
-    b = plan_budget(qwen3_8b, 2, small, max_model_len=4096)
-    assert b.num_blocks == 0 and b.seqs_fit == 0 and b.budget_bytes < 0
+    b = plan_budget(qwen3_8b, torch.bfloat16, small, max_model_len=4096)
+    assert b.num_blocks == 0 and b.seqs_fit == 0
+    assert "weights take 15.26 GiB" in b.pool_source  # the engine's own message: what does not fit

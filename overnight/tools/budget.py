@@ -17,12 +17,14 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
+import torch
+
+from overnight.attention.kv_quant import FP8_DTYPES, kv_cache_torch_dtype
 from overnight.config import ModelArch, SchedulerConfig
 from overnight.limits import MODES, default_limits
-from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES, plan_pool
+from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES, PoolMemoryError, plan_pool, split_budget
 
 GIB = 2**30
-FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int
 
 def plan_budget(
     arch: ModelArch,
-    dtype_bytes: int,
+    dtype: torch.dtype,  # the compute dtype (weights, activations; the KV cache's unless fp8)
     device: DeviceMemory | None,  # None: the CPU
     mode: str = "offline",
     max_model_len: int | None = None,
@@ -108,27 +110,29 @@ def plan_budget(
     limits = default_limits(gib, mode, max_model_len)
     seqs = max_num_seqs or limits.max_num_seqs
     tokens = max_num_batched_tokens or limits.max_num_batched_tokens
-    kv_elem = 1 if kv_cache_dtype in FP8_KV else dtype_bytes
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    kv_elem = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
     per_token = kv_bytes_per_token(arch, kv_elem)
-    weights = activations = None
-    if kv_cache_memory_bytes is not None:
-        budget, source = kv_cache_memory_bytes, "set by --kv-cache-memory-bytes"
-    elif device is None:
-        budget, source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
-    else:
-        weights = num_parameters(arch) * dtype_bytes
-        activations = activation_estimate(arch, tokens, seqs, dtype_bytes)
-        elsewhere = device.total_bytes - device.free_bytes
-        budget = int(device.total_bytes * gpu_memory_utilization) - elsewhere - weights - activations
-        source = (f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
-                  f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
-                  f"{activations / GIB:.1f} GiB activations (estimate)")
     sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_model_len)
+    weights = activations = None
     try:
+        if kv_cache_memory_bytes is not None:
+            budget, source = kv_cache_memory_bytes, "set by --kv-cache-memory-bytes"
+        elif device is None:
+            budget, source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
+        else:
+            weights = num_parameters(arch) * dtype_bytes
+            activations = activation_estimate(arch, tokens, seqs, dtype_bytes)
+            elsewhere = device.total_bytes - device.free_bytes  # other processes, this one's CUDA context
+            source = (f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
+                      f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
+                      f"{activations / GIB:.1f} GiB activations (estimate)")
+            budget = split_budget(device.total_bytes, gpu_memory_utilization, elsewhere, weights,
+                                  weights + activations)
         plan = plan_pool(budget, per_token * block_size, block_size, sched)
         num_blocks, capped = plan.num_blocks, plan.capped
-    except MemoryError:
-        num_blocks, capped = 0, False
+    except PoolMemoryError as e:
+        budget, source, num_blocks, capped = 0, str(e), 0, False
     seq_len = seq_len or max_model_len
     fit = num_blocks // -(-seq_len // block_size)
     return Budget(
@@ -165,7 +169,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="dummy: --model may name a preset (qwen3-8b, llama-3.1-8b, ...)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_KV])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_DTYPES])
     p.add_argument("--mode", default="offline", choices=list(MODES))
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: max_model_len)")
     p.add_argument("--block-size", type=int, default=16)
@@ -177,9 +181,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the budget as one JSON line")
 
 
-def device_memory(device) -> DeviceMemory | None:
-    import torch
-
+def device_memory(device: torch.device) -> DeviceMemory | None:
     if device.type != "cuda":
         return None
     free, total = torch.cuda.mem_get_info(device)
@@ -187,8 +189,6 @@ def device_memory(device) -> DeviceMemory | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
     from overnight.engine.builder import pick_device
     from overnight.loader.model_loader import resolve_dtype
     from overnight.loader.resolve import resolve_source
@@ -198,7 +198,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, source, device)
     b = plan_budget(
         source.arch,
-        torch.empty((), dtype=dtype).element_size(),
+        dtype,
         device_memory(device),
         mode=args.mode,
         max_model_len=args.max_model_len,
@@ -237,7 +237,7 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
         f"{arch.num_key_value_heads} heads x {arch.head_dim} x {elem} B), blocks of {b.block_size} tokens"
     )
     if b.num_blocks == 0:
-        lines.append(f"KV pool: no room ({b.budget_bytes / GIB:.2f} GiB = {b.pool_source})")
+        lines.append(f"KV pool: no room: {b.pool_source}")
         return "\n".join(lines)
     cap = f", capped at 2 x max_num_seqs x max_model_len (budget {b.budget_bytes / GIB:.2f} GiB)" if b.capped else ""
     lines.append(f"KV pool: {b.pool_bytes / GIB:.2f} GiB = {b.num_blocks} blocks = {b.pool_tokens} tokens "
