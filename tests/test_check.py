@@ -5,6 +5,7 @@ periodic line a batch job logs."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import threading
@@ -20,7 +21,7 @@ from overnight.cli import main
 from overnight.sampling_params import SamplingParams
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
-from overnight.tools.check import CheckLog, diagnose
+from overnight.tools.check import CheckLog, diagnose, start_check_log
 from tests.test_scheduler import make_engine, run_all
 
 # SmolLM2-135M keeps 46080 bytes of fp32 KV per token (30 layers x 2 x 3 heads x 64 x 4 B).
@@ -187,3 +188,21 @@ def test_check_log_stays_quiet_within_its_interval(interval):
     engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
     run_all(engine)
     assert observer.lines == []
+
+
+def test_start_check_log_samples_a_live_engine_and_ends_with_it():
+    engine, _ = make_engine(max_num_seqs=2)
+    check = start_check_log(engine, interval_s=0.2, sample_s=0.01)
+    thread = next(t for t in threading.enumerate() if t.name == "overnight-check")
+    for i in range(12):
+        engine.add_request(str(i), [5 + i, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True))
+    deadline = time.monotonic() + 1.0
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        engine.step()
+        time.sleep(0.005)
+    assert check.lines and "max_num_seqs" in check.lines[0], check.lines
+    assert "generation" not in check.lines[0]  # samples do not count tokens
+    del engine, _
+    gc.collect()
+    thread.join(2.0)
+    assert not thread.is_alive()

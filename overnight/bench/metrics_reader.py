@@ -115,12 +115,14 @@ class WindowMetrics:
     max_kv_usage: float
     waiting_fraction: float  # share of samples with a request waiting
     preemptions: float  # increase over the window
-    generation_tokens: float  # increase over the window
+    generation_tokens: float | None  # increase over the window; None: not counted
     max_num_seqs: int | None
     num_kv_blocks: int | None = None
 
     @property
-    def generation_tok_s(self) -> float:
+    def generation_tok_s(self) -> float | None:
+        if self.generation_tokens is None:
+            return None
         return self.generation_tokens / self.duration_s if self.duration_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, float | int | None]:
@@ -131,7 +133,7 @@ class WindowMetrics:
             "max_kv_usage": round(self.max_kv_usage, 4),
             "waiting_fraction": round(self.waiting_fraction, 3),
             "preemptions": int(self.preemptions),
-            "server_generation_tok_s": round(self.generation_tok_s, 1),
+            "server_generation_tok_s": None if self.generation_tok_s is None else round(self.generation_tok_s, 1),
             "max_num_seqs": self.max_num_seqs,
             "num_kv_blocks": self.num_kv_blocks,
             "samples": self.num_samples,

@@ -13,7 +13,7 @@ Reads the server's /metrics over a window and applies the operator's rules, firs
     token_budget  requests wait with seats and cache free   admission is paced by the per-step token
                                                             budget: raise max_num_batched_tokens
 
-The same rules give batch jobs a periodic line in their log (CheckLog, an engine observer).
+The same rules give batch jobs a periodic line in their log (start_check_log).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ import argparse
 import json
 import logging
 import math
+import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass
 
 from overnight.bench.knee import KV_FULL, MIN_WAITING, at_ceiling
@@ -100,9 +102,9 @@ def suggest_max_num_seqs(m: WindowMetrics) -> int:
 
 def describe(m: WindowMetrics) -> str:
     seats = f" / max_num_seqs {m.max_num_seqs}" if m.max_num_seqs is not None else ""
+    rate = f", generation {m.generation_tok_s:.1f} tok/s" if m.generation_tok_s is not None else ""
     return (f"running {m.mean_running:.1f}{seats}, waiting {m.mean_waiting:.1f}, KV usage "
-            f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}, "
-            f"generation {m.generation_tok_s:.1f} tok/s")
+            f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}{rate}")
 
 
 # -- the command --------------------------------------------------------------------------------------
@@ -155,10 +157,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 class CheckLog:
-    """An engine observer that logs one verdict line every interval_s from the scheduler's own numbers:
-
-        engine.observers.append(CheckLog(engine.config.scheduler.max_num_seqs))
-    """
+    """The rules over the scheduler's own numbers, one verdict line every interval_s. Fed either as an
+    engine observer (every step), or by start_check_log's thread (samples, no work on the engine's
+    hot path)."""
 
     def __init__(self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None) -> None:
         self.max_num_seqs = max_num_seqs
@@ -172,28 +173,33 @@ class CheckLog:
         self._n = 0
         self._running = self._waiting = self._kv = self._kv_max = 0.0
         self._waited = 0
-        self._generated = 0
+        self._generated: int | None = None
         self._preempt0 = preemptions
 
-    def on_step(self, scheduler, iteration) -> None:  # (SchedulerStats, IterationStats)
+    def on_step(self, scheduler, iteration) -> None:  # StatsObserver: (SchedulerStats, IterationStats)
+        self.add(scheduler, iteration.num_generation_tokens)
+
+    def add(self, stats, generated: int | None = None) -> None:
+        """One sample of SchedulerStats (and the tokens generated since the last, when known)."""
         if self._preempt0 is None:
-            self._preempt0 = scheduler.num_preemptions_total
+            self._preempt0 = stats.num_preemptions_total
         self._n += 1
-        self._running += scheduler.num_running
-        self._waiting += scheduler.num_waiting
-        self._waited += scheduler.num_waiting > 0
-        kv = scheduler.kv_cache_usage if math.isfinite(scheduler.kv_cache_usage) else 0.0
+        self._running += stats.num_running
+        self._waiting += stats.num_waiting
+        self._waited += stats.num_waiting > 0
+        kv = stats.kv_cache_usage if math.isfinite(stats.kv_cache_usage) else 0.0
         self._kv += kv
         self._kv_max = max(self._kv_max, kv)
-        self._generated += iteration.num_generation_tokens
+        if generated is not None:
+            self._generated = (self._generated or 0) + generated
         now = time.monotonic()
         if now - self._t0 >= self.interval_s:
-            m = self.window(now, scheduler.num_preemptions_total)
+            m = self.window(now, stats.num_preemptions_total)
             first = diagnose(m)[0]
             line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
             self.lines.append(line)
             self.log.info(line)
-            self._reset(now, scheduler.num_preemptions_total)
+            self._reset(now, stats.num_preemptions_total)
 
     def window(self, now: float, preemptions_total: int) -> WindowMetrics:
         n = max(self._n, 1)
@@ -209,3 +215,24 @@ class CheckLog:
             generation_tokens=self._generated,
             max_num_seqs=self.max_num_seqs,
         )
+
+
+def start_check_log(engine, interval_s: float = 60.0, sample_s: float = 0.5) -> CheckLog:
+    """Log a check line every interval_s while `engine` lives, from a daemon thread that samples
+    engine.stats() every sample_s. Reading the stats is a few lengths and counters (atomic under the
+    GIL), so the engine's step does no extra work; the thread holds the engine weakly and ends once
+    the engine is gone."""
+    check = CheckLog(engine.config.scheduler.max_num_seqs, interval_s)
+    ref = weakref.ref(engine)
+
+    def sample() -> None:
+        while True:
+            time.sleep(sample_s)
+            e = ref()
+            if e is None:
+                return
+            check.add(e.stats())
+            del e
+
+    threading.Thread(target=sample, name="overnight-check", daemon=True).start()
+    return check
