@@ -132,6 +132,10 @@ def _run_batch(args: argparse.Namespace) -> int:
         except ModelLoadError as e:
             print(f"overnight run-batch: {e}", file=sys.stderr)
             return 1
+    if not args.ray and args.data_parallel_size == 1:  # a line a minute: which limit holds the batch
+        from overnight.tools.check import start_check_log
+
+        start_check_log(engine, interval_s=60.0)
     served = engine.source.served_name  # type: ignore[attr-defined]
     out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
     errors = None
