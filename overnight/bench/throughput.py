@@ -53,14 +53,16 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
     reqs = workload.requests(arch.vocab_size)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0) for _, n_out in reqs]
-    device = llm.engine.runner.device
+    engine = llm.engine  # an Engine, or the data-parallel front: use what both have
+    device = torch.device(engine.config.runner.device)
     device_index = device.index or 0
     if warmup and device.type == "cuda":
         # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
         llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
     from overnight.engine.engine import StepTimings
 
-    llm.engine.timings = StepTimings()
+    if hasattr(engine, "timings"):
+        engine.timings = StepTimings()
     with ClockSampler(device_index) as clocks:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -73,8 +75,9 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
     expected = sum(n for _, n in reqs)
     if n_out != expected:
         raise RuntimeError(f"generated {n_out} tokens, expected {expected}: lengths were not honoured")
-    sched = llm.engine.config.scheduler
-    kv_elem = torch.empty((), dtype=llm.engine.runner.kv_cache_dtype).element_size()
+    sched = engine.config.scheduler
+    kv_dtype = engine.config.cache.kv_cache_dtype
+    kv_elem = 1 if kv_dtype.startswith("fp8") else engine.config.model.dtype.itemsize
     roof = estimate(arch, [(len(i), n) for i, n in reqs], sched.max_num_seqs, kv_elem)
     result = RunResult(
         engine="overnight",
@@ -91,11 +94,12 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
         extra={
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "kv_pool_tokens": llm.engine.kv.num_blocks * llm.engine.config.cache.block_size,
-            "steps": llm.engine.num_steps,
-            "preemptions": llm.engine.scheduler.num_preemptions_total,
+            "kv_cache_dtype": kv_dtype,
+            "kv_pool_tokens": engine.pool_plan.num_blocks * engine.config.cache.block_size,
+            "steps": getattr(engine, "num_steps", None),
+            "preemptions": engine.stats().num_preemptions_total,
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
-            "host_per_step": llm.engine.timings.summary(),
+            "host_per_step": engine.timings.summary() if hasattr(engine, "timings") else None,
         },
     )
     del llm
