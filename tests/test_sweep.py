@@ -122,7 +122,7 @@ def test_levels_and_engine_flags():
 
 
 @pytest.mark.parametrize("refine", [False, True])
-def test_sweep_stops_after_a_fall_and_refines(monkeypatch, refine):
+def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
     curve = {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 100.0, 32: 90.0, 64: 50.0, 24: 104.0}
     measured: list[float] = []
 
@@ -138,10 +138,13 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, refine):
     monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
     parser = argparse.ArgumentParser()
     sweep_mod.add_arguments(parser)
-    args = parser.parse_args(["--max-concurrency", "64", "--token-timing", "text"] + (["--refine"] if refine else []))
+    argv = ["--max-concurrency", "64", "--token-timing", "text", "--out", str(tmp_path)]
+    args = parser.parse_args(argv + (["--refine"] if refine else []))
     result = sweep_mod.sweep(args, "http://x")
+    partial = json.loads((tmp_path / "sweep.json").read_text())  # written after each level
+    assert not partial["complete"] and partial["verdict"] is None and len(partial["levels"]) == len(measured)
     assert measured == [1, 2, 4, 8, 16, 32] + ([24] if refine else [])
     v = result["verdict"]
     assert v["stopped"] == "fell" and v["reason"] == "pool_full"
     assert (v["best_x"], v["knee_x"]) == ((24, 16) if refine else (16, 16))  # 104 is within 5% of 100
-    assert [lv["x"] for lv in result["levels"]] == sorted(measured)
+    assert [lv["x"] for lv in result["levels"]] == sorted(measured) and result["complete"]

@@ -39,6 +39,7 @@ class LevelPoint:
     max_num_seqs: int | None = None
     sm_clock_mhz: float | None = None
     preemptions: float | None = None  # during the window
+    power_w: float | None = None
 
 
 @dataclass(frozen=True)
@@ -126,8 +127,9 @@ def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
         fastest = max(clocks)
         for p in past:
             if p.sm_clock_mhz is not None and p.sm_clock_mhz < (1.0 - THROTTLE_DROP) * fastest:
+                power = f" at {p.power_w:.0f} W" if p.power_w is not None else ""
                 return "throttling", (
-                    f"at {_x(p.x)} the SM clock fell to {p.sm_clock_mhz:.0f} MHz from {fastest:.0f} MHz: "
+                    f"at {_x(p.x)} the SM clock fell to {p.sm_clock_mhz:.0f} MHz{power} from {fastest:.0f} MHz: "
                     "the GPU throttles (power or heat)"
                 )
     p = past[0]

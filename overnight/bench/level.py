@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import time
 
@@ -19,10 +20,13 @@ from overnight.bench.load import (
     RequestRecord,
     Workload,
     auto_processes,
+    run_async,
     run_load,
     send_one,
 )
 from overnight.bench.metrics_reader import poll, scrape_sync, summarize
+
+log = logging.getLogger("overnight.bench")
 
 DEFAULT_VOCAB = 32000  # random ids below this are valid for any current model
 STOP_GRACE_S = 0.25  # the load runs on a little past the window, so the last scrape still sees it
@@ -44,7 +48,7 @@ def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
         input_len=args.input_len,
         output_len=args.output_len,
         seed=args.seed,
-        vocab_high=max(min(vocab, DEFAULT_VOCAB * 4) - 1000, 200),
+        vocab_high=max(vocab - 1000, 200),  # clear of the added tokens at the end of the vocabulary
         dataset=dataset,
     )
 
@@ -121,7 +125,7 @@ def measure_level(
                 snaps = await poll(client, url, w1, args.metrics_interval_s)
         return w0 - t0, w1, snaps, clocks.samples.summary()
 
-    records, (warmup, w1, snaps, clocks) = asyncio.run(run_load(spec, processes, controller))
+    records, (warmup, w1, snaps, clocks) = run_async(run_load(spec, processes, controller))
     w0 = w1 - args.window_s
     drain(url, headers)
     row: dict[str, object] = {
@@ -146,7 +150,8 @@ def drain(url: str, headers: dict[str, str] | None, timeout_s: float = 120.0) ->
         if snap.running == 0 and snap.waiting == 0:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"the server still holds requests {timeout_s:.0f} s after the load stopped")
+    log.warning("the server still holds requests %.0f s after the load stopped (other clients?): going on",
+                timeout_s)
 
 # -- what a window measured -------------------------------------------------------------------------
 

@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="longest warm-up per level; it ends earlier once every client finished a request")
     g.add_argument("--window-s", type=float, default=10.0, help="measured seconds per level")
     g.add_argument("--min-gain", type=float, default=0.05, help="growth over two steps that keeps raising")
-    g.add_argument("--refine", action="store_true", help="also measure halfway between the last two levels")
+    g.add_argument("--refine", action="store_true",
+                   help="once growth stopped, also measure halfway between the last two levels")
     g.add_argument("--all-levels", action="store_true", help="measure every level, past the knee too")
     g.add_argument("--request-rate", type=float, nargs="+", default=None,
                    help="fixed-rate runs (requests/s) instead of concurrency levels")
@@ -59,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="gamma shape of the gaps between arrivals: 1 Poisson, larger more regular")
     g.add_argument("--token-timing", choices=["auto", "text", "logprobs"], default="auto",
                    help="how chunks show tokens; auto asks for logprobs when the server streams no text")
-    g.add_argument("--client-processes", type=int, default=0, help="load processes (0: about 128 streams each)")
+    g.add_argument("--client-processes", type=int, default=0, help="load processes (0: one per 64 streams)")
     g.add_argument("--metrics-interval-s", type=float, default=0.5)
     g.add_argument("--server-timeout-s", type=float, default=900.0, help="how long an own server may take to start")
     g.add_argument("--out", default="sweep-results", help="folder for sweep.json, sweep.png, server.log")
@@ -70,11 +71,10 @@ def run(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
+    raise_open_files_limit()
     with server_for(args) as url:
         result = sweep(args, url)
-    path = os.path.join(args.out, "sweep.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
+    save(result, args.out)
     print_table(result)
     try:
         from overnight.bench.plot import plot_sweep
@@ -87,6 +87,28 @@ def run(args: argparse.Namespace) -> int:
                       "peak_output_tok_s": v.get("best_output_tok_s"), "reason": v.get("reason"),
                       "out": args.out}))
     return 0
+
+
+def save(result: dict, out: str) -> None:
+    """sweep.json, rewritten after every level: a run cut short keeps what it measured."""
+    tmp = os.path.join(out, "sweep.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, os.path.join(out, "sweep.json"))
+
+
+def raise_open_files_limit() -> None:
+    """A socket per stream on both ends: 1024 streams overrun the usual soft limit of 1024 open files.
+    Raised to the hard limit here, and inherited by an own server and the load processes."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass  # not on this platform, or not allowed: streams beyond the limit will fail and be counted
 
 
 # -- the server ---------------------------------------------------------------------------------------
@@ -207,45 +229,54 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
     print(f"sweep of {info['model']} at {url}: {'rates' if rates else 'levels'} {xs}, "
           f"token timing by {timing}", file=sys.stderr)
 
-    def measure(x: float) -> dict[str, object]:
+    rows: list[dict[str, object]] = []
+    stopped = "end"
+
+    def document(final: bool) -> dict[str, object]:
+        ordered = sorted(rows, key=lambda r: float(r["x"]))
+        points = [to_point(r) for r in ordered]
+        gpu = next((r["gpu"]["gpu"] for r in ordered if r["gpu"]["gpu"] != "n/a"), "")
+        return {
+            "x": "request_rate" if rates else "concurrency",
+            "server": info,
+            "gpu": gpu,
+            "workload": {"input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
+                         "seed": args.seed, "token_timing": timing},
+            "settings": {"warmup_s": args.warmup_s, "window_s": args.window_s, "min_gain": args.min_gain,
+                         "arrival": args.arrival if rates else None,
+                         "burstiness": args.burstiness if rates else None},
+            "complete": final,
+            "levels": ordered,
+            "verdict": verdict(points, args.min_gain, stopped).to_dict() if final and rows else None,
+        }
+
+    def measure(x: float) -> None:
         row = measure_level(args, url, str(info["model"]), workload, x, rate_mode=bool(rates), timing=timing)
         print(f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']} ms, "
               f"running {row['mean_running']}, waiting {row['mean_waiting']}, KV {row['mean_kv_usage']:.0%}",
               file=sys.stderr)
-        return row
+        rows.append(row)
+        save(document(final=False), args.out)
 
-    rows: list[dict[str, object]] = []
-    stopped = "end"
     for x in xs:
-        rows.append(measure(x))
+        measure(x)
         reason = stop_reason([float(r["output_tok_s"]) for r in rows], args.min_gain)
         if reason is not None and stopped == "end":
             stopped = reason
         if reason is not None and not args.all_levels:
             break
-    if args.refine and len(rows) >= 2 and not rates:
+    if args.refine and stopped != "end" and len(rows) >= 2 and not rates:  # the knee lies between them
         mid = refine_between(float(rows[-2]["x"]), float(rows[-1]["x"]))
         if mid is not None:
-            rows.append(measure(mid))
-    rows.sort(key=lambda r: float(r["x"]))
-    points = [to_point(r) for r in rows]
-    v = verdict(points, args.min_gain, stopped).to_dict() if rows else None
-    gpu = next((r["gpu"]["gpu"] for r in rows if r["gpu"]["gpu"] != "n/a"), "")
-    return {
-        "x": "request_rate" if rates else "concurrency",
-        "server": info,
-        "gpu": gpu,
-        "workload": {"input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
-                     "seed": args.seed, "token_timing": timing},
-        "settings": {"warmup_s": args.warmup_s, "window_s": args.window_s, "min_gain": args.min_gain,
-                     "arrival": args.arrival if rates else None, "burstiness": args.burstiness if rates else None},
-        "levels": rows,
-        "verdict": v,
-    }
+            measure(mid)
+    return document(final=True)
 
 
 def to_point(row: dict) -> LevelPoint:
-    sm = row["gpu"].get("sm_clock_mhz_median")
+    def number(key: str) -> float | None:
+        v = row["gpu"].get(key)
+        return float(v) if isinstance(v, (int, float)) else None  # "n/a" without a GPU
+
     return LevelPoint(
         x=float(row["x"]),
         output_tok_s=float(row["output_tok_s"]),
@@ -253,8 +284,9 @@ def to_point(row: dict) -> LevelPoint:
         mean_waiting=row["mean_waiting"],
         mean_running=row["mean_running"],
         max_num_seqs=row["max_num_seqs"],
-        sm_clock_mhz=float(sm) if isinstance(sm, (int, float)) else None,
+        sm_clock_mhz=number("sm_clock_mhz_median"),
         preemptions=row["preemptions"],
+        power_w=number("power_w_median"),
     )
 
 
