@@ -58,7 +58,7 @@ def test_fixed_rate_runs_without_a_tokenizer_in_two_load_processes(tmp_path, cap
             "--output-len", "6", "--out", str(out)]
     assert main(argv) == 0
     result = json.loads((out / "sweep.json").read_text())
-    assert result["x"] == "request_rate" and result["workload"]["token_timing"] == "logprobs"
+    assert result["x"] == "request_rate" and result["workload"]["token_timing"] == "text"  # one chunk per token, even with no text
     rates = [lv["request_rate"] for lv in result["levels"]]
     assert rates == [2.0, 4.0] and all(lv["client_processes"] == 2 for lv in result["levels"])
     for lv in result["levels"]:

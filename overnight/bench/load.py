@@ -227,7 +227,11 @@ def chunk_tokens(choice: dict) -> int:
     lp = choice.get("logprobs")
     if lp and lp.get("tokens") is not None:
         return len(lp["tokens"])
-    return 1 if choice.get("text") else 0
+    # The server sends one chunk per generated token, with empty text when the token shows none yet
+    # (no tokenizer, or text held back); a final chunk with only a finish reason carries no token.
+    if choice.get("text") or (choice.get("finish_reason") is None and "text" in choice):
+        return 1
+    return 0
 
 
 # -- the loops --------------------------------------------------------------------------------------

@@ -283,7 +283,9 @@ class CompletionStream(_Stream):
                     c.logprobs, c.token_ids, self._offsets.get(index, 0)
                 )
             reason = finish_reason(c.finish_reason)
-            if not c.text and lps is None and reason is None:
+            # A step that produced tokens sends a chunk even when they show no text yet (held back
+            # for a stop string, or no tokenizer): clients see each token arrive.
+            if not c.text and not c.token_ids and lps is None and reason is None:
                 continue
             out.append(self._chunk(self.OBJECT, [
                 {"index": index, "text": c.text, "logprobs": lps, "finish_reason": reason}
