@@ -169,26 +169,33 @@ def fp8_case(fp8: torch.dtype, q_dtype: torch.dtype, seed: int):
 
 
 @pytest.mark.parametrize("fp8", FP8)
-@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
-def test_attention_on_fp8_cache_matches_reference(fp8: torch.dtype, q_dtype: torch.dtype) -> None:
-    """fp16 q takes the fp16-dot path an fp8 cache uses on the GPU; fp32 q computes in fp32."""
+@pytest.mark.parametrize(
+    ("q_dtype", "convert", "num_splits"),
+    [(torch.float32, "fp16", 1), (torch.float32, "fp16", 3), (torch.float16, "fp16", 3),
+     (torch.float16, "bits", 1), (torch.float16, "q", 1)],
+)
+def test_attention_on_fp8_cache_matches_reference(
+    fp8: torch.dtype, q_dtype: torch.dtype, convert: str, num_splits: int
+) -> None:
+    """fp16 q takes the fp16-dot paths an fp8 cache uses on the GPU (each tile conversion); fp32 q
+    computes in fp32."""
     meta, q, cache, kv_scale = fp8_case(fp8, q_dtype, seed=11)
     ref = paged_attention_ref(q.float(), cache, meta, 0.125, kv_scale)
-    for num_splits in (1, 3):
-        out = paged_attention(
-            q,
-            cache,
-            meta,
-            0.125,
-            out=poisoned(q),
-            kv_scale=kv_scale,
-            num_splits=num_splits,
-            decode_config=DecodeConfig(block_n=32),
-            prefill_config=PrefillConfig(16, 16, 4, 1),
-        )
-        assert not out.isnan().any()
-        tol = 1e-4 if q_dtype == torch.float32 else 3e-3
-        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    out = paged_attention(
+        q,
+        cache,
+        meta,
+        0.125,
+        out=poisoned(q),
+        kv_scale=kv_scale,
+        num_splits=num_splits,
+        decode_config=DecodeConfig(block_n=32, fp8_convert=convert),
+        prefill_config=PrefillConfig(16, 16, 4, 1),
+    )
+    assert not out.isnan().any()
+    # Relative to the largest output: with v_scale 0.015 the outputs are small.
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    assert err < (1e-5 if q_dtype == torch.float32 else 2e-3), err
 
 
 def test_attention_reads_scales_at_run_time() -> None:

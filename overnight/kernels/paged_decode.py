@@ -17,10 +17,16 @@ it is chosen from static quantities (batch size, max_model_len), never from this
 the whole thing can be captured in a CUDA graph.
 
 FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
-into the score scale, v_scale into the final normalization. The tiles are converted to fp16 for the
-dots (q is cast once), because sm_90 converts fp8 -> fp16 in one instruction per pair while fp8 ->
-bf16 takes several, and with half the bytes per token that conversion, not HBM, bounded the kernel.
-fp16 holds every e4m3 / e5m2 value exactly; scores and accumulators stay fp32.
+into the score scale, v_scale into the final normalization. With half the bytes per token, converting
+the tiles for the dots, not HBM, bounded the kernel when they went to bf16 (sm_90 has no fp8 -> bf16
+instruction), so they go to fp16 (q is cast once), which holds every e4m3 / e5m2 value exactly; scores
+and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
+
+    "fp16"  cvt instructions (one per pair of values)
+    "bits"  integer shifts: e5m2 is the top byte of an fp16; an e4m3 byte shifted into an fp16's
+            sign / exponent / mantissa fields reads as value * 2**-8 (subnormals included), and the
+            2**8 folds into the two scales
+    "q"     convert to q's dtype (the slow fp8 -> bf16 path; kept for comparison)
 """
 
 from __future__ import annotations
@@ -48,9 +54,7 @@ class DecodeConfig:
     block_n: int = 64  # context tokens per tile (a multiple of the page size keeps gathers whole-page)
     num_warps: int = 4
     num_stages: int = 2
-    # fp8 cache only: dots in fp16 (False: in q's dtype, the slower fp8 -> bf16 conversion; kept so
-    # bench/kernels_gpu.py can compare the two).
-    fp8_via_fp16: bool = True
+    fp8_convert: str = "fp16"  # fp8 cache only: "fp16" | "bits" | "q" (see the module docstring)
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
@@ -62,12 +66,34 @@ def default_decode_config(cache_dtype: torch.dtype) -> DecodeConfig:
     return FP8_DECODE_CONFIG if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else DecodeConfig()
 
 
-def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8_via_fp16: bool = True) -> tl.dtype:
-    """The dtype both dot operands are converted to: q's, except fp16 for an fp8 cache with a half q."""
-    is_fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    if is_fp8 and fp8_via_fp16 and q_dtype in (torch.float16, torch.bfloat16):
-        return tl.float16
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[q_dtype]
+# FP8_BITS: how _to_dot converts a tile: 0 a plain cast, 1 e4m3 by shifts (values * 2**-8), 2 e5m2.
+_BITS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8_convert: str = "fp16") -> tuple[tl.dtype, int]:
+    """(dtype both dot operands are converted to, FP8_BITS): q's dtype, except fp16 for an fp8 cache
+    with a half-precision q (an fp32 q, as in interpreter tests, computes in fp32)."""
+    if fp8_convert not in ("fp16", "bits", "q"):
+        raise ValueError(f"fp8_convert must be fp16, bits or q, got {fp8_convert!r}")
+    q_tl = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[q_dtype]
+    if cache_dtype not in _BITS or fp8_convert == "q" or q_dtype == torch.float32:
+        return q_tl, 0
+    return tl.float16, _BITS[cache_dtype] if fp8_convert == "bits" else 0
+
+
+@triton.jit
+def _to_dot(x, DOT_DTYPE: tl.constexpr, FP8_BITS: tl.constexpr):
+    """A K or V tile as a dot operand (FP8_BITS == 1 leaves e4m3 values scaled by 2**-8)."""
+    if FP8_BITS == 0:
+        y = x.to(DOT_DTYPE)
+    else:
+        b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+        if FP8_BITS == 1:
+            b = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+        else:
+            b = b << 8
+        y = b.to(tl.float16, bitcast=True)
+    return y
 
 
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
@@ -116,6 +142,7 @@ def _decode_kernel(
     SPLIT: tl.constexpr,  # num_splits > 1: write partials for _decode_reduce_kernel
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (q's, or fp16 for an fp8 cache)
+    FP8_BITS: tl.constexpr,  # see _to_dot
     HAS_SCALE: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -144,6 +171,9 @@ def _decode_kernel(
         v_scale = tl.load(kv_scale_ptr + 1)
     else:
         v_scale = 1.0
+    if FP8_BITS == 1:  # the tiles hold e4m3 values * 2**-8
+        qk_scale = qk_scale * 256.0
+        v_scale = v_scale * 256.0
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -157,7 +187,7 @@ def _decode_kernel(
         tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31 elements
         kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(_to_dot(k, DOT_DTYPE, FP8_BITS)), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -165,7 +195,7 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(
-            p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION
+            p.to(DOT_DTYPE), _to_dot(v, DOT_DTYPE, FP8_BITS), input_precision=DOT_PRECISION
         )
         m_i = m_new
 
@@ -275,6 +305,7 @@ def paged_decode(
         return
     group = num_heads // num_kv_heads
     block_d = triton.next_power_of_2(head_dim)
+    compute_dtype, fp8_bits = dot_dtype(q.dtype, kv_cache.dtype, cfg.fp8_convert)
     if num_splits > 1:
         ws = workspace or DecodeWorkspace(num_decodes * num_splits, num_heads, head_dim, q.device)
         part_out, part_lse = ws.views(num_decodes, num_heads, num_splits, head_dim)
@@ -308,7 +339,8 @@ def paged_decode(
         BLOCK_N=cfg.block_n,
         SPLIT=num_splits > 1,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype, cfg.fp8_via_fp16),
+        DOT_DTYPE=compute_dtype,
+        FP8_BITS=fp8_bits,
         HAS_SCALE=kv_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,

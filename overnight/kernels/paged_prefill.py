@@ -306,7 +306,7 @@ def paged_prefill(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype),
+        DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype)[0],
         HAS_SCALE=kv_scale is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
