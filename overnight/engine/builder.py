@@ -154,6 +154,9 @@ def build_engine(opts: EngineOptions) -> Engine:
         from overnight.parallel.workers import start_tp_runner
 
         runner, plan = start_tp_runner(config, source)
+        if opts.calculate_kv_scales:
+            log.warning("calculate_kv_scales does not reach tensor-parallel ranks yet: KV scales stay the "
+                        "checkpoint's or 1.0")
     else:
         runner = ModelRunner(config, source, calculate_kv_scales=opts.calculate_kv_scales)
 
