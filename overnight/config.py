@@ -86,7 +86,9 @@ class RunnerConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
     enforce_eager: bool = False  # no CUDA graphs
-    max_capture_batch_size: int = 512
+    # Decode steps up to this batch size replay CUDA graphs; larger ones run eagerly, where launching
+    # hundreds of kernels from Python costs tens of milliseconds a step. Capped by max_num_seqs.
+    max_capture_batch_size: int = 1024
 
 
 @dataclass(frozen=True)

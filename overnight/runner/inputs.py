@@ -40,9 +40,12 @@ class _HostSet:
         self.slots = alloc(max_tokens, torch.int64)
         self.qsl = alloc(max_reqs + 1, torch.int32)
         self.seq_lens = alloc(max_reqs, torch.int32)
-        self.tables = alloc((max_reqs, max_blocks), torch.int32)
+        # Block-table rows of this step packed densely ([num_reqs, need]), so the host-to-device copy
+        # is one contiguous transfer: a strided copy from host memory would make torch stage it through
+        # pageable memory, which waits for the GPU and kills the overlap of host and device work.
+        self.tables = alloc(max_reqs * max_blocks, torch.int32)
         self.sample_rows = alloc(max_reqs, torch.int64)
-        self.pending = alloc((2, max_reqs), torch.int64)
+        self.pending = alloc(2 * max_reqs, torch.int64)  # [rows | sources], packed the same way
         self.event: torch.cuda.Event | None = None  # set once this set's copies are enqueued
 
 
@@ -67,7 +70,10 @@ class StepBuffers:
         self.slots = dev(h.slots)
         self.qsl = dev(h.qsl)
         self.seq_lens = dev(h.seq_lens)
-        self.tables = dev(h.tables)
+        # The graphs' block table keeps a fixed row stride (max_blocks); each step's packed rows land
+        # in a staging tensor first and are spread into it by a device-side copy.
+        self.tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
+        self.tables_staging = dev(h.tables)
         self.sample_rows = dev(h.sample_rows)
         self.pending = dev(h.pending)
 
@@ -126,7 +132,8 @@ class StepBuffers:
         p = pos[:num_tokens]
         slot_np = h.slots.numpy()
         slot_np[:num_tokens] = tables[row_req, p // bs].astype(np.int64) * bs + p % bs
-        h.tables.numpy()[:num_reqs, :need] = tables
+        packed = h.tables.numpy()[: num_reqs * need].reshape(num_reqs, need)
+        packed[:] = tables
         h.qsl.numpy()[: num_reqs + 1] = qsl
         h.seq_lens.numpy()[:num_reqs] = seq_lens
         if total > num_tokens:  # padding rows: position 0, no cache write, empty context
@@ -143,8 +150,8 @@ class StepBuffers:
         h.sample_rows.numpy()[: len(sampled)] = sample_rows
         npend = len(pend_rows)
         if npend:
-            h.pending.numpy()[0, :npend] = pend_rows
-            h.pending.numpy()[1, :npend] = pend_src
+            h.pending.numpy()[:npend] = pend_rows
+            h.pending.numpy()[npend : 2 * npend] = pend_src
 
         if self.device.type == "cuda":
             self.ids[:num_rows].copy_(h.ids[:num_rows], non_blocking=True)
@@ -152,12 +159,15 @@ class StepBuffers:
             self.slots[:num_rows].copy_(h.slots[:num_rows], non_blocking=True)
             self.qsl[: req_rows + 1].copy_(h.qsl[: req_rows + 1], non_blocking=True)
             self.seq_lens[:req_rows].copy_(h.seq_lens[:req_rows], non_blocking=True)
-            self.tables[:num_reqs, :need].copy_(h.tables[:num_reqs, :need], non_blocking=True)
+            n = num_reqs * need
+            self.tables_staging[:n].copy_(h.tables[:n], non_blocking=True)
             self.sample_rows[: len(sampled)].copy_(h.sample_rows[: len(sampled)], non_blocking=True)
             if npend:
-                self.pending[:, :npend].copy_(h.pending[:, :npend], non_blocking=True)
+                self.pending[: 2 * npend].copy_(h.pending[: 2 * npend], non_blocking=True)
             h.event = torch.cuda.Event()
             h.event.record()
+        rows = self.tables_staging[: num_reqs * need].view(num_reqs, need)
+        self.tables[:num_reqs, :need].copy_(rows, non_blocking=True)
 
         # Host copies for planners that run during this step's launch (before this set is reused).
         qsl_cpu = h.qsl[: req_rows + 1]
@@ -181,8 +191,8 @@ class StepBuffers:
             meta=meta,
             sample_rows=self.sample_rows[: len(sampled)],
             sampled=sampled,
-            pending_rows=self.pending[0, :npend] if npend else None,
-            pending_src=self.pending[1, :npend] if npend else None,
+            pending_rows=self.pending[:npend] if npend else None,
+            pending_src=self.pending[npend : 2 * npend] if npend else None,
         )
 
 
@@ -217,22 +227,26 @@ def build_sampling_batch(
         )
     else:
         greedy = [p.is_greedy for p in params]
+
+        def dev(values: list, dtype: torch.dtype) -> torch.Tensor:
+            # Pinned staging: a copy from pageable memory would wait for the GPU (no overlap).
+            t = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+            return t.to(device, non_blocking=True)
+
         batch = SamplingBatch(
-            temperature=torch.tensor(
-                [0.0 if g else p.temperature for g, p in zip(greedy, params)], dtype=torch.float32
-            ).to(device, non_blocking=True),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(device, non_blocking=True),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32).to(device, non_blocking=True),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32).to(device, non_blocking=True),
-            seeds=torch.tensor([r.seed for r in reqs], dtype=torch.int64).to(device, non_blocking=True),
-            positions=torch.tensor([r.num_output_tokens for r in reqs], dtype=torch.int64).to(
-                device, non_blocking=True
-            ),
+            temperature=dev([0.0 if g else p.temperature for g, p in zip(greedy, params)], torch.float32),
+            top_k=dev([p.top_k for p in params], torch.int64),
+            top_p=dev([p.top_p for p in params], torch.float32),
+            min_p=dev([p.min_p for p in params], torch.float32),
+            seeds=dev([r.seed for r in reqs], torch.int64),
+            positions=dev([r.num_output_tokens for r in reqs], torch.int64),
             all_greedy=False,
             any_top_k=any(p.top_k > 0 for g, p in zip(greedy, params) if not g),
             any_top_p=any(p.top_p < 1.0 for g, p in zip(greedy, params) if not g),
             any_min_p=any(p.min_p > 0 for g, p in zip(greedy, params) if not g),
             max_logprobs=None,
+            max_top_k=max(p.top_k for p in params),
+            all_top_k=all(p.top_k > 0 for p in params),
         )
     if any_logprobs:
         batch.max_logprobs = max(p.logprobs or 0 for p in params if p.logprobs is not None)

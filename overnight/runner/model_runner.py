@@ -191,7 +191,7 @@ class ModelRunner:
         if not sampled:
             return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
         rows = hidden if decode_only else hidden[inputs.sample_rows]
-        logits = self.model.compute_logits(rows).float()
+        logits = self.model.compute_logits(rows)
         last = self._last_handle
         if last is not None and any(r.params.needs_penalties for r in sampled):
             last.result()  # penalties count every earlier token: wait for the step in flight

@@ -34,6 +34,8 @@ class SamplingBatch:
     any_top_p: bool
     any_min_p: bool
     max_logprobs: int | None  # largest top-k of logprobs asked by any row; None: nobody asked
+    max_top_k: int = 0  # largest top_k of any row (known on the host: no device sync to size topk)
+    all_top_k: bool = False  # every row has top_k > 0, so topk over max_top_k columns covers all
     wants_logprobs: list[bool] | None = None
     # Penalties: rows that use them, with their history (prompt and output token ids).
     penalty_rows: list[int] | None = None
@@ -97,7 +99,7 @@ def _mask_top_k_top_p_min_p(scaled: torch.Tensor, batch: SamplingBatch) -> torch
     vocab = scaled.shape[1]
     if batch.any_top_k:
         k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab)).clamp(max=vocab)
-        kmax = int(k.max().item()) if k.numel() else vocab
+        kmax = min(vocab, batch.max_top_k) if batch.max_top_k and batch.all_top_k else vocab
         top_vals = torch.topk(scaled, kmax, dim=1).values
         kth = top_vals.gather(1, (k - 1).clamp(max=kmax - 1)[:, None])
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -155,8 +157,12 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, batch: SamplingBatch
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
-        """logits: [B, V] float32 (modified in place). Returns the tokens [B] and, when asked, the
+        """logits: [B, V] in the model's dtype. Returns the tokens [B] and, when asked, the
         logprobs, both still on the device."""
+        if batch.all_greedy and not batch.penalty_rows and not batch.banned and batch.max_logprobs is None:
+            # argmax is exact in the model's dtype: upcasting would only move more bytes.
+            return logits.argmax(dim=-1), None
+        logits = logits.float()
         raw = logits.clone() if batch.max_logprobs is not None else None
         apply_penalties(logits, batch)
         if batch.banned:
