@@ -81,9 +81,11 @@ def test_fp8_halves_the_bytes_per_token(qwen3_8b):
     assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 16
 
 
-def test_batch_mode_gets_the_offline_budget_and_the_cap_applies(qwen3_8b):
+def test_batch_mode_gets_a_large_budget_and_the_cap_applies(qwen3_8b):
     batch = plan_budget(qwen3_8b, torch.bfloat16, H200, mode="batch", max_model_len=4096)
-    assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (1024, 16384)
+    # twice the offline class's tokens a step on a 70+ GiB GPU (measured +6% on an H200)
+    assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (1024, 32768)
+    assert batch.modes["offline"] == (1024, 16384)
     assert batch.modes["server"] == (1024, 8192)
     capped = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=1024, max_num_seqs=2)
     assert capped.capped and capped.num_blocks == 2 * (2 * 1024 // 16)

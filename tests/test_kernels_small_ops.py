@@ -221,3 +221,13 @@ def test_model_forward_with_kernels_matches_pytorch_path(family: str, tmp_path, 
     monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
     got = _run_steps(model)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_default_num_warps_are_powers_of_two():
+    # SmolLM2 (hidden 576, 9 q / 3 kv heads, head_dim 64) once asked the GPU for 5 warps.
+    from overnight.kernels import rmsnorm, rotary
+
+    for elements in range(1, 40000, 37):
+        for fn in (rmsnorm._num_warps, rotary._num_warps):
+            w = fn(elements)
+            assert w >= 1 and w & (w - 1) == 0, (fn.__module__, elements, w)

@@ -125,17 +125,18 @@ def test_gpu_weights_beyond_utilization(monkeypatch: pytest.MonkeyPatch) -> None
 # ---------------------------------------------------------------- the default limits table
 
 # (device GiB, mode) -> (max_num_seqs, max_num_batched_tokens) before the min() rules; a batch job gets
-# the offline column (limits.py's deliberate change from the table users know).
+# at least the offline budget, twice its tokens on 70+ GiB GPUs (limits.py's changes from the table
+# users know).
 TABLE = {
     (None, "offline"): (256, 4096),
     (None, "server"): (128, 2048),
     (None, "batch"): (256, 4096),
     (192.0, "offline"): (1024, 16384),
     (192.0, "server"): (1024, 16384),
-    (192.0, "batch"): (1024, 16384),
+    (192.0, "batch"): (1024, 32768),
     (139.8, "offline"): (1024, 16384),  # H200
     (139.8, "server"): (1024, 8192),
-    (139.8, "batch"): (1024, 16384),
+    (139.8, "batch"): (1024, 32768),
     (79.6, "server"): (1024, 8192),  # H100
     (39.4, "offline"): (256, 8192),  # A100-40G
     (39.4, "server"): (256, 2048),

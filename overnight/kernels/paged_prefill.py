@@ -41,10 +41,11 @@ from overnight.kernels.paged_decode import dot_dtype
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    block_m: int = 128
+    # The H200 bench's winner in two runs (bench/kernels_gpu.py; docs/benchmarks.md).
+    block_m: int = 64
     block_n: int = 64
-    num_warps: int = 8
-    num_stages: int = 2
+    num_warps: int = 4
+    num_stages: int = 3
 
 
 @triton.jit

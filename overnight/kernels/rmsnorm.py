@@ -71,7 +71,9 @@ def _rms_norm_kernel(
 
 def _num_warps(elements: int) -> int:
     # About 8 elements (16 bytes of bf16) per thread, 1 to 16 warps.
-    return max(1, min(16, elements // 256))
+    # Triton needs a power of two (hidden sizes like 576 would give 5 or 9 warps otherwise).
+    want = max(1, min(16, elements // 256))
+    return 1 << (want.bit_length() - 1)
 
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,9 @@ def _rotary_kernel(
 
 def _num_warps(elements: int) -> int:
     # About 8 elements of q and k together per thread, 1 to 8 warps.
-    return max(1, min(8, elements // 256))
+    # Triton needs a power of two (hidden sizes like 576 would give 5 or 9 warps otherwise).
+    want = max(1, min(8, elements // 256))
+    return 1 << (want.bit_length() - 1)
 
 
 def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> None:
