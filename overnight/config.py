@@ -65,6 +65,7 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
     kv_cache_memory_bytes: int | None = None  # set the pool size directly, overriding utilization
     enable_prefix_caching: bool = True
+    calculate_kv_scales: bool = False  # fp8 cache: set each layer's scales from the first prefill
 
 
 @dataclass(frozen=True)

@@ -89,8 +89,9 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
         total_tok_s=round((n_in + n_out) / elapsed, 1),
         startup_s=round(startup, 1),
         clocks=clocks.samples.summary(),
-        limit_fraction_overlapped=round(roof.t_overlapped / elapsed, 3),
-        limit_fraction_serial=round(roof.t_serial / elapsed, 3),
+        # The roofline's ceilings are an H200's: meaningless on a CPU.
+        limit_fraction_overlapped=round(roof.t_overlapped / elapsed, 3) if device.type == "cuda" else None,
+        limit_fraction_serial=round(roof.t_serial / elapsed, 3) if device.type == "cuda" else None,
         extra={
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,

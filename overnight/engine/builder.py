@@ -108,6 +108,7 @@ def build_config(opts: EngineOptions, source, device: torch.device) -> EngineCon
             kv_cache_dtype=opts.kv_cache_dtype,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             enable_prefix_caching=opts.enable_prefix_caching,
+            calculate_kv_scales=opts.calculate_kv_scales,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -154,11 +155,8 @@ def build_engine(opts: EngineOptions) -> Engine:
         from overnight.parallel.workers import start_tp_runner
 
         runner, plan = start_tp_runner(config, source)
-        if opts.calculate_kv_scales:
-            log.warning("calculate_kv_scales does not reach tensor-parallel ranks yet: KV scales stay the "
-                        "checkpoint's or 1.0")
     else:
-        runner = ModelRunner(config, source, calculate_kv_scales=opts.calculate_kv_scales)
+        runner = ModelRunner(config, source)
 
         def measure() -> int:
             return runner.profile_peak_bytes(
@@ -179,14 +177,13 @@ def build_engine(opts: EngineOptions) -> Engine:
         tokens / sched.max_model_len,
         sched.max_model_len,
     )
-    engine = Engine(
+    return Engine(
         config,
         runner,
         num_blocks=plan.num_blocks,
         eos_token_ids=source.eos_token_ids,
         vocab_size=source.arch.vocab_size,
         tokenizer=tokenizer,
+        source=source,
+        pool_plan=plan,
     )
-    engine.source = source  # type: ignore[attr-defined]
-    engine.pool_plan = plan  # type: ignore[attr-defined]
-    return engine

@@ -22,6 +22,8 @@ from overnight.outputs import RequestMetrics, RequestOutput
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from overnight.loader.source import ModelSource
+    from overnight.runner.kv_pool import PoolPlan
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -73,8 +75,12 @@ class Engine:
         eos_token_ids: tuple[int, ...],
         vocab_size: int,
         tokenizer: Tokenizer | None = None,
+        source: ModelSource | None = None,
+        pool_plan: PoolPlan | None = None,
     ) -> None:
         self.config = config
+        self.source = source  # where the model came from (served name, stop ids), when known
+        self.pool_plan = pool_plan  # how the KV pool was sized, when known
         self.runner = runner
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(eos_token_ids)

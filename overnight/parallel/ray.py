@@ -204,7 +204,7 @@ class EngineServer:
         threading.Thread(target=self._loop, name="overnight-engine", daemon=True).start()
 
     def ready(self) -> EngineReady:
-        return EngineReady(self.index, self.engine.config, self.engine.pool_plan)  # type: ignore[attr-defined]
+        return EngineReady(self.index, self.engine.config, self.engine.pool_plan)
 
     def send(self, msg: object) -> None:
         self._inbox.put(msg)

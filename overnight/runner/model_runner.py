@@ -70,7 +70,7 @@ class ModelRunner:
         source: ModelSource,
         model: nn.Module | None = None,
         *,
-        calculate_kv_scales: bool = False,
+        calculate_kv_scales: bool | None = None,  # None: from config.cache
     ) -> None:
         self.config = config
         self.source = source
@@ -94,6 +94,8 @@ class ModelRunner:
             device=self.device,
         )
         self.kv_caches: list[torch.Tensor] = []
+        if calculate_kv_scales is None:
+            calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
         self.graphs = None
