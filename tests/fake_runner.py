@@ -21,7 +21,7 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
 
 
 class _Handle:
-    def __init__(self, runner: "FakeRunner", req_ids: list[str], tokens: list[int]) -> None:
+    def __init__(self, runner: FakeRunner, req_ids: list[str], tokens: list[int]) -> None:
         self.runner, self.req_ids, self.tokens = runner, req_ids, tokens
         self.out: ModelRunnerOutput | None = None
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from overnight.runner.request_state import RunnerRequest
 from overnight.runner.inputs import build_sampling_batch
+from overnight.runner.request_state import RunnerRequest
 from overnight.runner.sampler import Sampler, gumbel_noise
 from overnight.sampling_params import SamplingParams
 

@@ -4,14 +4,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from overnight.errors import InvalidRequestError
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
 
-PromptType = Union[str, list[int], dict[str, Any]]
+PromptType = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 
