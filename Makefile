@@ -38,6 +38,7 @@ run: install
 	@$(PY) -m overnight.batch.show out/results.jsonl -n 6
 
 test: install
+	$(VENV)/bin/ruff check overnight tests bench
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
 lint: install
