@@ -17,6 +17,7 @@ from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler, SchedulerStats
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.outputs import RequestMetrics, RequestOutput
 from overnight.sampling_params import SamplingParams
@@ -159,39 +160,7 @@ class Engine:
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, but max_model_len is {self.max_model_len}: "
-                "at least one token must be left to generate"
-            )
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]!r} is outside the vocabulary (size {self.vocab_size})"
-            )
-        if params.stop_strings and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set)")
-        if not self.config.scheduler.enable_chunked_prefill and (
-            len(ids) > self.config.scheduler.max_num_batched_tokens
-        ):
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
-                f"({self.config.scheduler.max_num_batched_tokens}) with chunked prefill off"
-            )
-        params.validate()
-        # Checked here, not in SamplingParams, because only the engine knows the vocabulary; a bad id
-        # would otherwise fail inside a step and take every other request down with it.
-        bad = [t for t in params.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"stop token id {bad[0]!r} is outside the vocabulary (size {self.vocab_size})"
-            )
-        if not 0 <= params.top_k < 1 << 62:  # becomes an int64 tensor entry
-            raise InvalidRequestError(
-                f"top_k must be below 2**62 (any value past the vocabulary means no top-k), got {params.top_k}"
-            )
+        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output if it was still running."""

@@ -26,8 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from overnight.engine.builder import EngineOptions
-from overnight.engine.engine import Engine
 from overnight.engine.scheduler import SchedulerStats
+from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.outputs import RequestOutput
 from overnight.parallel.links import (
@@ -160,9 +160,9 @@ class DataParallelEngine:
     # -- requests (the Engine's methods) ----------------------------------------------------------
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidRequestError if this prompt and params cannot be served: one engine's checks,
-        run on this object's identical max_model_len, vocab_size, tokenizer and config."""
-        Engine.validate(self, ids, params)  # type: ignore[arg-type]
+        """Raise InvalidRequestError if this prompt and params cannot be served: one engine's checks
+        (every engine behind this front has the same model and limits)."""
+        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
 
     def add_request(
         self,

@@ -1,0 +1,60 @@
+"""What makes a request unservable, checked before it is queued (one bad request must never fail
+inside a step, where it would take every other request down with it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overnight.errors import InvalidRequestError
+from overnight.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_model_len: int
+    vocab_size: int
+    has_tokenizer: bool
+    # With chunked prefill off, a prompt must fit one step's budget; None when chunking is on.
+    max_unchunked_prompt: int | None = None
+
+
+def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raise InvalidRequestError naming the problem if this prompt and params cannot be served."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    if len(ids) >= limits.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens, but max_model_len is {limits.max_model_len}: "
+            "at least one token must be left to generate"
+        )
+    vocab = limits.vocab_size
+    bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
+    if params.stop_strings and not limits.has_tokenizer:
+        raise InvalidRequestError("stop strings need a tokenizer (skip_tokenizer_init is set)")
+    if limits.max_unchunked_prompt is not None and len(ids) > limits.max_unchunked_prompt:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+            f"({limits.max_unchunked_prompt}) with chunked prefill off"
+        )
+    params.validate()
+    # Checked here, not in SamplingParams, because only the engine knows the vocabulary.
+    bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequestError(f"stop token id {bad[0]!r} is outside the vocabulary (size {vocab})")
+    if not 0 <= params.top_k < 1 << 62:  # becomes an int64 tensor entry
+        raise InvalidRequestError(
+            f"top_k must be below 2**62 (any value past the vocabulary means no top-k), got {params.top_k}"
+        )
+
+
+def limits_of(config, vocab_size: int, has_tokenizer: bool) -> RequestLimits:
+    """The limits an engine with this EngineConfig applies."""
+    sched = config.scheduler
+    return RequestLimits(
+        max_model_len=sched.max_model_len,
+        vocab_size=vocab_size,
+        has_tokenizer=has_tokenizer,
+        max_unchunked_prompt=None if sched.enable_chunked_prefill else sched.max_num_batched_tokens,
+    )
