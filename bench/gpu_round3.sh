@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Device call: final throughput of the three workloads, long-1024-1024 with FP8 KV, the concurrency
 # sweep through the server (Qwen3-8B dummy, 512 in / 256 out), and two limit settings for a batch job.
-# Server packages travel as wheels in .whl (carried). Logs and the sweep's JSON/PNG under $OUT.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+# A machine without the server packages (fastapi, uvicorn, starlette, pydantic, opentelemetry-api) and
+# without network gets them as wheels in .whl/. Logs and the sweep's JSON/PNG under $OUT.
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PWD || exit 1
+fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-[ -f .smol/part_aa ] && cp .smol/part_aa "$HOME/part_aa"
 section() { echo; echo "=== $1 ($(date +%T))"; }
 tp() {  # workload, label, extra args
   section "throughput $1 $2"
