@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import triton
 
+from overnight.attention.kv_layout import v_view
 from overnight.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import build_metadata, paged_attention_ref, write_kv_ref
@@ -65,6 +66,7 @@ DECODE_CONFIGS_FP8 = [
     DecodeConfig(64, 4, 2),
     DecodeConfig(128, 4, 2),
     DecodeConfig(128, 4, 3),
+    DecodeConfig(128, 4, 4),
     DecodeConfig(128, 8, 2),
     DecodeConfig(256, 8, 2),
     DecodeConfig(64, 4, 2, fp8_convert="bits"),
@@ -125,7 +127,8 @@ def kv_scale() -> torch.Tensor:
 
 
 def dequantized(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return torch.stack([dequantize_kv(cache[i], scales[i], torch.float32) for i in range(2)])
+    """A float cache in the plain layout (V read back through kv_layout's token-major view)."""
+    return torch.stack([dequantize_kv(x, scales[i], torch.float32) for i, x in enumerate((cache[0], v_view(cache)))])
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

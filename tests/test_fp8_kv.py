@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from overnight import LLM, SamplingParams
+from overnight.attention.kv_layout import new_kv_cache, to_storage_layout, v_token_major, v_view
 from overnight.attention.kv_quant import (
     calibrate_kv_scale_,
     dequantize_kv,
@@ -99,7 +100,7 @@ def test_reference_write_and_read_apply_the_scales() -> None:
         v = (torch.randn(seq_len, hkv, d, generator=gen) * 0.1).to(DEVICE)
         write_kv_ref(k, v, cache, slots, scales)
         assert torch.equal(cache.view(2, -1, hkv, d)[0, slots], quantize_kv(k, 0.05, fp8))
-    deq = torch.stack([dequantize_kv(cache[0], 0.05, torch.float32), dequantize_kv(cache[1], 0.02, torch.float32)])
+    deq = torch.stack([dequantize_kv(cache[0], 0.05, torch.float32), dequantize_kv(v_view(cache), 0.02, torch.float32)])
     out = paged_attention_ref(q, cache, meta, 0.25, scales)
     torch.testing.assert_close(out, paged_attention_ref(q, deq, meta, 0.25), rtol=1e-6, atol=1e-6)
 
@@ -153,10 +154,10 @@ def test_kv_write_reads_its_layers_scales_from_the_device(fp8: torch.dtype) -> N
         kv_write(k, v, cache, slots, kv_scale=kv_scales[1].double())
 
 
-def fp8_case(fp8: torch.dtype, q_dtype: torch.dtype, seed: int):
+def fp8_case(fp8: torch.dtype, q_dtype: torch.dtype, seed: int, d: int = 64, bs: int = 16):
     """A mixed batch (decodes, then prefill chunks after cached prefixes) over an fp8 cache written by
     the torch reference with scales != 1."""
-    hq, hkv, d, bs = 8, 2, 64, 16
+    hq, hkv = 8, 2
     query_lens = [1, 1, 1, 9, 20, 1]
     seq_lens = [30, 7, 77, 9, 50, 16]
     meta, q, cache = make_batch(query_lens, seq_lens, 3, hq, hkv, d, bs, q_dtype, seed=seed)
@@ -196,6 +197,55 @@ def test_attention_on_fp8_cache_matches_reference(
     # Relative to the largest output: with v_scale 0.015 the outputs are small.
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     assert err < (1e-5 if q_dtype == torch.float32 else 2e-3), err
+
+
+@pytest.mark.parametrize(
+    ("d", "bs", "block_n"),
+    [(48, 16, 32), (64, 32, 16)],  # head_dim padded to BLOCK_D 64; tiles shorter than a page
+)
+def test_attention_on_fp8_cache_edge_shapes(d: int, bs: int, block_n: int) -> None:
+    """Token-major V (kv_layout.py) is read unmasked along tokens: a padded head_dim must not read the
+    next head's values into the output, and a tile shorter than a page is a partial contiguous run."""
+    meta, q, cache, kv_scale = fp8_case(torch.float8_e4m3fn, torch.float32, seed=16, d=d, bs=bs)
+    ref = paged_attention_ref(q, cache, meta, 0.125, kv_scale)
+    for num_splits in (1, 3):
+        out = paged_attention(
+            q, cache, meta, 0.125, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits,
+            decode_config=DecodeConfig(block_n=block_n), prefill_config=PrefillConfig(16, block_n, 4, 1),
+        )
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_cache_stores_v_token_major() -> None:
+    """Where the bytes go: K as [block, slot, head, dim], V of an fp8 cache as [block, head, dim, slot],
+    from both the kernel and the reference; v_view reads V back in token order."""
+    fp8, num_tokens, hkv, d, bs, nb = torch.float8_e4m3fn, 11, 2, 32, 16, 3
+    k = exact_in_fp8((num_tokens, hkv, d), fp8, 1.0, seed=20).to(DEVICE)
+    v = exact_in_fp8((num_tokens, hkv, d), fp8, 1.0, seed=21).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(22))[:num_tokens].to(DEVICE)
+    kernel_cache = new_kv_cache((2, nb, bs, hkv, d), fp8, DEVICE)
+    ref_cache = new_kv_cache((2, nb, bs, hkv, d), fp8, DEVICE)
+    assert not kernel_cache.float().any()  # zeroed (kv_layout.py)
+    kv_write(k, v, kernel_cache, slots)
+    write_kv_ref(k, v, ref_cache, slots)
+    for cache in (kernel_cache, ref_cache):
+        v_storage = cache[1].view(nb, hkv, d, bs)
+        for t, slot in enumerate(slots.tolist()):
+            blk, off = divmod(slot, bs)
+            assert torch.equal(cache[0, blk, off].float(), k[t])
+            assert torch.equal(v_storage[blk, :, :, off].float(), v[t])
+            assert torch.equal(v_view(cache)[blk, off].float(), v[t])
+
+
+def test_storage_layout_round_trip() -> None:
+    gen = torch.Generator().manual_seed(23)
+    logical = torch.randn(2, 3, 4, 2, 8, generator=gen)
+    assert to_storage_layout(logical) is logical and not v_token_major(torch.bfloat16)
+    fp8 = logical.to(torch.float8_e5m2)
+    stored = to_storage_layout(fp8)
+    assert torch.equal(stored[0].float(), fp8[0].float())
+    assert not torch.equal(stored[1].float(), fp8[1].float())
+    assert torch.equal(v_view(stored).float(), fp8[1].float())
 
 
 def test_attention_reads_scales_at_run_time() -> None:

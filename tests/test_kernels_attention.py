@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from overnight.attention.kv_layout import to_logical_layout
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import (
     TorchAttentionBackend,
@@ -108,7 +109,7 @@ def test_kv_write_fp8_scales_and_saturates(fp8: torch.dtype) -> None:
     limit = torch.finfo(fp8).max
     expected = torch.zeros(2, nb, bs, hkv, d, device=DEVICE)
     write_kv_ref((k / k_scale).clamp(-limit, limit), (v / v_scale).clamp(-limit, limit), expected, slots)
-    assert torch.equal(cache.float(), expected)
+    assert torch.equal(to_logical_layout(cache).float(), expected)
     assert cache.float()[0, :, :, 0, 0].abs().max() == limit
 
 
@@ -213,7 +214,7 @@ def test_fp8_cache_matches_reference_on_dequantized_cache(fp8: torch.dtype) -> N
     meta, q, cache = make_batch(
         query_lens, seq_lens, 2, hq, hkv, d, bs, torch.float32, seed=5, cache_dtype=fp8
     )
-    deq = cache.float()
+    deq = to_logical_layout(cache).float()
     deq[0] *= k_scale
     deq[1] *= v_scale
     out = paged_attention(

@@ -1,6 +1,6 @@
 """Paged attention in plain PyTorch: the CPU path, and the reference every GPU kernel is tested against.
 
-Layouts are described in metadata.py. The arithmetic is ordinary softmax attention in the dtype of q
+Layouts are described in metadata.py (and an FP8 cache's token-major V in kv_layout.py). The arithmetic is ordinary softmax attention in the dtype of q
 (fp32 accumulation happens inside torch's matmul for fp16/bf16 on CUDA; on CPU we upcast explicitly).
 With a layer's kv_scale (an FP8 cache, kv_quant.py) K/V are quantized on write and dequantized on read.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from overnight.attention.kv_layout import v_view
 from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 
@@ -25,18 +26,16 @@ def write_kv_ref(
 
     With kv_scale ([2]: k_scale, v_scale) the rows are stored quantized: x / scale, saturated, cast.
     """
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    block_size = kv_cache.shape[2]
     n = slot_mapping.shape[0]
     valid = slot_mapping[:n] >= 0
     slots = slot_mapping[:n][valid]
+    blocks, offsets = slots // block_size, slots % block_size
     k, v = k[:n][valid], v[:n][valid]
-    if kv_scale is None:
-        flat[0, slots] = k.to(kv_cache.dtype)
-        flat[1, slots] = v.to(kv_cache.dtype)
-    else:
-        flat[0, slots] = quantize_kv(k, kv_scale[0], kv_cache.dtype)
-        flat[1, slots] = quantize_kv(v, kv_scale[1], kv_cache.dtype)
+    if kv_scale is not None:
+        k, v = quantize_kv(k, kv_scale[0], kv_cache.dtype), quantize_kv(v, kv_scale[1], kv_cache.dtype)
+    kv_cache[0][blocks, offsets] = k.to(kv_cache.dtype)
+    v_view(kv_cache)[blocks, offsets] = v.to(kv_cache.dtype)
 
 
 def _load(x: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
@@ -52,7 +51,7 @@ def _gather_context(
     num_blocks_used = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks_used].long()
     k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    v = v_view(kv_cache)[blocks].flatten(0, 1)[:seq_len]
     return k, v
 
 
@@ -84,7 +83,7 @@ def paged_attention_ref(
         nblk = (max_len + block_size - 1) // block_size
         blocks = meta.block_tables[:nd, :nblk].long()
         k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]  # [nd, L, Hkv, D]
-        v = kv_cache[1, blocks].flatten(1, 2)[:, :max_len]
+        v = v_view(kv_cache)[blocks].flatten(1, 2)[:, :max_len]
         lens = sl[:nd].to(q.device)
         pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [nd, L]
         group = num_heads // num_kv_heads

@@ -1,6 +1,7 @@
 """Store this step's K/V rows into the paged cache: one launch for K and V of every row.
 
-Reference: write_kv_ref in overnight/attention/torch_backend.py (cache layout in metadata.py).
+Reference: write_kv_ref in overnight/attention/torch_backend.py (cache layout in metadata.py and,
+for an FP8 cache's token-major V, kv_layout.py).
 
 Row t of k/v ([T, Hkv, D]) goes to flat slot s = slot_mapping[t], i.e. block s // block_size, slot
 s % block_size of kv_cache[0] (K) and kv_cache[1] (V); rows with s == -1 (CUDA-graph padding) are skipped.
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from overnight.attention.kv_layout import v_token_major
 
 # Largest finite value of each 8-bit float format: stores saturate instead of turning into NaN/inf.
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -48,6 +51,7 @@ def _kv_write_kernel(
     BLOCK_D: tl.constexpr,
     SAT_MAX: tl.constexpr,  # 0.0: no saturation (cache not fp8)
     HAS_SCALE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,  # V stored [Hkv, D, BLOCK_SIZE] per block (kv_layout.py)
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
@@ -74,15 +78,25 @@ def _kv_write_kernel(
     dst = cache_ptr + blk * stride_cblk + off * stride_cslot
     dst = dst + offs_h[:, None].to(tl.int64) * stride_ch + offs_d[None, :]
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_ckv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    if V_TOKEN_MAJOR:
+        dst = cache_ptr + stride_ckv + blk * stride_cblk + off
+        dst = dst + (offs_h[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.int64) * BLOCK_SIZE
+    else:
+        dst = dst + stride_ckv
+    tl.store(dst, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def check_kv_cache(kv_cache: torch.Tensor) -> None:
-    """kv_cache[2, num_blocks, block_size, Hkv, D] with unit stride along D (the kernels vectorize there)."""
+    """kv_cache[2, num_blocks, block_size, Hkv, D] with unit stride along D (the kernels vectorize there);
+    an FP8 cache (token-major V, kv_layout.py) contiguous within each block."""
     if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache must be [2, num_blocks, block_size, Hkv, D], got {tuple(kv_cache.shape)}")
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have unit stride along head_dim")
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    per_block = (block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1)
+    if v_token_major(kv_cache.dtype) and kv_cache.stride()[1:] != per_block:
+        raise ValueError("an fp8 kv_cache must be contiguous within each block (token-major V, kv_layout.py)")
 
 
 def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> None:
@@ -147,5 +161,6 @@ def kv_write(
         BLOCK_D=triton.next_power_of_2(head_dim),
         SAT_MAX=FP8_MAX.get(kv_cache.dtype, 0.0),
         HAS_SCALE=kv_scale is not None,
+        V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
         num_warps=num_warps,
     )

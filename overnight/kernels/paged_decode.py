@@ -17,10 +17,11 @@ it is chosen from static quantities (batch size, max_model_len), never from this
 the whole thing can be captured in a CUDA graph.
 
 FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
-into the score scale, v_scale into the final normalization. With half the bytes per token, converting
-the tiles for the dots, not HBM, bounded the kernel when they went to bf16 (sm_90 has no fp8 -> bf16
-instruction), so they go to fp16 (q is cast once), which holds every e4m3 / e5m2 value exactly; scores
-and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
+into the score scale, v_scale into the final normalization. V is stored token-major inside each page
+(kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
+read without a mask along tokens. The tiles are converted to fp16 for the dots (sm_90 has no fp8 -> bf16
+instruction; q is cast once), which holds every e4m3 / e5m2 value exactly; scores and accumulators stay
+fp32. DecodeConfig.fp8_convert picks how:
 
     "fp16"  cvt instructions (one per pair of values)
     "bits"  integer shifts: e5m2 is the top byte of an fp16; an e4m3 byte shifted into an fp16's
@@ -38,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.attention.kv_layout import v_token_major
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
@@ -144,6 +146,8 @@ def _decode_kernel(
     DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (q's, or fp16 for an fp8 cache)
     FP8_BITS: tl.constexpr,  # see _to_dot
     HAS_SCALE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
+    V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N): tokens of a tile contiguous in token-major V
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -180,6 +184,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch
+    v_base = cache_ptr + stride_ckv + kvh * (HEAD_DIM * PAGE)  # token-major V (kv_layout.py)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
@@ -193,7 +198,18 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if V_TOKEN_MAJOR:
+            # Runs of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous (hinted: the page ids come from
+            # memory). No mask along tokens, which would split the 16-byte loads: slots past `end` read
+            # block 0 or stale values of a zeroed, saturated cache, and their p is 0.
+            v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
+            v_ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
+            if BLOCK_D == HEAD_DIM:
+                v = tl.load(v_ptrs)
+            else:
+                v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(
             p.to(DOT_DTYPE), _to_dot(v, DOT_DTYPE, FP8_BITS), input_precision=DOT_PRECISION
         )
@@ -342,6 +358,8 @@ def paged_decode(
         DOT_DTYPE=compute_dtype,
         FP8_BITS=fp8_bits,
         HAS_SCALE=kv_scale is not None,
+        V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
+        V_RUN=min(page, cfg.block_n),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

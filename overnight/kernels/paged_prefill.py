@@ -23,7 +23,8 @@ position are visible to every row and run unmasked; only the diagonal tiles appl
 tiles past the last row's position are never visited.
 
 FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
-score scale, v_scale into the final normalization) and the dots run in fp16 (dot_dtype).
+score scale, v_scale into the final normalization), the dots run in fp16 (dot_dtype) and V is read
+token-major (kv_layout.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.attention.kv_layout import v_token_major
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype
 
@@ -65,6 +67,7 @@ def _attend_tile(
     n0,
     bt_row,
     kv_base,
+    v_base,  # token-major V of this head (kv_layout.py), used when V_TOKEN_MAJOR
     stride_ckv,
     stride_cblk,
     stride_cslot,
@@ -78,6 +81,8 @@ def _attend_tile(
     CAUSAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,
+    V_RUN: tl.constexpr,
 ):
     """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -101,7 +106,11 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
+    if V_TOKEN_MAJOR:  # unmasked along tokens, as in paged_decode.py (p is 0 past kv_end)
+        v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
+        v = _load(v_base + v_tok[:, None] + offs_d[None, :] * PAGE, (offs_d < HEAD_DIM)[None, :], BLOCK_D != HEAD_DIM)
+    else:
+        v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
@@ -137,6 +146,8 @@ def _prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
+    V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N)
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -180,6 +191,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_base = cache_ptr + (h // GROUP) * stride_ch
+    v_base = cache_ptr + stride_ckv + (h // GROUP) * (HEAD_DIM * PAGE)
 
     # Keys below full_end are visible to all rows of the tile; keys from kv_end on to none of them.
     full_end = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
@@ -193,6 +205,7 @@ def _prefill_kernel(
             n0,
             bt_row,
             kv_base,
+            v_base,
             stride_ckv,
             stride_cblk,
             stride_cslot,
@@ -206,6 +219,8 @@ def _prefill_kernel(
             False,
             DOT_PRECISION,
             DOT_DTYPE,
+            V_TOKEN_MAJOR,
+            V_RUN,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -216,6 +231,7 @@ def _prefill_kernel(
             n0,
             bt_row,
             kv_base,
+            v_base,
             stride_ckv,
             stride_cblk,
             stride_cslot,
@@ -229,6 +245,8 @@ def _prefill_kernel(
             True,
             DOT_PRECISION,
             DOT_DTYPE,
+            V_TOKEN_MAJOR,
+            V_RUN,
         )
 
     out = acc * (v_scale / l_i)[:, None]
@@ -309,6 +327,8 @@ def paged_prefill(
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         DOT_DTYPE=dot_dtype(q.dtype, kv_cache.dtype)[0],
         HAS_SCALE=kv_scale is not None,
+        V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
+        V_RUN=min(page, cfg.block_n),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

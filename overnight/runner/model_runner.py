@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from overnight.attention.kv_layout import new_kv_cache
 from overnight.attention.kv_quant import is_fp8, kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
 from overnight.config import EngineConfig
@@ -148,11 +149,9 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         arch = self.config.model.arch
         shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        # Uninitialized on purpose: every slot is written before it is read, and touching gigabytes
-        # of pages up front costs seconds of start-up.
+        # new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why).
         self.kv_caches = [
-            torch.empty(shape, dtype=self.kv_cache_dtype, device=self.device)
-            for _ in range(arch.num_hidden_layers)
+            new_kv_cache(shape, self.kv_cache_dtype, self.device) for _ in range(arch.num_hidden_layers)
         ]
 
     def capture_graphs(self) -> None:
