@@ -122,12 +122,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """The decoder plus LM head. Qwen2 and Qwen3 reuse it with their own attention_cls."""
+
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    attention_cls: type[nn.Module] = LlamaAttention
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, LlamaAttention)
+        self.model = LlamaModel(arch, self.attention_cls)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:

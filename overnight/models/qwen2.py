@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -11,10 +9,7 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    load_packed_weights,
-    make_lm_head,
+    LlamaForCausalLM,
     split_qkv,
 )
 
@@ -38,20 +33,5 @@ class Qwen2Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class Qwen2ForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
-
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch, Qwen2Attention)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention

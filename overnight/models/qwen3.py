@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -12,10 +10,7 @@ from overnight.config import ModelArch
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    load_packed_weights,
-    make_lm_head,
+    LlamaForCausalLM,
     split_qkv,
 )
 
@@ -43,20 +38,5 @@ class Qwen3Attention(nn.Module):
         return self.o_proj(o.flatten(1))
 
 
-class Qwen3ForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
-
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.model = LlamaModel(arch, Qwen3Attention)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
