@@ -98,6 +98,32 @@ def _to_dot(x, DOT_DTYPE: tl.constexpr, FP8_BITS: tl.constexpr):
     return y
 
 
+@triton.jit
+def load_v_token_major(
+    v_base,
+    page,
+    offs_n,
+    offs_d,
+    stride_cblk,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    V_RUN: tl.constexpr,
+):
+    """A [tokens, BLOCK_D] V tile of an FP8 cache (token-major inside each block, kv_layout.py); the
+    decode and prefill kernels share it. Runs of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous
+    (hinted: the page ids come from memory). No mask along tokens, which would split the 16-byte loads:
+    slots past the context's end read block 0 or stale values of a zeroed, saturated cache, and their
+    probability is 0. A head_dim padded to BLOCK_D is masked (it would read the next head's values)."""
+    v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
+    ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
+    if BLOCK_D == HEAD_DIM:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return v
+
+
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
     """Splits per request: a function of static quantities only, so a captured graph stays valid."""
     programs = max(1, num_decodes * num_kv_heads)
@@ -199,15 +225,7 @@ def _decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_TOKEN_MAJOR:
-            # Runs of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous (hinted: the page ids come from
-            # memory). No mask along tokens, which would split the 16-byte loads: slots past `end` read
-            # block 0 or stale values of a zeroed, saturated cache, and their p is 0.
-            v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
-            v_ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
-            if BLOCK_D == HEAD_DIM:
-                v = tl.load(v_ptrs)
-            else:
-                v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+            v = load_v_token_major(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
         else:
             v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from overnight.attention.kv_layout import v_token_major
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
-from overnight.kernels.paged_decode import dot_dtype
+from overnight.kernels.paged_decode import dot_dtype, load_v_token_major
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,8 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_TOKEN_MAJOR:  # unmasked along tokens, as in paged_decode.py (p is 0 past kv_end)
-        v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
-        v = _load(v_base + v_tok[:, None] + offs_d[None, :] * PAGE, (offs_d < HEAD_DIM)[None, :], BLOCK_D != HEAD_DIM)
+    if V_TOKEN_MAJOR:  # unmasked along tokens (p is 0 past kv_end)
+        v = load_v_token_major(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
     else:
         v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
