@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import time
 from collections.abc import Callable
 
@@ -27,6 +26,7 @@ from overnight.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import build_metadata, paged_attention_ref, write_kv_ref
 from overnight.attention.triton_backend import TritonAttentionBackend
+from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_attention import paged_attention
 from overnight.kernels.paged_decode import (
@@ -443,19 +443,6 @@ def bench_kv_write(num_tokens: int, cache_dtype: torch.dtype = DT) -> None:
         try_run(f"time kv_write warps={warps}", run)
 
 
-def sm_clock() -> str:
-    try:
-        res = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return res.stdout.strip() or "n/a"
-    except Exception:
-        return "n/a"
-
-
 def winners() -> dict[str, str]:
     """Per kernel, the config with the best geometric mean time over that kernel's cases."""
     best: dict[str, str] = {}
@@ -487,7 +474,7 @@ def main() -> None:
     props = torch.cuda.get_device_properties(DEV)
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}, "
-        f"SM clock (now, max): {sm_clock()}"
+        f"SM clock (now, max): {sm_clock_now()}"
     )
     print("correctness (bf16 vs reference in fp32):")
     try_run("kv_write checks", check_kv_write)

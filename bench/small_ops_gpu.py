@@ -14,13 +14,13 @@ heads of 128, intermediate 12288) at decode-like (512 rows) and prefill-like (16
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Callable
 
 import torch
 import triton
 
+from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels.activation import silu_and_mul
 from overnight.kernels.rmsnorm import add_rms_norm, rms_norm
 from overnight.kernels.rotary import qk_norm_rotary_inplace, rotary_inplace
@@ -249,24 +249,11 @@ def kernel_with(name: str, config: str, a: dict, cache: torch.Tensor) -> Callabl
     return lambda: silu_and_mul(a["gate_up"], block=block, num_warps=warps)
 
 
-def sm_clock() -> str:
-    try:
-        res = subprocess.run(
-            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-        return res.stdout.strip() or "n/a"
-    except Exception:
-        return "n/a"
-
-
 def main() -> None:
     start = time.time()
     props = torch.cuda.get_device_properties(DEV)
     print(
-        f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, SM clock (now, max): {sm_clock()}"
+        f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, SM clock (now, max): {sm_clock_now()}"
     )
     cache = RotaryEmbedding(D, MAX_POS, THETA).cos_sin_cache.to(DEV)
     table = ops(cache)
@@ -300,7 +287,7 @@ def main() -> None:
     print(
         json.dumps(
             dict(
-                bench="small_ops", device=props.name, sm_clock=sm_clock(), checks_failed=failed, best=summary
+                bench="small_ops", device=props.name, sm_clock=sm_clock_now(), checks_failed=failed, best=summary
             )
         )
     )

@@ -77,3 +77,20 @@ class ClockSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def sm_clock_now() -> str:
+    """One reading of the SM clock and its maximum ("1980 MHz, 1980 MHz"), for the kernel benches'
+    headers; "n/a" without nvidia-smi."""
+    import subprocess
+
+    try:
+        res = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+        return res.stdout.strip() or "n/a"
+    except Exception:
+        return "n/a"
