@@ -1,7 +1,8 @@
 """Paged attention in plain PyTorch: the CPU path, and the reference every GPU kernel is tested against.
 
-Layouts are described in metadata.py (and an FP8 cache's token-major V in kv_layout.py). The arithmetic is ordinary softmax attention in the dtype of q
-(fp32 accumulation happens inside torch's matmul for fp16/bf16 on CUDA; on CPU we upcast explicitly).
+Layouts are described in metadata.py (and an FP8 cache's token-major V in kv_layout.py). The
+arithmetic is ordinary softmax attention in the dtype of q (fp32 accumulation happens inside torch's
+matmul for fp16/bf16 on CUDA; on CPU we upcast explicitly).
 With a layer's kv_scale (an FP8 cache, kv_quant.py) K/V are quantized on write and dequantized on read.
 """
 
