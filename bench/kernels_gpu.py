@@ -128,7 +128,9 @@ def kv_scale() -> torch.Tensor:
 
 def dequantized(cache: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A float cache in the plain layout (V read back through kv_layout's token-major view)."""
-    return torch.stack([dequantize_kv(x, scales[i], torch.float32) for i, x in enumerate((cache[0], v_view(cache)))])
+    return torch.stack(
+        [dequantize_kv(x, scales[i], torch.float32) for i, x in enumerate((cache[0], v_view(cache)))]
+    )
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -256,7 +258,12 @@ def check_mixed_and_fp8() -> None:
         ref = paged_attention_ref(q.float(), dequantized(cache8, scales), meta, SCALE)
         for how in ("fp16", "bits", "q"):
             out = paged_attention(
-                q, cache8, meta, SCALE, kv_scale=scales, max_model_len=MAX_MODEL_LEN,
+                q,
+                cache8,
+                meta,
+                SCALE,
+                kv_scale=scales,
+                max_model_len=MAX_MODEL_LEN,
                 decode_config=DecodeConfig(FP8_DECODE_CONFIG.block_n, 4, 2, fp8_convert=how),
             )
             check(f"{fp8} cache (convert {how}), mixed batch vs dequantized reference", rel_err(out, ref))
@@ -368,7 +375,9 @@ def bench_decode(batch: int, ctx: int, splits: list[int], cache_dtype: torch.dty
 
 
 def decode_name(cfg: DecodeConfig) -> str:
-    return f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + ("" if cfg.fp8_convert == "fp16" else f" {cfg.fp8_convert}")
+    return f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}" + (
+        "" if cfg.fp8_convert == "fp16" else f" {cfg.fp8_convert}"
+    )
 
 
 def prefill_flops(query_lens: list[int], seq_lens: list[int]) -> float:
@@ -413,7 +422,9 @@ def bench_prefill(prefix: int, cache_dtype: torch.dtype = DT) -> None:
             )
 
         try_run(f"time prefill {case} {cfg}", run)
-    if prefix == 0 and scales is None:  # yardstick: torch SDPA on contiguous, non-paged K/V (heads expanded, outside the timing)
+    if (
+        prefix == 0 and scales is None
+    ):  # yardstick: torch SDPA on contiguous, non-paged K/V (heads expanded, outside the timing)
 
         def sdpa() -> None:
             qs = q.view(16, 1024, HQ, D).transpose(1, 2).contiguous()
@@ -502,7 +513,9 @@ def main() -> None:
     for kernel in ("decode", "decode fp8"):
         for case in sorted({r["case"] for r in rows if r["kernel"] == kernel}):
             top = min((r for r in rows if r["kernel"] == kernel and r["case"] == case), key=lambda r: r["us"])
-            print(f"  {kernel:<10} {case:<14} best {top['config']}: {top['us']:.1f} us, {top['gbps']:.0f} GB/s")
+            print(
+                f"  {kernel:<10} {case:<14} best {top['config']}: {top['us']:.1f} us, {top['gbps']:.0f} GB/s"
+            )
     fp8_vs_bf16 = {}
     for case in sorted({r["case"] for r in rows if r["kernel"] == "decode fp8"}):
         times = {
@@ -511,8 +524,10 @@ def main() -> None:
         }
         if None not in times.values():
             fp8_vs_bf16[case] = round(times["decode"] / times["decode fp8"], 2)
-            print(f"  decode {case}: bf16 {times['decode']:.1f} us, fp8 {times['decode fp8']:.1f} us "
-                  f"(fp8 {fp8_vs_bf16[case]:.2f}x faster)")
+            print(
+                f"  decode {case}: bf16 {times['decode']:.1f} us, fp8 {times['decode fp8']:.1f} us "
+                f"(fp8 {fp8_vs_bf16[case]:.2f}x faster)"
+            )
     failed = [name for name, _, ok in checks if not ok]
     print(
         f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
@@ -526,9 +541,17 @@ def main() -> None:
             best_per_case[key] = {
                 k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items() if k != "case"
             }
-    print(json.dumps(dict(
-        device=props.name, checks_failed=failed, winners=best, best=best_per_case, fp8_speedup=fp8_vs_bf16
-    )))
+    print(
+        json.dumps(
+            dict(
+                device=props.name,
+                checks_failed=failed,
+                winners=best,
+                best=best_per_case,
+                fp8_speedup=fp8_vs_bf16,
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

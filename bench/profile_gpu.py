@@ -90,12 +90,22 @@ def main() -> int:
     for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
         print(f"  {ms:9.1f} ms  {name[:90]}")
     tokens = sum(t for t, _ in sched_tokens)
-    print(f"steps: {len(sched_tokens)}, tokens/step {tokens / max(len(sched_tokens), 1):.0f}, "
-          f"requests/step {sum(r for _, r in sched_tokens) / max(len(sched_tokens), 1):.0f}")
+    print(
+        f"steps: {len(sched_tokens)}, tokens/step {tokens / max(len(sched_tokens), 1):.0f}, "
+        f"requests/step {sum(r for _, r in sched_tokens) / max(len(sched_tokens), 1):.0f}"
+    )
     print("host per step:", engine.timings.summary())
-    print("PROFILE", json.dumps({"workload": args.workload, "wall_ms": round(wall * 1e3, 1),
-                                  "gpu_ms": {k: round(v, 1) for k, v in by_cat.items()},
-                                  "host": engine.timings.summary()}))
+    print(
+        "PROFILE",
+        json.dumps(
+            {
+                "workload": args.workload,
+                "wall_ms": round(wall * 1e3, 1),
+                "gpu_ms": {k: round(v, 1) for k, v in by_cat.items()},
+                "host": engine.timings.summary(),
+            }
+        ),
+    )
     return 0
 
 

@@ -287,7 +287,11 @@ def main() -> None:
     print(
         json.dumps(
             dict(
-                bench="small_ops", device=props.name, sm_clock=sm_clock_now(), checks_failed=failed, best=summary
+                bench="small_ops",
+                device=props.name,
+                sm_clock=sm_clock_now(),
+                checks_failed=failed,
+                best=summary,
             )
         )
     )

@@ -33,8 +33,11 @@ def main(argv: list[str] | None = None) -> int:
             modules[name] = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             if wanted is not None:
-                print(f"overnight {name}: needs a package that is not installed ({e.name}); "
-                      "install the extra: pip install 'overnight[server]'", file=sys.stderr)
+                print(
+                    f"overnight {name}: needs a package that is not installed ({e.name}); "
+                    "install the extra: pip install 'overnight[server]'",
+                    file=sys.stderr,
+                )
                 return 2
             sub.add_parser(name, help="(unavailable: missing packages)")
             continue
@@ -43,8 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     return int(modules[args.command].run(args) or 0)
 
 

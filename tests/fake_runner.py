@@ -61,8 +61,9 @@ class FakeRunner:
         bs = self.block_size
         self.step_log.append((out.total_num_scheduled_tokens, len(scheduled)))
         assert sum(s.num_tokens for s in scheduled) == out.total_num_scheduled_tokens
-        full = {s.state.req_id: s.state.token_ids + self.device_pending.get(s.state.req_id, [])
-                for s in scheduled}
+        full = {
+            s.state.req_id: s.state.token_ids + self.device_pending.get(s.state.req_id, []) for s in scheduled
+        }
         for s in scheduled:
             st = s.state
             tokens = full[st.req_id]
@@ -80,9 +81,7 @@ class FakeRunner:
             got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(end)]
             assert got == full[st.req_id][:end], f"{st.req_id}: KV cache does not hold its tokens"
         sampled = {
-            s.state.req_id: next_token(full[s.state.req_id], self.vocab_size)
-            for s in scheduled
-            if s.samples
+            s.state.req_id: next_token(full[s.state.req_id], self.vocab_size) for s in scheduled if s.samples
         }
         for rid, tok in sampled.items():
             self.device_pending.setdefault(rid, []).append(tok)

@@ -10,9 +10,26 @@ from overnight.cli import main
 
 def test_bench_throughput_compares_with_transformers(capsys, tmp_path):
     out_file = tmp_path / "bench.jsonl"
-    argv = ["bench", "throughput", "--num-prompts", "64", "--input-len", "8", "24", "--output-len", "2", "6",
-            "--compare", "transformers", "--hf-batch-size", "64", "--max-model-len", "256",
-            "--json-out", str(out_file)]
+    argv = [
+        "bench",
+        "throughput",
+        "--num-prompts",
+        "64",
+        "--input-len",
+        "8",
+        "24",
+        "--output-len",
+        "2",
+        "6",
+        "--compare",
+        "transformers",
+        "--hf-batch-size",
+        "64",
+        "--max-model-len",
+        "256",
+        "--json-out",
+        str(out_file),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "overnight" in printed and "transformers generate (static batch 64)" in printed

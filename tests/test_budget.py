@@ -34,8 +34,18 @@ def test_cli_prints_the_cpu_row_and_the_pool(capsys):
 
 def test_cli_json_mode_and_explicit_pool(capsys):
     pool = 100 * 16 * SMOL_KV_PER_TOKEN
-    argv = ["budget", "--json", "--mode", "server", "--kv-cache-memory-bytes", str(pool), "--seq-len", "100",
-            "--max-model-len", "512"]
+    argv = [
+        "budget",
+        "--json",
+        "--mode",
+        "server",
+        "--kv-cache-memory-bytes",
+        str(pool),
+        "--seq-len",
+        "100",
+        "--max-model-len",
+        "512",
+    ]
     assert main(argv) == 0
     b = json.loads(capsys.readouterr().out)
     assert (b["device"], b["row"], b["mode"]) == ("CPU", "CPU", "server")
@@ -45,8 +55,23 @@ def test_cli_json_mode_and_explicit_pool(capsys):
 
 
 def test_cli_dummy_preset_needs_no_weights(capsys):
-    assert main(["budget", "--model", "qwen3-8b", "--load-format", "dummy", "--max-model-len", "8192",
-                 "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "budget",
+                "--model",
+                "qwen3-8b",
+                "--load-format",
+                "dummy",
+                "--max-model-len",
+                "8192",
+                "--kv-cache-dtype",
+                "fp8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     b = json.loads(capsys.readouterr().out)
     assert b["kv_bytes_per_token"] == 36 * 2 * 8 * 128 * 1
 
@@ -65,7 +90,9 @@ def test_gpu_pool_arithmetic(qwen3_8b):
     assert b.row.startswith(">= 70 GiB") and (b.max_num_seqs, b.max_num_batched_tokens) == (1024, 8192)
     assert b.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
     weights = num_parameters(qwen3_8b) * 2
-    expected_budget = int(H200.total_bytes * 0.9) - (H200.total_bytes - H200.free_bytes) - weights - b.activation_bytes
+    expected_budget = (
+        int(H200.total_bytes * 0.9) - (H200.total_bytes - H200.free_bytes) - weights - b.activation_bytes
+    )
     assert b.budget_bytes == expected_budget and b.weights_bytes == weights
     assert 0 < b.activation_bytes < 8 * GIB
     assert b.num_blocks == expected_budget // (b.kv_bytes_per_token * 16) and not b.capped

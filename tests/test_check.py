@@ -47,10 +47,16 @@ def load(url: str, concurrency: int, input_len: int, output_len: int):
             await asyncio.sleep(0.05)
         control.set_stop(0.0)
 
-    spec = LoadSpec(url, "SmolLM2-135M-Instruct", Workload(input_len, output_len, vocab_high=40000),
-                    concurrency=concurrency)
+    spec = LoadSpec(
+        url,
+        "SmolLM2-135M-Instruct",
+        Workload(input_len, output_len, vocab_high=40000),
+        concurrency=concurrency,
+    )
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.setdefault("r", asyncio.run(run_load(spec, 1, controller))))
+    thread = threading.Thread(
+        target=lambda: result.setdefault("r", asyncio.run(run_load(spec, 1, controller)))
+    )
     thread.start()
     try:
         deadline = time.monotonic() + 60
@@ -117,8 +123,18 @@ def test_light_load(capsys):
 
 
 def window(**kw) -> WindowMetrics:
-    base = dict(duration_s=10.0, num_samples=40, mean_running=8.0, mean_waiting=0.0, mean_kv_usage=0.3,
-                max_kv_usage=0.4, waiting_fraction=0.0, preemptions=0, generation_tokens=1000, max_num_seqs=256)
+    base = dict(
+        duration_s=10.0,
+        num_samples=40,
+        mean_running=8.0,
+        mean_waiting=0.0,
+        mean_kv_usage=0.3,
+        max_kv_usage=0.4,
+        waiting_fraction=0.0,
+        preemptions=0,
+        generation_tokens=1000,
+        max_num_seqs=256,
+    )
     base.update(kw)
     return WindowMetrics(**base)
 
@@ -159,7 +175,9 @@ vllm:iteration_tokens_total_count{model_name="m"} 2.0
 other_metric 5.0
 """
     snap = parse_metrics(page)
-    assert snap.running == 3 and snap.preemptions_total == 7 and snap.values["iteration_tokens_total_count"] == 2
+    assert (
+        snap.running == 3 and snap.preemptions_total == 7 and snap.values["iteration_tokens_total_count"] == 2
+    )
     assert snap.limits == {"max_num_seqs": 64, "num_kv_blocks": 1000}
     assert "other_metric" not in snap.values and "iteration_tokens_total_bucket" not in snap.values
 

@@ -19,8 +19,14 @@ def folder(tmp_path_factory):
 
 
 def make_llm(folder: str, pool_tokens: int = 8192, **kwargs) -> LLM:
-    return LLM(folder, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-               kv_cache_memory_bytes=pool_tokens * KV_BYTES_PER_TOKEN, **kwargs)
+    return LLM(
+        folder,
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=256,
+        kv_cache_memory_bytes=pool_tokens * KV_BYTES_PER_TOKEN,
+        **kwargs,
+    )
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:

@@ -51,8 +51,13 @@ def test_pickle_checkpoint_refused(tmp_path):
 
 
 def test_per_request_errors_then_the_engine_still_serves(folder):
-    llm = LLM(str(folder), skip_tokenizer_init=True, dtype="float32", max_model_len=64,
-              kv_cache_memory_bytes=8 << 20)
+    llm = LLM(
+        str(folder),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        max_model_len=64,
+        kv_cache_memory_bytes=8 << 20,
+    )
     with pytest.raises(InvalidRequestError, match="empty"):
         llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="max_model_len"):

@@ -30,10 +30,15 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
     it just does not stop anything; min_new_tokens would instead forbid it)."""
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]), eos_token_id=[], max_new_tokens=new_tokens, do_sample=False,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            torch.tensor([prompt]),
+            eos_token_id=[],
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
         )
-    return out.sequences[0, len(prompt):].tolist(), [s[0].float().log_softmax(-1) for s in out.scores]
+    return out.sequences[0, len(prompt) :].tolist(), [s[0].float().log_softmax(-1) for s in out.scores]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama", "llama-tied"])
@@ -76,9 +81,14 @@ def test_smollm2_gguf_greedy_token_exact(smollm2):
     llm, ref = smollm2
     tok = llm.get_tokenizer()
     texts = [
-        "Hi", "The capital of France is", "def fibonacci(n):", "List three colors:",
-        "Once upon a time, in a small village by the sea,", "2 + 2 =",
-        "Translate to French: good morning", "Explain why the sky is blue in one sentence.",
+        "Hi",
+        "The capital of France is",
+        "def fibonacci(n):",
+        "List three colors:",
+        "Once upon a time, in a small village by the sea,",
+        "2 + 2 =",
+        "Translate to French: good morning",
+        "Explain why the sky is blue in one sentence.",
     ]
     convs = [[{"role": "user", "content": t}] for t in texts]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -95,8 +105,9 @@ def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2):
     llm, ref = smollm2
     tok = llm.get_tokenizer()
     convs = [[{"role": "user", "content": t}] for t in ["Hi", "def fibonacci(n):", "Name a fruit."]]
-    outs = llm.chat(convs, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5),
-                    use_tqdm=False)
+    outs = llm.chat(
+        convs, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=5), use_tqdm=False
+    )
     worst = 0.0
     for conv, out in zip(convs, outs):
         ids = tok.apply_chat_template(conv, add_generation_prompt=True)
@@ -115,7 +126,10 @@ def test_smollm2_logprobs_equal_transformers_log_softmax(smollm2):
 
 def test_smollm2_answers_sensibly(smollm2):
     llm, _ = smollm2
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(max_tokens=24, temperature=0),
+        use_tqdm=False,
+    )[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended at <|im_end|>, the GGUF's stop id

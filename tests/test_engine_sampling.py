@@ -19,16 +19,20 @@ def test_same_seed_same_text_whatever_the_batch(llm):
     alone = llm.chat(CONV, seeded, use_tqdm=False)[0].outputs[0]
     others = [[{"role": "user", "content": f"Count to {i}."}] for i in range(2, 7)]
     convs = others[:2] + [CONV] + others[2:]
-    params = [SamplingParams(temperature=0.7, max_tokens=8 + i) for i in range(2)] + [seeded] + [
-        SamplingParams(temperature=0.5, seed=i, max_tokens=12) for i in range(3)
-    ]
+    params = (
+        [SamplingParams(temperature=0.7, max_tokens=8 + i) for i in range(2)]
+        + [seeded]
+        + [SamplingParams(temperature=0.5, seed=i, max_tokens=12) for i in range(3)]
+    )
     together = llm.chat(convs, params, use_tqdm=False)[2].outputs[0]
     assert together.token_ids == alone.token_ids and together.text == alone.text
 
 
 def test_different_seeds_differ(llm):
     texts = {
-        llm.chat(CONV, SamplingParams(temperature=1.0, seed=s, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+        llm.chat(CONV, SamplingParams(temperature=1.0, seed=s, max_tokens=12), use_tqdm=False)[0]
+        .outputs[0]
+        .text
         for s in range(5)
     }
     assert len(texts) >= 3
@@ -50,12 +54,18 @@ def test_stop_string_spanning_a_token_boundary(llm):
             break
     else:
         pytest.fail("no token boundary to test")
-    out = llm.chat(CONV, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]),
-                   use_tqdm=False)[0].outputs[0]
+    out = llm.chat(
+        CONV, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.text == ref.text[:at]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    kept = llm.chat(CONV, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=stop,
-                                         include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.chat(
+        CONV,
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, stop=stop, include_stop_str_in_output=True
+        ),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == ref.text[: at + len(stop)]
 
 

@@ -100,7 +100,9 @@ def test_reference_write_and_read_apply_the_scales() -> None:
         v = (torch.randn(seq_len, hkv, d, generator=gen) * 0.1).to(DEVICE)
         write_kv_ref(k, v, cache, slots, scales)
         assert torch.equal(cache.view(2, -1, hkv, d)[0, slots], quantize_kv(k, 0.05, fp8))
-    deq = torch.stack([dequantize_kv(cache[0], 0.05, torch.float32), dequantize_kv(v_view(cache), 0.02, torch.float32)])
+    deq = torch.stack(
+        [dequantize_kv(cache[0], 0.05, torch.float32), dequantize_kv(v_view(cache), 0.02, torch.float32)]
+    )
     out = paged_attention_ref(q, cache, meta, 0.25, scales)
     torch.testing.assert_close(out, paged_attention_ref(q, deq, meta, 0.25), rtol=1e-6, atol=1e-6)
 
@@ -172,8 +174,13 @@ def fp8_case(fp8: torch.dtype, q_dtype: torch.dtype, seed: int, d: int = 64, bs:
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize(
     ("q_dtype", "convert", "num_splits"),
-    [(torch.float32, "fp16", 1), (torch.float32, "fp16", 3), (torch.float16, "fp16", 3),
-     (torch.float16, "bits", 1), (torch.float16, "q", 1)],
+    [
+        (torch.float32, "fp16", 1),
+        (torch.float32, "fp16", 3),
+        (torch.float16, "fp16", 3),
+        (torch.float16, "bits", 1),
+        (torch.float16, "q", 1),
+    ],
 )
 def test_attention_on_fp8_cache_matches_reference(
     fp8: torch.dtype, q_dtype: torch.dtype, convert: str, num_splits: int
@@ -210,8 +217,15 @@ def test_attention_on_fp8_cache_edge_shapes(d: int, bs: int, block_n: int) -> No
     ref = paged_attention_ref(q, cache, meta, 0.125, kv_scale)
     for num_splits in (1, 3):
         out = paged_attention(
-            q, cache, meta, 0.125, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits,
-            decode_config=DecodeConfig(block_n=block_n), prefill_config=PrefillConfig(16, block_n, 4, 1),
+            q,
+            cache,
+            meta,
+            0.125,
+            out=poisoned(q),
+            kv_scale=kv_scale,
+            num_splits=num_splits,
+            decode_config=DecodeConfig(block_n=block_n),
+            prefill_config=PrefillConfig(16, block_n, 4, 1),
         )
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -271,8 +285,14 @@ def test_triton_backend_equals_torch_backend_on_fp8() -> None:
     cache_ref = cache.clone()
     ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, 0.125, kv_scale)
     backend = TritonAttentionBackend(
-        8, 2, 64, max_num_seqs=8, max_model_len=4096, device=DEVICE,
-        decode_config=DecodeConfig(block_n=16), prefill_config=PrefillConfig(32, 32, 4, 1),
+        8,
+        2,
+        64,
+        max_num_seqs=8,
+        max_model_len=4096,
+        device=DEVICE,
+        decode_config=DecodeConfig(block_n=16),
+        prefill_config=PrefillConfig(32, 32, 4, 1),
     )
     out = backend.forward(q, k, v, cache, meta, 0.125, kv_scale)
     assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
@@ -289,8 +309,9 @@ def test_triton_backend_equals_torch_backend_on_fp8() -> None:
 # reference logprobs within NEAR_TIE), and the chosen tokens' logprobs move little on average.
 
 NUM_PROMPTS, NEW_TOKENS, TOP = 16, 16, 5
-ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=16,
-              kv_cache_memory_bytes=1 << 20)
+ENGINE = dict(
+    skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=16, kv_cache_memory_bytes=1 << 20
+)
 NEAR_TIE = 1.0
 # (least share of positions before the first divergence, largest mean |logprob difference|)
 BOUNDS = {"fp8": (0.75, 0.06), "fp8_e5m2": (0.5, 0.12)}

@@ -59,8 +59,15 @@ def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def tiny_model(arch: str, tie: bool) -> tuple[transformers.PretrainedConfig, dict[str, torch.Tensor]]:
     common = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=tie,
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
     )
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, rope_theta=50000.0)
@@ -78,8 +85,9 @@ def tiny_model(arch: str, tie: bool) -> tuple[transformers.PretrainedConfig, dic
     return cfg, sd
 
 
-def write_tiny_gguf(path: str, arch: str, cfg, sd: dict[str, torch.Tensor], quantize: set[str] = frozenset(),
-                    extra=None) -> None:
+def write_tiny_gguf(
+    path: str, arch: str, cfg, sd: dict[str, torch.Tensor], quantize: set[str] = frozenset(), extra=None
+) -> None:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -106,8 +114,11 @@ def write_tiny_gguf(path: str, arch: str, cfg, sd: dict[str, torch.Tensor], quan
         if arch == "llama" and name.endswith("k_proj.weight"):
             a = converter_permute(a, cfg.num_key_value_heads)
         if name in quantize:
-            w.add_tensor(to_gguf_name(name), gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
-                         raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(
+                to_gguf_name(name),
+                gguf.quants.quantize(a, gguf.GGMLQuantizationType.Q8_0),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_0,
+            )
         else:
             w.add_tensor(to_gguf_name(name), a)
     w.write_header_to_file()
@@ -126,8 +137,10 @@ def test_tiny_round_trip(tmp_path, arch, tie):
     info = read_gguf(path)
     a = info.arch
     assert a.architecture == arch
-    assert info.hf_architecture == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                    "qwen3": "Qwen3ForCausalLM"}[arch]
+    assert (
+        info.hf_architecture
+        == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    )
     assert (a.vocab_size, a.hidden_size, a.intermediate_size, a.num_hidden_layers) == (96, 64, 96, 2)
     assert (a.num_attention_heads, a.num_key_value_heads) == (4, 2)
     assert a.head_dim == (32 if arch == "qwen3" else 16)
@@ -239,15 +252,21 @@ def test_llama3_rope_scaling_recovered(tmp_path):
     theta, head_dim = 500000.0, 64
     cfg.rope_parameters["rope_theta"] = theta
     cfg.head_dim = head_dim
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     # The converter's divisors, by the Llama 3 formula.
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     lo_wl = scaling["original_max_position_embeddings"] / scaling["low_freq_factor"]
     hi_wl = scaling["original_max_position_embeddings"] / scaling["high_freq_factor"]
     smooth = (scaling["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
-    divisors = np.where(wavelen < hi_wl, 1.0, np.where(wavelen > lo_wl, 8.0, 1 / ((1 - smooth) / 8.0 + smooth)))
+    divisors = np.where(
+        wavelen < hi_wl, 1.0, np.where(wavelen > lo_wl, 8.0, 1 / ((1 - smooth) / 8.0 + smooth))
+    )
     assert ((divisors > 1) & (divisors < 8)).sum() >= 2
 
     def extra(w: gguf.GGUFWriter) -> None:
@@ -269,8 +288,9 @@ def test_smollm2_weights_match_transformers():
     print(f"iter_gguf_weights(SmolLM2-135M Q4_1): {load_s:.2f} s")
     assert load_s < 20  # a few seconds on 2 cores; transformers takes ~20 s for the same file
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2_DIR, gguf_file=SMOLLM2_FILE,
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        SMOLLM2_DIR, gguf_file=SMOLLM2_FILE, dtype=torch.float32
+    )
     ref = model.state_dict()
     assert model.config.tie_word_embeddings
     assert set(ref) - set(ours) == {"lm_head.weight"}  # tied: no output.weight in the file

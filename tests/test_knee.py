@@ -87,33 +87,58 @@ def test_refine_between():
 
 
 def points(series, **kw):
-    return [LevelPoint(x, t, **{k: v[i] for k, v in kw.items()}) for i, (x, t) in enumerate(zip(LEVELS, series, strict=False))]
+    return [
+        LevelPoint(x, t, **{k: v[i] for k, v in kw.items()})
+        for i, (x, t) in enumerate(zip(LEVELS, series, strict=False))
+    ]
 
 
 FALL = [10, 19, 35, 60, 100, 90]
 
 
 def test_reason_pool_full():
-    pts = points(FALL, mean_kv_usage=[0.01, 0.02, 0.05, 0.2, 0.7, 0.97], mean_waiting=[0, 0, 0, 0, 0, 9.0],
-                 mean_running=[1, 2, 4, 8, 16, 20], max_num_seqs=[256] * 6)
+    pts = points(
+        FALL,
+        mean_kv_usage=[0.01, 0.02, 0.05, 0.2, 0.7, 0.97],
+        mean_waiting=[0, 0, 0, 0, 0, 9.0],
+        mean_running=[1, 2, 4, 8, 16, 20],
+        max_num_seqs=[256] * 6,
+    )
     v = verdict(pts, 0.05)
     assert (v.knee_x, v.best_x, v.stopped, v.reason) == (16, 16, "fell", "pool_full")
     assert "FP8" in v.detail
 
 
 def test_reason_max_num_seqs():
-    pts = points(FALL, mean_kv_usage=[0.01, 0.02, 0.05, 0.1, 0.15, 0.16], mean_waiting=[0, 0, 0, 0, 0, 16],
-                 mean_running=[1, 2, 4, 8, 16, 16], max_num_seqs=[16] * 6)
+    pts = points(
+        FALL,
+        mean_kv_usage=[0.01, 0.02, 0.05, 0.1, 0.15, 0.16],
+        mean_waiting=[0, 0, 0, 0, 0, 16],
+        mean_running=[1, 2, 4, 8, 16, 16],
+        max_num_seqs=[16] * 6,
+    )
     assert why_stopped(pts, 4)[0] == "max_num_seqs"
 
 
 def test_reason_throttling_and_compute_bound():
     clocks = [1980, 1980, 1975, 1970, 1960, 1500]
-    pts = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32],
-                 max_num_seqs=[256] * 6, sm_clock_mhz=clocks)
+    pts = points(
+        FALL,
+        mean_kv_usage=[0.1] * 6,
+        mean_waiting=[0] * 6,
+        mean_running=[1, 2, 4, 8, 16, 32],
+        max_num_seqs=[256] * 6,
+        sm_clock_mhz=clocks,
+    )
     assert why_stopped(pts, 4)[0] == "throttling"
-    steady = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32],
-                    max_num_seqs=[256] * 6, sm_clock_mhz=[1980] * 6)
+    steady = points(
+        FALL,
+        mean_kv_usage=[0.1] * 6,
+        mean_waiting=[0] * 6,
+        mean_running=[1, 2, 4, 8, 16, 32],
+        max_num_seqs=[256] * 6,
+        sm_clock_mhz=[1980] * 6,
+    )
     assert why_stopped(steady, 4)[0] == "compute_bound"
     no_gpu = points(FALL, mean_kv_usage=[0.1] * 6, mean_waiting=[0] * 6, mean_running=[1, 2, 4, 8, 16, 32])
     assert why_stopped(no_gpu, 4)[0] == "compute_bound"

@@ -182,7 +182,9 @@ def test_build_config_applies_the_defaults_and_user_values(tiny) -> None:
     cpu = torch.device("cpu")
     sched = build_config(EngineOptions(model=str(tiny)), source, cpu).scheduler
     assert (sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens) == (512, 256, 4096)
-    sched = build_config(EngineOptions(model=str(tiny), mode="server", max_model_len=8), source, cpu).scheduler
+    sched = build_config(
+        EngineOptions(model=str(tiny), mode="server", max_model_len=8), source, cpu
+    ).scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (128, 128 * 8)
     opts = EngineOptions(model=str(tiny), max_num_seqs=7, max_num_batched_tokens=99)
     sched = build_config(opts, source, cpu).scheduler
@@ -201,7 +203,9 @@ def test_pool_smaller_than_one_sequence_of_max_model_len(tiny) -> None:
     """kv_cache_memory_bytes for 20 blocks (320 tokens) with max_model_len 512."""
     opts = dict(skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=512)
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # layers x K/V x block_size x kv heads x head_dim x fp32
-    with pytest.raises(ConfigError, match="the KV pool holds 320 tokens, less than one sequence of max_model_len 512"):
+    with pytest.raises(
+        ConfigError, match="the KV pool holds 320 tokens, less than one sequence of max_model_len 512"
+    ):
         LLM(str(tiny), kv_cache_memory_bytes=20 * block_bytes, **opts)
     with pytest.raises(MemoryError, match="no memory is left for the KV cache"):
         LLM(str(tiny), kv_cache_memory_bytes=block_bytes - 1, **opts)

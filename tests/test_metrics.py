@@ -128,12 +128,24 @@ def test_every_name_dashboards_query_is_there():
     engine.add_request("x", [7, 8, 9], SamplingParams(max_tokens=2, ignore_eos=True))
     run_all(engine)
     names = {name for name, _ in samples(metrics.render().decode())}
-    for short in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                  "generation_tokens_total", "num_preemptions_total", "prefix_cache_queries_total",
-                  "prefix_cache_hits_total", "request_success_total", "time_to_first_token_seconds_count",
-                  "inter_token_latency_seconds_count", "e2e_request_latency_seconds_count",
-                  "request_queue_time_seconds_count", "request_prompt_tokens_count",
-                  "request_generation_tokens_count", "iteration_tokens_total_count"):
+    for short in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+        "request_success_total",
+        "time_to_first_token_seconds_count",
+        "inter_token_latency_seconds_count",
+        "e2e_request_latency_seconds_count",
+        "request_queue_time_seconds_count",
+        "request_prompt_tokens_count",
+        "request_generation_tokens_count",
+        "iteration_tokens_total_count",
+    ):
         assert f"vllm:{short}" in names, short
 
 
@@ -152,7 +164,10 @@ def test_offline_class_with_metrics_on_a_port(tmp_path):
     name = metrics.model_name
     assert name == str(folder)
     assert value(page, "overnight:prompt_tokens_total", model_name=name) == 9
-    assert value(page, "overnight:generation_tokens_total", model_name=name) == sum(
-        len(o.outputs[0].token_ids) for o in outs) == 15
+    assert (
+        value(page, "overnight:generation_tokens_total", model_name=name)
+        == sum(len(o.outputs[0].token_ids) for o in outs)
+        == 15
+    )
     assert value(page, "overnight:request_success_total", model_name=name, finished_reason="length") == 3
     assert value(page, "overnight:num_requests_running", model_name=name) == 0

@@ -53,16 +53,45 @@ def comp(**body) -> CompletionRequest:
 
 def test_chat_defaults_and_sampling_params():
     sp = chat().to_sampling_params()
-    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.logprobs) == (1, 1.0, 1.0, 0, None, None)
-    sp = chat(max_tokens=5, max_completion_tokens=9, temperature=0, top_p=0.5, n=3, stop="x", seed=11,
-              presence_penalty=0.5, frequency_penalty=-1, logprobs=True, top_logprobs=4, top_k=-1,
-              min_p=0.1, repetition_penalty=1.2, ignore_eos=True, min_tokens=2, stop_token_ids=[7],
-              user="u", unknown_field={"a": 1}).to_sampling_params()
+    assert (sp.n, sp.temperature, sp.top_p, sp.top_k, sp.max_tokens, sp.logprobs) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        None,
+        None,
+    )
+    sp = chat(
+        max_tokens=5,
+        max_completion_tokens=9,
+        temperature=0,
+        top_p=0.5,
+        n=3,
+        stop="x",
+        seed=11,
+        presence_penalty=0.5,
+        frequency_penalty=-1,
+        logprobs=True,
+        top_logprobs=4,
+        top_k=-1,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        min_tokens=2,
+        stop_token_ids=[7],
+        user="u",
+        unknown_field={"a": 1},
+    ).to_sampling_params()
     assert sp.max_tokens == 9  # max_completion_tokens wins over the deprecated max_tokens
     assert (sp.temperature, sp.top_p, sp.n, sp.stop_strings, sp.seed) == (0.0, 0.5, 3, ["x"], 11)
     assert (sp.presence_penalty, sp.frequency_penalty, sp.logprobs, sp.top_k) == (0.5, -1.0, 4, 0)
     assert (sp.min_p, sp.repetition_penalty, sp.ignore_eos, sp.min_tokens, sp.stop_token_ids) == (
-        0.1, 1.2, True, 2, [7])
+        0.1,
+        1.2,
+        True,
+        2,
+        [7],
+    )
     assert chat(logprobs=True).to_sampling_params().logprobs == 0
     assert chat(max_tokens=7).to_sampling_params().max_tokens == 7
 
@@ -80,54 +109,70 @@ def test_completion_defaults_and_prompt_forms():
 
 
 def test_content_parts_are_joined():
-    req = parse_request(CHAT, {"messages": [
+    req = parse_request(
+        CHAT,
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        },
+    )
+    assert req.conversation() == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert req.conversation() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
+        {"role": "user", "content": "a\nb"},
+    ]
 
 
-@pytest.mark.parametrize("url,body,param", [
-    (CHAT, {"messages": []}, "messages"),
-    (CHAT, {}, "messages"),
-    (CHAT, {"messages": "hi"}, "messages"),
-    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
-    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
-    (CHAT, {"messages": MSGS, "temperature": 2.01}, "temperature"),
-    (CHAT, {"messages": MSGS, "temperature": -0.1}, "temperature"),
-    (CHAT, {"messages": MSGS, "temperature": "0.5"}, "temperature"),  # strict: no strings for numbers
-    (CHAT, {"messages": MSGS, "top_p": 0}, "top_p"),
-    (CHAT, {"messages": MSGS, "top_p": 1.5}, "top_p"),
-    (CHAT, {"messages": MSGS, "n": 0}, "n"),
-    (CHAT, {"messages": MSGS, "n": True}, "n"),
-    (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens"),
-    (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
-    (CHAT, {"messages": MSGS, "max_tokens": 2.5}, "max_tokens"),
-    (CHAT, {"messages": MSGS, "presence_penalty": 2.5}, "presence_penalty"),
-    (CHAT, {"messages": MSGS, "frequency_penalty": -3}, "frequency_penalty"),
-    (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
-    (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
-    (CHAT, {"messages": MSGS, "stop": [""]}, "stop"),
-    (CHAT, {"messages": MSGS, "stop": 3}, "stop"),
-    (CHAT, {"messages": MSGS, "seed": "1"}, "seed"),
-    (CHAT, {"messages": MSGS, "top_k": -2}, "top_k"),
-    (CHAT, {"messages": MSGS, "min_p": 1.5}, "min_p"),
-    (CHAT, {"messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
-    (CHAT, {"messages": MSGS, "min_tokens": -1}, "min_tokens"),
-    (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
-    (CHAT, {"messages": MSGS, "logit_bias": {"1": 5}}, "logit_bias"),
-    (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
-    (COMP, {}, "prompt"),
-    (COMP, {"prompt": []}, "prompt"),
-    (COMP, {"prompt": [[]]}, "prompt"),
-    (COMP, {"prompt": [1, "a"]}, "prompt"),
-    (COMP, {"prompt": [-1]}, "prompt"),
-    (COMP, {"prompt": "x", "logprobs": True}, "logprobs"),
-    (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
-    (COMP, {"prompt": "x", "echo": True}, "echo"),
-    (COMP, {"prompt": "x", "suffix": "y"}, "suffix"),
-    (COMP, {"prompt": "x", "best_of": 3}, "best_of"),
-])
+@pytest.mark.parametrize(
+    "url,body,param",
+    [
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": "hi"}, "messages"),
+        (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages",
+        ),
+        (CHAT, {"messages": MSGS, "temperature": 2.01}, "temperature"),
+        (CHAT, {"messages": MSGS, "temperature": -0.1}, "temperature"),
+        (CHAT, {"messages": MSGS, "temperature": "0.5"}, "temperature"),  # strict: no strings for numbers
+        (CHAT, {"messages": MSGS, "top_p": 0}, "top_p"),
+        (CHAT, {"messages": MSGS, "top_p": 1.5}, "top_p"),
+        (CHAT, {"messages": MSGS, "n": 0}, "n"),
+        (CHAT, {"messages": MSGS, "n": True}, "n"),
+        (CHAT, {"messages": MSGS, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (CHAT, {"messages": MSGS, "max_tokens": 2.5}, "max_tokens"),
+        (CHAT, {"messages": MSGS, "presence_penalty": 2.5}, "presence_penalty"),
+        (CHAT, {"messages": MSGS, "frequency_penalty": -3}, "frequency_penalty"),
+        (CHAT, {"messages": MSGS, "top_logprobs": 2}, "top_logprobs"),  # needs logprobs: true
+        (CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": MSGS, "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"messages": MSGS, "stop": [""]}, "stop"),
+        (CHAT, {"messages": MSGS, "stop": 3}, "stop"),
+        (CHAT, {"messages": MSGS, "seed": "1"}, "seed"),
+        (CHAT, {"messages": MSGS, "top_k": -2}, "top_k"),
+        (CHAT, {"messages": MSGS, "min_p": 1.5}, "min_p"),
+        (CHAT, {"messages": MSGS, "repetition_penalty": 0}, "repetition_penalty"),
+        (CHAT, {"messages": MSGS, "min_tokens": -1}, "min_tokens"),
+        (CHAT, {"messages": MSGS, "tools": [{"type": "function"}]}, "tools"),
+        (CHAT, {"messages": MSGS, "logit_bias": {"1": 5}}, "logit_bias"),
+        (CHAT, {"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
+        (COMP, {}, "prompt"),
+        (COMP, {"prompt": []}, "prompt"),
+        (COMP, {"prompt": [[]]}, "prompt"),
+        (COMP, {"prompt": [1, "a"]}, "prompt"),
+        (COMP, {"prompt": [-1]}, "prompt"),
+        (COMP, {"prompt": "x", "logprobs": True}, "logprobs"),
+        (COMP, {"prompt": "x", "logprobs": 21}, "logprobs"),
+        (COMP, {"prompt": "x", "echo": True}, "echo"),
+        (COMP, {"prompt": "x", "suffix": "y"}, "suffix"),
+        (COMP, {"prompt": "x", "best_of": 3}, "best_of"),
+    ],
+)
 def test_invalid_bodies_name_the_field(url, body, param):
     with pytest.raises(ApiError) as info:
         parse_request(url, body)
@@ -164,8 +209,14 @@ def test_model_names():
 
 def test_error_bodies():
     err = ApiError("invalid_request", "temperature: too hot", "temperature")
-    assert err.body() == {"error": {"message": "temperature: too hot", "type": "invalid_request_error",
-                                    "param": "temperature", "code": "invalid_request"}}
+    assert err.body() == {
+        "error": {
+            "message": "temperature: too hot",
+            "type": "invalid_request_error",
+            "param": "temperature",
+            "code": "invalid_request",
+        }
+    }
     internal = ApiError.from_exception(RuntimeError("boom"))
     assert internal.status_code == 500 and internal.body()["error"]["type"] == "server_error"
     assert ApiError.from_exception(InvalidRequestError("bad")).status_code == 400
@@ -184,12 +235,24 @@ def lps(ids: list[int], k: int) -> list[dict[int, Logprob]]:
     return steps
 
 
-def output(rid: str, prompt_ids: list[int], comps: list[tuple[list[int], str, str]], k: int | None = None,
-           delta: bool = False) -> RequestOutput:
+def output(
+    rid: str,
+    prompt_ids: list[int],
+    comps: list[tuple[list[int], str, str]],
+    k: int | None = None,
+    delta: bool = False,
+) -> RequestOutput:
     return RequestOutput(
-        request_id=rid, prompt=None, prompt_token_ids=prompt_ids, finished=True, delta=delta,
-        outputs=[CompletionOutput(i, text, ids, None, lps(ids, k) if k is not None else None, reason)
-                 for i, (ids, text, reason) in enumerate(comps)])
+        request_id=rid,
+        prompt=None,
+        prompt_token_ids=prompt_ids,
+        finished=True,
+        delta=delta,
+        outputs=[
+            CompletionOutput(i, text, ids, None, lps(ids, k) if k is not None else None, reason)
+            for i, (ids, text, reason) in enumerate(comps)
+        ],
+    )
 
 
 def test_chat_completion_body_validates():
@@ -201,20 +264,27 @@ def test_chat_completion_body_validates():
     assert [c.index for c in parsed.choices] == [0, 1]
     assert [c.message.content for c in parsed.choices] == ["t5t9", "t6"]
     assert [c.finish_reason for c in parsed.choices] == ["stop", "length"]
-    assert parsed.usage.model_dump(exclude_none=True) == {"prompt_tokens": 3, "completion_tokens": 3,
-                                                          "total_tokens": 6}
+    assert parsed.usage.model_dump(exclude_none=True) == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+    }
     first = parsed.choices[0].logprobs.content
     assert [t.token for t in first] == ["t5", "t9"] and first[0].logprob == -1.5
     assert first[1].logprob == -9999.0
     assert [x.token for x in first[0].top_logprobs] == ["top1", "top2"]  # exactly top_logprobs, by rank
     assert first[0].bytes == list(b"t5")
-    assert chat_completion(output("b", [1], [([5], "x", "abort")]), "m")["choices"][0]["finish_reason"] == "stop"
+    assert (
+        chat_completion(output("b", [1], [([5], "x", "abort")]), "m")["choices"][0]["finish_reason"] == "stop"
+    )
     assert chat_completion(output("b", [1], [([5], "x", "stop")]), "m")["choices"][0]["logprobs"] is None
 
 
 def test_completion_body_numbers_choices_prompt_major():
-    outs = [output("p0", [1, 2], [([5], "a0", "stop"), ([6], "a1", "length")], k=1),
-            output("p1", [3], [([7, 8], "b0x", "stop"), ([9], "b1", "stop")], k=1)]
+    outs = [
+        output("p0", [1, 2], [([5], "a0", "stop"), ([6], "a1", "length")], k=1),
+        output("p1", [3], [([7, 8], "b0x", "stop"), ([9], "b1", "stop")], k=1),
+    ]
     body = completion(outs, "m")
     parsed = Completion.model_validate(body)
     assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
@@ -227,9 +297,11 @@ def test_completion_body_numbers_choices_prompt_major():
 
 def test_streaming_chunks_validate_and_add_up():
     stream = ChatStream("m", include_usage=True, num_logprobs=1)
-    deltas = [output("a", [1, 2], [([5], "He", None), ([6], "Hi", None)], k=1, delta=True),
-              output("a", [1, 2], [([7], "llo", "stop")], k=1, delta=True),
-              output("a", [1, 2], [([8], "!", "length")], k=1, delta=True)]
+    deltas = [
+        output("a", [1, 2], [([5], "He", None), ([6], "Hi", None)], k=1, delta=True),
+        output("a", [1, 2], [([7], "llo", "stop")], k=1, delta=True),
+        output("a", [1, 2], [([8], "!", "length")], k=1, delta=True),
+    ]
     deltas[2].outputs[0].index = 1
     chunks = [c for d in deltas for c in stream.chunks(d)] + stream.final_chunks()
     for c in chunks:
@@ -243,7 +315,10 @@ def test_streaming_chunks_validate_and_add_up():
         assert ("role" in choice["delta"]) == (c is chunks[choice["index"]])  # role only in a choice's first
     assert text == {0: "Hello", 1: "Hi!"}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
-        "prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        "prompt_tokens": 2,
+        "completion_tokens": 4,
+        "total_tokens": 6,
+    }
     assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "stop", "length"]
     assert ChatStream("m").final_chunks() == []
     assert "usage" not in ChatStream("m").chunks(deltas[0])[0]
@@ -261,14 +336,31 @@ def test_real_engine_stream_equals_whole_response(batch_model):
     """Through a real engine: the chunks of a streamed chat request add up to the non-streamed text."""
     from overnight import LLM
 
-    llm = LLM(batch_model, max_model_len=96, max_num_seqs=4, kv_cache_memory_bytes=8 << 20, device="cpu",
-              dtype="float32", attention_backend="torch")
+    llm = LLM(
+        batch_model,
+        max_model_len=96,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=8 << 20,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+    )
     engine = llm.engine
-    req = parse_request(CHAT, {"messages": [{"role": "user", "content": "w10 w20 w30"}], "n": 2,
-                               "temperature": 0.7, "seed": 3, "max_tokens": 6, "logprobs": True,
-                               "stream": True, "stream_options": {"include_usage": True}})
+    req = parse_request(
+        CHAT,
+        {
+            "messages": [{"role": "user", "content": "w10 w20 w30"}],
+            "n": 2,
+            "temperature": 0.7,
+            "seed": 3,
+            "max_tokens": 6,
+            "logprobs": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     inputs = prepare(req, engine.tokenizer, engine.max_model_len, {"tiny-batch"}, engine.validate)
-    (text, ids), = inputs.prompts
+    ((text, ids),) = inputs.prompts
     stream = ChatStream("tiny-batch", include_usage=True, num_logprobs=req.num_logprobs)
     engine.add_request("s", ids, inputs.params, prompt=text, stream=True)
     chunks = []

@@ -44,8 +44,13 @@ def make_batch_model(root: str | os.PathLike) -> str:
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                 eos_token="</s>", chat_template=CHAT_TEMPLATE)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+    )
     hf.save_pretrained(folder)
     return str(folder)
 
@@ -56,9 +61,25 @@ def batch_model(tmp_path_factory) -> str:
 
 
 def engine_flags(model: str, max_num_seqs: int = 16) -> list[str]:
-    return ["--model", model, "--served-model-name", SERVED, "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", str(max_num_seqs), "--kv-cache-memory-bytes", str(8 << 20),
-            "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch", "--no-progress"]
+    return [
+        "--model",
+        model,
+        "--served-model-name",
+        SERVED,
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--attention-backend",
+        "torch",
+        "--no-progress",
+    ]
 
 
 def words(rng: random.Random, n: int) -> str:
@@ -66,8 +87,12 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def chat_line(cid: str, content: str, **body) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": content}], **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"messages": [{"role": "user", "content": content}], **body},
+    }
 
 
 def completion_line(cid: str, prompt, **body) -> dict:
@@ -93,8 +118,13 @@ def run_cli(args: list[str]) -> int:
 
 def run_subprocess(args: list[str], **kwargs) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "overnight", "run-batch", *args], env=env, cwd=REPO,
-                          capture_output=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "overnight", "run-batch", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        **kwargs,
+    )
 
 
 # ---- the mixed file ---------------------------------------------------------------------------
@@ -113,22 +143,43 @@ def mixed_lines(n: int, seed: int = 0) -> list[dict]:
         if kind == 0:
             lines.append(chat_line(f"c{i}", words(rng, rng.randint(1, 12)), temperature=0, **common))
         elif kind == 1:
-            lines.append(chat_line(f"c{i}", words(rng, 5), temperature=0, stop=[rng.choice(WORDS)],
-                                   logprobs=True, top_logprobs=2, **common))
+            lines.append(
+                chat_line(
+                    f"c{i}",
+                    words(rng, 5),
+                    temperature=0,
+                    stop=[rng.choice(WORDS)],
+                    logprobs=True,
+                    top_logprobs=2,
+                    **common,
+                )
+            )
         elif kind == 2:
-            lines.append(chat_line(f"c{i}", words(rng, 4), n=2, temperature=0.8, seed=rng.randrange(1000),
-                                   **common))
+            lines.append(
+                chat_line(f"c{i}", words(rng, 4), n=2, temperature=0.8, seed=rng.randrange(1000), **common)
+            )
         elif kind == 3:
-            lines.append(completion_line(f"p{i}", words(rng, rng.randint(1, 10)), temperature=0,
-                                         logprobs=1, **common))
+            lines.append(
+                completion_line(f"p{i}", words(rng, rng.randint(1, 10)), temperature=0, logprobs=1, **common)
+            )
         elif kind == 4:
             prompts = [words(rng, rng.randint(1, 6)) for _ in range(rng.randint(2, 3))]
-            lines.append(completion_line(f"p{i}", prompts, n=2, temperature=1.0, seed=rng.randrange(1000),
-                                         stop=rng.choice(WORDS), **common))
+            lines.append(
+                completion_line(
+                    f"p{i}",
+                    prompts,
+                    n=2,
+                    temperature=1.0,
+                    seed=rng.randrange(1000),
+                    stop=rng.choice(WORDS),
+                    **common,
+                )
+            )
         else:
             ids = [[rng.randrange(6, VOCAB) for _ in range(rng.randint(1, 8))] for _ in range(2)]
-            lines.append(completion_line(f"p{i}", ids if rng.random() < 0.5 else ids[0], temperature=0,
-                                         **common))
+            lines.append(
+                completion_line(f"p{i}", ids if rng.random() < 0.5 else ids[0], temperature=0, **common)
+            )
     return lines
 
 
@@ -137,8 +188,15 @@ def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
     from overnight import LLM
     from overnight.openai_api.protocol import parse_request
 
-    llm = LLM(model, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, kv_cache_memory_bytes=8 << 20,
-              device="cpu", dtype="float32", attention_backend="torch")
+    llm = LLM(
+        model,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=16,
+        kv_cache_memory_bytes=8 << 20,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+    )
     prompts, params, owners = [], [], []
     for line in lines:
         req = parse_request(line["url"], line["body"])
@@ -159,8 +217,20 @@ def test_mixed_file_round_trip(batch_model, tmp_path):
     lines = mixed_lines(300)
     write_jsonl(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
-    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), *engine_flags(batch_model),
-                    "--summary-json", str(tmp_path / "s.json")]) == 0
+    assert (
+        run_cli(
+            [
+                "-i",
+                str(tmp_path / "in.jsonl"),
+                "-o",
+                str(out),
+                *engine_flags(batch_model),
+                "--summary-json",
+                str(tmp_path / "s.json"),
+            ]
+        )
+        == 0
+    )
     results = read_jsonl(out)
     assert [r["custom_id"] for r in results] == [line["custom_id"] for line in lines]  # input order
     expected = expected_texts(batch_model, lines)
@@ -184,23 +254,29 @@ def test_mixed_file_round_trip(batch_model, tmp_path):
         assert parsed.model == SERVED
         assert [c.index for c in parsed.choices] == list(range(len(parsed.choices)))
         assert texts == expected[r["custom_id"]], r["custom_id"]
-        n_prompts = len(line["body"]["prompt"]) if isinstance(line["body"].get("prompt"), list) and \
-            isinstance(line["body"]["prompt"][0], (str, list)) else 1
+        n_prompts = (
+            len(line["body"]["prompt"])
+            if isinstance(line["body"].get("prompt"), list)
+            and isinstance(line["body"]["prompt"][0], (str, list))
+            else 1
+        )
         assert len(parsed.choices) == n_prompts * line["body"].get("n", 1)
         assert parsed.usage.completion_tokens >= len(parsed.choices)
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["ok"] == 300 and summary["failed"] == 0 and summary["status"] == "completed"
-    assert summary["completion_tokens"] == sum(r["response"]["body"]["usage"]["completion_tokens"]
-                                               for r in results)
+    assert summary["completion_tokens"] == sum(
+        r["response"]["body"]["usage"]["completion_tokens"] for r in results
+    )
 
 
 # ---- bad lines ----------------------------------------------------------------------------------
+
 
 def bad_lines() -> list[tuple[str | dict, str, str | None]]:
     """(line, expected error code, expected custom_id in the error line)."""
     ok = {"messages": [{"role": "user", "content": "w10 w11"}], "max_tokens": 2}
     chat = "/v1/chat/completions"
-    long_prompt = " ".join(WORDS[:MAX_MODEL_LEN + 5])
+    long_prompt = " ".join(WORDS[: MAX_MODEL_LEN + 5])
     return [
         ('{"custom_id": "bad-json", "method": "POST", "url": ', "invalid_json", "bad-json"),
         ("this is not json at all", "invalid_json", None),
@@ -208,22 +284,43 @@ def bad_lines() -> list[tuple[str | dict, str, str | None]]:
         ({"method": "POST", "url": chat, "body": ok}, "invalid_line", None),
         ({"custom_id": "no-method", "url": chat, "body": ok}, "invalid_line", "no-method"),
         ({"custom_id": "get", "method": "GET", "url": chat, "body": ok}, "invalid_method", "get"),
-        ({"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w9"}},
-         "unsupported_url", "embed"),
+        (
+            {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w9"}},
+            "unsupported_url",
+            "embed",
+        ),
         ({"custom_id": "no-body", "method": "POST", "url": chat}, "invalid_line", "no-body"),
         (chat_line("hot", "w10", temperature=2.5), "invalid_request", "hot"),
         (chat_line("zero-max", "w10", max_tokens=0), "invalid_request", "zero-max"),
-        ({"custom_id": "no-messages", "method": "POST", "url": chat, "body": {"messages": []}},
-         "invalid_request", "no-messages"),
+        (
+            {"custom_id": "no-messages", "method": "POST", "url": chat, "body": {"messages": []}},
+            "invalid_request",
+            "no-messages",
+        ),
         (chat_line("other-model", "w10", model="gpt-4o", max_tokens=2), "model_not_found", "other-model"),
         (completion_line("too-long", long_prompt, max_tokens=2), "context_length_exceeded", "too-long"),
         (chat_line("good-1", "w12 w13", max_tokens=2), "duplicate_custom_id", "good-1"),
         (completion_line("oov", [5, VOCAB + 7], max_tokens=2), "invalid_request", "oov"),
         (completion_line("no-prompt", None, max_tokens=2), "invalid_request", "no-prompt"),
-        ({"custom_id": "image", "method": "POST", "url": chat, "body": {"messages": [
-            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}},
-         "invalid_request", "image"),
-        (completion_line("min-over-max", "w10", max_tokens=2, min_tokens=5), "invalid_request", "min-over-max"),
+        (
+            {
+                "custom_id": "image",
+                "method": "POST",
+                "url": chat,
+                "body": {
+                    "messages": [
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                    ]
+                },
+            },
+            "invalid_request",
+            "image",
+        ),
+        (
+            completion_line("min-over-max", "w10", max_tokens=2, min_tokens=5),
+            "invalid_request",
+            "min-over-max",
+        ),
         (completion_line("empty-prompt", "", max_tokens=2), "invalid_request", "empty-prompt"),
         (b'{"custom_id": "bad-utf8", "body": "\xff\xfe"}', "invalid_json", "bad-utf8"),
     ]
@@ -238,13 +335,20 @@ def write_with_good_lines(path: Path, bad: list) -> tuple[list[str], dict[int, t
         def put(item) -> None:
             nonlocal line_no
             line_no += 1
-            data = item if isinstance(item, bytes) else (item if isinstance(item, str) else json.dumps(item)).encode()
+            data = (
+                item
+                if isinstance(item, bytes)
+                else (item if isinstance(item, str) else json.dumps(item)).encode()
+            )
             f.write(data + b"\n")
 
         for i, (line, code, cid) in enumerate(bad):
             gid = f"good-{i}"
-            put(chat_line(gid, f"w{20 + i} w30", max_tokens=2, temperature=0) if i % 2 else
-                completion_line(gid, f"w{20 + i}", max_tokens=2, temperature=0))
+            put(
+                chat_line(gid, f"w{20 + i} w30", max_tokens=2, temperature=0)
+                if i % 2
+                else completion_line(gid, f"w{20 + i}", max_tokens=2, temperature=0)
+            )
             good.append(gid)
             put(line)
             expect[line_no] = (code, cid)
@@ -275,7 +379,8 @@ def test_every_kind_of_bad_line_gets_its_error_and_the_rest_are_served(batch_mod
         assert r["id"].startswith("batch_req_") and r["response"]["request_id"]
     by_code = {r["error"]["code"]: r["error"]["message"] for r in failures}
     assert "temperature" in by_code["invalid_request"] or any(
-        "temperature" in r["error"]["message"] for r in failures)
+        "temperature" in r["error"]["message"] for r in failures
+    )
     assert f"maximum context length is {MAX_MODEL_LEN}" in by_code["context_length_exceeded"]
 
 
@@ -283,8 +388,20 @@ def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsy
     bad = bad_lines()
     good, expect = write_with_good_lines(tmp_path / "in.jsonl", bad)
     out, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
-    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--errors-file", str(errors),
-                    *engine_flags(batch_model)]) == 0
+    assert (
+        run_cli(
+            [
+                "-i",
+                str(tmp_path / "in.jsonl"),
+                "-o",
+                str(out),
+                "--errors-file",
+                str(errors),
+                *engine_flags(batch_model),
+            ]
+        )
+        == 0
+    )
     assert [r["custom_id"] for r in read_jsonl(out)] == good
     written = read_jsonl(errors)
     assert sorted(r["error"]["code"] for r in written) == sorted(code for code, _ in expect.values())
@@ -298,10 +415,25 @@ def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsy
     monkeypatch.setattr(builder, "build_engine", no_engine)
     capsys.readouterr()
     report = tmp_path / "validate.jsonl"
-    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "--validate-only", "--errors-file", str(report),
-                    "--summary-json", str(tmp_path / "v.json"), *engine_flags(batch_model)]) == 1
-    found = {int(r["error"]["message"].split(":")[0].removeprefix("line ")): r["error"]["code"]
-             for r in read_jsonl(report)}
+    assert (
+        run_cli(
+            [
+                "-i",
+                str(tmp_path / "in.jsonl"),
+                "--validate-only",
+                "--errors-file",
+                str(report),
+                "--summary-json",
+                str(tmp_path / "v.json"),
+                *engine_flags(batch_model),
+            ]
+        )
+        == 1
+    )
+    found = {
+        int(r["error"]["message"].split(":")[0].removeprefix("line ")): r["error"]["code"]
+        for r in read_jsonl(report)
+    }
     assert found == {n: code for n, (code, _) in expect.items()}
     summary = json.loads((tmp_path / "v.json").read_text())
     assert summary["ok"] == len(good) and summary["failed"] == len(bad)
@@ -354,8 +486,22 @@ def test_order_input_with_a_small_window_and_order_completion(batch_model, tmp_p
     flags = engine_flags(batch_model, max_num_seqs=4)
     for order, window in (("input", "3"), ("completion", "3")):
         out = tmp_path / f"{order}.jsonl"
-        assert run_cli(["-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--order", order,
-                        "--reorder-window", window, *flags]) == 0
+        assert (
+            run_cli(
+                [
+                    "-i",
+                    str(tmp_path / "in.jsonl"),
+                    "-o",
+                    str(out),
+                    "--order",
+                    order,
+                    "--reorder-window",
+                    window,
+                    *flags,
+                ]
+            )
+            == 0
+        )
         got = [r["custom_id"] for r in read_jsonl(out)]
         assert sorted(got) == sorted(ids)
         if order == "input":
@@ -367,8 +513,11 @@ def test_order_input_with_a_small_window_and_order_completion(batch_model, tmp_p
 
 
 def test_stdin_to_stdout_in_a_subprocess(batch_model, tmp_path):
-    lines = [chat_line("a", "w7 w8", max_tokens=3, temperature=0), "{broken",
-             completion_line("b", ["w9", "w10 w11"], max_tokens=2, temperature=0)]
+    lines = [
+        chat_line("a", "w7 w8", max_tokens=3, temperature=0),
+        "{broken",
+        completion_line("b", ["w9", "w10 w11"], max_tokens=2, temperature=0),
+    ]
     data = "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
     proc = run_subprocess(["-i", "-", "-o", "-", *engine_flags(batch_model)], input=data, timeout=300)
     assert proc.returncode == 0, proc.stderr.decode()
@@ -433,11 +582,26 @@ def test_runner_bounds_work_in_flight(batch_model):
     from overnight.batch.runner import BatchRunner
     from overnight.batch.summary import Summary
 
-    engine = LLM(batch_model, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, kv_cache_memory_bytes=8 << 20,
-                 device="cpu", dtype="float32", attention_backend="torch").engine
+    engine = LLM(
+        batch_model,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=8 << 20,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch",
+    ).engine
     rng = random.Random(1)
-    lines = [completion_line(f"x{i}", [words(rng, 2)] * (1 + i % 2), n=1 + i % 3,
-                             max_tokens=rng.randint(1, 12), ignore_eos=True) for i in range(120)]
+    lines = [
+        completion_line(
+            f"x{i}",
+            [words(rng, 2)] * (1 + i % 2),
+            n=1 + i % 3,
+            max_tokens=rng.randint(1, 12),
+            ignore_eos=True,
+        )
+        for i in range(120)
+    ]
     raw = [json.dumps(x).encode() + b"\n" for x in lines]
     peak = {"seqs": 0, "open": 0}
     order = OutputOrder("input", window=10)
@@ -453,8 +617,9 @@ def test_runner_bounds_work_in_flight(batch_model):
     out = io.BytesIO()
     out.close = lambda: None
     summary = Summary(input="-", output="-")
-    BatchRunner(engine, Sink(out), summary, model_name=SERVED, names={SERVED}, order=order,
-                max_in_flight=8).run(read_lines(raw))
+    BatchRunner(
+        engine, Sink(out), summary, model_name=SERVED, names={SERVED}, order=order, max_in_flight=8
+    ).run(read_lines(raw))
     results = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
     assert summary.ok == 120

@@ -49,8 +49,18 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
             lines.append(completion_line(f"r{i}", [words(rng, 3), words(rng, 2)], **body))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, lines)
-    args = [sys.executable, "-m", "overnight", "run-batch", "-i", str(inp), "-o", str(out), "--resume",
-            *engine_flags(batch_model, max_num_seqs=2)]
+    args = [
+        sys.executable,
+        "-m",
+        "overnight",
+        "run-batch",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        "--resume",
+        *engine_flags(batch_model, max_num_seqs=2),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     kills_mid_run = 0
     for k in range(5):
@@ -72,8 +82,9 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
     partial = count_lines(out)
     assert 0 < partial < len(lines)
 
-    proc = run_subprocess(["-i", str(inp), "-o", str(out), "--resume",
-                           *engine_flags(batch_model, max_num_seqs=8)], timeout=300)
+    proc = run_subprocess(
+        ["-i", str(inp), "-o", str(out), "--resume", *engine_flags(batch_model, max_num_seqs=8)], timeout=300
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-2000:]
     data = out.read_bytes()
     assert data.endswith(b"\n")
@@ -91,8 +102,17 @@ def test_sigterm_stops_cleanly(batch_model, tmp_path):
     lines = [completion_line(f"t{i}", "w10 w11", max_tokens=20, ignore_eos=True) for i in range(60)]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_jsonl(inp, lines)
-    args = [sys.executable, "-m", "overnight", "run-batch", "-i", str(inp), "-o", str(out),
-            *engine_flags(batch_model, max_num_seqs=2)]
+    args = [
+        sys.executable,
+        "-m",
+        "overnight",
+        "run-batch",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        *engine_flags(batch_model, max_num_seqs=2),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120

@@ -45,8 +45,19 @@ def test_20000_lines_in_bounded_memory(batch_model, tmp_path):
     n = 20_000
     inp, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
     write_lines(inp, n)
-    args = [sys.executable, "-m", "overnight", "run-batch", "-i", str(inp), "-o", str(out),
-            "--summary-json", str(summary), *engine_flags(batch_model, max_num_seqs=128)]
+    args = [
+        sys.executable,
+        "-m",
+        "overnight",
+        "run-batch",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        "--summary-json",
+        str(summary),
+        *engine_flags(batch_model, max_num_seqs=128),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     ps = psutil.Process(proc.pid)
@@ -70,7 +81,9 @@ def test_20000_lines_in_bounded_memory(batch_model, tmp_path):
         assert sum(1 for _ in f) == n
     assert baseline is not None
     growth = peak - baseline
-    print(f"\nRSS {baseline:.0f} MiB at the first result, peak {peak:.0f} MiB after it: growth {growth:.0f} MiB "
-          f"over {n} lines ({s['elapsed_s']:.1f} s, {s['requests_per_s']:.0f} lines/s; "
-          f"lifetime peak {s['peak_rss_mib']:.0f} MiB)")
+    print(
+        f"\nRSS {baseline:.0f} MiB at the first result, peak {peak:.0f} MiB after it: growth {growth:.0f} MiB "
+        f"over {n} lines ({s['elapsed_s']:.1f} s, {s['requests_per_s']:.0f} lines/s; "
+        f"lifetime peak {s['peak_rss_mib']:.0f} MiB)"
+    )
     assert growth < 300

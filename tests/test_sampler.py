@@ -14,8 +14,14 @@ V = 64
 
 def req(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), output=()) -> RunnerRequest:
     return RunnerRequest(
-        req_id="r", token_ids=list(prompt) + list(output), num_prompt_tokens=len(prompt),
-        params=params, seed=seed, slot=0, num_blocks=0, num_computed_tokens=0,
+        req_id="r",
+        token_ids=list(prompt) + list(output),
+        num_prompt_tokens=len(prompt),
+        params=params,
+        seed=seed,
+        slot=0,
+        num_blocks=0,
+        num_computed_tokens=0,
     )
 
 
@@ -84,8 +90,12 @@ def test_draws_stay_inside_top_k_top_p_min_p_sets():
 def test_greedy_is_argmax_and_mixed_batch():
     torch.manual_seed(2)
     logits = torch.randn(4, V)
-    reqs = [req(SamplingParams(temperature=0)), req(SamplingParams(temperature=1.0), seed=1),
-            req(SamplingParams(temperature=0)), req(SamplingParams(temperature=0.5), seed=2)]
+    reqs = [
+        req(SamplingParams(temperature=0)),
+        req(SamplingParams(temperature=1.0), seed=1),
+        req(SamplingParams(temperature=0)),
+        req(SamplingParams(temperature=0.5), seed=2),
+    ]
     tokens = sample(logits, reqs)[0]
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
 

@@ -91,8 +91,9 @@ def test_batch_invariance_with_and_without_preemption(num_blocks, async_mode):
     rng = random.Random(1)
     prompts = random_prompts(64, rng)
     max_tokens = [rng.randint(5, 40) for _ in prompts]
-    engine, _ = make_engine(num_blocks=num_blocks, block_size=4, max_num_seqs=64, max_model_len=80,
-                            async_mode=async_mode)
+    engine, _ = make_engine(
+        num_blocks=num_blocks, block_size=4, max_num_seqs=64, max_model_len=80, async_mode=async_mode
+    )
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=m))
     results = run_all(engine)
@@ -112,8 +113,14 @@ def test_prefix_cache_hits_and_same_outputs(async_mode):
     prompts = [prefix + [rng.randrange(10, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(32)]
 
     def run(caching: bool):
-        engine, _ = make_engine(num_blocks=2000, block_size=16, max_num_seqs=32, max_num_batched_tokens=512,
-                                max_model_len=512, caching=caching)
+        engine, _ = make_engine(
+            num_blocks=2000,
+            block_size=16,
+            max_num_seqs=32,
+            max_num_batched_tokens=512,
+            max_model_len=512,
+            caching=caching,
+        )
         engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4))
         run_all(engine)  # the first request computes the prefix
         for i, p in enumerate(prompts):

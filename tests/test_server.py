@@ -28,19 +28,26 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(mode="server", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-               kv_cache_memory_bytes=KV_BYTES)
+    return LLM(
+        mode="server", max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, kv_cache_memory_bytes=KV_BYTES
+    )
 
 
 @pytest.fixture(scope="module")
 def offline(llm: LLM) -> dict[str, list[str]]:
     """What the offline class answers, computed before the server takes the engine over."""
     texts = [o.outputs[0].text for o in llm.generate(PARITY_PROMPTS, GREEDY, use_tqdm=False)]
-    chat = llm.chat([{"role": "user", "content": "Say hello."}], SamplingParams(temperature=0, max_tokens=8),
-                    use_tqdm=False)
+    chat = llm.chat(
+        [{"role": "user", "content": "Say hello."}],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )
     counting = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-    return {"completions": texts, "chat": [chat[0].outputs[0].text],
-            "counting": [counting[0].outputs[0].text]}
+    return {
+        "completions": texts,
+        "chat": [chat[0].outputs[0].text],
+        "counting": [counting[0].outputs[0].text],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +106,13 @@ def test_chat_sync_equals_offline(client, model, offline):
 
 def test_chat_stream_with_usage_and_n2(client, model, offline):
     stream = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0,
-        n=2, stream=True, stream_options={"include_usage": True},
+        model=model,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     texts = {0: "", 1: ""}
     finish = {}
@@ -122,12 +134,16 @@ def test_chat_stream_with_usage_and_n2(client, model, offline):
 def test_completions_stop_string(client, model, offline):
     full = offline["counting"][0]  # e.g. " 5, 6, 7, 8, 9"
     stop = full[len(full) // 2 : len(full) // 2 + 2]
-    r = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0, stop=[stop])
+    r = client.completions.create(
+        model=model, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0, stop=[stop]
+    )
     assert r.choices[0].text == full[: full.index(stop)]
     assert r.choices[0].finish_reason == "stop"
     streamed = "".join(
-        c.choices[0].text for c in client.completions.create(
-            model=model, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0, stop=stop, stream=True)
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt="1, 2, 3, 4,", max_tokens=10, temperature=0, stop=stop, stream=True
+        )
         if c.choices
     )
     assert streamed == r.choices[0].text  # the held-back tail never leaks a partial stop string
@@ -135,8 +151,9 @@ def test_completions_stop_string(client, model, offline):
 
 def test_seed_reproduces_and_n_samples_differ(client, model):
     def ask():
-        return client.completions.create(model=model, prompt="A random word:", max_tokens=6, temperature=1.5,
-                                         seed=1234, n=2)
+        return client.completions.create(
+            model=model, prompt="A random word:", max_tokens=6, temperature=1.5, seed=1234, n=2
+        )
 
     a, b = ask(), ask()
     assert [c.text for c in a.choices] == [c.text for c in b.choices]
@@ -145,8 +162,14 @@ def test_seed_reproduces_and_n_samples_differ(client, model):
 
 
 def test_logprobs(client, model):
-    r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                       temperature=0, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for step in content:
@@ -170,8 +193,9 @@ def test_32_concurrent_async_streams_equal_offline(server, model, offline):
 
         async def one(prompt: str) -> str:
             text = ""
-            stream = await client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
-                                                     stream=True)
+            stream = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=6, temperature=0, stream=True
+            )
             async for chunk in stream:
                 text += "".join(c.text for c in chunk.choices)
             return text
@@ -188,7 +212,8 @@ def test_async_chat(server, model, offline):
     async def main():
         async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0) as client:
             return await client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
+                model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+            )
 
     assert asyncio.run(main()).choices[0].message.content == offline["chat"][0]
 
@@ -201,8 +226,12 @@ def test_metrics_under_64_concurrent_requests(server, model):
     seen: dict[str, list[float]] = {"running": [], "waiting": [], "kv": []}
 
     async def main():
-        async with openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=300) as client, httpx.AsyncClient() as http:
+        async with (
+            openai.AsyncOpenAI(
+                base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300
+            ) as client,
+            httpx.AsyncClient() as http,
+        ):
             done = False
 
             async def watch():
@@ -210,19 +239,28 @@ def test_metrics_under_64_concurrent_requests(server, model):
                     page = (await http.get(server.url + "/metrics")).text
                     for family in text_string_to_metric_families(page):
                         for s in family.samples:
-                            key = {"overnight:num_requests_running": "running",
-                                   "overnight:num_requests_waiting": "waiting",
-                                   "overnight:kv_cache_usage_perc": "kv"}.get(s.name)
+                            key = {
+                                "overnight:num_requests_running": "running",
+                                "overnight:num_requests_waiting": "waiting",
+                                "overnight:kv_cache_usage_perc": "kv",
+                            }.get(s.name)
                             if key:
                                 seen[key].append(s.value)
                     await asyncio.sleep(0.02)
 
             watcher = asyncio.ensure_future(watch())
-            rs = await asyncio.gather(*(
-                client.completions.create(model=model, prompt=f"Fact {i} about cats:", max_tokens=4,
-                                          temperature=0, extra_body={"ignore_eos": True})
-                for i in range(64)
-            ))
+            rs = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=model,
+                        prompt=f"Fact {i} about cats:",
+                        max_tokens=4,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(64)
+                )
+            )
             done = True
             await watcher
             return rs
@@ -238,15 +276,16 @@ def test_metrics_under_64_concurrent_requests(server, model):
         return after[name] - before[name]
 
     assert delta("overnight:prompt_tokens_total") == sum(r.usage.prompt_tokens for r in responses)
-    assert delta("overnight:generation_tokens_total") == sum(r.usage.completion_tokens for r in responses) == 256
+    assert (
+        delta("overnight:generation_tokens_total") == sum(r.usage.completion_tokens for r in responses) == 256
+    )
     assert delta("overnight:request_success_total") == 64
     assert delta("overnight:e2e_request_latency_seconds_count") == 64
     assert delta("overnight:time_to_first_token_seconds_count") == 64
     assert delta("overnight:inter_token_latency_seconds_count") == 64 * 3
     assert delta("overnight:request_generation_tokens_sum") == 256
     assert delta("overnight:iteration_tokens_total_sum") == (
-        sum(r.usage.prompt_tokens for r in responses) + 64 * 3
-        - delta("overnight:prefix_cache_hits_total")
+        sum(r.usage.prompt_tokens for r in responses) + 64 * 3 - delta("overnight:prefix_cache_hits_total")
     )
 
 
@@ -255,8 +294,13 @@ def test_metrics_under_64_concurrent_requests(server, model):
 
 def test_disconnect_mid_stream_frees_blocks(server, model, llm):
     before = wait_idle(server)
-    body = {"model": model, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": "Tell me a long story.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -298,31 +342,87 @@ BAD_REQUESTS = [
     ("body is a list", "POST", CHAT, [1, 2], 400, "invalid_request"),
     ("messages missing", "POST", CHAT, {"max_tokens": 2}, 400, "invalid_request"),
     ("messages empty", "POST", CHAT, {"messages": []}, 400, "invalid_request"),
-    ("unknown role", "POST", CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_request"),
-    ("temperature as string", "POST", CHAT, {"messages": HELLO, "temperature": "0.5"}, 400, "invalid_request"),
+    (
+        "unknown role",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "invalid_request",
+    ),
+    (
+        "temperature as string",
+        "POST",
+        CHAT,
+        {"messages": HELLO, "temperature": "0.5"},
+        400,
+        "invalid_request",
+    ),
     ("temperature too high", "POST", CHAT, {"messages": HELLO, "temperature": 7}, 400, "invalid_request"),
     ("top_p zero", "POST", COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "invalid_request"),
     ("max_tokens zero", "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "invalid_request"),
     ("max_tokens float", "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2.5}, 400, "invalid_request"),
     ("n zero", "POST", CHAT, {"messages": HELLO, "n": 0}, 400, "invalid_request"),
-    ("too many top_logprobs", "POST", CHAT, {"messages": HELLO, "logprobs": True, "top_logprobs": 99}, 400,
-     "invalid_request"),
-    ("min_tokens over max_tokens", "POST", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400,
-     "invalid_request"),
+    (
+        "too many top_logprobs",
+        "POST",
+        CHAT,
+        {"messages": HELLO, "logprobs": True, "top_logprobs": 99},
+        400,
+        "invalid_request",
+    ),
+    (
+        "min_tokens over max_tokens",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+        400,
+        "invalid_request",
+    ),
     ("empty stop", "POST", COMPLETIONS, {"prompt": "hi", "stop": ""}, 400, "invalid_request"),
     ("token id outside the vocabulary", "POST", COMPLETIONS, {"prompt": [10**9]}, 400, "invalid_request"),
-    ("stop token outside the vocabulary", "POST", COMPLETIONS,
-     {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**12]}, 400, "invalid_request"),
+    (
+        "stop token outside the vocabulary",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "hi", "min_tokens": 1, "stop_token_ids": [10**12]},
+        400,
+        "invalid_request",
+    ),
     ("prompt too long", "POST", COMPLETIONS, {"prompt": [1] * MAX_MODEL_LEN}, 400, "context_length_exceeded"),
-    ("chat too long", "POST", CHAT, {"messages": [{"role": "user", "content": "word " * 600}]}, 400,
-     "context_length_exceeded"),
-    ("stream_options without stream", "POST", CHAT, {"messages": HELLO, "stream_options": {"include_usage": True}},
-     400, "invalid_request"),
+    (
+        "chat too long",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": "word " * 600}]},
+        400,
+        "context_length_exceeded",
+    ),
+    (
+        "stream_options without stream",
+        "POST",
+        CHAT,
+        {"messages": HELLO, "stream_options": {"include_usage": True}},
+        400,
+        "invalid_request",
+    ),
     ("lone surrogate", "POST", COMPLETIONS, b'{"prompt": "a\\ud800b"}', 400, "invalid_request"),
-    ("template that fails", "POST", CHAT,
-     {"messages": HELLO, "chat_template_kwargs": {"chat_template": "{{ 1 / 0 }}"}}, 400, "invalid_request"),
-    ("template kwargs that clash", "POST", CHAT, {"messages": HELLO, "chat_template_kwargs": {"conversation": 1}},
-     400, "invalid_request"),
+    (
+        "template that fails",
+        "POST",
+        CHAT,
+        {"messages": HELLO, "chat_template_kwargs": {"chat_template": "{{ 1 / 0 }}"}},
+        400,
+        "invalid_request",
+    ),
+    (
+        "template kwargs that clash",
+        "POST",
+        CHAT,
+        {"messages": HELLO, "chat_template_kwargs": {"conversation": 1}},
+        400,
+        "invalid_request",
+    ),
     ("unknown model", "POST", CHAT, {"model": "gpt-17", "messages": HELLO}, 404, "model_not_found"),
     ("unknown route", "POST", "/v1/embeddings", {"input": "hi"}, 404, "not_found"),
     ("wrong method", "GET", CHAT, None, 405, "method_not_allowed"),
@@ -338,7 +438,9 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, mod
             elif body is None:
                 r = http.request(method, path)
             else:
-                r = http.request(method, path, content=json.dumps(body), headers={"Content-Type": "application/json"})
+                r = http.request(
+                    method, path, content=json.dumps(body), headers={"Content-Type": "application/json"}
+                )
             assert r.status_code == status, (name, r.status_code, r.text)
             error = r.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}, name

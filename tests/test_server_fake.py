@@ -166,8 +166,10 @@ def test_a_failing_step_reaches_every_waiting_request(async_mode):
 def test_completions_with_token_ids_and_routes():
     engine = slow_engine()
     with BackgroundServer(make_app(engine, ServerOptions())) as server:
-        r = httpx.post(server.url + "/v1/completions",
-                       json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "n": 2, "temperature": 0})
+        r = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 4, "n": 2, "temperature": 0},
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
@@ -178,7 +180,9 @@ def test_completions_with_token_ids_and_routes():
         assert httpx.get(server.url + "/v1/models/fake").status_code == 200
         assert httpx.get(server.url + "/v1/models/other").status_code == 404
         # chat needs a tokenizer, which this engine lacks: a 400 naming why, not a 500
-        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        r = httpx.post(
+            server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
         assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
         schema = httpx.get(server.url + "/openapi.json").json()
         assert "ChatCompletionRequest" in schema["components"]["schemas"]
@@ -223,7 +227,9 @@ def test_dead_engine_is_503_not_500():
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert httpx.get(server.url + "/health").status_code == 503
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3, "stream": True})
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 3, "stream": True}
+        )
         assert r.status_code == 503
 
 

@@ -28,7 +28,10 @@ ROUTES = ("/v1/chat/completions", "/v1/completions")
 MAX_EXAMPLES = 300
 
 JSON_SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False),
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=False, allow_infinity=False),
     st.text(max_size=12),
 )
 ANY_JSON = st.recursive(
@@ -42,10 +45,18 @@ TEXT = st.text(alphabet=string.printable + "éü中😀\x00\ud800\udfff", max_si
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = make_tiny_checkpoint(tmp_path_factory.mktemp("fuzz"), "llama", vocab_size=49152,
-                                  eos_token_ids=[2])
-    engine = build_engine(EngineOptions(model=str(folder), tokenizer=default_gguf_path(), mode="server",
-                                        max_model_len=64, served_model_name="tiny"))
+    folder = make_tiny_checkpoint(
+        tmp_path_factory.mktemp("fuzz"), "llama", vocab_size=49152, eos_token_ids=[2]
+    )
+    engine = build_engine(
+        EngineOptions(
+            model=str(folder),
+            tokenizer=default_gguf_path(),
+            mode="server",
+            max_model_len=64,
+            served_model_name="tiny",
+        )
+    )
     with BackgroundServer(make_app(engine, ServerOptions())) as s:
         yield s
 
@@ -56,7 +67,9 @@ class SchemaStrategies:
     `fields` replaces the strategy of named properties: the fuzz keeps n small, because n=100 samples of a
     full context are valid but cost seconds each, and the point here is the parsing, not the batching."""
 
-    def __init__(self, components: dict[str, Any], fields: dict[str, st.SearchStrategy] | None = None) -> None:
+    def __init__(
+        self, components: dict[str, Any], fields: dict[str, st.SearchStrategy] | None = None
+    ) -> None:
         self.components = components
         self.fields = fields or {}
 
@@ -71,14 +84,22 @@ class SchemaStrategies:
         if kind == "object":
             return self._object(schema)
         if kind == "array":
-            return st.lists(self.instance(schema.get("items", {})), min_size=schema.get("minItems", 0),
-                            max_size=max(schema.get("minItems", 0), 4))
+            return st.lists(
+                self.instance(schema.get("items", {})),
+                min_size=schema.get("minItems", 0),
+                max_size=max(schema.get("minItems", 0), 4),
+            )
         if kind == "integer":
             return st.integers(schema.get("minimum"), schema.get("maximum"))
         if kind == "number":
             lo = schema.get("minimum", schema.get("exclusiveMinimum"))
-            return st.floats(lo, schema.get("maximum"), allow_nan=False, allow_infinity=False,
-                             exclude_min="exclusiveMinimum" in schema)
+            return st.floats(
+                lo,
+                schema.get("maximum"),
+                allow_nan=False,
+                allow_infinity=False,
+                exclude_min="exclusiveMinimum" in schema,
+            )
         if kind == "string":
             return TEXT
         if kind == "boolean":
@@ -91,8 +112,18 @@ class SchemaStrategies:
         props: dict[str, Any] = schema.get("properties", {})
         if not props:
             # Free-form objects: content parts and chat_template_kwargs; keys that mean something there.
-            keys = st.sampled_from(["type", "text", "x", "chat_template", "conversation", "tokenize",
-                                    "add_generation_prompt", "messages"])
+            keys = st.sampled_from(
+                [
+                    "type",
+                    "text",
+                    "x",
+                    "chat_template",
+                    "conversation",
+                    "tokenize",
+                    "add_generation_prompt",
+                    "messages",
+                ]
+            )
             return st.dictionaries(keys, ANY_JSON | TEXT, max_size=3)
         required = set(schema.get("required", []))
 
@@ -134,7 +165,7 @@ def check_stream(r: httpx.Response) -> None:
     assert events[-1] == "data: [DONE]", r.text[-300:]
     for event in events[:-1]:
         assert event.startswith("data: "), event
-        chunk = json.loads(event[len("data: "):])
+        chunk = json.loads(event[len("data: ") :])
         assert "error" not in chunk, chunk  # a mid-stream error would mean the engine failed
         assert isinstance(chunk["choices"], list)
 
@@ -150,8 +181,13 @@ def test_fuzz_openapi_bodies_never_5xx(server):
             bodies[route] = schemas.instance(ref)
         statuses: dict[int, int] = {}
 
-        @settings(max_examples=MAX_EXAMPLES, deadline=None, derandomize=True, database=None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=MAX_EXAMPLES,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(data=st.data())
         def run(data: st.DataObject) -> None:
             route = data.draw(st.sampled_from(ROUTES))

@@ -42,9 +42,22 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "overnight", "serve", "--port", str(port), "--max-model-len", "256",
-         "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--no-access-log"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        [
+            sys.executable,
+            "-m",
+            "overnight",
+            "serve",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "256",
+            "--shutdown-timeout",
+            str(SHUTDOWN_TIMEOUT),
+            "--no-access-log",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
         deadline = time.monotonic() + 180
@@ -61,11 +74,19 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         started = {name: threading.Event() for name in ("short", "long")}
         results: dict[str, dict] = {"short": {}, "long": {}}
         bodies = {
-            "short": {"prompt": "Hello", "max_tokens": 4, "ignore_eos": True, "stream": True, "temperature": 0},
+            "short": {
+                "prompt": "Hello",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0,
+            },
             "long": {"prompt": "Hello", "max_tokens": 250, "ignore_eos": True, "stream": True},
         }
         threads = [
-            threading.Thread(target=read_stream, args=(url + "/v1/completions", bodies[n], started[n], results[n]))
+            threading.Thread(
+                target=read_stream, args=(url + "/v1/completions", bodies[n], started[n], results[n])
+            )
             for n in ("short", "long")
         ]
         for t in threads:

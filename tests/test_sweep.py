@@ -24,8 +24,18 @@ SHORT = ["--warmup-s", "2", "--window-s", "2.5", "--input-len", "16", "--output-
 
 def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsys):
     out = tmp_path / "sweep"
-    argv = ["bench", "sweep", "--max-concurrency", "4", "--all-levels", "--max-model-len", "512", *SHORT,
-            "--out", str(out)]
+    argv = [
+        "bench",
+        "sweep",
+        "--max-concurrency",
+        "4",
+        "--all-levels",
+        "--max-model-len",
+        "512",
+        *SHORT,
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "sweep.json").read_text())
@@ -52,13 +62,40 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
 
 def test_fixed_rate_runs_without_a_tokenizer_in_two_load_processes(tmp_path, capsys):
     out = tmp_path / "rate"
-    argv = ["bench", "sweep", "--server", "thread", "--model", "smollm2-135m", "--load-format", "dummy",
-            "--max-model-len", "256", "--request-rate", "2", "4", "--arrival", "constant",
-            "--client-processes", "2", "--warmup-s", "0.5", "--window-s", "2.5", "--input-len", "16",
-            "--output-len", "6", "--out", str(out)]
+    argv = [
+        "bench",
+        "sweep",
+        "--server",
+        "thread",
+        "--model",
+        "smollm2-135m",
+        "--load-format",
+        "dummy",
+        "--max-model-len",
+        "256",
+        "--request-rate",
+        "2",
+        "4",
+        "--arrival",
+        "constant",
+        "--client-processes",
+        "2",
+        "--warmup-s",
+        "0.5",
+        "--window-s",
+        "2.5",
+        "--input-len",
+        "16",
+        "--output-len",
+        "6",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     result = json.loads((out / "sweep.json").read_text())
-    assert result["x"] == "request_rate" and result["workload"]["token_timing"] == "text"  # one chunk per token, even with no text
+    assert (
+        result["x"] == "request_rate" and result["workload"]["token_timing"] == "text"
+    )  # one chunk per token, even with no text
     rates = [lv["request_rate"] for lv in result["levels"]]
     assert rates == [2.0, 4.0] and all(lv["client_processes"] == 2 for lv in result["levels"])
     for lv in result["levels"]:
@@ -72,11 +109,23 @@ def test_fixed_rate_runs_without_a_tokenizer_in_two_load_processes(tmp_path, cap
 
 def test_window_stats_count_what_arrived_inside_the_window():
     # window [10, 20): a request inside it, one cut at its end, one that began before it, one failed
-    inside = RequestRecord(start=11.0, chunk_times=[11.5, 12.0, 12.5, 13.0], chunk_tokens=[1, 1, 1, 1],
-                           end=13.0, prompt_tokens=100, output_tokens=4)
+    inside = RequestRecord(
+        start=11.0,
+        chunk_times=[11.5, 12.0, 12.5, 13.0],
+        chunk_tokens=[1, 1, 1, 1],
+        end=13.0,
+        prompt_tokens=100,
+        output_tokens=4,
+    )
     cut = RequestRecord(start=19.0, chunk_times=[19.4, 19.8, 20.2], chunk_tokens=[1, 2, 1], prompt_tokens=50)
-    before = RequestRecord(start=8.0, chunk_times=[9.0, 9.5, 10.5], chunk_tokens=[1, 1, 1], end=10.5,
-                           prompt_tokens=70, output_tokens=3)
+    before = RequestRecord(
+        start=8.0,
+        chunk_times=[9.0, 9.5, 10.5],
+        chunk_tokens=[1, 1, 1],
+        end=10.5,
+        prompt_tokens=70,
+        output_tokens=3,
+    )
     failed = RequestRecord(start=15.0, error="HTTP 503")
     s = window_stats([inside, cut, before, failed], 10.0, 20.0)
     assert s["output_tokens"] == 4 + 3 + 1  # the cut one's last chunk arrived after the window
@@ -115,10 +164,28 @@ def test_levels_and_engine_flags():
     assert levels_up_to(48) == [1, 2, 4, 8, 16, 32, 48]
     parser = argparse.ArgumentParser()
     sweep_mod.add_arguments(parser)
-    args = parser.parse_args(["--model", "qwen3-8b", "--load-format", "dummy", "--max-num-seqs", "512",
-                              "--no-enable-prefix-caching", "--input-len", "512"])
-    assert engine_flags(args) == ["--model", "qwen3-8b", "--load-format", "dummy", "--max-num-seqs", "512",
-                                  "--no-enable-prefix-caching"]
+    args = parser.parse_args(
+        [
+            "--model",
+            "qwen3-8b",
+            "--load-format",
+            "dummy",
+            "--max-num-seqs",
+            "512",
+            "--no-enable-prefix-caching",
+            "--input-len",
+            "512",
+        ]
+    )
+    assert engine_flags(args) == [
+        "--model",
+        "qwen3-8b",
+        "--load-format",
+        "dummy",
+        "--max-num-seqs",
+        "512",
+        "--no-enable-prefix-caching",
+    ]
 
 
 @pytest.mark.parametrize("refine", [False, True])
@@ -128,10 +195,19 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
 
     def fake_measure(args, url, model, workload, x, rate_mode, timing):
         measured.append(x)
-        return {"x": x, "concurrency": int(x), "output_tok_s": curve[int(x)], "total_tok_s": curve[int(x)] * 2,
-                "ttft_ms": {"p50": 1.0}, "mean_running": min(x, 20), "mean_waiting": max(x - 20, 0),
-                "mean_kv_usage": 0.95 if x >= 32 else 0.2, "max_num_seqs": 256, "preemptions": 0,
-                "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"}}
+        return {
+            "x": x,
+            "concurrency": int(x),
+            "output_tok_s": curve[int(x)],
+            "total_tok_s": curve[int(x)] * 2,
+            "ttft_ms": {"p50": 1.0},
+            "mean_running": min(x, 20),
+            "mean_waiting": max(x - 20, 0),
+            "mean_kv_usage": 0.95 if x >= 32 else 0.2,
+            "max_num_seqs": 256,
+            "preemptions": 0,
+            "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"},
+        }
 
     monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
     monkeypatch.setattr(level_mod, "measure_level", fake_measure)

@@ -84,7 +84,9 @@ def test_smollm2_encode_decode_match_transformers(smollm2):
     for _ in range(200):
         ids = [rng.randrange(len(ref)) for _ in range(rng.randrange(1, 40))]
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), ids
+            assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), (
+                ids
+            )
 
 
 def test_smollm2_chat_template_matches_transformers(smollm2):
@@ -149,15 +151,24 @@ def train_byte_level_bpe(pre: pre_tokenizers.PreTokenizer, specials: list[str]) 
     tok = RustTokenizer(BPE())
     tok.pre_tokenizer = pre
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=400,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(TRAIN_TEXT, trainer)
     return tok
 
 
-def write_tokenizer_gguf(path: str, arch: str, pre: str, tok: RustTokenizer, n_control: int,
-                         user_defined: list[str] = (), add_bos: bool | None = None) -> list[str]:
+def write_tokenizer_gguf(
+    path: str,
+    arch: str,
+    pre: str,
+    tok: RustTokenizer,
+    n_control: int,
+    user_defined: list[str] = (),
+    add_bos: bool | None = None,
+) -> list[str]:
     """A metadata-only GGUF of a trained byte-level BPE; the first n_control ids are control tokens."""
     vocab = tok.get_vocab()
     tokens = sorted(vocab, key=vocab.get) + list(user_defined)
@@ -187,17 +198,20 @@ def write_tokenizer_gguf(path: str, arch: str, pre: str, tok: RustTokenizer, n_c
 
 
 def qwen2_pre() -> pre_tokenizers.PreTokenizer:
-    return pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(gguf_tokenizer._QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(gguf_tokenizer._QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
 
 
 def test_tiny_qwen2_matches_transformers(tmp_path):
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     path = str(tmp_path / "qwen2.gguf")
-    tokens = write_tokenizer_gguf(path, "qwen2", "qwen2", train_byte_level_bpe(qwen2_pre(), specials), 3,
-                                  user_defined=["<think>"])
+    tokens = write_tokenizer_gguf(
+        path, "qwen2", "qwen2", train_byte_level_bpe(qwen2_pre(), specials), 3, user_defined=["<think>"]
+    )
     ours = load_gguf_tokenizer(path)
     ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="qwen2.gguf")
     corpus = [t for t in CORPUS if "<repo_name>" not in t] + TRAIN_TEXT[:4]
@@ -225,10 +239,12 @@ def test_tiny_qwen2_matches_transformers(tmp_path):
 def test_llama_bpe_rules(tmp_path):
     """Llama 3: digits in groups of three, bos added by default, whole-word vocabulary hits."""
     specials = ["<|begin_of_text|>", "<|end_of_text|>"]
-    pre = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(gguf_tokenizer._LLAMA3_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    pre = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(gguf_tokenizer._LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     path = str(tmp_path / "llama3.gguf")
     write_tokenizer_gguf(path, "llama", "llama-bpe", train_byte_level_bpe(pre, specials), 2)
     tok = load_gguf_tokenizer(path)
@@ -271,9 +287,17 @@ ARCH = ModelArch("llama", 32, 8, 16, 1, 2, 2, 4)
 
 
 def source(kind: str, tokenizer_path: str | None, eos=(7,)) -> ModelSource:
-    return ModelSource(kind=kind, path="m", arch=ARCH, hf_architecture="LlamaForCausalLM",
-                       tokenizer_path=tokenizer_path, eos_token_ids=eos, bos_token_id=None,
-                       config_dtype=None, served_name="m")
+    return ModelSource(
+        kind=kind,
+        path="m",
+        arch=ARCH,
+        hf_architecture="LlamaForCausalLM",
+        tokenizer_path=tokenizer_path,
+        eos_token_ids=eos,
+        bos_token_id=None,
+        config_dtype=None,
+        served_name="m",
+    )
 
 
 @pytest.fixture
@@ -286,9 +310,12 @@ def hf_folder(tmp_path):
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     backend.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<|user|>", "<|bot|>")])
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         chat_template="{% for m in messages %}<|user|> {{ m['content'] }} {% endfor %}"
-                      "{% if add_generation_prompt %}<|bot|>{% endif %}",
+        "{% if add_generation_prompt %}<|bot|>{% endif %}",
     )
     folder = tmp_path / "tok"
     hf.save_pretrained(folder)
@@ -345,12 +372,15 @@ def test_no_chat_template_is_a_request_error(hf_folder, tmp_path):
 
 # ---- incremental detokenizer ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def smol_tok() -> Tokenizer:
     return Tokenizer(load_gguf_tokenizer(SMOLLM2), (2,))
 
 
-def run_detok(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool, rng=None) -> tuple[list[str], str]:
+def run_detok(
+    tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool, rng=None
+) -> tuple[list[str], str]:
     det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     deltas, i = [], 0
     while i < len(ids):
@@ -364,7 +394,12 @@ def run_detok(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool, rng
 
 def test_detokenizer_holds_back_split_characters(smol_tok):
     prompt = smol_tok.encode("<|im_start|>assistant\n")
-    for text in ["emoji 😀👍🏽🇫🇷 👨‍👩‍👧 ok", "中文字符测试，日本語のテキスト", "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🤖 café", "x <|im_end|> y"]:
+    for text in [
+        "emoji 😀👍🏽🇫🇷 👨‍👩‍👧 ok",
+        "中文字符测试，日本語のテキスト",
+        "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 🤖 café",
+        "x <|im_end|> y",
+    ]:
         ids = smol_tok.encode(text)
         for skip in (True, False):
             deltas, tail = run_detok(smol_tok, prompt, ids, skip)

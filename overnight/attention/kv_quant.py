@@ -58,7 +58,9 @@ def load_kv_scales_(kv_scales: torch.Tensor, checkpoint: dict[int, tuple[float, 
     """Copy the scales a checkpoint ships ({layer: (k_scale, v_scale)}) into kv_scales."""
     for layer, pair in checkpoint.items():
         if not 0 <= layer < kv_scales.shape[0]:
-            raise ValueError(f"checkpoint has KV scales for layer {layer}, the model has {kv_scales.shape[0]}")
+            raise ValueError(
+                f"checkpoint has KV scales for layer {layer}, the model has {kv_scales.shape[0]}"
+            )
         if min(pair) <= 0:
             raise ValueError(f"checkpoint KV scales of layer {layer} must be positive, got {pair}")
         kv_scales[layer] = torch.tensor(pair, dtype=torch.float32)

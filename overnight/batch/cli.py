@@ -33,32 +33,59 @@ Each output line is written and flushed as its request finishes; after a crash, 
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) through the engine",
-                       description=__doc__, epilog=EPILOG.replace("URLS", ", ".join(ROUTES)),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "run-batch",
+        help="run an OpenAI batch file (JSONL) through the engine",
+        description=__doc__,
+        epilog=EPILOG.replace("URLS", ", ".join(ROUTES)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("-i", "--input-file", required=True, help="batch file (JSONL), or - for stdin")
-    p.add_argument("-o", "--output-file", default=None,
-                   help="results (JSONL), or - for stdout; required unless --validate-only")
+    p.add_argument(
+        "-o",
+        "--output-file",
+        default=None,
+        help="results (JSONL), or - for stdout; required unless --validate-only",
+    )
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--resume", action="store_true",
-                      help="continue an existing output: drop a torn last line, skip answered custom_ids")
+    mode.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue an existing output: drop a torn last line, skip answered custom_ids",
+    )
     mode.add_argument("--overwrite", action="store_true", help="replace a non-empty output file")
-    p.add_argument("--order", choices=ORDERS, default="input",
-                   help="write results in input order (default; bounded reorder window) or as they finish")
+    p.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="input",
+        help="write results in input order (default; bounded reorder window) or as they finish",
+    )
     p.add_argument("--errors-file", default=None, help="write failed lines here instead of the output")
-    p.add_argument("--validate-only", action="store_true",
-                   help="check every line (bodies, model name, prompt lengths) without loading the model")
+    p.add_argument(
+        "--validate-only",
+        action="store_true",
+        help="check every line (bodies, model name, prompt lengths) without loading the model",
+    )
     p.add_argument("--summary-json", default=None, help="also write the summary to this file as JSON")
-    p.add_argument("--max-in-flight", type=int, default=None,
-                   help="engine sequences queued at once (default: 2 x max_num_seqs)")
-    p.add_argument("--reorder-window", type=int, default=None,
-                   help="lines started but not yet written, with --order input (default: 4 x max-in-flight)")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="engine sequences queued at once (default: 2 x max_num_seqs)",
+    )
+    p.add_argument(
+        "--reorder-window",
+        type=int,
+        default=None,
+        help="lines started but not yet written, with --order input (default: 4 x max-in-flight)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
     r = p.add_argument_group("ray (pip install 'overnight[ray]')")
     r.add_argument("--ray", action="store_true", help="run the engines as replicas on a Ray cluster")
-    r.add_argument("--ray-address", default=None,
-                   help="cluster to join (default: RAY_ADDRESS, else a new local cluster)")
+    r.add_argument(
+        "--ray-address", default=None, help="cluster to join (default: RAY_ADDRESS, else a new local cluster)"
+    )
     r.add_argument("--num-replicas", type=int, default=1, help="engines on the cluster, with --ray")
 
 
@@ -124,8 +151,9 @@ def _run_batch(args: argparse.Namespace) -> int:
             require_ray()
         except ImportError as e:
             raise UsageError(str(e)) from None
-        engine = build_ray_engine(options_from_args(args, mode="batch"), args.num_replicas,
-                                  address=args.ray_address)
+        engine = build_ray_engine(
+            options_from_args(args, mode="batch"), args.num_replicas, address=args.ray_address
+        )
     else:
         try:
             engine = build_engine(options_from_args(args, mode="batch"))
@@ -140,8 +168,9 @@ def _run_batch(args: argparse.Namespace) -> int:
     out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
     errors = None
     if args.errors_file:
-        errors, answered_errors = open_output(args.errors_file, resume=args.resume, overwrite=args.overwrite,
-                                              what="errors")
+        errors, answered_errors = open_output(
+            args.errors_file, resume=args.resume, overwrite=args.overwrite, what="errors"
+        )
         answered.merge(answered_errors)
     if answered.num_records:
         log.info("resuming: %d lines already answered in %s", answered.num_records, args.output_file)
@@ -154,7 +183,9 @@ def _run_batch(args: argparse.Namespace) -> int:
     max_in_flight = args.max_in_flight or 2 * engine.config.scheduler.max_num_seqs
     window = args.reorder_window or max(4 * max_in_flight, 256)
     runner = BatchRunner(
-        engine, sink, summary,
+        engine,
+        sink,
+        summary,
         model_name=served,
         names=served_names(served, args.model),
         order=OutputOrder(args.order, window),

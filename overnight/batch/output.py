@@ -103,7 +103,9 @@ def check_output(path: str, *, resume: bool, overwrite: bool, what: str = "outpu
         )
 
 
-def open_output(path: str, *, resume: bool, overwrite: bool, what: str = "output") -> tuple[BinaryIO, Answered]:
+def open_output(
+    path: str, *, resume: bool, overwrite: bool, what: str = "output"
+) -> tuple[BinaryIO, Answered]:
     """The file to append results to, and what it already answers (empty unless resuming)."""
     check_output(path, resume=resume, overwrite=overwrite, what=what)
     if path == "-":

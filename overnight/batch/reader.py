@@ -37,14 +37,23 @@ def parse_line(line_no: int, raw: bytes) -> BatchLine:
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as e:
-        return BatchLine(line_no, _guess_custom_id(raw), error=ApiError("invalid_json", f"not valid JSON: {e}"))
+        return BatchLine(
+            line_no, _guess_custom_id(raw), error=ApiError("invalid_json", f"not valid JSON: {e}")
+        )
     if not isinstance(obj, dict):
-        return BatchLine(line_no, None, error=ApiError(
-            "invalid_line", f"a line must be a JSON object, not {type(obj).__name__}"))
+        return BatchLine(
+            line_no,
+            None,
+            error=ApiError("invalid_line", f"a line must be a JSON object, not {type(obj).__name__}"),
+        )
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         what = "missing" if custom_id is None else f"not a non-empty string ({custom_id!r})"
-        cid = str(custom_id) if isinstance(custom_id, (int, float)) and not isinstance(custom_id, bool) else None
+        cid = (
+            str(custom_id)
+            if isinstance(custom_id, (int, float)) and not isinstance(custom_id, bool)
+            else None
+        )
         return BatchLine(line_no, cid, error=ApiError("invalid_line", f"custom_id is {what}", "custom_id"))
     line = BatchLine(line_no, custom_id)
     method, url, body = obj.get("method"), obj.get("url"), obj.get("body")

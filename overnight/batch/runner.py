@@ -107,8 +107,12 @@ class BatchRunner:
         cid = line.custom_id
         if cid is not None:
             if cid in self._seen:
-                self._fail(line, ApiError(
-                    "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"))
+                self._fail(
+                    line,
+                    ApiError(
+                        "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"
+                    ),
+                )
                 return
             self._seen.add(cid)
             if cid in self.answered.custom_ids:
@@ -119,15 +123,23 @@ class BatchRunner:
             return
         req = line.request
         try:
-            inputs = prepare(req, self.engine.tokenizer, self.engine.max_model_len, self.names,
-                             self.engine.validate)
+            inputs = prepare(
+                req, self.engine.tokenizer, self.engine.max_model_len, self.names, self.engine.validate
+            )
         except ApiError as e:
             self._fail(line, e)
             return
         seq = self.order.start()
-        state = _Line(seq, line.line_no, cid, req, [None] * len(inputs.prompts),
-                      num_seqs=len(inputs.prompts) * inputs.params.n, remaining=len(inputs.prompts),
-                      created=int(time.time()))
+        state = _Line(
+            seq,
+            line.line_no,
+            cid,
+            req,
+            [None] * len(inputs.prompts),
+            num_seqs=len(inputs.prompts) * inputs.params.n,
+            remaining=len(inputs.prompts),
+            created=int(time.time()),
+        )
         for p, (text, ids) in enumerate(inputs.prompts):
             try:
                 self.engine.add_request(f"{seq}.{p}", ids, inputs.params, prompt=text)
@@ -165,11 +177,14 @@ class BatchRunner:
     def _response(self, state: _Line, outputs: list[RequestOutput]) -> dict:
         if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
             self.summary.add_failure("aborted")
-            return error_record(state.custom_id, state.line_no, ApiError("aborted", "the request was aborted"))
+            return error_record(
+                state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
+            )
         req = state.request
         if isinstance(req, ChatCompletionRequest):
-            body = chat_completion(outputs[0], self.model_name, created=state.created,
-                                   num_logprobs=req.num_logprobs)
+            body = chat_completion(
+                outputs[0], self.model_name, created=state.created, num_logprobs=req.num_logprobs
+            )
         else:
             body = completion(outputs, self.model_name, created=state.created)
         usage = body["usage"]

@@ -85,7 +85,9 @@ class Summary:
             f"{d['requests_per_s']:.2f} req/s",
         ]
         if d["errors_by_code"]:
-            lines.append("  failures by code: " + ", ".join(f"{k} {v}" for k, v in d["errors_by_code"].items()))
+            lines.append(
+                "  failures by code: " + ", ".join(f"{k} {v}" for k, v in d["errors_by_code"].items())
+            )
         lines.append(f"  output: {d['output']}")
         return "\n".join(lines)
 

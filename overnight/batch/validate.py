@@ -47,7 +47,9 @@ def validate_file(args: argparse.Namespace) -> int:
             raise InvalidRequestError("the prompt is empty")
         bad = [t for t in ids if t >= vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})"
+            )
         if params.stop_strings and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
 
@@ -61,8 +63,9 @@ def validate_file(args: argparse.Namespace) -> int:
     for line in read_lines(input_lines(args.input_file)):
         error = line.error
         if error is None and line.custom_id in seen:
-            error = ApiError("duplicate_custom_id", f"custom_id {line.custom_id!r} is used by an earlier line",
-                             "custom_id")
+            error = ApiError(
+                "duplicate_custom_id", f"custom_id {line.custom_id!r} is used by an earlier line", "custom_id"
+            )
         if line.custom_id is not None:
             seen.add(line.custom_id)
         if error is None and line.request is not None:
@@ -84,9 +87,15 @@ def validate_file(args: argparse.Namespace) -> int:
     if summary.failed > _SHOWN:
         print(f"... and {summary.failed - _SHOWN} more", file=sys.stderr)
     summary.finish("validated")
-    print(f"validated {summary.done} lines: {summary.ok} valid, {summary.failed} invalid"
-          + (" (" + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())) + ")"
-             if summary.failed else ""), file=sys.stderr)
+    print(
+        f"validated {summary.done} lines: {summary.ok} valid, {summary.failed} invalid"
+        + (
+            " (" + ", ".join(f"{k} {v}" for k, v in sorted(summary.errors_by_code.items())) + ")"
+            if summary.failed
+            else ""
+        ),
+        file=sys.stderr,
+    )
     if args.summary_json:
         summary.write_json(args.summary_json)
     return 1 if summary.failed else 0

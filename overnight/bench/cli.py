@@ -16,16 +16,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="measure throughput")
     bench = p.add_subparsers(dest="bench_command", metavar="BENCH")
     t = bench.add_parser("throughput", help="offline throughput on a fixed workload")
-    t.add_argument("--workload", default=None,
-                   help="seed-512-256, nano-256, long-1024-1024 (GPU, dummy weights) or cpu-64")
+    t.add_argument(
+        "--workload",
+        default=None,
+        help="seed-512-256, nano-256, long-1024-1024 (GPU, dummy weights) or cpu-64",
+    )
     t.add_argument("--num-prompts", type=int, default=None)
     t.add_argument("--input-len", type=int, nargs="+", default=None, help="one length, or lo hi")
     t.add_argument("--output-len", type=int, nargs="+", default=None, help="one length, or lo hi")
-    t.add_argument("--compare", choices=["transformers"], default=None,
-                   help="also run transformers' static-batch generate on the same prompts")
+    t.add_argument(
+        "--compare",
+        choices=["transformers"],
+        default=None,
+        help="also run transformers' static-batch generate on the same prompts",
+    )
     t.add_argument("--hf-batch-size", type=int, default=256)
-    t.add_argument("--hf-max-requests", type=int, default=None,
-                   help="run transformers on the first N requests only (its time is long)")
+    t.add_argument(
+        "--hf-max-requests",
+        type=int,
+        default=None,
+        help="run transformers on the first N requests only (its time is long)",
+    )
     t.add_argument("--json-out", default=None, help="also write the JSON line to this file")
     add_engine_args(t)
     for name, module in SUBCOMMANDS.items():
@@ -46,10 +57,14 @@ def _workload(args: argparse.Namespace):
         if args.num_prompts:
             w = Workload(w.name, w.model, args.num_prompts, w.input_len, w.output_len)
         return w
+
     def span(v, default):
         v = v or default
         return (v[0], v[-1])
-    return Workload("custom", "", args.num_prompts or 64, span(args.input_len, [128]), span(args.output_len, [128]))
+
+    return Workload(
+        "custom", "", args.num_prompts or 64, span(args.input_len, [128]), span(args.output_len, [128])
+    )
 
 
 def run(args: argparse.Namespace) -> int:

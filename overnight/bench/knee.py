@@ -96,7 +96,7 @@ def refine_between(a: float, b: float) -> int | None:
 
 def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
     """(reason, detail) from the levels past the knee, judged against the levels up to it."""
-    past = points[knee + 1:]
+    past = points[knee + 1 :]
     if not past:
         return "still_growing", (
             f"output still grew at the last level ({_x(points[-1].x)}): measure higher levels"

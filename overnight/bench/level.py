@@ -42,8 +42,10 @@ def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
     vocab = vocab or DEFAULT_VOCAB
     limit = info.get("max_model_len")
     if dataset is None and limit and args.input_len + args.output_len > int(limit):
-        raise SystemExit(f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the "
-                         f"server's max_model_len {limit}")
+        raise SystemExit(
+            f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the "
+            f"server's max_model_len {limit}"
+        )
     return Workload(
         input_len=args.input_len,
         output_len=args.output_len,
@@ -63,7 +65,7 @@ def load_dataset(path: str) -> tuple[tuple[PromptT, int | None], ...]:
             row = json.loads(line)
             prompt = row.get("prompt", row.get("prompt_token_ids"))
             if not isinstance(prompt, (str, list)) or not prompt:
-                raise SystemExit(f"{path}:{n}: each line needs a non-empty \"prompt\" (text or token ids)")
+                raise SystemExit(f'{path}:{n}: each line needs a non-empty "prompt" (text or token ids)')
             out.append((prompt, row.get("output_len", row.get("max_tokens"))))
     if not out:
         raise SystemExit(f"{path}: no prompts")
@@ -150,13 +152,17 @@ def drain(url: str, headers: dict[str, str] | None, timeout_s: float = 120.0) ->
         if snap.running == 0 and snap.waiting == 0:
             return
         time.sleep(0.2)
-    log.warning("the server still holds requests %.0f s after the load stopped (other clients?): going on",
-                timeout_s)
+    log.warning(
+        "the server still holds requests %.0f s after the load stopped (other clients?): going on", timeout_s
+    )
+
 
 # -- what a window measured -------------------------------------------------------------------------
 
 
-def percentiles(xs: list[float], qs: tuple[int, ...] = (50, 90, 99), scale: float = 1000.0) -> dict[str, float | None]:
+def percentiles(
+    xs: list[float], qs: tuple[int, ...] = (50, 90, 99), scale: float = 1000.0
+) -> dict[str, float | None]:
     """Linear-interpolated percentiles, times `scale` (seconds to ms by default); None when empty."""
     if not xs:
         return {f"p{q}": None for q in qs}

@@ -315,7 +315,9 @@ async def drive(spec: LoadSpec, control: Control) -> list[RequestRecord]:
     limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
     headers = {"Authorization": f"Bearer {spec.api_key}"} if spec.api_key else None
     timeout = httpx.Timeout(None, connect=60.0)
-    async with httpx.AsyncClient(base_url=spec.url, limits=limits, timeout=timeout, headers=headers) as client:
+    async with httpx.AsyncClient(
+        base_url=spec.url, limits=limits, timeout=timeout, headers=headers
+    ) as client:
         control.mark_ready()
         while control.start_time() == 0.0:
             await asyncio.sleep(0.005)
@@ -342,7 +344,9 @@ def split(spec: LoadSpec, processes: int) -> list[LoadSpec]:
     """One spec per process: workers dealt round robin, or an equal share of the rate and the cap."""
     if spec.request_rate is None:
         workers = tuple(range(spec.concurrency or 1))
-        return [replace(spec, workers=workers[p::processes]) for p in range(processes) if workers[p::processes]]
+        return [
+            replace(spec, workers=workers[p::processes]) for p in range(processes) if workers[p::processes]
+        ]
     cap = -(-spec.concurrency // processes) if spec.concurrency else None
     return [
         replace(spec, workers=(p,), rate_share=1.0 / processes, concurrency=cap) for p in range(processes)
@@ -424,7 +428,9 @@ async def _start_when_ready(control: Control, parts: int, failed: Callable[[], b
     control.set_start(time.monotonic())
 
 
-STREAMS_PER_PROCESS = 64  # a token event costs the client ~50-150 us of CPU: keep each process well under a core
+STREAMS_PER_PROCESS = (
+    64  # a token event costs the client ~50-150 us of CPU: keep each process well under a core
+)
 
 
 def auto_processes(spec: LoadSpec, cpu_count: int) -> int:
@@ -434,4 +440,3 @@ def auto_processes(spec: LoadSpec, cpu_count: int) -> int:
     else:
         streams = spec.concurrency or math.ceil(spec.request_rate * 4)
     return max(1, min(max(cpu_count // 2, 1), math.ceil(streams / STREAMS_PER_PROCESS)))
-

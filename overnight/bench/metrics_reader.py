@@ -70,7 +70,7 @@ def parse_metrics(text: str, t: float | None = None) -> Snapshot:
 def _short(name: str) -> str | None:
     for prefix in PREFIXES:
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return None
 
 
@@ -133,7 +133,9 @@ class WindowMetrics:
             "max_kv_usage": round(self.max_kv_usage, 4),
             "waiting_fraction": round(self.waiting_fraction, 3),
             "preemptions": int(self.preemptions),
-            "server_generation_tok_s": None if self.generation_tok_s is None else round(self.generation_tok_s, 1),
+            "server_generation_tok_s": None
+            if self.generation_tok_s is None
+            else round(self.generation_tok_s, 1),
             "max_num_seqs": self.max_num_seqs,
             "num_kv_blocks": self.num_kv_blocks,
             "samples": self.num_samples,

@@ -33,7 +33,9 @@ def plot_sweep(result: dict, path: str) -> None:
     bottom.set_yscale("log")
     bottom.set_ylabel("latency (ms)")
     bottom.grid(True, which="both", alpha=0.3)
-    bottom.set_xlabel("concurrency (requests in flight)" if x_key == "concurrency" else "request rate (req/s)")
+    bottom.set_xlabel(
+        "concurrency (requests in flight)" if x_key == "concurrency" else "request rate (req/s)"
+    )
 
     verdict = result.get("verdict")
     if verdict:
@@ -42,10 +44,19 @@ def plot_sweep(result: dict, path: str) -> None:
         top.annotate(
             f"knee {verdict['knee_x']:g}: {verdict['knee_output_tok_s']:.0f} tok/s\n({verdict['reason']})",
             xy=(verdict["knee_x"], verdict["knee_output_tok_s"]),
-            xytext=(-10, -40), textcoords="offset points", color="tab:red", ha="right",
+            xytext=(-10, -40),
+            textcoords="offset points",
+            color="tab:red",
+            ha="right",
         )
-        top.plot([verdict["best_x"]], [verdict["best_output_tok_s"]], "*", markersize=14,
-                 color="tab:orange", label=f"best {verdict['best_x']:g}")
+        top.plot(
+            [verdict["best_x"]],
+            [verdict["best_output_tok_s"]],
+            "*",
+            markersize=14,
+            color="tab:orange",
+            label=f"best {verdict['best_x']:g}",
+        )
     if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) >= 4:
         top.set_xscale("log", base=2)
         top.set_xticks(xs, [f"{x:g}" for x in xs])
@@ -53,8 +64,10 @@ def plot_sweep(result: dict, path: str) -> None:
     top.legend(loc="upper left")
     bottom.legend(loc="upper left")
     server = result.get("server", {})
-    top.set_title(f"{server.get('model', '')}  in {result['workload']['input_len']} / "
-                  f"out {result['workload']['output_len']} tokens  {result.get('gpu', '')}".strip())
+    top.set_title(
+        f"{server.get('model', '')}  in {result['workload']['input_len']} / "
+        f"out {result['workload']['output_len']} tokens  {result.get('gpu', '')}".strip()
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

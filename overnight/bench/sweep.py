@@ -34,35 +34,74 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = __doc__
     g = p.add_argument_group("sweep")
     g.add_argument("--url", default=None, help="a running server; without it the sweep starts its own")
-    g.add_argument("--server", choices=["process", "thread"], default="process",
-                   help="own server as a subprocess (default: its CPU is apart from the client's) or a thread")
+    g.add_argument(
+        "--server",
+        choices=["process", "thread"],
+        default="process",
+        help="own server as a subprocess (default: its CPU is apart from the client's) or a thread",
+    )
     g.add_argument("--api-key", default=None)
     g.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
     g.add_argument("--output-len", type=int, default=128, help="tokens per answer (ignore_eos)")
-    g.add_argument("--dataset", default=None,
-                   help="JSONL of {\"prompt\": text or token ids, \"output_len\"?: N} instead of random prompts")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="random ids stay below this (default: the model's vocabulary, or 32000 with --url)")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="the last level (default: 2 x the server's max_num_seqs); with --request-rate, a cap")
-    g.add_argument("--levels", type=int, nargs="+", default=None, help="explicit levels instead of 1, 2, 4, ...")
-    g.add_argument("--warmup-s", type=float, default=10.0,
-                   help="longest warm-up per level; it ends earlier once every client finished a request")
+    g.add_argument(
+        "--dataset",
+        default=None,
+        help='JSONL of {"prompt": text or token ids, "output_len"?: N} instead of random prompts',
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="random ids stay below this (default: the model's vocabulary, or 32000 with --url)",
+    )
+    g.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="the last level (default: 2 x the server's max_num_seqs); with --request-rate, a cap",
+    )
+    g.add_argument(
+        "--levels", type=int, nargs="+", default=None, help="explicit levels instead of 1, 2, 4, ..."
+    )
+    g.add_argument(
+        "--warmup-s",
+        type=float,
+        default=10.0,
+        help="longest warm-up per level; it ends earlier once every client finished a request",
+    )
     g.add_argument("--window-s", type=float, default=10.0, help="measured seconds per level")
     g.add_argument("--min-gain", type=float, default=0.05, help="growth over two steps that keeps raising")
-    g.add_argument("--refine", action="store_true",
-                   help="once growth stopped, also measure halfway between the last two levels")
+    g.add_argument(
+        "--refine",
+        action="store_true",
+        help="once growth stopped, also measure halfway between the last two levels",
+    )
     g.add_argument("--all-levels", action="store_true", help="measure every level, past the knee too")
-    g.add_argument("--request-rate", type=float, nargs="+", default=None,
-                   help="fixed-rate runs (requests/s) instead of concurrency levels")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        nargs="+",
+        default=None,
+        help="fixed-rate runs (requests/s) instead of concurrency levels",
+    )
     g.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between arrivals: 1 Poisson, larger more regular")
-    g.add_argument("--token-timing", choices=["auto", "text", "logprobs"], default="auto",
-                   help="how chunks show tokens; auto asks for logprobs when the server streams no text")
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps between arrivals: 1 Poisson, larger more regular",
+    )
+    g.add_argument(
+        "--token-timing",
+        choices=["auto", "text", "logprobs"],
+        default="auto",
+        help="how chunks show tokens; auto asks for logprobs when the server streams no text",
+    )
     g.add_argument("--client-processes", type=int, default=0, help="load processes (0: one per 64 streams)")
     g.add_argument("--metrics-interval-s", type=float, default=0.5)
-    g.add_argument("--server-timeout-s", type=float, default=900.0, help="how long an own server may take to start")
+    g.add_argument(
+        "--server-timeout-s", type=float, default=900.0, help="how long an own server may take to start"
+    )
     g.add_argument("--out", default="sweep-results", help="folder for sweep.json, sweep.png, server.log")
     add_engine_args(p)
 
@@ -83,9 +122,18 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as e:
         print(f"no plot: {e} (pip install matplotlib)", file=sys.stderr)
     v = result["verdict"] or {}
-    print(json.dumps({"x": result["x"], "knee": v.get("knee_x"), "best": v.get("best_x"),
-                      "peak_output_tok_s": v.get("best_output_tok_s"), "reason": v.get("reason"),
-                      "out": args.out}))
+    print(
+        json.dumps(
+            {
+                "x": result["x"],
+                "knee": v.get("knee_x"),
+                "best": v.get("best_x"),
+                "peak_output_tok_s": v.get("best_output_tok_s"),
+                "reason": v.get("reason"),
+                "out": args.out,
+            }
+        )
+    )
     return 0
 
 
@@ -138,8 +186,20 @@ def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
     with socket.socket() as s:  # a free port; the tiny race with other programs is accepted
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "overnight", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--no-access-log", "--log-level", "warning", *engine_flags(args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "overnight",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-access-log",
+        "--log-level",
+        "warning",
+        *engine_flags(args),
+    ]
     log_path = os.path.join(args.out, "server.log")
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "w") as log:
@@ -226,8 +286,10 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
         seats = info.get("max_num_seqs")
         top = args.max_concurrency or (1 << max(2 * int(seats) - 1, 1).bit_length() if seats else 256)
         xs = levels_up_to(top)
-    print(f"sweep of {info['model']} at {url}: {'rates' if rates else 'levels'} {xs}, "
-          f"token timing by {timing}", file=sys.stderr)
+    print(
+        f"sweep of {info['model']} at {url}: {'rates' if rates else 'levels'} {xs}, token timing by {timing}",
+        file=sys.stderr,
+    )
 
     rows: list[dict[str, object]] = []
     stopped = "end"
@@ -240,11 +302,20 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
             "x": "request_rate" if rates else "concurrency",
             "server": info,
             "gpu": gpu,
-            "workload": {"input_len": args.input_len, "output_len": args.output_len, "dataset": args.dataset,
-                         "seed": args.seed, "token_timing": timing},
-            "settings": {"warmup_s": args.warmup_s, "window_s": args.window_s, "min_gain": args.min_gain,
-                         "arrival": args.arrival if rates else None,
-                         "burstiness": args.burstiness if rates else None},
+            "workload": {
+                "input_len": args.input_len,
+                "output_len": args.output_len,
+                "dataset": args.dataset,
+                "seed": args.seed,
+                "token_timing": timing,
+            },
+            "settings": {
+                "warmup_s": args.warmup_s,
+                "window_s": args.window_s,
+                "min_gain": args.min_gain,
+                "arrival": args.arrival if rates else None,
+                "burstiness": args.burstiness if rates else None,
+            },
             "complete": final,
             "levels": ordered,
             "verdict": verdict(points, args.min_gain, stopped).to_dict() if final and rows else None,
@@ -252,9 +323,11 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
 
     def measure(x: float) -> None:
         row = measure_level(args, url, str(info["model"]), workload, x, rate_mode=bool(rates), timing=timing)
-        print(f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']} ms, "
-              f"running {row['mean_running']}, waiting {row['mean_waiting']}, KV {row['mean_kv_usage']:.0%}",
-              file=sys.stderr)
+        print(
+            f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']} ms, "
+            f"running {row['mean_running']}, waiting {row['mean_waiting']}, KV {row['mean_kv_usage']:.0%}",
+            file=sys.stderr,
+        )
         rows.append(row)
         save(document(final=False), args.out)
 
@@ -292,11 +365,15 @@ def to_point(row: dict) -> LevelPoint:
 
 def print_table(result: dict) -> None:
     x_name = "conc" if result["x"] == "concurrency" else "req/s in"
-    head = (f"{x_name:>8} {'out tok/s':>10} {'tot tok/s':>10} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-            f"{'TPOT p50':>9} {'ITL p99':>8} {'run':>6} {'wait':>6} {'KV':>5} {'preempt':>7} {'SM MHz':>7} "
-            f"{'W':>5} {'temp':>5}")
-    print(f"\n{result['server']['model']}  in {result['workload']['input_len']} / out "
-          f"{result['workload']['output_len']} tokens  {result['gpu']}  (latencies in ms)")
+    head = (
+        f"{x_name:>8} {'out tok/s':>10} {'tot tok/s':>10} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
+        f"{'TPOT p50':>9} {'ITL p99':>8} {'run':>6} {'wait':>6} {'KV':>5} {'preempt':>7} {'SM MHz':>7} "
+        f"{'W':>5} {'temp':>5}"
+    )
+    print(
+        f"\n{result['server']['model']}  in {result['workload']['input_len']} / out "
+        f"{result['workload']['output_len']} tokens  {result['gpu']}  (latencies in ms)"
+    )
     print(head)
     print("-" * len(head))
 
@@ -305,12 +382,16 @@ def print_table(result: dict) -> None:
 
     for r in result["levels"]:
         g = r["gpu"]
-        print(f"{r['x']:>8g} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>10.1f} {r['requests_s']:>7.2f} "
-              f"{ms(r['ttft_ms'], 'p50'):>9} {ms(r['ttft_ms'], 'p99'):>9} {ms(r['tpot_ms'], 'p50'):>9} "
-              f"{ms(r['itl_ms'], 'p99'):>8} {r['mean_running']:>6.1f} {r['mean_waiting']:>6.1f} "
-              f"{r['mean_kv_usage']:>5.0%} {r['preemptions']:>7} {g['sm_clock_mhz_median']!s:>7} "
-              f"{g['power_w_median']!s:>5} {g['temp_c_max']!s:>5}")
+        print(
+            f"{r['x']:>8g} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>10.1f} {r['requests_s']:>7.2f} "
+            f"{ms(r['ttft_ms'], 'p50'):>9} {ms(r['ttft_ms'], 'p99'):>9} {ms(r['tpot_ms'], 'p50'):>9} "
+            f"{ms(r['itl_ms'], 'p99'):>8} {r['mean_running']:>6.1f} {r['mean_waiting']:>6.1f} "
+            f"{r['mean_kv_usage']:>5.0%} {r['preemptions']:>7} {g['sm_clock_mhz_median']!s:>7} "
+            f"{g['power_w_median']!s:>5} {g['temp_c_max']!s:>5}"
+        )
     v = result["verdict"]
     if v:
-        print(f"best {v['best_x']:g} ({v['best_output_tok_s']:.1f} out tok/s); knee {v['knee_x']:g} "
-              f"({v['knee_output_tok_s']:.1f}); stopped: {v['stopped']}; {v['reason']}: {v['detail']}")
+        print(
+            f"best {v['best_x']:g} ({v['best_output_tok_s']:.1f} out tok/s); knee {v['knee_x']:g} "
+            f"({v['knee_output_tok_s']:.1f}); stopped: {v['stopped']}; {v['reason']}: {v['detail']}"
+        )

@@ -42,7 +42,9 @@ class RunResult:
     extra: dict | None = None
 
 
-def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tuple[RunResult, list[list[int]]]:
+def run_ours(
+    opts: EngineOptions, workload: Workload, warmup: bool = True
+) -> tuple[RunResult, list[list[int]]]:
     from overnight import LLM, SamplingParams
 
     llm = LLM(**opts.__dict__)
@@ -110,7 +112,9 @@ def run_ours(opts: EngineOptions, workload: Workload, warmup: bool = True) -> tu
     return result, tokens
 
 
-def run_transformers(opts: EngineOptions, workload: Workload, batch_size: int, max_requests: int | None = None) -> RunResult:
+def run_transformers(
+    opts: EngineOptions, workload: Workload, batch_size: int, max_requests: int | None = None
+) -> RunResult:
     """transformers' generate with static batches (left padding), greedy, fixed lengths. Output
     tokens counted are the ones each request asked for (a static batch runs to its longest)."""
     from overnight.bench.hf_reference import build_hf_model
@@ -166,8 +170,10 @@ def run_transformers(opts: EngineOptions, workload: Workload, batch_size: int, m
 
 
 def print_table(workload: Workload, results: list[RunResult]) -> None:
-    print(f"\nworkload {workload.name}: {workload.num_requests} requests, input {workload.input_len}, "
-          f"output {workload.output_len}")
+    print(
+        f"\nworkload {workload.name}: {workload.num_requests} requests, input {workload.input_len}, "
+        f"output {workload.output_len}"
+    )
     header = f"{'engine':<40} {'req':>5} {'out tok/s':>10} {'total tok/s':>12} {'elapsed s':>10} {'start-up s':>10} {'SM MHz':>7} {'limit frac':>11}"
     print(header)
     print("-" * len(header))
@@ -175,11 +181,15 @@ def print_table(workload: Workload, results: list[RunResult]) -> None:
         sm = r.clocks.get("sm_clock_mhz_median", "n/a") if r.clocks else "n/a"
         frac = f"{r.limit_fraction_overlapped:.2f}" if r.limit_fraction_overlapped is not None else "-"
         start = f"{r.startup_s:.1f}" if r.startup_s is not None else "-"
-        print(f"{r.engine:<40} {r.requests:>5} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
-              f"{r.elapsed_s:>10.2f} {start:>10} {sm!s:>7} {frac:>11}")
+        print(
+            f"{r.engine:<40} {r.requests:>5} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
+            f"{r.elapsed_s:>10.2f} {start:>10} {sm!s:>7} {frac:>11}"
+        )
     if len(results) > 1:
-        print(f"ratio output tok/s, overnight / {results[1].engine}: "
-              f"{results[0].output_tok_s / results[1].output_tok_s:.2f}x")
+        print(
+            f"ratio output tok/s, overnight / {results[1].engine}: "
+            f"{results[0].output_tok_s / results[1].output_tok_s:.2f}x"
+        )
 
 
 def to_json(workload: Workload, results: list[RunResult]) -> str:

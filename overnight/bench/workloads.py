@@ -42,5 +42,7 @@ WORKLOADS = {
 }
 
 
-def custom(num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0) -> Workload:
+def custom(
+    num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
+) -> Workload:
     return Workload("custom", "", num_requests, input_len, output_len, seed)

@@ -87,9 +87,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler.max_model_len
-        self.kv = KVCacheManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         capacity = num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
             raise ConfigError(
@@ -229,9 +227,7 @@ class Engine:
         advanced, finished = self.scheduler.update(sched_out, runner_out)
         logprobs = {}
         if runner_out.logprobs is not None:
-            logprobs = {
-                rid: lp for rid, lp in zip(runner_out.req_ids, runner_out.logprobs) if lp is not None
-            }
+            logprobs = {rid: lp for rid, lp in zip(runner_out.req_ids, runner_out.logprobs) if lp is not None}
         outputs, stopped = self.output.process(advanced, logprobs, finished)
         for req, stop_str in stopped:
             self.scheduler.finish_stopped(req, stop_str)
@@ -249,9 +245,7 @@ class Engine:
             for req in self.children.pop(out.request_id, []):
                 self._last_token_time.pop(req.req_id, None)
 
-    def _observe(
-        self, sched_out: SchedulerOutput, advanced: list[Request], finished: list[Request]
-    ) -> None:
+    def _observe(self, sched_out: SchedulerOutput, advanced: list[Request], finished: list[Request]) -> None:
         now = time.monotonic()
         it = IterationStats(num_scheduled_tokens=sched_out.total_num_scheduled_tokens)
         it.num_prompt_tokens = sum(r.num_prompt_tokens for r in sched_out.new_reqs if not r.resumed)

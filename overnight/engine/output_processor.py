@@ -195,7 +195,9 @@ class OutputProcessor:
         parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
         m = parent.metrics
         if req.first_scheduled_time is not None:
-            m.first_scheduled_time = min(m.first_scheduled_time or req.first_scheduled_time, req.first_scheduled_time)
+            m.first_scheduled_time = min(
+                m.first_scheduled_time or req.first_scheduled_time, req.first_scheduled_time
+            )
         if req.first_token_time is not None:
             m.first_token_time = min(m.first_token_time or req.first_token_time, req.first_token_time)
         m.last_token_time = time.monotonic()

@@ -249,4 +249,3 @@ class Scheduler:
                     if req.status is running or req.status is preempted:
                         self.kv.cache_computed_blocks(req)
         return advanced, finished
-

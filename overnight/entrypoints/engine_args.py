@@ -9,12 +9,17 @@ from overnight.engine.builder import EngineOptions
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="HF folder, repo id in the local HF cache, .gguf file, or a preset with "
-                        "--load-format dummy (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="HF folder, repo id in the local HF cache, .gguf file, or a preset with "
+        "--load-format dummy (default: the embedded SmolLM2-135M-Instruct)",
+    )
     g.add_argument("--tokenizer", default=None)
     g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float16", "half", "float32", "float"])
+    g.add_argument(
+        "--dtype", default="auto", choices=["auto", "bfloat16", "bf16", "float16", "half", "float32", "float"]
+    )
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--max-model-len", type=int, default=None)
@@ -24,9 +29,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    g.add_argument("--calculate-kv-scales", action="store_true",
-                   help="fp8 KV cache: set each layer's scales from the first prefill (default: the "
-                        "checkpoint's scales, else 1.0)")
+    g.add_argument(
+        "--calculate-kv-scales",
+        action="store_true",
+        help="fp8 KV cache: set each layer's scales from the first prefill (default: the "
+        "checkpoint's scales, else 1.0)",
+    )
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)

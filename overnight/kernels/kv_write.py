@@ -104,7 +104,9 @@ def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> Non
     if kv_scale is None:
         return
     if kv_scale.shape != (2,) or kv_scale.dtype != torch.float32 or kv_scale.stride(0) != 1:
-        raise ValueError(f"kv_scale must be a contiguous [2] float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+        raise ValueError(
+            f"kv_scale must be a contiguous [2] float32 tensor, got {kv_scale.dtype} {tuple(kv_scale.shape)}"
+        )
     if kv_scale.device != kv_cache.device:
         raise ValueError("kv_scale must be on the cache's device")
 

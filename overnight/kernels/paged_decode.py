@@ -72,7 +72,9 @@ def default_decode_config(cache_dtype: torch.dtype) -> DecodeConfig:
 _BITS = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
 
 
-def dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8_convert: str = "fp16") -> tuple[tl.dtype, int]:
+def dot_dtype(
+    q_dtype: torch.dtype, cache_dtype: torch.dtype, fp8_convert: str = "fp16"
+) -> tuple[tl.dtype, int]:
     """(dtype both dot operands are converted to, FP8_BITS): q's dtype, except fp16 for an fp8 cache
     with a half-precision q (an fp32 q, as in interpreter tests, computes in fp32)."""
     if fp8_convert not in ("fp16", "bits", "q"):

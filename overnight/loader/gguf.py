@@ -131,7 +131,9 @@ def _read_gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
         cur.pos = 4
         version = cur.scalar("<I")
         if version not in (2, 3):
-            raise ModelLoadError(f"{path}: GGUF version {version} is not supported (need 2 or 3, little-endian)")
+            raise ModelLoadError(
+                f"{path}: GGUF version {version} is not supported (need 2 or 3, little-endian)"
+            )
         n_tensors, n_kv = cur.scalar("<Q"), cur.scalar("<Q")
         metadata: dict[str, Any] = {}
         for _ in range(n_kv):
@@ -181,7 +183,9 @@ def read_gguf(path: str) -> GGUFInfo:
     kv_heads = get("attention.head_count_kv", heads)
     if isinstance(kv_heads, list):  # per-layer counts; only uniform ones fit a dense transformer
         if len(set(kv_heads)) != 1:
-            raise ModelLoadError(f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported")
+            raise ModelLoadError(
+                f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported"
+            )
         kv_heads = kv_heads[0]
     head_dim = int(
         md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads
@@ -227,7 +231,9 @@ def read_gguf(path: str) -> GGUFInfo:
     )
 
 
-def _rope_scaling(f: GGUFFile, name: str, head_dim: int, theta: float) -> tuple[tuple[str, float], ...] | None:
+def _rope_scaling(
+    f: GGUFFile, name: str, head_dim: int, theta: float
+) -> tuple[tuple[str, float], ...] | None:
     """Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
 
     The file keeps `rope_freqs.weight[i]` = the divisor of inverse frequency i: 1 for short wavelengths,

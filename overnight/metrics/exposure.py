@@ -84,9 +84,16 @@ def hide_created_series() -> None:
 
 def add_metrics_args(parser: argparse.ArgumentParser, with_port: bool = True) -> None:
     g = parser.add_argument_group("metrics")
-    g.add_argument("--metrics-prefix", default=DEFAULT_PREFIX,
-                   help="metric name prefix; 'vllm' makes existing dashboards work unchanged "
-                        f"(default: {DEFAULT_PREFIX})")
+    g.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_PREFIX,
+        help="metric name prefix; 'vllm' makes existing dashboards work unchanged "
+        f"(default: {DEFAULT_PREFIX})",
+    )
     if with_port:
-        g.add_argument("--metrics-port", type=int, default=None,
-                       help="serve Prometheus metrics on this port (127.0.0.1) while the job runs")
+        g.add_argument(
+            "--metrics-port",
+            type=int,
+            default=None,
+            help="serve Prometheus metrics on this port (127.0.0.1) while the job runs",
+        )

@@ -17,12 +17,74 @@ from overnight.engine.stats import IterationStats
 DEFAULT_PREFIX = "overnight"
 
 # Latency buckets in seconds: fine where interactive traffic lives, coarse out to hours-long batch queues.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-               10.0, 20.0, 40.0, 80.0)
-REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                        60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_TIME_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -84,33 +146,46 @@ class PrometheusObserver:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self._request_success = Counter(
-            name("request_success"), "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"], registry=self.registry,
+            name("request_success"),
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
         )
         for reason in ("stop", "length", "abort"):  # present at 0 from the start, for rate()
             self._request_success.labels(model_name, reason)
 
         tok = token_buckets(max_model_len)
         self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+            "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS
+        )
         self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between two tokens of one request.", ITL_BUCKETS)
+            "inter_token_latency_seconds", "Time between two tokens of one request.", ITL_BUCKETS
+        )
         self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Time from arrival to finish.", REQUEST_TIME_BUCKETS)
+            "e2e_request_latency_seconds", "Time from arrival to finish.", REQUEST_TIME_BUCKETS
+        )
         self.request_queue_time = histogram(
-            "request_queue_time_seconds", "Time from arrival to first scheduling.", REQUEST_TIME_BUCKETS)
+            "request_queue_time_seconds", "Time from arrival to first scheduling.", REQUEST_TIME_BUCKETS
+        )
         self.request_prompt_tokens = histogram(
-            "request_prompt_tokens", "Prompt length of finished requests.", tok)
+            "request_prompt_tokens", "Prompt length of finished requests.", tok
+        )
         self.request_generation_tokens = histogram(
-            "request_generation_tokens", "Generated length of finished requests.", tok)
+            "request_generation_tokens", "Generated length of finished requests.", tok
+        )
         self.iteration_tokens = histogram(
-            "iteration_tokens_total", "Tokens in one forward pass.", ITERATION_TOKEN_BUCKETS)
+            "iteration_tokens_total", "Tokens in one forward pass.", ITERATION_TOKEN_BUCKETS
+        )
 
         if limits:
             # The engine's fixed limits (max_num_seqs, ...), so a reader of the page can tell whether
             # the running gauge sits at its ceiling: `<prefix>:engine_limits_info{max_num_seqs="256",...} 1`.
-            info = Info(name("engine_limits"), "The engine's batch and KV-cache limits.", labels,
-                        registry=self.registry)
+            info = Info(
+                name("engine_limits"),
+                "The engine's batch and KV-cache limits.",
+                labels,
+                registry=self.registry,
+            )
             info.labels(model_name).info({k: str(v) for k, v in limits.items()})
 
         self._last_totals = (0, 0, 0)  # the scheduler's running totals at the previous step

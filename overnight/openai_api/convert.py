@@ -27,7 +27,7 @@ _MIN_LOGPROB = -9999.0
 
 
 def new_id(prefix: str) -> str:
-    """"chatcmpl-<hex>", "cmpl-<hex>", "batch_req-<hex>", ..."""
+    """ "chatcmpl-<hex>", "cmpl-<hex>", "batch_req-<hex>", ..."""
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
@@ -151,7 +151,11 @@ def _chat_logprobs(
                 "logprob": _value(lp),
                 "bytes": list(text.encode("utf-8")),
                 "top_logprobs": [
-                    {"token": (t := _token_text(i, x)), "logprob": _value(x), "bytes": list(t.encode("utf-8"))}
+                    {
+                        "token": (t := _token_text(i, x)),
+                        "logprob": _value(x),
+                        "bytes": list(t.encode("utf-8")),
+                    }
                     for i, x in top
                 ],
             }
@@ -173,7 +177,9 @@ def _completion_logprobs(
         tokens.append(text)
         values.append(_value(lp))
         # The top-k by rank, plus the sampled token when it ranks lower.
-        tops.append({_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)})
+        tops.append(
+            {_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)}
+        )
         offsets.append(offset)
         offset += len(text)
     body = {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
@@ -228,8 +234,15 @@ class ChatStream(_Stream):
 
     OBJECT = "chat.completion.chunk"
 
-    def __init__(self, model: str, *, response_id: str | None = None, include_usage: bool = False,
-                 num_logprobs: int | None = None, created: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        response_id: str | None = None,
+        include_usage: bool = False,
+        num_logprobs: int | None = None,
+        created: int | None = None,
+    ) -> None:
         super().__init__(model, response_id or new_id("chatcmpl"), include_usage, created)
         self.num_logprobs = num_logprobs
         self._started: set[int] = set()
@@ -250,9 +263,12 @@ class ChatStream(_Stream):
             reason = finish_reason(c.finish_reason)
             if not message and lps is None and reason is None:
                 continue
-            out.append(self._chunk(self.OBJECT, [
-                {"index": c.index, "delta": message, "logprobs": lps, "finish_reason": reason}
-            ]))
+            out.append(
+                self._chunk(
+                    self.OBJECT,
+                    [{"index": c.index, "delta": message, "logprobs": lps, "finish_reason": reason}],
+                )
+            )
         return out
 
     def final_chunks(self) -> list[dict[str, Any]]:
@@ -266,8 +282,15 @@ class CompletionStream(_Stream):
 
     OBJECT = "text_completion"
 
-    def __init__(self, model: str, *, response_id: str | None = None, include_usage: bool = False,
-                 n: int = 1, created: int | None = None) -> None:
+    def __init__(
+        self,
+        model: str,
+        *,
+        response_id: str | None = None,
+        include_usage: bool = False,
+        n: int = 1,
+        created: int | None = None,
+    ) -> None:
         super().__init__(model, response_id or new_id("cmpl"), include_usage, created)
         self.n = n
         self._offsets: dict[int, int] = {}
@@ -287,9 +310,11 @@ class CompletionStream(_Stream):
             # for a stop string, or no tokenizer): clients see each token arrive.
             if not c.text and not c.token_ids and lps is None and reason is None:
                 continue
-            out.append(self._chunk(self.OBJECT, [
-                {"index": index, "text": c.text, "logprobs": lps, "finish_reason": reason}
-            ]))
+            out.append(
+                self._chunk(
+                    self.OBJECT, [{"index": index, "text": c.text, "logprobs": lps, "finish_reason": reason}]
+                )
+            )
         return out
 
     def final_chunks(self) -> list[dict[str, Any]]:

@@ -59,7 +59,8 @@ class ApiError(Exception):
         return cls("internal_error", f"{type(e).__name__}: {e}")
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """An OpenAI error object from its parts (for errors that are not an ApiError)."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -49,9 +49,11 @@ def check_model(requested: str | None, names: Collection[str]) -> None:
     if requested is None or requested in names:
         return
     if os.path.basename(os.path.normpath(requested)) not in names:
-        raise ApiError("model_not_found",
-                       f"the model {requested!r} does not exist here; serving: {', '.join(sorted(names))}",
-                       "model")
+        raise ApiError(
+            "model_not_found",
+            f"the model {requested!r} does not exist here; serving: {', '.join(sorted(names))}",
+            "model",
+        )
 
 
 def check_prompt_length(ids: list[int], max_model_len: int, is_chat: bool) -> None:
@@ -82,8 +84,9 @@ def prepare(
     except InvalidRequestError as e:
         raise ApiError.from_exception(e) from None
     except TemplateError as e:  # the model's chat template rejected these messages
-        raise ApiError("invalid_request", f"the chat template failed on these messages: {e}",
-                       "messages") from None
+        raise ApiError(
+            "invalid_request", f"the chat template failed on these messages: {e}", "messages"
+        ) from None
     for _, ids in prompts:
         check_prompt_length(ids, max_model_len, is_chat)
         if validate is not None:

@@ -108,7 +108,9 @@ class _SamplingFields(_Body):
 
     @field_validator("stream_options")
     @classmethod
-    def _stream_options_need_stream(cls, v: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+    def _stream_options_need_stream(
+        cls, v: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
         if v is not None and not info.data.get("stream"):
             raise ValueError("only allowed when stream is true")
         return v

@@ -104,8 +104,12 @@ class DecodeGraphs:
             self.graphs[b] = graph
             self.outputs[b] = out
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes), n,
-                 time.perf_counter() - start)
+        log.info(
+            "captured %d decode CUDA graphs (batch 1..%d) in %.1f s",
+            len(self.sizes),
+            n,
+            time.perf_counter() - start,
+        )
 
     def replay(self, b: int) -> torch.Tensor:
         self.graphs[b].replay()

@@ -222,8 +222,17 @@ def build_sampling_batch(
     if all_greedy:
         empty = torch.empty(0, device=device)
         batch = SamplingBatch(
-            temperature=empty, top_k=empty, top_p=empty, min_p=empty, seeds=empty, positions=empty,
-            all_greedy=True, any_top_k=False, any_top_p=False, any_min_p=False, max_logprobs=None,
+            temperature=empty,
+            top_k=empty,
+            top_p=empty,
+            min_p=empty,
+            seeds=empty,
+            positions=empty,
+            all_greedy=True,
+            any_top_k=False,
+            any_top_p=False,
+            any_min_p=False,
+            max_logprobs=None,
         )
     else:
         greedy = [p.is_greedy for p in params]

@@ -56,9 +56,7 @@ def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: Sched
     return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
 
 
-def split_budget(
-    total: int, utilization: float, outside_torch: int, weights: int, peak: int
-) -> int:
+def split_budget(total: int, utilization: float, outside_torch: int, weights: int, peak: int) -> int:
     """Bytes left for the pool; raises PoolMemoryError naming what does not fit. peak includes weights."""
     usable = int(total * utilization) - max(outside_torch, 0)
     share = f"gpu_memory_utilization {utilization:g} x {total / GIB:.1f} GiB"

@@ -161,8 +161,13 @@ class ModelRunner:
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
         self.graphs = DecodeGraphs(
-            self.model, self.backend, self.kv_caches, self.buffers, max_batch,
-            self.config.scheduler.max_model_len, kv_scales=self.kv_scales,
+            self.model,
+            self.backend,
+            self.kv_caches,
+            self.buffers,
+            max_batch,
+            self.config.scheduler.max_model_len,
+            kv_scales=self.kv_scales,
         )
         self.graphs.capture()
 

@@ -1,9 +1,9 @@
 """The HTTP app: routes, API-key check, error shapes, and the engine thread's lifetime.
 
-    POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
-    GET  /v1/models, /v1/models/{id}              the one model served
-    GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
-    GET  /metrics                                 Prometheus text format
+POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
+GET  /v1/models, /v1/models/{id}              the one model served
+GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
+GET  /metrics                                 Prometheus text format
 """
 
 from __future__ import annotations
@@ -84,8 +84,13 @@ def build_app(
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
         if model_id not in config.accepted_names:
-            raise HttpError(404, f"the model {model_id!r} does not exist here; serving: {config.model_name}",
-                            "not_found_error", "model_not_found", "model")
+            raise HttpError(
+                404,
+                f"the model {model_id!r} does not exist here; serving: {config.model_name}",
+                "not_found_error",
+                "model_not_found",
+                "model",
+            )
         return model_card()
 
     @app.get("/health")

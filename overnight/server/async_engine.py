@@ -193,15 +193,21 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, commands: list[Command], replies: list[tuple[str, RequestOutput | BaseException]]) -> bool:
+    def _apply(
+        self, commands: list[Command], replies: list[tuple[str, RequestOutput | BaseException]]
+    ) -> bool:
         """Returns True on Stop (after aborting everything left)."""
         engine = self.engine
         for cmd in commands:
             if isinstance(cmd, AddRequest):
                 try:
                     engine.add_request(
-                        cmd.request_id, cmd.prompt_token_ids, cmd.params,
-                        prompt=cmd.prompt, stream=cmd.stream, arrival_time=cmd.arrival_time,
+                        cmd.request_id,
+                        cmd.prompt_token_ids,
+                        cmd.params,
+                        prompt=cmd.prompt,
+                        stream=cmd.stream,
+                        arrival_time=cmd.arrival_time,
                     )
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))

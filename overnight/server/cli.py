@@ -53,16 +53,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)")
+    g.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
+    )
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every route but /health")
-    g.add_argument("--max-waiting", type=int, default=None,
-                   help="answer 503 to new requests while this many wait to be scheduled (default: no limit)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM, seconds in-flight requests get to finish before they are aborted")
-    g.add_argument("--metrics-prefix", default=DEFAULT_PREFIX,
-                   help=f"prefix of /metrics names; 'vllm' keeps existing dashboards working (default: {DEFAULT_PREFIX})")
+    g.add_argument(
+        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
+    )
+    g.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="answer 503 to new requests while this many wait to be scheduled (default: no limit)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
+    )
+    g.add_argument(
+        "--metrics-prefix",
+        default=DEFAULT_PREFIX,
+        help=f"prefix of /metrics names; 'vllm' keeps existing dashboards working (default: {DEFAULT_PREFIX})",
+    )
     g.add_argument("--no-access-log", dest="access_log", action="store_false")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
@@ -83,8 +97,12 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 def make_app(engine: Engine, opts: ServerOptions, model_arg: str | None = None):
     """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
     model_name = engine_model_name(engine)
-    metrics = PrometheusObserver(model_name, prefix=opts.metrics_prefix, max_model_len=engine.max_model_len,
-                                 limits=engine_limits(engine))
+    metrics = PrometheusObserver(
+        model_name,
+        prefix=opts.metrics_prefix,
+        max_model_len=engine.max_model_len,
+        limits=engine_limits(engine),
+    )
     engine.observers.append(metrics)
     config = ServingConfig(
         model_name=model_name,
@@ -112,8 +130,9 @@ def uvicorn_server(app, opts: ServerOptions):
 def run(args: argparse.Namespace) -> int:
     opts = server_options(args)
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
-        log.warning("serving on %s without --api-key: anyone who can reach this port can use the model",
-                    opts.host)
+        log.warning(
+            "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host
+        )
     engine = build_engine(options_from_args(args, mode="server"))
     hide_created_series()
     server = uvicorn_server(make_app(engine, opts, model_arg=args.model), opts)

@@ -41,13 +41,22 @@ class HttpError(Exception):
 
 
 def unauthorized() -> HttpError:
-    return HttpError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                     "authentication_error", "invalid_api_key")
+    return HttpError(
+        401,
+        "missing or invalid API key: send 'Authorization: Bearer <key>'",
+        "authentication_error",
+        "invalid_api_key",
+    )
 
 
 def overloaded(num_waiting: int) -> HttpError:
-    return HttpError(503, f"the server is overloaded ({num_waiting} requests waiting); retry later",
-                     "server_error", "server_overloaded", retry_after=1)
+    return HttpError(
+        503,
+        f"the server is overloaded ({num_waiting} requests waiting); retry later",
+        "server_error",
+        "server_overloaded",
+        retry_after=1,
+    )
 
 
 def engine_unavailable(cause: BaseException | None) -> HttpError:
@@ -82,14 +91,17 @@ async def handle_starlette_http(request: Request, e: Exception) -> JSONResponse:
     else:
         message, code = str(e.detail), None
     kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-    return JSONResponse(error_body(message, kind, None, code), status_code=e.status_code,
-                        headers=getattr(e, "headers", None))
+    return JSONResponse(
+        error_body(message, kind, None, code), status_code=e.status_code, headers=getattr(e, "headers", None)
+    )
 
 
 async def handle_unexpected(request: Request, e: Exception) -> JSONResponse:
     log.exception("unexpected error serving %s %s", request.method, request.url.path)
-    return JSONResponse(error_body(f"internal error: {type(e).__name__}", "server_error", None,
-                                   "internal_error"), status_code=500)
+    return JSONResponse(
+        error_body(f"internal error: {type(e).__name__}", "server_error", None, "internal_error"),
+        status_code=500,
+    )
 
 
 EXCEPTION_HANDLERS = {

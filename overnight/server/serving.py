@@ -82,8 +82,9 @@ class OpenAIServing:
             # template and the tokenizer: what fails there (a lone surrogate, a template that divides by
             # zero) is the request's fault, never a reason for a 500.
             log.info("request refused while preparing its prompt: %r", e)
-            raise ApiError("invalid_request", f"the request cannot be turned into a prompt: "
-                                              f"{type(e).__name__}: {e}") from None
+            raise ApiError(
+                "invalid_request", f"the request cannot be turned into a prompt: {type(e).__name__}: {e}"
+            ) from None
 
     def _check_capacity(self) -> None:
         if not self.engine.is_running:
@@ -136,8 +137,9 @@ class OpenAIServing:
         model = self.config.model_name
         include_usage = req.include_usage
         if isinstance(req, ChatCompletionRequest):
-            chat = ChatStream(model, response_id=response_id, include_usage=include_usage,
-                              num_logprobs=req.num_logprobs)
+            chat = ChatStream(
+                model, response_id=response_id, include_usage=include_usage, num_logprobs=req.num_logprobs
+            )
             text = None
         else:
             chat = None

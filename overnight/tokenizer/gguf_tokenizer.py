@@ -86,7 +86,9 @@ def _pre_tokenizer(rule: _PreRule, add_prefix_space: bool) -> pre_tokenizers.Pre
     if rule.split is not None:
         steps.append(pre_tokenizers.Split(Regex(rule.split), behavior="isolated", invert=False))
     steps.append(
-        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, trim_offsets=False, use_regex=rule.split is None)
+        pre_tokenizers.ByteLevel(
+            add_prefix_space=add_prefix_space, trim_offsets=False, use_regex=rule.split is None
+        )
     )
     return pre_tokenizers.Sequence(steps) if len(steps) > 1 else steps[0]
 
@@ -128,7 +130,12 @@ def build_backend(metadata: dict[str, Any]) -> RustTokenizer:
 def _special_token_kwargs(metadata: dict[str, Any]) -> dict[str, Any]:
     tokens = metadata["tokenizer.ggml.tokens"]
     kwargs: dict[str, Any] = {}
-    for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+    for name, key in (
+        ("bos_token", "bos"),
+        ("eos_token", "eos"),
+        ("unk_token", "unknown"),
+        ("pad_token", "padding"),
+    ):
         token_id = metadata.get(f"tokenizer.ggml.{key}_token_id")
         kwargs[name] = None if token_id is None or token_id >= len(tokens) else tokens[token_id]
     return kwargs
@@ -138,10 +145,14 @@ def load_gguf_tokenizer(path: str) -> PreTrainedTokenizerBase:
     """A transformers tokenizer for a GGUF file, carrying its chat template."""
     metadata = read_gguf_file(path).metadata
     if "tokenizer.ggml.tokens" not in metadata:
-        raise ModelLoadError(f"{path} holds no tokenizer; pass token-id prompts with skip_tokenizer_init=True")
+        raise ModelLoadError(
+            f"{path} holds no tokenizer; pass token-id prompts with skip_tokenizer_init=True"
+        )
     if not can_build_fast(metadata):
         return _load_converted(path, metadata)
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", _PRE_RULES[metadata["tokenizer.ggml.pre"]].add_bos))
+    add_bos = bool(
+        metadata.get("tokenizer.ggml.add_bos_token", _PRE_RULES[metadata["tokenizer.ggml.pre"]].add_bos)
+    )
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     return PreTrainedTokenizerFast(
         tokenizer_object=build_backend(metadata),
@@ -169,7 +180,10 @@ def _load_converted(path: str, metadata: dict[str, Any]) -> PreTrainedTokenizerB
         logger.warning(
             "tokenizer of %s (model %r, pre %r) has no fast build; converting with transformers "
             "(slow, once; cached in %s)",
-            path, metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre"), cached,
+            path,
+            metadata.get("tokenizer.ggml.model"),
+            metadata.get("tokenizer.ggml.pre"),
+            cached,
         )
         hf = transformers.AutoTokenizer.from_pretrained(
             os.path.dirname(real), gguf_file=os.path.basename(real), local_files_only=True

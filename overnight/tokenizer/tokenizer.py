@@ -41,7 +41,9 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+        return self.hf.decode(
+            ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def render_chat(
         self,
@@ -98,6 +100,8 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ModelLoadError(f"cannot load a tokenizer from {path} (not a tokenizer folder, .gguf file or "
-                                 f"repo in the local HF cache): {e}") from e
+            raise ModelLoadError(
+                f"cannot load a tokenizer from {path} (not a tokenizer folder, .gguf file or "
+                f"repo in the local HF cache): {e}"
+            ) from e
     return Tokenizer(hf, source.eos_token_ids)

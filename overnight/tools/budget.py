@@ -124,11 +124,14 @@ def plan_budget(
             weights = num_parameters(arch) * dtype_bytes
             activations = activation_estimate(arch, tokens, seqs, dtype_bytes)
             elsewhere = device.total_bytes - device.free_bytes  # other processes, this one's CUDA context
-            source = (f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
-                      f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
-                      f"{activations / GIB:.1f} GiB activations (estimate)")
-            budget = split_budget(device.total_bytes, gpu_memory_utilization, elsewhere, weights,
-                                  weights + activations)
+            source = (
+                f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
+                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
+                f"{activations / GIB:.1f} GiB activations (estimate)"
+            )
+            budget = split_budget(
+                device.total_bytes, gpu_memory_utilization, elsewhere, weights, weights + activations
+            )
         plan = plan_pool(budget, per_token * block_size, block_size, sched)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
@@ -162,11 +165,19 @@ def plan_budget(
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("budget", help="batch limits and KV pool for a model on this device",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "budget",
+        help="batch limits and KV pool for a model on this device",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default=None, help="as for serve/run-batch (default: the embedded SmolLM2)")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
-                   help="dummy: --model may name a preset (qwen3-8b, llama-3.1-8b, ...)")
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "safetensors", "gguf", "dummy"],
+        help="dummy: --model may name a preset (qwen3-8b, llama-3.1-8b, ...)",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_DTYPES])
@@ -211,8 +222,17 @@ def run(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
     )
     if args.json:
-        print(json.dumps({"model": source.served_name, "dtype": str(dtype).removeprefix("torch."), **asdict(b),
-                          "pool_tokens": b.pool_tokens, "pool_gib": round(b.pool_bytes / GIB, 3)}))
+        print(
+            json.dumps(
+                {
+                    "model": source.served_name,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    **asdict(b),
+                    "pool_tokens": b.pool_tokens,
+                    "pool_gib": round(b.pool_bytes / GIB, 3),
+                }
+            )
+        )
         return 0
     print(render(b, source.served_name, source.arch, str(dtype).removeprefix("torch.")))
     return 0
@@ -224,14 +244,16 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     lines = [
         f"{model} ({arch.architecture}, {arch.num_hidden_layers} layers, {arch.num_key_value_heads} KV heads "
         f"x {arch.head_dim}), {dtype}, on {b.device}",
-        f"limits: row \"{b.row}\" of the defaults table, max_model_len {b.max_model_len}",
+        f'limits: row "{b.row}" of the defaults table, max_model_len {b.max_model_len}',
         f"  {'mode':<8} {'max_num_seqs':>12} {'max_num_batched_tokens':>23}",
     ]
     for mode, (seqs, tokens) in b.modes.items():
         mark = "  <- --mode" if mode == b.mode else ""
         lines.append(f"  {mode:<8} {seqs:>12} {tokens:>23}{mark}")
     if (b.max_num_seqs, b.max_num_batched_tokens) != b.modes[b.mode]:
-        lines.append(f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}")
+        lines.append(
+            f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}"
+        )
     lines.append(
         f"KV cache: {kv_name}, {b.kv_bytes_per_token} bytes per token ({arch.num_hidden_layers} layers x 2 x "
         f"{arch.num_key_value_heads} heads x {arch.head_dim} x {elem} B), blocks of {b.block_size} tokens"
@@ -239,10 +261,18 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     if b.num_blocks == 0:
         lines.append(f"KV pool: no room: {b.pool_source}")
         return "\n".join(lines)
-    cap = f", capped at 2 x max_num_seqs x max_model_len (budget {b.budget_bytes / GIB:.2f} GiB)" if b.capped else ""
-    lines.append(f"KV pool: {b.pool_bytes / GIB:.2f} GiB = {b.num_blocks} blocks = {b.pool_tokens} tokens "
-                 f"({b.pool_source}){cap}")
+    cap = (
+        f", capped at 2 x max_num_seqs x max_model_len (budget {b.budget_bytes / GIB:.2f} GiB)"
+        if b.capped
+        else ""
+    )
+    lines.append(
+        f"KV pool: {b.pool_bytes / GIB:.2f} GiB = {b.num_blocks} blocks = {b.pool_tokens} tokens "
+        f"({b.pool_source}){cap}"
+    )
     blocks = -(-b.seq_len // b.block_size)
-    lines.append(f"sequences of {b.seq_len} tokens that fit: {b.seqs_fit} ({blocks} blocks each); "
-                 f"at once with max_num_seqs {b.max_num_seqs}: {b.seqs_at_once}")
+    lines.append(
+        f"sequences of {b.seq_len} tokens that fit: {b.seqs_fit} ({blocks} blocks each); "
+        f"at once with max_num_seqs {b.max_num_seqs}: {b.seqs_at_once}"
+    )
     return "\n".join(lines)

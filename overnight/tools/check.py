@@ -52,45 +52,57 @@ def diagnose(m: WindowMetrics) -> list[Finding]:
     if m.mean_running < 0.5 and not queued:
         return [Finding("idle", "no request ran during the window", "send load, then check again")]
     if kv_full and queued:
-        out.append(Finding(
-            "kv_pool",
-            f"the KV cache is {m.mean_kv_usage:.0%} full on average (at most {m.max_kv_usage:.0%}, "
-            f"{m.preemptions:.0f} preemptions) while {m.mean_waiting:.1f} requests wait",
-            "make room in the pool: --kv-cache-dtype fp8 (half the bytes per token), a shorter "
-            "--max-model-len, or more memory for it (--gpu-memory-utilization)",
-        ))
+        out.append(
+            Finding(
+                "kv_pool",
+                f"the KV cache is {m.mean_kv_usage:.0%} full on average (at most {m.max_kv_usage:.0%}, "
+                f"{m.preemptions:.0f} preemptions) while {m.mean_waiting:.1f} requests wait",
+                "make room in the pool: --kv-cache-dtype fp8 (half the bytes per token), a shorter "
+                "--max-model-len, or more memory for it (--gpu-memory-utilization)",
+            )
+        )
     if queued and not kv_full and (at_seats or seats is None):
-        ceiling = f"max_num_seqs ({seats})" if seats is not None else "its ceiling (max_num_seqs, not exposed)"
-        out.append(Finding(
-            "max_num_seqs",
-            f"running sits at {ceiling} with {1 - m.mean_kv_usage:.0%} of the KV cache free while "
-            f"{m.mean_waiting:.1f} requests wait",
-            f"raise max_num_seqs, e.g. --max-num-seqs {suggest_max_num_seqs(m)}",
-        ))
+        ceiling = (
+            f"max_num_seqs ({seats})" if seats is not None else "its ceiling (max_num_seqs, not exposed)"
+        )
+        out.append(
+            Finding(
+                "max_num_seqs",
+                f"running sits at {ceiling} with {1 - m.mean_kv_usage:.0%} of the KV cache free while "
+                f"{m.mean_waiting:.1f} requests wait",
+                f"raise max_num_seqs, e.g. --max-num-seqs {suggest_max_num_seqs(m)}",
+            )
+        )
     if m.preemptions > 0:
         fit = max(int(m.mean_running * 0.9), 1)
-        out.append(Finding(
-            "preemptions",
-            f"{m.preemptions:.0f} preemptions in {m.duration_s:.0f} s: requests are evicted and recomputed",
-            f"the pool is too small for max_num_seqs: lower it to about {fit} (--max-num-seqs), or give the "
-            "pool more memory (--kv-cache-dtype fp8, --gpu-memory-utilization)",
-        ))
+        out.append(
+            Finding(
+                "preemptions",
+                f"{m.preemptions:.0f} preemptions in {m.duration_s:.0f} s: requests are evicted and recomputed",
+                f"the pool is too small for max_num_seqs: lower it to about {fit} (--max-num-seqs), or give the "
+                "pool more memory (--kv-cache-dtype fp8, --gpu-memory-utilization)",
+            )
+        )
     if out:
         return out
     if not queued:
         of = f" of max_num_seqs {seats}" if seats is not None else ""
-        return [Finding(
-            "light_load",
-            f"nothing waits: {m.mean_running:.1f} requests run{of}, KV cache {m.mean_kv_usage:.0%} full",
-            "the load is too small to fill the engine: send more requests at once "
-            "(more clients, or run-batch --max-in-flight)",
-        )]
-    return [Finding(
-        "token_budget",
-        f"{m.mean_waiting:.1f} requests wait with seats and cache free ({m.mean_running:.1f} running, "
-        f"KV {m.mean_kv_usage:.0%})",
-        "admission is paced by the per-step token budget: raise --max-num-batched-tokens",
-    )]
+        return [
+            Finding(
+                "light_load",
+                f"nothing waits: {m.mean_running:.1f} requests run{of}, KV cache {m.mean_kv_usage:.0%} full",
+                "the load is too small to fill the engine: send more requests at once "
+                "(more clients, or run-batch --max-in-flight)",
+            )
+        ]
+    return [
+        Finding(
+            "token_budget",
+            f"{m.mean_waiting:.1f} requests wait with seats and cache free ({m.mean_running:.1f} running, "
+            f"KV {m.mean_kv_usage:.0%})",
+            "admission is paced by the per-step token budget: raise --max-num-batched-tokens",
+        )
+    ]
 
 
 def suggest_max_num_seqs(m: WindowMetrics) -> int:
@@ -103,16 +115,22 @@ def suggest_max_num_seqs(m: WindowMetrics) -> int:
 def describe(m: WindowMetrics) -> str:
     seats = f" / max_num_seqs {m.max_num_seqs}" if m.max_num_seqs is not None else ""
     rate = f", generation {m.generation_tok_s:.1f} tok/s" if m.generation_tok_s is not None else ""
-    return (f"running {m.mean_running:.1f}{seats}, waiting {m.mean_waiting:.1f}, KV usage "
-            f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}{rate}")
+    return (
+        f"running {m.mean_running:.1f}{seats}, waiting {m.mean_waiting:.1f}, KV usage "
+        f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}{rate}"
+    )
 
 
 # -- the command --------------------------------------------------------------------------------------
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("check", help="which limit holds a running server's batch, and what to change",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = subparsers.add_parser(
+        "check",
+        help="which limit holds a running server's batch, and what to change",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     p.add_argument("--window-s", type=float, default=10.0, help="seconds of metrics to judge")
     p.add_argument("--interval-s", type=float, default=0.25, help="seconds between scrapes")
@@ -120,7 +138,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print the window and findings as one JSON line")
 
 
-def check_url(url: str, window_s: float, interval_s: float = 0.25, api_key: str | None = None) -> tuple[WindowMetrics, list[Finding]]:
+def check_url(
+    url: str, window_s: float, interval_s: float = 0.25, api_key: str | None = None
+) -> tuple[WindowMetrics, list[Finding]]:
     import asyncio
 
     import httpx
@@ -161,7 +181,9 @@ class CheckLog:
     engine observer (every step), or by start_check_log's thread (samples, no work on the engine's
     hot path)."""
 
-    def __init__(self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None
+    ) -> None:
         self.max_num_seqs = max_num_seqs
         self.interval_s = interval_s
         self.log = logger or log
