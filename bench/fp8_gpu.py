@@ -37,10 +37,10 @@ import triton
 sys.path.insert(0, ".")
 
 from overnight import LLM, SamplingParams  # noqa: E402
-from overnight.attention.kv_layout import new_kv_cache  # noqa: E402
 from overnight.attention.kv_quant import quantize_kv  # noqa: E402
 from overnight.attention.metadata import AttentionBatch  # noqa: E402
 from overnight.attention.torch_backend import build_metadata  # noqa: E402
+from overnight.kernels.kv_layout import new_kv_cache  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
     FP8_DECODE_CONFIG,
     DecodeConfig,

@@ -21,14 +21,13 @@ from collections.abc import Callable
 import torch
 import triton
 
-from overnight.attention.kv_layout import v_view
-from overnight.attention.kv_quant import dequantize_kv, is_fp8, quantize_kv
+from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import build_metadata, paged_attention_ref, write_kv_ref
-from overnight.attention.triton_backend import TritonAttentionBackend
+from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
 from overnight.bench.gpu_info import sm_clock_now
+from overnight.kernels.kv_layout import is_fp8, v_view
 from overnight.kernels.kv_write import kv_write
-from overnight.kernels.paged_attention import paged_attention
 from overnight.kernels.paged_decode import (
     FP8_DECODE_CONFIG,
     DecodeConfig,

@@ -30,7 +30,8 @@ class ModelArch:
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
+    o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
 
     @property

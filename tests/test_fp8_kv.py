@@ -16,20 +16,18 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from overnight import LLM, SamplingParams
-from overnight.attention.kv_layout import new_kv_cache, to_storage_layout, v_token_major, v_view
 from overnight.attention.kv_quant import (
     calibrate_kv_scale_,
     dequantize_kv,
-    fp8_max,
     kv_cache_torch_dtype,
     new_kv_scales,
     quantize_kv,
 )
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref, write_kv_ref
-from overnight.attention.triton_backend import TritonAttentionBackend
+from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
+from overnight.kernels.kv_layout import fp8_max, new_kv_cache, to_storage_layout, v_token_major, v_view
 from overnight.kernels.kv_write import kv_write
-from overnight.kernels.paged_attention import paged_attention
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_prefill import PrefillConfig
 from tests.test_kernels_attention import DEVICE, make_batch, poisoned

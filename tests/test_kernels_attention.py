@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overnight.attention.kv_layout import to_logical_layout
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import (
     TorchAttentionBackend,
@@ -17,9 +16,9 @@ from overnight.attention.torch_backend import (
     paged_attention_ref,
     write_kv_ref,
 )
-from overnight.attention.triton_backend import TritonAttentionBackend
+from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
+from overnight.kernels.kv_layout import to_logical_layout
 from overnight.kernels.kv_write import kv_write
-from overnight.kernels.paged_attention import paged_attention
 from overnight.kernels.paged_decode import DecodeConfig, choose_num_splits
 from overnight.kernels.paged_prefill import PrefillConfig
 

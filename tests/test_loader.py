@@ -17,7 +17,7 @@ from overnight.layers.norm import RMSNorm
 from overnight.loader.dummy import DUMMY_RANGE
 from overnight.loader.model_loader import build_model, load_model, resolve_dtype
 from overnight.loader.resolve import DEFAULT_SERVED_NAME, preset_names, resolve_source
-from overnight.models.qwen3 import Qwen3ForCausalLM
+from overnight.models.llama import LlamaForCausalLM
 from overnight.models.registry import arch_from_hf_config, get_model_class
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -167,7 +167,7 @@ def test_dummy_presets_have_published_shapes(name):
 def test_model_class_builds_under_a_device_context():
     arch = resolve_source("qwen3-8b", load_format="dummy").arch
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(arch)
+        model = LlamaForCausalLM(arch)
     assert model.model.embed_tokens.weight.is_meta
 
 

@@ -76,7 +76,9 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 
 def _assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # fp32 rounding differs with the order of sums (the CPU's vector width picks it): logits of size ~10
+    # move by ~1e-5 between two correct implementations, so the bound scales with the logits' size.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * max(1.0, float(b.abs().max())))
 
 
 def test_prefill_logits_match_transformers(pair):

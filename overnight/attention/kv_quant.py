@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from overnight.kernels.kv_layout import fp8_max
+
 # kv_cache_dtype option -> storage dtype ("auto": the model's compute dtype).
 FP8_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
@@ -29,15 +31,6 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype not in FP8_DTYPES:
         raise ValueError(f"kv_cache_dtype must be auto, {', '.join(FP8_DTYPES)}; got {kv_cache_dtype!r}")
     return FP8_DTYPES[kv_cache_dtype]
-
-
-def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def fp8_max(dtype: torch.dtype) -> float:
-    """Largest finite value of an 8-bit float format (448 for e4m3, 57344 for e5m2)."""
-    return float(torch.finfo(dtype).max)
 
 
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from overnight.attention.kv_layout import v_view
 from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
+from overnight.kernels.kv_layout import v_view
 
 
 def write_kv_ref(

@@ -19,10 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.attention.kv_layout import v_token_major
+from overnight.kernels.kv_layout import FP8_MAX, v_token_major
 
 # Largest finite value of each 8-bit float format: stores saturate instead of turning into NaN/inf.
-FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 # One program stores one row; warps per program for that row's Hkv * D elements (bench/kernels_gpu.py
 # compares 1, 2 and 4).

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.attention.kv_layout import v_token_major
+from overnight.kernels.kv_layout import v_token_major
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.attention.kv_layout import v_token_major
+from overnight.kernels.kv_layout import v_token_major
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype, load_v_token_major
 

@@ -212,6 +212,7 @@ def read_gguf(path: str) -> GGUFInfo:
         max_position_embeddings=context,
         tie_word_embeddings=tie,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
+        o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.

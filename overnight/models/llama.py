@@ -1,14 +1,14 @@
-"""Llama (Llama 3.x, SmolLM2): the reference decoder, with fused qkv and gate/up projections.
+"""The dense decoder of Llama (3.x, SmolLM2), Qwen2 and Qwen3, with fused qkv and gate/up projections.
 
 Attribute names follow the HF checkpoint keys, except the two fused projections; load_weights maps the
-checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping. Qwen2 and
-Qwen3 reuse the blocks below with their own attention class.
+checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping. The families
+differ only in flags of ModelArch (attention_bias, o_proj_bias, qk_norm).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -41,7 +41,11 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
-class LlamaAttention(nn.Module):
+class Attention(nn.Module):
+    """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
+    q/k/v (Qwen2, some Llamas), a bias on o_proj (Llama's attention_bias covers it), and an RMSNorm over
+    each head of q and k before RoPE (Qwen3)."""
+
     def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -50,14 +54,17 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
         self.scale = arch.head_dim**-0.5
-        # Llama's attention_bias covers o_proj as well as q/k/v.
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.attention_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        # Over head_dim only, so the weights are shared by all heads and survive head sharding.
+        self.q_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
+        q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
         o = attn(self.layer_idx, q, k, v, self.scale)
         return self.o_proj(o.flatten(1))
 
@@ -71,15 +78,10 @@ def split_qkv(
     return q.view(n, -1, head_dim), k.view(n, -1, head_dim), v.view(n, -1, head_dim)
 
 
-AttentionClass = Callable[[ModelArch, int, RotaryEmbedding], nn.Module]
-
-
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding, attention_cls: AttentionClass
-    ) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = attention_cls(arch, layer_idx, rotary_emb)
+        self.self_attn = Attention(arch, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
@@ -100,7 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, attention_cls: AttentionClass = LlamaAttention) -> None:
+    def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         # One table shared by every layer (it is registered under each, but stored once).
@@ -108,7 +110,7 @@ class LlamaModel(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict()
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, rotary_emb, attention_cls) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, rotary_emb) for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
@@ -122,15 +124,14 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head. Qwen2 and Qwen3 reuse it with their own attention_cls."""
+    """The decoder plus LM head: Llama, Qwen2 and Qwen3 (the architecture's flags say which)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
-    attention_cls: type[nn.Module] = LlamaAttention
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
-        self.model = LlamaModel(arch, self.attention_cls)
+        self.model = LlamaModel(arch)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:

@@ -9,14 +9,13 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.llama import LlamaForCausalLM
-from overnight.models.qwen2 import Qwen2ForCausalLM
-from overnight.models.qwen3 import Qwen3ForCausalLM
 
-# ModelArch.architecture (the HF model_type) -> implementation
+# ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
+# families differ only in ModelArch flags.
 _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -105,8 +104,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has a q/k/v bias; the others say so in attention_bias.
+            # Qwen2 always has a q/k/v bias and none on o_proj; the others say so in attention_bias,
+            # which covers both.
             attention_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
+            o_proj_bias=False if family == "qwen2" else bool(cfg.get("attention_bias", False)),
             qk_norm=family == "qwen3",
         )
     except KeyError as e:

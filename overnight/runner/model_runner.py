@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overnight.attention.kv_layout import new_kv_cache
-from overnight.attention.kv_quant import is_fp8, kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
+from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
 from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
 from overnight.runner.inputs import StepBuffers, build_sampling_batch
 from overnight.runner.request_state import RequestStates

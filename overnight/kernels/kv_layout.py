@@ -1,4 +1,6 @@
-"""Where a token's K and V sit inside one layer's cache tensor.
+"""Where a token's K and V sit inside one layer's cache tensor, and the FP8 formats it may be stored in.
+
+The kernels and the torch reference (attention/) both read these facts from here.
 
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -23,7 +25,18 @@ from __future__ import annotations
 
 import torch
 
-from overnight.attention.kv_quant import is_fp8
+# The 8-bit float formats a cache (or, later, a weight) may be stored in, with their largest finite
+# values: a quantizing write saturates to these (a plain cast of a larger value gives NaN).
+FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_MAX
+
+
+def fp8_max(dtype: torch.dtype) -> float:
+    """Largest finite value of an 8-bit float format (448 for e4m3, 57344 for e5m2)."""
+    return FP8_MAX[dtype]
 
 
 def v_token_major(dtype: torch.dtype) -> bool:
