@@ -1,5 +1,7 @@
-# make run   installs if needed, then runs the main job on the embedded default model
-# make test  installs if needed, then the whole test suite
+# make run        installs if needed, then runs the main job on the embedded default model
+# make test       installs if needed, then lint (below) and the whole test suite
+# make test-fast  the sub-minute tier (no processes, servers or real models): pytest -m "not slow"
+# make lint       ruff (check + format), mypy on the typed packages, the import contracts
 #
 # On a machine without an NVIDIA GPU, torch is the CPU build (TORCH_CPU; add
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu where PyPI would hand out a CUDA build). Where
@@ -15,7 +17,10 @@ TORCH_INDEX ?=
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint clean
+.PHONY: install run test test-fast lint clean
+
+# One list for `make lint` and `make test`: the paths ruff checks and formats.
+LINT_PATHS := overnight tests bench
 
 install: $(STAMP)
 
@@ -37,12 +42,17 @@ run: install
 	@echo "--- first results (out/results.jsonl) ---"
 	@$(PY) -m overnight.batch.show out/results.jsonl -n 6
 
-test: install
-	$(VENV)/bin/ruff check overnight tests bench
+test: lint
 	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(PYTEST_ARGS) tests
 
+test-fast: install
+	OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS) tests
+
 lint: install
-	$(VENV)/bin/ruff check overnight tests
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 clean:
 	rm -rf $(VENV)

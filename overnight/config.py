@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from overnight.options import EngineOptions as _Defaults  # the option table holds every default
+
 
 @dataclass(frozen=True)
 class ModelArch:
@@ -45,49 +47,71 @@ class ModelArch:
     def rope_scaling_dict(self) -> dict[str, float] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        """KV-cache bytes one token takes over all layers (K and V, every KV head)."""
+        return 2 * self.num_hidden_layers * self.kv_size * elem_bytes
+
+    def num_linear_parameters(self) -> int:
+        """Weights of the projections every token passes through (q/k/v/o, gate/up/down), all layers."""
+        h = self.hidden_size
+        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
+        return per_layer * self.num_hidden_layers
+
+    def num_parameters(self) -> int:
+        """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
+        h = self.hidden_size
+        per_layer = 2 * h  # the two RMSNorms
+        if self.attention_bias:
+            per_layer += self.q_size + 2 * self.kv_size
+        if self.o_proj_bias:
+            per_layer += h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return (
+            self.vocab_size * h + head + self.num_linear_parameters() + self.num_hidden_layers * per_layer + h
+        )
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """What to load and how: the source, the architecture read from it, the compute dtype."""
+    """What to load: the source's path, the architecture read from it, the compute dtype."""
 
-    model: str  # folder, repo id in the HF cache, .gguf file, or a preset name with load_format="dummy"
+    model: str  # folder, .gguf file, or a preset name with load_format="dummy"
     arch: ModelArch
     dtype: torch.dtype
-    load_format: str = "auto"  # auto | safetensors | gguf | dummy
-    tokenizer: str | None = None  # where the tokenizer lives; None when skip_tokenizer_init
-    max_model_len: int = 4096
-    seed: int = 0
+    seed: int = _Defaults.seed  # dummy weights' seed; unseeded requests' draws
 
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
-    kv_cache_memory_bytes: int | None = None  # set the pool size directly, overriding utilization
-    enable_prefix_caching: bool = True
-    calculate_kv_scales: bool = False  # fp8 cache: set each layer's scales from the first prefill
+    block_size: int = _Defaults.block_size
+    gpu_memory_utilization: float = _Defaults.gpu_memory_utilization
+    kv_cache_dtype: str = _Defaults.kv_cache_dtype
+    kv_cache_memory_bytes: int | None = _Defaults.kv_cache_memory_bytes
+    enable_prefix_caching: bool = _Defaults.enable_prefix_caching
+    calculate_kv_scales: bool = _Defaults.calculate_kv_scales
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    # Resolved limits (the options' None means "by device and mode"; limits.py decides).
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
+    enable_chunked_prefill: bool = _Defaults.enable_chunked_prefill
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+    tensor_parallel_size: int = _Defaults.tensor_parallel_size
 
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
-    enforce_eager: bool = False  # no CUDA graphs
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" (resolved: the option's None means "cuda if available")
+    attention_backend: str = _Defaults.attention_backend
+    enforce_eager: bool = _Defaults.enforce_eager
     # Decode steps up to this batch size replay CUDA graphs; larger ones run eagerly, where launching
     # hundreds of kernels from Python costs tens of milliseconds a step. Capped by max_num_seqs.
     max_capture_batch_size: int = 1024

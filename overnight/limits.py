@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("offline", "server", "batch")
+from overnight.options import MODES
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ class FakeRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         return self.launch(out).result()
 
+    def shutdown(self) -> None:
+        pass
+
     def launch(self, out: SchedulerOutput) -> _Handle:
         for rid in out.finished_req_ids:
             self.device_pending.pop(rid, None)

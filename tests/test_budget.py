@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from overnight.cli import main
 from overnight.loader.resolve import resolve_source
-from overnight.tools.budget import GIB, DeviceMemory, num_parameters, plan_budget
+from overnight.options import EngineOptions
+from overnight.tools.budget import GIB, DeviceMemory, plan_budget
 
 # SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 4 bytes (fp32 on the CPU)
 SMOL_KV_PER_TOKEN = 30 * 2 * 3 * 64 * 4
@@ -78,18 +78,22 @@ def test_cli_dummy_preset_needs_no_weights(capsys):
 
 @pytest.fixture(scope="module")
 def qwen3_8b():
-    return resolve_source("qwen3-8b", "dummy").arch
+    return resolve_source("qwen3-8b", "dummy")
+
+
+def options(**kw) -> EngineOptions:
+    return EngineOptions(model="qwen3-8b", load_format="dummy", dtype="bfloat16", **kw)
 
 
 def test_qwen3_8b_parameter_count(qwen3_8b):
-    assert abs(num_parameters(qwen3_8b) - 8.19e9) / 8.19e9 < 0.005
+    assert abs(qwen3_8b.arch.num_parameters() - 8.19e9) / 8.19e9 < 0.005
 
 
 def test_gpu_pool_arithmetic(qwen3_8b):
-    b = plan_budget(qwen3_8b, torch.bfloat16, H200, mode="server", max_model_len=4096, seq_len=768)
+    b = plan_budget(options(mode="server", max_model_len=4096), qwen3_8b, H200, seq_len=768)
     assert b.row.startswith(">= 70 GiB") and (b.max_num_seqs, b.max_num_batched_tokens) == (1024, 8192)
     assert b.kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
-    weights = num_parameters(qwen3_8b) * 2
+    weights = qwen3_8b.arch.num_parameters() * 2
     expected_budget = (
         int(H200.total_bytes * 0.9) - (H200.total_bytes - H200.free_bytes) - weights - b.activation_bytes
     )
@@ -101,25 +105,25 @@ def test_gpu_pool_arithmetic(qwen3_8b):
 
 
 def test_fp8_halves_the_bytes_per_token(qwen3_8b):
-    auto = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=4096)
-    fp8 = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=4096, kv_cache_dtype="fp8")
+    auto = plan_budget(options(max_model_len=4096), qwen3_8b, H200)
+    fp8 = plan_budget(options(max_model_len=4096, kv_cache_dtype="fp8"), qwen3_8b, H200)
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token
     assert fp8.num_blocks == fp8.budget_bytes // (fp8.kv_bytes_per_token * 16)
     assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 16
 
 
 def test_batch_mode_gets_a_large_budget_and_the_cap_applies(qwen3_8b):
-    batch = plan_budget(qwen3_8b, torch.bfloat16, H200, mode="batch", max_model_len=4096)
+    batch = plan_budget(options(mode="batch", max_model_len=4096), qwen3_8b, H200)
     # twice the offline class's tokens a step on a 70+ GiB GPU (measured +6% on an H200)
     assert (batch.max_num_seqs, batch.max_num_batched_tokens) == (1024, 32768)
     assert batch.modes["offline"] == (1024, 16384)
     assert batch.modes["server"] == (1024, 8192)
-    capped = plan_budget(qwen3_8b, torch.bfloat16, H200, max_model_len=1024, max_num_seqs=2)
+    capped = plan_budget(options(max_model_len=1024, max_num_seqs=2), qwen3_8b, H200)
     assert capped.capped and capped.num_blocks == 2 * (2 * 1024 // 16)
 
 
 def test_no_room_is_reported_not_raised(qwen3_8b):
     small = DeviceMemory("tiny", total_bytes=16 * GIB, free_bytes=16 * GIB)
-    b = plan_budget(qwen3_8b, torch.bfloat16, small, max_model_len=4096)
+    b = plan_budget(options(max_model_len=4096), qwen3_8b, small)
     assert b.num_blocks == 0 and b.seqs_fit == 0
     assert "weights take 15.26 GiB" in b.pool_source  # the engine's own message: what does not fit

@@ -16,6 +16,8 @@ from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.parallel.dp import DataParallelEngine, LoadBook, request_cost
 from overnight.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.slow  # starts engine processes
+
 PROMPTS = [
     "Hello, my name is",
     "The capital of France is",
@@ -148,7 +150,60 @@ def test_run_batch_over_dp_keeps_order_and_errors(dp, one_engine):
             assert a["response"]["body"]["choices"] == b["response"]["body"]["choices"]
 
 
+def test_async_engine_over_dp_stops_with_requests_in_flight(dp):
+    """The server's engine thread over a data-parallel front: stopping aborts what is in flight (it once
+    asked the front for a field only the single engine has, and failed)."""
+    import asyncio
+    from contextlib import aclosing
+
+    from overnight.server.async_engine import AsyncEngine
+
+    ids = dp.get_tokenizer().encode("A long story about")
+
+    async def main() -> list[str]:
+        ae = AsyncEngine(dp.engine)
+        ae.start()
+        seen: list[str] = []
+
+        async def consume() -> None:
+            params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+            try:
+                async with aclosing(ae.generate("long", ids, params, stream=True)) as outs:
+                    async for out in outs:
+                        seen.append(out.outputs[0].finish_reason or "")
+            except EngineDeadError:
+                seen.append("stopped")
+
+        task = asyncio.create_task(consume())
+        while not seen:  # the request is running in an engine process
+            await asyncio.sleep(0.05)
+        await ae.stop()
+        await task
+        assert ae.error is None
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[-1] in ("abort", "stopped")
+    assert not dp.engine.has_unfinished_requests()
+
+
 def test_dead_engine_raises(dp):
     dp.engine.links._procs[1].kill()
     with pytest.raises(EngineDeadError, match="engine 1"):
         dp.generate(PROMPTS, GREEDY, use_tqdm=False)
+
+
+def test_dummy_preset_over_dp_matches_one_engine():
+    """Dummy weights ship no tokenizer: the data-parallel front resolves the model exactly as one engine
+    does (it once insisted on a tokenizer and failed), and its engines draw the same random weights."""
+    opts = dict(load_format="dummy", device="cpu", max_model_len=64, max_num_seqs=4)
+    prompts = [[101 + i, 202, 303 + 7 * i] for i in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = LLM("smollm2-135m", **opts).generate(prompts, greedy, use_tqdm=False)
+    dp = LLM("smollm2-135m", data_parallel_size=2, **opts)
+    try:
+        assert dp.get_tokenizer() is None
+        got = dp.generate(prompts, greedy, use_tqdm=False)
+    finally:
+        dp.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]

@@ -9,18 +9,14 @@ import pytest
 import torch
 
 from overnight import LLM
+from overnight.build import build_config
 from overnight.config import CacheConfig, SchedulerConfig
-from overnight.engine.builder import EngineOptions, build_config
+from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.limits import default_limits
 from overnight.loader.resolve import resolve_source
-from overnight.runner.kv_pool import (
-    CPU_DEFAULT_POOL_BYTES,
-    PoolMemoryError,
-    kv_budget_bytes,
-    plan_pool,
-    split_budget,
-)
+from overnight.options import EngineOptions
+from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES, kv_budget_bytes
 from tests.tiny_models import make_tiny_checkpoint
 
 GIB = 1 << 30
@@ -180,14 +176,14 @@ def tiny(tmp_path_factory):
 def test_build_config_applies_the_defaults_and_user_values(tiny) -> None:
     source = resolve_source(str(tiny))
     cpu = torch.device("cpu")
-    sched = build_config(EngineOptions(model=str(tiny)), source, cpu).scheduler
+    sched = build_config(EngineOptions(model=str(tiny)), source, cpu, None).scheduler
     assert (sched.max_model_len, sched.max_num_seqs, sched.max_num_batched_tokens) == (512, 256, 4096)
     sched = build_config(
-        EngineOptions(model=str(tiny), mode="server", max_model_len=8), source, cpu
+        EngineOptions(model=str(tiny), mode="server", max_model_len=8), source, cpu, None
     ).scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (128, 128 * 8)
     opts = EngineOptions(model=str(tiny), max_num_seqs=7, max_num_batched_tokens=99)
-    sched = build_config(opts, source, cpu).scheduler
+    sched = build_config(opts, source, cpu, None).scheduler
     assert (sched.max_num_seqs, sched.max_num_batched_tokens) == (7, 99)
 
 

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from overnight.entrypoints.llm import LLM
-from overnight.parallel.ray import generate_dataset, require_ray
+from overnight.ray import generate_dataset, require_ray
 from overnight.sampling_params import SamplingParams
 from tests.test_run_batch import (
     MAX_MODEL_LEN,

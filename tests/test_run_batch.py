@@ -407,7 +407,7 @@ def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsy
     assert sorted(r["error"]["code"] for r in written) == sorted(code for code, _ in expect.values())
 
     # --validate-only finds the same problems without building an engine.
-    import overnight.engine.builder as builder
+    import overnight.build as builder
 
     def no_engine(*a, **k):
         raise AssertionError("--validate-only must not load the model")

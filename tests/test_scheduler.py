@@ -8,7 +8,9 @@ import pytest
 
 from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
 from overnight.engine.engine import Engine
+from overnight.engine.pool_plan import PoolPlan
 from overnight.errors import ConfigError, InvalidRequestError
+from overnight.loader.source import ModelSource
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner, reference_output
 
@@ -30,7 +32,7 @@ def make_engine(
     import torch
 
     config = EngineConfig(
-        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32, max_model_len=max_model_len),
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
         cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -40,7 +42,8 @@ def make_engine(
         ),
     )
     runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)
-    engine = Engine(config, runner, num_blocks, eos_token_ids=(EOS,), vocab_size=VOCAB)
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    engine = Engine(config, runner, source, PoolPlan(num_blocks, block_bytes=0, budget_bytes=0, capped=False))
     return engine, runner
 
 

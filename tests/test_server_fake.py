@@ -45,6 +45,9 @@ class SlowRunner:
         self._tick()
         return self.inner.launch(out)
 
+    def shutdown(self) -> None:
+        self.inner.shutdown()
+
 
 def slow_engine(delay: float = 0.0, fail_at_step: int | None = None, async_mode: bool = False, **kw):
     """async_mode: the engine runs one step ahead of the host, as it does on a GPU."""

@@ -18,8 +18,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from overnight.engine.builder import EngineOptions, build_engine
+from overnight.build import build_engine
 from overnight.loader.resolve import default_gguf_path
+from overnight.options import EngineOptions
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
 from tests.tiny_models import make_tiny_checkpoint

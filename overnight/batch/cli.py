@@ -13,14 +13,13 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
 
 from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
-from overnight.entrypoints.engine_args import add_engine_args, options_from_args
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
+from overnight.options import add_engine_args, options_from_args
 
 log = logging.getLogger("overnight.batch")
 
@@ -120,15 +119,6 @@ def _check_args(args: argparse.Namespace) -> None:
             check_output(path, resume=args.resume, overwrite=args.overwrite, what=what)
 
 
-def input_lines(path: str) -> Iterator[bytes]:
-    """The raw lines of the input, read lazily."""
-    if path == "-":
-        yield from sys.stdin.buffer
-        return
-    with open(path, "rb") as f:
-        yield from f
-
-
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -137,23 +127,20 @@ def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.ordering import OutputOrder
     from overnight.batch.output import Sink, open_output
     from overnight.batch.progress import Progress
-    from overnight.batch.reader import count_lines, read_lines
+    from overnight.batch.reader import count_lines, input_lines, read_lines
     from overnight.batch.runner import BatchRunner
     from overnight.batch.summary import Summary
-    from overnight.engine.builder import build_engine
+    from overnight.build import build_engine, build_ray_engine
     from overnight.errors import ModelLoadError
     from overnight.openai_api.inputs import served_names
 
-    if args.ray:  # replicas on a Ray cluster behind the same request methods: overnight/parallel/ray.py
-        from overnight.parallel.ray import build_ray_engine, require_ray
-
+    if args.ray:  # replicas on a Ray cluster behind one front: overnight/parallel/ray.py
         try:
-            require_ray()
+            engine = build_ray_engine(
+                options_from_args(args, mode="batch"), args.num_replicas, address=args.ray_address
+            )
         except ImportError as e:
             raise UsageError(str(e)) from None
-        engine = build_ray_engine(
-            options_from_args(args, mode="batch"), args.num_replicas, address=args.ray_address
-        )
     else:
         try:
             engine = build_engine(options_from_args(args, mode="batch"))
@@ -164,7 +151,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         from overnight.tools.check import start_check_log
 
         start_check_log(engine, interval_s=60.0)
-    served = engine.source.served_name  # type: ignore[attr-defined]
+    served = engine.source.served_name
     out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
     errors = None
     if args.errors_file:

@@ -30,6 +30,7 @@ class Progress:
             self._postfix()
 
     def _postfix(self) -> None:
+        assert self.bar is not None
         s = self.summary
         elapsed = max(s.elapsed, 1e-9)
         self.bar.set_postfix_str(

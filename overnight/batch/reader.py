@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -25,6 +26,15 @@ class BatchLine:
     url: str | None = None
     request: OpenAIRequest | None = None
     error: ApiError | None = None
+
+
+def input_lines(path: str) -> Iterator[bytes]:
+    """The raw lines of the input, read lazily."""
+    if path == "-":
+        yield from sys.stdin.buffer
+        return
+    with open(path, "rb") as f:
+        yield from f
 
 
 def read_lines(raw_lines: Iterable[bytes]) -> Iterator[BatchLine]:

@@ -24,7 +24,7 @@ from overnight.batch.progress import Progress
 from overnight.batch.reader import BatchLine
 from overnight.batch.records import error_record, success_record
 from overnight.batch.summary import Summary
-from overnight.engine.engine import Engine
+from overnight.engine.interfaces import EngineClient
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.convert import chat_completion, completion
 from overnight.openai_api.errors import ApiError
@@ -50,7 +50,7 @@ class _Line:
 class BatchRunner:
     def __init__(
         self,
-        engine: Engine,
+        engine: EngineClient,
         sink: Sink,
         summary: Summary,
         *,

@@ -1,57 +1,48 @@
 """`run-batch --validate-only`: every check a line can fail, without loading the model's weights.
 
-Reads the model's metadata (names, context length, vocabulary) and its tokenizer, so prompt lengths and
-chat templates are checked too; only the engine's own limits that depend on memory are left out.
+Reads the model's metadata (names, context length, vocabulary) and its tokenizer, and resolves the
+engine's configuration for this device, so each line gets exactly the engine's own checks (validation.py)
+and chat templates are applied; only what depends on the KV pool's size is left out.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from overnight.batch.records import error_record
 from overnight.batch.summary import Summary
-from overnight.errors import InvalidRequestError, ModelLoadError
+from overnight.engine.validation import limits_of, validate_request
+from overnight.errors import ConfigError, ModelLoadError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
+from overnight.options import options_from_args
 from overnight.sampling_params import SamplingParams
 
 _SHOWN = 50  # errors printed on stderr; all of them go to --errors-file
 
 
 def validate_file(args: argparse.Namespace) -> int:
-    from overnight.batch.cli import input_lines
     from overnight.batch.output import Sink, open_output
-    from overnight.batch.reader import read_lines
-    from overnight.loader.resolve import resolve_source
+    from overnight.batch.reader import input_lines, read_lines
+    from overnight.build import build_config, resolve_model
+    from overnight.runner.device import device_memory_gib, pick_device
 
+    opts = options_from_args(args, mode="batch")
     try:
-        source = resolve_source(args.model, args.load_format)
-    except ModelLoadError as e:
+        model = resolve_model(opts)
+        # The engine's own configuration and checks, without its weights (only the pool is unknown).
+        device = pick_device(opts.device)
+        config = build_config(opts, model.source, device, device_memory_gib(device))
+    except (ModelLoadError, ConfigError) as e:
         print(f"overnight run-batch: {e}", file=sys.stderr)
         return 2
-    served = args.served_model_name or source.served_name
-    tokenizer = None
-    if not args.skip_tokenizer_init and source.tokenizer_path is not None:
-        from overnight.tokenizer.tokenizer import load_tokenizer
-
-        if args.tokenizer:
-            source = dataclasses.replace(source, tokenizer_path=args.tokenizer)
-        tokenizer = load_tokenizer(source)
-    max_model_len = args.max_model_len or source.arch.max_position_embeddings
-    vocab_size = source.arch.vocab_size
+    source, tokenizer = model.source, model.tokenizer
+    served = source.served_name
+    limits = limits_of(config, source.arch.vocab_size, tokenizer is not None)
 
     def engine_checks(ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise InvalidRequestError("the prompt is empty")
-        bad = [t for t in ids if t >= vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})"
-            )
-        if params.stop_strings and tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer")
+        validate_request(ids, params, limits)
 
     names = served_names(served, args.model)
     sink = None
@@ -70,7 +61,7 @@ def validate_file(args: argparse.Namespace) -> int:
             seen.add(line.custom_id)
         if error is None and line.request is not None:
             try:
-                prepare(line.request, tokenizer, max_model_len, names, engine_checks)
+                prepare(line.request, tokenizer, config.scheduler.max_model_len, names, engine_checks)
             except ApiError as e:
                 error = e
         if error is None:

@@ -6,7 +6,7 @@ import argparse
 import importlib
 import sys
 
-from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+from overnight.options import add_engine_args, options_from_args
 
 # sub-command -> module with add_arguments(parser) and run(args) -> int (besides throughput, below)
 SUBCOMMANDS = {"sweep": "overnight.bench.sweep"}

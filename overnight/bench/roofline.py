@@ -36,15 +36,9 @@ class Roofline:
         return self.t_compute + self.t_memory
 
 
-def linear_params(arch: ModelArch) -> int:
-    per_layer = arch.hidden_size * (arch.q_size + 2 * arch.kv_size) + arch.q_size * arch.hidden_size
-    per_layer += 3 * arch.hidden_size * arch.intermediate_size
-    return per_layer * arch.num_hidden_layers
-
-
 def model_bytes(arch: ModelArch, dtype_bytes: int = 2) -> int:
     emb = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    return (linear_params(arch) + emb) * dtype_bytes
+    return (arch.num_linear_parameters() + emb) * dtype_bytes
 
 
 def estimate(
@@ -56,10 +50,10 @@ def estimate(
     tbps: float = H200_TBPS,
 ) -> Roofline:
     """requests: (input length, output length) pairs; batch: concurrent sequences during decode."""
-    lin = 2.0 * linear_params(arch)
+    lin = 2.0 * arch.num_linear_parameters()
     head = 2.0 * arch.hidden_size * arch.vocab_size
     attn_pair = 4.0 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
-    kv_per_token = 2 * arch.num_hidden_layers * arch.kv_size * kv_bytes_per_elem
+    kv_per_token = arch.kv_bytes_per_token(kv_bytes_per_elem)
     flops = kv_bytes = 0.0
     total_out = 0
     for n_in, n_out in requests:

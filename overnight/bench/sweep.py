@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from overnight.bench.knee import LevelPoint, refine_between, stop_reason, verdict
-from overnight.entrypoints.engine_args import add_engine_args
+from overnight.options import add_engine_args, options_from_args, options_to_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,8 +167,7 @@ def server_for(args: argparse.Namespace) -> Iterator[str]:
     if args.url:
         yield args.url.rstrip("/")
     elif args.server == "thread":
-        from overnight.engine.builder import build_engine
-        from overnight.entrypoints.engine_args import options_from_args
+        from overnight.build import build_engine
         from overnight.metrics import hide_created_series
         from overnight.server.background import BackgroundServer
         from overnight.server.cli import ServerOptions, make_app
@@ -219,15 +218,7 @@ def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine options given to the sweep, as `overnight serve` flags (only those off their default)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_engine_args(parser)
-    flags: list[str] = []
-    for action in parser._actions:
-        value = getattr(args, action.dest, action.default)
-        if not action.option_strings or value == action.default:
-            continue
-        flags += [action.option_strings[0]] if action.nargs == 0 else [action.option_strings[0], str(value)]
-    return flags
+    return options_to_flags(options_from_args(args, mode="server"))
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:

@@ -13,7 +13,8 @@ import torch
 from overnight.bench.gpu_info import ClockSampler
 from overnight.bench.roofline import estimate
 from overnight.bench.workloads import Workload
-from overnight.engine.builder import EngineOptions
+from overnight.engine.interfaces import StepTimings
+from overnight.options import EngineOptions
 
 
 def process_age_s() -> float:
@@ -61,10 +62,8 @@ def run_ours(
     if warmup and device.type == "cuda":
         # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
         llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
-    from overnight.engine.engine import StepTimings
-
-    if hasattr(engine, "timings"):
-        engine.timings = StepTimings()
+    if engine.timings is not None:
+        engine.timings = StepTimings()  # the timed run's steps only
     with ClockSampler(device_index) as clocks:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -99,10 +98,10 @@ def run_ours(
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
             "kv_pool_tokens": engine.pool_plan.num_blocks * engine.config.cache.block_size,
-            "steps": getattr(engine, "num_steps", None),
+            "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
-            "host_per_step": engine.timings.summary() if hasattr(engine, "timings") else None,
+            "host_per_step": engine.timings.summary() if engine.timings is not None else None,
         },
     )
     del llm
@@ -118,11 +117,11 @@ def run_transformers(
     """transformers' generate with static batches (left padding), greedy, fixed lengths. Output
     tokens counted are the ones each request asked for (a static batch runs to its longest)."""
     from overnight.bench.hf_reference import build_hf_model
-    from overnight.engine.builder import pick_device
-    from overnight.loader.resolve import resolve_source
+    from overnight.build import resolve_model
+    from overnight.runner.device import pick_device
 
     device = pick_device(opts.device)
-    source = resolve_source(opts.model, opts.load_format)
+    source = resolve_model(opts).source
     model = build_hf_model(source, device, opts.load_format == "dummy")
     reqs = workload.requests(source.arch.vocab_size)
     if max_requests:

@@ -7,86 +7,50 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from overnight.config import EngineConfig
+from overnight.engine.interfaces import Runner, StepHandle, StepTimings
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.output_processor import OutputProcessor, ParentRequest
+from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler, SchedulerStats
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
-from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.engine.step_io import SchedulerOutput
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError
+from overnight.loader.source import ModelSource
 from overnight.outputs import RequestMetrics, RequestOutput
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from overnight.loader.source import ModelSource
-    from overnight.runner.kv_pool import PoolPlan
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
-class Runner(Protocol):
-    """Runs one forward pass and samples; the model runner, a fake in tests, or a group of workers."""
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
-@dataclass
-class StepTimings:
-    """Where the host's time goes, summed over steps. With a runner that launches asynchronously,
-    wait_s is the time the host sat idle waiting for the GPU: the larger it is, the less the host
-    limits throughput."""
-
-    steps: int = 0
-    schedule_s: float = 0.0
-    launch_s: float = 0.0  # building inputs and enqueueing the step (or running it, on the CPU)
-    wait_s: float = 0.0  # blocked on the device for a step's tokens
-    update_s: float = 0.0  # scheduler update, outputs, stats
-
-    def summary(self) -> dict[str, float]:
-        n = max(self.steps, 1)
-        return {
-            "steps": self.steps,
-            "schedule_ms": round(1e3 * self.schedule_s / n, 3),
-            "launch_ms": round(1e3 * self.launch_s / n, 3),
-            "wait_ms": round(1e3 * self.wait_s / n, 3),
-            "update_ms": round(1e3 * self.update_s / n, 3),
-        }
-
-
-class _Done:
-    """A step that already ran (synchronous runners)."""
-
-    def __init__(self, out: ModelRunnerOutput) -> None:
-        self.out = out
-
-    def result(self) -> ModelRunnerOutput:
-        return self.out
-
-
 class Engine:
+    """One engine on one runner; implements EngineClient (interfaces.py).
+
+    source: where the model came from (served name, stop ids, vocabulary); pool_plan: the KV pool the
+    runner allocated."""
+
     def __init__(
         self,
         config: EngineConfig,
         runner: Runner,
-        num_blocks: int,
-        eos_token_ids: tuple[int, ...],
-        vocab_size: int,
+        source: ModelSource,
+        pool_plan: PoolPlan,
         tokenizer: Tokenizer | None = None,
-        source: ModelSource | None = None,
-        pool_plan: PoolPlan | None = None,
     ) -> None:
         self.config = config
-        self.source = source  # where the model came from (served name, stop ids), when known
-        self.pool_plan = pool_plan  # how the KV pool was sized, when known
+        self.source = source
+        self.pool_plan = pool_plan
         self.runner = runner
         self.tokenizer = tokenizer
-        self.eos_token_ids = frozenset(eos_token_ids)
-        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(source.eos_token_ids)
+        self.vocab_size = source.arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
+        num_blocks = pool_plan.num_blocks
         self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         capacity = num_blocks * config.cache.block_size
         if capacity < self.max_model_len:
@@ -103,9 +67,9 @@ class Engine:
         self._last_token_time: dict[str, float] = {}
         self.num_steps = 0
         # One step may run ahead of the host when the runner can launch without waiting.
-        self._async = bool(getattr(runner, "supports_async", False))
-        self._inflight: tuple[SchedulerOutput, object] | None = None
-        self.timings = StepTimings()
+        self._async = runner.supports_async
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        self.timings: StepTimings | None = StepTimings()
 
     # -- requests ---------------------------------------------------------------------------------
 
@@ -183,8 +147,14 @@ class Engine:
     def num_unfinished_requests(self) -> int:
         return len(self.parents)
 
+    def unfinished_request_ids(self) -> list[str]:
+        return list(self.parents)
+
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
 
     # -- the step ---------------------------------------------------------------------------------
 
@@ -193,13 +163,13 @@ class Engine:
 
         With a runner that launches asynchronously (CUDA), step N+1 is launched before step N's
         tokens are read, so the host work of one step overlaps the GPU work of the other."""
-        t = self.timings
+        t = self.timings or StepTimings()
         t0 = time.perf_counter()
         sched_out = self.scheduler.schedule()
         t1 = time.perf_counter()
         handle = None
         if not sched_out.is_empty or sched_out.finished_req_ids:
-            handle = self._launch(sched_out)
+            handle = self.runner.launch(sched_out)
         t2 = time.perf_counter()
         t.schedule_s += t1 - t0
         t.launch_s += t2 - t1
@@ -215,12 +185,7 @@ class Engine:
         t.steps += 1
         return outputs
 
-    def _launch(self, sched_out: SchedulerOutput):
-        if self._async:
-            return self.runner.launch(sched_out)
-        return _Done(self.runner.execute(sched_out))
-
-    def _complete(self, sched_out: SchedulerOutput, handle) -> list[RequestOutput]:
+    def _complete(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
         t0 = time.perf_counter()
         runner_out = handle.result()
         t1 = time.perf_counter()
@@ -235,8 +200,9 @@ class Engine:
         if self.observers:
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
         self._retire([o for o in outputs if o.finished])
-        self.timings.wait_s += t1 - t0
-        self.timings.update_s += time.perf_counter() - t1
+        if self.timings is not None:
+            self.timings.wait_s += t1 - t0
+            self.timings.update_s += time.perf_counter() - t1
         return outputs
 
     def _retire(self, outputs: list[RequestOutput]) -> None:

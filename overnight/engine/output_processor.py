@@ -15,6 +15,7 @@ from overnight.engine.step_io import TokenLogprobs
 from overnight.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
+    from overnight.tokenizer.detokenizer import IncrementalDetokenizer
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -42,7 +43,7 @@ class _Child:
     req: Request
     parent: ParentRequest
     index: int
-    detok: object | None  # IncrementalDetokenizer when text is built token by token
+    detok: IncrementalDetokenizer | None  # when text is built token by token
     stop_window: int  # characters held back while streaming, so a partial stop string is never sent
     sent_text: int = 0
     sent_tokens: int = 0

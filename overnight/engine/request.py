@@ -105,7 +105,7 @@ class Request:
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Token-level stop rules, applied right after token_id was appended."""
         if token_id in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
-            if token_id in self.params.stop_token_ids:
+            if token_id in (self.params.stop_token_ids or ()):
                 self.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         if len(self.all_token_ids) >= self.max_total_tokens:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+from overnight.options import add_engine_args, options_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

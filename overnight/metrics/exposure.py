@@ -18,19 +18,16 @@ import prometheus_client
 from overnight.metrics.prometheus import DEFAULT_PREFIX, PrometheusObserver
 
 if TYPE_CHECKING:
-    from overnight.engine.engine import Engine
+    from overnight.engine.interfaces import EngineClient
 
 log = logging.getLogger("overnight")
 
 
-def engine_model_name(engine: Engine) -> str:
-    source = getattr(engine, "source", None)  # set by build_engine
-    if source is not None:
-        return source.served_name
-    return engine.config.model.model
+def engine_model_name(engine: EngineClient) -> str:
+    return engine.source.served_name
 
 
-def engine_limits(engine: Engine) -> dict[str, int]:
+def engine_limits(engine: EngineClient) -> dict[str, int]:
     """The limits a reader of /metrics needs to judge the gauges: the batch ceilings and the pool size."""
     sched, cache = engine.config.scheduler, engine.config.cache
     limits = {
@@ -38,15 +35,13 @@ def engine_limits(engine: Engine) -> dict[str, int]:
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "max_model_len": sched.max_model_len,
         "block_size": cache.block_size,
+        "num_kv_blocks": engine.pool_plan.num_blocks,  # one engine's (each of a data-parallel group has one)
     }
-    kv = getattr(engine, "kv", None)  # a data-parallel front has no pool of its own
-    if kv is not None:
-        limits["num_kv_blocks"] = kv.num_blocks
     return limits
 
 
 def attach_metrics(
-    engine: Engine,
+    engine: EngineClient,
     prefix: str = DEFAULT_PREFIX,
     model_name: str | None = None,
     port: int | None = None,

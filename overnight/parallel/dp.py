@@ -7,10 +7,9 @@
     DataParallelEngine.step               <--StepOutputs (per step)-- the step's outputs and stats
       returns whatever has arrived, merged
 
-DataParallelEngine has the Engine's request methods (validate, add_request, abort_request, step,
-has_unfinished_requests, stats, observers), so the entry points drive it as they drive one engine. Each
-engine is an ordinary engine built from the same options (data_parallel_size=1, tensor parallel inside
-it if asked). Unseeded requests get their seed here, drawn exactly as one engine draws it, and sampling
+DataParallelEngine implements EngineClient (engine/interfaces.py), so the entry points drive it as they
+drive one engine. Each engine is an ordinary engine built in its own process from the same options
+(data_parallel_size=1, tensor parallel inside it if asked) by the factory the links were given. Unseeded requests get their seed here, drawn exactly as one engine draws it, and sampling
 depends only on a request's seed: a request's output does not depend on which engine ran it.
 
 How the engines are reached is an EngineLinks (links.py): ProcessLinks (a lost process is fatal), RayLinks in
@@ -22,13 +21,15 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
-from overnight.engine.builder import EngineOptions
+from overnight.engine.interfaces import StepTimings
 from overnight.engine.scheduler import SchedulerStats
+from overnight.engine.stats import StatsObserver
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.loader.source import ModelSource
 from overnight.outputs import RequestOutput
 from overnight.parallel.links import (
     AbortRequests,
@@ -38,11 +39,13 @@ from overnight.parallel.links import (
     EngineLost,
     EngineReady,
     ForwardStats,
-    ProcessLinks,
     Rejected,
     StepOutputs,
 )
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("overnight")
 
@@ -108,30 +111,19 @@ def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: 
 
 
 class DataParallelEngine:
-    """N engines behind the Engine's request methods (see the module docstring).
+    """N engines behind one EngineClient (see the module docstring). source and tokenizer are the
+    model's, resolved once by the caller (every engine has the same).
 
     config is the engines' config with max_num_seqs summed over them: what the group runs at once.
     """
 
-    def __init__(
-        self, opts: EngineOptions, links: Callable[[EngineOptions], EngineLinks] = ProcessLinks
-    ) -> None:
-        from overnight.loader.resolve import resolve_source
-
-        # Resolved here too (a file read, no weights): a wrong model name fails before any engine starts.
-        source = resolve_source(opts.model, opts.load_format)
-        if opts.served_model_name:
-            source = replace(source, served_name=opts.served_model_name)
-        self.links = links(opts)
-        self.num_engines = n = self.links.num_engines
+    def __init__(self, links: EngineLinks, source: ModelSource, tokenizer: Tokenizer | None) -> None:
+        self.links = links
+        self.num_engines = n = links.num_engines
         self.source = source
         self.vocab_size = source.arch.vocab_size
-        self.tokenizer = None
-        if not opts.skip_tokenizer_init:
-            from overnight.tokenizer.tokenizer import load_tokenizer
-
-            tok_source = replace(source, tokenizer_path=opts.tokenizer) if opts.tokenizer else source
-            self.tokenizer = load_tokenizer(tok_source)
+        self.tokenizer = tokenizer
+        self.timings: StepTimings | None = None  # the steps run in the engines' processes
 
         ready: dict[int, EngineReady] = {}
         while len(ready) < n:
@@ -146,7 +138,7 @@ class DataParallelEngine:
         self.config = replace(base, scheduler=replace(sched, max_num_seqs=n * sched.max_num_seqs))
         self.pool_plan = ready[0].pool_plan
         self.max_model_len = sched.max_model_len
-        self.observers: list = []
+        self.observers: list[StatsObserver] = []
         self.book = LoadBook(n)
         self.num_steps = 0
         self._items: dict[str, AddRequest] = {}  # outstanding requests, kept to deal them again
@@ -199,6 +191,9 @@ class DataParallelEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.book.owner or self._homeless)
+
+    def unfinished_request_ids(self) -> list[str]:
+        return [*self.book.owner, *(r.request_id for r in self._homeless)]
 
     @property
     def num_unfinished_requests(self) -> int:

@@ -20,15 +20,19 @@ from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
 from overnight.config import EngineConfig
-from overnight.engine.builder import EngineOptions
-from overnight.engine.engine import Engine
+from overnight.engine.interfaces import EngineClient
+from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.options import EngineOptions
 from overnight.outputs import RequestOutput
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
-from overnight.runner.kv_pool import PoolPlan
 from overnight.sampling_params import SamplingParams
+
+# Builds one engine from options, in the engine's own process (the composition root's build_engine):
+# injected, so the parallel fronts never import what assembles them.
+EngineFactory = Callable[[EngineOptions], EngineClient]
 
 # -- messages (driver -> engine) ------------------------------------------------------------------
 
@@ -116,7 +120,7 @@ class _Recorder:
 
 def serve_engine(
     index: int,
-    engine: Engine,
+    engine: EngineClient,
     receive: Callable[[bool], list[object] | None],
     send: Callable[[object], None],
 ) -> None:
@@ -165,9 +169,7 @@ def serve_engine(
                 send(StepOutputs(index, outputs, engine.stats(), iteration))
 
 
-def _engine_main(index: int, opts: EngineOptions, conn: Connection) -> None:
-    from overnight.engine.builder import build_engine
-
+def _engine_main(index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
 
     def receive(block: bool) -> list[object] | None:
@@ -182,8 +184,8 @@ def _engine_main(index: int, opts: EngineOptions, conn: Connection) -> None:
             return None
 
     try:
-        engine = build_engine(replace(opts, data_parallel_size=1))
-        conn.send(EngineReady(index, engine.config, engine.pool_plan))  # type: ignore[attr-defined]
+        engine = factory(opts)
+        conn.send(EngineReady(index, engine.config, engine.pool_plan))
         serve_engine(index, engine, receive, conn.send)
     except BaseException:
         with contextlib.suppress(OSError, ValueError):
@@ -212,12 +214,13 @@ class EngineLinks(Protocol):
 
 
 class ProcessLinks:
-    """One spawned process per engine, pipes both ways; a dead process raises EngineDeadError."""
+    """One spawned process per engine, pipes both ways; a dead process raises EngineDeadError.
+    Each process builds its engine as factory(opts) (opts: one engine's options)."""
 
-    def __init__(self, opts: EngineOptions) -> None:
-        from overnight.engine.builder import pick_device
+    def __init__(self, opts: EngineOptions, num_engines: int, factory: EngineFactory) -> None:
+        from overnight.runner.device import pick_device
 
-        self.num_engines = n = opts.data_parallel_size
+        self.num_engines = n = num_engines
         device = pick_device(opts.device)  # no CUDA context: only counts devices
         groups = _device_groups(device, n, opts.tensor_parallel_size)
         child_opts = replace(opts, device="cuda" if device.type == "cuda" else str(device))
@@ -229,7 +232,9 @@ class ProcessLinks:
         for i in range(n):
             ours, theirs = ctx.Pipe()
             # Not a daemon: an engine process starts its own tensor parallel workers.
-            proc = ctx.Process(target=_engine_main, args=(i, child_opts, theirs), name=f"overnight-dp{i}")
+            proc = ctx.Process(
+                target=_engine_main, args=(i, child_opts, factory, theirs), name=f"overnight-dp{i}"
+            )
             with spawn_environment(child_env(threads, groups[i])):
                 proc.start()
             theirs.close()

@@ -23,6 +23,7 @@ or while loading (load_sharded_model, which never holds a whole model on one dev
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.loader.source import ModelSource
+from overnight.models.interface import CausalLM
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
@@ -205,12 +207,14 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     down_proj. Afterwards model.arch is the rank's local arch, so load_weights fuses checkpoint tensors
     into the local layout.
     """
-    shards = TPShards(model.arch, rank, world)
+    lm = cast(CausalLM, model)  # the model's contract, beside its nn.Module side
+    shards = TPShards(lm.arch, rank, world)
     shards.check()
-    fused = {fused_name for fused_name, _ in model.packed_modules_mapping.values()}
+    fused = {fused_name for fused_name, _ in lm.packed_modules_mapping.values()}
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
+    assert isinstance(embed, nn.Embedding)
     tied = head is not None and head.weight is embed.weight
 
     for name, module in list(model.named_modules()):
@@ -237,8 +241,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     _set_module(model, embed_name, new_embed)
     if head is not None:
         weight = new_embed.weight if tied else _keep(shards.shard("lm_head.weight", head.weight))
-        model.lm_head = ParallelLMHead(weight, model.arch.vocab_size, group)
-    model.arch = shards.local_arch
+        _set_module(model, "lm_head", ParallelLMHead(weight, lm.arch.vocab_size, group))
+    lm.arch = shards.local_arch
     return model
 
 
@@ -251,7 +255,7 @@ def load_sharded_model(
     world: int,
     seed: int = 0,
     group: dist.ProcessGroup | None = None,
-) -> nn.Module:
+) -> CausalLM:
     """Rank `rank`'s share of the model of `source`, loaded onto `device` without ever holding the whole
     model there: the model is sharded while shapeless (meta), then each checkpoint tensor is sliced as
     it streams in. Dummy weights are drawn whole, tensor by tensor, exactly as the unsharded loader
@@ -266,14 +270,16 @@ def load_sharded_model(
     elif source.kind == "hf":
         from overnight.loader.hf import iter_safetensors
 
-        model.load_weights((n, shards.shard(n, t)) for n, t in iter_safetensors(source.path, device))
+        cast(CausalLM, model).load_weights(
+            (n, shards.shard(n, t)) for n, t in iter_safetensors(source.path, device)
+        )
     elif source.kind == "gguf":
         from overnight.loader.gguf import iter_gguf_weights
 
-        model.load_weights((n, shards.shard(n, t)) for n, t in iter_gguf_weights(source.path))
+        cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in iter_gguf_weights(source.path))
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
-    return model.requires_grad_(False).eval()
+    return cast(CausalLM, model.requires_grad_(False).eval())
 
 
 def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:

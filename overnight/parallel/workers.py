@@ -38,7 +38,6 @@ from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.errors import EngineDeadError
 from overnight.loader.source import ModelSource
-from overnight.runner.kv_pool import PoolPlan
 
 # NVLink multicast (NVLS) off in every process we start: the GPU machines do not support it reliably.
 MULTICAST_OFF = {
@@ -215,12 +214,15 @@ def _start_rank(init: WorkerInit):
 
     config = init.config
     device = rank_device(config.runner.device, init.rank)
-    extra = {}
-    if device.startswith("cuda"):
+    on_gpu = device.startswith("cuda")
+    if on_gpu:
         torch.cuda.set_device(device)
-        extra["device_id"] = torch.device(device)
     dist.init_process_group(
-        init.backend, init_method=init.init_method, rank=init.rank, world_size=init.world, **extra
+        init.backend,
+        init_method=init.init_method,
+        rank=init.rank,
+        world_size=init.world,
+        device_id=torch.device(device) if on_gpu else None,
     )
     model = load_sharded_model(
         init.source, config.model.dtype, device, init.rank, init.world, seed=config.model.seed
@@ -248,9 +250,6 @@ def _adopt_rank0_tokens(runner, result: ModelRunnerOutput) -> None:
 
 
 def _serve(runner, init: WorkerInit, conn: Connection) -> None:
-    from overnight.runner.kv_pool import kv_budget_bytes
-
-    sched = init.config.scheduler
     while True:
         try:
             msg = conn.recv()
@@ -262,17 +261,9 @@ def _serve(runner, init: WorkerInit, conn: Connection) -> None:
             if init.rank == 0:
                 conn.send(result)
         elif isinstance(msg, SizeKVPool):
-
-            def measure() -> int:
-                return runner.profile_peak_bytes(
-                    sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
-                )
-
-            budget = kv_budget_bytes(runner.device, init.config.cache, measure)
-            conn.send(KVPoolShare(budget, runner.kv_bytes_per_block()))
+            conn.send(KVPoolShare(*runner.kv_pool_share()))
         elif isinstance(msg, AllocateKVCache):
-            runner.init_kv_cache(msg.num_blocks)
-            runner.capture_graphs()  # every rank captures the same buckets, collectives included
+            runner.allocate_kv_cache(msg.num_blocks)  # every rank captures the same graphs, collectives too
             conn.send(Done())
         elif isinstance(msg, Shutdown):
             return
@@ -331,17 +322,16 @@ class TPRunner:
         ready = self._replies(range(self.world))
         self.kv_cache_dtype: torch.dtype = ready[0].kv_cache_dtype
 
-    def allocate_kv_pool(self) -> PoolPlan:
-        """Size each rank's share of the pool; every rank gets the blocks the tightest one can hold."""
-        from overnight.runner.kv_pool import plan_pool
-
+    def kv_pool_share(self) -> tuple[int, int]:
+        """Every rank measures its share; the group gets the blocks the tightest rank can hold (a
+        block's bytes are a rank's share of one block: its KV heads only)."""
         self._send_all(SizeKVPool())
         shares = self._replies(range(self.world))
-        budget = min(s.budget_bytes for s in shares.values())
-        plan = plan_pool(budget, shares[0].block_bytes, self.config.cache.block_size, self.config.scheduler)
-        self._send_all(AllocateKVCache(plan.num_blocks))
+        return min(s.budget_bytes for s in shares.values()), shares[0].block_bytes
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._send_all(AllocateKVCache(num_blocks))
         self._replies(range(self.world))
-        return plan
 
     # The ranks run step N while the engine schedules step N+1; each rank still runs its steps one
     # after the other, so its request states never hold a pending token.
@@ -412,14 +402,3 @@ class PendingStep:
         if self._result is None:
             self._result = self.runner._replies([0])[0]
         return self._result
-
-
-def start_tp_runner(config: EngineConfig, source: ModelSource) -> tuple[TPRunner, PoolPlan]:
-    """Start the rank processes, load each rank's shard, size and allocate every KV share."""
-    runner = TPRunner(config, source)
-    try:
-        plan = runner.allocate_kv_pool()
-    except BaseException:
-        runner.shutdown()
-        raise
-    return runner, plan

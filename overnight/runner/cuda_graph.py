@@ -14,9 +14,9 @@ import logging
 import time
 
 import torch
-from torch import nn
 
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
+from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers
 
 log = logging.getLogger("overnight")
@@ -38,7 +38,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         backend: AttentionBackend,
         kv_caches: list[torch.Tensor],
         buffers: StepBuffers,
@@ -55,7 +55,6 @@ class DecodeGraphs:
         self.sizes = bucket_sizes(max_batch)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
 
     def bucket_for(self, batch: int) -> int | None:
         for size in self.sizes:
@@ -93,14 +92,13 @@ class DecodeGraphs:
         buf.tables[:n].zero_()
         buf.qsl[: n + 1].copy_(torch.arange(n + 1, dtype=buf.qsl.dtype, device=buf.qsl.device))
         start = time.perf_counter()
-        for b in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
+        pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph
+        for b in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its memory
             self._forward(b)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=pool):
                 out = self._forward(b)
-            if self.pool is None:
-                self.pool = graph.pool()
             self.graphs[b] = graph
             self.outputs[b] = out
         torch.cuda.synchronize()

@@ -16,65 +16,14 @@ sequences of max_model_len, twice over (room for cached prefixes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from overnight.config import CacheConfig, SchedulerConfig
-from overnight.errors import ConfigError
+from overnight.engine.pool_plan import PoolPlan, plan_pool, split_budget
 
 CPU_DEFAULT_POOL_BYTES = 2 << 30
-GIB = float(1 << 30)
-
-
-class PoolMemoryError(ConfigError, MemoryError):
-    """The memory the engine may use cannot hold the weights, the largest step and a KV pool (a
-    ConfigError like the engine's other impossible options; a MemoryError for callers that catch that)."""
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    num_blocks: int
-    block_bytes: int
-    budget_bytes: int  # memory set aside for the pool before capping
-    capped: bool  # True when the cap (max_num_seqs x max_model_len) bounded the pool
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-
-def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: SchedulerConfig) -> PoolPlan:
-    if budget_bytes < block_bytes:
-        raise PoolMemoryError(
-            f"no memory is left for the KV cache ({budget_bytes / GIB:.2f} GiB after the weights and "
-            "activations): raise gpu_memory_utilization, lower max_num_batched_tokens, or use a GPU "
-            "with more memory"
-        )
-    blocks = budget_bytes // block_bytes
-    cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
-    return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
-
-
-def split_budget(total: int, utilization: float, outside_torch: int, weights: int, peak: int) -> int:
-    """Bytes left for the pool; raises PoolMemoryError naming what does not fit. peak includes weights."""
-    usable = int(total * utilization) - max(outside_torch, 0)
-    share = f"gpu_memory_utilization {utilization:g} x {total / GIB:.1f} GiB"
-    if outside_torch > 0:
-        share += f" - {outside_torch / GIB:.2f} GiB used outside torch"
-    if weights > usable:
-        raise PoolMemoryError(
-            f"the model's weights take {weights / GIB:.2f} GiB, more than the {usable / GIB:.2f} GiB the "
-            f"engine may use ({share}): raise gpu_memory_utilization, load a smaller dtype, or split the "
-            "model with tensor_parallel_size"
-        )
-    if peak > usable:
-        raise PoolMemoryError(
-            f"the weights ({weights / GIB:.2f} GiB) and the activations of the largest step "
-            f"({(peak - weights) / GIB:.2f} GiB) need more than the {usable / GIB:.2f} GiB the engine may "
-            f"use ({share}): lower max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization"
-        )
-    return usable - peak
 
 
 def kv_budget_bytes(
@@ -97,3 +46,24 @@ def kv_budget_bytes(
     # Memory outside torch's allocator (CUDA context, NCCL, other processes) stays where it is.
     outside_torch = total - free_after - torch.cuda.memory_reserved(device)
     return split_budget(total, cache.gpu_memory_utilization, outside_torch, weights, peak)
+
+
+class PoolOwner(Protocol):
+    """A runner that holds a KV pool: the single-device runner, or the tensor-parallel group (whose
+    ranks each hold a share of every block)."""
+
+    def kv_pool_share(self) -> tuple[int, int]:
+        """(bytes the pool may take, bytes of one block), measured on the device(s)."""
+        ...
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate num_blocks blocks and capture the CUDA graphs that read them."""
+        ...
+
+
+def set_up_kv_pool(runner: PoolOwner, cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
+    """The one KV pool set-up: measure, plan, allocate."""
+    budget, block_bytes = runner.kv_pool_share()
+    plan = plan_pool(budget, block_bytes, cache.block_size, sched)
+    runner.allocate_kv_cache(plan.num_blocks)
+    return plan

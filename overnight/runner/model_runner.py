@@ -9,9 +9,9 @@ unread step takes it straight from that step's device tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
@@ -19,9 +19,13 @@ from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
+from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers, build_sampling_batch
 from overnight.runner.request_state import RequestStates
 from overnight.runner.sampler import SampledLogprobs, Sampler
+
+if TYPE_CHECKING:
+    from overnight.runner.cuda_graph import DecodeGraphs
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -69,7 +73,7 @@ class ModelRunner:
         self,
         config: EngineConfig,
         source: ModelSource,
-        model: nn.Module | None = None,
+        model: CausalLM | None = None,
         *,
         calculate_kv_scales: bool | None = None,  # None: from config.cache
     ) -> None:
@@ -99,7 +103,7 @@ class ModelRunner:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
-        self.graphs = None
+        self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
         self._last_handle: StepHandle | None = None
@@ -131,7 +135,7 @@ class ModelRunner:
         if not is_fp8(self.kv_cache_dtype):
             return
         self.kv_scales = new_kv_scales(self.config.model.arch.num_hidden_layers, self.device)
-        load_kv_scales_(self.kv_scales, getattr(self.model, "checkpoint_kv_scales", {}))
+        load_kv_scales_(self.kv_scales, self.model.checkpoint_kv_scales)
         self._calibrate_kv_scales = calculate
 
     def _attention_batch(self, meta: AttentionMetadata, has_prefill: bool) -> AttentionBatch:
@@ -141,10 +145,28 @@ class ModelRunner:
         return AttentionBatch(meta, self.kv_caches, self.backend, self.kv_scales, calibrate)
 
     def kv_bytes_per_block(self) -> int:
-        arch = self.config.model.arch
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        per_layer = 2 * self.block_size * arch.num_key_value_heads * arch.head_dim * elem
-        return per_layer * arch.num_hidden_layers
+        return self.block_size * self.config.model.arch.kv_bytes_per_token(elem)
+
+    def kv_pool_share(self) -> tuple[int, int]:
+        """(bytes the KV pool may take on this device, bytes of one block): runner/kv_pool.py."""
+        from overnight.runner.kv_pool import kv_budget_bytes
+
+        sched = self.config.scheduler
+
+        def measure() -> int:
+            return self.profile_peak_bytes(
+                sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
+            )
+
+        return kv_budget_bytes(self.device, self.config.cache, measure), self.kv_bytes_per_block()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.init_kv_cache(num_blocks)
+        self.capture_graphs()
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the runner lives in this process."""
 
     def init_kv_cache(self, num_blocks: int) -> None:
         arch = self.config.model.arch
@@ -189,6 +211,7 @@ class ModelRunner:
             assert self._prev_tokens is not None
             self.buffers.ids.index_copy_(0, inputs.pending_rows, self._prev_tokens[inputs.pending_src])
         if bucket is not None:
+            assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
         else:
             attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)

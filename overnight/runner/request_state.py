@@ -89,7 +89,8 @@ class RequestStates:
             self.reqs[new.req_id] = st
         for cached in out.cached_reqs:
             self._set_blocks(self.reqs[cached.req_id], cached.new_block_ids)
-        decodes, prefills = [], []
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
         reqs = self.reqs
         for rid, n in out.num_scheduled_tokens.items():
             (decodes if n == 1 else prefills).append(ScheduledRequest(reqs[rid], n))

@@ -88,6 +88,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
         if prompt:
             seen[j, torch.tensor(prompt, device=device)] = True
     seen |= counts > 0
+    assert batch.repetition is not None and batch.frequency is not None and batch.presence is not None
     rep = batch.repetition[:, None]
     penalized = torch.where(sub > 0, sub / rep, sub * rep)
     sub = torch.where(seen, penalized, sub)

@@ -18,12 +18,12 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from overnight.engine.engine import Engine
+from overnight.engine.interfaces import EngineClient
 from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
 from overnight.metrics.prometheus import PrometheusObserver
@@ -59,7 +59,7 @@ PromptSpec = tuple[str, str | None, list[int]]
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, metrics: PrometheusObserver | None = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: PrometheusObserver | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
@@ -106,7 +106,7 @@ class AsyncEngine:
         params: SamplingParams,
         prompt: str | None = None,
         stream: bool = True,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput]:
         """Outputs of one request until it finishes: deltas when stream, else only the final one."""
         prompts = [(request_id, prompt, prompt_token_ids)]
         async with aclosing(self.generate_many(prompts, params, stream)) as outputs:
@@ -118,7 +118,7 @@ class AsyncEngine:
         prompts: list[PromptSpec],
         params: SamplingParams,
         stream: bool = True,
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[int, RequestOutput]]:
         """(index in `prompts`, output) for several requests (request id, text, token ids) sharing params,
         in the order outputs arrive, until all have finished.
 
@@ -214,7 +214,7 @@ class AsyncEngine:
             elif isinstance(cmd, AbortRequest):
                 self._abort(cmd.request_id, replies)
             else:
-                for rid in list(engine.parents):
+                for rid in engine.unfinished_request_ids():
                     self._abort(rid, replies)
                 return True
         return False

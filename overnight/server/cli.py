@@ -14,9 +14,8 @@ import logging
 import signal
 from dataclasses import dataclass
 
-from overnight.engine.builder import build_engine
-from overnight.engine.engine import Engine
-from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+from overnight.build import build_engine
+from overnight.engine.interfaces import EngineClient
 from overnight.metrics import (
     DEFAULT_PREFIX,
     PrometheusObserver,
@@ -25,6 +24,7 @@ from overnight.metrics import (
     hide_created_series,
 )
 from overnight.openai_api.inputs import served_names
+from overnight.options import add_engine_args, add_option_args, from_args, option, options_from_args
 from overnight.server.app import build_app
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.serving import ServingConfig
@@ -34,14 +34,22 @@ log = logging.getLogger("overnight.server")
 
 @dataclass(frozen=True)
 class ServerOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_waiting: int | None = None
-    shutdown_timeout: float = 30.0
-    metrics_prefix: str = DEFAULT_PREFIX
-    access_log: bool = True
-    log_level: str = "info"
+    host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
+    port: int = option(8000, "port to listen on")
+    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    max_waiting: int | None = option(
+        None, "answer 503 to new requests while this many wait to be scheduled (default: no limit)"
+    )
+    shutdown_timeout: float = option(
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
+    )
+    metrics_prefix: str = option(
+        DEFAULT_PREFIX, "prefix of /metrics names; 'vllm' keeps existing dashboards working"
+    )
+    access_log: bool = option(True, "log every request")
+    log_level: str = option(
+        "info", "server log level", choices=("critical", "error", "warning", "info", "debug")
+    )
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -52,49 +60,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_engine_args(p)
-    g = p.add_argument_group("server")
-    g.add_argument(
-        "--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, this machine only)"
-    )
-    g.add_argument("--port", type=int, default=8000)
-    g.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health"
-    )
-    g.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="answer 503 to new requests while this many wait to be scheduled (default: no limit)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=30.0,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are aborted",
-    )
-    g.add_argument(
-        "--metrics-prefix",
-        default=DEFAULT_PREFIX,
-        help=f"prefix of /metrics names; 'vllm' keeps existing dashboards working (default: {DEFAULT_PREFIX})",
-    )
-    g.add_argument("--no-access-log", dest="access_log", action="store_false")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_option_args(p, ServerOptions, "server")
 
 
-def server_options(args: argparse.Namespace) -> ServerOptions:
-    return ServerOptions(
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        max_waiting=args.max_waiting,
-        shutdown_timeout=args.shutdown_timeout,
-        metrics_prefix=args.metrics_prefix,
-        access_log=args.access_log,
-        log_level=args.log_level,
-    )
-
-
-def make_app(engine: Engine, opts: ServerOptions, model_arg: str | None = None):
+def make_app(engine: EngineClient, opts: ServerOptions, model_arg: str | None = None):
     """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
     model_name = engine_model_name(engine)
     metrics = PrometheusObserver(
@@ -128,7 +97,7 @@ def uvicorn_server(app, opts: ServerOptions):
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = server_options(args)
+    opts = from_args(ServerOptions, args)
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
         log.warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host

@@ -147,10 +147,16 @@ class OpenAIServing:
         try:
             async with aclosing(self.engine.generate_many(prompts, params, stream=True)) as outputs:
                 async for index, delta in outputs:
-                    chunks = chat.chunks(delta) if chat is not None else text.chunks(index, delta)
+                    if chat is not None:
+                        chunks = chat.chunks(delta)
+                    else:
+                        assert text is not None
+                        chunks = text.chunks(index, delta)
                     for chunk in chunks:
                         yield sse(chunk)
-            for chunk in (chat or text).final_chunks():
+            stream = chat if chat is not None else text
+            assert stream is not None
+            for chunk in stream.final_chunks():
                 yield sse(chunk)
         except Exception as e:  # noqa: BLE001 - the status line is long gone: report it in-band
             if isinstance(e, EngineDeadError):

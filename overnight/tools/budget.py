@@ -19,10 +19,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from overnight.attention.kv_quant import FP8_DTYPES, kv_cache_torch_dtype
-from overnight.config import ModelArch, SchedulerConfig
-from overnight.limits import MODES, default_limits
-from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES, PoolMemoryError, plan_pool, split_budget
+from overnight.attention.kv_quant import kv_cache_torch_dtype
+from overnight.config import ModelArch
+from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
+from overnight.limits import default_limits
+from overnight.loader.model_loader import resolve_dtype
+from overnight.loader.source import ModelSource
+from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
+from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES
 
 GIB = 2**30
 
@@ -65,21 +69,6 @@ class Budget:
         return self.num_blocks * self.block_size * self.kv_bytes_per_token
 
 
-def kv_bytes_per_token(arch: ModelArch, elem_bytes: int) -> int:
-    return 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * elem_bytes
-
-
-def num_parameters(arch: ModelArch) -> int:
-    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
-    if arch.attention_bias:
-        layer += q + 2 * kv
-    if arch.qk_norm:
-        layer += 2 * arch.head_dim
-    head = 0 if arch.tie_word_embeddings else arch.vocab_size * h
-    return arch.vocab_size * h + head + arch.num_hidden_layers * layer + h
-
-
 def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
     """The largest step's live tensors, roughly: a few hidden-sized rows, q/k/v and the MLP's two
     intermediate rows per token, and float32 logits (plus the sampler's copies) per sequence."""
@@ -88,68 +77,60 @@ def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int
 
 
 def plan_budget(
-    arch: ModelArch,
-    dtype: torch.dtype,  # the compute dtype (weights, activations; the KV cache's unless fp8)
-    device: DeviceMemory | None,  # None: the CPU
-    mode: str = "offline",
-    max_model_len: int | None = None,
-    kv_cache_dtype: str = "auto",
-    block_size: int = 16,
-    gpu_memory_utilization: float = 0.9,
-    kv_cache_memory_bytes: int | None = None,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    seq_len: int | None = None,
+    opts: EngineOptions, source: ModelSource, device: DeviceMemory | None, seq_len: int | None = None
 ) -> Budget:
-    max_model_len = max_model_len or arch.max_position_embeddings
+    """The engine's limits and KV pool for these options on `device` (None: the CPU), resolved by the
+    engine's own build_config (so its checks apply), with the weights and activations estimated from the
+    architecture instead of loaded and measured."""
+    from overnight.build import build_config
+
     gib = device.total_bytes / GIB if device else None
+    config = build_config(opts, source, torch.device("cuda" if device else "cpu"), gib)
+    arch, sched, cache = source.arch, config.scheduler, config.cache
     modes = {}
     for m in MODES:
-        lim = default_limits(gib, m, max_model_len)
+        lim = default_limits(gib, m, sched.max_model_len)
         modes[m] = (lim.max_num_seqs, lim.max_num_batched_tokens)
-    limits = default_limits(gib, mode, max_model_len)
-    seqs = max_num_seqs or limits.max_num_seqs
-    tokens = max_num_batched_tokens or limits.max_num_batched_tokens
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    kv_elem = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
-    per_token = kv_bytes_per_token(arch, kv_elem)
-    sched = SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=max_model_len)
+    dtype_bytes = config.model.dtype.itemsize
+    kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
+    per_token = arch.kv_bytes_per_token(kv_elem)
     weights = activations = None
     try:
-        if kv_cache_memory_bytes is not None:
-            budget, source = kv_cache_memory_bytes, "set by --kv-cache-memory-bytes"
+        if cache.kv_cache_memory_bytes is not None:
+            budget, pool_source = cache.kv_cache_memory_bytes, "set by --kv-cache-memory-bytes"
         elif device is None:
-            budget, source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
+            budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
-            weights = num_parameters(arch) * dtype_bytes
-            activations = activation_estimate(arch, tokens, seqs, dtype_bytes)
+            weights = arch.num_parameters() * dtype_bytes
+            activations = activation_estimate(
+                arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
+            )
             elsewhere = device.total_bytes - device.free_bytes  # other processes, this one's CUDA context
-            source = (
-                f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
+            util = cache.gpu_memory_utilization
+            pool_source = (
+                f"{util:.2f} x {device.total_bytes / GIB:.1f} GiB - "
                 f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
-            budget = split_budget(
-                device.total_bytes, gpu_memory_utilization, elsewhere, weights, weights + activations
-            )
-        plan = plan_pool(budget, per_token * block_size, block_size, sched)
+            budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
+        plan = plan_pool(budget, per_token * cache.block_size, cache.block_size, sched)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
-        budget, source, num_blocks, capped = 0, str(e), 0, False
-    seq_len = seq_len or max_model_len
-    fit = num_blocks // -(-seq_len // block_size)
+        budget, pool_source, num_blocks, capped = 0, str(e), 0, False
+    seq_len = seq_len or sched.max_model_len
+    fit = num_blocks // -(-seq_len // cache.block_size)
     return Budget(
         device=device.name if device else "CPU",
-        row=limits.row,
-        mode=mode,
-        max_model_len=max_model_len,
-        max_num_seqs=seqs,
-        max_num_batched_tokens=tokens,
+        row=default_limits(gib, opts.mode, sched.max_model_len).row,
+        mode=opts.mode,
+        max_model_len=sched.max_model_len,
+        max_num_seqs=sched.max_num_seqs,
+        max_num_batched_tokens=sched.max_num_batched_tokens,
         modes=modes,
-        kv_dtype=kv_cache_dtype,
+        kv_dtype=cache.kv_cache_dtype,
         kv_bytes_per_token=per_token,
-        block_size=block_size,
-        pool_source=source,
+        block_size=cache.block_size,
+        pool_source=pool_source,
         budget_bytes=budget,
         weights_bytes=weights,
         activation_bytes=activations,
@@ -157,7 +138,7 @@ def plan_budget(
         capped=capped,
         seq_len=seq_len,
         seqs_fit=fit,
-        seqs_at_once=min(fit, seqs),
+        seqs_at_once=min(fit, sched.max_num_seqs),
     )
 
 
@@ -171,25 +152,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--model", default=None, help="as for serve/run-batch (default: the embedded SmolLM2)")
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "safetensors", "gguf", "dummy"],
-        help="dummy: --model may name a preset (qwen3-8b, llama-3.1-8b, ...)",
-    )
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_DTYPES])
-    p.add_argument("--mode", default="offline", choices=list(MODES))
+    p.add_argument("--mode", default="offline", choices=list(MODES), help="how the engine will run")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: max_model_len)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     p.add_argument("--json", action="store_true", help="print the budget as one JSON line")
+    add_engine_args(p)
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:
@@ -200,41 +166,19 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from overnight.engine.builder import pick_device
-    from overnight.loader.model_loader import resolve_dtype
-    from overnight.loader.resolve import resolve_source
+    from overnight.build import resolve_model
+    from overnight.runner.device import pick_device
 
-    source = resolve_source(args.model, args.load_format)  # the architecture only; no weights are read
-    device = pick_device(args.device)
-    dtype = resolve_dtype(args.dtype, source, device)
-    b = plan_budget(
-        source.arch,
-        dtype,
-        device_memory(device),
-        mode=args.mode,
-        max_model_len=args.max_model_len,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seq_len=args.seq_len,
-    )
+    # The architecture only: no weights are read (and no tokenizer: the budget needs none).
+    opts = options_from_args(args, mode=args.mode, skip_tokenizer_init=True)
+    source = resolve_model(opts).source
+    b = plan_budget(opts, source, device_memory(pick_device(opts.device)), seq_len=args.seq_len)
+    dtype = str(resolve_dtype(opts.dtype, source, pick_device(opts.device))).removeprefix("torch.")
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "model": source.served_name,
-                    "dtype": str(dtype).removeprefix("torch."),
-                    **asdict(b),
-                    "pool_tokens": b.pool_tokens,
-                    "pool_gib": round(b.pool_bytes / GIB, 3),
-                }
-            )
-        )
+        extra = {"pool_tokens": b.pool_tokens, "pool_gib": round(b.pool_bytes / GIB, 3)}
+        print(json.dumps({"model": source.served_name, "dtype": dtype, **asdict(b), **extra}))
         return 0
-    print(render(b, source.served_name, source.arch, str(dtype).removeprefix("torch.")))
+    print(render(b, source.served_name, source.arch, dtype))
     return 0
 
 

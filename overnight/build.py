@@ -1,0 +1,187 @@
+"""The composition root: user options in, an engine out.
+
+    EngineOptions (options.py)
+      -> resolve_model: the model's source (architecture, stop ids) and its tokenizer, read once
+      -> build_config: frozen configs for this device and mode (limits.py picks the defaults)
+      -> one engine:   ModelRunner, or the tensor-parallel group (parallel/workers.py); the KV pool
+                       (runner/kv_pool.py); Engine (engine/)
+         or several:   DataParallelEngine over engine processes (parallel/links.py) or Ray actors
+                       (parallel/ray.py), each built by build_engine in its own process
+
+Every entry point (LLM, run-batch, serve, bench, budget) comes through here; nothing below imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from overnight.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    RunnerConfig,
+    SchedulerConfig,
+)
+from overnight.engine.engine import Engine
+from overnight.engine.interfaces import EngineClient
+from overnight.errors import ConfigError, ModelLoadError
+from overnight.limits import default_limits
+from overnight.loader.source import ModelSource
+from overnight.options import EngineOptions
+from overnight.runner.device import device_memory_gib, pick_device
+from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from overnight.parallel.workers import TPRunner
+
+log = logging.getLogger("overnight")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    source: ModelSource
+    tokenizer: Tokenizer | None  # None: skip_tokenizer_init, or dummy weights that ship none
+
+
+def resolve_model(opts: EngineOptions) -> ResolvedModel:
+    """Where the model and its tokenizer come from (files read; no weights loaded)."""
+    from overnight.loader.resolve import resolve_source
+
+    source = resolve_source(opts.model, opts.load_format)
+    if opts.served_model_name:
+        source = replace(source, served_name=opts.served_model_name)
+    if opts.tokenizer:
+        source = replace(source, tokenizer_path=opts.tokenizer)
+    if opts.skip_tokenizer_init:
+        return ResolvedModel(source, None)
+    if source.tokenizer_path is None and source.kind == "dummy":
+        log.info("dummy weights without a tokenizer: prompts must be token ids")
+        return ResolvedModel(source, None)
+    return ResolvedModel(source, load_tokenizer(source))  # raises ModelLoadError naming what is missing
+
+
+def build_config(
+    opts: EngineOptions, source: ModelSource, device: torch.device, memory_gib: float | None
+) -> EngineConfig:
+    """The frozen configs for this model on `device` with memory_gib of memory (None: a CPU), which picks
+    the default limits. Raises ConfigError (or ModelLoadError, for a length the model cannot do) for
+    impossible options."""
+    from overnight.loader.model_loader import resolve_dtype
+
+    model_max = source.arch.max_position_embeddings
+    max_model_len = opts.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ModelLoadError(
+            f"max_model_len {max_model_len} exceeds the model's limit of {model_max} positions"
+        )
+    if max_model_len < 2:
+        raise ConfigError("max_model_len must be at least 2")
+    limits = default_limits(memory_gib, opts.mode, max_model_len)
+    max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
+    batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
+    if not opts.enable_chunked_prefill:
+        batched = max(batched, max_model_len)
+    return EngineConfig(
+        model=ModelConfig(
+            model=source.path,
+            arch=source.arch,
+            dtype=resolve_dtype(opts.dtype, source, device),
+            seed=opts.seed,
+        ),
+        cache=CacheConfig(
+            block_size=opts.block_size,
+            gpu_memory_utilization=opts.gpu_memory_utilization,
+            kv_cache_dtype=opts.kv_cache_dtype,
+            kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
+            enable_prefix_caching=opts.enable_prefix_caching,
+            calculate_kv_scales=opts.calculate_kv_scales,
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=opts.enable_chunked_prefill,
+        ),
+        parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
+        runner=RunnerConfig(
+            device=str(device), attention_backend=opts.attention_backend, enforce_eager=opts.enforce_eager
+        ),
+    )
+
+
+def build_engine(opts: EngineOptions) -> EngineClient:
+    """The engine these options describe: one, or data_parallel_size behind one front."""
+    model = resolve_model(opts)
+    if opts.data_parallel_size > 1:
+        from overnight.parallel.dp import DataParallelEngine
+        from overnight.parallel.links import ProcessLinks
+
+        # Each engine process builds its own (data_parallel_size=1) engine with this same function.
+        links = ProcessLinks(replace(opts, data_parallel_size=1), opts.data_parallel_size, build_engine)
+        return DataParallelEngine(links, model.source, model.tokenizer)
+    return _single_engine(opts, model)
+
+
+def build_ray_engine(
+    opts: EngineOptions,
+    num_replicas: int,
+    *,
+    address: str | None = None,
+    gpus_per_replica: float | None = None,
+    cpus_per_replica: float = 1.0,
+) -> EngineClient:
+    """num_replicas engines on a Ray cluster behind one front: the cluster at `address` ("auto": the
+    running one, None: RAY_ADDRESS or a new local one), or the one this process is connected to."""
+    from overnight.parallel.dp import DataParallelEngine
+    from overnight.parallel.ray import RayLinks, require_ray
+
+    ray = require_ray()
+    model = resolve_model(opts)
+    if not ray.is_initialized():
+        ray.init(address=address)
+    links = RayLinks(
+        replace(opts, data_parallel_size=1),
+        num_replicas,
+        build_engine,
+        gpus_per_replica=gpus_per_replica,
+        cpus_per_replica=cpus_per_replica,
+    )
+    return DataParallelEngine(links, model.source, model.tokenizer)
+
+
+def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
+    from overnight.runner.kv_pool import set_up_kv_pool
+    from overnight.runner.model_runner import ModelRunner
+
+    source = model.source
+    device = pick_device(opts.device)
+    config = build_config(opts, source, device, device_memory_gib(device))
+    sched = config.scheduler
+    runner: ModelRunner | TPRunner
+    if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares
+        from overnight.parallel.workers import TPRunner
+
+        runner = TPRunner(config, source)
+    else:
+        runner = ModelRunner(config, source)
+    try:
+        plan = set_up_kv_pool(runner, config.cache, sched)
+    except BaseException:
+        runner.shutdown()
+        raise
+    tokens = plan.num_blocks * config.cache.block_size
+    log.info(
+        "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
+        plan.num_blocks,
+        tokens,
+        plan.pool_bytes / 2**30,
+        runner.kv_cache_dtype,
+        tokens / sched.max_model_len,
+        sched.max_model_len,
+    )
+    return Engine(config, runner, source, plan, model.tokenizer)

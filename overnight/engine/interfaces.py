@@ -1,0 +1,117 @@
+"""The engine's two declared surfaces.
+
+    entry points (LLM, run-batch, serve, bench, metrics)
+        │  EngineClient: what every engine offers; Engine and the data-parallel front implement it
+        ▼
+    Engine ──Runner──► the model runner, the tensor-parallel group, or a fake in tests
+
+Callers use these and nothing else of an engine; the type checker holds both sides to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from overnight.config import EngineConfig
+from overnight.engine.pool_plan import PoolPlan
+from overnight.engine.scheduler import SchedulerStats
+from overnight.engine.stats import StatsObserver
+from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
+from overnight.loader.source import ModelSource
+from overnight.outputs import RequestOutput
+from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+
+class StepHandle(Protocol):
+    """A launched step; result() waits for its sampled tokens (once; later calls return the same)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
+class Runner(Protocol):
+    """Runs one step: launch() enqueues it and returns a handle. A runner with supports_async returns
+    before the step's tokens are known (the engine then schedules one step ahead); others return a
+    handle whose result is ready."""
+
+    @property
+    def supports_async(self) -> bool: ...
+
+    def launch(self, out: SchedulerOutput) -> StepHandle: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class StepTimings:
+    """Where the host's time goes, summed over steps. With a runner that launches asynchronously,
+    wait_s is the time the host sat idle waiting for the GPU: the larger it is, the less the host
+    limits throughput."""
+
+    steps: int = 0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0  # building inputs and enqueueing the step (or running it, on the CPU)
+    wait_s: float = 0.0  # blocked on the device for a step's tokens
+    update_s: float = 0.0  # scheduler update, outputs, stats
+
+    def summary(self) -> dict[str, float]:
+        n = max(self.steps, 1)
+        return {
+            "steps": self.steps,
+            "schedule_ms": round(1e3 * self.schedule_s / n, 3),
+            "launch_ms": round(1e3 * self.launch_s / n, 3),
+            "wait_ms": round(1e3 * self.wait_s / n, 3),
+            "update_ms": round(1e3 * self.update_s / n, 3),
+        }
+
+
+class EngineClient(Protocol):
+    """An engine as the entry points see it: one engine, or several behind a data-parallel front.
+
+    config describes what the group runs at once (a data-parallel front sums max_num_seqs over its
+    engines); pool_plan is one engine's KV pool."""
+
+    config: EngineConfig
+    source: ModelSource
+    tokenizer: Tokenizer | None
+    pool_plan: PoolPlan
+    observers: list[StatsObserver]
+    max_model_len: int
+    num_steps: int
+    # Host time per step of a local engine; None where the steps run elsewhere (data parallel).
+    timings: StepTimings | None
+
+    def validate(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError if this prompt and params cannot be served."""
+        ...
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        stream: bool = False,
+        arrival_time: float | None = None,
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> RequestOutput | None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    @property
+    def num_unfinished_requests(self) -> int: ...
+
+    def unfinished_request_ids(self) -> list[str]: ...
+
+    def stats(self) -> SchedulerStats: ...
+
+    def shutdown(self) -> None:
+        """Stop worker processes; the engine takes no requests afterwards."""
+        ...

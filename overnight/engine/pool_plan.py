@@ -1,0 +1,68 @@
+"""How many KV blocks a memory budget buys, and what does not fit (pure arithmetic, no device).
+
+    total x utilization
+    |-- outside torch --|-- weights --|-- activations of the largest step --|-- KV pool ..........|
+                        '--------- peak allocated while measuring ---------'
+
+The pool never needs more blocks than max_num_seqs sequences of max_model_len, twice over (room for
+cached prefixes). The device side (measuring the budget) is runner/kv_pool.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from overnight.config import SchedulerConfig
+from overnight.errors import ConfigError
+
+GIB = float(1 << 30)
+
+
+class PoolMemoryError(ConfigError, MemoryError):
+    """The memory the engine may use cannot hold the weights, the largest step and a KV pool (a
+    ConfigError like the engine's other impossible options; a MemoryError for callers that catch that)."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    num_blocks: int
+    block_bytes: int
+    budget_bytes: int  # memory set aside for the pool before capping
+    capped: bool  # True when the cap (max_num_seqs x max_model_len) bounded the pool
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+
+def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: SchedulerConfig) -> PoolPlan:
+    if budget_bytes < block_bytes:
+        raise PoolMemoryError(
+            f"no memory is left for the KV cache ({budget_bytes / GIB:.2f} GiB after the weights and "
+            "activations): raise gpu_memory_utilization, lower max_num_batched_tokens, or use a GPU "
+            "with more memory"
+        )
+    blocks = budget_bytes // block_bytes
+    cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
+    return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
+
+
+def split_budget(total: int, utilization: float, outside_torch: int, weights: int, peak: int) -> int:
+    """Bytes left for the pool; raises PoolMemoryError naming what does not fit. peak includes weights."""
+    usable = int(total * utilization) - max(outside_torch, 0)
+    share = f"gpu_memory_utilization {utilization:g} x {total / GIB:.1f} GiB"
+    if outside_torch > 0:
+        share += f" - {outside_torch / GIB:.2f} GiB used outside torch"
+    if weights > usable:
+        raise PoolMemoryError(
+            f"the model's weights take {weights / GIB:.2f} GiB, more than the {usable / GIB:.2f} GiB the "
+            f"engine may use ({share}): raise gpu_memory_utilization, load a smaller dtype, or split the "
+            "model with tensor_parallel_size"
+        )
+    if peak > usable:
+        raise PoolMemoryError(
+            f"the weights ({weights / GIB:.2f} GiB) and the activations of the largest step "
+            f"({(peak - weights) / GIB:.2f} GiB) need more than the {usable / GIB:.2f} GiB the engine may "
+            f"use ({share}): lower max_num_batched_tokens or max_num_seqs, or raise gpu_memory_utilization"
+        )
+    return usable - peak

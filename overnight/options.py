@@ -1,0 +1,158 @@
+"""Every engine option, declared once: name, type, default, help and choices.
+
+`LLM(**kwargs)` takes these names; every command's argparse flags are generated from this table
+(`add_engine_args`), so a flag, its default and its help cannot drift apart. Engine sub-configs
+(config.py) take their defaults from here too. None means: the engine picks (by model, device or mode).
+
+Light on purpose: importing this module imports neither torch nor the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
+MODES = ("offline", "server", "batch")
+
+
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: tuple[str, ...] | None = None,
+    flags: tuple[str, ...] = (),
+    cli: bool = True,
+) -> Any:
+    """A field of EngineOptions with what its flag needs (flags: short aliases such as -tp)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags, "cli": cli})
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What a user can set, with the names vLLM users know."""
+
+    model: str | None = option(
+        None,
+        "HF folder, repo id in the local HF cache, .gguf file, or a preset with --load-format dummy "
+        "(default: the embedded SmolLM2-135M-Instruct)",
+    )
+    tokenizer: str | None = option(None, "tokenizer folder or .gguf file (default: the model's)")
+    served_model_name: str | None = option(None, "the model name outputs report (default: --model)")
+    dtype: str = option(
+        "auto", "compute dtype (auto: float32 on the CPU, the checkpoint's on a GPU)", choices=DTYPES
+    )
+    load_format: str = option(
+        "auto", "dummy: random weights of the named preset or config", choices=LOAD_FORMATS
+    )
+    seed: int = option(0, "seed of unseeded requests' sampling and of dummy weights")
+    max_model_len: int | None = option(None, "longest sequence, prompt plus output (default: the model's)")
+    max_num_seqs: int | None = option(None, "sequences in one step (default: by device memory and mode)")
+    max_num_batched_tokens: int | None = option(
+        None, "tokens in one step, prefill chunks included (default: by device memory and mode)"
+    )
+    block_size: int = option(16, "tokens per KV-cache block")
+    gpu_memory_utilization: float = option(
+        0.9, "share of GPU memory for weights, activations and the KV pool"
+    )
+    kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes, overriding the utilization")
+    kv_cache_dtype: str = option(
+        "auto", "KV-cache storage (fp8: e4m3, half the bytes)", choices=KV_CACHE_DTYPES
+    )
+    calculate_kv_scales: bool = option(
+        False,
+        "fp8 KV cache: set each layer's scales from the first prefill (default: checkpoint's, else 1.0)",
+    )
+    enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes")
+    enable_chunked_prefill: bool = option(True, "split long prompts over steps")
+    tensor_parallel_size: int = option(1, "GPUs one model is split over", flags=("-tp",))
+    data_parallel_size: int = option(1, "engines, each with its own copy of the model", flags=("-dp",))
+    skip_tokenizer_init: bool = option(False, "no tokenizer: prompts are token ids, outputs have no text")
+    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    enforce_eager: bool = option(False, "no CUDA graphs")
+    attention_backend: str = option(
+        "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
+    )
+    mode: str = option(
+        "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
+    )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: object) -> EngineOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(
+                f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _value_type(annotation: Any) -> type:
+    """int for `int | None`, str for `str`, ..."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def add_option_args(
+    parser: argparse.ArgumentParser, cls: type, title: str, skip: tuple[str, ...] = ()
+) -> None:
+    """A flag for every command-line field of the options dataclass `cls` (declared with option())."""
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(title)
+    for f in fields(cls):
+        meta = f.metadata
+        if not meta["cli"] or f.name in skip:
+            continue
+        kind = _value_type(hints[f.name])
+        names = [_flag(f.name), *meta["flags"]]
+        default_text = "" if f.default in (None, MISSING) or kind is bool else f" (default: {f.default})"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": meta["help"] + default_text}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if meta["choices"]:
+                kwargs["choices"] = meta["choices"]
+        group.add_argument(*names, **kwargs)
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
+    """An options dataclass from a namespace add_option_args filled (fields it lacks keep defaults)."""
+    ns = vars(args)
+    given = {f.name: ns[f.name] for f in fields(cls) if f.name in ns}  # type: ignore[arg-type]
+    return cls(**{**given, **overrides})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    add_option_args(parser, EngineOptions, "engine")
+
+
+def options_from_args(args: argparse.Namespace, mode: str, **overrides: Any) -> EngineOptions:
+    return from_args(EngineOptions, args, mode=mode, **overrides)
+
+
+def options_to_flags(opts: EngineOptions) -> list[str]:
+    """The command-line flags that reproduce `opts` (only options off their default)."""
+    flags: list[str] = []
+    for f in fields(EngineOptions):
+        value = getattr(opts, f.name)
+        if not f.metadata["cli"] or value == f.default:
+            continue
+        if isinstance(value, bool):
+            flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        else:
+            flags += [_flag(f.name), str(value)]
+    return flags
