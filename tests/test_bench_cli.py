@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from overnight.cli import main
+
+pytestmark = pytest.mark.slow  # runs the real model
 
 
 def test_bench_throughput_compares_with_transformers(capsys, tmp_path):

@@ -82,6 +82,7 @@ def limits(findings: list[dict]) -> list[str]:
     return [f["limit"] for f in findings]
 
 
+@pytest.mark.slow  # serves the real model
 def test_tiny_kv_pool_is_the_limit(capsys):
     # 24 blocks of 16 = 384 tokens; each request needs 15 blocks (120 + 120 tokens): the pool holds one
     # and a half, so it stays full and the rest wait.
@@ -94,6 +95,7 @@ def test_tiny_kv_pool_is_the_limit(capsys):
     assert "fp8" in out["findings"][0]["advice"]
 
 
+@pytest.mark.slow  # serves the real model
 def test_max_num_seqs_with_a_large_pool_is_the_limit(capsys):
     # The pool holds 2 x max_num_seqs x max_model_len tokens at most: 8192 here, 1% per request.
     with serving(max_num_seqs=2, max_model_len=2048) as s:
@@ -106,6 +108,7 @@ def test_max_num_seqs_with_a_large_pool_is_the_limit(capsys):
     assert "--max-num-seqs" in out["findings"][0]["advice"]
 
 
+@pytest.mark.slow  # serves the real model
 def test_light_load(capsys):
     with serving(max_num_seqs=16) as s:
         with load(s.url, concurrency=1, input_len=24, output_len=24):

@@ -10,6 +10,8 @@ import pytest
 from overnight import LLM, SamplingParams
 from tests.tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # runs the real model
+
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
 
 

@@ -16,6 +16,8 @@ import torch
 from overnight import LLM, SamplingParams
 from tests.tiny_models import load_reference, make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # real models beside transformers
+
 NEW_TOKENS = 12
 
 

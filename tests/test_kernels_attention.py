@@ -22,6 +22,8 @@ from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig, choose_num_splits
 from overnight.kernels.paged_prefill import PrefillConfig
 
+pytestmark = pytest.mark.slow  # long Triton-interpreter runs
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

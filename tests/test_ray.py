@@ -32,6 +32,8 @@ from tests.test_run_batch import (
     write_jsonl,
 )
 
+pytestmark = pytest.mark.slow  # starts a Ray cluster
+
 try:
     import psutil
     import ray

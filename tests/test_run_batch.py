@@ -18,6 +18,8 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # runs the real model
+
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 384  # the tiny models' vocabulary; the tokenizer below fills it exactly
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]

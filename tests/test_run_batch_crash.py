@@ -24,6 +24,8 @@ from tests.test_run_batch import (
     write_jsonl,
 )
 
+pytestmark = pytest.mark.slow  # kills and resumes real run-batch processes
+
 
 @pytest.fixture(scope="module")
 def batch_model(tmp_path_factory) -> str:

@@ -21,6 +21,8 @@ from tests.test_run_batch import (
     words,
 )
 
+pytestmark = pytest.mark.slow  # runs the real model over many lines
+
 
 @pytest.fixture(scope="module")
 def batch_model(tmp_path_factory) -> str:

@@ -17,6 +17,8 @@ from overnight import LLM, SamplingParams
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
 
+pytestmark = pytest.mark.slow  # serves the real model
+
 MAX_NUM_SEQS = 16
 MAX_MODEL_LEN = 512
 # SmolLM2-135M keeps 30 layers x 2 x 3 heads x 64 x 4 bytes = 46080 bytes of fp32 KV per token: a pool

@@ -25,6 +25,8 @@ from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
 from tests.tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # fuzzes a live server
+
 ROUTES = ("/v1/chat/completions", "/v1/completions")
 MAX_EXAMPLES = 300
 

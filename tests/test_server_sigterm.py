@@ -12,6 +12,9 @@ import threading
 import time
 
 import httpx
+import pytest
+
+pytestmark = pytest.mark.slow  # starts server processes
 
 SHUTDOWN_TIMEOUT = 3
 

@@ -18,6 +18,8 @@ from overnight.bench.load import LoadSpec, RequestRecord, Workload, chunk_tokens
 from overnight.bench.sweep import engine_flags, levels_up_to
 from overnight.cli import main
 
+pytestmark = pytest.mark.slow  # runs servers and load processes
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SHORT = ["--warmup-s", "2", "--window-s", "2.5", "--input-len", "16", "--output-len", "12"]
 

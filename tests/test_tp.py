@@ -18,6 +18,8 @@ from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
 from overnight.sampling_params import SamplingParams
 from tests.tiny_models import make_tiny_checkpoint
 
+pytestmark = pytest.mark.slow  # starts tensor-parallel processes
+
 # Chunked prefill (16-token budget), shared prefixes (prefix cache hits) and mixed decode/prefill steps.
 PROMPTS = [[5, 6, 7, 8, 9, 10] * k + [20 + k] for k in range(1, 6)] + [[3, 1, 4, 1, 5, 9, 2, 6]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3)
