@@ -22,7 +22,7 @@ sys.path.insert(0, ".")
 
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
-from overnight.engine.engine import StepTimings  # noqa: E402
+from overnight.engine.interfaces import StepTimings  # noqa: E402
 
 CATEGORIES = [
     ("attention", re.compile(r"_decode|_prefill|kv_write|flash|attn", re.I)),
