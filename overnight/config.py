@@ -87,6 +87,7 @@ class ParallelConfig:
 class RunnerConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     attention_backend: str = "auto"  # auto (triton on CUDA, torch elsewhere) | torch | triton
+    attention_variant: str = "default"  # triton's kernel configs by name (attention/variants.py)
     enforce_eager: bool = False  # no CUDA graphs
     # Decode steps up to this batch size replay CUDA graphs; larger ones run eagerly, where launching
     # hundreds of kernels from Python costs tens of milliseconds a step. Capped by max_num_seqs.

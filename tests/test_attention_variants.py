@@ -17,6 +17,7 @@ import torch
 
 from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
+from overnight.attention.variants import variant_configs
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
 from overnight.kernels.paged_prefill import PrefillConfig
@@ -199,3 +200,48 @@ def test_fp8_mma_backend_mixed_batch() -> None:
     nd = meta.num_decodes
     torch.testing.assert_close(out[nd:], ref[nd:], rtol=1e-4, atol=1e-4)  # prefill: exact arithmetic
     assert rel_err(out[:nd], ref[:nd]) < 5e-2  # decode: q and P rounded
+
+
+# ---------------------------------------------------------------- the named variants (--attention-variant)
+
+
+def test_attention_variants_by_name() -> None:
+    assert variant_configs("default", fp8_cache=True) == (None, None)
+    decode, prefill = variant_configs("fp8-mma", fp8_cache=True)
+    assert decode.fp8_mma and prefill.prefetch_pages
+    decode, _ = variant_configs("fp8-mma", fp8_cache=False)  # a bf16 cache has no fp8 dots to make
+    assert not decode.fp8_mma and decode.prefetch_pages
+    decode, _ = variant_configs("prefetch", fp8_cache=True)
+    assert decode.prefetch_pages and not decode.fp8_mma
+    with pytest.raises(ValueError, match="unknown attention variant 'fast'"):
+        variant_configs("fast", fp8_cache=False)
+
+
+def test_engine_args_accept_the_variants() -> None:
+    import argparse
+
+    from overnight.entrypoints.engine_args import add_engine_args, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "m", "--attention-variant", "fp8-mma"])
+    assert options_from_args(args, "offline").attention_variant == "fp8-mma"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--attention-variant", "fast"])
+
+
+def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
+    """The option reaches the kernels' configs (generating through the interpreter would take a minute;
+    the kernels themselves are checked above)."""
+    from overnight import LLM
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", seed=3)
+    engine = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20)
+    llm = LLM(
+        str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="fp8-mma", **engine
+    )
+    backend = llm.engine.runner.backend
+    assert backend.decode_config.fp8_mma and backend.prefill_config.prefetch_pages
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        LLM(str(folder), attention_variant="fast", **engine)

@@ -50,6 +50,7 @@ class EngineOptions:
     device: str | None = None  # None: CUDA when available, else CPU
     enforce_eager: bool = False
     attention_backend: str = "auto"
+    attention_variant: str = "default"  # kernel configs by name, to time end to end (attention/variants.py)
     mode: str = "offline"  # offline | server | batch: picks the default limits
     served_model_name: str | None = None
 
@@ -120,6 +121,7 @@ def build_config(opts: EngineOptions, source, device: torch.device) -> EngineCon
         runner=RunnerConfig(
             device=str(device),
             attention_backend=opts.attention_backend,
+            attention_variant=opts.attention_variant,
             enforce_eager=opts.enforce_eager,
         ),
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from overnight.attention.variants import ATTENTION_VARIANTS
 from overnight.engine.builder import EngineOptions
 
 
@@ -43,6 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--attention-variant", default="default", choices=ATTENTION_VARIANTS)
 
 
 def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
@@ -69,5 +71,6 @@ def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
         device=args.device,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        attention_variant=args.attention_variant,
         mode=mode,
     )
