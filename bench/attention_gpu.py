@@ -75,6 +75,7 @@ DECODE = {
         ("mma n128 w4 s3", DecodeConfig(128, 4, 3, fp8_mma=True)),
         ("mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True)),
         ("mma n64 w4 s4", DecodeConfig(64, 4, 4, fp8_mma=True)),
+        ("mma n128 w8 s3", DecodeConfig(128, 8, 3, fp8_mma=True)),
     ],
 }
 # Qwen3-0.6B (its own compilations: GROUP is a constexpr) tries the default and the likeliest winners.

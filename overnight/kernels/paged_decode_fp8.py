@@ -14,8 +14,10 @@ converting too (mma.sync has no 8-bit form it uses on sm_90); only a warpgroup M
     O^T [D, G]      += V^T [D, BLOCK_N] . P8^T [BLOCK_N, G]  (A = the token-major V tile, likewise)
 
 where both A operands have their contracted dimension contiguous, as 8-bit MMA operands must: D for K,
-tokens for V (kv_layout.py's token-major V). In the sm_90 SASS: QGMMA, no F2FP in the loop, 86 registers,
-~560 instructions per tile. The softmax runs along M (a cross-warp reduction through shared memory).
+tokens for V (kv_layout.py's token-major V). In the sm_90 SASS at 128-token tiles: 16 QGMMA and no
+conversion of K or V per tile (8 F2FP round P), 534 instructions, 103 registers, three K/V buffers (the
+page ids come one tile ahead, kv_tiles.py). The softmax runs along M: a cross-warp reduction through
+shared memory.
 
 Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 path does:
 - q is quantized to e4m3 once per program, each head row with its own scale (its largest |value| maps
