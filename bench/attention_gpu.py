@@ -8,7 +8,8 @@ Run on the GPU machine from the repository root:
 --fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it, or vLLM's `vrest.tar.xz` from
 ../shared/bench/vllm/build.sh, which holds it); without it the script looks for .peer/c2/vrest.tar.xz,
 .whl/_vllm_fa3_C.abi3.so[.xz] and $HOME/vsite/a/vllm/vllm_flash_attn/ (where side_by_side.sh unpacks
-vLLM). No FA3: its rows are skipped. Needs torch + triton only.
+vLLM). No FA3: its rows are skipped. Needs torch + triton only. About 3-4 minutes on an H200, a minute
+or two of it compiling the ~40 kernel variants (each distinct tile shape, GQA group and split flag).
 
 Order: correctness of every variant (bf16 cache, fp8 e4m3 and e5m2 caches; fresh random data,
 poisoned outputs; a CUDA-graph replay of the fp8-MMA decode), then timings, most important first, each
