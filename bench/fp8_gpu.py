@@ -1,6 +1,6 @@
 """FP8 KV cache on the GPU: accuracy against a bf16 cache, and the decode kernel's speed.
 
-Run from the repository root:  PYTHONPATH=. python bench/fp8_gpu.py  [--e5m2]
+Run from the repository root:  PYTHONPATH=. python bench/fp8_gpu.py  [--e5m2] [--attention-variant V]
 (well under 4 minutes on an H200; --e5m2 adds fp8_e5m2 runs)
 
 1. Accuracy. Random-weight Qwen3-0.6B (the preset's exact architecture, weights spread as in
@@ -267,14 +267,20 @@ def decode_timings() -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--e5m2", action="store_true", help="also run fp8_e5m2")
+    parser.add_argument(
+        "--attention-variant",
+        default="default",
+        help="kernel configs of every engine (overnight/attention/variants.py), e.g. fp8-mma",
+    )
     args = parser.parse_args()
+    ENGINE["attention_variant"] = args.attention_variant
     t0 = time.time()
     configs = [("fp8", False), ("fp8", True)] + ([("fp8_e5m2", False)] if args.e5m2 else [])
     print(
         f"{torch.cuda.get_device_name()}: accuracy of the fp8 KV cache against bf16 "
         f"({NUM_PROMPTS} prompts x {NEW_TOKENS} greedy tokens)"
     )
-    summary: dict = {"accuracy": {}}
+    summary: dict = {"accuracy": {}, "attention_variant": args.attention_variant}
     summary["accuracy"]["qwen3-0.6b-random"] = accuracy("qwen3-0.6b", qwen_engine, qwen_prompts(), configs)
     if smollm2_available():
         summary["accuracy"]["smollm2-135m"] = accuracy("smollm2", smollm2_engine, smollm2_prompts(), configs)

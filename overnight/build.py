@@ -109,7 +109,10 @@ def build_config(
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         runner=RunnerConfig(
-            device=str(device), attention_backend=opts.attention_backend, enforce_eager=opts.enforce_eager
+            device=str(device),
+            attention_backend=opts.attention_backend,
+            attention_variant=opts.attention_variant,
+            enforce_eager=opts.enforce_eager,
         ),
     )
 

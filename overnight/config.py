@@ -111,6 +111,7 @@ class ParallelConfig:
 class RunnerConfig:
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N" (resolved: the option's None means "cuda if available")
     attention_backend: str = _Defaults.attention_backend
+    attention_variant: str = _Defaults.attention_variant  # kernel configs by name (attention/variants.py)
     enforce_eager: bool = _Defaults.enforce_eager
     # Decode steps up to this batch size replay CUDA graphs; larger ones run eagerly, where launching
     # hundreds of kernels from Python costs tens of milliseconds a step. Capped by max_num_seqs.

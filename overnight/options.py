@@ -20,6 +20,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_VARIANTS = ("default", "prefetch", "fp8-mma")  # named kernel configs (attention/variants.py)
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
 MODES = ("offline", "server", "batch")
 
@@ -80,6 +81,11 @@ class EngineOptions:
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
+    )
+    attention_variant: str = option(
+        "default",
+        "Triton attention kernel configs by name (attention/variants.py)",
+        choices=ATTENTION_VARIANTS,
     )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False

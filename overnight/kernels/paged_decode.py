@@ -39,8 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_layout import v_token_major
+from overnight.kernels.kv_layout import is_fp8, v_token_major
+from overnight.kernels.kv_tiles import load_v_token_major, page_ids, split_len
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
+from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
 # one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
@@ -57,6 +59,13 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 4  # the H200 bench's winner (geometric mean over its decode cases) in two runs
     fp8_convert: str = "fp16"  # fp8 cache only: "fp16" | "bits" | "q" (see the module docstring)
+    # Load the next tile's page ids one iteration ahead (see page_ids): the K/V loads then no longer
+    # depend on a load of the same iteration, and Triton's pipeliner gives them num_stages - 1 buffers
+    # and waits only for the oldest; without it the loop waits for every copy at its top.
+    prefetch_pages: bool = False
+    # fp8 cache only: tokens as the MMA's M and both dots on the 8-bit values as stored, q and P
+    # rounded to e4m3 (paged_decode_fp8.py); fp8_convert and prefetch_pages do not apply.
+    fp8_mma: bool = False
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
@@ -100,32 +109,6 @@ def _to_dot(x, DOT_DTYPE: tl.constexpr, FP8_BITS: tl.constexpr):
     return y
 
 
-@triton.jit
-def load_v_token_major(
-    v_base,
-    page,
-    offs_n,
-    offs_d,
-    stride_cblk,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr,
-    V_RUN: tl.constexpr,
-):
-    """A [tokens, BLOCK_D] V tile of an FP8 cache (token-major inside each block, kv_layout.py); the
-    decode and prefill kernels share it. Runs of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous
-    (hinted: the page ids come from memory). No mask along tokens, which would split the 16-byte loads:
-    slots past the context's end read block 0 or stale values of a zeroed, saturated cache, and their
-    probability is 0. A head_dim padded to BLOCK_D is masked (it would read the next head's values)."""
-    v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
-    ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
-    if BLOCK_D == HEAD_DIM:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
-    return v
-
-
 def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, num_sms: int = 132) -> int:
     """Splits per request: a function of static quantities only, so a captured graph stays valid."""
     programs = max(1, num_decodes * num_kv_heads)
@@ -134,12 +117,6 @@ def choose_num_splits(num_decodes: int, num_kv_heads: int, max_model_len: int, n
         return 1
     useful = max(1, math.ceil(max_model_len / MIN_SPLIT_TOKENS))
     return max(1, min(math.ceil(target / programs), useful, MAX_SPLITS))
-
-
-@triton.jit
-def _split_len(seq_len, num_splits, block_n):
-    """Context tokens per split: an even share rounded up to whole tiles (0 for an empty context)."""
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
 
 
 @triton.jit
@@ -176,13 +153,14 @@ def _decode_kernel(
     HAS_SCALE: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N): tokens of a tile contiguous in token-major V
+    PREFETCH_PAGES: tl.constexpr,  # DecodeConfig.prefetch_pages
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
-        per_split = _split_len(seq_len, num_splits, BLOCK_N)
+        per_split = split_len(seq_len, num_splits, BLOCK_N)
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
         if start >= end:
@@ -213,10 +191,15 @@ def _decode_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch
     v_base = cache_ptr + stride_ckv + kvh * (HEAD_DIM * PAGE)  # token-major V (kv_layout.py)
+    page_next = page_ids(bt_row, start, end, BLOCK_N, PAGE)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
+        if PREFETCH_PAGES:
+            page = page_next.to(tl.int64)
+            page_next = page_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, PAGE)
+        else:
+            page = page_ids(bt_row, n0, end, BLOCK_N, PAGE).to(tl.int64)
         tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31 elements
         kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -264,7 +247,7 @@ def _decode_reduce_kernel(
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # Splits past the end of a short context never ran and left their workspace rows stale.
-    num_active = tl.cdiv(seq_len, tl.maximum(_split_len(seq_len, num_splits, block_n), 1))
+    num_active = tl.cdiv(seq_len, tl.maximum(split_len(seq_len, num_splits, block_n), 1))
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_active
@@ -347,42 +330,62 @@ def paged_decode(
         part_out, part_lse = ws.views(num_decodes, num_heads, num_splits, head_dim)
     else:
         part_out, part_lse = out, out  # unused
-    _decode_kernel[(num_decodes, num_kv_heads, num_splits)](
-        q,
-        kv_cache,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
-        scale * math.log2(math.e),
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
-        block_tables.stride(0),
-        GROUP=group,
-        BLOCK_G=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        PAGE=page,
-        BLOCK_N=cfg.block_n,
-        SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        DOT_DTYPE=compute_dtype,
-        FP8_BITS=fp8_bits,
-        HAS_SCALE=kv_scale is not None,
-        V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
-        V_RUN=min(page, cfg.block_n),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+    grid = (num_decodes, num_kv_heads, num_splits)
+    if cfg.fp8_mma and is_fp8(kv_cache.dtype):
+        launch_decode_fp8_mma(
+            grid,
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            kv_scale,
+            scale * math.log2(math.e),
+            num_splits,
+            cfg.block_n,
+            cfg.num_warps,
+            cfg.num_stages,
+        )
+    else:
+        _decode_kernel[grid](
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+            scale * math.log2(math.e),
+            num_splits,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            kv_cache.stride(0),
+            kv_cache.stride(1),
+            kv_cache.stride(2),
+            kv_cache.stride(3),
+            block_tables.stride(0),
+            GROUP=group,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            PAGE=page,
+            BLOCK_N=cfg.block_n,
+            SPLIT=num_splits > 1,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            DOT_DTYPE=compute_dtype,
+            FP8_BITS=fp8_bits,
+            HAS_SCALE=kv_scale is not None,
+            V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
+            V_RUN=min(page, cfg.block_n),
+            PREFETCH_PAGES=cfg.prefetch_pages,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             seq_lens,

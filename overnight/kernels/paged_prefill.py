@@ -37,8 +37,9 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.kv_layout import v_token_major
+from overnight.kernels.kv_tiles import load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
-from overnight.kernels.paged_decode import dot_dtype, load_v_token_major
+from overnight.kernels.paged_decode import dot_dtype
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,9 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    # Load the next key tile's page ids one iteration ahead in the loop over fully visible key tiles
+    # (kv_tiles.py: the pipeliner then keeps num_stages - 1 K/V tiles in flight).
+    prefetch_pages: bool = False
 
 
 @triton.jit
@@ -65,7 +69,7 @@ def _attend_tile(
     m_i,
     l_i,
     n0,
-    bt_row,
+    page,  # int64 [BLOCK_N]: physical page of each key (page_ids)
     kv_base,
     v_base,  # token-major V of this head (kv_layout.py), used when V_TOKEN_MAJOR
     stride_ckv,
@@ -91,10 +95,6 @@ def _attend_tile(
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     # Off the diagonal every key exists: load without masks unless head_dim needs padding.
     MASKED: tl.constexpr = CAUSAL or BLOCK_D != HEAD_DIM
-    if CAUSAL:
-        page = tl.load(bt_row + offs_n // PAGE, mask=n_mask, other=0).to(tl.int64)
-    else:
-        page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)
     tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot
     k = _load(kv_base + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
@@ -147,6 +147,7 @@ def _prefill_kernel(
     HAS_SCALE: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N)
+    PREFETCH_PAGES: tl.constexpr,  # PrefillConfig.prefetch_pages
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -195,14 +196,20 @@ def _prefill_kernel(
     # Keys below full_end are visible to all rows of the tile; keys from kv_end on to none of them.
     full_end = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx_start + tl.minimum(m0 + BLOCK_M, q_len)
+    page_next = page_ids(bt_row, 0, kv_end, BLOCK_N, PAGE)
     for n0 in range(0, full_end, BLOCK_N):
+        if PREFETCH_PAGES:
+            page = page_next.to(tl.int64)
+            page_next = page_ids(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, PAGE)
+        else:
+            page = page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
             m_i,
             l_i,
             n0,
-            bt_row,
+            page,
             kv_base,
             v_base,
             stride_ckv,
@@ -228,7 +235,7 @@ def _prefill_kernel(
             m_i,
             l_i,
             n0,
-            bt_row,
+            page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64),
             kv_base,
             v_base,
             stride_ckv,
@@ -328,6 +335,7 @@ def paged_prefill(
         HAS_SCALE=kv_scale is not None,
         V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
         V_RUN=min(page, cfg.block_n),
+        PREFETCH_PAGES=cfg.prefetch_pages,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

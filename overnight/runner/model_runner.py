@@ -15,6 +15,7 @@ import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
+from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    fp8_cache = config.cache.kv_cache_dtype != "auto"
+    decode_config, prefill_config = variant_configs(config.runner.attention_variant, fp8_cache)
     name = config.runner.attention_backend
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
@@ -43,6 +46,8 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             max_num_seqs=config.scheduler.max_num_seqs,
             max_model_len=config.scheduler.max_model_len,
             device=device,
+            decode_config=decode_config,
+            prefill_config=prefill_config,
         )
     if name == "torch":
         from overnight.attention.torch_backend import TorchAttentionBackend

@@ -1,0 +1,605 @@
+"""H200 check and timing of the attention kernel variants of issue 15, old against new in one run, and
+FlashAttention-3 (vLLM 0.26's build) on the same shapes when its library is at hand.
+
+Run on the GPU machine from the repository root:
+
+    PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210]
+
+--fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it, or vLLM's `vrest.tar.xz` from
+../shared/bench/vllm/build.sh, which holds it); without it the script looks for .peer/c2/vrest.tar.xz,
+.whl/_vllm_fa3_C.abi3.so[.xz] and $HOME/vsite/a/vllm/vllm_flash_attn/ (where side_by_side.sh unpacks
+vLLM). No FA3: its rows are skipped. Needs torch + triton only. About 3-4 minutes on an H200, a minute
+or two of it compiling the ~40 kernel variants (each distinct tile shape, GQA group and split flag).
+
+Order: correctness of every variant (bf16 cache, fp8 e4m3 and e5m2 caches; fresh random data,
+poisoned outputs; a CUDA-graph replay of the fp8-MMA decode), then timings, most important first, each
+skipped once --budget-s is spent: decode at Qwen3-8B's shape (32 q / 8 KV heads x 128, pages of 16)
+b512 ctx2048, b256 ctx768, b1024 ctx640, b8 ctx32768 (split); prefill 16 x 1024 after a 512-token
+prefix; decode at Qwen3-0.6B's (16 / 8 x 128). GB/s counts the bytes a kernel must read and write (K/V
+of every context token, q, out, block table). Ends with a table per case (old default = "base") and
+one JSON line. Variants (configs of overnight/kernels/paged_decode.py and paged_prefill.py):
+
+    base            today's default for the cache dtype
+    pf ...          prefetch_pages: page ids one tile ahead, K/V multi-buffered (kernels/kv_tiles.py)
+    mma ...         fp8_mma: tokens as M, native e4m3 MMAs, q and P rounded (kernels/paged_decode_fp8.py)
+    fa3             FlashAttention-3 (fp8: q quantized per tensor, V in the plain layout, as vLLM does)
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import triton
+
+from overnight.attention.kv_quant import quantize_kv
+from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.torch_backend import build_metadata, paged_attention_ref
+from overnight.attention.triton_backend import TritonAttentionBackend
+from overnight.bench.gpu_info import sm_clock_now
+from overnight.kernels.kv_layout import is_fp8, to_storage_layout, v_view
+from overnight.kernels.paged_decode import (
+    FP8_DECODE_CONFIG,
+    DecodeConfig,
+    DecodeWorkspace,
+    choose_num_splits,
+    paged_decode,
+)
+from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
+from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
+
+DEV = torch.device("cuda")
+BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
+PAGE, D = 16, 128
+MODELS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8)}  # (query heads, KV heads), head_dim 128
+MAX_MODEL_LEN = 40960
+KV_SCALES = (0.05, 0.02)
+HBM_GBPS = 4300.0  # the measured copy bandwidth of docs/benchmarks.md
+
+DECODE = {
+    BF16: [
+        ("base n64 w4 s4", DecodeConfig()),
+        ("pf n64 w4 s3", DecodeConfig(64, 4, 3, prefetch_pages=True)),
+        ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
+    ],
+    E4M3: [
+        ("base n128 w4 s3", FP8_DECODE_CONFIG),
+        ("pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True)),
+        ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
+        ("mma n128 w4 s3", DecodeConfig(128, 4, 3, fp8_mma=True)),
+        ("mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True)),
+        ("mma n64 w4 s4", DecodeConfig(64, 4, 4, fp8_mma=True)),
+        ("mma n128 w8 s3", DecodeConfig(128, 8, 3, fp8_mma=True)),
+    ],
+}
+# Qwen3-0.6B (its own compilations: GROUP is a constexpr) tries the default and the likeliest winners.
+SMALL_MODEL_VARIANTS = {
+    "base n64 w4 s4",
+    "pf n64 w4 s4",
+    "base n128 w4 s3",
+    "mma n128 w4 s3",
+    "mma n64 w4 s4",
+}
+PREFILL = [
+    ("base m64 n64 w4 s3", PrefillConfig()),
+    ("pf m64 n64 w4 s3", PrefillConfig(64, 64, 4, 3, prefetch_pages=True)),
+    ("pf m64 n64 w4 s4", PrefillConfig(64, 64, 4, 4, prefetch_pages=True)),
+    ("pf m128 n64 w8 s3", PrefillConfig(128, 64, 8, 3, prefetch_pages=True)),
+]
+# (model, batch, context); the split case also tries 16 splits besides the heuristic's count.
+DECODE_CASES = [
+    ("qwen3-8b", 512, 2048),
+    ("qwen3-8b", 256, 768),
+    ("qwen3-8b", 1024, 640),
+    ("qwen3-8b", 8, 32768),
+]
+SMALL_MODEL_CASES = [("qwen3-0.6b", 256, 768), ("qwen3-0.6b", 512, 2048), ("qwen3-0.6b", 1024, 640)]
+
+checks: list[tuple[str, float, bool]] = []
+rows: list[dict] = []
+START = time.time()
+
+
+# ---------------------------------------------------------------- inputs and helpers
+
+
+def make_case(
+    hq: int, hkv: int, query_lens: list[int], seq_lens: list[int], num_decodes: int, seed: int, cache_dtype
+) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Shuffled pages, random q and cache (fp8: random values quantized with KV_SCALES, stored in the
+    dtype's layout); returns (meta, q, cache, kv_scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [triton.cdiv(s, PAGE) for s in seq_lens]
+    num_blocks = sum(needed) + 8
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(perm[used : used + n])
+        used += n
+    meta = build_metadata(query_lens, seq_lens, tables, PAGE, num_decodes=num_decodes, device=DEV)
+    torch.manual_seed(seed)
+    q = torch.randn(meta.num_tokens, hq, D, device=DEV, dtype=BF16)
+    cache = torch.randn(2, num_blocks, PAGE, hkv, D, device=DEV, dtype=BF16)
+    if not is_fp8(cache_dtype):
+        return meta, q, cache, None
+    scales = torch.tensor(KV_SCALES, device=DEV)
+    logical = torch.stack([quantize_kv(cache[i], KV_SCALES[i], cache_dtype) for i in range(2)])
+    del cache
+    return meta, q, to_storage_layout(logical), scales
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not out.isfinite().all():
+        return float("inf")
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def check(name: str, err: float, tol: float) -> None:
+    ok = err <= tol
+    checks.append((name, err, ok))
+    print(f"  {'ok  ' if ok else 'FAIL'} {name:<64} rel err {err:.2e} (tol {tol:.0e})", flush=True)
+
+
+def try_run(name: str, fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except Exception as e:  # one variant that does not compile or fit must not end the run
+        checks.append((name, float("inf"), False))
+        print(
+            f"  FAIL {name}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True
+        )
+
+
+def time_us(fn: Callable[[], None]) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+
+
+def over_budget(budget_s: float, what: str) -> bool:
+    if time.time() - START > budget_s:
+        print(f"  (skipped {what}: past the {budget_s:.0f} s budget)", flush=True)
+        return True
+    return False
+
+
+def decode_bytes(batch: int, ctx: int, hq: int, hkv: int, elem: int) -> int:
+    kv = batch * ctx * hkv * D * 2 * elem
+    return kv + 2 * batch * hq * D * 2 + batch * triton.cdiv(ctx, PAGE) * 4
+
+
+def record(case: str, kernel: str, variant: str, us: float, nbytes: int | None, flops: float | None) -> None:
+    gbps = nbytes / us / 1e3 if nbytes else None
+    tflops = flops / us / 1e6 if flops else None
+    rows.append(dict(case=case, kernel=kernel, variant=variant, us=us, gbps=gbps, tflops=tflops))
+    perf = f"{gbps:7.0f} GB/s ({100 * gbps / HBM_GBPS:4.0f}% of copy)" if gbps else ""
+    perf += f"{tflops:7.1f} TFLOP/s" if tflops else ""
+    print(f"  {case:<26} {kernel:<12} {variant:<22} {us:9.1f} us  {perf}", flush=True)
+
+
+# ---------------------------------------------------------------- FlashAttention-3 (optional)
+
+
+def find_fa3(hint: str | None) -> str | None:
+    """Path of a loadable _vllm_fa3_C .so, unpacked to /tmp when it comes compressed."""
+    candidates = [hint] if hint else []
+    candidates += [
+        ".whl/_vllm_fa3_C.abi3.so",
+        ".whl/_vllm_fa3_C.abi3.so.xz",
+        *glob.glob(os.path.expanduser("~/vsite/a/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")),
+        ".peer/c2/vrest.tar.xz",
+    ]
+    for path in candidates:
+        if not path or not os.path.exists(path):
+            continue
+        if path.endswith(".tar.xz"):
+            member = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
+            subprocess.run(["tar", "-xJf", path, "-C", "/tmp", member], check=True)
+            return "/tmp/" + member
+        if path.endswith(".xz"):
+            with open("/tmp/_vllm_fa3_C.abi3.so", "wb") as f:
+                subprocess.run(["xz", "-T0", "-dc", path], stdout=f, check=True)
+            return "/tmp/_vllm_fa3_C.abi3.so"
+        return path
+    return None
+
+
+def load_fa3(hint: str | None) -> Callable | None:
+    try:
+        path = find_fa3(hint)
+        if path is None:
+            print("FA3: no library found (rows skipped)")
+            return None
+        torch.ops.load_library(path)
+        print(f"FA3: loaded {path}")
+        return torch.ops._vllm_fa3_C.fwd
+    except Exception as e:
+        print(f"FA3: not usable ({type(e).__name__}: {str(e)[:200]})")
+        return None
+
+
+class Fa3Inputs:
+    """FA3's view of a case: K/V caches [blocks, PAGE, Hkv, D] in the plain layout (FA3 reads V like K),
+    an fp8 q quantized with one scale (FA3 wants q, K and V of one dtype), descales [batch, Hkv]."""
+
+    def __init__(self, meta: AttentionMetadata, q: torch.Tensor, cache: torch.Tensor, kv_scale) -> None:
+        self.meta = meta
+        self.k = cache[0]
+        self.v = v_view(cache).contiguous() if is_fp8(cache.dtype) else cache[1]
+        batch, hkv = meta.num_reqs, cache.shape[3]
+        if is_fp8(cache.dtype):
+            q_scale = q.float().abs().max() / 448.0
+            self.q = (q.float() / q_scale).to(cache.dtype)
+            self.descales = (
+                q_scale.reshape(1, 1).expand(batch, hkv).contiguous(),
+                kv_scale[0].reshape(1, 1).expand(batch, hkv).contiguous(),
+                kv_scale[1].reshape(1, 1).expand(batch, hkv).contiguous(),
+            )
+        else:
+            self.q = q
+            self.descales = (None, None, None)
+
+
+def fa3_run(fwd: Callable, x: Fa3Inputs, scale: float) -> torch.Tensor:
+    m = x.meta
+    res = fwd(
+        q=x.q,
+        k=x.k,
+        v=x.v,
+        k_new=None,
+        v_new=None,
+        q_v=None,
+        out=None,
+        cu_seqlens_q=m.query_start_loc,
+        cu_seqlens_k=None,
+        cu_seqlens_k_new=None,
+        seqused_q=None,
+        seqused_k=m.seq_lens,
+        max_seqlen_q=m.max_query_len,
+        max_seqlen_k=m.max_seq_len,
+        page_table=m.block_tables,
+        kv_batch_idx=None,
+        leftpad_k=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        seqlens_rotary=None,
+        q_descale=x.descales[0],
+        k_descale=x.descales[1],
+        v_descale=x.descales[2],
+        softmax_scale=scale,
+        is_causal=True,
+        window_size_left=-1,
+        window_size_right=-1,
+        softcap=0.0,
+        is_rotary_interleaved=False,
+        scheduler_metadata=None,
+        num_splits=0,
+        pack_gqa=None,
+        sm_margin=0,
+        s_aux=None,
+        cp_world_size=1,
+        cp_rank=0,
+        cp_tot_seqused_k=None,
+    )
+    return res[0]
+
+
+# ---------------------------------------------------------------- correctness
+
+
+def run_decode(meta, q, cache, kv_scale, cfg: DecodeConfig, num_splits: int, ws=None) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))
+    nd = meta.num_decodes
+    paged_decode(q, cache, meta.block_tables, meta.seq_lens, nd, D**-0.5, out, num_splits, ws, kv_scale, cfg)
+    return out
+
+
+def decode_variants(model: str, cache_dtype: torch.dtype) -> list[tuple[str, DecodeConfig]]:
+    variants = DECODE[E4M3 if is_fp8(cache_dtype) else BF16]
+    return variants if model == "qwen3-8b" else [v for v in variants if v[0] in SMALL_MODEL_VARIANTS]
+
+
+def check_decode_one(
+    tag: str, meta, q, cache, kv_scale, exact, cfg: DecodeConfig, ns: int, emus: dict
+) -> None:
+    out = run_decode(meta, q, cache, kv_scale, cfg, ns)
+    if not cfg.fp8_mma:
+        check(tag, rel_err(out, exact), 2e-2)
+        return
+    n = meta.num_decodes
+    if (cfg.block_n, ns) not in emus:  # the reference is a Python loop over tiles: once per tiling
+        emus[cfg.block_n, ns] = decode_fp8_mma_ref(
+            q, cache, meta.block_tables, meta.seq_lens, n, D**-0.5, kv_scale, cfg.block_n, ns
+        )
+    check(tag + " vs its rounding ref", rel_err(out, emus[cfg.block_n, ns]), 2e-2)
+    check(tag + " vs exact", rel_err(out, exact), 8e-2)
+
+
+def check_fa3_one(tag: str, fa3: Callable, meta, q, cache, kv_scale, exact) -> None:
+    check(tag, rel_err(fa3_run(fa3, Fa3Inputs(meta, q, cache, kv_scale), D**-0.5), exact), 8e-2)
+
+
+def check_decode_case(
+    model: str, cache_dtype: torch.dtype, seq_lens: list[int], fa3: Callable | None
+) -> None:
+    hq, hkv = MODELS[model]
+    n = len(seq_lens)
+    meta, q, cache, kv_scale = make_case(hq, hkv, [1] * n, seq_lens, n, 3, cache_dtype)
+    exact = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
+    emus: dict = {}
+    for name, cfg in decode_variants(model, cache_dtype):
+        for ns in (1, choose_num_splits(n, hkv, MAX_MODEL_LEN)):
+            tag = f"decode {model} {str(cache_dtype)[6:]} {name} splits={ns}"
+            try_run(tag, partial(check_decode_one, tag, meta, q, cache, kv_scale, exact, cfg, ns, emus))
+    if fa3 is not None and cache_dtype != E5M2:
+        tag = f"decode {model} {str(cache_dtype)[6:]} fa3"
+        try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, exact))
+
+
+def check_decode_variants(fa3: Callable | None) -> None:
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist() + [1, 15, 16, 17, 4096]
+    for model in MODELS:
+        for cache_dtype in (BF16, E4M3, E5M2):
+            check_decode_case(model, cache_dtype, seq_lens, fa3)
+
+
+def check_prefill_one(tag: str, meta, q, cache, kv_scale, ref, cfg: PrefillConfig) -> None:
+    out = torch.full_like(q, float("nan"))
+    qsl, n = meta.query_start_loc, meta.num_reqs
+    paged_prefill(
+        q, cache, meta.block_tables, meta.seq_lens, qsl, 0, n, meta.num_tokens, D**-0.5, out, kv_scale, cfg
+    )
+    check(tag, rel_err(out, ref), 2e-2)
+
+
+def check_prefill_variants(fa3: Callable | None) -> None:
+    query_lens, seq_lens = [1024, 1024, 1, 300, 77], [1024, 1536, 700, 333, 77]
+    hq, hkv = MODELS["qwen3-8b"]
+    for cache_dtype in (BF16, E4M3):
+        meta, q, cache, kv_scale = make_case(hq, hkv, query_lens, seq_lens, 0, 5, cache_dtype)
+        ref = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
+        for name, cfg in PREFILL:
+            tag = f"prefill {str(cache_dtype)[6:]} {name}"
+            try_run(tag, partial(check_prefill_one, tag, meta, q, cache, kv_scale, ref, cfg))
+        if fa3 is not None:
+            tag = f"prefill {str(cache_dtype)[6:]} fa3"
+            try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, ref))
+
+
+def check_fp8_mma_graph() -> None:
+    """The fp8-MMA decode captured in a CUDA graph through the backend, replayed on new lengths, tables
+    and scales (what the engine's decode graphs do)."""
+    hq, hkv = MODELS["qwen3-8b"]
+    batch, width = 16, 64
+    num_blocks = batch * width + 8
+    cfg = DecodeConfig(128, 4, 3, fp8_mma=True)
+    backend = TritonAttentionBackend(hq, hkv, D, 64, 4096, DEV, decode_config=cfg)
+
+    def meta_for(lens: list[int], seed: int) -> AttentionMetadata:
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        tables = [perm[i * width : (i + 1) * width] for i in range(batch)]
+        return build_metadata([1] * batch, lens, tables, PAGE, batch, DEV)
+
+    full = torch.randn(2, num_blocks, PAGE, hkv, D, device=DEV, dtype=BF16)
+    cache = to_storage_layout(torch.stack([quantize_kv(full[i], 1.0, E4M3) for i in range(2)]))
+    scales = torch.ones(2, device=DEV)
+    meta = meta_for([700] * batch, seed=8)
+    q = torch.randn(batch, hq, D, device=DEV, dtype=BF16)
+    k = torch.randn(batch, hkv, D, device=DEV, dtype=BF16)
+    v = torch.randn(batch, hkv, D, device=DEV, dtype=BF16)
+    backend.forward(q, k, v, cache, meta, D**-0.5, scales)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, cache, meta, D**-0.5, scales)
+    lens = torch.randint(1, width * PAGE + 1, (batch,), generator=torch.Generator().manual_seed(9)).tolist()
+    new = meta_for(lens, seed=10)
+    for static, fresh in ((meta.seq_lens, new.seq_lens), (meta.block_tables, new.block_tables),
+                          (meta.slot_mapping, new.slot_mapping)):  # fmt: skip
+        static.copy_(fresh)
+    scales.copy_(torch.tensor(KV_SCALES, device=DEV))
+    for x in (q, k, v):
+        x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q.float(), cache, new, D**-0.5, scales)
+    check(
+        f"fp8-MMA decode, CUDA graph replay (splits={backend.num_splits(batch)}) vs exact",
+        rel_err(out, ref),
+        8e-2,
+    )
+
+
+# ---------------------------------------------------------------- timing
+
+
+def time_decode(
+    case: str, kernel: str, label: str, nbytes: int, meta, q, cache, kv_scale, cfg, ns, ws
+) -> None:
+    out = torch.empty_like(q)
+    batch = meta.num_decodes
+
+    def fn() -> None:
+        paged_decode(q, cache, meta.block_tables, meta.seq_lens, batch, D**-0.5, out, ns, ws, kv_scale, cfg)
+
+    record(case, kernel, label, time_us(fn), nbytes, None)
+
+
+def time_fa3(case: str, kernel: str, fa3: Callable, meta, q, cache, kv_scale, nbytes, flops) -> None:
+    x = Fa3Inputs(meta, q, cache, kv_scale)
+    record(case, kernel, "fa3", time_us(lambda: fa3_run(fa3, x, D**-0.5)), nbytes, flops)
+
+
+def bench_decode_dtype(
+    model: str, batch: int, ctx: int, cache_dtype, fa3: Callable | None, num_sms: int
+) -> None:
+    hq, hkv = MODELS[model]
+    heuristic = choose_num_splits(batch, hkv, MAX_MODEL_LEN, num_sms)
+    splits = [1] if heuristic == 1 else sorted({heuristic, 16})
+    case = f"{model} b{batch} ctx{ctx}"
+    meta, q, cache, kv_scale = make_case(hq, hkv, [1] * batch, [ctx] * batch, batch, 11, cache_dtype)
+    nbytes = decode_bytes(batch, ctx, hq, hkv, cache.element_size())
+    ws = DecodeWorkspace(batch * max(splits), hq, D, DEV)
+    kernel = "decode " + ("fp8" if is_fp8(cache_dtype) else "bf16")
+    for name, cfg in decode_variants(model, cache_dtype):
+        for ns in splits:
+            label = name + (f" x{ns}" if ns > 1 else "")
+            args = (case, kernel, label, nbytes, meta, q, cache, kv_scale, cfg, ns, ws)
+            try_run(f"time {case} {kernel} {label}", partial(time_decode, *args))
+    if fa3 is not None:
+        try_run(
+            f"time {case} {kernel} fa3",
+            partial(time_fa3, case, kernel, fa3, meta, q, cache, kv_scale, nbytes, None),
+        )
+
+
+def bench_decode(model: str, batch: int, ctx: int, fa3: Callable | None, num_sms: int) -> None:
+    for cache_dtype in (BF16, E4M3):
+        try_run(f"decode {model} b{batch} ctx{ctx} {cache_dtype}",
+                partial(bench_decode_dtype, model, batch, ctx, cache_dtype, fa3, num_sms))  # fmt: skip
+        torch.cuda.empty_cache()
+
+
+def causal_flops(query_lens: list[int], seq_lens: list[int], hq: int) -> float:
+    pairs = sum(sum(range(s - q + 1, s + 1)) for q, s in zip(query_lens, seq_lens, strict=True))
+    return 4.0 * D * hq * pairs
+
+
+def time_prefill(case: str, kernel: str, name: str, flops: float, meta, q, cache, kv_scale, cfg) -> None:
+    out = torch.empty_like(q)
+    qsl, n, t = meta.query_start_loc, meta.num_reqs, meta.num_tokens
+
+    def fn() -> None:
+        paged_prefill(q, cache, meta.block_tables, meta.seq_lens, qsl, 0, n, t, D**-0.5, out, kv_scale, cfg)
+
+    record(case, kernel, name, time_us(fn), None, flops)
+
+
+def time_sdpa(case: str, kernel: str, flops: float, hq: int) -> None:
+    """Yardstick: torch SDPA on contiguous K/V (heads expanded), the same causal pairs (lower right)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    qs = torch.randn(16, hq, 1024, D, device=DEV, dtype=BF16)
+    ks = torch.randn(16, hq, 1536, D, device=DEV, dtype=BF16)
+    vs = torch.randn_like(ks)
+    bias = causal_lower_right(1024, 1536)
+    f = torch.nn.functional.scaled_dot_product_attention
+    record(case, kernel, "torch sdpa (dense)", time_us(lambda: f(qs, ks, vs, attn_mask=bias)), None, flops)
+
+
+def bench_prefill_dtype(cache_dtype, fa3: Callable | None) -> None:
+    hq, hkv = MODELS["qwen3-8b"]
+    query_lens, seq_lens = [1024] * 16, [1536] * 16
+    flops = causal_flops(query_lens, seq_lens, hq)
+    case = "qwen3-8b 16x1024 +512"
+    meta, q, cache, kv_scale = make_case(hq, hkv, query_lens, seq_lens, 0, 12, cache_dtype)
+    kernel = "prefill " + ("fp8" if is_fp8(cache_dtype) else "bf16")
+    for name, cfg in PREFILL:
+        args = (case, kernel, name, flops, meta, q, cache, kv_scale, cfg)
+        try_run(f"time {case} {kernel} {name}", partial(time_prefill, *args))
+    if fa3 is not None:
+        try_run(
+            f"time {case} {kernel} fa3",
+            partial(time_fa3, case, kernel, fa3, meta, q, cache, kv_scale, None, flops),
+        )
+    if cache_dtype == BF16:
+        try_run("time sdpa", partial(time_sdpa, case, kernel, flops, hq))
+
+
+def bench_prefill(fa3: Callable | None) -> None:
+    for cache_dtype in (BF16, E4M3):
+        try_run(f"prefill {cache_dtype}", partial(bench_prefill_dtype, cache_dtype, fa3))
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- report
+
+
+def summary() -> dict:
+    """Per case and kernel: the old default, the best variant, and the speed-up."""
+    out = {}
+    print("\nsummary (base = today's default; best over the variants; speed-up over base):")
+    print(
+        f"  {'case':<26} {'kernel':<12} {'base us':>9} {'best':<22} {'best us':>9} {'x base':>7} {'GB/s or TFLOP/s':>16}"
+    )
+    for key in dict.fromkeys((r["case"], r["kernel"]) for r in rows):
+        mine = [r for r in rows if (r["case"], r["kernel"]) == key and not r["variant"].startswith("torch")]
+        base = next((r for r in mine if r["variant"].startswith("base")), None)
+        ours = [r for r in mine if r["variant"] != "fa3"]
+        if not ours:
+            continue
+        best = min(ours, key=lambda r: r["us"])
+        fa3 = next((r for r in mine if r["variant"] == "fa3"), None)
+        speed = base["us"] / best["us"] if base else float("nan")
+        perf = best["gbps"] or best["tflops"] or 0.0
+        print(f"  {key[0]:<26} {key[1]:<12} {base['us'] if base else float('nan'):9.1f} {best['variant']:<22} "
+              f"{best['us']:9.1f} {speed:7.2f} {perf:16.0f}" + (f"   fa3 {fa3['us']:.1f} us" if fa3 else ""))  # fmt: skip
+        out[f"{key[0]} {key[1]}"] = dict(
+            base_us=round(base["us"], 1) if base else None,
+            best=best["variant"],
+            best_us=round(best["us"], 1),
+            speedup=round(speed, 3),
+            best_gbps=round(best["gbps"]) if best["gbps"] else None,
+            best_tflops=round(best["tflops"], 1) if best["tflops"] else None,
+            fa3_us=round(fa3["us"], 1) if fa3 else None,
+            all={r["variant"]: round(r["us"], 1) for r in mine},
+        )
+    print("fp8 cache against bf16 (decode; x = bf16 base time / fp8 time):")
+    for case in dict.fromkeys(r["case"] for r in rows):
+        bf16, fp8 = out.get(f"{case} decode bf16"), out.get(f"{case} decode fp8")
+        if bf16 and fp8 and bf16["base_us"] and fp8["base_us"]:
+            old_x, new_x = bf16["base_us"] / fp8["base_us"], bf16["base_us"] / fp8["best_us"]
+            fp8["vs_bf16_base"] = dict(old=round(old_x, 3), new=round(new_x, 3))
+            print(f"  {case:<26} fp8 base {old_x:.2f}x, fp8 best ({fp8['best']}) {new_x:.2f}x")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fa3", default=None, help="path of vLLM's _vllm_fa3_C.abi3.so (.xz, or vrest.tar.xz)")
+    ap.add_argument("--budget-s", type=float, default=210.0, help="skip remaining timings after this")
+    args = ap.parse_args()
+    props = torch.cuda.get_device_properties(DEV)
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
+    )
+    print(f"SM clock (now, max) at start: {sm_clock_now()}", flush=True)
+    fa3 = load_fa3(args.fa3)
+    print("correctness (against the fp32 reference on the dequantized cache):", flush=True)
+    try_run("decode checks", lambda: check_decode_variants(fa3))
+    try_run("prefill checks", lambda: check_prefill_variants(fa3))
+    try_run("fp8-MMA CUDA graph check", check_fp8_mma_graph)
+    print(f"timing (do_bench median, L2 flushed; {time.time() - START:.0f} s so far):", flush=True)
+    for model, batch, ctx in DECODE_CASES:
+        if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
+            try_run(
+                f"decode {model} b{batch}",
+                lambda m=model, b=batch, c=ctx: bench_decode(m, b, c, fa3, props.multi_processor_count),
+            )
+    if not over_budget(args.budget_s, "prefill"):
+        try_run("prefill timings", lambda: bench_prefill(fa3))
+    print(f"SM clock (now, max) after the 8B cases: {sm_clock_now()}", flush=True)
+    for model, batch, ctx in SMALL_MODEL_CASES:
+        if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
+            try_run(
+                f"decode {model} b{batch}",
+                lambda m=model, b=batch, c=ctx: bench_decode(m, b, c, fa3, props.multi_processor_count),
+            )
+    best = summary()
+    failed = [name for name, _, ok in checks if not ok]
+    print(
+        f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
+        + (f"; FAILED: {failed}" if failed else "")
+    )
+    print(f"SM clock (now, max) at the end: {sm_clock_now()}; total {time.time() - START:.0f} s")
+    print(json.dumps(dict(device=props.name, fa3=fa3 is not None, checks_failed=failed, cases=best)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Named sets of attention kernel configs, so a variant can be timed end to end (`--attention-variant`,
+e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
+
+    default   each kernel's own default for the cache dtype (paged_decode.default_decode_config,
+              PrefillConfig())
+    prefetch  page ids loaded one tile ahead, so the K/V copies are multi-buffered (kernels/kv_tiles.py),
+              in decode (both caches) and in prefill
+    fp8-mma   as prefetch, and an FP8 cache decodes with tokens as the MMA's M and native e4m3 dots
+              (kernels/paged_decode_fp8.py: q and P rounded to e4m3, as FlashAttention-3 does)
+
+The tile shapes are the candidates bench/attention_gpu.py times; once it has picked winners, they
+belong in the kernels' defaults and these names can go. Configs are built on use: this module is
+imported by the command line, which must not pay for importing Triton.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from overnight.options import ATTENTION_VARIANTS
+
+if TYPE_CHECKING:
+    from overnight.kernels.paged_decode import DecodeConfig
+    from overnight.kernels.paged_prefill import PrefillConfig
+
+
+def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, PrefillConfig | None]:
+    """(decode config, prefill config) of a variant for a cache of that kind; None: the default."""
+    if name not in ATTENTION_VARIANTS:
+        raise ValueError(f"unknown attention variant {name!r} ({', '.join(ATTENTION_VARIANTS)})")
+    if name == "default":
+        return None, None
+    from overnight.kernels.paged_decode import DecodeConfig
+    from overnight.kernels.paged_prefill import PrefillConfig
+
+    prefill = PrefillConfig(64, 64, 4, 3, prefetch_pages=True)
+    if not fp8_cache:
+        return DecodeConfig(64, 4, 4, prefetch_pages=True), prefill
+    if name == "fp8-mma":
+        return DecodeConfig(128, 4, 3, fp8_mma=True), prefill
+    return DecodeConfig(128, 4, 3, prefetch_pages=True), prefill

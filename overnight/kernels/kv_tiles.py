@@ -1,0 +1,81 @@
+"""How the paged attention kernels gather tiles of the cache: page ids, token-major V tiles, split ranges.
+
+Shared by paged_decode.py, paged_decode_fp8.py and paged_prefill.py (kv_layout.py says where the bytes
+sit). A tile covers BLOCK_N consecutive context tokens of one request and one KV head; it spans
+BLOCK_N / PAGE pages whose physical ids come from the request's row of the block table.
+
+Why page ids are worth a helper of their own: when a loop iteration loads its page ids and then K/V
+through them, Triton's software pipeliner classes the K/V loads as indirect and issues each tile's
+copies only one iteration ahead, waiting for all of them at the top of the next iteration (one buffer
+in use: the load latency and the tile's arithmetic add up). Loading the *next* tile's page ids in this
+iteration, as a loop-carried value, makes the K/V loads direct: the pipeliner then keeps num_stages - 1
+tiles in flight and waits only for the oldest (seen in the sm_90 TTGIR: `async_wait {num = 2}` and
+three buffers per operand at num_stages=4, against `{num = 0}` and one buffer).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def page_ids(bt_row, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Physical page of each token n0 .. n0 + BLOCK_N - 1 of a request (0 from `end` on)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(bt_row + offs_n // PAGE, mask=offs_n < end, other=0)
+
+
+@triton.jit
+def split_len(seq_len, num_splits, block_n):
+    """Context tokens per split: an even share rounded up to whole tiles (0 for an empty context)."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n
+
+
+@triton.jit
+def load_v_token_major(
+    v_base,
+    page,
+    offs_n,
+    offs_d,
+    stride_cblk,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    V_RUN: tl.constexpr,
+):
+    """A [tokens, BLOCK_D] V tile of an FP8 cache (token-major inside each block, kv_layout.py). Runs
+    of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous (hinted: the page ids come from memory). No
+    mask along tokens, which would split the 16-byte loads: slots past the context's end read block 0
+    or stale values of a zeroed, saturated cache, and their probability is 0. A head_dim padded to
+    BLOCK_D is masked (it would read the next head's values)."""
+    v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
+    ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
+    if BLOCK_D == HEAD_DIM:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    return v
+
+
+@triton.jit
+def load_v_token_major_t(
+    v_base,
+    page,
+    offs_n,
+    offs_d,
+    stride_cblk,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    V_RUN: tl.constexpr,
+):
+    """load_v_token_major's tile transposed, [BLOCK_D, tokens]: the A operand of O^T = V^T P^T, whose
+    contracted dimension (tokens) is the contiguous one, as an 8-bit MMA operand must be."""
+    v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
+    ptrs = v_base + v_tok[None, :] + offs_d[:, None] * PAGE
+    if BLOCK_D == HEAD_DIM:
+        v = tl.load(ptrs)
+    else:
+        v = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[:, None], other=0.0)
+    return v

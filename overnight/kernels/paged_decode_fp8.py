@@ -1,0 +1,274 @@
+"""Decode attention over an FP8 cache with the tokens as the MMA's M dimension and both dots in 8 bits.
+
+Reference: the decode branch of paged_attention_ref (overnight/attention/torch_backend.py) over the
+dequantized cache; selected by DecodeConfig.fp8_mma, launched from paged_decode.paged_decode, which
+owns the grid, the splits and their reduce (same workspace rows, same meaning).
+
+Why: paged_decode.py's kernel puts a KV head's G query heads on M (zero-padded to 16 rows) and converts
+every K and V tile to fp16 before its dots: 136 conversions and ~130 register moves among ~790
+instructions per 128-token tile on sm_90, 122 registers. Triton lowers an 8-bit dot with M = 16 by
+converting too (mma.sync has no 8-bit form it uses on sm_90); only a warpgroup MMA (M a multiple of
+64) reads 8-bit operands as stored. So this kernel computes the transposed products
+
+    S^T [BLOCK_N, G] = K [BLOCK_N, D] . q8^T [D, G]          (A = the K tile, straight from shared memory)
+    O^T [D, G]      += V^T [D, BLOCK_N] . P8^T [BLOCK_N, G]  (A = the token-major V tile, likewise)
+
+where both A operands have their contracted dimension contiguous, as 8-bit MMA operands must: D for K,
+tokens for V (kv_layout.py's token-major V). In the sm_90 SASS at 128-token tiles: 16 QGMMA and no
+conversion of K or V per tile (8 F2FP round P), 534 instructions, 103 registers, three K/V buffers (the
+page ids come one tile ahead, kv_tiles.py). The softmax runs along M: a cross-warp reduction through
+shared memory.
+
+Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 path does:
+- q is quantized to e4m3 once per program, each head row with its own scale (its largest |value| maps
+  to 448), so scores carry q's rounding (relative 2**-4) besides K's;
+- P is quantized to e4m3 after scaling by 2**8 (exp2(s - m + 8) lies in [0, 256]): unscaled, weights
+  below 2**-9 would flush to zero, which a long uniform context would feel. The row sums l are taken
+  from the unrounded fp32 weights; log2-sum-exp removes the 8 again for the split reduce.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.kv_layout import v_view
+from overnight.kernels.kv_tiles import load_v_token_major_t, page_ids, split_len
+
+Q_MAX = 448.0  # e4m3's largest finite value: each q row's largest |value| maps onto it
+P_SHIFT = 8.0  # log2 of the scale that moves P from [0, 1] to [0, 256] before its rounding to e4m3
+
+
+@triton.jit
+def _to_e4m3(x, EXACT_CAST: tl.constexpr):
+    """x (fp32, |x| <= 448) rounded to nearest e4m3. The GPU's cvt rounds correctly; the Triton
+    interpreter halves values whose rounding carries into the next power of two (0.49 -> 0.25), so
+    under it (EXACT_CAST) x is first rounded in fp32 (3 mantissa bits; steps of 2**-9 below 2**-6,
+    e4m3's subnormals) and the cast is exact."""
+    if EXACT_CAST:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        x = tl.where(tl.abs(x) < 0.015625, tl.floor(x * 512.0 + 0.5) / 512.0, normal)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _decode_fp8_mma_kernel(
+    q_ptr,
+    cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,  # [B, Hq, num_splits, D] fp32, used when SPLIT
+    part_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
+    kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    qk_scale,  # softmax scale * log2(e)
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_ckv,
+    stride_cblk,
+    stride_cslot,
+    stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N)
+    Q_MAX: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,  # under the interpreter (see _to_e4m3)
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if SPLIT:
+        per_split = split_len(seq_len, num_splits, BLOCK_N)
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        if start >= end:
+            return
+    else:
+        start = seq_len * 0
+        end = seq_len
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    amax = tl.max(tl.abs(q), 1)
+    q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
+    q8 = _to_e4m3(q / q_scale[:, None], EXACT_CAST)
+    col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
+    if HAS_SCALE:
+        col_scale = col_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+    else:
+        v_scale = 1.0
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # O^T
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    k_base = cache_ptr + kvh * stride_ch
+    v_base = cache_ptr + stride_ckv + kvh * (HEAD_DIM * PAGE)  # token-major V (kv_layout.py)
+    page_next = page_ids(bt_row, start, end, BLOCK_N, PAGE)  # one tile ahead (kv_tiles.py)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < end
+        page = page_next.to(tl.int64)
+        page_next = page_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, PAGE)
+        tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31
+        k = tl.load(
+            k_base + tok[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
+        )
+        s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
+        s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        v_t = load_v_token_major_t(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
+        acc = acc * alpha[None, :] + tl.dot(v_t, _to_e4m3(p_t, EXACT_CAST))
+        m_i = m_new
+
+    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[None, :]
+    io_mask = d_mask[:, None] & g_mask[None, :]
+    if not SPLIT:
+        dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+        tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
+        tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
+
+
+def launch_decode_fp8_mma(
+    grid: tuple[int, int, int],
+    q,
+    kv_cache,
+    block_tables,
+    seq_lens,
+    out,
+    part_out,
+    part_lse,
+    kv_scale,
+    qk_scale: float,
+    num_splits: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+) -> None:
+    """The launch for paged_decode (which has checked every argument); same grid and workspace."""
+    _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    group = q.shape[1] // num_kv_heads
+    _decode_fp8_mma_kernel[grid](
+        q,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        qk_scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        block_tables.stride(0),
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        PAGE=page,
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
+        HAS_SCALE=kv_scale is not None,
+        V_RUN=min(page, block_n),
+        Q_MAX=Q_MAX,
+        P_SHIFT=P_SHIFT,
+        EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def decode_fp8_mma_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    num_decodes: int,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+    block_n: int = 128,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """The kernel's arithmetic in PyTorch, roundings included: q per head and P per tile of block_n
+    tokens (under the running maximum of its split) rounded to e4m3; float32 otherwise. Returns
+    [num_decodes, Hq, D] float32. paged_attention_ref is the exact answer; this one is what the
+    kernel must reproduce to float32 rounding."""
+    e4m3 = torch.float8_e4m3fn
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
+    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
+    k_all, v_all = kv_cache[0], v_view(kv_cache)
+    out = torch.zeros(num_decodes, num_heads, head_dim, device=q.device)
+    for b in range(num_decodes):
+        seq_len = int(seq_lens[b])
+        pos = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[b, pos // page].long()
+        k = k_all[blocks, pos % page][:, kv_head].float()  # [L, Hq, D]
+        v = v_all[blocks, pos % page][:, kv_head].float()
+        qf = q[b].float()
+        amax = qf.abs().amax(-1)
+        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
+        q8 = (qf / q_scale[:, None]).to(e4m3).float()
+        col_scale = q_scale * scale * math.log2(math.e) * k_scale
+        per_split = math.ceil(math.ceil(seq_len / num_splits) / block_n) * block_n  # kv_tiles.split_len
+        parts = []
+        for start in range(0, seq_len, max(per_split, 1)):
+            end = min(start + per_split, seq_len)
+            m = torch.full((num_heads,), float("-inf"), device=q.device)
+            l_sum = torch.zeros(num_heads, device=q.device)
+            acc = torch.zeros(num_heads, head_dim, device=q.device)
+            for n0 in range(start, end, block_n):
+                n1 = min(n0 + block_n, end)
+                s = torch.einsum("hd,nhd->hn", q8, k[n0:n1]) * col_scale[:, None]
+                m_new = torch.maximum(m, s.amax(-1))
+                alpha = torch.exp2(m - m_new)
+                p = torch.exp2(s - (m_new - P_SHIFT)[:, None])
+                l_sum = l_sum * alpha + p.sum(-1)
+                acc = acc * alpha[:, None] + torch.einsum("hn,nhd->hd", p.to(e4m3).float(), v[n0:n1])
+                m = m_new
+            parts.append((acc * (v_scale / l_sum)[:, None], m - P_SHIFT + torch.log2(l_sum)))
+        if parts:
+            lse = torch.stack([x[1] for x in parts])  # [splits, Hq]
+            w = torch.exp2(lse - lse.amax(0))
+            out[b] = (torch.stack([x[0] for x in parts]) * w[..., None]).sum(0) / w.sum(0)[:, None]
+    return out

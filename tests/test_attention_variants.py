@@ -1,0 +1,249 @@
+"""The attention kernels' variants selected by config, against the PyTorch references (issue 15).
+
+- prefetch_pages (DecodeConfig, PrefillConfig): page ids loaded one tile ahead (kernels/kv_tiles.py);
+  the same arithmetic as without, so the same tolerances as tests/test_kernels_attention.py.
+- fp8_mma (DecodeConfig, FP8 caches): tokens as the MMA's M, q and P rounded to e4m3
+  (kernels/paged_decode_fp8.py). Checked twice: against decode_fp8_mma_ref, which makes the same
+  roundings, to float32 rounding; and against the exact paged_attention_ref within what those
+  roundings cost (a few percent of the largest output on random data).
+
+Through the interpreter on CPU (fp32 / fp16), so shapes are small.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
+from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
+from overnight.attention.variants import variant_configs
+from overnight.kernels.paged_decode import DecodeConfig
+from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
+from overnight.kernels.paged_prefill import PrefillConfig
+from tests.test_fp8_kv import exact_in_fp8
+from tests.test_kernels_attention import DEVICE, DTYPES, assert_close, make_batch, poisoned
+
+pytestmark = pytest.mark.slow  # long Triton-interpreter runs
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+SEQ_LENS = [1, 15, 16, 17, 40, 97]  # on, just before and just after page boundaries
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not out.isnan().any(), "kernel left NaN (unwritten rows?)"
+    return ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def fp8_decode_batch(
+    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, seq_lens: list[int], seed: int
+):
+    """Decode rows over an fp8 cache holding random values (scaled as a calibrated cache would be)."""
+    hkv, bs = 2, 16
+    n = len(seq_lens)
+    meta, q, cache = make_batch([1] * n, seq_lens, n, hkv * group, hkv, head_dim, bs, q_dtype, seed)
+    cache = (cache.float() * 40).to(fp8)  # storage layout is irrelevant for random bytes
+    kv_scale = torch.tensor([0.03, 0.02], device=DEVICE)
+    return meta, q, cache, kv_scale
+
+
+# ---------------------------------------------------------------- page prefetch (same arithmetic)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("group", "num_splits"), [(1, 1), (4, 3), (8, 1)])
+def test_decode_prefetch_pages_matches_reference(dtype: torch.dtype, group: int, num_splits: int) -> None:
+    hkv, d, bs = 2, 64, 16
+    meta, q, cache = make_batch([1] * 6, SEQ_LENS, 6, hkv * group, hkv, d, bs, dtype, seed=30 + group)
+    cfg = DecodeConfig(block_n=32, prefetch_pages=True)
+    out = paged_attention(q, cache, meta, d**-0.5, out=poisoned(q), num_splits=num_splits, decode_config=cfg)
+    assert_close(out, paged_attention_ref(q, cache, meta, d**-0.5), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "config"),
+    [
+        (16, 64, PrefillConfig(16, 16, 4, 1, prefetch_pages=True)),
+        (16, 128, PrefillConfig(16, 32, 4, 2, prefetch_pages=True)),
+    ],
+)
+def test_prefill_prefetch_pages_matches_reference(
+    dtype: torch.dtype, block_size: int, head_dim: int, config: PrefillConfig
+) -> None:
+    query_lens = [33, 1, 20, 7, 1, 40]  # fresh prompts, chunks after cached prefixes, single tokens
+    seq_lens = [33, 18, 84, 7, 1, 71]
+    meta, q, cache = make_batch(query_lens, seq_lens, 0, 8, 2, head_dim, block_size, dtype, seed=40)
+    out = paged_attention(q, cache, meta, head_dim**-0.5, out=poisoned(q), prefill_config=config)
+    assert_close(out, paged_attention_ref(q, cache, meta, head_dim**-0.5), dtype)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_prefetch_pages_on_fp8_cache(fp8: torch.dtype) -> None:
+    """Mixed batch (decodes, then prefill chunks after cached prefixes) over an fp8 cache: token-major
+    V read through the prefetched page ids, with and without splits."""
+    hq, hkv, d, bs = 8, 2, 64, 16
+    meta, q, cache = make_batch(
+        [1, 1, 1, 9, 20, 1], [30, 7, 77, 9, 50, 16], 3, hq, hkv, d, bs, torch.float32, 50
+    )
+    cache = (cache * 40).to(fp8)
+    kv_scale = torch.tensor([0.03, 0.02], device=DEVICE)
+    ref = paged_attention_ref(q, cache, meta, 0.125, kv_scale)
+    for num_splits in (1, 3):
+        out = paged_attention(
+            q,
+            cache,
+            meta,
+            0.125,
+            out=poisoned(q),
+            kv_scale=kv_scale,
+            num_splits=num_splits,
+            decode_config=DecodeConfig(block_n=32, prefetch_pages=True),
+            prefill_config=PrefillConfig(16, 16, 4, 2, prefetch_pages=True),
+        )
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- fp8 MMA decode (q and P in e4m3)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(
+    ("q_dtype", "group", "head_dim", "block_n", "num_splits"),
+    [
+        (torch.float32, 4, 64, 32, 1),
+        (torch.float32, 1, 64, 16, 3),
+        (torch.float32, 8, 128, 64, 2),
+        (torch.float16, 4, 128, 32, 3),
+        (torch.float32, 4, 48, 32, 2),  # head_dim padded to BLOCK_D 64 (masked along D)
+    ],
+)
+def test_fp8_mma_decode_matches_its_rounding_reference(
+    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, block_n: int, num_splits: int
+) -> None:
+    meta, q, cache, kv_scale = fp8_decode_batch(fp8, q_dtype, group, head_dim, SEQ_LENS, seed=60 + group)
+    cfg = DecodeConfig(block_n=block_n, fp8_mma=True)
+    out = paged_attention(
+        q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits, decode_config=cfg
+    )
+    emulated = decode_fp8_mma_ref(
+        q, cache, meta.block_tables, meta.seq_lens, 6, 0.1, kv_scale, block_n, num_splits
+    )
+    exact = paged_attention_ref(q.float(), cache, meta, 0.1, kv_scale)
+    # fp16 outputs round to 2**-11 of the largest; fp32 ones agree to accumulation order.
+    assert rel_err(out, emulated) < (1e-3 if q_dtype == torch.float16 else 1e-5)
+    # What rounding q and P to 3 mantissa bits costs here (1.4-2.1% measured); a wrong tile, page or
+    # head would be off by the size of the output itself.
+    assert rel_err(out, exact) < 5e-2
+
+
+def test_fp8_mma_decode_rounding_is_what_separates_it_from_the_exact_answer() -> None:
+    """With q already on the e4m3 grid (after its per-head scale) and a context of one position per
+    head, neither rounding changes anything: the kernel must then equal the exact reference."""
+    fp8, hkv, group, d = torch.float8_e4m3fn, 2, 4, 64
+    meta, q, cache = make_batch([1, 1], [1, 1], 2, hkv * group, hkv, d, 16, torch.float32, seed=70)
+    # Each row's largest |q| is 448 * 2**-5, so its scale is 2**-5 and q / scale stays on the grid.
+    q = exact_in_fp8(tuple(q.shape), fp8, 1.0, seed=71) * 2.0**-5
+    q[..., 0] = 448.0 * 2.0**-5
+    q = q.to(DEVICE)
+    cache = (cache * 40).to(fp8)
+    # One key per context: p = 1 exactly, 256 after the shift, which e4m3 holds.
+    out = paged_attention(q, cache, meta, 0.1, out=poisoned(q), decode_config=DecodeConfig(32, fp8_mma=True))
+    # float32 rounding only (m - 8 is inexact when the scores are in the thousands, as here)
+    assert rel_err(out, paged_attention_ref(q, cache, meta, 0.1)) < 1e-5
+
+
+def test_fp8_mma_decode_empty_context_and_many_splits() -> None:
+    """A padded request (seq_len 0) yields zeros; more splits than a short context has tiles."""
+    meta, q, cache, kv_scale = fp8_decode_batch(
+        torch.float8_e4m3fn, torch.float32, 4, 64, [20, 1, 3], seed=80
+    )
+    meta.seq_lens[1] = 0
+    for num_splits in (1, 8):
+        out = paged_attention(
+            q,
+            cache,
+            meta,
+            0.2,
+            out=poisoned(q),
+            kv_scale=kv_scale,
+            num_splits=num_splits,
+            decode_config=DecodeConfig(block_n=16, fp8_mma=True),
+        )
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        emulated = decode_fp8_mma_ref(
+            q, cache, meta.block_tables, meta.seq_lens, 3, 0.2, kv_scale, 16, num_splits
+        )
+        assert rel_err(out, emulated) < 1e-5
+
+
+def test_fp8_mma_backend_mixed_batch() -> None:
+    """Through the backend: kv_write into the fp8 cache, fp8-MMA decodes, fp16-path prefill chunks."""
+    fp8, hq, hkv, d = torch.float8_e4m3fn, 8, 2, 64
+    meta, q, cache = make_batch([1, 1, 1, 12, 30], [17, 64, 5, 12, 45], 3, hq, hkv, d, 16, torch.float32, 90)
+    cache = torch.zeros(cache.shape, dtype=fp8, device=DEVICE)
+    kv_scale = torch.tensor([0.25, 0.5], device=DEVICE)
+    k = exact_in_fp8((meta.num_tokens, hkv, d), fp8, 0.25, seed=91).to(DEVICE)
+    v = exact_in_fp8((meta.num_tokens, hkv, d), fp8, 0.5, seed=92).to(DEVICE)
+    cache_ref = cache.clone()
+    ref = TorchAttentionBackend().forward(q, k, v, cache_ref, meta, 0.125, kv_scale)
+    backend = TritonAttentionBackend(
+        hq,
+        hkv,
+        d,
+        max_num_seqs=8,
+        max_model_len=4096,
+        device=DEVICE,
+        decode_config=DecodeConfig(block_n=16, fp8_mma=True),
+        prefill_config=PrefillConfig(32, 32, 4, 1, prefetch_pages=True),
+    )
+    out = backend.forward(q, k, v, cache, meta, 0.125, kv_scale)
+    assert torch.equal(cache.view(torch.uint8), cache_ref.view(torch.uint8))
+    nd = meta.num_decodes
+    torch.testing.assert_close(out[nd:], ref[nd:], rtol=1e-4, atol=1e-4)  # prefill: exact arithmetic
+    assert rel_err(out[:nd], ref[:nd]) < 5e-2  # decode: q and P rounded
+
+
+# ---------------------------------------------------------------- the named variants (--attention-variant)
+
+
+def test_attention_variants_by_name() -> None:
+    assert variant_configs("default", fp8_cache=True) == (None, None)
+    decode, prefill = variant_configs("fp8-mma", fp8_cache=True)
+    assert decode.fp8_mma and prefill.prefetch_pages
+    decode, _ = variant_configs("fp8-mma", fp8_cache=False)  # a bf16 cache has no fp8 dots to make
+    assert not decode.fp8_mma and decode.prefetch_pages
+    decode, _ = variant_configs("prefetch", fp8_cache=True)
+    assert decode.prefetch_pages and not decode.fp8_mma
+    with pytest.raises(ValueError, match="unknown attention variant 'fast'"):
+        variant_configs("fast", fp8_cache=False)
+
+
+def test_engine_args_accept_the_variants() -> None:
+    import argparse
+
+    from overnight.options import add_engine_args, options_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--model", "m", "--attention-variant", "fp8-mma"])
+    assert options_from_args(args, "offline").attention_variant == "fp8-mma"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--attention-variant", "fast"])
+
+
+def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
+    """The option reaches the kernels' configs (generating through the interpreter would take a minute;
+    the kernels themselves are checked above)."""
+    from overnight import LLM
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", seed=3)
+    engine = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20)
+    llm = LLM(
+        str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="fp8-mma", **engine
+    )
+    backend = llm.engine.runner.backend
+    assert backend.decode_config.fp8_mma and backend.prefill_config.prefetch_pages
+    with pytest.raises(ValueError, match="unknown attention variant"):
+        LLM(str(folder), attention_variant="fast", **engine)
