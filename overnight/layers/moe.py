@@ -23,9 +23,7 @@ from torch import nn
 from overnight.layers.norm import use_kernels
 
 
-def router_topk_ref(
-    logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32), heaviest first.
 
     Softmax over all experts in fp32, the k largest kept, and with `renormalize` rescaled to sum to 1

@@ -200,7 +200,9 @@ def _checkpoint_names(
     for i, part in enumerate(parts):
         sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == part]
         if sources:
-            return {".".join(parts[:i] + [src] + parts[i + 1 :]): (pname, None, shard) for src, shard in sources}
+            return {
+                ".".join(parts[:i] + [src] + parts[i + 1 :]): (pname, None, shard) for src, shard in sources
+            }
     return {pname: (pname, None, None)}
 
 
