@@ -68,6 +68,21 @@ def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple
     return router_topk_ref(logits, top_k, renormalize)
 
 
+def run_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """The experts' weighted sum for each token, on the path use_kernels(x) picks."""
+    if use_kernels(x):
+        from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
+
+        return fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+    return fused_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
 class Experts(nn.Module):
     """num_experts gated MLPs of hidden_size -> intermediate_size -> hidden_size, stacked.
 
@@ -81,11 +96,7 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if use_kernels(x):
-            from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
-
-            return fused_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        return fused_experts_ref(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
