@@ -1,10 +1,13 @@
 """How fast a workload could possibly run: FLOPs over the matrix rate, bytes over memory bandwidth.
 
 Counts, for decoder-only models with the engine's layout:
-  linear layers   2 x (weights of q/k/v/o/gate/up/down) FLOPs per token computed
+  linear layers   2 x (weights of q/k/v/o/gate/up/down) FLOPs per token computed; with experts, only
+                  the router and the num_experts_per_tok experts a token goes through
   LM head         2 x hidden x vocab FLOPs per sampled token
   attention       4 x Hq x D FLOPs per (query, key) pair: causal prefill, and decode over the context
-  memory          the KV cache read at each decode step, and the weights read once per decode step
+  memory          the KV cache read at each decode step, and the weights read once per decode step;
+                  of the experts, only those some token of the batch chose (expected count for
+                  uniform routing)
 Ceilings default to what was measured on an H200 (bf16 matmul ~790 TFLOP/s, copy ~4.3 TB/s).
 """
 
@@ -36,15 +39,23 @@ class Roofline:
         return self.t_compute + self.t_memory
 
 
-def linear_params(arch: ModelArch) -> int:
-    per_layer = arch.hidden_size * (arch.q_size + 2 * arch.kv_size) + arch.q_size * arch.hidden_size
-    per_layer += 3 * arch.hidden_size * arch.intermediate_size
-    return per_layer * arch.num_hidden_layers
+def linear_params(arch: ModelArch, active_only: bool = False) -> int:
+    """Weights of the linear layers; active_only: those one token multiplies by (MoE: its experts)."""
+    attention = arch.hidden_size * (arch.q_size + 2 * arch.kv_size) + arch.q_size * arch.hidden_size
+    return attention * arch.num_hidden_layers + arch.mlp_params(active_only)
 
 
-def model_bytes(arch: ModelArch, dtype_bytes: int = 2) -> int:
+def model_bytes(arch: ModelArch, dtype_bytes: int = 2, batch: int | None = None) -> int:
+    """Bytes of weights a forward pass reads; with experts and a batch, only the experts it hits
+    (E * (1 - (1 - k/E)^batch) per sparse layer when tokens choose uniformly)."""
     emb = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    return (linear_params(arch) + emb) * dtype_bytes
+    params = linear_params(arch) + emb
+    if arch.num_experts and batch is not None:
+        e, k = arch.num_experts, arch.num_experts_per_tok
+        unused = e * (1.0 - k / e) ** batch
+        sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+        params -= int(unused * sparse * 3 * arch.hidden_size * arch.moe_intermediate_size)
+    return params * dtype_bytes
 
 
 def estimate(
@@ -56,7 +67,7 @@ def estimate(
     tbps: float = H200_TBPS,
 ) -> Roofline:
     """requests: (input length, output length) pairs; batch: concurrent sequences during decode."""
-    lin = 2.0 * linear_params(arch)
+    lin = 2.0 * linear_params(arch, active_only=True)
     head = 2.0 * arch.hidden_size * arch.vocab_size
     attn_pair = 4.0 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
     kv_per_token = 2 * arch.num_hidden_layers * arch.kv_size * kv_bytes_per_elem
@@ -70,7 +81,8 @@ def estimate(
         flops += attn_pair * ctx_sum
         kv_bytes += kv_per_token * ctx_sum
         total_out += n_out
-    steps = total_out / max(1, min(batch, len(requests)))
-    weight_bytes = steps * model_bytes(arch)
+    concurrent = max(1, min(batch, len(requests)))
+    steps = total_out / concurrent
+    weight_bytes = steps * model_bytes(arch, batch=concurrent)
     total_bytes = kv_bytes + weight_bytes
     return Roofline(flops, total_bytes, flops / (tflops * 1e12), total_bytes / (tbps * 1e12))

@@ -70,14 +70,14 @@ def kv_bytes_per_token(arch: ModelArch, elem_bytes: int) -> int:
 
 
 def num_parameters(arch: ModelArch) -> int:
-    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-    layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    h, q, kv = arch.hidden_size, arch.q_size, arch.kv_size
+    layer = h * q + 2 * h * kv + q * h + 2 * h
     if arch.attention_bias:
         layer += q + 2 * kv
     if arch.qk_norm:
         layer += 2 * arch.head_dim
     head = 0 if arch.tie_word_embeddings else arch.vocab_size * h
-    return arch.vocab_size * h + head + arch.num_hidden_layers * layer + h
+    return arch.vocab_size * h + head + arch.num_hidden_layers * layer + arch.mlp_params() + h
 
 
 def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
