@@ -56,7 +56,9 @@ def _chunk(e_p2: int) -> int:
 
 
 @triton.jit
-def _count_kernel(ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr):
+def _moe_align_count_kernel(
+    ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr
+):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
     offs_e = tl.arange(0, E_P2)
@@ -66,7 +68,7 @@ def _count_kernel(ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, E_P2: tl.cons
 
 
 @triton.jit
-def _offsets_kernel(
+def _moe_align_offsets_kernel(
     counts_ptr,
     starts_ptr,
     sorted_ids_ptr,
@@ -113,7 +115,7 @@ def _offsets_kernel(
 
 
 @triton.jit
-def _scatter_kernel(
+def _moe_align_scatter_kernel(
     ids_ptr,
     counts_ptr,
     starts_ptr,
@@ -157,9 +159,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
     num_chunks = triton.cdiv(num_pairs, chunk)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    _count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk)
+    _moe_align_count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk)
     rows = max(1, TILE_ELEMENTS // e_p2)
-    _offsets_kernel[(1,)](
+    _moe_align_offsets_kernel[(1,)](
         counts,
         starts,
         sorted_ids,
@@ -174,7 +176,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
         SLOTS=min(block_m, rows),
         num_warps=8,
     )
-    _scatter_kernel[(num_chunks,)](
+    _moe_align_scatter_kernel[(num_chunks,)](
         topk_ids, counts, starts, sorted_ids, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk
     )
     return ExpertRuns(sorted_ids, expert_ids, num_padded, block_m, num_pairs)

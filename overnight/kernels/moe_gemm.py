@@ -42,7 +42,9 @@ class GemmTiles:
     num_stages: int = 3
 
 
-@triton.jit
+# Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per
+# tile configuration serves every batch size.
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
