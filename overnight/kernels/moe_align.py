@@ -17,12 +17,15 @@ BLOCK_M), never of the data, and nothing is read back to the host: capturable in
 
 Three launches, the pairs cut into chunks of CHUNK:
   1. count    (a program per chunk)  counts[c, e] = pairs of expert e in chunk c
-  2. offsets  (one program)          start of each expert's run; counts[c, e] becomes the number of
-                                     e's pairs in chunks before c; sentinels into the padding slots;
-                                     expert_ids; num_padded
+  2. offsets  (one program)          start and end of each expert's run; counts[c, e] becomes the
+                                     number of e's pairs in chunks before c; sentinels into the
+                                     padding slots; num_padded
   3. scatter  (a program per chunk)  pair p of expert e goes to
-                                     start[e] + counts[c, e] + (its rank among e's pairs in chunk c)
-Ranks come from a cumulative sum over a [CHUNK, E] one-hot tile: no atomics.
+                                     start[e] + counts[c, e] + (its rank among e's pairs in chunk c);
+                                     and its share of expert_ids, a tile's expert being the number of
+                                     runs that end at or before the tile's first row
+Ranks come from a cumulative sum over a [CHUNK, E] one-hot tile: no atomics. The one program of step 2
+only walks the [chunks, E] counts; everything per pair or per tile is spread over the chunks.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 TILE_ELEMENTS = 4096  # size of the 2-D tiles the offsets kernel loops over
+ONEHOT_ELEMENTS = 16384  # size of the [CHUNK, E] one-hot tiles of steps 1 and 3
 
 
 class ExpertRuns(NamedTuple):
@@ -52,7 +56,7 @@ def max_padded(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 
 def _chunk(e_p2: int) -> int:
-    return max(16, min(256, 8192 // e_p2))  # a [CHUNK, E_P2] one-hot tile of about 8K elements
+    return max(16, min(256, ONEHOT_ELEMENTS // e_p2))
 
 
 @triton.jit
@@ -71,15 +75,15 @@ def _moe_align_count_kernel(
 def _moe_align_offsets_kernel(
     counts_ptr,
     starts_ptr,
+    ends_ptr,
     sorted_ids_ptr,
-    expert_ids_ptr,
     num_padded_ptr,
     num_chunks,
     num_pairs,
     E: tl.constexpr,
     E_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
-    ROWS: tl.constexpr,  # chunks (and tiles) per iteration
+    ROWS: tl.constexpr,  # chunks per iteration
     SLOTS: tl.constexpr,  # padding slots per expert per iteration
 ):
     offs_e = tl.arange(0, E_P2)
@@ -97,8 +101,8 @@ def _moe_align_offsets_kernel(
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
     tl.store(starts_ptr + offs_e, starts, mask=e_mask)
-    num_padded = tl.sum(padded, axis=0)
-    tl.store(num_padded_ptr, num_padded)
+    tl.store(ends_ptr + offs_e, ends, mask=e_mask)
+    tl.store(num_padded_ptr, tl.sum(padded, axis=0))
 
     fill_from = starts + total
     for s0 in tl.static_range(0, BLOCK_M, SLOTS):
@@ -106,36 +110,41 @@ def _moe_align_offsets_kernel(
         sentinel = tl.full([E_P2, SLOTS], 0, tl.int32) + num_pairs
         tl.store(sorted_ids_ptr + slot, sentinel, mask=e_mask[:, None] & (slot < ends[:, None]))
 
-    # The expert of a tile = the number of experts whose run ends at or before the tile's first row.
-    num_tiles = num_padded // BLOCK_M
-    for b0 in range(0, num_tiles, ROWS):
-        offs_b = b0 + tl.arange(0, ROWS)
-        before = (ends[None, :] <= offs_b[:, None] * BLOCK_M) & e_mask[None, :]
-        tl.store(expert_ids_ptr + offs_b, tl.sum(before.to(tl.int32), axis=1), mask=offs_b < num_tiles)
-
 
 @triton.jit
 def _moe_align_scatter_kernel(
     ids_ptr,
     counts_ptr,
     starts_ptr,
+    ends_ptr,
     sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
     num_pairs,
     E: tl.constexpr,
     E_P2: tl.constexpr,
     CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILES: tl.constexpr,  # expert_ids entries per program (a power of two)
 ):
     c = tl.program_id(0)
     offs = c * CHUNK + tl.arange(0, CHUNK)
+    offs_e = tl.arange(0, E_P2)
     mask = offs < num_pairs
     ids = tl.load(ids_ptr + offs, mask=mask, other=E_P2)
-    onehot = (ids[:, None] == tl.arange(0, E_P2)[None, :]).to(tl.int32)
+    onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
     rank = tl.sum(tl.cumsum(onehot, axis=0) * onehot, axis=1) - 1
     ids = tl.where(mask, ids, 0)
     base = tl.load(starts_ptr + ids, mask=mask, other=0) + tl.load(
         counts_ptr + c * E + ids, mask=mask, other=0
     )
     tl.store(sorted_ids_ptr + base + rank, offs, mask=mask)
+
+    ends = tl.load(ends_ptr + offs_e, mask=offs_e < E, other=2147483647)  # padding lanes end never
+    offs_b = c * TILES + tl.arange(0, TILES)
+    expert = tl.sum((ends[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+    num_tiles = tl.load(num_padded_ptr) // BLOCK_M
+    tl.store(expert_ids_ptr + offs_b, expert, mask=offs_b < num_tiles)
 
 
 def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRuns:
@@ -159,13 +168,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
     num_chunks = triton.cdiv(num_pairs, chunk)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
     starts = torch.empty(num_experts, dtype=torch.int32, device=device)
-    _moe_align_count_kernel[(num_chunks,)](topk_ids, counts, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk)
+    ends = torch.empty(num_experts, dtype=torch.int32, device=device)
+    warps = 8 if chunk * e_p2 >= 8192 else 4
+    _moe_align_count_kernel[(num_chunks,)](
+        topk_ids, counts, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk, num_warps=warps
+    )
     rows = max(1, TILE_ELEMENTS // e_p2)
     _moe_align_offsets_kernel[(1,)](
         counts,
         starts,
+        ends,
         sorted_ids,
-        expert_ids,
         num_padded,
         num_chunks,
         num_pairs,
@@ -176,8 +189,22 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
         SLOTS=min(block_m, rows),
         num_warps=8,
     )
+    tiles = triton.next_power_of_2(triton.cdiv(expert_ids.numel(), num_chunks))
     _moe_align_scatter_kernel[(num_chunks,)](
-        topk_ids, counts, starts, sorted_ids, num_pairs, E=num_experts, E_P2=e_p2, CHUNK=chunk
+        topk_ids,
+        counts,
+        starts,
+        ends,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        num_pairs,
+        E=num_experts,
+        E_P2=e_p2,
+        CHUNK=chunk,
+        BLOCK_M=block_m,
+        TILES=tiles,
+        num_warps=warps,
     )
     return ExpertRuns(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
 
