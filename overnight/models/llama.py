@@ -224,8 +224,9 @@ def _listing(names: Iterable[str], limit: int = 8) -> str:
 @torch.no_grad()
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
-    separate q/k/v and gate/up tensors. Raises ModelLoadError naming every missing or unexpected tensor,
-    and the first shape mismatch.
+    separate q/k/v and gate/up tensors and stacking per-expert tensors (mlp.experts.N.*) into the
+    experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
+    shape mismatch.
 
     KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
     parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
