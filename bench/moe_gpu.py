@@ -218,9 +218,9 @@ def check_engine() -> dict[str, object]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     lengths = {len(o.outputs[0].token_ids) for o in outs}
-    graphs = llm.engine.runner.graphs is not None
+    graphs = getattr(llm.engine.runner, "graphs", None) is not None
     check("engine: 2-layer Qwen3-MoE, 64 prompts x 32 tokens", lengths == {32} and graphs, f"graphs={graphs}")
-    result = {"startup_s": round(startup, 1), "generate_s": round(elapsed, 2)}
+    result: dict[str, object] = {"startup_s": round(startup, 1), "generate_s": round(elapsed, 2)}
     del llm
     torch.cuda.empty_cache()
     return result
@@ -261,7 +261,7 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
         per_gemm = {}
         for gemm in ("gemm1", "gemm2"):
             gated = gemm == "gemm1"
-            results = []
+            results: list[tuple[float, GemmTiles]] = []
             for bn, bk, warps, stages in TILES[block_m]:
                 if time.perf_counter() > deadline and results:
                     break
@@ -371,17 +371,18 @@ def main() -> None:
 
     print("correctness:")
     engine: dict[str, object] = {}
-    for step in (check_router, lambda g: check_align(g, w["gate"]), lambda g: check_gemms(g, w)):
+    steps = [
+        ("router", lambda: check_router(gen)),
+        ("align", lambda: check_align(gen, w["gate"])),
+        ("gemms", lambda: check_gemms(gen, w)),
+        ("layer", lambda: check_layer(gen, w)),
+        ("graph", lambda: check_graph(gen, w)),
+    ]
+    for name, step in steps:
         try:
-            step(gen)
+            step()
         except Exception as e:
-            check(f"{getattr(step, '__name__', 'check')} raised", False, f"{type(e).__name__}: {e}")
-            traceback.print_exc()
-    for step in (check_layer, check_graph):
-        try:
-            step(gen, w)
-        except Exception as e:
-            check(f"{step.__name__} raised", False, f"{type(e).__name__}: {e}")
+            check(f"{name} check raised", False, f"{type(e).__name__}: {e}")
             traceback.print_exc()
 
     print(f"tuning (median of do_bench, L2 flushed; deadline {SWEEP_DEADLINE_S:.0f} s):", flush=True)

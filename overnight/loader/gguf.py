@@ -378,6 +378,13 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     return out.reshape(info.shape)
 
 
+def _weights_of(data: np.ndarray, info: GGUFTensorInfo, path: str) -> np.ndarray:
+    try:
+        return _dequantize(data[info.offset : info.offset + info.nbytes], info)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: cannot dequantize {info.name} ({info.ggml_type.name}): {e}") from e
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo the converter's row order for llama q/k projections.
 
@@ -398,21 +405,19 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
-            name = hf_name(t.name)
             stacked = _stacked_experts(t.name)
-            if name is None and stacked is None:
+            if stacked is not None:  # [E, out, in]: one HF tensor per expert, as HF checkpoints have them
+                prefix, projection = stacked
+                experts = _weights_of(data, t, path)
+                for expert in range(experts.shape[0]):
+                    yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(experts[expert])
+                continue
+            name = hf_name(t.name)
+            if name is None:
                 if t.name in _SKIPPED:
                     continue
                 raise ModelLoadError(f"{path}: unexpected GGUF tensor {t.name!r}")
-            try:
-                w = _dequantize(data[t.offset : t.offset + t.nbytes], t)
-            except NotImplementedError as e:
-                raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.ggml_type.name}): {e}") from e
-            if stacked is not None:  # [E, out, in]: one HF tensor per expert, as HF checkpoints have them
-                prefix, projection = stacked
-                for expert in range(w.shape[0]):
-                    yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(w[expert])
-                continue
+            w = _weights_of(data, t, path)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope_rows(w, info.arch.num_attention_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -193,7 +193,9 @@ def _checkpoint_names(
     parts = pname.split(".")
     if len(parts) >= 2 and parts[-2] == "experts":  # experts.gate_up_proj <- experts.{e}.gate_proj.weight
         prefix, leaf = ".".join(parts[:-1]), parts[-1]
-        sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == leaf] or [(leaf, None)]
+        sources: list[tuple[str, str | int | None]] = [
+            (src, shard) for src, (fused, shard) in mapping.items() if fused == leaf
+        ] or [(leaf, None)]
         return {
             f"{prefix}.{e}.{src}.weight": (pname, e, shard) for e in range(num_rows) for src, shard in sources
         }

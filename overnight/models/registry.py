@@ -122,24 +122,24 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """ModelArch's mixture-of-experts fields from a Qwen3-MoE config (transformers 5 writes the expert
     count as num_local_experts, the published checkpoints as num_experts)."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         raise ModelLoadError("config.json lacks required field 'num_experts'")
     try:
-        fields = dict(
-            num_experts=int(experts),
-            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
-            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
-        )
+        top_k = int(cfg["num_experts_per_tok"])
+        inter = int(cfg["moe_intermediate_size"])
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
-    if not 0 < fields["num_experts_per_tok"] <= fields["num_experts"]:
-        raise ModelLoadError(
-            f"num_experts_per_tok must be in 1..num_experts ({experts}), got {fields['num_experts_per_tok']}"
-        )
-    if fields["moe_intermediate_size"] <= 0 or fields["decoder_sparse_step"] <= 0:
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok must be in 1..num_experts ({experts}), got {top_k}")
+    if inter <= 0 or step <= 0:
         raise ModelLoadError("moe_intermediate_size and decoder_sparse_step must be positive")
-    return fields
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
+    )
