@@ -25,6 +25,8 @@ from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
 
 CATEGORIES = [
+    ("moe gemm", re.compile(r"_moe_gemm", re.I)),  # the experts' grouped GEMMs (kernels/moe_gemm.py)
+    ("moe routing", re.compile(r"_router_topk|_moe_align", re.I)),  # top-k and sort by expert
     ("attention", re.compile(r"_decode|_prefill|kv_write|flash|attn", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
     ("norm/rope/silu", re.compile(r"rms|norm|rotary|rope|silu|_add_", re.I)),

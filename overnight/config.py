@@ -17,7 +17,7 @@ from overnight.options import EngineOptions as _Defaults  # the option table hol
 class ModelArch:
     """The architecture of a decoder-only transformer, named as in HF config.json."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +35,15 @@ class ModelArch:
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    # Mixture of experts (Qwen3-MoE). num_experts == 0: every layer has the dense MLP of
+    # intermediate_size; otherwise the layers that is_moe_layer() names route each token to
+    # num_experts_per_tok of num_experts MLPs of moe_intermediate_size, the others stay dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # rescale the chosen experts' softmax weights to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     @property
     def q_size(self) -> int:
@@ -44,6 +53,28 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
+        return (
+            self.num_experts > 0
+            and (layer_idx + 1) % self.decoder_sparse_step == 0
+            and layer_idx not in self.mlp_only_layers
+        )
+
+    def mlp_params(self, active_only: bool = False) -> int:
+        """Weights of all layers' MLPs, routers included. active_only: only the experts one token goes
+        through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
+        dense = 3 * self.hidden_size * self.intermediate_size
+        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        total = 0
+        for i in range(self.num_hidden_layers):
+            if self.is_moe_layer(i):
+                used = self.num_experts_per_tok if active_only else self.num_experts
+                total += self.num_experts * self.hidden_size + used * expert
+            else:
+                total += dense
+        return total
+
     def rope_scaling_dict(self) -> dict[str, float] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
@@ -51,11 +82,12 @@ class ModelArch:
         """KV-cache bytes one token takes over all layers (K and V, every KV head)."""
         return 2 * self.num_hidden_layers * self.kv_size * elem_bytes
 
-    def num_linear_parameters(self) -> int:
-        """Weights of the projections every token passes through (q/k/v/o, gate/up/down), all layers."""
+    def num_linear_parameters(self, active_only: bool = False) -> int:
+        """Weights of the projections (q/k/v/o and the MLPs, routers included), all layers; active_only:
+        with only the experts one token goes through."""
         h = self.hidden_size
-        per_layer = h * (self.q_size + 2 * self.kv_size) + self.q_size * h + 3 * h * self.intermediate_size
-        return per_layer * self.num_hidden_layers
+        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        return attention * self.num_hidden_layers + self.mlp_params(active_only)
 
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""

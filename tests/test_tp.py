@@ -6,6 +6,8 @@ The sharding rules are checked in-process (no collectives needed to load); the e
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -35,6 +37,8 @@ def folders(tmp_path_factory):
         "qwen3": make_tiny_checkpoint(root, "qwen3"),
         # 1 kv head: both ranks hold a copy of it.
         "llama": make_tiny_checkpoint(root, "llama", num_key_value_heads=1),
+        # Experts split along their intermediate size; one dense layer among the sparse ones.
+        "qwen3_moe": make_tiny_checkpoint(root, "qwen3_moe", mlp_only_layers=[1]),
     }
 
 
@@ -96,11 +100,12 @@ def test_indivisible_heads_are_refused_before_starting(folders):
         LLM(str(folders["qwen3"]), tensor_parallel_size=3, **OPTIONS)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("kind", ["hf", "dummy"])
-def test_streamed_shards_equal_apply_tp_on_loaded_model(folders, kind):
+def test_streamed_shards_equal_apply_tp_on_loaded_model(folders, kind, family):
     """Sharding while loading (checkpoint tensors, or dummy draws replayed whole) gives each rank the
     same weights as loading everything and applying apply_tp afterwards."""
-    folder = str(folders["llama"])
+    folder = str(folders[family])
     source = resolve_source(folder, "dummy" if kind == "dummy" else "auto")
     for rank in range(2):
         whole = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
@@ -114,7 +119,29 @@ def test_streamed_shards_equal_apply_tp_on_loaded_model(folders, kind):
 # -- end to end: 2 gloo processes against one -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_expert_shards_are_the_intermediate_slices(folders):
+    """Rank r's stacked experts hold rows r*I/2.. of each expert's gate and up, columns of its down."""
+    source = resolve_source(str(folders["qwen3_moe"]))
+    whole = load_model(source, torch.float32, "cpu")
+    experts = whole.model.layers[0].mlp.experts
+    inter = source.arch.moe_intermediate_size
+    half = inter // 2
+    for rank in range(2):
+        local = apply_tp(load_model(source, torch.float32, "cpu"), rank, 2).model.layers[0].mlp.experts
+        rows = slice(rank * half, (rank + 1) * half)
+        gate, up = experts.gate_up_proj[:, :inter], experts.gate_up_proj[:, inter:]
+        assert torch.equal(local.gate_up_proj, torch.cat([gate[:, rows], up[:, rows]], dim=1))
+        assert torch.equal(local.down_proj, experts.down_proj[:, :, rows])
+
+
+def test_indivisible_expert_size_is_refused(folders):
+    arch = dataclasses.replace(resolve_source(str(folders["qwen3_moe"])).arch, moe_intermediate_size=30)
+    TPShards(arch, 0, 1).check()
+    with pytest.raises(ModelLoadError, match="does not divide the model's moe_intermediate_size 30"):
+        TPShards(arch, 0, 4).check()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
 def test_tp2_matches_tp1(engines, family):
     one, two, _ = engines[family]
     for a, b in zip(one, two, strict=True):

@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Qwen3, Qwen2, Llama) built with transformers, for tests anywhere.
+"""Tiny random HF checkpoints (Qwen3, Qwen2, Llama, Qwen3-MoE) built with transformers, for tests anywhere.
 
 Weights are drawn with a larger spread than transformers' default init so that logits are well
 separated: greedy decoding then has no near-ties, and token-exact comparisons are meaningful. The
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("qwen3", "qwen2", "llama")
+FAMILIES = ("qwen3", "qwen2", "llama", "qwen3_moe")
 
 _COMMON: dict[str, Any] = dict(
     vocab_size=384,
@@ -33,6 +33,18 @@ _COMMON: dict[str, Any] = dict(
 _FAMILY: dict[str, dict[str, Any]] = {
     "qwen3": dict(rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2": dict(rope_theta=10000.0, tie_word_embeddings=False),
+    # 8 experts, top-2, every layer sparse unless overridden (mlp_only_layers, decoder_sparse_step).
+    "qwen3_moe": dict(
+        num_hidden_layers=3,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    ),
     # Llama 3 scaling with a short original context, so the interpolated band covers real positions.
     "llama": dict(
         num_hidden_layers=3,
@@ -57,6 +69,7 @@ def tiny_config(family: str, **overrides: Any):
         "qwen3": transformers.Qwen3Config,
         "qwen2": transformers.Qwen2Config,
         "llama": transformers.LlamaConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[family]
     return cls(**{**_COMMON, **_FAMILY[family], **overrides})
 
@@ -71,8 +84,8 @@ def _spread_weights(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.2 * torch.randn(p.shape, generator=gen))
         elif "embed_tokens" in name or "lm_head" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
-        else:  # projections: unit-variance outputs for unit-variance inputs
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+        else:  # projections (stacked experts too): unit-variance outputs for unit-variance inputs
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
 
 
 def make_tiny_model(family: str, seed: int = 0, **overrides: Any):
@@ -85,6 +98,7 @@ def make_tiny_model(family: str, seed: int = 0, **overrides: Any):
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "llama": transformers.LlamaForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
     }[family]
     model = cls(config).eval()
     _spread_weights(model, seed)

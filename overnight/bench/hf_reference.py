@@ -28,7 +28,17 @@ def hf_config(arch: ModelArch, hf_architecture: str):
     rope: dict = {"rope_type": "default", "rope_theta": arch.rope_theta}
     if arch.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": arch.rope_theta, **arch.rope_scaling_dict()}
-    if arch.architecture == "qwen3":
+    if arch.architecture == "qwen3_moe":
+        cls = transformers.Qwen3MoeConfig
+        common.update(
+            num_experts=arch.num_experts,
+            num_experts_per_tok=arch.num_experts_per_tok,
+            moe_intermediate_size=arch.moe_intermediate_size,
+            norm_topk_prob=arch.norm_topk_prob,
+            decoder_sparse_step=arch.decoder_sparse_step,
+            mlp_only_layers=list(arch.mlp_only_layers),
+        )
+    elif arch.architecture == "qwen3":
         cls = transformers.Qwen3Config
     elif arch.architecture == "qwen2":
         cls = transformers.Qwen2Config

@@ -1,10 +1,13 @@
 """How fast a workload could possibly run: FLOPs over the matrix rate, bytes over memory bandwidth.
 
 Counts, for decoder-only models with the engine's layout:
-  linear layers   2 x (weights of q/k/v/o/gate/up/down) FLOPs per token computed
+  linear layers   2 x (weights of q/k/v/o/gate/up/down) FLOPs per token computed; with experts, only
+                  the router and the num_experts_per_tok experts a token goes through
   LM head         2 x hidden x vocab FLOPs per sampled token
   attention       4 x Hq x D FLOPs per (query, key) pair: causal prefill, and decode over the context
-  memory          the KV cache read at each decode step, and the weights read once per decode step
+  memory          the KV cache read at each decode step, and the weights read once per decode step;
+                  of the experts, only those some token of the batch chose (expected count for
+                  uniform routing)
 Ceilings default to what was measured on an H200 (bf16 matmul ~790 TFLOP/s, copy ~4.3 TB/s).
 """
 
@@ -36,9 +39,17 @@ class Roofline:
         return self.t_compute + self.t_memory
 
 
-def model_bytes(arch: ModelArch, dtype_bytes: int = 2) -> int:
+def model_bytes(arch: ModelArch, dtype_bytes: int = 2, batch: int | None = None) -> int:
+    """Bytes of weights a forward pass reads; with experts and a batch, only the experts it hits
+    (E * (1 - (1 - k/E)^batch) per sparse layer when tokens choose uniformly)."""
     emb = arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2)
-    return (arch.num_linear_parameters() + emb) * dtype_bytes
+    params = arch.num_linear_parameters() + emb
+    if arch.num_experts and batch is not None:
+        e, k = arch.num_experts, arch.num_experts_per_tok
+        unused = e * (1.0 - k / e) ** batch
+        sparse = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+        params -= int(unused * sparse * 3 * arch.hidden_size * arch.moe_intermediate_size)
+    return params * dtype_bytes
 
 
 def estimate(
@@ -50,7 +61,7 @@ def estimate(
     tbps: float = H200_TBPS,
 ) -> Roofline:
     """requests: (input length, output length) pairs; batch: concurrent sequences during decode."""
-    lin = 2.0 * arch.num_linear_parameters()
+    lin = 2.0 * arch.num_linear_parameters(active_only=True)
     head = 2.0 * arch.hidden_size * arch.vocab_size
     attn_pair = 4.0 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
     kv_per_token = arch.kv_bytes_per_token(kv_bytes_per_elem)
@@ -64,7 +75,8 @@ def estimate(
         flops += attn_pair * ctx_sum
         kv_bytes += kv_per_token * ctx_sum
         total_out += n_out
-    steps = total_out / max(1, min(batch, len(requests)))
-    weight_bytes = steps * model_bytes(arch)
+    concurrent = max(1, min(batch, len(requests)))
+    steps = total_out / concurrent
+    weight_bytes = steps * model_bytes(arch, batch=concurrent)
     total_bytes = kv_bytes + weight_bytes
     return Roofline(flops, total_bytes, flops / (tflops * 1e12), total_bytes / (tbps * 1e12))

@@ -35,7 +35,14 @@ from gguf.quants import dequantize
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 
-HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+HF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+# GGUF architecture -> ModelArch.architecture, where the names differ
+_FAMILIES = {"qwen3moe": "qwen3_moe"}
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -197,11 +204,11 @@ def read_gguf(path: str) -> GGUFInfo:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
     arch = ModelArch(
-        architecture=name,
+        architecture=_FAMILIES.get(name, name),
         # The embedding rows are what the weights need; converters pad the token list to match them.
         vocab_size=embd.shape[0],
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=int(get("feed_forward_length", md.get(f"{name}.expert_feed_forward_length"))),
         num_hidden_layers=int(get("block_count")),
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
@@ -214,6 +221,7 @@ def read_gguf(path: str) -> GGUFInfo:
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+        **_moe_fields(f, name),
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
@@ -230,6 +238,33 @@ def read_gguf(path: str) -> GGUFInfo:
         max_position_embeddings=context,
         tie_word_embeddings=tie,
     )
+
+
+def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields: counts from the metadata, and every layer without a
+    router tensor (ffn_gate_inp) among mlp_only_layers. llama.cpp renormalizes Qwen3-MoE's top-k
+    weights unless the file says otherwise (expert_weights_norm)."""
+    md = f.metadata
+    experts = int(md.get(f"{name}.expert_count") or 0)
+    if not experts:
+        return {}
+    if name != "qwen3moe":
+        raise ModelLoadError(
+            f"{f.path}: mixture-of-experts GGUF files are supported for qwen3moe only, not {name}"
+        )
+    layers = int(md[f"{name}.block_count"])
+    try:
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(md[f"{name}.expert_used_count"]),
+            moe_intermediate_size=int(md[f"{name}.expert_feed_forward_length"]),
+            norm_topk_prob=bool(md.get(f"{name}.expert_weights_norm", True)),
+            mlp_only_layers=tuple(
+                i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in f.tensors
+            ),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"{f.path}: GGUF metadata lacks {e.args[0]}") from None
 
 
 def _rope_scaling(
@@ -288,6 +323,13 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+}
+# Stacked experts [E, out, in] -> the checkpoint's per-expert projection (mlp.experts.N.<name>.weight)
+_EXPERT_NAMES = {
+    "ffn_gate_exps.weight": "gate_proj",
+    "ffn_up_exps.weight": "up_proj",
+    "ffn_down_exps.weight": "down_proj",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -306,6 +348,14 @@ def hf_name(gguf_name: str) -> str | None:
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _stacked_experts(gguf_name: str) -> tuple[str, str] | None:
+    """(HF prefix "model.layers.N.mlp.experts", projection) for a stacked-experts tensor, else None."""
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _EXPERT_NAMES:
+        return f"model.layers.{m.group(1)}.mlp.experts", _EXPERT_NAMES[m.group(2)]
     return None
 
 
@@ -328,6 +378,13 @@ def _dequantize(raw: np.ndarray, info: GGUFTensorInfo) -> np.ndarray:
     return out.reshape(info.shape)
 
 
+def _weights_of(data: np.ndarray, info: GGUFTensorInfo, path: str) -> np.ndarray:
+    try:
+        return _dequantize(data[info.offset : info.offset + info.nbytes], info)
+    except NotImplementedError as e:
+        raise ModelLoadError(f"{path}: cannot dequantize {info.name} ({info.ggml_type.name}): {e}") from e
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo the converter's row order for llama q/k projections.
 
@@ -348,15 +405,19 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
+            stacked = _stacked_experts(t.name)
+            if stacked is not None:  # [E, out, in]: one HF tensor per expert, as HF checkpoints have them
+                prefix, projection = stacked
+                experts = _weights_of(data, t, path)
+                for expert in range(experts.shape[0]):
+                    yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(experts[expert])
+                continue
             name = hf_name(t.name)
             if name is None:
                 if t.name in _SKIPPED:
                     continue
                 raise ModelLoadError(f"{path}: unexpected GGUF tensor {t.name!r}")
-            try:
-                w = _dequantize(data[t.offset : t.offset + t.nbytes], t)
-            except NotImplementedError as e:
-                raise ModelLoadError(f"{path}: cannot dequantize {t.name} ({t.ggml_type.name}): {e}") from e
+            w = _weights_of(data, t, path)
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope_rows(w, info.arch.num_attention_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):

@@ -8,7 +8,7 @@ differ only in flags of ModelArch (attention_bias, o_proj_bias, qk_norm).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -39,6 +39,15 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+# Builds the MLP of layer i: the dense families use dense_mlp everywhere; a mixture-of-experts family
+# passes its own (models/qwen3_moe.py) and keeps everything else of these blocks.
+MlpFactory = Callable[[ModelArch, int], nn.Module]
+
+
+def dense_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    return LlamaMLP(arch.hidden_size, arch.intermediate_size)
 
 
 class Attention(nn.Module):
@@ -79,10 +88,12 @@ def split_qkv(
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding, make_mlp: MlpFactory = dense_mlp
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer_idx, rotary_emb)
-        self.mlp = LlamaMLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
@@ -102,7 +113,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         # One table shared by every layer (it is registered under each, but stored once).
@@ -110,7 +121,7 @@ class LlamaModel(nn.Module):
             arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict()
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, rotary_emb) for i in range(arch.num_hidden_layers)
+            LlamaDecoderLayer(arch, i, rotary_emb, make_mlp) for i in range(arch.num_hidden_layers)
         )
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
@@ -158,7 +169,7 @@ def make_lm_head(arch: ModelArch, embed_tokens: nn.Embedding) -> nn.Linear:
 # Checkpoint loading, shared by every family built from these blocks.
 
 
-def _shard_range(arch: ModelArch, shard: str | int) -> tuple[int, int]:
+def _shard_range(arch: ModelArch, shard: str | int, in_expert: bool) -> tuple[int, int]:
     """(row offset, rows) of one checkpoint projection inside its fused parameter (full, unsharded)."""
     if shard == "q":
         return 0, arch.q_size
@@ -166,19 +177,36 @@ def _shard_range(arch: ModelArch, shard: str | int) -> tuple[int, int]:
         return arch.q_size, arch.kv_size
     if shard == "v":
         return arch.q_size + arch.kv_size, arch.kv_size
-    return int(shard) * arch.intermediate_size, arch.intermediate_size
+    inter = arch.moe_intermediate_size if in_expert else arch.intermediate_size
+    return int(shard) * inter, inter
+
+
+# Where one checkpoint tensor goes: (parameter name, expert, shard id). Stacked expert parameters
+# ([E, ...], module "experts") take one checkpoint tensor per expert (expert is None elsewhere); the
+# shard id names a projection's rows inside a fused parameter (None: all of it).
+Target = tuple[str, int | None, str | int | None]
 
 
 def _checkpoint_names(
-    pname: str, mapping: dict[str, tuple[str, str | int]]
-) -> list[tuple[str, str | int | None]]:
-    """The checkpoint tensors that fill parameter `pname`, each with its shard id (None: the whole)."""
+    pname: str, num_rows: int, mapping: dict[str, tuple[str, str | int]]
+) -> dict[str, Target]:
+    """The checkpoint tensors that fill parameter `pname` (num_rows: its first dimension)."""
     parts = pname.split(".")
+    if len(parts) >= 2 and parts[-2] == "experts":  # experts.gate_up_proj <- experts.{e}.gate_proj.weight
+        prefix, leaf = ".".join(parts[:-1]), parts[-1]
+        sources: list[tuple[str, str | int | None]] = [
+            (src, shard) for src, (fused, shard) in mapping.items() if fused == leaf
+        ] or [(leaf, None)]
+        return {
+            f"{prefix}.{e}.{src}.weight": (pname, e, shard) for e in range(num_rows) for src, shard in sources
+        }
     for i, part in enumerate(parts):
         sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == part]
         if sources:
-            return [(".".join(parts[:i] + [src] + parts[i + 1 :]), shard) for src, shard in sources]
-    return [(pname, None)]
+            return {
+                ".".join(parts[:i] + [src] + parts[i + 1 :]): (pname, None, shard) for src, shard in sources
+            }
+    return {pname: (pname, None, None)}
 
 
 _KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
@@ -199,8 +227,9 @@ def _listing(names: Iterable[str], limit: int = 8) -> str:
 @torch.no_grad()
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
-    separate q/k/v and gate/up tensors. Raises ModelLoadError naming every missing or unexpected tensor,
-    and the first shape mismatch.
+    separate q/k/v and gate/up tensors and stacking per-expert tensors (mlp.experts.N.*) into the
+    experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
+    shape mismatch.
 
     KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
     parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
@@ -208,8 +237,10 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     arch: ModelArch = model.arch
     mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
-    # checkpoint name -> (parameter name, shard id); the checkpoint must supply every one
-    expected = {ckpt: (pname, shard) for pname in params for ckpt, shard in _checkpoint_names(pname, mapping)}
+    # checkpoint name -> where it goes; the checkpoint must supply every one
+    expected: dict[str, Target] = {}
+    for pname, param in params.items():
+        expected.update(_checkpoint_names(pname, param.shape[0], mapping))
 
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -227,11 +258,12 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
         if name not in expected:
             unexpected.append(name)
             continue
-        pname, shard = expected[name]
-        param = params[pname]
-        target = param.data
+        pname, expert, shard = expected[name]
+        target = params[pname].data
+        if expert is not None:
+            target = target[expert]
         if shard is not None:
-            start, rows = _shard_range(arch, shard)
+            start, rows = _shard_range(arch, shard, in_expert=expert is not None)
             target = target.narrow(0, start, rows)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ModelLoadError(

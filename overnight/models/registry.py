@@ -9,6 +9,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.llama import LlamaForCausalLM
+from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -16,12 +17,14 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -88,6 +91,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     if cfg.get("use_sliding_window"):
         raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
     theta, scaling = _rope(cfg)
+    moe = _moe_fields(cfg) if family == "qwen3_moe" else {}
     try:
         heads = cfg["num_attention_heads"]
         return ModelArch(
@@ -108,7 +112,34 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             # which covers both.
             attention_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
             o_proj_bias=False if family == "qwen2" else bool(cfg.get("attention_bias", False)),
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            **moe,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelArch's mixture-of-experts fields from a Qwen3-MoE config (transformers 5 writes the expert
+    count as num_local_experts, the published checkpoints as num_experts)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        raise ModelLoadError("config.json lacks required field 'num_experts'")
+    try:
+        top_k = int(cfg["num_experts_per_tok"])
+        inter = int(cfg["moe_intermediate_size"])
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    step = int(cfg.get("decoder_sparse_step", 1))
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok must be in 1..num_experts ({experts}), got {top_k}")
+    if inter <= 0 or step <= 0:
+        raise ModelLoadError("moe_intermediate_size and decoder_sparse_step must be positive")
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=step,
+        mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
+    )

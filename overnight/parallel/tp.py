@@ -6,6 +6,9 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     o_proj      columns of r's q heads; partial outputs all-reduced, bias added once   row-parallel
     gate_up     rows [gate | up]     -> [gate rows of r | up rows of r]                 column-parallel
     down_proj   columns of r's intermediate slice; all-reduced                          row-parallel
+    experts     every expert's gate/up rows and down columns of r's slice of the expert
+                intermediate size (like gate_up / down_proj); the weighted sum all-reduced
+    router      (mlp.gate) replicated: every rank routes every token the same way
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
     norms, rotary table: replicated
@@ -32,6 +35,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts, run_experts
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 
@@ -59,6 +63,8 @@ class TPShards:
             problems.append(f"num_key_value_heads {hkv}")
         if a.intermediate_size % w:
             problems.append(f"intermediate_size {a.intermediate_size}")
+        if a.num_experts and a.moe_intermediate_size % w:
+            problems.append(f"moe_intermediate_size {a.moe_intermediate_size}")
         if problems:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
@@ -73,10 +79,12 @@ class TPShards:
             num_attention_heads=a.num_attention_heads // w,
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,
+            moe_intermediate_size=a.moe_intermediate_size // w,
         )
 
     def section(self, name: str) -> tuple[int, int]:
-        """(first row, rows) of this rank inside one whole section: "q", "kv" or "ffn"."""
+        """(first row, rows) of this rank inside one whole section: "q", "kv", "ffn" (the dense MLP's
+        intermediate size) or "moe" (an expert's)."""
         a, w, r = self.arch, self.world, self.rank
         if name == "q":
             per = a.q_size // w
@@ -86,7 +94,7 @@ class TPShards:
             head = r * hkv // w  # with hkv < w, ranks r*hkv//w share one head
             n = max(1, hkv // w)
             return head * a.head_dim, n * a.head_dim
-        per = a.intermediate_size // w
+        per = (a.moe_intermediate_size if name == "moe" else a.intermediate_size) // w
         return r * per, per
 
     @property
@@ -103,6 +111,13 @@ class TPShards:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         a = self.arch
+        ffn = "moe" if "experts" in parts else "ffn"  # a checkpoint's per-expert tensors: experts.N.*
+        if module == "experts":  # stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+            start, n = self.section("moe")
+            if kind == "down_proj":
+                return t.narrow(2, start, n)
+            gate, up = t.split([a.moe_intermediate_size, a.moe_intermediate_size], dim=1)
+            return torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1)
         if module == "qkv_proj":
             q, k, v = t.split([a.q_size, a.kv_size, a.kv_size])
             return torch.cat([self._rows(q, "q"), self._rows(k, "kv"), self._rows(v, "kv")])
@@ -114,9 +129,9 @@ class TPShards:
         if module in ("k_proj", "v_proj"):
             return self._rows(t, "kv")
         if module in ("gate_proj", "up_proj"):
-            return self._rows(t, "ffn")
+            return self._rows(t, ffn)
         if module in ROW_PARALLEL and kind == "weight":
-            start, n = self.section(ROW_PARALLEL[module])
+            start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
             return t.narrow(1, start, n)
         if module in VOCAB_PARALLEL and kind == "weight":
             rows = t.narrow(
@@ -148,6 +163,25 @@ class RowParallelLinear(nn.Module):
         y = F.linear(x, self.weight)
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
+
+
+class RowParallelExperts(nn.Module):
+    """Experts holding this rank's slice of every expert's intermediate dimension: each rank's weighted
+    sum is a partial sum over that dimension, and the all-reduce completes it (parameter names stay
+    those of layers/moe.py's Experts, so checkpoints load into it unchanged)."""
+
+    def __init__(
+        self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group: dist.ProcessGroup | None
+    ) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
+        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+        self.group = group
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        y = run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        dist.all_reduce(y, group=self.group)
+        return y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -204,7 +238,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     Works on a loaded model (its weights are sliced) and on a meta model (only shapes change; fill it
     afterwards with load_sharded_model's loaders). The model must have .arch, .packed_modules_mapping,
     attention modules with qkv_proj / o_proj and num_heads / num_kv_heads, and MLPs with gate_up_proj /
-    down_proj. Afterwards model.arch is the rank's local arch, so load_weights fuses checkpoint tensors
+    down_proj or Experts. Afterwards model.arch is the rank's local arch, so load_weights fuses checkpoint tensors
     into the local layout.
     """
     lm = cast(CausalLM, model)  # the model's contract, beside its nn.Module side
@@ -231,6 +265,10 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         elif leaf in ROW_PARALLEL and isinstance(module, nn.Linear):
             weight = _keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
+        elif isinstance(module, Experts):
+            gate_up = _keep(shards.shard(f"{name}.gate_up_proj", module.gate_up_proj))
+            down = _keep(shards.shard(f"{name}.down_proj", module.down_proj))
+            _set_module(model, name, RowParallelExperts(gate_up, down, group))
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)

@@ -1,0 +1,51 @@
+"""The fused mixture-of-experts forward on the GPU: sort the pairs by expert, two grouped GEMMs, sum.
+
+Reference: fused_experts_ref in overnight/layers/moe.py (the layer's CPU path).
+
+    topk_ids [T, k] ──moe_align──► runs: pair ids sorted by expert, padded per expert to BLOCK_M
+    x [T, H]  ──moe_gemm, gated──►  h [P, N] = silu(x W_gate^T) * (x W_up^T)          P = T * k pairs
+    h         ──moe_gemm, × w──►    y [P, H] = topk_weight * h W_down^T
+    y.view(T, k, H).sum(1)  ──►     out [T, H]
+
+The k outputs of a token are summed by a reduction, not by atomic adds, so the result does not depend
+on the order in which tiles finish. Five launches after the router; all sizes follow from T, nothing
+is read back to the host, so a decode step that runs it can be captured in a CUDA graph. Tile
+configurations come from moe_configs.py (tuned per GPU and batch size).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overnight.kernels.moe_align import moe_align
+from overnight.kernels.moe_configs import MoeConfig, get_config
+from overnight.kernels.moe_gemm import moe_gemm
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    config: MoeConfig | None = None,
+) -> torch.Tensor:
+    """x [T, H]; gate_up_proj [E, 2N, H] ([gate | up] rows); down_proj [E, H, N]; topk_weights [T, k]
+    float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_n, _ = gate_up_proj.shape
+    top_k = topk_ids.shape[1]
+    if down_proj.shape != (num_experts, hidden, two_n // 2):
+        raise ValueError(
+            f"down_proj must be {(num_experts, hidden, two_n // 2)}, got {tuple(down_proj.shape)}"
+        )
+    if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
+        raise ValueError("topk_weights and topk_ids must both be [T, k]")
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        config = get_config(num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device)
+    runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
+    h = moe_gemm(x.contiguous(), gate_up_proj, runs, config.gemm1, gated=True)
+    y = moe_gemm(h, down_proj, runs, config.gemm2, topk_weights=topk_weights.float().contiguous())
+    return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -1,0 +1,220 @@
+"""Grouped GEMM of a mixture-of-experts layer: every (token, expert) pair's row times its expert's weight.
+
+Reference: moe_gemm_ref (below).
+
+The pairs arrive sorted by expert with each expert's run padded to BLOCK_M (moe_align.py), so one
+program computes a [BLOCK_M, BLOCK_N] output tile for one expert:
+
+    rows    pair ids  sorted_ids[m * BLOCK_M : (m + 1) * BLOCK_M]   (sentinel P: padding, masked)
+    A       a[pair // A_DIV, :]   gathered rows: token rows (A_DIV = k) or pair rows (A_DIV = 1)
+    B       w[expert_ids[m]]^T    [K, N] tiles of the expert's [N, K] weight
+    out     out[pair, :]          rows indexed by pair id, so the order of the sort never shows
+
+Two uses:
+  gate/up (GATED)   w = [E, 2N, K] laid out [gate | up]; each program keeps two accumulators, the gate
+                    and the up columns of the same N range, and stores silu(gate) * up: the SiLU-and-mul
+                    is the epilogue, and the [P, 2N] gate/up activations are never written.
+  down (MUL_WEIGHT) w = [E, H, N]; the epilogue scales each row by its pair's routing weight.
+Accumulation is fp32; the result is rounded once, to out's dtype. Tiles past num_padded (a device
+scalar) return at once, so the grid is sized for the worst case and a launch depends only on shapes
+and pointers: safe to capture in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.moe_align import ExpertRuns
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One GEMM's tile shape and launch parameters (BLOCK_M is shared: it is the alignment's)."""
+
+    block_n: int = 64
+    block_k: int = 64
+    group_m: int = 8  # tiles of GROUP_M row blocks are swept column by column, for L2 reuse
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per
+# tile configuration serves every batch size.
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
+def _moe_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    num_tiles_m,
+    stride_am,
+    stride_ak,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_om,
+    up_offset,  # GATED: the up rows follow the gate rows, N rows further
+    A_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_size = min(num_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_mask = pair < num_pairs
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    a_ptrs = a_ptr + (pair // A_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    w_ptrs = (
+        w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    )
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            a_mask = row_mask[:, None]
+            w_mask = n_mask[None, :]
+        else:
+            k_left = K - k * BLOCK_K
+            a_mask = row_mask[:, None] & (offs_k[None, :] < k_left)
+            w_mask = n_mask[None, :] & (offs_k[:, None] < k_left)
+        a = tl.load(a_ptrs, mask=a_mask, other=0.0)
+        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        w_ptrs += BLOCK_K * stride_wk
+
+    if GATED:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
+
+
+def moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    runs: ExpertRuns,
+    tiles: GemmTiles,
+    *,
+    gated: bool = False,
+    topk_weights: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T, then
+
+    gated:         silu(first N columns) * (last N columns), with w [E, 2N, K]: out [P, N]
+    topk_weights:  times topk_weights.flatten()[p]: out [P, N] with w [E, N, K]
+
+    a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
+    have unit stride along K."""
+    num_pairs = runs.num_pairs
+    a_rows, k_dim = a.shape
+    if a_rows == 0 or num_pairs % a_rows:
+        raise ValueError(f"a has {a_rows} rows; the pairs ({num_pairs}) must be a multiple of them")
+    if w.dim() != 3 or w.shape[2] != k_dim:
+        raise ValueError(f"w must be [E, N, {k_dim}], got {tuple(w.shape)}")
+    if a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("a and w must have unit stride along K")
+    if gated and w.shape[1] % 2:
+        raise ValueError(f"gated: w must hold [gate | up] rows, got {w.shape[1]} rows")
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    if out is None:
+        out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+    if out.shape != (num_pairs, n) or out.stride(1) != 1:
+        raise ValueError(f"out must be [{num_pairs}, {n}] with unit stride, got {tuple(out.shape)}")
+    if topk_weights is not None and topk_weights.numel() != num_pairs:
+        raise ValueError(f"topk_weights must hold one weight per pair ({num_pairs})")
+
+    block_m = runs.block_m
+    num_tiles_m = runs.sorted_ids.numel() // block_m
+    grid = (num_tiles_m * triton.cdiv(n, tiles.block_n),)
+    _moe_gemm_kernel[grid](
+        a,
+        w,
+        out,
+        topk_weights if topk_weights is not None else out,  # unread without MUL_WEIGHT
+        runs.sorted_ids,
+        runs.expert_ids,
+        runs.num_padded,
+        n,
+        k_dim,
+        num_pairs,
+        num_tiles_m,
+        a.stride(0),
+        a.stride(1),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        n * w.stride(1),
+        A_DIV=num_pairs // a_rows,
+        GATED=gated,
+        MUL_WEIGHT=topk_weights is not None,
+        EVEN_K=k_dim % tiles.block_k == 0,
+        # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32.
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BLOCK_M=block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        GROUP_M=tiles.group_m,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+def moe_gemm_ref(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    gated: bool = False,
+    topk_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end."""
+    ids = topk_ids.flatten().long()
+    num_pairs = ids.numel()
+    rows = a[torch.arange(num_pairs, device=a.device) // (num_pairs // a.shape[0])].float()
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    out = torch.zeros(num_pairs, n, dtype=torch.float32, device=a.device)
+    for expert in torch.unique(ids).tolist():
+        sel = ids == expert
+        y = rows[sel] @ w[expert].float().T
+        if gated:
+            y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+        out[sel] = y
+    if topk_weights is not None:
+        out *= topk_weights.flatten().float()[:, None]
+    return out.to(a.dtype)

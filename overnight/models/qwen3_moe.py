@@ -1,0 +1,66 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 decoder with a sparse MLP in most layers.
+
+Attention, norms and the layer wiring are the dense decoder's (models/llama.py, with Qwen3's qk-norm
+flag); only the MLP differs. Layer i is sparse when ModelArch.is_moe_layer(i) (every
+decoder_sparse_step-th layer, minus mlp_only_layers), else it keeps the dense MLP of intermediate_size.
+
+A sparse MLP routes each token to num_experts_per_tok of num_experts experts: a linear router
+("mlp.gate") gives a logit per expert, the softmax over all of them (fp32) picks the top k, whose
+weights are rescaled to sum to 1 when norm_topk_prob. The experts' weights are stacked
+(layers/moe.py); the checkpoint's per-expert tensors (mlp.experts.N.{gate,up,down}_proj.weight) are
+copied into them by load_packed_weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.config import ModelArch
+from overnight.layers.moe import Experts, select_experts
+from overnight.models.llama import (
+    PACKED_MODULES_MAPPING,
+    LlamaModel,
+    dense_mlp,
+    load_packed_weights,
+    make_lm_head,
+)
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        self.gate = nn.Linear(arch.hidden_size, arch.num_experts, bias=False)  # the router
+        self.experts = Experts(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        return self.experts(x, topk_weights, topk_ids)
+
+
+def qwen3_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    return Qwen3MoeSparseMoeBlock(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = LlamaModel(arch, make_mlp=qwen3_moe_mlp)
+        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, weights)

@@ -1,0 +1,246 @@
+"""The fused MoE kernels (router top-k, expert alignment, grouped GEMMs, the whole fused layer) against
+their PyTorch references, and a tiny Qwen3-MoE with the kernels on against the PyTorch path.
+
+Without a GPU, conftest.py turns on the Triton interpreter (fp32/fp16 only, tiny shapes); with one,
+bf16 runs too. bench/moe_gpu.py repeats these checks at Qwen3-30B-A3B's shapes on the GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from overnight.kernels import moe_configs
+from overnight.kernels.fused_moe import fused_experts
+from overnight.kernels.moe_align import max_padded, moe_align, moe_align_ref
+from overnight.kernels.moe_configs import MoeConfig, default_config, get_config, shape_key
+from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
+from overnight.kernels.moe_router import router_topk
+from overnight.layers import norm as norm_module
+from overnight.layers.moe import fused_experts_ref, router_topk_ref
+from overnight.loader.model_loader import load_model
+from overnight.loader.resolve import resolve_source
+from tests.test_kernels_small_ops import _run_steps
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # long Triton-interpreter runs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+SMALL = GemmTiles(block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+
+
+def randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(DEVICE, dtype)
+
+
+def random_ids(num_tokens: int, top_k: int, num_experts: int, seed: int) -> torch.Tensor:
+    """Distinct experts per token, as a router picks them."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(num_experts, generator=gen)[:top_k] for _ in range(num_tokens)]
+    return torch.stack(rows).to(DEVICE, torch.int32)
+
+
+def experts_weights(
+    e: int, n: int, h: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(e, 2 * n, h, seed=seed, scale=h**-0.5, dtype=dtype), randn(
+        e, h, n, seed=seed + 1, scale=n**-0.5, dtype=dtype
+    )
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """fp32: a few ulps of the output's scale (sums in another order). fp16/bf16: both round the same
+    fp32 value once, so they differ by at most an ulp or two of the result where the fp32 sums differ."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = float(ref.float().abs().max())
+    tol = 1e-5 if out.dtype == torch.float32 else 4 * torch.finfo(out.dtype).eps
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * scale)
+
+
+# -- router --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (37, 8, 2), (20, 6, 3), (17, 128, 8)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_router_topk_matches_reference(dtype, num_tokens, num_experts, top_k, renormalize):
+    logits = randn(num_tokens, num_experts, seed=num_tokens, scale=2.0, dtype=dtype)
+    weights, ids = router_topk(logits, top_k, renormalize)
+    ref_weights, ref_ids = router_topk_ref(logits, top_k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_router_topk_ties_pick_distinct_experts():
+    logits = torch.zeros(3, 8, device=DEVICE)  # all tied: the lowest ids, each once
+    weights, ids = router_topk(logits, 3, renormalize=True)
+    assert ids.tolist() == [[0, 1, 2]] * 3
+    torch.testing.assert_close(weights, torch.full((3, 3), 1 / 3, device=DEVICE))
+
+
+def test_router_topk_strided_logits():
+    wide = randn(9, 20, seed=3)
+    weights, ids = router_topk(wide[:, :8], 2, renormalize=False)
+    ref_weights, ref_ids = router_topk_ref(wide[:, :8], 2, renormalize=False)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
+
+
+# -- alignment -------------------------------------------------------------------------------------------
+
+
+ALIGN_CASES = [
+    (1, 2, 8, 16),  # decode of one: two tiles, mostly padding
+    (37, 2, 8, 16),
+    (300, 8, 128, 64),  # several chunks; E = 128
+    (100, 4, 6, 32),  # E not a power of two
+    (3, 8, 128, 16),  # fewer pairs than experts
+    (64, 1, 4, 16),  # runs that fill whole tiles exactly
+]
+
+
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", ALIGN_CASES)
+def test_align_matches_reference(num_tokens, top_k, num_experts, block_m):
+    if num_tokens == 64:  # every run a multiple of block_m: no padding slot at all
+        ids = (torch.arange(64, device=DEVICE) // 16).to(torch.int32).view(64, 1)
+    else:
+        ids = random_ids(num_tokens, top_k, num_experts, seed=num_tokens)
+    runs = moe_align(ids, num_experts, block_m)
+    ref = moe_align_ref(ids, num_experts, block_m)
+    n = int(ref.num_padded)
+    assert int(runs.num_padded) == n and n % block_m == 0
+    assert runs.sorted_ids.numel() == max_padded(ids.numel(), num_experts, block_m) >= n
+    assert torch.equal(runs.sorted_ids[:n], ref.sorted_ids[:n])
+    assert torch.equal(runs.expert_ids[: n // block_m], ref.expert_ids[: n // block_m])
+
+
+def test_align_puts_everything_on_one_expert():
+    ids = torch.full((40, 1), 5, dtype=torch.int32, device=DEVICE)
+    runs = moe_align(ids, 8, 16)
+    assert int(runs.num_padded) == 48
+    assert runs.sorted_ids[:40].tolist() == list(range(40)) and runs.sorted_ids[40:48].tolist() == [40] * 8
+    assert runs.expert_ids[:3].tolist() == [5, 5, 5]
+
+
+def test_max_padded_bounds_every_routing():
+    for pairs, experts, block_m in [(8, 128, 16), (8192, 128, 64), (1, 1, 128), (5, 3, 16)]:
+        worst = min(experts, pairs) * (block_m - 1) + pairs
+        assert max_padded(pairs, experts, block_m) >= worst
+        assert max_padded(pairs, experts, block_m) % block_m == 0
+
+
+# -- grouped GEMMs ---------------------------------------------------------------------------------------
+
+
+GEMM_CASES = [
+    # tokens, k, experts, hidden (K of gemm1), inter (N of gemm1), block_m, tiles
+    (5, 2, 8, 32, 16, 16, SMALL),
+    (37, 2, 8, 48, 40, 16, GemmTiles(32, 32, 4, 4, 2)),  # K and N not multiples of the tile
+    (9, 3, 5, 64, 32, 32, GemmTiles(16, 32, 1, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", GEMM_CASES, ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}")
+def test_grouped_gemms_match_reference(dtype, case):
+    num_tokens, top_k, num_experts, hidden, inter, block_m, tiles = case
+    x = randn(num_tokens, hidden, seed=1, dtype=dtype)
+    w13, w2 = experts_weights(num_experts, inter, hidden, dtype, seed=2)
+    ids = random_ids(num_tokens, top_k, num_experts, seed=3)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    runs = moe_align(ids, num_experts, block_m)
+
+    h = moe_gemm(x, w13, runs, tiles, gated=True)
+    assert h.shape == (num_tokens * top_k, inter)
+    assert_close(h, moe_gemm_ref(x, w13, ids, gated=True))
+    y = moe_gemm(h, w2, runs, tiles, topk_weights=weights)
+    assert_close(y, moe_gemm_ref(h, w2, ids, topk_weights=weights))
+
+
+def test_gemm_tiles_past_num_padded_are_not_run():
+    """The reference alignment fills the unused tail with -1 (a real kernel would leave it unwritten);
+    a tile that ran anyway would read pair -1 and write outside its rows."""
+    ids = random_ids(3, 2, 8, seed=5)
+    x = randn(3, 32, seed=6)
+    w13, _ = experts_weights(8, 16, 32, torch.float32, seed=7)
+    runs = moe_align_ref(ids, 8, 16)
+    assert runs.sorted_ids.numel() > int(runs.num_padded)  # there is a tail
+    out = torch.full((6, 16), float("nan"), device=DEVICE)
+    moe_gemm(x, w13, runs, SMALL, gated=True, out=out)
+    assert_close(out, moe_gemm_ref(x, w13, ids, gated=True))
+
+
+def test_gemm_rejects_bad_shapes():
+    runs = moe_align(random_ids(4, 2, 8, seed=0), 8, 16)
+    w = torch.zeros(8, 32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="must be a multiple"):
+        moe_gemm(torch.zeros(3, 16, device=DEVICE), w, runs, SMALL)
+    with pytest.raises(ValueError, match=r"w must be \[E, N, 24\]"):
+        moe_gemm(torch.zeros(4, 24, device=DEVICE), w, runs, SMALL)
+
+
+# -- the fused layer ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 23])
+def test_fused_experts_matches_reference(dtype, num_tokens):
+    num_experts, top_k, hidden, inter = 8, 2, 32, 16
+    x = randn(num_tokens, hidden, seed=10, dtype=dtype)
+    w13, w2 = experts_weights(num_experts, inter, hidden, dtype, seed=11)
+    weights, ids = router_topk_ref(randn(num_tokens, num_experts, seed=12), top_k, renormalize=True)
+    config = MoeConfig(16, SMALL, GemmTiles(16, 16, 1, 4, 2))
+    out = fused_experts(x, w13, w2, weights, ids, config)
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids).to(dtype)
+    if dtype == torch.float32:
+        assert_close(out, ref)
+    else:  # the reference rounds after every op; the kernels once per GEMM, and once after the sum
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(norm_module, "FORCE_KERNELS", False)
+    expected = _run_steps(model)
+    monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
+    got = _run_steps(model)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+# -- tile configurations -------------------------------------------------------------------------------
+
+
+def test_configs_nearest_tuned_batch_and_defaults(monkeypatch):
+    tiles = GemmTiles(128, 64, 8, 8, 3)
+    table = {
+        "cpu": {
+            shape_key(128, 768, 2048, 8, torch.bfloat16): {
+                "1": MoeConfig(16, tiles, tiles).to_json(),
+                "64": MoeConfig(32, tiles, tiles).to_json(),
+                "1024": MoeConfig(64, tiles, tiles).to_json(),
+            }
+        }
+    }
+    monkeypatch.setattr(moe_configs, "_table", lambda: table)
+    cpu = torch.device("cpu")
+
+    def block_m(tokens: int, inter: int = 768) -> int:
+        return get_config(tokens, 128, inter, 2048, 8, torch.bfloat16, cpu).block_m
+
+    assert [block_m(t) for t in (1, 5, 10, 64, 200, 300, 5000)] == [16, 16, 32, 32, 32, 64, 64]
+    assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu).gemm1 == tiles
+    # An untuned shape (another tensor-parallel split) falls back to the defaults.
+    assert block_m(1, inter=384) == default_config(1, 8, 128).block_m == 16
+    assert default_config(16384, 8, 128).block_m == 128
+
+
+def test_shipped_config_file_parses():
+    for shapes in moe_configs._table().values():
+        for entries in shapes.values():
+            for tokens, entry in entries.items():
+                config = MoeConfig.from_json(entry)
+                assert int(tokens) > 0 and config.block_m in (16, 32, 64, 128)
