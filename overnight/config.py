@@ -57,6 +57,9 @@ class ModelConfig:
     tokenizer: str | None = None  # where the tokenizer lives; None when skip_tokenizer_init
     max_model_len: int = 4096
     seed: int = 0
+    # "fp8": linear layers hold FP8 weights (asked for, or the checkpoint's own quantization_config;
+    # the scheme itself travels with the ModelSource); None: weights in `dtype`.
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)

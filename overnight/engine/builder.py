@@ -52,6 +52,9 @@ class EngineOptions:
     attention_backend: str = "auto"
     mode: str = "offline"  # offline | server | batch: picks the default limits
     served_model_name: str | None = None
+    # "fp8": FP8 weights for every linear layer but the LM head, quantized at load (a checkpoint that is
+    # already FP8 is used as such, with or without it). See overnight/quant/.
+    quantization: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineOptions:
@@ -101,6 +104,7 @@ def build_config(opts: EngineOptions, source, device: torch.device) -> EngineCon
             tokenizer=source.tokenizer_path,
             max_model_len=max_model_len,
             seed=opts.seed,
+            quantization="fp8" if source.quantization is not None else None,
         ),
         cache=CacheConfig(
             block_size=opts.block_size,
@@ -135,10 +139,12 @@ def build_engine(opts: EngineOptions) -> Engine:
     from overnight.runner.model_runner import ModelRunner
 
     device = pick_device(opts.device)
-    source = resolve_source(opts.model, opts.load_format)
+    source = resolve_source(opts.model, opts.load_format, opts.quantization)
     if opts.served_model_name:
         source = replace(source, served_name=opts.served_model_name)
     config = build_config(opts, source, device)
+    if source.quantization is not None:
+        log.info("quantization: %s", source.quantization.describe())
     tokenizer = None
     if source.tokenizer_path is None and source.kind == "dummy" and not opts.tokenizer:
         log.info("dummy weights without a tokenizer: prompts must be token ids")

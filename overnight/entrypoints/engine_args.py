@@ -43,6 +43,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=["fp8"],
+        help="fp8: FP8 weights for every linear layer but the LM head, quantized at load (FP8 "
+        "checkpoints are used as such without it)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
@@ -69,5 +77,6 @@ def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
         device=args.device,
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        quantization=args.quantization,
         mode=mode,
     )

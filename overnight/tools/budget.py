@@ -80,6 +80,23 @@ def num_parameters(arch: ModelArch) -> int:
     return arch.vocab_size * h + head + arch.num_hidden_layers * layer + h
 
 
+def linear_weight_parameters(arch: ModelArch) -> int:
+    """The projections' weights (q, k, v, o, gate, up, down): what FP8 quantization stores in one byte,
+    with a float32 scale per output row."""
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    return arch.num_hidden_layers * (h * q + 2 * h * kv + q * h + 3 * h * inter)
+
+
+def weight_bytes(arch: ModelArch, dtype_bytes: int, fp8: bool = False) -> int:
+    total = num_parameters(arch) * dtype_bytes
+    if not fp8:
+        return total
+    rows = arch.num_hidden_layers * (
+        arch.q_size + 2 * arch.kv_size + arch.hidden_size + 3 * arch.intermediate_size
+    )
+    return total - linear_weight_parameters(arch) * (dtype_bytes - 1) + 4 * rows
+
+
 def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
     """The largest step's live tensors, roughly: a few hidden-sized rows, q/k/v and the MLP's two
     intermediate rows per token, and float32 logits (plus the sampler's copies) per sequence."""
@@ -100,6 +117,7 @@ def plan_budget(
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
     seq_len: int | None = None,
+    fp8_weights: bool = False,
 ) -> Budget:
     max_model_len = max_model_len or arch.max_position_embeddings
     gib = device.total_bytes / GIB if device else None
@@ -121,12 +139,12 @@ def plan_budget(
         elif device is None:
             budget, source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
-            weights = num_parameters(arch) * dtype_bytes
+            weights = weight_bytes(arch, dtype_bytes, fp8_weights)
             activations = activation_estimate(arch, tokens, seqs, dtype_bytes)
             elsewhere = device.total_bytes - device.free_bytes  # other processes, this one's CUDA context
             source = (
                 f"{gpu_memory_utilization:.2f} x {device.total_bytes / GIB:.1f} GiB - "
-                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
+                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB {'FP8 ' if fp8_weights else ''}weights - "
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(
@@ -181,6 +199,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *FP8_DTYPES])
+    p.add_argument("--quantization", default=None, choices=["fp8"], help="fp8: FP8 linear weights")
     p.add_argument("--mode", default="offline", choices=list(MODES))
     p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: max_model_len)")
     p.add_argument("--block-size", type=int, default=16)
@@ -204,7 +223,8 @@ def run(args: argparse.Namespace) -> int:
     from overnight.loader.model_loader import resolve_dtype
     from overnight.loader.resolve import resolve_source
 
-    source = resolve_source(args.model, args.load_format)  # the architecture only; no weights are read
+    # The architecture (and an FP8 checkpoint's quantization) only; no weights are read.
+    source = resolve_source(args.model, args.load_format, args.quantization)
     device = pick_device(args.device)
     dtype = resolve_dtype(args.dtype, source, device)
     b = plan_budget(
@@ -220,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         seq_len=args.seq_len,
+        fp8_weights=source.quantization is not None,
     )
     if args.json:
         print(
