@@ -38,7 +38,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.loader.source import ModelSource
-from overnight.quant.fp8 import QuantizedActivation
+from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
 from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
@@ -144,9 +144,9 @@ class TPShards:
         """This rank's columns of a row-parallel layer's block scales [N, KB]."""
         section = ROW_PARALLEL[module]
         whole = self.arch.q_size if section == "q" else self.arch.intermediate_size
-        block = -(-whole // scale.shape[1])
+        block = columns_per_scale(whole, scale.shape[1])
         start, n = self.section(section)
-        if whole % scale.shape[1] or start % block or n % block:
+        if start % block or n % block:
             raise ModelLoadError(
                 f"tensor_parallel_size {self.world} splits the input of {module} ({whole} columns) into "
                 f"shares of {n}, which are not whole {block}-column weight-scale blocks; use a smaller "

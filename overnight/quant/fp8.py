@@ -18,7 +18,8 @@ exactly like this code. Weights [N, K] are stored e4m3 with float32 scales in on
                                             with each row of blocks repeated for its bn rows, so
                                             fused and sharded weights slice their scales by rows
 
-and dequantize as weight * scale (broadcast along the columns of each block).
+and dequantize as weight * scale (broadcast along the columns of each block). Group and block widths
+are powers of two, so a scale tensor's width says them (columns_per_scale).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class QuantizedActivation:
     @property
     def shape(self) -> torch.Size:
         return self.data.shape
+
+
+def columns_per_scale(k: int, groups: int) -> int:
+    """The power-of-two width g of the column groups that split k columns into `groups` scales
+    (groups = ceil(k / g) puts ceil(k / groups) in (g / 2, g])."""
+    if groups <= 1:
+        return k
+    return 1 << (-(-k // groups) - 1).bit_length()
 
 
 def _quantize_rows(x: torch.Tensor, amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +85,7 @@ def quantize_activation_ref(
 def dequantize_activation_ref(qa: QuantizedActivation) -> torch.Tensor:
     """float32 [T, K]: each group of columns times its scale."""
     k, groups = qa.data.shape[1], qa.scale.shape[1]
-    scale = qa.scale.repeat_interleave(-(-k // groups), dim=1)[:, :k]
+    scale = qa.scale.repeat_interleave(columns_per_scale(k, groups), dim=1)[:, :k]
     return qa.data.float() * scale
 
 
@@ -109,7 +118,8 @@ def dequantize_weight(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     k = weight.shape[1]
     if scale.dim() == 1:
         return weight.float() * scale.float()[:, None]
-    return weight.float() * scale.float().repeat_interleave(-(-k // scale.shape[1]), dim=1)[:, :k]
+    width = columns_per_scale(k, scale.shape[1])
+    return weight.float() * scale.float().repeat_interleave(width, dim=1)[:, :k]
 
 
 def quantize_weight(weight: torch.Tensor, block_k: int | None) -> tuple[torch.Tensor, torch.Tensor]:
