@@ -209,7 +209,9 @@ def test_gemm_block_scaled(act_group):
     rows = expand_block_scales(grid, 16, 40)
     cfg = GemmConfig(16, 16, 16, group_m=2, num_warps=4, num_stages=2)
     y = fp8_gemm(qa.data, qa.scale, data, rows, torch.float32, group_k=32, config=cfg)
-    torch.testing.assert_close(y, scaled_matmul_ref(qa, data, rows, None, torch.float32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        y, scaled_matmul_ref(qa, data, rows, None, torch.float32), rtol=1e-5, atol=1e-5
+    )
     with pytest.raises(ValueError, match="b_scale"):
         fp8_gemm(qa.data, qa.scale, data, rows[:, :2], torch.float32, group_k=32, config=cfg)
     with pytest.raises(ValueError, match="a_scale"):
