@@ -157,7 +157,6 @@ def test_tp2_fp8_agrees_with_tp1_fp8(engines):
     activations' rounding: the tokens agree until a near-tie (measured: 3 of 5 greedy prompts identical
     over 12 tokens, 0.08 nats mean |logprob difference| before the first divergence)."""
     one, two, _ = engines["qwen3-fp8"]
-    assert isinstance(two[0], type(one[0]))
     dlp = []
     for a, b in zip(one[:-1], two[:-1], strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
