@@ -44,10 +44,6 @@ class QuantizedActivation:
     data: torch.Tensor  # [T, K] float8_e4m3fn, rows contiguous
     scale: torch.Tensor  # [T, 1] float32 (per token), or [T, G] (per token and group of K / G columns)
 
-    @property
-    def shape(self) -> torch.Size:
-        return self.data.shape
-
 
 def columns_per_scale(k: int, groups: int) -> int:
     """The power-of-two width g of the column groups that split k columns into `groups` scales
