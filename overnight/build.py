@@ -52,7 +52,7 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     """Where the model and its tokenizer come from (files read; no weights loaded)."""
     from overnight.loader.resolve import resolve_source
 
-    source = resolve_source(opts.model, opts.load_format)
+    source = resolve_source(opts.model, opts.load_format, opts.quantization)
     if opts.served_model_name:
         source = replace(source, served_name=opts.served_model_name)
     if opts.tokenizer:
@@ -92,6 +92,7 @@ def build_config(
             arch=source.arch,
             dtype=resolve_dtype(opts.dtype, source, device),
             seed=opts.seed,
+            quantization="fp8" if source.quantization is not None else None,
         ),
         cache=CacheConfig(
             block_size=opts.block_size,
@@ -162,6 +163,8 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
     from overnight.runner.model_runner import ModelRunner
 
     source = model.source
+    if source.quantization is not None:
+        log.info("quantization: %s", source.quantization.describe())
     device = pick_device(opts.device)
     config = build_config(opts, source, device, device_memory_gib(device))
     sched = config.scheduler

@@ -89,6 +89,22 @@ class ModelArch:
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         return attention * self.num_hidden_layers + self.mlp_params(active_only)
 
+    def weight_bytes(self, dtype_bytes: int, fp8_linear: bool = False) -> int:
+        """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs;
+        experts stay in dtype) take one byte each plus a float32 scale per output row (quant/)."""
+        total = self.num_parameters() * dtype_bytes
+        if not fp8_linear:
+            return total
+        h = self.hidden_size
+        per_layer_rows = self.q_size + 2 * self.kv_size + h  # q/k/v rows and o_proj's
+        params = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h) * self.num_hidden_layers
+        rows = per_layer_rows * self.num_hidden_layers
+        for i in range(self.num_hidden_layers):
+            if not self.is_moe_layer(i):
+                params += 3 * h * self.intermediate_size
+                rows += 2 * self.intermediate_size + h
+        return total - params * (dtype_bytes - 1) + 4 * rows
+
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
@@ -113,6 +129,9 @@ class ModelConfig:
     arch: ModelArch
     dtype: torch.dtype
     seed: int = _Defaults.seed  # dummy weights' seed; unseeded requests' draws
+    # "fp8": linear layers hold FP8 weights (asked for, or the checkpoint's own quantization_config; the
+    # scheme itself travels with the ModelSource); None: weights in `dtype`.
+    quantization: str | None = None
 
 
 @dataclass(frozen=True)

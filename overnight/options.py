@@ -19,6 +19,7 @@ T = TypeVar("T")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = ("default", "prefetch", "fp8-mma")  # named kernel configs (attention/variants.py)
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
@@ -65,6 +66,13 @@ class EngineOptions:
         0.9, "share of GPU memory for weights, activations and the KV pool"
     )
     kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes, overriding the utilization")
+    quantization: str | None = option(
+        None,
+        "fp8: FP8 weights for every linear layer but the LM head, quantized at load (FP8 checkpoints "
+        "load as such without it)",
+        choices=QUANTIZATIONS,
+        flags=("-q",),
+    )
     kv_cache_dtype: str = option(
         "auto", "KV-cache storage (fp8: e4m3, half the bytes)", choices=KV_CACHE_DTYPES
     )

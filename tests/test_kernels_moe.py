@@ -10,13 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overnight.kernels import moe_configs
+from overnight.kernels import dispatch, moe_configs
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_align import max_padded, moe_align, moe_align_ref
 from overnight.kernels.moe_configs import MoeConfig, default_config, get_config, shape_key
 from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
 from overnight.kernels.moe_router import router_topk
-from overnight.layers import norm as norm_module
 from overnight.layers.moe import fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
@@ -204,9 +203,9 @@ def test_fused_experts_matches_reference(dtype, num_tokens):
 def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
     folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", False)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
     expected = _run_steps(model)
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     got = _run_steps(model)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 

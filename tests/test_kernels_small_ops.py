@@ -12,10 +12,10 @@ import torch
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
+from overnight.kernels import dispatch
 from overnight.kernels.activation import silu_and_mul
 from overnight.kernels.rmsnorm import add_rms_norm, rms_norm
 from overnight.kernels.rotary import qk_norm_rotary_inplace, rotary_inplace
-from overnight.layers import norm as norm_module
 from overnight.layers.activation import SiluAndMul, silu_and_mul_ref
 from overnight.layers.norm import RMSNorm, add_rms_norm_ref, rms_norm_ref, use_kernels
 from overnight.layers.rotary import RotaryEmbedding, rotary_ref
@@ -156,16 +156,16 @@ def test_empty_batches_and_bad_inputs() -> None:
 
 def test_path_choice(monkeypatch) -> None:
     assert not use_kernels(torch.zeros(1))  # CPU: the PyTorch path
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     assert use_kernels(torch.zeros(1))
     if DEVICE == "cuda":
         assert use_kernels(torch.zeros(1, device=DEVICE))
-        monkeypatch.setattr(norm_module, "FORCE_KERNELS", False)
+        monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
         assert not use_kernels(torch.zeros(1, device=DEVICE))
 
 
 def test_layers_dispatch_to_kernels(monkeypatch) -> None:
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     torch.manual_seed(0)
     hq, hkv, d = 4, 2, 16
     norm, q_norm, k_norm = RMSNorm(64).to(DEVICE), RMSNorm(d).to(DEVICE), RMSNorm(d).to(DEVICE)
@@ -216,9 +216,9 @@ def _run_steps(model: torch.nn.Module) -> torch.Tensor:
 def test_model_forward_with_kernels_matches_pytorch_path(family: str, tmp_path, monkeypatch) -> None:
     folder = make_tiny_checkpoint(tmp_path, family)
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", False)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
     expected = _run_steps(model)
-    monkeypatch.setattr(norm_module, "FORCE_KERNELS", True)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     got = _run_steps(model)
     # fp32 sums in another order (kernel vs torch) move logits of size ~10 by ~1e-5: the bound scales.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))

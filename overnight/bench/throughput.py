@@ -97,6 +97,7 @@ def run_ours(
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
+            "quantization": engine.config.model.quantization,  # FP8 weights: the roofline still assumes bf16
             "kv_pool_tokens": engine.pool_plan.num_blocks * engine.config.cache.block_size,
             "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,

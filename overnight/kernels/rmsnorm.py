@@ -12,6 +12,12 @@ q and k are views into the fused qkv projection output (stride_t = (Hq + 2 Hkv) 
 Rounding follows the reference step by step (statistics in fp32; the residual sum rounded to the
 activation dtype before its statistics; the normalized value rounded before the weight multiply, the
 product rounded again), so low-precision outputs equal the reference's in nearly every element.
+With an FP8 output (rms_norm_fp8, add_rms_norm_fp8: the input of an FP8 linear layer) the program
+quantizes its normalized row, as rounded above, before storing it: e4m3 data and one float32 scale per
+token, the arithmetic of quantize_activation_ref in overnight/quant/fp8.py (kernels/fp8_quant.py's
+quantize_tile). The row is already in registers, so the quantization costs no memory traffic and the
+store is half the bytes of a bf16 one.
+
 Launches depend only on shapes, strides and pointers: safe to capture in a CUDA graph.
 """
 
@@ -20,6 +26,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from overnight.kernels.fp8_quant import FP8, quantize_tile
 
 # A whole row (H * D elements) lives in registers; past this, registers spill.
 MAX_ROW_ELEMENTS = 32768
@@ -32,6 +40,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    scale_ptr,
     stride_xt,
     stride_xh,
     stride_rt,
@@ -46,6 +55,7 @@ def _rms_norm_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -66,7 +76,12 @@ def _rms_norm_kernel(
     normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     y = (w[None, :] * normed).to(dtype)
-    tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
+    if FP8_OUT:  # masked lanes hold 0 and leave the amax alone
+        data, scale = quantize_tile(y.to(tl.float32))
+        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], data, mask=mask)
+        tl.store(scale_ptr + t * H + offs_h, scale, mask=offs_h < H)
+    else:
+        tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
 
 
 def _num_warps(elements: int) -> int:
@@ -101,13 +116,16 @@ def _launch(
     weight: torch.Tensor,
     eps: float,
     num_warps: int | None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    fp8_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(normed, new residual or None, per-token scale [T, 1] when fp8_out else None)."""
     rows = _as_rows(x)
     num_tokens, num_heads, dim = rows.shape
     block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(dim)
     if block_h * block_d > MAX_ROW_ELEMENTS:
         raise ValueError(f"a row of {num_heads} x {dim} elements exceeds {MAX_ROW_ELEMENTS}")
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows.shape, dtype=FP8 if fp8_out else x.dtype, device=x.device)
+    scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=x.device) if fp8_out else None
     res_rows = res_out = rows  # unused placeholders without a residual
     if residual is not None:
         res_rows = _as_rows(residual)
@@ -119,6 +137,7 @@ def _launch(
             weight,
             out,
             res_out,
+            scale if scale is not None else out,
             rows.stride(0),
             rows.stride(1),
             res_rows.stride(0),
@@ -133,10 +152,11 @@ def _launch(
             BLOCK_H=block_h,
             BLOCK_D=block_d,
             HAS_RESIDUAL=residual is not None,
+            FP8_OUT=fp8_out,
             num_warps=num_warps or _num_warps(block_h * block_d),
         )
     new_residual = res_out.view(x.shape) if residual is not None else None
-    return out.view(x.shape), new_residual
+    return out.view(x.shape), new_residual, scale
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None) -> torch.Tensor:
@@ -149,6 +169,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int |
     return _launch(x, None, weight, eps, num_warps)[0]
 
 
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) quantized per token: (data [T, N] e4m3, scale [T, 1] float32). x: [T, N]."""
+    _check(x, weight)
+    _check_2d(x)
+    normed, _, scale = _launch(x, None, weight, eps, num_warps, fp8_out=True)
+    assert scale is not None
+    return normed, scale
+
+
 def add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -158,6 +189,29 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype, as the
     reference adds in the activation dtype. Inputs are not modified; both outputs are new tensors."""
+    _check_residual(x, residual, weight)
+    normed, new_residual, _ = _launch(x, residual, weight, eps, num_warps)
+    assert new_residual is not None
+    return normed, new_residual
+
+
+def add_rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """add_rms_norm with the normalized rows quantized per token: (data [T, N] e4m3, scale [T, 1]
+    float32, x + residual in x's dtype). x, residual: [T, N]."""
+    _check_residual(x, residual, weight)
+    _check_2d(x)
+    normed, new_residual, scale = _launch(x, residual, weight, eps, num_warps, fp8_out=True)
+    assert new_residual is not None and scale is not None
+    return normed, scale, new_residual
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
         raise ValueError(
@@ -165,6 +219,8 @@ def add_rms_norm(
         )
     if residual.stride(-1) != 1:
         raise ValueError("residual must have unit stride along the normalized dimension")
-    normed, new_residual = _launch(x, residual, weight, eps, num_warps)
-    assert new_residual is not None
-    return normed, new_residual
+
+
+def _check_2d(x: torch.Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"an FP8 output needs x as [T, N] (one scale per token), got {tuple(x.shape)}")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.layers.norm import use_kernels
+from overnight.kernels.dispatch import use_kernels
 
 
 def router_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,34 +3,21 @@
 Path choice, shared by the small-op layers (this file, rotary.py, activation.py): use_kernels(x) is true
 for CUDA tensors when triton imports, and the layer then runs its fused Triton kernel from
 overnight/kernels/; otherwise it runs the PyTorch code here, which is both the CPU path and the kernels'
-reference. FORCE_KERNELS overrides that choice for every input: tests set True to run the kernels on the
-CPU through the Triton interpreter, or False to run the PyTorch path on a GPU.
+reference, as kernels/dispatch.py decides (its FORCE_KERNELS flips every layer at once for tests).
+
+fp8_output (RMSNorm, SiluAndMul) is set from outside by the quantization pass (quant/apply.py) when the
+layer's output is the input of one FP8 linear layer: the layer then returns a QuantizedActivation (e4m3
+data, one scale per token), quantized inside its kernel on the GPU and by the reference arithmetic of
+quant/fp8.py on the CPU.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
 
-FORCE_KERNELS: bool | None = None
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def use_kernels(x: torch.Tensor) -> bool:
-    """Whether the small-op layers take their Triton kernel path for input x."""
-    if FORCE_KERNELS is not None:
-        return FORCE_KERNELS
-    return x.is_cuda and _triton_importable()
+from overnight.kernels.dispatch import use_kernels
+from overnight.quant.fp8 import QuantizedActivation, quantize_activation_ref
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,6 +42,8 @@ def add_rms_norm_ref(
 class RMSNorm(nn.Module):
     """weight * x / rms(x), normalising over the last dimension."""
 
+    fp8_output = False  # see the module docstring
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -64,6 +53,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); or, with a residual, (norm(x + residual), x + residual). Inputs are not modified."""
+        if self.fp8_output:
+            return self._forward_fp8(x, residual)
         if use_kernels(x):
             from overnight.kernels.rmsnorm import add_rms_norm, rms_norm  # triton loads on first use
 
@@ -74,5 +65,22 @@ class RMSNorm(nn.Module):
             return rms_norm_ref(x, self.weight, self.variance_epsilon)
         return add_rms_norm_ref(x, residual, self.weight, self.variance_epsilon)
 
+    def _forward_fp8(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> QuantizedActivation | tuple[QuantizedActivation, torch.Tensor]:
+        if use_kernels(x):
+            from overnight.kernels.rmsnorm import add_rms_norm_fp8, rms_norm_fp8
+
+            if residual is None:
+                return QuantizedActivation(*rms_norm_fp8(x, self.weight, self.variance_epsilon))
+            data, scale, residual = add_rms_norm_fp8(x, residual, self.weight, self.variance_epsilon)
+            return QuantizedActivation(data, scale), residual
+        if residual is None:
+            normed = rms_norm_ref(x, self.weight, self.variance_epsilon)
+            return QuantizedActivation(*quantize_activation_ref(normed))
+        normed, residual = add_rms_norm_ref(x, residual, self.weight, self.variance_epsilon)
+        return QuantizedActivation(*quantize_activation_ref(normed)), residual
+
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        fp8 = ", fp8 output" if self.fp8_output else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{fp8}"

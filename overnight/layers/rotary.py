@@ -14,7 +14,8 @@ import math
 import torch
 from torch import nn
 
-from overnight.layers.norm import RMSNorm, use_kernels
+from overnight.kernels.dispatch import use_kernels
+from overnight.layers.norm import RMSNorm
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Random weights of the right shapes, for benchmarks and tests that need no real checkpoint."""
+"""Random weights of the right shapes, for benchmarks and tests that need no real checkpoint.
+
+FP8 layers draw the float weight an nn.Linear of their shape would draw, in the same order, and store it
+quantized: a quantized dummy model is the quantized version of the float dummy model with the same seed.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 from torch import nn
 
 from overnight.layers.norm import RMSNorm
+from overnight.quant.linear import Fp8Linear
 
 # Small enough that activations stay far from overflow in fp16 through any depth.
 DUMMY_RANGE = 1e-3
@@ -16,14 +21,21 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter in place, on its own device: RMSNorm weights 1, everything else
     uniform(-DUMMY_RANGE, DUMMY_RANGE) from a generator seeded with `seed` (same seed, same weights)."""
     norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
+    fp8_scales = {id(m.weight_scale) for m in fp8_layers.values()}
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():  # a tied weight is visited once
-        if param.is_meta:
-            continue  # shape-only models (tests) have nothing to fill
+        if param.is_meta or id(param) in fp8_scales:
+            continue  # shape-only models (tests) have nothing to fill; scales come with their weight
         if id(param) in norm_weights:
             param.fill_(1.0)
             continue
         gen = generators.get(param.device)
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+        layer = fp8_layers.get(id(param))
+        if layer is None:
+            param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+        else:
+            dense = torch.empty(param.shape, dtype=layer.out_dtype, device=param.device)
+            layer.load_dense_(dense.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))

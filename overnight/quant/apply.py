@@ -1,0 +1,93 @@
+"""The quantization pass: FP8 linear layers put into a built model from outside, as tensor parallelism is.
+
+quantize_model replaces every nn.Linear but the LM head with an Fp8Linear of the same shape (on the
+meta device when the model is shape-only, else holding the linear's weights quantized), then lets the
+kernels that produce those layers' inputs quantize their outputs themselves. A model declares which
+modules those are, per decoder layer, as `linear_input_producers` (producer -> the one linear layer
+that reads its output; models/llama.py); a producer with an `fp8_output` flag (RMSNorm, SiluAndMul)
+then returns a QuantizedActivation. Inputs nobody produces quantized (the attention output before
+o_proj) are quantized by the Fp8Linear itself.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from overnight.quant.linear import Fp8Linear
+from overnight.quant.scheme import QuantScheme
+
+LM_HEAD = "lm_head"  # stays in the compute dtype, as do the embeddings (not nn.Linear)
+
+
+def checkpoint_modules(name: str, mapping: dict[str, tuple[str, str | int]]) -> list[str]:
+    """The checkpoint projections fused into module `name` (q/k/v_proj for qkv_proj), or [name]."""
+    prefix, _, leaf = name.rpartition(".")
+    parts = [src for src, (fused, _) in mapping.items() if fused == leaf]
+    return [f"{prefix}.{src}" if prefix else src for src in parts] or [name]
+
+
+def quantized_checkpoint_modules(model: nn.Module) -> dict[str, int | None]:
+    """Checkpoint module name -> the block_k of the Fp8Linear it loads into (None: per channel)."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    return {
+        ckpt: module.block_k
+        for name, module in model.named_modules()
+        if isinstance(module, Fp8Linear)
+        for ckpt in checkpoint_modules(name, mapping)
+    }
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
+    """Make `model`'s linear layers FP8 in place (see the module docstring) and return it. A fused
+    layer stays in the compute dtype only when the scheme ignores every checkpoint part of it."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD:
+            continue
+        if all(scheme.ignores(part) for part in checkpoint_modules(name, mapping)):
+            continue
+        _set_module(model, name, Fp8Linear.replacing(module, scheme.block_k))
+    _set_producers(model, True)
+    return model
+
+
+@torch.no_grad()
+def dequantize_model(model: nn.Module) -> nn.Module:
+    """The inverse, for comparisons: every Fp8Linear becomes an nn.Linear holding its dequantized
+    weight in the compute dtype, and producers return plain tensors again."""
+    for name, module in list(model.named_modules()):
+        if type(module) is not Fp8Linear:
+            continue
+        dense = nn.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device=module.weight.device,
+            dtype=module.out_dtype,
+        ).requires_grad_(False)
+        dense.weight.copy_(module.dequantized_weight())
+        if module.bias is not None:
+            dense.bias.copy_(module.bias)
+        _set_module(model, name, dense)
+    _set_producers(model, False)
+    return model
+
+
+def _set_producers(model: nn.Module, on: bool) -> None:
+    """Set fp8_output on each declared producer whose consumer is an Fp8Linear (or clear it)."""
+    pairs: dict[str, str] = getattr(model, "linear_input_producers", {})
+    for _, block in model.named_modules():
+        for producer_name, consumer_name in pairs.items():
+            try:
+                producer = block.get_submodule(producer_name)
+                consumer = block.get_submodule(consumer_name)
+            except AttributeError:
+                continue
+            if hasattr(producer, "fp8_output"):
+                producer.fp8_output = on and isinstance(consumer, Fp8Linear)

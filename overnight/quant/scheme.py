@@ -1,0 +1,188 @@
+"""Which linear layers hold FP8 weights, in what layout, and where the weights come from.
+
+A QuantScheme is resolved once, with the model source (loader/resolve.py): from the checkpoint's own
+config.json `quantization_config`, or, for a float checkpoint (or dummy weights) with
+quantization="fp8", quantized online at load. Every nn.Linear but the LM head becomes an Fp8Linear
+(quant/linear.py); activations are always quantized per token, dynamically.
+
+Checkpoint formats understood (weights e4m3, scales float32, dequantized as weight * scale):
+
+    quant_method "fp8", weight_block_size [bn, bk]   weight + weight_scale_inv [ceil(N/bn), ceil(K/bk)]
+                                                      (the Qwen3-*-FP8 layout)
+    quant_method "fp8", no weight_block_size          weight + weight_scale, one per tensor
+    quant_method "compressed-tensors",                weight + weight_scale per tensor ([] or [1]),
+      format "float-quantized"                        per channel ([N, 1]) or per block
+                                                      (strategy "block", block_structure [bn, bk])
+
+input_scale tensors (static activation scales) are accepted and checked but not used: the kernel that
+produces each activation holds the whole row, so a per-token scale costs nothing, and it is never
+coarser than one calibrated scale for all tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from overnight.errors import ConfigError, ModelLoadError
+
+QUANTIZATION_METHODS = ("fp8",)
+# Block-scaled checkpoints: True keeps the blocks and runs the Triton block-scaled GEMM; False
+# requantizes each weight per output channel at load and runs the per-channel path (torch._scaled_mm
+# on CUDA, fused activation quantization everywhere). bench/fp8_weights_gpu.py measures both.
+KEEP_WEIGHT_BLOCKS = False
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    prequantized: bool = False  # the checkpoint holds FP8 weights; False: quantize float weights at load
+    weight_block: tuple[int, int] | None = None  # checkpoint's [rows, columns] per weight scale
+    scale_name: str = "weight_scale"  # the checkpoint's scale tensor beside each weight
+    input_scales: bool = False  # the checkpoint ships static input_scale tensors (accepted, unused)
+    ignore: tuple[str, ...] = ()  # checkpoint module names, or "re:" patterns, left unquantized
+    keep_blocks: bool = KEEP_WEIGHT_BLOCKS
+
+    @property
+    def block_k(self) -> int | None:
+        """Columns per weight scale in the model's layout; None: one scale per output channel."""
+        return self.weight_block[1] if self.weight_block is not None and self.keep_blocks else None
+
+    def ignores(self, module: str) -> bool:
+        """Whether the checkpoint leaves `module` (e.g. model.layers.0.mlp.down_proj) unquantized."""
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.match(entry[3:], module):
+                    return True
+            elif module == entry or module.endswith("." + entry):
+                return True
+        return False
+
+    def describe(self) -> str:
+        if not self.prequantized:
+            weights = "quantized at load, one scale per output channel"
+        elif self.weight_block is None:
+            weights = f"FP8 checkpoint ({self.scale_name} per tensor or channel)"
+        else:
+            bn, bk = self.weight_block
+            layout = f"kept as {bk}-column blocks" if self.keep_blocks else "requantized per output channel"
+            weights = f"FP8 checkpoint with {bn}x{bk} blocks, {layout}"
+        return f"fp8 e4m3 weights ({weights}), activations quantized per token"
+
+
+def resolve_quantization(option: str | None, checkpoint: QuantScheme | None) -> QuantScheme | None:
+    """The scheme a model runs with: the checkpoint's own when it has one (quantization="fp8" on an
+    FP8 checkpoint is then fine), else online FP8 when asked, else None (weights in the compute dtype)."""
+    if option is not None and option not in QUANTIZATION_METHODS:
+        raise ConfigError(
+            f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or none)"
+        )
+    if checkpoint is not None:
+        return checkpoint
+    return QuantScheme() if option == "fp8" else None
+
+
+def check_fp8_device(device: torch.device | str, scheme: QuantScheme) -> None:
+    """Refuse a CUDA GPU without FP8 tensor cores (compute capability below 8.9) with what to do."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return  # the CPU runs the reference path
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return
+    name = torch.cuda.get_device_name(device)
+    instead = (
+        "use the model's bf16 checkpoint"
+        if scheme.prequantized
+        else "drop --quantization fp8 (quantization=None) to run bf16 weights"
+    )
+    raise ConfigError(
+        f"FP8 weights need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+        f"{name} is {major}.{minor}. Either {instead}, or run on an FP8-capable GPU."
+    )
+
+
+# -- config.json's quantization_config ----------------------------------------------------------------
+
+
+def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> QuantScheme:
+    """Read a `quantization_config`; raises ModelLoadError for methods and variants not implemented."""
+    method = qc.get("quant_method")
+    if method == "fp8":
+        return _fp8_method(qc, where)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc, where)
+    raise ModelLoadError(
+        f"{where}: quantization method {method!r} is not supported; supported: fp8 (quant_method "
+        f"'fp8', e.g. the Qwen3-*-FP8 checkpoints) and compressed-tensors with format float-quantized (FP8)"
+    )
+
+
+def _fp8_method(qc: dict[str, Any], where: str) -> QuantScheme:
+    if qc.get("fmt", "e4m3") != "e4m3":
+        raise ModelLoadError(f"{where}: FP8 format {qc['fmt']!r} is not supported (only e4m3)")
+    activations = qc.get("activation_scheme", "dynamic")
+    if activations not in ("dynamic", "static"):
+        raise ModelLoadError(f"{where}: activation_scheme {activations!r} is not supported (dynamic, static)")
+    block = qc.get("weight_block_size")
+    ignore = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ()
+    return QuantScheme(
+        prequantized=True,
+        weight_block=_block(block, where) if block is not None else None,
+        scale_name="weight_scale_inv" if block is not None else "weight_scale",
+        input_scales=activations == "static",
+        ignore=tuple(ignore),
+    )
+
+
+def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantScheme:
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        raise ModelLoadError(f"{where}: compressed-tensors quantization_config has no config_groups")
+    strategies, blocks, static = set(), set(), set()
+    for name, group in groups.items():
+        fmt = group.get("format") or qc.get("format")
+        if fmt != "float-quantized":
+            raise ModelLoadError(
+                f"{where}: compressed-tensors format {fmt!r} (group {name}) is not supported; "
+                "only float-quantized (FP8 e4m3 weights)"
+            )
+        w = group.get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8 or not w.get("symmetric", True):
+            raise ModelLoadError(f"{where}: group {name} weights are not symmetric 8-bit float: {w}")
+        strategy = w.get("strategy", "tensor")
+        if strategy not in ("tensor", "channel", "block"):
+            raise ModelLoadError(
+                f"{where}: weight strategy {strategy!r} (group {name}) is not supported (tensor, channel, block)"
+            )
+        strategies.add(strategy)
+        if strategy == "block":
+            blocks.add(_block(w.get("block_structure"), where))
+        acts = group.get("input_activations")
+        if acts is not None and (acts.get("type") != "float" or acts.get("num_bits") != 8):
+            raise ModelLoadError(f"{where}: group {name} input activations are not 8-bit float: {acts}")
+        static.add(acts is not None and not acts.get("dynamic", False))
+    if len(blocks) > 1 or ("block" in strategies and len(strategies) > 1):
+        raise ModelLoadError(f"{where}: config groups mix block-scaled and other weights; not supported")
+    return QuantScheme(
+        prequantized=True,
+        weight_block=next(iter(blocks)) if blocks else None,
+        scale_name="weight_scale",
+        input_scales=True in static,
+        ignore=tuple(qc.get("ignore") or ()),
+    )
+
+
+def _block(value: Any, where: str) -> tuple[int, int]:
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and v > 0 for v in value)
+    ):
+        raise ModelLoadError(f"{where}: weight block size must be two positive integers, got {value!r}")
+    bn, bk = value
+    if bk & (bk - 1) or bk < 16:
+        raise ModelLoadError(f"{where}: weight block of {bk} columns is not supported (a power of two >= 16)")
+    return bn, bk
