@@ -47,11 +47,11 @@ import triton
 sys.path.insert(0, ".")
 
 from overnight.bench.gpu_info import sm_clock_now  # noqa: E402
+from overnight.kernels import dispatch  # noqa: E402
 from overnight.kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from overnight.kernels.fp8_gemm import GemmConfig, default_config, fp8_gemm  # noqa: E402
 from overnight.kernels.fp8_quant import quantize_fp8  # noqa: E402
 from overnight.kernels.rmsnorm import add_rms_norm, add_rms_norm_fp8, rms_norm, rms_norm_fp8  # noqa: E402
-from overnight.layers import norm as norm_module  # noqa: E402
 from overnight.layers.activation import SiluAndMul, silu_and_mul_ref  # noqa: E402
 from overnight.layers.norm import RMSNorm, add_rms_norm_ref, rms_norm_ref  # noqa: E402
 from overnight.quant.fp8 import (  # noqa: E402
@@ -198,9 +198,9 @@ def correctness() -> None:
     for block_k in (None, 128):
         dense = torch.nn.Linear(a.shape[1], 2048, bias=True, device=DEV, dtype=BF16)
         layer = Fp8Linear.replacing(dense, block_k)
-        norm_module.FORCE_KERNELS = False
+        dispatch.FORCE_KERNELS = False
         ref = layer(a)
-        norm_module.FORCE_KERNELS = None
+        dispatch.FORCE_KERNELS = None
         out, given = layer(a), layer(qa)
         err = rel_err(out, ref)
         record(
