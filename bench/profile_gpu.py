@@ -28,6 +28,7 @@ CATEGORIES = [
     ("moe gemm", re.compile(r"_moe_gemm", re.I)),  # the experts' grouped GEMMs (kernels/moe_gemm.py)
     ("moe routing", re.compile(r"_router_topk|_moe_align", re.I)),  # top-k and sort by expert
     ("attention", re.compile(r"_decode|_prefill|kv_write|flash|attn", re.I)),
+    ("fp8 quant", re.compile(r"quantize", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
     ("norm/rope/silu", re.compile(r"rms|norm|rotary|rope|silu|_add_", re.I)),
     ("sampling", re.compile(r"argmax|max|softmax|topk|sort|gather|index", re.I)),
@@ -47,9 +48,12 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--quantization", default=None, choices=["fp8"])
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
-    llm = LLM(w.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype)
+    llm = LLM(
+        w.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization
+    )
     engine = llm.engine
     reqs = w.requests(engine.config.model.arch.vocab_size)
     for i, (ids, n_out) in enumerate(reqs):
