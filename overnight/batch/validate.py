@@ -41,6 +41,11 @@ def validate_file(args: argparse.Namespace) -> int:
         tokenizer = load_tokenizer(source)
     max_model_len = args.max_model_len or source.arch.max_position_embeddings
     vocab_size = source.arch.vocab_size
+    grammars = None
+    if tokenizer is not None:
+        from overnight.structured.compiler import GrammarCompiler
+
+        grammars = GrammarCompiler.for_tokenizer(tokenizer, vocab_size)
 
     def engine_checks(ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -52,6 +57,10 @@ def validate_file(args: argparse.Namespace) -> int:
             )
         if params.stop_strings and tokenizer is None:
             raise InvalidRequestError("stop strings need a tokenizer")
+        if params.structured_outputs is not None:  # compiled, as the engine does before queuing
+            if grammars is None:
+                raise InvalidRequestError("structured outputs need a tokenizer")
+            grammars.compile(params.structured_outputs)
 
     names = served_names(served, args.model)
     sink = None

@@ -151,12 +151,17 @@ def build_engine(opts: EngineOptions) -> Engine:
             source_for_tok = source
         tokenizer = load_tokenizer(source_for_tok)
     sched = config.scheduler
+    grammars = None  # structured outputs: compiled for this tokenizer, on first use
+    if tokenizer is not None:
+        from overnight.structured.compiler import GrammarCompiler
+
+        grammars = GrammarCompiler.for_tokenizer(tokenizer, source.arch.vocab_size)
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares
         from overnight.parallel.workers import start_tp_runner
 
         runner, plan = start_tp_runner(config, source)
     else:
-        runner = ModelRunner(config, source)
+        runner = ModelRunner(config, source, grammars=grammars)
 
         def measure() -> int:
             return runner.profile_peak_bytes(
@@ -186,4 +191,5 @@ def build_engine(opts: EngineOptions) -> Engine:
         tokenizer=tokenizer,
         source=source,
         pool_plan=plan,
+        grammars=grammars,
     )

@@ -25,6 +25,7 @@ from overnight.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from overnight.loader.source import ModelSource
     from overnight.runner.kv_pool import PoolPlan
+    from overnight.structured.compiler import GrammarCompiler
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -45,6 +46,10 @@ class StepTimings:
     launch_s: float = 0.0  # building inputs and enqueueing the step (or running it, on the CPU)
     wait_s: float = 0.0  # blocked on the device for a step's tokens
     update_s: float = 0.0  # scheduler update, outputs, stats
+    # Parts of launch_s, for steps with structured outputs: waiting for the previous step's tokens
+    # (which the grammar matchers need), then advancing the matchers and filling the token mask.
+    mask_wait_s: float = 0.0
+    mask_s: float = 0.0
 
     def summary(self) -> dict[str, float]:
         n = max(self.steps, 1)
@@ -54,6 +59,8 @@ class StepTimings:
             "launch_ms": round(1e3 * self.launch_s / n, 3),
             "wait_ms": round(1e3 * self.wait_s / n, 3),
             "update_ms": round(1e3 * self.update_s / n, 3),
+            "mask_wait_ms": round(1e3 * self.mask_wait_s / n, 3),
+            "mask_ms": round(1e3 * self.mask_s / n, 3),
         }
 
 
@@ -78,12 +85,14 @@ class Engine:
         tokenizer: Tokenizer | None = None,
         source: ModelSource | None = None,
         pool_plan: PoolPlan | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.source = source  # where the model came from (served name, stop ids), when known
         self.pool_plan = pool_plan  # how the KV pool was sized, when known
         self.runner = runner
         self.tokenizer = tokenizer
+        self.grammars = grammars  # compiles structured outputs at validation; None: refused
         self.eos_token_ids = frozenset(eos_token_ids)
         self.vocab_size = vocab_size
         self.max_model_len = config.scheduler.max_model_len
@@ -158,7 +167,9 @@ class Engine:
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
-        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
+        validate_request(
+            ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None), self.grammars
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output if it was still running."""
@@ -236,6 +247,8 @@ class Engine:
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
         self._retire([o for o in outputs if o.finished])
         self.timings.wait_s += t1 - t0
+        self.timings.mask_wait_s += runner_out.mask_wait_s
+        self.timings.mask_s += runner_out.mask_s
         self.timings.update_s += time.perf_counter() - t1
         return outputs
 

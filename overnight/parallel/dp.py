@@ -132,6 +132,13 @@ class DataParallelEngine:
 
             tok_source = replace(source, tokenizer_path=opts.tokenizer) if opts.tokenizer else source
             self.tokenizer = load_tokenizer(tok_source)
+        # Structured outputs are compiled here to validate them, and again (cached) in each engine
+        # process: requests carry only their params, never a compiled grammar.
+        self.grammars = None
+        if self.tokenizer is not None:
+            from overnight.structured.compiler import GrammarCompiler
+
+            self.grammars = GrammarCompiler.for_tokenizer(self.tokenizer, self.vocab_size)
 
         ready: dict[int, EngineReady] = {}
         while len(ready) < n:
@@ -162,7 +169,8 @@ class DataParallelEngine:
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served: one engine's checks
         (every engine behind this front has the same model and limits)."""
-        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
+        limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
+        validate_request(ids, params, limits, self.grammars)
 
     def add_request(
         self,

@@ -9,11 +9,15 @@ device (see model_runner.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.runner.grammar_mask import Guide
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +31,9 @@ class RunnerRequest:
     num_blocks: int
     num_computed_tokens: int
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
+    # Structured outputs: the grammar matcher (runner/grammar_mask.py), made when first sampled. A
+    # preempted request's state is dropped with it; the new state's matcher replays the outputs.
+    guide: Guide | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -47,6 +54,7 @@ class RequestStates:
         self.reqs: dict[str, RunnerRequest] = {}
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.num_structured = 0  # requests with structured outputs: none means no mask work at all
 
     def _grow(self) -> None:
         rows, cols = self.block_table.shape
@@ -72,6 +80,8 @@ class RequestStates:
             st = self.reqs.pop(rid, None)
             if st is not None:
                 self._free_slots.append(st.slot)
+                if st.params.structured_outputs is not None:
+                    self.num_structured -= 1
         for new in out.new_reqs:
             if not self._free_slots:
                 self._grow()
@@ -87,6 +97,8 @@ class RequestStates:
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st
+            if new.params.structured_outputs is not None:
+                self.num_structured += 1
         for cached in out.cached_reqs:
             self._set_blocks(self.reqs[cached.req_id], cached.new_block_ids)
         decodes, prefills = [], []

@@ -1,7 +1,8 @@
 """Batched sampling on the model's device, with per-request settings and no host sync per request.
 
-Order of operations on each row's logits: penalties and min_tokens bans, then either argmax (greedy) or
-temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model distribution.
+Order of operations on each row's logits: the grammar's token mask (structured outputs), penalties and
+min_tokens bans, then either argmax (greedy) or temperature -> top-k -> top-p -> min-p -> a draw.
+Logprobs are those of the raw model distribution: before the mask, penalties and temperature.
 
 Per-request seeds: a draw uses the Gumbel-max trick with noise that is a hash of (seed, output position,
 token id). The noise of a request never depends on the rest of the batch, so the same seed gives the
@@ -15,8 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from overnight.engine.step_io import TokenLogprobs
+from overnight.kernels.token_bitmask import apply_token_bitmask_
 
 _MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class TokenMask:
+    """Allowed tokens of the structured rows, on the logits' device (see kernels/token_bitmask.py)."""
+
+    bitmask: torch.Tensor  # [K, ceil(V / 32)] int32
+    rows: torch.Tensor  # [K] int64: the sampled row each bitmask row belongs to
 
 
 @dataclass
@@ -46,6 +56,7 @@ class SamplingBatch:
     output_ids: list[list[int]] | None = None
     # min_tokens: (row, token ids that may not be drawn yet)
     banned: list[tuple[int, list[int]]] | None = None
+    token_mask: TokenMask | None = None  # structured outputs; rows without a grammar are untouched
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -159,11 +170,16 @@ class Sampler:
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """logits: [B, V] in the model's dtype. Returns the tokens [B] and, when asked, the
         logprobs, both still on the device."""
+        mask = batch.token_mask
         if batch.all_greedy and not batch.penalty_rows and not batch.banned and batch.max_logprobs is None:
             # argmax is exact in the model's dtype: upcasting would only move more bytes.
+            if mask is not None:
+                apply_token_bitmask_(logits, mask.bitmask, mask.rows)
             return logits.argmax(dim=-1), None
         logits = logits.float()
         raw = logits.clone() if batch.max_logprobs is not None else None
+        if mask is not None:
+            apply_token_bitmask_(logits, mask.bitmask, mask.rows)
         apply_penalties(logits, batch)
         if batch.banned:
             for row, ids in batch.banned:
