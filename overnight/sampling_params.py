@@ -26,12 +26,18 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # JSON kinds: no whitespace outside strings (compact `{"a": 1, "b": 2}` separators only).
-    disable_any_whitespace: bool = False
-    key: tuple[str, str, bool] = field(init=False, repr=False, compare=False, default=("", "", False))
+    # JSON kinds. True, or None (the default): no whitespace outside strings but the separators of
+    # `{"a": 1, "b": [1, 2]}`. False: any whitespace JSON allows. The default differs from vLLM's on
+    # purpose: small models given free whitespace often emit newlines until max_tokens cuts the JSON.
+    disable_any_whitespace: bool | None = None
+    key: tuple[str, str, bool] = field(init=False, repr=False, compare=False, default=("", "", True))
 
     def __post_init__(self) -> None:
-        self.key = (self.kind, self._canonical_spec(), self.disable_any_whitespace)
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(
+                f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}"
+            )
+        self.key = (self.kind, self._canonical_spec(), self.disable_any_whitespace is not False)
 
     @property
     def kind(self) -> str:
