@@ -77,6 +77,9 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _fmix32((row[:, None] + cols[None, :] * 0x61C88647) & _MASK32)
     u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    # The top value, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32, and its noise would be +inf: a
+    # token masked to -inf (top-k, top-p, a grammar) would then score NaN, which argmax picks.
+    u = u.clamp_(max=1.0 - 2.0**-24)
     return -torch.log(-torch.log(u))
 
 
