@@ -14,6 +14,7 @@ import torch
 
 from overnight.errors import InvalidRequestError
 from overnight.kernels.token_bitmask import (
+    apply_token_bitmask_cpu_,
     apply_token_bitmask_kernel_,
     apply_token_bitmask_ref,
     unpack_token_bitmask,
@@ -204,16 +205,17 @@ def test_choice_and_json_object_grammars(compiler, tokenizer):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("vocab", [31, 32, 4100, 8192 + 33])
-def test_bitmask_kernel_matches_reference(vocab, dtype):
+def test_bitmask_kernel_and_cpu_path_match_reference(vocab, dtype):
     gen = torch.Generator().manual_seed(vocab)
     words = -(-vocab // 32)
     logits = torch.randn(5, vocab, generator=gen).to(dtype)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
     rows = torch.tensor([4, 0, 2])
-    ref, out = logits.clone(), logits.clone()
+    ref, out, cpu = logits.clone(), logits.clone(), logits.clone()
     apply_token_bitmask_ref(ref, bitmask, rows)
     apply_token_bitmask_kernel_(out, bitmask, rows)
-    assert torch.equal(out, ref)
+    apply_token_bitmask_cpu_(cpu, bitmask, rows)
+    assert torch.equal(out, ref) and torch.equal(cpu, ref)
     # The reference itself, bit by bit: untouched rows stay, listed rows keep exactly their set bits.
     assert torch.equal(ref[1], logits[1]) and torch.equal(ref[3], logits[3])
     for i, r in enumerate(rows.tolist()):

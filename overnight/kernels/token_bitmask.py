@@ -9,12 +9,15 @@ Program (i, j) handles tokens j * BLOCK .. (j + 1) * BLOCK of row rows[i]: it lo
 expands them to one bit per token and stores -inf where the bit is clear (only there: allowed entries are
 never written). Tokens past V (bits of the last word's padding) are never stored.
 
-apply_token_bitmask_ picks the kernel on CUDA and apply_token_bitmask_ref elsewhere.
+apply_token_bitmask_ picks the kernel on CUDA and apply_token_bitmask_cpu_ elsewhere: a table maps each
+byte of the bitmask to eight additive biases (0 or -inf), and one index_add_ adds them to the listed rows
+(several times faster on a CPU than unpacking bits and masked_fill on gathered rows, as the reference does).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -104,8 +107,27 @@ def apply_token_bitmask_ref(logits: torch.Tensor, bitmask: torch.Tensor, rows: t
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
 
+_BYTE_BIAS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def apply_token_bitmask_cpu_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """The CPU path (see the module docstring)."""
+    _check(logits, bitmask, rows)
+    if rows.shape[0] == 0:
+        return
+    key = (logits.dtype, logits.device)
+    table = _BYTE_BIAS.get(key)
+    if table is None:  # [256, 8]: bit k of byte b set -> 0, clear -> -inf
+        bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+        table = torch.where(bits.bool(), 0.0, float("-inf")).to(logits.dtype).to(logits.device)
+        _BYTE_BIAS[key] = table
+    as_bytes = bitmask.contiguous().view(torch.uint8).long()  # little-endian, as in unpack_token_bitmask
+    bias = F.embedding(as_bytes, table).view(bitmask.shape[0], -1)[:, : logits.shape[1]]
+    logits.index_add_(0, rows, bias)
+
+
 def apply_token_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
     if logits.is_cuda:
         apply_token_bitmask_kernel_(logits, bitmask, rows)
     else:
-        apply_token_bitmask_ref(logits, bitmask, rows)
+        apply_token_bitmask_cpu_(logits, bitmask, rows)
