@@ -283,6 +283,19 @@ def test_matchers_follow_the_tokens(compiler, tokenizer):
     assert mask.build([free]) is None
 
 
+def test_a_step_launched_after_the_end_gets_a_stop_only_row(compiler, tokenizer):
+    """With the one-step-ahead loop the engine launches a step for a request before it reads that the
+    previous token was EOS: the matcher has terminated, and the row (whose token is dropped) is filled
+    with the stop tokens instead of asking the matcher for a mask."""
+    mask = GrammarMask(compiler, max_rows=2, device=torch.device("cpu"))
+    st = runner_req("a", [5], [], SamplingParams(structured_outputs=S(choice=["ab"])))
+    mask.build([st])
+    st.token_ids += tokenizer.encode("ab", add_special_tokens=False) + [EOS]
+    m = mask.build([st])
+    assert st.guide.ended and st.guide.matcher.is_terminated()
+    assert allowed_ids(m.bitmask[0]) == {EOS}
+
+
 def test_a_refused_token_ends_the_request(compiler, tokenizer):
     mask = GrammarMask(compiler, max_rows=2, device=torch.device("cpu"))
     st = runner_req("a", [5], [], SamplingParams(structured_outputs=S(regex="[0-9]+")))

@@ -45,9 +45,11 @@ class Guide:
 
     matcher: xgr.GrammarMatcher
     consumed: int = 0  # output tokens the matcher has accepted
-    # A token the grammar refused (the mask makes this impossible; kept as a guard): from then on only
-    # the stop tokens are allowed, so the request ends instead of running on unconstrained.
-    broken: bool = False
+    # No more masks from the matcher; the row allows only the stop tokens. Either it accepted a stop
+    # token: the request is over, but a step launched before the engine read that token still samples
+    # it (a token the engine drops). Or it refused a token (the mask makes that impossible; a guard): the
+    # request then ends instead of running on unconstrained.
+    ended: bool = False
 
 
 class GrammarMask:
@@ -56,6 +58,7 @@ class GrammarMask:
         self.max_rows = max_rows
         self.device = device
         self.words = -(-compiler.vocab_size // 32)
+        self._stops = frozenset(compiler.stop_token_ids)
         self._host: torch.Tensor | None = None  # allocated on the first structured step
         self._rows_host: torch.Tensor | None = None
         self._dev: torch.Tensor | None = None
@@ -97,7 +100,7 @@ class GrammarMask:
                 raise RuntimeError(f"request {st.req_id}: a mask needs every earlier token on the host")
             start = st.num_prompt_tokens + g.consumed
             new = len(st.token_ids) - start
-            if new == 0 or g.broken:
+            if new == 0 or g.ended:
                 g.consumed += new
                 continue
             if new == 1:
@@ -106,8 +109,8 @@ class GrammarMask:
                 single_r.append(st)
                 continue
             for tok in st.token_ids[start:]:
-                if not g.matcher.accept_token(tok):
-                    self._refused(st.req_id, g, tok)
+                self._accepted(st.req_id, g, tok, g.matcher.accept_token(tok))
+                if g.ended:
                     break
             g.consumed += new
         if single_m:
@@ -116,15 +119,16 @@ class GrammarMask:
                 g = st.guide
                 assert g is not None
                 g.consumed += 1
-                if not ok:
-                    self._refused(st.req_id, g, tok)
+                self._accepted(st.req_id, g, tok, ok)
 
-    @staticmethod
-    def _refused(req_id: str, g: Guide, tok: int) -> None:
-        g.broken = True
-        log.warning(
-            "request %s: token %d is not allowed by its grammar; ending it at the next step", req_id, tok
-        )
+    def _accepted(self, req_id: str, g: Guide, tok: int, ok: bool) -> None:
+        if not ok:
+            g.ended = True
+            log.warning(
+                "request %s: token %d is not allowed by its grammar; ending it at the next step", req_id, tok
+            )
+        elif tok in self._stops:
+            g.ended = True
 
     # -- the mask ---------------------------------------------------------------------------------
 
@@ -142,14 +146,14 @@ class GrammarMask:
         assert self._rows_host is not None and self._batch is not None
         k = len(rows)
         host = self._host[:k]
-        live = [j for j, g in enumerate(guides) if not g.broken]
+        live = [j for j, g in enumerate(guides) if not g.ended]
         if len(live) == k:
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in guides], host)
         else:
             if live:
                 self._batch.batch_fill_next_token_bitmask([guides[j].matcher for j in live], host, live)
             for j, g in enumerate(guides):
-                if g.broken:
+                if g.ended:
                     self._only_stop_tokens(host[j])
         self._rows_host[:k] = torch.tensor(rows, dtype=torch.int64)
         if self._dev is None:  # CPU: the host buffers are the device's
