@@ -163,14 +163,14 @@ def engine_checks(llm) -> None:
 
 
 @section("throughput")
-def throughput(llm, num_prompts: int) -> None:
+def throughput(llm, num_prompts: int, repeats: int):
     from overnight.bench import structured
     from overnight.bench.workloads import WORKLOADS, Workload
 
     w = WORKLOADS["seed-512-256"]
     w = Workload(w.name, w.model, num_prompts, w.input_len, w.output_len)
     reqs = w.requests(VOCAB)
-    results, summary = structured.compare(llm, reqs, BENCH_SCHEMA, probe=False)
+    results, summary = structured.compare(llm, reqs, BENCH_SCHEMA, probe=False, repeats=repeats)
     report["workload"] = w.__dict__
     report["results"] = [r.__dict__ for r in results]
     report["structured"] = summary
@@ -180,6 +180,7 @@ def throughput(llm, num_prompts: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--num-prompts", type=int, default=1024)
+    ap.add_argument("--repeats", type=int, default=1, help="timed (unconstrained, constrained) pairs")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
@@ -213,7 +214,7 @@ def main() -> int:
         measured = None
         if llm is not None:
             engine_checks(llm)
-            measured = throughput(llm, args.num_prompts)
+            measured = throughput(llm, args.num_prompts, args.repeats)
     report["sm_clock_end"] = sm_clock_now()
     report["checks"] = [{"name": n, "ok": ok, "detail": d} for n, ok, d in checks]
     print("\nchecks: " + ", ".join(f"{n}: {'PASS' if ok else 'FAIL'}" for n, ok, _ in checks))

@@ -45,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="constrain every request to this JSON schema and compare with unconstrained generation "
         "of the same lengths, in one run (structured-output overhead and its step breakdown)",
     )
+    t.add_argument(
+        "--repeats", type=int, default=1, help="with --json-schema: timed pairs, order alternating"
+    )
     add_engine_args(t)
     for name, module in SUBCOMMANDS.items():
         try:
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json_schema:
         from overnight.bench import structured
 
-        variants, summary = structured.run(opts, workload, args.json_schema)
+        variants, summary = structured.run(opts, workload, args.json_schema, repeats=args.repeats)
         structured.print_table(variants, summary)
         line = structured.to_json(workload, variants, summary)
         print(line)

@@ -15,6 +15,7 @@ model whose outputs never end early, e.g. random weights) the unconstrained run 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -66,17 +67,17 @@ def run_variant(
 
 
 def compare(
-    llm, reqs: list[tuple[list[int], int]], schema: dict[str, Any], probe: bool = True
+    llm, reqs: list[tuple[list[int], int]], schema: dict[str, Any], probe: bool = True, repeats: int = 1
 ) -> tuple[list[VariantResult], dict[str, Any]]:
-    """(unconstrained, constrained) results and a summary dict (overhead, lengths agreement)."""
+    """Timed results of both variants (`repeats` pairs, the order alternating from pair to pair, so a
+    machine that slows down or speeds up does not favour one) and a summary: the overhead from each
+    variant's median tok/s, and whether every constrained run generated the probe's lengths."""
     from overnight import SamplingParams, StructuredOutputsParams
 
     prompts = [ids for ids, _ in reqs]
     caps = [n for _, n in reqs]
     so = StructuredOutputsParams(json=schema)
-
-    def constrained(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=caps[i], temperature=0.0, structured_outputs=so)
+    bound_params = [SamplingParams(max_tokens=n, temperature=0.0, structured_outputs=so) for n in caps]
 
     # Warm every path once outside the timed runs (kernels, the grammar compile, CUDA graphs).
     warm = min(8, len(prompts))
@@ -87,21 +88,30 @@ def compare(
     )
     lengths = caps
     if probe:
-        probed = llm.generate(
-            [{"prompt_token_ids": p} for p in prompts],
-            [constrained(i) for i in range(len(prompts))],
-            use_tqdm=False,
-        )
+        probed = llm.generate([{"prompt_token_ids": p} for p in prompts], bound_params, use_tqdm=False)
         lengths = [len(o.outputs[0].token_ids) for o in probed]
     plain = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in lengths]
-    free, _ = run_variant(llm, "unconstrained", prompts, plain, lengths)
-    bound, got = run_variant(llm, "json schema", prompts, [constrained(i) for i in range(len(prompts))], caps)
+    results: list[VariantResult] = []
+    same_lengths = True
+    for r in range(repeats):
+        pair = [("unconstrained", plain, lengths), ("json schema", bound_params, caps)]
+        for name, params, caps_ in pair if r % 2 == 0 else pair[::-1]:
+            label = name if repeats == 1 else f"{name} #{r + 1}"
+            result, got = run_variant(llm, label, prompts, params, caps_)
+            results.append(result)
+            if name == "json schema" and probe:
+                same_lengths &= got == lengths
+
+    def median(prefix: str) -> float:
+        return statistics.median(x.output_tok_s for x in results if x.name.startswith(prefix))
+
     summary = {
-        "overhead_pct": round(100.0 * (free.output_tok_s / bound.output_tok_s - 1.0), 2),
-        "same_lengths_as_probe": got == lengths if probe else None,
+        "overhead_pct": round(100.0 * (median("unconstrained") / median("json schema") - 1.0), 2),
+        "median_out_tok_s": {"unconstrained": median("unconstrained"), "json schema": median("json schema")},
+        "same_lengths_as_probe": same_lengths if probe else None,
         "schema": schema,
     }
-    return [free, bound], summary
+    return results, summary
 
 
 def print_table(results: list[VariantResult], summary: dict[str, Any]) -> None:
@@ -121,7 +131,8 @@ def print_table(results: list[VariantResult], summary: dict[str, Any]) -> None:
             f"{h['mask_wait_ms']:>10.2f} {h['mask_ms']:>6.2f} {h['wait_ms']:>6.2f} {h['update_ms']:>7.2f}"
         )
     print(
-        f"structured-output overhead (unconstrained / constrained tok/s - 1): {summary['overhead_pct']:.2f}%"
+        "structured-output overhead (unconstrained / constrained median tok/s - 1): "
+        f"{summary['overhead_pct']:.2f}%"
     )
 
 
@@ -131,7 +142,9 @@ def to_json(workload, results: list[VariantResult], summary: dict[str, Any]) -> 
     )
 
 
-def run(opts, workload, schema_path: str, probe: bool = True) -> tuple[list[VariantResult], dict[str, Any]]:
+def run(
+    opts, workload, schema_path: str, probe: bool = True, repeats: int = 1
+) -> tuple[list[VariantResult], dict[str, Any]]:
     """The CLI's entry: an engine from opts, the workload's prompts and lengths, the schema file."""
     from overnight import LLM
 
@@ -139,4 +152,4 @@ def run(opts, workload, schema_path: str, probe: bool = True) -> tuple[list[Vari
         schema = json.load(f)
     llm = LLM(**opts.__dict__)
     reqs = workload.requests(llm.engine.config.model.arch.vocab_size)
-    return compare(llm, reqs, schema, probe=probe)
+    return compare(llm, reqs, schema, probe=probe, repeats=repeats)
