@@ -163,6 +163,7 @@ def test_content_parts_are_joined():
         (CHAT, {"messages": MSGS, "response_format": {"type": "grammar"}}, "response_format"),
         (CHAT, {"messages": MSGS, "response_format": {"type": "json_schema"}}, "response_format"),
         (COMP, {"prompt": "x", "guided_choice": "yes"}, "guided_choice"),
+        (COMP, {"prompt": "x", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         (COMP, {}, "prompt"),
         (COMP, {"prompt": []}, "prompt"),
         (COMP, {"prompt": [[]]}, "prompt"),

@@ -45,7 +45,9 @@ def run_variant(
     device = torch.device(engine.config.runner.device)
     from overnight.engine.engine import StepTimings
 
-    engine.timings = StepTimings()
+    timed = isinstance(getattr(engine, "timings", None), StepTimings)  # one engine (not data parallel)
+    if timed:
+        engine.timings = StepTimings()
     with ClockSampler(device.index or 0) as clocks:
         start = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -62,7 +64,7 @@ def run_variant(
         elapsed_s=round(elapsed, 3),
         output_tok_s=round(n_out / elapsed, 1),
         clocks=clocks.samples.summary(),
-        host_per_step=engine.timings.summary(),
+        host_per_step=engine.timings.summary() if timed else StepTimings().summary(),
     ), lengths
 
 

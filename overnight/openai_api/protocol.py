@@ -144,6 +144,7 @@ class _SamplingFields(_Body):
     guided_regex: str | None = None
     guided_choice: list[Annotated[str, Strict()]] | None = None
     guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: whitespace is compact or free, not a pattern
     # Known OpenAI fields we cannot honour: refused when set to anything but their neutral value.
     logit_bias: dict[str, float] | None = None
 
@@ -161,6 +162,15 @@ class _SamplingFields(_Body):
     def _stops_not_empty(cls, v: str | list[str] | None) -> str | list[str] | None:
         if v == "" or (isinstance(v, list) and any(s == "" for s in v)):
             raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError(
+                "not supported (structured_outputs.disable_any_whitespace picks compact or free)"
+            )
         return v
 
     @field_validator("logit_bias")
