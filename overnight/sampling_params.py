@@ -106,12 +106,17 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is converted
     stop_strings: list[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # as sampling params arrive from config or Ray Data
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidRequestError(f"structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:

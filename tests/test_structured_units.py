@@ -96,8 +96,11 @@ def test_sampling_params_conflicts_and_pickling():
         SamplingParams(structured_outputs=so, ignore_eos=True)
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         SamplingParams(structured_outputs=so, min_tokens=2)
+    assert SamplingParams(structured_outputs={"json": SCHEMA}).structured_outputs == so
+    with pytest.raises(InvalidRequestError, match="unexpected keyword argument 'jsn'"):
+        SamplingParams(structured_outputs={"jsn": SCHEMA})
     with pytest.raises(InvalidRequestError, match="StructuredOutputsParams"):
-        SamplingParams(structured_outputs={"json": SCHEMA})
+        SamplingParams(structured_outputs="json")
     p = pickle.loads(pickle.dumps(SamplingParams(structured_outputs=so)))  # data parallel ships params
     assert p.structured_outputs == so and p.structured_outputs.key == so.key
 
