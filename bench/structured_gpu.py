@@ -29,6 +29,7 @@ Prints the checks, a table, then one line of JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -202,6 +203,8 @@ def main() -> int:
         flush=True,
     )
     kernel_checks_and_timing()
+    gc.collect()
+    torch.cuda.empty_cache()  # the engine sizes its KV pool from the memory left
     from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 
     with tempfile.TemporaryDirectory() as tmp:
