@@ -150,8 +150,11 @@ def run(
     """The CLI's entry: an engine from opts, the workload's prompts and lengths, the schema file."""
     from overnight import LLM
 
-    with open(schema_path) as f:
-        schema = json.load(f)
+    try:
+        with open(schema_path) as f:
+            schema = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"overnight bench: cannot read the JSON schema {schema_path}: {e}") from None
     llm = LLM(**opts.__dict__)
     reqs = workload.requests(llm.engine.config.model.arch.vocab_size)
     return compare(llm, reqs, schema, probe=probe, repeats=repeats)
