@@ -159,7 +159,9 @@ def build_engine(opts: EngineOptions) -> Engine:
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares
         from overnight.parallel.workers import start_tp_runner
 
-        runner, plan = start_tp_runner(config, source)
+        # Rank 0 masks structured outputs with the tokenizer loaded here (--tokenizer included), or none.
+        tok_path = (opts.tokenizer or source.tokenizer_path) if tokenizer is not None else None
+        runner, plan = start_tp_runner(config, replace(source, tokenizer_path=tok_path))
     else:
         runner = ModelRunner(config, source, grammars=grammars)
 
