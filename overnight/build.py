@@ -38,6 +38,7 @@ from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from overnight.parallel.workers import TPRunner
+    from overnight.structured.compiler import GrammarCompiler
 
 log = logging.getLogger("overnight")
 
@@ -46,6 +47,8 @@ log = logging.getLogger("overnight")
 class ResolvedModel:
     source: ModelSource
     tokenizer: Tokenizer | None  # None: skip_tokenizer_init, or dummy weights that ship none
+    # Structured outputs' grammars for this tokenizer, compiled on first use; None without a tokenizer.
+    grammars: GrammarCompiler | None = None
 
 
 def resolve_model(opts: EngineOptions) -> ResolvedModel:
@@ -62,7 +65,10 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     if source.tokenizer_path is None and source.kind == "dummy":
         log.info("dummy weights without a tokenizer: prompts must be token ids")
         return ResolvedModel(source, None)
-    return ResolvedModel(source, load_tokenizer(source))  # raises ModelLoadError naming what is missing
+    tokenizer = load_tokenizer(source)  # raises ModelLoadError naming what is missing
+    from overnight.structured.compiler import GrammarCompiler
+
+    return ResolvedModel(source, tokenizer, GrammarCompiler.for_tokenizer(tokenizer, source.arch.vocab_size))
 
 
 def build_config(
@@ -127,7 +133,7 @@ def build_engine(opts: EngineOptions) -> EngineClient:
 
         # Each engine process builds its own (data_parallel_size=1) engine with this same function.
         links = ProcessLinks(replace(opts, data_parallel_size=1), opts.data_parallel_size, build_engine)
-        return DataParallelEngine(links, model.source, model.tokenizer)
+        return DataParallelEngine(links, model.source, model.tokenizer, model.grammars)
     return _single_engine(opts, model)
 
 
@@ -155,7 +161,7 @@ def build_ray_engine(
         gpus_per_replica=gpus_per_replica,
         cpus_per_replica=cpus_per_replica,
     )
-    return DataParallelEngine(links, model.source, model.tokenizer)
+    return DataParallelEngine(links, model.source, model.tokenizer, model.grammars)
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
@@ -172,9 +178,12 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares
         from overnight.parallel.workers import TPRunner
 
-        runner = TPRunner(config, source)
+        # Rank 0 masks structured outputs with this tokenizer (--tokenizer included), loaded there; none
+        # without one.
+        tok_path = source.tokenizer_path if model.tokenizer is not None else None
+        runner = TPRunner(config, replace(source, tokenizer_path=tok_path))
     else:
-        runner = ModelRunner(config, source)
+        runner = ModelRunner(config, source, grammars=model.grammars)
     try:
         plan = set_up_kv_pool(runner, config.cache, sched)
     except BaseException:
@@ -190,4 +199,4 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
         tokens / sched.max_model_len,
         sched.max_model_len,
     )
-    return Engine(config, runner, source, plan, model.tokenizer)
+    return Engine(config, runner, source, plan, model.tokenizer, model.grammars)

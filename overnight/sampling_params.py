@@ -1,12 +1,88 @@
-"""SamplingParams: field names and defaults as users know them from vLLM's offline class."""
+"""SamplingParams and StructuredOutputsParams: field names and defaults as users know them from vLLM's
+offline classes."""
 
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
 
 from overnight.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a JSON schema, a regular expression, one of a list of strings, an
+    EBNF grammar (root rule `root`), or any JSON object. Exactly one kind is set.
+
+    Pure data, so requests pickle to other processes as they are; the compiled grammar is looked up by
+    `key` in each process's cache (overnight/structured/compiler.py), never carried here."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema, as a dict or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON kinds. True, or None (the default): no whitespace outside strings but the separators of
+    # `{"a": 1, "b": [1, 2]}`. False: any whitespace JSON allows. The default differs from vLLM's on
+    # purpose: small models given free whitespace often emit newlines until max_tokens cuts the JSON.
+    disable_any_whitespace: bool | None = None
+    key: tuple[str, str, bool] = field(init=False, repr=False, compare=False, default=("", "", True))
+
+    def __post_init__(self) -> None:
+        if self.disable_any_whitespace is not None and not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(
+                f"disable_any_whitespace must be a boolean, got {self.disable_any_whitespace!r}"
+            )
+        self.key = (self.kind, self._canonical_spec(), self.disable_any_whitespace is not False)
+
+    @property
+    def kind(self) -> str:
+        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            what = ", ".join(given) if given else "none"
+            raise InvalidRequestError(
+                f"structured outputs take exactly one of {', '.join(_KINDS)}; got {what}"
+            )
+        return given[0]
+
+    def _canonical_spec(self) -> str:
+        """The constraint as one string: equal strings compile to the same grammar. Key order inside a
+        schema is kept (it is the order the properties are generated in)."""
+        kind = self.kind
+        if kind == "json":
+            schema = self.json
+            if isinstance(schema, str):
+                try:
+                    schema = _json.loads(schema)
+                except ValueError as e:
+                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict):
+                raise InvalidRequestError(
+                    f"the JSON schema must be a JSON object, got {type(schema).__name__}"
+                )
+            try:
+                return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"the JSON schema cannot be written as JSON: {e}") from None
+        if kind == "choice":
+            choice = self.choice
+            if not isinstance(choice, list | tuple) or not choice:
+                raise InvalidRequestError("choice must be a non-empty list of strings")
+            if any(not isinstance(c, str) or not c for c in choice):
+                raise InvalidRequestError("every choice must be a non-empty string")
+            return _json.dumps(list(choice), ensure_ascii=False)
+        if kind == "json_object":
+            if self.json_object is not True:
+                raise InvalidRequestError(f"json_object must be true, got {self.json_object!r}")
+            return ""
+        text = getattr(self, kind)
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError(f"{kind} must be a non-empty string")
+        return text
 
 
 @dataclass
@@ -30,11 +106,17 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is converted
     stop_strings: list[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):  # as sampling params arrive from config or Ray Data
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise InvalidRequestError(f"structured_outputs: {e}") from None
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:
@@ -78,6 +160,15 @@ class SamplingParams:
             bad("stop_token_ids must be a list of non-negative integers")
         if self.stop_strings and not self.detokenize:
             bad("stop strings need detokenize=True")
+        so = self.structured_outputs
+        if so is not None:
+            if not isinstance(so, StructuredOutputsParams):
+                bad(f"structured_outputs must be a StructuredOutputsParams, got {type(so).__name__}")
+            # The grammar decides where the output ends: its end allows only EOS, so EOS must end it.
+            if self.ignore_eos:
+                bad("ignore_eos cannot be combined with structured outputs (the grammar ends the output)")
+            if self.min_tokens:
+                bad("min_tokens cannot be combined with structured outputs (the grammar ends the output)")
 
     @property
     def is_greedy(self) -> bool:

@@ -107,6 +107,38 @@ def test_abort_and_invalid_prompt(dp):
     assert not engine.has_unfinished_requests()
 
 
+def test_structured_outputs_over_dp(dp, one_engine):
+    """Requests carry only their params to the engine processes, each compiles the grammar itself; a bad
+    spec is refused by the front before anything is sent."""
+    from overnight.sampling_params import StructuredOutputsParams
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "sunny": {"type": "boolean"}},
+        "required": ["city", "sunny"],
+    }
+    params = [
+        SamplingParams(
+            temperature=0.0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=schema)
+        ),
+        SamplingParams(
+            temperature=0.7, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[0-9]{3}")
+        ),
+    ] * (len(PROMPTS) // 2)
+    got = dp.generate(PROMPTS, params, use_tqdm=False)
+    want = one_engine.generate(PROMPTS, params, use_tqdm=False)
+    for a, b, p in zip(got, want, params, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        if p.structured_outputs.kind == "json":
+            assert set(json.loads(a.outputs[0].text)) == {"city", "sunny"}
+        else:
+            assert len(a.outputs[0].text) == 3 and a.outputs[0].text.isdigit()
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(x"))
+    with pytest.raises(InvalidRequestError, match="prompt 1: the regex cannot be compiled"):
+        dp.generate(["fine", "also fine"], [GREEDY, bad], use_tqdm=False)
+    assert not dp.engine.has_unfinished_requests()
+
+
 def _run_batch(engine, lines: list[dict]) -> list[dict]:
     """run-batch's runner over `lines` with `engine`; the records it writes, in order."""
     from overnight.batch.ordering import OutputOrder

@@ -135,3 +135,34 @@ def test_logprobs_are_raw_log_softmax():
     assert lp.sampled_rank == 1
     assert lp.top_ids == ref[0].topk(3).indices.tolist()
     assert torch.allclose(torch.tensor(lp.top_logprobs), ref[0].topk(3).values, atol=1e-6)
+
+
+def test_noise_is_finite_where_the_uniform_rounds_to_one():
+    # (seed 2, position 48, token 16034) hashes to the largest 24-bit value, whose uniform rounds to 1.0
+    # in float32: unclamped, its noise was +inf and a token masked to -inf there scored NaN and won.
+    g = gumbel_noise(torch.tensor([2]), torch.tensor([48]), 16035)
+    assert torch.isfinite(g).all()
+    assert g[0, 16034] > 15  # still the largest noise a draw can get
+
+
+def test_token_mask_rows_draw_only_allowed_tokens_and_logprobs_stay_raw():
+    from overnight.runner.sampler import TokenMask
+
+    torch.manual_seed(3)
+    logits = torch.randn(3, V) * 3
+    allowed = [5, 17, 40]
+    bitmask = torch.zeros(2, V // 32, dtype=torch.int32)
+    for t in allowed:
+        bitmask[:, t // 32] |= 1 << (t % 32)
+    for params in (SamplingParams(temperature=0, logprobs=2), SamplingParams(temperature=1.0, logprobs=2)):
+        reqs = [req(params, seed=s) for s in range(3)]
+        batch = build_sampling_batch(reqs, (0,), torch.device("cpu"))
+        batch.token_mask = TokenMask(bitmask, torch.tensor([0, 2]))  # row 1 has no grammar
+        tokens, lps = Sampler()(logits.clone(), batch)
+        assert tokens[0].item() in allowed and tokens[2].item() in allowed
+        if params.temperature == 0:
+            assert tokens[1] == logits[1].argmax()  # untouched
+        raw = logits.log_softmax(-1)
+        for i, lp in enumerate(lps.to_host()):
+            assert abs(lp.sampled_logprob - raw[i, tokens[i]].item()) < 1e-5  # before the mask
+            assert lp.top_ids == raw[i].topk(2).indices.tolist()

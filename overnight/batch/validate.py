@@ -42,7 +42,7 @@ def validate_file(args: argparse.Namespace) -> int:
     limits = limits_of(config, source.arch.vocab_size, tokenizer is not None)
 
     def engine_checks(ids: list[int], params: SamplingParams) -> None:
-        validate_request(ids, params, limits)
+        validate_request(ids, params, limits, model.grammars)  # grammars compiled, as the engine does
 
     names = served_names(served, args.model)
     sink = None

@@ -38,6 +38,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run transformers on the first N requests only (its time is long)",
     )
     t.add_argument("--json-out", default=None, help="also write the JSON line to this file")
+    t.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="FILE",
+        help="constrain every request to this JSON schema and compare with unconstrained generation "
+        "of the same lengths, in one run (structured-output overhead and its step breakdown)",
+    )
+    t.add_argument(
+        "--repeats", type=int, default=1, help="with --json-schema: timed pairs, order alternating"
+    )
     add_engine_args(t)
     for name, module in SUBCOMMANDS.items():
         try:
@@ -81,6 +91,17 @@ def run(args: argparse.Namespace) -> int:
         if args.load_format == "auto":
             args.load_format = "dummy"
     opts = options_from_args(args, mode="offline")
+    if args.json_schema:
+        from overnight.bench import structured
+
+        variants, summary = structured.run(opts, workload, args.json_schema, repeats=args.repeats)
+        structured.print_table(variants, summary)
+        line = structured.to_json(workload, variants, summary)
+        print(line)
+        if args.json_out:
+            with open(args.json_out, "a") as f:
+                f.write(line + "\n")
+        return 0
     results = []
     ours, _ = run_ours(opts, workload)
     results.append(ours)

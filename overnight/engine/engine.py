@@ -25,6 +25,7 @@ from overnight.outputs import RequestMetrics, RequestOutput
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from overnight.structured.compiler import GrammarCompiler
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -41,12 +42,14 @@ class Engine:
         source: ModelSource,
         pool_plan: PoolPlan,
         tokenizer: Tokenizer | None = None,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.source = source
         self.pool_plan = pool_plan
         self.runner = runner
         self.tokenizer = tokenizer
+        self.grammars = grammars  # compiles structured outputs at validation; None: refused
         self.eos_token_ids = frozenset(source.eos_token_ids)
         self.vocab_size = source.arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
@@ -122,7 +125,8 @@ class Engine:
 
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
-        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
+        limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
+        validate_request(ids, params, limits, self.grammars)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output if it was still running."""
@@ -202,6 +206,8 @@ class Engine:
         self._retire([o for o in outputs if o.finished])
         if self.timings is not None:
             self.timings.wait_s += t1 - t0
+            self.timings.mask_wait_s += runner_out.mask_wait_s
+            self.timings.mask_s += runner_out.mask_s
             self.timings.update_s += time.perf_counter() - t1
         return outputs
 

@@ -56,6 +56,10 @@ class StepTimings:
     launch_s: float = 0.0  # building inputs and enqueueing the step (or running it, on the CPU)
     wait_s: float = 0.0  # blocked on the device for a step's tokens
     update_s: float = 0.0  # scheduler update, outputs, stats
+    # Parts of launch_s, for steps with structured outputs: waiting for the previous step's tokens
+    # (which the grammar matchers need), then advancing the matchers and filling the token mask.
+    mask_wait_s: float = 0.0
+    mask_s: float = 0.0
 
     def summary(self) -> dict[str, float]:
         n = max(self.steps, 1)
@@ -65,6 +69,8 @@ class StepTimings:
             "launch_ms": round(1e3 * self.launch_s / n, 3),
             "wait_ms": round(1e3 * self.wait_s / n, 3),
             "update_ms": round(1e3 * self.update_s / n, 3),
+            "mask_wait_ms": round(1e3 * self.mask_wait_s / n, 3),
+            "mask_ms": round(1e3 * self.mask_s / n, 3),
         }
 
 

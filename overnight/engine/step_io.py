@@ -60,3 +60,7 @@ class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with req_ids when any asked
+    # Host time the step's structured-output mask took (runner/grammar_mask.py): waiting for the step
+    # before it, then building the mask. Both are part of the step's launch.
+    mask_wait_s: float = 0.0
+    mask_s: float = 0.0

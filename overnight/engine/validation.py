@@ -4,9 +4,13 @@ inside a step, where it would take every other request down with it)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from overnight.errors import InvalidRequestError
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from overnight.structured.compiler import GrammarCompiler
 
 
 @dataclass(frozen=True)
@@ -18,8 +22,15 @@ class RequestLimits:
     max_unchunked_prompt: int | None = None
 
 
-def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
-    """Raise InvalidRequestError naming the problem if this prompt and params cannot be served."""
+def validate_request(
+    ids: list[int],
+    params: SamplingParams,
+    limits: RequestLimits,
+    grammars: GrammarCompiler | None = None,
+) -> None:
+    """Raise InvalidRequestError naming the problem if this prompt and params cannot be served.
+    Structured outputs are compiled here (cached), so a grammar that cannot be built fails its request
+    before it is queued."""
     if not ids:
         raise InvalidRequestError("the prompt is empty")
     if len(ids) >= limits.max_model_len:
@@ -47,6 +58,10 @@ def validate_request(ids: list[int], params: SamplingParams, limits: RequestLimi
         raise InvalidRequestError(
             f"top_k must be below 2**62 (any value past the vocabulary means no top-k), got {params.top_k}"
         )
+    if params.structured_outputs is not None:
+        if grammars is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer, and none is loaded")
+        grammars.compile(params.structured_outputs)
 
 
 def limits_of(config, vocab_size: int, has_tokenizer: bool) -> RequestLimits:

@@ -7,6 +7,10 @@ fields that would change the answer in a way we cannot honour (echo, suffix, log
 are refused rather than silently dropped.
 
 Numbers are strict: `"0.5"` or `true` where a number belongs is an error, not a guess.
+
+Structured outputs come from OpenAI's `response_format` (json_object, json_schema) or vLLM's extra fields
+(`structured_outputs`, and the older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`);
+a body may set at most one constraint.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pydantic import (
 from overnight.entrypoints.prompts import render_conversation
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
-from overnight.sampling_params import SamplingParams
+from overnight.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
@@ -80,6 +84,36 @@ class ChatMessage(_Body):
         return "\n".join(part["text"] for part in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: Bool | None = None  # the schema is always enforced strictly
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_json_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("a json_schema response format needs json_schema.schema")
+        return self
+
+
+# vLLM's structured_outputs body keys: ours, and ones that change nothing here.
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace")
+_STRUCTURED_IGNORED = ("disable_fallback", "disable_additional_properties")  # strict schemas already
+# The older vLLM fields: body field -> StructuredOutputsParams field.
+_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
 class _SamplingFields(_Body):
     """Fields both endpoints share."""
 
@@ -103,6 +137,14 @@ class _SamplingFields(_Body):
     stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
     include_stop_str_in_output: Bool = False
     skip_special_tokens: Bool = True
+    # Structured outputs (at most one of these).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Annotated[str, Strict()]] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None  # refused: whitespace is compact or free, not a pattern
     # Known OpenAI fields we cannot honour: refused when set to anything but their neutral value.
     logit_bias: dict[str, float] | None = None
 
@@ -122,6 +164,15 @@ class _SamplingFields(_Body):
             raise ValueError("stop strings must not be empty")
         return v
 
+    @field_validator("guided_whitespace_pattern")
+    @classmethod
+    def _no_whitespace_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            raise ValueError(
+                "not supported (structured_outputs.disable_any_whitespace picks compact or free)"
+            )
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -132,6 +183,41 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The one structured-output constraint the body sets, if any. Raises InvalidRequestError (its
+        `param` naming the field) for two at once or a malformed one; whether the grammar compiles is
+        the engine's check."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            assert rf.json_schema is not None
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            unknown = sorted(set(so) - set(_STRUCTURED_KEYS) - set(_STRUCTURED_IGNORED))
+            if unknown:
+                raise _param_error(
+                    "structured_outputs",
+                    f"unsupported key {unknown[0]!r} (known: {', '.join(_STRUCTURED_KEYS)})",
+                )
+            given.append(("structured_outputs", {k: v for k, v in so.items() if k in _STRUCTURED_KEYS}))
+        for name, kind in _GUIDED.items():
+            value = getattr(self, name)
+            if value is not None:
+                given.append((name, {kind: value}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = " and ".join(name for name, _ in given)
+            raise _param_error(given[1][0], f"only one structured output constraint may be set, got {names}")
+        name, kwargs = given[0]
+        try:
+            return StructuredOutputsParams(**kwargs)
+        except InvalidRequestError as e:
+            raise _param_error(name, str(e)) from None
 
     def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError where fields conflict (min_tokens above max_tokens)."""
@@ -153,7 +239,14 @@ class _SamplingFields(_Body):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured(),
         )
+
+
+def _param_error(param: str, message: str) -> InvalidRequestError:
+    e = InvalidRequestError(f"{param}: {message}")
+    e.param = param  # type: ignore[attr-defined]  # read by ApiError.from_exception
+    return e
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -169,7 +262,6 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -190,13 +282,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
         if v:
             raise ValueError("not supported")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_format_only(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v and v.get("type", "text") != "text":
-            raise ValueError("only the text format is supported")
         return v
 
     @property

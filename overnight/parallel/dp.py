@@ -45,6 +45,7 @@ from overnight.parallel.links import (
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from overnight.structured.compiler import GrammarCompiler
     from overnight.tokenizer.tokenizer import Tokenizer
 
 log = logging.getLogger("overnight")
@@ -117,13 +118,22 @@ class DataParallelEngine:
     config is the engines' config with max_num_seqs summed over them: what the group runs at once.
     """
 
-    def __init__(self, links: EngineLinks, source: ModelSource, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        links: EngineLinks,
+        source: ModelSource,
+        tokenizer: Tokenizer | None,
+        grammars: GrammarCompiler | None = None,
+    ) -> None:
         self.links = links
         self.num_engines = n = links.num_engines
         self.source = source
         self.vocab_size = source.arch.vocab_size
         self.tokenizer = tokenizer
         self.timings: StepTimings | None = None  # the steps run in the engines' processes
+        # Structured outputs are compiled here to validate them, and again (cached) in each engine
+        # process: requests carry only their params, never a compiled grammar.
+        self.grammars = grammars
 
         ready: dict[int, EngineReady] = {}
         while len(ready) < n:
@@ -154,7 +164,8 @@ class DataParallelEngine:
     def validate(self, ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served: one engine's checks
         (every engine behind this front has the same model and limits)."""
-        validate_request(ids, params, limits_of(self.config, self.vocab_size, self.tokenizer is not None))
+        limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
+        validate_request(ids, params, limits, self.grammars)
 
     def add_request(
         self,

@@ -232,7 +232,14 @@ def _start_rank(init: WorkerInit):
         model=replace(config.model, arch=TPShards(config.model.arch, init.rank, init.world).local_arch),
         runner=replace(config.runner, device=device),
     )
-    return ModelRunner(local, init.source, model=model)
+    # Rank 0's tokens decide (_adopt_rank0_tokens), so only rank 0 masks structured outputs; the others'
+    # draws for those rows are replaced by rank 0's, which their states and next inputs then use.
+    grammars = None
+    if init.rank == 0 and init.source.tokenizer_path is not None:
+        from overnight.structured.compiler import GrammarCompiler
+
+        grammars = GrammarCompiler.for_source(init.source)
+    return ModelRunner(local, init.source, model=model, grammars=grammars)
 
 
 def _adopt_rank0_tokens(runner, result: ModelRunnerOutput) -> None:

@@ -8,6 +8,7 @@ unread step takes it straight from that step's device tensor.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,8 +23,11 @@ from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers, build_sampling_batch
-from overnight.runner.request_state import RequestStates
-from overnight.runner.sampler import SampledLogprobs, Sampler
+from overnight.runner.request_state import RequestStates, RunnerRequest
+from overnight.runner.sampler import SampledLogprobs, Sampler, TokenMask
+
+if TYPE_CHECKING:
+    from overnight.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
     from overnight.runner.cuda_graph import DecodeGraphs
@@ -66,6 +70,8 @@ class StepHandle:
     event: torch.cuda.Event | None
     logprobs: SampledLogprobs | None
     _result: ModelRunnerOutput | None = None
+    mask_wait_s: float = 0.0  # structured outputs: waiting for the previous step's tokens
+    mask_s: float = 0.0  # structured outputs: advancing matchers, filling and copying the mask
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
@@ -81,6 +87,7 @@ class ModelRunner:
         model: CausalLM | None = None,
         *,
         calculate_kv_scales: bool | None = None,  # None: from config.cache
+        grammars: GrammarCompiler | None = None,  # None: structured outputs are never masked here
     ) -> None:
         self.config = config
         self.source = source
@@ -94,6 +101,11 @@ class ModelRunner:
         self.backend = make_attention_backend(config, self.device)
         self.sampler = Sampler()
         sched = config.scheduler
+        self.grammar_mask = None
+        if grammars is not None:
+            from overnight.runner.grammar_mask import GrammarMask
+
+            self.grammar_mask = GrammarMask(grammars, sched.max_num_seqs, self.device)
         self.max_blocks_per_req = -(-sched.max_model_len // self.block_size)
         self.states = RequestStates(sched.max_num_seqs, self.max_blocks_per_req)
         self.buffers = StepBuffers(
@@ -230,6 +242,9 @@ class ModelRunner:
         if last is not None and any(r.params.needs_penalties for r in sampled):
             last.result()  # penalties count every earlier token: wait for the step in flight
         batch = build_sampling_batch(sampled, self.eos_token_ids, self.device)
+        mask_wait_s = mask_s = 0.0
+        if self.grammar_mask is not None and self.states.num_structured:
+            batch.token_mask, mask_wait_s, mask_s = self._token_mask(sampled, last)
         tokens, logprobs = self.sampler(logits, batch)
         self._prev_tokens = tokens
         self._prev_index = {rid: j for j, rid in enumerate(req_ids)}
@@ -242,8 +257,25 @@ class ModelRunner:
             event = torch.cuda.Event()
             event.record()
             handle = StepHandle(self, req_ids, host, event, logprobs)
+        handle.mask_wait_s, handle.mask_s = mask_wait_s, mask_s
         self._last_handle = handle
         return handle
+
+    def _token_mask(
+        self, sampled: list[RunnerRequest], last: StepHandle | None
+    ) -> tuple[TokenMask | None, float, float]:
+        """The grammar mask of this step's structured rows, with (wait, build) seconds. The matchers
+        need every token sampled so far, so the previous step's tokens are read first: this step's
+        forward pass is already queued, and the device runs it while the host builds the mask."""
+        assert self.grammar_mask is not None
+        if not any(r.params.structured_outputs is not None for r in sampled):
+            return None, 0.0, 0.0
+        t0 = time.perf_counter()
+        if last is not None:
+            last.result()
+        t1 = time.perf_counter()
+        mask = self.grammar_mask.build(sampled)
+        return mask, t1 - t0, time.perf_counter() - t1
 
     def _finish(self, handle: StepHandle) -> ModelRunnerOutput:
         if handle.event is not None:
@@ -251,7 +283,13 @@ class ModelRunner:
         tokens = handle.tokens_host.tolist() if handle.tokens_host is not None else []
         self.states.resolve(handle.req_ids, tokens)
         logprobs = handle.logprobs.to_host() if handle.logprobs is not None else None
-        return ModelRunnerOutput(req_ids=handle.req_ids, sampled_token_ids=tokens, logprobs=logprobs)
+        return ModelRunnerOutput(
+            req_ids=handle.req_ids,
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            mask_wait_s=handle.mask_wait_s,
+            mask_s=handle.mask_s,
+        )
 
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int, num_seqs: int, max_model_len: int) -> int:

@@ -9,11 +9,28 @@ device (see model_runner.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+
+@dataclass(slots=True, eq=False)
+class Guide:
+    """One sequence's grammar state."""
+
+    matcher: xgr.GrammarMatcher
+    consumed: int = 0  # output tokens the matcher has accepted
+    # No more masks from the matcher; the row allows only the stop tokens. Either it accepted a stop
+    # token: the request is over, but a step launched before the engine read that token still samples
+    # it (a token the engine drops). Or it refused a token (the mask makes that impossible; a guard): the
+    # request then ends instead of running on unconstrained.
+    ended: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -27,6 +44,9 @@ class RunnerRequest:
     num_blocks: int
     num_computed_tokens: int
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
+    # Structured outputs: the grammar matcher (runner/grammar_mask.py), made when first sampled. A
+    # preempted request's state is dropped with it; the new state's matcher replays the outputs.
+    guide: Guide | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -47,6 +67,7 @@ class RequestStates:
         self.reqs: dict[str, RunnerRequest] = {}
         self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
+        self.num_structured = 0  # requests with structured outputs: none means no mask work at all
 
     def _grow(self) -> None:
         rows, cols = self.block_table.shape
@@ -72,6 +93,8 @@ class RequestStates:
             st = self.reqs.pop(rid, None)
             if st is not None:
                 self._free_slots.append(st.slot)
+                if st.params.structured_outputs is not None:
+                    self.num_structured -= 1
         for new in out.new_reqs:
             if not self._free_slots:
                 self._grow()
@@ -87,6 +110,8 @@ class RequestStates:
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st
+            if new.params.structured_outputs is not None:
+                self.num_structured += 1
         for cached in out.cached_reqs:
             self._set_blocks(self.reqs[cached.req_id], cached.new_block_ids)
         decodes: list[ScheduledRequest] = []

@@ -1,7 +1,8 @@
 """Batched sampling on the model's device, with per-request settings and no host sync per request.
 
-Order of operations on each row's logits: penalties and min_tokens bans, then either argmax (greedy) or
-temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model distribution.
+Order of operations on each row's logits: the grammar's token mask (structured outputs), penalties and
+min_tokens bans, then either argmax (greedy) or temperature -> top-k -> top-p -> min-p -> a draw.
+Logprobs are those of the raw model distribution: before the mask, penalties and temperature.
 
 Per-request seeds: a draw uses the Gumbel-max trick with noise that is a hash of (seed, output position,
 token id). The noise of a request never depends on the rest of the batch, so the same seed gives the
@@ -15,8 +16,17 @@ from dataclasses import dataclass
 import torch
 
 from overnight.engine.step_io import TokenLogprobs
+from overnight.kernels.token_bitmask import apply_token_bitmask_
 
 _MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class TokenMask:
+    """Allowed tokens of the structured rows, on the logits' device (see kernels/token_bitmask.py)."""
+
+    bitmask: torch.Tensor  # [K, ceil(V / 32)] int32
+    rows: torch.Tensor  # [K] int64: the sampled row each bitmask row belongs to
 
 
 @dataclass
@@ -46,6 +56,7 @@ class SamplingBatch:
     output_ids: list[list[int]] | None = None
     # min_tokens: (row, token ids that may not be drawn yet)
     banned: list[tuple[int, list[int]]] | None = None
+    token_mask: TokenMask | None = None  # structured outputs; rows without a grammar are untouched
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -66,6 +77,9 @@ def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) 
     cols = torch.arange(vocab_size, device=seeds.device, dtype=torch.int64)
     x = _fmix32((row[:, None] + cols[None, :] * 0x61C88647) & _MASK32)
     u = ((x >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # uniform in (0, 1)
+    # The top value, (2**24 - 0.5) / 2**24, rounds to 1.0 in float32, and its noise would be +inf: a
+    # token masked to -inf (top-k, top-p, a grammar) would then score NaN, which argmax picks.
+    u = u.clamp_(max=1.0 - 2.0**-24)
     return -torch.log(-torch.log(u))
 
 
@@ -160,11 +174,16 @@ class Sampler:
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """logits: [B, V] in the model's dtype. Returns the tokens [B] and, when asked, the
         logprobs, both still on the device."""
+        mask = batch.token_mask
         if batch.all_greedy and not batch.penalty_rows and not batch.banned and batch.max_logprobs is None:
             # argmax is exact in the model's dtype: upcasting would only move more bytes.
+            if mask is not None:
+                apply_token_bitmask_(logits, mask.bitmask, mask.rows)
             return logits.argmax(dim=-1), None
         logits = logits.float()
         raw = logits.clone() if batch.max_logprobs is not None else None
+        if mask is not None:
+            apply_token_bitmask_(logits, mask.bitmask, mask.rows)
         apply_penalties(logits, batch)
         if batch.banned:
             for row, ids in batch.banned:
