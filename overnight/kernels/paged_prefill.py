@@ -50,8 +50,10 @@ class PrefillConfig:
     num_warps: int = 4
     num_stages: int = 3
     # Load the next key tile's page ids one iteration ahead in the loop over fully visible key tiles
-    # (kv_tiles.py: the pipeliner then keeps num_stages - 1 K/V tiles in flight).
-    prefetch_pages: bool = False
+    # (kv_tiles.py: the pipeliner then keeps num_stages - 1 K/V tiles in flight). On by default: on the
+    # H200, 16 x 1024 query tokens after a 512-token prefix, 799 vs 902 us (bf16) and 1180 vs 1247 us (FP8
+    # cache) at these tiles (bench/attention_gpu.py, round 5 in docs/benchmarks.md).
+    prefetch_pages: bool = True
 
 
 @triton.jit
