@@ -52,6 +52,10 @@ class EngineOptions:
     attention_backend: str = "auto"
     mode: str = "offline"  # offline | server | batch: picks the default limits
     served_model_name: str | None = None
+    # Submission order of a job known ahead (run-batch, LLM.generate): lookahead groups requests by
+    # shared prompt prefix and starts the longest last ones first (entrypoints/submission.py); fifo.
+    schedule: str = "lookahead"
+    lookahead_window: int = 4096  # requests read ahead of the engine, with schedule lookahead
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineOptions:

@@ -43,6 +43,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--schedule",
+        default="lookahead",
+        choices=["lookahead", "fifo"],
+        help="submission order of a batch job: lookahead groups lines by shared prompt prefix and "
+        "starts the longest of the last ones first; fifo keeps input order",
+    )
+    g.add_argument(
+        "--lookahead-window", type=int, default=4096, help="lines read ahead of the engine, with lookahead"
+    )
 
 
 def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
@@ -70,4 +80,6 @@ def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         mode=mode,
+        schedule=args.schedule,
+        lookahead_window=args.lookahead_window,
     )

@@ -16,6 +16,7 @@ from overnight.entrypoints.prompts import (
     render_conversation,
     tokenize_prompt,
 )
+from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
@@ -32,6 +33,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
+        check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: Engine = build_engine(self.options)
         self._ids = itertools.count()
 
@@ -120,27 +122,44 @@ class LLM:
         use_tqdm: bool,
         max_in_flight: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
+        """Prompts are read into the submission order's window (look-ahead by default) and submitted
+        in its order while fewer than `limit` are in flight; outputs carry their input index."""
         engine = self.engine
         limit = max_in_flight or 4 * engine.config.scheduler.max_num_seqs
+        order = make_order(
+            self.options.schedule, self.options.lookahead_window, engine.config.cache.block_size
+        )
+        waiting: dict[int, tuple[tuple[str | None, list[int]], SamplingParams]] = {}
         index_of: dict[str, int] = {}
         bar = _Progress(total) if use_tqdm else None
         exhausted = False
         next_index = 0
         try:
             while True:
-                while not exhausted and len(index_of) < limit:
-                    item = next(items, None)
-                    if item is None:
-                        exhausted = True
+                while True:
+                    while not exhausted and order.has_room:
+                        item = next(items, None)
+                        if item is None:
+                            exhausted = True
+                            order.close()
+                            break
+                        ids, params = item[0][1], item[1]
+                        max_output = max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
+                        order.add(next_index, ids, max_output)
+                        waiting[next_index] = item
+                        next_index += 1
+                    if len(index_of) >= limit:
                         break
-                    (text, ids), params = item
+                    index = order.pop()
+                    if index is None:
+                        break
+                    (text, ids), params = waiting.pop(index)
                     rid = str(next(self._ids))
                     try:
                         engine.add_request(rid, ids, params, prompt=text)
                     except InvalidRequestError as e:
-                        raise InvalidRequestError(f"prompt {next_index}: {e}") from None
-                    index_of[rid] = next_index
-                    next_index += 1
+                        raise InvalidRequestError(f"prompt {index}: {e}") from None
+                    index_of[rid] = index
                 if not index_of:
                     break
                 for out in engine.step():
