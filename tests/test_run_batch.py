@@ -534,13 +534,15 @@ def test_output_order_spills_what_waits(tmp_path):
     assert len((tmp_path / "out.jsonl.spill").read_bytes().splitlines()) == 2
     assert order.finish(a, {"x": "a"}) == [{"x": "a"}, {"x": "b"}, {"x": "c"}]
     assert order.num_held == 0
-    d, e = order.start(), order.start()
+    order.start()
+    e = order.start()
     assert order.finish(e, {"x": "e"}) == []
     assert order.close(completed=False) == []  # a durable spill keeps e for --resume
     assert (tmp_path / "out.jsonl.spill").exists()
 
     anonymous = OutputOrder("input")  # output to stdout: written out of order when interrupted
-    f, g = anonymous.start(), anonymous.start()
+    anonymous.start()
+    g = anonymous.start()
     assert anonymous.finish(g, {"x": "g"}) == [] and anonymous.close(completed=False) == [{"x": "g"}]
     fast = OutputOrder("completion", Spill(str(tmp_path / "fast.spill")))
     fast.start()
@@ -633,3 +635,43 @@ def test_runner_bounds_work_in_flight(batch_model):
     assert peak["seqs"] <= 8 + 2 * 3 - 1  # the limit, exceeded by at most one line's sequences
     assert peak["waiting"] <= 10
     assert not engine.has_unfinished_requests() and not engine.parents
+
+
+def test_resume_takes_live_answers_from_the_spill(batch_model, tmp_path, capsys):
+    """What --resume does with out.jsonl.spill: a success the output lacks is placed from it in input
+    order; one the output has (stale), a failure and a torn last line are ignored. Without --resume a
+    spill with lines in it is refused; --overwrite removes it."""
+    lines = [completion_line(c, f"w{10 + i} w20", max_tokens=3, temperature=0) for i, c in enumerate("abcd")]
+    inp, out, spill = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out.jsonl.spill"
+    write_jsonl(inp, lines)
+    flags = [*engine_flags(batch_model), "--schedule", "fifo"]
+    assert run_cli(["-i", str(inp), "-o", str(out), *flags]) == 0
+    full = read_jsonl(out)
+    first = json.dumps(full[0]) + "\n"
+    spilled_c = {**full[2], "id": "batch_req_from_spill"}
+    stale_a = {**full[0], "id": "batch_req_stale"}
+    failed_d = {**full[3], "id": "batch_req_failed", "error": {"code": "x", "message": "line 4: x"}}
+    spill_text = "".join(json.dumps(r) + "\n" for r in (stale_a, spilled_c, failed_d))
+
+    out.write_text("")
+    spill.write_text(spill_text)
+    capsys.readouterr()
+    assert run_cli(["-i", str(inp), "-o", str(out), *flags]) == 2
+    assert "pass --resume" in capsys.readouterr().err and spill.read_text() == spill_text
+
+    out.write_text(first)
+    spill.write_text(spill_text + '{"id": "batch_req_torn", "custom_id": "b", "resp')
+    summary = tmp_path / "s.json"
+    assert run_cli(["-i", str(inp), "-o", str(out), "--resume", "--summary-json", str(summary), *flags]) == 0
+    got = read_jsonl(out)
+    assert [r["custom_id"] for r in got] == ["a", "b", "c", "d"]
+    assert [r["id"] for r in got][::2] == [full[0]["id"], "batch_req_from_spill"]
+    assert got[1]["id"] != full[1]["id"] and got[3]["error"] is None  # computed again
+    assert [r["response"]["body"]["choices"] for r in got] == [r["response"]["body"]["choices"] for r in full]
+    s = json.loads(summary.read_text())
+    assert (s["skipped"], s["recovered_from_spill"], s["ok"]) == (1, 1, 2)
+    assert not spill.exists()
+
+    spill.write_text(spill_text)
+    assert run_cli(["-i", str(inp), "-o", str(out), "--overwrite", *flags]) == 0
+    assert len(read_jsonl(out)) == 4 and not spill.exists()

@@ -101,4 +101,3 @@ class Timeline:
                 f"(at most {self.peak_held} at once)"
             )
         return lines
-
