@@ -48,7 +48,12 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
         else:
             lines.append(completion_line(f"r{i}", [words(rng, 3), words(rng, 2)], **body))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    spill = tmp_path / "out.jsonl.spill"
     write_jsonl(inp, lines)
+
+    def progress() -> int:  # lines finished: in the output, or waiting in the spill for an earlier one
+        return count_lines(out) + count_lines(spill)
+
     args = [
         sys.executable,
         "-m",
@@ -64,11 +69,11 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     kills_mid_run = 0
     for k in range(5):
-        before = count_lines(out)
+        before = progress()
         target = before + rng.randint(2, 18)
         proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while count_lines(out) < target and proc.poll() is None and time.monotonic() < deadline:
+        while progress() < target and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.2))
         if proc.poll() is None:
@@ -79,8 +84,7 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
             with open(out, "ab") as f:
                 f.write(b'{"id":"batch_req_x","custom_id":"r1","response":{"status_code":2')
     assert kills_mid_run == 5
-    partial = count_lines(out)
-    assert 0 < partial < len(lines)
+    assert 0 < progress() and count_lines(out) < len(lines)
 
     proc = run_subprocess(
         ["-i", str(inp), "-o", str(out), "--resume", *engine_flags(batch_model, max_num_seqs=8)], timeout=300
