@@ -9,6 +9,7 @@ import random
 import pytest
 
 from overnight.entrypoints.submission import (
+    MAX_HOLD_STEPS,
     FifoOrder,
     LookaheadOrder,
     make_order,
@@ -28,9 +29,14 @@ def prompt(system: int, user: int, system_blocks: int = 3, user_len: int = 5) ->
 
 
 def drain(order) -> list[int]:
+    """Pop everything, with an engine step whenever the order holds back."""
     out = []
-    while (seq := order.pop()) is not None:
-        out.append(seq)
+    while len(order):
+        seq = order.pop()
+        if seq is None:
+            order.on_step(0)
+        else:
+            out.append(seq)
     return out
 
 
@@ -64,10 +70,13 @@ def test_steady_state_groups_by_prefix_and_submits_every_request_once():
             else:
                 order.add(seq, prompt(groups[seq], seq), max_output=16)
                 fifo.add(seq, [], 16)
+        if not len(order):
+            break
         seq = order.pop()
         if seq is None:
-            break
-        submitted.append(seq)
+            order.on_step(0)
+        else:
+            submitted.append(seq)
     assert sorted(submitted) == list(range(400))
     got = [groups[s] for s in submitted]
     # In file order the 8 groups change almost every line; the look-ahead changes group about once per
@@ -92,7 +101,9 @@ def test_no_request_falls_more_than_two_windows_behind():
             arrival[num_added] = num_added
             num_added += 1
         seq = order.pop()
-        worst = max(worst, num_added - arrival.pop(seq))
+        order.on_step(0)
+        if seq is not None:
+            worst = max(worst, num_added - arrival.pop(seq))
     assert worst <= 2 * window
     assert worst > window  # the lone ones did wait: the walk stays in the big group
 
@@ -164,3 +175,35 @@ def test_llm_generate_reorders_submission_and_returns_input_order(tmp_path):
     assert runs(order["lookahead"]) == 4  # one run per system prompt
     with pytest.raises(ConfigError, match="schedule"):
         LLM(str(folder), device="cpu", skip_tokenizer_init=True, schedule="random")
+
+
+def test_the_first_request_of_a_new_prefix_goes_alone():
+    """Its group follows once the engine has admitted it (its queue is empty) and taken one more step;
+    prompts that share nothing are never held back."""
+    order = LookaheadOrder(window=100, block_size=BS)
+    for seq in range(6):
+        order.add(seq, prompt(seq % 2, seq), 8)
+    order.close()
+    first = order.pop()
+    assert first is not None
+    for waiting in (3, 1, 0):  # requests submitted before it are still being admitted, then it is
+        assert order.pop() is None
+        order.on_step(waiting)
+    assert order.pop() is None  # admitted in the last step: its blocks are cached after the next one
+    order.on_step(2)
+    second = order.pop()
+    assert second % 2 == first % 2  # the same group, at once after the hold
+    assert order.pop() % 2 == first % 2
+    stuck = LookaheadOrder(window=100, block_size=BS)  # a queue that never empties holds it a while
+    for seq in range(4):
+        stuck.add(seq, prompt(0, seq), 8)
+    stuck.pop()
+    steps = 0
+    while stuck.pop() is None:
+        stuck.on_step(5)
+        steps += 1
+    assert steps == MAX_HOLD_STEPS
+    lone = LookaheadOrder(window=100, block_size=BS)
+    for seq in range(5):
+        lone.add(seq, [100 * seq + i for i in range(12)], 8)
+    assert all(lone.pop() is not None for _ in range(5))

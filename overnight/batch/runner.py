@@ -107,12 +107,15 @@ class BatchRunner:
                 if not self.active:
                     if self._input_done and not self.waiting:
                         break
+                    self.schedule.on_step(0)  # nothing runs: nothing to wait for
                     continue
                 t0 = time.perf_counter()
                 outputs = engine.step()
                 t1 = time.perf_counter()
+                stats = engine.stats()
+                self.schedule.on_step(stats.num_waiting)
                 tl.add("engine", t1 - t0)
-                tl.step(engine.stats(), t0, t1)
+                tl.step(stats, t0, t1)
                 for out in outputs:
                     if out.finished:
                         self._on_finished(out)

