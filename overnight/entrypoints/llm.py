@@ -137,25 +137,26 @@ class LLM:
         bar = _Progress(total) if use_tqdm else None
         exhausted = False
         next_index = 0
+
+        def read_ahead() -> None:
+            nonlocal exhausted, next_index
+            while not exhausted and order.has_room:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                    order.close()
+                    return
+                ids, params = item[0][1], item[1]
+                order.add(
+                    next_index, ids, max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
+                )
+                waiting[next_index] = item
+                next_index += 1
+
         try:
             while True:
-                while True:
-                    while not exhausted and order.has_room:
-                        item = next(items, None)
-                        if item is None:
-                            exhausted = True
-                            order.close()
-                            break
-                        ids, params = item[0][1], item[1]
-                        max_output = max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
-                        order.add(next_index, ids, max_output)
-                        waiting[next_index] = item
-                        next_index += 1
-                    if len(index_of) >= limit:
-                        break
-                    index = order.pop()
-                    if index is None:
-                        break
+                read_ahead()
+                while len(index_of) < limit and (index := order.pop()) is not None:
                     (text, ids), params = waiting.pop(index)
                     rid = str(next(self._ids))
                     try:
@@ -163,6 +164,7 @@ class LLM:
                     except InvalidRequestError as e:
                         raise InvalidRequestError(f"prompt {index}: {e}") from None
                     index_of[rid] = index
+                    read_ahead()
                 if not index_of:
                     if exhausted and not waiting:
                         break
