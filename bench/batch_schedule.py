@@ -12,8 +12,9 @@
     PYTHONPATH=. python bench/batch_schedule.py --gpu    # H200: Qwen3-8B dummy weights, bf16
 
 Every run is checked first (each custom_id once, in input order, no failure, every answer its full
-max_tokens); the CPU preset also compares the greedy texts of look-ahead and fifo. A table, then one
-JSON line.
+max_tokens); the CPU preset also compares the greedy texts of look-ahead and fifo. A run still going
+after the preset's run_limit_s is stopped and shown as "cut short" (its rate counts finished lines
+only). A table, then one JSON line.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Preset:
     short_tokens: int
     warm_lines: int
     fcfs_budget_s: float  # skip the first-come-first-served run once this much time has passed
+    run_limit_s: float  # a run still going after this long is stopped and reported as cut short
 
 
 CPU = Preset(  # sized for a small CPU: prefill-heavy, since CPU decode gains little from a fuller batch
@@ -83,6 +85,7 @@ CPU = Preset(  # sized for a small CPU: prefill-heavy, since CPU decode gains li
     short_tokens=4,
     warm_lines=8,
     fcfs_budget_s=3600.0,
+    run_limit_s=1200.0,
 )
 GPU = Preset(
     model="qwen3-8b",
@@ -101,7 +104,8 @@ GPU = Preset(
     long_tokens=1024,
     short_tokens=16,
     warm_lines=256,
-    fcfs_budget_s=300.0,
+    fcfs_budget_s=240.0,
+    run_limit_s=150.0,
 )
 
 
@@ -141,8 +145,34 @@ def kv_bytes_per_token(model: str | None, load_format: str, dtype_bytes: int) ->
     return 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim * dtype_bytes
 
 
-def run(engine, path: str, lengths: dict[str, int], *, schedule: str, order: str, max_in_flight: int | None):
-    """One pass of run-batch's runner over `path`; checks the output and returns (summary, texts)."""
+class CutShort(Exception):
+    pass
+
+
+def with_deadline(step, limit_s: float):
+    """engine.step that raises CutShort once limit_s have passed (the runner then aborts what runs)."""
+    deadline = time.perf_counter() + limit_s
+
+    def step_until_deadline():
+        if time.perf_counter() > deadline:
+            raise CutShort
+        return step()
+
+    return step_until_deadline
+
+
+def run(
+    engine,
+    path: str,
+    lengths: dict[str, int],
+    *,
+    schedule: str,
+    order: str,
+    max_in_flight: int | None,
+    limit_s: float = 1e9,
+):
+    """One pass of run-batch's runner over `path`; checks the output and returns (summary, texts).
+    A run cut short by limit_s returns its summary with status "cut short" and is not checked."""
     engine.kv.pool.reset_prefix_cache()  # every run starts cold
     sched = engine.config.scheduler
     out_path = path + f".{schedule}.{order}.out"
@@ -163,8 +193,17 @@ def run(engine, path: str, lengths: dict[str, int], *, schedule: str, order: str
             if schedule == "fcfs"
             else make_order(schedule, DEFAULT_WINDOW, engine.config.cache.block_size),
         )
-        with open(path, "rb") as f:
-            runner.run(read_lines(f))
+        engine.step = with_deadline(type(engine).step.__get__(engine), limit_s)
+        try:
+            with open(path, "rb") as f:
+                runner.run(read_lines(f))
+        except CutShort:
+            summary.finish("cut short")
+            spill.close(remove=True)
+            os.remove(out_path)
+            return {**summary.as_dict(), "cpu_s": round(time.process_time() - cpu0, 1)}, {}
+        finally:
+            del engine.step  # the class's step again
         summary.finish()
     cpu_s = time.process_time() - cpu0
     with open(out_path, "rb") as f:
@@ -188,10 +227,15 @@ def run(engine, path: str, lengths: dict[str, int], *, schedule: str, order: str
     return {**summary.as_dict(), "cpu_s": round(cpu_s, 1)}, texts
 
 
+def ratio(a: float, b: float) -> float | None:
+    return round(a / b, 3) if b else None
+
+
 def row(name: str, s: dict) -> dict:
     t = s["schedule"]
     return {
         "run": name,
+        "status": s["status"],
         "elapsed_s": s["elapsed_s"],
         "cpu_s": s["cpu_s"],  # this process's CPU time: on a shared machine, steadier than wall time
         "out_tok_s": s["output_tokens_per_s"],
@@ -270,23 +314,29 @@ def main() -> int:
             print("skipping the fcfs run: out of time", flush=True)
             continue
         s, texts[schedule] = run(
-            engine, prefix_path, lengths, schedule=schedule, order="input", max_in_flight=in_flight
+            engine,
+            prefix_path,
+            lengths,
+            schedule=schedule,
+            order="input",
+            max_in_flight=in_flight,
+            limit_s=p.run_limit_s,
         )
         rows.append(row(f"prefix: {name}", s))
         print(json.dumps(rows[-1]), flush=True)
     same = None  # dummy weights come without a tokenizer: no texts to compare
-    if engine.tokenizer is not None:
+    if engine.tokenizer is not None and texts["lookahead"] and texts["fifo"]:
         same = sum(texts["lookahead"][c] == texts["fifo"][c] for c in texts["fifo"]) / len(texts["fifo"])
     by = {r["run"]: r for r in rows}
     ahead, fifo = by["prefix: lookahead"], by["prefix: fifo"]
     results["prefix"] = {
-        "lookahead_over_fifo": round(ahead["out_tok_s"] / fifo["out_tok_s"], 3),
-        "lookahead_over_fifo_cpu_time": round(fifo["cpu_s"] / max(ahead["cpu_s"], 1e-9), 3),
+        "lookahead_over_fifo": ratio(ahead["out_tok_s"], fifo["out_tok_s"]),
+        "lookahead_over_fifo_cpu_time": ratio(fifo["cpu_s"], ahead["cpu_s"]),
         "greedy_texts_identical": same,
     }
     if "prefix: fcfs (all lines at once)" in by:
         fcfs = by["prefix: fcfs (all lines at once)"]["out_tok_s"]
-        results["prefix"]["lookahead_over_fcfs"] = round(by["prefix: lookahead"]["out_tok_s"] / fcfs, 3)
+        results["prefix"]["lookahead_over_fcfs"] = ratio(ahead["out_tok_s"], fcfs)
 
     if not args.skip_order:
         order_path = os.path.join(tmp, "order.jsonl")
@@ -297,34 +347,32 @@ def main() -> int:
             flush=True,
         )
         for order in ("completion", "input"):  # fifo: long lines start at the head, as in the file
-            s, _ = run(engine, order_path, lengths, schedule="fifo", order=order, max_in_flight=8)
+            s, _ = run(
+                engine,
+                order_path,
+                lengths,
+                schedule="fifo",
+                order=order,
+                max_in_flight=8,
+                limit_s=p.run_limit_s,
+            )
             rows.append(row(f"order: {order}", s))
             print(json.dumps(rows[-1]), flush=True)
         by = {r["run"]: r for r in rows}
         inp, comp = by["order: input"], by["order: completion"]
         results["order"] = {
-            "input_over_completion_wall": round(inp["elapsed_s"] / comp["elapsed_s"], 3),
-            "input_over_completion_cpu": round(inp["cpu_s"] / max(comp["cpu_s"], 1e-9), 3),
+            "input_over_completion_wall": ratio(inp["elapsed_s"], comp["elapsed_s"]),
+            "input_over_completion_cpu": ratio(inp["cpu_s"], comp["cpu_s"]),
         }
 
     print(f"\nSM clock at the end: {sm_clock_now()}")
-    cols = [
-        "run",
-        "elapsed_s",
-        "cpu_s",
-        "out_tok_s",
-        "prefix_hit",
-        "prompt_computed",
-        "preemptions",
-        "tail_s",
-    ]
-    cols += ["read_s", "tokenize_s"]
-    cols += ["engine_s", "write_s", "spilled"]
+    cols = ["run", "status", "elapsed_s", "cpu_s", "out_tok_s", "prefix_hit", "prompt_computed"]
+    cols += ["preemptions", "tail_s", "read_s", "tokenize_s", "engine_s", "write_s", "spilled"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r[c]) for c in cols) + " |")
-    print(f"look-ahead / fifo out tok/s: {results['prefix']['lookahead_over_fifo']:.2f}x")
+    print(f"look-ahead / fifo out tok/s: {results['prefix']['lookahead_over_fifo']} x")
     results["rows"] = rows
     results["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(results))

@@ -44,7 +44,9 @@ from overnight.errors import ConfigError
 
 SCHEDULES = ("lookahead", "fifo")
 DEFAULT_WINDOW = 4096
-MAX_HOLD_STEPS = 32  # a queue kept full by preempted requests does not hold the group back for ever
+# Holding back costs nothing while requests wait in the engine's queue (the engine has work); the bound
+# only keeps a queue that never empties (stale counts of a remote engine) from holding a group for ever.
+MAX_HOLD_STEPS = 256
 # Blocks hashed per prompt for its key: enough to tell apart prefixes of 2,048 tokens (block size 16),
 # and a bound on the hashing a very long prompt costs.
 MAX_KEY_BLOCKS = 128
