@@ -238,6 +238,7 @@ def row(name: str, s: dict) -> dict:
         "status": s["status"],
         "elapsed_s": s["elapsed_s"],
         "cpu_s": s["cpu_s"],  # this process's CPU time: on a shared machine, steadier than wall time
+        "steps": t["engine_steps"],
         "out_tok_s": s["output_tokens_per_s"],
         "prefix_hit": t["prefix_cache_hit_rate"],
         "prompt_computed": t["prefix_cache_queries"] - t["prefix_cache_hits"],
@@ -363,10 +364,11 @@ def main() -> int:
         results["order"] = {
             "input_over_completion_wall": ratio(inp["elapsed_s"], comp["elapsed_s"]),
             "input_over_completion_cpu": ratio(inp["cpu_s"], comp["cpu_s"]),
+            "input_over_completion_steps": ratio(inp["steps"], comp["steps"]),
         }
 
     print(f"\nSM clock at the end: {sm_clock_now()}")
-    cols = ["run", "status", "elapsed_s", "cpu_s", "out_tok_s", "prefix_hit", "prompt_computed"]
+    cols = ["run", "status", "elapsed_s", "cpu_s", "steps", "out_tok_s", "prefix_hit", "prompt_computed"]
     cols += ["preemptions", "tail_s", "read_s", "tokenize_s", "engine_s", "write_s", "spilled"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))

@@ -22,6 +22,7 @@ class Timeline:
     window: int  # look-ahead window (requests read ahead of the engine)
     max_num_seqs: int
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    steps: int = 0  # engine steps: unlike time, the same on a busy machine
     first_step: float | None = None
     last_step: float | None = None
     last_busy: float | None = None  # end of the last step with running >= max_num_seqs / 4
@@ -40,6 +41,7 @@ class Timeline:
         self.seconds[phase] += seconds
 
     def step(self, stats: SchedulerStats, started: float, now: float) -> None:
+        self.steps += 1
         if self.first_step is None:
             self.first_step = started
         self.last_step = now
@@ -77,6 +79,7 @@ class Timeline:
             "prefix_cache_queries": self.prefix_queries,
             "prefix_cache_hits": self.prefix_hits,
             "preemptions": self.preemptions,
+            "engine_steps": self.steps,
             "engine_span_s": round(self.engine_span_s, 3),
             "tail_s": round(self.tail_s, 3),
             "tail_running_below": self.max_num_seqs / 4,
@@ -91,8 +94,8 @@ class Timeline:
         hits = "no lookups seen" if rate is None else f"{rate:.1%} of prompt tokens hit"
         lines = [
             f"  schedule: {how}; prefix cache {hits}; {self.preemptions} preemptions",
-            f"  tail: {self.tail_s:.1f} s of {self.engine_span_s:.1f} s with fewer than "
-            f"{self.max_num_seqs / 4:g} running",
+            f"  tail: {self.tail_s:.1f} s of {self.engine_span_s:.1f} s ({self.steps} steps) with fewer "
+            f"than {self.max_num_seqs / 4:g} running",
             "  time: " + ", ".join(f"{k} {v:.1f} s" for k, v in self.seconds.items()),
         ]
         if self.spilled:
