@@ -67,7 +67,7 @@ def test_lookahead_groups_shared_prefixes_and_changes_no_output(batch_model, tmp
         f"fifo {fifo['prefix_cache_hit_rate']:.1%}"
     )
     assert ahead["schedule"] == "lookahead" and fifo["schedule"] == "fifo"
-    assert ahead["prefix_cache_hit_rate"] >= 0.75  # at most ~84%: each prompt's first request misses
+    assert ahead["prefix_cache_hit_rate"] >= 0.75  # at most ~84%: each system prompt's first line misses
     assert ahead["prefix_cache_hit_rate"] >= fifo["prefix_cache_hit_rate"] + 0.35
     # The same prompt tokens were looked up, give or take recomputation after preemption.
     assert ahead["prefix_cache_queries"] <= fifo["prefix_cache_queries"]
