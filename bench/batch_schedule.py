@@ -39,7 +39,7 @@ from overnight.batch.summary import Summary  # noqa: E402
 from overnight.batch.timeline import Timeline  # noqa: E402
 from overnight.bench.gpu_info import sm_clock_now  # noqa: E402
 from overnight.engine.builder import EngineOptions, build_engine  # noqa: E402
-from overnight.entrypoints.submission import DEFAULT_WINDOW, FifoOrder, make_order  # noqa: E402
+from overnight.entrypoints.submission import FifoOrder, make_order  # noqa: E402
 from overnight.loader.resolve import resolve_source  # noqa: E402
 
 
@@ -177,7 +177,8 @@ def run(
     sched = engine.config.scheduler
     out_path = path + f".{schedule}.{order}.out"
     spill = Spill(out_path + ".spill")
-    timeline = Timeline(schedule, DEFAULT_WINDOW, sched.max_num_seqs)
+    window = EngineOptions().lookahead_window  # run-batch's default
+    timeline = Timeline(schedule, window, sched.max_num_seqs)
     summary = Summary(input=path, output=out_path, model="bench", timeline=timeline)
     cpu0 = time.process_time()
     with open(out_path, "wb") as out:
@@ -191,7 +192,7 @@ def run(
             max_in_flight=max_in_flight or 2 * sched.max_num_seqs,
             schedule=FifoOrder()
             if schedule == "fcfs"
-            else make_order(schedule, DEFAULT_WINDOW, engine.config.cache.block_size),
+            else make_order(schedule, window, engine.config.cache.block_size),
         )
         engine.step = with_deadline(type(engine).step.__get__(engine), limit_s)
         try:

@@ -26,9 +26,8 @@ step, so the prefix is computed and in the prefix cache (the engine registers a 
 that computed it; one that runs a step ahead schedules the next step before that). Submitted together,
 the whole group would be admitted in one step and compute the prefix once each.
 
-Bound: a request waits at most until 2 x window later requests have been read; then it goes first.
-A group that keeps growing cannot starve a request with a prefix of its own, and a run-batch in input
-order holds at most that many finished lines waiting for an earlier one.
+Bound: a request waits at most until 2 x window later requests have been read; then it goes first,
+so a group that keeps growing cannot starve a request with a prefix of its own.
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from overnight.engine.block_pool import hash_block
 from overnight.errors import ConfigError
 
 SCHEDULES = ("lookahead", "fifo")
-DEFAULT_WINDOW = 4096
 # Holding back costs nothing while requests wait in the engine's queue (the engine has work); the bound
 # only keeps a queue that never empties (stale counts of a remote engine) from holding a group for ever.
 MAX_HOLD_STEPS = 256
