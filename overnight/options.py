@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = ("default", "prefetch", "fp8-mma")  # named kernel configs (attention/variants.py)
+SCHEDULES = ("lookahead", "fifo")
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
 MODES = ("offline", "server", "batch")
 
@@ -95,6 +96,15 @@ class EngineOptions:
         "Triton attention kernel configs by name (attention/variants.py)",
         choices=ATTENTION_VARIANTS,
     )
+    # Submission order of a job known ahead (run-batch, LLM.generate): lookahead groups requests by shared
+    # prompt prefix and starts the longest of the last ones first (entrypoints/submission.py).
+    schedule: str = option(
+        "lookahead",
+        "submission order of a batch job: lookahead groups prompts by shared prefix and starts the longest "
+        "of the last ones first; fifo keeps input order",
+        choices=SCHEDULES,
+    )
+    lookahead_window: int = option(4096, "prompts read ahead of the engine, with --schedule lookahead")
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )
@@ -150,8 +160,12 @@ def from_args(cls: type[T], args: argparse.Namespace, **overrides: Any) -> T:
     return cls(**{**given, **overrides})
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_option_args(parser, EngineOptions, "engine")
+# Options of the submission order, which only entry points that know their whole job use.
+SUBMISSION_OPTIONS = ("schedule", "lookahead_window")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    add_option_args(parser, EngineOptions, "engine", skip)
 
 
 def options_from_args(args: argparse.Namespace, mode: str, **overrides: Any) -> EngineOptions:

@@ -156,7 +156,7 @@ def _run_batch(engine, lines: list[dict]) -> list[dict]:
         Summary(input="-", output="-"),
         model_name=served,
         names=served_names(served),
-        order=OutputOrder("input", 8),
+        order=OutputOrder("input"),
         max_in_flight=4,
     )
     runner.run(read_lines(json.dumps(line).encode() + b"\n" for line in lines))

@@ -479,37 +479,28 @@ def test_resume_drops_a_torn_line_and_answers_the_rest_once(batch_model, tmp_pat
     assert len(read_jsonl(out)) == 41
 
 
-def test_order_input_with_a_small_window_and_order_completion(batch_model, tmp_path):
-    # One long line first, then short ones: in completion order the long one comes last.
+def test_order_input_and_order_completion(batch_model, tmp_path):
+    # One long line first, then short ones: in completion order the long one comes last; in input
+    # order the short ones wait in the spill, which is gone once the run completes.
     lines = [completion_line("long", "w9", max_tokens=40, ignore_eos=True, temperature=0)]
     lines += [completion_line(f"s{i}", f"w{10 + i}", max_tokens=1) for i in range(20)]
     write_jsonl(tmp_path / "in.jsonl", lines)
     ids = [x["custom_id"] for x in lines]
     flags = engine_flags(batch_model, max_num_seqs=4)
-    for order, window in (("input", "3"), ("completion", "3")):
+    for order in ("input", "completion"):
         out = tmp_path / f"{order}.jsonl"
-        assert (
-            run_cli(
-                [
-                    "-i",
-                    str(tmp_path / "in.jsonl"),
-                    "-o",
-                    str(out),
-                    "--order",
-                    order,
-                    "--reorder-window",
-                    window,
-                    *flags,
-                ]
-            )
-            == 0
-        )
+        summary = tmp_path / f"{order}.json"
+        args = ["-i", str(tmp_path / "in.jsonl"), "-o", str(out), "--order", order, *flags]
+        assert run_cli([*args, "--schedule", "fifo", "--summary-json", str(summary)]) == 0
         got = [r["custom_id"] for r in read_jsonl(out)]
         assert sorted(got) == sorted(ids)
+        spilled = json.loads(summary.read_text())["schedule"]["spilled_lines"]
         if order == "input":
             assert got == ids
+            assert spilled >= 10  # the short lines finished while the long one ran
         else:
-            assert got[-1] == "long"
+            assert got[-1] == "long" and spilled == 0
+        assert not (tmp_path / f"{order}.jsonl.spill").exists()
     long = read_jsonl(tmp_path / "input.jsonl")[0]["response"]["body"]
     assert long["usage"]["completion_tokens"] == 40 and long["choices"][0]["finish_reason"] == "length"
 
@@ -533,23 +524,33 @@ def test_stdin_to_stdout_in_a_subprocess(batch_model, tmp_path):
 # ---- pieces ------------------------------------------------------------------------------------
 
 
-def test_output_order_window():
+def test_output_order_spills_what_waits(tmp_path):
     from overnight.batch.ordering import OutputOrder
+    from overnight.batch.spill import Spill
 
-    order = OutputOrder("input", window=3)
+    spill = Spill(str(tmp_path / "out.jsonl.spill"))
+    order = OutputOrder("input", spill)
     a, b, c = order.start(), order.start(), order.start()
-    assert not order.has_room
     assert order.finish(c, {"x": "c"}) == [] and order.finish(b, {"x": "b"}) == []
-    assert not order.has_room  # the head holds the window
+    assert order.num_held == 2 and spill.num_appended == 2  # on disk, not in memory
+    assert len((tmp_path / "out.jsonl.spill").read_bytes().splitlines()) == 2
     assert order.finish(a, {"x": "a"}) == [{"x": "a"}, {"x": "b"}, {"x": "c"}]
-    assert order.has_room and order.num_open == 0
-    d, e = order.start(), order.start()
-    assert order.finish(e, {"x": "e"}) == [] and order.drain() == [{"x": "e"}]
-    assert order.finish(d, {"x": "d"}) == [{"x": "d"}]
-    fast = OutputOrder("completion", window=2)
+    assert order.num_held == 0
+    order.start()
+    e = order.start()
+    assert order.finish(e, {"x": "e"}) == []
+    assert order.close(completed=False) == []  # a durable spill keeps e for --resume
+    assert (tmp_path / "out.jsonl.spill").exists()
+
+    anonymous = OutputOrder("input")  # output to stdout: written out of order when interrupted
+    anonymous.start()
+    g = anonymous.start()
+    assert anonymous.finish(g, {"x": "g"}) == [] and anonymous.close(completed=False) == [{"x": "g"}]
+    fast = OutputOrder("completion", Spill(str(tmp_path / "fast.spill")))
     fast.start()
-    g = fast.start()
-    assert fast.finish(g, {"x": "g"}) == [{"x": "g"}] and fast.has_room
+    h = fast.start()
+    assert fast.finish(h, {"x": "h"}) == [{"x": "h"}]
+    assert fast.close(completed=True) == [] and not (tmp_path / "fast.spill").exists()
 
 
 def test_repair_and_scan(tmp_path):
@@ -573,8 +574,8 @@ def test_repair_and_scan(tmp_path):
 
 
 def test_runner_bounds_work_in_flight(batch_model):
-    """Whatever the file size, the engine holds at most max_in_flight sequences (plus one line's worth) and
-    at most `window` lines are started but unwritten."""
+    """Whatever the file size, the engine holds at most max_in_flight sequences (plus one line's worth)
+    and the look-ahead window at most `window` lines read but not submitted."""
     import io
 
     from overnight import LLM
@@ -583,6 +584,7 @@ def test_runner_bounds_work_in_flight(batch_model):
     from overnight.batch.reader import read_lines
     from overnight.batch.runner import BatchRunner
     from overnight.batch.summary import Summary
+    from overnight.entrypoints.submission import LookaheadOrder
 
     engine = LLM(
         batch_model,
@@ -605,26 +607,73 @@ def test_runner_bounds_work_in_flight(batch_model):
         for i in range(120)
     ]
     raw = [json.dumps(x).encode() + b"\n" for x in lines]
-    peak = {"seqs": 0, "open": 0}
-    order = OutputOrder("input", window=10)
+    peak = {"seqs": 0, "waiting": 0}
+    schedule = LookaheadOrder(window=10, block_size=16)
     add = engine.add_request
 
     def counting_add(*args, **kwargs):
         add(*args, **kwargs)
         running = sum(len(kids) for kids in engine.children.values())
         peak["seqs"] = max(peak["seqs"], running)
-        peak["open"] = max(peak["open"], order.num_open)
+        peak["waiting"] = max(peak["waiting"], len(schedule))
 
     engine.add_request = counting_add
     out = io.BytesIO()
     out.close = lambda: None
     summary = Summary(input="-", output="-")
     BatchRunner(
-        engine, Sink(out), summary, model_name=SERVED, names={SERVED}, order=order, max_in_flight=8
+        engine,
+        Sink(out),
+        summary,
+        model_name=SERVED,
+        names={SERVED},
+        order=OutputOrder("input"),
+        max_in_flight=8,
+        schedule=schedule,
     ).run(read_lines(raw))
     results = [json.loads(x) for x in out.getvalue().splitlines()]
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
     assert summary.ok == 120
     assert peak["seqs"] <= 8 + 2 * 3 - 1  # the limit, exceeded by at most one line's sequences
-    assert peak["open"] <= 10
+    assert peak["waiting"] <= 10
     assert not engine.has_unfinished_requests() and not engine.parents
+
+
+def test_resume_takes_live_answers_from_the_spill(batch_model, tmp_path, capsys):
+    """What --resume does with out.jsonl.spill: a success the output lacks is placed from it in input
+    order; one the output has (stale), a failure and a torn last line are ignored. Without --resume a
+    spill with lines in it is refused; --overwrite removes it."""
+    lines = [completion_line(c, f"w{10 + i} w20", max_tokens=3, temperature=0) for i, c in enumerate("abcd")]
+    inp, out, spill = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "out.jsonl.spill"
+    write_jsonl(inp, lines)
+    flags = [*engine_flags(batch_model), "--schedule", "fifo"]
+    assert run_cli(["-i", str(inp), "-o", str(out), *flags]) == 0
+    full = read_jsonl(out)
+    first = json.dumps(full[0]) + "\n"
+    spilled_c = {**full[2], "id": "batch_req_from_spill"}
+    stale_a = {**full[0], "id": "batch_req_stale"}
+    failed_d = {**full[3], "id": "batch_req_failed", "error": {"code": "x", "message": "line 4: x"}}
+    spill_text = "".join(json.dumps(r) + "\n" for r in (stale_a, spilled_c, failed_d))
+
+    out.write_text("")
+    spill.write_text(spill_text)
+    capsys.readouterr()
+    assert run_cli(["-i", str(inp), "-o", str(out), *flags]) == 2
+    assert "pass --resume" in capsys.readouterr().err and spill.read_text() == spill_text
+
+    out.write_text(first)
+    spill.write_text(spill_text + '{"id": "batch_req_torn", "custom_id": "b", "resp')
+    summary = tmp_path / "s.json"
+    assert run_cli(["-i", str(inp), "-o", str(out), "--resume", "--summary-json", str(summary), *flags]) == 0
+    got = read_jsonl(out)
+    assert [r["custom_id"] for r in got] == ["a", "b", "c", "d"]
+    assert [r["id"] for r in got][::2] == [full[0]["id"], "batch_req_from_spill"]
+    assert got[1]["id"] != full[1]["id"] and got[3]["error"] is None  # computed again
+    assert [r["response"]["body"]["choices"] for r in got] == [r["response"]["body"]["choices"] for r in full]
+    s = json.loads(summary.read_text())
+    assert (s["skipped"], s["recovered_from_spill"], s["ok"]) == (1, 1, 2)
+    assert not spill.exists()
+
+    spill.write_text(spill_text)
+    assert run_cli(["-i", str(inp), "-o", str(out), "--overwrite", *flags]) == 0
+    assert len(read_jsonl(out)) == 4 and not spill.exists()

@@ -50,7 +50,12 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
         else:
             lines.append(completion_line(f"r{i}", [words(rng, 3), words(rng, 2)], **body))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    spill = tmp_path / "out.jsonl.spill"
     write_jsonl(inp, lines)
+
+    def progress() -> int:  # lines finished: in the output, or waiting in the spill for an earlier one
+        return count_lines(out) + count_lines(spill)
+
     args = [
         sys.executable,
         "-m",
@@ -66,11 +71,11 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     kills_mid_run = 0
     for k in range(5):
-        before = count_lines(out)
+        before = progress()
         target = before + rng.randint(2, 18)
         proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         deadline = time.monotonic() + 120
-        while count_lines(out) < target and proc.poll() is None and time.monotonic() < deadline:
+        while progress() < target and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(rng.uniform(0, 0.2))
         if proc.poll() is None:
@@ -81,8 +86,7 @@ def test_sigkill_at_random_points_then_resume(batch_model, tmp_path):
             with open(out, "ab") as f:
                 f.write(b'{"id":"batch_req_x","custom_id":"r1","response":{"status_code":2')
     assert kills_mid_run == 5
-    partial = count_lines(out)
-    assert 0 < partial < len(lines)
+    assert 0 < progress() and count_lines(out) < len(lines)
 
     proc = run_subprocess(
         ["-i", str(inp), "-o", str(out), "--resume", *engine_flags(batch_model, max_num_seqs=8)], timeout=300
@@ -126,3 +130,75 @@ def test_sigterm_stops_cleanly(batch_model, tmp_path):
     assert b"run-batch interrupted" in err
     done = [json.loads(x) for x in out.read_bytes().splitlines()]
     assert 3 <= len(done) < 60 and out.read_bytes().endswith(b"\n")
+
+
+def spill_records(path) -> list[dict]:
+    """The whole lines of a spill (a kill may leave a torn last one)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    return [json.loads(x) for x in data.splitlines(keepends=True) if x.endswith(b"\n")]
+
+
+def test_sigkill_while_lines_are_spilled_then_resume(batch_model, tmp_path):
+    """--order input with look-ahead: lines that finish before an earlier one wait in out.jsonl.spill. Two
+    runs are killed while lines wait there (the second after resuming from the first's spill), the
+    third resumes to the end: every custom_id once, in input order, and the spilled answers were
+    placed from the spill, not computed again."""
+    rng = random.Random(11)
+    lines = []
+    for i in range(300):
+        if i % 25 == 1:  # a long answer near the head of every stretch of the file
+            lines.append(completion_line(f"r{i}", words(rng, 2), max_tokens=80, ignore_eos=True))
+        else:
+            lines.append(
+                completion_line(f"r{i}", words(rng, 3), max_tokens=rng.randint(1, 6), ignore_eos=True)
+            )
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    spill = tmp_path / "out.jsonl.spill"
+    write_jsonl(inp, lines)
+    flags = [*engine_flags(batch_model, max_num_seqs=2), "--lookahead-window", "16"]
+    args = [
+        sys.executable,
+        "-m",
+        "overnight",
+        "run-batch",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        "--resume",
+        *flags,
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    placed: dict[str, str] = {}  # custom_id -> record id, of answers waiting in the spill at a kill
+    for _ in range(2):
+        start = len(spill_records(spill))
+        proc = subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while len(spill_records(spill)) < start + 12 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        answered = {json.loads(x)["custom_id"] for x in out.read_bytes().splitlines() if x.endswith(b"}")}
+        waiting = {r["custom_id"]: r["id"] for r in spill_records(spill) if r["custom_id"] not in answered}
+        assert waiting, "no line waited in the spill at the kill"
+        placed.update(waiting)
+    with open(spill, "ab") as f:  # a kill inside write() leaves a torn last line
+        f.write(b'{"id":"batch_req_torn","custom_id":"r3","response":{"status_')
+
+    summary = tmp_path / "s.json"
+    proc = run_subprocess(
+        ["-i", str(inp), "-o", str(out), "--resume", "--summary-json", str(summary), *flags], timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+    data = out.read_bytes()
+    results = [json.loads(x) for x in data.splitlines()]  # raises on a torn line
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]  # once each, in order
+    assert all(r["error"] is None for r in results)
+    by_id = {r["custom_id"]: r["id"] for r in results}
+    assert all(by_id[cid] == rid for cid, rid in placed.items())  # placed from the spill, not recomputed
+    assert json.loads(summary.read_text())["recovered_from_spill"] == len(waiting)
+    assert not spill.exists()

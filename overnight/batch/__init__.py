@@ -1,8 +1,10 @@
 """`overnight run-batch`: OpenAI batch files through the offline engine, crash-safe and resumable.
 
 reader    input lines -> BatchLine (a parsed request, or that line's error)
-runner    BatchRunner: lines -> engine requests -> results, with bounded requests in flight
-ordering  OutputOrder: write in input order (bounded reorder window) or as lines finish
+runner    BatchRunner: lines -> look-ahead window -> engine requests -> results, bounded in flight
+ordering  OutputOrder: write in input order or as lines finish
+spill     finished lines waiting for an earlier one, on disk beside the output; --resume takes them back
+timeline  what the schedule did: time split, tail, prefix-cache hit rate (in the summary)
 output    the output file: whole-line flushed writes, --resume repair and scan, Sink
 records   the output line format (success / failure records)
 progress  the progress bar; summary: the end-of-run summary (stderr, --summary-json)

@@ -16,6 +16,9 @@ import sys
 
 from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
+from overnight.batch.spill import check_spill
+from overnight.entrypoints.submission import check_schedule, make_order
+from overnight.errors import ConfigError
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -57,7 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--order",
         choices=ORDERS,
         default="input",
-        help="write results in input order (default; bounded reorder window) or as they finish",
+        help="write results in input order (default; finished lines that must wait for an earlier one "
+        "wait on disk in OUTPUT.spill) or as they finish",
     )
     p.add_argument("--errors-file", default=None, help="write failed lines here instead of the output")
     p.add_argument(
@@ -71,12 +75,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="engine sequences queued at once (default: 2 x max_num_seqs)",
-    )
-    p.add_argument(
-        "--reorder-window",
-        type=int,
-        default=None,
-        help="lines started but not yet written, with --order input (default: 4 x max-in-flight)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
@@ -117,6 +115,11 @@ def _check_args(args: argparse.Namespace) -> None:
     for path, what in ((args.output_file, "output"), (args.errors_file, "errors")):
         if path is not None:
             check_output(path, resume=args.resume, overwrite=args.overwrite, what=what)
+    check_spill(args.output_file, resume=args.resume, overwrite=args.overwrite)
+    try:
+        check_schedule(args.schedule, args.lookahead_window)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -129,7 +132,9 @@ def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.progress import Progress
     from overnight.batch.reader import count_lines, input_lines, read_lines
     from overnight.batch.runner import BatchRunner
+    from overnight.batch.spill import Spill
     from overnight.batch.summary import Summary
+    from overnight.batch.timeline import Timeline
     from overnight.build import build_engine, build_ray_engine
     from overnight.errors import ModelLoadError
     from overnight.openai_api.inputs import served_names
@@ -162,21 +167,26 @@ def _run_batch(args: argparse.Namespace) -> int:
     if answered.num_records:
         log.info("resuming: %d lines already answered in %s", answered.num_records, args.output_file)
     sink = Sink(out, errors)
-    summary = Summary(input=args.input_file, output=args.output_file, model=served)
+    spill = Spill.beside(args.output_file, resume=args.resume, answered_ids=answered.custom_ids)
+    if spill.recovered:
+        log.info("resuming: %d finished lines wait in %s", len(spill.recovered), spill.path)
+    sched = engine.config.scheduler
+    block_size = engine.config.cache.block_size
+    timeline = Timeline(args.schedule, args.lookahead_window, sched.max_num_seqs)
+    summary = Summary(input=args.input_file, output=args.output_file, model=served, timeline=timeline)
     total = None
     if args.input_file != "-":
         total = max(count_lines(args.input_file) - len(answered.custom_ids) - len(answered.lines), 0)
     progress = Progress(total, summary, enabled=not args.no_progress)
-    max_in_flight = args.max_in_flight or 2 * engine.config.scheduler.max_num_seqs
-    window = args.reorder_window or max(4 * max_in_flight, 256)
     runner = BatchRunner(
         engine,
         sink,
         summary,
         model_name=served,
         names=served_names(served, args.model),
-        order=OutputOrder(args.order, window),
-        max_in_flight=max_in_flight,
+        order=OutputOrder(args.order, spill),
+        max_in_flight=args.max_in_flight or 2 * sched.max_num_seqs,
+        schedule=make_order(args.schedule, args.lookahead_window, block_size),
         answered=answered,
         progress=progress,
     )
@@ -196,6 +206,13 @@ def _run_batch(args: argparse.Namespace) -> int:
         sink.close()
     summary.finish(status)
     print(summary.text(), file=sys.stderr)
+    kept = runner.order.num_held + len(spill.recovered)
+    if status != "completed" and spill.durable and kept:
+        print(
+            f"overnight run-batch: {kept} finished lines wait in {spill.path}; "
+            "--resume writes them in input order",
+            file=sys.stderr,
+        )
     if args.summary_json:
         summary.write_json(args.summary_json)
     return code

@@ -49,7 +49,7 @@ def repair_and_scan(path: str) -> Answered:
     answered = Answered()
     with open(path, "r+b") as f:
         size = f.seek(0, os.SEEK_END)
-        end = _end_of_last_full_line(f, size)
+        end = end_of_last_full_line(f, size)
         if end < size:
             f.truncate(end)
             answered.torn_bytes = size - end
@@ -74,7 +74,7 @@ def repair_and_scan(path: str) -> Answered:
     return answered
 
 
-def _end_of_last_full_line(f: BinaryIO, size: int) -> int:
+def end_of_last_full_line(f: BinaryIO, size: int) -> int:
     """Offset just past the last newline (0 if none)."""
     pos = size
     while pos > 0:

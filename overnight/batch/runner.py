@@ -1,21 +1,26 @@
 """Drives the offline engine over a stream of batch lines, writing each line's result as it finishes.
 
-    read a line -> check it -> add its engine requests (one per prompt) -> engine.step() ...
+    read a line -> check and tokenize it -> the look-ahead window (SubmissionOrder)
+        -> submitted in the window's order: its engine requests (one per prompt) -> engine.step() ...
         -> when all of a line's requests are done: build the response body -> write (in the order asked)
 
-Lines are admitted only while the sequences in flight stay under `max_in_flight` (a few times
-max_num_seqs: enough waiting work to refill the batch each step, no more) and the output order has room,
-so memory holds the requests in flight and the reorder window, never the file.
+A line gets its sequence number in input order when it is read; only the submission order moves
+(overnight/entrypoints/submission.py). Lines are submitted while the sequences in flight stay under
+`max_in_flight` (a few times max_num_seqs: enough waiting work to refill the batch each step, no
+more), and read while the window has room, so memory holds the window and the requests in flight,
+never the file; finished lines waiting for an earlier one wait on disk (spill.py).
 
 Skip rules on resume (the output already answers some lines): a custom_id the output answers is skipped
 the first time it appears; a later line with the same custom_id is a duplicate and gets an error line
-(unless that error line was written already: those are remembered by input line number).
+(unless that error line was written already: those are remembered by input line number). A line whose
+answer an earlier run left in the spill is placed from there.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Iterable
+from array import array
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 from overnight.batch.ordering import OutputOrder
@@ -24,27 +29,34 @@ from overnight.batch.progress import Progress
 from overnight.batch.reader import BatchLine
 from overnight.batch.records import error_record, success_record
 from overnight.batch.summary import Summary
+from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
+from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.convert import chat_completion, completion
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.openai_api.protocol import ChatCompletionRequest
 from overnight.outputs import RequestOutput
+from overnight.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
 class _Line:
-    """A line whose engine requests are running."""
+    """A line read and tokenized: waiting in the window, then running."""
 
     seq: int
     line_no: int
     custom_id: str
-    request: OpenAIRequest
+    is_chat: bool
+    num_logprobs: int | None
+    params: SamplingParams
+    # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
+    prompts: list[tuple[str | None, array]]
     outputs: list[RequestOutput | None]
     num_seqs: int  # engine sequences it holds: prompts x n
     remaining: int  # prompts not yet finished
-    created: int
+    created: int = 0
 
 
 class BatchRunner:
@@ -58,6 +70,7 @@ class BatchRunner:
         names: Collection[str],
         order: OutputOrder,
         max_in_flight: int,
+        schedule: SubmissionOrder | None = None,
         answered: Answered | None = None,
         progress: Progress | None = None,
     ) -> None:
@@ -68,39 +81,75 @@ class BatchRunner:
         self.names = names
         self.order = order
         self.max_in_flight = max_in_flight
+        self.schedule = schedule if schedule is not None else FifoOrder()
         self.answered = answered or Answered()
         self.progress = progress
-        self.active: dict[int, _Line] = {}
+        if summary.timeline is None:
+            summary.timeline = Timeline("fifo", 1, engine.config.scheduler.max_num_seqs)
+        self.timeline = summary.timeline
+        self.waiting: dict[int, _Line] = {}  # read, not yet submitted
+        self.active: dict[int, _Line] = {}  # submitted
         self.seqs_in_flight = 0
         self._seen: set[str] = set()
+        self._input_done = False
 
     def run(self, lines: Iterable[BatchLine]) -> None:
-        """Serve every line; on any exit (done, Ctrl-C, an engine failure) all finished results are written
-        and the engine is left empty. Unfinished lines are not written, so --resume runs them again."""
+        """Serve every line. On any exit (done, Ctrl-C, an engine failure) all finished results are
+        written or kept in the spill and the engine is left empty; unfinished lines are not written, so
+        --resume runs them again."""
         it = iter(lines)
-        exhausted = False
+        engine, tl = self.engine, self.timeline
+        tl.start(engine.stats())
+        completed = False
         try:
             while True:
-                while not exhausted and self.seqs_in_flight < self.max_in_flight and self.order.has_room:
-                    line = next(it, None)
-                    if line is None:
-                        exhausted = True
-                    else:
-                        self._admit(line)
+                self._feed(it)
                 if not self.active:
-                    if exhausted:
+                    if self._input_done and not self.waiting:
                         break
+                    self.schedule.on_step(0)  # nothing runs: nothing to wait for
                     continue
-                for out in self.engine.step():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                t1 = time.perf_counter()
+                stats = engine.stats()
+                self.schedule.on_step(stats.num_waiting)
+                tl.add("engine", t1 - t0)
+                tl.step(stats, t0, t1)
+                for out in outputs:
                     if out.finished:
                         self._on_finished(out)
+            completed = True
         finally:
             self._abort_all()
-            self._write(self.order.drain())
+            t0 = time.perf_counter()
+            self._write(self.order.close(completed=completed))
+            tl.add("write", time.perf_counter() - t0)
+            tl.spilled = self.order.spill.num_appended
+            tl.peak_held = self.order.peak_held
 
-    # -- admitting lines --------------------------------------------------------------------------
+    def _feed(self, it: Iterator[BatchLine]) -> None:
+        """Read while the window has room, submit while the engine has room."""
+        while True:
+            while not self._input_done and self.schedule.has_room:
+                t0 = time.perf_counter()
+                line = next(it, None)
+                self.timeline.add("read", time.perf_counter() - t0)
+                if line is None:
+                    self._input_done = True
+                    self.schedule.close()
+                else:
+                    self._read(line)
+            if self.seqs_in_flight >= self.max_in_flight:
+                return
+            seq = self.schedule.pop()
+            if seq is None:
+                return
+            self._submit(self.waiting.pop(seq))
 
-    def _admit(self, line: BatchLine) -> None:
+    # -- reading lines ----------------------------------------------------------------------------
+
+    def _read(self, line: BatchLine) -> None:
         if line.line_no in self.answered.lines:
             self.summary.skipped += 1
             return
@@ -121,41 +170,68 @@ class BatchRunner:
         if line.error is not None or line.request is None or cid is None:
             self._fail(line, line.error or ApiError("invalid_line", "the line could not be read"))
             return
+        seq = self.order.start()
+        t0 = time.perf_counter()
+        recovered = self.order.recover(seq, cid)
+        if recovered is not None:
+            self.summary.recovered += 1
+            self._done(recovered)
+            self.timeline.add("write", time.perf_counter() - t0)
+            return
         req = line.request
         try:
             inputs = prepare(
                 req, self.engine.tokenizer, self.engine.max_model_len, self.names, self.engine.validate
             )
         except ApiError as e:
-            self._fail(line, e)
+            self.timeline.add("tokenize", time.perf_counter() - t0)
+            self.summary.add_failure(e.code)
+            self._finish(seq, error_record(cid, line.line_no, e))
             return
-        seq = self.order.start()
         state = _Line(
             seq,
             line.line_no,
             cid,
-            req,
-            [None] * len(inputs.prompts),
+            is_chat=isinstance(req, ChatCompletionRequest),
+            num_logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else None,
+            params=inputs.params,
+            prompts=[(text, array("i", ids)) for text, ids in inputs.prompts],
+            outputs=[None] * len(inputs.prompts),
             num_seqs=len(inputs.prompts) * inputs.params.n,
             remaining=len(inputs.prompts),
-            created=int(time.time()),
         )
-        for p, (text, ids) in enumerate(inputs.prompts):
-            try:
-                self.engine.add_request(f"{seq}.{p}", ids, inputs.params, prompt=text)
-            except InvalidRequestError as e:  # checked in prepare; kept so a miss costs a line, not the run
-                for q in range(p):
-                    self.engine.abort_request(f"{seq}.{q}")
-                self._finish(seq, error_record(cid, line.line_no, ApiError.from_exception(e)))
-                self.summary.add_failure("invalid_request")
-                return
-        self.active[seq] = state
-        self.seqs_in_flight += state.num_seqs
+        first = inputs.prompts[0][1]
+        max_output = max_output_tokens(len(first), inputs.params.max_tokens, self.engine.max_model_len)
+        self.schedule.add(seq, first, max_output)
+        self.waiting[seq] = state
+        self.timeline.add("tokenize", time.perf_counter() - t0)
 
     def _fail(self, line: BatchLine, error: ApiError) -> None:
         seq = self.order.start()
         self.summary.add_failure(error.code)
         self._finish(seq, error_record(line.custom_id, line.line_no, error))
+
+    # -- submitting lines -------------------------------------------------------------------------
+
+    def _submit(self, state: _Line) -> None:
+        t0 = time.perf_counter()
+        state.created = int(time.time())
+        prompts, state.prompts = state.prompts, []
+        for p, (text, ids) in enumerate(prompts):
+            try:
+                self.engine.add_request(f"{state.seq}.{p}", ids.tolist(), state.params, prompt=text)
+            except InvalidRequestError as e:  # checked in prepare; kept so a miss costs a line, not the run
+                for q in range(p):
+                    self.engine.abort_request(f"{state.seq}.{q}")
+                self.timeline.add("engine", time.perf_counter() - t0)
+                self.summary.add_failure("invalid_request")
+                self._finish(
+                    state.seq, error_record(state.custom_id, state.line_no, ApiError.from_exception(e))
+                )
+                return
+        self.active[state.seq] = state
+        self.seqs_in_flight += state.num_seqs
+        self.timeline.add("engine", time.perf_counter() - t0)
 
     # -- finishing lines --------------------------------------------------------------------------
 
@@ -180,10 +256,9 @@ class BatchRunner:
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
-        req = state.request
-        if isinstance(req, ChatCompletionRequest):
+        if state.is_chat:
             body = chat_completion(
-                outputs[0], self.model_name, created=state.created, num_logprobs=req.num_logprobs
+                outputs[0], self.model_name, created=state.created, num_logprobs=state.num_logprobs
             )
         else:
             body = completion(outputs, self.model_name, created=state.created)
@@ -192,7 +267,12 @@ class BatchRunner:
         return success_record(state.custom_id, body)
 
     def _finish(self, seq: int, record: dict) -> None:
-        self._write(self.order.finish(seq, record))
+        t0 = time.perf_counter()
+        self._done(self.order.finish(seq, record))
+        self.timeline.add("write", time.perf_counter() - t0)
+
+    def _done(self, records: list[dict]) -> None:
+        self._write(records)
         if self.progress is not None:
             self.progress.update()
 
@@ -205,4 +285,5 @@ class BatchRunner:
             for p in range(len(state.outputs)):
                 self.engine.abort_request(f"{state.seq}.{p}")
         self.active.clear()
+        self.waiting.clear()
         self.seqs_in_flight = 0

@@ -10,6 +10,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from overnight.batch.timeline import Timeline
+
 
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
@@ -25,12 +27,14 @@ class Summary:
     ok: int = 0
     failed: int = 0
     skipped: int = 0  # answered by an earlier run (--resume)
+    recovered: int = 0  # answered by an earlier run, placed from its spill (--resume)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     errors_by_code: Counter[str] = field(default_factory=Counter)
     status: str = "completed"  # completed | interrupted | failed
     start: float = field(default_factory=time.perf_counter)
     end: float | None = None
+    timeline: Timeline | None = None  # what the schedule did
 
     def add_ok(self, prompt_tokens: int, completion_tokens: int) -> None:
         self.ok += 1
@@ -43,7 +47,7 @@ class Summary:
 
     @property
     def done(self) -> int:
-        return self.ok + self.failed
+        return self.ok + self.failed + self.recovered
 
     @property
     def elapsed(self) -> float:
@@ -64,6 +68,7 @@ class Summary:
             "ok": self.ok,
             "failed": self.failed,
             "skipped": self.skipped,
+            "recovered_from_spill": self.recovered,
             "errors_by_code": dict(sorted(self.errors_by_code.items())),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
@@ -72,6 +77,7 @@ class Summary:
             "input_tokens_per_s": round(self.prompt_tokens / elapsed, 1),
             "output_tokens_per_s": round(self.completion_tokens / elapsed, 1),
             "peak_rss_mib": round(peak_rss_mib(), 1),
+            "schedule": self.timeline.as_dict() if self.timeline is not None else None,
         }
 
     def text(self) -> str:
@@ -79,6 +85,7 @@ class Summary:
         lines = [
             f"run-batch {d['status']}: {d['ok']} ok, {d['failed']} failed"
             + (f", {d['skipped']} skipped (answered by an earlier run)" if d["skipped"] else "")
+            + (f", {d['recovered_from_spill']} placed from the spill" if d["recovered_from_spill"] else "")
             + f" in {d['elapsed_s']:.1f} s",
             f"  tokens: {d['prompt_tokens']} in, {d['completion_tokens']} out; "
             f"{d['input_tokens_per_s']:.1f} in tok/s, {d['output_tokens_per_s']:.1f} out tok/s, "
@@ -88,6 +95,8 @@ class Summary:
             lines.append(
                 "  failures by code: " + ", ".join(f"{k} {v}" for k, v in d["errors_by_code"].items())
             )
+        if self.timeline is not None:
+            lines += self.timeline.text()
         lines.append(f"  output: {d['output']}")
         return "\n".join(lines)
 

