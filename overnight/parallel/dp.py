@@ -30,6 +30,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.outputs import RequestOutput
+from overnight.parallel.output_codec import unpack
 from overnight.parallel.links import (
     AbortRequests,
     AddRequest,
@@ -289,7 +290,7 @@ class DataParallelEngine:
     def _accept(self, msg: StepOutputs) -> list[RequestOutput]:
         self._stats[msg.index] = msg.stats
         accepted = []
-        for out in msg.outputs:
+        for out in unpack(msg.outputs, self._prompt_of):
             if not self._owned_by(out.request_id, msg.index):
                 continue  # aborted here, or dealt again after its engine was lost
             if out.finished:
@@ -301,6 +302,10 @@ class DataParallelEngine:
             for obs in self.observers:
                 obs.on_step(stats, msg.iteration)
         return accepted
+
+    def _prompt_of(self, request_id: str) -> tuple[str | None, list[int]] | None:
+        item = self._items.get(request_id)
+        return None if item is None else (item.prompt, item.prompt_token_ids)
 
     def _flush(self, i: int) -> None:
         if self._pending[i]:

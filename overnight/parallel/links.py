@@ -25,7 +25,7 @@ from overnight.engine.engine import Engine
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
-from overnight.outputs import RequestOutput
+from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
 from overnight.runner.kv_pool import PoolPlan
 from overnight.sampling_params import SamplingParams
@@ -73,7 +73,7 @@ class EngineReady:
 @dataclass
 class StepOutputs:
     index: int
-    outputs: list[RequestOutput]
+    outputs: list[PackedOutput]  # output_codec.pack(): the front unpacks them with their prompts
     stats: SchedulerStats
     iteration: IterationStats | None = None
 
@@ -162,7 +162,7 @@ def serve_engine(
             if recorder is not None:
                 iteration, recorder.last = recorder.last, None
             if outputs or iteration is not None:
-                send(StepOutputs(index, outputs, engine.stats(), iteration))
+                send(StepOutputs(index, pack(outputs), engine.stats(), iteration))
 
 
 def _engine_main(index: int, opts: EngineOptions, conn: Connection) -> None:

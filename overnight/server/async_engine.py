@@ -69,6 +69,9 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None  # set when a step failed: the engine is dead
+        # Requests added and not yet finished (engine thread only): what a Stop aborts. Kept here so
+        # any engine front (one engine, or engines in other processes) is driven the same way.
+        self._live: set[str] = set()
         # Written by the engine thread after every iteration; read anywhere (one reference swap).
         self.stats: SchedulerStats = engine.stats()
 
@@ -174,7 +177,10 @@ class AsyncEngine:
                 replies: list[tuple[str, RequestOutput | BaseException]] = []
                 stop = self._apply(self._take_commands(block=idle), replies)
                 if not stop and engine.has_unfinished_requests():
-                    replies.extend((out.request_id, out) for out in engine.step())
+                    for out in engine.step():
+                        replies.append((out.request_id, out))
+                        if out.finished:
+                            self._live.discard(out.request_id)
                 self._publish(replies)
             # Anyone still waiting (an add that raced the stop) hears that nothing more will come.
             self._call_loop(self._fail_all, EngineDeadError("the server is shutting down"))
@@ -209,17 +215,19 @@ class AsyncEngine:
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
                     )
+                    self._live.add(cmd.request_id)
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))
             elif isinstance(cmd, AbortRequest):
                 self._abort(cmd.request_id, replies)
             else:
-                for rid in list(engine.parents):
+                for rid in list(self._live):
                     self._abort(rid, replies)
                 return True
         return False
 
     def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        self._live.discard(request_id)
         final = self.engine.abort_request(request_id)
         if final is None:  # already finished, or never added
             return
