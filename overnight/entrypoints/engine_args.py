@@ -43,6 +43,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda when available)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument(
+        "--engine-process",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="step the engine in a process of its own (default: on for serve, off otherwise)",
+    )
 
 
 def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
@@ -70,4 +76,5 @@ def options_from_args(args: argparse.Namespace, mode: str) -> EngineOptions:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         mode=mode,
+        engine_process=args.engine_process,
     )

@@ -30,7 +30,6 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.outputs import RequestOutput
-from overnight.parallel.output_codec import unpack
 from overnight.parallel.links import (
     AbortRequests,
     AddRequest,
@@ -43,6 +42,7 @@ from overnight.parallel.links import (
     Rejected,
     StepOutputs,
 )
+from overnight.parallel.output_codec import unpack
 from overnight.sampling_params import SamplingParams
 
 log = logging.getLogger("overnight")
@@ -128,7 +128,9 @@ class DataParallelEngine:
         self.source = source
         self.vocab_size = source.arch.vocab_size
         self.tokenizer = None
-        if not opts.skip_tokenizer_init:
+        # As build_engine decides for one engine: dummy weights without a tokenizer take token ids.
+        no_tokenizer = source.tokenizer_path is None and source.kind == "dummy" and not opts.tokenizer
+        if not opts.skip_tokenizer_init and not no_tokenizer:
             from overnight.tokenizer.tokenizer import load_tokenizer
 
             tok_source = replace(source, tokenizer_path=opts.tokenizer) if opts.tokenizer else source
@@ -209,10 +211,13 @@ class DataParallelEngine:
         known = [s for s in self._stats if s is not None]
         if not known:
             return SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        # With nothing outstanding the engines hold nothing either (their last report may predate the
+        # aborts that emptied them: an idle engine sends nothing).
+        idle = not self.has_unfinished_requests()
         return SchedulerStats(
-            num_running=sum(s.num_running for s in known),
-            num_waiting=sum(s.num_waiting for s in known),
-            kv_cache_usage=sum(s.kv_cache_usage for s in known) / len(known),
+            num_running=0 if idle else sum(s.num_running for s in known),
+            num_waiting=0 if idle else sum(s.num_waiting for s in known),
+            kv_cache_usage=0.0 if idle else sum(s.kv_cache_usage for s in known) / len(known),
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),

@@ -182,7 +182,7 @@ def _engine_main(index: int, opts: EngineOptions, conn: Connection) -> None:
             return None
 
     try:
-        engine = build_engine(replace(opts, data_parallel_size=1))
+        engine = build_engine(replace(opts, data_parallel_size=1, engine_process=False))
         conn.send(EngineReady(index, engine.config, engine.pool_plan))  # type: ignore[attr-defined]
         serve_engine(index, engine, receive, conn.send)
     except BaseException:

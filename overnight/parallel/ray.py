@@ -197,7 +197,7 @@ class EngineServer:
         from overnight.engine.builder import build_engine
 
         self.index = index
-        self.engine = build_engine(replace(opts, data_parallel_size=1))
+        self.engine = build_engine(replace(opts, data_parallel_size=1, engine_process=False))
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._outbox: list[object] = []
         self._ready = threading.Condition()

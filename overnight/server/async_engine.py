@@ -29,6 +29,7 @@ from overnight.errors import EngineDeadError
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
+from overnight.server.deltas import coalesce
 
 log = logging.getLogger("overnight.server")
 
@@ -127,6 +128,20 @@ class AsyncEngine:
 
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
+        async with aclosing(self.generate_batches(prompts, params, stream)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def generate_batches(
+        self,
+        prompts: list[PromptSpec],
+        params: SamplingParams,
+        stream: bool = True,
+    ) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
+        per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
+        behind the engine thus sends fewer, larger chunks instead of falling further behind."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._thread is None or self._stopping:
@@ -140,13 +155,21 @@ class AsyncEngine:
             self._commands.put(AddRequest(request_id, list(ids), params, text, stream, now))
         try:
             while unfinished:
-                index, item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                    self._streams.pop(item.request_id, None)
-                yield index, item
+                waiting = [await q.get()]
+                while not q.empty():
+                    waiting.append(q.get_nowait())
+                error = next((item for _, item in waiting if isinstance(item, BaseException)), None)
+                if error is not None:  # what came before it is still delivered
+                    waiting = waiting[: next(i for i, (_, item) in enumerate(waiting) if item is error)]
+                batch: list[tuple[int, RequestOutput]] = coalesce(waiting)  # type: ignore[arg-type]
+                for _, out in batch:
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+                        self._streams.pop(out.request_id, None)
+                if batch:
+                    yield batch
+                if error is not None and unfinished:  # (after the last final, nothing waits for it)
+                    raise error
         finally:
             for request_id in unfinished:
                 self._streams.pop(request_id, None)
