@@ -270,3 +270,80 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
     # the ramp's expected lifetime: the probe's, then the larger of the level before's lifetime and
     # what its request rate gives this many clients (Little's law)
     assert lifetimes[0] == 0.5 and lifetimes[1] == 2 / 1.0 and lifetimes[5] == pytest.approx(32 / 10.0)
+
+
+# -- another OpenAI-compatible server -------------------------------------------------------------------
+
+
+def fake_openai_server():
+    """A server with no /metrics and no engine limits, that streams one token a chunk every 5 ms, puts the
+    usage only in its last chunk (with the finish) and ends without [DONE]."""
+    import asyncio as aio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "other-model", "object": "model"}]})
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        n, prompt = body["max_tokens"], body["prompt"]
+
+        async def events():
+            for i in range(n):
+                await aio.sleep(0.005)
+                choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+                chunk = {"id": "c", "object": "text_completion", "choices": [choice]}
+                if i == n - 1:
+                    chunk["usage"] = {
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": n,
+                        "total_tokens": n + len(prompt),
+                    }
+                yield f"data: {json.dumps(chunk)}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(
+        routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    )
+
+
+def test_a_sweep_through_another_server_by_url(tmp_path, monkeypatch):
+    from overnight.server.background import BackgroundServer
+
+    monkeypatch.setattr(level_mod, "DRAIN_WITHOUT_METRICS_S", 0.1)
+    out = tmp_path / "other"
+    with BackgroundServer(fake_openai_server()) as server:
+        argv = [
+            "bench",
+            "sweep",
+            "--url",
+            server.url,
+            "--levels",
+            "1",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "20",
+        ]
+        assert main([*argv, "--window-s", "1.5", "--out", str(out)]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["server"]["metrics"] is False and result["server"]["local"] is True
+    assert result["server"]["model"] == "other-model" and result["workload"]["vocab_high"] == 31000
+    for lv in result["levels"]:
+        assert lv["server_metrics"] is False and "mean_running" not in lv
+        assert lv["errors"] == 0 and lv["output_tok_s"] > 0 and lv["steady"]["steady"], lv["steady"]
+        # one token a chunk and the total from the last chunk's usage agree
+        assert lv["steady"]["total_per_output"] == pytest.approx(28 / 20, rel=0.25)
+    assert result["levels"][1]["output_tok_s"] > 2.5 * result["levels"][0]["output_tok_s"]
+    assert result["verdict"]["best_x"] == 4
+
+
+def test_is_local():
+    assert sweep_mod.is_local("http://127.0.0.1:8000") and sweep_mod.is_local("http://localhost")
+    assert not sweep_mod.is_local("http://gpu-box.invalid:8000")

@@ -181,11 +181,16 @@ def _engine_main(index: int, opts: EngineOptions, conn: Connection) -> None:
         except (EOFError, OSError):  # the driver is gone
             return None
 
+    # Step outputs go through a writer thread: a driver slow to read (a busy HTTP process) must not
+    # block the step loop on a full pipe (it did, ~9 ms a step, in bench/server_cost_cpu.py).
+    sender = PipeSender(conn, f"overnight-dp{index}-out")
     try:
         engine = build_engine(replace(opts, data_parallel_size=1, engine_process=False))
-        conn.send(EngineReady(index, engine.config, engine.pool_plan))  # type: ignore[attr-defined]
-        serve_engine(index, engine, receive, conn.send)
+        sender.send(EngineReady(index, engine.config, engine.pool_plan))  # type: ignore[attr-defined]
+        serve_engine(index, engine, receive, sender.send)
+        sender.close(timeout=10.0)
     except BaseException:
+        sender.close(timeout=10.0)  # what was queued first, so the failure is the last message
         with contextlib.suppress(OSError, ValueError):
             conn.send(EngineFailed(index, traceback.format_exc()))
         raise SystemExit(1) from None
