@@ -370,7 +370,9 @@ def model(args: argparse.Namespace) -> None:
 
     n, lin, lout = args.clients, args.input_len, args.output_len
     # max_num_seqs n: the engine alone runs as many at once as the server has clients
-    offline, _ = run_ours(EngineOptions(max_model_len=512, max_num_seqs=n), custom(4 * n, (lin, lin), (lout, lout)))
+    offline, _ = run_ours(
+        EngineOptions(max_model_len=512, max_num_seqs=n), custom(4 * n, (lin, lin), (lout, lout))
+    )
     print(f"offline: {offline.output_tok_s} out tok/s", file=sys.stderr)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=args.server_code or ROOT)  # the server: this checkout's, or a before
