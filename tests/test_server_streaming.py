@@ -126,3 +126,38 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas_with_every_token():
     batches = asyncio.run(main())
     assert sum(batches, []) == reference_output([5, 6, 7], 30, VOCAB, EOS)
     assert len(batches) < 30 and max(len(b) for b in batches) > 1  # some chunk carried several steps
+
+
+class _NoFinalFront:
+    """An engine front like the engine-process one: abort_request stops the request but returns nothing."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def abort_request(self, request_id: str) -> None:
+        self._engine.abort_request(request_id)
+
+
+def test_aborts_are_counted_when_the_front_returns_no_final_output():
+    from overnight.metrics.prometheus import PrometheusObserver
+
+    metrics = PrometheusObserver("m")
+
+    async def main():
+        ae = AsyncEngine(_NoFinalFront(slow_engine(delay=0.01)), metrics)
+        ae.start()
+        params = SamplingParams(max_tokens=500, ignore_eos=True, n=2)
+        async with aclosing(ae.generate("a", [5, 6, 7], params)) as outs:
+            async for _ in outs:
+                break  # the client leaves
+        for _ in range(200):
+            if ae.stats.num_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        await ae.stop()
+
+    asyncio.run(main())
+    assert b'request_success_total{finished_reason="abort",model_name="m"} 2.0' in metrics.render()

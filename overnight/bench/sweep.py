@@ -186,13 +186,12 @@ def server_for(args: argparse.Namespace) -> Iterator[str]:
         yield args.url.rstrip("/")
     elif args.server == "thread":
         from overnight.engine.builder import build_engine
-        from overnight.entrypoints.engine_args import options_from_args
         from overnight.metrics import hide_created_series
         from overnight.server.background import BackgroundServer
-        from overnight.server.cli import ServerOptions, make_app
+        from overnight.server.cli import ServerOptions, engine_options, make_app
 
         hide_created_series()
-        engine = build_engine(options_from_args(args, mode="server"))
+        engine = build_engine(engine_options(args))
         app = make_app(engine, ServerOptions(access_log=False, log_level="warning"), model_arg=args.model)
         with BackgroundServer(app, log_level="warning") as server:
             yield server.url

@@ -53,8 +53,8 @@ class EngineOptions:
     mode: str = "offline"  # offline | server | batch: picks the default limits
     served_model_name: str | None = None
     # The engine steps in a process of its own (a one-engine data parallel front), so the caller's
-    # Python threads never hold the GIL its step needs. None: on for the server, whose event loop
-    # spends ~50-90 us of GIL time per streamed token (docs/benchmarks.md), off otherwise.
+    # Python threads never hold the GIL its step needs. None: off, except that `serve` turns it on (its
+    # event loop spends ~80 us of GIL time per streamed token, docs/benchmarks.md).
     engine_process: bool | None = None
 
     @classmethod
@@ -130,8 +130,7 @@ def build_config(opts: EngineOptions, source, device: torch.device) -> EngineCon
 
 
 def build_engine(opts: EngineOptions) -> Engine:
-    apart = opts.engine_process if opts.engine_process is not None else opts.mode == "server"
-    if opts.data_parallel_size > 1 or apart:  # engine processes behind the Engine's request methods
+    if opts.data_parallel_size > 1 or opts.engine_process:  # engine processes behind the Engine's methods
         from overnight.parallel.dp import DataParallelEngine
 
         return DataParallelEngine(opts)  # type: ignore[return-value]

@@ -47,7 +47,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--engine-process",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="step the engine in a process of its own (default: on for serve, off otherwise)",
+        help="step the engine in a process of its own (default: on for serve and its sweeps, off otherwise)",
     )
 
 

@@ -70,9 +70,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None  # set when a step failed: the engine is dead
-        # Requests added and not yet finished (engine thread only): what a Stop aborts. Kept here so
-        # any engine front (one engine, or engines in other processes) is driven the same way.
-        self._live: set[str] = set()
+        # Requests added and not yet finished, with their n (engine thread only): what a Stop aborts,
+        # and what an abort counts when the engine front returns no final output (engines in other
+        # processes). Kept here so any front is driven the same way.
+        self._live: dict[str, int] = {}
         # Written by the engine thread after every iteration; read anywhere (one reference swap).
         self.stats: SchedulerStats = engine.stats()
 
@@ -203,7 +204,7 @@ class AsyncEngine:
                     for out in engine.step():
                         replies.append((out.request_id, out))
                         if out.finished:
-                            self._live.discard(out.request_id)
+                            self._live.pop(out.request_id, None)
                 self._publish(replies)
             # Anyone still waiting (an add that raced the stop) hears that nothing more will come.
             self._call_loop(self._fail_all, EngineDeadError("the server is shutting down"))
@@ -238,7 +239,7 @@ class AsyncEngine:
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
                     )
-                    self._live.add(cmd.request_id)
+                    self._live[cmd.request_id] = cmd.params.n
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))
             elif isinstance(cmd, AbortRequest):
@@ -250,9 +251,11 @@ class AsyncEngine:
         return False
 
     def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
-        self._live.discard(request_id)
+        n = self._live.pop(request_id, 0)
         final = self.engine.abort_request(request_id)
-        if final is None:  # already finished, or never added
+        if final is None:  # already finished, never added, or a front that keeps no outputs
+            if n and self.metrics is not None:
+                self.metrics.record_aborted(n)
             return
         replies.append((request_id, final))
         if self.metrics is not None:
