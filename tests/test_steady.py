@@ -48,6 +48,11 @@ def test_allowances_cover_a_window_of_few_tokens_and_few_prompts():
         [5000.0, 4000.0, 5000.0, 6000.0], 2.0, prompt_tokens=20000.0, expected_ratio=2.0, mean_prompt_len=16
     )
     assert not v.steady and v.ratio_ok
+    # 4 clients on a slow CPU: a step brings 4 tokens, a sub-window ~4 steps; one step more or less
+    # is not a drift, though the same counts one token a step would be
+    few_steps = [18.0, 14.0, 18.0, 22.0]
+    assert steady.judge(few_steps, 3.5, 72 * 16 / 12, 28 / 12, 16, tokens_per_step=4).steady
+    assert not steady.judge(few_steps, 3.5, 72 * 16 / 12, 28 / 12, 16, tokens_per_step=1).steady
     # a window holding one prompt too many against 40 output tokens is within one prompt's worth
     assert steady.judge([10.0] * 4, 1.0, 3 * 16.0, 2.0, 16).ratio_ok  # 2.2 against 2.0 +- 0.5
     assert not steady.judge([10.0] * 4, 1.0, 6 * 16.0, 2.0, 16).ratio_ok  # 3.4: more than a prompt off

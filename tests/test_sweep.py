@@ -16,7 +16,8 @@ from overnight.bench.client import ChunkCounter, RequestRecord, chunk_tokens
 from overnight.bench.knee import REASONS
 from overnight.bench.level import percentiles, window_stats
 from overnight.bench.load import LoadSpec, Workload, split
-from overnight.bench.sweep import engine_flags, levels_up_to
+from overnight.bench.sweep import levels_up_to
+from overnight.bench.target import engine_flags, is_local
 from overnight.cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -198,6 +199,7 @@ def test_levels_and_engine_flags():
             "--max-num-seqs",
             "512",
             "--no-enable-prefix-caching",
+            "--no-engine-process",
             "--input-len",
             "512",
         ]
@@ -210,6 +212,7 @@ def test_levels_and_engine_flags():
         "--max-num-seqs",
         "512",
         "--no-enable-prefix-caching",
+        "--no-engine-process",
     ]
 
 
@@ -345,5 +348,5 @@ def test_a_sweep_through_another_server_by_url(tmp_path, monkeypatch):
 
 
 def test_is_local():
-    assert sweep_mod.is_local("http://127.0.0.1:8000") and sweep_mod.is_local("http://localhost")
-    assert not sweep_mod.is_local("http://gpu-box.invalid:8000")
+    assert is_local("http://127.0.0.1:8000") and is_local("http://localhost")
+    assert not is_local("http://gpu-box.invalid:8000")

@@ -11,7 +11,6 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import dataclass
 
 import httpx
 
@@ -20,6 +19,7 @@ from overnight.bench.client import RequestRecord, send_one
 from overnight.bench.gpu_info import ClockSampler
 from overnight.bench.load import Control, LoadSpec, PromptT, Workload, auto_processes, run_async, run_load
 from overnight.bench.metrics_reader import Snapshot, poll, scrape_sync, summarize
+from overnight.bench.target import Target
 
 log = logging.getLogger("overnight.bench")
 
@@ -27,21 +27,6 @@ DEFAULT_VOCAB = 32000  # random ids below this are valid for any current model
 STOP_GRACE_S = 0.25  # the load runs on a little past the window, so the last scrape still sees it
 DRAIN_WITHOUT_METRICS_S = 5.0  # a server without /metrics gets this long to let go of cut requests
 POLL_S = 0.1  # how often the controller reads the load's progress counters
-
-
-@dataclass(frozen=True)
-class Target:
-    """The server a sweep measures, as far as a level needs to know it."""
-
-    url: str
-    model: str
-    api_key: str | None = None
-    has_metrics: bool = True  # serves Prometheus /metrics (ours, vLLM's)
-    local: bool = True  # runs on this machine: its GPU's clocks are ours to read
-
-    @property
-    def headers(self) -> dict[str, str] | None:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
 
 
 def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
@@ -196,7 +181,7 @@ def measure_level(
         attempts = []
         for attempt in range(1, steady.MAX_WINDOWS + 1):
             length = steady.window_seconds(lifetime, args.window_s, args.max_window_s, args.window_lifetimes)
-            attempts.append(await _window(control, target, args, length))
+            attempts.append(await _window(control, target, args, length, clients))
             if attempts[-1]["live"].steady:
                 break
             log.info("level %g, window %d not steady (%s)", x, attempt, attempts[-1]["live"].reason)
@@ -223,7 +208,7 @@ def measure_level(
         "client_processes": processes,
     }
     row.update(window_stats(records, w0, w1))
-    row["steady"] = judge_window(records, w0, w1, x if rate_mode else None).to_dict()
+    row["steady"] = judge_window(records, w0, w1, x if rate_mode else None, max(clients, 1)).to_dict()
     snaps: list[Snapshot] = res["snaps"]  # type: ignore[assignment]
     row["server_metrics"] = bool(snaps)
     if snaps:
@@ -242,7 +227,9 @@ def _recent_rate(history: list[tuple[float, float]]) -> float:
     return (n_end - n_start) / (t_end - t_start) if t_end > t_start else 0.0
 
 
-async def _window(control: Control, target: Target, args: argparse.Namespace, length: float) -> dict:
+async def _window(
+    control: Control, target: Target, args: argparse.Namespace, length: float, clients: int
+) -> dict:
     """One measured window: progress counters at each sub-window's edge (the live verdict), /metrics
     scrapes and GPU clocks throughout."""
     w0 = time.monotonic()
@@ -268,7 +255,7 @@ async def _window(control: Control, target: Target, args: argparse.Namespace, le
     expected = None  # the workload's ratio is judged from the records afterwards; live, use the ideal
     if args.input_len and args.output_len and not args.dataset:
         expected = (args.input_len + args.output_len) / args.output_len
-    live = steady.judge(outs, length / len(edges), prompt, expected, args.input_len)
+    live = steady.judge(outs, length / len(edges), prompt, expected, args.input_len, max(clients, 1))
     return {"w0": w0, "w1": w1, "snaps": snaps, "clocks": clocks.samples.summary(), "live": live}
 
 
@@ -345,11 +332,12 @@ def window_stats(records: list[RequestRecord], w0: float, w1: float) -> dict[str
 
 
 def judge_window(
-    records: list[RequestRecord], w0: float, w1: float, rate: float | None = None
+    records: list[RequestRecord], w0: float, w1: float, rate: float | None = None, clients: int = 1
 ) -> steady.Steadiness:
     """The steady-state verdict from the records: output tokens per sub-window, prompt tokens credited
     in the window (as total_tok_s counts them) against the ratio the window's finished requests ran at.
-    rate: an open loop's arrival rate, which a steady server keeps up with."""
+    rate: an open loop's arrival rate, which a steady server keeps up with; clients: a closed loop's
+    (a step delivers a token to each)."""
     edges = steady.sub_windows(w0, w1)
     sub_out = [0.0] * len(edges)
     span = (w1 - w0) / len(edges)
@@ -368,7 +356,7 @@ def judge_window(
             done_out += r.output_tokens
     expected = (done_prompt + done_out) / done_out if done_out else None
     mean_prompt = done_prompt / finished if finished else 0.0
-    verdict = steady.judge(sub_out, span, prompt, expected, mean_prompt)
+    verdict = steady.judge(sub_out, span, prompt, expected, mean_prompt, clients)
     if rate is not None:
         verdict = steady.keeps_up(verdict, finished / (w1 - w0), rate, w1 - w0)
     return verdict

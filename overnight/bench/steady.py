@@ -16,8 +16,8 @@ steady state the output rate does not drift: equal sub-windows give equal rates.
     window    WINDOW_LIFETIMES lifetimes (at least --window-s), in SUB_WINDOWS equal parts
     steady    |total/output - expected| within RATIO_TOLERANCE (plus one prompt's worth, for
               windows that hold few prompts) and the sub-windows' output rates within
-              SPREAD_TOLERANCE of their mean (plus two tokens' worth, for sub-windows that hold
-              few); else the window is measured again, once
+              SPREAD_TOLERANCE of their mean (plus two steps' worth of tokens, for sub-windows
+              that hold few steps); else the window is measured again, once
 """
 
 from __future__ import annotations
@@ -96,10 +96,12 @@ def judge(
     prompt_tokens: float,
     expected_ratio: float | None,
     mean_prompt_len: float,
+    tokens_per_step: float = 1.0,
 ) -> Steadiness:
     """sub_output_tokens: output tokens in each equal sub-window; prompt_tokens: prompt tokens credited
     in the whole window; expected_ratio: (prompt + output) / output of the workload (None: unknown, the
-    ratio is not judged)."""
+    ratio is not judged); tokens_per_step: how many tokens arrive together (a closed loop of N clients:
+    N, one per running request each step)."""
     out = sum(sub_output_tokens)
     rates = [round(n / sub_seconds, 2) for n in sub_output_tokens] if sub_seconds > 0 else []
     reasons = []
@@ -115,9 +117,9 @@ def judge(
             reasons.append(f"total/output {ratio:.2f} against the workload's {expected_ratio:.2f}")
     mean = sum(rates) / len(rates)
     spread = max(abs(r - mean) for r in rates) / mean if mean > 0 else None
-    # A sub-window's edges cut a chunk either way: two tokens' worth on few tokens (one client, a slow
-    # CPU), nothing on an H200's thousands.
-    allowed = SPREAD_TOLERANCE + 2.0 * len(sub_output_tokens) / out
+    # A sub-window's edges cut a step either way, and a step delivers tokens_per_step at once: two
+    # steps' worth matters on a slow CPU's few steps a sub-window, not on an H200's hundreds.
+    allowed = SPREAD_TOLERANCE + 2.0 * tokens_per_step * len(sub_output_tokens) / out
     spread_ok = spread is not None and spread <= allowed
     if not spread_ok:
         reasons.append(f"sub-window output rates {rates} vary by {spread or 0:.0%}")
