@@ -127,12 +127,13 @@ def build_config(
 def build_engine(opts: EngineOptions) -> EngineClient:
     """The engine these options describe: one, or data_parallel_size behind one front."""
     model = resolve_model(opts)
-    if opts.data_parallel_size > 1:
+    if opts.data_parallel_size > 1 or opts.engine_process:  # engines in processes of their own
         from overnight.parallel.dp import DataParallelEngine
         from overnight.parallel.links import ProcessLinks
 
-        # Each engine process builds its own (data_parallel_size=1) engine with this same function.
-        links = ProcessLinks(replace(opts, data_parallel_size=1), opts.data_parallel_size, build_engine)
+        # Each engine process builds its own engine (data_parallel_size=1, in-process) with this function.
+        one = replace(opts, data_parallel_size=1, engine_process=False)
+        links = ProcessLinks(one, opts.data_parallel_size, build_engine)
         return DataParallelEngine(links, model.source, model.tokenizer, model.grammars)
     return _single_engine(opts, model)
 

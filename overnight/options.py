@@ -96,6 +96,11 @@ class EngineOptions:
         "Triton attention kernel configs by name (attention/variants.py)",
         choices=ATTENTION_VARIANTS,
     )
+    engine_process: bool | None = option(
+        None,
+        "step the engine in a process of its own, so the caller's threads never hold the GIL its step "
+        "needs (default: on for serve and its sweeps, off otherwise)",
+    )
     # Submission order of a job known ahead (run-batch, LLM.generate): lookahead groups requests by shared
     # prompt prefix and starts the longest of the last ones first (entrypoints/submission.py).
     schedule: str = option(
@@ -172,12 +177,12 @@ def options_from_args(args: argparse.Namespace, mode: str, **overrides: Any) -> 
     return from_args(EngineOptions, args, mode=mode, **overrides)
 
 
-def options_to_flags(opts: EngineOptions) -> list[str]:
-    """The command-line flags that reproduce `opts` (only options off their default)."""
+def options_to_flags(opts: EngineOptions, skip: tuple[str, ...] = ()) -> list[str]:
+    """The command-line flags that reproduce `opts` (only options off their default, none of `skip`)."""
     flags: list[str] = []
     for f in fields(EngineOptions):
         value = getattr(opts, f.name)
-        if not f.metadata["cli"] or value == f.default:
+        if not f.metadata["cli"] or value == f.default or f.name in skip:
             continue
         if isinstance(value, bool):
             flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))

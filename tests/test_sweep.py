@@ -12,16 +12,18 @@ import pytest
 
 from overnight.bench import level as level_mod
 from overnight.bench import sweep as sweep_mod
+from overnight.bench.client import ChunkCounter, RequestRecord, chunk_tokens
 from overnight.bench.knee import REASONS
 from overnight.bench.level import percentiles, window_stats
-from overnight.bench.load import LoadSpec, RequestRecord, Workload, chunk_tokens, split
-from overnight.bench.sweep import engine_flags, levels_up_to
+from overnight.bench.load import LoadSpec, Workload, split
+from overnight.bench.sweep import levels_up_to
+from overnight.bench.target import engine_flags, is_local
 from overnight.cli import main
 
 pytestmark = pytest.mark.slow  # runs servers and load processes
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SHORT = ["--warmup-s", "2", "--window-s", "2.5", "--input-len", "16", "--output-len", "12"]
+SHORT = ["--warmup-s", "30", "--window-s", "4", "--input-len", "16", "--output-len", "12"]
 
 
 def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsys):
@@ -44,7 +46,7 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
     assert result["x"] == "concurrency"
     assert [lv["concurrency"] for lv in result["levels"]] == [1, 2, 4]
     assert result["server"]["max_num_seqs"] == 128 and result["server"]["max_model_len"] == 512
-    assert result["workload"]["token_timing"] == "text"  # the default model streams text
+    assert result["workload"]["token_timing"] == "usage"  # our server streams the usage in every chunk
     for lv in result["levels"]:
         assert lv["output_tok_s"] > 0 and lv["completed"] >= 1 and lv["errors"] == 0
         assert lv["ttft_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p99"] > 0
@@ -53,6 +55,11 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
         assert lv["gpu"]["sm_clock_mhz_median"] == "n/a"  # no GPU here
         # the client's count and the server's own counter agree on the scale of the output
         assert 0.5 < lv["server_generation_tok_s"] / lv["output_tok_s"] < 2.0
+        # measured in its steady state: clients staggered, a window of two request lifetimes
+        assert lv["steady"]["steady"], (lv["x"], lv["steady"]["reason"])
+        assert lv["window_s"] >= 1.9 * lv["lifetime_s"] and lv["ramp_s"] > 0
+        assert lv["mean_tokens_per_step"] > 0 and lv["steps_per_s"] > 0
+    assert result["all_steady"] and result["verdict"]["unsteady_x"] == []
     v = result["verdict"]
     assert v["reason"] in REASONS and v["knee_x"] in (1, 2, 4) and v["best_x"] in (1, 2, 4)
     assert v["best_output_tok_s"] == max(lv["output_tok_s"] for lv in result["levels"])
@@ -76,33 +83,31 @@ def test_fixed_rate_runs_without_a_tokenizer_in_two_load_processes(tmp_path, cap
         "--max-model-len",
         "256",
         "--request-rate",
+        "1",
         "2",
-        "4",
         "--arrival",
         "constant",
         "--client-processes",
         "2",
         "--warmup-s",
-        "0.5",
+        "2",
         "--window-s",
-        "2.5",
+        "4",
         "--input-len",
         "16",
         "--output-len",
-        "6",
+        "4",
         "--out",
         str(out),
     ]
     assert main(argv) == 0
     result = json.loads((out / "sweep.json").read_text())
-    assert (
-        result["x"] == "request_rate" and result["workload"]["token_timing"] == "text"
-    )  # one chunk per token, even with no text
+    assert result["x"] == "request_rate" and result["workload"]["token_timing"] == "usage"
     rates = [lv["request_rate"] for lv in result["levels"]]
-    assert rates == [2.0, 4.0] and all(lv["client_processes"] == 2 for lv in result["levels"])
+    assert rates == [1.0, 2.0] and all(lv["client_processes"] == 2 for lv in result["levels"])
     for lv in result["levels"]:
-        assert lv["output_tok_s"] > 0 and lv["errors"] == 0
-        assert lv["ttft_ms"]["p50"] is not None and lv["itl_ms"]["p50"] is not None
+        assert lv["output_tok_s"] > 0 and lv["errors"] == 0 and lv["ttft_ms"]["p50"] is not None
+        assert lv["ramp_s"] == 0 and "steady" in lv["steady"]  # judged, not required: a busy CPU may lag
     assert (out / "sweep.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -151,6 +156,27 @@ def test_chunk_tokens_reads_logprobs_or_text():
     assert chunk_tokens({"text": "", "logprobs": None, "finish_reason": "length"}) == 0
 
 
+def test_chunk_counter_reads_continuous_usage_and_falls_back_to_choices():
+    def chunk(text: str, completion_tokens: int | None) -> dict:
+        usage = (
+            None
+            if completion_tokens is None
+            else {"prompt_tokens": 5, "completion_tokens": completion_tokens}
+        )
+        return {"choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": usage}
+
+    c = ChunkCounter("usage")
+    # a chunk merging three steps, one of one, then a usage-only last chunk adding nothing
+    assert [
+        c.count(chunk("abc", 3)),
+        c.count(chunk("d", 4)),
+        c.count({"choices": [], "usage": {"completion_tokens": 4}}),
+    ] == [3, 1, 0]
+    assert c.count(chunk("e", None)) == 1  # a chunk without usage: read its choice
+    text = ChunkCounter("text")
+    assert text.count(chunk("abc", 3)) == 1  # text timing ignores usage (one token a chunk)
+
+
 def test_split_deals_workers_and_shares_the_rate():
     spec = LoadSpec("http://x", "m", Workload(), concurrency=5)
     parts = split(spec, 2)
@@ -175,6 +201,7 @@ def test_levels_and_engine_flags():
             "--max-num-seqs",
             "512",
             "--no-enable-prefix-caching",
+            "--no-engine-process",
             "--input-len",
             "512",
         ]
@@ -187,6 +214,7 @@ def test_levels_and_engine_flags():
         "--max-num-seqs",
         "512",
         "--no-enable-prefix-caching",
+        "--no-engine-process",
     ]
 
 
@@ -195,14 +223,28 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
     curve = {1: 10.0, 2: 19.0, 4: 35.0, 8: 60.0, 16: 100.0, 32: 90.0, 64: 50.0, 24: 104.0}
     measured: list[float] = []
 
-    def fake_measure(args, url, model, workload, x, rate_mode, timing):
+    lifetimes: list[float] = []
+
+    def fake_measure(args, target, workload, x, rate_mode, timing, lifetime_hint_s):
         measured.append(x)
+        lifetimes.append(lifetime_hint_s)
         return {
             "x": x,
             "concurrency": int(x),
             "output_tok_s": curve[int(x)],
             "total_tok_s": curve[int(x)] * 2,
+            "requests_s": curve[int(x)] / 10,
+            "lifetime_s": 1.0 if x <= 16 else x / (curve[int(x)] / 10),
+            "window_s": 10.0,
+            "warmup_s": 1.0,
             "ttft_ms": {"p50": 1.0},
+            "steady": {
+                "steady": x != 8,
+                "total_per_output": 2.0,
+                "expected_total_per_output": 2.0,
+                "sub_output_tok_s": [1.0],
+                "reason": "" if x != 8 else "a transient",
+            },
             "mean_running": min(x, 20),
             "mean_waiting": max(x - 20, 0),
             "mean_kv_usage": 0.95 if x >= 32 else 0.2,
@@ -211,9 +253,11 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
             "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"},
         }
 
-    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
+    info = {"model": "m", "max_num_seqs": 256, "metrics": True, "local": True}
+    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: info)
     monkeypatch.setattr(level_mod, "measure_level", fake_measure)
     monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
+    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
     parser = argparse.ArgumentParser()
     sweep_mod.add_arguments(parser)
     argv = ["--max-concurrency", "64", "--token-timing", "text", "--out", str(tmp_path)]
@@ -226,3 +270,85 @@ def test_sweep_stops_after_a_fall_and_refines(monkeypatch, tmp_path, refine):
     assert v["stopped"] == "fell" and v["reason"] == "pool_full"
     assert (v["best_x"], v["knee_x"]) == ((24, 16) if refine else (16, 16))  # 104 is within 5% of 100
     assert [lv["x"] for lv in result["levels"]] == sorted(measured) and result["complete"]
+    # level 8 was not steady: reported, left out of the rules, and the document says so
+    assert v["unsteady_x"] == [8] and not result["all_steady"]
+    # the ramp's expected lifetime: the probe's, then the larger of the level before's lifetime and
+    # what its request rate gives this many clients (Little's law)
+    assert lifetimes[0] == 0.5 and lifetimes[1] == 2 / 1.0 and lifetimes[5] == pytest.approx(32 / 10.0)
+
+
+# -- another OpenAI-compatible server -------------------------------------------------------------------
+
+
+def fake_openai_server():
+    """A server with no /metrics and no engine limits, that streams one token a chunk every 5 ms, puts the
+    usage only in its last chunk (with the finish) and ends without [DONE]."""
+    import asyncio as aio
+
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "other-model", "object": "model"}]})
+
+    async def completions(request: Request) -> StreamingResponse:
+        body = await request.json()
+        n, prompt = body["max_tokens"], body["prompt"]
+
+        async def events():
+            for i in range(n):
+                await aio.sleep(0.005)
+                choice = {"index": 0, "text": "x", "finish_reason": "length" if i == n - 1 else None}
+                chunk = {"id": "c", "object": "text_completion", "choices": [choice]}
+                if i == n - 1:
+                    chunk["usage"] = {
+                        "prompt_tokens": len(prompt),
+                        "completion_tokens": n,
+                        "total_tokens": n + len(prompt),
+                    }
+                yield f"data: {json.dumps(chunk)}\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(
+        routes=[Route("/v1/models", models), Route("/v1/completions", completions, methods=["POST"])]
+    )
+
+
+def test_a_sweep_through_another_server_by_url(tmp_path, monkeypatch):
+    from overnight.server.background import BackgroundServer
+
+    monkeypatch.setattr(level_mod, "DRAIN_WITHOUT_METRICS_S", 0.1)
+    out = tmp_path / "other"
+    with BackgroundServer(fake_openai_server()) as server:
+        argv = [
+            "bench",
+            "sweep",
+            "--url",
+            server.url,
+            "--levels",
+            "1",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "20",
+        ]
+        assert main([*argv, "--window-s", "1.5", "--out", str(out)]) == 0
+    result = json.loads((out / "sweep.json").read_text())
+    assert result["server"]["metrics"] is False and result["server"]["local"] is True
+    assert result["server"]["model"] == "other-model" and result["workload"]["vocab_high"] == 31000
+    for lv in result["levels"]:
+        assert lv["server_metrics"] is False and "mean_running" not in lv
+        assert lv["errors"] == 0 and lv["output_tok_s"] > 0 and lv["steady"]["steady"], lv["steady"]
+        # one token a chunk and the total from the last chunk's usage agree
+        assert lv["steady"]["total_per_output"] == pytest.approx(28 / 20, rel=0.25)
+    assert result["levels"][1]["output_tok_s"] > 2.5 * result["levels"][0]["output_tok_s"]
+    assert result["verdict"]["best_x"] == 4
+
+
+def test_is_local():
+    assert is_local("http://127.0.0.1:8000") and is_local("http://localhost")
+    assert not is_local("http://gpu-box.invalid:8000")

@@ -34,13 +34,16 @@ class ClockSamples:
 class ClockSampler:
     """with ClockSampler(device_index) as s: ...; s.samples.summary()"""
 
-    def __init__(self, device_index: int = 0, interval_s: float = 0.25) -> None:
+    def __init__(self, device_index: int = 0, interval_s: float = 0.25, enabled: bool = True) -> None:
+        """enabled=False: report n/a (a remote server's GPU is not this machine's)."""
         self.device_index = device_index
         self.interval_s = interval_s
         self.samples = ClockSamples()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handle = None
+        if not enabled:
+            return
         try:
             import pynvml
 

@@ -1,6 +1,8 @@
 """Where raising the concurrency stops paying: the stopping rule, the knee, and why growth stopped.
 
-Pure functions over the levels measured so far, so the rules are tested on synthetic series.
+Pure functions over the levels measured so far, so the rules are tested on synthetic series. Only
+levels measured in their steady state (steady.py) count: an unsteady level's figures depend on when
+its window fell, so it is reported (Verdict.unsteady_x) and left out of every rule below.
 
     stop rule   after level k: output tok/s fell below level k-1's, or grew less than min_gain over
                 the last two steps (T_k < (1 + min_gain) * T_{k-2})
@@ -40,6 +42,7 @@ class LevelPoint:
     sm_clock_mhz: float | None = None
     preemptions: float | None = None  # during the window
     power_w: float | None = None
+    steady: bool = True  # measured in its steady state
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Verdict:
     stopped: str  # "fell" | "plateau" | "end" (the last level was reached)
     reason: str  # one of REASONS
     detail: str
+    unsteady_x: list[float]  # levels left out: not in a steady state
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -141,11 +145,12 @@ def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
 
 
 def verdict(points: list[LevelPoint], min_gain: float, stopped: str | None = None) -> Verdict:
-    """The verdict over all measured points, sorted by x (a refinement level comes in late). stopped:
+    """The verdict over the steady points, sorted by x (a refinement level comes in late). stopped:
     why the sweep stopped raising, when the caller knows; else the rule is replayed on the series."""
-    if not points:
-        raise ValueError("no levels measured")
-    pts = sorted(points, key=lambda p: p.x)
+    unsteady = sorted(p.x for p in points if not p.steady)
+    pts = sorted((p for p in points if p.steady), key=lambda p: p.x)
+    if not pts:
+        raise ValueError("no level measured in its steady state")
     t = [p.output_tok_s for p in pts]
     knee = knee_index(t, min_gain)
     best = best_index(t)
@@ -165,6 +170,7 @@ def verdict(points: list[LevelPoint], min_gain: float, stopped: str | None = Non
         stopped=stopped,
         reason=reason,
         detail=detail,
+        unsteady_x=unsteady,
     )
 
 

@@ -1,5 +1,6 @@
-"""One level of a sweep: run the load, find the end of the warm-up, and read the measured window
-(client-side rates and latencies, the server's /metrics, the GPU's clocks)."""
+"""One level of a sweep: run the load (staggered clients), wait out the warm-up, measure windows until one
+is steady, and read it: client-side rates and latencies, the steady-state verdict (steady.py), the
+server's /metrics when it serves them, the GPU's clocks when the server runs on this machine."""
 
 from __future__ import annotations
 
@@ -8,28 +9,24 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import time
 
 import httpx
 
+from overnight.bench import steady
+from overnight.bench.client import RequestRecord, send_one
 from overnight.bench.gpu_info import ClockSampler
-from overnight.bench.load import (
-    Control,
-    LoadSpec,
-    PromptT,
-    RequestRecord,
-    Workload,
-    auto_processes,
-    run_async,
-    run_load,
-    send_one,
-)
-from overnight.bench.metrics_reader import poll, scrape_sync, summarize
+from overnight.bench.load import Control, LoadSpec, PromptT, Workload, auto_processes, run_async, run_load
+from overnight.bench.metrics_reader import Snapshot, poll, scrape_sync, summarize
+from overnight.bench.target import Target
 
 log = logging.getLogger("overnight.bench")
 
 DEFAULT_VOCAB = 32000  # random ids below this are valid for any current model
 STOP_GRACE_S = 0.25  # the load runs on a little past the window, so the last scrape still sees it
+DRAIN_WITHOUT_METRICS_S = 5.0  # a server without /metrics gets this long to let go of cut requests
+POLL_S = 0.1  # how often the controller reads the load's progress counters
 
 
 def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
@@ -72,83 +69,204 @@ def load_dataset(path: str) -> tuple[tuple[PromptT, int | None], ...]:
     return tuple(out)
 
 
-def probe_token_timing(url: str, model: str, workload: Workload, api_key: str | None) -> str:
-    """'text' when the server's chunks carry text token by token, else 'logprobs' (a server without a
-    tokenizer streams no text, so only logprobs show when each token arrived)."""
-    spec = LoadSpec(url, model, workload, concurrency=1, api_key=api_key)
+def probe_token_timing(target: Target, workload: Workload) -> str:
+    """'usage' when the server's chunks carry the usage so far (continuous_usage_stats), else 'text'
+    when its chunks carry text token by token, else 'logprobs' (a server without a tokenizer streams
+    no text, so only logprobs show when each token arrived)."""
+    for timing in ("usage", "text"):
+        rec = _probe(target, workload, timing)
+        if rec.error and timing == "usage":
+            continue  # a server that refuses the extension
+        if rec.error:
+            raise RuntimeError(f"the server refused a probe request: {rec.error}")
+        assert rec.end is not None
+        shown = sum(n for t, n in zip(rec.chunk_times, rec.chunk_tokens, strict=True) if t < rec.end)
+        if shown >= 4 and (timing == "text" or len(rec.chunk_times) >= 2):
+            return timing
+    return "logprobs"
+
+
+def probe_lifetime(target: Target, workload: Workload, timing: str) -> float:
+    """Seconds one request of the workload's lengths takes alone: the first level's expected lifetime."""
+    rec = _probe(target, workload, timing, full=True)
+    if rec.error or rec.end is None:
+        raise RuntimeError(f"the server refused a probe request: {rec.error}")
+    return rec.end - rec.start
+
+
+def _probe(target: Target, workload: Workload, timing: str, full: bool = False) -> RequestRecord:
+    spec = LoadSpec(target.url, target.model, workload, concurrency=1, token_timing=timing)
+    prompt: PromptT = list(range(200, 208))
+    n_out = 8
+    if full:
+        prompt, n_out = _probe_prompt(workload)
 
     async def probe() -> RequestRecord:
         rec = RequestRecord(start=time.monotonic())
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-        async with httpx.AsyncClient(base_url=url, timeout=300.0, headers=headers) as client:
-            await send_one(client, spec, list(range(200, 208)), 8, rec)
+        async with httpx.AsyncClient(base_url=target.url, timeout=300.0, headers=target.headers) as client:
+            await send_one(client, spec, prompt, n_out, rec)
         return rec
 
-    rec = asyncio.run(probe())
-    if rec.error:
-        raise RuntimeError(f"the server refused a probe request: {rec.error}")
-    assert rec.end is not None
-    shown = sum(n for t, n in zip(rec.chunk_times, rec.chunk_tokens, strict=True) if t < rec.end)
-    return "text" if shown >= 4 else "logprobs"
+    return asyncio.run(probe())
+
+
+def _probe_prompt(workload: Workload) -> tuple[PromptT, int]:
+    if workload.dataset:
+        prompt, n_out = workload.dataset[0]
+        return prompt, n_out or workload.output_len
+    ids = [
+        workload.vocab_low + i % (workload.vocab_high - workload.vocab_low) for i in range(workload.input_len)
+    ]
+    return ids, workload.output_len
+
+
+def mean_output_len(workload: Workload) -> float:
+    if workload.dataset:
+        return statistics.fmean(n or workload.output_len for _, n in workload.dataset)
+    return float(workload.output_len)
 
 
 def measure_level(
-    args: argparse.Namespace, url: str, model: str, workload: Workload, x: float, rate_mode: bool, timing: str
+    args: argparse.Namespace,
+    target: Target,
+    workload: Workload,
+    x: float,
+    rate_mode: bool,
+    timing: str,
+    lifetime_hint_s: float,
 ) -> dict[str, object]:
+    """lifetime_hint_s: the expected life of a request at this level (steady.next_lifetime), for the
+    ramp; the window is sized from the lifetime measured during the warm-up."""
+    clients = int(x) if not rate_mode else 0
+    ramp_s = 0.0 if rate_mode else steady.ramp_seconds(lifetime_hint_s, args.warmup_s / 2)
     spec = LoadSpec(
-        url=url,
-        model=model,
+        url=target.url,
+        model=target.model,
         workload=workload,
-        concurrency=args.max_concurrency if rate_mode else int(x),
+        concurrency=args.max_concurrency if rate_mode else clients,
         request_rate=x if rate_mode else None,
         arrival=args.arrival,
         burstiness=args.burstiness,
         token_timing=timing,
-        api_key=args.api_key,
+        api_key=target.api_key,
         level=f"{x:g}",
+        ramp_s=ramp_s,
     )
     processes = args.client_processes or auto_processes(spec, os.cpu_count() or 2)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    out_len = mean_output_len(workload)
 
-    async def controller(control: Control) -> tuple[float, float, list, dict]:
+    async def controller(control: Control) -> dict[str, object]:
         t0 = control.start_time()
-        # Closed loop: warm until every worker has finished one request (its first answers are of
-        # spread lengths, so by then the loop runs in its steady mix); never longer than --warmup-s.
-        expected = spec.concurrency if not rate_mode else None
-        while time.monotonic() < t0 + args.warmup_s:
-            if expected is not None and control.num_first_done() >= expected:
+        history: list[tuple[float, float]] = []  # (time, output tokens) during the warm-up
+        first_done: float | None = None
+        while True:  # the warm-up
+            now = time.monotonic()
+            out, _, done = control.totals()
+            history.append((now, out))
+            if done and first_done is None:
+                first_done = now
+            if now >= t0 + args.warmup_s:
+                log.warning("level %g: the warm-up hit its cap of %.0f s", x, args.warmup_s)
                 break
-            await asyncio.sleep(0.02)
-        w0 = time.monotonic()
-        w1 = w0 + args.window_s
-        control.set_stop(w1 + STOP_GRACE_S)
-        with ClockSampler() as clocks:
-            async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
-                snaps = await poll(client, url, w1, args.metrics_interval_s)
-        return w0 - t0, w1, snaps, clocks.samples.summary()
+            if rate_mode:
+                if first_done is not None and now - t0 >= 2 * (first_done - t0):
+                    break
+            elif steady.warmed_up(now, t0 + ramp_s, done, clients):
+                break
+            await asyncio.sleep(POLL_S)
+        if rate_mode:
+            lifetime = (first_done or time.monotonic()) - t0
+        else:
+            lifetime = steady.lifetime_from_rate(clients, out_len, _recent_rate(history))
+        attempts = []
+        for attempt in range(1, steady.MAX_WINDOWS + 1):
+            length = steady.window_seconds(lifetime, args.window_s, args.max_window_s, args.window_lifetimes)
+            attempts.append(await _window(control, target, args, length, clients))
+            if attempts[-1]["live"].steady:
+                break
+            log.info("level %g, window %d not steady (%s)", x, attempt, attempts[-1]["live"].reason)
+        control.set_stop(attempts[-1]["w1"] + STOP_GRACE_S)
+        return {
+            "warmup_s": attempts[0]["w0"] - t0,
+            "lifetime_s": lifetime,
+            "windows": len(attempts),
+            **attempts[-1],
+        }
 
-    records, (warmup, w1, snaps, clocks) = run_async(run_load(spec, processes, controller))
-    w0 = w1 - args.window_s
-    drain(url, headers)
+    records, res = run_async(run_load(spec, processes, controller))
+    w0, w1 = float(res["w0"]), float(res["w1"])
+    drain(target)
     row: dict[str, object] = {
         "x": x,
         "concurrency": spec.concurrency,
         "request_rate": spec.request_rate,
-        "warmup_s": round(warmup, 2),
-        "window_s": args.window_s,
+        "ramp_s": round(ramp_s, 2),
+        "warmup_s": round(float(res["warmup_s"]), 2),
+        "lifetime_s": None if res["lifetime_s"] is None else round(float(res["lifetime_s"]), 2),
+        "window_s": round(w1 - w0, 2),
+        "windows": res["windows"],
         "client_processes": processes,
     }
     row.update(window_stats(records, w0, w1))
-    row.update(summarize(snaps).to_dict())
-    row["gpu"] = clocks
+    row["steady"] = judge_window(records, w0, w1, x if rate_mode else None, max(clients, 1)).to_dict()
+    snaps: list[Snapshot] = res["snaps"]  # type: ignore[assignment]
+    row["server_metrics"] = bool(snaps)
+    if snaps:
+        row.update(summarize(snaps).to_dict())
+    row["gpu"] = res["clocks"]
     return row
 
 
-def drain(url: str, headers: dict[str, str] | None, timeout_s: float = 120.0) -> None:
+def _recent_rate(history: list[tuple[float, float]]) -> float:
+    """Output tokens/s over the last quarter of the warm-up (at least its last second)."""
+    if len(history) < 2:
+        return 0.0
+    t_end, n_end = history[-1]
+    span = max((t_end - history[0][0]) / 4, 1.0)
+    t_start, n_start = next(((t, n) for t, n in history if t >= t_end - span), history[0])
+    return (n_end - n_start) / (t_end - t_start) if t_end > t_start else 0.0
+
+
+async def _window(
+    control: Control, target: Target, args: argparse.Namespace, length: float, clients: int
+) -> dict:
+    """One measured window: progress counters at each sub-window's edge (the live verdict), /metrics
+    scrapes and GPU clocks throughout."""
+    w0 = time.monotonic()
+    w1 = w0 + length
+    edges = steady.sub_windows(w0, w1)
+    counts = [control.totals()]
+    with ClockSampler(enabled=target.local) as clocks:
+        scrapes = None
+        if target.has_metrics:
+            client = httpx.AsyncClient(timeout=30.0, headers=target.headers)
+            scrapes = asyncio.ensure_future(poll(client, target.url, w1, args.metrics_interval_s))
+        try:
+            for _, edge in edges:
+                await asyncio.sleep(max(edge - time.monotonic(), 0.0))
+                counts.append(control.totals())
+            snaps = await scrapes if scrapes is not None else []
+        finally:
+            if scrapes is not None:
+                scrapes.cancel()
+                await client.aclose()
+    outs = [b[0] - a[0] for a, b in zip(counts, counts[1:], strict=False)]
+    prompt = counts[-1][1] - counts[0][1]
+    expected = None  # the workload's ratio is judged from the records afterwards; live, use the ideal
+    if args.input_len and args.output_len and not args.dataset:
+        expected = (args.input_len + args.output_len) / args.output_len
+    live = steady.judge(outs, length / len(edges), prompt, expected, args.input_len, max(clients, 1))
+    return {"w0": w0, "w1": w1, "snaps": snaps, "clocks": clocks.samples.summary(), "live": live}
+
+
+def drain(target: Target, timeout_s: float = 120.0) -> None:
     """Wait until the server has let go of the cut requests, so the next level starts from empty."""
+    if not target.has_metrics:
+        time.sleep(DRAIN_WITHOUT_METRICS_S)
+        return
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        snap = scrape_sync(url, headers=headers)
+        snap = scrape_sync(target.url, headers=target.headers)
         if snap.running == 0 and snap.waiting == 0:
             return
         time.sleep(0.2)
@@ -211,3 +329,34 @@ def window_stats(records: list[RequestRecord], w0: float, w1: float) -> dict[str
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles(itl),
     }
+
+
+def judge_window(
+    records: list[RequestRecord], w0: float, w1: float, rate: float | None = None, clients: int = 1
+) -> steady.Steadiness:
+    """The steady-state verdict from the records: output tokens per sub-window, prompt tokens credited
+    in the window (as total_tok_s counts them) against the ratio the window's finished requests ran at.
+    rate: an open loop's arrival rate, which a steady server keeps up with; clients: a closed loop's
+    (a step delivers a token to each)."""
+    edges = steady.sub_windows(w0, w1)
+    sub_out = [0.0] * len(edges)
+    span = (w1 - w0) / len(edges)
+    prompt = 0.0
+    done_prompt = done_out = 0
+    finished = 0
+    for r in records:
+        for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True):
+            if w0 <= t < w1:
+                sub_out[min(int((t - w0) / span), len(edges) - 1)] += n
+        if r.chunk_times and w0 <= r.chunk_times[0] < w1:
+            prompt += r.prompt_tokens
+        if r.end is not None and r.error is None and w0 <= r.end < w1:
+            finished += 1
+            done_prompt += r.prompt_tokens
+            done_out += r.output_tokens
+    expected = (done_prompt + done_out) / done_out if done_out else None
+    mean_prompt = done_prompt / finished if finished else 0.0
+    verdict = steady.judge(sub_out, span, prompt, expected, mean_prompt, clients)
+    if rate is not None:
+        verdict = steady.keeps_up(verdict, finished / (w1 - w0), rate, w1 - w0)
+    return verdict

@@ -1,38 +1,40 @@
 """The load of a sweep level: streaming /v1/completions requests through the OpenAI HTTP API.
 
 Closed loop (a concurrency level): N workers each send a request, wait for its last token, and send
-the next. Open loop (--request-rate): arrivals at a fixed mean rate, Poisson (gamma gaps of shape
-`burstiness`; 1 is Poisson, larger is more regular) or constant, optionally capped in flight.
+the next. Worker w starts ramp_s * w / N after the others' common start, and its first answer has a
+random length in [1, output_len]: however long a request lives at this level, the workers' phases
+then spread evenly over a request's life (the sum of a uniform start and a uniform first length,
+folded over one lifetime, is uniform), so they never move in waves, and the ramp spreads the first
+prompts' prefill instead of piling it into the first steps.
 
-Every request streams, so each token's arrival time is known: TTFT, TPOT, ITL, and the tokens that
-arrived inside the measured window. Prompts are token-id lists (no tokenizer needed on either side)
-of random ids, or prompts from a dataset file; answers run to max_tokens (ignore_eos).
+Open loop (--request-rate): arrivals at a fixed mean rate, Poisson (gamma gaps of shape `burstiness`;
+1 is Poisson, larger is more regular) or constant, optionally capped in flight.
 
-Token counting: a chunk carries its tokens in `logprobs.tokens` when logprobs are asked
-(token_timing "logprobs": needed when the server has no tokenizer, as its chunks then carry no text),
-else one token per chunk with text. The usage chunk gives the exact total; tokens no chunk showed
-are counted at the end of the stream.
+Every request streams (client.py), so each token's arrival time is known: TTFT, TPOT, ITL, and the
+tokens that arrived inside the measured window. Prompts are token-id lists (no tokenizer needed on
+either side) of random ids, or prompts from a dataset file; answers run to max_tokens (ignore_eos).
 
-Many streams cost the client CPU (one JSON event per token): above 64 streams the load runs in
-several processes (spawned), which share one start time and one stop time through shared
-values. time.monotonic() is system-wide on Linux, so their timestamps compare.
+Many streams cost the client CPU (a JSON event per chunk): above 64 streams the load runs in several
+processes (spawned), which share one start time, one stop time and live progress counters (tokens,
+prompt tokens, finished requests) through shared memory, so the controller can watch a level reach
+its steady state while it runs. time.monotonic() is system-wide on Linux, so timestamps compare.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import multiprocessing as mp
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import httpx
 
-PromptT = str | list[int]
+from overnight.bench.client import PromptT, RequestRecord, send_one
+
 T = TypeVar("T")
 
 
@@ -72,35 +74,30 @@ class LoadSpec:
     request_rate: float | None = None  # requests/s; None: closed loop
     arrival: str = "poisson"  # "poisson" | "constant"
     burstiness: float = 1.0
-    token_timing: str = "text"  # "text" | "logprobs"
+    token_timing: str = "usage"  # "usage" | "logprobs" | "text" (client.py)
     api_key: str | None = None
     level: str = "0"  # names the prompt streams, so no two levels send the same prompt
+    ramp_s: float = 0.0  # closed loop: worker w of N starts ramp_s * w / N after the start
     workers: tuple[int, ...] = ()  # the worker ids this process runs (closed loop)
     rate_share: float = 1.0  # this process's share of the rate (open loop)
+    part: int = 0  # this process's slot in the progress counters
 
 
-@dataclass
-class RequestRecord:
-    start: float
-    chunk_times: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-    end: float | None = None  # the stream finished; None: cut at the stop, or failed
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    error: str | None = None
+# -- the shared start/stop and progress ---------------------------------------------------------------
 
-
-# -- the shared start/stop --------------------------------------------------------------------------
+# Progress counters per part: output tokens, prompt tokens (credited at a request's first token, as the
+# window's total tok/s counts them), requests finished without error.
+OUT, PROMPT, DONE = range(3)
 
 
 class LocalControl:
-    """Start, stop and warm-up progress when the load runs in this process."""
+    """Start, stop and progress when the load runs in this process."""
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int = 1) -> None:
         self.t0 = 0.0  # 0: not started yet
         self.stop = math.inf
-        self.firsts = 0  # workers that finished their first request
         self.ready = 0  # parts of the load that are connected and waiting for t0
+        self.counts = [0.0] * (3 * parts)
 
     def start_time(self) -> float:
         return self.t0
@@ -111,127 +108,55 @@ class LocalControl:
     def set_stop(self, t: float) -> None:
         self.stop = t
 
+    def stop_time(self) -> float:
+        return self.stop
+
     def mark_ready(self) -> None:
         self.ready += 1
 
     def num_ready(self) -> int:
         return self.ready
 
-    def stop_time(self) -> float:
-        return self.stop
+    def add(self, part: int, what: int, n: float) -> None:
+        self.counts[3 * part + what] += n
 
-    def first_done(self) -> None:
-        self.firsts += 1
+    def totals(self) -> tuple[float, float, float]:
+        """(output tokens, prompt tokens, finished requests) over every part."""
+        c = self.counts
+        return sum(c[OUT::3]), sum(c[PROMPT::3]), sum(c[DONE::3])
 
-    def num_first_done(self) -> int:
-        return self.firsts
 
+class SharedControl(LocalControl):
+    """The same in shared memory, for spawned load processes. Each part writes only its own slots,
+    so the counters need no lock."""
 
-class SharedControl:
-    """The same, in shared memory for spawned load processes."""
-
-    def __init__(self, ctx: mp.context.BaseContext) -> None:
-        self.t0 = ctx.Value("d", 0.0)
-        self.stop = ctx.Value("d", math.inf)
-        self.firsts = ctx.Value("i", 0)
-        self.ready = ctx.Value("i", 0)
+    def __init__(self, ctx: mp.context.BaseContext, parts: int) -> None:
+        self._t0 = ctx.Value("d", 0.0)
+        self._stop = ctx.Value("d", math.inf)
+        self._ready = ctx.Value("i", 0)
+        self.counts = ctx.Array("d", 3 * parts, lock=False)  # type: ignore[assignment]
 
     def start_time(self) -> float:
-        return self.t0.value
+        return self._t0.value
 
     def set_start(self, t: float) -> None:
-        self.t0.value = t
+        self._t0.value = t
 
     def set_stop(self, t: float) -> None:
-        self.stop.value = t
-
-    def mark_ready(self) -> None:
-        with self.ready.get_lock():
-            self.ready.value += 1
-
-    def num_ready(self) -> int:
-        return self.ready.value
+        self._stop.value = t
 
     def stop_time(self) -> float:
-        return self.stop.value
+        return self._stop.value
 
-    def first_done(self) -> None:
-        with self.firsts.get_lock():
-            self.firsts.value += 1
+    def mark_ready(self) -> None:
+        with self._ready.get_lock():
+            self._ready.value += 1
 
-    def num_first_done(self) -> int:
-        return self.firsts.value
+    def num_ready(self) -> int:
+        return self._ready.value
 
 
 Control = LocalControl | SharedControl
-
-
-# -- one request ------------------------------------------------------------------------------------
-
-
-async def send_one(
-    client: httpx.AsyncClient, spec: LoadSpec, prompt: PromptT, max_tokens: int, rec: RequestRecord
-) -> None:
-    body: dict[str, object] = {
-        "model": spec.model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    if isinstance(prompt, list):
-        rec.prompt_tokens = len(prompt)  # known before the usage chunk, which a cut stream never gets
-    if spec.token_timing == "logprobs":
-        body["logprobs"] = 0  # the sampled token's only: the cheapest way to see each token
-    try:
-        async with client.stream("POST", "/v1/completions", json=body) as r:
-            if r.status_code != 200:
-                await r.aread()
-                rec.error = f"HTTP {r.status_code}: {r.text[:200]}"
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                now = time.monotonic()
-                chunk = json.loads(data)
-                if chunk.get("error"):
-                    rec.error = str(chunk["error"].get("message", chunk["error"]))[:200]
-                    return
-                usage = chunk.get("usage")
-                if usage:
-                    rec.prompt_tokens = usage.get("prompt_tokens", 0)
-                    rec.output_tokens = usage.get("completion_tokens", 0)
-                for choice in chunk.get("choices") or ():
-                    n = chunk_tokens(choice)
-                    if n:
-                        rec.chunk_times.append(now)
-                        rec.chunk_tokens.append(n)
-    except (httpx.HTTPError, ValueError) as e:
-        rec.error = f"{type(e).__name__}: {e}"[:200]
-        return
-    rec.end = time.monotonic()
-    missing = rec.output_tokens - sum(rec.chunk_tokens)
-    if missing > 0:  # merged text, or a server that streams no per-token chunks
-        rec.chunk_times.append(rec.end)
-        rec.chunk_tokens.append(missing)
-    if not rec.output_tokens:
-        rec.output_tokens = sum(rec.chunk_tokens)
-
-
-def chunk_tokens(choice: dict) -> int:
-    lp = choice.get("logprobs")
-    if lp and lp.get("tokens") is not None:
-        return len(lp["tokens"])
-    # The server sends one chunk per generated token, with empty text when the token shows none yet
-    # (no tokenizer, or text held back); a final chunk with only a finish reason carries no token.
-    if choice.get("text") or (choice.get("finish_reason") is None and "text" in choice):
-        return 1
-    return 0
 
 
 # -- the loops --------------------------------------------------------------------------------------
@@ -243,27 +168,44 @@ async def _sleep_until(t: float) -> None:
         await asyncio.sleep(delay)
 
 
+def _progress(spec: LoadSpec, control: Control) -> Callable[[int, int], None]:
+    def note(out_tokens: int, prompt_tokens: int) -> None:
+        control.add(spec.part, OUT, out_tokens)
+        if prompt_tokens:
+            control.add(spec.part, PROMPT, prompt_tokens)
+
+    return note
+
+
+def start_offset(spec: LoadSpec, w: int) -> float:
+    """Seconds after the common start at which worker w begins."""
+    return spec.ramp_s * w / (spec.concurrency or 1)
+
+
+def first_answer_len(spec: LoadSpec, w: int, n_out: int) -> int:
+    """Worker w's first answer: a length drawn uniformly from [1, n_out], the same on every run."""
+    return random.Random(f"{spec.workload.seed}/{spec.level}/first{w}").randint(1, n_out)
+
+
 async def _worker(
     client: httpx.AsyncClient, spec: LoadSpec, w: int, control: Control, records: list[RequestRecord]
 ) -> None:
     prompts = Prompts(spec.workload, f"{spec.level}/w{w}")
-    n = spec.concurrency or 1
-    await _sleep_until(control.start_time())
+    progress = _progress(spec, control)
+    await _sleep_until(control.start_time() + start_offset(spec, w))
     first = True
     while time.monotonic() < control.stop_time():
         prompt, n_out = prompts.next()
-        if first:
-            # First answers of 1/N, 2/N, ... of the length: completions spread out at once, so the
-            # loop reaches its steady mix within one request's life, not after many synchronized waves.
-            n_out = max(1, -(-n_out * (w + 1) // n))
+        if first:  # see the module docstring: phases spread whatever a request's life
+            n_out = first_answer_len(spec, w, n_out)
+            first = False
         rec = RequestRecord(start=time.monotonic())
         records.append(rec)
-        await send_one(client, spec, prompt, n_out, rec)
-        if first:
-            control.first_done()
-            first = False
+        await send_one(client, spec, prompt, n_out, rec, progress)
         if rec.error is not None:
             await asyncio.sleep(0.05)  # a refusing server must not be hammered in a tight loop
+        elif rec.end is not None:
+            control.add(spec.part, DONE, 1)
 
 
 def arrival_gap(rng: random.Random, rate: float, arrival: str, burstiness: float) -> float:
@@ -281,15 +223,18 @@ async def _arrivals(
     rng = random.Random(f"{spec.workload.seed}/{spec.level}/gaps{spec.workers}")
     cap = asyncio.Semaphore(spec.concurrency) if spec.concurrency else None
     inflight: set[asyncio.Task] = set()
+    progress = _progress(spec, control)
 
     async def one(prompt: PromptT, n_out: int) -> None:
         rec = RequestRecord(start=time.monotonic())
         records.append(rec)
         if cap is None:
-            await send_one(client, spec, prompt, n_out, rec)
-            return
-        async with cap:  # queued on the client side: its TTFT includes the wait, as a user's would
-            await send_one(client, spec, prompt, n_out, rec)
+            await send_one(client, spec, prompt, n_out, rec, progress)
+        else:
+            async with cap:  # queued on the client side: its TTFT includes the wait, as a user's would
+                await send_one(client, spec, prompt, n_out, rec, progress)
+        if rec.end is not None and rec.error is None:
+            control.add(spec.part, DONE, 1)
 
     t = control.start_time()
     try:
@@ -341,15 +286,16 @@ async def drive(spec: LoadSpec, control: Control) -> list[RequestRecord]:
 
 
 def split(spec: LoadSpec, processes: int) -> list[LoadSpec]:
-    """One spec per process: workers dealt round robin, or an equal share of the rate and the cap."""
+    """One spec per process: workers dealt round robin (so each process's start offsets spread over
+    the whole ramp), or an equal share of the rate and the cap."""
     if spec.request_rate is None:
         workers = tuple(range(spec.concurrency or 1))
-        return [
-            replace(spec, workers=workers[p::processes]) for p in range(processes) if workers[p::processes]
-        ]
+        dealt = [workers[p::processes] for p in range(processes) if workers[p::processes]]
+        return [replace(spec, workers=ws, part=p) for p, ws in enumerate(dealt)]
     cap = -(-spec.concurrency // processes) if spec.concurrency else None
     return [
-        replace(spec, workers=(p,), rate_share=1.0 / processes, concurrency=cap) for p in range(processes)
+        replace(spec, workers=(p,), rate_share=1.0 / processes, concurrency=cap, part=p)
+        for p in range(processes)
     ]
 
 
@@ -378,11 +324,11 @@ async def run_load(
     controller: Callable[[Control], Awaitable[T]],
 ) -> tuple[list[RequestRecord], T]:
     """Run the load in `processes` processes (1: this one). Once every part is connected, the start
-    time is set and `controller(control)` runs: it watches the warm-up and sets the stop time. Returns
-    every request's record and what the controller returned."""
+    time is set and `controller(control)` runs: it watches the progress and sets the stop time.
+    Returns every request's record and what the controller returned."""
     specs = split(spec, max(processes, 1))
     if processes <= 1:
-        control: Control = LocalControl()
+        control: Control = LocalControl(len(specs))
         parts = [asyncio.create_task(drive(s, control)) for s in specs]
         try:
             await _start_when_ready(control, len(parts), lambda: any(p.done() for p in parts))
@@ -394,7 +340,7 @@ async def run_load(
         done = await asyncio.gather(*parts)
         return [r for part in done for r in part], result
     ctx = mp.get_context("spawn")
-    control = SharedControl(ctx)
+    control = SharedControl(ctx, len(specs))
     out = ctx.Queue()
     procs = [ctx.Process(target=_process_main, args=(s, control, out), daemon=True) for s in specs]
     for p in procs:
@@ -428,9 +374,8 @@ async def _start_when_ready(control: Control, parts: int, failed: Callable[[], b
     control.set_start(time.monotonic())
 
 
-STREAMS_PER_PROCESS = (
-    64  # a token event costs the client ~50-150 us of CPU: keep each process well under a core
-)
+# A token event costs the client ~50-150 us of CPU: keep each process well under a core.
+STREAMS_PER_PROCESS = 64
 
 
 def auto_processes(spec: LoadSpec, cpu_count: int) -> int:

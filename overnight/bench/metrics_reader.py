@@ -118,6 +118,8 @@ class WindowMetrics:
     generation_tokens: float | None  # increase over the window; None: not counted
     max_num_seqs: int | None
     num_kv_blocks: int | None = None
+    steps: float | None = None  # engine steps in the window (the iteration_tokens histogram's count)
+    scheduled_tokens: float | None = None  # tokens those steps computed (its sum)
 
     @property
     def generation_tok_s(self) -> float | None:
@@ -138,6 +140,13 @@ class WindowMetrics:
             else round(self.generation_tok_s, 1),
             "max_num_seqs": self.max_num_seqs,
             "num_kv_blocks": self.num_kv_blocks,
+            # Whether the step budget (max_num_batched_tokens) binds: compare the two.
+            "mean_tokens_per_step": None
+            if not self.steps or self.scheduled_tokens is None
+            else round(self.scheduled_tokens / self.steps, 1),
+            "steps_per_s": None
+            if self.steps is None or self.duration_s <= 0
+            else round(self.steps / self.duration_s, 2),
             "samples": self.num_samples,
         }
 
@@ -148,6 +157,12 @@ def summarize(snaps: list[Snapshot]) -> WindowMetrics:
     n = len(snaps)
     first, last = snaps[0], snaps[-1]
     limits = last.limits
+
+    def increase(name: str) -> float | None:
+        if name not in last.values:
+            return None
+        return last.get(name) - first.get(name)
+
     return WindowMetrics(
         duration_s=last.t - first.t,
         num_samples=n,
@@ -160,4 +175,6 @@ def summarize(snaps: list[Snapshot]) -> WindowMetrics:
         generation_tokens=last.generation_tokens_total - first.generation_tokens_total,
         max_num_seqs=limits.get("max_num_seqs"),
         num_kv_blocks=limits.get("num_kv_blocks"),
+        steps=increase("iteration_tokens_total_count"),
+        scheduled_tokens=increase("iteration_tokens_total_sum"),
     )

@@ -20,6 +20,16 @@ def plot_sweep(result: dict, path: str) -> None:
 
     top.plot(xs, [lv["output_tok_s"] for lv in levels], "o-", label="output tok/s")
     top.plot(xs, [lv["total_tok_s"] for lv in levels], "s--", alpha=0.6, label="total tok/s")
+    unsteady = [lv for lv in levels if not lv.get("steady", {}).get("steady", True)]
+    if unsteady:  # left out of the knee rules: their figures depend on when the window fell
+        top.plot(
+            [lv[x_key] for lv in unsteady],
+            [lv["output_tok_s"] for lv in unsteady],
+            "x",
+            color="tab:red",
+            markersize=12,
+            label="not steady",
+        )
     top.set_ylabel("tokens / s")
     top.grid(True, alpha=0.3)
 

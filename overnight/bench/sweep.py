@@ -1,15 +1,22 @@
 """Concurrency sweep through the server: raise the load until the output stops growing (the knee).
 
-    overnight bench sweep --url http://127.0.0.1:8000 --max-concurrency 256
+    overnight bench sweep --url http://127.0.0.1:8000 --max-concurrency 256   # any OpenAI-compatible server
     overnight bench sweep --model qwen3-8b --load-format dummy --input-len 512 --output-len 256 \\
         --max-concurrency 1024 --out sweep-qwen3-8b          # starts its own server
     overnight bench sweep --request-rate 2 4 8 --burstiness 1  # fixed-rate runs instead of levels
 
-Each level (1, 2, 4, ... up to --max-concurrency) warms up until every client has finished one request
-(at most --warmup-s), then measures --window-s: output/total tok/s, requests/s, TTFT/TPOT/ITL
-percentiles, and from /metrics the mean running, waiting, KV usage and preemptions, with the GPU's SM
-clock, power and temperature. Raising stops when output tok/s falls, or grows less than --min-gain
-over two steps. Writes sweep.json, sweep.png and a table into --out.
+Each level (1, 2, 4, ... up to --max-concurrency) is measured in its steady state (steady.py): the
+clients start spread over half a request's expected life with first answers of random lengths, so
+they never move in waves; the warm-up lasts until half of them came round once; the window covers
+two request lifetimes (at least --window-s) and is judged: total/output tokens against the
+workload's (3.0 for 512 in / 256 out) and the output rate of its four quarters. An unsteady window
+is measured once more; a level still unsteady is reported and left out of the knee rules.
+
+Per level: output/total tok/s, requests/s, TTFT/TPOT/ITL percentiles, the steady-state verdict, and
+from /metrics (when the server has them) the mean running, waiting, KV usage, preemptions and tokens
+per step, with the GPU's SM clock, power and temperature (when the server runs on this machine).
+Raising stops when output tok/s falls, or grows less than --min-gain over two steps. Writes
+sweep.json, sweep.png and a table into --out.
 """
 
 from __future__ import annotations
@@ -18,15 +25,13 @@ import argparse
 import json
 import logging
 import os
-import socket
-import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
+from overnight.bench.client import TIMINGS
 from overnight.bench.knee import LevelPoint, refine_between, stop_reason, verdict
-from overnight.options import add_engine_args, options_from_args, options_to_flags
+from overnight.bench.steady import WINDOW_LIFETIMES
+from overnight.bench.target import Target, raise_open_files_limit, server_for, server_info
+from overnight.options import add_engine_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,10 +71,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--warmup-s",
         type=float,
-        default=10.0,
-        help="longest warm-up per level; it ends earlier once every client finished a request",
+        default=180.0,
+        help="longest warm-up per level (it ends once the ramp is over and half the clients came round)",
     )
-    g.add_argument("--window-s", type=float, default=10.0, help="measured seconds per level")
+    g.add_argument("--window-s", type=float, default=10.0, help="shortest measured window per level")
+    g.add_argument("--max-window-s", type=float, default=300.0, help="longest measured window per level")
+    g.add_argument(
+        "--window-lifetimes",
+        type=float,
+        default=WINDOW_LIFETIMES,
+        help=f"request lifetimes a window covers (default {WINDOW_LIFETIMES:g})",
+    )
     g.add_argument("--min-gain", type=float, default=0.05, help="growth over two steps that keeps raising")
     g.add_argument(
         "--refine",
@@ -93,9 +105,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--token-timing",
-        choices=["auto", "text", "logprobs"],
+        choices=["auto", *TIMINGS],
         default="auto",
-        help="how chunks show tokens; auto asks for logprobs when the server streams no text",
+        help="how chunks show tokens (bench/client.py); auto: usage in every chunk where the server "
+        "streams it, else text, else logprobs",
     )
     g.add_argument("--client-processes", type=int, default=0, help="load processes (0: one per 64 streams)")
     g.add_argument("--metrics-interval-s", type=float, default=0.5)
@@ -129,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
                 "knee": v.get("knee_x"),
                 "best": v.get("best_x"),
                 "peak_output_tok_s": v.get("best_output_tok_s"),
+                "all_steady": result["all_steady"],
                 "reason": v.get("reason"),
                 "out": args.out,
             }
@@ -145,113 +159,6 @@ def save(result: dict, out: str) -> None:
     os.replace(tmp, os.path.join(out, "sweep.json"))
 
 
-def raise_open_files_limit() -> None:
-    """A socket per stream on both ends: 1024 streams overrun the usual soft limit of 1024 open files.
-    Raised to the hard limit here, and inherited by an own server and the load processes."""
-    try:
-        import resource
-
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        want = hard if hard != resource.RLIM_INFINITY else 1 << 16
-        if soft != resource.RLIM_INFINITY and soft < want:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-    except (ImportError, ValueError, OSError):
-        pass  # not on this platform, or not allowed: streams beyond the limit will fail and be counted
-
-
-# -- the server ---------------------------------------------------------------------------------------
-
-
-@contextmanager
-def server_for(args: argparse.Namespace) -> Iterator[str]:
-    if args.url:
-        yield args.url.rstrip("/")
-    elif args.server == "thread":
-        from overnight.build import build_engine
-        from overnight.metrics import hide_created_series
-        from overnight.server.background import BackgroundServer
-        from overnight.server.cli import ServerOptions, make_app
-
-        hide_created_series()
-        engine = build_engine(options_from_args(args, mode="server"))
-        app = make_app(engine, ServerOptions(access_log=False, log_level="warning"), model_arg=args.model)
-        with BackgroundServer(app, log_level="warning") as server:
-            yield server.url
-    else:
-        yield from _subprocess_server(args)
-
-
-def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
-    with socket.socket() as s:  # a free port; the tiny race with other programs is accepted
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [
-        sys.executable,
-        "-m",
-        "overnight",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--no-access-log",
-        "--log-level",
-        "warning",
-        *engine_flags(args),
-    ]
-    log_path = os.path.join(args.out, "server.log")
-    url = f"http://127.0.0.1:{port}"
-    with open(log_path, "w") as log:
-        print(f"starting the server: {' '.join(cmd[1:])} (log: {log_path})", file=sys.stderr)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            _wait_healthy(url, proc, args.server_timeout_s, log_path)
-            yield url
-        finally:
-            proc.terminate()  # SIGTERM: a graceful drain
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine options given to the sweep, as `overnight serve` flags (only those off their default)."""
-    return options_to_flags(options_from_args(args, mode="server"))
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: str) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if proc.poll() is not None:
-            with open(log_path) as f:
-                tail = f.read()[-3000:]
-            raise RuntimeError(f"the server exited ({proc.returncode}) during start-up:\n{tail}")
-        try:
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the server did not start within {timeout_s:.0f} s (log: {log_path})")
-        time.sleep(0.5)
-
-
-def server_info(url: str, api_key: str | None) -> dict[str, object]:
-    import httpx
-
-    from overnight.bench.metrics_reader import scrape_sync
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    card = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
-    info: dict[str, object] = {"url": url, "model": card["id"], "max_model_len": card.get("max_model_len")}
-    info.update(scrape_sync(url, headers=headers).limits)
-    return info
-
-
 # -- the sweep ----------------------------------------------------------------------------------------
 
 
@@ -261,13 +168,15 @@ def levels_up_to(top: int) -> list[int]:
 
 
 def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
-    from overnight.bench.level import measure_level, probe_token_timing, workload_from_args
+    from overnight.bench import level
+    from overnight.bench.steady import next_lifetime
 
     info = server_info(url, args.api_key)
-    workload = workload_from_args(args, info)
+    target = Target(url, str(info["model"]), args.api_key, bool(info.get("metrics")), bool(info.get("local")))
+    workload = level.workload_from_args(args, info)
     timing = args.token_timing
     if timing == "auto":
-        timing = probe_token_timing(url, str(info["model"]), workload, args.api_key)
+        timing = level.probe_token_timing(target, workload)
     rates = args.request_rate
     if rates:
         xs: list[float] = sorted(rates)
@@ -277,8 +186,11 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
         seats = info.get("max_num_seqs")
         top = args.max_concurrency or (1 << max(2 * int(seats) - 1, 1).bit_length() if seats else 256)
         xs = levels_up_to(top)
+    lifetime = level.probe_lifetime(target, workload, timing)
     print(
-        f"sweep of {info['model']} at {url}: {'rates' if rates else 'levels'} {xs}, token timing by {timing}",
+        f"sweep of {info['model']} at {url}: {'rates' if rates else 'levels'} {xs}, token timing by "
+        f"{timing}, one request alone {lifetime:.2f} s, /metrics {'yes' if target.has_metrics else 'no'}, "
+        f"GPU clocks {'read here' if target.local else 'not read (remote)'}",
         file=sys.stderr,
     )
 
@@ -298,42 +210,67 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
                 "output_len": args.output_len,
                 "dataset": args.dataset,
                 "seed": args.seed,
+                "vocab_high": workload.vocab_high,
                 "token_timing": timing,
             },
             "settings": {
-                "warmup_s": args.warmup_s,
-                "window_s": args.window_s,
+                "warmup_s_max": args.warmup_s,
+                "window_s_min": args.window_s,
+                "window_s_max": args.max_window_s,
+                "window_lifetimes": args.window_lifetimes,
+                "steady": steady_settings(),
                 "min_gain": args.min_gain,
                 "arrival": args.arrival if rates else None,
                 "burstiness": args.burstiness if rates else None,
             },
             "complete": final,
+            "all_steady": all(r["steady"]["steady"] for r in rows),
             "levels": ordered,
-            "verdict": verdict(points, args.min_gain, stopped).to_dict() if final and rows else None,
+            "verdict": verdict(points, args.min_gain, stopped).to_dict()
+            if final and any(p.steady for p in points)
+            else None,
         }
 
     def measure(x: float) -> None:
-        row = measure_level(args, url, str(info["model"]), workload, x, rate_mode=bool(rates), timing=timing)
+        nonlocal lifetime
+        if rows and not rates:
+            prev = rows[-1]
+            lifetime = next_lifetime(float(prev["lifetime_s"] or lifetime), float(prev["requests_s"]), int(x))
+        row = level.measure_level(args, target, workload, x, bool(rates), timing, lifetime)
+        st = row["steady"]
         print(
-            f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, TTFT p50 {row['ttft_ms']['p50']} ms, "
-            f"running {row['mean_running']}, waiting {row['mean_waiting']}, KV {row['mean_kv_usage']:.0%}",
+            f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, total/output {st['total_per_output']} "
+            f"(workload {st['expected_total_per_output']}), sub-windows {st['sub_output_tok_s']}: "
+            f"{'steady' if st['steady'] else 'NOT steady: ' + st['reason']}; TTFT p50 {row['ttft_ms']['p50']} "
+            f"ms, window {row['window_s']} s after {row['warmup_s']} s",
             file=sys.stderr,
         )
         rows.append(row)
         save(document(final=False), args.out)
 
+    def steady_series() -> list[float]:
+        return [float(r["output_tok_s"]) for r in rows if r["steady"]["steady"]]
+
     for x in xs:
         measure(x)
-        reason = stop_reason([float(r["output_tok_s"]) for r in rows], args.min_gain)
+        reason = stop_reason(steady_series(), args.min_gain) if rows[-1]["steady"]["steady"] else None
         if reason is not None and stopped == "end":
             stopped = reason
         if reason is not None and not args.all_levels:
             break
-    if args.refine and stopped != "end" and len(rows) >= 2 and not rates:  # the knee lies between them
-        mid = refine_between(float(rows[-2]["x"]), float(rows[-1]["x"]))
+    steady_rows = [r for r in rows if r["steady"]["steady"]]
+    if args.refine and stopped != "end" and len(steady_rows) >= 2 and not rates:  # the knee lies between
+        mid = refine_between(float(steady_rows[-2]["x"]), float(steady_rows[-1]["x"]))
         if mid is not None:
             measure(mid)
     return document(final=True)
+
+
+def steady_settings() -> dict[str, float]:
+    from overnight.bench import steady
+
+    names = ("RAMP_LIFETIMES", "WARMUP_COMPLETIONS", "SUB_WINDOWS", "RATIO_TOLERANCE", "SPREAD_TOLERANCE")
+    return {n.lower(): getattr(steady, n) for n in names}
 
 
 def to_point(row: dict) -> LevelPoint:
@@ -344,22 +281,23 @@ def to_point(row: dict) -> LevelPoint:
     return LevelPoint(
         x=float(row["x"]),
         output_tok_s=float(row["output_tok_s"]),
-        mean_kv_usage=row["mean_kv_usage"],
-        mean_waiting=row["mean_waiting"],
-        mean_running=row["mean_running"],
-        max_num_seqs=row["max_num_seqs"],
+        mean_kv_usage=row.get("mean_kv_usage"),
+        mean_waiting=row.get("mean_waiting"),
+        mean_running=row.get("mean_running"),
+        max_num_seqs=row.get("max_num_seqs"),
         sm_clock_mhz=number("sm_clock_mhz_median"),
-        preemptions=row["preemptions"],
+        preemptions=row.get("preemptions"),
         power_w=number("power_w_median"),
+        steady=bool(row["steady"]["steady"]),
     )
 
 
 def print_table(result: dict) -> None:
     x_name = "conc" if result["x"] == "concurrency" else "req/s in"
     head = (
-        f"{x_name:>8} {'out tok/s':>10} {'tot tok/s':>10} {'req/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} "
-        f"{'TPOT p50':>9} {'ITL p99':>8} {'run':>6} {'wait':>6} {'KV':>5} {'preempt':>7} {'SM MHz':>7} "
-        f"{'W':>5} {'temp':>5}"
+        f"{x_name:>8} {'out tok/s':>10} {'tot tok/s':>10} {'tot/out':>7} {'steady':>6} {'req/s':>7} "
+        f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} {'run':>6} {'wait':>6} {'KV':>5} "
+        f"{'tok/step':>8} {'SM MHz':>7} {'W':>5}"
     )
     print(
         f"\n{result['server']['model']}  in {result['workload']['input_len']} / out "
@@ -371,15 +309,23 @@ def print_table(result: dict) -> None:
     def ms(d: dict, q: str) -> str:
         return "-" if d[q] is None else f"{d[q]:.1f}"
 
+    def num(v: object, fmt: str) -> str:
+        return "-" if not isinstance(v, (int, float)) else format(v, fmt)
+
     for r in result["levels"]:
-        g = r["gpu"]
+        g, st = r["gpu"], r["steady"]
         print(
-            f"{r['x']:>8g} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>10.1f} {r['requests_s']:>7.2f} "
-            f"{ms(r['ttft_ms'], 'p50'):>9} {ms(r['ttft_ms'], 'p99'):>9} {ms(r['tpot_ms'], 'p50'):>9} "
-            f"{ms(r['itl_ms'], 'p99'):>8} {r['mean_running']:>6.1f} {r['mean_waiting']:>6.1f} "
-            f"{r['mean_kv_usage']:>5.0%} {r['preemptions']:>7} {g['sm_clock_mhz_median']!s:>7} "
-            f"{g['power_w_median']!s:>5} {g['temp_c_max']!s:>5}"
+            f"{r['x']:>8g} {r['output_tok_s']:>10.1f} {r['total_tok_s']:>10.1f} "
+            f"{num(st['total_per_output'], '.2f'):>7} {'yes' if st['steady'] else 'NO':>6} "
+            f"{r['requests_s']:>7.2f} {ms(r['ttft_ms'], 'p50'):>9} {ms(r['ttft_ms'], 'p99'):>9} "
+            f"{ms(r['tpot_ms'], 'p50'):>9} {ms(r['itl_ms'], 'p99'):>8} {num(r.get('mean_running'), '.1f'):>6} "
+            f"{num(r.get('mean_waiting'), '.1f'):>6} {num(r.get('mean_kv_usage'), '.0%'):>5} "
+            f"{num(r.get('mean_tokens_per_step'), '.0f'):>8} {g['sm_clock_mhz_median']!s:>7} "
+            f"{g['power_w_median']!s:>5}"
         )
+    for r in result["levels"]:
+        if not r["steady"]["steady"]:
+            print(f"level {r['x']:g} not steady: {r['steady']['reason']}")
     v = result["verdict"]
     if v:
         print(

@@ -30,6 +30,9 @@ class ParentRequest:
     stream: bool
     metrics: RequestMetrics
     completions: list[CompletionOutput] = field(default_factory=list)
+    # Its children's output state, so a step touches only its own (a scan of every child per parent
+    # cost O(running^2) a step: 23 ms at 1024 streams).
+    kids: list[_Child] = field(default_factory=list)
     num_finished: int = 0
     num_cached_tokens: int = 0
 
@@ -80,7 +83,9 @@ class OutputProcessor:
         )
         parent.completions.append(completion)
         plain = detok is None and not parent.stream and params.logprobs is None
-        self.children[req.req_id] = _Child(req, parent, index, detok, window, plain=plain)
+        child = _Child(req, parent, index, detok, window, plain=plain)
+        self.children[req.req_id] = child
+        parent.kids.append(child)
 
     def drop(self, req_id: str) -> None:
         self.children.pop(req_id, None)
@@ -160,8 +165,9 @@ class OutputProcessor:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _siblings(self, parent: ParentRequest) -> list[str]:
-        return [rid for rid, c in self.children.items() if c.parent is parent]
+    @staticmethod
+    def _siblings(parent: ParentRequest) -> list[str]:
+        return [c.req.req_id for c in parent.kids]
 
     def _find_stop(self, comp: CompletionOutput, req: Request, delta_len: int) -> str | None:
         """Look for a stop string ending in the newly added text; truncate the text at it."""
@@ -229,8 +235,8 @@ class OutputProcessor:
 
     def _delta_output(self, parent: ParentRequest) -> RequestOutput:
         deltas = []
-        for child in list(self.children.values()):
-            if child.parent is not parent:
+        for child in parent.kids:
+            if child.req.req_id not in self.children:  # dropped (aborted) meanwhile
                 continue
             comp = parent.completions[child.index]
             is_done = comp.finish_reason is not None

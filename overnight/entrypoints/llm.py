@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 from overnight.build import build_engine
@@ -39,6 +41,7 @@ class LLM:
         check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
+        self._seeds = random.Random(self.options.seed)  # unseeded prompts' seeds, in input order
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -151,6 +154,10 @@ class LLM:
                     order.close()
                     return
                 ids, params = item[0][1], item[1]
+                if params.seed is None:
+                    # Drawn in input order, so a prompt's sampling does not depend on when the
+                    # submission order (which follows the engine's progress) starts it.
+                    item = (item[0], replace(params, seed=self._seeds.getrandbits(63)))
                 order.add(
                     next_index, ids, max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
                 )

@@ -192,11 +192,19 @@ def _completion_logprobs(
 class _Stream:
     """Chunk state of one streaming response: which choices have started, tokens counted so far."""
 
-    def __init__(self, model: str, response_id: str, include_usage: bool, created: int | None) -> None:
+    def __init__(
+        self,
+        model: str,
+        response_id: str,
+        include_usage: bool,
+        created: int | None,
+        continuous_usage: bool = False,
+    ) -> None:
         self.model = model
         self.id = response_id
         self.created = created if created is not None else int(time.time())
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk carries the usage so far
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self._counted_prompts: set[int] = set()
@@ -215,7 +223,9 @@ class _Stream:
             "model": self.model,
             "choices": choices,
         }
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = usage(self.prompt_tokens, self.completion_tokens)
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -242,8 +252,9 @@ class ChatStream(_Stream):
         include_usage: bool = False,
         num_logprobs: int | None = None,
         created: int | None = None,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(model, response_id or new_id("chatcmpl"), include_usage, created)
+        super().__init__(model, response_id or new_id("chatcmpl"), include_usage, created, continuous_usage)
         self.num_logprobs = num_logprobs
         self._started: set[int] = set()
 
@@ -290,8 +301,9 @@ class CompletionStream(_Stream):
         include_usage: bool = False,
         n: int = 1,
         created: int | None = None,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(model, response_id or new_id("cmpl"), include_usage, created)
+        super().__init__(model, response_id or new_id("cmpl"), include_usage, created, continuous_usage)
         self.n = n
         self._offsets: dict[int, int] = {}
 

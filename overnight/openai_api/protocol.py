@@ -52,6 +52,9 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: Bool = False
+    # vLLM's extension: every chunk carries the usage so far, so a client sees how many tokens a chunk
+    # holds without asking for logprobs (a chunk holds several when the server merged steps).
+    continuous_usage_stats: Bool = False
 
 
 class TextPart(_Body):
@@ -183,6 +186,11 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: asked with include_usage, as vLLM reads the pair."""
+        return bool(self.include_usage and self.stream_options and self.stream_options.continuous_usage_stats)
 
     def structured(self) -> StructuredOutputsParams | None:
         """The one structured-output constraint the body sets, if any. Raises InvalidRequestError (its

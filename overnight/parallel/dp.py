@@ -42,6 +42,7 @@ from overnight.parallel.links import (
     Rejected,
     StepOutputs,
 )
+from overnight.parallel.output_codec import unpack
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -214,10 +215,13 @@ class DataParallelEngine:
         known = [s for s in self._stats if s is not None]
         if not known:
             return SchedulerStats(0, 0, 0.0, 0, 0, 0)
+        # With nothing outstanding the engines hold nothing either (their last report may predate the
+        # aborts that emptied them: an idle engine sends nothing).
+        idle = not self.has_unfinished_requests()
         return SchedulerStats(
-            num_running=sum(s.num_running for s in known),
-            num_waiting=sum(s.num_waiting for s in known),
-            kv_cache_usage=sum(s.kv_cache_usage for s in known) / len(known),
+            num_running=0 if idle else sum(s.num_running for s in known),
+            num_waiting=0 if idle else sum(s.num_waiting for s in known),
+            kv_cache_usage=0.0 if idle else sum(s.kv_cache_usage for s in known) / len(known),
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
@@ -295,7 +299,7 @@ class DataParallelEngine:
     def _accept(self, msg: StepOutputs) -> list[RequestOutput]:
         self._stats[msg.index] = msg.stats
         accepted = []
-        for out in msg.outputs:
+        for out in unpack(msg.outputs, self._prompt_of):
             if not self._owned_by(out.request_id, msg.index):
                 continue  # aborted here, or dealt again after its engine was lost
             if out.finished:
@@ -307,6 +311,10 @@ class DataParallelEngine:
             for obs in self.observers:
                 obs.on_step(stats, msg.iteration)
         return accepted
+
+    def _prompt_of(self, request_id: str) -> tuple[str | None, list[int]] | None:
+        item = self._items.get(request_id)
+        return None if item is None else (item.prompt, item.prompt_token_ids)
 
     def _flush(self, i: int) -> None:
         if self._pending[i]:

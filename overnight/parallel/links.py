@@ -26,7 +26,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.options import EngineOptions
-from overnight.outputs import RequestOutput
+from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
 from overnight.sampling_params import SamplingParams
 
@@ -77,7 +77,7 @@ class EngineReady:
 @dataclass
 class StepOutputs:
     index: int
-    outputs: list[RequestOutput]
+    outputs: list[PackedOutput]  # output_codec.pack(): the front unpacks them with their prompts
     stats: SchedulerStats
     iteration: IterationStats | None = None
 
@@ -166,7 +166,7 @@ def serve_engine(
             if recorder is not None:
                 iteration, recorder.last = recorder.last, None
             if outputs or iteration is not None:
-                send(StepOutputs(index, outputs, engine.stats(), iteration))
+                send(StepOutputs(index, pack(outputs), engine.stats(), iteration))
 
 
 def _engine_main(index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection) -> None:
@@ -183,11 +183,16 @@ def _engine_main(index: int, opts: EngineOptions, factory: EngineFactory, conn: 
         except (EOFError, OSError):  # the driver is gone
             return None
 
+    # Step outputs go through a writer thread: a driver slow to read (a busy HTTP process) must not
+    # block the step loop on a full pipe (it did, ~9 ms a step, in bench/server_cost_cpu.py).
+    sender = PipeSender(conn, f"overnight-dp{index}-out")
     try:
         engine = factory(opts)
-        conn.send(EngineReady(index, engine.config, engine.pool_plan))
-        serve_engine(index, engine, receive, conn.send)
+        sender.send(EngineReady(index, engine.config, engine.pool_plan))
+        serve_engine(index, engine, receive, sender.send)
+        sender.close(timeout=10.0)
     except BaseException:
+        sender.close(timeout=10.0)  # what was queued first, so the failure is the last message
         with contextlib.suppress(OSError, ValueError):
             conn.send(EngineFailed(index, traceback.format_exc()))
         raise SystemExit(1) from None

@@ -29,6 +29,7 @@ from overnight.errors import EngineDeadError
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
+from overnight.server.deltas import coalesce
 
 log = logging.getLogger("overnight.server")
 
@@ -69,6 +70,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.error: BaseException | None = None  # set when a step failed: the engine is dead
+        # Requests added and not yet finished, with their n (engine thread only): what a Stop aborts,
+        # and what an abort counts when the engine front returns no final output (engines in other
+        # processes). Kept here so any front is driven the same way.
+        self._live: dict[str, int] = {}
         # Written by the engine thread after every iteration; read anywhere (one reference swap).
         self.stats: SchedulerStats = engine.stats()
 
@@ -124,6 +129,20 @@ class AsyncEngine:
 
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
+        async with aclosing(self.generate_batches(prompts, params, stream)) as batches:
+            async for batch in batches:
+                for item in batch:
+                    yield item
+
+    async def generate_batches(
+        self,
+        prompts: list[PromptSpec],
+        params: SamplingParams,
+        stream: bool = True,
+    ) -> AsyncGenerator[list[tuple[int, RequestOutput]]]:
+        """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
+        per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
+        behind the engine thus sends fewer, larger chunks instead of falling further behind."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._thread is None or self._stopping:
@@ -137,13 +156,21 @@ class AsyncEngine:
             self._commands.put(AddRequest(request_id, list(ids), params, text, stream, now))
         try:
             while unfinished:
-                index, item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                if item.finished:
-                    unfinished.discard(item.request_id)
-                    self._streams.pop(item.request_id, None)
-                yield index, item
+                waiting = [await q.get()]
+                while not q.empty():
+                    waiting.append(q.get_nowait())
+                error = next((item for _, item in waiting if isinstance(item, BaseException)), None)
+                if error is not None:  # what came before it is still delivered
+                    waiting = waiting[: next(i for i, (_, item) in enumerate(waiting) if item is error)]
+                batch: list[tuple[int, RequestOutput]] = coalesce(waiting)  # type: ignore[arg-type]
+                for _, out in batch:
+                    if out.finished:
+                        unfinished.discard(out.request_id)
+                        self._streams.pop(out.request_id, None)
+                if batch:
+                    yield batch
+                if error is not None and unfinished:  # (after the last final, nothing waits for it)
+                    raise error
         finally:
             for request_id in unfinished:
                 self._streams.pop(request_id, None)
@@ -174,7 +201,10 @@ class AsyncEngine:
                 replies: list[tuple[str, RequestOutput | BaseException]] = []
                 stop = self._apply(self._take_commands(block=idle), replies)
                 if not stop and engine.has_unfinished_requests():
-                    replies.extend((out.request_id, out) for out in engine.step())
+                    for out in engine.step():
+                        replies.append((out.request_id, out))
+                        if out.finished:
+                            self._live.pop(out.request_id, None)
                 self._publish(replies)
             # Anyone still waiting (an add that raced the stop) hears that nothing more will come.
             self._call_loop(self._fail_all, EngineDeadError("the server is shutting down"))
@@ -209,19 +239,23 @@ class AsyncEngine:
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
                     )
+                    self._live[cmd.request_id] = cmd.params.n
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))
             elif isinstance(cmd, AbortRequest):
                 self._abort(cmd.request_id, replies)
             else:
-                for rid in engine.unfinished_request_ids():
+                for rid in list(self._live):
                     self._abort(rid, replies)
                 return True
         return False
 
     def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        n = self._live.pop(request_id, 0)
         final = self.engine.abort_request(request_id)
-        if final is None:  # already finished, or never added
+        if final is None:  # already finished, never added, or a front that keeps no outputs
+            if n and self.metrics is not None:
+                self.metrics.record_aborted(n)
             return
         replies.append((request_id, final))
         if self.metrics is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
@@ -26,6 +26,7 @@ from overnight.metrics import (
 from overnight.openai_api.inputs import served_names
 from overnight.options import (
     SUBMISSION_OPTIONS,
+    EngineOptions,
     add_engine_args,
     add_option_args,
     from_args,
@@ -103,13 +104,20 @@ def uvicorn_server(app, opts: ServerOptions):
     return uvicorn.Server(config)
 
 
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    """The engine of a server: server limits, and its own process unless --no-engine-process (its step
+    then never waits for the GIL the HTTP side holds; docs/benchmarks.md)."""
+    opts = options_from_args(args, mode="server")
+    return opts if opts.engine_process is not None else replace(opts, engine_process=True)
+
+
 def run(args: argparse.Namespace) -> int:
     opts = from_args(ServerOptions, args)
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
         log.warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host
         )
-    engine = build_engine(options_from_args(args, mode="server"))
+    engine = build_engine(engine_options(args))
     hide_created_series()
     server = uvicorn_server(make_app(engine, opts, model_arg=args.model), opts)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown, then raises the signal again for the handler

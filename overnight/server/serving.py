@@ -135,25 +135,27 @@ class OpenAIServing:
         When the client disconnects, the response task is cancelled inside this generator's await; the
         aclosing block then aborts the unfinished requests, freeing their KV blocks."""
         model = self.config.model_name
-        include_usage = req.include_usage
+        usage = {"include_usage": req.include_usage, "continuous_usage": req.continuous_usage}
         if isinstance(req, ChatCompletionRequest):
-            chat = ChatStream(
-                model, response_id=response_id, include_usage=include_usage, num_logprobs=req.num_logprobs
-            )
+            chat = ChatStream(model, response_id=response_id, num_logprobs=req.num_logprobs, **usage)
             text = None
         else:
             chat = None
-            text = CompletionStream(model, response_id=response_id, include_usage=include_usage, n=req.n)
+            text = CompletionStream(model, response_id=response_id, n=req.n, **usage)
         try:
-            async with aclosing(self.engine.generate_many(prompts, params, stream=True)) as outputs:
-                async for index, delta in outputs:
-                    if chat is not None:
-                        chunks = chat.chunks(delta)
-                    else:
-                        assert text is not None
-                        chunks = text.chunks(index, delta)
-                    for chunk in chunks:
-                        yield sse(chunk)
+            async with aclosing(self.engine.generate_batches(prompts, params, stream=True)) as batches:
+                async for batch in batches:
+                    # What waited since the last wake-up goes out in one write (one send call).
+                    events: list[str] = []
+                    for index, delta in batch:
+                        if chat is not None:
+                            chunks = chat.chunks(delta)
+                        else:
+                            assert text is not None
+                            chunks = text.chunks(index, delta)
+                        events.extend(sse(chunk) for chunk in chunks)
+                    if events:
+                        yield "".join(events)
             stream = chat if chat is not None else text
             assert stream is not None
             for chunk in stream.final_chunks():

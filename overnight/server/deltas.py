@@ -1,0 +1,45 @@
+"""Merging streamed deltas that queued up for one response, so they go out as one chunk.
+
+When the event loop falls behind the engine (a step delivers to a thousand streams at once), several
+steps' deltas wait in a response's queue. Sending them as one SSE chunk costs the loop one JSON
+encoding and one socket write instead of several: the loop's work per token falls exactly when it is
+the bottleneck, and a loop that keeps up still sends a chunk per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from overnight.outputs import CompletionOutput, RequestOutput
+
+
+def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One delta holding both: text, token ids and logprobs concatenated per choice; finish state,
+    metrics and cache hits from the newer."""
+    by_index = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        before = by_index.get(c.index)
+        by_index[c.index] = c if before is None else _merge_completion(before, c)
+    return replace(newer, outputs=sorted(by_index.values(), key=lambda c: c.index))
+
+
+def coalesce(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """(prompt index, output) pairs in arrival order -> one pair per prompt index, deltas merged,
+    in the order each index first appeared. Whole (non-delta) outputs pass as they are."""
+    merged: dict[int, RequestOutput] = {}
+    for index, out in items:
+        before = merged.get(index)
+        merged[index] = out if before is None or not out.delta else merge(before, out)
+    return list(merged.items())
+
+
+def _merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return replace(
+        b,
+        text=a.text + b.text,
+        token_ids=a.token_ids + b.token_ids,
+        logprobs=logprobs,
+    )
