@@ -81,6 +81,7 @@ def build_config(
         )
     if max_model_len < 2:
         raise ConfigError("max_model_len must be at least 2")
+    check_parallel(opts, source)
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -114,9 +115,24 @@ def build_config(
     )
 
 
+def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
+    """Raise ConfigError for parallel sizes this model cannot be split into (before any process starts)."""
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(opts, name)}")
+    if opts.tensor_parallel_size > 1:
+        from overnight.parallel.tp import TPShards
+
+        try:
+            TPShards(source.arch, 0, opts.tensor_parallel_size).check()
+        except ModelLoadError as e:
+            raise ConfigError(f"{e}: pick a tensor_parallel_size that divides them") from None
+
+
 def build_engine(opts: EngineOptions) -> EngineClient:
     """The engine these options describe: one, or data_parallel_size behind one front."""
     model = resolve_model(opts)
+    check_parallel(opts, model.source)
     if opts.data_parallel_size > 1:
         from overnight.parallel.dp import DataParallelEngine
         from overnight.parallel.links import ProcessLinks

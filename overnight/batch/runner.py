@@ -26,10 +26,10 @@ from overnight.batch.records import error_record, success_record
 from overnight.batch.summary import Summary
 from overnight.engine.interfaces import EngineClient
 from overnight.errors import InvalidRequestError
-from overnight.openai_api.convert import chat_completion, completion
+from overnight.openai_api.convert import response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.openai_api.protocol import OpenAIRequest
 from overnight.outputs import RequestOutput
 
 
@@ -180,13 +180,9 @@ class BatchRunner:
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
-        req = state.request
-        if isinstance(req, ChatCompletionRequest):
-            body = chat_completion(
-                outputs[0], self.model_name, created=state.created, num_logprobs=req.num_logprobs
-            )
-        else:
-            body = completion(outputs, self.model_name, created=state.created)
+        body = response_body(
+            state.request, outputs, self.model_name, created=state.created, tokenizer=self.engine.tokenizer
+        )
         usage = body["usage"]
         self.summary.add_ok(usage["prompt_tokens"], usage["completion_tokens"])
         return success_record(state.custom_id, body)

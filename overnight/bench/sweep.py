@@ -241,14 +241,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: 
 
 
 def server_info(url: str, api_key: str | None) -> dict[str, object]:
-    import httpx
+    """The served model and, where the server has a /metrics page that shows them, its limits. Raises
+    ServerUnreachableError (one line on the command line) when the server is down or wants a key."""
+    from overnight.bench.metrics_reader import parse_metrics
+    from overnight.bench.reach import first_model, get
+    from overnight.errors import ServerUnreachableError
 
-    from overnight.bench.metrics_reader import scrape_sync
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    card = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    card = first_model(url, api_key)
     info: dict[str, object] = {"url": url, "model": card["id"], "max_model_len": card.get("max_model_len")}
-    info.update(scrape_sync(url, headers=headers).limits)
+    try:
+        info.update(parse_metrics(get(url, "/metrics", api_key).text).limits)
+    except (ServerUnreachableError, ValueError):  # a server without our /metrics page: no limits known
+        pass
     return info
 
 

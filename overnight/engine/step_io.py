@@ -55,8 +55,22 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(slots=True)
+class PromptTokenLogprobs:
+    """Logprobs of the prompt tokens at positions [start, start + len(logprobs)) computed by one step
+    (position 0 has none: nothing predicts it)."""
+
+    start: int
+    logprobs: list[float]  # of the actual prompt token
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with req_ids when any asked
+    # request id -> its prompt tokens scored this step, for requests with prompt_logprobs
+    prompt_logprobs: dict[str, PromptTokenLogprobs] | None = None

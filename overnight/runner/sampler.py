@@ -1,7 +1,8 @@
 """Batched sampling on the model's device, with per-request settings and no host sync per request.
 
-Order of operations on each row's logits: penalties and min_tokens bans, then either argmax (greedy) or
-temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model distribution.
+Order of operations on each row's logits: the request's edits (logit_bias, allowed_token_ids, bad_words:
+logits_processors.py), penalties and min_tokens bans, then either argmax (greedy) or temperature ->
+top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw model distribution.
 
 Per-request seeds: a draw uses the Gumbel-max trick with noise that is a hash of (seed, output position,
 token id). The noise of a request never depends on the rest of the batch, so the same seed gives the
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from overnight.engine.step_io import TokenLogprobs
+from overnight.runner.logits_processors import LogitsEdits
 
 _MASK32 = 0xFFFFFFFF
 
@@ -46,6 +48,7 @@ class SamplingBatch:
     output_ids: list[list[int]] | None = None
     # min_tokens: (row, token ids that may not be drawn yet)
     banned: list[tuple[int, list[int]]] | None = None
+    edits: LogitsEdits | None = None  # logit_bias, allowed_token_ids, bad_words of the rows that ask
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -160,11 +163,14 @@ class Sampler:
     ) -> tuple[torch.Tensor, SampledLogprobs | None]:
         """logits: [B, V] in the model's dtype. Returns the tokens [B] and, when asked, the
         logprobs, both still on the device."""
-        if batch.all_greedy and not batch.penalty_rows and not batch.banned and batch.max_logprobs is None:
+        plain = not batch.penalty_rows and not batch.banned and batch.edits is None
+        if batch.all_greedy and plain and batch.max_logprobs is None:
             # argmax is exact in the model's dtype: upcasting would only move more bytes.
             return logits.argmax(dim=-1), None
         logits = logits.float()
         raw = logits.clone() if batch.max_logprobs is not None else None
+        if batch.edits is not None:
+            batch.edits.apply(logits)
         apply_penalties(logits, batch)
         if batch.banned:
             for row, ids in batch.banned:

@@ -146,14 +146,22 @@ def check_url(
     import httpx
 
     from overnight.bench.metrics_reader import poll, summarize
+    from overnight.bench.reach import auth_headers, check_status, get, unreachable
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    url = url.rstrip("/")
+    get(url, "/metrics", api_key)  # a server that is down or wants a key: one line, before the window
 
     async def window() -> WindowMetrics:
-        async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
-            return summarize(await poll(client, url.rstrip("/"), time.monotonic() + window_s, interval_s))
+        async with httpx.AsyncClient(timeout=30.0, headers=auth_headers(api_key)) as client:
+            return summarize(await poll(client, url, time.monotonic() + window_s, interval_s))
 
-    m = asyncio.run(window())
+    try:
+        m = asyncio.run(window())
+    except httpx.HTTPStatusError as e:
+        check_status(url, "/metrics", e.response, api_key)
+        raise
+    except httpx.HTTPError as e:  # it went away during the window
+        raise unreachable(url, e) from None
     return m, diagnose(m)
 
 
