@@ -174,9 +174,15 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 
+    from overnight.loader.fit import check_weights_fit
+
     source = model.source
     device = pick_device(opts.device)
     config = build_config(opts, source, device, device_memory_gib(device))
+    # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
+    check_weights_fit(
+        source.arch, config.model.dtype, device, source.served_name, config.parallel.tensor_parallel_size
+    )
     sched = config.scheduler
     runner: ModelRunner | TPRunner
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares

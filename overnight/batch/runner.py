@@ -107,12 +107,11 @@ class BatchRunner:
         cid = line.custom_id
         if cid is not None:
             if cid in self._seen:
-                self._fail(
-                    line,
-                    ApiError(
-                        "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"
-                    ),
+                # Answered under "line", not the id: the output keeps one record per custom_id.
+                error = ApiError(
+                    "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"
                 )
+                self._fail(line, error, keep_id=False)
                 return
             self._seen.add(cid)
             if cid in self.answered.custom_ids:
@@ -152,10 +151,10 @@ class BatchRunner:
         self.active[seq] = state
         self.seqs_in_flight += state.num_seqs
 
-    def _fail(self, line: BatchLine, error: ApiError) -> None:
+    def _fail(self, line: BatchLine, error: ApiError, keep_id: bool = True) -> None:
         seq = self.order.start()
         self.summary.add_failure(error.code)
-        self._finish(seq, error_record(line.custom_id, line.line_no, error))
+        self._finish(seq, error_record(line.custom_id if keep_id else None, line.line_no, error))
 
     # -- finishing lines --------------------------------------------------------------------------
 

@@ -190,11 +190,16 @@ class CheckLog:
     hot path)."""
 
     def __init__(
-        self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None
+        self,
+        max_num_seqs: int | None,
+        interval_s: float = 60.0,
+        logger: logging.Logger | None = None,
+        quiet: tuple[str, ...] = (),
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.interval_s = interval_s
         self.log = logger or log
+        self.quiet = quiet  # verdicts (Finding.limit) not worth a line for this caller
         self.lines: list[str] = []  # what was logged, for tests and summaries
         self._reset(time.monotonic(), None)
 
@@ -226,9 +231,10 @@ class CheckLog:
         if now - self._t0 >= self.interval_s:
             m = self.window(now, stats.num_preemptions_total)
             first = diagnose(m)[0]
-            line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
-            self.lines.append(line)
-            self.log.info(line)
+            if first.limit not in self.quiet:
+                line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
+                self.lines.append(line)
+                self.log.info(line)
             self._reset(now, stats.num_preemptions_total)
 
     def window(self, now: float, preemptions_total: int) -> WindowMetrics:
@@ -247,12 +253,14 @@ class CheckLog:
         )
 
 
-def start_check_log(engine, interval_s: float = 60.0, sample_s: float = 0.5) -> CheckLog:
+def start_check_log(
+    engine, interval_s: float = 60.0, sample_s: float = 0.5, quiet: tuple[str, ...] = ()
+) -> CheckLog:
     """Log a check line every interval_s while `engine` lives, from a daemon thread that samples
     engine.stats() every sample_s. Reading the stats is a few lengths and counters (atomic under the
     GIL), so the engine's step does no extra work; the thread holds the engine weakly and ends once
-    the engine is gone."""
-    check = CheckLog(engine.config.scheduler.max_num_seqs, interval_s)
+    the engine is gone. Verdicts named in `quiet` are not logged."""
+    check = CheckLog(engine.config.scheduler.max_num_seqs, interval_s, quiet=quiet)
     ref = weakref.ref(engine)
 
     def sample() -> None:
