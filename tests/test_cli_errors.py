@@ -120,3 +120,20 @@ def test_a_model_too_large_for_the_machine_stops_before_loading():
     last = assert_one_line_error(proc, "bench", "qwen3-8b does not fit", "30.5 GiB in float32", "8.0 GiB free")
     assert "--dtype bfloat16 (15.3 GiB)" not in last  # 15.3 GiB does not fit in 8 either
     assert "a smaller model" in last
+
+
+def test_a_second_run_batch_on_the_same_output_is_refused(tmp_path):
+    """The lock is taken before the model loads: the refusal is immediate (the model named here does
+    not even exist, and it is never looked at)."""
+    from overnight.batch.output import lock_output
+
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    held = lock_output(str(out))  # the first run
+    try:
+        proc = overnight("run-batch", "-i", str(inp), "-o", str(out), "--model", "/no/such/model")
+        assert_one_line_error(proc, "run-batch", "being written by another run-batch", str(out))
+    finally:
+        held.close()
+    proc = overnight("run-batch", "-i", str(inp), "-o", str(out), "--model", "/no/such/model")
+    assert_one_line_error(proc, "run-batch", "model not found")  # no lock left: it gets that far

@@ -59,12 +59,12 @@ def render_conversation(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    if tokenizer is None:
-        raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
     if not conversation:
         raise InvalidRequestError("messages must not be empty")
     for i, m in enumerate(conversation):
         check_message(i, m)
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
     text = tokenizer.render_chat(
         conversation,
         add_generation_prompt=add_generation_prompt,

@@ -99,16 +99,16 @@ def tokenize(
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": pieces}
 
 
-def detokenize(
-    body: Any, tokenizer: Tokenizer | None, vocab_size: int, names: Collection[str]
-) -> dict[str, Any]:
+def detokenize(body: Any, tokenizer: Tokenizer | None, names: Collection[str]) -> dict[str, Any]:
     """The /detokenize response for `body`; raises ApiError."""
     req = _parse(DetokenizeRequest, body)
     check_model(req.model, names)
     tok = _need(tokenizer)
-    bad = [t for t in req.tokens if t >= vocab_size]
+    bad = [t for t in req.tokens if t >= tok.vocab_size]
     if bad:
         raise ApiError(
-            "invalid_request", f"token id {bad[0]} is outside the vocabulary (size {vocab_size})", "tokens"
+            "invalid_request",
+            f"token id {bad[0]} is outside the tokenizer's vocabulary (size {tok.vocab_size})",
+            "tokens",
         )
     return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}

@@ -119,7 +119,7 @@ def build_app(
     async def detokenize_route(request: Request) -> JSONResponse:
         raw = await request.body()
         body = await asyncio.to_thread(
-            lambda: detokenize(decode_json(raw), core.tokenizer, core.source.arch.vocab_size, config.accepted_names)
+            lambda: detokenize(decode_json(raw), core.tokenizer, config.accepted_names)
         )
         return JSONResponse(body)
 
