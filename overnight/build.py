@@ -171,10 +171,9 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
+    from overnight.loader.fit import check_weights_fit
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
-
-    from overnight.loader.fit import check_weights_fit
 
     source = model.source
     device = pick_device(opts.device)

@@ -105,7 +105,8 @@ class SamplingParams:
         ):
             bad("allowed_token_ids must be a non-empty list of non-negative integers")
         if self.bad_words is not None and (
-            not isinstance(self.bad_words, list) or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+            not isinstance(self.bad_words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
         ):
             bad("bad_words must be a list of non-blank strings")
         if self.prompt_logprobs is not None and (

@@ -101,7 +101,9 @@ def test_trust_remote_code_is_accepted_and_an_unknown_architecture_is_one_line(t
     )
     (folder / "model.safetensors").write_bytes(b"")
     proc = overnight("budget", "--model", str(folder), "--trust-remote-code")
-    assert_one_line_error(proc, "budget", "unsupported model architecture 'FooForCausalLM'", "trust_remote_code")
+    assert_one_line_error(
+        proc, "budget", "unsupported model architecture 'FooForCausalLM'", "trust_remote_code"
+    )
 
 
 def test_a_model_too_large_for_the_machine_stops_before_loading():
@@ -117,7 +119,9 @@ def test_a_model_too_large_for_the_machine_stops_before_loading():
         "sys.exit(main(['bench', 'throughput', '--workload', 'seed-512-256', '--device', 'cpu']))\n"
     )
     proc = overnight(code=code)
-    last = assert_one_line_error(proc, "bench", "qwen3-8b does not fit", "30.5 GiB in float32", "8.0 GiB free")
+    last = assert_one_line_error(
+        proc, "bench", "qwen3-8b does not fit", "30.5 GiB in float32", "8.0 GiB free"
+    )
     assert "--dtype bfloat16 (15.3 GiB)" not in last  # 15.3 GiB does not fit in 8 either
     assert "a smaller model" in last
 
@@ -128,7 +132,9 @@ def test_a_second_run_batch_on_the_same_output_is_refused(tmp_path):
     from overnight.batch.output import lock_output
 
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    inp.write_text(
+        '{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n'
+    )
     held = lock_output(str(out))  # the first run
     try:
         proc = overnight("run-batch", "-i", str(inp), "-o", str(out), "--model", "/no/such/model")

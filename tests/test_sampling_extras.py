@@ -54,7 +54,10 @@ def check_prompt_logprobs(plp, prompt: list[int], ref: torch.Tensor, k: int) -> 
         step, row, tid = plp[j], ref[j - 1], prompt[j]
         assert step is not None and tid in step, j
         assert abs(step[tid].logprob - float(row[tid])) < TOL, (j, step[tid].logprob, float(row[tid]))
-        assert step[tid].rank == int((row > row[tid]).sum()) + 1 or abs(step[tid].logprob - float(row.max())) < TOL
+        assert (
+            step[tid].rank == int((row > row[tid]).sum()) + 1
+            or abs(step[tid].logprob - float(row.max())) < TOL
+        )
         top = sorted((lp.rank, t) for t, lp in step.items() if lp.rank <= k)
         assert [r for r, _ in top][:k] == list(range(1, k + 1)), (j, top)
         expected_top = torch.topk(row, k).values
@@ -93,14 +96,18 @@ def test_prompt_logprobs_through_chunks_cache_hits_and_preemption(folder, refere
 def test_logit_bias_allowed_ids_and_best_of(folder):
     llm = LLM(folder, skip_tokenizer_init=True, dtype="float32", max_model_len=128)
     prompt = [5, 17, 99, 230]
-    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    greedy = llm.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False
+    )
     first = greedy[0].outputs[0].token_ids[0]
     [banned, forced, allowed] = llm.generate(
         [prompt] * 3,
         [
             SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={first: -100.0}),
             SamplingParams(temperature=0.7, seed=3, max_tokens=6, ignore_eos=True, logit_bias={42: 100.0}),
-            SamplingParams(temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[7, 8, 9]),
+            SamplingParams(
+                temperature=1.0, seed=4, max_tokens=12, ignore_eos=True, allowed_token_ids=[7, 8, 9]
+            ),
         ],
         use_tqdm=False,
     )
@@ -110,10 +117,14 @@ def test_logit_bias_allowed_ids_and_best_of(folder):
 
     # best_of 6, n 2: the two of the six samples (the same seeds as n=6) with the highest cumulative logprob.
     all_six = llm.generate(
-        [prompt], SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True, logprobs=0), use_tqdm=False
+        [prompt],
+        SamplingParams(n=6, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True, logprobs=0),
+        use_tqdm=False,
     )[0].outputs
     best = llm.generate(
-        [prompt], SamplingParams(n=2, best_of=6, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True), use_tqdm=False
+        [prompt],
+        SamplingParams(n=2, best_of=6, temperature=1.0, seed=11, max_tokens=5, ignore_eos=True),
+        use_tqdm=False,
     )[0].outputs
     ranked = sorted(all_six, key=lambda c: -c.cumulative_logprob)[:2]
     assert len(best) == 2 and [c.index for c in best] == [0, 1]
@@ -164,14 +175,18 @@ def test_echo_logprobs_and_max_tokens_zero_in_run_batch(batch_model, tmp_path):
     by_id = {r["custom_id"]: r for r in read_jsonl(out)}
     assert all(r["error"] is None for r in by_id.values()), json.dumps(by_id)[:2000]
 
-    llm = LLM(batch_model, max_model_len=MAX_MODEL_LEN, dtype="float32", device="cpu", served_model_name=SERVED)
+    llm = LLM(
+        batch_model, max_model_len=MAX_MODEL_LEN, dtype="float32", device="cpu", served_model_name=SERVED
+    )
     ref = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
 
     score = by_id["score"]["response"]["body"]
     choice = score["choices"][0]
     assert choice["text"] == prompt
     lp = choice["logprobs"]
-    assert lp["tokens"] == prompt.split() and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert (
+        lp["tokens"] == prompt.split() and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    )
     for j in range(1, 4):
         tid = ref.prompt_token_ids[j]
         assert abs(lp["token_logprobs"][j] - ref.prompt_logprobs[j][tid].logprob) < 1e-4
@@ -182,6 +197,10 @@ def test_echo_logprobs_and_max_tokens_zero_in_run_batch(batch_model, tmp_path):
     # The prompt, then the completion's text (this word-level tokenizer starts it without a space).
     assert echo["text"].startswith(prompt) and len(echo["text"]) > len(prompt) and echo["logprobs"] is None
     plp = by_id["plp"]["response"]["body"]["choices"][0]["prompt_logprobs"]
-    assert plp[0] is None and len(plp) == 4 and all(str(t) in plp[j] for j, t in enumerate(ref.prompt_token_ids) if j)
+    assert (
+        plp[0] is None
+        and len(plp) == 4
+        and all(str(t) in plp[j] for j, t in enumerate(ref.prompt_token_ids) if j)
+    )
     assert by_id["trunc"]["response"]["body"]["usage"]["prompt_tokens"] == 4
     assert len(by_id["best"]["response"]["body"]["choices"]) == 1

@@ -48,7 +48,9 @@ def test_bodies_over_the_limit_are_413_and_the_server_keeps_serving():
         big = {"prompt": [5] * 1000, "max_tokens": 1}
         r = httpx.post(url, json=big)
         assert r.status_code == 413, r.text
-        assert r.json()["error"]["code"] == "request_too_large" and "2000 bytes" in r.json()["error"]["message"]
+        assert (
+            r.json()["error"]["code"] == "request_too_large" and "2000 bytes" in r.json()["error"]["message"]
+        )
 
         def chunks():  # no Content-Length: counted as it arrives
             for _ in range(10):
@@ -182,7 +184,9 @@ def test_tokenize_and_detokenize_as_vllm_spells_them():
         assert r.status_code == 200, r.text
         body = r.json()
         assert body["tokens"] == tokenizer.encode(text) and body["count"] == len(body["tokens"])
-        assert body["max_model_len"] == 256 and "".join(body["token_strs"]) == tokenizer.decode(body["tokens"], False)
+        assert body["max_model_len"] == 256 and "".join(body["token_strs"]) == tokenizer.decode(
+            body["tokens"], False
+        )
         msgs = [{"role": "user", "content": "Hello"}]
         body = httpx.post(server.url + "/tokenize", json={"messages": msgs}).json()
         rendered = tokenizer.render_chat(msgs, add_generation_prompt=True)

@@ -82,11 +82,15 @@ def check_message(index: int, m: Any) -> None:
         raise InvalidRequestError(f'message {index}: each message needs "role" and "content"')
     role = m["role"]
     if role not in CHAT_ROLES:
-        raise InvalidRequestError(f"message {index}: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}")
+        raise InvalidRequestError(
+            f"message {index}: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}"
+        )
     content = m.get("content")
     if content is None:
         if role != "assistant":
-            raise InvalidRequestError(f"message {index}: a {role} message needs content (only an assistant's may be null)")
+            raise InvalidRequestError(
+                f"message {index}: a {role} message needs content (only an assistant's may be null)"
+            )
         return
     if isinstance(content, str):
         return
@@ -95,5 +99,5 @@ def check_message(index: int, m: Any) -> None:
     ):
         return
     raise InvalidRequestError(
-        f"message {index}: content must be a string or a list of text parts ({{\"type\": \"text\", \"text\": ...}})"
+        f'message {index}: content must be a string or a list of text parts ({{"type": "text", "text": ...}})'
     )

@@ -139,7 +139,9 @@ def completion(
         "created": created if created is not None else int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage(sum(len(o.prompt_token_ids) for o in outputs), 0) if prompt_only else usage_of(outputs),
+        "usage": usage(sum(len(o.prompt_token_ids) for o in outputs), 0)
+        if prompt_only
+        else usage_of(outputs),
     }
 
 
@@ -189,9 +191,7 @@ def prompt_logprobs_json(plp: PromptLogprobs | None) -> list[dict[str, Any] | No
     ]
 
 
-def _echo_logprobs(
-    out: RequestOutput, token_text: Callable[[int], str] | None
-) -> tuple[dict[str, Any], int]:
+def _echo_logprobs(out: RequestOutput, token_text: Callable[[int], str] | None) -> tuple[dict[str, Any], int]:
     """The legacy logprobs object of the prompt tokens (the first has a null logprob), and the text
     offset after them."""
     ids = out.prompt_token_ids
@@ -210,7 +210,9 @@ def _echo_logprobs(
             lp = step[tid]
             text = _token_text(tid, lp)
             values.append(_value(lp))
-            tops.append({_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)})
+            tops.append(
+                {_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)}
+            )
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)

@@ -71,7 +71,9 @@ class ChatMessage(_Body):
     @model_validator(mode="after")
     def _text_parts_only(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"content: a {self.role} message needs content (only an assistant's may be null)")
+            raise ValueError(
+                f"content: a {self.role} message needs content (only an assistant's may be null)"
+            )
         if isinstance(self.content, list):
             for part in self.content:
                 if part.get("type") != "text":

@@ -38,9 +38,7 @@ class LogitsEdits:
         if self.allow_rows is not None:
             assert self.allow_index is not None and self.allow_cols is not None
             # -inf everywhere but the allowed ids: a mask built for the restricted rows only.
-            mask = torch.full(
-                (len(self.allow_rows), logits.shape[1]), float("-inf"), device=logits.device
-            )
+            mask = torch.full((len(self.allow_rows), logits.shape[1]), float("-inf"), device=logits.device)
             mask[self.allow_index, self.allow_cols] = 0.0
             logits.index_add_(0, self.allow_rows, mask)
         if self.bias_rows is not None:

@@ -97,4 +97,3 @@ def _score(
         return actual, rank, top.indices, top.values
     empty = torch.empty(len(targets), 0, device=lp.device)
     return actual, rank, empty.long(), empty
-

@@ -70,7 +70,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "model_tag", nargs="?", default=None, metavar="MODEL", help="the model, as `vllm serve MODEL` takes it"
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it",
     )
     add_engine_args(p)
     add_option_args(p, ServerOptions, "server")

@@ -68,7 +68,11 @@ class OpenAIServing:
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         body = response_body(
-            req, outputs, self.config.model_name, response_id=response_id, tokenizer=self.engine.engine.tokenizer
+            req,
+            outputs,
+            self.config.model_name,
+            response_id=response_id,
+            tokenizer=self.engine.engine.tokenizer,
         )
         return JSONResponse(body)
 
