@@ -143,3 +143,18 @@ def test_a_second_run_batch_on_the_same_output_is_refused(tmp_path):
         held.close()
     proc = overnight("run-batch", "-i", str(inp), "-o", str(out), "--model", "/no/such/model")
     assert_one_line_error(proc, "run-batch", "model not found")  # no lock left: it gets that far
+
+
+def test_sweep_against_a_server_that_is_not_openai_is_one_line(tmp_path):
+    """Before: KeyError: 'data' from server_info."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def models(request):
+        return JSONResponse({"object": "list"})
+
+    app = Starlette(routes=[Route("/v1/models", models)])
+    with BackgroundServer(app) as server:
+        proc = overnight("bench", "sweep", "--url", server.url, "--out", str(tmp_path / "sweep"))
+        assert_one_line_error(proc, "bench", "lists no model", "OpenAI-compatible")

@@ -77,3 +77,20 @@ def test_a_batch_tail_gets_no_light_load_advice():
     busy = SchedulerStats(256, 40, 0.5, 0, 0, 0)
     quiet.add(busy)  # other verdicts still speak
     assert len(quiet.lines) == 1 and "max_num_seqs" in quiet.lines[0]
+
+
+def test_trust_remote_code_is_an_option_like_vllms():
+    from overnight.options import EngineOptions
+
+    assert EngineOptions.from_kwargs(model="m", trust_remote_code=True).trust_remote_code is True
+
+
+def test_the_engine_clamps_max_tokens_to_the_context():
+    """The offline class's rule (documented on LLM): no refusal, the request ends by length."""
+    engine, _ = make_engine(max_model_len=64)
+    engine.add_request("r", list(range(10, 20)), SamplingParams(max_tokens=10**9, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    (out,) = done
+    assert len(out.outputs[0].token_ids) == 54 and out.outputs[0].finish_reason == "length"

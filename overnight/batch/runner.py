@@ -135,7 +135,7 @@ class BatchRunner:
             cid,
             req,
             [None] * len(inputs.prompts),
-            num_seqs=len(inputs.prompts) * inputs.params.n,
+            num_seqs=len(inputs.prompts) * inputs.params.num_samples,
             remaining=len(inputs.prompts),
             created=int(time.time()),
         )
