@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from overnight.errors import InvalidRequestError
 
@@ -15,7 +15,8 @@ PromptType = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
 
 # The roles a conversation may use, for LLM.chat and the server alike (OpenAI's, "developer" included).
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:

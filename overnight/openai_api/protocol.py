@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from overnight.entrypoints.prompts import CHAT_ROLES, render_conversation
+from overnight.entrypoints.prompts import ChatRole, render_conversation
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
 from overnight.sampling_params import SamplingParams
@@ -57,16 +57,9 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: str
+    role: ChatRole  # the roles LLM.chat takes too (entrypoints/prompts.py)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
-
-    @field_validator("role")
-    @classmethod
-    def _known_role(cls, v: str) -> str:
-        if v not in CHAT_ROLES:
-            raise ValueError(f"unknown role {v!r}; use one of {', '.join(CHAT_ROLES)}")
-        return v
 
     @model_validator(mode="after")
     def _text_parts_only(self) -> ChatMessage:
@@ -143,7 +136,7 @@ class _SamplingFields(_Body):
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (v or {}).items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"keys must be token ids written as strings, got {key!r}")
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"bias {bias} of token {key} is outside [-100, 100]")
