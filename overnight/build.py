@@ -116,17 +116,15 @@ def build_config(
 
 
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
-    """Raise ConfigError for parallel sizes this model cannot be split into (before any process starts)."""
+    """Raise ConfigError (ModelLoadError: sizes the model's heads cannot be split into) before any
+    process starts or any weight loads."""
     for name in ("tensor_parallel_size", "data_parallel_size"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(opts, name)}")
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 
-        try:
-            TPShards(source.arch, 0, opts.tensor_parallel_size).check()
-        except ModelLoadError as e:
-            raise ConfigError(f"{e}: pick a tensor_parallel_size that divides them") from None
+        TPShards(source.arch, 0, opts.tensor_parallel_size).check()
 
 
 def build_engine(opts: EngineOptions) -> EngineClient:
