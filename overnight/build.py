@@ -87,6 +87,7 @@ def build_config(
         )
     if max_model_len < 2:
         raise ConfigError("max_model_len must be at least 2")
+    check_parallel(opts, source)
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -124,9 +125,22 @@ def build_config(
     )
 
 
+def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
+    """Raise ConfigError (ModelLoadError: sizes the model's heads cannot be split into) before any
+    process starts or any weight loads."""
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        if getattr(opts, name) < 1:
+            raise ConfigError(f"{name} must be at least 1, got {getattr(opts, name)}")
+    if opts.tensor_parallel_size > 1:
+        from overnight.parallel.tp import TPShards
+
+        TPShards(source.arch, 0, opts.tensor_parallel_size).check()
+
+
 def build_engine(opts: EngineOptions) -> EngineClient:
     """The engine these options describe: one, or data_parallel_size behind one front."""
     model = resolve_model(opts)
+    check_parallel(opts, model.source)
     if opts.data_parallel_size > 1 or opts.engine_process:  # engines in processes of their own
         from overnight.parallel.dp import DataParallelEngine
         from overnight.parallel.links import ProcessLinks
@@ -166,6 +180,7 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
+    from overnight.loader.fit import check_weights_fit
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 
@@ -174,6 +189,15 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
         log.info("quantization: %s", source.quantization.describe())
     device = pick_device(opts.device)
     config = build_config(opts, source, device, device_memory_gib(device))
+    # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
+    check_weights_fit(
+        source.arch,
+        config.model.dtype,
+        device,
+        source.served_name,
+        config.parallel.tensor_parallel_size,
+        fp8_linear=source.quantization is not None,
+    )
     sched = config.scheduler
     runner: ModelRunner | TPRunner
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares

@@ -8,6 +8,8 @@ import importlib
 import logging
 import sys
 
+from overnight.errors import USER_ERRORS
+
 # command -> module exposing add_parser(subparsers) and run(args) -> int
 COMMANDS = {
     "generate": "overnight.entrypoints.generate_cli",
@@ -49,7 +51,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
-    return int(modules[args.command].run(args) or 0)
+    try:
+        return int(modules[args.command].run(args) or 0)
+    except USER_ERRORS as e:
+        # A missing model, an impossible option, a server that is down: one line that says what to
+        # change, not a traceback (logging has already said what was done before it).
+        print(f"overnight {args.command}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

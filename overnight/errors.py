@@ -19,3 +19,18 @@ class InvalidRequestError(OvernightError, ValueError):
 
 class EngineDeadError(OvernightError):
     """The engine hit an internal failure and cannot serve any more requests."""
+
+
+class ServerUnreachableError(OvernightError):
+    """A server a command talks to (check, bench sweep) is down, wants an API key, or is not one whose
+    answers the command can read."""
+
+
+# What a command reports as one line (exit status 2) instead of a traceback: the user can fix each of
+# these (a model path, an option, a URL or key), and a traceback would only hide the sentence that says how.
+USER_ERRORS: tuple[type[OvernightError], ...] = (
+    ModelLoadError,
+    ConfigError,
+    InvalidRequestError,
+    ServerUnreachableError,
+)

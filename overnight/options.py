@@ -86,6 +86,11 @@ class EngineOptions:
     tensor_parallel_size: int = option(1, "GPUs one model is split over", flags=("-tp",))
     data_parallel_size: int = option(1, "engines, each with its own copy of the model", flags=("-dp",))
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts are token ids, outputs have no text")
+    trust_remote_code: bool = option(
+        False,
+        "accepted as vLLM spells it; overnight never runs a checkpoint's own code, so an architecture "
+        "it does not implement is an error either way",
+    )
     device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(

@@ -14,6 +14,8 @@ class Logprob:
 
 # One dict per generated token: token id -> Logprob (the sampled token plus the top-k).
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: its Logprob plus the top-k there; None for the first (nothing predicts it).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(slots=True)
@@ -51,3 +53,4 @@ class RequestOutput:
     # True for a streaming request: each CompletionOutput then holds only the text and token ids it
     # gained since the previous RequestOutput of this request (and logprobs of those tokens).
     delta: bool = False
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked

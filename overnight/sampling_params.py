@@ -4,7 +4,7 @@ offline classes."""
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from overnight.errors import InvalidRequestError
@@ -107,7 +107,19 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # a dict of its fields is converted
+    # Sample best_of completions, return the n with the highest cumulative logprob (None: best_of = n).
+    best_of: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    # Words never generated: a word's last token is banned where the output already ends with the rest.
+    bad_words: list[str] | None = None
+    # Top logprobs per prompt token (0: only the prompt token's own); the first token has none.
+    prompt_logprobs: int | None = None
+    # Keep only the last k prompt tokens (-1: as many as leave room for one output token).
+    truncate_prompt_tokens: int | None = None
     stop_strings: list[str] = field(init=False, default_factory=list, repr=False)
+    # bad_words as token ids, set by the engine (which has the tokenizer): with_bad_words_tokenized().
+    bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -169,6 +181,34 @@ class SamplingParams:
                 bad("ignore_eos cannot be combined with structured outputs (the grammar ends the output)")
             if self.min_tokens:
                 bad("min_tokens cannot be combined with structured outputs (the grammar ends the output)")
+        if self.best_of is not None and (not isinstance(self.best_of, int) or self.best_of < self.n):
+            bad(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if self.logit_bias is not None and (
+            not isinstance(self.logit_bias, dict)
+            or any(not _is_id(k) or not isinstance(v, (int, float)) for k, v in self.logit_bias.items())
+        ):
+            bad("logit_bias must map token ids (non-negative integers) to numbers")
+        if self.allowed_token_ids is not None and (
+            not isinstance(self.allowed_token_ids, list)
+            or not self.allowed_token_ids
+            or not all(_is_id(t) for t in self.allowed_token_ids)
+        ):
+            bad("allowed_token_ids must be a non-empty list of non-negative integers")
+        if self.bad_words is not None and (
+            not isinstance(self.bad_words, list)
+            or any(not isinstance(w, str) or not w.strip() for w in self.bad_words)
+        ):
+            bad("bad_words must be a list of non-blank strings")
+        if self.prompt_logprobs is not None and (
+            not _is_id(self.prompt_logprobs) or self.prompt_logprobs > 20
+        ):
+            bad(f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
+        if self.truncate_prompt_tokens is not None and (
+            not isinstance(self.truncate_prompt_tokens, int)
+            or isinstance(self.truncate_prompt_tokens, bool)
+            or (self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1)
+        ):
+            bad(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {self.truncate_prompt_tokens!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -177,3 +217,53 @@ class SamplingParams:
     @property
     def needs_penalties(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1.0
+
+    @property
+    def num_samples(self) -> int:
+        """Completions generated: best_of when set, else n."""
+        return self.best_of or self.n
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """Top logprobs the sampler computes per output token: the user's `logprobs`, or 0 (the sampled
+        token's own) when best_of > n needs cumulative logprobs to choose by; None: none."""
+        if self.logprobs is None and self.num_samples > self.n:
+            return 0
+        return self.logprobs
+
+    @property
+    def needs_output_history(self) -> bool:
+        """The sampler reads this request's earlier output tokens (penalties, multi-token bad words)."""
+        return self.needs_penalties or any(len(w) > 1 for w in self.bad_words_token_ids)
+
+    @property
+    def has_logits_edits(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words_token_ids)
+
+    def truncate_prompt(self, ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as truncate_prompt_tokens leaves it (its last tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        if k == -1:
+            k = max_model_len - 1
+        return ids[-k:] if len(ids) > k else ids
+
+    def with_bad_words_tokenized(self, tokenizer: Any) -> SamplingParams:
+        """A copy with bad_words_token_ids set (self when there are no bad words). Each word is banned as
+        written and with a leading space, the two ways a word is tokenized mid-text."""
+        if not self.bad_words:
+            return self
+        seqs: list[list[int]] = []
+        for word in self.bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = list(tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        out = replace(self)
+        out.bad_words_token_ids = seqs
+        return out
+
+
+def _is_id(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0

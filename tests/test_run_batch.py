@@ -301,7 +301,16 @@ def bad_lines() -> list[tuple[str | dict, str, str | None]]:
         ),
         (chat_line("other-model", "w10", model="gpt-4o", max_tokens=2), "model_not_found", "other-model"),
         (completion_line("too-long", long_prompt, max_tokens=2), "context_length_exceeded", "too-long"),
-        (chat_line("good-1", "w12 w13", max_tokens=2), "duplicate_custom_id", "good-1"),
+        # A duplicate is answered under its line number: one record per custom_id in the output.
+        (chat_line("good-1", "w12 w13", max_tokens=2), "duplicate_custom_id", None),
+        ({"custom_id": 7, "method": "POST", "url": chat, "body": ok}, "invalid_line", None),
+        (
+            completion_line("over-context", "w10 w11", max_tokens=MAX_MODEL_LEN),
+            "context_length_exceeded",
+            "over-context",
+        ),
+        (chat_line("tools", "w10", tools=[{"type": "function"}]), "invalid_request", "tools"),
+        (chat_line("backend", "w10", guided_decoding_backend="xgrammar"), "invalid_request", "backend"),
         (completion_line("oov", [5, VOCAB + 7], max_tokens=2), "invalid_request", "oov"),
         (completion_line("no-prompt", None, max_tokens=2), "invalid_request", "no-prompt"),
         (
@@ -376,6 +385,8 @@ def test_every_kind_of_bad_line_gets_its_error_and_the_rest_are_served(batch_mod
         line_no = int(r["error"]["message"].split(":")[0].removeprefix("line "))
         code, cid = expect[line_no]
         assert (r["error"]["code"], r["custom_id"]) == (code, cid), r
+        if cid is None:  # no id to name it by: its line is named instead
+            assert r["line"] == line_no
         assert r["response"]["body"] is None
         assert r["response"]["status_code"] == (404 if code == "model_not_found" else 400)
         assert r["id"].startswith("batch_req_") and r["response"]["request_id"]
@@ -384,6 +395,10 @@ def test_every_kind_of_bad_line_gets_its_error_and_the_rest_are_served(batch_mod
         "temperature" in r["error"]["message"] for r in failures
     )
     assert f"maximum context length is {MAX_MODEL_LEN}" in by_code["context_length_exceeded"]
+    ids = [r["custom_id"] for r in results if r["custom_id"] is not None]
+    assert len(ids) == len(set(ids)), "at most one record per custom_id"
+    over = next(r for r in failures if r["custom_id"] == "over-context")["error"]["message"]
+    assert f"2 in the prompt + {MAX_MODEL_LEN} of max_tokens" in over, over
 
 
 def test_errors_file_and_validate_only(batch_model, tmp_path, monkeypatch, capsys):

@@ -189,6 +189,25 @@ def test_logprobs(client, model):
     assert all(len(top) >= 2 for top in lp.top_logprobs)
 
 
+def test_echo_scores_the_prompt_and_tokenize_counts_it(client, model, server):
+    """A scoring job as vLLM users write it: echo + logprobs + max_tokens 0 gives the prompt's own
+    logprobs; /tokenize gives the same token count the usage reports."""
+    r = client.completions.create(model=model, prompt="The sky is blue", max_tokens=0, echo=True, logprobs=1)
+    choice = r.choices[0]
+    assert choice.text == "The sky is blue" and r.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert "".join(lp.tokens) == "The sky is blue" and len(lp.tokens) == r.usage.prompt_tokens
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    counted = httpx.post(server.url + "/tokenize", json={"prompt": "The sky is blue"}).json()
+    assert counted["count"] == r.usage.prompt_tokens
+    chat = client.chat.completions.create(
+        model=model, messages=HELLO, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    )
+    plp = chat.model_extra["prompt_logprobs"]
+    tokens = httpx.post(server.url + "/tokenize", json={"messages": HELLO}).json()
+    assert plp[0] is None and len(plp) == tokens["count"] == chat.usage.prompt_tokens
+
+
 def test_32_concurrent_async_streams_equal_offline(server, model, offline):
     async def main() -> list[str]:
         client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -422,6 +441,23 @@ BAD_REQUESTS = [
         "POST",
         CHAT,
         {"messages": HELLO, "chat_template_kwargs": {"conversation": 1}},
+        400,
+        "invalid_request",
+    ),
+    (
+        "max_tokens past the context",
+        "POST",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 10**9},
+        400,
+        "context_length_exceeded",
+    ),
+    ("tools", "POST", CHAT, {"messages": HELLO, "tools": [{"type": "function"}]}, 400, "invalid_request"),
+    (
+        "null user content",
+        "POST",
+        CHAT,
+        {"messages": [{"role": "user", "content": None}]},
         400,
         "invalid_request",
     ),

@@ -236,9 +236,28 @@ def test_dead_engine_is_503_not_500():
         assert r.status_code == 503
 
 
-def test_api_key_guards_every_route_but_health():
+def test_api_key_guards_every_route_but_health_and_metrics():
     engine = slow_engine()
     with BackgroundServer(make_app(engine, ServerOptions(api_key="sesame"))) as server:
+        for path in ["/v1/models", "/v1/completions", "/tokenize", "/nope", "/openapi.json"]:
+            method = "POST" if path in ("/v1/completions", "/tokenize") else "GET"
+            kw = {"json": {"prompt": [5], "max_tokens": 1}} if method == "POST" else {}
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+                r = httpx.request(method, server.url + path, headers=headers, **kw)
+                assert r.status_code == 401, (path, headers)
+                assert r.json()["error"]["code"] == "invalid_api_key"
+            r = httpx.request(method, server.url + path, headers={"Authorization": "Bearer sesame"}, **kw)
+            assert r.status_code != 401, path
+        assert httpx.get(server.url + "/health").status_code == 200
+        # Prometheus scrapes /metrics without a key, as it does against vLLM.
+        r = httpx.get(server.url + "/metrics")
+        assert r.status_code == 200 and "num_requests_running" in r.text
+
+
+def test_protect_metrics_puts_metrics_behind_the_key():
+    engine = slow_engine()
+    opts = ServerOptions(api_key="sesame", protect_metrics=True)
+    with BackgroundServer(make_app(engine, opts)) as server:
         for path in ["/v1/models", "/metrics", "/v1/completions", "/nope", "/openapi.json"]:
             method = "POST" if path == "/v1/completions" else "GET"
             kw = {"json": {"prompt": [5], "max_tokens": 1}} if method == "POST" else {}

@@ -71,10 +71,14 @@ class SchemaStrategies:
     full context are valid but cost seconds each, and the point here is the parsing, not the batching."""
 
     def __init__(
-        self, components: dict[str, Any], fields: dict[str, st.SearchStrategy] | None = None
+        self,
+        components: dict[str, Any],
+        fields: dict[str, st.SearchStrategy] | None = None,
+        always: frozenset[str] = frozenset(),
     ) -> None:
         self.components = components
         self.fields = fields or {}
+        self.always = always  # optional properties drawn like required ones
 
     def instance(self, schema: dict[str, Any]) -> st.SearchStrategy:
         if "$ref" in schema:
@@ -128,7 +132,7 @@ class SchemaStrategies:
                 ]
             )
             return st.dictionaries(keys, ANY_JSON | TEXT, max_size=3)
-        required = set(schema.get("required", []))
+        required = set(schema.get("required", [])) | (self.always & set(props))
 
         @st.composite
         def build(draw: st.DrawFn) -> dict[str, Any]:
@@ -177,7 +181,40 @@ def test_fuzz_openapi_bodies_never_5xx(server):
     with httpx.Client(base_url=server.url, timeout=120) as http:
         spec = http.get("/openapi.json").json()
         n = st.integers(1, 3) | st.sampled_from([0, 129, -1, 1.5, "2", None])
-        schemas = SchemaStrategies(spec["components"]["schemas"], {"n": n})
+        # Lengths and token ids drawn where they are mostly valid (max_tokens past this 64-token context
+        # is a 400, ids past the vocabulary too), with the values that must be refused mixed in.
+        length = st.integers(1, 8) | st.sampled_from([0, -1, 10**9, 1.5, "2", None])
+        token_id = st.integers(0, 49151)
+        fields = {
+            "n": n,
+            "best_of": st.integers(1, 3) | st.sampled_from([0, 129, "2", None]),
+            "max_tokens": length,
+            "max_completion_tokens": length,
+            "truncate_prompt_tokens": length,
+            "allowed_token_ids": st.lists(token_id, min_size=1, max_size=4)
+            | st.sampled_from([[], [-1], [10**9], "x", None]),
+            "logit_bias": st.dictionaries(token_id.map(str), st.floats(-100, 100), max_size=3)
+            | st.sampled_from([{"x": 1}, {"1": 101}, {"-1": 0}, [], None]),
+            # Structured outputs: mostly unset or valid (a second constraint is a 400), a few broken.
+            "response_format": st.sampled_from(
+                [
+                    None,
+                    None,
+                    {"type": "text"},
+                    {"type": "json_object"},
+                    {"type": "json_schema"},
+                    {"type": "x"},
+                ]
+            ),
+            "structured_outputs": st.sampled_from([None] * 4 + [{"choice": ["a", "b"]}, {"regex": "("}]),
+            "guided_json": st.sampled_from([None] * 4 + [{"type": "object"}, "{not json"]),
+            "guided_regex": st.sampled_from([None] * 4 + ["[a-z]{1,3}", "("]),
+            "guided_choice": st.sampled_from([None] * 4 + [["yes", "no"], []]),
+            "guided_grammar": st.sampled_from([None] * 4 + ['root ::= "a"', "root ::="]),
+            "guided_whitespace_pattern": st.sampled_from([None] * 5 + [" *"]),
+        }
+        # A message's content is optional only for the assistant: drawn always (dropped by `bent`).
+        schemas = SchemaStrategies(spec["components"]["schemas"], fields, always=frozenset({"content"}))
         bodies = {}
         for route in ROUTES:
             ref = spec["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]

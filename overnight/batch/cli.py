@@ -2,7 +2,8 @@
 offline engine.
 
 Exit status: 0 when every line was answered (failed lines included: they are answers), 1 when a line
-failed --validate-only or the engine stopped, 2 for a usage error, 130 when interrupted. After 1 or 130,
+failed --validate-only or the engine stopped, 2 for a usage error (bad flags, a model that cannot be
+loaded, an output file another run holds), 130 when interrupted. After 1 or 130,
 `--resume` continues where the output ends.
 """
 
@@ -128,7 +129,7 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.ordering import OutputOrder
-    from overnight.batch.output import Sink, open_output
+    from overnight.batch.output import Sink, lock_output, open_output
     from overnight.batch.progress import Progress
     from overnight.batch.reader import count_lines, input_lines, read_lines
     from overnight.batch.runner import BatchRunner
@@ -136,9 +137,11 @@ def _run_batch(args: argparse.Namespace) -> int:
     from overnight.batch.summary import Summary
     from overnight.batch.timeline import Timeline
     from overnight.build import build_engine, build_ray_engine
-    from overnight.errors import ModelLoadError
     from overnight.openai_api.inputs import served_names
 
+    # Locked before the model loads: a second run on these files stops now, not after minutes.
+    out_handle = lock_output(args.output_file)
+    errors_handle = lock_output(args.errors_file, "errors") if args.errors_file else None
     if args.ray:  # replicas on a Ray cluster behind one front: overnight/parallel/ray.py
         try:
             engine = build_ray_engine(
@@ -147,21 +150,28 @@ def _run_batch(args: argparse.Namespace) -> int:
         except ImportError as e:
             raise UsageError(str(e)) from None
     else:
-        try:
-            engine = build_engine(options_from_args(args, mode="batch"))
-        except ModelLoadError as e:
-            print(f"overnight run-batch: {e}", file=sys.stderr)
-            return 1
+        engine = build_engine(options_from_args(args, mode="batch"))  # a bad model: one line, exit 2
     if not args.ray and args.data_parallel_size == 1:  # a line a minute: which limit holds the batch
         from overnight.tools.check import start_check_log
 
-        start_check_log(engine, interval_s=60.0)
+        # A light load in a batch job is the end of the file (the default --max-in-flight keeps twice
+        # the engine's seats queued): "send more requests" would be noise, unless --max-in-flight is
+        # what keeps the seats empty.
+        seats = engine.config.scheduler.max_num_seqs
+        starved = args.max_in_flight is not None and args.max_in_flight < seats
+        start_check_log(engine, interval_s=60.0, quiet=() if starved else ("idle", "light_load"))
     served = engine.source.served_name
-    out, answered = open_output(args.output_file, resume=args.resume, overwrite=args.overwrite)
+    out, answered = open_output(
+        args.output_file, resume=args.resume, overwrite=args.overwrite, locked=out_handle
+    )
     errors = None
     if args.errors_file:
         errors, answered_errors = open_output(
-            args.errors_file, resume=args.resume, overwrite=args.overwrite, what="errors"
+            args.errors_file,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            what="errors",
+            locked=errors_handle,
         )
         answered.merge(answered_errors)
     if answered.num_records:

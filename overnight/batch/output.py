@@ -103,19 +103,44 @@ def check_output(path: str, *, resume: bool, overwrite: bool, what: str = "outpu
         )
 
 
-def open_output(
-    path: str, *, resume: bool, overwrite: bool, what: str = "output"
-) -> tuple[BinaryIO, Answered]:
-    """The file to append results to, and what it already answers (empty unless resuming)."""
-    check_output(path, resume=resume, overwrite=overwrite, what=what)
+def lock_output(path: str, what: str = "output") -> BinaryIO:
+    """Open `path` for appending (created, never truncated here) and take an exclusive lock on it for
+    as long as this process holds the file, so a second run-batch on the same file stops at once
+    instead of interleaving its lines with the first's. Taken before the model loads."""
     if path == "-":
-        return sys.stdout.buffer, Answered()
-    non_empty = os.path.exists(path) and os.path.getsize(path) > 0
+        return sys.stdout.buffer
+    if os.path.isdir(path):
+        raise UsageError(f"{what} {path} is a directory")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if resume and non_empty:
-        answered = repair_and_scan(path)
-        return open(path, "ab"), answered
-    return open(path, "wb"), Answered()
+    f = open(path, "ab")
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system: no lock
+        return f
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UsageError(
+            f"{what} file {path} is being written by another run-batch (it holds a lock on the file): "
+            "wait for that run to end, or write to another file"
+        ) from None
+    return f
+
+
+def open_output(
+    path: str, *, resume: bool, overwrite: bool, what: str = "output", locked: BinaryIO | None = None
+) -> tuple[BinaryIO, Answered]:
+    """The file to append results to, and what it already answers (empty unless resuming). `locked`:
+    the handle lock_output returned for this path (else the lock is taken here)."""
+    check_output(path, resume=resume, overwrite=overwrite, what=what)
+    f = locked if locked is not None else lock_output(path, what)
+    if path == "-":
+        return f, Answered()
+    if resume and os.path.getsize(path) > 0:
+        return f, repair_and_scan(path)  # appends land after the repaired end (append mode)
+    f.truncate(0)
+    return f, Answered()
 
 
 class Sink:

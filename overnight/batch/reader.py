@@ -58,13 +58,9 @@ def parse_line(line_no: int, raw: bytes) -> BatchLine:
         )
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
+        # Not even a number is taken as its string: "7" may be another line's custom_id.
         what = "missing" if custom_id is None else f"not a non-empty string ({custom_id!r})"
-        cid = (
-            str(custom_id)
-            if isinstance(custom_id, (int, float)) and not isinstance(custom_id, bool)
-            else None
-        )
-        return BatchLine(line_no, cid, error=ApiError("invalid_line", f"custom_id is {what}", "custom_id"))
+        return BatchLine(line_no, None, error=ApiError("invalid_line", f"custom_id is {what}", "custom_id"))
     line = BatchLine(line_no, custom_id)
     method, url, body = obj.get("method"), obj.get("url"), obj.get("body")
     if method is None:

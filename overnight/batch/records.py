@@ -5,8 +5,11 @@ Success:  {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 
 Failure:  {"id": ..., "custom_id": <id or null>, "response": {"status_code": 400, "request_id": ...,
            "body": null}, "error": {"code": ..., "message": ...}}
 
+An output holds at most one record per custom_id. A line whose custom_id cannot name its answer (none,
+not a string, or one an earlier line already uses) is answered with "custom_id": null and its input
+line number under "line", so joining results to inputs by custom_id never meets two answers for one id.
 Every failure message starts with "line N: " (N counts input lines from 1), so a user can find the line
-and a resumed run can tell which lines without a readable custom_id were already reported.
+and a resumed run can tell which lines without a custom_id were already reported.
 """
 
 from __future__ import annotations
@@ -36,13 +39,17 @@ def success_record(custom_id: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def error_record(custom_id: str | None, line_no: int, error: ApiError) -> dict[str, Any]:
+    """custom_id None: the line has none it may use; the record then names its line under "line"."""
     line_id, request_id = _ids()
-    return {
+    record: dict[str, Any] = {
         "id": line_id,
         "custom_id": custom_id,
         "response": {"status_code": error.status_code, "request_id": request_id, "body": None},
         "error": {"code": error.code, "message": f"line {line_no}: {error.message}"},
     }
+    if custom_id is None:
+        record["line"] = line_no
+    return record
 
 
 def encode(record: dict[str, Any]) -> bytes:
@@ -56,6 +63,8 @@ def is_failure(record: dict[str, Any]) -> bool:
 
 def reported_line(record: dict[str, Any]) -> int | None:
     """The input line number a failure record names, if any."""
+    if isinstance(record.get("line"), int):
+        return record["line"]
     error = record.get("error")
     if not isinstance(error, dict):
         return None

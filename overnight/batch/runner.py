@@ -33,10 +33,10 @@ from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
-from overnight.openai_api.convert import chat_completion, completion
+from overnight.openai_api.convert import response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import ChatCompletionRequest
+from overnight.openai_api.protocol import OpenAIRequest
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
 
@@ -48,8 +48,7 @@ class _Line:
     seq: int
     line_no: int
     custom_id: str
-    is_chat: bool
-    num_logprobs: int | None
+    request: OpenAIRequest  # the body, for the response's shape (chat or completions, echo, logprobs)
     params: SamplingParams
     # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
     prompts: list[tuple[str | None, array]]
@@ -156,12 +155,11 @@ class BatchRunner:
         cid = line.custom_id
         if cid is not None:
             if cid in self._seen:
-                self._fail(
-                    line,
-                    ApiError(
-                        "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"
-                    ),
+                # Answered under "line", not the id: the output keeps one record per custom_id.
+                error = ApiError(
+                    "duplicate_custom_id", f"custom_id {cid!r} is used by an earlier line", "custom_id"
                 )
+                self._fail(line, error, keep_id=False)
                 return
             self._seen.add(cid)
             if cid in self.answered.custom_ids:
@@ -192,12 +190,11 @@ class BatchRunner:
             seq,
             line.line_no,
             cid,
-            is_chat=isinstance(req, ChatCompletionRequest),
-            num_logprobs=req.num_logprobs if isinstance(req, ChatCompletionRequest) else None,
+            request=req,
             params=inputs.params,
             prompts=[(text, array("i", ids)) for text, ids in inputs.prompts],
             outputs=[None] * len(inputs.prompts),
-            num_seqs=len(inputs.prompts) * inputs.params.n,
+            num_seqs=len(inputs.prompts) * inputs.params.num_samples,
             remaining=len(inputs.prompts),
         )
         first = inputs.prompts[0][1]
@@ -206,10 +203,10 @@ class BatchRunner:
         self.waiting[seq] = state
         self.timeline.add("tokenize", time.perf_counter() - t0)
 
-    def _fail(self, line: BatchLine, error: ApiError) -> None:
+    def _fail(self, line: BatchLine, error: ApiError, keep_id: bool = True) -> None:
         seq = self.order.start()
         self.summary.add_failure(error.code)
-        self._finish(seq, error_record(line.custom_id, line.line_no, error))
+        self._finish(seq, error_record(line.custom_id if keep_id else None, line.line_no, error))
 
     # -- submitting lines -------------------------------------------------------------------------
 
@@ -256,12 +253,9 @@ class BatchRunner:
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
-        if state.is_chat:
-            body = chat_completion(
-                outputs[0], self.model_name, created=state.created, num_logprobs=state.num_logprobs
-            )
-        else:
-            body = completion(outputs, self.model_name, created=state.created)
+        body = response_body(
+            state.request, outputs, self.model_name, created=state.created, tokenizer=self.engine.tokenizer
+        )
         usage = body["usage"]
         self.summary.add_ok(usage["prompt_tokens"], usage["completion_tokens"])
         return success_record(state.custom_id, body)

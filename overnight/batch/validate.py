@@ -72,7 +72,8 @@ def validate_file(args: argparse.Namespace) -> int:
             where = f"line {line.line_no}" + (f" ({line.custom_id})" if line.custom_id is not None else "")
             print(f"{where}: {error.code}: {error.message}", file=sys.stderr)
         if sink is not None:
-            sink.write(error_record(line.custom_id, line.line_no, error))
+            cid = None if error.code == "duplicate_custom_id" else line.custom_id
+            sink.write(error_record(cid, line.line_no, error))
     if sink is not None:
         sink.close()
     if summary.failed > _SHOWN:

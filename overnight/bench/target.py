@@ -130,19 +130,19 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float, log_path: 
 
 def server_info(url: str, api_key: str | None) -> dict[str, object]:
     """The model card, and from /metrics the engine's limits; a server without /metrics is measured
-    from the client's side only."""
-    import httpx
+    from the client's side only. Raises ServerUnreachableError (one line on the command line) when the
+    server is down, wants a key, or lists no model."""
+    from overnight.bench.metrics_reader import parse_metrics
+    from overnight.bench.reach import first_model, get
+    from overnight.errors import ServerUnreachableError
 
-    from overnight.bench.metrics_reader import scrape_sync
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
-    card = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]
+    card = first_model(url, api_key)
     info: dict[str, object] = {"url": url, "model": card["id"], "max_model_len": card.get("max_model_len")}
     try:
-        snap = scrape_sync(url, headers=headers)
+        snap = parse_metrics(get(url, "/metrics", api_key, timeout=10.0).text)
         info["metrics"] = bool(snap.values)  # a page without our or vLLM's names tells nothing
         info.update(snap.limits)
-    except (httpx.HTTPError, ValueError):
+    except (ServerUnreachableError, ValueError):
         info["metrics"] = False
     info["local"] = is_local(url)
     return info

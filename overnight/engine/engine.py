@@ -92,14 +92,20 @@ class Engine:
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if stream and params.num_samples > params.n:
+            raise InvalidRequestError("best_of above n cannot stream: the best are known only at the end")
+        prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
+        if self.tokenizer is not None:
+            params = params.with_bad_words_tokenized(self.tokenizer)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=list(prompt_token_ids),
-            n=params.n,
+            n=params.num_samples,
             stream=stream,
             metrics=RequestMetrics(arrival_time=arrival),
+            num_returned=params.n,
         )
         max_total = self.max_model_len
         if params.max_tokens is not None:
@@ -107,8 +113,8 @@ class Engine:
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         self.parents[request_id] = parent
         kids = []
-        for i in range(params.n):
-            rid = request_id if params.n == 1 else f"{request_id}#{i}"
+        for i in range(params.num_samples):
+            rid = request_id if params.num_samples == 1 else f"{request_id}#{i}"
             req = Request(
                 req_id=rid,
                 prompt_token_ids=list(prompt_token_ids),
@@ -194,6 +200,8 @@ class Engine:
         runner_out = handle.result()
         t1 = time.perf_counter()
         advanced, finished = self.scheduler.update(sched_out, runner_out)
+        if runner_out.prompt_logprobs:
+            self.output.add_prompt_logprobs(runner_out.prompt_logprobs)
         logprobs = {}
         if runner_out.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(runner_out.req_ids, runner_out.logprobs) if lp is not None}

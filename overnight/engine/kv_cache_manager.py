@@ -47,7 +47,9 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[Block]:
         """Cached blocks matching the start of a request that holds no blocks yet. At least one token
         is always left to compute, because the forward pass must produce logits to sample from."""
-        if not self.enable_caching:
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            # Prompt logprobs come from the hidden states of every prompt position: such a request
+            # computes them all (its blocks are still cached for the requests after it).
             return []
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits: list[Block] = []

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from overnight.engine.request import Request
-from overnight.engine.step_io import TokenLogprobs
-from overnight.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from overnight.engine.step_io import PromptTokenLogprobs, TokenLogprobs
+from overnight.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from overnight.tokenizer.detokenizer import IncrementalDetokenizer
@@ -21,12 +21,12 @@ if TYPE_CHECKING:
 
 @dataclass
 class ParentRequest:
-    """What the user submitted: one prompt and its n completions."""
+    """What the user submitted: one prompt and its n completions (best_of generated, when larger)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    n: int
+    n: int  # completions generated
     stream: bool
     metrics: RequestMetrics
     completions: list[CompletionOutput] = field(default_factory=list)
@@ -35,6 +35,9 @@ class ParentRequest:
     kids: list[_Child] = field(default_factory=list)
     num_finished: int = 0
     num_cached_tokens: int = 0
+    num_returned: int | None = None  # best_of: the n with the highest cumulative logprob; None: all
+    prompt_logprobs: PromptLogprobs | None = None  # filled from the first completion's prefill
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -74,21 +77,46 @@ class OutputProcessor:
         window = max((len(s) for s in params.stop_strings), default=1) - 1
         if params.include_stop_str_in_output:
             window = 0
+        tracks_logprob = params.sampled_logprobs is not None
         completion = CompletionOutput(
             index=index,
             text="",
             token_ids=[],
-            cumulative_logprob=0.0 if params.logprobs is not None else None,
+            cumulative_logprob=0.0 if tracks_logprob else None,
             logprobs=[] if params.logprobs is not None else None,
         )
         parent.completions.append(completion)
-        plain = detok is None and not parent.stream and params.logprobs is None
+        if index == 0 and params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        plain = detok is None and not parent.stream and not tracks_logprob
         child = _Child(req, parent, index, detok, window, plain=plain)
         self.children[req.req_id] = child
         parent.kids.append(child)
 
     def drop(self, req_id: str) -> None:
         self.children.pop(req_id, None)
+
+    def add_prompt_logprobs(self, scored: dict[str, PromptTokenLogprobs]) -> None:
+        """Fold in the prompt tokens a step scored. Positions already held are skipped: a request
+        recomputed after a preemption scores them again."""
+        for req_id, chunk in scored.items():
+            child = self.children.get(req_id)
+            if child is None or child.parent.prompt_logprobs is None or child.index != 0:
+                continue
+            held = child.parent.prompt_logprobs
+            k = child.req.params.prompt_logprobs or 0
+            ids = child.parent.prompt_token_ids
+            for i in range(max(len(held) - chunk.start, 0), len(chunk.logprobs)):
+                pos = chunk.start + i
+                entry = {
+                    tid: Logprob(value, rank, self._token_text(tid))
+                    for rank, (tid, value) in enumerate(
+                        zip(chunk.top_ids[i][:k], chunk.top_logprobs[i][:k]), start=1
+                    )
+                }
+                if ids[pos] not in entry:
+                    entry[ids[pos]] = Logprob(chunk.logprobs[i], chunk.ranks[i], self._token_text(ids[pos]))
+                held.append(entry)
 
     def process(
         self,
@@ -108,8 +136,9 @@ class OutputProcessor:
             token = req.all_token_ids[-1]
             comp.token_ids.append(token)
             lp = logprobs.get(req.req_id)
-            if lp is not None and comp.logprobs is not None:
-                comp.logprobs.append(self._logprob_dict(lp, token, req.params.logprobs or 0))
+            if lp is not None:
+                if comp.logprobs is not None:
+                    comp.logprobs.append(self._logprob_dict(lp, token, req.params.logprobs or 0))
                 comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + lp.sampled_logprob
             if child.detok is not None:
                 delta = child.detok.append([token])
@@ -128,7 +157,7 @@ class OutputProcessor:
             child = self.children.get(req.req_id)
             if child is None:
                 continue
-            self._complete(child, req)
+            self._complete(child, req, now)
             child.parent.num_finished += 1
             if child.parent.finished:
                 child.parent.metrics.finished_time = now
@@ -151,12 +180,13 @@ class OutputProcessor:
         child = self.children.get(req.req_id)
         if child is None:
             return None
-        self._complete(child, req)
+        now = time.monotonic()
+        self._complete(child, req, now)
         parent = child.parent
         parent.num_finished += 1
         if not parent.finished:
             return None
-        parent.metrics.finished_time = time.monotonic()
+        parent.metrics.finished_time = now
         # Built before the children are dropped: a streamed delta is made from them.
         out = self._delta_output(parent) if parent.stream else self._full_output(parent)
         for sibling in self._siblings(parent):
@@ -184,7 +214,9 @@ class OutputProcessor:
                 return stop
         return None
 
-    def _complete(self, child: _Child, req: Request) -> None:
+    def _complete(self, child: _Child, req: Request, now: float) -> None:
+        """Final text and finish reason of one completion; `now` is the time its parent may finish at,
+        so last_token_time never comes after finished_time."""
         comp = child.parent.completions[child.index]
         params = req.params
         if child.plain:
@@ -207,7 +239,7 @@ class OutputProcessor:
             )
         if req.first_token_time is not None:
             m.first_token_time = min(m.first_token_time or req.first_token_time, req.first_token_time)
-        m.last_token_time = time.monotonic()
+        m.last_token_time = now
 
     def _logprob_dict(self, lp: TokenLogprobs, token: int, k: int) -> dict[int, Logprob]:
         out: dict[int, Logprob] = {}
@@ -223,14 +255,22 @@ class OutputProcessor:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _full_output(self, parent: ParentRequest) -> RequestOutput:
+        outputs = sorted(parent.completions, key=lambda c: c.index)
+        keep = parent.num_returned
+        if keep is not None and keep < len(outputs):  # best_of: the most likely n, renumbered
+            best = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:keep]
+            outputs = sorted(best, key=lambda c: c.index)
+            for i, c in enumerate(outputs):
+                c.index = i
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
-            outputs=sorted(parent.completions, key=lambda c: c.index),
+            outputs=outputs,
             finished=True,
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens,
+            prompt_logprobs=parent.prompt_logprobs,
         )
 
     def _delta_output(self, parent: ParentRequest) -> RequestOutput:
@@ -261,6 +301,10 @@ class OutputProcessor:
                     stop_reason=comp.stop_reason,
                 )
             )
+        prompt_logprobs = None
+        if not parent.prompt_logprobs_sent and parent.prompt_logprobs is not None:
+            # Sent once, with the first delta: the whole prompt was scored before the first token.
+            prompt_logprobs, parent.prompt_logprobs_sent = parent.prompt_logprobs, True
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -270,4 +314,5 @@ class OutputProcessor:
             metrics=parent.metrics,
             num_cached_tokens=parent.num_cached_tokens,
             delta=True,
+            prompt_logprobs=prompt_logprobs,
         )

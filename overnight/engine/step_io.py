@@ -55,6 +55,18 @@ class TokenLogprobs:
     top_logprobs: list[float]
 
 
+@dataclass(slots=True)
+class PromptTokenLogprobs:
+    """Logprobs of the prompt tokens at positions [start, start + len(logprobs)) computed by one step
+    (position 0 has none: nothing predicts it)."""
+
+    start: int
+    logprobs: list[float]  # of the actual prompt token
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
 @dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step
@@ -64,3 +76,5 @@ class ModelRunnerOutput:
     # before it, then building the mask. Both are part of the step's launch.
     mask_wait_s: float = 0.0
     mask_s: float = 0.0
+    # request id -> its prompt tokens scored this step, for requests with prompt_logprobs
+    prompt_logprobs: dict[str, PromptTokenLogprobs] | None = None

@@ -29,8 +29,9 @@ def validate_request(
     grammars: GrammarCompiler | None = None,
 ) -> None:
     """Raise InvalidRequestError naming the problem if this prompt and params cannot be served.
-    Structured outputs are compiled here (cached), so a grammar that cannot be built fails its request
-    before it is queued."""
+    The prompt is checked as truncate_prompt_tokens leaves it. Structured outputs are compiled here
+    (cached), so a grammar that cannot be built fails its request before it is queued."""
+    ids = params.truncate_prompt(ids, limits.max_model_len)
     if not ids:
         raise InvalidRequestError("the prompt is empty")
     if len(ids) >= limits.max_model_len:
@@ -54,6 +55,15 @@ def validate_request(
     bad = [t for t in params.stop_token_ids or [] if not 0 <= t < vocab]
     if bad:
         raise InvalidRequestError(f"stop token id {bad[0]!r} is outside the vocabulary (size {vocab})")
+    for what, values in (
+        ("logit_bias token id", list(params.logit_bias or ())),
+        ("allowed token id", params.allowed_token_ids or []),
+    ):
+        bad = [t for t in values if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"{what} {bad[0]!r} is outside the vocabulary (size {vocab})")
+    if params.bad_words and not limits.has_tokenizer:
+        raise InvalidRequestError("bad_words need a tokenizer (skip_tokenizer_init is set)")
     if not 0 <= params.top_k < 1 << 62:  # becomes an int64 tensor entry
         raise InvalidRequestError(
             f"top_k must be below 2**62 (any value past the vocabulary means no top-k), got {params.top_k}"

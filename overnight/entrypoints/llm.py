@@ -34,6 +34,12 @@ class LLM:
     Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...). By
     default (schedule="lookahead") prompts are submitted grouped by shared prefix, the longest of the last
     ones first; outputs stay in input order. schedule="fifo" submits in input order.
+    Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...;
+    trust_remote_code is accepted and changes nothing: no checkpoint's own code is ever run).
+
+    max_tokens past the context is clamped, as vLLM's offline class does: a request whose prompt plus
+    max_tokens exceeds max_model_len ends with finish_reason "length" at max_model_len. (The server and
+    run-batch refuse such a request instead, with the arithmetic, since a client chose that number.)
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

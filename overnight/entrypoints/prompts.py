@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from overnight.errors import InvalidRequestError
 
@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 PromptType = str | list[int] | dict[str, Any]
 Conversation = list[dict[str, Any]]
+
+# The roles a conversation may use, for LLM.chat and the server alike (OpenAI's, "developer" included).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool"]
+CHAT_ROLES: tuple[str, ...] = get_args(ChatRole)
 
 
 def tokenize_prompt(prompt: PromptType, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
@@ -56,13 +60,12 @@ def render_conversation(
     add_generation_prompt: bool = True,
     **template_kwargs: Any,
 ) -> tuple[str, list[int]]:
-    if tokenizer is None:
-        raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
     if not conversation:
         raise InvalidRequestError("messages must not be empty")
-    for m in conversation:
-        if not isinstance(m, dict) or "role" not in m or "content" not in m:
-            raise InvalidRequestError('each message needs "role" and "content"')
+    for i, m in enumerate(conversation):
+        check_message(i, m)
+    if tokenizer is None:
+        raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
     text = tokenizer.render_chat(
         conversation,
         add_generation_prompt=add_generation_prompt,
@@ -71,3 +74,31 @@ def render_conversation(
     )
     # The template already holds any special tokens (BOS etc.): do not add them again.
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_message(index: int, m: Any) -> None:
+    """The rules the server's schema applies, for LLM.chat too: a known role, and content that is text
+    (a string or a list of text parts); only an assistant's content may be null."""
+    if not isinstance(m, dict) or "role" not in m:
+        raise InvalidRequestError(f'message {index}: each message needs "role" and "content"')
+    role = m["role"]
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(
+            f"message {index}: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}"
+        )
+    content = m.get("content")
+    if content is None:
+        if role != "assistant":
+            raise InvalidRequestError(
+                f"message {index}: a {role} message needs content (only an assistant's may be null)"
+            )
+        return
+    if isinstance(content, str):
+        return
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return
+    raise InvalidRequestError(
+        f'message {index}: content must be a string or a list of text parts ({{"type": "text", "text": ...}})'
+    )

@@ -36,7 +36,8 @@ def supported_architectures() -> list[str]:
 def _unsupported(name: str) -> ModelLoadError:
     return ModelLoadError(
         f"unsupported model architecture {name!r}; supported: {', '.join(supported_architectures())} "
-        f"(model_type {', '.join(sorted(_FAMILIES))})"
+        f"(model_type {', '.join(sorted(_FAMILIES))}). overnight implements each architecture itself and "
+        "never runs a checkpoint's own code, so trust_remote_code does not change this"
     )
 
 

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from overnight.outputs import Logprob, RequestOutput, SampleLogprobs
+from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
 
 # JSON has no -inf; a token the model gives no chance is reported with this logprob instead.
 _MIN_LOGPROB = -9999.0
@@ -76,7 +80,7 @@ def chat_completion(
         }
         for c in sorted(output.outputs, key=lambda c: c.index)
     ]
-    return {
+    body = {
         "id": response_id or new_id("chatcmpl"),
         "object": "chat.completion",
         "created": created if created is not None else int(time.time()),
@@ -84,6 +88,9 @@ def chat_completion(
         "choices": choices,
         "usage": usage_of([output]),
     }
+    if output.prompt_logprobs is not None:  # vLLM's extra, at the top level for chat
+        body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+    return body
 
 
 def completion(
@@ -92,30 +99,128 @@ def completion(
     *,
     response_id: str | None = None,
     created: int | None = None,
+    echo: bool = False,
+    prompt_only: bool = False,
+    with_prompt_logprobs: bool = False,
+    token_text: Callable[[int], str] | None = None,
 ) -> dict[str, Any]:
-    """A Completion body for one output per prompt, in prompt order."""
+    """A Completion body for one output per prompt, in prompt order.
+
+    echo: each choice's text (and logprobs) starts with its prompt's; prompt_only: the choice is the
+    prompt alone (max_tokens 0: the one token the engine sampled is dropped). with_prompt_logprobs adds
+    vLLM's `prompt_logprobs` to each choice. token_text names the first prompt token in echoed logprobs
+    (nothing predicts it, so it has no Logprob that carries its text)."""
     choices = []
     for p, out in enumerate(outputs):
         n = len(out.outputs)
         for c in sorted(out.outputs, key=lambda c: c.index):
-            choices.append(
-                {
-                    "index": p * n + c.index,
-                    "text": c.text,
-                    "logprobs": (
-                        _completion_logprobs(c.logprobs, c.token_ids)[0] if c.logprobs is not None else None
-                    ),
-                    "finish_reason": finish_reason(c.finish_reason),
-                }
-            )
+            text, lps, token_ids = c.text, c.logprobs, c.token_ids
+            if prompt_only:
+                text, lps, token_ids = "", ([] if lps is not None else None), []
+            logprobs = None
+            if lps is not None:
+                offset = 0
+                if echo:
+                    logprobs, offset = _echo_logprobs(out, token_text)
+                body, _ = _completion_logprobs(lps, token_ids, offset)
+                logprobs = _join_logprobs(logprobs, body) if logprobs else body
+            choice: dict[str, Any] = {
+                "index": p * n + c.index,
+                "text": (out.prompt or "") + text if echo else text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(c.finish_reason),
+            }
+            if with_prompt_logprobs:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_logprobs)
+            choices.append(choice)
     return {
         "id": response_id or new_id("cmpl"),
         "object": "text_completion",
         "created": created if created is not None else int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": usage_of(outputs),
+        "usage": usage(sum(len(o.prompt_token_ids) for o in outputs), 0)
+        if prompt_only
+        else usage_of(outputs),
     }
+
+
+def response_body(
+    req: OpenAIRequest,
+    outputs: Sequence[RequestOutput],
+    model: str,
+    *,
+    response_id: str | None = None,
+    created: int | None = None,
+    tokenizer: Tokenizer | None = None,
+) -> dict[str, Any]:
+    """The whole response to `req` (chat: one output; completions: one per prompt)."""
+    if isinstance(req, ChatCompletionRequest):
+        return chat_completion(
+            outputs[0], model, response_id=response_id, created=created, num_logprobs=req.num_logprobs
+        )
+
+    def token_text(tid: int) -> str:
+        assert tokenizer is not None
+        return tokenizer.decode([tid], skip_special_tokens=False)
+
+    return completion(
+        outputs,
+        model,
+        response_id=response_id,
+        created=created,
+        echo=req.echo,
+        prompt_only=req.prompt_only,
+        with_prompt_logprobs=req.prompt_logprobs is not None,
+        token_text=token_text if tokenizer is not None else None,
+    )
+
+
+def prompt_logprobs_json(plp: PromptLogprobs | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, {token id: {logprob, rank, decoded_token}} (None first)."""
+    if plp is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(tid): {"logprob": _value(lp), "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in step.items()
+        }
+        for step in plp
+    ]
+
+
+def _echo_logprobs(out: RequestOutput, token_text: Callable[[int], str] | None) -> tuple[dict[str, Any], int]:
+    """The legacy logprobs object of the prompt tokens (the first has a null logprob), and the text
+    offset after them."""
+    ids = out.prompt_token_ids
+    plp = out.prompt_logprobs or [None] * len(ids)
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    offset = 0
+    for tid, step in zip(ids, plp):
+        if step is None or tid not in step:
+            text = token_text(tid) if token_text is not None else f"token_id:{tid}"
+            values.append(None)
+            tops.append(None)
+        else:
+            lp = step[tid]
+            text = _token_text(tid, lp)
+            values.append(_value(lp))
+            tops.append(
+                {_token_text(i, x): _value(x) for i, x in sorted(step.items(), key=lambda kv: kv[1].rank)}
+            )
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+def _join_logprobs(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
 
 
 # -- logprobs ------------------------------------------------------------------------------------

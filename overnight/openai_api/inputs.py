@@ -56,14 +56,27 @@ def check_model(requested: str | None, names: Collection[str]) -> None:
         )
 
 
-def check_prompt_length(ids: list[int], max_model_len: int, is_chat: bool) -> None:
+def check_prompt_length(
+    ids: list[int], max_model_len: int, is_chat: bool, max_tokens: tuple[str, int] | None = None
+) -> None:
+    """The prompt must leave room for one output token, and for all of max_tokens when the request
+    sets it (the offline class clamps instead; a server or batch user learns of it here)."""
+    what = "messages" if is_chat else "prompt"
     if len(ids) >= max_model_len:
-        what = "messages" if is_chat else "prompt"
         raise ApiError(
             "context_length_exceeded",
             f"this model's maximum context length is {max_model_len} tokens, but your {what} resulted in "
             f"{len(ids)} tokens (at least one must be left to generate)",
-            "messages" if is_chat else "prompt",
+            what,
+        )
+    if max_tokens is not None and len(ids) + max_tokens[1] > max_model_len:
+        field, value = max_tokens
+        raise ApiError(
+            "context_length_exceeded",
+            f"this model's maximum context length is {max_model_len} tokens, but you asked for "
+            f"{len(ids) + value} tokens ({len(ids)} in the {what} + {value} of {field}): lower "
+            f"{field} to at most {max_model_len - len(ids)}, or shorten the {what}",
+            field,
         )
 
 
@@ -87,8 +100,10 @@ def prepare(
         raise ApiError(
             "invalid_request", f"the chat template failed on these messages: {e}", "messages"
         ) from None
+    # truncate_prompt_tokens: the engine keeps the prompt's tail; the checks and usage see that prompt.
+    prompts = [(text, params.truncate_prompt(ids, max_model_len)) for text, ids in prompts]
     for _, ids in prompts:
-        check_prompt_length(ids, max_model_len, is_chat)
+        check_prompt_length(ids, max_model_len, is_chat, req.explicit_max_tokens())
         if validate is not None:
             try:
                 validate(ids, params)

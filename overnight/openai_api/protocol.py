@@ -2,9 +2,10 @@
 
 Shared by `overnight run-batch` and `overnight serve`. Field names, defaults and ranges follow the OpenAI
 API, plus the sampling extras users pass to vLLM (top_k, min_p, repetition_penalty, ignore_eos,
-min_tokens, ...). Unknown fields are ignored, so bodies written for other servers still load; known
-fields that would change the answer in a way we cannot honour (echo, suffix, logit_bias, tools, ...)
-are refused rather than silently dropped.
+min_tokens, logit_bias, allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens, ...).
+Unknown fields are ignored, so bodies written for other servers still load; the fields of the OpenAI API
+and of vLLM that would change the answer in a way we do not honour (UNSUPPORTED_FIELDS: tools, suffix,
+beam search, ...) are refused with a 400 naming the field rather than silently dropped.
 
 Numbers are strict: `"0.5"` or `true` where a number belongs is an error, not a guess.
 
@@ -28,7 +29,7 @@ from pydantic import (
     model_validator,
 )
 
-from overnight.entrypoints.prompts import render_conversation
+from overnight.entrypoints.prompts import ChatRole, render_conversation
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
@@ -63,12 +64,16 @@ class TextPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: ChatRole  # the roles LLM.chat takes too (entrypoints/prompts.py)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     @model_validator(mode="after")
     def _text_parts_only(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(
+                f"content: a {self.role} message needs content (only an assistant's may be null)"
+            )
         if isinstance(self.content, list):
             for part in self.content:
                 if part.get("type") != "text":
@@ -148,8 +153,13 @@ class _SamplingFields(_Body):
     guided_choice: list[Annotated[str, Strict()]] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None  # refused: whitespace is compact or free, not a pattern
-    # Known OpenAI fields we cannot honour: refused when set to anything but their neutral value.
-    logit_bias: dict[str, float] | None = None
+    spaces_between_special_tokens: Bool = True
+    logit_bias: dict[str, Float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+    add_special_tokens: Bool | None = None  # None: the route's default (completions yes, chat no)
 
     @field_validator("stream_options")
     @classmethod
@@ -178,9 +188,26 @@ class _SamplingFields(_Body):
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        if v:
-            raise ValueError("not supported")
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"bias {bias} of token {key} is outside [-100, 100]")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_positive(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (keep what fits the context) or at least 1")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and info.data.get("stream"):
+            raise ValueError("not available with stream=true")
         return v
 
     @property
@@ -227,7 +254,13 @@ class _SamplingFields(_Body):
         except InvalidRequestError as e:
             raise _param_error(name, str(e)) from None
 
-    def _params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def _params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        best_of: int | None = None,
+    ) -> SamplingParams:
         """Raises InvalidRequestError where fields conflict (min_tokens above max_tokens)."""
         return SamplingParams(
             n=self.n,
@@ -248,7 +281,19 @@ class _SamplingFields(_Body):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured(),
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            best_of=best_of,
         )
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        """(field name, value) of the output limit the body sets itself; None when it leaves it to the
+        context (chat) or the API's default (completions' 16), which never fail the context check."""
+        return None
 
 
 def _param_error(param: str, message: str) -> InvalidRequestError:
@@ -268,8 +313,6 @@ class ChatCompletionRequest(_SamplingFields):
     # Extras: how the chat template is applied.
     add_generation_prompt: Bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
 
     @field_validator("messages")
     @classmethod
@@ -285,17 +328,17 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("needs logprobs set to true")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list[Any] | None) -> list[Any] | None:
-        if v:
-            raise ValueError("not supported")
-        return v
-
     @property
     def max_output_tokens(self) -> int | None:
         """max_completion_tokens wins over the older max_tokens; None means up to the context."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        if self.max_tokens is not None:
+            return "max_tokens", self.max_tokens
+        return None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -307,13 +350,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict[str, Any]]:
         """The messages as {"role", "content": str} dicts for the chat template."""
-        conv: list[dict[str, Any]] = []
-        for m in self.messages:
-            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            conv.append(msg)
-        return conv
+        return conversation_of(self.messages)
 
     def engine_prompts(self, tokenizer: Tokenizer | None) -> list[tuple[str | None, list[int]]]:
         """The one prompt (text, token ids) the chat template makes of the messages."""
@@ -323,6 +360,8 @@ class ChatCompletionRequest(_SamplingFields):
             add_generation_prompt=self.add_generation_prompt,
             **(self.chat_template_kwargs or {}),
         )
+        if self.add_special_tokens and tokenizer is not None:
+            ids = tokenizer.encode(text, add_special_tokens=True)
         return [(text, ids)]
 
 
@@ -330,11 +369,11 @@ class CompletionRequest(_SamplingFields):
     """The body of POST /v1/completions. A list prompt gives one choice per prompt (times n)."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: Int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=1)
+    echo: Bool = False  # (before max_tokens: its check reads echo)
+    # 0 only with echo: the prompt's own logprobs, nothing generated (scoring, perplexity).
+    max_tokens: Int | None = Field(COMPLETION_DEFAULT_MAX_TOKENS, ge=0)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Bool = False
-    suffix: str | None = None
-    best_of: Int | None = Field(None, ge=1)
+    best_of: Int | None = Field(None, ge=1, le=128)
 
     @field_validator("prompt")
     @classmethod
@@ -345,31 +384,54 @@ class CompletionRequest(_SamplingFields):
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("not supported")
+    def _echo_not_streamed(cls, v: bool, info: ValidationInfo) -> bool:
+        if v and info.data.get("stream"):
+            raise ValueError("not available with stream=true")
         return v
 
-    @field_validator("suffix")
+    @field_validator("max_tokens")
     @classmethod
-    def _no_suffix(cls, v: str | None) -> str | None:
-        if v:
-            raise ValueError("not supported")
+    def _zero_only_with_echo(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v == 0 and not info.data.get("echo"):
+            raise ValueError("0 is allowed only with echo (to score the prompt)")
         return v
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, v: int | None, info: ValidationInfo) -> int | None:
-        if v is not None and v != info.data.get("n", 1):
-            raise ValueError("only best_of equal to n is supported")
+    def _best_of_at_least_n(cls, v: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if v is not None and v < n:
+            raise ValueError(f"must be at least n ({n}), got {v}")
+        if v is not None and v > n and info.data.get("stream"):
+            raise ValueError("above n is not available with stream=true")
         return v
 
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt (and its logprobs); one token is sampled
+        and dropped, as the engine always samples at least one."""
+        return self.echo and self.max_tokens == 0
+
+    def explicit_max_tokens(self) -> tuple[str, int] | None:
+        if "max_tokens" in self.model_fields_set and self.max_tokens:
+            return "max_tokens", self.max_tokens
+        return None
+
     def to_sampling_params(self) -> SamplingParams:
-        return self._params(self.max_tokens, self.logprobs)
+        # echo with logprobs reports the prompt's tokens too: their logprobs are prompt logprobs.
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:
+            prompt_logprobs = max(self.logprobs, prompt_logprobs or 0)
+        return self._params(
+            1 if self.prompt_only else self.max_tokens,
+            self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            best_of=self.best_of,
+        )
 
     def prompt_list(self) -> list[str | list[int]]:
         """The prompts, one per engine request, in order."""
@@ -382,13 +444,16 @@ class CompletionRequest(_SamplingFields):
 
     def engine_prompts(self, tokenizer: Tokenizer | None) -> list[tuple[str | None, list[int]]]:
         out: list[tuple[str | None, list[int]]] = []
+        special = True if self.add_special_tokens is None else self.add_special_tokens
         for p in self.prompt_list():
             if isinstance(p, str):
                 if tokenizer is None:
                     raise InvalidRequestError("text prompts need a tokenizer (skip_tokenizer_init is set)")
-                out.append((p, tokenizer.encode(p)))
+                out.append((p, tokenizer.encode(p, add_special_tokens=special)))
             else:
-                out.append((None, p))
+                # echo shows the prompt: a token-id prompt's text is its decoding
+                text = tokenizer.decode(p, skip_special_tokens=False) if self.echo and tokenizer else None
+                out.append((text, p))
         return out
 
 
@@ -401,6 +466,84 @@ ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
 }
 
 
+# Fields of the OpenAI API and of vLLM's extra body that would change the answer in a way this engine
+# does not honour, with the values that change nothing (None always does). Set to anything else, each is
+# a 400 naming it: a user must not believe output is constrained or tool-called when it is not. A field
+# a route declares itself (completions' echo, best_of) is that route's own. Any field not listed here and
+# not declared is ignored, as the OpenAI API ignores what it does not know. The structured-output fields
+# (response_format, structured_outputs, guided_*) are declared and honoured.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "functions": ([],),
+    "function_call": ("none", "auto"),
+    "parallel_tool_calls": (True, False),  # meaningless without tools
+    "suffix": ("",),
+    "echo": (False,),  # chat's echo (completions' is declared)
+    "best_of": (1,),  # chat has none
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "guided_decoding_backend": (),
+    "logits_processors": ([],),
+    "return_tokens_as_token_ids": (False,),
+    "continue_final_message": (False,),
+    "documents": ([],),
+    "chat_template": (),
+    "mm_processor_kwargs": ({},),
+    "priority": (0,),
+    "vllm_xargs": ({},),
+    "kv_transfer_params": (),
+}
+
+
+def _refuse_unsupported(body: dict[str, Any], model_cls: type[BaseModel]) -> None:
+    for name, value in body.items():
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is None or name in model_cls.model_fields or value is None:
+            continue
+        # (True == 1 in Python: a bool must meet a bool, so `priority: false` is not taken for 0.)
+        if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):
+            raise ApiError("invalid_request", f"{name}: not supported by this server", name)
+
+
+def check_text(value: Any, path: str = "") -> None:
+    """Raise ApiError naming the field whose text holds a lone surrogate: JSON's \\ud800 escapes decode
+    to one, and no tokenizer can encode it (it is not Unicode text)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            where = path or "body"
+            raise ApiError(
+                "invalid_request",
+                f"{where}: the text holds a lone surrogate (\\u{ord(value[e.start]):04x} at character "
+                f"{e.start}), which is not valid Unicode",
+                where.split(".")[0].split("[")[0] or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_text(item, f"{path}[{i}]")
+
+
+def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as {"role", "content": str} dicts for the chat template."""
+    conv: list[dict[str, Any]] = []
+    for m in messages:
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        conv.append(msg)
+    return conv
+
+
 def parse_request(url: str, body: Any) -> OpenAIRequest:
     """The body of a request to `url`, validated. Raises ApiError: unsupported_url, or invalid_request
     with a readable message and the offending field as `param`."""
@@ -409,6 +552,8 @@ def parse_request(url: str, body: Any) -> OpenAIRequest:
         raise ApiError("unsupported_url", f"unsupported url {url!r}: use one of {', '.join(ROUTES)}", "url")
     if not isinstance(body, dict):
         raise ApiError("invalid_request", "the request body must be a JSON object", "body")
+    _refuse_unsupported(body, model_cls)
+    check_text(body)
     try:
         return model_cls.model_validate(body)
     except ValidationError as e:

@@ -106,7 +106,7 @@ class LoadBook:
 def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
     room = max_model_len - num_prompt_tokens
     new = room if params.max_tokens is None else min(params.max_tokens, room)
-    return params.n * (num_prompt_tokens + new)
+    return params.num_samples * (num_prompt_tokens + new)
 
 
 # -- the driver -------------------------------------------------------------------------------------

@@ -5,10 +5,11 @@ Pickled as dataclasses they cost ~20 ms a step each way (1,024 deltas, the promp
 one); as tuples of builtins, under 1 ms. The prompt (text and ids) does not cross at all: the front
 kept it when it sent the request, and puts it back (`prompts`).
 
-    RequestOutput  -> (request_id, finished, delta, num_cached_tokens, metrics, completions)
+    RequestOutput  -> (request_id, finished, delta, num_cached_tokens, metrics, completions, prompt_lps)
     metrics        -> (arrival, first_scheduled, first_token, last_token, finished) or None
     completion     -> (index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason)
     logprobs       -> per token: ((token_id, logprob, rank, decoded_token), ...) or None
+    prompt_lps     -> the same per prompt token (None for the first), or None when not asked
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def unpack(
     """prompts(request_id): the (prompt text, prompt token ids) the front sent, or None when it
     forgot the request (aborted meanwhile): such outputs are dropped."""
     out = []
-    for rid, finished, delta, cached, metrics, comps in packed:
+    for rid, finished, delta, cached, metrics, comps, prompt_lps in packed:
         prompt = prompts(rid)
         if prompt is None:
             continue
@@ -44,6 +45,7 @@ def unpack(
                 metrics=RequestMetrics(*metrics) if metrics is not None else None,
                 num_cached_tokens=cached,
                 delta=delta,
+                prompt_logprobs=None if prompt_lps is None else [_unpack_logprobs(p) for p in prompt_lps],
             )
         )
     return out
@@ -68,7 +70,12 @@ def _pack_one(o: RequestOutput) -> PackedOutput:
         )
         for c in o.outputs
     ]
-    return (o.request_id, o.finished, o.delta, o.num_cached_tokens, metrics, comps)
+    prompt_lps = (
+        None
+        if o.prompt_logprobs is None
+        else [None if step is None else _pack_logprobs(step) for step in o.prompt_logprobs]
+    )
+    return (o.request_id, o.finished, o.delta, o.num_cached_tokens, metrics, comps, prompt_lps)
 
 
 def _pack_logprobs(step: dict[int, Logprob]) -> tuple:
@@ -81,3 +88,9 @@ def _unpack_completion(c: tuple) -> CompletionOutput:
     if logprobs is not None:
         lps = [{tid: Logprob(v, rank, dec) for tid, v, rank, dec in step} for step in logprobs]
     return CompletionOutput(index, text, token_ids, cumulative, lps, reason, stop)
+
+
+def _unpack_logprobs(step: tuple | None) -> dict[int, Logprob] | None:
+    if step is None:
+        return None
+    return {tid: Logprob(v, rank, dec) for tid, v, rank, dec in step}

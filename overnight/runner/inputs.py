@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
+from overnight.runner.logits_processors import build_logits_edits
 from overnight.runner.request_state import RequestStates, RunnerRequest, ScheduledRequest
 from overnight.runner.sampler import SamplingBatch
 
@@ -210,7 +211,7 @@ def build_sampling_batch(
     jobs) builds no tensors at all."""
     params = [r.params for r in reqs]
     all_greedy = all(p.is_greedy for p in params)
-    asked = [p.logprobs is not None for p in params]
+    asked = [p.sampled_logprobs is not None for p in params]
     any_logprobs = any(asked)
     pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
     banned = []
@@ -258,7 +259,7 @@ def build_sampling_batch(
             all_top_k=all(p.top_k > 0 for p in params),
         )
     if any_logprobs:
-        batch.max_logprobs = max(p.logprobs or 0 for p in params if p.logprobs is not None)
+        batch.max_logprobs = max(p.sampled_logprobs or 0 for p in params)
         batch.wants_logprobs = asked
     if pen_rows:
         batch.penalty_rows = pen_rows
@@ -268,4 +269,5 @@ def build_sampling_batch(
         batch.prompt_ids = [reqs[i].token_ids[: reqs[i].num_prompt_tokens] for i in pen_rows]
         batch.output_ids = [reqs[i].token_ids[reqs[i].num_prompt_tokens :] for i in pen_rows]
     batch.banned = banned or None
+    batch.edits = build_logits_edits(reqs, device)
     return batch

@@ -23,6 +23,11 @@ from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers, build_sampling_batch
+from overnight.runner.prompt_logprobs import (
+    PendingPromptLogprobs,
+    compute_prompt_logprobs,
+    wants_prompt_logprobs,
+)
 from overnight.runner.request_state import RequestStates, RunnerRequest
 from overnight.runner.sampler import SampledLogprobs, Sampler, TokenMask
 
@@ -72,6 +77,7 @@ class StepHandle:
     _result: ModelRunnerOutput | None = None
     mask_wait_s: float = 0.0  # structured outputs: waiting for the previous step's tokens
     mask_s: float = 0.0  # structured outputs: advancing matchers, filling and copying the mask
+    prompt_logprobs: list[PendingPromptLogprobs] | None = None
 
     def result(self) -> ModelRunnerOutput:
         if self._result is None:
@@ -234,13 +240,19 @@ class ModelRunner:
             attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
         req_ids = [r.req_id for r in sampled]
+        prompt_lps = None
+        if not decode_only and wants_prompt_logprobs(scheduled):
+            vocab = self.config.model.arch.vocab_size
+            prompt_lps = compute_prompt_logprobs(hidden, scheduled, self.model.compute_logits, vocab)
         if not sampled:
+            if prompt_lps:
+                return StepHandle(self, [], None, None, None, prompt_logprobs=prompt_lps)
             return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
         rows = hidden if decode_only else hidden[inputs.sample_rows]
         logits = self.model.compute_logits(rows)
         last = self._last_handle
-        if last is not None and any(r.params.needs_penalties for r in sampled):
-            last.result()  # penalties count every earlier token: wait for the step in flight
+        if last is not None and any(r.params.needs_output_history for r in sampled):
+            last.result()  # penalties and bad words read earlier tokens: wait for the step in flight
         batch = build_sampling_batch(sampled, self.eos_token_ids, self.device)
         mask_wait_s = mask_s = 0.0
         if self.grammar_mask is not None and self.states.num_structured:
@@ -249,14 +261,14 @@ class ModelRunner:
         self._prev_tokens = tokens
         self._prev_index = {rid: j for j, rid in enumerate(req_ids)}
         if not self.is_cuda:
-            handle = StepHandle(self, req_ids, tokens, None, logprobs)
+            handle = StepHandle(self, req_ids, tokens, None, logprobs, prompt_logprobs=prompt_lps)
         else:
             host = self._host_tokens[self._turn][: len(req_ids)]
             self._turn = (self._turn + 1) % len(self._host_tokens)
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            handle = StepHandle(self, req_ids, host, event, logprobs)
+            handle = StepHandle(self, req_ids, host, event, logprobs, prompt_logprobs=prompt_lps)
         handle.mask_wait_s, handle.mask_s = mask_wait_s, mask_s
         self._last_handle = handle
         return handle
@@ -283,10 +295,12 @@ class ModelRunner:
         tokens = handle.tokens_host.tolist() if handle.tokens_host is not None else []
         self.states.resolve(handle.req_ids, tokens)
         logprobs = handle.logprobs.to_host() if handle.logprobs is not None else None
+        prompt = {p.req_id: p.to_host() for p in handle.prompt_logprobs} if handle.prompt_logprobs else None
         return ModelRunnerOutput(
             req_ids=handle.req_ids,
             sampled_token_ids=tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt,
             mask_wait_s=handle.mask_wait_s,
             mask_s=handle.mask_s,
         )

@@ -1,8 +1,9 @@
 """Batched sampling on the model's device, with per-request settings and no host sync per request.
 
-Order of operations on each row's logits: the grammar's token mask (structured outputs), penalties and
-min_tokens bans, then either argmax (greedy) or temperature -> top-k -> top-p -> min-p -> a draw.
-Logprobs are those of the raw model distribution: before the mask, penalties and temperature.
+Order of operations on each row's logits: the grammar's token mask (structured outputs), the request's
+edits (logit_bias, allowed_token_ids, bad_words: logits_processors.py), penalties and min_tokens bans, then
+either argmax (greedy) or temperature -> top-k -> top-p -> min-p -> a draw. Logprobs are those of the raw
+model distribution: before the mask, edits, penalties and temperature.
 
 Per-request seeds: a draw uses the Gumbel-max trick with noise that is a hash of (seed, output position,
 token id). The noise of a request never depends on the rest of the batch, so the same seed gives the
@@ -17,6 +18,7 @@ import torch
 
 from overnight.engine.step_io import TokenLogprobs
 from overnight.kernels.token_bitmask import apply_token_bitmask_
+from overnight.runner.logits_processors import LogitsEdits
 
 _MASK32 = 0xFFFFFFFF
 
@@ -57,6 +59,7 @@ class SamplingBatch:
     # min_tokens: (row, token ids that may not be drawn yet)
     banned: list[tuple[int, list[int]]] | None = None
     token_mask: TokenMask | None = None  # structured outputs; rows without a grammar are untouched
+    edits: LogitsEdits | None = None  # logit_bias, allowed_token_ids, bad_words of the rows that ask
 
 
 def _fmix32(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +178,8 @@ class Sampler:
         """logits: [B, V] in the model's dtype. Returns the tokens [B] and, when asked, the
         logprobs, both still on the device."""
         mask = batch.token_mask
-        if batch.all_greedy and not batch.penalty_rows and not batch.banned and batch.max_logprobs is None:
+        plain = not batch.penalty_rows and not batch.banned and batch.edits is None
+        if batch.all_greedy and plain and batch.max_logprobs is None:
             # argmax is exact in the model's dtype: upcasting would only move more bytes.
             if mask is not None:
                 apply_token_bitmask_(logits, mask.bitmask, mask.rows)
@@ -184,6 +188,8 @@ class Sampler:
         raw = logits.clone() if batch.max_logprobs is not None else None
         if mask is not None:
             apply_token_bitmask_(logits, mask.bitmask, mask.rows)
+        if batch.edits is not None:
+            batch.edits.apply(logits)
         apply_penalties(logits, batch)
         if batch.banned:
             for row, ids in batch.banned:

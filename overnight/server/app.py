@@ -2,12 +2,14 @@
 
 POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
 GET  /v1/models, /v1/models/{id}              the one model served
+POST /tokenize, /detokenize                   text or messages -> token ids -> text, as vLLM spells them
 GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
-GET  /metrics                                 Prometheus text format
+GET  /metrics                                 Prometheus text format; no key needed unless protected
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -21,16 +23,26 @@ from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from overnight import __version__
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from overnight.openai_api.tokenize import detokenize, tokenize
 from overnight.server.async_engine import AsyncEngine
-from overnight.server.errors import EXCEPTION_HANDLERS, HttpError, engine_unavailable, unauthorized
-from overnight.server.serving import OpenAIServing, ServingConfig
+from overnight.server.errors import (
+    EXCEPTION_HANDLERS,
+    HttpError,
+    engine_unavailable,
+    too_large,
+    unauthorized,
+)
+from overnight.server.serving import OpenAIServing, ServingConfig, decode_json
 
-OPEN_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers, orchestrators)
+# Reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics (as it does
+# against vLLM, whose key guards only the API); ServerOptions.protect_metrics puts /metrics behind it.
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 
 
 def build_app(
@@ -38,6 +50,8 @@ def build_app(
     config: ServingConfig,
     metrics: PrometheusObserver,
     api_key: str | None = None,
+    open_paths: frozenset[str] = OPEN_PATHS,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -93,6 +107,22 @@ def build_app(
             )
         return model_card()
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = await asyncio.to_thread(
+            lambda: tokenize(decode_json(raw), core.tokenizer, core.max_model_len, config.accepted_names)
+        )
+        return JSONResponse(body)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        raw = await request.body()
+        body = await asyncio.to_thread(
+            lambda: detokenize(decode_json(raw), core.tokenizer, config.accepted_names)
+        )
+        return JSONResponse(body)
+
     @app.get("/health")
     async def health() -> JSONResponse:
         if not engine.is_running:
@@ -109,20 +139,53 @@ def build_app(
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     if api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key, open_paths=open_paths)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)  # added last: runs first
     return app
 
 
-class ApiKeyMiddleware:
-    """401 on every route but /health unless `Authorization: Bearer <key>` matches (compared in constant
-    time). Plain ASGI, so streaming responses and disconnect detection pass through untouched."""
+class BodyLimitMiddleware:
+    """413 for a request body over max_bytes: at once when Content-Length says so, else as soon as the
+    bytes read pass it (a chunked upload), so an oversized body is never held in memory."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
-        self.key = api_key.encode()
+        self.max_bytes = max_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(self.max_bytes).response()(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_large(self.max_bytes)  # reaches the app's handler while it reads the body
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class ApiKeyMiddleware:
+    """401 on every route but the open ones (/health, /metrics) unless `Authorization: Bearer <key>`
+    matches (compared in constant time). Plain ASGI, so streaming responses and disconnect detection pass
+    through untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.open_paths = open_paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.key):
                 await unauthorized().response()(scope, receive, send)

@@ -1,6 +1,7 @@
 """`overnight serve`: the engine behind an OpenAI-compatible HTTP API, with Prometheus metrics.
 
     overnight serve                                   # the embedded default model on 127.0.0.1:8000
+    overnight serve Qwen/Qwen3-8B                     # as `vllm serve MODEL` (or --model MODEL)
     overnight serve --model ./my-model --api-key KEY --metrics-prefix vllm --max-waiting 256
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
@@ -16,6 +17,7 @@ from dataclasses import dataclass, replace
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
+from overnight.errors import ConfigError
 from overnight.metrics import (
     DEFAULT_PREFIX,
     PrometheusObserver,
@@ -33,7 +35,7 @@ from overnight.options import (
     option,
     options_from_args,
 )
-from overnight.server.app import build_app
+from overnight.server.app import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS, build_app
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.serving import ServingConfig
 
@@ -44,7 +46,15 @@ log = logging.getLogger("overnight.server")
 class ServerOptions:
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
     port: int = option(8000, "port to listen on")
-    api_key: str | None = option(None, "require 'Authorization: Bearer KEY' on every route but /health")
+    api_key: str | None = option(
+        None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
+    )
+    protect_metrics: bool = option(
+        False, "with --api-key, /metrics needs the key too (Prometheus scrapers then must send it)"
+    )
+    max_request_bytes: int = option(
+        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this many bytes"
+    )
     max_waiting: int | None = option(
         None, "answer 503 to new requests while this many wait to be scheduled (default: no limit)"
     )
@@ -67,6 +77,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="the model, as `vllm serve MODEL` takes it",
+    )
     add_engine_args(p, skip=SUBMISSION_OPTIONS)  # a server takes requests as they come
     add_option_args(p, ServerOptions, "server")
 
@@ -86,7 +103,15 @@ def make_app(engine: EngineClient, opts: ServerOptions, model_arg: str | None = 
         accepted_names=served_names(model_name, model_arg),
         max_waiting=opts.max_waiting,
     )
-    return build_app(AsyncEngine(engine, metrics), config, metrics, api_key=opts.api_key)
+    open_paths = OPEN_PATHS - {"/metrics"} if opts.protect_metrics else OPEN_PATHS
+    return build_app(
+        AsyncEngine(engine, metrics),
+        config,
+        metrics,
+        api_key=opts.api_key,
+        open_paths=open_paths,
+        max_request_bytes=opts.max_request_bytes,
+    )
 
 
 def uvicorn_server(app, opts: ServerOptions):
@@ -112,6 +137,10 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ConfigError(f"two models given: {args.model_tag} and --model {args.model}; name one")
+        args.model = args.model_tag
     opts = from_args(ServerOptions, args)
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
         log.warning(

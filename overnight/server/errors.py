@@ -49,6 +49,15 @@ def unauthorized() -> HttpError:
     )
 
 
+def too_large(max_bytes: int) -> HttpError:
+    return HttpError(
+        413,
+        f"the request body is larger than this server takes ({max_bytes} bytes; --max-request-bytes)",
+        "invalid_request_error",
+        "request_too_large",
+    )
+
+
 def overloaded(num_waiting: int) -> HttpError:
     return HttpError(
         503,

@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from overnight.errors import EngineDeadError, InvalidRequestError
-from overnight.openai_api.convert import ChatStream, CompletionStream, chat_completion, completion, new_id
+from overnight.openai_api.convert import ChatStream, CompletionStream, new_id, response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest, parse_request
@@ -47,9 +47,12 @@ class OpenAIServing:
         self.config = config
 
     async def handle(self, url: str, request: Request) -> Response:
-        req = parse_request(url, await read_json(request))
+        raw = await request.body()
+        # Parsing, the chat template and tokenizing take time that grows with the body (seconds for a
+        # prompt of megabytes): off the event loop, so /health and the streams keep their pace.
+        req = await asyncio.to_thread(lambda: parse_request(url, decode_json(raw)))
         self._check_capacity()
-        inputs = self._prepare(req)
+        inputs = await asyncio.to_thread(self._prepare, req)
         is_chat = isinstance(req, ChatCompletionRequest)
         response_id = new_id("chatcmpl" if is_chat else "cmpl")
         prompts = [
@@ -64,11 +67,13 @@ class OpenAIServing:
         outputs = await self._collect(request, prompts, inputs.params)
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
-        model = self.config.model_name
-        if is_chat:
-            body = chat_completion(outputs[0], model, response_id=response_id, num_logprobs=req.num_logprobs)
-        else:
-            body = completion(outputs, model, response_id=response_id)
+        body = response_body(
+            req,
+            outputs,
+            self.config.model_name,
+            response_id=response_id,
+            tokenizer=self.engine.engine.tokenizer,
+        )
         return JSONResponse(body)
 
     def _prepare(self, req: OpenAIRequest) -> EngineInputs:
@@ -83,7 +88,9 @@ class OpenAIServing:
             # zero) is the request's fault, never a reason for a 500.
             log.info("request refused while preparing its prompt: %r", e)
             raise ApiError(
-                "invalid_request", f"the request cannot be turned into a prompt: {type(e).__name__}: {e}"
+                "invalid_request",
+                "the request cannot be turned into a prompt: the chat template or the tokenizer failed "
+                "on its text",
             ) from None
 
     def _check_capacity(self) -> None:
@@ -173,8 +180,7 @@ def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-async def read_json(request: Request) -> Any:
-    raw = await request.body()
+def decode_json(raw: bytes) -> Any:
     try:
         return json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -9,6 +9,7 @@ detokenizer and `decode` agree on every character.
 from __future__ import annotations
 
 import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from overnight.errors import InvalidRequestError, ModelLoadError
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
 class Tokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
         self.hf = hf
+        # The engine checks lengths against max_model_len itself; transformers' own limit only makes it
+        # warn ("will result in indexing errors") about prompts the engine then refuses with a message.
+        hf.model_max_length = sys.maxsize
         self.eos_token_ids = tuple(eos_token_ids)
         # The Rust tokenizer decodes exactly as the wrapper does (without clean-up) at a fraction of the
         # per-call overhead, which matters for the detokenizer's one-or-two decodes per output token.

@@ -23,6 +23,7 @@ from overnight.attention.kv_quant import kv_cache_torch_dtype
 from overnight.config import ModelArch
 from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
 from overnight.limits import default_limits
+from overnight.loader.fit import weight_bytes
 from overnight.loader.model_loader import resolve_dtype
 from overnight.loader.source import ModelSource
 from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
@@ -102,7 +103,7 @@ def plan_budget(
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
             fp8 = source.quantization is not None
-            weights = arch.weight_bytes(dtype_bytes, fp8_linear=fp8)
+            weights = weight_bytes(arch, config.model.dtype, fp8_linear=fp8)
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
             )

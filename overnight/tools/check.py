@@ -146,14 +146,22 @@ def check_url(
     import httpx
 
     from overnight.bench.metrics_reader import poll, summarize
+    from overnight.bench.reach import auth_headers, check_status, get, unreachable
 
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    url = url.rstrip("/")
+    get(url, "/metrics", api_key)  # a server that is down or wants a key: one line, before the window
 
     async def window() -> WindowMetrics:
-        async with httpx.AsyncClient(timeout=30.0, headers=headers) as client:
-            return summarize(await poll(client, url.rstrip("/"), time.monotonic() + window_s, interval_s))
+        async with httpx.AsyncClient(timeout=30.0, headers=auth_headers(api_key)) as client:
+            return summarize(await poll(client, url, time.monotonic() + window_s, interval_s))
 
-    m = asyncio.run(window())
+    try:
+        m = asyncio.run(window())
+    except httpx.HTTPStatusError as e:
+        check_status(url, "/metrics", e.response, api_key)
+        raise
+    except httpx.HTTPError as e:  # it went away during the window
+        raise unreachable(url, e) from None
     return m, diagnose(m)
 
 
@@ -182,11 +190,16 @@ class CheckLog:
     hot path)."""
 
     def __init__(
-        self, max_num_seqs: int | None, interval_s: float = 60.0, logger: logging.Logger | None = None
+        self,
+        max_num_seqs: int | None,
+        interval_s: float = 60.0,
+        logger: logging.Logger | None = None,
+        quiet: tuple[str, ...] = (),
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.interval_s = interval_s
         self.log = logger or log
+        self.quiet = quiet  # verdicts (Finding.limit) not worth a line for this caller
         self.lines: list[str] = []  # what was logged, for tests and summaries
         self._reset(time.monotonic(), None)
 
@@ -218,9 +231,10 @@ class CheckLog:
         if now - self._t0 >= self.interval_s:
             m = self.window(now, stats.num_preemptions_total)
             first = diagnose(m)[0]
-            line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
-            self.lines.append(line)
-            self.log.info(line)
+            if first.limit not in self.quiet:
+                line = f"check: {describe(m)} -> {first.limit}: {first.advice}"
+                self.lines.append(line)
+                self.log.info(line)
             self._reset(now, stats.num_preemptions_total)
 
     def window(self, now: float, preemptions_total: int) -> WindowMetrics:
@@ -239,12 +253,14 @@ class CheckLog:
         )
 
 
-def start_check_log(engine, interval_s: float = 60.0, sample_s: float = 0.5) -> CheckLog:
+def start_check_log(
+    engine, interval_s: float = 60.0, sample_s: float = 0.5, quiet: tuple[str, ...] = ()
+) -> CheckLog:
     """Log a check line every interval_s while `engine` lives, from a daemon thread that samples
     engine.stats() every sample_s. Reading the stats is a few lengths and counters (atomic under the
     GIL), so the engine's step does no extra work; the thread holds the engine weakly and ends once
-    the engine is gone."""
-    check = CheckLog(engine.config.scheduler.max_num_seqs, interval_s)
+    the engine is gone. Verdicts named in `quiet` are not logged."""
+    check = CheckLog(engine.config.scheduler.max_num_seqs, interval_s, quiet=quiet)
     ref = weakref.ref(engine)
 
     def sample() -> None:

@@ -1,0 +1,96 @@
+"""Do the weights fit? Checked from the architecture before any weight is allocated, so a model too large
+for the machine stops with a sentence saying what would fit instead of being killed by the kernel's
+out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
+
+    weight_bytes(arch, dtype, fp8)   what the loaded weights take (FP8 projections: quant/)
+    available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
+    check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
+"""
+
+from __future__ import annotations
+
+import torch
+
+from overnight.config import ModelArch
+from overnight.errors import ConfigError
+
+GIB = 2**30
+_SMALLER_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def weight_bytes(arch: ModelArch, dtype: torch.dtype, fp8_linear: bool = False) -> int:
+    """Bytes the weights of `arch` take once loaded in `dtype`; fp8_linear: with FP8 projections (an FP8
+    checkpoint or quantization="fp8"; any other format is dequantized to dtype)."""
+    return arch.weight_bytes(dtype.itemsize, fp8_linear=fp8_linear)
+
+
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new allocations on `device` (None: unknown). The CPU's is the kernel's
+    MemAvailable: free memory plus caches it can drop, not counting swap."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def check_weights_fit(
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    model: str,
+    tensor_parallel_size: int = 1,
+    fp8_linear: bool = False,
+) -> None:
+    """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
+    memory; on the CPU, all of them against the RAM available."""
+    tp = tensor_parallel_size
+    if device.type == "cuda":
+        first = device.index or 0
+        places = [torch.device("cuda", first + r) for r in range(tp)]
+        share = -(-weight_bytes(arch, dtype, fp8_linear) // tp)
+    else:
+        places, share = [device], weight_bytes(arch, dtype, fp8_linear)
+    for place in places:
+        free = available_memory_bytes(place)
+        if free is None or share <= free:
+            continue
+        where = f"GPU {place.index}" if place.type == "cuda" else "this machine"
+        what = f"a 1/{tp} share of " if tp > 1 else ""
+        raise ConfigError(
+            f"{model} does not fit: {what}its weights take {share / GIB:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}{' with FP8 projections' if fp8_linear else ''} "
+            f"({arch.num_parameters() / 1e9:.2f} B parameters), but "
+            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp)}"
+        )
+
+
+def _what_fits(arch: ModelArch, dtype: torch.dtype, device: torch.device, free: int, tp: int) -> str:
+    options = [
+        f"--dtype {str(d).removeprefix('torch.')} ({weight_bytes(arch, d) / tp / GIB:.1f} GiB)"
+        for d in _SMALLER_DTYPES
+        if d.itemsize < dtype.itemsize and weight_bytes(arch, d) / tp <= free
+    ]
+    if device.type == "cuda":
+        gpus = torch.cuda.device_count()
+        fits = [
+            k
+            for k in (2, 4, 8)
+            if tp < k <= gpus and arch.num_attention_heads % k == 0 and weight_bytes(arch, dtype) / k <= free
+        ]
+        if fits:
+            options.append(f"--tensor-parallel-size {fits[0]} (of the {gpus} GPUs here)")
+    options.append("a smaller model")
+    if device.type == "cpu":
+        options.append("a machine with a GPU")
+    return f"What would fit: {'; or '.join(options)}."

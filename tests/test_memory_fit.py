@@ -1,0 +1,64 @@
+"""The weights are checked against the device's free memory before any is allocated (issue 20, item 1):
+a model too large stops with a sentence that says what would fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import overnight.loader.fit as fit
+from overnight.config import ModelArch
+from overnight.errors import ConfigError
+from overnight.loader.resolve import resolve_source
+
+GIB = 2**30
+
+
+def qwen3_8b() -> ModelArch:
+    return resolve_source("qwen3-8b", "dummy").arch
+
+
+def test_weight_bytes_is_parameters_times_dtype_size():
+    arch = qwen3_8b()
+    assert 8.1e9 < arch.num_parameters() < 8.3e9
+    assert fit.weight_bytes(arch, torch.float32) == 4 * arch.num_parameters()
+    assert fit.weight_bytes(arch, torch.bfloat16) == 2 * arch.num_parameters()
+
+
+def test_too_large_names_the_gap_and_what_fits(monkeypatch):
+    arch = qwen3_8b()
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: 20 * GIB)
+    with pytest.raises(ConfigError) as info:
+        fit.check_weights_fit(arch, torch.float32, torch.device("cpu"), "qwen3-8b")
+    msg = str(info.value)
+    assert "qwen3-8b does not fit" in msg and "30.5 GiB in float32" in msg and "20.0 GiB free" in msg
+    assert "--dtype bfloat16 (15.3 GiB)" in msg and "a smaller model" in msg
+    # Enough memory: no error; bf16 at 20 GiB fits.
+    fit.check_weights_fit(arch, torch.bfloat16, torch.device("cpu"), "qwen3-8b")
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: None)  # unknown: no check
+    fit.check_weights_fit(arch, torch.float32, torch.device("cpu"), "qwen3-8b")
+
+
+def test_nothing_fits_says_so(monkeypatch):
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: 4 * GIB)
+    with pytest.raises(ConfigError) as info:
+        fit.check_weights_fit(qwen3_8b(), torch.float32, torch.device("cpu"), "qwen3-8b")
+    assert "--dtype" not in str(info.value) and "a smaller model" in str(info.value)
+
+
+def test_cpu_available_memory_is_read():
+    free = fit.available_memory_bytes(torch.device("cpu"))
+    assert free is not None and free > 0
+
+
+def test_llm_stops_before_any_weight_is_allocated(monkeypatch):
+    import overnight.loader.model_loader as model_loader
+    from overnight import LLM
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights must not start loading")
+
+    monkeypatch.setattr(model_loader, "load_model", no_load)
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: 2 * GIB)
+    with pytest.raises(ConfigError, match="qwen3-8b does not fit"):
+        LLM("qwen3-8b", load_format="dummy", device="cpu")
