@@ -15,9 +15,10 @@ from overnight.options import EngineOptions as _Defaults  # the option table hol
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The architecture of a decoder-only transformer, named as in HF config.json."""
+    """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
+    BERT-style encoder."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -35,6 +36,11 @@ class ModelArch:
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
+    # absolute positions and token-type (segment) embeddings.
+    is_encoder: bool = False
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
 
     @property
     def q_size(self) -> int:
@@ -74,13 +80,29 @@ class ModelArch:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector (the model's
+    sentence-transformers config, or the options that override it)."""
+
+    pooling_type: str  # "LAST" (the last token's state) | "MEAN" (over the prompt) | "CLS" (the first)
+    normalize: bool  # L2-normalize (the default of requests that do not say)
+    # Matryoshka: the model may be cut to fewer dimensions; matryoshka_dimensions lists the sizes it
+    # was trained for (None: any size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """What to load: the source's path, the architecture read from it, the compute dtype."""
+    """What to load: the source's path, the architecture read from it, the compute dtype, and what the
+    engine does with it (runner: "generate" text, or "pooling" into one vector per prompt)."""
 
     model: str  # folder, .gguf file, or a preset name with load_format="dummy"
     arch: ModelArch
     dtype: torch.dtype
     seed: int = _Defaults.seed  # dummy weights' seed; unseeded requests' draws
+    runner: str = "generate"  # resolved: the option's "auto" is decided by the architecture
+    pooler: PoolerConfig | None = None  # set when runner == "pooling"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
 MODES = ("offline", "server", "batch")
 
@@ -80,6 +82,23 @@ class EngineOptions:
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
+    )
+    runner: str = option(
+        "auto",
+        "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
+        "encoder-only models (BERT), generate otherwise",
+        choices=RUNNERS,
+    )
+    pooling_type: str | None = option(
+        None,
+        "pooling runner: LAST, MEAN or CLS token (default: the model's sentence-transformers config, "
+        "else CLS for encoders and LAST for decoders)",
+        choices=POOLING_TYPES,
+    )
+    normalize: bool | None = option(
+        None,
+        "pooling runner: L2-normalize embeddings (default: as the model's sentence-transformers config "
+        "says; normalized without one)",
     )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False

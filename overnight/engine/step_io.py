@@ -8,8 +8,13 @@ running ones as the blocks they gained.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -22,6 +27,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
     resumed: bool = False  # scheduled again after a preemption
+    pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
 
 
 @dataclass(slots=True)
@@ -60,3 +66,6 @@ class ModelRunnerOutput:
     req_ids: list[str]  # requests that produced a token this step
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None  # aligned with req_ids when any asked
+    # Pooling requests whose prompt ended this step, and their vectors (float32, on the host).
+    pooled_req_ids: list[str] = field(default_factory=list)
+    pooled: list[torch.Tensor] = field(default_factory=list)

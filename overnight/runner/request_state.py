@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class RunnerRequest:
     num_blocks: int
     num_computed_tokens: int
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
+    pooling: PoolingParams | None = None  # a pooling request (its "sample" is the pooled vector)
 
     @property
     def num_output_tokens(self) -> int:
@@ -84,6 +86,7 @@ class RequestStates:
                 slot=self._free_slots.pop(),
                 num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
+                pooling=new.pooling,
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st
