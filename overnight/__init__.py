@@ -2,7 +2,16 @@
 
 from overnight.entrypoints.llm import LLM
 from overnight.errors import InvalidRequestError, ModelLoadError, OvernightError
-from overnight.outputs import CompletionOutput, Logprob, RequestOutput
+from overnight.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -10,7 +19,12 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "PoolingParams",
     "RequestOutput",
+    "PoolingRequestOutput",
+    "PoolingOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
     "CompletionOutput",
     "Logprob",
     "OvernightError",
