@@ -27,10 +27,11 @@ from overnight.batch.summary import Summary
 from overnight.engine.interfaces import EngineClient
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.convert import chat_completion, completion
+from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
-from overnight.outputs import RequestOutput
+from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
+from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 
 
 @dataclass(slots=True)
@@ -40,8 +41,8 @@ class _Line:
     seq: int
     line_no: int
     custom_id: str
-    request: OpenAIRequest
-    outputs: list[RequestOutput | None]
+    request: AnyRequest
+    outputs: list[EngineOutput | None]
     num_seqs: int  # engine sequences it holds: prompts x n
     remaining: int  # prompts not yet finished
     created: int
@@ -124,7 +125,12 @@ class BatchRunner:
         req = line.request
         try:
             inputs = prepare(
-                req, self.engine.tokenizer, self.engine.max_model_len, self.names, self.engine.validate
+                req,
+                self.engine.tokenizer,
+                self.engine.max_model_len,
+                self.names,
+                self.engine.validate,
+                runner=self.engine.config.model.runner,
             )
         except ApiError as e:
             self._fail(line, e)
@@ -136,7 +142,7 @@ class BatchRunner:
             cid,
             req,
             [None] * len(inputs.prompts),
-            num_seqs=len(inputs.prompts) * inputs.params.n,
+            num_seqs=inputs.num_seqs,
             remaining=len(inputs.prompts),
             created=int(time.time()),
         )
@@ -159,7 +165,7 @@ class BatchRunner:
 
     # -- finishing lines --------------------------------------------------------------------------
 
-    def _on_finished(self, out: RequestOutput) -> None:
+    def _on_finished(self, out: EngineOutput) -> None:
         seq_text, _, prompt_text = out.request_id.rpartition(".")
         state = self.active.get(int(seq_text))
         if state is None:
@@ -174,13 +180,19 @@ class BatchRunner:
         record = self._response(state, outputs)
         self._finish(state.seq, record)
 
-    def _response(self, state: _Line, outputs: list[RequestOutput]) -> dict:
+    def _response(self, state: _Line, vectors_or_texts: list[EngineOutput]) -> dict:
+        req = state.request
+        if isinstance(req, EmbeddingRequest):  # an aborted pooling request has no output: never here
+            pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
+            body = embedding_response(pooled, self.model_name, req.encoding_format, created=state.created)
+            self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
+            return success_record(state.custom_id, body)
+        outputs = [o for o in vectors_or_texts if isinstance(o, RequestOutput)]
         if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
             self.summary.add_failure("aborted")
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
-        req = state.request
         if isinstance(req, ChatCompletionRequest):
             body = chat_completion(
                 outputs[0], self.model_name, created=state.created, num_logprobs=req.num_logprobs

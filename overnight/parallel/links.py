@@ -26,9 +26,9 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.options import EngineOptions
-from overnight.outputs import RequestOutput
+from overnight.outputs import EngineOutput
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
-from overnight.sampling_params import SamplingParams
+from overnight.pooling_params import RequestParams
 
 # Builds one engine from options, in the engine's own process (the composition root's build_engine):
 # injected, so the parallel fronts never import what assembles them.
@@ -41,7 +41,7 @@ EngineFactory = Callable[[EngineOptions], EngineClient]
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: RequestParams
     prompt: str | None
     stream: bool
     arrival_time: float  # time.monotonic() is one clock for every process of the machine
@@ -77,7 +77,7 @@ class EngineReady:
 @dataclass
 class StepOutputs:
     index: int
-    outputs: list[RequestOutput]
+    outputs: list[EngineOutput]
     stats: SchedulerStats
     iteration: IterationStats | None = None
 

@@ -226,6 +226,7 @@ class ModelRunner:
             attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
         if self.pooler is not None:
+            assert inputs.meta.query_start_loc_cpu is not None
             return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)
         req_ids = [r.req_id for r in sampled]
         if not sampled:

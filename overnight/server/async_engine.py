@@ -27,8 +27,8 @@ from overnight.engine.interfaces import EngineClient
 from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
 from overnight.metrics.prometheus import PrometheusObserver
-from overnight.outputs import RequestOutput
-from overnight.sampling_params import SamplingParams
+from overnight.outputs import EngineOutput
+from overnight.pooling_params import RequestParams
 
 log = logging.getLogger("overnight.server")
 
@@ -37,7 +37,7 @@ log = logging.getLogger("overnight.server")
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: RequestParams
     prompt: str | None
     stream: bool
     arrival_time: float
@@ -103,10 +103,10 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: RequestParams,
         prompt: str | None = None,
         stream: bool = True,
-    ) -> AsyncGenerator[RequestOutput]:
+    ) -> AsyncGenerator[EngineOutput]:
         """Outputs of one request until it finishes: deltas when stream, else only the final one."""
         prompts = [(request_id, prompt, prompt_token_ids)]
         async with aclosing(self.generate_many(prompts, params, stream)) as outputs:
@@ -116,11 +116,12 @@ class AsyncEngine:
     async def generate_many(
         self,
         prompts: list[PromptSpec],
-        params: SamplingParams,
+        params: RequestParams,
         stream: bool = True,
-    ) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[int, EngineOutput]]:
         """(index in `prompts`, output) for several requests (request id, text, token ids) sharing params,
-        in the order outputs arrive, until all have finished.
+        in the order outputs arrive, until all have finished (RequestOutputs for SamplingParams,
+        one PoolingRequestOutput each for PoolingParams).
 
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
@@ -128,7 +129,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
-        q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        q: asyncio.Queue[tuple[int, EngineOutput | BaseException]] = asyncio.Queue()
         now = time.monotonic()
         unfinished: set[str] = set()
         for index, (request_id, text, ids) in enumerate(prompts):
@@ -152,7 +153,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, EngineOutput | BaseException]]) -> None:
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is not None:  # else the handler already left (it sent the abort)
@@ -171,7 +172,7 @@ class AsyncEngine:
             stop = False
             while not stop:
                 idle = not engine.has_unfinished_requests()
-                replies: list[tuple[str, RequestOutput | BaseException]] = []
+                replies: list[tuple[str, EngineOutput | BaseException]] = []
                 stop = self._apply(self._take_commands(block=idle), replies)
                 if not stop and engine.has_unfinished_requests():
                     replies.extend((out.request_id, out) for out in engine.step())
@@ -194,7 +195,7 @@ class AsyncEngine:
                 return commands
 
     def _apply(
-        self, commands: list[Command], replies: list[tuple[str, RequestOutput | BaseException]]
+        self, commands: list[Command], replies: list[tuple[str, EngineOutput | BaseException]]
     ) -> bool:
         """Returns True on Stop (after aborting everything left)."""
         engine = self.engine
@@ -219,7 +220,7 @@ class AsyncEngine:
                 return True
         return False
 
-    def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _abort(self, request_id: str, replies: list[tuple[str, EngineOutput | BaseException]]) -> None:
         final = self.engine.abort_request(request_id)
         if final is None:  # already finished, or never added
             return
@@ -227,7 +228,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.record_aborted(sum(c.finish_reason == "abort" for c in final.outputs))
 
-    def _publish(self, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _publish(self, replies: list[tuple[str, EngineOutput | BaseException]]) -> None:
         stats = self.engine.stats()
         self.stats = stats
         if self.metrics is not None:

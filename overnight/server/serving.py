@@ -22,7 +22,12 @@ from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.openai_api.convert import ChatStream, CompletionStream, chat_completion, completion, new_id
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest, parse_request
+from overnight.openai_api.protocol import (
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    OpenAIRequest,
+    parse_request,
+)
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine, PromptSpec
@@ -48,8 +53,10 @@ class OpenAIServing:
 
     async def handle(self, url: str, request: Request) -> Response:
         req = parse_request(url, await read_json(request))
+        assert not isinstance(req, EmbeddingRequest), "/v1/embeddings is served by server/embeddings.py"
         self._check_capacity()
         inputs = self._prepare(req)
+        assert isinstance(inputs.params, SamplingParams)  # a generation request's
         is_chat = isinstance(req, ChatCompletionRequest)
         response_id = new_id("chatcmpl" if is_chat else "cmpl")
         prompts = [
@@ -105,6 +112,7 @@ class OpenAIServing:
             results: list[RequestOutput | None] = [None] * len(prompts)
             async with aclosing(self.engine.generate_many(prompts, params, stream=False)) as outputs:
                 async for index, out in outputs:
+                    assert isinstance(out, RequestOutput)  # generation requests
                     results[index] = out
             return [r for r in results if r is not None]
 
@@ -147,6 +155,7 @@ class OpenAIServing:
         try:
             async with aclosing(self.engine.generate_many(prompts, params, stream=True)) as outputs:
                 async for index, delta in outputs:
+                    assert isinstance(delta, RequestOutput)  # generation requests
                     if chat is not None:
                         chunks = chat.chunks(delta)
                     else:
