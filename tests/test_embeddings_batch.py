@@ -106,7 +106,7 @@ def test_two_thousand_lines_round_trip_with_bad_lines_as_errors(embed_model, tmp
         "b-chat": "unsupported_model",
     }
     everything = list(lines)
-    for k, (cid, bad_line) in enumerate(bad.items()):
+    for k, bad_line in enumerate(bad.values()):
         everything.insert(100 + 250 * k, bad_line)
     everything.append(line("t-cut", input="dog " * 200, truncate_prompt_tokens=16))
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
