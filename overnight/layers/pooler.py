@@ -9,8 +9,23 @@ forms are its reference and what the encoder engine uses.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+def to_device(
+    values: Sequence[int] | Sequence[bool] | np.ndarray, device: torch.device, dtype: type | None = None
+) -> torch.Tensor:
+    """A small host array on `device` without waiting for the GPU: a copy from pageable memory would
+    first synchronize the stream (and end the overlap of host and device work), so it goes through
+    pinned memory (torch caches those buffers)."""
+    t = torch.as_tensor(np.asarray(values, dtype=dtype))
+    if device.type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pool(hidden: torch.Tensor, query_start_loc: torch.Tensor, pooling_type: str) -> torch.Tensor:
@@ -34,12 +49,12 @@ def embedding_head(rows: torch.Tensor, dimensions: list[int | None], normalize: 
     caller slices) and L2-normalized where normalize[i], cut first, as Matryoshka models are trained."""
     if any(d is not None for d in dimensions):
         width = rows.shape[1]
-        keep = torch.tensor([d or width for d in dimensions], device=rows.device)
+        keep = to_device([d or width for d in dimensions], rows.device)
         rows = rows * (torch.arange(width, device=rows.device)[None, :] < keep[:, None])
     if all(normalize):
         return F.normalize(rows, dim=-1)
     if any(normalize):
-        which = torch.tensor(normalize, device=rows.device)[:, None]
+        which = to_device(normalize, rows.device)[:, None]
         return torch.where(which, F.normalize(rows, dim=-1), rows)
     return rows
 

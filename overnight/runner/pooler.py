@@ -19,7 +19,7 @@ import torch
 
 from overnight.config import PoolerConfig
 from overnight.engine.step_io import ModelRunnerOutput
-from overnight.layers.pooler import embedding_head, split_rows
+from overnight.layers.pooler import embedding_head, split_rows, to_device
 from overnight.runner.request_state import RunnerRequest, ScheduledRequest
 
 
@@ -41,7 +41,7 @@ class ChunkedPooler:
         kind = self.config.pooling_type
         done = [i for i, s in enumerate(scheduled) if s.samples]
         if kind == "LAST":
-            rows = hidden[torch.as_tensor(query_start_loc[1:][done] - 1, device=hidden.device)].float()
+            rows = hidden[to_device(query_start_loc[1:][done] - 1, hidden.device)].float()
         elif kind == "CLS":
             rows = self._cls(scheduled, hidden, query_start_loc, done)
         else:
@@ -71,7 +71,7 @@ class ChunkedPooler:
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, qsl: np.ndarray, done: list[int]
     ) -> torch.Tensor:
         lens = np.diff(qsl)
-        seq_of_row = torch.as_tensor(np.repeat(np.arange(len(scheduled)), lens), device=hidden.device)
+        seq_of_row = to_device(np.repeat(np.arange(len(scheduled)), lens), hidden.device)
         sums = hidden.new_zeros(len(scheduled), hidden.shape[1], dtype=torch.float32)
         sums.index_add_(0, seq_of_row, hidden.float())
         finishing = set(done)
@@ -82,8 +82,8 @@ class ChunkedPooler:
                 sums[i] += prior
             if i not in finishing:
                 self.carried[rid] = sums[i].clone()
-        counts = torch.tensor([scheduled[i].state.num_prompt_tokens for i in done], device=hidden.device)
-        return sums[done] / counts[:, None].to(torch.float32)
+        counts = to_device([scheduled[i].state.num_prompt_tokens for i in done], hidden.device)
+        return sums[to_device(done, hidden.device, np.int64)] / counts[:, None].to(torch.float32)
 
 
 @dataclass
