@@ -158,3 +158,25 @@ def test_sigkill_then_resume_answers_every_line_once(embed_model, tmp_path):
     assert sorted(r["custom_id"] for r in results) == sorted(x["custom_id"] for x in lines)
     assert all(r["error"] is None for r in results)
     assert f"{written} lines already answered".encode() in done.stderr or b"skipped" in done.stderr
+
+
+def test_validate_only_checks_embedding_lines(embed_model, tmp_path, capsys):
+    lines, _ = good_lines(20)
+    lines += [line("b-long", input="dog " * 200), line("b-dims", input="a dog", dimensions=8)]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    assert run_cli(["-i", str(tmp_path / "in.jsonl"), "--validate-only", *flags(embed_model)]) == 1
+    err = capsys.readouterr().err
+    assert "22 lines: 20 valid, 2 invalid" in err and "context_length_exceeded 1" in err
+
+
+def test_data_parallel_embeddings_equal_one_engine(embed_model):
+    from overnight import LLM
+    from tests.tiny_embedders import TEXTS
+
+    one = torch.tensor([o.outputs.embedding for o in LLM(embed_model).embed(TEXTS * 3, use_tqdm=False)])
+    dp = LLM(embed_model, data_parallel_size=2, device="cpu")
+    try:
+        two = torch.tensor([o.outputs.embedding for o in dp.embed(TEXTS * 3, use_tqdm=False)])
+    finally:
+        dp.engine.shutdown()
+    torch.testing.assert_close(two, one)

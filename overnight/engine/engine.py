@@ -34,6 +34,8 @@ from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -247,7 +249,7 @@ class Engine:
         return outputs
 
     def _pooled(
-        self, req_ids: list[str], vectors: list, finished: list[Request]
+        self, req_ids: list[str], vectors: list[torch.Tensor], finished: list[Request]
     ) -> list[PoolingRequestOutput]:
         """The outputs of pooling requests the scheduler just ended (not those aborted meanwhile)."""
         ended = {r.req_id: r for r in finished if r.pooling_params is not None}
