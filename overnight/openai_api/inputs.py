@@ -54,7 +54,7 @@ def check_route_task(embedding: bool, runner: str | None) -> None:
         raise ApiError(
             "unsupported_model",
             "this model is served to generate text (runner 'generate'): it computes no embeddings; "
-            "start the server with --runner pooling for /v1/embeddings",
+            "start it with --runner pooling to serve /v1/embeddings",
             "model",
         )
     if not embedding and runner == "pooling":
