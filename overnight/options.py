@@ -86,7 +86,7 @@ class EngineOptions:
     runner: str = option(
         "auto",
         "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
-        "encoder-only models (BERT), generate otherwise",
+        "encoder-only models (BERT) and decoders saved without an LM head, generate otherwise",
         choices=RUNNERS,
     )
     pooling_type: str | None = option(

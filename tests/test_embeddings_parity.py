@@ -78,7 +78,9 @@ def test_matryoshka_dimensions(tmp_path):
 def test_prefix_cache_keeps_embeddings_exact(tmp_path):
     folder = make_tiny_embedder(tmp_path, "qwen3", "lasttoken")
     ref = reference_embeddings(folder, TEXTS)
-    llm = LLM(str(folder), runner="pooling", block_size=4, max_num_batched_tokens=8)
+    # No runner given: the folder holds a bare Qwen3Model (no LM head), which auto runs for pooling.
+    llm = LLM(str(folder), block_size=4, max_num_batched_tokens=8)
+    assert llm.engine.config.model.runner == "pooling"
     first = llm.encode(TEXTS, use_tqdm=False)
     assert_same(torch.stack([o.outputs.data for o in first]), ref)
     again = llm.encode(TEXTS, use_tqdm=False)
