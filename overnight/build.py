@@ -68,9 +68,11 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
 
 
 def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
-    """ "generate" or "pooling": the option, with auto decided by the architecture."""
+    """The runner, "generate" or "pooling": the option, with auto decided by the architecture
+    (encoders and bare decoders, checkpoints saved without an LM head such as "Qwen3Model", pool)."""
     if opts.runner == "auto":
-        return "pooling" if source.arch.is_encoder else "generate"
+        bare = not source.hf_architecture.endswith("ForCausalLM")
+        return "pooling" if source.arch.is_encoder or bare else "generate"
     if opts.runner == "generate" and source.arch.is_encoder:
         raise ConfigError(
             f"{source.served_name} is an encoder-only model ({source.hf_architecture}): it cannot "
