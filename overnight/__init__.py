@@ -2,7 +2,16 @@
 
 from overnight.entrypoints.llm import LLM
 from overnight.errors import InvalidRequestError, ModelLoadError, OvernightError
-from overnight.outputs import CompletionOutput, Logprob, RequestOutput
+from overnight.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
@@ -11,7 +20,12 @@ __all__ = [
     "LLM",
     "SamplingParams",
     "StructuredOutputsParams",
+    "PoolingParams",
     "RequestOutput",
+    "PoolingRequestOutput",
+    "PoolingOutput",
+    "EmbeddingRequestOutput",
+    "EmbeddingOutput",
     "CompletionOutput",
     "Logprob",
     "OvernightError",

@@ -4,7 +4,8 @@
       -> resolve_model: the model's source (architecture, stop ids) and its tokenizer, read once
       -> build_config: frozen configs for this device and mode (limits.py picks the defaults)
       -> one engine:   ModelRunner, or the tensor-parallel group (parallel/workers.py); the KV pool
-                       (runner/kv_pool.py); Engine (engine/)
+                       (runner/kv_pool.py); Engine (engine/). An encoder-only model (BERT) gets
+                       an EncoderEngine instead (encoder/): no KV cache, whole prompts per batch
          or several:   DataParallelEngine over engine processes (parallel/links.py) or Ray actors
                        (parallel/ray.py), each built by build_engine in its own process
 
@@ -24,6 +25,7 @@ from overnight.config import (
     EngineConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     RunnerConfig,
     SchedulerConfig,
 )
@@ -32,7 +34,7 @@ from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.limits import default_limits
 from overnight.loader.source import ModelSource
-from overnight.options import EngineOptions
+from overnight.options import POOLING_TYPES, EngineOptions
 from overnight.runner.device import device_memory_gib, pick_device
 from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -71,6 +73,38 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     return ResolvedModel(source, tokenizer, GrammarCompiler.for_tokenizer(tokenizer, source.arch.vocab_size))
 
 
+def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
+    """The runner, "generate" or "pooling": the option, with auto decided by the architecture
+    (encoders and bare decoders, checkpoints saved without an LM head such as "Qwen3Model", pool)."""
+    if opts.runner == "auto":
+        bare = not source.hf_architecture.endswith("ForCausalLM")
+        return "pooling" if source.arch.is_encoder or bare else "generate"
+    if opts.runner == "generate" and source.arch.is_encoder:
+        raise ConfigError(
+            f"{source.served_name} is an encoder-only model ({source.hf_architecture}): it cannot "
+            "generate text; run it with runner 'pooling' (or 'auto')"
+        )
+    if opts.runner not in ("generate", "pooling"):
+        raise ConfigError(f"unknown runner {opts.runner!r}; use auto, generate or pooling")
+    return opts.runner
+
+
+def pooler_config(opts: EngineOptions, source: ModelSource) -> PoolerConfig:
+    """The model's own pooling (loader/pooling_config.py) with the pooling_type / normalize options
+    in place of its own."""
+    from overnight.loader.pooling_config import read_pooler_config
+
+    pooling_type = opts.pooling_type.upper() if opts.pooling_type else None
+    if pooling_type is not None and pooling_type not in POOLING_TYPES:
+        raise ConfigError(
+            f"unknown pooling_type {opts.pooling_type!r}; use one of {', '.join(POOLING_TYPES)}"
+        )
+    config = read_pooler_config(source, pooling_type)
+    if opts.normalize is not None:
+        config = replace(config, normalize=opts.normalize)
+    return config
+
+
 def build_config(
     opts: EngineOptions, source: ModelSource, device: torch.device, memory_gib: float | None
 ) -> EngineConfig:
@@ -78,6 +112,11 @@ def build_config(
     the default limits. Raises ConfigError (or ModelLoadError, for a length the model cannot do) for
     impossible options."""
     from overnight.loader.model_loader import resolve_dtype
+
+    runner = resolve_runner(opts, source)
+    pooler = pooler_config(opts, source) if runner == "pooling" else None
+    if pooler is not None and opts.tensor_parallel_size > 1:
+        raise ConfigError("runner 'pooling' does not run tensor parallel yet: use data_parallel_size")
 
     model_max = source.arch.max_position_embeddings
     max_model_len = opts.max_model_len or model_max
@@ -91,8 +130,10 @@ def build_config(
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
-    if not opts.enable_chunked_prefill:
+    if not opts.enable_chunked_prefill or source.arch.is_encoder:  # an encoder sees whole prompts
         batched = max(batched, max_model_len)
+    # Only last-token pooling can start past a cached prefix: the others need every token's state.
+    prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
     return EngineConfig(
         model=ModelConfig(
             model=source.path,
@@ -100,13 +141,15 @@ def build_config(
             dtype=resolve_dtype(opts.dtype, source, device),
             seed=opts.seed,
             quantization="fp8" if source.quantization is not None else None,
+            runner=runner,
+            pooler=pooler,
         ),
         cache=CacheConfig(
             block_size=opts.block_size,
             gpu_memory_utilization=opts.gpu_memory_utilization,
             kv_cache_dtype=opts.kv_cache_dtype,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
-            enable_prefix_caching=opts.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             calculate_kv_scales=opts.calculate_kv_scales,
         ),
         scheduler=SchedulerConfig(
@@ -179,7 +222,7 @@ def build_ray_engine(
     return DataParallelEngine(links, model.source, model.tokenizer, model.grammars)
 
 
-def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
+def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     from overnight.loader.fit import check_weights_fit
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
@@ -198,6 +241,10 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> Engine:
         config.parallel.tensor_parallel_size,
         fp8_linear=source.quantization is not None,
     )
+    if source.arch.is_encoder:
+        from overnight.encoder.engine import EncoderEngine
+
+        return EncoderEngine(config, source, model.tokenizer)
     sched = config.scheduler
     runner: ModelRunner | TPRunner
     if config.parallel.tensor_parallel_size > 1:  # rank processes load, size and allocate their shares

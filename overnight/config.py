@@ -15,9 +15,10 @@ from overnight.options import EngineOptions as _Defaults  # the option table hol
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The architecture of a decoder-only transformer, named as in HF config.json."""
+    """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
+    BERT-style encoder."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -44,6 +45,11 @@ class ModelArch:
     norm_topk_prob: bool = False  # rescale the chosen experts' softmax weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
+    # absolute positions and token-type (segment) embeddings.
+    is_encoder: bool = False
+    type_vocab_size: int = 0
+    layer_norm_eps: float = 1e-12
 
     @property
     def q_size(self) -> int:
@@ -122,8 +128,22 @@ class ModelArch:
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one vector (the model's
+    sentence-transformers config, or the options that override it)."""
+
+    pooling_type: str  # "LAST" (the last token's state) | "MEAN" (over the prompt) | "CLS" (the first)
+    normalize: bool  # L2-normalize (the default of requests that do not say)
+    # Matryoshka: the model may be cut to fewer dimensions; matryoshka_dimensions lists the sizes it
+    # was trained for (None: any size).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """What to load: the source's path, the architecture read from it, the compute dtype."""
+    """What to load: the source's path, the architecture read from it, the compute dtype, and what the
+    engine does with it (runner: "generate" text, or "pooling" into one vector per prompt)."""
 
     model: str  # folder, .gguf file, or a preset name with load_format="dummy"
     arch: ModelArch
@@ -132,6 +152,8 @@ class ModelConfig:
     # "fp8": linear layers hold FP8 weights (asked for, or the checkpoint's own quantization_config; the
     # scheme itself travels with the ModelSource); None: weights in `dtype`.
     quantization: str | None = None
+    runner: str = "generate"  # resolved: the option's "auto" is decided by the architecture
+    pooler: PoolerConfig | None = None  # set when runner == "pooling"
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = ("default", "prefetch", "fp8-mma")  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
 MODES = ("offline", "server", "batch")
 
@@ -115,6 +117,23 @@ class EngineOptions:
         choices=SCHEDULES,
     )
     lookahead_window: int = option(4096, "prompts read ahead of the engine, with --schedule lookahead")
+    runner: str = option(
+        "auto",
+        "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
+        "encoder-only models (BERT) and decoders saved without an LM head, generate otherwise",
+        choices=RUNNERS,
+    )
+    pooling_type: str | None = option(
+        None,
+        "pooling runner: LAST, MEAN or CLS token (default: the model's sentence-transformers config, "
+        "else CLS for encoders and LAST for decoders)",
+        choices=POOLING_TYPES,
+    )
+    normalize: bool | None = option(
+        None,
+        "pooling runner: L2-normalize embeddings (default: as the model's sentence-transformers config "
+        "says; normalized without one)",
+    )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )

@@ -1,8 +1,13 @@
-"""What generate() returns: RequestOutput / CompletionOutput with the fields users know."""
+"""What the engine returns, with the fields users know: RequestOutput / CompletionOutput for generated
+text, PoolingRequestOutput for a pooled vector (EmbeddingRequestOutput is the form LLM.embed() returns)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -54,3 +59,53 @@ class RequestOutput:
     # gained since the previous RequestOutput of this request (and logprobs of those tokens).
     delta: bool = False
     prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    data: torch.Tensor  # [dimensions] float32 on the host: the pooled (and normalized) vector
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """The one output of a pooling request (it is finished when it arrives)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(
+            request_id=out.request_id,
+            prompt=out.prompt,
+            prompt_token_ids=out.prompt_token_ids,
+            outputs=EmbeddingOutput(out.outputs.data.tolist()),
+            finished=out.finished,
+        )
+
+
+# What an engine step hands back: generated text, or a pooled vector.
+EngineOutput = RequestOutput | PoolingRequestOutput

@@ -9,6 +9,8 @@ an assertion here.
 
 from __future__ import annotations
 
+import torch
+
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.runner.request_state import RequestStates
 
@@ -20,9 +22,21 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
     return (h + len(token_ids)) % vocab_size
 
 
+def pooled_vector(token_ids: list[int]) -> list[float]:
+    """The fake 'embedding' of a pooling request: a fixed function of its prompt."""
+    return [float(len(token_ids)), float(sum(token_ids)), float(token_ids[-1])]
+
+
 class _Handle:
-    def __init__(self, runner: FakeRunner, req_ids: list[str], tokens: list[int]) -> None:
+    def __init__(
+        self,
+        runner: FakeRunner,
+        req_ids: list[str],
+        tokens: list[int],
+        pooled: dict[str, list[float]] | None = None,
+    ) -> None:
         self.runner, self.req_ids, self.tokens = runner, req_ids, tokens
+        self.pooled = pooled or {}
         self.out: ModelRunnerOutput | None = None
 
     def result(self) -> ModelRunnerOutput:
@@ -32,7 +46,12 @@ class _Handle:
                 pend = self.runner.device_pending.get(rid)
                 if pend:
                     pend.pop(0)
-            self.out = ModelRunnerOutput(req_ids=self.req_ids, sampled_token_ids=self.tokens)
+            self.out = ModelRunnerOutput(
+                req_ids=self.req_ids,
+                sampled_token_ids=self.tokens,
+                pooled_req_ids=list(self.pooled),
+                pooled=[torch.tensor(v) for v in self.pooled.values()],
+            )
         return self.out
 
 
@@ -83,12 +102,14 @@ class FakeRunner:
             end = s.start + s.num_tokens
             got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(end)]
             assert got == full[st.req_id][:end], f"{st.req_id}: KV cache does not hold its tokens"
+        ends = [s.state for s in scheduled if s.samples]
         sampled = {
-            s.state.req_id: next_token(full[s.state.req_id], self.vocab_size) for s in scheduled if s.samples
+            st.req_id: next_token(full[st.req_id], self.vocab_size) for st in ends if st.pooling is None
         }
+        pooled = {st.req_id: pooled_vector(full[st.req_id]) for st in ends if st.pooling is not None}
         for rid, tok in sampled.items():
             self.device_pending.setdefault(rid, []).append(tok)
-        return _Handle(self, list(sampled), list(sampled.values()))
+        return _Handle(self, list(sampled), list(sampled.values()), pooled)
 
 
 def reference_output(prompt: list[int], max_tokens: int, vocab_size: int, eos: int | None) -> list[int]:

@@ -200,7 +200,7 @@ def test_invalid_bodies_name_the_field(url, body, param):
 
 def test_unknown_url_and_non_object_body():
     with pytest.raises(ApiError) as info:
-        parse_request("/v1/embeddings", {"input": "x"})
+        parse_request("/v1/audio/speech", {"input": "x"})
     assert info.value.code == "unsupported_url"
     with pytest.raises(ApiError) as info:
         parse_request(CHAT, ["x"])

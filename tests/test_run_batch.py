@@ -288,7 +288,7 @@ def bad_lines() -> list[tuple[str | dict, str, str | None]]:
         ({"custom_id": "get", "method": "GET", "url": chat, "body": ok}, "invalid_method", "get"),
         (
             {"custom_id": "embed", "method": "POST", "url": "/v1/embeddings", "body": {"input": "w9"}},
-            "unsupported_url",
+            "unsupported_model",  # a generation model: embedding lines need --runner pooling
             "embed",
         ),
         ({"custom_id": "no-body", "method": "POST", "url": chat}, "invalid_line", "no-body"),

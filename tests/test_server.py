@@ -462,7 +462,8 @@ BAD_REQUESTS = [
         "invalid_request",
     ),
     ("unknown model", "POST", CHAT, {"model": "gpt-17", "messages": HELLO}, 404, "model_not_found"),
-    ("unknown route", "POST", "/v1/embeddings", {"input": "hi"}, 404, "not_found"),
+    ("unknown route", "POST", "/v1/audio/speech", {"input": "hi"}, 404, "not_found"),
+    ("embeddings of a generation model", "POST", "/v1/embeddings", {"input": "hi"}, 400, "unsupported_model"),
     ("wrong method", "GET", CHAT, None, 405, "method_not_allowed"),
 ]
 

@@ -34,10 +34,12 @@ from overnight.engine.interfaces import EngineClient
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.convert import response_body
+from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import OpenAIRequest
-from overnight.outputs import RequestOutput
+from overnight.openai_api.protocol import AnyRequest, EmbeddingRequest
+from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
+from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
 
 
@@ -48,11 +50,11 @@ class _Line:
     seq: int
     line_no: int
     custom_id: str
-    request: OpenAIRequest  # the body, for the response's shape (chat or completions, echo, logprobs)
-    params: SamplingParams
+    request: AnyRequest  # the body, for the response's shape (chat, completions, embeddings; echo, ...)
+    params: RequestParams
     # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
     prompts: list[tuple[str | None, array]]
-    outputs: list[RequestOutput | None]
+    outputs: list[EngineOutput | None]
     num_seqs: int  # engine sequences it holds: prompts x n
     remaining: int  # prompts not yet finished
     created: int = 0
@@ -179,7 +181,12 @@ class BatchRunner:
         req = line.request
         try:
             inputs = prepare(
-                req, self.engine.tokenizer, self.engine.max_model_len, self.names, self.engine.validate
+                req,
+                self.engine.tokenizer,
+                self.engine.max_model_len,
+                self.names,
+                self.engine.validate,
+                runner=self.engine.config.model.runner,
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -194,11 +201,16 @@ class BatchRunner:
             params=inputs.params,
             prompts=[(text, array("i", ids)) for text, ids in inputs.prompts],
             outputs=[None] * len(inputs.prompts),
-            num_seqs=len(inputs.prompts) * inputs.params.num_samples,
+            num_seqs=inputs.num_seqs,
             remaining=len(inputs.prompts),
         )
         first = inputs.prompts[0][1]
-        max_output = max_output_tokens(len(first), inputs.params.max_tokens, self.engine.max_model_len)
+        params = inputs.params
+        max_output = (
+            max_output_tokens(len(first), params.max_tokens, self.engine.max_model_len)
+            if isinstance(params, SamplingParams)
+            else 1  # an embedding line ends with its prompt
+        )
         self.schedule.add(seq, first, max_output)
         self.waiting[seq] = state
         self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -232,7 +244,7 @@ class BatchRunner:
 
     # -- finishing lines --------------------------------------------------------------------------
 
-    def _on_finished(self, out: RequestOutput) -> None:
+    def _on_finished(self, out: EngineOutput) -> None:
         seq_text, _, prompt_text = out.request_id.rpartition(".")
         state = self.active.get(int(seq_text))
         if state is None:
@@ -247,14 +259,21 @@ class BatchRunner:
         record = self._response(state, outputs)
         self._finish(state.seq, record)
 
-    def _response(self, state: _Line, outputs: list[RequestOutput]) -> dict:
+    def _response(self, state: _Line, vectors_or_texts: list[EngineOutput]) -> dict:
+        req = state.request
+        if isinstance(req, EmbeddingRequest):  # an aborted pooling request has no output: never here
+            pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
+            body = embedding_response(pooled, self.model_name, req.encoding_format, created=state.created)
+            self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
+            return success_record(state.custom_id, body)
+        outputs = [o for o in vectors_or_texts if isinstance(o, RequestOutput)]
         if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
             self.summary.add_failure("aborted")
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
         body = response_body(
-            state.request, outputs, self.model_name, created=state.created, tokenizer=self.engine.tokenizer
+            req, outputs, self.model_name, created=state.created, tokenizer=self.engine.tokenizer
         )
         usage = body["usage"]
         self.summary.add_ok(usage["prompt_tokens"], usage["completion_tokens"])

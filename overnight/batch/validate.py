@@ -17,7 +17,7 @@ from overnight.errors import ConfigError, ModelLoadError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
 from overnight.options import options_from_args
-from overnight.sampling_params import SamplingParams
+from overnight.pooling_params import RequestParams
 
 _SHOWN = 50  # errors printed on stderr; all of them go to --errors-file
 
@@ -41,7 +41,7 @@ def validate_file(args: argparse.Namespace) -> int:
     served = source.served_name
     limits = limits_of(config, source.arch.vocab_size, tokenizer is not None)
 
-    def engine_checks(ids: list[int], params: SamplingParams) -> None:
+    def engine_checks(ids: list[int], params: RequestParams) -> None:
         validate_request(ids, params, limits, model.grammars)  # grammars compiled, as the engine does
 
     names = served_names(served, args.model)
@@ -61,7 +61,14 @@ def validate_file(args: argparse.Namespace) -> int:
             seen.add(line.custom_id)
         if error is None and line.request is not None:
             try:
-                prepare(line.request, tokenizer, config.scheduler.max_model_len, names, engine_checks)
+                prepare(
+                    line.request,
+                    tokenizer,
+                    config.scheduler.max_model_len,
+                    names,
+                    engine_checks,
+                    runner=config.model.runner,
+                )
             except ApiError as e:
                 error = e
         if error is None:

@@ -1,6 +1,8 @@
 """The engine: requests in, RequestOutputs out, one step at a time (schedule -> execute -> update).
 
-Every entry point (LLM, run-batch, serve, bench) is a thin adapter over this class.
+Every entry point (LLM, run-batch, serve, bench) is a thin adapter over this class. An engine whose
+runner pools (config.model.runner == "pooling") takes PoolingParams requests instead: the same
+schedule (prefill only, chunked, prefix-cached), ending in a PoolingRequestOutput per prompt.
 """
 
 from __future__ import annotations
@@ -14,17 +16,26 @@ from overnight.engine.interfaces import Runner, StepHandle, StepTimings
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.output_processor import OutputProcessor, ParentRequest
 from overnight.engine.pool_plan import PoolPlan
-from overnight.engine.request import Request
+from overnight.engine.request import NO_SAMPLING, Request
 from overnight.engine.scheduler import Scheduler, SchedulerStats
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
 from overnight.engine.step_io import SchedulerOutput
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.loader.source import ModelSource
-from overnight.outputs import RequestMetrics, RequestOutput
+from overnight.outputs import (
+    EngineOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+)
+from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from overnight.structured.compiler import GrammarCompiler
     from overnight.tokenizer.tokenizer import Tokenizer
 
@@ -51,6 +62,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.grammars = grammars  # compiles structured outputs at validation; None: refused
         self.eos_token_ids = frozenset(source.eos_token_ids)
+        self.is_pooling = config.model.runner == "pooling"
         self.vocab_size = source.arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
         num_blocks = pool_plan.num_blocks
@@ -80,24 +92,28 @@ class Engine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: RequestParams | None = None,
         *,
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue one prompt (n completions). Raises InvalidRequestError and changes nothing if the
-        request cannot be served."""
-        params = params or SamplingParams()
+        """Queue one prompt (n completions, or one pooled vector). Raises InvalidRequestError and
+        changes nothing if the request cannot be served."""
+        if params is None:
+            params = PoolingParams() if self.is_pooling else SamplingParams()
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        if isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt_token_ids, params, prompt, arrival)
+            return
         if stream and params.num_samples > params.n:
             raise InvalidRequestError("best_of above n cannot stream: the best are known only at the end")
         prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         if self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
         parent = ParentRequest(
             request_id=request_id,
             prompt=prompt,
@@ -129,7 +145,31 @@ class Engine:
             kids.append(req)
         self.children[request_id] = kids
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def _add_pooling(
+        self, request_id: str, ids: list[int], params: PoolingParams, prompt: str | None, arrival: float
+    ) -> None:
+        self.parents[request_id] = ParentRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(ids),
+            n=1,
+            stream=False,  # one output, the vector
+            metrics=RequestMetrics(arrival_time=arrival),
+        )
+        req = Request(
+            req_id=request_id,
+            prompt_token_ids=list(ids),
+            params=NO_SAMPLING,
+            seed=0,
+            eos_token_ids=frozenset(),
+            max_total_tokens=len(ids) + 1,  # the "+ 1" is the vector (request.py)
+            arrival_time=arrival,
+            pooling_params=params,
+        )
+        self.scheduler.add(req)
+        self.children[request_id] = [req]
+
+    def validate(self, ids: list[int], params: RequestParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
         limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
         validate_request(ids, params, limits, self.grammars)
@@ -168,7 +208,7 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedule and launch the next step, then fold in the results of the step before it.
 
         With a runner that launches asynchronously (CUDA), step N+1 is launched before step N's
@@ -183,7 +223,7 @@ class Engine:
         t2 = time.perf_counter()
         t.schedule_s += t1 - t0
         t.launch_s += t2 - t1
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         if self._inflight is not None:
             outputs = self._complete(*self._inflight)
             self._inflight = None
@@ -195,7 +235,7 @@ class Engine:
         t.steps += 1
         return outputs
 
-    def _complete(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[RequestOutput]:
+    def _complete(self, sched_out: SchedulerOutput, handle: StepHandle) -> list[EngineOutput]:
         t0 = time.perf_counter()
         runner_out = handle.result()
         t1 = time.perf_counter()
@@ -205,9 +245,12 @@ class Engine:
         logprobs = {}
         if runner_out.logprobs is not None:
             logprobs = {rid: lp for rid, lp in zip(runner_out.req_ids, runner_out.logprobs) if lp is not None}
-        outputs, stopped = self.output.process(advanced, logprobs, finished)
+        texts, stopped = self.output.process(advanced, logprobs, finished)
         for req, stop_str in stopped:
             self.scheduler.finish_stopped(req, stop_str)
+        outputs: list[EngineOutput] = list(texts)
+        if runner_out.pooled_req_ids:
+            outputs += self._pooled(runner_out.pooled_req_ids, runner_out.pooled, finished)
         self.num_steps += 1
         if self.observers:
             self._observe(sched_out, advanced, finished + [r for r, _ in stopped])
@@ -219,7 +262,33 @@ class Engine:
             self.timings.update_s += time.perf_counter() - t1
         return outputs
 
-    def _retire(self, outputs: list[RequestOutput]) -> None:
+    def _pooled(
+        self, req_ids: list[str], vectors: list[torch.Tensor], finished: list[Request]
+    ) -> list[PoolingRequestOutput]:
+        """The outputs of pooling requests the scheduler just ended (not those aborted meanwhile)."""
+        ended = {r.req_id: r for r in finished if r.pooling_params is not None}
+        now = time.monotonic()
+        outputs = []
+        for rid, vector in zip(req_ids, vectors):
+            req, parent = ended.get(rid), self.parents.get(rid)
+            if req is None or parent is None:
+                continue
+            m = parent.metrics
+            m.first_scheduled_time = req.first_scheduled_time
+            m.first_token_time = m.last_token_time = m.finished_time = now
+            outputs.append(
+                PoolingRequestOutput(
+                    request_id=rid,
+                    prompt=parent.prompt,
+                    prompt_token_ids=parent.prompt_token_ids,
+                    outputs=PoolingOutput(vector),
+                    metrics=m,
+                    num_cached_tokens=max(req.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def _retire(self, outputs: list[EngineOutput]) -> None:
         for out in outputs:
             self.parents.pop(out.request_id, None)
             for req in self.children.pop(out.request_id, []):

@@ -19,8 +19,8 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import StatsObserver
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.loader.source import ModelSource
-from overnight.outputs import RequestOutput
-from overnight.sampling_params import SamplingParams
+from overnight.outputs import EngineOutput, RequestOutput
+from overnight.pooling_params import RequestParams
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
@@ -90,7 +90,7 @@ class EngineClient(Protocol):
     # Host time per step of a local engine; None where the steps run elsewhere (data parallel).
     timings: StepTimings | None
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: RequestParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
         ...
 
@@ -98,7 +98,7 @@ class EngineClient(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: RequestParams | None = None,
         *,
         prompt: str | None = None,
         stream: bool = False,
@@ -107,7 +107,10 @@ class EngineClient(Protocol):
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...
 
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[EngineOutput]:
+        """Outputs of this step: RequestOutputs of generation requests, PoolingRequestOutputs of
+        pooling ones (an engine serves the kind config.model.runner names)."""
+        ...
 
     def has_unfinished_requests(self) -> bool: ...
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
 
@@ -25,6 +26,9 @@ class RequestStatus(enum.Enum):
         return self.value if self in _FINISHED else None
 
 
+# The params a pooling request carries where a Request needs SamplingParams: nothing is sampled.
+NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
+
 _FINISHED = {
     RequestStatus.FINISHED_STOPPED,
     RequestStatus.FINISHED_LENGTH,
@@ -34,7 +38,12 @@ _FINISHED = {
 
 @dataclass(slots=True, eq=False)
 class Request:
-    """One sequence being generated. A prompt with n > 1 becomes n of these (see engine.parent).
+    """One sequence being generated, or one prompt being pooled. A prompt with n > 1 becomes n of these
+    (see engine.parent).
+
+    A pooling request (pooling_params set) is a prefill that ends in a vector instead of a token: it
+    holds max_total_tokens = prompt + 1, so its "pending token" after the last chunk is that vector,
+    and it finishes when the vector arrives (its params are NO_SAMPLING, never read for sampling).
 
     Invariant: 0 <= num_computed_tokens <= num_tokens + num_pending. The tokens in
     [num_computed_tokens, num_tokens + num_pending) still need a forward pass: the prompt tail before
@@ -63,6 +72,7 @@ class Request:
     # Token ids that may end the request (EOS unless ignore_eos, and stop_token_ids): one set lookup
     # per sampled token on the hot path.
     stop_ids: frozenset[int] = frozenset()
+    pooling_params: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

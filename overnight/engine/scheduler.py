@@ -187,6 +187,7 @@ class Scheduler:
                     block_ids=new_ids,
                     num_computed_tokens=num_hit,
                     resumed=req.num_preemptions > 0,
+                    pooling=req.pooling_params,
                 )
             )
             self._advance(req, n)
@@ -214,7 +215,7 @@ class Scheduler:
         self, out: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> tuple[list[Request], list[Request]]:
         """Fold a finished step's sampled tokens in: append them, apply token-level stops, register
-        newly full blocks in the prefix cache.
+        newly full blocks in the prefix cache; end the pooling requests whose vector came.
 
         Returns (requests that got a token this step, requests that finished this step)."""
         requests = self.requests
@@ -238,6 +239,17 @@ class Scheduler:
                     self.waiting.remove(req)
                 self._finish(req, status)
                 finished.append(req)
+        for rid in runner_out.pooled_req_ids:
+            req = requests.get(rid)
+            if req is None or (req.status is not running and req.status is not preempted):
+                continue
+            req.num_pending -= 1
+            if req.status is running:  # its prompt's full blocks stay findable for equal prefixes
+                self.kv.cache_computed_blocks(req)
+            else:  # preempted after its last chunk was launched: the vector is complete all the same
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_STOPPED)
+            finished.append(req)
         if finished:  # one pass instead of a list removal per finished request
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
         if self.kv.enable_caching:

@@ -8,8 +8,13 @@ running ones as the blocks they gained.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -22,6 +27,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
     resumed: bool = False  # scheduled again after a preemption
+    pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
 
 
 @dataclass(slots=True)
@@ -78,3 +84,6 @@ class ModelRunnerOutput:
     mask_s: float = 0.0
     # request id -> its prompt tokens scored this step, for requests with prompt_logprobs
     prompt_logprobs: dict[str, PromptTokenLogprobs] | None = None
+    # Pooling requests whose prompt ended this step, and their vectors (float32, on the host).
+    pooled_req_ids: list[str] = field(default_factory=list)
+    pooled: list[torch.Tensor] = field(default_factory=list)

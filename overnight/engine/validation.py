@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from overnight.config import PoolerConfig
 from overnight.errors import InvalidRequestError
-from overnight.sampling_params import SamplingParams
+from overnight.pooling_params import PoolingParams, RequestParams
 
 if TYPE_CHECKING:
     from overnight.structured.compiler import GrammarCompiler
@@ -20,20 +21,32 @@ class RequestLimits:
     has_tokenizer: bool
     # With chunked prefill off, a prompt must fit one step's budget; None when chunking is on.
     max_unchunked_prompt: int | None = None
+    pooler: PoolerConfig | None = None  # set for an engine that runs pooling requests, and only then
+    hidden_size: int = 0
 
 
 def validate_request(
     ids: list[int],
-    params: SamplingParams,
+    params: RequestParams,
     limits: RequestLimits,
     grammars: GrammarCompiler | None = None,
 ) -> None:
     """Raise InvalidRequestError naming the problem if this prompt and params cannot be served.
-    The prompt is checked as truncate_prompt_tokens leaves it. Structured outputs are compiled here
-    (cached), so a grammar that cannot be built fails its request before it is queued."""
+    A generation prompt is checked as truncate_prompt_tokens leaves it. Structured outputs are compiled
+    here (cached), so a grammar that cannot be built fails its request before it is queued."""
+    if not ids:
+        raise InvalidRequestError("the prompt is empty")
+    if isinstance(params, PoolingParams):
+        _validate_pooling(ids, params, limits)
+        return
     ids = params.truncate_prompt(ids, limits.max_model_len)
     if not ids:
         raise InvalidRequestError("the prompt is empty")
+    if limits.pooler is not None:
+        raise InvalidRequestError(
+            "this model runs as a pooling (embedding) model (runner 'pooling'): it does not generate "
+            "text; ask for embeddings, or start it with runner 'generate'"
+        )
     if len(ids) >= limits.max_model_len:
         raise InvalidRequestError(
             f"the prompt has {len(ids)} tokens, but max_model_len is {limits.max_model_len}: "
@@ -82,4 +95,45 @@ def limits_of(config, vocab_size: int, has_tokenizer: bool) -> RequestLimits:
         vocab_size=vocab_size,
         has_tokenizer=has_tokenizer,
         max_unchunked_prompt=None if sched.enable_chunked_prefill else sched.max_num_batched_tokens,
+        pooler=config.model.pooler if config.model.runner == "pooling" else None,
+        hidden_size=config.model.arch.hidden_size,
     )
+
+
+def _validate_pooling(ids: list[int], params: PoolingParams, limits: RequestLimits) -> None:
+    pooler = limits.pooler
+    if pooler is None:
+        raise InvalidRequestError(
+            "this model runs to generate text (runner 'generate'): start it with runner 'pooling' "
+            "to compute embeddings"
+        )
+    if len(ids) > limits.max_model_len:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens, more than this model's maximum context length of "
+            f"{limits.max_model_len} tokens; shorten it or pass truncate_prompt_tokens"
+        )
+    vocab = limits.vocab_size
+    bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab]
+    if bad:
+        raise InvalidRequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
+    if limits.max_unchunked_prompt is not None and len(ids) > limits.max_unchunked_prompt:
+        raise InvalidRequestError(
+            f"the prompt has {len(ids)} tokens, more than max_num_batched_tokens "
+            f"({limits.max_unchunked_prompt}) with chunked prefill off"
+        )
+    params.validate()
+    dims, full = params.dimensions, limits.hidden_size
+    if dims is None or dims == full:
+        return
+    if not pooler.is_matryoshka:
+        raise InvalidRequestError(
+            f"this model does not support Matryoshka embeddings: dimensions must be {full} (or unset)"
+        )
+    allowed = pooler.matryoshka_dimensions
+    if allowed is not None and dims not in allowed:
+        raise InvalidRequestError(
+            f"dimensions {dims} is not one this model was trained for: use one of "
+            f"{', '.join(map(str, allowed))} or {full}"
+        )
+    if dims > full:
+        raise InvalidRequestError(f"dimensions must be at most the model's size, {full}, got {dims}")

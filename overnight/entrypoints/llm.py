@@ -1,4 +1,5 @@
-"""The offline class: LLM(model=...).generate(prompts, params) schedules the whole list itself."""
+"""The offline class: LLM(model=...).generate(prompts, params) schedules the whole list itself;
+LLM(model, runner="pooling").embed(texts) does the same for embeddings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any, cast
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
+from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
@@ -21,10 +23,13 @@ from overnight.entrypoints.prompts import (
 from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.options import EngineOptions
-from overnight.outputs import RequestOutput
+from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
+from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
+PoolingArg = PoolingParams | Sequence[PoolingParams] | None
+Item = tuple[tuple[str | None, list[int]], RequestParams]
 
 
 class LLM:
@@ -68,7 +73,7 @@ class LLM:
             self._precheck(i, ids, sp)
         results: list[RequestOutput | None] = [None] * len(items)
         for index, out in self._run(iter(zip(items, params)), len(items), use_tqdm):
-            results[index] = out
+            results[index] = _generated(out)
         return [r for r in results if r is not None]
 
     def generate_stream(
@@ -87,9 +92,12 @@ class LLM:
             params_iter: Iterable[SamplingParams] = itertools.repeat(sampling_params or SamplingParams())
         else:
             params_iter = sampling_params
-        items = ((self._prepare(i, p), sp) for i, (p, sp) in enumerate(zip(prompts, params_iter)))
+        items: Iterator[Item] = (
+            (self._prepare(i, p), sp) for i, (p, sp) in enumerate(zip(prompts, params_iter))
+        )
         total = len(prompts) if isinstance(prompts, Sequence) else None
-        yield from self._run(items, total, use_tqdm, max_in_flight)
+        for index, out in self._run(items, total, use_tqdm, max_in_flight):
+            yield index, _generated(out)
 
     def chat(
         self,
@@ -117,6 +125,73 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    # -- pooling (runner="pooling") -----------------------------------------------------------------
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingArg = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (outputs.data, a float32 tensor), in input order. Every prompt
+        is checked before any runs. truncate_prompt_tokens: cut prompts to that many tokens (-1: to
+        max_model_len) instead of refusing those that are too long."""
+        prompt_list = _as_list(prompts)
+        params = _pooling_params_for(pooling_params, len(prompt_list))
+        items = list(self._pooling_items(prompt_list, truncate_prompt_tokens))
+        for i, ((_, ids), pp) in enumerate(zip(items, params)):
+            self._precheck(i, ids, pp)
+        results: list[PoolingRequestOutput | None] = [None] * len(items)
+        for index, out in self._run(iter(zip(items, params)), len(items), use_tqdm, self._pooling_window()):
+            results[index] = _pooled(out)
+        return [r for r in results if r is not None]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingArg = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings (outputs.embedding, a list of floats) of the prompts, in input order."""
+        outs = self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
+
+    def embed_stream(
+        self,
+        prompts: Iterable[PromptType],
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+    ) -> Iterator[tuple[int, EmbeddingRequestOutput]]:
+        """Yields (input index, embedding) as each prompt finishes, reading prompts lazily: memory
+        holds the prompts in flight, never the whole input. An invalid prompt raises
+        InvalidRequestError naming its index; requests already in flight are aborted first."""
+        params = pooling_params or PoolingParams()
+        items: Iterator[Item] = ((p, params) for p in self._pooling_items(prompts, truncate_prompt_tokens))
+        total = len(prompts) if isinstance(prompts, Sequence) else None
+        for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
+            yield index, EmbeddingRequestOutput.from_base(_pooled(out))
+
+    def _pooling_items(
+        self, prompts: Iterable[PromptType], truncate_prompt_tokens: int | None
+    ) -> Iterator[tuple[str | None, list[int]]]:
+        return tokenize_for_pooling(
+            prompts, self.engine.tokenizer, self.engine.max_model_len, truncate_prompt_tokens
+        )
+
+    def _pooling_window(self) -> int:
+        # Pooling requests hold only their token ids while they wait, and a deeper queue lets the
+        # encoder engine batch prompts of similar lengths: keep many more in flight than generation does.
+        return max(4 * self.engine.config.scheduler.max_num_seqs, 4096)
+
     # -- the loop ---------------------------------------------------------------------------------
 
     def _prepare(self, index: int, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -125,7 +200,7 @@ class LLM:
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
 
-    def _precheck(self, index: int, ids: list[int], params: SamplingParams) -> None:
+    def _precheck(self, index: int, ids: list[int], params: RequestParams) -> None:
         try:
             self.engine.validate(ids, params)
         except InvalidRequestError as e:
@@ -133,11 +208,11 @@ class LLM:
 
     def _run(
         self,
-        items: Iterator[tuple[tuple[str | None, list[int]], SamplingParams]],
+        items: Iterator[Item],
         total: int | None,
         use_tqdm: bool,
         max_in_flight: int | None = None,
-    ) -> Iterator[tuple[int, RequestOutput]]:
+    ) -> Iterator[tuple[int, EngineOutput]]:
         """Prompts are read into the submission order's window (look-ahead by default) and submitted
         in its order while fewer than `limit` are in flight; outputs carry their input index."""
         engine = self.engine
@@ -145,7 +220,7 @@ class LLM:
         order = make_order(
             self.options.schedule, self.options.lookahead_window, engine.config.cache.block_size
         )
-        waiting: dict[int, tuple[tuple[str | None, list[int]], SamplingParams]] = {}
+        waiting: dict[int, Item] = {}
         index_of: dict[str, int] = {}
         bar = _Progress(total) if use_tqdm else None
         exhausted = False
@@ -160,13 +235,15 @@ class LLM:
                     order.close()
                     return
                 ids, params = item[0][1], item[1]
-                if params.seed is None:
-                    # Drawn in input order, so a prompt's sampling does not depend on when the
-                    # submission order (which follows the engine's progress) starts it.
-                    item = (item[0], replace(params, seed=self._seeds.getrandbits(63)))
-                order.add(
-                    next_index, ids, max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
-                )
+                if isinstance(params, SamplingParams):
+                    if params.seed is None:
+                        # Drawn in input order, so a prompt's sampling does not depend on when the
+                        # submission order (which follows the engine's progress) starts it.
+                        item = (item[0], replace(params, seed=self._seeds.getrandbits(63)))
+                    expected = max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
+                else:
+                    expected = 1  # a pooling request ends with its prompt
+                order.add(next_index, ids, expected)
                 waiting[next_index] = item
                 next_index += 1
 
@@ -209,6 +286,29 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     return list(prompts)
 
 
+def _generated(out: EngineOutput) -> RequestOutput:
+    if not isinstance(out, RequestOutput):
+        raise TypeError("generation requests produced a pooled output")
+    return out
+
+
+def _pooled(out: EngineOutput) -> PoolingRequestOutput:
+    if not isinstance(out, PoolingRequestOutput):
+        raise TypeError("pooling requests produced generated text")
+    return out
+
+
+def _pooling_params_for(pooling_params: PoolingArg, n: int) -> list[PoolingParams]:
+    if pooling_params is None:
+        return [PoolingParams()] * n
+    if isinstance(pooling_params, PoolingParams):
+        return [pooling_params] * n
+    params = list(pooling_params)
+    if len(params) != n:
+        raise InvalidRequestError(f"got {len(params)} pooling params for {n} prompts")
+    return params
+
+
 def _params_for(sampling_params: ParamsArg, n: int) -> list[SamplingParams]:
     if sampling_params is None:
         return [SamplingParams()] * n
@@ -231,9 +331,10 @@ class _Progress:
         self.tokens_in = 0
         self.tokens_out = 0
 
-    def update(self, out: RequestOutput) -> None:
+    def update(self, out: EngineOutput) -> None:
         self.tokens_in += len(out.prompt_token_ids)
-        self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
+        if isinstance(out, RequestOutput):
+            self.tokens_out += sum(len(c.token_ids) for c in out.outputs)
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         self.bar.set_postfix_str(
             f"est. speed input: {self.tokens_in / elapsed:.1f} toks/s, "

@@ -19,16 +19,18 @@ DUMMY_RANGE = 1e-3
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Fill every parameter in place, on its own device: RMSNorm weights 1, everything else
-    uniform(-DUMMY_RANGE, DUMMY_RANGE) from a generator seeded with `seed` (same seed, same weights)."""
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    uniform(-DUMMY_RANGE, DUMMY_RANGE) from a generator seeded with `seed` (same seed, same weights);
+    LayerNorm weights 1 and biases 0."""
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))}
+    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.LayerNorm) and m.bias is not None}
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
     fp8_scales = {id(m.weight_scale) for m in fp8_layers.values()}
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():  # a tied weight is visited once
         if param.is_meta or id(param) in fp8_scales:
             continue  # shape-only models (tests) have nothing to fill; scales come with their weight
-        if id(param) in norm_weights:
-            param.fill_(1.0)
+        if id(param) in norm_weights or id(param) in norm_biases:
+            param.fill_(1.0 if id(param) in norm_weights else 0.0)
             continue
         gen = generators.get(param.device)
         if gen is None:

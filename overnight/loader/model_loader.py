@@ -64,8 +64,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """The model in `dtype` on `device` with *uninitialized* weights (the caller fills every one).
+def build_model(
+    source: ModelSource, dtype: torch.dtype, device: torch.device | str, runner: str = "generate"
+) -> nn.Module:
+    """The model in `dtype` on `device` with *uninitialized* weights (the caller fills every one); a
+    decoder run for pooling comes without its LM head (models/for_pooling.py).
 
     Built on the meta device and then given storage on `device`: a large model never passes through
     host memory, and no time goes into random init that loading would overwrite. device="meta" gives
@@ -76,6 +79,10 @@ def build_model(source: ModelSource, dtype: torch.dtype, device: torch.device | 
         model = cls(source.arch)
         if source.quantization is not None:
             quantize_model(model, source.quantization)
+    if runner == "pooling" and not source.arch.is_encoder:
+        from overnight.models.for_pooling import DecoderForPooling
+
+        model = DecoderForPooling(model)
     if torch.device(device).type == "meta":
         return model
     if source.quantization is not None:
@@ -101,10 +108,15 @@ def _materialize(model: nn.Module, device: torch.device | str) -> None:
 
 
 def load_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device | str, seed: int = 0
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    seed: int = 0,
+    runner: str = "generate",
 ) -> CausalLM:
-    """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd."""
-    model = build_model(source, dtype, device)
+    """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd
+    (an encoder is returned as CausalLM too: callers that run encoders know their own forward)."""
+    model = build_model(source, dtype, device, runner)
     if source.kind == "dummy":
         init_dummy_weights(model, seed)
     else:

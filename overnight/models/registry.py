@@ -8,6 +8,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.models.bert import BertModel
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -18,6 +19,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "bert": BertModel,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -25,7 +27,11 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
+    "Qwen3Model": "qwen3",
+    "BertModel": "bert",
 }
+_ENCODERS = ("bert",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -66,6 +72,30 @@ def hf_architecture_of(cfg: dict[str, Any]) -> str:
     raise _unsupported(str(model_type))
 
 
+def _bert_arch(cfg: dict[str, Any]) -> ModelArch:
+    if cfg.get("hidden_act", "gelu") != "gelu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} for BERT (only gelu)")
+    if cfg.get("position_embedding_type", "absolute") != "absolute":
+        raise ModelLoadError(
+            f"unsupported position_embedding_type {cfg['position_embedding_type']!r} (only absolute)"
+        )
+    heads = cfg["num_attention_heads"]
+    return ModelArch(
+        architecture="bert",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 512),
+        is_encoder=True,
+        type_vocab_size=cfg.get("type_vocab_size", 2),
+        layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+    )
+
+
 def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | None]:
     """(theta, llama3 scaling) from either `rope_parameters` (transformers 5) or `rope_theta` +
     `rope_scaling` (older configs)."""
@@ -85,6 +115,11 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | N
 def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     """Read a config.json dict; raises ModelLoadError for architectures or features not implemented."""
     family = family_of(hf_architecture_of(cfg))
+    if family in _ENCODERS:
+        try:
+            return _bert_arch(cfg)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):

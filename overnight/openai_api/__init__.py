@@ -1,8 +1,10 @@
 """The OpenAI API's request and response objects, shared by `overnight run-batch` and `overnight serve`.
 
-    protocol  request bodies (pydantic): ChatCompletionRequest, CompletionRequest, parse_request
-    inputs    body -> engine inputs: prepare (model name, prompts, length, SamplingParams)
-    convert   RequestOutput -> ChatCompletion / Completion bodies and streaming chunks
+    protocol    request bodies (pydantic): ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                parse_request
+    inputs      body -> engine inputs: prepare (model name, prompts, length, Sampling/PoolingParams)
+    convert     RequestOutput -> ChatCompletion / Completion bodies and streaming chunks
+    embeddings  PoolingRequestOutputs -> the embedding response (float or base64)
     errors    ApiError: status code and the {"error": {...}} object
 
 Needs pydantic (the `server` extra); the engine itself never imports this package.
@@ -18,13 +20,23 @@ from overnight.openai_api.convert import (
     usage,
     usage_of,
 )
+from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError, error_body
-from overnight.openai_api.inputs import EngineInputs, check_model, check_prompt_length, prepare, served_names
+from overnight.openai_api.inputs import (
+    EngineInputs,
+    check_model,
+    check_prompt_length,
+    check_task,
+    prepare,
+    served_names,
+)
 from overnight.openai_api.protocol import (
     ROUTES,
+    AnyRequest,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    EmbeddingRequest,
     OpenAIRequest,
     StreamOptions,
     parse_request,
@@ -32,19 +44,23 @@ from overnight.openai_api.protocol import (
 
 __all__ = [
     "ROUTES",
+    "AnyRequest",
     "ApiError",
     "ChatCompletionRequest",
     "ChatMessage",
     "ChatStream",
     "CompletionRequest",
     "CompletionStream",
+    "EmbeddingRequest",
     "EngineInputs",
     "OpenAIRequest",
     "StreamOptions",
     "chat_completion",
     "check_model",
     "check_prompt_length",
+    "check_task",
     "completion",
+    "embedding_response",
     "error_body",
     "finish_reason",
     "new_id",

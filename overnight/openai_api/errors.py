@@ -21,6 +21,7 @@ STATUS = {
     "model_not_found": 404,
     "context_length_exceeded": 400,
     "duplicate_custom_id": 400,
+    "unsupported_model": 400,  # a route the model is not served for (embeddings vs. generation)
     "aborted": 500,
     "internal_error": 500,
 }

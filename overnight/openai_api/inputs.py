@@ -1,4 +1,5 @@
-"""From a validated request body to what the engine takes: prompts (text, token ids) and SamplingParams.
+"""From a validated request body to what the engine takes: prompts (text, token ids) and SamplingParams
+(or PoolingParams, for /v1/embeddings).
 
 Every check a request can fail before it reaches the engine happens here, so a caller either gets
 inputs the engine accepts or one ApiError naming the cause.
@@ -13,9 +14,11 @@ from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
+from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
+from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,11 +28,42 @@ if TYPE_CHECKING:
 @dataclass
 class EngineInputs:
     prompts: list[tuple[str | None, list[int]]]  # one engine request each, in choice order
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
 
     @property
     def num_prompt_tokens(self) -> int:
         return sum(len(ids) for _, ids in self.prompts)
+
+    @property
+    def num_seqs(self) -> int:
+        """Engine sequences these inputs become: prompts x best_of or n (one per prompt when pooling)."""
+        n = self.params.num_samples if isinstance(self.params, SamplingParams) else 1
+        return len(self.prompts) * n
+
+
+def check_task(req: AnyRequest, runner: str | None) -> None:
+    """An embedding request needs an engine that pools, a generation request one that generates
+    (runner None: not known here; the engine's own checks still refuse the wrong kind)."""
+    check_route_task(isinstance(req, EmbeddingRequest), runner)
+
+
+def check_route_task(embedding: bool, runner: str | None) -> None:
+    if runner is None:
+        return
+    if embedding and runner != "pooling":
+        raise ApiError(
+            "unsupported_model",
+            "this model is served to generate text (runner 'generate'): it computes no embeddings; "
+            "start it with --runner pooling to serve /v1/embeddings",
+            "model",
+        )
+    if not embedding and runner == "pooling":
+        raise ApiError(
+            "unsupported_model",
+            "this model is served for embeddings (runner 'pooling'): it does not generate text; "
+            "use /v1/embeddings",
+            "model",
+        )
 
 
 def served_names(served_name: str, model_arg: str | None = None) -> set[str]:
@@ -81,15 +115,20 @@ def check_prompt_length(
 
 
 def prepare(
-    req: OpenAIRequest,
+    req: AnyRequest,
     tokenizer: Tokenizer | None,
     max_model_len: int,
     names: Collection[str],
-    validate: Callable[[list[int], SamplingParams], None] | None = None,
+    validate: Callable[[list[int], RequestParams], None] | None = None,
+    runner: str | None = None,
 ) -> EngineInputs:
-    """Checks the model name, renders / tokenizes the prompts, checks their length and builds the
-    SamplingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt."""
+    """Checks the model name (and, given the engine's runner, that it serves this kind of request),
+    renders / tokenizes the prompts, checks their length and builds the SamplingParams or
+    PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt."""
     check_model(req.model, names)
+    check_task(req, runner)
+    if isinstance(req, EmbeddingRequest):
+        return _prepare_embedding(req, tokenizer, max_model_len, validate)
     is_chat = isinstance(req, ChatCompletionRequest)
     try:
         params = req.to_sampling_params()
@@ -109,4 +148,34 @@ def prepare(
                 validate(ids, params)
             except InvalidRequestError as e:
                 raise ApiError.from_exception(e) from None
+    return EngineInputs(prompts, params)
+
+
+def _prepare_embedding(
+    req: EmbeddingRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    validate: Callable[[list[int], RequestParams], None] | None,
+) -> EngineInputs:
+    try:
+        params = req.to_pooling_params()
+        prompts = list(
+            tokenize_for_pooling(req.input_list(), tokenizer, max_model_len, req.truncate_prompt_tokens)
+        )
+    except InvalidRequestError as e:
+        raise ApiError("invalid_request", str(e).replace("prompt ", "input ", 1), "input") from None
+    for i, (_, ids) in enumerate(prompts):
+        if len(ids) > max_model_len:
+            raise ApiError(
+                "context_length_exceeded",
+                f"this model's maximum context length is {max_model_len} tokens, but input {i} has "
+                f"{len(ids)} tokens; shorten it or set truncate_prompt_tokens",
+                "input",
+            )
+        if validate is not None:
+            try:
+                validate(ids, params)
+            except InvalidRequestError as e:
+                param = "dimensions" if "dimensions" in str(e) or "Matryoshka" in str(e) else "input"
+                raise ApiError("invalid_request", str(e), param) from None
     return EngineInputs(prompts, params)

@@ -1,4 +1,5 @@
-"""Request bodies of the OpenAI API (/v1/chat/completions, /v1/completions) as pydantic models.
+"""Request bodies of the OpenAI API (/v1/chat/completions, /v1/completions, /v1/embeddings) as pydantic
+models.
 
 Shared by `overnight run-batch` and `overnight serve`. Field names, defaults and ranges follow the OpenAI
 API, plus the sampling extras users pass to vLLM (top_k, min_p, repetition_penalty, ignore_eos,
@@ -32,6 +33,7 @@ from pydantic import (
 from overnight.entrypoints.prompts import ChatRole, render_conversation
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -457,12 +459,55 @@ class CompletionRequest(_SamplingFields):
         return out
 
 
-OpenAIRequest = ChatCompletionRequest | CompletionRequest
+class EmbeddingRequest(_Body):
+    """The body of POST /v1/embeddings: one vector per input (a string, a list of strings, token ids,
+    or a list of token-id lists)."""
+
+    model: str | None = None
+    input: str | list[str] | TokenIds | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = Field(None, ge=1)  # Matryoshka: only for models trained for it
+    user: str | None = None
+    # Extras users pass to vLLM: cut inputs to this many tokens (-1: to the context) instead of refusing
+    # the longer ones; override the model's normalization.
+    truncate_prompt_tokens: Int | None = Field(None, ge=-1)
+    normalize: Bool | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _input_not_empty(cls, v: Any) -> Any:
+        if v == "" or (isinstance(v, list) and (not v or any(x == "" or x == [] for x in v))):
+            raise ValueError("must not be empty, nor hold an empty string or list")
+        return v
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncation_is_positive(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("must be -1 (the context length) or at least 1")
+        return v
+
+    def to_pooling_params(self) -> PoolingParams:
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize)
+
+    def input_list(self) -> list[str | list[int]]:
+        """The inputs, one vector each, in order."""
+        v = self.input
+        if isinstance(v, str):
+            return [v]
+        if v and isinstance(v[0], int):
+            return [list(v)]  # type: ignore[arg-type]
+        return list(v)  # type: ignore[arg-type]
+
+
+OpenAIRequest = ChatCompletionRequest | CompletionRequest  # generation requests
+AnyRequest = OpenAIRequest | EmbeddingRequest
 
 # url -> body model; the routes run-batch accepts and the server mounts.
-ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest]] = {
+ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest] | type[EmbeddingRequest]] = {
     "/v1/chat/completions": ChatCompletionRequest,
     "/v1/completions": CompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
 }
 
 
@@ -544,7 +589,7 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return conv
 
 
-def parse_request(url: str, body: Any) -> OpenAIRequest:
+def parse_request(url: str, body: Any) -> AnyRequest:
     """The body of a request to `url`, validated. Raises ApiError: unsupported_url, or invalid_request
     with a readable message and the offending field as `param`."""
     model_cls = ROUTES.get(url)
@@ -581,6 +626,7 @@ def describe_validation_error(e: ValidationError) -> tuple[str, str | None]:
 
 _UNION_HINTS = {
     "prompt": "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
+    "input": "must be a string, a list of strings, a list of token ids, or a list of lists of token ids",
     "stop": "must be a string or a list of strings",
     "content": "must be a string or a list of text parts",
 }

@@ -30,7 +30,7 @@ from overnight.engine.stats import StatsObserver
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.loader.source import ModelSource
-from overnight.outputs import RequestOutput
+from overnight.outputs import EngineOutput, RequestOutput
 from overnight.parallel.links import (
     AbortRequests,
     AddRequest,
@@ -43,6 +43,7 @@ from overnight.parallel.links import (
     StepOutputs,
 )
 from overnight.parallel.output_codec import unpack
+from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,7 +104,9 @@ class LoadBook:
         return lost
 
 
-def request_cost(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+def request_cost(num_prompt_tokens: int, params: RequestParams, max_model_len: int) -> int:
+    if isinstance(params, PoolingParams):  # a prefill, nothing generated
+        return num_prompt_tokens
     room = max_model_len - num_prompt_tokens
     new = room if params.max_tokens is None else min(params.max_tokens, room)
     return params.num_samples * (num_prompt_tokens + new)
@@ -157,12 +160,12 @@ class DataParallelEngine:
         self._rng = random.Random(base.model.seed)
         self._stats: list[SchedulerStats | None] = [None] * n
         self._forwarding = False
-        self._carry: list[RequestOutput] = []
+        self._carry: list[EngineOutput] = []
         self._homeless: list[AddRequest] = []  # dealt while every engine was down
 
     # -- requests (the Engine's methods) ----------------------------------------------------------
 
-    def validate(self, ids: list[int], params: SamplingParams) -> None:
+    def validate(self, ids: list[int], params: RequestParams) -> None:
         """Raise InvalidRequestError if this prompt and params cannot be served: one engine's checks
         (every engine behind this front has the same model and limits)."""
         limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
@@ -172,17 +175,19 @@ class DataParallelEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: RequestParams | None = None,
         *,
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
     ) -> None:
-        params = params or SamplingParams()
+        if params is None:
+            params = PoolingParams() if self.config.model.runner == "pooling" else SamplingParams()
         if request_id in self.book.owner:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
-        if params.seed is None:  # the draw one engine would make, so outputs match one engine's
+        if isinstance(params, SamplingParams) and params.seed is None:
+            # the draw one engine would make, so outputs match one engine's
             params = replace(params, seed=self._rng.getrandbits(63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self._deal(AddRequest(request_id, list(prompt_token_ids), params, prompt, stream, arrival))
@@ -227,7 +232,7 @@ class DataParallelEngine:
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
         )
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Send buffered requests, then return the outputs that have arrived (waiting for at least
         one message while any request is unfinished)."""
         if bool(self.observers) != self._forwarding:  # observers came or went
@@ -296,7 +301,7 @@ class DataParallelEngine:
         entry = self.book.owner.get(request_id)
         return entry is not None and entry[0] == index
 
-    def _accept(self, msg: StepOutputs) -> list[RequestOutput]:
+    def _accept(self, msg: StepOutputs) -> list[EngineOutput]:
         self._stats[msg.index] = msg.stats
         accepted = []
         for out in unpack(msg.outputs, self._prompt_of):

@@ -28,7 +28,7 @@ from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.options import EngineOptions
 from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
-from overnight.sampling_params import SamplingParams
+from overnight.pooling_params import RequestParams
 
 # Builds one engine from options, in the engine's own process (the composition root's build_engine):
 # injected, so the parallel fronts never import what assembles them.
@@ -41,7 +41,7 @@ EngineFactory = Callable[[EngineOptions], EngineClient]
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: RequestParams
     prompt: str | None
     stream: bool
     arrival_time: float  # time.monotonic() is one clock for every process of the machine

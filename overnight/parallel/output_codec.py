@@ -1,4 +1,4 @@
-"""RequestOutputs as plain tuples for the pipe from an engine process to its front.
+"""Engine outputs as plain tuples for the pipe from an engine process to its front.
 
 A streaming server gets one output per running request per step: 1,024 of them a step at saturation.
 Pickled as dataclasses they cost ~20 ms a step each way (1,024 deltas, the prompt's ids in every
@@ -10,31 +10,55 @@ kept it when it sent the request, and puts it back (`prompts`).
     completion     -> (index, text, token_ids, cumulative_logprob, logprobs, finish_reason, stop_reason)
     logprobs       -> per token: ((token_id, logprob, rank, decoded_token), ...) or None
     prompt_lps     -> the same per prompt token (None for the first), or None when not asked
+    PoolingRequestOutput -> (request_id, vector, num_cached_tokens, metrics): four fields, not seven
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from overnight.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, SampleLogprobs
+from overnight.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+)
 
 PackedOutput = tuple
 
 
-def pack(outputs: list[RequestOutput]) -> list[PackedOutput]:
-    return [_pack_one(o) for o in outputs]
+def pack(outputs: list[EngineOutput]) -> list[PackedOutput]:
+    return [_pack_pooled(o) if isinstance(o, PoolingRequestOutput) else _pack_one(o) for o in outputs]
 
 
 def unpack(
     packed: list[PackedOutput], prompts: Callable[[str], tuple[str | None, list[int]] | None]
-) -> list[RequestOutput]:
+) -> list[EngineOutput]:
     """prompts(request_id): the (prompt text, prompt token ids) the front sent, or None when it
     forgot the request (aborted meanwhile): such outputs are dropped."""
-    out = []
-    for rid, finished, delta, cached, metrics, comps, prompt_lps in packed:
-        prompt = prompts(rid)
+    out: list[EngineOutput] = []
+    for item in packed:
+        prompt = prompts(item[0])
         if prompt is None:
             continue
+        if len(item) == 4:
+            rid, vector, cached, metrics = item
+            out.append(
+                PoolingRequestOutput(
+                    request_id=rid,
+                    prompt=prompt[0],
+                    prompt_token_ids=prompt[1],
+                    outputs=PoolingOutput(vector),
+                    metrics=_metrics(metrics),
+                    num_cached_tokens=cached,
+                )
+            )
+            continue
+        rid, finished, delta, cached, metrics, comps, prompt_lps = item
         out.append(
             RequestOutput(
                 request_id=rid,
@@ -42,7 +66,7 @@ def unpack(
                 prompt_token_ids=prompt[1],
                 outputs=[_unpack_completion(c) for c in comps],
                 finished=finished,
-                metrics=RequestMetrics(*metrics) if metrics is not None else None,
+                metrics=_metrics(metrics),
                 num_cached_tokens=cached,
                 delta=delta,
                 prompt_logprobs=None if prompt_lps is None else [_unpack_logprobs(p) for p in prompt_lps],
@@ -51,13 +75,22 @@ def unpack(
     return out
 
 
+def _pack_metrics(m: RequestMetrics | None) -> tuple | None:
+    if m is None:
+        return None
+    return (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time)
+
+
+def _metrics(packed: tuple | None) -> RequestMetrics | None:
+    return RequestMetrics(*packed) if packed is not None else None
+
+
+def _pack_pooled(o: PoolingRequestOutput) -> PackedOutput:
+    return (o.request_id, o.outputs.data, o.num_cached_tokens, _pack_metrics(o.metrics))
+
+
 def _pack_one(o: RequestOutput) -> PackedOutput:
-    m = o.metrics
-    metrics = (
-        None
-        if m is None
-        else (m.arrival_time, m.first_scheduled_time, m.first_token_time, m.last_token_time, m.finished_time)
-    )
+    metrics = _pack_metrics(o.metrics)
     comps = [
         (
             c.index,

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
@@ -23,12 +24,13 @@ from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers, build_sampling_batch
+from overnight.runner.pooler import ChunkedPooler, PooledStep
 from overnight.runner.prompt_logprobs import (
     PendingPromptLogprobs,
     compute_prompt_logprobs,
     wants_prompt_logprobs,
 )
-from overnight.runner.request_state import RequestStates, RunnerRequest
+from overnight.runner.request_state import RequestStates, RunnerRequest, ScheduledRequest
 from overnight.runner.sampler import SampledLogprobs, Sampler, TokenMask
 
 if TYPE_CHECKING:
@@ -102,8 +104,13 @@ class ModelRunner:
         if model is None:
             from overnight.loader.model_loader import load_model
 
-            model = load_model(source, config.model.dtype, self.device, seed=config.model.seed)
+            model = load_model(
+                source, config.model.dtype, self.device, seed=config.model.seed, runner=config.model.runner
+            )
         self.model = model
+        # A pooling runner turns each prompt into one vector instead of sampling tokens.
+        pooler_config = config.model.pooler if config.model.runner == "pooling" else None
+        self.pooler = ChunkedPooler(pooler_config, self.device) if pooler_config else None
         self.backend = make_attention_backend(config, self.device)
         self.sampler = Sampler()
         sched = config.scheduler
@@ -200,8 +207,8 @@ class ModelRunner:
         ]
 
     def capture_graphs(self) -> None:
-        if not self.is_cuda or self.config.runner.enforce_eager:
-            return
+        if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
+            return  # graphs serve decode steps, which pooling never runs
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
@@ -222,8 +229,10 @@ class ModelRunner:
         return self.launch(out).result()
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> StepHandle:
+    def launch(self, out: SchedulerOutput) -> StepHandle | PooledStep:
         scheduled = self.states.apply(out)
+        if self.pooler is not None:
+            self.pooler.drop(out.finished_req_ids)
         if not scheduled:
             return StepHandle(self, [], None, None, None, ModelRunnerOutput([], []))
         sampled = self.states.begin(scheduled)
@@ -239,6 +248,9 @@ class ModelRunner:
         else:
             attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
+        if self.pooler is not None:
+            assert inputs.meta.query_start_loc_cpu is not None
+            return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)
         req_ids = [r.req_id for r in sampled]
         prompt_lps = None
         if not decode_only and wants_prompt_logprobs(scheduled):
@@ -289,6 +301,14 @@ class ModelRunner:
         mask = self.grammar_mask.build(sampled)
         return mask, t1 - t0, time.perf_counter() - t1
 
+    def _pool(
+        self, scheduled: list[ScheduledRequest], hidden: torch.Tensor, query_start_loc: torch.Tensor
+    ) -> PooledStep:
+        assert self.pooler is not None
+        qsl = query_start_loc.numpy()[: len(scheduled) + 1].astype(np.int64)
+        finished, rows = self.pooler.pool(scheduled, hidden, qsl)
+        return PooledStep.launch(finished, rows)
+
     def _finish(self, handle: StepHandle) -> ModelRunnerOutput:
         if handle.event is not None:
             handle.event.synchronize()
@@ -333,11 +353,13 @@ class ModelRunner:
         pos = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
         hidden = self.model(ids, pos, AttentionBatch(meta, caches, self.backend, self.kv_scales))
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
-        logits = self.model.compute_logits(hidden[rows]).float()
-        logits.log_softmax(dim=-1)
+        if self.pooler is None:  # a pooling runner computes no logits
+            logits = self.model.compute_logits(hidden[rows]).float()
+            logits.log_softmax(dim=-1)
+            del logits
         # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        del hidden, logits, caches
+        del hidden, caches
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - cache_bytes

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
+from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +48,7 @@ class RunnerRequest:
     # Structured outputs: the grammar matcher (runner/grammar_mask.py), made when first sampled. A
     # preempted request's state is dropped with it; the new state's matcher replays the outputs.
     guide: Guide | None = None
+    pooling: PoolingParams | None = None  # a pooling request (its "sample" is the pooled vector)
 
     @property
     def num_output_tokens(self) -> int:
@@ -107,6 +109,7 @@ class RequestStates:
                 slot=self._free_slots.pop(),
                 num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
+                pooling=new.pooling,
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st

@@ -1,6 +1,7 @@
 """The HTTP app: routes, API-key check, error shapes, and the engine thread's lifetime.
 
 POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
+POST /v1/embeddings                           OpenAI schema, for a model served with runner pooling
 GET  /v1/models, /v1/models/{id}              the one model served
 POST /tokenize, /detokenize                   text or messages -> token ids -> text, as vLLM spells them
 GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
@@ -27,9 +28,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from overnight import __version__
 from overnight.metrics.prometheus import PrometheusObserver
-from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from overnight.openai_api.inputs import check_route_task
+from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from overnight.openai_api.tokenize import detokenize, tokenize
 from overnight.server.async_engine import AsyncEngine
+from overnight.server.embeddings import OpenAIServingEmbedding
 from overnight.server.errors import (
     EXCEPTION_HANDLERS,
     HttpError,
@@ -70,16 +73,25 @@ def build_app(
         redoc_url=None,
     )
     serving = OpenAIServing(engine, config)
+    embeddings = OpenAIServingEmbedding(engine, config)
     created = int(time.time())
     core = engine.engine
+    runner = core.config.model.runner  # the routes of the other kind answer 400, naming the right one
 
     @app.post("/v1/chat/completions", openapi_extra=_body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
+        check_route_task(False, runner)
         return await serving.handle("/v1/chat/completions", request)
 
     @app.post("/v1/completions", openapi_extra=_body_schema(CompletionRequest))
     async def completions(request: Request) -> Response:
+        check_route_task(False, runner)
         return await serving.handle("/v1/completions", request)
+
+    @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
+    async def create_embeddings(request: Request) -> Response:
+        check_route_task(True, runner)
+        return await embeddings.handle(request)
 
     def model_card() -> dict[str, Any]:
         return {
@@ -209,7 +221,12 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         _, defs = models_json_schema(
-            [(ChatCompletionRequest, "validation"), (CompletionRequest, "validation")], ref_template=_REF
+            [
+                (ChatCompletionRequest, "validation"),
+                (CompletionRequest, "validation"),
+                (EmbeddingRequest, "validation"),
+            ],
+            ref_template=_REF,
         )
         schema.setdefault("components", {}).setdefault("schemas", {}).update(defs.get("$defs", {}))
         app.openapi_schema = schema

@@ -27,7 +27,8 @@ from overnight.engine.interfaces import EngineClient
 from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
 from overnight.metrics.prometheus import PrometheusObserver
-from overnight.outputs import RequestOutput
+from overnight.outputs import EngineOutput
+from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.server.deltas import coalesce
 
@@ -38,7 +39,7 @@ log = logging.getLogger("overnight.server")
 class AddRequest:
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: RequestParams
     prompt: str | None
     stream: bool
     arrival_time: float
@@ -108,10 +109,10 @@ class AsyncEngine:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: RequestParams,
         prompt: str | None = None,
         stream: bool = True,
-    ) -> AsyncGenerator[RequestOutput]:
+    ) -> AsyncGenerator[EngineOutput]:
         """Outputs of one request until it finishes: deltas when stream, else only the final one."""
         prompts = [(request_id, prompt, prompt_token_ids)]
         async with aclosing(self.generate_many(prompts, params, stream)) as outputs:
@@ -121,11 +122,12 @@ class AsyncEngine:
     async def generate_many(
         self,
         prompts: list[PromptSpec],
-        params: SamplingParams,
+        params: RequestParams,
         stream: bool = True,
-    ) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    ) -> AsyncGenerator[tuple[int, EngineOutput]]:
         """(index in `prompts`, output) for several requests (request id, text, token ids) sharing params,
-        in the order outputs arrive, until all have finished.
+        in the order outputs arrive, until all have finished (RequestOutputs for SamplingParams,
+        one PoolingRequestOutput each for PoolingParams).
 
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
@@ -137,9 +139,9 @@ class AsyncEngine:
     async def generate_batches(
         self,
         prompts: list[PromptSpec],
-        params: SamplingParams,
+        params: RequestParams,
         stream: bool = True,
-    ) -> AsyncGenerator[list[tuple[int, RequestOutput]]]:
+    ) -> AsyncGenerator[list[tuple[int, EngineOutput]]]:
         """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
         per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
         behind the engine thus sends fewer, larger chunks instead of falling further behind."""
@@ -147,7 +149,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
-        q: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        q: asyncio.Queue[tuple[int, EngineOutput | BaseException]] = asyncio.Queue()
         now = time.monotonic()
         unfinished: set[str] = set()
         for index, (request_id, text, ids) in enumerate(prompts):
@@ -162,7 +164,7 @@ class AsyncEngine:
                 error = next((item for _, item in waiting if isinstance(item, BaseException)), None)
                 if error is not None:  # what came before it is still delivered
                     waiting = waiting[: next(i for i, (_, item) in enumerate(waiting) if item is error)]
-                batch: list[tuple[int, RequestOutput]] = coalesce(waiting)  # type: ignore[arg-type]
+                batch = coalesce(waiting)  # type: ignore[arg-type]  # (the errors were cut off above)
                 for _, out in batch:
                     if out.finished:
                         unfinished.discard(out.request_id)
@@ -179,7 +181,7 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(AbortRequest(request_id))
 
-    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _deliver(self, items: list[tuple[str, EngineOutput | BaseException]]) -> None:
         for request_id, item in items:
             target = self._streams.get(request_id)
             if target is not None:  # else the handler already left (it sent the abort)
@@ -198,7 +200,7 @@ class AsyncEngine:
             stop = False
             while not stop:
                 idle = not engine.has_unfinished_requests()
-                replies: list[tuple[str, RequestOutput | BaseException]] = []
+                replies: list[tuple[str, EngineOutput | BaseException]] = []
                 stop = self._apply(self._take_commands(block=idle), replies)
                 if not stop and engine.has_unfinished_requests():
                     for out in engine.step():
@@ -224,7 +226,7 @@ class AsyncEngine:
                 return commands
 
     def _apply(
-        self, commands: list[Command], replies: list[tuple[str, RequestOutput | BaseException]]
+        self, commands: list[Command], replies: list[tuple[str, EngineOutput | BaseException]]
     ) -> bool:
         """Returns True on Stop (after aborting everything left)."""
         engine = self.engine
@@ -239,7 +241,9 @@ class AsyncEngine:
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
                     )
-                    self._live[cmd.request_id] = cmd.params.n
+                    # what an abort ends, for the aborted-requests counter (a pooled prompt is one)
+                    params = cmd.params
+                    self._live[cmd.request_id] = params.n if isinstance(params, SamplingParams) else 1
                 except Exception as e:  # noqa: BLE001 - handlers validate first; this is the backstop
                     replies.append((cmd.request_id, e))
             elif isinstance(cmd, AbortRequest):
@@ -250,7 +254,7 @@ class AsyncEngine:
                 return True
         return False
 
-    def _abort(self, request_id: str, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _abort(self, request_id: str, replies: list[tuple[str, EngineOutput | BaseException]]) -> None:
         n = self._live.pop(request_id, 0)
         final = self.engine.abort_request(request_id)
         if final is None:  # already finished, never added, or a front that keeps no outputs
@@ -261,7 +265,7 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.record_aborted(sum(c.finish_reason == "abort" for c in final.outputs))
 
-    def _publish(self, replies: list[tuple[str, RequestOutput | BaseException]]) -> None:
+    def _publish(self, replies: list[tuple[str, EngineOutput | BaseException]]) -> None:
         stats = self.engine.stats()
         self.stats = stats
         if self.metrics is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from overnight.outputs import CompletionOutput, RequestOutput
+from overnight.outputs import CompletionOutput, EngineOutput, RequestOutput
 
 
 def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
@@ -23,13 +23,17 @@ def merge(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
     return replace(newer, outputs=sorted(by_index.values(), key=lambda c: c.index))
 
 
-def coalesce(items: list[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+def coalesce(items: list[tuple[int, EngineOutput]]) -> list[tuple[int, EngineOutput]]:
     """(prompt index, output) pairs in arrival order -> one pair per prompt index, deltas merged,
-    in the order each index first appeared. Whole (non-delta) outputs pass as they are."""
-    merged: dict[int, RequestOutput] = {}
+    in the order each index first appeared. Whole (non-delta) outputs and pooled vectors (one per
+    request) pass as they are."""
+    merged: dict[int, EngineOutput] = {}
     for index, out in items:
         before = merged.get(index)
-        merged[index] = out if before is None or not out.delta else merge(before, out)
+        if isinstance(before, RequestOutput) and isinstance(out, RequestOutput) and out.delta:
+            merged[index] = merge(before, out)
+        else:
+            merged[index] = out
     return list(merged.items())
 
 

@@ -22,7 +22,12 @@ from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.openai_api.convert import ChatStream, CompletionStream, new_id, response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
-from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest, parse_request
+from overnight.openai_api.protocol import (
+    ChatCompletionRequest,
+    EmbeddingRequest,
+    OpenAIRequest,
+    parse_request,
+)
 from overnight.outputs import RequestOutput
 from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine, PromptSpec
@@ -51,8 +56,10 @@ class OpenAIServing:
         # Parsing, the chat template and tokenizing take time that grows with the body (seconds for a
         # prompt of megabytes): off the event loop, so /health and the streams keep their pace.
         req = await asyncio.to_thread(lambda: parse_request(url, decode_json(raw)))
+        assert not isinstance(req, EmbeddingRequest), "/v1/embeddings is served by server/embeddings.py"
         self._check_capacity()
         inputs = await asyncio.to_thread(self._prepare, req)
+        assert isinstance(inputs.params, SamplingParams)  # a generation request's
         is_chat = isinstance(req, ChatCompletionRequest)
         response_id = new_id("chatcmpl" if is_chat else "cmpl")
         prompts = [
@@ -112,6 +119,7 @@ class OpenAIServing:
             results: list[RequestOutput | None] = [None] * len(prompts)
             async with aclosing(self.engine.generate_many(prompts, params, stream=False)) as outputs:
                 async for index, out in outputs:
+                    assert isinstance(out, RequestOutput)  # generation requests
                     results[index] = out
             return [r for r in results if r is not None]
 
@@ -155,6 +163,7 @@ class OpenAIServing:
                     # What waited since the last wake-up goes out in one write (one send call).
                     events: list[str] = []
                     for index, delta in batch:
+                        assert isinstance(delta, RequestOutput)  # generation requests
                         if chat is not None:
                             chunks = chat.chunks(delta)
                         else:

@@ -42,6 +42,26 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    @property
+    def truncation_side(self) -> str:
+        """Which end truncation cuts ("right" keeps a prompt's start)."""
+        return getattr(self.hf, "truncation_side", "right")
+
+    def encode_batch(
+        self, texts: list[str], add_special_tokens: bool = True, max_length: int | None = None
+    ) -> list[list[int]]:
+        """Many texts at once (the Rust tokenizer spreads them over threads); with max_length, each is
+        cut to that many tokens on the truncation side, special tokens kept."""
+        enc = self.hf(
+            texts,
+            add_special_tokens=add_special_tokens,
+            truncation=max_length is not None,
+            max_length=max_length,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return [list(ids) for ids in enc["input_ids"]]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

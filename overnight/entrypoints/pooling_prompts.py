@@ -1,0 +1,96 @@
+"""Prompts of pooling requests as token ids: strings tokenized many at a time (the Rust tokenizer
+batches them), and the truncation rule: a prompt longer than the model's context is refused unless
+truncate_prompt_tokens asks for it to be cut (-1: to max_model_len), as vLLM does.
+
+Truncation cuts on the tokenizer's truncation side (the end, for most), keeping the special tokens the
+tokenizer adds (BERT's [CLS] ... [SEP], an embedding model's closing EOS); token-id prompts are cut on
+the same side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from overnight.entrypoints.prompts import PromptType, tokenize_prompt
+from overnight.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from overnight.tokenizer.tokenizer import Tokenizer
+
+# Strings tokenized per call: large enough to spread over the tokenizer's threads, small enough that a
+# streamed input is not held.
+TOKENIZE_CHUNK = 512
+
+
+def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The length prompts are cut to, or None (no cut: too long is an error)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if k == -1:
+        return max_model_len
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise InvalidRequestError(f"truncate_prompt_tokens must be -1 or an integer >= 1, got {k!r}")
+    if k > max_model_len:
+        raise InvalidRequestError(
+            f"truncate_prompt_tokens ({k}) is more than this model's maximum context length ({max_model_len})"
+        )
+    return k
+
+
+def truncate_ids(ids: list[int], length: int | None, side: str = "right") -> list[int]:
+    if length is None or len(ids) <= length:
+        return ids
+    return ids[:length] if side == "right" else ids[len(ids) - length :]
+
+
+def tokenize_for_pooling(
+    prompts: Iterable[PromptType],
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    truncate_prompt_tokens: int | None = None,
+) -> Iterator[tuple[str | None, list[int]]]:
+    """(text, token ids) of each prompt, in order, read lazily. An unreadable prompt raises
+    InvalidRequestError naming its index."""
+    length = truncation_length(truncate_prompt_tokens, max_model_len)
+    side = tokenizer.truncation_side if tokenizer is not None else "right"
+    chunk: list[PromptType] = []
+    start = 0
+    for prompt in prompts:
+        chunk.append(prompt)
+        if len(chunk) == TOKENIZE_CHUNK:
+            yield from _tokenize_chunk(chunk, start, tokenizer, length, side)
+            start += len(chunk)
+            chunk = []
+    yield from _tokenize_chunk(chunk, start, tokenizer, length, side)
+
+
+def _tokenize_chunk(
+    chunk: list[PromptType], start: int, tokenizer: Tokenizer | None, length: int | None, side: str
+) -> Iterator[tuple[str | None, list[int]]]:
+    texts = [_text_of(p) for p in chunk]
+    to_encode = [t for t in texts if t is not None]
+    encoded = iter(tokenizer.encode_batch(to_encode, max_length=length) if to_encode and tokenizer else [])
+    for i, (prompt, text) in enumerate(zip(chunk, texts)):
+        try:
+            if text is not None and tokenizer is not None:
+                yield text, next(encoded)
+                continue
+            text, ids = tokenize_prompt(prompt, tokenizer)  # token ids, or the error that names the form
+            yield text, truncate_ids(ids, length, side)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"prompt {start + i}: {e}") from None
+
+
+def _text_of(prompt: PromptType) -> str | None:
+    """The text to tokenize, for a prompt given as text (a string, or a dict with only "prompt")."""
+    if isinstance(prompt, str):
+        return prompt
+    if (
+        isinstance(prompt, dict)
+        and "prompt_token_ids" not in prompt
+        and isinstance(prompt.get("prompt"), str)
+    ):
+        return prompt["prompt"]
+    return None

@@ -1,0 +1,113 @@
+"""A pooling model's own pooling, read from its folder: the sentence-transformers files, and the
+Matryoshka sizes of its config.json.
+
+    modules.json                    [Transformer, Pooling (path 1_Pooling), Normalize?]
+    1_Pooling/config.json           pooling_mode: "lasttoken" | "mean" | "cls" (sentence-transformers 6),
+                                    or pooling_mode_{lasttoken,mean_tokens,cls_token}: true (earlier)
+    config.json                     is_matryoshka / matryoshka_dimensions (optional)
+
+A folder without modules.json pools as its kind usually does: the CLS token for encoders (BERT), the
+last token for decoders (Qwen3-Embedding), normalized. Modules that would change the vector and are not
+implemented here (Dense, LayerNorm, ...) are refused rather than skipped: skipping them would give
+vectors that look right and are not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from overnight.config import PoolerConfig
+from overnight.errors import ModelLoadError
+from overnight.loader.source import ModelSource
+
+_MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
+_LEGACY_MODES = {
+    "pooling_mode_lasttoken": "lasttoken",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max",
+    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
+# Modules that leave the vector as the Transformer and Pooling modules made it.
+_NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
+
+
+def default_pooling_type(source: ModelSource) -> str:
+    return "CLS" if source.arch.is_encoder else "LAST"
+
+
+def read_pooler_config(source: ModelSource, pooling_type: str | None = None) -> PoolerConfig:
+    """The pooling `source` declares (see the module docstring), with `pooling_type` (the option) in
+    place of its own; raises ModelLoadError for files it cannot honour."""
+    folder = source.path if os.path.isdir(source.path) else None
+    if folder is None:  # a preset or a GGUF file: no sentence-transformers files
+        return PoolerConfig(pooling_type or default_pooling_type(source), normalize=True)
+    declared, normalize = _sentence_transformers(folder, parse_mode=pooling_type is None)
+    pooling_type = pooling_type or declared
+    is_matryoshka, dims = _matryoshka(folder)
+    return PoolerConfig(
+        pooling_type or default_pooling_type(source),
+        normalize=normalize,
+        is_matryoshka=is_matryoshka,
+        matryoshka_dimensions=dims,
+    )
+
+
+def _sentence_transformers(folder: str, parse_mode: bool) -> tuple[str | None, bool]:
+    """(pooling type or None, normalize) from modules.json; (None, True) without one."""
+    modules = _read(os.path.join(folder, "modules.json"))
+    if modules is None:
+        return None, True
+    if not isinstance(modules, list):
+        raise ModelLoadError(f"{folder}/modules.json is not a list of modules")
+    pooling_type = None
+    normalize = False
+    for module in modules:
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1]
+        if kind not in _NEUTRAL_MODULES:
+            raise ModelLoadError(
+                f"{folder}: the sentence-transformers module {module.get('type')!r} is not supported "
+                f"(supported: {', '.join(_NEUTRAL_MODULES)})"
+            )
+        if kind == "Normalize":
+            normalize = True
+        elif kind == "Pooling" and parse_mode:
+            config = _read(os.path.join(folder, str(module.get("path", "")), "config.json")) or {}
+            pooling_type = _pooling_mode(folder, config)
+    return pooling_type, normalize
+
+
+def _pooling_mode(folder: str, config: dict[str, Any]) -> str:
+    mode = config.get("pooling_mode")
+    if mode is None:  # before sentence-transformers 6: one boolean per mode
+        modes = [name for key, name in _LEGACY_MODES.items() if config.get(key)]
+        mode = modes[0] if len(modes) == 1 else modes
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if not isinstance(mode, str) or mode not in _MODES:
+        raise ModelLoadError(
+            f"{folder}: sentence-transformers pooling {mode!r} is not supported "
+            f"(supported: {', '.join(_MODES)}); choose one with --pooling-type"
+        )
+    return _MODES[mode]
+
+
+def _matryoshka(folder: str) -> tuple[bool, tuple[int, ...] | None]:
+    config = _read(os.path.join(folder, "config.json")) or {}
+    dims = config.get("matryoshka_dimensions")
+    if dims:
+        return True, tuple(sorted(int(d) for d in dims))
+    return bool(config.get("is_matryoshka", False)), None
+
+
+def _read(path: str) -> Any:
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
