@@ -123,10 +123,19 @@ def _replica_pids() -> list[int]:
     ]
 
 
+def _count_lines(path) -> int:
+    try:
+        return path.read_bytes().count(b"\n")
+    except FileNotFoundError:  # not yet written, or the spill removed at the end
+        return 0
+
+
 def _kill_a_replica_when(output, num_lines: int, killed: list[int], stop: threading.Event) -> None:
-    """Once the output holds num_lines lines, SIGKILL one replica's process."""
+    """Once num_lines lines have finished, SIGKILL one replica's process. Finished lines are in the
+    output or, while an earlier line still runs, in its spill (--order input keeps input order)."""
+    spill = output.with_name(output.name + ".spill")
     while not stop.is_set():
-        lines = output.read_bytes().count(b"\n") if output.exists() else 0
+        lines = sum(_count_lines(f) for f in (output, spill))
         pids = _replica_pids()
         if lines >= num_lines and pids:
             os.kill(pids[0], signal.SIGKILL)
