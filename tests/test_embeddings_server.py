@@ -106,3 +106,21 @@ def test_a_generation_server_refuses_embeddings(tmp_path):
         with pytest.raises(openai.BadRequestError, match="--runner pooling") as info:
             client.embeddings.create(model="tiny-qwen3", input=[[5, 6]])
         assert info.value.code == "unsupported_model"
+
+
+def test_embeddings_through_the_engine_process(folder, client):
+    """`overnight serve` steps its engine in a process of its own by default: pooled vectors cross the
+    pipe packed (parallel/output_codec.py) and come out equal to the in-process server's."""
+    llm = LLM(str(folder), runner="pooling", mode="server", max_num_batched_tokens=16, engine_process=True)
+    try:
+        with BackgroundServer(make_app(llm.engine, ServerOptions(), model_arg=str(folder))) as s:
+            other = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+            model = other.models.list().data[0].id
+            got = as_tensor(other.embeddings.create(model=model, input=TEXTS, encoding_format="float"))
+            with pytest.raises(openai.BadRequestError, match="dimensions"):
+                other.embeddings.create(model=model, input="a dog", dimensions=100)
+    finally:
+        llm.engine.shutdown()
+    ref_model = client.models.list().data[0].id
+    want = as_tensor(client.embeddings.create(model=ref_model, input=TEXTS, encoding_format="float"))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
