@@ -1,6 +1,7 @@
 """The quantization pass: FP8 linear layers put into a built model from outside, as tensor parallelism is.
 
-quantize_model replaces every nn.Linear but the LM head with an Fp8Linear of the same shape (on the
+quantize_model replaces every nn.Linear but the LM head (and those a model keeps in the compute dtype,
+its `unquantized_linear`: a MoE router) with an Fp8Linear of the same shape (on the
 meta device when the model is shape-only, else holding the linear's weights quantized), then lets the
 kernels that produce those layers' inputs quantize their outputs themselves. A model declares which
 modules those are, per decoder layer, as `linear_input_producers` (producer -> the one linear layer
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from overnight.quant.linear import Fp8Linear
-from overnight.quant.scheme import QuantScheme
+from overnight.quant.scheme import QuantScheme, module_matches
 
 LM_HEAD = "lm_head"  # stays in the compute dtype, as do the embeddings (not nn.Linear)
 
@@ -47,10 +48,13 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     """Make `model`'s linear layers FP8 in place (see the module docstring) and return it. A fused
     layer stays in the compute dtype only when the scheme ignores every checkpoint part of it."""
     mapping = getattr(model, "packed_modules_mapping", {})
+    kept = getattr(model, "unquantized_linear", ())
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD:
             continue
-        if all(scheme.ignores(part) for part in checkpoint_modules(name, mapping)):
+        if module_matches(name, kept) or all(
+            scheme.ignores(part) for part in checkpoint_modules(name, mapping)
+        ):
             continue
         _set_module(model, name, Fp8Linear.replacing(module, scheme.block_k))
     _set_producers(model, True)

@@ -12,8 +12,10 @@ it fuses their weights (each shard keeps its own rows of scales):
     e4m3 + one scale per row ([N] or [N, 1])     as is                    repeated per block
     e4m3 + block grid [N / bn, K / bk]           requantized per row      grid rows repeated bn times
 
-A weight and its scale may arrive in either order (or different files): the first is held until the
-second comes. input_scale tensors are checked (positive, finite) and dropped (quant/scheme.py says why).
+Layers a model keeps in the compute dtype but that FP8 checkpoints store in FP8 (its
+`dequantized_at_load`: Qwen3-MoE's stacked experts) get their weights dequantized with their scales
+here, in float32. A weight and its scale may arrive in either order (or different files): the first is
+held until the second comes. input_scale tensors are checked (positive, finite) and dropped (quant/scheme.py says why).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from overnight.quant.fp8 import (
     quantize_weight,
     quantize_weight_per_channel,
 )
-from overnight.quant.scheme import QuantScheme
+from overnight.quant.scheme import QuantScheme, module_matches
 
 _FP8_TYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 
@@ -45,10 +47,31 @@ def fp8_checkpoint_weights(
     its scale (or the reverse), a scale of the wrong shape, or an FP8 tensor for a layer kept in the
     compute dtype."""
     layouts = quantized_checkpoint_modules(model)
+    dequantized = getattr(model, "dequantized_at_load", ())
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
-        if module not in layouts:
+        if (
+            module not in layouts
+            and kind in ("weight", scheme.scale_name, "input_scale")
+            and module_matches(module, dequantized)
+        ):
+            # An FP8 tensor of a layer the model runs in the compute dtype (MoE experts): dequantized with
+            # its scale, whichever arrives second; a float one passes as it is.
+            if kind == "input_scale":
+                _check_input_scale(name, tensor)
+                continue
+            if kind == "weight" and tensor.dtype not in _FP8_TYPES:
+                yield name, tensor
+                continue
+            parts = pending.setdefault(module, {})
+            parts[kind] = tensor
+            if "weight" in parts and scheme.scale_name in parts:
+                del pending[module]
+                block_k = scheme.weight_block[1] if scheme.weight_block is not None else None
+                data, scale = _to_layout(module, parts["weight"], parts[scheme.scale_name], block_k, scheme)
+                yield f"{module}.weight", dequantize_weight(data, scale)
+        elif module not in layouts:
             if tensor.dtype in _FP8_TYPES:
                 raise ModelLoadError(
                     f"checkpoint tensor {name} is FP8, but {module or name} is not an FP8 layer here "

@@ -52,13 +52,7 @@ class QuantScheme:
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint leaves `module` (e.g. model.layers.0.mlp.down_proj) unquantized."""
-        for entry in self.ignore:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], module):
-                    return True
-            elif module == entry or module.endswith("." + entry):
-                return True
-        return False
+        return module_matches(module, self.ignore)
 
     def describe(self) -> str:
         if not self.prequantized:
@@ -70,6 +64,18 @@ class QuantScheme:
             layout = f"kept as {bk}-column blocks" if self.keep_blocks else "requantized per output channel"
             weights = f"FP8 checkpoint with {bn}x{bk} blocks, {layout}"
         return f"fp8 e4m3 weights ({weights}), activations quantized per token"
+
+
+def module_matches(module: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a module name matches one of `patterns`: a name or dotted suffix of one
+    ("mlp.gate" matches model.layers.3.mlp.gate), or "re:" and a regular expression of the whole name."""
+    for entry in patterns:
+        if entry.startswith("re:"):
+            if re.match(entry[3:], module):
+                return True
+        elif module == entry or module.endswith("." + entry):
+            return True
+    return False
 
 
 def resolve_quantization(option: str | None, checkpoint: QuantScheme | None) -> QuantScheme | None:
