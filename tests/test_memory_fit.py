@@ -62,3 +62,22 @@ def test_llm_stops_before_any_weight_is_allocated(monkeypatch):
     monkeypatch.setattr(fit, "available_memory_bytes", lambda device: 2 * GIB)
     with pytest.raises(ConfigError, match="qwen3-8b does not fit"):
         LLM("qwen3-8b", load_format="dummy", device="cpu")
+
+
+def test_fp8_weights_are_counted_and_suggested_on_hopper(monkeypatch):
+    arch = qwen3_8b()
+    fp8 = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
+    # the projections take a byte each (plus a scale per row); embeddings and the LM head stay bf16
+    assert 0.5 * fit.weight_bytes(arch, torch.bfloat16) < fp8 < 0.65 * fit.weight_bytes(arch, torch.bfloat16)
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: 12 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(ConfigError) as info:
+        fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b")
+    assert f"--quantization fp8 ({fp8 / GIB:.1f} GiB)" in str(info.value)
+    fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b", fp8_linear=True)  # fits as FP8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # no FP8 cores
+    with pytest.raises(ConfigError) as info:
+        fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b")
+    assert "--quantization" not in str(info.value)

@@ -71,22 +71,30 @@ def check_weights_fit(
             f"{model} does not fit: {what}its weights take {share / GIB:.1f} GiB in "
             f"{str(dtype).removeprefix('torch.')}{' with FP8 projections' if fp8_linear else ''} "
             f"({arch.num_parameters() / 1e9:.2f} B parameters), but "
-            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp)}"
+            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp, fp8_linear)}"
         )
 
 
-def _what_fits(arch: ModelArch, dtype: torch.dtype, device: torch.device, free: int, tp: int) -> str:
+def _what_fits(
+    arch: ModelArch, dtype: torch.dtype, device: torch.device, free: int, tp: int, fp8_linear: bool
+) -> str:
     options = [
-        f"--dtype {str(d).removeprefix('torch.')} ({weight_bytes(arch, d) / tp / GIB:.1f} GiB)"
+        f"--dtype {str(d).removeprefix('torch.')} ({weight_bytes(arch, d, fp8_linear) / tp / GIB:.1f} GiB)"
         for d in _SMALLER_DTYPES
-        if d.itemsize < dtype.itemsize and weight_bytes(arch, d) / tp <= free
+        if d.itemsize < dtype.itemsize and weight_bytes(arch, d, fp8_linear) / tp <= free
     ]
+    if device.type == "cuda" and not fp8_linear and torch.cuda.get_device_capability(device) >= (8, 9):
+        fp8 = weight_bytes(arch, dtype, True) / tp
+        if fp8 <= free:  # FP8 projections (quant/): Ada and Hopper GPUs have the tensor cores for them
+            options.append(f"--quantization fp8 ({fp8 / GIB:.1f} GiB)")
     if device.type == "cuda":
         gpus = torch.cuda.device_count()
         fits = [
             k
             for k in (2, 4, 8)
-            if tp < k <= gpus and arch.num_attention_heads % k == 0 and weight_bytes(arch, dtype) / k <= free
+            if tp < k <= gpus
+            and arch.num_attention_heads % k == 0
+            and weight_bytes(arch, dtype, fp8_linear) / k <= free
         ]
         if fits:
             options.append(f"--tensor-parallel-size {fits[0]} (of the {gpus} GPUs here)")
