@@ -14,8 +14,9 @@
        embed-128-512   8,192 prompts of 128 to 512 tokens
        embed-16-128   16,384 prompts of 16 to 128 tokens (host-bound: many small requests)
    Timed: one LLM.encode call over the whole list after a warm-up; SM clock sampled during it.
-   vLLM's counterpart (the lead runs it separately): LLM(model=<a Qwen3-0.6B config folder>,
-   runner="pooling", load_format="dummy").embed([{"prompt_token_ids": ids} ...]) on the same ids.
+   vLLM's counterpart, bench/embed_vllm.py (run it first in the same call, then this with
+   --throughput-only): LLM(model=<a Qwen3-0.6B config folder>, runner="pooling",
+   load_format="dummy").embed([{"prompt_token_ids": ids} ...]) on the same ids.
 
 Prints a table, then one JSON line. Exit status 1 if the correctness check fails. `--smoke` runs the same
 code on the CPU with a 2-layer model and small workloads (a check of the script, not a measurement).
@@ -232,21 +233,31 @@ def main() -> int:
     parser.add_argument(
         "--smoke", action="store_true", help="CPU, tiny model and workloads: checks the script"
     )
-    SMOKE = parser.parse_args().smoke
+    parser.add_argument(
+        "--throughput-only",
+        action="store_true",
+        help="skip the correctness checks (for a call that runs bench/embed_vllm.py beside it; not with --smoke)",
+    )
+    args = parser.parse_args()
+    if args.smoke and args.throughput_only:
+        parser.error("--smoke builds its model in the correctness check: drop --throughput-only")
+    SMOKE = args.smoke
     DEVICE = "cpu" if SMOKE else "cuda"
     t0 = time.time()
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"device: {name}, SM clock now: {sm_clock_now()}")
-    try:
-        check = correctness()
-    except Exception as e:  # noqa: BLE001 - report and go on to the throughput numbers
-        check = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    print("CORRECTNESS qwen3", "PASS" if check["ok"] else "FAIL", json.dumps(check))
-    try:
-        check_bert = correctness_bert()
-    except Exception as e:  # noqa: BLE001 - report and go on to the throughput numbers
-        check_bert = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    print("CORRECTNESS bert", "PASS" if check_bert["ok"] else "FAIL", json.dumps(check_bert))
+    check: dict = {"ok": True, "skipped": True}
+    if not args.throughput_only:
+        try:
+            check = correctness()
+        except Exception as e:  # noqa: BLE001 - report and go on to the throughput numbers
+            check = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print("CORRECTNESS qwen3", "PASS" if check["ok"] else "FAIL", json.dumps(check))
+        try:
+            check_bert = correctness_bert()
+        except Exception as e:  # noqa: BLE001 - report and go on to the throughput numbers
+            check_bert = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        print("CORRECTNESS bert", "PASS" if check_bert["ok"] else "FAIL", json.dumps(check_bert))
     perf = throughput()
     print(
         f"{'workload':<16}{'prompts':>9}{'tokens':>11}{'seconds':>9}{'tok/s':>10}{'prompts/s':>11}  SM clock"

@@ -1,0 +1,73 @@
+"""vLLM's embedding throughput on the same prompts as bench/embed_gpu.py, for one device call that runs both:
+
+    # after the vLLM parts are staged (../shared/bench/vllm/README.md: call 1 carries .peer/c1; then in
+    # the call carrying .peer/c2, once side_by_side.sh has unpacked vLLM into $HOME/vsite):
+    PYTHONPATH=$HOME/vsite/a:$HOME/vsite/b:. python bench/embed_vllm.py .peer/c2/configs/qwen3-0.6b
+    PYTHONPATH=. python bench/embed_gpu.py --throughput-only
+
+vLLM 0.26: LLM(model=<the Qwen3-0.6B config folder>, runner="pooling", load_format="dummy", bf16, no
+tokenizer, defaults otherwise) and one LLM.embed call over each workload's token-id prompts after a warm-up:
+the decoder turned into an embedding model with last-token pooling and normalization, the work our
+LLM("qwen3-0.6b", runner="pooling").encode does. Prints a table and one JSON line (bench "embed_vllm").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+sys.path.insert(0, ".")
+
+from bench.embed_gpu import WORKLOADS, token_prompts  # noqa: E402
+from overnight.bench.gpu_info import ClockSampler, sm_clock_now  # noqa: E402
+
+
+def main() -> int:
+    from vllm import LLM  # type: ignore[import-not-found]
+
+    config = sys.argv[1]
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=config,
+        runner="pooling",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        seed=0,
+        max_model_len=4096,
+        gpu_memory_utilization=0.6,
+    )
+    init_s = time.perf_counter() - t0
+    print(f"vLLM up in {init_s:.1f} s, SM clock now {sm_clock_now()}", flush=True)
+    warm = [{"prompt_token_ids": p} for p in token_prompts(512, 16, 512, seed=99)]
+    llm.embed(warm, use_tqdm=False)
+    results: dict[str, object] = {"init_s": round(init_s, 1)}
+    for name, (n, lo, hi) in WORKLOADS.items():
+        prompts = [{"prompt_token_ids": p} for p in token_prompts(n, lo, hi)]
+        tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        with ClockSampler() as clocks:
+            t0 = time.perf_counter()
+            outs = llm.embed(prompts, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+        assert len(outs) == n and len(outs[0].outputs.embedding) > 0
+        results[name] = {
+            "prompts": n,
+            "tokens": tokens,
+            "seconds": round(seconds, 3),
+            "tok_per_s": round(tokens / seconds),
+            "prompts_per_s": round(n / seconds),
+            "clock": clocks.samples.summary(),
+        }
+        clock = clocks.samples.summary()
+        print(
+            f"vllm {name:<16}{n:>8}{tokens:>11}{seconds:>9.2f}{tokens / seconds:>10.0f}"
+            f"  {clock['sm_clock_mhz_median']} / {clock['sm_clock_mhz_min']} MHz",
+            flush=True,
+        )
+    print(json.dumps({"bench": "embed_vllm", **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
