@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from contextlib import aclosing, suppress
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.errors import InvalidRequestError
 from overnight.openai_api.convert import new_id
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
 from overnight.openai_api.protocol import EmbeddingRequest, parse_request
 from overnight.outputs import PoolingRequestOutput
-from overnight.server.async_engine import AsyncEngine, PromptSpec
+from overnight.server.async_engine import AsyncEngine
 from overnight.server.errors import engine_unavailable, overloaded
-from overnight.server.serving import CLIENT_CLOSED, ServingConfig, decode_json, wait_for_disconnect
+from overnight.server.serving import CLIENT_CLOSED, ServingConfig, collect_outputs, decode_json
 
 log = logging.getLogger("overnight.server")
 
@@ -45,7 +44,8 @@ class OpenAIServingEmbedding:
         inputs = await asyncio.to_thread(self._prepare, req)
         response_id = new_id("embd")
         prompts = [(f"{response_id}-{i}", text, ids) for i, (text, ids) in enumerate(inputs.prompts)]
-        outputs = await self._collect(request, prompts, inputs)
+        collected = await collect_outputs(self.engine, request, prompts, inputs.params)
+        outputs = None if collected is None else [o for o in collected if isinstance(o, PoolingRequestOutput)]
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         body = embedding_response(
@@ -71,34 +71,3 @@ class OpenAIServingEmbedding:
             raise ApiError(
                 "invalid_request", f"the input cannot be tokenized: {type(e).__name__}: {e}", "input"
             ) from None
-
-    async def _collect(
-        self, request: Request, prompts: list[PromptSpec], inputs: EngineInputs
-    ) -> list[PoolingRequestOutput] | None:
-        """The vectors in input order, or None if the client disconnected first (its requests are then
-        aborted)."""
-
-        async def run() -> list[PoolingRequestOutput]:
-            results: list[PoolingRequestOutput | None] = [None] * len(prompts)
-            async with aclosing(self.engine.generate_many(prompts, inputs.params, stream=False)) as outputs:
-                async for index, out in outputs:
-                    assert isinstance(out, PoolingRequestOutput)
-                    results[index] = out
-            return [r for r in results if r is not None]
-
-        work = asyncio.ensure_future(run())
-        gone = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()
-                with suppress(asyncio.CancelledError):
-                    await work
-            gone.cancel()
-        if work.cancelled():
-            return None
-        try:
-            return work.result()
-        except EngineDeadError as e:
-            raise engine_unavailable(e) from None

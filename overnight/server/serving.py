@@ -28,7 +28,8 @@ from overnight.openai_api.protocol import (
     OpenAIRequest,
     parse_request,
 )
-from overnight.outputs import RequestOutput
+from overnight.outputs import EngineOutput, RequestOutput
+from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine, PromptSpec
 from overnight.server.errors import engine_unavailable, overloaded
@@ -71,7 +72,8 @@ class OpenAIServing:
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        outputs = await self._collect(request, prompts, inputs.params)
+        collected = await collect_outputs(self.engine, request, prompts, inputs.params)
+        outputs = None if collected is None else [o for o in collected if isinstance(o, RequestOutput)]
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         body = response_body(
@@ -108,37 +110,6 @@ class OpenAIServing:
             raise overloaded(self.engine.num_waiting)
 
     # -- whole responses ----------------------------------------------------------------------------
-
-    async def _collect(
-        self, request: Request, prompts: list[PromptSpec], params: SamplingParams
-    ) -> list[RequestOutput] | None:
-        """Final outputs in prompt order, or None if the client disconnected first (its requests are
-        then aborted: nothing would read the answer)."""
-
-        async def run() -> list[RequestOutput]:
-            results: list[RequestOutput | None] = [None] * len(prompts)
-            async with aclosing(self.engine.generate_many(prompts, params, stream=False)) as outputs:
-                async for index, out in outputs:
-                    assert isinstance(out, RequestOutput)  # generation requests
-                    results[index] = out
-            return [r for r in results if r is not None]
-
-        work = asyncio.ensure_future(run())
-        gone = asyncio.ensure_future(wait_for_disconnect(request))
-        try:
-            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not work.done():
-                work.cancel()  # closes generate_many, which aborts the requests
-                with suppress(asyncio.CancelledError):
-                    await work
-            gone.cancel()
-        if work.cancelled():
-            return None
-        try:
-            return work.result()
-        except EngineDeadError as e:
-            raise engine_unavailable(e) from None
 
     # -- streams ------------------------------------------------------------------------------------
 
@@ -183,6 +154,37 @@ class OpenAIServing:
                 log.exception("stream %s failed", response_id)
                 yield sse(ApiError.from_exception(e).body())
         yield "data: [DONE]\n\n"
+
+
+async def collect_outputs(
+    engine: AsyncEngine, request: Request, prompts: list[PromptSpec], params: RequestParams
+) -> list[EngineOutput] | None:
+    """The final outputs of a non-streamed request in prompt order, or None if the client disconnected
+    first (its requests are then aborted: nothing would read the answer)."""
+
+    async def run() -> list[EngineOutput]:
+        results: list[EngineOutput | None] = [None] * len(prompts)
+        async with aclosing(engine.generate_many(prompts, params, stream=False)) as outputs:
+            async for index, out in outputs:
+                results[index] = out
+        return [r for r in results if r is not None]
+
+    work = asyncio.ensure_future(run())
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not work.done():
+            work.cancel()  # closes generate_many, which aborts the requests
+            with suppress(asyncio.CancelledError):
+                await work
+        gone.cancel()
+    if work.cancelled():
+        return None
+    try:
+        return work.result()
+    except EngineDeadError as e:
+        raise engine_unavailable(e) from None
 
 
 def sse(obj: dict[str, Any]) -> str:
