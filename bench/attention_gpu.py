@@ -22,6 +22,8 @@ one JSON line. Variants (configs of overnight/kernels/paged_decode.py and paged_
     base            today's default for the cache dtype
     pf ...          prefetch_pages: page ids one tile ahead, K/V multi-buffered (kernels/kv_tiles.py)
     mma ...         fp8_mma: tokens as M, native e4m3 MMAs, q and P rounded (kernels/paged_decode_fp8.py)
+    hf ...          heads_first: the grid's fastest dimension is the request's KV heads, so the CTAs in
+                    flight together read neighbouring bytes of the same pages
     fa3             FlashAttention-3 (fp8: q quantized per tensor, V in the plain layout, as vLLM does)
 """
 
@@ -68,9 +70,13 @@ DECODE = {
         ("base n64 w4 s4", DecodeConfig()),
         ("pf n64 w4 s3", DecodeConfig(64, 4, 3, prefetch_pages=True)),
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
+        ("hf n64 w4 s4", DecodeConfig(64, 4, 4, heads_first=True)),
     ],
     E4M3: [
         ("base n128 w4 s3", FP8_DECODE_CONFIG),
+        ("hf n128 w4 s3", DecodeConfig(128, 4, 3, heads_first=True)),
+        ("hf pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True, heads_first=True)),
+        ("hf mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True, heads_first=True)),
         ("pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True)),
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
         ("mma n128 w4 s3", DecodeConfig(128, 4, 3, fp8_mma=True)),
@@ -86,6 +92,8 @@ SMALL_MODEL_VARIANTS = {
     "base n128 w4 s3",
     "mma n128 w4 s3",
     "mma n64 w4 s4",
+    "hf n64 w4 s4",
+    "hf n128 w4 s3",
 }
 PREFILL = [
     ("base m64 n64 w4 s3", PrefillConfig()),

@@ -260,8 +260,14 @@ def main() -> int:
     ap.add_argument("--lines", type=int, default=None, help="lines of the prefix file (preset's default)")
     ap.add_argument("--order-lines", type=int, default=None, help="lines of the order file")
     ap.add_argument("--skip-order", action="store_true", help="only the prefix experiment")
+    ap.add_argument("--run-limit-s", type=float, default=None, help="cut a run short after this long")
+    ap.add_argument("--fcfs-budget-s", type=float, default=None, help="skip fcfs once this much has passed")
     args = ap.parse_args()
     p = GPU if args.gpu else CPU
+    if args.run_limit_s:
+        p = replace(p, run_limit_s=args.run_limit_s)
+    if args.fcfs_budget_s is not None:
+        p = replace(p, fcfs_budget_s=args.fcfs_budget_s)
     if args.lines:
         p = replace(p, lines=args.lines)
     if args.order_lines:

@@ -49,10 +49,16 @@ def main() -> int:
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--kv-cache-dtype", default="auto")
     ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--model", default=None, help="another model on the workload's lengths (a preset)")
+    ap.add_argument("--attention-variant", default="default")
     args = ap.parse_args()
     w = WORKLOADS[args.workload]
     llm = LLM(
-        w.model, load_format="dummy", kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization
+        args.model or w.model,
+        load_format="dummy",
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=args.quantization,
+        attention_variant=args.attention_variant,
     )
     engine = llm.engine
     reqs = w.requests(engine.config.model.arch.vocab_size)

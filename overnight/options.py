@@ -21,7 +21,12 @@ DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 QUANTIZATIONS = ("fp8",)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-ATTENTION_VARIANTS = ("default", "prefetch", "fp8-mma")  # named kernel configs (attention/variants.py)
+ATTENTION_VARIANTS = (
+    "default",
+    "prefetch",
+    "fp8-mma",
+    "heads-first",
+)  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")

@@ -6,6 +6,8 @@
   (kernels/paged_decode_fp8.py). Checked twice: against decode_fp8_mma_ref, which makes the same
   roundings, to float32 rounding; and against the exact paged_attention_ref within what those
   roundings cost (a few percent of the largest output on random data).
+- heads_first (DecodeConfig): the grid in another order; each program does the same arithmetic, so
+  outputs equal the default order's bit for bit (with splits, where the workspace index must follow).
 
 Through the interpreter on CPU (fp32 / fp16), so shapes are small.
 """
@@ -204,6 +206,43 @@ def test_fp8_mma_backend_mixed_batch() -> None:
     assert rel_err(out[:nd], ref[:nd]) < 5e-2  # decode: q and P rounded
 
 
+# ---------------------------------------------------------------- grid order (heads first)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "fp8_mma", "num_splits"),
+    [
+        (torch.float32, False, 1),
+        (torch.float32, False, 3),
+        (torch.float8_e4m3fn, False, 3),
+        (torch.float8_e5m2, False, 1),
+        (torch.float8_e4m3fn, True, 1),
+        (torch.float8_e4m3fn, True, 3),
+    ],
+)
+def test_heads_first_grid_equals_the_default_order(
+    cache_dtype: torch.dtype, fp8_mma: bool, num_splits: int
+) -> None:
+    from dataclasses import replace
+
+    hkv, group, d = 3, 2, 64  # 3 KV heads: a wrong head count in the split index shows
+    meta, q, cache = make_batch([1] * 6, SEQ_LENS, 6, hkv * group, hkv, d, 16, torch.float32, seed=95)
+    kv_scale = None
+    if cache_dtype != torch.float32:
+        cache = (cache * 40).to(cache_dtype)
+        kv_scale = torch.tensor([0.03, 0.02], device=DEVICE)
+    cfg = DecodeConfig(block_n=32, fp8_mma=fp8_mma)
+    outs = [
+        paged_attention(
+            q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits, decode_config=c
+        )
+        for c in (cfg, replace(cfg, heads_first=True))
+    ]
+    assert torch.equal(outs[0], outs[1])
+    exact = paged_attention_ref(q, cache, meta, 0.1, kv_scale)
+    assert rel_err(outs[1], exact) < (5e-2 if fp8_mma else 1e-5)
+
+
 # ---------------------------------------------------------------- the named variants (--attention-variant)
 
 
@@ -215,6 +254,10 @@ def test_attention_variants_by_name() -> None:
     assert not decode.fp8_mma and decode.prefetch_pages
     decode, _ = variant_configs("prefetch", fp8_cache=True)
     assert decode.prefetch_pages and not decode.fp8_mma
+    decode, prefill = variant_configs("heads-first", fp8_cache=True)
+    assert decode is not None and decode.heads_first and decode.block_n == 128 and prefill is None
+    decode, _ = variant_configs("heads-first", fp8_cache=False)
+    assert decode is not None and decode.heads_first and decode.block_n == 64
     with pytest.raises(ValueError, match="unknown attention variant 'fast'"):
         variant_configs("fast", fp8_cache=False)
 

@@ -7,6 +7,8 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
               in decode (both caches) and in prefill
     fp8-mma   as prefetch, and an FP8 cache decodes with tokens as the MMA's M and native e4m3 dots
               (kernels/paged_decode_fp8.py: q and P rounded to e4m3, as FlashAttention-3 does)
+    heads-first  the default decode tiles with the KV heads of a request as the grid's fastest
+              dimension (DecodeConfig.heads_first); prefill as default
 
 The tile shapes are the candidates bench/attention_gpu.py times; once it has picked winners, they
 belong in the kernels' defaults and these names can go. Configs are built on use: this module is
@@ -30,9 +32,16 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
         raise ValueError(f"unknown attention variant {name!r} ({', '.join(ATTENTION_VARIANTS)})")
     if name == "default":
         return None, None
-    from overnight.kernels.paged_decode import DecodeConfig
+    from dataclasses import replace
+
+    from overnight.kernels.paged_decode import DecodeConfig, default_decode_config
     from overnight.kernels.paged_prefill import PrefillConfig
 
+    if name == "heads-first":
+        import torch
+
+        cache_dtype = torch.float8_e4m3fn if fp8_cache else torch.bfloat16
+        return replace(default_decode_config(cache_dtype), heads_first=True), None
     prefill = PrefillConfig(64, 64, 4, 3, prefetch_pages=True)
     if not fp8_cache:
         return DecodeConfig(64, 4, 4, prefetch_pages=True), prefill

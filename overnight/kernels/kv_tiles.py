@@ -27,6 +27,15 @@ def page_ids(bt_row, n0, end, BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
 
 
 @triton.jit
+def grid_coords(HEADS_FIRST: tl.constexpr):
+    """(request, KV head, number of KV heads) of a decode program: the grid is (requests, KV heads,
+    splits), or (KV heads, requests, splits) with HEADS_FIRST."""
+    if HEADS_FIRST:
+        return tl.program_id(1), tl.program_id(0), tl.num_programs(0)
+    return tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+
+
+@triton.jit
 def split_len(seq_len, num_splits, block_n):
     """Context tokens per split: an even share rounded up to whole tiles (0 for an empty context)."""
     return tl.cdiv(tl.cdiv(seq_len, num_splits), block_n) * block_n

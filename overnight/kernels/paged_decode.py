@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.kv_layout import is_fp8, v_token_major
-from overnight.kernels.kv_tiles import load_v_token_major, page_ids, split_len
+from overnight.kernels.kv_tiles import grid_coords, load_v_token_major, page_ids, split_len
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma
 
@@ -66,6 +66,10 @@ class DecodeConfig:
     # fp8 cache only: tokens as the MMA's M and both dots on the 8-bit values as stored, q and P
     # rounded to e4m3 (paged_decode_fp8.py); fp8_convert and prefetch_pages do not apply.
     fp8_mma: bool = False
+    # Grid order: the KV heads of one request as the fastest grid dimension, so the CTAs resident at
+    # the same time read neighbouring bytes of the same pages (a page holds every KV head of its 16
+    # tokens) instead of one head's 128- or 256-byte rows 1-2 KB apart in pages of many requests.
+    heads_first: bool = False
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
@@ -154,9 +158,9 @@ def _decode_kernel(
     V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N): tokens of a tile contiguous in token-major V
     PREFETCH_PAGES: tl.constexpr,  # DecodeConfig.prefetch_pages
+    HEADS_FIRST: tl.constexpr,  # DecodeConfig.heads_first: grid (kv heads, requests, splits)
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
@@ -224,7 +228,7 @@ def _decode_kernel(
         dst = out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_mask)
     else:
-        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], out, mask=row_mask)
         tl.store(part_lse_ptr + part, m_i + tl.log2(l_i), mask=offs_g < GROUP)
 
@@ -330,7 +334,9 @@ def paged_decode(
         part_out, part_lse = ws.views(num_decodes, num_heads, num_splits, head_dim)
     else:
         part_out, part_lse = out, out  # unused
-    grid = (num_decodes, num_kv_heads, num_splits)
+    # A grid's second dimension stops at 65535: more requests than that keep the requests first.
+    heads_first = cfg.heads_first and num_decodes <= 65535
+    grid = (num_kv_heads, num_decodes, num_splits) if heads_first else (num_decodes, num_kv_heads, num_splits)
     if cfg.fp8_mma and is_fp8(kv_cache.dtype):
         launch_decode_fp8_mma(
             grid,
@@ -347,6 +353,7 @@ def paged_decode(
             cfg.block_n,
             cfg.num_warps,
             cfg.num_stages,
+            heads_first,
         )
     else:
         _decode_kernel[grid](
@@ -383,6 +390,7 @@ def paged_decode(
             V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
             V_RUN=min(page, cfg.block_n),
             PREFETCH_PAGES=cfg.prefetch_pages,
+            HEADS_FIRST=heads_first,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.kv_layout import v_view
-from overnight.kernels.kv_tiles import load_v_token_major_t, page_ids, split_len
+from overnight.kernels.kv_tiles import grid_coords, load_v_token_major_t, page_ids, split_len
 
 Q_MAX = 448.0  # e4m3's largest finite value: each q row's largest |value| maps onto it
 P_SHIFT = 8.0  # log2 of the scale that moves P from [0, 1] to [0, 256] before its rounding to e4m3
@@ -88,9 +88,9 @@ def _decode_fp8_mma_kernel(
     Q_MAX: tl.constexpr,
     P_SHIFT: tl.constexpr,
     EXACT_CAST: tl.constexpr,  # under the interpreter (see _to_e4m3)
+    HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits): DecodeConfig.heads_first
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     if SPLIT:
@@ -156,7 +156,7 @@ def _decode_fp8_mma_kernel(
         dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
         tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        part = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
         tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
         tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
 
@@ -176,6 +176,7 @@ def launch_decode_fp8_mma(
     block_n: int,
     num_warps: int,
     num_stages: int,
+    heads_first: bool = False,
 ) -> None:
     """The launch for paged_decode (which has checked every argument); same grid and workspace."""
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
@@ -212,6 +213,7 @@ def launch_decode_fp8_mma(
         Q_MAX=Q_MAX,
         P_SHIFT=P_SHIFT,
         EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
+        HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,
     )

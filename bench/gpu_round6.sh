@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Round 6: the must-show runs of issues 15, 17, 18, 19 and 21 in four device calls back to back (the
+# machine stays warm 30 s between calls; files under $HOME survive that). vLLM's parts come from
+# ../shared/bench/vllm/build.sh (in .peer/); each call names what it carries:
+#
+#   1. carry .peer/c1:  bash bench/gpu_round6.sh moe batch        (stage vLLM part 1; MoE check + tile
+#                       tuning, kept in $HOME for call 3; run-batch look-ahead against file order)
+#   2. carry .peer/c3:  bash bench/gpu_round6.sh                  (stage vLLM's MoE extension)
+#   3. carry .peer/c2:  bash bench/gpu_round6.sh moe-side         (unpack vLLM; Qwen3-30B-A3B side by
+#                       side on seed-512-256 and long-1024-1024; the MoE step profile if time is left)
+#   4. carry .whl:      bash bench/gpu_round6.sh embed structured attn   (vLLM from $HOME/vsite)
+#
+# Logs under $OUT; each section prints its summary lines.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+T0=$(date +%s)
+VSITE=$HOME/vsite
+VC2=$HOME/vc2  # side_by_side.sh, vllm_bench.py and the config folders, kept for calls without .peer/c2
+section() { echo; echo "=== $1 ($(( $(date +%s) - T0 )) s in) $(nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader)"; }
+
+mkdir -p "$HOME/vkeep"
+for part in c1 c3; do [ -d .peer/$part ] && cp .peer/$part/*.xz "$HOME/vkeep/" && echo "staged .peer/$part"; done
+if [ -d .peer/c2 ]; then rm -rf "$VC2"; mkdir -p "$VC2" && cp -r .peer/c2/side_by_side.sh .peer/c2/vllm_bench.py \
+  .peer/c2/workloads.py .peer/c2/configs "$VC2/"; fi
+# The MoE tile configs tuned in call 1 (the working tree sent with each call has the committed file).
+[ -f "$HOME/moe_configs.json" ] && cp "$HOME/moe_configs.json" overnight/kernels/moe_configs.json \
+  && echo "MoE configs from call 1 installed"
+
+for s in "$@"; do
+  case $s in
+    moe)
+      section "moe: check, tune, install (bench/moe_gpu.py)"
+      timeout 300 python bench/moe_gpu.py --install > "$OUT/moe.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/moe.log"
+      cp overnight/kernels/moe_configs.json "$HOME/moe_configs.json" && cp overnight/kernels/moe_configs.json "$OUT/" ;;
+    batch)
+      section "batch: run-batch look-ahead against file order (bench/batch_schedule.py --gpu)"
+      timeout 330 python bench/batch_schedule.py --gpu --skip-order --fcfs-budget-s 0 --run-limit-s 120 \
+        > "$OUT/batch.log" 2>&1; echo "rc=$?"; tail -14 "$OUT/batch.log" ;;
+    moe-side)
+      section "moe-side: Qwen3-30B-A3B, vLLM and ours (side_by_side.sh)"
+      VB_MODEL=qwen3-30b-a3b OV_ARGS="--model qwen3-30b-a3b" bash .peer/c2/side_by_side.sh seed-512-256 long-1024-1024
+      if [ $(( $(date +%s) - T0 )) -lt 430 ]; then
+        section "moe profile: seed-512-256 decode steps"
+        timeout $(( 560 - ($(date +%s) - T0) )) python bench/profile_gpu.py --model qwen3-30b-a3b \
+          --workload seed-512-256 --warmup-steps 60 --steps 30 > "$OUT/profile_moe.log" 2>&1
+        echo "rc=$?"; tail -24 "$OUT/profile_moe.log"
+      else
+        echo "moe profile skipped: out of time"
+      fi ;;
+    embed)
+      section "embed: vLLM's LLM.embed, then ours (bench/embed_vllm.py, bench/embed_gpu.py)"
+      PYTHONPATH=$VSITE/a:$VSITE/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout 240 python bench/embed_vllm.py \
+        "$VC2/configs/qwen3-0.6b" > "$OUT/embed_vllm.log" 2>&1; echo "vllm rc=$?"; tail -8 "$OUT/embed_vllm.log"
+      timeout 180 python bench/embed_gpu.py --throughput-only > "$OUT/embed_ours.log" 2>&1
+      echo "ours rc=$?"; tail -8 "$OUT/embed_ours.log" ;;
+    structured)
+      section "structured: constrained against unconstrained (bench/structured_gpu.py)"
+      rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+      PYTHONPATH=/tmp/site:$VSITE/b:$PWD timeout 240 python bench/structured_gpu.py > "$OUT/structured.log" 2>&1
+      echo "rc=$?"; tail -30 "$OUT/structured.log" ;;
+    attn)
+      section "attn: decode variants (heads-first grid) and FlashAttention-3 (bench/attention_gpu.py)"
+      left=$(( 570 - ($(date +%s) - T0) ))
+      timeout $(( left > 60 ? left : 60 )) python bench/attention_gpu.py --budget-s $(( left > 120 ? left - 60 : 60 )) \
+        > "$OUT/attn.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/attn.log" ;;
+  esac
+done
+echo "total $(( $(date +%s) - T0 )) s"
