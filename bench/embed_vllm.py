@@ -14,6 +14,7 @@ LLM("qwen3-0.6b", runner="pooling").encode does. Prints a table and one JSON lin
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -24,15 +25,24 @@ from overnight.bench.gpu_info import ClockSampler, sm_clock_now  # noqa: E402
 
 
 def main() -> int:
+    # vLLM's pooling entry point needs a tokenizer even for token-id prompts: the config folder is
+    # copied beside a synthetic tokenizer of the model's vocabulary (the ids are all that is used).
+    import shutil
+    import tempfile
+
     from vllm import LLM  # type: ignore[import-not-found]
 
-    config = sys.argv[1]
+    from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
+
+    config = tempfile.mkdtemp(prefix="embed-vllm-")
+    shutil.copy(os.path.join(sys.argv[1], "config.json"), config)
+    with open(os.path.join(config, "config.json")) as f:
+        save_synthetic_tokenizer_folder(config, json.load(f)["vocab_size"])
     t0 = time.perf_counter()
     llm = LLM(
         model=config,
         runner="pooling",
         load_format="dummy",
-        skip_tokenizer_init=True,
         dtype="bfloat16",
         seed=0,
         max_model_len=4096,

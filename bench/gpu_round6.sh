@@ -34,19 +34,19 @@ for s in "$@"; do
       cp overnight/kernels/moe_configs.json "$HOME/moe_configs.json" && cp overnight/kernels/moe_configs.json "$OUT/" ;;
     batch)
       section "batch: run-batch look-ahead against file order (bench/batch_schedule.py --gpu)"
-      timeout 330 python bench/batch_schedule.py --gpu --skip-order --fcfs-budget-s 0 --run-limit-s 120 \
+      PYTHONPATH=$VSITE/b:$PWD timeout 330 python bench/batch_schedule.py --gpu --skip-order --fcfs-budget-s 0 --run-limit-s 100 \
         > "$OUT/batch.log" 2>&1; echo "rc=$?"; tail -14 "$OUT/batch.log" ;;
     moe-side)
       section "moe-side: Qwen3-30B-A3B, vLLM and ours (side_by_side.sh)"
       VB_MODEL=qwen3-30b-a3b OV_ARGS="--model qwen3-30b-a3b" bash .peer/c2/side_by_side.sh seed-512-256 long-1024-1024
-      if [ $(( $(date +%s) - T0 )) -lt 430 ]; then
-        section "moe profile: seed-512-256 decode steps"
-        timeout $(( 560 - ($(date +%s) - T0) )) python bench/profile_gpu.py --model qwen3-30b-a3b \
-          --workload seed-512-256 --warmup-steps 60 --steps 30 > "$OUT/profile_moe.log" 2>&1
-        echo "rc=$?"; tail -24 "$OUT/profile_moe.log"
-      else
-        echo "moe profile skipped: out of time"
-      fi ;;
+      ;;
+    moe-profile)
+      section "moe profile: seed-512-256 decode steps of Qwen3-30B-A3B"
+      timeout 200 python bench/profile_gpu.py --model qwen3-30b-a3b \
+        --workload seed-512-256 --warmup-steps 60 --steps 30 > "$OUT/profile_moe.log" 2>&1
+      echo "rc=$?"; tail -24 "$OUT/profile_moe.log" ;;
+    unpack)
+      section "unpack vLLM"; ONLY_VLLM=1 bash .peer/c2/side_by_side.sh ;;
     embed)
       section "embed: vLLM's LLM.embed, then ours (bench/embed_vllm.py, bench/embed_gpu.py)"
       PYTHONPATH=$VSITE/a:$VSITE/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout 240 python bench/embed_vllm.py \

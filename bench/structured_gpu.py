@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
 import sys
@@ -187,7 +188,7 @@ def main() -> int:
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     try:
-        import xgrammar
+        import xgrammar  # noqa: F401  (only whether it imports)
     except ImportError as e:
         print(
             f"xgrammar is not installed ({e}). Install the cp312 wheels with: pip install --no-deps "
@@ -196,10 +197,10 @@ def main() -> int:
             file=sys.stderr,
         )
         return 2
-    report["xgrammar"] = xgrammar.__version__
+    report["xgrammar"] = importlib.metadata.version("xgrammar")
     report["gpu"] = torch.cuda.get_device_name()
     print(
-        f"GPU {report['gpu']}, SM clock {report['sm_clock_start']}, xgrammar {xgrammar.__version__}",
+        f"GPU {report['gpu']}, SM clock {report['sm_clock_start']}, xgrammar {report['xgrammar']}",
         flush=True,
     )
     kernel_checks_and_timing()
