@@ -48,6 +48,7 @@ from overnight.attention.triton_backend import TritonAttentionBackend
 from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels.kv_layout import is_fp8, to_storage_layout, v_view
 from overnight.kernels.paged_decode import (
+    BF16_DECODE_CONFIG,
     FP8_DECODE_CONFIG,
     DecodeConfig,
     DecodeWorkspace,
@@ -67,10 +68,10 @@ HBM_GBPS = 4300.0  # the measured copy bandwidth of docs/benchmarks.md
 
 DECODE = {
     BF16: [
-        ("base n64 w4 s4", DecodeConfig()),
+        ("base n64 w4 s4 hf", BF16_DECODE_CONFIG),
+        ("rf n64 w4 s4", DecodeConfig()),  # requests first: the default before round 6
         ("pf n64 w4 s3", DecodeConfig(64, 4, 3, prefetch_pages=True)),
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
-        ("hf n64 w4 s4", DecodeConfig(64, 4, 4, heads_first=True)),
     ],
     E4M3: [
         ("base n128 w4 s3", FP8_DECODE_CONFIG),
@@ -87,12 +88,12 @@ DECODE = {
 }
 # Qwen3-0.6B (its own compilations: GROUP is a constexpr) tries the default and the likeliest winners.
 SMALL_MODEL_VARIANTS = {
-    "base n64 w4 s4",
+    "base n64 w4 s4 hf",
     "pf n64 w4 s4",
     "base n128 w4 s3",
     "mma n128 w4 s3",
     "mma n64 w4 s4",
-    "hf n64 w4 s4",
+    "rf n64 w4 s4",
     "hf n128 w4 s3",
 }
 PREFILL = [

@@ -46,6 +46,11 @@ def run_variant(
     from overnight.engine.engine import StepTimings
 
     timed = isinstance(getattr(engine, "timings", None), StepTimings)  # one engine (not data parallel)
+    # Every timed run starts from a cold prefix cache: the variants run the same prompts one after the
+    # other, and a run whose prompts the previous one left cached would skip its prefill.
+    kv = getattr(engine, "kv", None)
+    if kv is not None:
+        kv.pool.reset_prefix_cache()
     if timed:
         engine.timings = StepTimings()
     with ClockSampler(device.index or 0) as clocks:
