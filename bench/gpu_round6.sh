@@ -10,6 +10,9 @@
 #                       side on seed-512-256 and long-1024-1024; the MoE step profile if time is left)
 #   4. carry .whl:      bash bench/gpu_round6.sh embed structured attn   (vLLM from $HOME/vsite)
 #
+# Next (issue 15, not run yet): after `unpack`, `bash bench/gpu_round6.sh profile-pair` profiles the whole of
+# long-1024-1024 with an FP8 cache in vLLM and in ours (WORKLOAD / KV / QUANT override), one after the other.
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -45,6 +48,14 @@ for s in "$@"; do
       timeout 200 python bench/profile_gpu.py --model qwen3-30b-a3b \
         --workload seed-512-256 --warmup-steps 60 --steps 30 > "$OUT/profile_moe.log" 2>&1
       echo "rc=$?"; tail -24 "$OUT/profile_moe.log" ;;
+    profile-pair)
+      w=${WORKLOAD:-long-1024-1024}; kv=${KV:-fp8}; q=${QUANT:+--quantization $QUANT}
+      section "profile-pair: $w, KV $kv ${QUANT:-bf16 weights}: vLLM, then ours"
+      VLLM_ENABLE_V1_MULTIPROCESSING=0 PYTHONPATH=$VSITE/a:$VSITE/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout 280 \
+        python bench/profile_vllm.py "$VC2/configs" $w --kv-cache-dtype $kv $q > "$OUT/profile_vllm.log" 2>&1
+      echo "vllm rc=$?"; grep -A24 "^vLLM: the whole run" "$OUT/profile_vllm.log" || tail -20 "$OUT/profile_vllm.log"
+      timeout 250 python bench/profile_gpu.py --workload $w --whole-run --kv-cache-dtype $kv $q \
+        > "$OUT/profile_ours.log" 2>&1; echo "ours rc=$?"; tail -26 "$OUT/profile_ours.log" ;;
     unpack)
       section "unpack vLLM"; ONLY_VLLM=1 bash .peer/c2/side_by_side.sh ;;
     embed)

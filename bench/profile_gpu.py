@@ -11,35 +11,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, ".")
 
+from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
-
-CATEGORIES = [
-    ("moe gemm", re.compile(r"_moe_gemm", re.I)),  # the experts' grouped GEMMs (kernels/moe_gemm.py)
-    ("moe routing", re.compile(r"_router_topk|_moe_align", re.I)),  # top-k and sort by expert
-    ("attention", re.compile(r"_decode|_prefill|kv_write|flash|attn", re.I)),
-    ("fp8 quant", re.compile(r"quantize", re.I)),
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
-    ("norm/rope/silu", re.compile(r"rms|norm|rotary|rope|silu|_add_", re.I)),
-    ("sampling", re.compile(r"argmax|max|softmax|topk|sort|gather|index", re.I)),
-]
-
-
-def category(name: str) -> str:
-    for cat, rx in CATEGORIES:
-        if rx.search(name):
-            return cat
-    return "other"
 
 
 def main() -> int:
@@ -51,7 +33,14 @@ def main() -> int:
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--model", default=None, help="another model on the workload's lengths (a preset)")
     ap.add_argument("--attention-variant", default="default")
+    ap.add_argument(
+        "--whole-run",
+        action="store_true",
+        help="profile every step from the first to the last (no warm-up steps; compare with profile_vllm.py)",
+    )
     args = ap.parse_args()
+    if args.whole_run:
+        args.warmup_steps = 0
     w = WORKLOADS[args.workload]
     llm = LLM(
         args.model or w.model,
@@ -62,6 +51,11 @@ def main() -> int:
     )
     engine = llm.engine
     reqs = w.requests(engine.config.model.arch.vocab_size)
+    if (
+        args.whole_run
+    ):  # kernels compiled and the allocator warm before the profiled run, as profile_vllm.py does
+        warm = [{"prompt_token_ids": ids} for ids, _ in reqs[:8]]
+        llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
     for i, (ids, n_out) in enumerate(reqs):
         engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0))
     for _ in range(args.warmup_steps):
@@ -80,27 +74,22 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(args.steps):
-            engine.step()
+    # A whole run records kernels only: host events of ~1,000 steps would cost more than they tell.
+    activities = [ProfilerActivity.CUDA] if args.whole_run else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof:
+        if args.whole_run:
+            while engine.has_unfinished_requests():
+                engine.step()
+        else:
+            for _ in range(args.steps):
+                engine.step()
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
-    by_cat: dict[str, float] = defaultdict(float)
-    top: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        t = getattr(evt, "self_device_time_total", None) or getattr(evt, "self_cuda_time_total", 0)
-        if t <= 0 or evt.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        by_cat[category(evt.key)] += t / 1e3
-        top[evt.key] += t / 1e3
-    gpu_ms = sum(by_cat.values())
-    print(f"\nprofile of {args.steps} steps of {args.workload} (after {args.warmup_steps} warm-up steps)")
-    print(f"wall {wall * 1e3:.1f} ms, GPU kernel time {gpu_ms:.1f} ms ({gpu_ms / (wall * 1e3):.0%} busy)")
-    for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
-        print(f"  {cat:<16} {ms:9.1f} ms  {ms / gpu_ms:6.1%}")
-    print("top kernels:")
-    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:12]:
-        print(f"  {ms:9.1f} ms  {name[:90]}")
+    by_cat, _top = kernel_times(prof)
+    what = "the whole run" if args.whole_run else f"{args.steps} steps"
+    print_breakdown(
+        f"profile of {what} of {args.workload} (after {args.warmup_steps} warm-up steps)", wall, by_cat, _top
+    )
     tokens = sum(t for t, _ in sched_tokens)
     print(
         f"steps: {len(sched_tokens)}, tokens/step {tokens / max(len(sched_tokens), 1):.0f}, "
@@ -113,6 +102,7 @@ def main() -> int:
             {
                 "workload": args.workload,
                 "wall_ms": round(wall * 1e3, 1),
+                "steps": len(sched_tokens),
                 "gpu_ms": {k: round(v, 1) for k, v in by_cat.items()},
                 "host": engine.timings.summary(),
             }
