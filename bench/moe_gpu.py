@@ -154,6 +154,39 @@ def moe_layer(x: torch.Tensor, w: dict[str, torch.Tensor], config: MoeConfig | N
     return fused_experts(x, w["w13"], w["w2"], weights, ids, config)
 
 
+def fp8_weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The experts as quantization="fp8" stores them (layers/moe.py): e4m3, one scale per expert and row."""
+    from overnight.quant.fp8 import quantize_weight_per_channel
+
+    out = dict(gate=w["gate"])
+    for name in ("w13", "w2"):
+        pairs = [quantize_weight_per_channel(w[name][e]) for e in range(E)]
+        out[name] = torch.stack([d for d, _ in pairs])
+        out[name + "_scale"] = torch.stack([sc for _, sc in pairs])
+    return out
+
+
+def moe_layer_fp8(
+    x: torch.Tensor, q: dict[str, torch.Tensor], config: MoeConfig | None = None
+) -> torch.Tensor:
+    weights, ids = router_topk(F.linear(x, q["gate"]), TOP_K, True)
+    return fused_experts(x, q["w13"], q["w2"], weights, ids, config, q["w13_scale"], q["w2_scale"])
+
+
+def check_fp8_layer(gen: torch.Generator, w: dict[str, torch.Tensor], q: dict[str, torch.Tensor]) -> None:
+    """FP8 experts: the fused layer against the PyTorch path on the same e4m3 weights (which dequantizes
+    them), and against the bf16 experts they came from (e4m3's rounding only)."""
+    for num_tokens in (1, 256, 4096):
+        x, weights, ids = make_batch(num_tokens, w["gate"], gen)
+        out = fused_experts(x, q["w13"], q["w2"], weights, ids, None, q["w13_scale"], q["w2_scale"])
+        ref = fused_experts_ref(x, q["w13"], q["w2"], weights, ids, q["w13_scale"], q["w2_scale"])
+        err = float((out.float() - ref.float()).norm() / ref.float().norm())
+        check(f"fp8 experts vs PyTorch loop T={num_tokens}", err < 2e-2, f"relative L2 error {err:.1e}")
+        exact = fused_experts_ref(x, w["w13"], w["w2"], weights, ids)
+        err = float((out.float() - exact.float()).norm() / exact.float().norm())
+        check(f"fp8 experts vs bf16 experts T={num_tokens}", err < 8e-2, f"relative L2 error {err:.1e}")
+
+
 def torch_layer(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
     weights, ids = router_topk_ref(F.linear(x, w["gate"]), TOP_K, True)
     return fused_experts_ref(x, w["w13"], w["w2"], weights, ids)
@@ -321,6 +354,7 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
 
 def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> list[dict]:
     rows = []
+    q = fp8_weights(w)
     expert_bytes = 3 * H * I * 2
     for num_tokens in LAYER_SIZES:
         x = torch.randn(num_tokens, H, generator=gen, device=DEV).to(DT)
@@ -328,6 +362,7 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
         hit = int(torch.unique(ids).numel())
         config = get_config(num_tokens, E, I, H, TOP_K, DT, DEV)
         t_fused = bench(lambda x=x, c=config: moe_layer(x, w, c), rep=50)
+        t_fp8 = bench(lambda x=x, c=config: moe_layer_fp8(x, q, c), rep=50)  # bf16-tuned tiles
         t_torch = bench(lambda x=x: torch_layer(x, w), warmup=2, rep=50)
         t_vllm = None
         if vllm_fused is not None:
@@ -343,6 +378,7 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
                 experts_hit=hit,
                 block_m=config.block_m,
                 fused_us=round(1e3 * t_fused, 1),
+                fp8_us=round(1e3 * t_fp8, 1),
                 torch_us=round(1e3 * t_torch, 1),
                 vllm_experts_us=None if t_vllm is None else round(1e3 * t_vllm, 1),
                 speedup_vs_torch=round(t_torch / t_fused, 2),
@@ -376,6 +412,7 @@ def main() -> None:
         ("align", lambda: check_align(gen, w["gate"])),
         ("gemms", lambda: check_gemms(gen, w)),
         ("layer", lambda: check_layer(gen, w)),
+        ("fp8 layer", lambda: check_fp8_layer(gen, w, fp8_weights(w))),
         ("graph", lambda: check_graph(gen, w)),
     ]
     for name, step in steps:
@@ -464,12 +501,12 @@ def main() -> None:
         print(f"{num_tokens:>6} {config.block_m:>7} {1e3 * t_align:>9.1f} {1e3 * t1:>9.1f} {1e3 * t2:>9.1f}")
     print()
     print(
-        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'torch us':>9} {'vllm us':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
+        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'fp8 us':>8} {'torch us':>9} {'vllm us':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
     )
     for r in layer:
         vllm = "n/a" if r["vllm_experts_us"] is None else f"{r['vllm_experts_us']:.1f}"
         print(
-            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['torch_us']:>9.1f} {vllm:>8} "
+            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['fp8_us']:>8.1f} {r['torch_us']:>9.1f} {vllm:>8} "
             f"{r['speedup_vs_torch']:>7.2f} {r['tflops']:>8.1f} {r['weight_gbps']:>6.0f}"
         )
     failed = [name for name, ok, _ in checks if not ok]

@@ -95,12 +95,19 @@ class ModelArch:
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         return attention * self.num_hidden_layers + self.mlp_params(active_only)
 
-    def weight_bytes(self, dtype_bytes: int, fp8_linear: bool = False) -> int:
-        """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs;
-        experts stay in dtype) take one byte each plus a float32 scale per output row (quant/)."""
+    def weight_bytes(self, dtype_bytes: int, fp8_linear: bool = False, fp8_experts: bool = False) -> int:
+        """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs)
+        take one byte each plus a float32 scale per output row (quant/); fp8_experts: the stacked MoE
+        experts too, as they are once loaded (they load in dtype and are quantized afterwards, so the
+        load itself needs them in dtype)."""
         total = self.num_parameters() * dtype_bytes
         if not fp8_linear:
             return total
+        if fp8_experts:
+            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+            rows = 2 * self.moe_intermediate_size + self.hidden_size
+            total -= sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * rows)
         h = self.hidden_size
         per_layer_rows = self.q_size + 2 * self.kv_size + h  # q/k/v rows and o_proj's
         params = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h) * self.num_hidden_layers

@@ -1,6 +1,7 @@
 """FP8 weights on a mixture-of-experts model (tiny random Qwen3-MoE, CPU): online quantization keeps the
-router in the compute dtype, and FP8 checkpoints in each layout load with their expert tensors dequantized
-exactly (the experts are not FP8 layers).
+router in the compute dtype and makes the stacked experts e4m3 with one scale per expert and row, and FP8
+checkpoints in each layout load with their expert tensors dequantized with their scales and then
+requantized per row (layers/moe.py's quantize_fp8_), exactly that and nothing else.
 
 Agreement with the dequantized model (tests/test_fp8_weights.py's harness) is looser here than for dense
 models: the FP8 attention's activation rounding moves router logits, and on this random 8-expert model
@@ -8,7 +9,8 @@ models: the FP8 attention's activation rounding moves router logits, and on this
 token's MLP output. Measured (teacher-forced on the reference's greedy tokens): top-1 0.83-0.89, mean
 |dlogprob| 0.16-0.33 nats; the bounds are top-1 >= 0.75 and |dlogprob| <= 0.45. Identical greedy
 continuations (7-11 of 16 prompts) compound those flips and are not bounded here. The expert weights
-themselves are checked bit for bit against the checkpoint's dequantized tensors."""
+themselves are checked bit for bit against the per-row requantization of the checkpoint's dequantized
+tensors, and to within e4m3's rounding against those tensors."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.quant.apply import dequantize_model
-from overnight.quant.fp8 import dequantize_weight, expand_block_scales
+from overnight.quant.fp8 import dequantize_weight, expand_block_scales, quantize_weight_per_channel
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.test_fp8_weights import compare
@@ -57,12 +59,24 @@ def test_online_quantization_keeps_the_router(moe_folder):
     moe = model.model.layers[0].mlp
     assert type(moe.gate) is nn.Linear  # the router: compute dtype
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
-    assert moe.experts.gate_up_proj.dtype == torch.float32  # experts are not FP8 layers
+    experts = moe.experts
+    arch = model.arch
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
+    assert experts.gate_up_scale.shape == (arch.num_experts, 2 * arch.moe_intermediate_size)
+    assert experts.down_scale.shape == (arch.num_experts, arch.hidden_size)
+    # The same weights as the float model's experts, quantized row by row.
+    float_experts = (
+        load_model(resolve_source(str(moe_folder)), torch.float32, "cpu").model.layers[0].mlp.experts
+    )
+    for e in (0, arch.num_experts - 1):
+        data, scale = quantize_weight_per_channel(float_experts.down_proj[e])
+        assert torch.equal(experts.down_proj[e].view(torch.uint8), data.view(torch.uint8))
+        assert torch.equal(experts.down_scale[e], scale)
     assert_agrees_with_dequantized(model)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_fp8_moe_checkpoint_dequantizes_experts_exactly(checkpoints, layout):
+def test_fp8_moe_checkpoint_requantizes_experts_per_row(checkpoints, layout):
     folder = checkpoints[layout]
     source = resolve_source(str(folder))
     scheme = source.quantization
@@ -86,7 +100,17 @@ def test_fp8_moe_checkpoint_dequantizes_experts_exactly(checkpoints, layout):
                 scale = expand_block_scales(scale, scheme.weight_block[0], rows)
             else:
                 scale = scale.reshape(-1).expand(rows)
-            assert torch.equal(loaded, dequantize_weight(weight, scale)), name
+            exact = dequantize_weight(weight, scale)
+            want_data, want_scale = quantize_weight_per_channel(exact)
+            row0 = inter if proj == "up_proj" else 0
+            scales = (
+                experts.down_scale[e] if proj == "down_proj" else experts.gate_up_scale[e, row0 : row0 + rows]
+            )
+            assert torch.equal(loaded.view(torch.uint8), want_data.view(torch.uint8)), name
+            assert torch.equal(scales, want_scale), name
+            # e4m3 keeps 3 mantissa bits: the requantized weight is within half a step of each value.
+            err = (loaded.float() * scales[:, None] - exact).abs()
+            assert bool((err <= exact.abs() * 2**-4 + want_scale[:, None] * 2**-9).all()), name
     assert type(model.model.layers[1].mlp.gate) is nn.Linear
     assert_agrees_with_dequantized(model)
 

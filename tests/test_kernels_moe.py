@@ -159,6 +159,54 @@ def test_grouped_gemms_match_reference(dtype, case):
     assert_close(y, moe_gemm_ref(h, w2, ids, topk_weights=weights))
 
 
+def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights [E, R, K] -> (e4m3 [E, R, K], float32 scales [E, R]): per expert and row."""
+    from overnight.quant.fp8 import quantize_weight_per_channel
+
+    pairs = [quantize_weight_per_channel(w[e]) for e in range(w.shape[0])]
+    return torch.stack([d for d, _ in pairs]), torch.stack([s for _, s in pairs])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", GEMM_CASES[:2], ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}")
+def test_grouped_gemms_with_fp8_experts_match_reference(dtype, case):
+    """e4m3 weights converted to the activations' dtype in the kernel, each row scaled in the epilogue
+    (the gate's and the up's rows by their own scales): the reference multiplies the dequantized weights."""
+    num_tokens, top_k, num_experts, hidden, inter, block_m, tiles = case
+    x = randn(num_tokens, hidden, seed=21, dtype=dtype)
+    w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=22)
+    # Rows of very different sizes: a scale applied to the wrong row (or gate/up swapped) shows.
+    w13 = w13 * torch.linspace(0.1, 10.0, 2 * inter, device=DEVICE)[None, :, None]
+    (q13, s13), (q2, s2) = fp8_experts(w13), fp8_experts(w2)
+    ids = random_ids(num_tokens, top_k, num_experts, seed=23)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(24)).to(DEVICE)
+    runs = moe_align(ids, num_experts, block_m)
+
+    h = moe_gemm(x, q13, runs, tiles, gated=True, w_scale=s13)
+    assert_close(h, moe_gemm_ref(x, q13, ids, gated=True, w_scale=s13))
+    y = moe_gemm(h, q2, runs, tiles, topk_weights=weights, w_scale=s2)
+    assert_close(y, moe_gemm_ref(h, q2, ids, topk_weights=weights, w_scale=s2))
+    with pytest.raises(ValueError, match="needs w_scale"):
+        moe_gemm(x, q13, runs, tiles, gated=True)
+    with pytest.raises(ValueError, match=r"w_scale must be float32"):
+        moe_gemm(x, q13, runs, tiles, gated=True, w_scale=s13[:, :-1])
+
+
+def test_fused_fp8_experts_match_the_layer_reference():
+    """The fused layer with FP8 experts against layers/moe.py's CPU path, which dequantizes the experts
+    it runs, and both near the float experts they were quantized from."""
+    num_tokens, num_experts, top_k, hidden, inter = 23, 8, 2, 32, 16
+    x = randn(num_tokens, hidden, seed=30)
+    w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=31)
+    (q13, s13), (q2, s2) = fp8_experts(w13), fp8_experts(w2)
+    weights, ids = router_topk_ref(randn(num_tokens, num_experts, seed=32), top_k, renormalize=True)
+    config = MoeConfig(16, SMALL, GemmTiles(16, 16, 1, 4, 2))
+    out = fused_experts(x, q13, q2, weights, ids, config, s13, s2)
+    assert_close(out, fused_experts_ref(x, q13, q2, weights, ids, s13, s2))
+    exact = fused_experts_ref(x, w13, w2, weights, ids)
+    assert float((out - exact).abs().max()) < 0.1 * float(exact.abs().max())  # e4m3's rounding, no more
+
+
 def test_gemm_tiles_past_num_padded_are_not_run():
     """The reference alignment fills the unused tail with -1 (a real kernel would leave it unwritten);
     a tile that ran anyway would read pair -1 and write outside its rows."""
@@ -198,6 +246,21 @@ def test_fused_experts_matches_reference(dtype, num_tokens):
         assert_close(out, ref)
     else:  # the reference rounds after every op; the kernels once per GEMM, and once after the sum
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_model_forward_with_fp8_expert_kernels_matches_pytorch_path(tmp_path, monkeypatch):
+    """quantization="fp8" on a MoE model: the fused FP8 experts against the layer's CPU path, everything
+    else on the same (PyTorch) path on both sides (the FP8 linear kernels have tests of their own)."""
+    import overnight.layers.moe as moe
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, DEVICE)
+    assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = _run_steps(model)
+    monkeypatch.setattr(moe, "use_kernels", lambda x: True)
+    got = _run_steps(model)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
 def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):

@@ -81,3 +81,17 @@ def test_fp8_weights_are_counted_and_suggested_on_hopper(monkeypatch):
     with pytest.raises(ConfigError) as info:
         fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b")
     assert "--quantization" not in str(info.value)
+
+
+def test_fp8_moe_experts_count_as_fp8_once_loaded():
+    """Stacked experts load in the compute dtype and are quantized afterwards (layers/moe.py): the fit
+    check counts the load (experts in bf16), the pool plan what stays (experts in FP8)."""
+    arch = resolve_source("qwen3-30b-a3b", "dummy").arch
+    bf16 = fit.weight_bytes(arch, torch.bfloat16)
+    loading = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
+    loaded = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
+    experts = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)) * arch.num_experts
+    expert_params = experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+    scale_bytes = experts * 4 * (2 * arch.moe_intermediate_size + arch.hidden_size)
+    assert loading - loaded == expert_params - scale_bytes  # one byte instead of two, plus the scales
+    assert 0.9 * bf16 < loading < bf16 and 0.45 * bf16 < loaded < 0.55 * bf16

@@ -167,6 +167,41 @@ def test_expert_shards_are_the_intermediate_slices(folders):
         assert torch.equal(local.down_proj, experts.down_proj[:, :, rows])
 
 
+def test_fp8_expert_shards(folders):
+    """FP8 experts: apply_tp on a loaded model slices data and scales (the rank's dequantized experts
+    are exactly the whole's slices); the sharded loader quantizes each rank's own slices once loaded
+    (down_proj's row scales then come from the rank's columns only: close to the whole's, not equal)."""
+    source = replace(resolve_source(str(folders["qwen3_moe"])), quantization=QuantScheme())
+    whole = load_model(source, torch.float32, "cpu").model.layers[0].mlp.experts
+    floats = load_model(replace(source, quantization=None), torch.float32, "cpu").model.layers[0].mlp.experts
+    inter = source.arch.moe_intermediate_size
+    half = inter // 2
+
+    def dequantized(e):
+        return e.gate_up_proj.float() * e.gate_up_scale[:, :, None], e.down_proj.float() * e.down_scale[
+            :, :, None
+        ]
+
+    w13, w2 = dequantized(whole)
+    for rank in range(2):
+        rows = slice(rank * half, (rank + 1) * half)
+        want13 = torch.cat([w13[:, :inter][:, rows], w13[:, inter:][:, rows]], dim=1)
+        local = apply_tp(load_model(source, torch.float32, "cpu"), rank, 2).model.layers[0].mlp.experts
+        got13, got2 = dequantized(local)
+        assert torch.equal(got13, want13) and torch.equal(got2, w2[:, :, rows])
+        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2).model.layers[0].mlp.experts
+        assert (
+            streamed.gate_up_proj.dtype == torch.float8_e4m3fn and streamed.down_scale.shape == w2.shape[:2]
+        )
+        s13, s2 = dequantized(streamed)
+        assert torch.equal(s13, want13)  # gate/up rows are whole rows: the same quantization
+        # Each rank's own quantization of the float slice: within e4m3's half step of every value.
+        exact = floats.down_proj[:, :, rows]
+        assert bool(
+            ((s2 - exact).abs() <= exact.abs() * 2**-4 + streamed.down_scale[:, :, None] * 2**-9).all()
+        )
+
+
 def test_indivisible_expert_size_is_refused(folders):
     arch = dataclasses.replace(resolve_source(str(folders["qwen3_moe"])).arch, moe_intermediate_size=30)
     TPShards(arch, 0, 1).check()

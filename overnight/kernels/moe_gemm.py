@@ -15,6 +15,10 @@ Two uses:
                     and the up columns of the same N range, and stores silu(gate) * up: the SiLU-and-mul
                     is the epilogue, and the [P, 2N] gate/up activations are never written.
   down (MUL_WEIGHT) w = [E, H, N]; the epilogue scales each row by its pair's routing weight.
+FP8 experts (W_FP8): w holds e4m3 values with one float32 scale per expert and weight row (w_scale
+[E, rows of w]); each tile is converted to a's dtype for the dot (the activations stay as they are:
+weight-only FP8, half the bytes a decode step reads), and the scales multiply the accumulators in the
+epilogue, the gate's and the up's each by its own rows' before the SiLU.
 Accumulation is fp32; the result is rounded once, to out's dtype. Tiles past num_padded (a device
 scalar) return at once, so the grid is sized for the worst case and a launch depends only on shapes
 and pointers: safe to capture in a CUDA graph.
@@ -48,6 +52,7 @@ class GemmTiles:
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
+    w_scale_ptr,  # W_FP8: [E, rows of w] float32
     out_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
@@ -63,10 +68,12 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_om,
+    stride_se,  # W_FP8: w_scale's stride between experts
     up_offset,  # GATED: the up rows follow the gate rows, N rows further
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    W_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -107,13 +114,23 @@ def _moe_gemm_kernel(
             a_mask = row_mask[:, None] & (offs_k[None, :] < k_left)
             w_mask = n_mask[None, :] & (offs_k[:, None] < k_left)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        acc = tl.dot(a, tl.load(w_ptrs, mask=w_mask, other=0.0), acc, input_precision=DOT_PRECISION)
+        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+        if W_FP8:
+            w = w.to(a_ptr.dtype.element_ty)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+            if W_FP8:
+                up = up.to(a_ptr.dtype.element_ty)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
 
+    if W_FP8:
+        scale_ptrs = w_scale_ptr + expert * stride_se + offs_n
+        acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_ptrs + N, mask=n_mask, other=0.0)[None, :]
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -131,6 +148,7 @@ def moe_gemm(
     gated: bool = False,
     topk_weights: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T, then
 
@@ -138,7 +156,8 @@ def moe_gemm(
     topk_weights:  times topk_weights.flatten()[p]: out [P, N] with w [E, N, K]
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
-    have unit stride along K."""
+    have unit stride along K. An e4m3 w comes with w_scale [E, rows of w] float32 (w[e, r] * w_scale[e, r]
+    is the weight)."""
     num_pairs = runs.num_pairs
     a_rows, k_dim = a.shape
     if a_rows == 0 or num_pairs % a_rows:
@@ -156,6 +175,13 @@ def moe_gemm(
         raise ValueError(f"out must be [{num_pairs}, {n}] with unit stride, got {tuple(out.shape)}")
     if topk_weights is not None and topk_weights.numel() != num_pairs:
         raise ValueError(f"topk_weights must hold one weight per pair ({num_pairs})")
+    w_fp8 = w.dtype == torch.float8_e4m3fn
+    if w_fp8 != (w_scale is not None):
+        raise ValueError("an e4m3 w needs w_scale, and only an e4m3 w takes one")
+    if w_scale is not None and (
+        w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1
+    ):
+        raise ValueError(f"w_scale must be float32 {tuple(w.shape[:2])}, rows contiguous")
 
     block_m = runs.block_m
     num_tiles_m = runs.sorted_ids.numel() // block_m
@@ -163,6 +189,7 @@ def moe_gemm(
     _moe_gemm_kernel[grid](
         a,
         w,
+        w_scale if w_scale is not None else out,  # unread without W_FP8
         out,
         topk_weights if topk_weights is not None else out,  # unread without MUL_WEIGHT
         runs.sorted_ids,
@@ -178,10 +205,12 @@ def moe_gemm(
         w.stride(1),
         w.stride(2),
         out.stride(0),
+        w_scale.stride(0) if w_scale is not None else 0,
         n * w.stride(1),
         A_DIV=num_pairs // a_rows,
         GATED=gated,
         MUL_WEIGHT=topk_weights is not None,
+        W_FP8=w_fp8,
         EVEN_K=k_dim % tiles.block_k == 0,
         # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -202,8 +231,11 @@ def moe_gemm_ref(
     *,
     gated: bool = False,
     topk_weights: torch.Tensor | None = None,
+    w_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end."""
+    if w_scale is not None:
+        w = w.float() * w_scale[:, :, None]
     ids = topk_ids.flatten().long()
     num_pairs = ids.numel()
     rows = a[torch.arange(num_pairs, device=a.device) // (num_pairs // a.shape[0])].float()

@@ -10,7 +10,12 @@ loader):
 A token t goes through the experts topk_ids[t, :] and its output is sum_j topk_weights[t, j] *
 expert_j(x_t). Path choice as for the small ops (norm.py's use_kernels): the fused Triton path
 (overnight/kernels/fused_moe.py) on CUDA; on the CPU the PyTorch code here, which is also the kernels'
-reference. The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot
+reference.
+
+With FP8 weights (quantization="fp8", FP8 checkpoints) the stacked projections are quantized once they
+are loaded (quantize_fp8_): e4m3 values with one float32 scale per expert and row, per channel like
+the dense FP8 layers; the GEMMs convert the weight tiles to the activations' dtype (weight-only FP8:
+half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs. The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot
 be captured in a CUDA graph; the fused path can.
 """
 
@@ -41,9 +46,12 @@ def fused_experts_ref(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
-    Returns [T, H] in x's dtype.
+    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) are
+    dequantized to x's dtype expert by expert.
 
     The HF computation step for step (so fp32 results match it to the last bit on the same rows): each
     expert that was hit runs on its tokens in x's dtype, its output is scaled by the routing weight
@@ -53,8 +61,12 @@ def fused_experts_ref(
     ids = topk_ids.long()
     for expert in torch.unique(ids).tolist():
         token, slot = torch.where(ids == expert)
-        gate, up = F.linear(x[token], gate_up_proj[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, down_proj[expert]) * weights[token, slot, None]
+        w1, w2 = gate_up_proj[expert], down_proj[expert]
+        if gate_up_scale is not None and down_scale is not None:
+            w1 = (w1.float() * gate_up_scale[expert, :, None]).to(x.dtype)
+            w2 = (w2.float() * down_scale[expert, :, None]).to(x.dtype)
+        gate, up = F.linear(x[token], w1).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
 
@@ -74,13 +86,17 @@ def run_experts(
     down_proj: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None = None,
+    down_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, on the path use_kernels(x) picks."""
     if use_kernels(x):
         from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
 
-        return fused_experts(x, gate_up_proj, down_proj, topk_weights, topk_ids)
-    return fused_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids)
+        return fused_experts(
+            x, gate_up_proj, down_proj, topk_weights, topk_ids, None, gate_up_scale, down_scale
+        )
+    return fused_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale)
 
 
 class Experts(nn.Module):
@@ -94,10 +110,45 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.gate_up_scale: torch.Tensor | None = None  # FP8: [E, 2I] float32 (quantize_fp8_)
+        self.down_scale: torch.Tensor | None = None  # FP8: [E, H] float32
+        self.compute_dtype: torch.dtype | None = None  # FP8: the projections' dtype before quantizing
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return run_experts(
+            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.gate_up_scale, self.down_scale
+        )
+
+    @torch.no_grad()
+    def quantize_fp8_(self) -> None:
+        """Replace the loaded projections by e4m3 values and one scale per expert and row (the
+        per-channel rule of quant/fp8.py), one expert at a time so the float copy never doubles."""
+        from overnight.quant.fp8 import quantize_weight_per_channel
+
+        if self.gate_up_scale is not None:
+            return
+        self.compute_dtype = self.gate_up_proj.dtype
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):
+                data[e], scale[e] = quantize_weight_per_channel(w[e])
+            setattr(self, name, nn.Parameter(data, requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), scale)
+
+    @torch.no_grad()
+    def dequantize_(self) -> None:
+        """The inverse, for comparisons: projections dequantized back to the compute dtype."""
+        if self.gate_up_scale is None or self.down_scale is None:
+            return
+        for name, scale in (("gate_up_proj", self.gate_up_scale), ("down_proj", self.down_scale)):
+            w = getattr(self, name)
+            dense = (w.float() * scale[:, :, None]).to(self.compute_dtype)
+            setattr(self, name, nn.Parameter(dense, requires_grad=False))
+        self.gate_up_scale = self.down_scale = None
 
     def extra_repr(self) -> str:
         e, two_i, h = self.gate_up_proj.shape
-        return f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}"
+        fp8 = ", fp8" if self.gate_up_scale is not None else ""
+        return f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}{fp8}"

@@ -2,7 +2,7 @@
 for the machine stops with a sentence saying what would fit instead of being killed by the kernel's
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
-    weight_bytes(arch, dtype, fp8)   what the loaded weights take (FP8 projections: quant/)
+    weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 projections: quant/)
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
 """
@@ -18,10 +18,11 @@ GIB = 2**30
 _SMALLER_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def weight_bytes(arch: ModelArch, dtype: torch.dtype, fp8_linear: bool = False) -> int:
-    """Bytes the weights of `arch` take once loaded in `dtype`; fp8_linear: with FP8 projections (an FP8
-    checkpoint or quantization="fp8"; any other format is dequantized to dtype)."""
-    return arch.weight_bytes(dtype.itemsize, fp8_linear=fp8_linear)
+def weight_bytes(arch: ModelArch, dtype: torch.dtype, fp8_linear: bool = False, loaded: bool = False) -> int:
+    """Bytes the weights of `arch` take while loading in `dtype`; fp8_linear: with FP8 projections (an
+    FP8 checkpoint or quantization="fp8"; any other format is dequantized to dtype); loaded: once
+    loaded, when FP8 MoE experts have been quantized (they load in dtype: layers/moe.py)."""
+    return arch.weight_bytes(dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:

@@ -1,7 +1,8 @@
 """Build the model for a ModelSource and fill its weights: safetensors, GGUF (dequantized) or random.
 
 A source with a quantization scheme gets its FP8 layers when it is built (quant/apply.py, on the meta
-device), and its checkpoint tensors converted to their layout as they stream in (quant/checkpoint.py).
+device), and its checkpoint tensors converted to their layout as they stream in (quant/checkpoint.py);
+stacked MoE experts load in the compute dtype and are quantized once loaded (quantize_experts).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.models.registry import get_model_class
-from overnight.quant.apply import quantize_model
+from overnight.quant.apply import quantize_experts, quantize_model
 from overnight.quant.scheme import check_fp8_device
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -121,6 +122,8 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         cast(CausalLM, model).load_weights(checkpoint_weights(source, model, device))
+    if source.quantization is not None:
+        quantize_experts(model)
     return cast(CausalLM, model.requires_grad_(False).eval())
 
 

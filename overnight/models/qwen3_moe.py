@@ -51,8 +51,9 @@ class Qwen3MoeForCausalLM(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
     # With FP8 weights (quant/): the router stays in the compute dtype, as published FP8 MoE checkpoints
     # keep it (its top-k decides which experts run; its GEMM, hidden x num_experts, is a small share).
-    # The stacked experts are not FP8 layers: an FP8 checkpoint's expert (and router) tensors are
-    # dequantized with their scales as they load (quant/checkpoint.py).
+    # The stacked experts are not nn.Linear: an FP8 checkpoint's expert (and router) tensors are
+    # dequantized with their scales as they load (quant/checkpoint.py), and the experts are quantized
+    # per row once loaded (quant/apply.quantize_experts; the router stays in the compute dtype).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
 

@@ -41,7 +41,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
-from overnight.layers.moe import Experts, run_experts
+from overnight.layers.moe import Experts
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
@@ -189,21 +189,26 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelExperts(nn.Module):
+class RowParallelExperts(Experts):
     """Experts holding this rank's slice of every expert's intermediate dimension: each rank's weighted
     sum is a partial sum over that dimension, and the all-reduce completes it (parameter names stay
-    those of layers/moe.py's Experts, so checkpoints load into it unchanged)."""
+    those of layers/moe.py's Experts, so checkpoints load into it unchanged; FP8 experts are quantized
+    after loading, per rank, from the rank's own rows and columns)."""
 
     def __init__(
         self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group: dist.ProcessGroup | None
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
+        self.num_experts = gate_up_proj.shape[0]
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
+        self.gate_up_scale = None
+        self.down_scale = None
+        self.compute_dtype = None
         self.group = group
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        y = run_experts(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        y = super().forward(x, topk_weights, topk_ids)
         dist.all_reduce(y, group=self.group)
         return y
 
@@ -314,7 +319,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         elif isinstance(module, Experts):
             gate_up = _keep(shards.shard(f"{name}.gate_up_proj", module.gate_up_proj))
             down = _keep(shards.shard(f"{name}.down_proj", module.down_proj))
-            _set_module(model, name, RowParallelExperts(gate_up, down, group))
+            sharded = RowParallelExperts(gate_up, down, group)
+            if module.gate_up_scale is not None:  # FP8 experts already quantized: rows keep their scales
+                rows = shards.shard(f"{name}.gate_up_proj", module.gate_up_scale[:, :, None])
+                sharded.gate_up_scale = _keep(rows[:, :, 0])
+                sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
+                sharded.compute_dtype = module.compute_dtype
+            _set_module(model, name, sharded)
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
@@ -345,6 +356,7 @@ def load_sharded_model(
     it streams in. Dummy weights are drawn whole, tensor by tensor, exactly as the unsharded loader
     draws them, so every tensor_parallel_size runs the same random model."""
     from overnight.loader.model_loader import _materialize, build_model, checkpoint_weights
+    from overnight.quant.apply import quantize_experts
     from overnight.quant.scheme import check_fp8_device
 
     model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
@@ -358,6 +370,8 @@ def load_sharded_model(
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
         cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in weights)
+    if source.quantization is not None:
+        quantize_experts(model)
     return cast(CausalLM, model.requires_grad_(False).eval())
 
 

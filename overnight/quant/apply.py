@@ -8,9 +8,15 @@ modules those are, per decoder layer, as `linear_input_producers` (producer -> t
 that reads its output; models/llama.py); a producer with an `fp8_output` flag (RMSNorm, SiluAndMul)
 then returns a QuantizedActivation. Inputs nobody produces quantized (the attention output before
 o_proj) are quantized by the Fp8Linear itself.
+
+Stacked MoE experts (layers/moe.py) are not nn.Linear: they load in the compute dtype (an FP8
+checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) and quantize_experts
+turns them into e4m3 with per-row scales once every weight is in.
 """
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -61,6 +67,26 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
     return model
 
 
+@runtime_checkable
+class QuantizedAfterLoad(Protocol):
+    """A module whose weights load in the compute dtype and become FP8 once loaded (layers/moe.py's
+    Experts: quant/ cannot import layers/, which imports quant/)."""
+
+    def quantize_fp8_(self) -> None: ...
+
+    def dequantize_(self) -> None: ...
+
+
+def quantize_experts(model: nn.Module) -> None:
+    """Quantize every loaded stack of experts to FP8 (Experts.quantize_fp8_), then give the float
+    copies' memory back to the device, so the KV pool sized after loading can use it."""
+    experts = [m for m in model.modules() if isinstance(m, QuantizedAfterLoad)]
+    for module in experts:
+        module.quantize_fp8_()
+    if experts and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @torch.no_grad()
 def dequantize_model(model: nn.Module) -> nn.Module:
     """The inverse, for comparisons: every Fp8Linear becomes an nn.Linear holding its dequantized
@@ -79,6 +105,9 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         if module.bias is not None:
             dense.bias.copy_(module.bias)
         _set_module(model, name, dense)
+    for experts in model.modules():
+        if isinstance(experts, QuantizedAfterLoad):
+            experts.dequantize_()
     _set_producers(model, False)
     return model
 

@@ -103,7 +103,7 @@ def plan_budget(
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
             fp8 = source.quantization is not None
-            weights = weight_bytes(arch, config.model.dtype, fp8_linear=fp8)
+            weights = weight_bytes(arch, config.model.dtype, fp8_linear=fp8, loaded=True)
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
             )
