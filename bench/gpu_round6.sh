@@ -10,8 +10,10 @@
 #                       side on seed-512-256 and long-1024-1024; the MoE step profile if time is left)
 #   4. carry .whl:      bash bench/gpu_round6.sh embed structured attn   (vLLM from $HOME/vsite)
 #
-# Next (issue 15, not run yet): after `unpack`, `bash bench/gpu_round6.sh profile-pair` profiles the whole of
-# long-1024-1024 with an FP8 cache in vLLM and in ours (WORKLOAD / KV / QUANT override), one after the other.
+# Next (not run yet): after `unpack`, `bash bench/gpu_round6.sh profile-pair` profiles the whole of
+# long-1024-1024 with an FP8 cache in vLLM and in ours (WORKLOAD / KV / QUANT override), one after the other
+# (issue 15); `moe-fp8` tunes the FP8 experts' tiles and `moe-side-fp8` (c1, c3 staged, c2 carried) runs
+# Qwen3-30B-A3B with FP8 weights on both engines.
 #
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
@@ -35,6 +37,15 @@ for s in "$@"; do
       section "moe: check, tune, install (bench/moe_gpu.py)"
       timeout 300 python bench/moe_gpu.py --install > "$OUT/moe.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/moe.log"
       cp overnight/kernels/moe_configs.json "$HOME/moe_configs.json" && cp overnight/kernels/moe_configs.json "$OUT/" ;;
+    moe-fp8)
+      section "moe-fp8: FP8 experts' tiles (bench/moe_gpu.py --fp8 --install)"
+      timeout 300 python bench/moe_gpu.py --fp8 --install --skip-engine > "$OUT/moe_fp8.log" 2>&1; echo "rc=$?"
+      tail -24 "$OUT/moe_fp8.log"
+      cp overnight/kernels/moe_configs.json "$HOME/moe_configs.json" && cp overnight/kernels/moe_configs.json "$OUT/" ;;
+    moe-side-fp8)
+      section "moe-side-fp8: Qwen3-30B-A3B with FP8 weights on both (side_by_side.sh)"
+      VB_MODEL=qwen3-30b-a3b VB_QUANT=fp8 OV_ARGS="--model qwen3-30b-a3b --quantization fp8" \
+        bash .peer/c2/side_by_side.sh seed-512-256 long-1024-1024 ;;
     batch)
       section "batch: run-batch look-ahead against file order (bench/batch_schedule.py --gpu)"
       PYTHONPATH=$VSITE/b:$PWD timeout 330 python bench/batch_schedule.py --gpu --skip-order --fcfs-budget-s 0 --run-limit-s 100 \

@@ -5,6 +5,7 @@ Run on the GPU machine from the repository root:
     PYTHONPATH=. python bench/moe_gpu.py            # check, tune, print the configs to commit
     PYTHONPATH=. python bench/moe_gpu.py --install  # the same, and write them into
                                                     # overnight/kernels/moe_configs.json
+    PYTHONPATH=. python bench/moe_gpu.py --fp8 --install   # tune FP8 experts' tiles (their own key)
 
 Needs torch + triton; about 3 minutes, most of it compiling tile configurations (a deadline cuts the
 sweep short rather than overrun). Fixed seed. Shapes: hidden 2048, expert intermediate 768, 128
@@ -12,14 +13,16 @@ experts, top-8 (one H200, no tensor parallelism), bf16.
 
 1. Correctness, bf16: router top-k (a valid top-k even where bf16 logits tie; weights), the alignment
    (exact), each grouped GEMM against an fp32 reference, the fused layer against the HF-style PyTorch
-   loop, a CUDA-graph capture and replay of the layer at a decode batch, and a 2-layer Qwen3-MoE of
-   these shapes through the engine (dummy weights, CUDA graphs on).
+   loop, FP8 experts (e4m3, a scale per expert and row) against the PyTorch path on the same weights and
+   against the bf16 experts, a CUDA-graph capture and replay of the layer at a decode batch, and a
+   2-layer Qwen3-MoE of these shapes through the engine (dummy weights, CUDA graphs on).
 2. Tuning: per token count in BUCKETS, each BLOCK_M candidate with a few tile shapes per GEMM, median
    of triton's do_bench (L2 flushed); the best per bucket is checked against the reference, printed as
    the JSON for overnight/kernels/moe_configs.json, and written to $OUT/moe_configs.json (OUT set).
 3. The whole MoE layer (router GEMM, top-k, alignment, two GEMMs, sum) with the tuned configs against
    the PyTorch loop over experts (and vLLM's fused_experts when it imports), as TFLOP/s and GB/s (GB:
-   the weights of the experts actually hit, what a decode step must read).
+   the weights of the experts actually hit, what a decode step must read), and the same layer with FP8
+   experts ("fp8 us"; their own tuned tiles when installed, else the bf16 ones).
 A table, then one line of JSON.
 """
 
@@ -281,7 +284,9 @@ def candidate_block_ms(num_tokens: int) -> list[int]:
 
 
 def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generator, deadline: float):
-    """Best (config, times) for one bucket, or None when nothing ran; rows: (BLOCK_M, gemm, tiles, ms)."""
+    """Best (config, times) for one bucket, or None when nothing ran; rows: (BLOCK_M, gemm, tiles, ms).
+    w may hold FP8 experts (fp8_weights): their scales go along."""
+    s13, s2 = w.get("w13_scale"), w.get("w2_scale")
     x, weights, ids = make_batch(num_tokens, w["gate"], gen)
     pairs = num_tokens * TOP_K
     h = torch.empty(pairs, I, dtype=DT, device=DEV)
@@ -290,7 +295,9 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
     for block_m in candidate_block_ms(num_tokens):
         runs = moe_align(ids, E, block_m)
         t_align = bench(lambda runs=runs, bm=block_m: moe_align(ids, E, bm))
-        moe_gemm(x, w["w13"], runs, default_config(num_tokens, TOP_K, E).gemm1, gated=True, out=h)
+        moe_gemm(
+            x, w["w13"], runs, default_config(num_tokens, TOP_K, E).gemm1, gated=True, out=h, w_scale=s13
+        )
         per_gemm = {}
         for gemm in ("gemm1", "gemm2"):
             gated = gemm == "gemm1"
@@ -302,9 +309,11 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
                     continue
                 tiles = GemmTiles(bn, bk, 8, warps, stages)
                 if gated:
-                    fn = lambda t=tiles, r=runs: moe_gemm(x, w["w13"], r, t, gated=True, out=h)  # noqa: E731
+                    fn = lambda t=tiles, r=runs: moe_gemm(x, w["w13"], r, t, gated=True, out=h, w_scale=s13)  # noqa: E731
                 else:
-                    fn = lambda t=tiles, r=runs: moe_gemm(h, w["w2"], r, t, topk_weights=weights, out=y)  # noqa: E731
+                    fn = lambda t=tiles, r=runs: moe_gemm(  # noqa: E731
+                        h, w["w2"], r, t, topk_weights=weights, out=y, w_scale=s2
+                    )
                 try:
                     results.append((bench(fn), tiles))
                 except Exception as e:  # a tile shape the GPU cannot run (resources): skip it
@@ -327,8 +336,8 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
         g1 = dataclasses.replace(config.gemm1, group_m=group_m)
         g2 = dataclasses.replace(config.gemm2, group_m=group_m)
         try:
-            n1 = bench(lambda g=g1: moe_gemm(x, w["w13"], runs, g, gated=True, out=h))
-            n2 = bench(lambda g=g2: moe_gemm(h, w["w2"], runs, g, topk_weights=weights, out=y))
+            n1 = bench(lambda g=g1: moe_gemm(x, w["w13"], runs, g, gated=True, out=h, w_scale=s13))
+            n2 = bench(lambda g=g2: moe_gemm(h, w["w2"], runs, g, topk_weights=weights, out=y, w_scale=s2))
         except Exception:
             continue
         if n1 < t1:
@@ -337,10 +346,10 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
             config, t2 = MoeConfig(config.block_m, config.gemm1, g2), n2
     # The winner must compute the right thing.
     runs = moe_align(ids, E, config.block_m)
-    h_ok = moe_gemm(x, w["w13"], runs, config.gemm1, gated=True)
-    y_ok = moe_gemm(h_ok, w["w2"], runs, config.gemm2, topk_weights=weights)
-    e1 = rel_err(h_ok, moe_gemm_ref(x, w["w13"], ids, gated=True))
-    e2 = rel_err(y_ok, moe_gemm_ref(h_ok, w["w2"], ids, topk_weights=weights))
+    h_ok = moe_gemm(x, w["w13"], runs, config.gemm1, gated=True, w_scale=s13)
+    y_ok = moe_gemm(h_ok, w["w2"], runs, config.gemm2, topk_weights=weights, w_scale=s2)
+    e1 = rel_err(h_ok, moe_gemm_ref(x, w["w13"], ids, gated=True, w_scale=s13))
+    e2 = rel_err(y_ok, moe_gemm_ref(h_ok, w["w2"], ids, topk_weights=weights, w_scale=s2))
     check(
         f"tuned config T={num_tokens} matches the reference", e1 < 1e-2 and e2 < 1e-2, f"{e1:.1e} / {e2:.1e}"
     )
@@ -362,7 +371,8 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
         hit = int(torch.unique(ids).numel())
         config = get_config(num_tokens, E, I, H, TOP_K, DT, DEV)
         t_fused = bench(lambda x=x, c=config: moe_layer(x, w, c), rep=50)
-        t_fp8 = bench(lambda x=x, c=config: moe_layer_fp8(x, q, c), rep=50)  # bf16-tuned tiles
+        config8 = get_config(num_tokens, E, I, H, TOP_K, DT, DEV, torch.float8_e4m3fn)  # bf16's until tuned
+        t_fp8 = bench(lambda x=x, c=config8: moe_layer_fp8(x, q, c), rep=50)
         t_torch = bench(lambda x=x: torch_layer(x, w), warmup=2, rep=50)
         t_vllm = None
         if vllm_fused is not None:
@@ -394,6 +404,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--install", action="store_true", help="write the tuned configs into the package")
     parser.add_argument("--skip-engine", action="store_true", help="skip the 2-layer engine run")
+    parser.add_argument(
+        "--fp8", action="store_true", help="tune (and install) the tiles of FP8 experts instead of bf16 ones"
+    )
     args = parser.parse_args()
     start = time.time()
     gpu = device_name(DEV)
@@ -432,7 +445,7 @@ def main() -> None:
             print(f"  deadline reached: buckets from T={num_tokens} on keep the defaults")
             break
         try:
-            res = sweep_bucket(num_tokens, w, gen, deadline)
+            res = sweep_bucket(num_tokens, fp8_weights(w) if args.fp8 else w, gen, deadline)
         except Exception as e:
             check(f"sweep T={num_tokens} raised", False, f"{type(e).__name__}: {e}")
             traceback.print_exc()
@@ -449,7 +462,7 @@ def main() -> None:
         )
     print(f"  sweep took {time.perf_counter() - sweep_start:.0f} s")
 
-    key = shape_key(E, I, H, TOP_K, DT)
+    key = shape_key(E, I, H, TOP_K, DT, torch.float8_e4m3fn if args.fp8 else None)
     entry = {gpu: {key: tuned}}
     text = json.dumps(entry, indent=1)
     out_dir = os.environ.get("OUT")

@@ -298,6 +298,16 @@ def test_configs_nearest_tuned_batch_and_defaults(monkeypatch):
     # An untuned shape (another tensor-parallel split) falls back to the defaults.
     assert block_m(1, inter=384) == default_config(1, 8, 128).block_m == 16
     assert default_config(16384, 8, 128).block_m == 128
+    # FP8 experts: their own entries once tuned, the compute dtype's until then.
+    fp8 = torch.float8_e4m3fn
+    key = shape_key(128, 768, 2048, 8, torch.bfloat16, fp8)
+    assert (
+        key.endswith(",w=float8_e4m3fn")
+        and shape_key(128, 768, 2048, 8, torch.bfloat16, torch.bfloat16) in key
+    )
+    assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 32
+    table["cpu"][key] = {"64": MoeConfig(16, tiles, tiles).to_json()}
+    assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 16
 
 
 def test_shipped_config_file_parses():

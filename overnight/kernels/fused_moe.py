@@ -47,7 +47,9 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(x)
     if config is None:
-        config = get_config(num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device)
+        config = get_config(
+            num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
+        )
     runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
     h = moe_gemm(x.contiguous(), gate_up_proj, runs, config.gemm1, gated=True, w_scale=gate_up_scale)
     y = moe_gemm(

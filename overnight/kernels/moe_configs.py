@@ -5,7 +5,8 @@ moe_configs.json (beside this file, read once) maps
     GPU name -> shape key -> number of tokens -> {"block_m": .., "gemm1": {tiles}, "gemm2": {tiles}}
 
 with shape keys like "E=128,N=768,H=2048,top_k=8,dtype=bfloat16" (N: one rank's expert intermediate
-size, H: the hidden size) and tiles as GemmTiles' fields. bench/moe_gpu.py measures them and prints
+size, H: the hidden size; FP8 experts add ",w=float8_e4m3fn" and fall back to the compute dtype's
+entry until tuned themselves) and tiles as GemmTiles' fields. bench/moe_gpu.py measures them and prints
 the entries to paste in. A batch takes the entry of the nearest tuned token count (on a log scale); a
 GPU or shape never tuned gets default_config(), chosen by the rows each expert gets on average.
 block_m is shared by both GEMMs: it is the padding of the one alignment they both read.
@@ -41,8 +42,18 @@ class MoeConfig:
         return MoeConfig(entry["block_m"], GemmTiles(**entry["gemm1"]), GemmTiles(**entry["gemm2"]))
 
 
-def shape_key(num_experts: int, inter: int, hidden: int, top_k: int, dtype: torch.dtype) -> str:
-    return f"E={num_experts},N={inter},H={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
+def shape_key(
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    top_k: int,
+    dtype: torch.dtype,
+    weight_dtype: torch.dtype | None = None,
+) -> str:
+    key = f"E={num_experts},N={inter},H={hidden},top_k={top_k},dtype={str(dtype).removeprefix('torch.')}"
+    if weight_dtype is not None and weight_dtype != dtype:
+        key += f",w={str(weight_dtype).removeprefix('torch.')}"
+    return key
 
 
 @functools.cache
@@ -83,9 +94,14 @@ def get_config(
     top_k: int,
     dtype: torch.dtype,
     device: torch.device,
+    weight_dtype: torch.dtype | None = None,
 ) -> MoeConfig:
-    """The tuned entry for this GPU and shape nearest to num_tokens, else default_config()."""
-    entries = _table().get(device_name(device), {}).get(shape_key(num_experts, inter, hidden, top_k, dtype))
+    """The tuned entry for this GPU and shape nearest to num_tokens (experts of another weight dtype
+    without entries of their own: the compute dtype's), else default_config()."""
+    shapes = _table().get(device_name(device), {})
+    entries = shapes.get(shape_key(num_experts, inter, hidden, top_k, dtype, weight_dtype)) or shapes.get(
+        shape_key(num_experts, inter, hidden, top_k, dtype)
+    )
     if not entries:
         return default_config(num_tokens, top_k, num_experts)
     target = math.log(max(1, num_tokens))
