@@ -15,8 +15,10 @@ reference.
 With FP8 weights (quantization="fp8", FP8 checkpoints) the stacked projections are quantized once they
 are loaded (quantize_fp8_): e4m3 values with one float32 scale per expert and row, per channel like
 the dense FP8 layers; the GEMMs convert the weight tiles to the activations' dtype (weight-only FP8:
-half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs. The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot
-be captured in a CUDA graph; the fused path can.
+half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs.
+
+The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot be
+captured in a CUDA graph; the fused path can.
 """
 
 from __future__ import annotations
