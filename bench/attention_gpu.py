@@ -50,6 +50,7 @@ from overnight.kernels.kv_layout import is_fp8, to_storage_layout, v_view
 from overnight.kernels.paged_decode import (
     BF16_DECODE_CONFIG,
     FP8_DECODE_CONFIG,
+    TARGET_CTAS_PER_SM,
     DecodeConfig,
     DecodeWorkspace,
     choose_num_splits,
@@ -450,7 +451,10 @@ def bench_decode_dtype(
 ) -> None:
     hq, hkv = MODELS[model]
     heuristic = choose_num_splits(batch, hkv, MAX_MODEL_LEN, num_sms)
-    splits = [1] if heuristic == 1 else sorted({heuristic, 16})
+    # Besides the heuristic's count (the first that reaches one wave of TARGET_CTAS_PER_SM CTAs per SM, so
+    # its CTAs spill a little into a second wave) and 16: the most that still fit one wave.
+    one_wave = max(1, TARGET_CTAS_PER_SM * num_sms // (batch * hkv))
+    splits = [1] if heuristic == 1 else sorted({heuristic, 16, one_wave})
     case = f"{model} b{batch} ctx{ctx}"
     meta, q, cache, kv_scale = make_case(hq, hkv, [1] * batch, [ctx] * batch, batch, 11, cache_dtype)
     nbytes = decode_bytes(batch, ctx, hq, hkv, cache.element_size())
