@@ -127,3 +127,18 @@ def test_no_room_is_reported_not_raised(qwen3_8b):
     b = plan_budget(options(max_model_len=4096), qwen3_8b, small)
     assert b.num_blocks == 0 and b.seqs_fit == 0
     assert "weights take 15.26 GiB" in b.pool_source  # the engine's own message: what does not fit
+
+
+def test_fp8_moe_pool_counts_fp8_experts():
+    """Qwen3-30B-A3B with FP8 weights: the pool is sized after the experts are quantized (they hold
+    ~27 GiB fewer than in bf16), so it grows by about that much."""
+    from dataclasses import replace
+
+    from overnight.quant.scheme import QuantScheme
+
+    moe = resolve_source("qwen3-30b-a3b", "dummy")
+    opts = EngineOptions(model="qwen3-30b-a3b", load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    bf16 = plan_budget(opts, moe, H200)
+    fp8 = plan_budget(replace(opts, quantization="fp8"), replace(moe, quantization=QuantScheme()), H200)
+    assert 54 * GIB < bf16.weights_bytes < 58 * GIB and 27 * GIB < fp8.weights_bytes < 31 * GIB
+    assert 24 * GIB < fp8.pool_bytes - bf16.pool_bytes < 29 * GIB
