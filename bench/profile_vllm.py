@@ -48,8 +48,11 @@ def main() -> int:
         extra["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization:
         extra["quantization"] = args.quantization
+    folder = os.path.join(args.configs, args.model or w.model)
+    with open(os.path.join(folder, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]  # the ids are drawn as bench/vllm_bench.py draws them
     llm = LLM(
-        model=os.path.join(args.configs, args.model or w.model),
+        model=folder,
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -57,7 +60,7 @@ def main() -> int:
         max_model_len=4096,
         **extra,
     )
-    reqs = w.requests(llm.llm_engine.model_config.get_vocab_size())
+    reqs = w.requests(vocab_size)
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in reqs
