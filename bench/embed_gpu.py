@@ -48,6 +48,18 @@ SMOKE = False  # --smoke: CPU, a 2-layer model, small workloads
 DEVICE = "cuda"
 
 
+def rate_record(prompts: int, tokens: int, seconds: float, clocks) -> dict:
+    """One workload's timed encode (ours or vLLM's, bench/embed_vllm.py): counts, rates, SM clock."""
+    return {
+        "prompts": prompts,
+        "tokens": tokens,
+        "seconds": round(seconds, 3),
+        "tok_per_s": round(tokens / seconds),
+        "prompts_per_s": round(prompts / seconds),
+        "clock": clocks.samples.summary(),
+    }
+
+
 def token_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     out = []
@@ -211,15 +223,8 @@ def throughput() -> dict:
             seconds = time.perf_counter() - t0
         hidden = llm.engine.config.model.arch.hidden_size
         assert len(outs) == n and all(o.outputs.data.shape == (hidden,) for o in outs)
-        results[name] = {
-            "prompts": n,
-            "tokens": tokens,
-            "seconds": round(seconds, 3),
-            "tok_per_s": round(tokens / seconds),
-            "prompts_per_s": round(n / seconds),
-            "steps": (timings.steps - steps_before) if timings else None,
-            "clock": clocks.samples.summary(),
-        }
+        results[name] = rate_record(n, tokens, seconds, clocks)
+        results[name]["steps"] = (timings.steps - steps_before) if timings else None
     results["host_timings_per_step"] = llm.engine.timings.summary() if llm.engine.timings else None
     free(llm)
     return results

@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, ".")
 
-from bench.embed_gpu import WORKLOADS, token_prompts  # noqa: E402
+from bench.embed_gpu import WORKLOADS, rate_record, token_prompts  # noqa: E402
 from overnight.bench.gpu_info import ClockSampler, sm_clock_now  # noqa: E402
 
 
@@ -61,14 +61,7 @@ def main() -> int:
             outs = llm.embed(prompts, use_tqdm=False)
             seconds = time.perf_counter() - t0
         assert len(outs) == n and len(outs[0].outputs.embedding) > 0
-        results[name] = {
-            "prompts": n,
-            "tokens": tokens,
-            "seconds": round(seconds, 3),
-            "tok_per_s": round(tokens / seconds),
-            "prompts_per_s": round(n / seconds),
-            "clock": clocks.samples.summary(),
-        }
+        results[name] = rate_record(n, tokens, seconds, clocks)
         clock = clocks.samples.summary()
         print(
             f"vllm {name:<16}{n:>8}{tokens:>11}{seconds:>9.2f}{tokens / seconds:>10.0f}"

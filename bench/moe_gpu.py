@@ -159,13 +159,11 @@ def moe_layer(x: torch.Tensor, w: dict[str, torch.Tensor], config: MoeConfig | N
 
 def fp8_weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The experts as quantization="fp8" stores them (layers/moe.py): e4m3, one scale per expert and row."""
-    from overnight.quant.fp8 import quantize_weight_per_channel
+    from overnight.quant.fp8 import quantize_stacked_per_channel
 
     out = dict(gate=w["gate"])
     for name in ("w13", "w2"):
-        pairs = [quantize_weight_per_channel(w[name][e]) for e in range(E)]
-        out[name] = torch.stack([d for d, _ in pairs])
-        out[name + "_scale"] = torch.stack([sc for _, sc in pairs])
+        out[name], out[name + "_scale"] = quantize_stacked_per_channel(w[name])
     return out
 
 

@@ -19,6 +19,7 @@ from overnight.kernels.moe_router import router_topk
 from overnight.layers.moe import fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
+from overnight.quant.fp8 import quantize_stacked_per_channel
 from tests.test_kernels_small_ops import _run_steps
 from tests.tiny_models import make_tiny_checkpoint
 
@@ -159,14 +160,6 @@ def test_grouped_gemms_match_reference(dtype, case):
     assert_close(y, moe_gemm_ref(h, w2, ids, topk_weights=weights))
 
 
-def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacked weights [E, R, K] -> (e4m3 [E, R, K], float32 scales [E, R]): per expert and row."""
-    from overnight.quant.fp8 import quantize_weight_per_channel
-
-    pairs = [quantize_weight_per_channel(w[e]) for e in range(w.shape[0])]
-    return torch.stack([d for d, _ in pairs]), torch.stack([s for _, s in pairs])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", GEMM_CASES[:2], ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}")
 def test_grouped_gemms_with_fp8_experts_match_reference(dtype, case):
@@ -177,7 +170,7 @@ def test_grouped_gemms_with_fp8_experts_match_reference(dtype, case):
     w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=22)
     # Rows of very different sizes: a scale applied to the wrong row (or gate/up swapped) shows.
     w13 = w13 * torch.linspace(0.1, 10.0, 2 * inter, device=DEVICE)[None, :, None]
-    (q13, s13), (q2, s2) = fp8_experts(w13), fp8_experts(w2)
+    (q13, s13), (q2, s2) = quantize_stacked_per_channel(w13), quantize_stacked_per_channel(w2)
     ids = random_ids(num_tokens, top_k, num_experts, seed=23)
     weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(24)).to(DEVICE)
     runs = moe_align(ids, num_experts, block_m)
@@ -198,7 +191,7 @@ def test_fused_fp8_experts_match_the_layer_reference():
     num_tokens, num_experts, top_k, hidden, inter = 23, 8, 2, 32, 16
     x = randn(num_tokens, hidden, seed=30)
     w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=31)
-    (q13, s13), (q2, s2) = fp8_experts(w13), fp8_experts(w2)
+    (q13, s13), (q2, s2) = quantize_stacked_per_channel(w13), quantize_stacked_per_channel(w2)
     weights, ids = router_topk_ref(randn(num_tokens, num_experts, seed=32), top_k, renormalize=True)
     config = MoeConfig(16, SMALL, GemmTiles(16, 16, 1, 4, 2))
     out = fused_experts(x, q13, q2, weights, ids, config, s13, s2)

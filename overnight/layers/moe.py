@@ -112,6 +112,9 @@ class Experts(nn.Module):
         self.num_experts = num_experts
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self._init_fp8_state()
+
+    def _init_fp8_state(self) -> None:
         self.gate_up_scale: torch.Tensor | None = None  # FP8: [E, 2I] float32 (quantize_fp8_)
         self.down_scale: torch.Tensor | None = None  # FP8: [E, H] float32
         self.compute_dtype: torch.dtype | None = None  # FP8: the projections' dtype before quantizing
@@ -124,18 +127,14 @@ class Experts(nn.Module):
     @torch.no_grad()
     def quantize_fp8_(self) -> None:
         """Replace the loaded projections by e4m3 values and one scale per expert and row (the
-        per-channel rule of quant/fp8.py), one expert at a time so the float copy never doubles."""
-        from overnight.quant.fp8 import quantize_weight_per_channel
+        per-channel rule of quant/fp8.py)."""
+        from overnight.quant.fp8 import quantize_stacked_per_channel
 
         if self.gate_up_scale is not None:
             return
         self.compute_dtype = self.gate_up_proj.dtype
         for name in ("gate_up_proj", "down_proj"):
-            w = getattr(self, name)
-            data = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
-            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
-            for e in range(w.shape[0]):
-                data[e], scale[e] = quantize_weight_per_channel(w[e])
+            data, scale = quantize_stacked_per_channel(getattr(self, name))
             setattr(self, name, nn.Parameter(data, requires_grad=False))
             setattr(self, name.replace("_proj", "_scale"), scale)
 

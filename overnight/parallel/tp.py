@@ -202,9 +202,7 @@ class RowParallelExperts(Experts):
         self.num_experts = gate_up_proj.shape[0]
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
-        self.gate_up_scale = None
-        self.down_scale = None
-        self.compute_dtype = None
+        self._init_fp8_state()
         self.group = group
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

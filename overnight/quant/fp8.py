@@ -92,6 +92,16 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
     return data, scale.view(-1)
 
 
+def quantize_stacked_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked weights [E, N, K] (MoE experts) -> (e4m3 [E, N, K], float32 scale [E, N]): each one
+    quantized per channel, one at a time so the float32 copy is one weight's, not the stack's."""
+    data = torch.empty(weights.shape, dtype=FP8_DTYPE, device=weights.device)
+    scale = torch.empty(weights.shape[:2], dtype=torch.float32, device=weights.device)
+    for e in range(weights.shape[0]):
+        data[e], scale[e] = quantize_weight_per_channel(weights[e])
+    return data, scale
+
+
 def quantize_weight_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] -> (e4m3 [N, K], float32 scale grid [ceil(N / bn), ceil(K / bk)]): the layout
     block-scaled checkpoints ship (their weight_scale_inv), one scale per bn x bk tile."""
