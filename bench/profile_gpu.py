@@ -73,13 +73,16 @@ def main() -> int:
     engine.scheduler.schedule = schedule
     from torch.profiler import ProfilerActivity, profile
 
+    step_wall: list[float] = []  # per step of a whole run, to split the wall by step kind
     start = time.perf_counter()
     # A whole run records kernels only: host events of ~1,000 steps would cost more than they tell.
     activities = [ProfilerActivity.CUDA] if args.whole_run else [ProfilerActivity.CPU, ProfilerActivity.CUDA]
     with profile(activities=activities) as prof:
         if args.whole_run:
             while engine.has_unfinished_requests():
+                t0 = time.perf_counter()
                 engine.step()
+                step_wall.append(time.perf_counter() - t0)
         else:
             for _ in range(args.steps):
                 engine.step()
@@ -95,6 +98,15 @@ def main() -> int:
         f"steps: {len(sched_tokens)}, tokens/step {tokens / max(len(sched_tokens), 1):.0f}, "
         f"requests/step {sum(r for _, r in sched_tokens) / max(len(sched_tokens), 1):.0f}"
     )
+    if step_wall:
+        # A step with more tokens than requests carries prefill; the rest are decode-only steps.
+        kinds: dict[str, list[float]] = {"with prefill": [], "decode only": []}
+        for (tok, nreq), dt in zip(sched_tokens, step_wall):
+            kinds["with prefill" if tok > nreq else "decode only"].append(dt)
+        for kind, dts in kinds.items():
+            print(
+                f"{kind:>13}: {len(dts)} steps, {sum(dts):.2f} s wall, {1e3 * sum(dts) / max(len(dts), 1):.1f} ms/step"
+            )
     print("host per step:", engine.timings.summary())
     print(
         "PROFILE",
