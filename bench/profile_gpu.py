@@ -34,6 +34,9 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="another model on the workload's lengths (a preset)")
     ap.add_argument("--attention-variant", default="default")
     ap.add_argument(
+        "--host-table", type=int, default=0, help="also print the N host ops of most self CPU time"
+    )
+    ap.add_argument(
         "--whole-run",
         action="store_true",
         help="profile every step from the first to the last (no warm-up steps; compare with profile_vllm.py)",
@@ -108,6 +111,20 @@ def main() -> int:
                 f"{kind:>13}: {len(dts)} steps, {sum(dts):.2f} s wall, {1e3 * sum(dts) / max(len(dts), 1):.1f} ms/step"
             )
     print("host per step:", engine.timings.summary())
+    mem = torch.cuda.memory_stats()
+    # Allocation retries free cached blocks (cudaFree synchronizes the device) and stall the host.
+    print(
+        "allocator: retries",
+        mem.get("num_alloc_retries"),
+        "device allocs",
+        mem.get("num_device_alloc"),
+        "frees",
+        mem.get("num_device_free"),
+        "reserved GiB",
+        round(mem.get("reserved_bytes.all.current", 0) / 2**30, 2),
+    )
+    if args.host_table and not args.whole_run:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.host_table))
     print(
         "PROFILE",
         json.dumps(
