@@ -55,7 +55,7 @@ def main() -> int:
     engine = llm.engine
     reqs = w.requests(engine.config.model.arch.vocab_size)
     if (
-        args.whole_run
+        args.whole_run or args.cprofile
     ):  # kernels compiled and the allocator warm before the profiled run, as profile_vllm.py does
         warm = [{"prompt_token_ids": ids} for ids, _ in reqs[:8]]
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
@@ -74,6 +74,8 @@ def main() -> int:
         return out
 
     engine.scheduler.schedule = schedule
+    if args.cprofile:
+        return host_profile(engine, args.steps, sched_tokens)
     from torch.profiler import ProfilerActivity, profile
 
     step_wall: list[float] = []  # per step of a whole run, to split the wall by step kind
@@ -137,6 +139,29 @@ def main() -> int:
             }
         ),
     )
+    return 0
+
+
+def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int:
+    """Each step's wall and the host's Python profile of `steps` steps (a JIT compile or a slow input
+    build shows here; torch.profiler's host ops do not name them)."""
+    import cProfile
+    import pstats
+
+    walls = []
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        prof.enable()
+        engine.step()
+        prof.disable()
+        walls.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    for (tok, nreq), dt in zip(sched_tokens, walls):
+        print(f"step: {tok} tokens, {nreq} requests, {dt * 1e3:.1f} ms")
+    stats = pstats.Stats(prof)
+    stats.sort_stats("cumulative").print_stats(40)
+    stats.sort_stats("tottime").print_stats(25)
     return 0
 
 
