@@ -34,6 +34,11 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="another model on the workload's lengths (a preset)")
     ap.add_argument("--attention-variant", default="default")
     ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="after a warm-up generate, run --steps steps under cProfile (host Python, JIT compiles) instead",
+    )
+    ap.add_argument(
         "--host-table", type=int, default=0, help="also print the N host ops of most self CPU time"
     )
     ap.add_argument(
