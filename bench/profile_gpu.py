@@ -22,6 +22,7 @@ from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
+from overnight.kernels.jit_watch import watch_compiles  # noqa: E402
 
 
 def main() -> int:
@@ -155,13 +156,16 @@ def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int
 
     walls = []
     prof = cProfile.Profile()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        prof.enable()
-        engine.step()
-        prof.disable()
-        walls.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
+    with watch_compiles() as compiled:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            prof.enable()
+            engine.step()
+            prof.disable()
+            walls.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    for c in compiled:
+        print("JIT compile:", c[:400])
     for (tok, nreq), dt in zip(sched_tokens, walls):
         print(f"step: {tok} tokens, {nreq} requests, {dt * 1e3:.1f} ms")
     stats = pstats.Stats(prof)

@@ -14,6 +14,7 @@ from overnight.bench.gpu_info import ClockSampler
 from overnight.bench.roofline import estimate
 from overnight.bench.workloads import Workload
 from overnight.engine.interfaces import StepTimings
+from overnight.kernels.jit_watch import watch_compiles
 from overnight.options import EngineOptions
 
 
@@ -64,7 +65,7 @@ def run_ours(
         llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
     if engine.timings is not None:
         engine.timings = StepTimings()  # the timed run's steps only
-    with ClockSampler(device_index) as clocks:
+    with ClockSampler(device_index) as clocks, watch_compiles() as compiled:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         if device.type == "cuda":
@@ -103,6 +104,8 @@ def run_ours(
             "preemptions": engine.stats().num_preemptions_total,
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
             "host_per_step": engine.timings.summary() if engine.timings is not None else None,
+            # Triton variants compiled inside the timed run (each ~1 s of host time, the GPU idle).
+            "jit_compiles": [c[:300] for c in compiled],
         },
     )
     del llm

@@ -59,7 +59,8 @@ def _chunk(e_p2: int) -> int:
     return max(16, min(256, ONEHOT_ELEMENTS // e_p2))
 
 
-@triton.jit
+# The counts change every step (paged_prefill.py says why they are not specialized on).
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_count_kernel(
     ids_ptr, counts_ptr, num_pairs, E: tl.constexpr, E_P2: tl.constexpr, CHUNK: tl.constexpr
 ):
@@ -71,7 +72,7 @@ def _moe_align_count_kernel(
     tl.store(counts_ptr + c * E + offs_e, tl.sum(onehot, axis=0), mask=offs_e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks", "num_pairs"])
 def _moe_align_offsets_kernel(
     counts_ptr,
     starts_ptr,
@@ -111,7 +112,7 @@ def _moe_align_offsets_kernel(
         tl.store(sorted_ids_ptr + slot, sentinel, mask=e_mask[:, None] & (slot < ends[:, None]))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_align_scatter_kernel(
     ids_ptr,
     counts_ptr,

@@ -20,7 +20,7 @@ ROUTER_BLOCK_T = 16
 ROUTER_NUM_WARPS = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # changes every step (paged_prefill.py says why)
 def _router_topk_kernel(
     logits_ptr,
     weights_ptr,

@@ -116,7 +116,9 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# The counts change every step; specializing on them (== 1, multiple of 16) would compile a new variant
+# in the middle of a run whenever a step brings a new combination (seconds each, the GPU idle meanwhile).
+@triton.jit(do_not_specialize=["num_decodes", "num_prefills", "search_steps"])
 def _prefill_kernel(
     q_ptr,
     cache_ptr,
