@@ -261,6 +261,12 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     except BaseException:
         runner.shutdown()
         raise
+    if device.type == "cuda" and config.parallel.tensor_parallel_size == 1:
+        from overnight.kernels.jit_watch import log_compiles_after_startup
+
+        # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
+        # from here on is a new feature's first use, or a kernel specializing on a per-step value.
+        log_compiles_after_startup(log)
     tokens = plan.num_blocks * config.cache.block_size
     log.info(
         "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",

@@ -105,3 +105,25 @@ def test_watch_compiles_collects_and_restores():
         assert runtime.jit_cache_hook is earlier
     finally:
         runtime.jit_cache_hook = None
+
+
+def test_compiles_after_startup_are_logged(caplog):
+    """A second variant of one kernel mid-run is a warning; a kernel's first use is only information."""
+    import logging
+
+    from overnight.kernels.jit_watch import log_compiles_after_startup
+
+    log = logging.getLogger("overnight.test_jit")
+    remove = log_compiles_after_startup(log)
+    try:
+        hook = triton.knobs.runtime.jit_cache_hook
+        kw = dict(key="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
+        with caplog.at_level(logging.INFO, logger="overnight.test_jit"):
+            hook(repr="_prefill_kernel[num_warps=4](num_decodes: i32D)", **kw)
+            hook(repr="_apply_token_bitmask_kernel[num_warps=4](...)", **kw)
+            hook(repr="_prefill_kernel[num_warps=4](num_decodes: i32)", **kw)
+        assert [r.levelname for r in caplog.records] == ["INFO", "INFO", "WARNING"]
+        assert "variant 2 of _prefill_kernel" in caplog.records[-1].getMessage()
+    finally:
+        remove()
+    assert triton.knobs.runtime.jit_cache_hook is None
