@@ -208,3 +208,23 @@ def test_pool_smaller_than_one_sequence_of_max_model_len(tiny) -> None:
     # The same bytes hold 4x the tokens in fp8: 1280 >= 512, so the engine starts.
     llm = LLM(str(tiny), kv_cache_memory_bytes=20 * block_bytes, kv_cache_dtype="fp8", **opts)
     assert llm.engine.pool_plan.num_blocks == 80
+
+
+def test_start_up_runs_the_sizes_between_the_graphs_and_the_step_budget(tiny) -> None:
+    """After the peak-memory step, start-up runs each power-of-two step size above the largest decode
+    graph once, so size-tuned kernels (the MoE GEMMs' tiles) compile then, not mid-job."""
+    llm = LLM(
+        str(tiny), skip_tokenizer_init=True, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=8
+    )
+    runner = llm.engine.runner
+    seen: list[int] = []
+    model = runner.model
+    runner.model = lambda ids, pos, attn: (seen.append(len(ids)), model(ids, pos, attn))[1]
+    runner.model.compute_logits = model.compute_logits
+    try:
+        runner.profile_peak_bytes(300, 8, 128)
+    finally:
+        runner.model = model
+    # 300 tokens (peak), then 16, 32, 64, 128, 256: above min(max_capture_batch_size, max_num_seqs) = 8.
+    assert seen == [300, 16, 32, 64, 128, 256]
+    assert runner.warm_up_sizes(8) == [] and runner.warm_up_sizes(17) == [16]

@@ -325,6 +325,24 @@ class ModelRunner:
             mask_s=handle.mask_s,
         )
 
+    def warm_up_sizes(self, num_tokens: int) -> list[int]:
+        """Step sizes run once at start-up after the peak-memory step: the powers of two between the
+        largest decode graph (graph capture runs every size up to it) and num_tokens. Kernels whose
+        tiles depend on the token count (the MoE GEMMs' tuned configurations) compile those variants
+        here instead of in the middle of a job, where each compile stalls the GPU for about a second."""
+        runner = self.config.runner
+        lo = (
+            0
+            if runner.enforce_eager
+            else min(runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
+        )
+        sizes, n = [], 1
+        while n < num_tokens:
+            if n > lo:
+                sizes.append(n)
+            n *= 2
+        return sizes
+
     @torch.inference_mode()
     def profile_peak_bytes(self, num_tokens: int, num_seqs: int, max_model_len: int) -> int:
         """Run the largest step this configuration allows (num_tokens prompt tokens in sequences of
@@ -348,18 +366,30 @@ class ModelRunner:
             torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
             for _ in range(arch.num_hidden_layers)
         ]
-        meta = build_metadata(seq_lens, seq_lens, tables, bs, device=self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
-        pos = torch.cat([torch.arange(n, device=self.device) for n in seq_lens])
-        hidden = self.model(ids, pos, AttentionBatch(meta, caches, self.backend, self.kv_scales))
+
+        def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above
+            lens, left = [], n
+            for length in seq_lens:
+                lens.append(min(length, left))
+                left -= lens[-1]
+            lens = [length for length in lens if length]
+            meta = build_metadata(lens, lens, tables[: len(lens)], bs, device=self.device)
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            pos = torch.cat([torch.arange(length, device=self.device) for length in lens])
+            return self.model(ids, pos, AttentionBatch(meta, caches, self.backend, self.kv_scales))
+
+        hidden = forward(num_tokens)
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
         if self.pooler is None:  # a pooling runner computes no logits
             logits = self.model.compute_logits(hidden[rows]).float()
             logits.log_softmax(dim=-1)
             del logits
+        del hidden
+        for n in self.warm_up_sizes(num_tokens):
+            forward(n)
         # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        del hidden, caches
+        caches.clear()  # freed before the real pool is sized (forward() still refers to the list)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - cache_bytes
