@@ -85,6 +85,12 @@ DECODE = {
         ("mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True)),
         ("mma n64 w4 s4", DecodeConfig(64, 4, 4, fp8_mma=True)),
         ("mma n128 w8 s3", DecodeConfig(128, 8, 3, fp8_mma=True)),
+        # Larger tiles: an FP8 tile of 128 tokens moves half a bf16 tile's bytes for the same per-tile
+        # work (page-table gather, addresses, barriers, the softmax), and 64-token tiles were 1.4x slower
+        # than 128-token ones (round 4): 256 tokens give the per-tile work twice the bytes again.
+        ("n256 w8 s3", DecodeConfig(256, 8, 3)),
+        ("pf n256 w8 s3", DecodeConfig(256, 8, 3, prefetch_pages=True)),
+        ("mma n256 w8 s3", DecodeConfig(256, 8, 3, fp8_mma=True)),
     ],
 }
 # Qwen3-0.6B (its own compilations: GROUP is a constexpr) tries the default and the likeliest winners.
