@@ -15,6 +15,12 @@
 # (issue 15); `moe-fp8` tunes the FP8 experts' tiles and `moe-side-fp8` (c1, c3 staged, c2 carried) runs
 # Qwen3-30B-A3B with FP8 weights on both engines.
 #
+# Round 7 ran `profile-pair`'s two halves (docs/benchmarks.md "Round 7"). Next (issues 14, 15, 16), with
+# c1 staged and c2 carried: `side-bf16` (seed-512-256 and long-1024-1024 with bf16 weights and cache, the
+# "not slower" check), `profile-ours` (the whole run of long-1024-1024 with FP8 weights and cache after the
+# compile fix: what idles now), `attn` (the 256-token FP8 tiles); then, carrying .whl, `sweep` (the
+# server sweep of bench/server_sweep_gpu.sh, ~9 minutes alone).
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -67,6 +73,16 @@ for s in "$@"; do
       echo "vllm rc=$?"; grep -A24 "^vLLM: the whole run" "$OUT/profile_vllm.log" || tail -20 "$OUT/profile_vllm.log"
       timeout 250 python bench/profile_gpu.py --workload $w --whole-run --kv-cache-dtype $kv $q \
         > "$OUT/profile_ours.log" 2>&1; echo "ours rc=$?"; tail -26 "$OUT/profile_ours.log" ;;
+    side-bf16)
+      section "side-bf16: seed-512-256 and long-1024-1024, bf16 weights and cache (side_by_side.sh)"
+      bash .peer/c2/side_by_side.sh seed-512-256 long-1024-1024 ;;
+    profile-ours)
+      section "profile-ours: the whole run of long-1024-1024, FP8 weights and cache"
+      timeout 250 python bench/profile_gpu.py --workload long-1024-1024 --whole-run --kv-cache-dtype fp8 \
+        --quantization fp8 > "$OUT/profile_ours.log" 2>&1; echo "rc=$?"; tail -30 "$OUT/profile_ours.log" ;;
+    sweep)
+      section "sweep: the server against offline and vLLM's server (bench/server_sweep_gpu.sh)"
+      bash bench/server_sweep_gpu.sh ;;
     unpack)
       section "unpack vLLM"; ONLY_VLLM=1 bash .peer/c2/side_by_side.sh ;;
     embed)
