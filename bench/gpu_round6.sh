@@ -18,7 +18,8 @@
 # Round 7 ran `profile-pair`'s two halves (docs/benchmarks.md "Round 7"). Next (issues 14, 15, 16), with
 # c1 staged and c2 carried: `side-bf16` (seed-512-256 and long-1024-1024 with bf16 weights and cache, the
 # "not slower" check), `profile-ours` (the whole run of long-1024-1024 with FP8 weights and cache after the
-# compile fix: what idles now), `attn` (the 256-token FP8 tiles); then, carrying .whl, `sweep` (the
+# compile fix: what idles now), `kv-access` (bench/kv_access_gpu.py: do 128-byte runs cap FP8 reads?),
+# `attn` (the 256-token FP8 tiles); then, carrying .whl, `sweep` (the
 # server sweep of bench/server_sweep_gpu.sh, ~9 minutes alone).
 #
 # Logs under $OUT; each section prints its summary lines.
@@ -80,6 +81,9 @@ for s in "$@"; do
       section "profile-ours: the whole run of long-1024-1024, FP8 weights and cache"
       timeout 250 python bench/profile_gpu.py --workload long-1024-1024 --whole-run --kv-cache-dtype fp8 \
         --quantization fp8 > "$OUT/profile_ours.log" 2>&1; echo "rc=$?"; tail -30 "$OUT/profile_ours.log" ;;
+    kv-access)
+      section "kv-access: the KV cache's read rate by page layout, dtype and grid (bench/kv_access_gpu.py)"
+      timeout 200 python bench/kv_access_gpu.py > "$OUT/kv_access.log" 2>&1; echo "rc=$?"; tail -36 "$OUT/kv_access.log" ;;
     sweep)
       section "sweep: the server against offline and vLLM's server (bench/server_sweep_gpu.sh)"
       bash bench/server_sweep_gpu.sh ;;
