@@ -350,11 +350,11 @@ class ModelRunner:
         from overnight.attention.torch_backend import build_metadata
 
         arch = self.config.model.arch
-        seq_lens = []
-        left = num_tokens
-        while left > 0:
-            seq_lens.append(min(left, max_model_len))
-            left -= seq_lens[-1]
+
+        def split(n: int) -> list[int]:  # n tokens as sequences of at most max_model_len
+            return [min(max_model_len, n - start) for start in range(0, n, max_model_len)]
+
+        seq_lens = split(num_tokens)
         bs = self.block_size
         tables, next_block = [], 0
         for n in seq_lens:
@@ -368,11 +368,7 @@ class ModelRunner:
         ]
 
         def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above
-            lens, left = [], n
-            for length in seq_lens:
-                lens.append(min(length, left))
-                left -= lens[-1]
-            lens = [length for length in lens if length]
+            lens = split(n)
             meta = build_metadata(lens, lens, tables[: len(lens)], bs, device=self.device)
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(length, device=self.device) for length in lens])
