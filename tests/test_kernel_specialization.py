@@ -115,6 +115,7 @@ def test_compiles_after_startup_are_logged(caplog):
 
     log = logging.getLogger("overnight.test_jit")
     remove = log_compiles_after_startup(log)
+    assert log_compiles_after_startup(log) is remove  # a second engine in the process adds no hook
     try:
         hook = triton.knobs.runtime.jit_cache_hook
         kw = dict(key="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)

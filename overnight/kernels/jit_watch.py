@@ -51,11 +51,17 @@ def watch_compiles() -> Iterator[list[str]]:
         remove()
 
 
+_LOGGING: dict[str, Callable[[], None]] = {}  # logger name -> its hook's remover: one hook per logger
+
+
 def log_compiles_after_startup(log: logging.Logger) -> Callable[[], None]:
     """From now on, log every Triton compile: the first variant of a kernel at INFO (a feature used for
     the first time compiles once), any further variant of the same kernel as a WARNING (a value that
     changes from step to step is specializing it: each such compile stalls a running job for about a
-    second). Returns the function that removes the hook."""
+    second). Returns the function that removes the hook. A process that builds several engines logs
+    through one hook per logger, not one per engine (which would repeat every line)."""
+    if log.name in _LOGGING:
+        return _LOGGING[log.name]
     variants: dict[str, int] = {}
 
     def on_compile(repr_: str) -> None:
@@ -72,4 +78,11 @@ def log_compiles_after_startup(log: logging.Logger) -> Callable[[], None]:
                 repr_[:300],
             )
 
-    return _install(on_compile)
+    remove_hook = _install(on_compile)
+
+    def remove() -> None:
+        _LOGGING.pop(log.name, None)
+        remove_hook()
+
+    _LOGGING[log.name] = remove
+    return remove
