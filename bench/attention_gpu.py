@@ -46,7 +46,7 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import build_metadata, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend
 from overnight.bench.gpu_info import sm_clock_now
-from overnight.kernels.kv_layout import is_fp8, to_storage_layout, v_view
+from overnight.kernels.kv_layout import is_fp8, to_logical_layout, to_storage_layout, v_view
 from overnight.kernels.paged_decode import (
     BF16_DECODE_CONFIG,
     FP8_DECODE_CONFIG,
@@ -92,6 +92,17 @@ DECODE = {
         ("pf n256 w8 s3", DecodeConfig(256, 8, 3, prefetch_pages=True)),
         ("mma n256 w8 s3", DecodeConfig(256, 8, 3, fp8_mma=True)),
     ],
+}
+# The same kernels over an FP8 cache whose K is stored head-major inside each page (kv_layout.py's
+# new_kv_cache(head_major_k=True)): one KV head's page is one 2-KB run instead of 16 runs of 128 bytes.
+HEAD_MAJOR_VARIANTS = {
+    "base n128 w4 s3",
+    "hf n128 w4 s3",
+    "pf n128 w4 s3",
+    "mma n128 w4 s3",
+    "mma n64 w4 s3",
+    "n256 w8 s3",
+    "mma n256 w8 s3",
 }
 # Qwen3-0.6B (its own compilations: GROUP is a constexpr) tries the default and the likeliest winners.
 SMALL_MODEL_VARIANTS = {
@@ -320,6 +331,18 @@ def decode_variants(model: str, cache_dtype: torch.dtype) -> list[tuple[str, Dec
     return variants if model == "qwen3-8b" else [v for v in variants if v[0] in SMALL_MODEL_VARIANTS]
 
 
+def with_head_major(
+    model: str, cache_dtype: torch.dtype, cache: torch.Tensor
+) -> list[tuple[str, DecodeConfig, torch.Tensor]]:
+    """(label, config, cache) for every decode variant; an FP8 cache adds HEAD_MAJOR_VARIANTS over the
+    same values stored with K head-major ("hm ")."""
+    out = [(name, cfg, cache) for name, cfg in decode_variants(model, cache_dtype)]
+    if is_fp8(cache_dtype):
+        hm = to_storage_layout(to_logical_layout(cache), head_major_k=True)
+        out += [("hm " + name, cfg, hm) for name, cfg, _ in out if name in HEAD_MAJOR_VARIANTS]
+    return out
+
+
 def check_decode_one(
     tag: str, meta, q, cache, kv_scale, exact, cfg: DecodeConfig, ns: int, emus: dict
 ) -> None:
@@ -348,10 +371,10 @@ def check_decode_case(
     meta, q, cache, kv_scale = make_case(hq, hkv, [1] * n, seq_lens, n, 3, cache_dtype)
     exact = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
     emus: dict = {}
-    for name, cfg in decode_variants(model, cache_dtype):
+    for name, cfg, stored in with_head_major(model, cache_dtype, cache):
         for ns in (1, choose_num_splits(n, hkv, MAX_MODEL_LEN)):
             tag = f"decode {model} {str(cache_dtype)[6:]} {name} splits={ns}"
-            try_run(tag, partial(check_decode_one, tag, meta, q, cache, kv_scale, exact, cfg, ns, emus))
+            try_run(tag, partial(check_decode_one, tag, meta, q, stored, kv_scale, exact, cfg, ns, emus))
     if fa3 is not None and cache_dtype != E5M2:
         tag = f"decode {model} {str(cache_dtype)[6:]} fa3"
         try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, exact))
@@ -466,10 +489,10 @@ def bench_decode_dtype(
     nbytes = decode_bytes(batch, ctx, hq, hkv, cache.element_size())
     ws = DecodeWorkspace(batch * max(splits), hq, D, DEV)
     kernel = "decode " + ("fp8" if is_fp8(cache_dtype) else "bf16")
-    for name, cfg in decode_variants(model, cache_dtype):
+    for name, cfg, stored in with_head_major(model, cache_dtype, cache):
         for ns in splits:
             label = name + (f" x{ns}" if ns > 1 else "")
-            args = (case, kernel, label, nbytes, meta, q, cache, kv_scale, cfg, ns, ws)
+            args = (case, kernel, label, nbytes, meta, q, stored, kv_scale, cfg, ns, ws)
             try_run(f"time {case} {kernel} {label}", partial(time_decode, *args))
     if fa3 is not None:
         try_run(

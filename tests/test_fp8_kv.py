@@ -26,7 +26,15 @@ from overnight.attention.kv_quant import (
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref, write_kv_ref
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
-from overnight.kernels.kv_layout import fp8_max, new_kv_cache, to_storage_layout, v_token_major, v_view
+from overnight.kernels.kv_layout import (
+    fp8_max,
+    k_head_major,
+    new_kv_cache,
+    to_logical_layout,
+    to_storage_layout,
+    v_token_major,
+    v_view,
+)
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_prefill import PrefillConfig
@@ -260,6 +268,44 @@ def test_storage_layout_round_trip() -> None:
     assert torch.equal(stored[0].float(), fp8[0].float())
     assert not torch.equal(stored[1].float(), fp8[1].float())
     assert torch.equal(v_view(stored).float(), fp8[1].float())
+
+
+@pytest.mark.parametrize("fp8_mma", [False, True])
+def test_head_major_k_holds_the_same_cache(fp8_mma: bool) -> None:
+    """new_kv_cache(head_major_k=True): one KV head's K of a page is one contiguous run, the tensor keeps
+    its [2, blocks, slot, head, dim] shape, and kv_write, decode (both kernels) and prefill through its
+    strides give exactly what they give on the slot-major cache."""
+    fp8, num_tokens, hkv, d, bs, nb = torch.float8_e4m3fn, 23, 2, 32, 16, 4
+    k = exact_in_fp8((num_tokens, hkv, d), fp8, 1.0, seed=30).to(DEVICE)
+    v = exact_in_fp8((num_tokens, hkv, d), fp8, 1.0, seed=31).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=torch.Generator().manual_seed(32))[:num_tokens].to(DEVICE)
+    plain = new_kv_cache((2, nb, bs, hkv, d), fp8, DEVICE, head_major_k=False)
+    hm = new_kv_cache((2, nb, bs, hkv, d), fp8, DEVICE, head_major_k=True)
+    assert hm.shape == plain.shape and k_head_major(hm) and not k_head_major(plain)
+    kv_write(k, v, plain, slots)
+    kv_write(k, v, hm, slots)
+    assert torch.equal(to_logical_layout(hm).float(), to_logical_layout(plain).float())
+    raw = hm.as_strided((2 * nb * hkv * bs * d,), (1,), 0)  # the storage's bytes in order
+    for t, slot in enumerate(slots.tolist()):
+        blk, off = divmod(slot, bs)
+        start = (blk * hkv * bs + off) * d  # head 0 of the block, then bs * d bytes per head
+        assert torch.equal(raw[start : start + d].float(), k[t, 0])
+        assert torch.equal(raw[start + bs * d : start + bs * d + d].float(), k[t, 1])
+
+    meta, q, cache, kv_scale = fp8_case(fp8, torch.float16, seed=33)
+    cache_hm = to_storage_layout(to_logical_layout(cache), head_major_k=True)
+    assert k_head_major(cache_hm)
+    outs = []
+    for c in (cache, cache_hm):
+        outs.append(
+            paged_attention(
+                q, c, meta, 0.125, out=poisoned(q), kv_scale=kv_scale, num_splits=3,
+                decode_config=DecodeConfig(block_n=32, fp8_mma=fp8_mma),
+                prefill_config=PrefillConfig(16, 16, 4, 1),
+            )
+        )  # fmt: skip
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_attention_reads_scales_at_run_time() -> None:

@@ -30,6 +30,11 @@ import torch
 FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
+# Whether an FP8 cache stores K head-major inside each block (new_kv_cache); bench/attention_gpu.py
+# and bench/kv_access_gpu.py measure both.
+FP8_HEAD_MAJOR_K = False
+
+
 def is_fp8(dtype: torch.dtype) -> bool:
     return dtype in FP8_MAX
 
@@ -48,26 +53,48 @@ def v_view(kv_cache: torch.Tensor) -> torch.Tensor:
     """V as [num_blocks, block_size, num_kv_heads, head_dim] whatever the storage (a strided view:
     reading and assigning through it touches the cache itself)."""
     num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    v = kv_cache[1]
     if not v_token_major(kv_cache.dtype):
-        return kv_cache[1]
-    return kv_cache[1].view(num_blocks, num_kv_heads, head_dim, block_size).permute(0, 3, 1, 2)
+        return v
+    # Token-major inside each block: (slot, head, dim) at head * D * block_size + dim * block_size + slot,
+    # whichever order K's view gives the block's other two dimensions.
+    strides = (v.stride(0), 1, head_dim * block_size, block_size)
+    return v.as_strided((num_blocks, block_size, num_kv_heads, head_dim), strides, v.storage_offset())
 
 
-def new_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def k_head_major(kv_cache: torch.Tensor) -> bool:
+    """True when K is stored [num_kv_heads, block_size, head_dim] inside each block (see new_kv_cache)."""
+    return kv_cache.shape[3] > 1 and kv_cache.stride(3) == kv_cache.shape[2] * kv_cache.shape[4]
+
+
+def new_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, head_major_k: bool | None = None
+) -> torch.Tensor:
     """One layer's cache. A plain cache is left uninitialized (every slot is written before it is
     read; touching gigabytes of pages up front costs start-up time on the CPU); an FP8 cache is zeroed,
-    see the module docstring (a memset of the whole pool takes tens of milliseconds on a GPU)."""
-    if v_token_major(dtype):
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.empty(shape, dtype=dtype, device=device)
+    see the module docstring (a memset of the whole pool takes tens of milliseconds on a GPU).
+
+    head_major_k (default FP8_HEAD_MAJOR_K for an FP8 cache, never for a plain one): K stored
+    [num_kv_heads, block_size, head_dim] inside each block, returned as a strided view of the usual
+    shape. The kernels address K through its strides, so only the bytes move: one KV head's 16
+    tokens of a page become one run of block_size * head_dim bytes instead of 16 runs of head_dim."""
+    if head_major_k is None:
+        head_major_k = FP8_HEAD_MAJOR_K and is_fp8(dtype)
+    two, num_blocks, block_size, num_kv_heads, head_dim = shape
+    fill = torch.zeros if v_token_major(dtype) else torch.empty
+    if not head_major_k:
+        return fill(shape, dtype=dtype, device=device)
+    storage = fill((two, num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype, device=device)
+    return storage.transpose(2, 3)
 
 
-def to_storage_layout(logical: torch.Tensor) -> torch.Tensor:
+def to_storage_layout(logical: torch.Tensor, head_major_k: bool | None = None) -> torch.Tensor:
     """A cache whose V is given as [2, num_blocks, block_size, Hkv, D] (as tests and benches build it)
-    rearranged into the storage layout of its dtype."""
-    if not v_token_major(logical.dtype):
+    rearranged into the storage layout of its dtype (head_major_k: as new_kv_cache)."""
+    if not v_token_major(logical.dtype) and not head_major_k:
         return logical
-    cache = logical.clone()
+    cache = new_kv_cache(tuple(logical.shape), logical.dtype, logical.device, head_major_k)
+    cache[0].copy_(logical[0])
     v_view(cache).copy_(logical[1])
     return cache
 

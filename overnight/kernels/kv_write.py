@@ -93,9 +93,13 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
     if kv_cache.stride(-1) != 1:
         raise ValueError("kv_cache must have unit stride along head_dim")
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-    per_block = (block_size * num_kv_heads * head_dim, num_kv_heads * head_dim, head_dim, 1)
-    if v_token_major(kv_cache.dtype) and kv_cache.stride()[1:] != per_block:
-        raise ValueError("an fp8 kv_cache must be contiguous within each block (token-major V, kv_layout.py)")
+    per_block = block_size * num_kv_heads * head_dim
+    slot_major = (per_block, num_kv_heads * head_dim, head_dim, 1)
+    head_major = (per_block, head_dim, block_size * head_dim, 1)  # kv_layout.new_kv_cache(head_major_k)
+    if v_token_major(kv_cache.dtype) and kv_cache.stride()[1:] not in (slot_major, head_major):
+        raise ValueError(
+            "an fp8 kv_cache must be contiguous within each block, as kv_layout.new_kv_cache makes it"
+        )
 
 
 def check_kv_scale(kv_scale: torch.Tensor | None, kv_cache: torch.Tensor) -> None:
