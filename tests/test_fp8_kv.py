@@ -239,7 +239,7 @@ def test_attention_on_fp8_cache_edge_shapes(d: int, bs: int, block_n: int) -> No
 
 
 def test_fp8_cache_stores_v_token_major() -> None:
-    """Where the bytes go: K as [block, slot, head, dim], V of an fp8 cache as [block, head, dim, slot],
+    """Where the bytes go: V of an fp8 cache as [block, head, dim, slot] (K: the head-major test below),
     from both the kernel and the reference; v_view reads V back in token order."""
     fp8, num_tokens, hkv, d, bs, nb = torch.float8_e4m3fn, 11, 2, 32, 16, 3
     k = exact_in_fp8((num_tokens, hkv, d), fp8, 1.0, seed=20).to(DEVICE)
@@ -251,7 +251,8 @@ def test_fp8_cache_stores_v_token_major() -> None:
     kv_write(k, v, kernel_cache, slots)
     write_kv_ref(k, v, ref_cache, slots)
     for cache in (kernel_cache, ref_cache):
-        v_storage = cache[1].view(nb, hkv, d, bs)
+        vc = cache[1]
+        v_storage = vc.as_strided((nb, hkv, d, bs), (hkv * d * bs, d * bs, bs, 1), vc.storage_offset())
         for t, slot in enumerate(slots.tolist()):
             blk, off = divmod(slot, bs)
             assert torch.equal(cache[0, blk, off].float(), k[t])

@@ -4,10 +4,12 @@ The kernels and the torch reference (attention/) both read these facts from here
 
     kv_cache[2, num_blocks, block_size, num_kv_heads, head_dim]
 
-K (kv_cache[0]) is stored as the shape reads: block, slot, head, dim. So is V (kv_cache[1]) in a cache
-of the compute dtype. V of an FP8 cache is stored token-major inside each block instead:
+K (kv_cache[0]) and V (kv_cache[1]) of a cache in the compute dtype are stored as the shape reads: block,
+slot, head, dim. An FP8 cache stores both head-major inside each block instead (the tensor keeps the
+shape above as a strided view; the kernels address K through its strides):
 
-    kv_cache[1] memory, per block:  [num_kv_heads, head_dim, block_size]
+    kv_cache[0] memory, per block:  [num_kv_heads, block_size, head_dim]   (K, see FP8_HEAD_MAJOR_K)
+    kv_cache[1] memory, per block:  [num_kv_heads, head_dim, block_size]   (V, token-major)
 
 Why: the P @ V product of attention contracts over tokens, and the tensor cores want each thread's
 operand values consecutive along the contracted dimension. 16-bit values get transposed on their way
@@ -30,9 +32,11 @@ import torch
 FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
-# Whether an FP8 cache stores K head-major inside each block (new_kv_cache); bench/attention_gpu.py
-# and bench/kv_access_gpu.py measure both.
-FP8_HEAD_MAJOR_K = False
+# An FP8 cache stores K head-major inside each block (new_kv_cache): one KV head's page is one 2-KB run
+# instead of 16 runs of 128 bytes 1 KB apart. On the H200 (round 8, one call) the FP8 decode kernel was
+# 1-2% faster on every Qwen3 case of bench/attention_gpu.py ("hm" rows; b512 ctx2048 676 -> 665 us) and
+# a read-only probe of the cache (bench/kv_access_gpu.py) read 3.65 against 3.40 TB/s; same arithmetic.
+FP8_HEAD_MAJOR_K = True
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
