@@ -1,6 +1,7 @@
 """What the server costs per streamed token on the host, against the engine alone (CPU, no model).
 
     PYTHONPATH=. python bench/server_cost_cpu.py host [--clients 256] [--step-ms 40] [--profile]
+    PYTHONPATH=. python bench/server_cost_cpu.py host --uvicorn asyncio-h11
     PYTHONPATH=. python bench/server_cost_cpu.py host --server-code /tmp/before --modes inproc
     PYTHONPATH=. python bench/server_cost_cpu.py model [--server-code DIR]
 
@@ -13,8 +14,11 @@ pthread CPU clocks, per output token the clients received, for:
     inproc         the server with its engine in a thread of the HTTP process (--no-engine-process)
     process        the server with its engine in a process of its own (the default for serve)
 
---profile adds the event loop's profile grouped by what it does. --server-code DIR runs the server
-from another checkout (e.g. `git archive <commit> overnight | tar -x -C DIR`) for a before/after.
+--profile adds the event loop's profile grouped by what it does (profiling slows the loop: read the
+shares, not that run's CPU per token). --uvicorn asyncio-h11 forces uvicorn's pure-Python stack where
+uvloop and httptools are installed (auto picks them), for an A/B within one install. --server-code DIR
+runs the server from another checkout (e.g. `git archive <commit> overnight | tar -x -C DIR`) for a
+before/after.
 
 `model`: the embedded default model on the CPU: `bench throughput` on N requests of fixed lengths,
 then the same lengths through the real server (subprocess) at N clients, one steady-state level of the
@@ -85,15 +89,25 @@ class EmulatedDevice:
         return self.launch(out).result()
 
 
+def _source():
+    """The model an emulated engine reports: token ids only (no tokenizer), EOS id 2."""
+    from overnight.config import ModelArch
+    from overnight.loader.source import ModelSource
+
+    arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
+    return ModelSource("dummy", "emulated", arch, "LlamaForCausalLM", None, (2,), None, None, "emulated")
+
+
 def emulated_engine(step_ms: float, max_num_seqs: int = 1024):
     import torch
 
-    from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+    from overnight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
     from overnight.engine.engine import Engine
+    from overnight.runner.kv_pool import PoolPlan
 
-    arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
+    source = _source()
     config = EngineConfig(
-        model=ModelConfig(model="emulated", arch=arch, dtype=torch.float32, max_model_len=4096),
+        model=ModelConfig(model="emulated", arch=source.arch, dtype=torch.float32),
         cache=CacheConfig(block_size=16, enable_prefix_caching=True),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -102,61 +116,30 @@ def emulated_engine(step_ms: float, max_num_seqs: int = 1024):
             enable_chunked_prefill=True,
         ),
     )
-    return Engine(config, EmulatedDevice(step_ms), 200_000, eos_token_ids=(2,), vocab_size=VOCAB)
+    return Engine(config, EmulatedDevice(step_ms), source, PoolPlan(200_000, 1, 1, False))
 
 
-def _engine_process_main(index: int, step_ms: float, conn) -> None:
-    """The engine process of mode `process`: links.serve_engine over the emulated engine."""
-    from overnight.parallel.links import EngineReady, serve_engine
-    from overnight.parallel.workers import PipeSender
-    from overnight.runner.kv_pool import PoolPlan
-
-    def receive(block: bool):
-        try:
-            if block:
-                return [conn.recv()]
-            messages = []
-            while conn.poll():
-                messages.append(conn.recv())
-            return messages
-        except (EOFError, OSError):
-            return None
-
-    sender = PipeSender(conn, "emulated-out")  # as links._engine_main does
-    engine = emulated_engine(step_ms)
-    sender.send(EngineReady(index, engine.config, PoolPlan(200_000, 1, 1, False)))
-    serve_engine(index, engine, receive, sender.send)
-    sender.close(timeout=10.0)
+def _emulated_factory(step_ms: float, _opts) -> object:
+    """ProcessLinks' engine factory, called in the engine process: the emulated engine, whatever the
+    options say (module level, so spawn can pickle it by name)."""
+    return emulated_engine(step_ms)
 
 
 def _process_front(step_ms: float):
-    """The server's engine-process front (a one-engine DataParallelEngine) over an emulated engine."""
-    import multiprocessing as mp
-    import weakref
+    """The server's engine-process front: a one-engine DataParallelEngine over ProcessLinks, as
+    build_engine makes it for serve, but with the emulated engine as the links' factory."""
+    import functools
 
-    from overnight.engine.builder import EngineOptions
-
+    from overnight.options import EngineOptions
     from overnight.parallel.dp import DataParallelEngine
     from overnight.parallel.links import ProcessLinks
-    from overnight.parallel.workers import PipeSender, stop_processes
 
-    def links(_opts):
-        self = object.__new__(ProcessLinks)  # ProcessLinks' fields, its process running our engine
-        ctx = mp.get_context("spawn")
-        ours, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_engine_process_main, args=(0, step_ms, theirs), daemon=True)
-        proc.start()
-        theirs.close()
-        self.num_engines, self._procs, self._conns = 1, [proc], [ours]
-        self._senders = [PipeSender(ours, "emulated-send")]
-        self._finalizer = weakref.finalize(self, stop_processes, self._procs, self._senders, self._conns)
-        return self
-
-    opts = EngineOptions(model="smollm2-135m", load_format="dummy", served_model_name="emulated")
-    return DataParallelEngine(opts, links=links)
+    # device="cpu": ProcessLinks only picks the device to give the child its environment.
+    links = ProcessLinks(EngineOptions(device="cpu"), 1, functools.partial(_emulated_factory, step_ms))
+    return DataParallelEngine(links, _source(), None)
 
 
-def serve(mode: str, step_ms: float, profile: bool) -> None:
+def serve(mode: str, step_ms: float, profile: bool, stack: str) -> None:
     """The server process: print its URL, then answer 'mark' / 'report' lines on stdin with CPU use."""
     import cProfile
 
@@ -168,10 +151,16 @@ def serve(mode: str, step_ms: float, profile: bool) -> None:
 
     hide_created_series()
     engine = emulated_engine(step_ms) if mode == "inproc" else _process_front(step_ms)
-    server = BackgroundServer(make_app(engine, ServerOptions(access_log=False, log_level="warning"))).start()
+    # Only a forced stack is passed on: a --server-code checkout may predate BackgroundServer's loop/http.
+    forced = {"loop": "asyncio", "http": "h11"} if stack == "asyncio-h11" else {}
+    app = make_app(engine, ServerOptions(access_log=False, log_level="warning"))
+    server = BackgroundServer(app, **forced).start()
     print(server.url, flush=True)
     engine_thread = next(t for t in threading.enumerate() if t.name == "overnight-engine")
     loop = next(o for o in _async_engines()).__dict__["_loop"]
+    # What uvicorn picked: the loop's module (asyncio or uvloop) and the HTTP protocol's (h11 or httptools).
+    protocol = server.server.config.http_protocol_class
+    used = f"{type(loop).__module__.split('.')[0]}+{protocol.__module__.rsplit('.', 1)[-1].removesuffix('_impl')}"
     me = psutil.Process()
 
     def cpu(t: threading.Thread) -> float:
@@ -180,7 +169,9 @@ def serve(mode: str, step_ms: float, profile: bool) -> None:
     def children_cpu() -> float:
         return sum(sum(c.cpu_times()[:2]) for c in me.children(recursive=True))
 
-    prof = cProfile.Profile()
+    # The loop thread's CPU clock, not wall time: an idle loop waits in epoll, which is no cost, and
+    # uvloop waits in C where the profiler cannot see it, so wall time would not compare the stacks.
+    prof = cProfile.Profile(time.thread_time)
     mark = None
     for line in sys.stdin:
         now = (
@@ -203,7 +194,7 @@ def serve(mode: str, step_ms: float, profile: bool) -> None:
                 text = _grouped_profile(prof)
             d = [b - a for a, b in zip(mark, now, strict=True)]
             keys = ("wall_s", "engine_thread_s", "loop_thread_s", "engine_process_s", "server_process_s")
-            print(json.dumps({**dict(zip(keys, d, strict=True)), "profile": text}), flush=True)
+            print(json.dumps({**dict(zip(keys, d, strict=True)), "stack": used, "profile": text}), flush=True)
         elif line.strip() == "quit":
             break
     server.stop()
@@ -211,19 +202,26 @@ def serve(mode: str, step_ms: float, profile: bool) -> None:
 
 def _async_engines():
     import gc
+    import warnings
 
     from overnight.server.async_engine import AsyncEngine
 
-    return (o for o in gc.get_objects() if isinstance(o, AsyncEngine))
+    with warnings.catch_warnings():  # isinstance() on every object touches torch's deprecated aliases
+        warnings.simplefilter("ignore", FutureWarning)
+        return [o for o in gc.get_objects() if isinstance(o, AsyncEngine)]
 
 
-GROUPS = (  # (label, substrings of a profiled function's file) in the order they are tried
-    ("HTTP (uvicorn, h11, socket writes)", ("uvicorn", "h11", "selector_events", "_socket")),
+GROUPS = (  # (label, substrings of a profiled function's file:name) in the order they are tried
+    # uvloop's transports are its C classes (TCPTransport, UVStream...); its loop is uvloop.loop.Loop.
+    (
+        "HTTP (uvicorn, h11/httptools, socket writes)",
+        ("uvicorn", "h11", "httptools", "selector_events", "_socket", "uvloop.loop.TCP", "uvloop.loop.UV"),
+    ),
     ("framework (starlette, fastapi, anyio)", ("starlette", "fastapi", "anyio")),
     ("JSON encoding", ("json/",)),
     ("chunk objects (openai_api/convert.py)", ("openai_api",)),
     ("stream handler, deltas, handoff (server/)", ("overnight/server",)),
-    ("asyncio queues and loop", ("asyncio",)),
+    ("asyncio queues and loop", ("asyncio", "uvloop", "select.epoll", "_contextvars")),
 )
 
 
@@ -231,11 +229,22 @@ def _grouped_profile(prof) -> str:
     import pstats
 
     stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+    def group_of(func, seen: frozenset = frozenset()) -> str:
+        file, _, name = func
+        own = next((g for g, keys in GROUPS if any(k in f"{file}:{name}" for k in keys)), None)
+        callers = stats[func][4] if func in stats else {}
+        if own is not None or func in seen or not callers:
+            return own or "other"
+        # Builtins and stdlib helpers (dataclasses.replace, getattr...) count for the code that called
+        # them: the group of the caller they spent the most time under.
+        top = max(callers, key=lambda c: callers[c][2])
+        return group_of(top, seen | {func})
+
     total = sum(v[2] for v in stats.values())
     groups: dict[str, float] = {}
-    for (file, _, name), (_, _, tottime, _, _) in stats.items():
-        where = f"{file}:{name}"
-        label = next((g for g, keys in GROUPS if any(k in where for k in keys)), "other")
+    for func, (_, _, tottime, _, _) in stats.items():
+        label = group_of(func)
         groups[label] = groups.get(label, 0.0) + tottime
     return json.dumps({g: round(t / total, 3) for g, t in sorted(groups.items(), key=lambda kv: -kv[1])})
 
@@ -277,7 +286,7 @@ def through_server(args: argparse.Namespace, mode: str) -> dict[str, object]:
     from overnight.bench.load import LoadSpec, Workload, run_async, run_load
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.server_code or ROOT, ROOT]))
-    cmd = [sys.executable, __file__, "_serve", mode, str(args.step_ms)] + (
+    cmd = [sys.executable, __file__, "_serve", mode, str(args.step_ms), args.uvicorn] + (
         ["--profile"] if args.profile else []
     )
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -315,6 +324,7 @@ def through_server(args: argparse.Namespace, mode: str) -> dict[str, object]:
     row: dict[str, object] = {
         "mode": mode,
         "server_code": args.server_code or "this checkout",
+        "stack": report["stack"],
         "output_tok_s": stats["output_tok_s"],
         "ideal_tok_s": round(args.clients / (args.step_ms / 1e3), 1),
         "tokens_per_chunk": round(tokens / chunks, 2) if chunks else None,
@@ -339,14 +349,14 @@ def host(args: argparse.Namespace) -> None:
     print(
         f"\n{args.clients} clients, {args.input_len} in / {args.output_len} out, device step {args.step_ms} ms"
     )
-    head = f"{'server':<34} {'tok/s':>8} {'ideal':>7} {'tok/chunk':>9} {'engine thr':>10} {'loop thr':>9} {'engine proc':>11} {'process':>8}"
+    head = f"{'server':<42} {'tok/s':>8} {'ideal':>7} {'tok/chunk':>9} {'engine thr':>10} {'loop thr':>9} {'engine proc':>11} {'process':>8}"
     print(head + "   (CPU us per output token)")
     print("-" * len(head))
-    print(f"{'engine alone (no server)':<34} {'':>8} {'':>7} {'':>9} {alone['engine_us_per_token']:>10.1f}")
+    print(f"{'engine alone (no server)':<42} {'':>8} {'':>7} {'':>9} {alone['engine_us_per_token']:>10.1f}")
     for r in rows:
-        name = f"{r['mode']} ({'before' if args.server_code else 'this checkout'})"
+        name = f"{r['mode']} {r['stack']} ({'before' if args.server_code else 'this checkout'})"
         print(
-            f"{name:<34} {r['output_tok_s']:>8.0f} {r['ideal_tok_s']:>7.0f} {r['tokens_per_chunk']!s:>9} "
+            f"{name:<42} {r['output_tok_s']:>8.0f} {r['ideal_tok_s']:>7.0f} {r['tokens_per_chunk']!s:>9} "
             f"{r['engine_thread_us_per_token']:>10.1f} {r['loop_thread_us_per_token']:>9.1f} "
             f"{r['engine_process_us_per_token']:>11.1f} {r['server_process_us_per_token']:>8.1f}"
         )
@@ -363,10 +373,10 @@ def host(args: argparse.Namespace) -> None:
 def model(args: argparse.Namespace) -> None:
     """bench throughput and the server at N clients on the default model, in one run."""
     import httpx
-    from overnight.engine.builder import EngineOptions
 
     from overnight.bench.throughput import run_ours
     from overnight.bench.workloads import custom
+    from overnight.options import EngineOptions
     from overnight.parallel.workers import free_port
 
     n, lin, lout = args.clients, args.input_len, args.output_len
@@ -452,7 +462,7 @@ def model(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
-        serve(sys.argv[2], float(sys.argv[3]), "--profile" in sys.argv)
+        serve(sys.argv[2], float(sys.argv[3]), "--profile" in sys.argv, sys.argv[4])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["host", "model"])
@@ -469,6 +479,13 @@ def main() -> None:
         "--timing", default=None, help="token timing of the clients (default: usage; text for --server-code)"
     )
     p.add_argument("--profile", action="store_true", help="profile the event loop, grouped by what it does")
+    p.add_argument(
+        "--uvicorn",
+        default="auto",
+        choices=["auto", "asyncio-h11"],
+        help="the server's event loop and HTTP parser: uvicorn's auto (uvloop and httptools where "
+        "installed) or forced asyncio and h11",
+    )
     p.add_argument("--out", default="/tmp/server-cost")
     args = p.parse_args()
     host(args) if args.what == "host" else model(args)

@@ -106,6 +106,21 @@ def test_judge_window_counts_records_into_sub_windows():
     assert v.expected_total_per_output == 1.5 and v.total_per_output == 1.5 and v.steady
 
 
+def test_the_shortened_first_requests_do_not_set_the_expected_ratio():
+    # 512 in / 256 out: the workload's ratio is 3.0; first answers cut to 16 tokens ran at 33.0 and, were
+    # they counted, would raise the expectation above what a steady window measures
+    def done(end: float, out: int, shortened: bool) -> RequestRecord:
+        times = [end - 0.01 * (out - 1 - i) for i in range(out)]
+        return RequestRecord(end - 3.0, times, [1] * out, end, 512, out, shortened=shortened)
+
+    own = [done(1.0 + 0.5 * i, 256, False) for i in range(12)]
+    firsts = [done(2.0 + i, 16, True) for i in range(3)]
+    v = judge_window(own + firsts, 0.0, 8.0)
+    assert v.expected_total_per_output == 3.0
+    # a window in which only first requests finished still has an expectation: theirs
+    assert judge_window(firsts, 0.0, 8.0).expected_total_per_output == 33.0
+
+
 # -- the stagger ------------------------------------------------------------------------------------
 
 

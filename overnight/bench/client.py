@@ -52,6 +52,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     error: str | None = None
+    # A closed-loop worker's first request, its answer cut to a random length to spread the workers'
+    # phases (load.py): not one of the workload's requests, so the steady-state ratio leaves it out.
+    shortened: bool = False
 
 
 def request_body(spec: RequestSpec, prompt: PromptT, max_tokens: int) -> dict[str, object]:

@@ -196,10 +196,11 @@ async def _worker(
     first = True
     while time.monotonic() < control.stop_time():
         prompt, n_out = prompts.next()
+        shortened = first
         if first:  # see the module docstring: phases spread whatever a request's life
             n_out = first_answer_len(spec, w, n_out)
             first = False
-        rec = RequestRecord(start=time.monotonic())
+        rec = RequestRecord(start=time.monotonic(), shortened=shortened)
         records.append(rec)
         await send_one(client, spec, prompt, n_out, rec, progress)
         if rec.error is not None:

@@ -34,8 +34,8 @@ FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5
 
 # An FP8 cache stores K head-major inside each block (new_kv_cache): one KV head's page is one 2-KB run
 # instead of 16 runs of 128 bytes 1 KB apart. On the H200 (round 8, one call) the FP8 decode kernel was
-# 1-2% faster on every Qwen3 case of bench/attention_gpu.py ("hm" rows; b512 ctx2048 676 -> 665 us) and
-# a read-only probe of the cache (bench/kv_access_gpu.py) read 3.65 against 3.40 TB/s; same arithmetic.
+# 0-1.9% faster on the seven Qwen3 cases of bench/attention_gpu.py ("hm" rows; b512 ctx2048 676 -> 665
+# us) and a read-only probe of the cache (bench/kv_access_gpu.py) read 3.65 against 3.40 TB/s.
 FP8_HEAD_MAJOR_K = True
 
 

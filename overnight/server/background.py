@@ -23,7 +23,11 @@ class BackgroundServer:
         port: int = 0,
         shutdown_timeout: float = 5.0,
         log_level: str = "warning",
+        loop: str = "auto",
+        http: str = "auto",
     ) -> None:
+        # loop, http: uvicorn's choice of event loop and HTTP parser ("auto": uvloop and httptools where
+        # installed); benchmarks force "asyncio" and "h11" to compare the stacks within one install.
         # Bind here, so port 0 yields a free port that is known before the thread starts.
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -34,6 +38,8 @@ class BackgroundServer:
             log_level=log_level,
             access_log=False,
             lifespan="on",
+            loop=loop,
+            http=http,
             timeout_graceful_shutdown=max(int(round(shutdown_timeout)), 0),
         )
         self.server = uvicorn.Server(config)
