@@ -22,6 +22,17 @@
 # `attn` (the 256-token FP8 tiles); then, carrying .whl, `sweep` (the
 # server sweep of bench/server_sweep_gpu.sh, ~9 minutes alone).
 #
+# Round 8 ran kv-access, attn, one long-1024-1024 FP8 pair and three server sweeps (docs/benchmarks.md
+# "Round 8"). Next, in this order, each call right after the one before (the machine stays warm 30 s):
+#   1. carry .peer/c1:  bash bench/gpu_round6.sh                       (stage vLLM part 1)
+#   2. carry .peer/c2:  bash bench/gpu_round6.sh side-fp8kv side-seed  (issue 15: long-1024-1024 with an
+#                       FP8 cache and bf16 weights; seed-512-256 bf16, the "not slower" check; ~460 s)
+#   3. carry .peer/c2:  bash bench/gpu_round6.sh side-long             (long-1024-1024 bf16; ~240 s)
+#   4. carry .whl:      bash bench/gpu_round6.sh sweep-vllm            (issue 16: vLLM's server at 256, 512
+#                       and 1,024 clients, from $HOME/vsite; ~420 s, its start-up alone ~160 s)
+#   5. carry .whl:      bash bench/gpu_round6.sh sweep-ours            (our offline figure and sweep 1-1,024
+#                       in one call; OUR_EXTRA="--stream-interval 4" if 512 is unsteady again; ~300 s)
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -87,6 +98,21 @@ for s in "$@"; do
     sweep)
       section "sweep: the server against offline and vLLM's server (bench/server_sweep_gpu.sh)"
       bash bench/server_sweep_gpu.sh ;;
+    sweep-ours)
+      section "sweep-ours: offline, then our server's sweep 1-1024 (bench/server_sweep_gpu.sh ONLY=ours)"
+      ONLY=ours OURS_TIMEOUT=420 bash bench/server_sweep_gpu.sh ;;
+    sweep-vllm)
+      section "sweep-vllm: vLLM's server at 256-1024 clients (bench/server_sweep_gpu.sh ONLY=vllm)"
+      ONLY=vllm VLLM_LEVELS="256 512 1024" BUDGET_S=560 bash bench/server_sweep_gpu.sh ;;
+    side-fp8kv)
+      section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"
+      bash .peer/c2/side_by_side.sh long-1024-1024:fp8 ;;
+    side-seed)
+      section "side-seed: seed-512-256, bf16 weights and cache (side_by_side.sh)"
+      bash .peer/c2/side_by_side.sh seed-512-256 ;;
+    side-long)
+      section "side-long: long-1024-1024, bf16 weights and cache (side_by_side.sh)"
+      bash .peer/c2/side_by_side.sh long-1024-1024 ;;
     unpack)
       section "unpack vLLM"; ONLY_VLLM=1 bash .peer/c2/side_by_side.sh ;;
     embed)

@@ -139,7 +139,7 @@ def _process_front(step_ms: float):
     return DataParallelEngine(links, _source(), None)
 
 
-def serve(mode: str, step_ms: float, profile: bool, stack: str) -> None:
+def serve(mode: str, step_ms: float, profile: bool, stack: str, stream_interval: int) -> None:
     """The server process: print its URL, then answer 'mark' / 'report' lines on stdin with CPU use."""
     import cProfile
 
@@ -153,7 +153,10 @@ def serve(mode: str, step_ms: float, profile: bool, stack: str) -> None:
     engine = emulated_engine(step_ms) if mode == "inproc" else _process_front(step_ms)
     # Only a forced stack is passed on: a --server-code checkout may predate BackgroundServer's loop/http.
     forced = {"loop": "asyncio", "http": "h11"} if stack == "asyncio-h11" else {}
-    app = make_app(engine, ServerOptions(access_log=False, log_level="warning"))
+    # Named only when set, so a --server-code checkout older than the option still runs.
+    paced = {"stream_interval": stream_interval} if stream_interval != 1 else {}
+    opts = ServerOptions(access_log=False, log_level="warning", **paced)
+    app = make_app(engine, opts)
     server = BackgroundServer(app, **forced).start()
     print(server.url, flush=True)
     engine_thread = next(t for t in threading.enumerate() if t.name == "overnight-engine")
@@ -286,9 +289,15 @@ def through_server(args: argparse.Namespace, mode: str) -> dict[str, object]:
     from overnight.bench.load import LoadSpec, Workload, run_async, run_load
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.server_code or ROOT, ROOT]))
-    cmd = [sys.executable, __file__, "_serve", mode, str(args.step_ms), args.uvicorn] + (
-        ["--profile"] if args.profile else []
-    )
+    cmd = [
+        sys.executable,
+        __file__,
+        "_serve",
+        mode,
+        str(args.step_ms),
+        args.uvicorn,
+        str(args.stream_interval),
+    ] + (["--profile"] if args.profile else [])
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         url = server.stdout.readline().strip()
@@ -462,7 +471,7 @@ def model(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_serve":
-        serve(sys.argv[2], float(sys.argv[3]), "--profile" in sys.argv, sys.argv[4])
+        serve(sys.argv[2], float(sys.argv[3]), "--profile" in sys.argv, sys.argv[4], int(sys.argv[5]))
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=["host", "model"])
@@ -486,6 +495,7 @@ def main() -> None:
         help="the server's event loop and HTTP parser: uvicorn's auto (uvloop and httptools where "
         "installed) or forced asyncio and h11",
     )
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval (tokens)")
     p.add_argument("--out", default="/tmp/server-cost")
     args = p.parse_args()
     host(args) if args.what == "host" else model(args)

@@ -37,20 +37,29 @@ OUR_LEVELS=${OUR_LEVELS:-"1 8 64 256 512 1024"}
 VLLM_LEVELS=${VLLM_LEVELS:-"64 256 512 1024"}
 VLLM_CONFIG=${VLLM_CONFIG:-}  # a folder with config.json; default: Qwen3-8B's
 BUDGET_S=${BUDGET_S:-530}  # the vLLM sweep stops by then (the call's limit is 600 s)
+# Parts: ONLY=ours (1, 2 and 4) or ONLY=vllm (3 and 4; the summary then reads ours from $OUT if a call
+# before this one left it there, e.g. OUT kept under $HOME); OUR_EXTRA: more flags for our sweep
+# (e.g. "--stream-interval 4", the server's option).
+ONLY=${ONLY:-}
+OUR_EXTRA=${OUR_EXTRA:-}
 
+if [ "$ONLY" != vllm ]; then
 section "1. offline: bench throughput seed-512-256"
 timeout ${OFFLINE_TIMEOUT:-150} python3 -m overnight bench throughput $OFFLINE_ARGS --json-out "$OUT/offline.jsonl" \
   > "$OUT/offline.log" 2>&1
 echo "rc=$?"; grep -E "^overnight|Error" "$OUT/offline.log" | tail -3
 
-section "2. our server: sweep $OUR_LEVELS"
-timeout ${OURS_TIMEOUT:-240} python3 -m overnight bench sweep $MODEL_ARGS $SWEEP_ARGS --levels $OUR_LEVELS --out "$OUT/ours" \
-  > "$OUT/ours.log" 2>&1
+section "2. our server: sweep $OUR_LEVELS $OUR_EXTRA"
+timeout ${OURS_TIMEOUT:-240} python3 -m overnight bench sweep $MODEL_ARGS $SWEEP_ARGS $OUR_EXTRA --levels $OUR_LEVELS \
+  --out "$OUT/ours" > "$OUT/ours.log" 2>&1
 echo "rc=$?"; tail -14 "$OUT/ours.log"
+fi
 
 section "3. vLLM's server: sweep $VLLM_LEVELS"
 VSITE=${VSITE:-$HOME/vsite}
-if [ ! -f "$VSITE/a/vllm/_C_stable_libtorch.abi3.so" ]; then
+if [ "$ONLY" = ours ]; then
+  echo "vLLM skipped (ONLY=ours)"
+elif [ ! -f "$VSITE/a/vllm/_C_stable_libtorch.abi3.so" ]; then
   echo "vLLM skipped: $VSITE does not hold the unpacked vLLM (run .peer/c2/side_by_side.sh in this session first)"
 else
   CFG="$OUT/qwen3-8b-vllm"; rm -rf "$CFG"; mkdir -p "$CFG"

@@ -9,6 +9,7 @@ import pickle
 import threading
 from contextlib import aclosing
 
+import pytest
 from openai.types import Completion
 
 from overnight.openai_api import CompletionStream, parse_request
@@ -16,7 +17,8 @@ from overnight.outputs import CompletionOutput, Logprob, RequestMetrics, Request
 from overnight.parallel.output_codec import pack, unpack
 from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine
-from overnight.server.deltas import coalesce, merge
+from overnight.server.cli import ServerOptions
+from overnight.server.deltas import Pacer, coalesce, merge
 from tests.fake_runner import reference_output
 from tests.test_scheduler import EOS, VOCAB
 from tests.test_server_fake import slow_engine
@@ -126,6 +128,43 @@ def test_a_consumer_that_falls_behind_gets_merged_deltas_with_every_token():
     batches = asyncio.run(main())
     assert sum(batches, []) == reference_output([5, 6, 7], 30, VOCAB, EOS)
     assert len(batches) < 30 and max(len(b) for b in batches) > 1  # some chunk carried several steps
+
+
+def test_the_pacer_holds_deltas_until_they_carry_the_interval():
+    pacer = Pacer(3)
+    assert pacer.due([(0, delta("a", 0, [1], "x")), (1, delta("b", 0, [2, 3, 4], "yzw"))]) == [
+        (1, delta("b", 0, [2, 3, 4], "yzw"))
+    ]
+    assert pacer.due([(0, delta("a", 0, [5], "x"))]) == []  # 2 of 3 held
+    ((index, out),) = pacer.due([(0, delta("a", 0, [6], "x"))])
+    assert index == 0 and out.outputs[0].token_ids == [1, 5, 6] and out.outputs[0].text == "xxx"
+    pacer.due([(0, delta("a", 0, [7], "x"))])
+    ((_, last),) = pacer.due([(0, delta("a", 0, [8], "y", reason="length"))])  # an end goes out at once
+    assert last.finished and last.outputs[0].token_ids == [7, 8]
+    pacer.due([(2, delta("c", 0, [9], "q"))])
+    assert [i for i, _ in pacer.flush()] == [2] and pacer.flush() == []
+    with pytest.raises(ValueError, match="at least 1"):
+        ServerOptions(stream_interval=0)
+
+
+def test_a_stream_interval_sends_fewer_chunks_with_every_token():
+    engine = slow_engine(async_mode=True)
+
+    async def main(interval: int) -> list[list[int]]:
+        ae = AsyncEngine(engine)
+        ae.start()
+        batches: list[list[int]] = []
+        params = SamplingParams(max_tokens=30)
+        async with aclosing(ae.generate_batches([("r", None, [5, 6, 7])], params, True, interval)) as outs:
+            async for batch in outs:
+                ((_, out),) = batch
+                batches.append(out.outputs[0].token_ids)
+        await ae.stop()
+        return batches
+
+    batches = asyncio.run(main(4))
+    assert sum(batches, []) == reference_output([5, 6, 7], 30, VOCAB, EOS)
+    assert all(len(b) >= 4 for b in batches[:-1]) and len(batches) <= 8
 
 
 class _NoFinalFront:

@@ -45,6 +45,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="process",
         help="own server as a subprocess (default: its CPU is apart from the client's) or a thread",
     )
+    g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="own server: its --stream-interval (tokens a streamed chunk holds at least)",
+    )
     g.add_argument("--api-key", default=None)
     g.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
     g.add_argument("--output-len", type=int, default=128, help="tokens per answer (ignore_eos)")
@@ -218,6 +224,7 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
                 "window_s_min": args.window_s,
                 "window_s_max": args.max_window_s,
                 "window_lifetimes": args.window_lifetimes,
+                "stream_interval": None if args.url else args.stream_interval,  # own server only
                 "steady": steady_settings(),
                 "min_gain": args.min_gain,
                 "arrival": args.arrival if rates else None,

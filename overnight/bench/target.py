@@ -62,7 +62,8 @@ def server_for(args: argparse.Namespace) -> Iterator[str]:
 
         hide_created_series()
         engine = build_engine(engine_options(args))
-        app = make_app(engine, ServerOptions(access_log=False, log_level="warning"), model_arg=args.model)
+        opts = ServerOptions(access_log=False, log_level="warning", stream_interval=args.stream_interval)
+        app = make_app(engine, opts, model_arg=args.model)
         with BackgroundServer(app, log_level="warning") as server:
             yield server.url
     else:
@@ -85,6 +86,8 @@ def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
         "--no-access-log",
         "--log-level",
         "warning",
+        "--stream-interval",
+        str(args.stream_interval),
         *engine_flags(args),
     ]
     log_path = os.path.join(args.out, "server.log")

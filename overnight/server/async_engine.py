@@ -30,7 +30,7 @@ from overnight.metrics.prometheus import PrometheusObserver
 from overnight.outputs import EngineOutput
 from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
-from overnight.server.deltas import coalesce
+from overnight.server.deltas import Pacer, coalesce
 
 log = logging.getLogger("overnight.server")
 
@@ -141,15 +141,18 @@ class AsyncEngine:
         prompts: list[PromptSpec],
         params: RequestParams,
         stream: bool = True,
+        stream_interval: int = 1,
     ) -> AsyncGenerator[list[tuple[int, EngineOutput]]]:
         """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
         per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
-        behind the engine thus sends fewer, larger chunks instead of falling further behind."""
+        behind the engine thus sends fewer, larger chunks instead of falling further behind.
+        stream_interval > 1 holds each prompt's deltas until they carry that many tokens (deltas.Pacer)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.error}")
         if self._thread is None or self._stopping:
             raise EngineDeadError("the engine is not running")
         q: asyncio.Queue[tuple[int, EngineOutput | BaseException]] = asyncio.Queue()
+        pacer = Pacer(stream_interval) if stream and stream_interval > 1 else None
         now = time.monotonic()
         unfinished: set[str] = set()
         for index, (request_id, text, ids) in enumerate(prompts):
@@ -169,6 +172,8 @@ class AsyncEngine:
                     if out.finished:
                         unfinished.discard(out.request_id)
                         self._streams.pop(out.request_id, None)
+                if pacer is not None:
+                    batch = pacer.due(batch) + (pacer.flush() if error is not None else [])
                 if batch:
                     yield batch
                 if error is not None and unfinished:  # (after the last final, nothing waits for it)

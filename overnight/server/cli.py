@@ -58,6 +58,11 @@ class ServerOptions:
     max_waiting: int | None = option(
         None, "answer 503 to new requests while this many wait to be scheduled (default: no limit)"
     )
+    stream_interval: int = option(
+        1,
+        "a streamed response sends a chunk once it holds this many new tokens (or ends): fewer chunks "
+        "cost the HTTP process less per token at saturation, each token arriving a little later",
+    )
     shutdown_timeout: float = option(
         30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
     )
@@ -68,6 +73,10 @@ class ServerOptions:
     log_level: str = option(
         "info", "server log level", choices=("critical", "error", "warning", "info", "debug")
     )
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be at least 1 token, got {self.stream_interval}")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -102,6 +111,7 @@ def make_app(engine: EngineClient, opts: ServerOptions, model_arg: str | None = 
         model_name=model_name,
         accepted_names=served_names(model_name, model_arg),
         max_waiting=opts.max_waiting,
+        stream_interval=opts.stream_interval,
     )
     open_paths = OPEN_PATHS - {"/metrics"} if opts.protect_metrics else OPEN_PATHS
     return build_app(

@@ -4,6 +4,11 @@ When the event loop falls behind the engine (a step delivers to a thousand strea
 steps' deltas wait in a response's queue. Sending them as one SSE chunk costs the loop one JSON
 encoding and one socket write instead of several: the loop's work per token falls exactly when it is
 the bottleneck, and a loop that keeps up still sends a chunk per step.
+
+`--stream-interval N` (vLLM's option of that name) goes further on purpose: a stream's deltas are held
+until they carry N new tokens (or the request ends), so the loop encodes and writes about one chunk per
+N tokens even while it keeps up. On the H200 the HTTP process's loop was the server's limit at 512
+clients (docs/benchmarks.md, round 8); N trades a little latency per token for that headroom.
 """
 
 from __future__ import annotations
@@ -35,6 +40,37 @@ def coalesce(items: list[tuple[int, EngineOutput]]) -> list[tuple[int, EngineOut
         else:
             merged[index] = out
     return list(merged.items())
+
+
+class Pacer:
+    """Holds a stream's deltas until one of its choices has `interval` new tokens, or it finished."""
+
+    def __init__(self, interval: int) -> None:
+        if interval < 1:
+            raise ValueError(f"stream interval must be >= 1, got {interval}")
+        self.interval = interval
+        self._held: dict[int, RequestOutput] = {}
+
+    def due(self, batch: list[tuple[int, EngineOutput]]) -> list[tuple[int, EngineOutput]]:
+        """What of `batch` (coalesced: one entry per index) goes out now, merged with what was held."""
+        out: list[tuple[int, EngineOutput]] = []
+        for index, item in batch:
+            held = self._held.pop(index, None)
+            if not isinstance(item, RequestOutput) or not item.delta:
+                out.append((index, item))
+                continue
+            item = item if held is None else merge(held, item)
+            if item.finished or max((len(c.token_ids) for c in item.outputs), default=0) >= self.interval:
+                out.append((index, item))
+            else:
+                self._held[index] = item
+        return out
+
+    def flush(self) -> list[tuple[int, EngineOutput]]:
+        """Everything held (before an error ends the stream: what came before it is still sent)."""
+        out: list[tuple[int, EngineOutput]] = list(self._held.items())
+        self._held.clear()
+        return out
 
 
 def _merge_completion(a: CompletionOutput, b: CompletionOutput) -> CompletionOutput:

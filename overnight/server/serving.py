@@ -45,6 +45,7 @@ class ServingConfig:
     model_name: str  # the name responses report as `model`
     accepted_names: set[str]  # names a request's `model` may use
     max_waiting: int | None  # refuse new requests (503) while this many wait; None: never
+    stream_interval: int = 1  # tokens a stream's chunk carries at least (but its last); deltas.Pacer
 
 
 class OpenAIServing:
@@ -129,7 +130,10 @@ class OpenAIServing:
             chat = None
             text = CompletionStream(model, response_id=response_id, n=req.n, **usage)
         try:
-            async with aclosing(self.engine.generate_batches(prompts, params, stream=True)) as batches:
+            batches_of = self.engine.generate_batches(
+                prompts, params, stream=True, stream_interval=self.config.stream_interval
+            )
+            async with aclosing(batches_of) as batches:
                 async for batch in batches:
                     # What waited since the last wake-up goes out in one write (one send call).
                     events: list[str] = []
