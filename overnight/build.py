@@ -15,6 +15,7 @@ Every entry point (LLM, run-batch, serve, bench, budget) comes through here; not
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -228,6 +229,7 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     from overnight.runner.model_runner import ModelRunner
 
     source = model.source
+    t_start = time.perf_counter()
     if source.quantization is not None:
         log.info("quantization: %s", source.quantization.describe())
     device = pick_device(opts.device)
@@ -256,11 +258,18 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         runner = TPRunner(config, replace(source, tokenizer_path=tok_path))
     else:
         runner = ModelRunner(config, source, grammars=model.grammars)
+    t_model = time.perf_counter()
     try:
         plan = set_up_kv_pool(runner, config.cache, sched)
     except BaseException:
         runner.shutdown()
         raise
+    log.info(
+        "start-up: model %.1f s (weights%s), KV pool %.1f s (memory profile, warm-up, allocation, graphs)",
+        t_model - t_start,
+        " and their quantization" if source.quantization is not None else "",
+        time.perf_counter() - t_model,
+    )
     if device.type == "cuda" and config.parallel.tensor_parallel_size == 1:
         from overnight.kernels.jit_watch import log_compiles_after_startup
 

@@ -8,6 +8,7 @@ unread step takes it straight from that step's device tensor.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from overnight.runner.cuda_graph import DecodeGraphs
+
+log = logging.getLogger("overnight")
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -362,8 +365,10 @@ class ModelRunner:
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
         shape = (2, next_block, bs, arch.num_key_value_heads, arch.head_dim)
+        # The real pool's layout (an FP8 cache's K is head-major, kv_layout.py), zeroed: the step runs
+        # the kernels as a job will, on finite values.
         caches = [
-            torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
+            new_kv_cache(shape, self.kv_cache_dtype, self.device).zero_()
             for _ in range(arch.num_hidden_layers)
         ]
 
@@ -381,8 +386,14 @@ class ModelRunner:
             logits.log_softmax(dim=-1)
             del logits
         del hidden
-        for n in self.warm_up_sizes(num_tokens):
+        t0 = time.perf_counter()
+        sizes = self.warm_up_sizes(num_tokens)
+        for n in sizes:
             forward(n)
+        if sizes:
+            if self.is_cuda:
+                torch.cuda.synchronize(self.device)
+            log.info("warm-up: step sizes %s in %.1f s", sizes, time.perf_counter() - t0)
         # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
         caches.clear()  # freed before the real pool is sized (forward() still refers to the list)
