@@ -46,9 +46,7 @@ class Pacer:
     """Holds a stream's deltas until one of its choices has `interval` new tokens, or it finished."""
 
     def __init__(self, interval: int) -> None:
-        if interval < 1:
-            raise ValueError(f"stream interval must be >= 1, got {interval}")
-        self.interval = interval
+        self.interval = interval  # >= 1: ServerOptions refuses less
         self._held: dict[int, RequestOutput] = {}
 
     def due(self, batch: list[tuple[int, EngineOutput]]) -> list[tuple[int, EngineOutput]]:
