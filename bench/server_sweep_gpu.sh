@@ -107,6 +107,13 @@ PY
   fi
 fi
 
+# The sweeps may run in separate calls (ONLY=vllm, then ONLY=ours): $OUT is emptied before each call,
+# $HOME survives while the machine stays warm, so each keeps a copy there and the summary reads both.
+for part in ours vllm offline.jsonl; do
+  if [ -e "$OUT/$part" ]; then rm -rf "$HOME/sweep_keep/$part"; mkdir -p "$HOME/sweep_keep"; cp -r "$OUT/$part" "$HOME/sweep_keep/"
+  elif [ -e "$HOME/sweep_keep/$part" ]; then cp -r "$HOME/sweep_keep/$part" "$OUT/" && echo "($part from an earlier call)"; fi
+done
+
 section "4. summary"
 python3 - "$OUT" <<'PY'
 import json, os, sys
