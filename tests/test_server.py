@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import socket
 import time
 
 import httpx
@@ -336,6 +338,27 @@ def test_disconnect_mid_stream_frees_blocks(server, model, llm):
     assert after["overnight:generation_tokens_total"] - before["overnight:generation_tokens_total"] < 400
     assert after["overnight:request_success_total"] - before["overnight:request_success_total"] == 1  # abort
     assert not llm.engine.parents
+
+
+def test_client_gone_before_its_body_arrived_is_no_error(server, model, caplog):
+    """A client that closes the connection halfway through sending a request body is not a server
+    error (no traceback in the log), and the server goes on serving."""
+    with caplog.at_level(logging.DEBUG, logger="overnight.server"):
+        with socket.create_connection((server.host, server.port), timeout=10) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000\r\n\r\n" + b'{"model": "' + model.encode() + b'", "prompt": "he'
+            )
+            time.sleep(0.3)  # the body's first bytes are read, the rest never comes
+        deadline = time.monotonic() + 10
+        while not any(
+            "before its request body" in r.getMessage() or r.levelno >= logging.ERROR for r in caplog.records
+        ):
+            assert time.monotonic() < deadline, "the server never noticed the client leave"
+            time.sleep(0.05)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_disconnect_while_waiting_for_a_whole_response(server, model):

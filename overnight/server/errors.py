@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError, error_body
@@ -105,6 +105,13 @@ async def handle_starlette_http(request: Request, e: Exception) -> JSONResponse:
     )
 
 
+async def handle_client_gone(request: Request, e: Exception) -> Response:
+    """The client closed its connection before its request body arrived (a load generator cutting its
+    streams at the end of a run does this): nothing to answer and nothing went wrong here."""
+    log.debug("client left before its request body arrived: %s %s", request.method, request.url.path)
+    return Response(status_code=499)  # nginx's "client closed request"; no one reads it
+
+
 async def handle_unexpected(request: Request, e: Exception) -> JSONResponse:
     log.exception("unexpected error serving %s %s", request.method, request.url.path)
     return JSONResponse(
@@ -118,5 +125,6 @@ EXCEPTION_HANDLERS = {
     HttpError: handle_http_error,
     InvalidRequestError: handle_invalid_request,
     StarletteHTTPException: handle_starlette_http,
+    ClientDisconnect: handle_client_gone,
     Exception: handle_unexpected,
 }
