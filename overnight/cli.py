@@ -8,6 +8,7 @@ import importlib
 import logging
 import sys
 
+from overnight import logs
 from overnight.errors import USER_ERRORS
 
 # command -> module exposing add_parser(subparsers) and run(args) -> int
@@ -48,9 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure(logging.INFO)
     try:
         return int(modules[args.command].run(args) or 0)
     except USER_ERRORS as e:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -242,3 +245,22 @@ def test_dummy_preset_over_dp_matches_one_engine():
     finally:
         dp.engine.shutdown()
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+
+
+def test_an_engine_process_logs_like_its_parent():
+    """The engine in its own process (as `overnight serve` runs it) logs with the parent's setup: its
+    start-up lines reach stderr. A spawned process starts with no logging, which lost them before."""
+    script = (
+        "import logging\n"
+        "from overnight import LLM, SamplingParams, logs\n"
+        "logs.configure(logging.INFO)\n"
+        "llm = LLM(device='cpu', engine_process=True, max_model_len=256)\n"
+        "print(llm.generate('Hi', SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids)\n"
+        "llm.engine.shutdown()\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "start-up: model" in done.stderr and "KV pool:" in done.stderr, done.stderr[-2000:]

@@ -8,8 +8,9 @@ import pytest
 
 from overnight.bench import steady
 from overnight.bench.client import RequestRecord
-from overnight.bench.level import judge_window
+from overnight.bench.level import judge_window, window_timeline
 from overnight.bench.load import LoadSpec, Workload, first_answer_len, split, start_offset
+from overnight.bench.metrics_reader import Snapshot
 
 # -- the verdict on a window ------------------------------------------------------------------------
 
@@ -119,6 +120,32 @@ def test_the_shortened_first_requests_do_not_set_the_expected_ratio():
     assert v.expected_total_per_output == 3.0
     # a window in which only first requests finished still has an expectation: theirs
     assert judge_window(firsts, 0.0, 8.0).expected_total_per_output == 33.0
+
+
+def test_the_timeline_bins_a_window_and_shows_a_wave():
+    # window [10, 12) in 0.5-s bins; three requests: one finishing in bin 0, one sent in bin 1 whose
+    # tokens come in bins 1-2, one failed (sent in bin 3, not counted as finished); bin 3 has no token
+    ok = RequestRecord(9.0, [9.5, 10.1, 10.2], [1, 2, 1], end=10.2, prompt_tokens=4, output_tokens=4)
+    late = RequestRecord(10.6, [10.7, 11.2], [1, 3], end=None, prompt_tokens=4, output_tokens=4)
+    failed = RequestRecord(11.6, end=11.7, error="HTTP 500")
+    snaps = [Snapshot(10.2, {"num_requests_running": 3.0, "num_requests_waiting": 1.0})]
+    snaps.append(Snapshot(11.9, {"num_requests_running": 2.0, "num_requests_waiting": 0.0}))
+    tl = window_timeline([ok, late, failed], snaps, 10.0, 12.0, bin_s=0.5)
+    assert tl["output_tokens"] == [3, 1, 3, 0]
+    assert tl["sent"] == [0, 1, 0, 1]
+    assert tl["first_tokens"] == [0, 1, 0, 0]
+    assert tl["finished"] == [1, 0, 0, 0]
+    assert tl["running"] == [3.0, None, None, 2.0] and tl["waiting"] == [1.0, None, None, 0.0]
+
+    # clients that started together finish together: their finishes come in one bin per lifetime
+    n, life = 8, 2.0
+    wave = [
+        RequestRecord(k * life, [k * life + 1.0], [1], end=k * life + 1.9, output_tokens=1)
+        for k in range(4)
+        for _ in range(n)
+    ]
+    finished = window_timeline(wave, [], 0.0, 8.0, bin_s=0.5)["finished"]
+    assert finished == [0, 0, 0, n] * 4
 
 
 # -- the stagger ------------------------------------------------------------------------------------

@@ -59,6 +59,10 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
         assert lv["steady"]["steady"], (lv["x"], lv["steady"]["reason"])
         assert lv["window_s"] >= 1.9 * lv["lifetime_s"] and lv["ramp_s"] > 0
         assert lv["mean_tokens_per_step"] > 0 and lv["steps_per_s"] > 0
+        # the window's timeline holds the same tokens, and the server's gauges where it was scraped
+        tl = lv["timeline"]
+        assert sum(tl["output_tokens"]) == lv["output_tokens"] and sum(tl["finished"]) == lv["completed"]
+        assert len(tl["running"]) == len(tl["sent"]) and any(r is not None for r in tl["running"])
     assert result["all_steady"] and result["verdict"]["unsteady_x"] == []
     v = result["verdict"]
     assert v["reason"] in REASONS and v["knee_x"] in (1, 2, 4) and v["best_x"] in (1, 2, 4)

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import statistics
 import time
@@ -27,6 +28,7 @@ DEFAULT_VOCAB = 32000  # random ids below this are valid for any current model
 STOP_GRACE_S = 0.25  # the load runs on a little past the window, so the last scrape still sees it
 DRAIN_WITHOUT_METRICS_S = 5.0  # a server without /metrics gets this long to let go of cut requests
 POLL_S = 0.1  # how often the controller reads the load's progress counters
+TIMELINE_BIN_S = 0.5  # window_timeline: ~10 steps at saturation on the H200; a request lives 25+ bins
 
 
 def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
@@ -213,6 +215,7 @@ def measure_level(
     row["server_metrics"] = bool(snaps)
     if snaps:
         row.update(summarize(snaps).to_dict())
+    row["timeline"] = window_timeline(records, snaps, w0, w1)
     row["gpu"] = res["clocks"]
     return row
 
@@ -329,6 +332,35 @@ def window_stats(records: list[RequestRecord], w0: float, w1: float) -> dict[str
         "tpot_ms": percentiles(tpot),
         "itl_ms": percentiles(itl),
     }
+
+
+def window_timeline(
+    records: list[RequestRecord], snaps: list[Snapshot], w0: float, w1: float, bin_s: float = TIMELINE_BIN_S
+) -> dict[str, object]:
+    """The window in bins of bin_s: output tokens, requests sent, first tokens (admissions, seen from
+    the client), requests finished, and the server's running / waiting gauges (the bin's last scrape;
+    None where a bin had none). A level found unsteady shows here how: clients moving in waves finish
+    in bursts one request life apart; a stall shows as bins with no tokens at all."""
+    n = max(int(math.ceil((w1 - w0) / bin_s - 1e-9)), 1)
+
+    def slot(t: float) -> int | None:
+        return int((t - w0) / bin_s) if w0 <= t < w1 else None
+
+    series: dict[str, list] = {k: [0] * n for k in ("output_tokens", "sent", "first_tokens", "finished")}
+    for r in records:
+        for t, k in ((r.start, "sent"), (r.end, "finished")):
+            if t is not None and (i := slot(t)) is not None and (k != "finished" or r.error is None):
+                series[k][i] += 1
+        for j, (t, tokens) in enumerate(zip(r.chunk_times, r.chunk_tokens, strict=True)):
+            if (i := slot(t)) is not None:
+                series["output_tokens"][i] += tokens
+                series["first_tokens"][i] += j == 0
+    running: list[float | None] = [None] * n
+    waiting: list[float | None] = [None] * n
+    for snap in snaps:
+        if (i := slot(snap.t)) is not None:
+            running[i], waiting[i] = snap.running, snap.waiting
+    return {"bin_s": bin_s, **series, "running": running, "waiting": waiting}
 
 
 def judge_window(

@@ -84,8 +84,10 @@ def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
         "--port",
         str(port),
         "--no-access-log",
+        # info: the start-up's parts and any Triton compile after it (a kernel's first use mid-sweep
+        # stalls the engine for about a second) reach server.log with their times
         "--log-level",
-        "warning",
+        "info",
         "--stream-interval",
         str(args.stream_interval),
         *engine_flags(args),

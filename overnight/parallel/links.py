@@ -25,6 +25,7 @@ from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.logs import LogSetup
 from overnight.options import EngineOptions
 from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
@@ -169,8 +170,11 @@ def serve_engine(
                 send(StepOutputs(index, pack(outputs), engine.stats(), iteration))
 
 
-def _engine_main(index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection) -> None:
+def _engine_main(
+    index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection, log_setup: LogSetup
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    log_setup.apply()
 
     def receive(block: bool) -> list[object] | None:
         try:
@@ -238,7 +242,9 @@ class ProcessLinks:
             ours, theirs = ctx.Pipe()
             # Not a daemon: an engine process starts its own tensor parallel workers.
             proc = ctx.Process(
-                target=_engine_main, args=(i, child_opts, factory, theirs), name=f"overnight-dp{i}"
+                target=_engine_main,
+                args=(i, child_opts, factory, theirs, LogSetup.capture()),
+                name=f"overnight-dp{i}",
             )
             with spawn_environment(child_env(threads, groups[i])):
                 proc.start()

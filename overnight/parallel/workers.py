@@ -38,6 +38,7 @@ from overnight.config import EngineConfig
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.errors import EngineDeadError
 from overnight.loader.source import ModelSource
+from overnight.logs import LogSetup
 
 # NVLink multicast (NVLS) off in every process we start: the GPU machines do not support it reliably.
 MULTICAST_OFF = {
@@ -278,8 +279,9 @@ def _serve(runner, init: WorkerInit, conn: Connection) -> None:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
 
-def _worker_main(init: WorkerInit, conn: Connection) -> None:
+def _worker_main(init: WorkerInit, conn: Connection, log_setup: LogSetup) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    log_setup.apply()
     try:
         runner = _start_rank(init)
         conn.send(Ready(init.rank, runner.kv_cache_dtype))
@@ -317,7 +319,10 @@ class TPRunner:
             ours, theirs = ctx.Pipe()
             init = WorkerInit(config, source, rank, self.world, "nccl" if on_gpu else "gloo", init_method)
             proc = ctx.Process(
-                target=_worker_main, args=(init, theirs), name=f"overnight-tp{rank}", daemon=True
+                target=_worker_main,
+                args=(init, theirs, LogSetup.capture()),
+                name=f"overnight-tp{rank}",
+                daemon=True,
             )
             with spawn_environment(env):
                 proc.start()
