@@ -22,7 +22,7 @@ from overnight.attention.triton_backend import TritonAttentionBackend, paged_att
 from overnight.attention.variants import variant_configs
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
-from overnight.kernels.paged_prefill import PrefillConfig
+from overnight.kernels.paged_prefill import PrefillConfig, prefill_fp8_mma_ref
 from tests.test_fp8_kv import exact_in_fp8
 from tests.test_kernels_attention import DEVICE, DTYPES, assert_close, make_batch, poisoned
 
@@ -205,6 +205,12 @@ def test_fp8_mma_backend_mixed_batch() -> None:
     torch.testing.assert_close(out[nd:], ref[nd:], rtol=1e-4, atol=1e-4)  # prefill: exact arithmetic
     assert rel_err(out[:nd], ref[:nd]) < 5e-2  # decode: q and P rounded
 
+    # the fp8-mma variant's prefill too (--attention-variant fp8-mma): q and P rounded there as well
+    backend.prefill_config = PrefillConfig(32, 32, 4, 1, fp8_mma=True)
+    out8 = backend.forward(q, k, v, torch.zeros_like(cache), meta, 0.125, kv_scale)
+    assert torch.equal(out8[:nd], out[:nd])
+    assert 0 < rel_err(out8[nd:], ref[nd:]) < 5e-2
+
 
 # ---------------------------------------------------------------- grid order (heads first)
 
@@ -249,9 +255,9 @@ def test_heads_first_grid_equals_the_default_order(
 def test_attention_variants_by_name() -> None:
     assert variant_configs("default", fp8_cache=True) == (None, None)
     decode, prefill = variant_configs("fp8-mma", fp8_cache=True)
-    assert decode.fp8_mma and prefill.prefetch_pages
-    decode, _ = variant_configs("fp8-mma", fp8_cache=False)  # a bf16 cache has no fp8 dots to make
-    assert not decode.fp8_mma and decode.prefetch_pages
+    assert decode.fp8_mma and prefill.prefetch_pages and prefill.fp8_mma
+    decode, prefill = variant_configs("fp8-mma", fp8_cache=False)  # a bf16 cache has no fp8 dots to make
+    assert not decode.fp8_mma and decode.prefetch_pages and not prefill.fp8_mma
     decode, _ = variant_configs("prefetch", fp8_cache=True)
     assert decode.prefetch_pages and not decode.fp8_mma
     decode, prefill = variant_configs("heads-first", fp8_cache=True)
@@ -290,3 +296,69 @@ def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
     assert backend.decode_config.fp8_mma and backend.prefill_config.prefetch_pages
     with pytest.raises(ValueError, match="unknown attention variant"):
         LLM(str(folder), attention_variant="fast", **engine)
+
+
+# ---------------------------------------------------------------- fp8 MMA prefill (q and P in e4m3)
+
+
+def fp8_prefill_batch(fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, seed: int):
+    """Two decodes, then prefill chunks after cached prefixes (whole, partial and none), over an fp8
+    cache of random values scaled as a calibrated cache would be."""
+    hkv, bs = 2, 16
+    query_lens = [1, 1, 9, 20, 33, 1]
+    seq_lens = [30, 7, 9, 50, 97, 16]  # chunk without prefix, after 30, after 64; a 1-row chunk
+    meta, q, cache = make_batch(query_lens, seq_lens, 2, hkv * group, hkv, head_dim, bs, q_dtype, seed)
+    cache = (cache.float() * 40).to(fp8)
+    kv_scale = torch.tensor([0.03, 0.02], device=DEVICE)
+    return meta, q, cache, kv_scale
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(
+    ("q_dtype", "group", "head_dim", "block_m", "block_n"),
+    [
+        (torch.float32, 4, 64, 16, 16),
+        (torch.float32, 1, 64, 32, 16),
+        (torch.float16, 4, 128, 16, 32),
+        (torch.float32, 2, 48, 16, 16),  # head_dim padded to BLOCK_D 64 (masked along D)
+    ],
+)
+def test_fp8_mma_prefill_matches_its_rounding_reference(
+    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, block_m: int, block_n: int
+) -> None:
+    meta, q, cache, kv_scale = fp8_prefill_batch(fp8, q_dtype, group, head_dim, seed=100 + group)
+    cfg = PrefillConfig(block_m, block_n, 4, 2, fp8_mma=True)
+    out = paged_attention(q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale, prefill_config=cfg)
+    rows = slice(meta.num_decodes, meta.num_tokens)  # the decodes take the decode kernel
+    emulated = prefill_fp8_mma_ref(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 2, meta.num_reqs, 0.1, kv_scale,
+        block_n,
+    )  # fmt: skip
+    exact = paged_attention_ref(q.float(), cache, meta, 0.1, kv_scale)
+    assert rel_err(out[rows], emulated[rows]) < (1e-3 if q_dtype == torch.float16 else 1e-5)
+    # rounding q and P to 3 mantissa bits costs a few percent of the largest output here; a wrong
+    # tile, page, mask or head would be off by the size of the output itself
+    assert rel_err(out[rows], exact[rows]) < 5e-2
+    # the decode rows are the decode kernel's, untouched by the prefill config
+    default = paged_attention(q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale)
+    assert torch.equal(out[: meta.num_decodes], default[: meta.num_decodes])
+
+
+def test_fp8_mma_prefill_rounding_is_what_separates_it_from_the_exact_answer() -> None:
+    """With q on the e4m3 grid after its per-row scale and one key per request (p = 1, 256 after the
+    shift, which e4m3 holds), neither rounding changes anything: the kernel equals the exact answer."""
+    fp8, hkv, group, d = torch.float8_e4m3fn, 2, 4, 64
+    meta, q, cache = make_batch([1, 1], [1, 1], 0, hkv * group, hkv, d, 16, torch.float32, seed=110)
+    q = exact_in_fp8(tuple(q.shape), fp8, 1.0, seed=111) * 2.0**-5
+    q[..., 0] = 448.0 * 2.0**-5  # each row's largest |q|: its scale is 2**-5, q / scale stays on the grid
+    q = q.to(DEVICE)
+    cache = (cache * 40).to(fp8)
+    cfg = PrefillConfig(16, 16, 4, 1, fp8_mma=True)
+    out = paged_attention(q, cache, meta, 0.1, out=poisoned(q), prefill_config=cfg)
+    assert rel_err(out, paged_attention_ref(q, cache, meta, 0.1)) < 1e-5
+
+
+def test_fp8_mma_prefill_needs_an_fp8_cache() -> None:
+    meta, q, cache = make_batch([5], [5], 0, 4, 2, 64, 16, torch.float32, seed=120)
+    with pytest.raises(ValueError, match="needs an FP8 cache"):
+        paged_attention(q, cache, meta, 0.1, prefill_config=PrefillConfig(16, 16, 4, 1, fp8_mma=True))

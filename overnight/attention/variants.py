@@ -5,8 +5,9 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
               PrefillConfig())
     prefetch  page ids loaded one tile ahead, so the K/V copies are multi-buffered (kernels/kv_tiles.py),
               in decode (both caches) and in prefill
-    fp8-mma   as prefetch, and an FP8 cache decodes with tokens as the MMA's M and native e4m3 dots
-              (kernels/paged_decode_fp8.py: q and P rounded to e4m3, as FlashAttention-3 does)
+    fp8-mma   as prefetch, and an FP8 cache runs both kernels' dots on native e4m3 (q and P rounded to
+              e4m3, as FlashAttention-3 does): decode with tokens as the MMA's M
+              (kernels/paged_decode_fp8.py), prefill with query rows as M (PrefillConfig.fp8_mma)
     heads-first  the default decode tiles with the KV heads of a request as the grid's fastest
               dimension (DecodeConfig.heads_first); prefill as default
 
@@ -46,5 +47,5 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
     if not fp8_cache:
         return DecodeConfig(64, 4, 4, prefetch_pages=True), prefill
     if name == "fp8-mma":
-        return DecodeConfig(128, 4, 3, fp8_mma=True), prefill
+        return DecodeConfig(128, 4, 3, fp8_mma=True), replace(prefill, fp8_mma=True)
     return DecodeConfig(128, 4, 3, prefetch_pages=True), prefill

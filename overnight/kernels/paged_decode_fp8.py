@@ -43,7 +43,7 @@ P_SHIFT = 8.0  # log2 of the scale that moves P from [0, 1] to [0, 256] before i
 
 
 @triton.jit
-def _to_e4m3(x, EXACT_CAST: tl.constexpr):
+def to_e4m3(x, EXACT_CAST: tl.constexpr):
     """x (fp32, |x| <= 448) rounded to nearest e4m3. The GPU's cvt rounds correctly; the Triton
     interpreter halves values whose rounding carries into the next power of two (0.49 -> 0.25), so
     under it (EXACT_CAST) x is first rounded in fp32 (3 mantissa bits; steps of 2**-9 below 2**-6,
@@ -87,7 +87,7 @@ def _decode_fp8_mma_kernel(
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N)
     Q_MAX: tl.constexpr,
     P_SHIFT: tl.constexpr,
-    EXACT_CAST: tl.constexpr,  # under the interpreter (see _to_e4m3)
+    EXACT_CAST: tl.constexpr,  # under the interpreter (see to_e4m3)
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits): DecodeConfig.heads_first
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
@@ -115,7 +115,7 @@ def _decode_fp8_mma_kernel(
     ).to(tl.float32)
     amax = tl.max(tl.abs(q), 1)
     q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
-    q8 = _to_e4m3(q / q_scale[:, None], EXACT_CAST)
+    q8 = to_e4m3(q / q_scale[:, None], EXACT_CAST)
     col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
     if HAS_SCALE:
         col_scale = col_scale * tl.load(kv_scale_ptr)
@@ -146,7 +146,7 @@ def _decode_fp8_mma_kernel(
         p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
         l_i = l_i * alpha + tl.sum(p_t, 0)
         v_t = load_v_token_major_t(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
-        acc = acc * alpha[None, :] + tl.dot(v_t, _to_e4m3(p_t, EXACT_CAST))
+        acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
         m_i = m_new
 
     # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.

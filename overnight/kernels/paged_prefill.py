@@ -36,10 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_layout import v_token_major
+from overnight.kernels.kv_layout import is_fp8, v_token_major, v_view
 from overnight.kernels.kv_tiles import load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype
+from overnight.kernels.paged_decode_fp8 import P_SHIFT, Q_MAX, to_e4m3
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,12 @@ class PrefillConfig:
     # H200, 16 x 1024 query tokens after a 512-token prefix, 799 vs 902 us (bf16) and 1180 vs 1247 us (FP8
     # cache) at these tiles (bench/attention_gpu.py, round 5 in docs/benchmarks.md).
     prefetch_pages: bool = True
+    # FP8 cache only: both dots on the 8-bit values as stored (Hopper's warpgroup MMA reads e4m3 from
+    # shared memory when M is a multiple of 64), q rounded to e4m3 per row and P per tile, as the FP8
+    # decode kernel does (paged_decode_fp8.py) and FlashAttention-3's FP8 path does. The fp16 path
+    # converts every K and V tile once per query head and query tile; FA3 took 0.49x its time on the
+    # H200 (round 8). Not the default until the H200 bench and the side-by-side say so.
+    fp8_mma: bool = False
 
 
 @triton.jit
@@ -89,8 +96,15 @@ def _attend_tile(
     DOT_DTYPE: tl.constexpr,
     V_TOKEN_MAJOR: tl.constexpr,
     V_RUN: tl.constexpr,
+    FP8_MMA: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL)."""
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL).
+
+    FP8_MMA: q is e4m3 already and qk_scale a [BLOCK_M, 1] column (each row's q scale folded in); the
+    weights are scaled by 2**P_SHIFT before their rounding to e4m3, and l_i carries the same factor, so
+    it cancels in acc / l_i."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < kv_end
@@ -99,20 +113,29 @@ def _attend_tile(
     MASKED: tl.constexpr = CAUSAL or BLOCK_D != HEAD_DIM
     tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot
     k = _load(kv_base + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    if FP8_MMA:
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+    else:
+        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
     # Every row sees key 0, and the first visited tile holds a key <= every row's position, so m_new is
     # finite from the first tile on and exp2(-inf - m_new) is a clean 0.
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if FP8_MMA:
+        p = tl.exp2(s - (m_new - P_SHIFT)[:, None])
+    else:
+        p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if V_TOKEN_MAJOR:  # unmasked along tokens (p is 0 past kv_end)
         v = load_v_token_major(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
     else:
         v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    if FP8_MMA:
+        acc = acc * alpha[:, None] + tl.dot(to_e4m3(p, EXACT_CAST), v)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -152,6 +175,10 @@ def _prefill_kernel(
     V_TOKEN_MAJOR: tl.constexpr,  # an fp8 cache: V stored [Hkv, D, PAGE] per block (kv_layout.py)
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N)
     PREFETCH_PAGES: tl.constexpr,  # PrefillConfig.prefetch_pages
+    FP8_MMA: tl.constexpr,  # PrefillConfig.fp8_mma (an FP8 cache)
+    EXACT_CAST: tl.constexpr,  # under the interpreter (paged_decode_fp8.to_e4m3)
+    Q_MAX: tl.constexpr,
+    P_SHIFT: tl.constexpr,
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -182,13 +209,21 @@ def _prefill_kernel(
     io_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
     rows = (q_start + offs_m).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=io_mask, other=0.0)
-    q = q.to(DOT_DTYPE)
     pos = ctx_start + offs_m
     if HAS_SCALE:
         qk_scale = qk_scale * tl.load(kv_scale_ptr)
         v_scale = tl.load(kv_scale_ptr + 1)
     else:
         v_scale = 1.0
+    if FP8_MMA:  # each row's largest |q| maps to e4m3's largest value; padding rows keep scale 1
+        q = q.to(tl.float32)
+        amax = tl.max(tl.abs(q), 1)
+        q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)
+        q = to_e4m3(q / q_scale[:, None], EXACT_CAST)
+        row_scale = (q_scale * qk_scale)[:, None]
+    else:
+        q = q.to(DOT_DTYPE)
+        row_scale = qk_scale
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -221,7 +256,7 @@ def _prefill_kernel(
             stride_cslot,
             pos,
             kv_end,
-            qk_scale,
+            row_scale,
             HEAD_DIM,
             BLOCK_D,
             PAGE,
@@ -231,6 +266,9 @@ def _prefill_kernel(
             DOT_DTYPE,
             V_TOKEN_MAJOR,
             V_RUN,
+            FP8_MMA,
+            EXACT_CAST,
+            P_SHIFT,
         )
     for n0 in range(full_end, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -247,7 +285,7 @@ def _prefill_kernel(
             stride_cslot,
             pos,
             kv_end,
-            qk_scale,
+            row_scale,
             HEAD_DIM,
             BLOCK_D,
             PAGE,
@@ -257,6 +295,9 @@ def _prefill_kernel(
             DOT_DTYPE,
             V_TOKEN_MAJOR,
             V_RUN,
+            FP8_MMA,
+            EXACT_CAST,
+            P_SHIFT,
         )
 
     out = acc * (v_scale / l_i)[:, None]
@@ -303,6 +344,8 @@ def paged_prefill(
     ):
         if x.dtype != torch.int32 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be int32 with unit last stride")
+    if cfg.fp8_mma and not is_fp8(kv_cache.dtype):
+        raise ValueError(f"PrefillConfig.fp8_mma needs an FP8 cache, got {kv_cache.dtype}")
     num_prefills = num_reqs - num_decodes
     if num_prefills <= 0 or num_prefill_rows <= 0:
         return
@@ -340,6 +383,66 @@ def paged_prefill(
         V_TOKEN_MAJOR=v_token_major(kv_cache.dtype),
         V_RUN=min(page, cfg.block_n),
         PREFETCH_PAGES=cfg.prefetch_pages,
+        FP8_MMA=cfg.fp8_mma,
+        EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
+        Q_MAX=Q_MAX,
+        P_SHIFT=P_SHIFT,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+
+
+def prefill_fp8_mma_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_decodes: int,
+    num_reqs: int,
+    scale: float,
+    kv_scale: torch.Tensor | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """PrefillConfig.fp8_mma's arithmetic in PyTorch, roundings included: q per row and head, and P per
+    tile of block_n keys (tiles from position 0, under each row's running maximum) rounded to e4m3;
+    float32 otherwise. Returns [T, Hq, D] float32 with the prefill rows filled (zeros elsewhere).
+    paged_attention_ref is the exact answer; this is what the kernel must reproduce to float32
+    rounding. A tile past a row's position changes nothing for it (its weights are 0, its maximum the
+    old one), so walking each request's whole context in block_n tiles matches the kernel's walk."""
+    e4m3 = torch.float8_e4m3fn
+    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    num_heads = q.shape[1]
+    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
+    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
+    k_all, v_all = kv_cache[0], v_view(kv_cache)
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for r in range(num_decodes, num_reqs):
+        q0, q1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        seq_len = int(seq_lens[r])
+        keys = torch.arange(seq_len, device=q.device)
+        blocks = block_tables[r, keys // page].long()
+        k = k_all[blocks, keys % page][:, kv_head].float()  # [L, Hq, D]
+        v = v_all[blocks, keys % page][:, kv_head].float()
+        qf = q[q0:q1].float()  # [R, Hq, D]
+        amax = qf.abs().amax(-1)
+        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
+        q8 = (qf / q_scale[..., None]).to(e4m3).float()
+        row_scale = q_scale * scale * math.log2(math.e) * k_scale  # [R, Hq]
+        pos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
+        m = torch.full(amax.shape, float("-inf"), device=q.device)
+        l_sum = torch.zeros(amax.shape, device=q.device)
+        acc = torch.zeros(qf.shape, device=q.device)
+        for n0 in range(0, seq_len, block_n):
+            n1 = min(n0 + block_n, seq_len)
+            s = torch.einsum("rhd,nhd->rhn", q8, k[n0:n1]) * row_scale[..., None]
+            visible = keys[n0:n1][None, :] <= pos[:, None]  # [R, N]
+            s = s.masked_fill(~visible[:, None, :], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1))
+            alpha = torch.exp2(m - m_new)
+            p = torch.exp2(s - (m_new - P_SHIFT)[..., None])
+            l_sum = l_sum * alpha + p.sum(-1)
+            acc = acc * alpha[..., None] + torch.einsum("rhn,nhd->rhd", p.to(e4m3).float(), v[n0:n1])
+            m = m_new
+        out[q0:q1] = acc * (v_scale / l_sum)[..., None]
+    return out
