@@ -33,6 +33,20 @@
 #   5. carry .whl:      bash bench/gpu_round6.sh sweep-ours            (our offline figure and sweep 1-1,024
 #                       in one call; OUR_EXTRA="--stream-interval 4" if 512 is unsteady again; ~300 s)
 #
+# Round 9 ran side-fp8kv, side-seed, side-long and two of our sweeps (docs/benchmarks.md "Round 9"); two
+# calls were lost because the machine went back between calls. The warm window is 30 s from the end of
+# one call to the start of the next: send the next call at once, with nothing written in between.
+# Next (issues 15 and 16), in this order:
+#   1. carry .peer/c1:         bash bench/gpu_round6.sh                       (stage vLLM part 1)
+#   2. carry .peer/c2 + .whl:  bash bench/gpu_round6.sh unpack sweep-vllm     (vLLM's server at 256, 512,
+#                              1,024 clients; ~560 s; c2 and the wheels fit 64 MiB together, c1 does not)
+#   3. carry .whl:             bash bench/gpu_round6.sh sweep-ours            (offline, then our sweep 1-1,024;
+#                              the summary reads vLLM's sweep kept in $HOME: ours / vLLM peaks; ~350 s)
+#   4. no carry:               bash bench/gpu_round6.sh attn                  (the FP8-cache prefill with
+#                              e4m3 dots beside FA3, from $HOME/vsite; ~500 s)
+#   5. carry .peer/c2, if 4 shows the e4m3 prefill faster: OV_ARGS="--attention-variant fp8-mma" with
+#                              side-fp8kv (long-1024-1024 with an FP8 cache, ~280 s)
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -103,7 +117,8 @@ for s in "$@"; do
       ONLY=ours OURS_TIMEOUT=420 bash bench/server_sweep_gpu.sh ;;
     sweep-vllm)
       section "sweep-vllm: vLLM's server at 256-1024 clients (bench/server_sweep_gpu.sh ONLY=vllm)"
-      ONLY=vllm VLLM_LEVELS="256 512 1024" BUDGET_S=560 bash bench/server_sweep_gpu.sh ;;
+      # The sweep's budget counts from its own start: leave out what this call spent before it (unpack).
+      ONLY=vllm VLLM_LEVELS="256 512 1024" BUDGET_S=$(( 560 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
     side-fp8kv)
       section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"
       bash .peer/c2/side_by_side.sh long-1024-1024:fp8 ;;
