@@ -24,7 +24,9 @@ tiles past the last row's position are never visited.
 
 FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
 score scale, v_scale into the final normalization), the dots run in fp16 (dot_dtype) and V is read
-token-major (kv_layout.py).
+token-major (kv_layout.py). With PrefillConfig.fp8_mma the dots read the e4m3 tiles as stored instead:
+q is rounded to e4m3 once per program (each row with its own scale) and P per key tile (after a 2**8
+shift), the roundings of paged_decode_fp8.py; prefill_fp8_mma_ref emulates them.
 """
 
 from __future__ import annotations
