@@ -348,9 +348,10 @@ def window_timeline(
 
     series: dict[str, list] = {k: [0] * n for k in ("output_tokens", "sent", "first_tokens", "finished")}
     for r in records:
-        for t, k in ((r.start, "sent"), (r.end, "finished")):
-            if t is not None and (i := slot(t)) is not None and (k != "finished" or r.error is None):
-                series[k][i] += 1
+        if (i := slot(r.start)) is not None:
+            series["sent"][i] += 1
+        if r.end is not None and r.error is None and (i := slot(r.end)) is not None:
+            series["finished"][i] += 1
         for j, (t, tokens) in enumerate(zip(r.chunk_times, r.chunk_tokens, strict=True)):
             if (i := slot(t)) is not None:
                 series["output_tokens"][i] += tokens

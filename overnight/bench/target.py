@@ -84,8 +84,8 @@ def _subprocess_server(args: argparse.Namespace) -> Iterator[str]:
         "--port",
         str(port),
         "--no-access-log",
-        # info: the start-up's parts and any Triton compile after it (a kernel's first use mid-sweep
-        # stalls the engine for about a second) reach server.log with their times
+        # uvicorn's own level (the project's loggers log at INFO from the command line whatever it is):
+        # info adds uvicorn's start-up and shutdown lines to server.log, beside the engine's
         "--log-level",
         "info",
         "--stream-interval",
