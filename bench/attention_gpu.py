@@ -3,7 +3,7 @@ FlashAttention-3 (vLLM 0.26's build) on the same shapes when its library is at h
 
 Run on the GPU machine from the repository root:
 
-    PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210]
+    PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210] [--only decode|prefill]
 
 --fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it, or vLLM's `vrest.tar.xz` from
 ../shared/bench/vllm/build.sh, which holds it); without it the script looks for .peer/c2/vrest.tar.xz,
@@ -630,7 +630,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fa3", default=None, help="path of vLLM's _vllm_fa3_C.abi3.so (.xz, or vrest.tar.xz)")
     ap.add_argument("--budget-s", type=float, default=210.0, help="skip remaining timings after this")
+    ap.add_argument(
+        "--only", choices=("decode", "prefill"), default=None, help="check and time one kernel's variants"
+    )
     args = ap.parse_args()
+    decode, prefill = args.only in (None, "decode"), args.only in (None, "prefill")
     props = torch.cuda.get_device_properties(DEV)
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
@@ -638,20 +642,23 @@ def main() -> None:
     print(f"SM clock (now, max) at start: {sm_clock_now()}", flush=True)
     fa3 = load_fa3(args.fa3)
     print("correctness (against the fp32 reference on the dequantized cache):", flush=True)
-    try_run("decode checks", lambda: check_decode_variants(fa3))
-    try_run("prefill checks", lambda: check_prefill_variants(fa3))
-    try_run("fp8-MMA CUDA graph check", check_fp8_mma_graph)
+    if decode:
+        try_run("decode checks", lambda: check_decode_variants(fa3))
+    if prefill:
+        try_run("prefill checks", lambda: check_prefill_variants(fa3))
+    if decode:
+        try_run("fp8-MMA CUDA graph check", check_fp8_mma_graph)
     print(f"timing (do_bench median, L2 flushed; {time.time() - START:.0f} s so far):", flush=True)
-    for model, batch, ctx in DECODE_CASES:
+    for model, batch, ctx in DECODE_CASES if decode else []:
         if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
             try_run(
                 f"decode {model} b{batch}",
                 lambda m=model, b=batch, c=ctx: bench_decode(m, b, c, fa3, props.multi_processor_count),
             )
-    if not over_budget(args.budget_s, "prefill"):
+    if prefill and not over_budget(args.budget_s, "prefill"):
         try_run("prefill timings", lambda: bench_prefill(fa3))
     print(f"SM clock (now, max) after the 8B cases: {sm_clock_now()}", flush=True)
-    for model, batch, ctx in SMALL_MODEL_CASES:
+    for model, batch, ctx in SMALL_MODEL_CASES if decode else []:
         if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
             try_run(
                 f"decode {model} b{batch}",

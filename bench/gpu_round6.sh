@@ -146,6 +146,10 @@ for s in "$@"; do
       left=$(( 570 - ($(date +%s) - T0) ))
       timeout $(( left > 60 ? left : 60 )) python bench/attention_gpu.py --budget-s $(( left > 120 ? left - 60 : 60 )) \
         > "$OUT/attn.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/attn.log" ;;
+    attn-prefill)
+      section "attn-prefill: the prefill variants (e4m3 dots among them) and FlashAttention-3 (bench/attention_gpu.py --only prefill)"
+      timeout 240 python bench/attention_gpu.py --only prefill --budget-s 200 > "$OUT/attn.log" 2>&1
+      echo "rc=$?"; tail -30 "$OUT/attn.log" ;;
   esac
 done
 echo "total $(( $(date +%s) - T0 )) s"
