@@ -51,6 +51,7 @@ from overnight.kernels.kv_layout import is_fp8, to_logical_layout, to_storage_la
 from overnight.kernels.paged_decode import (
     BF16_DECODE_CONFIG,
     FP8_DECODE_CONFIG,
+    FP8_FP16_DOTS_DECODE_CONFIG,
     TARGET_CTAS_PER_SM,
     DecodeConfig,
     DecodeWorkspace,
@@ -58,7 +59,12 @@ from overnight.kernels.paged_decode import (
     paged_decode,
 )
 from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
-from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill, prefill_fp8_mma_ref
+from overnight.kernels.paged_prefill import (
+    PrefillConfig,
+    default_prefill_config,
+    paged_prefill,
+    prefill_fp8_mma_ref,
+)
 
 DEV = torch.device("cuda")
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
@@ -76,13 +82,13 @@ DECODE = {
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
     ],
     E4M3: [
-        ("base n128 w4 s3", FP8_DECODE_CONFIG),
+        ("base mma n128 w4 s3", FP8_DECODE_CONFIG),
+        ("fp16 n128 w4 s3", FP8_FP16_DOTS_DECODE_CONFIG),  # the default before round 10
         ("hf n128 w4 s3", DecodeConfig(128, 4, 3, heads_first=True)),
         ("hf pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True, heads_first=True)),
         ("hf mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True, heads_first=True)),
         ("pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True)),
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
-        ("mma n128 w4 s3", DecodeConfig(128, 4, 3, fp8_mma=True)),
         ("mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True)),
         ("mma n64 w4 s4", DecodeConfig(64, 4, 4, fp8_mma=True)),
         ("mma n128 w8 s3", DecodeConfig(128, 8, 3, fp8_mma=True)),
@@ -97,10 +103,10 @@ DECODE = {
 # The same kernels over an FP8 cache whose K is stored head-major inside each page (kv_layout.py's
 # new_kv_cache(head_major_k=True)): one KV head's page is one 2-KB run instead of 16 runs of 128 bytes.
 HEAD_MAJOR_VARIANTS = {
-    "base n128 w4 s3",
+    "base mma n128 w4 s3",
+    "fp16 n128 w4 s3",
     "hf n128 w4 s3",
     "pf n128 w4 s3",
-    "mma n128 w4 s3",
     "mma n64 w4 s3",
     "n256 w8 s3",
     "mma n256 w8 s3",
@@ -109,14 +115,15 @@ HEAD_MAJOR_VARIANTS = {
 SMALL_MODEL_VARIANTS = {
     "base n64 w4 s4 hf",
     "pf n64 w4 s4",
-    "base n128 w4 s3",
-    "mma n128 w4 s3",
+    "base mma n128 w4 s3",
+    "fp16 n128 w4 s3",
     "mma n64 w4 s4",
     "rf n64 w4 s4",
     "hf n128 w4 s3",
 }
+# The fp16-dot path (an FP8 cache's default before round 10, still the 16-bit caches' kernel).
 PREFILL = [
-    ("base m64 n64 w4 s3", PrefillConfig()),
+    ("fp16 m64 n64 w4 s3", PrefillConfig()),
     ("pf m64 n64 w4 s3", PrefillConfig(64, 64, 4, 3, prefetch_pages=True)),
     ("pf m64 n64 w4 s4", PrefillConfig(64, 64, 4, 4, prefetch_pages=True)),
     ("pf m128 n64 w8 s3", PrefillConfig(128, 64, 8, 3, prefetch_pages=True)),
@@ -124,7 +131,6 @@ PREFILL = [
 # FP8 cache only: both dots on e4m3 as stored, q and P rounded (PrefillConfig.fp8_mma). BLOCK_M is a
 # multiple of 64, so the dots can be warpgroup MMAs reading 8-bit operands from shared memory.
 PREFILL_FP8_MMA = [
-    ("mma m64 n64 w4 s3", PrefillConfig(64, 64, 4, 3, fp8_mma=True)),
     ("mma m128 n64 w8 s3", PrefillConfig(128, 64, 8, 3, fp8_mma=True)),
     ("mma m128 n128 w8 s3", PrefillConfig(128, 128, 8, 3, fp8_mma=True)),
     ("mma m64 n128 w4 s3", PrefillConfig(64, 128, 4, 3, fp8_mma=True)),
@@ -132,7 +138,10 @@ PREFILL_FP8_MMA = [
 
 
 def prefill_configs(cache_dtype: torch.dtype) -> list[tuple[str, PrefillConfig]]:
-    return PREFILL + (PREFILL_FP8_MMA if cache_dtype == E4M3 else [])
+    """ "base" is the kernel's default for the cache (e4m3 dots m64 n64 for an FP8 one)."""
+    base = default_prefill_config(cache_dtype)
+    name = f"base {'mma ' if base.fp8_mma else ''}m{base.block_m} n{base.block_n} w{base.num_warps} s{base.num_stages}"
+    return [(name, base)] + PREFILL + (PREFILL_FP8_MMA if cache_dtype == E4M3 else [])
 
 
 # (model, batch, context); the split case also tries 16 splits besides the heuristic's count.
@@ -181,6 +190,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not out.isfinite().all():
         return float("inf")
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6)).item()
+
+
+def rms_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||: the measure against an emulation of the e4m3 roundings. Rounding to 3
+    mantissa bits is a step function, so arithmetic that differs at 1e-5 (the GPU's exp2, its
+    accumulation order) flips single values near a step by a whole e4m3 step; in the max-norm that reads
+    as up to ~1% (on the CPU, the prefill check case's scores nudged by 1e-5 moved the emulation by 1.2e-2
+    max-norm and 1.1e-3 RMS), while a missing rounding moves it by ~3% RMS."""
+    if not out.isfinite().all():
+        return float("inf")
+    return ((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-6)).item()
 
 
 def check(name: str, err: float, tol: float) -> None:
@@ -370,7 +390,7 @@ def check_decode_one(
         emus[cfg.block_n, ns] = decode_fp8_mma_ref(
             q, cache, meta.block_tables, meta.seq_lens, n, D**-0.5, kv_scale, cfg.block_n, ns
         )
-    check(tag + " vs its rounding ref", rel_err(out, emus[cfg.block_n, ns]), 2e-2)
+    check(tag + " vs its rounding ref (RMS)", rms_rel_err(out, emus[cfg.block_n, ns]), 1e-2)
     check(tag + " vs exact", rel_err(out, exact), 8e-2)
 
 
@@ -412,12 +432,13 @@ def check_prefill_one(tag: str, meta, q, cache, kv_scale, ref, cfg: PrefillConfi
     if not cfg.fp8_mma:
         check(tag, rel_err(out, ref), 2e-2)
         return
-    # Its own roundings emulated: bf16 output rounding apart, the same numbers. Against the exact answer
-    # it may lose what rounding q and P to 3 mantissa bits costs (1.4-2.1% in the decode kernel's case).
+    # Its own roundings emulated: the same numbers but for the GPU's arithmetic (see rms_rel_err).
+    # Against the exact answer it may lose what rounding q and P to 3 mantissa bits costs (round 10 on
+    # the H200: 3.5% max-norm; FlashAttention-3's FP8 path 4.4%).
     emulated = prefill_fp8_mma_ref(
         q, cache, meta.block_tables, meta.seq_lens, qsl, 0, n, D**-0.5, kv_scale, cfg.block_n
     )
-    check(tag + " vs its rounding", rel_err(out, emulated), 1e-2)
+    check(tag + " vs its rounding (RMS)", rms_rel_err(out, emulated), 1e-2)
     check(tag, rel_err(out, ref), 5e-2)
 
 

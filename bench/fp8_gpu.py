@@ -43,6 +43,7 @@ from overnight.attention.torch_backend import build_metadata  # noqa: E402
 from overnight.kernels.kv_layout import new_kv_cache  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
     FP8_DECODE_CONFIG,
+    FP8_FP16_DOTS_DECODE_CONFIG,
     DecodeConfig,
     DecodeWorkspace,
     choose_num_splits,
@@ -240,12 +241,13 @@ def decode_timings() -> dict:
     splits = choose_num_splits(BATCH, HKV, 40960, torch.cuda.get_device_properties(dev).multi_processor_count)
     ws = DecodeWorkspace(BATCH * splits, HQ, D, dev)
     out = torch.empty_like(q)
-    default = FP8_DECODE_CONFIG
+    default, fp16 = FP8_DECODE_CONFIG, FP8_FP16_DOTS_DECODE_CONFIG
     cases = {
         "bf16": (bf16, None, None),
-        f"fp8 default ({default.fp8_convert}, n{default.block_n})": (fp8, scales, None),
-        f"fp8 bits, n{default.block_n}": (fp8, scales, replace(default, fp8_convert="bits")),
-        f"fp8 to bf16, n{default.block_n}": (fp8, scales, replace(default, fp8_convert="q")),
+        f"fp8 default (e4m3 dots {default.fp8_mma}, n{default.block_n})": (fp8, scales, None),
+        f"fp8 fp16 dots, n{fp16.block_n}": (fp8, scales, fp16),
+        f"fp8 bits, n{fp16.block_n}": (fp8, scales, replace(fp16, fp8_convert="bits")),
+        f"fp8 to bf16, n{fp16.block_n}": (fp8, scales, replace(fp16, fp8_convert="q")),
         "fp8 to bf16, n64 (before)": (fp8, scales, DecodeConfig(64, 4, 2, fp8_convert="q")),
     }
     timings = {}
@@ -270,7 +272,7 @@ def main() -> int:
     parser.add_argument(
         "--attention-variant",
         default="default",
-        help="kernel configs of every engine (overnight/attention/variants.py), e.g. fp8-mma",
+        help="kernel configs of every engine (overnight/attention/variants.py), e.g. fp16-dots",
     )
     args = parser.parse_args()
     ENGINE["attention_variant"] = args.attention_variant

@@ -273,7 +273,9 @@ def check_mixed_and_fp8() -> None:
         same = (cache8.view(torch.uint8) == cache8_ref.view(torch.uint8)).float().mean().item()
         check(f"{fp8} backend: cache bytes equal the reference's (fraction differing)", 1 - same, 1e-4)
         ref = paged_attention_ref(q.float(), dequantized(cache8_ref, scales), meta, SCALE)
-        check(f"{fp8} backend mixed batch vs dequantized reference", rel_err(out, ref))
+        # The backend's defaults round q and P to e4m3 for an FP8 cache (FP8_DECODE_CONFIG,
+        # default_prefill_config): the attention bench measured 3.5% (FlashAttention-3: 4.4%).
+        check(f"{fp8} backend mixed batch vs dequantized reference", rel_err(out, ref), 5e-2)
 
 
 def check_cuda_graph() -> None:

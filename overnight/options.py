@@ -24,7 +24,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = (
     "default",
     "prefetch",
-    "fp8-mma",
+    "fp16-dots",
     "heads-first",
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")

@@ -205,7 +205,7 @@ def test_fp8_mma_backend_mixed_batch() -> None:
     torch.testing.assert_close(out[nd:], ref[nd:], rtol=1e-4, atol=1e-4)  # prefill: exact arithmetic
     assert rel_err(out[:nd], ref[:nd]) < 5e-2  # decode: q and P rounded
 
-    # the fp8-mma variant's prefill too (--attention-variant fp8-mma): q and P rounded there as well
+    # the e4m3-dot prefill too (an FP8 cache's default): q and P rounded there as well
     backend.prefill_config = PrefillConfig(32, 32, 4, 1, fp8_mma=True)
     out8 = backend.forward(q, k, v, torch.zeros_like(cache), meta, 0.125, kv_scale)
     assert torch.equal(out8[:nd], out[:nd])
@@ -254,10 +254,9 @@ def test_heads_first_grid_equals_the_default_order(
 
 def test_attention_variants_by_name() -> None:
     assert variant_configs("default", fp8_cache=True) == (None, None)
-    decode, prefill = variant_configs("fp8-mma", fp8_cache=True)
-    assert decode.fp8_mma and prefill.prefetch_pages and prefill.fp8_mma
-    decode, prefill = variant_configs("fp8-mma", fp8_cache=False)  # a bf16 cache has no fp8 dots to make
-    assert not decode.fp8_mma and decode.prefetch_pages and not prefill.fp8_mma
+    decode, prefill = variant_configs("fp16-dots", fp8_cache=True)
+    assert not decode.fp8_mma and decode.block_n == 128 and not prefill.fp8_mma
+    assert variant_configs("fp16-dots", fp8_cache=False) == (None, None)  # a bf16 cache has no fp8 dots
     decode, _ = variant_configs("prefetch", fp8_cache=True)
     assert decode.prefetch_pages and not decode.fp8_mma
     decode, prefill = variant_configs("heads-first", fp8_cache=True)
@@ -268,6 +267,18 @@ def test_attention_variants_by_name() -> None:
         variant_configs("fast", fp8_cache=False)
 
 
+def test_fp8_caches_default_to_e4m3_dots() -> None:
+    """Both kernels' defaults for an FP8 cache run the dots on e4m3 (round 10 on the H200); 16-bit caches
+    keep theirs."""
+    from overnight.kernels.paged_decode import default_decode_config
+    from overnight.kernels.paged_prefill import default_prefill_config
+
+    for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
+        assert default_decode_config(fp8).fp8_mma and default_prefill_config(fp8).fp8_mma
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert not default_decode_config(dtype).fp8_mma and not default_prefill_config(dtype).fp8_mma
+
+
 def test_engine_args_accept_the_variants() -> None:
     import argparse
 
@@ -275,8 +286,8 @@ def test_engine_args_accept_the_variants() -> None:
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    args = parser.parse_args(["--model", "m", "--attention-variant", "fp8-mma"])
-    assert options_from_args(args, "offline").attention_variant == "fp8-mma"
+    args = parser.parse_args(["--model", "m", "--attention-variant", "fp16-dots"])
+    assert options_from_args(args, "offline").attention_variant == "fp16-dots"
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--attention-variant", "fast"])
 
@@ -290,10 +301,10 @@ def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
     folder = make_tiny_checkpoint(tmp_path, "qwen3", seed=3)
     engine = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20)
     llm = LLM(
-        str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="fp8-mma", **engine
+        str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="fp16-dots", **engine
     )
     backend = llm.engine.runner.backend
-    assert backend.decode_config.fp8_mma and backend.prefill_config.prefetch_pages
+    assert not backend.decode_config.fp8_mma and not backend.prefill_config.fp8_mma
     with pytest.raises(ValueError, match="unknown attention variant"):
         LLM(str(folder), attention_variant="fast", **engine)
 

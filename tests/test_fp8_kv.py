@@ -313,10 +313,11 @@ def test_attention_reads_scales_at_run_time() -> None:
     """The same launch with the scale tensor changed in place gives the new result (what keeps CUDA
     graphs valid after a calibration)."""
     meta, q, cache, kv_scale = fp8_case(torch.float8_e4m3fn, torch.float32, seed=12)
-    cfg = DecodeConfig(block_n=32)
-    first = paged_attention(q, cache, meta, 0.125, kv_scale=kv_scale, decode_config=cfg, num_splits=1)
+    # The fp16-dot paths, whose arithmetic is exact here (the e4m3-dot defaults round q and P).
+    cfgs = dict(decode_config=DecodeConfig(block_n=32), prefill_config=PrefillConfig(16, 16, 4, 1))
+    first = paged_attention(q, cache, meta, 0.125, kv_scale=kv_scale, num_splits=1, **cfgs)
     kv_scale.mul_(torch.tensor([3.0, 0.5], device=DEVICE))
-    second = paged_attention(q, cache, meta, 0.125, kv_scale=kv_scale, decode_config=cfg, num_splits=1)
+    second = paged_attention(q, cache, meta, 0.125, kv_scale=kv_scale, num_splits=1, **cfgs)
     ref = paged_attention_ref(q, cache, meta, 0.125, kv_scale)
     assert not torch.allclose(first, second, atol=1e-3)
     torch.testing.assert_close(second, ref, rtol=1e-4, atol=1e-4)

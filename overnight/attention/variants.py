@@ -2,12 +2,12 @@
 e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
 
     default   each kernel's own default for the cache dtype (paged_decode.default_decode_config,
-              PrefillConfig())
+              paged_prefill.default_prefill_config)
     prefetch  page ids loaded one tile ahead, so the K/V copies are multi-buffered (kernels/kv_tiles.py),
               in decode (both caches) and in prefill
-    fp8-mma   as prefetch, and an FP8 cache runs both kernels' dots on native e4m3 (q and P rounded to
-              e4m3, as FlashAttention-3 does): decode with tokens as the MMA's M
-              (kernels/paged_decode_fp8.py), prefill with query rows as M (PrefillConfig.fp8_mma)
+    fp16-dots an FP8 cache's tiles converted to fp16 for both kernels' dots, q and P unrounded (the
+              default before round 10; the default runs the dots on e4m3 as stored, q and P rounded,
+              as FlashAttention-3 does); a 16-bit cache as default
     heads-first  the default decode tiles with the KV heads of a request as the grid's fastest
               dimension (DecodeConfig.heads_first); prefill as default
 
@@ -35,9 +35,15 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
         return None, None
     from dataclasses import replace
 
-    from overnight.kernels.paged_decode import DecodeConfig, default_decode_config
+    from overnight.kernels.paged_decode import (
+        FP8_FP16_DOTS_DECODE_CONFIG,
+        DecodeConfig,
+        default_decode_config,
+    )
     from overnight.kernels.paged_prefill import PrefillConfig
 
+    if name == "fp16-dots":
+        return (FP8_FP16_DOTS_DECODE_CONFIG, PrefillConfig()) if fp8_cache else (None, None)
     if name == "heads-first":
         import torch
 
@@ -46,6 +52,4 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
     prefill = PrefillConfig(64, 64, 4, 3, prefetch_pages=True)
     if not fp8_cache:
         return DecodeConfig(64, 4, 4, prefetch_pages=True), prefill
-    if name == "fp8-mma":
-        return DecodeConfig(128, 4, 3, fp8_mma=True), replace(prefill, fp8_mma=True)
     return DecodeConfig(128, 4, 3, prefetch_pages=True), prefill

@@ -20,9 +20,10 @@ the whole thing can be captured in a CUDA graph.
 FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
 into the score scale, v_scale into the final normalization. V is stored token-major inside each page
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
-read without a mask along tokens. The tiles are converted to fp16 for the dots (sm_90 has no fp8 -> bf16
-instruction; q is cast once), which holds every e4m3 / e5m2 value exactly; scores and accumulators stay
-fp32. DecodeConfig.fp8_convert picks how:
+read without a mask along tokens. By default (FP8_DECODE_CONFIG, DecodeConfig.fp8_mma) the dots read the
+8-bit tiles as stored, with q and P rounded to e4m3 (paged_decode_fp8.py). Otherwise the tiles are
+converted to fp16 for the dots (sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every
+e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
 
     "fp16"  cvt instructions (one per pair of values)
     "bits"  integer shifts: e5m2 is the top byte of an fp16; an e4m3 byte shifted into an fp16's
@@ -74,8 +75,13 @@ class DecodeConfig:
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
-# loads per iteration the same. Revisit with bench/kernels_gpu.py's fp8 winners.
-FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)  # H200 bench winner
+# loads per iteration the same. The dots run on e4m3 as stored (fp8_mma), as FlashAttention-3's FP8 path
+# does (it rounds q per tensor; we round per row): on the H200 the kernel bench had it 1-3% faster than
+# the fp16-dot path at these tiles (round 8), and long-1024-1024 with an FP8 cache ran 1.1% faster end
+# to end with it and the e4m3 prefill (round 10, docs/benchmarks.md). FP8_FP16_DOTS_DECODE_CONFIG is
+# the fp16-dot path (`--attention-variant fp16-dots`).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, fp8_mma=True)
+FP8_FP16_DOTS_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
 
 
 # 16-bit caches: the heads-first grid was faster in all 7 bf16 cases of the H200 kernel bench (1-2%, one
