@@ -47,6 +47,20 @@
 #   5. carry .peer/c2, if 4 shows the e4m3 prefill faster: OV_ARGS="--attention-variant fp8-mma" with
 #                              side-fp8kv (long-1024-1024 with an FP8 cache, ~280 s)
 #
+# Round 10 ran all of that but the fp8-mma side-by-side's condition (it ran anyway, twice) and added a
+# profile-pair of long-1024-1024 with an FP8 cache and bf16 weights (docs/benchmarks.md "Round 10").
+# FP8 caches now default to the e4m3 dots. Next (issues 15 and 16), in this order:
+#   1. carry .peer/c1:         bash bench/gpu_round6.sh                       (stage vLLM part 1)
+#   2. carry .peer/c2 + .whl:  bash bench/gpu_round6.sh unpack sweep-vllm     (vLLM's server at 256, 512,
+#                              1,024 clients, answers of 256 +- 25% tokens; ~450 s)
+#   3. carry .whl:             bash bench/gpu_round6.sh sweep-ours            (offline, then our sweep 1-1,024
+#                              on the same lengths; the summary gives ours / vLLM peaks; ~300 s)
+#   4. carry .peer/c2:         bash bench/gpu_round6.sh side-fp8kv attn-prefill  (issue 15's FP8-cache pair
+#                              with the new default; the prefill checks, RMS against the emulation)
+#   5. if time is left, carry .whl: OUTPUT_RANGE=0 OUR_LEVELS="512 1024" bash bench/gpu_round6.sh sweep-ours
+#                              (equal lengths again; the timeline now starts at each level's start, so a
+#                              band's formation shows)
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

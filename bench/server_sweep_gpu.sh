@@ -31,7 +31,10 @@ MODEL_ARGS=${MODEL_ARGS:-"--model qwen3-8b --load-format dummy --max-model-len 4
 VOCAB=${VOCAB:-151936}
 # Same levels and lengths for both servers. Windows of two request lifetimes (steady.py); at 1024
 # clients a request lives ~27 s, so that level alone takes ~70 s.
-SWEEP_ARGS=${SWEEP_ARGS:-"--input-len 512 --output-len 256 --seed 0 --window-s 6 --all-levels"}
+# Answers of 256 +- 25% tokens (mean 256): with all answers of one length a band of clients, once
+# formed, never dissolves (round 10: 1,024 clients ran as one band; overnight/bench/load.py). OUTPUT_RANGE=0
+# for equal lengths.
+SWEEP_ARGS=${SWEEP_ARGS:-"--input-len 512 --output-len 256 --output-len-range ${OUTPUT_RANGE:-0.25} --seed 0 --window-s 6 --all-levels"}
 SWEEP_ARGS="$SWEEP_ARGS --vocab-size $VOCAB"
 OUR_LEVELS=${OUR_LEVELS:-"1 8 64 256 512 1024"}
 VLLM_LEVELS=${VLLM_LEVELS:-"64 256 512 1024"}

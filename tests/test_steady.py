@@ -9,7 +9,15 @@ import pytest
 from overnight.bench import steady
 from overnight.bench.client import RequestRecord
 from overnight.bench.level import judge_window, window_timeline
-from overnight.bench.load import LoadSpec, Workload, first_answer_len, split, start_offset
+from overnight.bench.load import (
+    LoadSpec,
+    Prompts,
+    Workload,
+    first_answer_len,
+    output_len_bounds,
+    split,
+    start_offset,
+)
 from overnight.bench.metrics_reader import Snapshot
 
 # -- the verdict on a window ------------------------------------------------------------------------
@@ -163,14 +171,21 @@ def test_workers_start_spread_over_the_ramp_in_every_process():
 
 
 def simulate(
-    clients: int, in_len: int, out_len: int, starts: list[float], first_lens: list[int], until: float
+    clients: int,
+    in_len: int,
+    out_len: int,
+    starts: list[float],
+    first_lens: list[int],
+    until: float,
+    next_len=None,
 ):
     """A saturated server on a synthetic clock: each step decodes one token for every running request
     and prefills the prompts that arrived (sampling their first token), taking 1 time unit plus 2 per
-    512 prompt tokens. A client sends its next request as its last one finishes. Returns per step
-    (end time, output tokens, prompt tokens credited with their first token, requests finished)."""
+    512 prompt tokens. A client sends its next request as its last one finishes; next_len(client)
+    gives that request's answer length (default out_len). Returns per step (end time, output tokens,
+    prompt tokens credited with their first token, requests finished)."""
     remaining = [0] * clients  # tokens still to come; 0: idle
-    next_len = list(first_lens)
+    lens = list(first_lens)
     ready_at = list(starts)  # when an idle client sends
     t = 0.0
     steps = []
@@ -180,8 +195,8 @@ def simulate(
         t += 1.0 + 2.0 * len(arriving) * in_len / 512
         finished = 0
         for c in arriving:
-            remaining[c] = next_len[c]
-            next_len[c] = out_len
+            remaining[c] = lens[c]
+            lens[c] = next_len(c) if next_len else out_len
         for c in decoding + arriving:
             remaining[c] -= 1
             if remaining[c] == 0:
@@ -241,3 +256,47 @@ def test_staggered_clients_reach_a_steady_state_where_clients_started_together_m
     ]
     assert not any(v.steady for v in verdicts)
     assert all(v.spread is not None and v.spread > 0.2 for v in verdicts)
+
+
+# -- answers of varied length -----------------------------------------------------------------------
+
+
+def test_answer_lengths_spread_around_the_mean_the_same_on_every_run():
+    w = Workload(16, 256, seed=3, output_len_range=0.25)
+    assert output_len_bounds(w) == (192, 320)
+    lens = [Prompts(w, "w0").next()[1] for _ in range(1)] + [n for _, n in _take(Prompts(w, "w1"), 2000)]
+    assert min(lens) >= 192 and max(lens) <= 320 and min(lens) < 200 and max(lens) > 312
+    assert sum(lens) / len(lens) == pytest.approx(256, rel=0.02)
+    assert _take(Prompts(w, "w1"), 50) == _take(Prompts(w, "w1"), 50)  # seeded per stream
+    assert {n for _, n in _take(Prompts(Workload(16, 256), "w1"), 50)} == {256}  # range 0: exact
+    assert output_len_bounds(Workload(16, 2, output_len_range=0.9)) == (1, 4)  # never below 1 token
+
+
+def _take(prompts: Prompts, n: int) -> list:
+    return [prompts.next() for _ in range(n)]
+
+
+def test_a_spread_of_answer_lengths_dissolves_a_wave_that_equal_lengths_keep():
+    """Clients bunched into one band (here: all started together) stay one band under answers of equal
+    length (the test above) and drift apart under lengths drawn around the same mean."""
+    n, in_len, out_len = 256, 512, 256
+    expected = (in_len + out_len) / out_len
+    lifetime = out_len * 3.0
+    w = Workload(8, out_len, output_len_range=0.25)
+    streams = [Prompts(w, f"w{c}") for c in range(n)]
+    steps = simulate(
+        n, in_len, out_len, [0.0] * n, [out_len] * n, 14 * lifetime, next_len=lambda c: streams[c].next()[1]
+    )
+    verdicts = [
+        judge_steps(steps, w0, w0 + 2 * lifetime, expected, in_len)
+        for w0 in (0.5 * lifetime, 9 * lifetime, 10 * lifetime, 11 * lifetime)
+    ]
+    assert not verdicts[0].steady  # still bunched at first
+    assert all(v.steady for v in verdicts[1:]), [v.reason for v in verdicts]
+
+
+def test_the_sweep_refuses_a_range_outside_0_1():
+    from overnight.cli import main
+
+    with pytest.raises(SystemExit, match="output-len-range must be in"):
+        main(["bench", "sweep", "--url", "http://127.0.0.1:9", "--output-len-range", "1.5"])

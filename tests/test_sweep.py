@@ -11,6 +11,7 @@ import os
 import pytest
 
 from overnight.bench import level as level_mod
+from overnight.bench import steady
 from overnight.bench import sweep as sweep_mod
 from overnight.bench.client import ChunkCounter, RequestRecord, chunk_tokens
 from overnight.bench.knee import REASONS
@@ -59,9 +60,14 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
         assert lv["steady"]["steady"], (lv["x"], lv["steady"]["reason"])
         assert lv["window_s"] >= 1.9 * lv["lifetime_s"] and lv["ramp_s"] > 0
         assert lv["mean_tokens_per_step"] > 0 and lv["steps_per_s"] > 0
-        # the window's timeline holds the same tokens, and the server's gauges where it was scraped
+        # the timeline from the level's start: its window part holds the window's tokens, and the
+        # server's gauges where it was scraped
         tl = lv["timeline"]
-        assert sum(tl["output_tokens"]) == lv["output_tokens"] and sum(tl["finished"]) == lv["completed"]
+        k = tl["window_from_bin"]
+        assert (k - 1) * tl["bin_s"] - 0.01 <= lv["warmup_s"] <= k * tl["bin_s"] and sum(tl["sent"][:k]) >= 1
+        assert (
+            sum(tl["output_tokens"][k:]) == lv["output_tokens"] and sum(tl["finished"][k:]) == lv["completed"]
+        )
         assert len(tl["running"]) == len(tl["sent"]) and any(r is not None for r in tl["running"])
     assert result["all_steady"] and result["verdict"]["unsteady_x"] == []
     v = result["verdict"]
@@ -359,3 +365,50 @@ def test_a_sweep_through_another_server_by_url(tmp_path, monkeypatch):
 def test_is_local():
     assert is_local("http://127.0.0.1:8000") and is_local("http://localhost")
     assert not is_local("http://gpu-box.invalid:8000")
+
+
+def test_a_level_ramped_on_too_short_a_lifetime_is_measured_again(monkeypatch, tmp_path):
+    """A sweep starting at many clients ramps on one lone request's lifetime; when the level shows a
+    life over twice as long as its ramp allowed for, it runs again ramped on that life."""
+    hints: list[float] = []
+
+    def fake_measure(args, target, workload, x, rate_mode, timing, lifetime_hint_s):
+        hints.append(lifetime_hint_s)
+        life = 7.0  # what 256 clients showed, against the probe's 0.5 s
+        return {
+            "x": x,
+            "concurrency": int(x),
+            "request_rate": None,
+            "ramp_s": steady.ramp_seconds(lifetime_hint_s, args.warmup_s / 2),
+            "lifetime_s": life,
+            "output_tok_s": 100.0,
+            "total_tok_s": 300.0,
+            "requests_s": x / life,
+            "window_s": 14.0,
+            "warmup_s": 4.0,
+            "ttft_ms": {"p50": 1.0},
+            "steady": {
+                "steady": True,
+                "total_per_output": 3.0,
+                "expected_total_per_output": 3.0,
+                "sub_output_tok_s": [100.0],
+                "reason": "",
+            },  # fmt: skip
+            "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"},
+        }
+
+    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
+    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
+    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
+    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
+    parser = argparse.ArgumentParser()
+    sweep_mod.add_arguments(parser)
+    args = parser.parse_args(["--levels", "256", "512", "--token-timing", "text", "--out", str(tmp_path)])
+    result = sweep_mod.sweep(args, "http://x")
+    # 256: ramped on 0.5 s, again on 7 s; 512: on Little's law from 256 (512 / (256 / 7) = 14 s)
+    assert hints == [0.5, 7.0, pytest.approx(14.0)]
+    assert [lv["x"] for lv in result["levels"]] == [256, 512]
+    # an open loop has no ramp to redo
+    assert not sweep_mod.ramp_too_short(
+        {"concurrency": 8, "request_rate": 4.0, "ramp_s": 0.0, "lifetime_s": 9.0}, 60
+    )

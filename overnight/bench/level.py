@@ -18,7 +18,16 @@ import httpx
 from overnight.bench import steady
 from overnight.bench.client import RequestRecord, send_one
 from overnight.bench.gpu_info import ClockSampler
-from overnight.bench.load import Control, LoadSpec, PromptT, Workload, auto_processes, run_async, run_load
+from overnight.bench.load import (
+    Control,
+    LoadSpec,
+    PromptT,
+    Workload,
+    auto_processes,
+    output_len_bounds,
+    run_async,
+    run_load,
+)
 from overnight.bench.metrics_reader import Snapshot, poll, scrape_sync, summarize
 from overnight.bench.target import Target
 
@@ -40,18 +49,22 @@ def workload_from_args(args: argparse.Namespace, info: dict) -> Workload:
         vocab = resolve_source(args.model, args.load_format).arch.vocab_size
     vocab = vocab or DEFAULT_VOCAB
     limit = info.get("max_model_len")
-    if dataset is None and limit and args.input_len + args.output_len > int(limit):
-        raise SystemExit(
-            f"--input-len {args.input_len} + --output-len {args.output_len} exceeds the "
-            f"server's max_model_len {limit}"
-        )
-    return Workload(
+    workload = Workload(
         input_len=args.input_len,
         output_len=args.output_len,
         seed=args.seed,
         vocab_high=max(vocab - 1000, 200),  # clear of the added tokens at the end of the vocabulary
         dataset=dataset,
+        output_len_range=args.output_len_range,
     )
+    longest = output_len_bounds(workload)[1]
+    if dataset is None and limit and args.input_len + longest > int(limit):
+        raise SystemExit(
+            f"--input-len {args.input_len} + the longest answer {longest} (--output-len "
+            f"{args.output_len}, --output-len-range {args.output_len_range}) exceeds the server's "
+            f"max_model_len {limit}"
+        )
+    return workload
 
 
 def load_dataset(path: str) -> tuple[tuple[PromptT, int | None], ...]:
@@ -215,7 +228,10 @@ def measure_level(
     row["server_metrics"] = bool(snaps)
     if snaps:
         row.update(summarize(snaps).to_dict())
-    row["timeline"] = window_timeline(records, snaps, w0, w1)
+    # From the level's start, so how a band of clients formed shows in the ramp and warm-up; the bins
+    # are laid from the window's start backwards, so the window is bins window_from_bin onwards.
+    k = math.ceil(float(res["warmup_s"]) / TIMELINE_BIN_S)
+    row["timeline"] = {"window_from_bin": k, **window_timeline(records, snaps, w0 - k * TIMELINE_BIN_S, w1)}
     row["gpu"] = res["clocks"]
     return row
 
@@ -337,10 +353,11 @@ def window_stats(records: list[RequestRecord], w0: float, w1: float) -> dict[str
 def window_timeline(
     records: list[RequestRecord], snaps: list[Snapshot], w0: float, w1: float, bin_s: float = TIMELINE_BIN_S
 ) -> dict[str, object]:
-    """The window in bins of bin_s: output tokens, requests sent, first tokens (admissions, seen from
+    """[w0, w1) in bins of bin_s: output tokens, requests sent, first tokens (admissions, seen from
     the client), requests finished, and the server's running / waiting gauges (the bin's last scrape;
-    None where a bin had none). A level found unsteady shows here how: clients moving in waves finish
-    in bursts one request life apart; a stall shows as bins with no tokens at all."""
+    None where a bin had none: the gauges are scraped during the window only). A level found unsteady
+    shows here how: clients moving in waves finish in bursts one request life apart; a stall shows as
+    bins with no tokens at all."""
     n = max(int(math.ceil((w1 - w0) / bin_s - 1e-9)), 1)
 
     def slot(t: float) -> int | None:

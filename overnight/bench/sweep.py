@@ -29,7 +29,7 @@ import sys
 
 from overnight.bench.client import TIMINGS
 from overnight.bench.knee import LevelPoint, refine_between, stop_reason, verdict
-from overnight.bench.steady import WINDOW_LIFETIMES
+from overnight.bench.steady import WINDOW_LIFETIMES, ramp_seconds
 from overnight.bench.target import Target, raise_open_files_limit, server_for, server_info
 from overnight.options import add_engine_args
 
@@ -54,6 +54,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=None)
     g.add_argument("--input-len", type=int, default=128, help="random prompt tokens per request")
     g.add_argument("--output-len", type=int, default=128, help="tokens per answer (ignore_eos)")
+    g.add_argument(
+        "--output-len-range",
+        type=float,
+        default=0.0,
+        help="answers of random prompts drawn from output-len x [1 - R, 1 + R] (mean output-len): clients "
+        "that a stall bunched drift apart again, as under real answers (load.py); 0: all equal",
+    )
     g.add_argument(
         "--dataset",
         default=None,
@@ -126,6 +133,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.output_len_range < 1.0:  # before a server starts
+        raise SystemExit(f"--output-len-range must be in [0, 1), got {args.output_len_range}")
     for noisy in ("httpx", "matplotlib"):  # a line per request / per font otherwise
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
@@ -214,6 +223,7 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
             "workload": {
                 "input_len": args.input_len,
                 "output_len": args.output_len,
+                "output_len_range": args.output_len_range,
                 "dataset": args.dataset,
                 "seed": args.seed,
                 "vocab_high": workload.vocab_high,
@@ -244,6 +254,17 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
             prev = rows[-1]
             lifetime = next_lifetime(float(prev["lifetime_s"] or lifetime), float(prev["requests_s"]), int(x))
         row = level.measure_level(args, target, workload, x, bool(rates), timing, lifetime)
+        if ramp_too_short(row, args.warmup_s):
+            # A sweep that starts at many clients ramps on the probe's lifetime of one request alone:
+            # the clients then start nearly together and move as one band (vLLM's server at 256
+            # clients in round 10). Measure the level again, ramped on the lifetime it showed.
+            print(
+                f"  {x:g}: ramp {row['ramp_s']} s was short for a {row['lifetime_s']} s request life; "
+                "measuring again",
+                file=sys.stderr,
+            )
+            lifetime = float(row["lifetime_s"])
+            row = level.measure_level(args, target, workload, x, bool(rates), timing, lifetime)
         st = row["steady"]
         print(
             f"  {row['x']:g}: {row['output_tok_s']:.1f} out tok/s, total/output {st['total_per_output']} "
@@ -271,6 +292,14 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
         if mid is not None:
             measure(mid)
     return document(final=True)
+
+
+def ramp_too_short(row: dict, warmup_s_max: float) -> bool:
+    """A closed-loop level whose ramp was under half of what its measured lifetime asks for."""
+    ramp, life = row.get("ramp_s"), row.get("lifetime_s")
+    if not row.get("concurrency") or row.get("request_rate") or not ramp or not life:
+        return False
+    return float(ramp) < 0.5 * ramp_seconds(float(life), warmup_s_max / 2)
 
 
 def steady_settings() -> dict[str, float]:
