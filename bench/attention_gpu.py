@@ -138,10 +138,14 @@ PREFILL_FP8_MMA = [
 
 
 def prefill_configs(cache_dtype: torch.dtype) -> list[tuple[str, PrefillConfig]]:
-    """ "base" is the kernel's default for the cache (e4m3 dots m64 n64 for an FP8 one)."""
+    """ "base" is the kernel's default for the cache (e4m3 dots m64 n64 for an e4m3 one); an e5m2 cache
+    tries the e4m3-dot tiles too (e4m3 q against e5m2 K, for its default)."""
     base = default_prefill_config(cache_dtype)
     name = f"base {'mma ' if base.fp8_mma else ''}m{base.block_m} n{base.block_n} w{base.num_warps} s{base.num_stages}"
-    return [(name, base)] + PREFILL + (PREFILL_FP8_MMA if cache_dtype == E4M3 else [])
+    mma = PREFILL_FP8_MMA if is_fp8(cache_dtype) else []
+    if cache_dtype == E5M2:
+        mma = [("mma m64 n64 w4 s3", PrefillConfig(64, 64, 4, 3, fp8_mma=True)), *mma]
+    return [(name, base)] + PREFILL + mma
 
 
 # (model, batch, context); the split case also tries 16 splits besides the heuristic's count.
@@ -445,13 +449,13 @@ def check_prefill_one(tag: str, meta, q, cache, kv_scale, ref, cfg: PrefillConfi
 def check_prefill_variants(fa3: Callable | None) -> None:
     query_lens, seq_lens = [1024, 1024, 1, 300, 77], [1024, 1536, 700, 333, 77]
     hq, hkv = MODELS["qwen3-8b"]
-    for cache_dtype in (BF16, E4M3):
+    for cache_dtype in (BF16, E4M3, E5M2):
         meta, q, cache, kv_scale = make_case(hq, hkv, query_lens, seq_lens, 0, 5, cache_dtype)
         ref = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
         for name, cfg in prefill_configs(cache_dtype):
             tag = f"prefill {str(cache_dtype)[6:]} {name}"
             try_run(tag, partial(check_prefill_one, tag, meta, q, cache, kv_scale, ref, cfg))
-        if fa3 is not None:
+        if fa3 is not None and cache_dtype != E5M2:
             tag = f"prefill {str(cache_dtype)[6:]} fa3"
             try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, ref))
 
