@@ -65,6 +65,7 @@ def test_sweep_of_the_default_model_writes_json_plot_and_verdict(tmp_path, capsy
         tl = lv["timeline"]
         k = tl["window_from_bin"]
         assert (k - 1) * tl["bin_s"] - 0.01 <= lv["warmup_s"] <= k * tl["bin_s"] and sum(tl["sent"][:k]) >= 1
+        assert any(r is not None for r in tl["running"][:k])  # the gauges of the warm-up too
         assert (
             sum(tl["output_tokens"][k:]) == lv["output_tokens"] and sum(tl["finished"][k:]) == lv["completed"]
         )

@@ -174,6 +174,15 @@ def measure_level(
         t0 = control.start_time()
         history: list[tuple[float, float]] = []  # (time, output tokens) during the warm-up
         first_done: float | None = None
+        # The server's gauges during the warm-up too, for the timeline only (how a level settled).
+        warm_snaps: list[Snapshot] = []
+        scrapes = None
+        if target.has_metrics:
+            client = httpx.AsyncClient(timeout=30.0, headers=target.headers)
+            until = t0 + args.warmup_s
+            scrapes = asyncio.ensure_future(
+                poll(client, target.url, until, args.metrics_interval_s, warm_snaps)
+            )
         while True:  # the warm-up
             now = time.monotonic()
             out, _, done = control.totals()
@@ -189,6 +198,10 @@ def measure_level(
             elif steady.warmed_up(now, t0 + ramp_s, done, clients):
                 break
             await asyncio.sleep(POLL_S)
+        if scrapes is not None:
+            scrapes.cancel()  # what it scraped stays in warm_snaps; a failed scrape only shortens it
+            await asyncio.gather(scrapes, return_exceptions=True)
+            await client.aclose()
         if rate_mode:
             lifetime = (first_done or time.monotonic()) - t0
         else:
@@ -202,9 +215,11 @@ def measure_level(
             log.info("level %g, window %d not steady (%s)", x, attempt, attempts[-1]["live"].reason)
         control.set_stop(attempts[-1]["w1"] + STOP_GRACE_S)
         return {
+            "t0": t0,
             "warmup_s": attempts[0]["w0"] - t0,
             "lifetime_s": lifetime,
             "windows": len(attempts),
+            "timeline_snaps": warm_snaps + [snap for a in attempts for snap in a["snaps"]],
             **attempts[-1],
         }
 
@@ -228,10 +243,15 @@ def measure_level(
     row["server_metrics"] = bool(snaps)
     if snaps:
         row.update(summarize(snaps).to_dict())
-    # From the level's start, so how a band of clients formed shows in the ramp and warm-up; the bins
-    # are laid from the window's start backwards, so the window is bins window_from_bin onwards.
-    k = math.ceil(float(res["warmup_s"]) / TIMELINE_BIN_S)
-    row["timeline"] = {"window_from_bin": k, **window_timeline(records, snaps, w0 - k * TIMELINE_BIN_S, w1)}
+    # From the level's start, so how a band of clients formed shows in the ramp and warm-up (and in a
+    # first window found unsteady); the bins are laid from the measured window's start backwards, so
+    # that window is bins window_from_bin onwards.
+    k = math.ceil((w0 - float(res["t0"])) / TIMELINE_BIN_S)
+    timeline_snaps: list[Snapshot] = res["timeline_snaps"]  # type: ignore[assignment]
+    row["timeline"] = {
+        "window_from_bin": k,
+        **window_timeline(records, timeline_snaps, w0 - k * TIMELINE_BIN_S, w1),
+    }
     row["gpu"] = res["clocks"]
     return row
 

@@ -89,11 +89,17 @@ def scrape_sync(base_url: str, timeout: float = 10.0, headers: dict[str, str] | 
 
 
 async def poll(
-    client: httpx.AsyncClient, base_url: str, until: float, interval_s: float = 0.5
+    client: httpx.AsyncClient,
+    base_url: str,
+    until: float,
+    interval_s: float = 0.5,
+    out: list[Snapshot] | None = None,
 ) -> list[Snapshot]:
     """Scrape every interval_s until time.monotonic() passes `until` (one scrape at least, and one at
-    the end, so counter differences span the whole window)."""
-    out = [await scrape(client, base_url)]
+    the end, so counter differences span the whole window). out: the list to append to, which keeps
+    what was scraped if the task is cancelled before `until`."""
+    out = [] if out is None else out
+    out.append(await scrape(client, base_url))
     while True:
         left = until - time.monotonic()
         if left <= 0:
