@@ -242,9 +242,10 @@ def decode_timings() -> dict:
     ws = DecodeWorkspace(BATCH * splits, HQ, D, dev)
     out = torch.empty_like(q)
     default, fp16 = FP8_DECODE_CONFIG, FP8_FP16_DOTS_DECODE_CONFIG
+    dots = "e4m3" if default.fp8_mma else "fp16"
     cases = {
         "bf16": (bf16, None, None),
-        f"fp8 default (e4m3 dots {default.fp8_mma}, n{default.block_n})": (fp8, scales, None),
+        f"fp8 default ({dots} dots, n{default.block_n})": (fp8, scales, None),
         f"fp8 fp16 dots, n{fp16.block_n}": (fp8, scales, fp16),
         f"fp8 bits, n{fp16.block_n}": (fp8, scales, replace(fp16, fp8_convert="bits")),
         f"fp8 to bf16, n{fp16.block_n}": (fp8, scales, replace(fp16, fp8_convert="q")),

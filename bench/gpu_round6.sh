@@ -51,10 +51,11 @@
 # profile-pair of long-1024-1024 with an FP8 cache and bf16 weights (docs/benchmarks.md "Round 10").
 # FP8 caches now default to the e4m3 dots. Next (issues 15 and 16), in this order:
 #   1. carry .peer/c1:         bash bench/gpu_round6.sh                       (stage vLLM part 1)
-#   2. carry .peer/c2 + .whl:  bash bench/gpu_round6.sh unpack sweep-vllm     (vLLM's server at 256, 512,
-#                              1,024 clients, answers of 256 +- 25% tokens; ~450 s)
+#   2. carry .peer/c2 + .whl:  bash bench/gpu_round6.sh unpack sweep-pair     (one call: offline, our server
+#                              and vLLM's at 512 and 1,024 clients, answers of 256 +- 25% tokens: the
+#                              ours / vLLM ratio from one call; ~500 s)
 #   3. carry .whl:             bash bench/gpu_round6.sh sweep-ours            (offline, then our sweep 1-1,024
-#                              on the same lengths; the summary gives ours / vLLM peaks; ~300 s)
+#                              on the same lengths: every level steady?; ~300 s)
 #   4. carry .peer/c2:         bash bench/gpu_round6.sh side-fp8kv attn-prefill  (issue 15's FP8-cache pair
 #                              with the new default; the prefill checks, RMS against the emulation)
 #   5. if time is left, carry .whl: OUTPUT_RANGE=0 OUR_LEVELS="512 1024" bash bench/gpu_round6.sh sweep-ours
@@ -133,6 +134,11 @@ for s in "$@"; do
       section "sweep-vllm: vLLM's server at 256-1024 clients (bench/server_sweep_gpu.sh ONLY=vllm)"
       # The sweep's budget counts from its own start: leave out what this call spent before it (unpack).
       ONLY=vllm VLLM_LEVELS="256 512 1024" BUDGET_S=$(( 560 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
+    sweep-pair)
+      section "sweep-pair: offline, our server and vLLM's at 512 and 1,024 clients, one call (bench/server_sweep_gpu.sh)"
+      # Both servers in one call, so their ratio is one call's; the budget counts from the call's start.
+      OUR_LEVELS="512 1024" VLLM_LEVELS="512 1024" OFFLINE_TIMEOUT=70 OURS_TIMEOUT=170 \
+        BUDGET_S=$(( 570 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
     side-fp8kv)
       section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"
       bash .peer/c2/side_by_side.sh long-1024-1024:fp8 ;;
