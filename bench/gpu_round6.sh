@@ -62,6 +62,15 @@
 #                              (equal lengths again; the timeline now starts at each level's start, so a
 #                              band's formation shows)
 #
+# Round 11 (issue 15's decode by TMA, then issue 16's one-call pair), in this order:
+#   1. carry .peer/c1:         bash bench/gpu_round6.sh pages                 (stage vLLM part 1; the FP8
+#                              decode on pages of 64 / 128 tokens with TMA copies against today's; ~220 s)
+#   2. carry .peer/c2:         OV_ARGS="--block-size 64 --attention-variant tma" bash bench/gpu_round6.sh
+#                              unpack side-fp8kv   (the FP8-cache pair with the TMA decode, if 1 shows it
+#                              faster; tma-n128 with --block-size 128 if that tile won)
+#   3. carry .whl:             bash bench/gpu_round6.sh sweep-pair            (vLLM from $HOME/vsite)
+#   4. carry .whl:             bash bench/gpu_round6.sh sweep-ours
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -166,6 +175,10 @@ for s in "$@"; do
       left=$(( 570 - ($(date +%s) - T0) ))
       timeout $(( left > 60 ? left : 60 )) python bench/attention_gpu.py --budget-s $(( left > 120 ? left - 60 : 60 )) \
         > "$OUT/attn.log" 2>&1; echo "rc=$?"; tail -40 "$OUT/attn.log" ;;
+    pages)
+      section "pages: the FP8 decode by page size, pointer gathers against TMA copies (bench/decode_pages_gpu.py)"
+      timeout 280 python bench/decode_pages_gpu.py --budget-s 200 > "$OUT/pages.log" 2>&1
+      echo "rc=$?"; grep -v "^  ok" "$OUT/pages.log" | tail -60 ;;
     attn-prefill)
       section "attn-prefill: the prefill variants (e4m3 dots among them) and FlashAttention-3 (bench/attention_gpu.py --only prefill)"
       timeout 240 python bench/attention_gpu.py --only prefill --budget-s 200 > "$OUT/attn.log" 2>&1

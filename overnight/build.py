@@ -128,6 +128,7 @@ def build_config(
     if max_model_len < 2:
         raise ConfigError("max_model_len must be at least 2")
     check_parallel(opts, source)
+    check_attention_variant(opts)
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -167,6 +168,20 @@ def build_config(
             enforce_eager=opts.enforce_eager,
         ),
     )
+
+
+# Decode variants whose tiles must sit inside one page: tokens per tile (attention/variants.py).
+TILE_IN_PAGE = {"tma": 64, "tma-n128": 128}
+
+
+def check_attention_variant(opts: EngineOptions) -> None:
+    """Raise ConfigError for a variant the cache cannot take, before any weight loads."""
+    tile = TILE_IN_PAGE.get(opts.attention_variant)
+    if tile and opts.kv_cache_dtype != "auto" and opts.block_size % tile:
+        raise ConfigError(
+            f"attention variant {opts.attention_variant!r} reads tiles of {tile} tokens from one page: "
+            f"set --block-size to a multiple of {tile} (got {opts.block_size})"
+        )
 
 
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:

@@ -26,6 +26,8 @@ ATTENTION_VARIANTS = (
     "prefetch",
     "fp16-dots",
     "heads-first",
+    "tma",
+    "tma-n128",
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
 RUNNERS = ("auto", "generate", "pooling")

@@ -20,6 +20,8 @@ import torch
 from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
 from overnight.attention.variants import variant_configs
+from overnight.errors import ConfigError
+from overnight.kernels.kv_layout import to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
 from overnight.kernels.paged_prefill import PrefillConfig, prefill_fp8_mma_ref
@@ -212,6 +214,86 @@ def test_fp8_mma_backend_mixed_batch() -> None:
     assert 0 < rel_err(out8[nd:], ref[nd:]) < 5e-2
 
 
+# ---------------------------------------------------------------- TMA decode (tiles by one copy each)
+
+
+def tma_decode_batch(fp8: torch.dtype, group: int, head_dim: int, page: int, seq_lens: list[int], seed: int):
+    """fp8_decode_batch's values in the stored layout the TMA kernel needs (head-major K, token-major V,
+    new_kv_cache's), on pages of `page` tokens."""
+    hkv, n = 2, len(seq_lens)
+    meta, q, cache = make_batch([1] * n, seq_lens, n, hkv * group, hkv, head_dim, page, torch.float32, seed)
+    cache = to_storage_layout((cache.float() * 40).to(fp8))
+    return meta, q, cache, torch.tensor([0.03, 0.02], device=DEVICE)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize(
+    ("group", "head_dim", "page", "block_n", "num_splits"),
+    [(4, 64, 32, 16, 1), (4, 64, 32, 32, 3), (1, 32, 64, 16, 2), (8, 64, 16, 16, 1)],
+)
+def test_tma_decode_equals_the_pointer_kernel(
+    fp8: torch.dtype, group: int, head_dim: int, page: int, block_n: int, num_splits: int
+) -> None:
+    """The same arithmetic as the fp8-MMA kernel at the same tiles, only the copies differ: equal bit for
+    bit, and within float32 rounding of the emulation (contexts on, before and after tile and page
+    boundaries; more splits than a short context has tiles)."""
+    seq_lens = [1, 15, 16, 17, 31, 32, 33, 97, 130]
+    meta, q, cache, kv_scale = tma_decode_batch(fp8, group, head_dim, page, seq_lens, seed=100 + page)
+    n = len(seq_lens)
+    outs = []
+    for tma in (False, True):
+        cfg = DecodeConfig(block_n=block_n, fp8_mma=True, tma=tma)
+        outs.append(
+            paged_attention(
+                q,
+                cache,
+                meta,
+                0.1,
+                out=poisoned(q),
+                kv_scale=kv_scale,
+                num_splits=num_splits,
+                decode_config=cfg,
+            )
+        )
+    assert torch.equal(outs[1], outs[0])
+    emulated = decode_fp8_mma_ref(
+        q, cache, meta.block_tables, meta.seq_lens, n, 0.1, kv_scale, block_n, num_splits
+    )
+    assert rel_err(outs[1], emulated) < 1e-5
+    assert rel_err(outs[1], paged_attention_ref(q.float(), cache, meta, 0.1, kv_scale)) < 5e-2
+
+
+def test_tma_decode_empty_context() -> None:
+    meta, q, cache, kv_scale = tma_decode_batch(torch.float8_e4m3fn, 4, 64, 32, [20, 1, 40], seed=110)
+    meta.seq_lens[1] = 0
+    for num_splits in (1, 4):
+        cfg = DecodeConfig(block_n=32, fp8_mma=True, tma=True)
+        out = paged_attention(
+            q, cache, meta, 0.2, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits, decode_config=cfg
+        )
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        assert not out.isnan().any()
+
+
+def test_tma_decode_refuses_what_it_cannot_read() -> None:
+    from overnight.kernels.kv_layout import new_kv_cache
+    from overnight.kernels.paged_decode_fp8 import tma_supported
+
+    e4m3 = torch.float8_e4m3fn
+    assert tma_supported(new_kv_cache((2, 4, 64, 2, 64), e4m3, DEVICE), 64) is None
+    assert "multiple" in tma_supported(new_kv_cache((2, 4, 16, 2, 64), e4m3, DEVICE), 64)
+    assert "power of two" in tma_supported(new_kv_cache((2, 4, 64, 2, 48), e4m3, DEVICE), 64)
+    assert "head-major" in tma_supported(
+        new_kv_cache((2, 4, 64, 2, 64), e4m3, DEVICE, head_major_k=False), 64
+    )
+    assert "FP8" in tma_supported(new_kv_cache((2, 4, 64, 2, 64), torch.float16, DEVICE), 64)
+    # Through paged_decode: a clear error, not a wrong answer
+    meta, q, cache, kv_scale = tma_decode_batch(e4m3, 4, 64, 16, [20], seed=111)
+    with pytest.raises(ValueError, match="DecodeConfig.tma: block_size 16"):
+        paged_attention(q, cache, meta, 0.2, out=poisoned(q), kv_scale=kv_scale,
+                        decode_config=DecodeConfig(block_n=32, fp8_mma=True, tma=True))  # fmt: skip
+
+
 # ---------------------------------------------------------------- grid order (heads first)
 
 
@@ -263,6 +345,10 @@ def test_attention_variants_by_name() -> None:
     assert decode is not None and decode.heads_first and decode.block_n == 128 and prefill is None
     decode, _ = variant_configs("heads-first", fp8_cache=False)
     assert decode is not None and decode.heads_first and decode.block_n == 64
+    for name, block_n in (("tma", 64), ("tma-n128", 128)):
+        decode, prefill = variant_configs(name, fp8_cache=True)
+        assert decode.tma and decode.fp8_mma and decode.block_n == block_n and prefill is None
+        assert variant_configs(name, fp8_cache=False) == (None, None)
     with pytest.raises(ValueError, match="unknown attention variant 'fast'"):
         variant_configs("fast", fp8_cache=False)
 
@@ -309,6 +395,12 @@ def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
     assert not backend.decode_config.fp8_mma and not backend.prefill_config.fp8_mma
     with pytest.raises(ValueError, match="unknown attention variant"):
         LLM(str(folder), attention_variant="fast", **engine)
+    # A TMA variant needs pages of a multiple of its tile: refused before any weight loads
+    with pytest.raises(ConfigError, match="set --block-size to a multiple of 64"):
+        LLM(str(folder), kv_cache_dtype="fp8", attention_variant="tma", **engine)
+    llm = LLM(str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="tma",
+              block_size=64, **engine)  # fmt: skip
+    assert llm.engine.runner.backend.decode_config.tma
 
 
 # ---------------------------------------------------------------- fp8 MMA prefill (q and P in e4m3)

@@ -10,6 +10,9 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
               as FlashAttention-3 does); a 16-bit cache as default
     heads-first  the default decode tiles with the KV heads of a request as the grid's fastest
               dimension (DecodeConfig.heads_first); prefill as default
+    tma, tma-n128  an FP8 cache's decode with each K and V tile fetched by one TMA copy
+              (DecodeConfig.tma), tiles of 64 or 128 tokens: needs --block-size a multiple of the
+              tile; prefill as default; a 16-bit cache as default
 
 The tile shapes are the candidates bench/attention_gpu.py times; once it has picked winners, they
 belong in the kernels' defaults and these names can go. Configs are built on use: this module is
@@ -44,6 +47,9 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
 
     if name == "fp16-dots":
         return (FP8_FP16_DOTS_DECODE_CONFIG, PrefillConfig()) if fp8_cache else (None, None)
+    if name in ("tma", "tma-n128"):
+        block_n = 128 if name == "tma-n128" else 64
+        return (DecodeConfig(block_n, 4, 3, fp8_mma=True, tma=True), None) if fp8_cache else (None, None)
     if name == "heads-first":
         import torch
 

@@ -44,7 +44,7 @@ import triton.language as tl
 from overnight.kernels.kv_layout import is_fp8, v_token_major
 from overnight.kernels.kv_tiles import grid_coords, load_v_token_major, page_ids, split_len
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
-from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma
+from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma, tma_supported
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
 # one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
@@ -72,6 +72,9 @@ class DecodeConfig:
     # the same time read neighbouring bytes of the same pages (a page holds every KV head of its 16
     # tokens) instead of one head's 128- or 256-byte rows 1-2 KB apart in pages of many requests.
     heads_first: bool = False
+    # With fp8_mma: each K and V tile arrives by one TMA copy (paged_decode_fp8.py), no per-thread
+    # addresses. Needs pages of a multiple of block_n tokens (tma_supported says what else).
+    tma: bool = False
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
@@ -350,6 +353,10 @@ def paged_decode(
     # A grid's second dimension stops at 65535: more requests than that keep the requests first.
     heads_first = cfg.heads_first and num_decodes <= 65535
     grid = (num_kv_heads, num_decodes, num_splits) if heads_first else (num_decodes, num_kv_heads, num_splits)
+    if cfg.tma:
+        why = tma_supported(kv_cache, cfg.block_n) if cfg.fp8_mma else "it needs fp8_mma"
+        if why:
+            raise ValueError(f"DecodeConfig.tma: {why}")
     if cfg.fp8_mma and is_fp8(kv_cache.dtype):
         launch_decode_fp8_mma(
             grid,
@@ -367,6 +374,7 @@ def paged_decode(
             cfg.num_warps,
             cfg.num_stages,
             heads_first,
+            cfg.tma,
         )
     else:
         _decode_kernel[grid](

@@ -34,8 +34,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overnight.kernels.kv_layout import v_view
+from overnight.kernels.kv_layout import is_fp8, k_head_major, v_view
 from overnight.kernels.kv_tiles import grid_coords, load_v_token_major_t, page_ids, split_len
 
 Q_MAX = 448.0  # e4m3's largest finite value: each q row's largest |value| maps onto it
@@ -53,6 +54,84 @@ def to_e4m3(x, EXACT_CAST: tl.constexpr):
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
         x = tl.where(tl.abs(x) < 0.015625, tl.floor(x * 512.0 + 0.5) / 512.0, normal)
     return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _q_e4m3(
+    q_ptrs,
+    q_mask,
+    kv_scale_ptr,
+    qk_scale,
+    HAS_SCALE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+):
+    """(q8 [BLOCK_G, BLOCK_D] e4m3, the scores' per-head scale, v_scale): each q row scaled so its
+    largest |value| maps to Q_MAX, then rounded; the row's scale moves into its column of S^T."""
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(q), 1)
+    q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
+    q8 = to_e4m3(q / q_scale[:, None], EXACT_CAST)
+    col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
+    if HAS_SCALE:
+        col_scale = col_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+    else:
+        v_scale = 1.0
+    return q8, col_scale, v_scale
+
+
+@triton.jit
+def _online_step(
+    k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT: tl.constexpr, EXACT_CAST: tl.constexpr
+):
+    """One tile of the online softmax on the transposed products (module docstring): k [BLOCK_N,
+    BLOCK_D] and v_t [BLOCK_D, BLOCK_N] as stored, tokens past the range masked by n_mask."""
+    s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
+    s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s_t, 0))
+    alpha = tl.exp2(m_i - m_new)
+    p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
+    l_i = l_i * alpha + tl.sum(p_t, 0)
+    acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store(
+    acc,
+    m_i,
+    l_i,
+    v_scale,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    b,
+    heads,
+    offs_d,
+    g_mask,
+    d_mask,
+    split,
+    num_splits,
+    num_kv_heads,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+):
+    """The normalized O^T into out, or with SPLIT the split's partial output and log2-sum-exp."""
+    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[None, :]
+    io_mask = d_mask[:, None] & g_mask[None, :]
+    if not SPLIT:
+        dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    else:
+        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
+        tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
+        tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
 
 
 @triton.jit
@@ -108,20 +187,15 @@ def _decode_fp8_mma_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(
+    q8, col_scale, v_scale = _q_e4m3(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)
-    amax = tl.max(tl.abs(q), 1)
-    q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
-    q8 = to_e4m3(q / q_scale[:, None], EXACT_CAST)
-    col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
-    if HAS_SCALE:
-        col_scale = col_scale * tl.load(kv_scale_ptr)
-        v_scale = tl.load(kv_scale_ptr + 1)
-    else:
-        v_scale = 1.0
+        g_mask[:, None] & d_mask[None, :],
+        kv_scale_ptr,
+        qk_scale,
+        HAS_SCALE,
+        Q_MAX,
+        EXACT_CAST,
+    )
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -139,26 +213,132 @@ def _decode_fp8_mma_kernel(
         k = tl.load(
             k_base + tok[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
         )
-        s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
-        s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s_t, 0))
-        alpha = tl.exp2(m_i - m_new)
-        p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
-        l_i = l_i * alpha + tl.sum(p_t, 0)
         v_t = load_v_token_major_t(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
-        acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
-        m_i = m_new
+        m_i, l_i, acc = _online_step(k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT, EXACT_CAST)
 
-    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
-    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[None, :]
-    io_mask = d_mask[:, None] & g_mask[None, :]
-    if not SPLIT:
-        dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    _store(
+        acc,
+        m_i,
+        l_i,
+        v_scale,
+        out_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        b,
+        heads,
+        offs_d,
+        g_mask,
+        d_mask,
+        split,
+        num_splits,
+        num_kv_heads,
+        stride_ot,
+        stride_oh,
+        GROUP,
+        HEAD_DIM,
+        SPLIT,
+        P_SHIFT,
+    )
+
+
+@triton.jit
+def _decode_fp8_tma_kernel(
+    q_ptr,
+    k_desc,  # K as [num_blocks * Hkv * PAGE, D] rows (head-major K), boxes of [BLOCK_N, D]
+    v_desc,  # token-major V as [num_blocks * Hkv * D, PAGE] rows, boxes of [D, BLOCK_N]
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    kv_scale_ptr,
+    qk_scale,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # a power of two: a descriptor's box is exactly one head
+    PAGE: tl.constexpr,  # a multiple of BLOCK_N: a tile never leaves its page
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    Q_MAX: tl.constexpr,
+    P_SHIFT: tl.constexpr,
+    EXACT_CAST: tl.constexpr,
+    HEADS_FIRST: tl.constexpr,
+):
+    """_decode_fp8_mma_kernel with each K and V tile fetched by one TMA copy (DecodeConfig.tma)."""
+    b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    if SPLIT:
+        per_split = split_len(seq_len, num_splits, BLOCK_N)
+        start = split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+        if start >= end:
+            return
     else:
-        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
-        tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
-        tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
+        start = seq_len * 0
+        end = seq_len
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    q8, col_scale, v_scale = _q_e4m3(
+        q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+        g_mask[:, None] & d_mask[None, :],
+        kv_scale_ptr,
+        qk_scale,
+        HAS_SCALE,
+        Q_MAX,
+        EXACT_CAST,
+    )
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)  # O^T
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    # One page id per tile, loaded one tile ahead (kv_tiles.py says why)
+    page_next = tl.load(bt_row + start // PAGE, mask=start < end, other=0)
+    for n0 in range(start, end, BLOCK_N):
+        n_mask = n0 + tl.arange(0, BLOCK_N) < end
+        head_page = page_next * num_kv_heads + kvh  # this (page, KV head)'s index among all of them
+        page_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < end, other=0)
+        # Slots past the context's end hold zeros or stale finite values (kv_layout.py): their
+        # scores are masked and their probabilities are 0, so the copies need no mask.
+        k = k_desc.load([head_page * PAGE + n0 % PAGE, 0])
+        v_t = v_desc.load([head_page * HEAD_DIM, n0 % PAGE])
+        m_i, l_i, acc = _online_step(k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT, EXACT_CAST)
+
+    _store(
+        acc,
+        m_i,
+        l_i,
+        v_scale,
+        out_ptr,
+        part_out_ptr,
+        part_lse_ptr,
+        b,
+        heads,
+        offs_d,
+        g_mask,
+        d_mask,
+        split,
+        num_splits,
+        num_kv_heads,
+        stride_ot,
+        stride_oh,
+        GROUP,
+        HEAD_DIM,
+        SPLIT,
+        P_SHIFT,
+    )
 
 
 def launch_decode_fp8_mma(
@@ -177,10 +357,31 @@ def launch_decode_fp8_mma(
     num_warps: int,
     num_stages: int,
     heads_first: bool = False,
+    tma: bool = False,
 ) -> None:
-    """The launch for paged_decode (which has checked every argument); same grid and workspace."""
+    """The launch for paged_decode (which has checked every argument); same grid and workspace.
+    tma: the K / V tiles by TMA copies (tma_supported must hold)."""
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
     group = q.shape[1] // num_kv_heads
+    if tma:
+        _launch_tma(
+            grid,
+            q,
+            kv_cache,
+            block_tables,
+            seq_lens,
+            out,
+            part_out,
+            part_lse,
+            kv_scale,
+            qk_scale,
+            num_splits,
+            block_n,
+            num_warps,
+            num_stages,
+            heads_first,
+        )
+        return
     _decode_fp8_mma_kernel[grid](
         q,
         kv_cache,
@@ -213,6 +414,86 @@ def launch_decode_fp8_mma(
         Q_MAX=Q_MAX,
         P_SHIFT=P_SHIFT,
         EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
+        HEADS_FIRST=heads_first,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+
+
+def tma_supported(kv_cache: torch.Tensor, block_n: int) -> str | None:
+    """Why the TMA kernel cannot read this cache with tiles of block_n tokens (None: it can).
+
+    It needs each tile inside one page and one KV head's K page and V page as single runs of the
+    layer's K and V planes (head-major K, token-major V, blocks back to back: new_kv_cache's layout),
+    a power-of-two head_dim, and row indices within int32."""
+    _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
+    if not is_fp8(kv_cache.dtype):
+        return "it reads FP8 caches only"
+    if page % block_n:
+        return f"block_size {page} is not a multiple of the tile's {block_n} tokens"
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head_dim {head_dim} is not a power of two >= 16"
+    if not k_head_major(kv_cache) or kv_cache.stride()[1:] != (
+        num_kv_heads * page * head_dim,
+        head_dim,
+        page * head_dim,
+        1,
+    ):
+        return "K is not stored head-major with blocks back to back"
+    if num_blocks * num_kv_heads * max(page, head_dim) >= 2**31:
+        return "the cache has too many rows for int32 tile coordinates"
+    return None
+
+
+def _launch_tma(
+    grid,
+    q,
+    kv_cache,
+    block_tables,
+    seq_lens,
+    out,
+    part_out,
+    part_lse,
+    kv_scale,
+    qk_scale: float,
+    num_splits: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    heads_first: bool,
+) -> None:
+    _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
+    rows = num_blocks * num_kv_heads
+    # Host-side descriptors: built at launch, captured by value in a CUDA graph (the cache never moves).
+    k_desc = TensorDescriptor(kv_cache[0], [rows * page, head_dim], [head_dim, 1], [block_n, head_dim])
+    v_desc = TensorDescriptor(kv_cache[1], [rows * head_dim, page], [page, 1], [head_dim, block_n])
+    _decode_fp8_tma_kernel[grid](
+        q,
+        k_desc,
+        v_desc,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        qk_scale,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        GROUP=q.shape[1] // num_kv_heads,
+        BLOCK_G=max(16, triton.next_power_of_2(q.shape[1] // num_kv_heads)),
+        HEAD_DIM=head_dim,
+        PAGE=page,
+        BLOCK_N=block_n,
+        SPLIT=num_splits > 1,
+        HAS_SCALE=kv_scale is not None,
+        Q_MAX=Q_MAX,
+        P_SHIFT=P_SHIFT,
+        EXACT_CAST=q.device.type == "cpu",
         HEADS_FIRST=heads_first,
         num_warps=num_warps,
         num_stages=num_stages,

@@ -1,0 +1,183 @@
+"""H200 check and timing of the FP8-cache decode kernel by page size: today's pointer-gather kernels on
+pages of 16 tokens against the TMA kernel (DecodeConfig.tma, kernels/paged_decode_fp8.py), which needs
+pages of a multiple of its tile (64 or 128 tokens) and fetches each K and V tile with one copy.
+
+    PYTHONPATH=. python bench/decode_pages_gpu.py [--budget-s 150]
+
+Why: the e4m3-dot kernel reads ~3.2 TB/s at 1980 MHz and less at the engine's power-capped clock
+(~2.7 TB/s at ~1650 MHz in round 10's profile), while a read-only probe of the same gather managed
+3.4-3.8 TB/s and the bf16 kernel 4.4: the per-element address work of the gather, not the bytes, sets
+its pace. Expected: the TMA kernel at 3.8-4.2 TB/s on the large cases (b512 ctx2048 from ~655 us to
+~520-560 us); if so, long-1024-1024 with an FP8 cache should gain ~5-10% end to end (decode attention
+is ~47% of its run).
+
+Checks first (every variant against the emulation of its roundings, RMS, and against the exact answer;
+a CUDA-graph replay of the TMA kernel on new tables), then timings per case, then one JSON line.
+Reuses bench/attention_gpu.py's inputs and measures (its PAGE is set per page size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import attention_gpu as ag  # noqa: E402
+
+from overnight.attention.metadata import AttentionMetadata  # noqa: E402
+from overnight.attention.torch_backend import build_metadata, paged_attention_ref  # noqa: E402
+from overnight.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from overnight.kernels.kv_layout import to_storage_layout  # noqa: E402
+from overnight.kernels.paged_decode import (  # noqa: E402
+    BF16_DECODE_CONFIG,
+    FP8_DECODE_CONFIG,
+    DecodeConfig,
+    DecodeWorkspace,
+    choose_num_splits,
+)
+from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref  # noqa: E402
+
+D = ag.D
+# (page size, label, config, cache dtype)
+VARIANTS = [
+    (16, "base mma n128 w4 s3 (p16)", FP8_DECODE_CONFIG, ag.E4M3),
+    (16, "mma n64 w4 s3 (p16)", DecodeConfig(64, 4, 3, fp8_mma=True), ag.E4M3),
+    (16, "bf16 base (p16)", BF16_DECODE_CONFIG, ag.BF16),
+    (64, "mma n64 w4 s3 (p64)", DecodeConfig(64, 4, 3, fp8_mma=True), ag.E4M3),
+    (64, "mma n128 w4 s3 (p64)", DecodeConfig(128, 4, 3, fp8_mma=True), ag.E4M3),
+    (64, "tma n64 w4 s3 (p64)", DecodeConfig(64, 4, 3, fp8_mma=True, tma=True), ag.E4M3),
+    (64, "tma n64 w4 s4 (p64)", DecodeConfig(64, 4, 4, fp8_mma=True, tma=True), ag.E4M3),
+    (64, "tma n64 w4 s2 (p64)", DecodeConfig(64, 4, 2, fp8_mma=True, tma=True), ag.E4M3),
+    (64, "tma n64 w4 s3 hf (p64)", DecodeConfig(64, 4, 3, fp8_mma=True, tma=True, heads_first=True), ag.E4M3),
+    (128, "tma n128 w4 s3 (p128)", DecodeConfig(128, 4, 3, fp8_mma=True, tma=True), ag.E4M3),
+    (128, "tma n128 w8 s3 (p128)", DecodeConfig(128, 8, 3, fp8_mma=True, tma=True), ag.E4M3),
+    (128, "tma n64 w4 s3 (p128)", DecodeConfig(64, 4, 3, fp8_mma=True, tma=True), ag.E4M3),
+]
+CASES = [
+    ("qwen3-8b", 512, 2048),
+    ("qwen3-8b", 512, 1536),  # long-1024-1024 halfway: 512 requests, ~1.5k tokens of context
+    ("qwen3-8b", 1024, 640),
+    ("qwen3-8b", 256, 768),
+    ("qwen3-8b", 8, 32768),
+    ("qwen3-0.6b", 1024, 640),
+]
+
+
+def make(page: int, model: str, query_lens, seq_lens, nd: int, seed: int, dtype):
+    ag.PAGE = page  # make_case reads the module's page size
+    return ag.make_case(*ag.MODELS[model], query_lens, seq_lens, nd, seed, dtype)
+
+
+def check_variants() -> None:
+    gen = torch.Generator().manual_seed(2)
+    seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist() + [1, 63, 64, 65, 127, 129, 4096]
+    n = len(seq_lens)
+    for page in sorted({v[0] for v in VARIANTS}):
+        meta, q, cache, kv_scale = make(page, "qwen3-8b", [1] * n, seq_lens, n, 3, ag.E4M3)
+        exact = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
+        for p, name, cfg, dtype in VARIANTS:
+            if p != page or dtype != ag.E4M3:
+                continue
+            for ns in (1, choose_num_splits(n, 8, ag.MAX_MODEL_LEN)):
+                tag = f"decode p{page} {name} splits={ns}"
+                out = ag.run_decode(meta, q, cache, kv_scale, cfg, ns)
+                emu = decode_fp8_mma_ref(
+                    q, cache, meta.block_tables, meta.seq_lens, n, D**-0.5, kv_scale, cfg.block_n, ns
+                )
+                ag.check(tag + " vs its rounding ref (RMS)", ag.rms_rel_err(out, emu), 1e-2)
+                ag.check(tag + " vs exact", ag.rel_err(out, exact), 8e-2)
+
+
+def check_tma_graph(page: int, cfg: DecodeConfig) -> None:
+    """The TMA decode captured in a CUDA graph through the backend (its descriptors go in by value),
+    replayed on new lengths, tables and scales, as the engine's decode graphs are."""
+    hq, hkv = ag.MODELS["qwen3-8b"]
+    batch, width = 16, 2048 // page
+    num_blocks = batch * width + 8
+    backend = TritonAttentionBackend(hq, hkv, D, 64, 4096, ag.DEV, decode_config=cfg)
+
+    def meta_for(lens: list[int], seed: int) -> AttentionMetadata:
+        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+        tables = [perm[i * width : (i + 1) * width] for i in range(batch)]
+        return build_metadata([1] * batch, lens, tables, page, batch, ag.DEV)
+
+    full = torch.randn(2, num_blocks, page, hkv, D, device=ag.DEV, dtype=ag.BF16)
+    cache = to_storage_layout(torch.stack([ag.quantize_kv(full[i], 1.0, ag.E4M3) for i in range(2)]))
+    scales = torch.ones(2, device=ag.DEV)
+    meta = meta_for([700] * batch, seed=8)
+    q, k, v = (torch.randn(batch, h, D, device=ag.DEV, dtype=ag.BF16) for h in (hq, hkv, hkv))
+    backend.forward(q, k, v, cache, meta, D**-0.5, scales)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, cache, meta, D**-0.5, scales)
+    lens = torch.randint(1, width * page + 1, (batch,), generator=torch.Generator().manual_seed(9)).tolist()
+    new = meta_for(lens, seed=10)
+    for static, fresh in ((meta.seq_lens, new.seq_lens), (meta.block_tables, new.block_tables),
+                          (meta.slot_mapping, new.slot_mapping)):  # fmt: skip
+        static.copy_(fresh)
+    scales.copy_(torch.tensor(ag.KV_SCALES, device=ag.DEV))
+    for x in (q, k, v):
+        x.normal_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q.float(), cache, new, D**-0.5, scales)
+    ag.check(f"TMA decode p{page} n{cfg.block_n}, CUDA graph replay vs exact", ag.rel_err(out, ref), 8e-2)
+
+
+def bench_case(model: str, batch: int, ctx: int) -> None:
+    hq, hkv = ag.MODELS[model]
+    ns = choose_num_splits(batch, hkv, ag.MAX_MODEL_LEN)
+    case = f"{model} b{batch} ctx{ctx}"
+    for page in sorted({v[0] for v in VARIANTS}):
+        for dtype in (ag.BF16, ag.E4M3):
+            mine = [v for v in VARIANTS if v[0] == page and v[3] == dtype]
+            if not mine:
+                continue
+            meta, q, cache, kv_scale = make(page, model, [1] * batch, [ctx] * batch, batch, 11, dtype)
+            nbytes = ag.decode_bytes(batch, ctx, hq, hkv, cache.element_size())
+            ws = DecodeWorkspace(batch * ns, hq, D, ag.DEV)
+            kernel = "decode fp8" if dtype == ag.E4M3 else "decode bf16"
+            for _, name, cfg, _ in mine:
+                label = name + (f" x{ns}" if ns > 1 else "")
+                args = (case, kernel, label, nbytes, meta, q, cache, kv_scale, cfg, ns, ws)
+                ag.try_run(f"time {case} {label}", partial(ag.time_decode, *args))
+            del cache
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget-s", type=float, default=150.0)
+    args = parser.parse_args()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}", flush=True)
+    print("checks:", flush=True)
+    ag.try_run("checks", check_variants)
+    for page, cfg in ((64, DecodeConfig(64, 4, 3, fp8_mma=True, tma=True)),
+                      (128, DecodeConfig(128, 4, 3, fp8_mma=True, tma=True))):  # fmt: skip
+        ag.try_run(f"graph p{page}", partial(check_tma_graph, page, cfg))
+    print("timings:", flush=True)
+    for model, batch, ctx in CASES:
+        if not ag.over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
+            bench_case(model, batch, ctx)
+    base = {r["case"]: r["us"] for r in ag.rows if r["variant"].startswith("base")}
+    print("\ncase | variant | us | GB/s | x base")
+    for r in ag.rows:
+        b = base.get(r["case"])
+        print(
+            f"{r['case']} | {r['variant']} | {r['us']:.1f} | {r['gbps']:.0f} | {b / r['us'] if b else 0:.3f}"
+        )
+    failed = [c for c in ag.checks if not c[2]]
+    print(f"\nchecks: {len(ag.checks) - len(failed)}/{len(ag.checks)} passed; {time.time() - ag.START:.0f} s")
+    print("DECODE_PAGES " + json.dumps({"rows": ag.rows, "failed": [c[0] for c in failed]}))
+
+
+if __name__ == "__main__":
+    main()
