@@ -50,8 +50,8 @@ from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels.kv_layout import is_fp8, to_logical_layout, to_storage_layout, v_view
 from overnight.kernels.paged_decode import (
     BF16_DECODE_CONFIG,
-    FP8_DECODE_CONFIG,
     FP8_FP16_DOTS_DECODE_CONFIG,
+    FP8_SMALL_PAGE_DECODE_CONFIG,
     TARGET_CTAS_PER_SM,
     DecodeConfig,
     DecodeWorkspace,
@@ -82,7 +82,7 @@ DECODE = {
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
     ],
     E4M3: [
-        ("base mma n128 w4 s3", FP8_DECODE_CONFIG),
+        ("base mma n128 w4 s3", FP8_SMALL_PAGE_DECODE_CONFIG),
         ("fp16 n128 w4 s3", FP8_FP16_DOTS_DECODE_CONFIG),  # the default before round 10
         ("hf n128 w4 s3", DecodeConfig(128, 4, 3, heads_first=True)),
         ("hf pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True, heads_first=True)),

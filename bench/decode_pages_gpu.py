@@ -36,7 +36,7 @@ from overnight.attention.triton_backend import TritonAttentionBackend  # noqa: E
 from overnight.kernels.kv_layout import to_storage_layout  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
     BF16_DECODE_CONFIG,
-    FP8_DECODE_CONFIG,
+    FP8_SMALL_PAGE_DECODE_CONFIG,
     DecodeConfig,
     DecodeWorkspace,
     choose_num_splits,
@@ -46,7 +46,7 @@ from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref  # noqa: E402
 D = ag.D
 # (page size, label, config, cache dtype)
 VARIANTS = [
-    (16, "base mma n128 w4 s3 (p16)", FP8_DECODE_CONFIG, ag.E4M3),
+    (16, "base mma n128 w4 s3 (p16)", FP8_SMALL_PAGE_DECODE_CONFIG, ag.E4M3),
     (16, "mma n64 w4 s3 (p16)", DecodeConfig(64, 4, 3, fp8_mma=True), ag.E4M3),
     (16, "bf16 base (p16)", BF16_DECODE_CONFIG, ag.BF16),
     (64, "mma n64 w4 s3 (p64)", DecodeConfig(64, 4, 3, fp8_mma=True), ag.E4M3),

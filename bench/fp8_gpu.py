@@ -42,11 +42,11 @@ from overnight.attention.metadata import AttentionBatch  # noqa: E402
 from overnight.attention.torch_backend import build_metadata  # noqa: E402
 from overnight.kernels.kv_layout import new_kv_cache  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
-    FP8_DECODE_CONFIG,
     FP8_FP16_DOTS_DECODE_CONFIG,
     DecodeConfig,
     DecodeWorkspace,
     choose_num_splits,
+    default_decode_config,
     paged_decode,
 )
 
@@ -241,7 +241,7 @@ def decode_timings() -> dict:
     splits = choose_num_splits(BATCH, HKV, 40960, torch.cuda.get_device_properties(dev).multi_processor_count)
     ws = DecodeWorkspace(BATCH * splits, HQ, D, dev)
     out = torch.empty_like(q)
-    default, fp16 = FP8_DECODE_CONFIG, FP8_FP16_DOTS_DECODE_CONFIG
+    default, fp16 = default_decode_config(torch.float8_e4m3fn, PAGE), FP8_FP16_DOTS_DECODE_CONFIG
     dots = "e4m3" if default.fp8_mma else "fp16"
     cases = {
         "bf16": (bf16, None, None),

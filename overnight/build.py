@@ -35,7 +35,7 @@ from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.limits import default_limits
 from overnight.loader.source import ModelSource
-from overnight.options import POOLING_TYPES, EngineOptions
+from overnight.options import POOLING_TYPES, EngineOptions, block_size_for
 from overnight.runner.device import device_memory_gib, pick_device
 from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -128,7 +128,7 @@ def build_config(
     if max_model_len < 2:
         raise ConfigError("max_model_len must be at least 2")
     check_parallel(opts, source)
-    check_attention_variant(opts)
+    check_cache(opts)
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -147,7 +147,7 @@ def build_config(
             pooler=pooler,
         ),
         cache=CacheConfig(
-            block_size=opts.block_size,
+            block_size=block_size_for(opts.kv_cache_dtype, opts.block_size),
             gpu_memory_utilization=opts.gpu_memory_utilization,
             kv_cache_dtype=opts.kv_cache_dtype,
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
@@ -174,13 +174,17 @@ def build_config(
 TILE_IN_PAGE = {"tma": 64, "tma-n128": 128}
 
 
-def check_attention_variant(opts: EngineOptions) -> None:
-    """Raise ConfigError for a variant the cache cannot take, before any weight loads."""
+def check_cache(opts: EngineOptions) -> None:
+    """Raise ConfigError for a block size the cache or the attention variant cannot take, before any
+    weight loads."""
+    block_size = block_size_for(opts.kv_cache_dtype, opts.block_size)
+    if block_size < 1:
+        raise ConfigError(f"block_size must be at least 1, got {block_size}")
     tile = TILE_IN_PAGE.get(opts.attention_variant)
-    if tile and opts.kv_cache_dtype != "auto" and opts.block_size % tile:
+    if tile and opts.kv_cache_dtype != "auto" and block_size % tile:
         raise ConfigError(
             f"attention variant {opts.attention_variant!r} reads tiles of {tile} tokens from one page: "
-            f"set --block-size to a multiple of {tile} (got {opts.block_size})"
+            f"set --block-size to a multiple of {tile} (got {block_size})"
         )
 
 

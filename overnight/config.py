@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from overnight.options import DEFAULT_BLOCK_SIZE
 from overnight.options import EngineOptions as _Defaults  # the option table holds every default
 
 
@@ -165,7 +166,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = _Defaults.block_size
+    block_size: int = DEFAULT_BLOCK_SIZE  # resolved from the option by options.block_size_for
     gpu_memory_utilization: float = _Defaults.gpu_memory_utilization
     kv_cache_dtype: str = _Defaults.kv_cache_dtype
     kv_cache_memory_bytes: int | None = _Defaults.kv_cache_memory_bytes

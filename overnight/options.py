@@ -30,6 +30,12 @@ ATTENTION_VARIANTS = (
     "tma-n128",
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
+# Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
+# 1.28-1.36x faster from pages of 64 tokens than from pages of 16 on the H200 (bench/decode_pages_gpu.py,
+# docs/benchmarks.md round 11), where one KV head's page is a run of 2 KB; a 16-bit cache already reads
+# at the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
+DEFAULT_BLOCK_SIZE = 16
+FP8_BLOCK_SIZE = 64
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 # How the engine is driven; each picks default limits (limits.py). Commands set it; users do not.
@@ -71,7 +77,9 @@ class EngineOptions:
     max_num_batched_tokens: int | None = option(
         None, "tokens in one step, prefill chunks included (default: by device memory and mode)"
     )
-    block_size: int = option(16, "tokens per KV-cache block")
+    block_size: int | None = option(
+        None, "tokens per KV-cache block (default: 16; 64 with an FP8 cache, see block_size_for)"
+    )
     gpu_memory_utilization: float = option(
         0.9, "share of GPU memory for weights, activations and the KV pool"
     )
@@ -220,3 +228,10 @@ def options_to_flags(opts: EngineOptions, skip: tuple[str, ...] = ()) -> list[st
         else:
             flags += [_flag(f.name), str(value)]
     return flags
+
+
+def block_size_for(kv_cache_dtype: str, block_size: int | None) -> int:
+    """The KV-cache block size an engine runs with: the option's, else the default for the cache."""
+    if block_size is not None:
+        return block_size
+    return DEFAULT_BLOCK_SIZE if kv_cache_dtype == "auto" else FP8_BLOCK_SIZE

@@ -275,6 +275,18 @@ def test_tma_decode_empty_context() -> None:
         assert not out.isnan().any()
 
 
+def test_default_decode_falls_back_to_pointer_gathers() -> None:
+    """With no config, a cache the TMA copies cannot read (here K not head-major) gets the same tiles by
+    pointers: the same numbers, no error."""
+    from overnight.kernels.kv_layout import to_logical_layout
+
+    meta, q, cache, kv_scale = tma_decode_batch(torch.float8_e4m3fn, 4, 64, 64, [20, 70, 130], seed=112)
+    plain_k = to_storage_layout(to_logical_layout(cache), head_major_k=False)
+    out = paged_attention(q, cache, meta, 0.2, out=poisoned(q), kv_scale=kv_scale)
+    out_plain = paged_attention(q, plain_k, meta, 0.2, out=poisoned(q), kv_scale=kv_scale)
+    assert torch.equal(out, out_plain)
+
+
 def test_tma_decode_refuses_what_it_cannot_read() -> None:
     from overnight.kernels.kv_layout import new_kv_cache
     from overnight.kernels.paged_decode_fp8 import tma_supported
@@ -361,6 +373,10 @@ def test_fp8_caches_default_to_e4m3_dots() -> None:
 
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert default_decode_config(fp8).fp8_mma
+        # Pages of 64 (an FP8 cache's default block size): TMA tiles of 64; pages of 16: the pointer
+        # gathers of 128-token tiles (round 11 on the H200)
+        assert default_decode_config(fp8, 64).tma and default_decode_config(fp8, 64).block_n == 64
+        assert not default_decode_config(fp8, 16).tma and default_decode_config(fp8, 16).block_n == 128
     assert default_prefill_config(torch.float8_e4m3fn).fp8_mma
     assert not default_prefill_config(torch.float8_e5m2).fp8_mma  # not yet checked on the GPU
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -397,10 +413,31 @@ def test_engine_hands_the_variant_to_the_triton_backend(tmp_path) -> None:
         LLM(str(folder), attention_variant="fast", **engine)
     # A TMA variant needs pages of a multiple of its tile: refused before any weight loads
     with pytest.raises(ConfigError, match="set --block-size to a multiple of 64"):
-        LLM(str(folder), kv_cache_dtype="fp8", attention_variant="tma", **engine)
-    llm = LLM(str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="tma",
-              block_size=64, **engine)  # fmt: skip
+        LLM(str(folder), kv_cache_dtype="fp8", attention_variant="tma", block_size=16, **engine)
+    with pytest.raises(ConfigError, match="set --block-size to a multiple of 128 \\(got 64\\)"):
+        LLM(str(folder), kv_cache_dtype="fp8", attention_variant="tma-n128", **engine)
+    llm = LLM(
+        str(folder), kv_cache_dtype="fp8", attention_backend="triton", attention_variant="tma", **engine
+    )
     assert llm.engine.runner.backend.decode_config.tma
+
+
+def test_block_size_defaults_by_cache(tmp_path) -> None:
+    """16 tokens a block, 64 with an FP8 cache (options.block_size_for); a given size wins; nonsense is
+    refused with the option's name."""
+    from overnight import LLM
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", seed=3)
+    engine = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20)
+    for kw, expected in (
+        ({}, 16),
+        ({"kv_cache_dtype": "fp8"}, 64),
+        ({"kv_cache_dtype": "fp8", "block_size": 32}, 32),
+    ):
+        assert LLM(str(folder), **kw, **engine).engine.config.cache.block_size == expected
+    with pytest.raises(ConfigError, match="block_size must be at least 1"):
+        LLM(str(folder), block_size=0, **engine)
 
 
 # ---------------------------------------------------------------- fp8 MMA prefill (q and P in e4m3)

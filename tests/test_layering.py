@@ -10,7 +10,13 @@ from dataclasses import fields
 from pathlib import Path
 
 import overnight
-from overnight.options import EngineOptions, add_engine_args, options_from_args, options_to_flags
+from overnight.options import (
+    EngineOptions,
+    add_engine_args,
+    block_size_for,
+    options_from_args,
+    options_to_flags,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +53,8 @@ def test_defaults_are_declared_once():
     # The engine's sub-configs take their defaults from the table (no second literal to drift).
     from overnight.config import CacheConfig, ParallelConfig, RunnerConfig
 
-    assert CacheConfig().block_size == EngineOptions().block_size
+    opts = EngineOptions()
+    assert CacheConfig().block_size == block_size_for(opts.kv_cache_dtype, opts.block_size)
     assert CacheConfig().gpu_memory_utilization == EngineOptions().gpu_memory_utilization
     assert ParallelConfig().tensor_parallel_size == EngineOptions().tensor_parallel_size
     assert RunnerConfig().attention_backend == EngineOptions().attention_backend

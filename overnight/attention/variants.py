@@ -54,7 +54,7 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
         import torch
 
         cache_dtype = torch.float8_e4m3fn if fp8_cache else torch.bfloat16
-        return replace(default_decode_config(cache_dtype), heads_first=True), None
+        return replace(default_decode_config(cache_dtype, block_size=16), heads_first=True), None
     prefill = PrefillConfig(64, 64, 4, 3, prefetch_pages=True)
     if not fp8_cache:
         return DecodeConfig(64, 4, 4, prefetch_pages=True), prefill

@@ -21,7 +21,7 @@ FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_qua
 into the score scale, v_scale into the final normalization. V is stored token-major inside each page
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
 read without a mask along tokens. By default (FP8_DECODE_CONFIG, DecodeConfig.fp8_mma) the dots read the
-8-bit tiles as stored, with q and P rounded to e4m3 (paged_decode_fp8.py). Otherwise the tiles are
+8-bit tiles as stored, each tile fetched by one TMA copy on pages of 64 tokens (DecodeConfig.tma), with q and P rounded to e4m3 (paged_decode_fp8.py). Otherwise the tiles are
 converted to fp16 for the dots (sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every
 e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
 
@@ -35,7 +35,7 @@ e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -83,8 +83,17 @@ class DecodeConfig:
 # the fp16-dot path at these tiles (round 8), and long-1024-1024 with an FP8 cache ran 1.1% faster end
 # to end with it and the e4m3 prefill (round 10, docs/benchmarks.md). FP8_FP16_DOTS_DECODE_CONFIG is
 # the fp16-dot path (`--attention-variant fp16-dots`).
-FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, fp8_mma=True)
+FP8_SMALL_PAGE_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, fp8_mma=True)
 FP8_FP16_DOTS_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+
+# On pages of 64 tokens (an FP8 cache's default block size, options.FP8_BLOCK_SIZE) the same kernel read
+# 1.28-1.33x faster than on pages of 16 in the H200 bench (round 11, bench/decode_pages_gpu.py: b512
+# ctx2048 656 -> 512 us, 4.2 TB/s), and fetching each tile by one TMA copy with the heads-first grid
+# another 1-3% (504 us). With splits the heads-first grid lost (the 8-request, 32k-context case 233 us
+# against 184 in request order), so paged_decode drops it there for this kernel.
+FP8_DECODE_CONFIG = DecodeConfig(
+    block_n=64, num_warps=4, num_stages=3, fp8_mma=True, tma=True, heads_first=True
+)
 
 
 # 16-bit caches: the heads-first grid was faster in all 7 bf16 cases of the H200 kernel bench (1-2%, one
@@ -92,9 +101,12 @@ FP8_FP16_DOTS_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=
 BF16_DECODE_CONFIG = DecodeConfig(heads_first=True)
 
 
-def default_decode_config(cache_dtype: torch.dtype) -> DecodeConfig:
-    fp8 = cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    return FP8_DECODE_CONFIG if fp8 else BF16_DECODE_CONFIG
+def default_decode_config(cache_dtype: torch.dtype, block_size: int = 64) -> DecodeConfig:
+    """The decode kernel's config for a cache of that dtype and page size. An FP8 cache on pages the
+    TMA tiles do not divide (a --block-size of 16 or 32) keeps the 128-token pointer-gather tiles."""
+    if not is_fp8(cache_dtype):
+        return BF16_DECODE_CONFIG
+    return FP8_DECODE_CONFIG if block_size % FP8_DECODE_CONFIG.block_n == 0 else FP8_SMALL_PAGE_DECODE_CONFIG
 
 
 # FP8_BITS: how _to_dot converts a tile: 0 a plain cast, 1 e4m3 by shifts (values * 2**-8), 2 e5m2.
@@ -327,10 +339,10 @@ def paged_decode(
     max_blocks] int32; seq_lens: [>= num_decodes] int32. Nothing is synchronized with the host.
     config defaults to default_decode_config(kv_cache.dtype).
     """
-    cfg = config or default_decode_config(kv_cache.dtype)
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    cfg = config or default_decode_config(kv_cache.dtype, page)
     num_heads = q.shape[1]
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
@@ -351,12 +363,14 @@ def paged_decode(
     else:
         part_out, part_lse = out, out  # unused
     # A grid's second dimension stops at 65535: more requests than that keep the requests first.
-    heads_first = cfg.heads_first and num_decodes <= 65535
+    heads_first = cfg.heads_first and num_decodes <= 65535 and not (cfg.tma and num_splits > 1)
     grid = (num_kv_heads, num_decodes, num_splits) if heads_first else (num_decodes, num_kv_heads, num_splits)
     if cfg.tma:
         why = tma_supported(kv_cache, cfg.block_n) if cfg.fp8_mma else "it needs fp8_mma"
-        if why:
+        if why and config is not None:
             raise ValueError(f"DecodeConfig.tma: {why}")
+        if why:  # the default config on a cache the copies cannot read: the same tiles by pointers
+            cfg = replace(cfg, tma=False)
     if cfg.fp8_mma and is_fp8(kv_cache.dtype):
         launch_decode_fp8_mma(
             grid,
