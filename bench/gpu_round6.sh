@@ -62,14 +62,14 @@
 #                              (equal lengths again; the timeline now starts at each level's start, so a
 #                              band's formation shows)
 #
-# Round 11 (issue 15's decode by TMA, then issue 16's one-call pair), in this order:
-#   1. carry .peer/c1:         bash bench/gpu_round6.sh pages                 (stage vLLM part 1; the FP8
-#                              decode on pages of 64 / 128 tokens with TMA copies against today's; ~220 s)
-#   2. carry .peer/c2:         OV_ARGS="--block-size 64 --attention-variant tma" bash bench/gpu_round6.sh
-#                              unpack side-fp8kv   (the FP8-cache pair with the TMA decode, if 1 shows it
-#                              faster; tma-n128 with --block-size 128 if that tile won)
-#   3. carry .whl:             bash bench/gpu_round6.sh sweep-pair            (vLLM from $HOME/vsite)
-#   4. carry .whl:             bash bench/gpu_round6.sh sweep-ours
+# Round 11 call 1 ran `pages` (bench/decode_pages_gpu.py): pages of 64 tokens made the FP8 decode
+# 1.28-1.36x faster; FP8 caches now default to them and the TMA decode. Next, in this order:
+#   1. carry .peer/c1:         bash bench/gpu_round6.sh fp8acc                (stage vLLM part 1; FP8-cache
+#                              accuracy with the new defaults; ~150 s)
+#   2. carry .peer/c2:         bash bench/gpu_round6.sh unpack side-fp8kv     (the FP8-cache pair; ~330 s)
+#   3. carry .peer/c2:         bash bench/gpu_round6.sh side-fp8both          (FP8 weights + cache; ~300 s)
+#   4. carry .whl:             bash bench/gpu_round6.sh sweep-pair            (vLLM from $HOME/vsite)
+#   5. carry .whl:             bash bench/gpu_round6.sh sweep-ours
 #
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
@@ -151,6 +151,12 @@ for s in "$@"; do
     side-fp8kv)
       section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"
       bash .peer/c2/side_by_side.sh long-1024-1024:fp8 ;;
+    side-fp8both)
+      section "side-fp8both: long-1024-1024, FP8 weights and FP8 cache on both (side_by_side.sh)"
+      VB_QUANT=fp8 OV_ARGS="--quantization fp8 ${OV_ARGS:-}" bash .peer/c2/side_by_side.sh long-1024-1024:fp8 ;;
+    fp8acc)
+      section "fp8acc: FP8-cache accuracy against a bf16 cache with the engine's defaults (bench/fp8_gpu.py)"
+      timeout 300 python bench/fp8_gpu.py > "$OUT/fp8acc.log" 2>&1; echo "rc=$?"; tail -30 "$OUT/fp8acc.log" ;;
     side-seed)
       section "side-seed: seed-512-256, bf16 weights and cache (side_by_side.sh)"
       bash .peer/c2/side_by_side.sh seed-512-256 ;;

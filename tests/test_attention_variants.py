@@ -443,10 +443,12 @@ def test_block_size_defaults_by_cache(tmp_path) -> None:
 # ---------------------------------------------------------------- fp8 MMA prefill (q and P in e4m3)
 
 
-def fp8_prefill_batch(fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, seed: int):
+def fp8_prefill_batch(
+    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, seed: int, bs: int = 16
+):
     """Two decodes, then prefill chunks after cached prefixes (whole, partial and none), over an fp8
-    cache of random values scaled as a calibrated cache would be."""
-    hkv, bs = 2, 16
+    cache of random values scaled as a calibrated cache would be, on pages of bs tokens."""
+    hkv = 2
     query_lens = [1, 1, 9, 20, 33, 1]
     seq_lens = [30, 7, 9, 50, 97, 16]  # chunk without prefix, after 30, after 64; a 1-row chunk
     meta, q, cache = make_batch(query_lens, seq_lens, 2, hkv * group, hkv, head_dim, bs, q_dtype, seed)
@@ -457,18 +459,19 @@ def fp8_prefill_batch(fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_d
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize(
-    ("q_dtype", "group", "head_dim", "block_m", "block_n"),
+    ("q_dtype", "group", "head_dim", "block_m", "block_n", "page"),
     [
-        (torch.float32, 4, 64, 16, 16),
-        (torch.float32, 1, 64, 32, 16),
-        (torch.float16, 4, 128, 16, 32),
-        (torch.float32, 2, 48, 16, 16),  # head_dim padded to BLOCK_D 64 (masked along D)
+        (torch.float32, 4, 64, 16, 16, 16),
+        (torch.float32, 1, 64, 32, 16, 16),
+        (torch.float16, 4, 128, 16, 32, 16),
+        (torch.float32, 2, 48, 16, 16, 16),  # head_dim padded to BLOCK_D 64 (masked along D)
+        (torch.float32, 4, 64, 16, 32, 64),  # pages of 64, an FP8 cache's default: tiles inside a page
     ],
 )
 def test_fp8_mma_prefill_matches_its_rounding_reference(
-    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, block_m: int, block_n: int
+    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, block_m: int, block_n: int, page: int
 ) -> None:
-    meta, q, cache, kv_scale = fp8_prefill_batch(fp8, q_dtype, group, head_dim, seed=100 + group)
+    meta, q, cache, kv_scale = fp8_prefill_batch(fp8, q_dtype, group, head_dim, 100 + group, page)
     cfg = PrefillConfig(block_m, block_n, 4, 2, fp8_mma=True)
     out = paged_attention(q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale, prefill_config=cfg)
     rows = slice(meta.num_decodes, meta.num_tokens)  # the decodes take the decode kernel

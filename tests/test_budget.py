@@ -108,8 +108,9 @@ def test_fp8_halves_the_bytes_per_token(qwen3_8b):
     auto = plan_budget(options(max_model_len=4096), qwen3_8b, H200)
     fp8 = plan_budget(options(max_model_len=4096, kv_cache_dtype="fp8"), qwen3_8b, H200)
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token
-    assert fp8.num_blocks == fp8.budget_bytes // (fp8.kv_bytes_per_token * 16)
-    assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 16
+    assert (auto.block_size, fp8.block_size) == (16, 64)  # an FP8 cache's pages are 64 tokens
+    assert fp8.num_blocks == fp8.budget_bytes // (fp8.kv_bytes_per_token * 64)
+    assert abs(fp8.pool_tokens - 2 * auto.pool_tokens) <= 64  # rounding down to whole blocks
 
 
 def test_batch_mode_gets_a_large_budget_and_the_cap_applies(qwen3_8b):

@@ -429,9 +429,12 @@ def test_fp8_pool_holds_more_tokens_in_the_same_memory(tiny, dtype: str, caplog)
         fp8 = LLM(str(tiny), kv_cache_dtype="fp8", **opts).engine
     ratio = torch.empty((), dtype=getattr(torch, dtype)).element_size()
     assert not fp8.pool_plan.capped and not full.pool_plan.capped
-    assert fp8.pool_plan.num_blocks == ratio * full.pool_plan.num_blocks
-    assert fp8.runner.kv_bytes_per_block() * ratio == full.runner.kv_bytes_per_block()
-    tokens = fp8.pool_plan.num_blocks * 16
+    # An FP8 cache's blocks hold 64 tokens against 16 (options.block_size_for): compare tokens and bytes
+    fp8_bs, full_bs = fp8.config.cache.block_size, full.config.cache.block_size
+    assert (fp8_bs, full_bs) == (64, 16)
+    tokens = fp8.pool_plan.num_blocks * fp8_bs
+    assert tokens == ratio * full.pool_plan.num_blocks * full_bs
+    assert fp8.runner.kv_bytes_per_block() * ratio * full_bs == full.runner.kv_bytes_per_block() * fp8_bs
     assert any(f"= {tokens} tokens" in r.message and "float8_e4m3fn" in r.message for r in caplog.records)
 
 
