@@ -74,18 +74,19 @@ def make(page: int, model: str, query_lens, seq_lens, nd: int, seed: int, dtype)
     return ag.make_case(*ag.MODELS[model], query_lens, seq_lens, nd, seed, dtype)
 
 
-def check_variants() -> None:
+def check_variants(fp8: torch.dtype) -> None:
+    """Every FP8 variant on a cache of that format (e5m2 too: e4m3 q against e5m2 K and V)."""
     gen = torch.Generator().manual_seed(2)
     seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist() + [1, 63, 64, 65, 127, 129, 4096]
     n = len(seq_lens)
     for page in sorted({v[0] for v in VARIANTS}):
-        meta, q, cache, kv_scale = make(page, "qwen3-8b", [1] * n, seq_lens, n, 3, ag.E4M3)
+        meta, q, cache, kv_scale = make(page, "qwen3-8b", [1] * n, seq_lens, n, 3, fp8)
         exact = paged_attention_ref(q.float(), cache, meta, D**-0.5, kv_scale)
         for p, name, cfg, dtype in VARIANTS:
             if p != page or dtype != ag.E4M3:
                 continue
             for ns in (1, choose_num_splits(n, 8, ag.MAX_MODEL_LEN)):
-                tag = f"decode p{page} {name} splits={ns}"
+                tag = f"decode {str(fp8)[6:]} p{page} {name} splits={ns}"
                 out = ag.run_decode(meta, q, cache, kv_scale, cfg, ns)
                 emu = decode_fp8_mma_ref(
                     q, cache, meta.block_tables, meta.seq_lens, n, D**-0.5, kv_scale, cfg.block_n, ns
@@ -155,16 +156,21 @@ def bench_case(model: str, batch: int, ctx: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=150.0)
+    parser.add_argument("--checks-only", action="store_true", help="the correctness checks, no timings")
+    parser.add_argument(
+        "--formats", default="e4m3", help="cache formats to check: e4m3, e5m2 or both (comma)"
+    )
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}", flush=True)
     print("checks:", flush=True)
-    ag.try_run("checks", check_variants)
+    for fmt in args.formats.split(","):
+        ag.try_run(f"checks {fmt}", partial(check_variants, {"e4m3": ag.E4M3, "e5m2": ag.E5M2}[fmt]))
     for page, cfg in ((64, DecodeConfig(64, 4, 3, fp8_mma=True, tma=True)),
                       (128, DecodeConfig(128, 4, 3, fp8_mma=True, tma=True))):  # fmt: skip
         ag.try_run(f"graph p{page}", partial(check_tma_graph, page, cfg))
     print("timings:", flush=True)
-    for model, batch, ctx in CASES:
+    for model, batch, ctx in [] if args.checks_only else CASES:
         if not ag.over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
             bench_case(model, batch, ctx)
     base = {r["case"]: r["us"] for r in ag.rows if r["variant"].startswith("base")}

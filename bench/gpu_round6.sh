@@ -185,6 +185,14 @@ for s in "$@"; do
       section "pages: the FP8 decode by page size, pointer gathers against TMA copies (bench/decode_pages_gpu.py)"
       timeout 280 python bench/decode_pages_gpu.py --budget-s 200 > "$OUT/pages.log" 2>&1
       echo "rc=$?"; grep -v "^  ok" "$OUT/pages.log" | tail -60 ;;
+    pages-e5m2)
+      section "pages-e5m2: the FP8 decode variants' checks on an e5m2 cache (bench/decode_pages_gpu.py --checks-only)"
+      timeout 90 python bench/decode_pages_gpu.py --checks-only --formats e5m2 > "$OUT/pages_e5m2.log" 2>&1
+      echo "rc=$?"; grep -v "^  ok" "$OUT/pages_e5m2.log" | tail -12 ;;
+    profile-fp8kv)
+      section "profile-fp8kv: 40 decode steps of long-1024-1024, FP8 cache, bf16 weights (bench/profile_gpu.py)"
+      timeout 150 python bench/profile_gpu.py --workload long-1024-1024 --kv-cache-dtype fp8 --warmup-steps 60 \
+        --steps 40 > "$OUT/profile_fp8kv.log" 2>&1; echo "rc=$?"; tail -30 "$OUT/profile_fp8kv.log" ;;
     attn-prefill)
       section "attn-prefill: the prefill variants (e4m3 dots among them) and FlashAttention-3 (bench/attention_gpu.py --only prefill)"
       timeout 240 python bench/attention_gpu.py --only prefill --budget-s 200 > "$OUT/attn.log" 2>&1
