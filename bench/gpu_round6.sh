@@ -146,7 +146,9 @@ for s in "$@"; do
     sweep-pair)
       section "sweep-pair: offline, our server and vLLM's at 512 and 1,024 clients, one call (bench/server_sweep_gpu.sh)"
       # Both servers in one call, so their ratio is one call's; the budget counts from the call's start.
-      OUR_LEVELS="512 1024" VLLM_LEVELS="512 1024" OFFLINE_TIMEOUT=70 OURS_TIMEOUT=170 \
+      # Levels from 64: the ramps of 512 and 1,024 then come from the rate measured below them (a sweep
+      # that starts at 512 ramps on one lone request's life and measures that level twice: round 11).
+      OUR_LEVELS="64 512 1024" VLLM_LEVELS="64 512 1024" OFFLINE_TIMEOUT=70 OURS_TIMEOUT=220 \
         BUDGET_S=$(( 570 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
     side-fp8kv)
       section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"

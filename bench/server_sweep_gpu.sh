@@ -86,7 +86,7 @@ PY
     PYTHONPATH=$VSITE/a:$VSITE/b VLLM_USE_FLASHINFER_SAMPLER=0 nohup python3 -m vllm.entrypoints.openai.api_server \
       --model "$CFG" --load-format dummy --dtype bfloat16 --max-model-len 4096 --seed 0 \
       --host 127.0.0.1 --port $PORT > "$OUT/vllm_server.log" 2>&1 &
-    VPID=$!
+    VPID=$!; VSTART=$(date +%s)
     up=0
     for i in $(seq 1 150); do  # start-up: ~65 s for LLM(); compile and graphs
       if python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$PORT/health', timeout=2)" 2>/dev/null; then
@@ -96,7 +96,7 @@ PY
       sleep 2
     done
     if [ $up = 1 ]; then
-      echo "vLLM up after $(( $(date +%s) - T0 )) s"
+      echo "vLLM up after $(( $(date +%s) - VSTART )) s"
       left=$(( BUDGET_S - ($(date +%s) - T0) ))
       timeout $(( left > 30 ? left : 30 )) python3 -m overnight bench sweep --url "http://127.0.0.1:$PORT" \
         $SWEEP_ARGS --levels $VLLM_LEVELS --out "$OUT/vllm" > "$OUT/vllm.log" 2>&1
@@ -112,10 +112,14 @@ fi
 
 # The sweeps may run in separate calls (ONLY=vllm, then ONLY=ours): $OUT is emptied before each call,
 # $HOME survives while the machine stays warm, so each keeps a copy there and the summary reads both.
+# A ratio of parts from different calls is no claim (the same engine moves between calls): the summary
+# then prints none.
+EARLIER=""
 for part in ours vllm offline.jsonl; do
   if [ -e "$OUT/$part" ]; then rm -rf "$HOME/sweep_keep/$part"; mkdir -p "$HOME/sweep_keep"; cp -r "$OUT/$part" "$HOME/sweep_keep/"
-  elif [ -e "$HOME/sweep_keep/$part" ]; then cp -r "$HOME/sweep_keep/$part" "$OUT/" && echo "($part from an earlier call)"; fi
+  elif [ -e "$HOME/sweep_keep/$part" ]; then cp -r "$HOME/sweep_keep/$part" "$OUT/" && echo "($part from an earlier call)" && EARLIER="$EARLIER $part"; fi
 done
+export EARLIER
 
 section "4. summary"
 python3 - "$OUT" <<'PY'
@@ -146,6 +150,10 @@ def by_level(doc):
 
 
 o, v = by_level(ours), by_level(vllm)
+earlier = os.environ.get("EARLIER", "").split()
+same_call = not ({"ours", "vllm"} & set(earlier))  # both servers' sweeps from this call
+if not same_call:
+    print(f"({', '.join(earlier)} from an earlier call: no ours / vLLM ratio)")
 print(f"{'clients':>7} | {'ours out tok/s':>14} {'tot/out':>7} {'steady':>6} {'SM MHz':>6} | {'vLLM out tok/s':>14} {'tot/out':>7} {'steady':>6} {'SM MHz':>6} | ours/vLLM")
 for x in sorted(set(o) | set(v)):
     def cells(lv):
@@ -153,7 +161,7 @@ for x in sorted(set(o) | set(v)):
             return f"{'-':>14} {'-':>7} {'-':>6} {'-':>6}"
         st = lv["steady"]
         return f"{lv['output_tok_s']:>14.0f} {st['total_per_output']!s:>7} {'yes' if st['steady'] else 'NO':>6} {lv['gpu']['sm_clock_mhz_median']!s:>6}"
-    ratio = f"{o[x]['output_tok_s'] / v[x]['output_tok_s']:.2f}x" if x in o and x in v and v[x]["output_tok_s"] else "-"
+    ratio = f"{o[x]['output_tok_s'] / v[x]['output_tok_s']:.2f}x" if same_call and x in o and x in v and v[x]["output_tok_s"] else "-"
     print(f"{x:>7} | {cells(o.get(x))} | {cells(v.get(x))} | {ratio}")
 
 
@@ -176,7 +184,7 @@ checks = {
     "vllm_all_steady": bool(v) and all(lv["steady"]["steady"] for lv in v.values()),
     "vllm_peak_tok_s": pv["output_tok_s"] if pv else None,
     "vllm_peak_clients": int(pv["x"]) if pv else None,
-    "ours_over_vllm_peak": round(po["output_tok_s"] / pv["output_tok_s"], 3) if po and pv else None,
+    "ours_over_vllm_peak": round(po["output_tok_s"] / pv["output_tok_s"], 3) if same_call and po and pv else None,
 }
 print()
 print(f"offline bench throughput: {off} out tok/s (SM {checks['offline_sm_mhz']} MHz)")
