@@ -19,6 +19,12 @@ conversion of K or V per tile (8 F2FP round P), 534 instructions, 103 registers,
 page ids come one tile ahead, kv_tiles.py). The softmax runs along M: a cross-warp reduction through
 shared memory.
 
+_decode_fp8_tma_kernel (DecodeConfig.tma, the default on pages of 64 tokens) does the same arithmetic
+with each K and V tile fetched by one TMA copy through host-side descriptors of the layer's K and V
+planes: no per-thread addresses or masks, so each tile must lie inside one page (tma_supported says
+what else it needs). On the H200 the page size was what mattered (round 11: 4.2 TB/s on pages of 64
+against 3.3 on pages of 16 with the pointer gathers too); the copies added 1-3%.
+
 Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 path does:
 - q is quantized to e4m3 once per program, each head row with its own scale (its largest |value| maps
   to 448), so scores carry q's rounding (relative 2**-4) besides K's;
