@@ -19,10 +19,9 @@ conversion of K or V per tile (8 F2FP round P), 534 instructions, 103 registers,
 page ids come one tile ahead, kv_tiles.py). The softmax runs along M: a cross-warp reduction through
 shared memory.
 
-_decode_fp8_tma_kernel (DecodeConfig.tma, the default on pages of 64 tokens) does the same arithmetic
-with each K and V tile fetched by one TMA copy through host-side descriptors of the layer's K and V
-planes: no per-thread addresses or masks, so each tile must lie inside one page (tma_supported says
-what else it needs). On the H200 the page size was what mattered (round 11: 4.2 TB/s on pages of 64
+With DecodeConfig.tma (the default on pages of 64 tokens) the same kernel fetches each K and V tile by
+one TMA copy through host-side descriptors of the layer's K and V planes: no per-thread addresses or
+masks, so each tile must lie inside one page (tma_supported says what else it needs). On the H200 the page size was what mattered (round 11: 4.2 TB/s on pages of 64
 against 3.3 on pages of 16 with the pointer gathers too); the copies added 1-3%.
 
 Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 path does:
@@ -63,87 +62,11 @@ def to_e4m3(x, EXACT_CAST: tl.constexpr):
 
 
 @triton.jit
-def _q_e4m3(
-    q_ptrs,
-    q_mask,
-    kv_scale_ptr,
-    qk_scale,
-    HAS_SCALE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
-):
-    """(q8 [BLOCK_G, BLOCK_D] e4m3, the scores' per-head scale, v_scale): each q row scaled so its
-    largest |value| maps to Q_MAX, then rounded; the row's scale moves into its column of S^T."""
-    q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(q), 1)
-    q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
-    q8 = to_e4m3(q / q_scale[:, None], EXACT_CAST)
-    col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
-    if HAS_SCALE:
-        col_scale = col_scale * tl.load(kv_scale_ptr)
-        v_scale = tl.load(kv_scale_ptr + 1)
-    else:
-        v_scale = 1.0
-    return q8, col_scale, v_scale
-
-
-@triton.jit
-def _online_step(
-    k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT: tl.constexpr, EXACT_CAST: tl.constexpr
-):
-    """One tile of the online softmax on the transposed products (module docstring): k [BLOCK_N,
-    BLOCK_D] and v_t [BLOCK_D, BLOCK_N] as stored, tokens past the range masked by n_mask."""
-    s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
-    s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s_t, 0))
-    alpha = tl.exp2(m_i - m_new)
-    p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
-    l_i = l_i * alpha + tl.sum(p_t, 0)
-    acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _store(
-    acc,
-    m_i,
-    l_i,
-    v_scale,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    b,
-    heads,
-    offs_d,
-    g_mask,
-    d_mask,
-    split,
-    num_splits,
-    num_kv_heads,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    SPLIT: tl.constexpr,
-    P_SHIFT: tl.constexpr,
-):
-    """The normalized O^T into out, or with SPLIT the split's partial output and log2-sum-exp."""
-    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
-    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[None, :]
-    io_mask = d_mask[:, None] & g_mask[None, :]
-    if not SPLIT:
-        dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
-        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
-    else:
-        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
-        tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
-        tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
-
-
-@triton.jit
 def _decode_fp8_mma_kernel(
     q_ptr,
     cache_ptr,
+    k_desc,  # TMA: K as [num_blocks * Hkv * PAGE, D] rows (head-major K), boxes of [BLOCK_N, D]; else None
+    v_desc,  # TMA: token-major V as [num_blocks * Hkv * D, PAGE] rows, boxes of [D, BLOCK_N]; else None
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -174,6 +97,7 @@ def _decode_fp8_mma_kernel(
     P_SHIFT: tl.constexpr,
     EXACT_CAST: tl.constexpr,  # under the interpreter (see to_e4m3)
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits): DecodeConfig.heads_first
+    TMA: tl.constexpr,  # tiles by TMA copies (DecodeConfig.tma): PAGE % BLOCK_N == 0, BLOCK_D == HEAD_DIM
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
@@ -193,15 +117,20 @@ def _decode_fp8_mma_kernel(
     heads = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    q8, col_scale, v_scale = _q_e4m3(
+    q = tl.load(
         q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        g_mask[:, None] & d_mask[None, :],
-        kv_scale_ptr,
-        qk_scale,
-        HAS_SCALE,
-        Q_MAX,
-        EXACT_CAST,
-    )
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    amax = tl.max(tl.abs(q), 1)
+    q_scale = tl.where(amax > 0.0, amax / Q_MAX, 1.0)  # padding rows are all zero: scale 1
+    q8 = to_e4m3(q / q_scale[:, None], EXACT_CAST)
+    col_scale = q_scale * qk_scale  # per query head: its q scale times the softmax scale
+    if HAS_SCALE:
+        col_scale = col_scale * tl.load(kv_scale_ptr)
+        v_scale = tl.load(kv_scale_ptr + 1)
+    else:
+        v_scale = 1.0
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -209,142 +138,50 @@ def _decode_fp8_mma_kernel(
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch
     v_base = cache_ptr + stride_ckv + kvh * (HEAD_DIM * PAGE)  # token-major V (kv_layout.py)
-    page_next = page_ids(bt_row, start, end, BLOCK_N, PAGE)  # one tile ahead (kv_tiles.py)
+    # The page ids one tile ahead (kv_tiles.py says why); with TMA a tile has one page
+    if TMA:
+        page_next = tl.load(bt_row + start // PAGE, mask=start < end, other=0)
+    else:
+        page_next = page_ids(bt_row, start, end, BLOCK_N, PAGE)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        page = page_next.to(tl.int64)
-        page_next = page_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, PAGE)
-        tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31
-        k = tl.load(
-            k_base + tok[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
-        )
-        v_t = load_v_token_major_t(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
-        m_i, l_i, acc = _online_step(k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT, EXACT_CAST)
+        if TMA:
+            head_page = page_next * num_kv_heads + kvh  # this (page, KV head)'s index among all of them
+            page_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < end, other=0)
+            # Slots past the context's end hold zeros or stale finite values (kv_layout.py): their
+            # scores are masked and their probabilities are 0, so the copies need no mask.
+            k = k_desc.load([head_page * PAGE + n0 % PAGE, 0])
+            v_t = v_desc.load([head_page * HEAD_DIM, n0 % PAGE])
+        else:
+            page = page_next.to(tl.int64)
+            page_next = page_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, PAGE)
+            tok = page * stride_cblk + (offs_n % PAGE) * stride_cslot  # int64: a layer can exceed 2**31
+            k = tl.load(
+                k_base + tok[:, None] + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0
+            )
+            v_t = load_v_token_major_t(
+                v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN
+            )
+        s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
+        s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s_t, 0))
+        alpha = tl.exp2(m_i - m_new)
+        p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
+        l_i = l_i * alpha + tl.sum(p_t, 0)
+        acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
+        m_i = m_new
 
-    _store(
-        acc,
-        m_i,
-        l_i,
-        v_scale,
-        out_ptr,
-        part_out_ptr,
-        part_lse_ptr,
-        b,
-        heads,
-        offs_d,
-        g_mask,
-        d_mask,
-        split,
-        num_splits,
-        num_kv_heads,
-        stride_ot,
-        stride_oh,
-        GROUP,
-        HEAD_DIM,
-        SPLIT,
-        P_SHIFT,
-    )
-
-
-@triton.jit
-def _decode_fp8_tma_kernel(
-    q_ptr,
-    k_desc,  # K as [num_blocks * Hkv * PAGE, D] rows (head-major K), boxes of [BLOCK_N, D]
-    v_desc,  # token-major V as [num_blocks * Hkv * D, PAGE] rows, boxes of [D, BLOCK_N]
-    block_tables_ptr,
-    seq_lens_ptr,
-    out_ptr,
-    part_out_ptr,
-    part_lse_ptr,
-    kv_scale_ptr,
-    qk_scale,
-    num_splits,
-    stride_qt,
-    stride_qh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,  # a power of two: a descriptor's box is exactly one head
-    PAGE: tl.constexpr,  # a multiple of BLOCK_N: a tile never leaves its page
-    BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr,
-    HAS_SCALE: tl.constexpr,
-    Q_MAX: tl.constexpr,
-    P_SHIFT: tl.constexpr,
-    EXACT_CAST: tl.constexpr,
-    HEADS_FIRST: tl.constexpr,
-):
-    """_decode_fp8_mma_kernel with each K and V tile fetched by one TMA copy (DecodeConfig.tma)."""
-    b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + b)
-    if SPLIT:
-        per_split = split_len(seq_len, num_splits, BLOCK_N)
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
-        if start >= end:
-            return
+    # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
+    out = acc * (v_scale / tl.where(l_i == 0.0, 1.0, l_i))[None, :]
+    io_mask = d_mask[:, None] & g_mask[None, :]
+    if not SPLIT:
+        dst = out_ptr + b * stride_ot + heads[None, :] * stride_oh + offs_d[:, None]
+        tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
     else:
-        start = seq_len * 0
-        end = seq_len
-
-    offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
-    heads = kvh * GROUP + offs_g
-    g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    q8, col_scale, v_scale = _q_e4m3(
-        q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-        g_mask[:, None] & d_mask[None, :],
-        kv_scale_ptr,
-        qk_scale,
-        HAS_SCALE,
-        Q_MAX,
-        EXACT_CAST,
-    )
-
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([HEAD_DIM, BLOCK_G], tl.float32)  # O^T
-    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-    # One page id per tile, loaded one tile ahead (kv_tiles.py says why)
-    page_next = tl.load(bt_row + start // PAGE, mask=start < end, other=0)
-    for n0 in range(start, end, BLOCK_N):
-        n_mask = n0 + tl.arange(0, BLOCK_N) < end
-        head_page = page_next * num_kv_heads + kvh  # this (page, KV head)'s index among all of them
-        page_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < end, other=0)
-        # Slots past the context's end hold zeros or stale finite values (kv_layout.py): their
-        # scores are masked and their probabilities are 0, so the copies need no mask.
-        k = k_desc.load([head_page * PAGE + n0 % PAGE, 0])
-        v_t = v_desc.load([head_page * HEAD_DIM, n0 % PAGE])
-        m_i, l_i, acc = _online_step(k, v_t, q8, col_scale, n_mask, m_i, l_i, acc, P_SHIFT, EXACT_CAST)
-
-    _store(
-        acc,
-        m_i,
-        l_i,
-        v_scale,
-        out_ptr,
-        part_out_ptr,
-        part_lse_ptr,
-        b,
-        heads,
-        offs_d,
-        g_mask,
-        d_mask,
-        split,
-        num_splits,
-        num_kv_heads,
-        stride_ot,
-        stride_oh,
-        GROUP,
-        HEAD_DIM,
-        SPLIT,
-        P_SHIFT,
-    )
+        part = (b * (GROUP * num_kv_heads) + heads) * num_splits + split
+        tl.store(part_out_ptr + part[None, :] * HEAD_DIM + offs_d[:, None], out, mask=io_mask)
+        tl.store(part_lse_ptr + part, m_i - P_SHIFT + tl.log2(l_i), mask=g_mask)
 
 
 def launch_decode_fp8_mma(
@@ -367,30 +204,20 @@ def launch_decode_fp8_mma(
 ) -> None:
     """The launch for paged_decode (which has checked every argument); same grid and workspace.
     tma: the K / V tiles by TMA copies (tma_supported must hold)."""
-    _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
     group = q.shape[1] // num_kv_heads
+    k_desc = v_desc = None
     if tma:
-        _launch_tma(
-            grid,
-            q,
-            kv_cache,
-            block_tables,
-            seq_lens,
-            out,
-            part_out,
-            part_lse,
-            kv_scale,
-            qk_scale,
-            num_splits,
-            block_n,
-            num_warps,
-            num_stages,
-            heads_first,
-        )
-        return
+        # Host-side descriptors of the layer's K and V planes: built at launch, captured by value in
+        # a CUDA graph (the cache never moves).
+        rows = num_blocks * num_kv_heads
+        k_desc = TensorDescriptor(kv_cache[0], [rows * page, head_dim], [head_dim, 1], [block_n, head_dim])
+        v_desc = TensorDescriptor(kv_cache[1], [rows * head_dim, page], [page, 1], [head_dim, block_n])
     _decode_fp8_mma_kernel[grid](
         q,
         kv_cache,
+        k_desc,
+        v_desc,
         block_tables,
         seq_lens,
         out,
@@ -421,6 +248,7 @@ def launch_decode_fp8_mma(
         P_SHIFT=P_SHIFT,
         EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
         HEADS_FIRST=heads_first,
+        TMA=tma,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -449,61 +277,6 @@ def tma_supported(kv_cache: torch.Tensor, block_n: int) -> str | None:
     if num_blocks * num_kv_heads * max(page, head_dim) >= 2**31:
         return "the cache has too many rows for int32 tile coordinates"
     return None
-
-
-def _launch_tma(
-    grid,
-    q,
-    kv_cache,
-    block_tables,
-    seq_lens,
-    out,
-    part_out,
-    part_lse,
-    kv_scale,
-    qk_scale: float,
-    num_splits: int,
-    block_n: int,
-    num_warps: int,
-    num_stages: int,
-    heads_first: bool,
-) -> None:
-    _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
-    rows = num_blocks * num_kv_heads
-    # Host-side descriptors: built at launch, captured by value in a CUDA graph (the cache never moves).
-    k_desc = TensorDescriptor(kv_cache[0], [rows * page, head_dim], [head_dim, 1], [block_n, head_dim])
-    v_desc = TensorDescriptor(kv_cache[1], [rows * head_dim, page], [page, 1], [head_dim, block_n])
-    _decode_fp8_tma_kernel[grid](
-        q,
-        k_desc,
-        v_desc,
-        block_tables,
-        seq_lens,
-        out,
-        part_out,
-        part_lse,
-        kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
-        qk_scale,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_tables.stride(0),
-        GROUP=q.shape[1] // num_kv_heads,
-        BLOCK_G=max(16, triton.next_power_of_2(q.shape[1] // num_kv_heads)),
-        HEAD_DIM=head_dim,
-        PAGE=page,
-        BLOCK_N=block_n,
-        SPLIT=num_splits > 1,
-        HAS_SCALE=kv_scale is not None,
-        Q_MAX=Q_MAX,
-        P_SHIFT=P_SHIFT,
-        EXACT_CAST=q.device.type == "cpu",
-        HEADS_FIRST=heads_first,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
 
 
 def decode_fp8_mma_ref(
