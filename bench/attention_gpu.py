@@ -460,21 +460,22 @@ def check_prefill_variants(fa3: Callable | None) -> None:
             try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, ref))
 
 
-def check_fp8_mma_graph() -> None:
-    """The fp8-MMA decode captured in a CUDA graph through the backend, replayed on new lengths, tables
-    and scales (what the engine's decode graphs do)."""
+def check_fp8_mma_graph(cfg: DecodeConfig | None = None, page: int = PAGE) -> None:
+    """The fp8-MMA decode (cfg; default n128 on pages of `page` tokens) captured in a CUDA graph through
+    the backend, replayed on new lengths, tables and scales (what the engine's decode graphs do; the TMA
+    variant's descriptors go into the graph by value)."""
     hq, hkv = MODELS["qwen3-8b"]
-    batch, width = 16, 64
+    batch, width = 16, 1024 // page
     num_blocks = batch * width + 8
-    cfg = DecodeConfig(128, 4, 3, fp8_mma=True)
+    cfg = cfg or DecodeConfig(128, 4, 3, fp8_mma=True)
     backend = TritonAttentionBackend(hq, hkv, D, 64, 4096, DEV, decode_config=cfg)
 
     def meta_for(lens: list[int], seed: int) -> AttentionMetadata:
         perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         tables = [perm[i * width : (i + 1) * width] for i in range(batch)]
-        return build_metadata([1] * batch, lens, tables, PAGE, batch, DEV)
+        return build_metadata([1] * batch, lens, tables, page, batch, DEV)
 
-    full = torch.randn(2, num_blocks, PAGE, hkv, D, device=DEV, dtype=BF16)
+    full = torch.randn(2, num_blocks, page, hkv, D, device=DEV, dtype=BF16)
     cache = to_storage_layout(torch.stack([quantize_kv(full[i], 1.0, E4M3) for i in range(2)]))
     scales = torch.ones(2, device=DEV)
     meta = meta_for([700] * batch, seed=8)
@@ -486,7 +487,7 @@ def check_fp8_mma_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = backend.forward(q, k, v, cache, meta, D**-0.5, scales)
-    lens = torch.randint(1, width * PAGE + 1, (batch,), generator=torch.Generator().manual_seed(9)).tolist()
+    lens = torch.randint(1, width * page + 1, (batch,), generator=torch.Generator().manual_seed(9)).tolist()
     new = meta_for(lens, seed=10)
     for static, fresh in ((meta.seq_lens, new.seq_lens), (meta.block_tables, new.block_tables),
                           (meta.slot_mapping, new.slot_mapping)):  # fmt: skip
@@ -498,7 +499,7 @@ def check_fp8_mma_graph() -> None:
     torch.cuda.synchronize()
     ref = paged_attention_ref(q.float(), cache, new, D**-0.5, scales)
     check(
-        f"fp8-MMA decode, CUDA graph replay (splits={backend.num_splits(batch)}) vs exact",
+        f"fp8-MMA decode n{cfg.block_n}{' tma' if cfg.tma else ''} p{page}, CUDA graph replay (splits={backend.num_splits(batch)}) vs exact",
         rel_err(out, ref),
         8e-2,
     )

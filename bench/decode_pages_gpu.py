@@ -30,10 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gpu as ag  # noqa: E402
 
-from overnight.attention.metadata import AttentionMetadata  # noqa: E402
-from overnight.attention.torch_backend import build_metadata, paged_attention_ref  # noqa: E402
-from overnight.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from overnight.kernels.kv_layout import to_storage_layout  # noqa: E402
+from overnight.attention.torch_backend import paged_attention_ref  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
     BF16_DECODE_CONFIG,
     FP8_SMALL_PAGE_DECODE_CONFIG,
@@ -95,43 +92,6 @@ def check_variants(fp8: torch.dtype) -> None:
                 ag.check(tag + " vs exact", ag.rel_err(out, exact), 8e-2)
 
 
-def check_tma_graph(page: int, cfg: DecodeConfig) -> None:
-    """The TMA decode captured in a CUDA graph through the backend (its descriptors go in by value),
-    replayed on new lengths, tables and scales, as the engine's decode graphs are."""
-    hq, hkv = ag.MODELS["qwen3-8b"]
-    batch, width = 16, 2048 // page
-    num_blocks = batch * width + 8
-    backend = TritonAttentionBackend(hq, hkv, D, 64, 4096, ag.DEV, decode_config=cfg)
-
-    def meta_for(lens: list[int], seed: int) -> AttentionMetadata:
-        perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
-        tables = [perm[i * width : (i + 1) * width] for i in range(batch)]
-        return build_metadata([1] * batch, lens, tables, page, batch, ag.DEV)
-
-    full = torch.randn(2, num_blocks, page, hkv, D, device=ag.DEV, dtype=ag.BF16)
-    cache = to_storage_layout(torch.stack([ag.quantize_kv(full[i], 1.0, ag.E4M3) for i in range(2)]))
-    scales = torch.ones(2, device=ag.DEV)
-    meta = meta_for([700] * batch, seed=8)
-    q, k, v = (torch.randn(batch, h, D, device=ag.DEV, dtype=ag.BF16) for h in (hq, hkv, hkv))
-    backend.forward(q, k, v, cache, meta, D**-0.5, scales)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(q, k, v, cache, meta, D**-0.5, scales)
-    lens = torch.randint(1, width * page + 1, (batch,), generator=torch.Generator().manual_seed(9)).tolist()
-    new = meta_for(lens, seed=10)
-    for static, fresh in ((meta.seq_lens, new.seq_lens), (meta.block_tables, new.block_tables),
-                          (meta.slot_mapping, new.slot_mapping)):  # fmt: skip
-        static.copy_(fresh)
-    scales.copy_(torch.tensor(ag.KV_SCALES, device=ag.DEV))
-    for x in (q, k, v):
-        x.normal_()
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = paged_attention_ref(q.float(), cache, new, D**-0.5, scales)
-    ag.check(f"TMA decode p{page} n{cfg.block_n}, CUDA graph replay vs exact", ag.rel_err(out, ref), 8e-2)
-
-
 def bench_case(model: str, batch: int, ctx: int) -> None:
     hq, hkv = ag.MODELS[model]
     ns = choose_num_splits(batch, hkv, ag.MAX_MODEL_LEN)
@@ -168,7 +128,7 @@ def main() -> None:
         ag.try_run(f"checks {fmt}", partial(check_variants, {"e4m3": ag.E4M3, "e5m2": ag.E5M2}[fmt]))
     for page, cfg in ((64, DecodeConfig(64, 4, 3, fp8_mma=True, tma=True)),
                       (128, DecodeConfig(128, 4, 3, fp8_mma=True, tma=True))):  # fmt: skip
-        ag.try_run(f"graph p{page}", partial(check_tma_graph, page, cfg))
+        ag.try_run(f"graph p{page}", partial(ag.check_fp8_mma_graph, cfg, page))
     print("timings:", flush=True)
     for model, batch, ctx in [] if args.checks_only else CASES:
         if not ag.over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
