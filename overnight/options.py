@@ -31,9 +31,9 @@ ATTENTION_VARIANTS = (
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
-# 1.28-1.36x faster from pages of 64 tokens than from pages of 16 on the H200 (bench/decode_pages_gpu.py,
-# docs/benchmarks.md round 11), where one KV head's page is a run of 2 KB; a 16-bit cache already reads
-# at the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
+# 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
+# on the H200 (bench/decode_pages_gpu.py, docs/benchmarks.md round 11); a 16-bit cache already reads at
+# the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
 DEFAULT_BLOCK_SIZE = 16
 FP8_BLOCK_SIZE = 64
 RUNNERS = ("auto", "generate", "pooling")

@@ -372,7 +372,7 @@ def test_fp8_caches_default_to_e4m3_dots() -> None:
     from overnight.kernels.paged_prefill import default_prefill_config
 
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
-        assert default_decode_config(fp8).fp8_mma
+        assert default_decode_config(fp8, 16).fp8_mma
         # Pages of 64 (an FP8 cache's default block size): TMA tiles of 64; pages of 16: the pointer
         # gathers of 128-token tiles (round 11 on the H200)
         assert default_decode_config(fp8, 64).tma and default_decode_config(fp8, 64).block_n == 64
@@ -380,7 +380,7 @@ def test_fp8_caches_default_to_e4m3_dots() -> None:
     assert default_prefill_config(torch.float8_e4m3fn).fp8_mma
     assert not default_prefill_config(torch.float8_e5m2).fp8_mma  # not yet checked on the GPU
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        assert not default_decode_config(dtype).fp8_mma and not default_prefill_config(dtype).fp8_mma
+        assert not default_decode_config(dtype, 16).fp8_mma and not default_prefill_config(dtype).fp8_mma
 
 
 def test_engine_args_accept_the_variants() -> None:

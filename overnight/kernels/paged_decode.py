@@ -21,8 +21,8 @@ FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_qua
 into the score scale, v_scale into the final normalization. V is stored token-major inside each page
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
 read without a mask along tokens. By default (FP8_DECODE_CONFIG, DecodeConfig.fp8_mma) the dots read the
-8-bit tiles as stored, each tile fetched by one TMA copy on pages of 64 tokens (DecodeConfig.tma), with q and P rounded to e4m3 (paged_decode_fp8.py). Otherwise the tiles are
-converted to fp16 for the dots (sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every
+8-bit tiles as stored, with q and P rounded to e4m3, each tile fetched by one TMA copy on pages of 64
+tokens (DecodeConfig.tma; paged_decode_fp8.py). Otherwise the tiles are converted to fp16 for the dots (sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every
 e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
 
     "fp16"  cvt instructions (one per pair of values)
@@ -101,7 +101,7 @@ FP8_DECODE_CONFIG = DecodeConfig(
 BF16_DECODE_CONFIG = DecodeConfig(heads_first=True)
 
 
-def default_decode_config(cache_dtype: torch.dtype, block_size: int = 64) -> DecodeConfig:
+def default_decode_config(cache_dtype: torch.dtype, block_size: int) -> DecodeConfig:
     """The decode kernel's config for a cache of that dtype and page size. An FP8 cache on pages the
     TMA tiles do not divide (a --block-size of 16 or 32) keeps the 128-token pointer-gather tiles."""
     if not is_fp8(cache_dtype):
@@ -337,7 +337,8 @@ def paged_decode(
     q, out: [>= num_decodes, Hq, D]; kv_cache: [2, num_blocks, block_size, Hkv, D] of any float dtype
     (fp8 with kv_scale, [2] float32 (k_scale, v_scale) on the device); block_tables: [>= num_decodes,
     max_blocks] int32; seq_lens: [>= num_decodes] int32. Nothing is synchronized with the host.
-    config defaults to default_decode_config(kv_cache.dtype).
+    config defaults to default_decode_config(kv_cache.dtype, block_size); a default TMA config on a
+    cache its copies cannot read falls back to the same tiles by pointers, an explicit one raises.
     """
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
