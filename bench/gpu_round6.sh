@@ -62,14 +62,13 @@
 #                              (equal lengths again; the timeline now starts at each level's start, so a
 #                              band's formation shows)
 #
-# Round 11 call 1 ran `pages` (bench/decode_pages_gpu.py): pages of 64 tokens made the FP8 decode
-# 1.28-1.36x faster; FP8 caches now default to them and the TMA decode. Next, in this order:
-#   1. carry .peer/c1:         bash bench/gpu_round6.sh fp8acc                (stage vLLM part 1; FP8-cache
-#                              accuracy with the new defaults; ~150 s)
-#   2. carry .peer/c2:         bash bench/gpu_round6.sh unpack side-fp8kv     (the FP8-cache pair; ~330 s)
-#   3. carry .peer/c2:         bash bench/gpu_round6.sh side-fp8both          (FP8 weights + cache; ~300 s)
-#   4. carry .whl:             bash bench/gpu_round6.sh sweep-pair            (vLLM from $HOME/vsite)
-#   5. carry .whl:             bash bench/gpu_round6.sh sweep-ours
+# Round 11 ran pages, fp8acc, side-fp8kv, side-fp8both, sweep-pair, sweep-ours, pages-e5m2 and
+# profile-fp8kv (docs/benchmarks.md "Round 11"). Next (issue 16: vLLM's steady peak beside ours):
+#   1. carry .peer/c1:         bash bench/gpu_round6.sh                       (stage vLLM part 1)
+#   2. carry .peer/c2 + .whl:  bash bench/gpu_round6.sh unpack sweep-pair     (offline, then both servers at
+#                              64, 512 and 1,024 clients in one call; ~500 s)
+# If time is left: carry .peer/c2, `side-seed` and `side-long` (the bf16 pairs), or nano-256 by
+# `bash .peer/c2/side_by_side.sh nano-256`.
 #
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
@@ -144,11 +143,13 @@ for s in "$@"; do
       # The sweep's budget counts from its own start: leave out what this call spent before it (unpack).
       ONLY=vllm VLLM_LEVELS="256 512 1024" BUDGET_S=$(( 560 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
     sweep-pair)
-      section "sweep-pair: offline, our server and vLLM's at 512 and 1,024 clients, one call (bench/server_sweep_gpu.sh)"
+      section "sweep-pair: our server and vLLM's at 64, 512 and 1,024 clients, one call (bench/server_sweep_gpu.sh)"
       # Both servers in one call, so their ratio is one call's; the budget counts from the call's start.
       # Levels from 64: the ramps of 512 and 1,024 then come from the rate measured below them (a sweep
       # that starts at 512 ramps on one lone request's life and measures that level twice: round 11).
-      OUR_LEVELS="64 512 1024" VLLM_LEVELS="64 512 1024" OFFLINE_TIMEOUT=70 OURS_TIMEOUT=220 \
+      # The offline figure is left out (OFFLINE_TIMEOUT=1): both sweeps need the call's time, and the
+      # server / offline ratio comes from sweep-ours (0.934 in round 11).
+      OUR_LEVELS="64 512 1024" VLLM_LEVELS="64 512 1024" OFFLINE_TIMEOUT=1 OURS_TIMEOUT=230 \
         BUDGET_S=$(( 570 - ($(date +%s) - T0) )) bash bench/server_sweep_gpu.sh ;;
     side-fp8kv)
       section "side-fp8kv: long-1024-1024, FP8 cache on both, bf16 weights (side_by_side.sh)"
