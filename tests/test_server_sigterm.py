@@ -1,5 +1,7 @@
 """`overnight serve` as users run it, in a subprocess: SIGTERM stops accepting connections, lets a short
-in-flight request finish, aborts a long one after --shutdown-timeout, and exits 0."""
+in-flight request finish, aborts a long one after --shutdown-timeout, and exits 0. The same when the
+signal reaches the whole process group (a terminal's job control, `kill -- -PGID`, a service manager
+that stops every process of the unit): the engine process leaves stopping to the HTTP process."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ def read_stream(url: str, body: dict, first_chunk: threading.Event, result: dict
     first_chunk.set()
 
 
-def test_sigterm_drains_then_exits_zero(tmp_path):
+@pytest.mark.parametrize("target", ["server", "group"])
+def test_sigterm_drains_then_exits_zero(tmp_path, target):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w")
@@ -61,6 +64,7 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
         stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
+        start_new_session=True,  # its own process group, so the "group" case signals it alone
     )
     try:
         deadline = time.monotonic() + 180
@@ -98,7 +102,10 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
             assert event.wait(120)
 
         t_signal = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        if target == "group":
+            os.killpg(proc.pid, signal.SIGTERM)  # the server, its engine process and any other child
+        else:
+            proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         refused = False
         try:
@@ -117,7 +124,9 @@ def test_sigterm_drains_then_exits_zero(tmp_path):
             proc.wait()
         log.close()
 
-    assert rc == 0, (tmp_path / "serve.log").read_text()
+    text = (tmp_path / "serve.log").read_text()
+    assert rc == 0, text
+    assert "engine thread failed" not in text and "EngineDeadError" not in text, text
     # The short request finished within the grace period: all its tokens, then [DONE].
     short = results["short"]
     assert short["status"] == 200 and "error" not in short

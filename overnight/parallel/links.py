@@ -173,7 +173,12 @@ def serve_engine(
 def _engine_main(
     index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection, log_setup: LogSetup
 ) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    # The driver decides when to stop: a SIGINT or SIGTERM sent to the whole process group (Ctrl-C, a
+    # service manager stopping every process of its unit) reaches this process too, and dying here would
+    # cut the requests the driver is still draining. A driver that dies closes the pipe, which ends this
+    # process as well.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     log_setup.apply()
 
     def receive(block: bool) -> list[object] | None:

@@ -181,7 +181,8 @@ def stop_processes(
     conns: list[Connection],
     grace_s: float = 10.0,
 ) -> None:
-    """Ask each process to stop, wait up to grace_s, then terminate the rest."""
+    """Ask each process to stop, wait up to grace_s, then kill the rest (they ignore SIGTERM: see
+    _worker_main)."""
     deadline = time.monotonic() + grace_s
     for sender in senders:
         sender.send(Shutdown())
@@ -190,9 +191,6 @@ def stop_processes(
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join(2.0)
         if p.is_alive():
             p.kill()
             p.join()
@@ -280,7 +278,12 @@ def _serve(runner, init: WorkerInit, conn: Connection) -> None:
 
 
 def _worker_main(init: WorkerInit, conn: Connection, log_setup: LogSetup) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when to stop
+    # The driver decides when to stop: a SIGINT or SIGTERM sent to the whole process group (Ctrl-C, a
+    # service manager stopping every process of its unit) reaches this process too, and dying here would
+    # cut the requests the driver is still draining. A driver that dies closes the pipe, which ends this
+    # process as well.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     log_setup.apply()
     try:
         runner = _start_rank(init)

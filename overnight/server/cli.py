@@ -5,7 +5,8 @@
     overnight serve --model ./my-model --api-key KEY --metrics-prefix vllm --max-waiting 256
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets in-flight requests finish for up to
---shutdown-timeout seconds, aborts what is left, and exits 0.
+--shutdown-timeout seconds, aborts what is left, and exits 0, also when the signal reaches the whole
+process group: the engine processes leave stopping to this one.
 """
 
 from __future__ import annotations
