@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from overnight.attention.variants import TMA_TILES
 from overnight.config import (
     CacheConfig,
     EngineConfig,
@@ -170,17 +171,13 @@ def build_config(
     )
 
 
-# Decode variants whose tiles must sit inside one page: tokens per tile (attention/variants.py).
-TILE_IN_PAGE = {"tma": 64, "tma-n128": 128}
-
-
 def check_cache(opts: EngineOptions) -> None:
     """Raise ConfigError for a block size the cache or the attention variant cannot take, before any
     weight loads."""
     block_size = block_size_for(opts.kv_cache_dtype, opts.block_size)
     if block_size < 1:
         raise ConfigError(f"block_size must be at least 1, got {block_size}")
-    tile = TILE_IN_PAGE.get(opts.attention_variant)
+    tile = TMA_TILES.get(opts.attention_variant)
     if tile and opts.kv_cache_dtype != "auto" and block_size % tile:
         raise ConfigError(
             f"attention variant {opts.attention_variant!r} reads tiles of {tile} tokens from one page: "

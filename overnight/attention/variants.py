@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from overnight.kernels.paged_prefill import PrefillConfig
 
 
+# The TMA decode variants' tiles, in tokens: each tile must lie inside one page, so the block size must
+# be a multiple (build.check_cache refuses others before any weight loads).
+TMA_TILES = {"tma": 64, "tma-n128": 128}
+
+
 def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, PrefillConfig | None]:
     """(decode config, prefill config) of a variant for a cache of that kind; None: the default."""
     if name not in ATTENTION_VARIANTS:
@@ -47,9 +52,10 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
 
     if name == "fp16-dots":
         return (FP8_FP16_DOTS_DECODE_CONFIG, PrefillConfig()) if fp8_cache else (None, None)
-    if name in ("tma", "tma-n128"):
-        block_n = 128 if name == "tma-n128" else 64
-        return (DecodeConfig(block_n, 4, 3, fp8_mma=True, tma=True), None) if fp8_cache else (None, None)
+    if name in TMA_TILES:
+        return (
+            (DecodeConfig(TMA_TILES[name], 4, 3, fp8_mma=True, tma=True), None) if fp8_cache else (None, None)
+        )
     if name == "heads-first":
         import torch
 
