@@ -53,7 +53,7 @@ timeout ${OFFLINE_TIMEOUT:-150} python3 -m overnight bench throughput $OFFLINE_A
 echo "rc=$?"; grep -E "^overnight|Error" "$OUT/offline.log" | tail -3
 
 section "2. our server: sweep $OUR_LEVELS $OUR_EXTRA"
-timeout ${OURS_TIMEOUT:-240} python3 -m overnight bench sweep $MODEL_ARGS $SWEEP_ARGS $OUR_EXTRA --levels $OUR_LEVELS \
+timeout -k 75 ${OURS_TIMEOUT:-240} python3 -m overnight bench sweep $MODEL_ARGS $SWEEP_ARGS $OUR_EXTRA --levels $OUR_LEVELS \
   --out "$OUT/ours" > "$OUT/ours.log" 2>&1
 echo "rc=$?"; tail -14 "$OUT/ours.log"
 fi
@@ -98,7 +98,7 @@ PY
     if [ $up = 1 ]; then
       echo "vLLM up after $(( $(date +%s) - VSTART )) s"
       left=$(( BUDGET_S - ($(date +%s) - T0) ))
-      timeout $(( left > 30 ? left : 30 )) python3 -m overnight bench sweep --url "http://127.0.0.1:$PORT" \
+      timeout -k 20 $(( left > 30 ? left : 30 )) python3 -m overnight bench sweep --url "http://127.0.0.1:$PORT" \
         $SWEEP_ARGS --levels $VLLM_LEVELS --out "$OUT/vllm" > "$OUT/vllm.log" 2>&1
       echo "rc=$?"; tail -12 "$OUT/vllm.log"
     else

@@ -157,3 +157,45 @@ def test_verdict_sorts_a_late_refinement_level_into_place():
 def test_short_series(series):
     v = verdict([LevelPoint(x, t) for x, t in zip(LEVELS, series, strict=False)], 0.05)
     assert v.best_x == 1
+
+
+# Round 12 on the H200, vLLM's server at 64 and 1,024 clients (512 in / 256 out): at 1,024 its scheduler
+# ran 259 requests and queued none, the rest waited in its front end (TTFT p50 31 s).
+FRONT = dict(mean_kv_usage=[0.05, 0.21], mean_waiting=[0.0, 0.0], mean_running=[58.8, 259.2])
+
+
+def test_reason_front_end_where_the_server_holds_fewer_requests_than_the_clients():
+    pts = [
+        LevelPoint(64, 5677.0, clients=64, client_lag_ms=0.4, **{k: v[0] for k, v in FRONT.items()}),
+        LevelPoint(1024, 6150.0, clients=1024, client_lag_ms=1.2, **{k: v[1] for k, v in FRONT.items()}),
+    ]
+    v = verdict(pts, 0.05)
+    # Output still grew, but more clients would only wait in the front end: not "still_growing".
+    assert (v.best_x, v.reason) == (1024, "front_end")
+    assert "765 requests waited" in v.detail and "ran 259 and queued 0" in v.detail
+    # The same gap with a client whose loop lagged: the load generator is to blame.
+    lagging = [pts[0], LevelPoint(**{**pts[1].__dict__, "client_lag_ms": 45.0})]
+    assert verdict(lagging, 0.05).reason == "client_bound"
+    # Past the knee too, before the clock and compute verdicts.
+    fell = [pts[0], LevelPoint(**{**pts[1].__dict__, "output_tok_s": 5000.0})]
+    assert why_stopped(fell, 0)[0] == "front_end"
+
+
+def test_no_gap_when_the_server_holds_the_clients_or_they_are_unknown():
+    # Ours at 1,024 in the same call: 982 running and 8 waiting of 1,024 is within the slack.
+    ours = LevelPoint(1024, 9878.0, mean_running=982.1, mean_waiting=7.7, mean_kv_usage=0.8, clients=1024)
+    below = LevelPoint(512, 10169.0, mean_running=492.3, mean_waiting=1.2, mean_kv_usage=0.4, clients=512)
+    assert why_stopped([below, ours], 0)[0] == "compute_bound"
+    # A fixed-rate level (no clients) or a server without /metrics gives no verdict on the gap.
+    rate = LevelPoint(8.0, 100.0, mean_running=2.0, mean_waiting=0.0)
+    no_metrics = LevelPoint(1024, 100.0, clients=1024)
+    assert why_stopped([rate], 0)[0] == "still_growing"
+    assert why_stopped([no_metrics], 0)[0] == "still_growing"
+    # Two clients short of eight is a gap (25%); one is the moment between an answer and the next request.
+    assert (
+        why_stopped([LevelPoint(8, 1.0, mean_running=6.0, mean_waiting=0.0, clients=8)], 0)[0] == "front_end"
+    )
+    assert (
+        why_stopped([LevelPoint(8, 1.0, mean_running=7.0, mean_waiting=0.0, clients=8)], 0)[0]
+        == "still_growing"
+    )

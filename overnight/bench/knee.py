@@ -12,9 +12,14 @@ its window fell, so it is reported (Verdict.unsteady_x) and left out of every ru
     reason      read from the levels past the knee, first match wins:
                 pool_full      KV usage near 1 (or preemptions) with requests waiting
                 max_num_seqs   running at max_num_seqs with free cache
+                client_bound   clients' requests neither running nor waiting on the server, and the
+                               load generator's loop lagging: the client, not the server, held them
+                front_end      the same gap with a client that kept up: the requests wait in the
+                               server's front end (HTTP, tokenization, its queue to the engine)
                 throttling     the SM clock dropped against the fastest level before
                 compute_bound  none of these
-                still_growing  no level past the knee (growth never stopped)
+                still_growing  no level past the knee (growth never stopped), unless the last level
+                               shows one of the gaps above (more clients would only queue there)
 """
 
 from __future__ import annotations
@@ -25,8 +30,24 @@ KV_FULL = 0.9  # KV usage from which the pool counts as full
 SEATS_SLACK = 0.05  # running within 5% (or one request) of max_num_seqs counts as at the ceiling
 MIN_WAITING = 0.5  # mean waiting requests from which requests count as queued
 THROTTLE_DROP = 0.10  # SM clock drop against the best earlier level that counts as throttling
+# A closed loop keeps every client's request in flight but for the moment between an answer and the next
+# request, so the server should hold about as many, running or waiting. More than this share missing (and
+# at least MIN_MISSING requests) counts as a gap. Healthy levels on the H200 miss 4-8% (at 64 clients, a
+# request of 3 s; on the CPU 22% at 4 clients, hence the floor); the front end that held requests
+# back missed 44-75% (round 12).
+MISSING_SHARE = 0.20
+MIN_MISSING = 2.0
+CLIENT_LAG_MS = 20.0  # the load generator's mean loop lag from which it counts as behind
 
-REASONS = ("pool_full", "max_num_seqs", "throttling", "compute_bound", "still_growing")
+REASONS = (
+    "pool_full",
+    "max_num_seqs",
+    "client_bound",
+    "front_end",
+    "throttling",
+    "compute_bound",
+    "still_growing",
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,8 @@ class LevelPoint:
     preemptions: float | None = None  # during the window
     power_w: float | None = None
     steady: bool = True  # measured in its steady state
+    clients: int | None = None  # a closed loop's clients (None: a fixed-rate level)
+    client_lag_ms: float | None = None  # the load generator's mean loop lag in the window
 
 
 @dataclass(frozen=True)
@@ -64,6 +87,32 @@ def at_ceiling(mean_running: float, max_num_seqs: int) -> bool:
     """Running sits at max_num_seqs: within 5% of it, or within one request, since each finish leaves
     a seat empty for a step (a large share of the time when there are few seats)."""
     return max_num_seqs - mean_running <= max(1.0, SEATS_SLACK * max_num_seqs)
+
+
+def missing(p: LevelPoint) -> float | None:
+    """Clients whose request the server held neither running nor waiting (None: not known)."""
+    if not p.clients or p.mean_running is None or p.mean_waiting is None:
+        return None
+    gap = p.clients - p.mean_running - p.mean_waiting
+    return gap if gap >= max(MIN_MISSING, MISSING_SHARE * p.clients) else None
+
+
+def gap_reason(p: LevelPoint) -> tuple[str, str] | None:
+    """client_bound or front_end at this level, with its detail; None where the server held them all."""
+    gap = missing(p)
+    if gap is None:
+        return None
+    held = f"at {_x(p.x)} clients the server ran {p.mean_running:.0f} and queued {p.mean_waiting:.0f}"
+    if p.client_lag_ms is not None and p.client_lag_ms >= CLIENT_LAG_MS:
+        return "client_bound", (
+            f"{held}; the load generator's loop lagged {p.client_lag_ms:.0f} ms on average: it fell "
+            "behind (--client-processes, or a machine of its own)"
+        )
+    lag = f" (its loop lag {p.client_lag_ms:.1f} ms)" if p.client_lag_ms is not None else ""
+    return "front_end", (
+        f"{held}; the client kept up{lag}, so {gap:.0f} requests waited in the server's front end "
+        "(HTTP, tokenization, its queue to the engine): more clients only wait there"
+    )
 
 
 def stop_reason(throughputs: list[float], min_gain: float) -> str | None:
@@ -102,6 +151,8 @@ def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
     """(reason, detail) from the levels past the knee, judged against the levels up to it."""
     past = points[knee + 1 :]
     if not past:
+        if (gap := gap_reason(points[-1])) is not None:
+            return gap
         return "still_growing", (
             f"output still grew at the last level ({_x(points[-1].x)}): measure higher levels"
         )
@@ -126,6 +177,9 @@ def why_stopped(points: list[LevelPoint], knee: int) -> tuple[str, str]:
                 f"at {_x(p.x)} running sits at max_num_seqs ({p.max_num_seqs}) with free cache "
                 f"(usage {kv}): raise max_num_seqs"
             )
+    for p in past:
+        if (gap := gap_reason(p)) is not None:
+            return gap
     clocks = [p.sm_clock_mhz for p in points[: knee + 1] if p.sm_clock_mhz is not None]
     if clocks:
         fastest = max(clocks)

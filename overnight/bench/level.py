@@ -236,6 +236,7 @@ def measure_level(
         "window_s": round(w1 - w0, 2),
         "windows": res["windows"],
         "client_processes": processes,
+        "client_lag_ms": res["lag_ms"],  # the load generator's loop lag in the window: did it keep up?
     }
     row.update(window_stats(records, w0, w1))
     row["steady"] = judge_window(records, w0, w1, x if rate_mode else None, max(clients, 1)).to_dict()
@@ -271,6 +272,7 @@ async def _window(
 ) -> dict:
     """One measured window: progress counters at each sub-window's edge (the live verdict), /metrics
     scrapes and GPU clocks throughout."""
+    control.take_lag()  # the client's loop lag counts from the window's start
     w0 = time.monotonic()
     w1 = w0 + length
     edges = steady.sub_windows(w0, w1)
@@ -289,13 +291,26 @@ async def _window(
             if scrapes is not None:
                 scrapes.cancel()
                 await client.aclose()
+    lag_mean, lag_max = control.take_lag()
     outs = [b[0] - a[0] for a, b in zip(counts, counts[1:], strict=False)]
     prompt = counts[-1][1] - counts[0][1]
     expected = None  # the workload's ratio is judged from the records afterwards; live, use the ideal
     if args.input_len and args.output_len and not args.dataset:
         expected = (args.input_len + args.output_len) / args.output_len
     live = steady.judge(outs, length / len(edges), prompt, expected, args.input_len, max(clients, 1))
-    return {"w0": w0, "w1": w1, "snaps": snaps, "clocks": clocks.samples.summary(), "live": live}
+    lag_ms = {"mean": _ms(lag_mean), "max": _ms(lag_max)}
+    return {
+        "w0": w0,
+        "w1": w1,
+        "snaps": snaps,
+        "clocks": clocks.samples.summary(),
+        "live": live,
+        "lag_ms": lag_ms,
+    }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 2)
 
 
 def drain(target: Target, timeout_s: float = 120.0) -> None:

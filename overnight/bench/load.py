@@ -32,7 +32,10 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -102,8 +105,13 @@ class LoadSpec:
 # -- the shared start/stop and progress ---------------------------------------------------------------
 
 # Progress counters per part: output tokens, prompt tokens (credited at a request's first token, as the
-# window's total tok/s counts them), requests finished without error.
-OUT, PROMPT, DONE = range(3)
+# window's total tok/s counts them), requests finished without error; and the client's own loop lag since
+# the controller last took it (its sum, count of ticks and largest), which says whether the load
+# generator kept up: clients that are not running or waiting on the server either wait in its front end
+# or were never sent by a client that fell behind, and only this tells the two apart.
+OUT, PROMPT, DONE, LAG_SUM, LAG_TICKS, LAG_MAX = range(6)
+SLOTS = 6
+LAG_TICK_S = 0.05  # the lag monitor's sleep: 20 wake-ups a second per process
 
 
 class LocalControl:
@@ -113,7 +121,7 @@ class LocalControl:
         self.t0 = 0.0  # 0: not started yet
         self.stop = math.inf
         self.ready = 0  # parts of the load that are connected and waiting for t0
-        self.counts = [0.0] * (3 * parts)
+        self.counts = [0.0] * (SLOTS * parts)
 
     def start_time(self) -> float:
         return self.t0
@@ -134,12 +142,29 @@ class LocalControl:
         return self.ready
 
     def add(self, part: int, what: int, n: float) -> None:
-        self.counts[3 * part + what] += n
+        self.counts[SLOTS * part + what] += n
 
     def totals(self) -> tuple[float, float, float]:
         """(output tokens, prompt tokens, finished requests) over every part."""
         c = self.counts
-        return sum(c[OUT::3]), sum(c[PROMPT::3]), sum(c[DONE::3])
+        return sum(c[OUT::SLOTS]), sum(c[PROMPT::SLOTS]), sum(c[DONE::SLOTS])
+
+    def note_lag(self, part: int, lag_s: float) -> None:
+        i = SLOTS * part
+        self.counts[i + LAG_SUM] += lag_s
+        self.counts[i + LAG_TICKS] += 1
+        self.counts[i + LAG_MAX] = max(self.counts[i + LAG_MAX], lag_s)
+
+    def take_lag(self) -> tuple[float | None, float | None]:
+        """(mean, largest) loop lag in seconds over every part since the last call, which restarts the
+        count; None before any tick. A part may add a tick while this clears: one tick lost."""
+        c = self.counts
+        ticks = sum(c[LAG_TICKS::SLOTS])
+        mean = sum(c[LAG_SUM::SLOTS]) / ticks if ticks else None
+        top = max(c[LAG_MAX::SLOTS]) if ticks else None
+        for i in range(0, len(c), SLOTS):
+            c[i + LAG_SUM] = c[i + LAG_TICKS] = c[i + LAG_MAX] = 0.0
+        return mean, top
 
 
 class SharedControl(LocalControl):
@@ -150,7 +175,7 @@ class SharedControl(LocalControl):
         self._t0 = ctx.Value("d", 0.0)
         self._stop = ctx.Value("d", math.inf)
         self._ready = ctx.Value("i", 0)
-        self.counts = ctx.Array("d", 3 * parts, lock=False)  # type: ignore[assignment]
+        self.counts = ctx.Array("d", SLOTS * parts, lock=False)  # type: ignore[assignment]
 
     def start_time(self) -> float:
         return self._t0.value
@@ -269,6 +294,15 @@ async def _arrivals(
         await asyncio.gather(*inflight, return_exceptions=True)
 
 
+async def _watch_lag(spec: LoadSpec, control: Control) -> None:
+    """How late this loop wakes from a short sleep: a loop busy with more streams than it can parse
+    falls behind, and every request it sends and every token it reads then comes late."""
+    while True:
+        t = time.monotonic()
+        await asyncio.sleep(LAG_TICK_S)
+        control.note_lag(spec.part, max(time.monotonic() - t - LAG_TICK_S, 0.0))
+
+
 async def drive(spec: LoadSpec, control: Control) -> list[RequestRecord]:
     """Run this process's share of the load from control's start until its stop time, then cut what
     is in flight (closing a stream aborts its request on the server)."""
@@ -287,15 +321,16 @@ async def drive(spec: LoadSpec, control: Control) -> list[RequestRecord]:
             tasks = [asyncio.create_task(_worker(client, spec, w, control, records)) for w in spec.workers]
         else:
             tasks = [asyncio.create_task(_arrivals(client, spec, control, records))]
+        lag = asyncio.create_task(_watch_lag(spec, control))
         while True:
             stop = control.stop_time()
             now = time.monotonic()
             if now >= stop or all(t.done() for t in tasks):
                 break
             await asyncio.sleep(min(0.05, stop - now))
-        for t in tasks:
+        for t in [*tasks, lag]:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, lag, return_exceptions=True)
     return records
 
 
@@ -327,7 +362,24 @@ def run_async(coro: Awaitable[T]) -> T:
         return runner.run(coro)  # type: ignore[arg-type]
 
 
+def _exit_with_parent() -> None:
+    """End this load process when the process that spawned it dies. A parent killed outright (SIGKILL, a
+    crash, a timeout that signals the parent alone) runs no clean-up, and its load processes would go on
+    sending requests forever: to the next server that takes the port, on the same machine, as a load
+    nobody sees. Leaving abruptly closes the streams, which aborts their requests on the server."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        mp.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _process_main(spec: LoadSpec, control: SharedControl, out: mp.Queue) -> None:
+    _exit_with_parent()
     try:
         records = run_async(drive(spec, control))
         out.put(("ok", records))

@@ -14,8 +14,9 @@ is measured once more; a level still unsteady is reported and left out of the kn
 
 Per level: output/total tok/s, requests/s, TTFT/TPOT/ITL percentiles, the steady-state verdict, and
 from /metrics (when the server has them) the mean running, waiting, KV usage, preemptions and tokens
-per step, with the GPU's SM clock, power and temperature (when the server runs on this machine).
-Raising stops when output tok/s falls, or grows less than --min-gain over two steps. Writes
+per step, with the GPU's SM clock, power and temperature (when the server runs on this machine), and
+the load generator's own loop lag: when the server holds fewer requests than there are clients, that
+lag says whether the rest waited in the server's front end or in a client that fell behind. Raising stops when output tok/s falls, or grows less than --min-gain over two steps. Writes
 sweep.json, sweep.png and a table into --out.
 """
 
@@ -25,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 
 from overnight.bench.client import TIMINGS
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
     raise_open_files_limit()
+    exit_on_sigterm()
     with server_for(args) as url:
         result = sweep(args, url)
     save(result, args.out)
@@ -164,6 +167,18 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def exit_on_sigterm() -> None:
+    """A SIGTERM (`timeout`, `kill`, a job scheduler) ends the sweep as Ctrl-C does: the clean-up runs, so
+    the load processes stop and the server it started drains and exits before the sweep does (a GPU
+    freed for whatever runs next). A second SIGTERM during that clean-up ends it at once."""
+
+    def on_term(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
 
 
 def save(result: dict, out: str) -> None:
@@ -325,6 +340,8 @@ def to_point(row: dict) -> LevelPoint:
         preemptions=row.get("preemptions"),
         power_w=number("power_w_median"),
         steady=bool(row["steady"]["steady"]),
+        clients=row.get("concurrency") if not row.get("request_rate") else None,
+        client_lag_ms=(row.get("client_lag_ms") or {}).get("mean"),
     )
 
 
@@ -333,11 +350,11 @@ def print_table(result: dict) -> None:
     head = (
         f"{x_name:>8} {'out tok/s':>10} {'tot tok/s':>10} {'tot/out':>7} {'steady':>6} {'req/s':>7} "
         f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} {'run':>6} {'wait':>6} {'KV':>5} "
-        f"{'tok/step':>8} {'SM MHz':>7} {'W':>5}"
+        f"{'tok/step':>8} {'SM MHz':>7} {'W':>5} {'lag ms':>6}"
     )
     print(
         f"\n{result['server']['model']}  in {result['workload']['input_len']} / out "
-        f"{result['workload']['output_len']} tokens  {result['gpu']}  (latencies in ms)"
+        f"{result['workload']['output_len']} tokens  {result['gpu']}  (latencies in ms; lag ms: the load generator's mean loop lag)"
     )
     print(head)
     print("-" * len(head))
@@ -357,7 +374,7 @@ def print_table(result: dict) -> None:
             f"{ms(r['tpot_ms'], 'p50'):>9} {ms(r['itl_ms'], 'p99'):>8} {num(r.get('mean_running'), '.1f'):>6} "
             f"{num(r.get('mean_waiting'), '.1f'):>6} {num(r.get('mean_kv_usage'), '.0%'):>5} "
             f"{num(r.get('mean_tokens_per_step'), '.0f'):>8} {g['sm_clock_mhz_median']!s:>7} "
-            f"{g['power_w_median']!s:>5}"
+            f"{g['power_w_median']!s:>5} {num((r.get('client_lag_ms') or {}).get('mean'), '.1f'):>6}"
         )
     for r in result["levels"]:
         if not r["steady"]["steady"]:
