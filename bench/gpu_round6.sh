@@ -70,6 +70,12 @@
 # If time is left: carry .peer/c2, `side-seed` and `side-long` (the bf16 pairs), or nano-256 by
 # `bash .peer/c2/side_by_side.sh nano-256`.
 #
+# Round 12 ran those two calls (both peaks at 512 clients: 1.094x), then both servers at 1,024 clients
+# alone (wasted: a sweep that starts at 1,024 ramps on one lone request's life and measures the level
+# twice; start at 64) and vLLM alone at 64 / 512 / 1,024 (docs/benchmarks.md "Round 12"). Next, with the
+# lease's other time: carry .peer/c2, `side-seed` and `side-long` (the bf16 pairs, last measured in round
+# 9), nano-256, and a whole-run `profile-pair` with the FP8 cache's new defaults.
+#
 # Logs under $OUT; each section prints its summary lines.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

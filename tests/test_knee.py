@@ -199,3 +199,9 @@ def test_no_gap_when_the_server_holds_the_clients_or_they_are_unknown():
         why_stopped([LevelPoint(8, 1.0, mean_running=7.0, mean_waiting=0.0, clients=8)], 0)[0]
         == "still_growing"
     )
+
+
+def test_a_gap_without_the_clients_lag_names_both_places():
+    old = LevelPoint(1024, 6150.0, mean_running=259.2, mean_waiting=0.0, clients=1024)  # no lag recorded
+    reason, detail = why_stopped([old], 0)
+    assert reason == "front_end" and "kept up" not in detail and "not recorded" in detail

@@ -108,10 +108,16 @@ def gap_reason(p: LevelPoint) -> tuple[str, str] | None:
             f"{held}; the load generator's loop lagged {p.client_lag_ms:.0f} ms on average: it fell "
             "behind (--client-processes, or a machine of its own)"
         )
-    lag = f" (its loop lag {p.client_lag_ms:.1f} ms)" if p.client_lag_ms is not None else ""
+    if p.client_lag_ms is None:  # a sweep.json from before the lag was recorded
+        return "front_end", (
+            f"{held}: {gap:.0f} requests waited before its scheduler, in its front end (HTTP, "
+            "tokenization, its queue to the engine) or in a client that fell behind (its loop lag was "
+            "not recorded)"
+        )
     return "front_end", (
-        f"{held}; the client kept up{lag}, so {gap:.0f} requests waited in the server's front end "
-        "(HTTP, tokenization, its queue to the engine): more clients only wait there"
+        f"{held}; the client kept up (its loop lag {p.client_lag_ms:.1f} ms), so {gap:.0f} requests "
+        "waited in the server's front end (HTTP, tokenization, its queue to the engine): more clients "
+        "only wait there"
     )
 
 
