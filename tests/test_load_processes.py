@@ -24,15 +24,16 @@ PARENT = textwrap.dedent(
     from overnight.bench.load import LoadSpec, Workload, run_async, run_load
     from overnight.bench.sweep import exit_on_sigterm
 
-    if sys.argv[1] == "handled":
-        exit_on_sigterm()
-
     async def controller(control):
         print(" ".join(str(p.pid) for p in mp.active_children()), flush=True)
         await asyncio.sleep(120)
 
     spec = LoadSpec("http://127.0.0.1:9", "m", Workload(input_len=4, output_len=4), concurrency=8)
-    run_async(run_load(spec, 2, controller))
+    if sys.argv[1] == "handled":
+        with exit_on_sigterm():
+            run_async(run_load(spec, 2, controller))
+    else:
+        run_async(run_load(spec, 2, controller))
     """
 )
 
@@ -87,6 +88,15 @@ def test_a_sigterm_ends_the_sweep_through_its_clean_up():
         for p in [proc.pid, *pids]:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_the_sigterm_handler_is_undone_on_the_way_out():
+    from overnight.bench.sweep import exit_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    with exit_on_sigterm():
+        assert signal.getsignal(signal.SIGTERM) is not before
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_the_lag_monitor_sees_a_blocked_loop():

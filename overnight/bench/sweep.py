@@ -16,18 +16,21 @@ Per level: output/total tok/s, requests/s, TTFT/TPOT/ITL percentiles, the steady
 from /metrics (when the server has them) the mean running, waiting, KV usage, preemptions and tokens
 per step, with the GPU's SM clock, power and temperature (when the server runs on this machine), and
 the load generator's own loop lag: when the server holds fewer requests than there are clients, that
-lag says whether the rest waited in the server's front end or in a client that fell behind. Raising stops when output tok/s falls, or grows less than --min-gain over two steps. Writes
-sweep.json, sweep.png and a table into --out.
+lag says whether the rest waited in the server's front end or in a client that fell behind. Raising
+stops when output tok/s falls, or grows less than --min-gain over two steps. Writes sweep.json,
+sweep.png and a table into --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 from overnight.bench.client import TIMINGS
 from overnight.bench.knee import LevelPoint, refine_between, stop_reason, verdict
@@ -141,8 +144,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
     raise_open_files_limit()
-    exit_on_sigterm()
-    with server_for(args) as url:
+    with exit_on_sigterm(), server_for(args) as url:
         result = sweep(args, url)
     save(result, args.out)
     print_table(result)
@@ -169,16 +171,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def exit_on_sigterm() -> None:
-    """A SIGTERM (`timeout`, `kill`, a job scheduler) ends the sweep as Ctrl-C does: the clean-up runs, so
-    the load processes stop and the server it started drains and exits before the sweep does (a GPU
-    freed for whatever runs next). A second SIGTERM during that clean-up ends it at once."""
+@contextlib.contextmanager
+def exit_on_sigterm() -> Iterator[None]:
+    """Inside, a SIGTERM (`timeout`, `kill`, a job scheduler) ends the sweep as Ctrl-C does: the clean-up
+    runs, so the load processes stop and the server it started drains and exits before the sweep does
+    (a GPU freed for whatever runs next). A second SIGTERM during that clean-up ends it at once. The
+    previous handler comes back on the way out (the sweep may run inside another program)."""
 
     def on_term(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_term)
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def save(result: dict, out: str) -> None:
