@@ -413,3 +413,47 @@ def test_a_level_ramped_on_too_short_a_lifetime_is_measured_again(monkeypatch, t
     assert not sweep_mod.ramp_too_short(
         {"concurrency": 8, "request_rate": 4.0, "ramp_s": 0.0, "lifetime_s": 9.0}, 60
     )
+
+
+def test_a_sweep_ended_by_sigterm_prints_the_levels_it_measured(monkeypatch, tmp_path, capsys):
+    """`timeout` ends a sweep with a SIGTERM: the clean-up runs and the log's tail still shows the table."""
+    import signal
+    import time
+
+    def fake_measure(args, target, workload, x, rate_mode, timing, lifetime_hint_s):
+        if x == 128:  # the signal arrives during the second level
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+            raise AssertionError("the SIGTERM did not end the sweep")
+        ms = {"p50": 10.0, "p99": 20.0}
+        return {
+            "x": x, "concurrency": int(x), "request_rate": None, "ramp_s": 1.0, "lifetime_s": 2.0,
+            "output_tok_s": 5867.0, "total_tok_s": 18069.0, "requests_s": 22.5, "window_s": 6.0,
+            "warmup_s": 2.5, "ttft_ms": ms, "tpot_ms": ms, "itl_ms": ms, "mean_running": 60.3,
+            "mean_waiting": 0.0, "client_lag_ms": {"mean": 0.8, "max": 4.0},
+            "steady": {"steady": True, "total_per_output": 3.08, "expected_total_per_output": 3.02,
+                       "sub_output_tok_s": [5867.0], "reason": ""},
+            "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a", "power_w_median": "n/a"},
+        }  # fmt: skip
+
+    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
+    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
+    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
+    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
+    parser = argparse.ArgumentParser()
+    sweep_mod.add_arguments(parser)
+    args = parser.parse_args(
+        ["--url", "http://x", "--levels", "64", "128", "--token-timing", "text", "--out", str(tmp_path)]
+    )
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(sweep_mod.Terminated) as cut:
+        sweep_mod.run(args)
+    assert cut.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is before
+    out = capsys.readouterr().out
+    assert "5867.0" in out and "cut short by SIGTERM after 1 level(s)" in out
+    # A sweep.json older than the run (an earlier run's, same --out) is not printed as this one's.
+    capsys.readouterr()
+    os.utime(tmp_path / "sweep.json", (0, 0))
+    sweep_mod.print_cut_short(str(tmp_path), time.time())
+    assert capsys.readouterr().out == ""

@@ -30,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 from overnight.bench.client import TIMINGS
@@ -144,8 +145,13 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.makedirs(args.out, exist_ok=True)
     raise_open_files_limit()
-    with exit_on_sigterm(), server_for(args) as url:
-        result = sweep(args, url)
+    started = time.time()
+    try:
+        with exit_on_sigterm(), server_for(args) as url:
+            result = sweep(args, url)
+    except Terminated:
+        print_cut_short(args.out, started)
+        raise
     save(result, args.out)
     print_table(result)
     try:
@@ -171,6 +177,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(SystemExit):
+    """The sweep was ended by a SIGTERM (exit status 143)."""
+
+
+def print_cut_short(out: str, started: float) -> None:
+    """The table of the levels a sweep ended by a signal had measured, from the sweep.json it wrote after
+    each level (one from before this run, or none, prints nothing): a log's tail then shows them."""
+    path = os.path.join(out, "sweep.json")
+    try:
+        if os.path.getmtime(path) < started:
+            return
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return
+    print_table(doc)
+    print(f"cut short by SIGTERM after {len(doc['levels'])} level(s); no verdict (sweep.json has them)")
+
+
 @contextlib.contextmanager
 def exit_on_sigterm() -> Iterator[None]:
     """Inside, a SIGTERM (`timeout`, `kill`, a job scheduler) ends the sweep as Ctrl-C does: the clean-up
@@ -180,7 +205,7 @@ def exit_on_sigterm() -> Iterator[None]:
 
     def on_term(signum: int, frame: object) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        raise SystemExit(128 + signum)
+        raise Terminated(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, on_term)
     try:
