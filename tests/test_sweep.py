@@ -368,6 +368,18 @@ def test_is_local():
     assert not is_local("http://gpu-box.invalid:8000")
 
 
+def fake_sweep(monkeypatch, fake_measure, argv: list[str]) -> argparse.Namespace:
+    """A sweep's arguments, with its server and every level replaced: levels come from fake_measure, the
+    probe of one request alone says 0.5 s."""
+    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
+    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
+    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
+    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
+    parser = argparse.ArgumentParser()
+    sweep_mod.add_arguments(parser)
+    return parser.parse_args([*argv, "--token-timing", "text"])
+
+
 def test_a_level_ramped_on_too_short_a_lifetime_is_measured_again(monkeypatch, tmp_path):
     """A sweep starting at many clients ramps on one lone request's lifetime; when the level shows a
     life over twice as long as its ramp allowed for, it runs again ramped on that life."""
@@ -398,13 +410,7 @@ def test_a_level_ramped_on_too_short_a_lifetime_is_measured_again(monkeypatch, t
             "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a"},
         }
 
-    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
-    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
-    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
-    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
-    parser = argparse.ArgumentParser()
-    sweep_mod.add_arguments(parser)
-    args = parser.parse_args(["--levels", "256", "512", "--token-timing", "text", "--out", str(tmp_path)])
+    args = fake_sweep(monkeypatch, fake_measure, ["--levels", "256", "512", "--out", str(tmp_path)])
     result = sweep_mod.sweep(args, "http://x")
     # 256: ramped on 0.5 s, again on 7 s; 512: on Little's law from 256 (512 / (256 / 7) = 14 s)
     assert hints == [0.5, 7.0, pytest.approx(14.0)]
@@ -436,14 +442,8 @@ def test_a_sweep_ended_by_sigterm_prints_the_levels_it_measured(monkeypatch, tmp
             "gpu": {"gpu": "n/a", "sm_clock_mhz_median": "n/a", "power_w_median": "n/a"},
         }  # fmt: skip
 
-    monkeypatch.setattr(sweep_mod, "server_info", lambda url, key: {"model": "m", "max_num_seqs": 256})
-    monkeypatch.setattr(level_mod, "measure_level", fake_measure)
-    monkeypatch.setattr(level_mod, "workload_from_args", lambda args, info: Workload())
-    monkeypatch.setattr(level_mod, "probe_lifetime", lambda target, workload, timing: 0.5)
-    parser = argparse.ArgumentParser()
-    sweep_mod.add_arguments(parser)
-    args = parser.parse_args(
-        ["--url", "http://x", "--levels", "64", "128", "--token-timing", "text", "--out", str(tmp_path)]
+    args = fake_sweep(
+        monkeypatch, fake_measure, ["--url", "http://x", "--levels", "64", "128", "--out", str(tmp_path)]
     )
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(sweep_mod.Terminated) as cut:
