@@ -22,8 +22,8 @@ into the score scale, v_scale into the final normalization. V is stored token-ma
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
 read without a mask along tokens. By default (FP8_DECODE_CONFIG, DecodeConfig.fp8_mma) the dots read the
 8-bit tiles as stored, with q and P rounded to e4m3, each tile fetched by one TMA copy on pages of 64
-tokens (DecodeConfig.tma; paged_decode_fp8.py). Otherwise the tiles are converted to fp16 for the dots (sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every
-e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
+tokens (DecodeConfig.tma; paged_decode_fp8.py). Otherwise the tiles are converted to fp16 for the dots
+(sm_90 has no fp8 -> bf16 instruction; q is cast once), which holds every e4m3 / e5m2 value exactly; scores and accumulators stay fp32. DecodeConfig.fp8_convert picks how:
 
     "fp16"  cvt instructions (one per pair of values)
     "bits"  integer shifts: e5m2 is the top byte of an fp16; an e4m3 byte shifted into an fp16's

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import signal
 import traceback
 import weakref
 from collections.abc import Callable
@@ -28,7 +27,14 @@ from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.logs import LogSetup
 from overnight.options import EngineOptions
 from overnight.parallel.output_codec import PackedOutput, pack
-from overnight.parallel.workers import PipeSender, Shutdown, child_env, spawn_environment, stop_processes
+from overnight.parallel.workers import (
+    PipeSender,
+    Shutdown,
+    child_env,
+    leave_stopping_to_driver,
+    spawn_environment,
+    stop_processes,
+)
 from overnight.pooling_params import RequestParams
 
 # Builds one engine from options, in the engine's own process (the composition root's build_engine):
@@ -173,12 +179,7 @@ def serve_engine(
 def _engine_main(
     index: int, opts: EngineOptions, factory: EngineFactory, conn: Connection, log_setup: LogSetup
 ) -> None:
-    # The driver decides when to stop: a SIGINT or SIGTERM sent to the whole process group (Ctrl-C, a
-    # service manager stopping every process of its unit) reaches this process too, and dying here would
-    # cut the requests the driver is still draining. A driver that dies closes the pipe, which ends this
-    # process as well.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    leave_stopping_to_driver()
     log_setup.apply()
 
     def receive(block: bool) -> list[object] | None:

@@ -182,7 +182,7 @@ def stop_processes(
     grace_s: float = 10.0,
 ) -> None:
     """Ask each process to stop, wait up to grace_s, then kill the rest (they ignore SIGTERM: see
-    _worker_main)."""
+    leave_stopping_to_driver)."""
     deadline = time.monotonic() + grace_s
     for sender in senders:
         sender.send(Shutdown())
@@ -277,13 +277,18 @@ def _serve(runner, init: WorkerInit, conn: Connection) -> None:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
 
-def _worker_main(init: WorkerInit, conn: Connection, log_setup: LogSetup) -> None:
-    # The driver decides when to stop: a SIGINT or SIGTERM sent to the whole process group (Ctrl-C, a
-    # service manager stopping every process of its unit) reaches this process too, and dying here would
-    # cut the requests the driver is still draining. A driver that dies closes the pipe, which ends this
-    # process as well.
+def leave_stopping_to_driver() -> None:
+    """For a process the driver started (an engine process, a tensor-parallel worker): ignore SIGINT and
+    SIGTERM. The driver decides when to stop: a signal sent to the whole process group (Ctrl-C, a service
+    manager stopping every process of its unit) reaches this process too, and dying here would cut the
+    requests the driver is still draining. A driver that dies closes the pipe, which ends this process
+    as well."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+
+
+def _worker_main(init: WorkerInit, conn: Connection, log_setup: LogSetup) -> None:
+    leave_stopping_to_driver()
     log_setup.apply()
     try:
         runner = _start_rank(init)
