@@ -46,6 +46,13 @@ class ModelArch:
     norm_topk_prob: bool = False  # rescale the chosen experts' softmax weights to sum to 1
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    # Per-layer attention kinds, HF's `layer_types` names: "full_attention" or "sliding_attention" (a
+    # window of sliding_window tokens, the query's own included). () means every layer is full.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    # KV sharing (Gemma 4): the last num_kv_shared_layers layers write no cache of their own and read
+    # the cache of the last earlier layer of their kind (kv_source_layer).
+    num_kv_shared_layers: int = 0
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -59,6 +66,21 @@ class ModelArch:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`, None for full attention."""
+        if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    def kv_source_layer(self, layer_idx: int) -> int:
+        """The layer whose KV cache layer `layer_idx` reads: itself, unless KV-shared."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        if layer_idx < first_shared:
+            return layer_idx
+        kind = self.layer_types[layer_idx] if self.layer_types else "full_attention"
+        kinds = self.layer_types or ("full_attention",) * self.num_hidden_layers
+        return max(i for i in range(first_shared) if kinds[i] == kind)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""

@@ -31,6 +31,7 @@ from typing import Protocol
 import torch
 
 from overnight.attention.kv_quant import calibrate_kv_scale_
+from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 
 
 @dataclass
@@ -61,17 +62,23 @@ class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache, then attends. q: [T, Hq, D]; k, v: [T, Hkv, D].
 
     kv_scale: the layer's [2] float32 (k_scale, v_scale) of a quantized cache; None: no scaling.
+    layer: the layer's window and softcap (spec.py); sinks: [Hq] float32 learned sink logits, or None.
+    k and v None: the cache already holds this step's K/V (a layer that reads the cache of an earlier
+    layer, as Gemma 4's KV-shared layers do): nothing is written.
     """
 
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        *,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -88,13 +95,22 @@ class AttentionBatch:
     calibrate_kv_scales: bool = False
 
     def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
+        *,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of layer `layer_idx`; k and v None: read the cache only (AttentionBackend)."""
         cache = self.kv_caches[layer_idx]
         if self.kv_scales is None:
-            return self.backend.forward(q, k, v, cache, self.meta, scale)
+            return self.backend.forward(q, k, v, cache, self.meta, scale, layer=layer, sinks=sinks)
         kv_scale = self.kv_scales[layer_idx]  # a view: the pointer stays fixed for CUDA graphs
-        if self.calibrate_kv_scales:
+        if self.calibrate_kv_scales and k is not None and v is not None:
             n = self.meta.num_tokens
             calibrate_kv_scale_(kv_scale, k[:n], v[:n], cache.dtype)
-        return self.backend.forward(q, k, v, cache, self.meta, scale, kv_scale)
+        return self.backend.forward(q, k, v, cache, self.meta, scale, kv_scale, layer=layer, sinks=sinks)

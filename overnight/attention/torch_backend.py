@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_layout import v_view
 
 
@@ -56,18 +57,40 @@ def _gather_context(
     return k, v
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim, with one more logit (the head's sink, no value) in the denominator.
+    sinks: shaped to broadcast against scores[..., :1]."""
+    if sinks is None:
+        return scores.softmax(dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: causal, and within the last `window` positions when set."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     kv_scale: torch.Tensor | None = None,
+    *,
+    layer: LayerAttention = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its request's cached context (this step's K/V already written).
 
     q: [T, Hq, D]; returns [T, Hq, D]. Rows past the real tokens (padding) are left as zeros.
     kv_scale: [2] (k_scale, v_scale) of a quantized cache, multiplied in after the cast.
+    layer: sliding window and logit softcap (spec.py); sinks: [Hq] learned sink logits.
     """
+    window, cap = layer.sliding_window, layer.logit_softcap
     k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.zeros_like(q)
     compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
@@ -89,9 +112,13 @@ def paged_attention_ref(
         pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [nd, L]
         group = num_heads // num_kv_heads
         qd = q[:nd].to(compute_dtype).view(nd, num_kv_heads, group, -1)
+        if window is not None:  # the query sits at position len - 1
+            pad |= torch.arange(max_len, device=q.device)[None, :] <= lens[:, None] - 1 - window
         scores = torch.einsum("bhgd,blhd->bhgl", qd, _load(k, compute_dtype, k_scale)) * scale
+        if cap is not None:
+            scores = cap * torch.tanh(scores / cap)
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
+        probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(1, num_kv_heads, group, 1))
         # Slots past a request's length hold whatever the memory held (possibly NaN): zero them,
         # since 0 * NaN would poison the sum.
         v = _load(v, compute_dtype, v_scale).masked_fill(pad[:, :, None, None], 0.0)
@@ -109,10 +136,20 @@ def paged_attention_ref(
         ki = _load(k, compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L, D]
         vi = _load(v, compute_dtype, v_scale).transpose(0, 1)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]  # [qlen, L]
-        o = F.scaled_dot_product_attention(
-            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
-        )
+        mask = _visible(q_pos, torch.arange(seq_len, device=q.device), window)  # [qlen, L]
+        if cap is None and sinks is None:
+            o = F.scaled_dot_product_attention(
+                qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
+            )
+        else:
+            group = num_heads // num_kv_heads
+            ki, vi = ki.repeat_interleave(group, dim=0), vi.repeat_interleave(group, dim=0)
+            scores = torch.einsum("hqd,hld->hql", qi, ki) * scale
+            if cap is not None:
+                scores = cap * torch.tanh(scores / cap)
+            scores = scores.masked_fill(~mask[None], float("-inf"))
+            probs = _softmax_with_sinks(scores, None if sinks is None else sinks.view(-1, 1, 1))
+            o = torch.einsum("hql,hld->hqd", probs, vi)
         out[start:end] = o.transpose(0, 1).to(q.dtype)
     return out
 
@@ -123,15 +160,19 @@ class TorchAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        *,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping, kv_scale)
-        return paged_attention_ref(q, kv_cache, meta, scale, kv_scale)
+        if k is not None and v is not None:  # None: a layer reading another layer's cache
+            write_kv_ref(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        return paged_attention_ref(q, kv_cache, meta, scale, kv_scale, layer=layer, sinks=sinks)
 
 
 def build_metadata(

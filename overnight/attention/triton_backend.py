@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits, paged_decode
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
@@ -61,16 +62,22 @@ class TritonAttentionBackend:
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
         kv_scale: torch.Tensor | None = None,
+        *,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if meta.num_decodes > self.max_num_seqs:
             raise ValueError(f"{meta.num_decodes} decodes exceed max_num_seqs={self.max_num_seqs}")
-        kv_write(k, v, kv_cache, meta.slot_mapping, kv_scale)
+        if layer != FULL_ATTENTION or sinks is not None:
+            raise NotImplementedError("the Triton kernels do not yet take windows, softcaps or sinks")
+        if k is not None and v is not None:  # None: a layer reading another layer's cache
+            kv_write(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return paged_attention(
             q,
             kv_cache,
