@@ -36,7 +36,8 @@ def test_prefill_chunk_then_decode(window, cap, with_sinks):
     k, v = torch.randn(length, hkv, d), torch.randn(length, hkv, d)
     sinks = torch.randn(hq) if with_sinks else None
     layer = LayerAttention(window, cap)
-    cache = torch.zeros(2, 8, bs, hkv, d)
+    # Blocks a window no longer sees may be given back and hold anything: NaN must not leak in.
+    cache = torch.full((2, 8, bs, hkv, d), float("nan"))
     table = [[5, 2, 7, 0]]
     backend = TorchAttentionBackend()
     ref = _dense(q, k, v, list(range(length)), 0.3, window, cap, sinks)
@@ -45,6 +46,8 @@ def test_prefill_chunk_then_decode(window, cap, with_sinks):
     for lo, hi in [(0, 9), (9, 12)]:
         meta = build_metadata([hi - lo], [hi], table, bs)
         got.append(backend.forward(q[lo:hi], k[lo:hi], v[lo:hi], cache, meta, 0.3, layer=layer, sinks=sinks))
+        if window is not None and window <= 5:  # positions 0..3 are out of every later window
+            cache[:, 5] = float("nan")
     meta = build_metadata([1], [length], table, bs, num_decodes=1)
     got.append(backend.forward(q[12:], k[12:], v[12:], cache, meta, 0.3, layer=layer, sinks=sinks))
     torch.testing.assert_close(torch.cat(got), ref, rtol=1e-5, atol=1e-5)

@@ -132,11 +132,14 @@ def paged_attention_ref(
         if qlen == 0:
             continue
         k, v = _gather_context(kv_cache, meta.block_tables[i], seq_len)
+        # A window's older positions may sit in blocks already given back (any contents, NaN too):
+        # read from the first position the chunk's first query sees.
+        lo = 0 if window is None else max(0, seq_len - qlen - window + 1)
         qi = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, qlen, D]
-        ki = _load(k, compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L, D]
-        vi = _load(v, compute_dtype, v_scale).transpose(0, 1)
+        ki = _load(k[lo:], compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L - lo, D]
+        vi = _load(v[lo:], compute_dtype, v_scale).transpose(0, 1)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        mask = _visible(q_pos, torch.arange(seq_len, device=q.device), window)  # [qlen, L]
+        mask = _visible(q_pos, torch.arange(lo, seq_len, device=q.device), window)  # [qlen, L - lo]
         if cap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads
