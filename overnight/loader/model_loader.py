@@ -3,6 +3,8 @@
 A source with a quantization scheme gets its FP8 layers when it is built (quant/apply.py, on the meta
 device), and its checkpoint tensors converted to their layout as they stream in (quant/checkpoint.py);
 stacked MoE experts load in the compute dtype and are quantized once loaded (quantize_experts).
+Integer checkpoints (AWQ, GPTQ, compressed-tensors int) likewise: packed integer layers on a GPU,
+dequantized nn.Linear on the CPU, experts dequantized everywhere (quant/int_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.models.registry import get_model_class
 from overnight.quant.apply import quantize_experts, quantize_model
-from overnight.quant.scheme import check_fp8_device
+from overnight.quant.scheme import QuantScheme, check_fp8_device
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -79,14 +81,14 @@ def build_model(
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(source.arch)
         if source.quantization is not None:
-            quantize_model(model, source.quantization)
+            quantize_model(model, source.quantization, device)
     if runner == "pooling" and not source.arch.is_encoder:
         from overnight.models.for_pooling import DecoderForPooling
 
         model = DecoderForPooling(model)
     if torch.device(device).type == "meta":
         return model
-    if source.quantization is not None:
+    if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
     _materialize(model, device)
     return model
@@ -122,7 +124,7 @@ def load_model(
         init_dummy_weights(model, seed)
     else:
         cast(CausalLM, model).load_weights(checkpoint_weights(source, model, device))
-    if source.quantization is not None:
+    if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
     return cast(CausalLM, model.requires_grad_(False).eval())
 
@@ -140,8 +142,12 @@ def checkpoint_weights(
         weights = iter_gguf_weights(source.path)
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
-    if source.quantization is not None:
+    if isinstance(source.quantization, QuantScheme):
         from overnight.quant.checkpoint import fp8_checkpoint_weights
 
         weights = fp8_checkpoint_weights(weights, model, source.quantization)
+    elif source.quantization is not None:
+        from overnight.quant.int_checkpoint import int_checkpoint_weights
+
+        weights = int_checkpoint_weights(weights, model, source.quantization)
     return weights

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overnight.config import ModelArch
+from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme
 
 
@@ -20,5 +21,6 @@ class ModelSource:
     bos_token_id: int | None
     config_dtype: str | None  # torch_dtype / dtype stated by the checkpoint, for dtype="auto"
     served_name: str  # the name outputs report as `model`
-    # FP8 linear layers: the checkpoint's quantization_config, or quantization="fp8" (quant/scheme.py)
-    quantization: QuantScheme | None = None
+    # FP8 linear layers: the checkpoint's quantization_config, or quantization="fp8" (quant/scheme.py);
+    # integer weights: the checkpoint's AWQ / GPTQ / compressed-tensors int config (quant/int_scheme.py)
+    quantization: QuantScheme | IntScheme | None = None

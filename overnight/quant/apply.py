@@ -12,6 +12,11 @@ o_proj) are quantized by the Fp8Linear itself.
 Stacked MoE experts (layers/moe.py) are not nn.Linear: they load in the compute dtype (an FP8
 checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) and quantize_experts
 turns them into e4m3 with per-row scales once every weight is in.
+
+Integer-weight checkpoints (quant/int_scheme.py) get WeightOnlyIntLinear / Int8Linear layers
+(quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU. On the CPU
+their linears stay nn.Linear and load dequantized (the plain-torch path, as GGUF does). Their MoE
+experts load dequantized to the compute dtype everywhere, the GPU included (no int expert GEMM yet).
 """
 
 from __future__ import annotations
@@ -21,8 +26,14 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_scheme import IntScheme
 from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme, module_matches
+
+# Integer-weight linears on the CPU: False dequantizes them at load (fast plain matmuls); tests set
+# True to run the packed layers' reference path there.
+PACKED_INT_ON_CPU = False
 
 LM_HEAD = "lm_head"  # stays in the compute dtype, as do the embeddings (not nn.Linear)
 
@@ -45,14 +56,35 @@ def quantized_checkpoint_modules(model: nn.Module) -> dict[str, int | None]:
     }
 
 
+def int_checkpoint_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Checkpoint module name -> (the model's module name, its int layer) for every integer layer."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    return {
+        ckpt: (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, (WeightOnlyIntLinear, Int8Linear))
+        for ckpt in checkpoint_modules(name, mapping)
+    }
+
+
+def keeps_int_packed(device: torch.device | str) -> bool:
+    """Whether integer checkpoints keep packed layers on `device` (else: nn.Linear, dequantized at load)."""
+    return torch.device(device).type != "cpu" or PACKED_INT_ON_CPU
+
+
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
-    """Make `model`'s linear layers FP8 in place (see the module docstring) and return it. A fused
-    layer stays in the compute dtype only when the scheme ignores every checkpoint part of it."""
+def quantize_model(
+    model: nn.Module, scheme: QuantScheme | IntScheme, device: torch.device | str = "meta"
+) -> nn.Module:
+    """Make `model`'s linear layers FP8 or integer in place (see the module docstring) and return it;
+    device: where the model will run. A fused layer stays in the compute dtype only when the scheme
+    ignores every checkpoint part of it."""
+    if isinstance(scheme, IntScheme) and not keeps_int_packed(device):
+        return model
     mapping = getattr(model, "packed_modules_mapping", {})
     kept = getattr(model, "unquantized_linear", ())
     for name, module in list(model.named_modules()):
@@ -62,9 +94,19 @@ def quantize_model(model: nn.Module, scheme: QuantScheme) -> nn.Module:
             scheme.ignores(part) for part in checkpoint_modules(name, mapping)
         ):
             continue
-        _set_module(model, name, Fp8Linear.replacing(module, scheme.block_k))
+        _set_module(model, name, _quantized(module, scheme))
     _set_producers(model, True)
     return model
+
+
+def _quantized(linear: nn.Linear, scheme: QuantScheme | IntScheme) -> nn.Module:
+    if isinstance(scheme, QuantScheme):
+        return Fp8Linear.replacing(linear, scheme.block_k)
+    if scheme.int8_activations:
+        return Int8Linear.replacing(linear)
+    return WeightOnlyIntLinear.replacing(
+        linear, scheme.bits, scheme.group_size, scheme.symmetric, scheme.act_order
+    )
 
 
 @runtime_checkable
@@ -89,16 +131,16 @@ def quantize_experts(model: nn.Module) -> None:
 
 @torch.no_grad()
 def dequantize_model(model: nn.Module) -> nn.Module:
-    """The inverse, for comparisons: every Fp8Linear becomes an nn.Linear holding its dequantized
-    weight in the compute dtype, and producers return plain tensors again."""
+    """The inverse, for comparisons: every Fp8Linear (or integer layer) becomes an nn.Linear holding its
+    dequantized weight in the compute dtype, and producers return plain tensors again."""
     for name, module in list(model.named_modules()):
-        if type(module) is not Fp8Linear:
+        if type(module) not in (Fp8Linear, WeightOnlyIntLinear, Int8Linear):
             continue
         dense = nn.Linear(
             module.in_features,
             module.out_features,
             bias=module.bias is not None,
-            device=module.weight.device,
+            device=next(module.parameters()).device,
             dtype=module.out_dtype,
         ).requires_grad_(False)
         dense.weight.copy_(module.dequantized_weight())

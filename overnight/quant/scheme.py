@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from overnight.errors import ConfigError, ModelLoadError
+from overnight.quant.int_scheme import IntScheme, int_scheme_from_hf_config, is_int_config
 
 QUANTIZATION_METHODS = ("fp8",)
 # Block-scaled checkpoints: True keeps the blocks and runs the Triton block-scaled GEMM; False
@@ -44,6 +45,14 @@ class QuantScheme:
     input_scales: bool = False  # the checkpoint ships static input_scale tensors (accepted, unused)
     ignore: tuple[str, ...] = ()  # checkpoint module names, or "re:" patterns, left unquantized
     keep_blocks: bool = KEEP_WEIGHT_BLOCKS
+
+    @property
+    def fp8_linear(self) -> bool:
+        return True
+
+    @property
+    def weight_bits(self) -> int:
+        return 8
 
     @property
     def block_k(self) -> int | None:
@@ -78,12 +87,19 @@ def module_matches(module: str, patterns: tuple[str, ...]) -> bool:
     return False
 
 
-def resolve_quantization(option: str | None, checkpoint: QuantScheme | None) -> QuantScheme | None:
+def resolve_quantization(
+    option: str | None, checkpoint: QuantScheme | IntScheme | None
+) -> QuantScheme | IntScheme | None:
     """The scheme a model runs with: the checkpoint's own when it has one (quantization="fp8" on an
     FP8 checkpoint is then fine), else online FP8 when asked, else None (weights in the compute dtype)."""
     if option is not None and option not in QUANTIZATION_METHODS:
         raise ConfigError(
             f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or none)"
+        )
+    if isinstance(checkpoint, IntScheme) and option == "fp8":
+        raise ConfigError(
+            f"quantization='fp8' asks for FP8 weights, but the checkpoint holds {checkpoint.describe()}; "
+            "drop the option to run it as it is"
         )
     if checkpoint is not None:
         return checkpoint
@@ -113,8 +129,12 @@ def check_fp8_device(device: torch.device | str, scheme: QuantScheme) -> None:
 # -- config.json's quantization_config ----------------------------------------------------------------
 
 
-def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> QuantScheme:
+def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> QuantScheme | IntScheme:
     """Read a `quantization_config`; raises ModelLoadError for methods and variants not implemented."""
+    if not isinstance(qc, dict):
+        raise ModelLoadError(f"{where}: quantization_config must be an object, got {type(qc).__name__}")
+    if is_int_config(qc):
+        return int_scheme_from_hf_config(qc, where)
     method = qc.get("quant_method")
     if method == "fp8":
         return _fp8_method(qc, where)
@@ -122,7 +142,8 @@ def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> Qua
         return _compressed_tensors(qc, where)
     raise ModelLoadError(
         f"{where}: quantization method {method!r} is not supported; supported: fp8 (quant_method "
-        f"'fp8', e.g. the Qwen3-*-FP8 checkpoints) and compressed-tensors with format float-quantized (FP8)"
+        f"'fp8', e.g. the Qwen3-*-FP8 checkpoints), compressed-tensors (float-quantized FP8, "
+        f"pack-quantized W4A16/W8A16, int-quantized W8A8), awq (GEMM) and gptq"
     )
 
 
