@@ -143,7 +143,7 @@ def build_config(
             arch=source.arch,
             dtype=resolve_dtype(opts.dtype, source, device),
             seed=opts.seed,
-            quantization="fp8" if source.quantization is not None else None,
+            quantization=source.quantization.name if source.quantization is not None else None,
             runner=runner,
             pooler=pooler,
         ),
@@ -240,7 +240,8 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
-    from overnight.loader.fit import check_weights_fit
+    from overnight.loader.fit import check_weights_fit, linear_formats
+    from overnight.quant.int_scheme import IntScheme
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 
@@ -250,6 +251,12 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         log.info("quantization: %s", source.quantization.describe())
     device = pick_device(opts.device)
     config = build_config(opts, source, device, device_memory_gib(device))
+    fp8_linear, int_linear = linear_formats(source.quantization, device)
+    if isinstance(source.quantization, IntScheme) and config.parallel.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"{source.served_name}: {source.quantization.describe()} with tensor parallelism is not "
+            "supported yet; run it with --tensor-parallel-size 1"
+        )
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,
@@ -257,7 +264,8 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         device,
         source.served_name,
         config.parallel.tensor_parallel_size,
-        fp8_linear=source.quantization is not None,
+        fp8_linear=fp8_linear,
+        int_linear=int_linear,
     )
     if source.arch.is_encoder:
         from overnight.encoder.engine import EncoderEngine

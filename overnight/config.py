@@ -118,19 +118,36 @@ class ModelArch:
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         return attention * self.num_hidden_layers + self.mlp_params(active_only)
 
-    def weight_bytes(self, dtype_bytes: int, fp8_linear: bool = False, fp8_experts: bool = False) -> int:
+    def weight_bytes(
+        self,
+        dtype_bytes: int,
+        fp8_linear: bool = False,
+        fp8_experts: bool = False,
+        int_linear: tuple[int, int] | None = None,
+    ) -> int:
         """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs)
         take one byte each plus a float32 scale per output row (quant/); fp8_experts: the stacked MoE
         experts too, as they are once loaded (they load in dtype and are quantized afterwards, so the
-        load itself needs them in dtype)."""
+        load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row): the
+        projections packed at `bits` per weight plus a float32 scale and zero point per row and group
+        (quant/int_linear.py); experts stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
+        params, rows = self._dense_linear_shape()
+        if int_linear is not None:
+            bits, group = int_linear
+            groups = params // group if group else rows
+            return total - params * dtype_bytes + params * bits // 8 + 8 * groups
         if not fp8_linear:
             return total
         if fp8_experts:
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
             per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-            rows = 2 * self.moe_intermediate_size + self.hidden_size
-            total -= sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * rows)
+            expert_rows = 2 * self.moe_intermediate_size + self.hidden_size
+            total -= sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * expert_rows)
+        return total - params * (dtype_bytes - 1) + 4 * rows
+
+    def _dense_linear_shape(self) -> tuple[int, int]:
+        """(weights, output rows) of the projections quantized layers replace: attention and dense MLPs."""
         h = self.hidden_size
         per_layer_rows = self.q_size + 2 * self.kv_size + h  # q/k/v rows and o_proj's
         params = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h) * self.num_hidden_layers
@@ -139,7 +156,7 @@ class ModelArch:
             if not self.is_moe_layer(i):
                 params += 3 * h * self.intermediate_size
                 rows += 2 * self.intermediate_size + h
-        return total - params * (dtype_bytes - 1) + 4 * rows
+        return params, rows
 
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
@@ -180,7 +197,8 @@ class ModelConfig:
     dtype: torch.dtype
     seed: int = _Defaults.seed  # dummy weights' seed; unseeded requests' draws
     # "fp8": linear layers hold FP8 weights (asked for, or the checkpoint's own quantization_config; the
-    # scheme itself travels with the ModelSource); None: weights in `dtype`.
+    # scheme itself travels with the ModelSource); "awq" / "gptq" / "compressed-tensors": the
+    # checkpoint's integer weights (quant/int_scheme.py); None: weights in `dtype`.
     quantization: str | None = None
     runner: str = "generate"  # resolved: the option's "auto" is decided by the architecture
     pooler: PoolerConfig | None = None  # set when runner == "pooling"

@@ -12,8 +12,8 @@ transformers can run "the dequantized model" as the reference.
 from __future__ import annotations
 
 import json
-import zlib
 import shutil
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,13 @@ LAYOUTS: dict[str, Layout] = {
 
 def _order_key(name: str) -> str:
     """Projections reading the same input share one act-order (their Hessian is the same)."""
-    for src, shared in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("gate_proj", "gu"), ("up_proj", "gu")):
+    for src, shared in (
+        ("q_proj", "qkv"),
+        ("k_proj", "qkv"),
+        ("v_proj", "qkv"),
+        ("gate_proj", "gu"),
+        ("up_proj", "gu"),
+    ):
         name = name.replace(src, shared)
     return name
 
@@ -58,6 +64,7 @@ def _order_key(name: str) -> str:
 def quantize_rtn(w: torch.Tensor, lay: Layout, g_idx: torch.Tensor | None):
     """(codes [N, K] in [0, 2^b), zeros [N, NG] ints, scales [N, NG] float32, groups [K])."""
     n, k = w.shape
+    low_zero = 1 if lay.method == "gptq" and not lay.gptq_v2 else 0
     size = lay.group or k
     groups = g_idx.long() if g_idx is not None else torch.arange(k) // size
     ng = k // size
@@ -72,7 +79,8 @@ def quantize_rtn(w: torch.Tensor, lay: Layout, g_idx: torch.Tensor | None):
         else:
             lo, hi = cols.amin(1).clamp(max=0), cols.amax(1).clamp(min=0)
             scales[:, g] = ((hi - lo) / top).clamp_min(1e-6)
-            zeros[:, g] = torch.round(-lo / scales[:, g]).clamp(0, top).long()
+            # GPTQ v1 stores z - 1 and cannot hold z = 0 (its readers see 2^b): quantize within [1, top]
+            zeros[:, g] = torch.round(-lo / scales[:, g]).clamp(low_zero, top).long()
     codes = torch.round(w / scales[:, groups]) + zeros[:, groups]
     return codes.clamp(0, top).long(), zeros, scales, groups
 
@@ -92,7 +100,9 @@ def _awq_pack(values: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32).contiguous()
 
 
-def _quantized_tensors(name: str, w: torch.Tensor, lay: Layout, gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _quantized_tensors(
+    name: str, w: torch.Tensor, lay: Layout, gen: torch.Generator
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """The checkpoint tensors for one projection and the float weight they decode to."""
     module = name.removesuffix(".weight")
     n, k = w.shape
@@ -119,7 +129,9 @@ def _quantized_tensors(name: str, w: torch.Tensor, lay: Layout, gen: torch.Gener
         out[f"{module}.weight_scale"] = scales
         out[f"{module}.weight_shape"] = torch.tensor([n, k])
         if not lay.sym:
-            out[f"{module}.weight_zero_point"] = pack_to_int32((zeros - off).to(torch.int8), lay.bits, packed_dim=0)
+            out[f"{module}.weight_zero_point"] = pack_to_int32(
+                (zeros - off).to(torch.int8), lay.bits, packed_dim=0
+            )
         if g_idx is not None:
             out[f"{module}.weight_g_idx"] = g_idx
     elif lay.method == "awq":
@@ -137,7 +149,13 @@ def _quantized_tensors(name: str, w: torch.Tensor, lay: Layout, gen: torch.Gener
 
 def _config(lay: Layout) -> dict[str, Any]:
     if lay.method == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": lay.group or -1, "zero_point": True, "version": "gemm"}
+        return {
+            "quant_method": "awq",
+            "bits": 4,
+            "group_size": lay.group or -1,
+            "zero_point": True,
+            "version": "gemm",
+        }
     if lay.method == "gptq":
         return {
             "quant_method": "gptq",

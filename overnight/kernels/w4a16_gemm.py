@@ -127,13 +127,17 @@ def _check(
         raise ValueError(f"bits must be 4 or 8, got {bits}")
     n = qw.shape[0]
     if qw.dtype != torch.int32 or qw.dim() != 2 or qw.shape[1] * (32 // bits) != k or qw.stride(1) != 1:
-        raise ValueError(f"qw must be int32 [N, K*{bits}/32] with contiguous rows, got {qw.dtype} {list(qw.shape)}")
+        raise ValueError(
+            f"qw must be int32 [N, K*{bits}/32] with contiguous rows, got {qw.dtype} {list(qw.shape)}"
+        )
     if group <= 0 or k % group:
         raise ValueError(f"group size {group} does not divide K={k}")
     groups = (n, k // group)
     if scale.dtype != torch.float32 or tuple(scale.shape) != groups or scale.stride(1) != 1:
         raise ValueError(f"scale must be float32 {list(groups)}, got {scale.dtype} {list(scale.shape)}")
-    if zero is not None and (zero.dtype != torch.float32 or zero.shape != scale.shape or zero.stride() != scale.stride()):
+    if zero is not None and (
+        zero.dtype != torch.float32 or zero.shape != scale.shape or zero.stride() != scale.stride()
+    ):
         raise ValueError(f"zero must be float32 {list(groups)} laid out as scale, got {list(zero.shape)}")
 
 
@@ -203,7 +207,12 @@ def w4a16_gemm(
 
 
 def dequantize_int_weight(
-    qw: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int, dtype: torch.dtype
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     """The whole weight [N, K] in `dtype` (the prefill path's first half)."""
     n = qw.shape[0]
@@ -241,7 +250,12 @@ def w4a16_linear(
 
 
 def dequantize_int_weight_ref(
-    qw: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int, dtype: torch.dtype
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, device=qw.device, dtype=torch.int32)

@@ -2,7 +2,7 @@
 for the machine stops with a sentence saying what would fit instead of being killed by the kernel's
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
-    weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 projections: quant/)
+    weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 / int projections: quant/)
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
 """
@@ -13,16 +13,40 @@ import torch
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError
+from overnight.quant.apply import keeps_int_packed
+from overnight.quant.int_scheme import IntScheme
+from overnight.quant.scheme import QuantScheme
 
 GIB = 2**30
 _SMALLER_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def weight_bytes(arch: ModelArch, dtype: torch.dtype, fp8_linear: bool = False, loaded: bool = False) -> int:
+def weight_bytes(
+    arch: ModelArch,
+    dtype: torch.dtype,
+    fp8_linear: bool = False,
+    loaded: bool = False,
+    int_linear: tuple[int, int] | None = None,
+) -> int:
     """Bytes the weights of `arch` take while loading in `dtype`; fp8_linear: with FP8 projections (an
-    FP8 checkpoint or quantization="fp8"; any other format is dequantized to dtype); loaded: once
-    loaded, when FP8 MoE experts have been quantized (they load in dtype: layers/moe.py)."""
-    return arch.weight_bytes(dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded)
+    FP8 checkpoint or quantization="fp8"; GGUF is dequantized to dtype); loaded: once loaded, when FP8
+    MoE experts have been quantized (they load in dtype: layers/moe.py); int_linear: (bits, group size
+    or 0) of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU)."""
+    return arch.weight_bytes(
+        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded, int_linear=int_linear
+    )
+
+
+def linear_formats(
+    scheme: QuantScheme | IntScheme | None, device: torch.device | str
+) -> tuple[bool, tuple[int, int] | None]:
+    """(fp8_linear, int_linear) for weight_bytes and check_weights_fit, from a source's quantization
+    and where it runs (integer checkpoints are dequantized to dtype on the CPU: quant/apply.py)."""
+    if isinstance(scheme, QuantScheme):
+        return True, None
+    if scheme is None or not keeps_int_packed(device):
+        return False, None
+    return False, (scheme.bits, scheme.group_size or 0)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -52,6 +76,7 @@ def check_weights_fit(
     model: str,
     tensor_parallel_size: int = 1,
     fp8_linear: bool = False,
+    int_linear: tuple[int, int] | None = None,
 ) -> None:
     """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
     memory; on the CPU, all of them against the RAM available."""
@@ -59,9 +84,9 @@ def check_weights_fit(
     if device.type == "cuda":
         first = device.index or 0
         places = [torch.device("cuda", first + r) for r in range(tp)]
-        share = -(-weight_bytes(arch, dtype, fp8_linear) // tp)
+        share = -(-weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear) // tp)
     else:
-        places, share = [device], weight_bytes(arch, dtype, fp8_linear)
+        places, share = [device], weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear)
     for place in places:
         free = available_memory_bytes(place)
         if free is None or share <= free:
@@ -70,21 +95,41 @@ def check_weights_fit(
         what = f"a 1/{tp} share of " if tp > 1 else ""
         raise ConfigError(
             f"{model} does not fit: {what}its weights take {share / GIB:.1f} GiB in "
-            f"{str(dtype).removeprefix('torch.')}{' with FP8 projections' if fp8_linear else ''} "
+            f"{str(dtype).removeprefix('torch.')}{_format_note(fp8_linear, int_linear)} "
             f"({arch.num_parameters() / 1e9:.2f} B parameters), but "
-            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp, fp8_linear)}"
+            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp, fp8_linear, int_linear)}"
         )
 
 
+def _format_note(fp8_linear: bool, int_linear: tuple[int, int] | None) -> str:
+    if int_linear is not None:
+        return f" with int{int_linear[0]} projections"
+    return " with FP8 projections" if fp8_linear else ""
+
+
 def _what_fits(
-    arch: ModelArch, dtype: torch.dtype, device: torch.device, free: int, tp: int, fp8_linear: bool
+    arch: ModelArch,
+    dtype: torch.dtype,
+    device: torch.device,
+    free: int,
+    tp: int,
+    fp8_linear: bool,
+    int_linear: tuple[int, int] | None = None,
 ) -> str:
+    def size(d: torch.dtype) -> int:
+        return weight_bytes(arch, d, fp8_linear, int_linear=int_linear)
+
     options = [
-        f"--dtype {str(d).removeprefix('torch.')} ({weight_bytes(arch, d, fp8_linear) / tp / GIB:.1f} GiB)"
+        f"--dtype {str(d).removeprefix('torch.')} ({size(d) / tp / GIB:.1f} GiB)"
         for d in _SMALLER_DTYPES
-        if d.itemsize < dtype.itemsize and weight_bytes(arch, d, fp8_linear) / tp <= free
+        if d.itemsize < dtype.itemsize and size(d) / tp <= free
     ]
-    if device.type == "cuda" and not fp8_linear and torch.cuda.get_device_capability(device) >= (8, 9):
+    if (
+        device.type == "cuda"
+        and not fp8_linear
+        and int_linear is None
+        and torch.cuda.get_device_capability(device) >= (8, 9)
+    ):
         fp8 = weight_bytes(arch, dtype, True) / tp
         if fp8 <= free:  # FP8 projections (quant/): Ada and Hopper GPUs have the tensor cores for them
             options.append(f"--quantization fp8 ({fp8 / GIB:.1f} GiB)")
@@ -95,7 +140,8 @@ def _what_fits(
             for k in (2, 4, 8)
             if tp < k <= gpus
             and arch.num_attention_heads % k == 0
-            and weight_bytes(arch, dtype, fp8_linear) / k <= free
+            and int_linear is None  # integer layers do not shard yet
+            and size(dtype) / k <= free
         ]
         if fits:
             options.append(f"--tensor-parallel-size {fits[0]} (of the {gpus} GPUs here)")

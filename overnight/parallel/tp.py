@@ -355,10 +355,10 @@ def load_sharded_model(
     draws them, so every tensor_parallel_size runs the same random model."""
     from overnight.loader.model_loader import _materialize, build_model, checkpoint_weights
     from overnight.quant.apply import quantize_experts
-    from overnight.quant.scheme import check_fp8_device
+    from overnight.quant.scheme import QuantScheme, check_fp8_device
 
     model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
-    if source.quantization is not None:
+    if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
     _materialize(model, device)
     shards = TPShards(source.arch, rank, world)
@@ -368,7 +368,7 @@ def load_sharded_model(
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
         cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in weights)
-    if source.quantization is not None:
+    if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
     return cast(CausalLM, model.requires_grad_(False).eval())
 

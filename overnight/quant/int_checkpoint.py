@@ -27,8 +27,9 @@ from torch import nn
 from overnight.errors import ModelLoadError
 from overnight.quant.apply import int_checkpoint_modules
 from overnight.quant.int_formats import IntWeight, from_awq, from_compressed_tensors, from_gptq, kernel_layout
-from overnight.quant.int_linear import Int8Linear
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_scheme import IntScheme
+
 
 def int_checkpoint_weights(
     weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module, scheme: IntScheme
@@ -135,7 +136,8 @@ def _convert(
     packed, scale, zero, perm = kernel_layout(canonical(module, parts, scheme), module)
     if target in perms:
         first = perms[target]
-        if (first is None) != (perm is None) or (perm is not None and not torch.equal(first, perm)):
+        same = first is None if perm is None else first is not None and torch.equal(first, perm)
+        if not same:
             raise ModelLoadError(
                 f"{module}: its act-order column order differs from the other projections fused into "
                 f"{target}; such checkpoints are not supported on the GPU yet"
@@ -143,6 +145,7 @@ def _convert(
     else:
         perms[target] = perm
         if perm is not None:
+            assert isinstance(layer, WeightOnlyIntLinear) and layer.input_perm is not None
             layer.input_perm.copy_(perm)  # a buffer: set here, the loader copies parameters only
     yield f"{module}.packed_weight", packed
     yield f"{module}.group_scale", scale

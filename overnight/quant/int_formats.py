@@ -157,7 +157,9 @@ def from_awq(module: str, parts: dict[str, torch.Tensor]) -> IntWeight:
     groups = int(scales.shape[0])
     zero = _awq_unpack(qzeros).t()
     _check(tuple(zero.shape) == (n, groups), module, f"qzeros {list(qzeros.shape)} do not match scales")
-    return IntWeight(q.contiguous(), zero.contiguous(), scales.t().contiguous(), None, _group_size(k, groups, module), 4)
+    return IntWeight(
+        q.contiguous(), zero.contiguous(), scales.t().contiguous(), None, _group_size(k, groups, module), 4
+    )
 
 
 # -- the kernel's layout -------------------------------------------------------------------------------

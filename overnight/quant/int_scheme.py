@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from overnight.errors import ModelLoadError
+from overnight.quant.names import module_matches
 
 INT_METHODS = ("compressed-tensors", "awq", "gptq")
 
@@ -43,11 +44,14 @@ class IntScheme:
     ignore: tuple[str, ...] = ()  # checkpoint module names or "re:" patterns left unquantized
 
     def ignores(self, module: str) -> bool:
-        from overnight.quant.scheme import module_matches
-
         if self.method == "awq":  # transformers' AWQ rule: a listed name anywhere in the module's
             return any(entry in module for entry in self.ignore)
         return module_matches(module, self.ignore)
+
+    @property
+    def name(self) -> str:
+        """The method as ModelConfig.quantization reports it: awq, gptq, compressed-tensors."""
+        return self.method
 
     @property
     def fp8_linear(self) -> bool:
@@ -124,7 +128,9 @@ def _group(value: Any, where: str, method: str) -> int | None:
     if value in (None, -1, 0):
         return None
     if not isinstance(value, int) or value < 0 or value % 8:
-        raise ModelLoadError(f"{where}: {method} group_size {value!r} is not supported (-1 or a multiple of 8)")
+        raise ModelLoadError(
+            f"{where}: {method} group_size {value!r} is not supported (-1 or a multiple of 8)"
+        )
     return value
 
 
@@ -189,7 +195,9 @@ def _compressed_tensors(qc: dict[str, Any], where: str) -> IntScheme:
         fmt = getattr(group, "format", None) or config.format
         schemes.add(_ct_group(name, fmt, group, name in group_order, where))
     if len(schemes) > 1:
-        raise ModelLoadError(f"{where}: compressed-tensors config groups mix different int schemes; not supported")
+        raise ModelLoadError(
+            f"{where}: compressed-tensors config groups mix different int schemes; not supported"
+        )
     bits, group_size, symmetric, act_order, w8a8 = schemes.pop()
     return IntScheme(
         method="compressed-tensors",
@@ -230,7 +238,9 @@ def _ct_group(
     acts = group.input_activations
     if fmt == "int-quantized":
         if w.num_bits != 8 or not w.symmetric or strategy != "channel":
-            raise ModelLoadError(f"{label}: int-quantized weights must be symmetric 8-bit per channel, got {w}")
+            raise ModelLoadError(
+                f"{label}: int-quantized weights must be symmetric 8-bit per channel, got {w}"
+            )
         if acts is None or str(acts.type) != "int" or acts.num_bits != 8 or not acts.symmetric:
             raise ModelLoadError(f"{label}: int-quantized needs symmetric 8-bit int activations, got {acts}")
         if acts.dynamic is not True or str(acts.strategy) != "token":

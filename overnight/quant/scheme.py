@@ -21,7 +21,6 @@ coarser than one calibrated scale for all tokens.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch
 
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.quant.int_scheme import IntScheme, int_scheme_from_hf_config, is_int_config
+from overnight.quant.names import module_matches
 
 QUANTIZATION_METHODS = ("fp8",)
 # Block-scaled checkpoints: True keeps the blocks and runs the Triton block-scaled GEMM; False
@@ -45,6 +45,10 @@ class QuantScheme:
     input_scales: bool = False  # the checkpoint ships static input_scale tensors (accepted, unused)
     ignore: tuple[str, ...] = ()  # checkpoint module names, or "re:" patterns, left unquantized
     keep_blocks: bool = KEEP_WEIGHT_BLOCKS
+
+    @property
+    def name(self) -> str:
+        return "fp8"
 
     @property
     def fp8_linear(self) -> bool:
@@ -73,18 +77,6 @@ class QuantScheme:
             layout = f"kept as {bk}-column blocks" if self.keep_blocks else "requantized per output channel"
             weights = f"FP8 checkpoint with {bn}x{bk} blocks, {layout}"
         return f"fp8 e4m3 weights ({weights}), activations quantized per token"
-
-
-def module_matches(module: str, patterns: tuple[str, ...]) -> bool:
-    """Whether a module name matches one of `patterns`: a name or dotted suffix of one
-    ("mlp.gate" matches model.layers.3.mlp.gate), or "re:" and a regular expression of the whole name."""
-    for entry in patterns:
-        if entry.startswith("re:"):
-            if re.match(entry[3:], module):
-                return True
-        elif module == entry or module.endswith("." + entry):
-            return True
-    return False
 
 
 def resolve_quantization(

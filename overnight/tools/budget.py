@@ -23,7 +23,7 @@ from overnight.attention.kv_quant import kv_cache_torch_dtype
 from overnight.config import ModelArch
 from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
 from overnight.limits import default_limits
-from overnight.loader.fit import weight_bytes
+from overnight.loader.fit import linear_formats, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
 from overnight.loader.source import ModelSource
 from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
@@ -70,6 +70,12 @@ class Budget:
         return self.num_blocks * self.block_size * self.kv_bytes_per_token
 
 
+def _weights_label(fp8: bool, int_linear: tuple[int, int] | None) -> str:
+    if int_linear is not None:
+        return f"int{int_linear[0]} "
+    return "FP8 " if fp8 else ""
+
+
 def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
     """The largest step's live tensors, roughly: a few hidden-sized rows, q/k/v and the MLP's two
     intermediate rows per token, and float32 logits (plus the sampler's copies) per sequence."""
@@ -102,8 +108,10 @@ def plan_budget(
         elif device is None:
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
-            fp8 = source.quantization is not None
-            weights = weight_bytes(arch, config.model.dtype, fp8_linear=fp8, loaded=True)
+            fp8, int_linear = linear_formats(source.quantization, "cuda")
+            weights = weight_bytes(
+                arch, config.model.dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear
+            )
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
             )
@@ -111,7 +119,7 @@ def plan_budget(
             util = cache.gpu_memory_utilization
             pool_source = (
                 f"{util:.2f} x {device.total_bytes / GIB:.1f} GiB - "
-                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB {'FP8 ' if fp8 else ''}weights - "
+                f"{elsewhere / GIB:.1f} GiB in use - {weights / GIB:.1f} GiB {_weights_label(fp8, int_linear)}weights - "
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
