@@ -1,0 +1,256 @@
+"""Integer-weight checkpoints (AWQ, GPTQ, compressed-tensors W4A16 / W8A16 / W8A8) on the CPU.
+
+Each layout is written by tests/int_checkpoints.py from a tiny random model, with its dequantized twin
+(a float checkpoint of exactly the weights the layout decodes to, computed there from the format's
+definition). Checked here:
+
+- the loader's dequantized weights are bit-exact against that twin, and for compressed-tensors against
+  the package's own decompressor (PackedQuantizationCompressor.decompress; it no longer applies
+  weight_g_idx, so the act-order layout is checked against the twin only);
+- the packed layers the GPU runs (quant/int_linear.py, here through their torch reference) hold the same
+  weights once repacked (g_idx permutation included) and give the same greedy tokens;
+- the engine's fp32 greedy tokens equal transformers' on the dequantized twin, for every format, dense
+  (Qwen3) and MoE (Qwen3-MoE, experts dequantized at load);
+- malformed or unsupported configs are refused by name before any weight is read.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from overnight.errors import ModelLoadError
+from overnight.loader.model_loader import load_model
+from overnight.loader.resolve import resolve_source
+from overnight.quant import apply
+from overnight.quant.apply import dequantize_model
+from overnight.quant.int_checkpoint import dequantized
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_scheme import IntScheme
+from tests.int_checkpoints import LAYOUTS, make_int_checkpoint
+from tests.tiny_models import load_reference, make_tiny_checkpoint
+
+# one per format: CT W4A16 (act-order, zero points), CT W8A16, CT W8A8, AWQ, GPTQ (act-order, v1)
+MOE_LAYOUTS = ("ct-w4-g32-asym-gidx", "ct-w8-g16-sym", "ct-w8a8", "awq-g32", "gptq-w4-g16-asym-descact")
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int-dense")
+    src = make_tiny_checkpoint(root / "src", "qwen3")
+    return {name: make_int_checkpoint(src, root / name, name) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int-moe")
+    src = make_tiny_checkpoint(root / "src", "qwen3_moe")
+    return {name: make_int_checkpoint(src, root / name, name) for name in MOE_LAYOUTS}
+
+
+def _modules(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Checkpoint tensors grouped by module, for the projections only."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if "_proj" in module:
+            out.setdefault(module, {})[kind] = t
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_dequantized_weights_are_bit_exact(dense, layout):
+    quantized, twin = dense[layout]
+    scheme = resolve_source(str(quantized)).quantization
+    assert isinstance(scheme, IntScheme)
+    reference = load_file(twin / "model.safetensors")
+    modules = _modules(load_file(quantized / "model.safetensors"))
+    assert len(modules) == 2 * 7
+    for module, parts in modules.items():
+        assert torch.equal(dequantized(module, parts, scheme), reference[f"{module}.weight"]), module
+
+
+@pytest.mark.parametrize(
+    "layout", [n for n, lay in LAYOUTS.items() if lay.method == "ct" and not lay.act_order]
+)
+def test_compressed_tensors_own_decompression_agrees(dense, layout):
+    from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    quantized, _ = dense[layout]
+    qc = json.loads((quantized / "config.json").read_text())["quantization_config"]
+    ct_scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
+    scheme = resolve_source(str(quantized)).quantization
+    for module, parts in _modules(load_file(quantized / "model.safetensors")).items():
+        theirs = PackedQuantizationCompressor.decompress(dict(parts), ct_scheme)["weight"]
+        ours = dequantized(module, parts, scheme).to(theirs.dtype)
+        assert torch.equal(ours, theirs), module
+
+
+def _same_weights(model: torch.nn.Module, twin: Path) -> None:
+    reference = load_model(resolve_source(str(twin)), torch.float32, "cpu").state_dict()
+    ours = model.state_dict()
+    assert ours.keys() == reference.keys()
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_layers_hold_the_same_weights(dense, layout, monkeypatch):
+    """The GPU's layout, built on the CPU: repacked codes (columns sorted by group for act-order), float32
+    scales and zeros; dequantized back it is the twin exactly, and the packed model's greedy tokens (its
+    torch reference path) equal the twin's."""
+    from tests.test_fp8_weights import PROMPTS, greedy_tokens
+
+    quantized, twin = dense[layout]
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    model = load_model(resolve_source(str(quantized)), torch.float32, "cpu")
+    kind = Int8Linear if LAYOUTS[layout].method == "ct-w8a8" else WeightOnlyIntLinear
+    layers = [m for m in model.modules() if isinstance(m, kind)]
+    assert len(layers) == 2 * 4  # qkv, o, gate_up, down per layer
+    if LAYOUTS[layout].act_order:
+        assert all(m.input_perm is not None for m in layers)
+    _same_weights(dequantize_model(copy.deepcopy(model)), twin)
+    if kind is WeightOnlyIntLinear:  # W8A8 quantizes activations: its tokens are not the twin's
+        prompts = PROMPTS[:4]
+        ref = load_model(resolve_source(str(twin)), torch.float32, "cpu")
+        assert greedy_tokens(model, prompts, 4) == greedy_tokens(ref, prompts, 4)
+
+
+def test_moe_experts_dequantize_at_load(moe, monkeypatch):
+    """Qwen3-MoE: the experts load dequantized (bit-exact), the router stays float, the attention
+    projections are packed."""
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    quantized, twin = moe["gptq-w4-g16-asym-descact"]
+    model = load_model(resolve_source(str(quantized)), torch.float32, "cpu")
+    assert type(model.model.layers[0].mlp.gate) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    _same_weights(dequantize_model(copy.deepcopy(model)), twin)
+
+
+# -- the engine against transformers on the dequantized model --------------------------------------
+
+
+def _engine_matches_transformers(quantized: Path, twin: Path) -> None:
+    from overnight import LLM, SamplingParams
+    from tests.test_engine_parity import hf_greedy, prompts_for
+
+    llm = LLM(
+        str(quantized), skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20
+    )
+    assert llm.engine.config.model.quantization == resolve_source(str(quantized)).quantization.name
+    ref = load_reference(twin)
+    prompts = prompts_for(ref.config.vocab_size, n=6)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 8)[0], f"prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_engine_greedy_equals_transformers_dense(dense, layout):
+    _engine_matches_transformers(*dense[layout])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_engine_greedy_equals_transformers_moe(moe, layout):
+    _engine_matches_transformers(*moe[layout])
+
+
+# -- refusals ---------------------------------------------------------------------------------------
+
+
+def _with_config(folder: Path, dst: Path, edit) -> Path:
+    shutil.copytree(folder, dst)
+    config = json.loads((dst / "config.json").read_text())
+    edit(config["quantization_config"])
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def _group(qc):
+    return qc["config_groups"]["group_0"]
+
+
+REFUSALS = {
+    "gptq-3bit": ("gptq-w4-g32-sym", lambda qc: qc.update(bits=3), "3-bit"),
+    "gptq-marlin-format": ("gptq-w4-g32-sym", lambda qc: qc.update(checkpoint_format="marlin"), "marlin"),
+    "gptq-lm-head": ("gptq-w4-g32-sym", lambda qc: qc.update(lm_head=True), "LM head"),
+    "gptq-odd-group": ("gptq-w4-g32-sym", lambda qc: qc.update(group_size=12), "group_size 12"),
+    "awq-gemv": ("awq-g32", lambda qc: qc.update(version="gemv"), "'gemv'"),
+    "awq-no-zero": ("awq-g32", lambda qc: qc.update(zero_point=False), "zero_point"),
+    "ct-3bit": ("ct-w4-g32-sym", lambda qc: _group(qc)["weights"].update(num_bits=3), "3-bit"),
+    "ct-tensor": (
+        "ct-w4-g32-sym",
+        lambda qc: _group(qc)["weights"].update(strategy="tensor", group_size=None),
+        "'tensor'",
+    ),
+    "ct-malformed": (
+        "ct-w4-g32-sym",
+        lambda qc: _group(qc)["weights"].update(strategy="sideways"),
+        "malformed",
+    ),
+    "ct-static-acts": (
+        "ct-w8a8",
+        lambda qc: _group(qc)["input_activations"].update(dynamic=False, strategy="tensor"),
+        "static",
+    ),
+    "ct-channel-group-order": (
+        "ct-w4-channel-asym",
+        lambda qc: _group(qc)["weights"].update(actorder="group"),
+        "needs the group strategy",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_configs_are_refused_by_name(dense, tmp_path, case):
+    """At resolve time, from config.json alone: before the model is built or any weight is read."""
+    layout, edit, message = REFUSALS[case]
+    folder = _with_config(dense[layout][0], tmp_path / case, edit)
+    with pytest.raises(ModelLoadError, match=message):
+        resolve_source(str(folder))
+
+
+def test_missing_part_is_named(dense, tmp_path):
+    quantized, _ = dense["gptq-w4-g16-asym-descact"]
+    broken = tmp_path / "broken"
+    shutil.copytree(quantized, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.g_idx"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"layers\.1\.self_attn\.k_proj\.g_idx"):
+        load_model(resolve_source(str(broken)), torch.float32, "cpu")
+
+
+def test_unquantized_layer_not_in_ignore_list_is_named(dense, tmp_path, monkeypatch):
+    """A float o_proj in a checkpoint whose config says every Linear is quantized: on the GPU layout the
+    loader names the mismatch instead of reporting missing parameters."""
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    quantized, twin = dense["awq-g32"]
+    broken = tmp_path / "float-o"
+    shutil.copytree(quantized, broken)
+    tensors = load_file(broken / "model.safetensors")
+    for part in ("qweight", "qzeros", "scales"):
+        del tensors[f"model.layers.0.self_attn.o_proj.{part}"]
+    tensors["model.layers.0.self_attn.o_proj.weight"] = load_file(twin / "model.safetensors")[
+        "model.layers.0.self_attn.o_proj.weight"
+    ]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"o_proj.*ignore list"):
+        load_model(resolve_source(str(broken)), torch.float32, "cpu")
+
+
+def test_fp8_option_on_an_int_checkpoint_is_refused(dense):
+    from overnight.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fp8"):
+        resolve_source(str(dense["awq-g32"][0]), quantization="fp8")
