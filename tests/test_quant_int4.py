@@ -123,6 +123,24 @@ def test_packed_layers_hold_the_same_weights(dense, layout, monkeypatch):
         assert greedy_tokens(model, prompts, 4) == greedy_tokens(ref, prompts, 4)
 
 
+@pytest.mark.parametrize("layout", ["gptq-w4-g16-asym-descact", "ct-w8-g16-sym", "ct-w8a8"])
+def test_packed_layers_kernel_path_matches_reference(dense, layout, monkeypatch):
+    """Each packed layer of a loaded checkpoint through its kernel path (the Triton GEMM in the
+    interpreter; torch._int_mm for W8A8) against its torch reference path, on the same inputs."""
+    from overnight.kernels import dispatch
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    model = load_model(resolve_source(str(dense[layout][0])), torch.float32, "cpu")
+    layers = [m for m in model.modules() if isinstance(m, (WeightOnlyIntLinear, Int8Linear))]
+    gen = torch.Generator().manual_seed(0)
+    for layer in layers:
+        x = torch.randn(3, layer.in_features, generator=gen)
+        monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+        ref = layer(x)
+        monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+        torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
+
+
 def test_moe_experts_dequantize_at_load(moe, monkeypatch):
     """Qwen3-MoE: the experts load dequantized (bit-exact), the router stays float, the attention
     projections are packed."""

@@ -141,8 +141,10 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Int8Linear(nn.Module):
     """y = (xq * sx) @ (W * sw)^T + bias: W int8 [out, in] with weight_scale [out] float32; x quantized
-    per token (symmetric int8) on each call. CUDA: torch._int_mm (int32 accumulation), then both scales
-    in float32; elsewhere the same arithmetic in float32."""
+    per token (symmetric int8) on each call. Kernel path: torch._int_mm (exact int32 accumulation), then
+    both scales in float32; the reference: the same arithmetic in float32. The per-token quantization
+    is not fused into the preceding norm yet (the FP8 path's producers do that): it is a few
+    elementwise ops per layer."""
 
     def __init__(
         self,
@@ -184,9 +186,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
         codes, sx = quantize_rows_int8(rows)
-        if rows.is_cuda and self.in_features % 8 == 0 and self.out_features % 8 == 0:
+        if use_kernels(rows) and self.in_features % 8 == 0 and self.out_features % 8 == 0:
             m = codes.shape[0]
-            # torch._int_mm wants more than 16 rows: pad small batches (a fixed shape per graph bucket)
+            # CUDA's torch._int_mm wants more than 16 rows: small batches are padded (a fixed shape per
+            # graph bucket, so capture and replay agree)
             padded = codes if m > 16 else torch.nn.functional.pad(codes, (0, 0, 0, 17 - m))
             acc = torch._int_mm(padded, self.weight.t())[:m].float()
         else:
