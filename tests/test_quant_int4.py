@@ -272,3 +272,26 @@ def test_fp8_option_on_an_int_checkpoint_is_refused(dense):
 
     with pytest.raises(ConfigError, match="fp8"):
         resolve_source(str(dense["awq-g32"][0]), quantization="fp8")
+
+
+# -- memory accounting ------------------------------------------------------------------------------
+
+
+def test_weight_bytes_count_packed_projections():
+    """Qwen3-8B with int4 projections in groups of 128: half a byte per projection weight plus a float32
+    scale and zero per group; embeddings, LM head and norms in bf16. On the CPU (dequantized at load)
+    the weights count in the compute dtype."""
+    from overnight.loader.fit import linear_formats, weight_bytes
+
+    arch = resolve_source("qwen3-8b", "dummy").arch
+    scheme = IntScheme(method="gptq", bits=4, group_size=128, symmetric=True)
+    fp8, int_linear = linear_formats(scheme, "cuda")
+    assert (fp8, int_linear) == (False, (4, 128))
+    assert linear_formats(scheme, "cpu") == (False, None)
+    bf16 = weight_bytes(arch, torch.bfloat16)
+    int4 = weight_bytes(arch, torch.bfloat16, int_linear=int_linear)
+    projections = arch.num_linear_parameters()  # dense model: every projection is packed
+    assert int4 == bf16 - 2 * projections + projections // 2 + 8 * (projections // 128)
+    assert 0.35 < int4 / bf16 < 0.42  # ~6.4 GB against ~16.4 GB
+    int8 = weight_bytes(arch, torch.bfloat16, int_linear=(8, 0))
+    assert int4 < int8 < weight_bytes(arch, torch.bfloat16, fp8_linear=True) + 8 * 10**7

@@ -71,10 +71,14 @@ def _w4a16_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_ok = offs_k < K
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
+        # each int32 word read once: [BLOCK_K / PER, BLOCK_N] words -> [BLOCK_K / PER, PER, BLOCK_N]
+        # codes -> [BLOCK_K, BLOCK_N] (row w * PER + j is value j of word w, as packed)
+        offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
         words = tl.load(
-            qw_ptr + rows_n[None, :] * stride_qn + (offs_k[:, None] // PER), mask=k_ok[:, None], other=0
-        )  # [BLOCK_K, BLOCK_N]: each word read PER times, from L1
-        codes = (words >> ((offs_k[:, None] % PER) * BITS)) & MASK
+            qw_ptr + rows_n[None, :] * stride_qn + offs_w[:, None], mask=offs_w[:, None] < K // PER, other=0
+        )
+        shifts = tl.arange(0, PER) * BITS
+        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
         g = k0 // GROUP
         scale = tl.load(s_ptr + rows_n * stride_sn + g)
         if HAS_ZERO:
