@@ -24,12 +24,31 @@ Launches depend only on shapes: safe to capture in a CUDA graph.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 DEQUANT_GEMM_MIN_M = 256  # from this many rows on: dequantize + cuBLAS
 _TARGET_PROGRAMS = 264  # ~2 waves on an H100/H200's 132 SMs
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """Tiles of the fused kernel; split_k 0: chosen from the shape (_TARGET_PROGRAMS)."""
+
+    block_m: int
+    block_n: int
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def default_config(m: int) -> W4A16Config:
+    """Untuned on the GPU so far (bench/w4a16_gpu.py sweeps the alternatives)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return W4A16Config(block_m=block_m, block_n=64 if m <= 64 else 128)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -160,20 +179,22 @@ def w4a16_gemm(
     bits: int,
     group: int,
     split_k: int | None = None,
+    config: W4A16Config | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ dequant(qw)^T -> [M, N] in x's dtype (see the module docstring); split_k: None picks."""
+    """x [M, K] @ dequant(qw)^T -> [M, N] in x's dtype (see the module docstring); split_k: None picks
+    (or config.split_k when set)."""
     m, k = x.shape
     n = qw.shape[0]
     _check(qw, scale, zero, bits, group, k)
     if x.stride(1) != 1:
         x = x.contiguous()
+    cfg = config or default_config(m)
     block_k = _block_k(group)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 64 if m <= 64 else 128
+    block_m, block_n = cfg.block_m, cfg.block_n
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     if split_k is None:
-        split_k = max(1, min(steps, _TARGET_PROGRAMS // tiles, 16))
+        split_k = cfg.split_k or max(1, min(steps, _TARGET_PROGRAMS // tiles, 16))
     per_split = triton.cdiv(steps, split_k) * block_k
     split_k = triton.cdiv(k, per_split)
     if split_k == 1:
@@ -204,8 +225,8 @@ def w4a16_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
-        num_stages=4,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out if split_k == 1 else out.sum(0).to(x.dtype)
 
