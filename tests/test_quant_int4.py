@@ -216,6 +216,17 @@ REFUSALS = {
         lambda qc: _group(qc)["weights"].update(strategy="sideways"),
         "malformed",
     ),
+    "gptq-pack-int16": ("gptq-w4-g32-sym", lambda qc: qc.update(pack_dtype="int16"), "pack_dtype"),
+    "ct-rotated": (
+        "ct-w4-g32-sym",
+        lambda qc: qc.update(transform_config={"config_groups": {"r": {}}}),
+        "transform_config",
+    ),
+    "ct-sparse-24": (
+        "ct-w4-g32-sym",
+        lambda qc: qc.update(sparsity_config={"format": "sparse-24-bitmask"}),
+        "sparsity",
+    ),
     "ct-static-acts": (
         "ct-w8a8",
         lambda qc: _group(qc)["input_activations"].update(dynamic=False, strategy="tensor"),

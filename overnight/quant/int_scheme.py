@@ -164,6 +164,9 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
         )
     if qc.get("lm_head"):
         raise ModelLoadError(f"{where}: GPTQ with a quantized LM head (lm_head: true) is not supported")
+    pack_dtype = str(qc.get("pack_dtype", "int32")).removeprefix("torch.")
+    if pack_dtype != "int32":
+        raise ModelLoadError(f"{where}: GPTQ pack_dtype {pack_dtype!r} is not supported (int32)")
     group = _group(qc.get("group_size"), where, "GPTQ")
     return IntScheme(
         method="gptq",
@@ -176,9 +179,25 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
     )
 
 
+def refuse_transforms(qc: dict[str, Any], where: str) -> None:
+    """compressed-tensors checkpoints whose weights need more than dequantization: rotations (SpinQuant /
+    QuIP transforms, applied online at run time) or 2:4 sparse storage."""
+    if qc.get("transform_config"):
+        raise ModelLoadError(
+            f"{where}: compressed-tensors transform_config (rotated weights, e.g. SpinQuant/QuIP) is not "
+            "supported: the online transforms are not implemented"
+        )
+    sparsity = qc.get("sparsity_config") or {}
+    if isinstance(sparsity, dict) and sparsity.get("format") not in (None, "dense"):
+        raise ModelLoadError(
+            f"{where}: compressed-tensors sparsity format {sparsity.get('format')!r} is not supported (dense only)"
+        )
+
+
 def _compressed_tensors(qc: dict[str, Any], where: str) -> IntScheme:
     from compressed_tensors.quantization import QuantizationConfig  # the package's own config model
 
+    refuse_transforms(qc, where)
     # actorder "group" (weight_g_idx tensors, llm-compressor before 0.10) left the package's enum; it
     # is read here and the rest validated by the package.
     qc, group_order = _strip_group_actorder(qc)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from overnight.errors import ConfigError, ModelLoadError
-from overnight.quant.int_scheme import IntScheme, int_scheme_from_hf_config, is_int_config
+from overnight.quant.int_scheme import IntScheme, int_scheme_from_hf_config, is_int_config, refuse_transforms
 from overnight.quant.names import module_matches
 
 QUANTIZATION_METHODS = ("fp8",)
@@ -157,6 +157,7 @@ def _fp8_method(qc: dict[str, Any], where: str) -> QuantScheme:
 
 
 def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantScheme:
+    refuse_transforms(qc, where)
     groups = qc.get("config_groups") or {}
     if not groups:
         raise ModelLoadError(f"{where}: compressed-tensors quantization_config has no config_groups")
@@ -165,8 +166,8 @@ def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantScheme:
         fmt = group.get("format") or qc.get("format")
         if fmt != "float-quantized":
             raise ModelLoadError(
-                f"{where}: compressed-tensors format {fmt!r} (group {name}) is not supported; "
-                "only float-quantized (FP8 e4m3 weights)"
+                f"{where}: compressed-tensors format {fmt!r} (group {name}) is not supported; supported: "
+                "float-quantized (FP8), pack-quantized (W4A16, W8A16), int-quantized (W8A8)"
             )
         w = group.get("weights") or {}
         if w.get("type") != "float" or w.get("num_bits") != 8 or not w.get("symmetric", True):
