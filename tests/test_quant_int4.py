@@ -278,6 +278,23 @@ def test_unquantized_layer_not_in_ignore_list_is_named(dense, tmp_path, monkeypa
         load_model(resolve_source(str(broken)), torch.float32, "cpu")
 
 
+@pytest.mark.parametrize(
+    "layout,file", [("gptq-w4-g16-asym-descact", "quantize_config.json"), ("awq-g32", "quant_config.json")]
+)
+def test_quantizer_config_file_without_quantization_config(dense, tmp_path, layout, file):
+    """Older AutoGPTQ / AutoAWQ folders: the config lives in the quantizer's own file (AutoAWQ's keys)."""
+    folder = tmp_path / layout
+    shutil.copytree(dense[layout][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    qc = config.pop("quantization_config")
+    qc.pop("quant_method")
+    if file == "quant_config.json":
+        qc = {"zero_point": True, "q_group_size": qc["group_size"], "w_bit": 4, "version": "GEMM"}
+    (folder / file).write_text(json.dumps(qc))
+    (folder / "config.json").write_text(json.dumps(config))
+    assert resolve_source(str(folder)).quantization == resolve_source(str(dense[layout][0])).quantization
+
+
 def test_fp8_option_on_an_int_checkpoint_is_refused(dense):
     from overnight.errors import ConfigError
 

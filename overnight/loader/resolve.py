@@ -19,7 +19,8 @@ from overnight.errors import ModelLoadError
 from overnight.loader.hf import pickle_files, safetensors_files
 from overnight.loader.source import ModelSource
 from overnight.models.registry import arch_from_hf_config, hf_architecture_of
-from overnight.quant.scheme import resolve_quantization, scheme_from_hf_config
+from overnight.quant.int_scheme import IntScheme
+from overnight.quant.scheme import QuantScheme, resolve_quantization, scheme_from_hf_config
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PRESETS_DIR = os.path.join(os.path.dirname(__file__), "presets")
@@ -155,12 +156,30 @@ def _config_source(
         bos_token_id=bos,
         config_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         served_name=served_name,
-        quantization=(
-            scheme_from_hf_config(cfg["quantization_config"], f"{path}/config.json")
-            if cfg.get("quantization_config")
-            else None
-        ),
+        quantization=_checkpoint_quantization(cfg, path, kind),
     )
+
+
+# Quantizers' own config files, which older GPTQ (AutoGPTQ) and AWQ (AutoAWQ) folders carry instead of
+# a quantization_config in config.json: file name -> the method it implies.
+_LEGACY_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq"}
+
+
+def _checkpoint_quantization(cfg: dict[str, Any], path: str, kind: str) -> QuantScheme | IntScheme | None:
+    if cfg.get("quantization_config"):
+        return scheme_from_hf_config(cfg["quantization_config"], f"{path}/config.json")
+    if kind != "hf" or not os.path.isdir(path):
+        return None
+    for name, method in _LEGACY_QUANT_FILES.items():
+        file = os.path.join(path, name)
+        if os.path.isfile(file):
+            try:
+                with open(file) as f:
+                    qc = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ModelLoadError(f"cannot read {file}: {e}") from None
+            return scheme_from_hf_config({"quant_method": method, **qc}, file)
+    return None
 
 
 def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
