@@ -123,18 +123,23 @@ class ModelArch:
         dtype_bytes: int,
         fp8_linear: bool = False,
         fp8_experts: bool = False,
-        int_linear: tuple[int, int] | None = None,
+        int_linear: tuple[int, int, bool] | None = None,
     ) -> int:
         """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs)
         take one byte each plus a float32 scale per output row (quant/); fp8_experts: the stacked MoE
         experts too, as they are once loaded (they load in dtype and are quantized afterwards, so the
-        load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row): the
-        projections packed at `bits` per weight plus a float32 scale and zero point per row and group
-        (quant/int_linear.py); experts stay in dtype (dequantized at load)."""
+        load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row, whether
+        the experts are packed too): the projections packed at `bits` per weight plus a float32 scale
+        and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
+        stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
         params, rows = self._dense_linear_shape()
         if int_linear is not None:
-            bits, group = int_linear
+            bits, group, experts = int_linear
+            if experts:
+                sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+                params += sparse * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
+                rows += sparse * self.num_experts * (2 * self.moe_intermediate_size + self.hidden_size)
             groups = params // group if group else rows
             return total - params * dtype_bytes + params * bits // 8 + 8 * groups
         if not fp8_linear:

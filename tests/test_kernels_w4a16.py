@@ -118,3 +118,49 @@ def test_act_order_layer_with_kernels(bits, monkeypatch):
     x = torch.randn(3, k, device=DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     torch.testing.assert_close(layer(x), x @ dense.t(), atol=1e-4, rtol=1e-4)
+
+
+# -- MoE experts on packed weights (kernels/w4a16_moe.py) --------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "bits,groups,zeros,tokens",
+    [(4, (32, 16), True, 5), (4, (64, 32), False, 1), (8, (32, 32), True, 9), (4, (64, 32), True, 33)],
+)
+def test_fused_experts_match_reference(bits, groups, zeros, tokens, dtype):
+    """Gated gate/up GEMM with SiLU-and-mul, weighted down GEMM, sum over the top k; groups (gate_up,
+    down) include one group per row of down (I = 32)."""
+    from overnight.kernels.w4a16_moe import w4a16_fused_experts, w4a16_fused_experts_ref
+
+    experts, hidden, inter, top_k = 8, 64, 32, 2
+
+    def stack(n: int, k: int, group: int, seed: int):
+        layers = [_weight(n, k, bits, group, zeros, seed=seed + e) for e in range(experts)]
+        packed = torch.stack([w for w, _, _ in layers])
+        scale = torch.stack([s for _, s, _ in layers]) * (32 / (1 << bits))  # outputs of order 1 in fp16
+        zero = torch.stack([z for _, _, z in layers]) if zeros else None  # type: ignore[misc]
+        return packed, scale, zero
+
+    gate_up, down = stack(2 * inter, hidden, groups[0], 0), stack(hidden, inter, groups[1], 100)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=gen).softmax(-1), top_k)
+    weights, ids = weights.to(DEVICE), ids.int().to(DEVICE)
+    y = w4a16_fused_experts(x, gate_up, down, bits, groups, weights, ids)
+    ref = w4a16_fused_experts_ref(x, gate_up, down, bits, groups, weights, ids)
+    scale = ref.float().abs().max()
+    torch.testing.assert_close(y.float() / scale, ref.float() / scale, atol=_tol(dtype), rtol=0)
+
+
+def test_moe_gemm_wrapper_checks_shapes():
+    from overnight.kernels.moe_align import moe_align
+    from overnight.kernels.w4a16_moe import w4a16_moe_gemm
+
+    qw, scale, zero = _weight(32, 64, 4, 32, True)
+    runs = moe_align(torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), 1, 16)
+    x = torch.randn(2, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="scale must be"):
+        w4a16_moe_gemm(x, qw[None], scale[None, :, :1].contiguous(), None, 4, 32, runs)
+    with pytest.raises(ValueError, match="does not divide"):
+        w4a16_moe_gemm(x, qw[None], scale[None], zero[None], 4, 48, runs)

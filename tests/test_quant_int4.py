@@ -32,6 +32,7 @@ from overnight.quant import apply
 from overnight.quant.apply import dequantize_model
 from overnight.quant.int_checkpoint import dequantized
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import LAYOUTS, make_int_checkpoint
 from tests.tiny_models import load_reference, make_tiny_checkpoint
@@ -141,15 +142,41 @@ def test_packed_layers_kernel_path_matches_reference(dense, layout, monkeypatch)
         torch.testing.assert_close(layer(x), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_moe_experts_dequantize_at_load(moe, monkeypatch):
-    """Qwen3-MoE: the experts load dequantized (bit-exact), the router stays float, the attention
-    projections are packed."""
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_moe_experts_packed_or_dequantized(moe, monkeypatch, layout):
+    """Qwen3-MoE on the GPU's layout: experts packed (IntExperts) for weight-only layouts without
+    act-order, dequantized at load (Experts) for act-order and W8A8; either way the same weights as the
+    twin, bit for bit, and the router stays float. Packed experts' greedy tokens (their torch reference
+    path) equal the twin's."""
+    from tests.test_fp8_weights import PROMPTS, greedy_tokens
+
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
-    quantized, twin = moe["gptq-w4-g16-asym-descact"]
+    quantized, twin = moe[layout]
     model = load_model(resolve_source(str(quantized)), torch.float32, "cpu")
+    lay = LAYOUTS[layout]
+    packed = lay.method != "ct-w8a8" and not lay.act_order
+    assert isinstance(model.model.layers[0].mlp.experts, IntExperts) == packed
     assert type(model.model.layers[0].mlp.gate) is torch.nn.Linear
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
     _same_weights(dequantize_model(copy.deepcopy(model)), twin)
+    if packed:
+        ref = load_model(resolve_source(str(twin)), torch.float32, "cpu")
+        assert greedy_tokens(model, PROMPTS[:4], 4) == greedy_tokens(ref, PROMPTS[:4], 4)
+
+
+def test_packed_experts_kernel_path_matches_reference(moe, monkeypatch):
+    from overnight.kernels import dispatch
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    model = load_model(resolve_source(str(moe["awq-g32"][0])), torch.float32, "cpu")
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, IntExperts)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, experts.hidden_size, generator=gen)
+    weights, ids = torch.topk(torch.randn(5, experts.num_experts, generator=gen).softmax(-1), 2)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    ref = experts(x, weights, ids.int())
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    torch.testing.assert_close(experts(x, weights, ids.int()), ref, atol=1e-4, rtol=1e-4)
 
 
 # -- the engine against transformers on the dequantized model --------------------------------------
@@ -314,12 +341,28 @@ def test_weight_bytes_count_packed_projections():
     arch = resolve_source("qwen3-8b", "dummy").arch
     scheme = IntScheme(method="gptq", bits=4, group_size=128, symmetric=True)
     fp8, int_linear = linear_formats(scheme, "cuda")
-    assert (fp8, int_linear) == (False, (4, 128))
+    assert (fp8, int_linear) == (False, (4, 128, True))
     assert linear_formats(scheme, "cpu") == (False, None)
     bf16 = weight_bytes(arch, torch.bfloat16)
     int4 = weight_bytes(arch, torch.bfloat16, int_linear=int_linear)
     projections = arch.num_linear_parameters()  # dense model: every projection is packed
     assert int4 == bf16 - 2 * projections + projections // 2 + 8 * (projections // 128)
     assert 0.35 < int4 / bf16 < 0.42  # ~6.4 GB against ~16.4 GB
-    int8 = weight_bytes(arch, torch.bfloat16, int_linear=(8, 0))
+    int8 = weight_bytes(arch, torch.bfloat16, int_linear=(8, 0, False))
     assert int4 < int8 < weight_bytes(arch, torch.bfloat16, fp8_linear=True) + 8 * 10**7
+
+
+def test_weight_bytes_count_packed_experts():
+    """Qwen3-30B-A3B in int4 groups of 128: the experts packed too (~61 GB in bf16, ~17 GB packed);
+    with act-order (experts dequantized at load) they count in bf16."""
+    from overnight.loader.fit import linear_formats, weight_bytes
+
+    arch = resolve_source("qwen3-30b-a3b", "dummy").arch
+    packed = linear_formats(IntScheme(method="gptq", bits=4, group_size=128, symmetric=False), "cuda")[1]
+    ordered = linear_formats(
+        IntScheme(method="gptq", bits=4, group_size=128, symmetric=False, act_order=True), "cuda"
+    )[1]
+    assert packed == (4, 128, True) and ordered == (4, 128, False)
+    bf16 = weight_bytes(arch, torch.bfloat16)
+    assert 0.25 < weight_bytes(arch, torch.bfloat16, int_linear=packed) / bf16 < 0.32
+    assert weight_bytes(arch, torch.bfloat16, int_linear=ordered) / bf16 > 0.9

@@ -26,12 +26,13 @@ def weight_bytes(
     dtype: torch.dtype,
     fp8_linear: bool = False,
     loaded: bool = False,
-    int_linear: tuple[int, int] | None = None,
+    int_linear: tuple[int, int, bool] | None = None,
 ) -> int:
     """Bytes the weights of `arch` take while loading in `dtype`; fp8_linear: with FP8 projections (an
     FP8 checkpoint or quantization="fp8"; GGUF is dequantized to dtype); loaded: once loaded, when FP8
     MoE experts have been quantized (they load in dtype: layers/moe.py); int_linear: (bits, group size
-    or 0) of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU)."""
+    or 0, experts packed) of packed integer projections (an AWQ / GPTQ / compressed-tensors int
+    checkpoint on a GPU)."""
     return arch.weight_bytes(
         dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded, int_linear=int_linear
     )
@@ -39,14 +40,17 @@ def weight_bytes(
 
 def linear_formats(
     scheme: QuantScheme | IntScheme | None, device: torch.device | str
-) -> tuple[bool, tuple[int, int] | None]:
+) -> tuple[bool, tuple[int, int, bool] | None]:
     """(fp8_linear, int_linear) for weight_bytes and check_weights_fit, from a source's quantization
     and where it runs (integer checkpoints are dequantized to dtype on the CPU: quant/apply.py)."""
     if isinstance(scheme, QuantScheme):
         return True, None
     if scheme is None or not keeps_int_packed(device):
         return False, None
-    return False, (scheme.bits, scheme.group_size or 0)
+    # experts packed unless act-order / W8A8 or groups the kernels do not take (quant/apply.py)
+    group = scheme.group_size
+    experts = not (scheme.act_order or scheme.int8_activations) and (group is None or group % 16 == 0)
+    return False, (scheme.bits, group or 0, experts)
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
@@ -76,7 +80,7 @@ def check_weights_fit(
     model: str,
     tensor_parallel_size: int = 1,
     fp8_linear: bool = False,
-    int_linear: tuple[int, int] | None = None,
+    int_linear: tuple[int, int, bool] | None = None,
 ) -> None:
     """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
     memory; on the CPU, all of them against the RAM available."""
@@ -101,7 +105,7 @@ def check_weights_fit(
         )
 
 
-def _format_note(fp8_linear: bool, int_linear: tuple[int, int] | None) -> str:
+def _format_note(fp8_linear: bool, int_linear: tuple[int, int, bool] | None) -> str:
     if int_linear is not None:
         return f" with int{int_linear[0]} projections"
     return " with FP8 projections" if fp8_linear else ""
@@ -114,7 +118,7 @@ def _what_fits(
     free: int,
     tp: int,
     fp8_linear: bool,
-    int_linear: tuple[int, int] | None = None,
+    int_linear: tuple[int, int, bool] | None = None,
 ) -> str:
     def size(d: torch.dtype) -> int:
         return weight_bytes(arch, d, fp8_linear, int_linear=int_linear)

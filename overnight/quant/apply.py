@@ -14,19 +14,21 @@ checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) 
 turns them into e4m3 with per-row scales once every weight is in.
 
 Integer-weight checkpoints (quant/int_scheme.py) get WeightOnlyIntLinear / Int8Linear layers
-(quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU. On the CPU
-their linears stay nn.Linear and load dequantized (the plain-torch path, as GGUF does). Their MoE
-experts load dequantized to the compute dtype everywhere, the GPU included (no int expert GEMM yet).
+(quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU, and their
+stacked experts become IntExperts (quant/int_moe.py: packed W4A16/W8A16 grouped GEMMs), except for
+act-order or W8A8 checkpoints, whose experts load dequantized to the compute dtype. On the CPU the
+linears stay nn.Linear and the experts Experts, all loaded dequantized (the plain-torch path).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
 
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme, module_matches
@@ -95,8 +97,35 @@ def quantize_model(
         ):
             continue
         _set_module(model, name, _quantized(module, scheme))
+    if isinstance(scheme, IntScheme):
+        _int_experts(model, scheme)
     _set_producers(model, True)
     return model
+
+
+def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
+    """Replace each stack of experts (layers/moe.py's Experts) by IntExperts where the kernels take the
+    checkpoint's layout: weight-only, no act-order, groups of a multiple of 16 dividing both sizes."""
+    if scheme.int8_activations or scheme.act_order:
+        return
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, QuantizedAfterLoad):
+            continue
+        _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
+        sizes = (hidden, two_i // 2)
+        group = scheme.group_size
+        fits = (
+            all(s % 16 == 0 for s in sizes)
+            if group is None
+            else group % 16 == 0 and all(s % group == 0 for s in sizes)
+        )
+        if fits and not scheme.ignores(f"{name}.0.gate_proj"):
+            stack = cast(nn.Module, module)
+            _set_module(model, name, IntExperts.replacing(stack, scheme.bits, group, scheme.symmetric))
+
+
+def int_experts_modules(model: nn.Module) -> dict[str, IntExperts]:
+    return {name: module for name, module in model.named_modules() if isinstance(module, IntExperts)}
 
 
 def _quantized(linear: nn.Linear, scheme: QuantScheme | IntScheme) -> nn.Module:
@@ -147,6 +176,14 @@ def dequantize_model(model: nn.Module) -> nn.Module:
         if module.bias is not None:
             dense.bias.copy_(module.bias)
         _set_module(model, name, dense)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, IntExperts):
+            gate_up, down = module.dequantized(module.compute_dtype)
+            with torch.device(gate_up.device):
+                stack = module.dense_type(module.num_experts, module.hidden_size, module.intermediate_size)
+            stack.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+            stack.down_proj = nn.Parameter(down, requires_grad=False)
+            _set_module(model, name, stack)
     for experts in model.modules():
         if isinstance(experts, QuantizedAfterLoad):
             experts.dequantize_()

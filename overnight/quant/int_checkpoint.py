@@ -10,8 +10,12 @@ or file, then unpacked into the canonical form (quant/int_formats.py) and either
       column permutation is written into the layer's input_perm buffer, and the parts of one fused
       layer must agree on it (they do when written by GPTQ: the order comes from their shared input);
       W8A8: `<module>.weight` int8 and `.weight_scale` [out];
+    - or, for an expert of an IntExperts stack (quant/int_moe.py), its packed codes as
+      `<module>.weight` (stacked by the loader like a float expert's) and its scales and zeros written
+      into the stack's buffers;
     - or dequantized to `<module>.weight` in float32 (the loader casts to the compute dtype): every
-      linear on the CPU, MoE experts everywhere, and any quantized tensor of a layer kept in float.
+      linear and expert on the CPU, act-order and W8A8 experts everywhere, and any quantized tensor of
+      a layer kept in float.
 
 Other tensors pass through. A float weight for a layer built as an integer one means the config's
 ignore list does not match the weights: refused by name, as are unpaired parts at the end.
@@ -19,15 +23,17 @@ ignore list does not match the weights: refused by name, as are unpaired parts a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from overnight.errors import ModelLoadError
-from overnight.quant.apply import int_checkpoint_modules
+from overnight.quant.apply import int_checkpoint_modules, int_experts_modules
 from overnight.quant.int_formats import IntWeight, from_awq, from_compressed_tensors, from_gptq, kernel_layout
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 
 
@@ -35,6 +41,7 @@ def int_checkpoint_weights(
     weights: Iterable[tuple[str, torch.Tensor]], model: nn.Module, scheme: IntScheme
 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = int_checkpoint_modules(model)
+    experts = int_experts_modules(model)
     required = scheme.required_parts()
     parts_of = required | scheme.optional_parts()
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -59,13 +66,44 @@ def int_checkpoint_weights(
             continue
         del pending[module]
         done.add(module)
-        yield from _convert(module, parts, scheme, layers, perms)
+        yield from _convert(module, parts, scheme, layers, experts, perms)
     if pending:
         missing = sorted(f"{m}.{p}" for m, parts in pending.items() for p in required - parts.keys())
         more = f" ... and {len(missing) - 6} more" if len(missing) > 6 else ""
         raise ModelLoadError(
             f"{scheme.method} checkpoint is incomplete: missing {', '.join(missing[:6])}{more}"
         )
+
+
+# A checkpoint expert projection: (stack, expert, projection)
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)")
+
+
+def _packed_expert(
+    module: str, parts: dict[str, torch.Tensor], scheme: IntScheme, stack: IntExperts, match: re.Match[str]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One expert projection into IntExperts: its codes go through the loader (stacked like a float
+    expert weight), its scales and zeros straight into the stack's buffers at the same rows."""
+    packed, scale, zero, perm = kernel_layout(canonical(module, parts, scheme), module)
+    assert perm is None  # act-order experts are not packed (quant/apply.py)
+    e, proj = int(match.group(2)), match.group(3)
+    rows = scale.shape[0]
+    start = stack.intermediate_size if proj == "up_proj" else 0
+    prefix = "down" if proj == "down_proj" else "gate_up"
+    target_scale: torch.Tensor = getattr(stack, f"{prefix}_scale")
+    if tuple(target_scale.shape[2:]) != tuple(scale.shape[1:]) or start + rows > target_scale.shape[1]:
+        raise ModelLoadError(
+            f"{module}: scales {list(scale.shape)} do not fit the experts' {list(target_scale.shape[1:])}"
+        )
+    target_scale[e, start : start + rows].copy_(scale)
+    target_zero: torch.Tensor | None = getattr(stack, f"{prefix}_zero")
+    if target_zero is not None:
+        target_zero[e, start : start + rows].copy_(zero)
+    elif not bool((zero == float(1 << (scheme.bits - 1))).all()):
+        raise ModelLoadError(
+            f"{module}: a symmetric scheme with zero points other than {1 << (scheme.bits - 1)}"
+        )
+    yield f"{module}.weight", packed
 
 
 def _is_quantized_part(kind: str, tensor: torch.Tensor) -> bool:
@@ -122,8 +160,13 @@ def _convert(
     parts: dict[str, torch.Tensor],
     scheme: IntScheme,
     layers: dict[str, tuple[str, nn.Module]],
+    experts: dict[str, IntExperts],
     perms: dict[str, torch.Tensor | None],
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    expert = _EXPERT.fullmatch(module)
+    if expert is not None and expert.group(1) in experts:
+        yield from _packed_expert(module, parts, scheme, experts[expert.group(1)], expert)
+        return
     if module not in layers:
         yield f"{module}.weight", dequantized(module, parts, scheme)
         return

@@ -70,7 +70,7 @@ class Budget:
         return self.num_blocks * self.block_size * self.kv_bytes_per_token
 
 
-def _weights_label(fp8: bool, int_linear: tuple[int, int] | None) -> str:
+def _weights_label(fp8: bool, int_linear: tuple[int, int, bool] | None) -> str:
     if int_linear is not None:
         return f"int{int_linear[0]} "
     return "FP8 " if fp8 else ""
