@@ -82,7 +82,7 @@ class IntScheme:
         if self.method == "gptq":
             return frozenset({"g_idx"})  # GPTQ writers store it even without act-order
         if self.method == "compressed-tensors" and not self.int8_activations:
-            return frozenset({"weight_g_idx", "weight_zero_point"})
+            return frozenset({"weight_g_idx"})  # without actorder "group": checked to be in order
         return frozenset()
 
     def describe(self) -> str:
