@@ -366,3 +366,17 @@ def test_weight_bytes_count_packed_experts():
     bf16 = weight_bytes(arch, torch.bfloat16)
     assert 0.25 < weight_bytes(arch, torch.bfloat16, int_linear=packed) / bf16 < 0.32
     assert weight_bytes(arch, torch.bfloat16, int_linear=ordered) / bf16 > 0.9
+
+
+def test_budget_on_a_gpu_counts_the_packed_weights(dense):
+    """`overnight budget` for an int4 checkpoint on a (described) GPU: packed bytes, named as such."""
+    from overnight.options import EngineOptions
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    gpu = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    quantized, twin = dense["gptq-w4-g32-sym"]
+    packed = plan_budget(EngineOptions(model=str(quantized)), resolve_source(str(quantized)), gpu)
+    dense_plan = plan_budget(EngineOptions(model=str(twin)), resolve_source(str(twin)), gpu)
+    assert packed.weights_bytes is not None and dense_plan.weights_bytes is not None
+    assert packed.weights_bytes < dense_plan.weights_bytes
+    assert "int4 weights" in packed.pool_source
