@@ -73,6 +73,7 @@ def _w4a16_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -105,7 +106,7 @@ def _w4a16_kernel(
         else:
             zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
         w = ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(x.dtype)
-        acc += tl.dot(x, w, input_precision="ieee")
+        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
     out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
@@ -225,6 +226,8 @@ def w4a16_gemm(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -54,6 +54,7 @@ def _w4a16_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     PER: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
@@ -88,7 +89,7 @@ def _w4a16_moe_kernel(
         else:
             zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
         w = ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(a.dtype)
-        acc += tl.dot(a, w, input_precision="ieee")
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if GATED:
             up_words = tl.load(q_base + up_offset_rows * stride_qn + offs_w[:, None])
             up_codes = tl.reshape((up_words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
@@ -98,7 +99,7 @@ def _w4a16_moe_kernel(
             else:
                 up_zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
             up = ((up_codes.to(tl.float32) - up_zero[None, :]) * up_scale[None, :]).to(a.dtype)
-            acc_up += tl.dot(a, up, input_precision="ieee")
+            acc_up += tl.dot(a, up, input_precision=DOT_PRECISION)
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if MUL_WEIGHT:
@@ -183,6 +184,7 @@ def w4a16_moe_gemm(
         BLOCK_M=runs.block_m,
         BLOCK_N=block_n,
         BLOCK_K=_block_k(group),
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=4,
         num_stages=3,
     )
