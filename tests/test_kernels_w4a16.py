@@ -164,3 +164,20 @@ def test_moe_gemm_wrapper_checks_shapes():
         w4a16_moe_gemm(x, qw[None], scale[None, :, :1].contiguous(), None, 4, 32, runs)
     with pytest.raises(ValueError, match="does not divide"):
         w4a16_moe_gemm(x, qw[None], scale[None], zero[None], 4, 48, runs)
+
+
+# -- per-token int8 activations (kernels/int8_quant.py), the W8A8 layers' input --------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,k", [(1, 64), (5, 96), (3, 1000)])
+def test_int8_quantization_is_bit_exact(tokens, k, dtype):
+    from overnight.kernels.int8_quant import quantize_int8, quantize_int8_ref
+
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn(tokens, k, generator=gen) * 3).to(DEVICE, dtype)
+    x[0, :5] = torch.tensor([0.5, -0.5, 1.5, 2.5, -2.5]).to(x) * x[0].abs().max() / 127 * 2  # near ties
+    codes, scale = quantize_int8(x)
+    ref_codes, ref_scale = quantize_int8_ref(x)
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(codes, ref_codes)

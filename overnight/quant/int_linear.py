@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from overnight.kernels.dispatch import use_kernels
+from overnight.kernels.int8_quant import quantize_int8_ref
 
 
 class WeightOnlyIntLinear(nn.Module):
@@ -131,14 +132,6 @@ class WeightOnlyIntLinear(nn.Module):
         )
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8: (codes [M, K] int8, scale [M, 1] float32), x = codes * scale."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    scale = amax / 127.0
-    codes = torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8)
-    return codes, scale
-
-
 class Int8Linear(nn.Module):
     """y = (xq * sx) @ (W * sw)^T + bias: W int8 [out, in] with weight_scale [out] float32; x quantized
     per token (symmetric int8) on each call. Kernel path: torch._int_mm (exact int32 accumulation), then
@@ -185,14 +178,18 @@ class Int8Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        codes, sx = quantize_rows_int8(rows)
-        if use_kernels(rows) and self.in_features % 8 == 0 and self.out_features % 8 == 0:
+        kernels = use_kernels(rows) and self.in_features % 8 == 0 and self.out_features % 8 == 0
+        if kernels:
+            from overnight.kernels.int8_quant import quantize_int8  # triton loads on first use
+
+            codes, sx = quantize_int8(rows.contiguous())
             m = codes.shape[0]
             # CUDA's torch._int_mm wants more than 16 rows: small batches are padded (a fixed shape per
             # graph bucket, so capture and replay agree)
             padded = codes if m > 16 else torch.nn.functional.pad(codes, (0, 0, 0, 17 - m))
             acc = torch._int_mm(padded, self.weight.t())[:m].float()
         else:
+            codes, sx = quantize_int8_ref(rows)
             acc = codes.float() @ self.weight.float().t()
         y = (acc * sx * self.weight_scale[None, :]).to(x.dtype)
         return y.view(*lead, self.out_features)
