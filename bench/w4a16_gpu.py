@@ -13,8 +13,11 @@ even if an earlier one failed. Not run yet (no GPU was lent when it was written)
    (printed, to tune default_config); effective weight bandwidth (bytes of the packed weight / time).
    The goal: faster than bf16 up to M ~ 64 (a quarter of the bytes), not far behind past 256
    (dequantize + cuBLAS there).
-3. W8A8: Int8Linear (per-token quantization + torch._int_mm + scales) against bf16, same shapes and Ms.
-4. Engine: a tiny Qwen3 written as GPTQ (act-order) and as compressed-tensors W4A16, loaded packed on the
+3. MoE experts at the Qwen3-30B-A3B shapes (128 experts, H 2048, I 768, top 8) x tokens in {1, 8, 32,
+   128, 512}: the bf16 fused experts (kernels/fused_moe.py) against the packed int4 ones
+   (kernels/w4a16_moe.py), groups of 128, with an agreement check.
+4. W8A8: Int8Linear (per-token quantization + torch._int_mm + scales) against bf16, same shapes and Ms.
+5. Engine: a tiny Qwen3 written as GPTQ (act-order) and as compressed-tensors W4A16, loaded packed on the
    GPU in bf16 with CUDA graphs; greedy tokens against the engine on the dequantized twin (agreement
    share; bf16 rounding may split near-ties).
 
@@ -147,6 +150,38 @@ def gemm_times(quick: bool) -> None:
 
 
 @section
+def moe_times() -> None:
+    from overnight.kernels.fused_moe import fused_experts
+    from overnight.kernels.w4a16_moe import dequantize_experts_ref, w4a16_fused_experts
+
+    experts, hidden, inter, top_k = 128, 2048, 768, 8
+
+    def stack(n: int, k: int):
+        parts = [weight(n, k, 4, 128, True) for _ in range(experts)]
+        return tuple(torch.stack([p[i] for p in parts]) for i in range(3))
+
+    gate_up, down = stack(2 * inter, hidden), stack(hidden, inter)
+    w1 = dequantize_experts_ref(*gate_up, 4, 128, torch.bfloat16)
+    w2 = dequantize_experts_ref(*down, 4, 128, torch.bfloat16)
+    table = []
+    for tokens in (1, 8, 32, 128, 512):
+        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        logits = torch.randn(tokens, experts, device="cuda")
+        weights, ids = torch.topk(logits.softmax(-1), top_k)
+        ids = ids.int()
+        y4 = w4a16_fused_experts(x, gate_up, down, 4, (128, 128), weights, ids)
+        y16 = fused_experts(x, w1, w2, weights, ids)
+        err = ((y4.float() - y16.float()).abs().max() / y16.float().abs().max()).item()
+        t16 = bench(partial(fused_experts, x, w1, w2, weights, ids))
+        t4 = bench(partial(w4a16_fused_experts, x, gate_up, down, 4, (128, 128), weights, ids))
+        table.append({"tokens": tokens, "bf16_ms": t16, "int4_ms": t4, "rel_err": err})
+        print(
+            f"tokens {tokens:4d}  bf16 {t16 * 1e3:8.1f} us  int4 {t4 * 1e3:8.1f} us  x{t16 / t4:5.2f}  err {err:.1e}"
+        )
+    RESULTS["moe_times"] = table
+
+
+@section
 def int8_times() -> None:
     table = []
     for name, (n, k) in SHAPES.items():
@@ -200,6 +235,7 @@ if __name__ == "__main__":
     quick = "--quick" in sys.argv
     correctness()
     gemm_times(quick)
+    moe_times()
     int8_times()
     engine()
     print(json.dumps(RESULTS))
