@@ -42,6 +42,7 @@ def int_checkpoint_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     layers = int_checkpoint_modules(model)
     experts = int_experts_modules(model)
+    projections = expert_projections(model)
     required = scheme.required_parts()
     parts_of = required | scheme.optional_parts()
     pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -66,7 +67,7 @@ def int_checkpoint_weights(
             continue
         del pending[module]
         done.add(module)
-        yield from _convert(module, parts, scheme, layers, experts, perms)
+        yield from _convert(module, parts, scheme, layers, experts, projections, perms)
     if pending:
         missing = sorted(f"{m}.{p}" for m, parts in pending.items() for p in required - parts.keys())
         more = f" ... and {len(missing) - 6} more" if len(missing) > 6 else ""
@@ -76,20 +77,37 @@ def int_checkpoint_weights(
 
 
 # A checkpoint expert projection: (stack, expert, projection)
-_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)")
+_EXPERT = re.compile(r"(.*\.experts)\.(\d+)\.([^.]+)")
+
+
+def expert_projections(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """Checkpoint expert projection name -> (IntExperts weight prefix, shard): the model's
+    packed_modules_mapping read as the loader reads it (gate_proj -> gate_up_proj shard 0, ...; a
+    parameter no entry maps to is its own checkpoint name)."""
+    mapping: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
+    out: dict[str, tuple[str, int]] = {}
+    for leaf, prefix in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
+        sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == leaf]
+        for src, shard in sources or [(leaf, 0)]:
+            out[src] = (prefix, int(shard))
+    return out
 
 
 def _packed_expert(
-    module: str, parts: dict[str, torch.Tensor], scheme: IntScheme, stack: IntExperts, match: re.Match[str]
+    module: str,
+    parts: dict[str, torch.Tensor],
+    scheme: IntScheme,
+    stack: IntExperts,
+    e: int,
+    where: tuple[str, int],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """One expert projection into IntExperts: its codes go through the loader (stacked like a float
     expert weight), its scales and zeros straight into the stack's buffers at the same rows."""
     packed, scale, zero, perm = kernel_layout(canonical(module, parts, scheme), module)
     assert perm is None  # act-order experts are not packed (quant/apply.py)
-    e, proj = int(match.group(2)), match.group(3)
+    prefix, shard = where
     rows = scale.shape[0]
-    start = stack.intermediate_size if proj == "up_proj" else 0
-    prefix = "down" if proj == "down_proj" else "gate_up"
+    start = shard * stack.intermediate_size
     target_scale: torch.Tensor = getattr(stack, f"{prefix}_scale")
     if tuple(target_scale.shape[2:]) != tuple(scale.shape[1:]) or start + rows > target_scale.shape[1]:
         raise ModelLoadError(
@@ -161,11 +179,19 @@ def _convert(
     scheme: IntScheme,
     layers: dict[str, tuple[str, nn.Module]],
     experts: dict[str, IntExperts],
+    projections: dict[str, tuple[str, int]],
     perms: dict[str, torch.Tensor | None],
 ) -> Iterator[tuple[str, torch.Tensor]]:
     expert = _EXPERT.fullmatch(module)
     if expert is not None and expert.group(1) in experts:
-        yield from _packed_expert(module, parts, scheme, experts[expert.group(1)], expert)
+        where = projections.get(expert.group(3))
+        if where is None:
+            raise ModelLoadError(
+                f"{module}: not an expert projection of this model ({', '.join(projections)})"
+            )
+        yield from _packed_expert(
+            module, parts, scheme, experts[expert.group(1)], int(expert.group(2)), where
+        )
         return
     if module not in layers:
         yield f"{module}.weight", dequantized(module, parts, scheme)
