@@ -17,6 +17,20 @@ and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_spl
 it is chosen from static quantities (batch size, max_model_len), never from this step's lengths, and
 the whole thing can be captured in a CUDA graph.
 
+A layer's variant (score_mods.py: window, softcap and sinks, constexpr-selected, so full attention
+compiles to the kernel it was before them). With a window of W tokens a decode row sees
+[max(0, seq_len - W), seq_len); its tiles start at the page (or tile, if smaller) holding the first of
+those (kv_tiles.decode_base) and the splits divide only that range, so a windowed layer's decode reads
+about min(seq_len, W) tokens per request whatever the context (a Gemma 3 local layer, W = 1024, at a
+32k context: 1/32 of a full layer's bytes), and its num_splits is chosen for min(max_model_len, W)
+(triton_backend.py). Pages wholly before the window are never read: the engine may have given them back.
+A softcap adds a tanh (through exp2) per score; sinks start the online softmax from the sink logit,
+or, split, are added once by _decode_reduce_kernel. None of these was timed on the GPU yet.
+
+Heads wider than 128 (up to 512): default_decode_config shrinks the tiles so their bytes stay those of
+a 128-wide head; the TMA copies stop at 256-wide heads (a box side is at most 256), wider ones take the
+pointer gathers.
+
 FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
 into the score scale, v_scale into the final normalization. V is stored token-major inside each page
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and

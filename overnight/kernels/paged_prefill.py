@@ -22,6 +22,15 @@ Keys are walked in BLOCK_N tiles through the block table. Key tiles below the ti
 position are visible to every row and run unmasked; only the diagonal tiles apply the causal mask, and
 tiles past the last row's position are never visited.
 
+A layer's variant (score_mods.py, constexpr-selected: full attention compiles as before). With a window
+of W tokens row p sees keys p - W + 1 .. p: a query tile walks only from the first key any of its rows
+sees, in three runs (edge tiles masked by the window, tiles every row sees unmasked, the causal
+diagonal), so a windowed layer's prefill costs about chunk_len * min(W + BLOCK_M, context) scores
+instead of chunk_len * context. Keys before every row's window are never loaded (their blocks may be
+given back); an edge tile's FP8 V is then loaded with a token mask. A softcap adds a tanh per score;
+sinks start each row's online softmax from its head's sink logit. Heads wider than 128 take smaller
+default tiles and 8 warps (default_prefill_config). None of these was timed on the GPU yet.
+
 FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
 score scale, v_scale into the final normalization) and V is read token-major (kv_layout.py). By default
 (PrefillConfig.fp8_mma, default_prefill_config) the dots read the e4m3 tiles as stored: q is rounded to
