@@ -71,7 +71,15 @@ def decode_range(
     share [base, seq_len) (decode_base) in whole tiles: a windowed layer reads at most
     min(seq_len, WINDOW + ALIGN - 1) tokens, however long the context."""
     lo, base = decode_base(seq_len, WINDOW, ALIGN)
-    if SPLIT:
+    if WINDOW == 0:  # full attention: the expressions the kernels had before windows existed
+        if SPLIT:
+            per_split = split_len(seq_len, num_splits, BLOCK_N)
+            start = split * per_split
+            end = tl.minimum(start + per_split, seq_len)
+        else:
+            start = seq_len * 0
+            end = seq_len
+    elif SPLIT:
         per_split = split_len(seq_len - base, num_splits, BLOCK_N)
         start = base + split * per_split
         end = tl.minimum(start + per_split, seq_len)
@@ -84,8 +92,12 @@ def decode_range(
 @triton.jit
 def active_splits(seq_len, num_splits, block_n, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
     """How many of decode_range's splits are non-empty (the others never ran)."""
-    _, base = decode_base(seq_len, WINDOW, ALIGN)
-    return tl.cdiv(seq_len - base, tl.maximum(split_len(seq_len - base, num_splits, block_n), 1))
+    if WINDOW == 0:
+        length = seq_len
+    else:
+        _, base = decode_base(seq_len, WINDOW, ALIGN)
+        length = seq_len - base
+    return tl.cdiv(length, tl.maximum(split_len(length, num_splits, block_n), 1))
 
 
 @triton.jit

@@ -85,7 +85,8 @@ def default_prefill_config(cache_dtype: torch.dtype, head_dim: int = 128) -> Pre
     and num_stages K and V tiles of [BLOCK_N, D] in shared memory. At D = 256 (Gemma) 64 x 32 tiles
     on 8 warps keep 64 accumulator registers per thread and 96 KB of buffers; at D = 512 (Gemma 4's
     global layers) 32 x 32 tiles do the same, with the fp16 dots (the e4m3 warpgroup MMA wants 64 rows).
-    Unmeasured on the GPU so far (bench/attention_gpu.py can time them)."""
+    Compiled for sm_90 on the CPU (ptxas, no GPU): no spills, 197-244 registers, 64-131 KB of shared
+    memory with windows, softcaps and sinks on. Not yet timed on a GPU (bench/attention_gpu.py can)."""
     fp8_mma = cache_dtype == torch.float8_e4m3fn
     d = triton.next_power_of_2(head_dim)
     if d <= 128:
@@ -344,9 +345,9 @@ def _prefill_kernel(
                 SOFTCAP,
             )
         diag_start = tl.maximum(full_end, mid_start)
-    else:
-        kv_lo = kv_end * 0
-        mid_start = kv_lo
+    else:  # full attention: the walk from key 0 the kernel had before windows existed
+        kv_lo = 0
+        mid_start = 0
         diag_start = full_end
     page_next = page_ids(bt_row, mid_start, kv_end, BLOCK_N, PAGE)
     for n0 in range(mid_start, full_end, BLOCK_N):
