@@ -75,19 +75,18 @@ DECODE_LENS = [3, 16, 17, 40, 61, 97]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(
-    "layer,with_sinks",
+    "layer,with_sinks,group",
     [
-        (LayerAttention(sliding_window=20), False),
-        (LayerAttention(sliding_window=7, logit_softcap=5.0), True),
-        (LayerAttention(logit_softcap=3.0), False),
-        (FULL_ATTENTION, True),
+        (LayerAttention(sliding_window=20), False, 4),
+        (LayerAttention(sliding_window=7, logit_softcap=5.0), True, 1),
+        (LayerAttention(logit_softcap=3.0), False, 4),
+        (FULL_ATTENTION, True, 2),
     ],
-    ids=["w20", "w7-cap-sinks", "cap", "sinks"],
+    ids=["w20-g4", "w7-cap-sinks-g1", "cap-g4", "sinks-g2"],
 )
-def test_decode_layer_variants(dtype, group, num_splits, layer, with_sinks) -> None:
+def test_decode_layer_variants(dtype, num_splits, layer, with_sinks, group) -> None:
     hkv, d, bs = 2, 32, 8
     n = len(DECODE_LENS)
     meta, q, cache = make_batch([1] * n, DECODE_LENS, n, hkv * group, hkv, d, bs, dtype, seed=40 + group)
@@ -125,18 +124,21 @@ PREFILL_QUERY = [40, 1, 13, 9, 5]
 PREFILL_SEQ = [40, 37, 50, 9, 29]
 
 
+OTHER_PREFILL = PrefillConfig(16, 32, 4, 1, prefetch_pages=False)  # key tiles of four pages
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "layer,with_sinks",
+    "layer,with_sinks,config",
     [
-        (LayerAttention(sliding_window=11), False),
-        (LayerAttention(sliding_window=5, logit_softcap=4.0), True),
-        (LayerAttention(sliding_window=100), False),
-        (LayerAttention(logit_softcap=2.0), True),
+        (LayerAttention(sliding_window=11), False, TINY_PREFILL),
+        (LayerAttention(sliding_window=5, logit_softcap=4.0), True, OTHER_PREFILL),
+        (LayerAttention(sliding_window=100), False, OTHER_PREFILL),
+        (LayerAttention(sliding_window=19), False, OTHER_PREFILL),
+        (LayerAttention(logit_softcap=2.0), True, TINY_PREFILL),
     ],
-    ids=["w11", "w5-cap-sinks", "w100", "cap-sinks"],
+    ids=["w11", "w5-cap-sinks-n32", "w100-n32", "w19-n32", "cap-sinks"],
 )
-@pytest.mark.parametrize("config", [TINY_PREFILL, PrefillConfig(16, 32, 4, 1, prefetch_pages=False)])
 def test_prefill_layer_variants(dtype, layer, with_sinks, config) -> None:
     hq, hkv, d, bs = 4, 2, 32, 8
     meta, q, cache = make_batch(PREFILL_QUERY, PREFILL_SEQ, 0, hq, hkv, d, bs, dtype, seed=60)
@@ -338,3 +340,25 @@ def test_wide_heads_on_fp8_cache(head_dim: int) -> None:
     torch.testing.assert_close(out[:2], emulated, rtol=1e-5, atol=1e-5)
     exact = paged_attention_ref(q, cache, meta, head_dim**-0.5, kv_scale, layer=layer, sinks=sinks)
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1
+
+
+@pytest.mark.parametrize("fp8_mma", [False, True])
+def test_empty_context_with_sinks_gives_zeros(fp8_mma: bool) -> None:
+    """A padded decode request (seq_len 0) under a window with sinks: zeros, split or not (the sink
+    alone in the denominator, no value)."""
+    cache_dtype = torch.float8_e4m3fn if fp8_mma else None
+    meta, q, cache = make_batch(
+        [1, 1], [20, 1], 2, 4, 2, 32, 16, torch.float32, seed=140, cache_dtype=cache_dtype
+    )
+    layer, sinks = LayerAttention(sliding_window=8), sinks_for(4, seed=141)
+    ref = paged_attention_ref(q, cache, meta, 0.2, layer=layer, sinks=sinks)
+    meta.seq_lens[1] = 0
+    cfg = DecodeConfig(block_n=16, fp8_mma=fp8_mma)
+    for num_splits in (1, 4):
+        with exact_fp8_casts():
+            out = run(q, cache, meta, 0.2, layer, sinks, num_splits=num_splits, decode_config=cfg)
+        assert torch.equal(out[1], torch.zeros_like(out[1]))
+        if not fp8_mma:
+            torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-4)
+        else:
+            assert ((out[0] - ref[0]).abs().max() / ref[0].abs().max()).item() < 0.1
