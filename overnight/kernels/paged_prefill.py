@@ -83,10 +83,11 @@ def default_prefill_config(cache_dtype: torch.dtype, head_dim: int = 128) -> Pre
 
     Heads wider than 128: a program holds a [BLOCK_M, D] fp32 accumulator and its q tile in registers,
     and num_stages K and V tiles of [BLOCK_N, D] in shared memory. At D = 256 (Gemma) 64 x 32 tiles
-    on 8 warps keep 64 accumulator registers per thread and 96 KB of buffers; at D = 512 (Gemma 4's
-    global layers) 32 x 32 tiles do the same, with the fp16 dots (the e4m3 warpgroup MMA wants 64 rows).
-    Compiled for sm_90 on the CPU (ptxas, no GPU): no spills, 197-244 registers, 64-131 KB of shared
-    memory with windows, softcaps and sinks on. Not yet timed on a GPU (bench/attention_gpu.py can)."""
+    on 8 warps keep 64 accumulator values per thread; at D = 512 (Gemma 4's global layers) 32 x 32
+    tiles do the same, with the fp16 dots (the e4m3 warpgroup MMA wants 64 rows). Compiled for sm_90
+    on the CPU (ptxas, no GPU; tests/test_kernels_attention_sm90.py) with windows, softcaps and sinks
+    on: no spills, 197-244 registers, shared memory 131 / 100 KB (bf16 at 256 / 512), 64 / 66 KB (FP8).
+    Not yet timed on a GPU (bench/attention_gpu.py can)."""
     fp8_mma = cache_dtype == torch.float8_e4m3fn
     d = triton.next_power_of_2(head_dim)
     if d <= 128:
