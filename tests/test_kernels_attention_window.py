@@ -362,3 +362,16 @@ def test_empty_context_with_sinks_gives_zeros(fp8_mma: bool) -> None:
             torch.testing.assert_close(out[0], ref[0], rtol=1e-4, atol=1e-4)
         else:
             assert ((out[0] - ref[0]).abs().max() / ref[0].abs().max()).item() < 0.1
+
+
+def test_backend_gives_wider_layers_their_own_workspace() -> None:
+    """Gemma 4's global layers have wider heads than the model's head_dim: their split decodes get a
+    workspace of their own, made once and reused (a captured graph keeps its pointer)."""
+    backend = TritonAttentionBackend(4, 1, 16, max_num_seqs=2, max_model_len=2048, device=DEVICE)
+    meta, q, cache = make_batch([1, 1], [40, 7], 2, 4, 1, 32, 8, torch.float32, seed=150)
+    assert backend.num_splits(2) > 1
+    out = backend.forward(q, None, None, cache, meta, 0.2)
+    assert_close(out, paged_attention_ref(q, cache, meta, 0.2), torch.float32)
+    wide = backend.workspace_for(4, 32)
+    assert wide is not backend.workspace and backend.workspace_for(4, 32) is wide
+    assert wide.part_out.numel() == backend.max_split_rows * 4 * 32

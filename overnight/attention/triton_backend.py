@@ -26,7 +26,8 @@ class TritonAttentionBackend:
     An fp8 cache comes with forward's kv_scale (the layer's (k_scale, v_scale) on the device; the
     cache holds k / k_scale), read by the kernels through a pointer so captured graphs see new values.
     decode_config None: the kernel's default for the cache dtype (and head_dim).
-    head_dim: the widest head of any layer (Gemma 4: its global layers'); it sizes the split workspace.
+    num_heads, head_dim: the model's query heads and head size, which size the split workspace; a
+    layer with other ones (Gemma 4's global layers: 512-wide heads) gets a workspace of its own.
     """
 
     def __init__(
@@ -58,7 +59,20 @@ class TritonAttentionBackend:
         # num_decodes * num_splits over all batch sizes, not by max_num_seqs * MAX_SPLITS.
         # A windowed layer's splits share at most its window (num_splits(b, window) <= num_splits(b)).
         split_rows = [b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1]
-        self.workspace = DecodeWorkspace(max(split_rows, default=0), num_heads, head_dim, device)
+        self.device = device
+        self.max_split_rows = max(split_rows, default=0)
+        self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
+        self._workspaces = {(num_heads, head_dim): self.workspace}
+
+    def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
+        """The split workspace of layers with these head counts and sizes. One the constructor did not
+        make is allocated the first time such a layer decodes, eagerly (cuda_graph.py runs each batch
+        size once before capturing it), and is kept for good, so a captured graph's pointer stays."""
+        ws = self._workspaces.get((num_heads, head_dim))
+        if ws is None:
+            ws = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, self.device)
+            self._workspaces[(num_heads, head_dim)] = ws
+        return ws
 
     def num_splits(self, num_decodes: int, window: int | None = None) -> int:
         """Splits per decode: static per batch size and layer kind. A windowed layer reads at most
@@ -90,7 +104,7 @@ class TritonAttentionBackend:
             scale,
             kv_scale=kv_scale,
             num_splits=self.num_splits(meta.num_decodes, layer.sliding_window),
-            workspace=self.workspace,
+            workspace=self.workspace_for(q.shape[1], q.shape[2]),
             decode_config=self.decode_config,
             prefill_config=self.prefill_config,
             layer=layer,
