@@ -260,13 +260,18 @@ def test_fp8_cache_fp16_dots_with_layer_variants(fp8, q_dtype) -> None:
         assert err < (1e-5 if q_dtype == torch.float32 else 2e-3), err
 
 
-@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize(
+    "fp8,tma",
+    [(torch.float8_e4m3fn, False), (torch.float8_e4m3fn, True), (torch.float8_e5m2, True)],
+    ids=["e4m3-pointers", "e4m3-tma", "e5m2-tma"],
+)
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_mma_decode_with_layer_variants(tma: bool, num_splits: int) -> None:
-    """The e4m3-dot decode (paged_decode_fp8.py), by pointers and by TMA on 64-token pages, against its
-    rounding reference: windows shorter than the contexts, softcap and sinks, NaN before the window."""
+def test_fp8_mma_decode_with_layer_variants(fp8: torch.dtype, tma: bool, num_splits: int) -> None:
+    """The e4m3-dot decode (paged_decode_fp8.py, the FP8 caches' default), by pointers and by TMA,
+    against its rounding reference: windows shorter than the contexts, softcap and sinks, NaN before
+    the window."""
     page = 32
-    meta, q, clean, kv_scale = fp8_window_case(torch.float8_e4m3fn, torch.float32, page, 32, seed=110)
+    meta, q, clean, kv_scale = fp8_window_case(fp8, torch.float32, page, 32, seed=110)
     cfg = DecodeConfig(block_n=32, fp8_mma=True, tma=tma)
     assert tma_supported(clean, 32) is None
     sinks = sinks_for(4, seed=111)
