@@ -16,10 +16,11 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.attention.torch_backend import TorchAttentionBackend, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
+from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref, prefill_fp8_mma_ref
 from overnight.kernels.kv_layout import k_head_major, to_logical_layout, to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig, default_decode_config
-from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref, tma_supported
-from overnight.kernels.paged_prefill import PrefillConfig, default_prefill_config, prefill_fp8_mma_ref
+from overnight.kernels.paged_decode_fp8 import tma_supported
+from overnight.kernels.paged_prefill import PrefillConfig, default_prefill_config
 from tests.test_kernels_attention import DEVICE, TOL, assert_close, make_batch, poisoned
 from tests.triton_fp8 import exact_fp8_casts
 

@@ -1,8 +1,9 @@
 """Decode attention over an FP8 cache with the tokens as the MMA's M dimension and both dots in 8 bits.
 
 Reference: the decode branch of paged_attention_ref (overnight/attention/torch_backend.py) over the
-dequantized cache; selected by DecodeConfig.fp8_mma, launched from paged_decode.paged_decode, which
-owns the grid, the splits and their reduce (same workspace rows, same meaning).
+dequantized cache, and decode_fp8_mma_ref (attention_fp8_ref.py) with this kernel's roundings.
+Selected by DecodeConfig.fp8_mma, launched from paged_decode.paged_decode, which owns the grid, the
+splits and their reduce (same workspace rows, same meaning).
 
 Why: paged_decode.py's kernel puts a KV head's G query heads on M (zero-padded to 16 rows) and converts
 every K and V tile to fp16 before its dots: 136 conversions and ~130 register moves among ~790
@@ -35,14 +36,12 @@ Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 p
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overnight.kernels.kv_layout import is_fp8, k_head_major, v_view
+from overnight.kernels.kv_layout import is_fp8, k_head_major
 from overnight.kernels.kv_tiles import decode_range, grid_coords, load_v_token_major_t, page_ids
 from overnight.kernels.score_mods import sink_init, softcap
 
@@ -296,83 +295,3 @@ def tma_supported(kv_cache: torch.Tensor, block_n: int) -> str | None:
     if num_blocks * num_kv_heads * max(page, head_dim) >= 2**31:
         return "the cache has too many rows for int32 tile coordinates"
     return None
-
-
-def decode_fp8_mma_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_decodes: int,
-    scale: float,
-    kv_scale: torch.Tensor | None = None,
-    block_n: int = 128,
-    num_splits: int = 1,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The kernel's arithmetic in PyTorch, roundings included: q per head and P per tile of block_n
-    tokens (under the running maximum of its split) rounded to e4m3; float32 otherwise. Returns
-    [num_decodes, Hq, D] float32. paged_attention_ref is the exact answer; this one is what the
-    kernel must reproduce to float32 rounding. With a window the tiles start where the kernel's do
-    (kv_tiles.decode_base) and nothing before it is read."""
-    e4m3 = torch.float8_e4m3fn
-    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
-    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
-    k_all, v_all = kv_cache[0], v_view(kv_cache)
-    log2e = math.log2(math.e)
-    sink2 = None if sinks is None else sinks.float().to(q.device) * log2e
-    out = torch.zeros(num_decodes, num_heads, head_dim, device=q.device)
-    align = min(page, block_n)
-    for b in range(num_decodes):
-        seq_len = int(seq_lens[b])
-        lo = 0 if window is None else max(0, seq_len - window)
-        base = lo // align * align
-        pos = torch.arange(base, seq_len, device=q.device)
-        blocks = block_tables[b, pos // page].long()
-        k = k_all[blocks, pos % page][:, kv_head].float()  # [L - base, Hq, D]
-        v = v_all[blocks, pos % page][:, kv_head].float()
-        qf = q[b].float()
-        amax = qf.abs().amax(-1)
-        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
-        q8 = (qf / q_scale[:, None]).to(e4m3).float()
-        col_scale = q_scale * scale * log2e * k_scale
-        length = seq_len - base
-        per_split = math.ceil(math.ceil(length / num_splits) / block_n) * block_n  # kv_tiles.split_len
-        parts = []
-        for start in range(0, length, max(per_split, 1)):
-            end = min(start + per_split, length)
-            m = torch.full((num_heads,), float("-inf"), device=q.device)
-            l_sum = torch.zeros(num_heads, device=q.device)
-            if sink2 is not None and num_splits == 1:
-                m, l_sum = sink2.clone(), torch.full((num_heads,), 2.0**P_SHIFT, device=q.device)
-            acc = torch.zeros(num_heads, head_dim, device=q.device)
-            for n0 in range(start, end, block_n):
-                n1 = min(n0 + block_n, end)
-                s = torch.einsum("hd,nhd->hn", q8, k[n0:n1]) * col_scale[:, None]
-                if softcap is not None:
-                    cap2 = softcap * log2e
-                    s = cap2 * torch.tanh(s / cap2)
-                s = s.masked_fill((pos[n0:n1] < lo)[None, :], float("-inf"))
-                m_new = torch.maximum(m, s.amax(-1))
-                alpha = torch.exp2(m - m_new)
-                p = torch.exp2(s - (m_new - P_SHIFT)[:, None])
-                l_sum = l_sum * alpha + p.sum(-1)
-                acc = acc * alpha[:, None] + torch.einsum("hn,nhd->hd", p.to(e4m3).float(), v[n0:n1])
-                m = m_new
-            parts.append((acc * (v_scale / l_sum)[:, None], m - P_SHIFT + torch.log2(l_sum)))
-        if not parts:  # an empty context: zeros
-            continue
-        if num_splits == 1:
-            out[b] = parts[0][0]
-        else:
-            lse = torch.stack([x[1] for x in parts])  # [splits, Hq]
-            top = lse.amax(0) if sink2 is None else torch.maximum(lse.amax(0), sink2)
-            w = torch.exp2(lse - top)
-            denom = w.sum(0) + (0.0 if sink2 is None else torch.exp2(sink2 - top))
-            out[b] = (torch.stack([x[0] for x in parts]) * w[..., None]).sum(0) / denom[:, None]
-    return out

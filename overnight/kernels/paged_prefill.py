@@ -35,8 +35,8 @@ FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_s
 score scale, v_scale into the final normalization) and V is read token-major (kv_layout.py). By default
 (PrefillConfig.fp8_mma, default_prefill_config) the dots read the e4m3 tiles as stored: q is rounded to
 e4m3 once per program (each row with its own scale) and P per key tile (after a 2**8 shift), the
-roundings of paged_decode_fp8.py; prefill_fp8_mma_ref emulates them. Without it the tiles are
-converted and the dots run in fp16 (dot_dtype).
+roundings of paged_decode_fp8.py; prefill_fp8_mma_ref (attention_fp8_ref.py) emulates them. Without it
+the tiles are converted and the dots run in fp16 (dot_dtype).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_layout import is_fp8, v_token_major, v_view
+from overnight.kernels.kv_layout import is_fp8, v_token_major
 from overnight.kernels.kv_tiles import load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype
@@ -525,76 +525,3 @@ def paged_prefill(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-
-
-def prefill_fp8_mma_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_decodes: int,
-    num_reqs: int,
-    scale: float,
-    kv_scale: torch.Tensor | None = None,
-    block_n: int = 64,
-    *,
-    window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """PrefillConfig.fp8_mma's arithmetic in PyTorch, roundings included: q per row and head, and P per
-    tile of block_n keys (tiles from position 0, under each row's running maximum) rounded to e4m3;
-    float32 otherwise. Returns [T, Hq, D] float32 with the prefill rows filled (zeros elsewhere).
-    paged_attention_ref is the exact answer; this is what the kernel must reproduce to float32
-    rounding. A tile past a row's position changes nothing for it (its weights are 0, its maximum the
-    old one), so walking each request's whole context in block_n tiles matches the kernel's walk
-    (with a window: keys before the chunk's first window are zeroed, never read)."""
-    e4m3 = torch.float8_e4m3fn
-    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_heads = q.shape[1]
-    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
-    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
-    k_all, v_all = kv_cache[0], v_view(kv_cache)
-    log2e = math.log2(math.e)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for r in range(num_decodes, num_reqs):
-        q0, q1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
-        seq_len = int(seq_lens[r])
-        keys = torch.arange(seq_len, device=q.device)
-        blocks = block_tables[r, keys // page].long()
-        k = k_all[blocks, keys % page][:, kv_head].float()  # [L, Hq, D]
-        v = v_all[blocks, keys % page][:, kv_head].float()
-        if window is not None:  # possibly given back: any contents
-            first = max(0, seq_len - (q1 - q0) - window + 1)
-            k[:first], v[:first] = 0.0, 0.0
-        qf = q[q0:q1].float()  # [R, Hq, D]
-        amax = qf.abs().amax(-1)
-        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
-        q8 = (qf / q_scale[..., None]).to(e4m3).float()
-        row_scale = q_scale * scale * math.log2(math.e) * k_scale  # [R, Hq]
-        pos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
-        m = torch.full(amax.shape, float("-inf"), device=q.device)
-        l_sum = torch.zeros(amax.shape, device=q.device)
-        if sinks is not None:
-            m = (sinks.float().to(q.device) * log2e).expand(amax.shape).clone()
-            l_sum = torch.full(amax.shape, 2.0**P_SHIFT, device=q.device)
-        acc = torch.zeros(qf.shape, device=q.device)
-        for n0 in range(0, seq_len, block_n):
-            n1 = min(n0 + block_n, seq_len)
-            s = torch.einsum("rhd,nhd->rhn", q8, k[n0:n1]) * row_scale[..., None]
-            if softcap is not None:
-                s = softcap * log2e * torch.tanh(s / (softcap * log2e))
-            visible = keys[n0:n1][None, :] <= pos[:, None]  # [R, N]
-            if window is not None:
-                visible &= keys[n0:n1][None, :] > pos[:, None] - window
-            s = s.masked_fill(~visible[:, None, :], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)
-            alpha = torch.exp2(m - m_use)
-            p = torch.exp2(s - (m_use - P_SHIFT)[..., None])
-            l_sum = l_sum * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.einsum("rhn,nhd->rhd", p.to(e4m3).float(), v[n0:n1])
-            m = m_new
-        out[q0:q1] = acc * (v_scale / l_sum)[..., None]
-    return out
