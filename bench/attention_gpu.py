@@ -47,6 +47,7 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import build_metadata, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend
 from overnight.bench.gpu_info import sm_clock_now
+from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref, prefill_fp8_mma_ref
 from overnight.kernels.kv_layout import is_fp8, to_logical_layout, to_storage_layout, v_view
 from overnight.kernels.paged_decode import (
     BF16_DECODE_CONFIG,
@@ -58,12 +59,10 @@ from overnight.kernels.paged_decode import (
     choose_num_splits,
     paged_decode,
 )
-from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
 from overnight.kernels.paged_prefill import (
     PrefillConfig,
     default_prefill_config,
     paged_prefill,
-    prefill_fp8_mma_ref,
 )
 
 DEV = torch.device("cuda")

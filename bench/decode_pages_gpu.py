@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import attention_gpu as ag  # noqa: E402
 
 from overnight.attention.torch_backend import paged_attention_ref  # noqa: E402
+from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref  # noqa: E402
 from overnight.kernels.paged_decode import (  # noqa: E402
     BF16_DECODE_CONFIG,
     FP8_SMALL_PAGE_DECODE_CONFIG,
@@ -38,7 +39,6 @@ from overnight.kernels.paged_decode import (  # noqa: E402
     DecodeWorkspace,
     choose_num_splits,
 )
-from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref  # noqa: E402
 
 D = ag.D
 # (page size, label, config, cache dtype)

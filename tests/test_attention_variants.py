@@ -21,10 +21,10 @@ from overnight.attention.torch_backend import TorchAttentionBackend, paged_atten
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
 from overnight.attention.variants import variant_configs
 from overnight.errors import ConfigError
+from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref, prefill_fp8_mma_ref
 from overnight.kernels.kv_layout import to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig
-from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
-from overnight.kernels.paged_prefill import PrefillConfig, prefill_fp8_mma_ref
+from overnight.kernels.paged_prefill import PrefillConfig
 from tests.test_fp8_kv import exact_in_fp8
 from tests.test_kernels_attention import DEVICE, DTYPES, assert_close, make_batch, poisoned
 

@@ -3,8 +3,10 @@ paged_decode, the rest to paged_prefill; reference: paged_attention_ref in torch
 
 Same contract as TorchAttentionBackend in torch_backend.py (its reference): forward writes this step's
 K/V into the layer's cache, then attends. Everything a launch depends on besides device tensors is
-static per batch size (num_tokens, num_decodes, and num_splits derived from them and max_model_len),
-and the split-decode workspace is allocated once here, so a decode step can be captured in a CUDA graph.
+static per batch size (num_tokens, num_decodes, and num_splits derived from them, max_model_len and the
+layer's window), and the split-decode workspace is allocated once here, so a decode step can be
+captured in a CUDA graph. A layer's window and softcap pick a kernel variant (compiled once per layer
+kind, kernels/score_mods.py); its sinks travel as a device pointer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ class TritonAttentionBackend:
 
     An fp8 cache comes with forward's kv_scale (the layer's (k_scale, v_scale) on the device; the
     cache holds k / k_scale), read by the kernels through a pointer so captured graphs see new values.
-    decode_config None: the kernel's default for the cache dtype.
+    decode_config None: the kernel's default for the cache dtype (and head_dim).
+    num_heads, head_dim: the model's query heads and head size, which size the split workspace; a
+    layer with other ones (Gemma 4's global layers: 512-wide heads) gets a workspace of its own.
     """
 
     def __init__(
@@ -53,11 +57,28 @@ class TritonAttentionBackend:
         self.prefill_config = prefill_config
         # Splitting only happens for small batches, so the workspace is sized by the largest
         # num_decodes * num_splits over all batch sizes, not by max_num_seqs * MAX_SPLITS.
+        # A windowed layer's splits share at most its window (num_splits(b, window) <= num_splits(b)).
         split_rows = [b * self.num_splits(b) for b in range(1, max_num_seqs + 1) if self.num_splits(b) > 1]
-        self.workspace = DecodeWorkspace(max(split_rows, default=0), num_heads, head_dim, device)
+        self.device = device
+        self.max_split_rows = max(split_rows, default=0)
+        self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
+        self._workspaces = {(num_heads, head_dim): self.workspace}
 
-    def num_splits(self, num_decodes: int) -> int:
-        return choose_num_splits(num_decodes, self.num_kv_heads, self.max_model_len, self.num_sms)
+    def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
+        """The split workspace of layers with these head counts and sizes. One the constructor did not
+        make is allocated the first time such a layer decodes, eagerly (cuda_graph.py runs each batch
+        size once before capturing it), and is kept for good, so a captured graph's pointer stays."""
+        ws = self._workspaces.get((num_heads, head_dim))
+        if ws is None:
+            ws = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, self.device)
+            self._workspaces[(num_heads, head_dim)] = ws
+        return ws
+
+    def num_splits(self, num_decodes: int, window: int | None = None) -> int:
+        """Splits per decode: static per batch size and layer kind. A windowed layer reads at most
+        its window (plus part of a page) per request, so its splits are chosen for that length."""
+        length = self.max_model_len if window is None else min(self.max_model_len, window)
+        return choose_num_splits(num_decodes, self.num_kv_heads, length, self.num_sms)
 
     def forward(
         self,
@@ -74,8 +95,6 @@ class TritonAttentionBackend:
     ) -> torch.Tensor:
         if meta.num_decodes > self.max_num_seqs:
             raise ValueError(f"{meta.num_decodes} decodes exceed max_num_seqs={self.max_num_seqs}")
-        if layer != FULL_ATTENTION or sinks is not None:
-            raise NotImplementedError("the Triton kernels do not yet take windows, softcaps or sinks")
         if k is not None and v is not None:  # None: a layer reading another layer's cache
             kv_write(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return paged_attention(
@@ -84,10 +103,12 @@ class TritonAttentionBackend:
             meta,
             scale,
             kv_scale=kv_scale,
-            num_splits=self.num_splits(meta.num_decodes),
-            workspace=self.workspace,
+            num_splits=self.num_splits(meta.num_decodes, layer.sliding_window),
+            workspace=self.workspace_for(q.shape[1], q.shape[2]),
             decode_config=self.decode_config,
             prefill_config=self.prefill_config,
+            layer=layer,
+            sinks=sinks,
         )
 
 
@@ -104,6 +125,8 @@ def paged_attention(
     workspace: DecodeWorkspace | None = None,
     decode_config: DecodeConfig | None = None,
     prefill_config: PrefillConfig | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query row over its request's cached context; q, out: [T, Hq, D].
 
@@ -112,13 +135,18 @@ def paged_attention(
     kv_scale: [2] float32 (k_scale, v_scale) of an fp8 cache, on the device; None: unscaled.
     Rows owned by no request (CUDA-graph padding) are not written: nothing here may depend on where the
     real rows end, or a captured graph would bake in one step's count.
+    layer: the window and softcap (spec.py); sinks: [Hq] float32 sink logits on q's device, or None.
     """
+    window, softcap = layer.sliding_window, layer.logit_softcap
     if out is None:
         out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:
         if num_splits is None:
-            num_splits = choose_num_splits(nd, kv_cache.shape[3], max_model_len or meta.max_seq_len)
+            length = max_model_len or meta.max_seq_len
+            if window is not None:
+                length = min(length, window)
+            num_splits = choose_num_splits(nd, kv_cache.shape[3], length)
         paged_decode(
             q,
             kv_cache,
@@ -131,6 +159,9 @@ def paged_attention(
             workspace=workspace,
             kv_scale=kv_scale,
             config=decode_config,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
     if meta.num_prefills > 0:
         if meta.query_start_loc_cpu is not None:
@@ -150,5 +181,8 @@ def paged_attention(
             out,
             kv_scale=kv_scale,
             config=prefill_config,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
     return out

@@ -42,6 +42,65 @@ def split_len(seq_len, num_splits, block_n):
 
 
 @triton.jit
+def decode_base(seq_len, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+    """(lo, base) of a decode row at position seq_len - 1: lo its first visible token (0, or
+    max(0, seq_len - WINDOW) with a window), base the first token its tiles read, lo rounded down to
+    ALIGN = min(page, BLOCK_N). Every page from base on holds a visible token, so a page that lies
+    wholly before the window (the engine may have given it back: any contents, NaN included) is never
+    read, and tiles from base stay within pages (TMA) and keep whole-page runs."""
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+        base = lo // ALIGN * ALIGN
+    else:
+        lo = seq_len * 0
+        base = lo
+    return lo, base
+
+
+@triton.jit
+def decode_range(
+    seq_len,
+    split,
+    num_splits,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """(lo, start, end): a decode program reads tokens [start, end) and sees those >= lo. The splits
+    share [base, seq_len) (decode_base) in whole tiles: a windowed layer reads at most
+    min(seq_len, WINDOW + ALIGN - 1) tokens, however long the context."""
+    lo, base = decode_base(seq_len, WINDOW, ALIGN)
+    if WINDOW == 0:  # full attention: the expressions the kernels had before windows existed
+        if SPLIT:
+            per_split = split_len(seq_len, num_splits, BLOCK_N)
+            start = split * per_split
+            end = tl.minimum(start + per_split, seq_len)
+        else:
+            start = seq_len * 0
+            end = seq_len
+    elif SPLIT:
+        per_split = split_len(seq_len - base, num_splits, BLOCK_N)
+        start = base + split * per_split
+        end = tl.minimum(start + per_split, seq_len)
+    else:
+        start = base
+        end = seq_len
+    return lo, start, end
+
+
+@triton.jit
+def active_splits(seq_len, num_splits, block_n, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+    """How many of decode_range's splits are non-empty (the others never ran)."""
+    if WINDOW == 0:
+        length = seq_len
+    else:
+        _, base = decode_base(seq_len, WINDOW, ALIGN)
+        length = seq_len - base
+    return tl.cdiv(length, tl.maximum(split_len(length, num_splits, block_n), 1))
+
+
+@triton.jit
 def load_v_token_major(
     v_base,
     page,
@@ -52,15 +111,20 @@ def load_v_token_major(
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     V_RUN: tl.constexpr,
+    n_ok,
+    MASK_N: tl.constexpr,
 ):
     """A [tokens, BLOCK_D] V tile of an FP8 cache (token-major inside each block, kv_layout.py). Runs
     of V_RUN = min(PAGE, BLOCK_N) tokens are contiguous (hinted: the page ids come from memory). No
     mask along tokens, which would split the 16-byte loads: slots past the context's end read block 0
     or stale values of a zeroed, saturated cache, and their probability is 0. A head_dim padded to
-    BLOCK_D is masked (it would read the next head's values)."""
+    BLOCK_D is masked (it would read the next head's values). MASK_N: only tokens with n_ok are read
+    (a sliding window's edge tile, whose first pages may have been given back: any contents)."""
     v_tok = tl.max_contiguous(tl.multiple_of(page * stride_cblk + offs_n % PAGE, V_RUN), V_RUN)
     ptrs = v_base + v_tok[:, None] + offs_d[None, :] * PAGE
-    if BLOCK_D == HEAD_DIM:
+    if MASK_N:
+        v = tl.load(ptrs, mask=n_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif BLOCK_D == HEAD_DIM:
         v = tl.load(ptrs)
     else:
         v = tl.load(ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)

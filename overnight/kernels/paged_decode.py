@@ -17,6 +17,20 @@ and log2-sum-exp to a workspace and _decode_reduce_kernel combines them. num_spl
 it is chosen from static quantities (batch size, max_model_len), never from this step's lengths, and
 the whole thing can be captured in a CUDA graph.
 
+A layer's variant (score_mods.py: window, softcap and sinks, constexpr-selected, so full attention
+compiles to the kernel it was before them). With a window of W tokens a decode row sees
+[max(0, seq_len - W), seq_len); its tiles start at the page (or tile, if smaller) holding the first of
+those (kv_tiles.decode_base) and the splits divide only that range, so a windowed layer's decode reads
+about min(seq_len, W) tokens per request whatever the context (a Gemma 3 local layer, W = 1024, at a
+32k context: 1/32 of a full layer's bytes), and its num_splits is chosen for min(max_model_len, W)
+(triton_backend.py). Pages wholly before the window are never read: the engine may have given them back.
+A softcap adds a tanh (through exp2) per score; sinks start the online softmax from the sink logit,
+or, split, are added once by _decode_reduce_kernel. None of these was timed on the GPU yet.
+
+Heads wider than 128 (up to 512): default_decode_config shrinks the tiles so their bytes stay those of
+a 128-wide head; the TMA copies stop at 256-wide heads (a box side is at most 256), wider ones take the
+pointer gathers.
+
 FP8 cache: the layer's (k_scale, v_scale) are read from a device pointer (kv_quant.py); k_scale folds
 into the score scale, v_scale into the final normalization. V is stored token-major inside each page
 (kv_layout.py: with V stored like K, the P @ V operand came out of shared memory a byte at a time) and
@@ -42,9 +56,10 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.kv_layout import is_fp8, v_token_major
-from overnight.kernels.kv_tiles import grid_coords, load_v_token_major, page_ids, split_len
+from overnight.kernels.kv_tiles import active_splits, decode_range, grid_coords, load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma, tma_supported
+from overnight.kernels.score_mods import check_head_dim, check_sinks, layer_constexprs, sink_init, softcap
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
 # one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
@@ -101,12 +116,31 @@ FP8_DECODE_CONFIG = DecodeConfig(
 BF16_DECODE_CONFIG = DecodeConfig(heads_first=True)
 
 
-def default_decode_config(cache_dtype: torch.dtype, block_size: int) -> DecodeConfig:
+def default_decode_config(cache_dtype: torch.dtype, block_size: int, head_dim: int = 128) -> DecodeConfig:
     """The decode kernel's config for a cache of that dtype and page size. An FP8 cache on pages the
-    TMA tiles do not divide (a --block-size of 16 or 32) keeps the 128-token pointer-gather tiles."""
+    TMA tiles do not divide (a --block-size of 16 or 32) keeps the 128-token pointer-gather tiles.
+
+    Heads wider than 128 (Gemma: 256, Gemma 4's global layers: 512) keep a tile's bytes those of a
+    128-wide head (fewer tokens per tile), so the K/V buffers of the pipeline fit in shared memory
+    (a 64 x 512 bf16 tile is 64 KB, and num_stages of them per operand would not); the FP8 kernel keeps
+    64-token tiles (its warpgroup MMA wants M >= 64) with fewer stages, and 8 warps at 512. Compiled for
+    sm_90 on the CPU (ptxas, no GPU): no spills; bf16 at D = 256 / 512: 124 / 156 registers, 42 / 50 KB
+    of shared memory; FP8 at 256 (TMA) / 512 (pointers): 107 / 171 registers, 103 / 140 KB. Not yet
+    timed on a GPU."""
+    wide = max(1, triton.next_power_of_2(head_dim) // 128)
     if not is_fp8(cache_dtype):
-        return BF16_DECODE_CONFIG
-    return FP8_DECODE_CONFIG if block_size % FP8_DECODE_CONFIG.block_n == 0 else FP8_SMALL_PAGE_DECODE_CONFIG
+        if wide == 1:
+            return BF16_DECODE_CONFIG
+        return replace(BF16_DECODE_CONFIG, block_n=max(16, BF16_DECODE_CONFIG.block_n // wide))
+    if wide == 1:
+        return (
+            FP8_DECODE_CONFIG if block_size % FP8_DECODE_CONFIG.block_n == 0 else FP8_SMALL_PAGE_DECODE_CONFIG
+        )
+    if wide == 2:
+        cfg = replace(FP8_DECODE_CONFIG, num_stages=3)
+    else:
+        cfg = replace(FP8_DECODE_CONFIG, num_warps=8, num_stages=2)
+    return cfg if block_size % cfg.block_n == 0 else replace(cfg, tma=False, heads_first=False)
 
 
 # FP8_BITS: how _to_dot converts a tile: 0 a plain cast, 1 e4m3 by shifts (values * 2**-8), 2 e5m2.
@@ -161,6 +195,7 @@ def _decode_kernel(
     part_out_ptr,  # [B, Hq, num_splits, D] fp32, used when SPLIT
     part_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
     kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    sinks_ptr,  # [Hq] float32 sink logits, read when HAS_SINKS (and not SPLIT: the reduce adds them)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
@@ -187,19 +222,17 @@ def _decode_kernel(
     V_RUN: tl.constexpr,  # min(PAGE, BLOCK_N): tokens of a tile contiguous in token-major V
     PREFETCH_PAGES: tl.constexpr,  # DecodeConfig.prefetch_pages
     HEADS_FIRST: tl.constexpr,  # DecodeConfig.heads_first: grid (kv heads, requests, splits)
+    WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
+    SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
+    HAS_SINKS: tl.constexpr,
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN)
     if SPLIT:
-        per_split = split_len(seq_len, num_splits, BLOCK_N)
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
         if start >= end:
             return
-    else:
-        start = seq_len * 0
-        end = seq_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -217,8 +250,7 @@ def _decode_kernel(
         qk_scale = qk_scale * 256.0
         v_scale = v_scale * 256.0
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = sink_init(sinks_ptr, heads, offs_g < GROUP, BLOCK_G, HAS_SINKS and not SPLIT)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch
@@ -227,6 +259,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        if WINDOW > 0:  # the first tile may start before the window: those slots are not loaded
+            n_mask = n_mask & (offs_n >= lo)
         if PREFETCH_PAGES:
             page = page_next.to(tl.int64)
             page_next = page_ids(bt_row, n0 + BLOCK_N, end, BLOCK_N, PAGE)
@@ -236,13 +270,17 @@ def _decode_kernel(
         kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
         k = tl.load(k_base + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(_to_dot(k, DOT_DTYPE, FP8_BITS)), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            s = softcap(s, SOFTCAP)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_TOKEN_MAJOR:
-            v = load_v_token_major(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
+            v = load_v_token_major(
+                v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN, n_mask, False
+            )
         else:
             v = tl.load(k_base + stride_ckv + tok[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(
@@ -267,6 +305,7 @@ def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
+    sinks_ptr,  # [Hq] float32, read when HAS_SINKS: the sink is counted here, once per head
     num_splits,
     block_n,  # the decode kernel's BLOCK_N
     stride_ot,
@@ -274,23 +313,31 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,  # the decode kernel's, with its ALIGN (V_RUN): the same split ranges
+    ALIGN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # Splits past the end of a short context never ran and left their workspace rows stale.
-    num_active = tl.cdiv(seq_len, tl.maximum(split_len(seq_len, num_splits, block_n), 1))
+    num_active = active_splits(seq_len, num_splits, block_n, WINDOW, ALIGN)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_active
     part = (b * tl.num_programs(1) + h) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + part, mask=s_mask, other=float("-inf"))
     lse_max = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h) * 1.4426950408889634
+        lse_max = tl.maximum(lse_max, sink)
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # no active split: keep exp2 finite
     w = tl.where(s_mask, tl.exp2(lse - lse_max), 0.0)
     o_mask = s_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     o = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], mask=o_mask, other=0.0)
     denom = tl.sum(w, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - lse_max)
     out = tl.sum(o * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
     tl.store(
         out_ptr + b * stride_ot + h * stride_oh + offs_d,
@@ -315,7 +362,10 @@ class DecodeWorkspace:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows = num_decodes * num_splits
         if rows > self.max_rows or rows * num_heads * head_dim > self.part_out.numel():
-            raise ValueError(f"decode workspace holds {self.max_rows} request-splits, need {rows}")
+            raise ValueError(
+                f"decode workspace holds {self.max_rows} request-splits of {self.part_out.numel()} values, "
+                f"need {rows} of {num_heads} x {head_dim} (size it for the widest layer's heads)"
+            )
         return self.part_out[: rows * num_heads * head_dim], self.part_lse[: rows * num_heads]
 
 
@@ -331,6 +381,10 @@ def paged_decode(
     workspace: DecodeWorkspace | None = None,
     kv_scale: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """out[b] = attention of q[b] over request b's first seq_lens[b] cached tokens, for b < num_decodes.
 
@@ -339,12 +393,18 @@ def paged_decode(
     max_blocks] int32; seq_lens: [>= num_decodes] int32. Nothing is synchronized with the host.
     config defaults to default_decode_config(kv_cache.dtype, block_size); a default TMA config on a
     cache its copies cannot read falls back to the same tiles by pointers, an explicit one raises.
+    window: a query sees its last `window` positions (its own included); tokens before them are never
+    read, and num_splits share the visible ones. softcap: cap * tanh(s / cap) on the scaled scores.
+    sinks: [Hq] float32 sink logits on q's device (score_mods.py).
     """
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
-    cfg = config or default_decode_config(kv_cache.dtype, page)
+    check_head_dim(head_dim)
+    cfg = config or default_decode_config(kv_cache.dtype, page, head_dim)
     num_heads = q.shape[1]
+    window_c, softcap_c = layer_constexprs(window, softcap)
+    check_sinks(sinks, num_heads, q.device)
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
     if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype:
@@ -390,6 +450,9 @@ def paged_decode(
             cfg.num_stages,
             heads_first,
             cfg.tma,
+            window=window_c,
+            softcap=softcap_c,
+            sinks=sinks,
         )
     else:
         _decode_kernel[grid](
@@ -401,6 +464,7 @@ def paged_decode(
             part_out,
             part_lse,
             kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+            sinks if sinks is not None else seq_lens,  # not read without sinks
             scale * math.log2(math.e),
             num_splits,
             q.stride(0),
@@ -427,6 +491,9 @@ def paged_decode(
             V_RUN=min(page, cfg.block_n),
             PREFETCH_PAGES=cfg.prefetch_pages,
             HEADS_FIRST=heads_first,
+            WINDOW=window_c,
+            SOFTCAP=softcap_c,
+            HAS_SINKS=sinks is not None,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -436,6 +503,7 @@ def paged_decode(
             part_out,
             part_lse,
             out,
+            sinks if sinks is not None else seq_lens,  # not read without sinks
             num_splits,
             cfg.block_n,
             out.stride(0),
@@ -443,5 +511,8 @@ def paged_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=triton.next_power_of_2(num_splits),
+            WINDOW=window_c,
+            ALIGN=min(page, cfg.block_n),
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )

@@ -1,8 +1,9 @@
 """Decode attention over an FP8 cache with the tokens as the MMA's M dimension and both dots in 8 bits.
 
 Reference: the decode branch of paged_attention_ref (overnight/attention/torch_backend.py) over the
-dequantized cache; selected by DecodeConfig.fp8_mma, launched from paged_decode.paged_decode, which
-owns the grid, the splits and their reduce (same workspace rows, same meaning).
+dequantized cache, and decode_fp8_mma_ref (attention_fp8_ref.py) with this kernel's roundings.
+Selected by DecodeConfig.fp8_mma, launched from paged_decode.paged_decode, which owns the grid, the
+splits and their reduce (same workspace rows, same meaning).
 
 Why: paged_decode.py's kernel puts a KV head's G query heads on M (zero-padded to 16 rows) and converts
 every K and V tile to fp16 before its dots: 136 conversions and ~130 register moves among ~790
@@ -35,15 +36,14 @@ Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 p
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from overnight.kernels.kv_layout import is_fp8, k_head_major, v_view
-from overnight.kernels.kv_tiles import grid_coords, load_v_token_major_t, page_ids, split_len
+from overnight.kernels.kv_layout import is_fp8, k_head_major
+from overnight.kernels.kv_tiles import decode_range, grid_coords, load_v_token_major_t, page_ids
+from overnight.kernels.score_mods import sink_init, softcap
 
 Q_MAX = 448.0  # e4m3's largest finite value: each q row's largest |value| maps onto it
 P_SHIFT = 8.0  # log2 of the scale that moves P from [0, 1] to [0, 256] before its rounding to e4m3
@@ -74,6 +74,7 @@ def _decode_fp8_mma_kernel(
     part_out_ptr,  # [B, Hq, num_splits, D] fp32, used when SPLIT
     part_lse_ptr,  # [B, Hq, num_splits] fp32, log2 domain
     kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    sinks_ptr,  # [Hq] float32 sink logits, read when HAS_SINKS and not SPLIT (else the reduce adds them)
     qk_scale,  # softmax scale * log2(e)
     num_splits,
     stride_qt,
@@ -99,19 +100,20 @@ def _decode_fp8_mma_kernel(
     EXACT_CAST: tl.constexpr,  # under the interpreter (see to_e4m3)
     HEADS_FIRST: tl.constexpr,  # grid (kv heads, requests, splits): DecodeConfig.heads_first
     TMA: tl.constexpr,  # tiles by TMA copies (DecodeConfig.tma): PAGE % BLOCK_N == 0, BLOCK_D == HEAD_DIM
+    WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
+    SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
+    HAS_SINKS: tl.constexpr,
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    # With a window the tiles start at a page (TMA: a tile) holding the first visible token: no page
+    # wholly before the window is read (kv_tiles.decode_base), and the slots before it in that page are
+    # this request's own finite values, masked out of the scores like the slots past the end.
+    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN)
     if SPLIT:
-        per_split = split_len(seq_len, num_splits, BLOCK_N)
-        start = split * per_split
-        end = tl.minimum(start + per_split, seq_len)
         if start >= end:
             return
-    else:
-        start = seq_len * 0
-        end = seq_len
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -133,8 +135,8 @@ def _decode_fp8_mma_kernel(
     else:
         v_scale = 1.0
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
+    m_i, l_i = sink_init(sinks_ptr, heads, g_mask, BLOCK_G, HAS_SINKS and not SPLIT)
+    l_i = l_i * tl.exp2(tl.zeros_like(l_i) + P_SHIFT)  # a sink's weight carries the same 2**P_SHIFT as p_t's
     acc = tl.zeros([BLOCK_D, BLOCK_G], tl.float32)  # O^T
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch
@@ -147,6 +149,8 @@ def _decode_fp8_mma_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
+        if WINDOW > 0:
+            n_mask = n_mask & (offs_n >= lo)
         if TMA:
             head_page = page_next * num_kv_heads + kvh  # this (page, KV head)'s index among all of them
             page_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE, mask=n0 + BLOCK_N < end, other=0)
@@ -165,6 +169,8 @@ def _decode_fp8_mma_kernel(
                 v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN
             )
         s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
+        if SOFTCAP > 0:
+            s_t = softcap(s_t, SOFTCAP)
         s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s_t, 0))
         alpha = tl.exp2(m_i - m_new)
@@ -202,9 +208,14 @@ def launch_decode_fp8_mma(
     num_stages: int,
     heads_first: bool = False,
     tma: bool = False,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The launch for paged_decode (which has checked every argument); same grid and workspace.
-    tma: the K / V tiles by TMA copies (tma_supported must hold)."""
+    tma: the K / V tiles by TMA copies (tma_supported must hold). window, softcap: the kernel's
+    WINDOW / SOFTCAP constexprs (score_mods.layer_constexprs); sinks: [Hq] float32 or None."""
     _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
     group = q.shape[1] // num_kv_heads
     k_desc = v_desc = None
@@ -225,6 +236,7 @@ def launch_decode_fp8_mma(
         part_out,
         part_lse,
         kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        sinks if sinks is not None else seq_lens,  # not read without sinks
         qk_scale,
         num_splits,
         q.stride(0),
@@ -250,6 +262,9 @@ def launch_decode_fp8_mma(
         EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
         HEADS_FIRST=heads_first,
         TMA=tma,
+        WINDOW=window,
+        SOFTCAP=softcap,
+        HAS_SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -268,6 +283,8 @@ def tma_supported(kv_cache: torch.Tensor, block_n: int) -> str | None:
         return f"block_size {page} is not a multiple of the tile's {block_n} tokens"
     if head_dim & (head_dim - 1) or head_dim < 16:
         return f"head_dim {head_dim} is not a power of two >= 16"
+    if head_dim > 256 or block_n > 256:
+        return f"a TMA box is at most 256 elements a side (head_dim {head_dim}, tile {block_n})"
     if not k_head_major(kv_cache) or kv_cache.stride()[1:] != (
         num_kv_heads * page * head_dim,
         head_dim,
@@ -278,60 +295,3 @@ def tma_supported(kv_cache: torch.Tensor, block_n: int) -> str | None:
     if num_blocks * num_kv_heads * max(page, head_dim) >= 2**31:
         return "the cache has too many rows for int32 tile coordinates"
     return None
-
-
-def decode_fp8_mma_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_decodes: int,
-    scale: float,
-    kv_scale: torch.Tensor | None = None,
-    block_n: int = 128,
-    num_splits: int = 1,
-) -> torch.Tensor:
-    """The kernel's arithmetic in PyTorch, roundings included: q per head and P per tile of block_n
-    tokens (under the running maximum of its split) rounded to e4m3; float32 otherwise. Returns
-    [num_decodes, Hq, D] float32. paged_attention_ref is the exact answer; this one is what the
-    kernel must reproduce to float32 rounding."""
-    e4m3 = torch.float8_e4m3fn
-    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
-    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
-    k_all, v_all = kv_cache[0], v_view(kv_cache)
-    out = torch.zeros(num_decodes, num_heads, head_dim, device=q.device)
-    for b in range(num_decodes):
-        seq_len = int(seq_lens[b])
-        pos = torch.arange(seq_len, device=q.device)
-        blocks = block_tables[b, pos // page].long()
-        k = k_all[blocks, pos % page][:, kv_head].float()  # [L, Hq, D]
-        v = v_all[blocks, pos % page][:, kv_head].float()
-        qf = q[b].float()
-        amax = qf.abs().amax(-1)
-        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
-        q8 = (qf / q_scale[:, None]).to(e4m3).float()
-        col_scale = q_scale * scale * math.log2(math.e) * k_scale
-        per_split = math.ceil(math.ceil(seq_len / num_splits) / block_n) * block_n  # kv_tiles.split_len
-        parts = []
-        for start in range(0, seq_len, max(per_split, 1)):
-            end = min(start + per_split, seq_len)
-            m = torch.full((num_heads,), float("-inf"), device=q.device)
-            l_sum = torch.zeros(num_heads, device=q.device)
-            acc = torch.zeros(num_heads, head_dim, device=q.device)
-            for n0 in range(start, end, block_n):
-                n1 = min(n0 + block_n, end)
-                s = torch.einsum("hd,nhd->hn", q8, k[n0:n1]) * col_scale[:, None]
-                m_new = torch.maximum(m, s.amax(-1))
-                alpha = torch.exp2(m - m_new)
-                p = torch.exp2(s - (m_new - P_SHIFT)[:, None])
-                l_sum = l_sum * alpha + p.sum(-1)
-                acc = acc * alpha[:, None] + torch.einsum("hn,nhd->hd", p.to(e4m3).float(), v[n0:n1])
-                m = m_new
-            parts.append((acc * (v_scale / l_sum)[:, None], m - P_SHIFT + torch.log2(l_sum)))
-        if parts:
-            lse = torch.stack([x[1] for x in parts])  # [splits, Hq]
-            w = torch.exp2(lse - lse.amax(0))
-            out[b] = (torch.stack([x[0] for x in parts]) * w[..., None]).sum(0) / w.sum(0)[:, None]
-    return out

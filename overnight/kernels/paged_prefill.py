@@ -22,12 +22,21 @@ Keys are walked in BLOCK_N tiles through the block table. Key tiles below the ti
 position are visible to every row and run unmasked; only the diagonal tiles apply the causal mask, and
 tiles past the last row's position are never visited.
 
+A layer's variant (score_mods.py, constexpr-selected: full attention compiles as before). With a window
+of W tokens row p sees keys p - W + 1 .. p: a query tile walks only from the first key any of its rows
+sees, in three runs (edge tiles masked by the window, tiles every row sees unmasked, the causal
+diagonal), so a windowed layer's prefill costs about chunk_len * min(W + BLOCK_M, context) scores
+instead of chunk_len * context. Keys before every row's window are never loaded (their blocks may be
+given back); an edge tile's FP8 V is then loaded with a token mask. A softcap adds a tanh per score;
+sinks start each row's online softmax from its head's sink logit. Heads wider than 128 take smaller
+default tiles and 8 warps (default_prefill_config). None of these was timed on the GPU yet.
+
 FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
 score scale, v_scale into the final normalization) and V is read token-major (kv_layout.py). By default
 (PrefillConfig.fp8_mma, default_prefill_config) the dots read the e4m3 tiles as stored: q is rounded to
 e4m3 once per program (each row with its own scale) and P per key tile (after a 2**8 shift), the
-roundings of paged_decode_fp8.py; prefill_fp8_mma_ref emulates them. Without it the tiles are
-converted and the dots run in fp16 (dot_dtype).
+roundings of paged_decode_fp8.py; prefill_fp8_mma_ref (attention_fp8_ref.py) emulates them. Without it
+the tiles are converted and the dots run in fp16 (dot_dtype).
 """
 
 from __future__ import annotations
@@ -39,11 +48,12 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.kv_layout import is_fp8, v_token_major, v_view
+from overnight.kernels.kv_layout import is_fp8, v_token_major
 from overnight.kernels.kv_tiles import load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype
 from overnight.kernels.paged_decode_fp8 import P_SHIFT, Q_MAX, to_e4m3
+from overnight.kernels.score_mods import check_head_dim, check_sinks, layer_constexprs, sink_init, softcap
 
 
 @dataclass(frozen=True)
@@ -67,10 +77,24 @@ class PrefillConfig:
     fp8_mma: bool = False
 
 
-def default_prefill_config(cache_dtype: torch.dtype) -> PrefillConfig:
-    # e5m2 caches keep the fp16 dots until the H200 bench has checked e4m3 q against e5m2 K there
-    # (bench/attention_gpu.py's prefill checks now include them; the interpreter tests pass).
-    return PrefillConfig(fp8_mma=True) if cache_dtype == torch.float8_e4m3fn else PrefillConfig()
+def default_prefill_config(cache_dtype: torch.dtype, head_dim: int = 128) -> PrefillConfig:
+    """e5m2 caches keep the fp16 dots until the H200 bench has checked e4m3 q against e5m2 K there
+    (bench/attention_gpu.py's prefill checks now include them; the interpreter tests pass).
+
+    Heads wider than 128: a program holds a [BLOCK_M, D] fp32 accumulator and its q tile in registers,
+    and num_stages K and V tiles of [BLOCK_N, D] in shared memory. At D = 256 (Gemma) 64 x 32 tiles
+    on 8 warps keep 64 accumulator values per thread; at D = 512 (Gemma 4's global layers) 32 x 32
+    tiles do the same, with the fp16 dots (the e4m3 warpgroup MMA wants 64 rows). Compiled for sm_90
+    on the CPU (ptxas, no GPU; tests/test_kernels_attention_sm90.py) with windows, softcaps and sinks
+    on: no spills, 197-244 registers, shared memory 131 / 100 KB (bf16 at 256 / 512), 64 / 66 KB (FP8).
+    Not yet timed on a GPU (bench/attention_gpu.py can)."""
+    fp8_mma = cache_dtype == torch.float8_e4m3fn
+    d = triton.next_power_of_2(head_dim)
+    if d <= 128:
+        return PrefillConfig(fp8_mma=fp8_mma)
+    if d <= 256:
+        return PrefillConfig(64, 32, 8, 3, fp8_mma=fp8_mma)
+    return PrefillConfig(32, 32, 8, 2)
 
 
 @triton.jit
@@ -95,6 +119,7 @@ def _attend_tile(
     stride_cblk,
     stride_cslot,
     pos,
+    kv_lo,  # the first key any row of the tile sees (0 without a window)
     kv_end,
     qk_scale,
     HEAD_DIM: tl.constexpr,
@@ -109,8 +134,11 @@ def _attend_tile(
     FP8_MMA: tl.constexpr,
     EXACT_CAST: tl.constexpr,
     P_SHIFT: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL).
+    """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL: the
+    causal diagonal, and with a WINDOW the window's lower edge).
 
     FP8_MMA: q is e4m3 already and qk_scale a [BLOCK_M, 1] column (each row's q scale folded in); the
     weights are scaled by 2**P_SHIFT before their rounding to e4m3, and l_i carries the same factor, so
@@ -118,6 +146,8 @@ def _attend_tile(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < kv_end
+    if CAUSAL and WINDOW > 0:  # keys before every row's window are not loaded (they may be given back)
+        n_mask = n_mask & (offs_n >= kv_lo)
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     # Off the diagonal every key exists: load without masks unless head_dim needs padding.
     MASKED: tl.constexpr = CAUSAL or BLOCK_D != HEAD_DIM
@@ -127,19 +157,42 @@ def _attend_tile(
         s = tl.dot(q, tl.trans(k)) * qk_scale
     else:
         s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP > 0:
+        s = softcap(s, SOFTCAP)
     if CAUSAL:
-        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-    # Every row sees key 0, and the first visited tile holds a key <= every row's position, so m_new is
-    # finite from the first tile on and exp2(-inf - m_new) is a clean 0.
+        visible = offs_n[None, :] <= pos[:, None]
+        if WINDOW > 0:
+            visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    # Without a window every row sees key 0, and the first visited tile holds a key <= every row's
+    # position, so m_new is finite from the first tile on and exp2(-inf - m_new) is a clean 0. A
+    # window's edge tile may hold no key of some row: its maximum stays -inf, and exp2 is taken
+    # against 0 instead (weights 0, acc and l_i unchanged at 0).
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    if FP8_MMA:
-        p = tl.exp2(s - (m_new - P_SHIFT)[:, None])
+    if CAUSAL and WINDOW > 0:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        p = tl.exp2(s - m_new[:, None])
+        m_use = m_new
+    alpha = tl.exp2(m_i - m_use)
+    if FP8_MMA:
+        p = tl.exp2(s - (m_use - P_SHIFT)[:, None])
+    else:
+        p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if V_TOKEN_MAJOR:  # unmasked along tokens (p is 0 past kv_end)
-        v = load_v_token_major(v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN)
+    if V_TOKEN_MAJOR:  # unmasked along tokens (p is 0 past kv_end), except at a window's edge
+        v = load_v_token_major(
+            v_base,
+            page,
+            offs_n,
+            offs_d,
+            stride_cblk,
+            HEAD_DIM,
+            BLOCK_D,
+            PAGE,
+            V_RUN,
+            n_mask,
+            CAUSAL and WINDOW > 0,
+        )
     else:
         v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
     if FP8_MMA:
@@ -160,6 +213,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
+    sinks_ptr,  # [Hq] float32 sink logits, read when HAS_SINKS
     qk_scale,  # softmax scale * log2(e)
     num_decodes,
     num_prefills,
@@ -189,6 +243,9 @@ def _prefill_kernel(
     EXACT_CAST: tl.constexpr,  # under the interpreter (paged_decode_fp8.to_e4m3)
     Q_MAX: tl.constexpr,
     P_SHIFT: tl.constexpr,
+    WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
+    SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
+    HAS_SINKS: tl.constexpr,
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -235,18 +292,66 @@ def _prefill_kernel(
         q = q.to(DOT_DTYPE)
         row_scale = qk_scale
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
+    # With sinks the softmax starts from the head's sink logit (FP8_MMA: l_i carries 2**P_SHIFT).
+    m_i, l_i = sink_init(sinks_ptr, h, h < tl.num_programs(0), BLOCK_M, HAS_SINKS)
+    if FP8_MMA:
+        l_i = l_i * tl.exp2(tl.zeros_like(l_i) + P_SHIFT)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = block_tables_ptr + req.to(tl.int64) * stride_bt
     kv_base = cache_ptr + (h // GROUP) * stride_ch
     v_base = cache_ptr + stride_ckv + (h // GROUP) * (HEAD_DIM * PAGE)
 
     # Keys below full_end are visible to all rows of the tile; keys from kv_end on to none of them.
+    # With a window, keys from mid_start on are above every row's window edge: the tiles before it
+    # (from the first key any row sees, kv_lo) take the window's mask, those in [mid_start, full_end)
+    # none, those after full_end the causal one.
+    #
+    #   keys  0 ..... kv_lo ..... mid_start ............. full_end ....... kv_end
+    #         never read  [ edge tiles ]  [ unmasked tiles  ]  [ diagonal ]
     full_end = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx_start + tl.minimum(m0 + BLOCK_M, q_len)
-    page_next = page_ids(bt_row, 0, kv_end, BLOCK_N, PAGE)
-    for n0 in range(0, full_end, BLOCK_N):
+    if WINDOW > 0:
+        kv_lo = tl.maximum(ctx_start + m0 - WINDOW + 1, 0)
+        mid_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
+        for n0 in range(kv_lo // BLOCK_N * BLOCK_N, tl.minimum(mid_start, kv_end), BLOCK_N):
+            acc, m_i, l_i = _attend_tile(
+                q,
+                acc,
+                m_i,
+                l_i,
+                n0,
+                page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64),
+                kv_base,
+                v_base,
+                stride_ckv,
+                stride_cblk,
+                stride_cslot,
+                pos,
+                kv_lo,
+                kv_end,
+                row_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                PAGE,
+                BLOCK_N,
+                True,
+                DOT_PRECISION,
+                DOT_DTYPE,
+                V_TOKEN_MAJOR,
+                V_RUN,
+                FP8_MMA,
+                EXACT_CAST,
+                P_SHIFT,
+                WINDOW,
+                SOFTCAP,
+            )
+        diag_start = tl.maximum(full_end, mid_start)
+    else:  # full attention: the walk from key 0 the kernel had before windows existed
+        kv_lo = 0
+        mid_start = 0
+        diag_start = full_end
+    page_next = page_ids(bt_row, mid_start, kv_end, BLOCK_N, PAGE)
+    for n0 in range(mid_start, full_end, BLOCK_N):
         if PREFETCH_PAGES:
             page = page_next.to(tl.int64)
             page_next = page_ids(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, PAGE)
@@ -265,6 +370,7 @@ def _prefill_kernel(
             stride_cblk,
             stride_cslot,
             pos,
+            kv_lo,
             kv_end,
             row_scale,
             HEAD_DIM,
@@ -279,8 +385,10 @@ def _prefill_kernel(
             FP8_MMA,
             EXACT_CAST,
             P_SHIFT,
+            WINDOW,
+            SOFTCAP,
         )
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(diag_start, kv_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
@@ -294,6 +402,7 @@ def _prefill_kernel(
             stride_cblk,
             stride_cslot,
             pos,
+            kv_lo,
             kv_end,
             row_scale,
             HEAD_DIM,
@@ -308,6 +417,8 @@ def _prefill_kernel(
             FP8_MMA,
             EXACT_CAST,
             P_SHIFT,
+            WINDOW,
+            SOFTCAP,
         )
 
     out = acc * (v_scale / l_i)[:, None]
@@ -328,6 +439,10 @@ def paged_prefill(
     out: torch.Tensor,
     kv_scale: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of requests num_decodes .. num_reqs-1 over their cached contexts, into out.
 
@@ -335,12 +450,18 @@ def paged_prefill(
     kv_scale, [2] float32 (k_scale, v_scale) on the device); block_tables [num_reqs, max_blocks],
     seq_lens [num_reqs], query_start_loc [num_reqs + 1]: int32 on q's device. num_prefill_rows: an upper bound on the prefill requests' rows
     (query_start_loc[num_reqs] - query_start_loc[num_decodes]); it only sizes the grid.
+    window: a row sees its last `window` positions (its own included); keys before every row's window
+    are never read. softcap: cap * tanh(s / cap) on the scaled scores. sinks: [Hq] float32 sink logits
+    on q's device (score_mods.py).
     """
-    cfg = config or default_prefill_config(kv_cache.dtype)
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
     _, _, page, num_kv_heads, head_dim = kv_cache.shape
+    check_head_dim(head_dim)
+    cfg = config or default_prefill_config(kv_cache.dtype, head_dim)
     num_heads = q.shape[1]
+    window_c, softcap_c = layer_constexprs(window, softcap)
+    check_sinks(sinks, num_heads, q.device)
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
     if out.shape[1:] != q.shape[1:] or out.dtype != q.dtype:
@@ -368,6 +489,7 @@ def paged_prefill(
         query_start_loc,
         out,
         kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
+        sinks if sinks is not None else seq_lens,  # not read without sinks
         scale * math.log2(math.e),
         num_decodes,
         num_prefills,
@@ -397,62 +519,9 @@ def paged_prefill(
         EXACT_CAST=q.device.type == "cpu",  # only the interpreter runs on CPU tensors
         Q_MAX=Q_MAX,
         P_SHIFT=P_SHIFT,
+        WINDOW=window_c,
+        SOFTCAP=softcap_c,
+        HAS_SINKS=sinks is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-
-
-def prefill_fp8_mma_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    num_decodes: int,
-    num_reqs: int,
-    scale: float,
-    kv_scale: torch.Tensor | None = None,
-    block_n: int = 64,
-) -> torch.Tensor:
-    """PrefillConfig.fp8_mma's arithmetic in PyTorch, roundings included: q per row and head, and P per
-    tile of block_n keys (tiles from position 0, under each row's running maximum) rounded to e4m3;
-    float32 otherwise. Returns [T, Hq, D] float32 with the prefill rows filled (zeros elsewhere).
-    paged_attention_ref is the exact answer; this is what the kernel must reproduce to float32
-    rounding. A tile past a row's position changes nothing for it (its weights are 0, its maximum the
-    old one), so walking each request's whole context in block_n tiles matches the kernel's walk."""
-    e4m3 = torch.float8_e4m3fn
-    page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    num_heads = q.shape[1]
-    kv_head = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)
-    k_scale, v_scale = kv_scale.tolist() if kv_scale is not None else (1.0, 1.0)
-    k_all, v_all = kv_cache[0], v_view(kv_cache)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for r in range(num_decodes, num_reqs):
-        q0, q1 = int(query_start_loc[r]), int(query_start_loc[r + 1])
-        seq_len = int(seq_lens[r])
-        keys = torch.arange(seq_len, device=q.device)
-        blocks = block_tables[r, keys // page].long()
-        k = k_all[blocks, keys % page][:, kv_head].float()  # [L, Hq, D]
-        v = v_all[blocks, keys % page][:, kv_head].float()
-        qf = q[q0:q1].float()  # [R, Hq, D]
-        amax = qf.abs().amax(-1)
-        q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
-        q8 = (qf / q_scale[..., None]).to(e4m3).float()
-        row_scale = q_scale * scale * math.log2(math.e) * k_scale  # [R, Hq]
-        pos = seq_len - (q1 - q0) + torch.arange(q1 - q0, device=q.device)
-        m = torch.full(amax.shape, float("-inf"), device=q.device)
-        l_sum = torch.zeros(amax.shape, device=q.device)
-        acc = torch.zeros(qf.shape, device=q.device)
-        for n0 in range(0, seq_len, block_n):
-            n1 = min(n0 + block_n, seq_len)
-            s = torch.einsum("rhd,nhd->rhn", q8, k[n0:n1]) * row_scale[..., None]
-            visible = keys[n0:n1][None, :] <= pos[:, None]  # [R, N]
-            s = s.masked_fill(~visible[:, None, :], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1))
-            alpha = torch.exp2(m - m_new)
-            p = torch.exp2(s - (m_new - P_SHIFT)[..., None])
-            l_sum = l_sum * alpha + p.sum(-1)
-            acc = acc * alpha[..., None] + torch.einsum("rhn,nhd->rhd", p.to(e4m3).float(), v[n0:n1])
-            m = m_new
-        out[q0:q1] = acc * (v_scale / l_sum)[..., None]
-    return out

@@ -1,0 +1,146 @@
+"""The attention kernels' wide-head defaults compile for the H200 (sm_90) and fit it: no register spills,
+shared memory within the 227 KB a block may use. Triton compiles down to a cubin with its bundled ptxas,
+no GPU needed, so a tile choice that would only fail at the first launch on a GPU fails here. Each
+compilation runs in a child process without TRITON_INTERPRET (under it the kernels' helpers are the
+interpreter's functions, which Triton's compiler cannot read).
+
+The layer variants are on (window, softcap, sinks): the heaviest code each kernel has.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.paged_decode import _decode_kernel, default_decode_config
+from overnight.kernels.paged_decode_fp8 import _decode_fp8_mma_kernel
+from overnight.kernels.paged_prefill import _prefill_kernel, default_prefill_config
+
+pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
+
+SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+POINTERS = dict(
+    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", kv_scale_ptr="*fp32",
+    sinks_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16", out_ptr="*bf16",
+)  # fmt: skip
+LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
+
+
+def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+    """(shared bytes, registers, stack bytes) of the kernel compiled for sm_90 (in a process without
+    TRITON_INTERPRET)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kernel
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr or p.name in constexprs:  # None descriptors are constexprs too
+            sig[p.name] = "constexpr"
+            continue
+        sig[p.name] = types.get(p.name) or POINTERS.get(p.name) or ("fp32" if p.name == "qk_scale" else "i32")
+        if sig[p.name].startswith("*") or p.name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as Triton specializes aligned pointers and strides
+    cx = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
+    compiled = triton.compile(
+        ASTSource(fn, sig, cx, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=num_warps, num_stages=num_stages),
+    )
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run(
+            [os.path.join(NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
+        ).stdout
+    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
+    assert regs and stack, usage
+    return compiled.metadata.shared, int(regs.group(1)), int(stack.group(1))
+
+
+def prefill_case(fp8: bool, d: int):
+    page = 64 if fp8 else 16
+    cfg = default_prefill_config(torch.float8_e4m3fn if fp8 else torch.bfloat16, d)
+    cx = dict(
+        GROUP=2, HEAD_DIM=d, BLOCK_D=d, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        DOT_PRECISION="tf32", DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HAS_SCALE=fp8, V_TOKEN_MAJOR=fp8,
+        V_RUN=min(page, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, FP8_MMA=cfg.fp8_mma, EXACT_CAST=False,
+        Q_MAX=448.0, P_SHIFT=8.0, **LAYER,
+    )  # fmt: skip
+    types = dict(cache_ptr="*fp8e4nv" if fp8 else "*bf16")
+    return _prefill_kernel, types, cx, cfg.num_warps, cfg.num_stages
+
+
+def decode_case(d: int):
+    cfg = default_decode_config(torch.bfloat16, 16, d)
+    cx = dict(
+        GROUP=4, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE=16, BLOCK_N=cfg.block_n, SPLIT=True,
+        DOT_PRECISION="tf32", DOT_DTYPE=tl.bfloat16, FP8_BITS=0, HAS_SCALE=False, V_TOKEN_MAJOR=False,
+        V_RUN=min(16, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, HEADS_FIRST=cfg.heads_first, **LAYER,
+    )  # fmt: skip
+    return _decode_kernel, dict(cache_ptr="*bf16"), cx, cfg.num_warps, cfg.num_stages
+
+
+def fp8_decode_case(d: int):
+    """On 64-token pages: TMA copies at 256 (a box side may be 256), pointer gathers at 512."""
+    cfg = default_decode_config(torch.float8_e4m3fn, 64, d)
+    tma = d <= 256
+    types = dict(cache_ptr="*fp8e4nv")
+    cx = dict(
+        GROUP=4, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE=64, BLOCK_N=cfg.block_n, SPLIT=False, HAS_SCALE=True,
+        V_RUN=min(64, cfg.block_n), Q_MAX=448.0, P_SHIFT=8.0, EXACT_CAST=False, HEADS_FIRST=cfg.heads_first,
+        TMA=tma, **LAYER,
+    )  # fmt: skip
+    if tma:
+        types["k_desc"] = f"tensordesc<fp8e4nv[{cfg.block_n}, {d}]>"
+        types["v_desc"] = f"tensordesc<fp8e4nv[{d}, {cfg.block_n}]>"
+    else:
+        cx.update(k_desc=None, v_desc=None)
+    return _decode_fp8_mma_kernel, types, cx, cfg.num_warps, cfg.num_stages
+
+
+CASES = {
+    "prefill-bf16-512": lambda: prefill_case(False, 512),
+    "prefill-e4m3-256": lambda: prefill_case(True, 256),
+    "prefill-e4m3-512": lambda: prefill_case(True, 512),
+    "decode-bf16-512": lambda: decode_case(512),
+    "decode-e4m3-256-tma": lambda: fp8_decode_case(256),
+    "decode-e4m3-512": lambda: fp8_decode_case(512),
+}
+
+
+def report() -> None:
+    """The child process: compile every case, print their usage as one JSON object."""
+    print(json.dumps({name: compile_sm90(*case()) for name, case in CASES.items()}))
+
+
+@pytest.fixture(scope="module")
+def usage() -> dict[str, list[int]]:
+    """Every case compiled by one child process (one start of torch and Triton)."""
+    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
+        pytest.skip("Triton's bundled CUDA tools are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "from tests.test_kernels_attention_sm90 import report; report()"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_wide_head_defaults_fit_sm90(usage: dict[str, list[int]], name: str) -> None:
+    shared, regs, stack = usage[name]
+    assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
+    assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
