@@ -241,6 +241,7 @@ def build_ray_engine(
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     from overnight.loader.fit import check_weights_fit
+    from overnight.engine.kv_groups import KVCacheLayout
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 
@@ -276,7 +277,8 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         runner = ModelRunner(config, source, grammars=model.grammars)
     t_model = time.perf_counter()
     try:
-        plan = set_up_kv_pool(runner, config.cache, sched)
+        layout = KVCacheLayout.from_arch(source.arch, sched.max_model_len)
+        plan = set_up_kv_pool(runner, config.cache, sched, layout)
     except BaseException:
         runner.shutdown()
         raise
