@@ -180,10 +180,11 @@ class KVCacheManager:
         reclaimed = sum(1 for row in hit.blocks for b in row if b is not None and b.ref_cnt == 0)
         if num_new * self.num_groups + reclaimed > self.pool.num_free:
             return None
+        for row in hit.blocks:  # every hit first: a cached free block must not be handed out meanwhile
+            self.pool.touch([b for b in row if b is not None])
         added = []
         new_groups: list[list[Block | None]] = []
         for row in hit.blocks:
-            self.pool.touch([b for b in row if b is not None])
             full_row = row + self.pool.allocate(num_new)
             new_groups.append(full_row)
             added.append([NULL_BLOCK_ID if b is None else b.id for b in full_row])

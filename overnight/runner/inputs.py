@@ -216,7 +216,6 @@ class StepBuffers:
             pending_src=self.pending[npend : 2 * npend] if npend else None,
         )
 
-
     def group_metas(self, meta: AttentionMetadata, num_rows: int, req_rows: int) -> list[AttentionMetadata]:
         """meta (group 0's) and, for every further KV cache group, the same with its own tables and
         slot mapping."""

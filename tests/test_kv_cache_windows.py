@@ -1,0 +1,280 @@
+"""Tier (a): sliding-window KV cache groups with the fake runner (engine/kv_groups.py,
+engine/kv_cache_manager.py). The fake runner checks every step that each group's table still maps the
+positions its layers read (the whole context, or the last W before each query) to the request's tokens,
+so a block given back too early, a bad prefix hit or a lost preemption fails there."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+from overnight.engine.block_pool import Block
+from overnight.engine.engine import Engine
+from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.kv_groups import KVCacheLayout
+from overnight.engine.pool_plan import PoolPlan
+from overnight.engine.request import Request
+from overnight.errors import ConfigError
+from overnight.loader.source import ModelSource
+from overnight.sampling_params import SamplingParams
+from tests.fake_runner import FakeRunner, reference_output
+from tests.test_scheduler import VOCAB, random_prompts, run_all
+
+EOS = 3
+SW, FULL = "sliding_attention", "full_attention"
+GEMMA3_SHAPE = (SW,) * 5 + (FULL,)
+
+
+def arch_of(
+    layer_types: tuple[str, ...] = GEMMA3_SHAPE, window: int | None = 8, shared: int = 0
+) -> ModelArch:
+    base = ModelArch("llama", VOCAB, 8, 16, len(layer_types), 1, 1, 8)
+    return replace(base, layer_types=layer_types, sliding_window=window, num_kv_shared_layers=shared)
+
+
+def make_engine(
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 256,
+    caching: bool = True,
+    async_mode: bool = False,
+) -> tuple[Engine, FakeRunner]:
+    config = EngineConfig(
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+    )
+    layout = KVCacheLayout.from_arch(arch, max_model_len)
+    runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode, windows=layout.windows)
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    plan = PoolPlan(num_blocks, block_bytes=0, budget_bytes=0, capped=False)
+    return Engine(config, runner, source, plan), runner
+
+
+def assert_no_leak(engine: Engine) -> None:
+    pool = engine.kv.pool
+    assert engine.kv.req_blocks == {}
+    assert pool.num_free == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+# -- the layout -----------------------------------------------------------------------------------
+
+
+def test_layout_groups_layers_by_kind_and_shares_tensors():
+    one = KVCacheLayout.from_arch(arch_of())  # 5 windowed : 1 full -> six one-layer groups
+    assert one.num_tensors == 1 and one.windows == (None, 8, 8, 8, 8, 8)
+    assert one.layer_group == (1, 2, 3, 4, 5, 0) and one.layer_tensor == (0,) * 6
+    # 52 windowed + 10 full (Gemma-3-27B's counts): groups of 10, the last windowed one half empty.
+    kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, SW)
+    big = KVCacheLayout.from_arch(arch_of(kinds, window=1024))
+    assert big.num_tensors == 10 and big.windows == (None,) + (1024,) * 6
+    assert [len(g.layers) for g in big.groups] == [10, 10, 10, 10, 10, 10, 2]
+    # Only full layers (or a window no shorter than max_model_len): one group, today's layout.
+    assert KVCacheLayout.from_arch(arch_of((FULL,) * 4)) == KVCacheLayout.uniform(4)
+    assert KVCacheLayout.from_arch(arch_of(window=256), max_model_len=256) == KVCacheLayout.uniform(6)
+    # KV-shared layers own no cache: they read their source's tensor through its group.
+    shared = KVCacheLayout.from_arch(arch_of((SW, FULL, SW, FULL, SW, FULL), shared=2))
+    assert shared.layer_source == (0, 1, 2, 3, 2, 3)
+    assert shared.windows == (None, 8) and shared.num_tensors == 2
+    assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
+
+
+def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():
+    layout = KVCacheLayout.from_arch(arch_of(window=16))
+    # Full group: 1024 / 4 blocks; each windowed group: cdiv(15 + 32, 4) + 1 = 13.
+    assert layout.blocks_per_sequence(1024, chunk=32, block_size=4) == 256 + 5 * 13
+    assert layout.blocks_per_sequence(8, chunk=32, block_size=4) == 6 * 2  # shorter than the window
+    assert layout.kv_token_layers(1024, chunk=32) == 1024 + 5 * 48
+
+
+# -- blocks given back ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_windowed_groups_give_blocks_back_as_the_window_advances(async_mode):
+    w, bs, chunk = 8, 4, 16
+    engine, runner = make_engine(
+        arch_of(window=w), 4096, bs, max_num_batched_tokens=chunk, async_mode=async_mode
+    )
+    prompt = list(range(10, 110))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    kv, peak = engine.kv, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        req = engine.scheduler.requests.get("a")
+        if req is None:
+            break
+        groups = kv.req_blocks["a"]
+        held = [sum(b is not None for b in row) for row in groups]
+        assert held[0] == len(groups[0]), "the full group keeps every block"
+        peak = max(peak, *held[1:])
+        # What a windowed group may hold: the window before the step's first query, plus the step.
+        assert all(h <= -(-(w - 1 + chunk) // bs) + 1 for h in held[1:]), held
+    assert outs and outs[0].outputs[0].token_ids == reference_output(prompt, 60, VOCAB, None)
+    assert peak >= 2  # it did hold blocks, and gave the old ones back
+    assert runner.chunks["a"][:7] == [16] * 6 + [4]  # the prompt crossed the window in chunks
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+@pytest.mark.parametrize("num_blocks", [3000, 150])
+def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_mode):
+    rng = random.Random(3)
+    prompts = random_prompts(48, rng, lo=1, hi=70)
+    max_tokens = [rng.randint(5, 40) for _ in prompts]
+    engine, _ = make_engine(
+        arch_of(window=6), num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode
+    )
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=m))
+    engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("gone")
+    results = run_all(engine)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[str(i)] == reference_output(p, min(m, 128 - len(p)), VOCAB, EOS), i
+    assert (engine.scheduler.num_preemptions_total > 0) == (num_blocks == 150)
+    assert_no_leak(engine)
+
+
+def test_a_window_holds_several_times_more_sequences_than_full_attention():
+    """The same bytes: a full-only block spans all 6 layers, a windowed layout's block one layer."""
+    prompts = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]  # 511 tokens each
+
+    def peak_running(arch: ModelArch, num_blocks: int) -> int:
+        engine, _ = make_engine(
+            arch,
+            num_blocks,
+            16,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            caching=False,
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+        peak = 0
+
+        def check(e: Engine) -> None:
+            nonlocal peak
+            peak = max(peak, len(e.scheduler.running))
+
+        results = run_all(engine, check)
+        for i, p in enumerate(prompts):
+            assert results[str(i)] == reference_output(p, 200, VOCAB, None)
+        assert_no_leak(engine)
+        return peak
+
+    full_engine_blocks = 400  # 400 blocks x 6 layers
+    n_full = peak_running(arch_of((FULL,) * 6), full_engine_blocks)
+    n_win = peak_running(arch_of(window=32), 6 * full_engine_blocks)
+    assert n_full >= 1 and n_win >= 3 * n_full, (n_win, n_full)
+
+
+# -- prefix hits with windows ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_prefix_hits_with_windows_and_same_outputs(async_mode):
+    rng = random.Random(4)
+    prefix = [rng.randrange(10, VOCAB) for _ in range(120)]  # longer than the window
+    prompts = [prefix + [rng.randrange(10, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(16)]
+
+    def run(caching: bool) -> tuple[dict[str, list[int]], Engine]:
+        engine, _ = make_engine(
+            arch_of(window=10), 3000, 4, max_num_batched_tokens=64, caching=caching, async_mode=async_mode
+        )
+        engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4))
+        run_all(engine)  # computes the prefix; its windowed blocks are given back but keep their hashes
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=8))
+        out = run_all(engine)
+        assert_no_leak(engine)
+        return out, engine
+
+    cached, eng = run(True)
+    plain, _ = run(False)
+    assert cached == plain
+    assert eng.kv.prefix_hits >= 16 * 116  # the prefix's 29 full blocks, every time
+
+
+def _cached_request(kv: KVCacheManager, tokens: list[int], rid: str) -> Request:
+    req = Request(rid, tokens, SamplingParams(max_tokens=1), 0, frozenset(), len(tokens) + 1, 0.0)
+    assert kv.allocate(req, len(tokens)) is not None
+    req.num_computed_tokens = len(tokens)
+    kv.cache_computed_blocks(req)
+    return req
+
+
+def test_prefix_hit_is_the_longest_length_every_group_serves():
+    bs, w = 4, 9  # a windowed group needs cdiv(8, 4) = 2 blocks before the hit point
+    kv = KVCacheManager(200, bs, True, windows=(None, w))
+    tokens = list(range(100, 141))  # 41 tokens: hits of at most 10 blocks
+    first = _cached_request(kv, tokens, "a")
+    kv.free(first)
+    probe = Request("b", tokens, SamplingParams(max_tokens=1), 0, frozenset(), 42, 0.0)
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 10
+    assert [b is None for b in hit.blocks[1]] == [True] * 8 + [False] * 2  # only the window's blocks
+    assert all(b is not None for b in hit.blocks[0])
+
+    def evict(group: int, index: int) -> None:
+        """Hand one cached block out, as a reuse by another request would."""
+        hashes = kv._hashes["b"]
+        block = kv.pool.lookup(kv._key(hashes[index], group))
+        assert isinstance(block, Block)
+        kv.pool.free_queue.move_to_end(block.id, last=False)
+        kv.pool.allocate(1)
+        kv.pool.free([block])
+
+    evict(1, 8)  # the window before block 10 is broken: the longest run of 2 ends at block 8
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 8
+    evict(0, 5)  # full attention stops at block 5; the window group has blocks 3, 4 there
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 5
+    evict(1, 3)  # the windowed group's last run of 2 at or before 5 is blocks 1, 2
+    hit = kv.find_cached_prefix(probe)
+    assert (
+        hit is not None and hit.num_blocks == 3 and [b is None for b in hit.blocks[1]] == [True, False, False]
+    )
+    evict(1, 1)  # a run reaching back to block 0 is a hit even shorter than the window: block 0
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 1 and hit.blocks[1][0] is not None
+
+
+def test_blocks_given_back_without_a_prefix_are_reused_first():
+    kv = KVCacheManager(10, 4, True, windows=(None,))
+    cached = _cached_request(kv, list(range(100, 116)), "a")  # 4 hashed blocks
+    kv.free(cached)
+    plain = Request("p", [1, 2], SamplingParams(max_tokens=1), 0, frozenset(), 3, 0.0)
+    kv.allocate(plain, 2)
+    kv.free(plain)  # unhashed: to the head of the free queue
+    other = Request("o", [5] * 3, SamplingParams(max_tokens=1), 0, frozenset(), 4, 0.0)
+    kv.allocate(other, 3)
+    assert kv.pool.num_evictions == 0 and len(kv.pool.cached) == 4
+
+
+# -- the memory check -----------------------------------------------------------------------------
+
+
+def test_pool_too_small_for_one_sequence_counts_windows():
+    arch = arch_of(window=8)
+    need = KVCacheLayout.from_arch(arch, 256).blocks_per_sequence(256, 32, 4)
+    assert need == 64 + 5 * (-(-(7 + 32) // 4) + 1)
+    make_engine(arch, need, 4)  # exactly one sequence fits
+    with pytest.raises(ConfigError, match="less than one sequence of max_model_len 256 needs"):
+        make_engine(arch, need - 1, 4)
