@@ -240,8 +240,8 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
-    from overnight.loader.fit import check_weights_fit
     from overnight.engine.kv_groups import KVCacheLayout
+    from overnight.loader.fit import check_weights_fit
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
-
-from collections.abc import Callable
 
 from overnight.attention.metadata import AttentionBatch, AttentionMetadata
 from overnight.models.interface import CausalLM
