@@ -294,14 +294,16 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
         # from here on is a new feature's first use, or a kernel specializing on a per-step value.
         log_compiles_after_startup(log)
-    tokens = plan.num_blocks * config.cache.block_size
+    per_seq = layout.blocks_per_sequence(
+        sched.max_model_len, sched.max_num_batched_tokens, config.cache.block_size
+    )
     log.info(
-        "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
+        "KV pool: %d blocks of %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
         plan.num_blocks,
-        tokens,
+        config.cache.block_size,
         plan.pool_bytes / 2**30,
         runner.kv_cache_dtype,
-        tokens / sched.max_model_len,
+        plan.num_blocks / per_seq,
         sched.max_model_len,
     )
     return Engine(config, runner, source, plan, model.tokenizer, model.grammars)

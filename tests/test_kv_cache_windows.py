@@ -96,7 +96,6 @@ def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():
     # Full group: 1024 / 4 blocks; each windowed group: cdiv(15 + 32, 4) + 1 = 13.
     assert layout.blocks_per_sequence(1024, chunk=32, block_size=4) == 256 + 5 * 13
     assert layout.blocks_per_sequence(8, chunk=32, block_size=4) == 6 * 2  # shorter than the window
-    assert layout.kv_token_layers(1024, chunk=32) == 1024 + 5 * 48
 
 
 # -- blocks given back ----------------------------------------------------------------------------

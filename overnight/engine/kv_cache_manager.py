@@ -49,7 +49,7 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self.windows = windows  # per group; None: full attention
         self.num_groups = len(windows)
-        self._windowed = [(g, w) for g, w in enumerate(windows) if w is not None]
+        self._windowed: list[tuple[int, int]] = [(g, w) for g, w in enumerate(windows) if w is not None]
         self._full = [g for g, w in enumerate(windows) if w is None]
         self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, per group
         self._hashes: dict[str, list[int]] = {}  # full-block hashes of each request's tokens
@@ -122,8 +122,8 @@ class KVCacheManager:
         if h == 0:
             return None
         blocks: list[list[Block | None]] = []
-        for g, w in enumerate(self.windows):
-            first = 0 if w is None else max(0, h - cdiv(w - 1, self.block_size))
+        for g, window in enumerate(self.windows):
+            first = 0 if window is None else max(0, h - cdiv(window - 1, self.block_size))
             row: list[Block | None] = [None] * first
             row += [lookup(key(hashes[i], g)) for i in range(first, h)]
             blocks.append(row)

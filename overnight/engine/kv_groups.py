@@ -75,14 +75,12 @@ class KVCacheLayout:
                 total += min(full, cdiv(g.window - 1 + min(chunk, num_tokens), block_size) + 1)
         return total
 
-    def kv_token_layers(self, num_tokens: int, chunk: int) -> int:
-        """Layer-tokens of KV one sequence of num_tokens holds at most: full layers x num_tokens +
-        windowed layers x min(num_tokens, W + chunk) (shared layers hold none)."""
-        total = 0
-        for g in self.groups:
-            held = num_tokens if g.window is None else min(num_tokens, g.window + chunk)
-            total += len(g.layers) * held
-        return total
+    def blocks_for_sequences(self, num_seqs: int, num_tokens: int, chunk: int, block_size: int) -> int:
+        """Blocks num_seqs sequences of num_tokens hold at once: each its windows (or whole context),
+        plus one step's chunk of at most `chunk` tokens in the windowed groups (a step's tokens are
+        shared by all its sequences, so the chunk is paid once, not per sequence)."""
+        steady = self.blocks_per_sequence(num_tokens, 1, block_size)
+        return num_seqs * steady + self.blocks_per_sequence(num_tokens, chunk, block_size) - steady
 
     @classmethod
     def uniform(cls, num_layers: int) -> KVCacheLayout:

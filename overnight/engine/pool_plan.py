@@ -52,11 +52,11 @@ def plan_pool(
             "with more memory"
         )
     blocks = budget_bytes // block_bytes
-    if layout is None:
+    if layout is None or layout.windows == (None,):
         cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
     else:
-        per_seq = layout.blocks_per_sequence(sched.max_model_len, sched.max_num_batched_tokens, block_size)
-        cap = 2 * sched.max_num_seqs * per_seq
+        seqs, tokens, chunk = sched.max_num_seqs, sched.max_model_len, sched.max_num_batched_tokens
+        cap = 2 * layout.blocks_for_sequences(seqs, tokens, chunk, block_size)
     return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
 
 

@@ -3,6 +3,7 @@ for the machine stops with a sentence saying what would fit instead of being kil
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
     weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 projections: quant/)
+    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed layers: only their window)
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
 """
@@ -23,6 +24,20 @@ def weight_bytes(arch: ModelArch, dtype: torch.dtype, fp8_linear: bool = False, 
     FP8 checkpoint or quantization="fp8"; any other format is dequantized to dtype); loaded: once
     loaded, when FP8 MoE experts have been quantized (they load in dtype: layers/moe.py)."""
     return arch.weight_bytes(dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded)
+
+
+def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_bytes: int) -> int:
+    """KV bytes one sequence of num_tokens holds at most, prefilled in chunks of at most `chunk` tokens:
+    full-attention layers x num_tokens + windowed layers x min(num_tokens, W + chunk) (a window keeps
+    W - 1 tokens and the chunk being written); KV-shared layers hold none. Block rounding aside, this is
+    what the engine's pool gives the sequence (engine/kv_groups.py)."""
+    layer_tokens = 0
+    for i in range(arch.num_hidden_layers):
+        if arch.kv_source_layer(i) != i:
+            continue
+        window = arch.layer_window(i)
+        layer_tokens += num_tokens if window is None else min(num_tokens, window + chunk)
+    return layer_tokens * 2 * arch.kv_size * elem_bytes
 
 
 def available_memory_bytes(device: torch.device) -> int | None:
