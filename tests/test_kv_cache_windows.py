@@ -277,3 +277,50 @@ def test_pool_too_small_for_one_sequence_counts_windows():
     make_engine(arch, need, 4)  # exactly one sequence fits
     with pytest.raises(ConfigError, match="less than one sequence of max_model_len 256 needs"):
         make_engine(arch, need - 1, 4)
+
+
+# -- the runner's caches --------------------------------------------------------------------------
+
+
+class _RecordingBackend:
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, object, bool]] = []
+
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, *, layer=None, sinks=None):
+        self.calls.append((kv_cache, meta, k is None))
+        return q
+
+
+def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
+    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
+    through their source's group; layers of different groups share a tensor."""
+    from overnight.runner.model_runner import ModelRunner
+
+    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
+    config = EngineConfig(
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+    )
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    layout = runner.kv_layout
+    assert layout.windows == (None, 8) and layout.num_tensors == 2
+    runner.init_kv_cache(10)
+    caches = runner.kv_caches
+    assert len({id(c) for c in caches}) == 2  # two tensors, each one layer of each group
+    assert caches[4] is caches[2] and caches[5] is caches[3]
+    assert caches[0] is caches[1] and caches[2] is caches[3]  # layers 0 and 1: tensor 0 of two groups
+    # One block holds one layer per tensor: 4 tokens x 2 tensors x K/V x 1 head x 8 x fp32.
+    assert runner.kv_bytes_per_block() == 4 * 2 * 2 * 8 * 4
+    backend = _RecordingBackend()
+    runner.backend = backend
+    metas = [object(), object()]
+    batch = runner.attention_batch(metas[0], metas, caches)  # type: ignore[arg-type]
+    q = torch.zeros(1, 1, 8)
+    for layer in range(6):
+        shared = layer >= 4
+        batch(layer, q, None if shared else q, None if shared else q, 1.0)
+    assert [c[1] is metas[layout.layer_group[i]] for i, c in enumerate(backend.calls)] == [True] * 6
+    assert [layout.layer_group[i] for i in range(6)] == [1, 0, 1, 0, 1, 0]
+    assert backend.calls[4][0] is caches[2] and backend.calls[4][2]  # read-only, the source's cache

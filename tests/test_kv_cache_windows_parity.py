@@ -108,3 +108,29 @@ def load_arch(folder):
     from overnight.loader.resolve import resolve_source
 
     return resolve_source(str(folder), "auto").arch
+
+
+def test_two_full_groups_on_one_tensor_match_transformers(tmp_path, monkeypatch):
+    """The groups' plumbing without windows: each layer of a 2-layer model in its own group, both on
+    one tensor (so every step has two block tables and two slot mappings, and blocks of one group must
+    never be written by the other), against transformers with a shared prefix and preemption."""
+    from overnight.engine.kv_groups import KVGroup
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    two = KVCacheLayout((KVGroup(None, (0,)), KVGroup(None, (1,))), 1, (0, 1), (0, 0), (0, 1))
+    monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, arch, max_len=None: two))
+    rng = random.Random(3)
+    prefix = [rng.randrange(3, 384) for _ in range(20)]
+    prompts = [prefix + [rng.randrange(3, 384) for _ in range(k)] for k in (1, 6, 9, 30)]
+    block = 4 * 2 * 2 * 16 * 4  # 4 tokens x 1 tensor x K/V x 2 heads x 16 x fp32
+    llm = LLM(
+        str(folder), kv_cache_memory_bytes=60 * block, max_num_batched_tokens=16, max_model_len=96, **ENGINE
+    )
+    caches = llm.engine.runner.kv_caches  # type: ignore[attr-defined]
+    assert len(caches) == 2 and caches[0] is caches[1]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
+    ref = load_reference(folder)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 20)[0], f"prompt of {len(prompt)} tokens"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
