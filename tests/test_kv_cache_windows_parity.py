@@ -134,3 +134,17 @@ def test_two_full_groups_on_one_tensor_match_transformers(tmp_path, monkeypatch)
         assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 20)[0], f"prompt of {len(prompt)} tokens"
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
+
+
+def test_tensor_parallel_ranks_give_window_blocks_back_alike(windowed):
+    """Two ranks, each with its share of the KV heads: the same groups, tables and tokens."""
+    folder, ref, _, _ = windowed
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 384) for _ in range(k)] for k in (9, 33)]
+    llm = LLM(str(folder), tensor_parallel_size=2, max_num_batched_tokens=16, max_model_len=96, **ENGINE)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 16)[0]
+    finally:
+        llm.engine.runner.shutdown()  # type: ignore[attr-defined]
