@@ -50,6 +50,11 @@ class KVCacheManager:
         self.windows = windows  # per group; None: full attention
         self.num_groups = len(windows)
         self._windowed: list[tuple[int, int]] = [(g, w) for g, w in enumerate(windows) if w is not None]
+        # Groups of one window grow and give back in step: one look per window tells whether any must.
+        by_window: dict[int, list[int]] = {}
+        for g, w in self._windowed:
+            by_window.setdefault(w, []).append(g)
+        self._window_groups = list(by_window.items())
         self._full = [g for g, w in enumerate(windows) if w is None]
         self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, per group
         self._hashes: dict[str, list[int]] = {}  # full-block hashes of each request's tokens
@@ -198,19 +203,21 @@ class KVCacheManager:
         computed = req.num_computed_tokens
         if self.enable_caching and min(computed, len(req.all_token_ids)) // bs > req.num_cached_blocks:
             self.cache_computed_blocks(req)
-        for g, w in self._windowed:
-            row = groups[g]
-            i = max(0, computed - w + 1) // bs - 1
-            if i < 0 or row[i] is None:
-                continue
+        for w, same_window in self._window_groups:
+            last = max(0, computed - w + 1) // bs - 1
+            if last < 0 or groups[same_window[0]][last] is None:
+                continue  # the common case: nothing left the window since the last step
             gone: list[Block] = []
-            while i >= 0:
-                block = row[i]
-                if block is None:  # a windowed row is [None] * k + blocks
-                    break
-                gone.append(block)
-                row[i] = None
-                i -= 1
+            for g in same_window:
+                row = groups[g]
+                i = last
+                while i >= 0:
+                    block = row[i]
+                    if block is None:  # a windowed row is [None] * k + blocks
+                        break
+                    gone.append(block)
+                    row[i] = None
+                    i -= 1
             self.pool.free(gone)  # tail first: the older prefix is evicted last
 
     def record_prefix_query(self, req: Request, num_hit_tokens: int) -> None:
