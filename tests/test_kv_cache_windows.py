@@ -324,3 +324,36 @@ def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
     assert [c[1] is metas[layout.layer_group[i]] for i, c in enumerate(backend.calls)] == [True] * 6
     assert [layout.layer_group[i] for i in range(6)] == [1, 0, 1, 0, 1, 0]
     assert backend.calls[4][0] is caches[2] and backend.calls[4][2]  # read-only, the source's cache
+
+
+def test_reference_decodes_of_several_lengths_read_only_their_windows():
+    """Batched decodes in the torch reference skip blocks before every window; those given back hold
+    NaN here, and each row still equals a dense computation."""
+    from overnight.attention.spec import LayerAttention
+    from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
+    from tests.test_attention_window_ref import _dense
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs, w = 4, 2, 8, 4, 6
+    lens = [15, 19, 30]  # blocks 0 and 1 are before every window: not read
+    cache = torch.full((2, 24, bs, hkv, d), float("nan"))
+    backend, layer = TorchAttentionBackend(), LayerAttention(w)
+    tables, next_block, contexts = [], 0, []
+    for n in lens:
+        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        table = list(range(next_block, next_block + -(-n // bs)))
+        next_block += len(table)
+        meta = build_metadata([n - 1], [n - 1], [table], bs)  # the context, written by a prefill
+        backend.forward(torch.zeros(n - 1, hq, d), k[:-1], v[:-1], cache, meta, 0.5, layer=layer)
+        for b in range((n - w) // bs):  # blocks wholly before the window: given back
+            cache[:, table[b]] = float("nan")
+        tables.append(table)
+        contexts.append((k, v))
+    q = torch.randn(len(lens), hq, d)
+    k_new = torch.stack([k[-1] for k, _ in contexts])
+    v_new = torch.stack([v[-1] for _, v in contexts])
+    meta = build_metadata([1] * 3, lens, tables, bs, num_decodes=3)
+    got = backend.forward(q, k_new, v_new, cache, meta, 0.5, layer=layer)
+    for i, (n, (k, v)) in enumerate(zip(lens, contexts)):
+        want = _dense(q[i : i + 1], k, v, [n - 1], 0.5, w, None, None)
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
