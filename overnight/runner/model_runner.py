@@ -208,8 +208,8 @@ class ModelRunner:
         """One block of the pool: block_size tokens of one layer's K/V in each of the layout's tensors."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         arch = self.config.model.arch
-        per_layer = arch.kv_bytes_per_token(elem) // arch.num_hidden_layers
-        return self.block_size * self.kv_layout.num_tensors * per_layer
+        per_layer_token = 2 * arch.kv_size * elem  # K and V of this device's KV heads
+        return self.block_size * self.kv_layout.num_tensors * per_layer_token
 
     def kv_pool_share(self) -> tuple[int, int]:
         """(bytes the KV pool may take on this device, bytes of one block): runner/kv_pool.py."""
