@@ -174,3 +174,24 @@ def test_sliding_windows_count_only_their_window(qwen3_8b):
     text = render(win, "gemma-like", gemma_like.arch, "bfloat16")
     assert "sliding windows: 30 of 36 layers keep only their last 1024 tokens" in text
     assert f"sequences of 32768 tokens that fit: {win.seqs_fit} ({win.seq_blocks} blocks each)" in text
+
+
+def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
+    """`overnight budget --model <folder>` on a Gemma-3-shaped checkpoint (5 windowed : 1 full)."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    folder = make_tiny_checkpoint(
+        tmp_path, "qwen3", num_hidden_layers=6, use_sliding_window=True, sliding_window=32, layer_types=kinds
+    )
+    pool = 1 << 20
+    argv = ["budget", "--model", str(folder), "--json", "--seq-len", "500", "--max-model-len", "512"]
+    assert main(argv + ["--kv-cache-memory-bytes", str(pool), "--max-num-batched-tokens", "64"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    per_layer = 2 * 2 * 16 * 4  # K/V x 2 heads x 16 x fp32
+    assert (b["kv_layers"], b["windowed_layers"], b["windows"]) == (6, 5, [32])
+    assert b["block_bytes"] == 16 * per_layer and b["num_blocks"] == pool // (16 * per_layer)
+    assert b["seq_blocks"] == 32 + 5 * 3  # 500 tokens in the full layer; cdiv(31 + 1, 16) + 1 per window
+    assert b["seq_kv_bytes"] == (500 + 5 * (32 + 64)) * per_layer
+    chunk_blocks = 5 * (-(-(31 + 64) // 16) + 1) - 5 * 3
+    assert b["seqs_fit"] == (b["num_blocks"] - chunk_blocks) // b["seq_blocks"]
