@@ -357,3 +357,21 @@ def test_reference_decodes_of_several_lengths_read_only_their_windows():
     for i, (n, (k, v)) in enumerate(zip(lens, contexts)):
         want = _dense(q[i : i + 1], k, v, [n - 1], 0.5, w, None, None)
         torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_giving_blocks_back_do_not_push_a_shared_prompt_out():
+    """A batch job: many requests share a long prompt prefix and decode a lot in a nearly full pool.
+    The blocks their windows give back every few tokens hold generated text and are reused first, so
+    the prefix's windowed blocks (freed early, needed by every later hit) stay cached (vLLM #48435)."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(10, VOCAB) for _ in range(64)]
+    engine, _ = make_engine(arch_of(window=8), 700, 4, max_num_seqs=8, max_num_batched_tokens=128)
+    for i in range(32):  # 8 at a time, of different lengths: each later one arrives amid the churn
+        params = SamplingParams(max_tokens=rng.randint(60, 180), ignore_eos=True)
+        engine.add_request(str(i), prefix + [rng.randrange(10, VOCAB) for _ in range(5)], params)
+    run_all(engine)
+    assert engine.scheduler.num_preemptions_total == 0
+    assert engine.kv.pool.num_evictions > 0  # the pool did recycle blocks
+    # Every request but the first two (admitted in the same step as the first) starts past the prefix.
+    assert engine.kv.prefix_hits >= 30 * 64, engine.kv.prefix_hits
+    assert_no_leak(engine)

@@ -198,7 +198,10 @@ class KVCacheManager:
 
     def _give_back_outside_windows(self, req: Request, groups: list[list[Block | None]]) -> None:
         """Free each windowed group's blocks lying wholly before the next query's window. Their
-        prefixes are registered first, so they stay findable until the pool reuses them."""
+        prefixes are registered first, so they stay findable until the pool reuses them. Blocks that
+        hold generated tokens are reused first: a decode gives one back every block_size tokens, and
+        queued behind the cached prompts they would push those out (prompts are what later requests
+        share; a prefix hit needs every group's blocks near its end)."""
         bs = self.block_size
         computed = req.num_computed_tokens
         if self.enable_caching and min(computed, len(req.all_token_ids)) // bs > req.num_cached_blocks:
@@ -207,7 +210,9 @@ class KVCacheManager:
             last = max(0, computed - w + 1) // bs - 1
             if last < 0 or groups[same_window[0]][last] is None:
                 continue  # the common case: nothing left the window since the last step
+            prompt_blocks = req.num_prompt_tokens // bs  # blocks 0..prompt_blocks-1 hold only prompt
             gone: list[Block] = []
+            generated: list[Block] = []
             for g in same_window:
                 row = groups[g]
                 i = last
@@ -215,10 +220,12 @@ class KVCacheManager:
                     block = row[i]
                     if block is None:  # a windowed row is [None] * k + blocks
                         break
-                    gone.append(block)
+                    (gone if i < prompt_blocks else generated).append(block)
                     row[i] = None
                     i -= 1
             self.pool.free(gone)  # tail first: the older prefix is evicted last
+            if generated:
+                self.pool.free(generated, reuse_first=True)
 
     def record_prefix_query(self, req: Request, num_hit_tokens: int) -> None:
         self.prefix_queries += req.num_tokens
