@@ -1,9 +1,10 @@
 """CUDA graphs of decode-only forward passes, one per batch-size bucket, captured once at start-up.
 
 A decode step of a large model is hundreds of small kernel launches; replaying a graph issues them in
-one call. The graphs read the runner's static device buffers (StepBuffers: ids, positions, slot
-mapping and block tables of every KV cache group, sequence lengths), so a replay only needs those filled: a batch of B decodes runs
-in the smallest bucket b >= B, with rows B..b padded (position 0, no cache write, empty context).
+one call. The graphs read the runner's static device buffers (StepBuffers: ids, positions, the slot
+mapping and block tables of every KV cache group, sequence lengths), so a replay only needs those
+filled: a batch of B decodes runs in the smallest bucket b >= B, with rows B..b padded (position 0, no
+cache write, empty context).
 Everything a captured launch depends on besides those tensors (num_splits of the decode kernel, the
 split workspace) is fixed per bucket.
 """
