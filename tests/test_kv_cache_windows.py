@@ -375,3 +375,31 @@ def test_decodes_giving_blocks_back_do_not_push_a_shared_prompt_out():
     # Every request but the first two (admitted in the same step as the first) starts past the prefix.
     assert engine.kv.prefix_hits >= 30 * 64, engine.kv.prefix_hits
     assert_no_leak(engine)
+
+
+def test_step_buffers_pack_each_groups_tables_and_slots_where_decode_graphs_read_them():
+    """A decode batch padded to a graph's bucket b: group g's slot mapping sits at slots[g*b:(g+1)*b]
+    (the captured graphs read it there), padding rows write nothing, tables[g] holds group g's ids."""
+    from overnight.engine.step_io import NewRequestData
+    from overnight.engine.step_io import SchedulerOutput as Out
+    from overnight.runner.inputs import StepBuffers
+    from overnight.runner.request_state import RequestStates
+
+    states = RequestStates(4, 4, num_groups=2)
+    tables = {"a": [[3, 4], [9, 0]], "b": [[5], [7]], "c": [[6, 8], [1, 2]]}
+    lens = {"a": 6, "b": 3, "c": 8}
+    new = [
+        NewRequestData(rid, list(range(10, 10 + lens[rid])), lens[rid], SamplingParams(), 0, t, lens[rid] - 1)
+        for rid, t in tables.items()
+    ]
+    scheduled = states.apply(Out(new, [], {rid: 1 for rid in tables}, 3))
+    states.begin(scheduled)
+    buffers = StepBuffers(16, 4, 4, 4, torch.device("cpu"), num_groups=2)
+    inputs = buffers.build(scheduled, states, {}, pad_to=4)
+    slots = [m.slot_mapping.tolist() for m in inputs.group_metas]
+    # position lens-1 of each request, in block (lens-1)//4 of the group's table, then one padding row
+    assert slots[0] == [4 * 4 + 1, 5 * 4 + 2, 8 * 4 + 3, -1]
+    assert slots[1] == [0 * 4 + 1, 7 * 4 + 2, 2 * 4 + 3, -1]
+    assert slots[1] == buffers.slots[4:8].tolist()
+    assert inputs.group_metas[1].block_tables[:3, :2].tolist() == [[9, 0], [7, 0], [1, 2]]
+    assert inputs.meta is inputs.group_metas[0] and inputs.meta.block_tables[2, :2].tolist() == [6, 8]
