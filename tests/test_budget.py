@@ -178,12 +178,19 @@ def test_sliding_windows_count_only_their_window(qwen3_8b):
 
 def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
     """`overnight budget --model <folder>` on a Gemma-3-shaped checkpoint (5 windowed : 1 full)."""
-    from tests.tiny_models import make_tiny_checkpoint
+    import torch
+    from safetensors.torch import save_file
 
     kinds = ["sliding_attention"] * 5 + ["full_attention"]
-    folder = make_tiny_checkpoint(
-        tmp_path, "qwen3", num_hidden_layers=6, use_sliding_window=True, sliding_window=32, layer_types=kinds
-    )
+    config = dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=384, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, use_sliding_window=True, sliding_window=32, layer_types=kinds,
+    )  # fmt: skip
+    folder = tmp_path / "gemma-shaped"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"unused": torch.zeros(1)}, folder / "model.safetensors")  # the budget reads no weight
     pool = 1 << 20
     argv = ["budget", "--model", str(folder), "--json", "--seq-len", "500", "--max-model-len", "512"]
     assert main(argv + ["--kv-cache-memory-bytes", str(pool), "--max-num-batched-tokens", "64"]) == 0
