@@ -294,13 +294,15 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
         # from here on is a new feature's first use, or a kernel specializing on a per-step value.
         log_compiles_after_startup(log)
-    per_seq = layout.blocks_per_sequence(
-        sched.max_model_len, sched.max_num_batched_tokens, config.cache.block_size
-    )
+    # Tokens of every layer the pool holds (a block holds one layer per tensor of the layout), and the
+    # sequences of max_model_len (windowed layers hold only their window: engine/kv_groups.py).
+    bs = config.cache.block_size
+    tokens = plan.num_blocks * bs * layout.num_tensors // sum(len(g.layers) for g in layout.groups)
+    per_seq = layout.blocks_per_sequence(sched.max_model_len, 1, bs)
     log.info(
-        "KV pool: %d blocks of %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
+        "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
         plan.num_blocks,
-        config.cache.block_size,
+        tokens,
         plan.pool_bytes / 2**30,
         runner.kv_cache_dtype,
         plan.num_blocks / per_seq,
