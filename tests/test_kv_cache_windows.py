@@ -82,13 +82,32 @@ def test_layout_groups_layers_by_kind_and_shares_tensors():
     assert big.num_tensors == 10 and big.windows == (None,) + (1024,) * 6
     assert [len(g.layers) for g in big.groups] == [10, 10, 10, 10, 10, 10, 2]
     # Only full layers (or a window no shorter than max_model_len): one group, today's layout.
-    assert KVCacheLayout.from_arch(arch_of((FULL,) * 4)) == KVCacheLayout.uniform(4)
-    assert KVCacheLayout.from_arch(arch_of(window=256), max_model_len=256) == KVCacheLayout.uniform(6)
+    four_full = arch_of((FULL,) * 4)
+    assert KVCacheLayout.from_arch(four_full) == KVCacheLayout.uniform(four_full)
+    long_window = arch_of(window=256)
+    assert KVCacheLayout.from_arch(long_window, max_model_len=256) == KVCacheLayout.uniform(long_window)
     # KV-shared layers own no cache: they read their source's tensor through its group.
     shared = KVCacheLayout.from_arch(arch_of((SW, FULL, SW, FULL, SW, FULL), shared=2))
     assert shared.layer_source == (0, 1, 2, 3, 2, 3)
     assert shared.windows == (None, 8) and shared.num_tensors == 2
     assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
+
+
+def test_layers_of_different_cache_shapes_keep_one_tensor_each():
+    """Gemma 4's full layers have their own head size: no tensor can hold a layer of every group, so
+    each layer keeps its own tensor, in one group (windows applied by the kernels only)."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class WideFullLayers(ModelArch):
+        def layer_head_dim(self, layer_idx: int) -> int:
+            return 16 if self.layer_window(layer_idx) is None else 8
+
+    arch = WideFullLayers(**{f: getattr(arch_of(), f) for f in ModelArch.__dataclass_fields__})
+    layout = KVCacheLayout.from_arch(arch)
+    assert layout.windows == (None,) and layout.num_tensors == 6
+    assert layout.tensor_shapes == ((1, 8),) * 5 + ((1, 16),)
+    assert layout.token_elems == 2 * (5 * 8 + 16)
 
 
 def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():

@@ -23,6 +23,9 @@ a block's bytes stay one number. A windowed group's blocks lying wholly before p
 num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
 KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
 A window at least max_model_len long never gives a block back, so such layers join the full groups.
+Sharing a tensor needs one cache shape (KV heads x head size) for every layer: a model whose kinds
+differ there (Gemma 4's full layers) gets one tensor per layer of its own shape and one group, its
+windows applied only by the kernels (no blocks given back: correct, without the memory gain).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overnight.config import ModelArch
+from overnight.loader.fit import layer_kv_shape
 
 
 def cdiv(a: int, b: int) -> int:
@@ -49,6 +53,13 @@ class KVCacheLayout:
     layer_group: tuple[int, ...]  # per model layer: the group whose block table it reads
     layer_tensor: tuple[int, ...]  # per model layer: the tensor holding its cache
     layer_source: tuple[int, ...]  # per model layer: the layer whose cache it reads (itself if not shared)
+    tensor_shapes: tuple[tuple[int, int], ...]  # per tensor: (KV heads, head size) of its layers
+
+    @property
+    def token_elems(self) -> int:
+        """Cache elements one token of one block takes over all tensors (K and V): a block holds
+        block_size x token_elems elements."""
+        return sum(2 * heads * dim for heads, dim in self.tensor_shapes)
 
     @property
     def num_groups(self) -> int:
@@ -83,19 +94,32 @@ class KVCacheLayout:
         return num_seqs * steady + self.blocks_per_sequence(num_tokens, chunk, block_size) - steady
 
     @classmethod
-    def uniform(cls, num_layers: int) -> KVCacheLayout:
-        """Every layer full attention, each with its own cache (today's layout)."""
-        layers = tuple(range(num_layers))
-        return cls((KVGroup(None, layers),), num_layers, (0,) * num_layers, layers, layers)
+    def uniform(cls, arch: ModelArch) -> KVCacheLayout:
+        """One group of full attention, each layer with its own cache (today's layout)."""
+        n = arch.num_hidden_layers
+        sources = tuple(arch.kv_source_layer(i) for i in range(n))
+        owners = tuple(i for i in range(n) if sources[i] == i)
+        tensor_of = {layer: j for j, layer in enumerate(owners)}
+        return cls(
+            (KVGroup(None, owners),),
+            len(owners),
+            (0,) * n,
+            tuple(tensor_of[sources[i]] for i in range(n)),
+            sources,
+            tuple(layer_kv_shape(arch, layer) for layer in owners),
+        )
 
     @classmethod
     def from_arch(cls, arch: ModelArch, max_model_len: int | None = None) -> KVCacheLayout:
         n = arch.num_hidden_layers
         if not arch.layer_types and not arch.num_kv_shared_layers:
-            return cls.uniform(n)
+            return cls.uniform(arch)
         if arch.layer_types and len(arch.layer_types) != n:
             raise ValueError(f"layer_types has {len(arch.layer_types)} entries for {n} layers")
         sources = tuple(arch.kv_source_layer(i) for i in range(n))
+        shapes = {layer_kv_shape(arch, i) for i in range(n) if sources[i] == i}
+        if len(shapes) > 1:  # layers of different cache shapes cannot share a tensor
+            return cls.uniform(arch)
 
         def window(i: int) -> int | None:
             w = arch.layer_window(i)
@@ -123,4 +147,5 @@ class KVCacheLayout:
             tuple(group_of[sources[i]] for i in range(n)),
             tuple(tensor_of[sources[i]] for i in range(n)),
             sources,
+            (shapes.pop(),) * size,
         )

@@ -207,9 +207,7 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         """One block of the pool: block_size tokens of one layer's K/V in each of the layout's tensors."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        arch = self.config.model.arch
-        per_layer_token = 2 * arch.kv_size * elem  # K and V of this device's KV heads
-        return self.block_size * self.kv_layout.num_tensors * per_layer_token
+        return self.block_size * self.kv_layout.token_elems * elem  # this device's KV heads
 
     def kv_pool_share(self) -> tuple[int, int]:
         """(bytes the KV pool may take on this device, bytes of one block): runner/kv_pool.py."""
@@ -231,18 +229,20 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives in this process."""
 
+    def _new_kv_tensors(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """The layout's cache tensors, each [2, num_blocks, block_size, its KV heads, its head size].
+        new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why)."""
+        return [
+            new_kv_cache((2, num_blocks, block_size, heads, dim), self.kv_cache_dtype, self.device)
+            for heads, dim in self.kv_layout.tensor_shapes
+        ]
+
     def _layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each layer's cache: the layout's tensor holding it (KV-shared layers: their source's)."""
         return [tensors[t] for t in self.kv_layout.layer_tensor]
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        arch = self.config.model.arch
-        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        # new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why).
-        tensors = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device) for _ in range(self.kv_layout.num_tensors)
-        ]
-        self.kv_caches = self._layer_caches(tensors)
+        self.kv_caches = self._layer_caches(self._new_kv_tensors(num_blocks, self.block_size))
 
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
@@ -386,8 +386,6 @@ class ModelRunner:
         at most max_model_len, then sampling num_seqs rows) on a throwaway cache; return peak bytes."""
         from overnight.attention.torch_backend import build_metadata
 
-        arch = self.config.model.arch
-
         def split(n: int) -> list[int]:  # n tokens as sequences of at most max_model_len
             return [min(max_model_len, n - start) for start in range(0, n, max_model_len)]
 
@@ -398,13 +396,9 @@ class ModelRunner:
             nb = -(-n // bs)
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
-        shape = (2, next_block, bs, arch.num_key_value_heads, arch.head_dim)
         # The real pool's layout (an FP8 cache's K is head-major, kv_layout.py), zeroed: the step runs
         # the kernels as a job will, on finite values. Every KV cache group reads the same tables here.
-        caches = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device).zero_()
-            for _ in range(self.kv_layout.num_tensors)
-        ]
+        caches = [c.zero_() for c in self._new_kv_tensors(next_block, bs)]
         layer_caches = self._layer_caches(caches)
 
         def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above

@@ -26,7 +26,7 @@ from overnight.config import ModelArch
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
 from overnight.limits import default_limits
-from overnight.loader.fit import kv_bytes_per_sequence, weight_bytes
+from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
 from overnight.loader.source import ModelSource
 from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
@@ -105,10 +105,10 @@ def plan_budget(
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
-    per_layer_token = 2 * arch.kv_size * kv_elem
-    cached_layers = sum(len(g.layers) for g in layout.groups)
-    per_token = cached_layers * per_layer_token
-    block_bytes = cache.block_size * layout.num_tensors * per_layer_token
+    cached = [i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i]
+    cached_layers = len(cached)
+    per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
+    block_bytes = cache.block_size * layout.token_elems * kv_elem
     weights = activations = None
     try:
         if cache.kv_cache_memory_bytes is not None:
