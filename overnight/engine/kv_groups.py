@@ -9,7 +9,8 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
 
       tensor 0: [2, num_blocks, B, Hkv, D]   block 7 -> group f (layer 5), block 8 -> group w0 (layer 0), ...
       request r: table[f] = 7 12 31 40 ...     (every block of its context)
-                 table[w0] = 0 0 0 8 19        (0 = null: wholly before the window, given back)
+                 table[w0] = - - - 8 19        (-: wholly before the window, given back; the runner's
+                                                copy keeps an old id or 0 there, which nothing reads)
 
     62 layers, 52 windowed + 10 full: G = 10, groups f (10 layers), w0..w5 (10 layers; w5 holds 2 and
     leaves 8 of its tensor slots unused)
