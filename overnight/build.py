@@ -240,6 +240,7 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
+    from overnight.engine.kv_groups import KVCacheLayout
     from overnight.loader.fit import check_weights_fit, linear_formats
     from overnight.quant.int_scheme import IntScheme
     from overnight.runner.kv_pool import set_up_kv_pool
@@ -284,7 +285,8 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         runner = ModelRunner(config, source, grammars=model.grammars)
     t_model = time.perf_counter()
     try:
-        plan = set_up_kv_pool(runner, config.cache, sched)
+        layout = KVCacheLayout.from_arch(source.arch, sched.max_model_len)
+        plan = set_up_kv_pool(runner, config.cache, sched, layout)
     except BaseException:
         runner.shutdown()
         raise
@@ -300,14 +302,18 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
         # from here on is a new feature's first use, or a kernel specializing on a per-step value.
         log_compiles_after_startup(log)
-    tokens = plan.num_blocks * config.cache.block_size
+    # Tokens of every layer the pool holds (a block holds one layer per tensor of the layout), and the
+    # sequences of max_model_len (windowed layers hold only their window: engine/kv_groups.py).
+    bs = config.cache.block_size
+    tokens = plan.num_blocks * bs * layout.num_tensors // sum(len(g.layers) for g in layout.groups)
+    per_seq = layout.blocks_per_sequence(sched.max_model_len, 1, bs)
     log.info(
         "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",
         plan.num_blocks,
         tokens,
         plan.pool_bytes / 2**30,
         runner.kv_cache_dtype,
-        tokens / sched.max_model_len,
+        plan.num_blocks / per_seq,
         sched.max_model_len,
     )
     return Engine(config, runner, source, plan, model.tokenizer, model.grammars)

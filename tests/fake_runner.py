@@ -4,7 +4,9 @@ Its 'model' makes the next token a fixed function of the request's own tokens, s
 gives every request the same output whatever else is batched. It also keeps a fake KV cache holding the
 token id at each slot and checks, every step, that each scheduled request's block table maps its whole
 context to its own tokens: a wrong block table, a bad prefix-cache hit or a lost preemption shows up as
-an assertion here.
+an assertion here. With KV cache groups (windows, one per group), each group's table is checked over
+what its layers read: the whole context for full attention, the last W positions before each query for
+a window of W (older entries may point at blocks given back and reused).
 """
 
 from __future__ import annotations
@@ -59,11 +61,19 @@ class FakeRunner:
     """With async_mode, launch() returns before the host learns the sampled tokens, like the CUDA
     runner: the engine then schedules one step ahead and inputs come from 'device' tokens."""
 
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int, async_mode: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        async_mode: bool = False,
+        windows: tuple[int | None, ...] = (None,),
+    ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
+        self.windows = windows
         self.cache = [-1] * (num_blocks * block_size)
-        self.states = RequestStates(max_num_reqs=8, max_blocks_per_req=4)  # grows as needed
+        self.states = RequestStates(max_num_reqs=8, max_blocks_per_req=4, num_groups=len(windows))
         self.step_log: list[tuple[int, int]] = []  # (tokens, requests) per step
         self.chunks: dict[str, list[int]] = {}
         self.supports_async = async_mode
@@ -86,22 +96,26 @@ class FakeRunner:
         full = {
             s.state.req_id: s.state.token_ids + self.device_pending.get(s.state.req_id, []) for s in scheduled
         }
+        table = self.states.block_table
         for s in scheduled:
             st = s.state
             tokens = full[st.req_id]
-            blocks = self.states.block_table[st.slot, : st.num_blocks].tolist()
             self.chunks.setdefault(st.req_id, []).append(s.num_tokens)
             end = s.start + s.num_tokens
             assert end <= len(tokens), (st.req_id, end, len(tokens))
-            assert len(blocks) * bs >= end, "block table too short"
-            for pos in range(s.start, end):  # write this step's "KV"
-                self.cache[blocks[pos // bs] * bs + pos % bs] = tokens[pos]
-        for s in scheduled:  # "attend": the whole context must read back as the request's tokens
+            assert st.num_blocks * bs >= end, "block table too short"
+            for g in range(len(self.windows)):
+                blocks = table[g, st.slot, : st.num_blocks].tolist()
+                for pos in range(s.start, end):  # write this step's "KV"
+                    self.cache[blocks[pos // bs] * bs + pos % bs] = tokens[pos]
+        for s in scheduled:  # "attend": the context each layer sees must read back as the request's tokens
             st = s.state
-            blocks = self.states.block_table[st.slot, : st.num_blocks].tolist()
             end = s.start + s.num_tokens
-            got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(end)]
-            assert got == full[st.req_id][:end], f"{st.req_id}: KV cache does not hold its tokens"
+            for g, w in enumerate(self.windows):
+                blocks = table[g, st.slot, : st.num_blocks].tolist()
+                lo = 0 if w is None else max(0, s.start - w + 1)
+                got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(lo, end)]
+                assert got == full[st.req_id][lo:end], f"{st.req_id}: KV cache of group {g} lost its tokens"
         ends = [s.state for s in scheduled if s.samples]
         sampled = {
             st.req_id: next_token(full[st.req_id], self.vocab_size) for st in ends if st.pooling is None

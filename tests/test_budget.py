@@ -143,3 +143,62 @@ def test_fp8_moe_pool_counts_fp8_experts():
     fp8 = plan_budget(replace(opts, quantization="fp8"), replace(moe, quantization=QuantScheme()), H200)
     assert 54 * GIB < bf16.weights_bytes < 58 * GIB and 27 * GIB < fp8.weights_bytes < 31 * GIB
     assert 24 * GIB < fp8.pool_bytes - bf16.pool_bytes < 29 * GIB
+
+
+def test_sliding_windows_count_only_their_window(qwen3_8b):
+    """Qwen3-8B's shapes with Gemma 3's layer pattern (5 windowed : 1 full, W = 1024) at 32K: a
+    sequence holds 6 layers x 32K + 30 layers x (1024 + chunk) tokens, and several times as many fit."""
+    from dataclasses import replace
+
+    from overnight.tools.budget import render
+
+    kinds = tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(36))
+    gemma_like = replace(qwen3_8b, arch=replace(qwen3_8b.arch, layer_types=kinds, sliding_window=1024))
+    opts = options(max_model_len=32768)
+    full = plan_budget(opts, qwen3_8b, H200)
+    win = plan_budget(opts, gemma_like, H200)
+    chunk = win.max_num_batched_tokens
+    per_layer = 2 * 8 * 128 * 2
+    assert win.kv_bytes_per_token == full.kv_bytes_per_token == 36 * per_layer
+    assert (win.kv_layers, win.windowed_layers, win.windows) == (36, 30, (1024,))
+    assert win.seq_kv_bytes == (6 * 32768 + 30 * (1024 + chunk)) * per_layer
+    assert full.seq_kv_bytes == 32768 * 36 * per_layer
+    # Blocks of 16 tokens x one layer in each of 6 tensors, groups of 6 layers: 1 full (2048 blocks at
+    # 32K) and 5 windowed (cdiv(1023 + 1, 16) + 1 blocks between chunks; one step's chunk more, once).
+    assert win.block_bytes == 16 * 6 * per_layer
+    assert win.seq_blocks == 2048 + 5 * 65
+    chunk_blocks = 5 * (-(-(1023 + chunk) // 16) + 1) - 5 * 65
+    assert win.seqs_fit == (win.num_blocks - chunk_blocks) // win.seq_blocks
+    assert win.num_blocks == win.budget_bytes // win.block_bytes
+    assert win.seqs_fit >= 3 * full.seqs_fit > 0
+    text = render(win, "gemma-like", gemma_like.arch, "bfloat16")
+    assert "sliding windows: 30 of 36 layers keep only their last 1024 tokens" in text
+    assert f"sequences of 32768 tokens that fit: {win.seqs_fit} ({win.seq_blocks} blocks each)" in text
+
+
+def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
+    """`overnight budget --model <folder>` on a Gemma-3-shaped checkpoint (5 windowed : 1 full)."""
+    import torch
+    from safetensors.torch import save_file
+
+    kinds = ["sliding_attention"] * 5 + ["full_attention"]
+    config = dict(
+        architectures=["Qwen3ForCausalLM"], vocab_size=384, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=512, use_sliding_window=True, sliding_window=32, layer_types=kinds,
+    )  # fmt: skip
+    folder = tmp_path / "gemma-shaped"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file({"unused": torch.zeros(1)}, folder / "model.safetensors")  # the budget reads no weight
+    pool = 1 << 20
+    argv = ["budget", "--model", str(folder), "--json", "--seq-len", "500", "--max-model-len", "512"]
+    assert main(argv + ["--kv-cache-memory-bytes", str(pool), "--max-num-batched-tokens", "64"]) == 0
+    b = json.loads(capsys.readouterr().out)
+    per_layer = 2 * 2 * 16 * 4  # K/V x 2 heads x 16 x fp32
+    assert (b["kv_layers"], b["windowed_layers"], b["windows"]) == (6, 5, [32])
+    assert b["block_bytes"] == 16 * per_layer and b["num_blocks"] == pool // (16 * per_layer)
+    assert b["seq_blocks"] == 32 + 5 * 3  # 500 tokens in the full layer; cdiv(31 + 1, 16) + 1 per window
+    assert b["seq_kv_bytes"] == (500 + 5 * (32 + 64)) * per_layer
+    chunk_blocks = 5 * (-(-(31 + 64) // 16) + 1) - 5 * 3
+    assert b["seqs_fit"] == (b["num_blocks"] - chunk_blocks) // b["seq_blocks"]

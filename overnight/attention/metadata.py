@@ -18,6 +18,12 @@ Token position p of request i lives in block block_tables[i, p // block_size], s
 i.e. flat slot  block * block_size + p % block_size. slot_mapping[row] gives that flat slot for each new
 token of this step (-1 for padding rows, which must not be written).
 
+With sliding-window layers the engine keeps several KV cache groups (engine/kv_groups.py): each group
+has its own block_tables and slot_mapping (so one AttentionMetadata per group, the rest identical), and
+several layers of different groups share one physical cache tensor (a block id belongs to one group at
+a time). A windowed group's table entries before the window hold ids of blocks already given back
+(any contents): nothing may read positions outside a layer's window.
+
 An FP8 cache stores K / k_scale and V / v_scale; the layer's (k_scale, v_scale) pair is a float32
 device tensor of shape [2] (a row of the runner's kv_scales, see kv_quant.py), None for a cache that is
 stored unscaled in the compute dtype.
@@ -85,7 +91,11 @@ class AttentionBackend(Protocol):
 @dataclass
 class AttentionBatch:
     """Passed to model.forward as an argument: the step's metadata, every layer's cache, the backend,
-    and for an FP8 cache every layer's scales."""
+    and for an FP8 cache every layer's scales.
+
+    kv_caches[layer] is the tensor holding that layer's cache (shared layers: their source's). With
+    several KV cache groups, layer_group[layer] picks its metadata in group_metas, and layer_source[layer]
+    the layer whose scales it reads; layer_group None: every layer reads `meta` (one group)."""
 
     meta: AttentionMetadata
     kv_caches: list[torch.Tensor]
@@ -93,6 +103,9 @@ class AttentionBatch:
     kv_scales: torch.Tensor | None = None  # [num_layers, 2] float32 (k_scale, v_scale); None: unscaled
     # Set each layer's scales from this step's K/V before they are written (one calibration step).
     calibrate_kv_scales: bool = False
+    group_metas: list[AttentionMetadata] | None = None
+    layer_group: tuple[int, ...] | None = None
+    layer_source: tuple[int, ...] | None = None
 
     def __call__(
         self,
@@ -107,10 +120,14 @@ class AttentionBatch:
     ) -> torch.Tensor:
         """Attention of layer `layer_idx`; k and v None: read the cache only (AttentionBackend)."""
         cache = self.kv_caches[layer_idx]
+        meta, owner = self.meta, layer_idx
+        if self.layer_group is not None:
+            assert self.group_metas is not None and self.layer_source is not None
+            meta, owner = self.group_metas[self.layer_group[layer_idx]], self.layer_source[layer_idx]
         if self.kv_scales is None:
-            return self.backend.forward(q, k, v, cache, self.meta, scale, layer=layer, sinks=sinks)
-        kv_scale = self.kv_scales[layer_idx]  # a view: the pointer stays fixed for CUDA graphs
+            return self.backend.forward(q, k, v, cache, meta, scale, layer=layer, sinks=sinks)
+        kv_scale = self.kv_scales[owner]  # a view: the pointer stays fixed for CUDA graphs
         if self.calibrate_kv_scales and k is not None and v is not None:
-            n = self.meta.num_tokens
+            n = meta.num_tokens
             calibrate_kv_scale_(kv_scale, k[:n], v[:n], cache.dtype)
-        return self.backend.forward(q, k, v, cache, self.meta, scale, kv_scale, layer=layer, sinks=sinks)
+        return self.backend.forward(q, k, v, cache, meta, scale, kv_scale, layer=layer, sinks=sinks)

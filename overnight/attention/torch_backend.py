@@ -105,15 +105,19 @@ def paged_attention_ref(
         max_len = max(sl_list[:nd])
         block_size = kv_cache.shape[2]
         nblk = (max_len + block_size - 1) // block_size
-        blocks = meta.block_tables[:nd, :nblk].long()
-        k = kv_cache[0, blocks].flatten(1, 2)[:, :max_len]  # [nd, L, Hkv, D]
-        v = v_view(kv_cache)[blocks].flatten(1, 2)[:, :max_len]
+        # With a window, blocks before every request's window are not read at all (given back).
+        first = 0 if window is None else max(0, min(sl_list[:nd]) - window) // block_size
+        blocks = meta.block_tables[:nd, first:nblk].long()
+        lo = first * block_size
+        k = kv_cache[0, blocks].flatten(1, 2)[:, : max_len - lo]  # [nd, L - lo, Hkv, D]
+        v = v_view(kv_cache)[blocks].flatten(1, 2)[:, : max_len - lo]
         lens = sl[:nd].to(q.device)
-        pad = torch.arange(max_len, device=q.device)[None, :] >= lens[:, None]  # [nd, L]
+        key_pos = torch.arange(lo, max_len, device=q.device)[None, :]
+        pad = key_pos >= lens[:, None]  # [nd, L - lo]
         group = num_heads // num_kv_heads
         qd = q[:nd].to(compute_dtype).view(nd, num_kv_heads, group, -1)
         if window is not None:  # the query sits at position len - 1
-            pad |= torch.arange(max_len, device=q.device)[None, :] <= lens[:, None] - 1 - window
+            pad |= key_pos <= lens[:, None] - 1 - window
         scores = torch.einsum("bhgd,blhd->bhgl", qd, _load(k, compute_dtype, k_scale)) * scale
         if cap is not None:
             scores = cap * torch.tanh(scores / cap)

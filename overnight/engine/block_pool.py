@@ -73,14 +73,20 @@ class BlockPool:
                 del self.free_queue[block.id]
             block.ref_cnt += 1
 
-    def free(self, blocks: list[Block]) -> None:
+    def free(self, blocks: list[Block], reuse_first: bool = False) -> None:
         """Drop one reference from each; callers pass a request's blocks tail first so that its
-        prefix, the part most likely shared, is evicted last."""
+        prefix, the part most likely shared, is evicted last. With prefix caching, a block holding no
+        prefix goes to the head of the queue: it is handed out before any cached one (a windowed layer
+        gives blocks back all the time; they must not push other requests' prefixes out). reuse_first:
+        the same for cached blocks unlikely to be asked for again (they stay findable until reused)."""
+        caching = self.enable_caching
         for block in blocks:
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
                 self.free_queue[block.id] = block
+                if caching and (reuse_first or block.block_hash is None):
+                    self.free_queue.move_to_end(block.id, last=False)
 
     def cache(self, block: Block, block_hash: int) -> None:
         """Register a block whose tokens are all computed. If another block already holds the same

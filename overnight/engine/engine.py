@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from overnight.config import EngineConfig
 from overnight.engine.interfaces import Runner, StepHandle, StepTimings
 from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.output_processor import OutputProcessor, ParentRequest
 from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.request import NO_SAMPLING, Request
@@ -66,12 +67,18 @@ class Engine:
         self.vocab_size = source.arch.vocab_size
         self.max_model_len = config.scheduler.max_model_len
         num_blocks = pool_plan.num_blocks
-        self.kv = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        capacity = num_blocks * config.cache.block_size
-        if capacity < self.max_model_len:
+        bs = config.cache.block_size
+        layout = KVCacheLayout.from_arch(source.arch, self.max_model_len)
+        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, layout.windows)
+        # One sequence of max_model_len must fit, or it could never finish (windowed groups hold only
+        # their window and the chunk being computed).
+        chunk = config.scheduler.max_num_batched_tokens
+        need = layout.blocks_per_sequence(self.max_model_len, chunk, bs)
+        if num_blocks < need:
             raise ConfigError(
-                f"the KV pool holds {capacity} tokens, less than one sequence of max_model_len "
-                f"{self.max_model_len}: lower max_model_len or give the pool more memory"
+                f"the KV pool holds {num_blocks * bs} tokens, less than one sequence of max_model_len "
+                f"{self.max_model_len} needs ({need} blocks of {bs}): lower max_model_len or give the pool "
+                "more memory"
             )
         self.scheduler = Scheduler(config.scheduler, self.kv)
         self.output = OutputProcessor(tokenizer)

@@ -5,7 +5,7 @@
                         '--------- peak allocated while measuring ---------'
 
 The pool never needs more blocks than max_num_seqs sequences of max_model_len, twice over (room for
-cached prefixes). The device side (measuring the budget) is runner/kv_pool.py.
+cached prefixes); a sequence of windowed layers holds only their windows (kv_groups.py). The device side (measuring the budget) is runner/kv_pool.py.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overnight.config import SchedulerConfig
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.errors import ConfigError
 
 GIB = float(1 << 30)
@@ -35,7 +36,15 @@ class PoolPlan:
         return self.num_blocks * self.block_bytes
 
 
-def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: SchedulerConfig) -> PoolPlan:
+def plan_pool(
+    budget_bytes: int,
+    block_bytes: int,
+    block_size: int,
+    sched: SchedulerConfig,
+    layout: KVCacheLayout | None = None,
+) -> PoolPlan:
+    """layout: the model's KV cache groups (kv_groups.py; None: one group of full attention), which
+    set how many blocks one sequence of max_model_len holds."""
     if budget_bytes < block_bytes:
         raise PoolMemoryError(
             f"no memory is left for the KV cache ({budget_bytes / GIB:.2f} GiB after the weights and "
@@ -43,7 +52,11 @@ def plan_pool(budget_bytes: int, block_bytes: int, block_size: int, sched: Sched
             "with more memory"
         )
     blocks = budget_bytes // block_bytes
-    cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
+    if layout is None or layout.windows == (None,):
+        cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
+    else:
+        seqs, tokens, chunk = sched.max_num_seqs, sched.max_model_len, sched.max_num_batched_tokens
+        cap = 2 * layout.blocks_for_sequences(seqs, tokens, chunk, block_size)
     return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
 
 

@@ -158,14 +158,14 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:  # preempted while a step ran ahead: wait for its token
                 break
-            prefix = self.kv.find_cached_prefix(req)
-            num_hit = len(prefix) * self.kv.block_size
+            hit = self.kv.find_cached_prefix(req)
+            num_hit = hit.num_blocks * self.kv.block_size if hit is not None else 0
             n = req.num_tokens - num_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            new_ids = self.kv.allocate(req, n, prefix)
+            new_ids = self.kv.allocate(req, n, hit)
             if new_ids is None:
                 break
             self.waiting.popleft()

@@ -2,7 +2,8 @@
 
 The runner keeps its own copy of each running request (token ids, block table, sampling settings), so a
 step sends only what changed: requests seen for the first time (or again after a preemption) in full,
-running ones as the blocks they gained.
+running ones as the blocks they gained (per KV cache group). Blocks a windowed group gives back are
+not announced: the runner's table keeps their ids, and nothing reads positions outside a window.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class NewRequestData:
     num_prompt_tokens: int
     params: SamplingParams
     seed: int
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group (kv_groups.py): its whole table
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
     resumed: bool = False  # scheduled again after a preemption
     pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
@@ -33,7 +34,7 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     req_id: str
-    new_block_ids: list[int]
+    new_block_ids: list[list[int]]  # per KV cache group, appended to its table
 
 
 @dataclass

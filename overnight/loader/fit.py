@@ -3,6 +3,8 @@ for the machine stops with a sentence saying what would fit instead of being kil
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
     weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 / int projections: quant/)
+    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed layers: only their window)
+    layer_kv_shape(arch, i)          (KV heads, head size) of one layer's cache
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
 """
@@ -51,6 +53,33 @@ def linear_formats(
     group = scheme.group_size
     experts = not (scheme.act_order or scheme.int8_activations) and (group is None or group % 16 == 0)
     return False, (scheme.bits, group or 0, experts)
+
+
+def layer_kv_shape(arch: ModelArch, layer_idx: int) -> tuple[int, int]:
+    """(KV heads, head size) of layer `layer_idx`'s cache. Families whose layers differ (Gemma 4's
+    full-attention layers have their own) answer through ModelArch.layer_num_kv_heads / layer_head_dim
+    where the architecture has them."""
+    heads = getattr(arch, "layer_num_kv_heads", None)
+    dim = getattr(arch, "layer_head_dim", None)
+    return (
+        int(heads(layer_idx)) if heads is not None else arch.num_key_value_heads,
+        int(dim(layer_idx)) if dim is not None else arch.head_dim,
+    )
+
+
+def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_bytes: int) -> int:
+    """KV bytes one sequence of num_tokens holds at most, prefilled in chunks of at most `chunk` tokens:
+    full-attention layers x num_tokens + windowed layers x min(num_tokens, W + chunk) (a window keeps
+    W - 1 tokens and the chunk being written); KV-shared layers hold none. Block rounding aside, this is
+    what the engine's pool gives the sequence (engine/kv_groups.py)."""
+    total = 0
+    for i in range(arch.num_hidden_layers):
+        if arch.kv_source_layer(i) != i:
+            continue
+        window = arch.layer_window(i)
+        heads, dim = layer_kv_shape(arch, i)
+        total += (num_tokens if window is None else min(num_tokens, window + chunk)) * 2 * heads * dim
+    return total * elem_bytes
 
 
 def available_memory_bytes(device: torch.device) -> int | None:

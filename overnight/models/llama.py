@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
+from overnight.attention.spec import LayerAttention
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.activation import SiluAndMul
@@ -78,12 +79,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
+        self.layer = LayerAttention(sliding_window=arch.layer_window(layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
         # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
         q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
-        o = attn(self.layer_idx, q, k, v, self.scale)
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer)
         return self.o_proj(o.flatten(1))
 
 

@@ -124,8 +124,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("unsupported: mlp_bias=true")
-    if cfg.get("use_sliding_window"):
-        raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
+    windows = _window_fields(cfg, family)
     theta, scaling = _rope(cfg)
     moe = _moe_fields(cfg) if family == "qwen3_moe" else {}
     try:
@@ -149,10 +148,32 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             attention_bias=True if family == "qwen2" else bool(cfg.get("attention_bias", False)),
             o_proj_bias=False if family == "qwen2" else bool(cfg.get("attention_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
+            **windows,
             **moe,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _window_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """ModelArch's per-layer kinds of a Qwen2 / Qwen3 config with use_sliding_window (HF's rule: the
+    window applies only then; layer_types, else every layer from max_window_layers on is windowed)."""
+    if not cfg.get("use_sliding_window"):
+        return {}
+    if family not in ("qwen2", "qwen3"):
+        raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"use_sliding_window=true needs a positive sliding_window, got {window!r}")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", n)
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    kinds = ("full_attention", "sliding_attention")
+    if len(types) != n or any(t not in kinds for t in types):
+        raise ModelLoadError(f"layer_types must name {n} layers, each one of {', '.join(kinds)}")
+    return dict(layer_types=tuple(types), sliding_window=window)
 
 
 def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:

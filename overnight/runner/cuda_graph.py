@@ -1,9 +1,10 @@
 """CUDA graphs of decode-only forward passes, one per batch-size bucket, captured once at start-up.
 
 A decode step of a large model is hundreds of small kernel launches; replaying a graph issues them in
-one call. The graphs read the runner's static device buffers (StepBuffers: ids, positions, slot
-mapping, sequence lengths, block tables), so a replay only needs those filled: a batch of B decodes runs
-in the smallest bucket b >= B, with rows B..b padded (position 0, no cache write, empty context).
+one call. The graphs read the runner's static device buffers (StepBuffers: ids, positions, the slot
+mapping and block tables of every KV cache group, sequence lengths), so a replay only needs those
+filled: a batch of B decodes runs in the smallest bucket b >= B, with rows B..b padded (position 0, no
+cache write, empty context).
 Everything a captured launch depends on besides those tensors (num_splits of the decode kernel, the
 split workspace) is fixed per bucket.
 """
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
-from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
+from overnight.attention.metadata import AttentionBatch, AttentionMetadata
 from overnight.models.interface import CausalLM
 from overnight.runner.inputs import StepBuffers
 
@@ -39,17 +41,19 @@ class DecodeGraphs:
     def __init__(
         self,
         model: CausalLM,
-        backend: AttentionBackend,
+        attention_batch: Callable[
+            [AttentionMetadata, list[AttentionMetadata], list[torch.Tensor]], AttentionBatch
+        ],
         kv_caches: list[torch.Tensor],
         buffers: StepBuffers,
         max_batch: int,
         max_model_len: int,
-        kv_scales: torch.Tensor | None = None,
     ) -> None:
         self.model = model
-        self.backend = backend
+        # The runner's: backend, FP8 scales (read in place by the captured kernels: new values need no
+        # recapture) and which KV cache group each layer reads.
+        self.attention_batch = attention_batch
         self.kv_caches = kv_caches
-        self.kv_scales = kv_scales  # read in place by the captured kernels: new values need no recapture
         self.buffers = buffers
         self.max_model_len = max_model_len
         self.sizes = bucket_sizes(max_batch)
@@ -70,14 +74,15 @@ class DecodeGraphs:
             num_tokens=b,
             query_start_loc=buf.qsl[: b + 1],
             seq_lens=buf.seq_lens[:b],
-            block_tables=buf.tables[:b],
+            block_tables=buf.tables[0, :b],
             slot_mapping=buf.slots[:b],
             max_query_len=1,
             max_seq_len=self.max_model_len,
         )
 
     def _forward(self, b: int) -> torch.Tensor:
-        attn = AttentionBatch(self._meta(b), self.kv_caches, self.backend, self.kv_scales)
+        meta = self._meta(b)
+        attn = self.attention_batch(meta, self.buffers.group_metas(meta, b, b), self.kv_caches)
         return self.model(self.buffers.ids[:b], self.buffers.pos[:b], attn)
 
     @torch.inference_mode()
@@ -87,9 +92,9 @@ class DecodeGraphs:
         # Harmless contents while capturing: one-token contexts in block 0, no cache writes.
         buf.ids[:n].zero_()
         buf.pos[:n].zero_()
-        buf.slots[:n].fill_(-1)
+        buf.slots[: buf.num_groups * n].fill_(-1)
         buf.seq_lens[:n].fill_(1)
-        buf.tables[:n].zero_()
+        buf.tables[:, :n].zero_()
         buf.qsl[: n + 1].copy_(torch.arange(n + 1, dtype=buf.qsl.dtype, device=buf.qsl.device))
         start = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph

@@ -7,7 +7,7 @@ Host work per step is a few vectorized passes plus one Python pass over the sche
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -22,7 +22,8 @@ from overnight.runner.sampler import SamplingBatch
 class StepInputs:
     input_ids: torch.Tensor  # [T] int64 (device)
     positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # of KV cache group 0
+    group_metas: list[AttentionMetadata]  # per KV cache group ([0] is meta): its tables and slots
     sample_rows: torch.Tensor  # [S] rows of the hidden states whose logits are sampled
     sampled: list[RunnerRequest]  # the S requests, in row order
     pending_rows: torch.Tensor | None  # rows whose input id is a token still on the device
@@ -32,33 +33,50 @@ class StepInputs:
 class _HostSet:
     """Host-side staging tensors (pinned on CUDA) and numpy views of them."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, pin: bool) -> None:
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks: int, num_groups: int, pin: bool) -> None:
         def alloc(shape, dtype):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
         self.ids = alloc(max_tokens, torch.int64)
         self.pos = alloc(max_tokens, torch.int64)
-        self.slots = alloc(max_tokens, torch.int64)
+        # Slot mappings of the step's rows, one run of num_rows per KV cache group, packed.
+        self.slots = alloc(num_groups * max_tokens, torch.int64)
         self.qsl = alloc(max_reqs + 1, torch.int32)
         self.seq_lens = alloc(max_reqs, torch.int32)
         # Block-table rows of this step packed densely ([num_reqs, need]), so the host-to-device copy
         # is one contiguous transfer: a strided copy from host memory would make torch stage it through
         # pageable memory, which waits for the GPU and kills the overlap of host and device work.
-        self.tables = alloc(max_reqs * max_blocks, torch.int32)
+        self.tables = alloc(num_groups * max_reqs * max_blocks, torch.int32)
         self.sample_rows = alloc(max_reqs, torch.int64)
         self.pending = alloc(2 * max_reqs, torch.int64)  # [rows | sources], packed the same way
         self.event: torch.cuda.Event | None = None  # set once this set's copies are enqueued
 
 
 class StepBuffers:
+    """Static device buffers of a step. With several KV cache groups (engine/kv_groups.py) each group
+    has its own block tables, tables[g], and slot mapping: a step of num_rows rows packs them as
+
+        slots  [ group 0: num_rows | group 1: num_rows | ... ]
+
+    so a decode graph of b rows always reads group g's at slots[g * b : (g + 1) * b]."""
+
     def __init__(
-        self, max_tokens: int, max_reqs: int, max_blocks: int, block_size: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks: int,
+        block_size: int,
+        device: torch.device,
+        num_groups: int = 1,
     ) -> None:
         self.device = device
         self.block_size = block_size
         self.max_blocks = max_blocks
+        self.num_groups = num_groups
         cuda = device.type == "cuda"
-        self.hosts = [_HostSet(max_tokens, max_reqs, max_blocks, cuda) for _ in range(2 if cuda else 1)]
+        self.hosts = [
+            _HostSet(max_tokens, max_reqs, max_blocks, num_groups, cuda) for _ in range(2 if cuda else 1)
+        ]
         self._turn = 0
 
         def dev(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +91,7 @@ class StepBuffers:
         self.seq_lens = dev(h.seq_lens)
         # The graphs' block table keeps a fixed row stride (max_blocks); each step's packed rows land
         # in a staging tensor first and are spread into it by a device-side copy.
-        self.tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
+        self.tables = torch.zeros((num_groups, max_reqs, max_blocks), dtype=torch.int32, device=device)
         self.tables_staging = dev(h.tables)
         self.sample_rows = dev(h.sample_rows)
         self.pending = dev(h.pending)
@@ -128,22 +146,23 @@ class StepBuffers:
         else:
             pos[:num_tokens] = np.arange(num_tokens) - np.repeat(qsl[:-1] - starts, lens)
         need = int((seq_lens.max() + bs - 1) // bs)
-        tables = states.block_table[slots_of, :need]
+        groups = self.num_groups
+        tables = states.block_table[:, slots_of, :need]  # [groups, num_reqs, need]
         row_req = np.repeat(np.arange(num_reqs), lens) if num_reqs != num_tokens else np.arange(num_reqs)
         p = pos[:num_tokens]
-        slot_np = h.slots.numpy()
-        slot_np[:num_tokens] = tables[row_req, p // bs].astype(np.int64) * bs + p % bs
-        packed = h.tables.numpy()[: num_reqs * need].reshape(num_reqs, need)
+        num_rows = max(total, num_tokens)
+        slot_np = h.slots.numpy()[: groups * num_rows].reshape(groups, num_rows)
+        slot_np[:, :num_tokens] = tables[:, row_req, p // bs].astype(np.int64) * bs + p % bs
+        packed = h.tables.numpy()[: groups * num_reqs * need].reshape(groups, num_reqs, need)
         packed[:] = tables
         h.qsl.numpy()[: num_reqs + 1] = qsl
         h.seq_lens.numpy()[:num_reqs] = seq_lens
         if total > num_tokens:  # padding rows: position 0, no cache write, empty context
             ids[num_tokens:total] = 0
             pos[num_tokens:total] = 0
-            slot_np[num_tokens:total] = -1
+            slot_np[:, num_tokens:total] = -1
             h.seq_lens.numpy()[num_reqs:total] = 0
             h.qsl.numpy()[num_reqs + 1 : total + 1] = num_tokens
-        num_rows = max(total, num_tokens)
         req_rows = num_reqs if pad_to is None else total
 
         sampled = [s.state for s in scheduled if s.samples]
@@ -157,18 +176,18 @@ class StepBuffers:
         if self.device.type == "cuda":
             self.ids[:num_rows].copy_(h.ids[:num_rows], non_blocking=True)
             self.pos[:num_rows].copy_(h.pos[:num_rows], non_blocking=True)
-            self.slots[:num_rows].copy_(h.slots[:num_rows], non_blocking=True)
+            self.slots[: groups * num_rows].copy_(h.slots[: groups * num_rows], non_blocking=True)
             self.qsl[: req_rows + 1].copy_(h.qsl[: req_rows + 1], non_blocking=True)
             self.seq_lens[:req_rows].copy_(h.seq_lens[:req_rows], non_blocking=True)
-            n = num_reqs * need
+            n = groups * num_reqs * need
             self.tables_staging[:n].copy_(h.tables[:n], non_blocking=True)
             self.sample_rows[: len(sampled)].copy_(h.sample_rows[: len(sampled)], non_blocking=True)
             if npend:
                 self.pending[: 2 * npend].copy_(h.pending[: 2 * npend], non_blocking=True)
             h.event = torch.cuda.Event()
             h.event.record()
-        rows = self.tables_staging[: num_reqs * need].view(num_reqs, need)
-        self.tables[:num_reqs, :need].copy_(rows, non_blocking=True)
+        rows = self.tables_staging[: groups * num_reqs * need].view(groups, num_reqs, need)
+        self.tables[:, :num_reqs, :need].copy_(rows, non_blocking=True)
 
         # Host copies for planners that run during this step's launch (before this set is reused).
         qsl_cpu = h.qsl[: req_rows + 1]
@@ -179,7 +198,7 @@ class StepBuffers:
             num_tokens=num_rows,
             query_start_loc=self.qsl[: req_rows + 1],
             seq_lens=self.seq_lens[:req_rows],
-            block_tables=self.tables[:req_rows],
+            block_tables=self.tables[0, :req_rows],
             slot_mapping=self.slots[:num_rows],
             max_query_len=int(lens.max()),
             max_seq_len=int(seq_lens.max()),
@@ -190,11 +209,26 @@ class StepBuffers:
             input_ids=self.ids[:num_rows],
             positions=self.pos[:num_rows],
             meta=meta,
+            group_metas=self.group_metas(meta, num_rows, req_rows),
             sample_rows=self.sample_rows[: len(sampled)],
             sampled=sampled,
             pending_rows=self.pending[:npend] if npend else None,
             pending_src=self.pending[npend : 2 * npend] if npend else None,
         )
+
+    def group_metas(self, meta: AttentionMetadata, num_rows: int, req_rows: int) -> list[AttentionMetadata]:
+        """meta (group 0's) and, for every further KV cache group, the same with its own tables and
+        slot mapping."""
+        if self.num_groups == 1:
+            return [meta]
+        return [meta] + [
+            replace(
+                meta,
+                block_tables=self.tables[g, :req_rows],
+                slot_mapping=self.slots[g * num_rows : (g + 1) * num_rows],
+            )
+            for g in range(1, self.num_groups)
+        ]
 
 
 def _count_decodes(lens: np.ndarray) -> int:

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from overnight.config import CacheConfig, SchedulerConfig
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import PoolPlan, plan_pool, split_budget
 
 CPU_DEFAULT_POOL_BYTES = 2 << 30
@@ -61,9 +62,12 @@ class PoolOwner(Protocol):
         ...
 
 
-def set_up_kv_pool(runner: PoolOwner, cache: CacheConfig, sched: SchedulerConfig) -> PoolPlan:
-    """The one KV pool set-up: measure, plan, allocate."""
+def set_up_kv_pool(
+    runner: PoolOwner, cache: CacheConfig, sched: SchedulerConfig, layout: KVCacheLayout | None = None
+) -> PoolPlan:
+    """The one KV pool set-up: measure, plan, allocate. layout: the model's KV cache groups (None: one
+    group of full attention)."""
     budget, block_bytes = runner.kv_pool_share()
-    plan = plan_pool(budget, block_bytes, cache.block_size, sched)
+    plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
     runner.allocate_kv_cache(plan.num_blocks)
     return plan

@@ -20,11 +20,12 @@ from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, 
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
-from overnight.runner.inputs import StepBuffers, build_sampling_batch
+from overnight.runner.inputs import StepBuffers, StepInputs, build_sampling_batch
 from overnight.runner.pooler import ChunkedPooler, PooledStep
 from overnight.runner.prompt_logprobs import (
     PendingPromptLogprobs,
@@ -123,13 +124,17 @@ class ModelRunner:
 
             self.grammar_mask = GrammarMask(grammars, sched.max_num_seqs, self.device)
         self.max_blocks_per_req = -(-sched.max_model_len // self.block_size)
-        self.states = RequestStates(sched.max_num_seqs, self.max_blocks_per_req)
+        # Which layers share a block table and a cache tensor (engine/kv_groups.py).
+        self.kv_layout = KVCacheLayout.from_arch(config.model.arch, sched.max_model_len)
+        num_groups = self.kv_layout.num_groups
+        self.states = RequestStates(sched.max_num_seqs, self.max_blocks_per_req, num_groups)
         self.buffers = StepBuffers(
             max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
             max_reqs=sched.max_num_seqs,
             max_blocks=self.max_blocks_per_req,
             block_size=self.block_size,
             device=self.device,
+            num_groups=num_groups,
         )
         self.kv_caches: list[torch.Tensor] = []
         if calculate_kv_scales is None:
@@ -171,15 +176,38 @@ class ModelRunner:
         load_kv_scales_(self.kv_scales, self.model.checkpoint_kv_scales)
         self._calibrate_kv_scales = calculate
 
-    def _attention_batch(self, meta: AttentionMetadata, has_prefill: bool) -> AttentionBatch:
+    def _attention_batch(self, inputs: StepInputs, has_prefill: bool) -> AttentionBatch:
         calibrate = self._calibrate_kv_scales and has_prefill
         if calibrate:
             self._calibrate_kv_scales = False  # once: later steps keep the first prefill's scales
-        return AttentionBatch(meta, self.kv_caches, self.backend, self.kv_scales, calibrate)
+        return self.attention_batch(inputs.meta, inputs.group_metas, self.kv_caches, calibrate)
+
+    def attention_batch(
+        self,
+        meta: AttentionMetadata,
+        group_metas: list[AttentionMetadata],
+        kv_caches: list[torch.Tensor],
+        calibrate: bool = False,
+    ) -> AttentionBatch:
+        """The step's AttentionBatch; with one KV cache group, every layer reads `meta`."""
+        layout = self.kv_layout
+        if layout.is_uniform:
+            return AttentionBatch(meta, kv_caches, self.backend, self.kv_scales, calibrate)
+        return AttentionBatch(
+            meta,
+            kv_caches,
+            self.backend,
+            self.kv_scales,
+            calibrate,
+            group_metas=group_metas,
+            layer_group=layout.layer_group,
+            layer_source=layout.layer_source,
+        )
 
     def kv_bytes_per_block(self) -> int:
+        """One block of the pool: block_size tokens of one layer's K/V in each of the layout's tensors."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return self.block_size * self.config.model.arch.kv_bytes_per_token(elem)
+        return self.block_size * self.kv_layout.token_elems * elem  # this device's KV heads
 
     def kv_pool_share(self) -> tuple[int, int]:
         """(bytes the KV pool may take on this device, bytes of one block): runner/kv_pool.py."""
@@ -201,13 +229,20 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Nothing to stop: the runner lives in this process."""
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        arch = self.config.model.arch
-        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        # new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why).
-        self.kv_caches = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device) for _ in range(arch.num_hidden_layers)
+    def _new_kv_tensors(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """The layout's cache tensors, each [2, num_blocks, block_size, its KV heads, its head size].
+        new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why)."""
+        return [
+            new_kv_cache((2, num_blocks, block_size, heads, dim), self.kv_cache_dtype, self.device)
+            for heads, dim in self.kv_layout.tensor_shapes
         ]
+
+    def _layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each layer's cache: the layout's tensor holding it (KV-shared layers: their source's)."""
+        return [tensors[t] for t in self.kv_layout.layer_tensor]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = self._layer_caches(self._new_kv_tensors(num_blocks, self.block_size))
 
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
@@ -217,12 +252,11 @@ class ModelRunner:
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
         self.graphs = DecodeGraphs(
             self.model,
-            self.backend,
+            self.attention_batch,
             self.kv_caches,
             self.buffers,
             max_batch,
             self.config.scheduler.max_model_len,
-            kv_scales=self.kv_scales,
         )
         self.graphs.capture()
 
@@ -249,7 +283,7 @@ class ModelRunner:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
         else:
-            attn = self._attention_batch(inputs.meta, has_prefill=not decode_only)
+            attn = self._attention_batch(inputs, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
         if self.pooler is not None:
             assert inputs.meta.query_start_loc_cpu is not None
@@ -352,8 +386,6 @@ class ModelRunner:
         at most max_model_len, then sampling num_seqs rows) on a throwaway cache; return peak bytes."""
         from overnight.attention.torch_backend import build_metadata
 
-        arch = self.config.model.arch
-
         def split(n: int) -> list[int]:  # n tokens as sequences of at most max_model_len
             return [min(max_model_len, n - start) for start in range(0, n, max_model_len)]
 
@@ -364,20 +396,18 @@ class ModelRunner:
             nb = -(-n // bs)
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
-        shape = (2, next_block, bs, arch.num_key_value_heads, arch.head_dim)
         # The real pool's layout (an FP8 cache's K is head-major, kv_layout.py), zeroed: the step runs
-        # the kernels as a job will, on finite values.
-        caches = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device).zero_()
-            for _ in range(arch.num_hidden_layers)
-        ]
+        # the kernels as a job will, on finite values. Every KV cache group reads the same tables here.
+        caches = [c.zero_() for c in self._new_kv_tensors(next_block, bs)]
+        layer_caches = self._layer_caches(caches)
 
         def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above
             lens = split(n)
             meta = build_metadata(lens, lens, tables[: len(lens)], bs, device=self.device)
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(length, device=self.device) for length in lens])
-            return self.model(ids, pos, AttentionBatch(meta, caches, self.backend, self.kv_scales))
+            metas = [meta] * self.kv_layout.num_groups
+            return self.model(ids, pos, self.attention_batch(meta, metas, layer_caches))
 
         hidden = forward(num_tokens)
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
@@ -396,7 +426,8 @@ class ModelRunner:
             log.info("warm-up: step sizes %s in %.1f s", sizes, time.perf_counter() - t0)
         # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
         cache_bytes = sum(c.numel() * c.element_size() for c in caches)
-        caches.clear()  # freed before the real pool is sized (forward() still refers to the list)
+        caches.clear()  # freed before the real pool is sized (forward() still refers to the lists)
+        layer_caches.clear()
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
             return torch.cuda.max_memory_allocated(self.device) - cache_bytes

@@ -65,27 +65,30 @@ class ScheduledRequest:
 
 
 class RequestStates:
-    def __init__(self, max_num_reqs: int = 1024, max_blocks_per_req: int = 256) -> None:
+    def __init__(self, max_num_reqs: int = 1024, max_blocks_per_req: int = 256, num_groups: int = 1) -> None:
         self.reqs: dict[str, RunnerRequest] = {}
-        self.block_table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        # One table per KV cache group (engine/kv_groups.py), all the same length per request.
+        self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.num_structured = 0  # requests with structured outputs: none means no mask work at all
 
     def _grow(self) -> None:
-        rows, cols = self.block_table.shape
-        bigger = np.zeros((rows * 2, cols), dtype=np.int32)
-        bigger[:rows] = self.block_table
+        groups, rows, cols = self.block_table.shape
+        bigger = np.zeros((groups, rows * 2, cols), dtype=np.int32)
+        bigger[:, :rows] = self.block_table
         self.block_table = bigger
         self._free_slots = list(range(2 * rows - 1, rows - 1, -1)) + self._free_slots
 
-    def _set_blocks(self, st: RunnerRequest, block_ids: list[int]) -> None:
-        end = st.num_blocks + len(block_ids)
-        if end > self.block_table.shape[1]:
-            cols = max(end, 2 * self.block_table.shape[1])
-            wider = np.zeros((self.block_table.shape[0], cols), dtype=np.int32)
-            wider[:, : self.block_table.shape[1]] = self.block_table
+    def _set_blocks(self, st: RunnerRequest, block_ids: list[list[int]]) -> None:
+        """Append one list of ids per group (every group's table grows by the same count)."""
+        end = st.num_blocks + len(block_ids[0])
+        if end > self.block_table.shape[2]:
+            groups, rows, cols = self.block_table.shape
+            wider = np.zeros((groups, rows, max(end, 2 * cols)), dtype=np.int32)
+            wider[:, :, :cols] = self.block_table
             self.block_table = wider
-        self.block_table[st.slot, st.num_blocks : end] = block_ids
+        for g, ids in enumerate(block_ids):
+            self.block_table[g, st.slot, st.num_blocks : end] = ids
         st.num_blocks = end
 
     def apply(self, out: SchedulerOutput) -> list[ScheduledRequest]:

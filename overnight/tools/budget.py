@@ -6,6 +6,8 @@
 
 Prints max_num_seqs and max_num_batched_tokens for each mode on this device (the row of the defaults
 table that applies), the KV pool in tokens and GiB, and how many sequences of --seq-len fit in it.
+Sliding-window layers count as the engine holds them: only their window and the chunk being computed
+(engine/kv_groups.py), so a Gemma-3-shaped model fits several times the sequences at long contexts.
 The pool is sized as the engine sizes it: on the CPU a fixed budget; on a GPU gpu_memory_utilization
 of the total, less the memory others hold, the weights (from the architecture) and an estimate of the
 largest step's activations (the engine measures those at start-up).
@@ -21,9 +23,10 @@ import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype
 from overnight.config import ModelArch
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
 from overnight.limits import default_limits
-from overnight.loader.fit import linear_formats, weight_bytes
+from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, linear_formats, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
 from overnight.loader.source import ModelSource
 from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
@@ -49,8 +52,9 @@ class Budget:
     max_num_batched_tokens: int
     modes: dict[str, tuple[int, int]]  # mode -> (max_num_seqs, max_num_batched_tokens)
     kv_dtype: str
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of every layer holding a cache (before windows)
     block_size: int
+    block_bytes: int  # one block of the pool (with windows: of one layer per cache tensor)
     pool_source: str  # how the budget was found
     budget_bytes: int
     weights_bytes: int | None
@@ -58,16 +62,22 @@ class Budget:
     num_blocks: int
     capped: bool
     seq_len: int
+    seq_blocks: int  # blocks a sequence of seq_len holds between chunks (windowed layers: their window)
+    seq_kv_bytes: int  # KV bytes it holds: full layers x seq_len + windowed x min(seq_len, W + chunk)
     seqs_fit: int  # sequences of seq_len the pool holds
     seqs_at_once: int  # the same, bounded by max_num_seqs
-
-    @property
-    def pool_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+    kv_layers: int  # layers holding a cache of their own (KV-shared layers hold none)
+    windowed_layers: int  # of them, those with a sliding window (0: every one keeps the whole context)
+    windows: tuple[int, ...]  # their windows, each once
 
     @property
     def pool_bytes(self) -> int:
-        return self.num_blocks * self.block_size * self.kv_bytes_per_token
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def pool_tokens(self) -> int:
+        """The pool in tokens of every layer (what it holds for full attention)."""
+        return self.pool_bytes // self.kv_bytes_per_token if self.kv_bytes_per_token else 0
 
 
 def _weights_label(fp8: bool, int_linear: tuple[int, int, bool] | None) -> str:
@@ -100,7 +110,11 @@ def plan_budget(
         modes[m] = (lim.max_num_seqs, lim.max_num_batched_tokens)
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
-    per_token = arch.kv_bytes_per_token(kv_elem)
+    layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
+    cached = [i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i]
+    cached_layers = len(cached)
+    per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
+    block_bytes = cache.block_size * layout.token_elems * kv_elem
     weights = activations = None
     try:
         if cache.kv_cache_memory_bytes is not None:
@@ -123,12 +137,17 @@ def plan_budget(
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
-        plan = plan_pool(budget, per_token * cache.block_size, cache.block_size, sched)
+        plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
         budget, pool_source, num_blocks, capped = 0, str(e), 0, False
     seq_len = seq_len or sched.max_model_len
-    fit = num_blocks // -(-seq_len // cache.block_size)
+    chunk = sched.max_num_batched_tokens
+    # One sequence alone may hold a whole chunk in its windowed layers; many at once share one
+    # step's chunk: the pool holds n sequences when blocks_for_sequences(n) fits.
+    seq_blocks = layout.blocks_per_sequence(seq_len, 1, cache.block_size)
+    chunk_blocks = layout.blocks_per_sequence(seq_len, chunk, cache.block_size) - seq_blocks
+    fit = max(num_blocks - chunk_blocks, 0) // seq_blocks
     return Budget(
         device=device.name if device else "CPU",
         row=default_limits(gib, opts.mode, sched.max_model_len).row,
@@ -140,6 +159,7 @@ def plan_budget(
         kv_dtype=cache.kv_cache_dtype,
         kv_bytes_per_token=per_token,
         block_size=cache.block_size,
+        block_bytes=block_bytes,
         pool_source=pool_source,
         budget_bytes=budget,
         weights_bytes=weights,
@@ -147,8 +167,13 @@ def plan_budget(
         num_blocks=num_blocks,
         capped=capped,
         seq_len=seq_len,
+        seq_blocks=seq_blocks,
+        seq_kv_bytes=kv_bytes_per_sequence(arch, seq_len, chunk, kv_elem),
         seqs_fit=fit,
         seqs_at_once=min(fit, sched.max_num_seqs),
+        kv_layers=cached_layers,
+        windowed_layers=sum(len(g.layers) for g in layout.groups if g.window is not None),
+        windows=tuple(sorted({g.window for g in layout.groups if g.window is not None})),
     )
 
 
@@ -194,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
 
 def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     kv_name = dtype if b.kv_dtype == "auto" else b.kv_dtype
-    elem = b.kv_bytes_per_token // (2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim)
+    elem = b.kv_bytes_per_token // (2 * b.kv_layers * arch.num_key_value_heads * arch.head_dim)
     lines = [
         f"{model} ({arch.architecture}, {arch.num_hidden_layers} layers, {arch.num_key_value_heads} KV heads "
         f"x {arch.head_dim}), {dtype}, on {b.device}",
@@ -209,9 +234,16 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}"
         )
     lines.append(
-        f"KV cache: {kv_name}, {b.kv_bytes_per_token} bytes per token ({arch.num_hidden_layers} layers x 2 x "
+        f"KV cache: {kv_name}, {b.kv_bytes_per_token} bytes per token ({b.kv_layers} layers x 2 x "
         f"{arch.num_key_value_heads} heads x {arch.head_dim} x {elem} B), blocks of {b.block_size} tokens"
     )
+    if b.windowed_layers:
+        windows = ", ".join(str(w) for w in b.windows)
+        lines.append(
+            f"  sliding windows: {b.windowed_layers} of {b.kv_layers} layers keep only their last {windows} "
+            f"tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
+            f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+        )
     if b.num_blocks == 0:
         lines.append(f"KV pool: no room: {b.pool_source}")
         return "\n".join(lines)
@@ -224,9 +256,8 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
         f"KV pool: {b.pool_bytes / GIB:.2f} GiB = {b.num_blocks} blocks = {b.pool_tokens} tokens "
         f"({b.pool_source}){cap}"
     )
-    blocks = -(-b.seq_len // b.block_size)
     lines.append(
-        f"sequences of {b.seq_len} tokens that fit: {b.seqs_fit} ({blocks} blocks each); "
+        f"sequences of {b.seq_len} tokens that fit: {b.seqs_fit} ({b.seq_blocks} blocks each); "
         f"at once with max_num_seqs {b.max_num_seqs}: {b.seqs_at_once}"
     )
     return "\n".join(lines)

@@ -1,0 +1,424 @@
+"""Tier (a): sliding-window KV cache groups with the fake runner (engine/kv_groups.py,
+engine/kv_cache_manager.py). The fake runner checks every step that each group's table still maps the
+positions its layers read (the whole context, or the last W before each query) to the request's tokens,
+so a block given back too early, a bad prefix hit or a lost preemption fails there."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+from overnight.engine.block_pool import Block
+from overnight.engine.engine import Engine
+from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.kv_groups import KVCacheLayout
+from overnight.engine.pool_plan import PoolPlan
+from overnight.engine.request import Request
+from overnight.errors import ConfigError
+from overnight.loader.source import ModelSource
+from overnight.sampling_params import SamplingParams
+from tests.fake_runner import FakeRunner, reference_output
+from tests.test_scheduler import VOCAB, random_prompts, run_all
+
+EOS = 3
+SW, FULL = "sliding_attention", "full_attention"
+GEMMA3_SHAPE = (SW,) * 5 + (FULL,)
+
+
+def arch_of(
+    layer_types: tuple[str, ...] = GEMMA3_SHAPE, window: int | None = 8, shared: int = 0
+) -> ModelArch:
+    base = ModelArch("llama", VOCAB, 8, 16, len(layer_types), 1, 1, 8)
+    return replace(base, layer_types=layer_types, sliding_window=window, num_kv_shared_layers=shared)
+
+
+def make_engine(
+    arch: ModelArch,
+    num_blocks: int,
+    block_size: int = 4,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 32,
+    max_model_len: int = 256,
+    caching: bool = True,
+    async_mode: bool = False,
+) -> tuple[Engine, FakeRunner]:
+    config = EngineConfig(
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
+        cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
+        scheduler=SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+        ),
+    )
+    layout = KVCacheLayout.from_arch(arch, max_model_len)
+    runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode, windows=layout.windows)
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    plan = PoolPlan(num_blocks, block_bytes=0, budget_bytes=0, capped=False)
+    return Engine(config, runner, source, plan), runner
+
+
+def assert_no_leak(engine: Engine) -> None:
+    pool = engine.kv.pool
+    assert engine.kv.req_blocks == {}
+    assert pool.num_free == pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+
+
+# -- the layout -----------------------------------------------------------------------------------
+
+
+def test_layout_groups_layers_by_kind_and_shares_tensors():
+    one = KVCacheLayout.from_arch(arch_of())  # 5 windowed : 1 full -> six one-layer groups
+    assert one.num_tensors == 1 and one.windows == (None, 8, 8, 8, 8, 8)
+    assert one.layer_group == (1, 2, 3, 4, 5, 0) and one.layer_tensor == (0,) * 6
+    # 52 windowed + 10 full (Gemma-3-27B's counts): groups of 10, the last windowed one half empty.
+    kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, SW)
+    big = KVCacheLayout.from_arch(arch_of(kinds, window=1024))
+    assert big.num_tensors == 10 and big.windows == (None,) + (1024,) * 6
+    assert [len(g.layers) for g in big.groups] == [10, 10, 10, 10, 10, 10, 2]
+    # Only full layers (or a window no shorter than max_model_len): one group, today's layout.
+    four_full = arch_of((FULL,) * 4)
+    assert KVCacheLayout.from_arch(four_full) == KVCacheLayout.uniform(four_full)
+    long_window = arch_of(window=256)
+    assert KVCacheLayout.from_arch(long_window, max_model_len=256) == KVCacheLayout.uniform(long_window)
+    # KV-shared layers own no cache: they read their source's tensor through its group.
+    shared = KVCacheLayout.from_arch(arch_of((SW, FULL, SW, FULL, SW, FULL), shared=2))
+    assert shared.layer_source == (0, 1, 2, 3, 2, 3)
+    assert shared.windows == (None, 8) and shared.num_tensors == 2
+    assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
+
+
+def test_layers_of_different_cache_shapes_keep_one_tensor_each():
+    """Gemma 4's full layers have their own head size: no tensor can hold a layer of every group, so
+    each layer keeps its own tensor, in one group (windows applied by the kernels only)."""
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True)
+    class WideFullLayers(ModelArch):
+        def layer_head_dim(self, layer_idx: int) -> int:
+            return 16 if self.layer_window(layer_idx) is None else 8
+
+    arch = WideFullLayers(**{f: getattr(arch_of(), f) for f in ModelArch.__dataclass_fields__})
+    layout = KVCacheLayout.from_arch(arch)
+    assert layout.windows == (None,) and layout.num_tensors == 6
+    assert layout.tensor_shapes == ((1, 8),) * 5 + ((1, 16),)
+    assert layout.token_elems == 2 * (5 * 8 + 16)
+
+
+def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():
+    layout = KVCacheLayout.from_arch(arch_of(window=16))
+    # Full group: 1024 / 4 blocks; each windowed group: cdiv(15 + 32, 4) + 1 = 13.
+    assert layout.blocks_per_sequence(1024, chunk=32, block_size=4) == 256 + 5 * 13
+    assert layout.blocks_per_sequence(8, chunk=32, block_size=4) == 6 * 2  # shorter than the window
+
+
+# -- blocks given back ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_windowed_groups_give_blocks_back_as_the_window_advances(async_mode):
+    w, bs, chunk = 8, 4, 16
+    engine, runner = make_engine(
+        arch_of(window=w), 4096, bs, max_num_batched_tokens=chunk, async_mode=async_mode
+    )
+    prompt = list(range(10, 110))
+    engine.add_request("a", prompt, SamplingParams(max_tokens=60, ignore_eos=True))
+    kv, peak = engine.kv, 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        req = engine.scheduler.requests.get("a")
+        if req is None:
+            break
+        groups = kv.req_blocks["a"]
+        held = [sum(b is not None for b in row) for row in groups]
+        assert held[0] == len(groups[0]), "the full group keeps every block"
+        peak = max(peak, *held[1:])
+        # What a windowed group may hold: the window before the step's first query, plus the step.
+        assert all(h <= -(-(w - 1 + chunk) // bs) + 1 for h in held[1:]), held
+    assert outs and outs[0].outputs[0].token_ids == reference_output(prompt, 60, VOCAB, None)
+    assert peak >= 2  # it did hold blocks, and gave the old ones back
+    assert runner.chunks["a"][:7] == [16] * 6 + [4]  # the prompt crossed the window in chunks
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+@pytest.mark.parametrize("num_blocks", [3000, 150])
+def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_mode):
+    rng = random.Random(3)
+    prompts = random_prompts(48, rng, lo=1, hi=70)
+    max_tokens = [rng.randint(5, 40) for _ in prompts]
+    engine, _ = make_engine(
+        arch_of(window=6), num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode
+    )
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=m))
+    engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("gone")
+    results = run_all(engine)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[str(i)] == reference_output(p, min(m, 128 - len(p)), VOCAB, EOS), i
+    assert (engine.scheduler.num_preemptions_total > 0) == (num_blocks == 150)
+    assert_no_leak(engine)
+
+
+def test_a_window_holds_several_times_more_sequences_than_full_attention():
+    """The same bytes: a full-only block spans all 6 layers, a windowed layout's block one layer."""
+    prompts = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]  # 511 tokens each
+
+    def peak_running(arch: ModelArch, num_blocks: int) -> int:
+        engine, _ = make_engine(
+            arch,
+            num_blocks,
+            16,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            caching=False,
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+        peak = 0
+
+        def check(e: Engine) -> None:
+            nonlocal peak
+            peak = max(peak, len(e.scheduler.running))
+
+        results = run_all(engine, check)
+        for i, p in enumerate(prompts):
+            assert results[str(i)] == reference_output(p, 200, VOCAB, None)
+        assert_no_leak(engine)
+        return peak
+
+    full_engine_blocks = 400  # 400 blocks x 6 layers
+    n_full = peak_running(arch_of((FULL,) * 6), full_engine_blocks)
+    n_win = peak_running(arch_of(window=32), 6 * full_engine_blocks)
+    assert n_full >= 1 and n_win >= 3 * n_full, (n_win, n_full)
+
+
+# -- prefix hits with windows ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
+def test_prefix_hits_with_windows_and_same_outputs(async_mode):
+    rng = random.Random(4)
+    prefix = [rng.randrange(10, VOCAB) for _ in range(120)]  # longer than the window
+    prompts = [prefix + [rng.randrange(10, VOCAB) for _ in range(rng.randint(1, 20))] for _ in range(16)]
+
+    def run(caching: bool) -> tuple[dict[str, list[int]], Engine]:
+        engine, _ = make_engine(
+            arch_of(window=10), 3000, 4, max_num_batched_tokens=64, caching=caching, async_mode=async_mode
+        )
+        engine.add_request("warm", prompts[0], SamplingParams(max_tokens=4))
+        run_all(engine)  # computes the prefix; its windowed blocks are given back but keep their hashes
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=8))
+        out = run_all(engine)
+        assert_no_leak(engine)
+        return out, engine
+
+    cached, eng = run(True)
+    plain, _ = run(False)
+    assert cached == plain
+    assert eng.kv.prefix_hits >= 16 * 116  # the prefix's 29 full blocks, every time
+
+
+def _cached_request(kv: KVCacheManager, tokens: list[int], rid: str) -> Request:
+    req = Request(rid, tokens, SamplingParams(max_tokens=1), 0, frozenset(), len(tokens) + 1, 0.0)
+    assert kv.allocate(req, len(tokens)) is not None
+    req.num_computed_tokens = len(tokens)
+    kv.cache_computed_blocks(req)
+    return req
+
+
+def test_prefix_hit_is_the_longest_length_every_group_serves():
+    bs, w = 4, 9  # a windowed group needs cdiv(8, 4) = 2 blocks before the hit point
+    kv = KVCacheManager(200, bs, True, windows=(None, w))
+    tokens = list(range(100, 141))  # 41 tokens: hits of at most 10 blocks
+    first = _cached_request(kv, tokens, "a")
+    kv.free(first)
+    probe = Request("b", tokens, SamplingParams(max_tokens=1), 0, frozenset(), 42, 0.0)
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 10
+    assert [b is None for b in hit.blocks[1]] == [True] * 8 + [False] * 2  # only the window's blocks
+    assert all(b is not None for b in hit.blocks[0])
+
+    def evict(group: int, index: int) -> None:
+        """Hand one cached block out, as a reuse by another request would."""
+        hashes = kv._hashes["b"]
+        block = kv.pool.lookup(kv._key(hashes[index], group))
+        assert isinstance(block, Block)
+        kv.pool.free_queue.move_to_end(block.id, last=False)
+        kv.pool.allocate(1)
+        kv.pool.free([block])
+
+    evict(1, 8)  # the window before block 10 is broken: the longest run of 2 ends at block 8
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 8
+    evict(0, 5)  # full attention stops at block 5; the window group has blocks 3, 4 there
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 5
+    evict(1, 3)  # the windowed group's last run of 2 at or before 5 is blocks 1, 2
+    hit = kv.find_cached_prefix(probe)
+    assert (
+        hit is not None and hit.num_blocks == 3 and [b is None for b in hit.blocks[1]] == [True, False, False]
+    )
+    evict(1, 1)  # a run reaching back to block 0 is a hit even shorter than the window: block 0
+    hit = kv.find_cached_prefix(probe)
+    assert hit is not None and hit.num_blocks == 1 and hit.blocks[1][0] is not None
+
+
+def test_blocks_given_back_without_a_prefix_are_reused_first():
+    kv = KVCacheManager(10, 4, True, windows=(None,))
+    cached = _cached_request(kv, list(range(100, 116)), "a")  # 4 hashed blocks
+    kv.free(cached)
+    plain = Request("p", [1, 2], SamplingParams(max_tokens=1), 0, frozenset(), 3, 0.0)
+    kv.allocate(plain, 2)
+    kv.free(plain)  # unhashed: to the head of the free queue
+    other = Request("o", [5] * 3, SamplingParams(max_tokens=1), 0, frozenset(), 4, 0.0)
+    kv.allocate(other, 3)
+    assert kv.pool.num_evictions == 0 and len(kv.pool.cached) == 4
+
+
+# -- the memory check -----------------------------------------------------------------------------
+
+
+def test_pool_too_small_for_one_sequence_counts_windows():
+    arch = arch_of(window=8)
+    need = KVCacheLayout.from_arch(arch, 256).blocks_per_sequence(256, 32, 4)
+    assert need == 64 + 5 * (-(-(7 + 32) // 4) + 1)
+    make_engine(arch, need, 4)  # exactly one sequence fits
+    with pytest.raises(ConfigError, match="less than one sequence of max_model_len 256 needs"):
+        make_engine(arch, need - 1, 4)
+
+
+# -- the runner's caches --------------------------------------------------------------------------
+
+
+class _RecordingBackend:
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.Tensor, object, bool]] = []
+
+    def forward(self, q, k, v, kv_cache, meta, scale, kv_scale=None, *, layer=None, sinks=None):
+        self.calls.append((kv_cache, meta, k is None))
+        return q
+
+
+def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
+    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
+    through their source's group; layers of different groups share a tensor."""
+    from overnight.runner.model_runner import ModelRunner
+
+    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
+    config = EngineConfig(
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+    )
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    layout = runner.kv_layout
+    assert layout.windows == (None, 8) and layout.num_tensors == 2
+    runner.init_kv_cache(10)
+    caches = runner.kv_caches
+    assert len({id(c) for c in caches}) == 2  # two tensors, each one layer of each group
+    assert caches[4] is caches[2] and caches[5] is caches[3]
+    assert caches[0] is caches[1] and caches[2] is caches[3]  # layers 0 and 1: tensor 0 of two groups
+    # One block holds one layer per tensor: 4 tokens x 2 tensors x K/V x 1 head x 8 x fp32.
+    assert runner.kv_bytes_per_block() == 4 * 2 * 2 * 8 * 4
+    backend = _RecordingBackend()
+    runner.backend = backend
+    metas = [object(), object()]
+    batch = runner.attention_batch(metas[0], metas, caches)  # type: ignore[arg-type]
+    q = torch.zeros(1, 1, 8)
+    for layer in range(6):
+        shared = layer >= 4
+        batch(layer, q, None if shared else q, None if shared else q, 1.0)
+    assert [c[1] is metas[layout.layer_group[i]] for i, c in enumerate(backend.calls)] == [True] * 6
+    assert [layout.layer_group[i] for i in range(6)] == [1, 0, 1, 0, 1, 0]
+    assert backend.calls[4][0] is caches[2] and backend.calls[4][2]  # read-only, the source's cache
+
+
+def test_reference_decodes_of_several_lengths_read_only_their_windows():
+    """Batched decodes in the torch reference skip blocks before every window; those given back hold
+    NaN here, and each row still equals a dense computation."""
+    from overnight.attention.spec import LayerAttention
+    from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
+    from tests.test_attention_window_ref import _dense
+
+    torch.manual_seed(0)
+    hq, hkv, d, bs, w = 4, 2, 8, 4, 6
+    lens = [15, 19, 30]  # blocks 0 and 1 are before every window: not read
+    cache = torch.full((2, 24, bs, hkv, d), float("nan"))
+    backend, layer = TorchAttentionBackend(), LayerAttention(w)
+    tables, next_block, contexts = [], 0, []
+    for n in lens:
+        k, v = torch.randn(n, hkv, d), torch.randn(n, hkv, d)
+        table = list(range(next_block, next_block + -(-n // bs)))
+        next_block += len(table)
+        meta = build_metadata([n - 1], [n - 1], [table], bs)  # the context, written by a prefill
+        backend.forward(torch.zeros(n - 1, hq, d), k[:-1], v[:-1], cache, meta, 0.5, layer=layer)
+        for b in range((n - w) // bs):  # blocks wholly before the window: given back
+            cache[:, table[b]] = float("nan")
+        tables.append(table)
+        contexts.append((k, v))
+    q = torch.randn(len(lens), hq, d)
+    k_new = torch.stack([k[-1] for k, _ in contexts])
+    v_new = torch.stack([v[-1] for _, v in contexts])
+    meta = build_metadata([1] * 3, lens, tables, bs, num_decodes=3)
+    got = backend.forward(q, k_new, v_new, cache, meta, 0.5, layer=layer)
+    for i, (n, (k, v)) in enumerate(zip(lens, contexts)):
+        want = _dense(q[i : i + 1], k, v, [n - 1], 0.5, w, None, None)
+        torch.testing.assert_close(got[i : i + 1], want, rtol=1e-5, atol=1e-5)
+
+
+def test_decodes_giving_blocks_back_do_not_push_a_shared_prompt_out():
+    """A batch job: many requests share a long prompt prefix and decode a lot in a nearly full pool.
+    The blocks their windows give back every few tokens hold generated text and are reused first, so
+    the prefix's windowed blocks (freed early, needed by every later hit) stay cached (vLLM #48435)."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(10, VOCAB) for _ in range(64)]
+    engine, _ = make_engine(arch_of(window=8), 700, 4, max_num_seqs=8, max_num_batched_tokens=128)
+    for i in range(32):  # 8 at a time, of different lengths: each later one arrives amid the churn
+        params = SamplingParams(max_tokens=rng.randint(60, 180), ignore_eos=True)
+        engine.add_request(str(i), prefix + [rng.randrange(10, VOCAB) for _ in range(5)], params)
+    run_all(engine)
+    assert engine.scheduler.num_preemptions_total == 0
+    assert engine.kv.pool.num_evictions > 0  # the pool did recycle blocks
+    # Every request but the first two (admitted in the same step as the first) starts past the prefix.
+    assert engine.kv.prefix_hits >= 30 * 64, engine.kv.prefix_hits
+    assert_no_leak(engine)
+
+
+def test_step_buffers_pack_each_groups_tables_and_slots_where_decode_graphs_read_them():
+    """A decode batch padded to a graph's bucket b: group g's slot mapping sits at slots[g*b:(g+1)*b]
+    (the captured graphs read it there), padding rows write nothing, tables[g] holds group g's ids."""
+    from overnight.engine.step_io import NewRequestData
+    from overnight.engine.step_io import SchedulerOutput as Out
+    from overnight.runner.inputs import StepBuffers
+    from overnight.runner.request_state import RequestStates
+
+    states = RequestStates(4, 4, num_groups=2)
+    tables = {"a": [[3, 4], [9, 0]], "b": [[5], [7]], "c": [[6, 8], [1, 2]]}
+    lens = {"a": 6, "b": 3, "c": 8}
+    new = [
+        NewRequestData(rid, list(range(10, 10 + lens[rid])), lens[rid], SamplingParams(), 0, t, lens[rid] - 1)
+        for rid, t in tables.items()
+    ]
+    scheduled = states.apply(Out(new, [], {rid: 1 for rid in tables}, 3))
+    states.begin(scheduled)
+    buffers = StepBuffers(16, 4, 4, 4, torch.device("cpu"), num_groups=2)
+    inputs = buffers.build(scheduled, states, {}, pad_to=4)
+    slots = [m.slot_mapping.tolist() for m in inputs.group_metas]
+    # position lens-1 of each request, in block (lens-1)//4 of the group's table, then one padding row
+    assert slots[0] == [4 * 4 + 1, 5 * 4 + 2, 8 * 4 + 3, -1]
+    assert slots[1] == [0 * 4 + 1, 7 * 4 + 2, 2 * 4 + 3, -1]
+    assert slots[1] == buffers.slots[4:8].tolist()
+    assert inputs.group_metas[1].block_tables[:3, :2].tolist() == [[9, 0], [7, 0], [1, 2]]
+    assert inputs.meta is inputs.group_metas[0] and inputs.meta.block_tables[2, :2].tolist() == [6, 8]
