@@ -19,13 +19,31 @@ R1_CUT = "Okay, so I need to add 2 and 2. Let me think about </thi"
 
 CASES = [
     # (parser, output, starts in reasoning, reasoning, content)
-    ("qwen3", QWEN3_THINKING, False, "Okay, the user asks for 2 + 2. That is basic arithmetic: 4.", "The answer is **4**."),
+    (
+        "qwen3",
+        QWEN3_THINKING,
+        False,
+        "Okay, the user asks for 2 + 2. That is basic arithmetic: 4.",
+        "The answer is **4**.",
+    ),
     ("qwen3", QWEN3_EMPTY_BLOCK, False, None, "The answer is 4."),
     ("qwen3", QWEN3_PLAIN, False, None, QWEN3_PLAIN),
     ("qwen3", "  <think>x</think>y", False, "x", "y"),
     ("qwen3", "<thinking is fun", False, None, "<thinking is fun"),
-    ("deepseek_r1", R1_OPENED_IN_PROMPT, True, "Okay, so I need to add 2 and 2.\nThat gives 4.", "**Answer:** 4"),
-    ("deepseek_r1", QWEN3_THINKING, False, "Okay, the user asks for 2 + 2. That is basic arithmetic: 4.", "The answer is **4**."),
+    (
+        "deepseek_r1",
+        R1_OPENED_IN_PROMPT,
+        True,
+        "Okay, so I need to add 2 and 2.\nThat gives 4.",
+        "**Answer:** 4",
+    ),
+    (
+        "deepseek_r1",
+        QWEN3_THINKING,
+        False,
+        "Okay, the user asks for 2 + 2. That is basic arithmetic: 4.",
+        "The answer is **4**.",
+    ),
     ("deepseek_r1", R1_CUT, True, R1_CUT, ""),
     ("qwen3", "<think>\nstill thinking   \n", False, "still thinking", ""),
 ]

@@ -56,12 +56,20 @@ CASES = [
         "Let me check both.",
         [
             ("get_current_temperature", {"location": "San Francisco, CA, USA", "unit": "celsius"}),
-            ("get_temperature_date", {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"}),
+            (
+                "get_temperature_date",
+                {"location": "San Francisco, CA, USA", "date": "2024-10-01", "unit": "celsius"},
+            ),
         ],
     ),
     ("hermes", "No tools needed: it is 4.", "No tools needed: it is 4.", []),
     ("hermes", "a <tool_c and more", "a <tool_c and more", []),
-    ("llama3_json", LLAMA3, "", [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})]),
+    (
+        "llama3_json",
+        LLAMA3,
+        "",
+        [("get_current_conditions", {"location": "San Francisco, CA", "unit": "Fahrenheit"})],
+    ),
     ("llama3_json", LLAMA3_TAG, "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]),
     ("llama3_json", "The weather is fine.", "The weather is fine.", []),
     ("llama3_json", '{"answer": 4}', '{"answer": 4}', []),
@@ -74,11 +82,21 @@ CASES = [
             ("get_current_weather", {"location": "Lyon, France", "format": "celsius"}),
         ],
     ),
-    ("mistral", MISTRAL_ARGS, "", [("get_current_weather", {"location": "Paris, France", "format": "celsius"})]),
-    ("mistral", "Sure. " + MISTRAL_ARGS + MISTRAL_ARGS.replace("Paris", "Nice"), "Sure.", [
-        ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
-        ("get_current_weather", {"location": "Nice, France", "format": "celsius"}),
-    ]),
+    (
+        "mistral",
+        MISTRAL_ARGS,
+        "",
+        [("get_current_weather", {"location": "Paris, France", "format": "celsius"})],
+    ),
+    (
+        "mistral",
+        "Sure. " + MISTRAL_ARGS + MISTRAL_ARGS.replace("Paris", "Nice"),
+        "Sure.",
+        [
+            ("get_current_weather", {"location": "Paris, France", "format": "celsius"}),
+            ("get_current_weather", {"location": "Nice, France", "format": "celsius"}),
+        ],
+    ),
     ("qwen3_coder", QWEN3_CODER, "I will look it up.", [("get_weather", {"city": "Beijing", "days": 3})]),
 ]
 
@@ -128,7 +146,7 @@ def test_every_cut_streams_the_whole_parse(name, text, content, calls):
 
 def test_stream_sends_the_name_before_the_arguments_finish():
     stream = ToolCallStream(_parser("hermes"))
-    assert stream.feed("<tool_call>\n{\"name\": \"get_wea") == ("", [])
+    assert stream.feed('<tool_call>\n{"name": "get_wea') == ("", [])
     _, deltas = stream.feed('ther", "arguments": {"ci')
     assert deltas == [
         {
@@ -138,7 +156,10 @@ def test_stream_sends_the_name_before_the_arguments_finish():
             "function": {"name": "get_weather", "arguments": '{"ci'},
         }
     ]
-    assert stream.feed('ty": "Oslo"}}\n</tool_call>') == ("", [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}])
+    assert stream.feed('ty": "Oslo"}}\n</tool_call>') == (
+        "",
+        [{"index": 0, "function": {"arguments": 'ty": "Oslo"}'}}],
+    )
 
 
 @pytest.mark.parametrize(
@@ -155,7 +176,10 @@ def test_forced_calls_whole_and_streamed(text, calls):
     content, got = parse_tool_calls(ForcedParser(WEATHER_TOOLS), text)
     assert content == "" and [(c.name, json.loads(c.arguments)) for c in got] == calls
     for i in range(len(text) + 1):
-        assert _streamed(ForcedParser(WEATHER_TOOLS), [text[:i], text[i:]]) == ("", [(c.name, c.arguments) for c in got])
+        assert _streamed(ForcedParser(WEATHER_TOOLS), [text[:i], text[i:]]) == (
+            "",
+            [(c.name, c.arguments) for c in got],
+        )
 
 
 def test_mistral_keeps_special_tokens_and_unknown_names_are_refused():

@@ -86,6 +86,10 @@ def check_message(index: int, m: Any) -> None:
         raise InvalidRequestError(
             f"message {index}: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}"
         )
+    if role == "tool" and not m.get("tool_call_id"):
+        raise InvalidRequestError(
+            f"message {index}: a tool message needs tool_call_id (the id of the call it answers)"
+        )
     content = m.get("content")
     if content is None:
         if role != "assistant":

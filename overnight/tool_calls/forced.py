@@ -75,7 +75,8 @@ def named_choice(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
     if isinstance(tool_choice, str):
         if tool_choice not in TOOL_CHOICES:
             raise ToolError(
-                "tool_choice", f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {tool_choice!r}"
+                "tool_choice",
+                f"must be one of {', '.join(TOOL_CHOICES)} or a named function, got {tool_choice!r}",
             )
         return None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function":
@@ -87,7 +88,8 @@ def named_choice(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
     known = [t["function"]["name"] for t in tools]
     if name not in known:
         raise ToolError(
-            "tool_choice", f"names the function {name!r}, which is not in tools ({', '.join(known) or 'none'})"
+            "tool_choice",
+            f"names the function {name!r}, which is not in tools ({', '.join(known) or 'none'})",
         )
     return name
 
@@ -103,8 +105,12 @@ def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def forced_schema(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
-    """The JSON schema of the output: one call of `name`, or ("required": name None) a list of calls."""
+def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool = True) -> dict[str, Any]:
+    """The JSON schema of the output: one call of `name`, or ("required": name None) a list of calls
+    (of one call when parallel_tool_calls is false)."""
     if name is not None:
         return _call_schema(next(t for t in tools if t["function"]["name"] == name))
-    return {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema

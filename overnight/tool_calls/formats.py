@@ -66,7 +66,9 @@ class ToolParser:
 
     def __init__(self, tools: list[dict[str, Any]] | None = None) -> None:
         self.tools = {
-            t["function"]["name"]: t["function"].get("parameters") or {} for t in (tools or []) if "function" in t
+            t["function"]["name"]: t["function"].get("parameters") or {}
+            for t in (tools or [])
+            if "function" in t
         }
 
     def parse(self, text: str, final: bool = True) -> Parsed:

@@ -27,7 +27,11 @@ class ToolCall:
     id: str = field(default_factory=new_call_id)
 
     def as_json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def parse_tool_calls(parser: ToolParser, text: str) -> tuple[str, list[ToolCall]]:
