@@ -72,18 +72,23 @@ class ResponsesRequest(_Body):
 
     @model_validator(mode="after")
     def _no_state(self) -> ResponsesRequest:
+        # ApiErrors leave pydantic as they are, with the field they name.
         if self.store:
-            raise ValueError(
-                "store: true is not supported: this server keeps no responses (send store: false)"
+            raise ApiError(
+                "invalid_request",
+                "store: true is not supported: this server keeps no responses (send store: false)",
+                "store",
             )
         if self.previous_response_id is not None:
-            raise ValueError(
-                "previous_response_id is not supported: no responses are stored; send the conversation in input"
+            raise ApiError(
+                "invalid_request",
+                "previous_response_id is not supported: no responses are stored; send the conversation in input",
+                "previous_response_id",
             )
         if self.background:
-            raise ValueError("background is not supported")
+            raise ApiError("invalid_request", "background: not supported", "background")
         if self.input == "" or self.input == []:
-            raise ValueError("input must not be empty")
+            raise ApiError("invalid_request", "input: must not be empty", "input")
         self.as_chat()  # every check of the chat request it becomes, now (ApiError naming the field)
         return self
 
@@ -285,7 +290,7 @@ def response_object(
 def response_usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": input_tokens + output_tokens,
