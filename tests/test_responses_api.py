@@ -62,8 +62,18 @@ def test_items_with_calls_and_their_outputs_become_turns():
         {
             "input": [
                 {"role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"}]},
-                {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
-                {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+                {
+                    "type": "function_call",
+                    "call_id": "call_1",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Oslo"}',
+                },
+                {
+                    "type": "function_call",
+                    "call_id": "call_2",
+                    "name": "get_weather",
+                    "arguments": '{"city": "Rome"}',
+                },
                 {"type": "function_call_output", "call_id": "call_1", "output": "-3 C"},
                 {"type": "function_call_output", "call_id": "call_2", "output": "18 C"},
             ],
@@ -86,9 +96,17 @@ def test_items_with_calls_and_their_outputs_become_turns():
         ({"input": "x", "store": True}, "store", "store"),
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "previous_response_id"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only function tools"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "input_image"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input",
+            "input_image",
+        ),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input", "tool_call_id"),
-        ({"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
+        (
+            {"input": "x", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}},
+            "tool_choice",
+            "'nope'",
+        ),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text", "schema"),
         ({"input": ""}, "input", "empty"),
     ],
@@ -126,7 +144,11 @@ def test_reasoning_and_calls_become_output_items():
     assert kinds == ["reasoning", "function_call"]
     assert r.output[0].summary[0].text == "The user wants weather."
     call = r.output[1]
-    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Oslo"} and call.call_id.startswith("call_")
+    assert (
+        call.name == "get_weather"
+        and json.loads(call.arguments) == {"city": "Oslo"}
+        and call.call_id.startswith("call_")
+    )
 
 
 def test_stream_events_parse_and_end_with_the_whole_response():
@@ -139,7 +161,12 @@ def test_stream_events_parse_and_end_with_the_whole_response():
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         delta = RequestOutput(
-            "r", None, [1, 2], [CompletionOutput(0, piece, [7], None, None, "stop" if last else None)], last, delta=True
+            "r",
+            None,
+            [1, 2],
+            [CompletionOutput(0, piece, [7], None, None, "stop" if last else None)],
+            last,
+            delta=True,
         )
         events += stream.chunks(delta)
     events += stream.final_chunks()

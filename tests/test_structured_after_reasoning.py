@@ -51,7 +51,9 @@ def test_a_resumed_request_replays_the_reasoning_and_the_answer(compiler, tokeni
     outputs += tokenizer.encode('{"name": "x', add_special_tokens=False)
     resumed = runner_req("a", [5], outputs, gated)
     m = mask.build([resumed])
-    straight = runner_req("b", [5], [], SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA)))
+    straight = runner_req(
+        "b", [5], [], SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    )
     mask.build([straight])
     straight.token_ids += tokenizer.encode('{"name": "x', add_special_tokens=False)
     assert not resumed.guide.ended and resumed.guide.waiting_for is None

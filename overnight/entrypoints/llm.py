@@ -115,6 +115,7 @@ class LLM:
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them.
 
@@ -147,7 +148,9 @@ class LLM:
                     add_generation_prompt=add_generation_prompt,
                     **kwargs,
                 )
-                plan, params[i] = plan_message(self.chat_options, params[i], text, tools, tool_choice)
+                plan, params[i] = plan_message(
+                    self.chat_options, params[i], text, tools, tool_choice, parallel_tool_calls
+                )
             except ToolError as e:
                 raise InvalidRequestError(f"conversation {i}: {e}") from None
             prompts.append({"prompt": text, "prompt_token_ids": ids})

@@ -110,7 +110,11 @@ def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool 
     (of one call when parallel_tool_calls is false)."""
     if name is not None:
         return _call_schema(next(t for t in tools if t["function"]["name"] == name))
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": [_call_schema(t) for t in tools]}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": [_call_schema(t) for t in tools]},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
