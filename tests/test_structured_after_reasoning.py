@@ -4,20 +4,30 @@ plan sets that marker only when the prompt has not already closed the reasoning.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from overnight.options import ChatOptions
 from overnight.runner.grammar_mask import GrammarMask
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
+from overnight.structured.compiler import GrammarCompiler
+from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
+from overnight.tokenizer.tokenizer import Tokenizer
 from overnight.tool_calls.message import plan_message
-from tests.test_structured_units import (  # noqa: F401  (fixtures)
-    MODEL_VOCAB,
-    SCHEMA,
-    allowed_ids,
-    compiler,
-    runner_req,
-    tokenizer,
-)
+from tests.test_structured_units import EOS, MODEL_VOCAB, SCHEMA, SPECIALS, VOCAB, allowed_ids, runner_req
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    folder = save_synthetic_tokenizer_folder(tmp_path_factory.mktemp("synthetic"), VOCAB, SPECIALS)
+    return Tokenizer(AutoTokenizer.from_pretrained(folder, local_files_only=True), (EOS,))
+
+
+@pytest.fixture()
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler.for_tokenizer(tokenizer, MODEL_VOCAB)
 
 
 def test_the_grammar_starts_after_the_marker(compiler, tokenizer):
