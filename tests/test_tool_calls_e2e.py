@@ -1,4 +1,4 @@
-"""Forced tool calls on the embedded default model (SmolLM2-135M, CPU): a named tool_choice and
+"""Forced tool calls, and structured outputs after reasoning, on the embedded default model (SmolLM2-135M, CPU): a named tool_choice and
 "required" make calls whose arguments parse and validate against the tool's schema, through LLM.chat,
 run-batch (chat and /v1/responses lines, next to bad lines that each get an error line naming the
 problem) and the server through the official `openai` client (streamed and not, chat and responses)."""
@@ -52,6 +52,35 @@ def assert_valid_call(name: str, arguments: str) -> None:
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(dtype="float32", max_model_len=1024, max_num_seqs=8)
+
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n<think>\n"
+)
+
+
+def test_structured_output_constrains_the_answer_not_the_reasoning():
+    """A template that opens the reasoning block in the prompt: the output starts inside it, is read as
+    reasoning, and is not held to the JSON grammar, which waits for </think> (the small model never
+    writes it). A template that closes the block (thinking off) gets JSON from the first token."""
+    from overnight import StructuredOutputsParams
+
+    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, reasoning_parser="qwen3")
+    ask = [{"role": "user", "content": "Name a city."}]
+    free = llm.chat(
+        ask, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False, chat_template=TEMPLATE
+    )[0]
+    json_params = SamplingParams(
+        temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(json_object=True)
+    )
+    gated = llm.chat(ask, json_params, use_tqdm=False, chat_template=TEMPLATE)[0]
+    assert gated.outputs[0].token_ids == free.outputs[0].token_ids  # the grammar did not touch it
+    assert gated.outputs[0].reasoning_content and gated.outputs[0].text == ""
+    closed = llm.chat(ask, json_params, use_tqdm=False, chat_template=TEMPLATE + "\n</think>\n\n")[0].outputs[
+        0
+    ]
+    assert closed.reasoning_content is None and closed.text.startswith("{")
 
 
 def test_llm_chat_forced_calls(llm):
