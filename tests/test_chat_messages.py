@@ -33,7 +33,12 @@ def _plan():
 
 def _out(text: str, reason: str | None = "stop", delta: bool = False) -> RequestOutput:
     return RequestOutput(
-        "r", None, [1, 2], [CompletionOutput(0, text, [3], None, None, reason)], reason is not None, delta=delta
+        "r",
+        None,
+        [1, 2],
+        [CompletionOutput(0, text, [3], None, None, reason)],
+        reason is not None,
+        delta=delta,
     )
 
 

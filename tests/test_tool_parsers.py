@@ -153,8 +153,9 @@ def test_stream_sends_the_name_before_the_arguments_finish():
             "index": 0,
             "id": deltas[0]["id"],
             "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"ci'},
-        }
+            "function": {"name": "get_weather", "arguments": ""},
+        },
+        {"index": 0, "function": {"arguments": '{"ci'}},
     ]
     assert stream.feed('ty": "Oslo"}}\n</tool_call>') == (
         "",

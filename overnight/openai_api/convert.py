@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
 from overnight.openai_api.responses import ResponsesRequest, response_object
 from overnight.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
-from overnight.tool_calls.message import MessagePlan, MessageStream, merge_call_deltas
+from overnight.tool_calls.message import MessagePlan, MessageStream
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
@@ -416,14 +416,28 @@ class ChatStream(_Stream):
             lps = None
             if c.logprobs is not None and self.num_logprobs is not None:
                 lps = _chat_logprobs(c.logprobs, self.num_logprobs, c.token_ids)
-            if not message and lps is None and reason is None:
-                continue
-            out.append(
-                self._chunk(
-                    self.OBJECT,
-                    [{"index": c.index, "delta": message, "logprobs": lps, "finish_reason": reason}],
+            # Tool calls go out one delta a chunk, as OpenAI sends them: a call's first (id, name,
+            # empty arguments), then its argument fragments; the choice's other fields come first.
+            calls = message.pop("tool_calls", [])
+            parts = [message] if message or not calls else []
+            parts += [{"tool_calls": [call]} for call in calls]
+            if not parts and (lps is not None or reason is not None):
+                parts = [message]
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                out.append(
+                    self._chunk(
+                        self.OBJECT,
+                        [
+                            {
+                                "index": c.index,
+                                "delta": part,
+                                "logprobs": lps if i == 0 else None,
+                                "finish_reason": reason if last else None,
+                            }
+                        ],
+                    )
                 )
-            )
         return out
 
     def _read(self, index: int, text: str, reason: str | None, message: dict[str, Any]) -> str | None:
@@ -440,7 +454,7 @@ class ChatStream(_Stream):
             else:
                 d.content += last.content
                 d.reasoning_content += last.reasoning_content
-                d.tool_calls = merge_call_deltas(d.tool_calls + last.tool_calls)
+                d.tool_calls = d.tool_calls + last.tool_calls
         if d is not None:
             if d.reasoning_content:
                 message["reasoning_content"] = d.reasoning_content

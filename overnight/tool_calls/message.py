@@ -113,20 +113,8 @@ class MessageStream:
         if final:
             more, more_calls = self._tools.finish()
             out.content += more
-            out.tool_calls = merge_call_deltas(out.tool_calls + more_calls)
+            out.tool_calls = out.tool_calls + more_calls
         return out
-
-
-def merge_call_deltas(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One delta per call index: argument fragments of one chunk joined."""
-    merged: dict[int, dict[str, Any]] = {}
-    for d in deltas:
-        before = merged.get(d["index"])
-        if before is None:
-            merged[d["index"]] = {**d, "function": dict(d["function"])}
-        else:
-            before["function"]["arguments"] += d["function"]["arguments"]
-    return list(merged.values())
 
 
 def plan_message(

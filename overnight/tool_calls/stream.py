@@ -1,8 +1,8 @@
 """Tool calls as OpenAI's objects, whole and streamed.
 
 Whole: `message.tool_calls = [{"id": "call_...", "type": "function", "function": {"name", "arguments"}}]`.
-Streamed as OpenAI streams them: a call's first delta carries its index, id, type, name and the arguments
-so far; later deltas carry argument fragments under the same index. ToolCallStream re-reads the text so
+Streamed as OpenAI streams them: a call's first delta carries its index, id, type, name and empty
+arguments; later deltas carry argument fragments under the same index. ToolCallStream re-reads the text so
 far at each delta and sends what grew (formats.py: a parse only grows), so the fragments of a call
 concatenated equal its whole `arguments`.
 """
@@ -74,9 +74,11 @@ class ToolCallStream:
                         "index": i,
                         "id": call_id,
                         "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
+                        "function": {"name": call.name, "arguments": ""},
                     }
                 )
+                if call.arguments:
+                    deltas.append({"index": i, "function": {"arguments": call.arguments}})
                 continue
             grown = call.arguments[self._args_sent[i] :]
             if grown:
