@@ -13,7 +13,8 @@ from pydantic import TypeAdapter
 from overnight.openai_api.convert import response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import ChatCompletionRequest, parse_request
-from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest, ResponseStream
+from overnight.openai_api.response_objects import ResponseStream
+from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest
 from overnight.options import ChatOptions
 from overnight.outputs import CompletionOutput, RequestOutput
 from overnight.sampling_params import SamplingParams

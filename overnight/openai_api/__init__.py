@@ -4,7 +4,7 @@
                 parse_request
     inputs      body -> engine inputs: prepare (model name, prompts, length, Sampling/PoolingParams)
     convert     RequestOutput -> ChatCompletion / Completion bodies and streaming chunks
-    responses   /v1/responses: the body as a chat request, the answer as a Response object
+    responses   /v1/responses: the body as a chat request (response_objects: the Response, whole and streamed)
     embeddings  PoolingRequestOutputs -> the embedding response (float or base64)
     errors    ApiError: status code and the {"error": {...}} object
 

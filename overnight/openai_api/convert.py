@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
-from overnight.openai_api.responses import ResponsesRequest, response_object
+from overnight.openai_api.response_objects import response_object
+from overnight.openai_api.responses import ResponsesRequest
 from overnight.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from overnight.tool_calls.message import MessagePlan, MessageStream
 

@@ -111,7 +111,7 @@ class ReasoningStream:
                     self.buf = self.buf[i + len(p.end) :]
                     self.state = _AFTER
                     continue
-                keep = 0 if final else _partial_suffix(self.buf, p.end)
+                keep = 0 if final else partial_suffix(self.buf, p.end)
                 self._reason(self.buf[: len(self.buf) - keep], r, closing=final)
                 self.buf = self.buf[len(self.buf) - keep :]
                 break
@@ -148,7 +148,7 @@ class ReasoningStream:
             out.append(text)
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of `text` that is a proper prefix of `marker` (0 if none)."""
     for k in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:k]):

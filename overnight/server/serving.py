@@ -29,7 +29,8 @@ from overnight.openai_api.protocol import (
     OpenAIRequest,
     parse_request,
 )
-from overnight.openai_api.responses import ResponsesRequest, ResponseStream
+from overnight.openai_api.response_objects import ResponseStream
+from overnight.openai_api.responses import ResponsesRequest
 from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.pooling_params import RequestParams

@@ -21,7 +21,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from overnight.reasoning.parsers import _partial_suffix
+from overnight.reasoning.parsers import partial_suffix
 from overnight.tool_calls.json_scan import Malformed, object_members, skip_ws, string_value, value_end
 
 
@@ -42,7 +42,7 @@ def _held_content(text: str, marker: str, final: bool) -> str:
     whitespace that precedes calls, stripped then) could still claim."""
     if final:
         return text
-    return text[: len(text) - _partial_suffix(text, marker)].rstrip()
+    return text[: len(text) - partial_suffix(text, marker)].rstrip()
 
 
 def _call_of(t: str, start: int, args_keys: tuple[str, ...], final: bool) -> tuple[PartialCall, int | None]:
