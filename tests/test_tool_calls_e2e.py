@@ -60,13 +60,23 @@ TEMPLATE = (
 )
 
 
-def test_structured_output_constrains_the_answer_not_the_reasoning():
+def test_structured_output_constrains_the_answer_not_the_reasoning(llm):
     """A template that opens the reasoning block in the prompt: the output starts inside it, is read as
     reasoning, and is not held to the JSON grammar, which waits for </think> (the small model never
     writes it). A template that closes the block (thinking off) gets JSON from the first token."""
     from overnight import StructuredOutputsParams
 
-    llm = LLM(dtype="float32", max_model_len=512, max_num_seqs=4, reasoning_parser="qwen3")
+    before = (
+        llm.chat_options
+    )  # this test's engine reads chat with a reasoning parser (LLM(reasoning_parser=))
+    llm.chat_options = ChatOptions(reasoning_parser="qwen3")
+    try:
+        _reasoning_checks(llm, StructuredOutputsParams)
+    finally:
+        llm.chat_options = before
+
+
+def _reasoning_checks(llm, StructuredOutputsParams):
     ask = [{"role": "user", "content": "Name a city."}]
     free = llm.chat(
         ask, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False, chat_template=TEMPLATE
@@ -213,9 +223,9 @@ def test_run_batch_tool_lines_responses_lines_and_bad_lines(tmp_path):
 
 @pytest.fixture(scope="module")
 def client(llm):
-    server_llm = LLM(mode="server", dtype="float32", max_model_len=1024, max_num_seqs=8)
+    # The module's engine, now behind the server (the offline tests above ran first).
     chat = ChatOptions(enable_auto_tool_choice=True, tool_call_parser="hermes")
-    with BackgroundServer(make_app(server_llm.engine, ServerOptions(), chat=chat)) as s:
+    with BackgroundServer(make_app(llm.engine, ServerOptions(), chat=chat)) as s:
         yield openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
