@@ -92,3 +92,15 @@ def test_every_cut_of_a_stream_gives_the_whole_message():
         assert finish == "tool_calls"
     content, reasoning, calls, _ = _stream(list(TEXT))
     assert content == whole["content"] and len(calls) == 1
+
+
+def test_tool_choice_without_tools():
+    from overnight.openai_api.errors import ApiError
+    from overnight.openai_api.protocol import parse_request
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for choice in ("auto", "none"):  # what clients send by default: nothing to choose, nothing changes
+        parse_request("/v1/chat/completions", {"messages": msgs, "tool_choice": choice})
+    with pytest.raises(ApiError, match="'required' needs tools") as info:
+        parse_request("/v1/chat/completions", {"messages": msgs, "tool_choice": "required"})
+    assert info.value.param == "tool_choice"

@@ -135,12 +135,15 @@ class LLM:
             if add_generation_prompt is True:
                 add_generation_prompt = False  # continuing a message leaves no room for a new turn
             kwargs["continue_final_message"] = True
+        if tools:
+            try:
+                check_tools(tools)
+            except ToolError as e:
+                raise InvalidRequestError(str(e)) from None
         prompts: list[PromptType] = []
         plans: list[MessagePlan] = []
         for i, conv in enumerate(conversations):
             try:
-                if tools:
-                    check_tools(tools)
                 text, ids = render_conversation(
                     conv,
                     self.engine.tokenizer,

@@ -350,8 +350,8 @@ class ChatCompletionRequest(_SamplingFields):
             if self.tools:
                 check_tools(self.tools)
                 named_choice("auto" if self.tool_choice is None else self.tool_choice, self.tools)
-            elif self.tool_choice is not None and self.tool_choice != "none":
-                raise ToolError("tool_choice", "is only allowed when tools are given")
+            elif self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+                raise ToolError("tool_choice", f"{self.tool_choice!r} needs tools to choose from")
         except ToolError as e:
             raise ApiError("invalid_request", str(e), e.param.split("[")[0].split(".")[0]) from None
         return self

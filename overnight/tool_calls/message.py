@@ -158,8 +158,8 @@ def plan_message(
             parser = TOOL_PARSERS[options.tool_call_parser](tools)
             if parser.needs_special_tokens and params.skip_special_tokens:
                 params = replace(params, skip_special_tokens=False)
-    elif tool_choice is not None and tool_choice != "none":
-        raise ToolError("tool_choice", "is only allowed when tools are given")
+    elif tool_choice is not None and tool_choice not in ("none", "auto"):
+        raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
     starts = reasoning.starts_in_reasoning(prompt) if reasoning is not None else False
     plan = MessagePlan(reasoning, starts, parser, named)
     if (
