@@ -44,6 +44,9 @@ class LLM:
     Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...;
     trust_remote_code is accepted and changes nothing: no checkpoint's own code is ever run).
 
+    reasoning_parser, enable_auto_tool_choice and tool_call_parser (options.ChatOptions) say how chat()
+    reads outputs: reasoning_content split from the answer, tool calls parsed.
+
     max_tokens past the context is clamped, as vLLM's offline class does: a request whose prompt plus
     max_tokens exceeds max_model_len ends with finish_reason "length" at max_model_len. (The server and
     run-batch refuse such a request instead, with the arithmetic, since a client chose that number.)
