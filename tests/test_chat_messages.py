@@ -104,3 +104,21 @@ def test_tool_choice_without_tools():
     with pytest.raises(ApiError, match="'required' needs tools") as info:
         parse_request("/v1/chat/completions", {"messages": msgs, "tool_choice": "required"})
     assert info.value.param == "tool_choice"
+
+
+def test_forced_calls_get_the_tools_grammar_and_refuse_what_it_cannot_enforce():
+    from overnight.tool_calls.forced import ToolError
+
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan, params = plan_message(None, SamplingParams(), None, tools, named)
+    schema = params.structured_outputs.json
+    assert schema["properties"] == {"name": {"const": "get_weather"}, "arguments": weather} and plan.named
+    _, params = plan_message(None, SamplingParams(), None, tools, "required", parallel_tool_calls=False)
+    assert params.structured_outputs.json["maxItems"] == 1
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "not": {}}}}]
+    with pytest.raises(ToolError, match=r"tools\[0\].function.parameters: uses 'not'"):
+        plan_message(None, SamplingParams(), None, bad, "required")
+    plan, params = plan_message(None, SamplingParams(), None, bad, "none")  # no grammar: nothing to enforce
+    assert plan.tools is None and params.structured_outputs is None

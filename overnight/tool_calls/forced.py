@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from overnight.structured.schema_check import unsupported_keyword
+
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 TOOL_CHOICES = ("none", "auto", "required")
 
@@ -92,6 +94,21 @@ def named_choice(tool_choice: Any, tools: list[dict[str, Any]]) -> str | None:
             f"names the function {name!r}, which is not in tools ({', '.join(known) or 'none'})",
         )
     return name
+
+
+def check_enforceable(tools: list[dict[str, Any]], name: str | None) -> None:
+    """The parameters of the tools a forced call may use hold no keyword the grammar cannot enforce
+    (the arguments would then not be sure to validate): ToolError naming the tool and the keyword."""
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if name is not None and fn["name"] != name:
+            continue
+        found = unsupported_keyword(fn.get("parameters") or {})
+        if found:
+            raise ToolError(
+                f"tools[{i}].function.parameters",
+                f"uses {found}, a keyword a forced call's grammar cannot enforce",
+            )
 
 
 def _call_schema(tool: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from overnight.reasoning.parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
-from overnight.tool_calls.forced import ToolError, check_tools, forced_schema, named_choice
+from overnight.tool_calls.forced import ToolError, check_enforceable, check_tools, forced_schema, named_choice
 from overnight.tool_calls.formats import TOOL_PARSERS, ForcedParser, ToolParser
 from overnight.tool_calls.stream import ToolCall, ToolCallStream, parse_tool_calls
 
@@ -144,6 +144,7 @@ def plan_message(
                 raise ToolError(
                     "tool_choice", "a forced tool call cannot be combined with another structured output"
                 )
+            check_enforceable(tools, name)
             schema = forced_schema(tools, name, parallel=parallel_tool_calls is not False)
             params = replace(params, structured_outputs=StructuredOutputsParams(json=schema))
             parser, named = ForcedParser(tools), name is not None
