@@ -133,16 +133,13 @@ class LLM:
         params = _params_for(sampling_params, len(conversations))
         kwargs = dict(chat_template_kwargs or {})
         if tools:
-            kwargs["tools"] = tools
-        if continue_final_message:
-            if add_generation_prompt is True:
-                add_generation_prompt = False  # continuing a message leaves no room for a new turn
-            kwargs["continue_final_message"] = True
-        if tools:
             try:
-                check_tools(tools)
+                kwargs["tools"] = check_tools(tools)
             except ToolError as e:
                 raise InvalidRequestError(str(e)) from None
+        if continue_final_message:
+            add_generation_prompt = False  # continuing a message leaves no room for a new turn
+            kwargs["continue_final_message"] = True
         prompts: list[PromptType] = []
         plans: list[MessagePlan] = []
         for i, conv in enumerate(conversations):
