@@ -122,3 +122,14 @@ def test_forced_calls_get_the_tools_grammar_and_refuse_what_it_cannot_enforce():
         plan_message(None, SamplingParams(), None, bad, "required")
     plan, params = plan_message(None, SamplingParams(), None, bad, "none")  # no grammar: nothing to enforce
     assert plan.tools is None and params.structured_outputs is None
+
+
+def test_llm_takes_the_chat_options_and_checks_them_before_loading():
+    from overnight import LLM
+
+    chat, rest = ChatOptions.split_kwargs({"reasoning_parser": "qwen3", "dtype": "float32"})
+    assert chat == ChatOptions(reasoning_parser="qwen3") and rest == {"dtype": "float32"}
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'"):
+        LLM(reasoning_parser="nope")
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        LLM(enable_auto_tool_choice=True)
