@@ -235,3 +235,50 @@ def block_size_for(kv_cache_dtype: str, block_size: int | None) -> int:
     if block_size is not None:
         return block_size
     return DEFAULT_BLOCK_SIZE if kv_cache_dtype == "auto" else FP8_BLOCK_SIZE
+
+
+# Names of the parsers (overnight/reasoning, overnight/tool_calls), kept here so this module stays light;
+# tests/test_chat_messages.py checks them against the registries.
+REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "qwen", "qwen3_coder")
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How chat outputs are read: reasoning split from the answer, tool calls parsed. Flags of `serve` and
+    `run-batch`; keyword arguments of LLM."""
+
+    reasoning_parser: str | None = option(
+        None,
+        "split <think> reasoning from the answer (message.reasoning_content); structured outputs then "
+        "constrain the answer only",
+        choices=REASONING_PARSER_NAMES,
+    )
+    enable_auto_tool_choice: bool = option(
+        False, 'let the model decide to call tools (tool_choice "auto"); needs --tool-call-parser'
+    )
+    tool_call_parser: str | None = option(
+        None,
+        "the format the model writes tool calls in, for tool_choice auto",
+        choices=TOOL_CALL_PARSER_NAMES,
+    )
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSER_NAMES:
+            raise ValueError(
+                f"unknown reasoning parser {self.reasoning_parser!r}; known: {', '.join(REASONING_PARSER_NAMES)}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSER_NAMES:
+            raise ValueError(
+                f"unknown tool-call parser {self.tool_call_parser!r}; known: {', '.join(TOOL_CALL_PARSER_NAMES)}"
+            )
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME")
+
+    @classmethod
+    def split_kwargs(cls, kwargs: dict[str, Any]) -> tuple[ChatOptions, dict[str, Any]]:
+        """(these options, the other keyword arguments) of LLM(**kwargs)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in kwargs.items() if k in names}), {
+            k: v for k, v in kwargs.items() if k not in names
+        }

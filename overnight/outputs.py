@@ -4,7 +4,7 @@ text, PoolingRequestOutput for a pooled vector (EmbeddingRequestOutput is the fo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,10 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"; None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    # LLM.chat with a reasoning parser or tools: `text` is then the answer alone, the reasoning and the
+    # calls (overnight.tool_calls.ToolCall: id, name, arguments as JSON text) are here.
+    reasoning_content: str | None = None
+    tool_calls: list[Any] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

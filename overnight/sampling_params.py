@@ -30,6 +30,9 @@ class StructuredOutputsParams:
     # `{"a": 1, "b": [1, 2]}`. False: any whitespace JSON allows. The default differs from vLLM's on
     # purpose: small models given free whitespace often emit newlines until max_tokens cuts the JSON.
     disable_any_whitespace: bool | None = None
+    # The constraint starts after this text appears in the output (a reasoning parser's end marker:
+    # the reasoning is free, the answer constrained); None: from the first token. Not part of `key`.
+    start_after: str | None = None
     key: tuple[str, str, bool] = field(init=False, repr=False, compare=False, default=("", "", True))
 
     def __post_init__(self) -> None:

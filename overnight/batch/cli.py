@@ -23,7 +23,7 @@ from overnight.errors import ConfigError
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
-from overnight.options import add_engine_args, options_from_args
+from overnight.options import ChatOptions, add_engine_args, add_option_args, from_args, options_from_args
 
 log = logging.getLogger("overnight.batch")
 
@@ -64,7 +64,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="write results in input order (default; finished lines that must wait for an earlier one "
         "wait on disk in OUTPUT.spill) or as they finish",
     )
-    p.add_argument("--errors-file", default=None, help="write failed lines here instead of the output")
+    p.add_argument(
+        "--error-file",
+        "--errors-file",
+        dest="errors_file",
+        default=None,
+        help="write failed lines here instead of the output (as the OpenAI Batch API keeps an error file)",
+    )
     p.add_argument(
         "--validate-only",
         action="store_true",
@@ -79,6 +85,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
+    add_option_args(p, ChatOptions, "chat: reasoning and tool calls")
     r = p.add_argument_group("ray (pip install 'overnight[ray]')")
     r.add_argument("--ray", action="store_true", help="run the engines as replicas on a Ray cluster")
     r.add_argument(
@@ -104,6 +111,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.input_file != "-" and not os.path.isfile(args.input_file):
         raise UsageError(f"input file {args.input_file} not found")
     if args.validate_only:
+        chat_options(args)
         return
     if args.output_file is None:
         raise UsageError("-o/--output-file is required (use - for stdout)")
@@ -120,6 +128,14 @@ def _check_args(args: argparse.Namespace) -> None:
     try:
         check_schedule(args.schedule, args.lookahead_window)
     except ConfigError as e:
+        raise UsageError(str(e)) from None
+    chat_options(args)
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    try:
+        return from_args(ChatOptions, args)
+    except ValueError as e:
         raise UsageError(str(e)) from None
 
 
@@ -199,6 +215,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         schedule=make_order(args.schedule, args.lookahead_window, block_size),
         answered=answered,
         progress=progress,
+        chat=chat_options(args),
     )
     status, code = "completed", 0
     # SIGTERM (a scheduler pre-empting the job) stops like Ctrl-C: finished lines written, summary printed.

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import AnyRequest, parse_request
+from overnight.openai_api.responses import ResponsesRequest
 
 # Used only to name the custom_id of a line that is not valid JSON, so its error line can carry it.
 _CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*"((?:[^"\\]|\\.)*)"')
@@ -24,7 +25,7 @@ class BatchLine:
     line_no: int  # 1-based, counting every line of the file (blank ones too)
     custom_id: str | None
     url: str | None = None
-    request: AnyRequest | None = None
+    request: AnyRequest | ResponsesRequest | None = None
     error: ApiError | None = None
 
 

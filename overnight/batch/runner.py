@@ -38,9 +38,12 @@ from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
 from overnight.openai_api.protocol import AnyRequest, EmbeddingRequest
+from overnight.openai_api.responses import ResponsesRequest
+from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
+from overnight.tool_calls.message import MessagePlan
 
 
 @dataclass(slots=True)
@@ -50,7 +53,9 @@ class _Line:
     seq: int
     line_no: int
     custom_id: str
-    request: AnyRequest  # the body, for the response's shape (chat, completions, embeddings; echo, ...)
+    request: (
+        AnyRequest | ResponsesRequest
+    )  # the body, for the response's shape (chat, completions, embeddings; echo, ...)
     params: RequestParams
     # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
     prompts: list[tuple[str | None, array]]
@@ -58,6 +63,7 @@ class _Line:
     num_seqs: int  # engine sequences it holds: prompts x n
     remaining: int  # prompts not yet finished
     created: int = 0
+    plan: MessagePlan | None = None  # chat: reasoning / tool calls read from the output
 
 
 class BatchRunner:
@@ -74,8 +80,10 @@ class BatchRunner:
         schedule: SubmissionOrder | None = None,
         answered: Answered | None = None,
         progress: Progress | None = None,
+        chat: ChatOptions | None = None,
     ) -> None:
         self.engine = engine
+        self.chat = chat
         self.sink = sink
         self.summary = summary
         self.model_name = model_name
@@ -187,6 +195,7 @@ class BatchRunner:
                 self.names,
                 self.engine.validate,
                 runner=self.engine.config.model.runner,
+                chat=self.chat,
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -203,6 +212,7 @@ class BatchRunner:
             outputs=[None] * len(inputs.prompts),
             num_seqs=inputs.num_seqs,
             remaining=len(inputs.prompts),
+            plan=inputs.plan,
         )
         first = inputs.prompts[0][1]
         params = inputs.params
@@ -273,10 +283,18 @@ class BatchRunner:
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
         body = response_body(
-            req, outputs, self.model_name, created=state.created, tokenizer=self.engine.tokenizer
+            req,
+            outputs,
+            self.model_name,
+            created=state.created,
+            tokenizer=self.engine.tokenizer,
+            plan=state.plan,
         )
         usage = body["usage"]
-        self.summary.add_ok(usage["prompt_tokens"], usage["completion_tokens"])
+        if "input_tokens" in usage:  # a Response's
+            self.summary.add_ok(usage["input_tokens"], usage["output_tokens"])
+        else:
+            self.summary.add_ok(usage["prompt_tokens"], usage["completion_tokens"])
         return success_record(state.custom_id, body)
 
     def _finish(self, seq: int, record: dict) -> None:

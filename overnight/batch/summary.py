@@ -65,6 +65,12 @@ class Summary:
             "output": self.output,
             "model": self.model,
             "lines": self.done + self.skipped,
+            # As the OpenAI Batch API's batch object counts them (this run's lines).
+            "request_counts": {
+                "total": self.done,
+                "completed": self.ok + self.recovered,
+                "failed": self.failed,
+            },
             "ok": self.ok,
             "failed": self.failed,
             "skipped": self.skipped,

@@ -16,7 +16,7 @@ from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
-from overnight.options import options_from_args
+from overnight.options import ChatOptions, from_args, options_from_args
 from overnight.pooling_params import RequestParams
 
 _SHOWN = 50  # errors printed on stderr; all of them go to --errors-file
@@ -45,6 +45,7 @@ def validate_file(args: argparse.Namespace) -> int:
         validate_request(ids, params, limits, model.grammars)  # grammars compiled, as the engine does
 
     names = served_names(served, args.model)
+    chat = from_args(ChatOptions, args)
     sink = None
     if args.errors_file:
         errors, _ = open_output(args.errors_file, resume=False, overwrite=args.overwrite, what="errors")
@@ -68,6 +69,7 @@ def validate_file(args: argparse.Namespace) -> int:
                     names,
                     engine_checks,
                     runner=config.model.runner,
+                    chat=chat,
                 )
             except ApiError as e:
                 error = e

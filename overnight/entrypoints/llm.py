@@ -22,10 +22,12 @@ from overnight.entrypoints.prompts import (
 )
 from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
-from overnight.options import EngineOptions
+from overnight.options import ChatOptions, EngineOptions
 from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
+from overnight.tool_calls.forced import ToolError, check_tools
+from overnight.tool_calls.message import MessagePlan, plan_message
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 PoolingArg = PoolingParams | Sequence[PoolingParams] | None
@@ -42,12 +44,17 @@ class LLM:
     Keyword options are EngineOptions' fields (options.py: dtype, max_model_len, max_num_seqs, ...;
     trust_remote_code is accepted and changes nothing: no checkpoint's own code is ever run).
 
+    reasoning_parser, enable_auto_tool_choice and tool_call_parser (options.ChatOptions) say how chat()
+    reads outputs: reasoning_content split from the answer, tool calls parsed.
+
     max_tokens past the context is clamped, as vLLM's offline class does: a request whose prompt plus
     max_tokens exceeds max_model_len ends with finish_reason "length" at max_model_len. (The server and
     run-batch refuse such a request instead, with the arithmetic, since a client chose that number.)
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        # reasoning_parser, enable_auto_tool_choice, tool_call_parser: how chat() reads outputs
+        self.chat_options, kwargs = ChatOptions.split_kwargs(kwargs)
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
         check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: EngineClient = build_engine(self.options)
@@ -107,23 +114,52 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        *,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them."""
+        """One conversation (a list of {"role", "content"}) or a list of them.
+
+        tools (OpenAI's function tools) are rendered by the chat template; tool_choice "required" or a
+        named function forces calls through a grammar, "auto" reads them with tool_call_parser. With
+        a reasoning parser or tools, each output's `text` is the answer and `reasoning_content` /
+        `tool_calls` hold the rest."""
         if is_single_conversation(messages):
             conversations = [cast(Conversation, messages)]
         else:
             conversations = [cast(Conversation, c) for c in messages]
+        params = _params_for(sampling_params, len(conversations))
+        kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            try:
+                kwargs["tools"] = check_tools(tools)
+            except ToolError as e:
+                raise InvalidRequestError(str(e)) from None
+        if continue_final_message:
+            add_generation_prompt = False  # continuing a message leaves no room for a new turn
+            kwargs["continue_final_message"] = True
         prompts: list[PromptType] = []
-        for conv in conversations:
-            text, ids = render_conversation(
-                conv,
-                self.engine.tokenizer,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}),
-            )
+        plans: list[MessagePlan] = []
+        for i, conv in enumerate(conversations):
+            try:
+                text, ids = render_conversation(
+                    conv,
+                    self.engine.tokenizer,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    **kwargs,
+                )
+                plan, params[i] = plan_message(
+                    self.chat_options, params[i], text, tools, tool_choice, parallel_tool_calls
+                )
+            except ToolError as e:
+                raise InvalidRequestError(f"conversation {i}: {e}") from None
             prompts.append({"prompt": text, "prompt_token_ids": ids})
-        return self.generate(prompts, sampling_params, use_tqdm)
+            plans.append(plan)
+        outputs = self.generate(prompts, params, use_tqdm)
+        return [_read_messages(out, plan) for out, plan in zip(outputs, plans)]
 
     # -- pooling (runner="pooling") -----------------------------------------------------------------
 
@@ -276,6 +312,24 @@ class LLM:
                 engine.abort_request(rid)
             if bar:
                 bar.close()
+
+
+def _read_messages(out: RequestOutput, plan: MessagePlan) -> RequestOutput:
+    """Each choice's text split into reasoning, answer and tool calls, as the plan reads it."""
+    if plan.is_plain:
+        return out
+    choices = []
+    for c in out.outputs:
+        message = plan.parse(c.text)
+        choices.append(
+            replace(
+                c,
+                text=message.content or "",
+                reasoning_content=message.reasoning_content,
+                tool_calls=message.tool_calls if plan.tools is not None else None,
+            )
+        )
+    return replace(out, outputs=choices)
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -67,7 +68,7 @@ def render_conversation(
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
     text = tokenizer.render_chat(
-        conversation,
+        [_for_template(m) for m in conversation],
         add_generation_prompt=add_generation_prompt,
         chat_template=chat_template,
         **template_kwargs,
@@ -86,6 +87,10 @@ def check_message(index: int, m: Any) -> None:
         raise InvalidRequestError(
             f"message {index}: unknown role {role!r}; use one of {', '.join(CHAT_ROLES)}"
         )
+    if role == "tool" and not m.get("tool_call_id"):
+        raise InvalidRequestError(
+            f"message {index}: a tool message needs tool_call_id (the id of the call it answers)"
+        )
     content = m.get("content")
     if content is None:
         if role != "assistant":
@@ -102,3 +107,26 @@ def check_message(index: int, m: Any) -> None:
     raise InvalidRequestError(
         f'message {index}: content must be a string or a list of text parts ({{"type": "text", "text": ...}})'
     )
+
+
+def _for_template(m: dict[str, Any]) -> dict[str, Any]:
+    """A message as chat templates expect it: text content ("" for an assistant's null, which templates
+    concatenate), and earlier tool calls' arguments as mappings (templates write them with tojson)."""
+    calls = m.get("tool_calls")
+    if m.get("content") is not None and not calls:
+        return m
+    m = {**m, "content": m.get("content") or ""}
+    if calls:
+        m["tool_calls"] = [_call_for_template(c) for c in calls]
+    return m
+
+
+def _call_for_template(call: Any) -> Any:
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}}

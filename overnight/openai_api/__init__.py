@@ -4,6 +4,7 @@
                 parse_request
     inputs      body -> engine inputs: prepare (model name, prompts, length, Sampling/PoolingParams)
     convert     RequestOutput -> ChatCompletion / Completion bodies and streaming chunks
+    responses   /v1/responses: the body as a chat request (response_objects: the Response, whole and streamed)
     embeddings  PoolingRequestOutputs -> the embedding response (float or base64)
     errors    ApiError: status code and the {"error": {...}} object
 
@@ -41,8 +42,10 @@ from overnight.openai_api.protocol import (
     StreamOptions,
     parse_request,
 )
+from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest  # registers the route
 
 __all__ = [
+    "RESPONSES_URL",
     "ROUTES",
     "AnyRequest",
     "ApiError",
@@ -54,6 +57,7 @@ __all__ = [
     "EmbeddingRequest",
     "EngineInputs",
     "OpenAIRequest",
+    "ResponsesRequest",
     "StreamOptions",
     "chat_completion",
     "check_model",

@@ -21,7 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from overnight.openai_api.protocol import ChatCompletionRequest, OpenAIRequest
+from overnight.openai_api.response_objects import response_object
+from overnight.openai_api.responses import ResponsesRequest
 from overnight.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from overnight.tool_calls.message import MessagePlan, MessageStream
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
@@ -59,6 +62,22 @@ def usage_of(outputs: Sequence[RequestOutput]) -> dict[str, int]:
 # -- whole responses -----------------------------------------------------------------------------
 
 
+def chat_message(
+    text: str, reason: str | None, plan: MessagePlan | None
+) -> tuple[dict[str, Any], str | None]:
+    """(message, finish_reason) of one choice: its text as the plan reads it (reasoning_content when a
+    reasoning parser is on, tool_calls when calls are read)."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason(reason)
+    parsed = plan.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if plan.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning_content
+    if parsed.tool_calls:
+        message["tool_calls"] = [call.as_json() for call in parsed.tool_calls]
+    return message, plan.finish_reason(finish_reason(reason), parsed)
+
+
 def chat_completion(
     output: RequestOutput,
     model: str,
@@ -66,20 +85,25 @@ def chat_completion(
     response_id: str | None = None,
     created: int | None = None,
     num_logprobs: int | None = None,
+    plan: MessagePlan | None = None,
 ) -> dict[str, Any]:
     """A ChatCompletion body. num_logprobs is the request's top_logprobs (0 when logprobs is true
     without it); the choices carry logprobs when the outputs have them."""
-    choices = [
-        {
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": (
-                _chat_logprobs(c.logprobs, num_logprobs or 0, c.token_ids) if c.logprobs is not None else None
-            ),
-            "finish_reason": finish_reason(c.finish_reason),
-        }
-        for c in sorted(output.outputs, key=lambda c: c.index)
-    ]
+    choices = []
+    for c in sorted(output.outputs, key=lambda c: c.index):
+        message, reason = chat_message(c.text, c.finish_reason, plan)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": (
+                    _chat_logprobs(c.logprobs, num_logprobs or 0, c.token_ids)
+                    if c.logprobs is not None
+                    else None
+                ),
+                "finish_reason": reason,
+            }
+        )
     body = {
         "id": response_id or new_id("chatcmpl"),
         "object": "chat.completion",
@@ -146,18 +170,28 @@ def completion(
 
 
 def response_body(
-    req: OpenAIRequest,
+    req: OpenAIRequest | ResponsesRequest,
     outputs: Sequence[RequestOutput],
     model: str,
     *,
     response_id: str | None = None,
     created: int | None = None,
     tokenizer: Tokenizer | None = None,
+    plan: MessagePlan | None = None,
 ) -> dict[str, Any]:
-    """The whole response to `req` (chat: one output; completions: one per prompt)."""
+    """The whole response to `req` (chat: one output; completions: one per prompt; responses: the
+    Response object of its chat answer)."""
+    if isinstance(req, ResponsesRequest):
+        chat = chat_completion(outputs[0], model, created=created, plan=plan)
+        return response_object(req, chat, response_id=response_id, created=created)
     if isinstance(req, ChatCompletionRequest):
         return chat_completion(
-            outputs[0], model, response_id=response_id, created=created, num_logprobs=req.num_logprobs
+            outputs[0],
+            model,
+            response_id=response_id,
+            created=created,
+            num_logprobs=req.num_logprobs,
+            plan=plan,
         )
 
     def token_text(tid: int) -> str:
@@ -358,10 +392,13 @@ class ChatStream(_Stream):
         num_logprobs: int | None = None,
         created: int | None = None,
         continuous_usage: bool = False,
+        plan: MessagePlan | None = None,
     ) -> None:
         super().__init__(model, response_id or new_id("chatcmpl"), include_usage, created, continuous_usage)
         self.num_logprobs = num_logprobs
+        self.plan = plan
         self._started: set[int] = set()
+        self._messages: dict[int, MessageStream] = {}  # per choice, with a plan
 
     def chunks(self, delta: RequestOutput) -> list[dict[str, Any]]:
         self._count(0, delta)
@@ -371,21 +408,66 @@ class ChatStream(_Stream):
             if c.index not in self._started:  # the first chunk of a choice names the role
                 self._started.add(c.index)
                 message["role"] = "assistant"
-            if c.text or "role" in message:
-                message["content"] = c.text
+            reason = finish_reason(c.finish_reason)
+            if self.plan is None:
+                if c.text or "role" in message:
+                    message["content"] = c.text
+            else:
+                reason = self._read(c.index, c.text, reason, message)
             lps = None
             if c.logprobs is not None and self.num_logprobs is not None:
                 lps = _chat_logprobs(c.logprobs, self.num_logprobs, c.token_ids)
-            reason = finish_reason(c.finish_reason)
-            if not message and lps is None and reason is None:
-                continue
-            out.append(
-                self._chunk(
-                    self.OBJECT,
-                    [{"index": c.index, "delta": message, "logprobs": lps, "finish_reason": reason}],
+            # Tool calls go out one delta a chunk, as OpenAI sends them: a call's first (id, name,
+            # empty arguments), then its argument fragments; the choice's other fields come first.
+            calls = message.pop("tool_calls", [])
+            parts = [message] if message or not calls else []
+            parts += [{"tool_calls": [call]} for call in calls]
+            if not parts and (lps is not None or reason is not None):
+                parts = [message]
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                out.append(
+                    self._chunk(
+                        self.OBJECT,
+                        [
+                            {
+                                "index": c.index,
+                                "delta": part,
+                                "logprobs": lps if i == 0 else None,
+                                "finish_reason": reason if last else None,
+                            }
+                        ],
+                    )
                 )
-            )
         return out
+
+    def _read(self, index: int, text: str, reason: str | None, message: dict[str, Any]) -> str | None:
+        """Fills `message` with what the plan reads of this text delta; the finish_reason to send."""
+        assert self.plan is not None
+        stream = self._messages.get(index)
+        if stream is None:
+            stream = self._messages[index] = self.plan.stream()
+        d = stream.feed(text) if text else None
+        if reason is not None:
+            last = stream.finish()
+            if d is None:
+                d = last
+            else:
+                d.content += last.content
+                d.reasoning_content += last.reasoning_content
+                d.tool_calls = d.tool_calls + last.tool_calls
+        if d is not None:
+            if d.reasoning_content:
+                message["reasoning_content"] = d.reasoning_content
+            if d.content or "role" in message:
+                message["content"] = d.content
+            if d.tool_calls:
+                message["tool_calls"] = d.tool_calls
+        elif "role" in message:
+            message["content"] = ""
+        if reason == "stop" and stream.has_calls and not self.plan.named:
+            return "tool_calls"
+        return reason
 
     def final_chunks(self) -> list[dict[str, Any]]:
         chunk = self.usage_chunk(self.OBJECT)

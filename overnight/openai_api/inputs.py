@@ -18,10 +18,14 @@ from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
 from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
+from overnight.openai_api.responses import ResponsesRequest
 from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
+from overnight.tool_calls.forced import ToolError, check_tools
+from overnight.tool_calls.message import MessagePlan, plan_message
 
 if TYPE_CHECKING:
+    from overnight.options import ChatOptions
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 class EngineInputs:
     prompts: list[tuple[str | None, list[int]]]  # one engine request each, in choice order
     params: SamplingParams | PoolingParams
+    # Chat: how the output reads as a message (reasoning, tool calls); None: its text is the answer.
+    plan: MessagePlan | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -115,24 +121,37 @@ def check_prompt_length(
 
 
 def prepare(
-    req: AnyRequest,
+    req: AnyRequest | ResponsesRequest,
     tokenizer: Tokenizer | None,
     max_model_len: int,
     names: Collection[str],
     validate: Callable[[list[int], RequestParams], None] | None = None,
     runner: str | None = None,
+    chat: ChatOptions | None = None,
 ) -> EngineInputs:
     """Checks the model name (and, given the engine's runner, that it serves this kind of request),
     renders / tokenizes the prompts, checks their length and builds the SamplingParams or
-    PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt."""
+    PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt. `chat`:
+    the reasoning and tool-call parsers the engine was started with."""
+    if isinstance(req, ResponsesRequest):
+        req = req.as_chat()
     check_model(req.model, names)
     check_task(req, runner)
     if isinstance(req, EmbeddingRequest):
         return _prepare_embedding(req, tokenizer, max_model_len, validate)
     is_chat = isinstance(req, ChatCompletionRequest)
+    plan = None
     try:
+        if is_chat and req.tools:  # checked before the template sees them
+            check_tools(req.tools)
         params = req.to_sampling_params()
         prompts = req.engine_prompts(tokenizer)
+        if isinstance(req, ChatCompletionRequest):
+            plan, params = plan_message(
+                chat, params, prompts[0][0], req.tools, req.tool_choice, req.parallel_tool_calls
+            )
+    except ToolError as e:
+        raise ApiError("invalid_request", str(e), e.param) from None
     except InvalidRequestError as e:
         raise ApiError.from_exception(e) from None
     except TemplateError as e:  # the model's chat template rejected these messages
@@ -148,7 +167,7 @@ def prepare(
                 validate(ids, params)
             except InvalidRequestError as e:
                 raise ApiError.from_exception(e) from None
-    return EngineInputs(prompts, params)
+    return EngineInputs(prompts, params, None if plan is None or plan.is_plain else plan)
 
 
 def _prepare_embedding(

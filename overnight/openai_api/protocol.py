@@ -5,8 +5,9 @@ Shared by `overnight run-batch` and `overnight serve`. Field names, defaults and
 API, plus the sampling extras users pass to vLLM (top_k, min_p, repetition_penalty, ignore_eos,
 min_tokens, logit_bias, allowed_token_ids, bad_words, prompt_logprobs, truncate_prompt_tokens, ...).
 Unknown fields are ignored, so bodies written for other servers still load; the fields of the OpenAI API
-and of vLLM that would change the answer in a way we do not honour (UNSUPPORTED_FIELDS: tools, suffix,
-beam search, ...) are refused with a 400 naming the field rather than silently dropped.
+and of vLLM that would change the answer in a way we do not honour (UNSUPPORTED_FIELDS: suffix, beam
+search, tools outside chat, ...) are refused with a 400 naming the field rather than silently dropped.
+Chat takes function tools (tools, tool_choice: overnight/tool_calls) and reasoning (overnight/reasoning).
 
 Numbers are strict: `"0.5"` or `true` where a number belongs is an error, not a guess.
 
@@ -17,6 +18,7 @@ a body may set at most one constraint.
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
@@ -35,6 +37,7 @@ from overnight.errors import InvalidRequestError
 from overnight.openai_api.errors import ApiError
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
+from overnight.tool_calls.forced import ToolError, check_tools, named_choice
 
 if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
@@ -65,13 +68,31 @@ class TextPart(_Body):
     text: str
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text, as the API returned it
+
+
+class AssistantToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
     role: ChatRole  # the roles LLM.chat takes too (entrypoints/prompts.py)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (templates may show it)
 
     @model_validator(mode="after")
     def _text_parts_only(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"only an assistant message may hold tool_calls, not a {self.role} message")
         if self.content is None and self.role != "assistant":
             raise ValueError(
                 f"content: a {self.role} message needs content (only an assistant's may be null)"
@@ -314,7 +335,36 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # Extras: how the chat template is applied.
     add_generation_prompt: Bool = True
+    continue_final_message: Bool = False  # the output continues the last (assistant) message
     chat_template_kwargs: dict[str, Any] | None = None
+    # Function tools (overnight/tool_calls): rendered by the chat template; tool_choice decides whether
+    # calls are read ("auto"), forced by a grammar (named, "required") or not read ("none").
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = None  # "required" may call several tools either way
+
+    @model_validator(mode="after")
+    def _tools_are_well_formed(self) -> ChatCompletionRequest:
+        # An ApiError (not a ValueError) leaves pydantic as it is: its message names the tool and field.
+        try:
+            if self.tools:
+                check_tools(self.tools)
+                named_choice("auto" if self.tool_choice is None else self.tool_choice, self.tools)
+            elif self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+                raise ToolError("tool_choice", f"{self.tool_choice!r} needs tools to choose from")
+        except ToolError as e:
+            raise ApiError("invalid_request", str(e), e.param.split("[")[0].split(".")[0]) from None
+        return self
+
+    @model_validator(mode="after")
+    def _continue_final_message(self) -> ChatCompletionRequest:
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+            self.add_generation_prompt = False
+            if self.messages and self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -356,11 +406,16 @@ class ChatCompletionRequest(_SamplingFields):
 
     def engine_prompts(self, tokenizer: Tokenizer | None) -> list[tuple[str | None, list[int]]]:
         """The one prompt (text, token ids) the chat template makes of the messages."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:
+            kwargs["tools"] = self.tools
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
         text, ids = render_conversation(
             self.conversation(),
             tokenizer,
             add_generation_prompt=self.add_generation_prompt,
-            **(self.chat_template_kwargs or {}),
+            **kwargs,
         )
         if self.add_special_tokens and tokenizer is not None:
             ids = tokenizer.encode(text, add_special_tokens=True)
@@ -518,11 +573,12 @@ ROUTES: dict[str, type[ChatCompletionRequest] | type[CompletionRequest] | type[E
 # not declared is ignored, as the OpenAI API ignores what it does not know. The structured-output fields
 # (response_format, structured_outputs, guided_*) are declared and honoured.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
+    "tools": ([],),  # chat's are declared (overnight/tool_calls); these entries refuse them elsewhere
     "tool_choice": ("none", "auto"),
-    "functions": ([],),
+    "parallel_tool_calls": (True, False),
+    "continue_final_message": (False,),
+    "functions": ([],),  # the deprecated form of tools
     "function_call": ("none", "auto"),
-    "parallel_tool_calls": (True, False),  # meaningless without tools
     "suffix": ("",),
     "echo": (False,),  # chat's echo (completions' is declared)
     "best_of": (1,),  # chat has none
@@ -536,7 +592,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_decoding_backend": (),
     "logits_processors": ([],),
     "return_tokens_as_token_ids": (False,),
-    "continue_final_message": (False,),
     "documents": ([],),
     "chat_template": (),
     "mm_processor_kwargs": ({},),
@@ -585,8 +640,29 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    # Templates write arguments with tojson: a mapping, as transformers documents it.
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         conv.append(msg)
     return conv
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def parse_request(url: str, body: Any) -> AnyRequest:

@@ -61,7 +61,7 @@ class GrammarMask:
             if params is None:
                 continue
             if st.guide is None:
-                st.guide = Guide(self.compiler.matcher(params))
+                st.guide = Guide(self.compiler.matcher(params), waiting_for=params.start_after or None)
             rows.append(i)
             guides.append(st.guide)
         if not rows:
@@ -89,6 +89,11 @@ class GrammarMask:
             if new == 0 or g.ended:
                 g.consumed += new
                 continue
+            if g.waiting_for is not None:
+                start = self._wait_for_marker(g, st.token_ids, start)
+                new = len(st.token_ids) - start
+                if g.waiting_for is not None or new == 0:
+                    continue
             if new == 1:
                 single_m.append(g.matcher)
                 single_t.append(st.token_ids[start])
@@ -106,6 +111,20 @@ class GrammarMask:
                 assert g is not None
                 g.consumed += 1
                 self._accepted(st.req_id, g, tok, ok)
+
+    def _wait_for_marker(self, g: Guide, token_ids: list[int], start: int) -> int:
+        """Reads the tokens from `start` until the output shows g.waiting_for; returns the index of the
+        first token the grammar sees (past the marker's last token). Only rows still waiting pay this
+        per-token decode, and only until their reasoning ends."""
+        marker = g.waiting_for
+        assert marker is not None
+        for i in range(start, len(token_ids)):
+            g.consumed += 1
+            g.tail = (g.tail + self.compiler.token_text(token_ids[i]))[-(2 * len(marker) + 16) :]
+            if marker in g.tail:
+                g.waiting_for = None
+                return i + 1
+        return len(token_ids)
 
     def _accepted(self, req_id: str, g: Guide, tok: int, ok: bool) -> None:
         if not ok:
@@ -132,7 +151,7 @@ class GrammarMask:
         assert self._rows_host is not None and self._batch is not None
         k = len(rows)
         host = self._host[:k]
-        live = [j for j, g in enumerate(guides) if not g.ended]
+        live = [j for j, g in enumerate(guides) if not g.ended and g.waiting_for is None]
         if len(live) == k:
             self._batch.batch_fill_next_token_bitmask([g.matcher for g in guides], host)
         else:
@@ -141,6 +160,8 @@ class GrammarMask:
             for j, g in enumerate(guides):
                 if g.ended:
                     self._only_stop_tokens(host[j])
+                elif g.waiting_for is not None:
+                    host[j].fill_(-1)  # every token allowed until the grammar starts
         self._rows_host[:k] = torch.tensor(rows, dtype=torch.int64)
         if self._dev is None:  # CPU: the host buffers are the device's
             return TokenMask(host, self._rows_host[:k])

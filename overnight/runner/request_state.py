@@ -32,6 +32,10 @@ class Guide:
     # it (a token the engine drops). Or it refused a token (the mask makes that impossible; a guard): the
     # request then ends instead of running on unconstrained.
     ended: bool = False
+    # StructuredOutputsParams.start_after: the text the output must show before the grammar starts; the
+    # row is unconstrained until then. `tail` holds the output's last characters while it waits.
+    waiting_for: str | None = None
+    tail: str = ""
 
 
 @dataclass(slots=True, eq=False)

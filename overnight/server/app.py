@@ -1,6 +1,7 @@
 """The HTTP app: routes, API-key check, error shapes, and the engine thread's lifetime.
 
 POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
+POST /v1/responses                            OpenAI's Responses API (stateless), stream or not
 POST /v1/embeddings                           OpenAI schema, for a model served with runner pooling
 GET  /v1/models, /v1/models/{id}              the one model served
 POST /tokenize, /detokenize                   text or messages -> token ids -> text, as vLLM spells them
@@ -30,6 +31,7 @@ from overnight import __version__
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.openai_api.inputs import check_route_task
 from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest
 from overnight.openai_api.tokenize import detokenize, tokenize
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.embeddings import OpenAIServingEmbedding
@@ -87,6 +89,11 @@ def build_app(
     async def completions(request: Request) -> Response:
         check_route_task(False, runner)
         return await serving.handle("/v1/completions", request)
+
+    @app.post("/v1/responses", openapi_extra=_body_schema(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        check_route_task(False, runner)
+        return await serving.handle(RESPONSES_URL, request)
 
     @app.post("/v1/embeddings", openapi_extra=_body_schema(EmbeddingRequest))
     async def create_embeddings(request: Request) -> Response:
@@ -225,6 +232,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 (ChatCompletionRequest, "validation"),
                 (CompletionRequest, "validation"),
                 (EmbeddingRequest, "validation"),
+                (ResponsesRequest, "validation"),
             ],
             ref_template=_REF,
         )

@@ -29,6 +29,7 @@ from overnight.metrics import (
 from overnight.openai_api.inputs import served_names
 from overnight.options import (
     SUBMISSION_OPTIONS,
+    ChatOptions,
     EngineOptions,
     add_engine_args,
     add_option_args,
@@ -96,9 +97,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_engine_args(p, skip=SUBMISSION_OPTIONS)  # a server takes requests as they come
     add_option_args(p, ServerOptions, "server")
+    add_option_args(p, ChatOptions, "chat: reasoning and tool calls")
 
 
-def make_app(engine: EngineClient, opts: ServerOptions, model_arg: str | None = None):
+def make_app(
+    engine: EngineClient,
+    opts: ServerOptions,
+    model_arg: str | None = None,
+    chat: ChatOptions | None = None,
+):
     """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
     model_name = engine_model_name(engine)
     metrics = PrometheusObserver(
@@ -113,6 +120,7 @@ def make_app(engine: EngineClient, opts: ServerOptions, model_arg: str | None = 
         accepted_names=served_names(model_name, model_arg),
         max_waiting=opts.max_waiting,
         stream_interval=opts.stream_interval,
+        chat=chat,
     )
     open_paths = OPEN_PATHS - {"/metrics"} if opts.protect_metrics else OPEN_PATHS
     return build_app(
@@ -153,13 +161,17 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"two models given: {args.model_tag} and --model {args.model}; name one")
         args.model = args.model_tag
     opts = from_args(ServerOptions, args)
+    try:
+        chat = from_args(ChatOptions, args)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if opts.host not in ("127.0.0.1", "localhost", "::1") and not opts.api_key:
         log.warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host
         )
     engine = build_engine(engine_options(args))
     hide_created_series()
-    server = uvicorn_server(make_app(engine, opts, model_arg=args.model), opts)
+    server = uvicorn_server(make_app(engine, opts, model_arg=args.model, chat=chat), opts)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown, then raises the signal again for the handler
     # that was installed before it started. A no-op there makes a clean drain exit 0, not die by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass
@@ -28,11 +29,15 @@ from overnight.openai_api.protocol import (
     OpenAIRequest,
     parse_request,
 )
+from overnight.openai_api.response_objects import ResponseStream
+from overnight.openai_api.responses import ResponsesRequest
+from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine, PromptSpec
 from overnight.server.errors import engine_unavailable, overloaded
+from overnight.tool_calls.message import MessagePlan
 
 log = logging.getLogger("overnight.server")
 
@@ -46,6 +51,7 @@ class ServingConfig:
     accepted_names: set[str]  # names a request's `model` may use
     max_waiting: int | None  # refuse new requests (503) while this many wait; None: never
     stream_interval: int = 1  # tokens a stream's chunk carries at least (but its last); deltas.Pacer
+    chat: ChatOptions | None = None  # reasoning and tool-call parsers
 
 
 class OpenAIServing:
@@ -63,13 +69,16 @@ class OpenAIServing:
         inputs = await asyncio.to_thread(self._prepare, req)
         assert isinstance(inputs.params, SamplingParams)  # a generation request's
         is_chat = isinstance(req, ChatCompletionRequest)
-        response_id = new_id("chatcmpl" if is_chat else "cmpl")
+        if isinstance(req, ResponsesRequest):
+            response_id = f"resp_{uuid.uuid4().hex}"
+        else:
+            response_id = new_id("chatcmpl" if is_chat else "cmpl")
         prompts = [
             (response_id if len(inputs.prompts) == 1 else f"{response_id}-{i}", text, ids)
             for i, (text, ids) in enumerate(inputs.prompts)
         ]
         if req.stream:
-            events = self._stream(req, response_id, prompts, inputs.params)
+            events = self._stream(req, response_id, prompts, inputs.params, inputs.plan)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -83,13 +92,21 @@ class OpenAIServing:
             self.config.model_name,
             response_id=response_id,
             tokenizer=self.engine.engine.tokenizer,
+            plan=inputs.plan,
         )
         return JSONResponse(body)
 
-    def _prepare(self, req: OpenAIRequest) -> EngineInputs:
+    def _prepare(self, req: OpenAIRequest | ResponsesRequest) -> EngineInputs:
         core = self.engine.engine
         try:
-            return prepare(req, core.tokenizer, core.max_model_len, self.config.accepted_names, core.validate)
+            return prepare(
+                req,
+                core.tokenizer,
+                core.max_model_len,
+                self.config.accepted_names,
+                core.validate,
+                chat=self.config.chat,
+            )
         except (ApiError, InvalidRequestError):
             raise
         except Exception as e:  # noqa: BLE001
@@ -115,16 +132,30 @@ class OpenAIServing:
     # -- streams ------------------------------------------------------------------------------------
 
     async def _stream(
-        self, req: OpenAIRequest, response_id: str, prompts: list[PromptSpec], params: SamplingParams
+        self,
+        req: OpenAIRequest | ResponsesRequest,
+        response_id: str,
+        prompts: list[PromptSpec],
+        params: SamplingParams,
+        plan: MessagePlan | None = None,
     ) -> AsyncIterator[str]:
-        """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`.
+        """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`
+        (/v1/responses: its typed events, ending with response.completed).
 
         When the client disconnects, the response task is cancelled inside this generator's await; the
         aclosing block then aborts the unfinished requests, freeing their KV blocks."""
         model = self.config.model_name
         usage = {"include_usage": req.include_usage, "continuous_usage": req.continuous_usage}
-        if isinstance(req, ChatCompletionRequest):
-            chat = ChatStream(model, response_id=response_id, num_logprobs=req.num_logprobs, **usage)
+        chat: ChatStream | ResponseStream | None
+        if isinstance(req, ResponsesRequest):
+            chat = ResponseStream(req, model, response_id, plan)
+            text = None
+            for event in chat.start():
+                yield sse(event)
+        elif isinstance(req, ChatCompletionRequest):
+            chat = ChatStream(
+                model, response_id=response_id, num_logprobs=req.num_logprobs, plan=plan, **usage
+            )
             text = None
         else:
             chat = None
@@ -157,7 +188,8 @@ class OpenAIServing:
             else:
                 log.exception("stream %s failed", response_id)
                 yield sse(ApiError.from_exception(e).body())
-        yield "data: [DONE]\n\n"
+        if not isinstance(req, ResponsesRequest):  # the Responses API's stream ends with its last event
+            yield "data: [DONE]\n\n"
 
 
 async def collect_outputs(

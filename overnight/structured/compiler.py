@@ -73,6 +73,7 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(stop_token_ids)
         self.capacity = capacity
         self._compiler: xgr.GrammarCompiler | None = None
+        self._hf: Any = None  # the tokenizer, once token_text needs it
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar | str] = OrderedDict()
         self._lock = threading.Lock()
         self._init_lock = threading.Lock()
@@ -119,6 +120,13 @@ class GrammarCompiler:
         xgr = _import_xgrammar()
         return xgr.GrammarMatcher(self.compile(params))
 
+    def token_text(self, token_id: int) -> str:
+        """A token's text (special tokens included), for a grammar that waits for a marker."""
+        with self._init_lock:
+            if self._hf is None:
+                self._hf = self._load_tokenizer()
+        return self._hf.decode([token_id], skip_special_tokens=False)
+
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar | str:
         """The grammar, or the message of why it cannot be built."""
         kind, spec, compact = params.key
@@ -148,7 +156,9 @@ class GrammarCompiler:
         with self._init_lock:
             if self._compiler is None:
                 xgr = _import_xgrammar()
-                info = tokenizer_info(self._load_tokenizer(), self.vocab_size, self.stop_token_ids)
+                if self._hf is None:
+                    self._hf = self._load_tokenizer()
+                info = tokenizer_info(self._hf, self.vocab_size, self.stop_token_ids)
                 # Our LRU bounds memory; xgrammar's own cache would grow with every distinct schema.
                 self._compiler = xgr.GrammarCompiler(
                     info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False

@@ -1,0 +1,175 @@
+"""An output as the assistant message it is: reasoning, answer text and tool calls, whole or streamed.
+
+A request's MessagePlan is made where its prompt is (plan_message: the chat entry points of the server,
+run-batch and LLM.chat): which reasoning parser reads it and whether the output starts inside a block,
+which tool parser reads calls (none, a --tool-call-parser for "auto", ForcedParser for a named or
+"required" tool_choice), and what that changes in its SamplingParams (the grammar of a forced call; the
+grammar of a structured output starting after the reasoning; special tokens kept for parsers whose
+markers are special tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from overnight.reasoning.parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
+from overnight.tool_calls.forced import ToolError, check_enforceable, check_tools, forced_schema, named_choice
+from overnight.tool_calls.formats import TOOL_PARSERS, ForcedParser, ToolParser
+from overnight.tool_calls.stream import ToolCall, ToolCallStream, parse_tool_calls
+
+if TYPE_CHECKING:
+    from overnight.options import ChatOptions
+    from overnight.sampling_params import SamplingParams
+
+AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser NAME"
+
+
+@dataclass
+class Message:
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class MessagePlan:
+    reasoning: ReasoningParser | None = None
+    starts_in_reasoning: bool = False
+    tools: ToolParser | None = None  # None: no calls are read ("none", or no tools)
+    named: bool = False  # a named tool_choice: OpenAI reports finish_reason "stop" for it
+
+    @property
+    def is_plain(self) -> bool:
+        return self.reasoning is None and self.tools is None
+
+    def parse(self, text: str) -> Message:
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text, self.starts_in_reasoning)
+        calls: list[ToolCall] = []
+        if self.tools is not None:
+            text, calls = parse_tool_calls(self.tools, text)
+        content: str | None = text
+        if not text and (calls or reasoning is not None):
+            content = None
+        return Message(content, reasoning, calls)
+
+    def finish_reason(self, reason: str | None, message: Message | None) -> str | None:
+        """OpenAI's: "tool_calls" when the model stopped after calling tools (not for a named choice)."""
+        if reason == "stop" and message is not None and message.tool_calls and not self.named:
+            return "tool_calls"
+        return reason
+
+    def stream(self) -> MessageStream:
+        return MessageStream(self)
+
+
+@dataclass
+class MessageDelta:
+    content: str = ""
+    reasoning_content: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning_content or self.tool_calls)
+
+
+class MessageStream:
+    """Text deltas in, message deltas out: reasoning first, then the answer, which the tool parser
+    reads when there is one. finish() flushes what was held back."""
+
+    def __init__(self, plan: MessagePlan) -> None:
+        self.plan = plan
+        self._reasoning: ReasoningStream | None = (
+            plan.reasoning.stream(plan.starts_in_reasoning) if plan.reasoning is not None else None
+        )
+        self._tools = ToolCallStream(plan.tools) if plan.tools is not None else None
+
+    @property
+    def has_calls(self) -> bool:
+        return bool(self._tools and self._tools.calls)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        """The calls sent so far (all of them after finish())."""
+        return self._tools.calls if self._tools is not None else []
+
+    def feed(self, text: str) -> MessageDelta:
+        return self._step(text, final=False)
+
+    def finish(self) -> MessageDelta:
+        return self._step("", final=True)
+
+    def _step(self, text: str, final: bool) -> MessageDelta:
+        out = MessageDelta()
+        if self._reasoning is not None:
+            out.reasoning_content, text = self._reasoning.finish() if final else self._reasoning.feed(text)
+        if self._tools is None:
+            out.content = text
+            return out
+        content, calls = self._tools.feed(text) if text else ("", [])
+        out.content, out.tool_calls = content, calls
+        if final:
+            more, more_calls = self._tools.finish()
+            out.content += more
+            out.tool_calls = out.tool_calls + more_calls
+        return out
+
+
+def plan_message(
+    options: ChatOptions | None,
+    params: SamplingParams,
+    prompt: str | None,
+    tools: Any = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+) -> tuple[MessagePlan, SamplingParams]:
+    """The plan of one chat request and its SamplingParams with what the plan needs. Raises ToolError
+    (its `param` naming the field) for malformed tools, a choice naming no tool, or "auto" on an engine
+    started without the auto tool-choice options."""
+    from overnight.sampling_params import StructuredOutputsParams
+
+    reasoning = None
+    if options is not None and options.reasoning_parser:
+        reasoning = get_reasoning_parser(options.reasoning_parser)
+    parser: ToolParser | None = None
+    named = False
+    if tools is not None and not (isinstance(tools, list) and not tools):
+        tools = check_tools(tools)
+        choice = "auto" if tool_choice is None else tool_choice
+        name = named_choice(choice, tools)
+        if name is not None or choice == "required":
+            if params.structured_outputs is not None:
+                raise ToolError(
+                    "tool_choice", "a forced tool call cannot be combined with another structured output"
+                )
+            check_enforceable(tools, name)
+            schema = forced_schema(tools, name, parallel=parallel_tool_calls is not False)
+            params = replace(params, structured_outputs=StructuredOutputsParams(json=schema))
+            parser, named = ForcedParser(tools), name is not None
+        elif choice == "auto":
+            if options is None or not options.enable_auto_tool_choice or not options.tool_call_parser:
+                raise ToolError(
+                    "tool_choice",
+                    f'"auto" tool choice needs the engine started with {AUTO_FLAGS} '
+                    "(LLM(enable_auto_tool_choice=True, tool_call_parser=NAME)); or send tool_choice "
+                    '"none", "required" or a named function',
+                )
+            parser = TOOL_PARSERS[options.tool_call_parser](tools)
+            if parser.needs_special_tokens and params.skip_special_tokens:
+                params = replace(params, skip_special_tokens=False)
+    elif tool_choice is not None and tool_choice not in ("none", "auto"):
+        raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
+    starts = reasoning.starts_in_reasoning(prompt) if reasoning is not None else False
+    plan = MessagePlan(reasoning, starts, parser, named)
+    if (
+        reasoning is not None
+        and params.structured_outputs is not None
+        and not reasoning.closed_in_prompt(prompt)
+    ):
+        # The grammar constrains the answer: it starts after the end of the reasoning.
+        params = replace(
+            params, structured_outputs=replace(params.structured_outputs, start_after=reasoning.end)
+        )
+    return plan, params
