@@ -15,6 +15,9 @@ Two uses:
                     and the up columns of the same N range, and stores silu(gate) * up: the SiLU-and-mul
                     is the epilogue, and the [P, 2N] gate/up activations are never written.
   down (MUL_WEIGHT) w = [E, H, N]; the epilogue scales each row by its pair's routing weight.
+Bias (HAS_BIAS, gpt-oss): bias [E, rows of w] added to the accumulators before the epilogue's activation
+or routing weight. ACTIVATION (GATED): 0 = silu(gate) * up; 1 = gpt-oss's clamped SwiGLU,
+g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1).
 FP8 experts (W_FP8): w holds e4m3 values with one float32 scale per expert and weight row (w_scale
 [E, rows of w]); each tile is converted to a's dtype for the dot (the activations stay as they are:
 weight-only FP8, half the bytes a decode step reads), and the scales multiply the accumulators in the
@@ -53,6 +56,7 @@ def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
     w_scale_ptr,  # W_FP8: [E, rows of w] float32
+    bias_ptr,  # HAS_BIAS: [E, rows of w]
     out_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
@@ -69,9 +73,14 @@ def _moe_gemm_kernel(
     stride_wk,
     stride_om,
     stride_se,  # W_FP8: w_scale's stride between experts
+    stride_be,  # HAS_BIAS: bias's stride between experts
     up_offset,  # GATED: the up rows follow the gate rows, N rows further
+    alpha,  # ACTIVATION 1
+    limit,  # ACTIVATION 1
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     W_FP8: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -131,8 +140,18 @@ def _moe_gemm_kernel(
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_ptrs + N, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc = acc + tl.load(bias_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up = acc_up + tl.load(bias_ptrs + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if ACTIVATION == 0:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -149,10 +168,13 @@ def moe_gemm(
     topk_weights: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
-    """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T, then
+    """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T (+ bias[expert of p]), then
 
-    gated:         silu(first N columns) * (last N columns), with w [E, 2N, K]: out [P, N]
+    gated:         act(first N columns, last N columns), with w [E, 2N, K]: out [P, N]; activation =
+                   (kind, alpha, limit), kind "silu" (silu(gate) * up) or "swiglu_oai" (module docstring)
     topk_weights:  times topk_weights.flatten()[p]: out [P, N] with w [E, N, K]
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
@@ -182,6 +204,11 @@ def moe_gemm(
         w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1
     ):
         raise ValueError(f"w_scale must be float32 {tuple(w.shape[:2])}, rows contiguous")
+    if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
+        raise ValueError(f"bias must be {tuple(w.shape[:2])}, rows contiguous")
+    kind, alpha, limit = activation
+    if kind not in ("silu", "swiglu_oai"):
+        raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai)")
 
     block_m = runs.block_m
     num_tiles_m = runs.sorted_ids.numel() // block_m
@@ -190,6 +217,7 @@ def moe_gemm(
         a,
         w,
         w_scale if w_scale is not None else out,  # unread without W_FP8
+        bias if bias is not None else out,  # unread without HAS_BIAS
         out,
         topk_weights if topk_weights is not None else out,  # unread without MUL_WEIGHT
         runs.sorted_ids,
@@ -206,9 +234,14 @@ def moe_gemm(
         w.stride(2),
         out.stride(0),
         w_scale.stride(0) if w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         n * w.stride(1),
+        float(alpha),
+        float(limit),
         A_DIV=num_pairs // a_rows,
         GATED=gated,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=0 if kind == "silu" else 1,
         MUL_WEIGHT=topk_weights is not None,
         W_FP8=w_fp8,
         EVEN_K=k_dim % tiles.block_k == 0,
@@ -232,6 +265,8 @@ def moe_gemm_ref(
     gated: bool = False,
     topk_weights: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
     """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end."""
     if w_scale is not None:
@@ -244,8 +279,14 @@ def moe_gemm_ref(
     for expert in torch.unique(ids).tolist():
         sel = ids == expert
         y = rows[sel] @ w[expert].float().T
-        if gated:
+        if bias is not None:
+            y = y + bias[expert].float()
+        if gated and activation[0] == "silu":
             y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+        elif gated:
+            _, alpha, limit = activation
+            g, u = y[:, :n].clamp(max=limit), y[:, n:].clamp(-limit, limit)
+            y = g * torch.sigmoid(alpha * g) * (u + 1)
         out[sel] = y
     if topk_weights is not None:
         out *= topk_weights.flatten().float()[:, None]

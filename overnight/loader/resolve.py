@@ -157,7 +157,9 @@ def _config_source(
         served_name=served_name,
         quantization=(
             scheme_from_hf_config(cfg["quantization_config"], f"{path}/config.json")
-            if cfg.get("quantization_config")
+            # MXFP4 (gpt-oss) is the model's own business: its experts arrive as blocks and scales
+            # (models/gpt_oss.py), the rest of the checkpoint is unquantized.
+            if cfg.get("quantization_config") and cfg["quantization_config"].get("quant_method") != "mxfp4"
             else None
         ),
     )
