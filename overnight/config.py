@@ -133,6 +133,14 @@ class ModelArch:
         experts too, as they are once loaded (they load in dtype and are quantized afterwards, so the
         load itself needs them in dtype)."""
         total = self.num_parameters() * dtype_bytes
+        if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
+            # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
+            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+            total -= (
+                sparse * self.num_experts * (per_expert * dtype_bytes - per_expert // 2 - per_expert // 32)
+            )
+            fp8_experts = False
         if not fp8_linear:
             return total
         if fp8_experts:

@@ -217,5 +217,76 @@ def test_mxfp4_half_pair_is_refused(mxfp4_folder, tmp_path):
     for f in ("config.json", "generation_config.json"):
         (tmp_path / f).write_text((packed / f).read_text())
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(ModelLoadError, match="down_proj_blocks"):
+    with pytest.raises(ModelLoadError, match="down_proj_scales"):
         LLM(str(tmp_path), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=16 << 20)
+
+
+def test_mxfp4_experts_through_the_fused_kernels(mxfp4_folder, monkeypatch):
+    """The packed experts through the fused Triton GEMMs (decoding MXFP4 tiles in registers; the
+    interpreter on the CPU) against the CPU path that dequantizes the experts it runs."""
+    import overnight.layers.moe as moe
+    from overnight.attention.metadata import AttentionBatch
+    from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
+    from overnight.loader.model_loader import load_model
+    from overnight.loader.resolve import resolve_source
+
+    packed, _ = mxfp4_folder
+    model = load_model(resolve_source(str(packed)), torch.float32, "cpu")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_scales is not None
+
+    def forward() -> torch.Tensor:
+        arch = model.arch
+        caches = [
+            torch.zeros(2, 8, 4, arch.num_key_value_heads, arch.head_dim)
+            for _ in range(arch.num_hidden_layers)
+        ]
+        meta = build_metadata([9, 5], [9, 5], [[5, 2, 7], [1, 3]], 4)
+        ids = torch.randint(3, arch.vocab_size, (14,), generator=torch.Generator().manual_seed(0))
+        pos = torch.cat([torch.arange(9), torch.arange(5)])
+        with torch.inference_mode():
+            return model.compute_logits(
+                model(ids, pos, AttentionBatch(meta, caches, TorchAttentionBackend()))
+            )
+
+    expected = forward()
+    monkeypatch.setattr(moe, "use_kernels", lambda x: True)
+    got = forward()
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_weight_bytes_count_what_the_model_holds(mxfp4):
+    """ModelArch.weight_bytes (the memory check, `overnight budget`) equals the bytes of the built
+    model's parameters, with MXFP4 experts as they are kept (half a byte a weight and a scale per 32)."""
+    from overnight.loader.model_loader import build_model
+    from overnight.loader.source import ModelSource
+    from overnight.models.registry import arch_from_hf_config
+
+    cfg = {**_config().to_dict(), "hidden_size": 64, "intermediate_size": 96}
+    if mxfp4:
+        cfg["quantization_config"] = {"quant_method": "mxfp4"}
+    arch = arch_from_hf_config(cfg)
+    assert arch.experts_mxfp4 == mxfp4
+    source = ModelSource("dummy", "x", arch, "GptOssForCausalLM", None, (), None, None, "x")
+    model = build_model(source, torch.bfloat16, "meta")
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert arch.weight_bytes(2) == held
+    if not mxfp4:
+        assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
+    """The published 120b shapes: MXFP4 experts make the weights about 61 GiB, leaving most of an H200's
+    141 GiB for the KV pool; in bf16 they would not fit at all."""
+    import json
+
+    from overnight.loader.resolve import PRESETS_DIR
+    from overnight.models.registry import arch_from_hf_config
+
+    cfg = json.loads((Path(PRESETS_DIR) / "gpt-oss-120b.json").read_text())
+    cfg["rope_scaling"] = None  # the byte count does not depend on RoPE
+    arch = arch_from_hf_config(cfg)
+    gib = arch.weight_bytes(2) / 2**30
+    assert 55 < gib < 70, gib
+    assert arch.num_parameters() * 2 / 2**30 > 141

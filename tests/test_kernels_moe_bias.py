@@ -55,3 +55,42 @@ def test_fused_layer_with_biases_matches_the_layer_reference():
     out = fused_experts(x, w13, w2, weights, ids, config, gate_up_bias=b13, down_bias=b2, activation=OAI)
     ref = fused_experts_ref(x, w13, w2, weights, ids, gate_up_bias=b13, down_bias=b2, activation=act)
     assert_close(out, ref)
+
+
+def _mxfp4(e: int, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random MXFP4 experts: every code, scales around 2^0."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randint(0, 256, (e, rows, k // 2), generator=gen, dtype=torch.uint8)
+    s = torch.randint(122, 130, (e, rows, k // 32), generator=gen, dtype=torch.uint8)
+    return w.to(DEVICE), s.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hidden", [64, 96])  # 96: K not a multiple of the 64-wide tile
+def test_mxfp4_gemms_match_reference(dtype, hidden):
+    """The kernel decodes the nibbles and scales in registers; the reference decodes the whole tensor."""
+    from overnight.kernels.moe_gemm import mxfp4_to_float
+    from overnight.quant.mxfp4 import dequantize_mxfp4
+
+    num_tokens, top_k, num_experts, inter = 7, 2, 4, 32
+    tiles = GemmTiles(block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=2)
+    x = randn(num_tokens, hidden, seed=40, scale=0.1, dtype=dtype)
+    w13, s13 = _mxfp4(num_experts, 2 * inter, hidden, seed=41)
+    w2, s2 = _mxfp4(num_experts, hidden, inter, seed=42)
+    # The kernels' decoder and the loader's agree to the bit.
+    blocks = w13.cpu().unflatten(-1, (-1, 16))
+    assert torch.equal(
+        mxfp4_to_float(w13.cpu(), s13.cpu()), dequantize_mxfp4(blocks, s13.cpu(), torch.float32)
+    )
+    ids = random_ids(num_tokens, top_k, num_experts, seed=43)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    b13 = randn(num_experts, 2 * inter, seed=45, dtype=dtype)
+    runs = moe_align(ids, num_experts, 16)
+    h = moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13, bias=b13, activation=OAI)
+    assert_close(h, moe_gemm_ref(x, w13, ids, gated=True, w_scale=s13, bias=b13, activation=OAI))
+    y = moe_gemm(h, w2, runs, GemmTiles(16, 32, 2, 4, 2), topk_weights=weights, w_scale=s2)
+    assert_close(y, moe_gemm_ref(h, w2, ids, topk_weights=weights, w_scale=s2))
+    with pytest.raises(ValueError, match="MXFP4: w_scale"):
+        moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13[..., :-1])
+    with pytest.raises(ValueError, match="multiples of 32"):
+        moe_gemm(x, w13, runs, GemmTiles(16, 16, 2, 4, 2), gated=True, w_scale=s13)

@@ -86,8 +86,9 @@ def fused_experts_ref(
     activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
-    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) are
-    dequantized to x's dtype expert by expert. Biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H],
+    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) and MXFP4
+    experts (uint8 [E, rows, in/2] with uint8 scales [E, rows, in/32]) are dequantized to x's dtype
+    expert by expert. Biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H],
     added before the activation and before the routing weight.
 
     The HF computation step for step (so fp32 results match it to the last bit on the same rows): each
@@ -99,7 +100,10 @@ def fused_experts_ref(
     for expert in torch.unique(ids).tolist():
         token, slot = torch.where(ids == expert)
         w1, w2 = gate_up_proj[expert], down_proj[expert]
-        if gate_up_scale is not None and down_scale is not None:
+        if w1.dtype == torch.uint8 and gate_up_scale is not None and down_scale is not None:
+            w1 = _mxfp4_rows(w1, gate_up_scale[expert], x.dtype)
+            w2 = _mxfp4_rows(w2, down_scale[expert], x.dtype)
+        elif gate_up_scale is not None and down_scale is not None:
             w1 = (w1.float() * gate_up_scale[expert, :, None]).to(x.dtype)
             w2 = (w2.float() * down_scale[expert, :, None]).to(x.dtype)
         b1 = None if gate_up_bias is None else gate_up_bias[expert]
@@ -108,6 +112,12 @@ def fused_experts_ref(
         y = F.linear(activation(gate, up), w2, b2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
+
+
+def _mxfp4_rows(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from overnight.quant.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(rows.unflatten(-1, (-1, 16)), scales, dtype)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,12 +187,28 @@ class Experts(nn.Module):
         *,
         bias: bool = False,
         activation: ExpertActivation = SILU,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # MXFP4 (gpt-oss's published experts, quant/mxfp4.py): kept packed on every device, two weights
+        # a byte with one power-of-two scale per 32 inputs; the GPU kernels decode tiles in registers.
+        self.gate_up_scales: nn.Parameter | None = None
+        self.down_scales: nn.Parameter | None = None
+        if mxfp4:
+            e, i, h = num_experts, intermediate_size, hidden_size
+            if h % 32 or i % 32:
+                raise ValueError(
+                    f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes divisible by 32"
+                )
+            u8 = dict(dtype=torch.uint8)
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h // 2, **u8), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(e, h, i // 2, **u8), requires_grad=False)
+            self.gate_up_scales = nn.Parameter(torch.empty(e, 2 * i, h // 32, **u8), requires_grad=False)
+            self.down_scales = nn.Parameter(torch.empty(e, h, i // 32, **u8), requires_grad=False)
         # Biases (gpt-oss): one per expert and output row, kept in the compute dtype under FP8.
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
@@ -194,14 +220,15 @@ class Experts(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # FP8: the projections' dtype before quantizing
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        mx = self.gate_up_scales is not None
         return run_experts(
             x,
             self.gate_up_proj,
             self.down_proj,
             topk_weights,
             topk_ids,
-            self.gate_up_scale,
-            self.down_scale,
+            self.gate_up_scales if mx else self.gate_up_scale,
+            self.down_scales if mx else self.down_scale,
             gate_up_bias=self.gate_up_bias,
             down_bias=self.down_bias,
             activation=self.activation,
@@ -213,8 +240,8 @@ class Experts(nn.Module):
         per-channel rule of quant/fp8.py)."""
         from overnight.quant.fp8 import quantize_stacked_per_channel
 
-        if self.gate_up_scale is not None:
-            return
+        if self.gate_up_scale is not None or self.gate_up_scales is not None:
+            return  # already FP8, or MXFP4 (which stays as it is: a quarter of bf16's bytes already)
         self.compute_dtype = self.gate_up_proj.dtype
         for name in ("gate_up_proj", "down_proj"):
             data, scale = quantize_stacked_per_channel(getattr(self, name))

@@ -15,8 +15,9 @@ Against the Llama decoder (models/llama.py), whose layer wiring, norms and fused
 Checkpoints keep the experts stacked as [E, in, out] tensors with gate and up columns interleaved
 (gate = even columns, up = odd ones). load_weights transposes them to the [E, out, in] layout of
 layers/moe.py's Experts and puts the gate rows before the up rows. MXFP4 checkpoints (the published
-ones: 4-bit experts in blocks of 32 with one power-of-two scale each, quant/mxfp4.py) are recognised by
-their *_blocks / *_scales tensors.
+ones: 4-bit experts in blocks of 32 with one power-of-two scale each, quant/mxfp4.py; config.json's
+quantization_config says quant_method "mxfp4") keep their experts packed on every device: the fused GEMMs
+decode them in registers on the GPU, the CPU path dequantizes the experts a step runs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.spec import LayerAttention
 from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
 from overnight.layers.moe import ExpertActivation, Experts, select_experts
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.llama import (
@@ -65,7 +67,12 @@ class GptOssMoE(nn.Module):
         self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
         activation = ExpertActivation("swiglu_oai", alpha=1.702, limit=arch.swiglu_limit)
         self.experts = Experts(
-            arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, bias=True, activation=activation
+            arch.num_experts,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            bias=True,
+            activation=activation,
+            mxfp4=arch.experts_mxfp4,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -111,57 +118,57 @@ def _to_stacked_layout(
     weights: Iterable[tuple[str, torch.Tensor]], model: GptOssForCausalLM
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's expert tensors in Experts' layout, one per expert and projection, named as
-    load_packed_weights expects them (experts.{e}.gate_proj.weight, ...; biases as .bias); MXFP4 pairs
-    (*_blocks, *_scales) dequantized first. Every other tensor passes through."""
-    from overnight.quant.mxfp4 import dequantize_mxfp4
+    load_packed_weights expects them; every other tensor passes through.
 
-    pending: dict[str, torch.Tensor] = {}  # an MXFP4 tensor's half that arrived first
-    for name, tensor in weights:
+    Weights become experts.{e}.{gate,up,down}_proj.weight (the names per-expert checkpoints use; MXFP4
+    blocks [E, out, in/32, 16] as rows of in/2 bytes). Biases and MXFP4 scales, which have no per-expert
+    checkpoint form, become the whole row of their stacked parameter, experts.{e}.{gate_up,down}_bias.weight
+    and experts.{e}.{gate_up,down}_scales.weight ([gate | up] for gate/up)."""
+    mxfp4_halves: dict[str, set[str]] = {}  # prefix.proj -> which of _blocks / _scales came
+    for name, tensor in _checked_pairs(weights, mxfp4_halves):
         prefix, _, leaf = name.rpartition(".")
         if not prefix.endswith("mlp.experts"):
             yield name, tensor
             continue
-        if leaf.endswith(("_blocks", "_scales")):
-            base = leaf.rsplit("_", 1)[0]
-            other = f"{prefix}.{base}_{'scales' if leaf.endswith('_blocks') else 'blocks'}"
-            if other not in pending:
-                pending[name] = tensor
-                continue
-            blocks, scales = (
-                (tensor, pending.pop(other)) if leaf.endswith("_blocks") else (pending.pop(other), tensor)
-            )
-            dtype = model.model.embed_tokens.weight.dtype
-            # [E, out, in] already (MXFP4 blocks run along the input dimension)
-            yield from _per_expert(prefix, base, dequantize_mxfp4(blocks, scales, dtype), out_major=True)
-            continue
-        if leaf not in _EXPERT_TENSORS:
+        proj = leaf.removesuffix("_blocks").removesuffix("_scales").removesuffix("_bias")
+        kind = leaf[len(proj) :]
+        if proj not in ("gate_up_proj", "down_proj") or kind not in ("", "_bias", "_blocks", "_scales"):
             yield name, tensor  # unexpected: load_packed_weights names it
             continue
-        yield from _per_expert(prefix, leaf, tensor, out_major=False)
-    if pending:
-        from overnight.errors import ModelLoadError
-
-        raise ModelLoadError(f"MXFP4 tensors without their other half: {', '.join(sorted(pending))}")
-
-
-def _per_expert(
-    prefix: str, leaf: str, tensor: torch.Tensor, out_major: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Split one stacked checkpoint tensor into load_packed_weights' per-expert pieces. out_major: the
-    weight is [E, out, in] (dequantized MXFP4), else [E, in, out] (the checkpoint's float layout).
-
-    Weights become experts.{e}.{gate,up,down}_proj.weight (the names per-expert checkpoints use);
-    biases, which have no per-expert checkpoint form, become the whole row of the stacked bias
-    parameter, experts.{e}.{gate_up,down}_bias.weight ([gate | up] for the first)."""
-    for e in range(tensor.shape[0]):
-        if leaf == "gate_up_proj_bias":  # interleaved: gate even, up odd
-            yield f"{prefix}.{e}.gate_up_bias.weight", torch.cat([tensor[e, 0::2], tensor[e, 1::2]])
-        elif leaf == "down_proj_bias":
-            yield f"{prefix}.{e}.down_bias.weight", tensor[e]
-        else:
-            t = tensor[e] if out_major else tensor[e].t()  # [out, in]
-            if leaf == "gate_up_proj":
-                yield f"{prefix}.{e}.gate_proj.weight", t[0::2]
-                yield f"{prefix}.{e}.up_proj.weight", t[1::2]
+        for e in range(tensor.shape[0]):
+            t = tensor[e]
+            if kind == "":  # float weights: [in, out] in the checkpoint
+                t = t.t()
+            elif kind == "_blocks":
+                t = t.flatten(-2)  # [out, in/32, 16] -> [out, in/2]
+            if kind in ("", "_blocks"):
+                if proj == "gate_up_proj":  # interleaved rows: gate even, up odd
+                    yield f"{prefix}.{e}.gate_proj.weight", t[0::2]
+                    yield f"{prefix}.{e}.up_proj.weight", t[1::2]
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", t
             else:
-                yield f"{prefix}.{e}.down_proj.weight", t
+                stacked = proj.removesuffix("_proj") + ("_bias" if kind == "_bias" else "_scales")
+                if proj == "gate_up_proj":
+                    t = torch.cat([t[0::2], t[1::2]])
+                yield f"{prefix}.{e}.{stacked}.weight", t
+
+
+def _checked_pairs(
+    weights: Iterable[tuple[str, torch.Tensor]], halves: dict[str, set[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream unchanged; at its end, an MXFP4 tensor that came without its other half is named."""
+    for name, tensor in weights:
+        for kind in ("_blocks", "_scales"):
+            if name.endswith(kind):
+                halves.setdefault(name.removesuffix(kind), set()).add(kind)
+        yield name, tensor
+    lonely = [
+        base + ("_scales" if kinds == {"_blocks"} else "_blocks")
+        for base, kinds in halves.items()
+        if len(kinds) == 1
+    ]
+    if lonely:
+        raise ModelLoadError(
+            f"MXFP4 checkpoint lacks {', '.join(sorted(lonely))} (blocks and scales come in pairs)"
+        )
