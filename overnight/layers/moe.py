@@ -204,11 +204,11 @@ class Experts(nn.Module):
                 raise ValueError(
                     f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes divisible by 32"
                 )
-            u8 = dict(dtype=torch.uint8)
-            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h // 2, **u8), requires_grad=False)
-            self.down_proj = nn.Parameter(torch.empty(e, h, i // 2, **u8), requires_grad=False)
-            self.gate_up_scales = nn.Parameter(torch.empty(e, 2 * i, h // 32, **u8), requires_grad=False)
-            self.down_scales = nn.Parameter(torch.empty(e, h, i // 32, **u8), requires_grad=False)
+            u8 = torch.uint8
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h // 2, dtype=u8), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(e, h, i // 2, dtype=u8), requires_grad=False)
+            self.gate_up_scales = nn.Parameter(torch.empty(e, 2 * i, h // 32, dtype=u8), requires_grad=False)
+            self.down_scales = nn.Parameter(torch.empty(e, h, i // 32, dtype=u8), requires_grad=False)
         # Biases (gpt-oss): one per expert and output row, kept in the compute dtype under FP8.
         self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
