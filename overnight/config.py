@@ -53,6 +53,12 @@ class ModelArch:
     # KV sharing (Gemma 4): the last num_kv_shared_layers layers write no cache of their own and read
     # the cache of the last earlier layer of their kind (kv_source_layer).
     num_kv_shared_layers: int = 0
+    # gpt-oss: a learned sink logit per attention head; experts with biases and the clamped SwiGLU
+    # (limit swiglu_limit); experts_mxfp4: the checkpoint's experts are MXFP4 (quant/mxfp4.py).
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float = 7.0
+    experts_mxfp4: bool = False
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -95,11 +101,14 @@ class ModelArch:
         through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
         dense = 3 * self.hidden_size * self.intermediate_size
         expert = 3 * self.hidden_size * self.moe_intermediate_size
+        if self.expert_bias:  # gate/up and down biases
+            expert += 2 * self.moe_intermediate_size + self.hidden_size
+        router = self.num_experts * (self.hidden_size + (1 if self.expert_bias else 0))
         total = 0
         for i in range(self.num_hidden_layers):
             if self.is_moe_layer(i):
                 used = self.num_experts_per_tok if active_only else self.num_experts
-                total += self.num_experts * self.hidden_size + used * expert
+                total += router + used * expert
             else:
                 total += dense
         return total
@@ -133,6 +142,14 @@ class ModelArch:
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
         stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
+        if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
+            # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
+            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+            total -= (
+                sparse * self.num_experts * (per_expert * dtype_bytes - per_expert // 2 - per_expert // 32)
+            )
+            fp8_experts = False
         params, rows = self._dense_linear_shape()
         if int_linear is not None:
             bits, group, experts = int_linear
@@ -173,6 +190,8 @@ class ModelArch:
             per_layer += h
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.attention_sinks:
+            per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return (
             self.vocab_size * h + head + self.num_linear_parameters() + self.num_hidden_layers * per_layer + h

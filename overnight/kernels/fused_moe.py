@@ -31,16 +31,23 @@ def fused_experts(
     config: MoeConfig | None = None,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2N, H] ([gate | up] rows); down_proj [E, H, N]; topk_weights [T, k]
-    float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype. FP8 experts: e4m3 projections with
-    their per-row scales, gate_up_scale [E, 2N] and down_scale [E, H] float32 (moe_gemm.py)."""
+        float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype. FP8 experts: e4m3 projections with
+        their per-row scales, gate_up_scale [E, 2N] and down_scale [E, H] float32; MXFP4 experts: uint8
+    [E, 2N, H/2] and [E, H, N/2] with uint8 scales [E, 2N, H/32] and [E, H, N/32] (moe_gemm.py). Biases
+        [E, 2N] and [E, H] and the gate/up activation (kind, alpha, limit) as moe_gemm takes them."""
     num_tokens, hidden = x.shape
     num_experts, two_n, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]
-    if down_proj.shape != (num_experts, hidden, two_n // 2):
+    packed = 2 if gate_up_proj.dtype == torch.uint8 else 1  # MXFP4: two weights a byte
+    if down_proj.shape != (num_experts, hidden, two_n // 2 // packed):
         raise ValueError(
-            f"down_proj must be {(num_experts, hidden, two_n // 2)}, got {tuple(down_proj.shape)}"
+            f"down_proj must be {(num_experts, hidden, two_n // 2 // packed)}, got {tuple(down_proj.shape)}"
         )
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError("topk_weights and topk_ids must both be [T, k]")
@@ -51,8 +58,23 @@ def fused_experts(
             num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
         )
     runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
-    h = moe_gemm(x.contiguous(), gate_up_proj, runs, config.gemm1, gated=True, w_scale=gate_up_scale)
+    h = moe_gemm(
+        x.contiguous(),
+        gate_up_proj,
+        runs,
+        config.gemm1,
+        gated=True,
+        w_scale=gate_up_scale,
+        bias=gate_up_bias,
+        activation=activation,
+    )
     y = moe_gemm(
-        h, down_proj, runs, config.gemm2, topk_weights=topk_weights.float().contiguous(), w_scale=down_scale
+        h,
+        down_proj,
+        runs,
+        config.gemm2,
+        topk_weights=topk_weights.float().contiguous(),
+        w_scale=down_scale,
+        bias=down_bias,
     )
     return y.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -15,10 +15,18 @@ Two uses:
                     and the up columns of the same N range, and stores silu(gate) * up: the SiLU-and-mul
                     is the epilogue, and the [P, 2N] gate/up activations are never written.
   down (MUL_WEIGHT) w = [E, H, N]; the epilogue scales each row by its pair's routing weight.
+Bias (HAS_BIAS, gpt-oss): bias [E, rows of w] added to the accumulators before the epilogue's activation
+or routing weight. ACTIVATION (GATED): 0 = silu(gate) * up; 1 = gpt-oss's clamped SwiGLU,
+g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1).
 FP8 experts (W_FP8): w holds e4m3 values with one float32 scale per expert and weight row (w_scale
 [E, rows of w]); each tile is converted to a's dtype for the dot (the activations stay as they are:
 weight-only FP8, half the bytes a decode step reads), and the scales multiply the accumulators in the
 epilogue, the gate's and the up's each by its own rows' before the SiLU.
+MXFP4 experts (W_MXFP4, gpt-oss): w is uint8 [E, rows, K/2], two e2m1 values a byte (the low nibble the
+even column), and w_scale uint8 [E, rows, K/32] holds one e8m0 exponent per 32 columns (quant/mxfp4.py).
+Each [BLOCK_K, BLOCK_N] tile is read as BLOCK_K/2 bytes a column, decoded and scaled in registers and
+converted to a's dtype for the dot: a decode step reads a quarter of bf16's expert bytes (Hopper has no
+FP4 MMA, so the dot itself runs in a's dtype).
 Accumulation is fp32; the result is rounded once, to out's dtype. Tiles past num_padded (a device
 scalar) return at once, so the grid is sized for the worst case and a launch depends only on shapes
 and pointers: safe to capture in a CUDA graph.
@@ -48,11 +56,37 @@ class GemmTiles:
 
 # Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per
 # tile configuration serves every batch size.
+@triton.jit
+def _e2m1_to_float(code):
+    """e2m1 codes (0..15, int32) -> their values: sign, 2 exponent bits (bias 1), 1 mantissa bit."""
+    exponent = (code >> 1) & 3
+    mantissa = (code & 1).to(tl.float32)
+    magnitude = tl.where(
+        exponent == 0, 0.5 * mantissa, (1.0 + 0.5 * mantissa) * tl.exp2((exponent - 1).to(tl.float32))
+    )
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _mxfp4_tile(w_ptrs, s_ptrs, mask, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of MXFP4 weights in fp32: w_ptrs point at [BLOCK_K / 2, BLOCK_N] bytes,
+    s_ptrs at the tile's [BLOCK_K / 32, BLOCK_N] scale bytes."""
+    packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    low = _e2m1_to_float(packed & 15)
+    high = _e2m1_to_float(packed >> 4)
+    # byte i holds columns 2i (low) and 2i + 1 (high): interleave along K
+    w = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
+    exps = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.float32) - 127.0
+    w = tl.reshape(w, (BLOCK_K // 32, 32, BLOCK_N)) * tl.exp2(exps)[:, None, :]
+    return tl.reshape(w, (BLOCK_K, BLOCK_N))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
-    w_scale_ptr,  # W_FP8: [E, rows of w] float32
+    w_scale_ptr,  # W_FP8: [E, rows of w] float32; W_MXFP4: [E, rows of w, K / 32] uint8
+    bias_ptr,  # HAS_BIAS: [E, rows of w]
     out_ptr,
     topk_weights_ptr,
     sorted_ids_ptr,
@@ -68,12 +102,19 @@ def _moe_gemm_kernel(
     stride_wn,
     stride_wk,
     stride_om,
-    stride_se,  # W_FP8: w_scale's stride between experts
+    stride_se,  # W_FP8 / W_MXFP4: w_scale's stride between experts
+    stride_sn,  # W_MXFP4: w_scale's stride between rows
+    stride_be,  # HAS_BIAS: bias's stride between experts
     up_offset,  # GATED: the up rows follow the gate rows, N rows further
+    alpha,  # ACTIVATION 1
+    limit,  # ACTIVATION 1
     A_DIV: tl.constexpr,
     GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     W_FP8: tl.constexpr,
+    W_MXFP4: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -99,9 +140,25 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     a_ptrs = a_ptr + (pair // A_DIV).to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    w_ptrs = (
-        w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
-    )
+    if W_MXFP4:  # bytes of half the tile's K, and its scales (one per 32 columns)
+        offs_kb = tl.arange(0, BLOCK_K // 2)
+        offs_ks = tl.arange(0, BLOCK_K // 32)
+        w_ptrs = (
+            w_ptr
+            + expert * stride_we
+            + offs_n[None, :].to(tl.int64) * stride_wn
+            + offs_kb[:, None] * stride_wk
+        )
+        s_ptrs = (
+            w_scale_ptr + expert * stride_se + offs_n[None, :].to(tl.int64) * stride_sn + offs_ks[:, None]
+        )
+    else:
+        w_ptrs = (
+            w_ptr
+            + expert * stride_we
+            + offs_n[None, :].to(tl.int64) * stride_wn
+            + offs_k[:, None] * stride_wk
+        )
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -114,25 +171,50 @@ def _moe_gemm_kernel(
             a_mask = row_mask[:, None] & (offs_k[None, :] < k_left)
             w_mask = n_mask[None, :] & (offs_k[:, None] < k_left)
         a = tl.load(a_ptrs, mask=a_mask, other=0.0)
-        w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-        if W_FP8:
-            w = w.to(a_ptr.dtype.element_ty)
+        if W_MXFP4:
+            k_left = K - k * BLOCK_K
+            b_mask = n_mask[None, :] & (offs_kb[:, None] < k_left // 2)
+            s_mask = n_mask[None, :] & (offs_ks[:, None] < k_left // 32)
+            w = _mxfp4_tile(w_ptrs, s_ptrs, b_mask, s_mask, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+        else:
+            w = tl.load(w_ptrs, mask=w_mask, other=0.0)
+            if W_FP8:
+                w = w.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
-            up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-            if W_FP8:
-                up = up.to(a_ptr.dtype.element_ty)
+            if W_MXFP4:
+                up = _mxfp4_tile(
+                    w_ptrs + up_offset, s_ptrs + N * stride_sn, b_mask, s_mask, BLOCK_K, BLOCK_N
+                ).to(a_ptr.dtype.element_ty)
+            else:
+                up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
+                if W_FP8:
+                    up = up.to(a_ptr.dtype.element_ty)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+        if W_MXFP4:
+            w_ptrs += (BLOCK_K // 2) * stride_wk
+            s_ptrs += BLOCK_K // 32
+        else:
+            w_ptrs += BLOCK_K * stride_wk
 
     if W_FP8:
         scale_ptrs = w_scale_ptr + expert * stride_se + offs_n
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_ptrs + N, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        bias_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc = acc + tl.load(bias_ptrs, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up = acc_up + tl.load(bias_ptrs + N, mask=n_mask, other=0.0).to(tl.float32)[None, :]
     if GATED:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if ACTIVATION == 0:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -149,10 +231,13 @@ def moe_gemm(
     topk_weights: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
-    """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T, then
+    """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T (+ bias[expert of p]), then
 
-    gated:         silu(first N columns) * (last N columns), with w [E, 2N, K]: out [P, N]
+    gated:         act(first N columns, last N columns), with w [E, 2N, K]: out [P, N]; activation =
+                   (kind, alpha, limit), kind "silu" (silu(gate) * up) or "swiglu_oai" (module docstring)
     topk_weights:  times topk_weights.flatten()[p]: out [P, N] with w [E, N, K]
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
@@ -160,10 +245,12 @@ def moe_gemm(
     is the weight)."""
     num_pairs = runs.num_pairs
     a_rows, k_dim = a.shape
+    w_mxfp4 = w.dtype == torch.uint8
     if a_rows == 0 or num_pairs % a_rows:
         raise ValueError(f"a has {a_rows} rows; the pairs ({num_pairs}) must be a multiple of them")
-    if w.dim() != 3 or w.shape[2] != k_dim:
-        raise ValueError(f"w must be [E, N, {k_dim}], got {tuple(w.shape)}")
+    w_k = k_dim // 2 if w_mxfp4 else k_dim
+    if w.dim() != 3 or w.shape[2] != w_k:
+        raise ValueError(f"w must be [E, N, {w_k}], got {tuple(w.shape)}")
     if a.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError("a and w must have unit stride along K")
     if gated and w.shape[1] % 2:
@@ -176,12 +263,28 @@ def moe_gemm(
     if topk_weights is not None and topk_weights.numel() != num_pairs:
         raise ValueError(f"topk_weights must hold one weight per pair ({num_pairs})")
     w_fp8 = w.dtype == torch.float8_e4m3fn
-    if w_fp8 != (w_scale is not None):
-        raise ValueError("an e4m3 w needs w_scale, and only an e4m3 w takes one")
-    if w_scale is not None and (
-        w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1
+    if (w_fp8 or w_mxfp4) != (w_scale is not None):
+        raise ValueError("an e4m3 or MXFP4 w needs w_scale, and only those take one")
+    if (
+        w_fp8
+        and w_scale is not None
+        and (w_scale.shape != w.shape[:2] or w_scale.dtype != torch.float32 or w_scale.stride(1) != 1)
     ):
         raise ValueError(f"w_scale must be float32 {tuple(w.shape[:2])}, rows contiguous")
+    if w_mxfp4 and w_scale is not None:
+        if k_dim % 32 or tiles.block_k % 32:
+            raise ValueError(f"MXFP4: K ({k_dim}) and block_k ({tiles.block_k}) must be multiples of 32")
+        if (
+            w_scale.shape != (*w.shape[:2], k_dim // 32)
+            or w_scale.dtype != torch.uint8
+            or w_scale.stride(2) != 1
+        ):
+            raise ValueError(f"MXFP4: w_scale must be uint8 {(*w.shape[:2], k_dim // 32)}")
+    if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
+        raise ValueError(f"bias must be {tuple(w.shape[:2])}, rows contiguous")
+    kind, alpha, limit = activation
+    if kind not in ("silu", "swiglu_oai"):
+        raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai)")
 
     block_m = runs.block_m
     num_tiles_m = runs.sorted_ids.numel() // block_m
@@ -190,6 +293,7 @@ def moe_gemm(
         a,
         w,
         w_scale if w_scale is not None else out,  # unread without W_FP8
+        bias if bias is not None else out,  # unread without HAS_BIAS
         out,
         topk_weights if topk_weights is not None else out,  # unread without MUL_WEIGHT
         runs.sorted_ids,
@@ -206,11 +310,18 @@ def moe_gemm(
         w.stride(2),
         out.stride(0),
         w_scale.stride(0) if w_scale is not None else 0,
+        w_scale.stride(1) if w_mxfp4 and w_scale is not None else 0,
+        bias.stride(0) if bias is not None else 0,
         n * w.stride(1),
+        float(alpha),
+        float(limit),
         A_DIV=num_pairs // a_rows,
         GATED=gated,
+        HAS_BIAS=bias is not None,
+        ACTIVATION=0 if kind == "silu" else 1,
         MUL_WEIGHT=topk_weights is not None,
         W_FP8=w_fp8,
+        W_MXFP4=w_mxfp4,
         EVEN_K=k_dim % tiles.block_k == 0,
         # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -224,6 +335,17 @@ def moe_gemm(
     return out
 
 
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 rows [..., K/2] uint8 with scales [..., K/32] uint8 -> [..., K] fp32 (the kernel's tile
+    decoding, for the reference; kernels import nothing of ours, so quant/mxfp4.py has its own)."""
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=w.device)
+    values = torch.stack([lut[(w & 15).long()], lut[(w >> 4).long()]], dim=-1).flatten(-2)
+    return torch.ldexp(values.unflatten(-1, (-1, 32)), scales.to(torch.int32)[..., None] - 127).flatten(-2)
+
+
 def moe_gemm_ref(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -232,9 +354,13 @@ def moe_gemm_ref(
     gated: bool = False,
     topk_weights: torch.Tensor | None = None,
     w_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
     """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end."""
-    if w_scale is not None:
+    if w.dtype == torch.uint8 and w_scale is not None:  # MXFP4
+        w = mxfp4_to_float(w, w_scale)
+    elif w_scale is not None:
         w = w.float() * w_scale[:, :, None]
     ids = topk_ids.flatten().long()
     num_pairs = ids.numel()
@@ -244,8 +370,14 @@ def moe_gemm_ref(
     for expert in torch.unique(ids).tolist():
         sel = ids == expert
         y = rows[sel] @ w[expert].float().T
-        if gated:
+        if bias is not None:
+            y = y + bias[expert].float()
+        if gated and activation[0] == "silu":
             y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+        elif gated:
+            _, alpha, limit = activation
+            g, u = y[:, :n].clamp(max=limit), y[:, n:].clamp(-limit, limit)
+            y = g * torch.sigmoid(alpha * g) * (u + 1)
         out[sel] = y
     if topk_weights is not None:
         out *= topk_weights.flatten().float()[:, None]

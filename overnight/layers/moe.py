@@ -23,6 +23,8 @@ captured in a CUDA graph; the fused path can.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,6 +44,34 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return weights, ids.to(torch.int32)
 
 
+@dataclass(frozen=True)
+class ExpertActivation:
+    """How an expert combines its gate and up rows.
+
+    silu:        silu(gate) * up                                   (Qwen3-MoE, Mixtral)
+    swiglu_oai:  g = min(gate, limit); u = clamp(up, -limit, limit);
+                 g * sigmoid(alpha * g) * (u + 1)                   (gpt-oss, its reference's SwiGLU)
+    """
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("silu", "swiglu_oai"):
+            raise ValueError(f"unknown expert activation {self.kind!r} (silu, swiglu_oai)")
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate = gate.clamp(max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SILU = ExpertActivation()
+
+
 def fused_experts_ref(
     x: torch.Tensor,
     gate_up_proj: torch.Tensor,
@@ -50,10 +80,16 @@ def fused_experts_ref(
     topk_ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
-    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) are
-    dequantized to x's dtype expert by expert.
+    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) and MXFP4
+    experts (uint8 [E, rows, in/2] with uint8 scales [E, rows, in/32]) are dequantized to x's dtype
+    expert by expert. Biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H],
+    added before the activation and before the routing weight.
 
     The HF computation step for step (so fp32 results match it to the last bit on the same rows): each
     expert that was hit runs on its tokens in x's dtype, its output is scaled by the routing weight
@@ -64,13 +100,24 @@ def fused_experts_ref(
     for expert in torch.unique(ids).tolist():
         token, slot = torch.where(ids == expert)
         w1, w2 = gate_up_proj[expert], down_proj[expert]
-        if gate_up_scale is not None and down_scale is not None:
+        if w1.dtype == torch.uint8 and gate_up_scale is not None and down_scale is not None:
+            w1 = _mxfp4_rows(w1, gate_up_scale[expert], x.dtype)
+            w2 = _mxfp4_rows(w2, down_scale[expert], x.dtype)
+        elif gate_up_scale is not None and down_scale is not None:
             w1 = (w1.float() * gate_up_scale[expert, :, None]).to(x.dtype)
             w2 = (w2.float() * down_scale[expert, :, None]).to(x.dtype)
-        gate, up = F.linear(x[token], w1).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2) * weights[token, slot, None]
+        b1 = None if gate_up_bias is None else gate_up_bias[expert]
+        b2 = None if down_bias is None else down_bias[expert]
+        gate, up = F.linear(x[token], w1, b1).chunk(2, dim=-1)
+        y = F.linear(activation(gate, up), w2, b2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
+
+
+def _mxfp4_rows(rows: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    from overnight.quant.mxfp4 import dequantize_mxfp4
+
+    return dequantize_mxfp4(rows.unflatten(-1, (-1, 16)), scales, dtype)
 
 
 def select_experts(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,15 +137,40 @@ def run_experts(
     topk_ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    *,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
+    activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, on the path use_kernels(x) picks."""
     if use_kernels(x):
         from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
 
         return fused_experts(
-            x, gate_up_proj, down_proj, topk_weights, topk_ids, None, gate_up_scale, down_scale
+            x,
+            gate_up_proj,
+            down_proj,
+            topk_weights,
+            topk_ids,
+            None,
+            gate_up_scale,
+            down_scale,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+            activation=(activation.kind, activation.alpha, activation.limit),
         )
-    return fused_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale)
+    return fused_experts_ref(
+        x,
+        gate_up_proj,
+        down_proj,
+        topk_weights,
+        topk_ids,
+        gate_up_scale,
+        down_scale,
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
+        activation=activation,
+    )
 
 
 class Experts(nn.Module):
@@ -107,11 +179,39 @@ class Experts(nn.Module):
     Tensor parallelism shrinks intermediate_size (each rank keeps every expert's slice of it) and sums
     the ranks' outputs from outside (parallel/tp.py)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        bias: bool = False,
+        activation: ExpertActivation = SILU,
+        mxfp4: bool = False,
+    ) -> None:
         super().__init__()
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        # MXFP4 (gpt-oss's published experts, quant/mxfp4.py): kept packed on every device, two weights
+        # a byte with one power-of-two scale per 32 inputs; the GPU kernels decode tiles in registers.
+        self.gate_up_scales: nn.Parameter | None = None
+        self.down_scales: nn.Parameter | None = None
+        if mxfp4:
+            e, i, h = num_experts, intermediate_size, hidden_size
+            if h % 32 or i % 32:
+                raise ValueError(
+                    f"MXFP4 experts need hidden ({h}) and intermediate ({i}) sizes divisible by 32"
+                )
+            u8 = torch.uint8
+            self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h // 2, dtype=u8), requires_grad=False)
+            self.down_proj = nn.Parameter(torch.empty(e, h, i // 2, dtype=u8), requires_grad=False)
+            self.gate_up_scales = nn.Parameter(torch.empty(e, 2 * i, h // 32, dtype=u8), requires_grad=False)
+            self.down_scales = nn.Parameter(torch.empty(e, h, i // 32, dtype=u8), requires_grad=False)
+        # Biases (gpt-oss): one per expert and output row, kept in the compute dtype under FP8.
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self._init_fp8_state()
 
     def _init_fp8_state(self) -> None:
@@ -120,8 +220,18 @@ class Experts(nn.Module):
         self.compute_dtype: torch.dtype | None = None  # FP8: the projections' dtype before quantizing
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        mx = self.gate_up_scales is not None
         return run_experts(
-            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.gate_up_scale, self.down_scale
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_weights,
+            topk_ids,
+            self.gate_up_scales if mx else self.gate_up_scale,
+            self.down_scales if mx else self.down_scale,
+            gate_up_bias=self.gate_up_bias,
+            down_bias=self.down_bias,
+            activation=self.activation,
         )
 
     @torch.no_grad()
@@ -130,8 +240,8 @@ class Experts(nn.Module):
         per-channel rule of quant/fp8.py)."""
         from overnight.quant.fp8 import quantize_stacked_per_channel
 
-        if self.gate_up_scale is not None:
-            return
+        if self.gate_up_scale is not None or self.gate_up_scales is not None:
+            return  # already FP8, or MXFP4 (which stays as it is: a quarter of bf16's bytes already)
         self.compute_dtype = self.gate_up_proj.dtype
         for name in ("gate_up_proj", "down_proj"):
             data, scale = quantize_stacked_per_channel(getattr(self, name))

@@ -25,6 +25,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.LayerNorm) and m.bias is not None}
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
     fp8_scales = {id(m.weight_scale) for m in fp8_layers.values()}
+    mxfp4_scales = {id(t) for t in _mxfp4_scales(model)}
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():  # a tied weight is visited once
         if param.is_meta or id(param) in fp8_scales:
@@ -36,8 +37,25 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         layer = fp8_layers.get(id(param))
-        if layer is None:
+        if param.dtype == torch.uint8:  # MXFP4 experts (layers/moe.py): any codes, scales near DUMMY_RANGE
+            if id(param) in mxfp4_scales:
+                param.fill_(127 - 10)  # 2^-10, so weights stay below 6 * 2^-10
+            else:
+                param.random_(0, 256, generator=gen)
+        elif layer is None:
             param.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
         else:
             dense = torch.empty(param.shape, dtype=layer.out_dtype, device=param.device)
             layer.load_dense_(dense.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))
+
+
+def _mxfp4_scales(model: nn.Module) -> list[torch.Tensor]:
+    from overnight.layers.moe import Experts
+
+    return [
+        t
+        for m in model.modules()
+        if isinstance(m, Experts)
+        for t in (m.gate_up_scales, m.down_scales)
+        if t is not None
+    ]

@@ -166,8 +166,13 @@ _LEGACY_QUANT_FILES = {"quantize_config.json": "gptq", "quant_config.json": "awq
 
 
 def _checkpoint_quantization(cfg: dict[str, Any], path: str, kind: str) -> QuantScheme | IntScheme | None:
-    if cfg.get("quantization_config"):
-        return scheme_from_hf_config(cfg["quantization_config"], f"{path}/config.json")
+    qc = cfg.get("quantization_config")
+    if qc and qc.get("quant_method") == "mxfp4":
+        # MXFP4 (gpt-oss) is the model's own business: its experts arrive as blocks and scales
+        # (models/gpt_oss.py), the rest of the checkpoint is unquantized.
+        return None
+    if qc:
+        return scheme_from_hf_config(qc, f"{path}/config.json")
     if kind != "hf" or not os.path.isdir(path):
         return None
     for name, method in _LEGACY_QUANT_FILES.items():

@@ -9,6 +9,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
+from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -19,6 +20,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
 }
 # HF `architectures` entry -> family
@@ -27,6 +29,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
     "BertModel": "bert",
@@ -120,6 +123,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             return _bert_arch(cfg)
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    if family == "gpt_oss":
+        return _gpt_oss_arch(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):
@@ -200,3 +205,51 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         decoder_sparse_step=step,
         mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
     )
+
+
+def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
+    """gpt-oss: every layer sparse, biases everywhere, sinks, alternating windows (models/gpt_oss.py)."""
+    qc = cfg.get("quantization_config") or {}
+    if qc and qc.get("quant_method") != "mxfp4":
+        raise ModelLoadError(
+            f"gpt-oss with quantization method {qc.get('quant_method')!r} is not supported "
+            "(the published MXFP4 checkpoints and unquantized ones are)"
+        )
+    theta, scaling = _rope(cfg)
+    try:
+        layers = int(cfg["num_hidden_layers"])
+        layer_types = tuple(
+            cfg.get("layer_types")
+            or ("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+        )
+        experts = int(cfg.get("num_local_experts") or cfg["num_experts"])
+        heads = int(cfg["num_attention_heads"])
+        return ModelArch(
+            architecture="gpt_oss",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 131072),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", True)),
+            o_proj_bias=bool(cfg.get("attention_bias", True)),
+            layer_types=layer_types,
+            sliding_window=cfg.get("sliding_window"),
+            num_experts=experts,
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=cfg["intermediate_size"],
+            norm_topk_prob=True,  # softmax over the k chosen logits
+            attention_sinks=True,
+            expert_bias=True,
+            swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+            experts_mxfp4=qc.get("quant_method") == "mxfp4",
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None

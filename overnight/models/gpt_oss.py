@@ -1,0 +1,174 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): a mixture-of-experts decoder with learned attention sinks.
+
+Against the Llama decoder (models/llama.py), whose layer wiring, norms and fused q/k/v it keeps:
+  - every projection of attention has a bias (q/k/v and o);
+  - each attention head has a learned sink logit: one more term in its softmax's denominator, with no
+    value (attention/spec.py), passed to the backend as `sinks`;
+  - layers alternate a sliding window (128 tokens in the published configs) and full attention
+    (ModelArch.layer_types);
+  - RoPE with YaRN scaling;
+  - every layer's MLP is sparse: a router with a bias picks the top k experts by logit and weighs them
+    by the softmax over those k logits (= the full softmax renormalized over the k); each expert's
+    gate/up and down projections have biases and its activation is the clamped SwiGLU of the
+    reference implementation (layers/moe.py ExpertActivation "swiglu_oai").
+
+Checkpoints keep the experts stacked as [E, in, out] tensors with gate and up columns interleaved
+(gate = even columns, up = odd ones). load_weights transposes them to the [E, out, in] layout of
+layers/moe.py's Experts and puts the gate rows before the up rows. MXFP4 checkpoints (the published
+ones: 4-bit experts in blocks of 32 with one power-of-two scale each, quant/mxfp4.py; config.json's
+quantization_config says quant_method "mxfp4") keep their experts packed on every device: the fused GEMMs
+decode them in registers on the GPU, the CPU path dequantizes the experts a step runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.attention.spec import LayerAttention
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+from overnight.layers.moe import ExpertActivation, Experts, select_experts
+from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.llama import (
+    PACKED_MODULES_MAPPING,
+    Attention,
+    LlamaModel,
+    load_packed_weights,
+    make_lm_head,
+    split_qkv,
+)
+
+
+class GptOssAttention(Attention):
+    """The Llama attention (biases on, from ModelArch) with a learned sink per head and the layer's
+    window."""
+
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__(arch, layer_idx, rotary_emb)
+        self.sinks = nn.Parameter(torch.empty(arch.num_attention_heads))
+        self.layer = LayerAttention(sliding_window=arch.layer_window(layer_idx))
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        # The backend reads sinks as float32; the parameter is in the compute dtype like every other.
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer, sinks=self.sinks.float())
+        return self.o_proj(o.flatten(1))
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.router = nn.Linear(arch.hidden_size, arch.num_experts, bias=True)
+        activation = ExpertActivation("swiglu_oai", alpha=1.702, limit=arch.swiglu_limit)
+        self.experts = Experts(
+            arch.num_experts,
+            arch.hidden_size,
+            arch.moe_intermediate_size,
+            bias=True,
+            activation=activation,
+            mxfp4=arch.experts_mxfp4,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(self.router(x), self.top_k, True)
+        return self.experts(x, topk_weights, topk_ids)
+
+
+def gpt_oss_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    return GptOssMoE(arch)
+
+
+class GptOssForCausalLM(nn.Module):
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+    # With FP8 weights the router stays in the compute dtype (its top-k decides which experts run).
+    unquantized_linear: tuple[str, ...] = ("mlp.router",)
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
+        self.model = LlamaModel(arch, make_mlp=gpt_oss_mlp)
+        # The Llama layers' attention swapped for this one (built on the meta device: nothing is
+        # allocated twice); the rotary table stays the one all layers share.
+        rotary = next(m for m in self.model.modules() if isinstance(m, RotaryEmbedding))
+        for i, layer in enumerate(self.model.layers):
+            layer.self_attn = GptOssAttention(arch, i, rotary)
+        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, _to_stacked_layout(weights, self))
+
+
+_EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
+
+
+def _to_stacked_layout(
+    weights: Iterable[tuple[str, torch.Tensor]], model: GptOssForCausalLM
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's expert tensors in Experts' layout, one per expert and projection, named as
+    load_packed_weights expects them; every other tensor passes through.
+
+    Weights become experts.{e}.{gate,up,down}_proj.weight (the names per-expert checkpoints use; MXFP4
+    blocks [E, out, in/32, 16] as rows of in/2 bytes). Biases and MXFP4 scales, which have no per-expert
+    checkpoint form, become the whole row of their stacked parameter, experts.{e}.{gate_up,down}_bias.weight
+    and experts.{e}.{gate_up,down}_scales.weight ([gate | up] for gate/up)."""
+    mxfp4_halves: dict[str, set[str]] = {}  # prefix.proj -> which of _blocks / _scales came
+    for name, tensor in _checked_pairs(weights, mxfp4_halves):
+        prefix, _, leaf = name.rpartition(".")
+        if not prefix.endswith("mlp.experts"):
+            yield name, tensor
+            continue
+        proj = leaf.removesuffix("_blocks").removesuffix("_scales").removesuffix("_bias")
+        kind = leaf[len(proj) :]
+        if proj not in ("gate_up_proj", "down_proj") or kind not in ("", "_bias", "_blocks", "_scales"):
+            yield name, tensor  # unexpected: load_packed_weights names it
+            continue
+        for e in range(tensor.shape[0]):
+            t = tensor[e]
+            if kind == "":  # float weights: [in, out] in the checkpoint
+                t = t.t()
+            elif kind == "_blocks":
+                t = t.flatten(-2)  # [out, in/32, 16] -> [out, in/2]
+            if kind in ("", "_blocks"):
+                if proj == "gate_up_proj":  # interleaved rows: gate even, up odd
+                    yield f"{prefix}.{e}.gate_proj.weight", t[0::2]
+                    yield f"{prefix}.{e}.up_proj.weight", t[1::2]
+                else:
+                    yield f"{prefix}.{e}.down_proj.weight", t
+            else:
+                stacked = proj.removesuffix("_proj") + ("_bias" if kind == "_bias" else "_scales")
+                if proj == "gate_up_proj":
+                    t = torch.cat([t[0::2], t[1::2]])
+                yield f"{prefix}.{e}.{stacked}.weight", t
+
+
+def _checked_pairs(
+    weights: Iterable[tuple[str, torch.Tensor]], halves: dict[str, set[str]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The stream unchanged; at its end, an MXFP4 tensor that came without its other half is named."""
+    for name, tensor in weights:
+        for kind in ("_blocks", "_scales"):
+            if name.endswith(kind):
+                halves.setdefault(name.removesuffix(kind), set()).add(kind)
+        yield name, tensor
+    lonely = [
+        base + ("_scales" if kinds == {"_blocks"} else "_blocks")
+        for base, kinds in halves.items()
+        if len(kinds) == 1
+    ]
+    if lonely:
+        raise ModelLoadError(
+            f"MXFP4 checkpoint lacks {', '.join(sorted(lonely))} (blocks and scales come in pairs)"
+        )
