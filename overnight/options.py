@@ -149,7 +149,9 @@ class EngineOptions:
         "pooling runner: L2-normalize embeddings (default: as the model's sentence-transformers config "
         "says; normalized without one)",
     )
-    enable_lora: bool = option(False, "serve LoRA adapters (LoRARequest, --lora-modules) beside the base model")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (LoRARequest, --lora-modules) beside the base model"
+    )
     max_loras: int = option(1, "LoRA adapters on the device at once: distinct adapters in one step")
     max_lora_rank: int = option(16, "largest LoRA rank served (device slots are allocated at this rank)")
     max_cpu_loras: int | None = option(

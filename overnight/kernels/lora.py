@@ -109,7 +109,9 @@ if triton is not None:
         offs_r = tl.arange(0, BLOCK_R)
         mask = nmask[:, None] & (offs_r < R)[None, :]
         t64 = t.to(tl.int64)
-        hv = tl.load(h_ptr + t64 * stride_ht + sl[:, None] * stride_hn + offs_r[None, :], mask=mask, other=0.0)
+        hv = tl.load(
+            h_ptr + t64 * stride_ht + sl[:, None] * stride_hn + offs_r[None, :], mask=mask, other=0.0
+        )
         bv = tl.load(
             b_ptr + slot * stride_bs + offs_n[:, None] * stride_bn + offs_r[None, :], mask=mask, other=0.0
         )
@@ -141,9 +143,7 @@ if triton is not None:
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 kmask = offs_k < K
                 xt = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                at = tl.load(
-                    a_base + offs_k[:, None], mask=kmask[:, None] & (offs_r < R)[None, :], other=0.0
-                )
+                at = tl.load(a_base + offs_k[:, None], mask=kmask[:, None] & (offs_r < R)[None, :], other=0.0)
                 acc += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
             h_rows = h_ptr + (start + rows)[:, None] * stride_ht + s * stride_hn
             tl.store(h_rows + offs_r[None, :], acc, mask=rmask[:, None] & (offs_r < R)[None, :])
@@ -203,7 +203,9 @@ def _precision(dtype: torch.dtype) -> str:
 
 def _check(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> None:
     if x.dim() != 2 or a.dim() != 4 or x.shape[1] != a.shape[3]:
-        raise ValueError(f"lora shrink: x {list(x.shape)} and A {list(a.shape)} do not fit ([T, in], [S, n, R, in])")
+        raise ValueError(
+            f"lora shrink: x {list(x.shape)} and A {list(a.shape)} do not fit ([T, in], [S, n, R, in])"
+        )
     if x.stride(1) != 1 or a.stride(3) != 1:
         raise ValueError("lora shrink: x and A must be contiguous along the input dimension")
     if token_slots.dtype != torch.int32 or token_slots.shape[0] < x.shape[0]:

@@ -74,7 +74,9 @@ MODULE_SLICES: dict[str, tuple[str, ...]] = {
     "mlp.down_proj": ("down_proj",),
 }
 
-_KEY = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
 _UNSUPPORTED_TARGETS = {"embed_tokens": "the embeddings", "lm_head": "the LM head"}
 
 
@@ -135,14 +137,17 @@ def check_adapter(req: LoRARequest, arch: ModelArch, max_lora_rank: int) -> Adap
         raise _refuse(req, f"rank r={rank} must be at least 1")
     if rank > max_lora_rank:
         raise _refuse(
-            req, f"rank r={rank} exceeds max_lora_rank {max_lora_rank}: start the engine with max_lora_rank >= {rank}"
+            req,
+            f"rank r={rank} exceeds max_lora_rank {max_lora_rank}: start the engine with max_lora_rank >= {rank}",
         )
     if cfg.get("use_dora"):
         raise _refuse(req, "DoRA (use_dora) adapters are not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(req, f"bias {cfg.get('bias')!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
-        raise _refuse(req, f"modules_to_save {cfg['modules_to_save']} is not supported (fully trained modules)")
+        raise _refuse(
+            req, f"modules_to_save {cfg['modules_to_save']} is not supported (fully trained modules)"
+        )
     for key in ("rank_pattern", "alpha_pattern"):
         if cfg.get(key):
             raise _refuse(req, f"{key} (per-module ranks or alphas) is not supported")
@@ -231,3 +236,29 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> LoadedAdapter:
             where = PROJECTIONS[proj]
             weights.setdefault((layer, where.module), []).append((where.slice, a.to(dtype), b.to(dtype)))
     return LoadedAdapter(spec, weights)
+
+
+class AdapterChecks:
+    """check_adapter once per adapter id (the engine's side: no weights are read). An id keeps the
+    folder it was first seen with; a request naming another folder under it is refused."""
+
+    def __init__(self, arch: ModelArch, max_lora_rank: int, capacity: int = 4096) -> None:
+        self.arch = arch
+        self.max_lora_rank = max_lora_rank
+        self.capacity = capacity
+        self.specs: dict[int, AdapterSpec] = {}
+
+    def check(self, req: LoRARequest) -> AdapterSpec:
+        spec = self.specs.get(req.lora_int_id)
+        if spec is not None:
+            if spec.request.lora_path != req.lora_path:
+                raise InvalidRequestError(
+                    f"lora_int_id {req.lora_int_id} names adapter {spec.request.lora_name!r} at "
+                    f"{spec.request.lora_path}, not {req.lora_path}: give each adapter its own id"
+                )
+            return spec
+        spec = check_adapter(req, self.arch, self.max_lora_rank)
+        if len(self.specs) >= self.capacity:
+            self.specs.pop(next(iter(self.specs)))
+        self.specs[req.lora_int_id] = spec
+        return spec

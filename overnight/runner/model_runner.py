@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from overnight.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
+    from overnight.lora.slots import DeviceLoRA
     from overnight.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger("overnight")
@@ -131,6 +132,22 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
         )
+        self.lora: DeviceLoRA | None = None  # LoRA adapters: wrapped layers and device slots
+        if config.lora is not None:
+            from torch import nn
+
+            from overnight.lora.slots import DeviceLoRA
+
+            assert isinstance(model, nn.Module)
+            self.lora = DeviceLoRA(
+                model,
+                config.model.arch,
+                config.lora,
+                config.model.dtype,
+                self.device,
+                max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                max_reqs=sched.max_num_seqs,
+            )
         self.kv_caches: list[torch.Tensor] = []
         if calculate_kv_scales is None:
             calculate_kv_scales = config.cache.calculate_kv_scales
@@ -215,6 +232,8 @@ class ModelRunner:
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
+        if self.lora is not None:
+            self.lora.batch.for_capture()  # the graphs record the LoRA kernels, which read the slot map
         self.graphs = DecodeGraphs(
             self.model,
             self.backend,
@@ -234,6 +253,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle | PooledStep:
         scheduled = self.states.apply(out)
+        if self.lora is not None and out.lora_loads:
+            self.lora.load(out.lora_loads)
         if self.pooler is not None:
             self.pooler.drop(out.finished_req_ids)
         if not scheduled:
@@ -245,6 +266,9 @@ class ModelRunner:
         if inputs.pending_rows is not None:
             assert self._prev_tokens is not None
             self.buffers.ids.index_copy_(0, inputs.pending_rows, self._prev_tokens[inputs.pending_src])
+        if self.lora is not None:
+            ids, lens = [s.state.lora_id for s in scheduled], [s.num_tokens for s in scheduled]
+            self.lora.map_rows(ids, lens, inputs.input_ids.shape[0], decode_only)
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
