@@ -19,8 +19,8 @@ from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
 from overnight.batch.spill import check_spill
 from overnight.entrypoints.submission import check_schedule, make_order
-from overnight.errors import ConfigError, InvalidRequestError
-from overnight.lora.modules import add_lora_modules_arg, lora_overrides, parse_lora_modules
+from overnight.errors import ConfigError
+from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -123,22 +123,6 @@ def _check_args(args: argparse.Namespace) -> None:
         check_schedule(args.schedule, args.lookahead_window)
         parse_lora_modules(args.lora_modules)
     except ConfigError as e:
-        raise UsageError(str(e)) from None
-
-
-def check_adapters(engine, adapters: dict) -> None:
-    """Every --lora-modules folder checked against the model before any line runs (exit 2 if bad)."""
-    from overnight.lora.adapter import AdapterChecks
-
-    lora = engine.config.lora
-    if not adapters or lora is None:
-        return
-    checks = AdapterChecks(engine.source.arch, lora.max_lora_rank)
-    try:
-        for adapter in adapters.values():
-            checks.check(adapter)
-    except InvalidRequestError as e:
-        engine.shutdown()
         raise UsageError(str(e)) from None
 
 

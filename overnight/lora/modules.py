@@ -9,9 +9,22 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
-from overnight.errors import ConfigError
+from overnight.errors import ConfigError, InvalidRequestError
+from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest
+
+if TYPE_CHECKING:
+    from overnight.config import EngineConfig
+    from overnight.loader.source import ModelSource
+
+
+class _Engine(Protocol):  # what check_adapters reads of an EngineClient (lora/ sits below engine/)
+    config: EngineConfig
+    source: ModelSource
+
+    def shutdown(self) -> None: ...
 
 
 def add_lora_modules_arg(parser: argparse.ArgumentParser) -> None:
@@ -52,3 +65,18 @@ def parse_lora_modules(values: Sequence[str] | None) -> dict[str, LoRARequest]:
             raise ConfigError(f"--lora-modules: the name {name!r} is given twice")
         adapters[name] = LoRARequest(name, len(adapters) + 1, path, base_model_name=base)
     return adapters
+
+
+def check_adapters(engine: _Engine, adapters: dict[str, LoRARequest]) -> None:
+    """Every --lora-modules folder checked against the engine's model before any request runs;
+    ConfigError (after shutting the engine down) naming the first bad one."""
+    lora = engine.config.lora
+    if not adapters or lora is None:
+        return
+    checks = AdapterChecks(engine.source.arch, lora.max_lora_rank)
+    try:
+        for adapter in adapters.values():
+            checks.check(adapter)
+    except InvalidRequestError as e:
+        engine.shutdown()
+        raise ConfigError(str(e)) from None
