@@ -82,3 +82,40 @@ def test_shapes_are_checked() -> None:
         lora_shrink(x[:, :-1], a, token_slots)
     with pytest.raises(ValueError, match="int32"):
         lora_shrink(x, a, token_slots.long())
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["sgmv-step", "bgmv-step"])
+def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkeypatch) -> None:
+    """A wrapped fused layer (3 slices) through LoRABatch.map_rows, kernels forced on, against the same
+    layer on the torch path; a step without adapters afterwards leaves the slot map all -1 (what a decode
+    graph would read)."""
+    from torch import nn
+
+    from overnight.kernels import dispatch
+    from overnight.lora.layers import LoRABatch, LoRALinear
+
+    gen = torch.Generator().manual_seed(3)
+    base = nn.Linear(32, 40, bias=False).to(DEVICE)
+    batch = LoRABatch(max_tokens=64, max_reqs=8, device=torch.device(DEVICE))
+    layer = LoRALinear(base, batch, [24, 8, 8], max_loras=2, max_rank=8, dtype=torch.float32)
+    layer.set_slot(0, [(0, torch.randn(4, 32, generator=gen), torch.randn(24, 4, generator=gen))])
+    layer.set_slot(1, [(1, torch.randn(8, 32, generator=gen), torch.randn(8, 8, generator=gen)),
+                       (2, torch.randn(8, 32, generator=gen), torch.randn(8, 8, generator=gen))])  # fmt: skip
+    lens = [1, 1, 1] if decode_only else [1, 7, 18, 3]
+    slots = [1, -1, 0] if decode_only else [0, 1, -1, 1]
+    num_rows = sum(lens) + (1 if decode_only else 0)  # a padding row, as a graph bucket has
+    x = torch.randn(num_rows, 32, generator=gen).to(DEVICE)
+    batch.map_rows(slots, lens, num_rows, decode_only)
+    assert (batch.segments is None) == decode_only
+    with torch.no_grad():
+        monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+        got = layer(x)
+        monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+        want = layer(x)
+        plain = base(x)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    rows = torch.tensor([s for n, s in zip(lens, slots) for _ in range(n)] + [-1] * (num_rows - sum(lens)))
+    torch.testing.assert_close(got[rows < 0], plain[rows < 0])
+    assert not torch.allclose(got[rows >= 0], plain[rows >= 0])
+    batch.map_rows([-1, -1], [1, 1], 2, True)
+    assert not batch.active and bool((batch.token_slots == -1).all())

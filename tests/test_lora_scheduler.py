@@ -21,7 +21,7 @@ from overnight.errors import InvalidRequestError
 from overnight.lora import LoRARequest
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner, reference_output
-from tests.test_scheduler import EOS, VOCAB, make_engine, random_prompts
+from tests.test_scheduler import VOCAB, make_engine, random_prompts
 
 PREFIX = "base_model.model.model.layers.0"
 
