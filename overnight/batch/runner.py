@@ -33,7 +33,7 @@ from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
-from overnight.lora.request import LoRARequest
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.openai_api.convert import response_body
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
@@ -216,7 +216,7 @@ class BatchRunner:
             if isinstance(params, SamplingParams)
             else 1  # an embedding line ends with its prompt
         )
-        self.schedule.add(seq, first, max_output)
+        self.schedule.add(seq, first, max_output, hash_root(state.lora))
         self.waiting[seq] = state
         self.timeline.add("tokenize", time.perf_counter() - t0)
 

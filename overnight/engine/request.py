@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from overnight.lora.request import LoRARequest
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -88,7 +88,7 @@ class Request:
     def block_hash_root(self) -> int | None:
         """Where the request's chain of block hashes starts: KV computed under one adapter is never
         found by a request of another (or of the base model)."""
-        return None if self.lora_request is None else hash(("lora", self.lora_request.lora_int_id))
+        return hash_root(self.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

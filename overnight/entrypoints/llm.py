@@ -23,7 +23,7 @@ from overnight.entrypoints.prompts import (
 from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.lora.adapter import AdapterChecks
-from overnight.lora.request import LoRARequest
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.options import EngineOptions
 from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
@@ -279,7 +279,7 @@ class LLM:
                     expected = max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
                 else:
                     expected = 1  # a pooling request ends with its prompt
-                order.add(next_index, ids, expected)
+                order.add(next_index, ids, expected, hash_root(item[2]))
                 waiting[next_index] = item
                 next_index += 1
 

@@ -40,3 +40,9 @@ class LoRARequest:
     @property
     def path(self) -> str:
         return self.lora_path
+
+
+def hash_root(lora: LoRARequest | None) -> int | None:
+    """Where a prompt's chain of KV block hashes starts: None for the base model, else its adapter's
+    own root, so no two adapters (nor an adapter and the base model) ever share a cached block."""
+    return None if lora is None else hash(("lora", lora.lora_int_id))
