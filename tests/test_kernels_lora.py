@@ -119,3 +119,29 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     assert not torch.allclose(got[rows >= 0], plain[rows >= 0])
     batch.map_rows([-1, -1], [1, 1], 2, True)
     assert not batch.active and bool((batch.token_slots == -1).all())
+
+
+def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_path, monkeypatch) -> None:
+    """DeviceLoRA on a tiny Qwen3: the four projections of each layer wrapped, the start-up SGMV pass
+    (run on CUDA; forced here through the interpreter) leaves the map in its capture state."""
+    from overnight.config import LoRAConfig
+    from overnight.kernels import dispatch
+    from overnight.loader.model_loader import load_model
+    from overnight.loader.resolve import resolve_source
+    from overnight.lora.slots import DeviceLoRA
+    from tests.tiny_models import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", num_hidden_layers=1)
+    model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
+    config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    lora = DeviceLoRA(
+        model, model.arch, config, torch.float32, torch.device(DEVICE), max_tokens=32, max_reqs=4
+    )
+    assert sorted(path for _, path in lora.modules) == [
+        "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj",
+    ]  # fmt: skip
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    lora._compile_prefill_kernels()
+    lora.batch.for_capture()
+    assert lora.batch.active and lora.batch.segments is None
+    assert bool((lora.batch.token_slots == -1).all())

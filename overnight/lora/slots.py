@@ -66,7 +66,22 @@ class DeviceLoRA:
         self.host = HostAdapterCache(arch, config.max_lora_rank, dtype, config.max_cpu_loras)
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.occupant: list[int | None] = [None] * config.max_loras
+        if device.type == "cuda":
+            self._compile_prefill_kernels()
         self.batch.for_capture()  # the memory profile's step runs the LoRA kernels too
+
+    @torch.inference_mode()
+    def _compile_prefill_kernels(self) -> None:
+        """One row through each kind of wrapped layer with a prefill step's map (slot 0, all zeros
+        yet): the SGMV kernels compile now, not in the middle of a job (the memory profile and graph
+        capture compile the BGMV ones)."""
+        seen: set[str] = set()
+        for (_, path), module in self.modules.items():
+            if path in seen:
+                continue
+            seen.add(path)
+            self.batch.map_rows([0], [1], 1, decode_only=False)
+            module(torch.zeros(1, module.in_features, dtype=module.lora_a.dtype, device=self.batch.device))
 
     def load(self, loads: Sequence[tuple[int, LoRARequest]]) -> None:
         """Put each adapter into its slot (the scheduler evicted the slot's occupant, if any, when no
