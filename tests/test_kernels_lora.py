@@ -121,6 +121,7 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     assert not batch.active and bool((batch.token_slots == -1).all())
 
 
+@pytest.mark.slow  # the interpreter compiles four kernels: ~10 s on two shared cores
 def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_path, monkeypatch) -> None:
     """DeviceLoRA on a tiny Qwen3: the four projections of each layer wrapped, the start-up SGMV pass
     (run on CUDA; forced here through the interpreter) leaves the map in its capture state."""
