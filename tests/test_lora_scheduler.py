@@ -190,3 +190,18 @@ def test_missing_folder_and_files(tmp_path: Path) -> None:
         )
     with pytest.raises(InvalidRequestError, match="lora_int_id must be an integer >= 1"):
         LoRARequest("zero", 0, str(folder))
+
+
+def test_bench_adapters_pass_the_checks(tmp_path: Path) -> None:
+    """bench throughput --lora-adapters writes adapters the engine takes (every projection, a MoE
+    model's sparse layers skipped)."""
+    from overnight.bench.lora import write_random_adapters
+    from overnight.config import ModelArch
+    from overnight.lora.adapter import check_adapter
+
+    dense = ModelArch("qwen3", VOCAB, 8, 16, 2, 2, 1, 4)
+    moe = replace(dense, architecture="qwen3_moe", num_experts=4, num_experts_per_tok=2, mlp_only_layers=(0,))
+    for arch in (dense, moe):
+        (lora,) = write_random_adapters(arch, 1, 4, str(tmp_path / arch.architecture))
+        spec = check_adapter(lora, arch, max_lora_rank=4)
+        assert len(spec.tensors) == 7 + (7 if arch is dense else 4)
