@@ -19,8 +19,10 @@ from overnight.engine.engine import Engine
 from overnight.engine.step_io import SchedulerOutput
 from overnight.errors import InvalidRequestError
 from overnight.lora import LoRARequest
+from overnight.metrics.exposure import attach_metrics
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import FakeRunner, reference_output
+from tests.test_metrics import samples, value
 from tests.test_scheduler import VOCAB, make_engine, random_prompts
 
 PREFIX = "base_model.model.model.layers.0"
@@ -88,6 +90,7 @@ def test_more_adapters_than_slots_every_request_finishes(tmp_path: Path) -> None
     engine, runner, loras = lora_engine(tmp_path, 6, max_loras=2, max_num_seqs=6, max_num_batched_tokens=48)
     rng = random.Random(0)
     prompts = random_prompts(60, rng, hi=30)
+    metrics = attach_metrics(engine, model_name="fake")
     wants = {}
     for i, p in enumerate(prompts):
         lora = rng.choice([*loras, None])
@@ -103,6 +106,7 @@ def test_more_adapters_than_slots_every_request_finishes(tmp_path: Path) -> None
     stats = engine.stats()
     assert stats.lora_loads_total == runner.loads >= 6
     assert stats.lora_swaps_total == runner.evictions == runner.loads - 2  # every load after the first two
+    assert value(samples(metrics.render().decode()), "overnight:lora_swaps_total") == runner.evictions
     assert engine.kv.pool.num_free == engine.kv.num_blocks
 
 

@@ -234,6 +234,8 @@ class DataParallelEngine:
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
+            lora_loads_total=sum(s.lora_loads_total for s in known),
+            lora_swaps_total=sum(s.lora_swaps_total for s in known),
         )
 
     def step(self) -> list[EngineOutput]:
