@@ -79,7 +79,9 @@ class Engine:
         lora = config.lora
         # LoRA: adapters checked once each (AdapterChecks), device slots handed out by the scheduler.
         self.adapters = AdapterChecks(source.arch, lora.max_lora_rank) if lora else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, LoRAResidency(lora.max_loras) if lora else None)
+        # A waiting adapter lets the slot it reserved take up to one batch more before it drains.
+        residency = LoRAResidency(lora.max_loras, grace=config.scheduler.max_num_seqs) if lora else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, residency)
         self.output = OutputProcessor(tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, list[Request]] = {}

@@ -127,6 +127,8 @@ class Scheduler:
         # budget, max_num_seqs and free KV blocks allow. When a running request cannot get KV blocks,
         # the most recently admitted running request is preempted (blocks freed, recomputed later).
         # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
+        # With LoRA, a waiting request whose adapter can get no device slot now is passed over (and
+        # later new adapters wait behind it: lora/residency.py); the others may still start.
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []

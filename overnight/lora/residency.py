@@ -8,10 +8,12 @@ Rules (in the order the scheduler asks, waiting requests in arrival order):
 - A waiting request of another adapter takes a free slot, or evicts the least recently used adapter
   that no running request uses (a swap, counted).
 - If every slot is pinned, that request waits, and no request behind it may start a new adapter. It
-  reserves one slot (the one with the fewest running requests): requests of that slot's adapter
-  arriving after it wait too, so the slot drains and it is next. Requests of other resident adapters
-  and of the base model keep filling the batch. Nobody starves: the reserved slot's adapter only has
-  running requests left, which finish, and the reservation holds across steps.
+  reserves one slot (the one with the fewest running requests). The reserved slot's adapter may still
+  start `grace` more requests (a batch job's interleaved adapters then run in groups, not one request
+  per swap); after those, its requests arriving after the waiter wait too, so the slot drains and the
+  waiter is next. Requests of other resident adapters and of the base model keep filling the batch.
+  Nobody starves: the reserved slot's adapter then only has running requests left, which finish, and
+  the reservation holds across steps.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from overnight.lora.request import LoRARequest
 
 
 class LoRAResidency:
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int, grace: int = 0) -> None:
         self.max_loras = max_loras
+        self.grace = grace
+        self._grace_left = 0  # starts the reserved slot's adapter may still make
         self.occupant: list[int | None] = [None] * max_loras  # adapter id per slot
         self.slot_of: dict[int, int] = {}
         self._last_used = [0] * max_loras
@@ -53,7 +57,7 @@ class LoRAResidency:
             return True
         slot = self.slot_of.get(req.lora_int_id)
         if slot is not None:
-            return not (self._blocked and slot == self._reserved)
+            return not (self._blocked and slot == self._reserved and self._grace_left <= 0)
         if self._blocked:
             return False  # an earlier request waits for a slot: it goes first
         if self._free_slot() is not None:
@@ -63,6 +67,7 @@ class LoRAResidency:
             pins, last = self._pins, self._last_used
             self._reserved = min(range(self.max_loras), key=lambda s: (pins[self.occupant[s] or 0], last[s]))
             self._reserved_for = req.lora_int_id
+            self._grace_left = self.grace
         return False
 
     def admit(self, req: LoRARequest | None) -> None:
@@ -83,6 +88,8 @@ class LoRAResidency:
             self.num_loads += 1
             if slot == self._reserved or aid == self._reserved_for:
                 self._reserved = self._reserved_for = None
+        elif slot == self._reserved and self._blocked:
+            self._grace_left -= 1
         self._pins[aid] += 1
         self._last_used[slot] = self._step
 
