@@ -97,3 +97,18 @@ def test_bad_adapter_folder_stops_the_run(batch_model_module, tmp_path, capsys) 
     assert code == 2
     err = capsys.readouterr().err
     assert "LoRA adapter 'big'" in err and "rank r=32 exceeds max_lora_rank 16" in err
+
+
+def test_validate_only_knows_the_adapter_names(batch_model_module, adapters, tmp_path) -> None:
+    lines = [
+        completion_line("ok", [5, 6], max_tokens=2, model="sql"),
+        completion_line("bad", [5, 6], max_tokens=2, model="nope"),
+    ]
+    write_jsonl(tmp_path / "in.jsonl", lines)
+    errors = tmp_path / "errors.jsonl"
+    flags = [*engine_flags(batch_model_module), "--lora-modules", f"sql={adapters['sql']}"]
+    code = run_cli(
+        ["-i", str(tmp_path / "in.jsonl"), "--validate-only", "--errors-file", str(errors), *flags]
+    )
+    assert code == 1  # one line fails
+    assert [r["custom_id"] for r in read_jsonl(errors)] == ["bad"]
