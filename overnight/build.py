@@ -185,11 +185,6 @@ def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRACo
             f"enable_lora: LoRA adapters run on generating {', '.join(SUPPORTED_ARCHITECTURES)} models, "
             f"not on {source.arch.architecture!r} with runner {runner!r}"
         )
-    if opts.tensor_parallel_size > 1:
-        raise ConfigError(
-            "enable_lora does not run tensor parallel yet: use tensor_parallel_size 1 (data_parallel_size "
-            "to use more GPUs)"
-        )
     if opts.max_loras < 1 or opts.max_lora_rank < 1:
         raise ConfigError(
             f"max_loras and max_lora_rank must be at least 1 (got {opts.max_loras}, {opts.max_lora_rank})"

@@ -51,7 +51,7 @@ def test_shrink_and_expand_match_reference(dtype: torch.dtype, launch: str) -> N
     h = lora_shrink(x, a, token_slots, segs)
     h_ref = lora_shrink_ref(x, a, token_slots)
     adapted = token_slots >= 0
-    torch.testing.assert_close(h[adapted], h_ref[adapted], atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(h, h_ref, atol=TOL[dtype], rtol=TOL[dtype])  # zeros on base rows
 
     y_ref = y.clone()
     lora_expand_ref(y_ref, h_ref, b, token_slots, offsets)

@@ -85,8 +85,6 @@ def test_many_adapters_in_one_generate_match_merged_models(setup) -> None:
 
 def test_adapter_options_and_misuse_are_refused(setup) -> None:
     base, loras = setup
-    with pytest.raises(ConfigError, match="enable_lora does not run tensor parallel yet"):
-        LLM(str(base), skip_tokenizer_init=True, enable_lora=True, tensor_parallel_size=2, device="cpu")
     with pytest.raises(ConfigError, match="max_cpu_loras \\(1\\) must be at least max_loras \\(2\\)"):
         LLM(str(base), skip_tokenizer_init=True, enable_lora=True, max_loras=2, max_cpu_loras=1)
     plain = LLM(str(base), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=8 << 20)

@@ -131,8 +131,11 @@ if triton is not None:
         start = tl.load(seg_start_ptr + seg).to(tl.int64)
         length = tl.load(seg_len_ptr + seg)
         slot = tl.load(seg_slot_ptr + seg)
-        if m * BLOCK_M < length and slot >= 0:
-            slot = slot.to(tl.int64)
+        if m * BLOCK_M < length:
+            # A base segment (slot -1) loads nothing and stores zeros: h is defined on every row, so a
+            # tensor-parallel sum over ranks reads no garbage.
+            valid = slot >= 0
+            slot = tl.maximum(slot, 0).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             rmask = rows < length
             offs_r = tl.arange(0, BLOCK_R)
@@ -141,7 +144,7 @@ if triton is not None:
             a_base = a_ptr + slot * stride_as + s * stride_an + offs_r[None, :] * stride_ar
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
-                kmask = offs_k < K
+                kmask = (offs_k < K) & valid
                 xt = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 at = tl.load(a_base + offs_k[:, None], mask=kmask[:, None] & (offs_r < R)[None, :], other=0.0)
                 acc += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
@@ -219,9 +222,9 @@ def lora_shrink(
     segments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """h [T, n, R] float32 = per row, A[slot] @ x (lora_shrink_ref). segments: (starts, lens, slots,
-    max_len) of runs of rows sharing a slot, int32 on the device: the SGMV launch; None: BGMV, one
-    program per row reading token_slots (fixed grid for a fixed T: what decode graphs capture). Rows
-    of the base model (slot -1) are left unwritten by SGMV: expand skips them."""
+    max_len) of runs of rows sharing a slot, int32 on the device, covering every row: the SGMV launch;
+    None: BGMV, one program per row reading token_slots (fixed grid for a fixed T: what decode graphs
+    capture). Rows of the base model (slot -1) get zeros."""
     _check(x, a, token_slots)
     num_tokens, k = x.shape
     _, n, r, _ = a.shape

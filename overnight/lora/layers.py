@@ -12,7 +12,7 @@ addresses, and a new adapter is a copy into a slot (slots.py). Rows of the base 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -120,9 +120,12 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.batch = batch
-        in_features: int = getattr(base, "in_features")  # noqa: B009 (nn.Linear and Fp8Linear alike)
-        out_features: int = getattr(base, "out_features")  # noqa: B009
+        # Every wrapped layer (nn.Linear, Fp8Linear, the tensor-parallel ones) holds weight [out, in].
+        weight = base.get_parameter("weight")
+        out_features, in_features = weight.shape
         self.in_features, self.out_features = in_features, out_features
+        # A row-parallel layer's partial x @ A^T is summed over the ranks before the expand.
+        self.reduce: Callable[[torch.Tensor], object] | None = None
         if sum(slice_sizes) != out_features:
             raise ValueError(f"LoRA slices {list(slice_sizes)} do not add up to {out_features} outputs")
         device = next(base.parameters()).device
@@ -159,11 +162,18 @@ class LoRALinear(nn.Module):
         if not batch.active:
             return y
         slots = batch.token_slots
-        if use_kernels(x):
-            h = lora_shrink(x, self.lora_a, slots, batch.segments)
+        kernels = use_kernels(x)
+        h = (
+            lora_shrink(x, self.lora_a, slots, batch.segments)
+            if kernels
+            else lora_shrink_ref(x, self.lora_a, slots)
+        )
+        if self.reduce is not None:
+            self.reduce(h)
+        if kernels:
             lora_expand(y, h, self.lora_b, slots, self.offsets_dev, self.max_slice, batch.segments)
         else:
-            lora_expand_ref(y, lora_shrink_ref(x, self.lora_a, slots), self.lora_b, slots, self.offsets)
+            lora_expand_ref(y, h, self.lora_b, slots, self.offsets)
         return y
 
 
@@ -185,7 +195,9 @@ def apply_lora(
                 base = layer.get_submodule(path)
             except AttributeError:
                 continue
-            if not hasattr(base, "in_features") or isinstance(base, LoRALinear):
+            if not isinstance(base.__dict__.get("_parameters", {}).get("weight"), torch.Tensor):
+                continue  # not a linear layer (a sparse layer's experts)
+            if isinstance(base, LoRALinear):
                 continue
             module = LoRALinear(base, batch, slice_sizes(arch, path), max_loras, max_rank, dtype)
             parent, _, leaf = path.rpartition(".")

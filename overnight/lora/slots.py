@@ -9,15 +9,40 @@ mapped to their slots.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from overnight.config import LoRAConfig, ModelArch
-from overnight.lora.adapter import LoadedAdapter, check_adapter, load_adapter
+from overnight.lora.adapter import MODULE_SLICES, LoadedAdapter, check_adapter, load_adapter
 from overnight.lora.layers import LoRABatch, LoRALinear, apply_lora
 from overnight.lora.request import LoRARequest
+
+# Row-parallel layers under tensor parallelism: each rank holds some input columns, so A is split by
+# its columns and the partial x @ A^T summed over ranks; the others are column-parallel: B split by rows.
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class LoRASharding:
+    """A tensor-parallel rank's view: the whole model's arch (adapters are checked against it), the
+    rank's share of a tensor by its projection name (parallel/tp.py TPShards.shard, which slices
+    checkpoint weights the same way), and the sum over ranks (in place)."""
+
+    whole_arch: ModelArch
+    shard: Callable[[str, torch.Tensor], torch.Tensor]
+    all_reduce: Callable[[torch.Tensor], object]
+
+    def split(self, module: str, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> list:
+        """This rank's (slice, A, B) of a module's whole parts."""
+        row_parallel = module in ROW_PARALLEL
+        out = []
+        for s, a, b in parts:
+            name = f"{MODULE_SLICES[module][s]}.weight"
+            out.append((s, self.shard(name, a), b) if row_parallel else (s, a, self.shard(name, b)))
+        return out
 
 
 class HostAdapterCache:
@@ -57,13 +82,21 @@ class DeviceLoRA:
         device: torch.device,
         max_tokens: int,
         max_reqs: int,
+        sharding: LoRASharding | None = None,
     ) -> None:
+        """arch: the model as this device holds it (a tensor-parallel rank's share, with `sharding`)."""
         self.config = config
+        self.sharding = sharding
         self.batch = LoRABatch(max_tokens, max_reqs, device)
         self.modules: dict[tuple[int, str], LoRALinear] = apply_lora(
             model, arch, self.batch, config.max_loras, config.max_lora_rank, dtype
         )
-        self.host = HostAdapterCache(arch, config.max_lora_rank, dtype, config.max_cpu_loras)
+        if sharding is not None:
+            for (_, path), module in self.modules.items():
+                if path in ROW_PARALLEL:
+                    module.reduce = sharding.all_reduce
+        whole = sharding.whole_arch if sharding is not None else arch
+        self.host = HostAdapterCache(whole, config.max_lora_rank, dtype, config.max_cpu_loras)
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.occupant: list[int | None] = [None] * config.max_loras
         if device.type == "cuda":
@@ -94,7 +127,7 @@ class DeviceLoRA:
             for key, module in self.modules.items():
                 parts = adapter.weights.get(key)
                 if parts:
-                    module.set_slot(slot, parts)
+                    module.set_slot(slot, self.sharding.split(key[1], parts) if self.sharding else parts)
                 else:
                     module.clear_slot(slot)
             self.occupant[slot] = req.lora_int_id

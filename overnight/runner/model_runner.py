@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from overnight.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
-    from overnight.lora.slots import DeviceLoRA
+    from overnight.lora.slots import DeviceLoRA, LoRASharding
     from overnight.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger("overnight")
@@ -100,6 +100,7 @@ class ModelRunner:
         *,
         calculate_kv_scales: bool | None = None,  # None: from config.cache
         grammars: GrammarCompiler | None = None,  # None: structured outputs are never masked here
+        lora_sharding: LoRASharding | None = None,  # a tensor-parallel rank's share of each adapter
     ) -> None:
         self.config = config
         self.source = source
@@ -147,6 +148,7 @@ class ModelRunner:
                 self.device,
                 max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
                 max_reqs=sched.max_num_seqs,
+                sharding=lora_sharding,
             )
         self.kv_caches: list[torch.Tensor] = []
         if calculate_kv_scales is None:
