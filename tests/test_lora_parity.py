@@ -81,6 +81,11 @@ def test_many_adapters_in_one_generate_match_merged_models(setup) -> None:
     stats = llm.engine.stats()
     assert stats.lora_swaps_total >= len(loras) - 2  # six adapters through two slots
     assert stats.lora_loads_total >= len(loras)
+    # generate_stream takes the adapters as an iterable, read lazily like the prompts
+    streamed = dict(
+        llm.generate_stream(iter(prompts[:6]), params, use_tqdm=False, lora_request=iter(requests[:6]))
+    )
+    assert [streamed[i].outputs[0].token_ids for i in range(6)] == [o.outputs[0].token_ids for o in outs[:6]]
 
 
 def test_adapter_options_and_misuse_are_refused(setup) -> None:
