@@ -36,7 +36,9 @@ class LoRABatch:
         self.device = device
         cuda = device.type == "cuda"
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        self.seg = torch.zeros(3, max_reqs, dtype=torch.int32, device=device)  # starts, lens, slots
+        # SGMV segments, packed [starts | lens | slots] of n each: one contiguous copy (a strided copy
+        # from host memory would be staged through pageable memory, waiting for the GPU).
+        self.seg = torch.zeros(3 * max_reqs, dtype=torch.int32, device=device)
         # Host staging, pinned and double-buffered on CUDA (a copy may still be in flight).
         self._hosts = [
             torch.full((max_tokens + 3 * max_reqs,), -1, dtype=torch.int32, pin_memory=cuda)
@@ -76,19 +78,19 @@ class LoRABatch:
         rows[num_tokens:] = -1
         n = len(slots)
         if not decode_only:
-            seg = host[self.max_tokens :].reshape(3, -1)
-            starts = np.zeros(n, dtype=np.int64)
-            np.cumsum(counts[:-1], out=starts[1:])
-            seg[0, :n], seg[1, :n], seg[2, :n] = starts, counts, slots
+            packed = host[self.max_tokens : self.max_tokens + 3 * n].reshape(3, n)
+            packed[0, 0] = 0
+            np.cumsum(counts[:-1], out=packed[0, 1:])
+            packed[1], packed[2] = counts, slots
         host_t = self._hosts[turn]
         cuda = self.device.type == "cuda"
         self.token_slots[:num_rows].copy_(host_t[:num_rows], non_blocking=cuda)
         if decode_only:
             self.segments = None
         else:
-            seg_host = host_t[self.max_tokens :].view(3, -1)[:, :n]
-            self.seg[:, :n].copy_(seg_host, non_blocking=cuda)
-            self.segments = (self.seg[0, :n], self.seg[1, :n], self.seg[2, :n], int(counts.max()))
+            self.seg[: 3 * n].copy_(host_t[self.max_tokens : self.max_tokens + 3 * n], non_blocking=cuda)
+            seg = self.seg[: 3 * n].view(3, n)
+            self.segments = (seg[0], seg[1], seg[2], int(counts.max()))
         if cuda:
             ev = torch.cuda.Event()
             ev.record()
