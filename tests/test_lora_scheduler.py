@@ -159,6 +159,7 @@ def test_a_waiting_adapter_is_not_starved_by_a_stream_of_others(tmp_path: Path) 
         ({"r": 16}, None, "rank r=16 exceeds max_lora_rank 8"),
         ({"use_dora": True}, None, "DoRA"),
         ({"bias": "all"}, None, "bias 'all'"),
+        ({"lora_bias": True}, None, "lora_bias"),
         ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
         ({"target_modules": ["embed_tokens", "q_proj"]}, None, "'embed_tokens' (the embeddings)"),
         ({}, {f"{PREFIX}.self_attn.q_proj.lora_A.weight": torch.randn(4, 12),

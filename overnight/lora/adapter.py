@@ -144,6 +144,8 @@ def check_adapter(req: LoRARequest, arch: ModelArch, max_lora_rank: int) -> Adap
         raise _refuse(req, "DoRA (use_dora) adapters are not supported")
     if cfg.get("bias", "none") != "none":
         raise _refuse(req, f"bias {cfg.get('bias')!r} is not supported (only 'none')")
+    if cfg.get("lora_bias"):
+        raise _refuse(req, "lora_bias (a bias on lora_B) is not supported")
     if cfg.get("modules_to_save"):
         raise _refuse(
             req, f"modules_to_save {cfg['modules_to_save']} is not supported (fully trained modules)"
