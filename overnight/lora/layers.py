@@ -197,7 +197,7 @@ def apply_lora(
                 base = layer.get_submodule(path)
             except AttributeError:
                 continue
-            if not isinstance(base.__dict__.get("_parameters", {}).get("weight"), torch.Tensor):
+            if not isinstance(getattr(base, "weight", None), torch.Tensor):
                 continue  # not a linear layer (a sparse layer's experts)
             if isinstance(base, LoRALinear):
                 continue
