@@ -2,6 +2,7 @@
 
 from overnight.entrypoints.llm import LLM
 from overnight.errors import InvalidRequestError, ModelLoadError, OvernightError
+from overnight.lora.request import LoRARequest
 from overnight.outputs import (
     CompletionOutput,
     EmbeddingOutput,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "SamplingParams",
     "StructuredOutputsParams",
     "PoolingParams",

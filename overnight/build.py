@@ -25,6 +25,7 @@ from overnight.attention.variants import TMA_TILES
 from overnight.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -130,6 +131,7 @@ def build_config(
         raise ConfigError("max_model_len must be at least 2")
     check_parallel(opts, source)
     check_cache(opts)
+    lora = lora_config(opts, source, runner)
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -168,7 +170,29 @@ def build_config(
             attention_variant=opts.attention_variant,
             enforce_eager=opts.enforce_eager,
         ),
+        lora=lora,
     )
+
+
+def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRAConfig | None:
+    """The LoRA config when enable_lora; ConfigError for options or a model LoRA cannot work with."""
+    if not opts.enable_lora:
+        return None
+    from overnight.lora.adapter import SUPPORTED_ARCHITECTURES
+
+    if runner != "generate" or source.arch.architecture not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"enable_lora: LoRA adapters run on generating {', '.join(SUPPORTED_ARCHITECTURES)} models, "
+            f"not on {source.arch.architecture!r} with runner {runner!r}"
+        )
+    if opts.max_loras < 1 or opts.max_lora_rank < 1:
+        raise ConfigError(
+            f"max_loras and max_lora_rank must be at least 1 (got {opts.max_loras}, {opts.max_lora_rank})"
+        )
+    cpu = opts.max_cpu_loras if opts.max_cpu_loras is not None else opts.max_loras
+    if cpu < opts.max_loras:
+        raise ConfigError(f"max_cpu_loras ({cpu}) must be at least max_loras ({opts.max_loras})")
+    return LoRAConfig(max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank, max_cpu_loras=cpu)
 
 
 def check_cache(opts: EngineOptions) -> None:

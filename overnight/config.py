@@ -264,9 +264,20 @@ class RunnerConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (overnight/lora/): max_loras device slots, each sized for max_lora_rank; a host
+    cache of max_cpu_loras loaded adapters (>= max_loras)."""
+
+    max_loras: int = _Defaults.max_loras
+    max_lora_rank: int = _Defaults.max_lora_rank
+    max_cpu_loras: int = _Defaults.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     runner: RunnerConfig = field(default_factory=RunnerConfig)
+    lora: LoRAConfig | None = None  # None: LoRA disabled (no wrapped layers, no slots)

@@ -20,6 +20,7 @@ from overnight.batch.output import UsageError, check_output
 from overnight.batch.spill import check_spill
 from overnight.entrypoints.submission import check_schedule, make_order
 from overnight.errors import ConfigError
+from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -86,6 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(p)
     add_option_args(p, ChatOptions, "chat: reasoning and tool calls")
+    add_lora_modules_arg(p)
     r = p.add_argument_group("ray (pip install 'overnight[ray]')")
     r.add_argument("--ray", action="store_true", help="run the engines as replicas on a Ray cluster")
     r.add_argument(
@@ -127,6 +129,7 @@ def _check_args(args: argparse.Namespace) -> None:
     check_spill(args.output_file, resume=args.resume, overwrite=args.overwrite)
     try:
         check_schedule(args.schedule, args.lookahead_window)
+        parse_lora_modules(args.lora_modules)
     except ConfigError as e:
         raise UsageError(str(e)) from None
     chat_options(args)
@@ -158,15 +161,16 @@ def _run_batch(args: argparse.Namespace) -> int:
     # Locked before the model loads: a second run on these files stops now, not after minutes.
     out_handle = lock_output(args.output_file)
     errors_handle = lock_output(args.errors_file, "errors") if args.errors_file else None
+    adapters = parse_lora_modules(args.lora_modules)
+    opts = options_from_args(args, mode="batch", **lora_overrides(adapters))
     if args.ray:  # replicas on a Ray cluster behind one front: overnight/parallel/ray.py
         try:
-            engine = build_ray_engine(
-                options_from_args(args, mode="batch"), args.num_replicas, address=args.ray_address
-            )
+            engine = build_ray_engine(opts, args.num_replicas, address=args.ray_address)
         except ImportError as e:
             raise UsageError(str(e)) from None
     else:
-        engine = build_engine(options_from_args(args, mode="batch"))  # a bad model: one line, exit 2
+        engine = build_engine(opts)  # a bad model: one line, exit 2
+    check_adapters(engine, adapters)
     if not args.ray and args.data_parallel_size == 1:  # a line a minute: which limit holds the batch
         from overnight.tools.check import start_check_log
 
@@ -209,7 +213,8 @@ def _run_batch(args: argparse.Namespace) -> int:
         sink,
         summary,
         model_name=served,
-        names=served_names(served, args.model),
+        names=served_names(served, args.model) | set(adapters),
+        adapters=adapters,
         order=OutputOrder(args.order, spill),
         max_in_flight=args.max_in_flight or 2 * sched.max_num_seqs,
         schedule=make_order(args.schedule, args.lookahead_window, block_size),

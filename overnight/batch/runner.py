@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from overnight.batch.ordering import OutputOrder
@@ -33,6 +33,7 @@ from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.openai_api.convert import response_body
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
@@ -64,6 +65,7 @@ class _Line:
     remaining: int  # prompts not yet finished
     created: int = 0
     plan: MessagePlan | None = None  # chat: reasoning / tool calls read from the output
+    lora: LoRARequest | None = None  # the adapter the body's model names (None: the base model)
 
 
 class BatchRunner:
@@ -81,6 +83,7 @@ class BatchRunner:
         answered: Answered | None = None,
         progress: Progress | None = None,
         chat: ChatOptions | None = None,
+        adapters: Mapping[str, LoRARequest] | None = None,
     ) -> None:
         self.engine = engine
         self.chat = chat
@@ -93,6 +96,7 @@ class BatchRunner:
         self.schedule = schedule if schedule is not None else FifoOrder()
         self.answered = answered or Answered()
         self.progress = progress
+        self.adapters = adapters or {}  # LoRA adapters by the name a line's model gives (--lora-modules)
         if summary.timeline is None:
             summary.timeline = Timeline("fifo", 1, engine.config.scheduler.max_num_seqs)
         self.timeline = summary.timeline
@@ -213,6 +217,7 @@ class BatchRunner:
             num_seqs=inputs.num_seqs,
             remaining=len(inputs.prompts),
             plan=inputs.plan,
+            lora=self.adapters.get(req.model) if req.model else None,
         )
         first = inputs.prompts[0][1]
         params = inputs.params
@@ -221,7 +226,7 @@ class BatchRunner:
             if isinstance(params, SamplingParams)
             else 1  # an embedding line ends with its prompt
         )
-        self.schedule.add(seq, first, max_output)
+        self.schedule.add(seq, first, max_output, hash_root(state.lora))
         self.waiting[seq] = state
         self.timeline.add("tokenize", time.perf_counter() - t0)
 
@@ -238,7 +243,9 @@ class BatchRunner:
         prompts, state.prompts = state.prompts, []
         for p, (text, ids) in enumerate(prompts):
             try:
-                self.engine.add_request(f"{state.seq}.{p}", ids.tolist(), state.params, prompt=text)
+                self.engine.add_request(
+                    f"{state.seq}.{p}", ids.tolist(), state.params, prompt=text, lora_request=state.lora
+                )
             except InvalidRequestError as e:  # checked in prepare; kept so a miss costs a line, not the run
                 for q in range(p):
                     self.engine.abort_request(f"{state.seq}.{q}")
@@ -282,10 +289,11 @@ class BatchRunner:
             return error_record(
                 state.custom_id, state.line_no, ApiError("aborted", "the request was aborted")
             )
+        model = state.lora.lora_name if state.lora is not None else self.model_name
         body = response_body(
             req,
             outputs,
-            self.model_name,
+            model,
             created=state.created,
             tokenizer=self.engine.tokenizer,
             plan=state.plan,

@@ -13,7 +13,9 @@ import sys
 from overnight.batch.records import error_record
 from overnight.batch.summary import Summary
 from overnight.engine.validation import limits_of, validate_request
-from overnight.errors import ConfigError, ModelLoadError
+from overnight.errors import ConfigError, InvalidRequestError, ModelLoadError
+from overnight.lora.adapter import check_adapter
+from overnight.lora.modules import lora_overrides, parse_lora_modules
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
 from overnight.options import ChatOptions, from_args, options_from_args
@@ -28,13 +30,16 @@ def validate_file(args: argparse.Namespace) -> int:
     from overnight.build import build_config, resolve_model
     from overnight.runner.device import device_memory_gib, pick_device
 
-    opts = options_from_args(args, mode="batch")
     try:
+        adapters = parse_lora_modules(args.lora_modules)
+        opts = options_from_args(args, mode="batch", **lora_overrides(adapters))
         model = resolve_model(opts)
         # The engine's own configuration and checks, without its weights (only the pool is unknown).
         device = pick_device(opts.device)
         config = build_config(opts, model.source, device, device_memory_gib(device))
-    except (ModelLoadError, ConfigError) as e:
+        for adapter in adapters.values():
+            check_adapter(adapter, model.source.arch, opts.max_lora_rank)
+    except (ModelLoadError, ConfigError, InvalidRequestError) as e:
         print(f"overnight run-batch: {e}", file=sys.stderr)
         return 2
     source, tokenizer = model.source, model.tokenizer
@@ -44,7 +49,7 @@ def validate_file(args: argparse.Namespace) -> int:
     def engine_checks(ids: list[int], params: RequestParams) -> None:
         validate_request(ids, params, limits, model.grammars)  # grammars compiled, as the engine does
 
-    names = served_names(served, args.model)
+    names = served_names(served, args.model) | set(adapters)
     chat = from_args(ChatOptions, args)
     sink = None
     if args.errors_file:

@@ -48,6 +48,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--repeats", type=int, default=1, help="with --json-schema: timed pairs, order alternating"
     )
+    t.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the workload on the base model, then spread over N random LoRA adapters in one batch",
+    )
+    t.add_argument("--lora-rank", type=int, default=16, help="rank of the --lora-adapters (every projection)")
     add_engine_args(t)
     for name, module in SUBCOMMANDS.items():
         try:
@@ -103,8 +111,13 @@ def run(args: argparse.Namespace) -> int:
                 f.write(line + "\n")
         return 0
     results = []
-    ours, _ = run_ours(opts, workload)
-    results.append(ours)
+    if args.lora_adapters:
+        from overnight.bench import lora
+
+        results = lora.run(opts, workload, args.lora_adapters, args.lora_rank)
+    else:
+        ours, _ = run_ours(opts, workload)
+        results.append(ours)
     if args.compare == "transformers":
         results.append(run_transformers(opts, workload, args.hf_batch_size, args.hf_max_requests))
     print_table(workload, results)

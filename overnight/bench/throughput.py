@@ -45,8 +45,9 @@ class RunResult:
 
 
 def run_ours(
-    opts: EngineOptions, workload: Workload, warmup: bool = True
+    opts: EngineOptions, workload: Workload, warmup: bool = True, lora_requests: list | None = None
 ) -> tuple[RunResult, list[list[int]]]:
+    """lora_requests: one LoRARequest (or None) per request of the workload (bench/lora.py)."""
     from overnight import LLM, SamplingParams
 
     llm = LLM(**opts.__dict__)
@@ -62,12 +63,18 @@ def run_ours(
     device_index = device.index or 0
     if warmup and device.type == "cuda":
         # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
-        llm.generate(prompts[:8], [SamplingParams(max_tokens=4, ignore_eos=True)] * 8, use_tqdm=False)
+        warm = lora_requests[:8] if lora_requests else None
+        llm.generate(
+            prompts[:8],
+            [SamplingParams(max_tokens=4, ignore_eos=True)] * 8,
+            use_tqdm=False,
+            lora_request=warm,
+        )
     if engine.timings is not None:
         engine.timings = StepTimings()  # the timed run's steps only
     with ClockSampler(device_index) as clocks, watch_compiles() as compiled:
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_requests)
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -102,6 +109,7 @@ def run_ours(
             "kv_pool_tokens": engine.pool_plan.num_blocks * engine.config.cache.block_size,
             "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,
+            "lora_swaps": engine.stats().lora_swaps_total,
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
             "host_per_step": engine.timings.summary() if engine.timings is not None else None,
             # Triton variants compiled inside the timed run (each ~1 s of host time, the GPU idle).

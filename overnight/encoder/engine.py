@@ -22,6 +22,7 @@ from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsOb
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import InvalidRequestError
 from overnight.loader.source import ModelSource
+from overnight.lora.request import LoRARequest
 from overnight.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
 
@@ -63,7 +64,10 @@ class EncoderEngine:
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        if lora_request is not None:
+            raise InvalidRequestError("LoRA adapters are not supported on encoder models")
         params = params if params is not None else PoolingParams()
         if request_id in self.waiting:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")

@@ -24,6 +24,9 @@ from overnight.engine.step_io import SchedulerOutput
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.loader.source import ModelSource
+from overnight.lora.adapter import AdapterChecks
+from overnight.lora.request import LoRARequest
+from overnight.lora.residency import LoRAResidency
 from overnight.outputs import (
     EngineOutput,
     PoolingOutput,
@@ -80,7 +83,12 @@ class Engine:
                 f"{self.max_model_len} needs ({need} blocks of {bs}): lower max_model_len or give the pool "
                 "more memory"
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv)
+        lora = config.lora
+        # LoRA: adapters checked once each (AdapterChecks), device slots handed out by the scheduler.
+        self.adapters = AdapterChecks(source.arch, lora.max_lora_rank) if lora else None
+        # A waiting adapter lets the slot it reserved take up to one batch more before it drains.
+        residency = LoRAResidency(lora.max_loras, grace=config.scheduler.max_num_seqs) if lora else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, residency)
         self.output = OutputProcessor(tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, list[Request]] = {}
@@ -104,16 +112,21 @@ class Engine:
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue one prompt (n completions, or one pooled vector). Raises InvalidRequestError and
-        changes nothing if the request cannot be served."""
+        """Queue one prompt (n completions, or one pooled vector), with a LoRA adapter or on the base
+        model. Raises InvalidRequestError and changes nothing if the request cannot be served."""
         if params is None:
             params = PoolingParams() if self.is_pooling else SamplingParams()
         if request_id in self.parents:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise InvalidRequestError("LoRA adapters serve generation requests only, not pooling")
             self._add_pooling(request_id, prompt_token_ids, params, prompt, arrival)
             return
         if stream and params.num_samples > params.n:
@@ -146,6 +159,7 @@ class Engine:
                 eos_token_ids=self.eos_token_ids,
                 max_total_tokens=max_total,
                 arrival_time=arrival,
+                lora_request=lora_request,
             )
             self.output.add(req, parent, i)
             self.scheduler.add(req)
@@ -180,6 +194,15 @@ class Engine:
         """Raise InvalidRequestError if this prompt and params cannot be served."""
         limits = limits_of(self.config, self.vocab_size, self.tokenizer is not None)
         validate_request(ids, params, limits, self.grammars)
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Raise InvalidRequestError unless LoRA is enabled and this adapter fits the base model."""
+        if self.adapters is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled: start the "
+                "engine with enable_lora=True (--enable-lora)"
+            )
+        self.adapters.check(lora_request)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its KV blocks; returns its final output if it was still running."""

@@ -19,6 +19,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import StatsObserver
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.loader.source import ModelSource
+from overnight.lora.request import LoRARequest
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.pooling_params import RequestParams
 
@@ -103,6 +104,7 @@ class EngineClient(Protocol):
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...

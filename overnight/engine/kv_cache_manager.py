@@ -81,7 +81,7 @@ class KVCacheManager:
         tokens = req.all_token_ids
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else req.block_hash_root
             hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
         return hashes
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class Request:
     # per sampled token on the hot path.
     stop_ids: frozenset[int] = frozenset()
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # None: the base model
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -81,6 +83,12 @@ class Request:
         if not self.params.ignore_eos:
             ids |= self.eos_token_ids
         self.stop_ids = frozenset(ids)
+
+    @property
+    def block_hash_root(self) -> int | None:
+        """Where the request's chain of block hashes starts: KV computed under one adapter is never
+        found by a request of another (or of the base model)."""
+        return hash_root(self.lora_request)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,6 +15,7 @@ from overnight.engine.step_io import (
     NewRequestData,
     SchedulerOutput,
 )
+from overnight.lora.residency import LoRAResidency
 
 
 @dataclass
@@ -25,12 +26,17 @@ class SchedulerStats:
     num_preemptions_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    lora_loads_total: int = 0  # adapters copied into a device slot
+    lora_swaps_total: int = 0  # of those, loads that evicted another adapter
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, lora: LoRAResidency | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        self.lora = lora  # LoRA adapters' device slots: who may start (lora/residency.py)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -106,6 +112,8 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
+            lora_loads_total=self.lora.num_loads if self.lora else 0,
+            lora_swaps_total=self.lora.num_swaps if self.lora else 0,
         )
 
     # -- the step ---------------------------------------------------------------------------------
@@ -119,6 +127,8 @@ class Scheduler:
         # budget, max_num_seqs and free KV blocks allow. When a running request cannot get KV blocks,
         # the most recently admitted running request is preempted (blocks freed, recomputed later).
         # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
+        # With LoRA, a waiting request whose adapter can get no device slot now is passed over (and
+        # later new adapters wait behind it: lora/residency.py); the others may still start.
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -152,12 +162,19 @@ class Scheduler:
 
         # A preemption this step means the pool is full: admitting now would only preempt again.
         pool_full = self.num_preemptions_total > preemptions_before
+        lora = self.lora
+        lora_waits: list[Request] = []  # passed over this step: their adapter has no device slot yet
+        if lora is not None:
+            lora.begin_step(r.lora_request for r in self.running)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             if pool_full:
                 break
             req = self.waiting[0]
             if req.num_pending:  # preempted while a step ran ahead: wait for its token
                 break
+            if lora is not None and not lora.can_admit(req.lora_request):
+                lora_waits.append(self.waiting.popleft())
+                continue
             hit = self.kv.find_cached_prefix(req)
             num_hit = hit.num_blocks * self.kv.block_size if hit is not None else 0
             n = req.num_tokens - num_hit
@@ -169,6 +186,8 @@ class Scheduler:
             if new_ids is None:
                 break
             self.waiting.popleft()
+            if lora is not None:
+                lora.admit(req.lora_request)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
                 req.first_scheduled_time = now
@@ -188,12 +207,14 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     resumed=req.num_preemptions > 0,
                     pooling=req.pooling_params,
+                    lora_request=req.lora_request,
                 )
             )
             self._advance(req, n)
             num_scheduled[req.req_id] = n
             budget -= n
 
+        self.waiting.extendleft(reversed(lora_waits))
         gone, self._gone_since_last_step = self._gone_since_last_step, set()
         return SchedulerOutput(
             new_reqs=new_reqs,
@@ -201,6 +222,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=gone,
+            lora_loads=lora.take_loads() if lora is not None else [],
         )
 
     @staticmethod

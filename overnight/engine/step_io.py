@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from overnight.lora.request import LoRARequest
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
     resumed: bool = False  # scheduled again after a preemption
     pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
+    lora_request: LoRARequest | None = None  # its adapter (the slot it is in: SchedulerOutput.lora_loads)
 
 
 @dataclass(slots=True)
@@ -46,6 +48,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests gone since the last step (finished, aborted, preempted): the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # LoRA adapters the runner copies into device slots before this step (lora/residency.py).
+    lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

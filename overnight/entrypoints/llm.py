@@ -22,6 +22,8 @@ from overnight.entrypoints.prompts import (
 )
 from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
+from overnight.lora.adapter import AdapterChecks
+from overnight.lora.request import LoRARequest, hash_root
 from overnight.options import ChatOptions, EngineOptions
 from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
@@ -31,7 +33,9 @@ from overnight.tool_calls.message import MessagePlan, plan_message
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 PoolingArg = PoolingParams | Sequence[PoolingParams] | None
-Item = tuple[tuple[str | None, list[int]], RequestParams]
+LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
+# (prompt text, token ids), params, the LoRA adapter (None: the base model)
+Item = tuple[tuple[str | None, list[int]], RequestParams, LoRARequest | None]
 
 
 class LLM:
@@ -60,6 +64,20 @@ class LLM:
         self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
         self._seeds = random.Random(self.options.seed)  # unseeded prompts' seeds, in input order
+        self._adapters: AdapterChecks | None = None
+
+    def _check_lora(self, lora: LoRARequest) -> None:
+        """The adapter's folder checked against the model before any prompt runs (the engine checks
+        again as each request is added)."""
+        lora_config = self.engine.config.lora
+        if lora_config is None:
+            raise InvalidRequestError(
+                f"LoRA adapter {lora.lora_name!r} asked for, but LoRA is not enabled: create the LLM with "
+                "enable_lora=True"
+            )
+        if self._adapters is None:
+            self._adapters = AdapterChecks(self.engine.source.arch, lora_config.max_lora_rank)
+        self._adapters.check(lora)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -71,15 +89,18 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: ParamsArg = None,
         use_tqdm: bool = True,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
-        """Outputs in input order, once all are done. Every prompt is checked before any runs."""
+        """Outputs in input order, once all are done. Every prompt is checked before any runs.
+        lora_request: one LoRA adapter for every prompt, or one per prompt (None: the base model)."""
         prompt_list = _as_list(prompts)
         params = _params_for(sampling_params, len(prompt_list))
+        loras = _loras_for(lora_request, len(prompt_list))
         items = [self._prepare(i, p) for i, p in enumerate(prompt_list)]
-        for i, ((_, ids), sp) in enumerate(zip(items, params)):
-            self._precheck(i, ids, sp)
+        for i, ((_, ids), sp, lora) in enumerate(zip(items, params, loras)):
+            self._precheck(i, ids, sp, lora)
         results: list[RequestOutput | None] = [None] * len(items)
-        for index, out in self._run(iter(zip(items, params)), len(items), use_tqdm):
+        for index, out in self._run(iter(zip(items, params, loras)), len(items), use_tqdm):
             results[index] = _generated(out)
         return [r for r in results if r is not None]
 
@@ -89,6 +110,7 @@ class LLM:
         sampling_params: SamplingParams | Iterable[SamplingParams] | None = None,
         use_tqdm: bool = True,
         max_in_flight: int | None = None,
+        lora_request: LoRARequest | Iterable[LoRARequest | None] | None = None,
     ) -> Iterator[tuple[int, RequestOutput]]:
         """Yields (input index, output) as each prompt finishes, reading prompts (and, when given
         as an iterable, their params) lazily, so a million-prompt job holds only the look-ahead
@@ -99,8 +121,14 @@ class LLM:
             params_iter: Iterable[SamplingParams] = itertools.repeat(sampling_params or SamplingParams())
         else:
             params_iter = sampling_params
+        loras: Iterable[LoRARequest | None]
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = itertools.repeat(lora_request)
+        else:
+            loras = lora_request
         items: Iterator[Item] = (
-            (self._prepare(i, p), sp) for i, (p, sp) in enumerate(zip(prompts, params_iter))
+            (self._prepare(i, p), sp, lora)
+            for i, (p, sp, lora) in enumerate(zip(prompts, params_iter, loras))
         )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight):
@@ -119,6 +147,7 @@ class LLM:
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
+        lora_request: LoRAArg = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them.
 
@@ -158,7 +187,7 @@ class LLM:
                 raise InvalidRequestError(f"conversation {i}: {e}") from None
             prompts.append({"prompt": text, "prompt_token_ids": ids})
             plans.append(plan)
-        outputs = self.generate(prompts, params, use_tqdm)
+        outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [_read_messages(out, plan) for out, plan in zip(outputs, plans)]
 
     # -- pooling (runner="pooling") -----------------------------------------------------------------
@@ -180,7 +209,8 @@ class LLM:
         for i, ((_, ids), pp) in enumerate(zip(items, params)):
             self._precheck(i, ids, pp)
         results: list[PoolingRequestOutput | None] = [None] * len(items)
-        for index, out in self._run(iter(zip(items, params)), len(items), use_tqdm, self._pooling_window()):
+        work: Iterator[Item] = ((item, pp, None) for item, pp in zip(items, params))
+        for index, out in self._run(work, len(items), use_tqdm, self._pooling_window()):
             results[index] = _pooled(out)
         return [r for r in results if r is not None]
 
@@ -211,7 +241,9 @@ class LLM:
         holds the prompts in flight, never the whole input. An invalid prompt raises
         InvalidRequestError naming its index; requests already in flight are aborted first."""
         params = pooling_params or PoolingParams()
-        items: Iterator[Item] = ((p, params) for p in self._pooling_items(prompts, truncate_prompt_tokens))
+        items: Iterator[Item] = (
+            (p, params, None) for p in self._pooling_items(prompts, truncate_prompt_tokens)
+        )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
             yield index, EmbeddingRequestOutput.from_base(_pooled(out))
@@ -236,9 +268,13 @@ class LLM:
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
 
-    def _precheck(self, index: int, ids: list[int], params: RequestParams) -> None:
+    def _precheck(
+        self, index: int, ids: list[int], params: RequestParams, lora: LoRARequest | None = None
+    ) -> None:
         try:
             self.engine.validate(ids, params)
+            if lora is not None:
+                self._check_lora(lora)
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
 
@@ -275,11 +311,11 @@ class LLM:
                     if params.seed is None:
                         # Drawn in input order, so a prompt's sampling does not depend on when the
                         # submission order (which follows the engine's progress) starts it.
-                        item = (item[0], replace(params, seed=self._seeds.getrandbits(63)))
+                        item = (item[0], replace(params, seed=self._seeds.getrandbits(63)), item[2])
                     expected = max_output_tokens(len(ids), params.max_tokens, engine.max_model_len)
                 else:
                     expected = 1  # a pooling request ends with its prompt
-                order.add(next_index, ids, expected)
+                order.add(next_index, ids, expected, hash_root(item[2]))
                 waiting[next_index] = item
                 next_index += 1
 
@@ -287,10 +323,10 @@ class LLM:
             while True:
                 read_ahead()
                 while len(index_of) < limit and (index := order.pop()) is not None:
-                    (text, ids), params = waiting.pop(index)
+                    (text, ids), params, lora = waiting.pop(index)
                     rid = str(next(self._ids))
                     try:
-                        engine.add_request(rid, ids, params, prompt=text)
+                        engine.add_request(rid, ids, params, prompt=text, lora_request=lora)
                     except InvalidRequestError as e:
                         raise InvalidRequestError(f"prompt {index}: {e}") from None
                     index_of[rid] = index
@@ -361,6 +397,15 @@ def _pooling_params_for(pooling_params: PoolingArg, n: int) -> list[PoolingParam
     if len(params) != n:
         raise InvalidRequestError(f"got {len(params)} pooling params for {n} prompts")
     return params
+
+
+def _loras_for(lora_request: LoRAArg, n: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * n
+    loras = list(lora_request)
+    if len(loras) != n:
+        raise InvalidRequestError(f"got {len(loras)} LoRA requests for {n} prompts")
+    return loras
 
 
 def _params_for(sampling_params: ParamsArg, n: int) -> list[SamplingParams]:

@@ -58,9 +58,9 @@ class SubmissionOrder(Protocol):
     @property
     def has_room(self) -> bool: ...
 
-    def add(self, seq: int, prompt: Sequence[int], max_output: int) -> None:
+    def add(self, seq: int, prompt: Sequence[int], max_output: int, root: int | None = None) -> None:
         """A request, by a number of the caller's (unique, increasing in input order); its first prompt
-        and the most tokens it may generate."""
+        and the most tokens it may generate; root: its LoRA adapter's hash root (prefix_key)."""
 
     def close(self) -> None:
         """No more requests will be added: the input is read to its end."""
@@ -101,7 +101,7 @@ class FifoOrder:
     def has_room(self) -> bool:
         return not self._queue
 
-    def add(self, seq: int, prompt: Sequence[int], max_output: int) -> None:
+    def add(self, seq: int, prompt: Sequence[int], max_output: int, root: int | None = None) -> None:
         self._queue.append(seq)
 
     def close(self) -> None:
@@ -117,11 +117,12 @@ class FifoOrder:
         return len(self._queue)
 
 
-def prefix_key(prompt: Sequence[int], block_size: int) -> Key:
+def prefix_key(prompt: Sequence[int], block_size: int, root: int | None = None) -> Key:
     """The chained hashes of the prompt's leading full blocks: the prefix cache's own keys, so two
-    prompts share a key's first k entries exactly when they share their first k blocks."""
+    prompts share a key's first k entries exactly when they share their first k blocks (root: where
+    the chain starts, a LoRA adapter's, lora.request.hash_root)."""
     hashes: list[int] = []
-    parent = None
+    parent = root
     for i in range(min(len(prompt) // block_size, MAX_KEY_BLOCKS)):
         parent = hash_block(parent, tuple(prompt[i * block_size : (i + 1) * block_size]))
         hashes.append(parent)
@@ -167,10 +168,10 @@ class LookaheadOrder:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def add(self, seq: int, prompt: Sequence[int], max_output: int) -> None:
+    def add(self, seq: int, prompt: Sequence[int], max_output: int, root: int | None = None) -> None:
         if self._tail is not None:
             raise RuntimeError("add() after close()")
-        key = prefix_key(prompt, self.block_size)
+        key = prefix_key(prompt, self.block_size, root)
         self._waiting[seq] = _Waiting(key, max(max_output, 1).bit_length(), self._num_added)
         self._num_added += 1
         bisect.insort(self._sorted, (key, seq))

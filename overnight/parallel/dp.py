@@ -30,6 +30,7 @@ from overnight.engine.stats import StatsObserver
 from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.loader.source import ModelSource
+from overnight.lora.request import LoRARequest
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.parallel.links import (
     AbortRequests,
@@ -180,6 +181,7 @@ class DataParallelEngine:
         prompt: str | None = None,
         stream: bool = False,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if params is None:
             params = PoolingParams() if self.config.model.runner == "pooling" else SamplingParams()
@@ -190,7 +192,9 @@ class DataParallelEngine:
             # the draw one engine would make, so outputs match one engine's
             params = replace(params, seed=self._rng.getrandbits(63))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        self._deal(AddRequest(request_id, list(prompt_token_ids), params, prompt, stream, arrival))
+        self._deal(
+            AddRequest(request_id, list(prompt_token_ids), params, prompt, stream, arrival, lora_request)
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Forget the request here at once and stop it in its engine; its final output is not kept."""
@@ -230,6 +234,8 @@ class DataParallelEngine:
             num_preemptions_total=sum(s.num_preemptions_total for s in known),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in known),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in known),
+            lora_loads_total=sum(s.lora_loads_total for s in known),
+            lora_swaps_total=sum(s.lora_swaps_total for s in known),
         )
 
     def step(self) -> list[EngineOutput]:

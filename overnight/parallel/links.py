@@ -25,6 +25,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.logs import LogSetup
+from overnight.lora.request import LoRARequest
 from overnight.options import EngineOptions
 from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import (
@@ -52,6 +53,7 @@ class AddRequest:
     prompt: str | None
     stream: bool
     arrival_time: float  # time.monotonic() is one clock for every process of the machine
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +152,7 @@ def serve_engine(
                             prompt=r.prompt,
                             stream=r.stream,
                             arrival_time=r.arrival_time,
+                            lora_request=r.lora_request,
                         )
                     except InvalidRequestError as e:
                         send(Rejected(index, r.request_id, str(e)))

@@ -238,7 +238,13 @@ def _start_rank(init: WorkerInit):
         from overnight.structured.compiler import GrammarCompiler
 
         grammars = GrammarCompiler.for_source(init.source)
-    return ModelRunner(local, init.source, model=model, grammars=grammars)
+    lora_sharding = None
+    if config.lora is not None:  # each adapter split like the weights it adapts (lora/slots.py)
+        from overnight.lora.slots import LoRASharding
+
+        shards = TPShards(config.model.arch, init.rank, init.world)
+        lora_sharding = LoRASharding(config.model.arch, shards.shard, lambda t: dist.all_reduce(t))
+    return ModelRunner(local, init.source, model=model, grammars=grammars, lora_sharding=lora_sharding)
 
 
 def _adopt_rank0_tokens(runner, result: ModelRunnerOutput) -> None:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from overnight.structured.compiler import GrammarCompiler
 
 if TYPE_CHECKING:
+    from overnight.lora.slots import DeviceLoRA, LoRASharding
     from overnight.runner.cuda_graph import DecodeGraphs
 
 log = logging.getLogger("overnight")
@@ -100,6 +101,7 @@ class ModelRunner:
         *,
         calculate_kv_scales: bool | None = None,  # None: from config.cache
         grammars: GrammarCompiler | None = None,  # None: structured outputs are never masked here
+        lora_sharding: LoRASharding | None = None,  # a tensor-parallel rank's share of each adapter
     ) -> None:
         self.config = config
         self.source = source
@@ -136,6 +138,23 @@ class ModelRunner:
             device=self.device,
             num_groups=num_groups,
         )
+        self.lora: DeviceLoRA | None = None  # LoRA adapters: wrapped layers and device slots
+        if config.lora is not None:
+            from torch import nn
+
+            from overnight.lora.slots import DeviceLoRA
+
+            assert isinstance(model, nn.Module)
+            self.lora = DeviceLoRA(
+                model,
+                config.model.arch,
+                config.lora,
+                config.model.dtype,
+                self.device,
+                max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
+                max_reqs=sched.max_num_seqs,
+                sharding=lora_sharding,
+            )
         self.kv_caches: list[torch.Tensor] = []
         if calculate_kv_scales is None:
             calculate_kv_scales = config.cache.calculate_kv_scales
@@ -250,6 +269,8 @@ class ModelRunner:
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
+        if self.lora is not None:
+            self.lora.batch.for_capture()  # the graphs record the LoRA kernels, which read the slot map
         self.graphs = DecodeGraphs(
             self.model,
             self.attention_batch,
@@ -268,6 +289,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle | PooledStep:
         scheduled = self.states.apply(out)
+        if self.lora is not None and out.lora_loads:
+            self.lora.load(out.lora_loads)
         if self.pooler is not None:
             self.pooler.drop(out.finished_req_ids)
         if not scheduled:
@@ -279,6 +302,9 @@ class ModelRunner:
         if inputs.pending_rows is not None:
             assert self._prev_tokens is not None
             self.buffers.ids.index_copy_(0, inputs.pending_rows, self._prev_tokens[inputs.pending_src])
+        if self.lora is not None:
+            ids, lens = [s.state.lora_id for s in scheduled], [s.num_tokens for s in scheduled]
+            self.lora.map_rows(ids, lens, inputs.input_ids.shape[0], decode_only)
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]

@@ -53,6 +53,7 @@ class RunnerRequest:
     # preempted request's state is dropped with it; the new state's matcher replays the outputs.
     guide: Guide | None = None
     pooling: PoolingParams | None = None  # a pooling request (its "sample" is the pooled vector)
+    lora_id: int = 0  # its LoRA adapter's lora_int_id; 0: the base model
 
     @property
     def num_output_tokens(self) -> int:
@@ -117,6 +118,7 @@ class RequestStates:
                 num_blocks=0,
                 num_computed_tokens=new.num_computed_tokens,
                 pooling=new.pooling,
+                lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st

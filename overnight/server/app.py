@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from overnight import __version__
+from overnight.lora.request import LoRARequest
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.openai_api.inputs import check_route_task
 from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
@@ -110,12 +111,17 @@ def build_app(
             "max_model_len": core.max_model_len,
         }
 
+    def adapter_card(lora: LoRARequest) -> dict[str, Any]:  # vLLM's: parent = the base model
+        return {**model_card(), "id": lora.lora_name, "root": lora.lora_path, "parent": config.model_name}
+
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *map(adapter_card, config.adapters.values())]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict[str, Any]:
+        if model_id in config.adapters:
+            return adapter_card(config.adapters[model_id])
         if model_id not in config.accepted_names:
             raise HttpError(
                 404,

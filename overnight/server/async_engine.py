@@ -26,6 +26,7 @@ from typing import Any
 from overnight.engine.interfaces import EngineClient
 from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
+from overnight.lora.request import LoRARequest
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.outputs import EngineOutput
 from overnight.pooling_params import RequestParams
@@ -43,6 +44,7 @@ class AddRequest:
     prompt: str | None
     stream: bool
     arrival_time: float
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +126,7 @@ class AsyncEngine:
         prompts: list[PromptSpec],
         params: RequestParams,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[tuple[int, EngineOutput]]:
         """(index in `prompts`, output) for several requests (request id, text, token ids) sharing params,
         in the order outputs arrive, until all have finished (RequestOutputs for SamplingParams,
@@ -131,7 +134,9 @@ class AsyncEngine:
 
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
-        async with aclosing(self.generate_batches(prompts, params, stream)) as batches:
+        async with aclosing(
+            self.generate_batches(prompts, params, stream, lora_request=lora_request)
+        ) as batches:
             async for batch in batches:
                 for item in batch:
                     yield item
@@ -142,6 +147,7 @@ class AsyncEngine:
         params: RequestParams,
         stream: bool = True,
         stream_interval: int = 1,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncGenerator[list[tuple[int, EngineOutput]]]:
         """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
         per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
@@ -158,7 +164,7 @@ class AsyncEngine:
         for index, (request_id, text, ids) in enumerate(prompts):
             self._streams[request_id] = (q, index)
             unfinished.add(request_id)
-            self._commands.put(AddRequest(request_id, list(ids), params, text, stream, now))
+            self._commands.put(AddRequest(request_id, list(ids), params, text, stream, now, lora_request))
         try:
             while unfinished:
                 waiting = [await q.get()]
@@ -245,6 +251,7 @@ class AsyncEngine:
                         prompt=cmd.prompt,
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
+                        lora_request=cmd.lora_request,
                     )
                     # what an abort ends, for the aborted-requests counter (a pooled prompt is one)
                     params = cmd.params

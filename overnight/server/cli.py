@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError
+from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
+from overnight.lora.request import LoRARequest
 from overnight.metrics import (
     DEFAULT_PREFIX,
     PrometheusObserver,
@@ -96,6 +98,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the model, as `vllm serve MODEL` takes it",
     )
     add_engine_args(p, skip=SUBMISSION_OPTIONS)  # a server takes requests as they come
+    add_lora_modules_arg(p)
     add_option_args(p, ServerOptions, "server")
     add_option_args(p, ChatOptions, "chat: reasoning and tool calls")
 
@@ -105,6 +108,7 @@ def make_app(
     opts: ServerOptions,
     model_arg: str | None = None,
     chat: ChatOptions | None = None,
+    adapters: dict[str, LoRARequest] | None = None,
 ):
     """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
     model_name = engine_model_name(engine)
@@ -117,10 +121,11 @@ def make_app(
     engine.observers.append(metrics)
     config = ServingConfig(
         model_name=model_name,
-        accepted_names=served_names(model_name, model_arg),
+        accepted_names=served_names(model_name, model_arg) | set(adapters or {}),
         max_waiting=opts.max_waiting,
         stream_interval=opts.stream_interval,
         chat=chat,
+        adapters=dict(adapters or {}),
     )
     open_paths = OPEN_PATHS - {"/metrics"} if opts.protect_metrics else OPEN_PATHS
     return build_app(
@@ -151,7 +156,7 @@ def uvicorn_server(app, opts: ServerOptions):
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine of a server: server limits, and its own process unless --no-engine-process (its step
     then never waits for the GIL the HTTP side holds; docs/benchmarks.md)."""
-    opts = options_from_args(args, mode="server")
+    opts = options_from_args(args, mode="server", **lora_overrides(parse_lora_modules(args.lora_modules)))
     return opts if opts.engine_process is not None else replace(opts, engine_process=True)
 
 
@@ -169,9 +174,11 @@ def run(args: argparse.Namespace) -> int:
         log.warning(
             "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host
         )
+    adapters = parse_lora_modules(args.lora_modules)
     engine = build_engine(engine_options(args))
+    check_adapters(engine, adapters)  # a bad adapter folder stops the server before it listens
     hide_created_series()
-    server = uvicorn_server(make_app(engine, opts, model_arg=args.model, chat=chat), opts)
+    server = uvicorn_server(make_app(engine, opts, model_arg=args.model, chat=chat, adapters=adapters), opts)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown, then raises the signal again for the handler
     # that was installed before it started. A no-op there makes a clean drain exit 0, not die by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

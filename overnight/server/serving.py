@@ -13,13 +13,14 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from overnight.errors import EngineDeadError, InvalidRequestError
+from overnight.lora.request import LoRARequest
 from overnight.openai_api.convert import ChatStream, CompletionStream, new_id, response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
@@ -52,6 +53,11 @@ class ServingConfig:
     max_waiting: int | None  # refuse new requests (503) while this many wait; None: never
     stream_interval: int = 1  # tokens a stream's chunk carries at least (but its last); deltas.Pacer
     chat: ChatOptions | None = None  # reasoning and tool-call parsers
+    # LoRA adapters a request's `model` may name (--lora-modules); their names are in accepted_names too
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)
+
+    def adapter(self, model: str | None) -> LoRARequest | None:
+        return self.adapters.get(model) if model else None
 
 
 class OpenAIServing:
@@ -77,19 +83,20 @@ class OpenAIServing:
             (response_id if len(inputs.prompts) == 1 else f"{response_id}-{i}", text, ids)
             for i, (text, ids) in enumerate(inputs.prompts)
         ]
+        lora = self.config.adapter(req.model)
         if req.stream:
-            events = self._stream(req, response_id, prompts, inputs.params, inputs.plan)
+            events = self._stream(req, response_id, prompts, inputs.params, inputs.plan, lora)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        collected = await collect_outputs(self.engine, request, prompts, inputs.params)
+        collected = await collect_outputs(self.engine, request, prompts, inputs.params, lora)
         outputs = None if collected is None else [o for o in collected if isinstance(o, RequestOutput)]
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
         body = response_body(
             req,
             outputs,
-            self.config.model_name,
+            lora.lora_name if lora is not None else self.config.model_name,
             response_id=response_id,
             tokenizer=self.engine.engine.tokenizer,
             plan=inputs.plan,
@@ -138,13 +145,14 @@ class OpenAIServing:
         prompts: list[PromptSpec],
         params: SamplingParams,
         plan: MessagePlan | None = None,
+        lora: LoRARequest | None = None,
     ) -> AsyncIterator[str]:
         """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`
         (/v1/responses: its typed events, ending with response.completed).
 
         When the client disconnects, the response task is cancelled inside this generator's await; the
         aclosing block then aborts the unfinished requests, freeing their KV blocks."""
-        model = self.config.model_name
+        model = lora.lora_name if lora is not None else self.config.model_name
         usage = {"include_usage": req.include_usage, "continuous_usage": req.continuous_usage}
         chat: ChatStream | ResponseStream | None
         if isinstance(req, ResponsesRequest):
@@ -162,7 +170,7 @@ class OpenAIServing:
             text = CompletionStream(model, response_id=response_id, n=req.n, **usage)
         try:
             batches_of = self.engine.generate_batches(
-                prompts, params, stream=True, stream_interval=self.config.stream_interval
+                prompts, params, stream=True, stream_interval=self.config.stream_interval, lora_request=lora
             )
             async with aclosing(batches_of) as batches:
                 async for batch in batches:
@@ -193,14 +201,20 @@ class OpenAIServing:
 
 
 async def collect_outputs(
-    engine: AsyncEngine, request: Request, prompts: list[PromptSpec], params: RequestParams
+    engine: AsyncEngine,
+    request: Request,
+    prompts: list[PromptSpec],
+    params: RequestParams,
+    lora: LoRARequest | None = None,
 ) -> list[EngineOutput] | None:
     """The final outputs of a non-streamed request in prompt order, or None if the client disconnected
     first (its requests are then aborted: nothing would read the answer)."""
 
     async def run() -> list[EngineOutput]:
         results: list[EngineOutput | None] = [None] * len(prompts)
-        async with aclosing(engine.generate_many(prompts, params, stream=False)) as outputs:
+        async with aclosing(
+            engine.generate_many(prompts, params, stream=False, lora_request=lora)
+        ) as outputs:
             async for index, out in outputs:
                 results[index] = out
         return [r for r in results if r is not None]

@@ -1,0 +1,44 @@
+"""LoRA under tensor parallelism on the CPU: 2 gloo rank processes, each holding its share of every
+adapter (B split by output rows on column-parallel layers, A by input columns on row-parallel ones, the
+partial x @ A^T summed over ranks), give the tokens of one process for a mixed batch of adapters and the
+base model. With one KV head, both ranks hold a copy of its k/v adapter rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from overnight import LLM, LoRARequest, SamplingParams
+from tests.lora_adapters import make_adapter
+from tests.tiny_models import make_tiny_checkpoint
+
+pytestmark = pytest.mark.slow  # starts tensor-parallel processes
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPTS = [[5, 6, 7, 8, 9, 10] * k + [20 + k] for k in range(1, 5)] + [[3, 1, 4, 1, 5, 9, 2, 6]] * 2
+OPTIONS = dict(
+    device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16,
+    enable_lora=True, max_loras=2, max_lora_rank=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("family, kv_heads", [("qwen3", 2), ("llama", 1)])
+def test_tp2_with_adapters_matches_tp1(tmp_path, family: str, kv_heads: int) -> None:
+    base = make_tiny_checkpoint(tmp_path, family, num_key_value_heads=kv_heads)
+    loras = [
+        LoRARequest("all", 1, str(make_adapter(base, tmp_path / "all", r=8, targets=ALL, seed=1))),
+        LoRARequest("kv", 2, str(make_adapter(base, tmp_path / "kv", r=4, targets=("k_proj", "v_proj", "down_proj"), seed=2))),
+        LoRARequest("o", 3, str(make_adapter(base, tmp_path / "o", r=8, targets=("o_proj", "up_proj"), use_rslora=True, seed=3))),
+    ]  # fmt: skip
+    requests = [loras[i % 3] if i % 4 != 3 else None for i in range(len(PROMPTS))]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    one = LLM(str(base), **OPTIONS).generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
+    llm = LLM(str(base), tensor_parallel_size=2, **OPTIONS)
+    try:
+        two = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    plain = LLM(str(base), device="cpu", dtype="float32", skip_tokenizer_init=True)
+    without = plain.generate(PROMPTS, params, use_tqdm=False)
+    changed = [a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(one, without)]
+    assert changed == [r is not None for r in requests]  # adapters matter, base rows are the base model
