@@ -160,3 +160,75 @@ def test_reply_with_a_tool_call():
     assert reply.content == ""
     assert [(c.name, c.arguments) for c in reply.tool_calls] == [("get_weather", '{"city": "Paris"}')]
     assert reply.tool_calls[0].id.startswith("call_")
+
+
+# -- the chat entry points' side: a harmony prompt is recognised, its reply read from detokenized text ---
+
+
+def _decoded(text_with_specials: str) -> str:
+    """What the detokenizer hands the chat layer with special tokens kept: the tokens decoded back."""
+    return encoding().decode_utf8(_tokens(text_with_specials))
+
+
+def test_chat_plan_recognises_harmony_and_reads_the_reply():
+    from overnight.reasoning.harmony import is_harmony_prompt
+    from overnight.sampling_params import SamplingParams, StructuredOutputsParams
+    from overnight.tool_calls.message import plan_message
+
+    prompt = encoding().decode_utf8(render_prompt([{"role": "user", "content": "Hi"}], "high"))
+    assert is_harmony_prompt(prompt) and not is_harmony_prompt("<|im_start|>assistant\n")
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json={"type": "object"}))
+    plan, params = plan_message(None, params, prompt)
+    assert plan.harmony and not params.skip_special_tokens
+    assert (
+        params.structured_outputs.start_after == "<|channel|>final<|message|>"
+    )  # the answer, not the reasoning
+    message = plan.parse(_decoded(REPLY))
+    assert (message.reasoning_content, message.content, message.tool_calls) == (
+        "The user greets; answer briefly.",
+        "Hello there!",
+        [],
+    )
+
+
+def test_chat_stream_adds_up_at_every_cut():
+    from overnight.sampling_params import SamplingParams
+    from overnight.tool_calls.message import plan_message
+
+    prompt = encoding().decode_utf8(render_prompt([{"role": "user", "content": "Weather?"}], tools=[WEATHER]))
+    plan, _ = plan_message(None, SamplingParams(), prompt, tools=[WEATHER], tool_choice="auto")
+    text = _decoded(CALL)
+    whole = plan.parse(text)
+    assert [(c.name, c.arguments) for c in whole.tool_calls] == [("get_weather", '{"city": "Paris"}')]
+    for cut in range(1, len(text)):
+        stream = plan.stream()
+        deltas = [stream.feed(text[:cut]), stream.feed(text[cut:]), stream.finish()]
+        assert "".join(d.reasoning_content for d in deltas) == whole.reasoning_content
+        assert "".join(d.content for d in deltas) == (whole.content or "")
+        named = [c["function"]["name"] for d in deltas for c in d.tool_calls if "id" in c]
+        args = "".join(c["function"]["arguments"] for d in deltas for c in d.tool_calls)
+        assert named == ["get_weather"] and args == '{"city": "Paris"}'
+
+
+def test_forced_tool_choice_refused_for_harmony():
+    from overnight.sampling_params import SamplingParams
+    from overnight.tool_calls.forced import ToolError
+    from overnight.tool_calls.message import plan_message
+
+    prompt = encoding().decode_utf8(render_prompt([{"role": "user", "content": "x"}], tools=[WEATHER]))
+    with pytest.raises(ToolError, match="harmony"):
+        plan_message(None, SamplingParams(), prompt, tools=[WEATHER], tool_choice="required")
+
+
+def test_render_conversation_uses_harmony_for_a_harmony_tokenizer():
+    from overnight.entrypoints.prompts import render_conversation
+
+    class HarmonyTokenizer:  # what render_conversation reads of a gpt-oss tokenizer
+        is_harmony = True
+
+        def decode(self, ids, skip_special_tokens=True):
+            return encoding().decode_utf8(ids)
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    text, ids = render_conversation(messages, HarmonyTokenizer(), reasoning_effort="low")
+    assert ids == render_prompt(messages, "low") and text.endswith("<|start|>assistant")

@@ -148,19 +148,27 @@ class LLM:
         tool_choice: str | dict[str, Any] | None = None,
         parallel_tool_calls: bool | None = None,
         lora_request: LoRAArg = None,
+        reasoning_effort: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them.
 
         tools (OpenAI's function tools) are rendered by the chat template; tool_choice "required" or a
         named function forces calls through a grammar, "auto" reads them with tool_call_parser. With
         a reasoning parser or tools, each output's `text` is the answer and `reasoning_content` /
-        `tool_calls` hold the rest."""
+        `tool_calls` hold the rest. reasoning_effort ("low", "medium", "high") is a chat-template
+        variable; gpt-oss's harmony format renders it, and its replies are always split that way."""
         if is_single_conversation(messages):
             conversations = [cast(Conversation, messages)]
         else:
             conversations = [cast(Conversation, c) for c in messages]
         params = _params_for(sampling_params, len(conversations))
         kwargs = dict(chat_template_kwargs or {})
+        if reasoning_effort is not None:
+            if reasoning_effort not in ("low", "medium", "high"):
+                raise InvalidRequestError(
+                    f"reasoning_effort must be low, medium or high, got {reasoning_effort!r}"
+                )
+            kwargs.setdefault("reasoning_effort", reasoning_effort)
         if tools:
             try:
                 kwargs["tools"] = check_tools(tools)

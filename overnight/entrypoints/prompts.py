@@ -67,6 +67,8 @@ def render_conversation(
         check_message(i, m)
     if tokenizer is None:
         raise InvalidRequestError("chat needs a tokenizer (skip_tokenizer_init is set)")
+    if getattr(tokenizer, "is_harmony", False):
+        return _render_harmony(conversation, tokenizer, template_kwargs)
     text = tokenizer.render_chat(
         [_for_template(m) for m in conversation],
         add_generation_prompt=add_generation_prompt,
@@ -75,6 +77,22 @@ def render_conversation(
     )
     # The template already holds any special tokens (BOS etc.): do not add them again.
     return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def _render_harmony(
+    conversation: Conversation, tokenizer: Tokenizer, template_kwargs: dict[str, Any]
+) -> tuple[str, list[int]]:
+    """gpt-oss: the prompt rendered by openai-harmony (reasoning effort, developer instructions, function
+    tools), its text decoded with the special tokens (which the reply's parsing keys on)."""
+    from overnight.reasoning.harmony import render_prompt
+
+    try:
+        ids = render_prompt(
+            list(conversation), template_kwargs.get("reasoning_effort"), template_kwargs.get("tools")
+        )
+    except ValueError as e:
+        raise InvalidRequestError(str(e)) from None
+    return tokenizer.decode(ids, skip_special_tokens=False), ids
 
 
 def check_message(index: int, m: Any) -> None:

@@ -342,6 +342,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: Bool | None = None  # "required" may call several tools either way
+    # OpenAI's reasoning effort: a chat-template variable (gpt-oss renders it into its system message).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="after")
     def _tools_are_well_formed(self) -> ChatCompletionRequest:
@@ -407,6 +409,8 @@ class ChatCompletionRequest(_SamplingFields):
     def engine_prompts(self, tokenizer: Tokenizer | None) -> list[tuple[str | None, list[int]]]:
         """The one prompt (text, token ids) the chat template makes of the messages."""
         kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
         if self.tools:
             kwargs["tools"] = self.tools
         if self.continue_final_message:
@@ -586,7 +590,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "modalities": (["text"],),
     "prediction": (),
     "web_search_options": (),
-    "reasoning_effort": (),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "guided_decoding_backend": (),

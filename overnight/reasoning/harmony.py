@@ -222,3 +222,64 @@ class ReplyStream:
         if parser.current_content and parser.current_recipient in (None, "assistant"):  # cut short
             (reasoning if parser.current_channel == "analysis" else content).append(parser.current_content)
         return HarmonyReply("\n".join(reasoning) if reasoning else None, "".join(content), calls)
+
+
+# -- the same split on detokenized text (special tokens kept), for the chat entry points ----------------
+
+FINAL_MARKER = "<|channel|>final<|message|>"
+
+
+def is_harmony_prompt(prompt: str | None) -> bool:
+    """Whether a rendered prompt asks for a harmony assistant message (render_prompt's output, decoded
+    with its special tokens)."""
+    return prompt is not None and "<|message|>" in prompt and prompt.rstrip().endswith("<|start|>assistant")
+
+
+def _complete_text(text: str) -> str:
+    """The text without a trailing special token cut in two (a stream's delta may end inside one)."""
+    if text.endswith("<"):  # perhaps the start of "<|"
+        text = text[:-1]
+    start = text.rfind("<|")
+    return text if start < 0 or "|>" in text[start:] else text[:start]
+
+
+def parse_text(text: str, final: bool = True) -> HarmonyReply:
+    """parse_reply for an output detokenized with its special tokens: the text is encoded back (special
+    tokens included) and read as tokens. Not final: a trailing piece of a special token waits."""
+    return parse_reply(encoding().encode(text if final else _complete_text(text), allowed_special="all"))
+
+
+@dataclass
+class TextDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)  # calls completed since the last delta
+
+
+class TextStream:
+    """parse_text over a growing text, as deltas. Each feed re-reads the whole text (harmony's parser is
+    native code; an output of a few thousand tokens costs milliseconds), so the deltas always add up to
+    parse_text of the whole."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._sent_reasoning = 0
+        self._sent_content = 0
+        self.calls: list[ToolCall] = []
+
+    def feed(self, delta: str) -> TextDelta:
+        self.text += delta
+        return self._diff(parse_text(self.text, final=False))
+
+    def finish(self) -> TextDelta:
+        return self._diff(parse_text(self.text))
+
+    def _diff(self, reply: HarmonyReply) -> TextDelta:
+        reasoning = reply.reasoning_content or ""
+        out = TextDelta(reasoning[self._sent_reasoning :], reply.content[self._sent_content :])
+        self._sent_reasoning = max(self._sent_reasoning, len(reasoning))
+        self._sent_content = max(self._sent_content, len(reply.content))
+        for call in reply.tool_calls[len(self.calls) :]:
+            self.calls.append(call)
+            out.calls.append(call)
+        return out

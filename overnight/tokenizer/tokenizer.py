@@ -69,6 +69,12 @@ class Tokenizer:
             ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
+    @property
+    def is_harmony(self) -> bool:
+        """gpt-oss's tokenizer: chats are rendered in the harmony format (reasoning/harmony.py)."""
+        vocab = self.hf.get_vocab()
+        return "<|channel|>" in vocab and "<|constrain|>" in vocab
+
     def render_chat(
         self,
         conversation: list[dict[str, Any]],

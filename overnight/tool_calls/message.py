@@ -20,6 +20,7 @@ from overnight.tool_calls.stream import ToolCall, ToolCallStream, parse_tool_cal
 
 if TYPE_CHECKING:
     from overnight.options import ChatOptions
+    from overnight.reasoning.harmony import TextStream as HarmonyStream
     from overnight.sampling_params import SamplingParams
 
 AUTO_FLAGS = "--enable-auto-tool-choice and --tool-call-parser NAME"
@@ -38,12 +39,22 @@ class MessagePlan:
     starts_in_reasoning: bool = False
     tools: ToolParser | None = None  # None: no calls are read ("none", or no tools)
     named: bool = False  # a named tool_choice: OpenAI reports finish_reason "stop" for it
+    # gpt-oss's harmony format (reasoning/harmony.py): the channels say what is reasoning, answer and
+    # tool call, so harmony replaces both parsers; read_calls: tools were given (and not "none").
+    harmony: bool = False
+    read_calls: bool = False
 
     @property
     def is_plain(self) -> bool:
-        return self.reasoning is None and self.tools is None
+        return self.reasoning is None and self.tools is None and not self.harmony
 
     def parse(self, text: str) -> Message:
+        if self.harmony:
+            from overnight.reasoning.harmony import parse_text
+
+            reply = parse_text(text)
+            read = [ToolCall(c.name, c.arguments, c.id) for c in reply.tool_calls] if self.read_calls else []
+            return Message(reply.content or None if read else reply.content, reply.reasoning_content, read)
         reasoning = None
         if self.reasoning is not None:
             reasoning, text = self.reasoning.split(text, self.starts_in_reasoning)
@@ -81,6 +92,12 @@ class MessageStream:
 
     def __init__(self, plan: MessagePlan) -> None:
         self.plan = plan
+        self._harmony: HarmonyStream | None = None
+        if plan.harmony:
+            from overnight.reasoning.harmony import TextStream
+
+            self._harmony = TextStream()
+            self._harmony_calls: list[ToolCall] = []
         self._reasoning: ReasoningStream | None = (
             plan.reasoning.stream(plan.starts_in_reasoning) if plan.reasoning is not None else None
         )
@@ -88,11 +105,13 @@ class MessageStream:
 
     @property
     def has_calls(self) -> bool:
-        return bool(self._tools and self._tools.calls)
+        return bool(self.calls)
 
     @property
     def calls(self) -> list[ToolCall]:
         """The calls sent so far (all of them after finish())."""
+        if self._harmony is not None:
+            return self._harmony_calls
         return self._tools.calls if self._tools is not None else []
 
     def feed(self, text: str) -> MessageDelta:
@@ -102,6 +121,8 @@ class MessageStream:
         return self._step("", final=True)
 
     def _step(self, text: str, final: bool) -> MessageDelta:
+        if self._harmony is not None:
+            return self._harmony_step(text, final)
         out = MessageDelta()
         if self._reasoning is not None:
             out.reasoning_content, text = self._reasoning.finish() if final else self._reasoning.feed(text)
@@ -116,6 +137,25 @@ class MessageStream:
             out.tool_calls = out.tool_calls + more_calls
         return out
 
+    def _harmony_step(self, text: str, final: bool) -> MessageDelta:
+        assert self._harmony is not None
+        step = self._harmony.finish() if final else self._harmony.feed(text)
+        out = MessageDelta(step.content, step.reasoning)
+        if self.plan.read_calls:
+            for call in step.calls:  # a harmony call arrives whole, when its message ends
+                i = len(self._harmony_calls)
+                self._harmony_calls.append(ToolCall(call.name, call.arguments, call.id))
+                out.tool_calls.append(
+                    {
+                        "index": i,
+                        "id": call.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": ""},
+                    }
+                )
+                out.tool_calls.append({"index": i, "function": {"arguments": call.arguments}})
+        return out
+
 
 def plan_message(
     options: ChatOptions | None,
@@ -128,8 +168,11 @@ def plan_message(
     """The plan of one chat request and its SamplingParams with what the plan needs. Raises ToolError
     (its `param` naming the field) for malformed tools, a choice naming no tool, or "auto" on an engine
     started without the auto tool-choice options."""
+    from overnight.reasoning.harmony import is_harmony_prompt
     from overnight.sampling_params import StructuredOutputsParams
 
+    if is_harmony_prompt(prompt):
+        return _plan_harmony(params, tools, tool_choice)
     reasoning = None
     if options is not None and options.reasoning_parser:
         reasoning = get_reasoning_parser(options.reasoning_parser)
@@ -173,3 +216,30 @@ def plan_message(
             params, structured_outputs=replace(params.structured_outputs, start_after=reasoning.end)
         )
     return plan, params
+
+
+def _plan_harmony(params: SamplingParams, tools: Any, tool_choice: Any) -> tuple[MessagePlan, SamplingParams]:
+    """A gpt-oss chat request: the harmony channels split the output (their markers are special tokens,
+    so they are kept in the text); a structured output constrains the final answer, after its channel
+    header; tool calls are the commentary messages addressed to functions.NAME, whatever the engine's
+    tool-call options (the format marks them unambiguously)."""
+    from overnight.reasoning.harmony import FINAL_MARKER
+
+    read_calls = False
+    if tools is not None and not (isinstance(tools, list) and not tools):
+        tools = check_tools(tools)
+        choice = "auto" if tool_choice is None else tool_choice
+        if choice not in ("auto", "none"):
+            raise ToolError(
+                "tool_choice",
+                'gpt-oss (harmony) takes tool_choice "auto" or "none"; a forced call is not supported yet',
+            )
+        read_calls = choice == "auto"
+    elif tool_choice is not None and tool_choice not in ("none", "auto"):
+        raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
+    params = replace(params, skip_special_tokens=False)
+    if params.structured_outputs is not None:
+        params = replace(
+            params, structured_outputs=replace(params.structured_outputs, start_after=FINAL_MARKER)
+        )
+    return MessagePlan(harmony=True, read_calls=read_calls), params
