@@ -50,10 +50,11 @@ def fused_experts_ref(
     topk_ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) are
-    dequantized to x's dtype expert by expert.
+    dequantized to x's dtype expert by expert. activation: of the gate, "silu" or "gelu_tanh" (Gemma 4).
 
     The HF computation step for step (so fp32 results match it to the last bit on the same rows): each
     expert that was hit runs on its tokens in x's dtype, its output is scaled by the routing weight
@@ -68,7 +69,8 @@ def fused_experts_ref(
             w1 = (w1.float() * gate_up_scale[expert, :, None]).to(x.dtype)
             w2 = (w2.float() * down_scale[expert, :, None]).to(x.dtype)
         gate, up = F.linear(x[token], w1).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2) * weights[token, slot, None]
+        gate = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+        y = F.linear(gate * up, w2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
 
@@ -90,15 +92,20 @@ def run_experts(
     topk_ids: torch.Tensor,
     gate_up_scale: torch.Tensor | None = None,
     down_scale: torch.Tensor | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, on the path use_kernels(x) picks."""
     if use_kernels(x):
+        if activation != "silu":
+            raise NotImplementedError(f"the fused MoE kernel has no {activation} gate yet (SiLU only)")
         from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
 
         return fused_experts(
             x, gate_up_proj, down_proj, topk_weights, topk_ids, None, gate_up_scale, down_scale
         )
-    return fused_experts_ref(x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale)
+    return fused_experts_ref(
+        x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale, activation
+    )
 
 
 class Experts(nn.Module):
@@ -107,9 +114,14 @@ class Experts(nn.Module):
     Tensor parallelism shrinks intermediate_size (each rank keeps every expert's slice of it) and sums
     the ranks' outputs from outside (parallel/tp.py)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, activation: str = "silu"
+    ) -> None:
         super().__init__()
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"unknown expert activation {activation!r} (silu, gelu_tanh)")
         self.num_experts = num_experts
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self._init_fp8_state()
@@ -121,7 +133,14 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return run_experts(
-            x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.gate_up_scale, self.down_scale
+            x,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_weights,
+            topk_ids,
+            self.gate_up_scale,
+            self.down_scale,
+            self.activation,
         )
 
     @torch.no_grad()

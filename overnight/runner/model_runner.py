@@ -202,12 +202,22 @@ class ModelRunner:
         """Nothing to stop: the runner lives in this process."""
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        arch = self.config.model.arch
-        shape = (2, num_blocks, self.block_size, arch.num_key_value_heads, arch.head_dim)
         # new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why).
-        self.kv_caches = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device) for _ in range(arch.num_hidden_layers)
-        ]
+        self.kv_caches = self._new_kv_caches(num_blocks, self.block_size)
+
+    def _new_kv_caches(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
+        """One cache per layer, each of its layer's KV heads and head size (Gemma 4's full layers have
+        their own); a KV-shared layer's entry is its source layer's tensor."""
+        arch = self.config.model.arch
+        caches: list[torch.Tensor] = []
+        for i in range(arch.num_hidden_layers):
+            source = arch.kv_source_layer(i)
+            if source != i:
+                caches.append(caches[source])
+                continue
+            shape = (2, num_blocks, block_size, arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
+            caches.append(new_kv_cache(shape, self.kv_cache_dtype, self.device))
+        return caches
 
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
@@ -352,8 +362,6 @@ class ModelRunner:
         at most max_model_len, then sampling num_seqs rows) on a throwaway cache; return peak bytes."""
         from overnight.attention.torch_backend import build_metadata
 
-        arch = self.config.model.arch
-
         def split(n: int) -> list[int]:  # n tokens as sequences of at most max_model_len
             return [min(max_model_len, n - start) for start in range(0, n, max_model_len)]
 
@@ -364,13 +372,9 @@ class ModelRunner:
             nb = -(-n // bs)
             tables.append(list(range(next_block, next_block + nb)))
             next_block += nb
-        shape = (2, next_block, bs, arch.num_key_value_heads, arch.head_dim)
         # The real pool's layout (an FP8 cache's K is head-major, kv_layout.py), zeroed: the step runs
         # the kernels as a job will, on finite values.
-        caches = [
-            new_kv_cache(shape, self.kv_cache_dtype, self.device).zero_()
-            for _ in range(arch.num_hidden_layers)
-        ]
+        caches = [c.zero_() for c in self._new_kv_caches(next_block, bs)]
 
         def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above
             lens = split(n)
@@ -395,7 +399,7 @@ class ModelRunner:
                 torch.cuda.synchronize(self.device)
             log.info("warm-up: step sizes %s in %.1f s", sizes, time.perf_counter() - t0)
         # The throwaway cache was live at the peak, but the real pool takes its place: not counted.
-        cache_bytes = sum(c.numel() * c.element_size() for c in caches)
+        cache_bytes = sum(c.numel() * c.element_size() for c in {id(c): c for c in caches}.values())
         caches.clear()  # freed before the real pool is sized (forward() still refers to the list)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
