@@ -34,20 +34,12 @@ from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, 
 
 log = logging.getLogger("overnight")
 
-# Multimodal checkpoints (Gemma3/4ForConditionalGeneration): the language model's tensors under either
-# prefix transformers has written, mapped to the text model's names; the towers' tensors are skipped.
-_TEXT_PREFIXES = (
-    ("model.language_model.", "model."),
-    ("language_model.model.", "model."),
-    ("language_model.lm_head.", "lm_head."),
-)
-_OTHER_MODALITIES = (
-    "vision_tower.",
-    "multi_modal_projector.",
-    "embed_vision.",
-    "audio_tower.",
-    "embed_audio.",
-)
+# Multimodal checkpoints (Gemma3/4ForConditionalGeneration) nest the language model under
+# "language_model" (transformers has written "language_model.model.", "model.language_model." and
+# "model.language_model.model." prefixes): whatever run of "model" / "language_model" leads a name is
+# taken off, and the text model's "model." put back. The towers' tensors are skipped.
+_WRAPPERS = ("model", "language_model")
+_OTHER_MODALITIES = ("vision_tower", "multi_modal_projector", "embed_vision", "audio_tower", "embed_audio")
 
 
 def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -55,15 +47,13 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
     tensors renamed, its vision/audio towers left out (one log line says how many)."""
     skipped = 0
     for name, tensor in weights:
-        for prefix, replacement in _TEXT_PREFIXES:
-            if name.startswith(prefix):
-                name = replacement + name[len(prefix) :]
-                break
-        else:
-            if name.removeprefix("model.").startswith(_OTHER_MODALITIES):
-                skipped += 1
-                continue
-        yield name, tensor
+        parts = name.split(".")
+        while len(parts) > 1 and parts[0] in _WRAPPERS:
+            parts.pop(0)
+        if parts[0] in _OTHER_MODALITIES:
+            skipped += 1
+            continue
+        yield (".".join(parts) if parts[0] == "lm_head" else "model." + ".".join(parts)), tensor
     if skipped:
         log.info("skipped %d vision/audio tensors of the checkpoint: only text prompts are served", skipped)
 
