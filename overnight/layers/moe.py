@@ -96,12 +96,10 @@ def run_experts(
 ) -> torch.Tensor:
     """The experts' weighted sum for each token, on the path use_kernels(x) picks."""
     if use_kernels(x):
-        if activation != "silu":
-            raise NotImplementedError(f"the fused MoE kernel has no {activation} gate yet (SiLU only)")
         from overnight.kernels.fused_moe import fused_experts  # triton loads on first use
 
         return fused_experts(
-            x, gate_up_proj, down_proj, topk_weights, topk_ids, None, gate_up_scale, down_scale
+            x, gate_up_proj, down_proj, topk_weights, topk_ids, None, gate_up_scale, down_scale, activation
         )
     return fused_experts_ref(
         x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale, activation
