@@ -62,6 +62,9 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
+            # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
+            raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
         problems = []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
