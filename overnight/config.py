@@ -19,7 +19,7 @@ class ModelArch:
     """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
     BERT-style encoder."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "bert"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma2" | "gemma3" | "gemma4" | "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
