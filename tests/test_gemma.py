@@ -64,7 +64,11 @@ _GEMMA4: dict[str, Any] = dict(
     },
 )
 _GEMMA4_DENSE: dict[str, Any] = dict(
-    _GEMMA4, num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB
+    _GEMMA4,
+    num_kv_shared_layers=2,
+    use_double_wide_mlp=True,  # the KV-shared layers' MLPs are twice as wide
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB,
 )
 _GEMMA4_MOE: dict[str, Any] = dict(
     _GEMMA4,
@@ -115,8 +119,9 @@ def tiny_gemma(variant: str) -> torch.nn.Module:
         cls = tf.Gemma4ForCausalLM
         if variant == "gemma4-multimodal":
             vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
-            ids = dict(boi_token_id=321, eoi_token_id=322, image_token_id=323, video_token_id=324)
-            ids |= dict(boa_token_id=325, eoa_token_index=326, audio_token_id=327)
+            # Out of the vocabulary: transformers embeds any placeholder id as padding, a generated one too.
+            ids = dict(boi_token_id=1001, eoi_token_id=1002, image_token_id=1003, video_token_id=1004)
+            ids |= dict(boa_token_id=1005, eoa_token_index=1006, audio_token_id=1007)
             config = tf.Gemma4Config(
                 text_config=config.to_dict(),
                 vision_config=dict(vision, num_key_value_heads=2, head_dim=8, position_embedding_size=64),

@@ -152,6 +152,7 @@ def test_kv_cache_of_gemma4_counts_each_kind_and_no_shared_layer():
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "RoPE type"),
         ({"sliding_window": None}, "sliding_window"),
         ({"layer_types": ["full_attention"]}, "layer_types"),
+        ({"intermediate_size": [80, 80, 80, 80]}, "per-layer intermediate_size"),
     ],
 )
 def test_unsupported_configs_are_refused(change, message):

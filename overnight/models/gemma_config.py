@@ -184,6 +184,9 @@ def _gemma4_fields(text: dict[str, Any], layer_types: tuple[str, ...], kv_heads:
 def gemma_arch(cfg: dict[str, Any], family: str, hf_architecture: str) -> ModelArch:
     """ModelArch of a Gemma 2/3/4 config.json (family: "gemma2" | "gemma3" | "gemma4")."""
     text = {**_COMMON, **_DEFAULTS[family], **(cfg.get("text_config") or cfg)}
+    for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        if isinstance(text.get(key), list):  # Gemma 3n-style per-layer sizes
+            raise ModelLoadError(f"unsupported: per-layer {key} ({family})")
     activation = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in _ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_activation {activation!r} for {family} (gelu_pytorch_tanh)")
