@@ -19,6 +19,7 @@ and after the MLP normalises the sub-block's output alone, before that add.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterable, Iterator
 
@@ -58,6 +59,7 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
         log.info("skipped %d vision/audio tensors of the checkpoint: only text prompts are served", skipped)
 
 
+@functools.cache
 def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden_size) rounded to `dtype`, as HF multiplies it (a tensor cast to the weights' dtype)."""
     return float(torch.tensor(hidden_size**0.5, dtype=torch.float32).to(dtype))
