@@ -198,3 +198,30 @@ def test_multimodal_names_map_to_the_text_model():
         "lm_head.weight",
         "model.layers.1.input_layernorm.weight",
     ]
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma4", "gemma4-moe"])
+def test_fp8_weights_land_in_each_layers_rows(variant, tmp_path):
+    """quantization="fp8": every fused projection, dequantized, is the checkpoint's q/k/v (gate/up)
+    stacked in order, with each Gemma 4 layer's own sizes (weights and their per-row scales alike)."""
+    from overnight.loader.model_loader import load_model
+    from overnight.quant.linear import Fp8Linear
+
+    hf = tiny_gemma(variant)
+    hf.save_pretrained(tmp_path)
+    model = load_model(resolve_source(str(tmp_path), quantization="fp8"), torch.float32, "cpu")
+    checked = 0
+    for ours, theirs in zip(model.model.layers, hf.model.layers, strict=True):
+        a, b = ours.self_attn, theirs.self_attn
+        parts = [b.q_proj.weight] + ([b.k_proj.weight] if getattr(b, "k_proj", None) is not None else [])
+        parts += [b.v_proj.weight] if getattr(b, "v_proj", None) is not None else []
+        fused = a.qkv_proj if hasattr(a, "qkv_proj") else a.q_proj
+        mlp = [theirs.mlp.gate_proj.weight, theirs.mlp.up_proj.weight]
+        for layer, expected in ((fused, torch.cat(parts)), (ours.mlp.gate_up_proj, torch.cat(mlp))):
+            assert isinstance(layer, Fp8Linear)
+            got = layer.dequantized_weight().float()
+            # e4m3 keeps 3 mantissa bits: within 1/16 of each row's largest weight
+            bound = expected.abs().amax(dim=1, keepdim=True) / 16
+            assert ((got - expected).abs() <= bound).all()
+            checked += 1
+    assert checked == 8

@@ -44,7 +44,7 @@ from overnight.layers.gemma import GemmaRotaryEmbedding, ScalelessRMSNorm, softc
 from overnight.layers.moe import Experts, select_experts
 from overnight.layers.norm import RMSNorm
 from overnight.models.gemma import GemmaMLP, embed_scale, layer_kind, rotary_tables, text_weights
-from overnight.models.llama import make_lm_head
+from overnight.models.llama import PACKED_MODULES_MAPPING, make_lm_head
 
 # A fused projection's parts: checkpoint projection -> (fused parameter's module, first row, rows).
 FusedShards = dict[str, tuple[str, int, int]]
@@ -198,8 +198,9 @@ class Gemma4Model(nn.Module):
 
 class Gemma4ForCausalLM(nn.Module):
     # Projections fuse per layer (Gemma4Attention.fused_shards, the MLP's gate/up), with each layer's
-    # own sizes: load_weights places the checkpoint's separate tensors.
-    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # own sizes: load_weights places the checkpoint's separate tensors. The mapping names the fused
+    # modules' parts for quantization (quant/); its shard ids are not used here.
+    packed_modules_mapping = PACKED_MODULES_MAPPING
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -215,26 +216,26 @@ class Gemma4ForCausalLM(nn.Module):
         return softcap(self.lm_head(hidden), self.arch.final_logit_softcapping)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        from overnight.quant.linear import Fp8Linear
-
-        if any(isinstance(m, Fp8Linear) for m in self.modules()):
-            # The FP8 checkpoint converter places q/k/v by one shape for every layer (not Gemma 4's).
-            raise ModelLoadError("FP8 weights (quantization='fp8') are not supported for Gemma 4 yet")
         load_fused_weights(self, text_weights(weights))
 
 
 def _targets(model: nn.Module) -> dict[str, tuple[str, int | None, int | None]]:
-    """checkpoint tensor -> (parameter, first row, rows); rows None: the whole parameter."""
+    """checkpoint tensor -> (parameter, first row, rows); rows None: the whole parameter. An FP8 fused
+    layer (quant/) takes each part's weight_scale rows beside its weight rows."""
     targets: dict[str, tuple[str, int | None, int | None]] = {}
     fused: set[str] = set()
     for mname, module in model.named_modules():
         shards: FusedShards = getattr(module, "fused_shards", {})
         if isinstance(module, GemmaMLP):
-            rows = module.down_proj.in_features
+            rows = module.gate_up_proj.out_features // 2
             shards = {"gate_proj": ("gate_up_proj", 0, rows), "up_proj": ("gate_up_proj", rows, rows)}
         for proj, (attr, start, rows) in shards.items():
-            targets[f"{mname}.{proj}.weight"] = (f"{mname}.{attr}.weight", start, rows)
-            fused.add(f"{mname}.{attr}.weight")
+            kinds = (
+                ("weight", "weight_scale") if hasattr(getattr(module, attr), "weight_scale") else ("weight",)
+            )
+            for kind in kinds:
+                targets[f"{mname}.{proj}.{kind}"] = (f"{mname}.{attr}.{kind}", start, rows)
+                fused.add(f"{mname}.{attr}.{kind}")
     for pname, _ in model.named_parameters():
         if pname not in fused:
             targets[pname] = (pname, None, None)
