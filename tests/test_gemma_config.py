@@ -225,3 +225,6 @@ def test_fp8_weights_land_in_each_layers_rows(variant, tmp_path):
             assert ((got - expected).abs() <= bound).all()
             checked += 1
     assert checked == 8
+    if variant == "gemma4-moe":  # the router stays in the compute dtype, the experts are FP8
+        assert type(model.model.layers[0].router.proj) is torch.nn.Linear
+        assert model.model.layers[0].experts.gate_up_proj.dtype == torch.float8_e4m3fn

@@ -201,6 +201,9 @@ class Gemma4ForCausalLM(nn.Module):
     # own sizes: load_weights places the checkpoint's separate tensors. The mapping names the fused
     # modules' parts for quantization (quant/); its shard ids are not used here.
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    # With FP8 weights the router stays in the compute dtype (its top-k decides which experts run), as
+    # for Qwen3-MoE; the stacked experts are quantized once loaded (quant/apply.quantize_experts).
+    unquantized_linear: tuple[str, ...] = ("router.proj",)
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
