@@ -228,3 +228,22 @@ def test_fp8_weights_land_in_each_layers_rows(variant, tmp_path):
     if variant == "gemma4-moe":  # the router stays in the compute dtype, the experts are FP8
         assert type(model.model.layers[0].router.proj) is torch.nn.Linear
         assert model.model.layers[0].experts.gate_up_proj.dtype == torch.float8_e4m3fn
+
+
+def test_kv_shared_layers_read_their_source_layers_cache():
+    """Gemma 4's KV-shared layers pass no K/V and attend under their source layer's index (its cache,
+    and for an FP8 cache the scales it was written with); the others write their own."""
+    from overnight.loader.dummy import init_dummy_weights
+
+    arch = arch_from_hf_config(config_of("gemma4"))
+    model = build_model(_dummy_source(arch), torch.float32, "cpu")
+    init_dummy_weights(model)
+    calls: list[tuple[int, bool]] = []
+
+    def attn(layer_idx, q, k, v, scale, *, layer, sinks=None):
+        calls.append((layer_idx, k is None and v is None))
+        return torch.zeros_like(q)
+
+    model(torch.tensor([5, 6, 7]), torch.arange(3), attn)
+    assert calls == [(0, False), (1, False), (arch.kv_source_layer(2), True), (arch.kv_source_layer(3), True)]
+    assert (arch.kv_source_layer(2), arch.kv_source_layer(3)) == (0, 1)

@@ -58,7 +58,8 @@ class Gemma4Attention(nn.Module):
         self.num_kv_heads = arch.layer_num_kv_heads(layer_idx)
         self.head_dim = d = arch.layer_head_dim(layer_idx)
         self.layer = LayerAttention(arch.layer_window(layer_idx), None)
-        self.is_kv_shared = arch.kv_source_layer(layer_idx) != layer_idx
+        self.kv_source = arch.kv_source_layer(layer_idx)
+        self.is_kv_shared = self.kv_source != layer_idx
         self.k_eq_v = arch.attention_k_eq_v and arch.layer_window(layer_idx) is None
         q, kv, h = self.num_heads * d, self.num_kv_heads * d, arch.hidden_size
         self.q_norm = RMSNorm(d, eps=arch.rms_norm_eps)
@@ -81,7 +82,9 @@ class Gemma4Attention(nn.Module):
         n, d = x.shape[0], self.head_dim
         if self.is_kv_shared:
             q = self.rotary_emb.rotate_q(positions, self.q_norm(self.q_proj(x).view(n, -1, d)))
-            o = attn(self.layer_idx, q, None, None, 1.0, layer=self.layer)
+            # Read under the source layer's index: its cache and, for an FP8 cache, the scales it was
+            # written with (a shared layer's own row of kv_scales is never calibrated).
+            o = attn(self.kv_source, q, None, None, 1.0, layer=self.layer)
             return self.o_proj(o.flatten(1))
         sizes = [rows for _, _, rows in self.fused_shards.values()]
         q, k, *rest = self.qkv_proj(x).split(sizes, dim=-1)
