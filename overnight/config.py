@@ -19,7 +19,7 @@ class ModelArch:
     """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
     BERT-style encoder."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "bert"
+    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma2" | "gemma3" | "gemma4" | "bert"
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -59,6 +59,28 @@ class ModelArch:
     expert_bias: bool = False
     swiglu_limit: float = 7.0
     experts_mxfp4: bool = False
+    # Gemma (2/3/4, models/gemma.py and gemma4.py). attention_scale None: head_dim ** -0.5 (Gemma 2/3:
+    # query_pre_attn_scalar ** -0.5; Gemma 4: 1.0). Softcaps: cap * tanh(x / cap) on the attention scores
+    # and on the final logits. Sliding layers rotate with local_rope_theta; full layers with rope_theta,
+    # their frequencies divided by rope_factor (Gemma 3's linear scaling) and only the first
+    # rope_proportion of them kept (Gemma 4's proportional RoPE; the rest are 0: those pairs do not turn).
+    # Gemma 4's full layers may have their own head_dim and KV heads (global_head_dim,
+    # num_global_key_value_heads; 0: as the sliding ones), share K with V (attention_k_eq_v: no v_proj),
+    # take a per-layer input embedding of hidden_size_per_layer_input (0: none), double the MLP of the
+    # KV-shared layers (use_double_wide_mlp), and run their experts beside the dense MLP (moe_beside_dense).
+    attention_scale: float | None = None
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    local_rope_theta: float | None = None
+    rope_factor: float = 1.0
+    rope_proportion: float = 1.0
+    global_head_dim: int = 0
+    num_global_key_value_heads: int = 0
+    attention_k_eq_v: bool = False
+    hidden_size_per_layer_input: int = 0
+    vocab_size_per_layer_input: int = 0
+    use_double_wide_mlp: bool = False
+    moe_beside_dense: bool = False
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -88,6 +110,37 @@ class ModelArch:
         kinds = self.layer_types or ("full_attention",) * self.num_hidden_layers
         return max(i for i in range(first_shared) if kinds[i] == kind)
 
+    def layer_head_dim(self, layer_idx: int) -> int:
+        """Head size of layer `layer_idx` (Gemma 4's full layers have their own)."""
+        if self.global_head_dim and self.layer_window(layer_idx) is None:
+            return self.global_head_dim
+        return self.head_dim
+
+    def layer_num_kv_heads(self, layer_idx: int) -> int:
+        if self.num_global_key_value_heads and self.layer_window(layer_idx) is None:
+            return self.num_global_key_value_heads
+        return self.num_key_value_heads
+
+    def layer_intermediate_size(self, layer_idx: int) -> int:
+        """The dense MLP's width in layer `layer_idx` (Gemma 4 doubles it in KV-shared layers)."""
+        shared = layer_idx >= self.num_hidden_layers - self.num_kv_shared_layers
+        return self.intermediate_size * (2 if self.use_double_wide_mlp and shared else 1)
+
+    def _attention_linear(self, layer_idx: int) -> tuple[int, int]:
+        """(weights, output rows) of layer `layer_idx`'s q/k/v/o projections; a KV-shared layer has no
+        k/v, and attention_k_eq_v full layers no v."""
+        h, d = self.hidden_size, self.layer_head_dim(layer_idx)
+        q = self.num_attention_heads * d
+        kv = self.layer_num_kv_heads(layer_idx) * d
+        if self.kv_source_layer(layer_idx) != layer_idx:
+            num_kv = 0
+        elif self.attention_k_eq_v and self.layer_window(layer_idx) is None:
+            num_kv = 1
+        else:
+            num_kv = 2
+        rows = q + num_kv * kv + h
+        return h * (q + num_kv * kv) + q * h, rows
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
         return (
@@ -99,33 +152,38 @@ class ModelArch:
     def mlp_params(self, active_only: bool = False) -> int:
         """Weights of all layers' MLPs, routers included. active_only: only the experts one token goes
         through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
-        dense = 3 * self.hidden_size * self.intermediate_size
         expert = 3 * self.hidden_size * self.moe_intermediate_size
         if self.expert_bias:  # gate/up and down biases
             expert += 2 * self.moe_intermediate_size + self.hidden_size
         router = self.num_experts * (self.hidden_size + (1 if self.expert_bias else 0))
         total = 0
         for i in range(self.num_hidden_layers):
-            if self.is_moe_layer(i):
+            moe = self.is_moe_layer(i)
+            if moe:
                 used = self.num_experts_per_tok if active_only else self.num_experts
                 total += router + used * expert
-            else:
-                total += dense
+            if not moe or self.moe_beside_dense:
+                total += 3 * self.hidden_size * self.layer_intermediate_size(i)
         return total
 
     def rope_scaling_dict(self) -> dict[str, float] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
-        """KV-cache bytes one token takes over all layers (K and V, every KV head)."""
-        return 2 * self.num_hidden_layers * self.kv_size * elem_bytes
+        """KV-cache bytes one token takes over all layers (K and V, every KV head); a KV-shared layer
+        has no cache of its own."""
+        per_layer = [
+            self.layer_num_kv_heads(i) * self.layer_head_dim(i)
+            for i in range(self.num_hidden_layers)
+            if self.kv_source_layer(i) == i
+        ]
+        return 2 * sum(per_layer) * elem_bytes
 
     def num_linear_parameters(self, active_only: bool = False) -> int:
         """Weights of the projections (q/k/v/o and the MLPs, routers included), all layers; active_only:
         with only the experts one token goes through."""
-        h = self.hidden_size
-        attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        return attention * self.num_hidden_layers + self.mlp_params(active_only)
+        attention = sum(self._attention_linear(i)[0] for i in range(self.num_hidden_layers))
+        return attention + self.mlp_params(active_only)
 
     def weight_bytes(
         self,
@@ -171,13 +229,14 @@ class ModelArch:
     def _dense_linear_shape(self) -> tuple[int, int]:
         """(weights, output rows) of the projections quantized layers replace: attention and dense MLPs."""
         h = self.hidden_size
-        per_layer_rows = self.q_size + 2 * self.kv_size + h  # q/k/v rows and o_proj's
-        params = (h * (self.q_size + 2 * self.kv_size) + self.q_size * h) * self.num_hidden_layers
-        rows = per_layer_rows * self.num_hidden_layers
+        params = rows = 0
         for i in range(self.num_hidden_layers):
-            if not self.is_moe_layer(i):
-                params += 3 * h * self.intermediate_size
-                rows += 2 * self.intermediate_size + h
+            attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
+            params += attention_params
+            rows += attention_rows
+            if not self.is_moe_layer(i) or self.moe_beside_dense:
+                params += 3 * h * self.layer_intermediate_size(i)
+                rows += 2 * self.layer_intermediate_size(i) + h
         return params, rows
 
     def num_parameters(self) -> int:
@@ -194,8 +253,35 @@ class ModelArch:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return (
-            self.vocab_size * h + head + self.num_linear_parameters() + self.num_hidden_layers * per_layer + h
+            self.vocab_size * h
+            + head
+            + self.num_linear_parameters()
+            + self.num_hidden_layers * per_layer
+            + h
+            + self._gemma_parameters()
         )
+
+    def _gemma_parameters(self) -> int:
+        """Gemma's weights beyond the Llama-shaped ones counted above: the sandwich norms, per-head
+        q/k norms of each layer's own head size, Gemma 4's layer scalars, per-layer input embeddings and
+        its routers' norms and scales."""
+        if not self.architecture.startswith("gemma"):
+            return 0
+        h, n = self.hidden_size, self.num_hidden_layers
+        total = 2 * h * n  # pre/post-feedforward norms
+        for i in range(n):
+            d = self.layer_head_dim(i)
+            if self.architecture != "gemma2":  # q_norm, and k_norm where the layer has keys
+                total += 2 * d if self.kv_source_layer(i) == i else d
+            if self.moe_beside_dense and self.is_moe_layer(i):
+                total += 3 * h + h + self.num_experts  # three more norms, the router's scale, per expert
+        if self.architecture == "gemma4":
+            total += n  # layer_scalar
+        ple = self.hidden_size_per_layer_input
+        if ple:
+            total += self.vocab_size_per_layer_input * n * ple + h * n * ple + ple  # table, projection, norm
+            total += n * (2 * h * ple + h)  # per layer: gate, projection, norm
+        return total
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Reference: fused_experts_ref in overnight/layers/moe.py (the layer's CPU path).
 
     topk_ids [T, k] ──moe_align──► runs: pair ids sorted by expert, padded per expert to BLOCK_M
     x [T, H]  ──moe_gemm, gated──►  h [P, N] = silu(x W_gate^T) * (x W_up^T)          P = T * k pairs
+              (activation "gelu_tanh", Gemma 4: the GEMM writes [P, 2N] and torch applies gelu * up)
     h         ──moe_gemm, × w──►    y [P, H] = topk_weight * h W_down^T
     y.view(T, k, H).sum(1)  ──►     out [T, H]
 
@@ -37,10 +38,13 @@ def fused_experts(
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2N, H] ([gate | up] rows); down_proj [E, H, N]; topk_weights [T, k]
-        float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype. FP8 experts: e4m3 projections with
-        their per-row scales, gate_up_scale [E, 2N] and down_scale [E, H] float32; MXFP4 experts: uint8
+    float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype. FP8 experts: e4m3 projections with
+    their per-row scales, gate_up_scale [E, 2N] and down_scale [E, H] float32; MXFP4 experts: uint8
     [E, 2N, H/2] and [E, H, N/2] with uint8 scales [E, 2N, H/32] and [E, H, N/32] (moe_gemm.py). Biases
-        [E, 2N] and [E, H] and the gate/up activation (kind, alpha, limit) as moe_gemm takes them."""
+    [E, 2N] and [E, H] and the gate/up activation (kind, alpha, limit): "silu" and "swiglu_oai" are fused
+    into the first GEMM's epilogue; "gelu_tanh" (Gemma 4) runs as torch ops on the GEMM's [gate | up]."""
+    if activation[0] not in ("silu", "swiglu_oai", "gelu_tanh"):
+        raise ValueError(f"unknown expert activation {activation[0]!r} (silu, swiglu_oai, gelu_tanh)")
     num_tokens, hidden = x.shape
     num_experts, two_n, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]
@@ -58,16 +62,23 @@ def fused_experts(
             num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
         )
     runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
-    h = moe_gemm(
-        x.contiguous(),
-        gate_up_proj,
-        runs,
-        config.gemm1,
-        gated=True,
-        w_scale=gate_up_scale,
-        bias=gate_up_bias,
-        activation=activation,
-    )
+    if activation[0] == "gelu_tanh":
+        gate_up = moe_gemm(
+            x.contiguous(), gate_up_proj, runs, config.gemm1, w_scale=gate_up_scale, bias=gate_up_bias
+        )
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    else:
+        h = moe_gemm(
+            x.contiguous(),
+            gate_up_proj,
+            runs,
+            config.gemm1,
+            gated=True,
+            w_scale=gate_up_scale,
+            bias=gate_up_bias,
+            activation=activation,
+        )
     y = moe_gemm(
         h,
         down_proj,

@@ -51,6 +51,7 @@ class ExpertActivation:
     silu:        silu(gate) * up                                   (Qwen3-MoE, Mixtral)
     swiglu_oai:  g = min(gate, limit); u = clamp(up, -limit, limit);
                  g * sigmoid(alpha * g) * (u + 1)                   (gpt-oss, its reference's SwiGLU)
+    gelu_tanh:   gelu(gate, tanh approximation) * up                (Gemma 4's experts)
     """
 
     kind: str = "silu"
@@ -58,12 +59,14 @@ class ExpertActivation:
     limit: float = 7.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("silu", "swiglu_oai"):
-            raise ValueError(f"unknown expert activation {self.kind!r} (silu, swiglu_oai)")
+        if self.kind not in ("silu", "swiglu_oai", "gelu_tanh"):
+            raise ValueError(f"unknown expert activation {self.kind!r} (silu, swiglu_oai, gelu_tanh)")
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "silu":
             return F.silu(gate) * up
+        if self.kind == "gelu_tanh":
+            return F.gelu(gate, approximate="tanh") * up
         gate = gate.clamp(max=self.limit)
         up = up.clamp(min=-self.limit, max=self.limit)
         return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
@@ -186,12 +189,12 @@ class Experts(nn.Module):
         intermediate_size: int,
         *,
         bias: bool = False,
-        activation: ExpertActivation = SILU,
+        activation: ExpertActivation | str = SILU,
         mxfp4: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.activation = activation
+        self.activation = ExpertActivation(activation) if isinstance(activation, str) else activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # MXFP4 (gpt-oss's published experts, quant/mxfp4.py): kept packed on every device, two weights

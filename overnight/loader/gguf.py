@@ -34,13 +34,17 @@ from gguf.quants import dequantize
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
+_GEMMA = ("gemma2", "gemma3")  # their ModelArch comes from models/gemma_config.py
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
 
@@ -203,25 +207,30 @@ def read_gguf(path: str) -> GGUFInfo:
     if embd is None:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
-    arch = ModelArch(
-        architecture=_FAMILIES.get(name, name),
-        # The embedding rows are what the weights need; converters pad the token list to match them.
-        vocab_size=embd.shape[0],
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length", md.get(f"{name}.expert_feed_forward_length"))),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads),
-        head_dim=head_dim,
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=theta,
-        rope_scaling=_rope_scaling(f, name, head_dim, theta),
-        max_position_embeddings=context,
-        tie_word_embeddings=tie,
-        attention_bias="blk.0.attn_q.bias" in f.tensors,
-        o_proj_bias="blk.0.attn_output.bias" in f.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-        **_moe_fields(f, name),
+    gemma = _gemma_config(md, name, embd.shape[0], tie) if name in _GEMMA else None
+    arch = (
+        gemma_arch(gemma, name, HF_ARCHITECTURES[name])
+        if gemma
+        else ModelArch(
+            architecture=_FAMILIES.get(name, name),
+            # The embedding rows are what the weights need; converters pad the token list to match them.
+            vocab_size=embd.shape[0],
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length", md.get(f"{name}.expert_feed_forward_length"))),
+            num_hidden_layers=int(get("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=head_dim,
+            rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(f, name, head_dim, theta),
+            max_position_embeddings=context,
+            tie_word_embeddings=tie,
+            attention_bias="blk.0.attn_q.bias" in f.tensors,
+            o_proj_bias="blk.0.attn_output.bias" in f.tensors,
+            qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
+            **_moe_fields(f, name),
+        )
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
@@ -238,6 +247,49 @@ def read_gguf(path: str) -> GGUFInfo:
         max_position_embeddings=context,
         tie_word_embeddings=tie,
     )
+
+
+def _gemma_config(md: dict[str, Any], name: str, vocab: int, tie: bool) -> dict[str, Any]:
+    """A Gemma 2/3 GGUF's metadata as the config.json keys models/gemma_config.py reads, with the
+    conventions of llama.cpp, which writes these files: the query scale is 1/sqrt(hidden / heads) for
+    the 27B models (46 layers Gemma 2, 62 layers Gemma 3) and 1/sqrt(head_dim) otherwise; Gemma 3's
+    sliding layers rotate with theta 10000, and one layer in six is full unless the file says which."""
+
+    def get(key: str, default: Any = None) -> Any:
+        return md.get(f"{name}.{key}", default)
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    layers = int(get("block_count"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    is_27b = layers == {"gemma2": 46, "gemma3": 62}[name]
+    cfg: dict[str, Any] = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        max_position_embeddings=int(get("context_length")),
+        tie_word_embeddings=tie,
+        sliding_window=int(get("attention.sliding_window", 4096)),
+        query_pre_attn_scalar=hidden // heads if is_27b else head_dim,
+        rope_theta=_f32(get("rope.freq_base", 10000.0 if name == "gemma2" else 1e6)),
+        final_logit_softcapping=get("final_logit_softcapping"),
+    )
+    if name == "gemma2":
+        cfg["attn_logit_softcapping"] = get("attn_logit_softcapping")
+    else:
+        cfg["rope_local_base_freq"] = 10000.0
+        if get("rope.scaling.type", "none") == "linear":
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": _f32(get("rope.scaling.factor"))}
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # per layer: true for a sliding layer
+        cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
+    return cfg
 
 
 def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
@@ -336,18 +388,26 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+# Gemma's sandwich norms (llama.cpp writes its pre-feedforward norm as ffn_norm); the file stores every
+# Gemma norm as 1 + w, taken back to the checkpoint's w as it loads (models/gemma.py adds the 1 again).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Tensors that carry no weights of their own: the RoPE divisors are folded into ModelArch.rope_scaling.
 _SKIPPED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
     """The HF state-dict name of a GGUF tensor, or None when the tensor has no HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
     return None
 
 
@@ -402,6 +462,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     info = read_gguf(path)
     f = read_gguf_file(path)
     permute = info.arch.architecture == "llama"
+    gemma = info.arch.architecture in _GEMMA
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
@@ -412,12 +473,14 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 for expert in range(experts.shape[0]):
                     yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(experts[expert])
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
             if name is None:
                 if t.name in _SKIPPED:
                     continue
                 raise ModelLoadError(f"{path}: unexpected GGUF tensor {t.name!r}")
             w = _weights_of(data, t, path)
+            if gemma and name.endswith("norm.weight"):
+                w = w - 1.0
             if permute and name.endswith(("q_proj.weight", "q_proj.bias")):
                 w = _unpermute_rope_rows(w, info.arch.num_attention_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):

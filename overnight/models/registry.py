@@ -9,6 +9,9 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
+from overnight.models.gemma import GemmaForCausalLM
+from overnight.models.gemma4 import Gemma4ForCausalLM
+from overnight.models.gemma_config import gemma_arch
 from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -22,6 +25,9 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
+    "gemma2": GemmaForCausalLM,
+    "gemma3": GemmaForCausalLM,
+    "gemma4": Gemma4ForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -33,7 +39,14 @@ _HF_ARCHITECTURES: dict[str, str] = {
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
     "BertModel": "bert",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    # Multimodal checkpoints: their language model, for text prompts (models/gemma.py text_weights).
+    "Gemma3ForConditionalGeneration": "gemma3",
+    "Gemma4ForCausalLM": "gemma4",
+    "Gemma4ForConditionalGeneration": "gemma4",
 }
+_GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 _ENCODERS = ("bert",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -118,6 +131,8 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | N
 def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     """Read a config.json dict; raises ModelLoadError for architectures or features not implemented."""
     family = family_of(hf_architecture_of(cfg))
+    if family in _GEMMA:
+        return gemma_arch(cfg, family, hf_architecture_of(cfg))
     if family in _ENCODERS:
         try:
             return _bert_arch(cfg)

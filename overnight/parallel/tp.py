@@ -41,7 +41,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError, ModelLoadError
-from overnight.layers.moe import Experts
+from overnight.layers.moe import SILU, Experts
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
@@ -62,6 +62,9 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
+            # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
+            raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
         problems = []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
@@ -200,6 +203,9 @@ class RowParallelExperts(Experts):
     ) -> None:
         nn.Module.__init__(self)
         self.num_experts = gate_up_proj.shape[0]
+        self.activation = SILU  # the families that shard (Qwen3-MoE, Mixtral): no biases, no MXFP4
+        self.gate_up_bias = self.down_bias = None
+        self.gate_up_scales = self.down_scales = None
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
         self._init_fp8_state()

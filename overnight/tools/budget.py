@@ -219,7 +219,14 @@ def run(args: argparse.Namespace) -> int:
 
 def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     kv_name = dtype if b.kv_dtype == "auto" else b.kv_dtype
-    elem = b.kv_bytes_per_token // (2 * b.kv_layers * arch.num_key_value_heads * arch.head_dim)
+    elem = b.kv_bytes_per_token // arch.kv_bytes_per_token(1)
+    # Layers that own a cache, by shape (Gemma 4's full layers have their own; KV-shared layers none).
+    shapes: dict[tuple[int, int], int] = {}
+    for i in range(arch.num_hidden_layers):
+        if arch.kv_source_layer(i) == i:
+            shape = (arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
+            shapes[shape] = shapes.get(shape, 0) + 1
+    layers = " + ".join(f"{n} layers x 2 x {h} heads x {d}" for (h, d), n in shapes.items())
     lines = [
         f"{model} ({arch.architecture}, {arch.num_hidden_layers} layers, {arch.num_key_value_heads} KV heads "
         f"x {arch.head_dim}), {dtype}, on {b.device}",
@@ -234,8 +241,8 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}"
         )
     lines.append(
-        f"KV cache: {kv_name}, {b.kv_bytes_per_token} bytes per token ({b.kv_layers} layers x 2 x "
-        f"{arch.num_key_value_heads} heads x {arch.head_dim} x {elem} B), blocks of {b.block_size} tokens"
+        f"KV cache: {kv_name}, {b.kv_bytes_per_token} bytes per token (({layers}) x {elem} B), "
+        f"blocks of {b.block_size} tokens"
     )
     if b.windowed_layers:
         windows = ", ".join(str(w) for w in b.windows)
