@@ -15,7 +15,7 @@ from overnight.kernels import dispatch
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_configs import MoeConfig
 from overnight.kernels.moe_gemm import GemmTiles
-from overnight.layers.moe import fused_experts_ref, router_topk_ref
+from overnight.layers.moe import ExpertActivation, fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from tests.test_gemma import tiny_gemma
@@ -35,8 +35,9 @@ def test_gelu_experts_kernel_path_matches_reference(dtype):
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
     weights, ids = router_topk_ref(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
     weights, ids = weights.to(DEVICE), ids.to(DEVICE)
-    out = fused_experts(x, w13, w2, weights, ids, MoeConfig(16, TILES, TILES), activation="gelu_tanh")
-    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, activation="gelu_tanh")
+    out = fused_experts(x, w13, w2, weights, ids, MoeConfig(16, TILES, TILES), activation=("gelu_tanh", 0.0, 0.0))
+    gelu = ExpertActivation("gelu_tanh")
+    ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, activation=gelu)
     silu = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
