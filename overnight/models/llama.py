@@ -1,24 +1,33 @@
-"""The dense decoder of Llama (3.x, SmolLM2), Qwen2 and Qwen3, with fused qkv and gate/up projections.
+"""The dense decoder of Llama (3.x, SmolLM2/3), Qwen2, Qwen3, Mistral / Ministral 3, Phi-3/4, Granite and
+GLM-4, with fused qkv and gate/up projections.
 
 Attribute names follow the HF checkpoint keys, except the two fused projections; load_weights maps the
-checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping. The families
-differ only in flags of ModelArch (attention_bias, o_proj_bias, qk_norm).
+checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping (and splits
+checkpoints that store them fused: Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj). The families
+differ only in ModelArch fields, read here into one LayerSpec per layer (its attention kind and its RoPE)
+and a few block options (bias flags, norms, Granite's multipliers). OLMo 2/3 (models/olmo.py) and the
+mixture-of-experts families (models/qwen3_moe.py, models/mixtral.py) reuse these blocks.
 """
 
 from __future__ import annotations
 
+import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
+from overnight.attention.spec import LayerAttention
+from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+
+logger = logging.getLogger(__name__)
 
 # checkpoint projection name -> (fused parameter's module name, shard id inside it)
 PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
@@ -37,6 +46,62 @@ LINEAR_INPUT_PRODUCERS: dict[str, str] = {
     "post_attention_layernorm": "mlp.gate_up_proj",
     "mlp.act_fn": "mlp.down_proj",
 }
+
+
+# ---------------------------------------------------------------------------------------------------
+# What each layer is: read once from the architecture, so a family with windowed or RoPE-less layers
+# adds no flags to the blocks.
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """One rotary table: layers with equal specs share it."""
+
+    theta: float
+    scaling: tuple[tuple[str, RopeValue], ...] | None
+    rotary_dim: int
+    interleaved: bool
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    attention: LayerAttention  # the window (and softcap) of the layer's attention
+    rope: RopeSpec | None  # None: no position encoding at all (SmolLM3's NoPE layers)
+
+
+def layer_specs(arch: ModelArch) -> list[LayerSpec]:
+    """Each decoder layer's attention kind and RoPE: sliding layers take sliding_rope_theta/_scaling when
+    the architecture has them (OLMo 3), layers in no_rope_layers none."""
+    specs = []
+    for i in range(arch.num_hidden_layers):
+        window = arch.layer_window(i)
+        rope = None
+        if i not in arch.no_rope_layers:
+            if window is not None and arch.sliding_rope_theta is not None:
+                theta, scaling = arch.sliding_rope_theta, arch.sliding_rope_scaling
+            else:
+                theta, scaling = arch.rope_theta, arch.rope_scaling
+            rope = RopeSpec(theta, scaling, arch.rotary_dim, arch.rope_interleaved)
+        specs.append(LayerSpec(LayerAttention(sliding_window=window), rope))
+    return specs
+
+
+def rotary_embeddings(arch: ModelArch, specs: list[LayerSpec]) -> dict[RopeSpec, RotaryEmbedding]:
+    """One table per distinct RopeSpec (registered under each layer that uses it, stored once)."""
+    tables: dict[RopeSpec, RotaryEmbedding] = {}
+    for spec in specs:
+        if spec.rope is not None and spec.rope not in tables:
+            r = spec.rope
+            scaling = dict(r.scaling) if r.scaling else None
+            tables[r] = RotaryEmbedding(
+                arch.head_dim,
+                arch.max_position_embeddings,
+                r.theta,
+                scaling,
+                rotary_dim=r.rotary_dim,
+                interleaved=r.interleaved,
+            )
+    return tables
 
 
 class LlamaMLP(nn.Module):
@@ -61,30 +126,70 @@ def dense_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
-    q/k/v (Qwen2, some Llamas), a bias on o_proj (Llama's attention_bias covers it), and an RMSNorm over
-    each head of q and k before RoPE (Qwen3)."""
+    q/k/v (Qwen2, some Llamas, GLM-4), a bias on o_proj (Llama's attention_bias covers it), an RMSNorm
+    over each head of q and k before RoPE (Qwen3) or over the whole q and k projections (OLMo 2/3), and
+    the layer's own window and RoPE (LayerSpec)."""
 
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         # Head counts are attributes (not re-derived from arch) so tensor parallelism can shrink them.
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_multiplier or arch.head_dim**-0.5  # Granite: attention_multiplier
+        self.layer_attention = spec.attention
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias)
-        # Over head_dim only, so the weights are shared by all heads and survive head sharding.
-        self.q_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        # Per head: over head_dim only, so the weights are shared by all heads and survive head sharding.
+        # Whole (OLMo): over all heads of q (and of k) together.
+        self.qk_norm_whole = arch.qk_norm and arch.qk_norm_whole
+        q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
+        self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
+        # Ministral 3 (llama_4_scaling_beta): q grows with the position, by 1 + beta ln(1 + p // original).
+        scaling = arch.rope_scaling_dict() or {}
+        beta = scaling.get("llama_4_scaling_beta")
+        self.q_position_scaling = (
+            (float(beta), float(scaling["original_max_position_embeddings"]))  # type: ignore[arg-type]
+            if beta and rotary_emb is not None
+            else None
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
-        q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
-        o = attn(self.layer_idx, q, k, v, self.scale)
+        qkv = self.qkv_proj(x)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm_whole and q_norm is not None and k_norm is not None:
+            q, k, v = qkv.split([self.q_norm_size, self.k_norm_size, self.k_norm_size], dim=-1)
+            n = qkv.shape[0]
+            q = q_norm(q).view(n, -1, self.head_dim)
+            k = k_norm(k).view(n, -1, self.head_dim)
+            v = v.view(n, -1, self.head_dim)
+            q_norm = k_norm = None
+        else:
+            q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.rotary_emb is not None:
+            # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
+            q, k = self.rotary_emb(positions, q, k, q_norm=q_norm, k_norm=k_norm)
+        elif q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        if self.q_position_scaling is not None:
+            beta, original = self.q_position_scaling
+            factor = 1 + beta * torch.log(1 + torch.floor(positions / original))
+            q = q * factor.to(q.dtype)[:, None, None]
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer_attention)
         return self.o_proj(o.flatten(1))
+
+    @property
+    def q_norm_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def k_norm_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 def split_qkv(
@@ -97,14 +202,27 @@ def split_qkv(
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). GLM-4's sandwich adds a norm on each
+    sub-block's output (post_self_attn_layernorm, post_mlp_layernorm); Granite scales each output by
+    residual_multiplier before its residual add."""
+
     def __init__(
-        self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding, make_mlp: MlpFactory = dense_mlp
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        spec: LayerSpec,
+        rotary_emb: RotaryEmbedding | None,
+        make_mlp: MlpFactory = dense_mlp,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_idx, rotary_emb)
+        self.self_attn = Attention(arch, layer_idx, spec, rotary_emb)
         self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        sandwich = arch.norm_placement == "sandwich"
+        self.post_self_attn_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps) if sandwich else None
+        self.post_mlp_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps) if sandwich else None
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
@@ -117,25 +235,42 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, attn)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
+
+
+# Builds decoder layer i from its description and RoPE table (LlamaDecoderLayer, OLMo's post-norm one).
+LayerFactory = Callable[[ModelArch, int, LayerSpec, "RotaryEmbedding | None", MlpFactory], nn.Module]
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
+    def __init__(
+        self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp, make_layer: LayerFactory = LlamaDecoderLayer
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        # One table shared by every layer (it is registered under each, but stored once).
-        rotary_emb = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict()
-        )
+        specs = layer_specs(arch)
+        tables = rotary_embeddings(arch, specs)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, rotary_emb, make_mlp) for i in range(arch.num_hidden_layers)
+            make_layer(arch, i, spec, tables[spec.rope] if spec.rope else None, make_mlp)
+            for i, spec in enumerate(specs)
         )
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)
@@ -144,7 +279,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head: Llama, Qwen2 and Qwen3 (the architecture's flags say which)."""
+    """The decoder plus LM head of the dense families (the architecture's fields say which)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
@@ -160,10 +295,75 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return scaled_logits(self.arch, self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+        load_packed_weights(self, split_fused_tensors(self.arch, weights))
+
+
+def scaled_logits(arch: ModelArch, logits: torch.Tensor) -> torch.Tensor:
+    return logits if arch.logits_scaling == 1.0 else logits / arch.logits_scaling  # Granite
+
+
+class Mistral3ForConditionalGeneration(LlamaForCausalLM):
+    """The text model of a Mistral 3 checkpoint (a Mistral or Ministral 3 decoder under a vision tower),
+    for text-only prompts: the decoder's tensors are renamed to the plain layout, the vision tower's and
+    the projector's skipped (one log line says how many)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(_text_model_tensors(weights))
+
+
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+# transformers 5 saves model.language_model.*, earlier ones language_model.model.* / language_model.lm_head.*
+_TEXT_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.", ""),
+)
+
+
+def _text_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            skipped += 1
+            continue
+        for old, new in _TEXT_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
+    if skipped:
+        logger.info(
+            "skipped %d vision tensors of the checkpoint: overnight runs its text model only", skipped
+        )
+
+
+def split_fused_tensors(
+    arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoints that store q/k/v or gate/up fused (Phi-3: self_attn.qkv_proj, mlp.gate_up_proj; GLM-4:
+    mlp.gate_up_proj) as the separate tensors the loader fuses again (so FP8 scales, tensor-parallel
+    shards and shape checks treat every family alike); other tensors pass unchanged."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("self_attn.qkv_proj") and leaf in ("weight", "bias"):
+            base = prefix.removesuffix("qkv_proj")
+            q, k, v = tensor.split([arch.q_size, arch.kv_size, arch.kv_size])
+            yield from ((f"{base}{p}.{leaf}", t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+        elif prefix.endswith("mlp.gate_up_proj") and leaf == "weight" and tensor.dim() == 2:
+            base = prefix.removesuffix("gate_up_proj")
+            gate, up = tensor.split([arch.intermediate_size, arch.intermediate_size])
+            yield f"{base}gate_proj.weight", gate
+            yield f"{base}up_proj.weight", up
+        else:
+            yield name, tensor
 
 
 def make_lm_head(arch: ModelArch, embed_tokens: nn.Embedding) -> nn.Linear:
