@@ -41,7 +41,9 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral-dynamic": (
         "MistralConfig",
         "MistralForCausalLM",
-        dict(sliding_window=None, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5000.0}),
+        dict(
+            sliding_window=None, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 5000.0}
+        ),
     ),
     # YaRN with Ministral 3's position-dependent q scaling (llama_4_scaling_beta) past position 32.
     "ministral3": (
@@ -55,8 +57,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "MixtralForCausalLM",
         dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2, intermediate_size=40),
     ),
-    # Phi-3.5/4-mini's shape: partial rotary and LongRoPE; prompts stay within the original context (40)
-    # and generation crosses it (see layers/rotary.py on how LongRoPE picks its factors).
+    # Phi-3.5/4-mini's shape: partial rotary and LongRoPE; prompts stay within the original context
+    # and generation crosses it (32; see layers/rotary.py on how LongRoPE picks its factors).
     "phi3": (
         "Phi3Config",
         "Phi3ForCausalLM",
@@ -64,7 +66,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
             head_dim=None,
             sliding_window=WINDOW,
             partial_rotary_factor=0.5,
-            original_max_position_embeddings=40,
+            original_max_position_embeddings=32,
             rope_parameters={
                 "rope_type": "longrope",
                 "rope_theta": 10000.0,
@@ -149,3 +151,11 @@ def make_family_checkpoint(tmp_path: str | os.PathLike, variant: str, seed: int 
     folder = Path(tmp_path) / f"tiny-{variant}"
     make_family_model(variant, seed).save_pretrained(folder)
     return folder
+
+
+def load_family_reference(folder: str | os.PathLike, variant: str):
+    """The checkpoint loaded back with transformers (fp32, eval, eager attention)."""
+    import transformers
+
+    cls = getattr(transformers, VARIANTS[variant][1])
+    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()

@@ -19,11 +19,14 @@ Scalings whose HF frequencies depend on the length of the sequence are fixed per
 form a paged cache can hold (a cached key keeps the rotation it was written with):
   - dynamic (NTK): HF changes the base only once a sequence grows past max_position_embeddings, which the
     engine never lets a sequence do (build.py caps max_model_len there): the table is the plain one.
-  - longrope: HF uses the short factors while the sequence is within original_max_position_embeddings and
-    the long ones beyond; here position p uses the short factors when p < original_max_position_embeddings.
-    Identical to HF for every token HF decodes one at a time and for prompts within the original context;
-    a prompt longer than it gets short factors on its first positions where HF's single forward pass uses
-    long ones everywhere (vLLM makes the same per-position choice).
+  - longrope: HF's rotary module uses the short factors while the sequence is within
+    original_max_position_embeddings and the long ones beyond, and Phi-3's generate() recomputes the whole
+    cache with the long factors when a sequence first crosses that length. Here position p uses the
+    short factors when p < original_max_position_embeddings, the long ones from there (vLLM makes a
+    per-position choice too): identical to HF for sequences that stay within the original context, and to
+    HF's model run over a cache with prompts within it and one token a step past it; a sequence that
+    grows past it differs from HF's generate() in the rotation of its first original_max_position_embeddings
+    keys (for Phi-3/4-mini, 4096 tokens).
 """
 
 from __future__ import annotations

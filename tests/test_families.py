@@ -1,0 +1,129 @@
+"""The dense families of issue 32 end to end on the CPU: the engine (LLM, fp32, greedy) against
+transformers, token-exact, on tiny random checkpoints of every architecture (tests/tiny_families.py).
+
+Each engine runs with prefix caching, a tiny max_num_batched_tokens and a KV pool too small for the
+whole batch, so one run covers:
+  - prompts longer than the window (7 tokens) of the windowed families;
+  - prompts sharing a prefix longer than the window, the second round hitting the prefix cache;
+  - chunked prefills whose chunk edges cross the window's edge;
+  - preemption (asserted through the scheduler's counter), the preempted requests recomputed.
+A first divergence counts as agreement only at a near-tie of transformers' logits (top-2 gap < 1e-4),
+and comparison stops there (the two continuations differ from then on); the test says how often.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from overnight import LLM, SamplingParams
+from overnight.layers.rotary import rope_type_of
+from overnight.loader.resolve import resolve_source
+from tests.tiny_families import VARIANTS, WINDOW, load_family_reference, make_family_checkpoint
+
+NEW_TOKENS = 10
+BLOCK = 4
+NEAR_TIE = 1e-4
+
+
+def _prompts(vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds: the first has a prefix of 3 * WINDOW tokens computed once; the second shares it."""
+    rng = random.Random(seed)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(n)]
+
+    prefix = toks(3 * WINDOW)
+    first = [toks(29), prefix + toks(5), toks(3)]
+    second = [prefix + toks(9), prefix + toks(2), toks(12)]
+    return first, second
+
+
+def _hf_greedy(ref, prompt: list[int], stepwise: bool) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' greedy tokens and logits. stepwise: the model itself over its cache, a token a step
+    (for LongRoPE: Phi-3's generate() recomputes the cache with the long factors once a sequence crosses
+    the original context, where the engine keeps each position's rotation; see layers/rotary.py)."""
+    if stepwise:
+        tokens, scores = [], []
+        with torch.inference_mode():
+            out = ref(torch.tensor([prompt]), use_cache=True)
+            for step in range(NEW_TOKENS):
+                scores.append(out.logits[0, -1])
+                tokens.append(int(scores[-1].argmax()))
+                if step + 1 < NEW_TOKENS:
+                    pos = torch.tensor([[len(prompt) + step]])
+                    out = ref(
+                        torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, position_ids=pos
+                    )
+        return tokens, scores
+    with torch.inference_mode():
+        out = ref.generate(
+            torch.tensor([prompt]),
+            eos_token_id=[],
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    return out.sequences[0, len(prompt) :].tolist(), [s[0] for s in out.scores]
+
+
+def _agree(ours: list[int], theirs: list[int], scores: list[torch.Tensor]) -> tuple[bool, bool]:
+    """(agree, at a near-tie): equal tokens, or equal up to a step where transformers' two best logits
+    are within NEAR_TIE and ours picked the runner-up."""
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            top2 = scores[step].topk(2)
+            tie = float(top2.values[0] - top2.values[1]) < NEAR_TIE and a in top2.indices.tolist()
+            return tie, tie
+    return len(ours) == len(theirs), False
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = make_family_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, folder
+
+
+def test_engine_matches_transformers(variant):
+    name, folder = variant
+    arch = resolve_source(str(folder)).arch
+    ref = load_family_reference(folder, name)
+    first, second = _prompts(arch.vocab_size, seed=len(name))
+    if arch.sliding_window is not None:
+        assert arch.sliding_window == WINDOW and max(map(len, first)) > 3 * WINDOW
+    if rope_type_of(arch.rope_scaling_dict()) == "longrope":  # prompts within the original context only
+        assert (
+            max(map(len, first + second)) <= dict(arch.rope_scaling or ())["original_max_position_embeddings"]
+        )
+    # A pool of 12 blocks: one request (at most 40 tokens) fits, the three of a round do not.
+    pool_tokens = 12 * BLOCK
+    llm = LLM(
+        str(folder),
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=BLOCK,
+        max_model_len=48,
+        max_num_batched_tokens=11,  # chunks of <= 11 tokens: edges cross the 7-token window
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=pool_tokens * arch.kv_bytes_per_token(4),
+    )
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    ties = 0
+    for round_idx, prompts in enumerate((first, second)):
+        hits_before = llm.engine.kv.prefix_hits
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            expected, scores = _hf_greedy(
+                ref, prompt, stepwise=rope_type_of(arch.rope_scaling_dict()) == "longrope"
+            )
+            ok, tie = _agree(out.outputs[0].token_ids, expected, scores)
+            assert ok, f"{name}: prompt of {len(prompt)} tokens: {out.outputs[0].token_ids} != {expected}"
+            ties += tie
+        if round_idx == 1:  # the shared prefix's full blocks came from the cache
+            assert llm.engine.kv.prefix_hits - hits_before >= 2 * (3 * WINDOW // BLOCK) * BLOCK
+    assert llm.engine.scheduler.num_preemptions_total > 0
+    assert ties <= 1, f"{name}: {ties} sequences ended at near-ties"
