@@ -59,10 +59,10 @@ def _inv_freq(dim: int, theta: float) -> torch.Tensor:
 def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
     """Llama 3.1 long-context scaling: low frequencies (wavelength beyond the original context divided
     by low_freq_factor) are slowed by `factor`, high ones kept, and the band between interpolated."""
-    factor = float(scaling["factor"])  # type: ignore[arg-type]
-    low_freq_factor = float(scaling["low_freq_factor"])  # type: ignore[arg-type]
-    high_freq_factor = float(scaling["high_freq_factor"])  # type: ignore[arg-type]
-    old_context_len = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+    factor = _num(scaling, "factor")
+    low_freq_factor = _num(scaling, "low_freq_factor")
+    high_freq_factor = _num(scaling, "high_freq_factor")
+    old_context_len = _num(scaling, "original_max_position_embeddings")
     low_freq_wavelen = old_context_len / low_freq_factor
     high_freq_wavelen = old_context_len / high_freq_factor
 
@@ -76,14 +76,32 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
 
 def _get(scaling: RopeScaling, key: str, default: float | None = None) -> float | None:
     value = scaling.get(key)
-    return default if value is None else float(value)  # type: ignore[arg-type]
+    if value is None:
+        return default
+    if not isinstance(value, (int, float)):
+        raise ValueError(f"RoPE parameter {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def _num(scaling: RopeScaling, key: str) -> float:
+    value = _get(scaling, key)
+    if value is None:
+        raise ValueError(f"RoPE scaling {rope_type_of(scaling)} needs {key}")
+    return value
+
+
+def _factors(scaling: RopeScaling, key: str) -> list[float]:
+    value = scaling.get(key)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"RoPE parameter {key} must be a list of numbers, got {value!r}")
+    return [float(x) for x in value]
 
 
 def _yarn(dim: int, theta: float, scaling: RopeScaling, max_position: int) -> tuple[torch.Tensor, float]:
     """YaRN: frequencies blend from interpolated (divided by factor) for the slow dims to extrapolated
     (kept) for the fast ones, over a linear ramp between the dims that turn beta_slow and beta_fast times
     within the original context; attention factor 0.1 ln(factor) + 1 (or mscale / mscale_all_dim's)."""
-    original = float(scaling["original_max_position_embeddings"])  # type: ignore[arg-type]
+    original = _num(scaling, "original_max_position_embeddings")
     factor = _get(scaling, "factor") or max_position / original
     attention_factor = _get(scaling, "attention_factor")
     mscale, mscale_all_dim = _get(scaling, "mscale"), _get(scaling, "mscale_all_dim")
@@ -121,7 +139,7 @@ def _longrope(
     """LongRoPE (Phi-3/4): per-frequency divisors, short_factor within the original context and
     long_factor beyond; attention factor sqrt(1 + ln(factor) / ln(original)).
     Returns (short inv_freq, long inv_freq, original context, attention factor)."""
-    original = int(scaling["original_max_position_embeddings"])  # type: ignore[call-overload]
+    original = int(_num(scaling, "original_max_position_embeddings"))
     factor = _get(scaling, "factor") or max_position / original
     attention_factor = _get(scaling, "attention_factor")
     if attention_factor is None:
@@ -129,7 +147,7 @@ def _longrope(
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     out = []
     for key in ("short_factor", "long_factor"):
-        ext = torch.tensor([float(x) for x in scaling[key]], dtype=torch.float32)  # type: ignore[union-attr]
+        ext = torch.tensor(_factors(scaling, key), dtype=torch.float32)
         if ext.shape != (dim // 2,):
             raise ValueError(f"longrope {key} must have {dim // 2} entries, got {ext.numel()}")
         out.append(1.0 / (ext * theta**shape))
@@ -154,7 +172,7 @@ def rope_table(
             inv_freq = _llama3_scale(inv_freq, scaling)
         elif kind == "linear":
             assert scaling is not None
-            inv_freq = inv_freq / float(scaling["factor"])  # type: ignore[arg-type]
+            inv_freq = inv_freq / _num(scaling, "factor")
         elif kind == "yarn":
             assert scaling is not None
             inv_freq, attention_factor = _yarn(rotary_dim, theta, scaling, max_position)

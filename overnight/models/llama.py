@@ -152,10 +152,10 @@ class Attention(nn.Module):
         self.rotary_emb = rotary_emb
         # Ministral 3 (llama_4_scaling_beta): q grows with the position, by 1 + beta ln(1 + p // original).
         scaling = arch.rope_scaling_dict() or {}
-        beta = scaling.get("llama_4_scaling_beta")
+        beta, original = scaling.get("llama_4_scaling_beta"), scaling.get("original_max_position_embeddings")
         self.q_position_scaling = (
-            (float(beta), float(scaling["original_max_position_embeddings"]))  # type: ignore[arg-type]
-            if beta and rotary_emb is not None
+            (float(beta), float(original))
+            if isinstance(beta, float) and isinstance(original, float) and beta and rotary_emb is not None
             else None
         )
 
