@@ -19,8 +19,12 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
+from overnight.errors import ModelLoadError
 from overnight.layers.rotary import rope_type_of
+from overnight.loader.model_loader import build_model
 from overnight.loader.resolve import resolve_source
+from overnight.models.llama import LayerSpec, layer_specs
+from overnight.models.registry import arch_from_hf_config
 from tests.tiny_families import VARIANTS, WINDOW, load_family_reference, make_family_checkpoint
 
 NEW_TOKENS = 10
@@ -127,3 +131,110 @@ def test_engine_matches_transformers(variant):
             assert llm.engine.kv.prefix_hits - hits_before >= 2 * (3 * WINDOW // BLOCK) * BLOCK
     assert llm.engine.scheduler.num_preemptions_total > 0
     assert ties <= 1, f"{name}: {ties} sequences ended at near-ties"
+
+
+def test_parameter_count_matches_the_checkpoint(variant):
+    """ModelArch.num_parameters (the memory check's and `overnight budget`'s count) against the model
+    built from it and against transformers' (the vision tower aside)."""
+    name, folder = variant
+    arch = resolve_source(str(folder)).arch
+    ours = build_model(resolve_source(str(folder)), torch.float32, "meta")
+    assert arch.num_parameters() == sum(p.numel() for p in ours.parameters())
+    ref = load_family_reference(folder, name)
+    text = ref.model.language_model if name == "mistral3" else ref.model
+    theirs = sum(p.numel() for p in text.parameters()) + ref.lm_head.weight.numel()
+    assert arch.num_parameters() == theirs
+
+
+def test_layer_descriptions_follow_the_configs(tmp_path):
+    def specs(variant: str) -> list[LayerSpec]:
+        return layer_specs(resolve_source(str(make_family_checkpoint(tmp_path, variant))).arch)
+
+    smol = specs("smollm3")  # layer 1: no RoPE, and (use_sliding_window) the windowed one
+    assert [s.rope is None for s in smol] == [False, True, False]
+    assert [s.attention.sliding_window for s in smol] == [None, WINDOW, None]
+    olmo3 = specs("olmo3")  # sliding layers: their own plain RoPE; the full layer: YaRN
+    assert [s.attention.sliding_window for s in olmo3] == [WINDOW, None, WINDOW]
+    assert olmo3[0].rope == olmo3[2].rope and olmo3[0].rope and olmo3[0].rope.theta == 3000.0
+    assert olmo3[1].rope and dict(olmo3[1].rope.scaling or ())["rope_type"] == "yarn"
+    glm4 = specs("glm4")[0].rope
+    assert glm4 and glm4.rotary_dim == 6 and glm4.interleaved
+    phi3 = specs("phi3")[0].rope
+    assert phi3 and phi3.rotary_dim == 6 and not phi3.interleaved
+
+
+# Published shapes: (layers, hidden, q heads, kv heads, head_dim, MLP, vocab, parameters).
+PRESETS = {
+    "mistral-small-24b": (40, 5120, 32, 8, 128, 32768, 131072, 23_572_403_200),
+    "phi-4": (40, 5120, 40, 10, 128, 17920, 100352, 14_659_507_200),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_dummy_presets_have_published_shapes(name):
+    layers, hidden, heads, kv_heads, head_dim, mlp, vocab, count = PRESETS[name]
+    source = resolve_source(name, load_format="dummy")
+    model = build_model(source, torch.bfloat16, "meta")
+    assert sum(p.numel() for p in model.parameters()) == count == source.arch.num_parameters()
+    attn = model.model.layers[0].self_attn
+    assert (len(model.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim) == (
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+    )
+    assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (2 * mlp, hidden)
+    assert model.lm_head.weight.shape == (vocab, hidden)
+
+
+def _cfg(**extra):
+    base = dict(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+    )
+    return {**base, **extra}
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        (_cfg(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4}), "longrope.*missing long_factor"),
+        (_cfg(partial_rotary_factor=0.375), "partial_rotary_factor 0.375"),
+        (_cfg(rope_scaling={"rope_type": "linear"}), "linear RoPE scaling is missing factor"),
+        (_cfg(rope_scaling={"rope_type": "mrope", "factor": 2.0}), "unsupported RoPE scaling type 'mrope'"),
+        (
+            _cfg(
+                architectures=["Olmo3ForCausalLM"],
+                model_type="olmo3",
+                sliding_window=4,
+                layer_types=["x", "y"],
+            ),
+            "layer_types",
+        ),
+        (
+            _cfg(architectures=["Mistral3ForConditionalGeneration"], model_type="mistral3"),
+            "lacks required field 'text_config'",
+        ),
+        (
+            {"architectures": ["Mistral3ForConditionalGeneration"], "text_config": {"model_type": "qwen2"}},
+            "unsupported text model 'qwen2'",
+        ),
+        (
+            _cfg(
+                architectures=["MixtralForCausalLM"],
+                model_type="mixtral",
+                num_local_experts=2,
+                num_experts_per_tok=3,
+            ),
+            "num_experts_per_tok",
+        ),
+    ],
+)
+def test_bad_configs_are_refused(cfg, match):
+    with pytest.raises(ModelLoadError, match=match):
+        arch_from_hf_config(cfg)
