@@ -32,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from overnight.config import ModelArch
+from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 
 HF_ARCHITECTURES = {
@@ -40,9 +40,14 @@ HF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
+# Files whose q/k rows the converter permuted for llama.cpp's interleaved RoPE (_unpermute_rope_rows);
+# Mistral and Mixtral checkpoints convert to "llama" files.
+_PERMUTED = ("llama", "granite")
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -203,8 +208,10 @@ def read_gguf(path: str) -> GGUFInfo:
     if embd is None:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
+    moe = _moe_fields(f, name)
+    family = "mixtral" if name == "llama" and moe else _FAMILIES.get(name, name)
     arch = ModelArch(
-        architecture=_FAMILIES.get(name, name),
+        architecture=family,
         # The embedding rows are what the weights need; converters pad the token list to match them.
         vocab_size=embd.shape[0],
         hidden_size=hidden,
@@ -221,7 +228,8 @@ def read_gguf(path: str) -> GGUFInfo:
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-        **_moe_fields(f, name),
+        **moe,
+        **_family_fields(f, name),
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
@@ -231,7 +239,7 @@ def read_gguf(path: str) -> GGUFInfo:
     bos = md.get("tokenizer.ggml.bos_token_id")
     return GGUFInfo(
         arch=arch,
-        hf_architecture=HF_ARCHITECTURES[name],
+        hf_architecture="MixtralForCausalLM" if family == "mixtral" else HF_ARCHITECTURES[name],
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         chat_template=md.get("tokenizer.chat_template"),
@@ -248,9 +256,20 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
     experts = int(md.get(f"{name}.expert_count") or 0)
     if not experts:
         return {}
+    if name == "llama":  # Mixtral: every layer sparse, the chosen experts' weights renormalized
+        if "blk.0.ffn_gate_exps.weight" not in f.tensors:
+            raise ModelLoadError(f"{f.path}: Mixtral GGUF files with per-expert tensors are not supported")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(md[f"{name}.expert_used_count"]),
+            moe_intermediate_size=int(
+                md.get(f"{name}.expert_feed_forward_length") or md[f"{name}.feed_forward_length"]
+            ),
+            norm_topk_prob=True,
+        )
     if name != "qwen3moe":
         raise ModelLoadError(
-            f"{f.path}: mixture-of-experts GGUF files are supported for qwen3moe only, not {name}"
+            f"{f.path}: mixture-of-experts GGUF files are supported for qwen3moe and llama (Mixtral) only, not {name}"
         )
     layers = int(md[f"{name}.block_count"])
     try:
@@ -267,10 +286,28 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
         raise ModelLoadError(f"{f.path}: GGUF metadata lacks {e.args[0]}") from None
 
 
+def _family_fields(f: GGUFFile, name: str) -> dict[str, Any]:
+    """ModelArch fields of the families whose blocks differ from Llama's (OLMo 2's post-norms and
+    whole-projection q/k norms, Granite's multipliers)."""
+    md = f.metadata
+    if md.get(f"{name}.attention.sliding_window"):
+        raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
+    if name == "olmo2":
+        return dict(norm_placement="post", qk_norm_whole=True)  # qk_norm: the file has attn_q_norm
+    if name == "granite":
+        return dict(
+            attention_multiplier=_f32(md.get(f"{name}.attention.scale", 1.0)),
+            embedding_multiplier=_f32(md.get(f"{name}.embedding_scale", 1.0)),
+            residual_multiplier=_f32(md.get(f"{name}.residual_scale", 1.0)),
+            logits_scaling=_f32(md.get(f"{name}.logit_scale", 1.0)),
+        )
+    return {}
+
+
 def _rope_scaling(
     f: GGUFFile, name: str, head_dim: int, theta: float
-) -> tuple[tuple[str, float], ...] | None:
-    """Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
+) -> tuple[tuple[str, RopeValue], ...] | None:
+    """Linear scaling (rope.scaling.type and .factor), or Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
 
     The file keeps `rope_freqs.weight[i]` = the divisor of inverse frequency i: 1 for short wavelengths,
     `factor` for long ones, and 1 / ((1 - s) / factor + s) between, where s = (orig / wavelen - low) /
@@ -280,6 +317,8 @@ def _rope_scaling(
     """
     scaling_type = f.metadata.get(f"{name}.rope.scaling.type", "none")
     info = f.tensors.get("rope_freqs.weight")
+    if info is None and scaling_type == "linear":
+        return (("rope_type", "linear"), ("factor", _f32(f.metadata[f"{name}.rope.scaling.factor"])))
     if info is None:
         if scaling_type != "none":
             raise ModelLoadError(f"{f.path}: RoPE scaling type {scaling_type!r} is not supported")
@@ -324,6 +363,8 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # OLMo 2: after attention
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",  # OLMo 2: after the MLP
 }
 # Stacked experts [E, out, in] -> the checkpoint's per-expert projection (mlp.experts.N.<name>.weight)
 _EXPERT_NAMES = {
@@ -401,7 +442,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
     info = read_gguf(path)
     f = read_gguf_file(path)
-    permute = info.arch.architecture == "llama"
+    permute = read_gguf_file(path).metadata.get("general.architecture") in _PERMUTED
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
