@@ -21,10 +21,11 @@ import torch
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.layers.rotary import rope_type_of
-from overnight.loader.model_loader import build_model
+from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.llama import LayerSpec, layer_specs
 from overnight.models.registry import arch_from_hf_config
+from tests.test_models import PagedCache
 from tests.tiny_families import VARIANTS, WINDOW, load_family_reference, make_family_checkpoint
 
 NEW_TOKENS = 10
@@ -238,3 +239,26 @@ def _cfg(**extra):
 def test_bad_configs_are_refused(cfg, match):
     with pytest.raises(ModelLoadError, match=match):
         arch_from_hf_config(cfg)
+
+
+@pytest.mark.parametrize("name", ["glm4", "olmo2"])
+def test_forward_with_kernels_matches_pytorch_path(name, tmp_path, monkeypatch):
+    """The small-op kernels (RMSNorm, partial / interleaved RoPE) in these families' blocks, through the
+    Triton interpreter on the CPU, against the PyTorch path (attention: the torch backend either way)."""
+    from overnight.kernels import dispatch
+
+    folder = make_family_checkpoint(tmp_path, name)
+    model = load_model(resolve_source(str(folder)), torch.float32, "cpu")
+    prompt = list(range(5, 5 + 3 * WINDOW))
+
+    def run() -> torch.Tensor:
+        cache = PagedCache(model.arch)
+        (prefill,) = cache.step(model, [("a", prompt)])
+        (decode,) = cache.step(model, [("a", [int(prefill[-1].argmax())])], num_decodes=1)
+        return torch.cat([prefill, decode])
+
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run()
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    got = run()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))
