@@ -262,3 +262,21 @@ def test_forward_with_kernels_matches_pytorch_path(name, tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     got = run()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))
+
+
+def test_mixtral_online_fp8_quantizes_the_experts_and_keeps_the_router(tmp_path):
+    from torch import nn
+
+    from overnight.quant.linear import Fp8Linear
+
+    folder = make_family_checkpoint(tmp_path, "mixtral")
+    model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, "cpu")
+    plain = load_model(resolve_source(str(folder)), torch.float32, "cpu")
+    moe, arch = model.model.layers[0].mlp, model.arch
+    assert type(moe.gate) is nn.Linear and isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert moe.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert moe.experts.gate_up_scale.shape == (arch.num_experts, 2 * arch.moe_intermediate_size)
+    # Dequantized, the experts are the float model's within e4m3's rounding (3 mantissa bits).
+    moe.experts.dequantize_()
+    ref = plain.model.layers[0].mlp.experts.gate_up_proj
+    assert (moe.experts.gate_up_proj - ref).abs().max() <= 2**-4 * ref.abs().max()
