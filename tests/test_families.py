@@ -280,3 +280,17 @@ def test_mixtral_online_fp8_quantizes_the_experts_and_keeps_the_router(tmp_path)
     moe.experts.dequantize_()
     ref = plain.model.layers[0].mlp.experts.gate_up_proj
     assert (moe.experts.gate_up_proj - ref).abs().max() <= 2**-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize("name,theirs", [("mixtral", "block_sparse_moe"), ("mistral3", "language_model")])
+def test_checkpoint_names_are_renamed_before_fp8_and_sharding(name, theirs, tmp_path):
+    """Mixtral's and Mistral 3's own tensor names become the usual ones in the checkpoint stream itself,
+    where FP8 conversion and tensor-parallel slicing read them (the vision tower's tensors are dropped)."""
+    from overnight.loader.model_loader import checkpoint_weights
+
+    source = resolve_source(str(make_family_checkpoint(tmp_path, name)))
+    model = build_model(source, torch.float32, "meta")
+    names = [n for n, _ in checkpoint_weights(source, model, "cpu")]
+    assert names and not [n for n in names if theirs in n or "vision" in n or "projector" in n]
+    expected = "model.layers.0.mlp.experts.3.down_proj.weight" if name == "mixtral" else "lm_head.weight"
+    assert expected in names

@@ -310,8 +310,11 @@ class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     for text-only prompts: the decoder's tensors are renamed to the plain layout, the vision tower's and
     the projector's skipped (one log line says how many)."""
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights(_text_model_tensors(weights))
+    @staticmethod
+    def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights)."""
+        return _text_model_tensors(weights)
 
 
 _VISION_PREFIXES = (

@@ -16,12 +16,9 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from overnight.models.llama import load_packed_weights
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 
-_EXPERT = re.compile(
-    r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.(weight|weight_scale|weight_scale_inv)$"
-)
+_EXPERT = re.compile(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.w([123])\.(\w+)$")
 _EXPERT_NAMES = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
 
 
@@ -37,11 +34,6 @@ def mixtral_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
 
 
 class MixtralForCausalLM(Qwen3MoeForCausalLM):
-    # An FP8 checkpoint's expert and router tensors, by their names in the checkpoint (quant/checkpoint.py).
-    dequantized_at_load: tuple[str, ...] = (
-        r"re:.*\.block_sparse_moe\.experts\.\d+\.w[123]$",
-        "block_sparse_moe.gate",
-    )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, mixtral_names(weights))
+    # Applied to the checkpoint stream before FP8 conversion and tensor-parallel slicing
+    # (loader/model_loader.checkpoint_weights), which then see Qwen3-MoE's names.
+    rename_checkpoint = staticmethod(mixtral_names)
