@@ -206,6 +206,10 @@ def _cfg(**extra):
     [
         (_cfg(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4}), "longrope.*missing long_factor"),
         (_cfg(partial_rotary_factor=0.375), "partial_rotary_factor 0.375"),
+        (
+            _cfg(rope_scaling={"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4}),
+            "bad RoPE parameters.*short_factor must have 4 entries",
+        ),
         (_cfg(rope_scaling={"rope_type": "linear"}), "linear RoPE scaling is missing factor"),
         (_cfg(rope_scaling={"rope_type": "mrope", "factor": 2.0}), "unsupported RoPE scaling type 'mrope'"),
         (

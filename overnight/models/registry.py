@@ -9,7 +9,7 @@ from torch import nn
 
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
-from overnight.layers.rotary import ROPE_TYPES
+from overnight.layers.rotary import ROPE_TYPES, rope_table
 from overnight.models.bert import BertModel
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
@@ -213,9 +213,25 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             qk_norm=family in ("qwen3", "qwen3_moe"),
         )
         fields.update(_FAMILY_FIELDS.get(family, _no_fields)(cfg))
-        return ModelArch(**fields)
+        return _checked_rope(ModelArch(**fields))
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _checked_rope(arch: ModelArch) -> ModelArch:
+    """Every RoPE table of the architecture computes (one position of it), so a bad scaling parameter
+    (LongRoPE factors of the wrong length, a non-number) is refused before anything is built."""
+    for theta, scaling in (
+        (arch.rope_theta, arch.rope_scaling),
+        (arch.sliding_rope_theta, arch.sliding_rope_scaling),
+    ):
+        if theta is None:
+            continue
+        try:
+            rope_table(arch.rotary_dim, 1, theta, dict(scaling) if scaling else None)
+        except ValueError as e:
+            raise ModelLoadError(f"bad RoPE parameters in config.json: {e}") from None
+    return arch
 
 
 # ---------------------------------------------------------------------------------------------------
