@@ -23,7 +23,7 @@ from overnight.errors import ModelLoadError
 from overnight.layers.rotary import rope_type_of
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
-from overnight.models.llama import LayerSpec, layer_specs
+from overnight.models.layer_spec import LayerSpec, layer_specs
 from overnight.models.registry import arch_from_hf_config
 from tests.test_models import PagedCache
 from tests.tiny_families import VARIANTS, WINDOW, load_family_reference, make_family_checkpoint

@@ -19,14 +19,14 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.checkpoint import load_packed_weights
+from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import (
     PACKED_MODULES_MAPPING,
     Attention,
-    LayerSpec,
     LlamaModel,
     MlpFactory,
     dense_mlp,
-    load_packed_weights,
     make_lm_head,
 )
 
