@@ -5,6 +5,7 @@ the architecture read back must equal the safetensors one, and the model must gi
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import gguf
 import numpy as np
@@ -23,7 +24,7 @@ LAYER_NAMES = {
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-GGUF_ARCH = {"olmo2": "olmo2", "granite": "granite", "mixtral": "llama"}
+GGUF_ARCH = {"olmo2": "olmo2", "granite": "granite", "mixtral": "llama", "phi3": "phi3"}
 
 
 def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.ndarray]:
@@ -45,6 +46,10 @@ def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.nda
             out[f"blk.{layer}.ffn_up_exps.weight"] = np.ascontiguousarray(up)
         elif rest == "mlp.experts.down_proj":
             out[f"blk.{layer}.ffn_down_exps.weight"] = a
+        elif rest == "self_attn.qkv_proj.weight":  # Phi-3: fused in the checkpoint and the file
+            out[f"blk.{layer}.attn_qkv.weight"] = a
+        elif rest == "mlp.gate_up_proj.weight":  # Phi-3: gate and up, both in ffn_up
+            out[f"blk.{layer}.ffn_up.weight"] = a
         elif variant == "olmo2" and rest == "post_attention_layernorm.weight":
             out[f"blk.{layer}.post_attention_norm.weight"] = a  # OLMo 2's norm after attention
         else:
@@ -73,6 +78,18 @@ def write_family_gguf(path: str, variant: str) -> None:
         w.add_float32(f"{arch}.embedding_scale", cfg.embedding_multiplier)
         w.add_float32(f"{arch}.residual_scale", cfg.residual_multiplier)
         w.add_float32(f"{arch}.logit_scale", cfg.logits_scaling)
+    if variant == "phi3":  # as llama.cpp's converter writes Phi-3 (LongRoPE factors as tensors)
+        rope = cfg.rope_parameters
+        head_dim = cfg.hidden_size // cfg.num_attention_heads
+        w.add_rope_dimension_count(int(head_dim * rope["partial_rotary_factor"]))
+        w.add_sliding_window(cfg.sliding_window or 0)
+        w.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
+        w.add_rope_scaling_attn_factors(
+            math.sqrt(1 + math.log(scale) / math.log(cfg.original_max_position_embeddings))
+        )
+        w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
     if variant == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -93,8 +110,14 @@ def test_family_gguf_reads_like_safetensors(tmp_path, variant):
     write_family_gguf(path, variant)
     folder = make_family_checkpoint(tmp_path, variant)
     info, hf = read_gguf(path), resolve_source(str(folder)).arch
-    # GGUF files carry no sliding window for these (Mixtral's tiny model has one; prompts stay inside it)
-    assert dataclasses.replace(info.arch, layer_types=hf.layer_types, sliding_window=hf.sliding_window) == hf
+    # A llama file carries no sliding window (Mixtral's tiny model has one; the prompt stays inside it);
+    # Phi-3's file states LongRoPE's attention factor, which the config leaves to be derived.
+    same = dict(layer_types=hf.layer_types, sliding_window=hf.sliding_window) if variant == "mixtral" else {}
+    scaling = dict(info.arch.rope_scaling or ())
+    if variant == "phi3":
+        assert scaling.pop("attention_factor") == pytest.approx(math.sqrt(1 + math.log(8) / math.log(32)))
+        assert hf.layer_types and hf.sliding_window == 7
+    assert dataclasses.replace(info.arch, rope_scaling=tuple(scaling.items()) or None, **same) == hf
     ours = load_model(resolve_source(path), torch.float32, "cpu")
     ref = load_model(resolve_source(str(folder)), torch.float32, "cpu")
     prompt = [5, 17, 99, 3, 150, 42]  # within the window of 7

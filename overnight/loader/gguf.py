@@ -42,6 +42,7 @@ HF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
@@ -199,9 +200,9 @@ def read_gguf(path: str) -> GGUFInfo:
                 f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported"
             )
         kv_heads = kv_heads[0]
-    head_dim = int(
-        md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads
-    )
+    # rope.dimension_count is the rotated part of a head where rotation is partial (phi3).
+    rotary_dims = None if name == "phi3" else md.get(f"{name}.rope.dimension_count")
+    head_dim = int(md.get(f"{name}.attention.key_length") or rotary_dims or hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
     embd = f.tensors.get("token_embd.weight")
@@ -229,7 +230,7 @@ def read_gguf(path: str) -> GGUFInfo:
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         **moe,
-        **_family_fields(f, name),
+        **_family_fields(f, name, head_dim),
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
@@ -286,11 +287,19 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
         raise ModelLoadError(f"{f.path}: GGUF metadata lacks {e.args[0]}") from None
 
 
-def _family_fields(f: GGUFFile, name: str) -> dict[str, Any]:
+def _family_fields(f: GGUFFile, name: str, head_dim: int) -> dict[str, Any]:
     """ModelArch fields of the families whose blocks differ from Llama's (OLMo 2's post-norms and
-    whole-projection q/k norms, Granite's multipliers)."""
+    whole-projection q/k norms, Granite's multipliers, Phi-3's partial rotary and window)."""
     md = f.metadata
-    if md.get(f"{name}.attention.sliding_window"):
+    window = int(md.get(f"{name}.attention.sliding_window") or 0)
+    if name == "phi3":  # the converter writes window 0 for none (Phi-4)
+        rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim)
+        fields: dict[str, Any] = dict(partial_rotary_factor=rotary / head_dim)
+        if window:
+            layers = int(md[f"{name}.block_count"])
+            fields.update(layer_types=("sliding_attention",) * layers, sliding_window=window)
+        return fields
+    if window:
         raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
     if name == "olmo2":
         return dict(norm_placement="post", qk_norm_whole=True)  # qk_norm: the file has attn_q_norm
@@ -316,6 +325,8 @@ def _rope_scaling(
     and otherwise set to Llama 3's 8192.
     """
     scaling_type = f.metadata.get(f"{name}.rope.scaling.type", "none")
+    if "rope_factors_long.weight" in f.tensors:
+        return _longrope_scaling(f, name)
     info = f.tensors.get("rope_freqs.weight")
     if info is None and scaling_type == "linear":
         return (("rope_type", "linear"), ("factor", _f32(f.metadata[f"{name}.rope.scaling.factor"])))
@@ -346,6 +357,29 @@ def _rope_scaling(
     )
 
 
+def _longrope_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
+    """Phi-3's LongRoPE: its short and long per-frequency factors are tensors of the file."""
+    factors = {}
+    for kind in ("short", "long"):
+        info = f.tensors.get(f"rope_factors_{kind}.weight")
+        if info is None:
+            raise ModelLoadError(f"{f.path}: rope_factors_long without rope_factors_short")
+        raw = np.fromfile(f.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        factors[kind] = tuple(_f32(x) for x in _dequantize(raw, info).reshape(-1))
+    md = f.metadata
+    orig = md.get(f"{name}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ModelLoadError(f"{f.path}: GGUF metadata lacks {name}.rope.scaling.original_context_length")
+    items: dict[str, RopeValue] = {
+        "long_factor": factors["long"],
+        "original_max_position_embeddings": float(orig),
+        "short_factor": factors["short"],
+    }
+    if f"{name}.rope.scaling.attn_factor" in md:
+        items["attention_factor"] = _f32(md[f"{name}.rope.scaling.attn_factor"])
+    return (("rope_type", "longrope"), *sorted(items.items()))
+
+
 # GGUF tensor name suffix -> HF name suffix, per decoder layer.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -365,7 +399,10 @@ _LAYER_NAMES = {
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "post_attention_norm.weight": "post_attention_layernorm.weight",  # OLMo 2: after attention
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",  # OLMo 2: after the MLP
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: fused q/k/v
 }
+# Where an architecture's files name a tensor their own way: Phi-3's ffn_up holds gate and up.
+_ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
 # Stacked experts [E, out, in] -> the checkpoint's per-expert projection (mlp.experts.N.<name>.weight)
 _EXPERT_NAMES = {
     "ffn_gate_exps.weight": "gate_proj",
@@ -379,16 +416,18 @@ _GLOBAL_NAMES = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Tensors that carry no weights of their own: the RoPE divisors are folded into ModelArch.rope_scaling.
-_SKIPPED = {"rope_freqs.weight"}
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The HF state-dict name of a GGUF tensor, or None when the tensor has no HF counterpart."""
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
+    """The HF state-dict name of a GGUF tensor of a file of architecture `arch`, or None when the tensor
+    has no HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -453,7 +492,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 for expert in range(experts.shape[0]):
                     yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(experts[expert])
                 continue
-            name = hf_name(t.name)
+            name = hf_name(t.name, f.metadata.get("general.architecture", ""))
             if name is None:
                 if t.name in _SKIPPED:
                     continue
