@@ -62,6 +62,11 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        if a.qk_norm_whole:  # its variance would need every rank's heads
+            raise ModelLoadError(
+                f"tensor parallelism does not support {a.architecture}: its q/k norms span all heads "
+                "(run copies of it with data_parallel_size instead)"
+            )
         problems = []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
