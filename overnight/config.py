@@ -57,8 +57,9 @@ class ModelArch:
     # KV sharing (Gemma 4): the last num_kv_shared_layers layers write no cache of their own and read
     # the cache of the last earlier layer of their kind (kv_source_layer).
     num_kv_shared_layers: int = 0
-    # The dense families' variations (Mistral, Phi-3/4, OLMo 2/3, SmolLM3, Granite, GLM-4), read into
-    # each layer's description by models/llama.py; the defaults are Llama's.
+    # The dense families' variations (Mistral, Phi-3/4, OLMo 2/3, SmolLM3, Granite, GLM-4), read from
+    # config.json by models/hf_config.py and into each layer's description by models/layer_spec.py;
+    # the defaults are Llama's.
     #   RoPE: the rotated share of head_dim (the rest passes), interleaved pairs (2i, 2i + 1) instead of
     #   rotate-half (GLM-4), sliding-window layers' own theta and scaling (OLMo 3; None: as the full
     #   layers), and layers without RoPE (SmolLM3's NoPE layers).
