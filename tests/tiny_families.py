@@ -51,7 +51,9 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "Ministral3ForCausalLM",
         dict(sliding_window=WINDOW, rope_parameters={**_YARN, "llama_4_scaling_beta": 0.3}),
     ),
+    # Mistral 3 checkpoints: a Mistral text model (Mistral Small 3.1), or a Ministral 3 one (Ministral 3).
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {}),
+    "mistral3-ministral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", {}),
     "mixtral": (
         "MixtralConfig",
         "MixtralForCausalLM",
@@ -111,11 +113,14 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _mistral3_config():
+def _mistral3_config(text_model: str):
     import transformers
 
-    text = {**_COMMON, "model_type": "mistral", "sliding_window": None}
-    text["rope_parameters"] = {"rope_type": "linear", "factor": 3.0, "rope_theta": 20000.0}
+    text = {**_COMMON, "model_type": text_model, "sliding_window": None}
+    if text_model == "mistral":
+        text["rope_parameters"] = {"rope_type": "linear", "factor": 3.0, "rope_theta": 20000.0}
+    else:
+        text["rope_parameters"] = {**_YARN, "llama_4_scaling_beta": 0.2}
     vision = dict(
         model_type="pixtral",
         hidden_size=16,
@@ -134,8 +139,8 @@ def make_family_model(variant: str, seed: int = 0):
     import transformers
 
     config_cls, model_cls, overrides = VARIANTS[variant]
-    if variant == "mistral3":
-        config = _mistral3_config()
+    if variant.startswith("mistral3"):
+        config = _mistral3_config("ministral3" if variant.endswith("ministral3") else "mistral")
     else:
         kwargs = {**_COMMON, **overrides}
         if kwargs["head_dim"] is None:  # families whose config has no head_dim (hidden / heads = 12)
