@@ -8,7 +8,9 @@ whole batch, so one run covers:
   - chunked prefills whose chunk edges cross the window's edge;
   - preemption (asserted through the scheduler's counter), the preempted requests recomputed.
 A first divergence counts as agreement only at a near-tie of transformers' logits (top-2 gap < 1e-4),
-and comparison stops there (the two continuations differ from then on); the test says how often.
+and comparison stops there (the two continuations differ from then on); at most one sequence of a
+family may end so (none did when this was written). LongRoPE (Phi-3) is compared with transformers' model
+stepping through its cache (see _hf_greedy and layers/rotary.py).
 """
 
 from __future__ import annotations
