@@ -158,7 +158,7 @@ def test_layer_descriptions_follow_the_configs(tmp_path):
     assert [s.attention.sliding_window for s in smol] == [None, WINDOW, None]
     olmo3 = specs("olmo3")  # sliding layers: their own plain RoPE; the full layer: YaRN
     assert [s.attention.sliding_window for s in olmo3] == [WINDOW, None, WINDOW]
-    assert olmo3[0].rope == olmo3[2].rope and olmo3[0].rope and olmo3[0].rope.theta == 3000.0
+    assert olmo3[0].rope == olmo3[2].rope and olmo3[0].rope and olmo3[0].rope.scaling is None
     assert olmo3[1].rope and dict(olmo3[1].rope.scaling or ())["rope_type"] == "yarn"
     glm4 = specs("glm4")[0].rope
     assert glm4 and glm4.rotary_dim == 6 and glm4.interleaved

@@ -24,7 +24,7 @@ LAYER_NAMES = {
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-GGUF_ARCH = {"olmo2": "olmo2", "granite": "granite", "mixtral": "llama", "phi3": "phi3"}
+GGUF_ARCH = {"olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite", "mixtral": "llama", "phi3": "phi3"}
 
 
 def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.ndarray]:
@@ -50,7 +50,7 @@ def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.nda
             out[f"blk.{layer}.attn_qkv.weight"] = a
         elif rest == "mlp.gate_up_proj.weight":  # Phi-3: gate and up, both in ffn_up
             out[f"blk.{layer}.ffn_up.weight"] = a
-        elif variant == "olmo2" and rest == "post_attention_layernorm.weight":
+        elif variant.startswith("olmo") and rest == "post_attention_layernorm.weight":
             out[f"blk.{layer}.post_attention_norm.weight"] = a  # OLMo 2's norm after attention
         else:
             out[f"blk.{layer}.{LAYER_NAMES[rest]}"] = a
@@ -68,7 +68,8 @@ def write_family_gguf(path: str, variant: str) -> None:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # OLMo 3: one per layer kind
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.rope_parameters.get("rope_type") == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -90,6 +91,13 @@ def write_family_gguf(path: str, variant: str) -> None:
         )
         w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+    if variant == "olmo3":  # as llama.cpp's converter writes OLMo 3: window, pattern, YaRN
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_attn_factors(0.1 * math.log(rope["factor"]) + 1.0)
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if variant == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -116,11 +124,15 @@ def test_family_gguf_reads_like_safetensors(tmp_path, variant):
     scaling = dict(info.arch.rope_scaling or ())
     if variant == "phi3":
         assert scaling.pop("attention_factor") == pytest.approx(math.sqrt(1 + math.log(8) / math.log(32)))
+    if variant == "olmo3":
+        assert scaling.pop("attention_factor") == pytest.approx(0.1 * math.log(4) + 1)
+        assert hf.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
         assert hf.layer_types and hf.sliding_window == 7
     assert dataclasses.replace(info.arch, rope_scaling=tuple(scaling.items()) or None, **same) == hf
     ours = load_model(resolve_source(path), torch.float32, "cpu")
     ref = load_model(resolve_source(str(folder)), torch.float32, "cpu")
-    prompt = [5, 17, 99, 3, 150, 42]  # within the window of 7
+    # Within the window of 7 for Mixtral (its llama file has none), past it for the others.
+    prompt = [5, 17, 99, 3, 150, 42] + ([] if variant == "mixtral" else [7, 8, 9, 10, 11, 12])
     (got,) = PagedCache(ours.arch).step(ours, [("a", prompt)])
     (expected,) = PagedCache(ref.arch).step(ref, [("a", prompt)])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

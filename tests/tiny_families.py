@@ -87,7 +87,7 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={
                 "full_attention": dict(_YARN),
-                "sliding_attention": {"rope_type": "default", "rope_theta": 3000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},  # unscaled
             },
         ),
     ),

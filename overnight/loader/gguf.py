@@ -211,6 +211,9 @@ def read_gguf(path: str) -> GGUFInfo:
     tie = "output.weight" not in f.tensors
     moe = _moe_fields(f, name)
     family = "mixtral" if name == "llama" and moe else _FAMILIES.get(name, name)
+    if name == "olmo2" and md.get(f"{name}.attention.sliding_window"):
+        family = "olmo3"  # OLMo 3 converts to olmo2 files with a window
+    scaling = _rope_scaling(f, name, head_dim, theta)
     arch = ModelArch(
         architecture=family,
         # The embedding rows are what the weights need; converters pad the token list to match them.
@@ -223,14 +226,14 @@ def read_gguf(path: str) -> GGUFInfo:
         head_dim=head_dim,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(f, name, head_dim, theta),
+        rope_scaling=scaling,
         max_position_embeddings=context,
         tie_word_embeddings=tie,
         attention_bias="blk.0.attn_q.bias" in f.tensors,
         o_proj_bias="blk.0.attn_output.bias" in f.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
         **moe,
-        **_family_fields(f, name, head_dim),
+        **_family_fields(f, name, head_dim, theta, scaling),
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
@@ -240,7 +243,9 @@ def read_gguf(path: str) -> GGUFInfo:
     bos = md.get("tokenizer.ggml.bos_token_id")
     return GGUFInfo(
         arch=arch,
-        hf_architecture="MixtralForCausalLM" if family == "mixtral" else HF_ARCHITECTURES[name],
+        hf_architecture={"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
+            family, HF_ARCHITECTURES[name]
+        ),
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         chat_template=md.get("tokenizer.chat_template"),
@@ -287,22 +292,36 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
         raise ModelLoadError(f"{f.path}: GGUF metadata lacks {e.args[0]}") from None
 
 
-def _family_fields(f: GGUFFile, name: str, head_dim: int) -> dict[str, Any]:
-    """ModelArch fields of the families whose blocks differ from Llama's (OLMo 2's post-norms and
-    whole-projection q/k norms, Granite's multipliers, Phi-3's partial rotary and window)."""
+def _family_fields(
+    f: GGUFFile, name: str, head_dim: int, theta: float, scaling: tuple[tuple[str, RopeValue], ...] | None
+) -> dict[str, Any]:
+    """ModelArch fields of the families whose blocks differ from Llama's (OLMo 2/3's post-norms,
+    whole-projection q/k norms and windows, Granite's multipliers, Phi-3's partial rotary and window)."""
     md = f.metadata
     window = int(md.get(f"{name}.attention.sliding_window") or 0)
+    layers = int(md[f"{name}.block_count"])
+    if name == "olmo2":
+        fields: dict[str, Any] = dict(norm_placement="post", qk_norm_whole=True)
+        if window:  # OLMo 3: which layers are windowed, and their RoPE unscaled (as in HF's configs)
+            pattern = md.get(f"{name}.attention.sliding_window_pattern")
+            if not isinstance(pattern, list) or len(pattern) != layers:
+                raise ModelLoadError(
+                    f"{f.path}: {name}.attention.sliding_window_pattern must list every layer"
+                )
+            kinds = tuple("sliding_attention" if p else "full_attention" for p in pattern)
+            if "sliding_attention" in kinds:
+                fields.update(layer_types=kinds, sliding_window=window)
+                if scaling is not None:
+                    fields.update(sliding_rope_theta=theta)
+        return fields
     if name == "phi3":  # the converter writes window 0 for none (Phi-4)
         rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim)
-        fields: dict[str, Any] = dict(partial_rotary_factor=rotary / head_dim)
+        fields = dict(partial_rotary_factor=rotary / head_dim)
         if window:
-            layers = int(md[f"{name}.block_count"])
             fields.update(layer_types=("sliding_attention",) * layers, sliding_window=window)
         return fields
     if window:
         raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
-    if name == "olmo2":
-        return dict(norm_placement="post", qk_norm_whole=True)  # qk_norm: the file has attn_q_norm
     if name == "granite":
         return dict(
             attention_multiplier=_f32(md.get(f"{name}.attention.scale", 1.0)),
@@ -330,6 +349,8 @@ def _rope_scaling(
     info = f.tensors.get("rope_freqs.weight")
     if info is None and scaling_type == "linear":
         return (("rope_type", "linear"), ("factor", _f32(f.metadata[f"{name}.rope.scaling.factor"])))
+    if info is None and scaling_type == "yarn":
+        return _yarn_scaling(f, name)
     if info is None:
         if scaling_type != "none":
             raise ModelLoadError(f"{f.path}: RoPE scaling type {scaling_type!r} is not supported")
@@ -355,6 +376,24 @@ def _rope_scaling(
         ("high_freq_factor", round(float(high), 4)),
         ("original_max_position_embeddings", orig),
     )
+
+
+def _yarn_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
+    """YaRN from the metadata (the factor and original context; the attention factor and the betas where
+    the file states them, transformers' defaults otherwise)."""
+    md = f.metadata
+    keys = {
+        "factor": "rope.scaling.factor",
+        "original_max_position_embeddings": "rope.scaling.original_context_length",
+        "attention_factor": "rope.scaling.attn_factor",
+        "beta_fast": "rope.scaling.yarn_beta_fast",
+        "beta_slow": "rope.scaling.yarn_beta_slow",
+    }
+    items = {k: _f32(md[f"{name}.{key}"]) for k, key in keys.items() if f"{name}.{key}" in md}
+    for required in ("factor", "original_max_position_embeddings"):
+        if required not in items:
+            raise ModelLoadError(f"{f.path}: YaRN RoPE scaling without {name}.{keys[required]}")
+    return (("rope_type", "yarn"), *sorted(items.items()))
 
 
 def _longrope_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
