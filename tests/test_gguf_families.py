@@ -24,7 +24,14 @@ LAYER_NAMES = {
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",
 }
-GGUF_ARCH = {"olmo2": "olmo2", "olmo3": "olmo2", "granite": "granite", "mixtral": "llama", "phi3": "phi3"}
+GGUF_ARCH = {
+    "olmo2": "olmo2",
+    "olmo3": "olmo2",
+    "granite": "granite",
+    "mixtral": "llama",
+    "phi3": "phi3",
+    "glm4": "glm4",
+}
 
 
 def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.ndarray]:
@@ -50,6 +57,10 @@ def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.nda
             out[f"blk.{layer}.attn_qkv.weight"] = a
         elif rest == "mlp.gate_up_proj.weight":  # Phi-3: gate and up, both in ffn_up
             out[f"blk.{layer}.ffn_up.weight"] = a
+        elif rest == "post_self_attn_layernorm.weight":  # GLM-4's sandwich norms
+            out[f"blk.{layer}.post_attention_norm.weight"] = a
+        elif rest == "post_mlp_layernorm.weight":
+            out[f"blk.{layer}.post_ffw_norm.weight"] = a
         elif variant.startswith("olmo") and rest == "post_attention_layernorm.weight":
             out[f"blk.{layer}.post_attention_norm.weight"] = a  # OLMo 2's norm after attention
         else:
@@ -98,6 +109,9 @@ def write_family_gguf(path: str, variant: str) -> None:
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_attn_factors(0.1 * math.log(rope["factor"]) + 1.0)
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    if variant == "glm4":
+        w.add_key_length(cfg.head_dim)
+        w.add_rope_dimension_count(int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"]))
     if variant == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

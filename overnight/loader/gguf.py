@@ -43,12 +43,14 @@ HF_ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
 }
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
 # Files whose q/k rows the converter permuted for llama.cpp's interleaved RoPE (_unpermute_rope_rows);
 # Mistral and Mixtral checkpoints convert to "llama" files.
 _PERMUTED = ("llama", "granite")
+_PARTIAL_ROTARY = ("phi3", "glm4")
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -200,8 +202,8 @@ def read_gguf(path: str) -> GGUFInfo:
                 f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported"
             )
         kv_heads = kv_heads[0]
-    # rope.dimension_count is the rotated part of a head where rotation is partial (phi3).
-    rotary_dims = None if name == "phi3" else md.get(f"{name}.rope.dimension_count")
+    # rope.dimension_count is the rotated part of a head where rotation is partial (phi3, glm4).
+    rotary_dims = None if name in _PARTIAL_ROTARY else md.get(f"{name}.rope.dimension_count")
     head_dim = int(md.get(f"{name}.attention.key_length") or rotary_dims or hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
@@ -322,6 +324,9 @@ def _family_fields(
         return fields
     if window:
         raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
+    if name == "glm4":  # sandwich norms; part of each head rotates, in interleaved pairs (HF's layout)
+        rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim // 2)
+        return dict(norm_placement="sandwich", partial_rotary_factor=rotary / head_dim, rope_interleaved=True)
     if name == "granite":
         return dict(
             attention_multiplier=_f32(md.get(f"{name}.attention.scale", 1.0)),
@@ -440,8 +445,16 @@ _LAYER_NAMES = {
     "post_ffw_norm.weight": "post_feedforward_layernorm.weight",  # OLMo 2: after the MLP
     "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: fused q/k/v
 }
-# Where an architecture's files name a tensor their own way: Phi-3's ffn_up holds gate and up.
-_ARCH_LAYER_NAMES = {"phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"}}
+# Where an architecture's files name a tensor their own way: Phi-3's and GLM-4's ffn_up hold gate and up,
+# GLM-4's norms after attention and the MLP.
+_ARCH_LAYER_NAMES = {
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "glm4": {
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+        "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+    },
+}
 # Stacked experts [E, out, in] -> the checkpoint's per-expert projection (mlp.experts.N.<name>.weight)
 _EXPERT_NAMES = {
     "ffn_gate_exps.weight": "gate_proj",
