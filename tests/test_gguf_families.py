@@ -31,7 +31,10 @@ GGUF_ARCH = {
     "mixtral": "llama",
     "phi3": "phi3",
     "glm4": "glm4",
+    "smollm3": "smollm3",
 }
+# SmolLM3 as llama.cpp can hold it: NoPE on every 4th layer (its fixed rule), no window.
+CHANGES = {"smollm3": dict(num_hidden_layers=4, no_rope_layers=None, use_sliding_window=False)}
 
 
 def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.ndarray]:
@@ -42,7 +45,7 @@ def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.nda
             out[GLOBAL_TO_GGUF[name]] = a
             continue
         _, _, layer, rest = name.split(".", 3)
-        if GGUF_ARCH[variant] in ("llama", "granite"):  # the converter's q/k row order
+        if GGUF_ARCH[variant] in ("llama", "granite", "smollm3"):  # the converter's q/k row order
             if rest == "self_attn.q_proj.weight":
                 a = converter_permute(a, cfg.num_attention_heads)
             elif rest == "self_attn.k_proj.weight":
@@ -69,7 +72,7 @@ def _tensors(variant: str, sd: dict[str, torch.Tensor], cfg) -> dict[str, np.nda
 
 
 def write_family_gguf(path: str, variant: str) -> None:
-    model = make_family_model(variant)
+    model = make_family_model(variant, **CHANGES.get(variant, {}))
     cfg = model.config
     arch = GGUF_ARCH[variant]
     w = gguf.GGUFWriter(path, arch)
@@ -130,7 +133,7 @@ def write_family_gguf(path: str, variant: str) -> None:
 def test_family_gguf_reads_like_safetensors(tmp_path, variant):
     path = str(tmp_path / f"{variant}.gguf")
     write_family_gguf(path, variant)
-    folder = make_family_checkpoint(tmp_path, variant)
+    folder = make_family_checkpoint(tmp_path, variant, **CHANGES.get(variant, {}))
     info, hf = read_gguf(path), resolve_source(str(folder)).arch
     # A llama file carries no sliding window (Mixtral's tiny model has one; the prompt stays inside it);
     # Phi-3's file states LongRoPE's attention factor, which the config leaves to be derived.

@@ -134,17 +134,18 @@ def _mistral3_config(text_model: str):
     return transformers.Mistral3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
 
 
-def make_family_model(variant: str, seed: int = 0):
-    """The transformers model of `variant` (fp32, eval mode, spread weights)."""
+def make_family_model(variant: str, seed: int = 0, **changes: Any):
+    """The transformers model of `variant` (fp32, eval mode, spread weights); `changes` override its
+    config (None removes a field)."""
     import transformers
 
     config_cls, model_cls, overrides = VARIANTS[variant]
+    overrides = {**overrides, **changes}
     if variant.startswith("mistral3"):
         config = _mistral3_config("ministral3" if variant.endswith("ministral3") else "mistral")
     else:
-        kwargs = {**_COMMON, **overrides}
-        if kwargs["head_dim"] is None:  # families whose config has no head_dim (hidden / heads = 12)
-            del kwargs["head_dim"]
+        kwargs = {**_COMMON, **overrides}  # head_dim None: a config without it (hidden / heads = 12)
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k not in ("head_dim", "no_rope_layers")}
         config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
@@ -152,9 +153,9 @@ def make_family_model(variant: str, seed: int = 0):
     return model
 
 
-def make_family_checkpoint(tmp_path: str | os.PathLike, variant: str, seed: int = 0) -> Path:
+def make_family_checkpoint(tmp_path: str | os.PathLike, variant: str, seed: int = 0, **changes: Any) -> Path:
     folder = Path(tmp_path) / f"tiny-{variant}"
-    make_family_model(variant, seed).save_pretrained(folder)
+    make_family_model(variant, seed, **changes).save_pretrained(folder)
     return folder
 
 

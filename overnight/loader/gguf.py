@@ -44,12 +44,13 @@ HF_ARCHITECTURES = {
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
 # Files whose q/k rows the converter permuted for llama.cpp's interleaved RoPE (_unpermute_rope_rows);
 # Mistral and Mixtral checkpoints convert to "llama" files.
-_PERMUTED = ("llama", "granite")
+_PERMUTED = ("llama", "granite", "smollm3")
 _PARTIAL_ROTARY = ("phi3", "glm4")
 
 _SCALAR_FORMATS = {
@@ -324,6 +325,8 @@ def _family_fields(
         return fields
     if window:
         raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
+    if name == "smollm3":  # llama.cpp's fixed rule (no metadata): every 4th layer has no RoPE
+        return dict(no_rope_layers=tuple(i for i in range(layers) if (i + 1) % 4 == 0))
     if name == "glm4":  # sandwich norms; part of each head rotates, in interleaved pairs (HF's layout)
         rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim // 2)
         return dict(norm_placement="sandwich", partial_rotary_factor=rotary / head_dim, rope_interleaved=True)
