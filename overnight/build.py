@@ -78,9 +78,9 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
 
 def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
     """The runner, "generate" or "pooling": the option, with auto decided by the architecture
-    (encoders and bare decoders, checkpoints saved without an LM head such as "Qwen3Model", pool)."""
+    (encoders and bare decoders, checkpoints saved without an LM head such as "Qwen3Model", pool; a
+    multimodal ...ForConditionalGeneration generates with its text model)."""
     if opts.runner == "auto":
-        # Multimodal checkpoints (Gemma3ForConditionalGeneration) generate with their language model.
         bare = not source.hf_architecture.endswith(("ForCausalLM", "ForConditionalGeneration"))
         return "pooling" if source.arch.is_encoder or bare else "generate"
     if opts.runner == "generate" and source.arch.is_encoder:

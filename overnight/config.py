@@ -13,13 +13,16 @@ import torch
 from overnight.options import DEFAULT_BLOCK_SIZE
 from overnight.options import EngineOptions as _Defaults  # the option table holds every default
 
+# One value of a RoPE scaling's parameters (ModelArch.rope_scaling).
+RopeValue = float | str | bool | tuple[float, ...]
+
 
 @dataclass(frozen=True)
 class ModelArch:
     """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
     BERT-style encoder."""
 
-    architecture: str  # "llama" | "qwen2" | "qwen3" | "qwen3_moe" | "gemma2" | "gemma3" | "gemma4" | "bert"
+    architecture: str  # the family's HF model_type ("llama", "qwen3", "phi3"...: models/registry.py)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -29,9 +32,10 @@ class ModelArch:
     head_dim: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # Llama 3 style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_position_embeddings"}; None means plain RoPE.
-    rope_scaling: tuple[tuple[str, float], ...] | None = None
+    # RoPE scaling: HF's rope_parameters less rope_theta, as (key, value) pairs with "rope_type" among
+    # llama3, linear, dynamic, yarn, longrope (layers/rotary.py; lists as tuples); pairs without a
+    # "rope_type" are llama3's four keys. None means plain RoPE.
+    rope_scaling: tuple[tuple[str, RopeValue], ...] | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
@@ -81,6 +85,28 @@ class ModelArch:
     vocab_size_per_layer_input: int = 0
     use_double_wide_mlp: bool = False
     moe_beside_dense: bool = False
+    # The dense families' variations (Mistral, Phi-3/4, OLMo 2/3, SmolLM3, Granite, GLM-4), read from
+    # config.json by models/hf_config.py and into each layer's description by models/layer_spec.py;
+    # the defaults are Llama's.
+    #   RoPE: the rotated share of head_dim (the rest passes), interleaved pairs (2i, 2i + 1) instead of
+    #   rotate-half (GLM-4), sliding-window layers' own theta and scaling (OLMo 3; None: as the full
+    #   layers), and layers without RoPE (SmolLM3's NoPE layers).
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False
+    sliding_rope_theta: float | None = None
+    sliding_rope_scaling: tuple[tuple[str, RopeValue], ...] | None = None
+    no_rope_layers: tuple[int, ...] = ()
+    #   Granite: the attention scale (None: head_dim ** -0.5), embeddings times embedding_multiplier,
+    #   each sub-block's output times residual_multiplier before its residual add, logits / logits_scaling.
+    attention_multiplier: float | None = None
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    #   Where the norms sit: "pre" (Llama: before attention and MLP), "post" (OLMo 2/3: after each
+    #   sub-block's output, none before), "sandwich" (GLM-4: both). qk_norm_whole: qk_norm spans the whole
+    #   q and k projections (OLMo 2/3) instead of each head (Qwen3).
+    norm_placement: str = "pre"
+    qk_norm_whole: bool = False
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -166,8 +192,13 @@ class ModelArch:
                 total += 3 * self.hidden_size * self.layer_intermediate_size(i)
         return total
 
-    def rope_scaling_dict(self) -> dict[str, float] | None:
+    def rope_scaling_dict(self) -> dict[str, RopeValue] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """KV-cache bytes one token takes over all layers (K and V, every KV head); a KV-shared layer
@@ -242,13 +273,13 @@ class ModelArch:
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
-        per_layer = 2 * h  # the two RMSNorms
+        per_layer = (4 if self.norm_placement == "sandwich" else 2) * h  # the RMSNorms
         if self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         if self.o_proj_bias:
             per_layer += h
         if self.qk_norm:
-            per_layer += 2 * self.head_dim
+            per_layer += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h

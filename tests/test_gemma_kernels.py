@@ -35,7 +35,9 @@ def test_gelu_experts_kernel_path_matches_reference(dtype):
     w2 = (torch.randn(num_experts, hidden, inter, generator=gen) / inter**0.5).to(DEVICE, dtype)
     weights, ids = router_topk_ref(torch.randn(num_tokens, num_experts, generator=gen), top_k, True)
     weights, ids = weights.to(DEVICE), ids.to(DEVICE)
-    out = fused_experts(x, w13, w2, weights, ids, MoeConfig(16, TILES, TILES), activation=("gelu_tanh", 0.0, 0.0))
+    out = fused_experts(
+        x, w13, w2, weights, ids, MoeConfig(16, TILES, TILES), activation=("gelu_tanh", 0.0, 0.0)
+    )
     gelu = ExpertActivation("gelu_tanh")
     ref = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, activation=gelu)
     silu = fused_experts_ref(x.float(), w13.float(), w2.float(), weights, ids)

@@ -114,8 +114,8 @@ def test_rope_parameters_and_rope_theta_give_the_same_arch():
 def test_unsupported_configs_are_refused():
     with pytest.raises(ModelLoadError, match="MambaForCausalLM.*Qwen3ForCausalLM"):
         arch_from_hf_config(_llama_cfg(architectures=["MambaForCausalLM"], model_type="mamba"))
-    with pytest.raises(ModelLoadError, match="yarn"):
-        arch_from_hf_config(_llama_cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ModelLoadError, match="unsupported RoPE scaling type 'mrope'"):
+        arch_from_hf_config(_llama_cfg(rope_scaling={"rope_type": "mrope", "factor": 4.0}))
     with pytest.raises(ModelLoadError, match="GPTNeoX"):
         get_model_class("GPTNeoXForCausalLM")
     assert get_model_class("qwen2") is get_model_class("Qwen2ForCausalLM")
@@ -161,8 +161,17 @@ def test_dummy_presets_have_published_shapes(name):
         assert source.arch.rope_scaling_dict()["original_max_position_embeddings"] == 8192
     if name.startswith("qwen3"):
         assert source.arch.qk_norm and source.arch.rope_theta == 1e6 and source.arch.rms_norm_eps == 1e-6
-    # Tested elsewhere: MoE in test_qwen3_moe.py, Gemma in test_gemma_config.py.
-    elsewhere = {"qwen3-30b-a3b", "gemma-3-27b", "gemma-4-31b", "gemma-4-26b-a4b"}
+    # Tested elsewhere: MoE in test_qwen3_moe.py, Gemma in test_gemma_config.py, the dense families in
+    # test_families.py, gpt-oss in test_gpt_oss.py.
+    elsewhere = {
+        "qwen3-30b-a3b",
+        "gemma-3-27b",
+        "gemma-4-31b",
+        "gemma-4-26b-a4b",
+        "mistral-small-24b",
+        "phi-4",
+    }
+    elsewhere |= {"gpt-oss-20b", "gpt-oss-120b"}
     assert set(preset_names()) == set(PRESETS) | elsewhere
 
 

@@ -25,6 +25,24 @@ def hf_config(arch: ModelArch, hf_architecture: str):
         max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tie_word_embeddings,
     )
+    # Other families' blocks differ from Llama's in ways a LlamaConfig cannot say: refuse them rather
+    # than compare against a different model (a checkpoint folder loads with its own class instead).
+    unlike_llama = [
+        name
+        for name, differs in (
+            ("sliding windows", bool(arch.layer_types)),
+            ("partial or interleaved rotary", arch.rotary_dim != arch.head_dim or arch.rope_interleaved),
+            ("per-layer RoPE", bool(arch.no_rope_layers) or arch.sliding_rope_theta is not None),
+            ("norm placement", arch.norm_placement != "pre" or arch.qk_norm_whole),
+            ("multipliers", arch.attention_multiplier is not None or arch.logits_scaling != 1.0),
+            ("experts", arch.num_experts > 0 and arch.architecture != "qwen3_moe"),
+        )
+        if differs
+    ]
+    if unlike_llama:
+        raise ValueError(
+            f"no random transformers reference for {arch.architecture}: {', '.join(unlike_llama)}"
+        )
     rope: dict = {"rope_type": "default", "rope_theta": arch.rope_theta}
     if arch.rope_scaling:
         rope = {"rope_type": "llama3", "rope_theta": arch.rope_theta, **arch.rope_scaling_dict()}

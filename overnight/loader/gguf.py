@@ -32,7 +32,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
-from overnight.config import ModelArch
+from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.models.gemma_config import gemma_arch
 
@@ -43,10 +43,19 @@ HF_ARCHITECTURES = {
     "qwen3moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
 }
 _GEMMA = ("gemma2", "gemma3")  # their ModelArch comes from models/gemma_config.py
 # GGUF architecture -> ModelArch.architecture, where the names differ
 _FAMILIES = {"qwen3moe": "qwen3_moe"}
+# Files whose q/k rows the converter permuted for llama.cpp's interleaved RoPE (_unpermute_rope_rows);
+# Mistral and Mixtral checkpoints convert to "llama" files.
+_PERMUTED = ("llama", "granite", "smollm3")
+_PARTIAL_ROTARY = ("phi3", "glm4")
 
 _SCALAR_FORMATS = {
     GGUFValueType.UINT8: "<B",
@@ -198,21 +207,26 @@ def read_gguf(path: str) -> GGUFInfo:
                 f"{path}: per-layer KV head counts {sorted(set(kv_heads))} are not supported"
             )
         kv_heads = kv_heads[0]
-    head_dim = int(
-        md.get(f"{name}.attention.key_length") or md.get(f"{name}.rope.dimension_count") or hidden // heads
-    )
+    # rope.dimension_count is the rotated part of a head where rotation is partial (phi3, glm4).
+    rotary_dims = None if name in _PARTIAL_ROTARY else md.get(f"{name}.rope.dimension_count")
+    head_dim = int(md.get(f"{name}.attention.key_length") or rotary_dims or hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
     embd = f.tensors.get("token_embd.weight")
     if embd is None:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
+    moe = _moe_fields(f, name)
+    family = "mixtral" if name == "llama" and moe else _FAMILIES.get(name, name)
+    if name == "olmo2" and md.get(f"{name}.attention.sliding_window"):
+        family = "olmo3"  # OLMo 3 converts to olmo2 files with a window
+    scaling = _rope_scaling(f, name, head_dim, theta)
     gemma = _gemma_config(md, name, embd.shape[0], tie) if name in _GEMMA else None
     arch = (
         gemma_arch(gemma, name, HF_ARCHITECTURES[name])
         if gemma
         else ModelArch(
-            architecture=_FAMILIES.get(name, name),
+            architecture=family,
             # The embedding rows are what the weights need; converters pad the token list to match them.
             vocab_size=embd.shape[0],
             hidden_size=hidden,
@@ -223,13 +237,14 @@ def read_gguf(path: str) -> GGUFInfo:
             head_dim=head_dim,
             rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(f, name, head_dim, theta),
+            rope_scaling=scaling,
             max_position_embeddings=context,
             tie_word_embeddings=tie,
             attention_bias="blk.0.attn_q.bias" in f.tensors,
             o_proj_bias="blk.0.attn_output.bias" in f.tensors,
             qk_norm="blk.0.attn_q_norm.weight" in f.tensors,
-            **_moe_fields(f, name),
+            **moe,
+            **_family_fields(f, name, head_dim, theta, scaling),
         )
     )
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
@@ -240,7 +255,9 @@ def read_gguf(path: str) -> GGUFInfo:
     bos = md.get("tokenizer.ggml.bos_token_id")
     return GGUFInfo(
         arch=arch,
-        hf_architecture=HF_ARCHITECTURES[name],
+        hf_architecture={"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
+            family, HF_ARCHITECTURES[name]
+        ),
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         chat_template=md.get("tokenizer.chat_template"),
@@ -300,9 +317,20 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
     experts = int(md.get(f"{name}.expert_count") or 0)
     if not experts:
         return {}
+    if name == "llama":  # Mixtral: every layer sparse, the chosen experts' weights renormalized
+        if "blk.0.ffn_gate_exps.weight" not in f.tensors:
+            raise ModelLoadError(f"{f.path}: Mixtral GGUF files with per-expert tensors are not supported")
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(md[f"{name}.expert_used_count"]),
+            moe_intermediate_size=int(
+                md.get(f"{name}.expert_feed_forward_length") or md[f"{name}.feed_forward_length"]
+            ),
+            norm_topk_prob=True,
+        )
     if name != "qwen3moe":
         raise ModelLoadError(
-            f"{f.path}: mixture-of-experts GGUF files are supported for qwen3moe only, not {name}"
+            f"{f.path}: mixture-of-experts GGUF files are supported for qwen3moe and llama (Mixtral) only, not {name}"
         )
     layers = int(md[f"{name}.block_count"])
     try:
@@ -319,10 +347,55 @@ def _moe_fields(f: GGUFFile, name: str) -> dict[str, Any]:
         raise ModelLoadError(f"{f.path}: GGUF metadata lacks {e.args[0]}") from None
 
 
+def _family_fields(
+    f: GGUFFile, name: str, head_dim: int, theta: float, scaling: tuple[tuple[str, RopeValue], ...] | None
+) -> dict[str, Any]:
+    """ModelArch fields of the families whose blocks differ from Llama's (OLMo 2/3's post-norms,
+    whole-projection q/k norms and windows, Granite's multipliers, Phi-3's partial rotary and window)."""
+    md = f.metadata
+    window = int(md.get(f"{name}.attention.sliding_window") or 0)
+    layers = int(md[f"{name}.block_count"])
+    if name == "olmo2":
+        fields: dict[str, Any] = dict(norm_placement="post", qk_norm_whole=True)
+        if window:  # OLMo 3: which layers are windowed, and their RoPE unscaled (as in HF's configs)
+            pattern = md.get(f"{name}.attention.sliding_window_pattern")
+            if not isinstance(pattern, list) or len(pattern) != layers:
+                raise ModelLoadError(
+                    f"{f.path}: {name}.attention.sliding_window_pattern must list every layer"
+                )
+            kinds = tuple("sliding_attention" if p else "full_attention" for p in pattern)
+            if "sliding_attention" in kinds:
+                fields.update(layer_types=kinds, sliding_window=window)
+                if scaling is not None:
+                    fields.update(sliding_rope_theta=theta)
+        return fields
+    if name == "phi3":  # the converter writes window 0 for none (Phi-4)
+        rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim)
+        fields = dict(partial_rotary_factor=rotary / head_dim)
+        if window:
+            fields.update(layer_types=("sliding_attention",) * layers, sliding_window=window)
+        return fields
+    if window:
+        raise ModelLoadError(f"{f.path}: sliding-window GGUF files ({name}) are not supported yet")
+    if name == "smollm3":  # llama.cpp's fixed rule (no metadata): every 4th layer has no RoPE
+        return dict(no_rope_layers=tuple(i for i in range(layers) if (i + 1) % 4 == 0))
+    if name == "glm4":  # sandwich norms; part of each head rotates, in interleaved pairs (HF's layout)
+        rotary = int(md.get(f"{name}.rope.dimension_count") or head_dim // 2)
+        return dict(norm_placement="sandwich", partial_rotary_factor=rotary / head_dim, rope_interleaved=True)
+    if name == "granite":
+        return dict(
+            attention_multiplier=_f32(md.get(f"{name}.attention.scale", 1.0)),
+            embedding_multiplier=_f32(md.get(f"{name}.embedding_scale", 1.0)),
+            residual_multiplier=_f32(md.get(f"{name}.residual_scale", 1.0)),
+            logits_scaling=_f32(md.get(f"{name}.logit_scale", 1.0)),
+        )
+    return {}
+
+
 def _rope_scaling(
     f: GGUFFile, name: str, head_dim: int, theta: float
-) -> tuple[tuple[str, float], ...] | None:
-    """Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
+) -> tuple[tuple[str, RopeValue], ...] | None:
+    """Linear scaling (rope.scaling.type and .factor), or Llama 3 frequency scaling, recovered from the per-frequency divisors the converter stores.
 
     The file keeps `rope_freqs.weight[i]` = the divisor of inverse frequency i: 1 for short wavelengths,
     `factor` for long ones, and 1 / ((1 - s) / factor + s) between, where s = (orig / wavelen - low) /
@@ -331,7 +404,13 @@ def _rope_scaling(
     and otherwise set to Llama 3's 8192.
     """
     scaling_type = f.metadata.get(f"{name}.rope.scaling.type", "none")
+    if "rope_factors_long.weight" in f.tensors:
+        return _longrope_scaling(f, name)
     info = f.tensors.get("rope_freqs.weight")
+    if info is None and scaling_type == "linear":
+        return (("rope_type", "linear"), ("factor", _f32(f.metadata[f"{name}.rope.scaling.factor"])))
+    if info is None and scaling_type == "yarn":
+        return _yarn_scaling(f, name)
     if info is None:
         if scaling_type != "none":
             raise ModelLoadError(f"{f.path}: RoPE scaling type {scaling_type!r} is not supported")
@@ -359,6 +438,47 @@ def _rope_scaling(
     )
 
 
+def _yarn_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
+    """YaRN from the metadata (the factor and original context; the attention factor and the betas where
+    the file states them, transformers' defaults otherwise)."""
+    md = f.metadata
+    keys = {
+        "factor": "rope.scaling.factor",
+        "original_max_position_embeddings": "rope.scaling.original_context_length",
+        "attention_factor": "rope.scaling.attn_factor",
+        "beta_fast": "rope.scaling.yarn_beta_fast",
+        "beta_slow": "rope.scaling.yarn_beta_slow",
+    }
+    items = {k: _f32(md[f"{name}.{key}"]) for k, key in keys.items() if f"{name}.{key}" in md}
+    for required in ("factor", "original_max_position_embeddings"):
+        if required not in items:
+            raise ModelLoadError(f"{f.path}: YaRN RoPE scaling without {name}.{keys[required]}")
+    return (("rope_type", "yarn"), *sorted(items.items()))
+
+
+def _longrope_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
+    """Phi-3's LongRoPE: its short and long per-frequency factors are tensors of the file."""
+    factors = {}
+    for kind in ("short", "long"):
+        info = f.tensors.get(f"rope_factors_{kind}.weight")
+        if info is None:
+            raise ModelLoadError(f"{f.path}: rope_factors_long without rope_factors_short")
+        raw = np.fromfile(f.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        factors[kind] = tuple(_f32(x) for x in _dequantize(raw, info).reshape(-1))
+    md = f.metadata
+    orig = md.get(f"{name}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ModelLoadError(f"{f.path}: GGUF metadata lacks {name}.rope.scaling.original_context_length")
+    items: dict[str, RopeValue] = {
+        "long_factor": factors["long"],
+        "original_max_position_embeddings": float(orig),
+        "short_factor": factors["short"],
+    }
+    if f"{name}.rope.scaling.attn_factor" in md:
+        items["attention_factor"] = _f32(md[f"{name}.rope.scaling.attn_factor"])
+    return (("rope_type", "longrope"), *sorted(items.items()))
+
+
 # GGUF tensor name suffix -> HF name suffix, per decoder layer.
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -376,6 +496,26 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # OLMo 2: after attention
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",  # OLMo 2: after the MLP
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # Phi-3: fused q/k/v
+}
+# Where an architecture's files name a tensor their own way: Phi-3's and GLM-4's ffn_up hold gate and up,
+# GLM-4's norms after attention and the MLP.
+_GEMMA_LAYER_NAMES = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
+_ARCH_LAYER_NAMES = {
+    "gemma2": _GEMMA_LAYER_NAMES,
+    "gemma3": _GEMMA_LAYER_NAMES,
+    "phi3": {"ffn_up.weight": "mlp.gate_up_proj.weight"},
+    "glm4": {
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+        "post_ffw_norm.weight": "post_mlp_layernorm.weight",
+    },
 }
 # Stacked experts [E, out, in] -> the checkpoint's per-expert projection (mlp.experts.N.<name>.weight)
 _EXPERT_NAMES = {
@@ -390,24 +530,20 @@ _GLOBAL_NAMES = {
 }
 # Gemma's sandwich norms (llama.cpp writes its pre-feedforward norm as ffn_norm); the file stores every
 # Gemma norm as 1 + w, taken back to the checkpoint's w as it loads (models/gemma.py adds the 1 again).
-_GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
-    "post_attention_norm.weight": "post_attention_layernorm.weight",
-    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
-}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(.+)")
 # Tensors that carry no weights of their own: the RoPE divisors are folded into ModelArch.rope_scaling.
-_SKIPPED = {"rope_freqs.weight"}
+_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
-def hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
-    """The HF state-dict name of a GGUF tensor, or None when the tensor has no HF counterpart."""
+def hf_name(gguf_name: str, arch: str = "") -> str | None:
+    """The HF state-dict name of a GGUF tensor of a file of architecture `arch`, or None when the tensor
+    has no HF counterpart."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in layer_names:
-        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
     return None
 
 
@@ -461,7 +597,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
     info = read_gguf(path)
     f = read_gguf_file(path)
-    permute = info.arch.architecture == "llama"
+    permute = read_gguf_file(path).metadata.get("general.architecture") in _PERMUTED
     gemma = info.arch.architecture in _GEMMA
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
@@ -473,7 +609,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 for expert in range(experts.shape[0]):
                     yield f"{prefix}.{expert}.{projection}.weight", torch.from_numpy(experts[expert])
                 continue
-            name = hf_name(t.name, _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES)
+            name = hf_name(t.name, f.metadata.get("general.architecture", ""))
             if name is None:
                 if t.name in _SKIPPED:
                     continue

@@ -142,6 +142,12 @@ def checkpoint_weights(
         weights = iter_gguf_weights(source.path)
     else:
         raise ModelLoadError(f"unknown model source kind {source.kind!r}")
+    # A family whose checkpoints name tensors their own way (Mixtral's experts, Mistral 3's text model
+    # under a vision tower) renames them first, so FP8 conversion and tensor-parallel slicing see the
+    # names of the other families.
+    rename = getattr(model, "rename_checkpoint", None)
+    if rename is not None:
+        weights = rename(weights)
     if isinstance(source.quantization, QuantScheme):
         from overnight.quant.checkpoint import fp8_checkpoint_weights
 

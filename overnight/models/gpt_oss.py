@@ -28,15 +28,17 @@ import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.attention.spec import LayerAttention
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import ExpertActivation, Experts, select_experts
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import (
     PACKED_MODULES_MAPPING,
     Attention,
+    LlamaDecoderLayer,
     LlamaModel,
+    MlpFactory,
     load_packed_weights,
     make_lm_head,
     split_qkv,
@@ -44,20 +46,30 @@ from overnight.models.llama import (
 
 
 class GptOssAttention(Attention):
-    """The Llama attention (biases on, from ModelArch) with a learned sink per head and the layer's
-    window."""
+    """The Llama attention (biases on, from ModelArch; the layer's window from its LayerSpec) with a
+    learned sink per head."""
 
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
-        super().__init__(arch, layer_idx, rotary_emb)
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
+    ) -> None:
+        super().__init__(arch, layer_idx, spec, rotary_emb)
         self.sinks = nn.Parameter(torch.empty(arch.num_attention_heads))
-        self.layer = LayerAttention(sliding_window=arch.layer_window(layer_idx))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
+        assert self.rotary_emb is not None  # every gpt-oss layer has RoPE
         q, k = self.rotary_emb(positions, q, k)
-        # The backend reads sinks as float32; the parameter is in the compute dtype like every other.
-        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer, sinks=self.sinks.float())
+        # The kernels read sinks as float32; the parameter is in the compute dtype like every other.
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer_attention, sinks=self.sinks.float())
         return self.o_proj(o.flatten(1))
+
+
+def gpt_oss_layer(
+    arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None, make_mlp: MlpFactory
+) -> nn.Module:
+    layer = LlamaDecoderLayer(arch, layer_idx, spec, rotary_emb, make_mlp)
+    layer.self_attn = GptOssAttention(arch, layer_idx, spec, rotary_emb)  # built on the meta device
+    return layer
 
 
 class GptOssMoE(nn.Module):
@@ -93,12 +105,7 @@ class GptOssForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch, make_mlp=gpt_oss_mlp)
-        # The Llama layers' attention swapped for this one (built on the meta device: nothing is
-        # allocated twice); the rotary table stays the one all layers share.
-        rotary = next(m for m in self.model.modules() if isinstance(m, RotaryEmbedding))
-        for i, layer in enumerate(self.model.layers):
-            layer.self_attn = GptOssAttention(arch, i, rotary)
+        self.model = LlamaModel(arch, make_mlp=gpt_oss_mlp, make_layer=gpt_oss_layer)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:

@@ -1,25 +1,29 @@
-"""The dense decoder of Llama (3.x, SmolLM2), Qwen2 and Qwen3, with fused qkv and gate/up projections.
+"""The dense decoder of Llama (3.x, SmolLM2/3), Qwen2, Qwen3, Mistral / Ministral 3, Phi-3/4, Granite and
+GLM-4, with fused qkv and gate/up projections.
 
 Attribute names follow the HF checkpoint keys, except the two fused projections; load_weights maps the
-checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping. The families
-differ only in flags of ModelArch (attention_bias, o_proj_bias, qk_norm).
+checkpoint's separate q/k/v and gate/up tensors into them through packed_modules_mapping (and splits
+checkpoints that store them fused: Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj). The families
+differ only in ModelArch fields, read into one LayerSpec per layer (models/layer_spec.py: its attention
+kind and its RoPE) and a few block options (bias flags, norms, Granite's multipliers); loading lives in
+models/checkpoint.py. OLMo 2/3 (models/olmo.py) and the
+mixture-of-experts families (models/qwen3_moe.py, models/mixtral.py) reuse these blocks.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.attention.spec import LayerAttention
 from overnight.config import ModelArch
-from overnight.errors import ModelLoadError
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.checkpoint import load_packed_weights, split_fused_tensors, text_model_tensors
+from overnight.models.layer_spec import LayerSpec, layer_specs, rotary_embeddings
 
 # checkpoint projection name -> (fused parameter's module name, shard id inside it)
 PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
@@ -62,31 +66,70 @@ def dense_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
 
 class Attention(nn.Module):
     """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
-    q/k/v (Qwen2, some Llamas), a bias on o_proj (Llama's attention_bias covers it), and an RMSNorm over
-    each head of q and k before RoPE (Qwen3)."""
+    q/k/v (Qwen2, some Llamas, GLM-4), a bias on o_proj (Llama's attention_bias covers it), an RMSNorm
+    over each head of q and k before RoPE (Qwen3) or over the whole q and k projections (OLMo 2/3), and
+    the layer's own window and RoPE (LayerSpec)."""
 
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         # Head counts are attributes (not re-derived from arch) so tensor parallelism can shrink them.
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
         self.head_dim = arch.head_dim
-        self.scale = arch.head_dim**-0.5
+        self.scale = arch.attention_multiplier or arch.head_dim**-0.5  # Granite: attention_multiplier
+        self.layer_attention = spec.attention
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.attention_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_proj_bias)
-        # Over head_dim only, so the weights are shared by all heads and survive head sharding.
-        self.q_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        # Per head: over head_dim only, so the weights are shared by all heads and survive head sharding.
+        # Whole (OLMo): over all heads of q (and of k) together.
+        self.qk_norm_whole = arch.qk_norm and arch.qk_norm_whole
+        q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
+        self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.layer = LayerAttention(sliding_window=arch.layer_window(layer_idx))
+        # Ministral 3 (llama_4_scaling_beta): q grows with the position, by 1 + beta ln(1 + p // original).
+        scaling = arch.rope_scaling_dict() or {}
+        beta, original = scaling.get("llama_4_scaling_beta"), scaling.get("original_max_position_embeddings")
+        self.q_position_scaling = (
+            (float(beta), float(original))
+            if isinstance(beta, float) and isinstance(original, float) and beta and rotary_emb is not None
+            else None
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
-        q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
-        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer)
+        qkv = self.qkv_proj(x)
+        q_norm, k_norm = self.q_norm, self.k_norm
+        if self.qk_norm_whole and q_norm is not None and k_norm is not None:
+            q, k, v = qkv.split([self.q_norm_size, self.k_norm_size, self.k_norm_size], dim=-1)
+            n = qkv.shape[0]
+            q = q_norm(q).view(n, -1, self.head_dim)
+            k = k_norm(k).view(n, -1, self.head_dim)
+            v = v.view(n, -1, self.head_dim)
+            q_norm = k_norm = None
+        else:
+            q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.rotary_emb is not None:
+            # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
+            q, k = self.rotary_emb(positions, q, k, q_norm=q_norm, k_norm=k_norm)
+        elif q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        if self.q_position_scaling is not None:
+            beta, original = self.q_position_scaling
+            factor = 1 + beta * torch.log(1 + torch.floor(positions / original))
+            q = q * factor.to(q.dtype)[:, None, None]
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer_attention)
         return self.o_proj(o.flatten(1))
+
+    @property
+    def q_norm_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def k_norm_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
 
 
 def split_qkv(
@@ -99,14 +142,27 @@ def split_qkv(
 
 
 class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)). GLM-4's sandwich adds a norm on each
+    sub-block's output (post_self_attn_layernorm, post_mlp_layernorm); Granite scales each output by
+    residual_multiplier before its residual add."""
+
     def __init__(
-        self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding, make_mlp: MlpFactory = dense_mlp
+        self,
+        arch: ModelArch,
+        layer_idx: int,
+        spec: LayerSpec,
+        rotary_emb: RotaryEmbedding | None,
+        make_mlp: MlpFactory = dense_mlp,
     ) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_idx, rotary_emb)
+        self.self_attn = Attention(arch, layer_idx, spec, rotary_emb)
         self.mlp = make_mlp(arch, layer_idx)
         self.input_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        sandwich = arch.norm_placement == "sandwich"
+        self.post_self_attn_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps) if sandwich else None
+        self.post_mlp_layernorm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps) if sandwich else None
+        self.residual_multiplier = arch.residual_multiplier
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
@@ -119,25 +175,42 @@ class LlamaDecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, attn)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
+        return x, residual
+
+
+# Builds decoder layer i from its description and RoPE table (LlamaDecoderLayer, OLMo's post-norm one).
+LayerFactory = Callable[[ModelArch, int, LayerSpec, "RotaryEmbedding | None", MlpFactory], nn.Module]
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
+    def __init__(
+        self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp, make_layer: LayerFactory = LlamaDecoderLayer
+    ) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        # One table shared by every layer (it is registered under each, but stored once).
-        rotary_emb = RotaryEmbedding(
-            arch.head_dim, arch.max_position_embeddings, arch.rope_theta, arch.rope_scaling_dict()
-        )
+        specs = layer_specs(arch)
+        tables = rotary_embeddings(arch, specs)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(arch, i, rotary_emb, make_mlp) for i in range(arch.num_hidden_layers)
+            make_layer(arch, i, spec, tables[spec.rope] if spec.rope else None, make_mlp)
+            for i, spec in enumerate(specs)
         )
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            x = x * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)
@@ -146,7 +219,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus LM head: Llama, Qwen2 and Qwen3 (the architecture's flags say which)."""
+    """The decoder plus LM head of the dense families (the architecture's fields say which)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
@@ -162,10 +235,26 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        return scaled_logits(self.arch, self.lm_head(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+        load_packed_weights(self, split_fused_tensors(self.arch, weights))
+
+
+def scaled_logits(arch: ModelArch, logits: torch.Tensor) -> torch.Tensor:
+    return logits if arch.logits_scaling == 1.0 else logits / arch.logits_scaling  # Granite
+
+
+class Mistral3ForConditionalGeneration(LlamaForCausalLM):
+    """The text model of a Mistral 3 checkpoint (a Mistral or Ministral 3 decoder under a vision tower),
+    for text-only prompts: the decoder's tensors are renamed to the plain layout, the vision tower's and
+    the projector's skipped (one log line says how many)."""
+
+    @staticmethod
+    def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights)."""
+        return text_model_tensors(weights)
 
 
 def make_lm_head(arch: ModelArch, embed_tokens: nn.Embedding) -> nn.Linear:
@@ -175,124 +264,3 @@ def make_lm_head(arch: ModelArch, embed_tokens: nn.Embedding) -> nn.Linear:
     head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, device="meta")
     head.weight = embed_tokens.weight
     return head
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checkpoint loading, shared by every family built from these blocks.
-
-
-def _shard_range(arch: ModelArch, shard: str | int, in_expert: bool) -> tuple[int, int]:
-    """(row offset, rows) of one checkpoint projection inside its fused parameter (full, unsharded)."""
-    if shard == "q":
-        return 0, arch.q_size
-    if shard == "k":
-        return arch.q_size, arch.kv_size
-    if shard == "v":
-        return arch.q_size + arch.kv_size, arch.kv_size
-    inter = arch.moe_intermediate_size if in_expert else arch.intermediate_size
-    return int(shard) * inter, inter
-
-
-# Where one checkpoint tensor goes: (parameter name, expert, shard id). Stacked expert parameters
-# ([E, ...], module "experts") take one checkpoint tensor per expert (expert is None elsewhere); the
-# shard id names a projection's rows inside a fused parameter (None: all of it).
-Target = tuple[str, int | None, str | int | None]
-
-
-def _checkpoint_names(
-    pname: str, num_rows: int, mapping: dict[str, tuple[str, str | int]]
-) -> dict[str, Target]:
-    """The checkpoint tensors that fill parameter `pname` (num_rows: its first dimension)."""
-    parts = pname.split(".")
-    if len(parts) >= 2 and parts[-2] == "experts":  # experts.gate_up_proj <- experts.{e}.gate_proj.weight
-        prefix, leaf = ".".join(parts[:-1]), parts[-1]
-        sources: list[tuple[str, str | int | None]] = [
-            (src, shard) for src, (fused, shard) in mapping.items() if fused == leaf
-        ] or [(leaf, None)]
-        return {
-            f"{prefix}.{e}.{src}.weight": (pname, e, shard) for e in range(num_rows) for src, shard in sources
-        }
-    for i, part in enumerate(parts):
-        sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == part]
-        if sources:
-            return {
-                ".".join(parts[:i] + [src] + parts[i + 1 :]): (pname, None, shard) for src, shard in sources
-            }
-    return {pname: (pname, None, None)}
-
-
-_KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
-
-
-def _kv_scale_of(name: str) -> tuple[int, int] | None:
-    """(layer, 0 for k / 1 for v) when `name` is an FP8 checkpoint's per-layer KV-cache scale."""
-    match = _KV_SCALE_NAME.fullmatch(name)
-    return (int(match.group(1)), "kv".index(match.group(2))) if match else None
-
-
-def _listing(names: Iterable[str], limit: int = 8) -> str:
-    names = sorted(names)
-    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
-    return ", ".join(names[:limit]) + more
-
-
-@torch.no_grad()
-def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
-    separate q/k/v and gate/up tensors and stacking per-expert tensors (mlp.experts.N.*) into the
-    experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
-    shape mismatch.
-
-    KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
-    parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
-    1.0 for a missing one, for the runner's FP8 cache."""
-    arch: ModelArch = model.arch
-    mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
-    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
-    # checkpoint name -> where it goes; the checkpoint must supply every one
-    expected: dict[str, Target] = {}
-    for pname, param in params.items():
-        expected.update(_checkpoint_names(pname, param.shape[0], mapping))
-
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    kv_scales: dict[int, list[float]] = {}
-    for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name:
-            continue  # the rotary table is recomputed, never loaded
-        kv_scale = _kv_scale_of(name)
-        if kv_scale is not None:
-            layer, which = kv_scale
-            kv_scales.setdefault(layer, [1.0, 1.0])[which] = float(tensor.float().max())
-            continue
-        if name == "lm_head.weight" and arch.tie_word_embeddings:
-            continue  # some tied checkpoints store a copy of the embedding
-        if name not in expected:
-            unexpected.append(name)
-            continue
-        pname, expert, shard = expected[name]
-        target = params[pname].data
-        if expert is not None:
-            target = target[expert]
-        if shard is not None:
-            start, rows = _shard_range(arch, shard, in_expert=expert is not None)
-            target = target.narrow(0, start, rows)
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise ModelLoadError(
-                f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
-                f"the model expects {list(target.shape)} (does config.json match the weights?)"
-            )
-        target.copy_(tensor)
-        seen.add(name)
-
-    model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
-    problems = []
-    missing = set(expected) - seen
-    if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
-    if problems:
-        raise ModelLoadError(
-            f"checkpoint does not match the {type(model).__name__} architecture: " + "; ".join(problems)
-        )

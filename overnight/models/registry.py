@@ -13,7 +13,17 @@ from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
 from overnight.models.gpt_oss import GptOssForCausalLM
-from overnight.models.llama import LlamaForCausalLM
+from overnight.models.hf_config import (
+    TEXT_CONFIG_FAMILIES,
+    WINDOWED_FAMILIES,
+    checked_rope,
+    family_fields,
+    rope_params,
+    text_config,
+)
+from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
+from overnight.models.mixtral import MixtralForCausalLM
+from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
@@ -28,6 +38,18 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
+    # The dense families of issue 32: Llama's decoder with per-layer windows / RoPE and block options
+    # (ModelArch fields read by _FAMILY_FIELDS below), OLMo's post-norm blocks, Mixtral's experts.
+    "mistral": LlamaForCausalLM,
+    "ministral3": LlamaForCausalLM,
+    "mistral3": Mistral3ForConditionalGeneration,
+    "mixtral": MixtralForCausalLM,
+    "phi3": LlamaForCausalLM,
+    "olmo2": OlmoForCausalLM,
+    "olmo3": OlmoForCausalLM,
+    "smollm3": LlamaForCausalLM,
+    "granite": LlamaForCausalLM,
+    "glm4": LlamaForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -45,10 +67,19 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
+    "MistralForCausalLM": "mistral",
+    "Ministral3ForCausalLM": "ministral3",
+    "Mistral3ForConditionalGeneration": "mistral3",
+    "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "Olmo3ForCausalLM": "olmo3",
+    "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
+    "Glm4ForCausalLM": "glm4",
 }
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 _ENCODERS = ("bert",)
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 def supported_architectures() -> list[str]:
@@ -112,22 +143,6 @@ def _bert_arch(cfg: dict[str, Any]) -> ModelArch:
     )
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, float], ...] | None]:
-    """(theta, llama3 scaling) from either `rope_parameters` (transformers 5) or `rope_theta` +
-    `rope_scaling` (older configs)."""
-    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
-        return theta, None
-    if rope_type != "llama3":
-        raise ModelLoadError(f"unsupported RoPE scaling type {rope_type!r} (supported: default, llama3)")
-    missing = [k for k in _LLAMA3_KEYS if k not in params]
-    if missing:
-        raise ModelLoadError(f"llama3 RoPE scaling is missing {', '.join(missing)}")
-    return theta, tuple((k, float(params[k])) for k in _LLAMA3_KEYS)
-
-
 def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     """Read a config.json dict; raises ModelLoadError for architectures or features not implemented."""
     family = family_of(hf_architecture_of(cfg))
@@ -140,16 +155,19 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
+    if family in TEXT_CONFIG_FAMILIES:  # a multimodal checkpoint: its text model's config
+        cfg = text_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("unsupported: mlp_bias=true")
     windows = _window_fields(cfg, family)
-    theta, scaling = _rope(cfg)
-    moe = _moe_fields(cfg) if family == "qwen3_moe" else {}
+    if cfg.get("use_sliding_window") and family not in WINDOWED_FAMILIES:
+        raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
+    theta, scaling = rope_params(cfg)
     try:
         heads = cfg["num_attention_heads"]
-        return ModelArch(
+        fields: dict[str, Any] = dict(
             architecture=family,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -169,8 +187,11 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             o_proj_bias=False if family == "qwen2" else bool(cfg.get("attention_bias", False)),
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **windows,
-            **moe,
         )
+        if family == "qwen3_moe":
+            fields.update(_moe_fields(cfg))
+        fields.update(family_fields(family, cfg))
+        return checked_rope(ModelArch(**fields))
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
 
@@ -181,7 +202,7 @@ def _window_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if not cfg.get("use_sliding_window"):
         return {}
     if family not in ("qwen2", "qwen3"):
-        raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
+        return {}  # the families that read windows their own way (models/hf_config.py), or refuse them
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"use_sliding_window=true needs a positive sliding_window, got {window!r}")
@@ -230,7 +251,7 @@ def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
             f"gpt-oss with quantization method {qc.get('quant_method')!r} is not supported "
             "(the published MXFP4 checkpoints and unquantized ones are)"
         )
-    theta, scaling = _rope(cfg)
+    theta, scaling = rope_params(cfg)
     try:
         layers = int(cfg["num_hidden_layers"])
         layer_types = tuple(

@@ -65,6 +65,11 @@ class TPShards:
         if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
             # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
             raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
+        if a.qk_norm_whole:  # its variance would need every rank's heads
+            raise ModelLoadError(
+                f"tensor parallelism does not support {a.architecture}: its q/k norms span all heads "
+                "(run copies of it with data_parallel_size instead)"
+            )
         problems = []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")

@@ -1,0 +1,187 @@
+"""Checkpoint loading shared by every family built from the dense decoder's blocks: HF-named tensors into
+the fused parameters (packed_modules_mapping), per-expert tensors into stacked experts, FP8 KV scales
+collected, and the renames some families' checkpoints need first.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+
+_VISION_PREFIXES = (
+    "vision_tower.",
+    "multi_modal_projector.",
+    "model.vision_tower.",
+    "model.multi_modal_projector.",
+)
+# transformers 5 saves model.language_model.*, earlier ones language_model.model.* / language_model.lm_head.*
+_TEXT_RENAMES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.", ""),
+)
+
+
+def text_model_tensors(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(_VISION_PREFIXES):
+            skipped += 1
+            continue
+        for old, new in _TEXT_RENAMES:
+            if name.startswith(old):
+                name = new + name[len(old) :]
+                break
+        yield name, tensor
+    if skipped:
+        logger.info(
+            "skipped %d vision tensors of the checkpoint: overnight runs its text model only", skipped
+        )
+
+
+def split_fused_tensors(
+    arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoints that store q/k/v or gate/up fused (Phi-3: self_attn.qkv_proj, mlp.gate_up_proj; GLM-4:
+    mlp.gate_up_proj) as the separate tensors the loader fuses again (so FP8 scales, tensor-parallel
+    shards and shape checks treat every family alike); other tensors pass unchanged."""
+    for name, tensor in weights:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix.endswith("self_attn.qkv_proj") and leaf in ("weight", "bias"):
+            base = prefix.removesuffix("qkv_proj")
+            q, k, v = tensor.split([arch.q_size, arch.kv_size, arch.kv_size])
+            yield from ((f"{base}{p}.{leaf}", t) for p, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)))
+        elif prefix.endswith("mlp.gate_up_proj") and leaf == "weight" and tensor.dim() == 2:
+            base = prefix.removesuffix("gate_up_proj")
+            gate, up = tensor.split([arch.intermediate_size, arch.intermediate_size])
+            yield f"{base}gate_proj.weight", gate
+            yield f"{base}up_proj.weight", up
+        else:
+            yield name, tensor
+
+
+def _shard_range(arch: ModelArch, shard: str | int, in_expert: bool) -> tuple[int, int]:
+    """(row offset, rows) of one checkpoint projection inside its fused parameter (full, unsharded)."""
+    if shard == "q":
+        return 0, arch.q_size
+    if shard == "k":
+        return arch.q_size, arch.kv_size
+    if shard == "v":
+        return arch.q_size + arch.kv_size, arch.kv_size
+    inter = arch.moe_intermediate_size if in_expert else arch.intermediate_size
+    return int(shard) * inter, inter
+
+
+# Where one checkpoint tensor goes: (parameter name, expert, shard id). Stacked expert parameters
+# ([E, ...], module "experts") take one checkpoint tensor per expert (expert is None elsewhere); the
+# shard id names a projection's rows inside a fused parameter (None: all of it).
+Target = tuple[str, int | None, str | int | None]
+
+
+def _checkpoint_names(
+    pname: str, num_rows: int, mapping: dict[str, tuple[str, str | int]]
+) -> dict[str, Target]:
+    """The checkpoint tensors that fill parameter `pname` (num_rows: its first dimension)."""
+    parts = pname.split(".")
+    if len(parts) >= 2 and parts[-2] == "experts":  # experts.gate_up_proj <- experts.{e}.gate_proj.weight
+        prefix, leaf = ".".join(parts[:-1]), parts[-1]
+        sources: list[tuple[str, str | int | None]] = [
+            (src, shard) for src, (fused, shard) in mapping.items() if fused == leaf
+        ] or [(leaf, None)]
+        return {
+            f"{prefix}.{e}.{src}.weight": (pname, e, shard) for e in range(num_rows) for src, shard in sources
+        }
+    for i, part in enumerate(parts):
+        sources = [(src, shard) for src, (fused, shard) in mapping.items() if fused == part]
+        if sources:
+            return {
+                ".".join(parts[:i] + [src] + parts[i + 1 :]): (pname, None, shard) for src, shard in sources
+            }
+    return {pname: (pname, None, None)}
+
+
+_KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+
+
+def _kv_scale_of(name: str) -> tuple[int, int] | None:
+    """(layer, 0 for k / 1 for v) when `name` is an FP8 checkpoint's per-layer KV-cache scale."""
+    match = _KV_SCALE_NAME.fullmatch(name)
+    return (int(match.group(1)), "kv".index(match.group(2))) if match else None
+
+
+def _listing(names: Iterable[str], limit: int = 8) -> str:
+    names = sorted(names)
+    more = f" ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@torch.no_grad()
+def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
+    separate q/k/v and gate/up tensors and stacking per-expert tensors (mlp.experts.N.*) into the
+    experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
+    shape mismatch.
+
+    KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
+    parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
+    1.0 for a missing one, for the runner's FP8 cache."""
+    arch: ModelArch = model.arch
+    mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
+    params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
+    # checkpoint name -> where it goes; the checkpoint must supply every one
+    expected: dict[str, Target] = {}
+    for pname, param in params.items():
+        expected.update(_checkpoint_names(pname, param.shape[0], mapping))
+
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    kv_scales: dict[int, list[float]] = {}
+    for name, tensor in weights:
+        if "rotary_emb.inv_freq" in name:
+            continue  # the rotary table is recomputed, never loaded
+        kv_scale = _kv_scale_of(name)
+        if kv_scale is not None:
+            layer, which = kv_scale
+            kv_scales.setdefault(layer, [1.0, 1.0])[which] = float(tensor.float().max())
+            continue
+        if name == "lm_head.weight" and arch.tie_word_embeddings:
+            continue  # some tied checkpoints store a copy of the embedding
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        pname, expert, shard = expected[name]
+        target = params[pname].data
+        if expert is not None:
+            target = target[expert]
+        if shard is not None:
+            start, rows = _shard_range(arch, shard, in_expert=expert is not None)
+            target = target.narrow(0, start, rows)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ModelLoadError(
+                f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
+                f"the model expects {list(target.shape)} (does config.json match the weights?)"
+            )
+        target.copy_(tensor)
+        seen.add(name)
+
+    model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
+    problems = []
+    missing = set(expected) - seen
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    if problems:
+        raise ModelLoadError(
+            f"checkpoint does not match the {type(model).__name__} architecture: " + "; ".join(problems)
+        )

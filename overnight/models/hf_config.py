@@ -1,0 +1,229 @@
+"""The ModelArch fields of config.json where a dense family differs from Llama: RoPE (every scaling type,
+per layer kind), windows, partial / interleaved rotation, NoPE layers, norm placement, Granite's
+multipliers, Mixtral's experts, and the text model of a Mistral 3 checkpoint. One small function per
+family (FAMILY_FIELDS); models/registry.py reads the fields all families share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from overnight.config import ModelArch, RopeValue
+from overnight.errors import ModelLoadError
+from overnight.layers.rotary import ROPE_TYPES, rope_table
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_params(
+    cfg: dict[str, Any], params: dict[str, Any] | None = None, *, scaled: bool = True
+) -> tuple[float, tuple[tuple[str, RopeValue], ...] | None]:
+    """(theta, scaling) from a rope parameter dict: `params` when given (one layer kind's), else the
+    config's `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older configs).
+    scaled=False: the theta alone (OLMo 3's sliding layers of an older config)."""
+    if params is None:
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type in ("su", "yarn") and cfg.get("model_type") == "phi3":
+        rope_type = "longrope"  # Phi-3's early names for it, as transformers reads them
+    if rope_type in (None, "default") or not scaled:
+        return theta, None
+    if rope_type not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported RoPE scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
+        )
+    keys = dict(params)
+    for k in ("rope_theta", "type", "partial_rotary_factor", "rope_type"):
+        keys.pop(k, None)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers' rule: a top-level original_max_position_embeddings (Phi-3) wins
+        original = cfg.get("original_max_position_embeddings") or keys.get("original_max_position_embeddings")
+        keys["original_max_position_embeddings"] = original or cfg.get("max_position_embeddings", 4096)
+    required = {
+        "llama3": _LLAMA3_KEYS,
+        "linear": ("factor",),
+        "dynamic": ("factor",),
+        "longrope": ("short_factor", "long_factor"),
+    }.get(rope_type, ())
+    missing = [k for k in required if keys.get(k) is None]
+    if missing:
+        raise ModelLoadError(f"{rope_type} RoPE scaling is missing {', '.join(missing)}")
+    if rope_type == "llama3":  # kept in the older form: the four keys alone
+        return theta, tuple((k, float(keys[k])) for k in _LLAMA3_KEYS)
+    items: list[tuple[str, RopeValue]] = [("rope_type", str(rope_type))]
+    for k, v in sorted(keys.items()):
+        if isinstance(v, list):
+            items.append((k, tuple(float(x) for x in v)))
+        elif isinstance(v, bool) or isinstance(v, (int, float)):
+            items.append((k, v if isinstance(v, bool) else float(v)))
+        elif v is not None:
+            raise ModelLoadError(f"unsupported value {v!r} of RoPE parameter {k!r}")
+    return theta, tuple(items)
+
+
+def checked_rope(arch: ModelArch) -> ModelArch:
+    """Every RoPE table of the architecture computes (one position of it), so a bad scaling parameter
+    (LongRoPE factors of the wrong length, a non-number) is refused before anything is built."""
+    for theta, scaling in (
+        (arch.rope_theta, arch.rope_scaling),
+        (arch.sliding_rope_theta, arch.sliding_rope_scaling),
+    ):
+        if theta is None:
+            continue
+        try:
+            rope_table(arch.rotary_dim, 1, theta, dict(scaling) if scaling else None)
+        except ValueError as e:
+            raise ModelLoadError(f"bad RoPE parameters in config.json: {e}") from None
+    return arch
+
+
+def _window(cfg: dict[str, Any], kinds: list[str] | None) -> dict[str, Any]:
+    """layer_types and sliding_window: every layer windowed when kinds is None (Mistral's one
+    sliding_window for all), else HF's per-layer names; no window at all without a sliding_window."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return {}
+    n = cfg["num_hidden_layers"]
+    kinds = kinds if kinds is not None else ["sliding_attention"] * n
+    if len(kinds) != n or not set(kinds) <= {"full_attention", "sliding_attention"}:
+        raise ModelLoadError(
+            f"layer_types must name full_attention or sliding_attention for each of {n} layers"
+        )
+    if "sliding_attention" not in kinds:
+        return {}
+    return dict(layer_types=tuple(kinds), sliding_window=int(window))
+
+
+def _partial_rotary(cfg: dict[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(
+            f"partial_rotary_factor {factor} gives an odd or empty rotary dim ({rotary_dim})"
+        )
+    return float(factor)
+
+
+def _mistral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    # Mistral (and Ministral 3, Mixtral) window every layer when sliding_window is set; transformers
+    # ignores a layer_types in these configs.
+    return _window(cfg, None)
+
+
+def _mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    experts = int(cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(
+            f"Mixtral needs 0 < num_experts_per_tok <= num_local_experts, got {top_k}, {experts}"
+        )
+    # The router's softmax weights of the chosen experts are renormalized to sum to 1 (as HF's Mixtral).
+    moe = dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=True,
+    )
+    return {**moe, **_window(cfg, None)}
+
+
+def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(partial_rotary_factor=_partial_rotary(cfg), **_window(cfg, None))
+
+
+def _olmo2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(norm_placement="post", qk_norm=True, qk_norm_whole=True)
+
+
+def _olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)
+    ]
+    fields = {**_olmo2_fields(cfg), **_window(cfg, list(kinds))}
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one per kind
+        theta, scaling = rope_params(cfg, params.get("full_attention") or {})
+        sliding_theta, sliding_scaling = rope_params(cfg, params.get("sliding_attention") or {})
+    else:  # older configs: rope_scaling applies to the full layers only
+        theta, scaling = rope_params(cfg)
+        sliding_theta, sliding_scaling = rope_params(cfg, scaled=False)
+    fields.update(rope_theta=theta, rope_scaling=scaling)
+    if (sliding_theta, sliding_scaling) != (theta, scaling):
+        fields.update(sliding_rope_theta=sliding_theta, sliding_rope_scaling=sliding_scaling)
+    return fields
+
+
+def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    # no_rope_layers[i] is 1 where layer i uses RoPE (HF's naming), default: every 4th layer has none.
+    interval = int(cfg.get("no_rope_layer_interval", 4))
+    uses_rope = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    if len(uses_rope) != n:
+        raise ModelLoadError(f"no_rope_layers must have one entry per layer ({n}), got {len(uses_rope)}")
+    fields: dict[str, Any] = dict(no_rope_layers=tuple(i for i, rope in enumerate(uses_rope) if not rope))
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        kinds = cfg.get("layer_types") or [
+            "full_attention" if uses_rope[i] else "sliding_attention" for i in range(n)
+        ]
+        fields.update(_window(cfg, list(kinds)))
+    return fields
+
+
+def _granite_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+        embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+        logits_scaling=float(cfg.get("logits_scaling", 1.0)),
+    )
+
+
+def _glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    # q/k/v carry attention_bias's bias, o_proj none; half of each head rotates, in interleaved pairs.
+    params = cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in cfg:
+        cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' default for GLM-4
+    return dict(
+        norm_placement="sandwich",
+        o_proj_bias=False,
+        partial_rotary_factor=_partial_rotary(cfg),
+        rope_interleaved=True,
+    )
+
+
+def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The text model's config of a multimodal checkpoint (Mistral 3: Mistral or Ministral 3 inside).
+    Whether the LM head is tied is the top level's say (transformers ties by it, default true)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json lacks required field 'text_config'")
+    if text.get("model_type", "mistral") not in ("mistral", "ministral3"):
+        raise ModelLoadError(f"unsupported text model {text.get('model_type')!r} in a Mistral 3 checkpoint")
+    return {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", True)}
+
+
+def family_fields(family: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The fields where `family` differs from Llama ({} for Llama, Qwen2, Qwen3)."""
+    read = FAMILY_FIELDS.get(family)
+    return read(cfg) if read is not None else {}
+
+
+FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "mistral": _mistral_fields,
+    "ministral3": _mistral_fields,
+    "mistral3": _mistral_fields,
+    "mixtral": _mixtral_fields,
+    "phi3": _phi3_fields,
+    "olmo2": _olmo2_fields,
+    "olmo3": _olmo3_fields,
+    "smollm3": _smollm3_fields,
+    "granite": _granite_fields,
+    "glm4": _glm4_fields,
+}
+TEXT_CONFIG_FAMILIES = ("mistral3",)
+WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)
