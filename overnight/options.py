@@ -10,9 +10,14 @@ Light on purpose: importing this module imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
+import functools
+import os
+import re
 import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
+
+from overnight.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -42,16 +47,87 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 MODES = ("offline", "server", "batch")
 
 
+# A device option: cpu, cuda, or cuda:N.
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
 def option(
     default: Any,
     help: str,
     *,
     choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    fraction: bool = False,
+    pattern: re.Pattern[str] | None = None,
     flags: tuple[str, ...] = (),
     cli: bool = True,
 ) -> Any:
-    """A field of EngineOptions with what its flag needs (flags: short aliases such as -tp)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags, "cli": cli})
+    """A field of an options dataclass with what its flag needs (flags: short aliases such as -tp) and
+    what its values may be: one of `choices` (matched without case when they are all upper case, and
+    stored as given in `choices`), at least `minimum`, a `fraction` in (0, 1], or a full match of
+    `pattern`. check_options() holds every value to these when the options are made."""
+    meta = {
+        "help": help,
+        "choices": choices,
+        "minimum": minimum,
+        "fraction": fraction,
+        "pattern": pattern,
+        "flags": flags,
+        "cli": cli,
+    }
+    return field(default=default, metadata=meta)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _type_name(kind: type) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        kind, kind.__name__
+    )
+
+
+def _is_a(value: object, kind: type) -> bool:
+    """isinstance, but a bool is no number, and an int is a float."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def check_options(opts: Any) -> None:
+    """Raise ConfigError naming the first field of the options dataclass `opts` whose value its option()
+    declaration does not allow (type, choices, minimum, fraction, pattern). Runs in __post_init__, so
+    LLM(...), every command and the server refuse a wrong value before anything is read or loaded."""
+    hints = _hints(type(opts))
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        annotation = hints[f.name]
+        if value is None and type(None) in typing.get_args(annotation):
+            continue
+        kind = _value_type(annotation)
+        meta = f.metadata
+        if kind is str and isinstance(value, os.PathLike):  # a model or tokenizer folder as a Path
+            value = os.fspath(value)
+            object.__setattr__(opts, f.name, value)
+        if not _is_a(value, kind):
+            raise ConfigError(f"{f.name} must be {_type_name(kind)}, not {value!r}")
+        choices = meta.get("choices")
+        if choices:
+            folded = value.upper() if all(c == c.upper() for c in choices) else value
+            if folded not in choices:
+                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; not {value!r}")
+            if folded != value:
+                object.__setattr__(opts, f.name, folded)
+        minimum = meta.get("minimum")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{f.name} must be at least {minimum}, got {value}")
+        if meta.get("fraction") and not 0 < value <= 1:
+            raise ConfigError(f"{f.name} must be a fraction in (0, 1], got {value}")
+        pattern = meta.get("pattern")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise ConfigError(f"{f.name} must match {pattern.pattern}, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -71,19 +147,25 @@ class EngineOptions:
     load_format: str = option(
         "auto", "dummy: random weights of the named preset or config", choices=LOAD_FORMATS
     )
-    seed: int = option(0, "seed of unseeded requests' sampling and of dummy weights")
-    max_model_len: int | None = option(None, "longest sequence, prompt plus output (default: the model's)")
-    max_num_seqs: int | None = option(None, "sequences in one step (default: by device memory and mode)")
+    seed: int = option(0, "seed of unseeded requests' sampling and of dummy weights", minimum=0)
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt plus output (default: the model's)", minimum=2
+    )
+    max_num_seqs: int | None = option(
+        None, "sequences in one step (default: by device memory and mode)", minimum=1
+    )
     max_num_batched_tokens: int | None = option(
-        None, "tokens in one step, prefill chunks included (default: by device memory and mode)"
+        None, "tokens in one step, prefill chunks included (default: by device memory and mode)", minimum=1
     )
     block_size: int | None = option(
-        None, "tokens per KV-cache block (default: 16; 64 with an FP8 cache, see block_size_for)"
+        None, "tokens per KV-cache block (default: 16; 64 with an FP8 cache, see block_size_for)", minimum=1
     )
     gpu_memory_utilization: float = option(
-        0.9, "share of GPU memory for weights, activations and the KV pool"
+        0.9, "share of GPU memory for weights, activations and the KV pool", fraction=True
     )
-    kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes, overriding the utilization")
+    kv_cache_memory_bytes: int | None = option(
+        None, "KV pool size in bytes, overriding the utilization", minimum=1
+    )
     quantization: str | None = option(
         None,
         "fp8: FP8 weights for every linear layer but the LM head, quantized at load (FP8 checkpoints "
@@ -100,15 +182,19 @@ class EngineOptions:
     )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps")
-    tensor_parallel_size: int = option(1, "GPUs one model is split over", flags=("-tp",))
-    data_parallel_size: int = option(1, "engines, each with its own copy of the model", flags=("-dp",))
+    tensor_parallel_size: int = option(1, "GPUs one model is split over", minimum=1, flags=("-tp",))
+    data_parallel_size: int = option(
+        1, "engines, each with its own copy of the model", minimum=1, flags=("-dp",)
+    )
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts are token ids, outputs have no text")
     trust_remote_code: bool = option(
         False,
         "accepted as vLLM spells it; overnight never runs a checkpoint's own code, so an architecture "
         "it does not implement is an error either way",
     )
-    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    device: str | None = option(
+        None, "cpu, cuda, cuda:N (default: cuda when available)", pattern=DEVICE_PATTERN
+    )
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
@@ -131,7 +217,9 @@ class EngineOptions:
         "of the last ones first; fifo keeps input order",
         choices=SCHEDULES,
     )
-    lookahead_window: int = option(4096, "prompts read ahead of the engine, with --schedule lookahead")
+    lookahead_window: int = option(
+        4096, "prompts read ahead of the engine, with --schedule lookahead", minimum=1
+    )
     runner: str = option(
         "auto",
         "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
@@ -152,6 +240,9 @@ class EngineOptions:
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineOptions:

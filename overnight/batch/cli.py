@@ -18,8 +18,7 @@ import sys
 from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
 from overnight.batch.spill import check_spill
-from overnight.entrypoints.submission import check_schedule, make_order
-from overnight.errors import ConfigError
+from overnight.entrypoints.submission import make_order
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -101,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    options_from_args(args, mode="batch")  # a wrong option value: ConfigError, before any file is touched
     if args.input_file != "-" and not os.path.isfile(args.input_file):
         raise UsageError(f"input file {args.input_file} not found")
     if args.validate_only:
@@ -117,10 +117,6 @@ def _check_args(args: argparse.Namespace) -> None:
         if path is not None:
             check_output(path, resume=args.resume, overwrite=args.overwrite, what=what)
     check_spill(args.output_file, resume=args.resume, overwrite=args.overwrite)
-    try:
-        check_schedule(args.schedule, args.lookahead_window)
-    except ConfigError as e:
-        raise UsageError(str(e)) from None
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

@@ -20,7 +20,7 @@ from overnight.entrypoints.prompts import (
     render_conversation,
     tokenize_prompt,
 )
-from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
+from overnight.entrypoints.submission import make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.options import EngineOptions
 from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
@@ -49,7 +49,6 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
-        check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
         self._seeds = random.Random(self.options.seed)  # unseeded prompts' seeds, in input order

@@ -32,6 +32,7 @@ from overnight.options import (
     EngineOptions,
     add_engine_args,
     add_option_args,
+    check_options,
     from_args,
     option,
     options_from_args,
@@ -46,7 +47,7 @@ log = logging.getLogger("overnight.server")
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
-    port: int = option(8000, "port to listen on")
+    port: int = option(8000, "port to listen on", minimum=0)
     api_key: str | None = option(
         None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
     )
@@ -54,18 +55,21 @@ class ServerOptions:
         False, "with --api-key, /metrics needs the key too (Prometheus scrapers then must send it)"
     )
     max_request_bytes: int = option(
-        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this many bytes"
+        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this many bytes", minimum=1
     )
     max_waiting: int | None = option(
-        None, "answer 503 to new requests while this many wait to be scheduled (default: no limit)"
+        None,
+        "answer 503 to new requests while this many wait to be scheduled (default: no limit)",
+        minimum=0,
     )
     stream_interval: int = option(
         1,
         "a streamed response sends a chunk once it holds this many new tokens (or ends): fewer chunks "
         "cost the HTTP process less per token at saturation, each token arriving a little later",
+        minimum=1,
     )
     shutdown_timeout: float = option(
-        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted", minimum=0
     )
     metrics_prefix: str = option(
         DEFAULT_PREFIX, "prefix of /metrics names; 'vllm' keeps existing dashboards working"
@@ -76,8 +80,7 @@ class ServerOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be at least 1 token, got {self.stream_interval}")
+        check_options(self)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
