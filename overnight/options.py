@@ -10,7 +10,6 @@ Light on purpose: importing this module imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import typing
@@ -37,7 +36,7 @@ ATTENTION_VARIANTS = (
 SCHEDULES = ("lookahead", "fifo")
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
 # 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
-# on the H200 (bench/decode_pages_gpu.py, docs/benchmarks.md round 11); a 16-bit cache already reads at
+# on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at
 # the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
 DEFAULT_BLOCK_SIZE = 16
 FP8_BLOCK_SIZE = 64
@@ -78,9 +77,13 @@ def option(
     return field(default=default, metadata=meta)
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
 
 
 def _type_name(kind: type) -> str:

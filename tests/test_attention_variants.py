@@ -366,7 +366,7 @@ def test_attention_variants_by_name() -> None:
 
 
 def test_fp8_caches_default_to_e4m3_dots() -> None:
-    """Both kernels' defaults for an FP8 cache run the dots on e4m3 (round 10 on the H200); 16-bit caches
+    """Both kernels' defaults for an FP8 cache run the dots on e4m3 (faster on the H200, bench/attention_gpu.py); 16-bit caches
     keep theirs."""
     from overnight.kernels.paged_decode import default_decode_config
     from overnight.kernels.paged_prefill import default_prefill_config
@@ -374,7 +374,7 @@ def test_fp8_caches_default_to_e4m3_dots() -> None:
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert default_decode_config(fp8, 16).fp8_mma
         # Pages of 64 (an FP8 cache's default block size): TMA tiles of 64; pages of 16: the pointer
-        # gathers of 128-token tiles (round 11 on the H200)
+        # gathers of 128-token tiles (bench/decode_pages_gpu.py on the H200)
         assert default_decode_config(fp8, 64).tma and default_decode_config(fp8, 64).block_n == 64
         assert not default_decode_config(fp8, 16).tma and default_decode_config(fp8, 16).block_n == 128
     assert default_prefill_config(torch.float8_e4m3fn).fp8_mma

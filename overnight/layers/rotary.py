@@ -41,6 +41,8 @@ def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, float]) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32: cos | sin (a buffer, never saved)
+
     def __init__(
         self,
         head_dim: int,

@@ -145,7 +145,7 @@ def uvicorn_server(app, opts: ServerOptions):
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine of a server: server limits, and its own process unless --no-engine-process (its step
-    then never waits for the GIL the HTTP side holds; docs/benchmarks.md)."""
+    then never waits for the GIL the HTTP side holds; bench/server_cost_cpu.py measures the difference)."""
     opts = options_from_args(args, mode="server")
     return opts if opts.engine_process is not None else replace(opts, engine_process=True)
 
