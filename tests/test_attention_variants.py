@@ -25,8 +25,7 @@ from overnight.kernels.kv_layout import to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_decode_fp8 import decode_fp8_mma_ref
 from overnight.kernels.paged_prefill import PrefillConfig, prefill_fp8_mma_ref
-from tests.test_fp8_kv import exact_in_fp8
-from tests.test_kernels_attention import DEVICE, DTYPES, assert_close, make_batch, poisoned
+from tests.kernel_helpers import DEVICE, DTYPES, assert_close, exact_in_fp8, make_batch, poisoned
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs
 

@@ -22,7 +22,7 @@ from overnight.sampling_params import SamplingParams
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
 from overnight.tools.check import CheckLog, diagnose, start_check_log
-from tests.test_scheduler import make_engine, run_all
+from tests.engine_helpers import make_engine, run_all
 
 # SmolLM2-135M keeps 46080 bytes of fp32 KV per token (30 layers x 2 x 3 heads x 64 x 4 B).
 KV_PER_TOKEN = 46080

@@ -16,7 +16,7 @@ import torch
 
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
-from tests.test_server_fake import slow_engine
+from tests.engine_helpers import slow_engine
 
 pytestmark = pytest.mark.slow  # a Python process (torch import) per command
 

@@ -20,7 +20,7 @@ from overnight.layers.moe import fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.quant.fp8 import quantize_stacked_per_channel
-from tests.test_kernels_small_ops import _run_steps
+from tests.kernel_helpers import _run_steps
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from overnight.metrics import PrometheusObserver, attach_metrics, start_metrics_server
 from overnight.metrics.prometheus import token_buckets
 from overnight.sampling_params import SamplingParams
-from tests.test_scheduler import make_engine, run_all
+from tests.engine_helpers import make_engine, run_all
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

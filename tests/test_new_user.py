@@ -12,7 +12,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import InvalidRequestError
 from overnight.sampling_params import SamplingParams
 from overnight.tools.check import CheckLog
-from tests.test_scheduler import make_engine
+from tests.engine_helpers import make_engine
 
 
 def test_finished_time_is_never_before_the_last_token():

@@ -20,7 +20,7 @@ import pytest
 from overnight.entrypoints.llm import LLM
 from overnight.ray import generate_dataset, require_ray
 from overnight.sampling_params import SamplingParams
-from tests.test_run_batch import (
+from tests.batch_helpers import (
     MAX_MODEL_LEN,
     WORDS,
     engine_flags,

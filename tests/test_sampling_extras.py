@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from tests.test_engine_batching import KV_BYTES_PER_TOKEN
-from tests.test_run_batch import (
+from tests.batch_helpers import (
     MAX_MODEL_LEN,
     SERVED,
     completion_line,
@@ -25,6 +24,7 @@ from tests.test_run_batch import (
     run_cli,
     write_jsonl,
 )
+from tests.engine_helpers import KV_BYTES_PER_TOKEN
 from tests.tiny_models import load_reference, make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # runs the real model

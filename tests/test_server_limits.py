@@ -13,7 +13,7 @@ import pytest
 from overnight.openai_api.protocol import UNSUPPORTED_FIELDS
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
-from tests.test_server_fake import slow_engine
+from tests.engine_helpers import slow_engine
 
 
 class SlowTokenizer:
