@@ -1,4 +1,4 @@
-"""Issue 20's sampling extras on a GPU (run on the H200: PYTHONPATH=. python bench/newuser_gpu.py).
+"""The sampling extras on a GPU (run on the H200: PYTHONPATH=. python bench/newuser_gpu.py).
 
 1. prompt_logprobs in bf16 through chunked prefill (64-token steps) with CUDA graphs on: a random-weight
    Qwen3-0.6B against transformers' log_softmax of one forward pass over each whole prompt (median

@@ -1,4 +1,4 @@
-"""The attention kernels' variants selected by config, against the PyTorch references (issue 15).
+"""The attention kernels' variants selected by config, against the PyTorch references.
 
 - prefetch_pages (DecodeConfig, PrefillConfig): page ids loaded one tile ahead (kernels/kv_tiles.py);
   the same arithmetic as without, so the same tolerances as tests/test_kernels_attention.py.

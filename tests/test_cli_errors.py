@@ -1,4 +1,4 @@
-"""What a new user types first, through `python -m overnight` in a subprocess (issue 20): every ordinary
+"""What a new user types first, through `python -m overnight` in a subprocess: every ordinary
 mistake is one line on stderr and exit status 2, never a traceback; `serve MODEL` and
 --trust-remote-code are accepted as vLLM users type them; a model too large for the machine stops
 before a weight is allocated."""

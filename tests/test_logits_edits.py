@@ -1,5 +1,5 @@
 """logit_bias, allowed_token_ids, bad_words on synthetic logits (the batched edits against a per-row
-reference), best_of / truncate_prompt_tokens in SamplingParams and the engine (fake runner) (issue 20)."""
+reference), best_of / truncate_prompt_tokens in SamplingParams and the engine (fake runner)."""
 
 from __future__ import annotations
 

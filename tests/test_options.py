@@ -99,3 +99,9 @@ def test_server_options_are_checked():
 def test_sampling_params_refuse_a_wrong_value_by_name(kwargs, name):
     with pytest.raises(InvalidRequestError, match=f"^{name} must"):
         SamplingParams(**kwargs)
+
+
+def test_trust_remote_code_is_an_option_like_vllms():
+    from overnight.options import EngineOptions
+
+    assert EngineOptions.from_kwargs(model="m", trust_remote_code=True).trust_remote_code is True

@@ -1,5 +1,5 @@
 """prompt_logprobs, logit_bias, allowed_token_ids, bad_words, best_of, truncate_prompt_tokens and
-completions' echo on the real runner (a tiny random Qwen3, fp32, CPU) (issue 20).
+completions' echo on the real runner (a tiny random Qwen3, fp32, CPU).
 
 prompt_logprobs are checked against transformers' log_softmax of one forward pass over the whole
 prompt, while chunked prefill splits the prompt, a full prefix cache holds it and a tiny pool preempts.

@@ -174,3 +174,14 @@ def test_n_completions_share_the_prompt():
 def test_pool_smaller_than_one_sequence_is_refused():
     with pytest.raises(ConfigError, match="max_model_len"):
         make_engine(num_blocks=10, block_size=4, max_model_len=64)
+
+
+def test_the_engine_clamps_max_tokens_to_the_context():
+    """The offline class's rule (documented on LLM): no refusal, the request ends by length."""
+    engine, _ = make_engine(max_model_len=64)
+    engine.add_request("r", list(range(10, 20)), SamplingParams(max_tokens=10**9, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    (out,) = done
+    assert len(out.outputs[0].token_ids) == 54 and out.outputs[0].finish_reason == "length"

@@ -1,4 +1,4 @@
-"""The server's limits and the vLLM surface a new user sends (issue 20), on a fake-runner engine: request
+"""The server's limits and the vLLM surface a new user sends, on a fake-runner engine: request
 size (413), tokenizing off the event loop, the context arithmetic for max_tokens, fields we do not
 implement refused by name, /tokenize and /detokenize, text that is not Unicode."""
 
