@@ -106,7 +106,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def _run_steps(model: torch.nn.Module) -> torch.Tensor:
+def run_steps(model: torch.nn.Module) -> torch.Tensor:
     """Logits of a two-request prefill, then one decode step of both; block size 4."""
     arch = model.arch
     cache_shape = (2, 32, 4, arch.num_key_value_heads, arch.head_dim)

@@ -19,7 +19,7 @@ from overnight.layers.norm import RMSNorm, add_rms_norm_ref, rms_norm_ref, use_k
 from overnight.layers.rotary import RotaryEmbedding, rotary_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
-from tests.kernel_helpers import DEVICE, _run_steps
+from tests.kernel_helpers import DEVICE, run_steps
 from tests.tiny_models import make_tiny_checkpoint
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -194,9 +194,9 @@ def test_model_forward_with_kernels_matches_pytorch_path(family: str, tmp_path, 
     folder = make_tiny_checkpoint(tmp_path, family)
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    expected = _run_steps(model)
+    expected = run_steps(model)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    got = _run_steps(model)
+    got = run_steps(model)
     # fp32 sums in another order (kernel vs torch) move logits of size ~10 by ~1e-5: the bound scales.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))
 

@@ -1,8 +1,7 @@
 """run-batch end to end on a tiny random model with a tiny word-level tokenizer built here: the mixed-file
 round trip (bodies valid for the official openai types, greedy and seeded outputs equal LLM.generate),
-every kind of bad line, resume of a torn file, ordering, stdin/stdout, --validate-only.
-
-The helpers at the top are shared with test_run_batch_crash.py and test_run_batch_memory.py.
+every kind of bad line, resume of a torn file, ordering, stdin/stdout, --validate-only (the model, the
+lines and the command runners: tests/batch_helpers.py).
 """
 
 from __future__ import annotations
