@@ -13,6 +13,7 @@ import argparse
 import os
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
 
@@ -58,19 +59,22 @@ def option(
     minimum: float | None = None,
     fraction: bool = False,
     pattern: re.Pattern[str] | None = None,
+    normalize: Callable[[Any], Any] | None = None,
     flags: tuple[str, ...] = (),
     cli: bool = True,
 ) -> Any:
     """A field of an options dataclass with what its flag needs (flags: short aliases such as -tp) and
-    what its values may be: one of `choices` (matched without case when they are all upper case, and
-    stored as given in `choices`), at least `minimum`, a `fraction` in (0, 1], or a full match of
-    `pattern`. check_options() holds every value to these when the options are made."""
+    what its values may be: one of `choices`, at least `minimum`, a `fraction` in (0, 1], or a full
+    match of `pattern`, after `normalize` (the spellings a user may pass, e.g. a torch dtype for dtype)
+    turned the value into the one stored. check_options() holds every value to these when the options
+    are made."""
     meta = {
         "help": help,
         "choices": choices,
         "minimum": minimum,
         "fraction": fraction,
         "pattern": pattern,
+        "normalize": normalize,
         "flags": flags,
         "cli": cli,
     }
@@ -92,6 +96,26 @@ def _type_name(kind: type) -> str:
     )
 
 
+def _path_text(value: Any) -> Any:
+    """A folder or file given as a path object, as text."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype as its name: torch.bfloat16, "torch.bfloat16" and "BFloat16" are "bfloat16"."""
+    text = str(value) if type(value).__module__ == "torch" else value
+    return text.lower().removeprefix("torch.") if isinstance(text, str) else value
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+def _device_text(value: Any) -> Any:
+    """A torch.device as its text ("cuda:1")."""
+    return str(value) if type(value).__module__ == "torch" else value
+
+
 def _is_a(value: object, kind: type) -> bool:
     """isinstance, but a bool is no number, and an int is a float."""
     if kind is bool or isinstance(value, bool):
@@ -111,18 +135,17 @@ def check_options(opts: Any) -> None:
             continue
         kind = _value_type(annotation)
         meta = f.metadata
-        if kind is str and isinstance(value, os.PathLike):  # a model or tokenizer folder as a Path
-            value = os.fspath(value)
+        normalize = meta.get("normalize")
+        if normalize is not None:
+            value = normalize(value)
             object.__setattr__(opts, f.name, value)
         if not _is_a(value, kind):
             raise ConfigError(f"{f.name} must be {_type_name(kind)}, not {value!r}")
         choices = meta.get("choices")
-        if choices:
-            folded = value.upper() if all(c == c.upper() for c in choices) else value
-            if folded not in choices:
-                raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; not {value!r}")
-            if folded != value:
-                object.__setattr__(opts, f.name, folded)
+        if choices and value not in choices:
+            raise ConfigError(
+                f"unknown {f.name.replace('_', ' ')} {value!r}: {f.name} must be one of {', '.join(choices)}"
+            )
         minimum = meta.get("minimum")
         if minimum is not None and value < minimum:
             raise ConfigError(f"{f.name} must be at least {minimum}, got {value}")
@@ -141,11 +164,17 @@ class EngineOptions:
         None,
         "HF folder, repo id in the local HF cache, .gguf file, or a preset with --load-format dummy "
         "(default: the embedded SmolLM2-135M-Instruct)",
+        normalize=_path_text,
     )
-    tokenizer: str | None = option(None, "tokenizer folder or .gguf file (default: the model's)")
+    tokenizer: str | None = option(
+        None, "tokenizer folder or .gguf file (default: the model's)", normalize=_path_text
+    )
     served_model_name: str | None = option(None, "the model name outputs report (default: --model)")
     dtype: str = option(
-        "auto", "compute dtype (auto: float32 on the CPU, the checkpoint's on a GPU)", choices=DTYPES
+        "auto",
+        "compute dtype (auto: float32 on the CPU, the checkpoint's on a GPU)",
+        choices=DTYPES,
+        normalize=_dtype_name,
     )
     load_format: str = option(
         "auto", "dummy: random weights of the named preset or config", choices=LOAD_FORMATS
@@ -196,7 +225,10 @@ class EngineOptions:
         "it does not implement is an error either way",
     )
     device: str | None = option(
-        None, "cpu, cuda, cuda:N (default: cuda when available)", pattern=DEVICE_PATTERN
+        None,
+        "cpu, cuda, cuda:N (default: cuda when available)",
+        pattern=DEVICE_PATTERN,
+        normalize=_device_text,
     )
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(
@@ -234,6 +266,7 @@ class EngineOptions:
         "pooling runner: LAST, MEAN or CLS token (default: the model's sentence-transformers config, "
         "else CLS for encoders and LAST for decoders)",
         choices=POOLING_TYPES,
+        normalize=_upper,
     )
     normalize: bool | None = option(
         None,

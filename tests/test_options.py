@@ -5,6 +5,7 @@ default model takes about 2.5 s to load on the CPU, so the elapsed time tells)."
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -55,8 +56,14 @@ def test_llm_refuses_a_wrong_value_by_name_before_loading(no_loading, name, valu
     assert says in str(e.value)
 
 
-def test_a_good_value_passes_and_choices_of_upper_case_fold():
+def test_the_spellings_users_pass_are_stored_as_the_option_names_them():
+    import torch
+
     assert EngineOptions(pooling_type="mean").pooling_type == "MEAN"
+    assert EngineOptions(dtype=torch.float16).dtype == "float16"  # as vLLM takes it
+    assert EngineOptions(dtype="torch.bfloat16").dtype == "bfloat16"
+    assert EngineOptions(device=torch.device("cuda", 1)).device == "cuda:1"
+    assert EngineOptions(model=Path("/some/folder")).model == "/some/folder"
     assert EngineOptions(gpu_memory_utilization=1).gpu_memory_utilization == 1
     assert EngineOptions(device="cuda:1", max_num_seqs=1, seed=0).device == "cuda:1"
 
