@@ -112,3 +112,24 @@ def test_trust_remote_code_is_an_option_like_vllms():
     from overnight.options import EngineOptions
 
     assert EngineOptions.from_kwargs(model="m", trust_remote_code=True).trust_remote_code is True
+
+
+def test_each_list_of_allowed_values_is_declared_once():
+    """No module spells out an option's choices again (options.py is the one place; others import)."""
+    import ast
+    from dataclasses import fields
+    from pathlib import Path
+
+    import overnight
+
+    choices = {f.metadata["choices"] for f in fields(EngineOptions) if f.metadata["choices"]}
+    root = Path(overnight.__file__).parent
+    again = []
+    for path in root.rglob("*.py"):
+        if path.name == "options.py" and path.parent == root:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Tuple) and all(isinstance(e, ast.Constant) for e in node.elts):
+                if tuple(e.value for e in node.elts) in choices:
+                    again.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert again == []

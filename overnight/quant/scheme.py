@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from overnight.errors import ConfigError, ModelLoadError
+from overnight.options import QUANTIZATIONS
 
-QUANTIZATION_METHODS = ("fp8",)
 # Block-scaled checkpoints: True keeps the blocks and runs the Triton block-scaled GEMM; False
 # requantizes each weight per output channel at load and runs the per-channel path (torch._scaled_mm
 # on CUDA, fused activation quantization everywhere). bench/fp8_weights_gpu.py measures both.
@@ -81,10 +81,8 @@ def module_matches(module: str, patterns: tuple[str, ...]) -> bool:
 def resolve_quantization(option: str | None, checkpoint: QuantScheme | None) -> QuantScheme | None:
     """The scheme a model runs with: the checkpoint's own when it has one (quantization="fp8" on an
     FP8 checkpoint is then fine), else online FP8 when asked, else None (weights in the compute dtype)."""
-    if option is not None and option not in QUANTIZATION_METHODS:
-        raise ConfigError(
-            f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or none)"
-        )
+    if option is not None and option not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATIONS)} (or none)")
     if checkpoint is not None:
         return checkpoint
     return QuantScheme() if option == "fp8" else None
