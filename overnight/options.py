@@ -1,4 +1,6 @@
-"""Every engine option, declared once: name, type, default, help and choices.
+"""Every engine option, declared once: name, type, default, help, and the values it allows (choices, a
+minimum, a fraction, a pattern), checked when the options are made (check_options), so a wrong value is
+refused by name before anything loads.
 
 `LLM(**kwargs)` takes these names; every command's argparse flags are generated from this table
 (`add_engine_args`), so a flag, its default and its help cannot drift apart. Engine sub-configs
@@ -37,8 +39,8 @@ ATTENTION_VARIANTS = (
 SCHEDULES = ("lookahead", "fifo")
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
 # 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
-# on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at
-# the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
+# on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at the copy bandwidth from pages
+# of 16, which keep prefix-cache hits and the last page's slack finer.
 DEFAULT_BLOCK_SIZE = 16
 FP8_BLOCK_SIZE = 64
 RUNNERS = ("auto", "generate", "pooling")
