@@ -248,8 +248,8 @@ class PackedModel(Protocol):
 @torch.no_grad()
 def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into `model`, fusing the separate q/k/v and gate/up tensors and stacking
-    per-expert tensors (mlp.experts.N.*) into the experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
-    shape mismatch.
+    per-expert tensors (mlp.experts.N.*) into the experts' parameters. Raises ModelLoadError naming every
+    missing or unexpected tensor, and the first shape mismatch.
 
     KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
     parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
