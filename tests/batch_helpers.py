@@ -1,4 +1,5 @@
-"""run-batch's tiny model, input lines and command runners, shared by the run-batch tests."""
+"""What the run-batch tests share: a tiny random model with a word-level tokenizer (the batch_model
+fixture, in conftest.py), input lines, and the command run in this process or in a subprocess."""
 
 from __future__ import annotations
 
@@ -13,26 +14,22 @@ import pytest
 
 from tests.tiny_models import make_tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+# ---------------------------------------------------------------- the tiny model
 
+REPO = Path(__file__).resolve().parents[1]
 
 VOCAB = 384  # the tiny models' vocabulary; the tokenizer below fills it exactly
 
-
 SPECIALS = ["<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
 
-
 WORDS = [f"w{i}" for i in range(len(SPECIALS), VOCAB)]
-
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-
 SERVED = "tiny-batch"
-
 
 MAX_MODEL_LEN = 96
 
@@ -89,6 +86,9 @@ def engine_flags(model: str, max_num_seqs: int = 16) -> list[str]:
     ]
 
 
+# ---------------------------------------------------------------- input lines
+
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
@@ -104,34 +104,6 @@ def chat_line(cid: str, content: str, **body) -> dict:
 
 def completion_line(cid: str, prompt, **body) -> dict:
     return {"custom_id": cid, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
-
-
-def write_jsonl(path: str | os.PathLike, lines: list) -> None:
-    with open(path, "w") as f:
-        for line in lines:
-            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
-
-
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(x) for x in f if x.strip()]
-
-
-def run_cli(args: list[str]) -> int:
-    from overnight.cli import main
-
-    return main(["run-batch", *args])
-
-
-def run_subprocess(args: list[str], **kwargs) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "overnight", "run-batch", *args],
-        env=env,
-        cwd=REPO,
-        capture_output=True,
-        **kwargs,
-    )
 
 
 def mixed_lines(n: int, seed: int = 0) -> list[dict]:
@@ -187,6 +159,17 @@ def mixed_lines(n: int, seed: int = 0) -> list[dict]:
     return lines
 
 
+def write_jsonl(path: str | os.PathLike, lines: list) -> None:
+    with open(path, "w") as f:
+        for line in lines:
+            f.write((line if isinstance(line, str) else json.dumps(line)) + "\n")
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
 def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
     """What LLM.generate gives for each line's prompts and params, choice by choice."""
     from overnight import LLM
@@ -212,3 +195,23 @@ def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
     for owner, out in zip(owners, llm.generate(prompts, params, use_tqdm=False), strict=True):
         texts.setdefault(owner, []).extend(c.text for c in out.outputs)
     return texts
+
+
+# ---------------------------------------------------------------- the command
+
+
+def run_cli(args: list[str]) -> int:
+    from overnight.cli import main
+
+    return main(["run-batch", *args])
+
+
+def run_subprocess(args: list[str], **kwargs) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "overnight", "run-batch", *args],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        **kwargs,
+    )

@@ -1,4 +1,5 @@
-"""Fake-runner engines and sampler inputs the engine-logic tests share."""
+"""What the engine-logic tests share: engines over a fake runner (one that answers slowly or fails, for the
+server's tests), and the sampler's inputs."""
 
 from __future__ import annotations
 
@@ -16,33 +17,9 @@ from overnight.runner.request_state import RunnerRequest
 from overnight.runner.sampler import Sampler
 from tests.fake_runner import FakeRunner
 
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
-
-
-V = 64
-
-
-def req(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), output=()) -> RunnerRequest:
-    return RunnerRequest(
-        req_id="r",
-        token_ids=list(prompt) + list(output),
-        num_prompt_tokens=len(prompt),
-        params=params,
-        seed=seed,
-        slot=0,
-        num_blocks=0,
-        num_computed_tokens=0,
-    )
-
-
-def sample(logits: torch.Tensor, reqs: list[RunnerRequest], eos=(0,)):
-    batch = build_sampling_batch(reqs, eos, torch.device("cpu"))
-    tokens, lps = Sampler()(logits.clone(), batch)
-    return tokens, (lps.to_host() if lps is not None else None)
-
+# ---------------------------------------------------------------- engines over a fake runner
 
 VOCAB = 500
-
 
 EOS = 3
 
@@ -123,3 +100,32 @@ def slow_engine(delay: float = 0.0, fail_at_step: int | None = None, async_mode:
     engine, runner = make_engine(async_mode=async_mode, **kw)
     engine.runner = SlowRunner(runner, delay, fail_at_step)
     return engine
+
+
+# ---------------------------------------------------------------- the real runner's KV cache
+
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
+
+
+# ---------------------------------------------------------------- the sampler
+
+V = 64
+
+
+def req(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), output=()) -> RunnerRequest:
+    return RunnerRequest(
+        req_id="r",
+        token_ids=list(prompt) + list(output),
+        num_prompt_tokens=len(prompt),
+        params=params,
+        seed=seed,
+        slot=0,
+        num_blocks=0,
+        num_computed_tokens=0,
+    )
+
+
+def sample(logits: torch.Tensor, reqs: list[RunnerRequest], eos=(0,)):
+    batch = build_sampling_batch(reqs, eos, torch.device("cpu"))
+    tokens, lps = Sampler()(logits.clone(), batch)
+    return tokens, (lps.to_host() if lps is not None else None)

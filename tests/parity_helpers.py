@@ -1,4 +1,5 @@
-"""Parity with transformers: greedy references, GGUF names, the FP8 weights' agreement."""
+"""What the parity tests share: prompts and transformers' greedy reference, GGUF tensor names, and the FP8
+weights' agreement with the same model's dequantized weights."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
 from overnight.config import ModelArch
+
+# ---------------------------------------------------------------- transformers' greedy reference
 
 
 def prompts_for(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
@@ -35,8 +38,43 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
     return out.sequences[0, len(prompt) :].tolist(), [s[0].float().log_softmax(-1) for s in out.scores]
 
 
-NEW_TOKENS = 4
+# ---------------------------------------------------------------- GGUF tensor names
 
+# HF name suffix -> GGUF name suffix, as the GGUF converter names them.
+LAYER_TO_GGUF = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+GLOBAL_TO_GGUF = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def to_gguf_name(name: str) -> str:
+    if name in GLOBAL_TO_GGUF:
+        return GLOBAL_TO_GGUF[name]
+    _, _, layer, rest = name.split(".", 3)
+    return f"blk.{layer}.{LAYER_TO_GGUF[rest]}"
+
+
+# ---------------------------------------------------------------- the FP8 weights' agreement
+
+NEW_TOKENS = 4
 
 MIN_TOP1, MAX_DLOGPROB, MIN_SAME_GREEDY = 0.85, 0.15, 0.5  # the last: a share of the prompts
 
@@ -109,36 +147,3 @@ def compare(
         dlp += (got[rows, tok] - ref[rows, tok]).abs().tolist()
     same = sum(a == b for a, b in zip(own_tokens, ref_tokens)) / len(prompts)
     return Agreement(sum(top1) / len(top1), sum(dlp) / len(dlp), same)
-
-
-# HF name suffix -> GGUF name suffix, as the GGUF converter names them.
-LAYER_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-
-
-GLOBAL_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def to_gguf_name(name: str) -> str:
-    if name in GLOBAL_TO_GGUF:
-        return GLOBAL_TO_GGUF[name]
-    _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{LAYER_TO_GGUF[rest]}"
