@@ -1,14 +1,12 @@
-"""H200 check and timing of the attention kernel variants of issue 15, old against new in one run, and
+"""H200 check and timing of the attention kernel variants, old defaults against new in one run, and
 FlashAttention-3 (vLLM 0.26's build) on the same shapes when its library is at hand.
 
 Run on the GPU machine from the repository root:
 
     PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210] [--only decode|prefill]
 
---fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it, or vLLM's `vrest.tar.xz` from
-../shared/bench/vllm/build.sh, which holds it); without it the script looks for .peer/c2/vrest.tar.xz,
-.whl/_vllm_fa3_C.abi3.so[.xz] and $HOME/vsite/a/vllm/vllm_flash_attn/ (where side_by_side.sh unpacks
-vLLM). No FA3: its rows are skipped. Needs torch + triton only. About 3-4 minutes on an H200, a minute
+--fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it); without it the script takes the one of the
+installed vLLM (vllm/vllm_flash_attn/). No FA3: its rows are skipped. Needs torch + triton only. About 3-4 minutes on an H200, a minute
 or two of it compiling the ~40 kernel variants (each distinct tile shape, GQA group and split flag).
 
 Order: correctness of every variant (bf16 cache, fp8 e4m3 and e5m2 caches; fresh random data,
@@ -31,7 +29,7 @@ one JSON line. Variants (configs of overnight/kernels/paged_decode.py and paged_
 from __future__ import annotations
 
 import argparse
-import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -71,18 +69,18 @@ PAGE, D = 16, 128
 MODELS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8)}  # (query heads, KV heads), head_dim 128
 MAX_MODEL_LEN = 40960
 KV_SCALES = (0.05, 0.02)
-HBM_GBPS = 4300.0  # the measured copy bandwidth of docs/benchmarks.md
+HBM_GBPS = 4300.0  # the H200's measured copy bandwidth
 
 DECODE = {
     BF16: [
         ("base n64 w4 s4 hf", BF16_DECODE_CONFIG),
-        ("rf n64 w4 s4", DecodeConfig()),  # requests first: the default before round 6
+        ("rf n64 w4 s4", DecodeConfig()),  # requests first: an earlier default
         ("pf n64 w4 s3", DecodeConfig(64, 4, 3, prefetch_pages=True)),
         ("pf n64 w4 s4", DecodeConfig(64, 4, 4, prefetch_pages=True)),
     ],
     E4M3: [
         ("base mma n128 w4 s3", FP8_SMALL_PAGE_DECODE_CONFIG),
-        ("fp16 n128 w4 s3", FP8_FP16_DOTS_DECODE_CONFIG),  # the default before round 10
+        ("fp16 n128 w4 s3", FP8_FP16_DOTS_DECODE_CONFIG),  # fp16 dots: --attention-variant fp16-dots
         ("hf n128 w4 s3", DecodeConfig(128, 4, 3, heads_first=True)),
         ("hf pf n128 w4 s3", DecodeConfig(128, 4, 3, prefetch_pages=True, heads_first=True)),
         ("hf mma n64 w4 s3", DecodeConfig(64, 4, 3, fp8_mma=True, heads_first=True)),
@@ -93,7 +91,7 @@ DECODE = {
         ("mma n128 w8 s3", DecodeConfig(128, 8, 3, fp8_mma=True)),
         # Larger tiles: an FP8 tile of 128 tokens moves half a bf16 tile's bytes for the same per-tile
         # work (page-table gather, addresses, barriers, the softmax), and 64-token tiles were 1.4x slower
-        # than 128-token ones (round 4): 256 tokens give the per-tile work twice the bytes again.
+        # than 128-token ones on pages of 16 (this bench): 256 tokens give the per-tile work twice the bytes.
         ("n256 w8 s3", DecodeConfig(256, 8, 3)),
         ("pf n256 w8 s3", DecodeConfig(256, 8, 3, prefetch_pages=True)),
         ("mma n256 w8 s3", DecodeConfig(256, 8, 3, fp8_mma=True)),
@@ -120,7 +118,7 @@ SMALL_MODEL_VARIANTS = {
     "rf n64 w4 s4",
     "hf n128 w4 s3",
 }
-# The fp16-dot path (an FP8 cache's default before round 10, still the 16-bit caches' kernel).
+# The fp16-dot path (--attention-variant fp16-dots for an FP8 cache; the 16-bit caches' kernel).
 PREFILL = [
     ("fp16 m64 n64 w4 s3", PrefillConfig()),
     ("pf m64 n64 w4 s3", PrefillConfig(64, 64, 4, 3, prefetch_pages=True)),
@@ -251,21 +249,16 @@ def record(case: str, kernel: str, variant: str, us: float, nbytes: int | None, 
 
 
 def find_fa3(hint: str | None) -> str | None:
-    """Path of a loadable _vllm_fa3_C .so, unpacked to /tmp when it comes compressed."""
+    """Path of a loadable _vllm_fa3_C .so: --fa3, else the one of the installed vLLM; an .xz of it is
+    unpacked to /tmp."""
     candidates = [hint] if hint else []
-    candidates += [
-        ".whl/_vllm_fa3_C.abi3.so",
-        ".whl/_vllm_fa3_C.abi3.so.xz",
-        *glob.glob(os.path.expanduser("~/vsite/a/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so")),
-        ".peer/c2/vrest.tar.xz",
-    ]
+    spec = importlib.util.find_spec("vllm")
+    if spec is not None and spec.submodule_search_locations:
+        for root in spec.submodule_search_locations:
+            candidates.append(os.path.join(root, "vllm_flash_attn", "_vllm_fa3_C.abi3.so"))
     for path in candidates:
         if not path or not os.path.exists(path):
             continue
-        if path.endswith(".tar.xz"):
-            member = "vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so"
-            subprocess.run(["tar", "-xJf", path, "-C", "/tmp", member], check=True)
-            return "/tmp/" + member
         if path.endswith(".xz"):
             with open("/tmp/_vllm_fa3_C.abi3.so", "wb") as f:
                 subprocess.run(["xz", "-T0", "-dc", path], stdout=f, check=True)
@@ -436,7 +429,7 @@ def check_prefill_one(tag: str, meta, q, cache, kv_scale, ref, cfg: PrefillConfi
         check(tag, rel_err(out, ref), 2e-2)
         return
     # Its own roundings emulated: the same numbers but for the GPU's arithmetic (see rms_rel_err).
-    # Against the exact answer it may lose what rounding q and P to 3 mantissa bits costs (round 10 on
+    # Against the exact answer it may lose what rounding q and P to 3 mantissa bits costs (this bench on
     # the H200: 3.5% max-norm; FlashAttention-3's FP8 path 4.4%).
     emulated = prefill_fp8_mma_ref(
         q, cache, meta.block_tables, meta.seq_lens, qsl, 0, n, D**-0.5, kv_scale, cfg.block_n

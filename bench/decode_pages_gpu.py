@@ -5,7 +5,7 @@ pages of a multiple of its tile (64 or 128 tokens) and fetches each K and V tile
     PYTHONPATH=. python bench/decode_pages_gpu.py [--budget-s 150]
 
 Why: the e4m3-dot kernel reads ~3.2 TB/s at 1980 MHz and less at the engine's power-capped clock
-(~2.7 TB/s at ~1650 MHz in round 10's profile), while a read-only probe of the same gather managed
+(~2.7 TB/s at ~1650 MHz in bench/profile_gpu.py's whole-run profile), while a read-only probe of the same gather managed
 3.4-3.8 TB/s and the bf16 kernel 4.4: the per-element address work of the gather, not the bytes, sets
 its pace. Expected: the TMA kernel at 3.8-4.2 TB/s on the large cases (b512 ctx2048 from ~655 us to
 ~520-560 us); if so, long-1024-1024 with an FP8 cache should gain ~5-10% end to end (decode attention

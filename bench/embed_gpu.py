@@ -14,7 +14,7 @@
        embed-128-512   8,192 prompts of 128 to 512 tokens
        embed-16-128   16,384 prompts of 16 to 128 tokens (host-bound: many small requests)
    Timed: one LLM.encode call over the whole list after a warm-up; SM clock sampled during it.
-   vLLM's counterpart, bench/embed_vllm.py (run it first in the same call, then this with
+   vLLM's counterpart, bench/embed_vllm.py (run it first on the same GPU, then this with
    --throughput-only): LLM(model=<a Qwen3-0.6B config folder>, runner="pooling",
    load_format="dummy").embed([{"prompt_token_ids": ids} ...]) on the same ids.
 

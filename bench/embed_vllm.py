@@ -1,43 +1,36 @@
-"""vLLM's embedding throughput on the same prompts as bench/embed_gpu.py, for one device call that runs both:
-
-    # after the vLLM parts are staged (../shared/bench/vllm/README.md: call 1 carries .peer/c1; then in
-    # the call carrying .peer/c2, once side_by_side.sh has unpacked vLLM into $HOME/vsite):
-    PYTHONPATH=$HOME/vsite/a:$HOME/vsite/b:. python bench/embed_vllm.py .peer/c2/configs/qwen3-0.6b
+"""vLLM's embedding throughput on the same prompts as bench/embed_gpu.py (docs/performance.md). Needs
+vLLM in the environment; run both in one session on one GPU:
+    PYTHONPATH=. python bench/embed_vllm.py [qwen3-0.6b]
     PYTHONPATH=. python bench/embed_gpu.py --throughput-only
-
-vLLM 0.26: LLM(model=<the Qwen3-0.6B config folder>, runner="pooling", load_format="dummy", bf16, no
-tokenizer, defaults otherwise) and one LLM.embed call over each workload's token-id prompts after a warm-up:
-the decoder turned into an embedding model with last-token pooling and normalization, the work our
-LLM("qwen3-0.6b", runner="pooling").encode does. Prints a table and one JSON line (bench "embed_vllm").
+vLLM 0.26: LLM(model=<the preset's config folder>, runner="pooling", load_format="dummy", bf16, a synthetic
+tokenizer of the model's vocabulary, defaults otherwise) and one LLM.embed call over each workload's
+token-id prompts after a warm-up: the decoder turned into an embedding model with last-token pooling and
+normalization, the work our LLM("qwen3-0.6b", runner="pooling").encode does. Prints a table and one JSON
+line (bench "embed_vllm").
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 sys.path.insert(0, ".")
 
 from bench.embed_gpu import WORKLOADS, rate_record, token_prompts  # noqa: E402
+from bench.vllm_throughput import preset_folder, vocab_size  # noqa: E402
 from overnight.bench.gpu_info import ClockSampler, sm_clock_now  # noqa: E402
 
 
 def main() -> int:
     # vLLM's pooling entry point needs a tokenizer even for token-id prompts: the config folder is
     # copied beside a synthetic tokenizer of the model's vocabulary (the ids are all that is used).
-    import shutil
-    import tempfile
-
     from vllm import LLM  # type: ignore[import-not-found]
 
     from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 
-    config = tempfile.mkdtemp(prefix="embed-vllm-")
-    shutil.copy(os.path.join(sys.argv[1], "config.json"), config)
-    with open(os.path.join(config, "config.json")) as f:
-        save_synthetic_tokenizer_folder(config, json.load(f)["vocab_size"])
+    config = preset_folder(sys.argv[1] if len(sys.argv) > 1 else "qwen3-0.6b")
+    save_synthetic_tokenizer_folder(config, vocab_size(config))
     t0 = time.perf_counter()
     llm = LLM(
         model=config,

@@ -1,24 +1,17 @@
 #!/usr/bin/env bash
-# Device call (H200, <= 9 minutes): the server at saturation against the offline engine, and against
-# vLLM 0.26's OpenAI server, Qwen3-8B dummy weights, 512 in / 256 out, all in one call:
+# The server at saturation against the offline engine and against vLLM's OpenAI server, on one GPU in
+# one run (H200: about 9 minutes), Qwen3-8B dummy weights, 512 tokens in / 256 +- 25% out:
 #   1. `overnight bench throughput --workload seed-512-256` (the offline engine on the same lengths)
-#   2. our sweep through our own server (engine in its own process), levels 1 .. 1024, every level
-#      measured in its steady state
-#   3. if $HOME/vsite holds the unpacked vLLM (.peer/c2/side_by_side.sh unpacks it there): vLLM's
-#      OpenAI server on the config folder plus a synthetic tokenizer of Qwen3's 151,936 ids, dummy
-#      weights, and the same sweep (same token ids: --vocab-size 151936, same seed) through --url
-#   4. a summary: the table, the must-show checks, one JSON line (last)
-# Run from the repository root: `bash bench/server_sweep_gpu.sh` (OUT defaults to /tmp/out). Server
-# wheels (fastapi, uvicorn, starlette, pydantic, httpx, ...) in .whl/ are installed as in gpu_round3.sh.
-# The synthetic tokenizer comes from overnight/tokenizer/synthetic.py (another branch): without it vLLM
-# is skipped with a message, our parts still run.
+#   2. our sweep through our own server (engine in its own process), every level measured in its
+#      steady state (overnight/bench/steady.py)
+#   3. when vLLM is installed: vLLM's OpenAI server on the preset's config.json plus a synthetic tokenizer
+#      of Qwen3's 151,936 ids (overnight/tokenizer/synthetic.py), dummy weights, and the same sweep (the
+#      same token ids: --vocab-size 151936, the same seed) through --url
+#   4. a summary: the table, the peaks, one JSON line (last)
+# Run from the repository root: `bash bench/server_sweep_gpu.sh` (OUT defaults to /tmp/out). Needs the
+# server and bench extras (pip install -e '.[server,bench]').
 set -u
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site:$PWD || exit 1
-else
-  export PYTHONPATH=$PWD
-fi
+export PYTHONPATH=$PWD
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 T0=$(date +%s)
@@ -32,17 +25,17 @@ VOCAB=${VOCAB:-151936}
 # Same levels and lengths for both servers. Windows of two request lifetimes (steady.py); at 1024
 # clients a request lives ~27 s, so that level alone takes ~70 s.
 # Answers of 256 +- 25% tokens (mean 256): with all answers of one length a band of clients, once
-# formed, never dissolves (round 10: 1,024 clients ran as one band; overnight/bench/load.py). OUTPUT_RANGE=0
-# for equal lengths.
+# formed, never dissolves (overnight/bench/load.py). OUTPUT_RANGE=0 for equal lengths.
 SWEEP_ARGS=${SWEEP_ARGS:-"--input-len 512 --output-len 256 --output-len-range ${OUTPUT_RANGE:-0.25} --seed 0 --window-s 6 --all-levels"}
 SWEEP_ARGS="$SWEEP_ARGS --vocab-size $VOCAB"
-OUR_LEVELS=${OUR_LEVELS:-"1 8 64 256 512 1024"}
-VLLM_LEVELS=${VLLM_LEVELS:-"64 256 512 1024"}
-VLLM_CONFIG=${VLLM_CONFIG:-}  # a folder with config.json; default: Qwen3-8B's
-BUDGET_S=${BUDGET_S:-530}  # the vLLM sweep stops by then (the call's limit is 600 s)
-# Parts: ONLY=ours (1, 2 and 4) or ONLY=vllm (3 and 4; the summary then reads ours from $OUT if a call
-# before this one left it there, e.g. OUT kept under $HOME); OUR_EXTRA: more flags for our sweep
-# (e.g. "--stream-interval 4", the server's option).
+# Start at 64 clients or below: a sweep that starts higher ramps on one lone request's life and then
+# measures its first level twice.
+OUR_LEVELS=${OUR_LEVELS:-"64 512 1024"}
+VLLM_LEVELS=${VLLM_LEVELS:-"64 512 1024"}
+VLLM_CONFIG=${VLLM_CONFIG:-}  # a config.json for vLLM; default: the qwen3-8b preset's
+BUDGET_S=${BUDGET_S:-900}  # seconds from the start by which the vLLM sweep is stopped
+# Parts: ONLY=ours (1, 2 and 4) or ONLY=vllm (3 and 4); OUR_EXTRA: more flags for our sweep (e.g.
+# "--stream-interval 4", the server's option).
 ONLY=${ONLY:-}
 OUR_EXTRA=${OUR_EXTRA:-}
 
@@ -59,23 +52,19 @@ echo "rc=$?"; tail -14 "$OUT/ours.log"
 fi
 
 section "3. vLLM's server: sweep $VLLM_LEVELS"
-VSITE=${VSITE:-$HOME/vsite}
 if [ "$ONLY" = ours ]; then
   echo "vLLM skipped (ONLY=ours)"
-elif [ ! -f "$VSITE/a/vllm/_C_stable_libtorch.abi3.so" ]; then
-  echo "vLLM skipped: $VSITE does not hold the unpacked vLLM (run .peer/c2/side_by_side.sh in this session first)"
+elif ! python3 -c "import vllm" 2>/dev/null; then
+  echo "vLLM skipped: not installed"
 else
   CFG="$OUT/qwen3-8b-vllm"; rm -rf "$CFG"; mkdir -p "$CFG"
-  for src in $VLLM_CONFIG .peer/c2/configs/qwen3-8b shared/bench/vllm/configs/qwen3-8b ../shared/bench/vllm/configs/qwen3-8b; do
-    [ -f "$src/config.json" ] && { cp "$src/config.json" "$CFG/"; break; }
-  done
-  [ -f "$CFG/config.json" ] || cp overnight/loader/presets/qwen3-8b.json "$CFG/config.json"  # the same file
+  cp "${VLLM_CONFIG:-overnight/loader/presets/qwen3-8b.json}" "$CFG/config.json"
   if ! python3 - "$CFG" "$VOCAB" <<'PY'
 import sys
 try:
     from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 except ImportError as e:
-    sys.exit(f"vLLM skipped: no overnight.tokenizer.synthetic ({e}); merge the synthetic-tokenizer branch first")
+    sys.exit(f"vLLM skipped: {e}")
 save_synthetic_tokenizer_folder(sys.argv[1], int(sys.argv[2]))
 print("synthetic tokenizer of", sys.argv[2], "ids written to", sys.argv[1])
 PY
@@ -83,7 +72,7 @@ PY
     echo "(vLLM not run)"
   else
     PORT=18431
-    PYTHONPATH=$VSITE/a:$VSITE/b VLLM_USE_FLASHINFER_SAMPLER=0 nohup python3 -m vllm.entrypoints.openai.api_server \
+    nohup python3 -m vllm.entrypoints.openai.api_server \
       --model "$CFG" --load-format dummy --dtype bfloat16 --max-model-len 4096 --seed 0 \
       --host 127.0.0.1 --port $PORT > "$OUT/vllm_server.log" 2>&1 &
     VPID=$!; VSTART=$(date +%s)
@@ -109,17 +98,6 @@ PY
     pkill -9 -P $VPID 2>/dev/null; kill -9 $VPID 2>/dev/null  # by id: its children, then it
   fi
 fi
-
-# The sweeps may run in separate calls (ONLY=vllm, then ONLY=ours): $OUT is emptied before each call,
-# $HOME survives while the machine stays warm, so each keeps a copy there and the summary reads both.
-# A ratio of parts from different calls is no claim (the same engine moves between calls): the summary
-# then prints none.
-EARLIER=""
-for part in ours vllm offline.jsonl; do
-  if [ -e "$OUT/$part" ]; then rm -rf "$HOME/sweep_keep/$part"; mkdir -p "$HOME/sweep_keep"; cp -r "$OUT/$part" "$HOME/sweep_keep/"
-  elif [ -e "$HOME/sweep_keep/$part" ]; then cp -r "$HOME/sweep_keep/$part" "$OUT/" && echo "($part from an earlier call)" && EARLIER="$EARLIER $part"; fi
-done
-export EARLIER
 
 section "4. summary"
 python3 - "$OUT" <<'PY'
@@ -150,10 +128,6 @@ def by_level(doc):
 
 
 o, v = by_level(ours), by_level(vllm)
-earlier = os.environ.get("EARLIER", "").split()
-same_call = not ({"ours", "vllm"} & set(earlier))  # both servers' sweeps from this call
-if not same_call:
-    print(f"({', '.join(earlier)} from an earlier call: no ours / vLLM ratio)")
 print(f"{'clients':>7} | {'ours out tok/s':>14} {'tot/out':>7} {'steady':>6} {'SM MHz':>6} | {'vLLM out tok/s':>14} {'tot/out':>7} {'steady':>6} {'SM MHz':>6} | ours/vLLM")
 for x in sorted(set(o) | set(v)):
     def cells(lv):
@@ -161,7 +135,7 @@ for x in sorted(set(o) | set(v)):
             return f"{'-':>14} {'-':>7} {'-':>6} {'-':>6}"
         st = lv["steady"]
         return f"{lv['output_tok_s']:>14.0f} {st['total_per_output']!s:>7} {'yes' if st['steady'] else 'NO':>6} {lv['gpu']['sm_clock_mhz_median']!s:>6}"
-    ratio = f"{o[x]['output_tok_s'] / v[x]['output_tok_s']:.2f}x" if same_call and x in o and x in v and v[x]["output_tok_s"] else "-"
+    ratio = f"{o[x]['output_tok_s'] / v[x]['output_tok_s']:.2f}x" if x in o and x in v and v[x]["output_tok_s"] else "-"
     print(f"{x:>7} | {cells(o.get(x))} | {cells(v.get(x))} | {ratio}")
 
 
@@ -184,12 +158,12 @@ checks = {
     "vllm_all_steady": bool(v) and all(lv["steady"]["steady"] for lv in v.values()),
     "vllm_peak_tok_s": pv["output_tok_s"] if pv else None,
     "vllm_peak_clients": int(pv["x"]) if pv else None,
-    "ours_over_vllm_peak": round(po["output_tok_s"] / pv["output_tok_s"], 3) if same_call and po and pv else None,
+    "ours_over_vllm_peak": round(po["output_tok_s"] / pv["output_tok_s"], 3) if po and pv else None,
 }
 print()
 print(f"offline bench throughput: {off} out tok/s (SM {checks['offline_sm_mhz']} MHz)")
-print(f"ours: every level steady: {checks['ours_all_steady']}; peak {checks['ours_peak_tok_s']} at {checks['ours_peak_clients']} clients = {checks['ours_peak_over_offline']} of offline (must be >= 0.90)")
-print(f"vLLM: every level steady: {checks['vllm_all_steady']}; peak {checks['vllm_peak_tok_s']} at {checks['vllm_peak_clients']} clients; ours / vLLM peaks = {checks['ours_over_vllm_peak']} (must be >= 1.05)")
+print(f"ours: every level steady: {checks['ours_all_steady']}; peak {checks['ours_peak_tok_s']} at {checks['ours_peak_clients']} clients = {checks['ours_peak_over_offline']} of offline")
+print(f"vLLM: every level steady: {checks['vllm_all_steady']}; peak {checks['vllm_peak_tok_s']} at {checks['vllm_peak_clients']} clients; ours / vLLM peaks = {checks['ours_over_vllm_peak']}")
 print(json.dumps(checks))
 PY
 echo "total $(( $(date +%s) - T0 )) s"

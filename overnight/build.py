@@ -37,7 +37,7 @@ from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.limits import default_limits
 from overnight.loader.source import ModelSource
-from overnight.options import POOLING_TYPES, EngineOptions, block_size_for
+from overnight.options import EngineOptions, block_size_for
 from overnight.runner.device import device_memory_gib, pick_device
 from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -88,8 +88,6 @@ def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
             f"{source.served_name} is an encoder-only model ({source.hf_architecture}): it cannot "
             "generate text; run it with runner 'pooling' (or 'auto')"
         )
-    if opts.runner not in ("generate", "pooling"):
-        raise ConfigError(f"unknown runner {opts.runner!r}; use auto, generate or pooling")
     return opts.runner
 
 
@@ -98,12 +96,7 @@ def pooler_config(opts: EngineOptions, source: ModelSource) -> PoolerConfig:
     in place of its own."""
     from overnight.loader.pooling_config import read_pooler_config
 
-    pooling_type = opts.pooling_type.upper() if opts.pooling_type else None
-    if pooling_type is not None and pooling_type not in POOLING_TYPES:
-        raise ConfigError(
-            f"unknown pooling_type {opts.pooling_type!r}; use one of {', '.join(POOLING_TYPES)}"
-        )
-    config = read_pooler_config(source, pooling_type)
+    config = read_pooler_config(source, opts.pooling_type)  # upper case: options.check_options
     if opts.normalize is not None:
         config = replace(config, normalize=opts.normalize)
     return config
@@ -200,8 +193,6 @@ def check_cache(opts: EngineOptions) -> None:
     """Raise ConfigError for a block size the cache or the attention variant cannot take, before any
     weight loads."""
     block_size = block_size_for(opts.kv_cache_dtype, opts.block_size)
-    if block_size < 1:
-        raise ConfigError(f"block_size must be at least 1, got {block_size}")
     tile = TMA_TILES.get(opts.attention_variant)
     if tile and opts.kv_cache_dtype != "auto" and block_size % tile:
         raise ConfigError(
@@ -211,11 +202,8 @@ def check_cache(opts: EngineOptions) -> None:
 
 
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
-    """Raise ConfigError (ModelLoadError: sizes the model's heads cannot be split into) before any
-    process starts or any weight loads."""
-    for name in ("tensor_parallel_size", "data_parallel_size"):
-        if getattr(opts, name) < 1:
-            raise ConfigError(f"{name} must be at least 1, got {getattr(opts, name)}")
+    """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
+    or any weight loads (sizes below 1 are refused when the options are made)."""
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 

@@ -4,7 +4,8 @@ The starting point is the table users know (shared docs: anchors), with delibera
 jobs (run-batch): they get at least the offline class's large budget, not the smallest one, because a
 batch job is exactly the case that wants throughput. On GPUs of 70 GiB or more a batch job gets twice
 the offline class's token budget: on an H200 with Qwen3-8B, seed-512-256 ran at 10,481 output tok/s with
-32,768 tokens a step against 9,848 with 16,384 (+6%, SM clock 1515 vs 1530 MHz; docs/benchmarks.md).
+32,768 tokens a step against 9,848 with 16,384 (+6%, SM clock 1515 vs 1530 MHz; `overnight bench
+throughput --workload seed-512-256 --max-num-batched-tokens N`).
 
 The server keeps the 8,192 users know: in a steady state of N clients a step computes N decodes plus the
 prompts of the requests that just finished (~3,000 tokens at 1,024 clients of 512 in / 256 out), so the

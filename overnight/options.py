@@ -1,4 +1,6 @@
-"""Every engine option, declared once: name, type, default, help and choices.
+"""Every engine option, declared once: name, type, default, help, and the values it allows (choices, a
+minimum, a fraction, a pattern), checked when the options are made (check_options), so a wrong value is
+refused by name before anything loads.
 
 `LLM(**kwargs)` takes these names; every command's argparse flags are generated from this table
 (`add_engine_args`), so a flag, its default and its help cannot drift apart. Engine sub-configs
@@ -10,9 +12,14 @@ Light on purpose: importing this module imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, TypeVar
+
+from overnight.errors import ConfigError
 
 T = TypeVar("T")
 
@@ -32,8 +39,8 @@ ATTENTION_VARIANTS = (
 SCHEDULES = ("lookahead", "fifo")
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
 # 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
-# on the H200 (bench/decode_pages_gpu.py, docs/benchmarks.md round 11); a 16-bit cache already reads at
-# the copy bandwidth from pages of 16, which keep prefix-cache hits and the last page's slack finer.
+# on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at the copy bandwidth from pages
+# of 16, which keep prefix-cache hits and the last page's slack finer.
 DEFAULT_BLOCK_SIZE = 16
 FP8_BLOCK_SIZE = 64
 RUNNERS = ("auto", "generate", "pooling")
@@ -42,16 +49,113 @@ POOLING_TYPES = ("LAST", "MEAN", "CLS")
 MODES = ("offline", "server", "batch")
 
 
+# A device option: cpu, cuda, or cuda:N.
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
 def option(
     default: Any,
     help: str,
     *,
     choices: tuple[str, ...] | None = None,
+    minimum: float | None = None,
+    fraction: bool = False,
+    pattern: re.Pattern[str] | None = None,
+    normalize: Callable[[Any], Any] | None = None,
     flags: tuple[str, ...] = (),
     cli: bool = True,
 ) -> Any:
-    """A field of EngineOptions with what its flag needs (flags: short aliases such as -tp)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flags": flags, "cli": cli})
+    """A field of an options dataclass with what its flag needs (flags: short aliases such as -tp) and
+    what its values may be: one of `choices`, at least `minimum`, a `fraction` in (0, 1], or a full
+    match of `pattern`, after `normalize` (the spellings a user may pass, e.g. a torch dtype for dtype)
+    turned the value into the one stored. check_options() holds every value to these when the options
+    are made."""
+    meta = {
+        "help": help,
+        "choices": choices,
+        "minimum": minimum,
+        "fraction": fraction,
+        "pattern": pattern,
+        "normalize": normalize,
+        "flags": flags,
+        "cli": cli,
+    }
+    return field(default=default, metadata=meta)
+
+
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls)
+    return _HINTS[cls]
+
+
+def _type_name(kind: type) -> str:
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        kind, kind.__name__
+    )
+
+
+def _path_text(value: Any) -> Any:
+    """A folder or file given as a path object, as text."""
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+def _dtype_name(value: Any) -> Any:
+    """A dtype as its name: torch.bfloat16, "torch.bfloat16" and "BFloat16" are "bfloat16"."""
+    text = str(value) if type(value).__module__ == "torch" else value
+    return text.lower().removeprefix("torch.") if isinstance(text, str) else value
+
+
+def _upper(value: Any) -> Any:
+    return value.upper() if isinstance(value, str) else value
+
+
+def _device_text(value: Any) -> Any:
+    """A torch.device as its text ("cuda:1")."""
+    return str(value) if type(value).__module__ == "torch" else value
+
+
+def _is_a(value: object, kind: type) -> bool:
+    """isinstance, but a bool is no number, and an int is a float."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def check_options(opts: Any) -> None:
+    """Raise ConfigError naming the first field of the options dataclass `opts` whose value its option()
+    declaration does not allow (type, choices, minimum, fraction, pattern). Runs in __post_init__, so
+    LLM(...), every command and the server refuse a wrong value before anything is read or loaded."""
+    hints = _hints(type(opts))
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        annotation = hints[f.name]
+        if value is None and type(None) in typing.get_args(annotation):
+            continue
+        kind = _value_type(annotation)
+        meta = f.metadata
+        normalize = meta.get("normalize")
+        if normalize is not None:
+            value = normalize(value)
+            object.__setattr__(opts, f.name, value)
+        if not _is_a(value, kind):
+            raise ConfigError(f"{f.name} must be {_type_name(kind)}, not {value!r}")
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(
+                f"unknown {f.name.replace('_', ' ')} {value!r}: {f.name} must be one of {', '.join(choices)}"
+            )
+        minimum = meta.get("minimum")
+        if minimum is not None and value < minimum:
+            raise ConfigError(f"{f.name} must be at least {minimum}, got {value}")
+        if meta.get("fraction") and not 0 < value <= 1:
+            raise ConfigError(f"{f.name} must be a fraction in (0, 1], got {value}")
+        pattern = meta.get("pattern")
+        if pattern is not None and not pattern.fullmatch(value):
+            raise ConfigError(f"{f.name} must match {pattern.pattern}, not {value!r}")
 
 
 @dataclass(frozen=True)
@@ -62,28 +166,40 @@ class EngineOptions:
         None,
         "HF folder, repo id in the local HF cache, .gguf file, or a preset with --load-format dummy "
         "(default: the embedded SmolLM2-135M-Instruct)",
+        normalize=_path_text,
     )
-    tokenizer: str | None = option(None, "tokenizer folder or .gguf file (default: the model's)")
+    tokenizer: str | None = option(
+        None, "tokenizer folder or .gguf file (default: the model's)", normalize=_path_text
+    )
     served_model_name: str | None = option(None, "the model name outputs report (default: --model)")
     dtype: str = option(
-        "auto", "compute dtype (auto: float32 on the CPU, the checkpoint's on a GPU)", choices=DTYPES
+        "auto",
+        "compute dtype (auto: float32 on the CPU, the checkpoint's on a GPU)",
+        choices=DTYPES,
+        normalize=_dtype_name,
     )
     load_format: str = option(
         "auto", "dummy: random weights of the named preset or config", choices=LOAD_FORMATS
     )
-    seed: int = option(0, "seed of unseeded requests' sampling and of dummy weights")
-    max_model_len: int | None = option(None, "longest sequence, prompt plus output (default: the model's)")
-    max_num_seqs: int | None = option(None, "sequences in one step (default: by device memory and mode)")
+    seed: int = option(0, "seed of unseeded requests' sampling and of dummy weights", minimum=0)
+    max_model_len: int | None = option(
+        None, "longest sequence, prompt plus output (default: the model's)", minimum=2
+    )
+    max_num_seqs: int | None = option(
+        None, "sequences in one step (default: by device memory and mode)", minimum=1
+    )
     max_num_batched_tokens: int | None = option(
-        None, "tokens in one step, prefill chunks included (default: by device memory and mode)"
+        None, "tokens in one step, prefill chunks included (default: by device memory and mode)", minimum=1
     )
     block_size: int | None = option(
-        None, "tokens per KV-cache block (default: 16; 64 with an FP8 cache, see block_size_for)"
+        None, "tokens per KV-cache block (default: 16; 64 with an FP8 cache, see block_size_for)", minimum=1
     )
     gpu_memory_utilization: float = option(
-        0.9, "share of GPU memory for weights, activations and the KV pool"
+        0.9, "share of GPU memory for weights, activations and the KV pool", fraction=True
     )
-    kv_cache_memory_bytes: int | None = option(None, "KV pool size in bytes, overriding the utilization")
+    kv_cache_memory_bytes: int | None = option(
+        None, "KV pool size in bytes, overriding the utilization", minimum=1
+    )
     quantization: str | None = option(
         None,
         "fp8: FP8 weights for every linear layer but the LM head, quantized at load (FP8 checkpoints "
@@ -100,15 +216,22 @@ class EngineOptions:
     )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps")
-    tensor_parallel_size: int = option(1, "GPUs one model is split over", flags=("-tp",))
-    data_parallel_size: int = option(1, "engines, each with its own copy of the model", flags=("-dp",))
+    tensor_parallel_size: int = option(1, "GPUs one model is split over", minimum=1, flags=("-tp",))
+    data_parallel_size: int = option(
+        1, "engines, each with its own copy of the model", minimum=1, flags=("-dp",)
+    )
     skip_tokenizer_init: bool = option(False, "no tokenizer: prompts are token ids, outputs have no text")
     trust_remote_code: bool = option(
         False,
         "accepted as vLLM spells it; overnight never runs a checkpoint's own code, so an architecture "
         "it does not implement is an error either way",
     )
-    device: str | None = option(None, "cpu, cuda, cuda:N (default: cuda when available)")
+    device: str | None = option(
+        None,
+        "cpu, cuda, cuda:N (default: cuda when available)",
+        pattern=DEVICE_PATTERN,
+        normalize=_device_text,
+    )
     enforce_eager: bool = option(False, "no CUDA graphs")
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
@@ -131,7 +254,9 @@ class EngineOptions:
         "of the last ones first; fifo keeps input order",
         choices=SCHEDULES,
     )
-    lookahead_window: int = option(4096, "prompts read ahead of the engine, with --schedule lookahead")
+    lookahead_window: int = option(
+        4096, "prompts read ahead of the engine, with --schedule lookahead", minimum=1
+    )
     runner: str = option(
         "auto",
         "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
@@ -143,6 +268,7 @@ class EngineOptions:
         "pooling runner: LAST, MEAN or CLS token (default: the model's sentence-transformers config, "
         "else CLS for encoders and LAST for decoders)",
         choices=POOLING_TYPES,
+        normalize=_upper,
     )
     normalize: bool | None = option(
         None,
@@ -160,6 +286,9 @@ class EngineOptions:
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineOptions:

@@ -10,6 +10,22 @@ from typing import Any
 from overnight.errors import InvalidRequestError
 
 _GREEDY_EPS = 1e-5
+# Fields validate() holds to a type before it compares them (the ranges are checked there).
+_NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = (
+    "include_stop_str_in_output",
+    "ignore_eos",
+    "detokenize",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
 _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
@@ -143,6 +159,13 @@ class SamplingParams:
         def bad(msg: str) -> None:
             raise InvalidRequestError(msg)
 
+        for name in _NUMBER_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                bad(f"{name} must be a number, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.n, int) or self.n < 1:
             bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:

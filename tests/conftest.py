@@ -11,3 +11,6 @@ import torch  # noqa: E402  (importing torch does not import triton)
 # Without a GPU, Triton kernels run through the interpreter (fp32/fp16 only).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Fixtures several test files share (after the environment above is set).
+from tests.batch_helpers import batch_model  # noqa: E402, F401

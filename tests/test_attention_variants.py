@@ -1,4 +1,4 @@
-"""The attention kernels' variants selected by config, against the PyTorch references (issue 15).
+"""The attention kernels' variants selected by config, against the PyTorch references.
 
 - prefetch_pages (DecodeConfig, PrefillConfig): page ids loaded one tile ahead (kernels/kv_tiles.py);
   the same arithmetic as without, so the same tolerances as tests/test_kernels_attention.py.
@@ -25,8 +25,7 @@ from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref, prefill_fp8_
 from overnight.kernels.kv_layout import to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_prefill import PrefillConfig
-from tests.test_fp8_kv import exact_in_fp8
-from tests.test_kernels_attention import DEVICE, DTYPES, assert_close, make_batch, poisoned
+from tests.kernel_helpers import DEVICE, DTYPES, assert_close, exact_in_fp8, make_batch, poisoned
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs
 
@@ -366,7 +365,7 @@ def test_attention_variants_by_name() -> None:
 
 
 def test_fp8_caches_default_to_e4m3_dots() -> None:
-    """Both kernels' defaults for an FP8 cache run the dots on e4m3 (round 10 on the H200); 16-bit caches
+    """Both kernels' defaults for an FP8 cache run the dots on e4m3 (faster on the H200, bench/attention_gpu.py); 16-bit caches
     keep theirs."""
     from overnight.kernels.paged_decode import default_decode_config
     from overnight.kernels.paged_prefill import default_prefill_config
@@ -374,7 +373,7 @@ def test_fp8_caches_default_to_e4m3_dots() -> None:
     for fp8 in (torch.float8_e4m3fn, torch.float8_e5m2):
         assert default_decode_config(fp8, 16).fp8_mma
         # Pages of 64 (an FP8 cache's default block size): TMA tiles of 64; pages of 16: the pointer
-        # gathers of 128-token tiles (round 11 on the H200)
+        # gathers of 128-token tiles (bench/decode_pages_gpu.py on the H200)
         assert default_decode_config(fp8, 64).tma and default_decode_config(fp8, 64).block_n == 64
         assert not default_decode_config(fp8, 16).tma and default_decode_config(fp8, 16).block_n == 128
     assert default_prefill_config(torch.float8_e4m3fn).fp8_mma

@@ -1,5 +1,5 @@
 """`overnight bench throughput` on the CPU with the embedded model, beside transformers in the same
-run. Checks the command's output, not speed (the measured ratio lives in docs/benchmarks.md)."""
+run. Checks the command's output, not speed (the measured ratio lives in docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -18,11 +18,12 @@ from overnight import LLM
 from overnight.bench.load import LoadSpec, Workload, run_load
 from overnight.bench.metrics_reader import WindowMetrics, parse_metrics, scrape_sync
 from overnight.cli import main
+from overnight.engine.scheduler import SchedulerStats
 from overnight.sampling_params import SamplingParams
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
 from overnight.tools.check import CheckLog, diagnose, start_check_log
-from tests.test_scheduler import make_engine, run_all
+from tests.engine_helpers import make_engine, run_all
 
 # SmolLM2-135M keeps 46080 bytes of fp32 KV per token (30 layers x 2 x 3 heads x 64 x 4 B).
 KV_PER_TOKEN = 46080
@@ -227,3 +228,23 @@ def test_start_check_log_samples_a_live_engine_and_ends_with_it():
     gc.collect()
     thread.join(2.0)
     assert not thread.is_alive()
+
+
+def test_a_batch_tail_gets_no_light_load_advice():
+    idle_seats = SchedulerStats(
+        num_running=2,
+        num_waiting=0,
+        kv_cache_usage=0.1,
+        num_preemptions_total=0,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+    )
+    loud = CheckLog(max_num_seqs=256, interval_s=0.0, logger=logging.getLogger("t"))
+    loud.add(idle_seats)
+    assert len(loud.lines) == 1 and "light_load" in loud.lines[0] and "send more requests" in loud.lines[0]
+    quiet = CheckLog(256, 0.0, logging.getLogger("t"), quiet=("idle", "light_load"))
+    quiet.add(idle_seats)
+    assert quiet.lines == []
+    busy = SchedulerStats(256, 40, 0.5, 0, 0, 0)
+    quiet.add(busy)  # other verdicts still speak
+    assert len(quiet.lines) == 1 and "max_num_seqs" in quiet.lines[0]

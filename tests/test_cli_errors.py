@@ -1,4 +1,4 @@
-"""What a new user types first, through `python -m overnight` in a subprocess (issue 20): every ordinary
+"""What a new user types first, through `python -m overnight` in a subprocess: every ordinary
 mistake is one line on stderr and exit status 2, never a traceback; `serve MODEL` and
 --trust-remote-code are accepted as vLLM users type them; a model too large for the machine stops
 before a weight is allocated."""
@@ -16,7 +16,7 @@ import torch
 
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
-from tests.test_server_fake import slow_engine
+from tests.engine_helpers import slow_engine
 
 pytestmark = pytest.mark.slow  # a Python process (torch import) per command
 

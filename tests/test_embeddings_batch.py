@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.test_run_batch import REPO, read_jsonl, run_cli, write_jsonl
+from tests.batch_helpers import REPO, read_jsonl, run_cli, write_jsonl
 from tests.tiny_embedders import WORDS, make_tiny_embedder, reference_embeddings
 
 pytestmark = pytest.mark.slow  # runs sentence-transformers and run-batch processes

@@ -8,11 +8,10 @@ import random
 import pytest
 
 from overnight import LLM, SamplingParams
+from tests.engine_helpers import KV_BYTES_PER_TOKEN
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # runs the real model
-
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x kv heads x head_dim x fp32
 
 
 @pytest.fixture(scope="module")

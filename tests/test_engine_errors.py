@@ -71,3 +71,20 @@ def test_per_request_errors_then_the_engine_still_serves(folder):
     out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 5
     assert llm.engine.kv.pool.num_free == llm.engine.kv.num_blocks
+
+
+def test_chat_messages_follow_the_servers_rules():
+    """LLM.chat renders through render_conversation: the roles and content the server accepts, no more."""
+    from overnight.entrypoints.prompts import render_conversation
+
+    for conv, needle in (
+        ([{"role": "robot", "content": "x"}], "unknown role 'robot'"),
+        ([{"role": "user", "content": None}], "needs content"),
+        ([{"role": "user"}], "needs content"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], "text parts"),
+        ([{"content": "x"}], '"role"'),
+    ):
+        with pytest.raises(InvalidRequestError, match=needle):
+            render_conversation(conv, None)
+    with pytest.raises(InvalidRequestError, match="tokenizer"):  # valid messages: only the tokenizer lacks
+        render_conversation([{"role": "assistant", "content": None}, {"role": "user", "content": "x"}], None)

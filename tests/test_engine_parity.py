@@ -8,39 +8,16 @@ real SmolLM2 weights (the tiny random models have logits of magnitude ~40, where
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from overnight import LLM, SamplingParams
+from tests.parity_helpers import hf_greedy, prompts_for
 from tests.tiny_models import load_reference, make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # real models beside transformers
 
 NEW_TOKENS = 12
-
-
-def prompts_for(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [1, 2, 5, 9, 16, 17, 31, 40, 63, 100][:n]
-    return [[rng.randrange(3, vocab) for _ in range(k)] for k in lengths]
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """transformers' greedy generate with no end-of-sequence token (like ignore_eos: EOS may be drawn,
-    it just does not stop anything; min_new_tokens would instead forbid it)."""
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]),
-            eos_token_id=[],
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-    return out.sequences[0, len(prompt) :].tolist(), [s[0].float().log_softmax(-1) for s in out.scores]
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen2", "llama", "llama-tied"])

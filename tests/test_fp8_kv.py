@@ -8,14 +8,12 @@ caches written by the torch reference; the GPU's rounding is checked by bench/ke
 from __future__ import annotations
 
 import logging
-import random
-from dataclasses import dataclass
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from overnight import LLM, SamplingParams
+from overnight import LLM
 from overnight.attention.kv_quant import (
     calibrate_kv_scale_,
     dequantize_kv,
@@ -38,7 +36,16 @@ from overnight.kernels.kv_layout import (
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_prefill import PrefillConfig
-from tests.test_kernels_attention import DEVICE, make_batch, poisoned
+from tests.kernel_helpers import (
+    DEVICE,
+    ENGINE,
+    NEAR_TIE,
+    agreement,
+    exact_in_fp8,
+    greedy,
+    make_batch,
+    poisoned,
+)
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs and real models
@@ -46,12 +53,6 @@ pytestmark = pytest.mark.slow  # long Triton-interpreter runs and real models
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 # Half the distance between neighbouring normal values, relative: 3 and 2 mantissa bits.
 REL_STEP = {torch.float8_e4m3fn: 2.0**-4, torch.float8_e5m2: 2.0**-3}
-
-
-def exact_in_fp8(shape: tuple[int, ...], fp8: torch.dtype, scale: float, seed: int) -> torch.Tensor:
-    """Random values v with v / scale exactly representable in fp8 (scale a power of two)."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=gen).mul(3).to(fp8).float() * scale
 
 
 # ---------------------------------------------------------------- the reference arithmetic
@@ -356,47 +357,13 @@ def test_triton_backend_equals_torch_backend_on_fp8() -> None:
 # before the first divergence, every divergence is a near-tie (each side's token in the other's top 5,
 # reference logprobs within NEAR_TIE), and the chosen tokens' logprobs move little on average.
 
-NUM_PROMPTS, NEW_TOKENS, TOP = 16, 16, 5
-ENGINE = dict(
-    skip_tokenizer_init=True, dtype="float32", device="cpu", max_num_seqs=16, kv_cache_memory_bytes=1 << 20
-)
-NEAR_TIE = 1.0
 # (least share of positions before the first divergence, largest mean |logprob difference|)
 BOUNDS = {"fp8": (0.75, 0.06), "fp8_e5m2": (0.5, 0.12)}
-
-
-@dataclass
-class Agreement:
-    share: float  # positions before each prompt's first divergence / all positions
-    mean_abs_dlogprob: float  # over those positions, of the reference's chosen token
-    divergence_gaps: list[float]  # reference logprob of its token minus of the other's, per divergence
-    divergences_in_top: bool  # at each divergence, each side's token is in the other's top TOP
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("fp8"), "qwen3", seed=3)
-
-
-def greedy(llm: LLM) -> list[tuple[list[int], list[dict]]]:
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 384) for _ in range(rng.randint(4, 60))] for _ in range(NUM_PROMPTS)]
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
-
-
-def agreement(ref: list[tuple[list[int], list[dict]]], got: list[tuple[list[int], list[dict]]]) -> Agreement:
-    before, dlp, gaps, in_top = 0, [], [], True
-    for (a, la), (b, lb) in zip(ref, got, strict=True):
-        d = next((i for i, (s, t) in enumerate(zip(a, b, strict=True)) if s != t), len(a))
-        before += d
-        dlp += [abs(la[i][a[i]].logprob - lb[i][a[i]].logprob) for i in range(d)]
-        if d < len(a):
-            in_top &= b[d] in la[d] and a[d] in lb[d]
-            gaps.append(la[d][a[d]].logprob - la[d][b[d]].logprob if b[d] in la[d] else float("inf"))
-    share = before / sum(len(a) for a, _ in ref)
-    return Agreement(share, sum(dlp) / len(dlp), gaps, in_top)
 
 
 def assert_close_to_reference(ref, got, kv_cache_dtype: str) -> None:

@@ -28,7 +28,7 @@ from overnight.quant.apply import dequantize_model
 from overnight.quant.fp8 import dequantize_weight, expand_block_scales, quantize_weight_per_channel
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
-from tests.test_fp8_weights import compare
+from tests.parity_helpers import compare
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # real checkpoints and models
@@ -133,7 +133,7 @@ def test_engine_runs_an_fp8_moe_checkpoint(checkpoints, tmp_path):
     """The engine on the FP8 MoE checkpoint: its greedy tokens are the loaded model's own (the harness of
     tests/test_fp8_weights.py runs the same model outside the engine)."""
     from overnight import LLM, SamplingParams
-    from tests.test_fp8_weights import PROMPTS, greedy_tokens
+    from tests.parity_helpers import PROMPTS, greedy_tokens
 
     folder = str(checkpoints["fp8-block-small"])
     llm = LLM(folder, skip_tokenizer_init=True, dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20)

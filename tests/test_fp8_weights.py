@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,9 +24,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from overnight import LLM
-from overnight.attention.metadata import AttentionBatch
-from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
-from overnight.config import ModelArch
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.kernels import dispatch
 from overnight.loader.model_loader import load_model
@@ -38,88 +35,23 @@ from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme, check_fp8_device, resolve_quantization, scheme_from_hf_config
 from overnight.tools.budget import DeviceMemory, plan_budget
 from tests.fp8_checkpoints import LAYOUTS, fake_quantized_float_checkpoint, make_fp8_checkpoint
-from tests.test_fp8_kv import ENGINE, NEAR_TIE, agreement, greedy
+from tests.kernel_helpers import ENGINE, NEAR_TIE, agreement, greedy
+from tests.parity_helpers import (
+    MAX_DLOGPROB,
+    MIN_SAME_GREEDY,
+    MIN_TOP1,
+    PROMPTS,
+    compare,
+)
 from tests.tiny_models import make_tiny_checkpoint
 from tests.triton_fp8 import exact_fp8_casts
 
 pytestmark = pytest.mark.slow  # real engines and checkpoints
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-NEW_TOKENS = 4
-MIN_TOP1, MAX_DLOGPROB, MIN_SAME_GREEDY = 0.85, 0.15, 0.5  # the last: a share of the prompts
-
-
-def _prompts() -> list[list[int]]:
-    gen = torch.Generator().manual_seed(0)
-    lengths = torch.randint(4, 20, (16,), generator=gen).tolist()
-    return [torch.randint(3, 384, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = _prompts()
 
 
 # -- the harness: whole sequences through the model, no engine -----------------------------------------
-
-
-def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
-    """[len, vocab] float32 log-softmax for each sequence, all in one prefill step on a fresh cache."""
-    arch: ModelArch = model.arch
-    lens = [len(s) for s in seqs]
-    tables, used = [], 0
-    for n in lens:
-        blocks = -(-n // block_size)
-        tables.append(list(range(used, used + blocks)))
-        used += blocks
-    caches = [
-        torch.zeros(2, used, block_size, arch.num_key_value_heads, arch.head_dim)
-        for _ in range(arch.num_hidden_layers)
-    ]
-    meta = build_metadata(lens, lens, tables, block_size)
-    ids = torch.tensor([t for s in seqs for t in s])
-    positions = torch.cat([torch.arange(n) for n in lens])
-    with torch.inference_mode():
-        hidden = model(ids, positions, AttentionBatch(meta, caches, TorchAttentionBackend()))
-        return list(model.compute_logits(hidden).float().log_softmax(-1).split(lens))
-
-
-def greedy_tokens(model: nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    seqs = [list(p) for p in prompts]
-    for _ in range(steps):
-        for seq, lp in zip(seqs, logprobs(model, seqs)):
-            seq.append(int(lp[-1].argmax()))
-    return [s[len(p) :] for s, p in zip(seqs, prompts)]
-
-
-@dataclass
-class Agreement:
-    top1: float  # teacher-forced on the reference's greedy tokens
-    mean_dlogprob: float  # |logprob difference| of the reference's tokens
-    same_greedy: float  # share of the prompts whose greedy continuations are identical
-
-    @property
-    def ok(self) -> bool:
-        return (
-            self.top1 >= MIN_TOP1
-            and self.mean_dlogprob <= MAX_DLOGPROB
-            and self.same_greedy >= MIN_SAME_GREEDY
-        )
-
-
-def compare(
-    model: nn.Module, reference: nn.Module, prompts: list[list[int]] = PROMPTS, steps: int = NEW_TOKENS
-) -> Agreement:
-    ref_tokens = greedy_tokens(reference, prompts, steps)
-    own_tokens = greedy_tokens(model, prompts, steps)
-    seqs = [p + t for p, t in zip(prompts, ref_tokens)]
-    top1, dlp = [], []
-    for prompt, tokens, got, ref in zip(
-        prompts, ref_tokens, logprobs(model, seqs), logprobs(reference, seqs)
-    ):
-        rows, tok = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens)), torch.tensor(tokens)
-        top1 += (got[rows].argmax(-1) == tok).tolist()
-        dlp += (got[rows, tok] - ref[rows, tok]).abs().tolist()
-    same = sum(a == b for a, b in zip(own_tokens, ref_tokens)) / len(prompts)
-    return Agreement(sum(top1) / len(top1), sum(dlp) / len(dlp), same)
 
 
 def assert_agrees_with_dequantized(model: nn.Module) -> None:

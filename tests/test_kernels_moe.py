@@ -20,7 +20,7 @@ from overnight.layers.moe import fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.quant.fp8 import quantize_stacked_per_channel
-from tests.test_kernels_small_ops import _run_steps
+from tests.kernel_helpers import run_steps
 from tests.tiny_models import make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs
@@ -250,9 +250,9 @@ def test_model_forward_with_fp8_expert_kernels_matches_pytorch_path(tmp_path, mo
     model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, DEVICE)
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    expected = _run_steps(model)
+    expected = run_steps(model)
     monkeypatch.setattr(moe, "use_kernels", lambda x: True)
-    got = _run_steps(model)
+    got = run_steps(model)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 
@@ -260,9 +260,9 @@ def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
     folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    expected = _run_steps(model)
+    expected = run_steps(model)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    got = _run_steps(model)
+    got = run_steps(model)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
 
 

@@ -10,8 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overnight.attention.metadata import AttentionBatch
-from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
 from overnight.kernels import dispatch
 from overnight.kernels.activation import silu_and_mul
 from overnight.kernels.rmsnorm import add_rms_norm, rms_norm
@@ -21,9 +19,9 @@ from overnight.layers.norm import RMSNorm, add_rms_norm_ref, rms_norm_ref, use_k
 from overnight.layers.rotary import RotaryEmbedding, rotary_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
+from tests.kernel_helpers import DEVICE, run_steps
 from tests.tiny_models import make_tiny_checkpoint
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 EPS = 1e-6
 
@@ -191,35 +189,14 @@ def test_layers_dispatch_to_kernels(monkeypatch) -> None:
     assert_matches(SiluAndMul()(y), silu_and_mul_ref(y))
 
 
-def _run_steps(model: torch.nn.Module) -> torch.Tensor:
-    """Logits of a two-request prefill, then one decode step of both; block size 4."""
-    arch = model.arch
-    cache_shape = (2, 32, 4, arch.num_key_value_heads, arch.head_dim)
-    kv_caches = [torch.zeros(cache_shape, device=DEVICE) for _ in range(arch.num_hidden_layers)]
-    tables = [[5, 2, 9, 0], [7, 1, 3, 11]]
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, 384, (21,), generator=gen).to(DEVICE)
-    logits = []
-    with torch.inference_mode():
-        meta = build_metadata([9, 12], [9, 12], tables, 4, device=DEVICE)
-        batch = AttentionBatch(meta, kv_caches, TorchAttentionBackend())
-        positions = torch.cat([torch.arange(9), torch.arange(12)]).to(DEVICE)
-        logits.append(model.compute_logits(model(input_ids, positions, batch)))
-        meta = build_metadata([1, 1], [10, 13], tables, 4, num_decodes=2, device=DEVICE)
-        batch = AttentionBatch(meta, kv_caches, TorchAttentionBackend())
-        next_ids = logits[0][[8, 20]].argmax(-1)
-        logits.append(model.compute_logits(model(next_ids, torch.tensor([9, 12], device=DEVICE), batch)))
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_model_forward_with_kernels_matches_pytorch_path(family: str, tmp_path, monkeypatch) -> None:
     folder = make_tiny_checkpoint(tmp_path, family)
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    expected = _run_steps(model)
+    expected = run_steps(model)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    got = _run_steps(model)
+    got = run_steps(model)
     # fp32 sums in another order (kernel vs torch) move logits of size ~10 by ~1e-5: the bound scales.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))
 

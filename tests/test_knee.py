@@ -159,7 +159,7 @@ def test_short_series(series):
     assert v.best_x == 1
 
 
-# Round 12 on the H200, vLLM's server at 64 and 1,024 clients (512 in / 256 out): at 1,024 its scheduler
+# On the H200, vLLM's server at 64 and 1,024 clients (512 in / 256 out): at 1,024 its scheduler
 # ran 259 requests and queued none, the rest waited in its front end (TTFT p50 31 s).
 FRONT = dict(mean_kv_usage=[0.05, 0.21], mean_waiting=[0.0, 0.0], mean_running=[58.8, 259.2])
 
@@ -182,7 +182,7 @@ def test_reason_front_end_where_the_server_holds_fewer_requests_than_the_clients
 
 
 def test_no_gap_when_the_server_holds_the_clients_or_they_are_unknown():
-    # Ours at 1,024 in the same call: 982 running and 8 waiting of 1,024 is within the slack.
+    # Ours at 1,024 on the same machine: 982 running and 8 waiting of 1,024 is within the slack.
     ours = LevelPoint(1024, 9878.0, mean_running=982.1, mean_waiting=7.7, mean_kv_usage=0.8, clients=1024)
     below = LevelPoint(512, 10169.0, mean_running=492.3, mean_waiting=1.2, mean_kv_usage=0.4, clients=512)
     assert why_stopped([below, ours], 0)[0] == "compute_bound"

@@ -65,7 +65,7 @@ def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 @pytest.mark.slow
 def test_load_processes_end_when_their_parent_is_killed():
-    # Round 12 on the H200: a sweep cut by a timeout left load processes that went on sending requests.
+    # On the H200 a sweep cut by a timeout left load processes that went on sending requests.
     proc, pids = start_parent("plain")
     try:
         proc.kill()  # SIGKILL: no clean-up in the parent at all

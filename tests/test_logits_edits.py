@@ -1,5 +1,5 @@
 """logit_bias, allowed_token_ids, bad_words on synthetic logits (the batched edits against a per-row
-reference), best_of / truncate_prompt_tokens in SamplingParams and the engine (fake runner) (issue 20)."""
+reference), best_of / truncate_prompt_tokens in SamplingParams and the engine (fake runner)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import torch
 from overnight.errors import InvalidRequestError
 from overnight.runner.logits_processors import banned_now, build_logits_edits
 from overnight.sampling_params import SamplingParams
+from tests.engine_helpers import EOS, VOCAB, V, make_engine, req, run_all, sample
 from tests.fake_runner import reference_output
-from tests.test_sampler import V, req, sample
-from tests.test_scheduler import EOS, VOCAB, make_engine, run_all
 
 
 def edited_ref(logits: torch.Tensor, params: SamplingParams, output: list[int]) -> torch.Tensor:

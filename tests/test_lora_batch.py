@@ -37,7 +37,7 @@ def adapters(tmp_path_factory, batch_model_module):
 
 @pytest.fixture(scope="module")
 def batch_model_module(tmp_path_factory) -> str:
-    from tests.test_run_batch import make_batch_model
+    from tests.batch_helpers import make_batch_model
 
     return make_batch_model(tmp_path_factory.mktemp("batch-model"))
 

@@ -13,8 +13,9 @@ import pytest
 from overnight import LLM, LoRARequest, SamplingParams
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
+from tests.batch_helpers import make_batch_model
 from tests.lora_adapters import make_adapter
-from tests.test_run_batch import SERVED, make_batch_model
+from tests.test_run_batch import SERVED
 
 pytestmark = pytest.mark.slow  # the real (tiny) model
 

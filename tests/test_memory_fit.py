@@ -1,4 +1,4 @@
-"""The weights are checked against the device's free memory before any is allocated (issue 20, item 1):
+"""The weights are checked against the device's free memory before any is allocated:
 a model too large stops with a sentence that says what would fit."""
 
 from __future__ import annotations

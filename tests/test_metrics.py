@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from overnight.metrics import PrometheusObserver, attach_metrics, start_metrics_server
 from overnight.metrics.prometheus import token_buckets
 from overnight.sampling_params import SamplingParams
-from tests.test_scheduler import make_engine, run_all
+from tests.engine_helpers import make_engine, run_all
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -171,3 +171,17 @@ def test_offline_class_with_metrics_on_a_port(tmp_path):
     )
     assert value(page, "overnight:request_success_total", model_name=name, finished_reason="length") == 3
     assert value(page, "overnight:num_requests_running", model_name=name) == 0
+
+
+def test_finished_time_is_never_before_the_last_token():
+    engine, _ = make_engine()
+    for i in range(12):
+        engine.add_request(str(i), [5 + i, 6, 7], SamplingParams(max_tokens=1 + i % 4, n=1 + i % 2))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert len(done) == 12
+    for o in done:
+        m = o.metrics
+        assert m.first_token_time is not None and m.last_token_time is not None
+        assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time

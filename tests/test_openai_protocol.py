@@ -24,7 +24,7 @@ from overnight.openai_api import (
     served_names,
 )
 from overnight.outputs import CompletionOutput, Logprob, RequestOutput
-from tests.test_run_batch import make_batch_model
+from tests.batch_helpers import make_batch_model
 
 CHAT = "/v1/chat/completions"
 COMP = "/v1/completions"

@@ -107,7 +107,7 @@ def test_packed_layers_hold_the_same_weights(dense, layout, monkeypatch):
     """The GPU's layout, built on the CPU: repacked codes (columns sorted by group for act-order), float32
     scales and zeros; dequantized back it is the twin exactly, and the packed model's greedy tokens (its
     torch reference path) equal the twin's."""
-    from tests.test_fp8_weights import PROMPTS, greedy_tokens
+    from tests.parity_helpers import PROMPTS, greedy_tokens
 
     quantized, twin = dense[layout]
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
@@ -148,7 +148,7 @@ def test_moe_experts_packed_or_dequantized(moe, monkeypatch, layout):
     act-order, dequantized at load (Experts) for act-order and W8A8; either way the same weights as the
     twin, bit for bit, and the router stays float. Packed experts' greedy tokens (their torch reference
     path) equal the twin's."""
-    from tests.test_fp8_weights import PROMPTS, greedy_tokens
+    from tests.parity_helpers import PROMPTS, greedy_tokens
 
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     quantized, twin = moe[layout]

@@ -25,7 +25,7 @@ from overnight.loader.dummy import DUMMY_RANGE, init_dummy_weights
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM, Qwen3MoeSparseMoeBlock
-from tests.test_engine_parity import hf_greedy, prompts_for
+from tests.parity_helpers import hf_greedy, prompts_for
 from tests.tiny_models import load_reference, make_tiny_checkpoint, tiny_config
 
 pytestmark = pytest.mark.slow  # real engines beside transformers
@@ -247,7 +247,7 @@ def write_moe_gguf(path: str, folder, quantize: frozenset[str] = frozenset()) ->
     import gguf
     import numpy as np
 
-    from tests.test_gguf import to_gguf_name
+    from tests.parity_helpers import to_gguf_name
 
     cfg = json.loads((folder / "config.json").read_text())
     tensors = load_file(folder / "model.safetensors")

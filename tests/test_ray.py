@@ -1,4 +1,4 @@
-"""Ray on a local 2-CPU cluster (object store capped), with the tiny batch model of test_run_batch.py:
+"""Ray on a local 2-CPU cluster (object store capped), with the tiny batch model of tests/batch_helpers.py:
 
 - generate_dataset: 200 rows over 2 engine actors give one engine's outputs;
 - run-batch --ray: a 200-line file over 2 replicas, one of them killed mid-run, gives the file one
@@ -20,7 +20,7 @@ import pytest
 from overnight.entrypoints.llm import LLM
 from overnight.ray import generate_dataset, require_ray
 from overnight.sampling_params import SamplingParams
-from tests.test_run_batch import (
+from tests.batch_helpers import (
     MAX_MODEL_LEN,
     WORDS,
     engine_flags,

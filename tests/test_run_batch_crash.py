@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from tests.test_run_batch import (
+from tests.batch_helpers import (
     REPO,
     chat_line,
     completion_line,

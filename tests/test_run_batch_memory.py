@@ -12,14 +12,7 @@ import time
 
 import pytest
 
-from tests.test_run_batch import (
-    REPO,
-    chat_line,
-    completion_line,
-    engine_flags,
-    make_batch_model,
-    words,
-)
+from tests.batch_helpers import REPO, chat_line, completion_line, engine_flags, make_batch_model, words
 
 pytestmark = pytest.mark.slow  # runs the real model over many lines
 

@@ -9,15 +9,7 @@ import random
 
 import pytest
 
-from tests.test_run_batch import (
-    SERVED,
-    WORDS,
-    batch_model,  # noqa: F401  (the session fixture)
-    engine_flags,
-    read_jsonl,
-    run_cli,
-    write_jsonl,
-)
+from tests.batch_helpers import SERVED, WORDS, engine_flags, read_jsonl, run_cli, write_jsonl
 
 pytestmark = pytest.mark.slow  # runs the real model over batch files and kills processes
 

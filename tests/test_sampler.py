@@ -5,30 +5,9 @@ from __future__ import annotations
 import torch
 
 from overnight.runner.inputs import build_sampling_batch
-from overnight.runner.request_state import RunnerRequest
 from overnight.runner.sampler import Sampler, gumbel_noise
 from overnight.sampling_params import SamplingParams
-
-V = 64
-
-
-def req(params: SamplingParams, seed: int = 0, prompt=(1, 2, 3), output=()) -> RunnerRequest:
-    return RunnerRequest(
-        req_id="r",
-        token_ids=list(prompt) + list(output),
-        num_prompt_tokens=len(prompt),
-        params=params,
-        seed=seed,
-        slot=0,
-        num_blocks=0,
-        num_computed_tokens=0,
-    )
-
-
-def sample(logits: torch.Tensor, reqs: list[RunnerRequest], eos=(0,)):
-    batch = build_sampling_batch(reqs, eos, torch.device("cpu"))
-    tokens, lps = Sampler()(logits.clone(), batch)
-    return tokens, (lps.to_host() if lps is not None else None)
+from tests.engine_helpers import V, req, sample
 
 
 def test_noise_is_a_function_of_seed_and_position_only():

@@ -1,5 +1,5 @@
 """prompt_logprobs, logit_bias, allowed_token_ids, bad_words, best_of, truncate_prompt_tokens and
-completions' echo on the real runner (a tiny random Qwen3, fp32, CPU) (issue 20).
+completions' echo on the real runner (a tiny random Qwen3, fp32, CPU).
 
 prompt_logprobs are checked against transformers' log_softmax of one forward pass over the whole
 prompt, while chunked prefill splits the prompt, a full prefix cache holds it and a tiny pool preempts.
@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from tests.test_engine_batching import KV_BYTES_PER_TOKEN
-from tests.test_run_batch import (
+from tests.batch_helpers import (
     MAX_MODEL_LEN,
     SERVED,
     completion_line,
@@ -25,6 +24,7 @@ from tests.test_run_batch import (
     run_cli,
     write_jsonl,
 )
+from tests.engine_helpers import KV_BYTES_PER_TOKEN
 from tests.tiny_models import load_reference, make_tiny_checkpoint
 
 pytestmark = pytest.mark.slow  # runs the real model

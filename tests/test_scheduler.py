@@ -6,59 +6,11 @@ import random
 
 import pytest
 
-from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
 from overnight.engine.engine import Engine
-from overnight.engine.pool_plan import PoolPlan
 from overnight.errors import ConfigError, InvalidRequestError
-from overnight.loader.source import ModelSource
 from overnight.sampling_params import SamplingParams
-from tests.fake_runner import FakeRunner, reference_output
-
-VOCAB = 500
-EOS = 3
-
-
-def make_engine(
-    num_blocks: int = 256,
-    block_size: int = 4,
-    max_num_seqs: int = 16,
-    max_num_batched_tokens: int = 64,
-    max_model_len: int = 256,
-    caching: bool = True,
-    chunked: bool = True,
-    async_mode: bool = False,
-) -> tuple[Engine, FakeRunner]:
-    arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
-    import torch
-
-    config = EngineConfig(
-        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
-        cache=CacheConfig(block_size=block_size, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=chunked,
-        ),
-    )
-    runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)
-    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
-    engine = Engine(config, runner, source, PoolPlan(num_blocks, block_bytes=0, budget_bytes=0, capped=False))
-    return engine, runner
-
-
-def run_all(engine: Engine, check=None) -> dict[str, list[int]]:
-    results: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert out.finished
-            results[out.request_id] = out.outputs[0].token_ids
-        if check:
-            check(engine)
-        steps += 1
-        assert steps < 100_000, "engine made no progress"
-    return results
+from tests.engine_helpers import EOS, VOCAB, make_engine, run_all
+from tests.fake_runner import reference_output
 
 
 def random_prompts(n: int, rng: random.Random, lo: int = 1, hi: int = 60) -> list[list[int]]:
@@ -222,3 +174,14 @@ def test_n_completions_share_the_prompt():
 def test_pool_smaller_than_one_sequence_is_refused():
     with pytest.raises(ConfigError, match="max_model_len"):
         make_engine(num_blocks=10, block_size=4, max_model_len=64)
+
+
+def test_the_engine_clamps_max_tokens_to_the_context():
+    """The offline class's rule (documented on LLM): no refusal, the request ends by length."""
+    engine, _ = make_engine(max_model_len=64)
+    engine.add_request("r", list(range(10, 20)), SamplingParams(max_tokens=10**9, ignore_eos=True))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    (out,) = done
+    assert len(out.outputs[0].token_ids) == 54 and out.outputs[0].finish_reason == "length"

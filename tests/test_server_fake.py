@@ -17,44 +17,8 @@ from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
+from tests.engine_helpers import EOS, VOCAB, slow_engine
 from tests.fake_runner import reference_output
-from tests.test_scheduler import EOS, VOCAB, make_engine
-
-
-class SlowRunner:
-    """The fake runner, taking `delay` seconds a step so requests stay in flight long enough to watch."""
-
-    def __init__(self, inner, delay: float, fail_at_step: int | None = None) -> None:
-        self.inner = inner
-        self.delay = delay
-        self.fail_at_step = fail_at_step
-        self.steps = 0
-        self.supports_async = inner.supports_async
-
-    def _tick(self) -> None:
-        self.steps += 1
-        if self.fail_at_step is not None and self.steps >= self.fail_at_step:
-            raise RuntimeError("simulated device failure")
-        time.sleep(self.delay)
-
-    def execute(self, out):
-        self._tick()
-        return self.inner.execute(out)
-
-    def launch(self, out):
-        self._tick()
-        return self.inner.launch(out)
-
-    def shutdown(self) -> None:
-        self.inner.shutdown()
-
-
-def slow_engine(delay: float = 0.0, fail_at_step: int | None = None, async_mode: bool = False, **kw):
-    """async_mode: the engine runs one step ahead of the host, as it does on a GPU."""
-    engine, runner = make_engine(async_mode=async_mode, **kw)
-    engine.runner = SlowRunner(runner, delay, fail_at_step)
-    return engine
-
 
 ASYNC_MODES = pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
 

@@ -1,4 +1,4 @@
-"""The server's limits and the vLLM surface a new user sends (issue 20), on a fake-runner engine: request
+"""The server's limits and the vLLM surface a new user sends, on a fake-runner engine: request
 size (413), tokenizing off the event loop, the context arithmetic for max_tokens, fields we do not
 implement refused by name, /tokenize and /detokenize, text that is not Unicode."""
 
@@ -13,7 +13,7 @@ import pytest
 from overnight.openai_api.protocol import UNSUPPORTED_FIELDS
 from overnight.server.background import BackgroundServer
 from overnight.server.cli import ServerOptions, make_app
-from tests.test_server_fake import slow_engine
+from tests.engine_helpers import slow_engine
 
 
 class SlowTokenizer:

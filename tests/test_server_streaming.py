@@ -19,9 +19,8 @@ from overnight.sampling_params import SamplingParams
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.cli import ServerOptions
 from overnight.server.deltas import Pacer, coalesce, merge
+from tests.engine_helpers import EOS, VOCAB, slow_engine
 from tests.fake_runner import reference_output
-from tests.test_scheduler import EOS, VOCAB
-from tests.test_server_fake import slow_engine
 
 
 def delta(

@@ -32,7 +32,7 @@ def test_a_steady_window_passes():
 
 
 def test_the_old_1024_client_window_is_a_transient():
-    # docs/benchmarks.md, the first sweep: 3,166 output and 39,006 total tok/s over 8 s at 1024 clients
+    # The first server sweep on the H200: 3,166 output and 39,006 total tok/s over 8 s at 1024 clients
     out = 3166 * 8
     v = steady.judge(
         [out / 4] * 4, 2.0, prompt_tokens=(39006 - 3166) * 8, expected_ratio=3.0, mean_prompt_len=512

@@ -11,8 +11,8 @@ import re
 
 import pytest
 
+from tests.batch_helpers import read_jsonl, run_subprocess, write_jsonl
 from tests.structured_schemas import SCHEMAS, assert_valid
-from tests.test_run_batch import read_jsonl, run_subprocess, write_jsonl
 
 pytestmark = pytest.mark.slow  # runs the real model over batch files
 

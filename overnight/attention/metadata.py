@@ -59,10 +59,6 @@ class AttentionMetadata:
     def num_prefills(self) -> int:
         return self.num_reqs - self.num_decodes
 
-    @property
-    def is_decode_only(self) -> bool:
-        return self.num_decodes == self.num_reqs
-
 
 class AttentionBackend(Protocol):
     """Writes this step's K/V into the paged cache, then attends. q: [T, Hq, D]; k, v: [T, Hkv, D].

@@ -6,7 +6,7 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
     prefetch  page ids loaded one tile ahead, so the K/V copies are multi-buffered (kernels/kv_tiles.py),
               in decode (both caches) and in prefill
     fp16-dots an FP8 cache's tiles converted to fp16 for both kernels' dots, q and P unrounded (the
-              default before round 10; the default runs the dots on e4m3 as stored, q and P rounded,
+              former default; the default runs the dots on e4m3 as stored, q and P rounded,
               as FlashAttention-3 does); a 16-bit cache as default
     heads-first  the default decode tiles with the KV heads of a request as the grid's fastest
               dimension (DecodeConfig.heads_first); prefill as default

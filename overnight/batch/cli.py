@@ -18,7 +18,7 @@ import sys
 from overnight.batch.ordering import ORDERS
 from overnight.batch.output import UsageError, check_output
 from overnight.batch.spill import check_spill
-from overnight.entrypoints.submission import check_schedule, make_order
+from overnight.entrypoints.submission import make_order
 from overnight.errors import ConfigError
 from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
 
@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    options_from_args(args, mode="batch")  # a wrong option value: ConfigError, before any file is touched
     if args.input_file != "-" and not os.path.isfile(args.input_file):
         raise UsageError(f"input file {args.input_file} not found")
     if args.validate_only:
@@ -128,7 +129,6 @@ def _check_args(args: argparse.Namespace) -> None:
             check_output(path, resume=args.resume, overwrite=args.overwrite, what=what)
     check_spill(args.output_file, resume=args.resume, overwrite=args.overwrite)
     try:
-        check_schedule(args.schedule, args.lookahead_window)
         parse_lora_modules(args.lora_modules)
     except ConfigError as e:
         raise UsageError(str(e)) from None

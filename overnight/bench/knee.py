@@ -34,7 +34,7 @@ THROTTLE_DROP = 0.10  # SM clock drop against the best earlier level that counts
 # request, so the server should hold about as many, running or waiting. More than this share missing (and
 # at least MIN_MISSING requests) counts as a gap. Healthy levels on the H200 miss 4-8% (at 64 clients, a
 # request of 3 s; on the CPU 22% at 4 clients, hence the floor); the front end that held requests
-# back missed 44-75% (round 12).
+# back missed 44-75% (vLLM 0.26's server at 512 and 1,024 clients).
 MISSING_SHARE = 0.20
 MIN_MISSING = 2.0
 CLIENT_LAG_MS = 20.0  # the load generator's mean loop lag from which it counts as behind

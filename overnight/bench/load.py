@@ -10,7 +10,7 @@ prompts' prefill instead of piling it into the first steps.
 With answers all of one length, though, nothing spreads phases that something else bunched: every
 running request gets one token a step, so clients that once finish together (after a stall, a burst,
 a preemption) finish together one life later, and again, for good; the step budget only caps such a
-band's density. On the H200 (round 10) 1,024 clients of 512 in / 256 out ran as one band for the whole
+band's density. On the H200 1,024 clients of 512 in / 256 out ran as one band for the whole
 window. Workload.output_len_range (`bench sweep --output-len-range`) draws each answer's length around
 output_len, so a band dissolves within a few lives, as it does under real answers of varied length.
 

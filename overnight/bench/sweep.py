@@ -305,7 +305,7 @@ def sweep(args: argparse.Namespace, url: str) -> dict[str, object]:
         if ramp_too_short(row, args.warmup_s):
             # A sweep that starts at many clients ramps on the probe's lifetime of one request alone:
             # the clients then start nearly together and move as one band (vLLM's server at 256
-            # clients in round 10). Measure the level again, ramped on the lifetime it showed.
+            # clients on the H200). Measure the level again, ramped on the lifetime it showed.
             print(
                 f"  {x:g}: ramp {row['ramp_s']} s was short for a {row['lifetime_s']} s request life; "
                 "measuring again",

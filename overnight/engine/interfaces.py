@@ -27,6 +27,20 @@ if TYPE_CHECKING:
     from overnight.tokenizer.tokenizer import Tokenizer
 
 
+@dataclass(frozen=True)
+class AddRequest:
+    """EngineClient.add_request's arguments as one message: what the server's engine thread and the
+    data-parallel front queue, and what the front sends to its engine processes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: RequestParams
+    prompt: str | None
+    stream: bool
+    arrival_time: float  # time.monotonic() is one clock for every process of the machine
+    lora_request: LoRARequest | None = None
+
+
 class StepHandle(Protocol):
     """A launched step; result() waits for its sampled tokens (once; later calls return the same)."""
 

@@ -117,9 +117,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in _FINISHED
 
-    def append_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
     def check_stop(self, token_id: int) -> RequestStatus | None:
         """Token-level stop rules, applied right after token_id was appended."""
         if token_id in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:

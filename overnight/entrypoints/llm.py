@@ -20,7 +20,7 @@ from overnight.entrypoints.prompts import (
     render_conversation,
     tokenize_prompt,
 )
-from overnight.entrypoints.submission import check_schedule, make_order, max_output_tokens
+from overnight.entrypoints.submission import make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest, hash_root
@@ -60,7 +60,6 @@ class LLM:
         # reasoning_parser, enable_auto_tool_choice, tool_call_parser: how chat() reads outputs
         self.chat_options, kwargs = ChatOptions.split_kwargs(kwargs)
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
-        check_schedule(self.options.schedule, self.options.lookahead_window)
         self.engine: EngineClient = build_engine(self.options)
         self._ids = itertools.count()
         self._seeds = random.Random(self.options.seed)  # unseeded prompts' seeds, in input order

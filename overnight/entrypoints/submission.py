@@ -40,8 +40,8 @@ from typing import Protocol
 
 from overnight.engine.block_pool import hash_block
 from overnight.errors import ConfigError
+from overnight.options import SCHEDULES
 
-SCHEDULES = ("lookahead", "fifo")
 # Holding back costs nothing while requests wait in the engine's queue (the engine has work); the bound
 # only keeps a queue that never empties (stale counts of a remote engine) from holding a group for ever.
 MAX_HOLD_STEPS = 256

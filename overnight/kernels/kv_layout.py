@@ -15,7 +15,7 @@ Why: the P @ V product of attention contracts over tokens, and the tensor cores 
 operand values consecutive along the contracted dimension. 16-bit values get transposed on their way
 out of shared memory (ldmatrix.trans); Hopper has no such instruction for 8-bit values, so with V stored
 like K the decode kernel read V from shared memory one byte at a time and an FP8 cache decoded only
-1.2x faster than bf16. Token-major V makes it 1.45x (docs/benchmarks.md). A bf16 cache keeps the plain
+1.2x faster than bf16. Token-major V makes it 1.45x (bench/kernels_gpu.py). A bf16 cache keeps the plain
 layout: token-major was 6% slower there.
 
 An FP8 cache is allocated zeroed: the kernels read V of whole pages without a mask (a mask that varies
@@ -33,7 +33,7 @@ FP8_MAX: dict[torch.dtype, float] = {torch.float8_e4m3fn: 448.0, torch.float8_e5
 
 
 # An FP8 cache stores K head-major inside each block (new_kv_cache): one KV head's page is one 2-KB run
-# instead of 16 runs of 128 bytes 1 KB apart. On the H200 (round 8, one call) the FP8 decode kernel was
+# instead of 16 runs of 128 bytes 1 KB apart. On the H200 the FP8 decode kernel was
 # 0-1.9% faster on the seven Qwen3 cases of bench/attention_gpu.py ("hm" rows; b512 ctx2048 676 -> 665
 # us) and a read-only probe of the cache (bench/kv_access_gpu.py) read 3.65 against 3.40 TB/s.
 FP8_HEAD_MAJOR_K = True

@@ -95,14 +95,14 @@ class DecodeConfig:
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
 # loads per iteration the same. The dots run on e4m3 as stored (fp8_mma), as FlashAttention-3's FP8 path
 # does (it rounds q per tensor; we round per row): on the H200 the kernel bench had it 1-3% faster than
-# the fp16-dot path at these tiles (round 8), and long-1024-1024 with an FP8 cache ran 1.1% faster end
-# to end with it and the e4m3 prefill (round 10, docs/benchmarks.md). FP8_FP16_DOTS_DECODE_CONFIG is
+# the fp16-dot path at these tiles (bench/attention_gpu.py), and long-1024-1024 with an FP8 cache ran
+# 1.1% faster end to end with it and the e4m3 prefill (`overnight bench throughput`). FP8_FP16_DOTS_DECODE_CONFIG is
 # the fp16-dot path (`--attention-variant fp16-dots`).
 FP8_SMALL_PAGE_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3, fp8_mma=True)
 FP8_FP16_DOTS_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
 
 # On pages of 64 tokens (an FP8 cache's default block size, options.FP8_BLOCK_SIZE) the same kernel read
-# 1.28-1.33x faster than on pages of 16 in the H200 bench (round 11, bench/decode_pages_gpu.py: b512
+# 1.28-1.33x faster than on pages of 16 in the H200 bench (bench/decode_pages_gpu.py: b512
 # ctx2048 656 -> 512 us, 4.2 TB/s), and fetching each tile by one TMA copy with the heads-first grid
 # another 1-3% (504 us). With splits the heads-first grid lost (the 8-request, 32k-context case 233 us
 # against 184 in request order), so paged_decode drops it there for this kernel.
@@ -111,8 +111,8 @@ FP8_DECODE_CONFIG = DecodeConfig(
 )
 
 
-# 16-bit caches: the heads-first grid was faster in all 7 bf16 cases of the H200 kernel bench (1-2%, one
-# call, round 6); the FP8 kernel at 128-token tiles was not (up to 5% slower), so it keeps the old order.
+# 16-bit caches: the heads-first grid was faster in all 7 bf16 cases of the H200 kernel bench (1-2%,
+# bench/attention_gpu.py); the FP8 kernel at 128-token tiles was not (up to 5% slower), so it keeps the old order.
 BF16_DECODE_CONFIG = DecodeConfig(heads_first=True)
 
 

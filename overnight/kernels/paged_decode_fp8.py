@@ -23,7 +23,7 @@ shared memory.
 With DecodeConfig.tma (the default on pages of 64 tokens) the same kernel fetches each K and V tile by
 one TMA copy through host-side descriptors of the layer's K and V planes: no per-thread addresses or
 masks, so each tile must lie inside one page (tma_supported says what else it needs). On the H200 the
-page size was what mattered (round 11: 4.2 TB/s on pages of 64 against 3.3 on pages of 16, with the
+page size was what mattered (bench/decode_pages_gpu.py: 4.2 TB/s on pages of 64 against 3.3 on pages of 16, with the
 pointer gathers too); the copies added 1-3%.
 
 Two roundings that the fp16 path does not make, both as FlashAttention-3's FP8 path does:

@@ -58,7 +58,7 @@ from overnight.kernels.score_mods import check_head_dim, check_sinks, layer_cons
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    # The H200 bench's winner in two runs (bench/kernels_gpu.py; docs/benchmarks.md).
+    # The H200 bench's winner in two runs (bench/kernels_gpu.py).
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
@@ -66,13 +66,13 @@ class PrefillConfig:
     # Load the next key tile's page ids one iteration ahead in the loop over fully visible key tiles
     # (kv_tiles.py: the pipeliner then keeps num_stages - 1 K/V tiles in flight). On by default: on the
     # H200, 16 x 1024 query tokens after a 512-token prefix, 799 vs 902 us (bf16) and 1180 vs 1247 us (FP8
-    # cache) at these tiles (bench/attention_gpu.py, round 5 in docs/benchmarks.md).
+    # cache) at these tiles (bench/attention_gpu.py).
     prefetch_pages: bool = True
     # FP8 cache only: both dots on the 8-bit values as stored (Hopper's warpgroup MMA reads e4m3 from
     # shared memory when M is a multiple of 64), q rounded to e4m3 per row and P per tile, as the FP8
     # decode kernel does (paged_decode_fp8.py) and FlashAttention-3's FP8 path does. The fp16 path
     # converts every K and V tile once per query head and query tile: on the H200, 16 x 1024 query
-    # tokens after a 512-token prefix took 1,180 us that way and 835 us with e4m3 dots (round 10).
+    # tokens after a 512-token prefix took 1,180 us that way and 835 us with e4m3 dots (bench/attention_gpu.py).
     # default_prefill_config turns it on for e4m3 caches.
     fp8_mma: bool = False
 

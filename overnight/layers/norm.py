@@ -39,6 +39,10 @@ def add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps), residual
 
 
+# A norm's output: a QuantizedActivation with fp8_output (see the module docstring).
+Normed = torch.Tensor | QuantizedActivation
+
+
 class RMSNorm(nn.Module):
     """weight * x / rms(x), normalising over the last dimension."""
 
@@ -51,7 +55,7 @@ class RMSNorm(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Normed | tuple[Normed, torch.Tensor]:
         """norm(x); or, with a residual, (norm(x + residual), x + residual). Inputs are not modified."""
         if self.fp8_output:
             return self._forward_fp8(x, residual)

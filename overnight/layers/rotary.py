@@ -184,6 +184,8 @@ def rope_table(
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # [max_position, head_dim] fp32: cos | sin (a buffer, never saved)
+
     def __init__(
         self,
         head_dim: int,

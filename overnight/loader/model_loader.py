@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
-from typing import cast
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from overnight.layers.rotary import RotaryEmbedding
 from overnight.loader.dummy import init_dummy_weights
 from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
-from overnight.models.interface import CausalLM
+from overnight.models.interface import LoadsWeights
 from overnight.models.registry import get_model_class
 from overnight.quant.apply import quantize_experts, quantize_model
 from overnight.quant.scheme import QuantScheme, check_fp8_device
@@ -116,17 +115,19 @@ def load_model(
     device: torch.device | str,
     seed: int = 0,
     runner: str = "generate",
-) -> CausalLM:
-    """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd
-    (an encoder is returned as CausalLM too: callers that run encoders know their own forward)."""
+) -> nn.Module:
+    """The model of `source`, weights loaded, in eval mode, in `dtype` on `device`, without autograd. A
+    decoder is a CausalLM (models/interface.as_causal_lm), an encoder its own class (encoder/runner.py)."""
     model = build_model(source, dtype, device, runner)
     if source.kind == "dummy":
         init_dummy_weights(model, seed)
+    elif isinstance(model, LoadsWeights):
+        model.load_weights(checkpoint_weights(source, model, device))
     else:
-        cast(CausalLM, model).load_weights(checkpoint_weights(source, model, device))
+        raise TypeError(f"{type(model).__name__} has no load_weights (models/interface.py)")
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
-    return cast(CausalLM, model.requires_grad_(False).eval())
+    return model.requires_grad_(False).eval()
 
 
 def checkpoint_weights(

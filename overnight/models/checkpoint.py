@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -125,8 +126,18 @@ def _listing(names: Iterable[str], limit: int = 8) -> str:
     return ", ".join(names[:limit]) + more
 
 
+class PackedModel(Protocol):
+    """What load_packed_weights reads and writes of a model class (every family of the Llama blocks)."""
+
+    arch: ModelArch
+    packed_modules_mapping: dict[str, tuple[str, str | int]]
+    checkpoint_kv_scales: dict[int, tuple[float, float]]
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+
 @torch.no_grad()
-def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into `model` (which has .arch and .packed_modules_mapping), fusing the
     separate q/k/v and gate/up tensors and stacking per-expert tensors (mlp.experts.N.*) into the
     experts' parameters. Raises ModelLoadError naming every missing or unexpected tensor, and the first
@@ -135,8 +146,8 @@ def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Ten
     KV-cache scales (model.layers.N.self_attn.k_scale / v_scale, as FP8 checkpoints ship them) are not
     parameters: they are collected into model.checkpoint_kv_scales, {layer: (k_scale, v_scale)} with
     1.0 for a missing one, for the runner's FP8 cache."""
-    arch: ModelArch = model.arch
-    mapping: dict[str, tuple[str, str | int]] = model.packed_modules_mapping
+    arch = model.arch
+    mapping = model.packed_modules_mapping
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
     # checkpoint name -> where it goes; the checkpoint must supply every one
     expected: dict[str, Target] = {}

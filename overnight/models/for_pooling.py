@@ -15,15 +15,17 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
+from overnight.models.interface import as_causal_lm
 
 
 class DecoderForPooling(nn.Module):
     def __init__(self, causal_lm: nn.Module) -> None:
         super().__init__()
-        self.arch: ModelArch = causal_lm.arch
-        self.packed_modules_mapping: dict[str, tuple[str, str | int]] = causal_lm.packed_modules_mapping
+        decoder = as_causal_lm(causal_lm)
+        self.arch: ModelArch = decoder.arch
+        self.packed_modules_mapping = decoder.packed_modules_mapping
         del causal_lm.lm_head  # never run: no logits are computed
-        self.decoder = causal_lm
+        self.decoder = decoder
 
     @property
     def checkpoint_kv_scales(self) -> dict[int, tuple[float, float]]:

@@ -255,10 +255,12 @@ def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     tensors, and the first shape mismatch."""
     params = dict(model.named_parameters())
     targets = _targets(model)
+    arch = model.arch
+    assert isinstance(arch, ModelArch)
     seen: set[str] = set()
     unexpected: list[str] = []
     for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and model.arch.tie_word_embeddings):
+        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and arch.tie_word_embeddings):
             continue
         if name not in targets:
             unexpected.append(name)

@@ -4,14 +4,16 @@ nn.Modules too; the type checker sees them through this)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 
 
+@runtime_checkable
 class CausalLM(Protocol):
     arch: ModelArch
     # checkpoint projection name -> (fused parameter's module name, shard id inside it)
@@ -28,3 +30,22 @@ class CausalLM(Protocol):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """What the loaders need of every model class, decoder or encoder."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def as_causal_lm(model: nn.Module) -> CausalLM:
+    """`model` held to the CausalLM contract (its members are checked, once, when it is built): raises
+    TypeError naming those a model class lacks."""
+    if isinstance(model, CausalLM):
+        return model
+    members = ("arch", "packed_modules_mapping", "checkpoint_kv_scales", "compute_logits", "load_weights")
+    missing = [name for name in members if not hasattr(model, name)]
+    raise TypeError(
+        f"{type(model).__name__} does not implement CausalLM (models/interface.py): no {', '.join(missing)}"
+    )

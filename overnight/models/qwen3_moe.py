@@ -60,6 +60,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
+        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
         self.model = LlamaModel(arch, make_mlp=qwen3_moe_mlp)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 

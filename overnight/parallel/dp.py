@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from overnight.engine.interfaces import StepTimings
+from overnight.engine.interfaces import AddRequest, StepTimings
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import StatsObserver
 from overnight.engine.validation import limits_of, validate_request
@@ -34,7 +34,6 @@ from overnight.lora.request import LoRARequest
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.parallel.links import (
     AbortRequests,
-    AddRequest,
     AddRequests,
     EngineLinks,
     EngineLost,

@@ -19,13 +19,12 @@ from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
 from overnight.config import EngineConfig
-from overnight.engine.interfaces import EngineClient
+from overnight.engine.interfaces import AddRequest, EngineClient
 from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.scheduler import SchedulerStats
 from overnight.engine.stats import IterationStats
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.logs import LogSetup
-from overnight.lora.request import LoRARequest
 from overnight.options import EngineOptions
 from overnight.parallel.output_codec import PackedOutput, pack
 from overnight.parallel.workers import (
@@ -36,24 +35,12 @@ from overnight.parallel.workers import (
     spawn_environment,
     stop_processes,
 )
-from overnight.pooling_params import RequestParams
 
 # Builds one engine from options, in the engine's own process (the composition root's build_engine):
 # injected, so the parallel fronts never import what assembles them.
 EngineFactory = Callable[[EngineOptions], EngineClient]
 
 # -- messages (driver -> engine) ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: RequestParams
-    prompt: str | None
-    stream: bool
-    arrival_time: float  # time.monotonic() is one clock for every process of the machine
-    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ layer's input, so its per-token scales are those of its share.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ from overnight.config import ModelArch
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.layers.moe import SILU, Experts
 from overnight.loader.source import ModelSource
-from overnight.models.interface import CausalLM
+from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
 from overnight.quant.linear import Fp8Linear
 
@@ -303,7 +302,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     down_proj or Experts. Afterwards model.arch is the rank's local arch, so load_weights fuses checkpoint tensors
     into the local layout.
     """
-    lm = cast(CausalLM, model)  # the model's contract, beside its nn.Module side
+    lm = as_causal_lm(model)  # the model's contract, beside its nn.Module side
     if lm.arch.attention_sinks or lm.arch.expert_bias:
         # Sinks would split by head, expert biases by rows (the down bias added once), MXFP4 scales by
         # 32-column groups: not written yet. gpt-oss-120b fits one H200 in its MXFP4 form.
@@ -385,10 +384,10 @@ def load_sharded_model(
     else:
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
-        cast(CausalLM, model).load_weights((n, shards.shard(n, t)) for n, t in weights)
+        as_causal_lm(model).load_weights((n, shards.shard(n, t)) for n, t in weights)
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
-    return cast(CausalLM, model.requires_grad_(False).eval())
+    return as_causal_lm(model.requires_grad_(False).eval())
 
 
 def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:

@@ -76,7 +76,7 @@ class Fp8Linear(nn.Module):
         if not w.is_meta:
             with torch.no_grad():
                 layer.load_dense_(w)
-                if linear.bias is not None:
+                if linear.bias is not None and layer.bias is not None:  # both or neither
                     layer.bias.copy_(linear.bias)
         return layer
 
@@ -96,6 +96,7 @@ class Fp8Linear(nn.Module):
 
     def matmul(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         """x @ W^T without the bias (tensor parallelism adds it once, after the reduce)."""
+        rows: torch.Tensor | QuantizedActivation
         if isinstance(x, QuantizedActivation):
             rows, lead = x, x.data.shape[:-1]
         else:

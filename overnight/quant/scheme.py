@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from overnight.errors import ConfigError, ModelLoadError
+from overnight.options import QUANTIZATIONS
 from overnight.quant.int_scheme import IntScheme, int_scheme_from_hf_config, is_int_config, refuse_transforms
 from overnight.quant.names import module_matches
 
-QUANTIZATION_METHODS = ("fp8",)
 # Block-scaled checkpoints: True keeps the blocks and runs the Triton block-scaled GEMM; False
 # requantizes each weight per output channel at load and runs the per-channel path (torch._scaled_mm
 # on CUDA, fused activation quantization everywhere). bench/fp8_weights_gpu.py measures both.
@@ -84,10 +84,8 @@ def resolve_quantization(
 ) -> QuantScheme | IntScheme | None:
     """The scheme a model runs with: the checkpoint's own when it has one (quantization="fp8" on an
     FP8 checkpoint is then fine), else online FP8 when asked, else None (weights in the compute dtype)."""
-    if option is not None and option not in QUANTIZATION_METHODS:
-        raise ConfigError(
-            f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATION_METHODS)} (or none)"
-        )
+    if option is not None and option not in QUANTIZATIONS:
+        raise ConfigError(f"unknown quantization {option!r}; supported: {', '.join(QUANTIZATIONS)} (or none)")
     if isinstance(checkpoint, IntScheme) and option == "fp8":
         raise ConfigError(
             f"quantization='fp8' asks for FP8 weights, but the checkpoint holds {checkpoint.describe()}; "

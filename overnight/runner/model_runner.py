@@ -24,7 +24,7 @@ from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
-from overnight.models.interface import CausalLM
+from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.runner.inputs import StepBuffers, StepInputs, build_sampling_batch
 from overnight.runner.pooler import ChunkedPooler, PooledStep
 from overnight.runner.prompt_logprobs import (
@@ -110,8 +110,14 @@ class ModelRunner:
         if model is None:
             from overnight.loader.model_loader import load_model
 
-            model = load_model(
-                source, config.model.dtype, self.device, seed=config.model.seed, runner=config.model.runner
+            model = as_causal_lm(
+                load_model(
+                    source,
+                    config.model.dtype,
+                    self.device,
+                    seed=config.model.seed,
+                    runner=config.model.runner,
+                )
             )
         self.model = model
         # A pooling runner turns each prompt into one vector instead of sampling tokens.

@@ -23,7 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from overnight.engine.interfaces import EngineClient
+from overnight.engine.interfaces import AddRequest, EngineClient
 from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
 from overnight.lora.request import LoRARequest
@@ -34,17 +34,6 @@ from overnight.sampling_params import SamplingParams
 from overnight.server.deltas import Pacer, coalesce
 
 log = logging.getLogger("overnight.server")
-
-
-@dataclass(frozen=True, slots=True)
-class AddRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: RequestParams
-    prompt: str | None
-    stream: bool
-    arrival_time: float
-    lora_request: LoRARequest | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,7 @@ from overnight.options import (
     EngineOptions,
     add_engine_args,
     add_option_args,
+    check_options,
     from_args,
     option,
     options_from_args,
@@ -49,7 +50,7 @@ log = logging.getLogger("overnight.server")
 @dataclass(frozen=True)
 class ServerOptions:
     host: str = option("127.0.0.1", "address to bind (127.0.0.1: this machine only)")
-    port: int = option(8000, "port to listen on")
+    port: int = option(8000, "port to listen on", minimum=0)
     api_key: str | None = option(
         None, "require 'Authorization: Bearer KEY' on every route but /health and /metrics"
     )
@@ -57,18 +58,21 @@ class ServerOptions:
         False, "with --api-key, /metrics needs the key too (Prometheus scrapers then must send it)"
     )
     max_request_bytes: int = option(
-        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this many bytes"
+        DEFAULT_MAX_REQUEST_BYTES, "answer 413 to request bodies larger than this many bytes", minimum=1
     )
     max_waiting: int | None = option(
-        None, "answer 503 to new requests while this many wait to be scheduled (default: no limit)"
+        None,
+        "answer 503 to new requests while this many wait to be scheduled (default: no limit)",
+        minimum=0,
     )
     stream_interval: int = option(
         1,
         "a streamed response sends a chunk once it holds this many new tokens (or ends): fewer chunks "
         "cost the HTTP process less per token at saturation, each token arriving a little later",
+        minimum=1,
     )
     shutdown_timeout: float = option(
-        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted"
+        30.0, "on SIGTERM, seconds in-flight requests get to finish before they are aborted", minimum=0
     )
     metrics_prefix: str = option(
         DEFAULT_PREFIX, "prefix of /metrics names; 'vllm' keeps existing dashboards working"
@@ -79,8 +83,7 @@ class ServerOptions:
     )
 
     def __post_init__(self) -> None:
-        if self.stream_interval < 1:
-            raise ValueError(f"--stream-interval must be at least 1 token, got {self.stream_interval}")
+        check_options(self)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -155,7 +158,7 @@ def uvicorn_server(app, opts: ServerOptions):
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine of a server: server limits, and its own process unless --no-engine-process (its step
-    then never waits for the GIL the HTTP side holds; docs/benchmarks.md)."""
+    then never waits for the GIL the HTTP side holds; bench/server_cost_cpu.py measures the difference)."""
     opts = options_from_args(args, mode="server", **lora_overrides(parse_lora_modules(args.lora_modules)))
     return opts if opts.engine_process is not None else replace(opts, engine_process=True)
 

@@ -8,7 +8,7 @@ the bottleneck, and a loop that keeps up still sends a chunk per step.
 `--stream-interval N` (vLLM's option of that name) goes further on purpose: a stream's deltas are held
 until they carry N new tokens (or the request ends), so the loop encodes and writes about one chunk per
 N tokens even while it keeps up. On the H200 the HTTP process's loop was the server's limit at 512
-clients (docs/benchmarks.md, round 8); N trades a little latency per token for that headroom.
+clients (bench/server_cost_cpu.py shows the loop's cost per token); N trades a little latency per token for that headroom.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 20's sampling extras on a GPU (run on the H200: PYTHONPATH=. python bench/newuser_gpu.py).
+"""The sampling extras on a GPU (run on the H200: PYTHONPATH=. python bench/sampling_extras_gpu.py).
 
 1. prompt_logprobs in bf16 through chunked prefill (64-token steps) with CUDA graphs on: a random-weight
    Qwen3-0.6B against transformers' log_softmax of one forward pass over each whole prompt (median
@@ -274,7 +274,7 @@ def main() -> int:
                 f"{r['variant']:<24} {r['seconds']:>8} {r['out_tok_s']:>10} {r['vs_plain']:>9} {r['sm_clock']:>10}"
             )
     print("NEWUSER", "PASS" if ok else "FAIL")
-    print(json.dumps({"newuser_gpu": results, "pass": ok}))
+    print(json.dumps({"sampling_extras_gpu": results, "pass": ok}))
     return 0 if ok else 1
 
 
