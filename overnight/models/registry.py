@@ -162,7 +162,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     if cfg.get("mlp_bias"):
         raise ModelLoadError("unsupported: mlp_bias=true")
     windows = _window_fields(cfg, family)
-    if cfg.get("use_sliding_window") and family not in WINDOWED_FAMILIES:
+    if cfg.get("use_sliding_window") and family not in (*WINDOWED_FAMILIES, "qwen2", "qwen3"):
         raise ModelLoadError("unsupported: use_sliding_window=true (sliding-window attention)")
     theta, scaling = rope_params(cfg)
     try:
