@@ -159,7 +159,9 @@ def uvicorn_server(app, opts: ServerOptions):
 def engine_options(args: argparse.Namespace) -> EngineOptions:
     """The engine of a server: server limits, and its own process unless --no-engine-process (its step
     then never waits for the GIL the HTTP side holds; bench/server_cost_cpu.py measures the difference)."""
-    opts = options_from_args(args, mode="server", **lora_overrides(parse_lora_modules(args.lora_modules)))
+    # `bench sweep` starts a server from its own flags, which have no --lora-modules
+    adapters = parse_lora_modules(getattr(args, "lora_modules", None))
+    opts = options_from_args(args, mode="server", **lora_overrides(adapters))
     return opts if opts.engine_process is not None else replace(opts, engine_process=True)
 
 
