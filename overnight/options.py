@@ -278,10 +278,16 @@ class EngineOptions:
     enable_lora: bool = option(
         False, "serve LoRA adapters (LoRARequest, --lora-modules) beside the base model"
     )
-    max_loras: int = option(1, "LoRA adapters on the device at once: distinct adapters in one step")
-    max_lora_rank: int = option(16, "largest LoRA rank served (device slots are allocated at this rank)")
+    max_loras: int = option(
+        1, "LoRA adapters on the device at once: distinct adapters in one step", minimum=1
+    )
+    max_lora_rank: int = option(
+        16, "largest LoRA rank served (device slots are allocated at this rank)", minimum=1
+    )
     max_cpu_loras: int | None = option(
-        None, "LoRA adapters kept loaded in host memory, least recently used out (default: max_loras)"
+        None,
+        "LoRA adapters kept loaded in host memory, least recently used out (default: max_loras)",
+        minimum=1,
     )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False

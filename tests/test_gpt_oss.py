@@ -38,7 +38,17 @@ def _config(**overrides):
             "num_experts_per_tok": 3,
             "sliding_window": WINDOW,
             "max_position_embeddings": 512,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            # YaRN as the published configs have it (truncate false), on a short original context so the
+            # prompts reach the scaled band.
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 16,
+            },
             "bos_token_id": 1,
             "eos_token_id": 2,
             **overrides,
