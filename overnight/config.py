@@ -15,6 +15,38 @@ from overnight.options import EngineOptions as _Defaults  # the option table hol
 
 
 @dataclass(frozen=True)
+class VisionArch:
+    """A vision tower and how its image tokens sit in the prompt, named as in HF vision_config.
+    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU) or "qwen3_vl" (learned position embeddings,
+    LayerNorm, deepstack features)."""
+
+    kind: str
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str
+    image_token_id: int
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    rope_theta: float = 10000.0
+    window_size: int = 0  # Qwen2.5-VL: window attention in pixels, except fullatt_block_indexes
+    fullatt_block_indexes: tuple[int, ...] = ()
+    num_position_embeddings: int = 0  # Qwen3-VL: learned table of side**2 entries, interpolated
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed early layers
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge."""
+        t, h, w = grid_thw
+        return t * h * w // (self.spatial_merge_size**2)
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
     BERT-style encoder."""
@@ -64,6 +96,11 @@ class ModelArch:
     is_encoder: bool = False
     type_vocab_size: int = 0
     layer_norm_eps: float = 1e-12
+    # Vision-language models (models/qwen_vl.py): M-RoPE's split of the head's frequencies between the
+    # temporal, height and width positions (layers/mrope.py; () means plain RoPE), and the vision tower.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    vision: VisionArch | None = None
 
     @property
     def q_size(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -12,6 +13,8 @@ from overnight.models.bert import BertModel
 from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
+from overnight.models.qwen_vl import QwenVLForConditionalGeneration
+from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -22,6 +25,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
+    "qwen2_5_vl": QwenVLForConditionalGeneration,
+    "qwen3_vl": QwenVLForConditionalGeneration,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -33,7 +38,11 @@ _HF_ARCHITECTURES: dict[str, str] = {
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
     "BertModel": "bert",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
 }
+# Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
+_VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
 _ENCODERS = ("bert",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -125,6 +134,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
+    if family in _VL_TEXT_FAMILY:
+        return _vision_language_arch(cfg, family)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):
@@ -253,3 +264,28 @@ def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads it), with
+    M-RoPE's sections and the vision tower (models/vision/config.py)."""
+    text = text_config_of(cfg)
+    text_family = _VL_TEXT_FAMILY[family]
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    base = arch_from_hf_config({**plain, "architectures": [], "model_type": text_family})
+    section = tuple(int(s) for s in params.get("mrope_section") or ())
+    if len(section) != 3 or 2 * sum(section) != base.head_dim:
+        raise ModelLoadError(
+            f"rope_parameters.mrope_section must be three sizes summing to head_dim / 2 ({base.head_dim // 2}), "
+            f"got {list(section)}"
+        )
+    return replace(
+        base,
+        architecture=family,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        mrope_section=section,
+        mrope_interleaved=bool(params.get("mrope_interleaved", family == "qwen3_vl")),
+        vision=vision_arch_from_hf(cfg, family),
+    )

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 if TYPE_CHECKING:
     from overnight.lora.slots import DeviceLoRA, LoRASharding
     from overnight.runner.cuda_graph import DecodeGraphs
+    from overnight.runner.vision import VisionStep
 
 log = logging.getLogger("overnight")
 
@@ -160,6 +161,12 @@ class ModelRunner:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
+        # M-RoPE positions and image rows of vision-language models (runner/vision.py)
+        self.vision: VisionStep | None = None
+        if getattr(model, "uses_mrope", False):
+            from overnight.runner.vision import VisionStep
+
+            self.vision = VisionStep(model, self.device)
         self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
@@ -305,12 +312,19 @@ class ModelRunner:
         if self.lora is not None:
             ids, lens = [s.state.lora_id for s in scheduled], [s.num_tokens for s in scheduled]
             self.lora.map_rows(ids, lens, inputs.input_ids.shape[0], decode_only)
+        positions, vision_rows = inputs.positions, None
+        if self.vision is not None:
+            positions = self.vision.positions(scheduled, positions, decode_only)
+            vision_rows = None if decode_only else self.vision.rows(scheduled)
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
         else:
             attn = self._attention_batch(inputs, has_prefill=not decode_only)
-            hidden = self.model(inputs.input_ids, inputs.positions, attn)
+            if vision_rows is not None:
+                hidden = self.model(inputs.input_ids, positions, attn, vision=vision_rows)  # type: ignore[call-arg]
+            else:
+                hidden = self.model(inputs.input_ids, positions, attn)
         if self.pooler is not None:
             assert inputs.meta.query_start_loc_cpu is not None
             return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)

@@ -1,0 +1,149 @@
+"""The runner's side of image inputs (vision-language models): M-RoPE positions and the image rows of a
+step, with an LRU cache of encoder outputs keyed by the images' content hashes.
+
+Per step:
+  - positions: a decode-only step keeps 1-D positions, each row shifted by its request's rope delta
+    (three equal axes rotate as plain RoPE: models/qwen_vl.py, the CUDA graphs replay unchanged); a
+    step with prompt rows of a request with images gets [3, T] positions (its prompt's grid positions).
+  - vision rows: for each prompt chunk that covers image tokens (possibly part of an image: a chunk may
+    end inside one), the rows of the flattened batch and the matching rows of the image's embeddings.
+    Images not in the cache are encoded together, once, in one call of the tower.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from overnight.models.vision.qwen_vit import VisionFeatures
+
+if TYPE_CHECKING:
+    from overnight.models.qwen_vl import VisionRows
+    from overnight.multimodal.inputs import ImageInput
+    from overnight.runner.request_state import ScheduledRequest
+
+
+def _nbytes(f: VisionFeatures) -> int:
+    return sum(t.numel() * t.element_size() for t in [f.embeds, *f.deepstack])
+
+
+class EncoderCache:
+    """Encoder outputs by content hash, least recently used dropped first past max_bytes."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.items: OrderedDict[str, VisionFeatures] = OrderedDict()
+        self.bytes = 0
+
+    def get(self, key: str) -> VisionFeatures | None:
+        f = self.items.get(key)
+        if f is not None:
+            self.items.move_to_end(key)
+        return f
+
+    def put(self, key: str, f: VisionFeatures) -> None:
+        if key in self.items:
+            return
+        self.items[key] = f
+        self.bytes += _nbytes(f)
+        # The newest entry always stays: the step that asked for it still needs it.
+        while self.bytes > self.max_bytes and len(self.items) > 1:
+            _, old = self.items.popitem(last=False)
+            self.bytes -= _nbytes(old)
+
+
+class VisionStep:
+    def __init__(self, model: Any, device: torch.device, cache_bytes: int = 1 << 30) -> None:
+        self.model = model
+        self.device = device
+        self.cache = EncoderCache(cache_bytes)
+        self.images_encoded = 0  # images run through the tower (a test counts them)
+
+    def positions(
+        self, scheduled: list[ScheduledRequest], positions: torch.Tensor, decode_only: bool
+    ) -> torch.Tensor:
+        """The step's positions for an M-RoPE model (positions: the 1-D ones the buffers built)."""
+        deltas = [
+            s.state.multi_modal.mrope_delta if s.state.multi_modal is not None else 0 for s in scheduled
+        ]
+        if decode_only:
+            if any(deltas):
+                shift = torch.tensor(deltas, dtype=positions.dtype).to(self.device, non_blocking=True)
+                positions[: len(scheduled)] += shift
+            return positions
+        if not any(s.state.multi_modal is not None for s in scheduled):
+            return positions
+        pieces = []
+        for s, delta in zip(scheduled, deltas):
+            p = np.arange(s.start, s.start + s.num_tokens, dtype=np.int64)
+            mm = s.state.multi_modal
+            rows = np.broadcast_to(p + delta, (3, len(p))).copy()
+            if mm is not None:
+                inside = p < mm.mrope_positions.shape[1]
+                rows[:, inside] = mm.mrope_positions[:, p[inside]]
+            pieces.append(rows)
+        host = np.concatenate(pieces, axis=1)
+        pad = positions.shape[0] - host.shape[1]
+        if pad > 0:
+            host = np.concatenate([host, np.zeros((3, pad), dtype=np.int64)], axis=1)
+        return torch.from_numpy(host).to(self.device)
+
+    def rows(self, scheduled: list[ScheduledRequest]) -> VisionRows | None:
+        """The image rows of a step with prompt chunks (None when no chunk covers an image token)."""
+        from overnight.models.qwen_vl import VisionRows
+
+        wanted: list[tuple[int, ImageInput, int, int]] = []  # (batch row, image, first, last) token
+        row = 0
+        for s in scheduled:
+            mm = s.state.multi_modal
+            start, end = s.start, s.start + s.num_tokens
+            if mm is not None:
+                for im in mm.images:
+                    lo, hi = max(start, im.offset), min(end, im.end)
+                    if lo < hi:
+                        wanted.append((row + lo - start, im, lo - im.offset, hi - im.offset))
+            row += s.num_tokens
+        if not wanted:
+            return None
+        feats = self._features([im for _, im, _, _ in wanted])
+        rows, embeds = [], []
+        deepstack: list[list[torch.Tensor]] = []
+        for batch_row, im, a, b in wanted:
+            f = feats[im.content_hash]
+            rows.append(torch.arange(batch_row, batch_row + b - a))
+            embeds.append(f.embeds[a:b])
+            for i, d in enumerate(f.deepstack):
+                if len(deepstack) <= i:
+                    deepstack.append([])
+                deepstack[i].append(d[a:b])
+        return VisionRows(
+            rows=torch.cat(rows).to(self.device),
+            embeds=torch.cat(embeds),
+            deepstack=[torch.cat(d) for d in deepstack],
+        )
+
+    def _features(self, images: list[ImageInput]) -> dict[str, VisionFeatures]:
+        found: dict[str, VisionFeatures] = {}
+        missing: dict[str, ImageInput] = {}
+        for im in images:
+            f = self.cache.get(im.content_hash)
+            if f is not None:
+                found[im.content_hash] = f
+            else:
+                missing.setdefault(im.content_hash, im)
+        if missing:
+            todo = list(missing.values())
+            pixels = torch.cat([im.pixel_values for im in todo]).to(self.device, non_blocking=True)
+            out = self.model.embed_images(pixels, [im.grid_thw for im in todo])
+            self.images_encoded += len(todo)
+            sizes = [im.num_tokens for im in todo]
+            embeds = out.embeds.split(sizes)
+            deep = [d.split(sizes) for d in out.deepstack]
+            for i, im in enumerate(todo):
+                f = VisionFeatures(embeds=embeds[i], deepstack=[d[i] for d in deep])
+                self.cache.put(im.content_hash, f)
+                found[im.content_hash] = f
+        return found
