@@ -21,6 +21,7 @@ from overnight.batch.spill import check_spill
 from overnight.entrypoints.submission import check_schedule, make_order
 from overnight.errors import ConfigError
 from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
+from overnight.multimodal.processor import image_processor_for
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -221,6 +222,7 @@ def _run_batch(args: argparse.Namespace) -> int:
         answered=answered,
         progress=progress,
         chat=chat_options(args),
+        images=image_processor_for(engine.source, opts),
     )
     status, code = "completed", 0
     # SIGTERM (a scheduler pre-empting the job) stops like Ctrl-C: finished lines written, summary printed.
