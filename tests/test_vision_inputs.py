@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import os
 
 import pytest
 
@@ -222,3 +223,37 @@ def test_server_with_the_openai_client(llm, folder):
             )
         again = client.chat.completions.create(model=model, messages=conv, max_tokens=6, temperature=0)
         assert again.choices[0].message.content == expected  # the server kept serving
+
+
+def test_caption_folder_example_resumes(folder, tmp_path):
+    """examples/caption_folder.py: a folder with a broken file in, captions out; a second run resumes
+    (no line runs twice) and the captions file stays whole."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("caption_folder", "examples/caption_folder.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    photos = tmp_path / "photos"
+    (photos / "sub").mkdir(parents=True)
+    image(64, 48, 30).save(photos / "a.png")
+    image(32, 32, 31).save(photos / "sub" / "b.jpg")
+    (photos / "broken.jpg").write_bytes(b"not a jpeg")
+    out = str(tmp_path / "captions.jsonl")
+    flags = [
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+        "--no-progress",
+    ]
+    argv = [str(photos), "--model", folder, "-o", out, "--max-tokens", "4", "--max-model-len", "256", *flags]
+    assert example.main(argv) == 0
+    first = [json.loads(x) for x in open(out)]
+    assert [r["image"] for r in first] == ["a.png", "broken.jpg", os.path.join("sub", "b.jpg")]
+    assert "cannot decode image" in first[1]["error"] and first[0]["caption"] and first[2]["caption"]
+    assert example.main(argv) == 0  # resumes: every line already answered
+    assert [json.loads(x) for x in open(out)] == first
+    assert len(open(out + ".results.jsonl").readlines()) == 3
