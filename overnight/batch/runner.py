@@ -31,6 +31,7 @@ from overnight.batch.records import error_record, success_record
 from overnight.batch.summary import Summary
 from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
+from overnight.entrypoints.prompts import conversation_images
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest, hash_root
@@ -40,7 +41,7 @@ from overnight.openai_api.convert import response_body
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import AnyRequest, EmbeddingRequest
+from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
 from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
@@ -116,6 +117,8 @@ class BatchRunner:
         written or kept in the spill and the engine is left empty; unfinished lines are not written, so
         --resume runs them again."""
         it = iter(lines)
+        if self.images is not None:  # images decode in the pool while the engine steps
+            it = self.images.prefetched(it, _image_urls)
         engine, tl = self.engine, self.timeline
         tl.start(engine.stats())
         completed = False
@@ -338,3 +341,10 @@ class BatchRunner:
         self.active.clear()
         self.waiting.clear()
         self.seqs_in_flight = 0
+
+
+def _image_urls(line: BatchLine) -> list[str]:
+    req = line.request
+    if isinstance(req, ChatCompletionRequest) and any(m.has_images for m in req.messages):
+        return conversation_images(req.conversation())
+    return []

@@ -15,8 +15,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +28,9 @@ from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
+
+T = TypeVar("T")
+Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
 
 DEFAULT_IMAGE_LIMIT = 16
 
@@ -72,8 +78,12 @@ class ImageProcessor:
         # so a prompt never waits for a worker that is itself waiting.
         self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-images")
         self.prompt_pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-prompts")
+        # Images decoded ahead of their prompt (prefetched), by source URL; bounded, oldest dropped.
+        self._ahead: OrderedDict[str, Future[Pixels]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_ahead = 256
 
-    def pixels(self, source: Any) -> tuple[torch.Tensor, tuple[int, int, int], str]:
+    def pixels(self, source: Any) -> Pixels:
         """(pixel_values, grid (t, h, w), content hash) of one image."""
         image = load_image(source, self.policy)
         try:
@@ -98,8 +108,39 @@ class ImageProcessor:
             raise InvalidRequestError(
                 f"the prompt has {len(slots)} image placeholders (<|image_pad|>) but {len(images)} images were given"
             )
-        processed = list(self.pool.map(self.pixels, images))
+        futures = [self._future(source) for source in images]
+        processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
         return expand_placeholders(token_ids, slots, processed, self.vision)
+
+    def _future(self, source: Any) -> Future[Pixels]:
+        if isinstance(source, str):
+            with self._lock:
+                ahead = self._ahead.pop(source, None)
+            if ahead is not None:
+                return ahead
+        return self.pool.submit(self.pixels, source)
+
+    def prefetch(self, sources: Iterable[Any]) -> None:
+        """Start decoding these images (URL strings) now, for a prompt that will come soon."""
+        with self._lock:
+            for source in sources:
+                if isinstance(source, str) and source not in self._ahead:
+                    self._ahead[source] = self.pool.submit(self.pixels, source)
+            while len(self._ahead) > self.max_ahead:
+                self._ahead.popitem(last=False)
+
+    def prefetched(
+        self, items: Iterable[T], sources_of: Callable[[T], list[Any]], depth: int = 32
+    ) -> Iterator[T]:
+        """`items` as they come, each yielded `depth` items after its images started decoding in the
+        pool: the loop that consumes them (run-batch's, between engine steps) finds them decoded."""
+        window: deque[T] = deque()
+        for item in items:
+            self.prefetch(sources_of(item))
+            window.append(item)
+            if len(window) > depth:
+                yield window.popleft()
+        yield from window
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
@@ -109,7 +150,7 @@ class ImageProcessor:
 def expand_placeholders(
     token_ids: list[int],
     slots: list[int],
-    processed: list[tuple[torch.Tensor, tuple[int, int, int], str]],
+    processed: list[Pixels],
     vision: VisionArch,
 ) -> tuple[list[int], MultiModalInputs]:
     """Each placeholder at `slots` becomes the image's tokens; M-RoPE positions as HF's get_rope_index:
