@@ -18,7 +18,7 @@ NEW = 8
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
 
 
-@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def vl(request, tmp_path_factory):
     folder = make_vl_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
     # Small chunks: prompts are prefilled in several steps, some ending inside an image's tokens.
@@ -99,3 +99,20 @@ def test_repeated_image_is_encoded_once(vl):
     outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
     assert len(outs) == 6
     assert runner.vision.images_encoded - before == 1
+
+
+def test_fused_experts_load_from_either_layout():
+    """Qwen3-VL-MoE's fused experts: transformers 5 saves [E, 2I, H] / [E, H, I], the published
+    checkpoints [E, H, 2I] / [E, I, H]; both split into the same per-expert tensors."""
+    from overnight.config import ModelArch
+    from overnight.models.qwen_vl import _per_expert
+
+    arch = ModelArch("qwen3_vl_moe", 10, 8, 16, 1, 2, 2, 4, num_experts=3, moe_intermediate_size=6)
+    gate_up, down = torch.randn(3, 12, 8), torch.randn(3, 8, 6)
+    names = ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj")
+    ours = dict(_per_expert(zip(names, (gate_up, down)), arch))
+    published = dict(_per_expert(zip(names, (gate_up.transpose(1, 2), down.transpose(1, 2))), arch))
+    assert len(ours) == 9 and ours.keys() == published.keys()
+    for k in ours:
+        assert torch.equal(ours[k], published[k]), k
+    assert torch.equal(ours["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 6:])

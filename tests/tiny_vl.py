@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16}
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
 
 
 def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str:
@@ -75,6 +75,28 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
             **common,
         )
         model: Any = Qwen2_5_VLForConditionalGeneration(cfg)
+    elif kind == "qwen3_vl_moe":
+        from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+        text["head_dim"] = 16
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+        text["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        }
+        cfg = Qwen3VLMoeConfig(
+            text_config=text,
+            vision_config={
+                **vision,
+                "patch_size": 16,
+                "num_position_embeddings": 16,
+                "deepstack_visual_indexes": [0, 1],
+            },
+            **common,
+        )
+        model = Qwen3VLMoeForConditionalGeneration(cfg)
     else:
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 

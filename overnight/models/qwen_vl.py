@@ -130,7 +130,21 @@ class QwenVLForConditionalGeneration(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, _renamed(weights))
+        load_packed_weights(self, _per_expert(_renamed(weights), self.arch))
+
+
+def qwen3_vl_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    """Qwen3-VL-MoE's sparse MLP: Qwen3-MoE's block (router + stacked experts, layers/moe.py)."""
+    from overnight.models.qwen3_moe import qwen3_moe_mlp
+
+    return qwen3_moe_mlp(arch, layer_idx)
+
+
+class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
+    """Qwen3-VL's tower and decoder with Qwen3-MoE's sparse MLPs (the fused MoE path on the GPU)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -140,3 +154,29 @@ def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str,
         elif name.startswith("model.visual."):
             name = name.removeprefix("model.")
         yield name, tensor
+
+
+def _per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-VL-MoE stores each layer's experts fused (mlp.experts.gate_up_proj, mlp.experts.down_proj);
+    split them into the per-expert tensors load_packed_weights stacks. Both layouts occur: transformers
+    5's [E, 2I, H] / [E, H, I], and the published checkpoints' transposed [E, H, 2I] / [E, I, H] (told
+    apart by shape, as transformers does; a square one is taken as transformers')."""
+    inter, hidden = arch.moe_intermediate_size, arch.hidden_size
+    for name, tensor in weights:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            if tensor.shape[1] != 2 * inter:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("gate_up_proj")
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            if tensor.shape[1] != hidden:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("down_proj")
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

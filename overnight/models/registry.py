@@ -13,7 +13,7 @@ from overnight.models.bert import BertModel
 from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
-from overnight.models.qwen_vl import QwenVLForConditionalGeneration
+from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
 from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
@@ -27,6 +27,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "bert": BertModel,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
+    "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -40,9 +41,10 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "BertModel": "bert",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
-_VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+_VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 _ENCODERS = ("bert",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -274,6 +276,8 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
     plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    if family == "qwen3_vl_moe":
+        plain["norm_topk_prob"] = True  # its router always renormalizes the chosen experts' weights
     base = arch_from_hf_config({**plain, "architectures": [], "model_type": text_family})
     section = tuple(int(s) for s in params.get("mrope_section") or ())
     if len(section) != 3 or 2 * sum(section) != base.head_dim:
@@ -286,6 +290,6 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         architecture=family,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         mrope_section=section,
-        mrope_interleaved=bool(params.get("mrope_interleaved", family == "qwen3_vl")),
-        vision=vision_arch_from_hf(cfg, family),
+        mrope_interleaved=bool(params.get("mrope_interleaved", family != "qwen2_5_vl")),
+        vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
     )
