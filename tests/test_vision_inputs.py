@@ -74,21 +74,28 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def llm(folder) -> LLM:
+    # Chunks of 8 tokens: an image of 9 tokens is always prefilled over two or three steps.
     return LLM(
-        folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256, limit_mm_per_prompt="2"
+        folder,
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_model_len=256,
+        max_num_batched_tokens=8,
+        max_num_seqs=8,
+        limit_mm_per_prompt="2",
     )
 
 
 def test_prefix_cache_is_keyed_by_the_pixels(llm, folder):
     """Same placeholder tokens, different pixels: no KV shared; the same image again: its blocks hit."""
-    text = f"{PLACEHOLDER} {words(30, 1)}"
-    a, b = image(64, 64, 21), image(64, 64, 22)  # same size: the same token ids
+    text = f"{words(3, 0)} {PLACEHOLDER} {words(30, 1)}"
+    a, b = image(96, 96, 21), image(96, 96, 22)  # same size: the same token ids (9 image tokens)
     first = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
     again = llm.generate({"prompt": text, "multi_modal_data": {"image": a}}, GREEDY, use_tqdm=False)[0]
     other = llm.generate({"prompt": text, "multi_modal_data": {"image": b}}, GREEDY, use_tqdm=False)[0]
     assert first.prompt_token_ids == other.prompt_token_ids
     assert again.num_cached_tokens >= 16 and again.outputs[0].token_ids == first.outputs[0].token_ids
-    assert other.num_cached_tokens == 0
+    assert other.num_cached_tokens == 0  # the image's tokens sit in the first block
     ids = llm.get_tokenizer().encode(text)
     assert other.outputs[0].token_ids == hf_greedy(folder, ids, [b], 6)
 
