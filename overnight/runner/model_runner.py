@@ -449,6 +449,8 @@ class ModelRunner:
             metas = [meta] * self.kv_layout.num_groups
             return self.model(ids, pos, self.attention_batch(meta, metas, layer_caches))
 
+        if self.vision is not None and self.is_cuda:  # the encoder runs inside steps too
+            self.vision.run_largest_image(self.source.path if self.source.kind == "hf" else None)
         hidden = forward(num_tokens)
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
         if self.pooler is None:  # a pooling runner computes no logits

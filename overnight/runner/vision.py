@@ -12,6 +12,8 @@ Per step:
 
 from __future__ import annotations
 
+import json
+import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +126,24 @@ class VisionStep:
             embeds=torch.cat(embeds),
             deepstack=[torch.cat(d) for d in deepstack],
         )
+
+    def run_largest_image(self, model_path: str | None) -> None:
+        """Run the tower once on the largest image the checkpoint's image processor makes (its
+        max_pixels, as a square), so the start-up peak-memory step counts the encoder's activations."""
+        vision = self.model.arch.vision
+        max_pixels = 28 * 28 * 1280  # the HF processor's default
+        path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
+        if path and os.path.isfile(path):
+            with open(path) as f:
+                cfg = json.load(f)
+            max_pixels = int(
+                cfg.get("max_pixels") or (cfg.get("size") or {}).get("longest_edge") or max_pixels
+            )
+        unit = vision.patch_size * vision.spatial_merge_size
+        side = max(1, int(max_pixels**0.5) // unit) * vision.spatial_merge_size  # patches on a side
+        width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        pixels = torch.zeros(side * side, width, device=self.device)
+        self.model.embed_images(pixels, [(1, side, side)])
 
     def _features(self, images: list[ImageInput]) -> dict[str, VisionFeatures]:
         found: dict[str, VisionFeatures] = {}
