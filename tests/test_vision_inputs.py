@@ -64,6 +64,43 @@ def test_media_sources_and_refusals(tmp_path):
     assert parse_image_limit("3") == 3
 
 
+def test_http_images_only_when_allowed_with_size_and_time_limits():
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    body = png_bytes(image(40, 30, 5))
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            if self.path == "/slow.png":
+                time.sleep(1.0)
+            try:
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except OSError:
+                pass  # the client gave up (the timeout case)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        with pytest.raises(MediaError, match="--allow-media-urls"):
+            load_image(url + "/a.png", MediaPolicy())
+        assert load_image(url + "/a.png", MediaPolicy(allow_media_urls=True)).size == (40, 30)
+        with pytest.raises(MediaError, match="max_image_bytes"):
+            load_image(url + "/a.png", MediaPolicy(allow_media_urls=True, max_image_bytes=len(body) - 1))
+        with pytest.raises(MediaError, match="cannot fetch image"):
+            load_image(url + "/slow.png", MediaPolicy(allow_media_urls=True, fetch_timeout=0.2))
+    finally:
+        server.shutdown()
+
+
 # ---- the model ------------------------------------------------------------------------------------
 
 
