@@ -14,7 +14,6 @@ Checkpoint names: Qwen2.5-VL ships `model.layers.*` / `visual.*`, Qwen3-VL `mode
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -34,17 +33,8 @@ from overnight.models.llama import (
     load_packed_weights,
     make_lm_head,
 )
-from overnight.models.vision.qwen_vit import VisionFeatures, build_vision_tower
-
-
-@dataclass
-class VisionRows:
-    """The image tokens of one step: rows [R] of the flattened batch, their input embeddings [R, hidden]
-    and, for Qwen3-VL, one [R, hidden] tensor per deepstack layer."""
-
-    rows: torch.Tensor
-    embeds: torch.Tensor
-    deepstack: list[torch.Tensor]
+from overnight.models.vision.interface import VisionFeatures, VisionRows
+from overnight.models.vision.qwen_vit import build_vision_tower
 
 
 class QwenVLTextModel(nn.Module):
@@ -99,6 +89,7 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
+    takes_images = True  # models/vision/interface.py
     uses_mrope = True
 
     def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from overnight.lora.slots import DeviceLoRA, LoRASharding
+    from overnight.models.vision.interface import ImageModel
     from overnight.runner.cuda_graph import DecodeGraphs
     from overnight.runner.vision import VisionStep
 
@@ -161,12 +162,12 @@ class ModelRunner:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
-        # M-RoPE positions and image rows of vision-language models (runner/vision.py)
+        # Image rows (and M-RoPE positions) of vision-language models (runner/vision.py)
         self.vision: VisionStep | None = None
-        if getattr(model, "uses_mrope", False):
+        if getattr(model, "takes_images", False):
             from overnight.runner.vision import VisionStep
 
-            self.vision = VisionStep(model, self.device)
+            self.vision = VisionStep(cast("ImageModel", model), self.device)
         self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
@@ -314,7 +315,8 @@ class ModelRunner:
             self.lora.map_rows(ids, lens, inputs.input_ids.shape[0], decode_only)
         positions, vision_rows = inputs.positions, None
         if self.vision is not None:
-            positions = self.vision.positions(scheduled, positions, decode_only)
+            if self.vision.mrope:
+                positions = self.vision.positions(scheduled, positions, decode_only)
             vision_rows = None if decode_only else self.vision.rows(scheduled)
         if bucket is not None:
             assert self.graphs is not None

@@ -15,15 +15,14 @@ from __future__ import annotations
 import json
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from overnight.models.vision.qwen_vit import VisionFeatures
+from overnight.models.vision.interface import ImageModel, VisionFeatures, VisionRows
 
 if TYPE_CHECKING:
-    from overnight.models.qwen_vl import VisionRows
     from overnight.multimodal.inputs import ImageInput
     from overnight.runner.request_state import ScheduledRequest
 
@@ -58,8 +57,9 @@ class EncoderCache:
 
 
 class VisionStep:
-    def __init__(self, model: Any, device: torch.device, cache_bytes: int = 1 << 30) -> None:
+    def __init__(self, model: ImageModel, device: torch.device, cache_bytes: int = 1 << 30) -> None:
         self.model = model
+        self.mrope = model.uses_mrope
         self.device = device
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0  # images run through the tower (a test counts them)
@@ -95,8 +95,6 @@ class VisionStep:
 
     def rows(self, scheduled: list[ScheduledRequest]) -> VisionRows | None:
         """The image rows of a step with prompt chunks (None when no chunk covers an image token)."""
-        from overnight.models.qwen_vl import VisionRows
-
         wanted: list[tuple[int, ImageInput, int, int]] = []  # (batch row, image, first, last) token
         row = 0
         for s in scheduled:
@@ -131,6 +129,7 @@ class VisionStep:
         """Run the tower once on the largest image the checkpoint's image processor makes (its
         max_pixels, as a square), so the start-up peak-memory step counts the encoder's activations."""
         vision = self.model.arch.vision
+        assert vision is not None
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):

@@ -10,25 +10,18 @@ output token are consecutive, so merging is a reshape.
 Several images may go through one call: attention never crosses an image (cu_seqlens), and Qwen2.5-VL's
 window blocks never cross a window. Attribute names follow the checkpoint keys (visual.*).
 
-A tower takes (pixel_values, grid_thw) and returns VisionFeatures; other families (Gemma 3's SigLIP,
-Qwen3.5's tower) plug in by returning the same.
+A tower takes (pixel_values, grid_thw) and returns VisionFeatures (models/vision/interface.py); other
+families' towers plug in through build_vision_tower by returning the same.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import VisionArch
-
-
-@dataclass
-class VisionFeatures:
-    embeds: torch.Tensor  # [tokens, text hidden]: one row per image token, images concatenated
-    deepstack: list[torch.Tensor]  # Qwen3-VL: per early decoder layer, rows added to the image tokens
+from overnight.models.vision.interface import VisionFeatures
 
 
 def _act(name: str) -> nn.Module:
