@@ -177,8 +177,18 @@ def _text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
-def test_run_batch_lines_with_images(llm, folder, tmp_path):
+def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch):
     from overnight.cli import main
+    from overnight.models.qwen_vl import QwenVLForConditionalGeneration
+
+    encoded: list[tuple[int, int, int]] = []  # every image the tower runs on, over the whole run
+    embed = QwenVLForConditionalGeneration.embed_images
+
+    def counting(self, pixel_values, grid_thw):
+        encoded.extend(grid_thw)
+        return embed(self, pixel_values, grid_thw)
+
+    monkeypatch.setattr(QwenVLForConditionalGeneration, "embed_images", counting)
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()
@@ -218,6 +228,9 @@ def test_run_batch_lines_with_images(llm, folder, tmp_path):
     flags += ["--max-model-len", "256", "--no-progress", "--allowed-local-media-path", str(allowed)]
     flags += ["--max-image-pixels", str(200 * 200), "--limit-mm-per-prompt", '{"image": 2}']
     assert main(["run-batch", "-i", str(inp), "-o", str(out), *flags]) == 0
+    # 9 images in the good lines, 4 distinct (the wide one in two lines, the repeated one in four):
+    # each distinct image runs through the tower once.
+    assert len(encoded) == 4
     records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
     assert set(records) == set(good) | set(bad)
     for cid, (_, reason) in bad.items():
