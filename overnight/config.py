@@ -40,6 +40,24 @@ class VisionArch:
     num_position_embeddings: int = 0  # Qwen3-VL: learned table of side**2 entries, interpolated
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed early layers
 
+    def num_parameters(self) -> int:
+        """The tower's parameters (models/vision/qwen_vit.py), for the memory check."""
+        h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        wide = h * self.spatial_merge_size**2
+        qwen3 = self.kind == "qwen3_vl"
+        norms = 4 * h if qwen3 else 2 * h  # LayerNorms have a bias
+        mlp = 2 * h * i + i + h if qwen3 else 3 * h * i + 2 * i + h
+        block = norms + 3 * h * h + 3 * h + h * h + h + mlp
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + (h if qwen3 else 0)
+
+        def merger(norm_width: int) -> int:
+            return norm_width * (2 if qwen3 else 1) + wide * wide + wide + wide * out + out
+
+        total = patch + self.depth * block + merger(h)
+        if qwen3:
+            total += self.num_position_embeddings * h + len(self.deepstack_visual_indexes) * merger(wide)
+        return total
+
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge."""
         t, h, w = grid_thw
@@ -230,8 +248,14 @@ class ModelArch:
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        vision = self.vision.num_parameters() if self.vision is not None else 0
         return (
-            self.vocab_size * h + head + self.num_linear_parameters() + self.num_hidden_layers * per_layer + h
+            self.vocab_size * h
+            + head
+            + self.num_linear_parameters()
+            + self.num_hidden_layers * per_layer
+            + h
+            + vision
         )
 
 

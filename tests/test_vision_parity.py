@@ -116,3 +116,17 @@ def test_fused_experts_load_from_either_layout():
     for k in ours:
         assert torch.equal(ours[k], published[k]), k
     assert torch.equal(ours["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 6:])
+
+
+def test_parameter_count_includes_the_tower(vl):
+    """ModelArch.num_parameters (the memory check's count) equals the built model's, tower included."""
+    import json
+
+    from overnight.models.registry import arch_from_hf_config, get_model_class
+
+    kind, folder, llm, ref = vl
+    with open(f"{folder}/config.json") as f:
+        arch = arch_from_hf_config(json.load(f))
+    with torch.device("meta"):
+        model = get_model_class(arch.architecture)(arch)
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
