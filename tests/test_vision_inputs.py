@@ -314,3 +314,21 @@ def test_caption_folder_example_resumes(folder, tmp_path):
     assert example.main(argv) == 0  # resumes: every line already answered
     assert [json.loads(x) for x in open(out)] == first
     assert len(open(out + ".results.jsonl").readlines()) == 3
+
+
+def test_generate_stream_with_images_in_input_order(llm):
+    """generate_stream prepares image prompts ahead in threads; outputs equal generate's, and a bad
+    prompt still names its index."""
+    prompts = [
+        {
+            "prompt": f"{words(i + 2, 40 + i)} {PLACEHOLDER}",
+            "multi_modal_data": {"image": image(32 + 16 * (i % 3), 32, i)},
+        }
+        for i in range(20)
+    ]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    streamed = dict(llm.generate_stream(iter(prompts), GREEDY, use_tqdm=False))
+    assert [streamed[i].outputs[0].token_ids for i in range(20)] == expected
+    bad = prompts[:3] + [{"prompt": "w20", "multi_modal_data": {"image": image(32, 32, 1)}}]
+    with pytest.raises(ValueError, match="prompt 3: the prompt has 0 image placeholders"):
+        list(llm.generate_stream(iter(bad), GREEDY, use_tqdm=False))

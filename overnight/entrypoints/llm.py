@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, cast
 
@@ -132,8 +134,8 @@ class LLM:
         else:
             loras = lora_request
         items: Iterator[Item] = (
-            (self._prepare(i, p), sp, lora)
-            for i, (p, sp, lora) in enumerate(zip(prompts, params_iter, loras))
+            (prepared, sp, lora)
+            for prepared, sp, lora in zip(self._prepare_stream(prompts), params_iter, loras)
         )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight):
@@ -288,6 +290,23 @@ class LLM:
             return text, ids, mm
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
+
+    def _prepare_stream(
+        self, prompts: Iterable[PromptType], depth: int = 16
+    ) -> Iterator[tuple[str | None, list[int], MultiModalInputs | None]]:
+        """Prompts prepared in input order; with an image model, `depth` prompts ahead in the image
+        processor's threads, so the engine's loop finds their images already preprocessed."""
+        if self._images is None:
+            for i, p in enumerate(prompts):
+                yield self._prepare(i, p)
+            return
+        ahead: deque[Future[tuple[str | None, list[int], MultiModalInputs | None]]] = deque()
+        for i, p in enumerate(prompts):
+            ahead.append(self._images.prompt_pool.submit(self._prepare, i, p))
+            if len(ahead) > depth:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
 
     def _prepare_all(
         self, prompts: list[PromptType]
