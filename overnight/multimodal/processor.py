@@ -59,7 +59,7 @@ class ImageProcessor:
         model_path: str | None,
         policy: MediaPolicy,
         image_limit: int = DEFAULT_IMAGE_LIMIT,
-        num_threads: int = 4,
+        num_threads: int = min(8, max(2, os.cpu_count() or 2)),
     ) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 

@@ -64,6 +64,14 @@ class VisionStep:
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0  # images run through the tower (a test counts them)
 
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the GPU: staged through pinned memory (a
+        copy from pageable memory would wait for the work queued before it, losing the overlap of host
+        and device that the runner keeps)."""
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     def positions(
         self, scheduled: list[ScheduledRequest], positions: torch.Tensor, decode_only: bool
     ) -> torch.Tensor:
@@ -73,8 +81,7 @@ class VisionStep:
         ]
         if decode_only:
             if any(deltas):
-                shift = torch.tensor(deltas, dtype=positions.dtype).to(self.device, non_blocking=True)
-                positions[: len(scheduled)] += shift
+                positions[: len(scheduled)] += self._to_device(torch.tensor(deltas, dtype=positions.dtype))
             return positions
         if not any(s.state.multi_modal is not None for s in scheduled):
             return positions
@@ -91,7 +98,7 @@ class VisionStep:
         pad = positions.shape[0] - host.shape[1]
         if pad > 0:
             host = np.concatenate([host, np.zeros((3, pad), dtype=np.int64)], axis=1)
-        return torch.from_numpy(host).to(self.device)
+        return self._to_device(torch.from_numpy(host))
 
     def rows(self, scheduled: list[ScheduledRequest]) -> VisionRows | None:
         """The image rows of a step with prompt chunks (None when no chunk covers an image token)."""
@@ -120,7 +127,7 @@ class VisionStep:
                     deepstack.append([])
                 deepstack[i].append(d[a:b])
         return VisionRows(
-            rows=torch.cat(rows).to(self.device),
+            rows=self._to_device(torch.cat(rows)),
             embeds=torch.cat(embeds),
             deepstack=[torch.cat(d) for d in deepstack],
         )
@@ -155,7 +162,7 @@ class VisionStep:
                 missing.setdefault(im.content_hash, im)
         if missing:
             todo = list(missing.values())
-            pixels = torch.cat([im.pixel_values for im in todo]).to(self.device, non_blocking=True)
+            pixels = self._to_device(torch.cat([im.pixel_values for im in todo]))
             out = self.model.embed_images(pixels, [im.grid_thw for im in todo])
             self.images_encoded += len(todo)
             sizes = [im.num_tokens for im in todo]
