@@ -7,7 +7,9 @@ wait on JPEG decoding.
 
 A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad|><|vision_end|>`, as
 the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
-merged patches.
+merged patches. The expansion and the M-RoPE positions here are the Qwen families'; a family with
+another placeholder scheme (Gemma 3: a fixed count of soft tokens between begin / end markers) adds its
+own expansion, chosen by VisionArch.kind, and returns the same MultiModalInputs.
 """
 
 from __future__ import annotations
