@@ -177,7 +177,7 @@ def _text(t: str) -> dict:
     return {"type": "text", "text": t}
 
 
-def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch):
+def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch, capsys):
     from overnight.cli import main
     from overnight.models.qwen_vl import QwenVLForConditionalGeneration
 
@@ -227,6 +227,11 @@ def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch):
     ]
     flags += ["--max-model-len", "256", "--no-progress", "--allowed-local-media-path", str(allowed)]
     flags += ["--max-image-pixels", str(200 * 200), "--limit-mm-per-prompt", '{"image": 2}']
+    # --validate-only decodes and checks the images without loading weights: the bad lines only fail.
+    assert main(["run-batch", "-i", str(inp), "-o", str(out), "--validate-only", *flags]) == 1
+    reported = capsys.readouterr().err
+    assert all(f"({cid}): invalid_" in reported for cid in bad)
+    assert not any(f"({cid})" in reported for cid in good)
     assert main(["run-batch", "-i", str(inp), "-o", str(out), *flags]) == 0
     # 9 images in the good lines, 4 distinct (the wide one in two lines, the repeated one in four):
     # each distinct image runs through the tower once.
