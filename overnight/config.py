@@ -18,6 +18,56 @@ RopeValue = float | str | bool | tuple[float, ...]
 
 
 @dataclass(frozen=True)
+class VisionArch:
+    """A vision tower and how its image tokens sit in the prompt, named as in HF vision_config.
+    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU) or "qwen3_vl" (learned position embeddings,
+    LayerNorm, deepstack features)."""
+
+    kind: str
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+    hidden_act: str
+    image_token_id: int
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    rope_theta: float = 10000.0
+    window_size: int = 0  # Qwen2.5-VL: window attention in pixels, except fullatt_block_indexes
+    fullatt_block_indexes: tuple[int, ...] = ()
+    num_position_embeddings: int = 0  # Qwen3-VL: learned table of side**2 entries, interpolated
+    deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed early layers
+
+    def num_parameters(self) -> int:
+        """The tower's parameters (models/vision/qwen_vit.py), for the memory check."""
+        h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        wide = h * self.spatial_merge_size**2
+        qwen3 = self.kind == "qwen3_vl"
+        norms = 4 * h if qwen3 else 2 * h  # LayerNorms have a bias
+        mlp = 2 * h * i + i + h if qwen3 else 3 * h * i + 2 * i + h
+        block = norms + 3 * h * h + 3 * h + h * h + h + mlp
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + (h if qwen3 else 0)
+
+        def merger(norm_width: int) -> int:
+            return norm_width * (2 if qwen3 else 1) + wide * wide + wide + wide * out + out
+
+        total = patch + self.depth * block + merger(h)
+        if qwen3:
+            total += self.num_position_embeddings * h + len(self.deepstack_visual_indexes) * merger(wide)
+        return total
+
+    def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge."""
+        t, h, w = grid_thw
+        return t * h * w // (self.spatial_merge_size**2)
+
+
+@dataclass(frozen=True)
 class ModelArch:
     """The architecture of a transformer, named as in HF config.json: a decoder, or (is_encoder) a
     BERT-style encoder."""
@@ -112,6 +162,11 @@ class ModelArch:
     is_encoder: bool = False
     type_vocab_size: int = 0
     layer_norm_eps: float = 1e-12
+    # Vision-language models (models/qwen_vl.py): M-RoPE's split of the head's frequencies between the
+    # temporal, height and width positions (layers/mrope.py; () means plain RoPE), and the vision tower.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+    vision: VisionArch | None = None
 
     @property
     def q_size(self) -> int:
@@ -283,6 +338,7 @@ class ModelArch:
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        vision = self.vision.num_parameters() if self.vision is not None else 0
         return (
             self.vocab_size * h
             + head
@@ -290,6 +346,7 @@ class ModelArch:
             + self.num_hidden_layers * per_layer
             + h
             + self._gemma_parameters()
+            + vision
         )
 
     def _gemma_parameters(self) -> int:

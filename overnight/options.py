@@ -289,6 +289,19 @@ class EngineOptions:
         "LoRA adapters kept loaded in host memory, least recently used out (default: max_loras)",
         minimum=1,
     )
+    # Images (vision-language models): where they may come from and how big they may be.
+    allowed_local_media_path: str | None = option(
+        None, "folder under which image_url file:// URLs and paths may be read (default: none may be)"
+    )
+    allow_media_urls: bool = option(
+        False, "fetch http(s) image URLs (off by default: a batch file must not make the machine fetch)"
+    )
+    media_fetch_timeout: float = option(10.0, "seconds an http(s) image fetch may take (allow_media_urls)")
+    max_image_bytes: int = option(20 * 1024 * 1024, "largest encoded image accepted (data URI, file or URL)")
+    max_image_pixels: int = option(64 * 1024 * 1024, "largest decoded image accepted, width x height")
+    limit_mm_per_prompt: str | None = option(
+        None, 'images per prompt at most: a number or JSON as vLLM\'s ({"image": 4}); default 16'
+    )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )

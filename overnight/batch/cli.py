@@ -21,6 +21,7 @@ from overnight.batch.spill import check_spill
 from overnight.entrypoints.submission import make_order
 from overnight.errors import ConfigError
 from overnight.lora.modules import add_lora_modules_arg, check_adapters, lora_overrides, parse_lora_modules
+from overnight.multimodal.processor import image_processor_for
 
 # Needs pydantic (the server extra): imported here so `overnight` can name the missing package.
 from overnight.openai_api.protocol import ROUTES
@@ -202,7 +203,12 @@ def _run_batch(args: argparse.Namespace) -> int:
         log.info("resuming: %d finished lines wait in %s", len(spill.recovered), spill.path)
     sched = engine.config.scheduler
     block_size = engine.config.cache.block_size
-    timeline = Timeline(args.schedule, args.lookahead_window, sched.max_num_seqs)
+    images = image_processor_for(engine.source, opts)
+    window = args.lookahead_window
+    if images is not None:
+        # Lines in the window hold their images' pixels (megabytes each): keep it near the engine's seats.
+        window = min(window, max(2 * sched.max_num_seqs, 64))
+    timeline = Timeline(args.schedule, window, sched.max_num_seqs)
     summary = Summary(input=args.input_file, output=args.output_file, model=served, timeline=timeline)
     total = None
     if args.input_file != "-":
@@ -217,10 +223,11 @@ def _run_batch(args: argparse.Namespace) -> int:
         adapters=adapters,
         order=OutputOrder(args.order, spill),
         max_in_flight=args.max_in_flight or 2 * sched.max_num_seqs,
-        schedule=make_order(args.schedule, args.lookahead_window, block_size),
+        schedule=make_order(args.schedule, window, block_size),
         answered=answered,
         progress=progress,
         chat=chat_options(args),
+        images=images,
     )
     status, code = "completed", 0
     # SIGTERM (a scheduler pre-empting the job) stops like Ctrl-C: finished lines written, summary printed.

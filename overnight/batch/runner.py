@@ -31,14 +31,17 @@ from overnight.batch.records import error_record, success_record
 from overnight.batch.summary import Summary
 from overnight.batch.timeline import Timeline
 from overnight.engine.interfaces import EngineClient
+from overnight.entrypoints.prompts import conversation_images
 from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest, hash_root
+from overnight.multimodal.inputs import MultiModalInputs
+from overnight.multimodal.processor import ImageProcessor
 from overnight.openai_api.convert import response_body
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
-from overnight.openai_api.protocol import AnyRequest, EmbeddingRequest
+from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
 from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
@@ -66,6 +69,7 @@ class _Line:
     created: int = 0
     plan: MessagePlan | None = None  # chat: reasoning / tool calls read from the output
     lora: LoRARequest | None = None  # the adapter the body's model names (None: the base model)
+    multi_modal: MultiModalInputs | None = None  # a chat line's images
 
 
 class BatchRunner:
@@ -84,8 +88,10 @@ class BatchRunner:
         progress: Progress | None = None,
         chat: ChatOptions | None = None,
         adapters: Mapping[str, LoRARequest] | None = None,
+        images: ImageProcessor | None = None,
     ) -> None:
         self.engine = engine
+        self.images = images  # a vision-language model's image processor (None: image parts refused)
         self.chat = chat
         self.sink = sink
         self.summary = summary
@@ -111,6 +117,8 @@ class BatchRunner:
         written or kept in the spill and the engine is left empty; unfinished lines are not written, so
         --resume runs them again."""
         it = iter(lines)
+        if self.images is not None:  # images decode in the pool while the engine steps
+            it = self.images.prefetched(it, _image_urls)
         engine, tl = self.engine, self.timeline
         tl.start(engine.stats())
         completed = False
@@ -200,6 +208,7 @@ class BatchRunner:
                 self.engine.validate,
                 runner=self.engine.config.model.runner,
                 chat=self.chat,
+                images=self.images,
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -218,6 +227,7 @@ class BatchRunner:
             remaining=len(inputs.prompts),
             plan=inputs.plan,
             lora=self.adapters.get(req.model) if req.model else None,
+            multi_modal=inputs.multi_modal,
         )
         first = inputs.prompts[0][1]
         params = inputs.params
@@ -244,7 +254,12 @@ class BatchRunner:
         for p, (text, ids) in enumerate(prompts):
             try:
                 self.engine.add_request(
-                    f"{state.seq}.{p}", ids.tolist(), state.params, prompt=text, lora_request=state.lora
+                    f"{state.seq}.{p}",
+                    ids.tolist(),
+                    state.params,
+                    prompt=text,
+                    lora_request=state.lora,
+                    multi_modal=state.multi_modal,
                 )
             except InvalidRequestError as e:  # checked in prepare; kept so a miss costs a line, not the run
                 for q in range(p):
@@ -326,3 +341,10 @@ class BatchRunner:
         self.active.clear()
         self.waiting.clear()
         self.seqs_in_flight = 0
+
+
+def _image_urls(line: BatchLine) -> list[str]:
+    req = line.request
+    if isinstance(req, ChatCompletionRequest) and any(m.has_images for m in req.messages):
+        return conversation_images(req.conversation())
+    return []

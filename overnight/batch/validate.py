@@ -16,6 +16,7 @@ from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError, ModelLoadError
 from overnight.lora.adapter import check_adapter
 from overnight.lora.modules import lora_overrides, parse_lora_modules
+from overnight.multimodal.processor import image_processor_for
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
 from overnight.options import ChatOptions, from_args, options_from_args
@@ -51,6 +52,7 @@ def validate_file(args: argparse.Namespace) -> int:
 
     names = served_names(served, args.model) | set(adapters)
     chat = from_args(ChatOptions, args)
+    images = image_processor_for(source, opts)  # image lines are decoded and checked too
     sink = None
     if args.errors_file:
         errors, _ = open_output(args.errors_file, resume=False, overwrite=args.overwrite, what="errors")
@@ -75,6 +77,7 @@ def validate_file(args: argparse.Namespace) -> int:
                     engine_checks,
                     runner=config.model.runner,
                     chat=chat,
+                    images=images,
                 )
             except ApiError as e:
                 error = e

@@ -23,6 +23,7 @@ from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import InvalidRequestError
 from overnight.loader.source import ModelSource
 from overnight.lora.request import LoRARequest
+from overnight.multimodal.inputs import IMAGES_UNSUPPORTED_HERE, MultiModalInputs
 from overnight.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
 
@@ -65,7 +66,10 @@ class EncoderEngine:
         stream: bool = False,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
+        if multi_modal is not None:
+            raise InvalidRequestError(IMAGES_UNSUPPORTED_HERE)
         if lora_request is not None:
             raise InvalidRequestError("LoRA adapters are not supported on encoder models")
         params = params if params is not None else PoolingParams()

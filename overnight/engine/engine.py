@@ -27,6 +27,7 @@ from overnight.loader.source import ModelSource
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest
 from overnight.lora.residency import LoRAResidency
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.outputs import (
     EngineOutput,
     PoolingOutput,
@@ -113,6 +114,7 @@ class Engine:
         stream: bool = False,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
         """Queue one prompt (n completions, or one pooled vector), with a LoRA adapter or on the base
         model. Raises InvalidRequestError and changes nothing if the request cannot be served."""
@@ -131,7 +133,10 @@ class Engine:
             return
         if stream and params.num_samples > params.n:
             raise InvalidRequestError("best_of above n cannot stream: the best are known only at the end")
-        prompt_token_ids = params.truncate_prompt(prompt_token_ids, self.max_model_len)
+        truncated = params.truncate_prompt(prompt_token_ids, self.max_model_len)
+        if multi_modal is not None and len(truncated) != len(prompt_token_ids):
+            raise InvalidRequestError("a prompt with images cannot be truncated (truncate_prompt_tokens)")
+        prompt_token_ids = truncated
         if self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)
         parent = ParentRequest(
@@ -160,6 +165,7 @@ class Engine:
                 max_total_tokens=max_total,
                 arrival_time=arrival,
                 lora_request=lora_request,
+                multi_modal=multi_modal,
             )
             self.output.add(req, parent, i)
             self.scheduler.add(req)

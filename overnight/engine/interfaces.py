@@ -20,6 +20,7 @@ from overnight.engine.stats import StatsObserver
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.loader.source import ModelSource
 from overnight.lora.request import LoRARequest
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.pooling_params import RequestParams
 
@@ -39,6 +40,7 @@ class AddRequest:
     stream: bool
     arrival_time: float  # time.monotonic() is one clock for every process of the machine
     lora_request: LoRARequest | None = None
+    multi_modal: MultiModalInputs | None = None
 
 
 class StepHandle(Protocol):
@@ -119,6 +121,7 @@ class EngineClient(Protocol):
         stream: bool = False,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> RequestOutput | None: ...

@@ -79,10 +79,16 @@ class KVCacheManager:
         hashes = self._hashes.setdefault(req.req_id, [])
         bs = self.block_size
         tokens = req.all_token_ids
+        mm = req.multi_modal
         while (len(hashes) + 1) * bs <= upto_tokens:
             i = len(hashes)
             parent = hashes[-1] if hashes else req.block_hash_root
-            hashes.append(hash_block(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            block = tuple(tokens[i * bs : (i + 1) * bs])
+            # A block holding image tokens is keyed by the images' pixels too: the placeholder ids alone
+            # are the same for every image of that size.
+            extra = mm.hashes_in(i * bs, (i + 1) * bs) if mm is not None else ()
+            h = hash_block(parent, block)
+            hashes.append(hash((h, extra)) if extra else h)
         return hashes
 
     # -- prefix lookup ----------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from overnight.lora.request import LoRARequest, hash_root
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -75,6 +76,7 @@ class Request:
     stop_ids: frozenset[int] = frozenset()
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # None: the base model
+    multi_modal: MultiModalInputs | None = None  # its images (vision-language models)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -208,6 +208,7 @@ class Scheduler:
                     resumed=req.num_preemptions > 0,
                     pooling=req.pooling_params,
                     lora_request=req.lora_request,
+                    multi_modal=req.multi_modal,
                 )
             )
             self._advance(req, n)

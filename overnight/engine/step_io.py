@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from overnight.lora.request import LoRARequest
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class NewRequestData:
     resumed: bool = False  # scheduled again after a preemption
     pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
     lora_request: LoRARequest | None = None  # its adapter (the slot it is in: SchedulerOutput.lora_loads)
+    multi_modal: MultiModalInputs | None = None  # its images: the runner encodes them as chunks reach them
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ from __future__ import annotations
 import itertools
 import random
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import replace
 from typing import Any, cast
 
@@ -16,6 +18,7 @@ from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
+    conversation_images,
     is_single_conversation,
     render_conversation,
     tokenize_prompt,
@@ -24,6 +27,8 @@ from overnight.entrypoints.submission import make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest, hash_root
+from overnight.multimodal.inputs import MultiModalInputs
+from overnight.multimodal.processor import image_processor_for, split_images
 from overnight.options import ChatOptions, EngineOptions
 from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import PoolingParams, RequestParams
@@ -35,7 +40,8 @@ ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 PoolingArg = PoolingParams | Sequence[PoolingParams] | None
 LoRAArg = LoRARequest | Sequence[LoRARequest | None] | None
 # (prompt text, token ids), params, the LoRA adapter (None: the base model)
-Item = tuple[tuple[str | None, list[int]], RequestParams, LoRARequest | None]
+# ((prompt text, token ids, its images or None), params, the LoRA adapter (None: the base model))
+Item = tuple[tuple[str | None, list[int], MultiModalInputs | None], RequestParams, LoRARequest | None]
 
 
 class LLM:
@@ -61,6 +67,7 @@ class LLM:
         self.chat_options, kwargs = ChatOptions.split_kwargs(kwargs)
         self.options = EngineOptions.from_kwargs(model=model, **kwargs)
         self.engine: EngineClient = build_engine(self.options)
+        self._images = image_processor_for(self.engine.source, self.options)  # None: a text model
         self._ids = itertools.count()
         self._seeds = random.Random(self.options.seed)  # unseeded prompts' seeds, in input order
         self._adapters: AdapterChecks | None = None
@@ -95,8 +102,8 @@ class LLM:
         prompt_list = _as_list(prompts)
         params = _params_for(sampling_params, len(prompt_list))
         loras = _loras_for(lora_request, len(prompt_list))
-        items = [self._prepare(i, p) for i, p in enumerate(prompt_list)]
-        for i, ((_, ids), sp, lora) in enumerate(zip(items, params, loras)):
+        items = self._prepare_all(prompt_list)
+        for i, ((_, ids, _), sp, lora) in enumerate(zip(items, params, loras)):
             self._precheck(i, ids, sp, lora)
         results: list[RequestOutput | None] = [None] * len(items)
         for index, out in self._run(iter(zip(items, params, loras)), len(items), use_tqdm):
@@ -126,8 +133,8 @@ class LLM:
         else:
             loras = lora_request
         items: Iterator[Item] = (
-            (self._prepare(i, p), sp, lora)
-            for i, (p, sp, lora) in enumerate(zip(prompts, params_iter, loras))
+            (prepared, sp, lora)
+            for prepared, sp, lora in zip(self._prepare_stream(prompts), params_iter, loras)
         )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight):
@@ -192,7 +199,13 @@ class LLM:
                 )
             except ToolError as e:
                 raise InvalidRequestError(f"conversation {i}: {e}") from None
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            images = conversation_images(conv)
+            if images:
+                prompts.append(
+                    {"prompt": text, "prompt_token_ids": ids, "multi_modal_data": {"image": images}}
+                )
+            else:
+                prompts.append({"prompt": text, "prompt_token_ids": ids})
             plans.append(plan)
         outputs = self.generate(prompts, params, use_tqdm, lora_request=lora_request)
         return [_read_messages(out, plan) for out, plan in zip(outputs, plans)]
@@ -213,7 +226,7 @@ class LLM:
         prompt_list = _as_list(prompts)
         params = _pooling_params_for(pooling_params, len(prompt_list))
         items = list(self._pooling_items(prompt_list, truncate_prompt_tokens))
-        for i, ((_, ids), pp) in enumerate(zip(items, params)):
+        for i, ((_, ids, _), pp) in enumerate(zip(items, params)):
             self._precheck(i, ids, pp)
         results: list[PoolingRequestOutput | None] = [None] * len(items)
         work: Iterator[Item] = ((item, pp, None) for item, pp in zip(items, params))
@@ -257,10 +270,11 @@ class LLM:
 
     def _pooling_items(
         self, prompts: Iterable[PromptType], truncate_prompt_tokens: int | None
-    ) -> Iterator[tuple[str | None, list[int]]]:
-        return tokenize_for_pooling(
+    ) -> Iterator[tuple[str | None, list[int], MultiModalInputs | None]]:
+        for text, ids in tokenize_for_pooling(
             prompts, self.engine.tokenizer, self.engine.max_model_len, truncate_prompt_tokens
-        )
+        ):
+            yield text, ids, None
 
     def _pooling_window(self) -> int:
         # Pooling requests hold only their token ids while they wait, and a deeper queue lets the
@@ -269,11 +283,45 @@ class LLM:
 
     # -- the loop ---------------------------------------------------------------------------------
 
-    def _prepare(self, index: int, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _prepare(
+        self, index: int, prompt: PromptType
+    ) -> tuple[str | None, list[int], MultiModalInputs | None]:
         try:
-            return tokenize_prompt(prompt, self.engine.tokenizer)
+            prompt, images = split_images(prompt)
+            text, ids = tokenize_prompt(prompt, self.engine.tokenizer)
+            if not images:
+                return text, ids, None
+            if self._images is None:
+                raise InvalidRequestError(f"model {self.engine.source.served_name!r} does not take images")
+            ids, mm = self._images.process(ids, images)
+            return text, ids, mm
         except InvalidRequestError as e:
             raise InvalidRequestError(f"prompt {index}: {e}") from None
+
+    def _prepare_stream(
+        self, prompts: Iterable[PromptType], depth: int = 16
+    ) -> Iterator[tuple[str | None, list[int], MultiModalInputs | None]]:
+        """Prompts prepared in input order; with an image model, `depth` prompts ahead in the image
+        processor's threads, so the engine's loop finds their images already preprocessed."""
+        if self._images is None:
+            for i, p in enumerate(prompts):
+                yield self._prepare(i, p)
+            return
+        ahead: deque[Future[tuple[str | None, list[int], MultiModalInputs | None]]] = deque()
+        for i, p in enumerate(prompts):
+            ahead.append(self._images.prompt_pool.submit(self._prepare, i, p))
+            if len(ahead) > depth:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+    def _prepare_all(
+        self, prompts: list[PromptType]
+    ) -> list[tuple[str | None, list[int], MultiModalInputs | None]]:
+        """Every prompt prepared; prompts with images in the image processor's threads, several at once."""
+        if self._images is None or len(prompts) < 2:
+            return [self._prepare(i, p) for i, p in enumerate(prompts)]
+        return list(self._images.prompt_pool.map(lambda ip: self._prepare(*ip), enumerate(prompts)))
 
     def _precheck(
         self, index: int, ids: list[int], params: RequestParams, lora: LoRARequest | None = None
@@ -330,10 +378,10 @@ class LLM:
             while True:
                 read_ahead()
                 while len(index_of) < limit and (index := order.pop()) is not None:
-                    (text, ids), params, lora = waiting.pop(index)
+                    (text, ids, mm), params, lora = waiting.pop(index)
                     rid = str(next(self._ids))
                     try:
-                        engine.add_request(rid, ids, params, prompt=text, lora_request=lora)
+                        engine.add_request(rid, ids, params, prompt=text, lora_request=lora, multi_modal=mm)
                     except InvalidRequestError as e:
                         raise InvalidRequestError(f"prompt {index}: {e}") from None
                     index_of[rid] = index

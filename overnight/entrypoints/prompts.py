@@ -118,19 +118,47 @@ def check_message(index: int, m: Any) -> None:
         return
     if isinstance(content, str):
         return
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
-    ):
+    if isinstance(content, list) and all(_is_text_part(p) or _image_url_of(p) is not None for p in content):
         return
     raise InvalidRequestError(
-        f'message {index}: content must be a string or a list of text parts ({{"type": "text", "text": ...}})'
+        f'message {index}: content must be a string or a list of text parts ({{"type": "text", "text": ...}}) '
+        'and image parts ({"type": "image_url", "image_url": {"url": ...}})'
     )
+
+
+def _is_text_part(p: Any) -> bool:
+    return isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+
+
+def _image_url_of(p: Any) -> str | None:
+    """The URL of an OpenAI image part ({"type": "image_url", "image_url": {"url": ...}} or a bare
+    string), None for anything else."""
+    if not isinstance(p, dict) or p.get("type") != "image_url":
+        return None
+    ref = p.get("image_url")
+    url = ref.get("url") if isinstance(ref, dict) else ref
+    return url if isinstance(url, str) else None
+
+
+def conversation_images(conversation: Conversation) -> list[str]:
+    """The image URLs of a conversation's image parts, in the order the template writes them."""
+    return [
+        url
+        for m in conversation
+        if isinstance(m.get("content"), list)
+        for p in m["content"]
+        if (url := _image_url_of(p)) is not None
+    ]
 
 
 def _for_template(m: dict[str, Any]) -> dict[str, Any]:
     """A message as chat templates expect it: text content ("" for an assistant's null, which templates
     concatenate), and earlier tool calls' arguments as mappings (templates write them with tojson)."""
     calls = m.get("tool_calls")
+    content = m.get("content")
+    if isinstance(content, list) and any(_image_url_of(p) is not None for p in content):
+        # Chat templates write {"type": "image"} as the model's image placeholder.
+        m = {**m, "content": [{"type": "image"} if _image_url_of(p) is not None else p for p in content]}
     if m.get("content") is not None and not calls:
         return m
     m = {**m, "content": m.get("content") or ""}

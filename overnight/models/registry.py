@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -25,6 +26,8 @@ from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGener
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
+from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
+from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -50,6 +53,9 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
     "glm4": LlamaForCausalLM,
+    "qwen2_5_vl": QwenVLForConditionalGeneration,
+    "qwen3_vl": QwenVLForConditionalGeneration,
+    "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -77,8 +83,13 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
 }
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
+# Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
+_VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 _ENCODERS = ("bert",)
 
 
@@ -155,6 +166,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
+    if family in _VL_TEXT_FAMILY:
+        return _vision_language_arch(cfg, family)
     if family in TEXT_CONFIG_FAMILIES:  # a multimodal checkpoint: its text model's config
         cfg = text_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
@@ -289,3 +302,30 @@ def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads it), with
+    M-RoPE's sections and the vision tower (models/vision/config.py)."""
+    text = text_config_of(cfg)
+    text_family = _VL_TEXT_FAMILY[family]
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    plain = {**text, "rope_parameters": {"rope_type": "default", "rope_theta": theta}, "rope_scaling": None}
+    if family == "qwen3_vl_moe":
+        plain["norm_topk_prob"] = True  # its router always renormalizes the chosen experts' weights
+    base = arch_from_hf_config({**plain, "architectures": [], "model_type": text_family})
+    section = tuple(int(s) for s in params.get("mrope_section") or ())
+    if len(section) != 3 or 2 * sum(section) != base.head_dim:
+        raise ModelLoadError(
+            f"rope_parameters.mrope_section must be three sizes summing to head_dim / 2 ({base.head_dim // 2}), "
+            f"got {list(section)}"
+        )
+    return replace(
+        base,
+        architecture=family,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        mrope_section=section,
+        mrope_interleaved=bool(params.get("mrope_interleaved", family != "qwen2_5_vl")),
+        vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
+    )

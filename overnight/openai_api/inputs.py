@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 from jinja2 import TemplateError
 
 from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
+from overnight.entrypoints.prompts import conversation_images
 from overnight.errors import InvalidRequestError
+from overnight.multimodal.inputs import MultiModalInputs
+from overnight.multimodal.media import MediaError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
@@ -25,6 +28,7 @@ from overnight.tool_calls.forced import ToolError, check_tools
 from overnight.tool_calls.message import MessagePlan, plan_message
 
 if TYPE_CHECKING:
+    from overnight.multimodal.processor import ImageProcessor
     from overnight.options import ChatOptions
     from overnight.tokenizer.tokenizer import Tokenizer
 
@@ -35,6 +39,7 @@ class EngineInputs:
     params: SamplingParams | PoolingParams
     # Chat: how the output reads as a message (reasoning, tool calls); None: its text is the answer.
     plan: MessagePlan | None = None
+    multi_modal: MultiModalInputs | None = None  # chat with image parts: the one prompt's images
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -128,11 +133,13 @@ def prepare(
     validate: Callable[[list[int], RequestParams], None] | None = None,
     runner: str | None = None,
     chat: ChatOptions | None = None,
+    images: ImageProcessor | None = None,
 ) -> EngineInputs:
     """Checks the model name (and, given the engine's runner, that it serves this kind of request),
     renders / tokenizes the prompts, checks their length and builds the SamplingParams or
     PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt. `chat`:
-    the reasoning and tool-call parsers the engine was started with."""
+    the reasoning and tool-call parsers the engine was started with; `images`: the image processor of a
+    vision-language model (None: image parts are refused)."""
     if isinstance(req, ResponsesRequest):
         req = req.as_chat()
     check_model(req.model, names)
@@ -141,6 +148,7 @@ def prepare(
         return _prepare_embedding(req, tokenizer, max_model_len, validate)
     is_chat = isinstance(req, ChatCompletionRequest)
     plan = None
+    mm = None
     try:
         if is_chat and req.tools:  # checked before the template sees them
             check_tools(req.tools)
@@ -150,6 +158,18 @@ def prepare(
             plan, params = plan_message(
                 chat, params, prompts[0][0], req.tools, req.tool_choice, req.parallel_tool_calls
             )
+            urls = conversation_images(req.conversation())
+            if urls:
+                if images is None:
+                    raise ApiError(
+                        "invalid_request", "this model does not take images (image_url parts)", "messages"
+                    )
+                text, ids = prompts[0]
+                try:
+                    ids, mm = images.process(ids, urls)
+                except MediaError as e:
+                    raise ApiError("invalid_image", str(e), "messages") from None
+                prompts = [(text, ids)]
     except ToolError as e:
         raise ApiError("invalid_request", str(e), e.param) from None
     except InvalidRequestError as e:
@@ -167,7 +187,7 @@ def prepare(
                 validate(ids, params)
             except InvalidRequestError as e:
                 raise ApiError.from_exception(e) from None
-    return EngineInputs(prompts, params, None if plan is None or plan.is_plain else plan)
+    return EngineInputs(prompts, params, None if plan is None or plan.is_plain else plan, mm)
 
 
 def _prepare_embedding(

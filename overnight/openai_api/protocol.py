@@ -68,6 +68,16 @@ class TextPart(_Body):
     text: str
 
 
+class ImageUrl(_Body):
+    url: str  # data: URI, file:// URL or path (--allowed-local-media-path), http(s) (--allow-media-urls)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the image processor decides
+
+
+class ImageUrlPart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class FunctionCall(_Body):
     name: str
     arguments: str  # JSON text, as the API returned it
@@ -99,12 +109,20 @@ class ChatMessage(_Body):
             )
         if isinstance(self.content, list):
             for part in self.content:
+                if part.get("type") == "image_url":
+                    ImageUrlPart.model_validate(part)
+                    continue
                 if part.get("type") != "text":
                     raise ValueError(
-                        f"content part of type {part.get('type')!r} is not supported: only text parts"
+                        f"content part of type {part.get('type')!r} is not supported: only text and "
+                        "image_url parts"
                     )
                 TextPart.model_validate(part)
         return self
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.get("type") == "image_url" for p in self.content)
 
     def text(self) -> str:
         """The content as one string; text parts are joined with newlines."""
@@ -112,7 +130,7 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part["text"] for part in self.content)
+        return "\n".join(part["text"] for part in self.content if part.get("type") == "text")
 
 
 class JsonSchemaFormat(_Body):
@@ -640,7 +658,9 @@ def conversation_of(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     """Messages as {"role", "content": str} dicts for the chat template."""
     conv: list[dict[str, Any]] = []
     for m in messages:
-        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        # Image parts stay parts (the template writes each as the model's image placeholder).
+        content: Any = m.content if m.has_images else m.text()
+        msg: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         if m.tool_calls:

@@ -31,6 +31,7 @@ from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.loader.source import ModelSource
 from overnight.lora.request import LoRARequest
+from overnight.multimodal.inputs import IMAGES_UNSUPPORTED_HERE, MultiModalInputs
 from overnight.outputs import EngineOutput, RequestOutput
 from overnight.parallel.links import (
     AbortRequests,
@@ -181,7 +182,10 @@ class DataParallelEngine:
         stream: bool = False,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> None:
+        if multi_modal is not None:
+            raise InvalidRequestError(IMAGES_UNSUPPORTED_HERE)
         if params is None:
             params = PoolingParams() if self.config.model.runner == "pooling" else SamplingParams()
         if request_id in self.book.owner:

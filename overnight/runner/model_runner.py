@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
@@ -40,7 +40,9 @@ if TYPE_CHECKING:
 
 if TYPE_CHECKING:
     from overnight.lora.slots import DeviceLoRA, LoRASharding
+    from overnight.models.vision.interface import ImageModel
     from overnight.runner.cuda_graph import DecodeGraphs
+    from overnight.runner.vision import VisionStep
 
 log = logging.getLogger("overnight")
 
@@ -166,6 +168,12 @@ class ModelRunner:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
         self.eos_token_ids = tuple(source.eos_token_ids)
+        # Image rows (and M-RoPE positions) of vision-language models (runner/vision.py)
+        self.vision: VisionStep | None = None
+        if getattr(model, "takes_images", False):
+            from overnight.runner.vision import VisionStep
+
+            self.vision = VisionStep(cast("ImageModel", model), self.device)
         self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
@@ -311,12 +319,20 @@ class ModelRunner:
         if self.lora is not None:
             ids, lens = [s.state.lora_id for s in scheduled], [s.num_tokens for s in scheduled]
             self.lora.map_rows(ids, lens, inputs.input_ids.shape[0], decode_only)
+        positions, vision_rows = inputs.positions, None
+        if self.vision is not None:
+            if self.vision.mrope:
+                positions = self.vision.positions(scheduled, positions, decode_only)
+            vision_rows = None if decode_only else self.vision.rows(scheduled)
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
         else:
             attn = self._attention_batch(inputs, has_prefill=not decode_only)
-            hidden = self.model(inputs.input_ids, inputs.positions, attn)
+            if vision_rows is not None:
+                hidden = self.model(inputs.input_ids, positions, attn, vision=vision_rows)  # type: ignore[call-arg]
+            else:
+                hidden = self.model(inputs.input_ids, positions, attn)
         if self.pooler is not None:
             assert inputs.meta.query_start_loc_cpu is not None
             return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)
@@ -441,6 +457,8 @@ class ModelRunner:
             metas = [meta] * self.kv_layout.num_groups
             return self.model(ids, pos, self.attention_batch(meta, metas, layer_caches))
 
+        if self.vision is not None and self.is_cuda:  # the encoder runs inside steps too
+            self.vision.run_largest_image(self.source.path if self.source.kind == "hf" else None)
         hidden = forward(num_tokens)
         rows = torch.arange(min(num_seqs, num_tokens), device=self.device)
         if self.pooler is None:  # a pooling runner computes no logits

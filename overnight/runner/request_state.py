@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from overnight.engine.step_io import SchedulerOutput
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams
 
@@ -54,6 +55,7 @@ class RunnerRequest:
     guide: Guide | None = None
     pooling: PoolingParams | None = None  # a pooling request (its "sample" is the pooled vector)
     lora_id: int = 0  # its LoRA adapter's lora_int_id; 0: the base model
+    multi_modal: MultiModalInputs | None = None  # its images and M-RoPE positions
 
     @property
     def num_output_tokens(self) -> int:
@@ -119,6 +121,7 @@ class RequestStates:
                 num_computed_tokens=new.num_computed_tokens,
                 pooling=new.pooling,
                 lora_id=new.lora_request.lora_int_id if new.lora_request is not None else 0,
+                multi_modal=new.multi_modal,
             )
             self._set_blocks(st, new.block_ids)
             self.reqs[new.req_id] = st

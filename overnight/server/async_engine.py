@@ -28,6 +28,7 @@ from overnight.engine.scheduler import SchedulerStats
 from overnight.errors import EngineDeadError
 from overnight.lora.request import LoRARequest
 from overnight.metrics.prometheus import PrometheusObserver
+from overnight.multimodal.inputs import MultiModalInputs
 from overnight.outputs import EngineOutput
 from overnight.pooling_params import RequestParams
 from overnight.sampling_params import SamplingParams
@@ -116,6 +117,7 @@ class AsyncEngine:
         params: RequestParams,
         stream: bool = True,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> AsyncGenerator[tuple[int, EngineOutput]]:
         """(index in `prompts`, output) for several requests (request id, text, token ids) sharing params,
         in the order outputs arrive, until all have finished (RequestOutputs for SamplingParams,
@@ -124,7 +126,7 @@ class AsyncEngine:
         Closing the iterator early (a client gone, a cancelled task) aborts the unfinished requests, which
         frees their KV blocks; iterate it inside contextlib.aclosing() so that happens at once."""
         async with aclosing(
-            self.generate_batches(prompts, params, stream, lora_request=lora_request)
+            self.generate_batches(prompts, params, stream, lora_request=lora_request, multi_modal=multi_modal)
         ) as batches:
             async for batch in batches:
                 for item in batch:
@@ -137,6 +139,7 @@ class AsyncEngine:
         stream: bool = True,
         stream_interval: int = 1,
         lora_request: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,  # a chat prompt's images (one prompt)
     ) -> AsyncGenerator[list[tuple[int, EngineOutput]]]:
         """generate_many's outputs, as the lists that were waiting each time this task woke: one entry
         per prompt index, streamed deltas that queued up merged (server/deltas.py). A loop that falls
@@ -153,7 +156,9 @@ class AsyncEngine:
         for index, (request_id, text, ids) in enumerate(prompts):
             self._streams[request_id] = (q, index)
             unfinished.add(request_id)
-            self._commands.put(AddRequest(request_id, list(ids), params, text, stream, now, lora_request))
+            self._commands.put(
+                AddRequest(request_id, list(ids), params, text, stream, now, lora_request, multi_modal)
+            )
         try:
             while unfinished:
                 waiting = [await q.get()]
@@ -241,6 +246,7 @@ class AsyncEngine:
                         stream=cmd.stream,
                         arrival_time=cmd.arrival_time,
                         lora_request=cmd.lora_request,
+                        multi_modal=cmd.multi_modal,
                     )
                     # what an abort ends, for the aborted-requests counter (a pooled prompt is one)
                     params = cmd.params

@@ -28,6 +28,7 @@ from overnight.metrics import (
     engine_model_name,
     hide_created_series,
 )
+from overnight.multimodal.processor import ImageProcessor, image_processor_for
 from overnight.openai_api.inputs import served_names
 from overnight.options import (
     SUBMISSION_OPTIONS,
@@ -112,8 +113,10 @@ def make_app(
     model_arg: str | None = None,
     chat: ChatOptions | None = None,
     adapters: dict[str, LoRARequest] | None = None,
+    images: ImageProcessor | None = None,
 ):
-    """The app serving `engine` (not yet started: the app's lifespan starts the engine thread)."""
+    """The app serving `engine` (not yet started: the app's lifespan starts the engine thread);
+    images: a vision-language model's image processor (multimodal/processor.py)."""
     model_name = engine_model_name(engine)
     metrics = PrometheusObserver(
         model_name,
@@ -129,6 +132,7 @@ def make_app(
         stream_interval=opts.stream_interval,
         chat=chat,
         adapters=dict(adapters or {}),
+        images=images,
     )
     open_paths = OPEN_PATHS - {"/metrics"} if opts.protect_metrics else OPEN_PATHS
     return build_app(
@@ -180,10 +184,13 @@ def run(args: argparse.Namespace) -> int:
             "serving on %s without --api-key: anyone who can reach this port can use the model", opts.host
         )
     adapters = parse_lora_modules(args.lora_modules)
-    engine = build_engine(engine_options(args))
+    engine_opts = engine_options(args)
+    engine = build_engine(engine_opts)
     check_adapters(engine, adapters)  # a bad adapter folder stops the server before it listens
     hide_created_series()
-    server = uvicorn_server(make_app(engine, opts, model_arg=args.model, chat=chat, adapters=adapters), opts)
+    images = image_processor_for(engine.source, engine_opts)
+    app = make_app(engine, opts, model_arg=args.model, chat=chat, adapters=adapters, images=images)
+    server = uvicorn_server(app, opts)
     # uvicorn turns SIGTERM / SIGINT into a graceful shutdown, then raises the signal again for the handler
     # that was installed before it started. A no-op there makes a clean drain exit 0, not die by signal.
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -21,6 +21,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.lora.request import LoRARequest
+from overnight.multimodal.inputs import MultiModalInputs
+from overnight.multimodal.processor import ImageProcessor
 from overnight.openai_api.convert import ChatStream, CompletionStream, new_id, response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
@@ -55,6 +57,7 @@ class ServingConfig:
     chat: ChatOptions | None = None  # reasoning and tool-call parsers
     # LoRA adapters a request's `model` may name (--lora-modules); their names are in accepted_names too
     adapters: dict[str, LoRARequest] = field(default_factory=dict)
+    images: ImageProcessor | None = None  # a vision-language model's image processor
 
     def adapter(self, model: str | None) -> LoRARequest | None:
         return self.adapters.get(model) if model else None
@@ -85,11 +88,15 @@ class OpenAIServing:
         ]
         lora = self.config.adapter(req.model)
         if req.stream:
-            events = self._stream(req, response_id, prompts, inputs.params, inputs.plan, lora)
+            events = self._stream(
+                req, response_id, prompts, inputs.params, inputs.plan, lora, inputs.multi_modal
+            )
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-        collected = await collect_outputs(self.engine, request, prompts, inputs.params, lora)
+        collected = await collect_outputs(
+            self.engine, request, prompts, inputs.params, lora, inputs.multi_modal
+        )
         outputs = None if collected is None else [o for o in collected if isinstance(o, RequestOutput)]
         if outputs is None:
             return Response(status_code=CLIENT_CLOSED)
@@ -113,6 +120,7 @@ class OpenAIServing:
                 self.config.accepted_names,
                 core.validate,
                 chat=self.config.chat,
+                images=self.config.images,
             )
         except (ApiError, InvalidRequestError):
             raise
@@ -146,6 +154,7 @@ class OpenAIServing:
         params: SamplingParams,
         plan: MessagePlan | None = None,
         lora: LoRARequest | None = None,
+        multi_modal: MultiModalInputs | None = None,
     ) -> AsyncIterator[str]:
         """SSE events: one `data: {chunk}` per delta, the usage chunk if asked, then `data: [DONE]`
         (/v1/responses: its typed events, ending with response.completed).
@@ -170,7 +179,12 @@ class OpenAIServing:
             text = CompletionStream(model, response_id=response_id, n=req.n, **usage)
         try:
             batches_of = self.engine.generate_batches(
-                prompts, params, stream=True, stream_interval=self.config.stream_interval, lora_request=lora
+                prompts,
+                params,
+                stream=True,
+                stream_interval=self.config.stream_interval,
+                lora_request=lora,
+                multi_modal=multi_modal,
             )
             async with aclosing(batches_of) as batches:
                 async for batch in batches:
@@ -206,6 +220,7 @@ async def collect_outputs(
     prompts: list[PromptSpec],
     params: RequestParams,
     lora: LoRARequest | None = None,
+    multi_modal: MultiModalInputs | None = None,
 ) -> list[EngineOutput] | None:
     """The final outputs of a non-streamed request in prompt order, or None if the client disconnected
     first (its requests are then aborted: nothing would read the answer)."""
@@ -213,7 +228,7 @@ async def collect_outputs(
     async def run() -> list[EngineOutput]:
         results: list[EngineOutput | None] = [None] * len(prompts)
         async with aclosing(
-            engine.generate_many(prompts, params, stream=False, lora_request=lora)
+            engine.generate_many(prompts, params, stream=False, lora_request=lora, multi_modal=multi_modal)
         ) as outputs:
             async for index, out in outputs:
                 results[index] = out

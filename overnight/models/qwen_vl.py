@@ -1,0 +1,174 @@
+"""Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision/qwen_vit.py) whose image embeddings replace the
+image-pad tokens' input embeddings, and the Qwen2 / Qwen3 decoder of models/llama.py with M-RoPE
+(layers/mrope.py) instead of RoPE. Qwen3-VL also adds "deepstack" features of the tower's early blocks
+to the image tokens' hidden states after each of the first decoder layers.
+
+The runner hands the step's image rows in as VisionRows: the rows of the flattened batch that hold image
+tokens and their embeddings (a prefill chunk may hold only part of an image: the rows it covers). Decode
+steps and text-only prompts pass none and run exactly as the text model (CUDA graphs included).
+
+Checkpoint names: Qwen2.5-VL ships `model.layers.*` / `visual.*`, Qwen3-VL `model.language_model.*` /
+`model.visual.*`; both load into `model.*` / `visual.*` here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import cast
+
+import torch
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.config import ModelArch
+from overnight.layers.mrope import MRotaryEmbedding
+from overnight.layers.norm import RMSNorm
+from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.layer_spec import layer_specs
+from overnight.models.llama import (
+    LINEAR_INPUT_PRODUCERS,
+    PACKED_MODULES_MAPPING,
+    LlamaDecoderLayer,
+    MlpFactory,
+    dense_mlp,
+    load_packed_weights,
+    make_lm_head,
+)
+from overnight.models.vision.interface import VisionFeatures, VisionRows
+from overnight.models.vision.qwen_vit import build_vision_tower
+
+
+class QwenVLTextModel(nn.Module):
+    def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
+        super().__init__()
+        section = arch.mrope_section
+        assert len(section) == 3, "an M-RoPE model needs a 3-part mrope_section"
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rotary = MRotaryEmbedding(
+            arch.head_dim,
+            arch.max_position_embeddings,
+            arch.rope_theta,
+            (section[0], section[1], section[2]),
+            interleaved=arch.mrope_interleaved,
+        )
+        # The decoder layers take a RotaryEmbedding; M-RoPE has its call signature.
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(arch, i, spec, cast(RotaryEmbedding, rotary), make_mlp)
+            for i, spec in enumerate(layer_specs(arch))
+        )
+        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        vision: VisionRows | None = None,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        deepstack: list[torch.Tensor] = []
+        if vision is not None:
+            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
+            deepstack = vision.deepstack
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(positions, x, residual, attn)
+            if i < len(deepstack):
+                assert vision is not None and residual is not None
+                # The layer's output is x + residual; the features join that sum (HF's order of adds).
+                x = (x + residual).index_add(0, vision.rows, deepstack[i].to(x.dtype))
+                residual = None
+        if residual is None:
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class QwenVLForConditionalGeneration(nn.Module):
+    """Qwen2_5_VLForConditionalGeneration and Qwen3VLForConditionalGeneration (arch.vision.kind says
+    which tower; the decoder's flags come from the text config as for Qwen2 / Qwen3)."""
+
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+    linear_input_producers = LINEAR_INPUT_PRODUCERS
+    takes_images = True  # models/vision/interface.py
+    uses_mrope = True
+
+    def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
+        super().__init__()
+        assert arch.vision is not None
+        self.arch = arch
+        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
+        self.model = QwenVLTextModel(arch, make_mlp)
+        self.visual = build_vision_tower(arch.vision)
+        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        vision: VisionRows | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, attn, vision)
+
+    def embed_images(
+        self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+    ) -> VisionFeatures:
+        """The tower over one or more images (their patches concatenated): their token embeddings."""
+        dtype = next(self.visual.parameters()).dtype
+        return cast(VisionFeatures, self.visual(pixel_values.to(dtype), grid_thw))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, _per_expert(_renamed(weights), self.arch))
+
+
+def qwen3_vl_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    """Qwen3-VL-MoE's sparse MLP: Qwen3-MoE's block (router + stacked experts, layers/moe.py)."""
+    from overnight.models.qwen3_moe import qwen3_moe_mlp
+
+    return qwen3_moe_mlp(arch, layer_idx)
+
+
+class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
+    """Qwen3-VL's tower and decoder with Qwen3-MoE's sparse MLPs (the fused MoE path on the GPU)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
+
+
+def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in weights:
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        elif name.startswith("model.visual."):
+            name = name.removeprefix("model.")
+        yield name, tensor
+
+
+def _per_expert(
+    weights: Iterable[tuple[str, torch.Tensor]], arch: ModelArch
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Qwen3-VL-MoE stores each layer's experts fused (mlp.experts.gate_up_proj, mlp.experts.down_proj);
+    split them into the per-expert tensors load_packed_weights stacks. Both layouts occur: transformers
+    5's [E, 2I, H] / [E, H, I], and the published checkpoints' transposed [E, H, 2I] / [E, I, H] (told
+    apart by shape, as transformers does; a square one is taken as transformers')."""
+    inter, hidden = arch.moe_intermediate_size, arch.hidden_size
+    for name, tensor in weights:
+        if name.endswith("mlp.experts.gate_up_proj"):
+            if tensor.shape[1] != 2 * inter:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("gate_up_proj")
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
+                yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            if tensor.shape[1] != hidden:
+                tensor = tensor.transpose(1, 2)
+            prefix = name.removesuffix("down_proj")
+            for e in range(tensor.shape[0]):
+                yield f"{prefix}{e}.down_proj.weight", tensor[e]
+        else:
+            yield name, tensor

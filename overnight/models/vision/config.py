@@ -1,0 +1,55 @@
+"""VisionArch from a vision-language config.json (HF's vision_config and the image token ids)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from overnight.config import VisionArch
+from overnight.errors import ModelLoadError
+
+
+def text_config_of(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The decoder's fields: text_config (transformers 5), or the top level (older Qwen2.5-VL files)."""
+    return dict(cfg.get("text_config") or cfg)
+
+
+def vision_arch_from_hf(cfg: dict[str, Any], kind: str) -> VisionArch:
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index"))
+    if not isinstance(image_token, int):
+        raise ModelLoadError("config.json lacks image_token_id")
+    try:
+        hidden = int(v.get("hidden_size") or v["embed_dim"])
+        theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        arch = VisionArch(
+            kind=kind,
+            depth=int(v["depth"]),
+            hidden_size=hidden,
+            intermediate_size=int(v["intermediate_size"]),
+            num_heads=int(v["num_heads"]),
+            out_hidden_size=int(v.get("out_hidden_size") or text_config_of(cfg)["hidden_size"] or 0),
+            patch_size=int(v.get("patch_size", 14)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            in_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
+            hidden_act=str(v.get("hidden_act", "silu")),
+            image_token_id=image_token,
+            vision_start_token_id=cfg.get("vision_start_token_id"),
+            vision_end_token_id=cfg.get("vision_end_token_id"),
+            rope_theta=theta,
+            window_size=int(v.get("window_size", 0)),
+            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()),
+            num_position_embeddings=int(v.get("num_position_embeddings", 0)),
+            deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
+        )
+    except KeyError as e:
+        raise ModelLoadError(f"vision_config lacks required field {e.args[0]!r}") from None
+    if arch.hidden_size % arch.num_heads or (arch.hidden_size // arch.num_heads) % 4:
+        raise ModelLoadError("vision hidden_size / num_heads must be a multiple of 4 (2-D RoPE)")
+    if kind == "qwen2_5_vl" and arch.window_size < arch.patch_size * arch.spatial_merge_size:
+        raise ModelLoadError("vision_config.window_size must cover at least one merged patch")
+    if kind == "qwen3_vl" and int(arch.num_position_embeddings**0.5) ** 2 != arch.num_position_embeddings:
+        raise ModelLoadError("vision_config.num_position_embeddings must be a square")
+    return arch

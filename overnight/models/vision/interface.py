@@ -1,0 +1,56 @@
+"""What the runner uses of a model that takes images (beside models/interface.py's CausalLM).
+
+A vision-language model has a tower that turns preprocessed pixels into one embedding per image token,
+and a forward that takes the step's image rows. Qwen2.5-VL and Qwen3-VL implement it
+(models/qwen_vl.py); Gemma 3's SigLIP and Qwen3.5's tower plug in by implementing the same:
+
+    embed_images(pixel_values, grid_thw) -> VisionFeatures   (one row per image token, images concatenated)
+    forward(input_ids, positions, attn, vision=VisionRows | None)
+
+uses_mrope says whether positions are M-RoPE's (3 per prompt token, runner/vision.py builds them);
+a model without it gets the usual 1-D positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.config import ModelArch
+
+
+@dataclass
+class VisionFeatures:
+    embeds: torch.Tensor  # [tokens, text hidden]: one row per image token, images concatenated
+    deepstack: list[torch.Tensor]  # Qwen3-VL: per early decoder layer, rows added to the image tokens
+
+
+@dataclass
+class VisionRows:
+    """The image tokens of one step: rows [R] of the flattened batch, their input embeddings [R, hidden]
+    and, for Qwen3-VL, one [R, hidden] tensor per deepstack layer."""
+
+    rows: torch.Tensor
+    embeds: torch.Tensor
+    deepstack: list[torch.Tensor]
+
+
+class ImageModel(Protocol):
+    arch: ModelArch
+    takes_images: bool
+    uses_mrope: bool
+
+    def embed_images(
+        self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+    ) -> VisionFeatures: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        vision: VisionRows | None = None,
+    ) -> torch.Tensor: ...

@@ -1,0 +1,303 @@
+"""The vision towers of Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames, with 2-D
+RoPE inside attention, whose output merges each 2x2 block of patches into one token of the language
+model's width.
+
+Patches arrive in "merge-block order" (the image processor's layout): the merge x merge patches of one
+output token are consecutive, so merging is a reshape.
+
+    pixel_values [num_patches, C * temporal_patch * patch * patch]  ->  embeds [num_patches / merge**2, out]
+
+Several images may go through one call: attention never crosses an image (cu_seqlens), and Qwen2.5-VL's
+window blocks never cross a window. Attribute names follow the checkpoint keys (visual.*).
+
+A tower takes (pixel_values, grid_thw) and returns VisionFeatures (models/vision/interface.py); other
+families' towers plug in through build_vision_tower by returning the same.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overnight.config import VisionArch
+from overnight.models.vision.interface import VisionFeatures
+
+
+def _act(name: str) -> nn.Module:
+    if name == "silu":
+        return nn.SiLU()
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return nn.GELU(approximate="tanh")
+    if name == "gelu":
+        return nn.GELU()
+    raise ValueError(f"unsupported vision hidden_act {name!r}")
+
+
+class VisionRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, v: VisionArch, bias: bool) -> None:
+        super().__init__()
+        self.shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        self.hidden = v.hidden_size
+        kernel = self.shape[1:]
+        self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.view(-1, *self.shape).to(self.proj.weight.dtype)
+        return self.proj(x).view(-1, self.hidden)
+
+
+def rotary_angles(v: VisionArch, grid_thw: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
+    """[patches, head_dim / 2] angles of the axial 2-D RoPE: the first half of each head's frequencies
+    turns with the patch's row, the second with its column (patches in merge-block order)."""
+    head_dim = v.hidden_size // v.num_heads
+    quarter = head_dim // 2
+    inv_freq = 1.0 / (
+        v.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter)
+    )
+    m = v.spatial_merge_size
+    rows: list[torch.Tensor] = []
+    cols: list[torch.Tensor] = []
+    for t, h, w in grid_thw:
+        r = torch.arange(h, device=device)[:, None].expand(h, w)
+        c = torch.arange(w, device=device)[None, :].expand(h, w)
+        for pos, out in ((r, rows), (c, cols)):
+            out.append(pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t))
+    r_all, c_all = torch.cat(rows).float(), torch.cat(cols).float()
+    return torch.cat([r_all[:, None] * inv_freq, c_all[:, None] * inv_freq], dim=-1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated * sin).to(x.dtype)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.num_heads = v.num_heads
+        self.head_dim = v.hidden_size // v.num_heads
+        self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=True)
+        self.proj = nn.Linear(v.hidden_size, v.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, val = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = torch.empty_like(q)
+        # Bidirectional attention inside each segment (an image, or a window of one).
+        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+            if b > a:
+                qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, val))
+                out[a:b] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
+        return self.proj(out.reshape(n, -1))
+
+
+class SwiGLU(nn.Module):  # Qwen2.5-VL's block MLP
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size, bias=True)
+        self.act_fn = _act(v.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class FcMLP(nn.Module):  # Qwen3-VL's block MLP
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(v.hidden_size, v.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(v.intermediate_size, v.hidden_size, bias=True)
+        self.act_fn = _act(v.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        qwen3 = v.kind == "qwen3_vl"
+        self.norm1: nn.Module = (
+            nn.LayerNorm(v.hidden_size, eps=1e-6) if qwen3 else VisionRMSNorm(v.hidden_size)
+        )
+        self.norm2: nn.Module = (
+            nn.LayerNorm(v.hidden_size, eps=1e-6) if qwen3 else VisionRMSNorm(v.hidden_size)
+        )
+        self.attn = VisionAttention(v)
+        self.mlp: nn.Module = FcMLP(v) if qwen3 else SwiGLU(v)
+
+    def forward(
+        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class Qwen25PatchMerger(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.width = v.hidden_size * v.spatial_merge_size**2
+        self.ln_q = VisionRMSNorm(v.hidden_size)
+        self.mlp = nn.Sequential(
+            nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, v.out_hidden_size)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.width))
+
+
+class Qwen3PatchMerger(nn.Module):
+    """postshuffle: the LayerNorm runs over the merged (4x wider) rows (the deepstack mergers)."""
+
+    def __init__(self, v: VisionArch, postshuffle: bool) -> None:
+        super().__init__()
+        self.width = v.hidden_size * v.spatial_merge_size**2
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(self.width if postshuffle else v.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.act_fn = nn.GELU()
+        self.linear_fc2 = nn.Linear(self.width, v.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.postshuffle else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
+
+
+def _cu_seqlens(sizes: list[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+def window_order(v: VisionArch, grid_thw: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
+    """Qwen2.5-VL's windows: (the order of merged tokens that makes each window contiguous, the
+    cumulative patch counts of the windows). A window is window_size / merge / patch merged tokens on a
+    side; the image's last row and column of windows may be partial."""
+    m = v.spatial_merge_size
+    side = v.window_size // m // v.patch_size
+    order: list[torch.Tensor] = []
+    sizes: list[int] = []
+    base = 0
+    for t, h, w in grid_thw:
+        gh, gw = h // m, w // m
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        for f in range(t):
+            for r0 in range(0, gh, side):
+                for c0 in range(0, gw, side):
+                    win = idx[f, r0 : r0 + side, c0 : c0 + side].flatten()
+                    order.append(win + base)
+                    sizes.append(win.numel() * m * m)
+        base += t * gh * gw
+    return torch.cat(order), _cu_seqlens(sizes)
+
+
+class Qwen25VisionTransformer(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.v = v
+        self.patch_embed = PatchEmbed(v, bias=False)
+        self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v.depth))
+        self.merger = Qwen25PatchMerger(v)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionFeatures:
+        v = self.v
+        unit = v.spatial_merge_size**2
+        x = self.patch_embed(pixel_values)
+        n = x.shape[0]
+        order, cu_window = window_order(v, grid_thw)
+        order = order.to(x.device)
+        angles = rotary_angles(v, grid_thw, x.device)
+        # Blocks run with merged tokens grouped by window; full-attention blocks see whole images, which
+        # the reordering keeps contiguous (windows never cross images).
+        x = x.view(n // unit, unit, -1)[order].view(n, -1)
+        angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
+        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        cu_images = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])  # per frame
+        for i, block in enumerate(self.blocks):
+            x = block(x, cu_images if i in v.fullatt_block_indexes else cu_window, cos, sin)
+        merged = self.merger(x)
+        return VisionFeatures(embeds=merged[torch.argsort(order)], deepstack=[])
+
+
+def interpolation_taps(
+    v: VisionArch, grid_thw: list[tuple[int, int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-VL's learned position table (side x side) resampled bilinearly (corners aligned) to each
+    image's patch grid: (indices [patches, 4] into the table, weights [patches, 4]), merge-block order."""
+    side = int(v.num_position_embeddings**0.5)
+    m = v.spatial_merge_size
+    idx_all: list[torch.Tensor] = []
+    w_all: list[torch.Tensor] = []
+    for t, h, w in grid_thw:
+
+        def axis(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+            src = torch.arange(n, dtype=torch.float32, device=device) * (side - 1) / max(n - 1, 1)
+            lo = src.floor()
+            taps = torch.stack([lo, lo + 1], dim=-1).long().clamp(0, side - 1)
+            frac = src - lo
+            return taps, torch.stack([1 - frac, frac], dim=-1)
+
+        (ht, hw), (wt, ww) = axis(h), axis(w)
+        idx = (ht[:, None, :, None] * side + wt[None, :, None, :]).reshape(h, w, 4)
+        wgt = (hw[:, None, :, None] * ww[None, :, None, :]).reshape(h, w, 4)
+        for table, out in ((idx, idx_all), (wgt, w_all)):
+            blocks = table.view(h // m, m, w // m, m, 4).transpose(1, 2).reshape(-1, 4)
+            out.append(blocks.repeat(t, 1))
+    return torch.cat(idx_all), torch.cat(w_all)
+
+
+class Qwen3VisionModel(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.v = v
+        self.patch_embed = PatchEmbed(v, bias=True)
+        self.pos_embed = nn.Embedding(v.num_position_embeddings, v.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(v) for _ in range(v.depth))
+        self.merger = Qwen3PatchMerger(v, postshuffle=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            Qwen3PatchMerger(v, postshuffle=True) for _ in v.deepstack_visual_indexes
+        )
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> VisionFeatures:
+        v = self.v
+        x = self.patch_embed(pixel_values)
+        idx, wgt = interpolation_taps(v, grid_thw, x.device)
+        x = x + (self.pos_embed(idx) * wgt[:, :, None].to(x.dtype)).sum(1)
+        angles = rotary_angles(v, grid_thw, x.device)
+        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        cu = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cu, cos, sin)
+            if i in v.deepstack_visual_indexes:
+                deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
+        return VisionFeatures(embeds=self.merger(x), deepstack=deepstack)
+
+
+def build_vision_tower(v: VisionArch) -> nn.Module:
+    if v.kind == "qwen2_5_vl":
+        return Qwen25VisionTransformer(v)
+    if v.kind == "qwen3_vl":
+        return Qwen3VisionModel(v)
+    raise ValueError(f"unsupported vision tower {v.kind!r}")

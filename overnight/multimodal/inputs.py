@@ -1,0 +1,44 @@
+"""A prompt's images as the engine carries them: where each image's tokens sit in the prompt, its
+preprocessed pixels, a hash of those pixels, and the prompt's M-RoPE positions.
+
+The hash is what the prefix cache and the encoder cache key on: two prompts whose placeholder tokens are
+equal but whose images differ never share KV blocks (each block's hash includes the hashes of the images
+whose tokens it holds, kv_cache_manager.py), and a repeated image is encoded once while its embeddings
+stay cached (runner/vision.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+# Engines that do not carry images yet (the data-parallel front, the encoder-only engine).
+IMAGES_UNSUPPORTED_HERE = "images are not supported with data_parallel_size > 1 or on encoder models yet"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ImageInput:
+    offset: int  # index of the image's first token in the prompt
+    num_tokens: int  # its tokens (merged patches): prompt[offset : offset + num_tokens]
+    content_hash: str  # sha256 of the preprocessed pixels and grid
+    pixel_values: torch.Tensor  # [patches, C * temporal_patch * patch * patch] float32, on the host
+    grid_thw: tuple[int, int, int]  # patch grid (frames, rows, columns)
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class MultiModalInputs:
+    images: tuple[ImageInput, ...]
+    # [3, prompt length] (temporal, height, width) positions; tokens after the prompt have position
+    # p + mrope_delta on every axis (the images' grids take fewer positions than tokens).
+    mrope_positions: np.ndarray
+    mrope_delta: int
+
+    def hashes_in(self, start: int, end: int) -> tuple[str, ...]:
+        """Hashes of the images with tokens in prompt[start:end] (a KV block's extra hash key)."""
+        return tuple(im.content_hash for im in self.images if im.offset < end and im.end > start)

@@ -1,0 +1,214 @@
+"""Prompt + images -> token ids with each image's placeholder expanded, and MultiModalInputs.
+
+Pixels come from the checkpoint's own HF image processor (its preprocessor_config.json), the PIL one
+(transformers' `Qwen2VLImageProcessorPil`), which needs neither torchvision nor a GPU. Images are
+preprocessed in a pool of threads (PIL decoding and resizing release the GIL), so the device does not
+wait on JPEG decoding.
+
+A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad|><|vision_end|>`, as
+the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
+merged patches. The expansion and the M-RoPE positions here are the Qwen families'; a family with
+another placeholder scheme (Gemma 3: a fixed count of soft tokens between begin / end markers) adds its
+own expansion, chosen by VisionArch.kind, and returns the same MultiModalInputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from overnight.config import VisionArch
+from overnight.errors import InvalidRequestError
+from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.media import MediaError, MediaPolicy, load_image
+
+T = TypeVar("T")
+Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
+
+DEFAULT_IMAGE_LIMIT = 16
+
+
+def parse_image_limit(value: str | int | None) -> int:
+    """--limit-mm-per-prompt: a number, or vLLM's JSON {"image": N}."""
+    if value is None:
+        return DEFAULT_IMAGE_LIMIT
+    if isinstance(value, int):
+        return value
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise InvalidRequestError(f"limit_mm_per_prompt must be a number or JSON, got {value!r}") from None
+    if isinstance(parsed, dict):
+        parsed = parsed.get("image", DEFAULT_IMAGE_LIMIT)
+    if not isinstance(parsed, int) or parsed < 0:
+        raise InvalidRequestError(f"limit_mm_per_prompt must give a count >= 0, got {value!r}")
+    return parsed
+
+
+class ImageProcessor:
+    def __init__(
+        self,
+        vision: VisionArch,
+        model_path: str | None,
+        policy: MediaPolicy,
+        image_limit: int = DEFAULT_IMAGE_LIMIT,
+        num_threads: int = min(8, max(2, os.cpu_count() or 2)),
+    ) -> None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.vision = vision
+        self.policy = policy
+        self.image_limit = image_limit
+        if model_path and os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
+            self.hf = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        else:
+            self.hf = Qwen2VLImageProcessorPil(
+                patch_size=vision.patch_size,
+                temporal_patch_size=vision.temporal_patch_size,
+                merge_size=vision.spatial_merge_size,
+            )
+        # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
+        # so a prompt never waits for a worker that is itself waiting.
+        self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-images")
+        self.prompt_pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-prompts")
+        # Images decoded ahead of their prompt (prefetched), by source URL; bounded, oldest dropped.
+        self._ahead: OrderedDict[str, Future[Pixels]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.max_ahead = 256
+
+    def pixels(self, source: Any) -> Pixels:
+        """(pixel_values, grid (t, h, w), content hash) of one image."""
+        image = load_image(source, self.policy)
+        try:
+            out = self.hf(images=[image], return_tensors="pt")
+        except Exception as e:
+            raise MediaError(f"cannot preprocess image: {type(e).__name__}: {e}") from None
+        pixels = out["pixel_values"].float().contiguous()
+        t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
+        digest = hashlib.sha256(pixels.numpy().tobytes())
+        digest.update(np.asarray([t, h, w], dtype=np.int64).tobytes())
+        return pixels, (t, h, w), digest.hexdigest()
+
+    def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
+        """Expand the prompt's image placeholders for `images` (in order) and preprocess them in the pool."""
+        if len(images) > self.image_limit:
+            raise InvalidRequestError(
+                f"{len(images)} images in one prompt; at most {self.image_limit} (--limit-mm-per-prompt)"
+            )
+        pad = self.vision.image_token_id
+        slots = [i for i, t in enumerate(token_ids) if t == pad]
+        if len(slots) != len(images):
+            raise InvalidRequestError(
+                f"the prompt has {len(slots)} image placeholders (<|image_pad|>) but {len(images)} images were given"
+            )
+        futures = [self._future(source) for source in images]
+        processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
+        return expand_placeholders(token_ids, slots, processed, self.vision)
+
+    def _future(self, source: Any) -> Future[Pixels]:
+        if isinstance(source, str):
+            with self._lock:
+                ahead = self._ahead.pop(source, None)
+            if ahead is not None:
+                return ahead
+        return self.pool.submit(self.pixels, source)
+
+    def prefetch(self, sources: Iterable[Any]) -> None:
+        """Start decoding these images (URL strings) now, for a prompt that will come soon."""
+        with self._lock:
+            for source in sources:
+                if isinstance(source, str) and source not in self._ahead:
+                    self._ahead[source] = self.pool.submit(self.pixels, source)
+            while len(self._ahead) > self.max_ahead:
+                self._ahead.popitem(last=False)
+
+    def prefetched(
+        self, items: Iterable[T], sources_of: Callable[[T], list[Any]], depth: int = 32
+    ) -> Iterator[T]:
+        """`items` as they come, each yielded `depth` items after its images started decoding in the
+        pool: the loop that consumes them (run-batch's, between engine steps) finds them decoded."""
+        window: deque[T] = deque()
+        for item in items:
+            self.prefetch(sources_of(item))
+            window.append(item)
+            if len(window) > depth:
+                yield window.popleft()
+        yield from window
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.prompt_pool.shutdown(wait=False)
+
+
+def expand_placeholders(
+    token_ids: list[int],
+    slots: list[int],
+    processed: list[Pixels],
+    vision: VisionArch,
+) -> tuple[list[int], MultiModalInputs]:
+    """Each placeholder at `slots` becomes the image's tokens; M-RoPE positions as HF's get_rope_index:
+    text continues one position per token, an image's tokens take (start, start + row, start + col) and
+    the text after it starts at start + max(rows, cols)."""
+    m = vision.spatial_merge_size
+    ids: list[int] = []
+    images: list[ImageInput] = []
+    pos_parts: list[np.ndarray] = []
+    prev = 0
+    cur = 0
+    for slot, (pixels, grid, digest) in zip(slots, processed):
+        text = slot - prev
+        pos_parts.append(np.broadcast_to(np.arange(cur, cur + text), (3, text)))
+        cur += text
+        ids.extend(token_ids[prev:slot])
+        t, h, w = grid
+        gh, gw = h // m, w // m
+        n = t * gh * gw
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(gh), np.arange(gw), indexing="ij")
+        pos_parts.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + cur)
+        images.append(ImageInput(len(ids), n, digest, pixels, grid))
+        ids.extend([vision.image_token_id] * n)
+        cur += max(gh, gw)
+        prev = slot + 1
+    tail = len(token_ids) - prev
+    pos_parts.append(np.broadcast_to(np.arange(cur, cur + tail), (3, tail)))
+    ids.extend(token_ids[prev:])
+    positions = np.ascontiguousarray(np.concatenate(pos_parts, axis=1), dtype=np.int64)
+    delta = int(positions.max()) + 1 - len(ids) if len(ids) else 0
+    return ids, MultiModalInputs(tuple(images), positions, delta)
+
+
+def image_processor_for(source: Any, options: Any) -> ImageProcessor | None:
+    """The entry points' image processor for a model (None: the model takes no images)."""
+    vision = source.arch.vision
+    if vision is None:
+        return None
+    path = source.path if source.kind == "hf" else None
+    return ImageProcessor(
+        vision, path, MediaPolicy.from_options(options), parse_image_limit(options.limit_mm_per_prompt)
+    )
+
+
+def split_images(prompt: Any) -> tuple[Any, list[Any]]:
+    """(the prompt without multi_modal_data, its images) for vLLM's prompt dict form."""
+    if not isinstance(prompt, dict) or "multi_modal_data" not in prompt:
+        return prompt, []
+    data = prompt["multi_modal_data"]
+    rest = {k: v for k, v in prompt.items() if k != "multi_modal_data"}
+    if not isinstance(data, dict):
+        raise InvalidRequestError('multi_modal_data must be a dict such as {"image": image}')
+    unknown = set(data) - {"image"}
+    if unknown:
+        raise InvalidRequestError(f"unsupported multi_modal_data keys {sorted(unknown)} (only image)")
+    images = data.get("image")
+    if images is None:
+        return rest, []
+    return rest, list(images) if isinstance(images, (list, tuple)) else [images]
