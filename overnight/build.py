@@ -137,6 +137,11 @@ def build_config(
         batched = max(batched, max_model_len)
     # Only last-token pooling can start past a cached prefix: the others need every token's state.
     prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
+    if prefix_caching and source.arch.num_linear_layers:
+        # A hit needs the linear layers' state at the end of the cached prefix, which nothing keeps
+        # (no state snapshots at block boundaries yet): every prompt is computed whole (README).
+        log.info("prefix caching is off: %s has linear-attention layers (no state snapshots)", source.path)
+        prefix_caching = False
     return EngineConfig(
         model=ModelConfig(
             model=source.path,
@@ -191,6 +196,11 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     for name in ("tensor_parallel_size", "data_parallel_size"):
         if getattr(opts, name) < 1:
             raise ConfigError(f"{name} must be at least 1, got {getattr(opts, name)}")
+    if opts.tensor_parallel_size > 1 and source.arch.num_linear_layers:
+        raise ConfigError(
+            f"{source.served_name}: hybrid linear-attention models (Gated DeltaNet layers) with tensor "
+            "parallelism are not supported yet; run with --tensor-parallel-size 1"
+        )
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 

@@ -53,6 +53,17 @@ class ModelArch:
     # KV sharing (Gemma 4): the last num_kv_shared_layers layers write no cache of their own and read
     # the cache of the last earlier layer of their kind (kv_source_layer).
     num_kv_shared_layers: int = 0
+    # Hybrid linear attention (Qwen3.5 / Qwen3.6, Qwen3-Next; models/qwen3_next.py): the layers that
+    # layer_types names "linear_attention" are Gated DeltaNet layers, which keep a fixed-size state per
+    # request (runner/state_cache.py) and no KV cache; the others are full attention with an output
+    # gate, (1 + w) RMSNorms and RoPE over the first hybrid_rotary_dim dims of each head.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    hybrid_rotary_dim: int = 0
+    shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -82,6 +93,26 @@ class ModelArch:
         kinds = self.layer_types or ("full_attention",) * self.num_hidden_layers
         return max(i for i in range(first_shared) if kinds[i] == kind)
 
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is linear attention (a state per request, no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
+
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One linear layer's state of one request: (conv (K - 1, conv channels), delta rule (Hv, dk, dv))."""
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        conv_dim += self.linear_num_value_heads * self.linear_value_head_dim
+        ssm = (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
+        return (self.linear_conv_kernel_dim - 1, conv_dim), ssm
+
+    def linear_state_bytes(self) -> int:
+        """Bytes of one request's states over every linear layer (float32)."""
+        (k, c), (h, dk, dv) = self.linear_state_shapes()
+        return self.num_linear_layers * 4 * (k * c + h * dk * dv)
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
         return (
@@ -109,7 +140,7 @@ class ModelArch:
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """KV-cache bytes one token takes over all layers (K and V, every KV head)."""
-        return 2 * self.num_hidden_layers * self.kv_size * elem_bytes
+        return 2 * (self.num_hidden_layers - self.num_linear_layers) * self.kv_size * elem_bytes
 
     def num_linear_parameters(self, active_only: bool = False) -> int:
         """Weights of the projections (q/k/v/o and the MLPs, routers included), all layers; active_only:

@@ -11,6 +11,7 @@ from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
+from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -20,6 +21,10 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "bert": BertModel,
+    # Hybrid linear attention (models/qwen3_next.py)
+    "qwen3_5": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3NextForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -30,6 +35,12 @@ _HF_ARCHITECTURES: dict[str, str] = {
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
     "BertModel": "bert",
+    # Hybrid linear attention; the ConditionalGeneration checkpoints run their text model only.
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _ENCODERS = ("bert",)
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -120,6 +131,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             return _bert_arch(cfg)
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    if family in HYBRID_FAMILIES:
+        return hybrid_arch(cfg, family)
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):

@@ -24,7 +24,7 @@ import torch
 from overnight.attention.kv_quant import kv_cache_torch_dtype
 from overnight.config import ModelArch
 from overnight.engine.kv_groups import KVCacheLayout
-from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
+from overnight.engine.pool_plan import PoolMemoryError, plan_pool, reserve_state_bytes, split_budget
 from overnight.limits import default_limits
 from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, linear_formats, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
@@ -111,7 +111,9 @@ def plan_budget(
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
-    cached = [i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i]
+    cached = [
+        i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
+    ]
     cached_layers = len(cached)
     per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
     block_bytes = cache.block_size * layout.token_elems * kv_elem
@@ -137,6 +139,7 @@ def plan_budget(
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
+        budget = reserve_state_bytes(budget, arch, sched)  # linear layers' states (hybrid models)
         plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
