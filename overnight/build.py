@@ -79,7 +79,7 @@ def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
     """The runner, "generate" or "pooling": the option, with auto decided by the architecture
     (encoders and bare decoders, checkpoints saved without an LM head such as "Qwen3Model", pool)."""
     if opts.runner == "auto":
-        bare = not source.hf_architecture.endswith("ForCausalLM")
+        bare = not source.hf_architecture.endswith(("ForCausalLM", "ForConditionalGeneration"))
         return "pooling" if source.arch.is_encoder or bare else "generate"
     if opts.runner == "generate" and source.arch.is_encoder:
         raise ConfigError(

@@ -63,7 +63,9 @@ def make_hybrid_model(variant: str, seed: int = 0, **overrides: Any):
     return model
 
 
-def make_hybrid_checkpoint(tmp_path: str | os.PathLike, variant: str, seed: int = 0, **overrides: Any) -> Path:
+def make_hybrid_checkpoint(
+    tmp_path: str | os.PathLike, variant: str, seed: int = 0, **overrides: Any
+) -> Path:
     import transformers
 
     folder = Path(tmp_path) / f"tiny-{variant}"

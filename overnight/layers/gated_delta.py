@@ -55,7 +55,9 @@ def causal_conv1d_ref(
     return F.silu(out).to(x.dtype), window[-(k - 1) :].float()
 
 
-def causal_conv1d_step_ref(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def causal_conv1d_step_ref(
+    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of N sequences. x [N, C]; state [N, K-1, C]. Returns (silu(conv) [N, C], the
     shifted state [N, K-1, C] float32)."""
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(1)], dim=1)  # [N, K, C]

@@ -89,7 +89,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         st = attn.states
         if st is None:
-            raise RuntimeError("a linear-attention layer needs the step's state batch (AttentionBatch.states)")
+            raise RuntimeError(
+                "a linear-attention layer needs the step's state batch (AttentionBatch.states)"
+            )
         meta = attn.meta
         mixed, z, b, a = self.project(x)
         g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)

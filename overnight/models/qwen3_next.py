@@ -20,8 +20,8 @@ the vision tower (model.visual.*) and the multi-token-prediction head (mtp.*) ar
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from collections.abc import Iterable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -283,7 +283,7 @@ def _hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
             decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
             mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
         )
-    linear = {
+    linear: dict[str, Any] = {
         k: int(cfg[k])
         for k in (
             "linear_num_key_heads",
@@ -293,7 +293,10 @@ def _hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
             "linear_conv_kernel_dim",
         )
     }
-    if any(v <= 0 for v in linear.values()) or linear["linear_num_value_heads"] % linear["linear_num_key_heads"]:
+    if (
+        any(v <= 0 for v in linear.values())
+        or linear["linear_num_value_heads"] % linear["linear_num_key_heads"]
+    ):
         raise ModelLoadError(
             "linear attention needs positive head counts and sizes, value heads a multiple of key heads"
         )

@@ -38,7 +38,9 @@ class StateCache:
         self.device = device
         n = max_num_seqs + 1
         f32 = torch.float32
-        self.conv = [torch.zeros(n, k1, conv_dim, dtype=f32, device=device) for _ in range(arch.num_linear_layers)]
+        self.conv = [
+            torch.zeros(n, k1, conv_dim, dtype=f32, device=device) for _ in range(arch.num_linear_layers)
+        ]
         self.ssm = [torch.zeros(n, *ssm, dtype=f32, device=device) for _ in range(arch.num_linear_layers)]
         # Static per-row buffers (CUDA graphs read them in place); unused rows point at the scratch slot.
         self.slot_ids = torch.full((max_num_seqs,), self.scratch, dtype=torch.int64, device=device)

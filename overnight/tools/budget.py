@@ -112,7 +112,9 @@ def plan_budget(
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
     cached = [
-        i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
+        i
+        for i in range(arch.num_hidden_layers)
+        if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
     ]
     cached_layers = len(cached)
     per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem

@@ -1,0 +1,137 @@
+"""Tier (c): hybrid linear-attention models (Qwen3.5 dense and MoE, their ConditionalGeneration
+checkpoints, Qwen3-Next) against HF transformers, fp32 greedy, token-exact: prompts of 1 to a few
+hundred tokens, prefill chunks that end inside prompts (the state carried across chunks), mixed
+batches, and preemption (a restart from a zero state); plus the state cache's accounting: every runner
+row (and so state slot) given back after finished, aborted and preempted requests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from overnight import LLM, SamplingParams
+from tests.test_engine_parity import hf_greedy
+from tests.tiny_hybrid import VARIANTS, make_hybrid_checkpoint
+
+pytestmark = pytest.mark.slow  # real engines beside transformers
+
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4)
+VOCAB = 101
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def load_hf(folder, variant: str):
+    import transformers
+
+    cls = (
+        transformers.AutoModelForImageTextToText
+        if variant.endswith("_vl")
+        else transformers.AutoModelForCausalLM
+    )
+    return cls.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def checkpoint(request, tmp_path_factory):
+    folder = make_hybrid_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, folder, load_hf(folder, request.param)
+
+
+def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
+
+
+def check(llm: LLM, ref, prompts: list[list[int]], new_tokens: int) -> None:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(new_tokens), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, new_tokens)[0], (
+            f"{len(prompt)} tokens"
+        )
+
+
+def assert_no_rows_held(llm: LLM, max_num_seqs: int) -> None:
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    # The runner hears of the last finished requests with the next step's schedule: run an empty one.
+    llm.engine.step()  # type: ignore[attr-defined]
+    assert runner.states.reqs == {}
+    assert sorted(runner.states._free_slots) == list(range(max_num_seqs))  # no leak, no growth
+    assert llm.engine.kv.pool.num_free == llm.engine.pool_plan.num_blocks  # type: ignore[attr-defined]
+
+
+def test_token_exact_with_chunked_prefill(checkpoint):
+    """Chunks of 24 tokens: the longer prompts are cut inside, mixed with other requests' decodes."""
+    variant, folder, ref = checkpoint
+    llm = LLM(str(folder), max_num_batched_tokens=24, max_num_seqs=6, max_model_len=512, **ENGINE)
+    assert llm.engine.config.cache.enable_prefix_caching is False  # type: ignore[attr-defined]
+    check(llm, ref, prompts_of([1, 2, 5, 23, 40, 77], seed=1), 10)
+    assert_no_rows_held(llm, 6)
+
+
+def test_token_exact_long_prompts_in_one_and_many_chunks(checkpoint):
+    variant, folder, ref = checkpoint
+    if variant not in ("qwen3_5", "qwen3_next"):
+        pytest.skip("the long prompts run on one dense and one fused-projection family")
+    prompts = prompts_of([129, 300], seed=2)
+    for chunk in (512, 50):
+        llm = LLM(str(folder), max_num_batched_tokens=chunk, max_model_len=512, **ENGINE)
+        check(llm, ref, prompts, 6)
+
+
+def test_preemption_restarts_from_a_zero_state(checkpoint):
+    variant, folder, ref = checkpoint
+    if variant not in ("qwen3_5", "qwen3_5_moe_vl"):
+        pytest.skip("preemption runs on the dense and the MoE ConditionalGeneration checkpoints")
+    prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
+    # A pool of 40 blocks of 4 tokens (plus the state pool's bytes): the seven sequences cannot all
+    # keep growing at once, so some are preempted and recomputed.
+    state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1)  # 2 linear layers, float32, max_num_seqs + 1
+    block_bytes = 4 * 2 * 16 * 2 * 4  # 4 tokens x (K, V) x head 16 x 2 full layers x float32
+    llm = LLM(
+        str(folder),
+        kv_cache_memory_bytes=state_bytes + 40 * block_bytes,
+        max_num_batched_tokens=16,
+        max_num_seqs=7,
+        max_model_len=128,
+        **ENGINE,
+    )
+    assert llm.engine.pool_plan.num_blocks == 40  # type: ignore[attr-defined]
+    check(llm, ref, prompts, 24)
+    assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
+    assert_no_rows_held(llm, 7)
+
+
+def test_slots_follow_requests_through_aborts(checkpoint):
+    variant, folder, ref = checkpoint
+    if variant != "qwen3_next":
+        pytest.skip("engine bookkeeping, one family is enough")
+    llm = LLM(str(folder), max_num_batched_tokens=32, max_num_seqs=3, max_model_len=256, **ENGINE)
+    engine = llm.engine
+    runner = engine.runner  # type: ignore[attr-defined]
+    seen: list[int] = []
+    fill = runner.state_cache.fill
+
+    def spy(scheduled, num_rows):
+        seen.extend(s.state.slot for s in scheduled)
+        fill(scheduled, num_rows)
+
+    runner.state_cache.fill = spy
+    prompts = prompts_of([30, 7, 50, 12, 3, 64, 20, 9], seed=4)
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(6 + i))  # type: ignore[attr-defined]
+    steps = 0
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+        steps += 1
+        if steps == 3:
+            engine.abort_request("0")  # type: ignore[attr-defined]
+            engine.abort_request("5")  # type: ignore[attr-defined]  # still waiting
+    assert seen and max(seen) < 3
+    assert_no_rows_held(llm, 3)
+    # the engine still serves exact tokens after the aborts freed and reused slots
+    check(llm, ref, prompts[1:4], 8)
