@@ -137,11 +137,6 @@ def build_config(
         batched = max(batched, max_model_len)
     # Only last-token pooling can start past a cached prefix: the others need every token's state.
     prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
-    if prefix_caching and source.arch.num_linear_layers:
-        # A hit needs the linear layers' state at the end of the cached prefix, which nothing keeps
-        # (no state snapshots at block boundaries yet): every prompt is computed whole (README).
-        log.info("prefix caching is off: %s has linear-attention layers (no state snapshots)", source.path)
-        prefix_caching = False
     return EngineConfig(
         model=ModelConfig(
             model=source.path,

@@ -1,8 +1,10 @@
 """Tier (c): hybrid linear-attention models (Qwen3.5 dense and MoE, their ConditionalGeneration
 checkpoints, Qwen3-Next) against HF transformers, fp32 greedy, token-exact: prompts of 1 to a few
 hundred tokens, prefill chunks that end inside prompts (the state carried across chunks), mixed
-batches, and preemption (a restart from a zero state); plus the state cache's accounting: every runner
-row (and so state slot) given back after finished, aborted and preempted requests."""
+batches, preemption (a restart from a zero state or a snapshot), and prefix-cache hits through state
+snapshots at block boundaries (a long shared prefix, hit by a second wave); plus the state cache's
+accounting: every runner row (and so state slot) given back after finished, aborted and preempted
+requests."""
 
 from __future__ import annotations
 
@@ -68,7 +70,6 @@ def test_token_exact_with_chunked_prefill(checkpoint):
     """Chunks of 24 tokens: the longer prompts are cut inside, mixed with other requests' decodes."""
     variant, folder, ref = checkpoint
     llm = LLM(str(folder), max_num_batched_tokens=24, max_num_seqs=6, max_model_len=512, **ENGINE)
-    assert llm.engine.config.cache.enable_prefix_caching is False  # type: ignore[attr-defined]
     check(llm, ref, prompts_of([1, 2, 5, 23, 40, 77], seed=1), 10)
     assert_no_rows_held(llm, 6)
 
@@ -90,7 +91,8 @@ def test_preemption_restarts_from_a_zero_state(checkpoint):
     prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
     # A pool of 40 blocks of 4 tokens (plus the state pool's bytes): the seven sequences cannot all
     # keep growing at once, so some are preempted and recomputed.
-    state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1)  # 2 linear layers, float32, max_num_seqs + 1
+    # 2 linear layers' float32 states x (max_num_seqs + 1 slots + 4 prefix-cache snapshots)
+    state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1 + 4)
     block_bytes = 4 * 2 * 16 * 2 * 4  # 4 tokens x (K, V) x head 16 x 2 full layers x float32
     llm = LLM(
         str(folder),
@@ -135,3 +137,28 @@ def test_slots_follow_requests_through_aborts(checkpoint):
     assert_no_rows_held(llm, 3)
     # the engine still serves exact tokens after the aborts freed and reused slots
     check(llm, ref, prompts[1:4], 8)
+
+
+def test_shared_prefix_hits_through_state_snapshots(checkpoint):
+    """A long shared system prompt: the first wave computes it (a later request saves the state at the
+    junction), the second wave starts past it, restored from the snapshot; tokens stay exact."""
+    variant, folder, ref = checkpoint
+    if variant not in ("qwen3_5", "qwen3_next"):
+        pytest.skip("snapshots run on one dense and one MoE family")
+    rng = random.Random(5)
+    system = [rng.randrange(3, VOCAB) for _ in range(150)]
+    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (9, 4, 17)]
+    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (6, 1, 30)]
+    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=512, **ENGINE)
+    check(llm, ref, first, 6)
+    before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+    snapshots = llm.engine.scheduler.snapshots  # type: ignore[attr-defined]
+    assert snapshots is not None and snapshots.num_cached >= 2
+    check(llm, ref, second, 6)
+    hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
+    assert hits >= 3 * 148  # every second-wave prompt starts past the system prompt's 37 full blocks
+    # an identical prompt repeated hits its own last boundary (<= prompt_len - 1)
+    before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+    check(llm, ref, [first[2]], 4)
+    assert llm.engine.stats().prefix_cache_hits - before == (len(first[2]) - 1) // 4 * 4  # type: ignore[attr-defined]
+    assert_no_rows_held(llm, 4)

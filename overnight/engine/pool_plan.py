@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overnight.config import ModelArch, SchedulerConfig
+from overnight.config import CacheConfig, ModelArch, SchedulerConfig
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.errors import ConfigError
 
@@ -67,14 +67,24 @@ def state_slots(sched: SchedulerConfig) -> int:
     return sched.max_num_seqs + 1
 
 
-def reserve_state_bytes(budget_bytes: int, arch: ModelArch, sched: SchedulerConfig) -> int:
-    """The KV pool's budget once the linear layers' state pool (fixed: state_slots slots) is set aside;
-    the budget itself for a model without linear layers."""
-    state = arch.linear_state_bytes() * state_slots(sched)
+def state_snapshots(sched: SchedulerConfig, cache: CacheConfig) -> int:
+    """Snapshots of linear-attention states kept for prefix-cache hits (engine/state_snapshots.py):
+    none without prefix caching. A batch job's shared system prompt needs one; the rest serve
+    repeated prompts and multi-turn prefixes, least recently used first out."""
+    return max(4, sched.max_num_seqs // 4) if cache.enable_prefix_caching else 0
+
+
+def reserve_state_bytes(
+    budget_bytes: int, arch: ModelArch, sched: SchedulerConfig, cache: CacheConfig
+) -> int:
+    """The KV pool's budget once the linear layers' state pool (fixed: state_slots slots and
+    state_snapshots snapshots) is set aside; the budget itself for a model without linear layers."""
+    state = arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache))
     if state and state > budget_bytes:
         raise PoolMemoryError(
-            f"the linear-attention states of {sched.max_num_seqs} requests take {state / GIB:.2f} GiB, "
-            f"more than the {budget_bytes / GIB:.2f} GiB left for caches: lower max_num_seqs"
+            f"the linear-attention states of {sched.max_num_seqs} requests (and their prefix-cache "
+            f"snapshots) take {state / GIB:.2f} GiB, more than the {budget_bytes / GIB:.2f} GiB left for "
+            "caches: lower max_num_seqs"
         )
     return budget_bytes - state
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from overnight.config import SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request, RequestStatus
+from overnight.engine.state_snapshots import StateSnapshots
 from overnight.engine.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -28,9 +29,13 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, snapshots: StateSnapshots | None = None
+    ) -> None:
         self.config = config
         self.kv = kv
+        # Hybrid models with prefix caching: where chunks end and which states are kept for hits.
+        self.snapshots = snapshots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -73,6 +78,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.kv.forget(req)
+        if self.snapshots is not None:
+            self.snapshots.forget(req)
         self.requests.pop(req.req_id, None)
         self._drop_from_runner(req)
 
@@ -123,6 +130,8 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        saves: list[tuple[str, int]] = []
+        snapshots = self.snapshots
         now = time.monotonic()
 
         preemptions_before = self.num_preemptions_total
@@ -133,6 +142,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            start = req.num_computed_tokens
+            if snapshots is not None:  # end the chunk at a state checkpoint
+                n = snapshots.clip(req, start, n)
             while True:
                 new_ids = self.kv.allocate(req, n)
                 if new_ids is not None:
@@ -145,6 +157,8 @@ class Scheduler:
                 break
             self._advance(req, n)
             num_scheduled[req.req_id] = n
+            if snapshots is not None and (snap := snapshots.save_after(req, start, n)) is not None:
+                saves.append((req.req_id, snap))
             if new_ids:
                 cached_reqs.append(CachedRequestData(req.req_id, new_ids))
             budget -= n
@@ -159,12 +173,17 @@ class Scheduler:
             if req.num_pending:  # preempted while a step ran ahead: wait for its token
                 break
             hit = self.kv.find_cached_prefix(req)
+            restore = None
+            if snapshots is not None:  # a hit only as long as a saved state
+                hit, restore = snapshots.admit(req, hit)
             num_hit = hit.num_blocks * self.kv.block_size if hit is not None else 0
             n = req.num_tokens - num_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            if snapshots is not None:
+                n = snapshots.clip(req, num_hit, n)
             new_ids = self.kv.allocate(req, n, hit)
             if new_ids is None:
                 break
@@ -188,10 +207,13 @@ class Scheduler:
                     num_computed_tokens=num_hit,
                     resumed=req.num_preemptions > 0,
                     pooling=req.pooling_params,
+                    restore_snapshot=restore,
                 )
             )
             self._advance(req, n)
             num_scheduled[req.req_id] = n
+            if snapshots is not None and (snap := snapshots.save_after(req, num_hit, n)) is not None:
+                saves.append((req.req_id, snap))
             budget -= n
 
         gone, self._gone_since_last_step = self._gone_since_last_step, set()
@@ -201,6 +223,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=gone,
+            state_saves=saves,
         )
 
     @staticmethod
@@ -222,6 +245,8 @@ class Scheduler:
         advanced: list[Request] = []
         finished: list[Request] = []
         now = time.monotonic()
+        if self.snapshots is not None and out.state_saves:
+            self.snapshots.commit(out.state_saves)
         running = RequestStatus.RUNNING
         preempted = RequestStatus.PREEMPTED
         for rid, token in zip(runner_out.req_ids, runner_out.sampled_token_ids):

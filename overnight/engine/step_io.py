@@ -29,6 +29,8 @@ class NewRequestData:
     num_computed_tokens: int  # prefix-cache hit: tokens whose KV is already in the blocks
     resumed: bool = False  # scheduled again after a preemption
     pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
+    # Hybrid models with a prefix hit: the state snapshot to copy into its slot first (state_snapshots.py)
+    restore_snapshot: int | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +48,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests gone since the last step (finished, aborted, preempted): the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Hybrid models: (request, snapshot id) whose state to copy into that snapshot after this step
+    state_saves: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

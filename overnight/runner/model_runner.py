@@ -21,6 +21,7 @@ from overnight.attention.metadata import AttentionBackend, AttentionBatch, Atten
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
+from overnight.engine.pool_plan import state_snapshots
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
@@ -141,7 +142,8 @@ class ModelRunner:
         # Hybrid models: the linear-attention layers' states, one slot per runner row (state_cache.py).
         self.state_cache: StateCache | None = None
         if config.model.arch.num_linear_layers:
-            self.state_cache = StateCache(config.model.arch, sched.max_num_seqs, self.device)
+            snapshots = state_snapshots(sched, config.cache)
+            self.state_cache = StateCache(config.model.arch, sched.max_num_seqs, snapshots, self.device)
         if calculate_kv_scales is None:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
@@ -231,7 +233,7 @@ class ModelRunner:
         budget = kv_budget_bytes(self.device, self.config.cache, measure)
         if not (self.is_cuda and self.config.cache.kv_cache_memory_bytes is None):
             # A set budget covers the state pool too; a measured one already counts it (allocated).
-            budget = reserve_state_bytes(budget, self.config.model.arch, sched)
+            budget = reserve_state_bytes(budget, self.config.model.arch, sched, self.config.cache)
         return budget, self.kv_bytes_per_block()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -281,6 +283,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle | PooledStep:
         scheduled = self.states.apply(out)
+        if self.state_cache is not None:
+            self.state_cache.restore(out, self.states)
         if self.pooler is not None:
             self.pooler.drop(out.finished_req_ids)
         if not scheduled:
@@ -300,6 +304,8 @@ class ModelRunner:
         else:
             attn = self._attention_batch(inputs, has_prefill=not decode_only)
             hidden = self.model(inputs.input_ids, inputs.positions, attn)
+        if self.state_cache is not None and out.state_saves:
+            self.state_cache.save(out.state_saves, self.states)
         if self.pooler is not None:
             assert inputs.meta.query_start_loc_cpu is not None
             return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)

@@ -15,10 +15,14 @@ finishes, aborts or preempts is reported (finished_req_ids) in the same Schedule
 the requests taking its place; RequestStates frees rows before it assigns new ones. A step launched
 ahead of the host's view changes nothing: the runner's rows follow the SchedulerOutputs in order.
 
+Snapshots (prefix caching): a second, smaller pool of the same states, keyed on the engine's side by
+block hashes (engine/state_snapshots.py). A request admitted past a prefix-cache hit gets the
+snapshot of that boundary copied into its slot before its first step (so it starts with has_state = 1);
+a step whose chunk ends at a checkpoint copies the slot into a snapshot after its forward pass.
+
 A slot is never cleared. A request whose step starts at position 0 (new, resumed after preemption,
-recomputed) is marked has_state = 0 and the layers start from zeros; a request continuing (a later
-prefill chunk, a decode) is marked 1. Prefix caching is off for these models (build.py), so a request
-never starts past position 0 without having computed those tokens itself in this slot.
+recomputed without a hit) is marked has_state = 0 and the layers start from zeros; a request
+continuing (a later prefill chunk, a decode, a restored snapshot) is marked 1.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ import torch
 
 from overnight.attention.linear_state import LinearStateBatch
 from overnight.config import ModelArch
-from overnight.runner.request_state import ScheduledRequest
+from overnight.engine.step_io import SchedulerOutput
+from overnight.runner.request_state import RequestStates, ScheduledRequest
 
 
 class StateCache:
-    def __init__(self, arch: ModelArch, max_num_seqs: int, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, max_num_seqs: int, num_snapshots: int, device: torch.device) -> None:
         (k1, conv_dim), ssm = arch.linear_state_shapes()
         self.num_slots = max_num_seqs
         self.scratch = max_num_seqs
@@ -42,6 +47,12 @@ class StateCache:
             torch.zeros(n, k1, conv_dim, dtype=f32, device=device) for _ in range(arch.num_linear_layers)
         ]
         self.ssm = [torch.zeros(n, *ssm, dtype=f32, device=device) for _ in range(arch.num_linear_layers)]
+        # Prefix caching: states at block boundaries (engine/state_snapshots.py decides which), copied
+        # slot -> snapshot after the step that reaches one and snapshot -> slot for a hit.
+        self.conv_snapshots = [
+            torch.zeros(num_snapshots, k1, conv_dim, dtype=f32, device=device) for _ in self.conv
+        ]
+        self.ssm_snapshots = [torch.zeros(num_snapshots, *ssm, dtype=f32, device=device) for _ in self.ssm]
         # Static per-row buffers (CUDA graphs read them in place); unused rows point at the scratch slot.
         self.slot_ids = torch.full((max_num_seqs,), self.scratch, dtype=torch.int64, device=device)
         self.has_state = torch.zeros(max_num_seqs, dtype=f32, device=device)
@@ -50,7 +61,24 @@ class StateCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv + self.ssm)
+        tensors = self.conv + self.ssm + self.conv_snapshots + self.ssm_snapshots
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def restore(self, out: SchedulerOutput, states: RequestStates) -> None:
+        """Copy the snapshot of each new request's prefix-cache hit into its slot (before its step)."""
+        for new in out.new_reqs:
+            if new.restore_snapshot is None:
+                continue
+            slot, snap = states.reqs[new.req_id].slot, new.restore_snapshot
+            for pool, snaps in zip(self.conv + self.ssm, self.conv_snapshots + self.ssm_snapshots):
+                pool[slot].copy_(snaps[snap])
+
+    def save(self, saves: list[tuple[str, int]], states: RequestStates) -> None:
+        """Copy each request's state into its snapshot (after the step that reached the boundary)."""
+        for req_id, snap in saves:
+            slot = states.reqs[req_id].slot
+            for pool, snaps in zip(self.conv + self.ssm, self.conv_snapshots + self.ssm_snapshots):
+                snaps[snap].copy_(pool[slot])
 
     def fill(self, scheduled: list[ScheduledRequest], num_rows: int) -> None:
         """This step's rows (RequestStates.begin applied: s.start is the position it starts at); rows

@@ -141,7 +141,7 @@ def plan_budget(
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
-        budget = reserve_state_bytes(budget, arch, sched)  # linear layers' states (hybrid models)
+        budget = reserve_state_bytes(budget, arch, sched, cache)  # linear layers' states (hybrid models)
         plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
