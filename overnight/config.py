@@ -131,6 +131,8 @@ class ModelArch:
             if self.is_moe_layer(i):
                 used = self.num_experts_per_tok if active_only else self.num_experts
                 total += self.num_experts * self.hidden_size + used * expert
+                if self.shared_expert_intermediate_size:  # and its one-output gate
+                    total += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
             else:
                 total += dense
         return total
@@ -147,6 +149,19 @@ class ModelArch:
         with only the experts one token goes through."""
         h = self.hidden_size
         attention = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        if self.num_linear_layers:  # hybrid: gated attention (q_proj gives q and a gate) + DeltaNet layers
+            full = self.num_hidden_layers - self.num_linear_layers
+            (_, conv), _ = self.linear_state_shapes()
+            heads, value = (
+                self.linear_num_value_heads,
+                self.linear_num_value_heads * self.linear_value_head_dim,
+            )
+            gdn = h * (conv + value + 2 * heads) + value * h
+            return (
+                (attention + h * self.q_size) * full
+                + gdn * self.num_linear_layers
+                + self.mlp_params(active_only)
+            )
         return attention * self.num_hidden_layers + self.mlp_params(active_only)
 
     def weight_bytes(
@@ -205,7 +220,12 @@ class ModelArch:
         if self.qk_norm:
             per_layer += 2 * self.head_dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return (
+        hybrid = 0
+        if self.num_linear_layers:  # DeltaNet layers: conv, A_log, dt_bias, output norm; no q/k norm
+            (k1, conv), _ = self.linear_state_shapes()
+            gdn = conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
+            hybrid = self.num_linear_layers * (gdn - (2 * self.head_dim if self.qk_norm else 0))
+        return hybrid + (
             self.vocab_size * h + head + self.num_linear_parameters() + self.num_hidden_layers * per_layer + h
         )
 

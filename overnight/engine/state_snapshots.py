@@ -106,7 +106,8 @@ class StateSnapshots:
         """The step that made these saves has run: their snapshots may serve hits."""
         for key in saves:
             block_hash = self._inflight.pop(key, None)
-            if block_hash is not None:
+            # Unless evicted meanwhile (and perhaps saved again: then that later save is pending).
+            if block_hash is not None and self._lru.get(block_hash) == key[1]:
                 self._pending.discard(block_hash)
 
     def forget(self, req: Request) -> None:

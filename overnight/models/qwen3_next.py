@@ -255,6 +255,8 @@ def _hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
     if types is None:  # Qwen3-Next's rule: every full_attention_interval-th layer is full attention
         interval = int(cfg.get("full_attention_interval", 4))
         types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    legacy = {"attention": "full_attention", "mamba": "linear_attention"}  # older configs' names
+    types = [legacy.get(t, t) for t in types]
     kinds = ("full_attention", "linear_attention")
     if len(types) != n or any(t not in kinds for t in types):
         raise ModelLoadError(f"layer_types must name {n} layers, each one of {', '.join(kinds)}")
@@ -264,7 +266,8 @@ def _hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         raise ModelLoadError(f"unsupported RoPE type {rope_type!r} for {family} (default only)")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    # 0.25 when absent: the transformers configs' default for these families
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
     rotary_dim = int(head_dim * factor)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ModelLoadError(f"partial_rotary_factor {factor} gives an unusable rotary dim {rotary_dim}")
