@@ -84,7 +84,8 @@ def test_token_exact_long_prompts_in_one_and_many_chunks(checkpoint):
         check(llm, ref, prompts, 6)
 
 
-def test_preemption_restarts_from_a_zero_state(checkpoint):
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["from-zero", "from-snapshots"])
+def test_preemption_restarts_from_a_zero_state_or_a_snapshot(checkpoint, prefix_caching):
     variant, folder, ref = checkpoint
     if variant not in ("qwen3_5", "qwen3_5_moe_vl"):
         pytest.skip("preemption runs on the dense and the MoE ConditionalGeneration checkpoints")
@@ -92,7 +93,7 @@ def test_preemption_restarts_from_a_zero_state(checkpoint):
     # A pool of 40 blocks of 4 tokens (plus the state pool's bytes): the seven sequences cannot all
     # keep growing at once, so some are preempted and recomputed.
     # 2 linear layers' float32 states x (max_num_seqs + 1 slots + 4 prefix-cache snapshots)
-    state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1 + 4)
+    state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1 + (4 if prefix_caching else 0))
     block_bytes = 4 * 2 * 16 * 2 * 4  # 4 tokens x (K, V) x head 16 x 2 full layers x float32
     llm = LLM(
         str(folder),
@@ -100,11 +101,15 @@ def test_preemption_restarts_from_a_zero_state(checkpoint):
         max_num_batched_tokens=16,
         max_num_seqs=7,
         max_model_len=128,
+        enable_prefix_caching=prefix_caching,
         **ENGINE,
     )
     assert llm.engine.pool_plan.num_blocks == 40  # type: ignore[attr-defined]
     check(llm, ref, prompts, 24)
-    assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
+    stats = llm.engine.stats()  # type: ignore[attr-defined]
+    assert stats.num_preemptions_total > 0
+    # with snapshots, resumed requests start past their last saved boundary instead of at 0
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
     assert_no_rows_held(llm, 7)
 
 
