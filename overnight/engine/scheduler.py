@@ -126,6 +126,9 @@ class Scheduler:
         # budget, max_num_seqs and free KV blocks allow. When a running request cannot get KV blocks,
         # the most recently admitted running request is preempted (blocks freed, recomputed later).
         # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
+        # Hybrid models (snapshots set): a prefill chunk also ends at each state checkpoint of its
+        # request (even without chunked prefill), a hit is cut back to the last saved state, and the
+        # step records which states to save (state_snapshots.py).
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []

@@ -21,7 +21,7 @@ from overnight.attention.metadata import AttentionBackend, AttentionBatch, Atten
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
-from overnight.engine.pool_plan import state_snapshots
+from overnight.engine.pool_plan import reserve_state_bytes, state_snapshots
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
@@ -220,7 +220,6 @@ class ModelRunner:
 
     def kv_pool_share(self) -> tuple[int, int]:
         """(bytes the KV pool may take on this device, bytes of one block): runner/kv_pool.py."""
-        from overnight.engine.pool_plan import reserve_state_bytes
         from overnight.runner.kv_pool import kv_budget_bytes
 
         sched = self.config.scheduler
