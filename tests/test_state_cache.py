@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from overnight.config import CacheConfig, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
@@ -20,7 +21,8 @@ from overnight.engine.state_snapshots import StateSnapshots
 from overnight.engine.step_io import ModelRunnerOutput
 from overnight.errors import ModelLoadError
 from overnight.loader.fit import kv_bytes_per_sequence
-from overnight.loader.resolve import PRESETS_DIR
+from overnight.loader.model_loader import build_model
+from overnight.loader.resolve import PRESETS_DIR, resolve_source
 from overnight.models.registry import arch_from_hf_config
 from overnight.sampling_params import SamplingParams
 from tests.tiny_hybrid import VARIANTS, make_hybrid_model
@@ -94,10 +96,13 @@ def test_config_errors_name_the_problem():
     [("qwen3.5-9b", 24, 8 * 2 * 4 * 256 * 2, 8.95), ("qwen3.5-35b-a3b", 30, 10 * 2 * 2 * 256 * 2, 34.66)],
 )
 def test_dummy_presets_have_the_published_shapes(name, linear, kv_per_token, billions):
-    arch = arch_from_hf_config(json.load(open(os.path.join(PRESETS_DIR, f"{name}.json"))))
+    source = resolve_source(name, load_format="dummy")
+    arch = source.arch
     assert arch.num_linear_layers == linear and arch.head_dim == 256 and arch.hybrid_rotary_dim == 64
     assert arch.kv_bytes_per_token(2) == kv_per_token
     assert arch.num_parameters() / 1e9 == pytest.approx(billions, abs=0.05)
+    model = build_model(source, torch.bfloat16, "meta")  # shapes only
+    assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
 
 
 # -- checkpoints and snapshots in the scheduler ------------------------------------------------------
