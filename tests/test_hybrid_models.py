@@ -2,7 +2,8 @@
 checkpoints, Qwen3-Next) against HF transformers, fp32 greedy, token-exact: prompts of 1 to a few
 hundred tokens, prefill chunks that end inside prompts (the state carried across chunks), mixed
 batches, preemption (a restart from a zero state or a snapshot), and prefix-cache hits through state
-snapshots at block boundaries (a long shared prefix, hit by a second wave); plus the state cache's
+snapshots at block boundaries (a long shared prefix, hit by a second wave), decode batches padded as
+CUDA graphs run them (padding rows on the scratch slot); plus the state cache's
 accounting: every runner row (and so state slot) given back after finished, aborted and preempted
 requests."""
 
@@ -167,3 +168,28 @@ def test_shared_prefix_hits_through_state_snapshots(checkpoint):
     check(llm, ref, [first[2]], 4)
     assert llm.engine.stats().prefix_cache_hits - before == (len(first[2]) - 1) // 4 * 4  # type: ignore[attr-defined]
     assert_no_rows_held(llm, 4)
+
+
+def test_padded_decode_batches_leave_real_states_alone(checkpoint):
+    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
+    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
+    variant, folder, ref = checkpoint
+    if variant != "qwen3_5_moe":
+        pytest.skip("one family is enough for the padding rows")
+    from overnight.runner.cuda_graph import DecodeGraphs
+
+    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    graphs = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 256)
+    assert graphs.sizes == [1, 2, 4, 8]
+    replayed: list[int] = []
+
+    def replay(b: int):
+        replayed.append(b)
+        return graphs._forward(b)
+
+    graphs.replay = replay  # type: ignore[method-assign]
+    runner.graphs = graphs
+    prompts = prompts_of([3, 11, 6, 20, 1], seed=6)  # five decodes run in a bucket of 8, then fewer
+    check(llm, ref, prompts, 9)
+    assert 8 in replayed and any(b in replayed for b in (1, 2, 4))
