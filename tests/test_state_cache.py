@@ -176,3 +176,39 @@ def test_snapshots_are_evicted_least_recently_used_first():
     snaps.commit([(r.req_id, i) for r, i in zip(reqs, ids)])
     assert snaps.num_cached == 2
     assert snaps.save_after(reqs[2], 0, 8) is None  # already kept
+
+
+def test_budget_on_an_h200_sets_the_state_pool_aside():
+    from overnight.options import EngineOptions
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    source = resolve_source("qwen3.5-9b", load_format="dummy")
+    opts = EngineOptions(model="qwen3.5-9b", load_format="dummy", max_model_len=32768, max_num_seqs=64)
+    b = plan_budget(opts, source, h200, seq_len=8192)
+    per = source.arch.linear_state_bytes()
+    assert b.state_bytes_per_seq == per == 24 * 4 * (3 * 8192 + 32 * 128 * 128)  # 50.25 MiB
+    assert b.state_pool_bytes == per * (64 + 1 + 16)  # slots + scratch + snapshots
+    # the state pool comes out of the memory given to caches, the KV pool gets the rest
+    given = EngineOptions(
+        model="qwen3.5-9b",
+        load_format="dummy",
+        max_model_len=32768,
+        max_num_seqs=64,
+        kv_cache_memory_bytes=40 << 30,
+    )
+    fixed = plan_budget(given, source, h200, seq_len=8192)
+    assert fixed.budget_bytes == (40 << 30) - b.state_pool_bytes
+    assert fixed.pool_bytes <= fixed.budget_bytes
+    assert b.kv_bytes_per_token == 8 * 2 * 4 * 256 * 2  # the 8 full-attention layers only, bf16
+
+
+def test_tensor_parallelism_is_refused_by_name():
+    from overnight.build import check_parallel
+    from overnight.errors import ConfigError
+    from overnight.options import EngineOptions
+
+    source = resolve_source("qwen3.5-35b-a3b", load_format="dummy")
+    opts = EngineOptions(model="qwen3.5-35b-a3b", load_format="dummy", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="hybrid linear-attention models .* tensor parallelism"):
+        check_parallel(opts, source)
