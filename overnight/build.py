@@ -130,6 +130,11 @@ def build_config(
         raise ConfigError("max_model_len must be at least 2")
     check_parallel(opts, source)
     check_cache(opts)
+    if source.quantization is not None and source.arch.num_linear_layers:
+        raise ConfigError(
+            f"{source.served_name}: quantized weights ({source.quantization.describe()}) of hybrid "
+            "linear-attention models are not supported yet; load the bf16 checkpoint"
+        )
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)

@@ -212,3 +212,14 @@ def test_tensor_parallelism_is_refused_by_name():
     opts = EngineOptions(model="qwen3.5-35b-a3b", load_format="dummy", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="hybrid linear-attention models .* tensor parallelism"):
         check_parallel(opts, source)
+
+
+def test_quantized_weights_are_refused_by_name():
+    from overnight.build import build_config
+    from overnight.errors import ConfigError
+    from overnight.options import EngineOptions
+
+    opts = EngineOptions(model="qwen3.5-9b", load_format="dummy", quantization="fp8")
+    source = resolve_source("qwen3.5-9b", load_format="dummy", quantization="fp8")
+    with pytest.raises(ConfigError, match="quantized weights .* hybrid linear-attention models"):
+        build_config(opts, source, torch.device("cpu"), None)
