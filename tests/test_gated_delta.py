@@ -1,6 +1,7 @@
 """The Gated DeltaNet ops (layers/gated_delta.py) against transformers' own torch references, and the
 state contract: a sequence split anywhere, each piece starting from the states the previous one left
-(prefill chunks, then decode steps), gives the outputs and final states of one pass."""
+(prefill chunks, then decode steps), gives the outputs and final states of one pass. Also: Qwen3.5's
+text-only M-RoPE is plain RoPE over the rotary dims."""
 
 from __future__ import annotations
 
@@ -155,3 +156,23 @@ def test_gates_match_the_formula():
     torch.testing.assert_close(g, -A_log.exp() * F.softplus(a + dt_bias))
     torch.testing.assert_close(beta, torch.sigmoid(b))
     assert (g <= 0).all()
+
+
+def test_text_only_mrope_is_plain_rope_over_the_rotary_dims():
+    """Qwen3.5's M-RoPE (interleaved sections over three position axes) with one position per token on
+    every axis, as text tokens have, against our RoPE table over the first 64 of 256 dims."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    from overnight.layers.rotary import RotaryEmbedding
+
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}
+    rope |= {"mrope_interleaved": True, "mrope_section": [11, 11, 10]}
+    cfg = Qwen3_5TextConfig(head_dim=256, num_attention_heads=2, rope_parameters=rope)
+    hf = Qwen3_5TextRotaryEmbedding(cfg)
+    positions = torch.tensor([0, 1, 7, 100, 4000])
+    cos, sin = hf(torch.zeros(1), positions[None, None].expand(3, 1, -1))
+    ours = RotaryEmbedding(64, 4096, 1e7)
+    table = ours.cos_sin_cache[positions]
+    torch.testing.assert_close(cos[0], torch.cat([table[:, :32]] * 2, dim=-1))
+    torch.testing.assert_close(sin[0], torch.cat([table[:, 32:]] * 2, dim=-1))
