@@ -85,28 +85,44 @@ def test_token_exact_long_prompts_in_one_and_many_chunks(checkpoint):
         check(llm, ref, prompts, 6)
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True], ids=["from-zero", "from-snapshots"])
-def test_preemption_restarts_from_a_zero_state_or_a_snapshot(checkpoint, prefix_caching):
+def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Every prompt added at once, then steps until done: the engine's own loop, deterministic."""
+    engine = llm.engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, greedy(new_tokens))  # type: ignore[attr-defined]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():  # type: ignore[attr-defined]
+        for out in engine.step():  # type: ignore[attr-defined]
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+# (prefix caching, KV pool blocks): with snapshots a pool of 45 blocks makes resumed requests find
+# their saved boundary still cached (the pool never holds all seven sequences either way)
+@pytest.mark.parametrize(
+    ("prefix_caching", "blocks"), [(False, 40), (True, 45)], ids=["from-zero", "from-snapshots"]
+)
+def test_preemption_restarts_from_a_zero_state_or_a_snapshot(checkpoint, prefix_caching, blocks):
     variant, folder, ref = checkpoint
     if variant not in ("qwen3_5", "qwen3_5_moe_vl"):
         pytest.skip("preemption runs on the dense and the MoE ConditionalGeneration checkpoints")
     prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
-    # A pool of 40 blocks of 4 tokens (plus the state pool's bytes): the seven sequences cannot all
-    # keep growing at once, so some are preempted and recomputed.
     # 2 linear layers' float32 states x (max_num_seqs + 1 slots + 4 prefix-cache snapshots)
     state_bytes = 4 * 2 * (3 * 56 + 4 * 8 * 6) * (7 + 1 + (4 if prefix_caching else 0))
     block_bytes = 4 * 2 * 16 * 2 * 4  # 4 tokens x (K, V) x head 16 x 2 full layers x float32
     llm = LLM(
         str(folder),
-        kv_cache_memory_bytes=state_bytes + 40 * block_bytes,
+        kv_cache_memory_bytes=state_bytes + blocks * block_bytes,
         max_num_batched_tokens=16,
         max_num_seqs=7,
         max_model_len=128,
         enable_prefix_caching=prefix_caching,
         **ENGINE,
     )
-    assert llm.engine.pool_plan.num_blocks == 40  # type: ignore[attr-defined]
-    check(llm, ref, prompts, 24)
+    assert llm.engine.pool_plan.num_blocks == blocks  # type: ignore[attr-defined]
+    for prompt, got in zip(prompts, run_engine(llm, prompts, 24)):
+        assert got == hf_greedy(ref, prompt, 24)[0], f"{len(prompt)} tokens"
     stats = llm.engine.stats()  # type: ignore[attr-defined]
     assert stats.num_preemptions_total > 0
     # with snapshots, resumed requests start past their last saved boundary instead of at 0
@@ -163,10 +179,13 @@ def test_shared_prefix_hits_through_state_snapshots(checkpoint):
     check(llm, ref, second, 6)
     hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
     assert hits >= 3 * 148  # every second-wave prompt starts past the system prompt's 37 full blocks
-    # an identical prompt repeated hits its own last boundary (<= prompt_len - 1)
+    # a prompt run alone, then again: the repeat hits its last boundary (<= prompt_len - 1), saved by
+    # the first run (the most recent snapshot, so not evicted)
+    alone = system + [rng.randrange(3, VOCAB) for _ in range(21)]
+    check(llm, ref, [alone], 4)
     before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    check(llm, ref, [first[2]], 4)
-    assert llm.engine.stats().prefix_cache_hits - before == (len(first[2]) - 1) // 4 * 4  # type: ignore[attr-defined]
+    check(llm, ref, [alone], 4)
+    assert llm.engine.stats().prefix_cache_hits - before == (len(alone) - 1) // 4 * 4  # type: ignore[attr-defined]
     assert_no_rows_held(llm, 4)
 
 
