@@ -126,6 +126,11 @@ def build_config(
     check_parallel(opts, source)
     check_cache(opts)
     lora = lora_config(opts, source, runner)
+    if source.quantization is not None and source.arch.num_linear_layers:
+        raise ConfigError(
+            f"{source.served_name}: quantized weights ({source.quantization.describe()}) of hybrid "
+            "linear-attention models are not supported yet; load the bf16 checkpoint"
+        )
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -204,6 +209,11 @@ def check_cache(opts: EngineOptions) -> None:
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
+    if opts.tensor_parallel_size > 1 and source.arch.num_linear_layers:
+        raise ConfigError(
+            f"{source.served_name}: hybrid linear-attention models (Gated DeltaNet layers) with tensor "
+            "parallelism are not supported yet; run with --tensor-parallel-size 1"
+        )
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 

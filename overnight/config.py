@@ -157,6 +157,17 @@ class ModelArch:
     #   q and k projections (OLMo 2/3) instead of each head (Qwen3).
     norm_placement: str = "pre"
     qk_norm_whole: bool = False
+    # Hybrid linear attention (Qwen3.5 / Qwen3.6, Qwen3-Next; models/qwen3_next.py): the layers that
+    # layer_types names "linear_attention" are Gated DeltaNet layers, which keep a fixed-size state per
+    # request (runner/state_cache.py) and no KV cache; the others are full attention with an output
+    # gate, (1 + w) RMSNorms and RoPE over the first hybrid_rotary_dim dims of each head.
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    hybrid_rotary_dim: int = 0
+    shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -222,6 +233,26 @@ class ModelArch:
         rows = q + num_kv * kv + h
         return h * (q + num_kv * kv) + q * h, rows
 
+    def is_linear_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` is linear attention (a state per request, no KV cache)."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
+
+    def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
+        """One linear layer's state of one request: (conv (K - 1, conv channels), delta rule (Hv, dk, dv))."""
+        conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim
+        conv_dim += self.linear_num_value_heads * self.linear_value_head_dim
+        ssm = (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
+        return (self.linear_conv_kernel_dim - 1, conv_dim), ssm
+
+    def linear_state_bytes(self) -> int:
+        """Bytes of one request's states over every linear layer (float32)."""
+        (k, c), (h, dk, dv) = self.linear_state_shapes()
+        return self.num_linear_layers * 4 * (k * c + h * dk * dv)
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
         return (
@@ -243,6 +274,8 @@ class ModelArch:
             if moe:
                 used = self.num_experts_per_tok if active_only else self.num_experts
                 total += router + used * expert
+                if self.shared_expert_intermediate_size:  # and its one-output gate
+                    total += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
             if not moe or self.moe_beside_dense:
                 total += 3 * self.hidden_size * self.layer_intermediate_size(i)
         return total
@@ -257,18 +290,26 @@ class ModelArch:
 
     def kv_bytes_per_token(self, elem_bytes: int) -> int:
         """KV-cache bytes one token takes over all layers (K and V, every KV head); a KV-shared layer
-        has no cache of its own."""
+        has no cache of its own, a linear-attention layer none at all."""
         per_layer = [
             self.layer_num_kv_heads(i) * self.layer_head_dim(i)
             for i in range(self.num_hidden_layers)
-            if self.kv_source_layer(i) == i
+            if self.kv_source_layer(i) == i and not self.is_linear_layer(i)
         ]
         return 2 * sum(per_layer) * elem_bytes
 
     def num_linear_parameters(self, active_only: bool = False) -> int:
         """Weights of the projections (q/k/v/o and the MLPs, routers included), all layers; active_only:
         with only the experts one token goes through."""
-        attention = sum(self._attention_linear(i)[0] for i in range(self.num_hidden_layers))
+        n = self.num_hidden_layers
+        attention = sum(self._attention_linear(i)[0] for i in range(n) if not self.is_linear_layer(i))
+        if self.num_linear_layers:  # hybrid: gated attention (q_proj gives q and a gate) + DeltaNet layers
+            h = self.hidden_size
+            (_, conv), _ = self.linear_state_shapes()
+            heads = self.linear_num_value_heads
+            value = heads * self.linear_value_head_dim
+            gdn = h * (conv + value + 2 * heads) + value * h
+            attention += h * self.q_size * (n - self.num_linear_layers) + gdn * self.num_linear_layers
         return attention + self.mlp_params(active_only)
 
     def weight_bytes(
@@ -338,8 +379,13 @@ class ModelArch:
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        hybrid = 0
+        if self.num_linear_layers:  # DeltaNet layers: conv, A_log, dt_bias, output norm; no q/k norm
+            (k1, conv), _ = self.linear_state_shapes()
+            gdn = conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
+            hybrid = self.num_linear_layers * (gdn - (2 * self.head_dim if self.qk_norm else 0))
         vision = self.vision.num_parameters() if self.vision is not None else 0
-        return (
+        return hybrid + (
             self.vocab_size * h
             + head
             + self.num_linear_parameters()

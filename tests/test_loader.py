@@ -171,7 +171,7 @@ def test_dummy_presets_have_published_shapes(name):
         "mistral-small-24b",
         "phi-4",
     }
-    elsewhere |= {"gpt-oss-20b", "gpt-oss-120b"}
+    elsewhere |= {"gpt-oss-20b", "gpt-oss-120b", "qwen3.5-9b", "qwen3.5-35b-a3b"}
     assert set(preset_names()) == set(PRESETS) | elsewhere
 
 

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from overnight.attention.kv_quant import calibrate_kv_scale_
+from overnight.attention.linear_state import LinearStateBatch
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 
 
@@ -102,6 +103,8 @@ class AttentionBatch:
     group_metas: list[AttentionMetadata] | None = None
     layer_group: tuple[int, ...] | None = None
     layer_source: tuple[int, ...] | None = None
+    # Hybrid models: the linear-attention layers' per-request states (linear_state.py); None otherwise.
+    states: LinearStateBatch | None = None
 
     def __call__(
         self,

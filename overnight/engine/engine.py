@@ -16,9 +16,10 @@ from overnight.engine.interfaces import Runner, StepHandle, StepTimings
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.output_processor import OutputProcessor, ParentRequest
-from overnight.engine.pool_plan import PoolPlan
+from overnight.engine.pool_plan import PoolPlan, state_snapshots
 from overnight.engine.request import NO_SAMPLING, Request
 from overnight.engine.scheduler import Scheduler, SchedulerStats
+from overnight.engine.state_snapshots import StateSnapshots
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
 from overnight.engine.step_io import SchedulerOutput
 from overnight.engine.validation import limits_of, validate_request
@@ -89,7 +90,11 @@ class Engine:
         self.adapters = AdapterChecks(source.arch, lora.max_lora_rank) if lora else None
         # A waiting adapter lets the slot it reserved take up to one batch more before it drains.
         residency = LoRAResidency(lora.max_loras, grace=config.scheduler.max_num_seqs) if lora else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, residency)
+        snapshots = None
+        if source.arch.num_linear_layers and config.cache.enable_prefix_caching:
+            # Hybrid models: a hit needs the linear layers' state at its end (state_snapshots.py).
+            snapshots = StateSnapshots(state_snapshots(config.scheduler, config.cache), self.kv)
+        self.scheduler = Scheduler(config.scheduler, self.kv, lora=residency, snapshots=snapshots)
         self.output = OutputProcessor(tokenizer)
         self.parents: dict[str, ParentRequest] = {}
         self.children: dict[str, list[Request]] = {}

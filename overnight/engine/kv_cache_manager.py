@@ -91,6 +91,10 @@ class KVCacheManager:
             hashes.append(hash((h, extra)) if extra else h)
         return hashes
 
+    def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
+        """Chain hashes of req's full blocks, at least those within its first upto_tokens tokens."""
+        return self._block_hashes(req, upto_tokens)
+
     # -- prefix lookup ----------------------------------------------------------------------------
 
     def find_cached_prefix(self, req: Request) -> PrefixHit | None:

@@ -23,6 +23,8 @@ A block is G x B tokens x one layer's K/V bytes, the same for every group, so us
 a block's bytes stay one number. A windowed group's blocks lying wholly before position
 num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
 KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
+Linear-attention layers (Qwen3.5's Gated DeltaNet) own no cache at all: they are in no group and
+no tensor (layer_tensor -1; their per-request state lives in runner/state_cache.py).
 A window at least max_model_len long never gives a block back, so such layers join the full groups.
 Sharing a tensor needs one cache shape (KV heads x head size) for every layer: a model whose kinds
 differ there (Gemma 4's full layers) gets one tensor per layer of its own shape and one group, its
@@ -51,8 +53,8 @@ class KVGroup:
 class KVCacheLayout:
     groups: tuple[KVGroup, ...]  # full-attention groups first
     num_tensors: int  # G: physical cache tensors, each one layer of every group
-    layer_group: tuple[int, ...]  # per model layer: the group whose block table it reads
-    layer_tensor: tuple[int, ...]  # per model layer: the tensor holding its cache
+    layer_group: tuple[int, ...]  # per model layer: the group whose block table it reads (0: linear)
+    layer_tensor: tuple[int, ...]  # per model layer: the tensor holding its cache (-1: linear, none)
     layer_source: tuple[int, ...]  # per model layer: the layer whose cache it reads (itself if not shared)
     tensor_shapes: tuple[tuple[int, int], ...]  # per tensor: (KV heads, head size) of its layers
 
@@ -117,6 +119,8 @@ class KVCacheLayout:
             return cls.uniform(arch)
         if arch.layer_types and len(arch.layer_types) != n:
             raise ValueError(f"layer_types has {len(arch.layer_types)} entries for {n} layers")
+        if arch.num_linear_layers:
+            return cls._hybrid(arch, max_model_len)
         sources = tuple(arch.kv_source_layer(i) for i in range(n))
         shapes = {layer_kv_shape(arch, i) for i in range(n) if sources[i] == i}
         if len(shapes) > 1:  # layers of different cache shapes cannot share a tensor
@@ -149,4 +153,36 @@ class KVCacheLayout:
             tuple(tensor_of[sources[i]] for i in range(n)),
             sources,
             (shapes.pop(),) * size,
+        )
+
+    @classmethod
+    def _hybrid(cls, arch: ModelArch, max_model_len: int | None) -> KVCacheLayout:
+        """The attention layers' layout, built as if the linear layers were not there, then spread back
+        over the model's layer indices with the linear layers owning nothing."""
+        from dataclasses import replace
+
+        attn_layers = [i for i in range(arch.num_hidden_layers) if not arch.is_linear_layer(i)]
+        if arch.num_kv_shared_layers:
+            raise ValueError("KV-shared layers in a hybrid linear-attention model are not supported")
+        if not attn_layers:
+            raise ValueError("a model of linear-attention layers only is not supported (no KV cache at all)")
+        inner = cls.from_arch(
+            replace(
+                arch,
+                num_hidden_layers=len(attn_layers),
+                layer_types=tuple(arch.layer_types[i] for i in attn_layers),
+            ),
+            max_model_len,
+        )
+        group = [0] * arch.num_hidden_layers
+        tensor = [-1] * arch.num_hidden_layers
+        for j, i in enumerate(attn_layers):
+            group[i], tensor[i] = inner.layer_group[j], inner.layer_tensor[j]
+        return cls(
+            tuple(KVGroup(g.window, tuple(attn_layers[j] for j in g.layers)) for g in inner.groups),
+            inner.num_tensors,
+            tuple(group),
+            tuple(tensor),
+            tuple(range(arch.num_hidden_layers)),
+            inner.tensor_shapes,
         )

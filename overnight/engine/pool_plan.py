@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overnight.config import SchedulerConfig
+from overnight.config import CacheConfig, ModelArch, SchedulerConfig
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.errors import ConfigError
 
@@ -58,6 +58,35 @@ def plan_pool(
         seqs, tokens, chunk = sched.max_num_seqs, sched.max_model_len, sched.max_num_batched_tokens
         cap = 2 * layout.blocks_for_sequences(seqs, tokens, chunk, block_size)
     return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
+
+
+def state_slots(sched: SchedulerConfig) -> int:
+    """Slots of the linear-attention state pool: one per request the scheduler may run at once (the
+    runner holds no more: finished and preempted requests leave it in the step that admits their
+    successors), plus one scratch slot for padding rows (runner/state_cache.py)."""
+    return sched.max_num_seqs + 1
+
+
+def state_snapshots(sched: SchedulerConfig, cache: CacheConfig) -> int:
+    """Snapshots of linear-attention states kept for prefix-cache hits (engine/state_snapshots.py):
+    none without prefix caching. A batch job's shared system prompt needs one; the rest serve
+    repeated prompts and multi-turn prefixes, least recently used first out."""
+    return max(4, sched.max_num_seqs // 4) if cache.enable_prefix_caching else 0
+
+
+def reserve_state_bytes(
+    budget_bytes: int, arch: ModelArch, sched: SchedulerConfig, cache: CacheConfig
+) -> int:
+    """The KV pool's budget once the linear layers' state pool (fixed: state_slots slots and
+    state_snapshots snapshots) is set aside; the budget itself for a model without linear layers."""
+    state = arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache))
+    if state and state > budget_bytes:
+        raise PoolMemoryError(
+            f"the linear-attention states of {sched.max_num_seqs} requests (and their prefix-cache "
+            f"snapshots) take {state / GIB:.2f} GiB, more than the {budget_bytes / GIB:.2f} GiB left for "
+            "caches: lower max_num_seqs"
+        )
+    return budget_bytes - state
 
 
 def split_budget(total: int, utilization: float, outside_torch: int, weights: int, peak: int) -> int:

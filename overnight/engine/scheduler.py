@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from overnight.config import SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request, RequestStatus
+from overnight.engine.state_snapshots import StateSnapshots
 from overnight.engine.step_io import (
     CachedRequestData,
     ModelRunnerOutput,
@@ -32,11 +33,18 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, kv: KVCacheManager, lora: LoRAResidency | None = None
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        *,
+        lora: LoRAResidency | None = None,
+        snapshots: StateSnapshots | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
         self.lora = lora  # LoRA adapters' device slots: who may start (lora/residency.py)
+        # Hybrid models with prefix caching: where chunks end and which states are kept for hits.
+        self.snapshots = snapshots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -79,6 +87,8 @@ class Scheduler:
         req.status = status
         self.kv.free(req)
         self.kv.forget(req)
+        if self.snapshots is not None:
+            self.snapshots.forget(req)
         self.requests.pop(req.req_id, None)
         self._drop_from_runner(req)
 
@@ -129,10 +139,15 @@ class Scheduler:
         # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
         # With LoRA, a waiting request whose adapter can get no device slot now is passed over (and
         # later new adapters wait behind it: lora/residency.py); the others may still start.
+        # Hybrid models (snapshots set): a prefill chunk also ends at each state checkpoint of its
+        # request (even without chunked prefill), a hit is cut back to the last saved state, and the
+        # step records which states to save (state_snapshots.py).
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        saves: list[tuple[str, int]] = []
+        snapshots = self.snapshots
         now = time.monotonic()
 
         preemptions_before = self.num_preemptions_total
@@ -143,6 +158,9 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            start = req.num_computed_tokens
+            if snapshots is not None:  # end the chunk at a state checkpoint
+                n = snapshots.clip(req, start, n)
             while True:
                 new_ids = self.kv.allocate(req, n)
                 if new_ids is not None:
@@ -155,6 +173,8 @@ class Scheduler:
                 break
             self._advance(req, n)
             num_scheduled[req.req_id] = n
+            if snapshots is not None and (snap := snapshots.save_after(req, start, n)) is not None:
+                saves.append((req.req_id, snap))
             if new_ids:
                 cached_reqs.append(CachedRequestData(req.req_id, new_ids))
             budget -= n
@@ -176,12 +196,17 @@ class Scheduler:
                 lora_waits.append(self.waiting.popleft())
                 continue
             hit = self.kv.find_cached_prefix(req)
+            restore = None
+            if snapshots is not None:  # a hit only as long as a saved state
+                hit, restore = snapshots.admit(req, hit)
             num_hit = hit.num_blocks * self.kv.block_size if hit is not None else 0
             n = req.num_tokens - num_hit
             if n > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
+            if snapshots is not None:
+                n = snapshots.clip(req, num_hit, n)
             new_ids = self.kv.allocate(req, n, hit)
             if new_ids is None:
                 break
@@ -209,10 +234,13 @@ class Scheduler:
                     pooling=req.pooling_params,
                     lora_request=req.lora_request,
                     multi_modal=req.multi_modal,
+                    restore_snapshot=restore,
                 )
             )
             self._advance(req, n)
             num_scheduled[req.req_id] = n
+            if snapshots is not None and (snap := snapshots.save_after(req, num_hit, n)) is not None:
+                saves.append((req.req_id, snap))
             budget -= n
 
         self.waiting.extendleft(reversed(lora_waits))
@@ -224,6 +252,7 @@ class Scheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=gone,
             lora_loads=lora.take_loads() if lora is not None else [],
+            state_saves=saves,
         )
 
     @staticmethod
@@ -245,6 +274,8 @@ class Scheduler:
         advanced: list[Request] = []
         finished: list[Request] = []
         now = time.monotonic()
+        if self.snapshots is not None and out.state_saves:
+            self.snapshots.commit(out.state_saves)
         running = RequestStatus.RUNNING
         preempted = RequestStatus.PREEMPTED
         for rid, token in zip(runner_out.req_ids, runner_out.sampled_token_ids):

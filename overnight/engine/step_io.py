@@ -33,6 +33,8 @@ class NewRequestData:
     pooling: PoolingParams | None = None  # a pooling request: its prompt ends in a vector, not a token
     lora_request: LoRARequest | None = None  # its adapter (the slot it is in: SchedulerOutput.lora_loads)
     multi_modal: MultiModalInputs | None = None  # its images: the runner encodes them as chunks reach them
+    # Hybrid models with a prefix hit: the state snapshot to copy into its slot first (state_snapshots.py)
+    restore_snapshot: int | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     # LoRA adapters the runner copies into device slots before this step (lora/residency.py).
     lora_loads: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # Hybrid models: (request, snapshot id) whose state to copy into that snapshot after this step
+    state_saves: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

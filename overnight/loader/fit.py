@@ -74,7 +74,7 @@ def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_byt
     what the engine's pool gives the sequence (engine/kv_groups.py)."""
     total = 0
     for i in range(arch.num_hidden_layers):
-        if arch.kv_source_layer(i) != i:
+        if arch.kv_source_layer(i) != i or arch.is_linear_layer(i):
             continue
         window = arch.layer_window(i)
         heads, dim = layer_kv_shape(arch, i)

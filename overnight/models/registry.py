@@ -26,6 +26,7 @@ from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGener
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
+from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
 from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 
@@ -56,6 +57,10 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+    # Hybrid linear attention (models/qwen3_next.py)
+    "qwen3_5": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3NextForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -86,6 +91,12 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    # Hybrid linear attention; the ConditionalGeneration checkpoints run their text model only.
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
@@ -164,6 +175,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             return _bert_arch(cfg)
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    if family in HYBRID_FAMILIES:
+        return hybrid_arch(cfg, family)
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in _VL_TEXT_FAMILY:

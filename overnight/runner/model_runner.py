@@ -21,6 +21,7 @@ from overnight.attention.metadata import AttentionBackend, AttentionBatch, Atten
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
+from overnight.engine.pool_plan import reserve_state_bytes, state_snapshots
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, new_kv_cache
 from overnight.loader.source import ModelSource
@@ -34,6 +35,7 @@ from overnight.runner.prompt_logprobs import (
 )
 from overnight.runner.request_state import RequestStates, RunnerRequest, ScheduledRequest
 from overnight.runner.sampler import SampledLogprobs, Sampler, TokenMask
+from overnight.runner.state_cache import StateCache
 
 if TYPE_CHECKING:
     from overnight.structured.compiler import GrammarCompiler
@@ -164,6 +166,11 @@ class ModelRunner:
                 sharding=lora_sharding,
             )
         self.kv_caches: list[torch.Tensor] = []
+        # Hybrid models: the linear-attention layers' states, one slot per runner row (state_cache.py).
+        self.state_cache: StateCache | None = None
+        if config.model.arch.num_linear_layers:
+            snapshots = state_snapshots(sched, config.cache)
+            self.state_cache = StateCache(config.model.arch, sched.max_num_seqs, snapshots, self.device)
         if calculate_kv_scales is None:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
@@ -224,8 +231,9 @@ class ModelRunner:
     ) -> AttentionBatch:
         """The step's AttentionBatch; with one KV cache group, every layer reads `meta`."""
         layout = self.kv_layout
+        states = self.state_cache.batch(meta.num_reqs) if self.state_cache is not None else None
         if layout.is_uniform:
-            return AttentionBatch(meta, kv_caches, self.backend, self.kv_scales, calibrate)
+            return AttentionBatch(meta, kv_caches, self.backend, self.kv_scales, calibrate, states=states)
         return AttentionBatch(
             meta,
             kv_caches,
@@ -235,6 +243,7 @@ class ModelRunner:
             group_metas=group_metas,
             layer_group=layout.layer_group,
             layer_source=layout.layer_source,
+            states=states,
         )
 
     def kv_bytes_per_block(self) -> int:
@@ -253,7 +262,11 @@ class ModelRunner:
                 sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
             )
 
-        return kv_budget_bytes(self.device, self.config.cache, measure), self.kv_bytes_per_block()
+        budget = kv_budget_bytes(self.device, self.config.cache, measure)
+        if not (self.is_cuda and self.config.cache.kv_cache_memory_bytes is None):
+            # A set budget covers the state pool too; a measured one already counts it (allocated).
+            budget = reserve_state_bytes(budget, self.config.model.arch, sched, self.config.cache)
+        return budget, self.kv_bytes_per_block()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.init_kv_cache(num_blocks)
@@ -272,7 +285,8 @@ class ModelRunner:
 
     def _layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each layer's cache: the layout's tensor holding it (KV-shared layers: their source's)."""
-        return [tensors[t] for t in self.kv_layout.layer_tensor]
+        none = torch.empty(0, device=self.device)  # linear-attention layers hold no KV cache
+        return [tensors[t] if t >= 0 else none for t in self.kv_layout.layer_tensor]
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._layer_caches(self._new_kv_tensors(num_blocks, self.block_size))
@@ -305,6 +319,8 @@ class ModelRunner:
         scheduled = self.states.apply(out)
         if self.lora is not None and out.lora_loads:
             self.lora.load(out.lora_loads)
+        if self.state_cache is not None:
+            self.state_cache.restore(out, self.states)
         if self.pooler is not None:
             self.pooler.drop(out.finished_req_ids)
         if not scheduled:
@@ -313,6 +329,8 @@ class ModelRunner:
         decode_only = all(s.num_tokens == 1 for s in scheduled)
         bucket = self.graphs.bucket_for(len(scheduled)) if self.graphs and decode_only else None
         inputs = self.buffers.build(scheduled, self.states, self._prev_index, pad_to=bucket)
+        if self.state_cache is not None:
+            self.state_cache.fill(scheduled, inputs.meta.num_reqs)
         if inputs.pending_rows is not None:
             assert self._prev_tokens is not None
             self.buffers.ids.index_copy_(0, inputs.pending_rows, self._prev_tokens[inputs.pending_src])
@@ -333,6 +351,8 @@ class ModelRunner:
                 hidden = self.model(inputs.input_ids, positions, attn, vision=vision_rows)  # type: ignore[call-arg]
             else:
                 hidden = self.model(inputs.input_ids, positions, attn)
+        if self.state_cache is not None and out.state_saves:
+            self.state_cache.save(out.state_saves, self.states)
         if self.pooler is not None:
             assert inputs.meta.query_start_loc_cpu is not None
             return self._pool(scheduled, hidden, inputs.meta.query_start_loc_cpu)
@@ -455,6 +475,8 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(length, device=self.device) for length in lens])
             metas = [meta] * self.kv_layout.num_groups
+            if self.state_cache is not None:
+                self.state_cache.fill_scratch(len(lens))
             return self.model(ids, pos, self.attention_batch(meta, metas, layer_caches))
 
         if self.vision is not None and self.is_cuda:  # the encoder runs inside steps too

@@ -24,7 +24,14 @@ import torch
 from overnight.attention.kv_quant import kv_cache_torch_dtype
 from overnight.config import ModelArch
 from overnight.engine.kv_groups import KVCacheLayout
-from overnight.engine.pool_plan import PoolMemoryError, plan_pool, split_budget
+from overnight.engine.pool_plan import (
+    PoolMemoryError,
+    plan_pool,
+    reserve_state_bytes,
+    split_budget,
+    state_slots,
+    state_snapshots,
+)
 from overnight.limits import default_limits
 from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, linear_formats, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
@@ -69,6 +76,10 @@ class Budget:
     kv_layers: int  # layers holding a cache of their own (KV-shared layers hold none)
     windowed_layers: int  # of them, those with a sliding window (0: every one keeps the whole context)
     windows: tuple[int, ...]  # their windows, each once
+    # Hybrid models: bytes of one request's linear-attention states, and of the whole state pool
+    # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
+    state_bytes_per_seq: int = 0
+    state_pool_bytes: int = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -111,7 +122,11 @@ def plan_budget(
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
-    cached = [i for i in range(arch.num_hidden_layers) if arch.kv_source_layer(i) == i]
+    cached = [
+        i
+        for i in range(arch.num_hidden_layers)
+        if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
+    ]
     cached_layers = len(cached)
     per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
     block_bytes = cache.block_size * layout.token_elems * kv_elem
@@ -137,6 +152,7 @@ def plan_budget(
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
+        budget = reserve_state_bytes(budget, arch, sched, cache)  # linear layers' states (hybrid models)
         plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
@@ -174,6 +190,8 @@ def plan_budget(
         kv_layers=cached_layers,
         windowed_layers=sum(len(g.layers) for g in layout.groups if g.window is not None),
         windows=tuple(sorted({g.window for g in layout.groups if g.window is not None})),
+        state_bytes_per_seq=arch.linear_state_bytes(),
+        state_pool_bytes=arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache)),
     )
 
 
@@ -250,6 +268,12 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  sliding windows: {b.windowed_layers} of {b.kv_layers} layers keep only their last {windows} "
             f"tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
             f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+        )
+    if b.state_bytes_per_seq:
+        lines.append(
+            f"linear-attention states: {b.state_bytes_per_seq / 2**20:.1f} MiB per request "
+            f"({arch.num_linear_layers} layers, float32); state pool {b.state_pool_bytes / GIB:.2f} GiB "
+            f"(max_num_seqs + 1 slots and prefix-cache snapshots), set aside before the KV pool"
         )
     if b.num_blocks == 0:
         lines.append(f"KV pool: no room: {b.pool_source}")

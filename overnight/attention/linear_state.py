@@ -1,0 +1,31 @@
+"""What linear-attention layers (Gated DeltaNet) see of one engine step: their per-request states.
+
+A linear layer keeps no KV cache. Each running request owns one slot of a state pool instead, the
+same slot in every linear layer (runner/state_cache.py):
+
+    conv[layer]  [num_slots + 1, K - 1, conv_dim]   the last K-1 inputs of the causal conv   float32
+    ssm[layer]   [num_slots + 1, Hv, dk, dv]        the delta-rule state per value head      float32
+                  ^ slot; the last one is scratch: padding rows of a CUDA-graph batch read and write it
+
+Request i of the step (the metadata's order: decodes first) uses slot slot_ids[i]. has_state[i] is 1
+when it continues from its slot (it computed tokens before this step), 0 when it starts from zeros
+(a new request, a resumed preemption, a recomputation): a slot is never cleared, the layer ignores its
+old contents instead. slot_ids and has_state are views of static device buffers, so decode graphs
+replay with new values; the host copies serve the prefill path, which loops over its requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LinearStateBatch:
+    conv: list[torch.Tensor]  # per linear layer (in model order), see the module docstring
+    ssm: list[torch.Tensor]
+    slot_ids: torch.Tensor  # [num_reqs] int64, device
+    has_state: torch.Tensor  # [num_reqs] float32 (1.0 / 0.0), device
+    slot_ids_cpu: list[int]  # the same, on the host (prefill requests)
+    has_state_cpu: list[bool]

@@ -1,0 +1,325 @@
+"""Hybrid linear-attention decoders: Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next.
+
+Layer i is a Gated DeltaNet layer (models/gated_deltanet.py; a state per request, no KV cache) when
+ModelArch.layer_types[i] == "linear_attention", else full attention. What differs from the Qwen3
+decoder of models/llama.py:
+
+- full attention has an output gate: q_proj gives [q | gate] per head, and o = attn * sigmoid(gate);
+  q and k are RMS-normed per head, then RoPE turns only their first hybrid_rotary_dim dims. Qwen3.5's
+  M-RoPE gives every text token the same position on its three axes, and then each frequency reads
+  that one position: text-only M-RoPE is plain RoPE over the rotary dims (the parity tests check it);
+- every RMSNorm but the delta rule's output norm scales by (1 + w), computed in float32;
+- MoE layers (Qwen3-Next, Qwen3.5-MoE) add a shared expert scaled by sigmoid(shared_expert_gate(x)).
+
+Families: "qwen3_5" (dense MLP everywhere), "qwen3_5_moe" and "qwen3_next" (MoE where is_moe_layer);
+Qwen3-Next's linear layers project with fused in_proj_qkvz / in_proj_ba. The ConditionalGeneration
+checkpoints of Qwen3.5 keep the text model under model.language_model.*: it is read from there, and
+the vision tower (model.visual.*) and the multi-token-prediction head (mtp.*) are skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.attention.spec import LayerAttention
+from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts, select_experts
+from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.gated_deltanet import GatedDeltaNet
+from overnight.models.llama import LlamaMLP, load_packed_weights, make_lm_head
+
+log = logging.getLogger("overnight")
+
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# Only the stacked experts are fused; every other tensor keeps its checkpoint name.
+PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class OffsetRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w) in float32, cast back (weights stored centred on 0); with a residual,
+    (norm(x + residual), x + residual), the add in x's dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int, rotary_emb: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.rotary_dim = rotary_emb.head_dim
+        self.scale = arch.head_dim**-0.5
+        h, bias = arch.hidden_size, arch.attention_bias
+        self.q_proj = nn.Linear(h, 2 * arch.q_size, bias=bias)  # per head: [q | gate]
+        self.k_proj = nn.Linear(h, arch.kv_size, bias=bias)
+        self.v_proj = nn.Linear(h, arch.kv_size, bias=bias)
+        self.o_proj = nn.Linear(arch.q_size, h, bias=bias)
+        self.q_norm = OffsetRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.k_norm = OffsetRMSNorm(arch.head_dim, arch.rms_norm_eps)
+        self.rotary_emb = rotary_emb
+        self.layer = LayerAttention()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        rd = self.rotary_dim
+        q_rot, k_rot = self.rotary_emb(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous())
+        q = torch.cat([q_rot, q[..., rd:]], dim=-1)
+        k = torch.cat([k_rot, k[..., rd:]], dim=-1)
+        o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer).reshape(t, -1)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+
+
+class SharedExpertMoe(nn.Module):
+    """Routed experts (the fused MoE path of layers/moe.py) plus a shared expert and its gate."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.top_k = arch.num_experts_per_tok
+        self.norm_topk_prob = arch.norm_topk_prob
+        h = arch.hidden_size
+        self.gate = nn.Linear(h, arch.num_experts, bias=False)  # the router
+        self.experts = Experts(arch.num_experts, h, arch.moe_intermediate_size)
+        self.shared_expert = SplitMLP(h, arch.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(h, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, weights, ids) + shared
+
+
+class SplitMLP(nn.Module):
+    """A gated MLP whose projections keep their checkpoint names (the shared expert: its size is not
+    the dense intermediate_size the fused loader assumes)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(
+        self, arch: ModelArch, layer_idx: int, state_index: int | None, rotary_emb: RotaryEmbedding
+    ) -> None:
+        super().__init__()
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: GatedAttention | None = None
+        if state_index is not None:
+            self.linear_attn = GatedDeltaNet(arch, state_index, arch.architecture == "qwen3_next")
+        else:
+            self.self_attn = GatedAttention(arch, layer_idx, rotary_emb)
+        self.mlp: nn.Module = (
+            SharedExpertMoe(arch)
+            if arch.is_moe_layer(layer_idx)
+            else LlamaMLP(arch.hidden_size, arch.intermediate_size)
+        )
+        self.input_layernorm = OffsetRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = OffsetRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        if self.linear_attn is not None:
+            x = self.linear_attn(x, attn)
+        else:
+            assert self.self_attn is not None
+            x = self.self_attn(positions, x, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rotary_emb = RotaryEmbedding(arch.hybrid_rotary_dim, arch.max_position_embeddings, arch.rope_theta)
+        linear = [i for i in range(arch.num_hidden_layers) if arch.is_linear_layer(i)]
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(arch, i, linear.index(i) if i in linear else None, rotary_emb)
+            for i in range(arch.num_hidden_layers)
+        )
+        self.norm = OffsetRMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3NextForCausalLM(nn.Module):
+    """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text models (ModelArch.architecture says which)."""
+
+    packed_modules_mapping = PACKED_MODULES_MAPPING
+    unquantized_linear: tuple[str, ...] = ("mlp.gate", "mlp.shared_expert_gate")
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
+        self.model = HybridModel(arch)
+        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, _text_weights(weights))
+
+
+def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors under their CausalLM names: model.language_model.* -> model.*; the
+    vision tower and the MTP head are skipped (counted in one log line)."""
+    skipped = 0
+    for name, tensor in weights:
+        if name.startswith(("model.visual.", "visual.", "mtp.")):
+            skipped += 1
+            continue
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        yield name, tensor
+    if skipped:
+        log.info("skipped %d tensors of the vision tower / MTP head (text-only model)", skipped)
+
+
+# ---------------------------------------------------------------------------------------------------
+# config.json -> ModelArch
+
+
+def hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """ModelArch of a Qwen3.5 / Qwen3.5-MoE / Qwen3-Next config (a ConditionalGeneration config's
+    text_config included). Raises ModelLoadError naming what is missing or unsupported."""
+    text = cfg.get("text_config") or cfg
+    try:
+        arch = _hybrid_arch(text, family)
+        tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+        return replace(arch, tie_word_embeddings=bool(tie))
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def _hybrid_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:  # Qwen3-Next's rule: every full_attention_interval-th layer is full attention
+        interval = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    legacy = {"attention": "full_attention", "mamba": "linear_attention"}  # older configs' names
+    types = [legacy.get(t, t) for t in types]
+    kinds = ("full_attention", "linear_attention")
+    if len(types) != n or any(t not in kinds for t in types):
+        raise ModelLoadError(f"layer_types must name {n} layers, each one of {', '.join(kinds)}")
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope", None):
+        raise ModelLoadError(f"unsupported RoPE type {rope_type!r} for {family} (default only)")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    # 0.25 when absent: the transformers configs' default for these families
+    factor = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ModelLoadError(f"partial_rotary_factor {factor} gives an unusable rotary dim {rotary_dim}")
+    moe: dict[str, Any] = {}
+    if family != "qwen3_5":
+        experts = int(cfg.get("num_experts") or 0)
+        if experts <= 0 or not 0 < int(cfg["num_experts_per_tok"]) <= experts:
+            raise ModelLoadError("num_experts and num_experts_per_tok must be positive, top-k <= experts")
+        moe = dict(
+            num_experts=experts,
+            num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+            moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+            shared_expert_intermediate_size=int(cfg["shared_expert_intermediate_size"]),
+            # Qwen3.5-MoE always renormalises its top-k weights (its config has no flag).
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(sorted(int(i) for i in cfg.get("mlp_only_layers") or ())),
+        )
+    linear: dict[str, Any] = {
+        k: int(cfg[k])
+        for k in (
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+            "linear_key_head_dim",
+            "linear_value_head_dim",
+            "linear_conv_kernel_dim",
+        )
+    }
+    if (
+        any(v <= 0 for v in linear.values())
+        or linear["linear_num_value_heads"] % linear["linear_num_key_heads"]
+    ):
+        raise ModelLoadError(
+            "linear attention needs positive head counts and sizes, value heads a multiple of key heads"
+        )
+    return ModelArch(
+        architecture=family,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=int(cfg.get("intermediate_size") or 0),
+        num_hidden_layers=n,
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=True,
+        layer_types=tuple(types),
+        hybrid_rotary_dim=rotary_dim,
+        **linear,
+        **moe,
+    )
