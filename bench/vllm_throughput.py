@@ -38,13 +38,19 @@ def preset_folder(name: str) -> str:
 
 def vocab_size(folder: str) -> int:
     with open(os.path.join(folder, "config.json")) as f:
-        return int(json.load(f)["vocab_size"])
+        cfg = json.load(f)
+    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
 
 
 def vllm_engine(folder: str, **extra: object):
-    """vLLM's LLM on dummy weights of the config in `folder`, its defaults otherwise."""
+    """vLLM's LLM on dummy weights of the config in `folder`, its defaults otherwise. A vision-language
+    checkpoint runs text-only (no image slots), as our side does on token-id prompts."""
     from vllm import LLM  # type: ignore[import-not-found]
 
+    with open(os.path.join(folder, "config.json")) as f:
+        archs = json.load(f).get("architectures") or []
+    if any(a.endswith("ForConditionalGeneration") for a in archs):
+        extra = {"limit_mm_per_prompt": {"image": 0, "video": 0}, **extra}
     return LLM(
         model=folder,
         load_format="dummy",
@@ -74,6 +80,10 @@ def engine_extra(args: argparse.Namespace) -> dict[str, object]:
         extra["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization:
         extra["quantization"] = args.quantization
+    if args.max_num_seqs:
+        extra["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        extra["max_num_batched_tokens"] = args.max_num_batched_tokens
     return extra
 
 
@@ -82,6 +92,8 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None, help="a preset other than the workload's model")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: its own)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's (default: its own)")
 
 
 def main() -> int:
