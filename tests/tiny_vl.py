@@ -108,7 +108,10 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
             model = transformers.Qwen3_5ForConditionalGeneration(cfg)
         else:
             text.update(
-                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=32,
             )
             cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=qwen35_vision, **common)
             model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
