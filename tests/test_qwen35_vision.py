@@ -149,6 +149,43 @@ def test_prefix_cache_with_images_restores_states_and_keys_on_pixels(q35):
     assert again[0] != first[0]
 
 
+def test_preempted_image_requests_resume_token_exact(q35):
+    """A pool too small for the batch: requests with images are preempted and resumed (from a zero
+    state or a snapshot of their own prefix, their images re-read from the encoder cache)."""
+    kind, folder, _, ref = q35
+    if kind != "qwen3_5":
+        pytest.skip("one family is enough for preemption")
+    from overnight.models.registry import arch_from_hf_config
+
+    with open(f"{folder}/config.json") as f:
+        arch = arch_from_hf_config(json.load(f))
+    seqs, snapshots, blocks = 5, 4, 24  # each request grows to 8-9 blocks of 4 tokens
+    state = arch.linear_state_bytes() * (seqs + 1 + snapshots)
+    llm = LLM(
+        folder,
+        dtype="float32",
+        kv_cache_memory_bytes=state + blocks * 4 * arch.kv_bytes_per_token(4),
+        block_size=4,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=seqs,
+        max_model_len=64,
+    )
+    assert llm.engine.pool_plan.num_blocks == blocks  # type: ignore[attr-defined]
+    cases = [
+        (f"{words(2 + k, 50 + k)} {PLACEHOLDER} {words(3, 60 + k)}", [image(8 * P, 4 * P, 70 + k)])
+        for k in range(4)
+    ]
+    cases.append(
+        (f"{PLACEHOLDER} {words(2, 80)} {PLACEHOLDER}", [image(2 * P, 2 * P, 81), image(4 * P, 4 * P, 82)])
+    )
+    prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} for t, imgs in cases]
+    outs = llm.generate(prompts, greedy(16), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for (text, imgs), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(folder, tok.encode(text), imgs, 16, ref), text
+    assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
+
+
 # -- config.json -> ModelArch ----------------------------------------------------------------------
 
 
