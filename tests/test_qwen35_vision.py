@@ -123,6 +123,55 @@ def test_chat_image_url_parts_token_exact(q35):
     assert out.prompt_token_ids.count(IMAGE_PAD) == 2  # (4 x 2 patches) / 4
 
 
+def test_run_batch_chat_lines_with_images(q35, tmp_path):
+    """run-batch builds its own engine from the flags: its chat lines with image_url parts answer as
+    LLM.chat does (token-exact with transformers above); a bad image fails its line only."""
+    from overnight.cli import main
+
+    kind, folder, llm, ref = q35
+    parts = {
+        "text": [{"type": "text", "text": words(5, 1)}],
+        "two": [
+            {"type": "image_url", "image_url": {"url": _data_uri(image(2 * P, 2 * P, 13))}},
+            {"type": "text", "text": words(3, 2)},
+            {"type": "image_url", "image_url": {"url": _data_uri(image(4 * P, 6 * P, 14))}},
+        ],
+        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+    }
+    body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    lines = [
+        {
+            "custom_id": cid,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": p}], **body},
+        }
+        for cid, p in parts.items()
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    flags = [
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+    ]
+    assert (
+        main(["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress", *flags])
+        == 0
+    )
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert "cannot decode image" in records["bad"]["error"]["message"]
+    for cid in ("text", "two"):
+        conv = [{"role": "user", "content": parts[cid]}]
+        want = llm.chat(conv, greedy(), use_tqdm=False)[0].outputs[0].text
+        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == want, cid
+
+
 def test_prefix_cache_with_images_restores_states_and_keys_on_pixels(q35):
     """A system prompt holding an image: the first wave computes it (and saves the linear layers'
     state at its end), the second starts past it from that snapshot, the image encoded once in all.
