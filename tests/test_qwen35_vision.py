@@ -268,6 +268,9 @@ def test_config_reads_tower_and_mrope(q35_config):
     text_only = arch_from_hf_config(bare)
     assert text_only.vision is None and not text_only.mrope_section
     assert model_class_for(text_only) is Qwen3NextForCausalLM
+    # a CausalLM checkpoint is the text model whatever else its config holds
+    causal = arch_from_hf_config({**q35_config, "architectures": ["Qwen3_5MoeForCausalLM"]})
+    assert causal.vision is None and model_class_for(causal) is Qwen3NextForCausalLM
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,8 @@ def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str,
 def with_vision(cfg: dict[str, Any], arch: ModelArch) -> ModelArch:
     """A Qwen3.5 ConditionalGeneration config's hybrid ModelArch (models/qwen3_next.py hybrid_arch)
     with its M-RoPE sections and vision tower. Raises ModelLoadError naming the bad field."""
-    rope = text_config_of(cfg).get("rope_parameters") or text_config_of(cfg).get("rope_scaling") or {}
+    text = text_config_of(cfg)
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     raw = rope.get("mrope_section") or DEFAULT_MROPE_SECTION
     try:
         section = tuple(int(s) for s in raw)

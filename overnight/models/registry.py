@@ -192,8 +192,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family in HYBRID_FAMILIES:
         arch = hybrid_arch(cfg, family)
-        # A checkpoint without vision_config (the dummy presets) runs as the text model.
-        if family in _WITH_IMAGES and isinstance(cfg.get("vision_config"), dict):
+        # A ConditionalGeneration checkpoint without vision_config (the dummy presets) runs as the
+        # text model.
+        conditional = hf_architecture_of(cfg).endswith("ForConditionalGeneration")
+        if family in _WITH_IMAGES and conditional and isinstance(cfg.get("vision_config"), dict):
             return with_vision(cfg, arch)
         return arch
     if family == "gpt_oss":
