@@ -175,7 +175,8 @@ def test_run_batch_chat_lines_with_images(q35, tmp_path):
 def test_prefix_cache_with_images_restores_states_and_keys_on_pixels(q35):
     """A system prompt holding an image: the first wave computes it (and saves the linear layers'
     state at its end), the second starts past it from that snapshot, the image encoded once in all.
-    The same text with another image of the same size hits nothing past the image's first block."""
+    The same text with another image of the same size hits nothing past the image's first block; a
+    repeated prompt resumes from a snapshot inside its image."""
     kind, folder, llm, ref = q35
     engine = llm.engine  # type: ignore[attr-defined]
     vision = engine.runner.vision
@@ -196,6 +197,13 @@ def test_prefix_cache_with_images_restores_states_and_keys_on_pixels(q35):
     assert engine.stats().prefix_cache_hits - hits <= 4
     assert vision.images_encoded - encoded == 2
     assert again[0] != first[0]
+    # A prompt run again hits up to its last boundary (16 of its 20 tokens), inside its image (tokens
+    # 3-18): the repeat restores the state there and computes the image's last 3 rows and the rest.
+    alone = (f"{words(2, 90)} {PLACEHOLDER}", [image(8 * P, 8 * P, 91)])
+    solo = check(llm, folder, ref, [alone])
+    hits = engine.stats().prefix_cache_hits
+    assert check(llm, folder, ref, [alone]) == solo
+    assert engine.stats().prefix_cache_hits - hits == 16
 
 
 def test_preempted_image_requests_resume_token_exact(q35):
