@@ -2,10 +2,11 @@
 Qwen3_5MoeForConditionalGeneration against transformers, token-exact greedy in fp32, on tiny random
 checkpoints (tests/tiny_vl.py: a hybrid decoder of linear and full attention layers, M-RoPE sections
 that reach all three axes): text-only prompts, one image, two images of different sizes, all in one
-batch, through LLM.generate with multi_modal_data and LLM.chat with image_url parts; a prefill chunk
-that ends inside an image's tokens; and prefix caching with images, where a hit restores the linear
-layers' state snapshot: a repeated image is encoded once, a shared prefix holding an image is hit by a
-second wave, and the same text with another image of the same size is not. Plus the config reading."""
+batch, through LLM.generate with multi_modal_data, LLM.chat with image_url parts and run-batch chat
+lines; a prefill chunk that ends inside an image's tokens; preempted image requests; and prefix caching
+with images, where a hit restores the linear layers' state snapshot: a repeated image is encoded once,
+a shared prefix holding an image is hit by a second wave, the same text with another image of the same
+size is not, and a hit may end inside an image. Plus the config reading."""
 
 from __future__ import annotations
 
