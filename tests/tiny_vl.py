@@ -1,6 +1,7 @@
-"""Tiny random Qwen2.5-VL / Qwen3-VL checkpoints (vision towers of depth 2, width 32) with a word-level
-tokenizer holding Qwen's image special tokens and a chat template that renders image parts as
-<|vision_start|><|image_pad|><|vision_end|>, plus the image processor's preprocessor_config.json."""
+"""Tiny random Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense and MoE) checkpoints (vision towers of depth 2,
+width 32) with a word-level tokenizer holding Qwen's image special tokens and a chat template that
+renders image parts as <|vision_start|><|image_pad|><|vision_end|>, plus the image processor's
+preprocessor_config.json."""
 
 from __future__ import annotations
 
@@ -33,7 +34,26 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16}
+PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
+# Qwen3.5's hybrid decoder: linear and full attention layers; M-RoPE over half of each head (rotary 16,
+# sections [2, 3, 3] fill its 8 frequencies, so all three axes turn some).
+HYBRID_TEXT: dict[str, Any] = dict(
+    head_dim=32,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=6,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    num_hidden_layers=4,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.5,
+        "mrope_section": [2, 3, 3],
+        "mrope_interleaved": True,
+    },
+)
 
 
 def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str:
@@ -75,6 +95,30 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
             **common,
         )
         model: Any = Qwen2_5_VLForConditionalGeneration(cfg)
+    elif kind in ("qwen3_5", "qwen3_5_moe"):
+        import transformers
+
+        from tests.tiny_models import _spread_weights
+
+        text.update(HYBRID_TEXT)
+        qwen35_vision = {**vision, "patch_size": 16, "num_position_embeddings": 16}
+        if kind == "qwen3_5":
+            text["intermediate_size"] = 96
+            cfg = transformers.Qwen3_5Config(text_config=text, vision_config=qwen35_vision, **common)
+            model = transformers.Qwen3_5ForConditionalGeneration(cfg)
+        else:
+            text.update(
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=24,
+                shared_expert_intermediate_size=32,
+            )
+            cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=qwen35_vision, **common)
+            model = transformers.Qwen3_5MoeForConditionalGeneration(cfg)
+        # The hybrid tests' spread (unit-variance projections, norms near 1): the delta rule stays tame.
+        with torch.no_grad():
+            _spread_weights(model, seed)
+        model.eval()
     elif kind == "qwen3_vl_moe":
         from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
 
@@ -118,10 +162,11 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
             **common,
         )
         model = Qwen3VLForConditionalGeneration(cfg)
-    # Spread the random weights so greedy tokens differ from prompt to prompt.
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
+    if kind not in ("qwen3_5", "qwen3_5_moe"):
+        # Spread the random weights so greedy tokens differ from prompt to prompt.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
     model.save_pretrained(folder)
 
     backend = RustTokenizer(WordLevel(ids, unk_token="<unk>"))

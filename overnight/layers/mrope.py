@@ -33,7 +33,9 @@ class MRotaryEmbedding(nn.Module):
         interleaved: bool = False,
     ) -> None:
         super().__init__()
-        if sum(mrope_section) != head_dim // 2:
+        # Interleaved sections need not fill the head: Qwen3.5's layout takes h / w only for j < 3 s_h /
+        # 3 s_w and t everywhere else (as transformers' recomposition does), so any three sizes are valid.
+        if not interleaved and sum(mrope_section) != head_dim // 2:
             raise ValueError(
                 f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
             )

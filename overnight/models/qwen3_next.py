@@ -8,13 +8,15 @@ decoder of models/llama.py:
   q and k are RMS-normed per head, then RoPE turns only their first hybrid_rotary_dim dims. Qwen3.5's
   M-RoPE gives every text token the same position on its three axes, and then each frequency reads
   that one position: text-only M-RoPE is plain RoPE over the rotary dims (the parity tests check it);
+  image prompts get M-RoPE proper (models/qwen3_5_vl.py);
 - every RMSNorm but the delta rule's output norm scales by (1 + w), computed in float32;
 - MoE layers (Qwen3-Next, Qwen3.5-MoE) add a shared expert scaled by sigmoid(shared_expert_gate(x)).
 
 Families: "qwen3_5" (dense MLP everywhere), "qwen3_5_moe" and "qwen3_next" (MoE where is_moe_layer);
 Qwen3-Next's linear layers project with fused in_proj_qkvz / in_proj_ba. The ConditionalGeneration
-checkpoints of Qwen3.5 keep the text model under model.language_model.*: it is read from there, and
-the vision tower (model.visual.*) and the multi-token-prediction head (mtp.*) are skipped.
+checkpoints of Qwen3.5 keep the text model under model.language_model.*: it is read from there; the
+multi-token-prediction head (mtp.*) is skipped, and so is the vision tower (model.visual.*) of a
+config without vision_config (the dummy presets). With one, models/qwen3_5_vl.py wraps this decoder.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,9 +35,11 @@ from overnight.attention.spec import LayerAttention
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts, select_experts
+from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.llama import LlamaMLP, load_packed_weights, make_lm_head
+from overnight.models.vision.interface import VisionRows
 
 log = logging.getLogger("overnight")
 
@@ -173,10 +177,15 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
+    """The decoder. With arch.mrope_section (Qwen3.5's image checkpoints, models/qwen3_5_vl.py) the
+    full-attention layers turn their rotary dims by M-RoPE: 1-D positions still rotate as plain RoPE,
+    [3, T] ones (a prefill step with image tokens) by the interleaved t / h / w layout. The linear
+    layers never read positions."""
+
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        rotary_emb = RotaryEmbedding(arch.hybrid_rotary_dim, arch.max_position_embeddings, arch.rope_theta)
+        rotary_emb = _rotary(arch)
         linear = [i for i in range(arch.num_hidden_layers) if arch.is_linear_layer(i)]
         self.layers = nn.ModuleList(
             HybridDecoderLayer(arch, i, linear.index(i) if i in linear else None, rotary_emb)
@@ -184,13 +193,35 @@ class HybridModel(nn.Module):
         )
         self.norm = OffsetRMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        vision: VisionRows | None = None,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if vision is not None:  # image tokens take the tower's embeddings (Qwen3.5 has no deepstack)
+            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)
         x, _ = self.norm(x, residual)
         return x
+
+
+def _rotary(arch: ModelArch) -> RotaryEmbedding:
+    if not arch.mrope_section:
+        return RotaryEmbedding(arch.hybrid_rotary_dim, arch.max_position_embeddings, arch.rope_theta)
+    t, h, w = arch.mrope_section
+    mrope = MRotaryEmbedding(
+        arch.hybrid_rotary_dim,
+        arch.max_position_embeddings,
+        arch.rope_theta,
+        (t, h, w),
+        interleaved=arch.mrope_interleaved,
+    )
+    return cast(RotaryEmbedding, mrope)  # the same call signature and head_dim
 
 
 class Qwen3NextForCausalLM(nn.Module):

@@ -25,6 +25,7 @@ from overnight.models.hf_config import (
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
+from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
@@ -91,12 +92,18 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
-    # Hybrid linear attention; the ConditionalGeneration checkpoints run their text model only.
+    # Hybrid linear attention; the ConditionalGeneration checkpoints take images (model_class_for).
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+}
+# Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
+# a vision tower and M-RoPE.
+_WITH_IMAGES: dict[str, type[nn.Module]] = {
+    "qwen3_5": Qwen3_5ForConditionalGeneration,
+    "qwen3_5_moe": Qwen3_5ForConditionalGeneration,
 }
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
@@ -128,6 +135,14 @@ def family_of(name: str) -> str:
 def get_model_class(name: str) -> type[nn.Module]:
     """The implementation for a HF architecture name or a model_type / ModelArch.architecture."""
     return _FAMILIES[family_of(name)]
+
+
+def model_class_for(arch: ModelArch) -> type[nn.Module]:
+    """The implementation of a ModelArch: its family's class, or the family's image model when the
+    arch has a vision tower (Qwen3.5's ConditionalGeneration checkpoints)."""
+    if arch.vision is not None and arch.architecture in _WITH_IMAGES:
+        return _WITH_IMAGES[arch.architecture]
+    return get_model_class(arch.architecture)
 
 
 def hf_architecture_of(cfg: dict[str, Any]) -> str:
@@ -176,7 +191,13 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family in HYBRID_FAMILIES:
-        return hybrid_arch(cfg, family)
+        arch = hybrid_arch(cfg, family)
+        # A ConditionalGeneration checkpoint without vision_config (the dummy presets) runs as the
+        # text model.
+        conditional = hf_architecture_of(cfg).endswith("ForConditionalGeneration")
+        if family in _WITH_IMAGES and conditional and isinstance(cfg.get("vision_config"), dict):
+            return with_vision(cfg, arch)
+        return arch
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in _VL_TEXT_FAMILY:
