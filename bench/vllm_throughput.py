@@ -37,9 +37,10 @@ def preset_folder(name: str) -> str:
 
 
 def vocab_size(folder: str) -> int:
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = json.load(f)
-    return int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+    from transformers import AutoConfig
+
+    # the text model's vocabulary, with the config class's default where the file leaves it out
+    return int(AutoConfig.from_pretrained(folder).get_text_config().vocab_size)
 
 
 def vllm_engine(folder: str, **extra: object):
