@@ -21,7 +21,7 @@ from overnight.loader.dummy import init_dummy_weights
 from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
 from overnight.models.interface import LoadsWeights
-from overnight.models.registry import get_model_class
+from overnight.models.registry import model_class_for
 from overnight.quant.apply import quantize_experts, quantize_model
 from overnight.quant.scheme import QuantScheme, check_fp8_device
 
@@ -76,7 +76,7 @@ def build_model(
     host memory, and no time goes into random init that loading would overwrite. device="meta" gives
     a shape-only model.
     """
-    cls = get_model_class(source.arch.architecture)
+    cls = model_class_for(source.arch)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(source.arch)
         if source.quantization is not None:

@@ -342,6 +342,10 @@ class ModelRunner:
             if self.vision.mrope:
                 positions = self.vision.positions(scheduled, positions, decode_only)
             vision_rows = None if decode_only else self.vision.rows(scheduled)
+            if vision_rows is not None:
+                limits = self.vision.key_limits(scheduled, inputs.input_ids.shape[0])
+                for m in inputs.group_metas:  # [0] is inputs.meta
+                    m.key_limit = limits
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]
