@@ -192,3 +192,17 @@ def test_bad_image_prompts_are_refused(setup):
         llm.generate(
             {"prompt": "<bos> w20", "multi_modal_data": {"image": image(9, 9, 0)}}, params, use_tqdm=False
         )
+
+
+def test_start_up_encoder_run_takes_gemma_images(setup):
+    """The start-up memory check runs the tower on as many images as one step's budget holds."""
+    folder, llm, ref = setup
+    vision = _engine(llm).runner.vision  # type: ignore[attr-defined]
+    calls = []
+    embed = vision.model.embed_images
+    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
+    try:
+        vision.run_largest_image(folder)
+    finally:
+        del vision.model.embed_images
+    assert calls == [[(1, 8, 8)]]  # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches

@@ -180,7 +180,9 @@ class ModelRunner:
         if getattr(model, "takes_images", False):
             from overnight.runner.vision import VisionStep
 
-            self.vision = VisionStep(cast("ImageModel", model), self.device)
+            self.vision = VisionStep(
+                cast("ImageModel", model), self.device, max_tokens=sched.max_num_batched_tokens
+            )
         self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None

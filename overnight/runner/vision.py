@@ -57,12 +57,15 @@ class EncoderCache:
 
 
 class VisionStep:
-    def __init__(self, model: ImageModel, device: torch.device, cache_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, model: ImageModel, device: torch.device, cache_bytes: int = 1 << 30, max_tokens: int = 0
+    ) -> None:
         self.model = model
         self.mrope = model.uses_mrope
         assert model.arch.vision is not None
         self.bidirectional = model.arch.vision.bidirectional_images
         self.device = device
+        self.max_tokens = max_tokens  # max_num_batched_tokens: the image tokens one step may hold
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0  # images run through the tower (a test counts them)
 
@@ -167,6 +170,12 @@ class VisionStep:
         max_pixels, as a square), so the start-up peak-memory step counts the encoder's activations."""
         vision = self.model.arch.vision
         assert vision is not None
+        if vision.kind == "gemma3":  # one size: the most one step encodes is every image in its budget
+            side = vision.image_size // vision.patch_size
+            n = max(1, self.max_tokens // max(1, vision.mm_tokens_per_image))
+            pixels = torch.zeros(n, vision.in_channels * vision.image_size**2, device=self.device)
+            self.model.embed_images(pixels, [(1, side, side)] * n)
+            return
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):
