@@ -206,3 +206,35 @@ def test_start_up_encoder_run_takes_gemma_images(setup):
     finally:
         del vision.model.embed_images
     assert calls == [[(1, 8, 8)]]  # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches
+
+
+def test_parameter_count_includes_the_tower(setup):
+    """ModelArch.num_parameters (the memory check's count) equals the built model's, tower included."""
+    import json
+
+    from overnight.models.registry import arch_from_hf_config, model_class_for
+
+    folder, llm, ref = setup
+    with open(f"{folder}/config.json") as f:
+        arch = arch_from_hf_config(json.load(f))
+    assert (
+        arch.vision is not None and arch.vision.bidirectional_images and arch.vision.spatial_merge_size == 2
+    )
+    with torch.device("meta"):
+        model = model_class_for(arch)(arch)
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+
+
+def test_config_refusals(setup):
+    """mm_tokens_per_image must pool the patch grid evenly and fit the sliding window."""
+    import json
+
+    from overnight.errors import ModelLoadError
+    from overnight.models.registry import arch_from_hf_config
+
+    folder, llm, ref = setup
+    with open(f"{folder}/config.json") as f:
+        cfg = json.load(f)
+    for tokens, match in [(9, "square whose side divides"), (15, "square"), (64, "sliding_window")]:
+        with pytest.raises(ModelLoadError, match=match):
+            arch_from_hf_config({**cfg, "mm_tokens_per_image": tokens})
