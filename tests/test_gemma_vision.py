@@ -226,7 +226,8 @@ def test_parameter_count_includes_the_tower(setup):
 
 
 def test_config_refusals(setup):
-    """mm_tokens_per_image must pool the patch grid evenly and fit the sliding window."""
+    """mm_tokens_per_image must pool the patch grid evenly (an image longer than the window is fine:
+    the window counts back from each token's own position, as transformers masks it)."""
     import json
 
     from overnight.errors import ModelLoadError
@@ -235,6 +236,25 @@ def test_config_refusals(setup):
     folder, llm, ref = setup
     with open(f"{folder}/config.json") as f:
         cfg = json.load(f)
-    for tokens, match in [(9, "square whose side divides"), (15, "square"), (64, "sliding_window")]:
-        with pytest.raises(ModelLoadError, match=match):
+    for tokens in (9, 15):
+        with pytest.raises(ModelLoadError, match="square whose side divides"):
             arch_from_hf_config({**cfg, "mm_tokens_per_image": tokens})
+    assert arch_from_hf_config({**cfg, "mm_tokens_per_image": 64}).vision.mm_tokens_per_image == 64
+
+
+def test_image_longer_than_the_window(tmp_path):
+    """64 tokens per image (no pooling) against a window of 24: on sliding layers an image token sees
+    its window back from its own position plus its image's later tokens, as transformers masks it."""
+    folder = make_gemma_vl_checkpoint(tmp_path, seed=1, tokens_per_image=64)
+    llm = LLM(
+        folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=80, max_model_len=256
+    )
+    ref = HfReference(folder, tokens_per_image=64)
+    cases = [(f"<bos> {words(30, 30)} <start_of_image> {words(20, 31)}", [image(45, 60, 32)])]
+    cases.append((f"<bos> {words(5, 33)} <start_of_image> {words(3, 34)}", [image(80, 20, 35)]))
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], params, use_tqdm=False
+    )
+    for (text, imgs), out in zip(cases, outs):
+        check(out, ref, text, imgs)

@@ -35,7 +35,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_gemma_vl_checkpoint(root: str | os.PathLike, seed: int = 0) -> str:
+def make_gemma_vl_checkpoint(
+    root: str | os.PathLike, seed: int = 0, tokens_per_image: int = TOKENS_PER_IMAGE
+) -> str:
     from tokenizers import AddedToken, decoders, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers.models import WordLevel
@@ -65,7 +67,7 @@ def make_gemma_vl_checkpoint(root: str | os.PathLike, seed: int = 0) -> str:
             patch_size=PATCH,
             vision_use_head=False,
         ),
-        mm_tokens_per_image=TOKENS_PER_IMAGE,
+        mm_tokens_per_image=tokens_per_image,
         boi_token_index=IDS["<start_of_image>"],
         eoi_token_index=IDS["<end_of_image>"],
         image_token_index=IDS["<image_soft_token>"],
@@ -108,7 +110,7 @@ def make_gemma_vl_checkpoint(root: str | os.PathLike, seed: int = 0) -> str:
 class HfReference:
     """transformers' Gemma3Processor (its PIL image processor) and greedy generate, one prompt at a time."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, tokens_per_image: int = TOKENS_PER_IMAGE) -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
         from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
@@ -116,7 +118,7 @@ class HfReference:
         self.processor = Gemma3Processor(
             image_processor=Gemma3ImageProcessorPil.from_pretrained(folder),
             tokenizer=AutoTokenizer.from_pretrained(folder),
-            image_seq_length=TOKENS_PER_IMAGE,
+            image_seq_length=tokens_per_image,
         )
         self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 

@@ -215,8 +215,7 @@ def gemma_arch(cfg: dict[str, Any], family: str, hf_architecture: str) -> ModelA
                 cap = text["attn_logit_softcapping"]
                 fields["attn_logit_softcapping"] = None if cap is None else float(cap)
         if hf_architecture == "Gemma3ForConditionalGeneration" and isinstance(cfg.get("vision_config"), dict):
-            sliding = int(window) if window is not None and "sliding_attention" in layer_types else None
-            fields["vision"] = gemma3_vision_arch(cfg, int(text["hidden_size"]), sliding)
+            fields["vision"] = gemma3_vision_arch(cfg, int(text["hidden_size"]))
         return ModelArch(
             architecture=family,
             vocab_size=int(text["vocab_size"]),

@@ -55,10 +55,12 @@ def vision_arch_from_hf(cfg: dict[str, Any], kind: str) -> VisionArch:
     return arch
 
 
-def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int, sliding_window: int | None) -> VisionArch:
+def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
     """Gemma 3's SigLIP tower (vision_config) and its image tokens: boi, mm_tokens_per_image soft tokens,
     eoi. spatial_merge_size is the projector's pooling kernel (patches per side / tokens per side), so
-    VisionArch.num_tokens of the patch grid is mm_tokens_per_image as for the Qwen towers."""
+    VisionArch.num_tokens of the patch grid is mm_tokens_per_image as for the Qwen towers. On sliding
+    layers an image token sees its window back from its own position and its image's later tokens (as
+    transformers masks it), so an image may be longer than the window."""
     v = cfg.get("vision_config")
     if not isinstance(v, dict):
         raise ModelLoadError("config.json lacks vision_config")
@@ -99,10 +101,4 @@ def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int, sliding_window: in
         raise ModelLoadError(f"unsupported SigLIP hidden_act {arch.hidden_act!r} (gelu_pytorch_tanh)")
     if arch.hidden_size % arch.num_heads:
         raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
-    if sliding_window is not None and tokens > sliding_window:
-        # The sliding layers' window is measured from each token's own position; an image longer than
-        # the window would need keys outside it (kernels/paged_prefill.py key limits).
-        raise ModelLoadError(
-            f"mm_tokens_per_image ({tokens}) above the sliding_window ({sliding_window}) is not supported"
-        )
     return arch
