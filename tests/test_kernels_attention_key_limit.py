@@ -1,6 +1,7 @@
 """Per-row key limits (AttentionMetadata.key_limit: the tokens of one image attend to each other both
 ways, Gemma 3) in the Triton prefill kernel against the PyTorch reference, and the reference itself
-against a dense mask written out here. fp32 / fp16 through the interpreter, tiny shapes."""
+against a dense mask written out here. fp32 / fp16 through the interpreter (bf16 too on a GPU), tiny
+shapes."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.attention.torch_backend import paged_attention_ref
 from overnight.attention.triton_backend import paged_attention
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
-from tests.kernel_helpers import DEVICE, assert_close, make_batch
+from tests.kernel_helpers import DEVICE, DTYPES, assert_close, make_batch
 
 TINY = PrefillConfig(16, 16, 4, 1)
 # Two decodes, then three prefill chunks; images (spans of rows) inside the chunks, one crossing a
@@ -66,7 +67,7 @@ def test_reference_matches_a_dense_mask(window) -> None:
     torch.testing.assert_close(ref, dense(q, cache, meta, 0.25, meta.key_limit, window), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 11])
 def test_prefill_kernel_key_limits(dtype, window) -> None:
     meta, q, cache = make_batch(QUERY, SEQ, 2, 4, 2, 16, 8, dtype, seed=5)
