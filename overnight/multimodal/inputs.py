@@ -45,7 +45,7 @@ class MultiModalInputs:
 
     def split_point(self, end: int) -> int:
         """`end` moved back to the start of the whole image it would cut (unchanged if none)."""
-        if self.whole_images:
+        if self.whole_images and self.images and end < self.images[-1].end:  # (decodes: past every image)
             for im in self.images:
                 if im.offset < end < im.end:
                     return im.offset
