@@ -20,8 +20,10 @@ RopeValue = float | str | bool | tuple[float, ...]
 @dataclass(frozen=True)
 class VisionArch:
     """A vision tower and how its image tokens sit in the prompt, named as in HF vision_config.
-    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU) or "qwen3_vl" (learned position embeddings,
-    LayerNorm, deepstack features)."""
+    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU), "qwen3_vl" (learned position embeddings,
+    LayerNorm, deepstack features) or "gemma3" (SigLIP at a fixed image_size, its patch features
+    average-pooled to mm_tokens_per_image; the prompt brackets them with vision_start / vision_end,
+    Gemma's boi / eoi tokens, and they attend to each other both ways: bidirectional_images)."""
 
     kind: str
     depth: int
@@ -42,10 +44,23 @@ class VisionArch:
     fullatt_block_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3-VL: learned table of side**2 entries, interpolated
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed early layers
+    image_size: int = 0  # Gemma 3: every image is resized to image_size x image_size
+    mm_tokens_per_image: int = 0  # Gemma 3: tokens per image (a square number)
+    layer_norm_eps: float = 1e-6  # Gemma 3: SigLIP's LayerNorms and the projector's RMSNorm
+
+    @property
+    def bidirectional_images(self) -> bool:
+        """An image's tokens see each other both ways (Gemma 3): each is computed in one prefill chunk."""
+        return self.kind == "gemma3"
 
     def num_parameters(self) -> int:
-        """The tower's parameters (models/vision/qwen_vit.py), for the memory check."""
+        """The tower's parameters (models/vision/qwen_vit.py, siglip.py), for the memory check."""
         h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        if self.kind == "gemma3":  # conv + positions, pre-LN blocks, post-LN, projector norm + matrix
+            patches = (self.image_size // self.patch_size) ** 2
+            embed = self.in_channels * self.patch_size**2 * h + h + patches * h
+            block = 4 * h + 4 * (h * h + h) + 2 * h * i + i + h
+            return embed + self.depth * block + 2 * h + h + h * out
         wide = h * self.spatial_merge_size**2
         qwen3 = self.kind == "qwen3_vl"
         norms = 4 * h if qwen3 else 2 * h  # LayerNorms have a bias

@@ -1,7 +1,7 @@
 """Gemma 2/3/4 end to end on the CPU: the engine against transformers, greedy in fp32, on tiny random
 checkpoints saved with save_pretrained: Gemma2ForCausalLM (both softcaps), Gemma3ForCausalLM (local vs
-linear-scaled global RoPE, q/k norms), Gemma3ForConditionalGeneration (text prompts; its vision tower is
-skipped), Gemma4ForCausalLM (KV-shared layers, attention_k_eq_v, per-layer inputs, 16-wide sliding and
+linear-scaled global RoPE, q/k norms), Gemma3ForConditionalGeneration (text prompts; its
+vision tower loads too: tests/test_gemma_vision.py runs images), Gemma4ForCausalLM (KV-shared layers, attention_k_eq_v, per-layer inputs, 16-wide sliding and
 24-wide full heads, proportional RoPE), Gemma4ForConditionalGeneration (text) and the Gemma 4 MoE.
 
 Each has 4 layers of both kinds with a window of 7 tokens and blocks of 4, and is run twice:

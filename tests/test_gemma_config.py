@@ -56,7 +56,7 @@ def pair(request):
 
 
 def test_layers_read_as_transformers_does(pair):
-    _, arch, text = pair
+    name, arch, text = pair
     import transformers
 
     with torch.device("meta"):
@@ -75,7 +75,27 @@ def test_layers_read_as_transformers_does(pair):
     # Every parameter (Gemma 4's layer_scalar is a transformers buffer, a parameter here).
     hf_params = sum(p.numel() for p in model.parameters())
     hf_params += sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    if arch.vision is not None:  # Gemma 3 with images: the SigLIP tower and projector load too
+        hf_params += _tower_parameters(name)
     assert arch.num_parameters() == hf_params
+
+
+def _tower_parameters(name: str) -> int:
+    """Parameters of transformers' Gemma 3 vision tower (without SigLIP's unused pooling head) and
+    projector, for config `name`."""
+    import transformers
+
+    cfg = _configs()[name]
+    rest = {k: v for k, v in cfg.items() if k != "model_type"}
+    with torch.device("meta"):
+        full = transformers.Gemma3ForConditionalGeneration(
+            transformers.AutoConfig.for_model(cfg["model_type"], **rest)
+        )
+    return sum(
+        p.numel()
+        for n, p in full.named_parameters()
+        if ("vision_tower" in n and ".head." not in n) or "multi_modal_projector" in n
+    )
 
 
 def test_rotary_tables_equal_transformers(pair):
@@ -129,7 +149,7 @@ def _dummy_source(arch: ModelArch):
 
 def test_presets_have_the_published_sizes():
     sizes = {name: resolve_source(name, "dummy").arch.num_parameters() / 1e9 for name in PRESETS}
-    assert sizes["gemma-3-27b"] == pytest.approx(27.0, abs=0.1)  # the text model of the 27.4B total
+    assert sizes["gemma-3-27b"] == pytest.approx(27.4, abs=0.1)  # 27.0B text model + 0.4B SigLIP tower
     assert sizes["gemma-4-31b"] == pytest.approx(30.7, abs=0.1)
     assert sizes["gemma-4-26b-a4b"] == pytest.approx(25.2, abs=0.1)
     moe = resolve_source("gemma-4-26b-a4b", "dummy").arch

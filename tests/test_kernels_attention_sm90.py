@@ -32,7 +32,7 @@ SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory
 NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 POINTERS = dict(
     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", kv_scale_ptr="*fp32",
-    sinks_ptr="*fp32", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16", out_ptr="*bf16",
+    sinks_ptr="*fp32", key_limit_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16", out_ptr="*bf16",
 )  # fmt: skip
 LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
 
@@ -69,14 +69,14 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
     return compiled.metadata.shared, int(regs.group(1)), int(stack.group(1))
 
 
-def prefill_case(fp8: bool, d: int):
+def prefill_case(fp8: bool, d: int, key_limit: bool = False):
     page = 64 if fp8 else 16
     cfg = default_prefill_config(torch.float8_e4m3fn if fp8 else torch.bfloat16, d)
     cx = dict(
         GROUP=2, HEAD_DIM=d, BLOCK_D=d, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PRECISION="tf32", DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HAS_SCALE=fp8, V_TOKEN_MAJOR=fp8,
         V_RUN=min(page, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, FP8_MMA=cfg.fp8_mma, EXACT_CAST=False,
-        Q_MAX=448.0, P_SHIFT=8.0, **LAYER,
+        Q_MAX=448.0, P_SHIFT=8.0, HAS_KEY_LIMIT=key_limit, **LAYER,
     )  # fmt: skip
     types = dict(cache_ptr="*fp8e4nv" if fp8 else "*bf16")
     return _prefill_kernel, types, cx, cfg.num_warps, cfg.num_stages
@@ -113,6 +113,7 @@ def fp8_decode_case(d: int):
 CASES = {
     "prefill-bf16-512": lambda: prefill_case(False, 512),
     "prefill-e4m3-256": lambda: prefill_case(True, 256),
+    "prefill-bf16-256-key-limit": lambda: prefill_case(False, 256, key_limit=True),  # Gemma 3 with images
     "prefill-e4m3-512": lambda: prefill_case(True, 512),
     "decode-bf16-512": lambda: decode_case(512),
     "decode-e4m3-256-tma": lambda: fp8_decode_case(256),

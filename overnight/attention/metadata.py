@@ -7,7 +7,8 @@ A step's query tokens are flattened into one list of T rows. Requests are ordere
 
 Request i owns rows query_start_loc[i] .. query_start_loc[i+1]. Its context after this step holds
 seq_lens[i] tokens, so query row j of request i sits at absolute position
-seq_lens[i] - query_len[i] + j and attends (causally) to context positions 0 .. that position.
+seq_lens[i] - query_len[i] + j and attends (causally) to context positions 0 .. that position (or, with
+key_limit, 0 .. key_limit[row]).
 
 KV cache of one layer (one tensor, K and V stacked):
 
@@ -55,6 +56,12 @@ class AttentionMetadata:
     # Host copies, so reference code and planners need no device sync.
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    # [num_tokens] int32 on the device: the last key position each row sees. None: causal (a row sees
+    # up to its own position). A row inside an image whose tokens attend both ways (Gemma 3) sees up to
+    # its image's last token, always in the same prefill chunk (the scheduler never splits one); a
+    # sliding window still counts back from the row's own position. Only steps with such images set
+    # it: decode steps (and the CUDA graphs) never do.
+    key_limit: torch.Tensor | None = None
 
     @property
     def num_prefills(self) -> int:

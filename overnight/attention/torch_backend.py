@@ -66,9 +66,12 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
     return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[len(q_pos), len(k_pos)] bool: causal, and within the last `window` positions when set."""
-    mask = k_pos[None, :] <= q_pos[:, None]
+def _visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, limit: torch.Tensor | None = None
+) -> torch.Tensor:
+    """[len(q_pos), len(k_pos)] bool: up to each row's limit (None: causal, its own position), and
+    within the last `window` positions before the row's own position when set."""
+    mask = k_pos[None, :] <= (q_pos if limit is None else limit)[:, None]
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
     return mask
@@ -89,6 +92,7 @@ def paged_attention_ref(
     q: [T, Hq, D]; returns [T, Hq, D]. Rows past the real tokens (padding) are left as zeros.
     kv_scale: [2] (k_scale, v_scale) of a quantized cache, multiplied in after the cast.
     layer: sliding window and logit softcap (spec.py); sinks: [Hq] learned sink logits.
+    meta.key_limit: per-row last visible key of prefill rows (metadata.py); decode rows are causal.
     """
     window, cap = layer.sliding_window, layer.logit_softcap
     k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
@@ -143,7 +147,8 @@ def paged_attention_ref(
         ki = _load(k[lo:], compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L - lo, D]
         vi = _load(v[lo:], compute_dtype, v_scale).transpose(0, 1)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
-        mask = _visible(q_pos, torch.arange(lo, seq_len, device=q.device), window)  # [qlen, L - lo]
+        limit = None if meta.key_limit is None else meta.key_limit[start:end].to(q_pos.dtype)
+        mask = _visible(q_pos, torch.arange(lo, seq_len, device=q.device), window, limit)  # [qlen, L - lo]
         if cap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads

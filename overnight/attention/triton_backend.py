@@ -184,5 +184,6 @@ def paged_attention(
             window=window,
             softcap=softcap,
             sinks=sinks,
+            key_limit=meta.key_limit,
         )
     return out

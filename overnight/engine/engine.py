@@ -141,6 +141,14 @@ class Engine:
         truncated = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         if multi_modal is not None and len(truncated) != len(prompt_token_ids):
             raise InvalidRequestError("a prompt with images cannot be truncated (truncate_prompt_tokens)")
+        if multi_modal is not None and multi_modal.whole_images:
+            budget = self.config.scheduler.max_num_batched_tokens
+            big = max(im.num_tokens for im in multi_modal.images) if multi_modal.images else 0
+            if big > budget:
+                raise InvalidRequestError(
+                    f"an image takes {big} tokens, more than max_num_batched_tokens ({budget}); this model "
+                    "computes each image within one prefill chunk: raise --max-num-batched-tokens"
+                )
         prompt_token_ids = truncated
         if self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)

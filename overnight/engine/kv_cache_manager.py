@@ -104,7 +104,8 @@ class KVCacheManager:
         The hit is the longest h (in blocks) that every group can serve: a full group needs blocks
         0..h-1 cached, a windowed group the last cdiv(W - 1, block_size) of them (or all, back to block
         0). Full groups scan left to right (their answer is an upper bound, and holds for any shorter
-        h); windowed groups can only shorten it, so they are asked again until none does."""
+        h); windowed groups, and an image the hit would end inside (whole_images), can only shorten
+        it, so they are asked again until none does."""
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             # Prompt logprobs come from the hidden states of every prompt position: such a request
             # computes them all (its blocks are still cached for the requests after it).
@@ -119,7 +120,8 @@ class KVCacheManager:
                 if block is None:
                     break
                 hits.append(block)
-            return PrefixHit(len(hits), [hits]) if hits else None
+            h = self._unsplit(req, len(hits))
+            return PrefixHit(h, [hits[:h]]) if h else None
         key = self._key
         h = len(hashes)
         for g in self._full:
@@ -127,9 +129,12 @@ class KVCacheManager:
             while n < h and lookup(key(hashes[n], g)) is not None:
                 n += 1
             h = n
-        changed = bool(self._windowed)
+        changed = True
         while changed and h > 0:
             changed = False
+            n = self._unsplit(req, h)
+            if n < h:
+                h, changed = n, True
             for g, w in self._windowed:
                 n = self._window_hit(hashes, g, cdiv(w - 1, self.block_size), h)
                 if n < h:
@@ -143,6 +148,17 @@ class KVCacheManager:
             row += [lookup(key(hashes[i], g)) for i in range(first, h)]
             blocks.append(row)
         return PrefixHit(h, blocks)
+
+    def _unsplit(self, req: Request, h: int) -> int:
+        """The longest hit <= h blocks that ends outside every image computed whole (a prefill must
+        hold all of such an image: MultiModalInputs.whole_images)."""
+        mm = req.multi_modal
+        if mm is None or not mm.whole_images:
+            return h
+        bs = self.block_size
+        while h > 0 and (cut := mm.split_point(h * bs)) != h * bs:
+            h = cut // bs
+        return h
 
     def _window_hit(self, hashes: list[int], group: int, need: int, upto: int) -> int:
         """The longest hit <= upto a windowed group serves: scanning back from upto, the end of the

@@ -142,6 +142,9 @@ class Scheduler:
         # Hybrid models (snapshots set): a prefill chunk also ends at each state checkpoint of its
         # request (even without chunked prefill), a hit is cut back to the last saved state, and the
         # step records which states to save (state_snapshots.py).
+        # Images whose tokens attend both ways (Gemma 3: MultiModalInputs.whole_images) are computed in
+        # one chunk: a chunk that would end inside one ends before it (or waits for a step with room;
+        # the engine refuses images larger than the whole budget).
         budget = self.config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
@@ -161,6 +164,11 @@ class Scheduler:
             start = req.num_computed_tokens
             if snapshots is not None:  # end the chunk at a state checkpoint
                 n = snapshots.clip(req, start, n)
+            if req.multi_modal is not None:  # never inside an image computed whole
+                n = req.multi_modal.split_point(start + n) - start
+                if n <= 0:  # the image does not fit what is left of the budget: next step
+                    i += 1
+                    continue
             while True:
                 new_ids = self.kv.allocate(req, n)
                 if new_ids is not None:
@@ -207,6 +215,10 @@ class Scheduler:
                 n = budget
             if snapshots is not None:
                 n = snapshots.clip(req, num_hit, n)
+            if req.multi_modal is not None:
+                n = req.multi_modal.split_point(num_hit + n) - num_hit
+                if n <= 0:  # its first image does not fit what is left of the budget
+                    break
             new_ids = self.kv.allocate(req, n, hit)
             if new_ids is None:
                 break

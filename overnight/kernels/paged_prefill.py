@@ -22,6 +22,11 @@ Keys are walked in BLOCK_N tiles through the block table. Key tiles below the ti
 position are visible to every row and run unmasked; only the diagonal tiles apply the causal mask, and
 tiles past the last row's position are never visited.
 
+Key limits (HAS_KEY_LIMIT, constexpr: the causal build is unchanged): each row reads its last visible
+key from key_limit (the tokens of one image attend to each other both ways, Gemma 3); the diagonal run
+extends to the tile's furthest limit and masks by limit instead of position. A window still counts back
+from the row's own position.
+
 A layer's variant (score_mods.py, constexpr-selected: full attention compiles as before). With a window
 of W tokens row p sees keys p - W + 1 .. p: a query tile walks only from the first key any of its rows
 sees, in three runs (edge tiles masked by the window, tiles every row sees unmasked, the causal
@@ -119,6 +124,7 @@ def _attend_tile(
     stride_cblk,
     stride_cslot,
     pos,
+    limit,  # [BLOCK_M] the last key each row sees: pos (causal), or further with key limits
     kv_lo,  # the first key any row of the tile sees (0 without a window)
     kv_end,
     qk_scale,
@@ -160,7 +166,7 @@ def _attend_tile(
     if SOFTCAP > 0:
         s = softcap(s, SOFTCAP)
     if CAUSAL:
-        visible = offs_n[None, :] <= pos[:, None]
+        visible = offs_n[None, :] <= limit[:, None]
         if WINDOW > 0:
             visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
@@ -214,6 +220,7 @@ def _prefill_kernel(
     out_ptr,
     kv_scale_ptr,  # [2] float32 (k_scale, v_scale), read when HAS_SCALE
     sinks_ptr,  # [Hq] float32 sink logits, read when HAS_SINKS
+    key_limit_ptr,  # [T] int32 last visible key per row, read when HAS_KEY_LIMIT
     qk_scale,  # softmax scale * log2(e)
     num_decodes,
     num_prefills,
@@ -246,6 +253,7 @@ def _prefill_kernel(
     WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
     SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
     HAS_SINKS: tl.constexpr,
+    HAS_KEY_LIMIT: tl.constexpr,  # per-row key limits (images attending both ways), else causal
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -310,6 +318,16 @@ def _prefill_kernel(
     #         never read  [ edge tiles ]  [ unmasked tiles  ]  [ diagonal ]
     full_end = (ctx_start + m0 + 1) // BLOCK_N * BLOCK_N
     kv_end = ctx_start + tl.minimum(m0 + BLOCK_M, q_len)
+    # Key limits: a row may see past its own position, up to its image's end (in this chunk, so
+    # below seq_len); the diagonal run then reaches vis_end, the tile's furthest limit, masked by each
+    # row's limit. Limits below a row's position are raised to it (never less than causal).
+    if HAS_KEY_LIMIT:
+        limit = tl.load(key_limit_ptr + rows, mask=offs_m < q_len, other=0)
+        limit = tl.minimum(tl.maximum(limit, pos), seq_len - 1)
+        vis_end = tl.maximum(kv_end, tl.max(tl.where(offs_m < q_len, limit, 0), 0) + 1)
+    else:
+        limit = pos
+        vis_end = kv_end
     if WINDOW > 0:
         kv_lo = tl.maximum(ctx_start + m0 - WINDOW + 1, 0)
         mid_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
@@ -320,15 +338,16 @@ def _prefill_kernel(
                 m_i,
                 l_i,
                 n0,
-                page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64),
+                page_ids(bt_row, n0, vis_end, BLOCK_N, PAGE).to(tl.int64),
                 kv_base,
                 v_base,
                 stride_ckv,
                 stride_cblk,
                 stride_cslot,
                 pos,
+                limit,
                 kv_lo,
-                kv_end,
+                vis_end,
                 row_scale,
                 HEAD_DIM,
                 BLOCK_D,
@@ -350,13 +369,13 @@ def _prefill_kernel(
         kv_lo = 0
         mid_start = 0
         diag_start = full_end
-    page_next = page_ids(bt_row, mid_start, kv_end, BLOCK_N, PAGE)
+    page_next = page_ids(bt_row, mid_start, vis_end, BLOCK_N, PAGE)
     for n0 in range(mid_start, full_end, BLOCK_N):
         if PREFETCH_PAGES:
             page = page_next.to(tl.int64)
-            page_next = page_ids(bt_row, n0 + BLOCK_N, kv_end, BLOCK_N, PAGE)
+            page_next = page_ids(bt_row, n0 + BLOCK_N, vis_end, BLOCK_N, PAGE)
         else:
-            page = page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64)
+            page = page_ids(bt_row, n0, vis_end, BLOCK_N, PAGE).to(tl.int64)
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
@@ -370,8 +389,9 @@ def _prefill_kernel(
             stride_cblk,
             stride_cslot,
             pos,
+            limit,
             kv_lo,
-            kv_end,
+            vis_end,
             row_scale,
             HEAD_DIM,
             BLOCK_D,
@@ -388,22 +408,23 @@ def _prefill_kernel(
             WINDOW,
             SOFTCAP,
         )
-    for n0 in range(diag_start, kv_end, BLOCK_N):
+    for n0 in range(diag_start, vis_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
             q,
             acc,
             m_i,
             l_i,
             n0,
-            page_ids(bt_row, n0, kv_end, BLOCK_N, PAGE).to(tl.int64),
+            page_ids(bt_row, n0, vis_end, BLOCK_N, PAGE).to(tl.int64),
             kv_base,
             v_base,
             stride_ckv,
             stride_cblk,
             stride_cslot,
             pos,
+            limit,
             kv_lo,
-            kv_end,
+            vis_end,
             row_scale,
             HEAD_DIM,
             BLOCK_D,
@@ -443,6 +464,7 @@ def paged_prefill(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_limit: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of requests num_decodes .. num_reqs-1 over their cached contexts, into out.
 
@@ -452,7 +474,8 @@ def paged_prefill(
     (query_start_loc[num_reqs] - query_start_loc[num_decodes]); it only sizes the grid.
     window: a row sees its last `window` positions (its own included); keys before every row's window
     are never read. softcap: cap * tanh(s / cap) on the scaled scores. sinks: [Hq] float32 sink logits
-    on q's device (score_mods.py).
+    on q's device (score_mods.py). key_limit: [>= T] int32 on q's device, the last key position each
+    row sees (AttentionMetadata.key_limit: past its own position only within its chunk); None: causal.
     """
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
@@ -475,6 +498,14 @@ def paged_prefill(
     ):
         if x.dtype != torch.int32 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be int32 with unit last stride")
+    if key_limit is not None and (
+        key_limit.dtype != torch.int32
+        or key_limit.dim() != 1
+        or key_limit.shape[0] < q.shape[0]
+        or key_limit.stride(0) != 1
+        or key_limit.device != q.device
+    ):
+        raise ValueError(f"key_limit must be contiguous int32 [>= {q.shape[0]}] on q's device")
     if cfg.fp8_mma and not is_fp8(kv_cache.dtype):
         raise ValueError(f"PrefillConfig.fp8_mma needs an FP8 cache, got {kv_cache.dtype}")
     num_prefills = num_reqs - num_decodes
@@ -490,6 +521,7 @@ def paged_prefill(
         out,
         kv_scale if kv_scale is not None else seq_lens,  # not read without a scale
         sinks if sinks is not None else seq_lens,  # not read without sinks
+        key_limit if key_limit is not None else seq_lens,  # not read without key limits
         scale * math.log2(math.e),
         num_decodes,
         num_prefills,
@@ -522,6 +554,7 @@ def paged_prefill(
         WINDOW=window_c,
         SOFTCAP=softcap_c,
         HAS_SINKS=sinks is not None,
+        HAS_KEY_LIMIT=key_limit is not None,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

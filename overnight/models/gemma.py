@@ -32,6 +32,7 @@ from overnight.config import ModelArch
 from overnight.layers.gemma import GeluAndMul, GemmaRotaryEmbedding, fold_gemma_norms, softcap
 from overnight.layers.norm import RMSNorm
 from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, make_lm_head, split_qkv
+from overnight.models.vision.interface import VisionRows
 
 log = logging.getLogger("overnight")
 
@@ -159,9 +160,21 @@ class GemmaModel(nn.Module):
         )
         self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBatch,
+        vision: VisionRows | None = None,
+    ) -> torch.Tensor:
+        """vision: the step's image rows (models/gemma_vl.py): their embeddings replace the scaled
+        token embeddings of those rows (an image token's id may lie past the vocabulary: read as 0)."""
+        if vision is not None:
+            input_ids = input_ids.masked_fill(input_ids >= self.embed_tokens.num_embeddings, 0)
         x = self.embed_tokens(input_ids)
         x = x * embed_scale(self.hidden_size, x.dtype)
+        if vision is not None:
+            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)

@@ -14,6 +14,7 @@ from typing import Any
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.models.vision.config import gemma3_vision_arch
 
 # Each family's transformers 5.17 defaults (Gemma2Config, Gemma3TextConfig, Gemma4TextConfig).
 _DEFAULTS: dict[str, dict[str, Any]] = {
@@ -213,6 +214,8 @@ def gemma_arch(cfg: dict[str, Any], family: str, hf_architecture: str) -> ModelA
             if family == "gemma2":  # Gemma 3's attention ignores attn_logit_softcapping (as HF does)
                 cap = text["attn_logit_softcapping"]
                 fields["attn_logit_softcapping"] = None if cap is None else float(cap)
+        if hf_architecture == "Gemma3ForConditionalGeneration" and isinstance(cfg.get("vision_config"), dict):
+            fields["vision"] = gemma3_vision_arch(cfg, int(text["hidden_size"]))
         return ModelArch(
             architecture=family,
             vocab_size=int(text["vocab_size"]),

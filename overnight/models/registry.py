@@ -13,6 +13,7 @@ from overnight.models.bert import BertModel
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
+from overnight.models.gemma_vl import Gemma3ForConditionalGeneration
 from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.hf_config import (
     TEXT_CONFIG_FAMILIES,
@@ -75,7 +76,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "BertModel": "bert",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    # Multimodal checkpoints: their language model, for text prompts (models/gemma.py text_weights).
+    # With its vision_config: the SigLIP tower too (models/gemma_vl.py, model_class_for).
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
     "Gemma4ForConditionalGeneration": "gemma4",
@@ -138,8 +139,10 @@ def get_model_class(name: str) -> type[nn.Module]:
 
 
 def model_class_for(arch: ModelArch) -> type[nn.Module]:
-    """The implementation of a ModelArch: its family's class, or the family's image model when the
-    arch has a vision tower (Qwen3.5's ConditionalGeneration checkpoints)."""
+    """The implementation of a ModelArch: its family's class, or the family's image model when the arch
+    has a vision tower (Qwen3.5's ConditionalGeneration checkpoints, Gemma 3's)."""
+    if arch.vision is not None and arch.vision.kind == "gemma3":
+        return Gemma3ForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
     return get_model_class(arch.architecture)

@@ -36,8 +36,20 @@ class MultiModalInputs:
     images: tuple[ImageInput, ...]
     # [3, prompt length] (temporal, height, width) positions; tokens after the prompt have position
     # p + mrope_delta on every axis (the images' grids take fewer positions than tokens).
-    mrope_positions: np.ndarray
+    mrope_positions: np.ndarray  # [3, 0] for a model with 1-D positions (Gemma 3)
     mrope_delta: int
+    # Each image's tokens attend to each other both ways (Gemma 3): an image is computed within one
+    # prefill chunk, so a chunk or a prefix-cache hit never ends strictly inside one (scheduler.py,
+    # kv_cache_manager.py), and the attention gets per-row key limits (runner/vision.py).
+    whole_images: bool = False
+
+    def split_point(self, end: int) -> int:
+        """`end` moved back to the start of the whole image it would cut (unchanged if none)."""
+        if self.whole_images and self.images and end < self.images[-1].end:  # (decodes: past every image)
+            for im in self.images:
+                if im.offset < end < im.end:
+                    return im.offset
+        return end
 
     def hashes_in(self, start: int, end: int) -> tuple[str, ...]:
         """Hashes of the images with tokens in prompt[start:end] (a KV block's extra hash key)."""

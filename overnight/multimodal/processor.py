@@ -7,9 +7,9 @@ wait on JPEG decoding.
 
 A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad|><|vision_end|>`, as
 the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
-merged patches. The expansion and the M-RoPE positions here are the Qwen families'; a family with
-another placeholder scheme (Gemma 3: a fixed count of soft tokens between begin / end markers) adds its
-own expansion, chosen by VisionArch.kind, and returns the same MultiModalInputs.
+merged patches. The expansion and the M-RoPE positions here are the Qwen families'; Gemma 3's (a fixed
+count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
+gemma_prompt.py, chosen by VisionArch.kind, and returns the same MultiModalInputs.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError
+from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 
@@ -62,20 +63,26 @@ class ImageProcessor:
         policy: MediaPolicy,
         image_limit: int = DEFAULT_IMAGE_LIMIT,
         num_threads: int = min(8, max(2, os.cpu_count() or 2)),
+        tokenizer_path: str | None = None,
     ) -> None:
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
         self.vision = vision
         self.policy = policy
         self.image_limit = image_limit
-        if model_path and os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
-            self.hf = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+        self.gemma: GemmaPrompt | None = None
+        if vision.kind == "gemma3":
+            self.hf = gemma3_image_processor(vision, model_path)
+            self.gemma = GemmaPrompt(vision, tokenizer_path or model_path)
         else:
-            self.hf = Qwen2VLImageProcessorPil(
-                patch_size=vision.patch_size,
-                temporal_patch_size=vision.temporal_patch_size,
-                merge_size=vision.spatial_merge_size,
-            )
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+            if model_path and os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
+                self.hf = Qwen2VLImageProcessorPil.from_pretrained(model_path)
+            else:
+                self.hf = Qwen2VLImageProcessorPil(
+                    patch_size=vision.patch_size,
+                    temporal_patch_size=vision.temporal_patch_size,
+                    merge_size=vision.spatial_merge_size,
+                )
         # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
         # so a prompt never waits for a worker that is itself waiting.
         self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-images")
@@ -92,8 +99,12 @@ class ImageProcessor:
             out = self.hf(images=[image], return_tensors="pt")
         except Exception as e:
             raise MediaError(f"cannot preprocess image: {type(e).__name__}: {e}") from None
-        pixels = out["pixel_values"].float().contiguous()
-        t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
+        if self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
+            pixels = out["pixel_values"].float().flatten(1).contiguous()
+            t, h, w = self.gemma.grid(out["pixel_values"].shape)
+        else:
+            pixels = out["pixel_values"].float().contiguous()
+            t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
         digest = hashlib.sha256(pixels.numpy().tobytes())
         digest.update(np.asarray([t, h, w], dtype=np.int64).tobytes())
         return pixels, (t, h, w), digest.hexdigest()
@@ -104,14 +115,20 @@ class ImageProcessor:
             raise InvalidRequestError(
                 f"{len(images)} images in one prompt; at most {self.image_limit} (--limit-mm-per-prompt)"
             )
-        pad = self.vision.image_token_id
+        gemma = self.gemma
+        pad = self.vision.image_token_id if gemma is None else gemma.boi
         slots = [i for i, t in enumerate(token_ids) if t == pad]
         if len(slots) != len(images):
+            name = "<|image_pad|>" if gemma is None else "<start_of_image>"
             raise InvalidRequestError(
-                f"the prompt has {len(slots)} image placeholders (<|image_pad|>) but {len(images)} images were given"
+                f"the prompt has {len(slots)} image placeholders ({name}) but {len(images)} images were given"
             )
+        if gemma is not None:
+            gemma.check_newlines()
         futures = [self._future(source) for source in images]
         processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
+        if gemma is not None:
+            return gemma.expand(token_ids, slots, processed)
         return expand_placeholders(token_ids, slots, processed, self.vision)
 
     def _future(self, source: Any) -> Future[Pixels]:
@@ -193,7 +210,11 @@ def image_processor_for(source: Any, options: Any) -> ImageProcessor | None:
         return None
     path = source.path if source.kind == "hf" else None
     return ImageProcessor(
-        vision, path, MediaPolicy.from_options(options), parse_image_limit(options.limit_mm_per_prompt)
+        vision,
+        path,
+        MediaPolicy.from_options(options),
+        parse_image_limit(options.limit_mm_per_prompt),
+        tokenizer_path=source.tokenizer_path,
     )
 
 

@@ -180,7 +180,9 @@ class ModelRunner:
         if getattr(model, "takes_images", False):
             from overnight.runner.vision import VisionStep
 
-            self.vision = VisionStep(cast("ImageModel", model), self.device)
+            self.vision = VisionStep(
+                cast("ImageModel", model), self.device, max_tokens=sched.max_num_batched_tokens
+            )
         self.graphs: DecodeGraphs | None = None
         self._prev_index: dict[str, int] = {}  # request -> row of the last launch's samples
         self._prev_tokens: torch.Tensor | None = None
@@ -342,6 +344,10 @@ class ModelRunner:
             if self.vision.mrope:
                 positions = self.vision.positions(scheduled, positions, decode_only)
             vision_rows = None if decode_only else self.vision.rows(scheduled)
+            if vision_rows is not None:
+                limits = self.vision.key_limits(scheduled, inputs.input_ids.shape[0])
+                for m in inputs.group_metas:  # [0] is inputs.meta
+                    m.key_limit = limits
         if bucket is not None:
             assert self.graphs is not None
             hidden = self.graphs.replay(bucket)[: len(scheduled)]

@@ -57,10 +57,15 @@ class EncoderCache:
 
 
 class VisionStep:
-    def __init__(self, model: ImageModel, device: torch.device, cache_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, model: ImageModel, device: torch.device, cache_bytes: int = 1 << 30, max_tokens: int = 0
+    ) -> None:
         self.model = model
         self.mrope = model.uses_mrope
+        assert model.arch.vision is not None
+        self.bidirectional = model.arch.vision.bidirectional_images
         self.device = device
+        self.max_tokens = max_tokens  # max_num_batched_tokens: the image tokens one step may hold
         self.cache = EncoderCache(cache_bytes)
         self.images_encoded = 0  # images run through the tower (a test counts them)
 
@@ -100,6 +105,34 @@ class VisionStep:
             host = np.concatenate([host, np.zeros((3, pad), dtype=np.int64)], axis=1)
         return self._to_device(torch.from_numpy(host))
 
+    def key_limits(self, scheduled: list[ScheduledRequest], num_rows: int) -> torch.Tensor | None:
+        """[num_rows] int32 last visible key per row (AttentionMetadata.key_limit) for a step with
+        prompt chunks of a model whose image tokens attend both ways; None when no chunk holds one.
+        A row's limit is its position, or inside an image its image's last position (the scheduler keeps
+        an image within one chunk, so that key is written in this step)."""
+        if not self.bidirectional:
+            return None
+        pieces: list[np.ndarray] = []
+        found = False
+        for s in scheduled:
+            start, end = s.start, s.start + s.num_tokens
+            p = np.arange(start, end, dtype=np.int32)
+            mm = s.state.multi_modal
+            if mm is not None:
+                for im in mm.images:
+                    lo, hi = max(start, im.offset), min(end, im.end)
+                    if lo < hi:
+                        assert lo == im.offset and hi == im.end, "an image split across prefill chunks"
+                        p[lo - start : hi - start] = im.end - 1
+                        found = True
+            pieces.append(p)
+        if not found:
+            return None
+        host = np.zeros(num_rows, dtype=np.int32)
+        flat = np.concatenate(pieces)
+        host[: len(flat)] = flat
+        return self._to_device(torch.from_numpy(host))
+
     def rows(self, scheduled: list[ScheduledRequest]) -> VisionRows | None:
         """The image rows of a step with prompt chunks (None when no chunk covers an image token)."""
         wanted: list[tuple[int, ImageInput, int, int]] = []  # (batch row, image, first, last) token
@@ -137,6 +170,12 @@ class VisionStep:
         max_pixels, as a square), so the start-up peak-memory step counts the encoder's activations."""
         vision = self.model.arch.vision
         assert vision is not None
+        if vision.kind == "gemma3":  # one size: the most one step encodes is every image in its budget
+            side = vision.image_size // vision.patch_size
+            n = max(1, self.max_tokens // max(1, vision.mm_tokens_per_image))
+            pixels = torch.zeros(n, vision.in_channels * vision.image_size**2, device=self.device)
+            self.model.embed_images(pixels, [(1, side, side)] * n)
+            return
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):

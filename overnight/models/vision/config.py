@@ -53,3 +53,52 @@ def vision_arch_from_hf(cfg: dict[str, Any], kind: str) -> VisionArch:
     if kind == "qwen3_vl" and int(arch.num_position_embeddings**0.5) ** 2 != arch.num_position_embeddings:
         raise ModelLoadError("vision_config.num_position_embeddings must be a square")
     return arch
+
+
+def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
+    """Gemma 3's SigLIP tower (vision_config) and its image tokens: boi, mm_tokens_per_image soft tokens,
+    eoi. spatial_merge_size is the projector's pooling kernel (patches per side / tokens per side), so
+    VisionArch.num_tokens of the patch grid is mm_tokens_per_image as for the Qwen towers. On sliding
+    layers an image token sees its window back from its own position and its image's later tokens (as
+    transformers masks it), so an image may be longer than the window."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    image_token = cfg.get("image_token_id", cfg.get("image_token_index", 262_144))
+    boi = cfg.get("boi_token_id", cfg.get("boi_token_index", 255_999))
+    eoi = cfg.get("eoi_token_id", cfg.get("eoi_token_index", 256_000))
+    tokens = int(cfg.get("mm_tokens_per_image") or 256)
+    try:
+        image_size, patch = int(v.get("image_size", 224)), int(v.get("patch_size", 16))
+        per_side, tokens_side = image_size // patch, int(round(tokens**0.5))
+        if tokens_side**2 != tokens or per_side % tokens_side:
+            raise ModelLoadError(
+                f"mm_tokens_per_image ({tokens}) must be a square whose side divides the {per_side} patches "
+                f"per side of image_size {image_size} / patch_size {patch}"
+            )
+        arch = VisionArch(
+            kind="gemma3",
+            depth=int(v.get("num_hidden_layers", 12)),
+            hidden_size=int(v.get("hidden_size", 768)),
+            intermediate_size=int(v.get("intermediate_size", 3072)),
+            num_heads=int(v.get("num_attention_heads", 12)),
+            out_hidden_size=text_hidden,
+            patch_size=patch,
+            temporal_patch_size=1,
+            spatial_merge_size=per_side // tokens_side,
+            in_channels=int(v.get("num_channels", 3)),
+            hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+            image_token_id=int(image_token),
+            vision_start_token_id=int(boi),
+            vision_end_token_id=int(eoi),
+            image_size=image_size,
+            mm_tokens_per_image=tokens,
+            layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid Gemma 3 vision_config: {e}") from None
+    if arch.hidden_act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"unsupported SigLIP hidden_act {arch.hidden_act!r} (gelu_pytorch_tanh)")
+    if arch.hidden_size % arch.num_heads:
+        raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
+    return arch
