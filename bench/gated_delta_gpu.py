@@ -41,6 +41,7 @@ HBM_GBPS = 4300.0
 DEV = torch.device("cuda")
 DECODE_BATCHES = [1, 64, 256]
 PREFILLS = [(16, 512), (4, 2048)]
+DECODE_CONFIGS = [(16, 2), (64, 4), (64, 8), (128, 8)]
 NUM_SLOTS = 300  # more slots than the largest batch: requests sit at scattered slots
 
 checks: list[tuple[str, bool, str]] = []
@@ -230,6 +231,17 @@ def fla_decode(layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-de
     return o[:, 0]
 
 
+def triton_decode(block_v, num_warps, layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-def]
+    """TritonDeltaRuleOps.decode with another tile for the delta step (the tuning sweep)."""
+    from overnight.kernels.gated_delta_decode import conv_step, delta_step
+
+    n = mixed.shape[0]
+    idx, keep = st.slot_ids[:n], st.has_state[:n]
+    y = conv_step(mixed, layer.conv_weight, conv, idx, keep)
+    q, k, v = layer.split(y)
+    return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm, idx, keep, block_v, num_warps)
+
+
 def graph_time_us(fn: Callable[[], object], reps: int = 50) -> tuple[float, str]:
     """Median of `reps` replays of fn captured in a CUDA graph (eager if capture fails)."""
     fn()
@@ -274,6 +286,10 @@ def bench_decode(fla_ok: bool) -> None:
             "torch": partial(TORCH.decode, layer, mixed, a, b, conv, ssm, st),
             "triton": partial(TRITON.decode, layer, mixed, a, b, conv, ssm, st),
         }
+        for bv, warps in DECODE_CONFIGS:  # the delta step's tile (dk x bv) and warps; default (32, 4)
+            impls[f"triton bv{bv} w{warps}"] = partial(
+                triton_decode, bv, warps, layer, mixed, a, b, conv, ssm, st
+            )
         if fla_ok:
             impls["fla fused_recurrent"] = partial(fla_decode, layer, mixed, a, b, conv, ssm, st)
         base = None
