@@ -1,5 +1,6 @@
-"""GPU check and benchmark of the Gated DeltaNet ops: the torch reference path against the Triton decode
-kernels (kernels/gated_delta_decode.py) and fla-core (prefill; its fused_recurrent for decode).
+"""GPU check and benchmark of the Gated DeltaNet ops: the torch reference path against our Triton kernels
+(kernels/gated_delta_decode.py: decode, and the token-by-token varlen form for prefill) and fla-core
+(its chunked prefill; its fused_recurrent for decode).
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python bench/gated_delta_gpu.py
 Needs torch + triton; fla-core (the `gpu` extra) for its rows, which are skipped with a line without it.
@@ -141,9 +142,9 @@ def check_decode(ops: TritonDeltaRuleOps | None, name: str, dtype: torch.dtype, 
     )
 
 
-def check_prefill_then_decode(dtype: torch.dtype, tol: float) -> None:
+def check_prefill_then_decode(prefill: TritonDeltaRuleOps, dtype: torch.dtype, tol: float) -> None:
     """Four prompts in one varlen call (two continue from their slots), then the longest one's second
-    chunk, then three decode steps of all four: fla prefill + Triton decode against torch."""
+    chunk, then three decode steps of all four: the prefill ops + Triton decode against torch."""
     gen = torch.Generator(device=DEV).manual_seed(2)
     layer = make_layer(dtype, gen)
     conv, ssm = make_pools(gen)
@@ -156,7 +157,7 @@ def check_prefill_then_decode(dtype: torch.dtype, tol: float) -> None:
         use = slots if i == 0 else [77]
         rows = prefill_rows(lens, use, has_now)
         mixed, a, b = make_rows(sum(lens), dtype, gen)
-        o = FLA.prefill(layer, mixed, a, b, conv, ssm, rows)
+        o = prefill.prefill(layer, mixed, a, b, conv, ssm, rows)
         o_ref = TORCH.prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
         errs[f"prefill{i}"] = rel_err(o, o_ref)
     slot_t, ones = torch.tensor(slots, device=DEV), torch.ones(4, device=DEV)
@@ -169,7 +170,7 @@ def check_prefill_then_decode(dtype: torch.dtype, tol: float) -> None:
         errs[f"decode{step}"] = rel_err(o, o_ref)
     errs["ssm"] = rel_err(ssm[slot_t], ref_ssm[slot_t])
     errs["conv"] = rel_err(conv[slot_t], ref_conv[slot_t])
-    record(f"fla prefill (2 chunks) + triton decode {str(dtype)[6:]}", errs, tol)
+    record(f"{prefill.name} prefill (2 chunks) + triton decode {str(dtype)[6:]}", errs, tol)
 
 
 def check_graph(dtype: torch.dtype) -> None:
@@ -328,6 +329,7 @@ def bench_prefill(fla_ok: bool) -> None:
         mixed, a, b = make_rows(nseq * length, torch.bfloat16, gen)
         impls: dict[str, Callable[[], object]] = {
             "torch": partial(TORCH.prefill, layer, mixed, a, b, conv, ssm, rows_),
+            "triton recurrent (varlen)": partial(TRITON.prefill, layer, mixed, a, b, conv, ssm, rows_),
         }
         if fla_ok:
             impls["fla chunk (varlen)"] = partial(FLA.prefill, layer, mixed, a, b, conv, ssm, rows_)
@@ -369,11 +371,14 @@ def main() -> None:
 
     for dtype, tol in [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)]:
         guarded(f"decode triton {dtype}", check_decode, TRITON, "triton", dtype, tol)
+        guarded(f"triton prefill + decode {dtype}", check_prefill_then_decode, TRITON, dtype, tol)
         if fla_ok:
             guarded(f"decode fla {dtype}", check_decode, None, "fla fused_recurrent", dtype, tol)
             # fla's chunk kernels run their dots in tf32 on fp32 inputs
             prefill_tol = tol if dtype == torch.bfloat16 else 2e-3
-            guarded(f"fla prefill + triton decode {dtype}", check_prefill_then_decode, dtype, prefill_tol)
+            guarded(
+                f"fla prefill + triton decode {dtype}", check_prefill_then_decode, FLA, dtype, prefill_tol
+            )
     guarded("cuda graph replay", check_graph, torch.bfloat16)
     print(f"checks done in {time.time() - t0:.0f} s", flush=True)
 
@@ -381,12 +386,12 @@ def main() -> None:
     guarded("prefill timings", bench_prefill, fla_ok)
 
     print(
-        f"\n{'op':8} {'shape':12} {'impl':22} {'mode':6} {'time us':>10} {'state GB/s':>11} {'vs torch':>9}"
+        f"\n{'op':8} {'shape':12} {'impl':26} {'mode':6} {'time us':>10} {'state GB/s':>11} {'vs torch':>9}"
     )
     for r in rows:
         gbps = f"{r['gbps']:.0f}" if r["gbps"] else "-"
         print(
-            f"{r['op']:8} {r['shape']:12} {r['impl']:22} {r['mode']:6} {r['us']:10.1f} {gbps:>11} {r['speedup']:8.1f}x"
+            f"{r['op']:8} {r['shape']:12} {r['impl']:26} {r['mode']:6} {r['us']:10.1f} {gbps:>11} {r['speedup']:8.1f}x"
         )
     print(f"(decode state traffic against ~{HBM_GBPS:.0f} GB/s HBM; {time.time() - t0:.0f} s in all)")
     failed = [name for name, ok, _ in checks if not ok]

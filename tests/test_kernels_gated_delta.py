@@ -1,7 +1,8 @@
-"""The Gated DeltaNet decode kernels (kernels/gated_delta_decode.py) against the torch references of
-layers/gated_delta.py: the conv step and the delta-rule step, with states read and written in place at
-slots that are not 0..n-1, a sequence starting from zeros over a poisoned slot, and states carried over
-several steps. Also the batched varlen conv of the GPU prefill path against the per-sequence reference.
+"""The Gated DeltaNet kernels (kernels/gated_delta_decode.py) against the torch references of
+layers/gated_delta.py: the conv step, the delta-rule step and its varlen (prefill) form, with states
+read and written in place at slots that are not 0..n-1, sequences starting from zeros over poisoned
+slots, and states carried over several steps and chunks. Also the batched varlen conv of the GPU
+prefill path, the backend choice, and (GPU machines with fla-core) fla's prefill.
 
 On a CPU-only machine conftest.py turns on the Triton interpreter (fp32/fp16, tiny shapes)."""
 
@@ -77,6 +78,49 @@ def test_decode_steps_match_reference_in_place(dtype: torch.dtype) -> None:
     torch.testing.assert_close(ssm_pool[untouched], ref_ssm[untouched], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
+    """TritonDeltaRuleOps' prefill without fla (batched conv, then the token-by-token varlen kernel)
+    against the torch path (per request, chunked): four prompts, one of a single token, two continuing
+    from their slots, two starting from zeros over NaN slots; then a second chunk of two of them."""
+    from overnight.layers.gated_delta_ops import (
+        DeltaLayer,
+        PrefillRows,
+        TorchDeltaRuleOps,
+        TritonDeltaRuleOps,
+    )
+
+    gen = torch.Generator().manual_seed(5)
+    conv_dim, weight, A_log, dt_bias = _params(dtype, gen)
+    layer = DeltaLayer(HK, HV, DK, DV, weight, A_log, dt_bias)
+    conv_pool = torch.randn(NUM_SLOTS, KW - 1, conv_dim, generator=gen).to(DEVICE)
+    ssm_pool = (0.1 * torch.randn(NUM_SLOTS, HV, DK, DV, generator=gen)).to(DEVICE)
+    conv_pool[[0, 2]], ssm_pool[[0, 2]] = float("nan"), float("nan")
+    ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.clone()
+    tol = TOL[dtype]
+    steps = [([1, 9, 70, 5], [6, 0, 2, 4], [True, False, False, True]), ([3, 66], [4, 0], [True, True])]
+    for lens, slots, has in steps:
+        starts = torch.tensor([0, *lens]).cumsum(0).tolist()
+        rows = PrefillRows(
+            starts,
+            slots,
+            has,
+            torch.tensor(starts, device=DEVICE),
+            torch.tensor(slots, device=DEVICE),
+            torch.tensor([float(h) for h in has], device=DEVICE),
+        )
+        mixed = torch.randn(starts[-1], conv_dim, generator=gen).to(DEVICE, dtype)
+        a = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
+        b = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
+        o = TritonDeltaRuleOps(fla_prefill=False).prefill(layer, mixed, a, b, conv_pool, ssm_pool, rows)
+        o_ref = TorchDeltaRuleOps().prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
+        torch.testing.assert_close(o.float(), o_ref.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(ssm_pool[slots], ref_ssm[slots], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(conv_pool[slots], ref_conv[slots], rtol=tol, atol=tol)
+    others = [1, 3, 5]
+    assert torch.equal(ssm_pool[others], ref_ssm[others]) and torch.equal(conv_pool[others], ref_conv[others])
+
+
 def test_decode_step_rejects_bad_inputs() -> None:
     gen = torch.Generator().manual_seed(1)
     conv_dim, weight, A_log, dt_bias = _params(torch.float32, gen)
@@ -114,11 +158,12 @@ def test_varlen_conv_matches_per_sequence_reference() -> None:
     torch.testing.assert_close(pool, want_pool, rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.slow  # two tiny engines and transformers, the decode kernels through the interpreter
-def test_models_token_exact_with_decode_kernels(tmp_path, monkeypatch) -> None:
-    """The GPU path's wiring on the CPU: the Triton decode kernels (prefill on torch) in a Qwen3-Next
-    engine, fp32 greedy, token-exact with transformers; chunked prefill mixes decodes with later chunks,
-    and decode steps also run padded as CUDA graphs replay them (padding rows on the scratch slot)."""
+@pytest.mark.slow  # an engine and transformers, the kernels through the interpreter
+def test_models_token_exact_with_triton_ops(tmp_path, monkeypatch) -> None:
+    """The GPU path's wiring on the CPU: TritonDeltaRuleOps without fla (decode kernels, batched conv
+    and the varlen kernel for prefill) in a Qwen3-Next engine, fp32 greedy, token-exact with
+    transformers; chunked prefill mixes decodes with later chunks, and decode steps also run padded as
+    CUDA graphs replay them (padding rows on the scratch slot)."""
     import overnight.models.gated_deltanet as gdn_model
     from overnight import LLM, SamplingParams
     from overnight.layers.gated_delta_ops import TritonDeltaRuleOps
@@ -169,7 +214,7 @@ def test_backend_choice_by_device(monkeypatch) -> None:
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", None)
     assert delta_rule_ops(x).name == "torch"
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    assert delta_rule_ops(x).name == "triton+torch-prefill"  # fla only ever for CUDA inputs
+    assert delta_rule_ops(x).name == "triton"  # fla only ever for CUDA inputs
     if not torch.cuda.is_available():
         assert "fla" not in sys.modules  # the CPU path never imports it
 

@@ -74,7 +74,7 @@ def _conv_step_kernel(
 
 
 @triton.jit
-def _delta_step_kernel(
+def _delta_rule_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -85,6 +85,7 @@ def _delta_step_kernel(
     pool_ptr,
     slot_ptr,
     has_ptr,
+    cu_ptr,
     o_ptr,
     stride_qn,
     stride_qh,
@@ -104,6 +105,7 @@ def _delta_step_kernel(
     DV: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -111,31 +113,39 @@ def _delta_step_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_k, mask_v = offs_k < DK, offs_v < DV
     hk = h // R
-
-    q = tl.load(q_ptr + n * stride_qn + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + n * stride_kn + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-    q = q * tl.math.rsqrt(tl.sum(q * q) + eps) * scale
-    k = k * tl.math.rsqrt(tl.sum(k * k) + eps)
-    v = tl.load(v_ptr + n * stride_vn + h * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-
-    # gates: g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20); beta = sigmoid(b)
-    a = tl.load(a_ptr + n * stride_an + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-    softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-    decay = tl.exp(-tl.exp(tl.load(A_log_ptr + h).to(tl.float32)) * softplus)
-    b = tl.load(b_ptr + n * stride_bn + h)
-    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+    if VARLEN:  # sequence n owns rows cu[n] .. cu[n+1]
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    else:  # one row per sequence
+        bos = n
+        eos = n + 1
 
     slot = tl.load(slot_ptr + n).to(tl.int64)
     # without a state the old contents are not even read (they may be garbage); a tile for the mask
     keep = tl.load(has_ptr + n + 0 * offs_v) != 0
     p_s = pool_ptr + slot * stride_ps + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
-    mask_s = mask_k[:, None] & (mask_v & keep)[None, :]
-    s = tl.load(p_s, mask=mask_s, other=0.0) * decay  # [BLOCK_K, BLOCK_V]
-    r = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S mispredicts for k
-    s = s + k[:, None] * r[None, :]
-    o = tl.sum(s * q[:, None], axis=0)
+    s = tl.load(p_s, mask=mask_k[:, None] & (mask_v & keep)[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]
+    neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+
+    for t in range(bos, eos):
+        q = tl.load(q_ptr + t * stride_qn + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kn + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q = q * tl.math.rsqrt(tl.sum(q * q) + eps) * scale
+        k = k * tl.math.rsqrt(tl.sum(k * k) + eps)
+        v = tl.load(v_ptr + t * stride_vn + h * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20); beta = sigmoid(b)
+        a = tl.load(a_ptr + t * stride_an + h).to(tl.float32) + dt_bias
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        b = tl.load(b_ptr + t * stride_bn + h)
+        beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+
+        s = s * tl.exp(neg_A * softplus)
+        r = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S mispredicts for k
+        s = s + k[:, None] * r[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_on + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
     tl.store(p_s, s, mask=mask_k[:, None] & mask_v[None, :])
-    tl.store(o_ptr + n * stride_on + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
 
 
 def _check_slots(n: int, pool: torch.Tensor, slot_ids: torch.Tensor, has_state: torch.Tensor) -> None:
@@ -210,21 +220,66 @@ def delta_step(
     q, k [N, Hk, dk]; v [N, Hv, dv] (any row/head strides, unit stride along d: views into the conv
     output); a, b [N, Hv] raw projections (unit stride along heads); A_log, dt_bias [Hv];
     ssm_pool [S, Hv, dk, dv] float32. Returns o [N, Hv, dv] in v's dtype."""
-    n, hk, dk = q.shape
+    return _launch(q, k, v, a, b, A_log, dt_bias, ssm_pool, slot_ids, has_state, None, block_v, num_warps)
+
+
+def delta_rule_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_state: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    block_v: int = 32,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """delta_step over whole sequences: sequence i is rows cu_seqlens[i] .. cu_seqlens[i+1] of the
+    T-row inputs (shapes as delta_step's with T for N), run token by token from its slot's state, which
+    is left there. The prefill path without fla-core: one launch for the step, no Python per token,
+    but sequential within a sequence (fla's chunked form does the tokens of a chunk in parallel)."""
+    return _launch(
+        q, k, v, a, b, A_log, dt_bias, ssm_pool, slot_ids, has_state, cu_seqlens, block_v, num_warps
+    )
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    ssm_pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_state: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    block_v: int,
+    num_warps: int,
+) -> torch.Tensor:
+    t, hk, dk = q.shape
     _, hv, dv = v.shape
-    if k.shape != q.shape or v.shape[0] != n or hv % hk:
+    if k.shape != q.shape or v.shape[0] != t or hv % hk:
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit")
-    if a.shape != (n, hv) or b.shape != (n, hv) or A_log.shape != (hv,) or dt_bias.shape != (hv,):
-        raise ValueError(f"a, b must be [{n}, {hv}] and A_log, dt_bias [{hv}]")
+    if a.shape != (t, hv) or b.shape != (t, hv) or A_log.shape != (hv,) or dt_bias.shape != (hv,):
+        raise ValueError(f"a, b must be [{t}, {hv}] and A_log, dt_bias [{hv}]")
     if ssm_pool.dim() != 4 or ssm_pool.shape[1:] != (hv, dk, dv):
         raise ValueError(f"ssm_pool must be [S, {hv}, {dk}, {dv}], got {tuple(ssm_pool.shape)}")
-    if any(t.stride(-1) != 1 for t in (q, k, v, a, b, A_log, dt_bias)):
+    if any(x.stride(-1) != 1 for x in (q, k, v, a, b, A_log, dt_bias)):
         raise ValueError("q, k, v, a, b, A_log and dt_bias need unit stride along their last dimension")
+    n = t if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.device != q.device):
+        raise ValueError(f"cu_seqlens must be [num_seqs + 1] on {q.device}")
     _check_slots(n, ssm_pool, slot_ids, has_state)
-    o = torch.empty(n, hv, dv, dtype=v.dtype, device=v.device)
-    if n:
+    o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
+    if n and t:
         block_v = min(block_v, triton.next_power_of_2(dv))
-        _delta_step_kernel[(n, hv, triton.cdiv(dv, block_v))](
+        _delta_rule_kernel[(n, hv, triton.cdiv(dv, block_v))](
             q,
             k,
             v,
@@ -235,6 +290,7 @@ def delta_step(
             ssm_pool,
             slot_ids,
             has_state,
+            cu_seqlens if cu_seqlens is not None else slot_ids,  # unread without VARLEN
             o,
             q.stride(0),
             q.stride(1),
@@ -254,6 +310,7 @@ def delta_step(
             DV=dv,
             BLOCK_K=triton.next_power_of_2(dk),
             BLOCK_V=block_v,
+            VARLEN=cu_seqlens is not None,
             num_warps=num_warps,
         )
     return o

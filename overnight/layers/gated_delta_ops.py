@@ -5,10 +5,10 @@ one place.
                         (states gathered from the pool by slot and scattered back), prefill rows one
                         request at a time with the chunked rule
     TritonDeltaRuleOps  CUDA: decode rows through kernels/gated_delta_decode.py (states updated in place
-                        at their slots, capturable); prefill rows of the whole step in one varlen call
-                        of fla-core's chunk_gated_delta_rule (the kernels vLLM and SGLang derive theirs
-                        from) after one batched conv; without fla-core installed (the `gpu` extra),
-                        prefill rows take the torch path
+                        at their slots, capturable); prefill rows of the whole step after one batched
+                        conv in one varlen call of fla-core's chunk_gated_delta_rule (the kernels vLLM
+                        and SGLang derive theirs from), or without fla-core installed (the `gpu` extra)
+                        in one launch of our token-by-token varlen kernel
 
 delta_rule_ops(x) picks one by the input's device (kernels/dispatch.py's use_kernels, which tests can
 force) and by whether fla-core imports; fla is imported on first CUDA use only, never on the CPU path.
@@ -158,11 +158,12 @@ class TorchDeltaRuleOps:
 
 
 class TritonDeltaRuleOps:
-    """Triton decode kernels; fla-core's chunked rule for prefill when `fla_prefill` (else torch)."""
+    """Triton decode kernels; for prefill, after one batched conv, fla-core's chunked rule when
+    `fla_prefill`, else our token-by-token varlen kernel (one launch per layer, sequential in time)."""
 
     def __init__(self, fla_prefill: bool) -> None:
         self.fla_prefill = fla_prefill
-        self.name = "triton+fla" if fla_prefill else "triton+torch-prefill"
+        self.name = "triton+fla" if fla_prefill else "triton"
 
     def decode(
         self,
@@ -192,12 +193,26 @@ class TritonDeltaRuleOps:
         ssm_pool: torch.Tensor,
         rows: PrefillRows,
     ) -> torch.Tensor:
-        if not self.fla_prefill:
-            return TorchDeltaRuleOps().prefill(layer, mixed, a, b, conv_pool, ssm_pool, rows)
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
         y = varlen_causal_conv1d(mixed, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state)
         q, k, v = layer.split(y)
+        if not self.fla_prefill:
+            from overnight.kernels.gated_delta_decode import delta_rule_varlen
+
+            return delta_rule_varlen(
+                q,
+                k,
+                v,
+                a,
+                b,
+                layer.A_log,
+                layer.dt_bias,
+                ssm_pool,
+                rows.slot_ids,
+                rows.has_state_dev,
+                rows.cu_seqlens,
+            )
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
         keep = rows.has_state_dev[:, None, None, None] != 0
         h0 = torch.where(keep, ssm_pool[rows.slot_ids], 0.0)  # [n, Hv, dk, dv]: fla's layout, K before V
@@ -279,7 +294,7 @@ def fla_importable() -> bool:
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
     except Exception as e:  # an ImportError, or a version clash at import time
-        logger.info("fla-core not usable (%s): Gated DeltaNet prefill runs the torch reference on the GPU", e)
+        logger.info("fla-core not usable (%s): Gated DeltaNet prefill runs the recurrent Triton kernel", e)
         return False
     return True
 
