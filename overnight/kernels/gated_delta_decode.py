@@ -1,11 +1,14 @@
-"""The decode step of a Gated DeltaNet layer: one token per sequence, states updated in place in the pool.
+"""The recurrent form of a Gated DeltaNet layer on the GPU, states updated in place in the pool: the decode
+step (one token per sequence) and its varlen form (whole prompts, token by token: prefill without
+fla-core).
 
 References: causal_conv1d_step_ref, gdn_gates and recurrent_gated_delta_rule_ref in
 overnight/layers/gated_delta.py (the CPU path).
 
-Two launches per layer and step, both reading and writing the request's slot of the state pools
-directly (no gather into a batch tensor and no scatter back: for a 9B model at 256 sequences the
-states are ~1.6 GB per step, and those copies tripled it):
+A decode step is two launches per layer, both reading and writing the request's slot of the state
+pools directly. Qwen3.5-9B at 256 sequences holds 0.5 GB of delta-rule state per layer: these kernels
+read and write it once, where the torch path's gather, elementwise passes and scatter move it about ten
+times.
 
     conv_pool [num_slots + 1, K - 1, C]  float32     conv_step:   grid (sequence, channel block)
     ssm_pool  [num_slots + 1, Hv, dk, dv] float32    delta_step:  grid (sequence, value head, dv block)
@@ -16,9 +19,11 @@ Sequence i uses slot slot_ids[i]; has_state[i] == 0 makes it start from zeros (t
 are ignored, not read: a slot is never cleared). Padding rows of a CUDA-graph batch all point at the
 scratch slot with has_state 0: they race on it, which is harmless because nothing reads scratch.
 
-delta_step fuses what surrounds the recurrence: the q/k L2 norm (fp32, eps 1e-6), the decay
+The delta-rule kernel fuses what surrounds the recurrence: the q/k L2 norm (fp32, eps 1e-6), the decay
 g = -exp(A_log) * softplus(a + dt_bias) and the write strength beta = sigmoid(b) (rounded to b's dtype
-first, as the reference computes it in b's dtype). Head h of Hv reads q/k head h // (Hv // Hk).
+first, as the reference computes it in b's dtype). Head h of Hv reads q/k head h // (Hv // Hk). In its
+varlen form (delta_rule_varlen) a program keeps its state tile in registers across its sequence's
+tokens and stores it once at the end.
 
 Launches depend only on shapes, strides and pointers (no host reads of device values): decode steps
 capture into CUDA graphs.
