@@ -244,6 +244,30 @@ def triton_decode(block_v, num_warps, layer, mixed, a, b, conv, ssm, st):  # typ
     return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm, idx, keep, block_v, num_warps)
 
 
+def triton_prefill(block_v, num_warps, layer, mixed, a, b, conv, ssm, rows):  # type: ignore[no-untyped-def]
+    """TritonDeltaRuleOps.prefill without fla, with another tile for the varlen kernel."""
+    from overnight.kernels.gated_delta_decode import delta_rule_varlen
+    from overnight.layers.gated_delta_ops import varlen_causal_conv1d
+
+    y = varlen_causal_conv1d(mixed, layer.conv_weight, conv, rows.starts, rows.slots, rows.has_state)
+    q, k, v = layer.split(y)
+    return delta_rule_varlen(
+        q,
+        k,
+        v,
+        a,
+        b,
+        layer.A_log,
+        layer.dt_bias,
+        ssm,
+        rows.slot_ids,
+        rows.has_state_dev,
+        rows.cu_seqlens,
+        block_v,
+        num_warps,
+    )
+
+
 def guarded(name: str, fn: Callable[..., None], *args: object) -> None:
     """Run one check or timing; an exception is a FAIL line, and the rest still runs."""
     try:
@@ -330,6 +354,7 @@ def bench_prefill(fla_ok: bool) -> None:
         impls: dict[str, Callable[[], object]] = {
             "torch": partial(TORCH.prefill, layer, mixed, a, b, conv, ssm, rows_),
             "triton recurrent (varlen)": partial(TRITON.prefill, layer, mixed, a, b, conv, ssm, rows_),
+            "triton recurrent bv8 w1": partial(triton_prefill, 8, 1, layer, mixed, a, b, conv, ssm, rows_),
         }
         if fla_ok:
             impls["fla chunk (varlen)"] = partial(FLA.prefill, layer, mixed, a, b, conv, ssm, rows_)
