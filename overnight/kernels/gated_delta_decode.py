@@ -79,6 +79,20 @@ def _conv_step_kernel(
 
 
 @triton.jit
+def _load_token(
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, t, h, hk, offs_k, offs_v, mask_k, mask_v,
+    stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_bn,
+):  # fmt: skip
+    """Row t's inputs for value head h (key head hk), in their own dtypes."""
+    q = tl.load(q_ptr + t * stride_qn + hk * stride_qh + offs_k, mask=mask_k, other=0.0)
+    k = tl.load(k_ptr + t * stride_kn + hk * stride_kh + offs_k, mask=mask_k, other=0.0)
+    v = tl.load(v_ptr + t * stride_vn + h * stride_vh + offs_v, mask=mask_v, other=0.0)
+    a = tl.load(a_ptr + t * stride_an + h)
+    b = tl.load(b_ptr + t * stride_bn + h)
+    return q, k, v, a, b
+
+
+@triton.jit
 def _delta_rule_kernel(
     q_ptr,
     k_ptr,
@@ -133,20 +147,29 @@ def _delta_rule_kernel(
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
+    # Software pipelining: token t+1's inputs load while token t computes (the last iteration reloads
+    # its own row, which is always in bounds), so the sequential loop does not wait on memory each step.
+    q_n, k_n, v_n, a_n, b_n = _load_token(
+        q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, bos, h, hk, offs_k, offs_v, mask_k, mask_v,
+        stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_bn,
+    )  # fmt: skip
     for t in range(bos, eos):
-        q = tl.load(q_ptr + t * stride_qn + hk * stride_qh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_kn + hk * stride_kh + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        q, k, v, a, b = q_n, k_n, v_n, a_n, b_n
+        q_n, k_n, v_n, a_n, b_n = _load_token(
+            q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, tl.minimum(t + 1, eos - 1), h, hk, offs_k, offs_v, mask_k,
+            mask_v, stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_bn,
+        )  # fmt: skip
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
         q = q * tl.math.rsqrt(tl.sum(q * q) + eps) * scale
         k = k * tl.math.rsqrt(tl.sum(k * k) + eps)
-        v = tl.load(v_ptr + t * stride_vn + h * stride_vh + offs_v, mask=mask_v, other=0.0).to(tl.float32)
         # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20); beta = sigmoid(b)
-        a = tl.load(a_ptr + t * stride_an + h).to(tl.float32) + dt_bias
+        a = a.to(tl.float32) + dt_bias
         softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
-        b = tl.load(b_ptr + t * stride_bn + h)
         beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
 
         s = s * tl.exp(neg_A * softplus)
-        r = (v - tl.sum(s * k[:, None], axis=0)) * beta  # the delta: what S mispredicts for k
+        r = (v.to(tl.float32) - tl.sum(s * k[:, None], axis=0)) * beta  # what S mispredicts for k
         s = s + k[:, None] * r[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + t * stride_on + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
