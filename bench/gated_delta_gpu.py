@@ -8,7 +8,8 @@ Fixed seed; about a minute (most of it fla's first compilations). Qwen3.5-9B's l
 (loader/presets/qwen3.5-9b.json): 16 key heads, 32 value heads of 128, conv kernel 4; one layer.
 
 1. Correctness (each a PASS/FAIL line): every GPU path against TorchDeltaRuleOps (float32 math) on the
-   same inputs, relative error ||out - ref|| / ||ref||; bf16 and fp32 inputs; requests at slots that are
+   same inputs, relative error ||out - ref|| / ||ref|| in float64, outputs allocated over NaN-poisoned
+   memory (an unwritten element fails); bf16 and fp32 inputs; requests at slots that are
    not 0..n-1, some starting from zeros over NaN-poisoned slots, the other slots checked untouched; a
    prompt prefilled in two chunks then decoded three steps (states carried across chunks and steps);
    the decode kernels captured in a CUDA graph and replayed with new slots and inputs.
@@ -96,6 +97,13 @@ def prefill_rows(lens: list[int], slots: list[int], has: list[bool]) -> PrefillR
     )
 
 
+def poison_allocator() -> None:
+    """Fill blocks of the caching allocator with NaN and free them: outputs allocated uninitialized next
+    (torch.empty in the ops) start as NaN, so an element a kernel fails to write fails its check."""
+    junk = [torch.full((1 << e,), float("nan"), device=DEV) for e in range(10, 27, 2) for _ in range(4)]
+    del junk
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double(), ref.double()
     return float((x - ref).norm() / ref.norm().clamp_min(1e-30))
@@ -123,6 +131,7 @@ def check_decode(ops: TritonDeltaRuleOps | None, name: str, dtype: torch.dtype, 
     for step in range(3):
         mixed, a, b = make_rows(len(slots), dtype, gen)
         st = state_batch(slots, has, conv, ssm)
+        poison_allocator()
         if ops is None:
             o = fla_decode(layer, mixed, a, b, conv, ssm, st)
         else:
@@ -157,12 +166,14 @@ def check_prefill_then_decode(prefill: TritonDeltaRuleOps, dtype: torch.dtype, t
         use = slots if i == 0 else [77]
         rows = prefill_rows(lens, use, has_now)
         mixed, a, b = make_rows(sum(lens), dtype, gen)
+        poison_allocator()
         o = prefill.prefill(layer, mixed, a, b, conv, ssm, rows)
         o_ref = TORCH.prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
         errs[f"prefill{i}"] = rel_err(o, o_ref)
     slot_t, ones = torch.tensor(slots, device=DEV), torch.ones(4, device=DEV)
     for step in range(3):
         mixed, a, b = make_rows(4, dtype, gen)
+        poison_allocator()
         o = TRITON.decode(layer, mixed, a, b, conv, ssm, state_batch(slot_t, ones, conv, ssm))
         o_ref = TORCH.decode(
             layer, mixed, a, b, ref_conv, ref_ssm, state_batch(slot_t, ones, ref_conv, ref_ssm)
