@@ -43,7 +43,7 @@ HBM_GBPS = 4300.0
 DEV = torch.device("cuda")
 DECODE_BATCHES = [1, 64, 256]
 PREFILLS = [(16, 512), (4, 2048)]
-DECODE_CONFIGS = [(8, 1), (16, 1), (16, 2), (64, 4), (64, 8), (128, 8)]
+DECODE_CONFIGS = [(8, 1), (16, 2), (32, 8), (64, 4), (64, 8)]  # (32, 4) is the default
 NUM_SLOTS = 300  # more slots than the largest batch: requests sit at scattered slots
 
 checks: list[tuple[str, bool, str]] = []
