@@ -10,10 +10,11 @@ them into in_proj_qkvz and in_proj_ba, grouped by key head:
     in_proj_qkvz rows, per key head j:  [ q_j (dk) | k_j (dk) | v of its r value heads (r dv) | z (r dv) ]
     in_proj_ba rows, per key head j:    [ b of its r value heads | a of its r value heads ]
 
-The step's rows come decodes first (attention/metadata.py). Decode rows (one token each) run batched,
-gathering their slots' states by the device tensor slot_ids and scattering them back, with no host
-sync: CUDA graphs capture this path. Prefill rows run request by request with the chunked rule (host
-offsets; prefill steps are never captured). Every request starts from zeros when has_state is 0.
+The step's rows come decodes first (attention/metadata.py). Decode rows (one token each) run batched
+by the device tensor slot_ids, with no host sync: CUDA graphs capture this path. Prefill rows use host
+offsets (prefill steps are never captured). Every request starts from zeros when has_state is 0. How
+the conv and the rule run (torch on the CPU, Triton kernels and fla-core on the GPU) is
+layers/gated_delta_ops.py's choice.
 """
 
 from __future__ import annotations
@@ -23,14 +24,8 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
-from overnight.layers.gated_delta import (
-    GatedRMSNorm,
-    causal_conv1d_ref,
-    causal_conv1d_step_ref,
-    chunk_gated_delta_rule_ref,
-    gdn_gates,
-    recurrent_gated_delta_rule_ref,
-)
+from overnight.layers.gated_delta import GatedRMSNorm
+from overnight.layers.gated_delta_ops import DeltaLayer, delta_rule_ops, prefill_rows
 
 
 class GatedDeltaNet(nn.Module):
@@ -76,16 +71,6 @@ class GatedDeltaNet(nn.Module):
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
-    def _split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Conv output [..., conv_dim] -> q, k [..., Hk, dk], v [..., Hv, dv]."""
-        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        lead = y.shape[:-1]
-        return (
-            q.reshape(*lead, self.num_k_heads, self.head_k_dim),
-            k.reshape(*lead, self.num_k_heads, self.head_k_dim),
-            v.reshape(*lead, self.num_v_heads, self.head_v_dim),
-        )
-
     def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         st = attn.states
         if st is None:
@@ -94,36 +79,28 @@ class GatedDeltaNet(nn.Module):
             )
         meta = attn.meta
         mixed, z, b, a = self.project(x)
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        layer = DeltaLayer(
+            self.num_k_heads,
+            self.num_v_heads,
+            self.head_k_dim,
+            self.head_v_dim,
+            self.conv1d.weight[:, 0],  # [C, K]
+            self.A_log,
+            self.dt_bias,
+        )
+        ops = delta_rule_ops(x)
         conv_pool, ssm_pool = st.conv[self.state_index], st.ssm[self.state_index]
-        weight = self.conv1d.weight[:, 0]  # [C, K]
         t = x.shape[0]
-        core = x.new_empty(t, self.num_v_heads, self.head_v_dim)
         nd = meta.num_decodes
-        if nd:
-            idx, keep = st.slot_ids[:nd], st.has_state[:nd]
-            y, conv_new = causal_conv1d_step_ref(mixed[:nd], weight, conv_pool[idx] * keep[:, None, None])
-            conv_pool.index_copy_(0, idx, conv_new)
-            q, k, v = self._split(y)
-            s0 = ssm_pool[idx] * keep[:, None, None, None]
-            o, s = recurrent_gated_delta_rule_ref(
-                q[:, None], k[:, None], v[:, None], g[:nd, None], beta[:nd, None], s0
-            )
-            ssm_pool.index_copy_(0, idx, s)
-            core[:nd] = o[:, 0]
-        if meta.num_reqs > nd:
-            assert meta.query_start_loc_cpu is not None
-            qsl = meta.query_start_loc_cpu.tolist()
-            for i in range(nd, meta.num_reqs):
-                lo, hi = qsl[i], qsl[i + 1]
-                slot, has = st.slot_ids_cpu[i], st.has_state_cpu[i]
-                y, conv_new = causal_conv1d_ref(mixed[lo:hi], weight, conv_pool[slot] if has else None)
-                conv_pool[slot] = conv_new
-                q, k, v = self._split(y)
-                o, s = chunk_gated_delta_rule_ref(
-                    q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot] if has else None
-                )
-                ssm_pool[slot] = s
-                core[lo:hi] = o
+        if nd == t:  # decode-only (the captured step): no host offsets, no copy of the output
+            core = ops.decode(layer, mixed, a, b, conv_pool, ssm_pool, st)
+        else:  # rows past the last request's (padding) stay unwritten
+            core = x.new_empty(t, self.num_v_heads, self.head_v_dim)
+            if nd:
+                core[:nd] = ops.decode(layer, mixed[:nd], a[:nd], b[:nd], conv_pool, ssm_pool, st)
+            if meta.num_reqs > nd:
+                rows = prefill_rows(meta, st)
+                hi = nd + rows.starts[-1]
+                core[nd:hi] = ops.prefill(layer, mixed[nd:hi], a[nd:hi], b[nd:hi], conv_pool, ssm_pool, rows)
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

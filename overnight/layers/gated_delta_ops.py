@@ -1,0 +1,314 @@
+"""How a Gated DeltaNet layer runs its conv and delta rule over one step's rows: the backend choice, in
+one place.
+
+    TorchDeltaRuleOps   the CPU path and the reference: layers/gated_delta.py's ops, decode rows batched
+                        (states gathered from the pool by slot and scattered back), prefill rows one
+                        request at a time with the chunked rule
+    TritonDeltaRuleOps  CUDA: decode rows through kernels/gated_delta_decode.py (states updated in place
+                        at their slots, capturable); prefill rows of the whole step after one batched
+                        conv in one varlen call of fla-core's chunk_gated_delta_rule (the kernels vLLM
+                        and SGLang derive theirs from), or without fla-core installed (the `gpu` extra)
+                        in one launch of our token-by-token varlen kernel
+
+delta_rule_ops(x) picks one by the input's device (kernels/dispatch.py's use_kernels, which tests can
+force) and by whether fla-core imports; fla is imported on first CUDA use only, never on the CPU path.
+
+Both take the same inputs: the step's rows decodes first (attention/metadata.py), `mixed` the
+q|k|v projection [T, conv_dim] before the conv, a and b the raw decay/write projections [T, Hv], and
+the slot of each request (runner/state_cache.py). They return the rule's output [T, Hv, dv].
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from overnight.attention.linear_state import LinearStateBatch
+from overnight.attention.metadata import AttentionMetadata
+from overnight.kernels.dispatch import use_kernels
+from overnight.layers.gated_delta import (
+    causal_conv1d_ref,
+    causal_conv1d_step_ref,
+    chunk_gated_delta_rule_ref,
+    gdn_gates,
+    recurrent_gated_delta_rule_ref,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeltaLayer:
+    """One layer's sizes and parameters, as the ops need them."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_weight: torch.Tensor  # [conv_dim, K]
+    A_log: torch.Tensor  # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Conv output [N, conv_dim] -> views q, k [N, Hk, dk], v [N, Hv, dv]."""
+        key_dim = self.num_k_heads * self.head_k_dim
+        q, k, v = y.split([key_dim, key_dim, self.num_v_heads * self.head_v_dim], dim=-1)
+        n = y.shape[0]
+        return (
+            q.view(n, self.num_k_heads, self.head_k_dim),
+            k.view(n, self.num_k_heads, self.head_k_dim),
+            v.view(n, self.num_v_heads, self.head_v_dim),
+        )
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """The step's prefill requests (rows num_decodes .. num_reqs of the metadata), host and device."""
+
+    starts: list[int]  # [n + 1] row offsets, relative to the first prefill row
+    slots: list[int]
+    has_state: list[bool]
+    cu_seqlens: torch.Tensor  # the same offsets on the device, int64
+    slot_ids: torch.Tensor  # [n] device
+    has_state_dev: torch.Tensor  # [n] float32 device
+
+
+class DeltaRuleOps(Protocol):
+    name: str
+
+    def decode(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        st: LinearStateBatch,
+    ) -> torch.Tensor:
+        """One token per request (rows 0 .. N of st); captured in CUDA graphs on the GPU."""
+        ...
+
+    def prefill(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        rows: PrefillRows,
+    ) -> torch.Tensor:
+        """Whole or partial prompts, each continuing from its slot when has_state (never captured)."""
+        ...
+
+
+class TorchDeltaRuleOps:
+    name = "torch"
+
+    def decode(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        st: LinearStateBatch,
+    ) -> torch.Tensor:
+        n = mixed.shape[0]
+        idx, keep = st.slot_ids[:n], st.has_state[:n]
+        y, conv_new = causal_conv1d_step_ref(mixed, layer.conv_weight, conv_pool[idx] * keep[:, None, None])
+        conv_pool.index_copy_(0, idx, conv_new)
+        q, k, v = layer.split(y)
+        g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
+        s0 = ssm_pool[idx] * keep[:, None, None, None]
+        o, s = recurrent_gated_delta_rule_ref(
+            q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], s0
+        )
+        ssm_pool.index_copy_(0, idx, s)
+        return o[:, 0]
+
+    def prefill(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        rows: PrefillRows,
+    ) -> torch.Tensor:
+        g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
+        out = mixed.new_empty(mixed.shape[0], layer.num_v_heads, layer.head_v_dim)
+        for i, slot in enumerate(rows.slots):
+            lo, hi, has = rows.starts[i], rows.starts[i + 1], rows.has_state[i]
+            y, conv_new = causal_conv1d_ref(mixed[lo:hi], layer.conv_weight, conv_pool[slot] if has else None)
+            conv_pool[slot] = conv_new
+            q, k, v = layer.split(y)
+            o, s = chunk_gated_delta_rule_ref(q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot] if has else None)
+            ssm_pool[slot] = s
+            out[lo:hi] = o
+        return out
+
+
+class TritonDeltaRuleOps:
+    """Triton decode kernels; for prefill, after one batched conv, fla-core's chunked rule when
+    `fla_prefill`, else our token-by-token varlen kernel (one launch per layer, sequential in time)."""
+
+    def __init__(self, fla_prefill: bool) -> None:
+        self.fla_prefill = fla_prefill
+        self.name = "triton+fla" if fla_prefill else "triton"
+
+    def decode(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        st: LinearStateBatch,
+    ) -> torch.Tensor:
+        from overnight.kernels.gated_delta_decode import conv_step, delta_step
+
+        n = mixed.shape[0]
+        idx, keep = st.slot_ids[:n], st.has_state[:n]
+        y = conv_step(mixed, layer.conv_weight, conv_pool, idx, keep)
+        q, k, v = layer.split(y)
+        return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm_pool, idx, keep)
+
+    def prefill(
+        self,
+        layer: DeltaLayer,
+        mixed: torch.Tensor,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        conv_pool: torch.Tensor,
+        ssm_pool: torch.Tensor,
+        rows: PrefillRows,
+    ) -> torch.Tensor:
+        y = varlen_causal_conv1d(mixed, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state)
+        q, k, v = layer.split(y)
+        if not self.fla_prefill:
+            from overnight.kernels.gated_delta_decode import delta_rule_varlen
+
+            return delta_rule_varlen(
+                q,
+                k,
+                v,
+                a,
+                b,
+                layer.A_log,
+                layer.dt_bias,
+                ssm_pool,
+                rows.slot_ids,
+                rows.has_state_dev,
+                rows.cu_seqlens,
+            )
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
+        keep = rows.has_state_dev[:, None, None, None] != 0
+        h0 = torch.where(keep, ssm_pool[rows.slot_ids], 0.0)  # [n, Hv, dk, dv]: fla's layout, K before V
+        o, final = chunk_gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            scale=layer.head_k_dim**-0.5,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=rows.cu_seqlens,
+            cu_seqlens_cpu=torch.tensor(rows.starts, dtype=torch.int64),
+        )
+        ssm_pool.index_copy_(0, rows.slot_ids, final.to(ssm_pool.dtype))
+        return o[0]
+
+
+def varlen_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    conv_pool: torch.Tensor,
+    starts: list[int],
+    slots: list[int],
+    has_state: list[bool],
+) -> torch.Tensor:
+    """causal_conv1d_ref over n sequences packed in x [T, C] (sequence i: rows starts[i] .. starts[i+1])
+    in one conv call, each starting from its slot's conv state (zeros without one) and leaving its last
+    K-1 inputs there. Returns silu(conv) [T, C] in x's dtype.
+
+    Each sequence gets its K-1 state rows in front of it in one long buffer; a window of K then never
+    reaches into the previous sequence, so one unpadded conv over the buffer gives every sequence's
+    outputs:
+
+        ext: [ s0 s0 s0 | x0 x0 x0 x0 x0 | s1 s1 s1 | x1 | s2 s2 s2 | x2 x2 ... ]     (K = 4)
+    """
+    t, c = x.shape
+    k1 = weight.shape[1] - 1
+    n = len(slots)
+    dev, wdt = x.device, weight.dtype
+    lens = torch.tensor([hi - lo for lo, hi in zip(starts[:-1], starts[1:])], device=dev)
+    seq = torch.repeat_interleave(torch.arange(n, device=dev), lens, output_size=t)
+    tok_pos = torch.arange(t, device=dev) + (seq + 1) * k1  # each token's row in ext
+    seg_start = torch.tensor(starts[:-1], device=dev) + torch.arange(n, device=dev) * k1  # [n]
+    window = torch.arange(k1, device=dev)
+    state_pos = (seg_start[:, None] + window).reshape(-1)
+    slot_t = torch.tensor(slots, device=dev)
+    keep = torch.tensor(has_state, device=dev)[:, None, None]
+    ext = x.new_empty(t + n * k1, c, dtype=wdt)
+    ext[tok_pos] = x.to(wdt)
+    ext[state_pos] = torch.where(keep, conv_pool[slot_t], 0.0).to(wdt).reshape(n * k1, c)
+    out = F.conv1d(ext.t().unsqueeze(0), weight.unsqueeze(1), groups=c)[0].t()  # row p: ext rows p .. p+k1
+    y = F.silu(out[tok_pos - k1]).to(x.dtype)
+    seg_end = seg_start + k1 + lens  # exclusive
+    conv_pool.index_copy_(0, slot_t, ext[(seg_end[:, None] - k1 + window).reshape(-1)].view(n, k1, c).float())
+    return y
+
+
+def prefill_rows(meta: AttentionMetadata, st: LinearStateBatch) -> PrefillRows:
+    """The step's prefill requests (after its num_decodes decode rows), from the metadata's host offsets."""
+    nd, nr = meta.num_decodes, meta.num_reqs
+    if meta.query_start_loc_cpu is None:
+        raise RuntimeError("a prefill step needs the metadata's host offsets (query_start_loc_cpu)")
+    qsl = meta.query_start_loc_cpu[nd : nr + 1].tolist()
+    return PrefillRows(
+        starts=[q - qsl[0] for q in qsl],
+        slots=list(st.slot_ids_cpu[nd:nr]),
+        has_state=list(st.has_state_cpu[nd:nr]),
+        cu_seqlens=(meta.query_start_loc[nd : nr + 1] - meta.query_start_loc[nd]).long(),
+        slot_ids=st.slot_ids[nd:nr],
+        has_state_dev=st.has_state[nd:nr],
+    )
+
+
+@functools.cache
+def fla_importable() -> bool:
+    try:
+        import fla.ops.gated_delta_rule  # noqa: F401
+    except Exception as e:  # an ImportError, or a version clash at import time
+        logger.info("fla-core not usable (%s): Gated DeltaNet prefill runs the recurrent Triton kernel", e)
+        return False
+    return True
+
+
+_TORCH = TorchDeltaRuleOps()
+
+
+def delta_rule_ops(x: torch.Tensor) -> DeltaRuleOps:
+    """The ops for a layer input x (see the module docstring)."""
+    if not use_kernels(x):
+        return _TORCH
+    return _triton_ops(x.is_cuda and fla_importable())
+
+
+@functools.cache
+def _triton_ops(fla_prefill: bool) -> TritonDeltaRuleOps:
+    return TritonDeltaRuleOps(fla_prefill)

@@ -1,0 +1,73 @@
+"""The Gated DeltaNet kernels' defaults (kernels/gated_delta_decode.py) compile for the H200 (sm_90) and
+fit it without register spills: Triton lowers them to a cubin with its bundled ptxas, no GPU needed, so
+code the interpreter accepts but the compiler rejects (or a tile that spills) fails here. The
+compilations run in a child process without TRITON_INTERPRET, as in test_kernels_attention_sm90.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_kernels_attention_sm90 import NVIDIA_BIN, compile_sm90
+
+pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
+
+BF16_DELTA = dict(
+    q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", a_ptr="*bf16", b_ptr="*bf16", A_log_ptr="*fp32",
+    dt_bias_ptr="*bf16", pool_ptr="*fp32", slot_ptr="*i64", has_ptr="*fp32", cu_ptr="*i64", o_ptr="*bf16",
+    scale="fp32", eps="fp32",
+)  # fmt: skip
+BF16_CONV = dict(
+    x_ptr="*bf16", w_ptr="*bf16", pool_ptr="*fp32", slot_ptr="*i64", has_ptr="*fp32", out_ptr="*bf16"
+)
+
+
+def delta_case(varlen: bool):
+    """Qwen3.5-9B's heads (dk = dv = 128, 2 value heads per key head) at delta_step's defaults."""
+    from overnight.kernels.gated_delta_decode import _delta_rule_kernel
+
+    cx = dict(R=2, DK=128, DV=128, BLOCK_K=128, BLOCK_V=32, VARLEN=varlen)
+    return _delta_rule_kernel, BF16_DELTA, cx, 4, 3
+
+
+def conv_case():
+    from overnight.kernels.gated_delta_decode import _conv_step_kernel
+
+    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256), 4, 3
+
+
+CASES = {
+    "delta-decode": lambda: delta_case(False),
+    "delta-varlen": lambda: delta_case(True),
+    "conv": conv_case,
+}
+
+
+def report() -> None:
+    """The child process: compile every case, print their usage as one JSON object."""
+    print(json.dumps({name: compile_sm90(*case()) for name, case in CASES.items()}))
+
+
+@pytest.fixture(scope="module")
+def usage() -> dict[str, list[int]]:
+    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
+        pytest.skip("Triton's bundled CUDA tools are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "from tests.test_kernels_gated_delta_sm90 import report; report()"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_defaults_compile_for_sm90_without_spills(usage: dict[str, list[int]], name: str) -> None:
+    shared, regs, stack = usage[name]
+    assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
+    assert regs <= 255 and shared < 48 * 1024, (name, regs, shared)
