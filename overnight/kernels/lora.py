@@ -134,14 +134,15 @@ if triton is not None:
         if m * BLOCK_M < length:
             # A base segment (slot -1) loads nothing and stores zeros: h is defined on every row, so a
             # tensor-parallel sum over ranks reads no garbage.
+            # (a new name: the compiled language keeps a variable's type across an `if`)
             valid = slot >= 0
-            slot = tl.maximum(slot, 0).to(tl.int64)
+            slot64 = tl.maximum(slot, 0).to(tl.int64)
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             rmask = rows < length
             offs_r = tl.arange(0, BLOCK_R)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             x_rows = x_ptr + (start + rows)[:, None] * stride_xt
-            a_base = a_ptr + slot * stride_as + s * stride_an + offs_r[None, :] * stride_ar
+            a_base = a_ptr + slot64 * stride_as + s * stride_an + offs_r[None, :] * stride_ar
             for k0 in range(0, K, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 kmask = (offs_k < K) & valid
@@ -169,7 +170,7 @@ if triton is not None:
         lo = tl.load(offsets_ptr + s)
         size = tl.load(offsets_ptr + s + 1) - lo
         if m * BLOCK_M < length and slot >= 0 and pn * BLOCK_N < size:
-            slot = slot.to(tl.int64)
+            slot64 = slot.to(tl.int64)  # a new name, as in the shrink kernel
             rows = m * BLOCK_M + tl.arange(0, BLOCK_M)
             rmask = rows < length
             cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -182,7 +183,7 @@ if triton is not None:
                 other=0.0,
             )
             bt = tl.load(
-                b_ptr + slot * stride_bs + (lo + cols)[None, :] * stride_bn + offs_r[:, None],
+                b_ptr + slot64 * stride_bs + (lo + cols)[None, :] * stride_bn + offs_r[:, None],
                 mask=r_ok[:, None] & cmask[None, :],
                 other=0.0,
             )
