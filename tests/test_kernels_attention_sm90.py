@@ -37,9 +37,12 @@ POINTERS = dict(
 LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
 
 
-def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int):
+def compile_sm90(
+    kernel, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, divisible: tuple = ()
+):
     """(shared bytes, registers, stack bytes) of the kernel compiled for sm_90 (in a process without
-    TRITON_INTERPRET)."""
+    TRITON_INTERPRET). divisible: integer arguments besides the strides that Triton would see as multiples
+    of 16 (model sizes), which its pipeliner needs to know."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -50,7 +53,7 @@ def compile_sm90(kernel, types: dict[str, str], constexprs: dict, num_warps: int
             sig[p.name] = "constexpr"
             continue
         sig[p.name] = types.get(p.name) or POINTERS.get(p.name) or ("fp32" if p.name == "qk_scale" else "i32")
-        if sig[p.name].startswith("*") or p.name.startswith("stride"):
+        if sig[p.name].startswith("*") or p.name.startswith("stride") or p.name in divisible:
             attrs[(i,)] = [["tt.divisibility", 16]]  # as Triton specializes aligned pointers and strides
     cx = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
     compiled = triton.compile(

@@ -34,7 +34,7 @@ and pointers: safe to capture in a CUDA graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -52,6 +52,16 @@ class GemmTiles:
     group_m: int = 8  # tiles of GROUP_M row blocks are swept column by column, for L2 reuse
     num_warps: int = 4
     num_stages: int = 3
+
+
+def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
+    """The tiles for operands of `dtype`. The configs are sized for 16-bit operands; fp32 ones (exactness
+    checks, never a fast path) take twice their shared memory: the largest gated tile, 128 x 128 x 64 in
+    three stages, needs 240 KB on sm_90, past the 227 KB a block may use. Two stages of 32-deep tiles fit
+    (tests/test_kernels_sm90_fit.py compiles both for sm_90)."""
+    if dtype == torch.float32:
+        return replace(tiles, block_k=min(tiles.block_k, 32), num_stages=min(tiles.num_stages, 2))
+    return tiles
 
 
 # Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per
@@ -243,6 +253,7 @@ def moe_gemm(
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
     have unit stride along K. An e4m3 w comes with w_scale [E, rows of w] float32 (w[e, r] * w_scale[e, r]
     is the weight)."""
+    tiles = fit_operand_size(tiles, a.dtype)
     num_pairs = runs.num_pairs
     a_rows, k_dim = a.shape
     w_mxfp4 = w.dtype == torch.uint8
