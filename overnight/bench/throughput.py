@@ -106,7 +106,11 @@ def run_ours(
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
             "quantization": engine.config.model.quantization,  # FP8 weights: the roofline still assumes bf16
-            "kv_pool_tokens": engine.pool_plan.num_blocks * engine.config.cache.block_size,
+            # Tokens of context the pool holds with every layer kind keeping all of them (each KV cache
+            # group takes a block per block_size tokens: kv_groups.py); windows give back more past them.
+            "kv_pool_tokens": engine.pool_plan.num_blocks
+            * engine.config.cache.block_size
+            // engine.kv.num_groups,
             "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,
             "lora_swaps": engine.stats().lora_swaps_total,
