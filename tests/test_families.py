@@ -257,16 +257,18 @@ def test_bad_configs_are_refused(cfg, match):
 
 @pytest.mark.parametrize("name", ["glm4", "olmo2"])
 def test_forward_with_kernels_matches_pytorch_path(name, tmp_path, monkeypatch):
-    """The small-op kernels (RMSNorm, partial / interleaved RoPE) in these families' blocks, through the
-    Triton interpreter on the CPU, against the PyTorch path (attention: the torch backend either way)."""
+    """The small-op kernels (RMSNorm, partial / interleaved RoPE) in these families' blocks against the
+    PyTorch path (attention: the torch backend either way); compiled on a GPU, through the Triton
+    interpreter on the CPU. Model and cache sit on DEVICE: a kernel cannot read a CPU tensor on a GPU host."""
     from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE
 
     folder = make_family_checkpoint(tmp_path, name)
-    model = load_model(resolve_source(str(folder)), torch.float32, "cpu")
+    model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
     prompt = list(range(5, 5 + 3 * WINDOW))
 
     def run() -> torch.Tensor:
-        cache = PagedCache(model.arch)
+        cache = PagedCache(model.arch, device=DEVICE)
         (prefill,) = cache.step(model, [("a", prompt)])
         (decode,) = cache.step(model, [("a", [int(prefill[-1].argmax())])], num_decodes=1)
         return torch.cat([prefill, decode])

@@ -254,6 +254,7 @@ def test_bad_input_scale_and_fp8_lm_head(checkpoints, tmp_path):
         ({"quant_method": "bitsandbytes", "bits": 4}, "quantization method 'bitsandbytes' is not supported"),
         ({"quant_method": "fp8", "fmt": "e5m2"}, "FP8 format 'e5m2' is not supported"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, "two positive integers"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 16]}, "16 columns is not supported"),
         (
             {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {}}},
             "compressed-tensors quantization_config is malformed",

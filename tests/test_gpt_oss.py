@@ -232,33 +232,37 @@ def test_mxfp4_half_pair_is_refused(mxfp4_folder, tmp_path):
 
 
 def test_mxfp4_experts_through_the_fused_kernels(mxfp4_folder, monkeypatch):
-    """The packed experts through the fused Triton GEMMs (decoding MXFP4 tiles in registers; the
-    interpreter on the CPU) against the CPU path that dequantizes the experts it runs."""
+    """The packed experts through the fused Triton GEMMs (decoding MXFP4 tiles in registers; compiled on a
+    GPU, the interpreter on the CPU) against the path that dequantizes the experts it runs. Only the MoE
+    layer's path flips (router and experts); model, cache and inputs sit on DEVICE, since a kernel on a
+    GPU host cannot read CPU tensors."""
     import overnight.layers.moe as moe
     from overnight.attention.metadata import AttentionBatch
     from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
     from overnight.loader.model_loader import load_model
     from overnight.loader.resolve import resolve_source
+    from tests.kernel_helpers import DEVICE
 
     packed, _ = mxfp4_folder
-    model = load_model(resolve_source(str(packed)), torch.float32, "cpu")
+    model = load_model(resolve_source(str(packed)), torch.float32, DEVICE)
     experts = model.model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == torch.uint8 and experts.gate_up_scales is not None
 
     def forward() -> torch.Tensor:
         arch = model.arch
         caches = [
-            torch.zeros(2, 8, 4, arch.num_key_value_heads, arch.head_dim)
+            torch.zeros(2, 8, 4, arch.num_key_value_heads, arch.head_dim, device=DEVICE)
             for _ in range(arch.num_hidden_layers)
         ]
-        meta = build_metadata([9, 5], [9, 5], [[5, 2, 7], [1, 3]], 4)
+        meta = build_metadata([9, 5], [9, 5], [[5, 2, 7], [1, 3]], 4, device=DEVICE)
         ids = torch.randint(3, arch.vocab_size, (14,), generator=torch.Generator().manual_seed(0))
         pos = torch.cat([torch.arange(9), torch.arange(5)])
         with torch.inference_mode():
             return model.compute_logits(
-                model(ids, pos, AttentionBatch(meta, caches, TorchAttentionBackend()))
+                model(ids.to(DEVICE), pos.to(DEVICE), AttentionBatch(meta, caches, TorchAttentionBackend()))
             )
 
+    monkeypatch.setattr(moe, "use_kernels", lambda x: False)  # on a GPU it would pick the kernels
     expected = forward()
     monkeypatch.setattr(moe, "use_kernels", lambda x: True)
     got = forward()

@@ -21,6 +21,7 @@ from overnight.kernels.kv_layout import k_head_major, to_logical_layout, to_stor
 from overnight.kernels.paged_decode import DecodeConfig, default_decode_config
 from overnight.kernels.paged_decode_fp8 import tma_supported
 from overnight.kernels.paged_prefill import PrefillConfig, default_prefill_config
+from overnight.kernels.score_mods import gpu_dot_refusal
 from tests.kernel_helpers import DEVICE, TOL, assert_close, make_batch, poisoned
 from tests.triton_fp8 import exact_fp8_casts
 
@@ -29,6 +30,26 @@ pytestmark = pytest.mark.slow  # long Triton-interpreter runs
 DTYPES = [torch.float32, torch.float16]
 TINY_DECODE = DecodeConfig(block_n=16)
 TINY_PREFILL = PrefillConfig(16, 16, 4, 1)
+# The least tile a compiled dot contracts (score_mods.gpu_dot_refusal): 16 tokens of 16/32-bit operands,
+# 32 of e4m3. The interpreter takes smaller tiles, which keep its runs short and cover more tile edges.
+SMALL_TILE = 8 if DEVICE == "cpu" else 16
+SMALL_FP8_TILE = 16 if DEVICE == "cpu" else 32
+
+
+def reference(q, cache, meta, scale, kv_scale=None, **kw):
+    """paged_attention_ref in fp32. On a GPU it computes in q's dtype (fp16 scores and weights), which
+    is less exact than the kernels (fp32 scores): on an H200 fp16 cases then differed by 4e-3."""
+    return paged_attention_ref(q.float(), cache, meta, scale, kv_scale, **kw)
+
+
+def assert_matches_emulation(out: torch.Tensor, emulated: torch.Tensor) -> None:
+    """An e4m3-dot kernel against its rounding emulation (attention_fp8_ref.py, fp32 sums). The
+    interpreter sums in fp32 too: within 1e-5. A GPU does not: Hopper's FP8 MMA adds products into an
+    accumulator of about 14 significant bits across a dot's K (scores over D, values over the context's
+    tiles); on an H200 the wide-head outputs moved by up to 3.3e-4 of the largest (2e-4 of 0.61). The
+    bound there, 2^-9 of the largest output, stays far below what a wrong window, sink or scale does."""
+    atol = 1e-5 if DEVICE == "cpu" else 2**-9 * float(emulated.abs().max())
+    torch.testing.assert_close(out, emulated, rtol=1e-5, atol=atol)
 
 
 def poison_outside_windows(
@@ -96,11 +117,11 @@ def test_decode_layer_variants(dtype, num_splits, layer, with_sinks, group) -> N
     given_back = poison_outside_windows(cache, meta, layer.sliding_window)
     assert (given_back > 0) == (layer.sliding_window is not None)
     sinks = sinks_for(hkv * group, seed=group) if with_sinks else None
-    ref = paged_attention_ref(q, cache, meta, d**-0.5, layer=layer, sinks=sinks)
+    ref = reference(q, cache, meta, d**-0.5, layer=layer, sinks=sinks)
     out = run(q, cache, meta, d**-0.5, layer, sinks, num_splits=num_splits, decode_config=TINY_DECODE)
     assert_close(out, ref, dtype)
     if layer != FULL_ATTENTION or with_sinks:  # the variant changes the answer
-        assert not torch.allclose(ref, paged_attention_ref(q, clean, meta, d**-0.5), atol=1e-2)
+        assert not torch.allclose(ref, reference(q, clean, meta, d**-0.5), atol=1e-2)
 
 
 def test_decode_window_reads_only_the_window() -> None:
@@ -112,7 +133,7 @@ def test_decode_window_reads_only_the_window() -> None:
     layer = LayerAttention(sliding_window=window)
     poison_outside_windows(cache, meta, window)
     ref = paged_attention_ref(q, cache, meta, 0.3, layer=layer)
-    for num_splits, block_n in ((1, 16), (4, 8), (8, 16)):
+    for num_splits, block_n in ((1, 16), (4, SMALL_TILE), (8, 16)):
         out = run(
             q, cache, meta, 0.3, layer, num_splits=num_splits, decode_config=DecodeConfig(block_n=block_n)
         )
@@ -146,7 +167,7 @@ def test_prefill_layer_variants(dtype, layer, with_sinks, config) -> None:
     q = q * 3
     poison_outside_windows(cache, meta, layer.sliding_window)
     sinks = sinks_for(hq, seed=61) if with_sinks else None
-    ref = paged_attention_ref(q, cache, meta, d**-0.5, layer=layer, sinks=sinks)
+    ref = reference(q, cache, meta, d**-0.5, layer=layer, sinks=sinks)
     out = run(q, cache, meta, d**-0.5, layer, sinks, prefill_config=config)
     assert_close(out, ref, dtype)
 
@@ -214,6 +235,33 @@ def test_refuses_bad_inputs() -> None:
     big = torch.zeros(2, 2, 8, 1, 640, device=DEVICE)
     with pytest.raises(ValueError, match="head_dim 640"):
         run(torch.zeros(1, 2, 640, device=DEVICE), big, meta, 0.1, FULL_ATTENTION)
+
+
+def test_gpu_dot_sizes() -> None:
+    """What compiled dots contract at least (16 elements of 16/32-bit operands, 32 of e4m3), over the
+    head and over the tile's tokens; on a GPU the launchers refuse smaller explicit configs and move a
+    default FP8 config on narrow heads to the fp16-dot kernels."""
+    assert gpu_dot_refusal(64, 64, True) is None and gpu_dot_refusal(16, 16, False) is None
+    assert "head_dim 16 is below 32" in gpu_dot_refusal(16, 64, True)
+    assert "tiles of 16 tokens are below 32" in gpu_dot_refusal(64, 16, True)
+    assert "head_dim 5 is below 16" in gpu_dot_refusal(5, 64, False)
+    assert "tiles of 8 tokens are below 16" in gpu_dot_refusal(32, 8, False)
+    if DEVICE != "cuda":
+        return
+    meta, q, cache, kv_scale = fp8_window_case(torch.float8_e4m3fn, torch.float16, 64, 16, seed=95)
+    out = run(q, cache, meta, 0.25, FULL_ATTENTION, kv_scale=kv_scale)  # default: fp16 dots
+    ref = reference(q, cache, meta, 0.25, kv_scale)
+    assert ((out.float() - ref).abs().max() / ref.abs().max()).item() < 2e-3
+    with pytest.raises(ValueError, match="DecodeConfig: head_dim 16 is below 32"):
+        run(
+            q,
+            cache,
+            meta,
+            0.25,
+            FULL_ATTENTION,
+            kv_scale=kv_scale,
+            decode_config=DecodeConfig(64, fp8_mma=True),
+        )
 
 
 # -- FP8 caches -------------------------------------------------------------------------------------
@@ -287,7 +335,7 @@ def test_fp8_mma_decode_with_layer_variants(fp8: torch.dtype, tma: bool, num_spl
             q, cache, meta.block_tables, meta.seq_lens, 4, 0.2, kv_scale, 32, num_splits,
             window=layer.sliding_window, softcap=layer.logit_softcap, sinks=sinks,
         )  # fmt: skip
-        torch.testing.assert_close(out, emulated, rtol=1e-5, atol=1e-5)
+        assert_matches_emulation(out, emulated)
         exact = paged_attention_ref(q, cache, meta, 0.2, kv_scale, layer=layer, sinks=sinks)
         assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1  # e4m3's roundings of q and P
 
@@ -308,14 +356,14 @@ def test_fp8_mma_prefill_with_layer_variants() -> None:
     layer = LayerAttention(sliding_window=13, logit_softcap=7.0)
     poison_outside_windows(cache, meta, layer.sliding_window, keep_block_0=True)
     sinks = sinks_for(4, seed=121)
-    cfg = PrefillConfig(16, 16, 4, 1, fp8_mma=True)
+    cfg = PrefillConfig(16, SMALL_FP8_TILE, 4, 1, fp8_mma=True)
     with exact_fp8_casts():
         out = run(q, cache, meta, 0.2, layer, sinks, kv_scale=kv_scale, prefill_config=cfg)
     emulated = prefill_fp8_mma_ref(
-        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 3, 0.2, kv_scale, 16,
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 3, 0.2, kv_scale, cfg.block_n,
         window=layer.sliding_window, softcap=layer.logit_softcap, sinks=sinks,
     )  # fmt: skip
-    torch.testing.assert_close(out, emulated, rtol=1e-5, atol=1e-5)
+    assert_matches_emulation(out, emulated)
     exact = paged_attention_ref(q, cache, meta, 0.2, kv_scale, layer=layer, sinks=sinks)
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1
 
@@ -343,7 +391,7 @@ def test_wide_heads_on_fp8_cache(head_dim: int) -> None:
         q, cache, meta.block_tables, meta.seq_lens, 2, head_dim**-0.5, kv_scale, decode_cfg.block_n,
         window=9, softcap=20.0, sinks=sinks,
     )  # fmt: skip
-    torch.testing.assert_close(out[:2], emulated, rtol=1e-5, atol=1e-5)
+    assert_matches_emulation(out[:2], emulated)
     exact = paged_attention_ref(q, cache, meta, head_dim**-0.5, kv_scale, layer=layer, sinks=sinks)
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1
 
@@ -359,7 +407,7 @@ def test_empty_context_with_sinks_gives_zeros(fp8_mma: bool) -> None:
     layer, sinks = LayerAttention(sliding_window=8), sinks_for(4, seed=141)
     ref = paged_attention_ref(q, cache, meta, 0.2, layer=layer, sinks=sinks)
     meta.seq_lens[1] = 0
-    cfg = DecodeConfig(block_n=16, fp8_mma=fp8_mma)
+    cfg = DecodeConfig(block_n=SMALL_FP8_TILE if fp8_mma else 16, fp8_mma=fp8_mma)
     for num_splits in (1, 4):
         with exact_fp8_casts():
             out = run(q, cache, meta, 0.2, layer, sinks, num_splits=num_splits, decode_config=cfg)

@@ -25,9 +25,10 @@ class PagedCache:
     """Each layer's KV cache plus a per-request block table; blocks are handed out from the top down so
     that a request's blocks are neither contiguous nor in order."""
 
-    def __init__(self, arch: ModelArch, num_blocks: int = 64) -> None:
+    def __init__(self, arch: ModelArch, num_blocks: int = 64, device: torch.device | str = "cpu") -> None:
         shape = (2, num_blocks, BLOCK_SIZE, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(arch.num_hidden_layers)]
+        self.device = torch.device(device)
+        self.kv_caches = [torch.zeros(shape, device=self.device) for _ in range(arch.num_hidden_layers)]
         self.free = list(range(num_blocks))
         self.tables: dict[str, list[int]] = {}
         self.lens: dict[str, int] = {}
@@ -48,11 +49,13 @@ class PagedCache:
             seq_lens.append(end)
             tables.append(table)
             positions.extend(range(start, end))
-        meta = build_metadata(query_lens, seq_lens, tables, BLOCK_SIZE, num_decodes=num_decodes)
+        meta = build_metadata(
+            query_lens, seq_lens, tables, BLOCK_SIZE, num_decodes=num_decodes, device=self.device
+        )
         attn = AttentionBatch(meta, self.kv_caches, TorchAttentionBackend())
-        input_ids = torch.tensor([t for _, tokens in reqs for t in tokens])
+        input_ids = torch.tensor([t for _, tokens in reqs for t in tokens], device=self.device)
         with torch.inference_mode():
-            hidden = model(input_ids, torch.tensor(positions), attn)
+            hidden = model(input_ids, torch.tensor(positions, device=self.device), attn)
             logits = model.compute_logits(hidden)
         return list(logits.split(query_lens))
 

@@ -36,6 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+# The tensor cores' FP8 MMA takes K 32 at a time: a compiled tl.dot on e4m3 tiles with K < 32 is refused
+# (the interpreter takes any K, so only the GPU enforces it).
+MIN_BLOCK_K = 32
+
 
 @dataclass(frozen=True)
 class GemmConfig:
@@ -105,7 +109,11 @@ def _fp8_gemm_kernel(
             sb = tl.load(sb_ptr + rows_b * stride_sbn + g * stride_sbg)
             acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
         else:
-            acc = tl.dot(a, b, acc)
+            # Promote every K step: Hopper's FP8 MMA adds into its accumulator with about 14 significant
+            # bits, and Triton's sm_90 default lets that run over all of K; capped at BLOCK_K, each
+            # step's dot starts from zero and is added to acc in fp32 (DeepSeek-V3's 128-wide
+            # promotion; the GROUP_K path above gets the same from its fresh dot per step).
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
 
@@ -139,7 +147,7 @@ def fp8_gemm(
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """(a * a_scale) @ (b * b_scale)^T + bias -> [M, N] in out_dtype. a [M, K], b [N, K] e4m3 with
-    unit stride along K. group_k = 0: a_scale [M, 1], b_scale [N]. group_k > 0 (a power of two >= 16):
+    unit stride along K. group_k = 0: a_scale [M, 1], b_scale [N]. group_k > 0 (a power of two >= 32):
     b_scale [N, ceil(K / group_k)], a_scale [M, 1] or [M, ceil(K / group_k)]."""
     m, k = a.shape
     n = b.shape[0]
@@ -156,6 +164,11 @@ def fp8_gemm(
     cfg = config or default_config(m, n, k, group_k)
     if group_k and (group_k & (group_k - 1) or group_k % cfg.block_k):
         raise ValueError(f"group_k {group_k} must be a power of two that BLOCK_K {cfg.block_k} divides")
+    if a.is_cuda and cfg.block_k < MIN_BLOCK_K:
+        raise ValueError(
+            f"BLOCK_K {cfg.block_k} is below {MIN_BLOCK_K}, the K step of the GPU's FP8 MMA (Triton refuses "
+            f"to compile the dot); group_k must be at least {MIN_BLOCK_K} too"
+        )
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return out

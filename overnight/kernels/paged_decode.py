@@ -59,7 +59,14 @@ from overnight.kernels.kv_layout import is_fp8, v_token_major
 from overnight.kernels.kv_tiles import active_splits, decode_range, grid_coords, load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma, tma_supported
-from overnight.kernels.score_mods import check_head_dim, check_sinks, layer_constexprs, sink_init, softcap
+from overnight.kernels.score_mods import (
+    check_head_dim,
+    check_sinks,
+    gpu_dot_refusal,
+    layer_constexprs,
+    sink_init,
+    softcap,
+)
 
 # Splitting pays when batch * kv_heads programs cannot keep the GPU's memory pipes busy: a program is
 # one CTA with a handful of loads in flight, and an H200 (132 SMs) wants several CTAs per SM to saturate
@@ -432,6 +439,14 @@ def paged_decode(
             raise ValueError(f"DecodeConfig.tma: {why}")
         if why:  # the default config on a cache the copies cannot read: the same tiles by pointers
             cfg = replace(cfg, tma=False)
+    if q.is_cuda:
+        fp8_mma = cfg.fp8_mma and is_fp8(kv_cache.dtype)
+        why = gpu_dot_refusal(head_dim, cfg.block_n, fp8_mma)
+        if why and fp8_mma and config is None:  # the default on heads too narrow for 8-bit dots
+            cfg = replace(cfg, fp8_mma=False, tma=False)
+            why = gpu_dot_refusal(head_dim, cfg.block_n, False)
+        if why:
+            raise ValueError(f"DecodeConfig: {why}")
     if cfg.fp8_mma and is_fp8(kv_cache.dtype):
         launch_decode_fp8_mma(
             grid,

@@ -47,7 +47,7 @@ the tiles are converted and the dots run in fp16 (dot_dtype).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -58,7 +58,14 @@ from overnight.kernels.kv_tiles import load_v_token_major, page_ids
 from overnight.kernels.kv_write import check_kv_cache, check_kv_scale
 from overnight.kernels.paged_decode import dot_dtype
 from overnight.kernels.paged_decode_fp8 import P_SHIFT, Q_MAX, to_e4m3
-from overnight.kernels.score_mods import check_head_dim, check_sinks, layer_constexprs, sink_init, softcap
+from overnight.kernels.score_mods import (
+    check_head_dim,
+    check_sinks,
+    gpu_dot_refusal,
+    layer_constexprs,
+    sink_init,
+    softcap,
+)
 
 
 @dataclass(frozen=True)
@@ -508,6 +515,13 @@ def paged_prefill(
         raise ValueError(f"key_limit must be contiguous int32 [>= {q.shape[0]}] on q's device")
     if cfg.fp8_mma and not is_fp8(kv_cache.dtype):
         raise ValueError(f"PrefillConfig.fp8_mma needs an FP8 cache, got {kv_cache.dtype}")
+    if q.is_cuda:
+        why = gpu_dot_refusal(head_dim, cfg.block_n, cfg.fp8_mma)
+        if why and cfg.fp8_mma and config is None:  # the default on heads too narrow for 8-bit dots
+            cfg = replace(cfg, fp8_mma=False)
+            why = gpu_dot_refusal(head_dim, cfg.block_n, False)
+        if why:
+            raise ValueError(f"PrefillConfig: {why}")
     num_prefills = num_reqs - num_decodes
     if num_prefills <= 0 or num_prefill_rows <= 0:
         return

@@ -14,8 +14,9 @@ pass untouched (partial rotary). Element pairs (x1, x2) -> (x1 cos - x2 sin, x2 
 
 q and k are views into the fused qkv projection output, so rows are strided and the kernel writes back
 into that buffer (v, the rest of each row, is untouched). Rounding follows the reference step by step
-(cos/sin rounded to q's dtype, each product rounded, then the sum), with Qwen3's norm computed as
-rmsnorm.py does. Launches depend only on shapes, strides and pointers: safe to capture in a CUDA graph.
+(cos/sin rounded to q's dtype, each product rounded, then the sum; no fma contraction: COMPILE_OPTIONS), so
+without the norm the outputs equal the reference bit for bit; Qwen3's norm is computed as rmsnorm.py
+does. Launches depend only on shapes, strides and pointers: safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+# Each product is rounded to q's dtype before the sum, as in the reference: left to fuse, the compiler
+# narrows the fp32 ops to fp16/bf16 ones and contracts x1 * c - x2 * s into one fma, skipping that
+# rounding (on an H200 1 output in 7 then differed from the reference by an ulp). Two ops instead of one
+# cost nothing in a kernel bound by memory. tests/test_kernels_sm90_rounding.py reads the PTX.
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
 
 
 @triton.jit
@@ -195,6 +202,7 @@ def _launch(
         STEP=2 if interleaved else 1,
         OFF=1 if interleaved else half,
         num_warps=num_warps or _num_warps(2 * (block_hq + block_hkv) * block_half),
+        **COMPILE_OPTIONS,
     )
 
 

@@ -78,3 +78,18 @@ def check_head_dim(head_dim: int) -> None:
         raise ValueError(
             f"head_dim {head_dim} is outside what the attention kernels take (1..{MAX_HEAD_DIM})"
         )
+
+
+def gpu_dot_refusal(head_dim: int, block_n: int, eight_bit: bool) -> str | None:
+    """Why compiled attention kernels cannot take tiles of block_n tokens at this head_dim (None: they
+    can). A GPU's MMA contracts at least 16 elements of 16- or 32-bit operands and 32 of 8-bit ones
+    (Triton refuses to compile a smaller tl.dot); the kernels contract over the head (q . k, BLOCK_D the
+    next power of two of head_dim) and over the tile's tokens (p . v). The interpreter takes any size,
+    so the launchers ask only for CUDA tensors."""
+    min_k = 32 if eight_bit else 16
+    operands = "8-bit" if eight_bit else "16/32-bit"
+    if triton.next_power_of_2(head_dim) < min_k:
+        return f"head_dim {head_dim} is below {min_k}, the least a GPU dot of {operands} operands contracts"
+    if block_n < min_k:
+        return f"tiles of {block_n} tokens are below {min_k}, the least a GPU dot of {operands} operands contracts"
+    return None

@@ -201,6 +201,6 @@ def _block(value: Any, where: str) -> tuple[int, int]:
     ):
         raise ModelLoadError(f"{where}: weight block size must be two positive integers, got {value!r}")
     bn, bk = value
-    if bk & (bk - 1) or bk < 16:
-        raise ModelLoadError(f"{where}: weight block of {bk} columns is not supported (a power of two >= 16)")
+    if bk & (bk - 1) or bk < 32:  # 32: the K step of the GPU's FP8 MMA, which a block's K steps divide
+        raise ModelLoadError(f"{where}: weight block of {bk} columns is not supported (a power of two >= 32)")
     return bn, bk

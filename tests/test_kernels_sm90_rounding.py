@@ -1,0 +1,101 @@
+"""Roundings the compiled kernels keep on the H200 (sm_90), read from the PTX that Triton's bundled
+toolchain emits without a GPU (in a child process without TRITON_INTERPRET, as
+test_kernels_attention_sm90.py does); the interpreter computes neither in the GPU's way, so only the
+compiled code can show them.
+
+- rotary: no fma in fp16/bf16/fp32 (each product rounds to q's dtype before the sum, as the reference
+  does; with contraction, 1 output in 7 was an ulp off on an H200);
+- FP8 GEMM, per-channel path: the e4m3 warpgroup MMA's accumulator (about 14 significant bits) is added
+  into an fp32 one after every K step (add.f32 in the loop), as the block-scaled path does by its
+  fresh dot per step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+pytestmark = pytest.mark.slow  # a few seconds of compilation
+
+NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+
+def _ptx(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.name in constexprs:
+            sig[p.name] = "constexpr"
+            continue
+        sig[p.name] = types.get(p.name, "i32")
+        if sig[p.name].startswith("*") or p.name.startswith("stride"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    cx = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
+    compiled = triton.compile(
+        ASTSource(kernel, sig, cx, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=4, **options),
+    )
+    return compiled.asm["ptx"]
+
+
+def _ops(ptx: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for op in re.findall(r"^\s*((?:fma|add|sub|mul|wgmma)\.[\w.]+)", ptx, re.M):
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def report() -> None:
+    """The child process: each case's PTX instruction counts, as one JSON object."""
+    from overnight.kernels.fp8_gemm import _fp8_gemm_kernel
+    from overnight.kernels.rotary import COMPILE_OPTIONS, _rotary_kernel
+
+    out = {}
+    for dt in ("fp16", "bf16", "fp32"):
+        types = dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", q_w_ptr=f"*{dt}", k_w_ptr=f"*{dt}")
+        types.update(pos_ptr="*i64", cache_ptr="*fp32", eps="fp32")
+        cx = dict(HQ=4, HKV=2, HALF=32, BLOCK_HQ=4, BLOCK_HKV=2, BLOCK_HALF=32, NORM=False, STEP=1, OFF=32)
+        out[f"rotary-{dt}"] = _ops(_ptx(_rotary_kernel, types, cx, **COMPILE_OPTIONS))
+    types = dict(
+        a_ptr="*fp8e4nv", b_ptr="*fp8e4nv", c_ptr="*fp32", sa_ptr="*fp32", sb_ptr="*fp32", bias_ptr="*fp32"
+    )
+    cx = dict(HAS_BIAS=False, EVEN_K=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=8)
+    out["fp8-gemm-per-channel"] = _ops(_ptx(_fp8_gemm_kernel, types, dict(GROUP_K=0, **cx), num_stages=3))
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def ops() -> dict[str, dict[str, int]]:
+    if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
+        pytest.skip("Triton's bundled CUDA tools are not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    code = "from tests.test_kernels_sm90_rounding import report; report()"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
+    assert child.returncode == 0, child.stderr[-3000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])
+def test_rotary_rounds_each_product(ops: dict[str, dict[str, int]], dtype: str) -> None:
+    counts = ops[f"rotary-{dtype}"]
+    assert not any(op.startswith("fma") for op in counts), counts
+    assert sum(n for op, n in counts.items() if op.startswith("mul.rn.")) >= 4, counts  # the rotation's
+
+
+def test_fp8_gemm_promotes_every_k_step(ops: dict[str, dict[str, int]]) -> None:
+    counts = ops["fp8-gemm-per-channel"]
+    assert any(op.startswith("wgmma") and "e4m3" in op for op in counts), counts
+    # a 64 x 64 fp32 tile over 128 threads: 32 accumulator values each, added once per K step
+    assert counts.get("add.f32", 0) >= 32, counts
