@@ -26,7 +26,7 @@ _BOOL_FIELDS = (
     "skip_special_tokens",
     "spaces_between_special_tokens",
 )
-_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 @dataclass
@@ -49,6 +49,10 @@ class StructuredOutputsParams:
     # The constraint starts after this text appears in the output (a reasoning parser's end marker:
     # the reasoning is free, the answer constrained); None: from the first token. Not part of `key`.
     start_after: str | None = None
+    # An xgrammar structural tag ({"type": "structural_tag", "format": ...}, as a dict or its JSON text):
+    # formats of type "token" match one token by its text, special tokens included (the harmony format's
+    # forced tool call, tool_calls/forced.py). Python API only: the OpenAI bodies do not take it.
+    structural_tag: dict[str, Any] | str | None = None
     key: tuple[str, str, bool] = field(init=False, repr=False, compare=False, default=("", "", True))
 
     def __post_init__(self) -> None:
@@ -72,6 +76,21 @@ class StructuredOutputsParams:
         """The constraint as one string: equal strings compile to the same grammar. Key order inside a
         schema is kept (it is the order the properties are generated in)."""
         kind = self.kind
+        if kind == "structural_tag":
+            tag = self.structural_tag
+            if isinstance(tag, str):
+                try:
+                    tag = _json.loads(tag)
+                except ValueError as e:
+                    raise InvalidRequestError(f"the structural tag is not valid JSON: {e}") from None
+            if not isinstance(tag, dict):
+                raise InvalidRequestError(
+                    f"the structural tag must be a JSON object, got {type(tag).__name__}"
+                )
+            try:
+                return _json.dumps(tag, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise InvalidRequestError(f"the structural tag cannot be written as JSON: {e}") from None
         if kind == "json":
             schema = self.json
             if isinstance(schema, str):

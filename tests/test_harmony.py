@@ -210,14 +210,15 @@ def test_chat_stream_adds_up_at_every_cut():
         assert named == ["get_weather"] and args == '{"city": "Paris"}'
 
 
-def test_forced_tool_choice_refused_for_harmony():
+def test_forced_tool_choice_constrains_the_whole_harmony_reply():
     from overnight.sampling_params import SamplingParams
-    from overnight.tool_calls.forced import ToolError
     from overnight.tool_calls.message import plan_message
 
     prompt = encoding().decode_utf8(render_prompt([{"role": "user", "content": "x"}], tools=[WEATHER]))
-    with pytest.raises(ToolError, match="harmony"):
-        plan_message(None, SamplingParams(), prompt, tools=[WEATHER], tool_choice="required")
+    plan, params = plan_message(None, SamplingParams(), prompt, tools=[WEATHER], tool_choice="required")
+    so = params.structured_outputs
+    assert plan.harmony and plan.read_calls and so.structural_tag is not None and so.start_after is None
+    # (the grammar itself: test_harmony_tool_choice.py)
 
 
 def test_render_conversation_uses_harmony_for_a_harmony_tokenizer():

@@ -22,7 +22,7 @@ from overnight.engine.scheduler import Scheduler, SchedulerStats
 from overnight.engine.state_snapshots import StateSnapshots
 from overnight.engine.stats import FinishedRequestStats, IterationStats, StatsObserver
 from overnight.engine.step_io import SchedulerOutput
-from overnight.engine.validation import limits_of, validate_request
+from overnight.engine.validation import limits_of, validate_images, validate_request
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.loader.source import ModelSource
 from overnight.lora.adapter import AdapterChecks
@@ -138,17 +138,10 @@ class Engine:
             return
         if stream and params.num_samples > params.n:
             raise InvalidRequestError("best_of above n cannot stream: the best are known only at the end")
-        truncated = params.truncate_prompt(prompt_token_ids, self.max_model_len)
-        if multi_modal is not None and len(truncated) != len(prompt_token_ids):
-            raise InvalidRequestError("a prompt with images cannot be truncated (truncate_prompt_tokens)")
-        if multi_modal is not None and multi_modal.whole_images:
+        if multi_modal is not None:
             budget = self.config.scheduler.max_num_batched_tokens
-            big = max(im.num_tokens for im in multi_modal.images) if multi_modal.images else 0
-            if big > budget:
-                raise InvalidRequestError(
-                    f"an image takes {big} tokens, more than max_num_batched_tokens ({budget}); this model "
-                    "computes each image within one prefill chunk: raise --max-num-batched-tokens"
-                )
+            validate_images(prompt_token_ids, params, multi_modal, self.max_model_len, budget)
+        truncated = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         prompt_token_ids = truncated
         if self.tokenizer is not None:
             params = params.with_bad_words_tokenized(self.tokenizer)

@@ -11,6 +11,7 @@ from overnight.errors import InvalidRequestError
 from overnight.pooling_params import PoolingParams, RequestParams
 
 if TYPE_CHECKING:
+    from overnight.multimodal.inputs import MultiModalInputs
     from overnight.structured.compiler import GrammarCompiler
 
 
@@ -137,3 +138,22 @@ def _validate_pooling(ids: list[int], params: PoolingParams, limits: RequestLimi
         )
     if dims > full:
         raise InvalidRequestError(f"dimensions must be at most the model's size, {full}, got {dims}")
+
+
+def validate_images(
+    ids: list[int], params: RequestParams, multi_modal: MultiModalInputs, max_model_len: int, budget: int
+) -> None:
+    """Raise InvalidRequestError if a generation prompt's images cannot be served: its image tokens and
+    positions are fixed, so it cannot be truncated; an image computed within one prefill chunk
+    (whole_images) must fit one step's token budget."""
+    if isinstance(params, PoolingParams):
+        return
+    if len(params.truncate_prompt(ids, max_model_len)) != len(ids):
+        raise InvalidRequestError("a prompt with images cannot be truncated (truncate_prompt_tokens)")
+    if multi_modal.whole_images and multi_modal.images:
+        big = max(im.num_tokens for im in multi_modal.images)
+        if big > budget:
+            raise InvalidRequestError(
+                f"an image takes {big} tokens, more than max_num_batched_tokens ({budget}); this model "
+                "computes each image within one prefill chunk: raise --max-num-batched-tokens"
+            )

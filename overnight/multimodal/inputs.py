@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Engines that do not carry images yet (the data-parallel front, the encoder-only engine).
-IMAGES_UNSUPPORTED_HERE = "images are not supported with data_parallel_size > 1 or on encoder models yet"
+# Engines that do not carry images yet (the encoder-only engine).
+IMAGES_UNSUPPORTED_HERE = "images are not supported on encoder models yet"
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -140,6 +140,7 @@ def serve_engine(
                             stream=r.stream,
                             arrival_time=r.arrival_time,
                             lora_request=r.lora_request,
+                            multi_modal=r.multi_modal,
                         )
                     except InvalidRequestError as e:
                         send(Rejected(index, r.request_id, str(e)))

@@ -9,7 +9,10 @@ once. Thread-safe: the server validates on its event loop while the engine threa
 
 Special tokens (<|im_start|>, <jupyter_code>, ...) are blanked from the vocabulary the grammar sees, so a
 grammar never lets one stand for its literal text inside a string; stop tokens are allowed only where
-the grammar may end, and ids past the tokenizer's vocabulary (a model's padded logits) never.
+the grammar may end, and ids past the tokenizer's vocabulary (a model's padded logits) never. A structural
+tag is the exception: it names special tokens on purpose (harmony's <|channel|>, <|message|>), so it is
+compiled against a second vocabulary view where special tokens keep their text (stop tokens excepted,
+which xgrammar handles as the grammar's end).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ _CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\] \S+:\d+: ")
 _WHAT = {
     "json": "JSON schema",
     "json_object": "JSON object grammar",
+    "structural_tag": "structural tag",
     "regex": "regex",
     "choice": "choice list",
     "grammar": "grammar",
@@ -73,6 +77,7 @@ class GrammarCompiler:
         self.stop_token_ids = tuple(stop_token_ids)
         self.capacity = capacity
         self._compiler: xgr.GrammarCompiler | None = None
+        self._tag_compiler: xgr.GrammarCompiler | None = None  # special tokens visible (structural tags)
         self._hf: Any = None  # the tokenizer, once token_text needs it
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar | str] = OrderedDict()
         self._lock = threading.Lock()
@@ -134,8 +139,10 @@ class GrammarCompiler:
             found = unsupported_keyword(json.loads(spec))
             if found:
                 return f"the JSON schema uses {found}, a keyword structured outputs cannot enforce"
-        compiler = self._engine()
+        compiler = self._engine(special_tokens=kind == "structural_tag")
         try:
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(spec)
             if kind == "json":
                 return compiler.compile_json_schema(spec, any_whitespace=not compact, strict_mode=True)
             if kind == "json_object":
@@ -152,18 +159,22 @@ class GrammarCompiler:
             message = _CPP_PREFIX.sub("", str(e)).strip().splitlines()
             return f"the {_WHAT[kind]} cannot be compiled: {message[0] if message else type(e).__name__}"
 
-    def _engine(self) -> xgr.GrammarCompiler:
+    def _engine(self, special_tokens: bool = False) -> xgr.GrammarCompiler:
+        """xgrammar's compiler; special_tokens: the one whose vocabulary shows special tokens' text."""
         with self._init_lock:
-            if self._compiler is None:
+            made = self._tag_compiler if special_tokens else self._compiler
+            if made is None:
                 xgr = _import_xgrammar()
                 if self._hf is None:
                     self._hf = self._load_tokenizer()
-                info = tokenizer_info(self._hf, self.vocab_size, self.stop_token_ids)
+                info = tokenizer_info(self._hf, self.vocab_size, self.stop_token_ids, special_tokens)
                 # Our LRU bounds memory; xgrammar's own cache would grow with every distinct schema.
-                self._compiler = xgr.GrammarCompiler(
-                    info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False
-                )
-            return self._compiler
+                made = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
+                if special_tokens:
+                    self._tag_compiler = made
+                else:
+                    self._compiler = made
+            return made
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -171,9 +182,13 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def tokenizer_info(hf: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> xgr.TokenizerInfo:
+def tokenizer_info(
+    hf: Any, vocab_size: int, stop_token_ids: Sequence[int], special_tokens: bool = False
+) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary: the tokenizer's decoded tokens with special tokens blanked
-    (an empty token is one the grammar never allows), padded or cut to the model's vocab_size."""
+    (an empty token is one the grammar never allows), padded or cut to the model's vocab_size.
+    special_tokens: special tokens keep their text (a grammar may then name them), stop tokens only
+    are blanked."""
     xgr = _import_xgrammar()
     stops = list(stop_token_ids) or None
     detected = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=vocab_size, stop_token_ids=stops)
@@ -182,7 +197,9 @@ def tokenizer_info(hf: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> x
         if getattr(added, "special", False):
             special.add(tid)
     special = {t for t in special if 0 <= t < vocab_size}
-    if not special:
+    if special_tokens:
+        special &= set(detected.stop_token_ids)
+    elif not special:
         return detected
     encoded: list[str] = [""] * vocab_size
     for token, tid in hf.get_vocab().items():

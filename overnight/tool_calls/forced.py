@@ -135,3 +135,69 @@ def forced_schema(tools: list[dict[str, Any]], name: str | None, parallel: bool 
     if not parallel:
         schema["maxItems"] = 1
     return schema
+
+
+# -- gpt-oss (harmony): the forced call as a structural tag ---------------------------------------------
+#
+# A harmony tool call is a commentary message addressed to functions.NAME, its arguments JSON, ended by
+# <|call|> (a stop token: the grammar ends before it). The model writes the recipient after the channel;
+# openai-harmony's renderer puts it in the role header; both read back the same (reasoning/harmony.py):
+#
+#     <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}<|call|>
+#      to=functions.NAME<|channel|>commentary <|constrain|>json<|message|>{args}<|call|>
+#
+# The prompt ends in "<|start|>assistant", so a reply may first reason freely in analysis messages (each
+# "<|channel|>analysis<|message|>...<|end|><|start|>assistant"), as harmony allows and as vLLM's and
+# xgrammar's harmony tags do; it must then call. Markers are matched as their special tokens; the
+# analysis text may hold any token but a marker. Inside the JSON arguments the grammar works on text and
+# cannot exclude a token, so a string value may hold a marker token (its text is valid JSON); a model
+# trained on harmony does not write one there, and the reply would not read back if it did.
+HARMONY_MARKERS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|constrain|>")
+
+
+def _token(marker: str) -> dict[str, Any]:
+    return {"type": "token", "token": marker}
+
+
+def _text(value: str) -> dict[str, Any]:
+    return {"type": "const_string", "value": value}
+
+
+def _sequence(*elements: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "sequence", "elements": list(elements)}
+
+
+def _harmony_call(tool: dict[str, Any]) -> list[dict[str, Any]]:
+    fn = tool["function"]
+    to = f"to=functions.{fn['name']}"
+    # Runs of whitespace capped at one character: `{"city": "Paris"}` as harmony renders it, while a small
+    # model cannot loop on newlines until max_tokens (why JSON outputs default to compact, sampling_params).
+    args = {
+        "type": "json_schema",
+        "json_schema": fn.get("parameters") or {"type": "object"},
+        "max_whitespace_cnt": 1,
+    }
+    space = {"type": "optional", "content": _text(" ")}
+    body = [space, _token("<|constrain|>"), _text("json"), _token("<|message|>"), args]
+    return [
+        _sequence(_token("<|channel|>"), _text(f"commentary {to}"), *body),
+        _sequence(_text(f" {to}"), _token("<|channel|>"), _text("commentary"), *body),
+    ]
+
+
+def harmony_call_tag(tools: list[dict[str, Any]], name: str | None) -> dict[str, Any]:
+    """The structural tag of a harmony reply that ends in one call of `name` (None: of any tool)."""
+    analysis = _sequence(
+        _token("<|channel|>"),
+        _text("analysis"),
+        _token("<|message|>"),
+        {"type": "any_tokens", "exclude_tokens": list(HARMONY_MARKERS)},
+        _token("<|end|>"),
+        _token("<|start|>"),
+        _text("assistant"),
+    )
+    calls = [c for t in tools if name is None or t["function"]["name"] == name for c in _harmony_call(t)]
+    return {
+        "type": "structural_tag",
+        "format": _sequence({"type": "star", "content": analysis}, {"type": "or", "elements": calls}),
+    }

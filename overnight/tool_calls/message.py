@@ -14,7 +14,14 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from overnight.reasoning.parsers import ReasoningParser, ReasoningStream, get_reasoning_parser
-from overnight.tool_calls.forced import ToolError, check_enforceable, check_tools, forced_schema, named_choice
+from overnight.tool_calls.forced import (
+    ToolError,
+    check_enforceable,
+    check_tools,
+    forced_schema,
+    harmony_call_tag,
+    named_choice,
+)
 from overnight.tool_calls.formats import TOOL_PARSERS, ForcedParser, ToolParser
 from overnight.tool_calls.stream import ToolCall, ToolCallStream, parse_tool_calls
 
@@ -222,24 +229,32 @@ def _plan_harmony(params: SamplingParams, tools: Any, tool_choice: Any) -> tuple
     """A gpt-oss chat request: the harmony channels split the output (their markers are special tokens,
     so they are kept in the text); a structured output constrains the final answer, after its channel
     header; tool calls are the commentary messages addressed to functions.NAME, whatever the engine's
-    tool-call options (the format marks them unambiguously)."""
+    tool-call options (the format marks them unambiguously). A named or "required" tool_choice constrains
+    the whole reply with harmony_call_tag (tool_calls/forced.py): free analysis, then one call."""
     from overnight.reasoning.harmony import FINAL_MARKER
+    from overnight.sampling_params import StructuredOutputsParams
 
-    read_calls = False
+    read_calls = named = False
+    forced: dict[str, Any] | None = None  # the structural tag of a named or "required" call
     if tools is not None and not (isinstance(tools, list) and not tools):
         tools = check_tools(tools)
         choice = "auto" if tool_choice is None else tool_choice
-        if choice not in ("auto", "none"):
-            raise ToolError(
-                "tool_choice",
-                'gpt-oss (harmony) takes tool_choice "auto" or "none"; a forced call is not supported yet',
-            )
-        read_calls = choice == "auto"
+        name = named_choice(choice, tools)
+        if name is not None or choice == "required":
+            if params.structured_outputs is not None:
+                raise ToolError(
+                    "tool_choice", "a forced tool call cannot be combined with another structured output"
+                )
+            check_enforceable(tools, name)
+            forced, named = harmony_call_tag(tools, name), name is not None
+        read_calls = choice != "none"
     elif tool_choice is not None and tool_choice not in ("none", "auto"):
         raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
     params = replace(params, skip_special_tokens=False)
-    if params.structured_outputs is not None:
+    if forced is not None:  # the whole reply, from its first token (a call after optional analysis)
+        params = replace(params, structured_outputs=StructuredOutputsParams(structural_tag=forced))
+    elif params.structured_outputs is not None:
         params = replace(
             params, structured_outputs=replace(params.structured_outputs, start_after=FINAL_MARKER)
         )
-    return MessagePlan(harmony=True, read_calls=read_calls), params
+    return MessagePlan(harmony=True, read_calls=read_calls, named=named), params
