@@ -93,21 +93,30 @@ def test_layout_groups_layers_by_kind_and_shares_tensors():
     assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
 
 
-def test_layers_of_different_cache_shapes_keep_one_tensor_each():
-    """Gemma 4's full layers have their own head size: no tensor can hold a layer of every group, so
-    each layer keeps its own tensor, in one group (windows applied by the kernels only)."""
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class WideFullLayers(ModelArch):
-        def layer_head_dim(self, layer_idx: int) -> int:
-            return 16 if self.layer_window(layer_idx) is None else 8
-
-    arch = WideFullLayers(**{f: getattr(arch_of(), f) for f in ModelArch.__dataclass_fields__})
+def test_layers_of_different_cache_shapes_form_groups_of_their_own():
+    """Gemma 4's full layers have their own head size and KV heads: a group is a (window, shape), every
+    tensor's slot the largest of its layers', each layer a view of its own shape (kv_groups.py)."""
+    arch = replace(arch_of(), global_head_dim=16, num_global_key_value_heads=2)
     layout = KVCacheLayout.from_arch(arch)
-    assert layout.windows == (None,) and layout.num_tensors == 6
-    assert layout.tensor_shapes == ((1, 8),) * 5 + ((1, 16),)
-    assert layout.token_elems == 2 * (5 * 8 + 16)
+    assert layout.windows == (None, 8, 8, 8, 8, 8) and layout.num_tensors == 1
+    assert layout.layer_shapes == ((1, 8),) * 5 + ((2, 16),)
+    assert layout.tensor_elems == (32,) and layout.token_elems == 2 * 32
+    assert layout.unused_share(0) == 0.0 and layout.unused_share(1) == 0.75  # a windowed block: 8 of 32
+    # Windows no shorter than max_model_len: the sliding layers join the full kind but keep their shape.
+    long = KVCacheLayout.from_arch(arch, max_model_len=8)
+    assert long.windows == (None,) * 6 and long.num_tensors == 1
+    assert long.layer_group == (0, 1, 2, 3, 4, 5) and long.unused_share(5) == 0.0
+    # 50 windowed (2 x 8) + 10 full (1 x 16, Gemma-4-31B's proportions), KV-shared last layers: groups
+    # of 10 layers, slots of 16 elements that both kinds fill.
+    kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, FULL)
+    big = replace(arch_of(kinds, window=1024, shared=2), num_key_value_heads=2, global_head_dim=16)
+    big = replace(big, num_global_key_value_heads=1)
+    layout = KVCacheLayout.from_arch(big)
+    assert layout.num_tensors == 10 and layout.windows == (None,) + (1024,) * 5
+    assert layout.tensor_elems == (16,) * 10 and layout.unused_share(0) == 0.0
+    assert layout.layer_source[60:] == (58, 59) and layout.layer_shapes[60:] == ((2, 8), (1, 16))
+    with pytest.raises(ValueError, match="does not fit"):
+        replace(layout, tensor_elems=(8,) * 10)
 
 
 def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():
