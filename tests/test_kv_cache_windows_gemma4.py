@@ -150,3 +150,23 @@ def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
     assert stats.num_preemptions_total > 0
     assert stats.prefix_cache_hits >= 2 * 28  # the shared-prefix prompts start past 7 blocks
     assert llm.engine.kv.pool.num_free == 100  # type: ignore[attr-defined]
+
+
+def test_fp8_cache_gives_the_same_tokens_in_either_layout(gemma4, monkeypatch):
+    """An FP8 cache (head-major K, token-major V inside each block, kernels/kv_layout.py) read through
+    the padded views holds the very values one tensor per layer holds: the tokens are identical."""
+    folder, _ = gemma4
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(k)] for k in (9, 30, 41)]
+    arch = resolve_source(folder).arch
+    outs = {}
+    for name, layout in (
+        ("grouped", KVCacheLayout.from_arch(arch, 96)),
+        ("per layer", KVCacheLayout.uniform(arch)),
+    ):
+        monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, a, m=None, lay=layout: lay))
+        llm = LLM(folder, kv_cache_dtype="fp8", max_num_batched_tokens=16, max_model_len=96, **ENGINE)
+        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn  # type: ignore[attr-defined]
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in got]
+    assert outs["grouped"] == outs["per layer"]
