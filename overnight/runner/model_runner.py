@@ -249,7 +249,7 @@ class ModelRunner:
         )
 
     def kv_bytes_per_block(self) -> int:
-        """One block of the pool: block_size tokens of one layer's K/V in each of the layout's tensors."""
+        """One block of the pool: block_size tokens of one slot (K and V) in each of the layout's tensors."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return self.block_size * self.kv_layout.token_elems * elem  # this device's KV heads
 
