@@ -176,6 +176,26 @@ def test_sliding_windows_count_only_their_window(qwen3_8b):
     assert f"sequences of 32768 tokens that fit: {win.seqs_fit} ({win.seq_blocks} blocks each)" in text
 
 
+def test_gemma4_windows_count_with_padded_full_blocks():
+    """Gemma-4-31B at 32K: its windowed layers (16 KV heads x 256) give blocks back although its full
+    layers (4 x 512) differ; a full block of 10 layers is padded to 10 windowed slots (half unused)."""
+    from overnight.engine.kv_groups import KVCacheLayout
+    from overnight.tools.budget import render
+
+    source = resolve_source("gemma-4-31b", "dummy")
+    opts = EngineOptions(model="gemma-4-31b", load_format="dummy", dtype="bfloat16", max_model_len=32768)
+    b = plan_budget(opts, source, H200)
+    assert (b.kv_layers, b.windowed_layers, b.windows) == (60, 50, (1024,))
+    assert b.full_block_padding == 0.5
+    assert b.block_bytes == 16 * 10 * 2 * 16 * 256 * 2  # 16 tokens x 10 tensors x K/V x 4096 x bf16
+    one_group = KVCacheLayout.uniform(source.arch)  # one tensor per layer, nothing given back
+    per_layer_seqs = b.budget_bytes // (2048 * 16 * one_group.token_elems * 2)
+    assert b.seqs_fit >= 4 * per_layer_seqs > 0, (b.seqs_fit, per_layer_seqs)
+    assert "a full-attention block is padded to the windowed layers' shape, 50% of it unused" in render(
+        b, "gemma-4-31b", source.arch, "bfloat16"
+    )
+
+
 def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
     """`overnight budget --model <folder>` on a Gemma-3-shaped checkpoint (5 windowed : 1 full)."""
     import torch

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
+from overnight.engine.kv_groups import KVCacheLayout
 from overnight.loader.resolve import resolve_source
 from tests.test_engine_parity import hf_greedy
 
@@ -194,6 +195,8 @@ def test_architecture_is_read_as_configured(checkpoint):
         assert (arch.layer_head_dim(0), arch.layer_head_dim(1)) == (16, 24)
         assert (arch.layer_num_kv_heads(0), arch.layer_num_kv_heads(1)) == (2, 1)
         assert arch.num_kv_shared_layers == (0 if variant == "gemma4-moe" else 2)
+    # Windowed and full layers in groups of their own (Gemma 4's despite their different cache shapes).
+    assert KVCacheLayout.from_arch(arch, 64).windows == (None, WINDOW)
 
 
 def test_prefix_cache_and_chunks_across_the_window_match_transformers(checkpoint):
@@ -212,10 +215,10 @@ def test_prefix_cache_and_chunks_across_the_window_match_transformers(checkpoint
 def test_preemption_on_a_tiny_pool_matches_transformers(checkpoint):
     _, folder, batch, reference = checkpoint
     arch = resolve_source(folder).arch
-    # 20 blocks: two or three of these requests at once. Gemma 2/3's windowed layers give their blocks
-    # back as windows pass (engine/kv_groups.py), so a request holds fewer there: 64 tokens' worth.
-    windows_shrink = arch.layer_types and not arch.global_head_dim
-    pool = (64 if windows_shrink else 80) * arch.kv_bytes_per_token(4)
+    # Two or three of these requests at once: the windowed layers give their blocks back as windows
+    # pass (engine/kv_groups.py). Gemma 4's full-attention blocks are padded to the windowed layers'
+    # larger shape, so its pool holds fewer tokens per byte: 80 tokens' worth of its real K/V bytes.
+    pool = (80 if arch.global_head_dim else 64) * arch.kv_bytes_per_token(4)
     llm = LLM(
         folder,
         skip_tokenizer_init=True,

@@ -36,6 +36,16 @@ def arch_of(
     return replace(base, layer_types=layer_types, sliding_window=window, num_kv_shared_layers=shared)
 
 
+GEMMA4_SHAPE = (SW,) * 5 + (FULL, SW, FULL)  # the last two KV-shared
+
+
+def gemma4_arch(window: int | None = 8) -> ModelArch:
+    """Gemma-4-31B's proportions, scaled down: windowed layers 2 KV heads x 8, full layers 1 x 8 wide
+    heads of 8 (K = V), the last two layers reading earlier layers' caches."""
+    arch = arch_of(GEMMA4_SHAPE, window, shared=2)
+    return replace(arch, num_key_value_heads=2, global_head_dim=8, num_global_key_value_heads=1)
+
+
 def make_engine(
     arch: ModelArch,
     num_blocks: int,
@@ -93,21 +103,30 @@ def test_layout_groups_layers_by_kind_and_shares_tensors():
     assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
 
 
-def test_layers_of_different_cache_shapes_keep_one_tensor_each():
-    """Gemma 4's full layers have their own head size: no tensor can hold a layer of every group, so
-    each layer keeps its own tensor, in one group (windows applied by the kernels only)."""
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class WideFullLayers(ModelArch):
-        def layer_head_dim(self, layer_idx: int) -> int:
-            return 16 if self.layer_window(layer_idx) is None else 8
-
-    arch = WideFullLayers(**{f: getattr(arch_of(), f) for f in ModelArch.__dataclass_fields__})
+def test_layers_of_different_cache_shapes_form_groups_of_their_own():
+    """Gemma 4's full layers have their own head size and KV heads: groups by window as for Gemma 3,
+    every tensor's slot the largest of its layers', each layer a view of its own shape (kv_groups.py)."""
+    arch = replace(arch_of(), global_head_dim=16, num_global_key_value_heads=2)
     layout = KVCacheLayout.from_arch(arch)
-    assert layout.windows == (None,) and layout.num_tensors == 6
-    assert layout.tensor_shapes == ((1, 8),) * 5 + ((1, 16),)
-    assert layout.token_elems == 2 * (5 * 8 + 16)
+    assert layout.windows == (None, 8, 8, 8, 8, 8) and layout.num_tensors == 1
+    assert layout.layer_shapes == ((1, 8),) * 5 + ((2, 16),)
+    assert layout.tensor_elems == (32,) and layout.token_elems == 2 * 32
+    assert layout.unused_share(0) == 0.0 and layout.unused_share(1) == 0.75  # a windowed block: 8 of 32
+    # Windows no shorter than max_model_len: one group, a tensor per layer of its own shape, no padding.
+    long = KVCacheLayout.from_arch(arch, max_model_len=8)
+    assert long.windows == (None,) and long.num_tensors == 6
+    assert long.tensor_elems == (8,) * 5 + (32,) and long.unused_share(0) == 0.0
+    # 50 windowed (2 x 8) + 10 full (1 x 16, Gemma-4-31B's proportions), KV-shared last layers: groups
+    # of 10 layers, slots of 16 elements that both kinds fill.
+    kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, FULL)
+    big = replace(arch_of(kinds, window=1024, shared=2), num_key_value_heads=2, global_head_dim=16)
+    big = replace(big, num_global_key_value_heads=1)
+    layout = KVCacheLayout.from_arch(big)
+    assert layout.num_tensors == 10 and layout.windows == (None,) + (1024,) * 5
+    assert layout.tensor_elems == (16,) * 10 and layout.unused_share(0) == 0.0
+    assert layout.layer_source[60:] == (58, 59) and layout.layer_shapes[60:] == ((2, 8), (1, 16))
+    with pytest.raises(ValueError, match="does not fit"):
+        replace(layout, tensor_elems=(8,) * 10)
 
 
 def test_blocks_per_sequence_counts_only_the_window_and_the_chunk():
@@ -146,15 +165,24 @@ def test_windowed_groups_give_blocks_back_as_the_window_advances(async_mode):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
-@pytest.mark.parametrize("num_blocks", [3000, 150])
-def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_mode):
+@pytest.mark.parametrize(
+    "async_mode,num_blocks,shape",
+    [
+        (False, 3000, "gemma3"),
+        (False, 150, "gemma3"),
+        (True, 3000, "gemma3"),
+        (True, 150, "gemma3"),
+        (False, 150, "gemma4"),
+        (True, 150, "gemma4"),
+    ],
+)
+def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_mode, shape):
     rng = random.Random(3)
     prompts = random_prompts(48, rng, lo=1, hi=70)
     max_tokens = [rng.randint(5, 40) for _ in prompts]
-    engine, _ = make_engine(
-        arch_of(window=6), num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode
-    )
+    arch = gemma4_arch(window=6) if shape == "gemma4" else arch_of(window=6)
+    assert KVCacheLayout.from_arch(arch, 128).num_groups == 6
+    engine, _ = make_engine(arch, num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.add_request(str(i), p, SamplingParams(max_tokens=m))
     engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
@@ -200,6 +228,45 @@ def test_a_window_holds_several_times_more_sequences_than_full_attention():
     n_full = peak_running(arch_of((FULL,) * 6), full_engine_blocks)
     n_win = peak_running(arch_of(window=32), 6 * full_engine_blocks)
     assert n_full >= 1 and n_win >= 3 * n_full, (n_win, n_full)
+
+
+def test_gemma4_shape_holds_several_times_the_sequences_of_one_tensor_per_layer(monkeypatch):
+    """The same pool bytes for Gemma 4's shapes: the groups' layout (windowed blocks given back, the
+    full group's blocks half padding) against one tensor per layer in one group (the layout before
+    groups took shapes of their own), at 511 + 200 tokens with a window of 32."""
+    arch = gemma4_arch(window=32)
+    grouped, per_layer = KVCacheLayout.from_arch(arch, 1024), KVCacheLayout.uniform(arch)
+    assert grouped.num_groups == 6 and grouped.unused_share(0) == 0.5 and per_layer.num_groups == 1
+    pool_elems = 400 * 16 * per_layer.token_elems  # 400 blocks of one tensor per layer
+    prompts = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]
+
+    def peak_running(layout: KVCacheLayout) -> int:
+        monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, a, m=None: layout))
+        engine, _ = make_engine(
+            arch,
+            pool_elems // (16 * layout.token_elems),
+            16,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            max_model_len=1024,
+            caching=False,
+        )
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+        peak = 0
+
+        def check(e: Engine) -> None:
+            nonlocal peak
+            peak = max(peak, len(e.scheduler.running))
+
+        results = run_all(engine, check)
+        for i, p in enumerate(prompts):
+            assert results[str(i)] == reference_output(p, 200, VOCAB, None)
+        assert_no_leak(engine)
+        return peak
+
+    n_grouped, n_per_layer = peak_running(grouped), peak_running(per_layer)
+    assert n_per_layer >= 1 and n_grouped >= 3 * n_per_layer, (n_grouped, n_per_layer)
 
 
 # -- prefix hits with windows ---------------------------------------------------------------------
@@ -343,6 +410,33 @@ def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
     assert [c[1] is metas[layout.layer_group[i]] for i, c in enumerate(backend.calls)] == [True] * 6
     assert [layout.layer_group[i] for i in range(6)] == [1, 0, 1, 0, 1, 0]
     assert backend.calls[4][0] is caches[2] and backend.calls[4][2]  # read-only, the source's cache
+
+
+def test_runner_views_one_tensor_in_each_layers_shape():
+    """Gemma 4's shapes: windowed layers 1 head x 8, full ones 2 x 16, sharing tensors of 32-element
+    slots; a block of one view lies exactly over the same block of the other, never over another block."""
+    from overnight.runner.model_runner import ModelRunner
+
+    arch = replace(arch_of(GEMMA4_SHAPE, shared=2), global_head_dim=16, num_global_key_value_heads=2)
+    config = EngineConfig(
+        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
+        cache=CacheConfig(block_size=4),
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
+    )
+    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
+    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    assert runner.kv_layout.tensor_elems == (32,) and runner.kv_layout.num_groups == 6
+    assert runner.kv_bytes_per_block() == 4 * 2 * 32 * 4  # 4 tokens x K/V x one 32-element slot x fp32
+    runner.init_kv_cache(10)
+    caches = runner.kv_caches
+    wide, narrow = caches[5], caches[0]
+    assert wide.shape == (2, 10, 4, 2, 16) and narrow.shape == (2, 10, 4, 1, 8)
+    assert wide.data_ptr() == narrow.data_ptr() and wide.stride(1) == narrow.stride(1) == 4 * 32
+    assert caches[6] is caches[4] and caches[7] is wide  # KV-shared layers: their source's view
+    assert all(c is narrow for c in caches[:5])
+    wide.zero_()
+    narrow[:, 3] = 1.0
+    assert wide[:, 3].flatten(1)[:, : 4 * 8].eq(1).all() and wide[:, [2, 4]].eq(0).all()
 
 
 def test_reference_decodes_of_several_lengths_read_only_their_windows():

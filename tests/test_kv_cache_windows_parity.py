@@ -117,7 +117,9 @@ def test_two_full_groups_on_one_tensor_match_transformers(tmp_path, monkeypatch)
     from overnight.engine.kv_groups import KVGroup
 
     folder = make_tiny_checkpoint(tmp_path, "qwen3")
-    two = KVCacheLayout((KVGroup(None, (0,)), KVGroup(None, (1,))), 1, (0, 1), (0, 0), (0, 1), ((2, 16),))
+    two = KVCacheLayout(
+        (KVGroup(None, (0,)), KVGroup(None, (1,))), 1, (0, 1), (0, 0), (0, 1), (32,), ((2, 16),) * 2
+    )
     monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, arch, max_len=None: two))
     rng = random.Random(3)
     prefix = [rng.randrange(3, 384) for _ in range(20)]

@@ -19,16 +19,29 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
 
     a model with only full layers: one group of every layer, G = num_layers: today's layout exactly
 
-A block is G x B tokens x one layer's K/V bytes, the same for every group, so usage, the pool plan and
-a block's bytes stay one number. A windowed group's blocks lying wholly before position
+A block is B tokens of one slot in each of the G tensors, the same bytes for every group, so usage,
+the pool plan and a block's bytes stay one number. A windowed group's blocks lying wholly before position
 num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
 KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
 Linear-attention layers (Qwen3.5's Gated DeltaNet) own no cache at all: they are in no group and
 no tensor (layer_tensor -1; their per-request state lives in runner/state_cache.py).
 A window at least max_model_len long never gives a block back, so such layers join the full groups.
-Sharing a tensor needs one cache shape (KV heads x head size) for every layer: a model whose kinds
-differ there (Gemma 4's full layers) gets one tensor per layer of its own shape and one group, its
-windows applied only by the kernels (no blocks given back: correct, without the memory gain).
+
+Layers of different cache shapes (Gemma 4: windowed layers 16 KV heads x 256, full layers 4 x 512,
+KV = K there) still share tensors: a tensor's block slot holds tensor_elems[j] elements per token for K
+and as many for V, the most any of its layers needs, and each layer reads the tensor through a strided
+view of its own shape (runner/model_runner.py, kernels/kv_layout.py):
+
+    tensor j: [2, num_blocks, block_size x tensor_elems[j]]       (K plane, V plane)
+      layer of group w (16 x 256): view [2, num_blocks, B, 16, 256], block stride B x 4096
+      layer of group f ( 4 x 512): view [2, num_blocks, B,  4, 512], same block stride, the
+                                   block's last B x 2048 elements unused (padding)
+
+The padding is the price of one block size and one pool (vLLM pads pages the same way where it cannot
+scale a block size): a block of a group whose layers are smaller than the slots wastes
+unused_share(group) of its bytes. For Gemma-4-31B that is half of each full-attention block, and
+still about 5x the sequences of one tensor per layer at 32K tokens (the windows give back 50 of 60
+layers' blocks). With one kind (no windows) every tensor holds one layer: no padding.
 """
 
 from __future__ import annotations
@@ -41,6 +54,10 @@ from overnight.loader.fit import layer_kv_shape
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _elems(shape: tuple[int, int]) -> int:
+    return shape[0] * shape[1]
 
 
 @dataclass(frozen=True)
@@ -56,13 +73,25 @@ class KVCacheLayout:
     layer_group: tuple[int, ...]  # per model layer: the group whose block table it reads (0: linear)
     layer_tensor: tuple[int, ...]  # per model layer: the tensor holding its cache (-1: linear, none)
     layer_source: tuple[int, ...]  # per model layer: the layer whose cache it reads (itself if not shared)
-    tensor_shapes: tuple[tuple[int, int], ...]  # per tensor: (KV heads, head size) of its layers
+    tensor_elems: tuple[int, ...]  # per tensor: K (or V) elements of one token slot, the most of its layers
+    layer_shapes: tuple[tuple[int, int], ...]  # per model layer: (KV heads, head size) of the cache it reads
+
+    def __post_init__(self) -> None:
+        for i, t in enumerate(self.layer_tensor):
+            heads, dim = self.layer_shapes[i]
+            if t >= 0 and heads * dim > self.tensor_elems[t]:
+                raise ValueError(f"layer {i}'s cache ({heads} x {dim}) does not fit tensor {t}'s slot")
 
     @property
     def token_elems(self) -> int:
         """Cache elements one token of one block takes over all tensors (K and V): a block holds
         block_size x token_elems elements."""
-        return sum(2 * heads * dim for heads, dim in self.tensor_shapes)
+        return sum(2 * e for e in self.tensor_elems)
+
+    def unused_share(self, group: int) -> float:
+        """Share of a block of `group` that none of its layers uses (its shape smaller than the slots)."""
+        used = sum(2 * self.layer_shapes[i][0] * self.layer_shapes[i][1] for i in self.groups[group].layers)
+        return 1.0 - used / self.token_elems
 
     @property
     def num_groups(self) -> int:
@@ -109,7 +138,8 @@ class KVCacheLayout:
             (0,) * n,
             tuple(tensor_of[sources[i]] for i in range(n)),
             sources,
-            tuple(layer_kv_shape(arch, layer) for layer in owners),
+            tuple(_elems(layer_kv_shape(arch, layer)) for layer in owners),
+            tuple(layer_kv_shape(arch, sources[i]) for i in range(n)),
         )
 
     @classmethod
@@ -122,9 +152,7 @@ class KVCacheLayout:
         if arch.num_linear_layers:
             return cls._hybrid(arch, max_model_len)
         sources = tuple(arch.kv_source_layer(i) for i in range(n))
-        shapes = {layer_kv_shape(arch, i) for i in range(n) if sources[i] == i}
-        if len(shapes) > 1:  # layers of different cache shapes cannot share a tensor
-            return cls.uniform(arch)
+        shape = [layer_kv_shape(arch, i) for i in range(n)]
 
         def window(i: int) -> int | None:
             w = arch.layer_window(i)
@@ -139,20 +167,23 @@ class KVCacheLayout:
         groups: list[KVGroup] = []
         group_of: dict[int, int] = {}
         tensor_of: dict[int, int] = {}
-        for w in order:
-            layers = kinds[w]
+        slot = [0] * size
+        for kind in order:
+            layers = kinds[kind]
             for start in range(0, len(layers), size):
                 chunk = tuple(layers[start : start + size])
                 for j, layer in enumerate(chunk):
                     group_of[layer], tensor_of[layer] = len(groups), j
-                groups.append(KVGroup(w, chunk))
+                    slot[j] = max(slot[j], _elems(shape[layer]))
+                groups.append(KVGroup(kind, chunk))
         return cls(
             tuple(groups),
             size,
             tuple(group_of[sources[i]] for i in range(n)),
             tuple(tensor_of[sources[i]] for i in range(n)),
             sources,
-            (shapes.pop(),) * size,
+            tuple(slot),
+            tuple(shape[sources[i]] for i in range(n)),
         )
 
     @classmethod
@@ -176,13 +207,19 @@ class KVCacheLayout:
         )
         group = [0] * arch.num_hidden_layers
         tensor = [-1] * arch.num_hidden_layers
+        shapes = [(0, 0)] * arch.num_hidden_layers  # linear layers read no KV cache
         for j, i in enumerate(attn_layers):
-            group[i], tensor[i] = inner.layer_group[j], inner.layer_tensor[j]
+            group[i], tensor[i], shapes[i] = (
+                inner.layer_group[j],
+                inner.layer_tensor[j],
+                inner.layer_shapes[j],
+            )
         return cls(
             tuple(KVGroup(g.window, tuple(attn_layers[j] for j in g.layers)) for g in inner.groups),
             inner.num_tensors,
             tuple(group),
             tuple(tensor),
             tuple(range(arch.num_hidden_layers)),
-            inner.tensor_shapes,
+            inner.tensor_elems,
+            tuple(shapes),
         )

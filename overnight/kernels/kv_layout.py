@@ -92,6 +92,35 @@ def new_kv_cache(
     return storage.transpose(2, 3)
 
 
+def new_kv_slots(
+    num_blocks: int, slot_elems: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A cache tensor shared by layers of different shapes: [2, num_blocks, slot_elems] (K plane, V plane),
+    slot_elems = block_size x the most KV heads x head size any of its layers needs. Layers read it
+    through kv_cache_view. Left uninitialized or zeroed as new_kv_cache leaves a cache."""
+    fill = torch.zeros if v_token_major(dtype) else torch.empty
+    return fill((2, num_blocks, slot_elems), dtype=dtype, device=device)
+
+
+def kv_cache_view(
+    slots: torch.Tensor, block_size: int, num_kv_heads: int, head_dim: int, head_major_k: bool | None = None
+) -> torch.Tensor:
+    """One layer's cache [2, num_blocks, block_size, Hkv, D] over a new_kv_slots tensor: the layout of
+    new_kv_cache inside each block, blocks slots.stride(1) elements apart (a smaller layer leaves the
+    rest of its block unused). The kernels and the torch reference address blocks through strides."""
+    if head_major_k is None:
+        head_major_k = FP8_HEAD_MAJOR_K and is_fp8(slots.dtype)
+    two, num_blocks, slot_elems = slots.shape
+    if block_size * num_kv_heads * head_dim > slot_elems:
+        raise ValueError(f"a block of {block_size} x {num_kv_heads} x {head_dim} does not fit {slot_elems}")
+    inner = (head_dim, block_size * head_dim, 1) if head_major_k else (num_kv_heads * head_dim, head_dim, 1)
+    return slots.as_strided(
+        (two, num_blocks, block_size, num_kv_heads, head_dim),
+        (slots.stride(0), slots.stride(1), *inner),
+        slots.storage_offset(),
+    )
+
+
 def to_storage_layout(logical: torch.Tensor, head_major_k: bool | None = None) -> torch.Tensor:
     """A cache whose V is given as [2, num_blocks, block_size, Hkv, D] (as tests and benches build it)
     rearranged into the storage layout of its dtype (head_major_k: as new_kv_cache)."""

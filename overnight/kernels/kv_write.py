@@ -94,9 +94,13 @@ def check_kv_cache(kv_cache: torch.Tensor) -> None:
         raise ValueError("kv_cache must have unit stride along head_dim")
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
     per_block = block_size * num_kv_heads * head_dim
-    slot_major = (per_block, num_kv_heads * head_dim, head_dim, 1)
-    head_major = (per_block, head_dim, block_size * head_dim, 1)  # kv_layout.new_kv_cache(head_major_k)
-    if v_token_major(kv_cache.dtype) and kv_cache.stride()[1:] not in (slot_major, head_major):
+    slot_major = (num_kv_heads * head_dim, head_dim, 1)
+    head_major = (head_dim, block_size * head_dim, 1)  # kv_layout.new_kv_cache(head_major_k)
+    # Blocks may lie further apart than a block's elements (kv_layout.kv_cache_view: a slot shared
+    # with layers of a larger shape), never closer.
+    if v_token_major(kv_cache.dtype) and (
+        kv_cache.stride()[2:] not in (slot_major, head_major) or kv_cache.stride(1) < per_block
+    ):
         raise ValueError(
             "an fp8 kv_cache must be contiguous within each block, as kv_layout.new_kv_cache makes it"
         )

@@ -23,7 +23,7 @@ from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import reserve_state_bytes, state_snapshots
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
-from overnight.kernels.kv_layout import is_fp8, new_kv_cache
+from overnight.kernels.kv_layout import is_fp8, kv_cache_view, new_kv_slots
 from overnight.loader.source import ModelSource
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.runner.inputs import StepBuffers, StepInputs, build_sampling_batch
@@ -249,7 +249,7 @@ class ModelRunner:
         )
 
     def kv_bytes_per_block(self) -> int:
-        """One block of the pool: block_size tokens of one layer's K/V in each of the layout's tensors."""
+        """One block of the pool: block_size tokens of one slot (K and V) in each of the layout's tensors."""
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return self.block_size * self.kv_layout.token_elems * elem  # this device's KV heads
 
@@ -278,17 +278,28 @@ class ModelRunner:
         """Nothing to stop: the runner lives in this process."""
 
     def _new_kv_tensors(self, num_blocks: int, block_size: int) -> list[torch.Tensor]:
-        """The layout's cache tensors, each [2, num_blocks, block_size, its KV heads, its head size].
-        new_kv_cache leaves a plain cache uninitialized and zeroes an FP8 one (kv_layout.py says why)."""
+        """The layout's cache tensors, each [2, num_blocks, block_size x its slot elements] (kv_groups.py):
+        left uninitialized, an FP8 one zeroed (kv_layout.py says why)."""
         return [
-            new_kv_cache((2, num_blocks, block_size, heads, dim), self.kv_cache_dtype, self.device)
-            for heads, dim in self.kv_layout.tensor_shapes
+            new_kv_slots(num_blocks, block_size * elems, self.kv_cache_dtype, self.device)
+            for elems in self.kv_layout.tensor_elems
         ]
 
     def _layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each layer's cache: the layout's tensor holding it (KV-shared layers: their source's)."""
+        """Each layer's cache: a view of its shape over the layout's tensor holding it (KV-shared layers:
+        their source's), one view per tensor and shape."""
         none = torch.empty(0, device=self.device)  # linear-attention layers hold no KV cache
-        return [tensors[t] if t >= 0 else none for t in self.kv_layout.layer_tensor]
+        views: dict[tuple[int, int, int], torch.Tensor] = {}
+        caches = []
+        for t, (heads, dim) in zip(self.kv_layout.layer_tensor, self.kv_layout.layer_shapes, strict=True):
+            if t < 0:
+                caches.append(none)
+                continue
+            key = (t, heads, dim)
+            if key not in views:
+                views[key] = kv_cache_view(tensors[t], self.block_size, heads, dim)
+            caches.append(views[key])
+        return caches
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = self._layer_caches(self._new_kv_tensors(num_blocks, self.block_size))

@@ -76,6 +76,9 @@ class Budget:
     kv_layers: int  # layers holding a cache of their own (KV-shared layers hold none)
     windowed_layers: int  # of them, those with a sliding window (0: every one keeps the whole context)
     windows: tuple[int, ...]  # their windows, each once
+    # Share of a full-attention block no layer uses: its layers' K/V smaller than the tensors' slots,
+    # which the windowed layers' larger shape sets (Gemma 4; engine/kv_groups.py). 0: none.
+    full_block_padding: float = 0.0
     # Hybrid models: bytes of one request's linear-attention states, and of the whole state pool
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
@@ -190,6 +193,9 @@ def plan_budget(
         kv_layers=cached_layers,
         windowed_layers=sum(len(g.layers) for g in layout.groups if g.window is not None),
         windows=tuple(sorted({g.window for g in layout.groups if g.window is not None})),
+        full_block_padding=max(
+            (layout.unused_share(i) for i, g in enumerate(layout.groups) if g.window is None), default=0.0
+        ),
         state_bytes_per_seq=arch.linear_state_bytes(),
         state_pool_bytes=arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache)),
     )
@@ -268,6 +274,11 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  sliding windows: {b.windowed_layers} of {b.kv_layers} layers keep only their last {windows} "
             f"tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
             f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+        )
+    if b.full_block_padding:
+        lines.append(
+            f"  cache shapes differ: a full-attention block is padded to the windowed layers' shape, "
+            f"{b.full_block_padding:.0%} of it unused (counted in the sequences that fit)"
         )
     if b.state_bytes_per_seq:
         lines.append(

@@ -1,0 +1,172 @@
+"""Tier (c): Gemma 4's windowed layers give their blocks back (engine/kv_groups.py), against HF
+transformers, fp32 greedy.
+
+A tiny Gemma4ForCausalLM with Gemma-4-31B's proportions: windowed layers with 2 KV heads x 16, full
+layers with 1 KV head x 16 (K = V), five windowed to one full, and two KV-shared last layers. Its cache
+shapes differ, so the full-attention group's blocks are half padding; the windows still give back
+five of six layers' blocks. The same pool bytes are run with that layout and with the layout before it
+(one tensor per layer of its own shape, one group: nothing given back), counting the sequences long at
+once, and the tokens are checked against transformers."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from overnight import LLM, SamplingParams
+from overnight.engine.kv_groups import KVCacheLayout
+from overnight.loader.resolve import resolve_source
+from tests.parity_helpers import hf_greedy
+from tests.test_gemma import _spread_weights, agrees
+
+pytestmark = pytest.mark.slow  # real models beside transformers
+
+W = 12
+VOCAB = 331
+LAYERS = ["sliding_attention"] * 5 + ["full_attention", "sliding_attention", "full_attention"]
+CONFIG: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=48,
+    intermediate_size=80,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    global_head_dim=16,
+    num_global_key_value_heads=1,
+    attention_k_eq_v=True,
+    num_kv_shared_layers=2,
+    hidden_size_per_layer_input=8,
+    vocab_size_per_layer_input=VOCAB,
+    max_position_embeddings=256,
+    layer_types=LAYERS,
+    final_logit_softcapping=8.0,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
+    },
+)
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4)
+
+
+def tiny_gemma4(window: int) -> torch.nn.Module:
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**CONFIG, sliding_window=window)).eval()
+    model.set_attn_implementation("eager")
+    _spread_weights(model, one_centred_norms=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory):
+    model = tiny_gemma4(W)
+    folder = tmp_path_factory.mktemp("gemma4") / "model"
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def test_layout_and_transformers_applies_the_window(gemma4):
+    folder, ref = gemma4
+    layout = KVCacheLayout.from_arch(resolve_source(folder).arch, 160)
+    assert layout.windows == (None,) + (W,) * 5 and layout.tensor_elems == (32,)
+    assert layout.unused_share(0) == 0.5  # the full layers' 1 x 16 in slots of 2 x 16
+    assert layout.layer_source[6:] == (4, 5)
+    prompt = [random.Random(0).randrange(3, 320) for _ in range(40)]
+    wide = tiny_gemma4(4096)  # the same weights, a window longer than any prompt
+    assert hf_greedy(ref, prompt, 8)[0] != hf_greedy(wide, prompt, 8)[0]
+
+
+def test_windows_hold_three_times_the_sequences_and_the_same_tokens(gemma4, monkeypatch):
+    """The same pool bytes, at a context of 20 + 124 tokens: count the sequences long at once."""
+    folder, ref = gemma4
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 320) for _ in range(20)] for _ in range(20)]
+    grouped = KVCacheLayout.from_arch(resolve_source(folder).arch, 160)
+    per_layer = KVCacheLayout.uniform(resolve_source(folder).arch)
+    long_at_once, outputs = {}, {}
+    for name, layout in (("per layer", per_layer), ("grouped", grouped)):
+        monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, a, m=None, lay=layout: lay))
+        llm = LLM(
+            folder,
+            kv_cache_memory_bytes=1 << 20,
+            max_model_len=160,
+            max_num_seqs=32,
+            enable_prefix_caching=False,
+            **ENGINE,
+        )
+        engine = llm.engine
+        assert engine.runner.kv_layout is layout  # type: ignore[attr-defined]
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, greedy(124))
+        peak, done = 0, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            running = engine.scheduler.running  # type: ignore[attr-defined]
+            peak = max(peak, sum(r.num_computed_tokens >= 128 for r in running))
+        assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
+        long_at_once[name], outputs[name] = peak, done
+    assert long_at_once["per layer"] >= 1
+    assert long_at_once["grouped"] >= 3 * long_at_once["per layer"], long_at_once
+    assert outputs["grouped"] == outputs["per layer"]
+    for i in range(0, 20, 7):  # transformers is slow at this length: three of them
+        ours, (theirs, scores) = outputs["grouped"][str(i)], hf_greedy(ref, prompts[i], 124)
+        assert agrees(ours, theirs, scores), i
+
+
+def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
+    """Shared prefixes longer than the window (a hit needs the window's blocks in every windowed
+    group), chunks crossing it, and a pool too small for all at once."""
+    folder, ref = gemma4
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, 320) for _ in range(30)]
+    prompts = [prefix + [rng.randrange(3, 320) for _ in range(k)] for k in (3, 7, 11)]
+    prompts += [[rng.randrange(3, 320) for _ in range(k)] for k in (5, 13, 40, 57)]
+    block = 4 * 2 * 32 * 4  # 4 tokens x K/V x a 32-element slot x fp32
+    llm = LLM(
+        folder, kv_cache_memory_bytes=100 * block, max_num_batched_tokens=16, max_model_len=128, **ENGINE
+    )
+    assert llm.engine.pool_plan.num_blocks == 100
+    llm.generate([{"prompt_token_ids": prompts[0]}], greedy(2), use_tqdm=False)  # caches the prefix
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(24), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        theirs, scores = hf_greedy(ref, prompt, 24)
+        assert agrees(out.outputs[0].token_ids, theirs, scores), f"prompt of {len(prompt)} tokens"
+    stats = llm.engine.stats()
+    assert stats.num_preemptions_total > 0
+    assert stats.prefix_cache_hits >= 2 * 28  # the shared-prefix prompts start past 7 blocks
+    assert llm.engine.kv.pool.num_free == 100  # type: ignore[attr-defined]
+
+
+def test_fp8_cache_gives_the_same_tokens_in_either_layout(gemma4, monkeypatch):
+    """An FP8 cache (head-major K, token-major V inside each block, kernels/kv_layout.py) read through
+    the padded views holds the very values one tensor per layer holds: the tokens are identical."""
+    folder, _ = gemma4
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 320) for _ in range(k)] for k in (9, 30, 41)]
+    arch = resolve_source(folder).arch
+    outs = {}
+    for name, layout in (
+        ("grouped", KVCacheLayout.from_arch(arch, 96)),
+        ("per layer", KVCacheLayout.uniform(arch)),
+    ):
+        monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, a, m=None, lay=layout: lay))
+        llm = LLM(folder, kv_cache_dtype="fp8", max_num_batched_tokens=16, max_model_len=96, **ENGINE)
+        assert llm.engine.runner.kv_caches[0].dtype == torch.float8_e4m3fn  # type: ignore[attr-defined]
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
+        outs[name] = [o.outputs[0].token_ids for o in got]
+    assert outs["grouped"] == outs["per layer"]
