@@ -209,11 +209,6 @@ def check_cache(opts: EngineOptions) -> None:
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
-    if opts.tensor_parallel_size > 1 and source.arch.num_linear_layers:
-        raise ConfigError(
-            f"{source.served_name}: hybrid linear-attention models (Gated DeltaNet layers) with tensor "
-            "parallelism are not supported yet; run with --tensor-parallel-size 1"
-        )
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 

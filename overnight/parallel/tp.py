@@ -13,6 +13,21 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
     norms, rotary table: replicated
 
+Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): each rank holds linear_num_key_heads / world key heads of
+every Gated DeltaNet layer and the value heads grouped under them (value head h reads key head h // r,
+so contiguous key heads carry contiguous value heads and the grouped ratio r stays whole):
+
+    in_proj_qkv, conv1d  rows [q | k | v]  -> [q of r's key heads | k of them | v of r's value heads]
+    in_proj_z            rows of r's value heads (dv each); in_proj_b, in_proj_a, dt_bias, A_log: one each
+    in_proj_qkvz, _ba    rows grouped by key head (Qwen3-Next): r's whole key-head groups
+    out_proj             columns of r's value heads; all-reduced                              row-parallel
+    gated q_proj         rows [q | gate] per head: r's heads, 2 * head_dim rows each
+    shared expert        gate/up rows and down columns of r's slice of shared_expert_intermediate_size
+    shared_expert_gate   replicated (one output; it scales the reduced shared expert)
+
+A rank's state cache holds the states of its own heads (the runner sizes it from local_arch); the
+slots and snapshots are the same on every rank, as the scheduling is shared.
+
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
 heads its own q heads read. The vocabulary is padded to a multiple of world with zero rows, trimmed again
@@ -42,12 +57,22 @@ from overnight.config import ModelArch
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.layers.moe import SILU, Experts
 from overnight.loader.source import ModelSource
+from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
 from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
+# A hybrid's column-parallel projections, kept under their checkpoint names (not fused on load):
+# apply_tp slices them like the fused ones. in_proj_*: its Gated DeltaNet layers, whose out_proj is
+# row-parallel. (Only hybrids: vision towers use some of these names for layers that stay whole.)
+COLUMN_PARALLEL = (
+    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+)  # fmt: skip
+# Per-value-head parameters of a Gated DeltaNet layer (one entry per head).
+LINEAR_HEAD_PARAMS = ("dt_bias", "A_log")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
@@ -61,6 +86,11 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        if w > 1 and a.num_linear_layers and a.vision is not None:
+            raise ModelLoadError(
+                f"tensor parallelism is not supported for {a.architecture} with its vision tower yet; "
+                "run the text-only checkpoint, or --tensor-parallel-size 1"
+            )
         if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
             # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
             raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
@@ -80,6 +110,10 @@ class TPShards:
             problems.append(f"intermediate_size {a.intermediate_size}")
         if a.num_experts and a.moe_intermediate_size % w:
             problems.append(f"moe_intermediate_size {a.moe_intermediate_size}")
+        if a.shared_expert_intermediate_size % w:
+            problems.append(f"shared_expert_intermediate_size {a.shared_expert_intermediate_size}")
+        if a.num_linear_layers and a.linear_num_key_heads % w:  # value heads are a multiple of these
+            problems.append(f"linear_num_key_heads {a.linear_num_key_heads} (linear-attention heads)")
         if problems:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
@@ -95,12 +129,25 @@ class TPShards:
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,
             moe_intermediate_size=a.moe_intermediate_size // w,
+            shared_expert_intermediate_size=a.shared_expert_intermediate_size // w,
+            linear_num_key_heads=a.linear_num_key_heads // w,
+            linear_num_value_heads=a.linear_num_value_heads // w,
         )
 
     def section(self, name: str) -> tuple[int, int]:
         """(first row, rows) of this rank inside one whole section: "q", "kv", "ffn" (the dense MLP's
-        intermediate size) or "moe" (an expert's)."""
+        intermediate size), "moe" (an expert's), "shared" (the shared expert's), or a Gated DeltaNet
+        layer's "linear_k" (key heads x dk), "linear_v" (value heads x dv), "linear_heads" (value heads)."""
         a, w, r = self.arch, self.world, self.rank
+        linear = {
+            "linear_k": (a.linear_num_key_heads, a.linear_key_head_dim),
+            "linear_v": (a.linear_num_value_heads, a.linear_value_head_dim),
+            "linear_heads": (a.linear_num_value_heads, 1),
+        }
+        if name in linear:
+            heads, size = linear[name]
+            per = heads // w * size
+            return r * per, per
         if name == "q":
             per = a.q_size // w
             return r * per, per
@@ -109,7 +156,8 @@ class TPShards:
             head = r * hkv // w  # with hkv < w, ranks r*hkv//w share one head
             n = max(1, hkv // w)
             return head * a.head_dim, n * a.head_dim
-        per = (a.moe_intermediate_size if name == "moe" else a.intermediate_size) // w
+        sizes = {"moe": a.moe_intermediate_size, "shared": a.shared_expert_intermediate_size}
+        per = sizes.get(name, a.intermediate_size) // w
         return r * per, per
 
     @property
@@ -126,7 +174,12 @@ class TPShards:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         a = self.arch
-        ffn = "moe" if "experts" in parts else "ffn"  # a checkpoint's per-expert tensors: experts.N.*
+        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
+        ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        if a.num_linear_layers:
+            linear = self._linear_attention(module, kind, t)
+            if linear is not None:
+                return linear
         if module == "experts":  # stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]
             start, n = self.section("moe")
             if kind == "down_proj":
@@ -159,6 +212,30 @@ class TPShards:
                 rows = torch.cat([rows, pad])
             return rows
         return t  # norms, row-parallel biases (added once, after the reduce)
+
+    def _linear_attention(self, module: str, kind: str, t: torch.Tensor) -> torch.Tensor | None:
+        """A hybrid's tensors that shard otherwise than a plain decoder's (None: the common rules)."""
+        a = self.arch
+        if module == "q_proj":  # gated attention: [q | gate] per head, 2 * head_dim rows each
+            start, n = self.section("q")
+            return t.narrow(0, 2 * start, 2 * n)
+        if module in ("in_proj_qkv", "conv1d"):  # channels q | k | v
+            key = a.linear_num_key_heads * a.linear_key_head_dim
+            q, k, v = t.split([key, key, t.shape[0] - 2 * key])
+            return torch.cat(
+                [self._rows(q, "linear_k"), self._rows(k, "linear_k"), self._rows(v, "linear_v")]
+            )
+        if module == "out_proj":
+            return t.narrow(1, *self.section("linear_v"))
+        if module == "in_proj_z":
+            return self._rows(t, "linear_v")
+        if module in ("in_proj_b", "in_proj_a") or kind in LINEAR_HEAD_PARAMS:
+            return self._rows(t, "linear_heads")
+        if module in ("in_proj_qkvz", "in_proj_ba"):  # rows grouped by key head: whole groups per rank
+            per_group = t.shape[0] // a.linear_num_key_heads
+            heads = a.linear_num_key_heads // self.world
+            return t.narrow(0, self.rank * heads * per_group, heads * per_group)
+        return None
 
     def _rows(self, t: torch.Tensor, section: str) -> torch.Tensor:
         start, n = self.section(section)
@@ -283,6 +360,22 @@ class ParallelLMHead(nn.Module):
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
 
+def _shard_linear_attention(module: GatedDeltaNet, name: str, shards: TPShards) -> None:
+    """Keep this rank's heads of a Gated DeltaNet layer's own parameters (the projections are sliced
+    with the other column- and row-parallel linears) and its head counts."""
+    conv = module.conv1d
+    conv.weight = nn.Parameter(_keep(shards.shard(f"{name}.conv1d.weight", conv.weight)), requires_grad=False)
+    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
+    for pname in LINEAR_HEAD_PARAMS:
+        sliced = _keep(shards.shard(f"{name}.{pname}", getattr(module, pname)))
+        setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
+    local = shards.local_arch
+    module.num_k_heads, module.num_v_heads = local.linear_num_key_heads, local.linear_num_value_heads
+    module.key_dim = module.num_k_heads * module.head_k_dim
+    module.value_dim = module.num_v_heads * module.head_v_dim
+    module.conv_dim = 2 * module.key_dim + module.value_dim
+
+
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
@@ -313,6 +406,10 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     shards = TPShards(lm.arch, rank, world)
     shards.check()
     fused = {fused_name for fused_name, _ in lm.packed_modules_mapping.values()}
+    row_parallel = set(ROW_PARALLEL)
+    if lm.arch.num_linear_layers:
+        fused |= set(COLUMN_PARALLEL)
+        row_parallel.add("out_proj")
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -321,6 +418,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
 
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
+        if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
+            _shard_linear_attention(module, name, shards)
         if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear)):
             for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
                 sliced = _keep(shards.shard(f"{name}.{pname}", param))
@@ -328,7 +427,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             module.out_features = module.weight.shape[0]
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
-        elif leaf in ROW_PARALLEL and isinstance(module, nn.Linear):
+        elif leaf in row_parallel and isinstance(module, nn.Linear):
             weight = _keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
         elif isinstance(module, Experts):

@@ -1,0 +1,113 @@
+"""Tensor parallelism for the families with their own sharding rules, on the CPU: 2 gloo rank processes
+give the tokens of one process and of HF transformers.
+
+Hybrids (Qwen3.5 dense and MoE): Gated DeltaNet layers split by key heads (and the value heads grouped
+under them), gated attention by heads, routed and shared experts by their intermediate sizes; each
+rank's state cache holds its heads' states. One engine per family runs chunked prefills (16-token
+steps) and a second wave that restores state snapshots at a shared prefix (prefix-cache hits).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from overnight import LLM, SamplingParams
+from overnight.errors import ModelLoadError
+from overnight.loader.model_loader import load_model
+from overnight.loader.resolve import resolve_source
+from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from tests.test_engine_parity import hf_greedy
+from tests.tiny_hybrid import make_hybrid_checkpoint
+
+VOCAB = 101
+HYBRID = dict(
+    device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16,
+    max_num_seqs=4, max_model_len=256,
+)  # fmt: skip
+# 4 attention heads and 1 kv head (shared by both ranks); 2 key heads, 4 value heads: one and two a rank.
+HEADS = dict(num_attention_heads=4)
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _waves() -> tuple[list[list[int]], list[list[int]]]:
+    rng = random.Random(3)
+    system = [rng.randrange(3, VOCAB) for _ in range(41)]
+    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (5, 12)] + [[7, 8, 9]]
+    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (3, 9)]
+    return first, second
+
+
+@pytest.mark.parametrize("variant", ["qwen3_5_moe", "qwen3_next"])
+def test_hybrid_shards_streamed_equal_sliced(tmp_path, variant):
+    """Loading rank by rank (checkpoint tensors, or dummy draws replayed whole) gives each rank the
+    weights apply_tp cuts from the whole loaded model: Qwen3.5's split and Qwen3-Next's fused
+    projections, conv channels, per-head parameters, routed and shared experts."""
+    folder = make_hybrid_checkpoint(tmp_path, variant, **HEADS)
+    for kind in ("auto", "dummy"):
+        source = resolve_source(str(folder), kind)
+        for rank in range(2):
+            whole = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
+            streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
+            a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+    gdn = streamed.model.layers[0].linear_attn
+    assert (gdn.num_k_heads, gdn.num_v_heads, gdn.conv1d.weight.shape[0]) == (1, 2, 2 * 8 + 2 * 6)
+
+
+def test_hybrid_shards_keep_grouped_heads(tmp_path):
+    """Rank r's q|k|v channels are those of its key heads and of the value heads they serve, in every
+    layout: the fused in_proj_qkvz (grouped by key head) gives the same rows as the split one."""
+    folder = make_hybrid_checkpoint(tmp_path, "qwen3_5", **HEADS)
+    arch = resolve_source(str(folder)).arch
+    hk, hv, dk, dv = 2, 4, 8, 6
+    w = torch.randn(2 * hk * dk + 2 * hv * dv, 40)
+    per_key = w.view(hk, -1, 40)  # per key head: q (dk), k (dk), v (2 dv), z (2 dv)
+    q, k, v, z = per_key.split([dk, dk, 2 * dv, 2 * dv], dim=1)
+    for rank in range(2):
+        s = TPShards(arch, rank, 2)
+        fused = s.shard("model.layers.0.linear_attn.in_proj_qkvz.weight", w)
+        assert torch.equal(fused, per_key[rank])
+        split = torch.cat([q.reshape(-1, 40), k.reshape(-1, 40), v.reshape(-1, 40)])
+        mine = s.shard("model.layers.0.linear_attn.in_proj_qkv.weight", split)
+        assert torch.equal(mine, torch.cat([q[rank], k[rank], v[rank]]))
+        assert torch.equal(s.shard("x.linear_attn.in_proj_z.weight", z.reshape(-1, 40)), z[rank])
+
+
+def test_hybrid_indivisible_linear_heads_are_refused(tmp_path):
+    folder = make_hybrid_checkpoint(tmp_path, "qwen3_5", num_attention_heads=4, linear_num_key_heads=1,
+                                    linear_num_value_heads=2)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="does not divide the model's linear_num_key_heads 1"):
+        LLM(str(folder), tensor_parallel_size=2, **HYBRID)
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe"])
+def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path, variant):
+    import transformers
+
+    folder = make_hybrid_checkpoint(tmp_path, variant, **HEADS)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    first, second = _waves()
+    one = LLM(str(folder), **HYBRID)
+    expected = [one.generate(w, _greedy(6), use_tqdm=False) for w in (first, second)]
+    llm = LLM(str(folder), tensor_parallel_size=2, **HYBRID)
+    try:
+        got = llm.generate(first, _greedy(6), use_tqdm=False)
+        before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+        got_second = llm.generate(second, _greedy(6), use_tqdm=False)
+        hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
+    finally:
+        llm.engine.shutdown()
+    assert hits >= 2 * 40  # both second-wave prompts restored past the shared 41-token prefix
+    for prompts, outs, ones in ((first, got, expected[0]), (second, got_second, expected[1])):
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        assert tokens == [list(o.outputs[0].token_ids) for o in ones]
+        assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
