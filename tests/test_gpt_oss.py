@@ -300,18 +300,3 @@ def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     gib = arch.weight_bytes(2) / 2**30
     assert 55 < gib < 70, gib
     assert arch.num_parameters() * 2 / 2**30 > 141
-
-
-def test_tensor_parallel_refused_by_name():
-    from overnight.errors import ConfigError
-    from overnight.loader.model_loader import build_model
-    from overnight.loader.source import ModelSource
-    from overnight.models.registry import arch_from_hf_config
-    from overnight.parallel.tp import apply_tp
-
-    arch = arch_from_hf_config(_config().to_dict())
-    model = build_model(
-        ModelSource("dummy", "x", arch, "GptOssForCausalLM", None, (), None, None, "x"), torch.float32, "meta"
-    )
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported for gpt_oss"):
-        apply_tp(model, 0, 2)

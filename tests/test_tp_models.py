@@ -5,6 +5,10 @@ Hybrids (Qwen3.5 dense and MoE): Gated DeltaNet layers split by key heads (and t
 under them), gated attention by heads, routed and shared experts by their intermediate sizes; each
 rank's state cache holds its heads' states. One engine per family runs chunked prefills (16-token
 steps) and a second wave that restores state snapshots at a shared prefix (prefix-cache hits).
+
+gpt-oss: sinks split with their heads, the router replicated, experts (biases, MXFP4 blocks and scales
+included) split along their intermediate size, the down bias added by rank 0 only; float and MXFP4
+checkpoints (tests/test_gpt_oss.py's builders: sliding windows, YaRN, 6 experts of which 3 a token).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
 from tests.test_engine_parity import hf_greedy
+from tests.test_gpt_oss import _hf_greedy, _prompts, _reference, float_folder, mxfp4_folder  # noqa: F401
 from tests.tiny_hybrid import make_hybrid_checkpoint
 
 VOCAB = 101
@@ -111,3 +116,59 @@ def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path, variant):
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         assert tokens == [list(o.outputs[0].token_ids) for o in ones]
         assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+
+
+# -- gpt-oss ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4", "dummy"])
+def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, kind):  # noqa: F811
+    """Each rank's weights loaded from the checkpoint (interleaved gate/up de-interleaved, then sliced)
+    equal those apply_tp cuts from the whole loaded model; the down bias is rank 0's alone."""
+    folder = mxfp4_folder[0] if kind == "mxfp4" else float_folder
+    source = resolve_source(str(folder), "dummy" if kind == "dummy" else "auto")
+    whole_model = load_model(source, torch.float32, "cpu", seed=3)
+    whole = dict(whole_model.named_parameters())
+    for rank in range(2):
+        sliced = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
+        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
+        a, b = dict(sliced.named_parameters()), dict(streamed.named_parameters())
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+        experts = "model.layers.0.mlp.experts."
+        bias = b[experts + "down_bias"]
+        assert torch.equal(bias, whole[experts + "down_bias"]) if rank == 0 else not bias.any()
+        # rank r's gate row i and up row i: unit 32 r + i of the whole expert (MXFP4: in bytes)
+        gate_up, mine = whole[experts + "gate_up_proj"], b[experts + "gate_up_proj"]
+        assert torch.equal(mine[:, :32], gate_up[:, 32 * rank : 32 * rank + 32])
+        assert torch.equal(mine[:, 32:], gate_up[:, 64 + 32 * rank : 96 + 32 * rank])
+        assert b["model.layers.0.self_attn.sinks"].shape == (2,)
+        if kind == "mxfp4":  # one 32-column scale group of down's input a rank, 16 bytes of blocks
+            assert b[experts + "down_scales"].shape[-1] == 1 and b[experts + "down_proj"].shape[-1] == 16
+
+
+def test_gpt_oss_mxfp4_split_inside_a_scale_group_is_refused(mxfp4_folder):  # noqa: F811
+    arch = resolve_source(str(mxfp4_folder[0])).arch
+    TPShards(arch, 0, 2).check()  # 64 / 2: whole groups
+    with pytest.raises(ModelLoadError, match="not whole 32-column scale groups"):
+        TPShards(arch, 0, 4).check()  # 16 columns a rank
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_gpt_oss_tp2_matches_tp1_and_transformers(float_folder, mxfp4_folder, kind):  # noqa: F811
+    folder, reference = (float_folder, float_folder) if kind == "float" else mxfp4_folder
+    prompts = _prompts(256)
+    options = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    one = LLM(str(folder), **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(str(folder), tensor_parallel_size=2, **options)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in two]
+    assert tokens == [list(o.outputs[0].token_ids) for o in one]
+    ref = _reference(reference)
+    assert tokens == [_hf_greedy(ref, p) for p in prompts]

@@ -7,8 +7,10 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     gate_up     rows [gate | up]     -> [gate rows of r | up rows of r]                 column-parallel
     down_proj   columns of r's intermediate slice; all-reduced                          row-parallel
     experts     every expert's gate/up rows and down columns of r's slice of the expert
-                intermediate size (like gate_up / down_proj); the weighted sum all-reduced
-    router      (mlp.gate) replicated: every rank routes every token the same way
+                intermediate size (like gate_up / down_proj); the weighted sum all-reduced; biases,
+                MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
+    router      (mlp.gate, mlp.router) replicated: every rank routes every token the same way
+    sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
     norms, rotary table: replicated
@@ -54,11 +56,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import ModelArch
-from overnight.errors import ConfigError, ModelLoadError
-from overnight.layers.moe import SILU, Experts
+from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
+from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, _keep, shard_expert_tensor
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
 from overnight.quant.linear import Fp8Linear
 
@@ -117,6 +120,12 @@ class TPShards:
         if problems:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
+            )
+        if a.experts_mxfp4 and (a.moe_intermediate_size // w) % MXFP4_GROUP:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} splits the MXFP4 experts' intermediate size "
+                f"{a.moe_intermediate_size} into shares of {a.moe_intermediate_size // w} columns, which "
+                f"are not whole {MXFP4_GROUP}-column scale groups; use a smaller tensor_parallel_size"
             )
 
     @property
@@ -180,12 +189,14 @@ class TPShards:
             linear = self._linear_attention(module, kind, t)
             if linear is not None:
                 return linear
-        if module == "experts":  # stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-            start, n = self.section("moe")
-            if kind == "down_proj":
-                return t.narrow(2, start, n)
-            gate, up = t.split([a.moe_intermediate_size, a.moe_intermediate_size], dim=1)
-            return torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1)
+        expert = shard_expert_tensor(
+            self.section("moe"), self.rank, parts, t
+        )  # stacked or per-expert: tp_experts.py
+        if expert is not None:
+            return expert
+        if kind == "sinks":  # one learned sink per attention head (gpt-oss)
+            start, n = self.section("q")
+            return t.narrow(0, start // a.head_dim, n // a.head_dim)
         if module == "qkv_proj":
             q, k, v = t.split([a.q_size, a.kv_size, a.kv_size])
             return torch.cat([self._rows(q, "q"), self._rows(k, "kv"), self._rows(v, "kv")])
@@ -273,31 +284,6 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelExperts(Experts):
-    """Experts holding this rank's slice of every expert's intermediate dimension: each rank's weighted
-    sum is a partial sum over that dimension, and the all-reduce completes it (parameter names stay
-    those of layers/moe.py's Experts, so checkpoints load into it unchanged; FP8 experts are quantized
-    after loading, per rank, from the rank's own rows and columns)."""
-
-    def __init__(
-        self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group: dist.ProcessGroup | None
-    ) -> None:
-        nn.Module.__init__(self)
-        self.num_experts = gate_up_proj.shape[0]
-        self.activation = SILU  # the families that shard (Qwen3-MoE, Mixtral): no biases, no MXFP4
-        self.gate_up_bias = self.down_bias = None
-        self.gate_up_scales = self.down_scales = None
-        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
-        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
-        self._init_fp8_state()
-        self.group = group
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x, topk_weights, topk_ids)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-
 class RowParallelFp8Linear(Fp8Linear):
     """RowParallelLinear for an FP8 layer: this rank's input columns of the weight (and of block
     scales), the partial products all-reduced, then the bias added once."""
@@ -381,10 +367,6 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if t.device.type != "meta" else t.contiguous()
-
-
 @torch.no_grad()
 def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Shard `model` in place for rank `rank` of `world` and return it.
@@ -396,13 +378,6 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     into the local layout.
     """
     lm = as_causal_lm(model)  # the model's contract, beside its nn.Module side
-    if lm.arch.attention_sinks or lm.arch.expert_bias:
-        # Sinks would split by head, expert biases by rows (the down bias added once), MXFP4 scales by
-        # 32-column groups: not written yet. gpt-oss-120b fits one H200 in its MXFP4 form.
-        raise ConfigError(
-            f"tensor_parallel_size > 1 is not supported for {lm.arch.architecture} yet; run it on one GPU, "
-            "or use data_parallel_size for more throughput"
-        )
     shards = TPShards(lm.arch, rank, world)
     shards.check()
     fused = {fused_name for fused_name, _ in lm.packed_modules_mapping.values()}
@@ -431,15 +406,16 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             weight = _keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
         elif isinstance(module, Experts):
-            gate_up = _keep(shards.shard(f"{name}.gate_up_proj", module.gate_up_proj))
-            down = _keep(shards.shard(f"{name}.down_proj", module.down_proj))
-            sharded = RowParallelExperts(gate_up, down, group)
+            sharded = RowParallelExperts(module, name, shards.shard, group)
             if module.gate_up_scale is not None:  # FP8 experts already quantized: rows keep their scales
                 rows = shards.shard(f"{name}.gate_up_proj", module.gate_up_scale[:, :, None])
                 sharded.gate_up_scale = _keep(rows[:, :, 0])
                 sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
                 sharded.compute_dtype = module.compute_dtype
             _set_module(model, name, sharded)
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
+            module.sinks = nn.Parameter(_keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
@@ -483,6 +459,11 @@ def load_sharded_model(
     else:
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
+        # A model whose checkpoint layout differs from its load names (gpt-oss's interleaved, stacked
+        # experts) lays the tensors out first, so each is sliced in the model's layout.
+        layout = getattr(model, "checkpoint_layout", None)
+        if layout is not None:
+            weights = layout(weights)
         as_causal_lm(model).load_weights((n, shards.shard(n, t)) for n, t in weights)
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)

@@ -1,0 +1,100 @@
+"""Tensor parallelism for stacked experts: each rank keeps every expert's slice of the intermediate
+dimension (parallel/tp.py decides which slice; this file cuts the experts' tensors by it).
+
+    gate_up (weights, biases, MXFP4 blocks and scales)  rows [gate | up] -> [gate rows of r | up rows of r]
+    down weights                                         columns of r's slice (MXFP4: r's bytes, 2 a byte)
+    down MXFP4 scales                                    r's column groups (one scale per 32 columns)
+    down bias                                            rank 0 only; zeros elsewhere
+
+Every rank's weighted sum over its experts is a partial sum over the intermediate dimension and the
+all-reduce completes it. The down bias is added inside each expert's output (weighted by the router),
+so it must enter the sum once: rank 0 keeps it and the other ranks hold zeros, which leaves the sum
+exactly that of one rank adding the bias (dividing it by the world size would round).
+
+MXFP4 slices must be whole 32-column scale groups of down's input (TPShards.check refuses a
+tensor_parallel_size that would cut one). Gate and up stay paired: gpt-oss checkpoints interleave
+them (gate even rows, up odd), and models/gpt_oss.py de-interleaves them into [gate | up] before
+any slicing, so rank r's gate row i and up row i are the same intermediate unit.
+
+Tensors come in two namings: the model's stacked parameters (experts.gate_up_proj [E, 2I, ...],
+sliced in dim 1) and a checkpoint's per-expert ones (experts.N.gate_proj.weight, experts.N.gate_up_bias.weight
+[2I], ..., sliced in dim 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overnight.layers.moe import Experts
+
+MXFP4_GROUP = 32  # columns per MXFP4 scale
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gate_up_scales", "down_scales")
+
+
+def shard_expert_tensor(
+    section: tuple[int, int], rank: int, parts: list[str], t: torch.Tensor
+) -> torch.Tensor | None:
+    """Rank `rank`'s slice of one expert tensor named by `parts` (its dotted name, split), given its
+    (first unit, units) of the expert intermediate size (TPShards.section("moe")), or None
+    when `parts` names no expert tensor this file cuts (per-expert gate_proj / up_proj rows, FP8
+    scales: the common rules of TPShards.shard)."""
+    if "experts" not in parts or len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if module == "experts":  # the stacked parameter: experts.<tensor>
+        name, dim = kind, 1
+    elif kind == "weight":  # a checkpoint's experts.N.<tensor>.weight
+        name, dim = module, 0
+    else:
+        return None
+    if name not in EXPERT_TENSORS:
+        return None
+    start, n = section
+    if name.startswith("gate_up"):
+        half = t.shape[dim] // 2
+        gate, up = t.split([half, half], dim=dim)
+        return torch.cat([gate.narrow(dim, start, n), up.narrow(dim, start, n)], dim=dim)
+    if name == "down_bias":
+        return t if rank == 0 else torch.zeros_like(t)
+    if name == "down_scales":
+        return t.narrow(dim + 1, start // MXFP4_GROUP, n // MXFP4_GROUP)
+    if t.dtype == torch.uint8:  # MXFP4 down blocks: two 4-bit columns a byte
+        return t.narrow(dim + 1, start // 2, n // 2)
+    return t.narrow(dim + 1, start, n)
+
+
+def _keep(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.device.type != "meta" else t.contiguous()
+
+
+class RowParallelExperts(Experts):
+    """Experts holding this rank's slice of every expert's intermediate dimension (biases and MXFP4
+    blocks and scales included); the all-reduce completes the weighted sum. Parameter names stay those
+    of layers/moe.py's Experts, so checkpoints load into it unchanged; FP8 experts are quantized after
+    loading, per rank, from the rank's own rows and columns."""
+
+    def __init__(
+        self,
+        whole: Experts,
+        name: str,
+        shard: Callable[[str, torch.Tensor], torch.Tensor],  # TPShards.shard
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = whole.num_experts
+        self.activation = whole.activation
+        for pname in EXPERT_TENSORS:
+            t = getattr(whole, pname)
+            sliced = None if t is None else _keep(shard(f"{name}.{pname}", t))
+            setattr(self, pname, None if sliced is None else nn.Parameter(sliced, requires_grad=False))
+        self._init_fp8_state()
+        self.group = group
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, topk_weights, topk_ids)
+        dist.all_reduce(y, group=self.group)
+        return y
