@@ -9,11 +9,16 @@ steps) and a second wave that restores state snapshots at a shared prefix (prefi
 gpt-oss: sinks split with their heads, the router replicated, experts (biases, MXFP4 blocks and scales
 included) split along their intermediate size, the down bias added by rank 0 only; float and MXFP4
 checkpoints (tests/test_gpt_oss.py's builders: sliding windows, YaRN, 6 experts of which 3 a token).
+
+Integer checkpoints (AWQ, GPTQ, compressed-tensors): the GPU's packed layers built on the CPU
+(PACKED_INT_ON_CPU), each rank's layers dequantizing to its share of the whole layer's weight; the CPU's
+dequantized-at-load path end to end; splits the packed layout cannot hold exactly refused by name.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,6 +28,11 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp_int import RowParallelInt8Linear, RowParallelWeightOnlyIntLinear, check_int_tp
+from overnight.quant import apply
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_scheme import IntScheme
+from tests.int_checkpoints import make_int_checkpoint
 from tests.test_engine_parity import hf_greedy
 from tests.test_gpt_oss import _hf_greedy, _prompts, _reference, float_folder, mxfp4_folder  # noqa: F401
 from tests.tiny_hybrid import make_hybrid_checkpoint
@@ -172,3 +182,89 @@ def test_gpt_oss_tp2_matches_tp1_and_transformers(float_folder, mxfp4_folder, ki
     assert tokens == [list(o.outputs[0].token_ids) for o in one]
     ref = _reference(reference)
     assert tokens == [_hf_greedy(ref, p) for p in prompts]
+
+
+# -- integer checkpoints ---------------------------------------------------------------------------------
+
+INT_LAYOUTS = (
+    "awq-g32",
+    "gptq-w4-g32-sym",
+    "ct-w4-channel-asym",
+    "ct-w8-g16-sym",
+    "ct-w8a8",
+    "ct-w4-g32-asym-gidx",
+)
+
+
+@pytest.fixture(scope="module")
+def int_folders(tmp_path_factory):
+    from tests.tiny_models import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tp-int")
+    src = make_tiny_checkpoint(root / "src", "qwen3")
+    return {name: make_int_checkpoint(src, root / name, name)[0] for name in INT_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", INT_LAYOUTS[:-1])
+def test_int_packed_shards_hold_their_share_of_the_weights(int_folders, layout, monkeypatch):
+    """Each rank's packed layers (rows of q/k/v and gate/up; int32 columns and groups of o and down)
+    dequantize to exactly its share of the whole layer's weight, whether sliced from a loaded model
+    or streamed in rank by rank."""
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    source = resolve_source(str(int_folders[layout]))
+    whole = load_model(source, torch.float32, "cpu")
+    kind = Int8Linear if layout == "ct-w8a8" else WeightOnlyIntLinear
+    layers = {n: m for n, m in whole.named_modules() if isinstance(m, kind)}
+    assert len(layers) == 8
+    for rank in range(2):
+        shards = TPShards(source.arch, rank, 2)
+        sliced = apply_tp(load_model(source, torch.float32, "cpu"), rank, 2)
+        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2)
+        a, b = dict(sliced.named_parameters()), dict(streamed.named_parameters())
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+        for name, layer in layers.items():
+            mine = streamed.get_submodule(name)
+            assert isinstance(mine, kind)
+            row = name.endswith(("o_proj", "down_proj"))
+            assert isinstance(mine, (RowParallelWeightOnlyIntLinear, RowParallelInt8Linear)) == row
+            share = shards.shard(f"{name}.weight", layer.dequantized_weight())
+            assert torch.equal(mine.dequantized_weight(), share), name
+
+
+def test_int_splits_the_packed_layout_cannot_hold_are_refused(int_folders, monkeypatch):
+    arch = resolve_source(str(int_folders["awq-g32"])).arch
+    g32 = IntScheme("awq", bits=4, group_size=32, symmetric=False)
+    check_int_tp(g32, arch, 2, packed_experts=False, packed=True)  # o_proj: 32 columns a rank
+    with pytest.raises(ModelLoadError, match="16 input columns of o_proj, not whole 32-column groups"):
+        check_int_tp(g32, arch, 4, packed_experts=False, packed=True)
+    check_int_tp(g32, arch, 4, packed_experts=False, packed=False)  # dequantized at load: float rules
+    act_order = IntScheme("gptq", bits=4, group_size=32, symmetric=True, act_order=True)
+    with pytest.raises(ModelLoadError, match="act-order"):
+        check_int_tp(act_order, arch, 2, packed_experts=False, packed=True)
+    moe = replace(arch, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)
+    with pytest.raises(ModelLoadError, match="experts with tensor parallelism are not supported yet"):
+        check_int_tp(g32, moe, 2, packed_experts=True, packed=True)
+    # the loaded model's act-order o_proj, should it get past the check
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    model = load_model(resolve_source(str(int_folders["ct-w4-g32-asym-gidx"])), torch.float32, "cpu")
+    with pytest.raises(ModelLoadError, match="act-order"):
+        apply_tp(model, 0, 2)
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_int_checkpoint_tp2_matches_tp1(int_folders):
+    from tests.parity_helpers import PROMPTS
+
+    options = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    folder = str(int_folders["ct-w4-g32-asym-gidx"])  # act-order: dequantized at load on the CPU
+    prompts = PROMPTS[:4]
+    one = LLM(folder, **options).generate(prompts, params, use_tqdm=False)
+    llm = LLM(folder, tensor_parallel_size=2, **options)
+    try:
+        two = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]

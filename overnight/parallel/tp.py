@@ -39,6 +39,8 @@ The same TPShards.shard() slices checkpoint tensors (q_proj, gate_proj, ...) and
 parameters (qkv_proj, gate_up_proj), so weights can be sharded after loading (apply_tp on a loaded model)
 or while loading (load_sharded_model, which never holds a whole model on one device).
 
+Integer layers (packed W4A16 / W8A16, W8A8) shard by the rules of parallel/tp_int.py.
+
 FP8 layers (quant/linear.py) shard the same way: their scales have one row per output row, so a
 column-parallel slice takes the rows of the scales with the rows of the weight; a row-parallel layer
 keeps every per-channel scale (its outputs are whole rows) and takes the column blocks of block scales,
@@ -62,7 +64,15 @@ from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, _keep, shard_expert_tensor
+from overnight.parallel.tp_int import (
+    INT_PACKED_PARTS,
+    RowParallelInt8Linear,
+    RowParallelWeightOnlyIntLinear,
+    int_row_columns,
+)
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
 from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
@@ -212,6 +222,9 @@ class TPShards:
         if module in ROW_PARALLEL and kind == "weight":
             start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
             return t.narrow(1, start, n)
+        if module in ROW_PARALLEL and kind in INT_PACKED_PARTS:  # packed integer layers: tp_int.py
+            start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
+            return int_row_columns(module, kind, t, start, n, self.world)
         if module in ROW_PARALLEL and kind == "weight_scale" and t.dim() == 2:
             return self._column_blocks(module, t)
         if module in VOCAB_PARALLEL and kind == "weight":
@@ -395,11 +408,19 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         leaf = name.rpartition(".")[2]
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
             _shard_linear_attention(module, name, shards)
-        if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear)):
+        if isinstance(module, IntExperts):
+            raise ModelLoadError("packed integer experts with tensor parallelism are not supported yet")
+        if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear, WeightOnlyIntLinear, Int8Linear)):
             for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
                 sliced = _keep(shards.shard(f"{name}.{pname}", param))
                 setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
-            module.out_features = module.weight.shape[0]
+            rows = module.packed_weight if isinstance(module, WeightOnlyIntLinear) else module.weight
+            assert isinstance(rows, torch.Tensor)
+            module.out_features = rows.shape[0]
+        elif leaf in ROW_PARALLEL and isinstance(module, WeightOnlyIntLinear):
+            _set_module(model, name, RowParallelWeightOnlyIntLinear(module, name, shards.shard, group))
+        elif leaf in ROW_PARALLEL and isinstance(module, Int8Linear):
+            _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
         elif leaf in row_parallel and isinstance(module, nn.Linear):
@@ -449,13 +470,13 @@ def load_sharded_model(
     from overnight.quant.apply import quantize_experts
     from overnight.quant.scheme import QuantScheme, check_fp8_device
 
-    model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
+    model = apply_tp(build_model(source, dtype, "meta", runs_on=device), rank, world, group)
     if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
     _materialize(model, device)
     shards = TPShards(source.arch, rank, world)
     if source.kind == "dummy":
-        _fill_dummy(model, build_model(source, dtype, "meta"), shards, seed)
+        _fill_dummy(model, build_model(source, dtype, "meta", runs_on=device), shards, seed)
     else:
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
