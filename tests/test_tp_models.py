@@ -104,9 +104,11 @@ def test_hybrid_indivisible_linear_heads_are_refused(tmp_path):
 
 
 @pytest.mark.slow  # starts tensor-parallel processes
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_5_moe"])
-def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path, variant):
+def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path):
+    """Qwen3.5-MoE (the dense MLP runs in the image test below)."""
     import transformers
+
+    variant = "qwen3_5_moe"
 
     folder = make_hybrid_checkpoint(tmp_path, variant, **HEADS)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -126,6 +128,39 @@ def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path, variant):
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         assert tokens == [list(o.outputs[0].token_ids) for o in ones]
         assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_hybrid_image_checkpoint_tp2_matches_transformers(tmp_path):
+    """Qwen3.5 (dense) from its image checkpoint: the vision tower replicated on every rank, the decoder
+    sharded; text-only, one-image and two-image prompts in one batch, 12-token prefill chunks that end
+    inside images."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.tiny_vl import hf_greedy as hf_image_greedy
+    from tests.tiny_vl import image, make_vl_checkpoint, words
+
+    p, placeholder = 16, "<|vision_start|> <|image_pad|> <|vision_end|>"
+    folder = make_vl_checkpoint(tmp_path, "qwen3_5")
+    ref = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    cases = [
+        (words(7, 0), []),
+        (f"{words(3, 1)} {placeholder} {words(4, 2)}", [image(4 * p, 6 * p, 2)]),
+        (f"{placeholder} {words(2, 3)} {placeholder} {words(5, 4)}", [image(2 * p, 2 * p, 1), image(4 * p, 6 * p, 2)]),
+    ]  # fmt: skip
+    llm = LLM(
+        folder,
+        tensor_parallel_size=2,
+        **{**HYBRID, "skip_tokenizer_init": False, "max_num_batched_tokens": 12},
+    )
+    try:
+        prompts = [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in cases]
+        outs = llm.generate(prompts, _greedy(6), use_tqdm=False)
+        tok = llm.get_tokenizer()
+    finally:
+        llm.engine.shutdown()
+    for (text, imgs), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == hf_image_greedy(folder, tok.encode(text), imgs, 6, ref), text
 
 
 # -- gpt-oss ---------------------------------------------------------------------------------------------

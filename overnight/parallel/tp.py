@@ -26,6 +26,7 @@ so contiguous key heads carry contiguous value heads and the grouped ratio r sta
     gated q_proj         rows [q | gate] per head: r's heads, 2 * head_dim rows each
     shared expert        gate/up rows and down columns of r's slice of shared_expert_intermediate_size
     shared_expert_gate   replicated (one output; it scales the reduced shared expert)
+    vision tower         (the image checkpoints: visual.*) replicated
 
 A rank's state cache holds the states of its own heads (the runner sizes it from local_arch); the
 slots and snapshots are the same on every rank, as the scheduling is shared.
@@ -84,6 +85,9 @@ COLUMN_PARALLEL = (
     "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
     "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
 )  # fmt: skip
+# The Qwen3.5 image checkpoints' vision tower (models/qwen3_5_vl.py): replicated, not sharded (a small
+# share of the weights; every rank computes the same image embeddings).
+VISION_TOWER = "visual"
 # Per-value-head parameters of a Gated DeltaNet layer (one entry per head).
 LINEAR_HEAD_PARAMS = ("dt_bias", "A_log")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
@@ -99,11 +103,6 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
-        if w > 1 and a.num_linear_layers and a.vision is not None:
-            raise ModelLoadError(
-                f"tensor parallelism is not supported for {a.architecture} with its vision tower yet; "
-                "run the text-only checkpoint, or --tensor-parallel-size 1"
-            )
         if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
             # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
             raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
@@ -193,6 +192,8 @@ class TPShards:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         a = self.arch
+        if VISION_TOWER in parts:  # replicated: every rank runs the whole tower
+            return t
         # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
         ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
         if a.num_linear_layers:
@@ -406,6 +407,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
 
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
+        if VISION_TOWER in name.split("."):
+            continue
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
             _shard_linear_attention(module, name, shards)
         if isinstance(module, IntExperts):
