@@ -166,12 +166,12 @@ def test_hybrid_image_checkpoint_tp2_matches_transformers(tmp_path):
 # -- gpt-oss ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["float", "mxfp4", "dummy"])
+@pytest.mark.parametrize("kind", ["float", "mxfp4", "dummy", "dummy-mxfp4"])
 def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, kind):  # noqa: F811
     """Each rank's weights loaded from the checkpoint (interleaved gate/up de-interleaved, then sliced)
     equal those apply_tp cuts from the whole loaded model; the down bias is rank 0's alone."""
-    folder = mxfp4_folder[0] if kind == "mxfp4" else float_folder
-    source = resolve_source(str(folder), "dummy" if kind == "dummy" else "auto")
+    folder = mxfp4_folder[0] if kind.endswith("mxfp4") else float_folder
+    source = resolve_source(str(folder), "dummy" if kind.startswith("dummy") else "auto")
     whole_model = load_model(source, torch.float32, "cpu", seed=3)
     whole = dict(whole_model.named_parameters())
     for rank in range(2):
@@ -189,7 +189,7 @@ def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, kind):
         assert torch.equal(mine[:, :32], gate_up[:, 32 * rank : 32 * rank + 32])
         assert torch.equal(mine[:, 32:], gate_up[:, 64 + 32 * rank : 96 + 32 * rank])
         assert b["model.layers.0.self_attn.sinks"].shape == (2,)
-        if kind == "mxfp4":  # one 32-column scale group of down's input a rank, 16 bytes of blocks
+        if kind.endswith("mxfp4"):  # one 32-column scale group of down's input a rank, 16 bytes of blocks
             assert b[experts + "down_scales"].shape[-1] == 1 and b[experts + "down_proj"].shape[-1] == 16
 
 
@@ -278,6 +278,9 @@ def test_int_splits_the_packed_layout_cannot_hold_are_refused(int_folders, monke
     act_order = IntScheme("gptq", bits=4, group_size=32, symmetric=True, act_order=True)
     with pytest.raises(ModelLoadError, match="act-order"):
         check_int_tp(act_order, arch, 2, packed_experts=False, packed=True)
+    hybrid = replace(arch, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2)
+    with pytest.raises(ModelLoadError, match="hybrid linear-attention models with tensor parallelism"):
+        check_int_tp(g32, hybrid, 2, packed_experts=False, packed=True)
     moe = replace(arch, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)
     with pytest.raises(ModelLoadError, match="experts with tensor parallelism are not supported yet"):
         check_int_tp(g32, moe, 2, packed_experts=True, packed=True)

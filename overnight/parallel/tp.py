@@ -512,8 +512,15 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
             continue
         if name.endswith(".weight_scale") and name.removesuffix("_scale") in fp8_layers:
             continue  # filled with its weight
+        if param.dtype == torch.uint8 and name.endswith(("gate_up_scales", "down_scales")):
+            target.fill_(127 - 10)  # MXFP4 scales: loader/dummy.py's constant, no draw
+            continue
         if gen is None:
             gen = torch.Generator(device=target.device).manual_seed(seed)
+        if param.dtype == torch.uint8:  # MXFP4 codes: any byte, as loader/dummy.py draws them
+            codes = torch.empty(param.shape, dtype=torch.uint8, device=target.device)
+            target.copy_(shards.shard(name, codes.random_(0, 256, generator=gen)))
+            continue
         layer = fp8_layers.get(name)
         dtype = param.dtype if layer is None else layer.out_dtype
         full = torch.empty(param.shape, dtype=dtype, device=target.device)

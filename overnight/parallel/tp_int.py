@@ -16,8 +16,8 @@ input columns:
 
 Not exact, so refused by name: a row-parallel layer with act-order columns (g_idx) on the GPU (a
 rank's input columns belong to groups spread over the whole input, which the packed layout cannot
-hold as whole groups), and packed integer experts (their scales are written straight into the stack
-while loading, whole).
+hold as whole groups), packed integer experts (their scales are written straight into the stack
+while loading, whole), and packed hybrids (Gated DeltaNet layers have no packed rules yet).
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ def check_int_tp(scheme: IntScheme, arch: ModelArch, world: int, packed_experts:
     if world == 1 or not packed:
         return  # dequantized at load: float rules
     what = scheme.describe()
+    if arch.num_linear_layers:  # their out_proj and conv channels have no packed rules here
+        raise ModelLoadError(
+            f"{what} hybrid linear-attention models with tensor parallelism are not supported yet; "
+            "run with --tensor-parallel-size 1"
+        )
     if packed_experts and arch.num_experts:
         raise ModelLoadError(
             f"{what} experts with tensor parallelism are not supported yet; run with --tensor-parallel-size 1"
