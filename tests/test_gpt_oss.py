@@ -96,10 +96,14 @@ def float_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mxfp4_folder(tmp_path_factory, float_folder):
+    """The float checkpoint's experts quantized to MXFP4 (write_mxfp4)."""
+    return write_mxfp4(float_folder, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+def write_mxfp4(float_folder: Path, root: Path) -> tuple[Path, Path]:
     """The float checkpoint's experts quantized to MXFP4, written as the published checkpoints are
     (<proj>_blocks [E, out, in/32, 16] and <proj>_scales [E, out, in/32], quantization_config mxfp4);
     returns (folder, the float folder of the same model with the experts dequantized: the reference)."""
-    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     tensors = load_file(str(float_folder / "model.safetensors"))
     packed, dequantized = {}, {}
     for name, t in tensors.items():

@@ -34,7 +34,17 @@ from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
 from tests.test_engine_parity import hf_greedy
-from tests.test_gpt_oss import _hf_greedy, _prompts, _reference, float_folder, mxfp4_folder  # noqa: F401
+from tests.test_gpt_oss import (  # noqa: F401
+    _config,
+    _hf_greedy,
+    _prompts,
+    _reference,
+    _spread,
+    _write,
+    float_folder,
+    mxfp4_folder,
+    write_mxfp4,
+)
 from tests.tiny_hybrid import make_hybrid_checkpoint
 
 VOCAB = 101
@@ -166,11 +176,27 @@ def test_hybrid_image_checkpoint_tp2_matches_transformers(tmp_path):
 # -- gpt-oss ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["float", "mxfp4", "dummy", "dummy-mxfp4"])
-def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, kind):  # noqa: F811
+@pytest.fixture(scope="module")
+def padded_mxfp4(tmp_path_factory):
+    """gpt-oss with experts of 96 = 3 scale groups: two ranks hold 2 groups each, rank 1's last one
+    zero padding. (folder, its dequantized float twin)."""
+    import transformers
+
+    root = tmp_path_factory.mktemp("gpt-oss-96")
+    torch.manual_seed(1)
+    model = transformers.GptOssForCausalLM(_config(intermediate_size=96)).eval()
+    _spread(model, 1)
+    return write_mxfp4(_write(root / "float", model), root)
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4", "dummy", "dummy-mxfp4", "padded"])
+def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, padded_mxfp4, kind):  # noqa: F811
     """Each rank's weights loaded from the checkpoint (interleaved gate/up de-interleaved, then sliced)
-    equal those apply_tp cuts from the whole loaded model; the down bias is rank 0's alone."""
-    folder = mxfp4_folder[0] if kind.endswith("mxfp4") else float_folder
+    equal those apply_tp cuts from the whole loaded model; the down bias is rank 0's alone; MXFP4
+    experts of 3 scale groups split 2 + 1 with a group of zero padding."""
+    folder = {"padded": padded_mxfp4[0]}.get(
+        kind, mxfp4_folder[0] if kind.endswith("mxfp4") else float_folder
+    )
     source = resolve_source(str(folder), "dummy" if kind.startswith("dummy") else "auto")
     whole_model = load_model(source, torch.float32, "cpu", seed=3)
     whole = dict(whole_model.named_parameters())
@@ -184,26 +210,39 @@ def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, kind):
         experts = "model.layers.0.mlp.experts."
         bias = b[experts + "down_bias"]
         assert torch.equal(bias, whole[experts + "down_bias"]) if rank == 0 else not bias.any()
-        # rank r's gate row i and up row i: unit 32 r + i of the whole expert (MXFP4: in bytes)
+        # rank r's gate row i and up row i: unit share * r + i of the whole expert, before any padding
         gate_up, mine = whole[experts + "gate_up_proj"], b[experts + "gate_up_proj"]
-        assert torch.equal(mine[:, :32], gate_up[:, 32 * rank : 32 * rank + 32])
-        assert torch.equal(mine[:, 32:], gate_up[:, 64 + 32 * rank : 96 + 32 * rank])
+        inter, share = gate_up.shape[1] // 2, mine.shape[1] // 2
+        start = share * rank
+        have = min(share, inter - start)
+        assert torch.equal(mine[:, :have], gate_up[:, start : start + have])
+        assert torch.equal(mine[:, share : share + have], gate_up[:, inter + start : inter + start + have])
         assert b["model.layers.0.self_attn.sinks"].shape == (2,)
         if kind.endswith("mxfp4"):  # one 32-column scale group of down's input a rank, 16 bytes of blocks
             assert b[experts + "down_scales"].shape[-1] == 1 and b[experts + "down_proj"].shape[-1] == 16
+        if kind == "padded":  # rank 1: group 3, then zeros (codes, scales, biases)
+            down, scales = b[experts + "down_proj"], b[experts + "down_scales"]
+            assert down.shape[-1] == 32 and scales.shape[-1] == 2
+            tail = [down[..., 16:], scales[..., 1:], mine[:, 32:64], mine[:, 96:]]
+            tail.append(b[experts + "gate_up_bias"][:, 32:64])
+            assert all(not t.any() for t in tail) == (rank == 1)
 
 
-def test_gpt_oss_mxfp4_split_inside_a_scale_group_is_refused(mxfp4_folder):  # noqa: F811
+def test_gpt_oss_mxfp4_shares_are_whole_scale_groups(mxfp4_folder, padded_mxfp4):  # noqa: F811
+    arch = resolve_source(str(padded_mxfp4[0])).arch
+    assert [TPShards(arch, r, 2).section("moe") for r in range(2)] == [(0, 64), (64, 64)]
+    assert TPShards(arch, 0, 2).local_arch.moe_intermediate_size == 64
     arch = resolve_source(str(mxfp4_folder[0])).arch
-    TPShards(arch, 0, 2).check()  # 64 / 2: whole groups
-    with pytest.raises(ModelLoadError, match="not whole 32-column scale groups"):
-        TPShards(arch, 0, 4).check()  # 16 columns a rank
+    TPShards(arch, 0, 2).check()  # 64 / 2: one group a rank
+    with pytest.raises(ModelLoadError, match="more than the 2 32-column scale groups"):
+        TPShards(arch, 0, 4).check()
 
 
 @pytest.mark.slow  # starts tensor-parallel processes
 @pytest.mark.parametrize("kind", ["float", "mxfp4"])
-def test_gpt_oss_tp2_matches_tp1_and_transformers(float_folder, mxfp4_folder, kind):  # noqa: F811
-    folder, reference = (float_folder, float_folder) if kind == "float" else mxfp4_folder
+def test_gpt_oss_tp2_matches_tp1_and_transformers(float_folder, padded_mxfp4, kind):  # noqa: F811
+    """MXFP4: the checkpoint whose second rank holds a group of padding."""
+    folder, reference = (float_folder, float_folder) if kind == "float" else padded_mxfp4
     prompts = _prompts(256)
     options = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

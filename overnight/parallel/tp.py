@@ -120,7 +120,7 @@ class TPShards:
             problems.append(f"num_key_value_heads {hkv}")
         if a.intermediate_size % w:
             problems.append(f"intermediate_size {a.intermediate_size}")
-        if a.num_experts and a.moe_intermediate_size % w:
+        if a.num_experts and a.moe_intermediate_size % w and not a.experts_mxfp4:  # MXFP4: padded
             problems.append(f"moe_intermediate_size {a.moe_intermediate_size}")
         if a.shared_expert_intermediate_size % w:
             problems.append(f"shared_expert_intermediate_size {a.shared_expert_intermediate_size}")
@@ -130,12 +130,23 @@ class TPShards:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
             )
-        if a.experts_mxfp4 and (a.moe_intermediate_size // w) % MXFP4_GROUP:
+        groups = a.moe_intermediate_size // MXFP4_GROUP
+        if a.experts_mxfp4 and groups < w:
             raise ModelLoadError(
-                f"tensor_parallel_size {w} splits the MXFP4 experts' intermediate size "
-                f"{a.moe_intermediate_size} into shares of {a.moe_intermediate_size // w} columns, which "
-                f"are not whole {MXFP4_GROUP}-column scale groups; use a smaller tensor_parallel_size"
+                f"tensor_parallel_size {w} is more than the {groups} {MXFP4_GROUP}-column scale groups of "
+                f"the MXFP4 experts' intermediate size {a.moe_intermediate_size}; use a smaller one"
             )
+
+    @property
+    def moe_share(self) -> int:
+        """Units of every expert's intermediate size a rank holds. MXFP4 experts split in whole
+        32-column scale groups: when the groups do not divide evenly, each rank holds
+        ceil(groups / world) of them and the last ranks' tails are zero padding (zero gate/up rows
+        and biases give a zero activation, and zero down columns add nothing: the sum is exact)."""
+        a, w = self.arch, self.world
+        if a.experts_mxfp4 and (a.moe_intermediate_size // w) % MXFP4_GROUP:
+            return MXFP4_GROUP * -(-(a.moe_intermediate_size // MXFP4_GROUP) // w)
+        return a.moe_intermediate_size // w
 
     @property
     def local_arch(self) -> ModelArch:
@@ -146,7 +157,7 @@ class TPShards:
             num_attention_heads=a.num_attention_heads // w,
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,
-            moe_intermediate_size=a.moe_intermediate_size // w,
+            moe_intermediate_size=self.moe_share,
             shared_expert_intermediate_size=a.shared_expert_intermediate_size // w,
             linear_num_key_heads=a.linear_num_key_heads // w,
             linear_num_value_heads=a.linear_num_value_heads // w,
@@ -174,8 +185,9 @@ class TPShards:
             head = r * hkv // w  # with hkv < w, ranks r*hkv//w share one head
             n = max(1, hkv // w)
             return head * a.head_dim, n * a.head_dim
-        sizes = {"moe": a.moe_intermediate_size, "shared": a.shared_expert_intermediate_size}
-        per = sizes.get(name, a.intermediate_size) // w
+        if name == "moe":  # may run past the whole size: padding (moe_share)
+            return r * self.moe_share, self.moe_share
+        per = (a.shared_expert_intermediate_size if name == "shared" else a.intermediate_size) // w
         return r * per, per
 
     @property

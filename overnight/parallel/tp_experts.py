@@ -11,8 +11,8 @@ all-reduce completes it. The down bias is added inside each expert's output (wei
 so it must enter the sum once: rank 0 keeps it and the other ranks hold zeros, which leaves the sum
 exactly that of one rank adding the bias (dividing it by the world size would round).
 
-MXFP4 slices must be whole 32-column scale groups of down's input (TPShards.check refuses a
-tensor_parallel_size that would cut one). Gate and up stay paired: gpt-oss checkpoints interleave
+MXFP4 slices are whole 32-column scale groups of down's input; when the groups do not divide evenly
+the last ranks' slices end in zero padding (TPShards.moe_share). Gate and up stay paired: gpt-oss checkpoints interleave
 them (gate even rows, up odd), and models/gpt_oss.py de-interleaves them into [gate | up] before
 any slicing, so rank r's gate row i and up row i are the same intermediate unit.
 
@@ -51,20 +51,34 @@ def shard_expert_tensor(
         name, dim = module, 0
     else:
         return None
+    if name in ("gate_proj", "up_proj") and dim == 0:  # a checkpoint expert's rows
+        return _take(t, 0, *section)
     if name not in EXPERT_TENSORS:
         return None
     start, n = section
     if name.startswith("gate_up"):
         half = t.shape[dim] // 2
         gate, up = t.split([half, half], dim=dim)
-        return torch.cat([gate.narrow(dim, start, n), up.narrow(dim, start, n)], dim=dim)
+        return torch.cat([_take(gate, dim, start, n), _take(up, dim, start, n)], dim=dim)
     if name == "down_bias":
         return t if rank == 0 else torch.zeros_like(t)
     if name == "down_scales":
-        return t.narrow(dim + 1, start // MXFP4_GROUP, n // MXFP4_GROUP)
+        return _take(t, dim + 1, start // MXFP4_GROUP, n // MXFP4_GROUP)
     if t.dtype == torch.uint8:  # MXFP4 down blocks: two 4-bit columns a byte
-        return t.narrow(dim + 1, start // 2, n // 2)
-    return t.narrow(dim + 1, start, n)
+        return _take(t, dim + 1, start // 2, n // 2)
+    return _take(t, dim + 1, start, n)
+
+
+def _take(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
+    """t's entries start .. start + n along dim, zeros past its end (MXFP4 padding: zero codes, zero
+    scales and biases; TPShards.moe_share)."""
+    have = max(0, min(n, t.shape[dim] - start))
+    part = t.narrow(dim, min(start, t.shape[dim]), have)
+    if have == n:
+        return part
+    shape = list(t.shape)
+    shape[dim] = n - have
+    return torch.cat([part, t.new_zeros(shape)], dim=dim)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
