@@ -525,7 +525,10 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
         if name.endswith(".weight_scale") and name.removesuffix("_scale") in fp8_layers:
             continue  # filled with its weight
         if param.dtype == torch.uint8 and name.endswith(("gate_up_scales", "down_scales")):
-            target.fill_(127 - 10)  # MXFP4 scales: loader/dummy.py's constant, no draw
+            # MXFP4 scales: loader/dummy.py's constant, no draw (sliced: a padded tail stays zero)
+            target.copy_(
+                shards.shard(name, torch.full(param.shape, 127 - 10, dtype=torch.uint8, device=target.device))
+            )
             continue
         if gen is None:
             gen = torch.Generator(device=target.device).manual_seed(seed)
