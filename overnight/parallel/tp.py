@@ -15,21 +15,7 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
     norms, rotary table: replicated
 
-Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): each rank holds linear_num_key_heads / world key heads of
-every Gated DeltaNet layer and the value heads grouped under them (value head h reads key head h // r,
-so contiguous key heads carry contiguous value heads and the grouped ratio r stays whole):
-
-    in_proj_qkv, conv1d  rows [q | k | v]  -> [q of r's key heads | k of them | v of r's value heads]
-    in_proj_z            rows of r's value heads (dv each); in_proj_b, in_proj_a, dt_bias, A_log: one each
-    in_proj_qkvz, _ba    rows grouped by key head (Qwen3-Next): r's whole key-head groups
-    out_proj             columns of r's value heads; all-reduced                              row-parallel
-    gated q_proj         rows [q | gate] per head: r's heads, 2 * head_dim rows each
-    shared expert        gate/up rows and down columns of r's slice of shared_expert_intermediate_size
-    shared_expert_gate   replicated (one output; it scales the reduced shared expert)
-    vision tower         (the image checkpoints: visual.*) replicated
-
-A rank's state cache holds the states of its own heads (the runner sizes it from local_arch); the
-slots and snapshots are the same on every rank, as the scheduling is shared.
+Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
 
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
@@ -64,7 +50,13 @@ from overnight.layers.moe import Experts
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
-from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, _keep, shard_expert_tensor
+from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_hybrid import (
+    COLUMN_PARALLEL,
+    VISION_TOWER,
+    shard_gated_deltanet,
+    shard_hybrid_tensor,
+)
 from overnight.parallel.tp_int import (
     INT_PACKED_PARTS,
     RowParallelInt8Linear,
@@ -78,18 +70,6 @@ from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
-# A hybrid's column-parallel projections, kept under their checkpoint names (not fused on load):
-# apply_tp slices them like the fused ones. in_proj_*: its Gated DeltaNet layers, whose out_proj is
-# row-parallel. (Only hybrids: vision towers use some of these names for layers that stay whole.)
-COLUMN_PARALLEL = (
-    "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
-    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
-)  # fmt: skip
-# The Qwen3.5 image checkpoints' vision tower (models/qwen3_5_vl.py): replicated, not sharded (a small
-# share of the weights; every rank computes the same image embeddings).
-VISION_TOWER = "visual"
-# Per-value-head parameters of a Gated DeltaNet layer (one entry per head).
-LINEAR_HEAD_PARAMS = ("dt_bias", "A_log")
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
 
 
@@ -209,7 +189,7 @@ class TPShards:
         # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
         ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
         if a.num_linear_layers:
-            linear = self._linear_attention(module, kind, t)
+            linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
             if linear is not None:
                 return linear
         expert = shard_expert_tensor(
@@ -249,30 +229,6 @@ class TPShards:
                 rows = torch.cat([rows, pad])
             return rows
         return t  # norms, row-parallel biases (added once, after the reduce)
-
-    def _linear_attention(self, module: str, kind: str, t: torch.Tensor) -> torch.Tensor | None:
-        """A hybrid's tensors that shard otherwise than a plain decoder's (None: the common rules)."""
-        a = self.arch
-        if module == "q_proj":  # gated attention: [q | gate] per head, 2 * head_dim rows each
-            start, n = self.section("q")
-            return t.narrow(0, 2 * start, 2 * n)
-        if module in ("in_proj_qkv", "conv1d"):  # channels q | k | v
-            key = a.linear_num_key_heads * a.linear_key_head_dim
-            q, k, v = t.split([key, key, t.shape[0] - 2 * key])
-            return torch.cat(
-                [self._rows(q, "linear_k"), self._rows(k, "linear_k"), self._rows(v, "linear_v")]
-            )
-        if module == "out_proj":
-            return t.narrow(1, *self.section("linear_v"))
-        if module == "in_proj_z":
-            return self._rows(t, "linear_v")
-        if module in ("in_proj_b", "in_proj_a") or kind in LINEAR_HEAD_PARAMS:
-            return self._rows(t, "linear_heads")
-        if module in ("in_proj_qkvz", "in_proj_ba"):  # rows grouped by key head: whole groups per rank
-            per_group = t.shape[0] // a.linear_num_key_heads
-            heads = a.linear_num_key_heads // self.world
-            return t.narrow(0, self.rank * heads * per_group, heads * per_group)
-        return None
 
     def _rows(self, t: torch.Tensor, section: str) -> torch.Tensor:
         start, n = self.section(section)
@@ -317,13 +273,13 @@ class RowParallelFp8Linear(Fp8Linear):
     def __init__(
         self, layer: Fp8Linear, name: str, shards: TPShards, group: dist.ProcessGroup | None
     ) -> None:
-        weight = _keep(shards.shard(f"{name}.weight", layer.weight))
+        weight = keep(shards.shard(f"{name}.weight", layer.weight))
         super().__init__(
             weight.shape[1], layer.out_features, False, layer.out_dtype, layer.block_k, device=weight.device
         )
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(
-            _keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
+            keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
         )
         self.bias = layer.bias
         self.group = group
@@ -372,22 +328,6 @@ class ParallelLMHead(nn.Module):
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
 
-def _shard_linear_attention(module: GatedDeltaNet, name: str, shards: TPShards) -> None:
-    """Keep this rank's heads of a Gated DeltaNet layer's own parameters (the projections are sliced
-    with the other column- and row-parallel linears) and its head counts."""
-    conv = module.conv1d
-    conv.weight = nn.Parameter(_keep(shards.shard(f"{name}.conv1d.weight", conv.weight)), requires_grad=False)
-    conv.in_channels = conv.out_channels = conv.groups = conv.weight.shape[0]
-    for pname in LINEAR_HEAD_PARAMS:
-        sliced = _keep(shards.shard(f"{name}.{pname}", getattr(module, pname)))
-        setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
-    local = shards.local_arch
-    module.num_k_heads, module.num_v_heads = local.linear_num_key_heads, local.linear_num_value_heads
-    module.key_dim = module.num_k_heads * module.head_k_dim
-    module.value_dim = module.num_v_heads * module.head_v_dim
-    module.conv_dim = 2 * module.key_dim + module.value_dim
-
-
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
@@ -422,12 +362,12 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         if VISION_TOWER in name.split("."):
             continue
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
-            _shard_linear_attention(module, name, shards)
+            shard_gated_deltanet(module, name, shards.shard, shards.local_arch)
         if isinstance(module, IntExperts):
             raise ModelLoadError("packed integer experts with tensor parallelism are not supported yet")
         if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear, WeightOnlyIntLinear, Int8Linear)):
             for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
-                sliced = _keep(shards.shard(f"{name}.{pname}", param))
+                sliced = keep(shards.shard(f"{name}.{pname}", param))
                 setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
             rows = module.packed_weight if isinstance(module, WeightOnlyIntLinear) else module.weight
             assert isinstance(rows, torch.Tensor)
@@ -439,29 +379,29 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
         elif leaf in row_parallel and isinstance(module, nn.Linear):
-            weight = _keep(shards.shard(f"{name}.weight", module.weight))
+            weight = keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
         elif isinstance(module, Experts):
             sharded = RowParallelExperts(module, name, shards.shard, group)
             if module.gate_up_scale is not None:  # FP8 experts already quantized: rows keep their scales
                 rows = shards.shard(f"{name}.gate_up_proj", module.gate_up_scale[:, :, None])
-                sharded.gate_up_scale = _keep(rows[:, :, 0])
+                sharded.gate_up_scale = keep(rows[:, :, 0])
                 sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
                 sharded.compute_dtype = module.compute_dtype
             _set_module(model, name, sharded)
         sinks = getattr(module, "sinks", None)
         if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
-            module.sinks = nn.Parameter(_keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
+            module.sinks = nn.Parameter(keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
 
     new_embed = VocabParallelEmbedding(
-        _keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
+        keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
     )
     _set_module(model, embed_name, new_embed)
     if head is not None:
-        weight = new_embed.weight if tied else _keep(shards.shard("lm_head.weight", head.weight))
+        weight = new_embed.weight if tied else keep(shards.shard("lm_head.weight", head.weight))
         _set_module(model, "lm_head", ParallelLMHead(weight, lm.arch.vocab_size, group))
     lm.arch = shards.local_arch
     return model

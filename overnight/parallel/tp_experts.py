@@ -81,7 +81,8 @@ def _take(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
     return torch.cat([part, t.new_zeros(shape)], dim=dim)
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
+def keep(t: torch.Tensor) -> torch.Tensor:
+    """A share to hold as a parameter: its own storage (shard() may return a view of the whole)."""
     return t.clone() if t.device.type != "meta" else t.contiguous()
 
 
@@ -103,7 +104,7 @@ class RowParallelExperts(Experts):
         self.activation = whole.activation
         for pname in EXPERT_TENSORS:
             t = getattr(whole, pname)
-            sliced = None if t is None else _keep(shard(f"{name}.{pname}", t))
+            sliced = None if t is None else keep(shard(f"{name}.{pname}", t))
             setattr(self, pname, None if sliced is None else nn.Parameter(sliced, requires_grad=False))
         self._init_fp8_state()
         self.group = group

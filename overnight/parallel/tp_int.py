@@ -30,6 +30,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.parallel.tp_experts import keep
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_scheme import IntScheme
 
@@ -107,7 +108,7 @@ class RowParallelWeightOnlyIntLinear(WeightOnlyIntLinear):
         for part in INT_PACKED_PARTS:
             t = getattr(layer, part)
             if t is not None:
-                setattr(self, part, nn.Parameter(_keep(shard(f"{name}.{part}", t)), requires_grad=False))
+                setattr(self, part, nn.Parameter(keep(shard(f"{name}.{part}", t)), requires_grad=False))
         self.bias = layer.bias
         self.group = group
 
@@ -127,7 +128,7 @@ class RowParallelInt8Linear(Int8Linear):
         shard: Callable[[str, torch.Tensor], torch.Tensor],
         group: dist.ProcessGroup | None,
     ) -> None:
-        weight = _keep(shard(f"{name}.weight", layer.weight))
+        weight = keep(shard(f"{name}.weight", layer.weight))
         super().__init__(weight.shape[1], layer.out_features, False, layer.out_dtype, device=weight.device)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = layer.weight_scale
@@ -138,7 +139,3 @@ class RowParallelInt8Linear(Int8Linear):
         y = self.matmul(x)
         dist.all_reduce(y, group=self.group)
         return y if self.bias is None else y + self.bias
-
-
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if t.device.type != "meta" else t.contiguous()
