@@ -209,11 +209,6 @@ def check_cache(opts: EngineOptions) -> None:
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
-    if opts.tensor_parallel_size > 1 and source.arch.num_linear_layers:
-        raise ConfigError(
-            f"{source.served_name}: hybrid linear-attention models (Gated DeltaNet layers) with tensor "
-            "parallelism are not supported yet; run with --tensor-parallel-size 1"
-        )
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 
@@ -277,10 +272,12 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     config = build_config(opts, source, device, device_memory_gib(device))
     fp8_linear, int_linear = linear_formats(source.quantization, device)
     if isinstance(source.quantization, IntScheme) and config.parallel.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"{source.served_name}: {source.quantization.describe()} with tensor parallelism is not "
-            "supported yet; run it with --tensor-parallel-size 1"
-        )
+        from overnight.parallel.tp_int import check_int_tp
+
+        # int_linear: the device keeps packed layers (and experts, its last field); else dequantized
+        packed = int_linear is not None
+        experts = packed and bool(int_linear and int_linear[2])
+        check_int_tp(source.quantization, source.arch, config.parallel.tensor_parallel_size, experts, packed)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,

@@ -96,10 +96,14 @@ def float_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mxfp4_folder(tmp_path_factory, float_folder):
+    """The float checkpoint's experts quantized to MXFP4 (write_mxfp4)."""
+    return write_mxfp4(float_folder, tmp_path_factory.mktemp("gpt-oss-mxfp4"))
+
+
+def write_mxfp4(float_folder: Path, root: Path) -> tuple[Path, Path]:
     """The float checkpoint's experts quantized to MXFP4, written as the published checkpoints are
     (<proj>_blocks [E, out, in/32, 16] and <proj>_scales [E, out, in/32], quantization_config mxfp4);
     returns (folder, the float folder of the same model with the experts dequantized: the reference)."""
-    root = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     tensors = load_file(str(float_folder / "model.safetensors"))
     packed, dequantized = {}, {}
     for name, t in tensors.items():
@@ -304,18 +308,3 @@ def test_gpt_oss_120b_fits_one_h200_in_mxfp4():
     gib = arch.weight_bytes(2) / 2**30
     assert 55 < gib < 70, gib
     assert arch.num_parameters() * 2 / 2**30 > 141
-
-
-def test_tensor_parallel_refused_by_name():
-    from overnight.errors import ConfigError
-    from overnight.loader.model_loader import build_model
-    from overnight.loader.source import ModelSource
-    from overnight.models.registry import arch_from_hf_config
-    from overnight.parallel.tp import apply_tp
-
-    arch = arch_from_hf_config(_config().to_dict())
-    model = build_model(
-        ModelSource("dummy", "x", arch, "GptOssForCausalLM", None, (), None, None, "x"), torch.float32, "meta"
-    )
-    with pytest.raises(ConfigError, match="tensor_parallel_size > 1 is not supported for gpt_oss"):
-        apply_tp(model, 0, 2)

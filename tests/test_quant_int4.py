@@ -380,11 +380,3 @@ def test_budget_on_a_gpu_counts_the_packed_weights(dense):
     assert packed.weights_bytes is not None and dense_plan.weights_bytes is not None
     assert packed.weights_bytes < dense_plan.weights_bytes
     assert "int4 weights" in packed.pool_source
-
-
-def test_tensor_parallelism_is_refused_for_now(dense):
-    from overnight import LLM
-    from overnight.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="tensor parallelism is not supported yet"):
-        LLM(str(dense["awq-g32"][0]), skip_tokenizer_init=True, device="cpu", tensor_parallel_size=2)

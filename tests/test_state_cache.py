@@ -203,15 +203,19 @@ def test_budget_on_an_h200_sets_the_state_pool_aside():
     assert b.kv_bytes_per_token == 8 * 2 * 4 * 256 * 2  # the 8 full-attention layers only, bf16
 
 
-def test_tensor_parallelism_is_refused_by_name():
+def test_tensor_parallelism_checks_the_linear_heads():
+    from dataclasses import replace
+
     from overnight.build import check_parallel
-    from overnight.errors import ConfigError
+    from overnight.errors import ModelLoadError
     from overnight.options import EngineOptions
 
     source = resolve_source("qwen3.5-35b-a3b", load_format="dummy")
     opts = EngineOptions(model="qwen3.5-35b-a3b", load_format="dummy", tensor_parallel_size=2)
-    with pytest.raises(ConfigError, match="hybrid linear-attention models .* tensor parallelism"):
-        check_parallel(opts, source)
+    check_parallel(opts, source)  # 16 key heads, 32 value heads: 8 and 16 a rank
+    odd = replace(source, arch=replace(source.arch, linear_num_key_heads=3, linear_num_value_heads=6))
+    with pytest.raises(ModelLoadError, match="does not divide the model's linear_num_key_heads 3"):
+        check_parallel(opts, odd)
 
 
 def test_quantized_weights_are_refused_by_name():

@@ -67,20 +67,25 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    source: ModelSource, dtype: torch.dtype, device: torch.device | str, runner: str = "generate"
+    source: ModelSource,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    runner: str = "generate",
+    runs_on: torch.device | str | None = None,
 ) -> nn.Module:
     """The model in `dtype` on `device` with *uninitialized* weights (the caller fills every one); a
     decoder run for pooling comes without its LM head (models/for_pooling.py).
 
     Built on the meta device and then given storage on `device`: a large model never passes through
     host memory, and no time goes into random init that loading would overwrite. device="meta" gives
-    a shape-only model.
+    a shape-only model. runs_on: where a shape-only model will run (it decides the form of integer
+    layers: packed, or dequantized on the CPU); `device` when not given.
     """
     cls = model_class_for(source.arch)
     with _default_dtype(dtype), torch.device("meta"):
         model = cls(source.arch)
         if source.quantization is not None:
-            quantize_model(model, source.quantization, device)
+            quantize_model(model, source.quantization, device if runs_on is None else runs_on)
     if runner == "pooling" and not source.arch.is_encoder:
         from overnight.models.for_pooling import DecoderForPooling
 

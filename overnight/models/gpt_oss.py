@@ -117,6 +117,14 @@ class GptOssForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, _to_stacked_layout(weights, self))
 
+    def checkpoint_layout(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors under the per-expert names load_weights takes (gate and up
+        de-interleaved), for tensor parallelism to slice before loading (parallel/tp.py). load_weights
+        passes tensors already in this layout through unchanged."""
+        return _to_stacked_layout(weights, self)
+
 
 _EXPERT_TENSORS = ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
 

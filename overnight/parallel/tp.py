@@ -7,11 +7,15 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     gate_up     rows [gate | up]     -> [gate rows of r | up rows of r]                 column-parallel
     down_proj   columns of r's intermediate slice; all-reduced                          row-parallel
     experts     every expert's gate/up rows and down columns of r's slice of the expert
-                intermediate size (like gate_up / down_proj); the weighted sum all-reduced
-    router      (mlp.gate) replicated: every rank routes every token the same way
+                intermediate size (like gate_up / down_proj); the weighted sum all-reduced; biases,
+                MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
+    router      (mlp.gate, mlp.router) replicated: every rank routes every token the same way
+    sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
     norms, rotary table: replicated
+
+Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
 
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
@@ -21,6 +25,8 @@ after the gather.
 The same TPShards.shard() slices checkpoint tensors (q_proj, gate_proj, ...) and the model's fused
 parameters (qkv_proj, gate_up_proj), so weights can be sharded after loading (apply_tp on a loaded model)
 or while loading (load_sharded_model, which never holds a whole model on one device).
+
+Integer layers (packed W4A16 / W8A16, W8A8) shard by the rules of parallel/tp_int.py.
 
 FP8 layers (quant/linear.py) shard the same way: their scales have one row per output row, so a
 column-parallel slice takes the rows of the scales with the rows of the weight; a row-parallel layer
@@ -39,11 +45,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import ModelArch
-from overnight.errors import ConfigError, ModelLoadError
-from overnight.layers.moe import SILU, Experts
+from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts
 from overnight.loader.source import ModelSource
+from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
+from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_hybrid import (
+    COLUMN_PARALLEL,
+    VISION_TOWER,
+    shard_gated_deltanet,
+    shard_hybrid_tensor,
+)
+from overnight.parallel.tp_int import (
+    INT_PACKED_PARTS,
+    RowParallelInt8Linear,
+    RowParallelWeightOnlyIntLinear,
+    int_row_columns,
+)
 from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
 from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
@@ -78,12 +100,33 @@ class TPShards:
             problems.append(f"num_key_value_heads {hkv}")
         if a.intermediate_size % w:
             problems.append(f"intermediate_size {a.intermediate_size}")
-        if a.num_experts and a.moe_intermediate_size % w:
+        if a.num_experts and a.moe_intermediate_size % w and not a.experts_mxfp4:  # MXFP4: padded
             problems.append(f"moe_intermediate_size {a.moe_intermediate_size}")
+        if a.shared_expert_intermediate_size % w:
+            problems.append(f"shared_expert_intermediate_size {a.shared_expert_intermediate_size}")
+        if a.num_linear_layers and a.linear_num_key_heads % w:  # value heads are a multiple of these
+            problems.append(f"linear_num_key_heads {a.linear_num_key_heads} (linear-attention heads)")
         if problems:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} does not divide the model's {', '.join(problems)}"
             )
+        groups = a.moe_intermediate_size // MXFP4_GROUP
+        if a.experts_mxfp4 and groups < w:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is more than the {groups} {MXFP4_GROUP}-column scale groups of "
+                f"the MXFP4 experts' intermediate size {a.moe_intermediate_size}; use a smaller one"
+            )
+
+    @property
+    def moe_share(self) -> int:
+        """Units of every expert's intermediate size a rank holds. MXFP4 experts split in whole
+        32-column scale groups: when the groups do not divide evenly, each rank holds
+        ceil(groups / world) of them and the last ranks' tails are zero padding (zero gate/up rows
+        and biases give a zero activation, and zero down columns add nothing: the sum is exact)."""
+        a, w = self.arch, self.world
+        if a.experts_mxfp4 and (a.moe_intermediate_size // w) % MXFP4_GROUP:
+            return MXFP4_GROUP * -(-(a.moe_intermediate_size // MXFP4_GROUP) // w)
+        return a.moe_intermediate_size // w
 
     @property
     def local_arch(self) -> ModelArch:
@@ -94,13 +137,26 @@ class TPShards:
             num_attention_heads=a.num_attention_heads // w,
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,
-            moe_intermediate_size=a.moe_intermediate_size // w,
+            moe_intermediate_size=self.moe_share,
+            shared_expert_intermediate_size=a.shared_expert_intermediate_size // w,
+            linear_num_key_heads=a.linear_num_key_heads // w,
+            linear_num_value_heads=a.linear_num_value_heads // w,
         )
 
     def section(self, name: str) -> tuple[int, int]:
         """(first row, rows) of this rank inside one whole section: "q", "kv", "ffn" (the dense MLP's
-        intermediate size) or "moe" (an expert's)."""
+        intermediate size), "moe" (an expert's), "shared" (the shared expert's), or a Gated DeltaNet
+        layer's "linear_k" (key heads x dk), "linear_v" (value heads x dv), "linear_heads" (value heads)."""
         a, w, r = self.arch, self.world, self.rank
+        linear = {
+            "linear_k": (a.linear_num_key_heads, a.linear_key_head_dim),
+            "linear_v": (a.linear_num_value_heads, a.linear_value_head_dim),
+            "linear_heads": (a.linear_num_value_heads, 1),
+        }
+        if name in linear:
+            heads, size = linear[name]
+            per = heads // w * size
+            return r * per, per
         if name == "q":
             per = a.q_size // w
             return r * per, per
@@ -109,7 +165,9 @@ class TPShards:
             head = r * hkv // w  # with hkv < w, ranks r*hkv//w share one head
             n = max(1, hkv // w)
             return head * a.head_dim, n * a.head_dim
-        per = (a.moe_intermediate_size if name == "moe" else a.intermediate_size) // w
+        if name == "moe":  # may run past the whole size: padding (moe_share)
+            return r * self.moe_share, self.moe_share
+        per = (a.shared_expert_intermediate_size if name == "shared" else a.intermediate_size) // w
         return r * per, per
 
     @property
@@ -126,13 +184,22 @@ class TPShards:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         a = self.arch
-        ffn = "moe" if "experts" in parts else "ffn"  # a checkpoint's per-expert tensors: experts.N.*
-        if module == "experts":  # stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-            start, n = self.section("moe")
-            if kind == "down_proj":
-                return t.narrow(2, start, n)
-            gate, up = t.split([a.moe_intermediate_size, a.moe_intermediate_size], dim=1)
-            return torch.cat([gate.narrow(1, start, n), up.narrow(1, start, n)], dim=1)
+        if VISION_TOWER in parts:  # replicated: every rank runs the whole tower
+            return t
+        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
+        ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        if a.num_linear_layers:
+            linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
+            if linear is not None:
+                return linear
+        expert = shard_expert_tensor(
+            self.section("moe"), self.rank, parts, t
+        )  # stacked or per-expert: tp_experts.py
+        if expert is not None:
+            return expert
+        if kind == "sinks":  # one learned sink per attention head (gpt-oss)
+            start, n = self.section("q")
+            return t.narrow(0, start // a.head_dim, n // a.head_dim)
         if module == "qkv_proj":
             q, k, v = t.split([a.q_size, a.kv_size, a.kv_size])
             return torch.cat([self._rows(q, "q"), self._rows(k, "kv"), self._rows(v, "kv")])
@@ -148,6 +215,9 @@ class TPShards:
         if module in ROW_PARALLEL and kind == "weight":
             start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
             return t.narrow(1, start, n)
+        if module in ROW_PARALLEL and kind in INT_PACKED_PARTS:  # packed integer layers: tp_int.py
+            start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
+            return int_row_columns(module, kind, t, start, n, self.world)
         if module in ROW_PARALLEL and kind == "weight_scale" and t.dim() == 2:
             return self._column_blocks(module, t)
         if module in VOCAB_PARALLEL and kind == "weight":
@@ -196,31 +266,6 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class RowParallelExperts(Experts):
-    """Experts holding this rank's slice of every expert's intermediate dimension: each rank's weighted
-    sum is a partial sum over that dimension, and the all-reduce completes it (parameter names stay
-    those of layers/moe.py's Experts, so checkpoints load into it unchanged; FP8 experts are quantized
-    after loading, per rank, from the rank's own rows and columns)."""
-
-    def __init__(
-        self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, group: dist.ProcessGroup | None
-    ) -> None:
-        nn.Module.__init__(self)
-        self.num_experts = gate_up_proj.shape[0]
-        self.activation = SILU  # the families that shard (Qwen3-MoE, Mixtral): no biases, no MXFP4
-        self.gate_up_bias = self.down_bias = None
-        self.gate_up_scales = self.down_scales = None
-        self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
-        self.down_proj = nn.Parameter(down_proj, requires_grad=False)
-        self._init_fp8_state()
-        self.group = group
-
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x, topk_weights, topk_ids)
-        dist.all_reduce(y, group=self.group)
-        return y
-
-
 class RowParallelFp8Linear(Fp8Linear):
     """RowParallelLinear for an FP8 layer: this rank's input columns of the weight (and of block
     scales), the partial products all-reduced, then the bias added once."""
@@ -228,13 +273,13 @@ class RowParallelFp8Linear(Fp8Linear):
     def __init__(
         self, layer: Fp8Linear, name: str, shards: TPShards, group: dist.ProcessGroup | None
     ) -> None:
-        weight = _keep(shards.shard(f"{name}.weight", layer.weight))
+        weight = keep(shards.shard(f"{name}.weight", layer.weight))
         super().__init__(
             weight.shape[1], layer.out_features, False, layer.out_dtype, layer.block_k, device=weight.device
         )
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.weight_scale = nn.Parameter(
-            _keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
+            keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
         )
         self.bias = layer.bias
         self.group = group
@@ -288,10 +333,6 @@ def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
 
 
-def _keep(t: torch.Tensor) -> torch.Tensor:
-    return t.clone() if t.device.type != "meta" else t.contiguous()
-
-
 @torch.no_grad()
 def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Shard `model` in place for rank `rank` of `world` and return it.
@@ -303,16 +344,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     into the local layout.
     """
     lm = as_causal_lm(model)  # the model's contract, beside its nn.Module side
-    if lm.arch.attention_sinks or lm.arch.expert_bias:
-        # Sinks would split by head, expert biases by rows (the down bias added once), MXFP4 scales by
-        # 32-column groups: not written yet. gpt-oss-120b fits one H200 in its MXFP4 form.
-        raise ConfigError(
-            f"tensor_parallel_size > 1 is not supported for {lm.arch.architecture} yet; run it on one GPU, "
-            "or use data_parallel_size for more throughput"
-        )
     shards = TPShards(lm.arch, rank, world)
     shards.check()
     fused = {fused_name for fused_name, _ in lm.packed_modules_mapping.values()}
+    row_parallel = set(ROW_PARALLEL)
+    if lm.arch.num_linear_layers:
+        fused |= set(COLUMN_PARALLEL)
+        row_parallel.add("out_proj")
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -321,36 +359,49 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
 
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
-        if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear)):
+        if VISION_TOWER in name.split("."):
+            continue
+        if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
+            shard_gated_deltanet(module, name, shards.shard, shards.local_arch)
+        if isinstance(module, IntExperts):
+            raise ModelLoadError("packed integer experts with tensor parallelism are not supported yet")
+        if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear, WeightOnlyIntLinear, Int8Linear)):
             for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
-                sliced = _keep(shards.shard(f"{name}.{pname}", param))
+                sliced = keep(shards.shard(f"{name}.{pname}", param))
                 setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
-            module.out_features = module.weight.shape[0]
+            rows = module.packed_weight if isinstance(module, WeightOnlyIntLinear) else module.weight
+            assert isinstance(rows, torch.Tensor)
+            module.out_features = rows.shape[0]
+        elif leaf in ROW_PARALLEL and isinstance(module, WeightOnlyIntLinear):
+            _set_module(model, name, RowParallelWeightOnlyIntLinear(module, name, shards.shard, group))
+        elif leaf in ROW_PARALLEL and isinstance(module, Int8Linear):
+            _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
-        elif leaf in ROW_PARALLEL and isinstance(module, nn.Linear):
-            weight = _keep(shards.shard(f"{name}.weight", module.weight))
+        elif leaf in row_parallel and isinstance(module, nn.Linear):
+            weight = keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))
         elif isinstance(module, Experts):
-            gate_up = _keep(shards.shard(f"{name}.gate_up_proj", module.gate_up_proj))
-            down = _keep(shards.shard(f"{name}.down_proj", module.down_proj))
-            sharded = RowParallelExperts(gate_up, down, group)
+            sharded = RowParallelExperts(module, name, shards.shard, group)
             if module.gate_up_scale is not None:  # FP8 experts already quantized: rows keep their scales
                 rows = shards.shard(f"{name}.gate_up_proj", module.gate_up_scale[:, :, None])
-                sharded.gate_up_scale = _keep(rows[:, :, 0])
+                sharded.gate_up_scale = keep(rows[:, :, 0])
                 sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
                 sharded.compute_dtype = module.compute_dtype
             _set_module(model, name, sharded)
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
+            module.sinks = nn.Parameter(keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
 
     new_embed = VocabParallelEmbedding(
-        _keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
+        keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
     )
     _set_module(model, embed_name, new_embed)
     if head is not None:
-        weight = new_embed.weight if tied else _keep(shards.shard("lm_head.weight", head.weight))
+        weight = new_embed.weight if tied else keep(shards.shard("lm_head.weight", head.weight))
         _set_module(model, "lm_head", ParallelLMHead(weight, lm.arch.vocab_size, group))
     lm.arch = shards.local_arch
     return model
@@ -374,16 +425,21 @@ def load_sharded_model(
     from overnight.quant.apply import quantize_experts
     from overnight.quant.scheme import QuantScheme, check_fp8_device
 
-    model = apply_tp(build_model(source, dtype, "meta"), rank, world, group)
+    model = apply_tp(build_model(source, dtype, "meta", runs_on=device), rank, world, group)
     if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
     _materialize(model, device)
     shards = TPShards(source.arch, rank, world)
     if source.kind == "dummy":
-        _fill_dummy(model, build_model(source, dtype, "meta"), shards, seed)
+        _fill_dummy(model, build_model(source, dtype, "meta", runs_on=device), shards, seed)
     else:
         # FP8 layers' tensors are converted whole (quant/checkpoint.py), then sliced like the weights.
         weights = checkpoint_weights(source, model, device)
+        # A model whose checkpoint layout differs from its load names (gpt-oss's interleaved, stacked
+        # experts) lays the tensors out first, so each is sliced in the model's layout.
+        layout = getattr(model, "checkpoint_layout", None)
+        if layout is not None:
+            weights = layout(weights)
         as_causal_lm(model).load_weights((n, shards.shard(n, t)) for n, t in weights)
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
@@ -408,8 +464,18 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
             continue
         if name.endswith(".weight_scale") and name.removesuffix("_scale") in fp8_layers:
             continue  # filled with its weight
+        if param.dtype == torch.uint8 and name.endswith(("gate_up_scales", "down_scales")):
+            # MXFP4 scales: loader/dummy.py's constant, no draw (sliced: a padded tail stays zero)
+            target.copy_(
+                shards.shard(name, torch.full(param.shape, 127 - 10, dtype=torch.uint8, device=target.device))
+            )
+            continue
         if gen is None:
             gen = torch.Generator(device=target.device).manual_seed(seed)
+        if param.dtype == torch.uint8:  # MXFP4 codes: any byte, as loader/dummy.py draws them
+            codes = torch.empty(param.shape, dtype=torch.uint8, device=target.device)
+            target.copy_(shards.shard(name, codes.random_(0, 256, generator=gen)))
+            continue
         layer = fp8_layers.get(name)
         dtype = param.dtype if layer is None else layer.out_dtype
         full = torch.empty(param.shape, dtype=dtype, device=target.device)

@@ -1,0 +1,115 @@
+"""Tensor parallelism for stacked experts: each rank keeps every expert's slice of the intermediate
+dimension (parallel/tp.py decides which slice; this file cuts the experts' tensors by it).
+
+    gate_up (weights, biases, MXFP4 blocks and scales)  rows [gate | up] -> [gate rows of r | up rows of r]
+    down weights                                         columns of r's slice (MXFP4: r's bytes, 2 a byte)
+    down MXFP4 scales                                    r's column groups (one scale per 32 columns)
+    down bias                                            rank 0 only; zeros elsewhere
+
+Every rank's weighted sum over its experts is a partial sum over the intermediate dimension and the
+all-reduce completes it. The down bias is added inside each expert's output (weighted by the router),
+so it must enter the sum once: rank 0 keeps it and the other ranks hold zeros, which leaves the sum
+exactly that of one rank adding the bias (dividing it by the world size would round).
+
+MXFP4 slices are whole 32-column scale groups of down's input; when the groups do not divide evenly
+the last ranks' slices end in zero padding (TPShards.moe_share). Gate and up stay paired: gpt-oss checkpoints interleave
+them (gate even rows, up odd), and models/gpt_oss.py de-interleaves them into [gate | up] before
+any slicing, so rank r's gate row i and up row i are the same intermediate unit.
+
+Tensors come in two namings: the model's stacked parameters (experts.gate_up_proj [E, 2I, ...],
+sliced in dim 1) and a checkpoint's per-expert ones (experts.N.gate_proj.weight, experts.N.gate_up_bias.weight
+[2I], ..., sliced in dim 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from overnight.layers.moe import Experts
+
+MXFP4_GROUP = 32  # columns per MXFP4 scale
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gate_up_scales", "down_scales")
+
+
+def shard_expert_tensor(
+    section: tuple[int, int], rank: int, parts: list[str], t: torch.Tensor
+) -> torch.Tensor | None:
+    """Rank `rank`'s slice of one expert tensor named by `parts` (its dotted name, split), given its
+    (first unit, units) of the expert intermediate size (TPShards.section("moe")), or None
+    when `parts` names no expert tensor this file cuts (per-expert gate_proj / up_proj rows, FP8
+    scales: the common rules of TPShards.shard)."""
+    if "experts" not in parts or len(parts) < 2:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if module == "experts":  # the stacked parameter: experts.<tensor>
+        name, dim = kind, 1
+    elif kind == "weight":  # a checkpoint's experts.N.<tensor>.weight
+        name, dim = module, 0
+    else:
+        return None
+    if name in ("gate_proj", "up_proj") and dim == 0:  # a checkpoint expert's rows
+        return _take(t, 0, *section)
+    if name not in EXPERT_TENSORS:
+        return None
+    start, n = section
+    if name.startswith("gate_up"):
+        half = t.shape[dim] // 2
+        gate, up = t.split([half, half], dim=dim)
+        return torch.cat([_take(gate, dim, start, n), _take(up, dim, start, n)], dim=dim)
+    if name == "down_bias":
+        return t if rank == 0 else torch.zeros_like(t)
+    if name == "down_scales":
+        return _take(t, dim + 1, start // MXFP4_GROUP, n // MXFP4_GROUP)
+    if t.dtype == torch.uint8:  # MXFP4 down blocks: two 4-bit columns a byte
+        return _take(t, dim + 1, start // 2, n // 2)
+    return _take(t, dim + 1, start, n)
+
+
+def _take(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:
+    """t's entries start .. start + n along dim, zeros past its end (MXFP4 padding: zero codes, zero
+    scales and biases; TPShards.moe_share)."""
+    have = max(0, min(n, t.shape[dim] - start))
+    part = t.narrow(dim, min(start, t.shape[dim]), have)
+    if have == n:
+        return part
+    shape = list(t.shape)
+    shape[dim] = n - have
+    return torch.cat([part, t.new_zeros(shape)], dim=dim)
+
+
+def keep(t: torch.Tensor) -> torch.Tensor:
+    """A share to hold as a parameter: its own storage (shard() may return a view of the whole)."""
+    return t.clone() if t.device.type != "meta" else t.contiguous()
+
+
+class RowParallelExperts(Experts):
+    """Experts holding this rank's slice of every expert's intermediate dimension (biases and MXFP4
+    blocks and scales included); the all-reduce completes the weighted sum. Parameter names stay those
+    of layers/moe.py's Experts, so checkpoints load into it unchanged; FP8 experts are quantized after
+    loading, per rank, from the rank's own rows and columns."""
+
+    def __init__(
+        self,
+        whole: Experts,
+        name: str,
+        shard: Callable[[str, torch.Tensor], torch.Tensor],  # TPShards.shard
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        nn.Module.__init__(self)
+        self.num_experts = whole.num_experts
+        self.activation = whole.activation
+        for pname in EXPERT_TENSORS:
+            t = getattr(whole, pname)
+            sliced = None if t is None else keep(shard(f"{name}.{pname}", t))
+            setattr(self, pname, None if sliced is None else nn.Parameter(sliced, requires_grad=False))
+        self._init_fp8_state()
+        self.group = group
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, topk_weights, topk_ids)
+        dist.all_reduce(y, group=self.group)
+        return y
