@@ -138,7 +138,12 @@ def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
     prompts += [[rng.randrange(3, 320) for _ in range(k)] for k in (5, 13, 40, 57)]
     block = 4 * 2 * 32 * 4  # 4 tokens x K/V x a 32-element slot x fp32
     llm = LLM(
-        folder, kv_cache_memory_bytes=100 * block, max_num_batched_tokens=16, max_model_len=128, **ENGINE
+        folder,
+        kv_cache_memory_bytes=100 * block,
+        max_num_batched_tokens=16,
+        max_model_len=128,
+        schedule="fifo",  # input order: the hits that survive the preemptions do not depend on timing
+        **ENGINE,
     )
     assert llm.engine.pool_plan.num_blocks == 100
     llm.generate([{"prompt_token_ids": prompts[0]}], greedy(2), use_tqdm=False)  # caches the prefix
