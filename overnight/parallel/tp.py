@@ -13,7 +13,10 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
-    norms, rotary table: replicated
+    q_norm/k_norm   per-head ones replicated; OLMo's whole-projection ones (qk_norm_whole) take the
+                rows of r's heads, and each token's sums of squares of q and k are all-reduced as one
+                [tokens, 2] float32 tensor before the mean (layers/norm.py sharded_rms_norm_pair)
+    other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
 
@@ -38,6 +41,7 @@ layer's input, so its per-token scales are those of its share.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,6 +51,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
+from overnight.layers.norm import RMSNorm
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
@@ -86,11 +91,6 @@ class TPShards:
         if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
             # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
             raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
-        if a.qk_norm_whole:  # its variance would need every rank's heads
-            raise ModelLoadError(
-                f"tensor parallelism does not support {a.architecture}: its q/k norms span all heads "
-                "(run copies of it with data_parallel_size instead)"
-            )
         problems = []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
@@ -206,6 +206,8 @@ class TPShards:
         if module == "gate_up_proj":
             gate, up = t.split([a.intermediate_size, a.intermediate_size])
             return torch.cat([self._rows(gate, "ffn"), self._rows(up, "ffn")])
+        if module in ("q_norm", "k_norm") and a.qk_norm_whole:  # OLMo: one weight per q / k channel
+            return self._rows(t, "q" if module == "q_norm" else "kv")
         if module == "q_proj":
             return self._rows(t, "q")
         if module in ("k_proj", "v_proj"):
@@ -389,6 +391,13 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
                 sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
                 sharded.compute_dtype = module.compute_dtype
             _set_module(model, name, sharded)
+        if leaf in ("q_norm", "k_norm") and lm.arch.qk_norm_whole and isinstance(module, RMSNorm):
+            module.weight = nn.Parameter(
+                keep(shards.shard(f"{name}.weight", module.weight)), requires_grad=False
+            )
+        if getattr(module, "qk_norm_whole", False):  # its norms' statistics summed over the ranks
+            module.qk_norm_world = world
+            module.qk_norm_reduce = partial(dist.all_reduce, group=group)
         sinks = getattr(module, "sinks", None)
         if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
             module.sinks = nn.Parameter(keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
@@ -449,7 +458,6 @@ def load_sharded_model(
 def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:
     """The unsharded dummy init, replayed: walk the whole (meta) model's parameters in the same order,
     draw each whole tensor from one seeded generator, keep this rank's slice."""
-    from overnight.layers.norm import RMSNorm
     from overnight.loader.dummy import DUMMY_RANGE
     from overnight.quant.fp8 import quantize_weight
 
