@@ -106,3 +106,76 @@ def test_olmo_tp2_matches_tp1_and_transformers(tmp_path, variant, changes):
     tokens = [list(o.outputs[0].token_ids) for o in two]
     assert tokens == [list(o.outputs[0].token_ids) for o in one]
     assert tokens == [hf_greedy(ref, p, 8)[0] for p in prompts]
+
+
+# -- Gemma 4 ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["gemma4", "gemma4-moe"])
+def gemma4(request, tmp_path_factory):
+    """tests/test_gemma.py's tiny Gemma 4s: 16-wide sliding heads (2 kv heads: one a rank), 24-wide full
+    heads with k = v and 1 kv head (held by both ranks); the dense one with 2 KV-shared layers of
+    double-wide MLPs and per-layer inputs, the MoE one with 5 experts of width 20 beside the MLP.
+    (variant, folder, transformers model)."""
+    from tests.test_gemma import tiny_gemma
+
+    model = tiny_gemma(request.param)
+    folder = tmp_path_factory.mktemp(request.param) / "model"
+    model.save_pretrained(folder)
+    return request.param, folder, model
+
+
+def test_gemma4_shards_streamed_equal_sliced(gemma4):
+    """Each rank's weights streamed from the checkpoint (or drawn whole as dummies) equal those apply_tp
+    cuts from the whole loaded model, and hold the layer's own head sizes and widths."""
+    from overnight.loader.model_loader import load_model
+    from overnight.parallel.tp import apply_tp, load_sharded_model
+
+    variant, folder, _ = gemma4
+    for kind in ("auto", "dummy"):
+        source = resolve_source(str(folder), kind)
+        for rank in range(2):
+            whole = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
+            streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
+            a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
+            assert a.keys() == b.keys()
+            for name in a:
+                assert torch.equal(a[name], b[name]), name
+    layers = streamed.model.layers
+    # sliding: 2 q heads of 16 + 1 kv head (k, v); full: 2 q heads of 24 + the shared kv head (k = v)
+    assert layers[0].self_attn.qkv_proj.weight.shape[0] == 2 * 16 + 2 * 16
+    assert layers[1].self_attn.qkv_proj.weight.shape[0] == 2 * 24 + 24
+    if variant == "gemma4":  # layers 2, 3: KV-shared, q only, MLPs twice as wide
+        assert layers[3].self_attn.q_proj.weight.shape[0] == 2 * 24
+        assert layers[3].mlp.down_proj.weight.shape[1] == 80
+        assert streamed.model.embed_tokens_per_layer.weight.shape[1] == 4 * 8  # replicated
+
+
+def test_gemma4_indivisible_global_kv_heads_are_refused_by_name(gemma4):
+    from dataclasses import replace
+
+    arch = replace(resolve_source(str(gemma4[1])).arch, num_global_key_value_heads=3)
+    with pytest.raises(ModelLoadError, match="does not divide the model's num_global_key_value_heads 3"):
+        TPShards(arch, 0, 2).check()
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_gemma4_tp2_matches_tp1_and_transformers(gemma4):
+    """Chunked prefills past the 7-token window, a shared prefix (cache hits), greedy decoding."""
+    from tests.test_gemma import agrees, prompts
+
+    _, folder, model = gemma4
+    batch = prompts()
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    options = {**OPTIONS, "max_model_len": 64}
+    one = LLM(str(folder), **options).generate(batch, params, use_tqdm=False)
+    llm = LLM(str(folder), tensor_parallel_size=2, **options)
+    try:
+        two = llm.generate(batch, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    tokens = [list(o.outputs[0].token_ids) for o in two]
+    assert tokens == [list(o.outputs[0].token_ids) for o in one]
+    for prompt, got in zip(batch, tokens):
+        ref, scores = hf_greedy(model, prompt, 8)
+        assert agrees(got, ref, scores), prompt

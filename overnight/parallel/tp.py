@@ -19,6 +19,7 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
+Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py.
 
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
@@ -56,6 +57,7 @@ from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_gemma4 import gemma4_problems, is_gemma4, local_fused_shards, shard_gemma4_tensor
 from overnight.parallel.tp_hybrid import (
     COLUMN_PARALLEL,
     VISION_TOWER,
@@ -88,10 +90,7 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
-        if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
-            # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
-            raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
-        problems = []
+        problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
         hkv = a.num_key_value_heads
@@ -141,6 +140,9 @@ class TPShards:
             shared_expert_intermediate_size=a.shared_expert_intermediate_size // w,
             linear_num_key_heads=a.linear_num_key_heads // w,
             linear_num_value_heads=a.linear_num_value_heads // w,
+            num_global_key_value_heads=max(1, a.num_global_key_value_heads // w)
+            if a.num_global_key_value_heads
+            else 0,
         )
 
     def section(self, name: str) -> tuple[int, int]:
@@ -188,6 +190,10 @@ class TPShards:
             return t
         # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
         ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        if is_gemma4(a):  # per-layer head sizes and widths: tp_gemma4.py
+            per_layer = shard_gemma4_tensor(a, self.rank, self.world, parts, t)
+            if per_layer is not None:
+                return per_layer
         if a.num_linear_layers:
             linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
             if linear is not None:
@@ -353,6 +359,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     if lm.arch.num_linear_layers:
         fused |= set(COLUMN_PARALLEL)
         row_parallel.add("out_proj")
+    if is_gemma4(lm.arch):
+        fused.add("q_proj")  # a KV-shared layer's own q projection
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -404,6 +412,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
+            local_fused_shards(module)  # Gemma 4's per-layer q | k | v rows
 
     new_embed = VocabParallelEmbedding(
         keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
