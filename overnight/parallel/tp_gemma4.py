@@ -43,6 +43,16 @@ def gemma4_problems(arch: ModelArch, world: int) -> list[str]:
     return []
 
 
+def check_gemma4_quantized_tp(arch: ModelArch, world: int, quantized: bool) -> None:
+    """Refuses quantized linear layers (FP8, packed integers) of a Gemma 4 under tensor parallelism,
+    before any process starts (shard_gemma4_tensor would refuse their scales while loading)."""
+    if world > 1 and quantized and is_gemma4(arch):
+        raise ModelLoadError(
+            "tensor parallelism for quantized Gemma 4 layers (FP8, packed integers) is not supported yet: "
+            "run it unquantized, or with tensor_parallel_size 1"
+        )
+
+
 def _rows(t: torch.Tensor, start: int, n: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, start, n)
 
