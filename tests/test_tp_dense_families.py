@@ -115,7 +115,7 @@ def test_olmo_tp2_matches_tp1_and_transformers(tmp_path, variant, changes):
 def gemma4(request, tmp_path_factory):
     """tests/test_gemma.py's tiny Gemma 4s: 16-wide sliding heads (2 kv heads: one a rank), 24-wide full
     heads with k = v and 1 kv head (held by both ranks); the dense one with 2 KV-shared layers of
-    double-wide MLPs and per-layer inputs, the MoE one with 5 experts of width 20 beside the MLP.
+    double-wide MLPs and per-layer inputs (their table split by vocabulary rows), the MoE one with 5 experts of width 20 beside the MLP.
     (variant, folder, transformers model)."""
     from tests.test_gemma import tiny_gemma
 
@@ -148,7 +148,7 @@ def test_gemma4_shards_streamed_equal_sliced(gemma4):
     if variant == "gemma4":  # layers 2, 3: KV-shared, q only, MLPs twice as wide
         assert layers[3].self_attn.q_proj.weight.shape[0] == 2 * 24
         assert layers[3].mlp.down_proj.weight.shape[1] == 80
-        assert streamed.model.embed_tokens_per_layer.weight.shape[1] == 4 * 8  # replicated
+        assert streamed.model.embed_tokens_per_layer.weight.shape == (166, 4 * 8)  # 331 rows, padded
 
 
 def test_gemma4_indivisible_global_kv_heads_are_refused_by_name(gemma4):

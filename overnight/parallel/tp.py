@@ -57,7 +57,13 @@ from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
-from overnight.parallel.tp_gemma4 import gemma4_problems, is_gemma4, local_fused_shards, shard_gemma4_tensor
+from overnight.parallel.tp_gemma4 import (
+    PER_LAYER_TABLE,
+    gemma4_problems,
+    is_gemma4,
+    local_fused_shards,
+    shard_gemma4_tensor,
+)
 from overnight.parallel.tp_hybrid import (
     COLUMN_PARALLEL,
     VISION_TOWER,
@@ -421,6 +427,12 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     if head is not None:
         weight = new_embed.weight if tied else keep(shards.shard("lm_head.weight", head.weight))
         _set_module(model, "lm_head", ParallelLMHead(weight, lm.arch.vocab_size, group))
+    if is_gemma4(lm.arch) and lm.arch.hidden_size_per_layer_input:  # its per-layer-input table
+        name = next(n for n, _ in model.named_modules() if n.endswith(PER_LAYER_TABLE))
+        table = model.get_submodule(name)
+        assert isinstance(table, nn.Embedding)
+        rows = keep(shards.shard(f"{name}.weight", table.weight))
+        _set_module(model, name, VocabParallelEmbedding(rows, rank * rows.shape[0], group))
     lm.arch = shards.local_arch
     return model
 

@@ -9,10 +9,11 @@ from the whole model is per layer here.
     KV-shared layers    only q_proj / o_proj; they read the source layer's cache, which on every rank
                         holds the heads of that rank's q heads (the same split as the source layer's)
     experts, router     the common rules: experts by their intermediate size, the router replicated
-    per-layer inputs    replicated: embed_tokens_per_layer, per_layer_model_projection and each layer's
-                        per_layer_input_gate / per_layer_projection run whole on every rank, on the
-                        whole hidden state every rank holds after each all-reduce (they are small
-                        beside the layers, and replicating them adds no collective)
+    per-layer inputs    embed_tokens_per_layer (vocab x layers x P: the largest tensor of the small
+                        Gemma 4s) split by vocabulary rows like embed_tokens, its lookups all-reduced
+                        once a step; per_layer_model_projection and each layer's per_layer_input_gate
+                        / per_layer_projection replicated (small: they run whole on every rank, on the
+                        whole hidden state each rank holds after every all-reduce, with no collective)
     q/k/v norms         per head: replicated
 
 Only float weights: quantized Gemma 4 layers' scales are refused (checked as each tensor is sliced).
@@ -29,6 +30,7 @@ from overnight.models.gemma4 import Gemma4Attention
 
 COLUMN = ("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
+PER_LAYER_TABLE = "embed_tokens_per_layer"
 
 
 def is_gemma4(arch: ModelArch) -> bool:
@@ -53,6 +55,15 @@ def check_gemma4_quantized_tp(arch: ModelArch, world: int, quantized: bool) -> N
         )
 
 
+def vocab_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s rows of the per-layer-input table: ceil(rows / world) of them, zero-padded."""
+    per = -(-t.shape[0] // world)
+    rows = t[rank * per : (rank + 1) * per]
+    if rows.shape[0] < per:
+        rows = torch.cat([rows, t.new_zeros(per - rows.shape[0], *t.shape[1:])])
+    return rows
+
+
 def _rows(t: torch.Tensor, start: int, n: int, dim: int = 0) -> torch.Tensor:
     return t.narrow(dim, start, n)
 
@@ -63,9 +74,13 @@ def shard_gemma4_tensor(
     """Rank `rank`'s share of one decoder-layer attention or dense-MLP tensor, or None for a tensor the
     common rules take (experts, embeddings, LM head) or that is replicated (norms, router, per-layer
     inputs)."""
-    if "layers" not in parts or "experts" in parts or len(parts) < 2:
+    if len(parts) < 2:
         return None
     module, kind = parts[-2], parts[-1]
+    if module == PER_LAYER_TABLE and kind == "weight":
+        return vocab_rows(t, rank, world)
+    if "layers" not in parts or "experts" in parts:
+        return None
     if module not in COLUMN + ROW:
         return None
     if kind not in ("weight", "bias"):
