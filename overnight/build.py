@@ -278,6 +278,11 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         packed = int_linear is not None
         experts = packed and bool(int_linear and int_linear[2])
         check_int_tp(source.quantization, source.arch, config.parallel.tensor_parallel_size, experts, packed)
+    if config.parallel.tensor_parallel_size > 1:
+        from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
+
+        quantized = fp8_linear or int_linear is not None
+        check_gemma4_quantized_tp(source.arch, config.parallel.tensor_parallel_size, quantized)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,

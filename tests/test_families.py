@@ -312,10 +312,10 @@ def test_checkpoint_names_are_renamed_before_fp8_and_sharding(name, theirs, tmp_
     assert expected in names
 
 
-@pytest.mark.parametrize("name", ["phi3", "glm4", "mixtral"])
+@pytest.mark.parametrize("name", ["phi3", "glm4", "mixtral", "olmo2"])
 def test_tensor_parallel_shards_of_renamed_and_fused_checkpoints(name, tmp_path):
     """Loading rank by rank (each checkpoint tensor sliced as it streams) gives each rank what slicing the
-    whole loaded model gives: Phi-3's and GLM-4's fused tensors and Mixtral's renamed experts included."""
+    whole loaded model gives: Phi-3's and GLM-4's fused tensors, Mixtral's renamed experts and OLMo's whole q/k norms included."""
     from overnight.parallel.tp import apply_tp, load_sharded_model
 
     source = resolve_source(str(make_family_checkpoint(tmp_path, name)))
@@ -325,11 +325,3 @@ def test_tensor_parallel_shards_of_renamed_and_fused_checkpoints(name, tmp_path)
         a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_tensor_parallel_refuses_whole_projection_qk_norms(tmp_path):
-    from overnight.parallel.tp import TPShards
-
-    arch = resolve_source(str(make_family_checkpoint(tmp_path, "olmo2"))).arch
-    with pytest.raises(ModelLoadError, match="tensor parallelism does not support olmo2"):
-        TPShards(arch, 0, 2).check()

@@ -13,6 +13,8 @@ quant/fp8.py on the CPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -88,3 +90,29 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         fp8 = ", fp8 output" if self.fp8_output else ""
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{fp8}"
+
+
+def sharded_rms_norm_pair(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_norm: RMSNorm,
+    k_norm: RMSNorm,
+    world: int,
+    reduce: Callable[[torch.Tensor], object],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_norm(q), k_norm(k)) when q [T, dq] and k [T, dk] are each one rank's share of a norm that
+    spans every rank's share together (OLMo's whole-projection q/k norms under tensor parallelism).
+
+    The per-token sums of squares of both shares go through one `reduce` (an in-place sum over the
+    `world` ranks) as a [T, 2] float32 tensor; every rank's share has the same size, so the whole mean
+    is the summed squares over `world` times the local size. A k share replicated across a group of
+    ranks (fewer kv heads than ranks) is counted once per holder, and so is its size: the mean is exact.
+    The arithmetic otherwise follows rms_norm_ref (fp32 statistics, cast back before the weight)."""
+    squares = torch.stack([q.float().pow(2).sum(-1), k.float().pow(2).sum(-1)], dim=-1)
+    reduce(squares)
+    out = []
+    for i, (x, norm) in enumerate(((q, q_norm), (k, k_norm))):
+        variance = squares[:, i : i + 1] / (world * x.shape[-1])
+        normed = x.float() * torch.rsqrt(variance + norm.variance_epsilon)
+        out.append(norm.weight * normed.to(x.dtype))
+    return out[0], out[1]

@@ -20,7 +20,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.activation import SiluAndMul
-from overnight.layers.norm import RMSNorm
+from overnight.layers.norm import RMSNorm, sharded_rms_norm_pair
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import load_packed_weights, split_fused_tensors, text_model_tensors
 from overnight.models.layer_spec import LayerSpec, layer_specs, rotary_embeddings
@@ -89,6 +89,10 @@ class Attention(nn.Module):
         q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
         self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        # Whole norms under tensor parallelism (parallel/tp.py sets these): this rank holds 1/world of
+        # the heads, and qk_norm_reduce sums the per-token squares over the ranks (layers/norm.py).
+        self.qk_norm_world = 1
+        self.qk_norm_reduce: Callable[[torch.Tensor], object] | None = None
         self.rotary_emb = rotary_emb
         # Ministral 3 (llama_4_scaling_beta): q grows with the position, by 1 + beta ln(1 + p // original).
         scaling = arch.rope_scaling_dict() or {}
@@ -105,8 +109,12 @@ class Attention(nn.Module):
         if self.qk_norm_whole and q_norm is not None and k_norm is not None:
             q, k, v = qkv.split([self.q_norm_size, self.k_norm_size, self.k_norm_size], dim=-1)
             n = qkv.shape[0]
-            q = q_norm(q).view(n, -1, self.head_dim)
-            k = k_norm(k).view(n, -1, self.head_dim)
+            if self.qk_norm_reduce is None:
+                q, k = q_norm(q), k_norm(k)
+            else:
+                q, k = sharded_rms_norm_pair(q, k, q_norm, k_norm, self.qk_norm_world, self.qk_norm_reduce)
+            q = q.view(n, -1, self.head_dim)
+            k = k.view(n, -1, self.head_dim)
             v = v.view(n, -1, self.head_dim)
             q_norm = k_norm = None
         else:

@@ -13,9 +13,13 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
-    norms, rotary table: replicated
+    q_norm/k_norm   per-head ones replicated; OLMo's whole-projection ones (qk_norm_whole) take the
+                rows of r's heads, and each token's sums of squares of q and k are all-reduced as one
+                [tokens, 2] float32 tensor before the mean (layers/norm.py sharded_rms_norm_pair)
+    other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
+Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py.
 
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
@@ -38,6 +42,7 @@ layer's input, so its per-token scales are those of its share.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -47,10 +52,18 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
+from overnight.layers.norm import RMSNorm
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_gemma4 import (
+    PER_LAYER_TABLE,
+    gemma4_problems,
+    is_gemma4,
+    local_fused_shards,
+    shard_gemma4_tensor,
+)
 from overnight.parallel.tp_hybrid import (
     COLUMN_PARALLEL,
     VISION_TOWER,
@@ -83,15 +96,7 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
-        if w > 1 and (a.global_head_dim or a.num_global_key_value_heads or a.hidden_size_per_layer_input):
-            # Gemma 4: per-kind head sizes, KV-less shared layers and per-layer inputs are not sharded yet.
-            raise ModelLoadError(f"tensor parallelism is not supported for {a.architecture} yet")
-        if a.qk_norm_whole:  # its variance would need every rank's heads
-            raise ModelLoadError(
-                f"tensor parallelism does not support {a.architecture}: its q/k norms span all heads "
-                "(run copies of it with data_parallel_size instead)"
-            )
-        problems = []
+        problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
         hkv = a.num_key_value_heads
@@ -141,6 +146,9 @@ class TPShards:
             shared_expert_intermediate_size=a.shared_expert_intermediate_size // w,
             linear_num_key_heads=a.linear_num_key_heads // w,
             linear_num_value_heads=a.linear_num_value_heads // w,
+            num_global_key_value_heads=max(1, a.num_global_key_value_heads // w)
+            if a.num_global_key_value_heads
+            else 0,
         )
 
     def section(self, name: str) -> tuple[int, int]:
@@ -188,6 +196,10 @@ class TPShards:
             return t
         # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
         ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        if is_gemma4(a):  # per-layer head sizes and widths: tp_gemma4.py
+            per_layer = shard_gemma4_tensor(a, self.rank, self.world, parts, t)
+            if per_layer is not None:
+                return per_layer
         if a.num_linear_layers:
             linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
             if linear is not None:
@@ -206,6 +218,8 @@ class TPShards:
         if module == "gate_up_proj":
             gate, up = t.split([a.intermediate_size, a.intermediate_size])
             return torch.cat([self._rows(gate, "ffn"), self._rows(up, "ffn")])
+        if module in ("q_norm", "k_norm") and a.qk_norm_whole:  # OLMo: one weight per q / k channel
+            return self._rows(t, "q" if module == "q_norm" else "kv")
         if module == "q_proj":
             return self._rows(t, "q")
         if module in ("k_proj", "v_proj"):
@@ -351,6 +365,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     if lm.arch.num_linear_layers:
         fused |= set(COLUMN_PARALLEL)
         row_parallel.add("out_proj")
+    if is_gemma4(lm.arch):
+        fused.add("q_proj")  # a KV-shared layer's own q projection
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -389,12 +405,20 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
                 sharded.down_scale = module.down_scale  # down keeps its rows (its columns are split)
                 sharded.compute_dtype = module.compute_dtype
             _set_module(model, name, sharded)
+        if leaf in ("q_norm", "k_norm") and lm.arch.qk_norm_whole and isinstance(module, RMSNorm):
+            module.weight = nn.Parameter(
+                keep(shards.shard(f"{name}.weight", module.weight)), requires_grad=False
+            )
+        if getattr(module, "qk_norm_whole", False):  # its norms' statistics summed over the ranks
+            module.qk_norm_world = world
+            module.qk_norm_reduce = partial(dist.all_reduce, group=group)
         sinks = getattr(module, "sinks", None)
         if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
             module.sinks = nn.Parameter(keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)
+            local_fused_shards(module)  # Gemma 4's per-layer q | k | v rows
 
     new_embed = VocabParallelEmbedding(
         keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
@@ -403,6 +427,12 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     if head is not None:
         weight = new_embed.weight if tied else keep(shards.shard("lm_head.weight", head.weight))
         _set_module(model, "lm_head", ParallelLMHead(weight, lm.arch.vocab_size, group))
+    if is_gemma4(lm.arch) and lm.arch.hidden_size_per_layer_input:  # its per-layer-input table
+        name = next(n for n, _ in model.named_modules() if n.endswith(PER_LAYER_TABLE))
+        table = model.get_submodule(name)
+        assert isinstance(table, nn.Embedding)
+        rows = keep(shards.shard(f"{name}.weight", table.weight))
+        _set_module(model, name, VocabParallelEmbedding(rows, rank * rows.shape[0], group))
     lm.arch = shards.local_arch
     return model
 
@@ -449,7 +479,6 @@ def load_sharded_model(
 def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:
     """The unsharded dummy init, replayed: walk the whole (meta) model's parameters in the same order,
     draw each whole tensor from one seeded generator, keep this rank's slice."""
-    from overnight.layers.norm import RMSNorm
     from overnight.loader.dummy import DUMMY_RANGE
     from overnight.quant.fp8 import quantize_weight
 
