@@ -143,6 +143,14 @@ class TPShards:
             linear_num_value_heads=a.linear_num_value_heads // w,
         )
 
+    @property
+    def rank_weights_arch(self) -> ModelArch:
+        """local_arch with the vocab-parallel embedding's and LM head's vocab_per_rank rows: the shape of
+        the weights one rank holds, for sizing its memory (replicated parts stay whole in it: norms,
+        routers, row-parallel biases, a shared KV head, the vision tower). Not a model's arch: its
+        logits are gathered over the whole vocabulary."""
+        return replace(self.local_arch, vocab_size=self.vocab_per_rank)
+
     def section(self, name: str) -> tuple[int, int]:
         """(first row, rows) of this rank inside one whole section: "q", "kv", "ffn" (the dense MLP's
         intermediate size), "moe" (an expert's), "shared" (the shared expert's), or a Gated DeltaNet
