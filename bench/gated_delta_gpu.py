@@ -84,17 +84,7 @@ def state_batch(slots: torch.Tensor, has: torch.Tensor, conv: torch.Tensor, ssm:
 
 
 def prefill_rows(lens: list[int], slots: list[int], has: list[bool]) -> PrefillRows:
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return PrefillRows(
-        starts,
-        slots,
-        has,
-        torch.tensor(starts, device=DEV),
-        torch.tensor(slots, device=DEV),
-        torch.tensor([1.0 if h else 0.0 for h in has], device=DEV),
-    )
+    return PrefillRows.of(lens, slots, has, DEV)
 
 
 def poison_allocator() -> None:

@@ -77,6 +77,24 @@ class PrefillRows:
     slot_ids: torch.Tensor  # [n] device
     has_state_dev: torch.Tensor  # [n] float32 device
 
+    @classmethod
+    def of(
+        cls, lens: list[int], slots: list[int], has_state: list[bool], device: torch.device
+    ) -> PrefillRows:
+        """Requests of lens[i] rows each, packed in order, at slots[i] (continuing from it when
+        has_state[i]): what prefill_rows gives for such a step, for tests and benchmarks."""
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            starts,
+            list(slots),
+            list(has_state),
+            torch.tensor(starts, device=device),
+            torch.tensor(slots, device=device),
+            torch.tensor([1.0 if h else 0.0 for h in has_state], device=device),
+        )
+
 
 class DeltaRuleOps(Protocol):
     name: str
