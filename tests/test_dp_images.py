@@ -6,7 +6,6 @@ request or run-batch line only."""
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 
@@ -15,19 +14,13 @@ import pytest
 from overnight import LLM, SamplingParams
 from overnight.errors import InvalidRequestError
 from overnight.parallel.dp import DataParallelEngine
-from tests.tiny_vl import image, make_vl_checkpoint, words
+from tests.tiny_vl import data_uri, image, make_vl_checkpoint, words
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded: drawn by the front
-
-
-def data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _run_batch(llm: LLM, lines: list[dict]) -> list[dict]:

@@ -10,8 +10,6 @@ size is not, and a hit may end inside an image. Plus the config reading."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import pytest
@@ -19,7 +17,7 @@ import torch
 
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
-from tests.tiny_vl import IMAGE_PAD, hf_greedy, image, make_vl_checkpoint, words
+from tests.tiny_vl import IMAGE_PAD, data_uri, hf_greedy, image, make_vl_checkpoint, words
 
 NEW = 6
 P = 16  # patch size: an image of (a P) x (b P) pixels has a * b / 4 tokens
@@ -95,12 +93,6 @@ def test_prefill_chunk_ends_inside_an_image(q35, monkeypatch):
     assert sum(rows_per_step) == 16 and len(rows_per_step) >= 2, rows_per_step
 
 
-def _data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_image_url_parts_token_exact(q35):
     kind, folder, llm, ref = q35
     img = image(4 * P, 2 * P, 7)
@@ -109,7 +101,7 @@ def test_chat_image_url_parts_token_exact(q35):
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                {"type": "image_url", "image_url": {"url": data_uri(img)}},
                 {"type": "text", "text": text},
             ],
         }
@@ -133,9 +125,9 @@ def test_run_batch_chat_lines_with_images(q35, tmp_path):
     parts = {
         "text": [{"type": "text", "text": words(5, 1)}],
         "two": [
-            {"type": "image_url", "image_url": {"url": _data_uri(image(2 * P, 2 * P, 13))}},
+            {"type": "image_url", "image_url": {"url": data_uri(image(2 * P, 2 * P, 13))}},
             {"type": "text", "text": words(3, 2)},
-            {"type": "image_url", "image_url": {"url": _data_uri(image(4 * P, 6 * P, 14))}},
+            {"type": "image_url", "image_url": {"url": data_uri(image(4 * P, 6 * P, 14))}},
         ],
         "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
     }

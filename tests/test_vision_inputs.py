@@ -5,8 +5,6 @@ client. A bad image fails its own line or request with the reason, never the run
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 
@@ -15,20 +13,10 @@ import pytest
 from overnight import LLM, SamplingParams
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 from overnight.multimodal.processor import parse_image_limit
-from tests.tiny_vl import hf_greedy, image, make_vl_checkpoint, words
+from tests.tiny_vl import data_uri, hf_greedy, image, make_vl_checkpoint, png_bytes, words
 
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-def png_bytes(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_uri(img) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
 
 
 # ---- where images may come from (no model) -------------------------------------------------------

@@ -5,6 +5,8 @@ preprocessor_config.json."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import random
 from typing import Any
@@ -191,9 +193,21 @@ def image(w: int, h: int, seed: int):
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
-def words(n: int, seed: int) -> str:
+def png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(img) -> str:
+    """The image as a PNG data URI, as a chat message's image_url carries it."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+def words(n: int, seed: int, vocabulary: list[str] = WORDS) -> str:
+    """n words of the tokenizer's vocabulary (each one token), drawn with `seed`."""
     rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+    return " ".join(rng.choice(vocabulary) for _ in range(n))
 
 
 def hf_greedy(
