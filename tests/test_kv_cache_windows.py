@@ -354,19 +354,25 @@ class _RecordingBackend:
         return q
 
 
-def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
-    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
-    through their source's group; layers of different groups share a tensor."""
+def _bare_runner(arch: ModelArch):
+    """A ModelRunner of `arch` around no model (torch.nn.Identity): its KV layout and caches only,
+    blocks of 4 tokens in float32."""
     from overnight.runner.model_runner import ModelRunner
 
-    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
     config = EngineConfig(
         model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
         cache=CacheConfig(block_size=4),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
     )
     source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
-    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    return ModelRunner(config, source, model=torch.nn.Identity())
+
+
+def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
+    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
+    through their source's group; layers of different groups share a tensor."""
+    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
+    runner = _bare_runner(arch)
     layout = runner.kv_layout
     assert layout.windows == (None, 8) and layout.num_tensors == 2
     runner.init_kv_cache(10)
@@ -392,16 +398,8 @@ def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
 def test_runner_views_one_tensor_in_each_layers_shape():
     """Gemma 4's shapes: windowed layers 1 head x 8, full ones 2 x 16, sharing tensors of 32-element
     slots; a block of one view lies exactly over the same block of the other, never over another block."""
-    from overnight.runner.model_runner import ModelRunner
-
     arch = replace(arch_of(GEMMA4_SHAPE, shared=2), global_head_dim=16, num_global_key_value_heads=2)
-    config = EngineConfig(
-        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
-    )
-    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
-    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    runner = _bare_runner(arch)
     assert runner.kv_layout.tensor_elems == (32,) and runner.kv_layout.num_groups == 6
     assert runner.kv_bytes_per_block() == 4 * 2 * 32 * 4  # 4 tokens x K/V x one 32-element slot x fp32
     runner.init_kv_cache(10)
