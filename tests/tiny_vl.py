@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tests.tiny_hybrid import LINEAR_LAYERS
+
 SPECIALS = [
     "<unk>",
     "<|endoftext|>",
@@ -41,13 +43,7 @@ PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "q
 # sections [2, 3, 3] fill its 8 frequencies, so all three axes turn some).
 HYBRID_TEXT: dict[str, Any] = dict(
     head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=6,
-    linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    num_hidden_layers=4,
+    **LINEAR_LAYERS,
     rope_parameters={
         "rope_type": "default",
         "rope_theta": 10000.0,
