@@ -50,7 +50,13 @@ from overnight.layers.moe import Experts
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
-from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_experts import (
+    MXFP4_GROUP,
+    RowParallelExperts,
+    keep,
+    reduce_partial,
+    shard_expert_tensor,
+)
 from overnight.parallel.tp_hybrid import (
     COLUMN_PARALLEL,
     VISION_TOWER,
@@ -269,9 +275,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(F.linear(x, self.weight), self.bias, self.group)
 
 
 class RowParallelFp8Linear(Fp8Linear):
@@ -293,9 +297,7 @@ class RowParallelFp8Linear(Fp8Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        y = self.matmul(x)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(self.matmul(x), self.bias, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):
