@@ -93,7 +93,8 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def chat_line(cid: str, content: str, **body) -> dict:
+def chat_line(cid: str, content: str | list[dict], **body) -> dict:
+    """A chat completion line of one user message: text, or a list of parts (text, images)."""
     return {
         "custom_id": cid,
         "method": "POST",

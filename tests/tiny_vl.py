@@ -189,6 +189,21 @@ def image(w: int, h: int, seed: int):
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
+def cpu_flags(folder: str) -> list[str]:
+    """The engine flags of the image tests' CLI runs: the tiny checkpoint in float32 on the CPU, an
+    8 MiB KV pool."""
+    return [
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+    ]
+
+
 def png_bytes(img) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
