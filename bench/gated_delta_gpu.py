@@ -34,6 +34,7 @@ from overnight.layers.gated_delta_ops import (
     PrefillRows,
     TorchDeltaRuleOps,
     TritonDeltaRuleOps,
+    conv_step_split,
     fla_importable,
 )
 
@@ -211,12 +212,7 @@ def fla_decode(layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-de
     indices), our conv step kernel before it."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    from overnight.kernels.gated_delta_decode import conv_step
-
-    n = mixed.shape[0]
-    idx, keep = st.slot_ids[:n], st.has_state[:n]
-    y = conv_step(mixed, layer.conv_weight, conv, idx, keep)
-    q, k, v = layer.split(y)
+    q, k, v, idx, keep = conv_step_split(layer, mixed, conv, st)
     g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     h0 = torch.where(keep[:, None, None, None] != 0, ssm[idx], 0.0)
     o, s = fused_recurrent_gated_delta_rule(
@@ -236,12 +232,9 @@ def fla_decode(layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-de
 
 def triton_decode(block_v, num_warps, layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-def]
     """TritonDeltaRuleOps.decode with another tile for the delta step (the tuning sweep)."""
-    from overnight.kernels.gated_delta_decode import conv_step, delta_step
+    from overnight.kernels.gated_delta_decode import delta_step
 
-    n = mixed.shape[0]
-    idx, keep = st.slot_ids[:n], st.has_state[:n]
-    y = conv_step(mixed, layer.conv_weight, conv, idx, keep)
-    q, k, v = layer.split(y)
+    q, k, v, idx, keep = conv_step_split(layer, mixed, conv, st)
     return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm, idx, keep, block_v, num_warps)
 
 
