@@ -277,16 +277,8 @@ def test_caption_folder_example_resumes(folder, tmp_path):
     image(32, 32, 31).save(photos / "sub" / "b.jpg")
     (photos / "broken.jpg").write_bytes(b"not a jpeg")
     out = str(tmp_path / "captions.jsonl")
-    flags = [
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--kv-cache-memory-bytes",
-        str(8 << 20),
-        "--no-progress",
-    ]
-    argv = [str(photos), "--model", folder, "-o", out, "--max-tokens", "4", "--max-model-len", "256", *flags]
+    argv = [str(photos), *cpu_flags(folder), "-o", out, "--max-tokens", "4", "--max-model-len", "256"]
+    argv.append("--no-progress")
     assert example.main(argv) == 0
     first = [json.loads(x) for x in open(out)]
     assert [r["image"] for r in first] == ["a.png", "broken.jpg", os.path.join("sub", "b.jpg")]
