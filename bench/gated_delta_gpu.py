@@ -34,6 +34,7 @@ from overnight.layers.gated_delta_ops import (
     PrefillRows,
     TorchDeltaRuleOps,
     TritonDeltaRuleOps,
+    conv_step_split,
     fla_importable,
 )
 
@@ -84,17 +85,7 @@ def state_batch(slots: torch.Tensor, has: torch.Tensor, conv: torch.Tensor, ssm:
 
 
 def prefill_rows(lens: list[int], slots: list[int], has: list[bool]) -> PrefillRows:
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    return PrefillRows(
-        starts,
-        slots,
-        has,
-        torch.tensor(starts, device=DEV),
-        torch.tensor(slots, device=DEV),
-        torch.tensor([1.0 if h else 0.0 for h in has], device=DEV),
-    )
+    return PrefillRows.of(lens, slots, has, DEV)
 
 
 def poison_allocator() -> None:
@@ -221,12 +212,7 @@ def fla_decode(layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-de
     indices), our conv step kernel before it."""
     from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
 
-    from overnight.kernels.gated_delta_decode import conv_step
-
-    n = mixed.shape[0]
-    idx, keep = st.slot_ids[:n], st.has_state[:n]
-    y = conv_step(mixed, layer.conv_weight, conv, idx, keep)
-    q, k, v = layer.split(y)
+    q, k, v, idx, keep = conv_step_split(layer, mixed, conv, st)
     g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
     h0 = torch.where(keep[:, None, None, None] != 0, ssm[idx], 0.0)
     o, s = fused_recurrent_gated_delta_rule(
@@ -246,12 +232,9 @@ def fla_decode(layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-de
 
 def triton_decode(block_v, num_warps, layer, mixed, a, b, conv, ssm, st):  # type: ignore[no-untyped-def]
     """TritonDeltaRuleOps.decode with another tile for the delta step (the tuning sweep)."""
-    from overnight.kernels.gated_delta_decode import conv_step, delta_step
+    from overnight.kernels.gated_delta_decode import delta_step
 
-    n = mixed.shape[0]
-    idx, keep = st.slot_ids[:n], st.has_state[:n]
-    y = conv_step(mixed, layer.conv_weight, conv, idx, keep)
-    q, k, v = layer.split(y)
+    q, k, v, idx, keep = conv_step_split(layer, mixed, conv, st)
     return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm, idx, keep, block_v, num_warps)
 
 

@@ -215,6 +215,22 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
         TPShards(source.arch, 0, opts.tensor_parallel_size).check()
 
 
+def check_int_parallel(
+    source: ModelSource, tensor_parallel_size: int, int_linear: tuple[int, int, bool] | None
+) -> None:
+    """Raise ModelLoadError for an integer checkpoint the tensor-parallel shares cannot hold exactly
+    (parallel/tp_int.py). int_linear: linear_formats' answer for the device (None: dequantized there)."""
+    from overnight.quant.int_scheme import IntScheme
+
+    if isinstance(source.quantization, IntScheme) and tensor_parallel_size > 1:
+        from overnight.parallel.tp_int import check_int_tp
+
+        # int_linear: the device keeps packed layers (and experts, its last field); else dequantized
+        packed = int_linear is not None
+        experts = packed and bool(int_linear and int_linear[2])
+        check_int_tp(source.quantization, source.arch, tensor_parallel_size, experts, packed)
+
+
 def build_engine(opts: EngineOptions) -> EngineClient:
     """The engine these options describe: one, or data_parallel_size behind one front."""
     model = resolve_model(opts)
@@ -260,7 +276,6 @@ def build_ray_engine(
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     from overnight.engine.kv_groups import KVCacheLayout
     from overnight.loader.fit import check_weights_fit, linear_formats
-    from overnight.quant.int_scheme import IntScheme
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
 
@@ -271,13 +286,7 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     device = pick_device(opts.device)
     config = build_config(opts, source, device, device_memory_gib(device))
     fp8_linear, int_linear = linear_formats(source.quantization, device)
-    if isinstance(source.quantization, IntScheme) and config.parallel.tensor_parallel_size > 1:
-        from overnight.parallel.tp_int import check_int_tp
-
-        # int_linear: the device keeps packed layers (and experts, its last field); else dequantized
-        packed = int_linear is not None
-        experts = packed and bool(int_linear and int_linear[2])
-        check_int_tp(source.quantization, source.arch, config.parallel.tensor_parallel_size, experts, packed)
+    check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)
     if config.parallel.tensor_parallel_size > 1:
         from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
 

@@ -77,35 +77,9 @@ class StructuredOutputsParams:
         schema is kept (it is the order the properties are generated in)."""
         kind = self.kind
         if kind == "structural_tag":
-            tag = self.structural_tag
-            if isinstance(tag, str):
-                try:
-                    tag = _json.loads(tag)
-                except ValueError as e:
-                    raise InvalidRequestError(f"the structural tag is not valid JSON: {e}") from None
-            if not isinstance(tag, dict):
-                raise InvalidRequestError(
-                    f"the structural tag must be a JSON object, got {type(tag).__name__}"
-                )
-            try:
-                return _json.dumps(tag, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise InvalidRequestError(f"the structural tag cannot be written as JSON: {e}") from None
+            return _canonical_object(self.structural_tag, "the structural tag")
         if kind == "json":
-            schema = self.json
-            if isinstance(schema, str):
-                try:
-                    schema = _json.loads(schema)
-                except ValueError as e:
-                    raise InvalidRequestError(f"the JSON schema is not valid JSON: {e}") from None
-            if not isinstance(schema, dict):
-                raise InvalidRequestError(
-                    f"the JSON schema must be a JSON object, got {type(schema).__name__}"
-                )
-            try:
-                return _json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-            except (TypeError, ValueError) as e:
-                raise InvalidRequestError(f"the JSON schema cannot be written as JSON: {e}") from None
+            return _canonical_object(self.json, "the JSON schema")
         if kind == "choice":
             choice = self.choice
             if not isinstance(choice, list | tuple) or not choice:
@@ -312,3 +286,20 @@ class SamplingParams:
 
 def _is_id(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _canonical_object(value: Any, what: str) -> str:
+    """A JSON object given as a dict or as JSON text, written compactly (keys in their given order);
+    InvalidRequestError naming `what` for text that is not JSON, a value that is not an object, or
+    one JSON cannot write (NaN, a set)."""
+    if isinstance(value, str):
+        try:
+            value = _json.loads(value)
+        except ValueError as e:
+            raise InvalidRequestError(f"{what} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{what} must be a JSON object, got {type(value).__name__}")
+    try:
+        return _json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"{what} cannot be written as JSON: {e}") from None

@@ -93,7 +93,8 @@ def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
-def chat_line(cid: str, content: str, **body) -> dict:
+def chat_line(cid: str, content: str | list[dict], **body) -> dict:
+    """A chat completion line of one user message: text, or a list of parts (text, images)."""
     return {
         "custom_id": cid,
         "method": "POST",
@@ -198,6 +199,34 @@ def expected_texts(model: str, lines: list[dict]) -> dict[str, list[str]]:
 
 
 # ---------------------------------------------------------------- the command
+
+
+def run_batch_lines(engine, lines: list[dict], images=None) -> list[dict]:
+    """run-batch's runner over `lines` in this process with `engine` (and an LLM's image processor,
+    for lines with images): the records it writes, in input order."""
+    import io
+
+    from overnight.batch.ordering import OutputOrder
+    from overnight.batch.output import Sink
+    from overnight.batch.reader import read_lines
+    from overnight.batch.runner import BatchRunner
+    from overnight.batch.summary import Summary
+    from overnight.openai_api.inputs import served_names
+
+    out = io.BytesIO()
+    served = engine.source.served_name
+    runner = BatchRunner(
+        engine,
+        Sink(out),
+        Summary(input="-", output="-"),
+        model_name=served,
+        names=served_names(served),
+        order=OutputOrder("input"),
+        max_in_flight=4,
+        images=images,
+    )
+    runner.run(read_lines(json.dumps(line).encode() + b"\n" for line in lines))
+    return [json.loads(x) for x in out.getvalue().splitlines()]
 
 
 def run_cli(args: list[str]) -> int:

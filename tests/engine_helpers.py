@@ -67,6 +67,24 @@ def run_all(engine: Engine, check=None) -> dict[str, list[int]]:
     return results
 
 
+def peak_long_running(
+    engine, prompts: list[list[int]], params: SamplingParams, long_tokens: int
+) -> tuple[int, dict[str, list[int]]]:
+    """Run `prompts` (request ids "0", "1", ...) to the end on a built engine: the most requests
+    running at once with long_tokens or more computed (what a KV layout's room shows), and each
+    request's output tokens."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    peak, done = 0, {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        running = engine.scheduler.running
+        peak = max(peak, sum(r.num_computed_tokens >= long_tokens for r in running))
+    return peak, done
+
+
 class SlowRunner:
     """The fake runner, taking `delay` seconds a step so requests stay in flight long enough to watch."""
 

@@ -4,13 +4,16 @@ on a GPU (a made-up H200's memory) for Qwen3-8B's architecture, without loading 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from overnight.cli import main
+from overnight.errors import ModelLoadError
 from overnight.loader.resolve import resolve_source
 from overnight.options import EngineOptions
-from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+from overnight.quant.int_scheme import IntScheme
+from overnight.tools.budget import GIB, DeviceMemory, plan_budget, render
 
 # SmolLM2-135M: 30 layers x 2 (K, V) x 3 KV heads x 64 x 4 bytes (fp32 on the CPU)
 SMOL_KV_PER_TOKEN = 30 * 2 * 3 * 64 * 4
@@ -222,3 +225,81 @@ def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
     assert b["seq_kv_bytes"] == (500 + 5 * (32 + 64)) * per_layer
     chunk_blocks = 5 * (-(-(31 + 64) // 16) + 1) - 5 * 3
     assert b["seqs_fit"] == (b["num_blocks"] - chunk_blocks) // b["seq_blocks"]
+
+
+# -- tensor parallelism: one GPU's share ---------------------------------------------------------------
+
+
+def test_tensor_parallel_budget_is_one_gpus_share(qwen3_8b):
+    """Qwen3-8B (32 q heads, 8 KV heads) over 1, 2, 4 GPUs and 16 (more GPUs than KV heads: each
+    KV head replicated over 2 GPUs): weights and KV per token per GPU about halve with each doubling,
+    so more sequences fit on each GPU."""
+    b = {
+        tp: plan_budget(options(max_model_len=4096, tensor_parallel_size=tp), qwen3_8b, H200, seq_len=4096)
+        for tp in (1, 2, 4, 8, 16)
+    }
+    whole = qwen3_8b.arch.num_parameters() * 2
+    assert b[1].weights_bytes == whole and b[1].tensor_parallel_size == 1
+    for tp in (2, 4, 8):
+        # more than whole / tp (norms are replicated), less than 1% more
+        assert whole / tp < b[tp].weights_bytes < 1.01 * whole / tp
+        assert b[tp].kv_bytes_per_token * tp == b[1].kv_bytes_per_token == 36 * 2 * 8 * 128 * 2
+        assert b[tp].seqs_fit >= 2 * b[tp // 2].seqs_fit > 0
+        assert b[tp].num_blocks == b[tp].budget_bytes // (b[tp].kv_bytes_per_token * 16)
+    # 16 GPUs, 8 KV heads: one head per GPU, as at 8; the K/V rows of that head held twice
+    assert b[16].kv_bytes_per_token == b[8].kv_bytes_per_token
+    kv_rows = 36 * 2 * 128 * 4096 * 2  # k_proj and v_proj rows of one head, every layer
+    assert whole / 16 + kv_rows / 2 < b[16].weights_bytes < 1.01 * whole / 16 + kv_rows
+    text = render(b[2], "qwen3-8b", qwen3_8b.arch, "bfloat16")
+    assert "on each of 2 GPUs" in text and "(36 layers x 2 x 4 heads x 128) x 2 B" in text
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3.5-9b", "gpt-oss-20b"])
+def test_tensor_parallel_weights_are_what_a_rank_holds(name):
+    """The per-GPU weights equal the parameters apply_tp leaves rank 0 (a meta model: no memory) --
+    tied vocab-parallel embeddings, Gated DeltaNet layers, MXFP4 experts -- and the state pool of a
+    hybrid holds the rank's linear-attention heads only."""
+    import torch
+
+    from overnight.loader.model_loader import build_model
+    from overnight.parallel.tp import apply_tp
+
+    source = resolve_source(name, "dummy")
+    opts = EngineOptions(model=name, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    one = plan_budget(opts, source, H200)
+    for tp in (2, 4):
+        b = plan_budget(replace(opts, tensor_parallel_size=tp), source, H200)
+        model = apply_tp(build_model(source, torch.bfloat16, "meta", runs_on="cpu"), 0, tp)
+        held = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+        assert b.weights_bytes == sum(held.values())
+        assert b.state_bytes_per_seq * tp == one.state_bytes_per_seq  # 0 without linear layers
+
+
+def test_tensor_parallel_refused_by_the_engine_check(qwen3_8b, capsys):
+    """What tensor parallelism refuses, the budget refuses, with the same sentence."""
+    with pytest.raises(
+        ModelLoadError, match="tensor_parallel_size 3 does not divide .*num_attention_heads 32"
+    ):
+        plan_budget(options(tensor_parallel_size=3), qwen3_8b, H200)
+    # an integer checkpoint whose packed layers cannot be split (parallel/tp_int.py), on a GPU
+    gptq = IntScheme("gptq", bits=4, group_size=128, symmetric=True, act_order=True)
+    with pytest.raises(ModelLoadError, match="act-order"):
+        plan_budget(options(tensor_parallel_size=2), replace(qwen3_8b, quantization=gptq), H200)
+    assert main(["budget", "--model", "qwen3-8b", "--load-format", "dummy", "-tp", "3"]) == 2
+    assert "overnight budget: tensor_parallel_size 3 does not divide" in capsys.readouterr().err
+
+
+def test_tensor_parallel_takes_the_tightest_gpu(monkeypatch):
+    import torch
+
+    from overnight.errors import ConfigError
+    from overnight.tools.budget import device_memory
+
+    free = {0: 100 * GIB, 1: 60 * GIB, 2: 90 * GIB}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (free[d.index], 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "H200")
+    assert device_memory(torch.device("cuda", 0), 2) == DeviceMemory("H200", 140 * GIB, 60 * GIB)
+    assert device_memory(torch.device("cuda", 2)) == DeviceMemory("H200", 140 * GIB, 90 * GIB)
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs GPUs 2..3, but this machine has 3"):
+        device_memory(torch.device("cuda", 2), 2)

@@ -6,7 +6,6 @@ kills a process runs last.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -18,6 +17,7 @@ from overnight.entrypoints.llm import LLM
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.parallel.dp import DataParallelEngine, LoadBook, request_cost
 from overnight.sampling_params import SamplingParams
+from tests.batch_helpers import run_batch_lines
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
@@ -145,30 +145,6 @@ def test_structured_outputs_over_dp(dp, one_engine):
     assert not dp.engine.has_unfinished_requests()
 
 
-def _run_batch(engine, lines: list[dict]) -> list[dict]:
-    """run-batch's runner over `lines` with `engine`; the records it writes, in order."""
-    from overnight.batch.ordering import OutputOrder
-    from overnight.batch.output import Sink
-    from overnight.batch.reader import read_lines
-    from overnight.batch.runner import BatchRunner
-    from overnight.batch.summary import Summary
-    from overnight.openai_api.inputs import served_names
-
-    out = io.BytesIO()
-    served = engine.source.served_name
-    runner = BatchRunner(
-        engine,
-        Sink(out),
-        Summary(input="-", output="-"),
-        model_name=served,
-        names=served_names(served),
-        order=OutputOrder("input"),
-        max_in_flight=4,
-    )
-    runner.run(read_lines(json.dumps(line).encode() + b"\n" for line in lines))
-    return [json.loads(x) for x in out.getvalue().splitlines()]
-
-
 def test_run_batch_over_dp_keeps_order_and_errors(dp, one_engine):
     lines = [
         {
@@ -180,7 +156,7 @@ def test_run_batch_over_dp_keeps_order_and_errors(dp, one_engine):
         for i, p in enumerate(PROMPTS)
     ]
     lines.insert(3, {"custom_id": "bad", "method": "POST", "url": "/v1/completions", "body": {"prompt": ""}})
-    got, want = _run_batch(dp.engine, lines), _run_batch(one_engine.engine, lines)
+    got, want = run_batch_lines(dp.engine, lines), run_batch_lines(one_engine.engine, lines)
     assert [r["custom_id"] for r in got] == [line["custom_id"] for line in lines]
     assert got[3]["error"] is not None and got[3]["error"]["code"] == want[3]["error"]["code"]
     for a, b in zip(got, want, strict=True):

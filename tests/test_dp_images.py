@@ -6,53 +6,19 @@ request or run-batch line only."""
 
 from __future__ import annotations
 
-import base64
-import io
-import json
-
 import pytest
 
 from overnight import LLM, SamplingParams
 from overnight.errors import InvalidRequestError
 from overnight.parallel.dp import DataParallelEngine
-from tests.tiny_vl import image, make_vl_checkpoint, words
+from tests.batch_helpers import run_batch_lines
+from tests.tiny_vl import data_uri, image, make_vl_checkpoint, words
 
 pytestmark = pytest.mark.slow  # starts engine processes
 
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)  # unseeded: drawn by the front
-
-
-def data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _run_batch(llm: LLM, lines: list[dict]) -> list[dict]:
-    """run-batch's runner over `lines` with the LLM's engine and image processor; its records, in order."""
-    from overnight.batch.ordering import OutputOrder
-    from overnight.batch.output import Sink
-    from overnight.batch.reader import read_lines
-    from overnight.batch.runner import BatchRunner
-    from overnight.batch.summary import Summary
-    from overnight.openai_api.inputs import served_names
-
-    out = io.BytesIO()
-    served = llm.engine.source.served_name
-    runner = BatchRunner(
-        llm.engine,
-        Sink(out),
-        Summary(input="-", output="-"),
-        model_name=served,
-        names=served_names(served),
-        order=OutputOrder("input"),
-        max_in_flight=4,
-        images=llm._images,
-    )
-    runner.run(read_lines(json.dumps(line).encode() + b"\n" for line in lines))
-    return [json.loads(x) for x in out.getvalue().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +144,10 @@ def test_a_bad_image_fails_its_own_request(pair):
             ("img2", [{"type": "image_url", "image_url": {"url": data_uri(image(32, 64, 4))}}]),
         ]
     ]
-    got, want = _run_batch(two, lines), _run_batch(one, lines)
+    got, want = (
+        run_batch_lines(two.engine, lines, two._images),
+        run_batch_lines(one.engine, lines, one._images),
+    )
     assert [r["custom_id"] for r in got] == ["text", "img", "bad", "img2"]
     assert got[2]["error"] is not None and "cannot decode image" in got[2]["error"]["message"]
     for a, b in zip(got, want, strict=True):

@@ -8,10 +8,6 @@ an image repeated over prompts encoded once."""
 
 from __future__ import annotations
 
-import base64
-import io
-import random
-
 import numpy as np
 import pytest
 import torch
@@ -20,21 +16,10 @@ from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError
 from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, HfReference, make_gemma_vl_checkpoint
+from tests.tiny_vl import data_uri, image, words
 
 NEW = 8
 BUDGET = 24  # max_num_batched_tokens: chunks of 24 tokens, images of 16
-
-
-def image(w: int, h: int, seed: int):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
-
-
-def words(n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @pytest.fixture(scope="module")
@@ -51,11 +36,14 @@ def setup(tmp_path_factory):
 
 
 CASES = [
-    (f"<bos> {words(7, 0)}", []),
-    (f"<bos> {words(3, 1)} <start_of_image> {words(4, 2)}", [(30, 40, 1)]),
-    (f"<bos> <start_of_image> {words(2, 3)} <start_of_image> {words(5, 4)}", [(20, 20, 2), (90, 50, 3)]),
+    (f"<bos> {words(7, 0, WORDS)}", []),
+    (f"<bos> {words(3, 1, WORDS)} <start_of_image> {words(4, 2, WORDS)}", [(30, 40, 1)]),
+    (
+        f"<bos> <start_of_image> {words(2, 3, WORDS)} <start_of_image> {words(5, 4, WORDS)}",
+        [(20, 20, 2), (90, 50, 3)],
+    ),
     # Longer than the window (24): the image's keys leave the sliding layers' window before the end.
-    (f"<bos> {words(40, 5)} <start_of_image> {words(30, 6)}", [(60, 60, 4)]),
+    (f"<bos> {words(40, 5, WORDS)} <start_of_image> {words(30, 6, WORDS)}", [(60, 60, 4)]),
 ]
 
 
@@ -97,21 +85,15 @@ def test_bidirectional_image_attention_matters(setup):
     assert not torch.allclose(both, causal, atol=1e-3)
 
 
-def _data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
     img = image(70, 35, 7)
-    text = words(4, 9)
+    text = words(4, 9, WORDS)
     conv = [
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                {"type": "image_url", "image_url": {"url": data_uri(img)}},
                 {"type": "text", "text": text},
             ],
         }
@@ -151,7 +133,10 @@ def test_chunk_boundary_inside_an_image_moves_before_it(setup):
             )
         return out
 
-    text, imgs = f"<bos> {words(40, 50)} <start_of_image> {words(30, 51)}", [image(50, 70, 52)]  # not cached
+    text, imgs = (
+        f"<bos> {words(40, 50, WORDS)} <start_of_image> {words(30, 51, WORDS)}",
+        [image(50, 70, 52)],
+    )  # not cached
     engine.scheduler.schedule = recording  # type: ignore[method-assign]
     try:
         params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
@@ -171,7 +156,7 @@ def test_prefix_cache_hit_and_repeated_image(setup):
     runner = _engine(llm).runner
     img = image(40, 40, 11)
     before = runner.vision.images_encoded  # type: ignore[attr-defined]
-    texts = [f"<bos> {words(i + 30, 20)} <start_of_image> {words(3, i)}" for i in range(4)]
+    texts = [f"<bos> {words(i + 30, 20, WORDS)} <start_of_image> {words(3, i, WORDS)}" for i in range(4)]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate(
         [{"prompt": t, "multi_modal_data": {"image": img}} for t in texts], params, use_tqdm=False
@@ -250,8 +235,8 @@ def test_image_longer_than_the_window(tmp_path):
         folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=80, max_model_len=256
     )
     ref = HfReference(folder, tokens_per_image=64)
-    cases = [(f"<bos> {words(30, 30)} <start_of_image> {words(20, 31)}", [image(45, 60, 32)])]
-    cases.append((f"<bos> {words(5, 33)} <start_of_image> {words(3, 34)}", [image(80, 20, 35)]))
+    cases = [(f"<bos> {words(30, 30, WORDS)} <start_of_image> {words(20, 31, WORDS)}", [image(45, 60, 32)])]
+    cases.append((f"<bos> {words(5, 33, WORDS)} <start_of_image> {words(3, 34, WORDS)}", [image(80, 20, 35)]))
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate(
         [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], params, use_tqdm=False

@@ -2,7 +2,7 @@
 shared memory within the 227 KB a block may use. Triton compiles down to a cubin with its bundled ptxas,
 no GPU needed, so a tile choice that would only fail at the first launch on a GPU fails here. Each
 compilation runs in a child process without TRITON_INTERPRET (under it the kernels' helpers are the
-interpreter's functions, which Triton's compiler cannot read).
+interpreter's functions, which Triton's compiler cannot read): tests/sm90.py.
 
 The layer variants are on (window, softcap, sinks): the heaviest code each kernel has.
 """
@@ -10,66 +10,19 @@ The layer variants are on (window, softcap, sinks): the heaviest code each kerne
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import triton
 import triton.language as tl
 
 from overnight.kernels.paged_decode import _decode_kernel, default_decode_config
 from overnight.kernels.paged_decode_fp8 import _decode_fp8_mma_kernel
 from overnight.kernels.paged_prefill import _prefill_kernel, default_prefill_config
+from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
-SHARED_LIMIT = 227 * 1024  # an sm_90 block's dynamic shared memory
-NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-POINTERS = dict(
-    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", kv_scale_ptr="*fp32",
-    sinks_ptr="*fp32", key_limit_ptr="*i32", part_out_ptr="*fp32", part_lse_ptr="*fp32", q_ptr="*bf16", out_ptr="*bf16",
-)  # fmt: skip
 LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
-
-
-def compile_sm90(
-    kernel, types: dict[str, str], constexprs: dict, num_warps: int, num_stages: int, divisible: tuple = ()
-):
-    """(shared bytes, registers, stack bytes) of the kernel compiled for sm_90 (in a process without
-    TRITON_INTERPRET). divisible: integer arguments besides the strides that Triton would see as multiples
-    of 16 (model sizes), which its pipeliner needs to know."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = kernel
-    sig, attrs = {}, {}
-    for i, p in enumerate(fn.params):
-        if p.is_constexpr or p.name in constexprs:  # None descriptors are constexprs too
-            sig[p.name] = "constexpr"
-            continue
-        sig[p.name] = types.get(p.name) or POINTERS.get(p.name) or ("fp32" if p.name == "qk_scale" else "i32")
-        if sig[p.name].startswith("*") or p.name.startswith("stride") or p.name in divisible:
-            attrs[(i,)] = [["tt.divisibility", 16]]  # as Triton specializes aligned pointers and strides
-    cx = {(fn.arg_names.index(k),): v for k, v in constexprs.items()}
-    compiled = triton.compile(
-        ASTSource(fn, sig, cx, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=num_warps, num_stages=num_stages),
-    )
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run(
-            [os.path.join(NVIDIA_BIN, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True
-        ).stdout
-    regs, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
-    assert regs and stack, usage
-    return compiled.metadata.shared, int(regs.group(1)), int(stack.group(1))
 
 
 def prefill_case(fp8: bool, d: int, key_limit: bool = False):
@@ -132,15 +85,7 @@ def report() -> None:
 @pytest.fixture(scope="module")
 def usage() -> dict[str, list[int]]:
     """Every case compiled by one child process (one start of torch and Triton)."""
-    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
-        pytest.skip("Triton's bundled CUDA tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from tests.test_kernels_attention_sm90 import report; report()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return child_report("tests.test_kernels_attention_sm90")
 
 
 @pytest.mark.parametrize("name", list(CASES))

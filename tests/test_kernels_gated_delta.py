@@ -33,6 +33,14 @@ def _params(dtype: torch.dtype, gen: torch.Generator):
     return conv_dim, weight, A_log, dt_bias
 
 
+def _step_inputs(t: int, conv_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """mixed [t, conv_dim], a, b [t, Hv]: one step's rows of the conv's and the gates' inputs."""
+    mixed = torch.randn(t, conv_dim, generator=gen).to(DEVICE, dtype)
+    a = torch.randn(t, HV, generator=gen).to(DEVICE, dtype)
+    b = torch.randn(t, HV, generator=gen).to(DEVICE, dtype)
+    return mixed, a, b
+
+
 def _split(y: torch.Tensor):
     q, k, v = y.split([HK * DK, HK * DK, HV * DV], dim=-1)  # views, as the model passes them
     n = y.shape[0]
@@ -53,9 +61,7 @@ def test_decode_steps_match_reference_in_place(dtype: torch.dtype) -> None:
     untouched = [0, 2, 4, 6]
     for step in range(3):  # states carried: the second and third steps continue every sequence
         n = len(slots)
-        mixed = torch.randn(n, conv_dim, generator=gen).to(DEVICE, dtype)
-        a = torch.randn(n, HV, generator=gen).to(DEVICE, dtype)
-        b = torch.randn(n, HV, generator=gen).to(DEVICE, dtype)
+        mixed, a, b = _step_inputs(n, conv_dim, dtype, gen)
 
         y = conv_step(mixed, weight, conv_pool, slots, has)
         o = delta_step(*_split(y), a, b, A_log, dt_bias, ssm_pool, slots, has)
@@ -100,18 +106,8 @@ def test_varlen_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     tol = TOL[dtype]
     steps = [([1, 9, 70, 5], [6, 0, 2, 4], [True, False, False, True]), ([3, 66], [4, 0], [True, True])]
     for lens, slots, has in steps:
-        starts = torch.tensor([0, *lens]).cumsum(0).tolist()
-        rows = PrefillRows(
-            starts,
-            slots,
-            has,
-            torch.tensor(starts, device=DEVICE),
-            torch.tensor(slots, device=DEVICE),
-            torch.tensor([float(h) for h in has], device=DEVICE),
-        )
-        mixed = torch.randn(starts[-1], conv_dim, generator=gen).to(DEVICE, dtype)
-        a = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
-        b = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
+        rows = PrefillRows.of(lens, slots, has, DEVICE)
+        mixed, a, b = _step_inputs(rows.starts[-1], conv_dim, dtype, gen)
         o = TritonDeltaRuleOps(fla_prefill=False).prefill(layer, mixed, a, b, conv_pool, ssm_pool, rows)
         o_ref = TorchDeltaRuleOps().prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
         torch.testing.assert_close(o.float(), o_ref.float(), rtol=tol, atol=tol)
@@ -245,18 +241,8 @@ def test_fla_prefill_matches_reference(dtype: torch.dtype) -> None:
         ([1, 63, 100, 130], [6, 0, 2, 4], [True, False, False, True]),
         ([70], [4], [True]),
     ]:
-        starts = torch.tensor([0, *lens]).cumsum(0).tolist()
-        rows = PrefillRows(
-            starts,
-            slots,
-            has,
-            torch.tensor(starts, device=DEVICE),
-            torch.tensor(slots, device=DEVICE),
-            torch.tensor([float(h) for h in has], device=DEVICE),
-        )
-        mixed = torch.randn(starts[-1], conv_dim, generator=gen).to(DEVICE, dtype)
-        a = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
-        b = torch.randn(starts[-1], HV, generator=gen).to(DEVICE, dtype)
+        rows = PrefillRows.of(lens, slots, has, DEVICE)
+        mixed, a, b = _step_inputs(rows.starts[-1], conv_dim, dtype, gen)
         o = TritonDeltaRuleOps(fla_prefill=True).prefill(layer, mixed, a, b, conv_pool, ssm_pool, rows)
         o_ref = TorchDeltaRuleOps().prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
         torch.testing.assert_close(o.float(), o_ref.float(), rtol=tol, atol=tol)

@@ -1,19 +1,15 @@
 """The Gated DeltaNet kernels' defaults (kernels/gated_delta_decode.py) compile for the H200 (sm_90) and
 fit it without register spills: Triton lowers them to a cubin with its bundled ptxas, no GPU needed, so
 code the interpreter accepts but the compiler rejects (or a tile that spills) fails here. The
-compilations run in a child process without TRITON_INTERPRET, as in test_kernels_attention_sm90.py."""
+compilations run in a child process without TRITON_INTERPRET (tests/sm90.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from tests.test_kernels_attention_sm90 import NVIDIA_BIN, compile_sm90
+from tests.sm90 import child_report, compile_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
@@ -55,15 +51,7 @@ def report() -> None:
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, list[int]]:
-    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
-        pytest.skip("Triton's bundled CUDA tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from tests.test_kernels_gated_delta_sm90 import report; report()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return child_report("tests.test_kernels_gated_delta_sm90")
 
 
 @pytest.mark.parametrize("name", list(CASES))

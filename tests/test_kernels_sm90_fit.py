@@ -8,15 +8,11 @@ interpreter does not raise) and the largest gated MoE tile in fp32 needing 240 K
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_kernels_attention_sm90 import NVIDIA_BIN, SHARED_LIMIT, compile_sm90
+from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
@@ -89,15 +85,7 @@ def report() -> None:
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, object]:
-    if not os.path.exists(os.path.join(NVIDIA_BIN, "cuobjdump")):
-        pytest.skip("Triton's bundled CUDA tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from tests.test_kernels_sm90_fit import report; report()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return child_report("tests.test_kernels_sm90_fit")
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,7 +1,6 @@
 """Roundings the compiled kernels keep on the H200 (sm_90), read from the PTX that Triton's bundled
-toolchain emits without a GPU (in a child process without TRITON_INTERPRET, as
-test_kernels_attention_sm90.py does); the interpreter computes neither in the GPU's way, so only the
-compiled code can show them.
+toolchain emits without a GPU (in a child process without TRITON_INTERPRET: tests/sm90.py); the
+interpreter computes neither in the GPU's way, so only the compiled code can show them.
 
 - rotary: no fma in fp16/bf16/fp32 (each product rounds to q's dtype before the sum, as the reference
   does; with contraction, 1 output in 7 was an ulp off on an H200).
@@ -10,39 +9,13 @@ compiled code can show them.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-import triton
+
+from tests.sm90 import child_report, ptx_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation
-
-NVIDIA_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def _ptx(kernel, types: dict[str, str], constexprs: dict, **options) -> str:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    sig, attrs = {}, {}
-    for i, p in enumerate(kernel.params):
-        if p.name in constexprs:
-            sig[p.name] = "constexpr"
-            continue
-        sig[p.name] = types.get(p.name, "i32")
-        if sig[p.name].startswith("*") or p.name.startswith("stride"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    cx = {(kernel.arg_names.index(k),): v for k, v in constexprs.items()}
-    compiled = triton.compile(
-        ASTSource(kernel, sig, cx, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=4, **options),
-    )
-    return compiled.asm["ptx"]
 
 
 def _ops(ptx: str) -> dict[str, int]:
@@ -61,21 +34,13 @@ def report() -> None:
         types = dict(q_ptr=f"*{dt}", k_ptr=f"*{dt}", q_w_ptr=f"*{dt}", k_w_ptr=f"*{dt}")
         types.update(pos_ptr="*i64", cache_ptr="*fp32", eps="fp32")
         cx = dict(HQ=4, HKV=2, HALF=32, BLOCK_HQ=4, BLOCK_HKV=2, BLOCK_HALF=32, NORM=False, STEP=1, OFF=32)
-        out[f"rotary-{dt}"] = _ops(_ptx(_rotary_kernel, types, cx, **COMPILE_OPTIONS))
+        out[f"rotary-{dt}"] = _ops(ptx_sm90(_rotary_kernel, types, cx, **COMPILE_OPTIONS))
     print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
 def ops() -> dict[str, dict[str, int]]:
-    if not os.path.exists(os.path.join(NVIDIA_BIN, "ptxas")):
-        pytest.skip("Triton's bundled CUDA tools are not installed")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    code = "from tests.test_kernels_sm90_rounding import report; report()"
-    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root)
-    assert child.returncode == 0, child.stderr[-3000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
+    return child_report("tests.test_kernels_sm90_rounding", tool="ptxas")
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16", "fp32"])

@@ -196,34 +196,33 @@ def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_m
     assert_no_leak(engine)
 
 
+# 48 prompts of 511 tokens, each to run 200 more
+LONG_PROMPTS = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]
+
+
+def peak_running(arch: ModelArch, num_blocks: int) -> int:
+    """The most of LONG_PROMPTS running at once in a pool of num_blocks blocks of 16 tokens (each
+    checked against the reference, no block leaked)."""
+    engine, _ = make_engine(
+        arch, num_blocks, 16, max_num_seqs=64, max_num_batched_tokens=512, max_model_len=1024, caching=False
+    )
+    for i, p in enumerate(LONG_PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
+    peak = 0
+
+    def check(e: Engine) -> None:
+        nonlocal peak
+        peak = max(peak, len(e.scheduler.running))
+
+    results = run_all(engine, check)
+    for i, p in enumerate(LONG_PROMPTS):
+        assert results[str(i)] == reference_output(p, 200, VOCAB, None)
+    assert_no_leak(engine)
+    return peak
+
+
 def test_a_window_holds_several_times_more_sequences_than_full_attention():
     """The same bytes: a full-only block spans all 6 layers, a windowed layout's block one layer."""
-    prompts = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]  # 511 tokens each
-
-    def peak_running(arch: ModelArch, num_blocks: int) -> int:
-        engine, _ = make_engine(
-            arch,
-            num_blocks,
-            16,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            max_model_len=1024,
-            caching=False,
-        )
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
-        peak = 0
-
-        def check(e: Engine) -> None:
-            nonlocal peak
-            peak = max(peak, len(e.scheduler.running))
-
-        results = run_all(engine, check)
-        for i, p in enumerate(prompts):
-            assert results[str(i)] == reference_output(p, 200, VOCAB, None)
-        assert_no_leak(engine)
-        return peak
-
     full_engine_blocks = 400  # 400 blocks x 6 layers
     n_full = peak_running(arch_of((FULL,) * 6), full_engine_blocks)
     n_win = peak_running(arch_of(window=32), 6 * full_engine_blocks)
@@ -238,34 +237,12 @@ def test_gemma4_shape_holds_several_times_the_sequences_of_one_tensor_per_layer(
     grouped, per_layer = KVCacheLayout.from_arch(arch, 1024), KVCacheLayout.uniform(arch)
     assert grouped.num_groups == 6 and grouped.unused_share(0) == 0.5 and per_layer.num_groups == 1
     pool_elems = 400 * 16 * per_layer.token_elems  # 400 blocks of one tensor per layer
-    prompts = [[10 + i] + [20 + j % 400 for j in range(510)] for i in range(48)]
 
-    def peak_running(layout: KVCacheLayout) -> int:
+    def peak_with(layout: KVCacheLayout) -> int:
         monkeypatch.setattr(KVCacheLayout, "from_arch", classmethod(lambda cls, a, m=None: layout))
-        engine, _ = make_engine(
-            arch,
-            pool_elems // (16 * layout.token_elems),
-            16,
-            max_num_seqs=64,
-            max_num_batched_tokens=512,
-            max_model_len=1024,
-            caching=False,
-        )
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=200, ignore_eos=True))
-        peak = 0
+        return peak_running(arch, pool_elems // (16 * layout.token_elems))
 
-        def check(e: Engine) -> None:
-            nonlocal peak
-            peak = max(peak, len(e.scheduler.running))
-
-        results = run_all(engine, check)
-        for i, p in enumerate(prompts):
-            assert results[str(i)] == reference_output(p, 200, VOCAB, None)
-        assert_no_leak(engine)
-        return peak
-
-    n_grouped, n_per_layer = peak_running(grouped), peak_running(per_layer)
+    n_grouped, n_per_layer = peak_with(grouped), peak_with(per_layer)
     assert n_per_layer >= 1 and n_grouped >= 3 * n_per_layer, (n_grouped, n_per_layer)
 
 
@@ -377,19 +354,25 @@ class _RecordingBackend:
         return q
 
 
-def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
-    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
-    through their source's group; layers of different groups share a tensor."""
+def _bare_runner(arch: ModelArch):
+    """A ModelRunner of `arch` around no model (torch.nn.Identity): its KV layout and caches only,
+    blocks of 4 tokens in float32."""
     from overnight.runner.model_runner import ModelRunner
 
-    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
     config = EngineConfig(
         model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
         cache=CacheConfig(block_size=4),
         scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
     )
     source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
-    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    return ModelRunner(config, source, model=torch.nn.Identity())
+
+
+def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
+    """KV-shared layers (Gemma 4) own no cache: their entry is their source's tensor, and they read
+    through their source's group; layers of different groups share a tensor."""
+    arch = arch_of((SW, FULL, SW, FULL, SW, FULL), window=8, shared=2)
+    runner = _bare_runner(arch)
     layout = runner.kv_layout
     assert layout.windows == (None, 8) and layout.num_tensors == 2
     runner.init_kv_cache(10)
@@ -415,16 +398,8 @@ def test_runner_aliases_shared_tensors_and_routes_each_layer_to_its_group():
 def test_runner_views_one_tensor_in_each_layers_shape():
     """Gemma 4's shapes: windowed layers 1 head x 8, full ones 2 x 16, sharing tensors of 32-element
     slots; a block of one view lies exactly over the same block of the other, never over another block."""
-    from overnight.runner.model_runner import ModelRunner
-
     arch = replace(arch_of(GEMMA4_SHAPE, shared=2), global_head_dim=16, num_global_key_value_heads=2)
-    config = EngineConfig(
-        model=ModelConfig(model="fake", arch=arch, dtype=torch.float32),
-        cache=CacheConfig(block_size=4),
-        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64),
-    )
-    source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
-    runner = ModelRunner(config, source, model=torch.nn.Identity())
+    runner = _bare_runner(arch)
     assert runner.kv_layout.tensor_elems == (32,) and runner.kv_layout.num_groups == 6
     assert runner.kv_bytes_per_block() == 4 * 2 * 32 * 4  # 4 tokens x K/V x one 32-element slot x fp32
     runner.init_kv_cache(10)

@@ -19,6 +19,7 @@ import torch
 from overnight import LLM, SamplingParams
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.loader.resolve import resolve_source
+from tests.engine_helpers import peak_long_running
 from tests.parity_helpers import hf_greedy
 from tests.test_gemma import _spread_weights, agrees
 
@@ -109,15 +110,7 @@ def test_windows_hold_three_times_the_sequences_and_the_same_tokens(gemma4, monk
         )
         engine = llm.engine
         assert engine.runner.kv_layout is layout  # type: ignore[attr-defined]
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, greedy(124))
-        peak, done = 0, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            running = engine.scheduler.running  # type: ignore[attr-defined]
-            peak = max(peak, sum(r.num_computed_tokens >= 128 for r in running))
+        peak, done = peak_long_running(engine, prompts, greedy(124), 128)
         assert engine.kv.pool.num_free == engine.kv.pool.num_blocks  # type: ignore[attr-defined]
         long_at_once[name], outputs[name] = peak, done
     assert long_at_once["per layer"] >= 1

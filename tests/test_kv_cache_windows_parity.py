@@ -13,6 +13,7 @@ import pytest
 
 from overnight import LLM, SamplingParams
 from overnight.engine.kv_groups import KVCacheLayout
+from tests.engine_helpers import peak_long_running
 from tests.test_engine_parity import hf_greedy
 from tests.tiny_models import load_reference, make_tiny_checkpoint
 
@@ -88,17 +89,7 @@ def test_gemma3_shape_holds_three_times_the_sequences_and_the_same_tokens(window
             enable_prefix_caching=False,
             **ENGINE,
         )
-        engine = llm.engine
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, greedy(124))
-        peak, done = 0, {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-            running = engine.scheduler.running  # type: ignore[attr-defined]
-            peak = max(peak, sum(r.num_computed_tokens >= 128 for r in running))
-        long_at_once[name], outputs[name] = peak, done
+        long_at_once[name], outputs[name] = peak_long_running(llm.engine, prompts, greedy(124), 128)
     layout = KVCacheLayout.from_arch(load_arch(folder), 160)
     assert layout.num_groups == 6
     assert long_at_once["full"] >= 1

@@ -10,8 +10,6 @@ size is not, and a hit may end inside an image. Plus the config reading."""
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 
 import pytest
@@ -19,7 +17,8 @@ import torch
 
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
-from tests.tiny_vl import IMAGE_PAD, hf_greedy, image, make_vl_checkpoint, words
+from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
+from tests.tiny_vl import IMAGE_PAD, cpu_flags, data_uri, hf_greedy, image, make_vl_checkpoint, words
 
 NEW = 6
 P = 16  # patch size: an image of (a P) x (b P) pixels has a * b / 4 tokens
@@ -95,12 +94,6 @@ def test_prefill_chunk_ends_inside_an_image(q35, monkeypatch):
     assert sum(rows_per_step) == 16 and len(rows_per_step) >= 2, rows_per_step
 
 
-def _data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_image_url_parts_token_exact(q35):
     kind, folder, llm, ref = q35
     img = image(4 * P, 2 * P, 7)
@@ -109,7 +102,7 @@ def test_chat_image_url_parts_token_exact(q35):
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                {"type": "image_url", "image_url": {"url": data_uri(img)}},
                 {"type": "text", "text": text},
             ],
         }
@@ -133,39 +126,21 @@ def test_run_batch_chat_lines_with_images(q35, tmp_path):
     parts = {
         "text": [{"type": "text", "text": words(5, 1)}],
         "two": [
-            {"type": "image_url", "image_url": {"url": _data_uri(image(2 * P, 2 * P, 13))}},
+            {"type": "image_url", "image_url": {"url": data_uri(image(2 * P, 2 * P, 13))}},
             {"type": "text", "text": words(3, 2)},
-            {"type": "image_url", "image_url": {"url": _data_uri(image(4 * P, 6 * P, 14))}},
+            {"type": "image_url", "image_url": {"url": data_uri(image(4 * P, 6 * P, 14))}},
         ],
         "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
     }
     body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    lines = [
-        {
-            "custom_id": cid,
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": p}], **body},
-        }
-        for cid, p in parts.items()
-    ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    flags = [
-        "--model",
-        folder,
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--kv-cache-memory-bytes",
-        str(8 << 20),
-    ]
+    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
+    flags = cpu_flags(folder)
     assert (
         main(["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress", *flags])
         == 0
     )
-    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
     assert "cannot decode image" in records["bad"]["error"]["message"]
     for cid in ("text", "two"):
         conv = [{"role": "user", "content": parts[cid]}]

@@ -23,6 +23,7 @@ from overnight.quant.scheme import QuantScheme
 from overnight.sampling_params import SamplingParams
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
+from tests.tp_helpers import streamed_equals_sliced
 
 pytestmark = pytest.mark.slow  # starts tensor-parallel processes
 
@@ -134,12 +135,7 @@ def test_streamed_shards_equal_apply_tp_on_loaded_model(folders, kind):
     if kind == "fp8-blocks":
         source = replace(source, quantization=replace(source.quantization, keep_blocks=True))
     for rank in range(2):
-        whole = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
-        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
-        a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
-        assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+        streamed = streamed_equals_sliced(source, rank, seed=3)
         if source.quantization is not None:
             down = streamed.model.layers[0].mlp.down_proj
             assert isinstance(down, RowParallelFp8Linear) and down.weight.shape == (64, 64)

@@ -27,7 +27,7 @@ from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp import TPShards, apply_tp
 from overnight.parallel.tp_int import RowParallelInt8Linear, RowParallelWeightOnlyIntLinear, check_int_tp
 from overnight.quant import apply
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
@@ -46,6 +46,7 @@ from tests.test_gpt_oss import (  # noqa: F401
     write_mxfp4,
 )
 from tests.tiny_hybrid import make_hybrid_checkpoint
+from tests.tp_helpers import streamed_equals_sliced
 
 VOCAB = 101
 HYBRID = dict(
@@ -77,12 +78,7 @@ def test_hybrid_shards_streamed_equal_sliced(tmp_path, variant):
     for kind in ("auto", "dummy"):
         source = resolve_source(str(folder), kind)
         for rank in range(2):
-            whole = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
-            streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
-            a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
-            assert a.keys() == b.keys()
-            for name in a:
-                assert torch.equal(a[name], b[name]), name
+            streamed = streamed_equals_sliced(source, rank, seed=3)
     gdn = streamed.model.layers[0].linear_attn
     assert (gdn.num_k_heads, gdn.num_v_heads, gdn.conv1d.weight.shape[0]) == (1, 2, 2 * 8 + 2 * 6)
 
@@ -201,12 +197,8 @@ def test_gpt_oss_shards_streamed_equal_sliced(float_folder, mxfp4_folder, padded
     whole_model = load_model(source, torch.float32, "cpu", seed=3)
     whole = dict(whole_model.named_parameters())
     for rank in range(2):
-        sliced = apply_tp(load_model(source, torch.float32, "cpu", seed=3), rank, 2)
-        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2, seed=3)
-        a, b = dict(sliced.named_parameters()), dict(streamed.named_parameters())
-        assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name], b[name]), name
+        streamed = streamed_equals_sliced(source, rank, seed=3)
+        b = dict(streamed.named_parameters())
         experts = "model.layers.0.mlp.experts."
         bias = b[experts + "down_bias"]
         assert torch.equal(bias, whole[experts + "down_bias"]) if rank == 0 else not bias.any()
@@ -292,12 +284,7 @@ def test_int_packed_shards_hold_their_share_of_the_weights(int_folders, layout, 
     assert len(layers) == 8
     for rank in range(2):
         shards = TPShards(source.arch, rank, 2)
-        sliced = apply_tp(load_model(source, torch.float32, "cpu"), rank, 2)
-        streamed = load_sharded_model(source, torch.float32, "cpu", rank, 2)
-        a, b = dict(sliced.named_parameters()), dict(streamed.named_parameters())
-        assert a.keys() == b.keys()
-        for name in a:
-            assert torch.equal(a[name], b[name]), name
+        streamed = streamed_equals_sliced(source, rank)
         for name, layer in layers.items():
             mine = streamed.get_submodule(name)
             assert isinstance(mine, kind)

@@ -5,8 +5,6 @@ client. A bad image fails its own line or request with the reason, never the run
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 
@@ -15,20 +13,11 @@ import pytest
 from overnight import LLM, SamplingParams
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 from overnight.multimodal.processor import parse_image_limit
-from tests.tiny_vl import hf_greedy, image, make_vl_checkpoint, words
+from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
+from tests.tiny_vl import cpu_flags, data_uri, hf_greedy, image, make_vl_checkpoint, png_bytes, words
 
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-def png_bytes(img) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def data_uri(img) -> str:
-    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
 
 
 # ---- where images may come from (no model) -------------------------------------------------------
@@ -161,12 +150,7 @@ def test_bad_prompts_are_refused_with_the_reason(llm):
 
 
 def _chat(cid: str, parts: list, **body) -> dict:
-    return {
-        "custom_id": cid,
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": parts}], "max_tokens": 6, "temperature": 0, **body},
-    }
+    return chat_line(cid, parts, max_tokens=6, temperature=0, **body)
 
 
 def _img(url: str) -> dict:
@@ -214,17 +198,8 @@ def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch, capsys)
         _chat(cid, p) for cid, (p, _) in bad.items()
     ]
     inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    flags = [
-        "--model",
-        folder,
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--kv-cache-memory-bytes",
-        str(8 << 20),
-    ]
+    write_jsonl(inp, lines)
+    flags = cpu_flags(folder)
     flags += ["--max-model-len", "256", "--no-progress", "--allowed-local-media-path", str(allowed)]
     flags += ["--max-image-pixels", str(200 * 200), "--limit-mm-per-prompt", '{"image": 2}']
     # --validate-only decodes and checks the images without loading weights: the bad lines only fail.
@@ -236,7 +211,7 @@ def test_run_batch_lines_with_images(llm, folder, tmp_path, monkeypatch, capsys)
     # 9 images in the good lines, 4 distinct (the wide one in two lines, the repeated one in four):
     # each distinct image runs through the tower once.
     assert len(encoded) == 4
-    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
     assert set(records) == set(good) | set(bad)
     for cid, (_, reason) in bad.items():
         r = records[cid]
@@ -302,16 +277,8 @@ def test_caption_folder_example_resumes(folder, tmp_path):
     image(32, 32, 31).save(photos / "sub" / "b.jpg")
     (photos / "broken.jpg").write_bytes(b"not a jpeg")
     out = str(tmp_path / "captions.jsonl")
-    flags = [
-        "--dtype",
-        "float32",
-        "--device",
-        "cpu",
-        "--kv-cache-memory-bytes",
-        str(8 << 20),
-        "--no-progress",
-    ]
-    argv = [str(photos), "--model", folder, "-o", out, "--max-tokens", "4", "--max-model-len", "256", *flags]
+    argv = [str(photos), *cpu_flags(folder), "-o", out, "--max-tokens", "4", "--max-model-len", "256"]
+    argv.append("--no-progress")
     assert example.main(argv) == 0
     first = [json.loads(x) for x in open(out)]
     assert [r["image"] for r in first] == ["a.png", "broken.jpg", os.path.join("sub", "b.jpg")]

@@ -5,14 +5,11 @@ repeated over many prompts is encoded once."""
 
 from __future__ import annotations
 
-import base64
-import io
-
 import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from tests.tiny_vl import IMAGE_PAD, hf_greedy, image, make_vl_checkpoint, words
+from tests.tiny_vl import IMAGE_PAD, data_uri, hf_greedy, image, make_vl_checkpoint, words
 
 NEW = 8
 PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
@@ -58,12 +55,6 @@ def test_generate_multi_modal_data_token_exact(vl):
             assert out.prompt_token_ids.count(IMAGE_PAD) > len(imgs)  # placeholders expanded
 
 
-def _data_uri(img) -> str:
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
 def test_chat_image_url_parts_match_generate(vl):
     kind, folder, llm, ref = vl
     p = 14 if kind == "qwen2_5_vl" else 16
@@ -72,7 +63,7 @@ def test_chat_image_url_parts_match_generate(vl):
         {
             "role": "user",
             "content": [
-                {"type": "image_url", "image_url": {"url": _data_uri(img)}},
+                {"type": "image_url", "image_url": {"url": data_uri(img)}},
                 {"type": "text", "text": words(4, 9)},
             ],
         }

@@ -11,19 +11,24 @@ import torch
 
 from tests.tiny_models import _spread_weights
 
-_TEXT: dict[str, Any] = dict(
-    vocab_size=101,
-    hidden_size=40,
+# The layers of every tiny hybrid (tiny_vl.py's Qwen3.5 image checkpoints too): linear, full, linear,
+# full; 2 value heads per key head, dk != dv.
+LINEAR_LAYERS: dict[str, Any] = dict(
     num_hidden_layers=4,
-    num_attention_heads=3,
-    num_key_value_heads=1,
-    head_dim=16,
     linear_num_key_heads=2,
     linear_num_value_heads=4,
     linear_key_head_dim=8,
     linear_value_head_dim=6,
     linear_conv_kernel_dim=4,
     layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+)
+_TEXT: dict[str, Any] = dict(
+    vocab_size=101,
+    hidden_size=40,
+    num_attention_heads=3,
+    num_key_value_heads=1,
+    head_dim=16,
+    **LINEAR_LAYERS,
     max_position_embeddings=1024,
     rms_norm_eps=1e-6,
     tie_word_embeddings=False,

@@ -5,12 +5,16 @@ preprocessor_config.json."""
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
+
+from tests.tiny_hybrid import LINEAR_LAYERS
 
 SPECIALS = [
     "<unk>",
@@ -39,13 +43,7 @@ PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "q
 # sections [2, 3, 3] fill its 8 frequencies, so all three axes turn some).
 HYBRID_TEXT: dict[str, Any] = dict(
     head_dim=32,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=6,
-    linear_conv_kernel_dim=4,
-    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-    num_hidden_layers=4,
+    **LINEAR_LAYERS,
     rope_parameters={
         "rope_type": "default",
         "rope_theta": 10000.0,
@@ -191,9 +189,36 @@ def image(w: int, h: int, seed: int):
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8), "RGB")
 
 
-def words(n: int, seed: int) -> str:
+def cpu_flags(folder: str) -> list[str]:
+    """The engine flags of the image tests' CLI runs: the tiny checkpoint in float32 on the CPU, an
+    8 MiB KV pool."""
+    return [
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--kv-cache-memory-bytes",
+        str(8 << 20),
+    ]
+
+
+def png_bytes(img) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_uri(img) -> str:
+    """The image as a PNG data URI, as a chat message's image_url carries it."""
+    return "data:image/png;base64," + base64.b64encode(png_bytes(img)).decode()
+
+
+def words(n: int, seed: int, vocabulary: list[str] = WORDS) -> str:
+    """n words of the tokenizer's vocabulary (each one token), drawn with `seed`."""
     rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
+    return " ".join(rng.choice(vocabulary) for _ in range(n))
 
 
 def hf_greedy(

@@ -29,3 +29,7 @@ class LinearStateBatch:
     has_state: torch.Tensor  # [num_reqs] float32 (1.0 / 0.0), device
     slot_ids_cpu: list[int]  # the same, on the host (prefill requests)
     has_state_cpu: list[bool]
+
+    def decode_slots(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot_ids, has_state) of the first n requests: a step's decode rows (views, no copy)."""
+        return self.slot_ids[:n], self.has_state[:n]

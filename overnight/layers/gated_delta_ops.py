@@ -77,6 +77,24 @@ class PrefillRows:
     slot_ids: torch.Tensor  # [n] device
     has_state_dev: torch.Tensor  # [n] float32 device
 
+    @classmethod
+    def of(
+        cls, lens: list[int], slots: list[int], has_state: list[bool], device: torch.device
+    ) -> PrefillRows:
+        """Requests of lens[i] rows each, packed in order, at slots[i] (continuing from it when
+        has_state[i]): what prefill_rows gives for such a step, for tests and benchmarks."""
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        return cls(
+            starts,
+            list(slots),
+            list(has_state),
+            torch.tensor(starts, device=device),
+            torch.tensor(slots, device=device),
+            torch.tensor([1.0 if h else 0.0 for h in has_state], device=device),
+        )
+
 
 class DeltaRuleOps(Protocol):
     name: str
@@ -121,8 +139,7 @@ class TorchDeltaRuleOps:
         ssm_pool: torch.Tensor,
         st: LinearStateBatch,
     ) -> torch.Tensor:
-        n = mixed.shape[0]
-        idx, keep = st.slot_ids[:n], st.has_state[:n]
+        idx, keep = st.decode_slots(mixed.shape[0])
         y, conv_new = causal_conv1d_step_ref(mixed, layer.conv_weight, conv_pool[idx] * keep[:, None, None])
         conv_pool.index_copy_(0, idx, conv_new)
         q, k, v = layer.split(y)
@@ -175,12 +192,9 @@ class TritonDeltaRuleOps:
         ssm_pool: torch.Tensor,
         st: LinearStateBatch,
     ) -> torch.Tensor:
-        from overnight.kernels.gated_delta_decode import conv_step, delta_step
+        from overnight.kernels.gated_delta_decode import delta_step
 
-        n = mixed.shape[0]
-        idx, keep = st.slot_ids[:n], st.has_state[:n]
-        y = conv_step(mixed, layer.conv_weight, conv_pool, idx, keep)
-        q, k, v = layer.split(y)
+        q, k, v, idx, keep = conv_step_split(layer, mixed, conv_pool, st)
         return delta_step(q, k, v, a, b, layer.A_log, layer.dt_bias, ssm_pool, idx, keep)
 
     def prefill(
@@ -231,6 +245,19 @@ class TritonDeltaRuleOps:
         )
         ssm_pool.index_copy_(0, rows.slot_ids, final.to(ssm_pool.dtype))
         return o[0]
+
+
+def conv_step_split(
+    layer: DeltaLayer, mixed: torch.Tensor, conv_pool: torch.Tensor, st: LinearStateBatch
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decode rows' conv through the Triton step kernel (their conv states updated in place at
+    their slots), split: (q, k, v, the rows' slots, their has-state flags). The Triton decode and the
+    GPU benchmark's variants of the delta step start here."""
+    from overnight.kernels.gated_delta_decode import conv_step
+
+    idx, keep = st.decode_slots(mixed.shape[0])
+    q, k, v = layer.split(conv_step(mixed, layer.conv_weight, conv_pool, idx, keep))
+    return q, k, v, idx, keep
 
 
 def varlen_causal_conv1d(

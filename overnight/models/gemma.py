@@ -32,7 +32,7 @@ from overnight.config import ModelArch
 from overnight.layers.gemma import GeluAndMul, GemmaRotaryEmbedding, fold_gemma_norms, softcap
 from overnight.layers.norm import RMSNorm
 from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, make_lm_head, split_qkv
-from overnight.models.vision.interface import VisionRows
+from overnight.models.vision.interface import VisionRows, merge_image_rows
 
 log = logging.getLogger("overnight")
 
@@ -172,9 +172,7 @@ class GemmaModel(nn.Module):
         if vision is not None:
             input_ids = input_ids.masked_fill(input_ids >= self.embed_tokens.num_embeddings, 0)
         x = self.embed_tokens(input_ids)
-        x = x * embed_scale(self.hidden_size, x.dtype)
-        if vision is not None:
-            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
+        x = merge_image_rows(x * embed_scale(self.hidden_size, x.dtype), vision)
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)

@@ -39,7 +39,7 @@ from overnight.models.llama import load_packed_weights, make_lm_head
 from overnight.models.qwen3_next import PACKED_MODULES_MAPPING, HybridModel, Qwen3NextForCausalLM
 from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 from overnight.models.vision.interface import VisionFeatures, VisionRows
-from overnight.models.vision.qwen_vit import build_vision_tower
+from overnight.models.vision.qwen_vit import build_vision_tower, tower_features
 
 log = logging.getLogger("overnight")
 
@@ -77,8 +77,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
         self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
     ) -> VisionFeatures:
         """The tower over one or more images (their patches concatenated): their token embeddings."""
-        dtype = next(self.visual.parameters()).dtype
-        return cast(VisionFeatures, self.visual(pixel_values.to(dtype), grid_thw))
+        return tower_features(self.visual, pixel_values, grid_thw)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.lm_head(hidden))

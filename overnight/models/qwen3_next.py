@@ -39,7 +39,7 @@ from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.llama import LlamaMLP, load_packed_weights, make_lm_head
-from overnight.models.vision.interface import VisionRows
+from overnight.models.vision.interface import VisionRows, merge_image_rows
 
 log = logging.getLogger("overnight")
 
@@ -200,9 +200,7 @@ class HybridModel(nn.Module):
         attn: AttentionBatch,
         vision: VisionRows | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        if vision is not None:  # image tokens take the tower's embeddings (Qwen3.5 has no deepstack)
-            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
+        x = merge_image_rows(self.embed_tokens(input_ids), vision)  # Qwen3.5 has no deepstack
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, attn)

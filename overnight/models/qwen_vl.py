@@ -34,8 +34,8 @@ from overnight.models.llama import (
     load_packed_weights,
     make_lm_head,
 )
-from overnight.models.vision.interface import VisionFeatures, VisionRows
-from overnight.models.vision.qwen_vit import build_vision_tower
+from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_rows
+from overnight.models.vision.qwen_vit import build_vision_tower, tower_features
 
 
 class QwenVLTextModel(nn.Module):
@@ -65,11 +65,8 @@ class QwenVLTextModel(nn.Module):
         attn: AttentionBatch,
         vision: VisionRows | None = None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        deepstack: list[torch.Tensor] = []
-        if vision is not None:
-            x = x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
-            deepstack = vision.deepstack
+        x = merge_image_rows(self.embed_tokens(input_ids), vision)
+        deepstack = vision.deepstack if vision is not None else []
         residual = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(positions, x, residual, attn)
@@ -115,8 +112,7 @@ class QwenVLForConditionalGeneration(nn.Module):
         self, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
     ) -> VisionFeatures:
         """The tower over one or more images (their patches concatenated): their token embeddings."""
-        dtype = next(self.visual.parameters()).dtype
-        return cast(VisionFeatures, self.visual(pixel_values.to(dtype), grid_thw))
+        return tower_features(self.visual, pixel_values, grid_thw)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -56,7 +56,13 @@ from overnight.layers.norm import RMSNorm
 from overnight.loader.source import ModelSource
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
-from overnight.parallel.tp_experts import MXFP4_GROUP, RowParallelExperts, keep, shard_expert_tensor
+from overnight.parallel.tp_experts import (
+    MXFP4_GROUP,
+    RowParallelExperts,
+    keep,
+    reduce_partial,
+    shard_expert_tensor,
+)
 from overnight.parallel.tp_gemma4 import (
     PER_LAYER_TABLE,
     gemma4_problems,
@@ -150,6 +156,14 @@ class TPShards:
             if a.num_global_key_value_heads
             else 0,
         )
+
+    @property
+    def rank_weights_arch(self) -> ModelArch:
+        """local_arch with the vocab-parallel embedding's and LM head's vocab_per_rank rows: the shape of
+        the weights one rank holds, for sizing its memory (replicated parts stay whole in it: norms,
+        routers, row-parallel biases, a shared KV head, the vision tower). Not a model's arch: its
+        logits are gathered over the whole vocabulary."""
+        return replace(self.local_arch, vocab_size=self.vocab_per_rank)
 
     def section(self, name: str) -> tuple[int, int]:
         """(first row, rows) of this rank inside one whole section: "q", "kv", "ffn" (the dense MLP's
@@ -275,9 +289,7 @@ class RowParallelLinear(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(F.linear(x, self.weight), self.bias, self.group)
 
 
 class RowParallelFp8Linear(Fp8Linear):
@@ -299,9 +311,7 @@ class RowParallelFp8Linear(Fp8Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        y = self.matmul(x)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(self.matmul(x), self.bias, self.group)
 
 
 class VocabParallelEmbedding(nn.Module):

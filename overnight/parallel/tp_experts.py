@@ -86,6 +86,15 @@ def keep(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.device.type != "meta" else t.contiguous()
 
 
+def reduce_partial(
+    y: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """A row-parallel layer's output: every rank's partial product y summed (all-reduced in place),
+    then the bias added once (adding it on every rank before the sum would count it world times)."""
+    dist.all_reduce(y, group=group)
+    return y if bias is None else y + bias
+
+
 class RowParallelExperts(Experts):
     """Experts holding this rank's slice of every expert's intermediate dimension (biases and MXFP4
     blocks and scales included); the all-reduce completes the weighted sum. Parameter names stay those
@@ -110,6 +119,4 @@ class RowParallelExperts(Experts):
         self.group = group
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x, topk_weights, topk_ids)
-        dist.all_reduce(y, group=self.group)
-        return y
+        return reduce_partial(super().forward(x, topk_weights, topk_ids), None, self.group)

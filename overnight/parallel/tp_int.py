@@ -30,7 +30,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
-from overnight.parallel.tp_experts import keep
+from overnight.parallel.tp_experts import keep, reduce_partial
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_scheme import IntScheme
 
@@ -113,9 +113,7 @@ class RowParallelWeightOnlyIntLinear(WeightOnlyIntLinear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(self.matmul(x), self.bias, self.group)
 
 
 class RowParallelInt8Linear(Int8Linear):
@@ -136,6 +134,4 @@ class RowParallelInt8Linear(Int8Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x)
-        dist.all_reduce(y, group=self.group)
-        return y if self.bias is None else y + self.bias
+        return reduce_partial(self.matmul(x), self.bias, self.group)

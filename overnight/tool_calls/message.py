@@ -185,16 +185,10 @@ def plan_message(
         reasoning = get_reasoning_parser(options.reasoning_parser)
     parser: ToolParser | None = None
     named = False
-    if tools is not None and not (isinstance(tools, list) and not tools):
-        tools = check_tools(tools)
-        choice = "auto" if tool_choice is None else tool_choice
-        name = named_choice(choice, tools)
+    resolved = _resolve_tool_choice(tools, tool_choice, params)
+    if resolved is not None:
+        tools, choice, name = resolved
         if name is not None or choice == "required":
-            if params.structured_outputs is not None:
-                raise ToolError(
-                    "tool_choice", "a forced tool call cannot be combined with another structured output"
-                )
-            check_enforceable(tools, name)
             schema = forced_schema(tools, name, parallel=parallel_tool_calls is not False)
             params = replace(params, structured_outputs=StructuredOutputsParams(json=schema))
             parser, named = ForcedParser(tools), name is not None
@@ -209,8 +203,6 @@ def plan_message(
             parser = TOOL_PARSERS[options.tool_call_parser](tools)
             if parser.needs_special_tokens and params.skip_special_tokens:
                 params = replace(params, skip_special_tokens=False)
-    elif tool_choice is not None and tool_choice not in ("none", "auto"):
-        raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
     starts = reasoning.starts_in_reasoning(prompt) if reasoning is not None else False
     plan = MessagePlan(reasoning, starts, parser, named)
     if (
@@ -225,6 +217,29 @@ def plan_message(
     return plan, params
 
 
+def _resolve_tool_choice(
+    tools: Any, tool_choice: Any, params: SamplingParams
+) -> tuple[list[dict[str, Any]], Any, str | None] | None:
+    """(the checked tools, the tool_choice ("auto" when unset), the function it names or None), or
+    None for a request without tools. ToolError for malformed tools, a choice naming no tool, a
+    tool_choice other than "none" / "auto" without tools, and a forced call (named or "required")
+    that its grammar cannot enforce or that comes with another structured output."""
+    if tools is None or (isinstance(tools, list) and not tools):
+        if tool_choice is not None and tool_choice not in ("none", "auto"):
+            raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
+        return None
+    checked = check_tools(tools)
+    choice = "auto" if tool_choice is None else tool_choice
+    name = named_choice(choice, checked)
+    if name is not None or choice == "required":
+        if params.structured_outputs is not None:
+            raise ToolError(
+                "tool_choice", "a forced tool call cannot be combined with another structured output"
+            )
+        check_enforceable(checked, name)
+    return checked, choice, name
+
+
 def _plan_harmony(params: SamplingParams, tools: Any, tool_choice: Any) -> tuple[MessagePlan, SamplingParams]:
     """A gpt-oss chat request: the harmony channels split the output (their markers are special tokens,
     so they are kept in the text); a structured output constrains the final answer, after its channel
@@ -236,20 +251,12 @@ def _plan_harmony(params: SamplingParams, tools: Any, tool_choice: Any) -> tuple
 
     read_calls = named = False
     forced: dict[str, Any] | None = None  # the structural tag of a named or "required" call
-    if tools is not None and not (isinstance(tools, list) and not tools):
-        tools = check_tools(tools)
-        choice = "auto" if tool_choice is None else tool_choice
-        name = named_choice(choice, tools)
+    resolved = _resolve_tool_choice(tools, tool_choice, params)
+    if resolved is not None:
+        tools, choice, name = resolved
         if name is not None or choice == "required":
-            if params.structured_outputs is not None:
-                raise ToolError(
-                    "tool_choice", "a forced tool call cannot be combined with another structured output"
-                )
-            check_enforceable(tools, name)
             forced, named = harmony_call_tag(tools, name), name is not None
         read_calls = choice != "none"
-    elif tool_choice is not None and tool_choice not in ("none", "auto"):
-        raise ToolError("tool_choice", f"{tool_choice!r} needs tools to choose from")
     params = replace(params, skip_special_tokens=False)
     if forced is not None:  # the whole reply, from its first token (a call after optional analysis)
         params = replace(params, structured_outputs=StructuredOutputsParams(structural_tag=forced))

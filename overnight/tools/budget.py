@@ -11,6 +11,10 @@ Sliding-window layers count as the engine holds them: only their window and the 
 The pool is sized as the engine sizes it: on the CPU a fixed budget; on a GPU gpu_memory_utilization
 of the total, less the memory others hold, the weights (from the architecture) and an estimate of the
 largest step's activations (the engine measures those at start-up).
+With --tensor-parallel-size N every number is one GPU's: its share of the weights (parallel/tp.py:
+sharded layers / N, vocab-parallel embeddings / N, replicated parts whole), its KV heads (at least one:
+with fewer KV heads than GPUs each is replicated) and its linear-attention state heads, and the pool
+of the tightest of the N GPUs; a sequence's blocks are held on every GPU at once.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from overnight.engine.pool_plan import (
     state_slots,
     state_snapshots,
 )
+from overnight.errors import ConfigError
 from overnight.limits import default_limits
 from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, linear_formats, weight_bytes
 from overnight.loader.model_loader import resolve_dtype
@@ -51,7 +56,7 @@ class DeviceMemory:
 
 @dataclass(frozen=True)
 class Budget:
-    device: str
+    device: str  # with tensor parallelism: each of the GPUs
     row: str  # the defaults table's row
     mode: str
     max_model_len: int
@@ -83,6 +88,8 @@ class Budget:
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
     state_pool_bytes: int = 0
+    # Every byte above is one GPU's share when the model is split over tensor_parallel_size GPUs.
+    tensor_parallel_size: int = 1
 
     @property
     def pool_bytes(self) -> int:
@@ -113,11 +120,22 @@ def plan_budget(
     """The engine's limits and KV pool for these options on `device` (None: the CPU), resolved by the
     engine's own build_config (so its checks apply), with the weights and activations estimated from the
     architecture instead of loaded and measured."""
-    from overnight.build import build_config
+    from overnight.build import build_config, check_int_parallel
 
     gib = device.total_bytes / GIB if device else None
-    config = build_config(opts, source, torch.device("cuda" if device else "cpu"), gib)
-    arch, sched, cache = source.arch, config.scheduler, config.cache
+    config = build_config(opts, source, torch.device("cuda" if device else "cpu"), gib)  # TP's checks too
+    fp8, int_linear = linear_formats(source.quantization, "cuda" if device else "cpu")
+    tp = config.parallel.tensor_parallel_size
+    check_int_parallel(source, tp, int_linear)
+    sched, cache = config.scheduler, config.cache
+    # One rank's shapes: its KV heads and linear-attention heads (the pool and the states it holds)
+    # and its weights; the whole model's when unsplit.
+    arch, weights_arch = source.arch, source.arch
+    if tp > 1:
+        from overnight.parallel.tp import TPShards
+
+        shards = TPShards(source.arch, 0, tp)
+        arch, weights_arch = shards.local_arch, shards.rank_weights_arch
     modes = {}
     for m in MODES:
         lim = default_limits(gib, m, sched.max_model_len)
@@ -140,9 +158,8 @@ def plan_budget(
         elif device is None:
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
-            fp8, int_linear = linear_formats(source.quantization, "cuda")
             weights = weight_bytes(
-                arch, config.model.dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear
+                weights_arch, config.model.dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear
             )
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes
@@ -198,6 +215,7 @@ def plan_budget(
         ),
         state_bytes_per_seq=arch.linear_state_bytes(),
         state_pool_bytes=arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache)),
+        tensor_parallel_size=tp,
     )
 
 
@@ -217,10 +235,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_engine_args(p)
 
 
-def device_memory(device: torch.device) -> DeviceMemory | None:
+def device_memory(device: torch.device, tensor_parallel_size: int = 1) -> DeviceMemory | None:
+    """The GPU's memory (None: the CPU); split over tensor_parallel_size GPUs from `device` on, the
+    tightest of them (the group's pool is the smallest rank's: parallel/workers.py)."""
     if device.type != "cuda":
         return None
-    free, total = torch.cuda.mem_get_info(device)
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + tensor_parallel_size > count:
+        raise ConfigError(
+            f"tensor_parallel_size {tensor_parallel_size} needs GPUs {first}..{first + tensor_parallel_size - 1}, "
+            f"but this machine has {count}"
+        )
+    infos = [torch.cuda.mem_get_info(torch.device("cuda", first + r)) for r in range(tensor_parallel_size)]
+    free, total = min(infos)
     return DeviceMemory(torch.cuda.get_device_name(device), total, free)
 
 
@@ -231,7 +258,8 @@ def run(args: argparse.Namespace) -> int:
     # The architecture only: no weights are read (and no tokenizer: the budget needs none).
     opts = options_from_args(args, mode=args.mode, skip_tokenizer_init=True)
     source = resolve_model(opts).source
-    b = plan_budget(opts, source, device_memory(pick_device(opts.device)), seq_len=args.seq_len)
+    device = device_memory(pick_device(opts.device), opts.tensor_parallel_size)
+    b = plan_budget(opts, source, device, seq_len=args.seq_len)
     dtype = str(resolve_dtype(opts.dtype, source, pick_device(opts.device))).removeprefix("torch.")
     if args.json:
         extra = {"pool_tokens": b.pool_tokens, "pool_gib": round(b.pool_bytes / GIB, 3)}
@@ -242,18 +270,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
+    """`arch`: the whole model's (with tensor parallelism, the KV line shows one GPU's heads)."""
     kv_name = dtype if b.kv_dtype == "auto" else b.kv_dtype
+    whole, tp = arch, b.tensor_parallel_size
+    if tp > 1:
+        from overnight.parallel.tp import TPShards
+
+        arch = TPShards(whole, 0, tp).local_arch
     elem = b.kv_bytes_per_token // arch.kv_bytes_per_token(1)
     # Layers that own a cache, by shape (Gemma 4's full layers have their own; KV-shared layers none).
     shapes: dict[tuple[int, int], int] = {}
     for i in range(arch.num_hidden_layers):
-        if arch.kv_source_layer(i) == i:
+        if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i):
             shape = (arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
             shapes[shape] = shapes.get(shape, 0) + 1
     layers = " + ".join(f"{n} layers x 2 x {h} heads x {d}" for (h, d), n in shapes.items())
+    on = f"each of {tp} GPUs ({b.device}); every size below is one GPU's share" if tp > 1 else b.device
     lines = [
-        f"{model} ({arch.architecture}, {arch.num_hidden_layers} layers, {arch.num_key_value_heads} KV heads "
-        f"x {arch.head_dim}), {dtype}, on {b.device}",
+        f"{model} ({whole.architecture}, {whole.num_hidden_layers} layers, {whole.num_key_value_heads} KV "
+        f"heads x {whole.head_dim}), {dtype}, on {on}",
         f'limits: row "{b.row}" of the defaults table, max_model_len {b.max_model_len}',
         f"  {'mode':<8} {'max_num_seqs':>12} {'max_num_batched_tokens':>23}",
     ]

@@ -39,6 +39,15 @@ class VisionRows:
     deepstack: list[torch.Tensor]
 
 
+def merge_image_rows(x: torch.Tensor, vision: VisionRows | None) -> torch.Tensor:
+    """The step's input embeddings [T, hidden] with its image tokens' rows replaced by the tower's
+    embeddings (a new tensor; x itself when the step has no images). Every image model's decoder
+    merges this way, before its first layer."""
+    if vision is None:
+        return x
+    return x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
+
+
 class ImageModel(Protocol):
     arch: ModelArch
     takes_images: bool

@@ -16,6 +16,8 @@ families' towers plug in through build_vision_tower by returning the same.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -293,6 +295,15 @@ class Qwen3VisionModel(nn.Module):
             if i in v.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return VisionFeatures(embeds=self.merger(x), deepstack=deepstack)
+
+
+def tower_features(
+    tower: nn.Module, pixel_values: torch.Tensor, grid_thw: list[tuple[int, int, int]]
+) -> VisionFeatures:
+    """A built tower over one or more images (their patches concatenated), the pixels in the tower's
+    dtype: the image tokens' embeddings (ImageModel.embed_images of the models that use these towers)."""
+    dtype = next(tower.parameters()).dtype
+    return cast(VisionFeatures, tower(pixel_values.to(dtype), grid_thw))
 
 
 def build_vision_tower(v: VisionArch) -> nn.Module:
