@@ -17,7 +17,8 @@ from overnight.entrypoints.llm import LLM
 from overnight.errors import EngineDeadError, ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import RowParallelFp8Linear, TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp_modules import RowParallelFp8Linear
 from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme
 from overnight.sampling_params import SamplingParams

@@ -46,7 +46,6 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import ModelArch
@@ -60,7 +59,6 @@ from overnight.parallel.tp_experts import (
     MXFP4_GROUP,
     RowParallelExperts,
     keep,
-    reduce_partial,
     shard_expert_tensor,
 )
 from overnight.parallel.tp_gemma4 import (
@@ -82,7 +80,13 @@ from overnight.parallel.tp_int import (
     RowParallelWeightOnlyIntLinear,
     int_row_columns,
 )
-from overnight.quant.fp8 import QuantizedActivation, columns_per_scale
+from overnight.parallel.tp_modules import (
+    ParallelLMHead,
+    RowParallelFp8Linear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from overnight.quant.fp8 import columns_per_scale
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_moe import IntExperts
 from overnight.quant.linear import Fp8Linear
@@ -277,81 +281,6 @@ class TPShards:
         return scale.narrow(1, start // block, n // block)
 
 
-class RowParallelLinear(nn.Module):
-    """y = sum over ranks of (x_r @ W_r^T), then + bias: each rank holds the input columns of its share."""
-
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.group = group
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_partial(F.linear(x, self.weight), self.bias, self.group)
-
-
-class RowParallelFp8Linear(Fp8Linear):
-    """RowParallelLinear for an FP8 layer: this rank's input columns of the weight (and of block
-    scales), the partial products all-reduced, then the bias added once."""
-
-    def __init__(
-        self, layer: Fp8Linear, name: str, shards: TPShards, group: dist.ProcessGroup | None
-    ) -> None:
-        weight = keep(shards.shard(f"{name}.weight", layer.weight))
-        super().__init__(
-            weight.shape[1], layer.out_features, False, layer.out_dtype, layer.block_k, device=weight.device
-        )
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.weight_scale = nn.Parameter(
-            keep(shards.shard(f"{name}.weight_scale", layer.weight_scale)), requires_grad=False
-        )
-        self.bias = layer.bias
-        self.group = group
-
-    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        return reduce_partial(self.matmul(x), self.bias, self.group)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Each rank looks up the ids in its vocab rows, zeros for the others; the sum over ranks is the
-    embedding (adding zeros is exact, so the result equals the unsharded lookup bit for bit)."""
-
-    def __init__(self, weight: torch.Tensor, vocab_start: int, group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.vocab_start = vocab_start
-        self.group = group
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        local = input_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
-        x = x.masked_fill(outside.unsqueeze(-1), 0)
-        dist.all_reduce(x, group=self.group)
-        return x
-
-
-class ParallelLMHead(nn.Module):
-    """Logits of this rank's vocab rows, all-gathered into [S, vocab_size] on every rank (all ranks
-    then sample identically, and the runner code stays the same on each)."""
-
-    def __init__(self, weight: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> None:
-        super().__init__()
-        self.weight = (
-            weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
-        )
-        self.vocab_size = vocab_size
-        self.group = group
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight).contiguous()
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local, group=self.group)
-        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
-
-
 def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, leaf, module)
@@ -403,7 +332,9 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         elif leaf in ROW_PARALLEL and isinstance(module, Int8Linear):
             _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
-            _set_module(model, name, RowParallelFp8Linear(module, name, shards, group))
+            weight = keep(shards.shard(f"{name}.weight", module.weight))
+            scale = keep(shards.shard(f"{name}.weight_scale", module.weight_scale))
+            _set_module(model, name, RowParallelFp8Linear(module, weight, scale, group))
         elif leaf in row_parallel and isinstance(module, nn.Linear):
             weight = keep(shards.shard(f"{name}.weight", module.weight))
             _set_module(model, name, RowParallelLinear(weight, module.bias, group))

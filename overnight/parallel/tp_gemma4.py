@@ -4,7 +4,7 @@ from the whole model is per layer here.
     q_proj / qkv_proj   r's q heads of the layer's head size (global_head_dim in full layers), then r's
                         kv heads of the layer's kind (num_global_key_value_heads in full layers; fewer
                         heads than ranks: a group of ranks holds one); no v rows where k is v (k_eq_v)
-    o_proj              the columns of r's q heads, all-reduced (parallel/tp.py RowParallelLinear)
+    o_proj              the columns of r's q heads, all-reduced (parallel/tp_modules.py RowParallelLinear)
     mlp gate_up / down  r's slice of the layer's width (twice as wide in KV-shared layers)
     KV-shared layers    only q_proj / o_proj; they read the source layer's cache, which on every rank
                         holds the heads of that rank's q heads (the same split as the source layer's)
