@@ -15,8 +15,9 @@ import torch
 from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError
+from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
 from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, HfReference, make_gemma_vl_checkpoint
-from tests.tiny_vl import data_uri, image, words
+from tests.tiny_vl import cpu_flags, data_uri, image, words
 
 NEW = 8
 BUDGET = 24  # max_num_batched_tokens: chunks of 24 tokens, images of 16
@@ -243,3 +244,54 @@ def test_image_longer_than_the_window(tmp_path):
     )
     for (text, imgs), out in zip(cases, outs):
         check(out, ref, text, imgs)
+
+
+@pytest.mark.slow
+def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
+    """run-batch lines (an engine of their own, built from the flags) and the server through the official
+    client answer Gemma 3 image chats as LLM.chat does (token-exact with transformers above); a bad image
+    fails its line or its request only."""
+    import openai
+
+    from overnight.cli import main
+    from overnight.server.background import BackgroundServer
+    from overnight.server.cli import ServerOptions, make_app
+
+    folder, llm, _ = setup
+
+    def picture(w: int, h: int, seed: int) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_uri(image(w, h, seed))}}
+
+    parts = {
+        "text": [{"type": "text", "text": words(5, 11, WORDS)}],
+        "two": [picture(70, 35, 13), {"type": "text", "text": words(3, 12, WORDS)}, picture(40, 90, 14)],
+        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+    }
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    want = {
+        cid: llm.chat([{"role": "user", "content": parts[cid]}], params, use_tqdm=False)[0].outputs[0].text
+        for cid in ("text", "two")
+    }
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress"]
+    assert main([*argv, *cpu_flags(folder)]) == 0
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert "cannot decode image" in records["bad"]["error"]["message"]
+    for cid, text in want.items():
+        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == text, cid
+
+    app = make_app(llm.engine, ServerOptions(), images=llm._images)
+    with BackgroundServer(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        conv = [{"role": "user", "content": parts["two"]}]
+        reply = client.chat.completions.create(
+            model=model, messages=conv, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].message.content == want["two"]
+        with pytest.raises(openai.BadRequestError, match="cannot decode image"):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
+            )
