@@ -60,14 +60,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def run_steps(model: torch.nn.Module) -> torch.Tensor:
-    """Logits of a two-request prefill, then one decode step of both; block size 4."""
+def run_steps(model: torch.nn.Module, max_id: int = 384) -> torch.Tensor:
+    """Logits of a two-request prefill (9 and 12 tokens), then one decode step of both; block size 4;
+    each layer's own cache shape, KV-shared layers (Gemma 4) on their source layer's tensor."""
     arch = model.arch
-    cache_shape = (2, 32, 4, arch.num_key_value_heads, arch.head_dim)
-    kv_caches = [torch.zeros(cache_shape, device=DEVICE) for _ in range(arch.num_hidden_layers)]
+    kv_caches: list[torch.Tensor] = []
+    for i in range(arch.num_hidden_layers):
+        source = arch.kv_source_layer(i)
+        shape = (2, 32, 4, arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
+        kv_caches.append(kv_caches[source] if source != i else torch.zeros(shape, device=DEVICE))
     tables = [[5, 2, 9, 0], [7, 1, 3, 11]]
     gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, 384, (21,), generator=gen).to(DEVICE)
+    input_ids = torch.randint(3, max_id, (21,), generator=gen).to(DEVICE)
     logits = []
     with torch.inference_mode():
         meta = build_metadata([9, 12], [9, 12], tables, 4, device=DEVICE)

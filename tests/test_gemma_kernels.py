@@ -9,8 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from overnight.attention.metadata import AttentionBatch
-from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
 from overnight.kernels import dispatch
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_configs import MoeConfig
@@ -18,11 +16,11 @@ from overnight.kernels.moe_gemm import GemmTiles
 from overnight.layers.moe import ExpertActivation, fused_experts_ref, router_topk_ref
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
+from tests.kernel_helpers import DEVICE, run_steps
 from tests.test_gemma import tiny_gemma
 
 pytestmark = pytest.mark.slow  # Triton-interpreter runs
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TILES = GemmTiles(block_n=16, block_k=16, group_m=1, num_warps=4, num_stages=2)
 
 
@@ -46,38 +44,13 @@ def test_gelu_experts_kernel_path_matches_reference(dtype):
     assert not torch.allclose(ref, silu, atol=1e-3)  # the activation does change the result
 
 
-def _run_steps(model: torch.nn.Module) -> torch.Tensor:
-    """Logits of a two-request prefill (9 and 12 tokens, past the window of 7), then one decode step
-    of both; blocks of 4; each layer's own cache shape, KV-shared layers on their source's tensor."""
-    arch = model.arch
-    caches: list[torch.Tensor] = []
-    for i in range(arch.num_hidden_layers):
-        source = arch.kv_source_layer(i)
-        shape = (2, 32, 4, arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
-        caches.append(caches[source] if source != i else torch.zeros(shape, device=DEVICE))
-    tables = [[5, 2, 9, 0], [7, 1, 3, 11]]
-    gen = torch.Generator().manual_seed(0)
-    input_ids = torch.randint(3, 320, (21,), generator=gen).to(DEVICE)
-    logits = []
-    with torch.inference_mode():
-        meta = build_metadata([9, 12], [9, 12], tables, 4, device=DEVICE)
-        batch = AttentionBatch(meta, caches, TorchAttentionBackend())
-        positions = torch.cat([torch.arange(9), torch.arange(12)]).to(DEVICE)
-        logits.append(model.compute_logits(model(input_ids, positions, batch)))
-        meta = build_metadata([1, 1], [10, 13], tables, 4, num_decodes=2, device=DEVICE)
-        batch = AttentionBatch(meta, caches, TorchAttentionBackend())
-        next_ids = logits[0][[8, 20]].argmax(-1)
-        logits.append(model.compute_logits(model(next_ids, torch.tensor([9, 12], device=DEVICE), batch)))
-    return torch.cat(logits)
-
-
 @pytest.mark.parametrize("variant", ["gemma2", "gemma3", "gemma4", "gemma4-moe"])
 def test_model_forward_with_kernels_matches_pytorch_path(variant, tmp_path, monkeypatch):
     tiny_gemma(variant).save_pretrained(tmp_path)
     model = load_model(resolve_source(str(tmp_path)), torch.float32, DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    expected = _run_steps(model)
+    expected = run_steps(model, max_id=320)  # past the window of 7
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    got = _run_steps(model)
+    got = run_steps(model, max_id=320)  # past the window of 7
     # fp32 sums in another order (kernel vs torch): the bound scales with the logits.
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(1.0, float(expected.abs().max())))
