@@ -16,6 +16,7 @@ import torch
 from overnight import LLM, SamplingParams
 from overnight.loader.gguf import iter_gguf_weights, read_gguf
 from tests.test_engine_parity import hf_greedy
+from tests.test_gguf import gguf_writer
 
 pytestmark = pytest.mark.slow  # real engines beside transformers
 
@@ -93,13 +94,7 @@ def gguf_name(name: str) -> str:
 
 def write_gguf(path: str, arch: str, model) -> None:
     cfg = model.config
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, arch, cfg)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

@@ -58,10 +58,8 @@ def tiny_model(arch: str, tie: bool) -> tuple[transformers.PretrainedConfig, dic
     return cfg, sd
 
 
-def write_tiny_gguf(
-    path: str, arch: str, cfg, sd: dict[str, torch.Tensor], quantize: set[str] = frozenset(), extra=None
-) -> None:
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+def gguf_writer(path: str, arch: str, cfg) -> gguf.GGUFWriter:
+    """A GGUF writer with the shape fields every decoder's file holds, from a transformers config."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -69,6 +67,14 @@ def write_tiny_gguf(
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    return w
+
+
+def write_tiny_gguf(
+    path: str, arch: str, cfg, sd: dict[str, torch.Tensor], quantize: set[str] = frozenset(), extra=None
+) -> None:
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w = gguf_writer(path, arch, cfg)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])

@@ -16,7 +16,7 @@ from overnight.loader.gguf import read_gguf
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from tests.parity_helpers import GLOBAL_TO_GGUF, LAYER_TO_GGUF
-from tests.test_gguf import converter_permute
+from tests.test_gguf import converter_permute, gguf_writer
 from tests.test_models import PagedCache
 from tests.tiny_families import make_family_checkpoint, make_family_model
 
@@ -76,13 +76,7 @@ def write_family_gguf(path: str, variant: str) -> None:
     model = make_family_model(variant, **CHANGES.get(variant, {}))
     cfg = model.config
     arch = GGUF_ARCH[variant]
-    w = gguf.GGUFWriter(path, arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = gguf_writer(path, arch, cfg)
     rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)  # OLMo 3: one per layer kind
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
