@@ -2,7 +2,7 @@
 # On the GPU machine: vLLM 0.26 (unpacked by ../shared/bench/vllm's side_by_side.sh into $HOME/vsite) and
 # overnight on the same preset and workload, one after the other in one call (docs/performance.md).
 #   bash bench/pairs_gpu.sh PRESET:WORKLOAD[:fp8] ...      e.g. gemma-3-27b:seed-512-256 gpt-oss-20b:long-1024-1024
-# Env: OV_ARGS (extra flags for ours), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1,
+# Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1,
 #      PAIR_TIMEOUT (seconds per engine run, default 240). One line per engine goes to stdout and $OUT/pairs.log.
 export PYTHONUNBUFFERED=1
 log=${OUT:-/tmp}/pairs.log
@@ -17,7 +17,7 @@ for spec in "$@"; do
     rc=$?; echo "== vllm rc=$rc $tag" | tee -a "$log"
     { grep '^{' /tmp/v.log | tail -1 || true; [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
   fi
-  PYTHONPATH=$PWD timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
+  PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
     --load-format dummy --kv-cache-dtype "$kv" ${OV_ARGS:-} > /tmp/o.log 2>&1
   rc=$?; echo "== ours rc=$rc $tag" | tee -a "$log"
   { grep '^{' /tmp/o.log | tail -1 || true; [ $rc -ne 0 ] && tail -12 /tmp/o.log; } | tee -a "$log"

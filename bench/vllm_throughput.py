@@ -1,6 +1,8 @@
 """vLLM's offline throughput on the same requests as `overnight bench throughput` (docs/performance.md).
     python bench/vllm_throughput.py --workload seed-512-256 [--kv-cache-dtype fp8] [--quantization fp8]
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-30b-a3b
+    python bench/vllm_throughput.py --workload seed-512-256 --lora-adapters 8     (the adapters ours uses)
+    python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-8b-awq  (Marlin, from the config)
 Needs vLLM (0.26 for the published figures) in the environment, and this repository on PYTHONPATH (the
 script puts "." there). vLLM runs with its defaults but for what makes the two runs the same work:
 LLM(model=<a folder holding the preset's config.json>, load_format="dummy", dtype="bfloat16", seed=0,
@@ -28,7 +30,10 @@ from overnight.loader.resolve import PRESETS_DIR, preset_names  # noqa: E402
 
 
 def preset_folder(name: str) -> str:
-    """A temporary model folder vLLM can read: the preset's config.json (overnight/loader/presets/)."""
+    """A model folder vLLM can read: a folder holding a config.json as it is, else a temporary one with the
+    preset's config.json (overnight/loader/presets/)."""
+    if os.path.isfile(os.path.join(name, "config.json")):
+        return name
     if name not in preset_names():
         raise SystemExit(f"unknown preset {name!r}; known: {', '.join(preset_names())}")
     folder = tempfile.mkdtemp(prefix=f"vllm-{name}-")
@@ -85,7 +90,23 @@ def engine_extra(args: argparse.Namespace) -> dict[str, object]:
         extra["max_num_seqs"] = args.max_num_seqs
     if args.max_num_batched_tokens:
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.lora_adapters:
+        n = args.lora_adapters
+        extra.update(enable_lora=True, max_loras=n, max_cpu_loras=n, max_lora_rank=args.lora_rank)
     return extra
+
+
+def lora_requests(model: str, n: int, rank: int, folder: str) -> list[object]:
+    """n random adapters on every projection, the very files `overnight bench throughput --lora-adapters`
+    writes (overnight/bench/lora.py), as vLLM's LoRARequests."""
+    from vllm.lora.request import LoRARequest  # type: ignore[import-not-found]
+
+    from overnight.bench.lora import write_random_adapters
+    from overnight.loader.resolve import resolve_source
+
+    arch = resolve_source(model, "dummy").arch
+    ours = write_random_adapters(arch, n, rank, folder)
+    return [LoRARequest(a.lora_name, a.lora_int_id, a.lora_path) for a in ours]
 
 
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
@@ -95,6 +116,10 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: its own)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="vLLM's (default: its own)")
+    ap.add_argument(
+        "--lora-adapters", type=int, default=0, help="requests spread round-robin over N random LoRA adapters"
+    )
+    ap.add_argument("--lora-rank", type=int, default=16)
 
 
 def main() -> int:
@@ -109,11 +134,21 @@ def main() -> int:
     llm = vllm_engine(folder, **extra)
     init_s = time.perf_counter() - t0
     prompts, params = workload_inputs(args.workload, vocab_size(folder))
-    llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up
+    loras = None
+    if args.lora_adapters:
+        adapters = lora_requests(
+            args.model or WORKLOADS[args.workload].model,
+            args.lora_adapters,
+            args.lora_rank,
+            tempfile.mkdtemp(prefix="vllm-lora-"),
+        )
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
+    warm = loras[:8] if loras else None
+    llm.generate(prompts[:8], params[:8], use_tqdm=False, lora_request=warm)  # warm-up
     torch.cuda.synchronize()
     with ClockSampler() as clocks:
         start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
