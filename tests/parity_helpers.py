@@ -91,6 +91,7 @@ PROMPTS = _prompts()
 def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> list[torch.Tensor]:
     """[len, vocab] float32 log-softmax for each sequence, all in one prefill step on a fresh cache."""
     arch: ModelArch = model.arch
+    dev = next(model.parameters()).device  # the model's own device: on a GPU host the kernels run there
     lens = [len(s) for s in seqs]
     tables, used = [], 0
     for n in lens:
@@ -98,15 +99,15 @@ def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> li
         tables.append(list(range(used, used + blocks)))
         used += blocks
     caches = [
-        torch.zeros(2, used, block_size, arch.num_key_value_heads, arch.head_dim)
+        torch.zeros(2, used, block_size, arch.num_key_value_heads, arch.head_dim, device=dev)
         for _ in range(arch.num_hidden_layers)
     ]
-    meta = build_metadata(lens, lens, tables, block_size)
-    ids = torch.tensor([t for s in seqs for t in s])
-    positions = torch.cat([torch.arange(n) for n in lens])
+    meta = build_metadata(lens, lens, tables, block_size, device=dev)
+    ids = torch.tensor([t for s in seqs for t in s], device=dev)
+    positions = torch.cat([torch.arange(n, device=dev) for n in lens])
     with torch.inference_mode():
         hidden = model(ids, positions, AttentionBatch(meta, caches, TorchAttentionBackend()))
-        return list(model.compute_logits(hidden).float().log_softmax(-1).split(lens))
+        return list(model.compute_logits(hidden).float().log_softmax(-1).cpu().split(lens))
 
 
 def greedy_tokens(model: nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:

@@ -35,7 +35,7 @@ from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme, check_fp8_device, resolve_quantization, scheme_from_hf_config
 from overnight.tools.budget import DeviceMemory, plan_budget
 from tests.fp8_checkpoints import LAYOUTS, fake_quantized_float_checkpoint, make_fp8_checkpoint
-from tests.kernel_helpers import ENGINE, NEAR_TIE, agreement, greedy
+from tests.kernel_helpers import DEVICE, ENGINE, NEAR_TIE, agreement, greedy
 from tests.parity_helpers import (
     MAX_DLOGPROB,
     MIN_SAME_GREEDY,
@@ -144,7 +144,7 @@ def test_kernel_path_agrees_with_reference_path(folders, layout):
     source = resolve_source(str(folders["qwen3"]), quantization="fp8")
     if layout == "blocks":
         source = replace(source, quantization=QuantScheme(weight_block=(16, 32), keep_blocks=True))
-    model = load_model(source, torch.float32, "cpu")
+    model = load_model(source, torch.float32, DEVICE)  # the kernels compiled on a GPU host
     # few, short prompts: the interpreter runs a program per row
     agree = compare(KernelPath(model), model, [p[:6] for p in PROMPTS[:4]], steps=2)
     assert agree.ok, agree

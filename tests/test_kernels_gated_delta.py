@@ -176,7 +176,7 @@ def test_models_token_exact_with_triton_ops(tmp_path, monkeypatch) -> None:
         str(folder),
         skip_tokenizer_init=True,
         dtype="float32",
-        device="cpu",
+        device=DEVICE,  # Triton ops need the GPU on a GPU host (the interpreter only on the CPU)
         block_size=4,
         max_num_batched_tokens=16,
         max_num_seqs=4,
