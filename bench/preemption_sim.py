@@ -39,15 +39,19 @@ def simulate(
     max_num_batched_tokens: int = 16384,
     eos_at: float | None = None,
     seed: int = 0,
-    lookahead: bool = True,
+    planned: bool = True,
 ) -> dict[str, float]:
     """eos_at None: ignore_eos (every request runs to max_tokens); else each request emits EOS after
     uniform(1, 2 * eos_at * max_tokens) tokens (mean eos_at * max_tokens), capped by max_tokens."""
     rng = random.Random(seed)
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, prompt_len + max_tokens, True)
+    config = SchedulerConfig(
+        max_num_seqs,
+        max_num_batched_tokens,
+        prompt_len + max_tokens,
+        True,
+        "planned" if planned else "greedy",
+    )
     sched = Scheduler(config, KVCacheManager(pool_tokens // block_size, block_size, enable_caching=True))
-    if not lookahead:  # the scheduler before admission.py: admit whatever fits now
-        sched.admission.admits = lambda req: True  # type: ignore[method-assign]
     ends: dict[str, int] = {}
     for i in range(num_requests):
         prompt = [rng.randrange(10, 30000) for _ in range(prompt_len)]
@@ -68,7 +72,9 @@ def simulate(
         tokens += n
         running += len(sched.running)
         ids = [r.req_id for r in sched.running if r.num_pending]
-        toks = [EOS if ends.get(r, 1 << 30) <= sched.requests[r].num_output_tokens + 1 else TOKEN for r in ids]
+        toks = [
+            EOS if ends.get(r, 1 << 30) <= sched.requests[r].num_output_tokens + 1 else TOKEN for r in ids
+        ]
         sched.update(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=toks))
     work = num_requests * (prompt_len + max_tokens - 1) if eos_at is None else None
     return {
@@ -90,11 +96,20 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=1024)
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--eos-at", type=float, default=None)
-    p.add_argument("--no-lookahead", action="store_true", help="admit whatever fits now (the old rule)")
+    p.add_argument(
+        "--greedy", action="store_true", help="admission greedy: start whatever fits now (the old rule)"
+    )
     a = p.parse_args()
     r = simulate(
-        a.requests, a.prompt_len, a.max_tokens, a.pool_tokens, 16, a.max_num_seqs,
-        a.max_num_batched_tokens, a.eos_at, lookahead=not a.no_lookahead,
+        a.requests,
+        a.prompt_len,
+        a.max_tokens,
+        a.pool_tokens,
+        16,
+        a.max_num_seqs,
+        a.max_num_batched_tokens,
+        a.eos_at,
+        planned=not a.greedy,
     )
     print(json.dumps(r))
 

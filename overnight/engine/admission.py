@@ -74,7 +74,9 @@ class Admission:
     def admits(self, req: Request) -> bool:
         g, c = self._growth(req)
         final = self._blocks(c + g)
-        if self._total + final <= self.kv.num_blocks:  # fits even if nothing finished first
+        # Alone it always starts: one whose end is larger than the pool would otherwise wait forever
+        # (it may still preempt itself, as before this check).
+        if not self._plan or self._total + final <= self.kv.num_blocks:
             self._admit(g, c, final)
             return True
         plan = sorted(self._plan + [(g, c)], reverse=True)

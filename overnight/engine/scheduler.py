@@ -52,7 +52,8 @@ class Scheduler:
         self._gone_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()  # requests whose state the runner holds
         self.num_preemptions_total = 0
-        self.admission = Admission(kv)  # look-ahead: admit only what the pool can grow to the end
+        # Planned admission: start only what the pool can grow to its end (None: whatever fits now).
+        self.admission = Admission(kv) if config.admission == "planned" else None
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -193,8 +194,10 @@ class Scheduler:
 
         # A preemption this step means the pool is full: admitting now would only preempt again.
         pool_full = self.num_preemptions_total > preemptions_before
-        self.admission.end_step(pool_full)
-        planned = False
+        admission = self.admission
+        if admission is not None:
+            admission.end_step(pool_full)
+        planned = admission is None
         lora = self.lora
         lora_waits: list[Request] = []  # passed over this step: their adapter has no device slot yet
         if lora is not None:
@@ -209,9 +212,10 @@ class Scheduler:
                 lora_waits.append(self.waiting.popleft())
                 continue
             if not planned:  # built once a step, only when someone may start
-                self.admission.begin(self.running)
+                assert admission is not None
+                admission.begin(self.running)
                 planned = True
-            if not self.admission.admits(req):
+            if admission is not None and not admission.admits(req):
                 break
             hit = self.kv.find_cached_prefix(req)
             restore = None
