@@ -10,7 +10,9 @@ The plan, in blocks (a request of final length L holds cdiv(L, block_size) per f
 most a window's worth per windowed group). Running request r holds c_r tokens and will grow by g_r more
 (one a step while decoding) before it finishes and frees them. At t steps from now the running set needs
     need(t) = sum over r with g_r >= t of blocks(c_r + t),
-which peaks just as a request finishes (t = some g_k): one pass over the requests sorted by g. A waiting
+which peaks just as a request finishes (t = some g_k; one step later where a step runs ahead of the
+host, which frees a finished request's blocks only when its last token arrives): one pass over the
+requests sorted by g. A waiting
 request is admitted if need(t) with it added stays within the pool at every such t. This is SGLang's
 ignore_eos admission (PrefillAdder.add_one_req_ignore_eos) made the rule for every request.
 
@@ -93,8 +95,10 @@ class Admission:
                 n_final = cdiv(cr + t, bs)
                 windowed += sum(min(n_final, cap) for cap in caps)
                 i += 1
-            # sum of cdiv(c_r + t, bs) <= (sum c_r + count * (t + bs - 1)) / bs
-            if full * ((tokens + count * (t + bs - 1)) // bs) + windowed > num_blocks:
+            # At step t + 1 these still hold their blocks when the host learns of a request's last
+            # token one step late (a step launched ahead), each at most c_r + t + 1 tokens:
+            # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs.
+            if full * ((tokens + count * (t + bs)) // bs) + windowed > num_blocks:
                 return False
         self._admit(g, c, final)
         return True
