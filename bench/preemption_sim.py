@@ -10,6 +10,7 @@ A = 10 ms (48 GB of weights read at ~4.8 TB/s: the decode floor), B = 80 us/toke
     python bench/preemption_sim.py --pool-tokens 508000                 # mistral-small-24b on an H200
     python bench/preemption_sim.py --pool-tokens 1000000                # a Qwen3-8B-like pool
     python bench/preemption_sim.py --pool-tokens 508000 --eos-at 0.3    # outputs end early
+    python bench/preemption_sim.py --pool-tokens 132800 --windowed-groups 6  # gemma-3-27b on an H200
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ def simulate(
     eos_at: float | None = None,
     seed: int = 0,
     planned: bool = True,
+    windowed_groups: int = 0,
+    window: int = 1024,
 ) -> dict[str, float]:
-    """eos_at None: ignore_eos (every request runs to max_tokens); else each request emits EOS after
+    """pool_tokens is per sequence-equivalent: with windowed_groups, the pool holds one full-attention
+    group and that many groups of `window` (Gemma 3 27B: 6 of 1,024), each a block per block_size tokens.
+    eos_at None: ignore_eos (every request runs to max_tokens); else each request emits EOS after
     uniform(1, 2 * eos_at * max_tokens) tokens (mean eos_at * max_tokens), capped by max_tokens."""
     rng = random.Random(seed)
     config = SchedulerConfig(
@@ -51,7 +56,9 @@ def simulate(
         True,
         "planned" if planned else "greedy",
     )
-    sched = Scheduler(config, KVCacheManager(pool_tokens // block_size, block_size, enable_caching=True))
+    windows = (None,) + (window,) * windowed_groups
+    num_blocks = pool_tokens // block_size * len(windows)
+    sched = Scheduler(config, KVCacheManager(num_blocks, block_size, enable_caching=True, windows=windows))
     ends: dict[str, int] = {}
     for i in range(num_requests):
         prompt = [rng.randrange(10, 30000) for _ in range(prompt_len)]
@@ -97,6 +104,9 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--eos-at", type=float, default=None)
     p.add_argument(
+        "--windowed-groups", type=int, default=0, help="Gemma 3 27B: 6 (with --pool-tokens 132800)"
+    )
+    p.add_argument(
         "--greedy", action="store_true", help="admission greedy: start whatever fits now (the old rule)"
     )
     a = p.parse_args()
@@ -110,6 +120,7 @@ def main() -> None:
         a.max_num_batched_tokens,
         a.eos_at,
         planned=not a.greedy,
+        windowed_groups=a.windowed_groups,
     )
     print(json.dumps(r))
 

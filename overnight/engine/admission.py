@@ -84,21 +84,20 @@ class Admission:
         plan = sorted(self._plan + [(g, c)], reverse=True)
         bs, full, caps = self.block_size, self.num_full, self.window_caps
         num_blocks = self.kv.num_blocks
-        tokens = count = windowed = 0
+        tokens = count = 0
         i = 0
         while i < len(plan):
             t = plan[i][0]
             while i < len(plan) and plan[i][0] == t:  # every request still running at step t
-                _, cr = plan[i]
-                tokens += cr
+                tokens += plan[i][1]
                 count += 1
-                n_final = cdiv(cr + t, bs)
-                windowed += sum(min(n_final, cap) for cap in caps)
                 i += 1
             # At step t + 1 these still hold their blocks when the host learns of a request's last
             # token one step late (a step launched ahead), each at most c_r + t + 1 tokens:
-            # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs.
-            if full * ((tokens + count * (t + bs)) // bs) + windowed > num_blocks:
+            # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs per full group; a
+            # windowed group holds no more than that, nor more than its cap per request.
+            per_group = (tokens + count * (t + bs)) // bs
+            if full * per_group + sum(min(per_group, count * cap) for cap in caps) > num_blocks:
                 return False
         self._admit(g, c, final)
         return True
