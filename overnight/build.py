@@ -161,6 +161,7 @@ def build_config(
             max_num_batched_tokens=batched,
             max_model_len=max_model_len,
             enable_chunked_prefill=opts.enable_chunked_prefill,
+            admission=opts.admission,
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         runner=RunnerConfig(

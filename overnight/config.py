@@ -480,6 +480,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 4096
     max_model_len: int = 4096
     enable_chunked_prefill: bool = _Defaults.enable_chunked_prefill
+    admission: str = _Defaults.admission  # "planned": engine/admission.py; "greedy": whatever fits now
 
 
 @dataclass(frozen=True)

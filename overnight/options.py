@@ -37,6 +37,7 @@ ATTENTION_VARIANTS = (
     "tma-n128",
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
+ADMISSIONS = ("planned", "greedy")  # engine/admission.py
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
 # 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
 # on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at the copy bandwidth from pages
@@ -216,6 +217,12 @@ class EngineOptions:
     )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps")
+    admission: str = option(
+        "planned",
+        "when a waiting request starts: planned, only if the running ones can still grow to their end in "
+        "the KV pool (no preemption when outputs run to max_tokens); greedy, whenever its prompt fits now",
+        choices=ADMISSIONS,
+    )
     tensor_parallel_size: int = option(1, "GPUs one model is split over", minimum=1, flags=("-tp",))
     data_parallel_size: int = option(
         1, "engines, each with its own copy of the model", minimum=1, flags=("-dp",)

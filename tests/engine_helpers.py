@@ -33,6 +33,7 @@ def make_engine(
     caching: bool = True,
     chunked: bool = True,
     async_mode: bool = False,
+    admission: str = "planned",
 ) -> tuple[Engine, FakeRunner]:
     arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
     import torch
@@ -45,6 +46,7 @@ def make_engine(
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
+            admission=admission,
         ),
     )
     runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)

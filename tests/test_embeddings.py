@@ -37,12 +37,16 @@ VOCAB = 500
 # -- the engine with a fake runner ---------------------------------------------------------------
 
 
-def pooling_engine(num_blocks: int, async_mode: bool, caching: bool = True, budget: int = 16):
+def pooling_engine(
+    num_blocks: int, async_mode: bool, caching: bool = True, budget: int = 16, admission: str = "planned"
+):
     arch = ModelArch("qwen3", VOCAB, 8, 16, 1, 1, 1, 8)
     config = EngineConfig(
         model=ModelConfig("fake", arch, torch.float32, runner="pooling", pooler=PoolerConfig("LAST", True)),
         cache=CacheConfig(block_size=4, enable_prefix_caching=caching),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64),
+        scheduler=SchedulerConfig(
+            max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64, admission=admission
+        ),
     )
     runner = FakeRunner(num_blocks, 4, VOCAB, async_mode=async_mode)
     source = ModelSource("dummy", "fake", arch, "Qwen3ForCausalLM", None, (3,), None, None, "fake")
@@ -52,7 +56,9 @@ def pooling_engine(num_blocks: int, async_mode: bool, caching: bool = True, budg
 @pytest.mark.parametrize("async_mode", [False, True], ids=["sync", "one-step-ahead"])
 @pytest.mark.parametrize("num_blocks", [16, 200], ids=["tight-pool", "roomy-pool"])
 def test_pooling_requests_end_in_their_own_vector_and_free_their_blocks(num_blocks, async_mode):
-    engine, runner = pooling_engine(num_blocks, async_mode)
+    # Greedy admission: started prompts outgrow the tight pool, so preemption is exercised too
+    # (planned admission starts a prompt only when all of it fits).
+    engine, runner = pooling_engine(num_blocks, async_mode, admission="greedy")
     rng = random.Random(0)
     prompts = [[rng.randrange(10, VOCAB) for _ in range(rng.randint(1, 64))] for _ in range(40)]
     prompts += prompts[-5:]  # equal prompts: prefix-cache hits (recent enough to be still cached)

@@ -51,12 +51,16 @@ def test_batch_of_64_equals_each_alone_and_survives_preemption(folder):
     alone = [greedy(alone_llm, [p], [m])[0] for p, m in zip(prompts, max_tokens)]
     together = greedy(alone_llm, prompts, max_tokens)
     assert together == alone
-    # A pool of 512 tokens holds ~5 of these requests at once: the scheduler must preempt.
-    small = make_llm(folder, pool_tokens=512)
+    # A pool of 512 tokens holds ~5 of these requests at once: admitting whatever fits now, the
+    # scheduler must preempt; planned admission (the default) starts only what can run to the end.
+    small = make_llm(folder, pool_tokens=512, admission="greedy")
     squeezed = greedy(small, prompts, max_tokens)
     assert small.engine.scheduler.num_preemptions_total > 0
     assert squeezed == alone
     assert small.engine.kv.pool.num_free == small.engine.kv.num_blocks
+    planned = make_llm(folder, pool_tokens=512)
+    assert greedy(planned, prompts, max_tokens) == alone
+    assert planned.engine.scheduler.num_preemptions_total == 0
 
 
 def test_prefix_cache_hits_and_matches_no_cache(folder):

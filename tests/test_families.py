@@ -119,6 +119,7 @@ def test_engine_matches_transformers(variant):
         max_num_batched_tokens=11,  # chunks of <= 11 tokens: edges cross the 7-token window
         enable_prefix_caching=True,
         kv_cache_memory_bytes=pool_tokens * arch.kv_bytes_per_token(4),
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
     )
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     ties = 0

@@ -184,7 +184,8 @@ def test_preemption_keeps_tokens(float_folder):
     ref = _reference(float_folder)
     prompts = _prompts(ref.config.vocab_size)
     expected = [_hf_greedy(ref, p, 24) for p in prompts]
-    # A pool of 64 tokens holds about two of these requests at once: the scheduler must preempt.
+    # A pool of 64 tokens holds about two of these requests at once: admitting whatever fits now
+    # (greedy), the scheduler must preempt.
     pool = 64 * 2 * 3 * 2 * 16 * 4  # tokens x K/V x layers x KV heads x head_dim x fp32 bytes
     llm = LLM(
         str(float_folder),
@@ -192,6 +193,7 @@ def test_preemption_keeps_tokens(float_folder):
         dtype="float32",
         kv_cache_memory_bytes=pool,
         max_model_len=64,
+        admission="greedy",
     )
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)

@@ -118,6 +118,7 @@ def test_preemption_restarts_from_a_zero_state_or_a_snapshot(checkpoint, prefix_
         max_num_seqs=7,
         max_model_len=128,
         enable_prefix_caching=prefix_caching,
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
         **ENGINE,
     )
     assert llm.engine.pool_plan.num_blocks == blocks  # type: ignore[attr-defined]

@@ -136,6 +136,7 @@ def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
         max_num_batched_tokens=16,
         max_model_len=128,
         schedule="fifo",  # input order: the hits that survive the preemptions do not depend on timing
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
         **ENGINE,
     )
     assert llm.engine.pool_plan.num_blocks == 100

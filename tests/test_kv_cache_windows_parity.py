@@ -60,6 +60,7 @@ def test_token_exact_with_shared_prefix_chunks_across_the_window_and_preemption(
         # input order: which requests the look-ahead order runs together depends on timing, and with
         # it how many prefix blocks survive the preemptions (24 hit tokens in one run of the suite)
         schedule="fifo",
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
         **ENGINE,
     )
     assert llm.engine.pool_plan.num_blocks == 120
@@ -120,7 +121,12 @@ def test_two_full_groups_on_one_tensor_match_transformers(tmp_path, monkeypatch)
     prompts = [prefix + [rng.randrange(3, 384) for _ in range(k)] for k in (1, 6, 9, 30)]
     block = 4 * 2 * 2 * 16 * 4  # 4 tokens x 1 tensor x K/V x 2 heads x 16 x fp32
     llm = LLM(
-        str(folder), kv_cache_memory_bytes=60 * block, max_num_batched_tokens=16, max_model_len=96, **ENGINE
+        str(folder),
+        kv_cache_memory_bytes=60 * block,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
+        **ENGINE,
     )
     caches = llm.engine.runner.kv_caches  # type: ignore[attr-defined]
     assert len(caches) == 2 and caches[0] is caches[1]

@@ -79,8 +79,9 @@ def test_gauges_follow_the_queues_and_prefix_cache_counts_tokens():
 
 
 def test_preemptions_counted():
-    # 8 blocks of 4 tokens: four requests growing to 2 + 20 tokens cannot all keep their blocks.
-    engine, _ = make_engine(num_blocks=12, block_size=4, max_num_seqs=4, max_model_len=40)
+    # 12 blocks of 4 tokens: four requests growing to 2 + 20 tokens cannot all keep their blocks
+    # (greedy admission starts them all at once).
+    engine, _ = make_engine(num_blocks=12, block_size=4, max_num_seqs=4, max_model_len=40, admission="greedy")
     metrics = attach_metrics(engine, model_name="fake")
     for i in range(4):
         engine.add_request(str(i), [5 + i, 6 + i], SamplingParams(max_tokens=20, ignore_eos=True))

@@ -202,6 +202,7 @@ def test_preempted_image_requests_resume_token_exact(q35):
         max_num_batched_tokens=CHUNK,
         max_num_seqs=seqs,
         max_model_len=64,
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
     )
     assert llm.engine.pool_plan.num_blocks == blocks  # type: ignore[attr-defined]
     cases = [

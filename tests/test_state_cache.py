@@ -114,7 +114,11 @@ def request(rid: str, prompt: list[int]) -> Request:
 
 def make_scheduler(chunk: int = 64, snapshots: int = 4) -> Scheduler:
     kv = KVCacheManager(200, B, enable_caching=True)
-    config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=512)
+    # Greedy admission: these requests may run to 10,000 tokens, more than the pool; planned admission
+    # would start one at a time.
+    config = SchedulerConfig(
+        max_num_seqs=4, max_num_batched_tokens=chunk, max_model_len=512, admission="greedy"
+    )
     return Scheduler(config, kv, snapshots=StateSnapshots(snapshots, kv))
 
 

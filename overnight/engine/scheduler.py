@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from overnight.config import SchedulerConfig
+from overnight.engine.admission import Admission
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request, RequestStatus
 from overnight.engine.state_snapshots import StateSnapshots
@@ -51,6 +52,8 @@ class Scheduler:
         self._gone_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()  # requests whose state the runner holds
         self.num_preemptions_total = 0
+        # Planned admission: start only what the pool can grow to its end (None: whatever fits now).
+        self.admission = Admission(kv) if config.admission == "planned" else None
 
     # -- queue management -------------------------------------------------------------------------
 
@@ -134,7 +137,8 @@ class Scheduler:
         # each asking for num_tokens - num_computed_tokens (one token while decoding; a prompt's rest
         # otherwise, cut to what is left of the budget: that cut is chunked prefill). Then waiting
         # requests are admitted in arrival order, starting past their prefix-cache hit, while the
-        # budget, max_num_seqs and free KV blocks allow. When a running request cannot get KV blocks,
+        # budget, max_num_seqs and free KV blocks allow, and while the running requests can still grow
+        # to their planned end in the pool (admission.py: look-ahead, so decoding rarely preempts). When a running request cannot get KV blocks,
         # the most recently admitted running request is preempted (blocks freed, recomputed later).
         # Prefill, decode, cache hits, mixed batches and resumed preemptions are one code path.
         # With LoRA, a waiting request whose adapter can get no device slot now is passed over (and
@@ -190,6 +194,10 @@ class Scheduler:
 
         # A preemption this step means the pool is full: admitting now would only preempt again.
         pool_full = self.num_preemptions_total > preemptions_before
+        admission = self.admission
+        if admission is not None:
+            admission.end_step(pool_full)
+        planned = admission is None
         lora = self.lora
         lora_waits: list[Request] = []  # passed over this step: their adapter has no device slot yet
         if lora is not None:
@@ -203,6 +211,12 @@ class Scheduler:
             if lora is not None and not lora.can_admit(req.lora_request):
                 lora_waits.append(self.waiting.popleft())
                 continue
+            if not planned:  # built once a step, only when someone may start
+                assert admission is not None
+                admission.begin(self.running)
+                planned = True
+            if admission is not None and not admission.admits(req):
+                break
             hit = self.kv.find_cached_prefix(req)
             restore = None
             if snapshots is not None:  # a hit only as long as a saved state

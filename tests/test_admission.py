@@ -1,0 +1,168 @@
+"""Tier (a): planned admission (engine/admission.py) against greedy admission, on the scheduler alone and
+through the engine with the fake runner.
+
+The main shape is seed-512-256 on Mistral-Small-24B on an H200 scaled down by 8: 128 requests of 512
+prompt tokens and 256 output tokens (ignore_eos) submitted at once, a pool of 63,500 tokens (the GPU's
+~508k / 8), max_num_seqs 128 and 2,048 tokens a step (the H200's offline 1,024 and 16,384, / 8). Greedy
+admission preempts 30-odd requests there (284 at full size, on the GPU and in bench/preemption_sim.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+from overnight.config import SchedulerConfig
+from overnight.engine.kv_cache_manager import KVCacheManager
+from overnight.engine.request import Request
+from overnight.engine.scheduler import Scheduler
+from overnight.engine.step_io import ModelRunnerOutput
+from overnight.sampling_params import SamplingParams
+from tests.engine_helpers import EOS, VOCAB, make_engine, run_all
+from tests.fake_runner import reference_output
+
+BLOCK = 16
+
+
+def drive(
+    admission: str,
+    *,
+    num_requests: int = 128,
+    prompt_len: int = 512,
+    max_tokens: int = 256,
+    pool_tokens: int = 63_500,
+    max_num_seqs: int = 128,
+    budget: int = 2048,
+    answer_mean: int | None = None,
+    windows: tuple[int | None, ...] = (None,),
+) -> dict[str, float | list[int]]:
+    """Run the workload on a Scheduler with a stand-in for the runner (a constant token; with
+    answer_mean, EOS after uniform(1, 2 * answer_mean) tokens and ignore_eos off)."""
+    rng = random.Random(0)
+    config = SchedulerConfig(max_num_seqs, budget, prompt_len + max_tokens, True, admission)
+    num_blocks = pool_tokens // BLOCK * len(windows)  # pool_tokens: per sequence-equivalent
+    sched = Scheduler(config, KVCacheManager(num_blocks, BLOCK, enable_caching=True, windows=windows))
+    ends: dict[str, int] = {}
+    for i in range(num_requests):
+        prompt = [rng.randrange(10, VOCAB) for _ in range(prompt_len)]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=answer_mean is None, detokenize=False)
+        sched.add(Request(str(i), prompt, params, 0, frozenset({EOS}), prompt_len + max_tokens, 0.0))
+        if answer_mean is not None:
+            ends[str(i)] = rng.randint(1, 2 * answer_mean)
+    per_step: list[int] = []
+    running = 0
+    while sched.has_unfinished:
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens > 0, "no progress"
+        per_step.append(out.total_num_scheduled_tokens)
+        running += len(sched.running)
+        ids = [r.req_id for r in sched.running if r.num_pending]
+        reqs = [sched.requests[r] for r in ids]
+        toks = [EOS if ends.get(r.req_id, 1 << 30) <= r.num_output_tokens + 1 else 7 for r in reqs]
+        sched.update(out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=toks))
+    assert sched.kv.pool.num_free == sched.kv.num_blocks
+    return {
+        "preemptions": sched.num_preemptions_total,
+        "tokens": sum(per_step),
+        "mean_running": running / len(per_step),
+        "per_step": per_step,
+    }
+
+
+def test_outputs_to_max_tokens_need_no_recompute_and_keep_the_batch_full():
+    greedy, planned = drive("greedy"), drive("planned")
+    assert greedy["preemptions"] >= 20  # today's rule: ~a quarter of the requests recomputed
+    assert planned["preemptions"] == 0
+    assert planned["tokens"] == 128 * (512 + 256 - 1)  # every token computed once (the last is sampled)
+    assert greedy["tokens"] > planned["tokens"] * 1.1
+    assert planned["mean_running"] >= 0.97 * greedy["mean_running"]  # the batch stays as full
+    assert len(planned["per_step"]) <= len(greedy["per_step"])
+
+
+def test_windowed_groups_are_planned_too():
+    """Gemma 3 27B's layout scaled down: one full-attention group and six windowed ones, a pool of a
+    sixth of the work. A window longer than the context holds every token (as on seed-512-256); a
+    shorter one gives blocks back, which the plan counts at most a window's worth a request. With ~10
+    sequences in the pool, rounding each request up a block per group costs the long window ~14% of
+    the running requests (9.1 against 10.6; 7% at full size, bench/preemption_sim.py), for no
+    recompute (greedy computes 14% more tokens)."""
+    kw = dict(num_requests=64, prompt_len=128, max_tokens=64, pool_tokens=2048, max_num_seqs=64, budget=512)
+    for window in (256, 48):
+        greedy = drive("greedy", windows=(None,) + (window,) * 6, **kw)
+        planned = drive("planned", windows=(None,) + (window,) * 6, **kw)
+        assert greedy["preemptions"] >= 5, window
+        assert planned["preemptions"] == 0 and planned["tokens"] == 64 * (128 + 64 - 1), window
+        assert planned["mean_running"] >= 0.8 * greedy["mean_running"], window
+
+
+def test_a_pool_larger_than_the_work_schedules_as_before():
+    greedy, planned = drive("greedy", pool_tokens=125_000), drive("planned", pool_tokens=125_000)
+    assert greedy["preemptions"] == 0
+    assert planned["per_step"] == greedy["per_step"]
+
+
+def test_short_answers_under_a_large_max_tokens_are_not_starved():
+    """A batch job with max_tokens 2048 whose answers end after ~64 tokens: nothing is reserved for the
+    unused max_tokens, so the scheduling is the greedy one, step for step."""
+    kw = dict(max_tokens=2048, answer_mean=64)
+    greedy, planned = drive("greedy", **kw), drive("planned", **kw)
+    assert planned["per_step"] == greedy["per_step"]
+    assert planned["preemptions"] == greedy["preemptions"] == 0
+
+
+def test_long_answers_that_may_stop_preempt_less_once_a_preemption_was_seen():
+    """Answers that may stop but run long (~40% of max_tokens): the first preemption raises the share
+    of max_tokens planned for them, so later admissions leave room and fewer requests are recomputed."""
+    kw = dict(max_tokens=1024, answer_mean=400, num_requests=256, max_num_seqs=256)
+    greedy, planned = drive("greedy", **kw), drive("planned", **kw)
+    assert greedy["preemptions"] > 0
+    assert planned["preemptions"] < 0.7 * greedy["preemptions"]
+    assert planned["tokens"] < greedy["tokens"]
+
+
+def test_requests_longer_than_the_room_left_wait_for_it():
+    """Requests whose ends need 30 of the 40 blocks: the next starts only once the one before is near
+    enough its end that both fit to their ends (about 18 steps before), never three at once, never
+    preempted."""
+    engine, runner = make_engine(
+        num_blocks=40, block_size=4, max_num_seqs=8, max_model_len=160, async_mode=True
+    )
+    rng = random.Random(3)
+    prompts = [[rng.randrange(10, VOCAB) for _ in range(20)] for _ in range(4)]
+    for i, p in enumerate(prompts):  # 20 + 100 tokens each: 30 of the 40 blocks
+        engine.add_request(str(i), p, SamplingParams(max_tokens=100, ignore_eos=True))
+    results = run_all(engine)
+    for i, p in enumerate(prompts):
+        assert results[str(i)] == reference_output(p, 100, VOCAB, None)
+    assert engine.scheduler.num_preemptions_total == 0
+    assert max(reqs for _, reqs in runner.step_log) == 2
+    overlap = sum(reqs == 2 for _, reqs in runner.step_log)
+    assert 3 <= overlap <= 3 * 25  # three handovers
+    assert engine.kv.pool.num_free == 40
+
+
+def test_engine_outputs_are_unchanged_and_nothing_is_preempted_one_step_ahead():
+    """Through the engine with the fake runner, which checks every block table against the tokens: a
+    tight pool, mixed lengths, one step run ahead."""
+    rng = random.Random(4)
+    prompts = [[rng.randrange(10, VOCAB) for _ in range(rng.randint(4, 40))] for _ in range(48)]
+    max_tokens = [rng.randint(8, 40) for _ in prompts]
+    outs = {}
+    for admission in ("greedy", "planned"):
+        engine, runner = make_engine(
+            num_blocks=60,
+            block_size=4,
+            max_num_seqs=32,
+            max_model_len=96,
+            async_mode=True,
+            admission=admission,
+        )
+        for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
+        outs[admission] = run_all(engine)
+        assert engine.kv.pool.num_free == 60 and engine.kv.req_blocks == {}
+        if admission == "greedy":
+            assert engine.scheduler.num_preemptions_total > 0
+        else:
+            assert engine.scheduler.num_preemptions_total == 0
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert outs["planned"][str(i)] == outs["greedy"][str(i)] == reference_output(p, m, VOCAB, None)
