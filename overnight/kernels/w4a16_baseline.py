@@ -1,17 +1,19 @@
 """The first W4A16 kernels (kernels/w4a16_gemm.py's variants "v1"), kept as the benchmark's baseline.
 
 Measured on an H100 (bench/w4a16_gpu.py): ~190 GB/s of packed weight at small M, the dequantize kernel
-~40 GB/s. Compiled for sm_90 (tests/sm90.py) the causes show:
-- _w4a16_kernel_v1 loads the words as a [BLOCK_K / P, BLOCK_N] tile whose contiguous dim (K) is dim 0:
-  Triton gives it a layout with one word per thread, so each pipelined load is a 4-byte cp.async
-  (`cp.async.ca ... 0x4`, 8-16 per thread per step) instead of 16-byte ones; the unpacked codes
-  [BLOCK_K / P, P, BLOCK_N] are spread along N, and the dequantized tile is written to shared memory
-  with scalar stores before the dot reads it back with ldmatrix.
-- x is read with scalar 16-bit loads (the K mask hides its contiguity).
-- the scale multiply is done per weight element (BLOCK_K * BLOCK_N fp32 multiplies per step).
+~40 GB/s. Compiled for sm_90 on the CPU (tests/sm90.py, int arguments specialized as Triton does at
+launch), the causes show in the PTX:
+- _w4a16_kernel_v1 loads the words as a [BLOCK_K / P, BLOCK_N] tile whose contiguous dim (K) is the
+  first: each thread's copy is 8 bytes (`cp.async.ca ... 0x8`, half the width, twice the count); the
+  unpacked codes [BLOCK_K / P, P, BLOCK_N] are reshaped across threads, so the dequantized
+  [BLOCK_K, BLOCK_N] tile goes to shared memory as 64 scalar 16-bit stores per thread per step
+  (`st.shared.b16`) before the dot reads it back; and each weight element is multiplied by its scale
+  (BLOCK_K * BLOCK_N fp32 multiplies per step, ALU work of the same order as the memory stream).
+- split-K was chosen to reach 264 programs whatever the tile count (o and down at 64 tiles: 4-way
+  split with a [4, M, N] fp32 buffer and a torch sum after it).
 - _dequant_kernel_v1 computes one word address per output element: every word is loaded P times with
-  scalar 32-bit loads (`ld.global.b32`, 96 per thread), and so are scales and zero points.
-"""
+  scalar 32-bit loads (`ld.global.b32`, 96 per thread), and so are the scales and zero points: ~40 GB/s.
+
 
 from __future__ import annotations
 

@@ -185,6 +185,7 @@ def _w4a16_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    next_scale = tl.load(s_ptr + rows_n * stride_sn + tl.minimum(k_start, K - 1) // GROUP)
     # BLOCK_K divides the group and the group K: no step runs past K, so no K masks
     for k0 in range(k_start, k_end, BLOCK_K):
         # k0 is a multiple of BLOCK_K (k_per_split is): said so, the loads vectorize (a hint on the
@@ -195,7 +196,13 @@ def _w4a16_kernel(
         words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + kw[None, :])
         vals = _unpack(words, BITS, SIGNED).to(tl.float32)
         g = k0 // GROUP
-        scale = tl.load(s_ptr + rows_n * stride_sn + g)
+        if SCALE_AFTER:
+            # loaded one step ahead: Triton pipelines only loads that feed a dot, and this one's
+            # latency would otherwise stall every step
+            scale = next_scale
+            next_scale = tl.load(s_ptr + rows_n * stride_sn + tl.minimum(k0 + BLOCK_K, K - 1) // GROUP)
+        else:
+            scale = tl.load(s_ptr + rows_n * stride_sn + g)
         if HAS_ZERO:
             vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
         elif not SIGNED:
