@@ -13,7 +13,7 @@ launch), the causes show in the PTX:
   split with a [4, M, N] fp32 buffer and a torch sum after it).
 - _dequant_kernel_v1 computes one word address per output element: every word is loaded P times with
   scalar 32-bit loads (`ld.global.b32`, 96 per thread), and so are the scales and zero points: ~40 GB/s.
-
+"""
 
 from __future__ import annotations
 
