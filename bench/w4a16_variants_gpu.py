@@ -194,13 +194,13 @@ def times(skip_int8: bool) -> None:
         int8 = [] if skip_int8 else [int8_weight(n, k, seed=i) for i in range(copies(n * k + 4 * n))]
         for m in MS:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
-            t_bf16 = graph_time([lambda w=w: F.linear(x, w) for w in bf16])
+            t_bf16 = graph_time([lambda w=w, x=x: F.linear(x, w) for w in bf16])
             row(table, shape, m, "bf16", t_bf16, t_bf16, n * k * 2)
             for name, make in W4A16_VARIANTS.items():
                 cfg = make(m)
                 if name != "default" and cfg is None:
                     continue
-                calls = [lambda p=p, cfg=cfg: w4a16_linear(x, *p, 4, GROUP, cfg) for p in int4]
+                calls = [lambda p=p, cfg=cfg, x=x: w4a16_linear(x, *p, 4, GROUP, cfg) for p in int4]
                 try:
                     row(table, shape, m, name, graph_time(calls), t_bf16, packed_bytes)
                 except Exception as e:
@@ -208,7 +208,7 @@ def times(skip_int8: bool) -> None:
             for path, applies in INT8_PATHS.items():
                 if not int8 or not applies(m):
                     continue
-                calls = [lambda p=p, path=path: int8_linear(x, *p, path) for p in int8]
+                calls = [lambda p=p, path=path, x=x: int8_linear(x, *p, path) for p in int8]
                 try:
                     row(table, shape, m, f"w8a8:{path}", graph_time(calls), t_bf16, n * k + 4 * n)
                 except Exception as e:
