@@ -71,15 +71,20 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     # large M: fused tiles against dequantize (v2) + cuBLAS
     "dequant-v2": lambda m: W4A16Config(128, 128, path="dequant") if m > SMALL_M else None,
     "fused-128x128x64": lambda m: (
-        W4A16Config(128, 128, 0, 8, 3, 64, scale_after=False) if m > SMALL_M else None
+        W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None
+    ),
+    "fused-128x128x64-split": lambda m: (
+        W4A16Config(128, 128, 0, 8, 3, 64, scale_after=False, reduce="atomic") if m > SMALL_M else None
     ),
     "fused-128x128x128": lambda m: (
-        W4A16Config(128, 128, 0, 8, 3, 128, scale_after=False) if m > SMALL_M else None
+        W4A16Config(128, 128, 1, 8, 3, 128, scale_after=False) if m > SMALL_M else None
     ),
     "fused-64x128x128-w4": lambda m: (
-        W4A16Config(64, 128, 0, 4, 4, 128, scale_after=False) if m > SMALL_M else None
+        W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False) if m > SMALL_M else None
     ),
-    "fused-128x128x64-sa": lambda m: W4A16Config(128, 128, 0, 8, 3, 64) if m > SMALL_M else None,
+    "fused-128x256x64": lambda m: (
+        W4A16Config(128, 256, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None
+    ),
 }
 INT8_PATHS = {"int_mm": lambda m: True, "triton": lambda m: True, "w8a16": lambda m: m <= SMALL_M}
 RESULTS: dict[str, object] = {}

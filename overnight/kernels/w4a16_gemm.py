@@ -94,15 +94,8 @@ def default_config(m: int) -> W4A16Config:
             path="dequant" if m >= DEQUANT_GEMM_MIN_M else "fused",
         )
     if m >= DEQUANT_GEMM_MIN_M:
-        return W4A16Config(
-            block_m=128,
-            block_n=128,
-            num_warps=8,
-            num_stages=3,
-            block_k=64,
-            scale_after=False,
-            path=LARGE_M_PATH,
-        )
+        # one program per tile (no split-K: its fp32 partial sums would cost more than idle SMs here)
+        return W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False, path=LARGE_M_PATH)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     return W4A16Config(
         block_m=block_m,
