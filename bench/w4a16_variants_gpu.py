@@ -68,6 +68,8 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     "v2-scale-w": lambda m: W4A16Config(_bm(m), 64, scale_after=False) if m <= SMALL_M else None,
     "v2-atomic": lambda m: W4A16Config(_bm(m), 64, reduce="atomic") if m <= SMALL_M else None,
     "v2-nosplit": lambda m: W4A16Config(_bm(m), 64, split_k=1) if m <= SMALL_M else None,
+    "v2-bn32-nosplit": lambda m: W4A16Config(_bm(m), 32, split_k=1) if m <= SMALL_M else None,
+    "v2-bn64-s6": lambda m: W4A16Config(_bm(m), 64, num_stages=6) if m <= SMALL_M else None,
     # large M: fused tiles against dequantize (v2) + cuBLAS
     "dequant-v2": lambda m: W4A16Config(128, 128, path="dequant") if m > SMALL_M else None,
     "fused-128x128x64": lambda m: (

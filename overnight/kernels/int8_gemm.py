@@ -99,7 +99,8 @@ def _int8_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         kk = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
         k_ok = kk[None, :] < K
-        a = tl.load(a_ptr + rows_m[:, None] * stride_am + kk[None, :], mask=k_ok, other=0)
+        a_ok = k_ok & (offs_m[:, None] < M)  # rows past M masked, not re-read from L2
+        a = tl.load(a_ptr + rows_m[:, None] * stride_am + kk[None, :], mask=a_ok, other=0)
         b = tl.load(b_ptr + rows_n[:, None] * stride_bn + kk[None, :], mask=k_ok, other=0)
         acc = tl.dot(a, tl.trans(b), acc, out_dtype=tl.int32)
     sa = tl.load(sa_ptr + rows_m)

@@ -171,8 +171,9 @@ def _w4a16_kernel(
     WORDS: tl.constexpr = BLOCK_K // PER
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = tl.minimum(offs_m, M - 1)  # clamped reads, masked stores
-    rows_n = tl.minimum(offs_n, N - 1)
+    m_ok = offs_m < M
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1)  # clamped reads, masked stores
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, WORDS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -184,7 +185,9 @@ def _w4a16_kernel(
         # k0 is a multiple of BLOCK_K (k_per_split is): said so, the loads vectorize (a hint on the
         # loop variable itself is lost)
         kx = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
-        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + kx[None, :])
+        # rows past M are masked, not clamped: a 16-row tile at M = 1 would otherwise read x 16 times
+        # from L2 (as many bytes as the packed weight) just to fill the MMA's rows
+        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + kx[None, :], mask=m_ok[:, None], other=0.0)
         kw = tl.max_contiguous(tl.multiple_of(k0 // PER + offs_w, WORDS), WORDS)
         words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + kw[None, :])
         vals = _unpack(words, BITS, SIGNED).to(tl.float32)
@@ -206,7 +209,7 @@ def _w4a16_kernel(
         else:
             w = (vals * scale[:, None]).to(x.dtype)
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    ok = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    ok = m_ok[:, None] & (offs_n[None, :] < N)
     if ATOMIC:
         tl.atomic_add(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=ok, sem="relaxed")
     else:
