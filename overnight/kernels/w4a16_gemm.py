@@ -108,32 +108,36 @@ def default_config(m: int) -> W4A16Config:
 
 
 @triton.jit
-def _field(words, j: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr):
-    """Value j of each word: unsigned, or two's complement (moved to the top bits, shifted back
-    arithmetically)."""
+def _field(words, j: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, BIAS: tl.constexpr):
+    """Value j of each word as float32, minus BIAS - 2^23 (exact): the code's bits are put under the
+    exponent of 2^23, so the float is 2^23 + code, and one add removes it: two integer ops (a shift, a
+    fused and-or) and a float add, where an int-to-float conversion runs at a quarter of their rate.
+    Signed (two's complement) codes are first moved to offset binary by flipping their top bit."""
+    u = (words >> (j * BITS)) & ((1 << BITS) - 1)
     if SIGNED:
-        return (words << (32 - BITS - j * BITS)) >> (32 - BITS)
-    else:
-        return (words >> (j * BITS)) & ((1 << BITS) - 1)
+        u = u ^ (1 << (BITS - 1))
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
 
 
 @triton.jit
-def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr):
-    """[R, W] words -> [R, W * P] codes, value j of word w at column w * P + j (the packed order). Built
+def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr, CENTERED: tl.constexpr):
+    """[R, W] words -> [R, W * P] float32 values, value j of word w at column w * P + j (the packed
+    order): the codes, or with CENTERED the codes minus 2^(BITS-1) (symmetric or signed codes). Built
     by interleaving (a join on a new innermost dim and a reshape merging it): each thread keeps its own
     words' values in registers, with no shared-memory round trip a 3-D reshape would cost."""
+    BIAS: tl.constexpr = 8388608.0 + ((1 << (BITS - 1)) if CENTERED else 0)
     if BITS == 4:
         even = tl.interleave(
-            tl.interleave(_field(words, 0, BITS, SIGNED), _field(words, 4, BITS, SIGNED)),
-            tl.interleave(_field(words, 2, BITS, SIGNED), _field(words, 6, BITS, SIGNED)),
+            tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 4, BITS, SIGNED, BIAS)),
+            tl.interleave(_field(words, 2, BITS, SIGNED, BIAS), _field(words, 6, BITS, SIGNED, BIAS)),
         )
         odd = tl.interleave(
-            tl.interleave(_field(words, 1, BITS, SIGNED), _field(words, 5, BITS, SIGNED)),
-            tl.interleave(_field(words, 3, BITS, SIGNED), _field(words, 7, BITS, SIGNED)),
+            tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 5, BITS, SIGNED, BIAS)),
+            tl.interleave(_field(words, 3, BITS, SIGNED, BIAS), _field(words, 7, BITS, SIGNED, BIAS)),
         )
     else:
-        even = tl.interleave(_field(words, 0, BITS, SIGNED), _field(words, 2, BITS, SIGNED))
-        odd = tl.interleave(_field(words, 1, BITS, SIGNED), _field(words, 3, BITS, SIGNED))
+        even = tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 2, BITS, SIGNED, BIAS))
+        odd = tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 3, BITS, SIGNED, BIAS))
     return tl.interleave(even, odd)
 
 
@@ -190,7 +194,7 @@ def _w4a16_kernel(
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + kx[None, :], mask=m_ok[:, None], other=0.0)
         kw = tl.max_contiguous(tl.multiple_of(k0 // PER + offs_w, WORDS), WORDS)
         words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + kw[None, :])
-        vals = _unpack(words, BITS, SIGNED).to(tl.float32)
+        vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
         g = k0 // GROUP
         if SCALE_AFTER:
             # loaded one step ahead: Triton pipelines only loads that feed a dot, and this one's
@@ -201,8 +205,6 @@ def _w4a16_kernel(
             scale = tl.load(s_ptr + rows_n * stride_sn + g)
         if HAS_ZERO:
             vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
-        elif not SIGNED:
-            vals = vals - (1 << (BITS - 1))
         if SCALE_AFTER:
             w = vals.to(x.dtype)
             acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
@@ -243,12 +245,10 @@ def _dequant_kernel(
     k0 = tl.multiple_of(tl.program_id(1) * BLOCK_K, BLOCK_K)
     kw = tl.multiple_of(k0 // PER, WORDS)
     words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + (kw + tl.arange(0, WORDS))[None, :])
-    vals = _unpack(words, BITS, SIGNED).to(tl.float32)
+    vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
     g = k0 // GROUP
     if HAS_ZERO:
         vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
-    elif not SIGNED:
-        vals = vals - (1 << (BITS - 1))
     w = vals * tl.load(s_ptr + rows_n * stride_sn + g)[:, None]
     out = w_ptr + offs_n[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=offs_n[:, None] < N)
