@@ -23,8 +23,9 @@ Kernel "v2" (the default; "v1" is the first version, kernels/w4a16_baseline.py, 
   BLOCK_K. It sums the same terms as the reference in another rounding order (the reference rounds each
   scaled weight to x's dtype): differences are at the accumulation's rounding level.
 - split-K only when the (M, N) tiles are fewer than the SMs; partial sums either in an fp32 [S, M, N]
-  buffer summed afterwards ("sum": deterministic) or added with fp32 atomics into one [M, N] buffer
-  ("atomic": the order of the adds, so the last bits, depend on scheduling).
+  buffer summed in order by one small kernel ("sum": deterministic) or added with fp32 atomics into a
+  zeroed [M, N] buffer, then cast ("atomic": the order of the adds, so the last bits, depend on
+  scheduling).
 - SIGNED codes (two's complement, zero 0) let int8 [N, K] weights (W8A8 layers, viewed as int32 words)
   run through the same kernel as W8A16: kernels/int8_gemm.py's small-M path.
 
@@ -44,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.kernels.int_unpack import _sum_partials_kernel, _unpack
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M).
@@ -105,40 +107,6 @@ def default_config(m: int) -> W4A16Config:
         reduce=SPLIT_K_REDUCE,
         num_warps=4 if m <= 64 else 8,
     )
-
-
-@triton.jit
-def _field(words, j: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, BIAS: tl.constexpr):
-    """Value j of each word as float32, minus BIAS - 2^23 (exact): the code's bits are put under the
-    exponent of 2^23, so the float is 2^23 + code, and one add removes it: two integer ops (a shift, a
-    fused and-or) and a float add, where an int-to-float conversion runs at a quarter of their rate.
-    Signed (two's complement) codes are first moved to offset binary by flipping their top bit."""
-    u = (words >> (j * BITS)) & ((1 << BITS) - 1)
-    if SIGNED:
-        u = u ^ (1 << (BITS - 1))
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
-
-
-@triton.jit
-def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr, CENTERED: tl.constexpr):
-    """[R, W] words -> [R, W * P] float32 values, value j of word w at column w * P + j (the packed
-    order): the codes, or with CENTERED the codes minus 2^(BITS-1) (symmetric or signed codes). Built
-    by interleaving (a join on a new innermost dim and a reshape merging it): each thread keeps its own
-    words' values in registers, with no shared-memory round trip a 3-D reshape would cost."""
-    BIAS: tl.constexpr = 8388608.0 + ((1 << (BITS - 1)) if CENTERED else 0)
-    if BITS == 4:
-        even = tl.interleave(
-            tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 4, BITS, SIGNED, BIAS)),
-            tl.interleave(_field(words, 2, BITS, SIGNED, BIAS), _field(words, 6, BITS, SIGNED, BIAS)),
-        )
-        odd = tl.interleave(
-            tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 5, BITS, SIGNED, BIAS)),
-            tl.interleave(_field(words, 3, BITS, SIGNED, BIAS), _field(words, 7, BITS, SIGNED, BIAS)),
-        )
-    else:
-        even = tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 2, BITS, SIGNED, BIAS))
-        odd = tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 3, BITS, SIGNED, BIAS))
-    return tl.interleave(even, odd)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -345,7 +313,14 @@ def w4a16_gemm(
         _w4a16_kernel[grid](*args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, ATOMIC=atomic, **common)
     if split_k == 1:
         return out
-    return (out if atomic else out.sum(0)).to(x.dtype)
+    if atomic:
+        return out.to(x.dtype)
+    if cfg.kernel == "v1":  # the first version's reduce, as measured
+        return out.sum(0).to(x.dtype)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _sum_partials_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split_k, BLOCK=block)
+    return y
 
 
 def dequantize_int_weight(
