@@ -107,8 +107,8 @@ def test_large_m_paths(path, kernel, monkeypatch):
     monkeypatch.setattr(gemm_module, "LARGE_M_PATH", path)
     monkeypatch.setattr(gemm_module, "DEQUANT_KERNEL", kernel)
     monkeypatch.setattr(gemm_module, "DEQUANT_GEMM_MIN_M", 8)  # small shapes for the interpreter
-    cfg = default_config(8)
-    assert cfg.path == path and cfg.block_m == 128
+    assert default_config(8).path == default_config(512).path == path
+    assert default_config(512).block_m == 128 and default_config(8).block_m == 64
     bits, group = 4, 32
     qw, scale, zero = _weight(24, 64, bits, group, True)
     x = torch.randn(9, 64, device=DEVICE)

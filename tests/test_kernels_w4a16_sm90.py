@@ -59,7 +59,7 @@ def int8_case(m: int):
 
 
 CASES = {
-    **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256)},
+    **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256, 1024)},
     "w4a16-atomic-m16": lambda: w4a16_case(16, atomic=True),
     "w8a16-signed-m16": lambda: w4a16_case(16, bits=8, group=4096, signed=True),
     "w4a16-v1-m16": lambda: v1_case(16),
@@ -98,5 +98,5 @@ def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> N
     assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
     if name.startswith(("w4a16-m", "w8a16", "int8")):
         assert wide > 0, f"{name}: no 16-byte global-to-shared copies (scalar loads)"
-    if name in ("w4a16-m256", "int8-m1024"):
+    if name in ("w4a16-m256", "w4a16-m1024", "int8-m1024"):
         assert wgmma > 0, f"{name}: the large-M tile does not use wgmma"

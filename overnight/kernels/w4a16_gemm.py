@@ -96,7 +96,10 @@ def default_config(m: int) -> W4A16Config:
             path="dequant" if m >= DEQUANT_GEMM_MIN_M else "fused",
         )
     if m >= DEQUANT_GEMM_MIN_M:
-        # one program per tile (no split-K: its fp32 partial sums would cost more than idle SMs here)
+        # one program per tile (no split-K: its fp32 partial sums would cost more than idle SMs here);
+        # below 512 rows 64-row tiles (one warpgroup's wgmma), so N = 4096 still makes 128 tiles
+        if m < 512:
+            return W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False, path=LARGE_M_PATH)
         return W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False, path=LARGE_M_PATH)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     return W4A16Config(
