@@ -39,7 +39,6 @@ sys.path.insert(0, ".")
 from overnight.kernels.int8_gemm import int8_gemm_ref, int8_linear  # noqa: E402
 from overnight.kernels.int8_quant import quantize_int8_ref  # noqa: E402
 from overnight.kernels.w4a16_gemm import W4A16Config, w4a16_gemm_ref, w4a16_linear  # noqa: E402
-from overnight.quant.int_formats import pack_along_last  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 16, 64, 256, 1024)
@@ -93,17 +92,19 @@ RESULTS: dict[str, object] = {}
 
 
 def int4_weight(n: int, k: int, zeros: bool, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen)
-    scale = (torch.rand(n, k // GROUP, generator=gen) * 0.02 + 0.001).to(DEVICE)
-    zero = torch.randint(0, 16, (n, k // GROUP), generator=gen).float().to(DEVICE) if zeros else None
-    return pack_along_last(codes, 4).to(DEVICE), scale, zero
+    """Random words are random 4-bit codes; made on the device (the CPU would take minutes for the
+    copies of the largest shapes)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    words = torch.randint(-(1 << 31), 1 << 31, (n, k // 8), generator=gen, device=DEVICE, dtype=torch.int32)
+    scale = torch.rand(n, k // GROUP, generator=gen, device=DEVICE) * 0.02 + 0.001
+    zero = torch.randint(0, 16, (n, k // GROUP), generator=gen, device=DEVICE).float() if zeros else None
+    return words, scale, zero
 
 
 def int8_weight(n: int, k: int, seed: int = 0):
-    gen = torch.Generator().manual_seed(seed)
-    w = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8).to(DEVICE)
-    return w, (torch.rand(n, generator=gen) * 0.01 + 0.001).to(DEVICE)
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), generator=gen, device=DEVICE, dtype=torch.int8)
+    return w, torch.rand(n, generator=gen, device=DEVICE) * 0.01 + 0.001
 
 
 def graph_time(calls: list[Callable[[], object]], replays: int = 10) -> float:
@@ -260,7 +261,9 @@ def summary(table: list[dict]) -> None:
 
 if __name__ == "__main__":
     skip = "--skip-int8" in sys.argv
+    t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     correctness(skip)
     times(skip)
+    print(f"total {time.time() - t0:.0f} s")
     print(json.dumps(RESULTS))
