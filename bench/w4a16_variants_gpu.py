@@ -69,6 +69,8 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     "v2-nosplit": lambda m: W4A16Config(_bm(m), 64, split_k=1) if m <= SMALL_M else None,
     "v2-bn32-nosplit": lambda m: W4A16Config(_bm(m), 32, split_k=1) if m <= SMALL_M else None,
     "v2-bn64-s6": lambda m: W4A16Config(_bm(m), 64, num_stages=6) if m <= SMALL_M else None,
+    "v2-swap": lambda m: W4A16Config(_bm(m), 64, swap_ab=True) if m <= SMALL_M else None,
+    "v2-swap-bn128": lambda m: W4A16Config(_bm(m), 128, swap_ab=True) if m <= SMALL_M else None,
     # large M: fused tiles against dequantize (v2) + cuBLAS
     "dequant-v2": lambda m: W4A16Config(128, 128, path="dequant") if m > SMALL_M else None,
     "fused-128x128x64": lambda m: (
@@ -82,6 +84,12 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     ),
     "fused-64x128x128-w4": lambda m: (
         W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False) if m > SMALL_M else None
+    ),
+    "fused-swap-128x128x64": lambda m: (
+        W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False, swap_ab=True) if m > SMALL_M else None
+    ),
+    "fused-swap-64x256x64": lambda m: (
+        W4A16Config(64, 256, 1, 8, 3, 64, scale_after=False, swap_ab=True) if m > SMALL_M else None
     ),
     "fused-128x256x64": lambda m: (
         W4A16Config(128, 256, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None

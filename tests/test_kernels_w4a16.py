@@ -75,6 +75,8 @@ VARIANTS = {
     "v2-split-atomic": W4A16Config(16, 16, split_k=3, reduce="atomic"),
     "v2-large": W4A16Config(64, 64, num_warps=8, num_stages=3, block_k=64, scale_after=False),
     "v2-bk16": W4A16Config(32, 16, block_k=16),
+    "v2-swap": W4A16Config(16, 32, swap_ab=True),
+    "v2-swap-scale-weight-split": W4A16Config(16, 64, split_k=2, scale_after=False, swap_ab=True),
 }
 
 

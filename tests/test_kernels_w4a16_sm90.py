@@ -23,12 +23,16 @@ TYPES = dict(
 SIZES = ("N", "K", "k_per_split")  # model sizes: multiples of 16, as Triton sees them
 
 
-def w4a16_case(m: int, bits: int = 4, group: int = 128, signed: bool = False, atomic: bool = False):
+def w4a16_case(
+    m: int, bits: int = 4, group: int = 128, signed: bool = False, atomic: bool = False, swap: bool = False
+):
+    from dataclasses import replace
+
     from overnight.kernels.w4a16_gemm import _block_k, _w4a16_kernel, default_config
 
-    cfg = default_config(m)
+    cfg = replace(default_config(m), swap_ab=swap)
     cx = dict(
-        BITS=bits, GROUP=group, HAS_ZERO=not signed, SIGNED=signed, SCALE_AFTER=cfg.scale_after, ATOMIC=atomic,
+        BITS=bits, GROUP=group, HAS_ZERO=not signed, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=_block_k(group, cfg.block_k), DOT_PRECISION="tf32",
     )  # fmt: skip
     types = dict(TYPES, out_ptr="*fp32") if atomic else TYPES
@@ -61,6 +65,8 @@ def int8_case(m: int):
 CASES = {
     **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256, 1024)},
     "w4a16-atomic-m16": lambda: w4a16_case(16, atomic=True),
+    "w4a16-swap-m16": lambda: w4a16_case(16, swap=True),
+    "w4a16-swap-m1024": lambda: w4a16_case(1024, swap=True),
     "w8a16-signed-m16": lambda: w4a16_case(16, bits=8, group=4096, signed=True),
     "w4a16-v1-m16": lambda: v1_case(16),
     "dequant-v2": dequant_case,
@@ -96,7 +102,7 @@ def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> N
     shared, regs, stack, wide, wgmma = result
     assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
     assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
-    if name.startswith(("w4a16-m", "w8a16", "int8")):
+    if name.startswith(("w4a16-m", "w4a16-swap", "w8a16", "int8")):
         assert wide > 0, f"{name}: no 16-byte global-to-shared copies (scalar loads)"
-    if name in ("w4a16-m256", "w4a16-m1024", "int8-m1024"):
+    if name in ("w4a16-m256", "w4a16-m1024", "w4a16-swap-m16", "w4a16-swap-m1024", "int8-m1024"):
         assert wgmma > 0, f"{name}: the large-M tile does not use wgmma"

@@ -63,8 +63,9 @@ _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 class W4A16Config:
     """One variant of the GEMM. split_k 0: chosen from the shape (only when the tiles are fewer than the
     SMs); block_k: a cap on the K step (0: 128), the largest of 128 / 64 / 32 / 16 dividing the group; kernel "v1" / "v2" (module
-    docstring); scale_after: v2 scales the dot's product instead of the weight; reduce: split-K's "sum"
-    or "atomic"; path "fused" or "dequant" (w4a16_linear only: dequantize + cuBLAS)."""
+    docstring); scale_after: v2 scales the dot's product instead of the weight; swap_ab: v2 computes
+    out^T = W x^T (the dequantized weight the dot's first operand, which Hopper's wgmma can read from
+    registers instead of shared memory); reduce: split-K's "sum" or "atomic"; path "fused" or "dequant" (w4a16_linear only: dequantize + cuBLAS)."""
 
     block_m: int
     block_n: int
@@ -74,6 +75,7 @@ class W4A16Config:
     block_k: int = 0
     kernel: str = "v2"
     scale_after: bool = True
+    swap_ab: bool = False
     reduce: str = "sum"
     path: str = "fused"
 
@@ -133,6 +135,7 @@ def _w4a16_kernel(
     HAS_ZERO: tl.constexpr,
     SIGNED: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -151,7 +154,10 @@ def _w4a16_kernel(
     rows_n = tl.minimum(offs_n, N - 1)  # clamped reads, masked stores
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, WORDS)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:  # out^T = W x^T: the weight tile is the dot's first operand
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     next_scale = tl.load(s_ptr + rows_n * stride_sn + tl.minimum(k_start, K - 1) // GROUP)
@@ -178,10 +184,18 @@ def _w4a16_kernel(
             vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
         if SCALE_AFTER:
             w = vals.to(x.dtype)
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
         else:
             w = (vals * scale[:, None]).to(x.dtype)
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
     ok = m_ok[:, None] & (offs_n[None, :] < N)
     if ATOMIC:
         tl.atomic_add(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=ok, sem="relaxed")
@@ -313,7 +327,9 @@ def w4a16_gemm(
     if cfg.kernel == "v1":
         _w4a16_kernel_v1[grid](*args, **common)
     else:
-        _w4a16_kernel[grid](*args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, ATOMIC=atomic, **common)
+        _w4a16_kernel[grid](
+            *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic, **common
+        )
     if split_k == 1:
         return out
     if atomic:
