@@ -14,8 +14,8 @@ Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants
    36 layers of a model do not), median of 10 replays. Printed: us, speed-up over bf16 (x), GB/s of the
    weight bytes read (packed int4 + scales + zeros; int8 + scales; bf16 for the bf16 row).
 3. The best variant per (shape, M) and, per M, the variant with the best geometric-mean speed-up over
-   the four shapes: what to put in kernels/w4a16_gemm.py's constants (KERNEL, SCALE_AFTER_MAX_M,
-   SPLIT_K_REDUCE, LARGE_M_PATH, DEQUANT_GEMM_MIN_M) / default_config tiles and kernels/int8_gemm.py's
+   the four shapes, with its W4A16Config: what to put in kernels/w4a16_gemm.py's TIERS (and its
+   KERNEL, LARGE_M_PATH, DEQUANT_GEMM_MIN_M, DEQUANT_KERNEL) and kernels/int8_gemm.py's
    (W8A16_MAX_M, LARGE_PATH).
 
 Prints tables, then one JSON line.
@@ -38,7 +38,12 @@ sys.path.insert(0, ".")
 
 from overnight.kernels.int8_gemm import int8_gemm_ref, int8_linear  # noqa: E402
 from overnight.kernels.int8_quant import quantize_int8_ref  # noqa: E402
-from overnight.kernels.w4a16_gemm import W4A16Config, w4a16_gemm_ref, w4a16_linear  # noqa: E402
+from overnight.kernels.w4a16_gemm import (  # noqa: E402
+    W4A16Config,
+    default_config,
+    w4a16_gemm_ref,
+    w4a16_linear,
+)
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 16, 64, 256, 1024)
@@ -263,6 +268,9 @@ def summary(table: list[dict]) -> None:
                     means[name] = math.exp(sum(map(math.log, xs)) / len(xs))
             ranked = sorted(means.items(), key=lambda kv: -kv[1])
             print(f"M={m:5d}  " + "  ".join(f"{name} {gm:.2f}" for name, gm in ranked[:6]))
+            if ranked and ranked[0][0] in W4A16_VARIANTS:
+                top = ranked[0][0]
+                print(f"         {top}: {W4A16_VARIANTS[top](m) or default_config(m)!r}")
             best[f"{family} gmean M={m}"] = ranked[:3]
     RESULTS["best"] = best
 

@@ -104,28 +104,34 @@ def test_dequantize_kernel_is_bit_exact(bits, group, zeros, dtype, kernel):
 
 @pytest.mark.parametrize("path,kernel", [("dequant", "v1"), ("dequant", "v2"), ("fused", "v2")])
 def test_large_m_paths(path, kernel, monkeypatch):
-    """Past DEQUANT_GEMM_MIN_M rows the module's choice runs: dequantize + matmul, or the fused kernel
-    with large tiles; both equal the reference."""
+    """From DEQUANT_GEMM_MIN_M rows the module's choice runs: dequantize + matmul, or the fused kernel
+    with the large tiers' tiles; both equal the reference."""
     monkeypatch.setattr(gemm_module, "LARGE_M_PATH", path)
     monkeypatch.setattr(gemm_module, "DEQUANT_KERNEL", kernel)
+    assert default_config(DEQUANT_GEMM_MIN_M).path == default_config(4096).path == path
+    assert default_config(DEQUANT_GEMM_MIN_M - 1).path == "fused"
     monkeypatch.setattr(gemm_module, "DEQUANT_GEMM_MIN_M", 8)  # small shapes for the interpreter
-    assert default_config(8).path == default_config(512).path == path
-    assert default_config(512).block_m == 128 and default_config(8).block_m == 64
     bits, group = 4, 32
     qw, scale, zero = _weight(24, 64, bits, group, True)
     x = torch.randn(9, 64, device=DEVICE)
     ref = w4a16_gemm_ref(x, qw, scale, zero, bits, group)
     torch.testing.assert_close(w4a16_linear(x, qw, scale, zero, bits, group), ref, atol=1e-3, rtol=1e-4)
+    for _, cfg in gemm_module.TIERS[-2:]:  # the large tiles themselves
+        torch.testing.assert_close(
+            w4a16_linear(x, qw, scale, zero, bits, group, cfg), ref, atol=1e-3, rtol=1e-4
+        )
 
 
 def test_default_config_follows_the_module_choices(monkeypatch):
+    assert [default_config(m) for m in (1, 16, 17, 64, 65, 256, 511, 512, 4096)] == [
+        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 4, 4, 5, 5)
+    ]
     assert default_config(1).kernel == "v2" and default_config(1).scale_after
-    assert default_config(DEQUANT_GEMM_MIN_M).path == gemm_module.LARGE_M_PATH
     monkeypatch.setattr(gemm_module, "KERNEL", "v1")
     assert default_config(16) == W4A16Config(16, 64, kernel="v1")
     assert default_config(DEQUANT_GEMM_MIN_M).path == "dequant"
     monkeypatch.setattr(gemm_module, "KERNEL", "v2")
-    monkeypatch.setattr(gemm_module, "SPLIT_K_REDUCE", "atomic")
+    monkeypatch.setattr(gemm_module, "TIERS", ((1 << 62, W4A16Config(16, 32, reduce="atomic")),))
     assert default_config(4).reduce == "atomic"
     with pytest.raises(ValueError, match="unknown kernel"):
         W4A16Config(16, 64, kernel="v3")

@@ -14,10 +14,14 @@ reading 4 bits per weight instead of 16. A program owns BLOCK_M x BLOCK_N output
 of K and walks it BLOCK_K columns at a time (BLOCK_K divides G, so each step has one scale per row).
 
 Kernel "v2" (the default; "v1" is the first version, kernels/w4a16_baseline.py, kept for the benchmark):
-- the words are loaded as a [BLOCK_N, BLOCK_K / P] tile, K contiguous, so each thread issues 16-byte
-  vector loads; they unpack by shifts into [BLOCK_N, BLOCK_K / P, P] and reshape along the contiguous
-  dim (value j of word w is column w * P + j: the packed order, no data movement), then the dot takes
-  the transposed view (the B operand K-major in shared memory, as for an nn.Linear weight).
+- the words are loaded as a [BLOCK_N, BLOCK_K / P] tile, K contiguous, and x's K offsets are declared
+  multiples of BLOCK_K, so both are fetched by 16-byte async copies (kernels/w4a16_baseline.py says
+  what the first version did); x's rows past M are masked rather than re-read.
+- the words unpack in registers by interleaving (kernels/int_unpack.py: value j of word w is column
+  w * P + j, the packed order) straight into float32 by the 2^23 exponent trick, no int-to-float
+  conversions; the dot takes the transposed view (the weight K-major, as an nn.Linear's).
+- swap_ab computes out^T = W x^T: the dequantized weight is the dot's first operand, which Hopper's
+  wgmma reads from registers (no shared-memory round trip), and small M gets wgmma m64n16.
 - scale_after: the dot runs on (code - zero) (small integers, exact in bf16/fp16) and the fp32 product
   of each step is scaled per output column: BLOCK_M * BLOCK_N multiplies a step instead of BLOCK_N *
   BLOCK_K. It sums the same terms as the reference in another rounding order (the reference rounds each
@@ -33,13 +37,14 @@ Large M (prefill, throughput decode at 256+ rows) is compute-bound: either the s
 large tiles (tensor-core wgmma on Hopper; the weight is read once per BLOCK_M rows), or ("dequant") the
 whole weight dequantized into the compute dtype by one kernel and a cuBLAS GEMM.
 
-Which variant runs: default_config (module constants below, set from bench/w4a16_variants_gpu.py).
+Which variant runs: default_config (TIERS and the module constants, set from
+bench/w4a16_variants_gpu.py's results).
 Launches depend only on shapes: safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -48,13 +53,12 @@ import triton.language as tl
 from overnight.kernels.int_unpack import _sum_partials_kernel, _unpack
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
-# Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M).
-DEQUANT_GEMM_MIN_M = 256  # from this many rows on: the large-M path
+# Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
+# tiles by M are TIERS below.
+DEQUANT_GEMM_MIN_M = 256  # from this many rows on: the large-M path (the tiers' bound too)
 LARGE_M_PATH = "fused"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
-SCALE_AFTER_MAX_M = 64  # scale the dot's product (v2) up to this many rows; scale the weight past it
-SPLIT_K_REDUCE = "sum"  # "sum" (deterministic) or "atomic" (fp32 atomics, order-dependent)
 _SMS = 132  # an H100/H200 SXM
 _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 
@@ -88,30 +92,37 @@ class W4A16Config:
             raise ValueError("the v1 kernel writes split-K partial sums, it has no atomic reduce")
 
 
+# The default variant by M: the first tier whose bound is >= M. bench/w4a16_variants_gpu.py prints each
+# variant's W4A16Config: the winners go here. Up to 64 rows the GEMM streams the weight (scale_after,
+# split-K below the SM count); from DEQUANT_GEMM_MIN_M on it is compute-bound: one program per tile
+# (split-K's fp32 partial sums would cost more than idle SMs), 64-row tiles (one warpgroup's wgmma)
+# below 512 rows so N = 4096 layers still make 128 tiles.
+TIERS: tuple[tuple[int, W4A16Config], ...] = (
+    (16, W4A16Config(16, 64)),
+    (32, W4A16Config(32, 64)),
+    (64, W4A16Config(64, 64)),
+    (DEQUANT_GEMM_MIN_M - 1, W4A16Config(64, 128, num_warps=8, scale_after=False)),
+    (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
+    (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
+)
+# The first version's tiers ("v1"): dequantize + cuBLAS from 256 rows.
+V1_TIERS: tuple[tuple[int, W4A16Config], ...] = (
+    (16, W4A16Config(16, 64, kernel="v1")),
+    (32, W4A16Config(32, 64, kernel="v1")),
+    (64, W4A16Config(64, 64, kernel="v1")),
+    (255, W4A16Config(64, 128, kernel="v1")),
+    (1 << 62, W4A16Config(64, 128, kernel="v1", path="dequant")),
+)
+
+
 def default_config(m: int) -> W4A16Config:
-    """The variant for M rows (the module constants; bench/w4a16_variants_gpu.py measures them)."""
-    if KERNEL == "v1":  # the first version's tiles
-        return W4A16Config(
-            block_m=16 if m <= 16 else 32 if m <= 32 else 64,
-            block_n=64 if m <= 64 else 128,
-            kernel="v1",
-            path="dequant" if m >= DEQUANT_GEMM_MIN_M else "fused",
-        )
-    if m >= DEQUANT_GEMM_MIN_M:
-        # one program per tile (no split-K: its fp32 partial sums would cost more than idle SMs here);
-        # below 512 rows 64-row tiles (one warpgroup's wgmma), so N = 4096 still makes 128 tiles
-        if m < 512:
-            return W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False, path=LARGE_M_PATH)
-        return W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False, path=LARGE_M_PATH)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return W4A16Config(
-        block_m=block_m,
-        block_n=64 if m <= 64 else 128,
-        num_stages=4,
-        scale_after=m <= SCALE_AFTER_MAX_M,
-        reduce=SPLIT_K_REDUCE,
-        num_warps=4 if m <= 64 else 8,
-    )
+    """The variant for M rows: KERNEL's tiers; with LARGE_M_PATH "dequant", from DEQUANT_GEMM_MIN_M rows
+    on the whole weight is dequantized for cuBLAS instead."""
+    tiers = V1_TIERS if KERNEL == "v1" else TIERS
+    cfg = next(c for bound, c in tiers if m <= bound)
+    if KERNEL != "v1" and m >= DEQUANT_GEMM_MIN_M and LARGE_M_PATH == "dequant":
+        return replace(cfg, path="dequant")
+    return cfg
 
 
 @triton.jit(do_not_specialize=["M"])
