@@ -137,6 +137,10 @@ def test_default_config_follows_the_module_choices(monkeypatch):
         W4A16Config(16, 64, kernel="v3")
     with pytest.raises(ValueError, match="no atomic"):
         W4A16Config(16, 64, kernel="v1", reduce="atomic")
+    with pytest.raises(ValueError, match="no swap_ab"):
+        W4A16Config(16, 64, kernel="v1", swap_ab=True)
+    with pytest.raises(ValueError, match="unknown path"):
+        W4A16Config(16, 64, path="cublas")
 
 
 def test_signed_codes_are_twos_complement():

@@ -88,8 +88,8 @@ class W4A16Config:
             raise ValueError(f"unknown kernel {self.kernel!r} or split-K reduce {self.reduce!r}")
         if self.path not in ("fused", "dequant"):
             raise ValueError(f"unknown path {self.path!r}: 'fused' or 'dequant'")
-        if self.kernel == "v1" and self.reduce == "atomic":
-            raise ValueError("the v1 kernel writes split-K partial sums, it has no atomic reduce")
+        if self.kernel == "v1" and (self.reduce == "atomic" or self.swap_ab):
+            raise ValueError("the v1 kernel has no atomic reduce and no swap_ab (v2 options)")
 
 
 # The default variant by M: the first tier whose bound is >= M. bench/w4a16_variants_gpu.py prints each
