@@ -65,11 +65,17 @@ _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """One variant of the GEMM. split_k 0: chosen from the shape (only when the tiles are fewer than the
-    SMs); block_k: a cap on the K step (0: 128), the largest of 128 / 64 / 32 / 16 dividing the group; kernel "v1" / "v2" (module
-    docstring); scale_after: v2 scales the dot's product instead of the weight; swap_ab: v2 computes
-    out^T = W x^T (the dequantized weight the dot's first operand, which Hopper's wgmma can read from
-    registers instead of shared memory); reduce: split-K's "sum" or "atomic"; path "fused" or "dequant" (w4a16_linear only: dequantize + cuBLAS)."""
+    """One variant of the GEMM (the module docstring says what each option does).
+
+    split_k      0: chosen from the shape (v2: only when the tiles are fewer than the SMs)
+    block_k      a cap on the K step (0: 128); the step is the largest of 128/64/32/16 dividing the group
+    kernel       "v2" or "v1" (the first version)
+    scale_after  v2: scale the dot's fp32 product per column instead of each weight element
+    swap_ab      v2: out^T = W x^T, the dequantized weight the dot's first operand (wgmma reads it from
+                 registers)
+    reduce       split-K's partial sums: "sum" (deterministic) or "atomic"
+    path         "fused", or "dequant" (w4a16_linear: the whole weight dequantized, then cuBLAS)
+    """
 
     block_m: int
     block_n: int
