@@ -11,8 +11,11 @@ import pytest
 import torch
 
 from overnight.kernels import dispatch
+from overnight.kernels import w4a16_gemm as gemm_module
 from overnight.kernels.w4a16_gemm import (
     DEQUANT_GEMM_MIN_M,
+    W4A16Config,
+    default_config,
     dequantize_int_weight,
     dequantize_int_weight_ref,
     w4a16_gemm,
@@ -62,20 +65,94 @@ def test_fused_gemm_matches_reference(case, dtype):
     torch.testing.assert_close(y.float(), ref.float(), atol=_tol(dtype) * 8, rtol=_tol(dtype))
 
 
+# The variants bench/w4a16_variants_gpu.py times (W4A16Config): the first kernel, v2 scaling the dot's
+# product or the weight, split-K summed or added atomically, the large-M tiles, a capped K step.
+VARIANTS = {
+    "v1": W4A16Config(16, 32, kernel="v1"),
+    "v2-scale-after": W4A16Config(16, 32),
+    "v2-scale-weight": W4A16Config(16, 32, scale_after=False),
+    "v2-split-sum": W4A16Config(16, 16, split_k=3),
+    "v2-split-atomic": W4A16Config(16, 16, split_k=3, reduce="atomic"),
+    "v2-large": W4A16Config(64, 64, num_warps=8, num_stages=3, block_k=64, scale_after=False),
+    "v2-bk16": W4A16Config(32, 16, block_k=16),
+    "v2-swap": W4A16Config(16, 32, swap_ab=True),
+    "v2-swap-scale-weight-split": W4A16Config(16, 64, split_k=2, scale_after=False, swap_ab=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("bits,group,zeros", [(4, 32, True), (4, 128, False), (8, 64, True), (8, 32, False)])
+def test_every_variant_matches_reference(variant, bits, group, zeros, dtype):
+    m, n, k = 5, 40, 128
+    qw, scale, zero = _weight(n, k, bits, group, zeros, seed=3)
+    x = torch.randn(m, k, device=DEVICE).to(dtype)
+    y = w4a16_gemm(x, qw, scale, zero, bits, group, config=VARIANTS[variant])
+    ref = w4a16_gemm_ref(x, qw, scale, zero, bits, group)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref.float(), atol=_tol(dtype) * 8, rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits,group,zeros", [(4, 32, True), (4, 16, False), (8, 64, True)])
-def test_dequantize_kernel_is_bit_exact(bits, group, zeros, dtype):
+def test_dequantize_kernel_is_bit_exact(bits, group, zeros, dtype, kernel):
     qw, scale, zero = _weight(40, 128, bits, group, zeros)
-    ours = dequantize_int_weight(qw, scale, zero, bits, group, dtype)
+    ours = dequantize_int_weight(qw, scale, zero, bits, group, dtype, kernel)
     assert torch.equal(ours, dequantize_int_weight_ref(qw, scale, zero, bits, group, dtype))
 
 
-def test_large_m_dequantizes_then_multiplies():
+@pytest.mark.parametrize("path,kernel", [("dequant", "v1"), ("dequant", "v2"), ("fused", "v2")])
+def test_large_m_paths(path, kernel, monkeypatch):
+    """From DEQUANT_GEMM_MIN_M rows the module's choice runs: dequantize + matmul, or the fused kernel
+    with the large tiers' tiles; both equal the reference."""
+    monkeypatch.setattr(gemm_module, "LARGE_M_PATH", path)
+    monkeypatch.setattr(gemm_module, "DEQUANT_KERNEL", kernel)
+    assert default_config(DEQUANT_GEMM_MIN_M).path == default_config(4096).path == path
+    assert default_config(DEQUANT_GEMM_MIN_M - 1).path == "fused"
+    monkeypatch.setattr(gemm_module, "DEQUANT_GEMM_MIN_M", 8)  # small shapes for the interpreter
     bits, group = 4, 32
     qw, scale, zero = _weight(24, 64, bits, group, True)
-    x = torch.randn(DEQUANT_GEMM_MIN_M, 64, device=DEVICE)
+    x = torch.randn(9, 64, device=DEVICE)
     ref = w4a16_gemm_ref(x, qw, scale, zero, bits, group)
     torch.testing.assert_close(w4a16_linear(x, qw, scale, zero, bits, group), ref, atol=1e-3, rtol=1e-4)
+    for _, cfg in gemm_module.TIERS[-2:]:  # the large tiles themselves
+        torch.testing.assert_close(
+            w4a16_linear(x, qw, scale, zero, bits, group, cfg), ref, atol=1e-3, rtol=1e-4
+        )
+
+
+def test_default_config_follows_the_module_choices(monkeypatch):
+    assert [default_config(m) for m in (1, 16, 17, 64, 65, 256, 511, 512, 4096)] == [
+        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 4, 4, 5, 5)
+    ]
+    assert default_config(1).kernel == "v2" and default_config(1).scale_after
+    monkeypatch.setattr(gemm_module, "KERNEL", "v1")
+    assert default_config(16) == W4A16Config(16, 64, kernel="v1")
+    assert default_config(DEQUANT_GEMM_MIN_M).path == "dequant"
+    monkeypatch.setattr(gemm_module, "KERNEL", "v2")
+    monkeypatch.setattr(gemm_module, "TIERS", ((1 << 62, W4A16Config(16, 32, reduce="atomic")),))
+    assert default_config(4).reduce == "atomic"
+    with pytest.raises(ValueError, match="unknown kernel"):
+        W4A16Config(16, 64, kernel="v3")
+    with pytest.raises(ValueError, match="no atomic"):
+        W4A16Config(16, 64, kernel="v1", reduce="atomic")
+    with pytest.raises(ValueError, match="no swap_ab"):
+        W4A16Config(16, 64, kernel="v1", swap_ab=True)
+    with pytest.raises(ValueError, match="unknown path"):
+        W4A16Config(16, 64, path="cublas")
+
+
+def test_signed_codes_are_twos_complement():
+    """signed=True reads 8-bit codes as int8 with no zero point (the W8A8 layers' small-M path)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randint(-128, 128, (24, 64), generator=gen, dtype=torch.int8).to(DEVICE)
+    scale = (torch.rand(24, 1, generator=gen) * 0.01).to(DEVICE)
+    x = torch.randn(3, 64, device=DEVICE)
+    y = w4a16_gemm(x, w.view(torch.int32), scale, None, 8, 64, signed=True)
+    torch.testing.assert_close(y, x @ (w.float() * scale).t(), atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="signed"):
+        w4a16_gemm(x, w.view(torch.int32), scale, scale, 8, 64, signed=True)
 
 
 def test_wrapper_checks_shapes():

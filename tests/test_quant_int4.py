@@ -127,9 +127,11 @@ def test_packed_layers_hold_the_same_weights(dense, layout, monkeypatch):
 @pytest.mark.parametrize("layout", ["gptq-w4-g16-asym-descact", "ct-w8-g16-sym", "ct-w8a8"])
 def test_packed_layers_kernel_path_matches_reference(dense, layout, monkeypatch):
     """Each packed layer of a loaded checkpoint through its kernel path (the Triton GEMM in the
-    interpreter; torch._int_mm for W8A8) against its torch reference path, on the same inputs."""
-    from overnight.kernels import dispatch
+    interpreter; W8A8 through its int8 GEMM, not the W8A16 small-batch path) against its torch reference
+    path, on the same inputs."""
+    from overnight.kernels import dispatch, int8_gemm
 
+    monkeypatch.setattr(int8_gemm, "W8A16_MAX_M", 0)
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     model = load_model(resolve_source(str(dense[layout][0])), torch.float32, "cpu")
     layers = [m for m in model.modules() if isinstance(m, (WeightOnlyIntLinear, Int8Linear))]

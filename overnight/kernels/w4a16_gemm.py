@@ -7,48 +7,128 @@ Reference: w4a16_gemm_ref below. Layout (made once at load, quant/int_formats.ke
     scale  [N, K / G] float32                          one per output row and group of G columns
     zero   [N, K / G] float32                          zero points (codes), or none: 2^(BITS-1)
 
-    W[n, k] = (code(n, k) - zero[n, k // G]) * scale[n, k // G], rounded to x's dtype, then a tensor-
-    core dot with fp32 accumulation: the product the dequantized model's matmul makes.
+    W[n, k] = (code(n, k) - zero[n, k // G]) * scale[n, k // G]
 
 Why this shape: at decode batch sizes the GEMM is a stream over the weight, so the kernel's worth is in
-reading 4 bits per weight instead of 16. A program owns BLOCK_N output rows and one SPLIT_K share of K
-and walks it BLOCK_K columns at a time (BLOCK_K divides G, so each step has one scale per row). When
-M is small the (M, N) tiles are too few to fill the GPU, so K is split across programs that write fp32
-partial sums [SPLIT_K, M, N], summed afterwards (a second small read; no atomics, so results do not
-depend on scheduling). Large M (prefill) is compute-bound and the weight is read once per 64-row tile
-either way: w4a16_linear dequantizes the whole weight into the compute dtype (one kernel) and lets
-cuBLAS run the GEMM past DEQUANT_GEMM_MIN_M rows (plain AWQ in vLLM switches at 256 too).
+reading 4 bits per weight instead of 16. A program owns BLOCK_M x BLOCK_N outputs and one SPLIT_K share
+of K and walks it BLOCK_K columns at a time (BLOCK_K divides G, so each step has one scale per row).
 
+Kernel "v2" (the default; "v1" is the first version, kernels/w4a16_baseline.py, kept for the benchmark):
+- the words are loaded as a [BLOCK_N, BLOCK_K / P] tile, K contiguous, and x's K offsets are declared
+  multiples of BLOCK_K, so both are fetched by 16-byte async copies (kernels/w4a16_baseline.py says
+  what the first version did); x's rows past M are masked rather than re-read.
+- the words unpack in registers by interleaving (kernels/int_unpack.py: value j of word w is column
+  w * P + j, the packed order) straight into float32 by the 2^23 exponent trick, no int-to-float
+  conversions; the dot takes the transposed view (the weight K-major, as an nn.Linear's).
+- swap_ab computes out^T = W x^T: the dequantized weight is the dot's first operand, which Hopper's
+  wgmma reads from registers (no shared-memory round trip), and small M gets wgmma m64n16.
+- scale_after: the dot runs on (code - zero) (small integers, exact in bf16/fp16) and the fp32 product
+  of each step is scaled per output column: BLOCK_M * BLOCK_N multiplies a step instead of BLOCK_N *
+  BLOCK_K. It sums the same terms as the reference in another rounding order (the reference rounds each
+  scaled weight to x's dtype): differences are at the accumulation's rounding level.
+- split-K only when the (M, N) tiles are fewer than the SMs; partial sums either in an fp32 [S, M, N]
+  buffer summed in order by one small kernel ("sum": deterministic) or added with fp32 atomics into a
+  zeroed [M, N] buffer, then cast ("atomic": the order of the adds, so the last bits, depend on
+  scheduling).
+- SIGNED codes (two's complement, zero 0) let int8 [N, K] weights (W8A8 layers, viewed as int32 words)
+  run through the same kernel as W8A16: kernels/int8_gemm.py's small-M path.
+
+Large M (prefill, throughput decode at 256+ rows) is compute-bound: either the same fused kernel with
+large tiles (tensor-core wgmma on Hopper; the weight is read once per BLOCK_M rows), or ("dequant") the
+whole weight dequantized into the compute dtype by one kernel and a cuBLAS GEMM.
+
+Which variant runs: default_config (TIERS and the module constants, set from
+bench/w4a16_variants_gpu.py's results).
 Launches depend only on shapes: safe to capture in a CUDA graph.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-DEQUANT_GEMM_MIN_M = 256  # from this many rows on: dequantize + cuBLAS
-_TARGET_PROGRAMS = 264  # ~2 waves on an H100/H200's 132 SMs
+from overnight.kernels.int_unpack import _sum_partials_kernel, _unpack
+from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
+
+# Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
+# tiles by M are TIERS below.
+DEQUANT_GEMM_MIN_M = 256  # from this many rows on: the large-M path (the tiers' bound too)
+LARGE_M_PATH = "fused"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
+KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
+DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
+_SMS = 132  # an H100/H200 SXM
+_TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 
 
 @dataclass(frozen=True)
 class W4A16Config:
-    """Tiles of the fused kernel; split_k 0: chosen from the shape (_TARGET_PROGRAMS)."""
+    """One variant of the GEMM (the module docstring says what each option does).
+
+    split_k      0: chosen from the shape (v2: only when the tiles are fewer than the SMs)
+    block_k      a cap on the K step (0: 128); the step is the largest of 128/64/32/16 dividing the group
+    kernel       "v2" or "v1" (the first version)
+    scale_after  v2: scale the dot's fp32 product per column instead of each weight element
+    swap_ab      v2: out^T = W x^T, the dequantized weight the dot's first operand (wgmma reads it from
+                 registers)
+    reduce       split-K's partial sums: "sum" (deterministic) or "atomic"
+    path         "fused", or "dequant" (w4a16_linear: the whole weight dequantized, then cuBLAS)
+    """
 
     block_m: int
     block_n: int
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 4
+    block_k: int = 0
+    kernel: str = "v2"
+    scale_after: bool = True
+    swap_ab: bool = False
+    reduce: str = "sum"
+    path: str = "fused"
+
+    def __post_init__(self) -> None:
+        if self.kernel not in ("v1", "v2") or self.reduce not in ("sum", "atomic"):
+            raise ValueError(f"unknown kernel {self.kernel!r} or split-K reduce {self.reduce!r}")
+        if self.path not in ("fused", "dequant"):
+            raise ValueError(f"unknown path {self.path!r}: 'fused' or 'dequant'")
+        if self.kernel == "v1" and (self.reduce == "atomic" or self.swap_ab):
+            raise ValueError("the v1 kernel has no atomic reduce and no swap_ab (v2 options)")
+
+
+# The default variant by M: the first tier whose bound is >= M. bench/w4a16_variants_gpu.py prints each
+# variant's W4A16Config: the winners go here. Up to 64 rows the GEMM streams the weight (scale_after,
+# split-K below the SM count); from DEQUANT_GEMM_MIN_M on it is compute-bound: one program per tile
+# (split-K's fp32 partial sums would cost more than idle SMs), 64-row tiles (one warpgroup's wgmma)
+# below 512 rows so N = 4096 layers still make 128 tiles.
+TIERS: tuple[tuple[int, W4A16Config], ...] = (
+    (16, W4A16Config(16, 64)),
+    (32, W4A16Config(32, 64)),
+    (64, W4A16Config(64, 64)),
+    (DEQUANT_GEMM_MIN_M - 1, W4A16Config(64, 128, num_warps=8, scale_after=False)),
+    (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
+    (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
+)
+# The first version's tiers ("v1"): dequantize + cuBLAS from 256 rows.
+V1_TIERS: tuple[tuple[int, W4A16Config], ...] = (
+    (16, W4A16Config(16, 64, kernel="v1")),
+    (32, W4A16Config(32, 64, kernel="v1")),
+    (64, W4A16Config(64, 64, kernel="v1")),
+    (255, W4A16Config(64, 128, kernel="v1")),
+    (1 << 62, W4A16Config(64, 128, kernel="v1", path="dequant")),
+)
 
 
 def default_config(m: int) -> W4A16Config:
-    """Untuned on the GPU so far (bench/w4a16_gpu.py sweeps the alternatives)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return W4A16Config(block_m=block_m, block_n=64 if m <= 64 else 128)
+    """The variant for M rows: KERNEL's tiers; with LARGE_M_PATH "dequant", from DEQUANT_GEMM_MIN_M rows
+    on the whole weight is dequantized for cuBLAS instead."""
+    tiers = V1_TIERS if KERNEL == "v1" else TIERS
+    cfg = next(c for bound, c in tiers if m <= bound)
+    if KERNEL != "v1" and m >= DEQUANT_GEMM_MIN_M and LARGE_M_PATH == "dequant":
+        return replace(cfg, path="dequant")
+    return cfg
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -70,6 +150,10 @@ def _w4a16_kernel(
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    SIGNED: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    ATOMIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -79,36 +163,62 @@ def _w4a16_kernel(
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     PER: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
+    WORDS: tl.constexpr = BLOCK_K // PER
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_m = tl.minimum(offs_m, M - 1)  # clamped reads, masked stores
-    rows_n = tl.minimum(offs_n, N - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    m_ok = offs_m < M
+    rows_m = tl.minimum(offs_m, M - 1)
+    rows_n = tl.minimum(offs_n, N - 1)  # clamped reads, masked stores
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, WORDS)
+    if SWAP_AB:  # out^T = W x^T: the weight tile is the dot's first operand
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    next_scale = tl.load(s_ptr + rows_n * stride_sn + tl.minimum(k_start, K - 1) // GROUP)
+    # BLOCK_K divides the group and the group K: no step runs past K, so no K masks
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < K
-        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :], mask=k_ok[None, :], other=0.0)
-        # each int32 word read once: [BLOCK_K / PER, BLOCK_N] words -> [BLOCK_K / PER, PER, BLOCK_N]
-        # codes -> [BLOCK_K, BLOCK_N] (row w * PER + j is value j of word w, as packed)
-        offs_w = k0 // PER + tl.arange(0, BLOCK_K // PER)
-        words = tl.load(
-            qw_ptr + rows_n[None, :] * stride_qn + offs_w[:, None], mask=offs_w[:, None] < K // PER, other=0
-        )
-        shifts = tl.arange(0, PER) * BITS
-        codes = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & MASK, (BLOCK_K, BLOCK_N))
+        # k0 is a multiple of BLOCK_K (k_per_split is): said so, the loads vectorize (a hint on the
+        # loop variable itself is lost)
+        kx = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
+        # rows past M are masked, not clamped: a 16-row tile at M = 1 would otherwise read x 16 times
+        # from L2 (as many bytes as the packed weight) just to fill the MMA's rows
+        x = tl.load(x_ptr + rows_m[:, None] * stride_xm + kx[None, :], mask=m_ok[:, None], other=0.0)
+        kw = tl.max_contiguous(tl.multiple_of(k0 // PER + offs_w, WORDS), WORDS)
+        words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + kw[None, :])
+        vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
         g = k0 // GROUP
-        scale = tl.load(s_ptr + rows_n * stride_sn + g)
-        if HAS_ZERO:
-            zero = tl.load(z_ptr + rows_n * stride_sn + g)
+        if SCALE_AFTER:
+            # loaded one step ahead: Triton pipelines only loads that feed a dot, and this one's
+            # latency would otherwise stall every step
+            scale = next_scale
+            next_scale = tl.load(s_ptr + rows_n * stride_sn + tl.minimum(k0 + BLOCK_K, K - 1) // GROUP)
         else:
-            zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
-        w = ((codes.to(tl.float32) - zero[None, :]) * scale[None, :]).to(x.dtype)
-        acc += tl.dot(x, w, input_precision=DOT_PRECISION)
-    out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+            scale = tl.load(s_ptr + rows_n * stride_sn + g)
+        if HAS_ZERO:
+            vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
+        if SCALE_AFTER:
+            w = vals.to(x.dtype)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+        else:
+            w = (vals * scale[:, None]).to(x.dtype)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+    ok = m_ok[:, None] & (offs_n[None, :] < N)
+    if ATOMIC:
+        tl.atomic_add(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc, mask=ok, sem="relaxed")
+    else:
+        out = out_ptr + pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -118,30 +228,32 @@ def _dequant_kernel(
     z_ptr,
     w_ptr,
     N,
-    K,
     stride_qn,
     stride_sn,
     stride_wn,
     BITS: tl.constexpr,
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
+    SIGNED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_N, BLOCK_K] tile (BLOCK_K divides the group): words read once as 16-byte vectors, one
+    scale per row, the tile stored row-contiguous."""
     PER: tl.constexpr = 32 // BITS
+    WORDS: tl.constexpr = BLOCK_K // PER
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    ok = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    words = tl.load(qw_ptr + offs_n[:, None] * stride_qn + offs_k[None, :] // PER, mask=ok, other=0)
-    codes = (words >> ((offs_k[None, :] % PER) * BITS)) & ((1 << BITS) - 1)
-    g = offs_k[None, :] // GROUP
-    scale = tl.load(s_ptr + offs_n[:, None] * stride_sn + g, mask=ok, other=0.0)
+    rows_n = tl.minimum(offs_n, N - 1)
+    k0 = tl.multiple_of(tl.program_id(1) * BLOCK_K, BLOCK_K)
+    kw = tl.multiple_of(k0 // PER, WORDS)
+    words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + (kw + tl.arange(0, WORDS))[None, :])
+    vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
+    g = k0 // GROUP
     if HAS_ZERO:
-        zero = tl.load(z_ptr + offs_n[:, None] * stride_sn + g, mask=ok, other=0.0)
-    else:
-        zero = (1 << (BITS - 1)) * 1.0
-    w = (codes.to(tl.float32) - zero) * scale
-    tl.store(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], w.to(w_ptr.dtype.element_ty), mask=ok)
+        vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
+    w = vals * tl.load(s_ptr + rows_n * stride_sn + g)[:, None]
+    out = w_ptr + offs_n[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :]
+    tl.store(out, w.to(w_ptr.dtype.element_ty), mask=offs_n[:, None] < N)
 
 
 def _check(
@@ -165,11 +277,22 @@ def _check(
         raise ValueError(f"zero must be float32 {list(groups)} laid out as scale, got {list(zero.shape)}")
 
 
-def _block_k(group: int) -> int:
+def _block_k(group: int, cap: int = 0) -> int:
+    """The largest of 128 / 64 / 32 / 16 dividing the group (and at most cap when given)."""
     for bk in (128, 64, 32, 16):
-        if group % bk == 0:
+        if group % bk == 0 and (not cap or bk <= cap):
             return bk
     raise ValueError(f"group size {group} is not a multiple of 16")
+
+
+def _split_k(cfg: W4A16Config, tiles: int, steps: int) -> int:
+    if cfg.split_k:
+        return cfg.split_k
+    if cfg.kernel == "v1":  # the first version's rule: aim at _TARGET_PROGRAMS whatever the tiles
+        return max(1, min(steps, _TARGET_PROGRAMS // tiles, 16))
+    if tiles >= _SMS:
+        return 1
+    return max(1, min(steps, triton.cdiv(_TARGET_PROGRAMS, tiles), 16))
 
 
 def w4a16_gemm(
@@ -181,57 +304,59 @@ def w4a16_gemm(
     group: int,
     split_k: int | None = None,
     config: W4A16Config | None = None,
+    signed: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ dequant(qw)^T -> [M, N] in x's dtype (see the module docstring); split_k: None picks
-    (or config.split_k when set)."""
+    """x [M, K] @ dequant(qw)^T -> [M, N] in x's dtype, the fused kernel (see the module docstring);
+    split_k: None picks (or config.split_k when set). signed: two's complement codes with no zero point
+    (int8 weights viewed as words; v2 only)."""
     m, k = x.shape
     n = qw.shape[0]
     _check(qw, scale, zero, bits, group, k)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m)
-    block_k = _block_k(group)
+    if signed and (cfg.kernel != "v2" or zero is not None):
+        raise ValueError("signed codes need the v2 kernel and no zero points")
+    block_k = _block_k(group, cfg.block_k)
     block_m, block_n = cfg.block_m, cfg.block_n
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
     if split_k is None:
-        split_k = cfg.split_k or max(1, min(steps, _TARGET_PROGRAMS // tiles, 16))
+        split_k = _split_k(cfg, tiles, steps)
     per_split = triton.cdiv(steps, split_k) * block_k
     split_k = triton.cdiv(k, per_split)
+    atomic = split_k > 1 and cfg.reduce == "atomic"
     if split_k == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        stride_os = 0
+    elif atomic:
+        out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-        stride_os = out.stride(0)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
-    _w4a16_kernel[grid](
-        x,
-        qw,
-        scale,
-        zero if zero is not None else scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        qw.stride(0),
-        scale.stride(0),
-        out.stride(-2),
-        stride_os,
-        per_split,
-        BITS=bits,
-        GROUP=group,
-        HAS_ZERO=zero is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    args = (x, qw, scale, zero if zero is not None else scale, out, m, n, k, x.stride(0), qw.stride(0))
+    args += (scale.stride(0), out.stride(-2), out.stride(0) if out.dim() == 3 else 0, per_split)
+    # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    common = dict(BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_M=block_m, BLOCK_N=block_n)
+    common.update(
+        BLOCK_K=block_k, DOT_PRECISION=precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages
     )
-    return out if split_k == 1 else out.sum(0).to(x.dtype)
+    if cfg.kernel == "v1":
+        _w4a16_kernel_v1[grid](*args, **common)
+    else:
+        _w4a16_kernel[grid](
+            *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic, **common
+        )
+    if split_k == 1:
+        return out
+    if atomic:
+        return out.to(x.dtype)
+    if cfg.kernel == "v1":  # the first version's reduce, as measured
+        return out.sum(0).to(x.dtype)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block = 1024
+    _sum_partials_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, split_k, BLOCK=block)
+    return y
 
 
 def dequantize_int_weight(
@@ -241,27 +366,37 @@ def dequantize_int_weight(
     bits: int,
     group: int,
     dtype: torch.dtype,
+    kernel: str | None = None,
 ) -> torch.Tensor:
-    """The whole weight [N, K] in `dtype` (the prefill path's first half)."""
+    """The whole weight [N, K] in `dtype` (the "dequant" path's first half); kernel: DEQUANT_KERNEL
+    when None."""
     n = qw.shape[0]
     k = qw.shape[1] * (32 // bits)
     _check(qw, scale, zero, bits, group, k)
     w = torch.empty(n, k, dtype=dtype, device=qw.device)
-    block_n, block_k = 32, 128
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    z = zero if zero is not None else scale
+    if (kernel or DEQUANT_KERNEL) == "v1":
+        grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
+        args = (qw, scale, z, w, n, k, qw.stride(0), scale.stride(0), w.stride(0))
+        _dequant_kernel_v1[grid](
+            *args, BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=32, BLOCK_K=128
+        )
+        return w
+    block_n, block_k = 32, _block_k(group)
+    grid = (triton.cdiv(n, block_n), k // block_k)
     _dequant_kernel[grid](
         qw,
         scale,
-        zero if zero is not None else scale,
+        z,
         w,
         n,
-        k,
         qw.stride(0),
         scale.stride(0),
         w.stride(0),
         BITS=bits,
         GROUP=group,
         HAS_ZERO=zero is not None,
+        SIGNED=False,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
@@ -269,12 +404,21 @@ def dequantize_int_weight(
 
 
 def w4a16_linear(
-    x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    config: W4A16Config | None = None,
 ) -> torch.Tensor:
-    """The layer's GEMM: the fused kernel for small M, dequantize + cuBLAS from DEQUANT_GEMM_MIN_M rows."""
-    if x.shape[0] >= DEQUANT_GEMM_MIN_M:
-        return x @ dequantize_int_weight(qw, scale, zero, bits, group, x.dtype).t()
-    return w4a16_gemm(x, qw, scale, zero, bits, group)
+    """The layer's GEMM: the variant default_config(M) names (or `config`): the fused kernel, or for
+    path "dequant" the whole weight dequantized and a cuBLAS GEMM."""
+    cfg = config or default_config(x.shape[0])
+    if cfg.path == "dequant":
+        kernel = "v1" if cfg.kernel == "v1" else None
+        return x @ dequantize_int_weight(qw, scale, zero, bits, group, x.dtype, kernel).t()
+    return w4a16_gemm(x, qw, scale, zero, bits, group, config=cfg)
 
 
 def dequantize_int_weight_ref(

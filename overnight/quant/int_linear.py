@@ -6,7 +6,7 @@ parallelism) can treat them like nn.Linear; matmul(x) is the product without the
     WeightOnlyIntLinear   W4A16 / W8A16 (AWQ, GPTQ, compressed-tensors pack-quantized): the weight
                           stays packed, kernels/w4a16_gemm.py dequantizes it inside the GEMM
     Int8Linear            W8A8 (compressed-tensors int-quantized): int8 weight per output channel,
-                          activations quantized per token as they come in, torch._int_mm
+                          activations quantized per token as they come in (kernels/int8_gemm.py)
 
 Parameters are laid out with the output rows first, so the loader fuses q/k/v and gate/up by stacking
 rows as it does for float weights. Off CUDA (or with kernels disabled) both run their torch references.
@@ -134,8 +134,9 @@ class WeightOnlyIntLinear(nn.Module):
 
 class Int8Linear(nn.Module):
     """y = (xq * sx) @ (W * sw)^T + bias: W int8 [out, in] with weight_scale [out] float32; x quantized
-    per token (symmetric int8) on each call. Kernel path: torch._int_mm (exact int32 accumulation), then
-    both scales in float32; the reference: the same arithmetic in float32. The per-token quantization
+    per token (symmetric int8) on each call. Kernel path: kernels/int8_gemm.int8_linear (an int8 GEMM
+    with exact int32 accumulation and both scales applied in float32; at a few rows, the weight-only
+    W8A16 product instead); the reference: the W8A8 arithmetic in float32. The per-token quantization
     is not fused into the preceding norm yet (the FP8 path's producers do that): it is a few
     elementwise ops per layer."""
 
@@ -178,20 +179,14 @@ class Int8Linear(nn.Module):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.in_features)
-        kernels = use_kernels(rows) and self.in_features % 8 == 0 and self.out_features % 8 == 0
-        if kernels:
-            from overnight.kernels.int8_quant import quantize_int8  # triton loads on first use
+        if use_kernels(rows) and self.in_features % 16 == 0 and self.out_features % 8 == 0:
+            from overnight.kernels.int8_gemm import int8_linear  # triton loads on first use
 
-            codes, sx = quantize_int8(rows.contiguous())
-            m = codes.shape[0]
-            # CUDA's torch._int_mm wants more than 16 rows: small batches are padded (a fixed shape per
-            # graph bucket, so capture and replay agree)
-            padded = codes if m > 16 else torch.nn.functional.pad(codes, (0, 0, 0, 17 - m))
-            acc = torch._int_mm(padded, self.weight.t())[:m].float()
+            y = int8_linear(rows, self.weight, self.weight_scale)
         else:
             codes, sx = quantize_int8_ref(rows)
             acc = codes.float() @ self.weight.float().t()
-        y = (acc * sx * self.weight_scale[None, :]).to(x.dtype)
+            y = (acc * sx * self.weight_scale[None, :]).to(x.dtype)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:

@@ -1,0 +1,285 @@
+"""The integer-weight GEMM variants side by side on one GPU, to pick the defaults: one call, ~2-3 minutes
+with Triton's compilation.
+
+Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants_gpu.py [--skip-int8]
+
+1. Correctness (bf16): every W4A16 variant against w4a16_gemm_ref at the o shape (4096 x 4096), int4
+   groups of 128 with and without zero points, M in {1, 16, 64, 256}; every W8A8 path against the W8A8
+   reference (int8 weight per channel, int8 activations per token; w8a16 skips the activation
+   quantization, so it is held to the quantization's error, 3e-2, instead of 1e-2).
+2. Time at the Qwen3-8B shapes (qkv 4096->6144, o 4096->4096, gate_up 4096->24576, down 12288->4096) x
+   M in {1, 16, 64, 256, 1024}: bf16 F.linear against each variant. Timed as the engine runs them:
+   inside a CUDA graph (no Python launch cost; the split-K sum and dequantize+cuBLAS paths pay for all
+   their launches) over enough weight copies that they do not stay in L2 (>= 256 MB a replay, as the
+   36 layers of a model do not), median of 10 replays. Printed: us, speed-up over bf16 (x), GB/s of the
+   weight bytes read (packed int4 + scales + zeros; int8 + scales; bf16 for the bf16 row).
+3. The best variant per (shape, M) and, per M, the variant with the best geometric-mean speed-up over
+   the four shapes, with its W4A16Config: what to put in kernels/w4a16_gemm.py's TIERS (and its
+   KERNEL, LARGE_M_PATH, DEQUANT_GEMM_MIN_M, DEQUANT_KERNEL) and kernels/int8_gemm.py's
+   (W8A16_MAX_M, LARGE_PATH).
+
+Prints tables, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, ".")
+
+from overnight.kernels.int8_gemm import int8_gemm_ref, int8_linear  # noqa: E402
+from overnight.kernels.int8_quant import quantize_int8_ref  # noqa: E402
+from overnight.kernels.w4a16_gemm import (  # noqa: E402
+    W4A16Config,
+    default_config,
+    w4a16_gemm_ref,
+    w4a16_linear,
+)
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
+MS = (1, 16, 64, 256, 1024)
+SMALL_M = 64  # variants of the small-M regime run up to here, the large-M ones from 256 on
+ROTATE_BYTES = 256 << 20
+GROUP = 128
+DEVICE, DTYPE = "cuda", torch.bfloat16  # tests/test_bench_w4a16_variants.py runs it on the CPU, fp32
+
+
+def _bm(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+# name -> config for M rows (None: the variant does not apply at that M). "default" is whatever
+# default_config picks now; "v1" is the first version (its tiles, dequantize + cuBLAS from 256 rows).
+W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
+    "default": lambda m: None,
+    "v1": lambda m: (
+        W4A16Config(_bm(m), 64, kernel="v1")
+        if m <= SMALL_M
+        else W4A16Config(64, 128, kernel="v1", path="dequant")
+    ),
+    # small M: the v2 kernel's options
+    "v2-bn64": lambda m: W4A16Config(_bm(m), 64) if m <= SMALL_M else None,
+    "v2-bn32": lambda m: W4A16Config(_bm(m), 32) if m <= SMALL_M else None,
+    "v2-scale-w": lambda m: W4A16Config(_bm(m), 64, scale_after=False) if m <= SMALL_M else None,
+    "v2-atomic": lambda m: W4A16Config(_bm(m), 64, reduce="atomic") if m <= SMALL_M else None,
+    "v2-nosplit": lambda m: W4A16Config(_bm(m), 64, split_k=1) if m <= SMALL_M else None,
+    "v2-bn32-nosplit": lambda m: W4A16Config(_bm(m), 32, split_k=1) if m <= SMALL_M else None,
+    "v2-bn64-s6": lambda m: W4A16Config(_bm(m), 64, num_stages=6) if m <= SMALL_M else None,
+    "v2-swap": lambda m: W4A16Config(_bm(m), 64, swap_ab=True) if m <= SMALL_M else None,
+    "v2-swap-bn128": lambda m: W4A16Config(_bm(m), 128, swap_ab=True) if m <= SMALL_M else None,
+    # large M: fused tiles against dequantize (v2) + cuBLAS
+    "dequant-v2": lambda m: W4A16Config(128, 128, path="dequant") if m > SMALL_M else None,
+    "fused-128x128x64": lambda m: (
+        W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None
+    ),
+    "fused-128x128x64-split": lambda m: (
+        W4A16Config(128, 128, 0, 8, 3, 64, scale_after=False, reduce="atomic") if m > SMALL_M else None
+    ),
+    "fused-128x128x128": lambda m: (
+        W4A16Config(128, 128, 1, 8, 3, 128, scale_after=False) if m > SMALL_M else None
+    ),
+    "fused-64x128x128-w4": lambda m: (
+        W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False) if m > SMALL_M else None
+    ),
+    "fused-swap-128x128x64": lambda m: (
+        W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False, swap_ab=True) if m > SMALL_M else None
+    ),
+    "fused-swap-64x256x64": lambda m: (
+        W4A16Config(64, 256, 1, 8, 3, 64, scale_after=False, swap_ab=True) if m > SMALL_M else None
+    ),
+    "fused-128x256x64": lambda m: (
+        W4A16Config(128, 256, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None
+    ),
+}
+INT8_PATHS = {"int_mm": lambda m: True, "triton": lambda m: True, "w8a16": lambda m: m <= SMALL_M}
+RESULTS: dict[str, object] = {}
+
+
+def int4_weight(n: int, k: int, zeros: bool, seed: int = 0):
+    """Random words are random 4-bit codes; made on the device (the CPU would take minutes for the
+    copies of the largest shapes)."""
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    words = torch.randint(-(1 << 31), 1 << 31, (n, k // 8), generator=gen, device=DEVICE, dtype=torch.int32)
+    scale = torch.rand(n, k // GROUP, generator=gen, device=DEVICE) * 0.02 + 0.001
+    zero = torch.randint(0, 16, (n, k // GROUP), generator=gen, device=DEVICE).float() if zeros else None
+    return words, scale, zero
+
+
+def int8_weight(n: int, k: int, seed: int = 0):
+    gen = torch.Generator(DEVICE).manual_seed(seed)
+    w = torch.randint(-127, 128, (n, k), generator=gen, device=DEVICE, dtype=torch.int8)
+    return w, torch.rand(n, generator=gen, device=DEVICE) * 0.01 + 0.001
+
+
+def graph_time(calls: list[Callable[[], object]], replays: int = 10) -> float:
+    """Microseconds per call: all of `calls` captured back to back in one CUDA graph, median replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm outside the capture
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    torch.cuda.synchronize()
+    return statistics.median(times) * 1e3 / len(calls)
+
+
+def copies(nbytes: int) -> int:
+    return max(1, min(32, math.ceil(ROTATE_BYTES / nbytes)))
+
+
+def section(fn):
+    def run(*args):
+        print(f"\n== {fn.__name__} ==", flush=True)
+        t0 = time.time()
+        try:
+            fn(*args)
+        except Exception:
+            traceback.print_exc()
+            RESULTS[fn.__name__] = "failed"
+        print(f"({time.time() - t0:.0f} s)", flush=True)
+
+    return run
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+@section
+def correctness(skip_int8: bool) -> None:
+    n, k = SHAPES["o"]
+    bad, worst = [], 0.0
+    for zeros in (True, False):
+        qw, scale, zero = int4_weight(n, k, zeros)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            ref = w4a16_gemm_ref(x, qw, scale, zero, 4, GROUP)
+            for name, make in W4A16_VARIANTS.items():
+                if name != "default" and make(m) is None:
+                    continue
+                err = rel_err(w4a16_linear(x, qw, scale, zero, 4, GROUP, make(m)), ref)
+                worst = max(worst, err)
+                if not err < 1e-2:
+                    bad.append((name, m, zeros, err))
+    if not skip_int8:
+        w, sw = int8_weight(n, k)
+        for m in (1, 16, 64, 256):
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            ref = int8_gemm_ref(*quantize_int8_ref(x), w, sw, DTYPE)
+            for path, applies in INT8_PATHS.items():
+                if applies(m):
+                    err = rel_err(int8_linear(x, w, sw, path), ref)
+                    if not err < (3e-2 if path == "w8a16" else 1e-2):
+                        bad.append((path, m, "int8", err))
+    print(f"worst int4 relative error {worst:.2e}; failures: {bad or 'none'}")
+    RESULTS["correctness"] = "ok" if not bad else bad
+
+
+def row(table: list, shape: str, m: int, name: str, us: float, bf16_us: float, nbytes: int) -> None:
+    gbps = nbytes / (us * 1e-6) / 1e9
+    table.append({"shape": shape, "M": m, "variant": name, "us": us, "x_bf16": bf16_us / us, "GBps": gbps})
+    print(f"{shape:8s} M={m:5d}  {name:20s} {us:9.1f} us  x{bf16_us / us:5.2f}  {gbps:6.0f} GB/s", flush=True)
+
+
+@section
+def times(skip_int8: bool) -> None:
+    table: list[dict] = []
+    for shape, (n, k) in SHAPES.items():
+        bf16 = [torch.randn(n, k, device=DEVICE, dtype=DTYPE) for _ in range(copies(n * k * 2))]
+        packed_bytes = n * k // 2 + 2 * 4 * n * (k // GROUP)
+        int4 = [int4_weight(n, k, True, seed=i) for i in range(copies(packed_bytes))]
+        int8 = [] if skip_int8 else [int8_weight(n, k, seed=i) for i in range(copies(n * k + 4 * n))]
+        for m in MS:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+            t_bf16 = graph_time([lambda w=w, x=x: F.linear(x, w) for w in bf16])
+            row(table, shape, m, "bf16", t_bf16, t_bf16, n * k * 2)
+            for name, make in W4A16_VARIANTS.items():
+                cfg = make(m)
+                if name != "default" and cfg is None:
+                    continue
+                calls = [lambda p=p, cfg=cfg, x=x: w4a16_linear(x, *p, 4, GROUP, cfg) for p in int4]
+                try:
+                    row(table, shape, m, name, graph_time(calls), t_bf16, packed_bytes)
+                except Exception as e:
+                    print(f"{shape:8s} M={m:5d}  {name:20s} failed: {type(e).__name__}: {str(e)[:200]}")
+            for path, applies in INT8_PATHS.items():
+                if not int8 or not applies(m):
+                    continue
+                calls = [lambda p=p, path=path, x=x: int8_linear(x, *p, path) for p in int8]
+                try:
+                    row(table, shape, m, f"w8a8:{path}", graph_time(calls), t_bf16, n * k + 4 * n)
+                except Exception as e:
+                    print(f"{shape:8s} M={m:5d}  w8a8:{path:15s} failed: {type(e).__name__}: {str(e)[:200]}")
+        del bf16, int4, int8
+        torch.cuda.empty_cache()
+    RESULTS["times"] = table
+    summary(table)
+
+
+def summary(table: list[dict]) -> None:
+    print("\n== best per (shape, M) ==")
+    best: dict[str, object] = {}
+    for family, keep in (
+        ("w4a16", lambda v: not v.startswith(("w8a8", "bf16"))),
+        ("w8a8", lambda v: v.startswith("w8a8")),
+    ):
+        for shape in SHAPES:
+            for m in MS:
+                rows = [r for r in table if r["shape"] == shape and r["M"] == m and keep(r["variant"])]
+                if rows:
+                    top = min(rows, key=lambda r: r["us"])
+                    best[f"{family} {shape} M={m}"] = top["variant"]
+                    base = next((r for r in rows if r["variant"] in ("v1", "w8a8:int_mm")), top)
+                    print(
+                        f"{family:6s} {shape:8s} M={m:5d}  best {top['variant']:20s} {top['us']:8.1f} us "
+                        f"x{top['x_bf16']:5.2f} bf16  ({base['variant']} was x{base['x_bf16']:5.2f})"
+                    )
+        print(f"-- {family}: per M, geometric mean of x bf16 over the shapes (variants run at all four) --")
+        for m in MS:
+            names = {r["variant"] for r in table if r["M"] == m and keep(r["variant"])}
+            means = {}
+            for name in names:
+                xs = [r["x_bf16"] for r in table if r["M"] == m and r["variant"] == name]
+                if len(xs) == len(SHAPES):
+                    means[name] = math.exp(sum(map(math.log, xs)) / len(xs))
+            ranked = sorted(means.items(), key=lambda kv: -kv[1])
+            print(f"M={m:5d}  " + "  ".join(f"{name} {gm:.2f}" for name, gm in ranked[:6]))
+            if ranked and ranked[0][0] in W4A16_VARIANTS:
+                top = ranked[0][0]
+                print(f"         {top}: {W4A16_VARIANTS[top](m) or default_config(m)!r}")
+            best[f"{family} gmean M={m}"] = ranked[:3]
+    RESULTS["best"] = best
+
+
+if __name__ == "__main__":
+    skip = "--skip-int8" in sys.argv
+    t0 = time.time()
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    correctness(skip)
+    times(skip)
+    print(f"total {time.time() - t0:.0f} s")
+    print(json.dumps(RESULTS))
