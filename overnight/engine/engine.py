@@ -74,7 +74,9 @@ class Engine:
         num_blocks = pool_plan.num_blocks
         bs = config.cache.block_size
         layout = KVCacheLayout.from_arch(source.arch, self.max_model_len)
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, layout.windows)
+        self.kv = KVCacheManager(
+            num_blocks, bs, config.cache.enable_prefix_caching, layout.windows, layout.block_scales
+        )
         # One sequence of max_model_len must fit, or it could never finish (windowed groups hold only
         # their window and the chunk being computed).
         chunk = config.scheduler.max_num_batched_tokens
