@@ -320,7 +320,13 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         runner = ModelRunner(config, source, grammars=model.grammars)
     t_model = time.perf_counter()
     try:
-        layout = KVCacheLayout.from_arch(source.arch, sched.max_model_len)
+        # One rank's shapes under tensor parallelism: its block scales are the runners' (kv_groups.py).
+        arch = source.arch
+        if config.parallel.tensor_parallel_size > 1:
+            from overnight.parallel.tp import TPShards
+
+            arch = TPShards(source.arch, 0, config.parallel.tensor_parallel_size).local_arch
+        layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
         plan = set_up_kv_pool(runner, config.cache, sched, layout)
     except BaseException:
         runner.shutdown()

@@ -57,14 +57,24 @@ CONFIG: dict[str, Any] = dict(
         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 10000.0},
     },
 )
+# The MoE variant (Gemma-4-26B-A4B's shape): experts beside the MLP, no KV-shared layers, no per-layer inputs.
+MOE: dict[str, Any] = dict(
+    num_kv_shared_layers=0,
+    hidden_size_per_layer_input=0,
+    enable_moe_block=True,
+    num_experts=5,
+    top_k_experts=2,
+    moe_intermediate_size=20,
+)
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4)
 
 
-def tiny_gemma4(window: int) -> torch.nn.Module:
+def tiny_gemma4(window: int, moe: bool = False) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
-    model = tf.Gemma4ForCausalLM(tf.Gemma4TextConfig(**CONFIG, sliding_window=window)).eval()
+    config = tf.Gemma4TextConfig(**{**CONFIG, **(MOE if moe else {})}, sliding_window=window)
+    model = tf.Gemma4ForCausalLM(config).eval()
     model.set_attn_implementation("eager")
     _spread_weights(model, one_centred_norms=False)
     return model
@@ -74,6 +84,14 @@ def tiny_gemma4(window: int) -> torch.nn.Module:
 def gemma4(tmp_path_factory):
     model = tiny_gemma4(W)
     folder = tmp_path_factory.mktemp("gemma4") / "model"
+    model.save_pretrained(folder)
+    return str(folder), model
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory):
+    model = tiny_gemma4(W, moe=True)
+    folder = tmp_path_factory.mktemp("gemma4-moe") / "model"
     model.save_pretrained(folder)
     return str(folder), model
 
@@ -97,7 +115,8 @@ def test_layout_and_transformers_applies_the_window(gemma4):
 def test_windows_and_block_scales_hold_more_sequences_and_the_same_tokens(gemma4, monkeypatch):
     """The same pool bytes, at a context of 20 + 124 tokens: count the sequences long at once. A
     sequence holds 18 full blocks + 5 x 4 windowed with the full blocks of 8 tokens, 36 + 5 x 4 with
-    them half padding (1.47x), every layer's 144 tokens with one tensor per layer."""
+    them half padding (1.47x), every layer's 144 tokens with one tensor per layer. Measured: 13, 9 and
+    2 sequences at once."""
     folder, ref = gemma4
     rng = random.Random(2)
     prompts = [[rng.randrange(3, 320) for _ in range(20)] for _ in range(20)]
@@ -129,15 +148,19 @@ def test_windows_and_block_scales_hold_more_sequences_and_the_same_tokens(gemma4
         assert agrees(ours, theirs, scores), i
 
 
-def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
+@pytest.mark.parametrize("variant", ["gemma4", "gemma4_moe"])
+def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(variant, request):
     """Shared prefixes longer than the window (a hit needs the window's blocks in every windowed
-    group), chunks crossing it, and a pool too small for all at once."""
-    folder, ref = gemma4
+    group, and whole blocks of 8 tokens of the full group), chunks crossing it, and a pool too small
+    for all at once."""
+    folder, ref = request.getfixturevalue(variant)
+    layout = KVCacheLayout.from_arch(resolve_source(folder).arch, 128)
+    assert layout.block_scales[0] == 2 and set(layout.block_scales[1:]) == {1}
     rng = random.Random(1)
     prefix = [rng.randrange(3, 320) for _ in range(30)]
     prompts = [prefix + [rng.randrange(3, 320) for _ in range(k)] for k in (3, 7, 11)]
     prompts += [[rng.randrange(3, 320) for _ in range(k)] for k in (5, 13, 40, 57)]
-    block = 4 * 2 * 32 * 4  # 4 tokens x K/V x a 32-element slot x fp32
+    block = 4 * 2 * sum(layout.tensor_elems) * 4  # 4 tokens x K/V x the slots (32 elements each) x fp32
     llm = LLM(
         folder,
         kv_cache_memory_bytes=100 * block,
@@ -155,7 +178,9 @@ def test_prefix_hits_and_preemption_on_a_small_pool_match_transformers(gemma4):
         assert agrees(out.outputs[0].token_ids, theirs, scores), f"prompt of {len(prompt)} tokens"
     stats = llm.engine.stats()
     assert stats.num_preemptions_total > 0
-    assert stats.prefix_cache_hits >= 2 * 28  # the shared-prefix prompts start past 7 blocks
+    # The first prompt again starts past 32 tokens, the other sharers past 24 (28 shared, cut to whole
+    # blocks of 8 of the full group), unless the small pool evicted the prefix meanwhile.
+    assert stats.prefix_cache_hits >= 2 * 24
     assert llm.engine.kv.pool.num_free == 100  # type: ignore[attr-defined]
 
 
@@ -178,3 +203,33 @@ def test_fp8_cache_gives_the_same_tokens_in_either_layout(gemma4, monkeypatch):
         got = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(16), use_tqdm=False)
         outs[name] = [o.outputs[0].token_ids for o in got]
     assert outs["grouped"] == outs["per layer"]
+
+
+def test_tensor_parallel_ranks_block_scales_rule_the_tables(gemma4):
+    """On 2 ranks each holds 1 of the windowed layers' 2 KV heads and the full layers' one head whole:
+    both fill a rank's slot, so the ranks' pages are of one size (block scales 1) where one device's
+    full group has blocks of 2 x 4 tokens. The engine's tables follow the ranks' layout (PoolPlan), and
+    the tokens equal one device's and transformers'."""
+    folder, ref = gemma4
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, 320) for _ in range(30)]
+    prompts = [prefix + [rng.randrange(3, 320) for _ in range(k)] for k in (2, 9)]
+    prompts.append([rng.randrange(3, 320) for _ in range(41)])
+    options = dict(max_num_batched_tokens=16, max_model_len=96, **ENGINE)
+    one = LLM(folder, **options)
+    assert one.engine.kv.scales == (2,) + (1,) * 5  # type: ignore[attr-defined]
+    want = [o.outputs[0].token_ids for o in one.generate(_inputs(prompts), greedy(12), use_tqdm=False)]
+    llm = LLM(folder, tensor_parallel_size=2, **options)
+    try:
+        assert llm.engine.kv.scales == (1,) * 6  # type: ignore[attr-defined]
+        got = [o.outputs[0].token_ids for o in llm.generate(_inputs(prompts), greedy(12), use_tqdm=False)]
+    finally:
+        llm.engine.shutdown()
+    assert got == want
+    for prompt, ours in zip(prompts, got):
+        theirs, scores = hf_greedy(ref, prompt, 12)
+        assert agrees(ours, theirs, scores), len(prompt)
+
+
+def _inputs(prompts: list[list[int]]) -> list[Any]:
+    return [{"prompt_token_ids": p} for p in prompts]

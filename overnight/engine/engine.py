@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from overnight.config import EngineConfig
@@ -74,6 +75,8 @@ class Engine:
         num_blocks = pool_plan.num_blocks
         bs = config.cache.block_size
         layout = KVCacheLayout.from_arch(source.arch, self.max_model_len)
+        if pool_plan.block_scales:  # the runner's (one rank's) block sizes: tables must match its pages
+            layout = replace(layout, block_scales=pool_plan.block_scales)
         self.kv = KVCacheManager(
             num_blocks, bs, config.cache.enable_prefix_caching, layout.windows, layout.block_scales
         )
