@@ -233,3 +233,20 @@ def test_tensor_parallel_ranks_block_scales_rule_the_tables(gemma4):
 
 def _inputs(prompts: list[list[int]]) -> list[Any]:
     return [{"prompt_token_ids": p} for p in prompts]
+
+
+def test_triton_kernels_read_each_layers_page(gemma4):
+    """The Triton attention path (the interpreter on the CPU) on the block-scale layout: the full
+    layers' kernels read pages of 8 tokens, the windowed layers' of 4, over the same tensors; the
+    tokens equal the torch reference path's."""
+    folder, _ = gemma4
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 320) for _ in range(k)] for k in (9, 30)]
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=16, max_model_len=64, **ENGINE)
+        caches = llm.engine.runner.kv_caches  # type: ignore[attr-defined]
+        assert (caches[5].shape[2], caches[0].shape[2]) == (8, 4)
+        got = llm.generate(_inputs(prompts), greedy(6), use_tqdm=False)
+        outs[backend] = [o.outputs[0].token_ids for o in got]
+    assert outs["triton"] == outs["torch"]
