@@ -85,9 +85,12 @@ class Engine:
         chunk = config.scheduler.max_num_batched_tokens
         need = layout.blocks_per_sequence(self.max_model_len, chunk, bs)
         if num_blocks < need:
+            # With block scales (kv_groups.py) a block of some groups holds more than block_size tokens.
+            sizes = sorted(set(self.kv.group_block_sizes))
+            of = f"{bs}" if len(sizes) == 1 else f"{' or '.join(map(str, sizes))} tokens by group"
             raise ConfigError(
                 f"the KV pool holds {num_blocks * bs} tokens, less than one sequence of max_model_len "
-                f"{self.max_model_len} needs ({need} blocks of {bs}): lower max_model_len or give the pool "
+                f"{self.max_model_len} needs ({need} blocks of {of}): lower max_model_len or give the pool "
                 "more memory"
             )
         lora = config.lora
