@@ -564,3 +564,29 @@ def test_step_buffers_pack_each_groups_tables_and_slots_where_decode_graphs_read
     assert slots[1] == buffers.slots[4:8].tolist()
     assert inputs.group_metas[1].block_tables[:3, :2].tolist() == [[9, 0], [7, 0], [1, 2]]
     assert inputs.meta is inputs.group_metas[0] and inputs.meta.block_tables[2, :2].tolist() == [6, 8]
+
+
+def test_step_buffers_map_each_group_in_its_own_block_size():
+    """Group 1's blocks hold 8 tokens (block scale 2), group 0's 4: a mixed step's slots count each
+    group's table in its own block size, and the runner's tables grow per group."""
+    from overnight.engine.step_io import NewRequestData
+    from overnight.engine.step_io import SchedulerOutput as Out
+    from overnight.runner.inputs import StepBuffers
+    from overnight.runner.request_state import RequestStates
+
+    states = RequestStates(4, 4, num_groups=2)
+    tables = {"a": [[3, 4], [9]], "b": [[5], [7]], "c": [[6, 8], [1]]}
+    lens, computed = {"a": 6, "b": 3, "c": 8}, {"a": 5, "b": 2, "c": 0}
+    new = [
+        NewRequestData(rid, list(range(10, 10 + lens[rid])), lens[rid], SamplingParams(), 0, t, computed[rid])
+        for rid, t in tables.items()
+    ]
+    scheduled = states.apply(Out(new, [], {rid: lens[rid] - computed[rid] for rid in tables}, 10))
+    states.begin(scheduled)
+    assert states.table_lens[:, [s.state.slot for s in scheduled]].tolist() == [[2, 1, 2], [1, 1, 1]]
+    buffers = StepBuffers(16, 4, 4, 4, torch.device("cpu"), num_groups=2, group_block_sizes=(4, 8))
+    inputs = buffers.build(scheduled, states, {})
+    slots = [m.slot_mapping.tolist() for m in inputs.group_metas]
+    # a: position 5, b: position 2, then c's prefill of positions 0..7
+    assert slots[0] == [4 * 4 + 1, 5 * 4 + 2] + [6 * 4 + p for p in range(4)] + [8 * 4 + p for p in range(4)]
+    assert slots[1] == [9 * 8 + 5, 7 * 8 + 2] + [1 * 8 + p for p in range(8)]
