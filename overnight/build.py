@@ -320,7 +320,13 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         runner = ModelRunner(config, source, grammars=model.grammars)
     t_model = time.perf_counter()
     try:
-        layout = KVCacheLayout.from_arch(source.arch, sched.max_model_len)
+        # One rank's shapes under tensor parallelism: its block scales are the runners' (kv_groups.py).
+        arch = source.arch
+        if config.parallel.tensor_parallel_size > 1:
+            from overnight.parallel.tp import TPShards
+
+            arch = TPShards(source.arch, 0, config.parallel.tensor_parallel_size).local_arch
+        layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
         plan = set_up_kv_pool(runner, config.cache, sched, layout)
     except BaseException:
         runner.shutdown()
@@ -337,10 +343,17 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
         # from here on is a new feature's first use, or a kernel specializing on a per-step value.
         log_compiles_after_startup(log)
-    # Tokens of every layer the pool holds (a block holds one layer per tensor of the layout), and the
-    # sequences of max_model_len (windowed layers hold only their window: engine/kv_groups.py).
+    # Tokens of every layer the pool holds (a block holds one layer per tensor of the layout, block
+    # size x its block scale tokens of them), and the sequences of max_model_len (windowed layers hold
+    # only their window: engine/kv_groups.py).
     bs = config.cache.block_size
-    tokens = plan.num_blocks * bs * layout.num_tensors // sum(len(g.layers) for g in layout.groups)
+    tokens = int(
+        plan.num_blocks
+        / sum(
+            len(g.layers) / (layout.num_tensors * gbs)
+            for g, gbs in zip(layout.groups, layout.group_block_sizes(bs), strict=True)
+        )
+    )
     per_seq = layout.blocks_per_sequence(sched.max_model_len, 1, bs)
     log.info(
         "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",

@@ -6,7 +6,8 @@ token id at each slot and checks, every step, that each scheduled request's bloc
 context to its own tokens: a wrong block table, a bad prefix-cache hit or a lost preemption shows up as
 an assertion here. With KV cache groups (windows, one per group), each group's table is checked over
 what its layers read: the whole context for full attention, the last W positions before each query for
-a window of W (older entries may point at blocks given back and reused).
+a window of W (older entries may point at blocks given back and reused). A group of a larger block
+size (kv_groups.py: block scales) addresses its table in blocks of that size.
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ class FakeRunner:
         vocab_size: int,
         async_mode: bool = False,
         windows: tuple[int | None, ...] = (None,),
+        group_block_sizes: tuple[int, ...] | None = None,  # None: block_size for every group
     ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.windows = windows
-        self.cache = [-1] * (num_blocks * block_size)
+        self.sizes = group_block_sizes or (block_size,) * len(windows)
+        self.cache = [-1] * (num_blocks * max(self.sizes))
         self.states = RequestStates(max_num_reqs=8, max_blocks_per_req=4, num_groups=len(windows))
         self.step_log: list[tuple[int, int]] = []  # (tokens, requests) per step
         self.chunks: dict[str, list[int]] = {}
@@ -90,7 +93,7 @@ class FakeRunner:
             self.device_pending.pop(rid, None)
         scheduled = self.states.apply(out)
         self.states.begin(scheduled)
-        bs = self.block_size
+        stride = max(self.sizes)  # a block is the same memory in every group: its largest page
         self.step_log.append((out.total_num_scheduled_tokens, len(scheduled)))
         assert sum(s.num_tokens for s in scheduled) == out.total_num_scheduled_tokens
         full = {
@@ -103,18 +106,18 @@ class FakeRunner:
             self.chunks.setdefault(st.req_id, []).append(s.num_tokens)
             end = s.start + s.num_tokens
             assert end <= len(tokens), (st.req_id, end, len(tokens))
-            assert st.num_blocks * bs >= end, "block table too short"
-            for g in range(len(self.windows)):
-                blocks = table[g, st.slot, : st.num_blocks].tolist()
+            for g, bs in enumerate(self.sizes):
+                blocks = table[g, st.slot, : self.states.table_lens[g, st.slot]].tolist()
+                assert len(blocks) * bs >= end, f"block table of group {g} too short"
                 for pos in range(s.start, end):  # write this step's "KV"
-                    self.cache[blocks[pos // bs] * bs + pos % bs] = tokens[pos]
+                    self.cache[blocks[pos // bs] * stride + pos % bs] = tokens[pos]
         for s in scheduled:  # "attend": the context each layer sees must read back as the request's tokens
             st = s.state
             end = s.start + s.num_tokens
-            for g, w in enumerate(self.windows):
-                blocks = table[g, st.slot, : st.num_blocks].tolist()
+            for g, (w, bs) in enumerate(zip(self.windows, self.sizes, strict=True)):
+                blocks = table[g, st.slot, : self.states.table_lens[g, st.slot]].tolist()
                 lo = 0 if w is None else max(0, s.start - w + 1)
-                got = [self.cache[blocks[p // bs] * bs + p % bs] for p in range(lo, end)]
+                got = [self.cache[blocks[p // bs] * stride + p % bs] for p in range(lo, end)]
                 assert got == full[st.req_id][lo:end], f"{st.req_id}: KV cache of group {g} lost its tokens"
         ends = [s.state for s in scheduled if s.samples]
         sampled = {

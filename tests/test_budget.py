@@ -179,9 +179,12 @@ def test_sliding_windows_count_only_their_window(qwen3_8b):
     assert f"sequences of 32768 tokens that fit: {win.seqs_fit} ({win.seq_blocks} blocks each)" in text
 
 
-def test_gemma4_windows_count_with_padded_full_blocks():
+def test_gemma4_windows_count_with_full_blocks_of_twice_the_tokens():
     """Gemma-4-31B at 32K: its windowed layers (16 KV heads x 256) give blocks back although its full
-    layers (4 x 512) differ; a full block of 10 layers is padded to 10 windowed slots (half unused)."""
+    layers (4 x 512) differ; a full layer needs half a slot per token, so a full block of 10 layers
+    holds 32 tokens, not 16 with half of it padding (engine/kv_groups.py: block scales)."""
+    from dataclasses import replace
+
     from overnight.engine.kv_groups import KVCacheLayout
     from overnight.tools.budget import render
 
@@ -189,13 +192,21 @@ def test_gemma4_windows_count_with_padded_full_blocks():
     opts = EngineOptions(model="gemma-4-31b", load_format="dummy", dtype="bfloat16", max_model_len=32768)
     b = plan_budget(opts, source, H200)
     assert (b.kv_layers, b.windowed_layers, b.windows) == (60, 50, (1024,))
-    assert b.full_block_padding == 0.5
+    assert b.full_block_padding == 0.0 and b.full_block_scale == 2
     assert b.block_bytes == 16 * 10 * 2 * 16 * 256 * 2  # 16 tokens x 10 tensors x K/V x 4096 x bf16
     one_group = KVCacheLayout.uniform(source.arch)  # one tensor per layer, nothing given back
     per_layer_seqs = b.budget_bytes // (2048 * 16 * one_group.token_elems * 2)
     assert b.seqs_fit >= 4 * per_layer_seqs > 0, (b.seqs_fit, per_layer_seqs)
-    assert "a full-attention block is padded to the windowed layers' shape, 50% of it unused" in render(
-        b, "gemma-4-31b", source.arch, "bfloat16"
+    # A sequence: 1024 blocks of the full group + 5 x 65 windowed, against 2048 + 5 x 65 with the full
+    # blocks padded (1349 against 2373 blocks: 15 sequences of 32K fit the H200's pool, not 8).
+    layout = KVCacheLayout.from_arch(source.arch, 32768)
+    padded = replace(layout, block_scales=(1,) * layout.num_groups)
+    assert b.seq_blocks == layout.blocks_per_sequence(32768, 1, 16) == 1024 + 5 * 65
+    assert padded.blocks_per_sequence(32768, 1, 16) == 2048 + 5 * 65
+    assert b.seqs_fit >= 15  # one step's chunk of 16K in the windowed groups set aside
+    assert (
+        "a full-attention layer needs 1/2 of a windowed layer's bytes per token, so its blocks hold 32"
+        in (render(b, "gemma-4-31b", source.arch, "bfloat16"))
     )
 
 

@@ -90,3 +90,55 @@ def test_fp8_padded_view_matches_the_reference(fp8: torch.dtype):
         prefill_config=PrefillConfig(16, 16, 4, 1),
     )
     assert_close(out, paged_attention_ref(q, deq, meta, 0.125), torch.float32)
+
+
+def test_layers_of_two_pages_over_one_tensor_equal_the_reference():
+    """Block scales (engine/kv_groups.py): a layer of 1 KV head x D in slots of 2 x D reads pages of
+    2 x BS tokens, a layer of 2 x D pages of BS, both over one tensor, each through its own group's
+    block ids (disjoint: a block belongs to one group at a time). Each layer's writes and attention
+    equal the reference on a plain cache of its own page; blocks no group holds stay NaN."""
+    from overnight.attention.torch_backend import build_metadata, write_kv_ref
+
+    query_lens, seq_lens, nd = [1, 1, 12, 30], [17, 40, 12, 45], 2
+    num_blocks, slot = 20, BS * 2 * D
+    gen = torch.Generator().manual_seed(6)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    slots = new_kv_slots(num_blocks, slot, torch.float32, DEVICE).fill_(float("nan"))
+    backend = TritonAttentionBackend(
+        HQ,
+        2,
+        D,
+        max_num_seqs=4,
+        max_model_len=256,
+        device=DEVICE,
+        decode_config=DecodeConfig(block_n=16),
+        prefill_config=PrefillConfig(16, 16, 4, 1),
+    )
+    held: list[int] = []
+    for heads, page in ((2, BS), (1, 2 * BS)):  # the two groups' layers, one after the other
+        tables = []
+        for s in seq_lens:
+            n = -(-s // page)
+            tables.append(perm[len(held) : len(held) + n])
+            held += tables[-1]
+        view = kv_cache_view(slots, page, heads, D)
+        assert view.shape[2] == page and view.stride(1) == slot
+        plain = torch.full((2, num_blocks, page, heads, D), float("nan"), device=DEVICE)
+        # The context before this step's queries, in both caches.
+        past = [s - q for q, s in zip(query_lens, seq_lens, strict=True)]
+        ctx = build_metadata(past, past, tables, page, device=DEVICE)
+        k0 = torch.randn(ctx.num_tokens, heads, D, generator=gen).to(DEVICE)
+        v0 = torch.randn(ctx.num_tokens, heads, D, generator=gen).to(DEVICE)
+        write_kv_ref(k0, v0, plain, ctx.slot_mapping)
+        write_kv_ref(k0, v0, view, ctx.slot_mapping)
+        meta = build_metadata(query_lens, seq_lens, tables, page, num_decodes=nd, device=DEVICE)
+        q = torch.randn(meta.num_tokens, HQ, D, generator=gen).to(DEVICE)
+        k = torch.randn(meta.num_tokens, heads, D, generator=gen).to(DEVICE)
+        v = torch.randn(meta.num_tokens, heads, D, generator=gen).to(DEVICE)
+        ref = TorchAttentionBackend().forward(q, k, v, plain, meta, 0.125)
+        out = backend.forward(q, k, v, view, meta, 0.125)
+        assert_close(out, ref, torch.float32)
+        ids = [b for t in tables for b in t]
+        torch.testing.assert_close(view[:, ids], plain[:, ids], rtol=0, atol=0, equal_nan=True)
+    free = [b for b in range(num_blocks) if b not in held]
+    assert slots[:, free].isnan().all()

@@ -22,7 +22,9 @@ token of this step (-1 for padding rows, which must not be written).
 With sliding-window layers the engine keeps several KV cache groups (engine/kv_groups.py): each group
 has its own block_tables and slot_mapping (so one AttentionMetadata per group, the rest identical), and
 several layers of different groups share one physical cache tensor (a block id belongs to one group at
-a time). A windowed group's table entries before the window hold ids of blocks already given back
+a time). block_size above is the layer's page, kv_cache.shape[2]: a group of block scale k (its layers
+need 1/k of the tensor's slot per token) has pages of k x the engine's block size, and its tables and
+slot mapping count in those. A windowed group's table entries before the window hold ids of blocks already given back
 (any contents): nothing may read positions outside a layer's window.
 
 An FP8 cache stores K / k_scale and V / v_scale; the layer's (k_scale, v_scale) pair is a float32

@@ -107,10 +107,10 @@ def run_ours(
             "kv_cache_dtype": kv_dtype,
             "quantization": engine.config.model.quantization,  # FP8 weights: the roofline still assumes bf16
             # Tokens of context the pool holds with every layer kind keeping all of them (each KV cache
-            # group takes a block per block_size tokens: kv_groups.py); windows give back more past them.
-            "kv_pool_tokens": engine.pool_plan.num_blocks
-            * engine.config.cache.block_size
-            // engine.kv.num_groups,
+            # group takes a block per block of its size: kv_groups.py); windows give back more past them.
+            "kv_pool_tokens": int(
+                engine.pool_plan.num_blocks / sum(1 / bs for bs in engine.kv.group_block_sizes)
+            ),
             "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,
             "lora_swaps": engine.stats().lora_swaps_total,

@@ -6,9 +6,10 @@ recomputed from scratch. seed-512-256 on Mistral-Small-24B (H200, pool ~508k tok
 tokens of work): 284 preemptions, 959,626 tokens computed for 785,408 needed (+22%), on the GPU and
 in bench/preemption_sim.py alike. With this check: 0 preemptions and the minimum token count.
 
-The plan, in blocks (a request of final length L holds cdiv(L, block_size) per full-attention group, at
-most a window's worth per windowed group). Running request r holds c_r tokens and will grow by g_r more
-(one a step while decoding) before it finishes and frees them. At t steps from now the running set needs
+The plan, in blocks (a request of final length L holds cdiv(L, bs_g) per full-attention group g of
+block size bs_g, at most a window's worth per windowed group). Running request r holds c_r tokens
+and will grow by g_r more (one a step while decoding) before it finishes and frees them. At t steps
+from now the running set needs
     need(t) = sum over r with g_r >= t of blocks(c_r + t),
 which peaks just as a request finishes (t = some g_k; one step later where a step runs ahead of the
 host, which frees a finished request's blocks only when its last token arrives): one pass over the
@@ -45,18 +46,25 @@ class Admission:
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        self.block_size = kv.block_size
-        self.num_full = sum(w is None for w in kv.windows)
-        # Blocks one request can hold per windowed group at most: the window, plus the partial blocks
-        # at either end.
-        self.window_caps = [cdiv(w, kv.block_size) + 1 for w in kv.windows if w is not None]
+        sizes = kv.group_block_sizes
+        # Full-attention groups by block size: (bs, how many groups of it).
+        full: dict[int, int] = {}
+        for w, bs in zip(kv.windows, sizes, strict=True):
+            if w is None:
+                full[bs] = full.get(bs, 0) + 1
+        self.full_sizes = list(full.items())
+        # Per windowed group, (its block size, blocks one request can hold at most: the window plus the
+        # partial blocks at either end).
+        self.window_caps = [
+            (bs, cdiv(w, bs) + 1) for w, bs in zip(kv.windows, sizes, strict=True) if w is not None
+        ]
         self.ratio = 0.0  # planned share of the remaining max_tokens of a request that may stop early
         self._plan: list[tuple[int, int]] = []  # (g, c) of the running and this step's admitted
         self._total = 0  # blocks of the plan with every request at its final length
 
     def _blocks(self, tokens: int) -> int:
-        n = cdiv(tokens, self.block_size)
-        return self.num_full * n + sum(min(n, cap) for cap in self.window_caps)
+        full = sum(count * cdiv(tokens, bs) for bs, count in self.full_sizes)
+        return full + sum(min(cdiv(tokens, bs), cap) for bs, cap in self.window_caps)
 
     def _growth(self, req: Request) -> tuple[int, int]:
         """(g, c): tokens req still adds to its KV (as planned) and tokens it holds, own ones only."""
@@ -82,7 +90,7 @@ class Admission:
             self._admit(g, c, final)
             return True
         plan = sorted(self._plan + [(g, c)], reverse=True)
-        bs, full, caps = self.block_size, self.num_full, self.window_caps
+        full, caps = self.full_sizes, self.window_caps
         num_blocks = self.kv.num_blocks
         tokens = count = 0
         i = 0
@@ -94,10 +102,11 @@ class Admission:
                 i += 1
             # At step t + 1 these still hold their blocks when the host learns of a request's last
             # token one step late (a step launched ahead), each at most c_r + t + 1 tokens:
-            # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs per full group; a
-            # windowed group holds no more than that, nor more than its cap per request.
-            per_group = (tokens + count * (t + bs)) // bs
-            if full * per_group + sum(min(per_group, count * cap) for cap in caps) > num_blocks:
+            # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs per full group of
+            # block size bs; a windowed group holds no more than that, nor more than its cap per request.
+            need = sum(n * ((tokens + count * (t + bs)) // bs) for bs, n in full)
+            need += sum(min((tokens + count * (t + bs)) // bs, count * cap) for bs, cap in caps)
+            if need > num_blocks:
                 return False
         self._admit(g, c, final)
         return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from overnight.config import EngineConfig
@@ -74,15 +75,22 @@ class Engine:
         num_blocks = pool_plan.num_blocks
         bs = config.cache.block_size
         layout = KVCacheLayout.from_arch(source.arch, self.max_model_len)
-        self.kv = KVCacheManager(num_blocks, bs, config.cache.enable_prefix_caching, layout.windows)
+        if pool_plan.block_scales:  # the runner's (one rank's) block sizes: tables must match its pages
+            layout = replace(layout, block_scales=pool_plan.block_scales)
+        self.kv = KVCacheManager(
+            num_blocks, bs, config.cache.enable_prefix_caching, layout.windows, layout.block_scales
+        )
         # One sequence of max_model_len must fit, or it could never finish (windowed groups hold only
         # their window and the chunk being computed).
         chunk = config.scheduler.max_num_batched_tokens
         need = layout.blocks_per_sequence(self.max_model_len, chunk, bs)
         if num_blocks < need:
+            # With block scales (kv_groups.py) a block of some groups holds more than block_size tokens.
+            sizes = sorted(set(self.kv.group_block_sizes))
+            of = f"{bs}" if len(sizes) == 1 else f"{' or '.join(map(str, sizes))} tokens by group"
             raise ConfigError(
                 f"the KV pool holds {num_blocks * bs} tokens, less than one sequence of max_model_len "
-                f"{self.max_model_len} needs ({need} blocks of {bs}): lower max_model_len or give the pool "
+                f"{self.max_model_len} needs ({need} blocks of {of}): lower max_model_len or give the pool "
                 "more memory"
             )
         lora = config.lora

@@ -1,10 +1,16 @@
 """Per-request block tables on top of the block pool, with prefix-cache lookups.
 
 A request holds one block table per KV cache group (kv_groups.py; a model with only full attention has
-one group). Every table has one entry per block of the request's context: position p lives in
-table[p // block_size]. Full blocks are hashed (chained with the previous block's hash) and registered in
-the pool once all their tokens are computed, under (hash, group), so a later request with the same
-prefix can start past them.
+one group). A group's blocks hold bs_g = k_g x block_size tokens (k_g its block scale, a power of two; 1
+for every model whose layers all fill their slots), and its table has one entry per block of the
+request's context: position p lives in table[p // bs_g]. Hashes are computed per base block of
+block_size tokens (chained with the previous one's hash); block i of a group of scale k is registered
+under the hash of its last base block, k x i + k - 1, (hash, group), once all its tokens are computed,
+so a later request with the same prefix can start past it. A prefix hit is counted in base blocks and
+is a multiple of the largest scale K: it then ends on a block boundary of every group (scales are
+powers of two), so every group's hit blocks are whole, and the request's next block of every group
+starts fresh. (Hashing each group at its own block size would allow finer hits for the small-block
+groups, but a hit is only as long as every group serves: the coarsest group bounds it anyway.)
 
 A windowed group (window W) gives back, before each step's allocation, every block lying wholly before
 position num_computed - W + 1: the next query sees positions from there on. Its entry becomes None (the
@@ -29,11 +35,13 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True)
 class PrefixHit:
-    """Cached blocks a request that holds no blocks yet can start past: num_blocks blocks of every
-    group (None where a windowed group needs nothing: before the window of the first token to compute)."""
+    """Cached blocks a request that holds no blocks yet can start past: num_blocks base blocks
+    (num_blocks x block_size tokens, a whole number of blocks of every group: num_blocks // k_g
+    entries in group g; None where a windowed group needs nothing: before the window of the first
+    token to compute)."""
 
     num_blocks: int
-    blocks: list[list[Block | None]]  # per group, num_blocks entries
+    blocks: list[list[Block | None]]  # per group, num_blocks // k_g entries
 
 
 class KVCacheManager:
@@ -43,19 +51,35 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool,
         windows: tuple[int | None, ...] = (None,),
+        scales: tuple[int, ...] | None = None,
     ) -> None:
-        self.block_size = block_size
+        """windows, scales: per KV cache group, its window (None: full attention) and block scale k
+        (its blocks hold k x block_size tokens; None: 1 for every group)."""
+        if scales is None:
+            scales = (1,) * len(windows)
+        if len(scales) != len(windows) or any(k < 1 or k & (k - 1) for k in scales):
+            raise ValueError(f"block scales {scales} must be powers of two, one per group ({len(windows)})")
+        self.block_size = block_size  # the base block: the unit of hashes, hits and num_cached_blocks
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.windows = windows  # per group; None: full attention
+        self.scales = scales
+        self.group_block_sizes = tuple(block_size * k for k in scales)
+        self.hit_unit = max(scales)  # a prefix hit is a multiple of this many base blocks
         self.num_groups = len(windows)
         self._windowed: list[tuple[int, int]] = [(g, w) for g, w in enumerate(windows) if w is not None]
-        # Groups of one window grow and give back in step: one look per window tells whether any must.
-        by_window: dict[int, list[int]] = {}
+        # Groups of one window and block size grow and give back in step: one look per such set tells
+        # whether any must.
+        by_window: dict[tuple[int, int], list[int]] = {}
         for g, w in self._windowed:
-            by_window.setdefault(w, []).append(g)
+            by_window.setdefault((w, scales[g]), []).append(g)
         self._window_groups = list(by_window.items())
         self._full = [g for g, w in enumerate(windows) if w is None]
+        # Groups of one block size have tables of one length: (block size, a group of it, its groups).
+        by_size: dict[int, list[int]] = {}
+        for g, bs in enumerate(self.group_block_sizes):
+            by_size.setdefault(bs, []).append(g)
+        self._sizes = [(bs, gs[0], gs) for bs, gs in by_size.items()]
         self.req_blocks: dict[str, list[list[Block | None]]] = {}  # per request, per group
         self._hashes: dict[str, list[int]] = {}  # full-block hashes of each request's tokens
         # Prefix-cache counters in tokens, as users' dashboards expect.
@@ -113,7 +137,7 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(req, max_blocks * self.block_size)
         lookup = self.pool.lookup
-        if self.num_groups == 1 and not self._windowed:  # the common case: one full group
+        if self.num_groups == 1 and not self._windowed and self.hit_unit == 1:  # the common case
             hits: list[Block | None] = []
             for h in hashes:
                 block = lookup(h)
@@ -122,30 +146,34 @@ class KVCacheManager:
                 hits.append(block)
             h = self._unsplit(req, len(hits))
             return PrefixHit(h, [hits[:h]]) if h else None
-        key = self._key
-        h = len(hashes)
-        for g in self._full:
+        key, scales, unit = self._key, self.scales, self.hit_unit
+        h = len(hashes) // unit * unit
+        for g in self._full:  # in blocks of g: block i's key is its last base block's hash
+            k = scales[g]
             n = 0
-            while n < h and lookup(key(hashes[n], g)) is not None:
+            while n < h // k and lookup(key(hashes[n * k + k - 1], g)) is not None:
                 n += 1
-            h = n
+            h = n * k // unit * unit
         changed = True
         while changed and h > 0:
             changed = False
-            n = self._unsplit(req, h)
+            n = self._unsplit(req, h) // unit * unit
             if n < h:
                 h, changed = n, True
             for g, w in self._windowed:
-                n = self._window_hit(hashes, g, cdiv(w - 1, self.block_size), h)
+                k = scales[g]
+                n = self._window_hit(hashes, g, k, cdiv(w - 1, self.group_block_sizes[g]), h // k)
+                n = n * k // unit * unit
                 if n < h:
                     h, changed = n, True
         if h == 0:
             return None
         blocks: list[list[Block | None]] = []
         for g, window in enumerate(self.windows):
-            first = 0 if window is None else max(0, h - cdiv(window - 1, self.block_size))
+            k = scales[g]
+            first = 0 if window is None else max(0, h // k - cdiv(window - 1, self.group_block_sizes[g]))
             row: list[Block | None] = [None] * first
-            row += [lookup(key(hashes[i], g)) for i in range(first, h)]
+            row += [lookup(key(hashes[i * k + k - 1], g)) for i in range(first, h // k)]
             blocks.append(row)
         return PrefixHit(h, blocks)
 
@@ -160,15 +188,15 @@ class KVCacheManager:
             h = cut // bs
         return h
 
-    def _window_hit(self, hashes: list[int], group: int, need: int, upto: int) -> int:
-        """The longest hit <= upto a windowed group serves: scanning back from upto, the end of the
-        first run of `need` cached blocks, or a run that reaches block 0."""
+    def _window_hit(self, hashes: list[int], group: int, k: int, need: int, upto: int) -> int:
+        """The longest hit <= upto blocks of `group` (scale k) it serves: scanning back from upto, the
+        end of the first run of `need` cached blocks, or a run that reaches block 0."""
         if need == 0:
             return upto
         lookup, key = self.pool.lookup, self._key
         run = 0
         for i in range(upto - 1, -1, -1):
-            if lookup(key(hashes[i], group)) is not None:
+            if lookup(key(hashes[i * k + k - 1], group)) is not None:
                 run += 1
                 if run == need:
                     return i + need
@@ -188,35 +216,48 @@ class KVCacheManager:
         groups = self.req_blocks.get(req.req_id)
         if hit is None:  # the common case (a running request): often no new block at all
             computed = req.num_computed_tokens
-            have = len(groups[0]) if groups else 0
             if self._windowed and groups:
                 self._give_back_outside_windows(req, groups)
-            num_new = cdiv(computed + num_new_tokens, self.block_size) - have
-            if num_new <= 0:
-                return []
-            if num_new * self.num_groups > self.pool.num_free:
+            end = computed + num_new_tokens
+            if len(self._sizes) == 1:  # one block size: every table grows alike
+                num_new = cdiv(end, self.block_size * self.scales[0]) - (len(groups[0]) if groups else 0)
+                if num_new <= 0:
+                    return []
+                counts = [num_new] * self.num_groups
+            else:
+                counts = [0] * self.num_groups
+                for bs, first, same in self._sizes:
+                    n = cdiv(end, bs) - (len(groups[first]) if groups else 0)
+                    for g in same:
+                        counts[g] = max(n, 0)
+                if not any(counts):
+                    return []
+            if sum(counts) > self.pool.num_free:
                 return None
             if groups is None:
                 groups = [[] for _ in range(self.num_groups)]
                 self.req_blocks[req.req_id] = groups
             added = []
-            for row in groups:
-                new_blocks = self.pool.allocate(num_new)
+            for row, n in zip(groups, counts, strict=True):
+                new_blocks = self.pool.allocate(n) if n else []
                 row.extend(new_blocks)
                 added.append([b.id for b in new_blocks])
             return added
         computed = req.num_computed_tokens + hit.num_blocks * self.block_size
-        num_new = max(cdiv(computed + num_new_tokens, self.block_size) - hit.num_blocks, 0)
+        counts = [
+            max(cdiv(computed + num_new_tokens, bs) - hit.num_blocks // k, 0)
+            for bs, k in zip(self.group_block_sizes, self.scales, strict=True)
+        ]
         # Cached but free blocks leave the free queue when taken.
         reclaimed = sum(1 for row in hit.blocks for b in row if b is not None and b.ref_cnt == 0)
-        if num_new * self.num_groups + reclaimed > self.pool.num_free:
+        if sum(counts) + reclaimed > self.pool.num_free:
             return None
         for row in hit.blocks:  # every hit first: a cached free block must not be handed out meanwhile
             self.pool.touch([b for b in row if b is not None])
         added = []
         new_groups: list[list[Block | None]] = []
-        for row in hit.blocks:
-            full_row = row + self.pool.allocate(num_new)
+        for row, n in zip(hit.blocks, counts, strict=True):
+            full_row = row + self.pool.allocate(n)
             new_groups.append(full_row)
             added.append([NULL_BLOCK_ID if b is None else b.id for b in full_row])
         self.req_blocks[req.req_id] = new_groups
@@ -232,11 +273,12 @@ class KVCacheManager:
         computed = req.num_computed_tokens
         if self.enable_caching and min(computed, len(req.all_token_ids)) // bs > req.num_cached_blocks:
             self.cache_computed_blocks(req)
-        for w, same_window in self._window_groups:
-            last = max(0, computed - w + 1) // bs - 1
+        for (w, k), same_window in self._window_groups:
+            gbs = bs * k
+            last = max(0, computed - w + 1) // gbs - 1
             if last < 0 or groups[same_window[0]][last] is None:
                 continue  # the common case: nothing left the window since the last step
-            prompt_blocks = req.num_prompt_tokens // bs  # blocks 0..prompt_blocks-1 hold only prompt
+            prompt_blocks = req.num_prompt_tokens // gbs  # blocks 0..prompt_blocks-1 hold only prompt
             gone: list[Block] = []
             generated: list[Block] = []
             for g in same_window:
@@ -269,7 +311,7 @@ class KVCacheManager:
         hashes = self._block_hashes(req, num_full * self.block_size)
         groups = self.req_blocks[req.req_id]
         cache = self.pool.cache
-        if self.num_groups == 1:
+        if self.num_groups == 1 and self.scales[0] == 1:
             row = groups[0]
             for i in range(start, num_full):
                 block = row[i]
@@ -277,10 +319,13 @@ class KVCacheManager:
                     cache(block, hashes[i])
         else:
             for g, row in enumerate(groups):
-                for i in range(start, num_full):
+                k = self.scales[g]
+                # Block i of g is complete once base block k x i + k - 1 is; the ones complete before
+                # this call (start base blocks) were registered then.
+                for i in range(start // k, num_full // k):
                     block = row[i]
                     if block is not None:  # None: a windowed group gave it back before it was cached
-                        cache(block, self._key(hashes[i], g))
+                        cache(block, self._key(hashes[i * k + k - 1], g))
         req.num_cached_blocks = num_full
 
     def block_ids(self, req: Request, group: int = 0) -> list[int]:
@@ -296,9 +341,15 @@ class KVCacheManager:
         if groups is not None:
             if len(groups) == 1:
                 self.pool.free([b for b in reversed(groups[0]) if b is not None])
-            else:  # tail first over all groups: the shared prefix is evicted last
-                n = len(groups[0])
-                tail_first = [row[i] for i in range(n - 1, -1, -1) for row in groups]
+            else:  # tail first over all groups (by each block's first base block): the prefix last
+                scales = self.scales
+                n = max(len(row) * k for row, k in zip(groups, scales, strict=True))
+                tail_first = [
+                    row[i // k]
+                    for i in range(n - 1, -1, -1)
+                    for row, k in zip(groups, scales, strict=True)
+                    if i % k == 0 and i // k < len(row)
+                ]
                 self.pool.free([b for b in tail_first if b is not None])
         req.num_cached_blocks = 0
 

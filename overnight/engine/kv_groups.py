@@ -19,8 +19,9 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
 
     a model with only full layers: one group of every layer, G = num_layers: today's layout exactly
 
-A block is B tokens of one slot in each of the G tensors, the same bytes for every group, so usage,
-the pool plan and a block's bytes stay one number. A windowed group's blocks lying wholly before position
+A block is one slot of B x tensor_elems[j] elements in each of the G tensors, the same bytes for every
+group (B tokens, or k x B for a group of block scale k, below), so usage, the pool plan and a block's
+bytes stay one number. A windowed group's blocks lying wholly before position
 num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
 KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
 Linear-attention layers (Qwen3.5's Gated DeltaNet) own no cache at all: they are in no group and
@@ -28,20 +29,28 @@ no tensor (layer_tensor -1; their per-request state lives in runner/state_cache.
 A window at least max_model_len long never gives a block back, so such layers join the full groups.
 
 Layers of different cache shapes (Gemma 4: windowed layers 16 KV heads x 256, full layers 4 x 512,
-KV = K there) still share tensors: a tensor's block slot holds tensor_elems[j] elements per token for K
-and as many for V, the most any of its layers needs, and each layer reads the tensor through a strided
-view of its own shape (runner/model_runner.py, kernels/kv_layout.py):
+KV = K there) still share tensors: a tensor's block slot holds B x tensor_elems[j] elements for K and as
+many for V, B x the most any of its layers needs per token. A group whose layers need 1/k of the slot
+per token (k a power of two) gets a block size of k x B (block_scales[g] = k; vLLM scales a group's
+block size the same way so that every group's page holds the same bytes): a block of the pool, the
+same bytes for every group, then holds k x B tokens of that group's layers and nothing is padding.
+Each layer reads its tensor through a strided view of its own shape and page (runner/model_runner.py,
+kernels/kv_layout.py):
 
-    tensor j: [2, num_blocks, block_size x tensor_elems[j]]       (K plane, V plane)
-      layer of group w (16 x 256): view [2, num_blocks, B, 16, 256], block stride B x 4096
-      layer of group f ( 4 x 512): view [2, num_blocks, B,  4, 512], same block stride, the
-                                   block's last B x 2048 elements unused (padding)
+    tensor j: [2, num_blocks, B x tensor_elems[j]]       (K plane, V plane)
+      layer of group w (16 x 256, k = 1): view [2, num_blocks,  B, 16, 256], block stride B x 4096
+      layer of group f ( 4 x 512, k = 2): view [2, num_blocks, 2B,  4, 512], same block stride
 
-The padding is the price of one block size and one pool (vLLM pads pages the same way where it cannot
-scale a block size): a block of a group whose layers are smaller than the slots wastes
-unused_share(group) of its bytes. For Gemma-4-31B that is half of each full-attention block, and
-still about 5x the sequences of one tensor per layer at 32K tokens (the windows give back 50 of 60
-layers' blocks). With one kind (no windows) every tensor holds one layer: no padding.
+Everything that counts a group's blocks uses its own block size (kv_cache_manager.py: tables, give-back,
+prefix hits in whole blocks of every group; admission.py; the runner's slot mappings). Where a layer's
+shape is not a power-of-two fraction of its slot, the rest of its block stays unused: unused_share(group)
+of a block's bytes. With one shape (every model but Gemma 4) k = 1 everywhere: one block size.
+Gemma-4-31B at 32K tokens (B = 16, W = 1024): a sequence holds 1024 full blocks + 5 x 65 windowed at
+k = 2 against 2048 + 5 x 65 with the full blocks half padding, 1.76x the sequences per pool
+(`overnight budget` on an H200: 15 sequences of 32K instead of 8; tests/test_budget.py); the windows
+still give back 50 of 60 layers' blocks. The tiny models with these proportions measure it
+(tests/test_kv_cache_windows.py: 44 sequences at once against 27; tests/test_kv_cache_windows_gemma4.py:
+13 against 9 at 144 tokens, token-exact with transformers).
 """
 
 from __future__ import annotations
@@ -60,6 +69,15 @@ def _elems(shape: tuple[int, int]) -> int:
     return shape[0] * shape[1]
 
 
+def _block_scale(ratios: list[int]) -> int:
+    """The largest power of two k with k x each layer's elements per token within its slot (ratios:
+    slot elements // the layer's, per layer of the group)."""
+    k = 1
+    while all(2 * k <= r for r in ratios):
+        k *= 2
+    return k
+
+
 @dataclass(frozen=True)
 class KVGroup:
     window: int | None  # W of its layers; None: full attention
@@ -75,12 +93,25 @@ class KVCacheLayout:
     layer_source: tuple[int, ...]  # per model layer: the layer whose cache it reads (itself if not shared)
     tensor_elems: tuple[int, ...]  # per tensor: K (or V) elements of one token slot, the most of its layers
     layer_shapes: tuple[tuple[int, int], ...]  # per model layer: (KV heads, head size) of the cache it reads
+    # per group: k, its block size in units of the base block size B (a power of two; 1: B).
+    block_scales: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if not self.block_scales:
+            object.__setattr__(self, "block_scales", (1,) * len(self.groups))
+        if len(self.block_scales) != len(self.groups):
+            raise ValueError(f"{len(self.block_scales)} block scales for {len(self.groups)} groups")
+        for g, k in enumerate(self.block_scales):
+            if k < 1 or k & (k - 1):
+                raise ValueError(f"group {g}'s block scale {k} is not a power of two")
         for i, t in enumerate(self.layer_tensor):
             heads, dim = self.layer_shapes[i]
-            if t >= 0 and heads * dim > self.tensor_elems[t]:
-                raise ValueError(f"layer {i}'s cache ({heads} x {dim}) does not fit tensor {t}'s slot")
+            k = self.block_scales[self.layer_group[i]] if t >= 0 else 1
+            if t >= 0 and k * heads * dim > self.tensor_elems[t]:
+                raise ValueError(
+                    f"layer {i}'s cache ({k} x {heads} x {dim} per token of a block of B) does not fit "
+                    f"tensor {t}'s slot"
+                )
 
     @property
     def token_elems(self) -> int:
@@ -89,9 +120,18 @@ class KVCacheLayout:
         return sum(2 * e for e in self.tensor_elems)
 
     def unused_share(self, group: int) -> float:
-        """Share of a block of `group` that none of its layers uses (its shape smaller than the slots)."""
+        """Share of a block of `group` that none of its layers uses (its shape smaller than the slots
+        by more than its block scale makes up for)."""
         used = sum(2 * self.layer_shapes[i][0] * self.layer_shapes[i][1] for i in self.groups[group].layers)
-        return 1.0 - used / self.token_elems
+        return 1.0 - self.block_scales[group] * used / self.token_elems
+
+    def group_block_sizes(self, block_size: int) -> tuple[int, ...]:
+        """Tokens one block of each group holds, for base block size B = block_size."""
+        return tuple(block_size * k for k in self.block_scales)
+
+    def layer_page(self, layer: int, block_size: int) -> int:
+        """Tokens per block of the cache `layer` reads (its group's block size)."""
+        return block_size * self.block_scales[self.layer_group[layer]]
 
     @property
     def num_groups(self) -> int:
@@ -109,13 +149,14 @@ class KVCacheLayout:
     def blocks_per_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
         """Most blocks one sequence of num_tokens holds at once, over all groups, with prefill chunks of
         at most `chunk` tokens: a windowed group keeps the last W - 1 tokens plus the chunk being written."""
-        full = cdiv(num_tokens, block_size)
         total = 0
-        for g in self.groups:
+        for g, k in zip(self.groups, self.block_scales, strict=True):
+            bs = block_size * k
+            full = cdiv(num_tokens, bs)
             if g.window is None:
                 total += full
             else:
-                total += min(full, cdiv(g.window - 1 + min(chunk, num_tokens), block_size) + 1)
+                total += min(full, cdiv(g.window - 1 + min(chunk, num_tokens), bs) + 1)
         return total
 
     def blocks_for_sequences(self, num_seqs: int, num_tokens: int, chunk: int, block_size: int) -> int:
@@ -184,6 +225,7 @@ class KVCacheLayout:
             sources,
             tuple(slot),
             tuple(shape[sources[i]] for i in range(n)),
+            tuple(_block_scale([slot[tensor_of[i]] // _elems(shape[i]) for i in g.layers]) for g in groups),
         )
 
     @classmethod
@@ -222,4 +264,5 @@ class KVCacheLayout:
             tuple(range(arch.num_hidden_layers)),
             inner.tensor_elems,
             tuple(shapes),
+            inner.block_scales,
         )

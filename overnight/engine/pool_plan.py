@@ -30,6 +30,10 @@ class PoolPlan:
     block_bytes: int
     budget_bytes: int  # memory set aside for the pool before capping
     capped: bool  # True when the cap (max_num_seqs x max_model_len) bounded the pool
+    # Per KV cache group, the block scale of the layout the pool was planned and allocated for
+    # (kv_groups.py; one rank's shapes under tensor parallelism, where a replicated KV head can make
+    # it differ from the whole model's). (): the engine takes the model's own layout.
+    block_scales: tuple[int, ...] = ()
 
     @property
     def pool_bytes(self) -> int:
@@ -57,7 +61,8 @@ def plan_pool(
     else:
         seqs, tokens, chunk = sched.max_num_seqs, sched.max_model_len, sched.max_num_batched_tokens
         cap = 2 * layout.blocks_for_sequences(seqs, tokens, chunk, block_size)
-    return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap)
+    scales = layout.block_scales if layout is not None else ()
+    return PoolPlan(min(blocks, cap), block_bytes, budget_bytes, capped=blocks > cap, block_scales=scales)
 
 
 def state_slots(sched: SchedulerConfig) -> int:

@@ -58,7 +58,7 @@ class StateSnapshots:
         bs = self.kv.block_size
         hashes = self.kv.block_hashes(req, hit.num_blocks * bs)
         usable, snap = 0, None
-        for h in range(hit.num_blocks, 0, -1):
+        for h in range(hit.num_blocks, 0, -self.kv.hit_unit):  # a hit stays whole blocks of every group
             snap = self._lookup(hashes[h - 1])
             if snap is not None:
                 usable = h
@@ -67,7 +67,8 @@ class StateSnapshots:
             self._junction[req.req_id] = hit.num_blocks * bs
         if usable == 0:
             return None, None
-        return PrefixHit(usable, [row[:usable] for row in hit.blocks]), snap
+        rows = [row[: usable // k] for row, k in zip(hit.blocks, self.kv.scales, strict=True)]
+        return PrefixHit(usable, rows), snap
 
     def _checkpoints(self, req: Request) -> tuple[int, ...]:
         last = (req.num_prompt_tokens - 1) // self.kv.block_size * self.kv.block_size

@@ -58,7 +58,8 @@ class StepBuffers:
 
         slots  [ group 0: num_rows | group 1: num_rows | ... ]
 
-    so a decode graph of b rows always reads group g's at slots[g * b : (g + 1) * b]."""
+    so a decode graph of b rows always reads group g's at slots[g * b : (g + 1) * b]. Group g's blocks
+    hold group_block_sizes[g] tokens (kv_groups.py: block scales), its slots count in those."""
 
     def __init__(
         self,
@@ -68,9 +69,18 @@ class StepBuffers:
         block_size: int,
         device: torch.device,
         num_groups: int = 1,
+        group_block_sizes: tuple[int, ...] | None = None,  # None: block_size for every group
     ) -> None:
         self.device = device
         self.block_size = block_size
+        sizes = group_block_sizes or (block_size,) * num_groups
+        if len(sizes) != num_groups:
+            raise ValueError(f"{len(sizes)} block sizes for {num_groups} KV cache groups")
+        # Groups by block size: one slot computation per size ([0]: block_size for every group).
+        by_size: dict[int, list[int]] = {}
+        for g, bs in enumerate(sizes):
+            by_size.setdefault(bs, []).append(g)
+        self._sizes = [(bs, np.array(gs)) for bs, gs in by_size.items()]
         self.max_blocks = max_blocks
         self.num_groups = num_groups
         cuda = device.type == "cuda"
@@ -152,7 +162,14 @@ class StepBuffers:
         p = pos[:num_tokens]
         num_rows = max(total, num_tokens)
         slot_np = h.slots.numpy()[: groups * num_rows].reshape(groups, num_rows)
-        slot_np[:, :num_tokens] = tables[:, row_req, p // bs].astype(np.int64) * bs + p % bs
+        if len(self._sizes) == 1:
+            gbs = self._sizes[0][0]
+            slot_np[:, :num_tokens] = tables[:, row_req, p // gbs].astype(np.int64) * gbs + p % gbs
+        else:
+            for gbs, gs in self._sizes:
+                slot_np[gs, :num_tokens] = (
+                    tables[gs[:, None], row_req, p // gbs].astype(np.int64) * gbs + p % gbs
+                )
         packed = h.tables.numpy()[: groups * num_reqs * need].reshape(groups, num_reqs, need)
         packed[:] = tables
         h.qsl.numpy()[: num_reqs + 1] = qsl

@@ -147,6 +147,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=self.device,
             num_groups=num_groups,
+            group_block_sizes=self.kv_layout.group_block_sizes(self.block_size),
         )
         self.lora: DeviceLoRA | None = None  # LoRA adapters: wrapped layers and device slots
         if config.lora is not None:
@@ -287,17 +288,19 @@ class ModelRunner:
 
     def _layer_caches(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each layer's cache: a view of its shape over the layout's tensor holding it (KV-shared layers:
-        their source's), one view per tensor and shape."""
+        their source's), pages of its group's block size, one view per tensor, shape and page."""
         none = torch.empty(0, device=self.device)  # linear-attention layers hold no KV cache
-        views: dict[tuple[int, int, int], torch.Tensor] = {}
+        views: dict[tuple[int, int, int, int], torch.Tensor] = {}
         caches = []
-        for t, (heads, dim) in zip(self.kv_layout.layer_tensor, self.kv_layout.layer_shapes, strict=True):
+        layout = self.kv_layout
+        for i, (t, (heads, dim)) in enumerate(zip(layout.layer_tensor, layout.layer_shapes, strict=True)):
             if t < 0:
                 caches.append(none)
                 continue
-            key = (t, heads, dim)
+            page = layout.layer_page(i, self.block_size)
+            key = (t, heads, dim, page)
             if key not in views:
-                views[key] = kv_cache_view(tensors[t], self.block_size, heads, dim)
+                views[key] = kv_cache_view(tensors[t], page, heads, dim)
             caches.append(views[key])
         return caches
 
@@ -488,10 +491,16 @@ class ModelRunner:
 
         def forward(n: int) -> torch.Tensor:  # the first n tokens of the sequences above
             lens = split(n)
-            meta = build_metadata(lens, lens, tables[: len(lens)], bs, device=self.device)
+            # Every group reads the same tables (a group of a larger block size only their first ids).
+            sizes = self.kv_layout.group_block_sizes(bs)
+            by_size = {
+                gbs: build_metadata(lens, lens, tables[: len(lens)], gbs, device=self.device)
+                for gbs in set(sizes)
+            }
+            metas = [by_size[gbs] for gbs in sizes]
+            meta = metas[0]
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(length, device=self.device) for length in lens])
-            metas = [meta] * self.kv_layout.num_groups
             if self.state_cache is not None:
                 self.state_cache.fill_scratch(len(lens))
             return self.model(ids, pos, self.attention_batch(meta, metas, layer_caches))

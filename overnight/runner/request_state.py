@@ -47,7 +47,7 @@ class RunnerRequest:
     params: SamplingParams
     seed: int
     slot: int  # row in the block table
-    num_blocks: int
+    num_blocks: int  # entries of its group-0 table (RequestStates.table_lens holds every group's)
     num_computed_tokens: int
     num_pending: int = 0  # tokens sampled by launched steps, not yet in token_ids
     # Structured outputs: the grammar matcher (runner/grammar_mask.py), made when first sampled. A
@@ -74,8 +74,10 @@ class ScheduledRequest:
 class RequestStates:
     def __init__(self, max_num_reqs: int = 1024, max_blocks_per_req: int = 256, num_groups: int = 1) -> None:
         self.reqs: dict[str, RunnerRequest] = {}
-        # One table per KV cache group (engine/kv_groups.py), all the same length per request.
+        # One table per KV cache group (engine/kv_groups.py); a group of a larger block size has fewer
+        # entries per request: table_lens[g, slot] of them.
         self.block_table = np.zeros((num_groups, max_num_reqs, max_blocks_per_req), dtype=np.int32)
+        self.table_lens = np.zeros((num_groups, max_num_reqs), dtype=np.int64)
         self._free_slots = list(range(max_num_reqs - 1, -1, -1))
         self.num_structured = 0  # requests with structured outputs: none means no mask work at all
 
@@ -84,19 +86,26 @@ class RequestStates:
         bigger = np.zeros((groups, rows * 2, cols), dtype=np.int32)
         bigger[:, :rows] = self.block_table
         self.block_table = bigger
+        lens = np.zeros((groups, rows * 2), dtype=np.int64)
+        lens[:, :rows] = self.table_lens
+        self.table_lens = lens
         self._free_slots = list(range(2 * rows - 1, rows - 1, -1)) + self._free_slots
 
     def _set_blocks(self, st: RunnerRequest, block_ids: list[list[int]]) -> None:
-        """Append one list of ids per group (every group's table grows by the same count)."""
-        end = st.num_blocks + len(block_ids[0])
+        """Append one list of ids per group (groups of one block size grow by the same count)."""
+        lens = self.table_lens[:, st.slot]  # a view: updated in place
+        end = int(lens.max()) + max(len(ids) for ids in block_ids)
         if end > self.block_table.shape[2]:
             groups, rows, cols = self.block_table.shape
             wider = np.zeros((groups, rows, max(end, 2 * cols)), dtype=np.int32)
             wider[:, :, :cols] = self.block_table
             self.block_table = wider
         for g, ids in enumerate(block_ids):
-            self.block_table[g, st.slot, st.num_blocks : end] = ids
-        st.num_blocks = end
+            if ids:
+                start = int(lens[g])
+                self.block_table[g, st.slot, start : start + len(ids)] = ids
+                lens[g] = start + len(ids)
+        st.num_blocks = int(lens[0])
 
     def apply(self, out: SchedulerOutput) -> list[ScheduledRequest]:
         """Fold one step's diff into the states; return the scheduled requests, decodes (one token)
@@ -110,6 +119,7 @@ class RequestStates:
         for new in out.new_reqs:
             if not self._free_slots:
                 self._grow()
+            self.table_lens[:, self._free_slots[-1]] = 0
             st = RunnerRequest(
                 req_id=new.req_id,
                 token_ids=list(new.token_ids),

@@ -84,6 +84,9 @@ class Budget:
     # Share of a full-attention block no layer uses: its layers' K/V smaller than the tensors' slots,
     # which the windowed layers' larger shape sets (Gemma 4; engine/kv_groups.py). 0: none.
     full_block_padding: float = 0.0
+    # Block scale of the full-attention groups: their blocks hold this many times block_size tokens,
+    # their layers needing that fraction of a slot per token (Gemma 4: 2; engine/kv_groups.py). 1: none.
+    full_block_scale: int = 1
     # Hybrid models: bytes of one request's linear-attention states, and of the whole state pool
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
@@ -213,6 +216,9 @@ def plan_budget(
         full_block_padding=max(
             (layout.unused_share(i) for i, g in enumerate(layout.groups) if g.window is None), default=0.0
         ),
+        full_block_scale=max(
+            (layout.block_scales[i] for i, g in enumerate(layout.groups) if g.window is None), default=1
+        ),
         state_bytes_per_seq=arch.linear_state_bytes(),
         state_pool_bytes=arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache)),
         tensor_parallel_size=tp,
@@ -309,6 +315,12 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  sliding windows: {b.windowed_layers} of {b.kv_layers} layers keep only their last {windows} "
             f"tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
             f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+        )
+    if b.full_block_scale > 1:
+        lines.append(
+            f"  cache shapes differ: a full-attention layer needs 1/{b.full_block_scale} of a windowed "
+            f"layer's bytes per token, so its blocks hold {b.full_block_scale * b.block_size} tokens "
+            "(counted in the sequences that fit)"
         )
     if b.full_block_padding:
         lines.append(
