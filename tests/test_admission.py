@@ -184,3 +184,26 @@ def test_engine_outputs_are_unchanged_and_nothing_is_preempted_one_step_ahead():
             assert engine.scheduler.num_preemptions_total == 0
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         assert outs["planned"][str(i)] == outs["greedy"][str(i)] == reference_output(p, m, VOCAB, None)
+
+
+def test_deferrals_are_counted_and_served_as_a_counter():
+    """Each step in which the plan holds a waiting request back counts once, in the scheduler's stats
+    and on /metrics (overnight check reads it: the pool is the limit even at low usage)."""
+    from overnight.metrics.prometheus import PrometheusObserver
+
+    engine, _ = make_engine(
+        num_blocks=24, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=384
+    )
+    for i in range(4):  # each ends at 15 blocks: one and a half fit
+        engine.add_request(f"r{i}", list(range(120)), SamplingParams(max_tokens=121, ignore_eos=True))
+    metrics = PrometheusObserver("m")
+    engine.observers.append(metrics)
+    engine.step()
+    first = engine.stats().kv_admission_deferrals_total
+    assert first == 1 and engine.stats().num_running == 1
+    for _ in range(5):
+        engine.step()
+    stats = engine.stats()
+    assert stats.kv_admission_deferrals_total == 6 and stats.num_preemptions_total == 0
+    page = metrics.render().decode()
+    assert 'overnight:kv_admission_deferrals_total{model_name="m"} 6.0' in page

@@ -86,7 +86,8 @@ def limits(findings: list[dict]) -> list[str]:
 @pytest.mark.slow  # serves the real model
 def test_tiny_kv_pool_is_the_limit(capsys):
     # 24 blocks of 16 = 384 tokens; each request needs 15 blocks (120 + 120 tokens): the pool holds one
-    # and a half, so it stays full and the rest wait.
+    # and a half. Planned admission starts the second only when the first's end leaves room for it, so
+    # usage stays low (~50%) while the rest wait: the deferral counter says the pool is the limit.
     with serving(max_num_seqs=16, kv_cache_memory_bytes=24 * 16 * KV_PER_TOKEN) as s:
         with load(s.url, concurrency=6, input_len=120, output_len=120):
             out = check(s.url, capsys, window_s=4.0)
@@ -150,6 +151,11 @@ def test_rules_on_synthetic_windows():
     assert limits_of(window(mean_running=200, mean_kv_usage=0.6, preemptions=3)) == ["preemptions"]
     assert limits_of(window(mean_running=40, mean_waiting=0.1)) == ["light_load"]
     assert limits_of(window(mean_running=40, mean_waiting=30, mean_kv_usage=0.3)) == ["token_budget"]
+    # planned admission holding requests back in a quarter of the steps or more: the pool, not the budget
+    held = dict(mean_running=40, mean_waiting=30, mean_kv_usage=0.5, steps=100)
+    assert limits_of(window(**held, kv_deferrals=60)) == ["kv_pool"]
+    assert "in 60 of 100 steps" in diagnose(window(**held, kv_deferrals=60))[0].summary
+    assert limits_of(window(**held, kv_deferrals=10)) == ["token_budget"]
     # a server that does not expose max_num_seqs: waiting with free cache still points at it
     assert limits_of(window(mean_running=64, mean_waiting=30, max_num_seqs=None)) == ["max_num_seqs"]
 

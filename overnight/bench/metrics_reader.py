@@ -126,6 +126,8 @@ class WindowMetrics:
     num_kv_blocks: int | None = None
     steps: float | None = None  # engine steps in the window (the iteration_tokens histogram's count)
     scheduled_tokens: float | None = None  # tokens those steps computed (its sum)
+    # steps in which planned admission held a request back for the pool (None: not served, e.g. vLLM)
+    kv_deferrals: float | None = None
 
     @property
     def generation_tok_s(self) -> float | None:
@@ -183,4 +185,5 @@ def summarize(snaps: list[Snapshot]) -> WindowMetrics:
         num_kv_blocks=limits.get("num_kv_blocks"),
         steps=increase("iteration_tokens_total_count"),
         scheduled_tokens=increase("iteration_tokens_total_sum"),
+        kv_deferrals=increase("kv_admission_deferrals_total"),
     )

@@ -61,6 +61,7 @@ class Admission:
         self.ratio = 0.0  # planned share of the remaining max_tokens of a request that may stop early
         self._plan: list[tuple[int, int]] = []  # (g, c) of the running and this step's admitted
         self._total = 0  # blocks of the plan with every request at its final length
+        self.deferrals = 0  # admits() calls that said no: the steps the plan held a request back
 
     def _blocks(self, tokens: int) -> int:
         full = sum(count * cdiv(tokens, bs) for bs, count in self.full_sizes)
@@ -107,6 +108,7 @@ class Admission:
             need = sum(n * ((tokens + count * (t + bs)) // bs) for bs, n in full)
             need += sum(min((tokens + count * (t + bs)) // bs, count * cap) for bs, cap in caps)
             if need > num_blocks:
+                self.deferrals += 1
                 return False
         self._admit(g, c, final)
         return True

@@ -30,6 +30,9 @@ class SchedulerStats:
     prefix_cache_hits: int
     lora_loads_total: int = 0  # adapters copied into a device slot
     lora_swaps_total: int = 0  # of those, loads that evicted another adapter
+    # Steps in which planned admission held a waiting request back to keep room in the KV pool for the
+    # running requests' growth (admission.py): the pool is the limit even where its usage is not high.
+    kv_admission_deferrals_total: int = 0
 
 
 class Scheduler:
@@ -127,6 +130,7 @@ class Scheduler:
             prefix_cache_hits=self.kv.prefix_hits,
             lora_loads_total=self.lora.num_loads if self.lora else 0,
             lora_swaps_total=self.lora.num_swaps if self.lora else 0,
+            kv_admission_deferrals_total=self.admission.deferrals if self.admission else 0,
         )
 
     # -- the step ---------------------------------------------------------------------------------

@@ -146,6 +146,10 @@ class PrometheusObserver:
         self.prefix_cache_queries = counter("prefix_cache_queries", "Tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Tokens found in the prefix cache.")
         self.lora_swaps = counter("lora_swaps", "LoRA adapters evicted from a device slot for another.")
+        self.kv_admission_deferrals = counter(
+            "kv_admission_deferrals",
+            "Steps in which a waiting request was held back to keep KV room for the running ones' growth.",
+        )
         self._request_success = Counter(
             name("request_success"),
             "Finished requests, by finish reason.",
@@ -189,7 +193,7 @@ class PrometheusObserver:
             )
             info.labels(model_name).info({k: str(v) for k, v in limits.items()})
 
-        self._last_totals = (0, 0, 0, 0)  # the scheduler's running totals at the previous step
+        self._last_totals = (0, 0, 0, 0, 0)  # the scheduler's running totals at the previous step
 
     # -- StatsObserver ----------------------------------------------------------------------------
 
@@ -226,8 +230,20 @@ class PrometheusObserver:
         self.kv_cache_usage_perc.set(min(max(usage, 0.0), 1.0) if math.isfinite(usage) else 0.0)
 
     def _advance_totals(self, s: SchedulerStats) -> None:
-        totals = (s.num_preemptions_total, s.prefix_cache_queries, s.prefix_cache_hits, s.lora_swaps_total)
-        counters = (self.num_preemptions, self.prefix_cache_queries, self.prefix_cache_hits, self.lora_swaps)
+        totals = (
+            s.num_preemptions_total,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.lora_swaps_total,
+            s.kv_admission_deferrals_total,
+        )
+        counters = (
+            self.num_preemptions,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.lora_swaps,
+            self.kv_admission_deferrals,
+        )
         for counter, now, before in zip(counters, totals, self._last_totals, strict=True):
             if now > before:
                 counter.inc(now - before)

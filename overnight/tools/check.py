@@ -3,7 +3,9 @@
 Reads the server's /metrics over a window and applies the operator's rules, first match first:
 
     idle          nothing ran                               send load, then check again
-    kv_pool       KV usage near 1 (or full with preemptions)  FP8 KV cache, or a shorter max_model_len
+    kv_pool       KV usage near 1 (or full with preemptions,  FP8 KV cache, or a shorter max_model_len
+                  or admission holding requests back to
+                  keep room for the running ones' growth)
                   with requests waiting
     max_num_seqs  running at max_num_seqs, cache free,      raise max_num_seqs
                   requests waiting
@@ -32,6 +34,9 @@ from overnight.bench.metrics_reader import WindowMetrics
 
 log = logging.getLogger("overnight")
 
+# Planned admission holding requests back in this share of a window's steps makes the pool the limit.
+PLAN_DEFERRED_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class Finding:
@@ -46,6 +51,11 @@ def diagnose(m: WindowMetrics) -> list[Finding]:
     # Preemption happens only when a running request finds no free block: the pool ran out even if
     # evictions keep the mean usage down (a thrashing pool frees and refills its blocks).
     kv_full = m.mean_kv_usage >= KV_FULL or (m.preemptions > 0 and m.max_kv_usage >= KV_FULL)
+    # Planned admission (engine/admission.py) keeps the room the running requests will grow into: the
+    # pool holds the batch back while its usage is still low, in every step it defers a request.
+    deferred = m.kv_deferrals or 0.0
+    kv_planned_full = deferred > 0 and (m.steps is None or deferred >= PLAN_DEFERRED_SHARE * m.steps)
+    kv_full = kv_full or kv_planned_full
     queued = m.mean_waiting >= MIN_WAITING
     at_seats = seats is not None and at_ceiling(m.mean_running, seats)
     out: list[Finding] = []
@@ -56,7 +66,7 @@ def diagnose(m: WindowMetrics) -> list[Finding]:
             Finding(
                 "kv_pool",
                 f"the KV cache is {m.mean_kv_usage:.0%} full on average (at most {m.max_kv_usage:.0%}, "
-                f"{m.preemptions:.0f} preemptions) while {m.mean_waiting:.1f} requests wait",
+                f"{m.preemptions:.0f} preemptions{held_back(m)}) while {m.mean_waiting:.1f} requests wait",
                 "make room in the pool: --kv-cache-dtype fp8 (half the bytes per token), a shorter "
                 "--max-model-len, or more memory for it (--gpu-memory-utilization)",
             )
@@ -103,6 +113,13 @@ def diagnose(m: WindowMetrics) -> list[Finding]:
             "admission is paced by the per-step token budget: raise --max-num-batched-tokens",
         )
     ]
+
+
+def held_back(m: WindowMetrics) -> str:
+    if not m.kv_deferrals:
+        return ""
+    of = f" of {m.steps:.0f}" if m.steps is not None else ""
+    return f"; admission kept room for the running requests' growth in {m.kv_deferrals:.0f}{of} steps"
 
 
 def suggest_max_num_seqs(m: WindowMetrics) -> int:
