@@ -1,0 +1,197 @@
+"""The captioning workload (overnight/bench/caption.py, workloads.py) and what makes vLLM's side of it the
+same work: deterministic prompts and pixels, the published image preprocessing for presets that ship no
+preprocessor_config.json (multimodal/qwen_pixels.py), the processor folder bench/vllm_throughput.py
+hands vLLM (bench/processor_folder.py), and `overnight bench throughput --workload caption-448` on a
+reduced Qwen2.5-VL / Qwen3-VL config with dummy weights on the CPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from overnight.bench.caption import caption_prompt_ids
+from overnight.bench.processor_folder import write_processor_files
+from overnight.bench.workloads import WORKLOADS
+from overnight.cli import main
+from overnight.loader.resolve import PRESETS_DIR, resolve_source
+from overnight.multimodal.media import MediaPolicy
+from overnight.multimodal.processor import ImageProcessor
+from tests.tiny_vl import image
+
+PRESETS = ["qwen2.5-vl-7b", "qwen3-vl-8b"]
+# Image tokens of one 448 x 448 image: (448 / 28)^2 on Qwen2.5-VL (patch 14), (448 / 32)^2 on Qwen3-VL.
+TOKENS_448 = {"qwen2.5-vl-7b": 256, "qwen3-vl-8b": 196}
+PAD, START, END = 151655, 151652, 151653
+
+
+def arch_of(preset: str):
+    return resolve_source(preset, "dummy").arch
+
+
+def ours(vision, folder, ids, img) -> list[int]:
+    proc = ImageProcessor(vision, folder, MediaPolicy())
+    try:
+        return proc.process(ids, [img])[0]
+    finally:
+        proc.close()
+
+
+def test_caption_workload_is_deterministic():
+    arch = arch_of("qwen2.5-vl-7b")
+    w = replace(WORKLOADS["caption-448"], num_requests=3)
+    first, again = w.prompts(arch), w.prompts(arch)
+    pixels = [np.asarray(p["multi_modal_data"]["image"]) for p, _ in first]
+    for (p, n), (q, m), px in zip(first, again, pixels):
+        assert p["prompt_token_ids"] == q["prompt_token_ids"] and n == m == 128
+        assert np.array_equal(px, np.asarray(q["multi_modal_data"]["image"]))
+        assert p["multi_modal_data"]["image"].size == (448, 448)
+        ids = p["prompt_token_ids"]
+        assert ids.count(PAD) == 1 and ids[ids.index(PAD) - 1] == START and ids[ids.index(PAD) + 1] == END
+    # every request its own picture; the warm-up's pictures are none of the timed ones
+    assert not np.array_equal(pixels[0], pixels[1]) and pixels[0].std() > 10
+    warm = [np.asarray(p["multi_modal_data"]["image"]) for p in w.warmup_prompts(arch, 2)]
+    assert not any(np.array_equal(a, b) for a in warm for b in pixels)
+    # another seed, other pixels; the first requests do not depend on how many there are
+    other = replace(w, seed=5).prompts(arch)[0][0]["multi_modal_data"]["image"]
+    assert not np.array_equal(np.asarray(other), pixels[0])
+    assert np.array_equal(
+        np.asarray(replace(w, num_requests=1).prompts(arch)[0][0]["multi_modal_data"]["image"]), pixels[0]
+    )
+    with pytest.raises(ValueError, match="image workload"):
+        w.requests(arch.vocab_size)
+    with pytest.raises(ValueError, match="takes no images"):
+        caption_prompt_ids(arch_of("qwen3-8b"))
+    # text workloads keep their ids: prompts() wraps requests()
+    text = replace(WORKLOADS["seed-512-256"], num_requests=2)
+    assert [p["prompt_token_ids"] for p, _ in text.prompts(arch)] == [
+        i for i, _ in text.requests(arch.vocab_size)
+    ]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_without_preprocessor_config_preprocess_as_published(preset):
+    """No preprocessor_config.json (a dummy preset): the published checkpoint's pixel bounds and
+    normalization, not transformers' Qwen2-VL defaults (max 1003520 pixels, min 3136, CLIP mean)."""
+    vision = arch_of(preset).vision
+    ids = caption_prompt_ids(arch_of(preset))
+    assert ours(vision, None, ids, image(448, 448, 0)).count(PAD) == TOKENS_448[preset]
+    proc = ImageProcessor(vision, None, MediaPolicy())
+    size, mean = proc.hf.size, list(proc.hf.image_mean)
+    proc.close()
+    if preset == "qwen2.5-vl-7b":
+        assert (size.shortest_edge, size.longest_edge) == (3136, 12845056)
+        assert mean == pytest.approx([0.48145466, 0.4578275, 0.40821073])
+        # 1400 x 1400 fits the published max (12.8M pixels) as it is: 50 x 50 patches of 28 px
+        assert ours(vision, None, ids, image(1400, 1400, 1)).count(PAD) == 2500
+    else:
+        assert (size.shortest_edge, size.longest_edge) == (65536, 16777216)
+        assert mean == pytest.approx([0.5, 0.5, 0.5])
+        # 100 x 100 is scaled up to the published min of 65536 pixels: 256 x 256, 8 x 8 tokens
+        assert ours(vision, None, ids, image(100, 100, 1)).count(PAD) == 64
+
+
+def _hf_processor(folder, kind, monkeypatch):
+    """transformers' Qwen processor on the folder's tokenizer and image processor, as vLLM builds it. Its
+    video processor needs torchvision, absent here: the processor is built without one (no video is
+    sent); bench/vllm_throughput.py repeats this check with AutoProcessor on the GPU machine."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl import Qwen3VLProcessor
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+
+    def without_video(self, name, arg):
+        return None if name == "video_processor" and arg is None else check(self, name, arg)
+
+    monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", without_video)
+    cls = Qwen2_5_VLProcessor if kind == "qwen2_5_vl" else Qwen3VLProcessor
+    tok = AutoTokenizer.from_pretrained(folder)
+    return cls(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder), tokenizer=tok, video_processor=None
+    )
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_processor_folder_for_vllm_expands_like_ours(preset, tmp_path, monkeypatch):
+    folder = str(tmp_path / preset)
+    os.makedirs(folder)
+    shutil.copy(os.path.join(PRESETS_DIR, f"{preset}.json"), os.path.join(folder, "config.json"))
+    specials = write_processor_files(folder)
+    arch = arch_of(preset)
+    hf = _hf_processor(folder, arch.vision.kind, monkeypatch)
+    tok = hf.tokenizer
+    # what vLLM looks up: vocab[image_token], the encoding of the placeholder strings, the max token id
+    assert hf.image_token == "<|image_pad|>" and tok.get_vocab()["<|image_pad|>"] == PAD == hf.image_token_id
+    for name, i in specials.items():
+        assert tok.encode(name, add_special_tokens=False) == [i]
+    assert max(tok.get_vocab().values()) == arch.vocab_size - 1
+    with open(os.path.join(folder, "video_preprocessor_config.json")) as f:
+        assert json.load(f)["video_processor_type"].endswith("VideoProcessor")
+    # vLLM's dummy text for one image: Qwen2.5-VL the pad alone, Qwen3-VL with its start / end tokens
+    text = hf.image_token if preset == "qwen2.5-vl-7b" else "<|vision_start|><|image_pad|><|vision_end|>"
+    ids = caption_prompt_ids(arch)
+    for img in (image(448, 448, 0), image(640, 360, 1)):
+        out = hf(text=[text], images=[img], return_tensors="pt")
+        theirs = out["input_ids"][0].tolist().count(PAD)
+        assert theirs == int(out["image_grid_thw"].prod()) // 4
+        # ours, with the folder's preprocessor_config.json and with none (the preset as ours runs it)
+        assert (
+            ours(arch.vision, folder, ids, img).count(PAD)
+            == theirs
+            == ours(arch.vision, None, ids, img).count(PAD)
+        )
+    assert theirs != TOKENS_448[preset]  # the 640 x 360 image is not the square's count
+
+
+def _reduced_config(preset: str, folder: str) -> str:
+    """The preset's config.json with every size cut down (the same structure: window attention and
+    full-attention blocks, deepstack, M-RoPE sections over a head of 16)."""
+    with open(os.path.join(PRESETS_DIR, f"{preset}.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    text.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    text.update(num_key_value_heads=2)
+    text["rope_scaling"]["mrope_section"] = [2, 3, 3]
+    if "head_dim" in text:
+        text["head_dim"] = 16
+    v = cfg["vision_config"]
+    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    if "fullatt_block_indexes" in v:
+        v["fullatt_block_indexes"] = [1]
+    if "deepstack_visual_indexes" in v:
+        v.update(deepstack_visual_indexes=[0, 1], num_position_embeddings=16)
+    os.makedirs(folder)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return folder
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_bench_throughput_caption_on_reduced_config(preset, tmp_path, capsys):
+    folder = _reduced_config(preset, str(tmp_path / preset))
+    out_file = tmp_path / "bench.jsonl"
+    n = 2
+    argv = ["bench", "throughput", "--model", folder, "--load-format", "dummy", "--workload", "caption-448"]
+    argv += ["--num-prompts", str(n), "--device", "cpu", "--dtype", "float32", "--max-model-len", "4096"]
+    argv += ["--kv-cache-memory-bytes", str(32 << 20), "--json-out", str(out_file)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "one 448x448 image each" in printed and "images/s" in printed
+    (r,) = json.loads(out_file.read_text().splitlines()[-1])["results"]
+    assert r["images"] == r["requests"] == n and r["images_s"] > 0
+    assert r["output_tokens"] == n * 128
+    # each prompt: 25 text tokens and the image's tokens
+    assert r["input_tokens"] == n * (25 + TOKENS_448[preset])
+
+
+def test_image_workload_refuses_text_only_modes():
+    for flag in (["--compare", "transformers"], ["--json-schema", "x.json"]):
+        with pytest.raises(SystemExit, match="image workload"):
+            main(["bench", "throughput", "--workload", "caption-448", *flag])
