@@ -103,6 +103,11 @@ def workload_inputs(workload: Workload, arch):
     return prompts, params
 
 
+def require_torchvision() -> None:
+    if importlib.util.find_spec("torchvision") is None:
+        raise SystemExit("vLLM's Qwen-VL processor loads a torchvision video processor: install torchvision")
+
+
 def check_expansion(folder: str, prompt: dict, arch) -> int:
     """The image tokens of `prompt`'s image with transformers' AutoProcessor on `folder` (what vLLM's
     processor calls), checked equal to ours (overnight/multimodal/processor.py); returns the count."""
@@ -180,8 +185,8 @@ def main() -> int:
     if args.num_prompts:
         workload = replace(workload, num_requests=args.num_prompts)
     images = workload.image_size is not None
-    if images and importlib.util.find_spec("torchvision") is None:
-        raise SystemExit("vLLM's Qwen-VL processor loads a torchvision video processor: install torchvision")
+    if images:
+        require_torchvision()
     folder = preset_folder(args.model or workload.model, images)
     arch = model_arch(folder)
     prompts, params = workload_inputs(workload, arch)
@@ -199,9 +204,11 @@ def main() -> int:
             tempfile.mkdtemp(prefix="vllm-lora-"),
         )
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    warm_prompts = workload.warmup_prompts(arch)  # for images: other images than the timed ones
-    warm = loras[: len(warm_prompts)] if loras else None
-    llm.generate(warm_prompts, params[: len(warm_prompts)], use_tqdm=False, lora_request=warm)  # warm-up
+    # Warm-up: the first requests' lengths (and adapters); an image workload's with other images.
+    warm_prompts = workload.warmup_prompts(arch)
+    first = range(len(warm_prompts))
+    warm = [loras[i % len(loras)] for i in first] if loras else None
+    llm.generate(warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm)
     torch.cuda.synchronize()
     with ClockSampler() as clocks:
         start = time.perf_counter()

@@ -195,3 +195,80 @@ def test_image_workload_refuses_text_only_modes():
     for flag in (["--compare", "transformers"], ["--json-schema", "x.json"]):
         with pytest.raises(SystemExit, match="image workload"):
             main(["bench", "throughput", "--workload", "caption-448", *flag])
+
+
+def test_vllm_side_gets_the_same_prompts_and_its_options(tmp_path, monkeypatch, capsys):
+    """bench/vllm_throughput.py --workload caption-448 end to end with a stand-in for vLLM (not installable
+    here): vLLM is built with a tokenizer and one image slot, gets our prompt dicts (same ids, same
+    pixels), and the JSON line reports images/s; a typo here would cost the GPU call."""
+    import importlib.util
+    import sys
+    import types
+
+    from PIL import Image
+
+    spec = importlib.util.spec_from_file_location("vllm_throughput", "bench/vllm_throughput.py")
+    assert spec and spec.loader
+    vt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vt)
+    built: list[dict] = []
+    seen: list[list] = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+
+        def generate(self, prompts, params, use_tqdm=False, lora_request=None):
+            seen.append(prompts)
+            assert len(prompts) == len(params)
+            outs = []
+            for p, sp in zip(prompts, params):
+                assert isinstance(p["multi_modal_data"]["image"], Image.Image) and not sp.detokenize
+                out = types.SimpleNamespace(token_ids=[7] * sp.max_tokens)
+                outs.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[out]))
+            return outs
+
+    fake = types.ModuleType("vllm")
+    fake.LLM = LLM
+    fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    monkeypatch.setattr(vt, "require_torchvision", lambda: None)
+    folders: list[str] = []
+
+    def check(folder, prompt, arch):  # AutoProcessor needs torchvision: the processor test above covers it
+        folders.append(folder)
+        return ours(
+            arch.vision, folder, prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]
+        ).count(PAD)
+
+    monkeypatch.setattr(vt, "check_expansion", check)
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(
+        sys, "argv", ["vllm_throughput.py", "--workload", "caption-448", "--num-prompts", "3"]
+    )
+    assert vt.main() == 0
+    (kwargs,) = built
+    assert kwargs["skip_tokenizer_init"] is False and kwargs["load_format"] == "dummy"
+    assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
+    assert sorted(os.listdir(folders[0])) == sorted(
+        [
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "preprocessor_config.json",
+            "video_preprocessor_config.json",
+        ]
+    )
+    warm, timed = seen
+    mine = replace(WORKLOADS["caption-448"], num_requests=3).prompts(arch_of("qwen2.5-vl-7b"))
+    assert len(timed) == 3 and len(warm) == 8
+    for p, (q, _) in zip(timed, mine):
+        assert p["prompt_token_ids"] == q["prompt_token_ids"]
+        assert np.array_equal(
+            np.asarray(p["multi_modal_data"]["image"]), np.asarray(q["multi_modal_data"]["image"])
+        )
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["images"] == 3 and record["images_s"] > 0 and record["image_tokens"] == 256
+    assert record["model"] == "qwen2.5-vl-7b" and record["requests"] == 3

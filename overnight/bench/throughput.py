@@ -67,7 +67,11 @@ def run_ours(
         # Warm every kernel shape class once (prefill tiles, mixed steps, the vision tower) outside
         # the timed run.
         warm_prompts = workload.warmup_prompts(arch)
-        warm = lora_requests[: len(warm_prompts)] if lora_requests else None
+        warm = (
+            [lora_requests[i % len(lora_requests)] for i in range(len(warm_prompts))]
+            if lora_requests
+            else None
+        )
         llm.generate(
             warm_prompts,
             [SamplingParams(max_tokens=4, ignore_eos=True)] * len(warm_prompts),
@@ -113,6 +117,7 @@ def run_ours(
         images=images,
         images_s=round(images / elapsed, 2) if images else None,
         extra={
+            "model": engine.source.served_name,
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
