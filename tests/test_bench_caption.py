@@ -272,3 +272,29 @@ def test_vllm_side_gets_the_same_prompts_and_its_options(tmp_path, monkeypatch, 
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["images"] == 3 and record["images_s"] > 0 and record["image_tokens"] == 256
     assert record["model"] == "qwen2.5-vl-7b" and record["requests"] == 3
+
+
+# Parameters of the published checkpoints (their safetensors, as transformers builds them from the
+# config), and the tower's share.
+PARAMETERS = {"qwen2.5-vl-7b": (8_292_166_656, 676_550_144), "qwen3-vl-8b": (8_767_123_696, 576_388_336)}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_vl_presets_have_published_shapes(preset):
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from overnight.loader.model_loader import build_model
+
+    source = resolve_source(preset, "dummy")
+    assert source.kind == "dummy" and source.tokenizer_path is None
+    model = build_model(source, torch.bfloat16, "meta")
+    total, tower = PARAMETERS[preset]
+    assert sum(p.numel() for p in model.parameters()) == total
+    assert sum(p.numel() for p in model.visual.parameters()) == tower
+    with open(os.path.join(PRESETS_DIR, f"{preset}.json")) as f:
+        cfg = AutoConfig.for_model(**json.load(f))
+    with torch.device("meta"):
+        hf = AutoModelForImageTextToText.from_config(cfg)
+    assert sum(p.numel() for p in hf.parameters()) == total
+    assert source.arch.vision.image_token_id == PAD
