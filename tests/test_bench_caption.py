@@ -129,6 +129,7 @@ def test_processor_folder_for_vllm_expands_like_ours(preset, tmp_path, monkeypat
     tok = hf.tokenizer
     # what vLLM looks up: vocab[image_token], the encoding of the placeholder strings, the max token id
     assert hf.image_token == "<|image_pad|>" and tok.get_vocab()["<|image_pad|>"] == PAD == hf.image_token_id
+    assert tok.get_vocab()["<|video_pad|>"] == 151656  # Qwen2.5-VL looks it up too (vocab[video_token])
     for name, i in specials.items():
         assert tok.encode(name, add_special_tokens=False) == [i]
     assert max(tok.get_vocab().values()) == arch.vocab_size - 1

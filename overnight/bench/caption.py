@@ -61,12 +61,13 @@ def synthetic_image(width: int, height: int, seed: int, index: int) -> Any:
     from PIL import Image
 
     rng = np.random.default_rng([seed, index])
-    c0, c1 = rng.uniform(0, 255, (2, 3))
+    c0, c1 = rng.uniform(0, 255, (2, 3)).astype(np.float32)
     angle = rng.uniform(0, 2 * np.pi)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
-    t = x * np.cos(angle) + y * np.sin(angle)
+    x = np.arange(width, dtype=np.float32) * np.float32(np.cos(angle))
+    y = np.arange(height, dtype=np.float32) * np.float32(np.sin(angle))
+    t = y[:, None] + x[None, :]
     t = (t - t.min()) / max(float(t.max() - t.min()), 1.0)
     base = c0 + t[..., None] * (c1 - c0)
-    noise = rng.integers(-NOISE, NOISE + 1, (height, width, 3), dtype=np.int16)
+    noise = rng.integers(-NOISE, NOISE + 1, (height, width, 3), dtype=np.int8)
     pixels = np.clip(base + noise, 0, 255).astype(np.uint8)
     return Image.fromarray(pixels, "RGB")
