@@ -198,15 +198,16 @@ def test_image_workload_refuses_text_only_modes():
             main(["bench", "throughput", "--workload", "caption-448", *flag])
 
 
-def test_vllm_side_gets_the_same_prompts_and_its_options(tmp_path, monkeypatch, capsys):
-    """bench/vllm_throughput.py --workload caption-448 end to end with a stand-in for vLLM (not installable
-    here): vLLM is built with a tokenizer and one image slot, gets our prompt dicts (same ids, same
-    pixels), and the JSON line reports images/s; a typo here would cost the GPU call."""
+@pytest.fixture()
+def vllm_stand_in(monkeypatch):
+    """bench/vllm_throughput.py with a stand-in for vLLM (not installable here) that records how the LLM
+    is built and what generate gets; run(argv) runs the script's main and returns (LLM kwargs, the
+    generate calls' prompts, the JSON record). A typo in the script would cost the GPU call."""
     import importlib.util
     import sys
     import types
 
-    from PIL import Image
+    import torch
 
     spec = importlib.util.spec_from_file_location("vllm_throughput", "bench/vllm_throughput.py")
     assert spec and spec.loader
@@ -221,10 +222,9 @@ def test_vllm_side_gets_the_same_prompts_and_its_options(tmp_path, monkeypatch, 
 
         def generate(self, prompts, params, use_tqdm=False, lora_request=None):
             seen.append(prompts)
-            assert len(prompts) == len(params)
+            assert len(prompts) == len(params) and not any(sp.detokenize for sp in params)
             outs = []
             for p, sp in zip(prompts, params):
-                assert isinstance(p["multi_modal_data"]["image"], Image.Image) and not sp.detokenize
                 out = types.SimpleNamespace(token_ids=[7] * sp.max_tokens)
                 outs.append(types.SimpleNamespace(prompt_token_ids=p["prompt_token_ids"], outputs=[out]))
             return outs
@@ -234,45 +234,47 @@ def test_vllm_side_gets_the_same_prompts_and_its_options(tmp_path, monkeypatch, 
     fake.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
     monkeypatch.setitem(sys.modules, "vllm", fake)
     monkeypatch.setattr(vt, "require_torchvision", lambda: None)
-    folders: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
 
-    def check(folder, prompt, arch):  # AutoProcessor needs torchvision: the processor test above covers it
-        folders.append(folder)
-        return ours(
-            arch.vision, folder, prompt["prompt_token_ids"], prompt["multi_modal_data"]["image"]
-        ).count(PAD)
+    def check(folder, prompt, arch):  # AutoProcessor needs torchvision: the processor test covers it
+        assert os.path.isfile(os.path.join(folder, "video_preprocessor_config.json"))
+        image = prompt["multi_modal_data"]["image"]
+        return ours(arch.vision, folder, prompt["prompt_token_ids"], image).count(PAD)
 
     monkeypatch.setattr(vt, "check_expansion", check)
-    import torch
 
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(
-        sys, "argv", ["vllm_throughput.py", "--workload", "caption-448", "--num-prompts", "3"]
-    )
-    assert vt.main() == 0
-    (kwargs,) = built
+    def run(argv: list[str], capsys) -> tuple[dict, list[list], dict]:
+        monkeypatch.setattr(sys, "argv", ["vllm_throughput.py", *argv])
+        assert vt.main() == 0
+        (kwargs,) = built
+        return kwargs, seen, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    return run
+
+
+def test_vllm_side_gets_our_images_and_a_tokenizer(vllm_stand_in, capsys):
+    kwargs, (warm, timed), record = vllm_stand_in(["--workload", "caption-448", "--num-prompts", "3"], capsys)
     assert kwargs["skip_tokenizer_init"] is False and kwargs["load_format"] == "dummy"
     assert kwargs["limit_mm_per_prompt"] == {"image": 1, "video": 0}
-    assert sorted(os.listdir(folders[0])) == sorted(
-        [
-            "config.json",
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "preprocessor_config.json",
-            "video_preprocessor_config.json",
-        ]
-    )
-    warm, timed = seen
     mine = replace(WORKLOADS["caption-448"], num_requests=3).prompts(arch_of("qwen2.5-vl-7b"))
     assert len(timed) == 3 and len(warm) == 8
     for p, (q, _) in zip(timed, mine):
         assert p["prompt_token_ids"] == q["prompt_token_ids"]
-        assert np.array_equal(
-            np.asarray(p["multi_modal_data"]["image"]), np.asarray(q["multi_modal_data"]["image"])
-        )
-    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        a, b = p["multi_modal_data"]["image"], q["multi_modal_data"]["image"]
+        assert np.array_equal(np.asarray(a), np.asarray(b))
     assert record["images"] == 3 and record["images_s"] > 0 and record["image_tokens"] == 256
     assert record["model"] == "qwen2.5-vl-7b" and record["requests"] == 3
+
+
+def test_vllm_side_of_a_text_workload_is_unchanged(vllm_stand_in, capsys):
+    """A text workload still runs without a tokenizer, images off on a VL checkpoint, our token ids."""
+    argv = ["--workload", "seed-512-256", "--model", "qwen3-vl-8b", "--num-prompts", "2"]
+    kwargs, (warm, timed), record = vllm_stand_in(argv, capsys)
+    assert kwargs["skip_tokenizer_init"] is True
+    assert kwargs["limit_mm_per_prompt"] == {"image": 0, "video": 0}
+    ids = [i for i, _ in replace(WORKLOADS["seed-512-256"], num_requests=8).requests(151936)]
+    assert [p["prompt_token_ids"] for p in timed] == ids[:2] and [p["prompt_token_ids"] for p in warm] == ids
+    assert "images" not in record and record["output_tok_s"] > 0
 
 
 # Parameters of the published checkpoints (their safetensors, as transformers builds them from the
