@@ -301,3 +301,8 @@ def test_vl_presets_have_published_shapes(preset):
         hf = AutoModelForImageTextToText.from_config(cfg)
     assert sum(p.numel() for p in hf.parameters()) == total
     assert source.arch.vision.image_token_id == PAD
+    rope = {"qwen2.5-vl-7b": (1e6, (16, 24, 24), False), "qwen3-vl-8b": (5e6, (24, 20, 20), True)}[preset]
+    assert (source.arch.rope_theta, source.arch.mrope_section, source.arch.mrope_interleaved) == rope
+    assert source.arch.attention_bias == (preset == "qwen2.5-vl-7b") and source.arch.qk_norm == (
+        preset != "qwen2.5-vl-7b"
+    )
