@@ -2,6 +2,7 @@
 # On the GPU machine: vLLM 0.26 (unpacked by ../shared/bench/vllm's side_by_side.sh into $HOME/vsite) and
 # overnight on the same preset and workload, one after the other in one call (docs/performance.md).
 #   bash bench/pairs_gpu.sh PRESET:WORKLOAD[:fp8] ...      e.g. gemma-3-27b:seed-512-256 gpt-oss-20b:long-1024-1024
+#   (image workloads too: qwen2.5-vl-7b:caption-448 qwen3-vl-8b:caption-448; both JSON lines carry images_s)
 # Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1,
 #      PAIR_TIMEOUT (seconds per engine run, default 240). One line per engine goes to stdout and $OUT/pairs.log.
 export PYTHONUNBUFFERED=1

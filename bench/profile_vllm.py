@@ -23,9 +23,9 @@ sys.path.insert(0, ".")
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
 from bench.vllm_throughput import (  # noqa: E402
     engine_extra,
+    model_arch,
     preset_folder,
     vllm_engine,
-    vocab_size,
     workload_inputs,
 )
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
@@ -48,7 +48,7 @@ def main() -> int:
     extra = engine_extra(args)
     folder = preset_folder(args.model or w.model)
     llm = vllm_engine(folder, **extra)
-    prompts, params = workload_inputs(args.workload, vocab_size(folder))
+    prompts, params = workload_inputs(w, model_arch(folder))
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up, as vllm_throughput.py
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -3,6 +3,7 @@
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-30b-a3b
     python bench/vllm_throughput.py --workload seed-512-256 --lora-adapters 8     (the adapters ours uses)
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-8b-awq  (Marlin, from the config)
+    python bench/vllm_throughput.py --workload caption-448 [--model qwen3-vl-8b]  (one image per request)
 Needs vLLM (0.26 for the published figures) in the environment, and this repository on PYTHONPATH (the
 script puts "." there). vLLM runs with its defaults but for what makes the two runs the same work:
 LLM(model=<a folder holding the preset's config.json>, load_format="dummy", dtype="bfloat16", seed=0,
@@ -10,34 +11,48 @@ max_model_len=4096, skip_tokenizer_init=True); the token ids, lengths and order 
 overnight/bench/workloads.py; greedy, ignore_eos, max_tokens = each request's output length. After an
 8-request warm-up, one LLM.generate over the whole workload is timed, the SM clock sampled during it.
 Prints the rate, then one JSON line.
+
+An image workload (caption-448) gives vLLM the same prompt dicts as ours, {"prompt_token_ids": ids,
+"multi_modal_data": {"image": PIL image}}, the same images. vLLM's multimodal processor needs the HF
+processor and a tokenizer even for token-id prompts, so the preset's folder also gets the files of
+overnight/bench/processor_folder.py (a tokenizer of the model's special tokens at their ids, the
+published preprocessor_config.json), the tokenizer is loaded (skip_tokenizer_init=False; outputs stay
+token ids: detokenize=False) and one image per prompt is allowed (limit_mm_per_prompt). Before the
+timed run the script checks that AutoProcessor on that folder expands an image to as many pads as ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 sys.path.insert(0, ".")
 
 from overnight.bench.gpu_info import ClockSampler  # noqa: E402
-from overnight.bench.workloads import WORKLOADS  # noqa: E402
+from overnight.bench.workloads import WORKLOADS, Workload  # noqa: E402
 from overnight.loader.resolve import PRESETS_DIR, preset_names  # noqa: E402
 
 
-def preset_folder(name: str) -> str:
+def preset_folder(name: str, images: bool = False) -> str:
     """A model folder vLLM can read: a folder holding a config.json as it is, else a temporary one with the
-    preset's config.json (overnight/loader/presets/)."""
+    preset's config.json (overnight/loader/presets/), plus, for images, the processor files."""
     if os.path.isfile(os.path.join(name, "config.json")):
         return name
     if name not in preset_names():
         raise SystemExit(f"unknown preset {name!r}; known: {', '.join(preset_names())}")
     folder = tempfile.mkdtemp(prefix=f"vllm-{name}-")
     shutil.copy(os.path.join(PRESETS_DIR, f"{name}.json"), os.path.join(folder, "config.json"))
+    if images:
+        from overnight.bench.processor_folder import write_processor_files
+
+        write_processor_files(folder)
     return folder
 
 
@@ -48,19 +63,20 @@ def vocab_size(folder: str) -> int:
     return int(AutoConfig.from_pretrained(folder).get_text_config().vocab_size)
 
 
-def vllm_engine(folder: str, **extra: object):
+def vllm_engine(folder: str, images: bool = False, **extra: object):
     """vLLM's LLM on dummy weights of the config in `folder`, its defaults otherwise. A vision-language
-    checkpoint runs text-only (no image slots), as our side does on token-id prompts."""
+    checkpoint runs text-only (no image slots), as our side does on token-id prompts, unless `images`:
+    then one image per prompt, no video, and the folder's tokenizer (its multimodal processor needs one)."""
     from vllm import LLM  # type: ignore[import-not-found]
 
     with open(os.path.join(folder, "config.json")) as f:
         archs = json.load(f).get("architectures") or []
     if any(a.endswith("ForConditionalGeneration") for a in archs):
-        extra = {"limit_mm_per_prompt": {"image": 0, "video": 0}, **extra}
+        extra = {"limit_mm_per_prompt": {"image": 1 if images else 0, "video": 0}, **extra}
     return LLM(
         model=folder,
         load_format="dummy",
-        skip_tokenizer_init=True,
+        skip_tokenizer_init=not images,
         dtype="bfloat16",
         seed=0,
         max_model_len=4096,
@@ -68,16 +84,51 @@ def vllm_engine(folder: str, **extra: object):
     )
 
 
-def workload_inputs(workload: str, vocab: int):
-    """(prompts, sampling params) of a workload, as vLLM takes them."""
+def model_arch(folder: str):
+    """Our ModelArch of the config in `folder` (the vocabulary, the image token ids)."""
+    from overnight.loader.resolve import resolve_source
+
+    return resolve_source(folder, "dummy").arch
+
+
+def workload_inputs(workload: Workload, arch):
+    """(prompts, sampling params) of a workload, as vLLM takes them: the prompt dicts ours gets."""
     from vllm import SamplingParams  # type: ignore[import-not-found]
 
-    reqs = WORKLOADS[workload].requests(vocab)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    reqs = workload.prompts(arch)
+    prompts = [p for p, _ in reqs]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False) for _, n in reqs
     ]
     return prompts, params
+
+
+def require_torchvision() -> None:
+    if importlib.util.find_spec("torchvision") is None:
+        raise SystemExit("vLLM's Qwen-VL processor loads a torchvision video processor: install torchvision")
+
+
+def check_expansion(folder: str, prompt: dict, arch) -> int:
+    """The image tokens of `prompt`'s image with transformers' AutoProcessor on `folder` (what vLLM's
+    processor calls), checked equal to ours (overnight/multimodal/processor.py); returns the count."""
+    from transformers import AutoProcessor
+
+    from overnight.multimodal.media import MediaPolicy
+    from overnight.multimodal.processor import ImageProcessor
+
+    image = prompt["multi_modal_data"]["image"]
+    hf = AutoProcessor.from_pretrained(folder)
+    out = hf(text=[hf.image_token], images=[image], return_tensors="pt")
+    theirs = out["input_ids"][0].tolist().count(arch.vision.image_token_id)
+    ours_proc = ImageProcessor(arch.vision, folder, MediaPolicy())
+    try:
+        ids, _ = ours_proc.process(prompt["prompt_token_ids"], [image])
+    finally:
+        ours_proc.close()
+    ours = ids.count(arch.vision.image_token_id)
+    if theirs != ours:
+        raise SystemExit(f"AutoProcessor on {folder} expands an image to {theirs} tokens, ours to {ours}")
+    return ours
 
 
 def engine_extra(args: argparse.Namespace) -> dict[str, object]:
@@ -86,11 +137,12 @@ def engine_extra(args: argparse.Namespace) -> dict[str, object]:
         extra["kv_cache_dtype"] = args.kv_cache_dtype
     if args.quantization:
         extra["quantization"] = args.quantization
-    if args.max_num_seqs:
+    # (bench/profile_vllm.py's arguments have only the first two)
+    if getattr(args, "max_num_seqs", None):
         extra["max_num_seqs"] = args.max_num_seqs
-    if args.max_num_batched_tokens:
+    if getattr(args, "max_num_batched_tokens", None):
         extra["max_num_batched_tokens"] = args.max_num_batched_tokens
-    if args.lora_adapters:
+    if getattr(args, "lora_adapters", 0):
         n = args.lora_adapters
         extra.update(enable_lora=True, max_loras=n, max_cpu_loras=n, max_lora_rank=args.lora_rank)
     return extra
@@ -112,6 +164,7 @@ def lora_requests(model: str, n: int, rank: int, folder: str) -> list[object]:
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workload", default="seed-512-256", choices=sorted(WORKLOADS))
     ap.add_argument("--model", default=None, help="a preset other than the workload's model")
+    ap.add_argument("--num-prompts", type=int, default=None, help="the workload's first N requests")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--quantization", default=None, choices=["fp8"])
     ap.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's max_num_seqs (default: its own)")
@@ -128,12 +181,20 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    folder = preset_folder(args.model or WORKLOADS[args.workload].model)
+    workload = WORKLOADS[args.workload]
+    if args.num_prompts:
+        workload = replace(workload, num_requests=args.num_prompts)
+    images = workload.image_size is not None
+    if images:
+        require_torchvision()
+    folder = preset_folder(args.model or workload.model, images)
+    arch = model_arch(folder)
+    prompts, params = workload_inputs(workload, arch)
+    image_tokens = check_expansion(folder, prompts[0], arch) if images else 0
     extra = engine_extra(args)
     t0 = time.perf_counter()
-    llm = vllm_engine(folder, **extra)
+    llm = vllm_engine(folder, images, **extra)
     init_s = time.perf_counter() - t0
-    prompts, params = workload_inputs(args.workload, vocab_size(folder))
     loras = None
     if args.lora_adapters:
         adapters = lora_requests(
@@ -143,8 +204,11 @@ def main() -> int:
             tempfile.mkdtemp(prefix="vllm-lora-"),
         )
         loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    warm = loras[:8] if loras else None
-    llm.generate(prompts[:8], params[:8], use_tqdm=False, lora_request=warm)  # warm-up
+    # Warm-up: the first requests' lengths (and adapters); an image workload's with other images.
+    warm_prompts = workload.warmup_prompts(arch)
+    first = range(len(warm_prompts))
+    warm = [loras[i % len(loras)] for i in first] if loras else None
+    llm.generate(warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm)
     torch.cuda.synchronize()
     with ClockSampler() as clocks:
         start = time.perf_counter()
@@ -152,21 +216,29 @@ def main() -> int:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(o.prompt_token_ids) for o in outs)  # an image's pads expanded
     clock = clocks.samples.summary()
+    per_image = f", {len(prompts) / seconds:,.2f} images/s" if images else ""
     print(
-        f"vLLM {args.workload}: {n_out} output tokens in {seconds:.2f} s = {n_out / seconds:,.0f} tok/s "
+        f"vLLM {args.workload}: {n_out} output tokens in {seconds:.2f} s = {n_out / seconds:,.0f} tok/s{per_image} "
         f"(SM clock {clock['sm_clock_mhz_median']} / {clock['sm_clock_mhz_min']} MHz; start-up {init_s:.0f} s)"
     )
     record = {
         "bench": "vllm_throughput",
         "workload": args.workload,
-        "model": args.model or WORKLOADS[args.workload].model,
+        "model": args.model or workload.model,
+        "requests": len(prompts),
         "extra": extra,
         "output_tok_s": round(n_out / seconds, 1),
+        "input_tokens": n_in,
         "seconds": round(seconds, 3),
         "init_s": round(init_s, 1),
         **clock,
     }
+    if images:
+        record.update(
+            images=len(prompts), images_s=round(len(prompts) / seconds, 2), image_tokens=image_tokens
+        )
     print(json.dumps(record))
     return 0
 

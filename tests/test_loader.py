@@ -162,7 +162,7 @@ def test_dummy_presets_have_published_shapes(name):
     if name.startswith("qwen3"):
         assert source.arch.qk_norm and source.arch.rope_theta == 1e6 and source.arch.rms_norm_eps == 1e-6
     # Tested elsewhere: MoE in test_qwen3_moe.py, Gemma in test_gemma_config.py, the dense families in
-    # test_families.py, gpt-oss in test_gpt_oss.py.
+    # test_families.py, gpt-oss in test_gpt_oss.py, the VL presets in test_bench_caption.py.
     elsewhere = {
         "qwen3-30b-a3b",
         "gemma-3-27b",
@@ -171,7 +171,14 @@ def test_dummy_presets_have_published_shapes(name):
         "mistral-small-24b",
         "phi-4",
     }
-    elsewhere |= {"gpt-oss-20b", "gpt-oss-120b", "qwen3.5-9b", "qwen3.5-35b-a3b"}
+    elsewhere |= {
+        "gpt-oss-20b",
+        "gpt-oss-120b",
+        "qwen3.5-9b",
+        "qwen3.5-35b-a3b",
+        "qwen2.5-vl-7b",
+        "qwen3-vl-8b",
+    }
     assert set(preset_names()) == set(PRESETS) | elsewhere
 
 

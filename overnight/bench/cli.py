@@ -19,7 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--workload",
         default=None,
-        help="seed-512-256, nano-256, long-1024-1024 (GPU, dummy weights) or cpu-64",
+        help="seed-512-256, nano-256, long-1024-1024 (GPU, dummy weights), cpu-64, or caption-448 "
+        "(one synthetic image per request: a vision-language model; reports images/s)",
     )
     t.add_argument("--num-prompts", type=int, default=None)
     t.add_argument("--input-len", type=int, nargs="+", default=None, help="one length, or lo hi")
@@ -66,6 +67,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _workload(args: argparse.Namespace):
+    from dataclasses import replace
+
     from overnight.bench.workloads import WORKLOADS, Workload
 
     if args.workload:
@@ -73,7 +76,10 @@ def _workload(args: argparse.Namespace):
             raise SystemExit(f"unknown workload {args.workload!r}; known: {', '.join(WORKLOADS)}")
         w = WORKLOADS[args.workload]
         if args.num_prompts:
-            w = Workload(w.name, w.model, args.num_prompts, w.input_len, w.output_len)
+            w = replace(w, num_requests=args.num_prompts)
+        if w.image_size is not None and (args.compare or args.json_schema):
+            flag = "--compare" if args.compare else "--json-schema"
+            raise SystemExit(f"{flag} takes text workloads only; {w.name} is an image workload")
         return w
 
     def span(v, default):

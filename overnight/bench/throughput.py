@@ -42,6 +42,8 @@ class RunResult:
     limit_fraction_overlapped: float | None = None
     limit_fraction_serial: float | None = None
     extra: dict | None = None
+    images: int = 0  # an image workload's images (one per request)
+    images_s: float | None = None
 
 
 def run_ours(
@@ -55,18 +57,24 @@ def run_ours(
     # One tiny request first: the time to the first finished step is the start-up users feel.
     llm.generate([[101, 102, 103]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     startup = process_age_s()
-    reqs = workload.requests(arch.vocab_size)
-    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    reqs = workload.prompts(arch)
+    prompts = [p for p, _ in reqs]
     params = [SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0) for _, n_out in reqs]
     engine = llm.engine  # an Engine, or the data-parallel front: use what both have
     device = torch.device(engine.config.runner.device)
     device_index = device.index or 0
     if warmup and device.type == "cuda":
-        # Warm every kernel shape class once (prefill tiles, mixed steps) outside the timed run.
-        warm = lora_requests[:8] if lora_requests else None
+        # Warm every kernel shape class once (prefill tiles, mixed steps, the vision tower) outside
+        # the timed run.
+        warm_prompts = workload.warmup_prompts(arch)
+        warm = (
+            [lora_requests[i % len(lora_requests)] for i in range(len(warm_prompts))]
+            if lora_requests
+            else None
+        )
         llm.generate(
-            prompts[:8],
-            [SamplingParams(max_tokens=4, ignore_eos=True)] * 8,
+            warm_prompts,
+            [SamplingParams(max_tokens=4, ignore_eos=True)] * len(warm_prompts),
             use_tqdm=False,
             lora_request=warm,
         )
@@ -79,15 +87,20 @@ def run_ours(
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
     tokens = [o.outputs[0].token_ids for o in outs]
-    n_in = sum(len(ids) for ids, _ in reqs)
+    # Prompt tokens as the engine ran them: an image's placeholder expanded to its tokens.
+    lengths = [(len(o.prompt_token_ids), n) for o, (_, n) in zip(outs, reqs)]
+    n_in = sum(n for n, _ in lengths)
     n_out = sum(len(t) for t in tokens)
     expected = sum(n for _, n in reqs)
     if n_out != expected:
         raise RuntimeError(f"generated {n_out} tokens, expected {expected}: lengths were not honoured")
+    images = sum(1 for p in prompts if "multi_modal_data" in p)
     sched = engine.config.scheduler
     kv_dtype = engine.config.cache.kv_cache_dtype
     kv_elem = 1 if kv_dtype.startswith("fp8") else engine.config.model.dtype.itemsize
-    roof = estimate(arch, [(len(i), n) for i, n in reqs], sched.max_num_seqs, kv_elem)
+    roof = estimate(arch, lengths, sched.max_num_seqs, kv_elem)
+    # The roofline counts the decoder only: with images its fractions would leave the tower out.
+    has_roof = device.type == "cuda" and not images
     result = RunResult(
         engine="overnight",
         requests=len(reqs),
@@ -99,9 +112,12 @@ def run_ours(
         startup_s=round(startup, 1),
         clocks=clocks.samples.summary(),
         # The roofline's ceilings are an H200's: meaningless on a CPU.
-        limit_fraction_overlapped=round(roof.t_overlapped / elapsed, 3) if device.type == "cuda" else None,
-        limit_fraction_serial=round(roof.t_serial / elapsed, 3) if device.type == "cuda" else None,
+        limit_fraction_overlapped=round(roof.t_overlapped / elapsed, 3) if has_roof else None,
+        limit_fraction_serial=round(roof.t_serial / elapsed, 3) if has_roof else None,
+        images=images,
+        images_s=round(images / elapsed, 2) if images else None,
         extra={
+            "model": engine.source.served_name,
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
@@ -185,19 +201,19 @@ def run_transformers(
 
 
 def print_table(workload: Workload, results: list[RunResult]) -> None:
-    print(
-        f"\nworkload {workload.name}: {workload.num_requests} requests, input {workload.input_len}, "
-        f"output {workload.output_len}"
-    )
-    header = f"{'engine':<40} {'req':>5} {'out tok/s':>10} {'total tok/s':>12} {'elapsed s':>10} {'start-up s':>10} {'SM MHz':>7} {'limit frac':>11}"
+    print(f"\nworkload {workload.name}: {workload.describe()}")
+    with_images = any(r.images for r in results)
+    img_head = f" {'images/s':>9}" if with_images else ""
+    header = f"{'engine':<40} {'req':>5} {'out tok/s':>10}{img_head} {'total tok/s':>12} {'elapsed s':>10} {'start-up s':>10} {'SM MHz':>7} {'limit frac':>11}"
     print(header)
     print("-" * len(header))
     for r in results:
         sm = r.clocks.get("sm_clock_mhz_median", "n/a") if r.clocks else "n/a"
         frac = f"{r.limit_fraction_overlapped:.2f}" if r.limit_fraction_overlapped is not None else "-"
         start = f"{r.startup_s:.1f}" if r.startup_s is not None else "-"
+        img = f" {r.images_s if r.images_s is not None else '-':>9}" if with_images else ""
         print(
-            f"{r.engine:<40} {r.requests:>5} {r.output_tok_s:>10.1f} {r.total_tok_s:>12.1f} "
+            f"{r.engine:<40} {r.requests:>5} {r.output_tok_s:>10.1f}{img} {r.total_tok_s:>12.1f} "
             f"{r.elapsed_s:>10.2f} {start:>10} {sm!s:>7} {frac:>11}"
         )
     if len(results) > 1:

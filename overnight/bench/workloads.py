@@ -1,13 +1,24 @@
-"""Benchmark workloads: the same token ids every engine is given (see the peers' measurements).
+"""Benchmark workloads: the same token ids (and images) every engine is given (see the peers' measurements).
 
-For each request, with Python's random.Random(seed): n_in = randint(in_lo, in_hi), then
+Text workloads: for each request, with Python's random.Random(seed): n_in = randint(in_lo, in_hi), then
 n_out = randint(out_lo, out_hi), then n_in ids drawn with randrange(100, vocab - 1000).
+
+Image workloads (image_size set: captioning): each request is the fixed caption prompt of caption.py with
+one synthetic image of image_size, drawn from (seed, request index); n_out = randint(out_lo, out_hi) with
+random.Random(seed). Their prompts need the model (its image token ids), so they come from prompts(arch).
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
+
+from overnight.config import ModelArch
+
+Prompt = dict[
+    str, Any
+]  # {"prompt_token_ids": ids[, "multi_modal_data": {"image": image}]}, as LLM.generate takes
 
 
 @dataclass(frozen=True)
@@ -15,12 +26,15 @@ class Workload:
     name: str
     model: str  # dummy preset
     num_requests: int
-    input_len: tuple[int, int]
+    input_len: tuple[int, int]  # text workloads; (0, 0) for an image workload (its prompt is caption.py's)
     output_len: tuple[int, int]
     seed: int = 0
+    image_size: tuple[int, int] | None = None  # (width, height): one synthetic image per request
 
     def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
-        """[(prompt token ids, output length)] in submission order."""
+        """[(prompt token ids, output length)] in submission order (text workloads)."""
+        if self.image_size is not None:
+            raise ValueError(f"{self.name} is an image workload: its prompts come from prompts(arch)")
         rng = random.Random(self.seed)
         out = []
         for _ in range(self.num_requests):
@@ -28,6 +42,39 @@ class Workload:
             n_out = rng.randint(*self.output_len)
             out.append(([rng.randrange(100, vocab_size - 1000) for _ in range(n_in)], n_out))
         return out
+
+    def prompts(self, arch: ModelArch) -> list[tuple[Prompt, int]]:
+        """[(prompt, output length)] in submission order, in the form both engines' LLM.generate take.
+        Raises ValueError when an image workload does not fit the model (caption.py)."""
+        if self.image_size is None:
+            return [({"prompt_token_ids": ids}, n) for ids, n in self.requests(arch.vocab_size)]
+        from overnight.bench.caption import caption_prompt_ids, synthetic_image
+
+        ids = caption_prompt_ids(arch)
+        width, height = self.image_size
+        rng = random.Random(self.seed)
+        out = []
+        for i in range(self.num_requests):
+            image = synthetic_image(width, height, self.seed, i)
+            out.append(
+                (
+                    {"prompt_token_ids": list(ids), "multi_modal_data": {"image": image}},
+                    rng.randint(*self.output_len),
+                )
+            )
+        return out
+
+    def warmup_prompts(self, arch: ModelArch, n: int = 8) -> list[Prompt]:
+        """n prompts for a warm-up before the timed run: a text workload's first ones; for an image
+        workload other images (the next seed), so no timed image is already in an engine's caches."""
+        seed = self.seed if self.image_size is None else self.seed + 1
+        return [p for p, _ in replace(self, num_requests=n, seed=seed).prompts(arch)]
+
+    def describe(self) -> str:
+        if self.image_size is not None:
+            w, h = self.image_size
+            return f"{self.num_requests} requests, one {w}x{h} image each (caption prompt), output {self.output_len}"
+        return f"{self.num_requests} requests, input {self.input_len}, output {self.output_len}"
 
 
 WORKLOADS = {
@@ -38,6 +85,9 @@ WORKLOADS = {
         Workload("long-1024-1024", "qwen3-8b", 512, (1024, 1024), (1024, 1024)),
         # The CPU check: the embedded default model, mixed lengths (continuous batching's home ground).
         Workload("cpu-64", "default", 64, (16, 192), (8, 96)),
+        # Captioning: 448 px is a multiple of both towers' merged patch (28 and 32 px), so no resize: 256
+        # image tokens per request on Qwen2.5-VL, 196 on Qwen3-VL (--model qwen3-vl-8b).
+        Workload("caption-448", "qwen2.5-vl-7b", 1024, (0, 0), (128, 128), image_size=(448, 448)),
     ]
 }
 

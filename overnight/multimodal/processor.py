@@ -1,9 +1,9 @@
 """Prompt + images -> token ids with each image's placeholder expanded, and MultiModalInputs.
 
-Pixels come from the checkpoint's own HF image processor (its preprocessor_config.json), the PIL one
-(transformers' `Qwen2VLImageProcessorPil`), which needs neither torchvision nor a GPU. Images are
-preprocessed in a pool of threads (PIL decoding and resizing release the GIL), so the device does not
-wait on JPEG decoding.
+Pixels come from the checkpoint's own HF image processor (its preprocessor_config.json, else the
+published checkpoints' settings: qwen_pixels.py), the PIL one (transformers' `Qwen2VLImageProcessorPil`),
+which needs neither torchvision nor a GPU. Images are preprocessed in a pool of threads (PIL decoding and
+resizing release the GIL), so the device does not wait on JPEG decoding.
 
 A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad|><|vision_end|>`, as
 the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
@@ -31,6 +31,7 @@ from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
+from overnight.multimodal.qwen_pixels import qwen_image_processor
 
 T = TypeVar("T")
 Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
@@ -73,16 +74,7 @@ class ImageProcessor:
             self.hf = gemma3_image_processor(vision, model_path)
             self.gemma = GemmaPrompt(vision, tokenizer_path or model_path)
         else:
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
-            if model_path and os.path.isfile(os.path.join(model_path, "preprocessor_config.json")):
-                self.hf = Qwen2VLImageProcessorPil.from_pretrained(model_path)
-            else:
-                self.hf = Qwen2VLImageProcessorPil(
-                    patch_size=vision.patch_size,
-                    temporal_patch_size=vision.temporal_patch_size,
-                    merge_size=vision.spatial_merge_size,
-                )
+            self.hf = qwen_image_processor(vision, model_path)
         # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
         # so a prompt never waits for a worker that is itself waiting.
         self.pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="overnight-images")
@@ -208,7 +200,8 @@ def image_processor_for(source: Any, options: Any) -> ImageProcessor | None:
     vision = source.arch.vision
     if vision is None:
         return None
-    path = source.path if source.kind == "hf" else None
+    # A checkpoint folder's preprocessor_config.json counts with dummy weights too; a preset has none.
+    path = source.path if source.kind in ("hf", "dummy") and os.path.isdir(source.path) else None
     return ImageProcessor(
         vision,
         path,
