@@ -179,7 +179,27 @@ def test_dummy_presets_have_published_shapes(name):
         "qwen2.5-vl-7b",
         "qwen3-vl-8b",
     }
+    elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere
+
+
+# The published quantized checkpoints' configs (Qwen/Qwen3-8B-AWQ, Qwen/Qwen3-32B-AWQ,
+# RedHatAI/Qwen3-8B-quantized.w8a8): the float preset's shapes with its quantization_config.
+QUANTIZED_PRESETS = {
+    "qwen3-8b-awq": ("qwen3-8b", "awq", 4, 128, False, False),
+    "qwen3-32b-awq": ("qwen3-32b", "awq", 4, 128, False, False),
+    "qwen3-8b-w8a8": ("qwen3-8b", "compressed-tensors", 8, None, True, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUANTIZED_PRESETS))
+def test_quantized_presets_are_their_float_preset_with_the_published_scheme(name):
+    base, method, bits, group, symmetric, int8_acts = QUANTIZED_PRESETS[name]
+    source = resolve_source(name, load_format="dummy")
+    assert source.arch == resolve_source(base, load_format="dummy").arch
+    scheme = source.quantization
+    assert (scheme.method, scheme.bits, scheme.group_size) == (method, bits, group)
+    assert (scheme.symmetric, scheme.int8_activations) == (symmetric, int8_acts)
 
 
 def test_model_class_builds_under_a_device_context():
