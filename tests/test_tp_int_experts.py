@@ -65,6 +65,28 @@ def test_packed_expert_shards_hold_their_share_of_the_weights(folders, layout, p
         assert torch.equal(my_down, down[:, :, start : start + n])
 
 
+@pytest.mark.parametrize("layout", ["awq-g32", "ct-w4-channel-asym"])
+def test_packed_expert_shares_through_the_kernel_sum_to_the_whole(folders, layout, packed, monkeypatch):
+    """The grouped GEMM kernel (interpreted) on each rank's share, before the all-reduce: the two
+    partial sums add up to the whole stack's output (groups of 32, and channel-wise: one group of a
+    rank's 32 columns)."""
+    from overnight.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    source = resolve_source(str(folders[layout]))
+    model = load_model(source, torch.float32, "cpu")
+    whole = model.get_submodule(STACK)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=gen)
+    weights, ids = torch.topk(torch.randn(5, 8, generator=gen).softmax(-1), 2)
+    parts = []
+    for rank in range(2):
+        mine = apply_tp(load_model(source, torch.float32, "cpu"), rank, 2).get_submodule(STACK)
+        assert isinstance(mine, RowParallelIntExperts)
+        parts.append(IntExperts.forward(mine, x, weights, ids.int()))  # the rank's partial sum
+    torch.testing.assert_close(parts[0] + parts[1], whole(x, weights, ids.int()), atol=1e-4, rtol=1e-4)
+
+
 def test_expert_share_cuts_scales_and_zeros(folders, packed):
     """The per-expert cuts the checkpoint conversion applies (IntExperts.expert_share): gate/up scale
     rows, down scale groups, a channel-wise down scale kept whole."""
