@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
-PROJ_SUFFIXES = ("_proj.weight",)
+# every projection's weight, the Gated DeltaNet layers' big input projections included
+PROJ_SUFFIXES = ("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkvz.weight")
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,14 @@ def _quantized_tensors(
     return out, deq
 
 
-def _config(lay: Layout) -> dict[str, Any]:
+# The hybrids' small float projections (Gated DeltaNet's in_proj_a / _b / _ba, the shared expert's
+# gate) are written unquantized, as published checkpoints leave them: their configs say so.
+FLOAT_LINEARS = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
+
+
+def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
+    """floats: the FLOAT_LINEARS the checkpoint has."""
+    kept = {"modules_to_not_convert": floats} if floats else {}
     if lay.method == "awq":
         return {
             "quant_method": "awq",
@@ -155,9 +163,11 @@ def _config(lay: Layout) -> dict[str, Any]:
             "group_size": lay.group or -1,
             "zero_point": True,
             "version": "gemm",
+            **kept,
         }
     if lay.method == "gptq":
         return {
+            **kept,
             "quant_method": "gptq",
             "bits": lay.bits,
             "group_size": lay.group or -1,
@@ -189,7 +199,7 @@ def _config(lay: Layout) -> dict[str, Any]:
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts, "format": fmt}
         },
-        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "ignore": ["lm_head", "re:.*mlp.gate$", *(f"re:.*{name}$" for name in floats)],
     }
 
 
@@ -215,6 +225,7 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     save_file(quantized, dst / "model.safetensors")
     save_file(dequantized, deq_dir / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = _config(lay)
+    floats = [name for name in FLOAT_LINEARS if any(f".{name}." in key for key in state)]
+    config["quantization_config"] = _config(lay, floats)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq_dir

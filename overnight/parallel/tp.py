@@ -329,9 +329,9 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             rows = module.packed_weight if isinstance(module, WeightOnlyIntLinear) else module.weight
             assert isinstance(rows, torch.Tensor)
             module.out_features = rows.shape[0]
-        elif leaf in ROW_PARALLEL and isinstance(module, WeightOnlyIntLinear):
+        elif leaf in row_parallel and isinstance(module, WeightOnlyIntLinear):
             _set_module(model, name, RowParallelWeightOnlyIntLinear(module, name, shards.shard, group))
-        elif leaf in ROW_PARALLEL and isinstance(module, Int8Linear):
+        elif leaf in row_parallel and isinstance(module, Int8Linear):
             _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             weight = keep(shards.shard(f"{name}.weight", module.weight))

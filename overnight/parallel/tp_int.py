@@ -20,9 +20,12 @@ input columns:
                                       the grouped GEMM's step). The conversion writes each expert's scales
                                       into the stack itself: RowParallelIntExperts.expert_share cuts them
 
+A hybrid's Gated DeltaNet projections follow parallel/tp_hybrid.py's rows and columns: in_proj_* as
+column-parallel layers, out_proj as a row-parallel one (its share: the columns of a rank's value heads).
+
 Not exact, so refused by name: a row-parallel layer with act-order columns (g_idx) on the GPU (a
 rank's input columns belong to groups spread over the whole input, which the packed layout cannot
-hold as whole groups), and packed hybrids (Gated DeltaNet layers have no packed rules yet).
+hold as whole groups).
 (Act-order and W8A8 experts are not packed: they load dequantized, under the float rules.)
 """
 
@@ -52,11 +55,6 @@ def check_int_tp(scheme: IntScheme, arch: ModelArch, world: int, packed_experts:
     if world == 1 or not packed:
         return  # dequantized at load: float rules
     what = scheme.describe()
-    if arch.num_linear_layers:  # their out_proj and conv channels have no packed rules here
-        raise ModelLoadError(
-            f"{what} hybrid linear-attention models with tensor parallelism are not supported yet; "
-            "run with --tensor-parallel-size 1"
-        )
     if (
         packed_experts
         and arch.num_experts
@@ -83,6 +81,10 @@ def check_int_tp(scheme: IntScheme, arch: ModelArch, world: int, packed_experts:
         "o_proj": arch.q_size // world,
         "down_proj": arch.intermediate_size // world,
         "shared_expert.down_proj": arch.shared_expert_intermediate_size // world,
+        # a hybrid's Gated DeltaNet out_proj: the columns of a rank's value heads (parallel/tp_hybrid.py)
+        "out_proj": arch.linear_num_value_heads // world * arch.linear_value_head_dim
+        if arch.num_linear_layers
+        else 0,
     }
     for module, n in shares.items():
         if n and n % unit:
