@@ -20,9 +20,9 @@ from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel import workers
 from overnight.parallel.tp import TPShards
-from overnight.parallel.tp_int import RowParallelWeightOnlyIntLinear, check_int_tp
+from overnight.parallel.tp_int import RowParallelInt8Linear, RowParallelWeightOnlyIntLinear, check_int_tp
 from overnight.quant import apply
-from overnight.quant.int_linear import WeightOnlyIntLinear
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
@@ -43,6 +43,8 @@ def folders(tmp_path_factory):
         extra = MOE if variant == "qwen3_next" else {}
         src = make_hybrid_checkpoint(root / "src", variant, **SIZES, **extra)
         made[variant] = make_int_checkpoint(src, root / f"{variant}-awq", "awq-g32")[0]
+        if variant == "qwen3_5":
+            made["qwen3_5-w8a8"] = make_int_checkpoint(src, root / "qwen3_5-w8a8", "ct-w8a8")[0]
     return made
 
 
@@ -51,14 +53,16 @@ def packed(monkeypatch):
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next", "qwen3_5-w8a8"])
 def test_packed_hybrid_shards_hold_their_share_of_the_weights(folders, variant, packed):
-    """Every packed layer of rank r (Gated DeltaNet's in_proj_* and out_proj, gated attention, dense
+    """Every integer layer of rank r (Gated DeltaNet's in_proj_* and out_proj, gated attention, dense
     MLP or shared expert) dequantizes to exactly r's share of the whole layer's weight, loaded rank by
-    rank or sliced from the whole model; out_proj is row-parallel."""
+    rank or sliced from the whole model; out_proj is row-parallel (W8A8: the int8 weight's columns,
+    every row's scale)."""
     source = resolve_source(str(folders[variant]))
     whole = load_model(source, torch.float32, "cpu")
-    layers = {n: m for n, m in whole.named_modules() if isinstance(m, WeightOnlyIntLinear)}
+    kind = Int8Linear if variant.endswith("w8a8") else WeightOnlyIntLinear
+    layers = {n: m for n, m in whole.named_modules() if isinstance(m, kind)}
     assert any(n.endswith("linear_attn.out_proj") for n in layers)
     assert any(n.endswith(("in_proj_qkv", "in_proj_qkvz")) for n in layers)
     stacks = [m for m in whole.modules() if isinstance(m, IntExperts)]
@@ -69,7 +73,7 @@ def test_packed_hybrid_shards_hold_their_share_of_the_weights(folders, variant, 
         for name, layer in layers.items():
             mine = streamed.get_submodule(name)
             row = name.endswith(("o_proj", "down_proj", "out_proj"))
-            assert isinstance(mine, RowParallelWeightOnlyIntLinear) == row, name
+            assert isinstance(mine, (RowParallelWeightOnlyIntLinear, RowParallelInt8Linear)) == row, name
             share = shards.shard(f"{name}.weight", layer.dequantized_weight())
             assert torch.equal(mine.dequantized_weight(), share), name
 
