@@ -299,9 +299,10 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)
     if config.parallel.tensor_parallel_size > 1:
         from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
+        from overnight.quant.scheme import QuantScheme
 
-        quantized = fp8_linear or int_linear is not None
-        check_gemma4_quantized_tp(source.arch, config.parallel.tensor_parallel_size, quantized)
+        block_k = source.quantization.block_k if isinstance(source.quantization, QuantScheme) else None
+        check_gemma4_quantized_tp(source.arch, config.parallel.tensor_parallel_size, block_k, int_linear)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,

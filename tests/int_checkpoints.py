@@ -149,8 +149,12 @@ def _quantized_tensors(
 
 
 # The hybrids' small float projections (Gated DeltaNet's in_proj_a / _b / _ba, the shared expert's
-# gate) are written unquantized, as published checkpoints leave them: their configs say so.
-FLOAT_LINEARS = ("in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate")
+# gate; Gemma 4's per-layer-input projections) are written unquantized, as published checkpoints leave
+# them: their configs say so.
+FLOAT_LINEARS = (
+    "in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate",
+    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection",
+)  # fmt: skip
 
 
 def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
