@@ -228,17 +228,25 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
 def check_int_parallel(
     source: ModelSource, tensor_parallel_size: int, int_linear: tuple[int, int, bool] | None
 ) -> None:
-    """Raise ModelLoadError for an integer checkpoint the tensor-parallel shares cannot hold exactly
-    (parallel/tp_int.py). int_linear: linear_formats' answer for the device (None: dequantized there)."""
+    """Raise ModelLoadError for a quantized checkpoint the tensor-parallel shares cannot hold exactly:
+    integer ones (parallel/tp_int.py), and Gemma 4's per-layer sizes (parallel/tp_gemma4.py). int_linear:
+    linear_formats' answer for the device (None: dequantized there)."""
     from overnight.quant.int_scheme import IntScheme
+    from overnight.quant.scheme import QuantScheme
 
-    if isinstance(source.quantization, IntScheme) and tensor_parallel_size > 1:
+    if tensor_parallel_size == 1:
+        return
+    if isinstance(source.quantization, IntScheme):
         from overnight.parallel.tp_int import check_int_tp
 
         # int_linear: the device keeps packed layers (and experts, its last field); else dequantized
         packed = int_linear is not None
         experts = packed and bool(int_linear and int_linear[2])
         check_int_tp(source.quantization, source.arch, tensor_parallel_size, experts, packed)
+    from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
+
+    block_k = source.quantization.block_k if isinstance(source.quantization, QuantScheme) else None
+    check_gemma4_quantized_tp(source.arch, tensor_parallel_size, block_k, int_linear)
 
 
 def build_engine(opts: EngineOptions) -> EngineClient:
@@ -297,12 +305,6 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     config = build_config(opts, source, device, device_memory_gib(device))
     fp8_linear, int_linear = linear_formats(source.quantization, device)
     check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)
-    if config.parallel.tensor_parallel_size > 1:
-        from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
-        from overnight.quant.scheme import QuantScheme
-
-        block_k = source.quantization.block_k if isinstance(source.quantization, QuantScheme) else None
-        check_gemma4_quantized_tp(source.arch, config.parallel.tensor_parallel_size, block_k, int_linear)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,

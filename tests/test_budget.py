@@ -331,3 +331,29 @@ def test_tensor_parallel_packed_int_experts_are_one_gpus_share(monkeypatch):
     assert one.weights_bytes / 2 < two.weights_bytes < 1.01 * one.weights_bytes / 2
     with pytest.raises(ModelLoadError, match="192 columns of the experts' intermediate size 768"):
         plan_budget(replace(opts, tensor_parallel_size=4), source, H200)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-35b-a3b"])
+def test_packed_int_hybrid_weights_are_what_a_gpu_holds(name, monkeypatch):
+    """Qwen3.5 (dense, and MoE with a shared expert) in AWQ, on 1 and 2 GPUs: the weights counted are
+    exactly what the meta model holds, packed Gated DeltaNet projections, gated attention, shared
+    expert and experts included (apply_tp's rank 0 on 2)."""
+    import torch
+
+    from overnight.loader.model_loader import build_model
+    from overnight.parallel.tp import apply_tp
+    from overnight.quant import apply
+    from overnight.quant.int_moe import IntExperts
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    awq = IntScheme("awq", bits=4, group_size=128, symmetric=False)
+    source = replace(resolve_source(name, "dummy"), quantization=awq)
+    opts = EngineOptions(model=name, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    for tp in (1, 2):
+        b = plan_budget(replace(opts, tensor_parallel_size=tp), source, H200)
+        model = build_model(source, torch.bfloat16, "meta", runs_on="cpu")
+        model = apply_tp(model, 0, tp) if tp > 1 else model
+        experts = [m for m in model.modules() if isinstance(m, IntExperts)]
+        assert bool(experts) == (name == "qwen3.5-35b-a3b")
+        held = [*model.parameters(), *(t for m in experts for t in m.buffers())]
+        assert b.weights_bytes == sum(t.numel() * t.element_size() for t in held)
