@@ -41,6 +41,7 @@ LAYOUTS: dict[str, Layout] = {
     "ct-w4-g32-asym-gidx": Layout("ct", 4, 32, False, act_order=True),
     "ct-w4-channel-asym": Layout("ct", 4, None, False),
     "ct-w8-g16-sym": Layout("ct", 8, 16, True),
+    "ct-w8-channel-sym": Layout("ct", 8, None, True),
     "ct-w8a8": Layout("ct-w8a8", 8, None, True),
     "awq-g32": Layout("awq", 4, 32, False),
     "gptq-w4-g32-sym": Layout("gptq", 4, 32, True),
@@ -149,12 +150,18 @@ def _quantized_tensors(
 
 
 # The hybrids' small float projections (Gated DeltaNet's in_proj_a / _b / _ba, the shared expert's
-# gate; Gemma 4's per-layer-input projections) are written unquantized, as published checkpoints leave
+# gate; Gemma 4's per-layer-input projections; a vision tower) are written unquantized, as published checkpoints leave
 # them: their configs say so.
 FLOAT_LINEARS = (
     "in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate",
-    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection",
+    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection", "visual",
 )  # fmt: skip
+VISION_TOWER = "visual"  # an image checkpoint's tower: its linears are written float
+
+
+def _ct_pattern(name: str) -> str:
+    """compressed-tensors' ignore entry for a FLOAT_LINEARS name (the vision tower: all of it)."""
+    return r"re:.*visual\..*" if name == VISION_TOWER else f"re:.*{name}$"
 
 
 def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
@@ -203,7 +210,7 @@ def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts, "format": fmt}
         },
-        "ignore": ["lm_head", "re:.*mlp.gate$", *(f"re:.*{name}$" for name in floats)],
+        "ignore": ["lm_head", "re:.*mlp.gate$", *(_ct_pattern(name) for name in floats)],
     }
 
 
@@ -229,7 +236,7 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     save_file(quantized, dst / "model.safetensors")
     save_file(dequantized, deq_dir / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
-    floats = [name for name in FLOAT_LINEARS if any(f".{name}." in key for key in state)]
+    floats = [name for name in FLOAT_LINEARS if any(f".{name}." in f".{key}" for key in state)]
     config["quantization_config"] = _config(lay, floats)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq_dir

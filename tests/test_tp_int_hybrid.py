@@ -10,6 +10,7 @@ The GPU's packed layout is kept on the CPU (PACKED_INT_ON_CPU). Sizes: 4 value h
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
 from tests.tiny_hybrid import make_hybrid_checkpoint
+from tests.tiny_vl import make_vl_checkpoint
 from tests.tp_helpers import packed_int_worker_main, streamed_equals_sliced
 
 SIZES = dict(
@@ -45,6 +47,10 @@ def folders(tmp_path_factory):
         made[variant] = make_int_checkpoint(src, root / f"{variant}-awq", "awq-g32")[0]
         if variant == "qwen3_5":
             made["qwen3_5-w8a8"] = make_int_checkpoint(src, root / "qwen3_5-w8a8", "ct-w8a8")[0]
+    # the image checkpoint (names under model.language_model, a float vision tower): int8 per channel,
+    # as its out_proj's 12 columns a rank are whole words of 4 codes, not whole int4 words
+    vl = Path(make_vl_checkpoint(root / "vl", "qwen3_5"))
+    made["qwen3_5-vl"] = make_int_checkpoint(vl, root / "qwen3_5-vl-int8", "ct-w8-channel-sym")[0]
     return made
 
 
@@ -53,7 +59,7 @@ def packed(monkeypatch):
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
 
 
-@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next", "qwen3_5-w8a8"])
+@pytest.mark.parametrize("variant", ["qwen3_5", "qwen3_next", "qwen3_5-w8a8", "qwen3_5-vl"])
 def test_packed_hybrid_shards_hold_their_share_of_the_weights(folders, variant, packed):
     """Every integer layer of rank r (Gated DeltaNet's in_proj_* and out_proj, gated attention, dense
     MLP or shared expert) dequantizes to exactly r's share of the whole layer's weight, loaded rank by
@@ -103,6 +109,25 @@ def test_packed_hybrid_tp1_matches_transformers(folders, variant, packed):
     assert isinstance(llm.engine.runner.model.model.layers[0].linear_attn.out_proj, WeightOnlyIntLinear)  # type: ignore[attr-defined]
     outs = llm.generate(first, _greedy(6), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref, p, 6)[0] for p in first]
+
+
+def test_packed_hybrid_image_checkpoint_tp1_matches_transformers(folders, packed):
+    """Qwen3.5's image checkpoint in int8: its tensors renamed before the integer conversion looks them
+    up (model.language_model.* -> model.*), the vision tower float; a text prompt's greedy tokens equal
+    transformers' on the dequantized twin."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.test_tp_models import HYBRID, _greedy
+    from tests.tiny_vl import hf_greedy as hf_image_greedy
+
+    folder = folders["qwen3_5-vl"]
+    twin = str(folder.parent / f"{folder.name}-deq")
+    ref = AutoModelForImageTextToText.from_pretrained(twin, dtype=torch.float32).eval()
+    llm = LLM(str(folder), **HYBRID)
+    assert isinstance(llm.engine.runner.model.model.layers[0].linear_attn.out_proj, WeightOnlyIntLinear)  # type: ignore[attr-defined]
+    prompt = [5, 9, 13, 17, 21, 8, 30, 11]
+    out = llm.generate([prompt], _greedy(6), use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == hf_image_greedy(twin, prompt, [], 6, ref)
 
 
 @pytest.mark.slow  # starts tensor-parallel processes
