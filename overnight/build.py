@@ -126,10 +126,11 @@ def build_config(
     check_parallel(opts, source)
     check_cache(opts)
     lora = lora_config(opts, source, runner)
-    if source.quantization is not None and source.arch.num_linear_layers:
+    if source.quantization is not None and source.arch.num_linear_layers and not _integer_weights(source):
         raise ConfigError(
             f"{source.served_name}: quantized weights ({source.quantization.describe()}) of hybrid "
-            "linear-attention models are not supported yet; load the bf16 checkpoint"
+            "linear-attention models are not supported yet; load the bf16 checkpoint (or an AWQ / GPTQ / "
+            "compressed-tensors integer one)"
         )
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
@@ -207,6 +208,14 @@ def check_cache(opts: EngineOptions) -> None:
         )
 
 
+def _integer_weights(source: ModelSource) -> bool:
+    """Whether the weights are unquantized or an integer checkpoint's (AWQ / GPTQ / compressed-tensors
+    int: layers swapped whole, quant/apply.py), the quantizations a hybrid's Gated DeltaNet layers take."""
+    from overnight.quant.int_scheme import IntScheme
+
+    return source.quantization is None or isinstance(source.quantization, IntScheme)
+
+
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
@@ -219,17 +228,25 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
 def check_int_parallel(
     source: ModelSource, tensor_parallel_size: int, int_linear: tuple[int, int, bool] | None
 ) -> None:
-    """Raise ModelLoadError for an integer checkpoint the tensor-parallel shares cannot hold exactly
-    (parallel/tp_int.py). int_linear: linear_formats' answer for the device (None: dequantized there)."""
+    """Raise ModelLoadError for a quantized checkpoint the tensor-parallel shares cannot hold exactly:
+    integer ones (parallel/tp_int.py), and Gemma 4's per-layer sizes (parallel/tp_gemma4.py). int_linear:
+    linear_formats' answer for the device (None: dequantized there)."""
     from overnight.quant.int_scheme import IntScheme
+    from overnight.quant.scheme import QuantScheme
 
-    if isinstance(source.quantization, IntScheme) and tensor_parallel_size > 1:
+    if tensor_parallel_size == 1:
+        return
+    if isinstance(source.quantization, IntScheme):
         from overnight.parallel.tp_int import check_int_tp
 
         # int_linear: the device keeps packed layers (and experts, its last field); else dequantized
         packed = int_linear is not None
         experts = packed and bool(int_linear and int_linear[2])
         check_int_tp(source.quantization, source.arch, tensor_parallel_size, experts, packed)
+    from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
+
+    block_k = source.quantization.block_k if isinstance(source.quantization, QuantScheme) else None
+    check_gemma4_quantized_tp(source.arch, tensor_parallel_size, block_k, int_linear)
 
 
 def build_engine(opts: EngineOptions) -> EngineClient:
@@ -288,11 +305,6 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     config = build_config(opts, source, device, device_memory_gib(device))
     fp8_linear, int_linear = linear_formats(source.quantization, device)
     check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)
-    if config.parallel.tensor_parallel_size > 1:
-        from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp
-
-        quantized = fp8_linear or int_linear is not None
-        check_gemma4_quantized_tp(source.arch, config.parallel.tensor_parallel_size, quantized)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
     check_weights_fit(
         source.arch,

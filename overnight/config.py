@@ -369,16 +369,30 @@ class ModelArch:
         return total - params * (dtype_bytes - 1) + 4 * rows
 
     def _dense_linear_shape(self) -> tuple[int, int]:
-        """(weights, output rows) of the projections quantized layers replace: attention and dense MLPs."""
+        """(weights, output rows) of the projections quantized layers replace: attention (a hybrid's Gated
+        DeltaNet projections too) and dense MLPs (shared experts too)."""
         h = self.hidden_size
         params = rows = 0
         for i in range(self.num_hidden_layers):
-            attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
-            params += attention_params
-            rows += attention_rows
+            if self.is_linear_layer(i):  # Gated DeltaNet: in_proj (q|k|v, z, b, a) and out_proj
+                (_, conv), _ = self.linear_state_shapes()
+                heads = self.linear_num_value_heads
+                value = heads * self.linear_value_head_dim
+                params += h * (conv + value + 2 * heads) + value * h
+                rows += conv + value + 2 * heads + h
+            else:
+                attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
+                if self.num_linear_layers:  # a hybrid's gated attention: q_proj gives q and a gate
+                    attention_params += h * self.q_size
+                    attention_rows += self.q_size
+                params += attention_params
+                rows += attention_rows
             if not self.is_moe_layer(i) or self.moe_beside_dense:
                 params += 3 * h * self.layer_intermediate_size(i)
                 rows += 2 * self.layer_intermediate_size(i) + h
+            elif self.shared_expert_intermediate_size:  # the shared expert: a dense MLP beside the experts
+                params += 3 * h * self.shared_expert_intermediate_size
+                rows += 2 * self.shared_expert_intermediate_size + h
         return params, rows
 
     def num_parameters(self) -> int:

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
-PROJ_SUFFIXES = ("_proj.weight",)
+# every projection's weight, the Gated DeltaNet layers' big input projections included
+PROJ_SUFFIXES = ("_proj.weight", "in_proj_qkv.weight", "in_proj_z.weight", "in_proj_qkvz.weight")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ LAYOUTS: dict[str, Layout] = {
     "ct-w4-g32-asym-gidx": Layout("ct", 4, 32, False, act_order=True),
     "ct-w4-channel-asym": Layout("ct", 4, None, False),
     "ct-w8-g16-sym": Layout("ct", 8, 16, True),
+    "ct-w8-channel-sym": Layout("ct", 8, None, True),
     "ct-w8a8": Layout("ct-w8a8", 8, None, True),
     "awq-g32": Layout("awq", 4, 32, False),
     "gptq-w4-g32-sym": Layout("gptq", 4, 32, True),
@@ -147,7 +149,24 @@ def _quantized_tensors(
     return out, deq
 
 
-def _config(lay: Layout) -> dict[str, Any]:
+# The hybrids' small float projections (Gated DeltaNet's in_proj_a / _b / _ba, the shared expert's
+# gate; Gemma 4's per-layer-input projections; a vision tower) are written unquantized, as published checkpoints leave
+# them: their configs say so.
+FLOAT_LINEARS = (
+    "in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate",
+    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection", "visual",
+)  # fmt: skip
+VISION_TOWER = "visual"  # an image checkpoint's tower: its linears are written float
+
+
+def _ct_pattern(name: str) -> str:
+    """compressed-tensors' ignore entry for a FLOAT_LINEARS name (the vision tower: all of it)."""
+    return r"re:.*visual\..*" if name == VISION_TOWER else f"re:.*{name}$"
+
+
+def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
+    """floats: the FLOAT_LINEARS the checkpoint has."""
+    kept = {"modules_to_not_convert": floats} if floats else {}
     if lay.method == "awq":
         return {
             "quant_method": "awq",
@@ -155,9 +174,11 @@ def _config(lay: Layout) -> dict[str, Any]:
             "group_size": lay.group or -1,
             "zero_point": True,
             "version": "gemm",
+            **kept,
         }
     if lay.method == "gptq":
         return {
+            **kept,
             "quant_method": "gptq",
             "bits": lay.bits,
             "group_size": lay.group or -1,
@@ -189,7 +210,7 @@ def _config(lay: Layout) -> dict[str, Any]:
         "config_groups": {
             "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts, "format": fmt}
         },
-        "ignore": ["lm_head", "re:.*mlp.gate$"],
+        "ignore": ["lm_head", "re:.*mlp.gate$", *(_ct_pattern(name) for name in floats)],
     }
 
 
@@ -215,6 +236,7 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     save_file(quantized, dst / "model.safetensors")
     save_file(dequantized, deq_dir / "model.safetensors")
     config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = _config(lay)
+    floats = [name for name in FLOAT_LINEARS if any(f".{name}." in f".{key}" for key in state)]
+    config["quantization_config"] = _config(lay, floats)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return dst, deq_dir

@@ -314,3 +314,57 @@ def test_tensor_parallel_takes_the_tightest_gpu(monkeypatch):
     assert device_memory(torch.device("cuda", 2)) == DeviceMemory("H200", 140 * GIB, 90 * GIB)
     with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs GPUs 2..3, but this machine has 3"):
         device_memory(torch.device("cuda", 2), 2)
+
+
+def test_tensor_parallel_packed_int_experts_are_one_gpus_share(monkeypatch):
+    """Qwen3-30B-A3B in AWQ (groups of 128, zero points) over 2 GPUs: the packed experts (768 wide, 384
+    a GPU: 3 groups) are split, not refused, and the per-GPU weights are what apply_tp leaves rank 0
+    of a meta model: packed codes, scales and zero points, experts included. 4 GPUs would give each
+    192 columns, not whole groups: refused by name."""
+    import torch
+
+    from overnight.loader.model_loader import build_model
+    from overnight.parallel.tp import apply_tp
+    from overnight.quant import apply
+    from overnight.quant.int_moe import IntExperts
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)  # the meta model built in the GPU's layout
+    awq = IntScheme("awq", bits=4, group_size=128, symmetric=False)
+    source = replace(resolve_source("qwen3-30b-a3b", "dummy"), quantization=awq)
+    opts = EngineOptions(model="qwen3-30b-a3b", load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    one = plan_budget(opts, source, H200)
+    two = plan_budget(replace(opts, tensor_parallel_size=2), source, H200)
+    model = apply_tp(build_model(source, torch.bfloat16, "meta", runs_on="cpu"), 0, 2)
+    experts = [m for m in model.modules() if isinstance(m, IntExperts)]
+    assert len(experts) == 48 and experts[0].intermediate_size == 384
+    held = [*model.parameters(), *(b for m in experts for b in m.buffers())]
+    assert two.weights_bytes == sum(t.numel() * t.element_size() for t in held)
+    assert one.weights_bytes / 2 < two.weights_bytes < 1.01 * one.weights_bytes / 2
+    with pytest.raises(ModelLoadError, match="192 columns of the experts' intermediate size 768"):
+        plan_budget(replace(opts, tensor_parallel_size=4), source, H200)
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-9b", "qwen3.5-35b-a3b"])
+def test_packed_int_hybrid_weights_are_what_a_gpu_holds(name, monkeypatch):
+    """Qwen3.5 (dense, and MoE with a shared expert) in AWQ, on 1 and 2 GPUs: the weights counted are
+    exactly what the meta model holds, packed Gated DeltaNet projections, gated attention, shared
+    expert and experts included (apply_tp's rank 0 on 2)."""
+    import torch
+
+    from overnight.loader.model_loader import build_model
+    from overnight.parallel.tp import apply_tp
+    from overnight.quant import apply
+    from overnight.quant.int_moe import IntExperts
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    awq = IntScheme("awq", bits=4, group_size=128, symmetric=False)
+    source = replace(resolve_source(name, "dummy"), quantization=awq)
+    opts = EngineOptions(model=name, load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    for tp in (1, 2):
+        b = plan_budget(replace(opts, tensor_parallel_size=tp), source, H200)
+        model = build_model(source, torch.bfloat16, "meta", runs_on="cpu")
+        model = apply_tp(model, 0, tp) if tp > 1 else model
+        experts = [m for m in model.modules() if isinstance(m, IntExperts)]
+        assert bool(experts) == (name == "qwen3.5-35b-a3b")
+        held = [*model.parameters(), *(t for m in experts for t in m.buffers())]
+        assert b.weights_bytes == sum(t.numel() * t.element_size() for t in held)

@@ -181,6 +181,4 @@ def test_gemma4_tp2_matches_tp1_and_transformers(gemma4):
         assert agrees(got, ref, scores), prompt
 
 
-def test_gemma4_fp8_tp_is_refused_before_starting(gemma4):
-    with pytest.raises(ModelLoadError, match="quantized Gemma 4 layers"):
-        LLM(str(gemma4[1]), tensor_parallel_size=2, quantization="fp8", **OPTIONS)
+# Quantized Gemma 4 (FP8, packed integers) under tensor parallelism: tests/test_tp_gemma4_quant.py

@@ -304,12 +304,10 @@ def test_int_splits_the_packed_layout_cannot_hold_are_refused(int_folders, monke
     act_order = IntScheme("gptq", bits=4, group_size=32, symmetric=True, act_order=True)
     with pytest.raises(ModelLoadError, match="act-order"):
         check_int_tp(act_order, arch, 2, packed_experts=False, packed=True)
-    hybrid = replace(arch, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2)
-    with pytest.raises(ModelLoadError, match="hybrid linear-attention models with tensor parallelism"):
-        check_int_tp(g32, hybrid, 2, packed_experts=False, packed=True)
+    # hybrids: tests/test_tp_int_hybrid.py; packed experts: tests/test_tp_int_experts.py
     moe = replace(arch, num_experts=4, moe_intermediate_size=32, num_experts_per_tok=2)
-    with pytest.raises(ModelLoadError, match="experts with tensor parallelism are not supported yet"):
-        check_int_tp(g32, moe, 2, packed_experts=True, packed=True)
+    with pytest.raises(ModelLoadError, match="16 columns of the experts' intermediate size 32, not whole 32"):
+        check_int_tp(g32, moe, 2, packed_experts=True, packed=True)  # tests/test_tp_int_experts.py
     # the loaded model's act-order o_proj, should it get past the check
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     model = load_model(resolve_source(str(int_folders["ct-w4-g32-asym-gidx"])), torch.float32, "cpu")

@@ -49,11 +49,12 @@ def make_hybrid_model(variant: str, seed: int = 0, **overrides: Any):
     text = {**_TEXT, **overrides}
     torch.manual_seed(seed)
     if variant == "qwen3_5":
-        model = transformers.Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text, intermediate_size=36))
+        model = transformers.Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{"intermediate_size": 36, **text}))
     elif variant == "qwen3_5_moe":
-        model = transformers.Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**text, **_MOE))
+        model = transformers.Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**{**_MOE, **text}))
     elif variant == "qwen3_next":
-        cfg = transformers.Qwen3NextConfig(**text, **_MOE, intermediate_size=36, partial_rotary_factor=0.5)
+        sizes = {**_MOE, "intermediate_size": 36, **text}  # overrides win
+        cfg = transformers.Qwen3NextConfig(**sizes, partial_rotary_factor=0.5)
         model = transformers.Qwen3NextForCausalLM(cfg)
     elif variant == "qwen3_5_vl":
         cfg = Qwen3_5Config(text_config={**text, "intermediate_size": 36}, vision_config=_VISION)

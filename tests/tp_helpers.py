@@ -16,8 +16,20 @@ def streamed_equals_sliced(source: ModelSource, rank: int, world: int = 2, seed:
     as apply_tp cuts from the whole loaded model (float32, on the CPU)."""
     sliced = apply_tp(load_model(source, torch.float32, "cpu", seed=seed), rank, world)
     streamed = load_sharded_model(source, torch.float32, "cpu", rank, world, seed=seed)
-    a, b = dict(sliced.named_parameters()), dict(streamed.named_parameters())
-    assert a.keys() == b.keys()
-    for name in a:  # compared as bytes: FP8 and packed integer tensors too
-        assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
+    for tensors in ("named_parameters", "named_buffers"):  # buffers: packed experts' scales and zeros
+        a, b = dict(getattr(sliced, tensors)()), dict(getattr(streamed, tensors)())
+        assert a.keys() == b.keys()
+        for name in a:  # compared as bytes: FP8 and packed integer tensors too
+            assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
     return streamed
+
+
+def packed_int_worker_main(*args: object) -> None:
+    """A tensor-parallel rank process (parallel/workers.py) that keeps integer checkpoints' GPU layout
+    on the CPU (quant/apply.py PACKED_INT_ON_CPU; a spawned process does not see the test's setting):
+    tests put it in place of workers._worker_main."""
+    from overnight.parallel import workers
+    from overnight.quant import apply
+
+    apply.PACKED_INT_ON_CPU = True
+    workers._worker_main(*args)  # type: ignore[arg-type]

@@ -226,8 +226,9 @@ class Gemma4ForCausalLM(nn.Module):
 
 
 def _targets(model: nn.Module) -> dict[str, tuple[str, int | None, int | None]]:
-    """checkpoint tensor -> (parameter, first row, rows); rows None: the whole parameter. An FP8 fused
-    layer (quant/) takes each part's weight_scale rows beside its weight rows."""
+    """checkpoint tensor -> (parameter, first row, rows); rows None: the whole parameter. A quantized
+    fused layer (quant/) takes each part's rows of every per-row tensor: an FP8 or W8A8 weight and its
+    weight_scale, packed integer codes (packed_weight) with their group_scale and group_zero."""
     targets: dict[str, tuple[str, int | None, int | None]] = {}
     fused: set[str] = set()
     for mname, module in model.named_modules():
@@ -236,9 +237,8 @@ def _targets(model: nn.Module) -> dict[str, tuple[str, int | None, int | None]]:
             rows = module.gate_up_proj.out_features // 2
             shards = {"gate_proj": ("gate_up_proj", 0, rows), "up_proj": ("gate_up_proj", rows, rows)}
         for proj, (attr, start, rows) in shards.items():
-            kinds = (
-                ("weight", "weight_scale") if hasattr(getattr(module, attr), "weight_scale") else ("weight",)
-            )
+            layer_params = dict(getattr(module, attr).named_parameters(recurse=False))
+            kinds = [kind for kind in layer_params if kind != "bias"]
             for kind in kinds:
                 targets[f"{mname}.{proj}.{kind}"] = (f"{mname}.{attr}.{kind}", start, rows)
                 fused.add(f"{mname}.{attr}.{kind}")

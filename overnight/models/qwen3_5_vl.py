@@ -82,8 +82,14 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return cast(torch.Tensor, self.lm_head(hidden))
 
+    @staticmethod
+    def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before integer / FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights), which look tensors up by the model's names."""
+        return _renamed(weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, _renamed(weights))
+        load_packed_weights(self, _renamed(weights))  # renamed names pass unchanged
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

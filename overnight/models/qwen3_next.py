@@ -241,8 +241,14 @@ class Qwen3NextForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    @staticmethod
+    def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before integer / FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights), which look tensors up by the model's names."""
+        return _text_weights(weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, _text_weights(weights))
+        load_packed_weights(self, _text_weights(weights))  # renamed names pass unchanged
 
 
 def _text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -30,7 +30,8 @@ The same TPShards.shard() slices checkpoint tensors (q_proj, gate_proj, ...) and
 parameters (qkv_proj, gate_up_proj), so weights can be sharded after loading (apply_tp on a loaded model)
 or while loading (load_sharded_model, which never holds a whole model on one device).
 
-Integer layers (packed W4A16 / W8A16, W8A8) shard by the rules of parallel/tp_int.py.
+Integer layers (packed W4A16 / W8A16, W8A8) and packed integer experts shard by the rules of
+parallel/tp_int.py.
 
 FP8 layers (quant/linear.py) shard the same way: their scales have one row per output row, so a
 column-parallel slice takes the rows of the scales with the rows of the weight; a row-parallel layer
@@ -77,6 +78,7 @@ from overnight.parallel.tp_hybrid import (
 from overnight.parallel.tp_int import (
     INT_PACKED_PARTS,
     RowParallelInt8Linear,
+    RowParallelIntExperts,
     RowParallelWeightOnlyIntLinear,
     int_row_columns,
 )
@@ -223,7 +225,7 @@ class TPShards:
             if linear is not None:
                 return linear
         expert = shard_expert_tensor(
-            self.section("moe"), self.rank, parts, t
+            self.section("moe"), a.moe_intermediate_size, self.rank, parts, t
         )  # stacked or per-expert: tp_experts.py
         if expert is not None:
             return expert
@@ -318,8 +320,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             continue
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
             shard_gated_deltanet(module, name, shards.shard, shards.local_arch)
-        if isinstance(module, IntExperts):
-            raise ModelLoadError("packed integer experts with tensor parallelism are not supported yet")
+        if isinstance(module, IntExperts):  # packed integer experts: tp_int.py
+            _set_module(model, name, RowParallelIntExperts(module, name, shards.shard, group))
         if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear, WeightOnlyIntLinear, Int8Linear)):
             for pname, param in list(module.named_parameters(recurse=False)):  # weight, scales, bias
                 sliced = keep(shards.shard(f"{name}.{pname}", param))
@@ -327,9 +329,9 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             rows = module.packed_weight if isinstance(module, WeightOnlyIntLinear) else module.weight
             assert isinstance(rows, torch.Tensor)
             module.out_features = rows.shape[0]
-        elif leaf in ROW_PARALLEL and isinstance(module, WeightOnlyIntLinear):
+        elif leaf in row_parallel and isinstance(module, WeightOnlyIntLinear):
             _set_module(model, name, RowParallelWeightOnlyIntLinear(module, name, shards.shard, group))
-        elif leaf in ROW_PARALLEL and isinstance(module, Int8Linear):
+        elif leaf in row_parallel and isinstance(module, Int8Linear):
             _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
         elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
             weight = keep(shards.shard(f"{name}.weight", module.weight))

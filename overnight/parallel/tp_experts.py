@@ -29,31 +29,37 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
 
 MXFP4_GROUP = 32  # columns per MXFP4 scale
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias", "gate_up_scales", "down_scales")
+# quant/int_moe.py's packed experts' scales and zero points (their codes take the names above)
+INT_EXPERT_TENSORS = ("gate_up_scale", "gate_up_zero", "down_scale", "down_zero")
+# A checkpoint expert's tensors: its weight (float, or packed codes as quant/int_checkpoint.py
+# yields them) and the packed scales and zeros cut for IntExperts.expert_share
+PER_EXPERT_PARTS = ("weight", "group_scale", "group_zero")
 
 
 def shard_expert_tensor(
-    section: tuple[int, int], rank: int, parts: list[str], t: torch.Tensor
+    section: tuple[int, int], whole: int, rank: int, parts: list[str], t: torch.Tensor
 ) -> torch.Tensor | None:
     """Rank `rank`'s slice of one expert tensor named by `parts` (its dotted name, split), given its
-    (first unit, units) of the expert intermediate size (TPShards.section("moe")), or None
-    when `parts` names no expert tensor this file cuts (per-expert gate_proj / up_proj rows, FP8
-    scales: the common rules of TPShards.shard)."""
+    (first unit, units) of the expert intermediate size (TPShards.section("moe")) and that whole
+    size, or None when `parts` names no expert tensor this file cuts (FP8 scales: the common rules
+    of TPShards.shard)."""
     if "experts" not in parts or len(parts) < 2:
         return None
     module, kind = parts[-2], parts[-1]
     if module == "experts":  # the stacked parameter: experts.<tensor>
         name, dim = kind, 1
-    elif kind == "weight":  # a checkpoint's experts.N.<tensor>.weight
+    elif kind in PER_EXPERT_PARTS:  # a checkpoint's experts.N.<tensor>.weight (or packed scales)
         name, dim = module, 0
     else:
         return None
     if name in ("gate_proj", "up_proj") and dim == 0:  # a checkpoint expert's rows
         return _take(t, 0, *section)
-    if name not in EXPERT_TENSORS:
+    if name not in EXPERT_TENSORS + INT_EXPERT_TENSORS:
         return None
     start, n = section
     if name.startswith("gate_up"):
@@ -62,11 +68,17 @@ def shard_expert_tensor(
         return torch.cat([_take(gate, dim, start, n), _take(up, dim, start, n)], dim=dim)
     if name == "down_bias":
         return t if rank == 0 else torch.zeros_like(t)
-    if name == "down_scales":
-        return _take(t, dim + 1, start // MXFP4_GROUP, n // MXFP4_GROUP)
-    if t.dtype == torch.uint8:  # MXFP4 down blocks: two 4-bit columns a byte
-        return _take(t, dim + 1, start // 2, n // 2)
-    return _take(t, dim + 1, start, n)
+    # down's input columns. A stored column holds `per` of them: 1 (float), 2 (MXFP4 bytes), 32 / bits
+    # (int32 words), a scale group's width (MXFP4 scales, integer scales and zeros)
+    per = whole // t.shape[dim + 1]
+    if per > n and t.shape[dim + 1] == 1:
+        return t  # one integer group over the whole input (channel-wise): every rank keeps it
+    if start % per or n % per:
+        raise ModelLoadError(
+            f"tensor_parallel_size splits the experts' intermediate size {whole} into shares of {n}, "
+            f"which are not whole {per}-column entries of {'.'.join(parts)}; use a smaller one"
+        )
+    return _take(t, dim + 1, start // per, n // per)
 
 
 def _take(t: torch.Tensor, dim: int, start: int, n: int) -> torch.Tensor:

@@ -16,7 +16,10 @@ from the whole model is per layer here.
                         whole hidden state each rank holds after every all-reduce, with no collective)
     q/k/v norms         per head: replicated
 
-Only float weights: quantized Gemma 4 layers' scales are refused (checked as each tensor is sliced).
+Quantized layers by the other families' rules (parallel/tp.py, tp_int.py): FP8 / W8A8 scales and packed
+codes, scales and zeros of column-parallel layers with their rows; in row-parallel ones per-channel
+scales whole, block scales and packed integers by whole blocks, groups and int32 words of the layer's
+own input (check_gemma4_quantized_tp refuses other splits by name before any process starts).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.gemma4 import Gemma4Attention
+from overnight.parallel.tp_int import INT_PACKED_PARTS, int_row_columns
+from overnight.quant.fp8 import columns_per_scale
 
 COLUMN = ("qkv_proj", "q_proj", "k_proj", "v_proj", "gate_up_proj", "gate_proj", "up_proj")
 ROW = ("o_proj", "down_proj")
@@ -45,14 +50,32 @@ def gemma4_problems(arch: ModelArch, world: int) -> list[str]:
     return []
 
 
-def check_gemma4_quantized_tp(arch: ModelArch, world: int, quantized: bool) -> None:
-    """Refuses quantized linear layers (FP8, packed integers) of a Gemma 4 under tensor parallelism,
-    before any process starts (shard_gemma4_tensor would refuse their scales while loading)."""
-    if world > 1 and quantized and is_gemma4(arch):
-        raise ModelLoadError(
-            "tensor parallelism for quantized Gemma 4 layers (FP8, packed integers) is not supported yet: "
-            "run it unquantized, or with tensor_parallel_size 1"
-        )
+def check_gemma4_quantized_tp(
+    arch: ModelArch, world: int, block_k: int | None, int_linear: tuple[int, int, bool] | None
+) -> None:
+    """Refuses, before any process starts, Gemma 4 quantized layers whose row-parallel shares (o_proj:
+    a rank's q heads of each layer's head size; down_proj: its share of each layer's width) are not
+    whole units: block_k, FP8 block scales' columns (None: per channel, or no FP8); int_linear
+    (loader/fit.py's: bits, group size or 0, ...), packed integers' groups and int32 words."""
+    if world == 1 or not is_gemma4(arch):
+        return
+    unit = block_k or 1
+    if int_linear is not None:
+        bits, group, _ = int_linear
+        unit = max(unit, group or 1, 32 // bits)
+    if unit == 1:
+        return
+    shares = {}
+    for layer in range(arch.num_hidden_layers):
+        shares[f"o_proj (layer {layer})"] = arch.num_attention_heads // world * arch.layer_head_dim(layer)
+        shares[f"down_proj (layer {layer})"] = arch.layer_intermediate_size(layer) // world
+    for where, n in shares.items():
+        if n % unit:
+            raise ModelLoadError(
+                f"tensor_parallel_size {world} gives each rank {n} input columns of Gemma 4's {where}, "
+                f"not whole {unit}-column groups of its quantized weights; use a smaller "
+                "tensor_parallel_size"
+            )
 
 
 def vocab_rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -83,10 +106,8 @@ def shard_gemma4_tensor(
         return None
     if module not in COLUMN + ROW:
         return None
-    if kind not in ("weight", "bias"):
-        raise ModelLoadError(
-            f"tensor parallelism for quantized Gemma 4 layers is not supported yet ({'.'.join(parts)})"
-        )
+    if kind not in ("weight", "bias", "weight_scale", *INT_PACKED_PARTS):
+        raise ModelLoadError(f"tensor parallelism cannot split Gemma 4's {'.'.join(parts)}")
     layer = int(parts[parts.index("layers") + 1])
     d, hq, hkv = arch.layer_head_dim(layer), arch.num_attention_heads, arch.layer_num_kv_heads(layer)
     q = (rank * (hq // world) * d, hq // world * d)
@@ -108,7 +129,27 @@ def shard_gemma4_tensor(
         return _rows(t, *ffn)
     if kind == "bias":  # a row-parallel bias: added once, after the reduce
         return t
-    return _rows(t, *(q if module == "o_proj" else ffn), dim=1)
+    start, n = q if module == "o_proj" else ffn
+    if kind in INT_PACKED_PARTS:  # int32 words and groups of the input (parallel/tp_int.py)
+        return int_row_columns(module, kind, t, start, n, world)
+    if kind == "weight_scale":
+        return _scale_columns(module, t, start, n, world)
+    return _rows(t, start, n, dim=1)
+
+
+def _scale_columns(module: str, scale: torch.Tensor, start: int, n: int, world: int) -> torch.Tensor:
+    """A row-parallel layer's FP8 / W8A8 scales for its input columns start .. start + n: per-channel
+    ones whole (the outputs are whole rows), block scales [N, KB] the blocks of those columns."""
+    if scale.dim() == 1 or scale.shape[1] == 1:
+        return scale
+    block = columns_per_scale(n * world, scale.shape[1])
+    if start % block or n % block:
+        raise ModelLoadError(
+            f"tensor_parallel_size {world} splits the input of Gemma 4's {module} ({n * world} columns) "
+            f"into shares of {n}, which are not whole {block}-column weight-scale blocks; use a smaller "
+            "tensor_parallel_size, or a checkpoint without block scales"
+        )
+    return scale.narrow(1, start // block, n // block)
 
 
 def local_fused_shards(module: nn.Module) -> None:

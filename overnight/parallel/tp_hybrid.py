@@ -15,6 +15,11 @@ contiguous value heads and the grouped ratio r stays whole):
     shared_expert_gate   replicated (one output; it scales the reduced shared expert)
     vision tower         (the image checkpoints: visual.*) replicated
 
+Packed integer checkpoints (parallel/tp_int.py) follow the same rows: a column-parallel projection's
+codes, scales and zeros are rows like a float weight's (in_proj_qkvz's key-head groups included), and
+out_proj's codes split in int32 words and its scales and zeros in groups, so a rank's value-head
+columns must be whole groups (check_int_tp). An act-order out_proj is refused, as o_proj is.
+
 A rank's state cache holds the states of its own heads (the runner sizes it from local_arch); the
 slots and snapshots are the same on every rank, as the scheduling is shared.
 """
@@ -29,6 +34,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.parallel.tp_experts import keep
+from overnight.parallel.tp_int import INT_PACKED_PARTS, int_row_columns
 
 # A hybrid's column-parallel projections, kept under their checkpoint names (not fused on load):
 # apply_tp slices them like the fused ones. in_proj_*: its Gated DeltaNet layers, whose out_proj is
@@ -64,8 +70,12 @@ def shard_hybrid_tensor(
         key = a.linear_num_key_heads * a.linear_key_head_dim
         q, k, v = t.split([key, key, t.shape[0] - 2 * key])
         return torch.cat([rows(q, "linear_k"), rows(k, "linear_k"), rows(v, "linear_v")])
-    if module == "out_proj":
+    if module == "out_proj" and kind in INT_PACKED_PARTS:  # packed: int32 words and groups (tp_int.py)
+        return int_row_columns(module, kind, t, *section("linear_v"), world)
+    if module == "out_proj" and kind == "weight":
         return t.narrow(1, *section("linear_v"))
+    if module == "out_proj":  # a W8A8 layer's per-row scale: whole (its outputs are whole rows)
+        return t
     if module == "in_proj_z":
         return rows(t, "linear_v")
     if module in ("in_proj_b", "in_proj_a") or kind in LINEAR_HEAD_PARAMS:

@@ -106,22 +106,26 @@ def quantize_model(
 def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
     """Replace each stack of experts (layers/moe.py's Experts) by IntExperts where the kernels take the
     checkpoint's layout: weight-only, no act-order, groups of a multiple of 16 dividing both sizes."""
-    if scheme.int8_activations or scheme.act_order:
-        return
     for name, module in list(model.named_modules()):
         if not isinstance(module, QuantizedAfterLoad):
             continue
         _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
-        sizes = (hidden, two_i // 2)
-        group = scheme.group_size
-        fits = (
-            all(s % 16 == 0 for s in sizes)
-            if group is None
-            else group % 16 == 0 and all(s % group == 0 for s in sizes)
-        )
-        if fits and not scheme.ignores(f"{name}.0.gate_proj"):
+        if packs_experts(scheme, hidden, two_i // 2) and not scheme.ignores(f"{name}.0.gate_proj"):
             stack = cast(nn.Module, module)
-            _set_module(model, name, IntExperts.replacing(stack, scheme.bits, group, scheme.symmetric))
+            _set_module(
+                model, name, IntExperts.replacing(stack, scheme.bits, scheme.group_size, scheme.symmetric)
+            )
+
+
+def packs_experts(scheme: IntScheme, hidden_size: int, intermediate_size: int) -> bool:
+    """Whether experts of these sizes become IntExperts (_int_experts): weight-only, no act-order, and
+    groups the kernels take (a multiple of 16 dividing both sizes; channel-wise: sizes of 16s)."""
+    if scheme.int8_activations or scheme.act_order:
+        return False
+    sizes, group = (hidden_size, intermediate_size), scheme.group_size
+    if group is None:
+        return all(s % 16 == 0 for s in sizes)
+    return group % 16 == 0 and all(s % group == 0 for s in sizes)
 
 
 def int_experts_modules(model: nn.Module) -> dict[str, IntExperts]:

@@ -106,6 +106,12 @@ def _packed_expert(
     packed, scale, zero, perm = kernel_layout(canonical(module, parts, scheme), module)
     assert perm is None  # act-order experts are not packed (quant/apply.py)
     prefix, shard = where
+    if stack.gate_up_zero is None and not bool((zero == float(1 << (scheme.bits - 1))).all()):
+        raise ModelLoadError(
+            f"{module}: a symmetric scheme with zero points other than {1 << (scheme.bits - 1)}"
+        )
+    # a tensor-parallel stack holds its share of the intermediate size: gate/up rows, down groups
+    scale = stack.expert_share(f"{module}.group_scale", scale)
     rows = scale.shape[0]
     start = shard * stack.intermediate_size
     target_scale: torch.Tensor = getattr(stack, f"{prefix}_scale")
@@ -116,11 +122,7 @@ def _packed_expert(
     target_scale[e, start : start + rows].copy_(scale)
     target_zero: torch.Tensor | None = getattr(stack, f"{prefix}_zero")
     if target_zero is not None:
-        target_zero[e, start : start + rows].copy_(zero)
-    elif not bool((zero == float(1 << (scheme.bits - 1))).all()):
-        raise ModelLoadError(
-            f"{module}: a symmetric scheme with zero points other than {1 << (scheme.bits - 1)}"
-        )
+        target_zero[e, start : start + rows].copy_(stack.expert_share(f"{module}.group_zero", zero))
     yield f"{module}.weight", packed
 
 

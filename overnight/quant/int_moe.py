@@ -11,8 +11,9 @@ are dequantized inside the grouped GEMMs (kernels/w4a16_moe.py), otherwise the t
 The packed projections are parameters under Experts' own names, so the loader stacks a checkpoint's
 per-expert tensors into them as it stacks float ones (quant/int_checkpoint.py yields each expert's
 packed codes as `experts.N.gate_proj.weight`); scales and zeros are buffers the checkpoint conversion
-writes directly, rows placed as the loader places the codes'. Act-order checkpoints are not packed
-here (each expert would need its own input permutation): their experts load dequantized.
+writes directly (cut to a tensor-parallel rank's share by expert_share), rows placed as the loader
+places the codes'. Act-order checkpoints are not packed here (each expert would need its own input
+permutation): their experts load dequantized.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class IntExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.bits = bits
+        self.group_size = group_size  # None: one group per row (channel-wise)
         self.groups = (group_size or hidden_size, group_size or intermediate_size)
         self.dense_type = dense_type  # layers/moe.py's Experts, rebuilt for comparisons (dequantize_model)
         self.compute_dtype = compute_dtype
@@ -73,6 +75,12 @@ class IntExperts(nn.Module):
         w = experts.get_parameter("gate_up_proj")
         e, two_i, h = w.shape
         return cls(e, h, two_i // 2, bits, group_size, symmetric, type(experts), w.dtype, w.device)
+
+    def expert_share(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The part this stack holds of one checkpoint expert's scales or zeros, `name` being
+        `<stack>.N.<projection>.group_scale` / `.group_zero` ([rows, groups] of the whole projection):
+        all of it here; a tensor-parallel stack (parallel/tp_int.py) keeps its rows or groups."""
+        return t
 
     def _weights(self) -> tuple[Packed, Packed]:
         gate_up = (self.gate_up_proj, self.gate_up_scale, self.gate_up_zero)
