@@ -306,14 +306,21 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     fp8_linear, int_linear = linear_formats(source.quantization, device)
     check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)
     # Before any weight is allocated: a model too large is a sentence, not the kernel's OOM killer.
+    tp = config.parallel.tensor_parallel_size
+    rank_arch = None
+    if tp > 1:  # one rank's weights, as apply_tp leaves them (replicated parts whole)
+        from overnight.parallel.tp import TPShards
+
+        rank_arch = TPShards(source.arch, 0, tp).rank_weights_arch
     check_weights_fit(
         source.arch,
         config.model.dtype,
         device,
         source.served_name,
-        config.parallel.tensor_parallel_size,
+        tp,
         fp8_linear=fp8_linear,
         int_linear=int_linear,
+        rank_arch=rank_arch,
     )
     if source.arch.is_encoder:
         from overnight.encoder.engine import EncoderEngine

@@ -95,3 +95,24 @@ def test_fp8_moe_experts_count_as_fp8_once_loaded():
     scale_bytes = experts * 4 * (2 * arch.moe_intermediate_size + arch.hidden_size)
     assert loading - loaded == expert_params - scale_bytes  # one byte instead of two, plus the scales
     assert 0.9 * bf16 < loading < bf16 and 0.45 * bf16 < loaded < 0.55 * bf16
+
+
+def test_a_rank_share_counts_what_the_rank_really_holds(monkeypatch):
+    """Under tensor parallelism a rank holds more than 1/tp of the weights where parts are replicated
+    (KV heads when there are fewer than ranks, norms): qwen3-8b over 16 GPUs, 0.954 GiB by division but
+    0.989 GiB on rank 0 (TPShards.rank_weights_arch, what apply_tp leaves). A GPU with 0.97 GiB free
+    passes the division and must fail the real share."""
+    from overnight.parallel.tp import TPShards
+
+    arch = resolve_source("qwen3-8b", "dummy").arch
+    rank_arch = TPShards(arch, 0, 16).rank_weights_arch
+    divided = fit.weight_bytes(arch, torch.bfloat16) / 16
+    held = fit.weight_bytes(rank_arch, torch.bfloat16)
+    assert divided < 0.97 * GIB < held
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: int(0.97 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
+    gpu = torch.device("cuda", 0)
+    fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b", 16)  # the division alone: fits
+    with pytest.raises(ConfigError, match="a 1/16 share"):
+        fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-8b", 16, rank_arch=rank_arch)

@@ -110,14 +110,20 @@ def check_weights_fit(
     tensor_parallel_size: int = 1,
     fp8_linear: bool = False,
     int_linear: tuple[int, int, bool] | None = None,
+    rank_arch: ModelArch | None = None,
 ) -> None:
     """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
-    memory; on the CPU, all of them against the RAM available."""
+    memory; on the CPU, all of them against the RAM available. rank_arch: the shapes of the weights one
+    rank holds (parallel/tp.py TPShards.rank_weights_arch: replicated norms, routers and KV heads
+    whole), else the whole model's divided by tensor_parallel_size."""
     tp = tensor_parallel_size
     if device.type == "cuda":
         first = device.index or 0
         places = [torch.device("cuda", first + r) for r in range(tp)]
-        share = -(-weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear) // tp)
+        if tp > 1 and rank_arch is not None:
+            share = weight_bytes(rank_arch, dtype, fp8_linear, int_linear=int_linear)
+        else:
+            share = -(-weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear) // tp)
     else:
         places, share = [device], weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear)
     for place in places:
