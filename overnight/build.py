@@ -126,12 +126,6 @@ def build_config(
     check_parallel(opts, source)
     check_cache(opts)
     lora = lora_config(opts, source, runner)
-    if source.quantization is not None and source.arch.num_linear_layers and not _integer_weights(source):
-        raise ConfigError(
-            f"{source.served_name}: quantized weights ({source.quantization.describe()}) of hybrid "
-            "linear-attention models are not supported yet; load the bf16 checkpoint (or an AWQ / GPTQ / "
-            "compressed-tensors integer one)"
-        )
     limits = default_limits(memory_gib, opts.mode, max_model_len)
     max_num_seqs = opts.max_num_seqs or limits.max_num_seqs
     batched = opts.max_num_batched_tokens or max(limits.max_num_batched_tokens, 1)
@@ -206,14 +200,6 @@ def check_cache(opts: EngineOptions) -> None:
             f"attention variant {opts.attention_variant!r} reads tiles of {tile} tokens from one page: "
             f"set --block-size to a multiple of {tile} (got {block_size})"
         )
-
-
-def _integer_weights(source: ModelSource) -> bool:
-    """Whether the weights are unquantized or an integer checkpoint's (AWQ / GPTQ / compressed-tensors
-    int: layers swapped whole, quant/apply.py), the quantizations a hybrid's Gated DeltaNet layers take."""
-    from overnight.quant.int_scheme import IntScheme
-
-    return source.quantization is None or isinstance(source.quantization, IntScheme)
 
 
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:

@@ -361,6 +361,10 @@ class ModelArch:
             return total - params * dtype_bytes + params * bits // 8 + 8 * groups
         if not fp8_linear:
             return total
+        if self.num_linear_layers:  # FP8 keeps the Gated DeltaNet b / a projections (models/qwen3_next.py)
+            small = 2 * self.linear_num_value_heads
+            params -= self.num_linear_layers * small * self.hidden_size
+            rows -= self.num_linear_layers * small
         if fp8_experts:
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
             per_expert = 3 * self.hidden_size * self.moe_intermediate_size

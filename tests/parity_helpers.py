@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from overnight.attention.linear_state import LinearStateBatch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
 from overnight.config import ModelArch
@@ -105,9 +106,28 @@ def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> li
     meta = build_metadata(lens, lens, tables, block_size, device=dev)
     ids = torch.tensor([t for s in seqs for t in s], device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])
+    batch = AttentionBatch(meta, caches, TorchAttentionBackend(), states=fresh_states(arch, len(seqs), dev))
     with torch.inference_mode():
-        hidden = model(ids, positions, AttentionBatch(meta, caches, TorchAttentionBackend()))
+        hidden = model(ids, positions, batch)
         return list(model.compute_logits(hidden).float().log_softmax(-1).cpu().split(lens))
+
+
+def fresh_states(arch: ModelArch, num_reqs: int, device: torch.device) -> LinearStateBatch | None:
+    """A hybrid's linear-layer states for num_reqs requests that all start from zeros (slot i for
+    request i, plus the scratch slot); None for a model without linear layers."""
+    if not arch.num_linear_layers:
+        return None
+    (k, c), (h, dk, dv) = arch.linear_state_shapes()
+    n = arch.num_linear_layers
+    slots = list(range(num_reqs))
+    return LinearStateBatch(
+        conv=[torch.zeros(num_reqs + 1, k, c, device=device) for _ in range(n)],
+        ssm=[torch.zeros(num_reqs + 1, h, dk, dv, device=device) for _ in range(n)],
+        slot_ids=torch.tensor(slots, dtype=torch.int64, device=device),
+        has_state=torch.zeros(num_reqs, device=device),
+        slot_ids_cpu=slots,
+        has_state_cpu=[False] * num_reqs,
+    )
 
 
 def greedy_tokens(model: nn.Module, prompts: list[list[int]], steps: int) -> list[list[int]]:

@@ -222,12 +222,10 @@ def test_tensor_parallelism_checks_the_linear_heads():
         check_parallel(opts, odd)
 
 
-def test_quantized_weights_are_refused_by_name():
+def test_fp8_weights_are_configured():
     from overnight.build import build_config
-    from overnight.errors import ConfigError
     from overnight.options import EngineOptions
 
     opts = EngineOptions(model="qwen3.5-9b", load_format="dummy", quantization="fp8")
     source = resolve_source("qwen3.5-9b", load_format="dummy", quantization="fp8")
-    with pytest.raises(ConfigError, match="quantized weights .* hybrid linear-attention models"):
-        build_config(opts, source, torch.device("cpu"), None)
+    assert build_config(opts, source, torch.device("cpu"), None).model.quantization == "fp8"

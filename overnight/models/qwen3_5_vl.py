@@ -52,6 +52,8 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     unquantized_linear = Qwen3NextForCausalLM.unquantized_linear
+    fp8_unquantized_linear = Qwen3NextForCausalLM.fp8_unquantized_linear
+    dequantized_at_load = Qwen3NextForCausalLM.dequantized_at_load
     takes_images = True  # models/vision/interface.py
     uses_mrope = True
 

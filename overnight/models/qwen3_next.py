@@ -50,6 +50,29 @@ PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
     "up_proj": ("gate_up_proj", 1),
 }
 
+# Linears every quantization keeps in the compute dtype: the router (its logits pick the experts) and
+# the shared expert's one-output gate.
+UNQUANTIZED_LINEAR = ("mlp.gate", "mlp.shared_expert_gate")
+# FP8 keeps these too, as Qwen's own FP8 checkpoints do (their modules_to_not_convert): a Gated
+# DeltaNet layer's b / a projections (2 * Hv outputs per token: b is the write strength through a
+# sigmoid, a the decay through exp(-exp(A_log) * softplus(a + dt_bias)), whose error compounds over every
+# later token of the state) are a rounding error of the layer's weights, and the vision tower (a small
+# share of an image model, run once per image). conv1d and the norms are not nn.Linear: never quantized.
+FP8_UNQUANTIZED_LINEAR = (
+    "linear_attn.in_proj_ba",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+    r"re:visual\.",
+)
+# An FP8 checkpoint's tensors of layers that run in the compute dtype here: the routed experts (loaded
+# dequantized, then quantized per row once stacked: quant/apply.quantize_experts), and the small layers
+# above in a checkpoint that stored them in FP8 anyway.
+DEQUANTIZED_AT_LOAD = (
+    r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$",
+    *UNQUANTIZED_LINEAR,
+    *FP8_UNQUANTIZED_LINEAR[:3],
+)
+
 
 class OffsetRMSNorm(nn.Module):
     """x / rms(x) * (1 + w) in float32, cast back (weights stored centred on 0); with a residual,
@@ -226,7 +249,9 @@ class Qwen3NextForCausalLM(nn.Module):
     """Qwen3.5 / Qwen3.5-MoE / Qwen3-Next text models (ModelArch.architecture says which)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
-    unquantized_linear: tuple[str, ...] = ("mlp.gate", "mlp.shared_expert_gate")
+    unquantized_linear: tuple[str, ...] = UNQUANTIZED_LINEAR
+    fp8_unquantized_linear: tuple[str, ...] = FP8_UNQUANTIZED_LINEAR
+    dequantized_at_load: tuple[str, ...] = DEQUANTIZED_AT_LOAD
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -333,7 +333,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             _set_module(model, name, RowParallelWeightOnlyIntLinear(module, name, shards.shard, group))
         elif leaf in row_parallel and isinstance(module, Int8Linear):
             _set_module(model, name, RowParallelInt8Linear(module, name, shards.shard, group))
-        elif leaf in ROW_PARALLEL and isinstance(module, Fp8Linear):
+        elif leaf in row_parallel and isinstance(module, Fp8Linear):
             weight = keep(shards.shard(f"{name}.weight", module.weight))
             scale = keep(shards.shard(f"{name}.weight_scale", module.weight_scale))
             _set_module(model, name, RowParallelFp8Linear(module, weight, scale, group))

@@ -20,6 +20,11 @@ codes, scales and zeros are rows like a float weight's (in_proj_qkvz's key-head 
 out_proj's codes split in int32 words and its scales and zeros in groups, so a rank's value-head
 columns must be whole groups (check_int_tp). An act-order out_proj is refused, as o_proj is.
 
+FP8 layers (quant/linear.py) follow the float rows too: a column-parallel projection's per-row (or
+per-row-and-block) scales are rows like its weight's; out_proj keeps its per-channel scales whole and
+takes the column blocks of block scales, which must then be whole blocks of a rank's value heads. The
+b / a projections, router and shared-expert gate stay in the compute dtype under FP8.
+
 A rank's state cache holds the states of its own heads (the runner sizes it from local_arch); the
 slots and snapshots are the same on every rank, as the scheduling is shared.
 """
@@ -32,9 +37,11 @@ import torch
 from torch import nn
 
 from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.parallel.tp_experts import keep
 from overnight.parallel.tp_int import INT_PACKED_PARTS, int_row_columns
+from overnight.quant.fp8 import columns_per_scale
 
 # A hybrid's column-parallel projections, kept under their checkpoint names (not fused on load):
 # apply_tp slices them like the fused ones. in_proj_*: its Gated DeltaNet layers, whose out_proj is
@@ -74,7 +81,9 @@ def shard_hybrid_tensor(
         return int_row_columns(module, kind, t, *section("linear_v"), world)
     if module == "out_proj" and kind == "weight":
         return t.narrow(1, *section("linear_v"))
-    if module == "out_proj":  # a W8A8 layer's per-row scale: whole (its outputs are whole rows)
+    if module == "out_proj" and kind == "weight_scale" and t.dim() == 2:  # FP8 blocks of columns
+        return _column_blocks(a, world, t, *section("linear_v"))
+    if module == "out_proj":  # a per-row scale (W8A8, FP8 per channel): whole (its outputs are whole rows)
         return t
     if module == "in_proj_z":
         return rows(t, "linear_v")
@@ -85,6 +94,20 @@ def shard_hybrid_tensor(
         heads = a.linear_num_key_heads // world
         return t.narrow(0, rank * heads * per_group, heads * per_group)
     return None
+
+
+def _column_blocks(a: ModelArch, world: int, scale: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """A rank's columns of out_proj's FP8 block scales [N, KB]: its value heads' columns must be whole
+    blocks (else refused by name)."""
+    whole = a.linear_num_value_heads * a.linear_value_head_dim
+    block = columns_per_scale(whole, scale.shape[1])
+    if start % block or n % block:
+        raise ModelLoadError(
+            f"tensor_parallel_size {world} splits the input of out_proj ({whole} columns) into shares of "
+            f"{n}, which are not whole {block}-column FP8 weight-scale blocks; use a smaller "
+            "tensor_parallel_size"
+        )
+    return scale.narrow(1, start // block, n // block)
 
 
 def shard_gated_deltanet(

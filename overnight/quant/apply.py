@@ -1,7 +1,8 @@
 """The quantization pass: FP8 linear layers put into a built model from outside, as tensor parallelism is.
 
 quantize_model replaces every nn.Linear but the LM head (and those a model keeps in the compute dtype,
-its `unquantized_linear`: a MoE router) with an Fp8Linear of the same shape (on the
+its `unquantized_linear`: a MoE router; for FP8 also its `fp8_unquantized_linear`: a hybrid's Gated
+DeltaNet b / a projections and vision tower) with an Fp8Linear of the same shape (on the
 meta device when the model is shape-only, else holding the linear's weights quantized), then lets the
 kernels that produce those layers' inputs quantize their outputs themselves. A model declares which
 modules those are, per decoder layer, as `linear_input_producers` (producer -> the one linear layer
@@ -89,6 +90,8 @@ def quantize_model(
         return model
     mapping = getattr(model, "packed_modules_mapping", {})
     kept = getattr(model, "unquantized_linear", ())
+    if isinstance(scheme, QuantScheme):  # what FP8 keeps besides (a hybrid's small DeltaNet projections)
+        kept = (*kept, *getattr(model, "fp8_unquantized_linear", ()))
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD:
             continue

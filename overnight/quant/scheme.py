@@ -65,7 +65,12 @@ class QuantScheme:
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint leaves `module` (e.g. model.layers.0.mlp.down_proj) unquantized."""
-        return module_matches(module, self.ignore)
+        # Qwen3.5's image checkpoints name their text layers model.language_model.*, which the model
+        # (and its text-only checkpoints) calls model.*: an ignore list may use either.
+        text = (
+            "model.language_model." + module.removeprefix("model.") if module.startswith("model.") else module
+        )
+        return module_matches(module, self.ignore) or module_matches(text, self.ignore)
 
     def describe(self) -> str:
         if not self.prequantized:
