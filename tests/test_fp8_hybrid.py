@@ -298,20 +298,23 @@ def test_tp_block_scaled_out_proj_takes_whole_blocks_or_is_refused(folders):
         TPShards(arch, 0, 2).shard(name, scale[:, :1])
 
 
-def test_tp2_agrees_with_tp1(folders):
-    """Qwen3.5 in FP8 (online) over 2 ranks, 16-token chunks: each rank quantizes its share of out_proj's,
+@pytest.mark.parametrize(("folder_name", "quantization"), [("qwen3_5", "fp8"), ("qwen3_next-fp8", None)])
+def test_tp2_agrees_with_tp1(folders, folder_name, quantization):
+    """Qwen3.5 in FP8 (online) and Qwen3-Next's FP8 checkpoint (fused in_proj_qkvz, experts, shared
+    expert) over 2 ranks, 16-token chunks: each rank quantizes its share of out_proj's,
     o_proj's and down_proj's inputs with its own per-token scales, so the criterion is tests/test_tp.py's
     FP8 one: tokens agree until a near-tie (< 1 nat, each side's token in the other's top 3), logprobs
-    before it within 0.15 nats on average. Measured: 3 of 5 prompts identical over 8 tokens, 0.04 nats
-    over 24 positions; one diverges at its first token, a 0.08-nat tie on one process."""
+    before it within 0.15 nats on average. Measured: Qwen3.5 3 of 5 prompts identical over 8 tokens,
+    0.04 nats over 24 positions (one diverges at its first token, a 0.08-nat tie on one process);
+    Qwen3-Next 4 of 5, 0.03 nats over 33."""
     from tests.test_tp_models import HYBRID, _waves
 
-    folder = str(folders["qwen3_5"])
+    folder = str(folders[folder_name])
     first, second = _waves()
     prompts = first + second
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
-    one = LLM(folder, quantization="fp8", **HYBRID).generate(prompts, params, use_tqdm=False)
-    llm = LLM(folder, quantization="fp8", tensor_parallel_size=2, **HYBRID)
+    one = LLM(folder, quantization=quantization, **HYBRID).generate(prompts, params, use_tqdm=False)
+    llm = LLM(folder, quantization=quantization, tensor_parallel_size=2, **HYBRID)
     try:
         two = llm.generate(prompts, params, use_tqdm=False)
     finally:
