@@ -358,3 +358,35 @@ def test_budget_counts_fp8_hybrids(name):
             else:
                 held += p.numel() * p.element_size()
         assert b.weights_bytes == held
+
+
+# -- kept blocks, dummy weights ---------------------------------------------------------------------------------
+
+
+def test_kept_blocks_load_agree_and_split(folders, tmp_path):
+    """With keep_blocks (the Triton block-scaled GEMM's layout) a [16, 32]-block checkpoint keeps its
+    blocks; it agrees with its dequantized twin, and rank r's out_proj holds the scale blocks of its
+    value heads' columns (64 columns in 2 blocks: one a rank); a split that is not whole blocks is
+    refused by name."""
+    from dataclasses import replace as dc_replace
+
+    fp8 = make_fp8_hybrid_checkpoint(folders["qwen3_5"], tmp_path / "small-blocks", block=(16, 32))
+    source = resolve_source(str(fp8))
+    assert source.quantization is not None
+    source = dc_replace(source, quantization=dc_replace(source.quantization, keep_blocks=True))
+    model = load_model(source, torch.float32, "cpu")
+    out_proj = model.model.layers[0].linear_attn.out_proj
+    assert out_proj.block_k == 32 and out_proj.weight_scale.shape == (64, 2)
+    assert_agrees_with_dequantized(model)
+    name = "model.layers.0.linear_attn.out_proj.weight_scale"
+    for rank in range(2):
+        mine = TPShards(source.arch, rank, 2).shard(name, out_proj.weight_scale)
+        assert torch.equal(mine, out_proj.weight_scale[:, rank : rank + 1])
+    # the dense MLP's 36 columns give each rank 18, not whole 32-column blocks: refused by name
+    with pytest.raises(ModelLoadError, match="down_proj .* not whole 32-column weight-scale blocks"):
+        apply_tp(model, 0, 2)
+
+
+def test_dummy_fp8_hybrid_runs(folders):
+    llm = LLM(str(folders["qwen3_next"]), load_format="dummy", quantization="fp8", **ENGINE)
+    assert all(len(t) == 4 for t in _tokens(llm, PROMPTS[:3], 4))
