@@ -54,10 +54,10 @@ PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
 # the shared expert's one-output gate.
 UNQUANTIZED_LINEAR = ("mlp.gate", "mlp.shared_expert_gate")
 # FP8 keeps these too, as Qwen's own FP8 checkpoints do (their modules_to_not_convert): a Gated
-# DeltaNet layer's b / a projections (2 * Hv outputs per token: b is the write strength through a
-# sigmoid, a the decay through exp(-exp(A_log) * softplus(a + dt_bias)), whose error compounds over every
-# later token of the state) are a rounding error of the layer's weights, and the vision tower (a small
-# share of an image model, run once per image). conv1d and the norms are not nn.Linear: never quantized.
+# DeltaNet layer's b / a projections, Hv outputs each (b is the write strength through a sigmoid, a the
+# decay through exp(-exp(A_log) * softplus(a + dt_bias)): an error in either compounds over every later
+# token of the state, and together they hold under 1% of the layer's weights), and the vision tower (a
+# small share of an image model, run once per image). conv1d and the norms are not nn.Linear.
 FP8_UNQUANTIZED_LINEAR = (
     "linear_attn.in_proj_ba",
     "linear_attn.in_proj_b",
