@@ -226,7 +226,7 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if not name.endswith(PROJ_SUFFIXES):
+        if not name.endswith(PROJ_SUFFIXES) or f".{VISION_TOWER}." in f".{name}":  # Qwen2.5-VL's gate_proj
             quantized[name] = dequantized[name] = tensor
             continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(_order_key(name).encode()))

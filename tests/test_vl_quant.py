@@ -1,0 +1,173 @@
+"""Quantized Qwen2.5-VL and Qwen3-VL checkpoints on the CPU: an AWQ checkpoint and an FP8 block-scaled one
+(tests/int_checkpoints.py, tests/fp8_checkpoints.py) of a tiny random image model (tests/tiny_vl.py), in
+both tensor-naming layouts (transformers 5's model.language_model.* / model.visual.*, and the older
+model.* / visual.*), and online FP8 on the float checkpoint.
+
+Each loads with only the language model quantized: the vision tower's linears are nn.Linear holding
+exactly the checkpoint's float tensors. AWQ keeps the GPU's packed layers (PACKED_INT_ON_CPU), so the
+checkpoint's names must meet the model's before the integer conversion; its greedy tokens, for a prompt
+with an image and one without, equal transformers' on the dequantized float twin (fp32). FP8: the
+engine's greedy tokens against the same engine with its FP8 layers dequantized in place
+(quant/apply.dequantize_model), so only the per-token activation rounding differs; they agree under
+the FP8 KV cache's criterion (tests/kernel_helpers.py: each side's token in the other's top 5 at a
+divergence, which comes only at a near-tie).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from overnight import LLM, SamplingParams
+from overnight.quant import apply
+from overnight.quant.apply import dequantize_model
+from overnight.quant.int_linear import WeightOnlyIntLinear
+from overnight.quant.linear import Fp8Linear
+from tests.fp8_checkpoints import make_fp8_checkpoint
+from tests.int_checkpoints import make_int_checkpoint
+from tests.kernel_helpers import NEAR_TIE, TOP, agreement
+from tests.tiny_vl import hf_greedy, image, make_vl_checkpoint, words
+
+NEW = 6
+PLACEHOLDER = "<|vision_start|> <|image_pad|> <|vision_end|>"
+ENGINE = dict(dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20, max_model_len=128)
+KINDS = ["qwen2_5_vl", "qwen3_vl"]
+LAYOUTS = ["transformers5", "legacy"]
+
+
+def _legacy(name: str) -> str:
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name.removeprefix("model.") if name.startswith("model.visual.") else name
+
+
+def _transformers5(name: str) -> str:
+    name = _legacy(name)
+    if name.startswith("visual."):
+        return "model." + name
+    return "model.language_model." + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+RENAME = {"transformers5": _transformers5, "legacy": _legacy}
+
+
+def in_layout(src: Path, dst: Path, layout: str) -> Path:
+    """src with its tensors named in `layout`."""
+    shutil.copytree(src, dst)
+    tensors = load_file(src / "model.safetensors")
+    save_file({RENAME[layout](k): v for k, v in tensors.items()}, dst / "model.safetensors")
+    return dst
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def floats(request, tmp_path_factory) -> tuple[str, Path, dict[str, Path]]:
+    """(kind, the folder transformers saved, that checkpoint in each layout)"""
+    root = tmp_path_factory.mktemp(request.param)
+    native = Path(make_vl_checkpoint(root, request.param))
+    folders = {layout: in_layout(native, root / layout, layout) for layout in LAYOUTS}
+    assert any(
+        k.startswith("model.language_model.")
+        for k in load_file(folders["transformers5"] / "model.safetensors")
+    )
+    assert any(k.startswith("visual.") for k in load_file(folders["legacy"] / "model.safetensors"))
+    return request.param, native, folders
+
+
+def cases(kind: str, n: int = 2) -> list[tuple[str, list]]:
+    """n prompts, every other one with an image"""
+    p = 14 if kind == "qwen2_5_vl" else 16
+    return [
+        (f"{words(3, i)} {PLACEHOLDER} {words(4, i + 10)}", [image(4 * p, 2 * p, i)])
+        if i % 2
+        else (words(6, i), [])
+        for i in range(n)
+    ]
+
+
+def prompts(kind: str, n: int = 2) -> list:
+    return [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in cases(kind, n)]
+
+
+def assert_tower_untouched(model: nn.Module, folder: Path) -> None:
+    """Every linear of the tower is an nn.Linear holding the checkpoint's float tensors."""
+    stored = {
+        k.removeprefix("model."): v
+        for k, v in load_file(folder / "model.safetensors").items()
+        if "visual." in k
+    }
+    linears = {n: m for n, m in model.visual.named_modules() if isinstance(m, nn.Linear)}
+    assert linears and all(type(m) is nn.Linear for m in linears.values())
+    for name, module in linears.items():
+        assert torch.equal(module.weight, stored[f"visual.{name}.weight"].float()), name
+        assert torch.equal(module.bias, stored[f"visual.{name}.bias"].float()), name
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_awq_checkpoint_matches_transformers_on_the_dequantized_twin(floats, layout, tmp_path, monkeypatch):
+    kind, native, folders = floats
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)  # the GPU's packed layers: names must meet
+    quantized, _ = make_int_checkpoint(folders[layout], tmp_path / "awq", "awq-g32")
+    assert json.loads((quantized / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ] == ["visual"]
+    llm = LLM(str(quantized), **ENGINE)
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    assert isinstance(model.model.layers[2].mlp.down_proj, WeightOnlyIntLinear)
+    assert_tower_untouched(model, quantized)
+    # transformers on the twin of the checkpoint it saved (the other layout's differs only in names)
+    from transformers import AutoModelForImageTextToText
+
+    reference = native.parent / "awq-native-deq"
+    if not reference.exists():
+        make_int_checkpoint(native, native.parent / "awq-native", "awq-g32")
+    ref = AutoModelForImageTextToText.from_pretrained(reference, dtype=torch.float32).eval()
+    outs = llm.generate(prompts(kind), SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    tok = llm.get_tokenizer()
+    for (text, imgs), out in zip(cases(kind), outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(
+            str(reference), tok.encode(text), imgs, NEW, ref
+        ), text
+
+
+def _greedy(llm: LLM, kind: str) -> list[tuple[list[int], list[dict]]]:
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP)
+    outs = llm.generate(prompts(kind, 6), params, use_tqdm=False)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
+
+
+def assert_fp8_agrees(folder: Path, kind: str, **options) -> nn.Module:
+    llm = LLM(str(folder), **ENGINE, **options)
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert isinstance(model.model.layers[2].mlp.gate_up_proj, Fp8Linear)
+    reference = LLM(str(folder), **ENGINE, **options)
+    dequantize_model(reference.engine.runner.model)  # type: ignore[attr-defined]
+    agree = agreement(_greedy(reference, kind), _greedy(llm, kind))
+    assert agree.share >= 0.25 and agree.mean_abs_dlogprob <= 0.1, agree
+    assert agree.divergences_in_top and max(agree.divergence_gaps, default=0.0) < NEAR_TIE, agree
+    return model
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fp8_block_checkpoint_agrees_with_its_dequantized_weights(floats, layout, tmp_path):
+    kind, _, folders = floats
+    folder = make_fp8_checkpoint(folders[layout], tmp_path / "fp8", "fp8-block")
+    ignored = json.loads((folder / "config.json").read_text())["quantization_config"][
+        "modules_to_not_convert"
+    ]
+    assert "lm_head" in ignored and all("visual." in m for m in ignored[1:]) and len(ignored) > 8
+    model = assert_fp8_agrees(folder, kind)
+    assert_tower_untouched(model, folder)
+
+
+def test_online_fp8_quantizes_the_language_model_only(floats):
+    kind, _, folders = floats
+    model = assert_fp8_agrees(folders["transformers5"], kind, quantization="fp8")
+    assert_tower_untouched(model, folders["transformers5"])
