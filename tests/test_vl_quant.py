@@ -171,3 +171,23 @@ def test_online_fp8_quantizes_the_language_model_only(floats):
     kind, _, folders = floats
     model = assert_fp8_agrees(folders["transformers5"], kind, quantization="fp8")
     assert_tower_untouched(model, folders["transformers5"])
+
+
+def test_ignore_lists_name_modules_in_either_layout(floats):
+    """An ignore list in transformers 5's names (model.language_model.*, model.visual.*) keeps those
+    modules in the compute dtype, as one in the model's own names does; other layers are quantized."""
+    from overnight.models.registry import arch_from_hf_config, model_class_for
+    from overnight.quant.apply import quantize_model
+    from overnight.quant.scheme import QuantScheme
+
+    _, native, _ = floats
+    arch = arch_from_hf_config(json.loads((native / "config.json").read_text()))
+    for down in ("model.language_model.layers.1.mlp.down_proj", "model.layers.1.mlp.down_proj"):
+        with torch.device("meta"):
+            model = model_class_for(arch)(arch)
+        quantize_model(model, QuantScheme(prequantized=True, ignore=(down, r"re:model\.visual\..*")))
+        layers = model.model.layers
+        assert type(layers[1].mlp.down_proj) is nn.Linear, down
+        assert isinstance(layers[0].mlp.down_proj, Fp8Linear)
+        assert isinstance(layers[1].mlp.gate_up_proj, Fp8Linear)
+        assert all(not isinstance(m, Fp8Linear) for m in model.visual.modules())
