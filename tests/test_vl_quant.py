@@ -252,3 +252,24 @@ def test_moe_fp8_block_checkpoint_agrees_with_its_dequantized_weights(moe, layou
     assert model.model.layers[0].mlp.experts.gate_up_scale is not None  # experts dequantized, then FP8 again
     assert type(model.model.layers[0].mlp.gate) is nn.Linear
     assert_tower_untouched(model, folder)
+
+
+def test_qwen35_tower_stays_float_under_an_integer_scheme(tmp_path):
+    """Qwen3.5's image model (whose hybrid layers take integer, not FP8, weights): its tower stays
+    nn.Linear under a scheme whose ignore list names the tower in transformers 5's names (or not at
+    all), and an ignore entry model.language_model.* keeps that text layer float."""
+    from overnight.models.registry import arch_from_hf_config, model_class_for
+    from overnight.quant.apply import quantize_model
+    from overnight.quant.int_scheme import IntScheme
+
+    folder = Path(make_vl_checkpoint(tmp_path, "qwen3_5"))
+    arch = arch_from_hf_config(json.loads((folder / "config.json").read_text()))
+    kept = "model.language_model.layers.3.mlp.down_proj"
+    for ignore in ((kept, "model.visual.blocks.0.attn.qkv"), (kept,)):
+        with torch.device("meta"):
+            model = model_class_for(arch)(arch)
+        quantize_model(model, IntScheme("compressed-tensors", 4, 32, True, ignore=ignore))
+        assert isinstance(model.model.layers[0].linear_attn.out_proj, WeightOnlyIntLinear)
+        assert type(model.model.layers[3].mlp.down_proj) is nn.Linear
+        assert isinstance(model.model.layers[2].mlp.down_proj, WeightOnlyIntLinear)
+        assert all(type(m) is nn.Linear for m in model.visual.modules() if isinstance(m, nn.Linear))

@@ -139,13 +139,8 @@ class QwenVLForConditionalGeneration(nn.Module):
 
     @staticmethod
     def checkpoint_names(module: str) -> tuple[str, ...]:
-        """The names a module of this model may carry in a checkpoint (and its ignore list): its own
-        and the transformers 5 layout's (model.language_model.*, model.visual.*)."""
-        if module.startswith("model."):
-            return module, "model.language_model." + module.removeprefix("model.")
-        if module.startswith("visual."):
-            return module, "model." + module
-        return (module,)
+        """The names a module of this model may carry in a checkpoint (and its ignore list)."""
+        return vl_checkpoint_names(module)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         # renamed and split names pass unchanged (rename_checkpoint may have run already)
@@ -168,6 +163,16 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
+
+
+def vl_checkpoint_names(module: str) -> tuple[str, ...]:
+    """A module's own name (model.*, visual.*) and its name in transformers 5's layout
+    (model.language_model.*, model.visual.*): the two names _renamed maps to it."""
+    if module.startswith("model."):
+        return module, "model.language_model." + module.removeprefix("model.")
+    if module.startswith("visual."):
+        return module, "model." + module
+    return (module,)
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
