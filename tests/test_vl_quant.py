@@ -5,7 +5,8 @@ tests/fp8_checkpoints.py, tests/tiny_vl.py), in both tensor-naming layouts (tran
 model.language_model.* / model.visual.*, and the older model.* / visual.*), and online FP8.
 
 Each loads with only the language model quantized: the vision tower's linears are nn.Linear holding
-exactly the checkpoint's float tensors, the MoE router float. Integer checkpoints keep the GPU's packed
+exactly the checkpoint's float tensors, the MoE router float. Tensor-parallel ranks loaded tensor by
+tensor hold what is cut from the whole model. Integer checkpoints keep the GPU's packed
 layers (PACKED_INT_ON_CPU), so the checkpoint's names must meet the model's before the integer
 conversion; the greedy tokens of a prompt with an image and one without equal transformers' on the
 dequantized float twin (the MoE: the engine's on that twin, whose per-expert tensors transformers does
@@ -112,14 +113,16 @@ def assert_tower_untouched(model: nn.Module, folder: Path) -> None:
         assert torch.equal(module.bias, stored[f"visual.{name}.bias"].float()), name
 
 
+@pytest.mark.parametrize("method", ["awq-g32", "ct-w4-g32-sym"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_awq_checkpoint_matches_transformers_on_the_dequantized_twin(floats, layout, tmp_path, monkeypatch):
+def test_int_checkpoint_matches_transformers_on_the_dequantized_twin(
+    floats, layout, method, tmp_path, monkeypatch
+):
+    """AWQ (ignoring "visual", as Qwen2.5-VL-*-AWQ) and compressed-tensors W4A16 (ignoring
+    re:.*visual\..*)."""
     kind, native, folders = floats
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)  # the GPU's packed layers: names must meet
-    quantized, _ = make_int_checkpoint(folders[layout], tmp_path / "awq", "awq-g32")
-    assert json.loads((quantized / "config.json").read_text())["quantization_config"][
-        "modules_to_not_convert"
-    ] == ["visual"]
+    quantized, _ = make_int_checkpoint(folders[layout], tmp_path / "int", method)
     llm = LLM(str(quantized), **ENGINE)
     model = llm.engine.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
@@ -128,9 +131,9 @@ def test_awq_checkpoint_matches_transformers_on_the_dequantized_twin(floats, lay
     # transformers on the twin of the checkpoint it saved (the other layout's differs only in names)
     from transformers import AutoModelForImageTextToText
 
-    reference = native.parent / "awq-native-deq"
+    reference = native.parent / f"{method}-native-deq"
     if not reference.exists():
-        make_int_checkpoint(native, native.parent / "awq-native", "awq-g32")
+        make_int_checkpoint(native, native.parent / f"{method}-native", method)
     ref = AutoModelForImageTextToText.from_pretrained(reference, dtype=torch.float32).eval()
     outs = llm.generate(prompts(kind), SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
     tok = llm.get_tokenizer()
@@ -273,3 +276,23 @@ def test_qwen35_tower_stays_float_under_an_integer_scheme(tmp_path):
         assert type(model.model.layers[3].mlp.down_proj) is nn.Linear
         assert isinstance(model.model.layers[2].mlp.down_proj, WeightOnlyIntLinear)
         assert all(type(m) is nn.Linear for m in model.visual.modules() if isinstance(m, nn.Linear))
+
+
+@pytest.mark.parametrize("method", ["awq-g32", "fp8-block"])
+def test_tensor_parallel_shards_of_quantized_checkpoints(floats, method, tmp_path, monkeypatch):
+    """Each of 2 ranks, its tensors renamed before they are converted and sliced as they stream in,
+    holds exactly what tensor parallelism cuts from the whole loaded model (transformers 5's names)."""
+    from overnight.loader.resolve import resolve_source
+    from tests.tp_helpers import streamed_equals_sliced
+
+    _, _, folders = floats
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    if method == "fp8-block":
+        folder = make_fp8_checkpoint(folders["transformers5"], tmp_path / "fp8", method)
+    else:
+        folder, _ = make_int_checkpoint(folders["transformers5"], tmp_path / "int", method)
+    source = resolve_source(str(folder))
+    for rank in range(2):
+        streamed = streamed_equals_sliced(source, rank)
+        assert type(streamed.model.layers[0].mlp.down_proj) is not nn.Linear  # quantized, row-parallel
+        assert all(type(m) is nn.Linear for m in streamed.visual.modules() if isinstance(m, nn.Linear))
