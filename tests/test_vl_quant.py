@@ -149,11 +149,12 @@ def _greedy(llm: LLM, kind: str) -> list[tuple[list[int], list[dict]]]:
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
-def assert_fp8_agrees(folder: Path, kind: str, **options) -> nn.Module:
+def assert_fp8_agrees(folder: Path, kind: str, layer: type = Fp8Linear, **options) -> nn.Module:
+    """The engine on `folder` against itself with its quantized layers (of type `layer`) dequantized."""
     llm = LLM(str(folder), **ENGINE, **options)
     model = llm.engine.runner.model  # type: ignore[attr-defined]
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
-    assert isinstance(model.model.layers[2].self_attn.o_proj, Fp8Linear)
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, layer)
+    assert isinstance(model.model.layers[2].self_attn.o_proj, layer)
     reference = LLM(str(folder), **ENGINE, **options)
     dequantize_model(reference.engine.runner.model)  # type: ignore[attr-defined]
     agree = agreement(_greedy(reference, kind), _greedy(llm, kind))
@@ -171,6 +172,19 @@ def test_fp8_block_checkpoint_agrees_with_its_dequantized_weights(floats, layout
     ]
     assert "lm_head" in ignored and all("visual." in m for m in ignored[1:]) and len(ignored) > 8
     model = assert_fp8_agrees(folder, kind)
+    assert_tower_untouched(model, folder)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_w8a8_checkpoint_agrees_with_its_dequantized_weights(floats, layout, tmp_path, monkeypatch):
+    """compressed-tensors W8A8 (int8 weights per channel, activations per token, as
+    RedHatAI/Qwen2.5-VL-*-quantized.w8a8): its activation rounding judged as FP8's."""
+    from overnight.quant.int_linear import Int8Linear
+
+    kind, _, folders = floats
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    folder, _ = make_int_checkpoint(folders[layout], tmp_path / "w8a8", "ct-w8a8")
+    model = assert_fp8_agrees(folder, kind, layer=Int8Linear)
     assert_tower_untouched(model, folder)
 
 
