@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from overnight.quant.fp8 import quantize_activation_ref, quantize_weight_blocks, quantize_weight_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-VISION_TOWER = "visual."  # in a tensor's name: the vision tower's, written float
+VISION_TOWERS = ("visual.", "vision_tower.", "multi_modal_projector.")  # in a name: written float
 
 
 def _ct_config(strategy: str, activations: dict[str, Any] | None, block: list[int] | None = None) -> dict:
@@ -96,7 +96,7 @@ def make_fp8_checkpoint(float_folder: str | Path, out_folder: str | Path, layout
     tower: list[str] = []  # the vision tower's linear modules, by their checkpoint names
     for name, t in tensors.items():
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if VISION_TOWER in name:
+        if any(tower in name for tower in VISION_TOWERS):
             if name.endswith(".weight") and t.dim() == 2:
                 tower.append(name.removesuffix(".weight"))
             written[name] = t

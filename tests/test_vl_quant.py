@@ -310,3 +310,39 @@ def test_tensor_parallel_shards_of_quantized_checkpoints(floats, method, tmp_pat
         streamed = streamed_equals_sliced(source, rank)
         assert type(streamed.model.layers[0].mlp.down_proj) is not nn.Linear  # quantized, row-parallel
         assert all(type(m) is nn.Linear for m in streamed.visual.modules() if isinstance(m, nn.Linear))
+
+
+def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(tmp_path, monkeypatch):
+    """Gemma 3's image checkpoint (language_model.model.*, vision_tower.vision_model.*) in
+    compressed-tensors W4A16, its SigLIP tower and projector ignored: renamed before the integer
+    conversion, the tower float, a text prompt's and an image prompt's tokens transformers' on the twin."""
+    from tests.tiny_gemma_vl import WORDS as GEMMA_WORDS
+    from tests.tiny_gemma_vl import HfReference, make_gemma_vl_checkpoint
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    src = Path(make_gemma_vl_checkpoint(tmp_path))
+    quantized, twin = make_int_checkpoint(src, tmp_path / "w4a16", "ct-w4-g32-sym")
+    llm = LLM(str(quantized), **ENGINE)
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    stored = {
+        k.removeprefix("model.").replace("vision_model.", ""): v
+        for k, v in load_file(quantized / "model.safetensors").items()
+    }
+    tower = [
+        (n, m) for n, m in model.named_modules() if n.startswith("vision_tower.") and isinstance(m, nn.Linear)
+    ]
+    assert tower and all(type(m) is nn.Linear for _, m in tower)
+    for name, module in tower:
+        assert torch.equal(module.weight, stored[f"{name}.weight"].float()), name
+    cases = [
+        (f"<bos> {words(7, 0, GEMMA_WORDS)}", []),
+        (f"<bos> {words(3, 1, GEMMA_WORDS)} <start_of_image> {words(4, 2, GEMMA_WORDS)}", [image(30, 40, 1)]),
+    ]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    outs = llm.generate(
+        [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases], params
+    )
+    ref = HfReference(str(twin))
+    for (text, imgs), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text
