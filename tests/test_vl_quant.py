@@ -1,7 +1,7 @@
-"""Quantized Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE checkpoints on the CPU: integer checkpoints (AWQ; W4A16
-per channel for the MoE, whose experts' 24 columns hold no group of 32) and FP8 block-scaled ones
-([128, 128], as Qwen3-VL-*-FP8) made from a tiny random image model (tests/int_checkpoints.py,
-tests/fp8_checkpoints.py, tests/tiny_vl.py), in both tensor-naming layouts (transformers 5's
+"""Quantized image-model checkpoints on the CPU (Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE; Gemma 3 and
+Qwen3.5 at the end): integer checkpoints (AWQ, compressed-tensors W4A16 and W8A8; W4A16 per channel for
+the MoE, whose experts' 24 columns hold no group of 32) and FP8 block-scaled ones ([128, 128], as
+Qwen3-VL-*-FP8) made from a tiny random image model (tests/int_checkpoints.py, tests/fp8_checkpoints.py, tests/tiny_vl.py), in both tensor-naming layouts (transformers 5's
 model.language_model.* / model.visual.*, and the older model.* / visual.*), and online FP8.
 
 Each loads with only the language model quantized: the vision tower's linears are nn.Linear holding
@@ -145,7 +145,7 @@ def test_int_checkpoint_matches_transformers_on_the_dequantized_twin(
 
 def _greedy(llm: LLM, kind: str) -> list[tuple[list[int], list[dict]]]:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=TOP)
-    outs = llm.generate(prompts(kind, 6), params, use_tqdm=False)
+    outs = llm.generate(gemma_prompts() if kind == "gemma3" else prompts(kind, 6), params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs]
 
 
@@ -154,7 +154,7 @@ def assert_fp8_agrees(folder: Path, kind: str, layer: type = Fp8Linear, **option
     llm = LLM(str(folder), **ENGINE, **options)
     model = llm.engine.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, layer)
-    assert isinstance(model.model.layers[2].self_attn.o_proj, layer)
+    assert isinstance(model.model.layers[-1].self_attn.o_proj, layer)
     reference = LLM(str(folder), **ENGINE, **options)
     dequantize_model(reference.engine.runner.model)  # type: ignore[attr-defined]
     agree = agreement(_greedy(reference, kind), _greedy(llm, kind))
@@ -312,37 +312,72 @@ def test_tensor_parallel_shards_of_quantized_checkpoints(floats, method, tmp_pat
         assert all(type(m) is nn.Linear for m in streamed.visual.modules() if isinstance(m, nn.Linear))
 
 
-def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(tmp_path, monkeypatch):
-    """Gemma 3's image checkpoint (language_model.model.*, vision_tower.vision_model.*) in
-    compressed-tensors W4A16, its SigLIP tower and projector ignored: renamed before the integer
-    conversion, the tower float, a text prompt's and an image prompt's tokens transformers' on the twin."""
+def gemma_cases(n: int = 2) -> list[tuple[str, list]]:
+    """n Gemma 3 prompts, every other one with an image"""
     from tests.tiny_gemma_vl import WORDS as GEMMA_WORDS
-    from tests.tiny_gemma_vl import HfReference, make_gemma_vl_checkpoint
 
-    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
-    src = Path(make_gemma_vl_checkpoint(tmp_path))
-    quantized, twin = make_int_checkpoint(src, tmp_path / "w4a16", "ct-w4-g32-sym")
-    llm = LLM(str(quantized), **ENGINE)
-    model = llm.engine.runner.model  # type: ignore[attr-defined]
-    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    return [
+        (
+            f"<bos> {words(3, i, GEMMA_WORDS)} <start_of_image> {words(4, i + 10, GEMMA_WORDS)}",
+            [image(30, 40, i)],
+        )
+        if i % 2
+        else (f"<bos> {words(7, i, GEMMA_WORDS)}", [])
+        for i in range(n)
+    ]
+
+
+def gemma_prompts(n: int = 6) -> list:
+    return [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in gemma_cases(n)]
+
+
+def assert_gemma_tower_untouched(model: nn.Module, folder: Path) -> None:
+    """The SigLIP tower's and projector's linears are nn.Linear holding the checkpoint's tensors."""
     stored = {
         k.removeprefix("model.").replace("vision_model.", ""): v
-        for k, v in load_file(quantized / "model.safetensors").items()
+        for k, v in load_file(folder / "model.safetensors").items()
     }
     tower = [
-        (n, m) for n, m in model.named_modules() if n.startswith("vision_tower.") and isinstance(m, nn.Linear)
+        (n, m)
+        for n, m in model.named_modules()
+        if n.startswith(("vision_tower.", "multi_modal_projector.")) and isinstance(m, nn.Linear)
     ]
     assert tower and all(type(m) is nn.Linear for _, m in tower)
     for name, module in tower:
         assert torch.equal(module.weight, stored[f"{name}.weight"].float()), name
-    cases = [
-        (f"<bos> {words(7, 0, GEMMA_WORDS)}", []),
-        (f"<bos> {words(3, 1, GEMMA_WORDS)} <start_of_image> {words(4, 2, GEMMA_WORDS)}", [image(30, 40, 1)]),
-    ]
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> Path:
+    from tests.tiny_gemma_vl import make_gemma_vl_checkpoint
+
+    return Path(make_gemma_vl_checkpoint(tmp_path_factory.mktemp("gemma3_vl")))
+
+
+@pytest.mark.parametrize("layout", ["fp8-block", "online"])
+def test_gemma3_fp8_agrees_with_its_dequantized_weights(gemma, layout, tmp_path):
+    if layout == "online":
+        model = assert_fp8_agrees(gemma, "gemma3", quantization="fp8")
+        assert_gemma_tower_untouched(model, gemma)
+    else:
+        folder = make_fp8_checkpoint(gemma, tmp_path / "fp8", layout)
+        assert_gemma_tower_untouched(assert_fp8_agrees(folder, "gemma3"), folder)
+
+
+def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(gemma, tmp_path, monkeypatch):
+    """Gemma 3's image checkpoint (language_model.model.*, vision_tower.vision_model.*) in
+    compressed-tensors W4A16, its SigLIP tower and projector ignored: renamed before the integer
+    conversion, the tower float, a text prompt's and an image prompt's tokens transformers' on the twin."""
+    from tests.tiny_gemma_vl import HfReference
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    quantized, twin = make_int_checkpoint(gemma, tmp_path / "w4a16", "ct-w4-g32-sym")
+    llm = LLM(str(quantized), **ENGINE)
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    assert_gemma_tower_untouched(model, quantized)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    outs = llm.generate(
-        [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases], params
-    )
+    outs = llm.generate(gemma_prompts(2), params)
     ref = HfReference(str(twin))
-    for (text, imgs), out in zip(cases, outs):
+    for (text, imgs), out in zip(gemma_cases(2), outs):
         assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text
