@@ -1,8 +1,9 @@
 """Quantized image-model checkpoints on the CPU (Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE; Gemma 3 and
 Qwen3.5 at the end): integer checkpoints (AWQ, compressed-tensors W4A16 and W8A8; W4A16 per channel for
 the MoE, whose experts' 24 columns hold no group of 32) and FP8 block-scaled ones ([128, 128], as
-Qwen3-VL-*-FP8) made from a tiny random image model (tests/int_checkpoints.py, tests/fp8_checkpoints.py, tests/tiny_vl.py), in both tensor-naming layouts (transformers 5's
-model.language_model.* / model.visual.*, and the older model.* / visual.*), and online FP8.
+Qwen3-VL-*-FP8) made from a tiny random image model (tests/int_checkpoints.py, tests/fp8_checkpoints.py,
+tests/tiny_vl.py), in both tensor-naming layouts (transformers 5's model.language_model.* /
+model.visual.*, and the older model.* / visual.*), and online FP8.
 
 Each loads with only the language model quantized: the vision tower's linears are nn.Linear holding
 exactly the checkpoint's float tensors, the MoE router float. Tensor-parallel ranks loaded tensor by
