@@ -382,3 +382,25 @@ def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(gemm
     ref = HfReference(str(twin))
     for (text, imgs), out in zip(gemma_cases(2), outs):
         assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text
+
+
+def test_fp8_checkpoint_with_a_quantized_tower_loads_it_dequantized(floats, tmp_path):
+    """A checkpoint that quantized the tower anyway (no ignore entry for it): its FP8 tower tensors are
+    dequantized with their scales as they load, and the tower runs in the compute dtype."""
+    from overnight.quant.fp8 import dequantize_weight, expand_block_scales, quantize_weight_blocks
+
+    kind, _, folders = floats
+    folder = make_fp8_checkpoint(folders["transformers5"], tmp_path / "fp8", "fp8-block-small")
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]["modules_to_not_convert"]
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = load_file(folder / "model.safetensors")
+    qkv = "model.visual.blocks.1.attn.qkv"
+    data, grid = quantize_weight_blocks(tensors[f"{qkv}.weight"].float(), (16, 32))
+    tensors[f"{qkv}.weight"], tensors[f"{qkv}.weight_scale_inv"] = data, grid
+    save_file(tensors, folder / "model.safetensors")
+    model = LLM(str(folder), **ENGINE).engine.runner.model  # type: ignore[attr-defined]
+    loaded = model.visual.blocks[1].attn.qkv
+    assert type(loaded) is nn.Linear
+    rows = expand_block_scales(grid, 16, data.shape[0])
+    assert torch.equal(loaded.weight, dequantize_weight(data, rows).float())
