@@ -1,7 +1,8 @@
 """Tiny FP8 checkpoints written from a tiny float checkpoint (tests/tiny_models.py), in each published
 layout the loader reads: the projections' weights (q/k/v/o/gate/up/down) become e4m3 with their scale
-tensors, everything else (embeddings, LM head, norms) stays float; config.json gains the
-quantization_config that layout's producers write.
+tensors, everything else (embeddings, LM head, norms, an image model's vision tower) stays float;
+config.json gains the quantization_config that layout's producers write, naming the tower's linears in
+its ignore list as published image checkpoints do. Tokenizer and processor files are copied.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from overnight.quant.fp8 import quantize_activation_ref, quantize_weight_blocks, quantize_weight_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+VISION_TOWERS = ("visual.", "vision_tower.", "multi_modal_projector.")  # in a name: written float
 
 
 def _ct_config(strategy: str, activations: dict[str, Any] | None, block: list[int] | None = None) -> dict:
@@ -91,20 +93,28 @@ def make_fp8_checkpoint(float_folder: str | Path, out_folder: str | Path, layout
     tensors = load_file(str(src / "model.safetensors"))
     written: dict[str, torch.Tensor] = {}
     gen = torch.Generator().manual_seed(0)
+    tower: list[str] = []  # the vision tower's linear modules, by their checkpoint names
     for name, t in tensors.items():
         module = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if name.endswith(".weight") and module in PROJECTIONS:
+        if any(tower in name for tower in VISION_TOWERS):
+            if name.endswith(".weight") and t.dim() == 2:
+                tower.append(name.removesuffix(".weight"))
+            written[name] = t
+        elif name.endswith(".weight") and module in PROJECTIONS:
             sample_input = torch.randn(t.shape[1], generator=gen)
             written.update(_quantized(name, t, storage, block_scale_name, sample_input))
         else:
             written[name] = t
     save_file(written, str(out / "model.safetensors"))
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = config_patch
+    config["quantization_config"] = json.loads(json.dumps(config_patch))
+    if tower:  # exact names, as Qwen's and RedHat's image checkpoints list them
+        key = "ignore" if layout.startswith("ct-") else "modules_to_not_convert"
+        config["quantization_config"][key] = [*config["quantization_config"].get(key, ["lm_head"]), *tower]
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in ("generation_config.json",):
-        if (src / extra).exists():
-            shutil.copy(src / extra, out / extra)
+    for extra in src.iterdir():
+        if extra.is_file() and extra.name not in ("model.safetensors", "config.json"):
+            shutil.copy(extra, out / extra.name)
     return out
 
 

@@ -154,14 +154,20 @@ def _quantized_tensors(
 # them: their configs say so.
 FLOAT_LINEARS = (
     "in_proj_a", "in_proj_b", "in_proj_ba", "shared_expert_gate",
-    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection", "visual",
+    "per_layer_input_gate", "per_layer_projection", "per_layer_model_projection",
+    "visual", "vision_tower", "multi_modal_projector",
 )  # fmt: skip
-VISION_TOWER = "visual"  # an image checkpoint's tower: its linears are written float
+# an image checkpoint's tower (Qwen's visual, Gemma 3's SigLIP and projector): its linears written float
+VISION_TOWERS = ("visual", "vision_tower", "multi_modal_projector")
 
 
 def _ct_pattern(name: str) -> str:
-    """compressed-tensors' ignore entry for a FLOAT_LINEARS name (the vision tower: all of it)."""
-    return r"re:.*visual\..*" if name == VISION_TOWER else f"re:.*{name}$"
+    """compressed-tensors' ignore entry for a FLOAT_LINEARS name (a vision tower: all of it)."""
+    return f"re:.*{name}\\..*" if name in VISION_TOWERS else f"re:.*{name}$"
+
+
+def _in_tower(name: str) -> bool:
+    return any(f".{tower}." in f".{name}" for tower in VISION_TOWERS)
 
 
 def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
@@ -226,7 +232,7 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if not name.endswith(PROJ_SUFFIXES):
+        if not name.endswith(PROJ_SUFFIXES) or _in_tower(name):  # Qwen2.5-VL's gate_proj, SigLIP's q_proj
             quantized[name] = dequantized[name] = tensor
             continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(_order_key(name).encode()))

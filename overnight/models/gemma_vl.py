@@ -25,10 +25,15 @@ from overnight.models.vision.interface import VisionFeatures, VisionRows
 from overnight.models.vision.siglip import Gemma3MultiModalProjector, SiglipVisionModel, check_pixels
 
 _TOWER = ("vision_tower.", "multi_modal_projector.")
+# Quantization leaves the tower and projector in the compute dtype, as published quantized Gemma 3
+# checkpoints do (their ignore lists name them); one that quantized them anyway is dequantized at load.
+_TOWER_MODULES = (r"re:vision_tower\.", r"re:multi_modal_projector\.")
 
 
 class Gemma3ForConditionalGeneration(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    unquantized_linear = _TOWER_MODULES
+    dequantized_at_load = _TOWER_MODULES
     takes_images = True  # models/vision/interface.py
     uses_mrope = False
 
@@ -64,27 +69,30 @@ class Gemma3ForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return softcap(self.lm_head(hidden), self.arch.final_logit_softcapping)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        tower: list[tuple[str, torch.Tensor]] = []
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's names made the model's (language_model.model.* / model.language_model.* ->
+        model.*, [model.]vision_tower.vision_model.* -> vision_tower.*; SigLIP's pooling head dropped),
+        before integer / FP8 conversion and tensor-parallel slicing (loader/model_loader.py) look
+        tensors up by those names. Names only: the model's names pass unchanged."""
+        for name, tensor in weights:
+            bare = name.removeprefix("model.")
+            if bare.startswith("vision_tower.head."):
+                continue  # SigLIP's pooling head: Gemma 3 reads the patch features
+            if bare.startswith(_TOWER):
+                yield bare.replace("vision_tower.vision_model.", "vision_tower.", 1), tensor
+            else:
+                yield from text_weights(((name, tensor),))
 
-        def text_only() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                bare = name.removeprefix("model.")
-                if bare.startswith("vision_tower.head."):
-                    continue  # SigLIP's pooling head: Gemma 3 reads the patch features
-                if bare.startswith(_TOWER):
-                    tower.append((bare.replace("vision_tower.vision_model.", "vision_tower.", 1), tensor))
-                else:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        def folded() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in self.rename_checkpoint(weights):
+                if not name.startswith(_TOWER):
+                    yield from fold_gemma_norms(((name, tensor),))
+                elif name.endswith("mm_soft_emb_norm.weight"):  # the projector's norm is 1 + w
+                    yield name, tensor.float() + 1.0
+                else:  # SigLIP's LayerNorms keep their weights
                     yield name, tensor
 
-        def all_weights() -> Iterator[tuple[str, torch.Tensor]]:
-            yield from fold_gemma_norms(text_weights(text_only()))
-            for (
-                name,
-                tensor,
-            ) in tower:  # SigLIP's LayerNorms keep their weights; the projector's norm is 1 + w
-                if name.endswith("mm_soft_emb_norm.weight"):
-                    tensor = tensor.float() + 1.0
-                yield name, tensor
-
-        load_packed_weights(self, all_weights())
+        load_packed_weights(self, folded())

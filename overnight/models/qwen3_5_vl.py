@@ -37,6 +37,7 @@ from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.llama import load_packed_weights, make_lm_head
 from overnight.models.qwen3_next import PACKED_MODULES_MAPPING, HybridModel, Qwen3NextForCausalLM
+from overnight.models.qwen_vl import VISION_TOWER, vl_checkpoint_names
 from overnight.models.vision.config import text_config_of, vision_arch_from_hf
 from overnight.models.vision.interface import VisionFeatures, VisionRows
 from overnight.models.vision.qwen_vit import build_vision_tower, tower_features
@@ -51,9 +52,13 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     """Qwen3.5 and Qwen3.5-MoE with their vision tower (arch.architecture picks the decoder's MLPs)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
-    unquantized_linear = Qwen3NextForCausalLM.unquantized_linear
+    # Quantization leaves the tower in the compute dtype (models/qwen_vl.py says why), and ignore lists
+    # may name modules in either checkpoint layout; FP8 also keeps the Gated DeltaNet's b / a
+    # projections (qwen3_next.py says why).
+    unquantized_linear = (*Qwen3NextForCausalLM.unquantized_linear, VISION_TOWER)
     fp8_unquantized_linear = Qwen3NextForCausalLM.fp8_unquantized_linear
-    dequantized_at_load = Qwen3NextForCausalLM.dequantized_at_load
+    dequantized_at_load = (*Qwen3NextForCausalLM.dequantized_at_load, VISION_TOWER)
+    checkpoint_names = staticmethod(vl_checkpoint_names)
     takes_images = True  # models/vision/interface.py
     uses_mrope = True
 

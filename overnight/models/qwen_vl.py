@@ -8,7 +8,14 @@ tokens and their embeddings (a prefill chunk may hold only part of an image: the
 steps and text-only prompts pass none and run exactly as the text model (CUDA graphs included).
 
 Checkpoint names: Qwen2.5-VL ships `model.layers.*` / `visual.*`, Qwen3-VL `model.language_model.*` /
-`model.visual.*`; both load into `model.*` / `visual.*` here.
+`model.visual.*` (and transformers 5 saves either in the second layout); both load into `model.*` /
+`visual.*` here. The renaming happens in rename_checkpoint, before quantized checkpoints' tensors are
+converted (they are looked up by the model's names), and a quantization_config's ignore list may name
+modules in either layout (checkpoint_names).
+
+Quantization: only the language model. The vision tower stays in the compute dtype whatever the
+scheme (every published quantized checkpoint lists it as ignored, and online FP8 leaves it too); a
+checkpoint that quantizes it anyway has its tower tensors dequantized as they load.
 """
 
 from __future__ import annotations
@@ -81,11 +88,17 @@ class QwenVLTextModel(nn.Module):
         return x
 
 
+# The vision tower's modules (model names, after _renamed): kept in the compute dtype (quant/apply.py).
+VISION_TOWER = r"re:visual\."
+
+
 class QwenVLForConditionalGeneration(nn.Module):
     """Qwen2_5_VLForConditionalGeneration and Qwen3VLForConditionalGeneration (arch.vision.kind says
     which tower; the decoder's flags come from the text config as for Qwen2 / Qwen3)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    unquantized_linear: tuple[str, ...] = (VISION_TOWER,)
+    dequantized_at_load: tuple[str, ...] = (VISION_TOWER,)  # FP8 tower tensors (quant/checkpoint.py)
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     takes_images = True  # models/vision/interface.py
     uses_mrope = True
@@ -117,8 +130,21 @@ class QwenVLForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before integer / FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights), which look tensors up by the model's names."""
+        return _per_expert(_renamed(weights), self.arch)
+
+    @staticmethod
+    def checkpoint_names(module: str) -> tuple[str, ...]:
+        """The names a module of this model may carry in a checkpoint (and its ignore list)."""
+        return vl_checkpoint_names(module)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, _per_expert(_renamed(weights), self.arch))
+        # renamed and split names pass unchanged (rename_checkpoint may have run already)
+        load_packed_weights(self, self.rename_checkpoint(weights))
 
 
 def qwen3_vl_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
@@ -129,10 +155,24 @@ def qwen3_vl_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
 
 
 class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
-    """Qwen3-VL's tower and decoder with Qwen3-MoE's sparse MLPs (the fused MoE path on the GPU)."""
+    """Qwen3-VL's tower and decoder with Qwen3-MoE's sparse MLPs (the fused MoE path on the GPU); the
+    router and experts are quantized as Qwen3-MoE's (models/qwen3_moe.py says how)."""
+
+    unquantized_linear = (VISION_TOWER, "mlp.gate")
+    dequantized_at_load = (VISION_TOWER, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
+
+
+def vl_checkpoint_names(module: str) -> tuple[str, ...]:
+    """A module's own name (model.*, visual.*) and its name in transformers 5's layout
+    (model.language_model.*, model.visual.*): the two names _renamed maps to it."""
+    if module.startswith("model."):
+        return module, "model.language_model." + module.removeprefix("model.")
+    if module.startswith("visual."):
+        return module, "model." + module
+    return (module,)
 
 
 def _renamed(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

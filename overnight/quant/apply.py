@@ -70,6 +70,14 @@ def int_checkpoint_modules(model: nn.Module) -> dict[str, tuple[str, nn.Module]]
     }
 
 
+def ignored(model: nn.Module, scheme: QuantScheme | IntScheme, module: str) -> bool:
+    """Whether the scheme's ignore list names checkpoint module `module` (a model name) under any name
+    the model's checkpoints give it (its `checkpoint_names`: an image model's text layers are
+    model.layers.* here but model.language_model.* in transformers 5's checkpoints)."""
+    names = getattr(model, "checkpoint_names", None)
+    return any(scheme.ignores(name) for name in (names(module) if names is not None else (module,)))
+
+
 def keeps_int_packed(device: torch.device | str) -> bool:
     """Whether integer checkpoints keep packed layers on `device` (else: nn.Linear, dequantized at load)."""
     return torch.device(device).type != "cpu" or PACKED_INT_ON_CPU
@@ -96,7 +104,7 @@ def quantize_model(
         if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD:
             continue
         if module_matches(name, kept) or all(
-            scheme.ignores(part) for part in checkpoint_modules(name, mapping)
+            ignored(model, scheme, part) for part in checkpoint_modules(name, mapping)
         ):
             continue
         _set_module(model, name, _quantized(module, scheme))
@@ -113,7 +121,7 @@ def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
         if not isinstance(module, QuantizedAfterLoad):
             continue
         _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
-        if packs_experts(scheme, hidden, two_i // 2) and not scheme.ignores(f"{name}.0.gate_proj"):
+        if packs_experts(scheme, hidden, two_i // 2) and not ignored(model, scheme, f"{name}.0.gate_proj"):
             stack = cast(nn.Module, module)
             _set_module(
                 model, name, IntExperts.replacing(stack, scheme.bits, scheme.group_size, scheme.symmetric)
