@@ -46,6 +46,7 @@ from overnight.quant.linear import Fp8Linear
 from overnight.tools.budget import DeviceMemory, plan_budget
 from tests.parity_helpers import compare
 from tests.tiny_hybrid import make_hybrid_model
+from tests.tp_helpers import generate_split
 
 pytestmark = pytest.mark.slow  # real models and engines
 
@@ -316,11 +317,7 @@ def test_tp2_agrees_with_tp1(folders, folder_name, quantization):
     prompts = first + second
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     one = LLM(folder, quantization=quantization, **HYBRID).generate(prompts, params, use_tqdm=False)
-    llm = LLM(folder, quantization=quantization, tensor_parallel_size=2, **HYBRID)
-    try:
-        two = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(folder, prompts, params, quantization=quantization, **HYBRID)
     dlp, same = [], 0
     for a, b in zip(one, two, strict=True):
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids

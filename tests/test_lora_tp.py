@@ -10,6 +10,7 @@ import pytest
 from overnight import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import make_adapter
 from tests.tiny_models import make_tiny_checkpoint
+from tests.tp_helpers import generate_split
 
 pytestmark = pytest.mark.slow  # starts tensor-parallel processes
 
@@ -32,11 +33,7 @@ def test_tp2_with_adapters_matches_tp1(tmp_path, family: str, kv_heads: int) -> 
     requests = [loras[i % 3] if i % 4 != 3 else None for i in range(len(PROMPTS))]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     one = LLM(str(base), **OPTIONS).generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
-    llm = LLM(str(base), tensor_parallel_size=2, **OPTIONS)
-    try:
-        two = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(str(base), PROMPTS, params, **OPTIONS, lora_request=requests)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
     plain = LLM(str(base), device="cpu", dtype="float32", skip_tokenizer_init=True)
     without = plain.generate(PROMPTS, params, use_tqdm=False)

@@ -12,6 +12,7 @@ import pytest
 from overnight import LLM, SamplingParams, StructuredOutputsParams
 from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 from tests.tiny_models import make_tiny_checkpoint
+from tests.tp_helpers import generate_split
 
 pytestmark = pytest.mark.slow  # starts tensor-parallel processes
 
@@ -98,10 +99,6 @@ def test_padding_ids_are_never_drawn_and_tp2_matches_tp1(folder):
     assert any(
         t >= TOKENIZER_VOCAB for o in plain for t in o.outputs[0].token_ids
     )  # the model does pick them
-    tp = LLM(folder, tensor_parallel_size=2, **OPTIONS)
-    try:
-        two = tp.generate(prompts, params, use_tqdm=False)
-    finally:
-        tp.engine.runner.shutdown()
+    two = generate_split(folder, prompts, params, **OPTIONS)
     for a, b in zip(one, two, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -19,6 +19,7 @@ from overnight.loader.resolve import resolve_source
 from overnight.parallel.tp import TPShards
 from tests.parity_helpers import hf_greedy, prompts_for
 from tests.tiny_families import load_family_reference, make_family_checkpoint
+from tests.tp_helpers import generate_split
 
 OPTIONS = dict(
     device="cpu", dtype="float32", skip_tokenizer_init=True, block_size=4, max_num_batched_tokens=16
@@ -98,11 +99,7 @@ def test_olmo_tp2_matches_tp1_and_transformers(tmp_path, variant, changes):
     prompts = prompts_for(211, 6, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     one = LLM(str(folder), **OPTIONS).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(folder), tensor_parallel_size=2, **OPTIONS)
-    try:
-        two = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(str(folder), prompts, params, **OPTIONS)
     tokens = [list(o.outputs[0].token_ids) for o in two]
     assert tokens == [list(o.outputs[0].token_ids) for o in one]
     assert tokens == [hf_greedy(ref, p, 8)[0] for p in prompts]
@@ -169,11 +166,7 @@ def test_gemma4_tp2_matches_tp1_and_transformers(gemma4):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     options = {**OPTIONS, "max_model_len": 64}
     one = LLM(str(folder), **options).generate(batch, params, use_tqdm=False)
-    llm = LLM(str(folder), tensor_parallel_size=2, **options)
-    try:
-        two = llm.generate(batch, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(str(folder), batch, params, **options)
     tokens = [list(o.outputs[0].token_ids) for o in two]
     assert tokens == [list(o.outputs[0].token_ids) for o in one]
     for prompt, got in zip(batch, tokens):

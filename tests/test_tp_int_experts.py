@@ -25,7 +25,7 @@ from overnight.quant import apply
 from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
-from tests.tp_helpers import packed_int_worker_main, streamed_equals_sliced
+from tests.tp_helpers import generate_split, packed_int_worker_main, streamed_equals_sliced
 
 LAYOUTS = ("awq-g32", "gptq-w4-g32-sym", "ct-w4-channel-asym", "ct-w8-g16-sym")
 STACK = "model.layers.0.mlp.experts"
@@ -131,9 +131,5 @@ def test_packed_experts_tp2_matches_tp1(folders, packed, monkeypatch):
     one = LLM(folder, **options)
     assert isinstance(one.engine.runner.model.model.layers[0].mlp.experts, IntExperts)  # type: ignore[attr-defined]
     expected = one.generate(prompts, params, use_tqdm=False)
-    llm = LLM(folder, tensor_parallel_size=2, **options)
-    try:
-        two = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(folder, prompts, params, **options)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in expected]

@@ -29,7 +29,7 @@ from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
 from tests.tiny_hybrid import make_hybrid_checkpoint
 from tests.tiny_vl import make_vl_checkpoint
-from tests.tp_helpers import packed_int_worker_main, streamed_equals_sliced
+from tests.tp_helpers import generate_split, packed_int_worker_main, streamed_equals_sliced
 
 SIZES = dict(
     hidden_size=64, num_attention_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, intermediate_size=64
@@ -141,9 +141,5 @@ def test_packed_hybrid_tp2_matches_tp1(folders, packed, monkeypatch):
     first, _ = _waves()
     one = LLM(folder, **HYBRID)
     expected = one.generate(first, _greedy(6), use_tqdm=False)
-    llm = LLM(folder, tensor_parallel_size=2, **HYBRID)
-    try:
-        got = llm.generate(first, _greedy(6), use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    got = generate_split(folder, first, _greedy(6), **HYBRID)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in expected]

@@ -46,7 +46,7 @@ from tests.test_gpt_oss import (  # noqa: F401
     write_mxfp4,
 )
 from tests.tiny_hybrid import make_hybrid_checkpoint
-from tests.tp_helpers import streamed_equals_sliced
+from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 VOCAB = 101
 HYBRID = dict(
@@ -239,11 +239,7 @@ def test_gpt_oss_tp2_matches_tp1_and_transformers(float_folder, padded_mxfp4, ki
     options = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     one = LLM(str(folder), **options).generate(prompts, params, use_tqdm=False)
-    llm = LLM(str(folder), tensor_parallel_size=2, **options)
-    try:
-        two = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(str(folder), prompts, params, **options)
     tokens = [list(o.outputs[0].token_ids) for o in two]
     assert tokens == [list(o.outputs[0].token_ids) for o in one]
     ref = _reference(reference)
@@ -324,9 +320,5 @@ def test_int_checkpoint_tp2_matches_tp1(int_folders):
     folder = str(int_folders["ct-w4-g32-asym-gidx"])  # act-order: dequantized at load on the CPU
     prompts = PROMPTS[:4]
     one = LLM(folder, **options).generate(prompts, params, use_tqdm=False)
-    llm = LLM(folder, tensor_parallel_size=2, **options)
-    try:
-        two = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
+    two = generate_split(folder, prompts, params, **options)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+from overnight import LLM
 from overnight.loader.model_loader import load_model
 from overnight.loader.source import ModelSource
 from overnight.parallel.tp import apply_tp, load_sharded_model
@@ -22,6 +25,17 @@ def streamed_equals_sliced(source: ModelSource, rank: int, world: int = 2, seed:
         for name in a:  # compared as bytes: FP8 and packed integer tensors too
             assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
     return streamed
+
+
+def generate_split(folder: object, prompts: Any, params: Any, world: int = 2, **options: Any) -> list[Any]:
+    """`prompts` through LLM(folder, tensor_parallel_size=world, **options), its rank processes shut down
+    afterwards, even when generate raises. A `lora_request` in options goes to generate."""
+    lora = options.pop("lora_request", None)
+    llm = LLM(str(folder), tensor_parallel_size=world, **options)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
+    finally:
+        llm.engine.shutdown()  # type: ignore[attr-defined]
 
 
 def packed_int_worker_main(*args: object) -> None:
