@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.kernels.tile_order import grouped_tile
+
 # The tensor cores' FP8 MMA takes K 32 at a time: a compiled tl.dot on e4m3 tiles with K < 32 is refused
 # (the interpreter takes any K, so only the GPU enforces it).
 MIN_BLOCK_K = 32
@@ -77,14 +79,7 @@ def _fp8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    rows_in_group = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % rows_in_group
-    pid_n = (pid % per_group) // rows_in_group
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.int8_quant import quantize_int8
+from overnight.kernels.tile_order import grouped_tile
 from overnight.kernels.w4a16_gemm import W4A16Config, w4a16_gemm
 
 W8A16_MAX_M = 16  # up to this many rows: "w8a16"; past it LARGE_PATH
@@ -81,15 +82,7 @@ def _int8_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # programs run GROUP_M row tiles of one column tile after another: the weight tile is read from
-    # DRAM once and from L2 by the others
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(M, BLOCK_M)
-    width = GROUP_M * tl.cdiv(N, BLOCK_N)
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.minimum(offs_m, M - 1)  # clamped reads, masked stores

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.moe_align import ExpertRuns
+from overnight.kernels.tile_order import grouped_tile
 
 
 @dataclass(frozen=True)
@@ -132,13 +133,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_tiles_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = min(num_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
 
