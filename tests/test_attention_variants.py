@@ -121,20 +121,27 @@ def test_prefetch_pages_on_fp8_cache(fp8: torch.dtype) -> None:
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize(
-    ("q_dtype", "group", "head_dim", "block_n", "num_splits"),
+    ("q_dtype", "group", "head_dim", "block_n", "num_splits", "precise_acc"),
     [
-        (torch.float32, 4, 64, 32, 1),
-        (torch.float32, 1, 64, SMALL_FP8_TILE, 3),
-        (torch.float32, 8, 128, 64, 2),
-        (torch.float16, 4, 128, 32, 3),
-        (torch.float32, 4, 48, 32, 2),  # head_dim padded to BLOCK_D 64 (masked along D)
+        (torch.float32, 4, 64, 32, 1, False),
+        (torch.float32, 1, 64, SMALL_FP8_TILE, 3, True),
+        (torch.float32, 8, 128, 64, 2, False),  # a 64-row warpgroup MMA on sm_90
+        (torch.float32, 8, 128, 64, 2, True),
+        (torch.float16, 4, 128, 32, 3, False),
+        (torch.float32, 4, 48, 32, 2, False),  # head_dim padded to BLOCK_D 64 (masked along D)
     ],
 )
 def test_fp8_mma_decode_matches_its_rounding_reference(
-    fp8: torch.dtype, q_dtype: torch.dtype, group: int, head_dim: int, block_n: int, num_splits: int
+    fp8: torch.dtype,
+    q_dtype: torch.dtype,
+    group: int,
+    head_dim: int,
+    block_n: int,
+    num_splits: int,
+    precise_acc: bool,
 ) -> None:
     meta, q, cache, kv_scale = fp8_decode_batch(fp8, q_dtype, group, head_dim, SEQ_LENS, seed=60 + group)
-    cfg = DecodeConfig(block_n=block_n, fp8_mma=True)
+    cfg = DecodeConfig(block_n=block_n, fp8_mma=True, precise_acc=precise_acc)
     out = paged_attention(
         q, cache, meta, 0.1, out=poisoned(q), kv_scale=kv_scale, num_splits=num_splits, decode_config=cfg
     )

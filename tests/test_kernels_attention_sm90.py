@@ -16,9 +16,9 @@ import torch
 import triton.language as tl
 
 from overnight.kernels.paged_decode import _decode_kernel, default_decode_config
-from overnight.kernels.paged_decode_fp8 import _decode_fp8_mma_kernel
+from overnight.kernels.paged_decode_fp8 import PRECISE_ACC_STEP, _decode_fp8_mma_kernel
 from overnight.kernels.paged_prefill import _prefill_kernel, default_prefill_config
-from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90
+from tests.sm90 import SHARED_LIMIT, child_report, compile_for_sm90, compile_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
@@ -48,7 +48,7 @@ def decode_case(d: int):
     return _decode_kernel, dict(cache_ptr="*bf16"), cx, cfg.num_warps, cfg.num_stages
 
 
-def fp8_decode_case(d: int):
+def fp8_decode_case(d: int, max_imprecise_acc: int | None = None):
     """On 64-token pages: TMA copies at 256 (a box side may be 256), pointer gathers at 512."""
     cfg = default_decode_config(torch.float8_e4m3fn, 64, d)
     tma = d <= 256
@@ -56,7 +56,7 @@ def fp8_decode_case(d: int):
     cx = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE=64, BLOCK_N=cfg.block_n, SPLIT=False, HAS_SCALE=True,
         V_RUN=min(64, cfg.block_n), Q_MAX=448.0, P_SHIFT=8.0, EXACT_CAST=False, HEADS_FIRST=cfg.heads_first,
-        TMA=tma, **LAYER,
+        TMA=tma, MAX_IMPRECISE_ACC=max_imprecise_acc, **LAYER,
     )  # fmt: skip
     if tma:
         types["k_desc"] = f"tensordesc<fp8e4nv[{cfg.block_n}, {d}]>"
@@ -77,9 +77,20 @@ CASES = {
 }
 
 
+def mma_counts(max_imprecise_acc: int | None) -> list[int]:
+    """(8-bit wgmma, wgmma waits, fp32 adds) in the PTX of the FP8 decode kernel at head_dim 128."""
+    kernel, types, cx, num_warps, num_stages = fp8_decode_case(128, max_imprecise_acc)
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    ptx = compile_for_sm90(kernel, types, cx, options).asm["ptx"]
+    return [ptx.count("wgmma.mma_async"), ptx.count("wgmma.wait_group"), ptx.count("add.f32")]
+
+
 def report() -> None:
     """The child process: compile every case, print their usage as one JSON object."""
-    print(json.dumps({name: compile_sm90(*case()) for name, case in CASES.items()}))
+    usage = {name: compile_sm90(*case()) for name, case in CASES.items()}
+    usage["mma-default"] = mma_counts(None)
+    usage["mma-precise"] = mma_counts(PRECISE_ACC_STEP)
+    print(json.dumps(usage))
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +104,11 @@ def test_wide_head_defaults_fit_sm90(usage: dict[str, list[int]], name: str) -> 
     shared, regs, stack = usage[name]
     assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
     assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
+
+
+def test_fp8_decode_precise_accumulation_keeps_the_8bit_mma(usage: dict[str, list[int]]) -> None:
+    """DecodeConfig.precise_acc must add fp32 sums between the MMA's K steps, not trade the 8-bit
+    warpgroup MMA for converted operands (what max_num_imprecise_acc=0 does) or wait after each step."""
+    (mma, waits, adds), (p_mma, p_waits, p_adds) = usage["mma-default"], usage["mma-precise"]
+    assert mma > 0 and (p_mma, p_waits) == (mma, waits), (usage["mma-default"], usage["mma-precise"])
+    assert p_adds > adds

@@ -97,6 +97,9 @@ class DecodeConfig:
     # With fp8_mma: each K and V tile arrives by one TMA copy (paged_decode_fp8.py), no per-thread
     # addresses. Needs pages of a multiple of block_n tokens (tma_supported says what else).
     tma: bool = False
+    # With fp8_mma: fp32 sums between the 8-bit MMA's K steps (paged_decode_fp8.PRECISE_ACC_STEP)
+    # instead of a whole dot in the MMA's ~14-bit accumulator. Off until a GPU times it.
+    precise_acc: bool = False
 
 
 # An fp8 tile of BLOCK_N tokens moves half the bytes of a bf16 one: twice the tokens per tile keeps the
@@ -465,6 +468,7 @@ def paged_decode(
             cfg.num_stages,
             heads_first,
             cfg.tma,
+            precise_acc=cfg.precise_acc,
             window=window_c,
             softcap=softcap_c,
             sinks=sinks,

@@ -47,6 +47,13 @@ from overnight.kernels.score_mods import sink_init, softcap
 
 Q_MAX = 448.0  # e4m3's largest finite value: each q row's largest |value| maps onto it
 P_SHIFT = 8.0  # log2 of the scale that moves P from [0, 1] to [0, 256] before its rounding to e4m3
+# Hopper's 8-bit warpgroup MMA adds products into an accumulator of about 14 significant bits, and by
+# Triton's sm_90 default a whole dot (128 head dims for a score, a tile's 64 tokens for O) sums there.
+# With DecodeConfig.precise_acc each MMA K step's 32 products are summed there and then added to an fp32
+# sum (tl.dot's max_num_imprecise_acc). Compiled for sm_90 at 64-token tiles this keeps the same 8 wgmma
+# and 2 waits a tile and adds ~40 FADD to ~710 instructions (tests/test_kernels_attention_sm90.py);
+# max_num_imprecise_acc=0 would instead drop the 8-bit wgmma altogether.
+PRECISE_ACC_STEP = 32
 
 
 @triton.jit
@@ -103,6 +110,7 @@ def _decode_fp8_mma_kernel(
     WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
     SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
     HAS_SINKS: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,  # None (Triton's sm_90 default) or PRECISE_ACC_STEP: see there
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
@@ -168,7 +176,7 @@ def _decode_fp8_mma_kernel(
             v_t = load_v_token_major_t(
                 v_base, page, offs_n, offs_d, stride_cblk, HEAD_DIM, BLOCK_D, PAGE, V_RUN
             )
-        s_t = tl.dot(k, tl.trans(q8)) * col_scale[None, :]
+        s_t = tl.dot(k, tl.trans(q8), max_num_imprecise_acc=MAX_IMPRECISE_ACC) * col_scale[None, :]
         if SOFTCAP > 0:
             s_t = softcap(s_t, SOFTCAP)
         s_t = tl.where(n_mask[:, None], s_t, float("-inf"))
@@ -176,7 +184,9 @@ def _decode_fp8_mma_kernel(
         alpha = tl.exp2(m_i - m_new)
         p_t = tl.exp2(s_t - (m_new - P_SHIFT)[None, :])
         l_i = l_i * alpha + tl.sum(p_t, 0)
-        acc = acc * alpha[None, :] + tl.dot(v_t, to_e4m3(p_t, EXACT_CAST))
+        acc = acc * alpha[None, :] + tl.dot(
+            v_t, to_e4m3(p_t, EXACT_CAST), max_num_imprecise_acc=MAX_IMPRECISE_ACC
+        )
         m_i = m_new
 
     # l_i == 0 only for an empty context (a padded request): write zeros, not NaN.
@@ -209,6 +219,7 @@ def launch_decode_fp8_mma(
     heads_first: bool = False,
     tma: bool = False,
     *,
+    precise_acc: bool = False,
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
@@ -265,6 +276,7 @@ def launch_decode_fp8_mma(
         WINDOW=window,
         SOFTCAP=softcap,
         HAS_SINKS=sinks is not None,
+        MAX_IMPRECISE_ACC=min(PRECISE_ACC_STEP, block_n) if precise_acc else None,  # K >= the step
         num_warps=num_warps,
         num_stages=num_stages,
     )
