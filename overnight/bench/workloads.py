@@ -1,7 +1,9 @@
 """Benchmark workloads: the same token ids (and images) every engine is given (see the peers' measurements).
 
 Text workloads: for each request, with Python's random.Random(seed): n_in = randint(in_lo, in_hi), then
-n_out = randint(out_lo, out_hi), then n_in ids drawn with randrange(100, vocab - 1000).
+n_out = randint(out_lo, out_hi), then n_in ids drawn with randrange(100, vocab - 1000). With
+shared_prefix, the same rng first draws that many ids, which every prompt starts with (a system prompt:
+the prefix cache's case); n_in then counts the ids after it.
 
 Image workloads (image_size set: captioning): each request is the fixed caption prompt of caption.py with
 one synthetic image of image_size, drawn from (seed, request index); n_out = randint(out_lo, out_hi) with
@@ -30,17 +32,19 @@ class Workload:
     output_len: tuple[int, int]
     seed: int = 0
     image_size: tuple[int, int] | None = None  # (width, height): one synthetic image per request
+    shared_prefix: int = 0  # ids every prompt starts with (text workloads)
 
     def requests(self, vocab_size: int) -> list[tuple[list[int], int]]:
         """[(prompt token ids, output length)] in submission order (text workloads)."""
         if self.image_size is not None:
             raise ValueError(f"{self.name} is an image workload: its prompts come from prompts(arch)")
         rng = random.Random(self.seed)
+        prefix = [rng.randrange(100, vocab_size - 1000) for _ in range(self.shared_prefix)]
         out = []
         for _ in range(self.num_requests):
             n_in = rng.randint(*self.input_len)
             n_out = rng.randint(*self.output_len)
-            out.append(([rng.randrange(100, vocab_size - 1000) for _ in range(n_in)], n_out))
+            out.append((prefix + [rng.randrange(100, vocab_size - 1000) for _ in range(n_in)], n_out))
         return out
 
     def prompts(self, arch: ModelArch) -> list[tuple[Prompt, int]]:
@@ -74,7 +78,8 @@ class Workload:
         if self.image_size is not None:
             w, h = self.image_size
             return f"{self.num_requests} requests, one {w}x{h} image each (caption prompt), output {self.output_len}"
-        return f"{self.num_requests} requests, input {self.input_len}, output {self.output_len}"
+        shared = f"{self.shared_prefix} shared + " if self.shared_prefix else ""
+        return f"{self.num_requests} requests, input {shared}{self.input_len}, output {self.output_len}"
 
 
 WORKLOADS = {
@@ -83,6 +88,9 @@ WORKLOADS = {
         Workload("seed-512-256", "qwen3-8b", 1024, (512, 512), (256, 256)),
         Workload("nano-256", "qwen3-0.6b", 256, (100, 1024), (100, 1024)),
         Workload("long-1024-1024", "qwen3-8b", 512, (1024, 1024), (1024, 1024)),
+        # seed-512-256 behind one 2,000-token system prompt: each request computes 512 of its 2,512
+        # prompt tokens once the prefix is cached (the hybrids keep a state per cached prefix).
+        Workload("prefix-2000-512-256", "qwen3-8b", 1024, (512, 512), (256, 256), shared_prefix=2000),
         # The CPU check: the embedded default model, mixed lengths (continuous batching's home ground).
         Workload("cpu-64", "default", 64, (16, 192), (8, 96)),
         # Captioning: 448 px is a multiple of both towers' merged patch (28 and 32 px), so no resize: 256
