@@ -3,7 +3,7 @@
 # overnight on the same preset and workload, one after the other in one call (docs/performance.md).
 #   bash bench/pairs_gpu.sh PRESET:WORKLOAD[:fp8] ...      e.g. gemma-3-27b:seed-512-256 gpt-oss-20b:long-1024-1024
 #   (image workloads too: qwen2.5-vl-7b:caption-448 qwen3-vl-8b:caption-448; both JSON lines carry images_s)
-# Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1,
+# Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1, ONLY_VLLM=1,
 #      PAIR_TIMEOUT (seconds per engine run, default 240). One line per engine goes to stdout and $OUT/pairs.log.
 export PYTHONUNBUFFERED=1
 log=${OUT:-/tmp}/pairs.log
@@ -16,8 +16,10 @@ for spec in "$@"; do
     PYTHONPATH=$site/a:$site/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout "${PAIR_TIMEOUT:-240}" python3 bench/vllm_throughput.py \
       --model "$preset" --workload "$workload" --kv-cache-dtype "$kv" ${VB_ARGS:-} > /tmp/v.log 2>&1
     rc=$?; echo "== vllm rc=$rc $tag" | tee -a "$log"
-    { grep '^{' /tmp/v.log | tail -1 || true; [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
+    { grep '^{' /tmp/v.log | tail -1 || true; grep -E 'GPU KV cache size|Maximum concurrency' /tmp/v.log | tail -2 || true
+      [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
   fi
+  [ -n "${ONLY_VLLM:-}" ] && continue
   PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
     --load-format dummy --kv-cache-dtype "$kv" ${OV_ARGS:-} > /tmp/o.log 2>&1
   rc=$?; echo "== ours rc=$rc $tag" | tee -a "$log"

@@ -63,7 +63,7 @@ def vocab_size(folder: str) -> int:
     return int(AutoConfig.from_pretrained(folder).get_text_config().vocab_size)
 
 
-def vllm_engine(folder: str, images: bool = False, **extra: object):
+def vllm_engine(folder: str, images: bool = False, max_model_len: int = 4096, **extra: object):
     """vLLM's LLM on dummy weights of the config in `folder`, its defaults otherwise. A vision-language
     checkpoint runs text-only (no image slots), as our side does on token-id prompts, unless `images`:
     then one image per prompt, no video, and the folder's tokenizer (its multimodal processor needs one)."""
@@ -79,9 +79,19 @@ def vllm_engine(folder: str, images: bool = False, **extra: object):
         skip_tokenizer_init=not images,
         dtype="bfloat16",
         seed=0,
-        max_model_len=4096,
+        max_model_len=max_model_len,
         **extra,
     )
+
+
+def kv_pool_tokens(llm) -> int | None:
+    """vLLM's KV pool in tokens (blocks x block size) where its engine exposes them, else None: the log's
+    "GPU KV cache size" line says it too (a model with sliding windows counts per token of context)."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+    except (AttributeError, TypeError):
+        return None
 
 
 def model_arch(folder: str):
@@ -173,6 +183,13 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
         "--lora-adapters", type=int, default=0, help="requests spread round-robin over N random LoRA adapters"
     )
     ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=4096,
+        help="vLLM's max_model_len; its log's KV cache size and maximum concurrency at this length are the "
+        "pool figures to set beside `overnight budget --max-model-len N` (pairs_gpu.sh keeps those lines)",
+    )
 
 
 def main() -> int:
@@ -193,7 +210,7 @@ def main() -> int:
     image_tokens = check_expansion(folder, prompts[0], arch) if images else 0
     extra = engine_extra(args)
     t0 = time.perf_counter()
-    llm = vllm_engine(folder, images, **extra)
+    llm = vllm_engine(folder, images, args.max_model_len, **extra)
     init_s = time.perf_counter() - t0
     loras = None
     if args.lora_adapters:
@@ -233,6 +250,8 @@ def main() -> int:
         "input_tokens": n_in,
         "seconds": round(seconds, 3),
         "init_s": round(init_s, 1),
+        "max_model_len": args.max_model_len,
+        "kv_pool_tokens": kv_pool_tokens(llm),
         **clock,
     }
     if images:
