@@ -216,7 +216,10 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, attn)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        """The layers over input embeddings x [T, hidden] (an image model's, images merged in)."""
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         residual = None
