@@ -88,9 +88,9 @@ def make_mistral3_vl_checkpoint(root: str | os.PathLike, seed: int = 0, **change
     )
     hf_tok.save_pretrained(folder)
     # As Mistral publishes it: the unmerged patch size (PixtralProcessor passes patch x merge).
-    PixtralImageProcessorPil(size={"longest_edge": LONGEST}, patch_size={"height": PATCH, "width": PATCH}).save_pretrained(
-        folder
-    )
+    PixtralImageProcessorPil(
+        size={"longest_edge": LONGEST}, patch_size={"height": PATCH, "width": PATCH}
+    ).save_pretrained(folder)
     return folder
 
 
@@ -127,7 +127,9 @@ class HfReference:
         )
         self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
-    def greedy(self, text: str, images: list[Any], new_tokens: int) -> tuple[list[int], list[int], list[float]]:
+    def greedy(
+        self, text: str, images: list[Any], new_tokens: int
+    ) -> tuple[list[int], list[int], list[float]]:
         """(the processor's prompt ids, the generated ids, each generated token's logprob)."""
         out = self.processor(text=text, images=images or None, return_tensors="pt")
         ids = out.pop("input_ids")

@@ -24,13 +24,13 @@ from overnight.models.hf_config import (
     text_config,
 )
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
+from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
-from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.vision.config import mistral3_vision_arch, text_config_of, vision_arch_from_hf
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense

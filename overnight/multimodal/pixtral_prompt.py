@@ -45,7 +45,9 @@ def pixtral_image_processor(vision: VisionArch, model_path: str | None) -> Any:
             size={"longest_edge": vision.image_size}, image_mean=CLIP_MEAN, image_std=CLIP_STD
         )
     if not (hf.size or {}).get("longest_edge"):
-        raise ModelLoadError(f"preprocessor_config.json must bound images by size.longest_edge, got {hf.size}")
+        raise ModelLoadError(
+            f"preprocessor_config.json must bound images by size.longest_edge, got {hf.size}"
+        )
     return hf
 
 

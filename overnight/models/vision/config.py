@@ -114,7 +114,8 @@ def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float)
         raise ModelLoadError("config.json lacks vision_config")
     image_token = cfg.get("image_token_index", cfg.get("image_token_id", 10))
     layers = cfg.get("vision_feature_layer", -1)
-    params = v.get("rope_parameters") or {}
+    params: dict[str, Any] = v.get("rope_parameters") or {}
+    theta = params.get("rope_theta") or v.get("rope_theta") or 10000.0
     try:
         hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
         depth = int(v.get("num_hidden_layers", 24))
@@ -131,7 +132,7 @@ def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float)
             in_channels=int(v.get("num_channels", 3)),
             hidden_act=str(v.get("hidden_act", "gelu")),
             image_token_id=int(image_token),
-            rope_theta=float(params.get("rope_theta", v.get("rope_theta", 10000.0))),
+            rope_theta=float(theta),
             image_size=int(v.get("image_size", 1024)),
             layer_norm_eps=float(text_eps),
             vision_feature_layer=layers if isinstance(layers, int) else depth + 1,  # refused below
@@ -152,7 +153,10 @@ def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float)
         raise ModelLoadError(
             f"vision_feature_layer must be one hidden state of the tower (-{depth + 1}..{depth}), got {layers!r}"
         )
-    acts = (("vision_config.hidden_act", arch.hidden_act), ("projector_hidden_act", arch.projector_hidden_act))
+    acts = (
+        ("vision_config.hidden_act", arch.hidden_act),
+        ("projector_hidden_act", arch.projector_hidden_act),
+    )
     for name, act in acts:
         if act not in ("gelu", "silu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"unsupported {name} {act!r} (gelu, silu or gelu_pytorch_tanh)")

@@ -37,7 +37,9 @@ _EPS = 1e-5  # Pixtral's RMSNorms
 def rotary_cos_sin(v: VisionArch, grid_thw: list[Grid], device: torch.device) -> tuple[torch.Tensor, ...]:
     """cos, sin [patches, 1, head_dim] of Pixtral's axial RoPE for the images' patches (row by row)."""
     head_dim = v.hidden_size // v.num_heads
-    inv_freq = 1.0 / (v.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim))
+    inv_freq = 1.0 / (
+        v.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=device) / head_dim)
+    )
     rows, cols = [], []
     for _, h, w in grid_thw:
         rows.append(torch.arange(h, device=device).repeat_interleave(w))
@@ -63,7 +65,9 @@ class PixtralAttention(nn.Module):
         self.v_proj = nn.Linear(h, h, bias=False)
         self.o_proj = nn.Linear(h, h, bias=False)
 
-    def forward(self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         n = x.shape[0]
         q, k, val = (p(x).view(n, self.num_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -96,7 +100,9 @@ class PixtralAttentionLayer(nn.Module):
         self.ffn_norm = VisionRMSNorm(v.hidden_size, eps=_EPS)
         self.feed_forward = PixtralMLP(v)
 
-    def forward(self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), sizes, cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -114,7 +120,9 @@ class PixtralVisionModel(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.v = v
-        self.patch_conv = nn.Conv2d(v.in_channels, v.hidden_size, v.patch_size, stride=v.patch_size, bias=False)
+        self.patch_conv = nn.Conv2d(
+            v.in_channels, v.hidden_size, v.patch_size, stride=v.patch_size, bias=False
+        )
         self.ln_pre = VisionRMSNorm(v.hidden_size, eps=_EPS)
         self.transformer = PixtralTransformer(v)
         # blocks that run: the hidden state read is ln_pre's output (0) or block i's (i)
