@@ -3,11 +3,16 @@ PixtralProcessor, token-exact greedy in fp32 (each token's logprob within 1e-4 t
 checkpoint (tests/tiny_mistral3_vl.py): the expanded prompt ids equal the HF processor's; one image,
 two images of different sizes in one prompt and a text-only prompt in one batch through LLM.generate
 with multi_modal_data, prefill chunks that end inside an image; LLM.chat with image_url data: URIs; a
-prefix-cache hit on the same image and none past the start of a different one."""
+prefix-cache hit on the same image and none past the start of a different one; the tower over images
+of different sizes in one call against transformers' image features; another feature layer and a
+projector with biases; the parameter count and the start-up encoder run; tensor-parallel shards
+(the tower whole on each rank) and, slow, TP=2 generation; a W4A16 checkpoint and online FP8 with the
+tower float; and, slow, run-batch lines and the server."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -245,3 +250,100 @@ def test_tensor_parallel_generation_with_images(setup):
     )
     for (text, imgs), out in zip(cases, outs):
         check(out, ref, text, [image(*s) for s in imgs])
+
+
+def _tower_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    return {
+        n: m
+        for n, m in model.named_modules()
+        if n.startswith(("vision_tower.", "multi_modal_projector.")) and isinstance(m, torch.nn.Linear)
+    }
+
+
+def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch):
+    """A compressed-tensors W4A16 checkpoint (model.language_model.*, its tower and projector ignored)
+    loads with the decoder packed and the tower's linears float, holding the checkpoint's tensors; a text
+    prompt's and an image prompt's tokens are transformers' on the dequantized twin. Online FP8
+    quantizes the decoder only."""
+    from safetensors.torch import load_file
+
+    from overnight.quant import apply
+    from overnight.quant.int_linear import WeightOnlyIntLinear
+    from overnight.quant.linear import Fp8Linear
+    from tests.int_checkpoints import make_int_checkpoint
+
+    folder, llm, _ = setup
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    quantized, twin = make_int_checkpoint(Path(folder), tmp_path / "w4a16", "ct-w4-g32-sym")
+    engine = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    int_llm = LLM(str(quantized), **engine)
+    model = int_llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    stored = {k.removeprefix("model."): v for k, v in load_file(quantized / "model.safetensors").items()}
+    tower = _tower_linears(model)
+    assert tower and all(type(m) is torch.nn.Linear for m in tower.values())
+    assert all(torch.equal(m.weight, stored[f"{n}.weight"].float()) for n, m in tower.items())
+    cases = CASES[:1] + CASES[2:3]
+    prompts = [
+        {"prompt": t, "multi_modal_data": {"image": [image(*s) for s in i]}} if i else t for t, i in cases
+    ]
+    outs = int_llm.generate(prompts, PARAMS, use_tqdm=False)
+    twin_ref = HfReference(str(twin))
+    for (text, imgs), out in zip(cases, outs):
+        assert out.outputs[0].token_ids == twin_ref.greedy(text, [image(*s) for s in imgs], NEW)[1], text
+
+    fp8 = LLM(folder, quantization="fp8", **engine).engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(fp8.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert all(type(m) is torch.nn.Linear for m in _tower_linears(fp8).values())
+
+
+@pytest.mark.slow
+def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
+    """run-batch lines (an engine of their own, built from the flags) and the server through the official
+    client answer Mistral 3 image chats as LLM.chat does; a bad image fails its line or its request only."""
+    import openai
+
+    from overnight.cli import main
+    from overnight.server.background import BackgroundServer
+    from overnight.server.cli import ServerOptions, make_app
+    from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
+    from tests.tiny_vl import cpu_flags
+
+    folder, llm, _ = setup
+
+    def picture(w: int, h: int, seed: int) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_uri(image(w, h, seed))}}
+
+    parts = {
+        "text": [{"type": "text", "text": words(5, 11, WORDS)}],
+        "two": [picture(70, 35, 13), {"type": "text", "text": words(3, 12, WORDS)}, picture(40, 90, 14)],
+        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+    }
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    want = {
+        cid: llm.chat([{"role": "user", "content": parts[cid]}], params, use_tqdm=False)[0].outputs[0].text
+        for cid in ("text", "two")
+    }
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
+    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
+    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress"]
+    assert main([*argv, *cpu_flags(folder)]) == 0
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert "cannot decode image" in records["bad"]["error"]["message"]
+    for cid, text in want.items():
+        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == text, cid
+
+    app = make_app(llm.engine, ServerOptions(), images=llm._images)
+    with BackgroundServer(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        conv = [{"role": "user", "content": parts["two"]}]
+        reply = client.chat.completions.create(
+            model=model, messages=conv, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].message.content == want["two"]
+        with pytest.raises(openai.BadRequestError, match="cannot decode image"):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
+            )
