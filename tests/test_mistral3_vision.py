@@ -143,6 +143,11 @@ def test_bad_image_prompts_are_refused(setup):
             params,
             use_tqdm=False,
         )
+    from overnight.multimodal.pixtral_prompt import PixtralPrompt
+
+    vision = _engine(llm).runner.model.arch.vision
+    with pytest.raises(InvalidRequestError, match=r"no \[IMG_BREAK\] / \[IMG_END\] token"):
+        PixtralPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
 
 
 def test_parameter_count_and_start_up_encoder_run(setup):

@@ -83,6 +83,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Gemma4ForConditionalGeneration": "gemma4",
     "MistralForCausalLM": "mistral",
     "Ministral3ForCausalLM": "ministral3",
+    # With its vision_config: the Pixtral tower too (models/mistral3_vl.py, model_class_for).
     "Mistral3ForConditionalGeneration": "mistral3",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",

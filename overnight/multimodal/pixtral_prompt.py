@@ -57,16 +57,24 @@ def longest_edge(model_path: str | None, vision: VisionArch) -> int:
 
 
 def special_ids(tokenizer_path: str | None) -> dict[str, int]:
-    """{token: id} of [IMG_BREAK] and [IMG_END] in the tokenizer (those it has; none without
-    tokenizer.json)."""
-    file = os.path.join(tokenizer_path, "tokenizer.json") if tokenizer_path else None
-    if not file or not os.path.isfile(file):
+    """{token: id} of [IMG_BREAK] and [IMG_END] in the tokenizer (those it has): its tokenizer.json, else
+    whatever transformers' AutoTokenizer reads there (as PixtralProcessor looks them up)."""
+    if not tokenizer_path:
         return {}
-    from tokenizers import Tokenizer
+    file = os.path.join(tokenizer_path, "tokenizer.json")
+    if os.path.isfile(file):
+        from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(file)
-    found = {t: tok.token_to_id(t) for t in (BREAK, END)}
-    return {t: i for t, i in found.items() if i is not None}
+        found = {t: Tokenizer.from_file(file).token_to_id(t) for t in (BREAK, END)}
+        return {t: i for t, i in found.items() if i is not None}
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    except Exception:  # no tokenizer here: check_tokens refuses image prompts, naming the tokens
+        return {}
+    ids = {t: hf.convert_tokens_to_ids(t) for t in (BREAK, END)}
+    return {t: i for t, i in ids.items() if isinstance(i, int) and i != hf.unk_token_id}
 
 
 class PixtralPrompt:
