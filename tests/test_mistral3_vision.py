@@ -22,7 +22,7 @@ from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
-from tests.tiny_mistral3_vl import IDS, WORDS, HfReference, make_mistral3_vl_checkpoint
+from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, HfReference, make_mistral3_vl_checkpoint
 from tests.tiny_vl import data_uri, image, words
 
 NEW = 8
@@ -214,7 +214,8 @@ def test_tower_on_several_images_matches_transformers(setup):
     model = _engine(llm).runner.model
     with torch.inference_mode():
         got = model.embed_images(torch.cat([p for p, _, _ in ours]), [g for _, g, _ in ours]).embeds
-        inputs = ref.processor.image_processor(images=imgs, return_tensors="pt", **llm._images.hf_kwargs)  # type: ignore[union-attr]
+        unit = {"height": PATCH * MERGE, "width": PATCH * MERGE}  # as PixtralProcessor passes it
+        inputs = ref.processor.image_processor(images=imgs, return_tensors="pt", patch_size=unit)
         want = ref.model.get_image_features(inputs["pixel_values"], inputs["image_sizes"]).pooler_output
     spans = got.split([(h // 2) * (w // 2 + 1) for _, h, w in (g for _, g, _ in ours)])
     for span, feats, (_, grid, _) in zip(spans, want, ours):

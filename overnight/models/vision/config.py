@@ -151,7 +151,8 @@ def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float)
         raise ModelLoadError(f"unsupported Pixtral rope_type {params['rope_type']!r} (only axial)")
     if not -depth - 1 <= arch.vision_feature_layer <= depth:
         raise ModelLoadError(
-            f"vision_feature_layer must be one hidden state of the tower (-{depth + 1}..{depth}), got {layers!r}"
+            f"vision_feature_layer must be one hidden state of the tower (-{depth + 1}..{depth}), "
+            f"got {layers!r}"
         )
     acts = (
         ("vision_config.hidden_act", arch.hidden_act),
