@@ -92,9 +92,13 @@ class VisionArch:
         return total
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge."""
+        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge (Mistral 3:
+        and a [IMG_BREAK] / [IMG_END] after each row of them)."""
         t, h, w = grid_thw
-        return t * h * w // (self.spatial_merge_size**2)
+        m = self.spatial_merge_size
+        if self.kind == "pixtral":
+            return (h // m) * (w // m + 1)
+        return t * h * w // (m**2)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class Mistral3VLForConditionalGeneration(nn.Module):
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         merged = self.multi_modal_projector(self.vision_tower(pixel_values.to(dtype), grid_thw), grid_thw)
         m = v.spatial_merge_size
-        spans = []
+        spans = []  # each VisionArch.num_tokens(grid) rows
         for x, (_, h, w) in zip(merged.split([h * w // m**2 for _, h, w in grid_thw]), grid_thw):
             spans.append(F.pad(x.view(h // m, w // m, -1), (0, 0, 0, 1)).flatten(0, 1))
         return VisionFeatures(embeds=torch.cat(spans), deepstack=[])

@@ -123,6 +123,7 @@ class PixtralPrompt:
             rows, cols = h // m, w // m
             span = ([img] * cols + [brk]) * rows
             span[-1] = end
+            assert len(span) == self.vision.num_tokens(grid)
             images.append(ImageInput(len(ids), len(span), digest, pixels, grid))
             ids.extend(span)
             prev = slot + 1
