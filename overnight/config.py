@@ -21,9 +21,12 @@ RopeValue = float | str | bool | tuple[float, ...]
 class VisionArch:
     """A vision tower and how its image tokens sit in the prompt, named as in HF vision_config.
     kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU), "qwen3_vl" (learned position embeddings,
-    LayerNorm, deepstack features) or "gemma3" (SigLIP at a fixed image_size, its patch features
+    LayerNorm, deepstack features), "gemma3" (SigLIP at a fixed image_size, its patch features
     average-pooled to mm_tokens_per_image; the prompt brackets them with vision_start / vision_end,
-    Gemma's boi / eoi tokens, and they attend to each other both ways: bidirectional_images)."""
+    Gemma's boi / eoi tokens, and they attend to each other both ways: bidirectional_images) or
+    "pixtral" (Mistral 3: Pixtral's tower over images of any size up to image_size on their longest
+    edge, a patch merger and a projector; a row of [IMG] tokens per row of merged patches, each row
+    closed by [IMG_BREAK], the last by [IMG_END])."""
 
     kind: str
     depth: int
@@ -44,9 +47,15 @@ class VisionArch:
     fullatt_block_indexes: tuple[int, ...] = ()
     num_position_embeddings: int = 0  # Qwen3-VL: learned table of side**2 entries, interpolated
     deepstack_visual_indexes: tuple[int, ...] = ()  # Qwen3-VL: blocks whose features feed early layers
-    image_size: int = 0  # Gemma 3: every image is resized to image_size x image_size
+    image_size: int = 0  # Gemma 3: every image is resized to it; Mistral 3: the longest edge's bound
     mm_tokens_per_image: int = 0  # Gemma 3: tokens per image (a square number)
-    layer_norm_eps: float = 1e-6  # Gemma 3: SigLIP's LayerNorms and the projector's RMSNorm
+    # Gemma 3: SigLIP's LayerNorms and the projector's RMSNorm; Mistral 3: its projector's RMSNorm
+    layer_norm_eps: float = 1e-6
+    # Mistral 3: the tower's hidden state the projector reads (0: after ln_pre, i: after block i;
+    # negative: counted from the end, as HF's vision_feature_layer)
+    vision_feature_layer: int = -1
+    projector_hidden_act: str = "gelu"  # Mistral 3's projector: linear_1, this, linear_2
+    projector_bias: bool = False
 
     @property
     def bidirectional_images(self) -> bool:
@@ -56,6 +65,12 @@ class VisionArch:
     def num_parameters(self) -> int:
         """The tower's parameters (models/vision/qwen_vit.py, siglip.py), for the memory check."""
         h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        if self.kind == "pixtral":  # conv, ln_pre, blocks without biases; norm, merger, two linears
+            m = self.spatial_merge_size
+            block = 2 * h + 4 * h * h + 3 * h * i
+            bias = 2 * out if self.projector_bias else 0
+            projector = h + h * m * m * h + h * out + out * out + bias
+            return self.in_channels * self.patch_size**2 * h + h + self.depth * block + projector
         if self.kind == "gemma3":  # conv + positions, pre-LN blocks, post-LN, projector norm + matrix
             patches = (self.image_size // self.patch_size) ** 2
             embed = self.in_channels * self.patch_size**2 * h + h + patches * h
@@ -77,9 +92,13 @@ class VisionArch:
         return total
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
-        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge."""
+        """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge (Mistral 3:
+        and a [IMG_BREAK] / [IMG_END] after each row of them)."""
         t, h, w = grid_thw
-        return t * h * w // (self.spatial_merge_size**2)
+        m = self.spatial_merge_size
+        if self.kind == "pixtral":
+            return (h // m) * (w // m + 1)
+        return t * h * w // (m**2)
 
 
 @dataclass(frozen=True)

@@ -147,14 +147,13 @@ def test_engine_matches_transformers(variant):
 
 def test_parameter_count_matches_the_checkpoint(variant):
     """ModelArch.num_parameters (the memory check's and `overnight budget`'s count) against the model
-    built from it and against transformers' (the vision tower aside)."""
+    built from it and against transformers' (Mistral 3's vision tower and projector included)."""
     name, folder = variant
     arch = resolve_source(str(folder)).arch
     ours = build_model(resolve_source(str(folder)), torch.float32, "meta")
     assert arch.num_parameters() == sum(p.numel() for p in ours.parameters())
     ref = load_family_reference(folder, name)
-    text = ref.model.language_model if name.startswith("mistral3") else ref.model
-    theirs = sum(p.numel() for p in text.parameters()) + ref.lm_head.weight.numel()
+    theirs = sum(p.numel() for p in ref.model.parameters()) + ref.lm_head.weight.numel()
     assert arch.num_parameters() == theirs
 
 
@@ -302,13 +301,17 @@ def test_mixtral_online_fp8_quantizes_the_experts_and_keeps_the_router(tmp_path)
 @pytest.mark.parametrize("name,theirs", [("mixtral", "block_sparse_moe"), ("mistral3", "language_model")])
 def test_checkpoint_names_are_renamed_before_fp8_and_sharding(name, theirs, tmp_path):
     """Mixtral's and Mistral 3's own tensor names become the usual ones in the checkpoint stream itself,
-    where FP8 conversion and tensor-parallel slicing read them (the vision tower's tensors are dropped)."""
+    where FP8 conversion and tensor-parallel slicing read them (Mistral 3's vision tower and projector
+    under the model's vision_tower.* / multi_modal_projector.*)."""
     from overnight.loader.model_loader import checkpoint_weights
 
     source = resolve_source(str(make_family_checkpoint(tmp_path, name)))
     model = build_model(source, torch.float32, "meta")
     names = [n for n, _ in checkpoint_weights(source, model, "cpu")]
-    assert names and not [n for n in names if theirs in n or "vision" in n or "projector" in n]
+    assert names and not [n for n in names if theirs in n]
+    towers = [n for n in names if "vision" in n or "projector" in n]
+    assert all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in towers)
+    assert bool(towers) == (name == "mistral3")
     expected = "model.layers.0.mlp.experts.3.down_proj.weight" if name == "mixtral" else "lm_head.weight"
     assert expected in names
 

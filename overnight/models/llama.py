@@ -216,7 +216,10 @@ class LlamaModel(nn.Module):
         self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        return self.decode(self.embed_tokens(input_ids), positions, attn)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        """The layers over input embeddings x [T, hidden] (an image model's, images merged in)."""
         if self.embedding_multiplier != 1.0:
             x = x * self.embedding_multiplier
         residual = None
@@ -254,9 +257,9 @@ def scaled_logits(arch: ModelArch, logits: torch.Tensor) -> torch.Tensor:
 
 
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):
-    """The text model of a Mistral 3 checkpoint (a Mistral or Ministral 3 decoder under a vision tower),
-    for text-only prompts: the decoder's tensors are renamed to the plain layout, the vision tower's and
-    the projector's skipped (one log line says how many)."""
+    """The text model of a Mistral 3 checkpoint whose config.json has no vision_config (one with it is
+    models/mistral3_vl.py's image model): the decoder's tensors are renamed to the plain layout, any
+    vision tower's and projector's skipped (one log line says how many)."""
 
     @staticmethod
     def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -24,13 +24,14 @@ from overnight.models.hf_config import (
     text_config,
 )
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
+from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
-from overnight.models.vision.config import text_config_of, vision_arch_from_hf
+from overnight.models.vision.config import mistral3_vision_arch, text_config_of, vision_arch_from_hf
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -82,6 +83,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Gemma4ForConditionalGeneration": "gemma4",
     "MistralForCausalLM": "mistral",
     "Ministral3ForCausalLM": "ministral3",
+    # With its vision_config: the Pixtral tower too (models/mistral3_vl.py, model_class_for).
     "Mistral3ForConditionalGeneration": "mistral3",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
@@ -140,9 +142,11 @@ def get_model_class(name: str) -> type[nn.Module]:
 
 def model_class_for(arch: ModelArch) -> type[nn.Module]:
     """The implementation of a ModelArch: its family's class, or the family's image model when the arch
-    has a vision tower (Qwen3.5's ConditionalGeneration checkpoints, Gemma 3's)."""
+    has a vision tower (Qwen3.5's ConditionalGeneration checkpoints, Gemma 3's, Mistral 3's)."""
     if arch.vision is not None and arch.vision.kind == "gemma3":
         return Gemma3ForConditionalGeneration
+    if arch.vision is not None and arch.vision.kind == "pixtral":
+        return Mistral3VLForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
     return get_model_class(arch.architecture)
@@ -205,8 +209,16 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return _gpt_oss_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
-    if family in TEXT_CONFIG_FAMILIES:  # a multimodal checkpoint: its text model's config
-        cfg = text_config(cfg)
+    if family in TEXT_CONFIG_FAMILIES:  # Mistral 3: its text model's config, and with vision_config the tower
+        arch = _decoder_arch(text_config(cfg), family)
+        if not isinstance(cfg.get("vision_config"), dict):
+            return arch
+        return replace(arch, vision=mistral3_vision_arch(cfg, arch.hidden_size, arch.rms_norm_eps))
+    return _decoder_arch(cfg, family)
+
+
+def _decoder_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """The dense decoder families' ModelArch (Llama's blocks and the families' flags)."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):

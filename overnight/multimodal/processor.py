@@ -9,7 +9,9 @@ A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad
 the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
 merged patches. The expansion and the M-RoPE positions here are the Qwen families'; Gemma 3's (a fixed
 count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
-gemma_prompt.py, chosen by VisionArch.kind, and returns the same MultiModalInputs.
+gemma_prompt.py and Mistral 3's (rows of [IMG] tokens closed by [IMG_BREAK] / [IMG_END],
+PixtralImageProcessorPil's pixels) in pixtral_prompt.py, chosen by VisionArch.kind; each returns the
+same MultiModalInputs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
+from overnight.multimodal.pixtral_prompt import PixtralPrompt, pixtral_image_processor
 from overnight.multimodal.qwen_pixels import qwen_image_processor
 
 T = TypeVar("T")
@@ -70,9 +73,15 @@ class ImageProcessor:
         self.policy = policy
         self.image_limit = image_limit
         self.gemma: GemmaPrompt | None = None
+        self.pixtral: PixtralPrompt | None = None
+        self.hf_kwargs: dict[str, Any] = {}
         if vision.kind == "gemma3":
             self.hf = gemma3_image_processor(vision, model_path)
             self.gemma = GemmaPrompt(vision, tokenizer_path or model_path)
+        elif vision.kind == "pixtral":
+            self.hf = pixtral_image_processor(vision, model_path)
+            self.pixtral = PixtralPrompt(vision, tokenizer_path or model_path)
+            self.hf_kwargs = self.pixtral.hf_kwargs
         else:
             self.hf = qwen_image_processor(vision, model_path)
         # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
@@ -88,10 +97,12 @@ class ImageProcessor:
         """(pixel_values, grid (t, h, w), content hash) of one image."""
         image = load_image(source, self.policy)
         try:
-            out = self.hf(images=[image], return_tensors="pt")
+            out = self.hf(images=[image], return_tensors="pt", **self.hf_kwargs)
         except Exception as e:
             raise MediaError(f"cannot preprocess image: {type(e).__name__}: {e}") from None
-        if self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
+        if self.pixtral is not None:  # [1, C, H, W] -> patch rows; its grid (1, H / patch, W / patch)
+            pixels, (t, h, w) = self.pixtral.patch_rows(out["pixel_values"])
+        elif self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
             pixels = out["pixel_values"].float().flatten(1).contiguous()
             t, h, w = self.gemma.grid(out["pixel_values"].shape)
         else:
@@ -111,16 +122,20 @@ class ImageProcessor:
         pad = self.vision.image_token_id if gemma is None else gemma.boi
         slots = [i for i, t in enumerate(token_ids) if t == pad]
         if len(slots) != len(images):
-            name = "<|image_pad|>" if gemma is None else "<start_of_image>"
+            name = "<start_of_image>" if gemma else "[IMG]" if self.pixtral else "<|image_pad|>"
             raise InvalidRequestError(
                 f"the prompt has {len(slots)} image placeholders ({name}) but {len(images)} images were given"
             )
         if gemma is not None:
             gemma.check_newlines()
+        if self.pixtral is not None:
+            self.pixtral.check_tokens()
         futures = [self._future(source) for source in images]
         processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
         if gemma is not None:
             return gemma.expand(token_ids, slots, processed)
+        if self.pixtral is not None:
+            return self.pixtral.expand(token_ids, slots, processed)
         return expand_placeholders(token_ids, slots, processed, self.vision)
 
     def _future(self, source: Any) -> Future[Pixels]:

@@ -96,6 +96,10 @@ from overnight.quant.linear import Fp8Linear
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
 VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+# The image models' vision towers and projectors (Qwen's visual.*, Gemma 3's and Mistral 3's vision_tower.*
+# and multi_modal_projector.*): replicated, never sharded; their own q_proj / o_proj / down_proj are
+# not the decoder's.
+TOWER_MODULES = frozenset((VISION_TOWER, "vision_tower", "multi_modal_projector"))
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,7 @@ class TPShards:
         parts = name.split(".")
         module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", name)
         a = self.arch
-        if VISION_TOWER in parts:  # replicated: every rank runs the whole tower
+        if not TOWER_MODULES.isdisjoint(parts):  # replicated: every rank runs the whole tower
             return t
         # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
         ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
@@ -316,7 +320,7 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
 
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
-        if VISION_TOWER in name.split("."):
+        if not TOWER_MODULES.isdisjoint(name.split(".")):
             continue
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
             shard_gated_deltanet(module, name, shards.shard, shards.local_arch)

@@ -176,6 +176,16 @@ class VisionStep:
             pixels = torch.zeros(n, vision.in_channels * vision.image_size**2, device=self.device)
             self.model.embed_images(pixels, [(1, side, side)] * n)
             return
+        if vision.kind == "pixtral":  # square images of the longest edge, as many as one step's budget holds
+            from overnight.multimodal.pixtral_prompt import longest_edge
+
+            m = vision.spatial_merge_size
+            blocks = -(-longest_edge(model_path, vision) // (vision.patch_size * m))  # merged patches a side
+            n = max(1, self.max_tokens // (blocks * (blocks + 1)))
+            width = vision.in_channels * vision.patch_size**2
+            pixels = torch.zeros(n * (blocks * m) ** 2, width, device=self.device)
+            self.model.embed_images(pixels, [(1, blocks * m, blocks * m)] * n)
+            return
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):

@@ -102,3 +102,65 @@ def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
     if arch.hidden_size % arch.num_heads:
         raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
     return arch
+
+
+def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float) -> VisionArch:
+    """Mistral 3's Pixtral tower (vision_config) and projector (the top level's spatial_merge_size,
+    projector_hidden_act, vision_feature_layer, multimodal_projector_bias; its RMSNorm takes the text
+    model's rms_norm_eps, as transformers builds it). The [IMG_BREAK] / [IMG_END] ids are the
+    tokenizer's (multimodal/pixtral_prompt.py): config.json names only [IMG]."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    image_token = cfg.get("image_token_index", cfg.get("image_token_id", 10))
+    layers = cfg.get("vision_feature_layer", -1)
+    params: dict[str, Any] = v.get("rope_parameters") or {}
+    theta = params.get("rope_theta") or v.get("rope_theta") or 10000.0
+    try:
+        hidden, heads = int(v.get("hidden_size", 1024)), int(v.get("num_attention_heads", 16))
+        depth = int(v.get("num_hidden_layers", 24))
+        arch = VisionArch(
+            kind="pixtral",
+            depth=depth,
+            hidden_size=hidden,
+            intermediate_size=int(v.get("intermediate_size", 4096)),
+            num_heads=heads,
+            out_hidden_size=text_hidden,
+            patch_size=int(v.get("patch_size", 16)),
+            temporal_patch_size=1,
+            spatial_merge_size=int(cfg.get("spatial_merge_size", 2)),
+            in_channels=int(v.get("num_channels", 3)),
+            hidden_act=str(v.get("hidden_act", "gelu")),
+            image_token_id=int(image_token),
+            rope_theta=float(theta),
+            image_size=int(v.get("image_size", 1024)),
+            layer_norm_eps=float(text_eps),
+            vision_feature_layer=layers if isinstance(layers, int) else depth + 1,  # refused below
+            projector_hidden_act=str(cfg.get("projector_hidden_act", "gelu")),
+            projector_bias=bool(cfg.get("multimodal_projector_bias", False)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid Mistral 3 vision_config: {e}") from None
+    head_dim = v.get("head_dim")
+    if hidden % heads or (hidden // heads) % 4 or (head_dim is not None and head_dim != hidden // heads):
+        raise ModelLoadError(
+            "Pixtral's vision_config needs hidden_size / num_attention_heads (= head_dim) divisible by 4 "
+            f"(2-D RoPE), got hidden_size {hidden}, {heads} heads, head_dim {head_dim}"
+        )
+    if params.get("rope_type", "axial") != "axial":
+        raise ModelLoadError(f"unsupported Pixtral rope_type {params['rope_type']!r} (only axial)")
+    if not -depth - 1 <= arch.vision_feature_layer <= depth:
+        raise ModelLoadError(
+            f"vision_feature_layer must be one hidden state of the tower (-{depth + 1}..{depth}), "
+            f"got {layers!r}"
+        )
+    acts = (
+        ("vision_config.hidden_act", arch.hidden_act),
+        ("projector_hidden_act", arch.projector_hidden_act),
+    )
+    for name, act in acts:
+        if act not in ("gelu", "silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"unsupported {name} {act!r} (gelu, silu or gelu_pytorch_tanh)")
+    if arch.spatial_merge_size < 1:
+        raise ModelLoadError("spatial_merge_size must be at least 1")
+    return arch
