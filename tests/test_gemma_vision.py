@@ -295,3 +295,29 @@ def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
             client.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
             )
+
+
+@pytest.mark.slow
+def test_tensor_parallel_keeps_the_tower_whole(setup):
+    """TP=2: the decoder sharded, the SigLIP tower and projector whole on each rank (their q_proj /
+    k_proj / v_proj / fc names must not take the decoder's split rules)."""
+    folder, _, ref = setup
+    llm = LLM(
+        folder,
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=BUDGET,
+        max_model_len=256,
+        tensor_parallel_size=2,
+    )
+    try:
+        prompts = [
+            {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+            for text, imgs in CASES[:3]
+        ]
+        params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.engine.shutdown()
+    for (text, imgs), out in zip(CASES, outs):
+        check(out, ref, text, [image(*s) for s in imgs])

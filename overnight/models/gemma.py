@@ -151,6 +151,8 @@ class GemmaModel(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.hidden_size = arch.hidden_size
+        # The whole vocabulary's size: under TP embed_tokens holds only this rank's rows.
+        self.vocab_size = arch.vocab_size
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         tables = rotary_tables(arch, {"sliding_attention": arch.head_dim, "full_attention": arch.head_dim})
         if arch.architecture == "gemma2":  # one table for every layer: rope_theta
@@ -170,7 +172,7 @@ class GemmaModel(nn.Module):
         """vision: the step's image rows (models/gemma_vl.py): their embeddings replace the scaled
         token embeddings of those rows (an image token's id may lie past the vocabulary: read as 0)."""
         if vision is not None:
-            input_ids = input_ids.masked_fill(input_ids >= self.embed_tokens.num_embeddings, 0)
+            input_ids = input_ids.masked_fill(input_ids >= self.vocab_size, 0)
         x = self.embed_tokens(input_ids)
         x = merge_image_rows(x * embed_scale(self.hidden_size, x.dtype), vision)
         residual = None
