@@ -75,7 +75,7 @@ def ignored(model: nn.Module, scheme: QuantScheme | IntScheme, module: str) -> b
     the model's checkpoints give it (its `checkpoint_names`: an image model's text layers are
     model.layers.* here but model.language_model.* in transformers 5's checkpoints)."""
     names = getattr(model, "checkpoint_names", None)
-    return any(scheme.ignores(name) for name in (names(module) if names is not None else (module,)))
+    return scheme.ignores(*(names(module) if names is not None else (module,)))
 
 
 def keeps_int_packed(device: torch.device | str) -> bool:
