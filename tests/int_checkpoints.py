@@ -46,6 +46,7 @@ LAYOUTS: dict[str, Layout] = {
     "awq-g32": Layout("awq", 4, 32, False),
     "gptq-w4-g32-sym": Layout("gptq", 4, 32, True),
     "gptq-w4-g16-asym-descact": Layout("gptq", 4, 16, False, act_order=True),
+    "gptq-w4-g32-sym-descact": Layout("gptq", 4, 32, True, act_order=True),
     "gptq-w8-g32-asym-v2": Layout("gptq", 8, 32, False, gptq_v2=True),
 }
 
