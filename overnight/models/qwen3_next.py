@@ -83,12 +83,13 @@ DEQUANTIZED_AT_LOAD = (
 # instead of three), but in a Gated DeltaNet layer also the b / a projections, which stay bf16 (see
 # FP8_UNQUANTIZED_LINEAR: their error compounds through the state); the post-attention norm feeds a
 # dense MLP's FP8 gate_up_proj alone, but in a MoE layer also the bf16 router, the shared expert's
-# gate and the routed experts (which quantize inside their own kernel). Where a bf16 reader is
-# present the norm hands over both forms: its output as before, which those readers take unchanged
-# (no new rounding where the precision matters), and its one quantization of it, shared by the FP8
-# projections (in_proj_qkv and in_proj_z, or the shared expert's gate and up, each quantized the same
-# rows themselves otherwise). Not fusing there would leave the hybrids' commonest layers quantizing
-# their input twice.
+# gate and the routed experts (weight-only FP8: they read activations in the compute dtype). Where a
+# bf16 reader is present the norm hands over both forms: its output as before, which those readers
+# take unchanged (no new rounding where the precision matters), and one quantization of it, shared by
+# the FP8 projections (in_proj_qkv and in_proj_z, or the shared expert's gate and up, would each
+# quantize the same rows otherwise). Not fusing there would leave the hybrids' commonest layers
+# quantizing their input twice; quantizing the bf16 readers' input too would add FP8 rounding where
+# the checkpoints deliberately keep 16 bits.
 LINEAR_INPUT_PRODUCERS: dict[str, tuple[str, ...]] = {
     "input_layernorm": (
         "self_attn.q_proj",
