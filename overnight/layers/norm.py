@@ -95,14 +95,13 @@ class RMSNorm(nn.Module):
 
 class OffsetRMSNorm(nn.Module):
     """x / rms(x) * (1 + w) in float32, cast back once (weights stored centred on 0: the hybrids of
-    models/qwen3_next.py, as HF computes it, so not the folded RMSNorm above, whose kernel rounds the
-    normalized value before the multiply); with a residual, (norm(x + residual), x + residual), the add
-    in x's dtype.
+    models/qwen3_next.py, as HF computes it, so not the folded RMSNorm above, whose arithmetic rounds
+    the normalized value before the multiply); with a residual, (norm(x + residual), x + residual), the
+    add in x's dtype. The GPU runs kernels/rmsnorm.py's offset form; this code is its reference.
 
     fp8_output as RMSNorm's; with dense_output too (set by the quantization pass when the output also
     feeds layers kept in the compute dtype) the QuantizedActivation carries the norm's output as
-    `dense`. The quantization is one pass over the normed rows (quant/fp8.py's on the CPU,
-    kernels/fp8_quant.py on the GPU) that every FP8 consumer of the output then shares."""
+    `dense`, stored by the same kernel pass."""
 
     fp8_output = False
     dense_output = False
@@ -120,21 +119,35 @@ class OffsetRMSNorm(nn.Module):
     def _out(self, normed: torch.Tensor) -> Normed:
         if not self.fp8_output:
             return normed
-        if use_kernels(normed):
-            from overnight.kernels.fp8_quant import quantize_fp8
-
-            data, scale = quantize_fp8(normed)
-        else:
-            data, scale = quantize_activation_ref(normed)
+        data, scale = quantize_activation_ref(normed)
         return QuantizedActivation(data, scale, normed if self.dense_output else None)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> Normed | tuple[Normed, torch.Tensor]:
+        if use_kernels(x):
+            return self._forward_kernel(x, residual)
         if residual is None:
             return self._out(self._norm(x))
         residual = x + residual
         return self._out(self._norm(residual)), residual
+
+    def _forward_kernel(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        from overnight.kernels.rmsnorm import offset_rms_norm  # triton loads on first use
+
+        fp8 = self.fp8_output
+        out, scale, dense, new_residual = offset_rms_norm(
+            x, self.weight, self.eps, residual, fp8_out=fp8, dense_out=self.dense_output
+        )
+        normed: Normed = out
+        if fp8:
+            assert scale is not None
+            normed = QuantizedActivation(out, scale, dense)
+        if new_residual is None:
+            return normed
+        return normed, new_residual
 
     def extra_repr(self) -> str:
         fp8 = (", fp8 and dense output" if self.dense_output else ", fp8 output") if self.fp8_output else ""
