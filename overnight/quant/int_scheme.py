@@ -27,7 +27,7 @@ is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from overnight.errors import ModelLoadError
@@ -180,14 +180,6 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
     if pack_dtype != "int32":
         raise ModelLoadError(f"{where}: GPTQ pack_dtype {pack_dtype!r} is not supported (int32)")
     group = _group(qc.get("group_size"), where, "GPTQ")
-    scheme = IntScheme(
-        method="gptq",
-        bits=bits,
-        group_size=group,
-        symmetric=bool(qc.get("sym", True)),
-        act_order=bool(qc.get("desc_act", False)),
-        gptq_v1=fmt == "gptq",
-    )
     skipped = _gptq_dynamic(qc.get("dynamic"), qc, where)
     blocks = qc.get("modules_in_block_to_quantize") or ()
     if not isinstance(blocks, (list, tuple)):
@@ -195,21 +187,23 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
     flat = [m for entry in blocks for m in (entry if isinstance(entry, (list, tuple)) else (entry,))]
     if not all(isinstance(m, str) for m in flat):
         raise ModelLoadError(f"{where}: GPTQ modules_in_block_to_quantize must name modules, got {blocks!r}")
-    return replace(
-        scheme,
+    return IntScheme(
+        method="gptq",
+        bits=bits,
+        group_size=group,
+        symmetric=bool(qc.get("sym", True)),
+        act_order=bool(qc.get("desc_act", False)),
+        gptq_v1=fmt == "gptq",
         ignore=(*(qc.get("modules_to_not_convert") or ()), *skipped),
         quantized_only=tuple(flat),
     )
 
 
-# GPTQ's per-module overrides ("dynamic", GPTQModel): keys are regular expressions re.match'ed against
-# a module's name; "-:" skips the module, "+:" (or none) overrides these fields of the scheme for it.
-_GPTQ_OVERRIDES = {"bits": "bits", "group_size": "group_size", "desc_act": "act_order", "sym": "symmetric"}
-
-
 def _gptq_dynamic(dynamic: Any, qc: dict[str, Any], where: str) -> list[str]:
-    """The "re:" ignore entries of GPTQ's dynamic skips. An override that would change the scheme
-    for some modules (mixed precision) is refused: one scheme per checkpoint is supported."""
+    """GPTQ's per-module overrides (GPTQModel's "dynamic": regular expressions re.match'ed against a
+    module's name; "-:" skips the module, "+:" or none overrides fields of the scheme for it) -> the
+    "re:" ignore entries of its skips. An override that changes the scheme for some modules (mixed
+    precision) is refused: one scheme per checkpoint is supported."""
     if not dynamic:
         return []
     if not isinstance(dynamic, dict):
@@ -218,14 +212,18 @@ def _gptq_dynamic(dynamic: Any, qc: dict[str, Any], where: str) -> list[str]:
         "bits": qc.get("bits"),
         "group_size": qc.get("group_size"),
         "desc_act": bool(qc.get("desc_act", False)),
+        "sym": bool(qc.get("sym", True)),
     }
-    base["sym"] = bool(qc.get("sym", True))
     skipped = []
     for pattern, override in dynamic.items():
         if pattern.startswith("-:"):
             skipped.append("re:" + pattern.removeprefix("-:"))
             continue
-        changed = {k: v for k, v in (override or {}).items() if k in _GPTQ_OVERRIDES and v != base[k]}
+        if not isinstance(override, dict):
+            raise ModelLoadError(
+                f"{where}: GPTQ dynamic override {pattern!r} must be an object, got {override!r}"
+            )
+        changed = {k: v for k, v in override.items() if k in base and v != base[k]}
         if changed:
             raise ModelLoadError(
                 f"{where}: GPTQ dynamic override {pattern!r} sets {changed} for some modules (mixed "
