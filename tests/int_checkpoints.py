@@ -46,6 +46,7 @@ LAYOUTS: dict[str, Layout] = {
     "awq-g32": Layout("awq", 4, 32, False),
     "gptq-w4-g32-sym": Layout("gptq", 4, 32, True),
     "gptq-w4-g16-asym-descact": Layout("gptq", 4, 16, False, act_order=True),
+    "gptq-w4-g32-sym-descact": Layout("gptq", 4, 32, True, act_order=True),
     "gptq-w8-g32-asym-v2": Layout("gptq", 8, 32, False, gptq_v2=True),
 }
 
@@ -220,9 +221,13 @@ def _config(lay: Layout, floats: list[str]) -> dict[str, Any]:
     }
 
 
-def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tuple[Path, Path]:
+def make_int_checkpoint(
+    src: Path, dst: Path, layout: str, seed: int = 0, keep_float: tuple[str, ...] = ()
+) -> tuple[Path, Path]:
     """Write `src` (a float checkpoint) in `layout` into dst, and its dequantized twin into
-    dst.parent / (dst.name + "-deq"); returns (quantized folder, dequantized folder)."""
+    dst.parent / (dst.name + "-deq"); returns (quantized folder, dequantized folder).
+    keep_float: module name suffixes (layers.0.mlp.down_proj) written float besides FLOAT_LINEARS,
+    whatever the checkpoint's naming layout; the caller lists them in the quantization_config."""
     lay = LAYOUTS[layout]
     deq_dir = dst.parent / (dst.name + "-deq")
     for folder in (dst, deq_dir):
@@ -232,7 +237,10 @@ def make_int_checkpoint(src: Path, dst: Path, layout: str, seed: int = 0) -> tup
     quantized: dict[str, torch.Tensor] = {}
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
-        if not name.endswith(PROJ_SUFFIXES) or _in_tower(name):  # Qwen2.5-VL's gate_proj, SigLIP's q_proj
+        kept = any(f".{name}".endswith(f".{module}.weight") for module in keep_float)
+        if (
+            not name.endswith(PROJ_SUFFIXES) or _in_tower(name) or kept
+        ):  # Qwen2.5-VL's gate_proj, SigLIP's q_proj
             quantized[name] = dequantized[name] = tensor
             continue
         gen = torch.Generator().manual_seed(seed + zlib.crc32(_order_key(name).encode()))

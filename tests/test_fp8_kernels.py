@@ -171,6 +171,37 @@ def test_rms_norm_fp8_quantizes_the_normalized_row(dtype):
         rms_norm_fp8(x.view(11, 6, 16), w[:16], EPS)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offset_rms_norm_fp8_and_dense_outputs(dtype):
+    """The hybrids' (1 + w) norm quantizing its rows (and storing them too, dense_out) in one pass:
+    bit for bit what quantizing the kernel's own unquantized output gives, within one code of the
+    PyTorch chain (OffsetRMSNorm, then quantize_activation_ref)."""
+    from overnight.kernels.rmsnorm import offset_rms_norm
+    from overnight.layers.norm import OffsetRMSNorm
+
+    x = rand(11, 96, dtype=dtype, seed=8)
+    residual = rand(11, 96, dtype=dtype, seed=9, scale=4.0)
+    norm = OffsetRMSNorm(96, EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(0.4 * rand(96, seed=10))
+    for res in (None, residual):
+        plain, _, _, plain_residual = offset_rms_norm(x, norm.weight, EPS, res)
+        for dense_out in (False, True):
+            data, scale, dense, new_residual = offset_rms_norm(
+                x, norm.weight, EPS, res, fp8_out=True, dense_out=dense_out
+            )
+            ref_data, ref_scale = quantize_activation_ref(plain)
+            assert_same_codes(data, ref_data)
+            assert scale is not None and torch.equal(scale, ref_scale)
+            assert (dense is not None) == dense_out and (dense is None or torch.equal(dense, plain))
+            assert (new_residual is None) == (res is None)
+            if res is not None:
+                assert new_residual is not None and plain_residual is not None
+                assert torch.equal(new_residual, plain_residual)
+            chain = norm._norm(x if res is None else x + res)
+            assert_same_codes(data, quantize_activation_ref(chain)[0], ulps=1)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [64, 80])
 def test_silu_and_mul_fp8_quantizes_the_product(dtype, inter):

@@ -86,6 +86,33 @@ def test_rms_norm_per_head_on_qkv_views(dtype: torch.dtype, hq: int, hkv: int, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_offset_rms_norm_matches_reference(dtype: torch.dtype) -> None:
+    """The (1 + w) form of the hybrids (OffsetRMSNorm): hidden rows with and without a residual,
+    and per head on q/k views, against the layer's PyTorch code."""
+    from overnight.kernels.rmsnorm import offset_rms_norm
+    from overnight.layers.norm import OffsetRMSNorm
+
+    n = 80
+    norm = OffsetRMSNorm(n, EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        norm.weight.copy_(norm_weight(n, dtype, seed=9) - 1.0)  # stored centred on 0
+    x = rand(11, 2 * n, dtype=dtype, seed=10)[:, n:]  # strided
+    residual = rand(11, n, dtype=dtype, seed=11, scale=4.0)
+    out, scale, dense, new_residual = offset_rms_norm(x, norm.weight, EPS)
+    assert scale is None and dense is None and new_residual is None
+    assert_matches(out, norm._norm(x))
+    out, _, _, new_residual = offset_rms_norm(x, norm.weight, EPS, residual)
+    assert new_residual is not None and torch.equal(new_residual, x + residual)
+    assert_matches(out, norm._norm(x + residual))
+    _, q, k = qkv_views(7, 4, 2, 16, dtype, seed=12)
+    head = OffsetRMSNorm(16, EPS).to(DEVICE, dtype)
+    with torch.no_grad():
+        head.weight.copy_(norm_weight(16, dtype, seed=13) - 1.0)
+    for view in (q, k):
+        assert_matches(offset_rms_norm(view, head.weight, EPS)[0], head._norm(view))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_matches_reference(dtype: torch.dtype) -> None:
     n = 80
     x = rand(11, 2 * n, dtype=dtype, seed=6)[:, n:]  # strided

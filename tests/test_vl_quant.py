@@ -38,6 +38,7 @@ from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.int_checkpoints import make_int_checkpoint
 from tests.kernel_helpers import NEAR_TIE, TOP, agreement
+from tests.tiny_gemma_vl import gemma_cases, gemma_prompts
 from tests.tiny_vl import hf_greedy, image, make_vl_checkpoint, words
 
 NEW = 6
@@ -311,25 +312,6 @@ def test_tensor_parallel_shards_of_quantized_checkpoints(floats, method, tmp_pat
         streamed = streamed_equals_sliced(source, rank)
         assert type(streamed.model.layers[0].mlp.down_proj) is not nn.Linear  # quantized, row-parallel
         assert all(type(m) is nn.Linear for m in streamed.visual.modules() if isinstance(m, nn.Linear))
-
-
-def gemma_cases(n: int = 2) -> list[tuple[str, list]]:
-    """n Gemma 3 prompts, every other one with an image"""
-    from tests.tiny_gemma_vl import WORDS as GEMMA_WORDS
-
-    return [
-        (
-            f"<bos> {words(3, i, GEMMA_WORDS)} <start_of_image> {words(4, i + 10, GEMMA_WORDS)}",
-            [image(30, 40, i)],
-        )
-        if i % 2
-        else (f"<bos> {words(7, i, GEMMA_WORDS)}", [])
-        for i in range(n)
-    ]
-
-
-def gemma_prompts(n: int = 6) -> list:
-    return [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in gemma_cases(n)]
 
 
 def assert_gemma_tower_untouched(model: nn.Module, folder: Path) -> None:

@@ -142,3 +142,54 @@ class HfReference:
         tokens = gen.sequences[0, ids.shape[1] :].tolist()
         lps = [float(s[0].log_softmax(-1)[t]) for s, t in zip(gen.scores, tokens)]
         return ids[0].tolist(), tokens, lps
+
+
+# The tensor-naming layouts transformers has saved Gemma 3 image checkpoints in (and quantizers have
+# written ignore lists in): 4.x's language_model.model.* / vision_tower.vision_model.*, and 5.x's
+# in-memory names model.language_model.* / model.vision_tower.* / model.multi_modal_projector.*.
+GEMMA_LAYOUTS = ("transformers4", "transformers5")
+
+
+def gemma_name(name: str, layout: str) -> str:
+    """A tensor or module name of a Gemma 3 image checkpoint (any layout) in `layout`."""
+    parts = name.split(".")
+    while len(parts) > 1 and parts[0] in ("model", "language_model"):
+        parts.pop(0)
+    head, rest = parts[0], ".".join(parts[1:]).removeprefix("vision_model.")
+    old = layout == "transformers4"
+    if head == "vision_tower":
+        return f"vision_tower.vision_model.{rest}" if old else f"model.vision_tower.{rest}"
+    if head == "multi_modal_projector":
+        return f"{head}.{rest}" if old else f"model.{head}.{rest}"
+    if head == "lm_head":
+        return ("language_model." if old else "") + ".".join(parts)
+    return ("language_model.model." if old else "model.language_model.") + ".".join(parts)
+
+
+def in_gemma_layout(src: str | os.PathLike, dst: str | os.PathLike, layout: str) -> str:
+    """A copy of checkpoint folder src with its tensors named in `layout`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    save_file({gemma_name(k, layout): v for k, v in tensors.items()}, os.path.join(dst, "model.safetensors"))
+    return str(dst)
+
+
+def gemma_cases(n: int = 2) -> list[tuple[str, list]]:
+    """n prompts, every other one with an image (the text before it: 3 words, after it 4)."""
+    from tests.tiny_vl import image, words
+
+    return [
+        (f"<bos> {words(3, i, WORDS)} <start_of_image> {words(4, i + 10, WORDS)}", [image(30, 40, i)])
+        if i % 2
+        else (f"<bos> {words(7, i, WORDS)}", [])
+        for i in range(n)
+    ]
+
+
+def gemma_prompts(n: int = 6) -> list:
+    """gemma_cases as LLM.generate's prompts."""
+    return [{"prompt": t, "multi_modal_data": {"image": imgs}} if imgs else t for t, imgs in gemma_cases(n)]

@@ -18,6 +18,11 @@ token, the arithmetic of quantize_activation_ref in overnight/quant/fp8.py (kern
 quantize_tile). The row is already in registers, so the quantization costs no memory traffic and the
 store is half the bytes of a bf16 one.
 
+The offset form (offset_rms_norm: Qwen3.5 / Qwen3-Next, reference OffsetRMSNorm in layers/norm.py)
+multiplies by (1 + w) in float32 and rounds once, as HF does for those models: the normalized value is
+not rounded before the multiply. With an FP8 output it can store the rounded rows too (dense_out), for
+an output that also feeds layers kept in the compute dtype.
+
 Launches depend only on shapes, strides and pointers: safe to capture in a CUDA graph.
 """
 
@@ -41,6 +46,7 @@ def _rms_norm_kernel(
     out_ptr,
     res_out_ptr,
     scale_ptr,
+    dense_ptr,
     stride_xt,
     stride_xh,
     stride_rt,
@@ -56,6 +62,8 @@ def _rms_norm_kernel(
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     FP8_OUT: tl.constexpr,
+    OFFSET: tl.constexpr,  # weight (1 + w), the normalized value kept in fp32 (the offset form)
+    DENSE_OUT: tl.constexpr,  # with FP8_OUT: the rows in x's dtype too, at dense_ptr (out's layout)
 ):
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -73,13 +81,18 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, axis=1) / D  # masked lanes hold 0
     rstd = tl.math.rsqrt(variance + eps)
-    normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
-    y = (w[None, :] * normed).to(dtype)
+    if OFFSET:
+        y = (xf * rstd[:, None] * (1.0 + w[None, :])).to(dtype)
+    else:
+        normed = (xf * rstd[:, None]).to(dtype).to(tl.float32)
+        y = (w[None, :] * normed).to(dtype)
     if FP8_OUT:  # masked lanes hold 0 and leave the amax alone
         data, scale = quantize_tile(y.to(tl.float32))
         tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], data, mask=mask)
         tl.store(scale_ptr + t * H + offs_h, scale, mask=offs_h < H)
+        if DENSE_OUT:
+            tl.store(dense_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
     else:
         tl.store(out_ptr + t * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :], y, mask=mask)
 
@@ -117,8 +130,11 @@ def _launch(
     eps: float,
     num_warps: int | None,
     fp8_out: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(normed, new residual or None, per-token scale [T, 1] when fp8_out else None)."""
+    offset: bool = False,
+    dense_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(normed, new residual or None, per-token scale [T, 1] when fp8_out else None, the rows in x's
+    dtype when fp8_out and dense_out else None)."""
     rows = _as_rows(x)
     num_tokens, num_heads, dim = rows.shape
     block_h, block_d = triton.next_power_of_2(num_heads), triton.next_power_of_2(dim)
@@ -126,6 +142,7 @@ def _launch(
         raise ValueError(f"a row of {num_heads} x {dim} elements exceeds {MAX_ROW_ELEMENTS}")
     out = torch.empty(rows.shape, dtype=FP8 if fp8_out else x.dtype, device=x.device)
     scale = torch.empty((num_tokens, num_heads), dtype=torch.float32, device=x.device) if fp8_out else None
+    dense = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if fp8_out and dense_out else None
     res_rows = res_out = rows  # unused placeholders without a residual
     if residual is not None:
         res_rows = _as_rows(residual)
@@ -138,6 +155,7 @@ def _launch(
             out,
             res_out,
             scale if scale is not None else out,
+            dense if dense is not None else out,
             rows.stride(0),
             rows.stride(1),
             res_rows.stride(0),
@@ -153,10 +171,12 @@ def _launch(
             BLOCK_D=block_d,
             HAS_RESIDUAL=residual is not None,
             FP8_OUT=fp8_out,
+            OFFSET=offset,
+            DENSE_OUT=dense is not None,
             num_warps=num_warps or _num_warps(block_h * block_d),
         )
     new_residual = res_out.view(x.shape) if residual is not None else None
-    return out.view(x.shape), new_residual, scale
+    return out.view(x.shape), new_residual, scale, dense.view(x.shape) if dense is not None else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None) -> torch.Tensor:
@@ -175,7 +195,7 @@ def rms_norm_fp8(
     """rms_norm(x) quantized per token: (data [T, N] e4m3, scale [T, 1] float32). x: [T, N]."""
     _check(x, weight)
     _check_2d(x)
-    normed, _, scale = _launch(x, None, weight, eps, num_warps, fp8_out=True)
+    normed, _, scale, _ = _launch(x, None, weight, eps, num_warps, fp8_out=True)
     assert scale is not None
     return normed, scale
 
@@ -190,7 +210,7 @@ def add_rms_norm(
     """(rms_norm(x + residual), x + residual) in one pass; the sum is rounded to x's dtype, as the
     reference adds in the activation dtype. Inputs are not modified; both outputs are new tensors."""
     _check_residual(x, residual, weight)
-    normed, new_residual, _ = _launch(x, residual, weight, eps, num_warps)
+    normed, new_residual, _, _ = _launch(x, residual, weight, eps, num_warps)
     assert new_residual is not None
     return normed, new_residual
 
@@ -206,9 +226,35 @@ def add_rms_norm_fp8(
     float32, x + residual in x's dtype). x, residual: [T, N]."""
     _check_residual(x, residual, weight)
     _check_2d(x)
-    normed, new_residual, scale = _launch(x, residual, weight, eps, num_warps, fp8_out=True)
+    normed, new_residual, scale, _ = _launch(x, residual, weight, eps, num_warps, fp8_out=True)
     assert new_residual is not None and scale is not None
     return normed, scale, new_residual
+
+
+def offset_rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    fp8_out: bool = False,
+    dense_out: bool = False,
+    num_warps: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The offset form, x / rms(x) * (1 + w) (see the module docstring), of x or of x + residual.
+    Returns (out, scale, dense, new residual): out in x's dtype, or e4m3 with scale [T, 1] float32
+    when fp8_out (x then [T, N]); dense, with fp8_out and dense_out, the rows in x's dtype; the new
+    residual x + residual when one is given. x may be [T, H, D] as for rms_norm."""
+    if residual is None:
+        _check(x, weight)
+    else:
+        _check_residual(x, residual, weight)
+    if fp8_out:
+        _check_2d(x)
+    out, new_residual, scale, dense = _launch(
+        x, residual, weight, eps, num_warps, fp8_out=fp8_out, offset=True, dense_out=dense_out
+    )
+    return out, scale, dense, new_residual
 
 
 def _check_residual(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> None:

@@ -5,10 +5,11 @@ for CUDA tensors when triton imports, and the layer then runs its fused Triton k
 overnight/kernels/; otherwise it runs the PyTorch code here, which is both the CPU path and the kernels'
 reference, as kernels/dispatch.py decides (its FORCE_KERNELS flips every layer at once for tests).
 
-fp8_output (RMSNorm, SiluAndMul) is set from outside by the quantization pass (quant/apply.py) when the
-layer's output is the input of one FP8 linear layer: the layer then returns a QuantizedActivation (e4m3
-data, one scale per token), quantized inside its kernel on the GPU and by the reference arithmetic of
-quant/fp8.py on the CPU.
+fp8_output (RMSNorm, OffsetRMSNorm, SiluAndMul) is set from outside by the quantization pass
+(quant/apply.py) when the layer's output is the input of FP8 linear layers only: the layer then returns
+a QuantizedActivation (e4m3 data, one scale per token), quantized inside its kernel on the GPU and by
+the reference arithmetic of quant/fp8.py on the CPU. OffsetRMSNorm can also hand over both forms
+(dense_output), for an output that feeds layers kept in the compute dtype as well.
 """
 
 from __future__ import annotations
@@ -90,6 +91,67 @@ class RMSNorm(nn.Module):
     def extra_repr(self) -> str:
         fp8 = ", fp8 output" if self.fp8_output else ""
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{fp8}"
+
+
+class OffsetRMSNorm(nn.Module):
+    """x / rms(x) * (1 + w) in float32, cast back once (weights stored centred on 0: the hybrids of
+    models/qwen3_next.py, as HF computes it, so not the folded RMSNorm above, whose arithmetic rounds
+    the normalized value before the multiply); with a residual, (norm(x + residual), x + residual), the
+    add in x's dtype. The GPU runs kernels/rmsnorm.py's offset form; this code is its reference.
+
+    fp8_output as RMSNorm's; with dense_output too (set by the quantization pass when the output also
+    feeds layers kept in the compute dtype) the QuantizedActivation carries the norm's output as
+    `dense`, stored by the same kernel pass."""
+
+    fp8_output = False
+    dense_output = False
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * (1.0 + self.weight.float())).type_as(x)
+
+    def _out(self, normed: torch.Tensor) -> Normed:
+        if not self.fp8_output:
+            return normed
+        data, scale = quantize_activation_ref(normed)
+        return QuantizedActivation(data, scale, normed if self.dense_output else None)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        if use_kernels(x):
+            return self._forward_kernel(x, residual)
+        if residual is None:
+            return self._out(self._norm(x))
+        residual = x + residual
+        return self._out(self._norm(residual)), residual
+
+    def _forward_kernel(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> Normed | tuple[Normed, torch.Tensor]:
+        from overnight.kernels.rmsnorm import offset_rms_norm  # triton loads on first use
+
+        fp8 = self.fp8_output
+        out, scale, dense, new_residual = offset_rms_norm(
+            x, self.weight, self.eps, residual, fp8_out=fp8, dense_out=self.dense_output
+        )
+        normed: Normed = out
+        if fp8:
+            assert scale is not None
+            normed = QuantizedActivation(out, scale, dense)
+        if new_residual is None:
+            return normed
+        return normed, new_residual
+
+    def extra_repr(self) -> str:
+        fp8 = (", fp8 and dense output" if self.dense_output else ", fp8 output") if self.fp8_output else ""
+        return f"{tuple(self.weight.shape)}, eps={self.eps}{fp8}"
 
 
 def sharded_rms_norm_pair(

@@ -26,6 +26,7 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.gated_delta import GatedRMSNorm
 from overnight.layers.gated_delta_ops import DeltaLayer, delta_rule_ops, prefill_rows
+from overnight.quant.fp8 import QuantizedActivation, dense_input, num_tokens
 
 
 class GatedDeltaNet(nn.Module):
@@ -58,20 +59,25 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.head_v_dim, arch.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, h, bias=False)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (q|k|v [T, conv_dim], z [T, Hv * dv], b [T, Hv], a [T, Hv])."""
+    def project(
+        self, x: torch.Tensor | QuantizedActivation
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (q|k|v [T, conv_dim], z [T, Hv * dv], b [T, Hv], a [T, Hv]). x may come
+        quantized for the FP8 projections, with its dense form for b / a, which stay in the compute
+        dtype (models/qwen3_next.py, LINEAR_INPUT_PRODUCERS)."""
+        dense = dense_input(x)
         if not self.fused_projections:
-            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
-        t = x.shape[0]
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(dense), self.in_proj_a(dense)
+        t = num_tokens(x)
         r = self.num_v_heads // self.num_k_heads
         dk, rv = self.head_k_dim, r * self.head_v_dim
         qkvz = self.in_proj_qkvz(x).view(t, self.num_k_heads, 2 * dk + 2 * rv)
         q, k, v, z = qkvz.split([dk, dk, rv, rv], dim=-1)
-        b, a = self.in_proj_ba(x).view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
+        b, a = self.in_proj_ba(dense).view(t, self.num_k_heads, 2 * r).split([r, r], dim=-1)
         mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return mixed, z.reshape(t, -1), b.reshape(t, -1), a.reshape(t, -1)
 
-    def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation, attn: AttentionBatch) -> torch.Tensor:
         st = attn.states
         if st is None:
             raise RuntimeError(
@@ -79,6 +85,7 @@ class GatedDeltaNet(nn.Module):
             )
         meta = attn.meta
         mixed, z, b, a = self.project(x)
+        x = dense_input(x)  # its device, dtype and rows
         layer = DeltaLayer(
             self.num_k_heads,
             self.num_v_heads,

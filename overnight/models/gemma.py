@@ -44,6 +44,31 @@ _WRAPPERS = ("model", "language_model")
 _OTHER_MODALITIES = ("vision_tower", "multi_modal_projector", "embed_vision", "audio_tower", "embed_audio")
 
 
+def gemma_checkpoint_names(module: str) -> tuple[str, ...]:
+    """The names a module of a Gemma model may carry in a checkpoint and in its quantization_config's
+    ignore lists, which quantizers write in the names of the model they held in memory: the model's
+    own (model.layers.*, vision_tower.*), transformers 4's (language_model.model.*,
+    vision_tower.vision_model.*), transformers 5's (model.language_model.*,
+    model.vision_tower.vision_model.*, model.multi_modal_projector.*) and the doubly nested
+    model.language_model.model.* that text_weights also takes."""
+    if module.startswith("model."):
+        rest = module.removeprefix("model.")
+        return (
+            module,
+            "language_model." + module,
+            "model.language_model." + rest,
+            "model.language_model.model." + rest,
+        )
+    if module == "lm_head" or module.startswith("lm_head."):
+        return module, "language_model." + module
+    if module.startswith("vision_tower."):
+        inner = "vision_tower.vision_model." + module.removeprefix("vision_tower.")
+        return module, inner, "model." + inner, "model." + module
+    if module.startswith("multi_modal_projector."):
+        return module, "model." + module
+    return (module,)
+
+
 def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint stream under the text model's names: a multimodal checkpoint's language-model
     tensors renamed, its vision/audio towers left out (one log line says how many)."""
@@ -186,6 +211,7 @@ class GemmaForCausalLM(nn.Module):
     """Gemma 2 and Gemma 3 (ModelArch.architecture "gemma2" / "gemma3")."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    checkpoint_names = staticmethod(gemma_checkpoint_names)  # quant/apply.ignored
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -19,7 +19,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.gemma import fold_gemma_norms, softcap
-from overnight.models.gemma import GemmaModel, text_weights
+from overnight.models.gemma import GemmaModel, gemma_checkpoint_names, text_weights
 from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, make_lm_head
 from overnight.models.vision.interface import VisionFeatures, VisionRows
 from overnight.models.vision.siglip import Gemma3MultiModalProjector, SiglipVisionModel, check_pixels
@@ -32,6 +32,8 @@ _TOWER_MODULES = (r"re:vision_tower\.", r"re:multi_modal_projector\.")
 
 class Gemma3ForConditionalGeneration(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    # an ignore list may name modules in any layout rename_checkpoint reads (quant/apply.ignored)
+    checkpoint_names = staticmethod(gemma_checkpoint_names)
     unquantized_linear = _TOWER_MODULES
     dequantized_at_load = _TOWER_MODULES
     takes_images = True  # models/vision/interface.py

@@ -58,6 +58,8 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     unquantized_linear = (*Qwen3NextForCausalLM.unquantized_linear, VISION_TOWER)
     fp8_unquantized_linear = Qwen3NextForCausalLM.fp8_unquantized_linear
     dequantized_at_load = (*Qwen3NextForCausalLM.dequantized_at_load, VISION_TOWER)
+    linear_input_producers = Qwen3NextForCausalLM.linear_input_producers
+    dense_input_readers = Qwen3NextForCausalLM.dense_input_readers
     checkpoint_names = staticmethod(vl_checkpoint_names)
     takes_images = True  # models/vision/interface.py
     uses_mrope = True

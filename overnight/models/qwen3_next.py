@@ -36,10 +36,12 @@ from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts, select_experts
 from overnight.layers.mrope import MRotaryEmbedding
+from overnight.layers.norm import OffsetRMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.llama import LlamaMLP, load_packed_weights, make_lm_head
 from overnight.models.vision.interface import VisionRows, merge_image_rows
+from overnight.quant.fp8 import QuantizedActivation, dense_input, num_tokens
 
 log = logging.getLogger("overnight")
 
@@ -73,28 +75,45 @@ DEQUANTIZED_AT_LOAD = (
     *FP8_UNQUANTIZED_LINEAR[:3],
 )
 
-
-class OffsetRMSNorm(nn.Module):
-    """x / rms(x) * (1 + w) in float32, cast back (weights stored centred on 0); with a residual,
-    (norm(x + residual), x + residual), the add in x's dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * (1.0 + self.weight.float())).type_as(x)
-
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
+# Inside each decoder layer, the linears that read a producer's output as a QuantizedActivation under
+# FP8 (quant/apply.py: the producer quantizes once when every one of them present in the layer is an
+# Fp8Linear), and the modules that read the same output in the compute dtype (dense_input).
+#
+# The input norm feeds only FP8 projections in a full-attention layer (q, k, v: one quantization
+# instead of three), but in a Gated DeltaNet layer also the b / a projections, which stay bf16 (see
+# FP8_UNQUANTIZED_LINEAR: their error compounds through the state); the post-attention norm feeds a
+# dense MLP's FP8 gate_up_proj alone, but in a MoE layer also the bf16 router, the shared expert's
+# gate and the routed experts (weight-only FP8: they read activations in the compute dtype). Where a
+# bf16 reader is present the norm hands over both forms: its output as before, which those readers
+# take unchanged (no new rounding where the precision matters), and one quantization of it, shared by
+# the FP8 projections (in_proj_qkv and in_proj_z, or the shared expert's gate and up, would each
+# quantize the same rows otherwise). Not fusing there would leave the hybrids' commonest layers
+# quantizing their input twice; quantizing the bf16 readers' input too would add FP8 rounding where
+# the checkpoints deliberately keep 16 bits.
+LINEAR_INPUT_PRODUCERS: dict[str, tuple[str, ...]] = {
+    "input_layernorm": (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "linear_attn.in_proj_qkv",
+        "linear_attn.in_proj_z",
+        "linear_attn.in_proj_qkvz",
+    ),
+    "post_attention_layernorm": (
+        "mlp.gate_up_proj",
+        "mlp.shared_expert.gate_proj",
+        "mlp.shared_expert.up_proj",
+    ),
+    "mlp.act_fn": ("mlp.down_proj",),
+}
+DENSE_INPUT_READERS: dict[str, tuple[str, ...]] = {
+    "input_layernorm": (
+        "linear_attn.in_proj_b",
+        "linear_attn.in_proj_a",
+        "linear_attn.in_proj_ba",
+    ),
+    "post_attention_layernorm": ("mlp.gate", "mlp.shared_expert_gate", "mlp.experts"),
+}
 
 
 class GatedAttention(nn.Module):
@@ -116,8 +135,10 @@ class GatedAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.layer = LayerAttention()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, attn: AttentionBatch
+    ) -> torch.Tensor:
+        t, d = num_tokens(x), self.head_dim
         q, gate = self.q_proj(x).view(t, self.num_heads, 2 * d).chunk(2, dim=-1)
         q = self.q_norm(q)
         k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, d))
@@ -143,10 +164,11 @@ class SharedExpertMoe(nn.Module):
         self.shared_expert = SplitMLP(h, arch.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(h, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, weights, ids) + shared
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        dense = dense_input(x)  # the router, the shared gate and the experts (DENSE_INPUT_READERS)
+        weights, ids = select_experts(self.gate(dense), self.top_k, self.norm_topk_prob)
+        shared = torch.sigmoid(self.shared_expert_gate(dense)) * self.shared_expert(x)
+        return self.experts(dense, weights, ids) + shared
 
 
 class SplitMLP(nn.Module):
@@ -159,7 +181,7 @@ class SplitMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -185,18 +207,19 @@ class HybridDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        normed: torch.Tensor | QuantizedActivation  # see LINEAR_INPUT_PRODUCERS
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            normed = self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            normed, residual = self.input_layernorm(x, residual)
         if self.linear_attn is not None:
-            x = self.linear_attn(x, attn)
+            x = self.linear_attn(normed, attn)
         else:
             assert self.self_attn is not None
-            x = self.self_attn(positions, x, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x = self.self_attn(positions, normed, attn)
+        normed, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(normed), residual
 
 
 class HybridModel(nn.Module):
@@ -252,6 +275,8 @@ class Qwen3NextForCausalLM(nn.Module):
     unquantized_linear: tuple[str, ...] = UNQUANTIZED_LINEAR
     fp8_unquantized_linear: tuple[str, ...] = FP8_UNQUANTIZED_LINEAR
     dequantized_at_load: tuple[str, ...] = DEQUANTIZED_AT_LOAD
+    linear_input_producers = LINEAR_INPUT_PRODUCERS
+    dense_input_readers = DENSE_INPUT_READERS
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

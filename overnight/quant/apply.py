@@ -5,10 +5,14 @@ its `unquantized_linear`: a MoE router; for FP8 also its `fp8_unquantized_linear
 DeltaNet b / a projections and vision tower) with an Fp8Linear of the same shape (on the
 meta device when the model is shape-only, else holding the linear's weights quantized), then lets the
 kernels that produce those layers' inputs quantize their outputs themselves. A model declares which
-modules those are, per decoder layer, as `linear_input_producers` (producer -> the one linear layer
-that reads its output; models/llama.py); a producer with an `fp8_output` flag (RMSNorm, SiluAndMul)
-then returns a QuantizedActivation. Inputs nobody produces quantized (the attention output before
-o_proj) are quantized by the Fp8Linear itself.
+modules those are, per decoder layer, as `linear_input_producers` (producer -> the linear layers that
+read its output; models/llama.py, models/qwen3_next.py); a producer with an `fp8_output` flag
+(RMSNorm, OffsetRMSNorm, SiluAndMul) then returns a QuantizedActivation, when every one of those
+layers present is an Fp8Linear. Where the output also feeds modules kept in the compute dtype (the
+model's `dense_input_readers`: a hybrid's router, its bf16 b / a projections), the QuantizedActivation
+carries the unquantized output too (OffsetRMSNorm's dense_output), or the producer is not fused.
+Inputs nobody produces quantized (the attention output before o_proj) are quantized by the Fp8Linear
+itself.
 
 Stacked MoE experts (layers/moe.py) are not nn.Linear: they load in the compute dtype (an FP8
 checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) and quantize_experts
@@ -75,7 +79,7 @@ def ignored(model: nn.Module, scheme: QuantScheme | IntScheme, module: str) -> b
     the model's checkpoints give it (its `checkpoint_names`: an image model's text layers are
     model.layers.* here but model.language_model.* in transformers 5's checkpoints)."""
     names = getattr(model, "checkpoint_names", None)
-    return any(scheme.ignores(name) for name in (names(module) if names is not None else (module,)))
+    return scheme.ignores(*(names(module) if names is not None else (module,)))
 
 
 def keeps_int_packed(device: torch.device | str) -> bool:
@@ -207,14 +211,29 @@ def dequantize_model(model: nn.Module) -> nn.Module:
 
 
 def _set_producers(model: nn.Module, on: bool) -> None:
-    """Set fp8_output on each declared producer whose consumer is an Fp8Linear (or clear it)."""
-    pairs: dict[str, str] = getattr(model, "linear_input_producers", {})
+    """Set fp8_output on each declared producer whose consumers are all Fp8Linear (or clear it); and
+    dense_output where the model also declares readers of the output in the compute dtype
+    (`dense_input_readers`, read through quant/fp8.dense_input) and one is present in the block."""
+    producers: dict[str, str | tuple[str, ...]] = getattr(model, "linear_input_producers", {})
+    readers: dict[str, tuple[str, ...]] = getattr(model, "dense_input_readers", {})
     for _, block in model.named_modules():
-        for producer_name, consumer_name in pairs.items():
-            try:
-                producer = block.get_submodule(producer_name)
-                consumer = block.get_submodule(consumer_name)
-            except AttributeError:
+        for producer_name, consumer_names in producers.items():
+            producer = _submodule(block, producer_name)
+            if producer is None or not hasattr(producer, "fp8_output"):
                 continue
-            if hasattr(producer, "fp8_output"):
-                producer.fp8_output = on and isinstance(consumer, Fp8Linear)
+            names = (consumer_names,) if isinstance(consumer_names, str) else consumer_names
+            consumers = [c for c in (_submodule(block, name) for name in names) if c is not None]
+            dense = any(_submodule(block, name) is not None for name in readers.get(producer_name, ()))
+            fp8 = on and bool(consumers) and all(isinstance(c, Fp8Linear) for c in consumers)
+            if dense and fp8 and not hasattr(producer, "dense_output"):
+                fp8 = False  # a producer that cannot hand over both forms
+            setattr(producer, "fp8_output", fp8)  # noqa: B010 (a flag of some producer classes)
+            if hasattr(producer, "dense_output"):
+                setattr(producer, "dense_output", fp8 and dense)  # noqa: B010
+
+
+def _submodule(block: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return block.get_submodule(name)
+    except AttributeError:
+        return None

@@ -43,6 +43,30 @@ class QuantizedActivation:
 
     data: torch.Tensor  # [T, K] float8_e4m3fn, rows contiguous
     scale: torch.Tensor  # [T, 1] float32 (per token), or [T, G] (per token and group of K / G columns)
+    # The same activation in the compute dtype, when the producer's output also feeds layers kept in
+    # it (a hybrid's norm before its bf16 b / a projections or router: quant/apply.py); else None.
+    dense: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.data.shape[0]
+
+
+def dense_input(x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+    """x in the compute dtype, for a layer that reads it so (see QuantizedActivation.dense)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if x.dense is None:
+        raise RuntimeError(
+            "a layer in the compute dtype was handed a quantized activation without its dense form: its "
+            "producer's dense_input_readers do not name it (quant/apply.py)"
+        )
+    return x.dense
+
+
+def num_tokens(x: torch.Tensor | QuantizedActivation) -> int:
+    """The rows of an activation [T, K], quantized or not."""
+    return x.num_tokens if isinstance(x, QuantizedActivation) else x.shape[0]
 
 
 def columns_per_scale(k: int, groups: int) -> int:

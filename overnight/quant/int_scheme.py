@@ -14,6 +14,10 @@ Formats understood (K = in_features, N = out_features, G = group size; value = (
                                           scales [K/G, N], g_idx [K] (act-order when desc_act);
                                           checkpoint_format "gptq" (v1) stores z - 1, "gptq_v2" stores z
 
+Layers left float: compressed-tensors' `ignore`, AWQ's and GPTQ's `modules_to_not_convert`, GPTQ's
+`dynamic` "-:" skips and `modules_in_block_to_quantize` (an allowlist), matched against every name the
+model's checkpoints give a module (quant/apply.ignored).
+
 compressed-tensors configs are parsed by the compressed-tensors package itself (its pydantic models).
 Bit layouts and dequantization live in quant/int_formats.py; the streaming conversion at load in
 quant/int_checkpoint.py. Anything else (3-bit, AWQ's GEMV/exllama variants, static activation scales,
@@ -42,11 +46,19 @@ class IntScheme:
     int8_activations: bool = False  # W8A8: activations quantized per token, dynamically
     gptq_v1: bool = False  # GPTQ "gptq" checkpoint_format: qzeros hold z - 1
     ignore: tuple[str, ...] = ()  # checkpoint module names or "re:" patterns left unquantized
+    # GPTQ's modules_in_block_to_quantize, flattened: when given, only modules one of these names
+    # (or prefixes) occurs in are quantized (vLLM's rule: a substring of the module's name)
+    quantized_only: tuple[str, ...] = ()
 
-    def ignores(self, module: str) -> bool:
+    def ignores(self, *names: str) -> bool:
+        """Whether the checkpoint leaves a module unquantized; names: the module's names in the
+        checkpoint layouts its model has been saved in (quant/apply.ignored), any of which an entry
+        may use."""
+        if self.quantized_only and not any(entry in n for n in names for entry in self.quantized_only):
+            return True
         if self.method == "awq":  # transformers' AWQ rule: a listed name anywhere in the module's
-            return any(entry in module for entry in self.ignore)
-        return module_matches(module, self.ignore)
+            return any(entry in n for n in names for entry in self.ignore)
+        return any(module_matches(n, self.ignore) for n in names)
 
     @property
     def name(self) -> str:
@@ -168,6 +180,13 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
     if pack_dtype != "int32":
         raise ModelLoadError(f"{where}: GPTQ pack_dtype {pack_dtype!r} is not supported (int32)")
     group = _group(qc.get("group_size"), where, "GPTQ")
+    skipped = _gptq_dynamic(qc.get("dynamic"), qc, where)
+    blocks = qc.get("modules_in_block_to_quantize") or ()
+    if not isinstance(blocks, (list, tuple)):
+        raise ModelLoadError(f"{where}: GPTQ modules_in_block_to_quantize must be a list, got {blocks!r}")
+    flat = [m for entry in blocks for m in (entry if isinstance(entry, (list, tuple)) else (entry,))]
+    if not all(isinstance(m, str) for m in flat):
+        raise ModelLoadError(f"{where}: GPTQ modules_in_block_to_quantize must name modules, got {blocks!r}")
     return IntScheme(
         method="gptq",
         bits=bits,
@@ -175,8 +194,42 @@ def _gptq(qc: dict[str, Any], where: str) -> IntScheme:
         symmetric=bool(qc.get("sym", True)),
         act_order=bool(qc.get("desc_act", False)),
         gptq_v1=fmt == "gptq",
-        ignore=tuple(qc.get("modules_to_not_convert") or ()),
+        ignore=(*(qc.get("modules_to_not_convert") or ()), *skipped),
+        quantized_only=tuple(flat),
     )
+
+
+def _gptq_dynamic(dynamic: Any, qc: dict[str, Any], where: str) -> list[str]:
+    """GPTQ's per-module overrides (GPTQModel's "dynamic": regular expressions re.match'ed against a
+    module's name; "-:" skips the module, "+:" or none overrides fields of the scheme for it) -> the
+    "re:" ignore entries of its skips. An override that changes the scheme for some modules (mixed
+    precision) is refused: one scheme per checkpoint is supported."""
+    if not dynamic:
+        return []
+    if not isinstance(dynamic, dict):
+        raise ModelLoadError(f"{where}: GPTQ dynamic must map module patterns to overrides, got {dynamic!r}")
+    base = {
+        "bits": qc.get("bits"),
+        "group_size": qc.get("group_size"),
+        "desc_act": bool(qc.get("desc_act", False)),
+        "sym": bool(qc.get("sym", True)),
+    }
+    skipped = []
+    for pattern, override in dynamic.items():
+        if pattern.startswith("-:"):
+            skipped.append("re:" + pattern.removeprefix("-:"))
+            continue
+        if not isinstance(override, dict):
+            raise ModelLoadError(
+                f"{where}: GPTQ dynamic override {pattern!r} must be an object, got {override!r}"
+            )
+        changed = {k: v for k, v in override.items() if k in base and v != base[k]}
+        if changed:
+            raise ModelLoadError(
+                f"{where}: GPTQ dynamic override {pattern!r} sets {changed} for some modules (mixed "
+                "schemes in one checkpoint); not supported"
+            )
+    return skipped
 
 
 def refuse_transforms(qc: dict[str, Any], where: str) -> None:

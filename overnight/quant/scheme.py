@@ -63,14 +63,15 @@ class QuantScheme:
         """Columns per weight scale in the model's layout; None: one scale per output channel."""
         return self.weight_block[1] if self.weight_block is not None and self.keep_blocks else None
 
-    def ignores(self, module: str) -> bool:
-        """Whether the checkpoint leaves `module` (e.g. model.layers.0.mlp.down_proj) unquantized."""
+    def ignores(self, *names: str) -> bool:
+        """Whether the checkpoint leaves a module (e.g. model.layers.0.mlp.down_proj) unquantized;
+        names: its names in the checkpoint layouts of its model (quant/apply.ignored)."""
         # Qwen3.5's image checkpoints name their text layers model.language_model.*, which the model
         # (and its text-only checkpoints) calls model.*: an ignore list may use either.
-        text = (
-            "model.language_model." + module.removeprefix("model.") if module.startswith("model.") else module
+        texts = tuple(
+            "model.language_model." + n.removeprefix("model.") for n in names if n.startswith("model.")
         )
-        return module_matches(module, self.ignore) or module_matches(text, self.ignore)
+        return any(module_matches(n, self.ignore) for n in (*names, *texts))
 
     def describe(self) -> str:
         if not self.prequantized:
