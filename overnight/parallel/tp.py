@@ -9,7 +9,10 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     experts     every expert's gate/up rows and down columns of r's slice of the expert
                 intermediate size (like gate_up / down_proj); the weighted sum all-reduced; biases,
                 MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
-    router      (mlp.gate, mlp.router) replicated: every rank routes every token the same way
+    shared experts  (Qwen3-Next's shared_expert, GLM-4.5's shared_experts) their gate/up rows and
+                down columns of r's slice of shared_expert_intermediate_size
+    router      (mlp.gate, mlp.router; GLM-4.5's correction bias) replicated: every rank routes
+                every token the same way
     sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
@@ -214,8 +217,10 @@ class TPShards:
         a = self.arch
         if VISION_TOWER in parts:  # replicated: every rank runs the whole tower
             return t
-        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
-        ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*,
+        # GLM-4.5's shared experts: shared_experts.*
+        shared = "shared_expert" in parts or "shared_experts" in parts
+        ffn = "moe" if "experts" in parts else "shared" if shared else "ffn"
         if is_gemma4(a):  # per-layer head sizes and widths: tp_gemma4.py
             per_layer = shard_gemma4_tensor(a, self.rank, self.world, parts, t)
             if per_layer is not None:
@@ -308,6 +313,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         row_parallel.add("out_proj")
     if is_gemma4(lm.arch):
         fused.add("q_proj")  # a KV-shared layer's own q projection
+    if lm.arch.shared_expert_intermediate_size:  # shared experts keep separate gate / up projections
+        fused |= {"gate_proj", "up_proj"}
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
