@@ -33,6 +33,7 @@ from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
 from overnight.quant.apply import dequantize_model
+from overnight.quant.fp8 import quantize_stacked_per_channel
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.parity_helpers import compare, hf_greedy
@@ -187,8 +188,55 @@ def _assert_fp8_layout(model: nn.Module) -> None:
 
 
 def test_online_fp8_keeps_the_router_in_float32(glm_folder):
-    model = load_model(resolve_source(str(glm_folder), quantization="fp8"), torch.float32, "cpu")
+    """The experts are e4m3 from the build on (experts_fp8_at_load), each checkpoint tensor quantized
+    per row as it loads: the same bytes and scales as quantizing the loaded float stack."""
+    source = resolve_source(str(glm_folder), quantization="fp8")
+    meta = build_model(source, torch.float32, "meta").model.layers[1].mlp.experts
+    assert meta.gate_up_proj.dtype == torch.float8_e4m3fn and meta.compute_dtype == torch.float32
+    model = load_model(source, torch.float32, "cpu")
     _assert_fp8_layout(model)
+    float_experts = (
+        load_model(resolve_source(str(glm_folder)), torch.float32, "cpu").model.layers[2].mlp.experts
+    )
+    experts = model.model.layers[2].mlp.experts
+    for name in ("gate_up_proj", "down_proj"):
+        data, scale = quantize_stacked_per_channel(getattr(float_experts, name))
+        assert torch.equal(getattr(experts, name).view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(getattr(experts, name.replace("_proj", "_scale")), scale), name
+
+
+def test_fp8_dummy_weights_are_the_float_dummy_quantized():
+    """Dummy FP8 experts (never a float stack of them) hold the float dummy model's draws quantized,
+    unsharded and as one rank of two; the load-time budget counts them as e4m3."""
+    from dataclasses import replace
+
+    from overnight.loader.fit import weight_bytes
+    from overnight.parallel.tp import load_sharded_model
+    from overnight.quant.scheme import QuantScheme
+
+    preset = resolve_source("glm-4.5-air", load_format="dummy")
+    arch = replace(
+        preset.arch, num_hidden_layers=2, vocab_size=64, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+    )  # fmt: skip
+    source = replace(preset, arch=arch)
+    fp8 = replace(source, quantization=QuantScheme())
+    whole = load_model(source, torch.float32, "cpu", seed=3).model.layers[1].mlp.experts
+    ours = load_model(fp8, torch.float32, "cpu", seed=3).model.layers[1].mlp.experts
+    rank1 = load_sharded_model(fp8, torch.float32, "cpu", 1, 2, seed=3).model.layers[1].mlp.experts
+    assert rank1.compute_dtype == torch.float32 and rank1.gate_up_scale.shape == (8, 16)
+    for name, rows in (("gate_up_proj", slice(None)), ("down_proj", slice(8, 16))):
+        dense = getattr(whole, name)
+        data, scale = quantize_stacked_per_channel(dense)
+        assert torch.equal(getattr(ours, name).view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(getattr(ours, name.replace("_proj", "_scale")), scale), name
+        mine = dense[:, [*range(8, 16), *range(24, 32)]] if name == "gate_up_proj" else dense[:, :, rows]
+        data, scale = quantize_stacked_per_channel(mine)
+        assert torch.equal(getattr(rank1, name).view(torch.uint8), data.view(torch.uint8)), name
+    loading = weight_bytes(preset.arch, torch.bfloat16, fp8_linear=True)
+    assert loading == weight_bytes(preset.arch, torch.bfloat16, fp8_linear=True, loaded=True)
+    assert loading < 120 * 2**30 < weight_bytes(preset.arch, torch.bfloat16)  # fits an H200's 141 GB
 
 
 def test_block_scaled_fp8_checkpoint_loads_and_runs(glm_folder, tmp_path):

@@ -12,7 +12,8 @@ others have Glm4MoeMoE:
 The router (mlp.gate) holds its weight and e_score_correction_bias in float32 whatever the compute
 dtype: its logits are computed in float32 as transformers does (a bf16 router would move near-tied
 choices), and the bias only chooses experts (layers/moe_grouped_router.py). FP8 keeps it so and
-quantizes the shared experts like the dense projections, the routed experts per row once loaded.
+quantizes the shared experts like the dense projections, the routed experts per row as each checkpoint
+tensor loads (experts_fp8_at_load: the compute-dtype stack is never held).
 
 Checkpoints may carry multi-token-prediction layers (num_nextn_predict_layers, numbered from
 num_hidden_layers on) for speculative decoding; generation does not use them and rename_checkpoint drops
@@ -98,6 +99,9 @@ class Glm4MoeForCausalLM(nn.Module):
     # (quant/checkpoint.py); the stacked experts are then quantized per row (quant/apply.quantize_experts).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    # GLM-4.5-Air's experts are 100B weights: 200 GB in bf16, more than an H200 holds. Under FP8 they
+    # are e4m3 from the start and each checkpoint tensor is quantized as it loads (layers/moe.py).
+    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -456,6 +456,12 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
             target.copy_(shards.shard(name, codes.random_(0, 256, generator=gen)))
             continue
         layer = fp8_layers.get(name)
+        stack = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(stack, Experts) and stack.stores_fp8:  # e4m3 while loading: the float stack drawn
+            full = torch.empty(param.shape, dtype=stack.compute_dtype, device=target.device)
+            full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+            stack.load_fp8_rows_(name.rpartition(".")[2], shards.shard(name, full))
+            continue
         dtype = param.dtype if layer is None else layer.out_dtype
         full = torch.empty(param.shape, dtype=dtype, device=target.device)
         full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
