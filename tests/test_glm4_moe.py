@@ -130,6 +130,21 @@ def test_engine_greedy_token_exact(variant):
     assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
 
 
+@pytest.mark.slow  # the fused MoE kernels through the Triton interpreter
+def test_forward_with_kernels_matches_pytorch_path(glm_folder, monkeypatch):
+    """The Triton path (grouped router kernel, fused experts, partial RoPE with q/k norms) against the
+    PyTorch path on the same model: a prefill of two requests and a decode step of both."""
+    from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    model = load_model(resolve_source(str(glm_folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run_steps(model)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    got = run_steps(model)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
 def test_mtp_layers_are_skipped_and_other_strays_refused(tmp_path, glm_folder):
     """A checkpoint with a multi-token-prediction layer (model.layers.3.*, past num_hidden_layers) loads
     the same model; an unknown tensor elsewhere is still named."""
