@@ -354,6 +354,9 @@ class ModelArch:
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
         stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
+        if self.router_scoring == "sigmoid":  # GLM-4.5's routers stay float32 (models/glm4_moe.py)
+            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            total += sparse * self.num_experts * (self.hidden_size + 1) * (4 - dtype_bytes)
         if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
             # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

@@ -315,3 +315,24 @@ def test_glm_45_air_preset_has_published_shapes():
     active = total - arch.mlp_params() + arch.mlp_params(active_only=True)
     embeddings = 2 * arch.vocab_size * arch.hidden_size  # input table and (untied) LM head
     assert 12e9 < active - embeddings < 12.5e9  # "12B active", counted without them
+
+
+def test_glm_45_air_fp8_budget_on_an_h200():
+    """GLM-4.5-Air in FP8 on one H200 (`overnight budget`'s arithmetic): about 101 GiB of weights (the
+    float32 routers counted as such) and a KV pool for 3 sequences of 32K; in bf16 the weights alone
+    do not fit."""
+    from dataclasses import replace
+
+    from overnight.options import EngineOptions
+    from overnight.quant.scheme import QuantScheme
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    source = resolve_source("glm-4.5-air", load_format="dummy")
+    opts = EngineOptions(model="glm-4.5-air", load_format="dummy", dtype="bfloat16", max_model_len=32768)
+    fp8 = plan_budget(replace(opts, quantization="fp8"), replace(source, quantization=QuantScheme()), h200)
+    assert 100 * GIB < fp8.weights_bytes < 102 * GIB
+    # 21 GiB of KV pool at 184 KiB a token: 3 sequences of 32K, 120K tokens in all
+    assert fp8.kv_bytes_per_token == 46 * 2 * 8 * 128 * 2 and fp8.seqs_fit >= 3
+    assert fp8.num_blocks * fp8.block_size >= 110_000
+    assert plan_budget(opts, source, h200).num_blocks == 0  # bf16: 199 GiB of weights
