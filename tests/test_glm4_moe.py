@@ -7,10 +7,13 @@ in two variants:
     plain     no q/k norm, one group, weights not renormalized, 2 shared experts
 
 Checked: greedy tokens identical to transformers' in fp32 through one engine run with chunked prefills
-and prefix-cache hits; online FP8 and a block-scaled FP8 checkpoint near the float model; TP=2 shards
-equal to the whole model's slices and its tokens equal to TP=1's; multi-token-prediction layers skipped;
-bad router configs refused; the glm-4.5-air preset's published size. The router itself is checked
-against transformers' in tests/test_kernels_grouped_router.py.
+and prefix-cache hits; the kernel path (interpreted on the CPU) against the PyTorch path; online FP8 and
+FP8 checkpoints near the float model, their experts e4m3 from the build on and quantized per row as
+each tensor loads (the same bytes as quantizing the loaded stack; dummy weights and one TP rank's share
+too); TP=2 shards equal to the whole model's slices and its tokens equal to TP=1's; multi-token-
+prediction layers skipped; bad router configs refused; the glm-4.5-air preset's published size and its
+FP8 budget on an H200. The router itself is checked against transformers' in
+tests/test_kernels_grouped_router.py.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from overnight.layers.moe import Experts
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
+from overnight.parallel.tp import load_sharded_model
 from overnight.quant.apply import dequantize_model
 from overnight.quant.fp8 import quantize_stacked_per_channel
 from overnight.quant.linear import Fp8Linear
@@ -214,10 +218,18 @@ def test_online_fp8_keeps_the_router_in_float32(glm_folder):
         load_model(resolve_source(str(glm_folder)), torch.float32, "cpu").model.layers[2].mlp.experts
     )
     experts = model.model.layers[2].mlp.experts
+    # rank 1 of 2 loading the checkpoint: its rows of gate / up, its columns of down, quantized per row
+    rank1 = load_sharded_model(source, torch.float32, "cpu", 1, 2).model.layers[2].mlp.experts
+    mine = {"gate_up_proj": [*range(16, 32), *range(48, 64)], "down_proj": slice(16, 32)}
     for name in ("gate_up_proj", "down_proj"):
-        data, scale = quantize_stacked_per_channel(getattr(float_experts, name))
+        dense = getattr(float_experts, name)
+        data, scale = quantize_stacked_per_channel(dense)
         assert torch.equal(getattr(experts, name).view(torch.uint8), data.view(torch.uint8)), name
         assert torch.equal(getattr(experts, name.replace("_proj", "_scale")), scale), name
+        share = dense[:, mine[name]] if name == "gate_up_proj" else dense[:, :, mine[name]]
+        data, scale = quantize_stacked_per_channel(share)
+        assert torch.equal(getattr(rank1, name).view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(getattr(rank1, name.replace("_proj", "_scale")), scale), name
 
 
 def test_fp8_dummy_weights_are_the_float_dummy_quantized():
@@ -226,7 +238,6 @@ def test_fp8_dummy_weights_are_the_float_dummy_quantized():
     from dataclasses import replace
 
     from overnight.loader.fit import weight_bytes
-    from overnight.parallel.tp import load_sharded_model
     from overnight.quant.scheme import QuantScheme
 
     preset = resolve_source("glm-4.5-air", load_format="dummy")
@@ -254,12 +265,14 @@ def test_fp8_dummy_weights_are_the_float_dummy_quantized():
     assert loading < 120 * 2**30 < weight_bytes(preset.arch, torch.bfloat16)  # fits an H200's 141 GB
 
 
-def test_block_scaled_fp8_checkpoint_loads_and_runs(glm_folder, tmp_path):
-    """A checkpoint in the published FP8 format (e4m3 weights, 16 x 32 block scales, router and bias in
-    float): experts dequantized at load and requantized per row, the engine's tokens the model's own."""
+@pytest.mark.parametrize("layout", ["fp8-block-small", "ct-channel-dynamic"])
+def test_fp8_checkpoint_loads_and_runs(glm_folder, tmp_path, layout):
+    """Checkpoints in the FP8 formats published for MoE models (block-scaled as the fp8 method writes
+    it, per-channel compressed-tensors; router and bias in float): experts dequantized at load and
+    requantized per row, the engine's tokens the model's own."""
     from tests.parity_helpers import PROMPTS, greedy_tokens
 
-    folder = make_fp8_checkpoint(glm_folder, tmp_path / "fp8", "fp8-block-small")
+    folder = make_fp8_checkpoint(glm_folder, tmp_path / "fp8", layout)
     stored = load_file(str(folder / "model.safetensors"))
     assert stored["model.layers.1.mlp.experts.3.up_proj.weight"].dtype == torch.float8_e4m3fn
     assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.float32
