@@ -202,6 +202,9 @@ def _assert_fp8_layout(model: nn.Module) -> None:
     assert isinstance(moe.shared_experts.gate_proj, Fp8Linear)
     assert isinstance(model.model.layers[0].mlp.gate_up_proj, Fp8Linear)  # the dense first layer
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float8_e4m3fn
+    layers = model.model.layers  # norms that feed an FP8 projection quantize their outputs
+    assert layers[1].input_layernorm.fp8_output and layers[0].post_attention_layernorm.fp8_output
+    assert not layers[1].post_attention_layernorm.fp8_output  # it feeds the router and the experts
     agree = compare(model, dequantize_model(copy.deepcopy(model)))
     assert agree.top1 >= MIN_TOP1 and agree.mean_dlogprob <= MAX_DLOGPROB, agree
 

@@ -35,6 +35,7 @@ from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.moe_grouped_router import GroupedRouting, select_grouped_experts
 from overnight.models.llama import (
+    LINEAR_INPUT_PRODUCERS,
     PACKED_MODULES_MAPPING,
     LlamaModel,
     dense_mlp,
@@ -94,6 +95,9 @@ def glm4_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
 
 class Glm4MoeForCausalLM(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    # Under FP8 the norms before qkv_proj (and the dense layers' gate_up_proj) hand over quantized
+    # outputs; a sparse layer's norm feeds the router and the experts, which take the compute dtype.
+    linear_input_producers = LINEAR_INPUT_PRODUCERS
     # The router is no nn.Linear, so quantization passes leave it (and its bias) in float32. An FP8
     # checkpoint's expert (and router) tensors are dequantized with their scales as they load
     # (quant/checkpoint.py); the stacked experts are then quantized per row (quant/apply.quantize_experts).
