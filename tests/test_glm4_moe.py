@@ -3,8 +3,9 @@ checkpoints saved with save_pretrained: 3 layers of which the first is dense, 8 
 shared experts, partial rotary 0.5, q/k/v biases, a random correction bias (so it does move choices),
 in two variants:
 
-    qk-norm   use_qk_norm, 2 groups of which 1 is chosen, routed_scaling_factor 2.5, 1 shared expert
-    plain     no q/k norm, one group, weights not renormalized, 2 shared experts
+    qk-norm   use_qk_norm, 2 groups of which 1 is chosen, routed_scaling_factor 2.5, 2 shared experts
+    plain     no q/k norm, one group, weights not renormalized, no shared experts (transformers still
+              writes a zero-width shared MLP, which loads as none)
 
 Checked: greedy tokens identical to transformers' in fp32 through one engine run with chunked prefills
 and prefix-cache hits; the kernel path (interpreted on the CPU) against the PyTorch path; online FP8 and
@@ -22,6 +23,7 @@ import copy
 import json
 import random
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -45,8 +47,8 @@ from tests.tiny_models import _spread_weights
 from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 VARIANTS = {
-    "qk-norm": dict(use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5),
-    "plain": dict(use_qk_norm=False, n_shared_experts=2, norm_topk_prob=False),
+    "qk-norm": dict(use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=2),
+    "plain": dict(use_qk_norm=False, n_shared_experts=0, norm_topk_prob=False),
 }
 ENGINE = dict(
     skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
@@ -67,7 +69,9 @@ def make_glm_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
     )  # fmt: skip
     config = transformers.Glm4MoeConfig(**{**fields, **overrides})
     torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(config).eval()
+    with warnings.catch_warnings():  # n_shared_experts 0: transformers initializes a zero-width MLP
+        warnings.filterwarnings("ignore", "Initializing zero-element tensors")
+        model = transformers.Glm4MoeForCausalLM(config).eval()
     _spread_weights(model, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -117,6 +121,7 @@ def test_engine_greedy_token_exact(variant):
     assert [isinstance(layer.mlp, Glm4MoeMoE) for layer in layers] == [False, True, True]
     arch = model.arch
     assert (arch.qk_norm, arch.rotary_dim, arch.rope_interleaved) == (name == "qk-norm", 8, False)
+    assert (layers[1].mlp.shared_experts is None) == (name == "plain")
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
     ref = load_reference(folder)
     assert arch.num_parameters() == sum(p.numel() for p in ref.parameters()) + 2 * arch.num_experts
@@ -301,8 +306,8 @@ def test_tp_shards_equal_slices_of_the_whole_model(glm_folder):
         moe = model.model.layers[2].mlp
         assert moe.gate.weight.shape == (8, 64) and moe.gate.weight.dtype == torch.float32
         assert isinstance(moe.experts, Experts) and moe.experts.gate_up_proj.shape == (8, 32, 64)
-        assert moe.shared_experts.gate_proj.weight.shape == (16, 64)
-        assert moe.shared_experts.down_proj.weight.shape == (64, 16)
+        assert moe.shared_experts.gate_proj.weight.shape == (32, 64)  # 2 shared experts of 32, halved
+        assert moe.shared_experts.down_proj.weight.shape == (64, 32)
 
 
 @pytest.mark.slow  # starts tensor-parallel processes

@@ -124,7 +124,8 @@ class Glm4MoeForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (model.layers.N.* for N at or past
-        num_hidden_layers); applied before FP8 conversion and tensor-parallel slicing
+        num_hidden_layers) and, with n_shared_experts 0, without the empty shared experts transformers
+        still writes; applied before FP8 conversion and tensor-parallel slicing
         (loader/model_loader.checkpoint_weights)."""
         return _without_mtp_layers(weights, self.arch.num_hidden_layers)
 
@@ -141,6 +142,8 @@ def _without_mtp_layers(
         if match and int(match.group(1)) >= num_layers:
             skipped.add(int(match.group(1)))
             continue
+        if ".shared_experts." in name and tensor.numel() == 0:
+            continue  # n_shared_experts 0: transformers' zero-width shared MLP, nothing to load
         yield name, tensor
     if skipped:
         logger.info(
