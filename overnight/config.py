@@ -202,6 +202,15 @@ class ModelArch:
     linear_conv_kernel_dim: int = 0
     hybrid_rotary_dim: int = 0
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
+    # GLM-4.5 / 4.6 (models/glm4_moe.py): the router's sigmoid scores plus a learned per-expert bias
+    # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
+    # times routed_scaling_factor (layers/moe_grouped_router.py); its shared experts (of
+    # shared_expert_intermediate_size) have no gate (shared_expert_gated False).
+    router_scoring: str = "softmax"  # "softmax" | "sigmoid" (with the correction bias and groups)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_gated: bool = True
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -301,7 +310,9 @@ class ModelArch:
         expert = 3 * self.hidden_size * self.moe_intermediate_size
         if self.expert_bias:  # gate/up and down biases
             expert += 2 * self.moe_intermediate_size + self.hidden_size
-        router = self.num_experts * (self.hidden_size + (1 if self.expert_bias else 0))
+        # The router: a row per expert, and a bias per expert (gpt-oss's, GLM-4.5's correction bias)
+        biased = self.expert_bias or self.router_scoring == "sigmoid"
+        router = self.num_experts * (self.hidden_size + (1 if biased else 0))
         total = 0
         for i in range(self.num_hidden_layers):
             moe = self.is_moe_layer(i)
@@ -309,7 +320,8 @@ class ModelArch:
                 used = self.num_experts_per_tok if active_only else self.num_experts
                 total += router + used * expert
                 if self.shared_expert_intermediate_size:  # and its one-output gate
-                    total += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
+                    total += 3 * self.hidden_size * self.shared_expert_intermediate_size
+                    total += self.hidden_size if self.shared_expert_gated else 0
             if not moe or self.moe_beside_dense:
                 total += 3 * self.hidden_size * self.layer_intermediate_size(i)
         return total
@@ -361,6 +373,9 @@ class ModelArch:
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
         stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
+        if self.router_scoring == "sigmoid":  # GLM-4.5's routers stay float32 (models/glm4_moe.py)
+            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            total += sparse * self.num_experts * (self.hidden_size + 1) * (4 - dtype_bytes)
         if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
             # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))

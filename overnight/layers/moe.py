@@ -16,6 +16,10 @@ With FP8 weights (quantization="fp8", FP8 checkpoints) the stacked projections a
 are loaded (quantize_fp8_): e4m3 values with one float32 scale per expert and row, per channel like
 the dense FP8 layers; the GEMMs convert the weight tiles to the activations' dtype (weight-only FP8:
 half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs.
+A model whose experts alone outgrow the device in the compute dtype (GLM-4.5-Air's 100B of experts on
+one H200) holds them as e4m3 from the start instead (store_fp8_, at build time): the loader quantizes
+each checkpoint expert tensor per row as it arrives (load_fp8_rows_). Rows are quantized one by one
+either way, so both give the same bytes and scales.
 
 The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot be
 captured in a CUDA graph; the fused path can.
@@ -237,13 +241,54 @@ class Experts(nn.Module):
             activation=self.activation,
         )
 
+    @property
+    def stores_fp8(self) -> bool:
+        """Whether the projections hold e4m3 values (after quantize_fp8_, or from store_fp8_ on)."""
+        return self.gate_up_proj.dtype == torch.float8_e4m3fn
+
+    def store_fp8_(self) -> None:
+        """Hold the projections as e4m3 from now on (a model being built, on the meta device): loading
+        then goes through load_fp8_rows_, and the compute-dtype stack never exists. MXFP4 experts stay
+        as they are."""
+        if self.gate_up_scales is not None or self.stores_fp8:
+            return
+        self.compute_dtype = self.gate_up_proj.dtype
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            e4m3 = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+            setattr(self, name, nn.Parameter(e4m3, requires_grad=False))
+
+    @torch.no_grad()
+    def load_fp8_rows_(
+        self, name: str, rows: torch.Tensor, expert: int | None = None, start: int = 0
+    ) -> None:
+        """Write float `rows` into e4m3 projection `name` ("gate_up_proj" or "down_proj") quantized per
+        row, with their scales: the whole stack [E, N, K] (expert None), or expert `expert`'s rows
+        start .. start + len(rows). The scales are allocated beside the weight on the first write."""
+        from overnight.quant.fp8 import quantize_stacked_per_channel, quantize_weight_per_channel
+
+        weight = getattr(self, name).data
+        scale_name = name.replace("_proj", "_scale")
+        scale = getattr(self, scale_name)
+        if scale is None:
+            scale = torch.ones(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            setattr(self, scale_name, scale)
+        if expert is None:
+            data, row_scale = quantize_stacked_per_channel(rows)
+            weight.copy_(data)
+            scale.copy_(row_scale)
+        else:
+            data, row_scale = quantize_weight_per_channel(rows)
+            weight[expert].narrow(0, start, rows.shape[0]).copy_(data)
+            scale[expert].narrow(0, start, rows.shape[0]).copy_(row_scale)
+
     @torch.no_grad()
     def quantize_fp8_(self) -> None:
         """Replace the loaded projections by e4m3 values and one scale per expert and row (the
         per-channel rule of quant/fp8.py)."""
         from overnight.quant.fp8 import quantize_stacked_per_channel
 
-        if self.gate_up_scale is not None or self.gate_up_scales is not None:
+        if self.gate_up_scale is not None or self.gate_up_scales is not None or self.stores_fp8:
             return  # already FP8, or MXFP4 (which stays as it is: a quarter of bf16's bytes already)
         self.compute_dtype = self.gate_up_proj.dtype
         for name in ("gate_up_proj", "down_proj"):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -241,7 +242,12 @@ class RotaryEmbedding(nn.Module):
         if use_kernels(q):
             from overnight.kernels.rotary import qk_norm_rotary_inplace, rotary_inplace  # triton on use
 
-            if q_norm is None or k_norm is None:
+            if q_norm is not None and k_norm is not None and self.rotary_dim != self.head_dim:
+                # The fused norm + rotation takes whole-head rotations only; with partial RoPE
+                # (GLM-4.5's q/k norms) the norms run first, as two more launches.
+                q, k = cast(torch.Tensor, q_norm(q)), cast(torch.Tensor, k_norm(k))
+                rotary_inplace(positions, q, k, self.cos_sin_cache, interleaved=self.interleaved)
+            elif q_norm is None or k_norm is None:
                 rotary_inplace(positions, q, k, self.cos_sin_cache, interleaved=self.interleaved)
             else:
                 eps = q_norm.variance_epsilon

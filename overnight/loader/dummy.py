@@ -2,6 +2,7 @@
 
 FP8 layers draw the float weight an nn.Linear of their shape would draw, in the same order, and store it
 quantized: a quantized dummy model is the quantized version of the float dummy model with the same seed.
+Experts held as e4m3 while loading (layers/moe.py store_fp8_) draw each float stack the same way.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overnight.layers.moe import Experts
 from overnight.layers.norm import RMSNorm
 from overnight.quant.linear import Fp8Linear
 
@@ -26,6 +28,7 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
     fp8_scales = {id(m.weight_scale) for m in fp8_layers.values()}
     mxfp4_scales = {id(t) for t in _mxfp4_scales(model)}
+    fp8_experts = _fp8_expert_stacks(model)
     generators: dict[torch.device, torch.Generator] = {}
     for param in model.parameters():  # a tied weight is visited once
         if param.is_meta or id(param) in fp8_scales:
@@ -37,7 +40,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         if gen is None:
             gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
         layer = fp8_layers.get(id(param))
-        if param.dtype == torch.uint8:  # MXFP4 experts (layers/moe.py): any codes, scales near DUMMY_RANGE
+        stack = fp8_experts.get(id(param))
+        if stack is not None:  # the float stack drawn as the compute-dtype model draws it, stored e4m3
+            experts, name = stack
+            dense = torch.empty(param.shape, dtype=experts.compute_dtype, device=param.device)
+            experts.load_fp8_rows_(name, dense.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))
+        elif param.dtype == torch.uint8:  # MXFP4 experts (layers/moe.py): any codes, scales near DUMMY_RANGE
             if id(param) in mxfp4_scales:
                 param.fill_(127 - 10)  # 2^-10, so weights stay below 6 * 2^-10
             else:
@@ -49,9 +57,17 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             layer.load_dense_(dense.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))
 
 
-def _mxfp4_scales(model: nn.Module) -> list[torch.Tensor]:
-    from overnight.layers.moe import Experts
+def _fp8_expert_stacks(model: nn.Module) -> dict[int, tuple[Experts, str]]:
+    """id(projection) -> (its Experts, its name) for experts held as e4m3 while loading."""
+    return {
+        id(getattr(m, name)): (m, name)
+        for m in model.modules()
+        if isinstance(m, Experts) and m.stores_fp8
+        for name in ("gate_up_proj", "down_proj")
+    }
 
+
+def _mxfp4_scales(model: nn.Module) -> list[torch.Tensor]:
     return [
         t
         for m in model.modules()

@@ -15,7 +15,7 @@ import torch
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError
-from overnight.quant.apply import keeps_int_packed
+from overnight.quant.apply import experts_fp8_at_load, keeps_int_packed
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme
 
@@ -32,12 +32,23 @@ def weight_bytes(
 ) -> int:
     """Bytes the weights of `arch` take while loading in `dtype`; fp8_linear: with FP8 projections (an
     FP8 checkpoint or quantization="fp8"; GGUF is dequantized to dtype); loaded: once loaded, when FP8
-    MoE experts have been quantized (they load in dtype: layers/moe.py); int_linear: (bits, group size
-    or 0, experts packed) of packed integer projections (an AWQ / GPTQ / compressed-tensors int
-    checkpoint on a GPU)."""
+    MoE experts have been quantized (they load in dtype: layers/moe.py, unless the family holds them as
+    e4m3 while loading: its experts_fp8_at_load); int_linear: (bits, group size or 0, experts packed)
+    of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU)."""
+    fp8_experts = fp8_linear and (loaded or _experts_fp8_at_load(arch))
     return arch.weight_bytes(
-        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_linear and loaded, int_linear=int_linear
+        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_experts, int_linear=int_linear
     )
+
+
+def _experts_fp8_at_load(arch: ModelArch) -> bool:
+    from overnight.errors import ModelLoadError
+    from overnight.models.registry import model_class_for
+
+    try:
+        return bool(arch.num_experts) and experts_fp8_at_load(model_class_for(arch))
+    except ModelLoadError:  # an architecture no class implements (shape-only tests)
+        return False
 
 
 def linear_formats(

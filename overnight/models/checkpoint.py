@@ -15,6 +15,7 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ def _checkpoint_names(
     return {pname: (pname, None, None)}
 
 
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
@@ -134,6 +136,8 @@ class PackedModel(Protocol):
     checkpoint_kv_scales: dict[int, tuple[float, float]]
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+
+    def get_submodule(self, target: str) -> nn.Module: ...
 
 
 @torch.no_grad()
@@ -174,6 +178,7 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
         target = params[pname].data
         if expert is not None:
             target = target[expert]
+        start = 0
         if shard is not None:
             start, rows = _shard_range(arch, shard, in_expert=expert is not None)
             target = target.narrow(0, start, rows)
@@ -182,7 +187,14 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
                 f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
                 f"the model expects {list(target.shape)} (does config.json match the weights?)"
             )
-        target.copy_(tensor)
+        if expert is not None and target.dtype == torch.float8_e4m3fn and tensor.dtype in _FLOAT_DTYPES:
+            # Experts held as e4m3 while loading (layers/moe.py store_fp8_): quantized per row here.
+            stack, _, leaf = pname.rpartition(".")
+            experts = model.get_submodule(stack)
+            assert isinstance(experts, Experts)
+            experts.load_fp8_rows_(leaf, tensor, expert, start)
+        else:
+            target.copy_(tensor)
         seen.add(name)
 
     model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}

@@ -1,6 +1,6 @@
 """The ModelArch fields of config.json where a dense family differs from Llama: RoPE (every scaling type,
 per layer kind), windows, partial / interleaved rotation, NoPE layers, norm placement, Granite's
-multipliers, Mixtral's experts, and the text model of a Mistral 3 checkpoint. One small function per
+multipliers, Mixtral's and GLM-4.5's experts, and the text model of a Mistral 3 checkpoint. One small function per
 family (FAMILY_FIELDS); models/registry.py reads the fields all families share.
 """
 
@@ -196,6 +196,58 @@ def _glm4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5 / 4.6: q/k/v biases (attention_bias) and none on o_proj, optional per-head q/k norms,
+    partial rotate-half RoPE (not GLM-4's interleaved pairs), the first first_k_dense_replace layers
+    dense, the others routed experts plus n_shared_experts ungated shared experts, and the grouped
+    sigmoid router (layers/moe_grouped_router.py)."""
+    params = cfg.get("rope_parameters") or {}
+    if "partial_rotary_factor" not in params and "partial_rotary_factor" not in cfg:
+        cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' default for GLM-4.5
+    experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        raise ModelLoadError("config.json lacks required field 'n_routed_experts'")
+    if "moe_intermediate_size" not in cfg:
+        raise ModelLoadError("config.json lacks required field 'moe_intermediate_size'")
+    inter, top_k = int(cfg["moe_intermediate_size"]), int(cfg.get("num_experts_per_tok") or 0)
+    groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
+    shared, dense = int(cfg.get("n_shared_experts", 1) or 0), int(cfg.get("first_k_dense_replace", 1))
+    scaling = float(cfg.get("routed_scaling_factor", 1.0))
+    problems = []
+    if groups < 1 or experts % groups or experts // groups < 2:
+        problems.append(f"n_group {groups} must split n_routed_experts {experts} into groups of 2 or more")
+    elif not 1 <= topk_groups <= groups:
+        problems.append(f"topk_group must be in 1..n_group ({groups}), got {topk_groups}")
+    elif not 1 <= top_k <= topk_groups * (experts // groups):
+        problems.append(
+            f"num_experts_per_tok must be in 1..{topk_groups * (experts // groups)} (the experts of the "
+            f"topk_group best groups), got {top_k}"
+        )
+    if inter <= 0 or shared < 0 or dense < 0 or not scaling > 0:
+        problems.append(
+            "moe_intermediate_size and routed_scaling_factor must be positive, n_shared_experts and "
+            "first_k_dense_replace not negative"
+        )
+    if problems:
+        raise ModelLoadError("; ".join(problems))
+    return dict(
+        o_proj_bias=False,
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        partial_rotary_factor=_partial_rotary(cfg),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        mlp_only_layers=tuple(range(min(dense, int(cfg["num_hidden_layers"])))),
+        shared_expert_intermediate_size=shared * inter,
+        shared_expert_gated=False,
+        router_scoring="sigmoid",
+        n_group=groups,
+        topk_group=topk_groups,
+        routed_scaling_factor=scaling,
+    )
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal checkpoint (Mistral 3: Mistral or Ministral 3 inside).
     Whether the LM head is tied is the top level's say (transformers ties by it, default true)."""
@@ -224,6 +276,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "smollm3": _smollm3_fields,
     "granite": _granite_fields,
     "glm4": _glm4_fields,
+    "glm4_moe": _glm4_moe_fields,
 }
 TEXT_CONFIG_FAMILIES = ("mistral3",)
 WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)

@@ -14,6 +14,7 @@ from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
 from overnight.models.gemma_vl import Gemma3ForConditionalGeneration
+from overnight.models.glm4_moe import Glm4MoeForCausalLM
 from overnight.models.gpt_oss import GptOssForCausalLM
 from overnight.models.hf_config import (
     TEXT_CONFIG_FAMILIES,
@@ -57,6 +58,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "smollm3": LlamaForCausalLM,
     "granite": LlamaForCausalLM,
     "glm4": LlamaForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
@@ -92,6 +94,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
+    "Glm4MoeForCausalLM": "glm4_moe",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",

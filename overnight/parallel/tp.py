@@ -9,7 +9,10 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     experts     every expert's gate/up rows and down columns of r's slice of the expert
                 intermediate size (like gate_up / down_proj); the weighted sum all-reduced; biases,
                 MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
-    router      (mlp.gate, mlp.router) replicated: every rank routes every token the same way
+    shared experts  (Qwen3-Next's shared_expert, GLM-4.5's shared_experts) their gate/up rows and
+                down columns of r's slice of shared_expert_intermediate_size
+    router      (mlp.gate, mlp.router; GLM-4.5's correction bias) replicated: every rank routes
+                every token the same way
     sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
@@ -218,8 +221,10 @@ class TPShards:
         a = self.arch
         if not TOWER_MODULES.isdisjoint(parts):  # replicated: every rank runs the whole tower
             return t
-        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*
-        ffn = "moe" if "experts" in parts else "shared" if "shared_expert" in parts else "ffn"
+        # a checkpoint's per-expert tensors: experts.N.*; the hybrids' shared expert: shared_expert.*,
+        # GLM-4.5's shared experts: shared_experts.*
+        shared = "shared_expert" in parts or "shared_experts" in parts
+        ffn = "moe" if "experts" in parts else "shared" if shared else "ffn"
         if is_gemma4(a):  # per-layer head sizes and widths: tp_gemma4.py
             per_layer = shard_gemma4_tensor(a, self.rank, self.world, parts, t)
             if per_layer is not None:
@@ -312,6 +317,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         row_parallel.add("out_proj")
     if is_gemma4(lm.arch):
         fused.add("q_proj")  # a KV-shared layer's own q projection
+    if lm.arch.shared_expert_intermediate_size:  # shared experts keep separate gate / up projections
+        fused |= {"gate_proj", "up_proj"}
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -453,6 +460,12 @@ def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int)
             target.copy_(shards.shard(name, codes.random_(0, 256, generator=gen)))
             continue
         layer = fp8_layers.get(name)
+        stack = model.get_submodule(name.rpartition(".")[0])
+        if isinstance(stack, Experts) and stack.stores_fp8:  # e4m3 while loading: the float stack drawn
+            full = torch.empty(param.shape, dtype=stack.compute_dtype, device=target.device)
+            full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+            stack.load_fp8_rows_(name.rpartition(".")[2], shards.shard(name, full))
+            continue
         dtype = param.dtype if layer is None else layer.out_dtype
         full = torch.empty(param.shape, dtype=dtype, device=target.device)
         full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)

@@ -16,7 +16,9 @@ itself.
 
 Stacked MoE experts (layers/moe.py) are not nn.Linear: they load in the compute dtype (an FP8
 checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) and quantize_experts
-turns them into e4m3 with per-row scales once every weight is in.
+turns them into e4m3 with per-row scales once every weight is in; or, in a model that declares
+`experts_fp8_at_load` (one whose experts would not fit the device in the compute dtype), they are
+e4m3 from the start and each expert tensor is quantized per row as it loads (the same bytes).
 
 Integer-weight checkpoints (quant/int_scheme.py) get WeightOnlyIntLinear / Int8Linear layers
 (quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU, and their
@@ -114,8 +116,18 @@ def quantize_model(
         _set_module(model, name, _quantized(module, scheme))
     if isinstance(scheme, IntScheme):
         _int_experts(model, scheme)
+    elif experts_fp8_at_load(model):  # e4m3 from the start, quantized as they load (layers/moe.py)
+        for module in model.modules():
+            if isinstance(module, QuantizedAfterLoad):
+                module.store_fp8_()
     _set_producers(model, True)
     return model
+
+
+def experts_fp8_at_load(model: nn.Module | type) -> bool:
+    """Whether a model (class) holds its FP8 experts as e4m3 while loading (its `experts_fp8_at_load`),
+    rather than in the compute dtype until quantize_experts."""
+    return bool(getattr(model, "experts_fp8_at_load", False))
 
 
 def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
@@ -163,6 +175,8 @@ class QuantizedAfterLoad(Protocol):
     Experts: quant/ cannot import layers/, which imports quant/)."""
 
     def quantize_fp8_(self) -> None: ...
+
+    def store_fp8_(self) -> None: ...
 
     def dequantize_(self) -> None: ...
 
