@@ -301,15 +301,20 @@ MOE_SHAPE = (128, 2048, 768, 8)  # experts, hidden, expert intermediate, top-k (
 MOE_TOKENS = (1, 16, 128, 512, 1024, 4096)
 MOE_COPIES, MOE_CALLS = 4, 8  # weight copies, calls (routings) a replay
 MOE_DEADLINE_S = 100.0
-_S16 = IntMoeTiles(64, 128, 1, 4, 3)  # scale after the dot, 16-row tiles
-_SW16 = IntMoeTiles(64, 128, 1, 4, 3, True, True)  # the same with swap_ab (wgmma m64n16)
-_B64 = (IntMoeTiles(64, 64, 8, 4, 4, False), IntMoeTiles(128, 64, 8, 4, 4, False))
-_B64_SWAP = (IntMoeTiles(64, 64, 8, 4, 4, False, True), IntMoeTiles(128, 64, 8, 4, 4, False, True))
-_B128 = (IntMoeTiles(64, 128, 8, 8, 3, False), IntMoeTiles(128, 64, 8, 8, 3, False))
+_A = IntMoeTiles(64, 128, 1, 4, 3)  # scale after the dot, mma.sync at 16/32 rows
+_A_SWAP = replace(_A, swap_ab=True)  # the same with swap_ab (wgmma m64n16/n32)
+_B64 = (IntMoeTiles(64, 128, 8, 4, 3, False), IntMoeTiles(128, 128, 8, 4, 3, False))
+_B64_K64 = (IntMoeTiles(64, 64, 8, 4, 4, False), IntMoeTiles(128, 64, 8, 4, 4, False))
+_B128 = (IntMoeTiles(128, 64, 8, 8, 3, False), IntMoeTiles(128, 128, 8, 8, 3, False))
+_B128_N64 = (IntMoeTiles(64, 128, 8, 8, 3, False), IntMoeTiles(128, 64, 8, 8, 3, False))
 
 
 def _rows(tokens: int) -> float:
     return tokens * MOE_SHAPE[3] / MOE_SHAPE[0]
+
+
+def _swapped(tiles: tuple[IntMoeTiles, IntMoeTiles]) -> tuple[IntMoeTiles, IntMoeTiles]:
+    return replace(tiles[0], swap_ab=True), replace(tiles[1], swap_ab=True)
 
 
 # name -> config for a token count (None: not run there). "default" is default_config's tier; "v1" the
@@ -318,28 +323,18 @@ def _rows(tokens: int) -> float:
 MOE_VARIANTS: dict[str, Callable[[int], W4A16MoeConfig | None]] = {
     "default": lambda t: moe_default_config(t, MOE_SHAPE[3], MOE_SHAPE[0]),
     "v1": lambda t: V1_CONFIG,
-    "m16": lambda t: W4A16MoeConfig(16, _S16, _S16) if _rows(t) <= 64 else None,
-    "m16-swap": lambda t: W4A16MoeConfig(16, _SW16, _SW16) if _rows(t) <= 16 else None,
-    "m16-grouped": lambda t: (
-        W4A16MoeConfig(16, replace(_S16, group_m=8), replace(_S16, group_m=8))
-        if 2 <= _rows(t) <= 16
-        else None
+    "m16": lambda t: W4A16MoeConfig(16, _A, _A) if _rows(t) <= 8 else None,
+    "m16-swap": lambda t: W4A16MoeConfig(16, _A_SWAP, _A_SWAP) if _rows(t) <= 64 else None,
+    "m32": lambda t: (
+        W4A16MoeConfig(32, replace(_A, block_k=64, num_stages=4), _A) if 4 <= _rows(t) <= 64 else None
     ),
-    "m32": lambda t: W4A16MoeConfig(32, IntMoeTiles(64, 64, 1, 4, 4), _S16) if 4 <= _rows(t) <= 64 else None,
+    "m32-swap": lambda t: W4A16MoeConfig(32, _A_SWAP, _A_SWAP) if 4 <= _rows(t) <= 64 else None,
     "m64": lambda t: W4A16MoeConfig(64, *_B64) if 8 <= _rows(t) else None,
-    "m64-swap": lambda t: W4A16MoeConfig(64, *_B64_SWAP) if 8 <= _rows(t) else None,
-    "m64-after": lambda t: (
-        W4A16MoeConfig(64, IntMoeTiles(64, 64, 8, 4, 4), IntMoeTiles(128, 64, 8, 4, 4))
-        if 8 <= _rows(t) <= 64
-        else None
-    ),
+    "m64-swap": lambda t: W4A16MoeConfig(64, *_swapped(_B64)) if 8 <= _rows(t) else None,
+    "m64-k64": lambda t: W4A16MoeConfig(64, *_B64_K64) if 8 <= _rows(t) else None,
     "m128": lambda t: W4A16MoeConfig(128, *_B128) if 32 <= _rows(t) else None,
-    "m128-bn128": lambda t: (
-        W4A16MoeConfig(128, IntMoeTiles(128, 64, 8, 8, 3, False), _B128[1]) if 32 <= _rows(t) else None
-    ),
-    "m128-swap": lambda t: (
-        W4A16MoeConfig(128, *(replace(x, swap_ab=True) for x in _B128)) if 32 <= _rows(t) else None
-    ),
+    "m128-n64": lambda t: W4A16MoeConfig(128, *_B128_N64) if 32 <= _rows(t) else None,
+    "m128-swap": lambda t: W4A16MoeConfig(128, *_swapped(_B128)) if 32 <= _rows(t) else None,
 }
 
 

@@ -28,7 +28,7 @@ def moe_case(block_m: int, tiles, gated: bool, kernel: str = "v2", has_zero: boo
     types = {p.name: "*i32" for p in fn.params if p.name.endswith("_ptr")}
     types.update(a_ptr="*bf16", s_ptr="*fp32", z_ptr="*fp32", out_ptr="*bf16", topk_weights_ptr="*fp32")
     cx = dict(
-        A_DIV=1, GATED=gated, MUL_WEIGHT=not gated, BITS=4, GROUP=group, HAS_ZERO=has_zero,
+        A_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BITS=4, GROUP=group, HAS_ZERO=has_zero,
         BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(group, tiles.block_k),
         DOT_PRECISION="tf32",
     )  # fmt: skip

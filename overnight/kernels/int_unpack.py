@@ -10,40 +10,50 @@ import triton.language as tl
 
 
 @triton.jit
-def _field(words, j: tl.constexpr, BITS: tl.constexpr, SIGNED: tl.constexpr, BIAS: tl.constexpr):
-    """Value j of each word as float32, minus BIAS - 2^23 (exact): the code's bits are put under the
-    exponent of 2^23, so the float is 2^23 + code, and one add removes it: two integer ops (a shift, a
-    fused and-or) and a float add, where an int-to-float conversion runs at a quarter of their rate.
-    BIAS 0 keeps the raw 2^23 + code (the caller subtracts 2^23 + zero point in one op). Signed (two's
-    complement) codes are first moved to offset binary by flipping their top bit."""
-    u = (words >> (j * BITS)) & ((1 << BITS) - 1)
-    if SIGNED:
-        u = u ^ (1 << (BITS - 1))
-    if BIAS == 0:
-        return (u | 0x4B000000).to(tl.float32, bitcast=True)
-    return (u | 0x4B000000).to(tl.float32, bitcast=True) - BIAS
+def _field(words, high, j: tl.constexpr, BITS: tl.constexpr, offset):
+    """Value j of each word minus `offset` (a float, or per row [R, 1]), as exact float32. The field is
+    masked where it lies, in the word's low half (`words`) or its high half (`high`, the word shifted
+    right by 16 once), and put under the exponent of 2^23 by the same fused and-or: the float is
+    2^23 + code * 2^S, S the field's shift within its half (S + BITS <= 16, inside the mantissa). One
+    fused multiply-add by 2^-S with -(2^(23-S) + offset) leaves code - offset: one integer op and one
+    float op a value, where a shift, an and, an or and an int-to-float conversion (a quarter of the
+    ALU rate) would be four, the integer ones at half the float rate on Hopper. Exact when the offset
+    is an integer (zero points are codes)."""
+    HALF: tl.constexpr = 16 // BITS
+    S: tl.constexpr = (j % HALF) * BITS
+    KEEP: tl.constexpr = 0x4B000000 | (((1 << BITS) - 1) << S)
+    if j < HALF:
+        raw = words & KEEP
+    else:
+        raw = high & KEEP
+    return raw.to(tl.float32, bitcast=True) * (1.0 / (1 << S)) - ((8388608.0 / (1 << S)) + offset)
 
 
 @triton.jit
-def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr, CENTERED: tl.constexpr, RAW: tl.constexpr):
-    """[R, W] words -> [R, W * P] float32 values, value j of word w at column w * P + j (the packed
-    order): the codes, with CENTERED the codes minus 2^(BITS-1) (symmetric or signed codes), with RAW
-    2^23 + the codes (_field's BIAS 0). Built
-    by interleaving (a join on a new innermost dim and a reshape merging it): each thread keeps its own
-    words' values in registers, with no shared-memory round trip a 3-D reshape would cost."""
-    BIAS: tl.constexpr = 0.0 if RAW else 8388608.0 + ((1 << (BITS - 1)) if CENTERED else 0)
+def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr, offset):
+    """[R, W] int32 words -> [R, W * P] float32 values, value j of word w at column w * P + j (the
+    packed order): the codes minus `offset` (a float: 2^(BITS-1) for symmetric or signed codes; or
+    zero points [R, 1]). Signed (two's complement) codes are first moved to offset binary by flipping
+    each field's top bit, one xor a word. Built by interleaving (a join on a new innermost dim and a
+    reshape merging it): each thread keeps its own words' values in registers, with no shared-memory
+    round trip a 3-D reshape would cost."""
+    u = words.to(tl.uint32, bitcast=True)
+    if SIGNED:
+        u = u ^ (0x88888888 if BITS == 4 else 0x80808080)
+    high = (u >> 16) | 0x4B000000
+    u = (u & 0xFFFF) | 0x4B000000
     if BITS == 4:
         even = tl.interleave(
-            tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 4, BITS, SIGNED, BIAS)),
-            tl.interleave(_field(words, 2, BITS, SIGNED, BIAS), _field(words, 6, BITS, SIGNED, BIAS)),
+            tl.interleave(_field(u, high, 0, BITS, offset), _field(u, high, 4, BITS, offset)),
+            tl.interleave(_field(u, high, 2, BITS, offset), _field(u, high, 6, BITS, offset)),
         )
         odd = tl.interleave(
-            tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 5, BITS, SIGNED, BIAS)),
-            tl.interleave(_field(words, 3, BITS, SIGNED, BIAS), _field(words, 7, BITS, SIGNED, BIAS)),
+            tl.interleave(_field(u, high, 1, BITS, offset), _field(u, high, 5, BITS, offset)),
+            tl.interleave(_field(u, high, 3, BITS, offset), _field(u, high, 7, BITS, offset)),
         )
     else:
-        even = tl.interleave(_field(words, 0, BITS, SIGNED, BIAS), _field(words, 2, BITS, SIGNED, BIAS))
-        odd = tl.interleave(_field(words, 1, BITS, SIGNED, BIAS), _field(words, 3, BITS, SIGNED, BIAS))
+        even = tl.interleave(_field(u, high, 0, BITS, offset), _field(u, high, 2, BITS, offset))
+        odd = tl.interleave(_field(u, high, 1, BITS, offset), _field(u, high, 3, BITS, offset))
     return tl.interleave(even, odd)
 
 
@@ -68,10 +78,10 @@ def _int_weight_step(
     integers exact in x's dtype, and its fp32 product is scaled per weight row (BM * BN multiplies
     instead of BN * BK, but the accumulator is read back each step, so wgmma cannot chain); otherwise
     each weight is scaled and rounded to x's dtype first (the reference's rounding)."""
-    if HAS_ZERO:  # 2^23 + code - (2^23 + zero): one subtraction, exact for integer zero points < 2^23
-        vals = _unpack(words, BITS, SIGNED, False, True) - (zero + 8388608.0)[:, None]
-    else:
-        vals = _unpack(words, BITS, SIGNED, True, False)
+    if HAS_ZERO:
+        vals = _unpack(words, BITS, SIGNED, zero[:, None])
+    else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
+        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
     if SCALE_AFTER:
         w = vals.to(x.dtype)
         if SWAP_AB:

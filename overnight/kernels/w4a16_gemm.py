@@ -240,11 +240,10 @@ def _dequant_kernel(
     kw = tl.multiple_of(k0 // PER, WORDS)
     words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + (kw + tl.arange(0, WORDS))[None, :])
     g = k0 // GROUP
-    if HAS_ZERO:  # 2^23 + code - (2^23 + zero), as in _int_weight_step
-        zero = tl.load(z_ptr + rows_n * stride_sn + g)
-        vals = _unpack(words, BITS, SIGNED, False, True) - (zero + 8388608.0)[:, None]
+    if HAS_ZERO:
+        vals = _unpack(words, BITS, SIGNED, tl.load(z_ptr + rows_n * stride_sn + g)[:, None])
     else:
-        vals = _unpack(words, BITS, SIGNED, True, False)
+        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
     w = vals * tl.load(s_ptr + rows_n * stride_sn + g)[:, None]
     out = w_ptr + offs_n[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=offs_n[:, None] < N)

@@ -75,24 +75,27 @@ class W4A16MoeConfig:
             raise ValueError(f"block_m must be 16, 32, 64 or 128, got {self.block_m}")
 
 
-_SMALL = IntMoeTiles(64, 128, 1, 4, 3)
+_V1 = IntMoeTiles(64, 128, 1, 4, 3)
 # The first version as it ran (BLOCK_M 16 at every size).
-V1_CONFIG = W4A16MoeConfig(16, _SMALL, _SMALL, kernel="v1")
+V1_CONFIG = W4A16MoeConfig(16, _V1, _V1, kernel="v1")
+_SWAP = IntMoeTiles(64, 128, 1, 4, 3, True, True)
 # The default by the rows each expert gets on average, tokens * top_k / experts (Qwen3-30B-A3B: tokens /
-# 16): the first tier whose bound is >= it. Up to a few rows the GEMMs stream the hit experts' words
-# (scale_after, 16-row tiles, mma.sync); past that BLOCK_M grows with the rows, so each word is
-# unpacked once per BLOCK_M rows, and 64- and 128-row tiles run wgmma with the scale applied to the
-# weights (the accumulator chains from step to step). The gated GEMM keeps two accumulators, so its
-# column tile is half the down GEMM's. Each tile was read compiled for sm_90 (registers, no spills,
-# 16-byte copies, wgmma: tests/test_kernels_w4a16_moe_sm90.py); bench/w4a16_variants_gpu.py's MoE
-# section prints the winners per token count in this form.
+# 16): the first tier whose bound is >= it. BLOCK_M grows with the rows, so each word is unpacked once
+# per BLOCK_M rows (the first version's fault). Up to 24 rows: swap_ab with the scale after the dot
+# (wgmma m64n16/n32, the weight the register operand); compiled for sm_90 it issues 545 instructions a
+# gated K step of 16 rows against 731 for the same tile unswapped (mma.sync, whose operand shuffles
+# cost ~180 integer moves) and 1,032 for the first version. From 64 rows: wgmma with the scale on the
+# weights (the accumulator chains), gated column tiles as wide as the registers allow (two
+# accumulators), ~5-6 instructions a weight element. All read compiled for sm_90: no spills, 16-byte
+# copies, wgmma (tests/test_kernels_w4a16_moe_sm90.py). bench/w4a16_variants_gpu.py --moe prints the
+# winners per token count as lines of this table.
 TIERS: tuple[tuple[float, W4A16MoeConfig], ...] = (
-    (8, W4A16MoeConfig(16, _SMALL, _SMALL)),
-    (24, W4A16MoeConfig(32, IntMoeTiles(64, 64, 1, 4, 4), IntMoeTiles(64, 128, 1, 4, 3))),
-    (64, W4A16MoeConfig(64, IntMoeTiles(64, 64, 8, 4, 4, False), IntMoeTiles(128, 64, 8, 4, 4, False))),
+    (8, W4A16MoeConfig(16, _SWAP, _SWAP)),
+    (24, W4A16MoeConfig(32, _SWAP, _SWAP)),
+    (64, W4A16MoeConfig(64, IntMoeTiles(64, 128, 8, 4, 3, False), IntMoeTiles(128, 128, 8, 4, 3, False))),
     (
         float("inf"),
-        W4A16MoeConfig(128, IntMoeTiles(64, 128, 8, 8, 3, False), IntMoeTiles(128, 64, 8, 8, 3, False)),
+        W4A16MoeConfig(128, IntMoeTiles(128, 64, 8, 8, 3, False), IntMoeTiles(128, 128, 8, 8, 3, False)),
     ),
 )
 
