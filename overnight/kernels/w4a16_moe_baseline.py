@@ -22,6 +22,12 @@ BLOCK_K = 128, 4 warps, 3 stages. Compiled for sm_90 on the CPU (tests/sm90.py; 
   tiles, this one stays ALU-bound at small ones.
 - Programs sweep all N tiles of one row tile before the next (no grouping): the expert's weight tile
   is re-read from L2 or DRAM by each of its row tiles.
+
+In SASS (cuobjdump of the same cubin) a gated K step of 16 rows issues 1,032 instructions a thread for
+its 128 weights: 128 I2FP (the conversions, 1/8 of the FP32 rate), 128 STS (scalar shared stores), 130
+SHF + 129 LOP3, 128 FADD + 128 FMUL. Calibration: at that rate, 16 tokens (82 experts, one 16-row tile
+each) dequantize for ~200 us against the bf16 kernel's ~260 us stream, 1.3x, and 512 tokens (about 2.5
+tiles an expert) ~770 us, 0.57x: what was measured.
 """
 
 from __future__ import annotations
