@@ -324,6 +324,9 @@ MOE_VARIANTS: dict[str, Callable[[int], W4A16MoeConfig | None]] = {
     "default": lambda t: moe_default_config(t, MOE_SHAPE[3], MOE_SHAPE[0]),
     "v1": lambda t: V1_CONFIG,
     "m16": lambda t: W4A16MoeConfig(16, _A, _A) if _rows(t) <= 8 else None,
+    "m16-n32": lambda t: (
+        W4A16MoeConfig(16, replace(_A, block_n=32, num_stages=4), _A) if _rows(t) <= 1 else None
+    ),
     "m16-swap": lambda t: W4A16MoeConfig(16, _A_SWAP, _A_SWAP) if _rows(t) <= 64 else None,
     "m32": lambda t: (
         W4A16MoeConfig(32, replace(_A, block_k=64, num_stages=4), _A) if 4 <= _rows(t) <= 64 else None
