@@ -1,7 +1,8 @@
 """The integer-weight GEMM variants side by side on one GPU, to pick the defaults: one call, ~2-3 minutes
-with Triton's compilation.
+with Triton's compilation (the MoE section alone, --moe: under 2 minutes).
 
 Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants_gpu.py [--skip-int8]
+                                        PYTHONPATH=. python bench/w4a16_variants_gpu.py --moe
 
 1. Correctness (bf16): every W4A16 variant against w4a16_gemm_ref at the o shape (4096 x 4096), int4
    groups of 128 with and without zero points, M in {1, 16, 64, 256}; every W8A8 path against the W8A8
@@ -18,6 +19,17 @@ Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants
    KERNEL, LARGE_M_PATH, DEQUANT_GEMM_MIN_M, DEQUANT_KERNEL) and kernels/int8_gemm.py's
    (W8A16_MAX_M, LARGE_PATH).
 
+4. --moe instead of 1-3: the packed int4 MoE experts (kernels/w4a16_moe.py) at Qwen3-30B-A3B's shapes
+   (128 experts, top-8, hidden 2048, expert intermediate 768, int4 groups of 128), zero points and
+   symmetric, x tokens in {1, 16, 128, 512, 1024, 4096}: every variant of MOE_VARIANTS against
+   w4a16_fused_experts_ref (relative error < 1e-2 of the largest output) and timed against the bf16
+   fused MoE (kernels/fused_moe.py, its tuned or default tiles) on the same routing, the whole layer
+   (alignment, two GEMMs, sum) in a CUDA graph, MOE_CALLS calls a replay, each on its own routing and
+   one of MOE_COPIES weight copies (so no call finds its experts in L2), median of 10 replays. Prints
+   us and x bf16 per (tokens, variant) with and without zero points, the best variant per token count
+   and its W4A16MoeConfig as a TIERS line (rows per expert = tokens * 8 / 128). A deadline
+   (MOE_DEADLINE_S) skips the variants not yet timed rather than overrun.
+
 Prints tables, then one JSON line.
 """
 
@@ -30,6 +42,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +57,14 @@ from overnight.kernels.w4a16_gemm import (  # noqa: E402
     w4a16_gemm_ref,
     w4a16_linear,
 )
+from overnight.kernels.w4a16_moe import (  # noqa: E402
+    V1_CONFIG,
+    IntMoeTiles,
+    W4A16MoeConfig,
+    w4a16_fused_experts,
+    w4a16_fused_experts_ref,
+)
+from overnight.kernels.w4a16_moe import default_config as moe_default_config  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 16, 64, 256, 1024)
@@ -275,11 +296,164 @@ def summary(table: list[dict]) -> None:
     RESULTS["best"] = best
 
 
+# -- MoE experts (section 4) ------------------------------------------------------------------------
+MOE_SHAPE = (128, 2048, 768, 8)  # experts, hidden, expert intermediate, top-k (Qwen3-30B-A3B)
+MOE_TOKENS = (1, 16, 128, 512, 1024, 4096)
+MOE_COPIES, MOE_CALLS = 4, 8  # weight copies, calls (routings) a replay
+MOE_DEADLINE_S = 100.0
+_A = IntMoeTiles(64, 128, 1, 4, 3)  # scale after the dot, mma.sync at 16/32 rows
+_A_SWAP = replace(_A, swap_ab=True)  # the same with swap_ab (wgmma m64n16/n32)
+_B64 = (IntMoeTiles(64, 128, 8, 4, 3, False), IntMoeTiles(128, 128, 8, 4, 3, False))
+_B64_K64 = (IntMoeTiles(64, 64, 8, 4, 4, False), IntMoeTiles(128, 64, 8, 4, 4, False))
+_B128 = (IntMoeTiles(128, 64, 8, 8, 3, False), IntMoeTiles(128, 128, 8, 8, 3, False))
+_B128_N64 = (IntMoeTiles(64, 128, 8, 8, 3, False), IntMoeTiles(128, 64, 8, 8, 3, False))
+
+
+def _rows(tokens: int) -> float:
+    return tokens * MOE_SHAPE[3] / MOE_SHAPE[0]
+
+
+def _swapped(tiles: tuple[IntMoeTiles, IntMoeTiles]) -> tuple[IntMoeTiles, IntMoeTiles]:
+    return replace(tiles[0], swap_ab=True), replace(tiles[1], swap_ab=True)
+
+
+# name -> config for a token count (None: not run there). "default" is default_config's tier; "v1" the
+# first version (BLOCK_M 16, scalar shared stores, cvt). The others pin one BLOCK_M with its options, in
+# the token range where that BLOCK_M is a candidate (by rows per expert).
+MOE_VARIANTS: dict[str, Callable[[int], W4A16MoeConfig | None]] = {
+    "default": lambda t: moe_default_config(t, MOE_SHAPE[3], MOE_SHAPE[0]),
+    "v1": lambda t: V1_CONFIG,
+    "m16": lambda t: W4A16MoeConfig(16, _A, _A) if _rows(t) <= 8 else None,
+    "m16-n32": lambda t: (
+        W4A16MoeConfig(16, replace(_A, block_n=32, num_stages=4), _A) if _rows(t) <= 1 else None
+    ),
+    "m16-swap": lambda t: W4A16MoeConfig(16, _A_SWAP, _A_SWAP) if _rows(t) <= 64 else None,
+    "m32": lambda t: (
+        W4A16MoeConfig(32, replace(_A, block_k=64, num_stages=4), _A) if 4 <= _rows(t) <= 64 else None
+    ),
+    "m32-swap": lambda t: W4A16MoeConfig(32, _A_SWAP, _A_SWAP) if 4 <= _rows(t) <= 64 else None,
+    "m64": lambda t: W4A16MoeConfig(64, *_B64) if 8 <= _rows(t) else None,
+    "m64-swap": lambda t: W4A16MoeConfig(64, *_swapped(_B64)) if 8 <= _rows(t) else None,
+    "m64-k64": lambda t: W4A16MoeConfig(64, *_B64_K64) if 8 <= _rows(t) else None,
+    "m128": lambda t: W4A16MoeConfig(128, *_B128) if 32 <= _rows(t) else None,
+    "m128-n64": lambda t: W4A16MoeConfig(128, *_B128_N64) if 32 <= _rows(t) else None,
+    "m128-swap": lambda t: W4A16MoeConfig(128, *_swapped(_B128)) if 32 <= _rows(t) else None,
+}
+
+
+def moe_stack(n: int, k: int, zeros: bool, seed: int):
+    words, scale, zero = int4_weight(MOE_SHAPE[0] * n, k, zeros, seed)
+    return (
+        words.view(MOE_SHAPE[0], n, -1),
+        scale.view(MOE_SHAPE[0], n, -1),
+        (zero.view(MOE_SHAPE[0], n, -1) if zero is not None else None),
+    )
+
+
+def routing(tokens: int, seed: int):
+    gen = torch.Generator(DEVICE).manual_seed(1000 + seed)
+    logits = torch.randn(tokens, MOE_SHAPE[0], generator=gen, device=DEVICE)
+    weights, ids = torch.topk(logits.softmax(-1), MOE_SHAPE[3])
+    return weights, ids.int()
+
+
+@section
+def moe_times() -> None:
+    from overnight.kernels.fused_moe import fused_experts
+    from overnight.kernels.w4a16_moe import dequantize_experts_ref
+
+    e, hidden, inter, _ = MOE_SHAPE
+    stacks = [
+        (moe_stack(2 * inter, hidden, True, 2 * i), moe_stack(hidden, inter, True, 2 * i + 1))
+        for i in range(MOE_COPIES)
+    ]
+    bf16 = [tuple(dequantize_experts_ref(*p, 4, GROUP, DTYPE) for p in pair) for pair in stacks]
+    table: list[dict] = []
+    deadline = time.time() + MOE_DEADLINE_S
+    bad = []
+    for tokens in MOE_TOKENS:
+        xs = [torch.randn(tokens, hidden, device=DEVICE, dtype=DTYPE) for _ in range(MOE_CALLS)]
+        routes = [routing(tokens, i) for i in range(MOE_CALLS)]
+        t_bf16 = graph_time(
+            [
+                lambda i=i, x=x, r=r: fused_experts(x, *bf16[i % MOE_COPIES], *r)
+                for i, (x, r) in enumerate(zip(xs, routes))
+            ]
+        )
+        rec = {"tokens": tokens, "variant": "bf16", "us": t_bf16}
+        table.append(rec)
+        print(f"tokens {tokens:5d}  {'bf16':12s} {t_bf16:9.1f} us", flush=True)
+        for name, make in MOE_VARIANTS.items():
+            cfg = make(tokens)
+            if cfg is None or (time.time() > deadline and name not in ("default", "v1")):
+                continue
+            rec = {"tokens": tokens, "variant": name, "config": repr(cfg)}
+            for zeros in (True, False):
+                tag = "zero" if zeros else "sym"
+                packed = [tuple(p if zeros else (p[0], p[1], None) for p in pair) for pair in stacks]
+                try:
+                    y = w4a16_fused_experts(xs[0], *packed[0], 4, (GROUP, GROUP), *routes[0], config=cfg)
+                    ref = w4a16_fused_experts_ref(xs[0], *packed[0], 4, (GROUP, GROUP), *routes[0])
+                    rec[f"err_{tag}"] = err = rel_err(y, ref)
+                    if not err < 1e-2:
+                        bad.append((name, tokens, tag, err))
+                    calls = [
+                        lambda i=i, x=x, r=r, p=packed, c=cfg: w4a16_fused_experts(
+                            x, *p[i % MOE_COPIES], 4, (GROUP, GROUP), *r, config=c
+                        )
+                        for i, (x, r) in enumerate(zip(xs, routes))
+                    ]
+                    rec[f"us_{tag}"] = graph_time(calls)
+                    rec[f"x_{tag}"] = t_bf16 / rec[f"us_{tag}"]
+                except Exception as exc:
+                    rec[f"failed_{tag}"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            table.append(rec)
+            cells = "  ".join(
+                f"{tag} {rec[f'us_{tag}']:8.1f} us x{rec[f'x_{tag}']:5.2f} err {rec[f'err_{tag}']:.0e}"
+                if f"us_{tag}" in rec
+                else f"{tag} failed: {rec.get(f'failed_{tag}')}"
+                for tag in ("zero", "sym")
+            )
+            print(f"tokens {tokens:5d}  {name:12s} {cells}", flush=True)
+    RESULTS["moe_correctness"] = "ok" if not bad else bad
+    RESULTS["moe_times"] = table
+    print(f"correctness failures: {bad or 'none'}")
+    moe_summary(table)
+
+
+def moe_summary(table: list[dict]) -> None:
+    """Per token count the variant with the best geometric mean of x bf16 over zero / sym, and the
+    TIERS line that would make it the default (bound: that count's rows per expert)."""
+    print("\n== MoE: best variant per token count (geometric mean of zero and sym x bf16) ==")
+    best = {}
+    for tokens in MOE_TOKENS:
+        rows = [r for r in table if r["tokens"] == tokens and "x_zero" in r and "x_sym" in r]
+        if not rows:
+            continue
+        top = max(rows, key=lambda r: r["x_zero"] * r["x_sym"])
+        default = next((r for r in rows if r["variant"] == "default"), top)
+        v1 = next((r for r in rows if r["variant"] == "v1"), top)
+        gm = lambda r: math.sqrt(r["x_zero"] * r["x_sym"])  # noqa: E731
+        print(
+            f"tokens {tokens:5d}: best {top['variant']:12s} x{gm(top):5.2f}  (default x{gm(default):5.2f}, "
+            f"v1 x{gm(v1):5.2f})\n    ({_rows(tokens):g}, {top['config']}),"
+        )
+        best[tokens] = top["variant"]
+    RESULTS["moe_best"] = best
+
+
 if __name__ == "__main__":
     skip = "--skip-int8" in sys.argv
     t0 = time.time()
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    correctness(skip)
-    times(skip)
+    if "--moe" in sys.argv:
+        from overnight.bench.gpu_info import sm_clock_now
+
+        print(f"SM clock (now, max): {sm_clock_now()}", flush=True)
+        moe_times()
+        print(f"SM clock (now, max): {sm_clock_now()}", flush=True)
+    else:
+        correctness(skip)
+        times(skip)
     print(f"total {time.time() - t0:.0f} s")
     print(json.dumps(RESULTS))

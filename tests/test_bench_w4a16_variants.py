@@ -52,3 +52,27 @@ def test_variants_bench_runs_on_cpu(bench, capsys):
     assert small | large | {"bf16", "w8a8:int_mm", "w8a8:triton", "w8a8:w8a16"} == variants
     assert len(table) == 2 * (len(small) + 1 + 3) + 2 * (len(large) + 1 + 2)
     assert "best per (shape, M)" in out and bench.RESULTS["best"]
+
+
+@pytest.mark.slow  # ~10 s of the interpreter
+def test_moe_section_runs_on_cpu(bench, monkeypatch, capsys):
+    """Section 4 (--moe) on tiny experts: every MoE variant passes its check against the reference, is
+    timed with and without zero points, and the summary prints a TIERS line per token count."""
+    monkeypatch.setattr(bench, "MOE_SHAPE", (2, 32, 32, 2))  # 2 experts, top-2: rows per expert = tokens
+    monkeypatch.setattr(bench, "MOE_TOKENS", (1, 40))  # between them, every variant runs
+    monkeypatch.setattr(bench, "MOE_COPIES", 1)
+    monkeypatch.setattr(bench, "MOE_CALLS", 1)
+    monkeypatch.setattr(bench, "GROUP", 32)
+    bench.moe_times()
+    out = capsys.readouterr().out
+    assert bench.RESULTS["moe_correctness"] == "ok", out
+    assert "failed" not in out, out
+    table = bench.RESULTS["moe_times"]
+    assert {r["variant"] for r in table} == set(bench.MOE_VARIANTS) | {"bf16"}
+    for tokens in (1, 40):
+        ran = {r["variant"] for r in table if r["tokens"] == tokens}
+        expected = {n for n, make in bench.MOE_VARIANTS.items() if make(tokens) is not None} | {"bf16"}
+        assert ran == expected, (tokens, ran, expected)
+    assert all("us_zero" in r and "us_sym" in r for r in table if r["variant"] != "bf16")
+    assert set(bench.RESULTS["moe_best"]) == {1, 40}
+    assert out.count("W4A16MoeConfig(block_m=") >= 2

@@ -230,6 +230,67 @@ def test_fused_experts_match_reference(bits, groups, zeros, tokens, dtype):
     torch.testing.assert_close(y.float() / scale, ref.float() / scale, atol=_tol(dtype), rtol=0)
 
 
+def _moe_variants() -> dict:
+    """Every tier, the first version, and the options the tiers leave out (swap_ab with the scale
+    before and after the dot, grouped tile order at 16 rows), at tiles the tiny shapes exercise."""
+    from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG, IntMoeTiles, W4A16MoeConfig
+
+    swap_after = IntMoeTiles(32, 64, 4, 4, 3, True, True)
+    swap_before = IntMoeTiles(64, 32, 2, 4, 2, False, True)
+    return {
+        "v1": V1_CONFIG,
+        **{f"tier-m{cfg.block_m}": cfg for _, cfg in TIERS},
+        "swap-after-m16": W4A16MoeConfig(16, swap_after, swap_after),
+        "swap-before-m64": W4A16MoeConfig(64, swap_before, swap_before),
+        "before-grouped-m16": W4A16MoeConfig(16, IntMoeTiles(32, 32, 2, 4, 2, False), swap_before),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(_moe_variants()))
+@pytest.mark.parametrize("zeros", [True, False])
+def test_every_moe_variant_matches_reference(variant, zeros, dtype):
+    """Each variant of the MoE GEMMs on one routing: 4 experts, 25 tokens x top-2 (runs of about 12 rows,
+    so several tiles at 16 rows and padding at 64 and 128), an intermediate size (48) that no column tile
+    divides, and down's group of 16 (K steps of 16)."""
+    from overnight.kernels.w4a16_moe import w4a16_fused_experts, w4a16_fused_experts_ref
+
+    experts, hidden, inter, top_k, tokens, bits, groups = 4, 64, 48, 2, 25, 4, (32, 16)
+
+    def stack(n: int, k: int, group: int, seed: int):
+        layers = [_weight(n, k, bits, group, zeros, seed=seed + e) for e in range(experts)]
+        zero = torch.stack([z for _, _, z in layers]) if zeros else None  # type: ignore[misc]
+        return torch.stack([w for w, _, _ in layers]), torch.stack([s for _, s, _ in layers]) * 2, zero
+
+    gate_up, down = stack(2 * inter, hidden, groups[0], 0), stack(hidden, inter, groups[1], 50)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = torch.topk(torch.randn(tokens, experts, generator=gen).softmax(-1), top_k)
+    weights, ids = weights.to(DEVICE), ids.int().to(DEVICE)
+    cfg = _moe_variants()[variant]
+    y = w4a16_fused_experts(x, gate_up, down, bits, groups, weights, ids, config=cfg)
+    ref = w4a16_fused_experts_ref(x, gate_up, down, bits, groups, weights, ids)
+    scale = ref.float().abs().max()
+    assert y.dtype == dtype and y.shape == x.shape
+    torch.testing.assert_close(y.float() / scale, ref.float() / scale, atol=_tol(dtype), rtol=0)
+
+
+def test_moe_default_config_by_rows_per_expert(monkeypatch):
+    from overnight.kernels import w4a16_moe
+    from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG, IntMoeTiles, W4A16MoeConfig, default_config
+
+    # Qwen3-30B-A3B (128 experts, top-8): rows per expert = tokens / 16
+    picked = [default_config(t, 8, 128).block_m for t in (1, 16, 128, 129, 384, 512, 1024, 1025, 4096)]
+    assert picked == [16, 16, 16, 32, 32, 64, 64, 128, 128]
+    assert default_config(4096, 8, 128) == TIERS[-1][1] and default_config(1, 8, 128).kernel == "v2"
+    monkeypatch.setattr(w4a16_moe, "KERNEL", "v1")
+    assert default_config(4096, 8, 128) == V1_CONFIG
+    with pytest.raises(ValueError, match="unknown MoE int kernel"):
+        W4A16MoeConfig(16, IntMoeTiles(), IntMoeTiles(), kernel="v3")
+    with pytest.raises(ValueError, match="block_m must be"):
+        W4A16MoeConfig(48, IntMoeTiles(), IntMoeTiles())
+
+
 def test_moe_gemm_wrapper_checks_shapes():
     from overnight.kernels.moe_align import moe_align
     from overnight.kernels.w4a16_moe import w4a16_moe_gemm

@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.int_unpack import _sum_partials_kernel, _unpack
+from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
@@ -188,7 +188,6 @@ def _w4a16_kernel(
         x = tl.load(x_ptr + rows_m[:, None] * stride_xm + kx[None, :], mask=m_ok[:, None], other=0.0)
         kw = tl.max_contiguous(tl.multiple_of(k0 // PER + offs_w, WORDS), WORDS)
         words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + kw[None, :])
-        vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
         g = k0 // GROUP
         if SCALE_AFTER:
             # loaded one step ahead: Triton pipelines only loads that feed a dot, and this one's
@@ -198,19 +197,12 @@ def _w4a16_kernel(
         else:
             scale = tl.load(s_ptr + rows_n * stride_sn + g)
         if HAS_ZERO:
-            vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
-        if SCALE_AFTER:
-            w = vals.to(x.dtype)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+            zero = tl.load(z_ptr + rows_n * stride_sn + g)
         else:
-            w = (vals * scale[:, None]).to(x.dtype)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            zero = scale  # unread
+        acc = _int_weight_step(
+            acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION
+        )
     if SWAP_AB:
         acc = tl.trans(acc)
     ok = m_ok[:, None] & (offs_n[None, :] < N)
@@ -247,10 +239,11 @@ def _dequant_kernel(
     k0 = tl.multiple_of(tl.program_id(1) * BLOCK_K, BLOCK_K)
     kw = tl.multiple_of(k0 // PER, WORDS)
     words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + (kw + tl.arange(0, WORDS))[None, :])
-    vals = _unpack(words, BITS, SIGNED, SIGNED or not HAS_ZERO)
     g = k0 // GROUP
     if HAS_ZERO:
-        vals = vals - tl.load(z_ptr + rows_n * stride_sn + g)[:, None]
+        vals = _unpack(words, BITS, SIGNED, tl.load(z_ptr + rows_n * stride_sn + g)[:, None])
+    else:
+        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
     w = vals * tl.load(s_ptr + rows_n * stride_sn + g)[:, None]
     out = w_ptr + offs_n[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=offs_n[:, None] < N)

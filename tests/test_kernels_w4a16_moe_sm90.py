@@ -1,0 +1,94 @@
+"""The packed-int MoE GEMM's default tiles (kernels/w4a16_moe.py's TIERS) compile for the H100/H200
+(sm_90) and fit it, as tests/test_kernels_w4a16_sm90.py checks the dense W4A16 kernel: Triton's bundled
+compiler builds each cubin on the CPU (tests/sm90.py). Besides shared memory and spills it checks what
+made the first version slow (kernels/w4a16_moe_baseline.py's docstring): the packed words and a's rows
+must come by 16-byte copies, no code may be converted by cvt (the exponent trick instead), no
+dequantized tile stored to shared memory as scalars, and the tiles of 64 rows and more must use wgmma.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from tests.sm90 import SHARED_LIMIT, child_report, compile_for_sm90, compile_sm90
+
+pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
+
+SIZES = ("N", "K")  # model sizes: multiples of 16, as Triton sees them
+
+
+def moe_case(block_m: int, tiles, gated: bool, kernel: str = "v2", has_zero: bool = True, group: int = 128):
+    """The kernel, its argument types, constexprs, warps and stages for one GEMM of a config."""
+    from overnight.kernels.w4a16_moe import _block_k, _w4a16_moe_kernel, _w4a16_moe_kernel_v1
+
+    fn = _w4a16_moe_kernel_v1 if kernel == "v1" else _w4a16_moe_kernel
+    types = {p.name: "*i32" for p in fn.params if p.name.endswith("_ptr")}
+    types.update(a_ptr="*bf16", s_ptr="*fp32", z_ptr="*fp32", out_ptr="*bf16", topk_weights_ptr="*fp32")
+    cx = dict(
+        A_DIV=8 if gated else 1, GATED=gated, MUL_WEIGHT=not gated, BITS=4, GROUP=group, HAS_ZERO=has_zero,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=_block_k(group, tiles.block_k),
+        DOT_PRECISION="tf32",
+    )  # fmt: skip
+    if kernel != "v1":
+        cx.update(SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, GROUP_M=tiles.group_m)
+    return fn, types, cx, tiles.num_warps, tiles.num_stages
+
+
+def tier_cases() -> dict:
+    from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG
+
+    cases = {}
+    for _, cfg in TIERS:
+        for gemm, tiles, gated in (("gate_up", cfg.gemm1, True), ("down", cfg.gemm2, False)):
+            for zeros in (True, False):
+                name = f"m{cfg.block_m}-{gemm}-{'zero' if zeros else 'sym'}"
+                cases[name] = (cfg.block_m, tiles, gated, "v2", zeros)
+    cases["v1-m16-gate_up"] = (V1_CONFIG.block_m, V1_CONFIG.gemm1, True, "v1", True)
+    return cases
+
+
+def measure(case: tuple) -> list:
+    """[shared, registers, stack, 16-byte copies, int-to-float cvts, scalar 16-bit shared stores,
+    wgmma] of one case compiled for sm_90."""
+    kernel, types, cx, warps, stages = moe_case(*case)
+    shared, regs, stack = compile_sm90(kernel, types, cx, warps, stages, SIZES)
+    ptx = compile_for_sm90(kernel, types, cx, dict(num_warps=warps, num_stages=stages), SIZES).asm["ptx"]
+    wide = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10", ptx))
+    cvt = len(re.findall(r"cvt\.rn\.f32\.[su]32", ptx))
+    return [shared, regs, stack, wide, cvt, ptx.count("st.shared.b16"), ptx.count("wgmma.mma_async")]
+
+
+def report() -> None:
+    """The child process: each case's measure() or its error, as one JSON object."""
+    out: dict[str, object] = {}
+    for name, case in tier_cases().items():
+        try:
+            out[name] = measure(case)
+        except Exception as e:  # reported per case, so one failure does not hide the others
+            out[name] = f"{type(e).__name__}: {str(e)[-600:]}"
+    print(json.dumps(out))
+
+
+@pytest.fixture(scope="module")
+def usage() -> dict[str, object]:
+    return child_report("tests.test_kernels_w4a16_moe_sm90")
+
+
+@pytest.mark.parametrize("name", list(tier_cases()))
+def test_moe_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> None:
+    result = usage[name]
+    assert isinstance(result, list), f"{name} does not compile for sm_90: {result}"
+    shared, regs, stack, wide, cvt, scalar_stores, wgmma = result
+    assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
+    if name.startswith("v1"):  # the baseline's faults, as its docstring records them
+        assert cvt > 0 and scalar_stores > 0, result
+        return
+    assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
+    assert wide > 0, f"{name}: no 16-byte global-to-shared copies"
+    assert cvt == 0, f"{name}: {cvt} int-to-float conversions (the exponent trick is lost)"
+    assert scalar_stores == 0, f"{name}: {scalar_stores} scalar 16-bit stores to shared memory"
+    if int(name.split("-")[0][1:]) >= 64:
+        assert wgmma > 0, f"{name}: a {name.split('-')[0][1:]}-row tile without wgmma"
