@@ -84,17 +84,20 @@ def test_fp8_weights_are_counted_and_suggested_on_hopper(monkeypatch):
 
 
 def test_fp8_moe_experts_count_as_fp8_once_loaded():
-    """Stacked experts load in the compute dtype and are quantized afterwards (layers/moe.py): the fit
-    check counts the load (experts in bf16), the pool plan what stays (experts in FP8)."""
-    arch = resolve_source("qwen3-30b-a3b", "dummy").arch
-    bf16 = fit.weight_bytes(arch, torch.bfloat16)
-    loading = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
-    loaded = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
-    experts = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)) * arch.num_experts
-    expert_params = experts * 3 * arch.hidden_size * arch.moe_intermediate_size
-    scale_bytes = experts * 4 * (2 * arch.moe_intermediate_size + arch.hidden_size)
-    assert loading - loaded == expert_params - scale_bytes  # one byte instead of two, plus the scales
-    assert 0.9 * bf16 < loading < bf16 and 0.45 * bf16 < loaded < 0.55 * bf16
+    """A model whose experts load in the compute dtype and are quantized afterwards (the hybrids:
+    layers/moe.py): the fit check counts the load (experts in bf16), the pool plan what stays (experts in
+    FP8). One whose experts are e4m3 from the start (Qwen3-MoE: experts_fp8_at_load) counts FP8 for both."""
+    for preset, at_load in (("qwen3.5-35b-a3b", False), ("qwen3-30b-a3b", True)):
+        arch = resolve_source(preset, "dummy").arch
+        bf16 = fit.weight_bytes(arch, torch.bfloat16)
+        loading = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
+        loaded = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
+        experts = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers)) * arch.num_experts
+        expert_params = experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+        scale_bytes = experts * 4 * (2 * arch.moe_intermediate_size + arch.hidden_size)
+        # one byte instead of two, plus the scales
+        assert loading - loaded == (0 if at_load else expert_params - scale_bytes), preset
+        assert 0.4 * bf16 < loaded < 0.6 * bf16, preset
 
 
 def test_a_rank_share_counts_what_the_rank_really_holds(monkeypatch):
