@@ -1,5 +1,12 @@
-"""One encoder batch on the device: the prompts packed back to back, the forward pass, pooling and the
-embedding head (layers/pooler.py), and the vectors copied to the host in one transfer."""
+"""One encoder batch on the device: the prompts packed back to back, the forward pass, then pooling and
+the embedding head (layers/pooler.py), or a sequence classifier's head and activation, and the results
+copied to the host in one transfer.
+
+Token types: a BERT cross-encoder's score prompt is [CLS] query [SEP] document [SEP], type 0 up to and
+including the first [SEP] and 1 after, exactly as BERT tokenizers mark a pair; the runner rebuilds them
+from the first [SEP] of each "score" request (so requests carry nothing beyond their token ids). Every
+other prompt is one segment of type 0, as when a tokenizer encodes a single text.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,20 @@ import torch
 
 from overnight.config import EngineConfig
 from overnight.encoder.batching import EncoderRequest
-from overnight.layers.pooler import embedding_head, pool, split_rows
+from overnight.layers.pooler import classifier_head, embedding_head, pool, split_rows
 from overnight.loader.source import ModelSource
 from overnight.models.bert import BertModel, EncoderBatch
+from overnight.models.bert_classifier import BertForSequenceClassification
 
 
 class EncoderRunner:
-    def __init__(self, config: EngineConfig, source: ModelSource, model: BertModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        source: ModelSource,
+        model: BertModel | BertForSequenceClassification | None = None,
+        sep_token_id: int | None = None,
+    ) -> None:
         assert config.model.pooler is not None, "an encoder runs for pooling"
         self.pooler = config.model.pooler
         self.device = torch.device(config.runner.device)
@@ -22,25 +36,57 @@ class EncoderRunner:
             from overnight.loader.model_loader import load_model
 
             loaded = load_model(source, config.model.dtype, self.device, config.model.seed, runner="pooling")
-            assert isinstance(loaded, BertModel)
+            assert isinstance(loaded, (BertModel, BertForSequenceClassification))
             model = loaded
         self.model = model
+        # Pairs need token types only where the model has more than one (BERT's, not XLM-R's).
+        self.sep_token_id = sep_token_id if source.arch.type_vocab_size > 1 else None
 
     @torch.inference_mode()
     def run(self, batch: list[EncoderRequest]) -> list[torch.Tensor]:
-        """The embedding of each prompt of `batch`, in order (float32, on the host)."""
+        """The embedding (or a classifier's scores / probabilities) of each prompt of `batch`, in order
+        (float32, on the host)."""
         lens = np.array([r.num_tokens for r in batch], dtype=np.int64)
         qsl = np.zeros(len(batch) + 1, dtype=np.int64)
         np.cumsum(lens, out=qsl[1:])
         ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=int(qsl[-1]))
         positions = np.arange(qsl[-1]) - np.repeat(qsl[:-1], lens)
+        types = self._token_types(batch, ids, qsl, lens, positions)
         dev = self.device
         hidden = self.model(
             torch.from_numpy(ids).to(dev, non_blocking=True),
             torch.from_numpy(positions).to(dev, non_blocking=True),
             EncoderBatch.build(lens.tolist(), dev),
+            None if types is None else torch.from_numpy(types).to(dev, non_blocking=True),
         )
-        rows = pool(hidden, torch.from_numpy(qsl).to(dev), self.pooler.pooling_type)
+        starts = torch.from_numpy(qsl).to(dev)
+        classifier = self.pooler.classifier
+        if classifier is not None:
+            assert isinstance(self.model, BertForSequenceClassification)
+            logits = self.model.classify(hidden, starts[:-1])
+            active = [r.params.use_activation is not False for r in batch]
+            return list(classifier_head(logits, classifier.activation, active).cpu().unbind(0))
+        rows = pool(hidden, starts, self.pooler.pooling_type)
         dims = [r.params.dimensions for r in batch]
         norm = [self.pooler.normalize if r.params.normalize is None else r.params.normalize for r in batch]
         return split_rows(embedding_head(rows, dims, norm).cpu(), dims)
+
+    def _token_types(
+        self,
+        batch: list[EncoderRequest],
+        ids: np.ndarray,
+        qsl: np.ndarray,
+        lens: np.ndarray,
+        positions: np.ndarray,
+    ) -> np.ndarray | None:
+        """Token type ids [T] (see the module docstring), or None when every token has type 0."""
+        sep = self.sep_token_id
+        if sep is None or not any(r.params.task == "score" for r in batch):
+            return None
+        second = np.array([len(r.token_ids) for r in batch], dtype=np.int64)  # where type 1 starts
+        for i, r in enumerate(batch):
+            if r.params.task == "score":
+                found = np.flatnonzero(ids[qsl[i] : qsl[i + 1]] == sep)
+                if len(found):
+                    second[i] = found[0] + 1
+        return (positions >= np.repeat(second, lens)).astype(np.int64)

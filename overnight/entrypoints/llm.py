@@ -1,5 +1,6 @@
 """The offline class: LLM(model=...).generate(prompts, params) schedules the whole list itself;
-LLM(model, runner="pooling").embed(texts) does the same for embeddings."""
+LLM(model, runner="pooling").embed(texts) does the same for embeddings, and a cross-encoder or sequence
+classifier's .score(query, documents) / .classify(texts) for scores and classes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, cast
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
-from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
+from overnight.entrypoints.pooling_prompts import score_pairs, tokenize_for_pooling, tokenize_pairs
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
@@ -30,7 +31,14 @@ from overnight.lora.request import LoRARequest, hash_root
 from overnight.multimodal.inputs import MultiModalInputs
 from overnight.multimodal.processor import image_processor_for, split_images
 from overnight.options import ChatOptions, EngineOptions
-from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
+from overnight.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    EngineOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringRequestOutput,
+)
 from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.tool_calls.forced import ToolError, check_tools
@@ -244,7 +252,10 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings (outputs.embedding, a list of floats) of the prompts, in input order."""
         outs = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+            prompts,
+            _with_task(pooling_params, "embed"),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
@@ -260,13 +271,106 @@ class LLM:
         """Yields (input index, embedding) as each prompt finishes, reading prompts lazily: memory
         holds the prompts in flight, never the whole input. An invalid prompt raises
         InvalidRequestError naming its index; requests already in flight are aborted first."""
-        params = pooling_params or PoolingParams()
+        params = replace(pooling_params or PoolingParams(), task="embed")
         items: Iterator[Item] = (
             (p, params, None) for p in self._pooling_items(prompts, truncate_prompt_tokens)
         )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
             yield index, EmbeddingRequestOutput.from_base(_pooled(out))
+
+    # -- scores and classes (sequence classifiers, cross-encoders) ---------------------------------
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's relevance score (outputs.score) of each pair: one text_1 against every
+        text_2, or two lists of the same length pair by pair; in pair order. Every pair is checked
+        before any runs. truncate_prompt_tokens cuts a pair to that many tokens (the longer text
+        first) instead of refusing it; pooling_params.use_activation=False gives the raw logit."""
+        pairs = score_pairs(text_1, text_2)
+        params = self._task_params(pooling_params, "score")
+        ids = list(
+            tokenize_pairs(pairs, self.engine.tokenizer, self.engine.max_model_len, truncate_prompt_tokens)
+        )
+        for i, prompt in enumerate(ids):
+            self._precheck(i, prompt, params, what="pair")
+        results: list[ScoringRequestOutput | None] = [None] * len(ids)
+        work: Iterator[Item] = (((None, p, None), params, None) for p in ids)
+        for index, out in self._run(work, len(ids), use_tqdm, self._pooling_window()):
+            results[index] = ScoringRequestOutput.from_base(_pooled(out))
+        return [r for r in results if r is not None]
+
+    def score_stream(
+        self,
+        pairs: Iterable[tuple[str, str]],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> Iterator[tuple[int, ScoringRequestOutput]]:
+        """Yields (input index, score) of (text_1, text_2) pairs as each finishes, reading pairs lazily,
+        for jobs of millions of pairs. An invalid pair raises InvalidRequestError naming its index;
+        requests already in flight are aborted first."""
+        params = self._task_params(pooling_params, "score")
+        tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
+        ids = tokenize_pairs(_checked_pairs(pairs), tokenizer, max_len, truncate_prompt_tokens)
+        items: Iterator[Item] = (((None, p, None), params, None) for p in ids)
+        total = len(pairs) if isinstance(pairs, Sequence) else None
+        for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
+            yield index, ScoringRequestOutput.from_base(_pooled(out))
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities (outputs.probs, one per label, in id2label order)
+        of each prompt, in input order."""
+        params = self._task_params(pooling_params, "classify")
+        outs = self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def classify_stream(
+        self,
+        prompts: Iterable[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> Iterator[tuple[int, ClassificationRequestOutput]]:
+        """Yields (input index, probabilities) as each prompt finishes, reading prompts lazily."""
+        params = self._task_params(pooling_params, "classify")
+        items: Iterator[Item] = (
+            (p, params, None) for p in self._pooling_items(prompts, truncate_prompt_tokens)
+        )
+        total = len(prompts) if isinstance(prompts, Sequence) else None
+        for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
+            yield index, ClassificationRequestOutput.from_base(_pooled(out))
+
+    def _task_params(self, params: PoolingParams | None, task: str) -> PoolingParams:
+        """params for `task`, refused at once (before any prompt is read) when the model cannot do it."""
+        config = self.engine.config.model
+        if config.runner != "pooling":
+            raise InvalidRequestError(
+                f"model {self.engine.source.served_name!r} runs to generate text (runner 'generate'): "
+                f"{task} needs a sequence classifier or cross-encoder (...ForSequenceClassification), "
+                "which runs with runner 'pooling'"
+            )
+        params = replace(params or PoolingParams(), task=task)
+        self.engine.validate([0], params)  # the task checks; a one-token prompt passes the rest
+        return params
 
     def _pooling_items(
         self, prompts: Iterable[PromptType], truncate_prompt_tokens: int | None
@@ -324,14 +428,19 @@ class LLM:
         return list(self._images.prompt_pool.map(lambda ip: self._prepare(*ip), enumerate(prompts)))
 
     def _precheck(
-        self, index: int, ids: list[int], params: RequestParams, lora: LoRARequest | None = None
+        self,
+        index: int,
+        ids: list[int],
+        params: RequestParams,
+        lora: LoRARequest | None = None,
+        what: str = "prompt",
     ) -> None:
         try:
             self.engine.validate(ids, params)
             if lora is not None:
                 self._check_lora(lora)
         except InvalidRequestError as e:
-            raise InvalidRequestError(f"prompt {index}: {e}") from None
+            raise InvalidRequestError(f"{what} {index}: {e}") from None
 
     def _run(
         self,
@@ -441,6 +550,21 @@ def _pooled(out: EngineOutput) -> PoolingRequestOutput:
     if not isinstance(out, PoolingRequestOutput):
         raise TypeError("pooling requests produced generated text")
     return out
+
+
+def _with_task(params: PoolingArg, task: str) -> PoolingArg:
+    if params is None:
+        return PoolingParams(task=task)
+    if isinstance(params, PoolingParams):
+        return replace(params, task=task)
+    return [replace(p, task=task) for p in params]
+
+
+def _checked_pairs(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise InvalidRequestError(f"pair {i}: expected (text_1, text_2), two strings, got {pair!r}")
+        yield pair[0], pair[1]
 
 
 def _pooling_params_for(pooling_params: PoolingArg, n: int) -> list[PoolingParams]:
