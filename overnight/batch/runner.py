@@ -43,6 +43,13 @@ from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
 from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
+from overnight.openai_api.scores import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+    ScoringRequest,
+    scoring_response,
+)
 from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import RequestParams
@@ -58,8 +65,8 @@ class _Line:
     line_no: int
     custom_id: str
     request: (
-        AnyRequest | ResponsesRequest
-    )  # the body, for the response's shape (chat, completions, embeddings; echo, ...)
+        AnyRequest | ResponsesRequest | ScoringRequest
+    )  # the body, for the response's shape (chat, completions, embeddings, scores; echo, ...)
     params: RequestParams
     # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
     prompts: list[tuple[str | None, array]]
@@ -103,6 +110,9 @@ class BatchRunner:
         self.answered = answered or Answered()
         self.progress = progress
         self.adapters = adapters or {}  # LoRA adapters by the name a line's model gives (--lora-modules)
+        pooler = engine.config.model.pooler
+        classifier = pooler.classifier if pooler is not None else None
+        self.labels = classifier.labels if classifier is not None else ()  # /v1/classify lines' labels
         if summary.timeline is None:
             summary.timeline = Timeline("fifo", 1, engine.config.scheduler.max_num_seqs)
         self.timeline = summary.timeline
@@ -296,6 +306,11 @@ class BatchRunner:
         if isinstance(req, EmbeddingRequest):  # an aborted pooling request has no output: never here
             pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
             body = embedding_response(pooled, self.model_name, req.encoding_format, created=state.created)
+            self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
+            return success_record(state.custom_id, body)
+        if isinstance(req, (ScoreRequest, RerankRequest, ClassificationRequest)):
+            pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
+            body = scoring_response(req, pooled, self.model_name, self.labels, created=state.created)
             self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
             return success_record(state.custom_id, body)
         outputs = [o for o in vectors_or_texts if isinstance(o, RequestOutput)]

@@ -565,7 +565,7 @@ class EmbeddingRequest(_Body):
         return v
 
     def to_pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize)
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize, task="embed")
 
     def input_list(self) -> list[str | list[int]]:
         """The inputs, one vector each, in order."""
