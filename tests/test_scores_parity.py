@@ -119,3 +119,35 @@ def test_wrong_kind_of_model_is_refused(tmp_path):
         embedder.score(QUERY, DOCS, use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="no classification head"):
         embedder.classify(DOCS, use_tqdm=False)
+
+
+def test_xlm_roberta_model_embeds(tmp_path):
+    """A bare XLMRobertaModel (bge-m3's shape) embeds too: RoBERTa's positions, the CLS token."""
+    import transformers
+
+    from tests.tiny_classifiers import _spread, _xlmr_tokenizer
+
+    tokenizer = _xlmr_tokenizer()
+    cfg = transformers.XLMRobertaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=66,
+        type_vocab_size=1,
+        layer_norm_eps=1e-5,
+        pad_token_id=1,
+    )
+    model = transformers.XLMRobertaModel(cfg, add_pooling_layer=False).eval()
+    _spread(model, 0)
+    model.save_pretrained(tmp_path / "xlmr")
+    tokenizer.save_pretrained(tmp_path / "xlmr")
+    got = LLM(str(tmp_path / "xlmr")).embed(
+        DOCS, pooling_params=PoolingParams(normalize=False), use_tqdm=False
+    )
+    with torch.no_grad():
+        ref = [model(**tokenizer(d, return_tensors="pt")).last_hidden_state[0, 0] for d in DOCS]
+    torch.testing.assert_close(
+        torch.tensor([o.outputs.embedding for o in got]), torch.stack(ref), atol=2e-5, rtol=0
+    )

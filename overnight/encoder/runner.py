@@ -51,7 +51,7 @@ class EncoderRunner:
         np.cumsum(lens, out=qsl[1:])
         ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=int(qsl[-1]))
         positions = np.arange(qsl[-1]) - np.repeat(qsl[:-1], lens)
-        types = self._token_types(batch, ids, qsl, lens, positions)
+        types = self._token_types(batch, ids, lens, positions)
         dev = self.device
         hidden = self.model(
             torch.from_numpy(ids).to(dev, non_blocking=True),
@@ -75,7 +75,6 @@ class EncoderRunner:
         self,
         batch: list[EncoderRequest],
         ids: np.ndarray,
-        qsl: np.ndarray,
         lens: np.ndarray,
         positions: np.ndarray,
     ) -> np.ndarray | None:
@@ -83,10 +82,11 @@ class EncoderRunner:
         sep = self.sep_token_id
         if sep is None or not any(r.params.task == "score" for r in batch):
             return None
-        second = np.array([len(r.token_ids) for r in batch], dtype=np.int64)  # where type 1 starts
-        for i, r in enumerate(batch):
-            if r.params.task == "score":
-                found = np.flatnonzero(ids[qsl[i] : qsl[i + 1]] == sep)
-                if len(found):
-                    second[i] = found[0] + 1
-        return (positions >= np.repeat(second, lens)).astype(np.int64)
+        scored = np.array([r.params.task == "score" for r in batch])
+        seq_of = np.repeat(np.arange(len(batch)), lens)
+        # Each scored prompt's first [SEP]; type 1 starts after it (a prompt without one: never).
+        at = np.flatnonzero((ids == sep) & np.repeat(scored, lens))
+        seqs, first = np.unique(seq_of[at], return_index=True)
+        second = lens.copy()
+        second[seqs] = positions[at[first]] + 1
+        return (positions >= second[seq_of]).astype(np.int64)
