@@ -74,3 +74,30 @@ def test_score_and_rerank_lines_with_bad_lines(tmp_path):
     assert body("r-top2")["usage"]["total_tokens"] > 0
     (c,) = body("c-one")["data"]
     assert c["num_classes"] == 1 and c["label"] == "LABEL_0"
+
+
+def test_score_lines_on_an_embedding_model(tmp_path):
+    import torch.nn.functional as F
+
+    from overnight import LLM
+    from tests.tiny_embedders import make_tiny_embedder
+
+    folder = make_tiny_embedder(tmp_path, "bert", "mean")
+    vectors = torch.tensor(
+        [o.outputs.embedding for o in LLM(str(folder)).embed([QUERY, *DOCS], use_tqdm=False)]
+    )
+    want = F.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    lines = [
+        line("s", "/v1/score", text_1=QUERY, text_2=DOCS),
+        line("r", "/v1/rerank", query=QUERY, documents=DOCS, top_n=1),
+        line("c", "/v1/classify", input="a dog"),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, lines)
+    flags = ["--model", str(folder), "--served-model-name", SERVED, "--device", "cpu", "--no-progress"]
+    assert run_cli(["-i", str(inp), "-o", str(out), *flags]) == 0
+    by_id = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert [d["score"] for d in by_id["s"]["response"]["body"]["data"]] == pytest.approx(want, abs=1e-5)
+    (best,) = by_id["r"]["response"]["body"]["results"]
+    assert best["index"] == max(range(len(DOCS)), key=want.__getitem__)
+    assert by_id["c"]["error"]["code"] == "invalid_request"  # no classification head

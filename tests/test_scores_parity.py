@@ -116,9 +116,27 @@ def test_wrong_kind_of_model_is_refused(tmp_path):
 
     embedder = LLM(str(make_tiny_embedder(tmp_path, "bert", "cls")))
     with pytest.raises(InvalidRequestError, match="no classification head"):
-        embedder.score(QUERY, DOCS, use_tqdm=False)
-    with pytest.raises(InvalidRequestError, match="no classification head"):
         embedder.classify(DOCS, use_tqdm=False)
+
+
+def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
+    """As vLLM's score with an embedding model: the cosine similarity of the two texts' embeddings."""
+    import torch.nn.functional as F
+
+    from tests.tiny_embedders import make_tiny_embedder, reference_embeddings
+
+    folder = make_tiny_embedder(tmp_path, "bert", "mean", normalize=False)
+    llm = LLM(str(folder))
+    ref_query, ref_docs = reference_embeddings(folder, [QUERY]), reference_embeddings(folder, DOCS)
+    want = F.cosine_similarity(ref_query, ref_docs)
+    got = scores(llm.score(QUERY, DOCS, use_tqdm=False))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got.std() > 1e-3
+    pairs = [(d, QUERY) for d in DOCS] + [(DOCS[0], DOCS[1])]
+    streamed = dict(llm.score_stream(pairs, use_tqdm=False))
+    torch.testing.assert_close(scores([streamed[i] for i in range(len(DOCS))]), want, rtol=0, atol=1e-5)
+    last = streamed[len(DOCS)].outputs.score
+    assert abs(last - F.cosine_similarity(ref_docs[:1], ref_docs[1:2]).item()) < 1e-5
 
 
 def test_xlm_roberta_model_embeds(tmp_path):

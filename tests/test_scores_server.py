@@ -108,3 +108,21 @@ def test_a_generation_server_refuses_scores(tmp_path):
             assert r.status_code == 400, r.text
             error = r.json()["error"]
             assert error["code"] == "unsupported_model" and "cross-encoder" in error["message"]
+
+
+def test_an_embedding_server_scores_by_cosine(tmp_path):
+    import torch.nn.functional as F
+
+    from tests.tiny_embedders import make_tiny_embedder
+
+    llm = LLM(str(make_tiny_embedder(tmp_path, "bert", "cls")), mode="server")
+    vectors = torch.tensor([o.outputs.embedding for o in llm.embed([QUERY, *DOCS], use_tqdm=False)])
+    want = F.cosine_similarity(vectors[:1], vectors[1:]).tolist()
+    with BackgroundServer(make_app(llm.engine, ServerOptions())) as s:
+        r = httpx.post(s.url + "/v1/score", json={"text_1": QUERY, "text_2": DOCS})
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == pytest.approx(want, abs=1e-5)
+        ranked = httpx.post(s.url + "/rerank", json={"query": QUERY, "documents": DOCS}).json()["results"]
+        assert [x["index"] for x in ranked] == sorted(range(len(DOCS)), key=lambda i: -want[i])
+        r = httpx.post(s.url + "/classify", json={"input": "a dog"})
+        assert r.status_code == 400 and "no classification head" in r.json()["error"]["message"]

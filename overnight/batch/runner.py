@@ -77,6 +77,7 @@ class _Line:
     plan: MessagePlan | None = None  # chat: reasoning / tool calls read from the output
     lora: LoRARequest | None = None  # the adapter the body's model names (None: the base model)
     multi_modal: MultiModalInputs | None = None  # a chat line's images
+    pairs: list[tuple[int, int]] | None = None  # score lines on an embedding model (EngineInputs.pairs)
 
 
 class BatchRunner:
@@ -113,6 +114,7 @@ class BatchRunner:
         pooler = engine.config.model.pooler
         classifier = pooler.classifier if pooler is not None else None
         self.labels = classifier.labels if classifier is not None else ()  # /v1/classify lines' labels
+        self.embedding_scores = pooler is not None and classifier is None  # score lines: cosine similarity
         if summary.timeline is None:
             summary.timeline = Timeline("fifo", 1, engine.config.scheduler.max_num_seqs)
         self.timeline = summary.timeline
@@ -219,6 +221,7 @@ class BatchRunner:
                 runner=self.engine.config.model.runner,
                 chat=self.chat,
                 images=self.images,
+                embedding_scores=self.embedding_scores,
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -238,6 +241,7 @@ class BatchRunner:
             plan=inputs.plan,
             lora=self.adapters.get(req.model) if req.model else None,
             multi_modal=inputs.multi_modal,
+            pairs=inputs.pairs,
         )
         first = inputs.prompts[0][1]
         params = inputs.params
@@ -310,7 +314,9 @@ class BatchRunner:
             return success_record(state.custom_id, body)
         if isinstance(req, (ScoreRequest, RerankRequest, ClassificationRequest)):
             pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
-            body = scoring_response(req, pooled, self.model_name, self.labels, created=state.created)
+            body = scoring_response(
+                req, pooled, self.model_name, self.labels, pairs=state.pairs, created=state.created
+            )
             self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
             return success_record(state.custom_id, body)
         outputs = [o for o in vectors_or_texts if isinstance(o, RequestOutput)]

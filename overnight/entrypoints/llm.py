@@ -26,6 +26,7 @@ from overnight.entrypoints.prompts import (
 )
 from overnight.entrypoints.submission import make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
+from overnight.layers.pooler import cosine
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest, hash_root
 from overnight.multimodal.inputs import MultiModalInputs
@@ -37,6 +38,7 @@ from overnight.outputs import (
     EngineOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
     ScoringRequestOutput,
 )
 from overnight.pooling_params import PoolingParams, RequestParams
@@ -295,6 +297,8 @@ class LLM:
         before any runs. truncate_prompt_tokens cuts a pair to that many tokens (the longer text
         first) instead of refusing it; pooling_params.use_activation=False gives the raw logit."""
         pairs = score_pairs(text_1, text_2)
+        if self._scores_by_embedding():
+            return self._embedding_scores(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
         params = self._task_params(pooling_params, "score")
         ids = list(
             tokenize_pairs(pairs, self.engine.tokenizer, self.engine.max_model_len, truncate_prompt_tokens)
@@ -319,6 +323,9 @@ class LLM:
         """Yields (input index, score) of (text_1, text_2) pairs as each finishes, reading pairs lazily,
         for jobs of millions of pairs. An invalid pair raises InvalidRequestError naming its index;
         requests already in flight are aborted first."""
+        if self._scores_by_embedding():
+            yield from self._embedding_score_stream(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+            return
         params = self._task_params(pooling_params, "score")
         tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
         ids = tokenize_pairs(_checked_pairs(pairs), tokenizer, max_len, truncate_prompt_tokens)
@@ -358,6 +365,51 @@ class LLM:
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
             yield index, ClassificationRequestOutput.from_base(_pooled(out))
+
+    def _scores_by_embedding(self) -> bool:
+        """An embedding model scores a pair by the cosine similarity of its texts' embeddings, as vLLM's
+        does; a cross-encoder reads the pair whole."""
+        pooler = self.engine.config.model.pooler
+        return pooler is not None and pooler.classifier is None
+
+    def _embedding_scores(
+        self,
+        pairs: list[tuple[str, str]],
+        params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        index: dict[str, int] = {}
+        for a, b in pairs:
+            index.setdefault(a, len(index))
+            index.setdefault(b, len(index))
+        outs = self.encode(
+            list(index),
+            replace(params or PoolingParams(), task="embed"),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+        )
+        return [_cosine_output(str(i), outs[index[a]], outs[index[b]]) for i, (a, b) in enumerate(pairs)]
+
+    def _embedding_score_stream(
+        self,
+        pairs: Iterable[tuple[str, str]],
+        params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> Iterator[tuple[int, ScoringRequestOutput]]:
+        """Each pair's two texts as prompts 2i and 2i + 1; a pair is scored once both are embedded."""
+        texts = (t for pair in _checked_pairs(pairs) for t in pair)
+        half: dict[int, PoolingRequestOutput] = {}
+        embed = replace(params or PoolingParams(), task="embed")
+        items: Iterator[Item] = ((p, embed, None) for p in self._pooling_items(texts, truncate_prompt_tokens))
+        for index, out in self._run(items, None, use_tqdm, self._pooling_window()):
+            other = half.pop(index ^ 1, None)
+            if other is None:
+                half[index] = _pooled(out)
+                continue
+            first, second = (other, _pooled(out)) if index % 2 else (_pooled(out), other)
+            yield index // 2, _cosine_output(str(index // 2), first, second)
 
     def _task_params(self, params: PoolingParams | None, task: str) -> PoolingParams:
         """params for `task`, refused at once (before any prompt is read) when the model cannot do it."""
@@ -558,6 +610,11 @@ def _with_task(params: PoolingArg, task: str) -> PoolingArg:
     if isinstance(params, PoolingParams):
         return replace(params, task=task)
     return [replace(p, task=task) for p in params]
+
+
+def _cosine_output(request_id: str, a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
+    score = ScoringOutput(cosine(a.outputs.data, b.outputs.data))
+    return ScoringRequestOutput(request_id, None, a.prompt_token_ids + b.prompt_token_ids, score)
 
 
 def _checked_pairs(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:

@@ -82,3 +82,9 @@ def classifier_head(logits: torch.Tensor, activation: str, use_activation: list[
         return logits
     which = to_device(use_activation, logits.device)[:, None]
     return torch.where(which, active, logits)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """An embedding model's score of a pair: the cosine similarity of its texts' vectors (fp32), as
+    vLLM scores with one."""
+    return float(F.cosine_similarity(a.float(), b.float(), dim=0))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -41,6 +41,9 @@ class EngineInputs:
     # Chat: how the output reads as a message (reasoning, tool calls); None: its text is the answer.
     plan: MessagePlan | None = None
     multi_modal: MultiModalInputs | None = None  # chat with image parts: the one prompt's images
+    # Score / rerank on an embedding model: the prompts are the texts, and each pair scores the cosine
+    # similarity of two of their embeddings (indices into prompts). None: a prompt per pair.
+    pairs: list[tuple[int, int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,11 +152,13 @@ def prepare(
     runner: str | None = None,
     chat: ChatOptions | None = None,
     images: ImageProcessor | None = None,
+    embedding_scores: bool = False,
 ) -> EngineInputs:
     """Checks the model name (and, given the engine's runner, that it serves this kind of request),
     renders / tokenizes the prompts, checks their length and builds the SamplingParams or
     PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt. `chat`:
-    the reasoning and tool-call parsers the engine was started with; `images`: the image processor of a
+    the reasoning and tool-call parsers the engine was started with; `embedding_scores`: the engine runs
+    an embedding model, which scores pairs by cosine similarity; `images`: the image processor of a
     vision-language model (None: image parts are refused)."""
     if isinstance(req, ResponsesRequest):
         req = req.as_chat()
@@ -162,6 +167,8 @@ def prepare(
     if isinstance(req, (EmbeddingRequest, ClassificationRequest)):
         return _prepare_embedding(req, tokenizer, max_model_len, validate)
     if isinstance(req, (ScoreRequest, RerankRequest)):
+        if embedding_scores:
+            return _prepare_texts_of_pairs(req, tokenizer, max_model_len, validate)
         return _prepare_pairs(req, tokenizer, max_model_len, validate)
     is_chat = isinstance(req, ChatCompletionRequest)
     plan = None
@@ -264,3 +271,30 @@ def _prepare_pairs(
             except InvalidRequestError as e:
                 raise ApiError("invalid_request", str(e), "model") from None
     return EngineInputs(prompts, params)
+
+
+def _prepare_texts_of_pairs(
+    req: ScoreRequest | RerankRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    validate: Callable[[list[int], RequestParams], None] | None,
+) -> EngineInputs:
+    """An embedding model's score / rerank body: each distinct text embedded once, the pairs by index."""
+    field = "documents" if isinstance(req, RerankRequest) else "text_2"
+    try:
+        pairs = req.pairs()
+    except InvalidRequestError as e:
+        raise ApiError("invalid_request", str(e), "text_1" if "text_1" in str(e) else field) from None
+    index: dict[str, int] = {}
+    for a, b in pairs:
+        index.setdefault(a, len(index))
+        index.setdefault(b, len(index))
+    # Built unvalidated: the texts were checked as the score body's.
+    embedding = EmbeddingRequest.model_construct(
+        input=list(index), truncate_prompt_tokens=req.truncate_prompt_tokens
+    )
+    try:
+        inputs = _prepare_embedding(embedding, tokenizer, max_model_len, validate)
+    except ApiError as e:
+        raise ApiError(e.code, e.message.replace("input ", "text ", 1), field) from None
+    return replace(inputs, pairs=[(index[a], index[b]) for a, b in pairs])

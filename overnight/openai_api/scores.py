@@ -8,7 +8,9 @@ bodies (pydantic) and the response bodies (JSON-ready dicts). Registers its bodi
                   {"results": [{"index", "document": {"text"}, "relevance_score"}]}, best first, top_n of them
     /v1/classify  {"input": str | [str] | token ids} -> {"data": [{"index", "label", "probs", "num_classes"}]}
 
-Each pair is one engine request (PoolingParams task "score"): the pair as the tokenizer joins it.
+Each pair is one engine request (PoolingParams task "score"): the pair as the tokenizer joins it. An
+embedding model scores too, as vLLM's does: each distinct text embedded once, a pair's score the cosine
+similarity of its two embeddings.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field, field_validator
 
 from overnight.entrypoints.pooling_prompts import score_pairs, tokenize_pairs
+from overnight.layers.pooler import cosine
 from overnight.openai_api.convert import new_id
 from overnight.openai_api.protocol import ROUTES, Bool, Int, TokenIds, _Body
 from overnight.outputs import PoolingRequestOutput
@@ -141,14 +144,19 @@ def scoring_response(
     model: str,
     labels: Sequence[str] = (),
     *,
+    pairs: Sequence[tuple[int, int]] | None = None,
     response_id: str | None = None,
     created: int | None = None,
 ) -> dict[str, Any]:
     """The response to `req` whose prompts gave `outputs` (in prompt order); labels: the classifier's
-    id2label, for /v1/classify."""
+    id2label, for /v1/classify; pairs: an embedding model's pairs (EngineInputs.pairs), each scored by
+    the cosine similarity of two outputs."""
     tokens = sum(len(o.prompt_token_ids) for o in outputs)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens}
-    values = [o.outputs.data.tolist() for o in outputs]
+    if pairs is not None:
+        values = [[cosine(outputs[a].outputs.data, outputs[b].outputs.data)] for a, b in pairs]
+    else:
+        values = [o.outputs.data.tolist() for o in outputs]
     if isinstance(req, RerankRequest):
         texts = req.texts()
         order = sorted(range(len(values)), key=lambda i: -values[i][0])

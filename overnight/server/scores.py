@@ -53,6 +53,7 @@ class OpenAIServingScores:
         pooler = engine.engine.config.model.pooler
         classifier = pooler.classifier if pooler is not None else None
         self.labels = classifier.labels if classifier is not None else ()
+        self.embedding_scores = pooler is not None and classifier is None  # cosine of embeddings
 
     async def handle(self, url: str, request: Request) -> Response:
         """url: the body's route (SCORE_URL, RERANK_URL or CLASSIFY_URL)."""
@@ -71,7 +72,9 @@ class OpenAIServingScores:
         if collected is None:
             return Response(status_code=CLIENT_CLOSED)
         outputs = [o for o in collected if isinstance(o, PoolingRequestOutput)]
-        body = scoring_response(req, outputs, self.config.model_name, self.labels, response_id=response_id)
+        body = scoring_response(
+            req, outputs, self.config.model_name, self.labels, pairs=inputs.pairs, response_id=response_id
+        )
         return JSONResponse(body)
 
     def _prepare(self, req: ScoringRequest) -> EngineInputs:
@@ -84,6 +87,7 @@ class OpenAIServingScores:
                 self.config.accepted_names,
                 core.validate,
                 runner=core.config.model.runner,
+                embedding_scores=self.embedding_scores,
             )
         except (ApiError, InvalidRequestError):
             raise
