@@ -15,7 +15,12 @@ from typing import Any, cast
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
-from overnight.entrypoints.pooling_prompts import score_pairs, tokenize_for_pooling, tokenize_pairs
+from overnight.entrypoints.pooling_prompts import (
+    checked_pairs,
+    score_pairs,
+    tokenize_for_pooling,
+    tokenize_pairs,
+)
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
@@ -328,7 +333,7 @@ class LLM:
             return
         params = self._task_params(pooling_params, "score")
         tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
-        ids = tokenize_pairs(_checked_pairs(pairs), tokenizer, max_len, truncate_prompt_tokens)
+        ids = tokenize_pairs(checked_pairs(pairs), tokenizer, max_len, truncate_prompt_tokens)
         items: Iterator[Item] = (((None, p, None), params, None) for p in ids)
         total = len(pairs) if isinstance(pairs, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
@@ -399,7 +404,7 @@ class LLM:
         use_tqdm: bool,
     ) -> Iterator[tuple[int, ScoringRequestOutput]]:
         """Each pair's two texts as prompts 2i and 2i + 1; a pair is scored once both are embedded."""
-        texts = (t for pair in _checked_pairs(pairs) for t in pair)
+        texts = (t for pair in checked_pairs(pairs) for t in pair)
         half: dict[int, PoolingRequestOutput] = {}
         embed = replace(params or PoolingParams(), task="embed")
         items: Iterator[Item] = ((p, embed, None) for p in self._pooling_items(texts, truncate_prompt_tokens))
@@ -615,13 +620,6 @@ def _with_task(params: PoolingArg, task: str) -> PoolingArg:
 def _cosine_output(request_id: str, a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
     score = ScoringOutput(cosine(a.outputs.data, b.outputs.data))
     return ScoringRequestOutput(request_id, None, a.prompt_token_ids + b.prompt_token_ids, score)
-
-
-def _checked_pairs(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
-    for i, pair in enumerate(pairs):
-        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
-            raise InvalidRequestError(f"pair {i}: expected (text_1, text_2), two strings, got {pair!r}")
-        yield pair[0], pair[1]
 
 
 def _pooling_params_for(pooling_params: PoolingArg, n: int) -> list[PoolingParams]:

@@ -142,3 +142,11 @@ def tokenize_pairs(
             chunk = []
     if chunk:
         yield from tokenizer.encode_pairs([a for a, _ in chunk], [b for _, b in chunk], length)
+
+
+def checked_pairs(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """The pairs of a streamed score job, each checked as it is read (InvalidRequestError naming it)."""
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise InvalidRequestError(f"pair {i}: expected (text_1, text_2), two strings, got {pair!r}")
+        yield pair[0], pair[1]
