@@ -51,7 +51,10 @@ class EncoderRunner:
         np.cumsum(lens, out=qsl[1:])
         ids = np.fromiter((t for r in batch for t in r.token_ids), dtype=np.int64, count=int(qsl[-1]))
         positions = np.arange(qsl[-1]) - np.repeat(qsl[:-1], lens)
-        types = self._token_types(batch, ids, lens, positions)
+        types = None
+        if self.sep_token_id is not None and any(r.params.task == "score" for r in batch):
+            scored = np.array([r.params.task == "score" for r in batch])
+            types = pair_token_types(ids, lens, positions, scored, self.sep_token_id)
         dev = self.device
         hidden = self.model(
             torch.from_numpy(ids).to(dev, non_blocking=True),
@@ -65,28 +68,23 @@ class EncoderRunner:
             assert isinstance(self.model, BertForSequenceClassification)
             logits = self.model.classify(hidden, starts[:-1])
             active = [r.params.use_activation is not False for r in batch]
-            return list(classifier_head(logits, classifier.activation, active).cpu().unbind(0))
+            return split_rows(
+                classifier_head(logits, classifier.activation, active).cpu(), [None] * len(batch)
+            )
         rows = pool(hidden, starts, self.pooler.pooling_type)
         dims = [r.params.dimensions for r in batch]
         norm = [self.pooler.normalize if r.params.normalize is None else r.params.normalize for r in batch]
         return split_rows(embedding_head(rows, dims, norm).cpu(), dims)
 
-    def _token_types(
-        self,
-        batch: list[EncoderRequest],
-        ids: np.ndarray,
-        lens: np.ndarray,
-        positions: np.ndarray,
-    ) -> np.ndarray | None:
-        """Token type ids [T] (see the module docstring), or None when every token has type 0."""
-        sep = self.sep_token_id
-        if sep is None or not any(r.params.task == "score" for r in batch):
-            return None
-        scored = np.array([r.params.task == "score" for r in batch])
-        seq_of = np.repeat(np.arange(len(batch)), lens)
-        # Each scored prompt's first [SEP]; type 1 starts after it (a prompt without one: never).
-        at = np.flatnonzero((ids == sep) & np.repeat(scored, lens))
-        seqs, first = np.unique(seq_of[at], return_index=True)
-        second = lens.copy()
-        second[seqs] = positions[at[first]] + 1
-        return (positions >= second[seq_of]).astype(np.int64)
+
+def pair_token_types(
+    ids: np.ndarray, lens: np.ndarray, positions: np.ndarray, scored: np.ndarray, sep: int
+) -> np.ndarray:
+    """Token type ids [T] of packed prompts (ids, positions [T]; lens, scored [B]): 1 after the first
+    `sep` of each scored prompt (a pair's second text), 0 elsewhere (see the module docstring)."""
+    seq_of = np.repeat(np.arange(len(lens)), lens)
+    at = np.flatnonzero((ids == sep) & np.repeat(scored, lens))
+    seqs, first = np.unique(seq_of[at], return_index=True)  # each scored prompt's first [SEP]
+    second = lens.copy()  # where type 1 starts: never, for a prompt without one
+    second[seqs] = positions[at[first]] + 1
+    return (positions >= second[seq_of]).astype(np.int64)
