@@ -169,3 +169,17 @@ def test_xlm_roberta_model_embeds(tmp_path):
     torch.testing.assert_close(
         torch.tensor([o.outputs.embedding for o in got]), torch.stack(ref), atol=2e-5, rtol=0
     )
+
+
+def test_a_decoder_reranker_reuses_the_query_prefix(tmp_path):
+    """Pairs of one query share its tokens: a decoder classifier (last-token pooling) starts past the
+    query's cached KV blocks, and scores stay exact."""
+    folder = make_tiny_classifier(tmp_path, "qwen3")
+    llm = LLM(str(folder), block_size=4)
+    query = QUERY + " " + " ".join(["search query document"] * 4)
+    ids = llm.get_tokenizer().encode_pairs([query] * len(DOCS), DOCS)
+    outs = llm.encode([{"prompt_token_ids": i} for i in ids], PoolingParams(task="score"), use_tqdm=False)
+    assert max(o.num_cached_tokens for o in outs) >= 16
+    got = torch.stack([o.outputs.data[0] for o in outs])
+    ref = torch.sigmoid(reference_logits(folder, [(query, d) for d in DOCS])[:, 0])
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-6)
