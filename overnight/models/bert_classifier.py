@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import ModelArch
@@ -55,10 +56,14 @@ class BertForSequenceClassification(nn.Module):
         return self.bert(input_ids, positions, batch, token_type_ids)
 
     def classify(self, hidden: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
-        """The logits [B, num_labels] (float32) of the prompts whose first tokens are rows first_rows."""
+        """The logits [B, num_labels] of the prompts whose first tokens are rows first_rows. The head
+        runs in float32 whatever the model's dtype (it is B rows: nothing to save), so scores that rank
+        documents keep fp32's resolution, as the decoder classifiers' do (models/for_pooling.py)."""
         pooler = self.bert.pooler
         assert pooler is not None
-        return self.classifier(pooler(hidden[first_rows])).float()
+        dense, out = pooler.dense, self.classifier
+        x = torch.tanh(F.linear(hidden[first_rows].float(), dense.weight.float(), dense.bias.float()))
+        return F.linear(x, out.weight.float(), out.bias.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, self._names(weights))
