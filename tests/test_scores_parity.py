@@ -118,6 +118,17 @@ def test_wrong_kind_of_model_is_refused(tmp_path):
     with pytest.raises(InvalidRequestError, match="no classification head"):
         embedder.classify(DOCS, use_tqdm=False)
 
+    from tests.tiny_models import make_tiny_checkpoint
+
+    generator = LLM(
+        str(make_tiny_checkpoint(tmp_path)), skip_tokenizer_init=True, kv_cache_memory_bytes=4 << 20
+    )
+    for call in (lambda: generator.score("a", ["b"]), lambda: generator.classify([[5, 6]])):
+        with pytest.raises(
+            InvalidRequestError, match=r"tiny-qwen3' runs to generate text \(runner 'generate'\)"
+        ):
+            call()
+
 
 def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
     """As vLLM's score with an embedding model: the cosine similarity of the two texts' embeddings."""
