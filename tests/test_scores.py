@@ -155,3 +155,17 @@ def test_response_bodies():
     vectors = _outputs([[1.0, 0.0], [1.0, 1.0], [0.0, 2.0]])
     cos = scoring_response(ScoreRequest(text_1="q", text_2=["a", "b"]), vectors, "m", pairs=[(0, 1), (0, 2)])
     assert [d["score"] for d in cos["data"]] == pytest.approx([2**-0.5, 0.0], abs=1e-6)
+
+
+def test_score_bodies_take_vllms_names():
+    import overnight.openai_api  # noqa: F401  (registers the scoring routes)
+    from overnight.openai_api.errors import ApiError
+    from overnight.openai_api.protocol import parse_request
+
+    for first, second in (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents")):
+        body = parse_request("/v1/score", {first: "q", second: ["a", "b"], "activation": False})
+        assert body.pairs() == [("q", "a"), ("q", "b")] and body.use_activation is False
+    with pytest.raises(ApiError, match="text_2: field required"):
+        parse_request("/v1/score", {"text_1": "q"})
+    with pytest.raises(ApiError, match="documents: not supported"):  # still refused where undeclared
+        parse_request("/v1/completions", {"prompt": "q", "documents": ["a"]})

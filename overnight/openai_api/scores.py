@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 
 from overnight.entrypoints.pooling_prompts import score_pairs, tokenize_pairs
 from overnight.layers.pooler import cosine
@@ -53,7 +53,8 @@ class _PoolingBody(_Body):
     # Cut each prompt to this many tokens (-1: to the context; a pair loses from its longer text first)
     # instead of refusing the longer ones.
     truncate_prompt_tokens: Int | None = Field(None, ge=-1)
-    use_activation: Bool | None = None  # False: the raw logits
+    # False: the raw logits. (`activation`: vLLM's earlier name.)
+    use_activation: Bool | None = Field(None, validation_alias=AliasChoices("use_activation", "activation"))
     user: str | None = None
 
     @field_validator("truncate_prompt_tokens")
@@ -63,8 +64,9 @@ class _PoolingBody(_Body):
 
 
 class ScoreRequest(_PoolingBody):
-    text_1: str | list[str]
-    text_2: str | list[str]
+    # vLLM's names over its versions: text_1 / text_2, data_1 / data_2, queries / documents.
+    text_1: str | list[str] = Field(validation_alias=AliasChoices("text_1", "data_1", "queries"))
+    text_2: str | list[str] = Field(validation_alias=AliasChoices("text_2", "data_2", "documents"))
 
     @field_validator("text_1", "text_2")
     @classmethod
