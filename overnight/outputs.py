@@ -143,7 +143,8 @@ class ScoringOutput:
 
 @dataclass(slots=True)
 class ScoringRequestOutput:
-    """What LLM.score returns per pair; prompt_token_ids: the pair as the model read it."""
+    """What LLM.score returns per pair; prompt_token_ids: the pair as the model read it (an embedding
+    model's: the two texts' ids, one after the other)."""
 
     request_id: str
     prompt: str | None

@@ -300,7 +300,8 @@ class LLM:
         """A cross-encoder's relevance score (outputs.score) of each pair: one text_1 against every
         text_2, or two lists of the same length pair by pair; in pair order. Every pair is checked
         before any runs. truncate_prompt_tokens cuts a pair to that many tokens (the longer text
-        first) instead of refusing it; pooling_params.use_activation=False gives the raw logit."""
+        first) instead of refusing it; pooling_params.use_activation=False gives the raw logit. An
+        embedding model scores a pair by the cosine similarity of its two texts' embeddings."""
         pairs = score_pairs(text_1, text_2)
         if self._scores_by_embedding():
             return self._embedding_scores(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
