@@ -4,6 +4,8 @@ from overnight.entrypoints.llm import LLM
 from overnight.errors import InvalidRequestError, ModelLoadError, OvernightError
 from overnight.lora.request import LoRARequest
 from overnight.outputs import (
+    ClassificationOutput,
+    ClassificationRequestOutput,
     CompletionOutput,
     EmbeddingOutput,
     EmbeddingRequestOutput,
@@ -11,6 +13,8 @@ from overnight.outputs import (
     PoolingOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
 from overnight.pooling_params import PoolingParams
 from overnight.sampling_params import SamplingParams, StructuredOutputsParams
@@ -28,6 +32,10 @@ __all__ = [
     "PoolingOutput",
     "EmbeddingRequestOutput",
     "EmbeddingOutput",
+    "ScoringRequestOutput",
+    "ScoringOutput",
+    "ClassificationRequestOutput",
+    "ClassificationOutput",
     "CompletionOutput",
     "Logprob",
     "OvernightError",

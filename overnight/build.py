@@ -83,9 +83,10 @@ def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:
     if opts.runner == "auto":
         bare = not source.hf_architecture.endswith(("ForCausalLM", "ForConditionalGeneration"))
         return "pooling" if source.arch.is_encoder or bare else "generate"
-    if opts.runner == "generate" and source.arch.is_encoder:
+    if opts.runner == "generate" and (source.arch.is_encoder or source.arch.num_labels):
+        kind = "a sequence classifier" if source.arch.num_labels else "an encoder-only model"
         raise ConfigError(
-            f"{source.served_name} is an encoder-only model ({source.hf_architecture}): it cannot "
+            f"{source.served_name} is {kind} ({source.hf_architecture}): it cannot "
             "generate text; run it with runner 'pooling' (or 'auto')"
         )
     return opts.runner

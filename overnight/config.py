@@ -216,6 +216,12 @@ class ModelArch:
     is_encoder: bool = False
     type_vocab_size: int = 0
     layer_norm_eps: float = 1e-12
+    # RoBERTa / XLM-R: position ids start at pad_token_id + 1 (the table has max_position_embeddings +
+    # position_offset rows; max_position_embeddings counts the usable positions). 0 for BERT.
+    position_offset: int = 0
+    # Sequence classifiers and cross-encoders (...ForSequenceClassification): the classification head's
+    # outputs; 0 for every other model.
+    num_labels: int = 0
     # Vision-language models (models/qwen_vl.py): M-RoPE's split of the head's frequencies between the
     # temporal, height and width positions (layers/mrope.py; () means plain RoPE), and the vision tower.
     mrope_section: tuple[int, ...] = ()
@@ -496,6 +502,18 @@ class PoolerConfig:
     # was trained for (None: any size).
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    classifier: ClassifierConfig | None = None  # set for sequence classifiers (scores, classes)
+
+
+@dataclass(frozen=True)
+class ClassifierConfig:
+    """A sequence classifier's outputs (cross-encoders score with one label): how its logits become
+    what requests return, as the checkpoint says (config.json's sentence-transformers activation, else
+    sigmoid for one label, as sentence-transformers' CrossEncoder and vLLM apply, softmax for several)."""
+
+    num_labels: int
+    activation: str  # "sigmoid" | "softmax" | "none"
+    labels: tuple[str, ...] = ()  # id2label, in label order ("LABEL_0", ... when the config names none)
 
 
 @dataclass(frozen=True)

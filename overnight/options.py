@@ -266,8 +266,9 @@ class EngineOptions:
     )
     runner: str = option(
         "auto",
-        "generate text, or pool each prompt into one vector (embeddings); auto: pooling for "
-        "encoder-only models (BERT) and decoders saved without an LM head, generate otherwise",
+        "generate text, or pool each prompt into one vector (embeddings, a classifier's scores); auto: "
+        "pooling for encoder-only models (BERT), sequence classifiers and decoders saved without an LM "
+        "head, generate otherwise",
         choices=RUNNERS,
     )
     pooling_type: str | None = option(

@@ -111,5 +111,52 @@ class EmbeddingRequestOutput:
         )
 
 
+@dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # one per label: the activation's output (softmax / sigmoid), or the logits
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """What LLM.classify returns per prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        probs = ClassificationOutput(out.outputs.data.tolist())
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, probs, out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """What LLM.score returns per pair; prompt_token_ids: the pair as the model read it (an embedding
+    model's: the two texts' ids, one after the other)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ScoringRequestOutput:
+        score = ScoringOutput(float(out.outputs.data[0]))
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, score, out.finished)
+
+
 # What an engine step hands back: generated text, or a pooled vector.
 EngineOutput = RequestOutput | PoolingRequestOutput

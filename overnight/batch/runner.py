@@ -43,6 +43,13 @@ from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare
 from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
+from overnight.openai_api.scores import (
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+    ScoringRequest,
+    scoring_response,
+)
 from overnight.options import ChatOptions
 from overnight.outputs import EngineOutput, PoolingRequestOutput, RequestOutput
 from overnight.pooling_params import RequestParams
@@ -58,8 +65,8 @@ class _Line:
     line_no: int
     custom_id: str
     request: (
-        AnyRequest | ResponsesRequest
-    )  # the body, for the response's shape (chat, completions, embeddings; echo, ...)
+        AnyRequest | ResponsesRequest | ScoringRequest
+    )  # the body, for the response's shape (chat, completions, embeddings, scores; echo, ...)
     params: RequestParams
     # Until submitted. Token ids as compact arrays: the window holds thousands of lines.
     prompts: list[tuple[str | None, array]]
@@ -70,6 +77,7 @@ class _Line:
     plan: MessagePlan | None = None  # chat: reasoning / tool calls read from the output
     lora: LoRARequest | None = None  # the adapter the body's model names (None: the base model)
     multi_modal: MultiModalInputs | None = None  # a chat line's images
+    pairs: list[tuple[int, int]] | None = None  # score lines on an embedding model (EngineInputs.pairs)
 
 
 class BatchRunner:
@@ -103,6 +111,10 @@ class BatchRunner:
         self.answered = answered or Answered()
         self.progress = progress
         self.adapters = adapters or {}  # LoRA adapters by the name a line's model gives (--lora-modules)
+        pooler = engine.config.model.pooler
+        classifier = pooler.classifier if pooler is not None else None
+        self.labels = classifier.labels if classifier is not None else ()  # /v1/classify lines' labels
+        self.embedding_scores = pooler is not None and classifier is None  # score lines: cosine similarity
         if summary.timeline is None:
             summary.timeline = Timeline("fifo", 1, engine.config.scheduler.max_num_seqs)
         self.timeline = summary.timeline
@@ -209,6 +221,7 @@ class BatchRunner:
                 runner=self.engine.config.model.runner,
                 chat=self.chat,
                 images=self.images,
+                embedding_scores=self.embedding_scores,
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)
@@ -228,6 +241,7 @@ class BatchRunner:
             plan=inputs.plan,
             lora=self.adapters.get(req.model) if req.model else None,
             multi_modal=inputs.multi_modal,
+            pairs=inputs.pairs,
         )
         first = inputs.prompts[0][1]
         params = inputs.params
@@ -296,6 +310,13 @@ class BatchRunner:
         if isinstance(req, EmbeddingRequest):  # an aborted pooling request has no output: never here
             pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
             body = embedding_response(pooled, self.model_name, req.encoding_format, created=state.created)
+            self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
+            return success_record(state.custom_id, body)
+        if isinstance(req, (ScoreRequest, RerankRequest, ClassificationRequest)):
+            pooled = [o for o in vectors_or_texts if isinstance(o, PoolingRequestOutput)]
+            body = scoring_response(
+                req, pooled, self.model_name, self.labels, pairs=state.pairs, created=state.created
+            )
             self.summary.add_ok(body["usage"]["prompt_tokens"], 0)
             return success_record(state.custom_id, body)
         outputs = [o for o in vectors_or_texts if isinstance(o, RequestOutput)]

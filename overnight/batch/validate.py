@@ -51,6 +51,7 @@ def validate_file(args: argparse.Namespace) -> int:
         validate_request(ids, params, limits, model.grammars)  # grammars compiled, as the engine does
 
     names = served_names(served, args.model) | set(adapters)
+    pooler = config.model.pooler
     chat = from_args(ChatOptions, args)
     images = image_processor_for(source, opts)  # image lines are decoded and checked too
     sink = None
@@ -78,6 +79,7 @@ def validate_file(args: argparse.Namespace) -> int:
                     runner=config.model.runner,
                     chat=chat,
                     images=images,
+                    embedding_scores=pooler is not None and pooler.classifier is None,
                 )
             except ApiError as e:
                 error = e

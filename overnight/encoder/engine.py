@@ -4,7 +4,8 @@ server drive it as they drive the decoder engine.
 An encoder has no KV cache and sees each prompt whole (attention is bidirectional), so there is nothing
 to schedule token by token: each step takes a batch of waiting prompts of similar lengths (batching.py)
 under the token budget (max_num_batched_tokens, counted padded) and max_num_seqs, runs it, and returns one
-PoolingRequestOutput per prompt. Only pooling requests are served.
+PoolingRequestOutput per prompt (an embedding, or a classifier's scores). Only pooling requests are
+served.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class EncoderEngine:
         self.max_model_len = config.scheduler.max_model_len
         self.num_steps = 0
         self.timings: StepTimings | None = StepTimings()
-        self.runner = runner or EncoderRunner(config, source)
+        sep = tokenizer.sep_token_id if tokenizer is not None else None
+        self.runner = runner or EncoderRunner(config, source, sep_token_id=sep)
         self.waiting = LengthQueue()
         self._limits = limits_of(config, source.arch.vocab_size, tokenizer is not None)
 

@@ -123,6 +123,7 @@ def _validate_pooling(ids: list[int], params: PoolingParams, limits: RequestLimi
             f"({limits.max_unchunked_prompt}) with chunked prefill off"
         )
     params.validate()
+    _validate_task(params, pooler)
     dims, full = params.dimensions, limits.hidden_size
     if dims is None or dims == full:
         return
@@ -138,6 +139,33 @@ def _validate_pooling(ids: list[int], params: PoolingParams, limits: RequestLimi
         )
     if dims > full:
         raise InvalidRequestError(f"dimensions must be at most the model's size, {full}, got {dims}")
+
+
+def _validate_task(params: PoolingParams, pooler: PoolerConfig) -> None:
+    """An embedding needs an embedding model, a score or class a sequence classifier (a score one
+    label)."""
+    classifier = pooler.classifier
+    if classifier is None:
+        if params.task in ("classify", "score"):
+            raise InvalidRequestError(
+                f"this model computes embeddings: it has no classification head to {params.task} with; "
+                "scores and classes need a sequence classifier or cross-encoder (...ForSequenceClassification)"
+            )
+        return
+    if params.task == "embed":
+        raise InvalidRequestError(
+            "this model is a sequence classifier (cross-encoder): it computes scores and classes, not "
+            "embeddings; use score / classify (/v1/score, /v1/rerank, /classify)"
+        )
+    if params.task == "score" and classifier.num_labels != 1:
+        raise InvalidRequestError(
+            f"scoring needs a model with one label (a cross-encoder); this classifier has "
+            f"{classifier.num_labels}: use classify"
+        )
+    if params.dimensions is not None or params.normalize is not None:
+        raise InvalidRequestError(
+            "dimensions and normalize apply to embeddings, not to a classifier's scores"
+        )
 
 
 def validate_images(

@@ -1,5 +1,6 @@
 """The offline class: LLM(model=...).generate(prompts, params) schedules the whole list itself;
-LLM(model, runner="pooling").embed(texts) does the same for embeddings."""
+LLM(model, runner="pooling").embed(texts) does the same for embeddings, and a cross-encoder or sequence
+classifier's .score(query, documents) / .classify(texts) for scores and classes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from typing import Any, cast
 
 from overnight.build import build_engine
 from overnight.engine.interfaces import EngineClient
-from overnight.entrypoints.pooling_prompts import tokenize_for_pooling
+from overnight.entrypoints.pooling_prompts import (
+    checked_pairs,
+    score_pairs,
+    tokenize_for_pooling,
+    tokenize_pairs,
+)
 from overnight.entrypoints.prompts import (
     Conversation,
     PromptType,
@@ -25,12 +31,21 @@ from overnight.entrypoints.prompts import (
 )
 from overnight.entrypoints.submission import make_order, max_output_tokens
 from overnight.errors import InvalidRequestError
+from overnight.layers.pooler import cosine
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest, hash_root
 from overnight.multimodal.inputs import MultiModalInputs
 from overnight.multimodal.processor import image_processor_for, split_images
 from overnight.options import ChatOptions, EngineOptions
-from overnight.outputs import EmbeddingRequestOutput, EngineOutput, PoolingRequestOutput, RequestOutput
+from overnight.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    EngineOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.tool_calls.forced import ToolError, check_tools
@@ -244,7 +259,10 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings (outputs.embedding, a list of floats) of the prompts, in input order."""
         outs = self.encode(
-            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm
+            prompts,
+            _with_task(pooling_params, "embed"),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
         )
         return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
@@ -260,13 +278,157 @@ class LLM:
         """Yields (input index, embedding) as each prompt finishes, reading prompts lazily: memory
         holds the prompts in flight, never the whole input. An invalid prompt raises
         InvalidRequestError naming its index; requests already in flight are aborted first."""
-        params = pooling_params or PoolingParams()
+        params = replace(pooling_params or PoolingParams(), task="embed")
         items: Iterator[Item] = (
             (p, params, None) for p in self._pooling_items(prompts, truncate_prompt_tokens)
         )
         total = len(prompts) if isinstance(prompts, Sequence) else None
         for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
             yield index, EmbeddingRequestOutput.from_base(_pooled(out))
+
+    # -- scores and classes (sequence classifiers, cross-encoders) ---------------------------------
+
+    def score(
+        self,
+        text_1: str | Sequence[str],
+        text_2: str | Sequence[str],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """A cross-encoder's relevance score (outputs.score) of each pair: one text_1 against every
+        text_2, or two lists of the same length pair by pair; in pair order. Every pair is checked
+        before any runs. truncate_prompt_tokens cuts a pair to that many tokens (the longer text
+        first) instead of refusing it; pooling_params.use_activation=False gives the raw logit. An
+        embedding model scores a pair by the cosine similarity of its two texts' embeddings."""
+        pairs = score_pairs(text_1, text_2)
+        if self._scores_by_embedding():
+            return self._embedding_scores(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+        params = self._task_params(pooling_params, "score")
+        ids = list(
+            tokenize_pairs(pairs, self.engine.tokenizer, self.engine.max_model_len, truncate_prompt_tokens)
+        )
+        for i, prompt in enumerate(ids):
+            self._precheck(i, prompt, params, what="pair")
+        results: list[ScoringRequestOutput | None] = [None] * len(ids)
+        work: Iterator[Item] = (((None, p, None), params, None) for p in ids)
+        for index, out in self._run(work, len(ids), use_tqdm, self._pooling_window()):
+            results[index] = ScoringRequestOutput.from_base(_pooled(out))
+        return [r for r in results if r is not None]
+
+    def score_stream(
+        self,
+        pairs: Iterable[tuple[str, str]],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> Iterator[tuple[int, ScoringRequestOutput]]:
+        """Yields (input index, score) of (text_1, text_2) pairs as each finishes, reading pairs lazily,
+        for jobs of millions of pairs. An invalid pair raises InvalidRequestError naming its index;
+        requests already in flight are aborted first."""
+        if self._scores_by_embedding():
+            yield from self._embedding_score_stream(pairs, pooling_params, truncate_prompt_tokens, use_tqdm)
+            return
+        params = self._task_params(pooling_params, "score")
+        tokenizer, max_len = self.engine.tokenizer, self.engine.max_model_len
+        ids = tokenize_pairs(checked_pairs(pairs), tokenizer, max_len, truncate_prompt_tokens)
+        items: Iterator[Item] = (((None, p, None), params, None) for p in ids)
+        total = len(pairs) if isinstance(pairs, Sequence) else None
+        for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
+            yield index, ScoringRequestOutput.from_base(_pooled(out))
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities (outputs.probs, one per label, in id2label order)
+        of each prompt, in input order."""
+        params = self._task_params(pooling_params, "classify")
+        outs = self.encode(prompts, params, truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm)
+        return [ClassificationRequestOutput.from_base(o) for o in outs]
+
+    def classify_stream(
+        self,
+        prompts: Iterable[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        max_in_flight: int | None = None,
+        pooling_params: PoolingParams | None = None,
+    ) -> Iterator[tuple[int, ClassificationRequestOutput]]:
+        """Yields (input index, probabilities) as each prompt finishes, reading prompts lazily."""
+        params = self._task_params(pooling_params, "classify")
+        items: Iterator[Item] = (
+            (p, params, None) for p in self._pooling_items(prompts, truncate_prompt_tokens)
+        )
+        total = len(prompts) if isinstance(prompts, Sequence) else None
+        for index, out in self._run(items, total, use_tqdm, max_in_flight or self._pooling_window()):
+            yield index, ClassificationRequestOutput.from_base(_pooled(out))
+
+    def _scores_by_embedding(self) -> bool:
+        """An embedding model scores a pair by the cosine similarity of its texts' embeddings, as vLLM's
+        does; a cross-encoder reads the pair whole."""
+        pooler = self.engine.config.model.pooler
+        return pooler is not None and pooler.classifier is None
+
+    def _embedding_scores(
+        self,
+        pairs: list[tuple[str, str]],
+        params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> list[ScoringRequestOutput]:
+        index: dict[str, int] = {}
+        for a, b in pairs:
+            index.setdefault(a, len(index))
+            index.setdefault(b, len(index))
+        outs = self.encode(
+            list(index),
+            replace(params or PoolingParams(), task="embed"),
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+        )
+        return [_cosine_output(str(i), outs[index[a]], outs[index[b]]) for i, (a, b) in enumerate(pairs)]
+
+    def _embedding_score_stream(
+        self,
+        pairs: Iterable[tuple[str, str]],
+        params: PoolingParams | None,
+        truncate_prompt_tokens: int | None,
+        use_tqdm: bool,
+    ) -> Iterator[tuple[int, ScoringRequestOutput]]:
+        """Each pair's two texts as prompts 2i and 2i + 1; a pair is scored once both are embedded."""
+        texts = (t for pair in checked_pairs(pairs) for t in pair)
+        half: dict[int, PoolingRequestOutput] = {}
+        embed = replace(params or PoolingParams(), task="embed")
+        items: Iterator[Item] = ((p, embed, None) for p in self._pooling_items(texts, truncate_prompt_tokens))
+        for index, out in self._run(items, None, use_tqdm, self._pooling_window()):
+            other = half.pop(index ^ 1, None)
+            if other is None:
+                half[index] = _pooled(out)
+                continue
+            first, second = (other, _pooled(out)) if index % 2 else (_pooled(out), other)
+            yield index // 2, _cosine_output(str(index // 2), first, second)
+
+    def _task_params(self, params: PoolingParams | None, task: str) -> PoolingParams:
+        """params for `task`, refused at once (before any prompt is read) when the model cannot do it."""
+        config = self.engine.config.model
+        if config.runner != "pooling":
+            raise InvalidRequestError(
+                f"model {self.engine.source.served_name!r} runs to generate text (runner 'generate'): "
+                f"{task} needs a sequence classifier or cross-encoder (...ForSequenceClassification), "
+                "which runs with runner 'pooling'"
+            )
+        params = replace(params or PoolingParams(), task=task)
+        self.engine.validate([0], params)  # the task checks; a one-token prompt passes the rest
+        return params
 
     def _pooling_items(
         self, prompts: Iterable[PromptType], truncate_prompt_tokens: int | None
@@ -324,14 +486,19 @@ class LLM:
         return list(self._images.prompt_pool.map(lambda ip: self._prepare(*ip), enumerate(prompts)))
 
     def _precheck(
-        self, index: int, ids: list[int], params: RequestParams, lora: LoRARequest | None = None
+        self,
+        index: int,
+        ids: list[int],
+        params: RequestParams,
+        lora: LoRARequest | None = None,
+        what: str = "prompt",
     ) -> None:
         try:
             self.engine.validate(ids, params)
             if lora is not None:
                 self._check_lora(lora)
         except InvalidRequestError as e:
-            raise InvalidRequestError(f"prompt {index}: {e}") from None
+            raise InvalidRequestError(f"{what} {index}: {e}") from None
 
     def _run(
         self,
@@ -441,6 +608,19 @@ def _pooled(out: EngineOutput) -> PoolingRequestOutput:
     if not isinstance(out, PoolingRequestOutput):
         raise TypeError("pooling requests produced generated text")
     return out
+
+
+def _with_task(params: PoolingArg, task: str) -> PoolingArg:
+    if params is None:
+        return PoolingParams(task=task)
+    if isinstance(params, PoolingParams):
+        return replace(params, task=task)
+    return [replace(p, task=task) for p in params]
+
+
+def _cosine_output(request_id: str, a: PoolingRequestOutput, b: PoolingRequestOutput) -> ScoringRequestOutput:
+    score = ScoringOutput(cosine(a.outputs.data, b.outputs.data))
+    return ScoringRequestOutput(request_id, None, a.prompt_token_ids + b.prompt_token_ids, score)
 
 
 def _pooling_params_for(pooling_params: PoolingArg, n: int) -> list[PoolingParams]:

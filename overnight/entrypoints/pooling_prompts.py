@@ -5,11 +5,15 @@ truncate_prompt_tokens asks for it to be cut (-1: to max_model_len), as vLLM doe
 Truncation cuts on the tokenizer's truncation side (the end, for most), keeping the special tokens the
 tokenizer adds (BERT's [CLS] ... [SEP], an embedding model's closing EOS); token-id prompts are cut on
 the same side.
+
+A score prompt is a text pair joined by the tokenizer (score_pairs, tokenize_pairs); too long a pair is
+cut longest text first, as transformers' longest_first truncation and sentence-transformers'
+CrossEncoder do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from overnight.entrypoints.prompts import PromptType, tokenize_prompt
@@ -94,3 +98,55 @@ def _text_of(prompt: PromptType) -> str | None:
     ):
         return prompt["prompt"]
     return None
+
+
+def score_pairs(text_1: str | Sequence[str], text_2: str | Sequence[str]) -> list[tuple[str, str]]:
+    """The pairs a score request names, as vLLM reads text_1 / text_2: one text against one or many,
+    or two lists of the same length, pair by pair (a list of one text counts as one text)."""
+    firsts = [text_1] if isinstance(text_1, str) else list(text_1)
+    seconds = [text_2] if isinstance(text_2, str) else list(text_2)
+    for what, texts in (("text_1", firsts), ("text_2", seconds)):
+        if not texts:
+            raise InvalidRequestError(f"{what} is empty: give at least one text")
+        bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{what}[{bad}] is not a string (pairs are scored from text)")
+    if len(firsts) == 1:
+        return [(firsts[0], t) for t in seconds]
+    if len(firsts) != len(seconds):
+        raise InvalidRequestError(
+            f"text_1 has {len(firsts)} texts and text_2 has {len(seconds)}: give one text_1 to score "
+            "against every text_2, or as many of each (scored pair by pair)"
+        )
+    return list(zip(firsts, seconds))
+
+
+def tokenize_pairs(
+    pairs: Iterable[tuple[str, str]],
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    truncate_prompt_tokens: int | None = None,
+) -> Iterator[list[int]]:
+    """Each pair as one prompt, joined by the tokenizer as its cross-encoder reads a pair (BERT:
+    [CLS] a [SEP] b [SEP]), read lazily in chunks; truncation cuts the longer text first."""
+    if tokenizer is None:
+        raise InvalidRequestError(
+            "scoring text pairs needs the model's tokenizer (skip_tokenizer_init is set)"
+        )
+    length = truncation_length(truncate_prompt_tokens, max_model_len)
+    chunk: list[tuple[str, str]] = []
+    for pair in pairs:
+        chunk.append(pair)
+        if len(chunk) == TOKENIZE_CHUNK:
+            yield from tokenizer.encode_pairs([a for a, _ in chunk], [b for _, b in chunk], length)
+            chunk = []
+    if chunk:
+        yield from tokenizer.encode_pairs([a for a, _ in chunk], [b for _, b in chunk], length)
+
+
+def checked_pairs(pairs: Iterable[tuple[str, str]]) -> Iterator[tuple[str, str]]:
+    """The pairs of a streamed score job, each checked as it is read (InvalidRequestError naming it)."""
+    for i, pair in enumerate(pairs):
+        if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(isinstance(t, str) for t in pair)):
+            raise InvalidRequestError(f"pair {i}: expected (text_1, text_2), two strings, got {pair!r}")
+        yield pair[0], pair[1]

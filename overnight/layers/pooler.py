@@ -1,5 +1,6 @@
 """Pooling: one vector per prompt from the hidden states of its tokens, then the embedding head
-(Matryoshka cut, L2 normalization).
+(Matryoshka cut, L2 normalization); or, for a sequence classifier, its logits through the activation
+its checkpoint names (classifier_head).
 
 The functions take a packed batch (the prompts' rows back to back, query_start_loc [num_seqs + 1] in
 rows) and work in fp32, as sentence-transformers accumulates half-precision states. The runner pools
@@ -63,3 +64,27 @@ def split_rows(host_rows: torch.Tensor, dimensions: list[int | None]) -> list[to
     """The per-prompt vectors of an embedding_head result copied to the host."""
     # Copies, not views: a view would keep (and pickle, across processes) the whole batch.
     return [(row if d is None else row[:d]).clone() for row, d in zip(host_rows, dimensions)]
+
+
+def classifier_head(logits: torch.Tensor, activation: str, use_activation: list[bool]) -> torch.Tensor:
+    """A sequence classifier's logits [B, num_labels] float32 -> what each request returns: the
+    activation applied where use_activation[i] (sigmoid: each label on its own; softmax: over the
+    labels; "none": the logits), the raw logits elsewhere."""
+    if activation == "sigmoid":
+        active = torch.sigmoid(logits)
+    elif activation == "softmax":
+        active = torch.softmax(logits, dim=-1)
+    else:
+        return logits
+    if all(use_activation):
+        return active
+    if not any(use_activation):
+        return logits
+    which = to_device(use_activation, logits.device)[:, None]
+    return torch.where(which, active, logits)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """An embedding model's score of a pair: the cosine similarity of its texts' vectors (fp32), as
+    vLLM scores with one."""
+    return float(F.cosine_similarity(a.float(), b.float(), dim=0))

@@ -86,10 +86,10 @@ def build_model(
         model = cls(source.arch)
         if source.quantization is not None:
             quantize_model(model, source.quantization, device if runs_on is None else runs_on)
-    if runner == "pooling" and not source.arch.is_encoder:
-        from overnight.models.for_pooling import DecoderForPooling
+        if runner == "pooling" and not source.arch.is_encoder:  # a classifier's head built here too
+            from overnight.models.for_pooling import DecoderForPooling
 
-        model = DecoderForPooling(model)
+            model = DecoderForPooling(model)
     if torch.device(device).type == "meta":
         return model
     if isinstance(source.quantization, QuantScheme):

@@ -1,5 +1,6 @@
 """A pooling model's own pooling, read from its folder: the sentence-transformers files, and the
-Matryoshka sizes of its config.json.
+Matryoshka sizes of its config.json; for a sequence classifier (cross-encoder), its labels and the
+activation its scores take.
 
     modules.json                    [Transformer, Pooling (path 1_Pooling), Normalize?]
     1_Pooling/config.json           pooling_mode: "lasttoken" | "mean" | "cls" (sentence-transformers 6),
@@ -10,6 +11,11 @@ A folder without modules.json pools as its kind usually does: the CLS token for 
 last token for decoders (Qwen3-Embedding), normalized. Modules that would change the vector and are not
 implemented here (Dense, LayerNorm, ...) are refused rather than skipped: skipping them would give
 vectors that look right and are not.
+
+A sequence classifier pools as its head does (the first token for BERT / XLM-R heads, the last for
+decoders). Its activation is what sentence-transformers' CrossEncoder applies: config.json's
+sentence_transformers.activation_fn (or the older sbert_ce_default_activation_function), else sigmoid
+for one label; several labels get softmax (class probabilities, as vLLM's classify returns).
 """
 
 from __future__ import annotations
@@ -18,8 +24,8 @@ import json
 import os
 from typing import Any
 
-from overnight.config import PoolerConfig
-from overnight.errors import ModelLoadError
+from overnight.config import ClassifierConfig, PoolerConfig
+from overnight.errors import ConfigError, ModelLoadError
 from overnight.loader.source import ModelSource
 
 _MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
@@ -33,6 +39,8 @@ _LEGACY_MODES = {
 }
 # Modules that leave the vector as the Transformer and Pooling modules made it.
 _NEUTRAL_MODULES = ("Transformer", "Pooling", "Normalize")
+# sentence-transformers' activation classes (by their last name) -> ClassifierConfig.activation
+_ACTIVATIONS = {"Sigmoid": "sigmoid", "Softmax": "softmax", "Identity": "none"}
 
 
 def default_pooling_type(source: ModelSource) -> str:
@@ -43,6 +51,8 @@ def read_pooler_config(source: ModelSource, pooling_type: str | None = None) -> 
     """The pooling `source` declares (see the module docstring), with `pooling_type` (the option) in
     place of its own; raises ModelLoadError for files it cannot honour."""
     folder = source.path if os.path.isdir(source.path) else None
+    if source.arch.num_labels:
+        return _classifier_pooler(source, folder, pooling_type)
     if folder is None:  # a preset or a GGUF file: no sentence-transformers files
         return PoolerConfig(pooling_type or default_pooling_type(source), normalize=True)
     declared, normalize = _sentence_transformers(folder, parse_mode=pooling_type is None)
@@ -54,6 +64,31 @@ def read_pooler_config(source: ModelSource, pooling_type: str | None = None) -> 
         is_matryoshka=is_matryoshka,
         matryoshka_dimensions=dims,
     )
+
+
+def _classifier_pooler(source: ModelSource, folder: str | None, pooling_type: str | None) -> PoolerConfig:
+    own = default_pooling_type(source)  # where the head reads: the first token, or the last
+    if pooling_type is not None and pooling_type != own:
+        raise ConfigError(
+            f"{source.served_name} is a sequence classifier ({source.hf_architecture}) whose head reads the "
+            f"{'first' if own == 'CLS' else 'last'} token: pooling_type {pooling_type} cannot apply"
+        )
+    config = (_read(os.path.join(folder, "config.json")) if folder else None) or {}
+    n = source.arch.num_labels
+    id2label = config.get("id2label") or {}
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))
+    st = config.get("sentence_transformers") or {}
+    declared = st.get("activation_fn") or config.get("sbert_ce_default_activation_function")
+    if declared is None:
+        activation = "sigmoid" if n == 1 else "softmax"
+    else:
+        activation = _ACTIVATIONS.get(str(declared).rsplit(".", 1)[-1], "")
+        if not activation:
+            raise ModelLoadError(
+                f"{folder}/config.json: the activation {declared!r} is not supported "
+                f"(supported: {', '.join(_ACTIVATIONS)})"
+            )
+    return PoolerConfig(own, normalize=False, classifier=ClassifierConfig(n, activation, labels))
 
 
 def _sentence_transformers(folder: str, parse_mode: bool) -> tuple[str | None, bool]:

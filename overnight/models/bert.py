@@ -1,5 +1,6 @@
-"""The BERT encoder (BERT, BGE, E5, MiniLM, ...): bidirectional attention over whole prompts, learned
-absolute positions, token-type embeddings, post-LayerNorm blocks, GELU.
+"""The BERT encoder (BERT, BGE, E5, MiniLM, ...; XLM-RoBERTa too: the same blocks, with positions that
+start past the padding id, ModelArch.position_offset): bidirectional attention over whole prompts,
+learned absolute positions, token-type embeddings, post-LayerNorm blocks, GELU.
 
 Attribute names follow the HF checkpoint keys, except q/k/v, which load_weights fuses into one
 projection (as the decoders do) through packed_modules_mapping. The model runs on a packed batch: the
@@ -28,9 +29,11 @@ PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
     "key": ("qkv", "k"),
     "value": ("qkv", "v"),
 }
-# Checkpoint tensors a sentence embedding does not use: the pooler (dense + tanh over CLS, a
-# next-sentence-prediction head) and the masked-LM head, and a position-id buffer some files store.
-_UNUSED_PREFIXES = ("pooler.", "cls.", "embeddings.position_ids")
+# Checkpoint tensors a sentence embedding does not use: the masked-LM head and a position-id buffer some
+# files store; and the pooler (dense + tanh over CLS, a next-sentence-prediction head), which only a
+# sequence classifier's head uses (models/classifier.py).
+_UNUSED_PREFIXES = ("cls.", "embeddings.position_ids", "embeddings.token_type_ids")
+_MODEL_PREFIXES = ("bert.", "roberta.")  # a BertFor* / XLMRobertaFor* checkpoint's encoder
 
 
 @dataclass
@@ -81,15 +84,24 @@ def encoder_attention(
 class BertEmbeddings(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
+        self.position_offset = arch.position_offset
         self.word_embeddings = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.position_embeddings = nn.Embedding(arch.max_position_embeddings, arch.hidden_size)
+        self.position_embeddings = nn.Embedding(
+            arch.max_position_embeddings + arch.position_offset, arch.hidden_size
+        )
         self.token_type_embeddings = nn.Embedding(arch.type_vocab_size, arch.hidden_size)
         self.LayerNorm = nn.LayerNorm(arch.hidden_size, eps=arch.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment per prompt: every token has token type 0.
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """positions count from 0 in each prompt; token_type_ids None: one segment (type 0) throughout."""
+        if self.position_offset:
+            positions = positions + self.position_offset
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        if token_type_ids is None:
+            return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        return self.LayerNorm(x + self.token_type_embeddings(token_type_ids))
 
 
 class BertSelfAttention(nn.Module):
@@ -166,8 +178,20 @@ class BertEncoder(nn.Module):
         return x
 
 
+class BertPooler(nn.Module):
+    """dense + tanh over a prompt's first token: a sequence classifier's head runs on it."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.dense = nn.Linear(arch.hidden_size, arch.hidden_size)
+
+    def forward(self, first: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(first))
+
+
 class BertModel(nn.Module):
-    """Hidden states [T, hidden] of a packed batch of prompts (no pooler: pooling is the caller's)."""
+    """Hidden states [T, hidden] of a packed batch of prompts. Pooling is the caller's; the pooler
+    (BertPooler) is built only for a sequence classifier (arch.num_labels), whose head runs it."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
 
@@ -177,17 +201,27 @@ class BertModel(nn.Module):
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # no KV cache: always empty
         self.embeddings = BertEmbeddings(arch)
         self.encoder = BertEncoder(arch)
+        self.pooler = BertPooler(arch) if arch.num_labels else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: EncoderBatch) -> torch.Tensor:
-        return self.encoder(self.embeddings(input_ids, positions), batch)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: EncoderBatch,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.encoder(self.embeddings(input_ids, positions, token_type_ids), batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF BertModel tensors; those of a BertFor* checkpoint (prefixed "bert.") load too."""
+        """HF BertModel / XLMRobertaModel tensors; those of a BertFor* / XLMRobertaFor* checkpoint
+        (prefixed "bert." / "roberta.") load too."""
+        unused = _UNUSED_PREFIXES if self.pooler is not None else (*_UNUSED_PREFIXES, "pooler.")
 
         def used() -> Iterable[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                name = name.removeprefix("bert.")
-                if not name.startswith(_UNUSED_PREFIXES):
+                for prefix in _MODEL_PREFIXES:
+                    name = name.removeprefix(prefix)
+                if not name.startswith(unused):
                     yield name, tensor
 
         load_packed_weights(self, used())

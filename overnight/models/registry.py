@@ -10,6 +10,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
+from overnight.models.bert_classifier import BertForSequenceClassification
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -43,6 +44,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
+    "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
@@ -77,6 +79,13 @@ _HF_ARCHITECTURES: dict[str, str] = {
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
     "BertModel": "bert",
+    "XLMRobertaModel": "xlm-roberta",
+    # Sequence classifiers and cross-encoders (ModelArch.num_labels): the family's model and a head.
+    "BertForSequenceClassification": "bert",
+    "XLMRobertaForSequenceClassification": "xlm-roberta",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForSequenceClassification": "qwen3",
+    "LlamaForSequenceClassification": "llama",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     # With its vision_config: the SigLIP tower too (models/gemma_vl.py, model_class_for).
@@ -114,7 +123,7 @@ _WITH_IMAGES: dict[str, type[nn.Module]] = {
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
 _VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
-_ENCODERS = ("bert",)
+_ENCODERS = ("bert", "xlm-roberta")
 
 
 def supported_architectures() -> list[str]:
@@ -152,7 +161,9 @@ def model_class_for(arch: ModelArch) -> type[nn.Module]:
         return Mistral3VLForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
-    return get_model_class(arch.architecture)
+    if arch.is_encoder and arch.num_labels:
+        return BertForSequenceClassification
+    return get_model_class(arch.architecture)  # a decoder classifier's head: models/for_pooling.py
 
 
 def hf_architecture_of(cfg: dict[str, Any]) -> str:
@@ -166,7 +177,23 @@ def hf_architecture_of(cfg: dict[str, Any]) -> str:
     raise _unsupported(str(model_type))
 
 
-def _bert_arch(cfg: dict[str, Any]) -> ModelArch:
+def is_sequence_classifier(hf_architecture: str) -> bool:
+    return hf_architecture.endswith("ForSequenceClassification")
+
+
+def num_labels_of(cfg: dict[str, Any]) -> int:
+    """A ...ForSequenceClassification config's label count (transformers: id2label, else num_labels,
+    else 2); 0 for any other architecture."""
+    if not is_sequence_classifier(hf_architecture_of(cfg)):
+        return 0
+    id2label = cfg.get("id2label")
+    n = len(id2label) if isinstance(id2label, dict) and id2label else int(cfg.get("num_labels", 2))
+    if n < 1:
+        raise ModelLoadError(f"a sequence classifier needs at least one label, config.json has {n}")
+    return n
+
+
+def _bert_arch(cfg: dict[str, Any], family: str) -> ModelArch:
     if cfg.get("hidden_act", "gelu") != "gelu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} for BERT (only gelu)")
     if cfg.get("position_embedding_type", "absolute") != "absolute":
@@ -174,8 +201,13 @@ def _bert_arch(cfg: dict[str, Any]) -> ModelArch:
             f"unsupported position_embedding_type {cfg['position_embedding_type']!r} (only absolute)"
         )
     heads = cfg["num_attention_heads"]
+    # RoBERTa numbers positions from pad_token_id + 1: the table's first rows are never used.
+    offset = int(cfg.get("pad_token_id", 1)) + 1 if family == "xlm-roberta" else 0
+    table = cfg.get("max_position_embeddings", 512)
+    if table <= offset:
+        raise ModelLoadError(f"max_position_embeddings ({table}) leaves no positions past the padding id")
     return ModelArch(
-        architecture="bert",
+        architecture=family,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -183,10 +215,12 @@ def _bert_arch(cfg: dict[str, Any]) -> ModelArch:
         num_attention_heads=heads,
         num_key_value_heads=heads,
         head_dim=cfg["hidden_size"] // heads,
-        max_position_embeddings=cfg.get("max_position_embeddings", 512),
+        max_position_embeddings=table - offset,
         is_encoder=True,
         type_vocab_size=cfg.get("type_vocab_size", 2),
         layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
+        position_offset=offset,
+        num_labels=num_labels_of(cfg),
     )
 
 
@@ -197,7 +231,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return gemma_arch(cfg, family, hf_architecture_of(cfg))
     if family in _ENCODERS:
         try:
-            return _bert_arch(cfg)
+            return _bert_arch(cfg, family)
         except KeyError as e:
             raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
     if family in HYBRID_FAMILIES:
@@ -253,6 +287,7 @@ def _decoder_arch(cfg: dict[str, Any], family: str) -> ModelArch:
             qk_norm=family in ("qwen3", "qwen3_moe"),
             **windows,
         )
+        fields["num_labels"] = num_labels_of(cfg)  # a ...ForSequenceClassification (models/for_pooling.py)
         if family == "qwen3_moe":
             fields.update(_moe_fields(cfg))
         fields.update(family_fields(family, cfg))

@@ -6,6 +6,7 @@
     convert     RequestOutput -> ChatCompletion / Completion bodies and streaming chunks
     responses   /v1/responses: the body as a chat request (response_objects: the Response, whole and streamed)
     embeddings  PoolingRequestOutputs -> the embedding response (float or base64)
+    scores      /v1/score, /v1/rerank, /v1/classify: bodies and responses (cross-encoders, classifiers)
     errors    ApiError: status code and the {"error": {...}} object
 
 Needs pydantic (the `server` extra); the engine itself never imports this package.
@@ -43,6 +44,12 @@ from overnight.openai_api.protocol import (
     parse_request,
 )
 from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest  # registers the route
+from overnight.openai_api.scores import (  # registers the routes
+    ClassificationRequest,
+    RerankRequest,
+    ScoreRequest,
+    scoring_response,
+)
 
 __all__ = [
     "RESPONSES_URL",
@@ -50,6 +57,10 @@ __all__ = [
     "AnyRequest",
     "ApiError",
     "ChatCompletionRequest",
+    "ClassificationRequest",
+    "RerankRequest",
+    "ScoreRequest",
+    "scoring_response",
     "ChatMessage",
     "ChatStream",
     "CompletionRequest",

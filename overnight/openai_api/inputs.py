@@ -1,5 +1,5 @@
 """From a validated request body to what the engine takes: prompts (text, token ids) and SamplingParams
-(or PoolingParams, for /v1/embeddings).
+(or PoolingParams, for /v1/embeddings and the scoring routes: /v1/score, /v1/rerank, /v1/classify).
 
 Every check a request can fail before it reaches the engine happens here, so a caller either gets
 inputs the engine accepts or one ApiError naming the cause.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
@@ -22,6 +22,7 @@ from overnight.multimodal.media import MediaError
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.protocol import AnyRequest, ChatCompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import ResponsesRequest
+from overnight.openai_api.scores import ClassificationRequest, RerankRequest, ScoreRequest, pair_prompts
 from overnight.pooling_params import PoolingParams, RequestParams
 from overnight.sampling_params import SamplingParams
 from overnight.tool_calls.forced import ToolError, check_tools
@@ -40,6 +41,9 @@ class EngineInputs:
     # Chat: how the output reads as a message (reasoning, tool calls); None: its text is the answer.
     plan: MessagePlan | None = None
     multi_modal: MultiModalInputs | None = None  # chat with image parts: the one prompt's images
+    # Score / rerank on an embedding model: the prompts are the texts, and each pair scores the cosine
+    # similarity of two of their embeddings (indices into prompts). None: a prompt per pair.
+    pairs: list[tuple[int, int]] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -52,27 +56,41 @@ class EngineInputs:
         return len(self.prompts) * n
 
 
-def check_task(req: AnyRequest, runner: str | None) -> None:
-    """An embedding request needs an engine that pools, a generation request one that generates
-    (runner None: not known here; the engine's own checks still refuse the wrong kind)."""
-    check_route_task(isinstance(req, EmbeddingRequest), runner)
+# Bodies served by a pooling engine (runner "pooling").
+PoolingRequest = EmbeddingRequest | ScoreRequest | RerankRequest | ClassificationRequest
 
 
-def check_route_task(embedding: bool, runner: str | None) -> None:
+def check_task(req: AnyRequest | PoolingRequest, runner: str | None) -> None:
+    """A pooling request (embeddings, scores, classes) needs an engine that pools, a generation request
+    one that generates (runner None: not known here; the engine's own checks still refuse the wrong
+    kind, and tell embeddings from a classifier's scores)."""
+    if isinstance(req, (ScoreRequest, RerankRequest, ClassificationRequest)):
+        check_route_task(True, runner, "scores")
+    else:
+        check_route_task(isinstance(req, EmbeddingRequest), runner)
+
+
+def check_route_task(pooling: bool, runner: str | None, what: str = "embeddings") -> None:
+    """what: the pooling route's product ("embeddings", "scores"), for the message."""
     if runner is None:
         return
-    if embedding and runner != "pooling":
+    if pooling and runner != "pooling":
+        needs = (
+            "start it with --runner pooling to serve /v1/embeddings"
+            if what == "embeddings"
+            else "/v1/score, /v1/rerank and /classify need a cross-encoder or sequence classifier "
+            "(...ForSequenceClassification)"
+        )
         raise ApiError(
             "unsupported_model",
-            "this model is served to generate text (runner 'generate'): it computes no embeddings; "
-            "start it with --runner pooling to serve /v1/embeddings",
+            f"this model is served to generate text (runner 'generate'): it computes no {what}; {needs}",
             "model",
         )
-    if not embedding and runner == "pooling":
+    if not pooling and runner == "pooling":
         raise ApiError(
             "unsupported_model",
-            "this model is served for embeddings (runner 'pooling'): it does not generate text; "
-            "use /v1/embeddings",
+            "this model is served for pooling (runner 'pooling': embeddings, or a classifier's scores): "
+            "it does not generate text; use /v1/embeddings, /v1/score, /v1/rerank or /classify",
             "model",
         )
 
@@ -126,7 +144,7 @@ def check_prompt_length(
 
 
 def prepare(
-    req: AnyRequest | ResponsesRequest,
+    req: AnyRequest | ResponsesRequest | PoolingRequest,
     tokenizer: Tokenizer | None,
     max_model_len: int,
     names: Collection[str],
@@ -134,18 +152,24 @@ def prepare(
     runner: str | None = None,
     chat: ChatOptions | None = None,
     images: ImageProcessor | None = None,
+    embedding_scores: bool = False,
 ) -> EngineInputs:
     """Checks the model name (and, given the engine's runner, that it serves this kind of request),
     renders / tokenizes the prompts, checks their length and builds the SamplingParams or
     PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt. `chat`:
-    the reasoning and tool-call parsers the engine was started with; `images`: the image processor of a
+    the reasoning and tool-call parsers the engine was started with; `embedding_scores`: the engine runs
+    an embedding model, which scores pairs by cosine similarity; `images`: the image processor of a
     vision-language model (None: image parts are refused)."""
     if isinstance(req, ResponsesRequest):
         req = req.as_chat()
     check_model(req.model, names)
     check_task(req, runner)
-    if isinstance(req, EmbeddingRequest):
+    if isinstance(req, (EmbeddingRequest, ClassificationRequest)):
         return _prepare_embedding(req, tokenizer, max_model_len, validate)
+    if isinstance(req, (ScoreRequest, RerankRequest)):
+        if embedding_scores:
+            return _prepare_texts_of_pairs(req, tokenizer, max_model_len, validate)
+        return _prepare_pairs(req, tokenizer, max_model_len, validate)
     is_chat = isinstance(req, ChatCompletionRequest)
     plan = None
     mm = None
@@ -191,7 +215,7 @@ def prepare(
 
 
 def _prepare_embedding(
-    req: EmbeddingRequest,
+    req: EmbeddingRequest | ClassificationRequest,
     tokenizer: Tokenizer | None,
     max_model_len: int,
     validate: Callable[[list[int], RequestParams], None] | None,
@@ -218,3 +242,59 @@ def _prepare_embedding(
                 param = "dimensions" if "dimensions" in str(e) or "Matryoshka" in str(e) else "input"
                 raise ApiError("invalid_request", str(e), param) from None
     return EngineInputs(prompts, params)
+
+
+def _prepare_pairs(
+    req: ScoreRequest | RerankRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    validate: Callable[[list[int], RequestParams], None] | None,
+) -> EngineInputs:
+    """A score / rerank body's pairs, one prompt each, checked as embedding inputs are."""
+    field = "documents" if isinstance(req, RerankRequest) else "text_2"
+    try:
+        params = req.to_pooling_params()
+        prompts = pair_prompts(req, tokenizer, max_model_len)
+    except InvalidRequestError as e:
+        raise ApiError("invalid_request", str(e), "text_1" if "text_1" in str(e) else field) from None
+    for i, (_, ids) in enumerate(prompts):
+        if len(ids) > max_model_len:
+            raise ApiError(
+                "context_length_exceeded",
+                f"this model's maximum context length is {max_model_len} tokens, but pair {i} has "
+                f"{len(ids)} tokens; shorten it or set truncate_prompt_tokens",
+                field,
+            )
+        if validate is not None:
+            try:
+                validate(ids, params)
+            except InvalidRequestError as e:
+                raise ApiError("invalid_request", str(e), "model") from None
+    return EngineInputs(prompts, params)
+
+
+def _prepare_texts_of_pairs(
+    req: ScoreRequest | RerankRequest,
+    tokenizer: Tokenizer | None,
+    max_model_len: int,
+    validate: Callable[[list[int], RequestParams], None] | None,
+) -> EngineInputs:
+    """An embedding model's score / rerank body: each distinct text embedded once, the pairs by index."""
+    field = "documents" if isinstance(req, RerankRequest) else "text_2"
+    try:
+        pairs = req.pairs()
+    except InvalidRequestError as e:
+        raise ApiError("invalid_request", str(e), "text_1" if "text_1" in str(e) else field) from None
+    index: dict[str, int] = {}
+    for a, b in pairs:
+        index.setdefault(a, len(index))
+        index.setdefault(b, len(index))
+    # Built unvalidated: the texts were checked as the score body's.
+    embedding = EmbeddingRequest.model_construct(
+        input=list(index), truncate_prompt_tokens=req.truncate_prompt_tokens
+    )
+    try:
+        inputs = _prepare_embedding(embedding, tokenizer, max_model_len, validate)
+    except ApiError as e:
+        raise ApiError(e.code, e.message.replace("input ", "text ", 1), field) from None
+    return replace(inputs, pairs=[(index[a], index[b]) for a, b in pairs])

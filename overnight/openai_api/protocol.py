@@ -22,6 +22,7 @@ import json
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -565,7 +566,7 @@ class EmbeddingRequest(_Body):
         return v
 
     def to_pooling_params(self) -> PoolingParams:
-        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize)
+        return PoolingParams(dimensions=self.dimensions, normalize=self.normalize, task="embed")
 
     def input_list(self) -> list[str | list[int]]:
         """The inputs, one vector each, in order."""
@@ -622,10 +623,21 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _declared(model_cls: type[BaseModel]) -> set[str]:
+    """The body keys a route declares: its fields, and their alias choices (a field vLLM has renamed)."""
+    names = set(model_cls.model_fields)
+    for info in model_cls.model_fields.values():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(c for c in alias.choices if isinstance(c, str))
+    return names
+
+
 def _refuse_unsupported(body: dict[str, Any], model_cls: type[BaseModel]) -> None:
+    declared = _declared(model_cls)
     for name, value in body.items():
         neutral = UNSUPPORTED_FIELDS.get(name)
-        if neutral is None or name in model_cls.model_fields or value is None:
+        if neutral is None or name in declared or value is None:
             continue
         # (True == 1 in Python: a bool must meet a bool, so `priority: false` is not taken for 0.)
         if not any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral):

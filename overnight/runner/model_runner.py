@@ -126,7 +126,15 @@ class ModelRunner:
         self.model = model
         # A pooling runner turns each prompt into one vector instead of sampling tokens.
         pooler_config = config.model.pooler if config.model.runner == "pooling" else None
-        self.pooler = ChunkedPooler(pooler_config, self.device) if pooler_config else None
+        self.pooler = None
+        if pooler_config is not None:
+            classify = None
+            if pooler_config.classifier is not None:
+                from overnight.models.for_pooling import DecoderForPooling
+
+                assert isinstance(model, DecoderForPooling), "a decoder classifier runs for pooling"
+                classify = model.classify
+            self.pooler = ChunkedPooler(pooler_config, self.device, classify)
         self.backend = make_attention_backend(config, self.device)
         self.sampler = Sampler()
         sched = config.scheduler

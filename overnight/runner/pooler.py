@@ -7,11 +7,13 @@ step that computes its last token:
     MEAN  the running fp32 sum of the chunks' states, divided by the prompt length at the end
 
 A preempted request loses what was carried (the runner drops its state) and starts over, as its KV does.
-The arithmetic is layers/pooler.py's, to which tests compare this.
+The arithmetic is layers/pooler.py's, to which tests compare this. A decoder sequence classifier pools
+the last token and runs its head (`classify`) and activation on those rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,14 +21,23 @@ import torch
 
 from overnight.config import PoolerConfig
 from overnight.engine.step_io import ModelRunnerOutput
-from overnight.layers.pooler import embedding_head, split_rows, to_device
+from overnight.layers.pooler import classifier_head, embedding_head, split_rows, to_device
 from overnight.runner.request_state import RunnerRequest, ScheduledRequest
 
 
 class ChunkedPooler:
-    def __init__(self, config: PoolerConfig, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: PoolerConfig,
+        device: torch.device,
+        classify: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """classify: a sequence classifier's head, last-token states [P, H] -> logits [P, labels]
+        float32 (config.classifier says how they become scores)."""
+        assert (classify is None) == (config.classifier is None), "a classifier pools through its head"
         self.config = config
         self.device = device
+        self.classify = classify
         self.carried: dict[str, torch.Tensor] = {}  # CLS: the first state; MEAN: the sum so far
 
     def drop(self, req_ids: set[str]) -> None:
@@ -47,6 +58,10 @@ class ChunkedPooler:
         else:
             rows = self._mean(scheduled, hidden, query_start_loc, done)
         finished = [scheduled[i].state for i in done]
+        classifier = self.config.classifier
+        if classifier is not None and self.classify is not None:
+            active = [r.pooling is None or r.pooling.use_activation is not False for r in finished]
+            return finished, classifier_head(self.classify(rows), classifier.activation, active)
         dims = [r.pooling.dimensions if r.pooling else None for r in finished]
         norm = self._normalize(finished)
         return finished, embedding_head(rows, dims, norm)

@@ -3,6 +3,7 @@
 POST /v1/chat/completions, /v1/completions   OpenAI schemas (+ sampling extras), stream or not
 POST /v1/responses                            OpenAI's Responses API (stateless), stream or not
 POST /v1/embeddings                           OpenAI schema, for a model served with runner pooling
+POST /v1/score, /v1/rerank, /classify         vLLM's scoring routes, for a cross-encoder or classifier
 GET  /v1/models, /v1/models/{id}              the one model served
 POST /tokenize, /detokenize                   text or messages -> token ids -> text, as vLLM spells them
 GET  /health                                  200 while the engine serves, 503 otherwise; no key needed
@@ -31,8 +32,9 @@ from overnight import __version__
 from overnight.lora.request import LoRARequest
 from overnight.metrics.prometheus import PrometheusObserver
 from overnight.openai_api.inputs import check_route_task
-from overnight.openai_api.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from overnight.openai_api.protocol import ROUTES, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from overnight.openai_api.responses import RESPONSES_URL, ResponsesRequest
+from overnight.openai_api.scores import ClassificationRequest, RerankRequest, ScoreRequest
 from overnight.openai_api.tokenize import detokenize, tokenize
 from overnight.server.async_engine import AsyncEngine
 from overnight.server.embeddings import OpenAIServingEmbedding
@@ -43,6 +45,8 @@ from overnight.server.errors import (
     too_large,
     unauthorized,
 )
+from overnight.server.scores import PATHS as SCORE_PATHS
+from overnight.server.scores import OpenAIServingScores
 from overnight.server.serving import OpenAIServing, ServingConfig, decode_json
 
 # Reachable without the API key: load balancers probe /health, Prometheus scrapes /metrics (as it does
@@ -77,6 +81,7 @@ def build_app(
     )
     serving = OpenAIServing(engine, config)
     embeddings = OpenAIServingEmbedding(engine, config)
+    scores = OpenAIServingScores(engine, config)
     created = int(time.time())
     core = engine.engine
     runner = core.config.model.runner  # the routes of the other kind answer 400, naming the right one
@@ -100,6 +105,16 @@ def build_app(
     async def create_embeddings(request: Request) -> Response:
         check_route_task(True, runner)
         return await embeddings.handle(request)
+
+    def scoring_route(url: str):  # one handler per path, bound to its body's url
+        async def route(request: Request) -> Response:
+            check_route_task(True, runner, "scores")
+            return await scores.handle(url, request)
+
+        return route
+
+    for path, url in SCORE_PATHS.items():
+        app.add_api_route(path, scoring_route(url), methods=["POST"], openapi_extra=_body_schema(ROUTES[url]))
 
     def model_card() -> dict[str, Any]:
         return {
@@ -239,6 +254,9 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
                 (CompletionRequest, "validation"),
                 (EmbeddingRequest, "validation"),
                 (ResponsesRequest, "validation"),
+                (ScoreRequest, "validation"),
+                (RerankRequest, "validation"),
+                (ClassificationRequest, "validation"),
             ],
             ref_template=_REF,
         )

@@ -62,6 +62,28 @@ class Tokenizer:
         )
         return [list(ids) for ids in enc["input_ids"]]
 
+    @property
+    def sep_token_id(self) -> int | None:
+        """BERT's [SEP] (XLM-R's </s>): the end of a pair's first text; None when the tokenizer has none."""
+        sep = getattr(self.hf, "sep_token_id", None)
+        return sep if isinstance(sep, int) else None
+
+    def encode_pairs(
+        self, firsts: list[str], seconds: list[str], max_length: int | None = None
+    ) -> list[list[int]]:
+        """Pairs joined as the tokenizer joins a text pair (BERT: [CLS] a [SEP] b [SEP]), as a
+        cross-encoder reads them; with max_length, each pair is cut to that many tokens by removing
+        tokens from the longer text first (transformers' longest_first), special tokens kept."""
+        enc = self.hf(
+            firsts,
+            seconds,
+            truncation="longest_first" if max_length is not None else False,
+            max_length=max_length,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+        )
+        return [list(ids) for ids in enc["input_ids"]]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
