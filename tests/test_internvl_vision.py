@@ -206,6 +206,35 @@ def test_parameter_count_and_start_up_encoder_run(setup):
     assert calls == [[(MAX_TILES + 1, 6, 6)]]  # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
 
 
+def test_dummy_preset_has_the_published_shapes():
+    """internvl3.5-8b: InternViT-300M (24 layers of 1024, 448-pixel tiles of 14-pixel patches) and
+    Qwen3-8B; ours, transformers' and ModelArch.num_parameters count the same 8.53B (the tower and
+    projector 0.34B)."""
+    from transformers import AutoModelForImageTextToText, InternVLConfig
+
+    from overnight.loader.model_loader import build_model
+    from overnight.loader.resolve import resolve_source
+
+    source = resolve_source("internvl3.5-8b", load_format="dummy")
+    arch, vision = source.arch, source.arch.vision
+    assert vision is not None and (vision.depth, vision.hidden_size, vision.image_size) == (24, 1024, 448)
+    assert vision.num_tokens((1, 32, 32)) == 256 and vision.image_token_id == 151671
+    assert (arch.num_hidden_layers, arch.hidden_size, arch.qk_norm, arch.tie_word_embeddings) == (
+        36,
+        4096,
+        True,
+        False,
+    )
+    with open(Path(__file__).parents[1] / "overnight/loader/presets/internvl3.5-8b.json") as f:
+        cfg = {k: v for k, v in json.load(f).items() if k not in ("architectures", "model_type")}
+    with torch.device("meta"):
+        theirs = AutoModelForImageTextToText.from_config(InternVLConfig(**cfg))
+    ours = build_model(source, torch.bfloat16, "meta")
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == arch.num_parameters() == sum(p.numel() for p in theirs.parameters()) == 8_528_318_464
+    assert vision.num_parameters() == 337_583_104
+
+
 def test_config_refusals(setup):
     folder, llm, ref = setup
     with open(f"{folder}/config.json") as f:
