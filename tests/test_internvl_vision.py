@@ -4,10 +4,12 @@ checkpoint (tests/tiny_internvl.py): the expanded prompt ids equal the HF proces
 images of different tile counts in one prompt and a text-only prompt in one batch through LLM.generate
 with multi_modal_data, prefill chunks that end inside an image; LLM.chat with image_url data: URIs; a
 prefix-cache hit on the same image and none past the start of a different one; the tower over several
-images' tiles in one call against transformers' image features; the InternViT-6B options (RMSNorm
-blocks, q / k norms, no q / k / v biases, a final LayerNorm) with another feature layer; the parameter
-count and the start-up encoder run; tensor-parallel shards (the tower whole on each rank); a W4A16
-checkpoint and online FP8 with the tower float; and, slow, run-batch lines and the server."""
+images' tiles in one call against transformers' image features; variants: the InternViT-6B options
+(RMSNorm blocks, q / k norms, no q / k / v biases, a final LayerNorm) before a Qwen2 decoder, another
+feature layer before a Llama decoder, tiles of another size than the tower's (position embeddings
+resized); the parameter count and the start-up encoder run; the internvl3.5-8b preset's shapes;
+tensor-parallel shards (the tower whole on each rank) and, slow, TP=2 generation; a W4A16 checkpoint
+and online FP8 with the tower float; and, slow, run-batch lines and the server."""
 
 from __future__ import annotations
 
@@ -165,18 +167,35 @@ def test_tower_on_several_images_matches_transformers(setup):
     torch.testing.assert_close(got, want.flatten(0, 1), atol=1e-5, rtol=1e-5)
 
 
-def test_internvit_6b_options_and_another_feature_layer(tmp_path):
-    """InternViT-6B's layout (RMSNorm blocks, q / k RMSNorm, no q / k / v biases) with a final LayerNorm
-    (use_mean_pooling false, read at layer -1) and, separately, vision_feature_layer -2."""
-    six_b = dict(norm_type="rms_norm", use_qk_norm=True, attention_bias=False, use_mean_pooling=False)
-    for seed, changes in ((1, {}), (2, {"vision_feature_layer": -2})):
-        folder = make_internvl_checkpoint(tmp_path, seed=seed, vision=six_b, **changes)
-        llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
-        ref = HfReference(folder)
-        text = prompt(words(3, 40, WORDS), "<IMG_CONTEXT>", words(3, 41, WORDS))
-        imgs = [image(44, 28, 42)]
-        out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
-        check(out, ref, text, imgs)
+VARIANTS = {
+    # InternViT-6B's layout (RMSNorm blocks, q / k RMSNorm, no q / k / v biases) with a final LayerNorm
+    # (use_mean_pooling false, read at layer -1), before a Qwen2 decoder (InternVL 3's)
+    "6b-qwen2": dict(
+        vision=dict(norm_type="rms_norm", use_qk_norm=True, attention_bias=False, use_mean_pooling=False),
+        text=dict(model_type="qwen2"),
+    ),
+    # the tower's last block skipped (the final LayerNorm too), before a Llama decoder
+    "layer-2-llama": dict(
+        vision=dict(use_mean_pooling=False),
+        text=dict(model_type="llama", head_dim=16),
+        vision_feature_layer=-2,
+    ),
+    # 32-pixel tiles on a tower trained at 24: its position table resized bicubically to 8 x 8 patches
+    "interpolated": dict(tile=32),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variants(variant, tmp_path):
+    changes: dict = dict(VARIANTS[variant])
+    folder = make_internvl_checkpoint(tmp_path, seed=7, **changes)
+    llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+    tile = changes.get("tile", 24)
+    ref = HfReference(folder, per_tile=(tile // 8) ** 2)
+    text = prompt(words(3, 40, WORDS), "<IMG_CONTEXT>", words(3, 41, WORDS), "<IMG_CONTEXT>")
+    imgs = [image(44, 28, 42), image(20, 20, 43)]
+    out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
+    check(out, ref, text, imgs)
 
 
 def test_parameter_count_and_start_up_encoder_run(setup):
@@ -263,6 +282,23 @@ def test_tensor_parallel_replicates_the_tower(setup):
         assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_generation_with_images(setup):
+    from tests.tp_helpers import generate_split
+
+    folder, llm, ref = setup
+    cases = CASES[:3]
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = generate_split(
+        folder, prompts, PARAMS, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=BUDGET
+    )
+    for (text, imgs), out in zip(cases, outs):
+        check(out, ref, text, [image(*s) for s in imgs])
 
 
 def _tower_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

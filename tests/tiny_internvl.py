@@ -35,9 +35,15 @@ CHAT_TEMPLATE = (
 
 
 def make_internvl_checkpoint(
-    root: str | os.PathLike, seed: int = 0, vision: dict[str, Any] | None = None, **changes: Any
+    root: str | os.PathLike,
+    seed: int = 0,
+    vision: dict[str, Any] | None = None,
+    text: dict[str, Any] | None = None,
+    tile: int = TILE,
+    **changes: Any,
 ) -> str:
-    """The checkpoint folder; `vision` overrides vision_config fields, `changes` the top level's."""
+    """The checkpoint folder; `vision` / `text` override vision_config / text_config fields, `changes`
+    the top level's; `tile` is the image processor's tile side (the tower's image_size stays TILE)."""
     from tokenizers import AddedToken, decoders, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers.models import WordLevel
@@ -48,20 +54,21 @@ def make_internvl_checkpoint(
 
     folder = os.path.join(str(root), f"internvl_{seed}")
     cfg = InternVLConfig(
-        text_config=dict(
-            model_type="qwen3",
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            rms_norm_eps=1e-6,
-            tie_word_embeddings=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        ),
+        text_config={
+            "model_type": "qwen3",
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 512,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+            **(text or {}),
+        },
         vision_config={
             "hidden_size": 32,
             "intermediate_size": 64,
@@ -73,7 +80,7 @@ def make_internvl_checkpoint(
             **(vision or {}),
         },
         image_token_id=IDS["<IMG_CONTEXT>"],
-        image_seq_length=PER_TILE,
+        image_seq_length=(tile // PATCH // 2) ** 2,
         tie_word_embeddings=False,
         **changes,
     )
@@ -110,7 +117,7 @@ def make_internvl_checkpoint(
     )
     hf_tok.save_pretrained(folder)
     GotOcr2ImageProcessorPil(
-        size={"height": TILE, "width": TILE},
+        size={"height": tile, "width": tile},
         image_mean=[0.485, 0.456, 0.406],
         image_std=[0.229, 0.224, 0.225],
         min_patches=1,
@@ -131,7 +138,7 @@ def _no_video_processor() -> Any:
 class HfReference:
     """transformers' InternVLProcessor (its PIL image processor) and greedy generate, one prompt at a time."""
 
-    def __init__(self, folder: str) -> None:
+    def __init__(self, folder: str, per_tile: int = PER_TILE) -> None:
         from transformers import AutoModelForImageTextToText, AutoTokenizer
         from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
         from transformers.models.internvl.processing_internvl import InternVLProcessor
@@ -140,7 +147,7 @@ class HfReference:
             image_processor=GotOcr2ImageProcessorPil.from_pretrained(folder),
             tokenizer=AutoTokenizer.from_pretrained(folder),
             video_processor=_no_video_processor(),
-            image_seq_length=PER_TILE,
+            image_seq_length=per_tile,
         )
         self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
 
