@@ -254,7 +254,7 @@ def test_dummy_preset_has_the_published_shapes():
     assert vision.num_parameters() == 337_583_104
 
 
-def test_config_refusals(setup):
+def test_config_reading_and_refusals(setup):
     folder, llm, ref = setup
     with open(f"{folder}/config.json") as f:
         cfg = json.load(f)
@@ -266,6 +266,13 @@ def test_config_refusals(setup):
         arch_from_hf_config({**cfg, "vision_feature_select_strategy": "full"})
     with pytest.raises(ModelLoadError, match="unsupported text model 'gemma3'"):
         arch_from_hf_config({**cfg, "text_config": {**cfg["text_config"], "model_type": "gemma3"}})
+    # The LM head: tied as the top level says, else as the text model says (InternVL 3.5's configs leave
+    # the top level unset and ship an lm_head of their own)
+    unset = {k: v for k, v in cfg.items() if k != "tie_word_embeddings"}
+    for text_tie in (False, True):
+        text = {**cfg["text_config"], "tie_word_embeddings": text_tie}
+        assert arch_from_hf_config({**unset, "text_config": text}).tie_word_embeddings is text_tie
+        assert arch_from_hf_config({**cfg, "text_config": text}).tie_word_embeddings is False
 
 
 def test_tensor_parallel_replicates_the_tower(setup):
