@@ -165,6 +165,14 @@ def test_tower_on_several_images_matches_transformers(setup):
         inputs = ref.processor.image_processor(images=imgs, return_tensors="pt", crop_to_patches=True)
         want = ref.model.get_image_features(inputs["pixel_values"]).pooler_output
     torch.testing.assert_close(got, want.flatten(0, 1), atol=1e-5, rtol=1e-5)
+    pixels = torch.cat([p for p, _, _ in ours])
+    for grids, match in (
+        ([(4, 6, 6), (1, 6, 6)], "not the 5 tiles"),  # a tile short
+        ([(4, 6, 6), (1, 6, 6), (4, 6, 4)], "one tile size"),
+        ([(4, 8, 8), (1, 8, 8), (4, 8, 8)], "not 8x8-patch tiles"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            model.embed_images(pixels, grids)
 
 
 VARIANTS = {

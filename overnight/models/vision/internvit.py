@@ -183,9 +183,8 @@ def check_tiles(v: VisionArch, pixel_rows: torch.Tensor, grid_thw: list[Grid]) -
         raise ValueError(
             f"pixel rows {tuple(pixel_rows.shape)} are not the {tiles} tiles of grids {grid_thw}"
         )
-    sides = {h for _, h, w in grid_thw if h == w}
-    if len(sides) != 1 or len(grid_thw) != sum(h == w for _, h, w in grid_thw):
+    if any(h != w for _, h, w in grid_thw) or len({h for _, h, _ in grid_thw}) != 1:
         raise ValueError(f"InternVL grids are (tiles, side, side) of one tile size, got {grid_thw}")
-    side = sides.pop()
+    side = grid_thw[0][1]
     if side % m or pixel_rows.shape[1] != v.in_channels * (side * v.patch_size) ** 2:
         raise ValueError(f"pixel rows of width {pixel_rows.shape[1]} are not {side}x{side}-patch tiles")
