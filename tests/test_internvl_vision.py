@@ -6,8 +6,8 @@ with multi_modal_data, prefill chunks that end inside an image; LLM.chat with im
 prefix-cache hit on the same image and none past the start of a different one; the tower over several
 images' tiles in one call against transformers' image features; variants: the InternViT-6B options
 (RMSNorm blocks, q / k norms, no q / k / v biases, a final LayerNorm) before a Qwen2 decoder, another
-feature layer before a Llama decoder, tiles of another size than the tower's (position embeddings
-resized); the parameter count and the start-up encoder run; the internvl3.5-8b preset's shapes;
+feature layer before a Llama decoder, a Qwen3-MoE decoder (and its TP=2 expert shards), tiles of
+another size than the tower's (position embeddings resized); the parameter count and the start-up encoder run; the internvl3.5-8b preset's shapes;
 tensor-parallel shards (the tower whole on each rank) and, slow, TP=2 generation; a W4A16 checkpoint
 and online FP8 with the tower float; and, slow, run-batch lines and the server."""
 
@@ -188,6 +188,17 @@ VARIANTS = {
         text=dict(model_type="llama", head_dim=16),
         vision_feature_layer=-2,
     ),
+    # InternVL 3.5's MoE layout (InternVL3_5-30B-A3B-HF): a Qwen3-MoE decoder
+    "qwen3-moe": dict(
+        text=dict(
+            model_type="qwen3_moe",
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+        )
+    ),
     # 32-pixel tiles on a tower trained at 24: its position table resized bicubically to 8 x 8 patches
     "interpolated": dict(tile=32),
 }
@@ -204,6 +215,9 @@ def test_variants(variant, tmp_path):
     imgs = [image(44, 28, 42), image(20, 20, 43)]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
     check(out, ref, text, imgs)
+    model = _engine(llm).runner.model
+    moe = type(model).__name__ == "InternVLMoeForConditionalGeneration"
+    assert moe == hasattr(model.model.layers[0].mlp, "experts") == (variant == "qwen3-moe")
 
 
 def test_parameter_count_and_start_up_encoder_run(setup):
@@ -297,6 +311,23 @@ def test_tensor_parallel_replicates_the_tower(setup):
         assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
+
+
+def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
+    """The MoE layout under TP=2: each rank holds half of every expert's intermediate rows, the tower
+    whole."""
+    from overnight.loader.resolve import resolve_source
+    from tests.tp_helpers import streamed_equals_sliced
+
+    folder = make_internvl_checkpoint(tmp_path, seed=8, **VARIANTS["qwen3-moe"])
+    whole = dict(
+        LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.runner.model.named_parameters()
+    )  # type: ignore[attr-defined]
+    shard = dict(streamed_equals_sliced(resolve_source(folder), 1).named_parameters())
+    experts = [k for k in shard if ".mlp.experts." in k]
+    assert experts and all(shard[k].numel() * 2 == whole[k].numel() for k in experts)
+    tower = [k for k in shard if k.startswith(("vision_tower.", "multi_modal_projector."))]
+    assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
 
 
 @pytest.mark.slow  # starts tensor-parallel processes

@@ -1,7 +1,7 @@
 """InternVL 3 / 3.5 with images (InternVLForConditionalGeneration, the OpenGVLab/InternVL3-*-hf and
 InternVL3_5-*-HF checkpoints): the InternViT tower, pixel shuffle and projector of
 models/vision/internvit.py, whose embeddings replace the <IMG_CONTEXT> tokens' input embeddings, and a
-Qwen2 / Qwen3 / Llama decoder of models/llama.py with its 1-D RoPE.
+Qwen2 / Qwen3 / Llama decoder of models/llama.py with its 1-D RoPE (or Qwen3-MoE's sparse MLPs on it).
 
 An image's tokens in the prompt (multimodal/internvl_prompt.py) are <img>, 256 <IMG_CONTEXT> per tile
 (at the published sizes: 448-pixel tiles, 14-pixel patches, 2 x 2 pixel shuffle) and </img>; the
@@ -24,6 +24,7 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.models.checkpoint import load_packed_weights, text_model_tensors
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
+from overnight.models.qwen3_moe import qwen3_moe_mlp
 from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_rows
 from overnight.models.vision.internvit import (
     InternVLMultiModalProjector,
@@ -39,8 +40,8 @@ _TOWER_MODULES = (r"re:vision_tower\.", r"re:multi_modal_projector\.")
 class InternVLForConditionalGeneration(nn.Module):
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
-    unquantized_linear = _TOWER_MODULES
-    dequantized_at_load = _TOWER_MODULES
+    unquantized_linear: tuple[str, ...] = _TOWER_MODULES
+    dequantized_at_load: tuple[str, ...] = _TOWER_MODULES
     takes_images = True  # models/vision/interface.py
     uses_mrope = False
 
@@ -49,7 +50,7 @@ class InternVLForConditionalGeneration(nn.Module):
         assert arch.vision is not None and arch.vision.kind == "internvl"
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch)
+        self.model = LlamaModel(arch, make_mlp=qwen3_moe_mlp) if arch.num_experts else LlamaModel(arch)
         self.vision_tower = InternVLVisionModel(arch.vision)
         self.multi_modal_projector = InternVLMultiModalProjector(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
@@ -109,3 +110,11 @@ class InternVLForConditionalGeneration(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, self.rename_checkpoint(weights))
+
+
+class InternVLMoeForConditionalGeneration(InternVLForConditionalGeneration):
+    """InternVL 3.5's MoE checkpoints (a Qwen3-MoE decoder, e.g. InternVL3_5-30B-A3B-HF): the router and
+    experts are quantized as Qwen3-MoE's (models/qwen3_moe.py says how)."""
+
+    unquantized_linear = (*_TOWER_MODULES, "mlp.gate")
+    dequantized_at_load = (*_TOWER_MODULES, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")

@@ -24,7 +24,7 @@ from overnight.models.hf_config import (
     rope_params,
     text_config,
 )
-from overnight.models.internvl import InternVLForConditionalGeneration
+from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
@@ -123,7 +123,7 @@ _WITH_IMAGES: dict[str, type[nn.Module]] = {
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
 _VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
-_INTERNVL_TEXT = ("qwen2", "qwen3", "llama")  # InternVL's decoders (text_config.model_type)
+_INTERNVL_TEXT = ("qwen2", "qwen3", "qwen3_moe", "llama")  # InternVL's decoders (text_config.model_type)
 _ENCODERS = ("bert",)
 
 
@@ -160,6 +160,8 @@ def model_class_for(arch: ModelArch) -> type[nn.Module]:
         return Gemma3ForConditionalGeneration
     if arch.vision is not None and arch.vision.kind == "pixtral":
         return Mistral3VLForConditionalGeneration
+    if arch.vision is not None and arch.vision.kind == "internvl" and arch.num_experts:
+        return InternVLMoeForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
     return get_model_class(arch.architecture)
