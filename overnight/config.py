@@ -26,7 +26,10 @@ class VisionArch:
     Gemma's boi / eoi tokens, and they attend to each other both ways: bidirectional_images) or
     "pixtral" (Mistral 3: Pixtral's tower over images of any size up to image_size on their longest
     edge, a patch merger and a projector; a row of [IMG] tokens per row of merged patches, each row
-    closed by [IMG_BREAK], the last by [IMG_END])."""
+    closed by [IMG_BREAK], the last by [IMG_END]) or "internvl" (InternVL 3 / 3.5: InternViT over
+    image_size tiles of an image (the processor's crop_to_patches plus a thumbnail), pixel shuffle by
+    spatial_merge_size = 1 / downsample_ratio and an MLP projector; the grid is (tiles, patches per tile
+    side, patches per tile side); vision_start / vision_end are <img> / </img>)."""
 
     kind: str
     depth: int
@@ -56,6 +59,13 @@ class VisionArch:
     vision_feature_layer: int = -1
     projector_hidden_act: str = "gelu"  # Mistral 3's projector: linear_1, this, linear_2
     projector_bias: bool = False
+    # InternViT: "layer_norm" or "rms_norm" blocks, q / k RMSNorm, q / k / v biases, a LayerNorm after
+    # the last block (use_mean_pooling false), learned position embeddings
+    norm_type: str = "layer_norm"
+    qk_norm: bool = False
+    attention_bias: bool = False
+    final_norm: bool = False
+    position_embeddings: bool = True
 
     @property
     def bidirectional_images(self) -> bool:
@@ -65,6 +75,16 @@ class VisionArch:
     def num_parameters(self) -> int:
         """The tower's parameters (models/vision/qwen_vit.py, siglip.py), for the memory check."""
         h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        if self.kind == "internvl":  # cls + conv + positions, blocks, final norm, LN + two linears
+            norm = 2 * h if self.norm_type == "layer_norm" else h
+            tokens = (self.image_size // self.patch_size) ** 2 + 1
+            embed = h + self.in_channels * self.patch_size**2 * h + h
+            embed += tokens * h if self.position_embeddings else 0
+            qkv = 3 * h * h + (3 * h if self.attention_bias else 0)
+            block = 2 * norm + qkv + (2 * h if self.qk_norm else 0) + h * h + h + 2 * h * i + i + h + 2 * h
+            wide = h * self.spatial_merge_size**2
+            projector = 2 * wide + wide * out + out + out * out + out
+            return embed + self.depth * block + (2 * h if self.final_norm else 0) + projector
         if self.kind == "pixtral":  # conv, ln_pre, blocks without biases; norm, merger, two linears
             m = self.spatial_merge_size
             block = 2 * h + 4 * h * h + 3 * h * i
@@ -93,7 +113,7 @@ class VisionArch:
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge (Mistral 3:
-        and a [IMG_BREAK] / [IMG_END] after each row of them)."""
+        and a [IMG_BREAK] / [IMG_END] after each row of them; InternVL: t is the image's tile count)."""
         t, h, w = grid_thw
         m = self.spatial_merge_size
         if self.kind == "pixtral":

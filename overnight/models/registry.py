@@ -25,6 +25,7 @@ from overnight.models.hf_config import (
     rope_params,
     text_config,
 )
+from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
@@ -33,7 +34,12 @@ from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vi
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
-from overnight.models.vision.config import mistral3_vision_arch, text_config_of, vision_arch_from_hf
+from overnight.models.vision.config import (
+    internvl_vision_arch,
+    mistral3_vision_arch,
+    text_config_of,
+    vision_arch_from_hf,
+)
 
 # ModelArch.architecture (the HF model_type) -> implementation. One class per family shape: the dense
 # families differ only in ModelArch flags.
@@ -64,6 +70,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+    # InternViT + a Qwen2 / Qwen3 / Llama decoder (models/internvl.py)
+    "internvl": InternVLForConditionalGeneration,
     # Hybrid linear attention (models/qwen3_next.py)
     "qwen3_5": Qwen3NextForCausalLM,
     "qwen3_5_moe": Qwen3NextForCausalLM,
@@ -107,6 +115,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "InternVLForConditionalGeneration": "internvl",
     # Hybrid linear attention; the ConditionalGeneration checkpoints take images (model_class_for).
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -123,6 +132,7 @@ _WITH_IMAGES: dict[str, type[nn.Module]] = {
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
 _VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+_INTERNVL_TEXT = ("qwen2", "qwen3", "qwen3_moe", "llama")  # InternVL's decoders (text_config.model_type)
 _ENCODERS = ("bert", "xlm-roberta")
 
 
@@ -159,6 +169,8 @@ def model_class_for(arch: ModelArch) -> type[nn.Module]:
         return Gemma3ForConditionalGeneration
     if arch.vision is not None and arch.vision.kind == "pixtral":
         return Mistral3VLForConditionalGeneration
+    if arch.vision is not None and arch.vision.kind == "internvl" and arch.num_experts:
+        return InternVLMoeForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
     if arch.is_encoder and arch.num_labels:
@@ -246,6 +258,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return _gpt_oss_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
+    if family == "internvl":
+        return _internvl_arch(cfg)
     if family in TEXT_CONFIG_FAMILIES:  # Mistral 3: its text model's config, and with vision_config the tower
         arch = _decoder_arch(text_config(cfg), family)
         if not isinstance(cfg.get("vision_config"), dict):
@@ -415,4 +429,27 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         mrope_section=section,
         mrope_interleaved=bool(params.get("mrope_interleaved", family != "qwen2_5_vl")),
         vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
+    )
+
+
+def _internvl_arch(cfg: dict[str, Any]) -> ModelArch:
+    """InternVL: its text_config's decoder (as that family reads it) and the InternViT tower. The LM head
+    is tied when the top level says so, else as the text model says (the published InternVL 3.5
+    configs leave the top level unset while their checkpoints hold an lm_head of their own, which
+    transformers then keeps untied)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError("config.json lacks required field 'text_config'")
+    text_family = text.get("model_type", "qwen2")
+    if text_family not in _INTERNVL_TEXT:
+        raise ModelLoadError(
+            f"unsupported text model {text_family!r} in an InternVL checkpoint ({', '.join(_INTERNVL_TEXT)})"
+        )
+    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+    base = arch_from_hf_config({**text, "architectures": [], "model_type": text_family})
+    return replace(
+        base,
+        architecture="internvl",
+        tie_word_embeddings=bool(tie),
+        vision=internvl_vision_arch(cfg, base.hidden_size),
     )

@@ -56,24 +56,24 @@ def longest_edge(model_path: str | None, vision: VisionArch) -> int:
     return int(pixtral_image_processor(vision, model_path).size["longest_edge"])
 
 
-def special_ids(tokenizer_path: str | None) -> dict[str, int]:
-    """{token: id} of [IMG_BREAK] and [IMG_END] in the tokenizer (those it has): its tokenizer.json, else
-    whatever transformers' AutoTokenizer reads there (as PixtralProcessor looks them up)."""
+def special_ids(tokenizer_path: str | None, tokens: tuple[str, ...] = (BREAK, END)) -> dict[str, int]:
+    """{token: id} of `tokens` in the tokenizer (those it has): its tokenizer.json, else whatever
+    transformers' AutoTokenizer reads there (as the HF processors look them up)."""
     if not tokenizer_path:
         return {}
     file = os.path.join(tokenizer_path, "tokenizer.json")
     if os.path.isfile(file):
         from tokenizers import Tokenizer
 
-        found = {t: Tokenizer.from_file(file).token_to_id(t) for t in (BREAK, END)}
+        found = {t: Tokenizer.from_file(file).token_to_id(t) for t in tokens}
         return {t: i for t, i in found.items() if i is not None}
     try:
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    except Exception:  # no tokenizer here: check_tokens refuses image prompts, naming the tokens
+    except Exception:  # no tokenizer here: the prompt code refuses image prompts, naming the tokens
         return {}
-    ids = {t: hf.convert_tokens_to_ids(t) for t in (BREAK, END)}
+    ids = {t: hf.convert_tokens_to_ids(t) for t in tokens}
     return {t: i for t, i in ids.items() if isinstance(i, int) and i != hf.unk_token_id}
 
 

@@ -10,8 +10,9 @@ the chat template writes it and vLLM's prompts do); it becomes as many pad token
 merged patches. The expansion and the M-RoPE positions here are the Qwen families'; Gemma 3's (a fixed
 count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
 gemma_prompt.py and Mistral 3's (rows of [IMG] tokens closed by [IMG_BREAK] / [IMG_END],
-PixtralImageProcessorPil's pixels) in pixtral_prompt.py, chosen by VisionArch.kind; each returns the
-same MultiModalInputs.
+PixtralImageProcessorPil's pixels) in pixtral_prompt.py and InternVL's (<img>, the tiles' <IMG_CONTEXT>
+tokens, </img>; GotOcr2ImageProcessorPil's tiles) in internvl_prompt.py, chosen by VisionArch.kind; each
+returns the same MultiModalInputs.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.internvl_prompt import InternVLPrompt, internvl_image_processor
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 from overnight.multimodal.pixtral_prompt import PixtralPrompt, pixtral_image_processor
 from overnight.multimodal.qwen_pixels import qwen_image_processor
@@ -74,6 +76,7 @@ class ImageProcessor:
         self.image_limit = image_limit
         self.gemma: GemmaPrompt | None = None
         self.pixtral: PixtralPrompt | None = None
+        self.internvl: InternVLPrompt | None = None
         self.hf_kwargs: dict[str, Any] = {}
         if vision.kind == "gemma3":
             self.hf = gemma3_image_processor(vision, model_path)
@@ -82,6 +85,10 @@ class ImageProcessor:
             self.hf = pixtral_image_processor(vision, model_path)
             self.pixtral = PixtralPrompt(vision, tokenizer_path or model_path)
             self.hf_kwargs = self.pixtral.hf_kwargs
+        elif vision.kind == "internvl":
+            self.hf = internvl_image_processor(vision, model_path)
+            self.internvl = InternVLPrompt(vision, tokenizer_path or model_path)
+            self.hf_kwargs = self.internvl.hf_kwargs
         else:
             self.hf = qwen_image_processor(vision, model_path)
         # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
@@ -102,6 +109,8 @@ class ImageProcessor:
             raise MediaError(f"cannot preprocess image: {type(e).__name__}: {e}") from None
         if self.pixtral is not None:  # [1, C, H, W] -> patch rows; its grid (1, H / patch, W / patch)
             pixels, (t, h, w) = self.pixtral.patch_rows(out["pixel_values"])
+        elif self.internvl is not None:  # [tiles, C, S, S] -> a row per tile; grid (tiles, S / p, S / p)
+            pixels, (t, h, w) = self.internvl.tile_rows(out["pixel_values"])
         elif self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
             pixels = out["pixel_values"].float().flatten(1).contiguous()
             t, h, w = self.gemma.grid(out["pixel_values"].shape)
@@ -122,7 +131,15 @@ class ImageProcessor:
         pad = self.vision.image_token_id if gemma is None else gemma.boi
         slots = [i for i, t in enumerate(token_ids) if t == pad]
         if len(slots) != len(images):
-            name = "<start_of_image>" if gemma else "[IMG]" if self.pixtral else "<|image_pad|>"
+            name = (
+                "<start_of_image>"
+                if gemma
+                else "[IMG]"
+                if self.pixtral
+                else "<IMG_CONTEXT>"
+                if self.internvl
+                else "<|image_pad|>"
+            )
             raise InvalidRequestError(
                 f"the prompt has {len(slots)} image placeholders ({name}) but {len(images)} images were given"
             )
@@ -130,12 +147,16 @@ class ImageProcessor:
             gemma.check_newlines()
         if self.pixtral is not None:
             self.pixtral.check_tokens()
+        if self.internvl is not None:
+            self.internvl.check_tokens()
         futures = [self._future(source) for source in images]
         processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
         if gemma is not None:
             return gemma.expand(token_ids, slots, processed)
         if self.pixtral is not None:
             return self.pixtral.expand(token_ids, slots, processed)
+        if self.internvl is not None:
+            return self.internvl.expand(token_ids, slots, processed)
         return expand_placeholders(token_ids, slots, processed, self.vision)
 
     def _future(self, source: Any) -> Future[Pixels]:

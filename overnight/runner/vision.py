@@ -186,6 +186,15 @@ class VisionStep:
             pixels = torch.zeros(n * (blocks * m) ** 2, width, device=self.device)
             self.model.embed_images(pixels, [(1, blocks * m, blocks * m)] * n)
             return
+        if vision.kind == "internvl":  # the most tiles an image makes, as many images as one step holds
+            from overnight.multimodal.internvl_prompt import max_tiles
+
+            tiles, size = max_tiles(model_path, vision)
+            side = size // vision.patch_size
+            n = max(1, self.max_tokens // vision.num_tokens((tiles, side, side)))
+            pixels = torch.zeros(n * tiles, vision.in_channels * size * size, device=self.device)
+            self.model.embed_images(pixels, [(tiles, side, side)] * n)
+            return
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):

@@ -164,3 +164,82 @@ def mistral3_vision_arch(cfg: dict[str, Any], text_hidden: int, text_eps: float)
     if arch.spatial_merge_size < 1:
         raise ModelLoadError("spatial_merge_size must be at least 1")
     return arch
+
+
+def _side(value: Any, name: str) -> int:
+    """An InternViT size (an int, or [height, width] of equal sides)."""
+    sides = value if isinstance(value, (list, tuple)) else (value, value)
+    if len(sides) != 2 or int(sides[0]) != int(sides[1]):
+        raise ModelLoadError(f"InternVL vision_config.{name} must be square, got {value!r}")
+    return int(sides[0])
+
+
+def internvl_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
+    """InternVL's InternViT tower (vision_config) and projector (the top level's downsample_ratio,
+    projector_hidden_act, vision_feature_layer). <img> / </img> are the tokenizer's
+    (multimodal/internvl_prompt.py): config.json names only <IMG_CONTEXT> (image_token_id)."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    layers = cfg.get("vision_feature_layer", -1)
+    ratio = float(cfg.get("downsample_ratio", 0.5))
+    try:
+        depth = int(v.get("num_hidden_layers", 24))
+        image_size, patch = (
+            _side(v.get("image_size", 448), "image_size"),
+            _side(v.get("patch_size", 14), "patch_size"),
+        )
+        merge = round(1 / ratio) if ratio > 0 else 0
+        arch = VisionArch(
+            kind="internvl",
+            depth=depth,
+            hidden_size=int(v.get("hidden_size", 1024)),
+            intermediate_size=int(v.get("intermediate_size", 4096)),
+            num_heads=int(v.get("num_attention_heads", 16)),
+            out_hidden_size=text_hidden,
+            patch_size=patch,
+            temporal_patch_size=1,
+            spatial_merge_size=merge,
+            in_channels=int(v.get("num_channels", 3)),
+            hidden_act=str(v.get("hidden_act", "gelu")),
+            image_token_id=int(cfg.get("image_token_id", cfg.get("image_token_index", 151667))),
+            image_size=image_size,
+            layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+            vision_feature_layer=layers if isinstance(layers, int) else depth + 1,  # refused below
+            projector_hidden_act=str(cfg.get("projector_hidden_act", "gelu")),
+            norm_type=str(v.get("norm_type", "layer_norm")),
+            qk_norm=bool(v.get("use_qk_norm", False)),
+            attention_bias=bool(v.get("attention_bias", False)),
+            final_norm=not v.get("use_mean_pooling", True),
+            position_embeddings=bool(v.get("use_absolute_position_embeddings", True)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid InternVL vision_config: {e}") from None
+    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
+        raise ModelLoadError(f"downsample_ratio must be 1 / n for a whole n (0.5: 2 x 2), got {ratio}")
+    side = image_size // patch
+    if image_size % patch or side % merge:
+        raise ModelLoadError(
+            f"InternVL's image_size {image_size} must be whole patches ({patch}) whose count per side "
+            f"({side}) divides by 1 / downsample_ratio ({merge})"
+        )
+    if arch.hidden_size % arch.num_heads:
+        raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
+    if arch.norm_type not in ("layer_norm", "rms_norm"):
+        raise ModelLoadError(f"unsupported InternVL norm_type {arch.norm_type!r} (layer_norm or rms_norm)")
+    if cfg.get("vision_feature_select_strategy", "default") != "default":
+        raise ModelLoadError(
+            "unsupported vision_feature_select_strategy "
+            f"{cfg['vision_feature_select_strategy']!r} (only default: the CLS token dropped)"
+        )
+    if not -depth - 1 <= arch.vision_feature_layer <= depth:
+        raise ModelLoadError(
+            f"vision_feature_layer must be one hidden state of the tower (-{depth + 1}..{depth}), got {layers!r}"
+        )
+    for name, act in (
+        ("vision_config.hidden_act", arch.hidden_act),
+        ("projector_hidden_act", arch.projector_hidden_act),
+    ):
+        if act not in ("gelu", "silu", "gelu_pytorch_tanh"):
+            raise ModelLoadError(f"unsupported {name} {act!r} (gelu, silu or gelu_pytorch_tanh)")
+    return arch

@@ -2,8 +2,9 @@
 
 A vision-language model has a tower that turns preprocessed pixels into one embedding per image token,
 and a forward that takes the step's image rows. Qwen2.5-VL and Qwen3-VL implement it
-(models/qwen_vl.py), as does Qwen3.5 (models/qwen3_5_vl.py); Gemma 3's SigLIP (models/gemma_vl.py) and
-Mistral 3's Pixtral (models/mistral3_vl.py) plug in by implementing the same:
+(models/qwen_vl.py), as does Qwen3.5 (models/qwen3_5_vl.py); Gemma 3's SigLIP (models/gemma_vl.py),
+Mistral 3's Pixtral (models/mistral3_vl.py) and InternVL's InternViT (models/internvl.py) plug in by
+implementing the same:
 
     embed_images(pixel_values, grid_thw) -> VisionFeatures   (one row per image token, images concatenated)
     forward(input_ids, positions, attn, vision=VisionRows | None)
