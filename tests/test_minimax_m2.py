@@ -12,7 +12,8 @@ Checked: greedy tokens identical to transformers' in fp32 through chunked prefil
 hits; multi-token-prediction layers skipped and unsupported configs refused by name; online FP8 and
 the published block-scaled FP8 form (weight_scale_inv, fmt float8_e4m3fn, experts w1/w2/w3 in FP8,
 router and bias float) near the dequantized model, router float32 and experts e4m3; TP=2 shards equal
-to slices of the whole model, tokens equal to TP=1's; the minimax-m2 preset's published size.
+to slices of the whole model, tokens equal to TP=1's; the Triton path against the PyTorch path; the
+minimax-m2 preset's published size and its FP8 budget over two and four H200s.
 """
 
 from __future__ import annotations
@@ -245,6 +246,21 @@ def test_tp_shards_equal_slices_of_the_whole_model(mm_folder):
         assert layer.mlp.gate.weight.shape == (8, 64) and layer.mlp.experts.gate_up_proj.shape == (8, 32, 64)
 
 
+@pytest.mark.slow  # the fused MoE kernels through the Triton interpreter
+def test_forward_with_kernels_matches_pytorch_path(mm_folder, monkeypatch):
+    """The Triton path (grouped router kernel with one group, fused experts, partial RoPE after the
+    whole-vector q/k norms) against the PyTorch path: a prefill of two requests and a decode step."""
+    from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    model = load_model(resolve_source(str(mm_folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run_steps(model)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    got = run_steps(model)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tp2_matches_tp1(mm_folder):
     first, second = _waves(384)
@@ -270,3 +286,27 @@ def test_minimax_m2_preset_has_published_size():
     active = total - arch.mlp_params() + arch.mlp_params(active_only=True)
     embeddings = 2 * arch.vocab_size * arch.hidden_size  # input table and (untied) LM head
     assert 9.5e9 < active - embeddings < 10.5e9  # "10B active"
+
+
+def test_minimax_m2_fp8_budget_on_h200s():
+    """MiniMax-M2 in FP8 over two H200s (`overnight budget`'s arithmetic for one rank): about 107 GiB of
+    weights each and a KV pool for 3 sequences of 32K (4 kv heads a rank); over four, 35 of them; in
+    bf16 two do not hold the weights."""
+    from dataclasses import replace
+
+    from overnight.options import EngineOptions
+    from overnight.quant.scheme import QuantScheme
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    source = resolve_source("minimax-m2", load_format="dummy")
+    fp8 = replace(source, quantization=QuantScheme())
+    opts = EngineOptions(
+        model="minimax-m2", load_format="dummy", dtype="bfloat16", max_model_len=32768, tensor_parallel_size=2
+    )
+    two = plan_budget(replace(opts, quantization="fp8"), fp8, h200)
+    assert 106 * GIB < two.weights_bytes < 109 * GIB
+    assert two.kv_bytes_per_token == 62 * 2 * 4 * 128 * 2 and two.seqs_fit >= 3
+    four = plan_budget(replace(opts, quantization="fp8", tensor_parallel_size=4), fp8, h200)
+    assert 53 * GIB < four.weights_bytes < 55 * GIB and four.seqs_fit >= 30
+    assert plan_budget(opts, source, h200).num_blocks == 0  # bf16: 213 GiB of weights a rank
