@@ -199,6 +199,8 @@ def _assert_fp8_layout(model: nn.Module) -> None:
     assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
     assert moe.experts.gate_up_proj.dtype == moe.experts.down_proj.dtype == torch.float8_e4m3fn
+    layer = model.model.layers[1]  # the norm before qkv_proj hands over e4m3; the one before the router not
+    assert layer.input_layernorm.fp8_output and not layer.post_attention_layernorm.fp8_output
     agree = compare(model, dequantize_model(copy.deepcopy(model)))
     assert agree.top1 >= MIN_TOP1 and agree.mean_dlogprob <= MAX_DLOGPROB, agree
 
