@@ -83,9 +83,18 @@ def _quantized(
     }
 
 
-def make_fp8_checkpoint(float_folder: str | Path, out_folder: str | Path, layout: str) -> Path:
-    """Write float_folder's model in `layout` (a key of LAYOUTS) into out_folder; returns it."""
+def make_fp8_checkpoint(
+    float_folder: str | Path,
+    out_folder: str | Path,
+    layout: str,
+    projections: tuple[str, ...] = PROJECTIONS,
+    config_extra: dict[str, Any] | None = None,
+) -> Path:
+    """Write float_folder's model in `layout` (a key of LAYOUTS) into out_folder; returns it. The
+    weights of modules named in `projections` become FP8 (Mixtral-named checkpoints add w1 / w2 / w3);
+    config_extra is merged into the quantization_config (a producer's own keys)."""
     config_patch, storage = LAYOUTS[layout]
+    config_patch = {**config_patch, **(config_extra or {})}
     # compressed-tensors names every scale weight_scale; the fp8 method names block scales _inv
     block_scale_name = "weight_scale" if layout.startswith("ct-") else "weight_scale_inv"
     src, out = Path(float_folder), Path(out_folder)
@@ -100,7 +109,7 @@ def make_fp8_checkpoint(float_folder: str | Path, out_folder: str | Path, layout
             if name.endswith(".weight") and t.dim() == 2:
                 tower.append(name.removesuffix(".weight"))
             written[name] = t
-        elif name.endswith(".weight") and module in PROJECTIONS:
+        elif name.endswith(".weight") and module in projections:
             sample_input = torch.randn(t.shape[1], generator=gen)
             written.update(_quantized(name, t, storage, block_scale_name, sample_input))
         else:

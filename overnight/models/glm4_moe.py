@@ -127,13 +127,13 @@ class Glm4MoeForCausalLM(nn.Module):
         num_hidden_layers) and, with n_shared_experts 0, without the empty shared experts transformers
         still writes; applied before FP8 conversion and tensor-parallel slicing
         (loader/model_loader.checkpoint_weights)."""
-        return _without_mtp_layers(weights, self.arch.num_hidden_layers)
+        return without_mtp_layers(weights, self.arch.num_hidden_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, weights)
 
 
-def _without_mtp_layers(
+def without_mtp_layers(
     weights: Iterable[tuple[str, torch.Tensor]], num_layers: int
 ) -> Iterator[tuple[str, torch.Tensor]]:
     skipped: set[int] = set()

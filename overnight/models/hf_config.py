@@ -1,7 +1,8 @@
 """The ModelArch fields of config.json where a dense family differs from Llama: RoPE (every scaling type,
 per layer kind), windows, partial / interleaved rotation, NoPE layers, norm placement, Granite's
-multipliers, Mixtral's and GLM-4.5's experts, and the text model of a Mistral 3 checkpoint. One small function per
-family (FAMILY_FIELDS); models/registry.py reads the fields all families share.
+multipliers, Mixtral's, GLM-4.5's and MiniMax-M2's experts, and the text model of a Mistral 3
+checkpoint. One small function per family (FAMILY_FIELDS); models/registry.py reads the fields all
+families share.
 """
 
 from __future__ import annotations
@@ -248,6 +249,56 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MiniMax-M2 / M2.1 (models/minimax_m2.py): every layer sparse, intermediate_size the width of each
+    of num_local_experts experts, no shared expert; the sigmoid router with its correction bias over one
+    group, the chosen weights renormalized; RMSNorm over the whole q and k projections (qk_norm_type
+    "per_layer": one statistic over all heads, not per head); partial rotate-half RoPE of rotary_dim
+    dims. The options transformers' model does not have (MiniMax-Text-01's lightning-attention layers,
+    a shared expert, softmax scoring, per-head q/k norms) are refused by name."""
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    params = cfg.get("rope_parameters") or {}
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    rotary_dim = cfg.get("rotary_dim")
+    if factor is None:  # the published configs say rotary_dim (64 of head_dim 128)
+        factor = rotary_dim / head_dim if rotary_dim else 1.0
+    elif rotary_dim is not None and int(head_dim * float(factor)) != int(rotary_dim):
+        raise ModelLoadError(
+            f"rotary_dim {rotary_dim} disagrees with partial_rotary_factor {factor} of head_dim {head_dim}"
+        )
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    problems = []
+    if not 0 < top_k <= experts:
+        problems.append(f"num_experts_per_tok must be in 1..num_local_experts ({experts}), got {top_k}")
+    if any(int(kind) != 1 for kind in cfg.get("attn_type_list") or ()):
+        problems.append(
+            "attn_type_list names lightning-attention layers (MiniMax-Text-01's); only full attention"
+        )
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        problems.append(f"scoring_func {cfg['scoring_func']!r} (only sigmoid)")
+    if cfg.get("use_routing_bias") is False:
+        problems.append("use_routing_bias false (the router's e_score_correction_bias is required)")
+    if cfg.get("use_qk_norm") is False or cfg.get("qk_norm_type", "per_layer") != "per_layer":
+        problems.append("q/k norms other than qk_norm_type per_layer")
+    if int(cfg.get("shared_intermediate_size") or 0):
+        problems.append("shared_intermediate_size > 0 (a shared expert)")
+    if problems:
+        raise ModelLoadError("unsupported MiniMax-M2 config: " + "; ".join(problems))
+    return dict(
+        qk_norm=True,
+        qk_norm_whole=True,
+        partial_rotary_factor=_partial_rotary(
+            {**cfg, "partial_rotary_factor": factor, "rope_parameters": {}}
+        ),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=True,
+        router_scoring="sigmoid",
+    )
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal checkpoint (Mistral 3: Mistral or Ministral 3 inside).
     Whether the LM head is tied is the top level's say (transformers ties by it, default true)."""
@@ -277,6 +328,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "granite": _granite_fields,
     "glm4": _glm4_fields,
     "glm4_moe": _glm4_moe_fields,
+    "minimax_m2": _minimax_m2_fields,
 }
 TEXT_CONFIG_FAMILIES = ("mistral3",)
 WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)

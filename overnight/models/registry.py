@@ -27,6 +27,7 @@ from overnight.models.hf_config import (
 )
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
+from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.olmo import OlmoForCausalLM
@@ -67,6 +68,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "granite": LlamaForCausalLM,
     "glm4": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    "minimax_m2": MiniMaxM2ForCausalLM,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
@@ -112,6 +114,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "MiniMaxM2ForCausalLM": "minimax_m2",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",

@@ -16,9 +16,10 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     sinks       (gpt-oss) one per attention head: r's heads
     embed       vocab rows of r (ids elsewhere give zeros); all-reduced                 vocab-parallel
     lm_head     vocab rows of r; logits all-gathered, so every rank sees the whole vocabulary
-    q_norm/k_norm   per-head ones replicated; OLMo's whole-projection ones (qk_norm_whole) take the
-                rows of r's heads, and each token's sums of squares of q and k are all-reduced as one
-                [tokens, 2] float32 tensor before the mean (layers/norm.py sharded_rms_norm_pair)
+    q_norm/k_norm   per-head ones replicated; the whole-projection ones (qk_norm_whole: OLMo 2/3,
+                MiniMax-M2) take the rows of r's heads, and each token's sums of squares of q and k are
+                all-reduced as one [tokens, 2] float32 tensor before the mean (layers/norm.py
+                sharded_rms_norm_pair)
     other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.

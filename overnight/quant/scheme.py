@@ -144,7 +144,7 @@ def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> Qua
 
 
 def _fp8_method(qc: dict[str, Any], where: str) -> QuantScheme:
-    if qc.get("fmt", "e4m3") != "e4m3":
+    if qc.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # MiniMax-M2 writes the torch dtype's name
         raise ModelLoadError(f"{where}: FP8 format {qc['fmt']!r} is not supported (only e4m3)")
     activations = qc.get("activation_scheme", "dynamic")
     if activations not in ("dynamic", "static"):
