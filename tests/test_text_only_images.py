@@ -20,6 +20,7 @@ from tests.tiny_mistral3_vl import make_mistral3_vl_checkpoint
 from tests.tiny_vl import data_uri, image, make_vl_checkpoint
 
 MAKERS: dict[str, Callable[[Any], str]] = {
+    "qwen2_5_vl": lambda root: make_vl_checkpoint(root, "qwen2_5_vl"),
     "qwen3_vl": lambda root: make_vl_checkpoint(root, "qwen3_vl"),
     "qwen3_5": lambda root: make_vl_checkpoint(root, "qwen3_5"),
     "gemma3": make_gemma_vl_checkpoint,
@@ -87,10 +88,14 @@ def test_text_only_is_the_full_model_without_its_tower(family, tmp_path, monkeyp
         )
 
 
-def test_budget_counts_no_tower_and_gives_the_pool_its_bytes(tmp_path):
+def test_fit_check_and_budget_count_no_tower(tmp_path, monkeypatch):
+    import torch
+
     from overnight.build import resolve_model
+    from overnight.errors import ConfigError
+    from overnight.loader import fit
     from overnight.options import EngineOptions
-    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget, render
 
     folder = make_vl_checkpoint(tmp_path, "qwen3_vl")
     gpu = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
@@ -107,6 +112,17 @@ def test_budget_counts_no_tower_and_gives_the_pool_its_bytes(tmp_path):
     assert b.weights_bytes is not None and bare.weights_bytes is not None
     assert b.weights_bytes - bare.weights_bytes == tower
     assert bare.budget_bytes - b.budget_bytes == tower and bare.num_blocks >= b.num_blocks
+    assert "text-only" in render(bare, "m", bare_source.arch, "bfloat16")
+    assert "text-only" not in render(b, "m", source.arch, "bfloat16")
+
+    # The weight-fit check: memory for the decoder but not the tower stops only the full model.
+    cpu = torch.device("cpu")
+    text_bytes = fit.weight_bytes(bare_source.arch, torch.float32)
+    assert fit.weight_bytes(source.arch, torch.float32) - text_bytes == 2 * tower
+    monkeypatch.setattr(fit, "available_memory_bytes", lambda device: text_bytes)
+    fit.check_weights_fit(bare_source.arch, torch.float32, cpu, "m")
+    with pytest.raises(ConfigError, match="does not fit"):
+        fit.check_weights_fit(source.arch, torch.float32, cpu, "m")
 
 
 def test_bad_limits_are_refused_before_loading():
