@@ -37,7 +37,7 @@ from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
 from overnight.limits import default_limits
 from overnight.loader.source import ModelSource
-from overnight.options import EngineOptions, block_size_for
+from overnight.options import EngineOptions, block_size_for, image_limit
 from overnight.runner.device import device_memory_gib, pick_device
 from overnight.tokenizer.tokenizer import Tokenizer, load_tokenizer
 
@@ -61,6 +61,13 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     from overnight.loader.resolve import resolve_source
 
     source = resolve_source(opts.model, opts.load_format, opts.quantization)
+    if source.arch.vision is not None and image_limit(opts.limit_mm_per_prompt) == 0:
+        # Text-only (vLLM's limit_mm_per_prompt={"image": 0}): everything below (the weight-fit check,
+        # `overnight budget`, the model build and load, the runner's encoder profiling) reads this arch.
+        source = replace(source, arch=replace(source.arch, text_only=True))
+        log.info(
+            "limit_mm_per_prompt image 0: %s runs text-only, without its vision tower", source.served_name
+        )
     if opts.served_model_name:
         source = replace(source, served_name=opts.served_model_name)
     if opts.tokenizer:

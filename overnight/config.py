@@ -247,6 +247,10 @@ class ModelArch:
     mrope_section: tuple[int, ...] = ()
     mrope_interleaved: bool = False
     vision: VisionArch | None = None
+    # An image model run on text only (limit_mm_per_prompt image 0; build.resolve_model sets it): built,
+    # loaded and counted without its vision tower and projector, its decoder the image model's (same
+    # class, checkpoint names and M-RoPE, which on text is plain RoPE), image prompts refused.
+    text_only: bool = False
 
     @property
     def q_size(self) -> int:
@@ -477,7 +481,7 @@ class ModelArch:
             (k1, conv), _ = self.linear_state_shapes()
             gdn = conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
             hybrid = self.num_linear_layers * (gdn - (2 * self.head_dim if self.qk_norm else 0))
-        vision = self.vision.num_parameters() if self.vision is not None else 0
+        vision = self.vision.num_parameters() if self.vision is not None and not self.text_only else 0
         return hybrid + (
             self.vocab_size * h
             + head

@@ -12,6 +12,7 @@ Light on purpose: importing this module imports neither torch nor the engine.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import typing
@@ -117,6 +118,35 @@ def _upper(value: Any) -> Any:
 def _device_text(value: Any) -> Any:
     """A torch.device as its text ("cuda:1")."""
     return str(value) if type(value).__module__ == "torch" else value
+
+
+DEFAULT_IMAGE_LIMIT = 16  # images per prompt when limit_mm_per_prompt is not given
+
+
+def image_limit(value: str | None) -> int:
+    """limit_mm_per_prompt's image count: a number, or vLLM's JSON {"image": N} (other modalities'
+    counts are ignored: overnight takes images only). 0 runs an image model text-only (build.py)."""
+    if value is None:
+        return DEFAULT_IMAGE_LIMIT
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        raise ConfigError(f"limit_mm_per_prompt must be a number or JSON, got {value!r}") from None
+    if isinstance(parsed, dict):
+        parsed = parsed.get("image", DEFAULT_IMAGE_LIMIT)
+    if not isinstance(parsed, int) or isinstance(parsed, bool) or parsed < 0:
+        raise ConfigError(f"limit_mm_per_prompt must give an image count >= 0, got {value!r}")
+    return parsed
+
+
+def _mm_limit_text(value: Any) -> Any:
+    """limit_mm_per_prompt as vLLM users pass it to LLM(): a count or a dict ({"image": 0}) becomes its
+    JSON text, and the text is checked here, so a bad value is refused before the model loads."""
+    if isinstance(value, int | dict) and not isinstance(value, bool):
+        value = json.dumps(value)
+    if isinstance(value, str):
+        image_limit(value)
+    return value
 
 
 def _is_a(value: object, kind: type) -> bool:
@@ -308,7 +338,10 @@ class EngineOptions:
     max_image_bytes: int = option(20 * 1024 * 1024, "largest encoded image accepted (data URI, file or URL)")
     max_image_pixels: int = option(64 * 1024 * 1024, "largest decoded image accepted, width x height")
     limit_mm_per_prompt: str | None = option(
-        None, 'images per prompt at most: a number or JSON as vLLM\'s ({"image": 4}); default 16'
+        None,
+        'images per prompt at most: a number or JSON as vLLM\'s ({"image": 4}); default 16. 0 runs an '
+        "image model text-only: no vision tower loaded or profiled, its memory left to the KV cache",
+        normalize=_mm_limit_text,
     )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False

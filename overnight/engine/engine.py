@@ -148,7 +148,8 @@ class Engine:
             raise InvalidRequestError("best_of above n cannot stream: the best are known only at the end")
         if multi_modal is not None:
             budget = self.config.scheduler.max_num_batched_tokens
-            validate_images(prompt_token_ids, params, multi_modal, self.max_model_len, budget)
+            text_only = self.config.model.arch.text_only
+            validate_images(prompt_token_ids, params, multi_modal, self.max_model_len, budget, text_only)
         truncated = params.truncate_prompt(prompt_token_ids, self.max_model_len)
         prompt_token_ids = truncated
         if self.tokenizer is not None:

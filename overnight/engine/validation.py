@@ -169,11 +169,22 @@ def _validate_task(params: PoolingParams, pooler: PoolerConfig) -> None:
 
 
 def validate_images(
-    ids: list[int], params: RequestParams, multi_modal: MultiModalInputs, max_model_len: int, budget: int
+    ids: list[int],
+    params: RequestParams,
+    multi_modal: MultiModalInputs,
+    max_model_len: int,
+    budget: int,
+    text_only: bool = False,
 ) -> None:
-    """Raise InvalidRequestError if a generation prompt's images cannot be served: its image tokens and
-    positions are fixed, so it cannot be truncated; an image computed within one prefill chunk
-    (whole_images) must fit one step's token budget."""
+    """Raise InvalidRequestError if a generation prompt's images cannot be served: a model run text-only
+    (ModelArch.text_only) has no tower to encode them; its image tokens and positions are fixed, so it
+    cannot be truncated; an image computed within one prefill chunk (whole_images) must fit one step's
+    token budget."""
+    if text_only and multi_modal.images:
+        raise InvalidRequestError(
+            f"the prompt has {len(multi_modal.images)} image(s), but this engine runs the model text-only "
+            "(limit_mm_per_prompt image 0: no vision tower loaded)"
+        )
     if isinstance(params, PoolingParams):
         return
     if len(params.truncate_prompt(ids, max_model_len)) != len(ids):

@@ -47,8 +47,11 @@ def _safetensors_device(device: torch.device | str) -> str:
     return str(device)
 
 
-def iter_safetensors(folder: str, device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of the checkpoint, read straight onto `device`.
+def iter_safetensors(
+    folder: str, device: torch.device | str = "cpu", skip: tuple[str, ...] = ()
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of the checkpoint, read straight onto `device`, except those
+    whose names start with one of `skip` (never read: a text-only run's vision tower).
 
     A file that is truncated or not safetensors raises ModelLoadError naming it.
     """
@@ -61,6 +64,8 @@ def iter_safetensors(folder: str, device: torch.device | str = "cpu") -> Iterato
             with safe_open(path, framework="pt", device=target) as f:
                 names = list(f.keys())
                 for name in names:
+                    if skip and name.startswith(skip):
+                        continue
                     tensor = f.get_tensor(name)
                     yield name, tensor
         except (SafetensorError, OSError) as e:

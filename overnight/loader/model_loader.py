@@ -22,6 +22,7 @@ from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
 from overnight.models.interface import LoadsWeights
 from overnight.models.registry import model_class_for
+from overnight.models.vision.interface import TOWER_CHECKPOINT_PREFIXES
 from overnight.quant.apply import quantize_experts, quantize_model
 from overnight.quant.scheme import QuantScheme, check_fp8_device
 
@@ -141,7 +142,10 @@ def checkpoint_weights(
     """The (HF name, tensor) stream of a safetensors or GGUF source, FP8 layers' tensors already in
     their layout (model: the built model, possibly sharded; only its module names and layouts count)."""
     if source.kind == "hf":
-        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(source.path, device)
+        # A text-only run (ModelArch.text_only) never reads the tower's tensors; its model has no place
+        # for them, so load_weights would refuse them as unexpected.
+        skip = TOWER_CHECKPOINT_PREFIXES if source.arch.text_only else ()
+        weights: Iterable[tuple[str, torch.Tensor]] = iter_safetensors(source.path, device, skip)
     elif source.kind == "gguf":
         from overnight.loader.gguf import iter_gguf_weights  # written alongside; imported on use
 

@@ -36,7 +36,7 @@ class Gemma3ForConditionalGeneration(nn.Module):
     checkpoint_names = staticmethod(gemma_checkpoint_names)
     unquantized_linear = _TOWER_MODULES
     dequantized_at_load = _TOWER_MODULES
-    takes_images = True  # models/vision/interface.py
+    takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = False
 
     def __init__(self, arch: ModelArch) -> None:
@@ -45,8 +45,10 @@ class Gemma3ForConditionalGeneration(nn.Module):
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = GemmaModel(arch)
-        self.vision_tower = SiglipVisionModel(arch.vision)
-        self.multi_modal_projector = Gemma3MultiModalProjector(arch.vision)
+        self.takes_images = not arch.text_only
+        if self.takes_images:
+            self.vision_tower = SiglipVisionModel(arch.vision)
+            self.multi_modal_projector = Gemma3MultiModalProjector(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(

@@ -42,7 +42,7 @@ class InternVLForConditionalGeneration(nn.Module):
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     unquantized_linear: tuple[str, ...] = _TOWER_MODULES
     dequantized_at_load: tuple[str, ...] = _TOWER_MODULES
-    takes_images = True  # models/vision/interface.py
+    takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = False
 
     def __init__(self, arch: ModelArch) -> None:
@@ -51,8 +51,10 @@ class InternVLForConditionalGeneration(nn.Module):
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = LlamaModel(arch, make_mlp=qwen3_moe_mlp) if arch.num_experts else LlamaModel(arch)
-        self.vision_tower = InternVLVisionModel(arch.vision)
-        self.multi_modal_projector = InternVLMultiModalProjector(arch.vision)
+        self.takes_images = not arch.text_only
+        if self.takes_images:
+            self.vision_tower = InternVLVisionModel(arch.vision)
+            self.multi_modal_projector = InternVLMultiModalProjector(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(

@@ -42,7 +42,7 @@ class Mistral3VLForConditionalGeneration(nn.Module):
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     unquantized_linear = _TOWER_MODULES
     dequantized_at_load = _TOWER_MODULES
-    takes_images = True  # models/vision/interface.py
+    takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = False
 
     def __init__(self, arch: ModelArch) -> None:
@@ -52,8 +52,10 @@ class Mistral3VLForConditionalGeneration(nn.Module):
         self.image_token_id = arch.vision.image_token_id
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = LlamaModel(arch)
-        self.vision_tower = PixtralVisionModel(arch.vision)
-        self.multi_modal_projector = Mistral3MultiModalProjector(arch.vision)
+        self.takes_images = not arch.text_only
+        if self.takes_images:
+            self.vision_tower = PixtralVisionModel(arch.vision)
+            self.multi_modal_projector = Mistral3MultiModalProjector(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(

@@ -61,7 +61,7 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     linear_input_producers = Qwen3NextForCausalLM.linear_input_producers
     dense_input_readers = Qwen3NextForCausalLM.dense_input_readers
     checkpoint_names = staticmethod(vl_checkpoint_names)
-    takes_images = True  # models/vision/interface.py
+    takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = True
 
     def __init__(self, arch: ModelArch) -> None:
@@ -70,7 +70,9 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = HybridModel(arch)
-        self.visual = build_vision_tower(arch.vision)
+        self.takes_images = not arch.text_only
+        if self.takes_images:
+            self.visual = build_vision_tower(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(

@@ -100,7 +100,7 @@ class QwenVLForConditionalGeneration(nn.Module):
     unquantized_linear: tuple[str, ...] = (VISION_TOWER,)
     dequantized_at_load: tuple[str, ...] = (VISION_TOWER,)  # FP8 tower tensors (quant/checkpoint.py)
     linear_input_producers = LINEAR_INPUT_PRODUCERS
-    takes_images = True  # models/vision/interface.py
+    takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = True
 
     def __init__(self, arch: ModelArch, make_mlp: MlpFactory = dense_mlp) -> None:
@@ -109,7 +109,9 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = QwenVLTextModel(arch, make_mlp)
-        self.visual = build_vision_tower(arch.vision)
+        self.takes_images = not arch.text_only
+        if self.takes_images:
+            self.visual = build_vision_tower(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(

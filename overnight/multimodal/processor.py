@@ -18,7 +18,6 @@ returns the same MultiModalInputs.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 from collections import OrderedDict, deque
@@ -37,28 +36,15 @@ from overnight.multimodal.internvl_prompt import InternVLPrompt, internvl_image_
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 from overnight.multimodal.pixtral_prompt import PixtralPrompt, pixtral_image_processor
 from overnight.multimodal.qwen_pixels import qwen_image_processor
+from overnight.options import DEFAULT_IMAGE_LIMIT, image_limit
 
 T = TypeVar("T")
 Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
 
-DEFAULT_IMAGE_LIMIT = 16
-
 
 def parse_image_limit(value: str | int | None) -> int:
-    """--limit-mm-per-prompt: a number, or vLLM's JSON {"image": N}."""
-    if value is None:
-        return DEFAULT_IMAGE_LIMIT
-    if isinstance(value, int):
-        return value
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        raise InvalidRequestError(f"limit_mm_per_prompt must be a number or JSON, got {value!r}") from None
-    if isinstance(parsed, dict):
-        parsed = parsed.get("image", DEFAULT_IMAGE_LIMIT)
-    if not isinstance(parsed, int) or parsed < 0:
-        raise InvalidRequestError(f"limit_mm_per_prompt must give a count >= 0, got {value!r}")
-    return parsed
+    """--limit-mm-per-prompt: a number, or vLLM's JSON {"image": N} (options.image_limit)."""
+    return value if isinstance(value, int) else image_limit(value)
 
 
 class ImageProcessor:
@@ -123,6 +109,12 @@ class ImageProcessor:
 
     def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
         """Expand the prompt's image placeholders for `images` (in order) and preprocess them in the pool."""
+        if images and self.image_limit == 0:
+            raise InvalidRequestError(
+                f"the prompt has {len(images)} image(s), but this engine runs the model text-only "
+                "(limit_mm_per_prompt image 0: no vision tower loaded); restart it with a limit above 0 "
+                "to take images"
+            )
         if len(images) > self.image_limit:
             raise InvalidRequestError(
                 f"{len(images)} images in one prompt; at most {self.image_limit} (--limit-mm-per-prompt)"
@@ -168,7 +160,10 @@ class ImageProcessor:
         return self.pool.submit(self.pixels, source)
 
     def prefetch(self, sources: Iterable[Any]) -> None:
-        """Start decoding these images (URL strings) now, for a prompt that will come soon."""
+        """Start decoding these images (URL strings) now, for a prompt that will come soon (none when
+        images are refused: text-only)."""
+        if self.image_limit == 0:
+            return
         with self._lock:
             for source in sources:
                 if isinstance(source, str) and source not in self._ahead:
@@ -242,7 +237,7 @@ def image_processor_for(source: Any, options: Any) -> ImageProcessor | None:
         vision,
         path,
         MediaPolicy.from_options(options),
-        parse_image_limit(options.limit_mm_per_prompt),
+        0 if source.arch.text_only else parse_image_limit(options.limit_mm_per_prompt),
         tokenizer_path=source.tokenizer_path,
     )
 

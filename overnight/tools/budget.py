@@ -294,7 +294,8 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     on = f"each of {tp} GPUs ({b.device}); every size below is one GPU's share" if tp > 1 else b.device
     lines = [
         f"{model} ({whole.architecture}, {whole.num_hidden_layers} layers, {whole.num_key_value_heads} KV "
-        f"heads x {whole.head_dim}), {dtype}, on {on}",
+        f"heads x {whole.head_dim}{', text-only: no vision tower' if whole.text_only else ''}), {dtype}, "
+        f"on {on}",
         f'limits: row "{b.row}" of the defaults table, max_model_len {b.max_model_len}',
         f"  {'mode':<8} {'max_num_seqs':>12} {'max_num_batched_tokens':>23}",
     ]

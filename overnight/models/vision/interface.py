@@ -11,6 +11,11 @@ implementing the same:
 
 uses_mrope says whether positions are M-RoPE's (3 per prompt token, runner/vision.py builds them);
 a model without it gets the usual 1-D positions.
+
+Text-only (ModelArch.text_only, limit_mm_per_prompt image 0): the same class is built without its tower
+and projector and says takes_images = False, so the runner treats it as a text model (no image rows, no
+encoder profiling, 1-D positions: M-RoPE with three equal axes is plain RoPE) and embed_images is never
+called; the checkpoint's tower tensors (TOWER_CHECKPOINT_PREFIXES) are not read.
 """
 
 from __future__ import annotations
@@ -22,6 +27,18 @@ import torch
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
+
+# Where every supported image model's checkpoint keeps its tower and projector, in each layout the
+# models' rename_checkpoint reads (Qwen's visual.*, the others' vision_tower.* / multi_modal_projector.*,
+# transformers 5 adding model.).
+TOWER_CHECKPOINT_PREFIXES = (
+    "visual.",
+    "model.visual.",
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
 
 
 @dataclass
