@@ -11,13 +11,18 @@ kind, kernels/score_mods.py); its sinks travel as a device pointer.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.mla import latent_attention_ref, write_latent_ref
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits, paged_decode
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
+
+log = logging.getLogger("overnight")
 
 
 class TritonAttentionBackend:
@@ -63,6 +68,7 @@ class TritonAttentionBackend:
         self.max_split_rows = max(split_rows, default=0)
         self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
         self._workspaces = {(num_heads, head_dim): self.workspace}
+        self._mla_logged = False
 
     def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
         """The split workspace of layers with these head counts and sizes. One the constructor did not
@@ -110,6 +116,28 @@ class TritonAttentionBackend:
             layer=layer,
             sinks=sinks,
         )
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Latent attention has no Triton kernel yet: the PyTorch reference runs (eagerly: the runner
+        captures no decode graphs for such a model, model_runner.capture_graphs)."""
+        if not self._mla_logged:
+            self._mla_logged = True
+            log.warning(
+                "multi-head latent attention runs on the PyTorch path (no Triton kernel yet), without "
+                "CUDA graphs: correct but slower than the other families' attention"
+            )
+        write_latent_ref(rows, kv_cache, meta.slot_mapping)
+        return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
 
 
 def paged_attention(

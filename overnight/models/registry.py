@@ -10,6 +10,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
+from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -59,6 +60,10 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "granite": LlamaForCausalLM,
     "glm4": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
+    # Multi-head latent attention (models/deepseek.py)
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe_lite": DeepseekForCausalLM,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
@@ -95,6 +100,9 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "GraniteForCausalLM": "granite",
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",

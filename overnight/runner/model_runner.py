@@ -282,7 +282,9 @@ class ModelRunner:
         """The layout's cache tensors, each [2, num_blocks, block_size x its slot elements] (kv_groups.py):
         left uninitialized, an FP8 one zeroed (kv_layout.py says why)."""
         return [
-            new_kv_slots(num_blocks, block_size * elems, self.kv_cache_dtype, self.device)
+            new_kv_slots(
+                num_blocks, block_size * elems, self.kv_cache_dtype, self.device, self.kv_layout.planes
+            )
             for elems in self.kv_layout.tensor_elems
         ]
 
@@ -310,6 +312,8 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
             return  # graphs serve decode steps, which pooling never runs
+        if self.config.model.arch.is_mla:
+            return  # latent attention's PyTorch path reads host lengths (attention/mla.py): eager only
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)

@@ -152,7 +152,7 @@ def plan_budget(
         if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
     ]
     cached_layers = len(cached)
-    per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
+    per_token = sum(arch.kv_planes * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
     block_bytes = cache.block_size * layout.token_elems * kv_elem
     weights = activations = None
     try:
