@@ -252,3 +252,23 @@ def test_unsupported_options_are_refused_before_loading(tmp_path):
         LLM(str(folder), **{**ENGINE, "kv_cache_dtype": "fp8"})
     with pytest.raises(ModelLoadError, match="does not run tensor parallel yet"):
         LLM(str(folder), **{**ENGINE, "tensor_parallel_size": 2})
+
+
+@pytest.mark.slow  # the fused MoE and router kernels through the Triton interpreter
+def test_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
+    """The GPU path (Triton backend: latent write and absorbed decode kernels; RMSNorm, RoPE, grouped
+    router and fused-MoE kernels), interpreted on the CPU, against the PyTorch path on the same V3 model
+    with kernel-sized widths (rope 16): a prefill of two requests and a decode step of both."""
+    from overnight.attention.triton_backend import TritonAttentionBackend
+    from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    monkeypatch.setitem(VARIANTS, "v3k", ("DeepseekV3", {**VARIANTS["v3"][1], "qk_rope_head_dim": 16}))
+    folder = make_checkpoint(tmp_path / "v3k", "v3k")
+    model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run_steps(model)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    backend = TritonAttentionBackend(4, 4, 16, max_num_seqs=4, max_model_len=64, device=DEVICE)
+    got = run_steps(model, backend=backend)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))

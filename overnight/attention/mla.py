@@ -24,6 +24,7 @@ Two forms of the same numbers, chosen per row kind:
   - absorbed (decodes): q_lat = [W_UK^T q_nope | q_pe] (R + P wide per head), attention as MQA over the
     rows (one KV head for all H query heads), the values being the first R values of the same rows (no
     second copy), then W_UV maps each head's R-wide output to Dv: one query pays no decompression.
+    On the GPU that MQA is kernels/mla_decode.py (mla_decode_ref here is its reference).
 """
 
 from __future__ import annotations
@@ -43,31 +44,39 @@ def write_latent_ref(rows: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: t
     kv_cache[0][slots // block_size, slots % block_size] = rows[:n][valid, None].to(kv_cache.dtype)
 
 
+def mla_decode_supported(rank: int, rope: int) -> bool:
+    """Whether the kernel takes these widths: powers of two of at least 16 (tensor-core dots)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (rank, rope))
+
+
+def mla_decode_ref(
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    rank: int,
+    num_decodes: int,
+) -> torch.Tensor:
+    """mla_decode in PyTorch (fp32 on the CPU): every request's rows up to the longest context."""
+    nd = num_decodes
+    max_len = int(seq_lens[:nd].max()) if nd else 0
+    page = cache.shape[2]
+    blocks = block_tables[:nd, : -(-max_len // page)].long()
+    rows = cache[0, blocks].flatten(1, 2)[:, :max_len, 0]  # [nd, L, RANK + ROPE]
+    compute = torch.float32 if q_lat.device.type == "cpu" else q_lat.dtype
+    rows = rows.to(compute)
+    pad = torch.arange(max_len, device=q_lat.device)[None, :] >= seq_lens[:nd, None]
+    scores = torch.einsum("bhd,bld->bhl", q_lat[:nd].to(compute), rows) * scale
+    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
+    values = rows[..., :rank].masked_fill(pad[:, :, None], 0.0)  # 0 * NaN would poison the sum
+    return torch.einsum("bhl,blr->bhr", probs, values).to(q_lat.dtype)
+
+
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[T, H, Dn] and [T, H, P] with W_UK [H, Dn, R] -> the latent query [T, H, R + P]."""
     q_lat = torch.einsum("thd,hdr->thr", q_nope.to(w_uk.dtype), w_uk)
     return torch.cat([q_lat.to(q_pe.dtype), q_pe], dim=-1)
-
-
-def latent_decode_ref(
-    q_lat: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float, rank: int
-) -> torch.Tensor:
-    """MQA of the first num_decodes rows of q_lat [T, H, R + P] over their requests' cached rows; the
-    values are each row's first `rank` values. Returns [num_decodes, H, R] in q_lat's dtype."""
-    nd = meta.num_decodes
-    sl = meta.seq_lens_cpu if meta.seq_lens_cpu is not None else meta.seq_lens.cpu()
-    max_len = int(sl[:nd].max())
-    block_size = kv_cache.shape[2]
-    blocks = meta.block_tables[:nd, : -(-max_len // block_size)].long()
-    rows = kv_cache[0, blocks].flatten(1, 2)[:, :max_len, 0]  # [nd, L, R + P]
-    compute = torch.float32 if q_lat.device.type == "cpu" else q_lat.dtype
-    rows = rows.to(compute)
-    pad = torch.arange(max_len, device=q_lat.device)[None, :] >= meta.seq_lens[:nd, None]  # [nd, L]
-    scores = torch.einsum("bhd,bld->bhl", q_lat[:nd].to(compute), rows) * scale
-    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
-    # Slots past a request's length hold whatever the memory held (NaN too): 0 * NaN would poison the sum.
-    values = rows[..., :rank].masked_fill(pad[:, :, None], 0.0)
-    return torch.einsum("bhl,blr->bhr", probs, values).to(q_lat.dtype)
 
 
 def latent_prefill_ref(
@@ -123,7 +132,7 @@ def latent_attention_ref(
     nd = meta.num_decodes
     if nd:
         q_lat = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)
-        o_lat = latent_decode_ref(q_lat, kv_cache, meta, scale, w_uk.shape[2])
+        o_lat = mla_decode_ref(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, w_uk.shape[2], nd)
         out[:nd] = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)
     return out
 

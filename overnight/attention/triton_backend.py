@@ -16,9 +16,16 @@ import logging
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
-from overnight.attention.mla import latent_attention_ref, write_latent_ref
+from overnight.attention.mla import (
+    absorb_query,
+    latent_attention_ref,
+    latent_prefill_ref,
+    mla_decode_supported,
+    write_latent_ref,
+)
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
+from overnight.kernels.mla_decode import latent_write, mla_decode
 from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits, paged_decode
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
 
@@ -128,16 +135,33 @@ class TritonAttentionBackend:
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
-        """Latent attention has no Triton kernel yet: the PyTorch reference runs (eagerly: the runner
-        captures no decode graphs for such a model, model_runner.capture_graphs)."""
-        if not self._mla_logged:
-            self._mla_logged = True
-            log.warning(
-                "multi-head latent attention runs on the PyTorch path (no Triton kernel yet), without "
-                "CUDA graphs: correct but slower than the other families' attention"
-            )
-        write_latent_ref(rows, kv_cache, meta.slot_mapping)
-        return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        """Latent attention (attention/mla.py): the rows written and the decodes attended by the Triton
+        kernels of kernels/mla_decode.py (captured in decode graphs); prefill chunks decompressed in
+        PyTorch (eager steps only). Widths the kernel does not take run wholly on the PyTorch path,
+        eagerly (model_runner.capture_graphs), with one log line."""
+        rank = w_uk.shape[2]
+        if not mla_decode_supported(rank, q_pe.shape[-1]):
+            if not self._mla_logged:
+                self._mla_logged = True
+                log.warning(
+                    "latent attention of widths %d + %d has no Triton kernel: the PyTorch path runs, "
+                    "without CUDA graphs",
+                    rank,
+                    q_pe.shape[-1],
+                )
+            write_latent_ref(rows, kv_cache, meta.slot_mapping)
+            return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        latent_write(rows, kv_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if meta.num_prefills:
+            out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        else:
+            out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
+        if nd:
+            q_lat = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)
+            o_lat = mla_decode(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, rank, nd)
+            out[:nd] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        return out
 
 
 def paged_attention(

@@ -18,6 +18,7 @@ import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
+from overnight.attention.mla import mla_decode_supported
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
@@ -312,8 +313,9 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
             return  # graphs serve decode steps, which pooling never runs
-        if self.config.model.arch.is_mla:
-            return  # latent attention's PyTorch path reads host lengths (attention/mla.py): eager only
+        arch = self.config.model.arch
+        if arch.is_mla and not mla_decode_supported(arch.kv_lora_rank, arch.qk_rope_head_dim):
+            return  # latent attention without its kernel: the PyTorch path reads host lengths
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
