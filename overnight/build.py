@@ -216,11 +216,6 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
 def check_latent_attention(opts: EngineOptions) -> None:
     """What a latent-attention model (DeepSeek-V2 / V3, models/deepseek.py) does not run yet, refused
     before any weight loads."""
-    if opts.tensor_parallel_size > 1:
-        raise ModelLoadError(
-            "multi-head latent attention (DeepSeek-V2 / V3) does not run tensor parallel yet: "
-            "use tensor_parallel_size 1 (data_parallel_size spreads requests over GPUs)"
-        )
     if opts.kv_cache_dtype != "auto":
         raise ConfigError(
             f"kv_cache_dtype {opts.kv_cache_dtype!r} is not supported with multi-head latent attention "

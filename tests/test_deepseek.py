@@ -250,8 +250,8 @@ def test_unsupported_options_are_refused_before_loading(tmp_path):
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'.*latent attention"):
         LLM(str(folder), **{**ENGINE, "kv_cache_dtype": "fp8"})
-    with pytest.raises(ModelLoadError, match="does not run tensor parallel yet"):
-        LLM(str(folder), **{**ENGINE, "tensor_parallel_size": 2})
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 does not divide.*num_attention_heads 4"):
+        LLM(str(folder), **{**ENGINE, "tensor_parallel_size": 3})
 
 
 @pytest.mark.slow  # the fused MoE and router kernels through the Triton interpreter
@@ -332,3 +332,53 @@ def test_block_fp8_checkpoint_loads_and_runs(tmp_path):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]], params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == greedy_tokens(model, PROMPTS[:6], 4)
+
+
+# -- tensor parallelism --------------------------------------------------------------------------------
+
+
+def test_tp_shards_equal_slices_of_the_whole_model(tmp_path):
+    """Loading rank by rank gives each rank the weights apply_tp cuts from the whole model: q_b / kv_b
+    rows and o_proj columns of its heads, the latent projections and norms whole, experts and shared
+    experts by their intermediate sizes; the latent cache row stays whole on every rank."""
+    from overnight.parallel.tp import TPShards, load_sharded_model
+    from tests.fp8_checkpoints import make_fp8_checkpoint
+    from tests.tp_helpers import streamed_equals_sliced
+
+    for variant in ("v3", "v2"):
+        source = resolve_source(str(make_checkpoint(tmp_path / variant, variant)))
+        for rank in range(2):
+            model = streamed_equals_sliced(source, rank)
+            attn = model.model.layers[1].self_attn
+            assert attn.num_heads == 2 and attn.kv_b_proj.weight.shape == (2 * (16 + 16), 32)
+            assert attn.kv_a_proj_with_mqa.weight.shape == (ROW, 64)
+            assert attn.o_proj.weight.shape == (64, 2 * 16)
+            q = attn.q_proj if variant == "v2" else attn.q_b_proj
+            assert q.weight.shape[0] == 2 * (16 + 8)
+        local = TPShards(source.arch, 0, 2).local_arch
+        assert KVCacheLayout.from_arch(local).tensor_elems == (ROW,) * 3  # replicated latent rows
+    # A block-scaled FP8 checkpoint, rank by rank: each head's rows of q_b_proj with their scales, its
+    # rows of the dequantized kv_b_proj, the same values as slicing the whole loaded model.
+    fp8 = resolve_source(str(make_fp8_checkpoint(tmp_path / "v3", tmp_path / "fp8", "fp8-block-small")))
+    whole = load_model(fp8, torch.float32, "cpu").model.layers[1].self_attn
+    for rank in range(2):
+        attn = load_sharded_model(fp8, torch.float32, "cpu", rank, 2).model.layers[1].self_attn
+        rows = slice(rank * 48, (rank + 1) * 48)
+        assert torch.equal(
+            attn.q_b_proj.weight.view(torch.uint8), whole.q_b_proj.weight[rows].view(torch.uint8)
+        )
+        assert torch.equal(attn.q_b_proj.weight_scale, whole.q_b_proj.weight_scale[rows])
+        assert torch.equal(attn.kv_b_proj.weight, whole.kv_b_proj.weight[rank * 64 : (rank + 1) * 64])
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tp2_matches_tp1(tmp_path):
+    from tests.tp_helpers import generate_split
+
+    folder = make_checkpoint(tmp_path / "v3", "v3")
+    first, second = _prompts(384)
+    prompts = first + second
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    one = LLM(str(folder), **ENGINE).generate(prompts, params, use_tqdm=False)
+    two = generate_split(folder, prompts, params, **ENGINE)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
