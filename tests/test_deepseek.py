@@ -382,3 +382,47 @@ def test_tp2_matches_tp1(tmp_path):
     one = LLM(str(folder), **ENGINE).generate(prompts, params, use_tqdm=False)
     two = generate_split(folder, prompts, params, **ENGINE)
     assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+
+
+# -- presets and the memory budget ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,total,active",
+    [
+        ("deepseek-v2-lite", (15.6e9, 15.8e9), (2.3e9, 2.5e9)),
+        ("moonlight-16b-a3b", (15.9e9, 16.1e9), (2.5e9, 3.0e9)),
+    ],
+)
+def test_presets_have_published_sizes(name, total, active):
+    """The model cards' sizes: DeepSeek-V2-Lite 15.7B (2.4B active), Moonlight 16B ("3B activated");
+    active here counts one of the two vocabulary tables (2.45B and 2.58B)."""
+    from overnight.loader.model_loader import build_model
+
+    source = resolve_source(name, load_format="dummy")
+    arch = source.arch
+    assert (arch.kv_lora_rank, arch.qk_rope_head_dim, arch.q_lora_rank) == (512, 64, 0)
+    model = build_model(source, torch.bfloat16, "meta")
+    count = sum(p.numel() for p in model.parameters())
+    assert count == arch.num_parameters() and total[0] < count < total[1]
+    used = count - arch.mlp_params() + arch.mlp_params(active_only=True) - arch.vocab_size * arch.hidden_size
+    assert active[0] < used < active[1]
+
+
+def test_budget_counts_the_latent_cache_on_an_h200():
+    """`overnight budget` for DeepSeek-V2-Lite on one H200 in bf16: 576 values per token and layer
+    (31 KB a token), not 16 heads x (192 + 128) of per-head K and V (276 KB): about 3.2M tokens of pool,
+    395 sequences of 8K."""
+    from overnight.options import EngineOptions
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget, render
+
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    source = resolve_source("deepseek-v2-lite", load_format="dummy")
+    opts = EngineOptions(model="deepseek-v2-lite", load_format="dummy", dtype="bfloat16", max_model_len=8192)
+    b = plan_budget(opts, source, h200)
+    assert b.kv_bytes_per_token == 27 * (512 + 64) * 2
+    assert 27 * 16 * (192 + 128) * 2 > 8 * b.kv_bytes_per_token
+    assert 29 * GIB < b.weights_bytes < 30 * GIB
+    assert b.num_blocks * b.block_size > 3_000_000 and b.seqs_fit >= 350
+    text = render(b, "deepseek-v2-lite", source.arch, "bfloat16")
+    assert "27 layers x one row of 512 latent + 64 rope values" in text
