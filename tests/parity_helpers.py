@@ -99,8 +99,12 @@ def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> li
         blocks = -(-n // block_size)
         tables.append(list(range(used, used + blocks)))
         used += blocks
-    shape = (arch.kv_planes, used, block_size, arch.layer_num_kv_heads(0), arch.layer_head_dim(0))
-    caches = [torch.zeros(shape, device=dev) for _ in range(arch.num_hidden_layers)]
+    caches = [  # each layer's own cache shape (one plane for latent attention)
+        torch.zeros(
+            arch.kv_planes, used, block_size, arch.layer_num_kv_heads(i), arch.layer_head_dim(i), device=dev
+        )
+        for i in range(arch.num_hidden_layers)
+    ]
     meta = build_metadata(lens, lens, tables, block_size, device=dev)
     ids = torch.tensor([t for s in seqs for t in s], device=dev)
     positions = torch.cat([torch.arange(n, device=dev) for n in lens])

@@ -76,6 +76,7 @@ class TritonAttentionBackend:
         self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
         self._workspaces = {(num_heads, head_dim): self.workspace}
         self._mla_logged = False
+        self._mla_prefill_logged = False
 
     def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
         """The split workspace of layers with these head counts and sizes. One the constructor did not
@@ -154,6 +155,12 @@ class TritonAttentionBackend:
         latent_write(rows, kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
         if meta.num_prefills:
+            if not self._mla_prefill_logged:
+                self._mla_prefill_logged = True
+                log.info(
+                    "latent attention: prefill chunks run decompressed in PyTorch (no Triton prefill "
+                    "kernel yet), decodes in the Triton kernel"
+                )
             out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
         else:
             out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
