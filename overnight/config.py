@@ -206,9 +206,8 @@ class ModelArch:
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
     # times routed_scaling_factor (layers/moe_grouped_router.py); its shared experts (of
     # shared_expert_intermediate_size) have no gate (shared_expert_gated False).
-    router_scoring: str = (
-        "softmax"  # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group"
-    )
+    # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group" (DeepSeek-V2)
+    router_scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0

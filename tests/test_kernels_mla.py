@@ -95,3 +95,26 @@ def test_gpu_backend_matches_cpu_backend_on_a_mixed_batch(dtype: torch.dtype) ->
     assert torch.equal(cache, ref_cache)
     assert_close(out, ref, dtype)
     assert absorb_query(q_nope, q_pe, w_uk).shape == (t, HEADS, RANK + ROPE)
+
+
+def test_widths_without_a_kernel_take_the_pytorch_path(caplog) -> None:
+    """A rope width the kernel does not take (8: below a tensor-core dot's 16) runs the reference, with
+    one warning; the runner then captures no decode graphs (model_runner.capture_graphs)."""
+    gen = torch.Generator().manual_seed(9)
+    heads, nope, rope, rank, page = 4, 16, 8, RANK, 4
+    meta = build_metadata([1, 3], [5, 3], [[1, 0], [2]], page, num_decodes=1, device=DEVICE)
+    cache = torch.randn(1, 3, page, 1, rank + rope, generator=gen).to(DEVICE)
+    q_nope = torch.randn(4, heads, nope, generator=gen).to(DEVICE)
+    q_pe = torch.randn(4, heads, rope, generator=gen).to(DEVICE)
+    rows = torch.randn(4, rank + rope, generator=gen).to(DEVICE)
+    w_uk, w_uv = (
+        torch.randn(heads * 2 * nope, rank, generator=gen).to(DEVICE).view(heads, -1, rank).split(nope, 1)
+    )
+    ref_cache = cache.clone()
+    ref = TorchAttentionBackend().forward_mla(q_nope, q_pe, rows, ref_cache, meta, 0.3, w_uk, w_uv)
+    backend = TritonAttentionBackend(heads, 1, rope, max_num_seqs=2, max_model_len=16, device=DEVICE)
+    with caplog.at_level("WARNING", logger="overnight"):
+        for _ in range(2):
+            out = backend.forward_mla(q_nope, q_pe, rows, cache.clone(), meta, 0.3, w_uk, w_uv)
+    assert torch.equal(out, ref)
+    assert sum("has no Triton kernel" in r.message for r in caplog.records) == 1

@@ -18,7 +18,8 @@ n_shared_experts x moe_intermediate_size of shared MLP:
     V3, Kimi-K2, Moonlight, GLM-4.7-Flash: sigmoid scores plus e_score_correction_bias, grouped choice
         (noaux_tc: layers/moe_grouped_router.py, GLM-4.5's router)
     V2: softmax scores, "greedy" top-k or "group_limited_greedy" (the topk_group groups of the highest
-        single score), weights times routed_scaling_factor, renormalized only with norm_topk_prob
+        single score), weights times routed_scaling_factor, never renormalized (transformers' V2 router
+        does not read norm_topk_prob; the published V2 checkpoints set it false)
 
 Multi-token-prediction layers (num_nextn_predict_layers, numbered from num_hidden_layers on) are dropped
 before loading, as GLM-4.5's are.
@@ -155,7 +156,7 @@ class DeepseekV2TopkRouter(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(arch.num_experts, arch.hidden_size, dtype=torch.float32))
         self.top_k, self.n_group, self.topk_group = arch.num_experts_per_tok, arch.n_group, arch.topk_group
-        self.renormalize, self.scaling = arch.norm_topk_prob, arch.routed_scaling_factor
+        self.scaling = arch.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = F.linear(x.float(), self.weight).softmax(dim=-1)
@@ -165,8 +166,6 @@ class DeepseekV2TopkRouter(nn.Module):
             keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=x.device).scatter_(1, best, True)
             scores = grouped.masked_fill(~keep[:, :, None], 0.0).flatten(1)
         weights, ids = scores.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids.to(torch.int32)
 
 

@@ -287,9 +287,7 @@ def _deepseek_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         if method not in ("greedy", "group_limited_greedy"):
             raise ModelLoadError(f"unsupported topk_method {method!r} (greedy, group_limited_greedy)")
         grouping = {} if method == "group_limited_greedy" else {"n_group": 1, "topk_group": 1}
-        experts = _routed_experts(
-            {**cfg, **grouping, "norm_topk_prob": cfg.get("norm_topk_prob", False)}, dense
-        )
+        experts = _routed_experts({**cfg, **grouping, "norm_topk_prob": False}, dense)  # never read by V2
         routing: dict[str, Any] = dict(router_scoring="softmax_group", rope_interleaved=True)
     else:
         scoring = cfg.get("scoring_func", "sigmoid")
