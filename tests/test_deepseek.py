@@ -269,9 +269,12 @@ def test_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
     expected = run_steps(model)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    backend = TritonAttentionBackend(4, 4, 16, max_num_seqs=4, max_model_len=64, device=DEVICE)
-    got = run_steps(model, backend=backend)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+    for prefill_kernel in (False, True):  # prefills decompressed in PyTorch, or absorbed in the kernel
+        backend = TritonAttentionBackend(
+            4, 4, 16, max_num_seqs=4, max_model_len=64, device=DEVICE, mla_prefill_kernel=prefill_kernel
+        )
+        got = run_steps(model, backend=backend)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
 # -- FP8 ---------------------------------------------------------------------------------------------------

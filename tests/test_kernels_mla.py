@@ -118,3 +118,33 @@ def test_widths_without_a_kernel_take_the_pytorch_path(caplog) -> None:
             out = backend.forward_mla(q_nope, q_pe, rows, cache.clone(), meta, 0.3, w_uk, w_uv)
     assert torch.equal(out, ref)
     assert sum("has no Triton kernel" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_kernel_variant_matches_cpu_backend(dtype: torch.dtype) -> None:
+    """The mla-prefill-kernel variant: prefill chunks after cached context attended row by row in the
+    kernel (each row its causal share of its request's rows, absorbed), with the decodes in the same
+    launch, and a padding row past the step's tokens left 0."""
+    gen = torch.Generator().manual_seed(11)
+    nope, v_dim, page = 16, 24, 4
+    query_lens, seq_lens = [1, 5, 9], [14, 12, 9]
+    tables, num_blocks = _tables(seq_lens, page, gen)
+    meta = build_metadata(query_lens, seq_lens, tables, page, num_decodes=1, device=DEVICE)
+    t = sum(query_lens)
+    meta.slot_mapping = torch.cat([meta.slot_mapping, torch.tensor([-1], device=DEVICE)])  # a padding row
+    meta.num_tokens = t + 1
+    cache = torch.randn(1, num_blocks, page, 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+    q_nope = torch.randn(t + 1, HEADS, nope, generator=gen).to(DEVICE, dtype)
+    q_pe = torch.randn(t + 1, HEADS, ROPE, generator=gen).to(DEVICE, dtype)
+    rows = torch.randn(t + 1, RANK + ROPE, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(HEADS * (nope + v_dim), RANK, generator=gen) / RANK**0.5).to(DEVICE, dtype)
+    w_uk, w_uv = w.view(HEADS, -1, RANK).split([nope, v_dim], dim=1)
+    ref_cache = cache.clone()
+    ref = TorchAttentionBackend().forward_mla(q_nope, q_pe, rows, ref_cache, meta, 0.2, w_uk, w_uv)
+    backend = TritonAttentionBackend(
+        HEADS, 1, ROPE, max_num_seqs=4, max_model_len=64, device=DEVICE, mla_prefill_kernel=True
+    )
+    out = backend.forward_mla(q_nope, q_pe, rows, cache, meta, 0.2, w_uk, w_uv)
+    assert torch.equal(cache, ref_cache)
+    assert_close(out[:t], ref[:t], dtype)
+    assert out[t].abs().max() == 0

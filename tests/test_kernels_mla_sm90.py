@@ -20,7 +20,7 @@ def decode_case(rank: int, rope: int, page: int):
     cx = dict(
         RANK=rank, ROPE=rope, BLOCK_H=k.BLOCK_H, PAGE=page, BLOCK_N=k.BLOCK_N, DOT_PRECISION="tf32",
     )  # fmt: skip
-    types = dict(q_ptr="*bf16", cache_ptr="*bf16", out_ptr="*bf16")
+    types = dict(q_ptr="*bf16", cache_ptr="*bf16", out_ptr="*bf16", row_req_ptr="*i32", row_lens_ptr="*i32")
     return k._mla_decode_kernel, types, cx, k.NUM_WARPS, k.NUM_STAGES
 
 

@@ -73,6 +73,19 @@ def mla_decode_ref(
     return torch.einsum("bhl,blr->bhr", probs, values).to(q_lat.dtype)
 
 
+def row_contexts(meta: AttentionMetadata, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of num_rows query rows: its request (int32 [R]) and how many cached rows it sees (int32
+    [R]: a row at position p sees p + 1, causal; rows past the step's tokens, 0). On the device, without
+    host reads."""
+    qsl = meta.query_start_loc[: meta.num_reqs + 1].long()
+    rows = torch.arange(num_rows, device=qsl.device)
+    req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=meta.num_reqs - 1)
+    # row j of a request whose tokens end at row `end` sits at position seq_len - (end - j)
+    lens = meta.seq_lens[req].long() - (qsl[req + 1] - rows) + 1
+    lens = torch.where(rows < qsl[-1], lens, 0)
+    return req.to(torch.int32), lens.to(torch.int32)
+
+
 def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     """[T, H, Dn] and [T, H, P] with W_UK [H, Dn, R] -> the latent query [T, H, R + P]."""
     q_lat = torch.einsum("thd,hdr->thr", q_nope.to(w_uk.dtype), w_uk)

@@ -21,11 +21,12 @@ from overnight.attention.mla import (
     latent_attention_ref,
     latent_prefill_ref,
     mla_decode_supported,
+    row_contexts,
     write_latent_ref,
 )
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
-from overnight.kernels.mla_decode import latent_write, mla_decode
+from overnight.kernels.mla_decode import latent_write, mla_decode, mla_rows
 from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits, paged_decode
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
 
@@ -53,6 +54,7 @@ class TritonAttentionBackend:
         num_sms: int | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
+        mla_prefill_kernel: bool = False,
     ) -> None:
         device = torch.device(device)
         if num_sms is None:
@@ -76,6 +78,7 @@ class TritonAttentionBackend:
         self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
         self._workspaces = {(num_heads, head_dim): self.workspace}
         self._mla_logged = False
+        self.mla_prefill_kernel = mla_prefill_kernel  # attention/variants.py's mla-prefill-kernel
         self._mla_prefill_logged = False
 
     def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
@@ -154,6 +157,12 @@ class TritonAttentionBackend:
             return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
         latent_write(rows, kv_cache, meta.slot_mapping)
         nd = meta.num_decodes
+        if meta.num_prefills and self.mla_prefill_kernel:  # every row absorbed, in one launch
+            row_req, row_lens = row_contexts(meta, q_nope.shape[0])
+            o_lat = mla_rows(
+                absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables, row_req, row_lens, scale, rank
+            )
+            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
         if meta.num_prefills:
             if not self._mla_prefill_logged:
                 self._mla_prefill_logged = True

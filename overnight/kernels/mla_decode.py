@@ -1,7 +1,8 @@
 """Latent attention's decode (absorbed MLA, attention/mla.py) and its cache write, in Triton.
 
 Reference: mla_decode_ref in attention/mla.py (and its latent_attention_ref, which the models' CPU path
-runs); the wrapper takes the widths mla_decode_supported there names (the caller checks). One layer's cache has one plane of rows, each the latent and the rotated shared key:
+runs); the wrapper takes the widths mla_decode_supported there names (the caller checks). One layer's
+cache has one plane of rows, each the latent and the rotated shared key:
 
     cache[1, num_blocks, PAGE, 1, RANK + ROPE]       row = [ c (RANK) | k_pe (ROPE) ]
 
@@ -10,14 +11,23 @@ to its request's rows as multi-query attention: every query head shares the one 
 use the whole row and the values are the row's first RANK values, read from the same tile (no second
 copy of the latent, no V plane).
 
-    grid = (num_decodes, cdiv(num_heads, BLOCK_H))
+    grid = (rows, cdiv(num_heads, BLOCK_H))
+
+Each query row names its request (row_req: whose block table it reads) and how many of that request's
+rows it sees (row_lens): a decode row sees its whole context; a prefill row at position p sees p + 1
+(causal), so the same kernel attends a prefill chunk over its cached latents and its own new rows,
+absorbed like a decode (mla_rows; the `mla-prefill-kernel` attention variant routes prefills here).
+Each row re-reads its context (the rows of one chunk share it through L2): a chunk of T rows reads its
+context T times, where a kernel tiling BLOCK_M query rows per program would read it T / BLOCK_M times.
+Whether that beats the PyTorch path's decompression (attention/mla.py) is not measured yet: a variant,
+not the default.
 
 A program holds BLOCK_H heads (>= 16 rows, so both products are tensor-core dots) and walks the context
 in tiles of BLOCK_N tokens gathered through the block table, with an online softmax in fp32 (log2
 domain). The latent part of a tile [BLOCK_N, RANK] feeds both dots (scores, then P @ values); the rope
 part [BLOCK_N, ROPE] adds to the scores. No split over the context: the grid and everything it reads
-are static per batch size, so a decode step is captured in a CUDA graph. Output [num_decodes, H, RANK]
-in q's dtype, before W_UV (applied by the caller).
+are static per batch size, so a decode step is captured in a CUDA graph. Output [rows, H, RANK] in q's
+dtype, before W_UV (applied by the caller).
 
 DeepSeek-V3 (RANK 512, ROPE 64, 16 heads a program): the fp32 accumulator is 16 x 512, a tile of 32
 tokens is 36 KB in bf16; tests/test_kernels_mla_sm90.py compiles the default tiles for sm_90 (no spills,
@@ -42,7 +52,8 @@ def _mla_decode_kernel(
     q_ptr,  # [T, H, RANK + ROPE]
     cache_ptr,  # rows of RANK + ROPE values, blocks stride_cblk apart, slots stride_cslot
     block_tables_ptr,
-    seq_lens_ptr,
+    row_req_ptr,  # [T] int32: the request (block-table row) of each query row
+    row_lens_ptr,  # [T] int32: the cached rows each query row sees
     out_ptr,  # [T, H, RANK]
     qk_scale,  # softmax scale * log2(e)
     num_heads,
@@ -65,14 +76,14 @@ def _mla_decode_kernel(
     h_mask = offs_h < num_heads
     offs_r = tl.arange(0, RANK)
     offs_p = tl.arange(0, ROPE)
-    seq_len = tl.load(seq_lens_ptr + b)
+    seq_len = tl.load(row_lens_ptr + b)
     q_row = q_ptr + b.to(tl.int64) * stride_qt + offs_h[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_r[None, :], mask=h_mask[:, None], other=0.0)
     q_pe = tl.load(q_row + RANK + offs_p[None, :], mask=h_mask[:, None], other=0.0)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, RANK], dtype=tl.float32)
-    table = block_tables_ptr + b.to(tl.int64) * stride_bt
+    table = block_tables_ptr + tl.load(row_req_ptr + b).to(tl.int64) * stride_bt
     for start in range(0, seq_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < seq_len
@@ -107,6 +118,24 @@ def mla_decode(
 ) -> torch.Tensor:
     """The first num_decodes rows of q_lat [T, H, RANK + ROPE] over their requests' cached rows (cache
     [1, num_blocks, PAGE, 1, RANK + ROPE], rows contiguous); returns [num_decodes, H, RANK]."""
+    rows = torch.arange(num_decodes, dtype=torch.int32, device=q_lat.device)
+    return mla_rows(q_lat[:num_decodes], cache, block_tables, rows, seq_lens[:num_decodes], scale, rank)
+
+
+def mla_rows(
+    q_lat: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    row_req: torch.Tensor,
+    row_lens: torch.Tensor,
+    scale: float,
+    rank: int,
+) -> torch.Tensor:
+    """Every row r of q_lat [R, H, RANK + ROPE] over the first row_lens[r] cached rows of request
+    row_req[r] (int32 [R] each); returns [R, H, RANK]."""
+    num_decodes = q_lat.shape[0]
+    if row_req.shape[0] != num_decodes or row_lens.shape[0] != num_decodes:
+        raise ValueError(f"row_req and row_lens must have one entry per query row ({num_decodes})")
     width = q_lat.shape[-1]
     if cache.dim() != 5 or cache.shape[0] != 1 or cache.shape[3] != 1 or cache.shape[4] != width:
         raise ValueError(f"cache {tuple(cache.shape)} is no one-plane latent cache of {width}-value rows")
@@ -123,7 +152,8 @@ def mla_decode(
         q_lat,
         cache,
         block_tables,
-        seq_lens,
+        row_req,
+        row_lens,
         out,
         scale * LOG2E,
         heads,

@@ -69,6 +69,7 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             device=device,
             decode_config=decode_config,
             prefill_config=prefill_config,
+            mla_prefill_kernel=config.runner.attention_variant == "mla-prefill-kernel",
         )
     if name == "torch":
         from overnight.attention.torch_backend import TorchAttentionBackend
