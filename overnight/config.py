@@ -435,6 +435,10 @@ class ModelArch:
             return total - params * dtype_bytes + params * bits // 8 + 8 * groups
         if not fp8_linear:
             return total
+        if self.is_mla:  # FP8 keeps kv_b_proj, which absorption reads as a weight (models/deepseek.py)
+            kv_b_out = self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            params -= self.num_hidden_layers * self.kv_lora_rank * kv_b_out
+            rows -= self.num_hidden_layers * kv_b_out
         if self.num_linear_layers:  # FP8 keeps the Gated DeltaNet b / a projections (models/qwen3_next.py)
             small = 2 * self.linear_num_value_heads
             params -= self.num_linear_layers * small * self.hidden_size

@@ -429,3 +429,30 @@ def test_budget_counts_the_latent_cache_on_an_h200():
     assert b.num_blocks * b.block_size > 3_000_000 and b.seqs_fit >= 350
     text = render(b, "deepseek-v2-lite", source.arch, "bfloat16")
     assert "27 layers x one row of 512 latent + 64 rope values" in text
+
+
+def test_deepseek_v3_counts_671b_and_fits_eight_h200_in_fp8():
+    """DeepSeek-V3's config.json shapes (no preset: its 671B are for tensor parallelism over 8 GPUs):
+    671B parameters, 37B active (the model card's numbers, without the MTP layer), a latent cache of
+    70 KB a token (71x smaller than 128 heads of per-head K and V), and each of 8 ranks holding about
+    80 GiB of FP8 weights (kv_b_proj and the routers in bf16 / float32)."""
+    from overnight.models.registry import arch_from_hf_config
+    from overnight.parallel.tp import TPShards
+
+    yarn = dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0, type="yarn",
+                original_max_position_embeddings=4096)  # fmt: skip
+    v3 = dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=7168,
+        intermediate_size=18432, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1,
+        first_k_dense_replace=3, n_group=8, topk_group=4, vocab_size=129280, max_position_embeddings=163840,
+        rope_theta=10000, rope_scaling=yarn, routed_scaling_factor=2.5, scoring_func="sigmoid",
+        topk_method="noaux_tc", num_nextn_predict_layers=1,
+    )  # fmt: skip
+    arch = arch_from_hf_config(v3)
+    assert 670.5e9 < arch.num_parameters() < 671.5e9
+    assert 37e9 < arch.num_parameters() - arch.mlp_params() + arch.mlp_params(active_only=True) < 38e9
+    assert arch.kv_bytes_per_token(2) == 61 * 576 * 2 and 61 * 128 * 320 * 2 > 70 * arch.kv_bytes_per_token(2)
+    rank = TPShards(arch, 0, 8).rank_weights_arch
+    assert 78 * 2**30 < rank.weight_bytes(2, fp8_linear=True, fp8_experts=True) < 82 * 2**30
