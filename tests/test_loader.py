@@ -179,6 +179,8 @@ def test_dummy_presets_have_published_shapes(name):
         "qwen2.5-vl-7b",
         "qwen3-vl-8b",
         "glm-4.5-air",  # tests/test_glm4_moe.py
+        "deepseek-v2-lite",  # tests/test_deepseek.py
+        "moonlight-16b-a3b",
     }
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere
