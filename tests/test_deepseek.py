@@ -11,7 +11,10 @@ Checked: greedy tokens identical to transformers' in fp32 through chunked prefil
 chunks attend to cached latents) and prefix-cache hits; a pool too small for every request (preemptions
 and recomputation); the cache holds one 40-value row per token and layer (kv_lora_rank 32 + rope 8);
 the absorbed decode against the decompressed form on random inputs; multi-token-prediction layers
-skipped; bad configs and unsupported options refused before loading.
+skipped; bad configs and unsupported options refused before loading; the GPU path (interpreted) against
+the PyTorch path; online FP8 and a block-scaled FP8 checkpoint; TP=2 shards and tokens; the presets'
+published sizes, the latent cache in `overnight budget`, and DeepSeek-V3's 671B at FP8 over 8 ranks.
+The kernels themselves: tests/test_kernels_mla.py.
 """
 
 from __future__ import annotations
