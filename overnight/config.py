@@ -226,11 +226,23 @@ class ModelArch:
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
     # times routed_scaling_factor (layers/moe_grouped_router.py); its shared experts (of
     # shared_expert_intermediate_size) have no gate (shared_expert_gated False).
-    router_scoring: str = "softmax"  # "softmax" | "sigmoid" (with the correction bias and groups)
+    # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group" (DeepSeek-V2)
+    router_scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
+    # Multi-head latent attention (DeepSeek-V2 / V3, Kimi-K2, Moonlight, GLM-4.7-Flash; models/deepseek.py):
+    # kv_lora_rank > 0 marks it. q from q_b(norm(q_a(x))) (q_proj when q_lora_rank is 0), per head
+    # qk_nope_head_dim unrotated dims and qk_rope_head_dim rotated ones (head_dim is the rotated part, as
+    # HF sets it); the cache holds one row per token, the normalized latent (kv_lora_rank) and the rotated
+    # shared key (qk_rope_head_dim): kv_planes 1, no separate V (attention/mla.py). V2's router is a
+    # softmax with group-limited choice (router_scoring "softmax_group").
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
     # Encoders (BERT): bidirectional attention over whole prompts, no KV cache, LayerNorm, learned
     # absolute positions and token-type (segment) embeddings.
     is_encoder: bool = False
@@ -260,6 +272,15 @@ class ModelArch:
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Cache planes per layer: 2 (K and V), 1 for latent attention (its one row serves as both)."""
+        return 1 if self.is_mla else 2
+
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of layer `layer_idx`, None for full attention."""
         if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
@@ -276,12 +297,17 @@ class ModelArch:
         return max(i for i in range(first_shared) if kinds[i] == kind)
 
     def layer_head_dim(self, layer_idx: int) -> int:
-        """Head size of layer `layer_idx` (Gemma 4's full layers have their own)."""
+        """Head size of layer `layer_idx`'s cache (Gemma 4's full layers have their own; latent
+        attention: the latent and the rotated key, one row)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
         if self.global_head_dim and self.layer_window(layer_idx) is None:
             return self.global_head_dim
         return self.head_dim
 
     def layer_num_kv_heads(self, layer_idx: int) -> int:
+        if self.is_mla:
+            return 1
         if self.num_global_key_value_heads and self.layer_window(layer_idx) is None:
             return self.num_global_key_value_heads
         return self.num_key_value_heads
@@ -294,6 +320,8 @@ class ModelArch:
     def _attention_linear(self, layer_idx: int) -> tuple[int, int]:
         """(weights, output rows) of layer `layer_idx`'s q/k/v/o projections; a KV-shared layer has no
         k/v, and attention_k_eq_v full layers no v."""
+        if self.is_mla:
+            return self._mla_linear()
         h, d = self.hidden_size, self.layer_head_dim(layer_idx)
         q = self.num_attention_heads * d
         kv = self.layer_num_kv_heads(layer_idx) * d
@@ -305,6 +333,17 @@ class ModelArch:
             num_kv = 2
         rows = q + num_kv * kv + h
         return h * (q + num_kv * kv) + q * h, rows
+
+    def _mla_linear(self) -> tuple[int, int]:
+        """(weights, output rows) of a latent-attention layer: q_a and q_b (or q_proj), kv_a_proj_with_mqa,
+        kv_b_proj and o_proj."""
+        h, heads, qr, kvr = self.hidden_size, self.num_attention_heads, self.q_lora_rank, self.kv_lora_rank
+        q_out = heads * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        kv_b_out = heads * (self.qk_nope_head_dim + self.v_head_dim)
+        q_params, q_rows = (h * qr + qr * q_out, qr + q_out) if qr else (h * q_out, q_out)
+        kv_a = kvr + self.qk_rope_head_dim
+        params = q_params + h * kv_a + kvr * kv_b_out + heads * self.v_head_dim * h
+        return params, q_rows + kv_a + kv_b_out + h
 
     def is_linear_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` is linear attention (a state per request, no KV cache)."""
@@ -372,7 +411,7 @@ class ModelArch:
             for i in range(self.num_hidden_layers)
             if self.kv_source_layer(i) == i and not self.is_linear_layer(i)
         ]
-        return 2 * sum(per_layer) * elem_bytes
+        return self.kv_planes * sum(per_layer) * elem_bytes
 
     def num_linear_parameters(self, active_only: bool = False) -> int:
         """Weights of the projections (q/k/v/o and the MLPs, routers included), all layers; active_only:
@@ -403,9 +442,10 @@ class ModelArch:
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
         stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
-        if self.router_scoring == "sigmoid":  # GLM-4.5's routers stay float32 (models/glm4_moe.py)
+        if self.router_scoring != "softmax":  # GLM-4.5's and DeepSeek's routers stay float32
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-            total += sparse * self.num_experts * (self.hidden_size + 1) * (4 - dtype_bytes)
+            biased = self.router_scoring == "sigmoid"
+            total += sparse * self.num_experts * (self.hidden_size + biased) * (4 - dtype_bytes)
         if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
             # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -425,6 +465,10 @@ class ModelArch:
             return total - params * dtype_bytes + params * bits // 8 + 8 * groups
         if not fp8_linear:
             return total
+        if self.is_mla:  # FP8 keeps kv_b_proj, which absorption reads as a weight (models/deepseek.py)
+            kv_b_out = self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            params -= self.num_hidden_layers * self.kv_lora_rank * kv_b_out
+            rows -= self.num_hidden_layers * kv_b_out
         if self.num_linear_layers:  # FP8 keeps the Gated DeltaNet b / a projections (models/qwen3_next.py)
             small = 2 * self.linear_num_value_heads
             params -= self.num_linear_layers * small * self.hidden_size
@@ -467,7 +511,11 @@ class ModelArch:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
         per_layer = (4 if self.norm_placement == "sandwich" else 2) * h  # the RMSNorms
-        if self.attention_bias:
+        if self.is_mla:  # q_a / kv_a norms; attention_bias: biases on q_a, kv_a_proj_with_mqa (and o_proj)
+            per_layer += self.q_lora_rank + self.kv_lora_rank
+            if self.attention_bias:
+                per_layer += self.q_lora_rank + self.kv_lora_rank + self.qk_rope_head_dim
+        elif self.attention_bias:
             per_layer += self.q_size + 2 * self.kv_size
         if self.o_proj_bias:
             per_layer += h

@@ -36,6 +36,7 @@ ATTENTION_VARIANTS = (
     "heads-first",
     "tma",
     "tma-n128",
+    "mla-prefill-kernel",
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
 ADMISSIONS = ("planned", "greedy")  # engine/admission.py

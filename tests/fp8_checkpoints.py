@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 from overnight.quant.fp8 import quantize_activation_ref, quantize_weight_blocks, quantize_weight_per_channel
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# latent attention (DeepSeek-V2 / V3): its projections, quantized as DeepSeek-V3's FP8 release has them
+MLA_PROJECTIONS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 VISION_TOWERS = ("visual.", "vision_tower.", "multi_modal_projector.")  # in a name: written float
 
 
@@ -109,7 +111,7 @@ def make_fp8_checkpoint(
             if name.endswith(".weight") and t.dim() == 2:
                 tower.append(name.removesuffix(".weight"))
             written[name] = t
-        elif name.endswith(".weight") and module in projections:
+        elif name.endswith(".weight") and module in projections + MLA_PROJECTIONS:
             sample_input = torch.randn(t.shape[1], generator=gen)
             written.update(_quantized(name, t, storage, block_scale_name, sample_input))
         else:

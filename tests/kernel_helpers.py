@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.attention.metadata import AttentionBatch, AttentionMetadata
+from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
 from overnight.attention.torch_backend import (
     TorchAttentionBackend,
     build_metadata,
@@ -60,14 +60,18 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
-def run_steps(model: torch.nn.Module, max_id: int = 384) -> torch.Tensor:
+def run_steps(
+    model: torch.nn.Module, max_id: int = 384, backend: AttentionBackend | None = None
+) -> torch.Tensor:
     """Logits of a two-request prefill (9 and 12 tokens), then one decode step of both; block size 4;
-    each layer's own cache shape, KV-shared layers (Gemma 4) on their source layer's tensor."""
+    each layer's own cache shape (one plane for latent attention), KV-shared layers (Gemma 4) on their
+    source layer's tensor. backend: the PyTorch one unless given."""
     arch = model.arch
+    backend = backend or TorchAttentionBackend()
     kv_caches: list[torch.Tensor] = []
     for i in range(arch.num_hidden_layers):
         source = arch.kv_source_layer(i)
-        shape = (2, 32, 4, arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
+        shape = (arch.kv_planes, 32, 4, arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
         kv_caches.append(kv_caches[source] if source != i else torch.zeros(shape, device=DEVICE))
     tables = [[5, 2, 9, 0], [7, 1, 3, 11]]
     gen = torch.Generator().manual_seed(0)
@@ -75,11 +79,11 @@ def run_steps(model: torch.nn.Module, max_id: int = 384) -> torch.Tensor:
     logits = []
     with torch.inference_mode():
         meta = build_metadata([9, 12], [9, 12], tables, 4, device=DEVICE)
-        batch = AttentionBatch(meta, kv_caches, TorchAttentionBackend())
+        batch = AttentionBatch(meta, kv_caches, backend)
         positions = torch.cat([torch.arange(9), torch.arange(12)]).to(DEVICE)
         logits.append(model.compute_logits(model(input_ids, positions, batch)))
         meta = build_metadata([1, 1], [10, 13], tables, 4, num_decodes=2, device=DEVICE)
-        batch = AttentionBatch(meta, kv_caches, TorchAttentionBackend())
+        batch = AttentionBatch(meta, kv_caches, backend)
         next_ids = logits[0][[8, 20]].argmax(-1)
         logits.append(model.compute_logits(model(next_ids, torch.tensor([9, 12], device=DEVICE), batch)))
     return torch.cat(logits)

@@ -99,9 +99,11 @@ def logprobs(model: nn.Module, seqs: list[list[int]], block_size: int = 4) -> li
         blocks = -(-n // block_size)
         tables.append(list(range(used, used + blocks)))
         used += blocks
-    caches = [
-        torch.zeros(2, used, block_size, arch.num_key_value_heads, arch.head_dim, device=dev)
-        for _ in range(arch.num_hidden_layers)
+    caches = [  # each layer's own cache shape (one plane for latent attention)
+        torch.zeros(
+            arch.kv_planes, used, block_size, arch.layer_num_kv_heads(i), arch.layer_head_dim(i), device=dev
+        )
+        for i in range(arch.num_hidden_layers)
     ]
     meta = build_metadata(lens, lens, tables, block_size, device=dev)
     ids = torch.tensor([t for s in seqs for t in s], device=dev)

@@ -93,6 +93,22 @@ class AttentionBackend(Protocol):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Latent attention (mla.py): writes this step's rows [T, R + P] into the one-plane cache, then
+        attends. q_nope [T, H, Dn], q_pe [T, H, P] (rotated); w_uk [H, Dn, R], w_uv [H, Dv, R] (views of
+        kv_b_proj's weight). Returns [T, H, Dv]."""
+        ...
+
 
 @dataclass
 class AttentionBatch:
@@ -114,6 +130,21 @@ class AttentionBatch:
     layer_source: tuple[int, ...] | None = None
     # Hybrid models: the linear-attention layers' per-request states (linear_state.py); None otherwise.
     states: LinearStateBatch | None = None
+
+    def mla(
+        self,
+        layer_idx: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Latent attention of layer `layer_idx` (AttentionBackend.forward_mla); its layout is uniform
+        (one group, no scales: check_latent_attention in build.py refuses an FP8 cache)."""
+        cache = self.kv_caches[layer_idx]
+        return self.backend.forward_mla(q_nope, q_pe, rows, cache, self.meta, scale, w_uk, w_uv)
 
     def __call__(
         self,

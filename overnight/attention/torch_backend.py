@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from overnight.attention.kv_quant import dequantize_kv, quantize_kv
 from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.mla import latent_attention_ref, write_latent_ref
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_layout import v_view
 
@@ -185,6 +186,20 @@ class TorchAttentionBackend:
         if k is not None and v is not None:  # None: a layer reading another layer's cache
             write_kv_ref(k, v, kv_cache, meta.slot_mapping, kv_scale)
         return paged_attention_ref(q, kv_cache, meta, scale, kv_scale, layer=layer, sinks=sinks)
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        write_latent_ref(rows, kv_cache, meta.slot_mapping)
+        return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
 
 
 def build_metadata(

@@ -11,13 +11,26 @@ kind, kernels/score_mods.py); its sinks travel as a device pointer.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
+from overnight.attention.mla import (
+    absorb_query,
+    latent_attention_ref,
+    latent_prefill_ref,
+    mla_decode_supported,
+    row_contexts,
+    write_latent_ref,
+)
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
+from overnight.kernels.mla_decode import latent_write, mla_decode, mla_rows
 from overnight.kernels.paged_decode import DecodeConfig, DecodeWorkspace, choose_num_splits, paged_decode
 from overnight.kernels.paged_prefill import PrefillConfig, paged_prefill
+
+log = logging.getLogger("overnight")
 
 
 class TritonAttentionBackend:
@@ -41,6 +54,7 @@ class TritonAttentionBackend:
         num_sms: int | None = None,
         decode_config: DecodeConfig | None = None,
         prefill_config: PrefillConfig | None = None,
+        mla_prefill_kernel: bool = False,
     ) -> None:
         device = torch.device(device)
         if num_sms is None:
@@ -63,6 +77,9 @@ class TritonAttentionBackend:
         self.max_split_rows = max(split_rows, default=0)
         self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
         self._workspaces = {(num_heads, head_dim): self.workspace}
+        self._mla_logged = False
+        self.mla_prefill_kernel = mla_prefill_kernel  # attention/variants.py's mla-prefill-kernel
+        self._mla_prefill_logged = False
 
     def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
         """The split workspace of layers with these head counts and sizes. One the constructor did not
@@ -110,6 +127,57 @@ class TritonAttentionBackend:
             layer=layer,
             sinks=sinks,
         )
+
+    def forward_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        rows: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        w_uk: torch.Tensor,
+        w_uv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Latent attention (attention/mla.py): the rows written and the decodes attended by the Triton
+        kernels of kernels/mla_decode.py (captured in decode graphs); prefill chunks decompressed in
+        PyTorch (eager steps only). Widths the kernel does not take run wholly on the PyTorch path,
+        eagerly (model_runner.capture_graphs), with one log line."""
+        rank = w_uk.shape[2]
+        if not mla_decode_supported(rank, q_pe.shape[-1]):
+            if not self._mla_logged:
+                self._mla_logged = True
+                log.warning(
+                    "latent attention of widths %d + %d has no Triton kernel: the PyTorch path runs, "
+                    "without CUDA graphs",
+                    rank,
+                    q_pe.shape[-1],
+                )
+            write_latent_ref(rows, kv_cache, meta.slot_mapping)
+            return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        latent_write(rows, kv_cache, meta.slot_mapping)
+        nd = meta.num_decodes
+        if meta.num_prefills and self.mla_prefill_kernel:  # every row absorbed, in one launch
+            row_req, row_lens = row_contexts(meta, q_nope.shape[0])
+            o_lat = mla_rows(
+                absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables, row_req, row_lens, scale, rank
+            )
+            return torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        if meta.num_prefills:
+            if not self._mla_prefill_logged:
+                self._mla_prefill_logged = True
+                log.info(
+                    "latent attention: prefill chunks run decompressed in PyTorch (no Triton prefill "
+                    "kernel yet), decodes in the Triton kernel"
+                )
+            out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        else:
+            out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
+        if nd:
+            q_lat = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)
+            o_lat = mla_decode(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, rank, nd)
+            out[:nd] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
+        return out
 
 
 def paged_attention(

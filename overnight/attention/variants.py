@@ -13,6 +13,9 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
     tma, tma-n128  an FP8 cache's decode with each K and V tile fetched by one TMA copy
               (DecodeConfig.tma), tiles of 64 or 128 tokens: needs --block-size a multiple of the
               tile; prefill as default; a 16-bit cache as default
+    mla-prefill-kernel  latent attention (DeepSeek) attends prefill chunks absorbed, row by row, in
+              the decode kernel (kernels/mla_decode.py) instead of decompressing them in PyTorch;
+              other models as default
 
 The tile shapes are the candidates bench/attention_gpu.py times; once it has picked winners, they
 belong in the kernels' defaults and these names can go. Configs are built on use: this module is
@@ -39,7 +42,7 @@ def variant_configs(name: str, fp8_cache: bool) -> tuple[DecodeConfig | None, Pr
     """(decode config, prefill config) of a variant for a cache of that kind; None: the default."""
     if name not in ATTENTION_VARIANTS:
         raise ValueError(f"unknown attention variant {name!r} ({', '.join(ATTENTION_VARIANTS)})")
-    if name == "default":
+    if name in ("default", "mla-prefill-kernel"):  # the latter: the backend's mla_prefill_kernel flag
         return None, None
     from dataclasses import replace
 

@@ -63,7 +63,14 @@ def estimate(
     """requests: (input length, output length) pairs; batch: concurrent sequences during decode."""
     lin = 2.0 * arch.num_linear_parameters(active_only=True)
     head = 2.0 * arch.hidden_size * arch.vocab_size
-    attn_pair = 4.0 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers
+    # q.k and p.v per head and (query, key) pair; latent attention counted in its decompressed form
+    # (q.k over Dn + P, p.v over Dv: the fewest FLOPs; absorbed decodes do more, over the latent)
+    pair = (
+        2 * (arch.qk_nope_head_dim + arch.qk_rope_head_dim + arch.v_head_dim)
+        if arch.is_mla
+        else 4 * arch.head_dim
+    )
+    attn_pair = float(pair * arch.num_attention_heads * arch.num_hidden_layers)
     kv_per_token = arch.kv_bytes_per_token(kv_bytes_per_elem)
     flops = kv_bytes = 0.0
     total_out = 0

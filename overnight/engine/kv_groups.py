@@ -95,6 +95,9 @@ class KVCacheLayout:
     layer_shapes: tuple[tuple[int, int], ...]  # per model layer: (KV heads, head size) of the cache it reads
     # per group: k, its block size in units of the base block size B (a power of two; 1: B).
     block_scales: tuple[int, ...] = ()
+    # Cache planes of every tensor: 2 (K and V), 1 for latent attention (one row per token serves as
+    # K and, its first kv_lora_rank values, as V: models/deepseek.py, attention/mla.py).
+    planes: int = 2
 
     def __post_init__(self) -> None:
         if not self.block_scales:
@@ -117,12 +120,14 @@ class KVCacheLayout:
     def token_elems(self) -> int:
         """Cache elements one token of one block takes over all tensors (K and V): a block holds
         block_size x token_elems elements."""
-        return sum(2 * e for e in self.tensor_elems)
+        return sum(self.planes * e for e in self.tensor_elems)
 
     def unused_share(self, group: int) -> float:
         """Share of a block of `group` that none of its layers uses (its shape smaller than the slots
         by more than its block scale makes up for)."""
-        used = sum(2 * self.layer_shapes[i][0] * self.layer_shapes[i][1] for i in self.groups[group].layers)
+        used = sum(
+            self.planes * self.layer_shapes[i][0] * self.layer_shapes[i][1] for i in self.groups[group].layers
+        )
         return 1.0 - self.block_scales[group] * used / self.token_elems
 
     def group_block_sizes(self, block_size: int) -> tuple[int, ...]:
@@ -181,6 +186,7 @@ class KVCacheLayout:
             sources,
             tuple(_elems(layer_kv_shape(arch, layer)) for layer in owners),
             tuple(layer_kv_shape(arch, sources[i]) for i in range(n)),
+            planes=arch.kv_planes,
         )
 
     @classmethod

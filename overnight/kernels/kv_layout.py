@@ -93,13 +93,14 @@ def new_kv_cache(
 
 
 def new_kv_slots(
-    num_blocks: int, slot_elems: int, dtype: torch.dtype, device: torch.device | str
+    num_blocks: int, slot_elems: int, dtype: torch.dtype, device: torch.device | str, planes: int = 2
 ) -> torch.Tensor:
     """A cache tensor shared by layers of different shapes: [2, num_blocks, slot_elems] (K plane, V plane),
     slot_elems = block_size x the most KV heads x head size any of its layers needs. Layers read it
-    through kv_cache_view. Left uninitialized or zeroed as new_kv_cache leaves a cache."""
+    through kv_cache_view. Left uninitialized or zeroed as new_kv_cache leaves a cache. planes 1: a
+    latent-attention cache, [1, num_blocks, slot_elems], one row per token (attention/mla.py)."""
     fill = torch.zeros if v_token_major(dtype) else torch.empty
-    return fill((2, num_blocks, slot_elems), dtype=dtype, device=device)
+    return fill((planes, num_blocks, slot_elems), dtype=dtype, device=device)
 
 
 def kv_cache_view(

@@ -83,13 +83,13 @@ def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_byt
     full-attention layers x num_tokens + windowed layers x min(num_tokens, W + chunk) (a window keeps
     W - 1 tokens and the chunk being written); KV-shared layers hold none. Block rounding aside, this is
     what the engine's pool gives the sequence (engine/kv_groups.py)."""
-    total = 0
+    total, planes = 0, getattr(arch, "kv_planes", 2)
     for i in range(arch.num_hidden_layers):
         if arch.kv_source_layer(i) != i or arch.is_linear_layer(i):
             continue
         window = arch.layer_window(i)
         heads, dim = layer_kv_shape(arch, i)
-        total += (num_tokens if window is None else min(num_tokens, window + chunk)) * 2 * heads * dim
+        total += (num_tokens if window is None else min(num_tokens, window + chunk)) * planes * heads * dim
     return total * elem_bytes
 
 

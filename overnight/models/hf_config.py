@@ -8,6 +8,7 @@ families share.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from overnight.config import ModelArch, RopeValue
@@ -205,6 +206,19 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     params = cfg.get("rope_parameters") or {}
     if "partial_rotary_factor" not in params and "partial_rotary_factor" not in cfg:
         cfg = {**cfg, "partial_rotary_factor": 0.5}  # transformers' default for GLM-4.5
+    dense = int(cfg.get("first_k_dense_replace", 1))
+    return dict(
+        o_proj_bias=False,
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        partial_rotary_factor=_partial_rotary(cfg),
+        router_scoring="sigmoid",
+        **_routed_experts(cfg, tuple(range(min(dense, int(cfg["num_hidden_layers"]))))),
+    )
+
+
+def _routed_experts(cfg: dict[str, Any], dense_layers: tuple[int, ...]) -> dict[str, Any]:
+    """The routed and shared experts and the grouped router's constants of GLM-4.5 and DeepSeek configs
+    (n_routed_experts, n_group, topk_group, ...), checked; dense_layers keep the dense MLP."""
     experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         raise ModelLoadError("config.json lacks required field 'n_routed_experts'")
@@ -212,7 +226,7 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ModelLoadError("config.json lacks required field 'moe_intermediate_size'")
     inter, top_k = int(cfg["moe_intermediate_size"]), int(cfg.get("num_experts_per_tok") or 0)
     groups, topk_groups = int(cfg.get("n_group") or 1), int(cfg.get("topk_group") or 1)
-    shared, dense = int(cfg.get("n_shared_experts", 1) or 0), int(cfg.get("first_k_dense_replace", 1))
+    shared = int(cfg.get("n_shared_experts", 1) or 0)
     scaling = float(cfg.get("routed_scaling_factor", 1.0))
     problems = []
     if groups < 1 or experts % groups or experts // groups < 2:
@@ -224,7 +238,7 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             f"num_experts_per_tok must be in 1..{topk_groups * (experts // groups)} (the experts of the "
             f"topk_group best groups), got {top_k}"
         )
-    if inter <= 0 or shared < 0 or dense < 0 or not scaling > 0:
+    if inter <= 0 or shared < 0 or min(dense_layers, default=0) < 0 or not scaling > 0:
         problems.append(
             "moe_intermediate_size and routed_scaling_factor must be positive, n_shared_experts and "
             "first_k_dense_replace not negative"
@@ -232,17 +246,13 @@ def _glm4_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if problems:
         raise ModelLoadError("; ".join(problems))
     return dict(
-        o_proj_bias=False,
-        qk_norm=bool(cfg.get("use_qk_norm", False)),
-        partial_rotary_factor=_partial_rotary(cfg),
         num_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=inter,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        mlp_only_layers=tuple(range(min(dense, int(cfg["num_hidden_layers"])))),
+        mlp_only_layers=dense_layers,
         shared_expert_intermediate_size=shared * inter,
         shared_expert_gated=False,
-        router_scoring="sigmoid",
         n_group=groups,
         topk_group=topk_groups,
         routed_scaling_factor=scaling,
@@ -299,6 +309,59 @@ def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _deepseek_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 and GLM-4.7-Flash: multi-head latent attention (models/deepseek.py), RoPE over the
+    qk_rope_head_dim dims only (head_dim, as transformers sets it), in interleaved pairs for V2 and for
+    V3 / GLM-4.7-Flash with rope_interleave; the first first_k_dense_replace layers dense (GLM-4.7-Flash:
+    its mlp_layer_types), V3's sigmoid router with the correction bias, V2's softmax one."""
+    n = int(cfg["num_hidden_layers"])
+    try:
+        kv_rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+        nope, v = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    except KeyError as e:
+        raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    q_rank = int(cfg.get("q_lora_rank") or 0)
+    if min(kv_rank, rope, nope, v) <= 0 or q_rank < 0 or rope % 2:
+        raise ModelLoadError(
+            "kv_lora_rank, qk_nope_head_dim, v_head_dim and an even qk_rope_head_dim must be positive, "
+            f"got {kv_rank}, {nope}, {v}, {rope}"
+        )
+    if family == "glm4_moe_lite":
+        kinds = cfg.get("mlp_layer_types") or ["dense"] + ["sparse"] * (n - 1)
+        if len(kinds) != n or not set(kinds) <= {"dense", "sparse"}:
+            raise ModelLoadError(f"mlp_layer_types must name dense or sparse for each of {n} layers")
+        dense = tuple(i for i, kind in enumerate(kinds) if kind == "dense")
+    else:
+        dense = tuple(range(min(int(cfg.get("first_k_dense_replace") or 0), n)))
+    if family == "deepseek_v2":
+        method = cfg.get("topk_method") or "greedy"
+        if method not in ("greedy", "group_limited_greedy"):
+            raise ModelLoadError(f"unsupported topk_method {method!r} (greedy, group_limited_greedy)")
+        grouping = {} if method == "group_limited_greedy" else {"n_group": 1, "topk_group": 1}
+        experts = _routed_experts({**cfg, **grouping, "norm_topk_prob": False}, dense)  # never read by V2
+        routing: dict[str, Any] = dict(router_scoring="softmax_group", rope_interleaved=True)
+    else:
+        scoring = cfg.get("scoring_func", "sigmoid")
+        if scoring != "sigmoid":
+            raise ModelLoadError(f"unsupported scoring_func {scoring!r} for {family} (sigmoid)")
+        experts = _routed_experts(cfg, dense)
+        routing = dict(router_scoring="sigmoid", rope_interleaved=bool(cfg.get("rope_interleave", True)))
+    factor = _partial_rotary({**cfg, "head_dim": rope}) if family == "glm4_moe_lite" else 1.0
+    return dict(
+        head_dim=rope,
+        num_key_value_heads=int(cfg["num_attention_heads"]),
+        o_proj_bias=bool(cfg.get("attention_bias", False)),
+        partial_rotary_factor=factor,
+        q_lora_rank=q_rank,
+        kv_lora_rank=kv_rank,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v,
+        **experts,
+        **routing,
+    )
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal checkpoint (Mistral 3: Mistral or Ministral 3 inside).
     Whether the LM head is tied is the top level's say (transformers ties by it, default true)."""
@@ -329,6 +392,9 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4": _glm4_fields,
     "glm4_moe": _glm4_moe_fields,
     "minimax_m2": _minimax_m2_fields,
+    "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
+    "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
+    "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),
 }
 TEXT_CONFIG_FAMILIES = ("mistral3",)
 WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)

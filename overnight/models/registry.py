@@ -11,6 +11,7 @@ from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
 from overnight.models.bert_classifier import BertForSequenceClassification
+from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -69,6 +70,10 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "glm4": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
+    # Multi-head latent attention (models/deepseek.py)
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
+    "glm4_moe_lite": DeepseekForCausalLM,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
@@ -115,6 +120,9 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",

@@ -23,7 +23,8 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
-Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py.
+Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py. Latent attention
+(DeepSeek-V2 / V3) by heads, its latent cache replicated: parallel/tp_mla.py.
 
 KV heads: with num_kv_heads >= world each rank holds num_kv_heads / world of them; with fewer, each
 group of world / num_kv_heads ranks holds one shared head. Either way a rank's KV pool holds exactly the
@@ -58,6 +59,7 @@ from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
 from overnight.layers.norm import RMSNorm
 from overnight.loader.source import ModelSource
+from overnight.models.deepseek import MLAttention
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
 from overnight.parallel.tp_experts import (
@@ -86,6 +88,8 @@ from overnight.parallel.tp_int import (
     RowParallelWeightOnlyIntLinear,
     int_row_columns,
 )
+from overnight.parallel.tp_mla import COLUMN_PARALLEL as MLA_COLUMN_PARALLEL
+from overnight.parallel.tp_mla import shard_mla_tensor
 from overnight.parallel.tp_modules import (
     ParallelLMHead,
     RowParallelFp8Linear,
@@ -230,6 +234,10 @@ class TPShards:
             per_layer = shard_gemma4_tensor(a, self.rank, self.world, parts, t)
             if per_layer is not None:
                 return per_layer
+        if a.is_mla:
+            latent = shard_mla_tensor(a, self.rank, self.world, module, kind, t)
+            if latent is not None:
+                return latent
         if a.num_linear_layers:
             linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
             if linear is not None:
@@ -320,6 +328,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         fused.add("q_proj")  # a KV-shared layer's own q projection
     if lm.arch.shared_expert_intermediate_size:  # shared experts keep separate gate / up projections
         fused |= {"gate_proj", "up_proj"}
+    if lm.arch.is_mla:  # latent attention's per-head projections: tp_mla.py
+        fused |= set(MLA_COLUMN_PARALLEL)
     head = getattr(model, "lm_head", None)
     embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
     embed = model.get_submodule(embed_name)
@@ -370,6 +380,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
         sinks = getattr(module, "sinks", None)
         if isinstance(sinks, nn.Parameter):  # gpt-oss: split with their heads
             module.sinks = nn.Parameter(keep(shards.shard(f"{name}.sinks", sinks)), requires_grad=False)
+        if isinstance(module, MLAttention):
+            module.num_heads //= world
         if hasattr(module, "num_kv_heads") and hasattr(module, "num_heads"):
             module.num_heads //= world
             module.num_kv_heads = max(1, module.num_kv_heads // world)

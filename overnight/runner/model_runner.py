@@ -18,6 +18,7 @@ import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype, load_kv_scales_, new_kv_scales
 from overnight.attention.metadata import AttentionBackend, AttentionBatch, AttentionMetadata
+from overnight.attention.mla import mla_decode_supported
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
@@ -68,6 +69,7 @@ def make_attention_backend(config: EngineConfig, device: torch.device) -> Attent
             device=device,
             decode_config=decode_config,
             prefill_config=prefill_config,
+            mla_prefill_kernel=config.runner.attention_variant == "mla-prefill-kernel",
         )
     if name == "torch":
         from overnight.attention.torch_backend import TorchAttentionBackend
@@ -290,7 +292,9 @@ class ModelRunner:
         """The layout's cache tensors, each [2, num_blocks, block_size x its slot elements] (kv_groups.py):
         left uninitialized, an FP8 one zeroed (kv_layout.py says why)."""
         return [
-            new_kv_slots(num_blocks, block_size * elems, self.kv_cache_dtype, self.device)
+            new_kv_slots(
+                num_blocks, block_size * elems, self.kv_cache_dtype, self.device, self.kv_layout.planes
+            )
             for elems in self.kv_layout.tensor_elems
         ]
 
@@ -318,6 +322,9 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         if not self.is_cuda or self.config.runner.enforce_eager or self.pooler is not None:
             return  # graphs serve decode steps, which pooling never runs
+        arch = self.config.model.arch
+        if arch.is_mla and not mla_decode_supported(arch.kv_lora_rank, arch.qk_rope_head_dim):
+            return  # latent attention without its kernel: the PyTorch path reads host lengths
         from overnight.runner.cuda_graph import DecodeGraphs
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)

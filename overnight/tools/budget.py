@@ -152,7 +152,7 @@ def plan_budget(
         if arch.kv_source_layer(i) == i and not arch.is_linear_layer(i)
     ]
     cached_layers = len(cached)
-    per_token = sum(2 * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
+    per_token = sum(arch.kv_planes * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
     block_bytes = cache.block_size * layout.token_elems * kv_elem
     weights = activations = None
     try:
@@ -291,11 +291,15 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             shape = (arch.layer_num_kv_heads(i), arch.layer_head_dim(i))
             shapes[shape] = shapes.get(shape, 0) + 1
     layers = " + ".join(f"{n} layers x 2 x {h} heads x {d}" for (h, d), n in shapes.items())
+    attention = f"{whole.num_key_value_heads} KV heads x {whole.head_dim}"
+    if arch.is_mla:  # one row per token and layer (attention/mla.py), the same on every TP rank
+        rank, rope = arch.kv_lora_rank, arch.qk_rope_head_dim
+        layers = f"{arch.num_hidden_layers} layers x one row of {rank} latent + {rope} rope values"
+        attention = f"latent attention, {whole.num_attention_heads} heads over a {rank} + {rope} cache row"
     on = f"each of {tp} GPUs ({b.device}); every size below is one GPU's share" if tp > 1 else b.device
     lines = [
-        f"{model} ({whole.architecture}, {whole.num_hidden_layers} layers, {whole.num_key_value_heads} KV "
-        f"heads x {whole.head_dim}{', text-only: no vision tower' if whole.text_only else ''}), {dtype}, "
-        f"on {on}",
+        f"{model} ({whole.architecture}, {whole.num_hidden_layers} layers, {attention}"
+        f"{', text-only: no vision tower' if whole.text_only else ''}), {dtype}, on {on}",
         f'limits: row "{b.row}" of the defaults table, max_model_len {b.max_model_len}',
         f"  {'mode':<8} {'max_num_seqs':>12} {'max_num_batched_tokens':>23}",
     ]
