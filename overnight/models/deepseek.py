@@ -41,7 +41,7 @@ from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
-from overnight.models.glm4_moe import Glm4MoeTopkRouter, _without_mtp_layers
+from overnight.models.glm4_moe import Glm4MoeTopkRouter, without_mtp_layers
 from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import LlamaMLP, LlamaModel, MlpFactory, load_packed_weights, make_lm_head
 from overnight.models.qwen3_next import SplitMLP
@@ -227,7 +227,7 @@ class DeepseekForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint without its multi-token-prediction layers (applied before FP8 conversion)."""
-        return _without_mtp_layers(weights, self.arch.num_hidden_layers)
+        return without_mtp_layers(weights, self.arch.num_hidden_layers)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, weights)
