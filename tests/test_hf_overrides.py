@@ -129,6 +129,10 @@ def test_merge_keeps_unknown_keys_and_merges_sub_configs():
     assert merged["text_config"] == {"a": 1, "b": 3}  # a sub-config: merged key by key
     assert merged["rope_scaling"] == {"factor": 4.0}  # a value: replaced, as vLLM sets it
     assert merged["mine"] == [1] and cfg["text_config"] == {"a": 1, "b": 2}  # kept; the input untouched
+    with pytest.raises(ConfigError, match="an encoder"):
+        apply_hf_overrides(
+            {"architectures": ["BertForSequenceClassification"]}, {"classifier_from_token": ["a"]}
+        )
     head = apply_hf_overrides({"model_type": "qwen3"}, RERANKER_OVERRIDES)
     assert head["num_labels"] == 1 and head["id2label"] == {"0": "yes"}
 
