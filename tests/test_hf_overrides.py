@@ -18,6 +18,7 @@ from overnight.errors import ConfigError, ModelLoadError
 from overnight.loader.hf_overrides import apply_hf_overrides
 from overnight.options import EngineOptions, options_to_flags
 from tests.batch_helpers import read_jsonl, run_cli, write_jsonl
+from tests.tiny_classifiers import make_tiny_classifier
 from tests.tiny_rerankers import (
     DOCS,
     QUERY,
@@ -77,7 +78,7 @@ def test_one_label_per_token_is_a_softmax_over_them(untied):
     assert llm.engine.config.model.pooler.classifier.labels == tuple(tokens)
 
 
-def test_bad_overrides_are_refused_naming_them(untied):
+def test_bad_overrides_are_refused_naming_them(tmp_path, untied):
     arch = {"architectures": ["Qwen3ForSequenceClassification"]}
     cases = [
         ({"f": print}, ConfigError, r"hf_overrides\['f'\] is a builtin_function_or_method"),
@@ -115,6 +116,9 @@ def test_bad_overrides_are_refused_naming_them(untied):
     for overrides, error, message in cases:
         with pytest.raises(error, match=message):
             LLM(str(untied), hf_overrides=overrides, runner="pooling")
+    bert = make_tiny_classifier(tmp_path, "bert")
+    with pytest.raises(ConfigError, match=r"BertForSequenceClassification \(an encoder\) has none"):
+        LLM(str(bert), hf_overrides={"classifier_from_token": ["a"]})
     with pytest.raises(ConfigError, match="GGUF"):
         LLM("m.gguf", hf_overrides=RERANKER_OVERRIDES)
 
@@ -129,10 +133,6 @@ def test_merge_keeps_unknown_keys_and_merges_sub_configs():
     assert merged["text_config"] == {"a": 1, "b": 3}  # a sub-config: merged key by key
     assert merged["rope_scaling"] == {"factor": 4.0}  # a value: replaced, as vLLM sets it
     assert merged["mine"] == [1] and cfg["text_config"] == {"a": 1, "b": 2}  # kept; the input untouched
-    with pytest.raises(ConfigError, match="an encoder"):
-        apply_hf_overrides(
-            {"architectures": ["BertForSequenceClassification"]}, {"classifier_from_token": ["a"]}
-        )
     head = apply_hf_overrides({"model_type": "qwen3"}, RERANKER_OVERRIDES)
     assert head["num_labels"] == 1 and head["id2label"] == {"0": "yes"}
 

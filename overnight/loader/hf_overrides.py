@@ -26,7 +26,7 @@ from typing import Any
 
 from overnight.config import LM_HEAD_METHODS, LMHeadClassifier
 from overnight.errors import ConfigError
-from overnight.models.registry import ENCODER_FAMILIES, family_of, hf_architecture_of, is_sequence_classifier
+from overnight.models.registry import hf_architecture_of, is_sequence_classifier
 
 # The keys that ask for a head made from tokens (`method` alone is read only beside them).
 _CLASSIFIER_KEYS = ("classifier_from_token", "is_original_qwen3_reranker")
@@ -69,10 +69,6 @@ def lm_head_classifier(cfg: Mapping[str, Any]) -> LMHeadClassifier | None:
             f"classifier_from_token / method / is_original_qwen3_reranker make a sequence classifier's "
             f"head, but the architecture is {arch}: add "
             f'"architectures": ["{_seq_cls_name(arch)}"] to hf_overrides'
-        )
-    if family_of(arch) in ENCODER_FAMILIES:
-        raise ConfigError(
-            f"classifier_from_token makes a head from a causal LM's LM head, and {arch} (an encoder) has none"
         )
     tokens = cfg.get("classifier_from_token")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):

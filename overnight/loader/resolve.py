@@ -163,10 +163,17 @@ def _config_source(
     if eos is None:
         eos = cfg.get("eos_token_id")
     bos = (generation or {}).get("bos_token_id", cfg.get("bos_token_id"))
+    arch = arch_from_hf_config(cfg)
+    head = lm_head_classifier(cfg)
+    if head is not None and arch.is_encoder:
+        raise ConfigError(
+            f"classifier_from_token makes a head from a causal LM's LM head, and {hf_architecture_of(cfg)} "
+            "(an encoder) has none"
+        )
     return ModelSource(
         kind=kind,
         path=path,
-        arch=arch_from_hf_config(cfg),
+        arch=arch,
         hf_architecture=hf_architecture_of(cfg),
         tokenizer_path=tokenizer_path,
         eos_token_ids=_as_ids(eos),
@@ -174,7 +181,7 @@ def _config_source(
         config_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         served_name=served_name,
         quantization=_checkpoint_quantization(cfg, path, kind),
-        lm_head_classifier=lm_head_classifier(cfg),
+        lm_head_classifier=head,
         hf_overrides=hf_overrides or None,
     )
 

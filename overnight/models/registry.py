@@ -123,7 +123,7 @@ _WITH_IMAGES: dict[str, type[nn.Module]] = {
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
 _VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
-ENCODER_FAMILIES = ("bert", "xlm-roberta")
+_ENCODERS = ("bert", "xlm-roberta")
 
 
 def supported_architectures() -> list[str]:
@@ -229,7 +229,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     family = family_of(hf_architecture_of(cfg))
     if family in _GEMMA:
         return gemma_arch(cfg, family, hf_architecture_of(cfg))
-    if family in ENCODER_FAMILIES:
+    if family in _ENCODERS:
         try:
             return _bert_arch(cfg, family)
         except KeyError as e:
