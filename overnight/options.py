@@ -408,9 +408,8 @@ def add_option_args(
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = (
-                str if kind is dict else kind
-            )  # a dict is given as JSON text (normalize reads it)
+            # A dict is given as JSON text; the option's normalize reads it.
+            kwargs["type"] = str if kind is dict else kind
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
         group.add_argument(*names, **kwargs)

@@ -13,6 +13,8 @@ The classifier keys, as vLLM reads them:
                                  no_post_processing: one label per token
     is_original_qwen3_reranker   true: method from_2_way_softmax, exactly two tokens
 
+They make a head only for a ...ForSequenceClassification architecture; hf_overrides that name them for
+another architecture are refused (say which one), config.json's own are left alone, as vLLM does.
 Without a method, two tokens are [false, true] (from_2_way_softmax) and any other count gives one label
 per token. num_labels and id2label are then set to the head's labels, named by their tokens (the true
 token for a 2-way head), so the rest of the loader reads a plain sequence classifier.
@@ -36,6 +38,12 @@ def apply_hf_overrides(cfg: dict[str, Any], overrides: Mapping[str, Any] | None)
     """config.json's dict with `overrides` merged over it (a new dict) and, for a classifier made from
     tokens, num_labels / id2label set to its labels; ConfigError for classifier keys that cannot work."""
     merged = _merge(cfg, overrides) if overrides else cfg
+    arch = hf_architecture_of(merged) if overrides and _asks_for_head(overrides) else None
+    if arch is not None and not is_sequence_classifier(arch):
+        raise ConfigError(
+            f"classifier_from_token / is_original_qwen3_reranker make a sequence classifier's head, but "
+            f'the architecture is {arch}: add "architectures": ["{_seq_cls_name(arch)}"] to hf_overrides'
+        )
     head = lm_head_classifier(merged)
     if head is None:
         return merged
@@ -60,16 +68,10 @@ def _merge(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, A
 
 def lm_head_classifier(cfg: Mapping[str, Any]) -> LMHeadClassifier | None:
     """The head a config's classifier keys describe (see the module docstring), without token ids;
-    None when it has none. ConfigError naming the key for values that cannot make a head."""
-    if not any(cfg.get(k) not in (None, False) for k in _CLASSIFIER_KEYS):
+    None when it has none or is no ...ForSequenceClassification (as vLLM, which reads these keys only
+    for those). ConfigError naming the key for values that cannot make a head."""
+    if not _asks_for_head(cfg) or not is_sequence_classifier(hf_architecture_of(dict(cfg))):
         return None
-    arch = hf_architecture_of(dict(cfg))
-    if not is_sequence_classifier(arch):
-        raise ConfigError(
-            f"classifier_from_token / method / is_original_qwen3_reranker make a sequence classifier's "
-            f"head, but the architecture is {arch}: add "
-            f'"architectures": ["{_seq_cls_name(arch)}"] to hf_overrides'
-        )
     tokens = cfg.get("classifier_from_token")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) and t for t in tokens):
         raise ConfigError(
@@ -98,6 +100,10 @@ def lm_head_classifier(cfg: Mapping[str, Any]) -> LMHeadClassifier | None:
             f'tokens [false, true] in classifier_from_token, e.g. ["no", "yes"]; got {tokens!r}'
         )
     return LMHeadClassifier(method, tuple(tokens))
+
+
+def _asks_for_head(cfg: Mapping[str, Any]) -> bool:
+    return any(cfg.get(k) not in (None, False) for k in _CLASSIFIER_KEYS)
 
 
 def _seq_cls_name(arch: str) -> str:
