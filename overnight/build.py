@@ -60,7 +60,7 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     """Where the model and its tokenizer come from (files read; no weights loaded)."""
     from overnight.loader.resolve import resolve_source
 
-    source = resolve_source(opts.model, opts.load_format, opts.quantization)
+    source = resolve_source(opts.model, opts.load_format, opts.quantization, opts.hf_overrides)
     if source.arch.vision is not None and image_limit(opts.limit_mm_per_prompt) == 0:
         # Text-only (vLLM's limit_mm_per_prompt={"image": 0}): everything below (the weight-fit check,
         # `overnight budget`, the model build and load, the runner's encoder profiling) reads this arch.
@@ -73,14 +73,34 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     if opts.tokenizer:
         source = replace(source, tokenizer_path=opts.tokenizer)
     if opts.skip_tokenizer_init:
-        return ResolvedModel(source, None)
+        return ResolvedModel(_with_head_token_ids(source, None), None)
     if source.tokenizer_path is None and source.kind == "dummy":
         log.info("dummy weights without a tokenizer: prompts must be token ids")
-        return ResolvedModel(source, None)
+        return ResolvedModel(_with_head_token_ids(source, None), None)
     tokenizer = load_tokenizer(source)  # raises ModelLoadError naming what is missing
+    source = _with_head_token_ids(source, tokenizer)
     from overnight.structured.compiler import GrammarCompiler
 
     return ResolvedModel(source, tokenizer, GrammarCompiler.for_tokenizer(tokenizer, source.arch.vocab_size))
+
+
+def _with_head_token_ids(source: ModelSource, tokenizer: Tokenizer | None) -> ModelSource:
+    """The source with its classifier_from_token ids (a head made from tokens; before any weight loads)
+    from `tokenizer`, or, without one (skip_tokenizer_init), from the model's tokenizer loaded for this:
+    the tokens name vocabulary entries."""
+    from overnight.loader.hf_overrides import with_token_ids
+
+    head = source.lm_head_classifier
+    if head is None:
+        return source
+    if tokenizer is None and source.tokenizer_path is None:
+        raise ConfigError(
+            f"classifier_from_token names tokens, and {source.served_name} has no tokenizer to look them "
+            "up in: pass --tokenizer"
+        )
+    vocab = (tokenizer or load_tokenizer(source)).hf.get_vocab()
+    head = with_token_ids(head, vocab, source.arch.vocab_size, source.served_name)
+    return replace(source, lm_head_classifier=head)
 
 
 def resolve_runner(opts: EngineOptions, source: ModelSource) -> str:

@@ -588,6 +588,28 @@ class ClassifierConfig:
     labels: tuple[str, ...] = ()  # id2label, in label order ("LABEL_0", ... when the config names none)
 
 
+# How a score head is made from a causal LM's head (vLLM's names): "from_2_way_softmax" takes two tokens
+# [false, true] and gives one label, row_true - row_false, so sigmoid(logit) = softmax over the two
+# tokens' logits at the true token (Qwen3-Reranker's P("yes")); "no_post_processing" gives one label per
+# token, its row (softmax over them for several, sigmoid for one: bge-reranker-v2-gemma's "Yes").
+LM_HEAD_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+@dataclass(frozen=True)
+class LMHeadClassifier:
+    """A sequence classifier over a causal-LM checkpoint (no score.weight in it): its head is the LM
+    head's rows of `tokens` (config.json / hf_overrides' classifier_from_token), read at load. token_ids
+    are the tokenizer's ids of those tokens, looked up once the tokenizer is loaded (build.py)."""
+
+    method: str  # one of LM_HEAD_METHODS
+    tokens: tuple[str, ...]
+    token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_labels(self) -> int:
+        return 1 if self.method == "from_2_way_softmax" else len(self.tokens)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What to load: the source's path, the architecture read from it, the compute dtype, and what the

@@ -96,9 +96,13 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _type_name(kind: type) -> str:
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
-        kind, kind.__name__
-    )
+    return {
+        bool: "true or false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a JSON object (a dict)",
+    }.get(kind, kind.__name__)
 
 
 def _path_text(value: Any) -> Any:
@@ -148,6 +152,45 @@ def _mm_limit_text(value: Any) -> Any:
     if isinstance(value, str):
         image_limit(value)
     return value
+
+
+# What a JSON object option may hold, as JSON does: config.json's own value types.
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_object(value: Any, name: str) -> Any:
+    """A dict option given as a dict or as JSON text (its command-line flag), as a fresh dict whose values
+    are all JSON values; ConfigError naming the key whose value is not (a function, a tensor, a set)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"{name} must be a JSON object, got {value!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a JSON object, got {type(value).__name__} {value!r}")
+    if not isinstance(value, dict):
+        return value  # check_options names the type it should be
+    return _json_value(value, name)
+
+
+def _json_value(value: Any, where: str) -> Any:
+    if isinstance(value, dict):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(f"{where}: key {bad!r} is not a string (keys of config.json are)")
+        return {k: _json_value(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_value(v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    raise ConfigError(
+        f"{where} is a {type(value).__name__} ({value!r}): only JSON values are accepted (strings, "
+        "numbers, true / false, null, lists and objects), as config.json holds"
+    )
+
+
+def _hf_overrides(value: Any) -> Any:
+    return _json_object(value, "hf_overrides")
 
 
 def _is_a(value: object, kind: type) -> bool:
@@ -344,6 +387,14 @@ class EngineOptions:
         "image model text-only: no vision tower loaded or profiled, its memory left to the KV cache",
         normalize=_mm_limit_text,
     )
+    hf_overrides: dict[str, Any] | None = option(
+        None,
+        "JSON object merged over the model's config.json before its architecture is read, as vLLM's "
+        '(e.g. a Qwen3-Reranker: {"architectures": ["Qwen3ForSequenceClassification"], '
+        '"classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true}); '
+        "keys config.json does not know are kept for the model code",
+        normalize=_hf_overrides,
+    )
     mode: str = option(
         "offline", "offline | server | batch: picks the default limits", choices=MODES, cli=False
     )
@@ -367,9 +418,10 @@ def _flag(name: str) -> str:
 
 
 def _value_type(annotation: Any) -> type:
-    """int for `int | None`, str for `str`, ..."""
+    """int for `int | None`, str for `str`, dict for `dict[str, Any] | None`, ..."""
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if args else annotation
+    kind = args[0] if args else annotation
+    return typing.get_origin(kind) or kind
 
 
 def add_option_args(
@@ -389,7 +441,8 @@ def add_option_args(
         if kind is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
-            kwargs["type"] = kind
+            # A dict is given as JSON text; the option's normalize reads it.
+            kwargs["type"] = str if kind is dict else kind
             if meta["choices"]:
                 kwargs["choices"] = meta["choices"]
         group.add_argument(*names, **kwargs)
@@ -423,6 +476,8 @@ def options_to_flags(opts: EngineOptions, skip: tuple[str, ...] = ()) -> list[st
             continue
         if isinstance(value, bool):
             flags.append(_flag(f.name) if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, dict):
+            flags += [_flag(f.name), json.dumps(value)]
         else:
             flags += [_flag(f.name), str(value)]
     return flags

@@ -8,7 +8,8 @@ the same side.
 
 A score prompt is a text pair joined by the tokenizer (score_pairs, tokenize_pairs); too long a pair is
 cut longest text first, as transformers' longest_first truncation and sentence-transformers'
-CrossEncoder do.
+CrossEncoder do. An LM made a reranker by hf_overrides (classifier_from_token) joins a pair as one text,
+first + second, as vLLM does (Tokenizer.pairs_as_text), cut on the truncation side.
 """
 
 from __future__ import annotations

@@ -90,7 +90,7 @@ def build_model(
         if runner == "pooling" and not source.arch.is_encoder:  # a classifier's head built here too
             from overnight.models.for_pooling import DecoderForPooling
 
-            model = DecoderForPooling(model)
+            model = DecoderForPooling(model, source.lm_head_classifier)
     if torch.device(device).type == "meta":
         return model
     if isinstance(source.quantization, QuantScheme):

@@ -26,6 +26,7 @@ from typing import Any
 
 from overnight.config import ClassifierConfig, PoolerConfig
 from overnight.errors import ConfigError, ModelLoadError
+from overnight.loader.hf_overrides import apply_hf_overrides
 from overnight.loader.source import ModelSource
 
 _MODES = {"lasttoken": "LAST", "mean": "MEAN", "cls": "CLS"}
@@ -74,6 +75,8 @@ def _classifier_pooler(source: ModelSource, folder: str | None, pooling_type: st
             f"{'first' if own == 'CLS' else 'last'} token: pooling_type {pooling_type} cannot apply"
         )
     config = (_read(os.path.join(folder, "config.json")) if folder else None) or {}
+    if folder is not None:  # what resolve_source read: config.json with the hf_overrides over it
+        config = apply_hf_overrides(config, source.hf_overrides)
     n = source.arch.num_labels
     id2label = config.get("id2label") or {}
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(n))

@@ -15,8 +15,9 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from overnight.errors import ModelLoadError
+from overnight.errors import ConfigError, ModelLoadError
 from overnight.loader.hf import pickle_files, safetensors_files
+from overnight.loader.hf_overrides import apply_hf_overrides, lm_head_classifier
 from overnight.loader.source import ModelSource
 from overnight.models.registry import arch_from_hf_config, hf_architecture_of
 from overnight.options import LOAD_FORMATS
@@ -35,28 +36,37 @@ def preset_names() -> list[str]:
 
 
 def resolve_source(
-    model: str | None, load_format: str = "auto", quantization: str | None = None
+    model: str | None,
+    load_format: str = "auto",
+    quantization: str | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> ModelSource:
     """quantization: None, or "fp8" for FP8 weights quantized at load; a checkpoint that is already
-    quantized (config.json quantization_config) is used as such either way."""
+    quantized (config.json quantization_config) is used as such either way. hf_overrides: merged over
+    config.json before anything is read from it (loader/hf_overrides.py)."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"unknown load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
     dummy = load_format == "dummy"
+    if hf_overrides and (model is None or model.endswith(".gguf")):
+        raise ConfigError(
+            f"hf_overrides apply to a model's config.json, and {model or 'the default model'} is a GGUF "
+            "file, which has none: name the model's HF folder instead"
+        )
     if model is None:
         source = _gguf_source(default_gguf_path(), DEFAULT_SERVED_NAME, dummy)
     elif dummy and model in preset_names() and not os.path.exists(model):
-        source = _preset_source(model)
+        source = _preset_source(model, hf_overrides)
     elif model.endswith(".gguf"):
         if not os.path.isfile(model):
             raise _not_found(model)
         source = _gguf_source(model, model, dummy)
     elif os.path.isdir(model):
-        source = _folder_source(model, model, dummy)
+        source = _folder_source(model, model, dummy, hf_overrides)
     else:
         snapshot = _hf_cache_snapshot(model)
         if snapshot is None:
             raise _not_found(model)
-        source = _folder_source(snapshot, model, dummy)
+        source = _folder_source(snapshot, model, dummy, hf_overrides)
 
     if load_format == "safetensors" and source.kind != "hf":
         raise ModelLoadError(f"load_format='safetensors' but {model} is a {source.kind} model")
@@ -102,12 +112,16 @@ def _gguf_source(path: str, served_name: str, dummy: bool) -> ModelSource:
     )
 
 
-def _preset_source(name: str) -> ModelSource:
+def _preset_source(name: str, hf_overrides: dict[str, Any] | None) -> ModelSource:
     cfg = _read_json(os.path.join(PRESETS_DIR, f"{name}.json"))
-    return _config_source(cfg, None, kind="dummy", path=name, tokenizer_path=None, served_name=name)
+    return _config_source(
+        cfg, None, kind="dummy", path=name, tokenizer_path=None, served_name=name, hf_overrides=hf_overrides
+    )
 
 
-def _folder_source(folder: str, served_name: str, dummy: bool) -> ModelSource:
+def _folder_source(
+    folder: str, served_name: str, dummy: bool, hf_overrides: dict[str, Any] | None
+) -> ModelSource:
     config_path = os.path.join(folder, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"no config.json in model folder {folder}")
@@ -130,6 +144,7 @@ def _folder_source(folder: str, served_name: str, dummy: bool) -> ModelSource:
         path=folder,
         tokenizer_path=folder if has_tokenizer else None,
         served_name=served_name,
+        hf_overrides=hf_overrides,
     )
 
 
@@ -140,16 +155,25 @@ def _config_source(
     path: str,
     tokenizer_path: str | None,
     served_name: str,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> ModelSource:
+    cfg = apply_hf_overrides(cfg, hf_overrides)
     # generation_config.json is what generation obeys; config.json's ids are the fallback.
     eos = (generation or {}).get("eos_token_id")
     if eos is None:
         eos = cfg.get("eos_token_id")
     bos = (generation or {}).get("bos_token_id", cfg.get("bos_token_id"))
+    arch = arch_from_hf_config(cfg)
+    head = lm_head_classifier(cfg)
+    if head is not None and arch.is_encoder:
+        raise ConfigError(
+            f"classifier_from_token makes a head from a causal LM's LM head, and {hf_architecture_of(cfg)} "
+            "(an encoder) has none"
+        )
     return ModelSource(
         kind=kind,
         path=path,
-        arch=arch_from_hf_config(cfg),
+        arch=arch,
         hf_architecture=hf_architecture_of(cfg),
         tokenizer_path=tokenizer_path,
         eos_token_ids=_as_ids(eos),
@@ -157,6 +181,8 @@ def _config_source(
         config_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
         served_name=served_name,
         quantization=_checkpoint_quantization(cfg, path, kind),
+        lm_head_classifier=head,
+        hf_overrides=hf_overrides or None,
     )
 
 

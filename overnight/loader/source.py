@@ -3,9 +3,10 @@ file, or a dummy preset. resolve_source() fills this in; loaders and the tokeniz
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from overnight.config import ModelArch
+from overnight.config import LMHeadClassifier, ModelArch
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme
 
@@ -24,3 +25,8 @@ class ModelSource:
     # FP8 linear layers: the checkpoint's quantization_config, or quantization="fp8" (quant/scheme.py);
     # integer weights: the checkpoint's AWQ / GPTQ / compressed-tensors int config (quant/int_scheme.py)
     quantization: QuantScheme | IntScheme | None = None
+    # A sequence classifier whose head is made from the LM head's rows of some tokens (Qwen3-Reranker,
+    # loader/hf_overrides.py); its token ids are filled in once the tokenizer is loaded (build.py).
+    lm_head_classifier: LMHeadClassifier | None = None
+    # The hf_overrides option (merged over config.json; read again where config.json is, for labels).
+    hf_overrides: dict[str, Any] | None = field(default=None, compare=False)

@@ -20,8 +20,14 @@ if TYPE_CHECKING:
 
 
 class Tokenizer:
-    def __init__(self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, hf: PreTrainedTokenizerBase, eos_token_ids: tuple[int, ...], pairs_as_text: bool = False
+    ) -> None:
+        """pairs_as_text: a score pair is its two texts written one after the other and tokenized as
+        one text (vLLM's rule for an LM used as a reranker, whose prompts carry their own template),
+        instead of the tokenizer's pair template."""
         self.hf = hf
+        self.pairs_as_text = pairs_as_text
         # The engine checks lengths against max_model_len itself; transformers' own limit only makes it
         # warn ("will result in indexing errors") about prompts the engine then refuses with a message.
         hf.model_max_length = sys.maxsize
@@ -73,7 +79,10 @@ class Tokenizer:
     ) -> list[list[int]]:
         """Pairs joined as the tokenizer joins a text pair (BERT: [CLS] a [SEP] b [SEP]), as a
         cross-encoder reads them; with max_length, each pair is cut to that many tokens by removing
-        tokens from the longer text first (transformers' longest_first), special tokens kept."""
+        tokens from the longer text first (transformers' longest_first), special tokens kept. With
+        pairs_as_text, each pair is the text first + second, cut on the truncation side."""
+        if self.pairs_as_text:
+            return self.encode_batch([a + b for a, b in zip(firsts, seconds)], max_length=max_length)
         enc = self.hf(
             firsts,
             seconds,
@@ -156,4 +165,5 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
                 f"cannot load a tokenizer from {path} (not a tokenizer folder, .gguf file or "
                 f"repo in the local HF cache): {e}"
             ) from e
-    return Tokenizer(hf, source.eos_token_ids)
+    # An LM made a reranker by hf_overrides (classifier_from_token) reads pairs as vLLM writes them.
+    return Tokenizer(hf, source.eos_token_ids, pairs_as_text=source.lm_head_classifier is not None)
