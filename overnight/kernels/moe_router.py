@@ -22,6 +22,14 @@ ROUTER_BLOCK_T = 16
 ROUTER_NUM_WARPS = 4
 
 
+def router_warps(experts_p2: int) -> int:
+    """Warps of a router program: 4, or 8 from 256 (padded) experts on, where its [BLOCK_T, E_P2] tiles
+    outgrow 4 warps' registers: compiled for sm_90 at 4 warps the softmax router over 512 experts
+    (Qwen3-Next, Qwen3.5-MoE) spills 80 bytes, the grouped choice over 256 experts 16
+    (tests/test_kernels_router_norm_sm90.py)."""
+    return 8 if experts_p2 * ROUTER_BLOCK_T >= 4096 else ROUTER_NUM_WARPS
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # changes every step (paged_prefill.py says why)
 def _router_topk_kernel(
     logits_ptr,
@@ -90,7 +98,7 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
         K_P2=triton.next_power_of_2(top_k),
         BLOCK_T=ROUTER_BLOCK_T,
         RENORMALIZE=renormalize,
-        num_warps=ROUTER_NUM_WARPS,
+        num_warps=router_warps(triton.next_power_of_2(num_experts)),
     )
     return weights, ids
 
@@ -215,6 +223,6 @@ def grouped_router_topk(
         TOPK_GROUP=topk_group,
         BLOCK_T=ROUTER_BLOCK_T,
         RENORMALIZE=renormalize,
-        num_warps=ROUTER_NUM_WARPS,
+        num_warps=router_warps(triton.next_power_of_2(num_experts)),
     )
     return weights, ids
