@@ -4,7 +4,7 @@ captured decode step may not contain.
 On the GPU a decode step is captured once and replayed (runner/cuda_graph.py), so a model's forward
 must not read tensor values on the host (.item(), .tolist(), bool(t), int(t), .cpu(), .numpy()) nor
 make shapes from them (nonzero, unique, masked_select, boolean-mask indexing, repeat_interleave by a
-tensor without output_size). On the CPU none of these fail, so `no_host_syncs()` patches them to raise
+tensor without output_size, bincount). On the CPU none of these fail, so `no_host_syncs()` patches them to raise
 when the nearest caller among our code is a model, layer or kernel wrapper. Calls made by the Triton
 interpreter (which copies kernel arguments through numpy) and by the CPU attention backend (a test
 stand-in; the GPU backends are captured on their own, tests/test_cuda_graph*.py) pass.
@@ -64,6 +64,10 @@ def _bool_index(index: Any) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
 
 
+def _tensor_repeats(repeats: Any, kwargs: dict[str, Any]) -> bool:
+    return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+
+
 @contextlib.contextmanager
 def no_host_syncs() -> Iterator[None]:
     T = torch.Tensor
@@ -79,16 +83,16 @@ def no_host_syncs() -> Iterator[None]:
         (T, "nonzero", None),
         (T, "unique", None),
         (T, "masked_select", None),
+        (T, "argwhere", None),
+        (T, "bincount", None),
         (T, "__getitem__", lambda self, index: _bool_index(index)),
+        (T, "repeat_interleave", lambda self, repeats=None, *a, **k: _tensor_repeats(repeats, k)),
         (torch, "nonzero", None),
         (torch, "unique", None),
         (torch, "masked_select", None),
         (torch, "argwhere", None),
-        (
-            torch,
-            "repeat_interleave",
-            lambda x, repeats=None, *a, **k: isinstance(repeats, torch.Tensor) and "output_size" not in k,
-        ),
+        (torch, "bincount", None),
+        (torch, "repeat_interleave", lambda x, repeats=None, *a, **k: _tensor_repeats(repeats, k)),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     try:
