@@ -1,7 +1,10 @@
 """The decode steps of the model families added without a GPU, checked on the CPU for what CUDA-graph
 capture forbids (tests/sync_guard.py): every layer on its GPU path (FORCE_KERNELS, the Triton
 interpreter), each decode-only forward of a short engine run under no_host_syncs. A host sync or a
-data-dependent shape in a model, layer or kernel wrapper fails the test with its file and line.
+data-dependent shape in a model, layer or kernel wrapper fails the test with its file and line. The
+models run in float16, 16-bit activations as on the GPU (the interpreter has no bf16), so the kernel
+wrappers also see the GPU's mix of dtypes (16-bit activations and norms, float32 routers, biases and
+routing weights, e4m3 experts) rather than the CPU tests' all-float32.
 
 Families: GLM-4.5 (grouped sigmoid router kernel, shared experts; float and online FP8 with e4m3
 experts), MiniMax-M2 (whole-vector q/k norms, partial RoPE), Mistral 3 and InternVL (dense and MoE)
@@ -23,7 +26,7 @@ from overnight.kernels import dispatch
 from tests.sync_guard import HostSync, no_host_syncs
 
 ENGINE = dict(
-    skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=32,
+    skip_tokenizer_init=True, dtype="float16", device="cpu", block_size=4, max_num_batched_tokens=32,
     max_num_seqs=4, kv_cache_memory_bytes=1 << 20,
 )  # fmt: skip
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29], [6, 10, 14, 18, 22]]
