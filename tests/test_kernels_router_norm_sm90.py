@@ -35,7 +35,7 @@ def router_case(experts: int, top_k: int, n_group: int, topk_group: int):
         N_GROUP=n_group, G_P2=triton.next_power_of_2(n_group), GROUP=experts // n_group,
         TOPK_GROUP=topk_group, BLOCK_T=ROUTER_BLOCK_T, RENORMALIZE=True,
     )  # fmt: skip
-    return _grouped_router_kernel, ROUTER, cx, router_warps(cx["E_P2"]), 3
+    return _grouped_router_kernel, ROUTER, cx, router_warps(cx["E_P2"], topk_group < n_group), 3
 
 
 def softmax_router_case(experts: int, top_k: int):
@@ -77,6 +77,7 @@ CASES = {
     # the softmax router: Qwen3-Next-80B-A3B / Qwen3.5-MoE (512 experts, top 10), Qwen3-235B-A22B (128)
     "softmax-512": lambda: softmax_router_case(512, 10),
     "softmax-128": lambda: softmax_router_case(128, 8),
+    "softmax-160": lambda: softmax_router_case(160, 8),  # Qwen3-Coder-480B-A35B (padded to 256)
     # Qwen3-Next-80B's hidden 2048: the input norm with both outputs, the final norm, q/k per head
     "norm-fp8-dense-residual": lambda: norm_case(2048, 1, True, True, True),
     "norm-fp8-residual": lambda: norm_case(2048, 1, True, True, False),

@@ -22,12 +22,13 @@ ROUTER_BLOCK_T = 16
 ROUTER_NUM_WARPS = 4
 
 
-def router_warps(experts_p2: int) -> int:
-    """Warps of a router program: 4, or 8 from 256 (padded) experts on, where its [BLOCK_T, E_P2] tiles
-    outgrow 4 warps' registers: compiled for sm_90 at 4 warps the softmax router over 512 experts
-    (Qwen3-Next, Qwen3.5-MoE) spills 80 bytes, the grouped choice over 256 experts 16
+def router_warps(experts_p2: int, grouped: bool = False) -> int:
+    """Warps of a router program: 4, or 8 where 4 warps' registers cannot hold its [BLOCK_T, E_P2]
+    tiles. Compiled for sm_90 at 4 warps, the softmax router over 512 (padded) experts (Qwen3-Next,
+    Qwen3.5-MoE) spills 80 bytes, the grouped choice (topk_group < n_group) over 256 spills 16; 256
+    experts without the group choice (GLM-4.5, MiniMax-M2) fit in 197 registers and keep 4 warps
     (tests/test_kernels_router_norm_sm90.py)."""
-    return 8 if experts_p2 * ROUTER_BLOCK_T >= 4096 else ROUTER_NUM_WARPS
+    return 8 if experts_p2 >= (256 if grouped else 512) else ROUTER_NUM_WARPS
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # changes every step (paged_prefill.py says why)
@@ -223,6 +224,6 @@ def grouped_router_topk(
         TOPK_GROUP=topk_group,
         BLOCK_T=ROUTER_BLOCK_T,
         RENORMALIZE=renormalize,
-        num_warps=router_warps(triton.next_power_of_2(num_experts)),
+        num_warps=router_warps(triton.next_power_of_2(num_experts), topk_group < n_group),
     )
     return weights, ids
