@@ -22,6 +22,15 @@ ROUTER_BLOCK_T = 16
 ROUTER_NUM_WARPS = 4
 
 
+def router_warps(experts_p2: int, grouped: bool = False) -> int:
+    """Warps of a router program: 4, or 8 where 4 warps' registers cannot hold its [BLOCK_T, E_P2]
+    tiles. Compiled for sm_90 at 4 warps, the softmax router over 512 (padded) experts (Qwen3-Next,
+    Qwen3.5-MoE) spills 80 bytes, the grouped choice (topk_group < n_group) over 256 spills 16; 256
+    experts without the group choice (GLM-4.5, MiniMax-M2) fit in 197 registers and keep 4 warps
+    (tests/test_kernels_router_norm_sm90.py)."""
+    return 8 if experts_p2 >= (256 if grouped else 512) else ROUTER_NUM_WARPS
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # changes every step (paged_prefill.py says why)
 def _router_topk_kernel(
     logits_ptr,
@@ -90,7 +99,7 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[to
         K_P2=triton.next_power_of_2(top_k),
         BLOCK_T=ROUTER_BLOCK_T,
         RENORMALIZE=renormalize,
-        num_warps=ROUTER_NUM_WARPS,
+        num_warps=router_warps(triton.next_power_of_2(num_experts)),
     )
     return weights, ids
 
@@ -215,6 +224,6 @@ def grouped_router_topk(
         TOPK_GROUP=topk_group,
         BLOCK_T=ROUTER_BLOCK_T,
         RENORMALIZE=renormalize,
-        num_warps=ROUTER_NUM_WARPS,
+        num_warps=router_warps(triton.next_power_of_2(num_experts), topk_group < n_group),
     )
     return weights, ids
