@@ -1,9 +1,11 @@
-"""ModernBERT and EmbeddingGemma against transformers and sentence-transformers on tiny random models in
-fp32, through the encoder engine: ModernBERT embeddings (alternating global and local layers, prompts
-longer than the local window, mixed lengths in one batch), its sequence classifier's scores and classes
-(CLS and mean pooling heads), and EmbeddingGemma (bidirectional Gemma 3 with sliding windows, grouped
-KV heads, mean pooling, two Dense layers, Normalize; Matryoshka cuts through hf_overrides). The
-references are SentenceTransformer(folder).encode and transformers' classifier run one pair at a time."""
+"""ModernBERT, EmbeddingGemma and NomicBERT against transformers and sentence-transformers on tiny random
+models in fp32, through the encoder engine: ModernBERT embeddings (alternating global and local layers,
+prompts longer than the local window, mixed lengths in one batch), its sequence classifier's scores and
+classes (CLS and mean pooling heads, biases on), EmbeddingGemma (bidirectional Gemma 3 with sliding
+windows, grouped KV heads, mean pooling, two Dense layers, Normalize; Matryoshka cuts through
+hf_overrides) and NomicBERT (RoPE, SwiGLU, both config spellings). The references are
+SentenceTransformer(folder).encode and transformers' classifier run one text or pair at a time. A few
+seconds in all, most of it importing sentence-transformers."""
 
 from __future__ import annotations
 
@@ -18,8 +20,6 @@ from overnight import LLM, PoolingParams
 from overnight.errors import InvalidRequestError, ModelLoadError
 from tests.tiny_classifiers import _spread
 from tests.tiny_embedders import TEXTS, _bert_tokenizer, _decoder_tokenizer, reference_embeddings
-
-pytestmark = pytest.mark.slow  # builds transformers and sentence-transformers models
 
 # Longer than ModernBERT's local window of 8 (4 tokens either side) and Gemma's sliding window of 6.
 LONG = "the quick brown fox jumps over the lazy dog again and again tonight, token by token, for search"
@@ -152,17 +152,6 @@ def test_embeddinggemma_equals_sentence_transformers(tmp_path):
         llm.embed(["a"], pooling_params=PoolingParams(dimensions=32), use_tqdm=False)
 
 
-def test_embeddinggemma_window_is_bidirectional(tmp_path):
-    """Changing the last token changes the first token's state only through attention that looks
-    forward: with mean pooling over a long prompt, the embedding of a prompt differs from that of its
-    prefix's, and both equal sentence-transformers' (a causal mask would also pass the first check,
-    not the second)."""
-    folder = make_embeddinggemma(tmp_path)
-    llm = LLM(str(folder))
-    texts = [LONG, LONG + " vector"]
-    assert_same(vectors(llm.embed(texts, use_tqdm=False)), reference_embeddings(folder, texts))
-
-
 @torch.no_grad()
 def _classifier_reference(folder: Path, pairs: list[tuple[str, str]]) -> torch.Tensor:
     import transformers
@@ -216,6 +205,66 @@ def _classifier_reference_single(folder: Path, texts: list[str]) -> torch.Tensor
         folder, dtype=torch.float32
     ).eval()
     return torch.stack([model(**tok(t, return_tensors="pt")).logits[0] for t in texts])
+
+
+def make_nomic_embedder(tmp_path: Path) -> Path:
+    from transformers import NomicBertConfig, NomicBertModel
+
+    base = tmp_path / "nomic-hf"
+    tok = _bert_tokenizer(base)
+    config = NomicBertConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        rope_parameters={"rope_type": "default", "rope_theta": 100.0},
+    )
+    torch.manual_seed(0)
+    model = NomicBertModel(config).eval()
+    _spread(model, 3)
+    model.save_pretrained(base)
+    tok.save_pretrained(base)
+    return _save_sentence_transformer(tmp_path / "nomic", base, 64, "mean", [])
+
+
+def test_nomic_bert_equals_sentence_transformers(tmp_path):
+    import json
+
+    from overnight.models.registry import arch_from_hf_config
+
+    folder = make_nomic_embedder(tmp_path)
+    llm = LLM(str(folder), hf_overrides={"is_matryoshka": True})
+    ref = reference_embeddings(folder, ALL_TEXTS)
+    assert_same(vectors(llm.embed(ALL_TEXTS, use_tqdm=False)), ref)
+    cut = vectors(llm.embed(ALL_TEXTS[:2], pooling_params=PoolingParams(dimensions=24), use_tqdm=False))
+    assert_same(cut, F.normalize(ref[:2, :24], dim=-1))
+    # The published checkpoints' config.json spells the same model in GPT-2 names.
+    hf = json.loads((tmp_path / "nomic-hf" / "config.json").read_text())
+    published = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "vocab_size": hf["vocab_size"],
+        "n_embd": 64,
+        "n_head": 4,
+        "n_layer": 2,
+        "n_inner": 96,
+        "n_positions": 128,
+        "layer_norm_epsilon": hf["layer_norm_eps"],
+        "activation_function": "swiglu",
+        "rotary_emb_base": 100.0,
+        "rotary_emb_fraction": 1.0,
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+        "prenorm": False,
+        "rotary_scaling_factor": None,
+        "type_vocab_size": 2,
+    }
+    assert arch_from_hf_config(published) == arch_from_hf_config(hf)
+    with pytest.raises(ModelLoadError, match="prenorm|pre-norm"):
+        arch_from_hf_config({**published, "prenorm": True})
 
 
 def test_unsupported_modules_are_refused(tmp_path):

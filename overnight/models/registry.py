@@ -33,6 +33,7 @@ from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.modernbert import ModernBertForSequenceClassification, ModernBertModel, modernbert_arch
+from overnight.models.nomic_bert import NomicBertModel, nomic_arch
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -56,6 +57,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
     "modernbert": ModernBertModel,
+    "nomic_bert": NomicBertModel,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
@@ -103,6 +105,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "XLMRobertaForSequenceClassification": "xlm-roberta",
     "ModernBertModel": "modernbert",
     "ModernBertForSequenceClassification": "modernbert",
+    "NomicBertModel": "nomic_bert",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "LlamaForSequenceClassification": "llama",
@@ -265,6 +268,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return gemma_arch(cfg, family, hf_architecture_of(cfg))
     if family == "modernbert":
         return modernbert_arch(cfg, num_labels_of(cfg))
+    if family == "nomic_bert":
+        return nomic_arch(cfg)
     if family in _ENCODERS:
         try:
             return _bert_arch(cfg, family)
