@@ -278,3 +278,43 @@ def test_unsupported_modules_are_refused(tmp_path):
     (folder / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match="LayerNorm"):
         LLM(str(folder))
+
+
+def test_dense_modules_are_checked_before_loading(tmp_path):
+    """Dense layers run in the encoder engine only, and their widths must chain from the hidden size."""
+    import json
+    from dataclasses import replace
+
+    from overnight.loader.pooling_config import read_pooler_config
+    from overnight.loader.resolve import resolve_source
+
+    folder = make_embeddinggemma(tmp_path)
+    source = resolve_source(str(folder))
+    dense = read_pooler_config(source).dense
+    assert [(d.in_features, d.out_features, d.bias, d.activation) for d in dense] == [
+        (64, 256, False, "identity"),
+        (256, 48, False, "identity"),
+    ]
+    with pytest.raises(ModelLoadError, match="encoder models only"):
+        read_pooler_config(replace(source, arch=replace(source.arch, is_encoder=False)))
+    config = folder / "2_Dense" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "in_features": 32}))
+    with pytest.raises(ModelLoadError, match="takes 32 features"):
+        read_pooler_config(source)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"classifier_pooling": "max"}, "classifier_pooling"),
+        ({"hidden_activation": "silu"}, "hidden_activation"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "RoPE scaling"),
+    ],
+)
+def test_modernbert_configs_it_cannot_run_are_refused(change, message):
+    from overnight.models.registry import arch_from_hf_config
+
+    config = {**_modernbert_config(64).to_dict(), "architectures": ["ModernBertModel"]}
+    assert arch_from_hf_config(config).layer_types.count("sliding_attention") == 2
+    with pytest.raises(ModelLoadError, match=message):
+        arch_from_hf_config({**config, **change})
