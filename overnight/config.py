@@ -251,9 +251,18 @@ class ModelArch:
     # RoBERTa / XLM-R: position ids start at pad_token_id + 1 (the table has max_position_embeddings +
     # position_offset rows; max_position_embeddings counts the usable positions). 0 for BERT.
     position_offset: int = 0
+    # ModernBERT (models/modernbert.py): biases on the MLP and on the LayerNorms. An encoder's sliding
+    # layers (layer_types) see a window centred on each token, |i - j| <= sliding_window // 2 (ModernBERT's
+    # local_attention, EmbeddingGemma's bidirectional sliding_window: both as config.json writes them).
+    mlp_bias: bool = False
+    norm_bias: bool = True
     # Sequence classifiers and cross-encoders (...ForSequenceClassification): the classification head's
     # outputs; 0 for every other model.
     num_labels: int = 0
+    # Where an encoder classifier's head reads: "CLS" (the first token) or "MEAN" (ModernBERT's
+    # classifier_pooling "mean"); the bias of ModernBERT's head dense layer.
+    classifier_pooling: str = "CLS"
+    classifier_bias: bool = False
     # Vision-language models (models/qwen_vl.py): M-RoPE's split of the head's frequencies between the
     # temporal, height and width positions (layers/mrope.py; () means plain RoPE), and the vision tower.
     mrope_section: tuple[int, ...] = ()
@@ -575,6 +584,25 @@ class PoolerConfig:
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
     classifier: ClassifierConfig | None = None  # set for sequence classifiers (scores, classes)
+    # sentence-transformers Dense modules applied to the pooled vector, in order (EmbeddingGemma's
+    # 2_Dense, 3_Dense), before the Matryoshka cut and normalization.
+    dense: tuple[DenseLayer, ...] = ()
+
+    def output_size(self, hidden_size: int) -> int:
+        """The embedding's width: the last Dense layer's, else the model's hidden size."""
+        return self.dense[-1].out_features if self.dense else hidden_size
+
+
+@dataclass(frozen=True)
+class DenseLayer:
+    """One sentence-transformers Dense module: y = activation(W x + b), its weights in `folder`
+    (model.safetensors or pytorch_model.bin, keys linear.weight / linear.bias)."""
+
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # "identity" | "tanh"
 
 
 @dataclass(frozen=True)

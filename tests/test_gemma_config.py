@@ -167,7 +167,6 @@ def test_kv_cache_of_gemma4_counts_each_kind_and_no_shared_layer():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"use_bidirectional_attention": True}, "bidirectional"),
         ({"hidden_activation": "silu"}, "hidden_activation"),
         ({"rope_parameters": {"full_attention": {"rope_type": "yarn", "factor": 2.0}}}, "RoPE type"),
         ({"sliding_window": None}, "sliding_window"),
@@ -179,6 +178,14 @@ def test_unsupported_configs_are_refused(change, message):
     cfg = config_of("gemma3")
     with pytest.raises(ModelLoadError, match=message):
         arch_from_hf_config({**cfg, **change})
+
+
+def test_bidirectional_gemma3_is_an_encoder_and_other_families_are_refused():
+    """EmbeddingGemma (models/gemma_encoder.py): the encoder engine runs it, with its windows."""
+    arch = arch_from_hf_config({**config_of("gemma3"), "use_bidirectional_attention": True})
+    assert arch.is_encoder and arch.layer_types and arch.sliding_window
+    with pytest.raises(ModelLoadError, match="bidirectional"):
+        arch_from_hf_config({**config_of("gemma2"), "use_bidirectional_attention": True})
 
 
 def test_gemma4_shared_layers_need_an_earlier_layer_of_their_kind():

@@ -1,5 +1,5 @@
-"""EncoderEngine: an encoder-only model (BERT) behind EngineClient, so LLM.embed, run-batch and the
-server drive it as they drive the decoder engine.
+"""EncoderEngine: an encoder-only model (BERT, XLM-R, ModernBERT, NomicBERT, EmbeddingGemma) behind
+EngineClient, so LLM.embed, run-batch and the server drive it as they drive the decoder engine.
 
 An encoder has no KV cache and sees each prompt whole (attention is bidirectional), so there is nothing
 to schedule token by token: each step takes a batch of waiting prompts of similar lengths (batching.py)

@@ -1,6 +1,6 @@
-"""One encoder batch on the device: the prompts packed back to back, the forward pass, then pooling and
-the embedding head (layers/pooler.py), or a sequence classifier's head and activation, and the results
-copied to the host in one transfer.
+"""One encoder batch on the device: the prompts packed back to back, the forward pass, then pooling, the
+sentence-transformers Dense layers (loader/dense_head.py) and the embedding head (layers/pooler.py), or
+a sequence classifier's head and activation, and the results copied to the host in one transfer.
 
 Token types: a BERT cross-encoder's score prompt is [CLS] query [SEP] document [SEP], type 0 up to and
 including the first [SEP] and 1 after, exactly as BERT tokenizers mark a pair; the runner rebuilds them
@@ -10,15 +10,38 @@ other prompt is one segment of type 0, as when a tokenizer encodes a single text
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import numpy as np
 import torch
 
 from overnight.config import EngineConfig
 from overnight.encoder.batching import EncoderRequest
 from overnight.layers.pooler import classifier_head, embedding_head, pool, split_rows
+from overnight.loader.dense_head import load_dense_head
 from overnight.loader.source import ModelSource
-from overnight.models.bert import BertModel, EncoderBatch
-from overnight.models.bert_classifier import BertForSequenceClassification
+from overnight.models.bert import EncoderBatch
+
+
+class EncoderModel(Protocol):
+    """What the runner needs of an encoder (BERT, XLM-R, ModernBERT, EmbeddingGemma): the hidden states
+    [T, hidden] of a packed batch (models/bert.py's EncoderBatch says how it is laid out)."""
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: EncoderBatch,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class EncoderClassifier(Protocol):
+    """A sequence classifier's head: pooled rows [B, H] float32 (as PoolerConfig.pooling_type says) ->
+    logits [B, num_labels] float32."""
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor: ...
 
 
 class EncoderRunner:
@@ -26,7 +49,7 @@ class EncoderRunner:
         self,
         config: EngineConfig,
         source: ModelSource,
-        model: BertModel | BertForSequenceClassification | None = None,
+        model: EncoderModel | None = None,
         sep_token_id: int | None = None,
     ) -> None:
         assert config.model.pooler is not None, "an encoder runs for pooling"
@@ -35,10 +58,9 @@ class EncoderRunner:
         if model is None:
             from overnight.loader.model_loader import load_model
 
-            loaded = load_model(source, config.model.dtype, self.device, config.model.seed, runner="pooling")
-            assert isinstance(loaded, (BertModel, BertForSequenceClassification))
-            model = loaded
+            model = load_model(source, config.model.dtype, self.device, config.model.seed, runner="pooling")
         self.model = model
+        self.dense = load_dense_head(self.pooler.dense, self.device)
         # Pairs need token types only where the model has more than one (BERT's, not XLM-R's).
         self.sep_token_id = sep_token_id if source.arch.type_vocab_size > 1 else None
 
@@ -63,15 +85,17 @@ class EncoderRunner:
             None if types is None else torch.from_numpy(types).to(dev, non_blocking=True),
         )
         starts = torch.from_numpy(qsl).to(dev)
+        rows = pool(hidden, starts, self.pooler.pooling_type)
         classifier = self.pooler.classifier
         if classifier is not None:
-            assert isinstance(self.model, BertForSequenceClassification)
-            logits = self.model.classify(hidden, starts[:-1])
+            assert isinstance(self.model, EncoderClassifier)
+            logits = self.model.classify(rows)
             active = [r.params.use_activation is not False for r in batch]
             return split_rows(
                 classifier_head(logits, classifier.activation, active).cpu(), [None] * len(batch)
             )
-        rows = pool(hidden, starts, self.pooler.pooling_type)
+        if self.dense is not None:
+            rows = self.dense(rows)
         dims = [r.params.dimensions for r in batch]
         norm = [self.pooler.normalize if r.params.normalize is None else r.params.normalize for r in batch]
         return split_rows(embedding_head(rows, dims, norm).cpu(), dims)

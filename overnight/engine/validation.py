@@ -97,7 +97,11 @@ def limits_of(config, vocab_size: int, has_tokenizer: bool) -> RequestLimits:
         has_tokenizer=has_tokenizer,
         max_unchunked_prompt=None if sched.enable_chunked_prefill else sched.max_num_batched_tokens,
         pooler=config.model.pooler if config.model.runner == "pooling" else None,
-        hidden_size=config.model.arch.hidden_size,
+        hidden_size=(
+            config.model.pooler.output_size(config.model.arch.hidden_size)
+            if config.model.pooler is not None
+            else config.model.arch.hidden_size
+        ),
     )
 
 

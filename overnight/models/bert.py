@@ -15,7 +15,7 @@ the prompts must be kept apart (EncoderBatch says how they are laid out).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,20 @@ class EncoderBatch:
     # same length (the padded layout is then the packed one).
     slots: torch.Tensor | None
     key_mask: torch.Tensor | None  # [batch, 1, 1, max_len] bool, True where a key is a real token
+    # Masks of the windowed layers (models/modernbert.py, gemma_encoder.py), by window, built once a
+    # batch: [batch or 1, 1, max_len, max_len] bool.
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None, device: torch.device) -> torch.Tensor | None:
+        """The attention mask of a layer: the padding mask, and for a sliding layer (window W) the band
+        |i - j| <= W // 2 around each query (ModelArch.sliding_window)."""
+        if window is None:
+            return self.key_mask
+        if window not in self._window_masks:
+            pos = torch.arange(self.max_len, device=device)
+            band = ((pos[:, None] - pos[None, :]).abs() <= window // 2)[None, None]
+            self._window_masks[window] = band if self.key_mask is None else band & self.key_mask
+        return self._window_masks[window]
 
     @property
     def num_seqs(self) -> int:
@@ -65,18 +79,31 @@ class EncoderBatch:
 
 
 def encoder_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: EncoderBatch, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: EncoderBatch,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Bidirectional attention of each prompt over itself. q, k, v: [T, heads, head_dim] packed;
-    returns [T, heads * head_dim]."""
+    """Bidirectional attention of each prompt over itself (within the window of a sliding layer:
+    EncoderBatch.mask). q: [T, heads, head_dim], k, v: [T, kv_heads, head_dim] packed (kv_heads divides
+    heads: grouped-query attention); returns [T, heads * head_dim]."""
     b, n, (_, h, d) = batch.num_seqs, batch.max_len, q.shape
 
     def padded(x: torch.Tensor) -> torch.Tensor:
         if batch.slots is not None:
-            x = x.new_zeros(b * n, h, d).index_copy_(0, batch.slots, x)
-        return x.view(b, n, h, d).transpose(1, 2)
+            x = x.new_zeros(b * n, *x.shape[1:]).index_copy_(0, batch.slots, x)
+        return x.view(b, n, *x.shape[1:]).transpose(1, 2)
 
-    o = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=batch.key_mask, scale=scale)
+    o = F.scaled_dot_product_attention(
+        padded(q),
+        padded(k),
+        padded(v),
+        attn_mask=batch.mask(window, q.device),
+        scale=scale,
+        enable_gqa=k.shape[1] != h,
+    )
     o = o.transpose(1, 2).reshape(b * n, h * d)
     return o if batch.slots is None else o.index_select(0, batch.slots)
 

@@ -55,14 +55,15 @@ class BertForSequenceClassification(nn.Module):
         """Hidden states [T, hidden] of the packed prompts (models/bert.py)."""
         return self.bert(input_ids, positions, batch, token_type_ids)
 
-    def classify(self, hidden: torch.Tensor, first_rows: torch.Tensor) -> torch.Tensor:
-        """The logits [B, num_labels] of the prompts whose first tokens are rows first_rows. The head
-        runs in float32 whatever the model's dtype (it is B rows: nothing to save), so scores that rank
-        documents keep fp32's resolution, as the decoder classifiers' do (models/for_pooling.py)."""
+    def classify(self, first: torch.Tensor) -> torch.Tensor:
+        """The logits [B, num_labels] of the prompts whose first tokens' states are `first` [B, H]
+        float32 (CLS pooling). The head runs in float32 whatever the model's dtype (it is B rows:
+        nothing to save), so scores that rank documents keep fp32's resolution, as the decoder
+        classifiers' do (models/for_pooling.py)."""
         pooler = self.bert.pooler
         assert pooler is not None
         dense, out = pooler.dense, self.classifier
-        x = torch.tanh(F.linear(hidden[first_rows].float(), dense.weight.float(), dense.bias.float()))
+        x = torch.tanh(F.linear(first, dense.weight.float(), dense.bias.float()))
         return F.linear(x, out.weight.float(), out.bias.float())
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -22,12 +22,13 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.attention.spec import LayerAttention
+from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.config import ModelArch
 from overnight.layers.gemma import GeluAndMul, GemmaRotaryEmbedding, fold_gemma_norms, softcap
 from overnight.layers.norm import RMSNorm
@@ -85,6 +86,23 @@ def text_weights(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
         log.info("skipped %d vision/audio tensors of the checkpoint: only text prompts are served", skipped)
 
 
+class Attend(Protocol):
+    """What the layers call for attention: the paged AttentionBatch of the decoder engine, or the
+    bidirectional attention over whole prompts of the encoder engine (models/gemma_encoder.py)."""
+
+    def __call__(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        scale: float,
+        *,
+        layer: LayerAttention = FULL_ATTENTION,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 @functools.cache
 def embed_scale(hidden_size: int, dtype: torch.dtype) -> float:
     """sqrt(hidden_size) rounded to `dtype`, as HF multiplies it (a tensor cast to the weights' dtype)."""
@@ -140,7 +158,7 @@ class GemmaAttention(nn.Module):
         self.k_norm = RMSNorm(arch.head_dim, eps=arch.rms_norm_eps) if has_qk_norm else None
         self.rotary_emb = rotary_emb
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: Attend) -> torch.Tensor:
         q, k, v = split_qkv(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb(positions, q, k, q_norm=self.q_norm, k_norm=self.k_norm)
         o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer)
@@ -159,7 +177,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(h, eps=eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: AttentionBatch
+        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, attn: Attend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # In: the previous layer's un-added output and residual (None before the first layer).
         if residual is None:
@@ -191,7 +209,7 @@ class GemmaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionBatch,
+        attn: Attend,
         vision: VisionRows | None = None,
     ) -> torch.Tensor:
         """vision: the step's image rows (models/gemma_vl.py): their embeddings replace the scaled

@@ -191,8 +191,11 @@ def gemma_arch(cfg: dict[str, Any], family: str, hf_architecture: str) -> ModelA
     activation = text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh"
     if activation not in _ACTIVATIONS:
         raise ModelLoadError(f"unsupported hidden_activation {activation!r} for {family} (gelu_pytorch_tanh)")
-    if text.get("use_bidirectional_attention") in (True, "all"):
-        raise ModelLoadError("unsupported: use_bidirectional_attention (an encoder-style Gemma)")
+    # EmbeddingGemma: Gemma 3's text model with bidirectional attention runs as an encoder
+    # (models/gemma_encoder.py); its sliding layers see sliding_window // 2 tokens either side.
+    bidirectional = text.get("use_bidirectional_attention") in (True, "all")
+    if bidirectional and family != "gemma3":
+        raise ModelLoadError(f"unsupported: use_bidirectional_attention in {family} (only Gemma 3's)")
     try:
         n = int(text.get("num_hidden_layers", _LAYERS[family]))
         layer_types = _layer_types(text, family, n)
@@ -233,6 +236,7 @@ def gemma_arch(cfg: dict[str, Any], family: str, hf_architecture: str) -> ModelA
             layer_types=layer_types,
             sliding_window=None if window is None else int(window),
             final_logit_softcapping=None if final_cap is None else float(final_cap),
+            is_encoder=bidirectional,
             **_rope_fields(text, family),
             **fields,
         )

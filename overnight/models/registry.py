@@ -15,6 +15,7 @@ from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
+from overnight.models.gemma_encoder import GemmaEncoderModel
 from overnight.models.gemma_vl import Gemma3ForConditionalGeneration
 from overnight.models.glm4_moe import Glm4MoeForCausalLM
 from overnight.models.gpt_oss import GptOssForCausalLM
@@ -31,6 +32,8 @@ from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGener
 from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
+from overnight.models.modernbert import ModernBertForSequenceClassification, ModernBertModel, modernbert_arch
+from overnight.models.nomic_bert import NomicBertModel, nomic_arch
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -53,6 +56,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
+    "modernbert": ModernBertModel,
+    "nomic_bert": NomicBertModel,
     "gemma2": GemmaForCausalLM,
     "gemma3": GemmaForCausalLM,
     "gemma4": Gemma4ForCausalLM,
@@ -98,11 +103,16 @@ _HF_ARCHITECTURES: dict[str, str] = {
     # Sequence classifiers and cross-encoders (ModelArch.num_labels): the family's model and a head.
     "BertForSequenceClassification": "bert",
     "XLMRobertaForSequenceClassification": "xlm-roberta",
+    "ModernBertModel": "modernbert",
+    "ModernBertForSequenceClassification": "modernbert",
+    "NomicBertModel": "nomic_bert",
     "Qwen2ForSequenceClassification": "qwen2",
     "Qwen3ForSequenceClassification": "qwen3",
     "LlamaForSequenceClassification": "llama",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # EmbeddingGemma (use_bidirectional_attention: an encoder, models/gemma_encoder.py).
+    "Gemma3TextModel": "gemma3",
     # With its vision_config: the SigLIP tower too (models/gemma_vl.py, model_class_for).
     "Gemma3ForConditionalGeneration": "gemma3",
     "Gemma4ForCausalLM": "gemma4",
@@ -184,6 +194,10 @@ def model_class_for(arch: ModelArch) -> type[nn.Module]:
         return InternVLMoeForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:
         return _WITH_IMAGES[arch.architecture]
+    if arch.is_encoder and arch.architecture == "modernbert":
+        return ModernBertForSequenceClassification if arch.num_labels else ModernBertModel
+    if arch.is_encoder and arch.architecture == "gemma3":
+        return GemmaEncoderModel
     if arch.is_encoder and arch.num_labels:
         return BertForSequenceClassification
     return get_model_class(arch.architecture)  # a decoder classifier's head: models/for_pooling.py
@@ -252,6 +266,10 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     family = family_of(hf_architecture_of(cfg))
     if family in _GEMMA:
         return gemma_arch(cfg, family, hf_architecture_of(cfg))
+    if family == "modernbert":
+        return modernbert_arch(cfg, num_labels_of(cfg))
+    if family == "nomic_bert":
+        return nomic_arch(cfg)
     if family in _ENCODERS:
         try:
             return _bert_arch(cfg, family)
