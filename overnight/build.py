@@ -233,22 +233,10 @@ def check_cache(opts: EngineOptions) -> None:
 def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
-    if source.arch.is_mla:
-        check_latent_attention(opts)
     if opts.tensor_parallel_size > 1:
         from overnight.parallel.tp import TPShards
 
         TPShards(source.arch, 0, opts.tensor_parallel_size).check()
-
-
-def check_latent_attention(opts: EngineOptions) -> None:
-    """What a latent-attention model (DeepSeek-V2 / V3, models/deepseek.py) does not run yet, refused
-    before any weight loads."""
-    if opts.kv_cache_dtype != "auto":
-        raise ConfigError(
-            f"kv_cache_dtype {opts.kv_cache_dtype!r} is not supported with multi-head latent attention "
-            "(DeepSeek-V2 / V3) yet: its latent cache is kept in the compute dtype"
-        )
 
 
 def check_int_parallel(

@@ -32,7 +32,7 @@ from overnight import LLM, SamplingParams
 from overnight.attention.mla import latent_attention_ref, write_latent_ref
 from overnight.attention.torch_backend import build_metadata
 from overnight.engine.kv_groups import KVCacheLayout
-from overnight.errors import ConfigError, ModelLoadError
+from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.deepseek import DeepseekMoE, DeepseekV2TopkRouter
@@ -251,8 +251,6 @@ def test_unsupported_options_are_refused_before_loading(tmp_path):
     with pytest.raises(ModelLoadError, match="unsupported topk_method 'noaux_tc'"):
         resolve_source(str(folder))
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="kv_cache_dtype 'fp8'.*latent attention"):
-        LLM(str(folder), **{**ENGINE, "kv_cache_dtype": "fp8"})
     with pytest.raises(ModelLoadError, match="tensor_parallel_size 3 does not divide.*num_attention_heads 4"):
         LLM(str(folder), **{**ENGINE, "tensor_parallel_size": 3})
 

@@ -7,7 +7,9 @@ live in one device tensor
     kv_scales[num_layers, 2]  float32,  [:, 0] = k_scale, [:, 1] = v_scale
 
 that the kernels read through a pointer, so CUDA graphs captured at start-up stay valid when a
-calibration or a checkpoint changes the values. The Triton kernels (kv_write.py, paged_decode.py,
+calibration or a checkpoint changes the values. A latent-attention layer (attention/mla.py) caches one
+row per token, not K and V: its pair is (latent scale, rope scale), one for each part of the row. The
+Triton kernels (kv_write.py, paged_decode.py,
 paged_prefill.py) do exactly the arithmetic of quantize_kv / dequantize_kv below.
 """
 

@@ -103,10 +103,12 @@ class AttentionBackend(Protocol):
         scale: float,
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Latent attention (mla.py): writes this step's rows [T, R + P] into the one-plane cache, then
         attends. q_nope [T, H, Dn], q_pe [T, H, P] (rotated); w_uk [H, Dn, R], w_uv [H, Dv, R] (views of
-        kv_b_proj's weight). Returns [T, H, Dv]."""
+        kv_b_proj's weight). kv_scale: an FP8 cache's [2] float32 (latent scale, rope scale), None for
+        one in the compute dtype. Returns [T, H, Dv]."""
         ...
 
 
@@ -142,9 +144,16 @@ class AttentionBatch:
         w_uv: torch.Tensor,
     ) -> torch.Tensor:
         """Latent attention of layer `layer_idx` (AttentionBackend.forward_mla); its layout is uniform
-        (one group, no scales: check_latent_attention in build.py refuses an FP8 cache)."""
+        (one group). An FP8 cache's row of kv_scales holds (latent scale, rope scale) (mla.py); a
+        calibration step sets them from this step's latents and rotated keys before they are written."""
         cache = self.kv_caches[layer_idx]
-        return self.backend.forward_mla(q_nope, q_pe, rows, cache, self.meta, scale, w_uk, w_uv)
+        if self.kv_scales is None:
+            return self.backend.forward_mla(q_nope, q_pe, rows, cache, self.meta, scale, w_uk, w_uv)
+        kv_scale = self.kv_scales[layer_idx]  # a view: the pointer stays fixed for CUDA graphs
+        if self.calibrate_kv_scales:
+            n, rank = self.meta.num_tokens, w_uk.shape[2]
+            calibrate_kv_scale_(kv_scale, rows[:n, :rank], rows[:n, rank:], cache.dtype)
+        return self.backend.forward_mla(q_nope, q_pe, rows, cache, self.meta, scale, w_uk, w_uv, kv_scale)
 
     def __call__(
         self,

@@ -26,6 +26,21 @@ Two forms of the same numbers, chosen per row kind:
     rows (one KV head for all H query heads), the values being the first R values of the same rows (no
     second copy), then W_UV maps each head's R-wide output to Dv: one query pays no decompression.
     On the GPU that MQA is kernels/mla_decode.py (mla_decode_ref here is its reference).
+
+An FP8 cache (kv_cache_dtype fp8: half the bytes of a bf16 row, and of what each decode step reads)
+stores each part of a row divided by its own per-tensor scale, saturated, cast (kv_quant.py's
+arithmetic), the layer's kv_scales row read as
+
+    kv_scale[2] = [ latent scale (c: both the keys' and the values' part) | rope scale (k_pe) ]
+
+Two scales, not one: the two parts come from different places (c is RMS-normalized, k_pe is a raw
+projection output, rotated) and their ranges differ, so a calibrated cache (calculate_kv_scales)
+maps each part's own largest value onto the format's maximum. vLLM's MLA FP8 cache quantizes the whole
+row with the layer's one k_scale, calibrated from c alone (k_pe can saturate there); FlashMLA's
+DeepSeek-V3.2 format keeps k_pe in bf16 beside a latent with a scale per 128 values. A checkpoint's
+k_scale therefore sets both (models/deepseek.py), as vLLM applies it; without one both are 1.0, as an
+ordinary FP8 cache's. Dequantizing is x * scale after the cast; since the latent's scale is one number
+it also factors out of the values' weighted sum (the kernel multiplies it in once, at the end).
 """
 
 from __future__ import annotations
@@ -33,16 +48,43 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from overnight.attention.kv_quant import quantize_kv
 from overnight.attention.metadata import AttentionMetadata
 
 
-def write_latent_ref(rows: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store each token's row [T, R + P] at its flat slot; rows whose slot is -1 (padding) are skipped."""
+def row_scales(kv_scale: torch.Tensor, rank: int, width: int) -> torch.Tensor:
+    """A layer's [2] (latent, rope) scales spread over a row's width: [width] float32."""
+    return torch.cat([kv_scale[:1].expand(rank), kv_scale[1:].expand(width - rank)]).float()
+
+
+def load_rows(
+    rows: torch.Tensor, dtype: torch.dtype, kv_scale: torch.Tensor | None, rank: int
+) -> torch.Tensor:
+    """Cached rows [..., R + P] in `dtype`, dequantized when the cache is scaled (FP8)."""
+    if kv_scale is None:
+        return rows.to(dtype)
+    return (rows.to(dtype) * row_scales(kv_scale, rank, rows.shape[-1])).to(dtype)
+
+
+def write_latent_ref(
+    rows: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
+    rank: int | None = None,
+) -> None:
+    """Store each token's row [T, R + P] at its flat slot; rows whose slot is -1 (padding) are skipped.
+    With kv_scale ([2]: latent, rope; rank = R) the parts are stored quantized (module docstring)."""
     block_size = kv_cache.shape[2]
     n = slot_mapping.shape[0]
     valid = slot_mapping[:n] >= 0
     slots = slot_mapping[:n][valid]
-    kv_cache[0][slots // block_size, slots % block_size] = rows[:n][valid, None].to(kv_cache.dtype)
+    new = rows[:n][valid]
+    if kv_scale is not None:
+        if rank is None:
+            raise ValueError("a scaled latent write needs the latent width (rank)")
+        new = quantize_kv(new, row_scales(kv_scale, rank, new.shape[-1]), kv_cache.dtype)
+    kv_cache[0][slots // block_size, slots % block_size] = new[:, None].to(kv_cache.dtype)
 
 
 def mla_decode_supported(rank: int, rope: int) -> bool:
@@ -58,15 +100,17 @@ def mla_decode_ref(
     scale: float,
     rank: int,
     num_decodes: int,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """mla_decode in PyTorch (fp32 on the CPU): every request's rows up to the longest context."""
+    """mla_decode in PyTorch (fp32 on the CPU): every request's rows up to the longest context, read
+    dequantized with kv_scale ([2]: latent, rope) from an FP8 cache."""
     nd = num_decodes
     max_len = int(seq_lens[:nd].max()) if nd else 0
     page = cache.shape[2]
     blocks = block_tables[:nd, : -(-max_len // page)].long()
     rows = cache[0, blocks].flatten(1, 2)[:, :max_len, 0]  # [nd, L, RANK + ROPE]
     compute = torch.float32 if q_lat.device.type == "cpu" else q_lat.dtype
-    rows = rows.to(compute)
+    rows = load_rows(rows, compute, kv_scale, rank)
     pad = torch.arange(max_len, device=q_lat.device)[None, :] >= seq_lens[:nd, None]
     scores = torch.einsum("bhd,bld->bhl", q_lat[:nd].to(compute), rows) * scale
     probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1).nan_to_num(0.0)
@@ -101,10 +145,11 @@ def latent_prefill_ref(
     scale: float,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the prefill rows (num_decodes ..) in the decompressed form: each request's
-    cached rows (its chunk's own included, already written) through W_UK / W_UV. Returns
-    [T, H, Dv] with the decode rows left zero."""
+    cached rows (its chunk's own included, already written; dequantized with kv_scale) through W_UK /
+    W_UV. Returns [T, H, Dv] with the decode rows left zero."""
     num_heads, rank = w_uk.shape[0], w_uk.shape[2]
     out = q_nope.new_zeros(q_nope.shape[0], num_heads, w_uv.shape[1])
     compute = torch.float32 if q_nope.device.type == "cpu" else q_nope.dtype
@@ -118,7 +163,7 @@ def latent_prefill_ref(
         if end == start:
             continue
         blocks = meta.block_tables[i, : -(-seq_len // block_size)].long()
-        rows = kv_cache[0, blocks].flatten(0, 1)[:seq_len, 0].to(compute)  # [L, R + P]
+        rows = load_rows(kv_cache[0, blocks].flatten(0, 1)[:seq_len, 0], compute, kv_scale, rank)  # [L, R+P]
         latent, k_pe = rows[:, :rank], rows[:, rank:]
         k_nope = torch.einsum("lr,hdr->hld", latent, w_uk_c)  # [H, L, Dn]
         v = torch.einsum("lr,hvr->hlv", latent, w_uv_c)  # [H, L, Dv]
@@ -139,14 +184,18 @@ def latent_attention_ref(
     scale: float,
     w_uk: torch.Tensor,
     w_uv: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every row's attention output [T, H, Dv] (this step's rows already in the cache): decodes
-    absorbed, prefill chunks decompressed (module docstring). Padding rows are left zero."""
-    out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+    absorbed, prefill chunks decompressed (module docstring). Padding rows are left zero. kv_scale:
+    the layer's (latent, rope) scales of an FP8 cache, None for one in the compute dtype."""
+    out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
     nd = meta.num_decodes
     if nd:
         q_lat = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)
-        o_lat = mla_decode_ref(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, w_uk.shape[2], nd)
+        o_lat = mla_decode_ref(
+            q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, w_uk.shape[2], nd, kv_scale
+        )
         out[:nd] = torch.einsum("thr,hvr->thv", o_lat.to(w_uv.dtype), w_uv).to(out.dtype)
     return out
 

@@ -197,9 +197,10 @@ class TorchAttentionBackend:
         scale: float,
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_latent_ref(rows, kv_cache, meta.slot_mapping)
-        return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+        write_latent_ref(rows, kv_cache, meta.slot_mapping, kv_scale, w_uk.shape[2])
+        return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
 
 
 def build_metadata(

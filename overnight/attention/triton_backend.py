@@ -138,11 +138,13 @@ class TritonAttentionBackend:
         scale: float,
         w_uk: torch.Tensor,
         w_uv: torch.Tensor,
+        kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Latent attention (attention/mla.py): the rows written and the decodes attended by the Triton
         kernels of kernels/mla_decode.py (captured in decode graphs); prefill chunks decompressed in
         PyTorch (eager steps only). Widths the kernel does not take run wholly on the PyTorch path,
-        eagerly (model_runner.capture_graphs), with one log line."""
+        eagerly (model_runner.capture_graphs), with one log line. kv_scale: an FP8 cache's (latent,
+        rope) scales on the device, read by every path."""
         rank = w_uk.shape[2]
         if not mla_decode_supported(rank, q_pe.shape[-1]):
             if not self._mla_logged:
@@ -153,15 +155,14 @@ class TritonAttentionBackend:
                     rank,
                     q_pe.shape[-1],
                 )
-            write_latent_ref(rows, kv_cache, meta.slot_mapping)
-            return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
-        latent_write(rows, kv_cache, meta.slot_mapping)
+            write_latent_ref(rows, kv_cache, meta.slot_mapping, kv_scale, rank)
+            return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
+        latent_write(rows, kv_cache, meta.slot_mapping, kv_scale, rank)
         nd = meta.num_decodes
         if meta.num_prefills and self.mla_prefill_kernel:  # every row absorbed, in one launch
             row_req, row_lens = row_contexts(meta, q_nope.shape[0])
-            o_lat = mla_rows(
-                absorb_query(q_nope, q_pe, w_uk), kv_cache, meta.block_tables, row_req, row_lens, scale, rank
-            )
+            q_lat = absorb_query(q_nope, q_pe, w_uk)
+            o_lat = mla_rows(q_lat, kv_cache, meta.block_tables, row_req, row_lens, scale, rank, kv_scale)
             return torch.einsum("thr,hvr->thv", o_lat, w_uv)
         if meta.num_prefills:
             if not self._mla_prefill_logged:
@@ -170,12 +171,12 @@ class TritonAttentionBackend:
                     "latent attention: prefill chunks run decompressed in PyTorch (no Triton prefill "
                     "kernel yet), decodes in the Triton kernel"
                 )
-            out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv)
+            out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
         else:
             out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
         if nd:
             q_lat = absorb_query(q_nope[:nd], q_pe[:nd], w_uk)
-            o_lat = mla_decode(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, rank, nd)
+            o_lat = mla_decode(q_lat, kv_cache, meta.block_tables, meta.seq_lens, scale, rank, nd, kv_scale)
             out[:nd] = torch.einsum("thr,hvr->thv", o_lat, w_uv)
         return out
 

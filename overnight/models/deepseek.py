@@ -231,3 +231,6 @@ class DeepseekForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, weights)
+        # An FP8 latent cache's scales are (latent, rope) (attention/mla.py). A checkpoint's k_scale
+        # covers the whole cached row, as vLLM applies it to MLA layers; its v_scale has no cache here.
+        self.checkpoint_kv_scales = {layer: (k, k) for layer, (k, _) in self.checkpoint_kv_scales.items()}
