@@ -11,7 +11,6 @@ and a float tensor that would land in an e4m3 parameter without the per-row quan
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
