@@ -1,6 +1,7 @@
 """FP8 experts held as e4m3 from the build on (experts_fp8_at_load: quant/apply.py, layers/moe.py
 store_fp8_ / load_fp8_rows_) for the families that opted in after GLM-4.5: Qwen3.5-MoE and Qwen3-Next
-(their ConditionalGeneration checkpoints too), InternVL's Qwen3-MoE decoder and Gemma 4's MoE.
+(their ConditionalGeneration checkpoints too), InternVL's and Qwen3-VL's Qwen3-MoE decoders and Gemma 4's
+MoE.
 
 Whatever layout the experts arrive in (per-expert tensors as transformers saves most families, stacked
 [E, 2I, H] / [E, H, I] tensors as Qwen3.5's and Gemma 4's checkpoints hold them, Qwen's block-scaled FP8
@@ -27,7 +28,9 @@ from overnight.models.qwen3_next import Qwen3NextForCausalLM
 from overnight.parallel.tp import TPShards, load_sharded_model
 from overnight.quant.fp8 import quantize_stacked_per_channel
 
-FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl", "internvl_moe", "gemma4_moe")
+FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl", "internvl_moe", "gemma4_moe", "qwen3_vl_moe")
+# checkpoints transformers saves with the experts stacked already
+STACKED = ("gemma4_moe", "qwen3_vl_moe")
 PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
@@ -45,6 +48,10 @@ def _make(root: Path, family: str) -> Path:
 
         text = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
         return Path(make_internvl_checkpoint(root / family, text={**text, "decoder_sparse_step": 1}))
+    if family == "qwen3_vl_moe":
+        from tests.tiny_vl import make_vl_checkpoint
+
+        return Path(make_vl_checkpoint(root / family, "qwen3_vl_moe"))
     from tests.test_gemma import tiny_gemma
 
     folder = root / family
@@ -125,7 +132,7 @@ def test_every_layout_loads_the_quantized_float_stack(folders, tmp_path, family)
     whole = load_model(resolve_source(str(folder)), torch.float32, "cpu")
     dense = float_stacks(whole)
     layouts = [folder]
-    if family != "gemma4_moe":  # Gemma 4's checkpoints are stacked already
+    if family not in STACKED:
         layouts.append(stacked_copy(folder, tmp_path / "stacked"))
         stacked_float = load_model(resolve_source(str(layouts[1])), torch.float32, "cpu")
         assert all(
