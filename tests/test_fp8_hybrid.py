@@ -4,9 +4,10 @@ layout (128 x 128 blocks, weight_scale_inv in bf16, the published modules_to_not
 tensor parallelism and the budget.
 
 What becomes FP8: attention q/k/v/o, the Gated DeltaNet's big projections (in_proj_qkv, in_proj_z or the
-fused in_proj_qkvz; out_proj), dense MLPs and the shared expert (Fp8Linear), routed experts (quantized per
-row once stacked). What stays in the compute dtype: in_proj_b / in_proj_a / in_proj_ba, the router
-(mlp.gate), the shared-expert gate, the LM head, the vision tower (and conv1d, norms: not linears).
+fused in_proj_qkvz; out_proj), dense MLPs and the shared expert (Fp8Linear), routed experts (e4m3 from the
+build on, quantized per row as each tensor loads: tests/test_fp8_experts_at_load.py). What stays in the
+compute dtype: in_proj_b / in_proj_a / in_proj_ba, the router (mlp.gate), the shared-expert gate, the LM
+head, the vision tower (and conv1d, norms: not linears).
 
 Agreement criterion: tests/parity_helpers.py compare (the one tests/test_fp8_weights.py uses: >= 85%
 top-1, <= 0.15 nats, >= half the greedy continuations the same) against the model's dequantized twin.
@@ -350,7 +351,7 @@ def test_budget_counts_fp8_hybrids(name):
         model = apply_tp(model, 0, tp) if tp > 1 else model
         held = 0
         for module_name, p in model.named_parameters():
-            if ".mlp.experts." in module_name:  # [E, rows, columns] in bf16 until quantize_experts
+            if ".mlp.experts." in module_name:  # [E, rows, columns] e4m3 (experts_fp8_at_load)
                 held += p.numel() + 4 * p.shape[0] * p.shape[1]
             else:
                 held += p.numel() * p.element_size()

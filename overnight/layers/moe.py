@@ -17,9 +17,10 @@ are loaded (quantize_fp8_): e4m3 values with one float32 scale per expert and ro
 the dense FP8 layers; the GEMMs convert the weight tiles to the activations' dtype (weight-only FP8:
 half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs.
 A model whose experts alone outgrow the device in the compute dtype (GLM-4.5-Air's 100B of experts on
-one H200) holds them as e4m3 from the start instead (store_fp8_, at build time): the loader quantizes
-each checkpoint expert tensor per row as it arrives (load_fp8_rows_). Rows are quantized one by one
-either way, so both give the same bytes and scales.
+one H200; every MoE family now declares it) holds them as e4m3 from the start instead (store_fp8_, at
+build time): the loader quantizes each checkpoint expert tensor, per expert or a whole stack, per row as
+it arrives (load_fp8_rows_; models/checkpoint.copy_weight). Rows are quantized one by one either way,
+so both give the same bytes and scales.
 
 The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot be
 captured in a CUDA graph; the fused path can.

@@ -90,6 +90,11 @@ def _shard_range(arch: ModelArch, shard: str | int, in_expert: bool) -> tuple[in
 Target = tuple[str, int | None, str | int | None]
 
 
+def _is_expert_stack(pname: str) -> bool:
+    parts = pname.split(".")
+    return len(parts) >= 2 and parts[-2] == "experts"
+
+
 def _checkpoint_names(
     pname: str, num_rows: int, mapping: dict[str, tuple[str, str | int]]
 ) -> dict[str, Target]:
@@ -155,8 +160,16 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
     params = dict(model.named_parameters())  # a tied lm_head.weight appears once, as the embedding
     # checkpoint name -> where it goes; the checkpoint must supply every one
     expected: dict[str, Target] = {}
+    # a stacked expert tensor (transformers 5's mlp.experts.gate_up_proj [E, 2I, H]) -> the per-expert
+    # names it stands for: either layout fills the parameter
+    covers: dict[str, set[str]] = {}
     for pname, param in params.items():
-        expected.update(_checkpoint_names(pname, param.shape[0], mapping))
+        names = _checkpoint_names(pname, param.shape[0], mapping)
+        expected.update(names)
+        if _is_expert_stack(pname):
+            covers[pname] = set(names)
+    for pname in covers:
+        expected[pname] = (pname, None, None)
 
     seen: set[str] = set()
     unexpected: list[str] = []
@@ -187,19 +200,13 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
                 f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
                 f"the model expects {list(target.shape)} (does config.json match the weights?)"
             )
-        if expert is not None and target.dtype == torch.float8_e4m3fn and tensor.dtype in _FLOAT_DTYPES:
-            # Experts held as e4m3 while loading (layers/moe.py store_fp8_): quantized per row here.
-            stack, _, leaf = pname.rpartition(".")
-            experts = model.get_submodule(stack)
-            assert isinstance(experts, Experts)
-            experts.load_fp8_rows_(leaf, tensor, expert, start)
-        else:
-            target.copy_(tensor)
+        copy_weight(model, name, pname, target, tensor, expert, start)
         seen.add(name)
+        seen.update(covers.get(name, ()))
 
     model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
     problems = []
-    missing = set(expected) - seen
+    missing = set(expected) - set(covers) - seen
     if missing:
         problems.append(f"missing tensors: {_listing(missing)}")
     if unexpected:
@@ -208,3 +215,44 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
         raise ModelLoadError(
             f"checkpoint does not match the {type(model).__name__} architecture: " + "; ".join(problems)
         )
+
+
+class _Submodules(Protocol):
+    def get_submodule(self, target: str) -> nn.Module: ...
+
+
+def copy_weight(
+    model: _Submodules,
+    name: str,
+    pname: str,
+    target: torch.Tensor,
+    tensor: torch.Tensor,
+    expert: int | None = None,
+    start: int = 0,
+) -> None:
+    """Copy checkpoint tensor `name` into `target` (parameter `pname`, or the rows of it the tensor
+    fills: expert `expert`'s from row `start`, or the whole stack). A parameter of e4m3 experts (held
+    as e4m3 while loading: layers/moe.py store_fp8_) takes float tensors only, per expert or stacked,
+    quantized per row with their scales (Experts.load_fp8_rows_): the same bytes and scales as
+    quantizing the loaded float stack. Any other float tensor arriving for an e4m3 parameter would be
+    cast without a scale (values off by the scale's factor): that is a ModelLoadError, never a copy."""
+    if target.dtype != torch.float8_e4m3fn:
+        target.copy_(tensor)
+        return
+    stack, _, leaf = pname.rpartition(".")
+    owner = model.get_submodule(stack)
+    if isinstance(owner, Experts) and owner.stores_fp8 and leaf in ("gate_up_proj", "down_proj"):
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise ModelLoadError(
+                f"tensor {name} ({tensor.dtype}) arrives for experts held as e4m3 while loading: they "
+                "take float tensors (an FP8 checkpoint's experts dequantized with their scales first), "
+                "none came with this one"
+            )
+        owner.load_fp8_rows_(leaf, tensor, expert, start)
+        return
+    if tensor.dtype in _FLOAT_DTYPES:
+        raise ModelLoadError(
+            f"tensor {name} ({tensor.dtype}) arrives for the e4m3 parameter {pname} with no quantization "
+            "path: copying it would cast it without a scale"
+        )
+    target.copy_(tensor)

@@ -43,6 +43,7 @@ from overnight.errors import ModelLoadError
 from overnight.layers.gemma import GemmaRotaryEmbedding, ScalelessRMSNorm, softcap
 from overnight.layers.moe import Experts, select_experts
 from overnight.layers.norm import RMSNorm
+from overnight.models.checkpoint import copy_weight
 from overnight.models.gemma import GemmaMLP, embed_scale, layer_kind, rotary_tables, text_weights
 from overnight.models.llama import PACKED_MODULES_MAPPING, make_lm_head
 
@@ -205,8 +206,10 @@ class Gemma4ForCausalLM(nn.Module):
     # modules' parts for quantization (quant/); its shard ids are not used here.
     packed_modules_mapping = PACKED_MODULES_MAPPING
     # With FP8 weights the router stays in the compute dtype (its top-k decides which experts run), as
-    # for Qwen3-MoE; the stacked experts are quantized once loaded (quant/apply.quantize_experts).
+    # for Qwen3-MoE; the stacked experts are e4m3 from the build on, each checkpoint stack quantized per
+    # row as it loads (layers/moe.py store_fp8_; the compute-dtype stack is never held).
     unquantized_linear: tuple[str, ...] = ("router.proj",)
+    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -274,7 +277,7 @@ def load_fused_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                 f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
                 f"the model expects {list(target.shape)} (does config.json match the weights?)"
             )
-        target.copy_(tensor)
+        copy_weight(model, name, pname, target, tensor)  # e4m3 experts: quantized per row
         seen.add(name)
     problems = []
     missing = sorted(set(targets) - seen)

@@ -162,6 +162,7 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 
     unquantized_linear = (VISION_TOWER, "mlp.gate")
     dequantized_at_load = (VISION_TOWER, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    experts_fp8_at_load = True  # e4m3 from the build on, as Qwen3-MoE's
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
@@ -192,13 +193,16 @@ def _per_expert(
     """Qwen3-VL-MoE stores each layer's experts fused (mlp.experts.gate_up_proj, mlp.experts.down_proj);
     split them into the per-expert tensors load_packed_weights stacks. Both layouts occur: transformers
     5's [E, 2I, H] / [E, H, I], and the published checkpoints' transposed [E, H, 2I] / [E, I, H] (told
-    apart by shape, as transformers does; a square one is taken as transformers')."""
-    inter, hidden = arch.moe_intermediate_size, arch.hidden_size
+    apart by shape, as transformers does; a square one is taken as transformers'). Told by the hidden
+    size and split in halves, never by arch's intermediate size: a rank's model (`arch` its share)
+    renames the whole checkpoint tensors before slicing them."""
+    hidden = arch.hidden_size
     for name, tensor in weights:
         if name.endswith("mlp.experts.gate_up_proj"):
-            if tensor.shape[1] != 2 * inter:
+            if tensor.shape[2] != hidden:
                 tensor = tensor.transpose(1, 2)
             prefix = name.removesuffix("gate_up_proj")
+            inter = tensor.shape[1] // 2
             for e in range(tensor.shape[0]):
                 yield f"{prefix}{e}.gate_proj.weight", tensor[e, :inter]
                 yield f"{prefix}{e}.up_proj.weight", tensor[e, inter:]
