@@ -149,8 +149,17 @@ def test_fp8_mma_decode_matches_its_rounding_reference(
         q, cache, meta.block_tables, meta.seq_lens, 6, 0.1, kv_scale, block_n, num_splits
     )
     exact = paged_attention_ref(q.float(), cache, meta, 0.1, kv_scale)
-    # fp16 outputs round to 2**-11 of the largest; fp32 ones agree to accumulation order.
-    assert rel_err(out, emulated) < (1e-3 if q_dtype == torch.float16 else 1e-5) + FP8_MMA_ACCUMULATION
+    if DEVICE == "cpu":
+        # fp16 outputs round to 2**-11 of the largest; fp32 ones agree to accumulation order.
+        assert rel_err(out, emulated) < (1e-3 if q_dtype == torch.float16 else 1e-5)
+    else:
+        # On a GPU exp2 is approximate, so a weight lying near an e4m3 rounding midpoint can round the
+        # other way than in the emulation: one large weight one step (2**-3) off moved a 16-token
+        # context's output by 1.6e-2 of the largest on the H100, with or without precise_acc, while
+        # the kernel stayed as close to the exact answer as the emulation (2.88e-2 both). So on a GPU
+        # the kernel must be no farther from the exact answer than its emulation is, give or take the
+        # accumulation's share.
+        assert rel_err(out, exact) < rel_err(emulated, exact) + FP8_MMA_ACCUMULATION
     # What rounding q and P to 3 mantissa bits costs here (1.4-2.1% measured); a wrong tile, page or
     # head would be off by the size of the output itself.
     assert rel_err(out, exact) < 5e-2

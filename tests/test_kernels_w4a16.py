@@ -123,13 +123,19 @@ def test_large_m_paths(path, kernel, monkeypatch):
 
 
 def test_default_config_follows_the_module_choices(monkeypatch):
-    assert [default_config(m) for m in (1, 16, 17, 64, 65, 256, 511, 512, 4096)] == [
-        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 4, 4, 5, 5)
+    assert [default_config(m) for m in (1, 16, 17, 64, 65, DEQUANT_GEMM_MIN_M - 1)] == [
+        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 3)
     ]
     assert default_config(1).kernel == "v2" and default_config(1).scale_after
+    # From DEQUANT_GEMM_MIN_M rows on the module's large-M path: dequantize + cuBLAS (the H100's winner)
+    assert {default_config(m).path for m in (DEQUANT_GEMM_MIN_M, 256, 512, 4096)} == {"dequant"}
+    monkeypatch.setattr(gemm_module, "LARGE_M_PATH", "fused")
+    assert [default_config(m) for m in (256, 511, 512, 4096)] == [
+        gemm_module.TIERS[i][1] for i in (4, 4, 5, 5)
+    ]
     monkeypatch.setattr(gemm_module, "KERNEL", "v1")
     assert default_config(16) == W4A16Config(16, 64, kernel="v1")
-    assert default_config(DEQUANT_GEMM_MIN_M).path == "dequant"
+    assert default_config(4096).path == "dequant"
     monkeypatch.setattr(gemm_module, "KERNEL", "v2")
     monkeypatch.setattr(gemm_module, "TIERS", ((1 << 62, W4A16Config(16, 32, reduce="atomic")),))
     assert default_config(4).reduce == "atomic"

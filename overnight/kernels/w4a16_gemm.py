@@ -54,9 +54,13 @@ from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel,
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
-# tiles by M are TIERS below.
-DEQUANT_GEMM_MIN_M = 256  # from this many rows on: the large-M path (the tiers' bound too)
-LARGE_M_PATH = "fused"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
+# tiles by M are TIERS below. Measured on an H100 (2026-12-05, Qwen3-8B shapes, int4 groups of 128,
+# geometric mean over qkv / o / gate_up / down, x bf16 F.linear): swap_ab 1.38x at M=1, 1.40x at 16,
+# 0.83x at 64 (unswapped 1.27x, 1.27x, 0.78x); from 256 rows dequantize + cuBLAS 0.50x at 256 and 0.74x
+# at 1024 against the fused large tiles' 0.38x and 0.41x. Rows 65-127 take the 64-row swapped tile
+# (between the measured points; no bench row there).
+DEQUANT_GEMM_MIN_M = 128  # from this many rows on: the large-M path (the tiers' bound too)
+LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
 _SMS = 132  # an H100/H200 SXM
@@ -104,10 +108,11 @@ class W4A16Config:
 # (split-K's fp32 partial sums would cost more than idle SMs), 64-row tiles (one warpgroup's wgmma)
 # below 512 rows so N = 4096 layers still make 128 tiles.
 TIERS: tuple[tuple[int, W4A16Config], ...] = (
-    (16, W4A16Config(16, 64)),
-    (32, W4A16Config(32, 64)),
-    (64, W4A16Config(64, 64)),
-    (DEQUANT_GEMM_MIN_M - 1, W4A16Config(64, 128, num_warps=8, scale_after=False)),
+    (16, W4A16Config(16, 64, swap_ab=True)),
+    (32, W4A16Config(32, 64, swap_ab=True)),
+    (64, W4A16Config(64, 64, swap_ab=True)),
+    (DEQUANT_GEMM_MIN_M - 1, W4A16Config(64, 64, swap_ab=True)),
+    # the fused large tiles (LARGE_M_PATH "fused"), kept for the bench and for LARGE_M_PATH's other value
     (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
     (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
 )
