@@ -74,7 +74,7 @@ def case(
     worst = divmod(int(err.amax(-1).argmax()), err.shape[1])
     per_req = [f"{float(err[r].max() / emu.abs().max()):.1e}" for r in range(err.shape[0])]
     name = f"{str(fp8)[11:]:10s} q {str(q_dtype)[6:]:8s} G{group:<2d} D{d:<3d} N{block_n:<3d} S{splits}"
-    name += " precise" if precise else " default"
+    name += " precise" if precise else " whole-dot"
     print(
         f"{name}  kernel-emu {rel(out, emu):.2e}  kernel-exact {rel(out, exact):.2e}  "
         f"emu-exact {rel(emu, exact):.2e}  worst (req, head) {worst}  per request {per_req}"
@@ -106,8 +106,8 @@ def main() -> None:
         ws = DecodeWorkspace(batch * ns, hq, ag.D, ag.DEV)
         nbytes = ag.decode_bytes(batch, ctx, hq, hkv, 1)
         for label, cfg in (
-            ("default", FP8_DECODE_CONFIG),
-            ("precise", replace(FP8_DECODE_CONFIG, precise_acc=True)),
+            ("whole-dot", replace(FP8_DECODE_CONFIG, precise_acc=False)),
+            ("precise", FP8_DECODE_CONFIG),
         ):
             args = (f"b{batch} ctx{ctx}", "decode fp8", label, nbytes, meta, q, cache, kv_scale, cfg, ns, ws)
             ag.try_run(f"time b{batch} ctx{ctx} {label}", lambda a=args: ag.time_decode(*a))
