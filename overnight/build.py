@@ -164,9 +164,21 @@ def build_config(
     prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
     dtype = resolve_dtype(opts.dtype, source, device)
     if source.arch.num_linear_layers:  # before anything is allocated: the states must fit beside a pool
-        max_num_seqs = fit_hybrid_seqs(
+        fitted = fit_hybrid_seqs(
             opts, source, device, memory_gib, dtype, max_num_seqs, batched, max_model_len, prefix_caching
         )
+        if fitted < max_num_seqs:
+            log.info(
+                "max_num_seqs %d -> %d: a request's linear-attention states take %.1f MiB (float32, %d "
+                "layers), and with their prefix-cache snapshots those of %d requests would take more than "
+                "half the memory left for caches (`overnight budget` shows it); set max_num_seqs to choose",
+                max_num_seqs,
+                fitted,
+                source.arch.linear_state_bytes() / 2**20,
+                source.arch.num_linear_layers,
+                max_num_seqs,
+            )
+            max_num_seqs = fitted
     return EngineConfig(
         model=ModelConfig(
             model=source.path,
@@ -253,7 +265,8 @@ def fit_hybrid_seqs(
 ) -> int:
     """max_num_seqs whose linear-attention states fit beside a useful KV pool (engine/pool_plan.py
     fit_state_seqs): a default lowered (and logged), a given value refused with the bytes (PoolMemoryError,
-    a ConfigError). Memory too small for the weights and a step is left to the later checks, which say so."""
+    a ConfigError). Memory too small for the weights and a step is left to the later checks, which say so.
+    The activations are estimated for max_num_seqs before it is lowered: on the safe side."""
     from overnight.attention.kv_quant import kv_cache_torch_dtype
     from overnight.engine.pool_plan import fit_state_seqs
     from overnight.loader.fit import kv_bytes_per_sequence
@@ -270,20 +283,7 @@ def fit_hybrid_seqs(
     chunk = min(max_model_len, max_num_batched_tokens)
     one_seq = kv_bytes_per_sequence(arch, chunk, max_num_batched_tokens, kv_elem)
     given = opts.max_num_seqs is not None
-    n = fit_state_seqs(arch, max_num_seqs, cache_bytes, prefix_caching, given, one_seq)
-    if n < max_num_seqs:
-        log.info(
-            "max_num_seqs %d -> %d: the linear-attention states take %.1f MiB a request (float32, %d layers), "
-            "and %d requests' states with their prefix-cache snapshots would take more than half of the "
-            "%.1f GiB left for caches; set max_num_seqs to choose",
-            max_num_seqs,
-            n,
-            arch.linear_state_bytes() / 2**20,
-            arch.num_linear_layers,
-            max_num_seqs,
-            cache_bytes / 2**30,
-        )
-    return n
+    return fit_state_seqs(arch, max_num_seqs, cache_bytes, prefix_caching, given, one_seq)
 
 
 def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRAConfig | None:

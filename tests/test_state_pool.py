@@ -141,7 +141,8 @@ def test_a_default_max_num_seqs_is_lowered_so_states_and_pool_fit(name, gib, seq
     # the next multiple of 16 would pass the share
     assert _state_pool_bytes(arch, seqs + 16, True) > STATE_SHARE * (usable - weights - acts)
     b = plan_budget(opts, source, DeviceMemory("GPU", total, total - GIB // 2))
-    assert b.max_num_seqs == seqs and b.state_pool_bytes == states
+    assert b.max_num_seqs == b.modes["batch"][0] == seqs and b.seqs_lowered_for_states
+    assert b.state_pool_bytes == states
     assert b.budget_bytes == b.caches_bytes - states and b.num_blocks > 0
     assert weights + b.activation_bytes + states + b.budget_bytes <= usable
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -98,6 +98,7 @@ class Budget:
     state_pool_bytes: int = 0
     state_snapshots: int = 0
     caches_bytes: int = 0  # the memory for caches before the state pool is set aside (budget_bytes after)
+    seqs_lowered_for_states: bool = False  # a mode's default max_num_seqs lowered below the table's
     # Every byte above is one GPU's share when the model is split over tensor_parallel_size GPUs.
     tensor_parallel_size: int = 1
 
@@ -123,7 +124,7 @@ def plan_budget(
     """The engine's limits and KV pool for these options on `device` (None: the CPU), resolved by the
     engine's own build_config (so its checks apply), with the weights and activations estimated from the
     architecture instead of loaded and measured."""
-    from overnight.build import build_config, check_int_parallel
+    from overnight.build import build_config, check_int_parallel, fit_hybrid_seqs
 
     gib = device.total_bytes / GIB if device else None
     config = build_config(opts, source, torch.device("cuda" if device else "cpu"), gib)  # TP's checks too
@@ -139,10 +140,26 @@ def plan_budget(
 
         shards = TPShards(source.arch, 0, tp)
         arch, weights_arch = shards.local_arch, shards.rank_weights_arch
-    modes = {}
+    modes, lowered = {}, False
     for m in MODES:
         lim = default_limits(gib, m, sched.max_model_len)
-        modes[m] = (lim.max_num_seqs, lim.max_num_batched_tokens)
+        seqs = lim.max_num_seqs
+        if arch.num_linear_layers:  # each mode's default as build_config lowers it for the states
+            table = replace(opts, mode=m, max_num_seqs=None, max_num_batched_tokens=None)
+            cuda = torch.device("cuda" if device else "cpu")
+            seqs = fit_hybrid_seqs(
+                table,
+                source,
+                cuda,
+                gib,
+                config.model.dtype,
+                seqs,
+                lim.max_num_batched_tokens,
+                sched.max_model_len,
+                cache.enable_prefix_caching,
+            )
+        modes[m] = (seqs, lim.max_num_batched_tokens)
+        lowered = lowered or seqs < lim.max_num_seqs
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
@@ -227,6 +244,7 @@ def plan_budget(
         state_pool_bytes=states.total_bytes,
         state_snapshots=states.snapshots,
         caches_bytes=caches,
+        seqs_lowered_for_states=lowered,
         tensor_parallel_size=tp,
     )
 
@@ -312,6 +330,11 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     for mode, (seqs, tokens) in b.modes.items():
         mark = "  <- --mode" if mode == b.mode else ""
         lines.append(f"  {mode:<8} {seqs:>12} {tokens:>23}{mark}")
+    if b.seqs_lowered_for_states:
+        lines.append(
+            "  (max_num_seqs lowered from the table so the linear-attention states take at most half of "
+            "the memory for caches)"
+        )
     if (b.max_num_seqs, b.max_num_batched_tokens) != b.modes[b.mode]:
         lines.append(
             f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}"
