@@ -165,7 +165,7 @@ def _largest_fit(arch: ModelArch, room: int, prefix_caching: bool) -> int:
     per = arch.linear_state_bytes()
     n = max(room // per, 0)  # an upper bound: every request needs at least its own slot
     while n > 0 and _state_pool_bytes(arch, n, prefix_caching) > room:
-        n -= 1 + n // 64  # few steps; the bound is within 1/4 + 5 slots of the answer
+        n -= 1 + n // 64  # a few dozen steps at most: the bound is about n / 5 + 5 past the answer
     while _state_pool_bytes(arch, n + 1, prefix_caching) <= room:
         n += 1
     return n
