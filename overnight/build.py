@@ -26,6 +26,7 @@ from overnight.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
+    ModelArch,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,
@@ -161,11 +162,28 @@ def build_config(
         batched = max(batched, max_model_len)
     # Only last-token pooling can start past a cached prefix: the others need every token's state.
     prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
+    dtype = resolve_dtype(opts.dtype, source, device)
+    if source.arch.num_linear_layers:  # before anything is allocated: the states must fit beside a pool
+        fitted = fit_hybrid_seqs(
+            opts, source, device, memory_gib, dtype, max_num_seqs, batched, max_model_len, prefix_caching
+        )
+        if fitted < max_num_seqs:
+            log.info(
+                "max_num_seqs %d -> %d: a request's linear-attention states take %.1f MiB (float32, %d "
+                "layers), and with their prefix-cache snapshots those of %d requests would take more than "
+                "half the memory left for caches (`overnight budget` shows it); set max_num_seqs to choose",
+                max_num_seqs,
+                fitted,
+                source.arch.linear_state_bytes() / 2**20,
+                source.arch.num_linear_layers,
+                max_num_seqs,
+            )
+            max_num_seqs = fitted
     return EngineConfig(
         model=ModelConfig(
             model=source.path,
             arch=source.arch,
-            dtype=resolve_dtype(opts.dtype, source, device),
+            dtype=dtype,
             seed=opts.seed,
             quantization=source.quantization.name if source.quantization is not None else None,
             runner=runner,
@@ -195,6 +213,77 @@ def build_config(
         ),
         lora=lora,
     )
+
+
+def cache_bytes_estimate(
+    opts: EngineOptions,
+    source: ModelSource,
+    device: torch.device,
+    memory_gib: float | None,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> int:
+    """The memory the caches (KV pool and linear-attention states) will get on one device, known before
+    loading: kv_cache_memory_bytes; the CPU's fixed pool; on a GPU gpu_memory_utilization of its total
+    less the weights and the largest step's activations, both estimated from the architecture (one
+    tensor-parallel rank's). The runner measures the real figure at start-up (runner/kv_pool.py)."""
+    from overnight.loader.fit import activation_estimate, linear_formats, weight_bytes
+    from overnight.runner.kv_pool import CPU_DEFAULT_POOL_BYTES
+
+    if opts.kv_cache_memory_bytes is not None:
+        return opts.kv_cache_memory_bytes
+    if memory_gib is None:
+        return CPU_DEFAULT_POOL_BYTES
+    arch, weights_arch = _rank_archs(source, opts.tensor_parallel_size)
+    fp8, int_linear = linear_formats(source.quantization, device)
+    weights = weight_bytes(weights_arch, dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear)
+    acts = activation_estimate(arch, max_num_batched_tokens, max_num_seqs, dtype.itemsize)
+    return int(memory_gib * 2**30 * opts.gpu_memory_utilization) - weights - acts
+
+
+def _rank_archs(source: ModelSource, tp: int) -> tuple[ModelArch, ModelArch]:
+    """(the shapes one rank computes with, the shapes of the weights it holds); the model's when tp 1."""
+    if tp == 1:
+        return source.arch, source.arch
+    from overnight.parallel.tp import TPShards
+
+    shards = TPShards(source.arch, 0, tp)
+    return shards.local_arch, shards.rank_weights_arch
+
+
+def fit_hybrid_seqs(
+    opts: EngineOptions,
+    source: ModelSource,
+    device: torch.device,
+    memory_gib: float | None,
+    dtype: torch.dtype,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    prefix_caching: bool,
+) -> int:
+    """max_num_seqs whose linear-attention states fit beside a useful KV pool (engine/pool_plan.py
+    fit_state_seqs): a default lowered (and logged), a given value refused with the bytes (PoolMemoryError,
+    a ConfigError). Memory too small for the weights and a step is left to the later checks, which say so.
+    The activations are estimated for max_num_seqs before it is lowered: on the safe side."""
+    from overnight.attention.kv_quant import kv_cache_torch_dtype
+    from overnight.engine.pool_plan import fit_state_seqs
+    from overnight.loader.fit import kv_bytes_per_sequence
+
+    cache_bytes = cache_bytes_estimate(
+        opts, source, device, memory_gib, dtype, max_num_seqs, max_num_batched_tokens
+    )
+    if cache_bytes <= 0:
+        return max_num_seqs
+    arch, _ = _rank_archs(source, opts.tensor_parallel_size)
+    kv_elem = kv_cache_torch_dtype(opts.kv_cache_dtype, dtype).itemsize
+    # The least KV pool worth having: one step's chunk of one sequence (the pool sizing's own checks
+    # decide whether longer sequences fit: the scheduler preempts, or the cap of max_model_len binds).
+    chunk = min(max_model_len, max_num_batched_tokens)
+    one_seq = kv_bytes_per_sequence(arch, chunk, max_num_batched_tokens, kv_elem)
+    given = opts.max_num_seqs is not None
+    return fit_state_seqs(arch, max_num_seqs, cache_bytes, prefix_caching, given, one_seq)
 
 
 def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRAConfig | None:

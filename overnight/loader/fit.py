@@ -93,6 +93,13 @@ def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_byt
     return total * elem_bytes
 
 
+def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
+    """The largest step's live tensors, roughly: a few hidden-sized rows, q/k/v and the MLP's two
+    intermediate rows per token, and float32 logits (plus the sampler's copies) per sequence."""
+    per_token = 4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 2 * arch.intermediate_size
+    return tokens * per_token * elem_bytes + 3 * seqs * arch.vocab_size * 4
+
+
 def available_memory_bytes(device: torch.device) -> int | None:
     """Memory free for new allocations on `device` (None: unknown). The CPU's is the kernel's
     MemAvailable: free memory plus caches it can drop, not counting swap."""

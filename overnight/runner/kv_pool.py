@@ -28,10 +28,15 @@ CPU_DEFAULT_POOL_BYTES = 2 << 30
 
 
 def kv_budget_bytes(
-    device: torch.device, cache: CacheConfig, measure_peak: Callable[[], int] | None = None
+    device: torch.device,
+    cache: CacheConfig,
+    measure_peak: Callable[[], int] | None = None,
+    held_bytes: int = 0,
 ) -> int:
-    """Bytes available for the pool. measure_peak runs the largest step and returns the peak bytes
-    allocated by torch during it (weights included)."""
+    """Bytes available for the caches (the KV pool, and a hybrid model's state pool: the caller sets
+    that aside, engine/pool_plan.py reserve_state_bytes). measure_peak runs the largest step and returns
+    the peak bytes allocated by torch during it (weights included). held_bytes: cache memory already
+    allocated (the state pool), counted neither as weights nor in the peak."""
     if cache.kv_cache_memory_bytes is not None:
         return cache.kv_cache_memory_bytes
     if device.type != "cuda":
@@ -40,8 +45,8 @@ def kv_budget_bytes(
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    weights = torch.cuda.memory_allocated(device)  # the model is loaded; nothing else is held yet
-    peak = measure_peak() if measure_peak is not None else weights
+    weights = torch.cuda.memory_allocated(device) - held_bytes  # the model is loaded; and held_bytes
+    peak = (measure_peak() - held_bytes) if measure_peak is not None else weights
     torch.cuda.empty_cache()
     free_after, _ = torch.cuda.mem_get_info(device)
     # Memory outside torch's allocator (CUDA context, NCCL, other processes) stays where it is.

@@ -22,7 +22,7 @@ from overnight.attention.mla import mla_decode_supported
 from overnight.attention.variants import variant_configs
 from overnight.config import EngineConfig
 from overnight.engine.kv_groups import KVCacheLayout
-from overnight.engine.pool_plan import reserve_state_bytes, state_snapshots
+from overnight.engine.pool_plan import PoolMemoryError, StatePlan, plan_states, reserve_state_bytes
 from overnight.engine.step_io import ModelRunnerOutput, SchedulerOutput
 from overnight.kernels.kv_layout import is_fp8, kv_cache_view, new_kv_slots
 from overnight.loader.source import ModelSource
@@ -48,6 +48,23 @@ if TYPE_CHECKING:
     from overnight.runner.vision import VisionStep
 
 log = logging.getLogger("overnight")
+
+
+def check_states_fit(plan: StatePlan, device: torch.device) -> None:
+    """Refuse, before allocating it, a linear-attention state pool larger than the device's free memory
+    (build_config lowers a default max_num_seqs to fit beside a pool; this catches what the estimate
+    there cannot see: other processes, a smaller share than expected)."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if plan.total_bytes > free:
+        gib = 2**30
+        raise PoolMemoryError(
+            f"the linear-attention states of {plan.slots - 1} requests and {plan.snapshots} prefix-cache "
+            f"snapshots take {plan.total_bytes / gib:.2f} GiB ({plan.total_bytes} bytes, "
+            f"{plan.bytes_per_seq / 2**20:.2f} MiB each), but only {free / gib:.2f} GiB is free after the "
+            "weights: lower max_num_seqs"
+        )
 
 
 def make_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -180,8 +197,9 @@ class ModelRunner:
         # Hybrid models: the linear-attention layers' states, one slot per runner row (state_cache.py).
         self.state_cache: StateCache | None = None
         if config.model.arch.num_linear_layers:
-            snapshots = state_snapshots(sched, config.cache)
-            self.state_cache = StateCache(config.model.arch, sched.max_num_seqs, snapshots, self.device)
+            plan = plan_states(config.model.arch, sched, config.cache)
+            check_states_fit(plan, self.device)
+            self.state_cache = StateCache(config.model.arch, plan, self.device)
         if calculate_kv_scales is None:
             calculate_kv_scales = config.cache.calculate_kv_scales
         self._init_kv_scales(calculate_kv_scales)
@@ -275,10 +293,12 @@ class ModelRunner:
                 sched.max_num_batched_tokens, sched.max_num_seqs, sched.max_model_len
             )
 
-        budget = kv_budget_bytes(self.device, self.config.cache, measure)
-        if not (self.is_cuda and self.config.cache.kv_cache_memory_bytes is None):
-            # A set budget covers the state pool too; a measured one already counts it (allocated).
-            budget = reserve_state_bytes(budget, self.config.model.arch, sched, self.config.cache)
+        # The state pool is allocated (in __init__) before the measurement: left out of the weights and
+        # the peak there, then set aside from the caches' budget by the one function `overnight budget`
+        # uses too, so the pool shrinks by exactly the states' bytes whichever way the budget was found.
+        held = self.state_cache.nbytes if self.state_cache is not None else 0
+        budget = kv_budget_bytes(self.device, self.config.cache, measure, held_bytes=held)
+        budget = reserve_state_bytes(budget, self.config.model.arch, sched, self.config.cache)
         return budget, self.kv_bytes_per_block()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

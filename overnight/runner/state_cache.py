@@ -31,17 +31,26 @@ import torch
 
 from overnight.attention.linear_state import LinearStateBatch
 from overnight.config import ModelArch
+from overnight.engine.pool_plan import StatePlan
 from overnight.engine.step_io import SchedulerOutput
 from overnight.runner.request_state import RequestStates, ScheduledRequest
 
 
 class StateCache:
-    def __init__(self, arch: ModelArch, max_num_seqs: int, num_snapshots: int, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, plan: StatePlan, device: torch.device) -> None:
+        """plan (engine/pool_plan.py plan_states): the slots and snapshots the KV pool's sizing set aside;
+        nbytes equals its total_bytes."""
         (k1, conv_dim), ssm = arch.linear_state_shapes()
+        max_num_seqs, num_snapshots = plan.slots - 1, plan.snapshots
         self.num_slots = max_num_seqs
         self.scratch = max_num_seqs
         self.device = device
-        n = max_num_seqs + 1
+        n = plan.slots
+        # float32, as transformers keeps the delta-rule state (its torch and fla paths compute and return
+        # it in float32): it sums a decayed outer product every token, and bfloat16's 8 bits of mantissa
+        # would drift over thousands of tokens; the kernels (attention/linear_state.py) read and write
+        # float32. The conv state could be the model's dtype, but it is 4% of the bytes (3 x 8,192 of
+        # 32 x 128 x 128 values a layer for Qwen3.5), not worth a second dtype.
         f32 = torch.float32
         self.conv = [
             torch.zeros(n, k1, conv_dim, dtype=f32, device=device) for _ in range(arch.num_linear_layers)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -31,14 +31,19 @@ from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import (
     PoolMemoryError,
     plan_pool,
+    plan_states,
     reserve_state_bytes,
     split_budget,
-    state_slots,
-    state_snapshots,
 )
 from overnight.errors import ConfigError
 from overnight.limits import default_limits
-from overnight.loader.fit import kv_bytes_per_sequence, layer_kv_shape, linear_formats, weight_bytes
+from overnight.loader.fit import (
+    activation_estimate,
+    kv_bytes_per_sequence,
+    layer_kv_shape,
+    linear_formats,
+    weight_bytes,
+)
 from overnight.loader.model_loader import resolve_dtype
 from overnight.loader.source import ModelSource
 from overnight.options import MODES, EngineOptions, add_engine_args, options_from_args
@@ -91,6 +96,9 @@ class Budget:
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
     state_pool_bytes: int = 0
+    state_snapshots: int = 0
+    caches_bytes: int = 0  # the memory for caches before the state pool is set aside (budget_bytes after)
+    seqs_lowered_for_states: bool = False  # a mode's default max_num_seqs lowered below the table's
     # Every byte above is one GPU's share when the model is split over tensor_parallel_size GPUs.
     tensor_parallel_size: int = 1
 
@@ -110,20 +118,13 @@ def _weights_label(fp8: bool, int_linear: tuple[int, int, bool] | None) -> str:
     return "FP8 " if fp8 else ""
 
 
-def activation_estimate(arch: ModelArch, tokens: int, seqs: int, elem_bytes: int) -> int:
-    """The largest step's live tensors, roughly: a few hidden-sized rows, q/k/v and the MLP's two
-    intermediate rows per token, and float32 logits (plus the sampler's copies) per sequence."""
-    per_token = 4 * arch.hidden_size + arch.q_size + 2 * arch.kv_size + 2 * arch.intermediate_size
-    return tokens * per_token * elem_bytes + 3 * seqs * arch.vocab_size * 4
-
-
 def plan_budget(
     opts: EngineOptions, source: ModelSource, device: DeviceMemory | None, seq_len: int | None = None
 ) -> Budget:
     """The engine's limits and KV pool for these options on `device` (None: the CPU), resolved by the
     engine's own build_config (so its checks apply), with the weights and activations estimated from the
     architecture instead of loaded and measured."""
-    from overnight.build import build_config, check_int_parallel
+    from overnight.build import build_config, check_int_parallel, fit_hybrid_seqs
 
     gib = device.total_bytes / GIB if device else None
     config = build_config(opts, source, torch.device("cuda" if device else "cpu"), gib)  # TP's checks too
@@ -139,10 +140,26 @@ def plan_budget(
 
         shards = TPShards(source.arch, 0, tp)
         arch, weights_arch = shards.local_arch, shards.rank_weights_arch
-    modes = {}
+    modes, lowered = {}, False
     for m in MODES:
         lim = default_limits(gib, m, sched.max_model_len)
-        modes[m] = (lim.max_num_seqs, lim.max_num_batched_tokens)
+        seqs = lim.max_num_seqs
+        if arch.num_linear_layers:  # each mode's default as build_config lowers it for the states
+            table = replace(opts, mode=m, max_num_seqs=None, max_num_batched_tokens=None)
+            cuda = torch.device("cuda" if device else "cpu")
+            seqs = fit_hybrid_seqs(
+                table,
+                source,
+                cuda,
+                gib,
+                config.model.dtype,
+                seqs,
+                lim.max_num_batched_tokens,
+                sched.max_model_len,
+                cache.enable_prefix_caching,
+            )
+        modes[m] = (seqs, lim.max_num_batched_tokens)
+        lowered = lowered or seqs < lim.max_num_seqs
     dtype_bytes = config.model.dtype.itemsize
     kv_elem = kv_cache_torch_dtype(cache.kv_cache_dtype, config.model.dtype).itemsize
     layout = KVCacheLayout.from_arch(arch, sched.max_model_len)
@@ -155,6 +172,8 @@ def plan_budget(
     per_token = sum(arch.kv_planes * h * d for h, d in (layer_kv_shape(arch, i) for i in cached)) * kv_elem
     block_bytes = cache.block_size * layout.token_elems * kv_elem
     weights = activations = None
+    states = plan_states(arch, sched, cache)  # what runner/state_cache.py allocates
+    caches = 0
     try:
         if cache.kv_cache_memory_bytes is not None:
             budget, pool_source = cache.kv_cache_memory_bytes, "set by --kv-cache-memory-bytes"
@@ -175,7 +194,9 @@ def plan_budget(
                 f"{activations / GIB:.1f} GiB activations (estimate)"
             )
             budget = split_budget(device.total_bytes, util, elsewhere, weights, weights + activations)
-        budget = reserve_state_bytes(budget, arch, sched, cache)  # linear layers' states (hybrid models)
+        caches = budget
+        # The runner's own set-aside (ModelRunner.kv_pool_share): the whole state pool, slots and snapshots.
+        budget = reserve_state_bytes(budget, arch, sched, cache)
         plan = plan_pool(budget, block_bytes, cache.block_size, sched, layout)
         num_blocks, capped = plan.num_blocks, plan.capped
     except PoolMemoryError as e:
@@ -219,8 +240,11 @@ def plan_budget(
         full_block_scale=max(
             (layout.block_scales[i] for i, g in enumerate(layout.groups) if g.window is None), default=1
         ),
-        state_bytes_per_seq=arch.linear_state_bytes(),
-        state_pool_bytes=arch.linear_state_bytes() * (state_slots(sched) + state_snapshots(sched, cache)),
+        state_bytes_per_seq=states.bytes_per_seq,
+        state_pool_bytes=states.total_bytes,
+        state_snapshots=states.snapshots,
+        caches_bytes=caches,
+        seqs_lowered_for_states=lowered,
         tensor_parallel_size=tp,
     )
 
@@ -306,6 +330,11 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     for mode, (seqs, tokens) in b.modes.items():
         mark = "  <- --mode" if mode == b.mode else ""
         lines.append(f"  {mode:<8} {seqs:>12} {tokens:>23}{mark}")
+    if b.seqs_lowered_for_states:
+        lines.append(
+            "  (max_num_seqs lowered from the table so the linear-attention states take at most half of "
+            "the memory for caches)"
+        )
     if (b.max_num_seqs, b.max_num_batched_tokens) != b.modes[b.mode]:
         lines.append(
             f"  as given: max_num_seqs {b.max_num_seqs}, max_num_batched_tokens {b.max_num_batched_tokens}"
@@ -336,7 +365,9 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
         lines.append(
             f"linear-attention states: {b.state_bytes_per_seq / 2**20:.1f} MiB per request "
             f"({arch.num_linear_layers} layers, float32); state pool {b.state_pool_bytes / GIB:.2f} GiB "
-            f"(max_num_seqs + 1 slots and prefix-cache snapshots), set aside before the KV pool"
+            f"({b.max_num_seqs} + 1 slots and {b.state_snapshots} prefix-cache snapshots), set aside "
+            f"before the KV pool: {b.caches_bytes / GIB:.2f} GiB for caches - {b.state_pool_bytes / GIB:.2f} "
+            f"GiB states = {b.budget_bytes / GIB:.2f} GiB for the KV pool"
         )
     if b.num_blocks == 0:
         lines.append(f"KV pool: no room: {b.pool_source}")
