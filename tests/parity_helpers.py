@@ -13,6 +13,8 @@ from overnight.attention.linear_state import LinearStateBatch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
 from overnight.config import ModelArch
+from overnight.loader.model_loader import load_model
+from overnight.loader.resolve import resolve_source
 
 # ---------------------------------------------------------------- transformers' greedy reference
 
@@ -37,6 +39,13 @@ def hf_greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], lis
             pad_token_id=0,
         )
     return out.sequences[0, len(prompt) :].tolist(), [s[0].float().log_softmax(-1) for s in out.scores]
+
+
+def cpu_model(folder: object, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Our model of the checkpoint in `folder`, on the CPU whatever the host has: for tests that compare
+    its tensors with transformers' (which they run on the CPU) or with shards loaded on the CPU. An
+    engine built without a device sits on the GPU of a GPU host, so its model cannot stand in."""
+    return load_model(resolve_source(str(folder)), dtype, "cpu")
 
 
 # ---------------------------------------------------------------- GGUF tensor names

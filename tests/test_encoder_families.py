@@ -60,6 +60,7 @@ def _modernbert_tokenizer(folder: Path):
 
 
 def _save_sentence_transformer(root: Path, base: Path, hidden: int, mode: str, dense: list[int]) -> Path:
+    pytest.importorskip("sentence_transformers")  # writes the folder, and is the reference
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Dense, Normalize, Pooling, Transformer
 
@@ -128,7 +129,7 @@ def assert_same(got: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("mode", ["cls", "mean"])
 def test_modernbert_embeddings_equal_sentence_transformers(tmp_path, mode):
     folder = make_modernbert_embedder(tmp_path, mode)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     assert llm.engine.config.model.arch.layer_types[:2] == ("full_attention", "sliding_attention")
     outs = llm.embed(ALL_TEXTS, use_tqdm=False)
     got, ref = vectors(outs), reference_embeddings(folder, ALL_TEXTS)
@@ -140,7 +141,7 @@ def test_modernbert_embeddings_equal_sentence_transformers(tmp_path, mode):
 
 def test_embeddinggemma_equals_sentence_transformers(tmp_path):
     folder = make_embeddinggemma(tmp_path)
-    llm = LLM(str(folder), hf_overrides={"matryoshka_dimensions": [16, 48]})
+    llm = LLM(str(folder), device="cpu", hf_overrides={"matryoshka_dimensions": [16, 48]})
     assert llm.engine.config.model.arch.is_encoder
     ref = reference_embeddings(folder, ALL_TEXTS)
     assert ref.shape[1] == 48  # the last Dense layer's width
@@ -183,7 +184,7 @@ def test_modernbert_classifier_equals_transformers(tmp_path, pooling, num_labels
     _spread(model, 2)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     pairs = [(ALL_TEXTS[i], ALL_TEXTS[-1 - i]) for i in range(len(ALL_TEXTS))]
     logits = _classifier_reference(folder, pairs)
     if num_labels == 1:
@@ -235,7 +236,7 @@ def test_nomic_bert_equals_sentence_transformers(tmp_path):
     from overnight.models.registry import arch_from_hf_config
 
     folder = make_nomic_embedder(tmp_path)
-    llm = LLM(str(folder), hf_overrides={"is_matryoshka": True})
+    llm = LLM(str(folder), device="cpu", hf_overrides={"is_matryoshka": True})
     ref = reference_embeddings(folder, ALL_TEXTS)
     assert_same(vectors(llm.embed(ALL_TEXTS, use_tqdm=False)), ref)
     cut = vectors(llm.embed(ALL_TEXTS[:2], pooling_params=PoolingParams(dimensions=24), use_tqdm=False))

@@ -103,16 +103,20 @@ def test_a_layer_with_a_float_projection_is_not_fused(folders):
 def test_the_kernel_path_hands_over_the_reference_forms(monkeypatch, dense):
     """OffsetRMSNorm's GPU branch (kernels/rmsnorm.py's offset form, here in the Triton interpreter,
     its fp8 casts made exact) hands over what the CPU branch does: the same residual, rows within fp32
-    rounding (rsqrt and the sum's order), codes within one e4m3 step."""
+    rounding (rsqrt and the sum's order), codes within one e4m3 step. Both branches run on DEVICE: the
+    compiled kernel on a GPU host (it cannot read CPU tensors), the interpreter on the CPU."""
     from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE
     from tests.triton_fp8 import exact_fp8_casts
 
     gen = torch.Generator().manual_seed(0)
     norm = OffsetRMSNorm(48, 1e-6)
     with torch.no_grad():
         norm.weight.copy_(0.3 * torch.randn(48, generator=gen))
+    norm.to(DEVICE)
     norm.fp8_output, norm.dense_output = True, dense
     x, residual = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    x, residual = x.to(DEVICE), residual.to(DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
     with torch.no_grad():
         want, want_residual = norm(x, residual)

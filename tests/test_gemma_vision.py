@@ -28,6 +28,7 @@ def setup(tmp_path_factory):
     folder = make_gemma_vl_checkpoint(tmp_path_factory.mktemp("gemma3_vl"))
     llm = LLM(
         folder,
+        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
         dtype="float32",
         kv_cache_memory_bytes=8 << 20,
         max_num_batched_tokens=BUDGET,
@@ -233,7 +234,12 @@ def test_image_longer_than_the_window(tmp_path):
     its window back from its own position plus its image's later tokens, as transformers masks it."""
     folder = make_gemma_vl_checkpoint(tmp_path, seed=1, tokens_per_image=64)
     llm = LLM(
-        folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=80, max_model_len=256
+        folder,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=80,
+        max_model_len=256,
     )
     ref = HfReference(folder, tokens_per_image=64)
     cases = [(f"<bos> {words(30, 30, WORDS)} <start_of_image> {words(20, 31, WORDS)}", [image(45, 60, 32)])]
@@ -251,8 +257,9 @@ def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     """run-batch lines (an engine of their own, built from the flags) and the server through the official
     client answer Gemma 3 image chats as LLM.chat does (token-exact with transformers above); a bad image
     fails its line or its request only."""
-    import openai
-
+    openai = pytest.importorskip("openai")  # the official client
+    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
+    pytest.importorskip("uvicorn")
     from overnight.cli import main
     from overnight.server.background import BackgroundServer
     from overnight.server.cli import ServerOptions, make_app
@@ -301,23 +308,23 @@ def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
 def test_tensor_parallel_keeps_the_tower_whole(setup):
     """TP=2: the decoder sharded, the SigLIP tower and projector whole on each rank (their q_proj /
     k_proj / v_proj / fc names must not take the decoder's split rules)."""
+    from tests.tp_helpers import generate_split
+
     folder, _, ref = setup
-    llm = LLM(
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+        for text, imgs in CASES[:3]
+    ]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
+    outs = generate_split(
         folder,
+        prompts,
+        params,
+        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
         dtype="float32",
         kv_cache_memory_bytes=8 << 20,
         max_num_batched_tokens=BUDGET,
         max_model_len=256,
-        tensor_parallel_size=2,
     )
-    try:
-        prompts = [
-            {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-            for text, imgs in CASES[:3]
-        ]
-        params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
-        outs = llm.generate(prompts, params, use_tqdm=False)
-    finally:
-        llm.engine.shutdown()
     for (text, imgs), out in zip(CASES, outs):
         check(out, ref, text, [image(*s) for s in imgs])

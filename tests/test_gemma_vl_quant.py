@@ -117,6 +117,8 @@ def _scheme(fmt: str, names: list[str]):
     if fmt == "fp8":  # a block-scaled FP8 checkpoint (its float layers in modules_to_not_convert)
         fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": names}
         return scheme_from_hf_config(fp8, "test")
+    if fmt == "ct":
+        pytest.importorskip("compressed_tensors")  # reads the quantization_config
     qc: dict[str, Any] = {
         "ct": {
             "quant_method": "compressed-tensors",

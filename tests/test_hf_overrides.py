@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import httpx
 import pytest
 import torch
 
@@ -45,7 +44,9 @@ def test_scores_equal_the_causal_lm_yes_no(tmp_path, untied, tied):
 
     folder = make_tiny_reranker(tmp_path, tied=True) if tied else untied
     # A step budget of 8 tokens splits each pair over steps (the last chunk pools).
-    llm = LLM(str(folder), runner="pooling", hf_overrides=RERANKER_OVERRIDES, max_num_batched_tokens=8)
+    llm = LLM(
+        str(folder), device="cpu", runner="pooling", hf_overrides=RERANKER_OVERRIDES, max_num_batched_tokens=8
+    )
     assert llm.engine.source.arch.num_labels == 1
     model = llm.engine.runner.model  # type: ignore[attr-defined]
     assert model.score.weight.shape == (1, 64) and model.score.weight.dtype == torch.float32
@@ -70,7 +71,7 @@ def test_one_label_per_token_is_a_softmax_over_them(untied):
     """More than two tokens: a label per token, the class probabilities a softmax over their logits."""
     tokens = ["no", "maybe", "yes"]
     overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens}
-    llm = LLM(str(untied), hf_overrides=overrides)  # runner auto: a sequence classifier pools
+    llm = LLM(str(untied), device="cpu", hf_overrides=overrides)  # runner auto: a sequence classifier pools
     texts = [QUERY + d for d in DOCS]
     outs = llm.classify(texts, use_tqdm=False)
     ref = torch.softmax(reference_token_logits(untied, texts, tokens), -1)
@@ -138,6 +139,7 @@ def test_merge_keeps_unknown_keys_and_merges_sub_configs():
 
 
 def test_flag_takes_json_and_round_trips():
+    pytest.importorskip("fastapi")  # the serve command's module builds the app (the `server` extra)
     from overnight.server import cli as server_cli
 
     parser = argparse.ArgumentParser()
@@ -154,6 +156,9 @@ def test_flag_takes_json_and_round_trips():
 
 @pytest.mark.slow  # serves a model over HTTP, runs run-batch
 def test_rerank_route_and_run_batch_score_line(tmp_path, untied):
+    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
+    pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
     from overnight.build import build_engine
     from overnight.server.background import BackgroundServer
     from overnight.server.cli import ServerOptions, make_app

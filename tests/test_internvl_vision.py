@@ -24,6 +24,7 @@ from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
+from tests.parity_helpers import cpu_model
 from tests.tiny_internvl import IDS, MAX_TILES, PER_TILE, WORDS, HfReference, make_internvl_checkpoint
 from tests.tiny_vl import data_uri, image, words
 
@@ -37,6 +38,7 @@ def setup(tmp_path_factory):
     folder = make_internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
     llm = LLM(
         folder,
+        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
         dtype="float32",
         kv_cache_memory_bytes=8 << 20,
         max_num_batched_tokens=BUDGET,
@@ -159,7 +161,7 @@ def test_tower_on_several_images_matches_transformers(setup):
     imgs = [image(50, 20, 31), image(24, 24, 32), image(90, 30, 33)]
     ours = [llm._images.pixels(im) for im in imgs]  # type: ignore[union-attr]
     assert [g for _, g, _ in ours] == [(4, 6, 6), (1, 6, 6), (4, 6, 6)]
-    model = _engine(llm).runner.model
+    model = cpu_model(folder)  # transformers' reference runs on the CPU: ours does too
     with torch.inference_mode():
         got = model.embed_images(torch.cat([p for p, _, _ in ours]), [g for _, g, _ in ours]).embeds
         inputs = ref.processor.image_processor(images=imgs, return_tensors="pt", crop_to_patches=True)
@@ -208,7 +210,7 @@ VARIANTS = {
 def test_variants(variant, tmp_path):
     changes: dict = dict(VARIANTS[variant])
     folder = make_internvl_checkpoint(tmp_path, seed=7, **changes)
-    llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
     tile = changes.get("tile", 24)
     ref = HfReference(folder, per_tile=(tile // 8) ** 2)
     text = prompt(words(3, 40, WORDS), "<IMG_CONTEXT>", words(3, 41, WORDS), "<IMG_CONTEXT>")
@@ -304,7 +306,7 @@ def test_tensor_parallel_replicates_the_tower(setup):
     from tests.tp_helpers import streamed_equals_sliced
 
     folder, llm, ref = setup
-    whole = dict(_engine(llm).runner.model.named_parameters())
+    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
     for rank in range(2):
         shard = dict(streamed_equals_sliced(resolve_source(folder), rank).named_parameters())
         tower = [k for k in shard if k.startswith(("vision_tower.", "multi_modal_projector."))]
@@ -320,9 +322,7 @@ def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
     from tests.tp_helpers import streamed_equals_sliced
 
     folder = make_internvl_checkpoint(tmp_path, seed=8, **VARIANTS["qwen3-moe"])
-    whole = dict(
-        LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20).engine.runner.model.named_parameters()
-    )  # type: ignore[attr-defined]
+    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
     shard = dict(streamed_equals_sliced(resolve_source(folder), 1).named_parameters())
     experts = [k for k in shard if ".mlp.experts." in k]
     assert experts and all(shard[k].numel() * 2 == whole[k].numel() for k in experts)
@@ -341,7 +341,13 @@ def test_tensor_parallel_generation_with_images(setup):
         for text, imgs in cases
     ]
     outs = generate_split(
-        folder, prompts, PARAMS, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=BUDGET
+        folder,
+        prompts,
+        PARAMS,
+        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=BUDGET,
     )
     for (text, imgs), out in zip(cases, outs):
         check(out, ref, text, [image(*s) for s in imgs])
@@ -367,10 +373,11 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
     from overnight.quant.linear import Fp8Linear
     from tests.int_checkpoints import make_int_checkpoint
 
+    pytest.importorskip("compressed_tensors")  # reads the W4A16 checkpoint's config and packing
     folder, llm, _ = setup
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     quantized, twin = make_int_checkpoint(Path(folder), tmp_path / "w4a16", "ct-w4-g32-sym")
-    engine = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+    engine = dict(device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
     int_llm = LLM(str(quantized), **engine)
     model = int_llm.engine.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
@@ -393,8 +400,9 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
 def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     """run-batch lines (an engine of their own, built from the flags) and the server through the official
     client answer InternVL image chats as LLM.chat does; a bad image fails its line or its request only."""
-    import openai
-
+    openai = pytest.importorskip("openai")  # the official client
+    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
+    pytest.importorskip("uvicorn")
     from overnight.cli import main
     from overnight.server.background import BackgroundServer
     from overnight.server.cli import ServerOptions, make_app

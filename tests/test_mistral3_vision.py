@@ -22,6 +22,7 @@ from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
+from tests.parity_helpers import cpu_model
 from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, HfReference, make_mistral3_vl_checkpoint
 from tests.tiny_vl import data_uri, image, words
 
@@ -34,6 +35,7 @@ def setup(tmp_path_factory):
     folder = make_mistral3_vl_checkpoint(tmp_path_factory.mktemp("mistral3_vl"))
     llm = LLM(
         folder,
+        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
         dtype="float32",
         kv_cache_memory_bytes=8 << 20,
         max_num_batched_tokens=BUDGET,
@@ -196,7 +198,7 @@ def test_other_feature_layer_and_projector_bias(tmp_path):
     folder = make_mistral3_vl_checkpoint(
         tmp_path, seed=1, vision_feature_layer=-2, multimodal_projector_bias=True
     )
-    llm = LLM(folder, dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    llm = LLM(folder, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
     ref = HfReference(folder)
     text = prompt(words(3, 40, WORDS), "[IMG]", words(3, 41, WORDS))
     imgs = [image(44, 28, 42)]
@@ -211,7 +213,7 @@ def test_tower_on_several_images_matches_transformers(setup):
     folder, llm, ref = setup
     imgs = [image(30, 40, 31), image(48, 16, 32), image(24, 24, 33)]
     ours = [llm._images.pixels(im) for im in imgs]  # type: ignore[union-attr]
-    model = _engine(llm).runner.model
+    model = cpu_model(folder)  # transformers' reference runs on the CPU: ours does too
     with torch.inference_mode():
         got = model.embed_images(torch.cat([p for p, _, _ in ours]), [g for _, g, _ in ours]).embeds
         unit = {"height": PATCH * MERGE, "width": PATCH * MERGE}  # as PixtralProcessor passes it
@@ -232,7 +234,7 @@ def test_tensor_parallel_replicates_the_tower(setup):
     from tests.tp_helpers import streamed_equals_sliced
 
     folder, llm, ref = setup
-    whole = dict(_engine(llm).runner.model.named_parameters())
+    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
     for rank in range(2):
         shard = dict(streamed_equals_sliced(resolve_source(folder), rank).named_parameters())
         tower = [k for k in shard if k.startswith(("vision_tower.", "multi_modal_projector."))]
@@ -252,7 +254,13 @@ def test_tensor_parallel_generation_with_images(setup):
         for text, imgs in cases
     ]
     outs = generate_split(
-        folder, prompts, PARAMS, dtype="float32", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=BUDGET
+        folder,
+        prompts,
+        PARAMS,
+        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=BUDGET,
     )
     for (text, imgs), out in zip(cases, outs):
         check(out, ref, text, [image(*s) for s in imgs])
@@ -278,10 +286,11 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
     from overnight.quant.linear import Fp8Linear
     from tests.int_checkpoints import make_int_checkpoint
 
+    pytest.importorskip("compressed_tensors")  # reads the W4A16 checkpoint's config and packing
     folder, llm, _ = setup
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     quantized, twin = make_int_checkpoint(Path(folder), tmp_path / "w4a16", "ct-w4-g32-sym")
-    engine = dict(dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
+    engine = dict(device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
     int_llm = LLM(str(quantized), **engine)
     model = int_llm.engine.runner.model  # type: ignore[attr-defined]
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
@@ -307,8 +316,9 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
 def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     """run-batch lines (an engine of their own, built from the flags) and the server through the official
     client answer Mistral 3 image chats as LLM.chat does; a bad image fails its line or its request only."""
-    import openai
-
+    openai = pytest.importorskip("openai")  # the official client
+    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
+    pytest.importorskip("uvicorn")
     from overnight.cli import main
     from overnight.server.background import BackgroundServer
     from overnight.server.cli import ServerOptions, make_app

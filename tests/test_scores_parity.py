@@ -24,7 +24,7 @@ def scores(outs) -> torch.Tensor:
 def test_scores_equal_transformers_and_cross_encoder(tmp_path, kind):
     folder = make_tiny_classifier(tmp_path, kind)
     # A step budget of 8 tokens splits the decoder's pairs over steps (the last chunk pools).
-    llm = LLM(str(folder), max_num_batched_tokens=8 if kind == "qwen3" else None)
+    llm = LLM(str(folder), device="cpu", max_num_batched_tokens=8 if kind == "qwen3" else None)
     assert llm.engine.config.model.runner == "pooling"
     pairs = [(QUERY, d) for d in DOCS]
     ref = torch.sigmoid(reference_logits(folder, pairs)[:, 0])
@@ -38,7 +38,7 @@ def test_scores_equal_transformers_and_cross_encoder(tmp_path, kind):
     ref2 = torch.sigmoid(reference_logits(folder, list(zip(firsts, seconds)))[:, 0])
     torch.testing.assert_close(pairwise, ref2, rtol=0, atol=2e-6)
     if kind != "qwen3":  # CrossEncoder pads a batch; the encoders are where it applies
-        from sentence_transformers import CrossEncoder
+        CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 
         predicted = CrossEncoder(str(folder), device="cpu").predict(pairs)
         torch.testing.assert_close(one_to_many, torch.as_tensor(predicted), rtol=0, atol=2e-6)
@@ -48,18 +48,18 @@ def test_scores_equal_transformers_and_cross_encoder(tmp_path, kind):
 
 def test_checkpoint_activation_and_raw_logits(tmp_path):
     """ms-marco cross-encoders declare Identity: the score is the logit, as CrossEncoder.predict says."""
-    from sentence_transformers import CrossEncoder
+    CrossEncoder = pytest.importorskip("sentence_transformers").CrossEncoder
 
     identity = {"activation_fn": "torch.nn.modules.linear.Identity"}
     folder = make_tiny_classifier(tmp_path, "bert", sentence_transformers=identity)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     got = scores(llm.score(QUERY, DOCS, use_tqdm=False))
     pairs = [(QUERY, d) for d in DOCS]
     torch.testing.assert_close(got, reference_logits(folder, pairs)[:, 0], rtol=0, atol=2e-6)
     predicted = CrossEncoder(str(folder), device="cpu").predict(pairs)
     torch.testing.assert_close(got, torch.as_tensor(predicted), rtol=0, atol=2e-6)
     sigmoid = make_tiny_classifier(tmp_path / "s", "xlmr")
-    raw = LLM(str(sigmoid)).score(
+    raw = LLM(str(sigmoid), device="cpu").score(
         QUERY, DOCS, pooling_params=PoolingParams(use_activation=False), use_tqdm=False
     )
     torch.testing.assert_close(scores(raw), reference_logits(sigmoid, pairs)[:, 0], rtol=0, atol=2e-6)
@@ -68,7 +68,7 @@ def test_checkpoint_activation_and_raw_logits(tmp_path):
 @pytest.mark.parametrize("kind", ["bert", "qwen3"])
 def test_classify_probabilities(tmp_path, kind):
     folder = make_tiny_classifier(tmp_path, kind, num_labels=3)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     texts = [QUERY, *DOCS]
     outs = llm.classify(texts, use_tqdm=False)
     probs = torch.tensor([o.outputs.probs for o in outs])
@@ -84,7 +84,7 @@ def test_truncation_cuts_the_longer_text_first(tmp_path):
     import transformers
 
     folder = make_tiny_classifier(tmp_path, "bert")
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     long_doc = " ".join(["the quick brown fox jumps over the lazy dog"] * 10)  # past 64 positions
     with pytest.raises(InvalidRequestError, match="pair 0: .*maximum context length"):
         llm.score(QUERY, [long_doc], use_tqdm=False)
@@ -137,7 +137,7 @@ def test_an_embedding_model_scores_by_cosine_similarity(tmp_path):
     from tests.tiny_embedders import make_tiny_embedder, reference_embeddings
 
     folder = make_tiny_embedder(tmp_path, "bert", "mean", normalize=False)
-    llm = LLM(str(folder))
+    llm = LLM(str(folder), device="cpu")
     ref_query, ref_docs = reference_embeddings(folder, [QUERY]), reference_embeddings(folder, DOCS)
     want = F.cosine_similarity(ref_query, ref_docs)
     got = scores(llm.score(QUERY, DOCS, use_tqdm=False))
@@ -172,7 +172,7 @@ def test_xlm_roberta_model_embeds(tmp_path):
     _spread(model, 0)
     model.save_pretrained(tmp_path / "xlmr")
     tokenizer.save_pretrained(tmp_path / "xlmr")
-    got = LLM(str(tmp_path / "xlmr")).embed(
+    got = LLM(str(tmp_path / "xlmr"), device="cpu").embed(
         DOCS, pooling_params=PoolingParams(normalize=False), use_tqdm=False
     )
     with torch.no_grad():
@@ -186,7 +186,7 @@ def test_a_decoder_reranker_reuses_the_query_prefix(tmp_path):
     """Pairs of one query share its tokens: a decoder classifier (last-token pooling) starts past the
     query's cached KV blocks, and scores stay exact."""
     folder = make_tiny_classifier(tmp_path, "qwen3")
-    llm = LLM(str(folder), block_size=4)
+    llm = LLM(str(folder), device="cpu", block_size=4)
     query = QUERY + " " + " ".join(["search query document"] * 4)
     ids = llm.get_tokenizer().encode_pairs([query] * len(DOCS), DOCS)
     outs = llm.encode([{"prompt_token_ids": i} for i in ids], PoolingParams(task="score"), use_tqdm=False)

@@ -4,14 +4,18 @@ equal to LLM.score / classify, and refusals (a generation model, an embedding mo
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
-from overnight import LLM
-from overnight.server.background import BackgroundServer
-from overnight.server.cli import ServerOptions, make_app
-from tests.tiny_classifiers import DOCS, QUERY, make_tiny_classifier, reference_logits
+# The server's packages (the `server` extra) and the test client: absent, the module is skipped.
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from overnight import LLM  # noqa: E402
+from overnight.server.background import BackgroundServer  # noqa: E402
+from overnight.server.cli import ServerOptions, make_app  # noqa: E402
+from tests.tiny_classifiers import DOCS, QUERY, make_tiny_classifier, reference_logits  # noqa: E402
 
 pytestmark = pytest.mark.slow  # serves models over HTTP
 
@@ -23,7 +27,7 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def url(folder):
-    llm = LLM(str(folder), mode="server")
+    llm = LLM(str(folder), device="cpu", mode="server")
     with BackgroundServer(make_app(llm.engine, ServerOptions(), model_arg=str(folder))) as s:
         yield s.url
 
@@ -81,7 +85,7 @@ def test_bad_bodies_are_400_naming_the_field(url):
 
 def test_classify_route(tmp_path):
     folder = make_tiny_classifier(tmp_path, "bert", num_labels=3)
-    llm = LLM(str(folder), mode="server")
+    llm = LLM(str(folder), device="cpu", mode="server")
     texts = [QUERY, *DOCS]
     with BackgroundServer(make_app(llm.engine, ServerOptions())) as s:
         r = httpx.post(s.url + "/classify", json={"input": texts})
@@ -115,7 +119,7 @@ def test_an_embedding_server_scores_by_cosine(tmp_path):
 
     from tests.tiny_embedders import make_tiny_embedder
 
-    llm = LLM(str(make_tiny_embedder(tmp_path, "bert", "cls")), mode="server")
+    llm = LLM(str(make_tiny_embedder(tmp_path, "bert", "cls")), device="cpu", mode="server")
     vectors = torch.tensor([o.outputs.embedding for o in llm.embed([QUERY, *DOCS], use_tqdm=False)])
     want = F.cosine_similarity(vectors[:1], vectors[1:]).tolist()
     with BackgroundServer(make_app(llm.engine, ServerOptions())) as s:

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.tiny_models import make_tiny_model
@@ -107,6 +108,7 @@ def make_tiny_embedder(
 ) -> Path:
     """A sentence-transformers folder (see the module docstring); pooling_mode: "cls" | "mean" |
     "lasttoken". Returns the folder."""
+    pytest.importorskip("sentence_transformers")  # writes the folder (a `test` extra, not the engine's)
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
 
@@ -128,7 +130,7 @@ def make_tiny_embedder(
 
 
 def reference_embeddings(folder: str | os.PathLike, texts: list[str], **kwargs: Any) -> torch.Tensor:
-    from sentence_transformers import SentenceTransformer
+    SentenceTransformer = pytest.importorskip("sentence_transformers").SentenceTransformer
 
     model = SentenceTransformer(str(folder), device="cpu")
     return torch.as_tensor(model.encode(texts, convert_to_numpy=True, **kwargs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -27,10 +28,29 @@ def streamed_equals_sliced(source: ModelSource, rank: int, world: int = 2, seed:
     return streamed
 
 
+def skip_without_gpus(world: int, device: str = "cuda") -> None:
+    """Skip the calling test when `world` ranks on `device` need more GPUs than the host has (rank r
+    takes the r-th GPU from the configured one); a CPU device needs none."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (d.index or 0) + world > have:
+        pytest.skip(
+            f"{world} tensor-parallel ranks on {device} need {(d.index or 0) + world} GPUs; the host has {have}"
+        )
+
+
 def generate_split(folder: object, prompts: Any, params: Any, world: int = 2, **options: Any) -> list[Any]:
     """`prompts` through LLM(folder, tensor_parallel_size=world, **options), its rank processes shut down
-    afterwards, even when generate raises. A `lora_request` in options goes to generate."""
+    afterwards, even when generate raises. A `lora_request` in options goes to generate. options must
+    name the device: left out, the ranks take cuda:0 .. cuda:world-1 on a GPU host, which may have fewer
+    GPUs; "cpu" runs them over gloo anywhere, a "cuda" run skips where the host lacks the GPUs."""
     lora = options.pop("lora_request", None)
+    device = options.get("device")
+    if device is None:
+        raise ValueError("generate_split: name the ranks' device (device='cpu' runs them anywhere)")
+    skip_without_gpus(world, device)
     llm = LLM(str(folder), tensor_parallel_size=world, **options)
     try:
         return llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
