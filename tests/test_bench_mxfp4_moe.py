@@ -1,5 +1,5 @@
 """bench/mxfp4_moe_gpu.py runs end to end on the CPU (Triton interpreter, fp32, tiny experts, a fake
-timer): every decoding passes its check against the bf16-path layer and the reference, lands in the
+timer; conftest.py sets TRITON_INTERPRET on a CPU machine): every decoding passes its check against the bf16-path layer and the reference, lands in the
 table, and the summary names a default, so the one GPU call it is written for does not fail on a typo."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
-import tests.test_kernels_moe  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 from overnight.kernels.moe_gemm import MXFP4_DECODES
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "mxfp4_moe_gpu.py"
