@@ -9,7 +9,7 @@ import torch
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_align import moe_align
 from overnight.kernels.moe_configs import MoeConfig
-from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
+from overnight.kernels.moe_gemm import MXFP4_DECODES, GemmTiles, moe_gemm, moe_gemm_ref
 from overnight.layers.moe import ExpertActivation, fused_experts_ref, router_topk_ref
 from tests.test_kernels_moe import DEVICE, SMALL, assert_close, experts_weights, randn, random_ids
 
@@ -67,7 +67,7 @@ def _mxfp4(e: int, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hidden", [64, 96])  # 96: K not a multiple of the 64-wide tile
-@pytest.mark.parametrize("decode", ["v1", "bits"])  # moe_gemm.MXFP4_DECODES
+@pytest.mark.parametrize("decode", MXFP4_DECODES)
 def test_mxfp4_gemms_match_reference(dtype, hidden, decode):
     """The kernel decodes the nibbles and scales in registers (either decoding); the reference decodes
     the whole tensor."""
@@ -101,7 +101,7 @@ def test_mxfp4_gemms_match_reference(dtype, hidden, decode):
         moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13, mxfp4_decode="lut")
 
 
-@pytest.mark.parametrize("decode", ["v1", "bits"])
+@pytest.mark.parametrize("decode", MXFP4_DECODES)
 def test_mxfp4_every_code_at_extreme_scales(decode):
     """One-hot rows of x pick single weights: every e2m1 code (both nibbles of every byte value) at scales
     from 2^-100 to 2^100, decoded exactly (fp32, one product a weight)."""

@@ -66,7 +66,7 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
 
 
 # How MXFP4 tiles are decoded: "v1" (the first version, _e2m1_to_float: per weight two int-to-float
-# conversions and an exp2) or "bits" (_e2m1_bits: integer ops only). Why v1 is slow, from its sm_90
+# conversions and an exp2), "bits" (_e2m1_bits: integer ops only) or "v2" (kernels/mxfp4_moe.py). Why v1 is slow, from its sm_90
 # compile (tests/test_kernels_moe_mxfp4_sm90.py; the same tiles in bf16 beside it): the weight bytes come by
 # single-byte global loads (68 ld.global.u8 per loop body, no cp.async, no 16-byte copy: the [BLOCK_K/2,
 # BLOCK_N] byte tile is read N-major while K is the contiguous dimension), ~2 int-to-float conversions and
@@ -75,9 +75,10 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
 # and the join / permute / reshape interleave plus the [K/32, 32, N] scale broadcast go through shared
 # memory (st.shared per step) before the dot (mma.sync up to 32 rows). "bits" removes the conversions;
 # the loads and the layout round trip remain (kernels/w4a16_moe.py's K-contiguous words and in-register
-# unpacking are the rewrite that fixes those). Not yet measured on a GPU: bench/w4a16_variants_gpu.py
-# --mxfp4 times both.
-MXFP4_DECODES = ("v1", "bits")
+# unpacking are the rewrite that fixes those: "v2", kernels/mxfp4_moe.py, with 16-byte copies of
+# K-contiguous words, one scale group a K step). Not yet measured on a GPU: bench/mxfp4_moe_gpu.py
+# times all three against the bf16 fused MoE and prints the default to set here.
+MXFP4_DECODES = ("v1", "bits", "v2")
 MXFP4_DECODE = "v1"
 
 
@@ -334,6 +335,14 @@ def moe_gemm(
     if kind not in ("silu", "swiglu_oai"):
         raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai)")
 
+    if w_mxfp4 and w_scale is not None and decode == "v2":
+        from overnight.kernels.mxfp4_moe import mxfp4_moe_gemm
+
+        return mxfp4_moe_gemm(
+            a, w, w_scale, runs, out, block_n=tiles.block_n, group_m=tiles.group_m,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, gated=gated,
+            topk_weights=topk_weights, bias=bias, activation=activation,
+        )  # fmt: skip
     block_m = runs.block_m
     num_tiles_m = runs.sorted_ids.numel() // block_m
     grid = (num_tiles_m * triton.cdiv(n, tiles.block_n),)

@@ -1,0 +1,184 @@
+"""The MXFP4 expert GEMM rewritten as kernels/w4a16_moe.py rewrote the int4 one (moe_gemm.py's
+MXFP4_DECODE "v2"; moe_gemm.py says why the first version is slow). Reference: moe_gemm.moe_gemm_ref.
+
+    a       [A, K] rows gathered per pair (A_DIV as in moe_gemm.py)
+    qw      [E, N, K / 8] int32: the uint8 blocks [E, N, K / 2] viewed as words, 8 e2m1 codes a word,
+            code j at bits 4j .. 4j + 3 (the low nibble of each byte first: the checkpoint's order)
+    scale   [E, N, K / 32] uint8 e8m0 exponents, one per 32 columns
+    out     [P, N]: gated -> act(gate + bias, up + bias) with qw holding [gate | up] rows; else
+            (+ bias) times the pair's routing weight
+
+Each K step is one scale group (BLOCK_K = 32): every weight row's 16 bytes come by one 16-byte copy
+(K-contiguous, as the memory holds them; the first version read its byte tile N-major, one byte a
+load), are unpacked in registers by bit placement (_e2m1_field: no int-to-float conversion, no exp2)
+and interleaved back into packed order without a shared-memory reshape, and scaled by the row's power
+of two (one exp2 a row and step, one multiply a weight). The dot takes the weight tile's transposed
+view, as the int4 kernel's does. Tiles past num_padded return at once: safe in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from overnight.kernels.moe_align import ExpertRuns
+from overnight.kernels.tile_order import grouped_tile
+
+GROUP = 32  # columns per e8m0 scale, the K step
+
+
+@triton.jit
+def _e2m1_field(words, j: tl.constexpr):
+    """Code j of each word as its fp32 value: magnitude m = code & 7 placed at mantissa bit 22 gives
+    2^(e - 127) * (1 + mantissa / 2) for m's exponent bits e; adding 126 << 23 makes that e2m1's value
+    for m >= 2. m = 1 (0.5) and m = 0 are constants; the sign bit is or-ed in."""
+    code = (words >> (4 * j)) & 15
+    m = code & 7
+    bits = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _unpack_e2m1(words):
+    """[R, W] int32 -> [R, 8 W] fp32 values in packed order (code j of word w at column 8 w + j), built by
+    interleaving so each thread keeps its own words' values in registers."""
+    even = tl.interleave(
+        tl.interleave(_e2m1_field(words, 0), _e2m1_field(words, 4)),
+        tl.interleave(_e2m1_field(words, 2), _e2m1_field(words, 6)),
+    )
+    odd = tl.interleave(
+        tl.interleave(_e2m1_field(words, 1), _e2m1_field(words, 5)),
+        tl.interleave(_e2m1_field(words, 3), _e2m1_field(words, 7)),
+    )
+    return tl.interleave(even, odd)
+
+
+@triton.jit
+def _scaled_tile(q_rows, s_rows, k0, kw, dtype: tl.constexpr):
+    """The [BLOCK_N, 32] weight tile of K step k0 in dtype: 4 words a row, scaled by 2^(s - 127)."""
+    words = tl.load(q_rows + kw[None, :])
+    s = tl.load(s_rows + k0 // 32).to(tl.float32)
+    return (_unpack_e2m1(words) * tl.exp2(s - 127.0)[:, None]).to(dtype)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
+def _mxfp4_moe_kernel(
+    a_ptr,
+    qw_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    topk_weights_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    N,
+    K,
+    num_pairs,
+    num_tiles_m,
+    stride_am,
+    stride_qe,
+    stride_qn,
+    stride_se,
+    stride_sn,
+    stride_be,
+    stride_om,
+    alpha,
+    limit,
+    A_DIV: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_K: tl.constexpr = 32
+    pid_m, pid_n = grouped_tile(tl.program_id(0), num_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    pair = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pair < num_pairs  # padding rows are masked, never read
+    a_rows = a_ptr + (pair // A_DIV).to(tl.int64)[:, None] * stride_am
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)  # clamped reads, masked stores
+    q_rows = qw_ptr + expert * stride_qe + rows_n[:, None] * stride_qn
+    s_rows = s_ptr + expert * stride_se + rows_n * stride_sn
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    dtype = a_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros_like(acc)
+    for k0 in range(0, K, BLOCK_K):  # K is a multiple of 32: no K masks
+        kx = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
+        a = tl.load(a_rows + kx[None, :], mask=row_ok[:, None], other=0.0)
+        kw = tl.max_contiguous(tl.multiple_of(k0 // 8 + offs_w, BLOCK_K // 8), BLOCK_K // 8)
+        w = _scaled_tile(q_rows, s_rows, k0, kw, dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if GATED:
+            up = _scaled_tile(q_rows + N * stride_qn, s_rows + N * stride_sn, k0, kw, dtype)
+            acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        bias_rows = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(bias_rows, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_rows + N, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        if ACTIVATION == 0:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:  # gpt-oss's clamped SwiGLU (moe_gemm.py)
+            g = tl.minimum(acc, limit)
+            u = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def mxfp4_moe_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    runs: ExpertRuns,
+    out: torch.Tensor,
+    *,
+    block_n: int,
+    group_m: int,
+    num_warps: int,
+    num_stages: int,
+    gated: bool = False,
+    topk_weights: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
+) -> torch.Tensor:
+    """moe_gemm's MXFP4 case (w uint8 [E, rows, K/2], w_scale uint8 [E, rows, K/32]) by this file's kernel,
+    into `out` [P, N]; moe_gemm has checked the shapes. w must be contiguous (its rows viewed as words)."""
+    num_pairs = runs.num_pairs
+    a_rows, k = a.shape
+    if k % GROUP or not w.is_contiguous():
+        raise ValueError(f"MXFP4 v2: K ({k}) must be a multiple of 32 and w contiguous")
+    qw = w.view(torch.int32)  # [E, rows, K / 8]
+    n = out.shape[1]
+    num_tiles_m = runs.sorted_ids.numel() // runs.block_m
+    grid = (num_tiles_m * triton.cdiv(n, block_n),)
+    kind, alpha, limit = activation
+    _mxfp4_moe_kernel[grid](
+        a, qw, w_scale, bias if bias is not None else out, out,
+        topk_weights if topk_weights is not None else out, runs.sorted_ids, runs.expert_ids,
+        runs.num_padded, n, k, num_pairs, num_tiles_m, a.stride(0), qw.stride(0), qw.stride(1),
+        w_scale.stride(0), w_scale.stride(1), bias.stride(0) if bias is not None else 0, out.stride(0),
+        float(alpha), float(limit),
+        A_DIV=num_pairs // a_rows, GATED=gated, HAS_BIAS=bias is not None,
+        ACTIVATION=0 if kind == "silu" else 1, MUL_WEIGHT=topk_weights is not None,
+        BLOCK_M=runs.block_m, BLOCK_N=block_n, GROUP_M=group_m,
+        # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
