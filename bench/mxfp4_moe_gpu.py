@@ -24,6 +24,7 @@ A table, then one JSON line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import sys
@@ -37,6 +38,7 @@ sys.path.insert(0, ".")
 
 from overnight.kernels import moe_gemm  # noqa: E402
 from overnight.kernels.fused_moe import fused_experts  # noqa: E402
+from overnight.kernels.moe_configs import MoeConfig, default_config  # noqa: E402
 from overnight.kernels.moe_gemm import MXFP4_DECODES, mxfp4_to_float  # noqa: E402
 
 MODELS = {"gpt-oss-20b": 32, "gpt-oss-120b": 128}  # experts
@@ -47,6 +49,23 @@ DEADLINE_S = 100.0
 ACTIVATION = ("swiglu_oai", 1.702, 7.0)
 DEVICE, DTYPE = "cuda", torch.bfloat16  # tests/test_bench_mxfp4_moe.py runs it on the CPU, fp32
 RESULTS: dict[str, object] = {}
+
+
+def _tiles(tokens: int, num_experts: int, **change: int) -> MoeConfig:
+    """default_config's tiles for this batch (what an untuned shape gets), with `change` in both GEMMs."""
+    cfg = default_config(tokens, TOP_K, num_experts)
+    return MoeConfig(
+        cfg.block_m, dataclasses.replace(cfg.gemm1, **change), dataclasses.replace(cfg.gemm2, **change)
+    )
+
+
+# name -> (decoding, config for (tokens, experts); None: the one fused_experts picks). v2's K step is one
+# 32-column scale group whatever block_k says, so its variants try deeper pipelines and wider tiles.
+VARIANTS: dict[str, tuple[str, Callable[[int, int], MoeConfig | None]]] = {
+    **{d: (d, lambda t, e: None) for d in MXFP4_DECODES},
+    "v2-s6": ("v2", lambda t, e: _tiles(t, e, num_stages=6)),
+    "v2-n128": ("v2", lambda t, e: _tiles(t, e, block_n=128)),
+}
 
 
 def graph_time(calls: list[Callable[[], object]], replays: int = 10) -> float:
@@ -106,13 +125,15 @@ def routing(tokens: int, num_experts: int, seed: int) -> tuple[torch.Tensor, tor
     return weights.to(DEVICE), ids.int().to(DEVICE)
 
 
-def layer(x: torch.Tensor, w: dict[str, torch.Tensor], route, decode: str | None) -> torch.Tensor:
+def layer(
+    x: torch.Tensor, w: dict[str, torch.Tensor], route, decode: str | None, config: MoeConfig | None = None
+) -> torch.Tensor:
     """The MoE layer on packed experts with `decode`, or (None) the bf16 fused MoE on the dequantized."""
     biases = dict(gate_up_bias=w["b13"], down_bias=w["b2"], activation=ACTIVATION)
     if decode is None:
         return fused_experts(x, w["d13"], w["d2"], *route, **biases)
     moe_gemm.MXFP4_DECODE = decode  # read when the GEMMs launch (and at capture)
-    return fused_experts(x, w["w13"], w["w2"], *route, None, w["s13"], w["s2"], **biases)
+    return fused_experts(x, w["w13"], w["w2"], *route, config, w["s13"], w["s2"], **biases)
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -136,11 +157,13 @@ def run_model(model: str, num_experts: int, deadline: float, table: list[dict], 
             act = ExpertActivation(*ACTIVATION)
             args = (w["w13"], w["w2"], *routes[0], w["s13"], w["s2"])
             ref = fused_experts_ref(xs[0], *args, gate_up_bias=w["b13"], down_bias=w["b2"], activation=act)
-        for decode in (None, *MXFP4_DECODES):
-            name = decode or "bf16"
+        for name, (decode, make) in {"bf16": (None, lambda t, e: None), **VARIANTS}.items():
+            cfg = make(tokens, num_experts)
             rec: dict[str, object] = {"model": model, "tokens": tokens, "variant": name}
+            if cfg is not None:
+                rec["config"] = repr(cfg)
             try:
-                y = layer(xs[0], stacks[0], routes[0], decode)
+                y = layer(xs[0], stacks[0], routes[0], decode, cfg)
                 if decode is not None:
                     rec["err"] = err = rel_err(y, bf16)
                     if tokens == 16:
@@ -148,7 +171,7 @@ def run_model(model: str, num_experts: int, deadline: float, table: list[dict], 
                     if not err < 2e-2:
                         bad.append((model, tokens, name, err))
                 calls = [
-                    lambda i=i, x=x, r=r, d=decode: layer(x, stacks[i % COPIES], r, d)
+                    lambda i=i, x=x, r=r, d=decode, c=cfg: layer(x, stacks[i % COPIES], r, d, c)
                     for i, (x, r) in enumerate(zip(xs, routes, strict=True))
                 ]
                 rec["us"] = graph_time(calls)
@@ -171,34 +194,37 @@ def run_model(model: str, num_experts: int, deadline: float, table: list[dict], 
                     if "us" in r
                     else f"failed: {r['failed']}"
                 )
-                print(f"{model:13s} tokens {tokens:5d}  {r['variant']:5s} {cells}", flush=True)
+                print(f"{model:13s} tokens {tokens:5d}  {r['variant']:8s} {cells}", flush=True)
 
 
 def summary(table: list[dict]) -> None:
-    """The best decoding per token count (geometric mean of x bf16 over the models), and the default line."""
-    print("\n== best MXFP4 decoding per token count (geometric mean over the models of x bf16) ==")
+    """Per token count: each variant's geometric mean over the models of x bf16, the best variant with
+    its tiles (rows per expert as the bound, for a tier table), and the decoding to make the default."""
+    print("\n== best MXFP4 variant per token count (geometric mean over the models of x bf16) ==")
     best: dict[int, str] = {}
     for tokens in TOKENS:
         scores = {}
-        for decode in MXFP4_DECODES:
+        for name in VARIANTS:
             xs = [
-                r["x_bf16"]
-                for r in table
-                if r["tokens"] == tokens and r["variant"] == decode and "x_bf16" in r
+                r["x_bf16"] for r in table if r["tokens"] == tokens and r["variant"] == name and "x_bf16" in r
             ]
-            if xs:
-                scores[decode] = statistics.geometric_mean(xs)  # type: ignore[arg-type]
-        if scores:
-            top = max(scores, key=lambda d: scores[d])
-            best[tokens] = top
-            print(
-                f"tokens {tokens:5d}: "
-                + "  ".join(f"{d} x{s:5.2f}" for d, s in scores.items())
-                + f"  -> {top}"
-            )
+            if len(xs) == len({r["model"] for r in table}):  # measured on every model
+                scores[name] = statistics.geometric_mean(xs)
+        if not scores:
+            continue
+        top = max(scores, key=lambda d: scores[d])
+        best[tokens] = top
+        print(
+            f"tokens {tokens:5d}: " + "  ".join(f"{d} x{v:5.2f}" for d, v in scores.items()) + f"  -> {top}"
+        )
+        config = next((r.get("config") for r in table if r["tokens"] == tokens and r["variant"] == top), None)
+        rows = {m: tokens * TOP_K / e for m, e in MODELS.items()}
+        print(f"    rows per expert {rows}: {config or 'the default tiles'}")
     RESULTS["best"] = best
     if best:
-        wins = {d: sum(v == d for v in best.values()) for d in MXFP4_DECODES}
+        wins: dict[str, int] = {}
+        for name in best.values():
+            wins[VARIANTS[name][0]] = wins.get(VARIANTS[name][0], 0) + 1
         print(
             f'\nfor kernels/moe_gemm.py:  MXFP4_DECODE = "{max(wins, key=lambda d: wins[d])}"  (wins: {wins})'
         )
