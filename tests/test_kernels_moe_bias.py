@@ -66,7 +66,7 @@ def _mxfp4(e: int, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hidden", [64, 96])  # 96: K not a multiple of the 64-wide tile
+@pytest.mark.parametrize("hidden", [64, 96, 128])  # 96: K not a multiple of the 64-wide tile
 @pytest.mark.parametrize("decode", MXFP4_DECODES)
 def test_mxfp4_gemms_match_reference(dtype, hidden, decode):
     """The kernel decodes the nibbles and scales in registers (either decoding); the reference decodes
@@ -75,7 +75,8 @@ def test_mxfp4_gemms_match_reference(dtype, hidden, decode):
     from overnight.quant.mxfp4 import dequantize_mxfp4
 
     num_tokens, top_k, num_experts, inter = 7, 2, 4, 32
-    tiles = GemmTiles(block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=2)
+    # 128: 128-deep steps (fp16; fp32 operands take 32: fit_operand_size)
+    tiles = GemmTiles(block_n=16, block_k=128 if hidden == 128 else 64, group_m=2, num_warps=4, num_stages=2)
     x = randn(num_tokens, hidden, seed=40, scale=0.1, dtype=dtype)
     w13, s13 = _mxfp4(num_experts, 2 * inter, hidden, seed=41)
     w2, s2 = _mxfp4(num_experts, hidden, inter, seed=42)

@@ -76,7 +76,7 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
 # memory (st.shared per step) before the dot (mma.sync up to 32 rows). "bits" removes the conversions;
 # the loads and the layout round trip remain (kernels/w4a16_moe.py's K-contiguous words and in-register
 # unpacking are the rewrite that fixes those: "v2", kernels/mxfp4_moe.py, with 16-byte copies of
-# K-contiguous words, one scale group a K step). Not yet measured on a GPU: bench/mxfp4_moe_gpu.py
+# K-contiguous words, unpacked and scaled in registers). Not yet measured on a GPU: bench/mxfp4_moe_gpu.py
 # times all three against the bf16 fused MoE and prints the default to set here.
 MXFP4_DECODES = ("v1", "bits", "v2")
 MXFP4_DECODE = "v1"
@@ -339,7 +339,7 @@ def moe_gemm(
         from overnight.kernels.mxfp4_moe import mxfp4_moe_gemm
 
         return mxfp4_moe_gemm(
-            a, w, w_scale, runs, out, block_n=tiles.block_n, group_m=tiles.group_m,
+            a, w, w_scale, runs, out, block_n=tiles.block_n, block_k=tiles.block_k, group_m=tiles.group_m,
             num_warps=tiles.num_warps, num_stages=tiles.num_stages, gated=gated,
             topk_weights=topk_weights, bias=bias, activation=activation,
         )  # fmt: skip

@@ -8,11 +8,11 @@ MXFP4_DECODE "v2"; moe_gemm.py says why the first version is slow). Reference: m
     out     [P, N]: gated -> act(gate + bias, up + bias) with qw holding [gate | up] rows; else
             (+ bias) times the pair's routing weight
 
-Each K step is one scale group (BLOCK_K = 32): every weight row's 16 bytes come by one 16-byte copy
+Each K step of BLOCK_K (a multiple of 32) reads every weight row's BLOCK_K / 2 bytes by 16-byte copies
 (K-contiguous, as the memory holds them; the first version read its byte tile N-major, one byte a
-load), are unpacked in registers by bit placement (_e2m1_field: no int-to-float conversion, no exp2)
-and interleaved back into packed order without a shared-memory reshape, and scaled by the row's power
-of two (one exp2 a row and step, one multiply a weight). The dot takes the weight tile's transposed
+load), unpacks them in registers by bit placement (_e2m1_field: no int-to-float conversion) and
+interleaves them back into packed order without a shared-memory reshape; each word's 8 weights are
+scaled by its group's power of two (one exp2 a word, one multiply a weight). The dot takes the weight tile's transposed
 view, as the int4 kernel's does. Tiles past num_padded return at once: safe in a CUDA graph.
 """
 
@@ -29,37 +29,41 @@ GROUP = 32  # columns per e8m0 scale, the K step
 
 
 @triton.jit
-def _e2m1_field(words, j: tl.constexpr):
-    """Code j of each word as its fp32 value: magnitude m = code & 7 placed at mantissa bit 22 gives
-    2^(e - 127) * (1 + mantissa / 2) for m's exponent bits e; adding 126 << 23 makes that e2m1's value
-    for m >= 2. m = 1 (0.5) and m = 0 are constants; the sign bit is or-ed in."""
+def _e2m1_field(words, mult, j: tl.constexpr):
+    """Code j of each word as its fp32 value times mult (the word's scale, 2^(s - 127)): magnitude
+    m = code & 7 placed at mantissa bit 22 gives 2^(e - 127) * (1 + mantissa / 2) for m's exponent bits
+    e; adding 126 << 23 makes that e2m1's value for m >= 2. m = 1 (0.5) and m = 0 are constants; the
+    sign bit is or-ed in."""
     code = (words >> (4 * j)) & 15
     m = code & 7
     bits = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True) * mult
 
 
 @triton.jit
-def _unpack_e2m1(words):
-    """[R, W] int32 -> [R, 8 W] fp32 values in packed order (code j of word w at column 8 w + j), built by
-    interleaving so each thread keeps its own words' values in registers."""
+def _unpack_e2m1(words, mult):
+    """[R, W] int32 words with their scales [R, W] fp32 -> [R, 8 W] fp32 values in packed order (code j of
+    word w at column 8 w + j), built by interleaving so each thread keeps its own words' values in
+    registers (no shared-memory reshape)."""
     even = tl.interleave(
-        tl.interleave(_e2m1_field(words, 0), _e2m1_field(words, 4)),
-        tl.interleave(_e2m1_field(words, 2), _e2m1_field(words, 6)),
+        tl.interleave(_e2m1_field(words, mult, 0), _e2m1_field(words, mult, 4)),
+        tl.interleave(_e2m1_field(words, mult, 2), _e2m1_field(words, mult, 6)),
     )
     odd = tl.interleave(
-        tl.interleave(_e2m1_field(words, 1), _e2m1_field(words, 5)),
-        tl.interleave(_e2m1_field(words, 3), _e2m1_field(words, 7)),
+        tl.interleave(_e2m1_field(words, mult, 1), _e2m1_field(words, mult, 5)),
+        tl.interleave(_e2m1_field(words, mult, 3), _e2m1_field(words, mult, 7)),
     )
     return tl.interleave(even, odd)
 
 
 @triton.jit
-def _scaled_tile(q_rows, s_rows, k0, kw, dtype: tl.constexpr):
-    """The [BLOCK_N, 32] weight tile of K step k0 in dtype: 4 words a row, scaled by 2^(s - 127)."""
+def _scaled_tile(q_rows, s_rows, kw, dtype: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] weight tile of words kw in dtype. A word's 8 codes share one scale (4 words
+    a 32-column group): each word reads its group's byte (the 4 reads of a byte hit the same cache
+    line) and takes one exp2, so any BLOCK_K multiple of 32 needs no [groups, 32] broadcast."""
     words = tl.load(q_rows + kw[None, :])
-    s = tl.load(s_rows + k0 // 32).to(tl.float32)
-    return (_unpack_e2m1(words) * tl.exp2(s - 127.0)[:, None]).to(dtype)
+    s = tl.load(s_rows[:, None] + (kw // 4)[None, :]).to(tl.float32)
+    return _unpack_e2m1(words, tl.exp2(s - 127.0)).to(dtype)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
@@ -94,9 +98,9 @@ def _mxfp4_moe_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    BLOCK_K: tl.constexpr = 32
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_tiles_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
@@ -114,14 +118,14 @@ def _mxfp4_moe_kernel(
     dtype = a_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros_like(acc)
-    for k0 in range(0, K, BLOCK_K):  # K is a multiple of 32: no K masks
+    for k0 in range(0, K, BLOCK_K):  # BLOCK_K divides K: no K masks
         kx = tl.max_contiguous(tl.multiple_of(k0 + offs_k, BLOCK_K), BLOCK_K)
         a = tl.load(a_rows + kx[None, :], mask=row_ok[:, None], other=0.0)
         kw = tl.max_contiguous(tl.multiple_of(k0 // 8 + offs_w, BLOCK_K // 8), BLOCK_K // 8)
-        w = _scaled_tile(q_rows, s_rows, k0, kw, dtype)
+        w = _scaled_tile(q_rows, s_rows, kw, dtype)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
         if GATED:
-            up = _scaled_tile(q_rows + N * stride_qn, s_rows + N * stride_sn, k0, kw, dtype)
+            up = _scaled_tile(q_rows + N * stride_qn, s_rows + N * stride_sn, kw, dtype)
             acc_up = tl.dot(a, tl.trans(up), acc_up, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         bias_rows = bias_ptr + expert * stride_be + offs_n
@@ -141,6 +145,12 @@ def _mxfp4_moe_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def k_step(k: int, block_k: int) -> int:
+    """The K step for K (a multiple of 32): the largest of block_k, 64 and 32 that divides it, at most
+    block_k (gpt-oss's 2880 takes 64 where block_k is 128: 2880 = 45 x 64)."""
+    return next(bk for bk in (block_k, 64, 32) if bk <= block_k and bk % GROUP == 0 and k % bk == 0)
+
+
 def mxfp4_moe_gemm(
     a: torch.Tensor,
     w: torch.Tensor,
@@ -149,6 +159,7 @@ def mxfp4_moe_gemm(
     out: torch.Tensor,
     *,
     block_n: int,
+    block_k: int,
     group_m: int,
     num_warps: int,
     num_stages: int,
@@ -158,11 +169,13 @@ def mxfp4_moe_gemm(
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
 ) -> torch.Tensor:
     """moe_gemm's MXFP4 case (w uint8 [E, rows, K/2], w_scale uint8 [E, rows, K/32]) by this file's kernel,
-    into `out` [P, N]; moe_gemm has checked the shapes. w must be contiguous (its rows viewed as words)."""
+    into `out` [P, N]; moe_gemm has checked the shapes. w must be contiguous (its rows viewed as words).
+    The K step is the largest of block_k, 64 and 32 that divides K (a multiple of 32)."""
     num_pairs = runs.num_pairs
     a_rows, k = a.shape
     if k % GROUP or not w.is_contiguous():
         raise ValueError(f"MXFP4 v2: K ({k}) must be a multiple of 32 and w contiguous")
+    step = k_step(k, block_k)
     qw = w.view(torch.int32)  # [E, rows, K / 8]
     n = out.shape[1]
     num_tiles_m = runs.sorted_ids.numel() // runs.block_m
@@ -176,7 +189,7 @@ def mxfp4_moe_gemm(
         float(alpha), float(limit),
         A_DIV=num_pairs // a_rows, GATED=gated, HAS_BIAS=bias is not None,
         ACTIVATION=0 if kind == "silu" else 1, MUL_WEIGHT=topk_weights is not None,
-        BLOCK_M=runs.block_m, BLOCK_N=block_n, GROUP_M=group_m,
+        BLOCK_M=runs.block_m, BLOCK_N=block_n, GROUP_M=group_m, BLOCK_K=step,
         # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
