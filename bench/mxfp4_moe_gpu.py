@@ -140,61 +140,56 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
 
 
-def run_model(model: str, num_experts: int, deadline: float, table: list[dict], bad: list) -> None:
+def run_point(
+    model: str, num_experts: int, stacks: list[dict[str, torch.Tensor]], tokens: int, table: list, bad: list
+) -> None:
+    """Every variant and bf16 at one (model, token count): checked, then timed; rows appended to table."""
     from overnight.layers.moe import ExpertActivation, fused_experts_ref
 
-    stacks = [experts(num_experts, seed) for seed in range(COPIES)]
     default = moe_gemm.MXFP4_DECODE
-    for tokens in TOKENS:
-        if time.time() > deadline:
-            print(f"{model} tokens {tokens}: skipped (deadline)", flush=True)
-            continue
-        xs = [torch.randn(tokens, HIDDEN, device=DEVICE).to(DTYPE) for _ in range(CALLS)]
-        routes = [routing(tokens, num_experts, i) for i in range(CALLS)]
-        bf16 = layer(xs[0], stacks[0], routes[0], None)
-        if tokens == 16:
-            w = stacks[0]
-            act = ExpertActivation(*ACTIVATION)
-            args = (w["w13"], w["w2"], *routes[0], w["s13"], w["s2"])
-            ref = fused_experts_ref(xs[0], *args, gate_up_bias=w["b13"], down_bias=w["b2"], activation=act)
-        for name, (decode, make) in {"bf16": (None, lambda t, e: None), **VARIANTS}.items():
-            cfg = make(tokens, num_experts)
-            rec: dict[str, object] = {"model": model, "tokens": tokens, "variant": name}
-            if cfg is not None:
-                rec["config"] = repr(cfg)
-            try:
-                y = layer(xs[0], stacks[0], routes[0], decode, cfg)
-                if decode is not None:
-                    rec["err"] = err = rel_err(y, bf16)
-                    if tokens == 16:
-                        rec["err_ref"] = err = max(err, rel_err(y, ref))
-                    if not err < 2e-2:
-                        bad.append((model, tokens, name, err))
-                calls = [
-                    lambda i=i, x=x, r=r, d=decode, c=cfg: layer(x, stacks[i % COPIES], r, d, c)
-                    for i, (x, r) in enumerate(zip(xs, routes, strict=True))
-                ]
-                rec["us"] = graph_time(calls)
-            except Exception as exc:
-                rec["failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            finally:
-                moe_gemm.MXFP4_DECODE = default
-            table.append(rec)
-    for tokens in TOKENS:
-        base = next(
-            (r for r in table if r["model"] == model and r["tokens"] == tokens and r["variant"] == "bf16"),
-            None,
+    xs = [torch.randn(tokens, HIDDEN, device=DEVICE).to(DTYPE) for _ in range(CALLS)]
+    routes = [routing(tokens, num_experts, i) for i in range(CALLS)]
+    bf16 = layer(xs[0], stacks[0], routes[0], None)
+    if tokens == 16:
+        w = stacks[0]
+        act = ExpertActivation(*ACTIVATION)
+        args = (w["w13"], w["w2"], *routes[0], w["s13"], w["s2"])
+        ref = fused_experts_ref(xs[0], *args, gate_up_bias=w["b13"], down_bias=w["b2"], activation=act)
+    rows = []
+    for name, (decode, make) in {"bf16": (None, lambda t, e: None), **VARIANTS}.items():
+        cfg = make(tokens, num_experts)
+        rec: dict[str, object] = {"model": model, "tokens": tokens, "variant": name}
+        if cfg is not None:
+            rec["config"] = repr(cfg)
+        try:
+            y = layer(xs[0], stacks[0], routes[0], decode, cfg)
+            if decode is not None:
+                rec["err"] = err = rel_err(y, bf16)
+                if tokens == 16:
+                    rec["err_ref"] = err = max(err, rel_err(y, ref))
+                if not err < 2e-2:
+                    bad.append((model, tokens, name, err))
+            calls = [
+                lambda i=i, x=x, r=r, d=decode, c=cfg: layer(x, stacks[i % COPIES], r, d, c)
+                for i, (x, r) in enumerate(zip(xs, routes, strict=True))
+            ]
+            rec["us"] = graph_time(calls)
+        except Exception as exc:
+            rec["failed"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            moe_gemm.MXFP4_DECODE = default
+        rows.append(rec)
+    base = rows[0]
+    for r in rows:
+        if "us" in base and "us" in r:
+            r["x_bf16"] = base["us"] / r["us"]  # type: ignore[operator]
+        cells = (
+            f"{r['us']:9.1f} us  x{r.get('x_bf16', 0):5.2f}  err {r.get('err', 0):.0e}"
+            if "us" in r
+            else f"failed: {r['failed']}"
         )
-        for r in table:
-            if r["model"] == model and r["tokens"] == tokens:
-                if base and "us" in base and "us" in r:
-                    r["x_bf16"] = base["us"] / r["us"]  # type: ignore[operator]
-                cells = (
-                    f"{r['us']:9.1f} us  x{r.get('x_bf16', 0):5.2f}  err {r.get('err', 0):.0e}"
-                    if "us" in r
-                    else f"failed: {r['failed']}"
-                )
-                print(f"{model:13s} tokens {tokens:5d}  {r['variant']:8s} {cells}", flush=True)
+        print(f"{model:13s} tokens {tokens:5d}  {r['variant']:8s} {cells}", flush=True)
+    table.extend(rows)
 
 
 def summary(table: list[dict]) -> None:
@@ -236,12 +231,18 @@ def main() -> None:
     table: list[dict] = []
     bad: list = []
     deadline = t0 + DEADLINE_S
-    for model, num_experts in MODELS.items():
-        try:
-            run_model(model, num_experts, deadline, table, bad)
-        except Exception:
-            traceback.print_exc()
-            RESULTS[model] = "failed"
+    # Token counts outer, so a deadline cuts the largest counts of both models rather than one model.
+    stacks = {model: [experts(e, seed) for seed in range(COPIES)] for model, e in MODELS.items()}
+    for tokens in TOKENS:
+        for model, num_experts in MODELS.items():
+            if time.time() > deadline:
+                print(f"{model} tokens {tokens}: skipped (deadline)", flush=True)
+                continue
+            try:
+                run_point(model, num_experts, stacks[model], tokens, table, bad)
+            except Exception:
+                traceback.print_exc()
+                RESULTS[f"{model}-{tokens}"] = "failed"
     RESULTS["correctness"] = "ok" if not bad else bad
     RESULTS["times"] = table
     print(f"correctness failures: {bad or 'none'}")
