@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError
+from overnight.options import MXFP4_EXPERTS
 
 DENSE_FRACTION = 0.55
 GIB = 2**30
@@ -37,8 +38,8 @@ def choose_expert_form(
     """The arch with its experts' form decided by `choice` ("auto", "mxfp4", "dense"); device_bytes: one
     GPU's total memory, None on the CPU. ConfigError for an explicit form on a model whose experts are
     not MXFP4."""
-    if choice not in ("auto", "mxfp4", "dense"):
-        raise ConfigError(f"unknown mxfp4_experts {choice!r}: use auto, mxfp4 or dense")
+    if choice not in MXFP4_EXPERTS:
+        raise ConfigError(f"unknown mxfp4_experts {choice!r}: use {', '.join(MXFP4_EXPERTS)}")
     if not arch.experts_mxfp4:
         if choice != "auto":
             raise ConfigError(
