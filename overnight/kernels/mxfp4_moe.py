@@ -30,14 +30,19 @@ GROUP = 32  # columns per e8m0 scale, the K step
 
 @triton.jit
 def _e2m1_field(words, mult, j: tl.constexpr):
-    """Code j of each word as its fp32 value times mult (the word's scale, 2^(s - 127)): magnitude
-    m = code & 7 placed at mantissa bit 22 gives 2^(e - 127) * (1 + mantissa / 2) for m's exponent bits
-    e; adding 126 << 23 makes that e2m1's value for m >= 2. m = 1 (0.5) and m = 0 are constants; the
-    sign bit is or-ed in."""
-    code = (words >> (4 * j)) & 15
-    m = code & 7
-    bits = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
-    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True) * mult
+    """Code j of each word (bits 4j .. 4j + 3) as its fp32 value times mult (the word's scale). Its 3
+    magnitude bits are moved to fp32 bits 22 .. 24 (the exponent's two low bits and the mantissa's top
+    one) and its sign to bit 31, each by one shift and one mask: that float is the e2m1 value times
+    2^-126 for every code, m = 1 (0.5) included, as the subnormal 2^-127 (the kernel's fp32 multiplies
+    keep subnormals: PTX mul.f32, no .ftz). Two multiplies restore the scale: exact, since the e2m1
+    value times 2^126 is, and a power of two times it is unless it leaves fp32's range."""
+    SHIFT: tl.constexpr = 22 - 4 * j
+    if SHIFT >= 0:
+        magnitude = (words << SHIFT) & 0x01C00000
+    else:
+        magnitude = (words >> -SHIFT) & 0x01C00000  # arithmetic shift: only the top bits differ
+    sign = (words << (28 - 4 * j)) & (-0x80000000)
+    return (magnitude | sign).to(tl.float32, bitcast=True) * 8.507059173023462e37 * mult  # 2^126
 
 
 @triton.jit
