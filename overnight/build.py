@@ -69,6 +69,7 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
         log.info(
             "limit_mm_per_prompt image 0: %s runs text-only, without its vision tower", source.served_name
         )
+    source = _with_expert_form(opts, source)
     if opts.served_model_name:
         source = replace(source, served_name=opts.served_model_name)
     if opts.tokenizer:
@@ -83,6 +84,30 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
     from overnight.structured.compiler import GrammarCompiler
 
     return ResolvedModel(source, tokenizer, GrammarCompiler.for_tokenizer(tokenizer, source.arch.vocab_size))
+
+
+def _with_expert_form(opts: EngineOptions, source: ModelSource) -> ModelSource:
+    """The source with its MXFP4 experts' form chosen (loader/expert_form.py), in its arch, which the
+    weight-fit check, `overnight budget`, the build and the load all read."""
+    from overnight.loader.expert_form import choose_expert_form
+    from overnight.loader.model_loader import resolve_dtype
+
+    if not source.arch.experts_mxfp4:
+        choose_expert_form(source.arch, opts.mxfp4_experts, 2, None)  # refuses a form it cannot take
+        return source
+    device = pick_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, source, device)
+    memory = device_memory_gib(device)
+    form = choose_expert_form(
+        source.arch,
+        opts.mxfp4_experts,
+        dtype.itemsize,
+        None if memory is None else int(memory * 2**30),
+        opts.tensor_parallel_size,
+        str(dtype).removeprefix("torch."),
+    )
+    log.info("%s", form.reason)
+    return replace(source, arch=form.arch)
 
 
 def _with_head_token_ids(source: ModelSource, tokenizer: Tokenizer | None) -> ModelSource:

@@ -162,11 +162,14 @@ class ModelArch:
     # the cache of the last earlier layer of their kind (kv_source_layer).
     num_kv_shared_layers: int = 0
     # gpt-oss: a learned sink logit per attention head; experts with biases and the clamped SwiGLU
-    # (limit swiglu_limit); experts_mxfp4: the checkpoint's experts are MXFP4 (quant/mxfp4.py).
+    # (limit swiglu_limit); experts_mxfp4: the checkpoint's experts are MXFP4 (quant/mxfp4.py), which the
+    # model keeps packed unless experts_mxfp4_dense: then each is dequantized to the compute dtype as it
+    # loads (the mxfp4_experts option, build.py) and runs through the 16-bit fused MoE.
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_limit: float = 7.0
     experts_mxfp4: bool = False
+    experts_mxfp4_dense: bool = False
     # Gemma (2/3/4, models/gemma.py and gemma4.py). attention_scale None: head_dim ** -0.5 (Gemma 2/3:
     # query_pre_attn_scalar ** -0.5; Gemma 4: 1.0). Softcaps: cap * tanh(x / cap) on the attention scores
     # and on the final logits. Sliding layers rotate with local_rope_theta; full layers with rope_theta,
@@ -374,6 +377,11 @@ class ModelArch:
         (k, c), (h, dk, dv) = self.linear_state_shapes()
         return self.num_linear_layers * 4 * (k * c + h * dk * dv)
 
+    @property
+    def holds_mxfp4_experts(self) -> bool:
+        """Whether the built model keeps its experts as MXFP4 blocks and scales (else in the compute dtype)."""
+        return self.experts_mxfp4 and not self.experts_mxfp4_dense
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
         return (
@@ -455,8 +463,8 @@ class ModelArch:
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
             biased = self.router_scoring == "sigmoid"
             total += sparse * self.num_experts * (self.hidden_size + biased) * (4 - dtype_bytes)
-        if self.experts_mxfp4:  # the stacked experts' weights (not their biases) stay packed: half a
-            # byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
+        if self.holds_mxfp4_experts:  # the stacked experts' weights (not their biases) stay packed: half
+            # a byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
             per_expert = 3 * self.hidden_size * self.moe_intermediate_size
             total -= (

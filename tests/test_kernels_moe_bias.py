@@ -9,7 +9,7 @@ import torch
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_align import moe_align
 from overnight.kernels.moe_configs import MoeConfig
-from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
+from overnight.kernels.moe_gemm import MXFP4_DECODES, GemmTiles, moe_gemm, moe_gemm_ref
 from overnight.layers.moe import ExpertActivation, fused_experts_ref, router_topk_ref
 from tests.test_kernels_moe import DEVICE, SMALL, assert_close, experts_weights, randn, random_ids
 
@@ -66,14 +66,17 @@ def _mxfp4(e: int, rows: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Te
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hidden", [64, 96])  # 96: K not a multiple of the 64-wide tile
-def test_mxfp4_gemms_match_reference(dtype, hidden):
-    """The kernel decodes the nibbles and scales in registers; the reference decodes the whole tensor."""
+@pytest.mark.parametrize("hidden", [64, 96, 128])  # 96: K not a multiple of the 64-wide tile
+@pytest.mark.parametrize("decode", MXFP4_DECODES)
+def test_mxfp4_gemms_match_reference(dtype, hidden, decode):
+    """The kernel decodes the nibbles and scales in registers (either decoding); the reference decodes
+    the whole tensor."""
     from overnight.kernels.moe_gemm import mxfp4_to_float
     from overnight.quant.mxfp4 import dequantize_mxfp4
 
     num_tokens, top_k, num_experts, inter = 7, 2, 4, 32
-    tiles = GemmTiles(block_n=16, block_k=64, group_m=2, num_warps=4, num_stages=2)
+    # 128: 128-deep steps (fp16; fp32 operands take 32: fit_operand_size)
+    tiles = GemmTiles(block_n=16, block_k=128 if hidden == 128 else 64, group_m=2, num_warps=4, num_stages=2)
     x = randn(num_tokens, hidden, seed=40, scale=0.1, dtype=dtype)
     w13, s13 = _mxfp4(num_experts, 2 * inter, hidden, seed=41)
     w2, s2 = _mxfp4(num_experts, hidden, inter, seed=42)
@@ -86,11 +89,31 @@ def test_mxfp4_gemms_match_reference(dtype, hidden):
     weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(44)).to(DEVICE)
     b13 = randn(num_experts, 2 * inter, seed=45, dtype=dtype)
     runs = moe_align(ids, num_experts, 16)
-    h = moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13, bias=b13, activation=OAI)
+    h = moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13, bias=b13, activation=OAI, mxfp4_decode=decode)
     assert_close(h, moe_gemm_ref(x, w13, ids, gated=True, w_scale=s13, bias=b13, activation=OAI))
-    y = moe_gemm(h, w2, runs, GemmTiles(16, 32, 2, 4, 2), topk_weights=weights, w_scale=s2)
+    small = GemmTiles(16, 32, 2, 4, 2)
+    y = moe_gemm(h, w2, runs, small, topk_weights=weights, w_scale=s2, mxfp4_decode=decode)
     assert_close(y, moe_gemm_ref(h, w2, ids, topk_weights=weights, w_scale=s2))
     with pytest.raises(ValueError, match="MXFP4: w_scale"):
         moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13[..., :-1])
     with pytest.raises(ValueError, match="multiples of 32"):
         moe_gemm(x, w13, runs, GemmTiles(16, 16, 2, 4, 2), gated=True, w_scale=s13)
+    with pytest.raises(ValueError, match="unknown MXFP4 decode"):
+        moe_gemm(x, w13, runs, tiles, gated=True, w_scale=s13, mxfp4_decode="lut")
+
+
+@pytest.mark.parametrize("decode", MXFP4_DECODES)
+def test_mxfp4_every_code_at_extreme_scales(decode):
+    """One-hot rows of x pick single weights: every e2m1 code (both nibbles of every byte value) at scales
+    from 2^-100 to 2^100, decoded exactly (fp32, one product a weight)."""
+    k, rows = 32, 256  # row r: byte r in every position, so both nibbles take every code
+    w = torch.arange(256, dtype=torch.uint8)[:, None].expand(rows, k // 2).contiguous()[None]
+    s = torch.linspace(27, 227, rows).round().to(torch.uint8)[None, :, None]  # 2^-100 .. 2^100
+    x = torch.eye(k, dtype=torch.float32)
+    ids = torch.zeros(k, 1, dtype=torch.int32)
+    runs = moe_align(ids.to(DEVICE), 1, 16)
+    one = torch.ones(k, 1, device=DEVICE)
+    tiles = GemmTiles(block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=2)
+    args = (x.to(DEVICE), w.to(DEVICE), runs, tiles)
+    out = moe_gemm(*args, topk_weights=one, w_scale=s.to(DEVICE), mxfp4_decode=decode)
+    assert torch.equal(out.cpu(), moe_gemm_ref(x, w, ids, topk_weights=one.cpu(), w_scale=s))

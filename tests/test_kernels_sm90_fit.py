@@ -36,7 +36,7 @@ def moe_case(dtype: str, rows_per_expert: int, mxfp4: bool = False):
         w_ptr="*u8" if mxfp4 else f"*{dtype}", w_scale_ptr="*u8" if mxfp4 else "*fp32",
     )  # fmt: skip
     cx = dict(
-        A_DIV=1, GATED=True, HAS_BIAS=True, ACTIVATION=1, MUL_WEIGHT=False, W_FP8=False, W_MXFP4=mxfp4,
+        A_DIV=1, GATED=True, HAS_BIAS=True, ACTIVATION=1, MUL_WEIGHT=False, W_FP8=False, W_MXFP4=mxfp4, MXFP4_BITS=False,
         EVEN_K=True, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
     )  # fmt: skip

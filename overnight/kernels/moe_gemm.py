@@ -65,6 +65,23 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
     return tiles
 
 
+# How MXFP4 tiles are decoded: "v1" (the first version, _e2m1_to_float: per weight two int-to-float
+# conversions and an exp2), "bits" (_e2m1_bits: integer ops only) or "v2" (kernels/mxfp4_moe.py). Why v1 is slow, from its sm_90
+# compile (tests/test_kernels_moe_mxfp4_sm90.py; the same tiles in bf16 beside it): the weight bytes come by
+# single-byte global loads (68 ld.global.u8 per loop body, no cp.async, no 16-byte copy: the [BLOCK_K/2,
+# BLOCK_N] byte tile is read N-major while K is the contiguous dimension), ~2 int-to-float conversions and
+# one ex2 per weight (272 cvt and 152 ex2 a K step of a 16 x 64 x 128 gated tile: a quarter-rate unit
+# each), every default tier spills (200-680 bytes of stack at 255 registers; bf16's small tiers none),
+# and the join / permute / reshape interleave plus the [K/32, 32, N] scale broadcast go through shared
+# memory (st.shared per step) before the dot (mma.sync up to 32 rows). "bits" removes the conversions;
+# the loads and the layout round trip remain (kernels/w4a16_moe.py's K-contiguous words and in-register
+# unpacking are the rewrite that fixes those: "v2", kernels/mxfp4_moe.py, with 16-byte copies of
+# K-contiguous words, unpacked and scaled in registers). Not yet measured on a GPU: bench/mxfp4_moe_gpu.py
+# times all three against the bf16 fused MoE and prints the default to set here.
+MXFP4_DECODES = ("v1", "bits", "v2")
+MXFP4_DECODE = "v1"
+
+
 # Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per
 # tile configuration serves every batch size.
 @triton.jit
@@ -79,12 +96,31 @@ def _e2m1_to_float(code):
 
 
 @triton.jit
-def _mxfp4_tile(w_ptrs, s_ptrs, mask, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _e2m1_bits(code):
+    """The same values by placing bits, with no int-to-float conversion and no exp2: magnitude m = code & 7
+    shifted to the top of an fp32 mantissa (bit 22) puts m's two exponent bits at the bottom of the
+    exponent field and its mantissa bit at the top of the mantissa; adding 126 << 23 makes that
+    2^(e - 1) * (1 + mantissa / 2), e2m1's value for m >= 2. m = 1 (0.5) and m = 0 are selected as
+    constants (e2m1's subnormals), and the sign bit is or-ed in: about ten integer ops a weight."""
+    m = code & 7
+    bits = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _mxfp4_tile(
+    w_ptrs, s_ptrs, mask, s_mask, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, DECODE_BITS: tl.constexpr
+):
     """A [BLOCK_K, BLOCK_N] tile of MXFP4 weights in fp32: w_ptrs point at [BLOCK_K / 2, BLOCK_N] bytes,
-    s_ptrs at the tile's [BLOCK_K / 32, BLOCK_N] scale bytes."""
+    s_ptrs at the tile's [BLOCK_K / 32, BLOCK_N] scale bytes. DECODE_BITS: _e2m1_bits, else
+    _e2m1_to_float (the first version)."""
     packed = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    low = _e2m1_to_float(packed & 15)
-    high = _e2m1_to_float(packed >> 4)
+    if DECODE_BITS:
+        low = _e2m1_bits(packed & 15)
+        high = _e2m1_bits(packed >> 4)
+    else:
+        low = _e2m1_to_float(packed & 15)
+        high = _e2m1_to_float(packed >> 4)
     # byte i holds columns 2i (low) and 2i + 1 (high): interleave along K
     w = tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, BLOCK_N))
     exps = tl.load(s_ptrs, mask=s_mask, other=127).to(tl.float32) - 127.0
@@ -126,6 +162,7 @@ def _moe_gemm_kernel(
     MUL_WEIGHT: tl.constexpr,
     W_FP8: tl.constexpr,
     W_MXFP4: tl.constexpr,
+    MXFP4_BITS: tl.constexpr,
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -180,7 +217,8 @@ def _moe_gemm_kernel(
             k_left = K - k * BLOCK_K
             b_mask = n_mask[None, :] & (offs_kb[:, None] < k_left // 2)
             s_mask = n_mask[None, :] & (offs_ks[:, None] < k_left // 32)
-            w = _mxfp4_tile(w_ptrs, s_ptrs, b_mask, s_mask, BLOCK_K, BLOCK_N).to(a_ptr.dtype.element_ty)
+            w = _mxfp4_tile(w_ptrs, s_ptrs, b_mask, s_mask, BLOCK_K, BLOCK_N, MXFP4_BITS)
+            w = w.to(a_ptr.dtype.element_ty)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
             if W_FP8:
@@ -189,7 +227,7 @@ def _moe_gemm_kernel(
         if GATED:
             if W_MXFP4:
                 up = _mxfp4_tile(
-                    w_ptrs + up_offset, s_ptrs + N * stride_sn, b_mask, s_mask, BLOCK_K, BLOCK_N
+                    w_ptrs + up_offset, s_ptrs + N * stride_sn, b_mask, s_mask, BLOCK_K, BLOCK_N, MXFP4_BITS
                 ).to(a_ptr.dtype.element_ty)
             else:
                 up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
@@ -238,6 +276,7 @@ def moe_gemm(
     w_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
+    mxfp4_decode: str | None = None,
 ) -> torch.Tensor:
     """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T (+ bias[expert of p]), then
 
@@ -247,7 +286,11 @@ def moe_gemm(
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
     have unit stride along K. An e4m3 w comes with w_scale [E, rows of w] float32 (w[e, r] * w_scale[e, r]
-    is the weight)."""
+    is the weight). MXFP4 w (uint8) comes with w_scale [E, rows, K/32] uint8; mxfp4_decode names the
+    decoding (MXFP4_DECODES; None: MXFP4_DECODE)."""
+    decode = MXFP4_DECODE if mxfp4_decode is None else mxfp4_decode
+    if decode not in MXFP4_DECODES:
+        raise ValueError(f"unknown MXFP4 decode {decode!r}: one of {', '.join(MXFP4_DECODES)}")
     tiles = fit_operand_size(tiles, a.dtype)
     num_pairs = runs.num_pairs
     a_rows, k_dim = a.shape
@@ -292,6 +335,14 @@ def moe_gemm(
     if kind not in ("silu", "swiglu_oai"):
         raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai)")
 
+    if w_mxfp4 and w_scale is not None and decode == "v2":
+        from overnight.kernels.mxfp4_moe import mxfp4_moe_gemm
+
+        return mxfp4_moe_gemm(
+            a, w, w_scale, runs, out, block_n=tiles.block_n, block_k=tiles.block_k, group_m=tiles.group_m,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages, gated=gated,
+            topk_weights=topk_weights, bias=bias, activation=activation,
+        )  # fmt: skip
     block_m = runs.block_m
     num_tiles_m = runs.sorted_ids.numel() // block_m
     grid = (num_tiles_m * triton.cdiv(n, tiles.block_n),)
@@ -328,6 +379,7 @@ def moe_gemm(
         MUL_WEIGHT=topk_weights is not None,
         W_FP8=w_fp8,
         W_MXFP4=w_mxfp4,
+        MXFP4_BITS=decode == "bits",
         EVEN_K=k_dim % tiles.block_k == 0,
         # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32.
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",

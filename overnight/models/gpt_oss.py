@@ -16,8 +16,11 @@ Checkpoints keep the experts stacked as [E, in, out] tensors with gate and up co
 (gate = even columns, up = odd ones). load_weights transposes them to the [E, out, in] layout of
 layers/moe.py's Experts and puts the gate rows before the up rows. MXFP4 checkpoints (the published
 ones: 4-bit experts in blocks of 32 with one power-of-two scale each, quant/mxfp4.py; config.json's
-quantization_config says quant_method "mxfp4") keep their experts packed on every device: the fused GEMMs
-decode them in registers on the GPU, the CPU path dequantizes the experts a step runs.
+quantization_config says quant_method "mxfp4") keep their experts packed by default: the fused GEMMs
+decode them in registers on the GPU, the CPU path dequantizes the experts a step runs. With
+ModelArch.experts_mxfp4_dense (the mxfp4_experts option) each expert is dequantized to the compute dtype as
+its blocks and scales arrive (_dequantized_experts: one expert's rows at a time, after any tensor-parallel
+slicing, so each rank dequantizes only its share) and runs through the 16-bit fused MoE.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ class GptOssMoE(nn.Module):
             arch.moe_intermediate_size,
             bias=True,
             activation=activation,
-            mxfp4=arch.experts_mxfp4,
+            mxfp4=arch.holds_mxfp4_experts,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,7 +118,11 @@ class GptOssForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, _to_stacked_layout(weights, self))
+        stream = _to_stacked_layout(weights, self)
+        if self.arch.experts_mxfp4_dense:
+            experts = next(m for m in self.modules() if isinstance(m, Experts))
+            stream = _dequantized_experts(stream, experts.compute_dtype or experts.gate_up_proj.dtype)
+        load_packed_weights(self, stream)
 
     def checkpoint_layout(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -187,3 +194,66 @@ def _checked_pairs(
         raise ModelLoadError(
             f"MXFP4 checkpoint lacks {', '.join(sorted(lonely))} (blocks and scales come in pairs)"
         )
+
+
+# One expert's MXFP4 tensors as _to_stacked_layout names them: "<prefix>.<e>.<part>.weight" -> the pair
+# they belong to and their role in it. Gate and up rows share the gate_up scales ([gate | up] rows).
+_MXFP4_PARTS = {
+    "gate_proj": ("gate_up", "gate"),
+    "up_proj": ("gate_up", "up"),
+    "gate_up_scales": ("gate_up", "scales"),
+    "down_proj": ("down", "down"),
+    "down_scales": ("down", "scales"),
+}
+_MXFP4_NEEDS = {"gate_up": {"gate", "up", "scales"}, "down": {"down", "scales"}}
+
+
+def _dequantized_experts(
+    weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The per-expert stream of _to_stacked_layout (possibly sliced for a tensor-parallel rank) with every
+    expert's MXFP4 rows replaced by their values in dtype, under the names of an unquantized checkpoint's
+    experts; other tensors pass through. An expert's blocks wait for its scales (or the reverse): at most
+    one checkpoint tensor's worth of packed rows is held, and each expert is dequantized on its own."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # "<prefix>.<e>.<gate_up|down>" -> roles so far
+    for name, tensor in weights:
+        stem, _, leaf = name.rpartition(".")
+        owner, _, part = stem.rpartition(".")
+        role = _MXFP4_PARTS.get(part)
+        if leaf != "weight" or role is None or tensor.dtype != torch.uint8:
+            yield name, tensor  # float experts, biases and everything else
+            continue
+        pair, what = role
+        key = f"{owner}.{pair}"
+        held = pending.setdefault(key, {})
+        held[what] = tensor
+        if held.keys() != _MXFP4_NEEDS[pair]:
+            continue
+        del pending[key]
+        scales = held["scales"]
+        if pair == "down":
+            yield f"{owner}.down_proj.weight", _rows(held["down"], scales, dtype, name)
+            continue
+        n = held["gate"].shape[0]
+        yield f"{owner}.gate_proj.weight", _rows(held["gate"], scales[:n], dtype, name)
+        yield f"{owner}.up_proj.weight", _rows(held["up"], scales[n:], dtype, name)
+    if pending:
+        missing = {k: sorted(_MXFP4_NEEDS[k.rpartition(".")[2]] - v.keys()) for k, v in pending.items()}
+        raise ModelLoadError(
+            "MXFP4 experts incomplete at the end of the checkpoint: "
+            + "; ".join(f"{k} lacks {', '.join(m)}" for k, m in sorted(missing.items()))
+        )
+
+
+def _rows(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """Packed rows [N, K/2] with their scales [N, K/32] -> [N, K] in dtype."""
+    if blocks.shape[-1] % 16 or blocks.shape[:-1] != scales.shape[:-1]:
+        raise ModelLoadError(
+            f"MXFP4 rows of {tuple(blocks.shape)} do not match their scales {tuple(scales.shape)} ({name})"
+        )
+    from overnight.quant.mxfp4 import dequantize_mxfp4
+
+    try:
+        return dequantize_mxfp4(blocks.unflatten(-1, (-1, 16)), scales, dtype)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
