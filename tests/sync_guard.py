@@ -3,8 +3,10 @@ captured decode step may not contain.
 
 On the GPU a decode step is captured once and replayed (runner/cuda_graph.py), so a model's forward
 must not read tensor values on the host (.item(), .tolist(), bool(t), int(t), .cpu(), .numpy()) nor
-make shapes from them (nonzero, unique, masked_select, boolean-mask indexing, repeat_interleave by a
-tensor without output_size, bincount). On the CPU none of these fail, so `no_host_syncs()` patches them to raise
+make shapes from them (nonzero, unique, masked_select, repeat_interleave by a tensor without
+output_size, bincount). Boolean-mask indexing is not caught: patching Tensor.__getitem__ gives the type
+a sequence slot that deleting the patch leaves behind, after which torch treats 0-d tensors as
+sequences (torch.tensor([t0, t1]) calls len() on them) in every later test of the process. On the CPU none of these fail, so `no_host_syncs()` patches them to raise
 when the nearest caller among our code is a model, layer or kernel wrapper. Calls made by the Triton
 interpreter (which copies kernel arguments through numpy) and by the CPU attention backend (a test
 stand-in; the GPU backends are captured on their own, tests/test_cuda_graph*.py) pass.
@@ -59,11 +61,6 @@ def _guard(what: str, original: Callable[..., Any], when: Callable[..., bool] | 
     return guarded
 
 
-def _bool_index(index: Any) -> bool:
-    items = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
-
-
 def _tensor_repeats(repeats: Any, kwargs: dict[str, Any]) -> bool:
     return isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
 
@@ -85,7 +82,6 @@ def no_host_syncs() -> Iterator[None]:
         (T, "masked_select", None),
         (T, "argwhere", None),
         (T, "bincount", None),
-        (T, "__getitem__", lambda self, index: _bool_index(index)),
         (T, "repeat_interleave", lambda self, repeats=None, *a, **k: _tensor_repeats(repeats, k)),
         (torch, "nonzero", None),
         (torch, "unique", None),
@@ -94,7 +90,11 @@ def no_host_syncs() -> Iterator[None]:
         (torch, "bincount", None),
         (torch, "repeat_interleave", lambda x, repeats=None, *a, **k: _tensor_repeats(repeats, k)),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    # What each owner itself defines (vars, not getattr): many of Tensor's methods are inherited from
+    # torch._C.TensorBase, and setting the inherited one back on Tensor would change the type's slots
+    # (len() and indexing of 0-d tensors broke in later tests). Those are deleted again instead.
+    missing = object()
+    saved = [(owner, name, vars(owner).get(name, missing)) for owner, name, _ in patches]
     try:
         for owner, name, when in patches:
             setattr(
@@ -103,4 +103,7 @@ def no_host_syncs() -> Iterator[None]:
         yield
     finally:
         for owner, name, original in saved:
-            setattr(owner, name, original)
+            if original is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)

@@ -96,7 +96,7 @@ def test_classifier_config_from_the_checkpoint(tmp_path):
     with pytest.raises(ModelLoadError, match="activation 'my.Tanh' is not supported"):
         classifier(num_labels=1, sentence_transformers={"activation_fn": "my.Tanh"})
     source = _classifier_source(tmp_path, "BertForSequenceClassification", num_labels=1)
-    with pytest.raises(ConfigError, match="reads the first token: pooling_type MEAN"):
+    with pytest.raises(ConfigError, match="reads its first token: pooling_type MEAN"):
         read_pooler_config(source, "MEAN")
     assert _classifier_source(tmp_path, "BertModel").arch.num_labels == 0
 
