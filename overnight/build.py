@@ -430,6 +430,10 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     if source.quantization is not None:
         log.info("quantization: %s", source.quantization.describe())
     device = pick_device(opts.device)
+    if device.type == "cuda":
+        from overnight.kernels.jit_watch import remember_compiles
+
+        remember_compiles()  # a variant compiled mid-run is then logged by what changed from start-up's
     config = build_config(opts, source, device, device_memory_gib(device))
     fp8_linear, int_linear = linear_formats(source.quantization, device)
     check_int_parallel(source, config.parallel.tensor_parallel_size, int_linear)

@@ -133,7 +133,7 @@ def run_ours(
             "roofline_s": [round(roof.t_compute, 2), round(roof.t_memory, 2)],
             "host_per_step": engine.timings.summary() if engine.timings is not None else None,
             # Triton variants compiled inside the timed run (each ~1 s of host time, the GPU idle).
-            "jit_compiles": [c[:300] for c in compiled],
+            "jit_compiles": [c[:600] for c in compiled],
         },
     )
     del llm

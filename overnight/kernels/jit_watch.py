@@ -18,6 +18,28 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+# Kernel name -> the arguments of its first variant seen in this process: a later variant is reported
+# by what differs from it, which names the argument that specializes (a bare repr is mostly options).
+_FIRST_ARGS: dict[str, list[str]] = {}
+
+
+def _split(repr_: str) -> tuple[str, list[str]]:
+    """("name", ["arg: type", ...]) of Triton's "name[options](arg: type, ...)"."""
+    name = repr_.split("[", 1)[0].split("(", 1)[0]
+    args = repr_[repr_.find("(") + 1 : repr_.rfind(")")] if "(" in repr_ else ""
+    return name, [a.strip() for a in args.split(", ")] if args else []
+
+
+def describe(repr_: str) -> str:
+    """A compile in one line: "name(a: i32 -> i32D, ...)", the arguments that differ from the kernel's
+    first variant, or with none seen yet "name(every argument)"; the compile options are left out."""
+    name, args = _split(repr_)
+    first = _FIRST_ARGS.get(name)
+    if first is None or len(first) != len(args):
+        return f"{name}({', '.join(args)})"
+    changed = [f"{a} -> {b.split(': ', 1)[-1]}" for a, b in zip(first, args) if a != b]
+    return f"{name}({', '.join(changed) or 'options only'})"
+
 
 def _install(on_compile: Callable[[str], None]) -> Callable[[], None]:
     """Call on_compile(repr) before each compile; returns the function that takes the hook out."""
@@ -27,7 +49,10 @@ def _install(on_compile: Callable[[str], None]) -> Callable[[], None]:
     previous = runtime.jit_cache_hook
 
     def hook(**kwargs: Any) -> bool | None:
-        on_compile(kwargs["repr"])  # "name[options](arg: type and specialization, ...)"
+        repr_ = kwargs["repr"]  # "name[options](arg: type and specialization, ...)"
+        on_compile(repr_)
+        name, args = _split(repr_)
+        _FIRST_ARGS.setdefault(name, args)
         return previous(**kwargs) if previous is not None else None
 
     runtime.jit_cache_hook = hook
@@ -39,12 +64,22 @@ def _install(on_compile: Callable[[str], None]) -> Callable[[], None]:
     return remove
 
 
+_REMEMBERING: list[Callable[[], None]] = []
+
+
+def remember_compiles() -> None:
+    """From now on, remember each kernel's first variant (once per process), so that a later variant
+    is described by the arguments that changed. Call before the first kernel runs."""
+    if not _REMEMBERING:
+        _REMEMBERING.append(_install(lambda _repr: None))
+
+
 @contextmanager
 def watch_compiles() -> Iterator[list[str]]:
-    """Yield a list that collects one line per kernel variant compiled inside the block: the kernel's
-    name and its arguments' specialization."""
+    """Yield a list that collects one line per kernel variant compiled inside the block: describe()'s
+    line (the kernel's name and what differs from its first variant)."""
     compiled: list[str] = []
-    remove = _install(compiled.append)
+    remove = _install(lambda repr_: compiled.append(describe(repr_)))
     try:
         yield compiled
     finally:
@@ -72,10 +107,10 @@ def log_compiles_after_startup(log: logging.Logger) -> Callable[[], None]:
         else:
             log.warning(
                 "Triton compiled variant %d of %s during the run: each costs about a second with the GPU "
-                "idle; a per-step value is specializing it (%s)",
+                "idle; a per-step value is specializing it: %s",
                 variants[name],
                 name,
-                repr_[:300],
+                describe(repr_)[:600],
             )
 
     remove_hook = _install(on_compile)
