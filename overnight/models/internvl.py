@@ -106,4 +106,3 @@ class InternVLMoeForConditionalGeneration(InternVLForConditionalGeneration):
 
     unquantized_linear = (*_TOWER_MODULES, "mlp.gate")
     dequantized_at_load = (*_TOWER_MODULES, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
-    experts_fp8_at_load = True  # e4m3 from the build on, as Qwen3-MoE's
