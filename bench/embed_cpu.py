@@ -16,41 +16,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
+import sys
 import tempfile
-import time
 
 import torch
 
-WORD_CHARS = "abcdefghijklmnopqrstuvwxyz"
+sys.path.insert(0, ".")
+
+from bench.cpu_compare import alternate, save_minilm_shape, synthetic_words, words_between  # noqa: E402
 
 
 def make_model(root: str, vocab_words: list[str]) -> str:
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
+    from transformers import BertModel
 
-    base = os.path.join(root, "minilm-shape-hf")
-    os.makedirs(base)
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = specials + vocab_words + list(WORD_CHARS) + ["##" + c for c in WORD_CHARS]
-    vocab += [f"[unused{i}]" for i in range(30522 - len(vocab))]
-    with open(os.path.join(base, "vocab.txt"), "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(os.path.join(base, "vocab.txt"))
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        intermediate_size=1536,
-        max_position_embeddings=512,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(base)
-    tokenizer.save_pretrained(base)
+    base = save_minilm_shape(os.path.join(root, "minilm-shape-hf"), vocab_words, BertModel)
     folder = os.path.join(root, "minilm-shape")
     modules = [Transformer(base), Pooling(384, pooling_mode="mean"), Normalize()]
     SentenceTransformer(modules=modules, device="cpu").save(folder)
@@ -59,11 +42,7 @@ def make_model(root: str, vocab_words: list[str]) -> str:
 
 def make_texts(n: int, words: list[str], seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    texts = []
-    for _ in range(n):
-        k = int(math.exp(rng.uniform(math.log(4), math.log(128))))
-        texts.append(" ".join(rng.choice(words) for _ in range(k)))
-    return texts
+    return [words_between(rng, words, 4, 128) for _ in range(n)]
 
 
 def main() -> None:
@@ -78,8 +57,7 @@ def main() -> None:
 
     from overnight import LLM
 
-    rng = random.Random(1)
-    words = sorted({"".join(rng.choice(WORD_CHARS) for _ in range(rng.randint(2, 9))) for _ in range(20000)})
+    words = synthetic_words()
     with tempfile.TemporaryDirectory() as root:
         folder = make_model(root, words)
         texts = make_texts(args.texts, words)
@@ -99,15 +77,7 @@ def main() -> None:
         def run_ours() -> None:
             llm.embed(texts, use_tqdm=False)
 
-        names = ("sentence-transformers", "overnight")
-        wall: dict[str, list[float]] = {n: [] for n in names}
-        cpu: dict[str, list[float]] = {n: [] for n in names}
-        for _ in range(args.rounds):  # alternating, so both see the same machine
-            for name, fn in zip(names, (run_st, run_ours)):
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+        wall, cpu = alternate({"sentence-transformers": run_st, "overnight": run_ours}, args.rounds)
     best = {k: min(v) for k, v in wall.items()}
     best_cpu = {k: min(v) for k, v in cpu.items()}
     speedup = best["sentence-transformers"] / best["overnight"]

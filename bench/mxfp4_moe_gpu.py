@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, ".")
 
+from bench.gpu_timing import graph_time  # noqa: E402
 from overnight.kernels import moe_gemm  # noqa: E402
 from overnight.kernels.fused_moe import fused_experts  # noqa: E402
 from overnight.kernels.moe_configs import MoeConfig, default_config  # noqa: E402
@@ -66,33 +67,6 @@ VARIANTS: dict[str, tuple[str, Callable[[int, int], MoeConfig | None]]] = {
     "v2-s6": ("v2", lambda t, e: _tiles(t, e, num_stages=6)),
     "v2-n128": ("v2", lambda t, e: _tiles(t, e, block_n=128)),
 }
-
-
-def graph_time(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Microseconds per call: all of `calls` captured back to back in one CUDA graph, median replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e3 / len(calls)
 
 
 def experts(num_experts: int, seed: int) -> dict[str, torch.Tensor]:

@@ -3,7 +3,7 @@ CrossEncoder.predict, on the same cross-encoder and pairs, in one process (same 
 
 The model is random weights of ms-marco-MiniLM-L6-v2's shape (BertForSequenceClassification: 6 layers,
 hidden 384, 12 heads, MLP 1536, 512 positions, vocabulary 30,522, one label), with a WordPiece tokenizer
-over a synthetic vocabulary (bench/embed_cpu.py's). The job: --queries queries of 4 to 16 words, each
+over a synthetic vocabulary (bench/cpu_compare.py). The job: --queries queries of 4 to 16 words, each
 against --docs documents of 16 to 256 words (log-uniform), seed 0: a retriever's candidates, reranked.
 The scores are checked first (equal to CrossEncoder.predict's within 1e-4 on the first 64 pairs, before
 any activation). The two sides run alternately, --rounds times after a warm-up; the best run of each
@@ -16,49 +16,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, ".")
 
-from bench.embed_cpu import WORD_CHARS  # noqa: E402
+from bench.cpu_compare import alternate, save_minilm_shape, synthetic_words, words_between  # noqa: E402
 
 
 def make_model(root: str, vocab_words: list[str]) -> str:
-    from transformers import BertConfig, BertForSequenceClassification, BertTokenizerFast
+    from transformers import BertForSequenceClassification
 
     folder = os.path.join(root, "ms-marco-minilm-shape")
-    os.makedirs(folder)
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = specials + vocab_words + list(WORD_CHARS) + ["##" + c for c in WORD_CHARS]
-    vocab += [f"[unused{i}]" for i in range(30522 - len(vocab))]
-    with open(os.path.join(folder, "vocab.txt"), "w") as f:
-        f.write("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizerFast(os.path.join(folder, "vocab.txt"))
-    config = BertConfig(
-        vocab_size=30522,
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=12,
-        intermediate_size=1536,
-        max_position_embeddings=512,
-        num_labels=1,
-    )
-    torch.manual_seed(0)
-    BertForSequenceClassification(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def words_between(rng: random.Random, words: list[str], lo: int, hi: int) -> str:
-    k = int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
-    return " ".join(rng.choice(words) for _ in range(k))
+    return save_minilm_shape(folder, vocab_words, BertForSequenceClassification, num_labels=1)
 
 
 def main() -> None:
@@ -74,8 +48,7 @@ def main() -> None:
 
     from overnight import LLM, PoolingParams
 
-    rng = random.Random(1)
-    words = sorted({"".join(rng.choice(WORD_CHARS) for _ in range(rng.randint(2, 9))) for _ in range(20000)})
+    words = synthetic_words()
     data = random.Random(0)
     jobs = [
         (words_between(data, words, 4, 16), [words_between(data, words, 16, 256) for _ in range(args.docs)])
@@ -107,21 +80,17 @@ def main() -> None:
         def run_ours_whole() -> None:
             llm.score([q for q, _ in pairs], [d for _, d in pairs], use_tqdm=False)
 
-        names = ("CrossEncoder.predict", "overnight (per query)", "overnight (one call)")
-        fns = (run_ce, run_ours, run_ours_whole)
-        for fn in fns:
+        sides = {
+            "CrossEncoder.predict": run_ce,
+            "overnight (per query)": run_ours,
+            "overnight (one call)": run_ours_whole,
+        }
+        for fn in sides.values():
             fn()  # warm-up
-        wall: dict[str, list[float]] = {n: [] for n in names}
-        cpu: dict[str, list[float]] = {n: [] for n in names}
-        for _ in range(args.rounds):  # alternating, so each sees the same machine
-            for name, fn in zip(names, fns):
-                t0, c0 = time.perf_counter(), time.process_time()
-                fn()
-                wall[name].append(time.perf_counter() - t0)
-                cpu[name].append(time.process_time() - c0)
+        wall, cpu = alternate(sides, args.rounds)
     best = {k: min(v) for k, v in wall.items()}
     best_cpu = {k: min(v) for k, v in cpu.items()}
-    base = names[0]
+    base = "CrossEncoder.predict"
     threads = torch.get_num_threads()
     print(
         f"{len(pairs)} pairs ({args.queries} queries x {args.docs}), {num_tokens} tokens, torch threads {threads}"

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -49,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, ".")
 
+from bench.gpu_timing import graph_time  # noqa: E402
 from overnight.kernels.int8_gemm import int8_gemm_ref, int8_linear  # noqa: E402
 from overnight.kernels.int8_quant import quantize_int8_ref  # noqa: E402
 from overnight.kernels.w4a16_gemm import (  # noqa: E402
@@ -139,33 +139,6 @@ def int8_weight(n: int, k: int, seed: int = 0):
     gen = torch.Generator(DEVICE).manual_seed(seed)
     w = torch.randint(-127, 128, (n, k), generator=gen, device=DEVICE, dtype=torch.int8)
     return w, torch.rand(n, generator=gen, device=DEVICE) * 0.01 + 0.001
-
-
-def graph_time(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Microseconds per call: all of `calls` captured back to back in one CUDA graph, median replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm outside the capture
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e3 / len(calls)
 
 
 def copies(nbytes: int) -> int:

@@ -37,7 +37,7 @@ from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.deepseek import DeepseekMoE, DeepseekV2TopkRouter
 from tests.parity_helpers import hf_greedy
-from tests.tiny_models import _spread_weights
+from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
 
 COMMON = dict(
     vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -66,36 +66,16 @@ VARIANTS = {
              rope_interleave=False, routed_scaling_factor=1.8),
     ),
 }  # fmt: skip
-ENGINE = dict(
-    skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
-    max_num_seqs=4, kv_cache_memory_bytes=1 << 20, enable_prefix_caching=True,
-)  # fmt: skip
-NEW_TOKENS = 8
 ROW = 32 + 8  # kv_lora_rank + qk_rope_head_dim: one cache row per token and layer
 
 
 def make_checkpoint(folder: Path, variant: str, seed: int = 0) -> Path:
-    import transformers
-
-    prefix, fields = VARIANTS[variant]
-    config = getattr(transformers, f"{prefix}Config")(**{**COMMON, **fields})
-    torch.manual_seed(seed)
-    model = getattr(transformers, f"{prefix}ForCausalLM")(config).eval()
-    _spread_weights(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # transformers initializes it to zeros
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
-    model.save_pretrained(folder)
-    return folder
+    family, fields = VARIANTS[variant]
+    return make_moe_checkpoint(folder, family, {**COMMON, **fields}, seed)
 
 
 def load_reference(folder: Path, variant: str):
-    import transformers
-
-    cls = getattr(transformers, f"{VARIANTS[variant][0]}ForCausalLM")
-    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    return load_moe_reference(folder, VARIANTS[variant][0])
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

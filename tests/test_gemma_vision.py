@@ -8,16 +8,14 @@ an image repeated over prompts encoded once."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from overnight import LLM, SamplingParams
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError
-from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
-from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, HfReference, make_gemma_vl_checkpoint
-from tests.tiny_vl import cpu_flags, data_uri, image, words
+from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, hf_reference, make_gemma_vl_checkpoint
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
 
 NEW = 8
 BUDGET = 24  # max_num_batched_tokens: chunks of 24 tokens, images of 16
@@ -34,7 +32,7 @@ def setup(tmp_path_factory):
         max_num_batched_tokens=BUDGET,
         max_model_len=256,
     )
-    return folder, llm, HfReference(folder)
+    return folder, llm, hf_reference(folder)
 
 
 CASES = [
@@ -49,17 +47,6 @@ CASES = [
 ]
 
 
-def check(out, ref: HfReference, text: str, imgs: list) -> None:
-    ids, tokens, lps = ref.greedy(text, imgs, NEW)
-    assert out.prompt_token_ids == ids, text  # the HF processor's expansion, "\n\n" around each image
-    assert out.outputs[0].token_ids == tokens, text
-    ours = [
-        next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
-        for d, t in zip(out.outputs[0].logprobs, tokens)
-    ]
-    np.testing.assert_allclose(ours, lps, atol=1e-4)
-
-
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
     prompts = [
@@ -69,7 +56,7 @@ def test_generate_with_images_token_exact(setup):
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for (text, imgs), out in zip(CASES, outs):
-        check(out, ref, text, [image(*s) for s in imgs])
+        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
     assert len(outs[3].prompt_token_ids) > 3 * WINDOW
     assert outs[2].prompt_token_ids.count(IDS["<image_soft_token>"]) == 2 * TOKENS_PER_IMAGE
 
@@ -105,7 +92,7 @@ def test_chat_image_url_parts(setup):
     rendered = llm.get_tokenizer().render_chat(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
     )
-    check(out, ref, rendered, [img])
+    check_greedy(out, ref, rendered, [img], NEW)
 
 
 def _engine(llm: LLM) -> Engine:
@@ -145,7 +132,7 @@ def test_chunk_boundary_inside_an_image_moves_before_it(setup):
         out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, params, use_tqdm=False)[0]
     finally:
         del engine.scheduler.schedule
-    check(out, ref, text, imgs)
+    check_greedy(out, ref, text, imgs, NEW)
     offset = out.prompt_token_ids.index(IDS["<image_soft_token>"])
     assert (24, offset - 24) in chunks, chunks  # cut short at the image's start
     assert (offset, 24) in chunks, chunks  # the image whole in the next chunk
@@ -169,7 +156,7 @@ def test_prefix_cache_hit_and_repeated_image(setup):
     offset = again.prompt_token_ids.index(IDS["<image_soft_token>"])
     assert not offset < again.num_cached_tokens < offset + TOKENS_PER_IMAGE
     for text, out in [(texts[0], outs[0]), (texts[3], outs[3]), (texts[0], again)]:
-        check(out, ref, text, [img])
+        check_greedy(out, ref, text, [img], NEW)
 
 
 def test_bad_image_prompts_are_refused(setup):
@@ -241,7 +228,7 @@ def test_image_longer_than_the_window(tmp_path):
         max_num_batched_tokens=80,
         max_model_len=256,
     )
-    ref = HfReference(folder, tokens_per_image=64)
+    ref = hf_reference(folder, tokens_per_image=64)
     cases = [(f"<bos> {words(30, 30, WORDS)} <start_of_image> {words(20, 31, WORDS)}", [image(45, 60, 32)])]
     cases.append((f"<bos> {words(5, 33, WORDS)} <start_of_image> {words(3, 34, WORDS)}", [image(80, 20, 35)]))
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
@@ -249,7 +236,7 @@ def test_image_longer_than_the_window(tmp_path):
         [{"prompt": t, "multi_modal_data": {"image": i}} for t, i in cases], params, use_tqdm=False
     )
     for (text, imgs), out in zip(cases, outs):
-        check(out, ref, text, imgs)
+        check_greedy(out, ref, text, imgs, NEW)
 
 
 @pytest.mark.slow
@@ -257,51 +244,8 @@ def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     """run-batch lines (an engine of their own, built from the flags) and the server through the official
     client answer Gemma 3 image chats as LLM.chat does (token-exact with transformers above); a bad image
     fails its line or its request only."""
-    openai = pytest.importorskip("openai")  # the official client
-    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
-    pytest.importorskip("uvicorn")
-    from overnight.cli import main
-    from overnight.server.background import BackgroundServer
-    from overnight.server.cli import ServerOptions, make_app
-
     folder, llm, _ = setup
-
-    def picture(w: int, h: int, seed: int) -> dict:
-        return {"type": "image_url", "image_url": {"url": data_uri(image(w, h, seed))}}
-
-    parts = {
-        "text": [{"type": "text", "text": words(5, 11, WORDS)}],
-        "two": [picture(70, 35, 13), {"type": "text", "text": words(3, 12, WORDS)}, picture(40, 90, 14)],
-        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
-    }
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    want = {
-        cid: llm.chat([{"role": "user", "content": parts[cid]}], params, use_tqdm=False)[0].outputs[0].text
-        for cid in ("text", "two")
-    }
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
-    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress"]
-    assert main([*argv, *cpu_flags(folder)]) == 0
-    records = {r["custom_id"]: r for r in read_jsonl(out)}
-    assert "cannot decode image" in records["bad"]["error"]["message"]
-    for cid, text in want.items():
-        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == text, cid
-
-    app = make_app(llm.engine, ServerOptions(), images=llm._images)
-    with BackgroundServer(app) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        conv = [{"role": "user", "content": parts["two"]}]
-        reply = client.chat.completions.create(
-            model=model, messages=conv, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}
-        )
-        assert reply.choices[0].message.content == want["two"]
-        with pytest.raises(openai.BadRequestError, match="cannot decode image"):
-            client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
-            )
+    check_run_batch_and_server(llm, folder, WORDS, tmp_path, max_model_len=256, new_tokens=NEW)
 
 
 @pytest.mark.slow
@@ -327,4 +271,4 @@ def test_tensor_parallel_keeps_the_tower_whole(setup):
         max_model_len=256,
     )
     for (text, imgs), out in zip(CASES, outs):
-        check(out, ref, text, [image(*s) for s in imgs])
+        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)

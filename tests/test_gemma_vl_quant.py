@@ -34,10 +34,10 @@ from overnight.quant.linear import Fp8Linear
 from tests.int_checkpoints import make_int_checkpoint
 from tests.tiny_gemma_vl import (
     GEMMA_LAYOUTS,
-    HfReference,
     gemma_cases,
     gemma_name,
     gemma_prompts,
+    hf_reference,
     in_gemma_layout,
     make_gemma_vl_checkpoint,
 )
@@ -95,7 +95,7 @@ def test_layers_ignored_in_either_naming_load_float(layouts, fmt, layout, tmp_pa
     for module in QUANTIZED:
         assert isinstance(model.get_submodule(module), WeightOnlyIntLinear), module
     outs = llm.generate(gemma_prompts(2), SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
-    ref = HfReference(str(twin))
+    ref = hf_reference(str(twin))
     for (text, imgs), out in zip(gemma_cases(2), outs):
         assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text
 

@@ -42,7 +42,7 @@ from overnight.quant.fp8 import quantize_stacked_per_channel
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
 from tests.parity_helpers import compare, hf_greedy
-from tests.tiny_models import _spread_weights
+from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
 from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 # n_shared_experts 0: transformers initializes (and loads) a zero-width shared MLP, and torch says so
@@ -51,16 +51,9 @@ VARIANTS = {
     "qk-norm": dict(use_qk_norm=True, n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=2),
     "plain": dict(use_qk_norm=False, n_shared_experts=0, norm_topk_prob=False),
 }
-ENGINE = dict(
-    skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16,
-    max_num_seqs=4, kv_cache_memory_bytes=1 << 20, enable_prefix_caching=True,
-)  # fmt: skip
-NEW_TOKENS = 8
 
 
 def make_glm_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
-    import transformers
-
     fields = dict(
         vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6,
@@ -68,25 +61,11 @@ def make_glm_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
         partial_rotary_factor=0.5, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, n_shared_experts=1, norm_topk_prob=True,
     )  # fmt: skip
-    config = transformers.Glm4MoeConfig(**{**fields, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.Glm4MoeForCausalLM(config).eval()
-    _spread_weights(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # transformers initializes it to zeros
-                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=gen))
-    model.save_pretrained(folder)
-    return folder
+    return make_moe_checkpoint(folder, "Glm4Moe", {**fields, **overrides}, seed)
 
 
 def load_reference(folder: Path):
-    import transformers
-
-    return transformers.Glm4MoeForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return load_moe_reference(folder, "Glm4Moe")
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))

@@ -108,15 +108,22 @@ def test_fp8_moe_experts_count_as_fp8_while_loading(preset):
     assert 0.4 * bf16 < loading < 0.65 * bf16, preset
 
 
+def test_gpt_oss_alone_loads_its_experts_in_the_compute_dtype():
+    """Every MoE family holds its FP8 experts as e4m3 while loading unless it opts out; gpt-oss does
+    (models/gpt_oss.py says why), so its dense experts count in the compute dtype for the load."""
+    arch = resolve_source("gpt-oss-20b", "dummy").arch
+    assert arch.num_experts and not fit._experts_fp8_at_load(arch)
+
+
 def test_experts_loaded_in_the_compute_dtype_count_so(monkeypatch):
-    """A family that loads its experts in the compute dtype and quantizes them afterwards (none does
-    now; a class attribute away): the fit check counts the load (experts in bf16), the pool plan what
+    """A family that loads its experts in the compute dtype and quantizes them afterwards (gpt-oss's
+    dense-expert forms; here Qwen3.5-MoE made one by its class attribute): the fit check counts the load (experts in bf16), the pool plan what
     stays (experts in FP8: one byte instead of two, plus the scales)."""
     from overnight.models.qwen3_next import Qwen3NextForCausalLM
 
     arch = resolve_source("qwen3.5-35b-a3b", "dummy").arch
     at_load = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
-    monkeypatch.setattr(Qwen3NextForCausalLM, "experts_fp8_at_load", False)
+    monkeypatch.setattr(Qwen3NextForCausalLM, "experts_fp8_at_load", False, raising=False)
     loading = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
     loaded = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
     params, scale_bytes = _expert_bytes(arch)
@@ -153,7 +160,7 @@ def test_qwen3_next_80b_in_fp8_fits_one_h200(tmp_path, monkeypatch):
     fp8 = fit.weight_bytes(arch, torch.bfloat16, fp8_linear=True)
     assert 70 * GIB < fp8 < 80 * GIB
     fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-next-80b", fp8_linear=True)
-    monkeypatch.setattr(Qwen3NextForCausalLM, "experts_fp8_at_load", False)
+    monkeypatch.setattr(Qwen3NextForCausalLM, "experts_fp8_at_load", False, raising=False)
     with pytest.raises(ConfigError, match="does not fit"):
         fit.check_weights_fit(arch, torch.bfloat16, gpu, "qwen3-next-80b", fp8_linear=True)
 

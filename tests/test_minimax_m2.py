@@ -37,8 +37,8 @@ from overnight.quant.apply import dequantize_model
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import PROJECTIONS, make_fp8_checkpoint
 from tests.parity_helpers import compare, greedy_tokens, hf_greedy
-from tests.test_glm4_moe import ENGINE, MAX_DLOGPROB, MIN_TOP1, NEW_TOKENS, _waves
-from tests.tiny_models import _spread_weights
+from tests.test_glm4_moe import MAX_DLOGPROB, MIN_TOP1, _waves
+from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
 from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 PUBLISHED_KEYS = dict(
@@ -49,35 +49,26 @@ PUBLISHED_KEYS = dict(
 
 
 def make_minimax_checkpoint(folder: Path, seed: int = 0) -> Path:
-    import transformers
-
-    config = transformers.MiniMaxM2Config(
+    fields = dict(
         vocab_size=384, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, num_local_experts=8, num_experts_per_tok=2,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )  # fmt: skip
-    torch.manual_seed(seed)
-    model = transformers.MiniMaxM2ForCausalLM(config).eval()
-    _spread_weights(model, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
+
+    def rank_0_heads_louder(model) -> None:
         for layer in model.model.layers:
-            layer.mlp.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=gen))  # zeros at init
             layer.self_attn.q_proj.weight[:32] *= 3  # heads 0-1: rank 0's share under TP=2
             layer.self_attn.k_proj.weight[:16] *= 3  # kv head 0
-    model.save_pretrained(folder)
+
+    make_moe_checkpoint(folder, "MiniMaxM2", fields, seed, edit=rank_0_heads_louder)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, **PUBLISHED_KEYS}))
     return folder
 
 
 def load_reference(folder: Path):
-    import transformers
-
-    return transformers.MiniMaxM2ForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
+    return load_moe_reference(folder, "MiniMaxM2")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,8 +22,8 @@ from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
 from tests.parity_helpers import cpu_model
-from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, HfReference, make_mistral3_vl_checkpoint
-from tests.tiny_vl import data_uri, image, words
+from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, hf_reference, make_mistral3_vl_checkpoint
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
 
 NEW = 8
 BUDGET = 16  # max_num_batched_tokens: a 48 x 48 image's 6 rows of 7 tokens take three chunks
@@ -41,7 +40,7 @@ def setup(tmp_path_factory):
         max_num_batched_tokens=BUDGET,
         max_model_len=256,
     )
-    return folder, llm, HfReference(folder)
+    return folder, llm, hf_reference(folder)
 
 
 def prompt(*parts: str) -> str:
@@ -58,17 +57,6 @@ CASES = [
 PARAMS = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def check(out, ref: HfReference, text: str, imgs: list) -> None:
-    ids, tokens, lps = ref.greedy(text, imgs, NEW)
-    assert out.prompt_token_ids == ids, text  # the HF processor's rows of [IMG] / [IMG_BREAK] / [IMG_END]
-    assert out.outputs[0].token_ids == tokens, text
-    ours = [
-        next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
-        for d, t in zip(out.outputs[0].logprobs, tokens)
-    ]
-    np.testing.assert_allclose(ours, lps, atol=1e-4)
-
-
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
     prompts = [
@@ -77,7 +65,7 @@ def test_generate_with_images_token_exact(setup):
     ]
     outs = llm.generate(prompts, PARAMS, use_tqdm=False)
     for (text, imgs), out in zip(CASES, outs):
-        check(out, ref, text, [image(*s) for s in imgs])
+        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
     # 30 x 40 (w x h) -> 32 x 40 pixels: 5 rows of 4 merged patches, each row closed by a break, the last by
     # the end
     ids = outs[0].prompt_token_ids
@@ -106,7 +94,7 @@ def test_chat_image_url_parts(setup):
     rendered = llm.get_tokenizer().render_chat(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}, {"type": "image"}]}]
     )
-    check(out, ref, rendered, imgs)
+    check_greedy(out, ref, rendered, imgs, NEW)
 
 
 def _engine(llm: LLM) -> Engine:
@@ -132,8 +120,8 @@ def test_prefix_cache_tells_images_apart(setup):
     b = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
     assert 0 < b.num_cached_tokens <= start
     assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
-    check(again, ref, text, [first])
-    check(b, ref, text, [other])
+    check_greedy(again, ref, text, [first], NEW)
+    check_greedy(b, ref, text, [other], NEW)
 
 
 def test_bad_image_prompts_are_refused(setup):
@@ -199,11 +187,11 @@ def test_other_feature_layer_and_projector_bias(tmp_path):
         tmp_path, seed=1, vision_feature_layer=-2, multimodal_projector_bias=True
     )
     llm = LLM(folder, device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=256)
-    ref = HfReference(folder)
+    ref = hf_reference(folder)
     text = prompt(words(3, 40, WORDS), "[IMG]", words(3, 41, WORDS))
     imgs = [image(44, 28, 42)]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
-    check(out, ref, text, imgs)
+    check_greedy(out, ref, text, imgs, NEW)
 
 
 def test_tower_on_several_images_matches_transformers(setup):
@@ -263,7 +251,7 @@ def test_tensor_parallel_generation_with_images(setup):
         max_num_batched_tokens=BUDGET,
     )
     for (text, imgs), out in zip(cases, outs):
-        check(out, ref, text, [image(*s) for s in imgs])
+        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
 
 
 def _tower_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
@@ -303,7 +291,7 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
         {"prompt": t, "multi_modal_data": {"image": [image(*s) for s in i]}} if i else t for t, i in cases
     ]
     outs = int_llm.generate(prompts, PARAMS, use_tqdm=False)
-    twin_ref = HfReference(str(twin))
+    twin_ref = hf_reference(str(twin))
     for (text, imgs), out in zip(cases, outs):
         assert out.outputs[0].token_ids == twin_ref.greedy(text, [image(*s) for s in imgs], NEW)[1], text
 
@@ -316,50 +304,5 @@ def test_quantized_checkpoints_keep_the_tower_float(setup, tmp_path, monkeypatch
 def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     """run-batch lines (an engine of their own, built from the flags) and the server through the official
     client answer Mistral 3 image chats as LLM.chat does; a bad image fails its line or its request only."""
-    openai = pytest.importorskip("openai")  # the official client
-    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
-    pytest.importorskip("uvicorn")
-    from overnight.cli import main
-    from overnight.server.background import BackgroundServer
-    from overnight.server.cli import ServerOptions, make_app
-    from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
-    from tests.tiny_vl import cpu_flags
-
     folder, llm, _ = setup
-
-    def picture(w: int, h: int, seed: int) -> dict:
-        return {"type": "image_url", "image_url": {"url": data_uri(image(w, h, seed))}}
-
-    parts = {
-        "text": [{"type": "text", "text": words(5, 11, WORDS)}],
-        "two": [picture(70, 35, 13), {"type": "text", "text": words(3, 12, WORDS)}, picture(40, 90, 14)],
-        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
-    }
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    want = {
-        cid: llm.chat([{"role": "user", "content": parts[cid]}], params, use_tqdm=False)[0].outputs[0].text
-        for cid in ("text", "two")
-    }
-    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    body = {"max_tokens": NEW, "temperature": 0, "ignore_eos": True}
-    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
-    argv = ["run-batch", "-i", str(inp), "-o", str(out), "--max-model-len", "256", "--no-progress"]
-    assert main([*argv, *cpu_flags(folder)]) == 0
-    records = {r["custom_id"]: r for r in read_jsonl(out)}
-    assert "cannot decode image" in records["bad"]["error"]["message"]
-    for cid, text in want.items():
-        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == text, cid
-
-    app = make_app(llm.engine, ServerOptions(), images=llm._images)
-    with BackgroundServer(app) as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        conv = [{"role": "user", "content": parts["two"]}]
-        reply = client.chat.completions.create(
-            model=model, messages=conv, max_tokens=NEW, temperature=0, extra_body={"ignore_eos": True}
-        )
-        assert reply.choices[0].message.content == want["two"]
-        with pytest.raises(openai.BadRequestError, match="cannot decode image"):
-            client.chat.completions.create(
-                model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
-            )
+    check_run_batch_and_server(llm, folder, WORDS, tmp_path, max_model_len=256, new_tokens=NEW)

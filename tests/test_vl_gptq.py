@@ -37,9 +37,9 @@ from tests.test_vl_quant import (
 from tests.test_vl_quant import prompts as qwen_prompts
 from tests.tiny_gemma_vl import (
     GEMMA_LAYOUTS,
-    HfReference,
     gemma_cases,
     gemma_prompts,
+    hf_reference,
     in_gemma_layout,
     make_gemma_vl_checkpoint,
 )
@@ -114,6 +114,6 @@ def test_gemma3_gptq_matches_transformers_on_the_dequantized_twin(
     assert_packed(model, method.endswith("descact"))
     assert_gemma_tower_untouched(model, quantized)
     outs = llm.generate(gemma_prompts(2), GREEDY)
-    ref = HfReference(str(twin))
+    ref = hf_reference(str(twin))
     for (text, imgs), out in zip(gemma_cases(2), outs):
         assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text

@@ -351,7 +351,7 @@ def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(gemm
     """Gemma 3's image checkpoint (language_model.model.*, vision_tower.vision_model.*) in
     compressed-tensors W4A16, its SigLIP tower and projector ignored: renamed before the integer
     conversion, the tower float, a text prompt's and an image prompt's tokens transformers' on the twin."""
-    from tests.tiny_gemma_vl import HfReference
+    from tests.tiny_gemma_vl import hf_reference
 
     monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
     quantized, twin = make_int_checkpoint(gemma, tmp_path / "w4a16", "ct-w4-g32-sym")
@@ -361,7 +361,7 @@ def test_gemma3_int_checkpoint_matches_transformers_on_the_dequantized_twin(gemm
     assert_gemma_tower_untouched(model, quantized)
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     outs = llm.generate(gemma_prompts(2), params)
-    ref = HfReference(str(twin))
+    ref = hf_reference(str(twin))
     for (text, imgs), out in zip(gemma_cases(2), outs):
         assert list(out.outputs[0].token_ids) == ref.greedy(text, imgs, NEW)[1], text
 

@@ -6,9 +6,10 @@ holding Gemma's image tokens and "\\n\\n", with a chat template that writes each
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
+
+from tests.tiny_vl import ProcessorReference, save_word_tokenizer
 
 SPECIALS = [
     "<pad>",
@@ -38,10 +39,7 @@ CHAT_TEMPLATE = (
 def make_gemma_vl_checkpoint(
     root: str | os.PathLike, seed: int = 0, tokens_per_image: int = TOKENS_PER_IMAGE
 ) -> str:
-    from tokenizers import AddedToken, decoders, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers.models import WordLevel
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     folder = os.path.join(str(root), "gemma3_vl")
@@ -84,64 +82,37 @@ def make_gemma_vl_checkpoint(
             p.normal_(0, (0.03 if "embed_tokens" in name else 0.2) if p.dim() > 1 else 0.05)
     model.save_pretrained(folder)
 
-    backend = RustTokenizer(WordLevel(IDS, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    backend.add_tokens([AddedToken("\n\n", normalized=False)])
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
+    save_word_tokenizer(
+        folder,
+        IDS,
+        SPECIALS,
+        CHAT_TEMPLATE,
+        added=("\n\n",),
         eos_token="<eos>",
         bos_token="<bos>",
         pad_token="<pad>",
-        chat_template=CHAT_TEMPLATE,
         extra_special_tokens={
             "boi_token": "<start_of_image>",
             "eoi_token": "<end_of_image>",
             "image_token": "<image_soft_token>",
         },
     )
-    hf_tok.save_pretrained(folder)
     Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}).save_pretrained(folder)
     return folder
 
 
-class HfReference:
-    """transformers' Gemma3Processor (its PIL image processor) and greedy generate, one prompt at a time."""
+def hf_reference(folder: str, tokens_per_image: int = TOKENS_PER_IMAGE) -> ProcessorReference:
+    """transformers' Gemma3Processor (its PIL image processor) and greedy generate."""
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
-    def __init__(self, folder: str, tokens_per_image: int = TOKENS_PER_IMAGE) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
-        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
-        from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
-
-        self.processor = Gemma3Processor(
-            image_processor=Gemma3ImageProcessorPil.from_pretrained(folder),
-            tokenizer=AutoTokenizer.from_pretrained(folder),
-            image_seq_length=tokens_per_image,
-        )
-        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def greedy(
-        self, text: str, images: list[Any], new_tokens: int
-    ) -> tuple[list[int], list[int], list[float]]:
-        """(the processor's prompt ids, the generated ids, each generated token's logprob)."""
-        out = self.processor(text=text, images=images or None, return_tensors="pt")
-        ids = out.pop("input_ids")
-        with torch.inference_mode():
-            gen = self.model.generate(
-                ids,
-                eos_token_id=[],
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-                **out,
-            )
-        tokens = gen.sequences[0, ids.shape[1] :].tolist()
-        lps = [float(s[0].log_softmax(-1)[t]) for s, t in zip(gen.scores, tokens)]
-        return ids[0].tolist(), tokens, lps
+    processor = Gemma3Processor(
+        image_processor=Gemma3ImageProcessorPil.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        image_seq_length=tokens_per_image,
+    )
+    return ProcessorReference(folder, processor)
 
 
 # The tensor-naming layouts transformers has saved Gemma 3 image checkpoints in (and quantizers have

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tests.tiny_vl import ProcessorReference, save_word_tokenizer
+
 SPECIALS = [
     "<unk>",
     "<|endoftext|>",
@@ -44,10 +46,7 @@ def make_internvl_checkpoint(
 ) -> str:
     """The checkpoint folder; `vision` / `text` override vision_config / text_config fields, `changes`
     the top level's; `tile` is the image processor's tile side (the tower's image_size stays TILE)."""
-    from tokenizers import AddedToken, decoders, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers.models import WordLevel
-    from transformers import InternVLConfig, InternVLForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
     from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
 
     from tests.tiny_models import _spread_weights
@@ -98,16 +97,13 @@ def make_internvl_checkpoint(
     model.config.bos_token_id = IDS["<|endoftext|>"]
     model.save_pretrained(folder)
 
-    backend = RustTokenizer(WordLevel(IDS, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
+    save_word_tokenizer(
+        folder,
+        IDS,
+        SPECIALS,
+        CHAT_TEMPLATE,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
         extra_special_tokens={
             "context_image_token": "<IMG_CONTEXT>",
             "start_image_token": "<img>",
@@ -115,7 +111,6 @@ def make_internvl_checkpoint(
             "video_token": "<video>",
         },
     )
-    hf_tok.save_pretrained(folder)
     GotOcr2ImageProcessorPil(
         size={"height": tile, "width": tile},
         image_mean=[0.485, 0.456, 0.406],
@@ -135,39 +130,16 @@ def _no_video_processor() -> Any:
     return cls.__new__(cls)
 
 
-class HfReference:
-    """transformers' InternVLProcessor (its PIL image processor) and greedy generate, one prompt at a time."""
+def hf_reference(folder: str, per_tile: int = PER_TILE) -> ProcessorReference:
+    """transformers' InternVLProcessor (its PIL image processor) and greedy generate."""
+    from transformers import AutoTokenizer
+    from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
+    from transformers.models.internvl.processing_internvl import InternVLProcessor
 
-    def __init__(self, folder: str, per_tile: int = PER_TILE) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
-        from transformers.models.got_ocr2.image_processing_pil_got_ocr2 import GotOcr2ImageProcessorPil
-        from transformers.models.internvl.processing_internvl import InternVLProcessor
-
-        self.processor = InternVLProcessor(
-            image_processor=GotOcr2ImageProcessorPil.from_pretrained(folder),
-            tokenizer=AutoTokenizer.from_pretrained(folder),
-            video_processor=_no_video_processor(),
-            image_seq_length=per_tile,
-        )
-        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def greedy(
-        self, text: str, images: list[Any], new_tokens: int
-    ) -> tuple[list[int], list[int], list[float]]:
-        """(the processor's prompt ids, the generated ids, each generated token's logprob)."""
-        out = self.processor(text=text, images=images or None, return_tensors="pt")
-        ids = out.pop("input_ids")
-        with torch.inference_mode():
-            gen = self.model.generate(
-                ids,
-                eos_token_id=[],
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-                **out,
-            )
-        tokens = gen.sequences[0, ids.shape[1] :].tolist()
-        lps = [float(s[0].log_softmax(-1)[t]) for s, t in zip(gen.scores, tokens)]
-        return ids[0].tolist(), tokens, lps
+    processor = InternVLProcessor(
+        image_processor=GotOcr2ImageProcessorPil.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        video_processor=_no_video_processor(),
+        image_seq_length=per_tile,
+    )
+    return ProcessorReference(folder, processor)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from tests.tiny_vl import ProcessorReference, save_word_tokenizer
+
 SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 VOCAB = 256
 TOKENS = SPECIALS + [f"w{i}" for i in range(len(SPECIALS), VOCAB)]
@@ -28,10 +30,7 @@ CHAT_TEMPLATE = (
 
 def make_mistral3_vl_checkpoint(root: str | os.PathLike, seed: int = 0, **changes: Any) -> str:
     """The checkpoint folder; `changes` override the top-level Mistral3Config fields."""
-    from tokenizers import AddedToken, decoders, pre_tokenizers
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers.models import WordLevel
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
     from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
     from tests.tiny_models import _spread_weights
@@ -75,18 +74,7 @@ def make_mistral3_vl_checkpoint(root: str | os.PathLike, seed: int = 0, **change
     model.config.bos_token_id = IDS["<s>"]
     model.save_pretrained(folder)
 
-    backend = RustTokenizer(WordLevel(IDS, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        chat_template=CHAT_TEMPLATE,
-    )
-    hf_tok.save_pretrained(folder)
+    save_word_tokenizer(folder, IDS, SPECIALS, CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>")
     # As Mistral publishes it: the unmerged patch size (PixtralProcessor passes patch x merge).
     PixtralImageProcessorPil(
         size={"longest_edge": LONGEST}, patch_size={"height": PATCH, "width": PATCH}
@@ -112,38 +100,15 @@ def pixtral_processor_class() -> Any:
     return PixtralProcessor
 
 
-class HfReference:
-    """transformers' PixtralProcessor (its PIL image processor) and greedy generate, one prompt at a time."""
+def hf_reference(folder: str) -> ProcessorReference:
+    """transformers' PixtralProcessor (its PIL image processor) and greedy generate."""
+    from transformers import AutoTokenizer
+    from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
 
-    def __init__(self, folder: str) -> None:
-        from transformers import AutoModelForImageTextToText, AutoTokenizer
-        from transformers.models.pixtral.image_processing_pil_pixtral import PixtralImageProcessorPil
-
-        self.processor = pixtral_processor_class()(
-            image_processor=PixtralImageProcessorPil.from_pretrained(folder),
-            tokenizer=AutoTokenizer.from_pretrained(folder),
-            patch_size=PATCH,
-            spatial_merge_size=MERGE,
-        )
-        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def greedy(
-        self, text: str, images: list[Any], new_tokens: int
-    ) -> tuple[list[int], list[int], list[float]]:
-        """(the processor's prompt ids, the generated ids, each generated token's logprob)."""
-        out = self.processor(text=text, images=images or None, return_tensors="pt")
-        ids = out.pop("input_ids")
-        with torch.inference_mode():
-            gen = self.model.generate(
-                ids,
-                eos_token_id=[],
-                max_new_tokens=new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                output_scores=True,
-                return_dict_in_generate=True,
-                **out,
-            )
-        tokens = gen.sequences[0, ids.shape[1] :].tolist()
-        lps = [float(s[0].log_softmax(-1)[t]) for s, t in zip(gen.scores, tokens)]
-        return ids[0].tolist(), tokens, lps
+    processor = pixtral_processor_class()(
+        image_processor=PixtralImageProcessorPil.from_pretrained(folder),
+        tokenizer=AutoTokenizer.from_pretrained(folder),
+        patch_size=PATCH,
+        spatial_merge_size=MERGE,
+    )
+    return ProcessorReference(folder, processor)

@@ -1,7 +1,9 @@
-"""Tiny random Qwen2.5-VL / Qwen3-VL / Qwen3.5 (dense and MoE) checkpoints (vision towers of depth 2,
-width 32) with a word-level tokenizer holding Qwen's image special tokens and a chat template that
-renders image parts as <|vision_start|><|image_pad|><|vision_end|>, plus the image processor's
-preprocessor_config.json."""
+"""What the image tests share: a word-level tokenizer builder, transformers' processor-and-generate
+reference, the token-exact check against it, and one run-batch / server test body (InternVL, Mistral 3,
+Gemma 3 and Qwen use them); images, data URIs, words and CLI flags. And the tiny random Qwen2.5-VL /
+Qwen3-VL / Qwen3.5 (dense and MoE) checkpoints (vision towers of depth 2, width 32) with a tokenizer
+holding Qwen's image special tokens and a chat template that renders image parts as
+<|vision_start|><|image_pad|><|vision_end|>, plus the image processor's preprocessor_config.json."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import random
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from tests.tiny_hybrid import LINEAR_LAYERS
@@ -54,11 +57,81 @@ HYBRID_TEXT: dict[str, Any] = dict(
 )
 
 
-def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str:
+def save_word_tokenizer(
+    folder: str,
+    ids: dict[str, int],
+    specials: list[str],
+    chat_template: str,
+    added: tuple[str, ...] = (),
+    **named: Any,
+) -> None:
+    """A word-level tokenizer saved in folder: one token per whitespace-separated word of `ids`
+    (decoded joined by spaces), `specials` its special tokens, `added` plain tokens kept verbatim
+    (Gemma's "\n\n"); `named` PreTrainedTokenizerFast's token roles (eos_token=..., and so on)."""
     from tokenizers import AddedToken, decoders, pre_tokenizers
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
+
+    backend = RustTokenizer(WordLevel(ids, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    backend.add_special_tokens([AddedToken(t, special=True) for t in specials])
+    if added:
+        backend.add_tokens([AddedToken(t, normalized=False) for t in added])
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", chat_template=chat_template, **named
+    )
+    hf_tok.save_pretrained(folder)
+
+
+class ProcessorReference:
+    """transformers' own processor for a model (its PIL image processor) and greedy generate, one
+    prompt at a time: the reference of the image tests."""
+
+    def __init__(self, folder: str, processor: Any) -> None:
+        from transformers import AutoModelForImageTextToText
+
+        self.processor = processor
+        self.model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+
+    def greedy(
+        self, text: str, images: list[Any], new_tokens: int
+    ) -> tuple[list[int], list[int], list[float]]:
+        """(the processor's prompt ids, the generated ids, each generated token's logprob)."""
+        out = self.processor(text=text, images=images or None, return_tensors="pt")
+        ids = out.pop("input_ids")
+        with torch.inference_mode():
+            gen = self.model.generate(
+                ids,
+                eos_token_id=[],
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
+                **out,
+            )
+        tokens = gen.sequences[0, ids.shape[1] :].tolist()
+        lps = [float(s[0].log_softmax(-1)[t]) for s, t in zip(gen.scores, tokens)]
+        return ids[0].tolist(), tokens, lps
+
+
+def check_greedy(out: Any, ref: ProcessorReference, text: str, imgs: list, new_tokens: int) -> None:
+    """One output of ours (greedy, logprobs=0) token-exact with transformers' on the same prompt: the
+    processor's prompt ids (its expansion of each image into the model's image tokens), the generated
+    ids, and each token's logprob within 1e-4."""
+    ids, tokens, lps = ref.greedy(text, imgs, new_tokens)
+    assert out.prompt_token_ids == ids, text
+    assert out.outputs[0].token_ids == tokens, text
+    ours = [
+        next(iter(d.values())).logprob if len(d) == 1 else d[t].logprob
+        for d, t in zip(out.outputs[0].logprobs, tokens)
+    ]
+    np.testing.assert_allclose(ours, lps, atol=1e-4)
+
+
+def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     folder = os.path.join(str(root), kind)
@@ -167,14 +240,7 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
                 p.normal_(0, 0.2 if p.dim() > 1 else 0.05)
     model.save_pretrained(folder)
 
-    backend = RustTokenizer(WordLevel(ids, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")
-    backend.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
-    hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", eos_token="<|im_end|>", chat_template=CHAT_TEMPLATE
-    )
-    hf_tok.save_pretrained(folder)
+    save_word_tokenizer(folder, ids, SPECIALS, CHAT_TEMPLATE, eos_token="<|im_end|>")
     p = PATCH[kind]
     Qwen2VLImageProcessorPil(
         patch_size=p, merge_size=2, temporal_patch_size=2, min_pixels=(2 * p) ** 2, max_pixels=(8 * p) ** 2
@@ -259,3 +325,65 @@ def hf_greedy(
             **kwargs,
         )
     return gen[0, input_ids.shape[1] :].tolist()
+
+
+def check_run_batch_and_server(
+    llm: Any, folder: str, vocabulary: list[str], tmp_path: Any, max_model_len: int, new_tokens: int
+) -> None:
+    """run-batch lines (an engine of their own, built from the flags) and the server through the official
+    client answer image chats as llm.chat does (text only, two images, a bad image); the bad image fails
+    its line or its request only. Skips without the openai client or the server's packages."""
+    openai = pytest.importorskip("openai")  # the official client
+    pytest.importorskip("fastapi")  # the server's packages (the `server` extra)
+    pytest.importorskip("uvicorn")
+    from overnight import SamplingParams
+    from overnight.cli import main
+    from overnight.server.background import BackgroundServer
+    from overnight.server.cli import ServerOptions, make_app
+    from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
+
+    def picture(w: int, h: int, seed: int) -> dict:
+        return {"type": "image_url", "image_url": {"url": data_uri(image(w, h, seed))}}
+
+    parts = {
+        "text": [{"type": "text", "text": words(5, 11, vocabulary)}],
+        "two": [picture(70, 35, 13), {"type": "text", "text": words(3, 12, vocabulary)}, picture(40, 90, 14)],
+        "bad": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}],
+    }
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    want = {
+        cid: llm.chat([{"role": "user", "content": parts[cid]}], params, use_tqdm=False)[0].outputs[0].text
+        for cid in ("text", "two")
+    }
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    body = {"max_tokens": new_tokens, "temperature": 0, "ignore_eos": True}
+    write_jsonl(inp, [chat_line(cid, p, **body) for cid, p in parts.items()])
+    argv = [
+        "run-batch",
+        "-i",
+        str(inp),
+        "-o",
+        str(out),
+        "--max-model-len",
+        str(max_model_len),
+        "--no-progress",
+    ]
+    assert main([*argv, *cpu_flags(folder)]) == 0
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert "cannot decode image" in records["bad"]["error"]["message"]
+    for cid, text in want.items():
+        assert records[cid]["response"]["body"]["choices"][0]["message"]["content"] == text, cid
+
+    app = make_app(llm.engine, ServerOptions(), images=llm._images)
+    with BackgroundServer(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        conv = [{"role": "user", "content": parts["two"]}]
+        reply = client.chat.completions.create(
+            model=model, messages=conv, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert reply.choices[0].message.content == want["two"]
+        with pytest.raises(openai.BadRequestError, match="cannot decode image"):
+            client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": parts["bad"]}], max_tokens=2
+            )

@@ -206,7 +206,6 @@ class DeepseekForCausalLM(nn.Module):
         "mlp.gate",
         "self_attn.kv_b_proj",
     )
-    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

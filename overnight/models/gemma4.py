@@ -209,7 +209,6 @@ class Gemma4ForCausalLM(nn.Module):
     # for Qwen3-MoE; the stacked experts are e4m3 from the build on, each checkpoint stack quantized per
     # row as it loads (layers/moe.py store_fp8_; the compute-dtype stack is never held).
     unquantized_linear: tuple[str, ...] = ("router.proj",)
-    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

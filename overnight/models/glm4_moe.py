@@ -13,7 +13,7 @@ The router (mlp.gate) holds its weight and e_score_correction_bias in float32 wh
 dtype: its logits are computed in float32 as transformers does (a bf16 router would move near-tied
 choices), and the bias only chooses experts (layers/moe_grouped_router.py). FP8 keeps it so and
 quantizes the shared experts like the dense projections, the routed experts per row as each checkpoint
-tensor loads (experts_fp8_at_load: the compute-dtype stack is never held).
+tensor loads (quant/apply.py: the compute-dtype stack is never held).
 
 Checkpoints may carry multi-token-prediction layers (num_nextn_predict_layers, numbered from
 num_hidden_layers on) for speculative decoding; generation does not use them and rename_checkpoint drops
@@ -100,12 +100,9 @@ class Glm4MoeForCausalLM(nn.Module):
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     # The router is no nn.Linear, so quantization passes leave it (and its bias) in float32. An FP8
     # checkpoint's expert (and router) tensors are dequantized with their scales as they load
-    # (quant/checkpoint.py); the stacked experts are then quantized per row (quant/apply.quantize_experts).
+    # (quant/checkpoint.py), then quantized per row into the e4m3 stacks (quant/apply.py).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
-    # GLM-4.5-Air's experts are 100B weights: 200 GB in bf16, more than an H200 holds. Under FP8 they
-    # are e4m3 from the start and each checkpoint tensor is quantized as it loads (layers/moe.py).
-    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

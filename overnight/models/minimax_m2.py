@@ -26,7 +26,7 @@ parallel slicing see them (loader/model_loader.checkpoint_weights):
 The published FP8 checkpoints (quant_method fp8, float8_e4m3fn in 128 x 128 blocks with
 weight_scale_inv, router and bias left float) load as GLM-4.5's: attention projections stay block-FP8
 layers, the experts are dequantized with their scales and requantized per row as each tensor loads
-(experts_fp8_at_load), the router stays float32.
+(quant/apply.py), the router stays float32.
 """
 
 from __future__ import annotations

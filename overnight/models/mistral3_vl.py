@@ -24,8 +24,9 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
-from overnight.models.checkpoint import load_packed_weights, text_model_tensors
+from overnight.models.checkpoint import load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
+from overnight.models.vision.checkpoint import rename_tower_checkpoint, tower_checkpoint_names
 from overnight.models.vision.interface import VisionFeatures, VisionRows
 from overnight.models.vision.pixtral import (
     Mistral3MultiModalProjector,
@@ -94,28 +95,13 @@ class Mistral3VLForConditionalGeneration(nn.Module):
     def rename_checkpoint(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The checkpoint's names made the model's (transformers 5's model.language_model.* and
-        model.vision_tower.*, or transformers 4's language_model.model.* and vision_tower.*), before
-        integer / FP8 conversion and tensor-parallel slicing (loader/model_loader.py) look tensors up
-        by those names. Names only: the model's names pass unchanged."""
-        for name, tensor in weights:
-            bare = name.removeprefix("model.")
-            if bare.startswith(_TOWER):
-                yield bare, tensor
-            else:
-                yield from text_model_tensors(((name, tensor),))
+        """The checkpoint's names made the model's (models/vision/checkpoint.py lists the layouts)."""
+        return rename_tower_checkpoint(weights, _TOWER)
 
     @staticmethod
     def checkpoint_names(module: str) -> tuple[str, ...]:
         """The names a module of this model may carry in a checkpoint (and its ignore list)."""
-        if module.startswith("model."):
-            rest = module.removeprefix("model.")
-            return module, "model.language_model." + rest, "language_model.model." + rest
-        if module.startswith(_TOWER):
-            return module, "model." + module
-        if module == "lm_head":
-            return module, "language_model.lm_head"
-        return (module,)
+        return tower_checkpoint_names(module, _TOWER)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, self.rename_checkpoint(weights))

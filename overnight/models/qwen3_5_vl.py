@@ -60,7 +60,6 @@ class Qwen3_5ForConditionalGeneration(nn.Module):
     dequantized_at_load = (*Qwen3NextForCausalLM.dequantized_at_load, VISION_TOWER)
     linear_input_producers = Qwen3NextForCausalLM.linear_input_producers
     dense_input_readers = Qwen3NextForCausalLM.dense_input_readers
-    experts_fp8_at_load = Qwen3NextForCausalLM.experts_fp8_at_load
     checkpoint_names = staticmethod(vl_checkpoint_names)
     takes_images: bool  # models/vision/interface.py: False when built text-only (arch.text_only)
     uses_mrope = True

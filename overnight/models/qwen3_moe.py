@@ -52,14 +52,11 @@ class Qwen3MoeForCausalLM(nn.Module):
     # With FP8 weights (quant/): the router stays in the compute dtype, as published FP8 MoE checkpoints
     # keep it (its top-k decides which experts run; its GEMM, hidden x num_experts, is a small share).
     # The stacked experts are not nn.Linear: an FP8 checkpoint's expert (and router) tensors are
-    # dequantized with their scales as they load (quant/checkpoint.py), and the experts are quantized
-    # per row once loaded (quant/apply.quantize_experts; the router stays in the compute dtype).
+    # dequantized with their scales as they load (quant/checkpoint.py), and the experts, e4m3 from the
+    # build on, are quantized per row as each tensor arrives (quant/apply.py; the router stays in the
+    # compute dtype).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
-    # Under FP8 the experts are e4m3 from the start, each checkpoint tensor quantized per row as it
-    # loads (layers/moe.py; the same bytes as quantizing the loaded stack): the compute-dtype stack,
-    # twice the FP8 bytes, is never held (Qwen3-235B-A22B's experts: ~440 GB in bf16, ~220 in FP8).
-    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -67,7 +67,7 @@ FP8_UNQUANTIZED_LINEAR = (
     r"re:visual\.",
 )
 # An FP8 checkpoint's tensors of layers that run in the compute dtype here: the routed experts (loaded
-# dequantized, then quantized per row into the e4m3 stack as they arrive: experts_fp8_at_load), and the
+# dequantized, then quantized per row into the e4m3 stack as they arrive: quant/apply.py), and the
 # small layers above in a checkpoint that stored them in FP8 anyway.
 DEQUANTIZED_AT_LOAD = (
     r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$",
@@ -277,11 +277,6 @@ class Qwen3NextForCausalLM(nn.Module):
     dequantized_at_load: tuple[str, ...] = DEQUANTIZED_AT_LOAD
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     dense_input_readers = DENSE_INPUT_READERS
-    # FP8: the routed experts are e4m3 from the build on, each checkpoint tensor (per expert, or a
-    # stacked mlp.experts.gate_up_proj / down_proj) quantized per row as it loads (layers/moe.py
-    # store_fp8_): Qwen3-Next-80B-A3B's bf16 experts alone (~150 GiB) would not fit the H200 its FP8
-    # weights fit.
-    experts_fp8_at_load = True
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -162,7 +162,6 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 
     unquantized_linear = (VISION_TOWER, "mlp.gate")
     dequantized_at_load = (VISION_TOWER, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
-    experts_fp8_at_load = True  # e4m3 from the build on, as Qwen3-MoE's
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)

@@ -14,11 +14,13 @@ carries the unquantized output too (OffsetRMSNorm's dense_output), or the produc
 Inputs nobody produces quantized (the attention output before o_proj) are quantized by the Fp8Linear
 itself.
 
-Stacked MoE experts (layers/moe.py) are not nn.Linear: they load in the compute dtype (an FP8
-checkpoint's expert tensors dequantized with their scales, quant/checkpoint.py) and quantize_experts
-turns them into e4m3 with per-row scales once every weight is in; or, in a model that declares
-`experts_fp8_at_load` (one whose experts would not fit the device in the compute dtype), they are
-e4m3 from the start and each expert tensor is quantized per row as it loads (the same bytes).
+Stacked MoE experts (layers/moe.py) are not nn.Linear: they are e4m3 from the start and each expert
+tensor is quantized per row as it loads (an FP8 checkpoint's dequantized with its scales first,
+quant/checkpoint.py), so the compute-dtype stack, twice the bytes, is never held: MoE experts are most
+of a model's weights (GLM-4.5-Air's 200 GB in bf16, more than an H200 holds; Qwen3-Next-80B's ~150
+GiB, where its FP8 weights fit one). A model that says `experts_fp8_at_load = False` (gpt-oss) loads
+them in the compute dtype instead and quantize_experts turns them into e4m3 with per-row scales once
+every weight is in (the same bytes).
 
 Integer-weight checkpoints (quant/int_scheme.py) get WeightOnlyIntLinear / Int8Linear layers
 (quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU, and their
@@ -125,9 +127,9 @@ def quantize_model(
 
 
 def experts_fp8_at_load(model: nn.Module | type) -> bool:
-    """Whether a model (class) holds its FP8 experts as e4m3 while loading (its `experts_fp8_at_load`),
-    rather than in the compute dtype until quantize_experts."""
-    return bool(getattr(model, "experts_fp8_at_load", False))
+    """Whether a model (class) holds its FP8 experts as e4m3 while loading, rather than in the compute
+    dtype until quantize_experts: every model but one that sets `experts_fp8_at_load = False`."""
+    return bool(getattr(model, "experts_fp8_at_load", True))
 
 
 def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
