@@ -125,7 +125,7 @@ def test_decode_step_rejects_bad_inputs() -> None:
     a = b = torch.randn(2, HV, device=DEVICE)
     slots, has = torch.tensor([0, 1], device=DEVICE), torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match="float32"):
-        delta_step(*_split(y), a, b, A_log, dt_bias, pool.half(), slots, has)
+        delta_step(*_split(y), a, b, A_log, dt_bias, pool.double(), slots, has)
     with pytest.raises(ValueError, match="ssm_pool"):
         delta_step(*_split(y), a, b, A_log, dt_bias, pool[:, :, :, :8], slots, has)
     with pytest.raises(ValueError, match="slot_ids"):
