@@ -198,3 +198,28 @@ def test_bfloat16_snapshots_serve_prefix_cache_hits(checkpoints):
         assert llm.engine.stats().prefix_cache_hits - before >= 3 * 96  # type: ignore[attr-defined]
         results[ssm] = first + second
     assert_close_run(results["float32"], results["bfloat16"], least_share=0.6)
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_ranks_hold_their_heads_states_in_bfloat16(tmp_path):
+    """Each rank allocates its heads' states in the chosen dtype (the cache config travels to the
+    workers whole): tp 2 generates tp 1's tokens, prefix-cache hits included."""
+    from tests.test_tp_models import HEADS, HYBRID, _greedy, _waves
+
+    folder = make_hybrid_checkpoint(tmp_path, "qwen3_5_moe", **HEADS)
+    first, second = _waves()
+    one = LLM(str(folder), mamba_ssm_cache_dtype="bfloat16", **HYBRID)
+    assert one.engine.runner.state_cache.ssm[0].dtype == torch.bfloat16  # type: ignore[attr-defined]
+    expected = [
+        [o.outputs[0].token_ids for o in one.generate(w, _greedy(6), use_tqdm=False)] for w in (first, second)
+    ]
+    llm = LLM(str(folder), tensor_parallel_size=2, mamba_ssm_cache_dtype="bfloat16", **HYBRID)
+    try:
+        got = [
+            [o.outputs[0].token_ids for o in llm.generate(w, _greedy(6), use_tqdm=False)]
+            for w in (first, second)
+        ]
+        assert llm.engine.stats().prefix_cache_hits >= 2 * 40  # type: ignore[attr-defined]
+    finally:
+        llm.engine.shutdown()  # type: ignore[attr-defined]
+    assert [[list(t) for t in w] for w in got] == [[list(t) for t in w] for w in expected]
