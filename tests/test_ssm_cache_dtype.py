@@ -5,7 +5,8 @@ the state pool's plan and `overnight budget` counting the chosen bytes (a defaul
 doubles with a 16-bit state), the runner allocating exactly that, and a model without linear layers
 ignoring the option with a log line (as vLLM ignores it there).
 Tier (c): tiny Qwen3.5 and Qwen3-Next engines, fp32 weights: a float32 state stays token-exact with
-transformers; a bfloat16 state (the only rounding in the run) generates close to the float32 run.
+transformers; a bfloat16 state (the only rounding in the run) generates close to the float32 run,
+through chunked prefill, prefix-cache snapshots, preemption and (slow: processes) tensor parallelism.
 The kernels' side is in test_kernels_gated_delta.py."""
 
 from __future__ import annotations
@@ -114,17 +115,19 @@ def checkpoints(tmp_path_factory):
 
 
 def engine(folder, ssm: str, **kw) -> LLM:
+    limits = dict(
+        max_num_seqs=8,
+        max_num_batched_tokens=32,  # the longer prompts run in chunks, beside other requests' decodes
+        max_model_len=256,
+    )
     return LLM(
         str(folder),
         skip_tokenizer_init=True,
         dtype="float32",
         device="cpu",
         block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,  # the longer prompts run in chunks, beside other requests' decodes
-        max_model_len=256,
         mamba_ssm_cache_dtype=ssm,
-        **kw,
+        **{**limits, **kw},
     )
 
 
@@ -197,7 +200,7 @@ def test_bfloat16_snapshots_serve_prefix_cache_hits(checkpoints):
         second = run(llm, waves[1], 8)
         assert llm.engine.stats().prefix_cache_hits - before >= 3 * 96  # type: ignore[attr-defined]
         results[ssm] = first + second
-    assert_close_run(results["float32"], results["bfloat16"], least_share=0.6)
+    assert_close_run(results["float32"], results["bfloat16"])
 
 
 @pytest.mark.slow  # starts tensor-parallel processes
@@ -223,3 +226,52 @@ def test_tensor_parallel_ranks_hold_their_heads_states_in_bfloat16(tmp_path):
     finally:
         llm.engine.shutdown()  # type: ignore[attr-defined]
     assert [[list(t) for t in w] for w in got] == [[list(t) for t in w] for w in expected]
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[dict]]]:
+    """Every prompt added at once, then steps until done (test_hybrid_models.run_engine, with logprobs)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+    eng = llm.engine
+    for i, p in enumerate(prompts):
+        eng.add_request(str(i), p, params)  # type: ignore[attr-defined]
+    done = {}
+    while eng.has_unfinished_requests():  # type: ignore[attr-defined]
+        for out in eng.step():  # type: ignore[attr-defined]
+            if out.finished:
+                done[out.request_id] = (list(out.outputs[0].token_ids), out.outputs[0].logprobs)
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+# (prefix caching, KV pool blocks) as test_hybrid_models' preemption test: with snapshots a pool of 45
+# blocks makes resumed requests find their saved boundary still cached
+@pytest.mark.parametrize(
+    ("prefix_caching", "blocks"), [(False, 40), (True, 45)], ids=["from-zero", "from-snapshots"]
+)
+def test_preempted_requests_restart_from_a_zero_or_bfloat16_snapshot_state(
+    checkpoints, prefix_caching, blocks
+):
+    """A KV pool too small for seven requests: running ones are preempted and restart from a zero state
+    or a bfloat16 snapshot; the run stays close to the float32 run under the same pressure (measured:
+    97% of positions before the first divergence, one near-tie 0.02 nats apart, 0.006 nats)."""
+    prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
+    arch = resolve_source(str(checkpoints["qwen3_5"]), "auto").arch
+    sched = SchedulerConfig(max_num_seqs=7)
+    block_bytes = 4 * 2 * 16 * 2 * 4  # 4 tokens x (K, V) x head 16 x 2 full layers x float32
+    results = {}
+    for ssm in ("float32", "bfloat16"):
+        cache = CacheConfig(enable_prefix_caching=prefix_caching, mamba_ssm_cache_dtype=ssm)
+        llm = engine(
+            checkpoints["qwen3_5"],
+            ssm,
+            max_num_seqs=7,
+            max_num_batched_tokens=16,
+            max_model_len=128,
+            kv_cache_memory_bytes=plan_states(arch, sched, cache).total_bytes + blocks * block_bytes,
+            enable_prefix_caching=prefix_caching,
+            admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
+        )
+        assert llm.engine.pool_plan.num_blocks == blocks  # type: ignore[attr-defined]
+        results[ssm] = run_engine(llm, prompts, 24)
+        stats = llm.engine.stats()  # type: ignore[attr-defined]
+        assert stats.num_preemptions_total > 0 and (stats.prefix_cache_hits > 0) == prefix_caching
+    assert_close_run(results["float32"], results["bfloat16"])
