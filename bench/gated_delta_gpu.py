@@ -15,7 +15,8 @@ Fixed seed; about a minute (most of it fla's first compilations). Qwen3.5-9B's l
    the decode kernels captured in a CUDA graph and replayed with new slots and inputs.
 2. Timing: decode at batch 1/64/256 (graph replays: decode steps run captured), prefill of 16 x 512
    and 4 x 2048 tokens (eager, as the engine runs prefill); state bytes moved / time as GB/s against
-   ~4.3 TB/s for decode. A table, then one line of JSON.
+   ~4.3 TB/s for decode; the rows marked "bf16 state" keep the delta-rule state in bfloat16
+   (--mamba-ssm-cache-dtype bfloat16: half its bytes). A table, then one line of JSON.
 """
 
 from __future__ import annotations
@@ -307,14 +308,18 @@ def bench_decode(fla_ok: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(4)
     layer = make_layer(torch.bfloat16, gen)
     conv, ssm = make_pools(gen)
-    state_bytes = HV * DK * DV * 4 * 2 + (KW - 1) * CONV_DIM * 4 * 2  # read + write per request
+    ssm16 = ssm.to(torch.bfloat16)
+    conv_bytes = (KW - 1) * CONV_DIM * 4 * 2  # read + write per request
+    state_bytes = {4: HV * DK * DV * 4 * 2 + conv_bytes, 2: HV * DK * DV * 2 * 2 + conv_bytes}
     for n in DECODE_BATCHES:
         mixed, a, b = make_rows(n, torch.bfloat16, gen)
         slots = torch.randperm(NUM_SLOTS, generator=gen, device=DEV)[:n]
         st = state_batch(slots, torch.ones(n, device=DEV), conv, ssm)
+        st16 = state_batch(slots, torch.ones(n, device=DEV), conv, ssm16)
         impls: dict[str, Callable[[], object]] = {
             "torch": partial(TORCH.decode, layer, mixed, a, b, conv, ssm, st),
             "triton": partial(TRITON.decode, layer, mixed, a, b, conv, ssm, st),
+            "triton, bf16 state": partial(TRITON.decode, layer, mixed, a, b, conv, ssm16, st16),
         }
         for bv, warps in DECODE_CONFIGS:  # the delta step's tile (dk x bv) and warps; default (32, 4)
             impls[f"triton bv{bv} w{warps}"] = partial(
@@ -330,7 +335,7 @@ def bench_decode(fla_ok: bool) -> None:
                 print(f"  {impl} at batch {n} raised {type(e).__name__}: {str(e)[:200]}", flush=True)
                 continue
             base = base or us
-            gbps = n * state_bytes / us / 1e3
+            gbps = n * state_bytes[2 if "bf16 state" in impl else 4] / us / 1e3
             rows.append(
                 dict(
                     op="decode", shape=f"batch {n}", impl=impl, mode=mode, us=us, gbps=gbps, speedup=base / us
@@ -342,6 +347,7 @@ def bench_prefill(fla_ok: bool) -> None:
     gen = torch.Generator(device=DEV).manual_seed(5)
     layer = make_layer(torch.bfloat16, gen)
     conv, ssm = make_pools(gen)
+    ssm16 = ssm.to(torch.bfloat16)
     for nseq, length in PREFILLS:
         rows_ = prefill_rows([length] * nseq, list(range(3, 3 + 2 * nseq, 2)), [False] * nseq)
         mixed, a, b = make_rows(nseq * length, torch.bfloat16, gen)
@@ -352,6 +358,9 @@ def bench_prefill(fla_ok: bool) -> None:
         }
         if fla_ok:
             impls["fla chunk (varlen)"] = partial(FLA.prefill, layer, mixed, a, b, conv, ssm, rows_)
+            impls["fla chunk (varlen), bf16 state"] = partial(
+                FLA.prefill, layer, mixed, a, b, conv, ssm16, rows_
+            )
         base = None
         for impl, fn in impls.items():
             try:

@@ -32,6 +32,7 @@ from overnight.config import (
     PoolerConfig,
     RunnerConfig,
     SchedulerConfig,
+    ssm_state_dtype,
 )
 from overnight.engine.engine import Engine
 from overnight.engine.interfaces import EngineClient
@@ -188,22 +189,35 @@ def build_config(
     # Only last-token pooling can start past a cached prefix: the others need every token's state.
     prefix_caching = opts.enable_prefix_caching and (pooler is None or pooler.pooling_type == "LAST")
     dtype = resolve_dtype(opts.dtype, source, device)
+    ssm_dtype = ssm_state_dtype(opts.mamba_ssm_cache_dtype)
     if source.arch.num_linear_layers:  # before anything is allocated: the states must fit beside a pool
         fitted = fit_hybrid_seqs(
             opts, source, device, memory_gib, dtype, max_num_seqs, batched, max_model_len, prefix_caching
         )
         if fitted < max_num_seqs:
             log.info(
-                "max_num_seqs %d -> %d: a request's linear-attention states take %.1f MiB (float32, %d "
-                "layers), and with their prefix-cache snapshots those of %d requests would take more than "
-                "half the memory left for caches (`overnight budget` shows it); set max_num_seqs to choose",
+                "max_num_seqs %d -> %d: a request's linear-attention states take %.1f MiB (%d layers, "
+                "%s delta-rule states), and with their prefix-cache snapshots those of %d requests would "
+                "take more than half the memory left for caches (`overnight budget` shows it); set "
+                "max_num_seqs to choose%s",
                 max_num_seqs,
                 fitted,
-                source.arch.linear_state_bytes() / 2**20,
+                source.arch.linear_state_bytes(ssm_dtype) / 2**20,
                 source.arch.num_linear_layers,
+                str(ssm_dtype).removeprefix("torch."),
                 max_num_seqs,
+                ", or --mamba-ssm-cache-dtype bfloat16 to halve the states"
+                if ssm_dtype == torch.float32
+                else "",
             )
             max_num_seqs = fitted
+    elif opts.mamba_ssm_cache_dtype != "auto":  # as vLLM: an option of state caches, unused without them
+        log.info(
+            "mamba_ssm_cache_dtype %s ignored: the model (%s) has no linear-attention layers, so no "
+            "state cache",
+            opts.mamba_ssm_cache_dtype,
+            source.arch.architecture,
+        )
     return EngineConfig(
         model=ModelConfig(
             model=source.path,
@@ -221,6 +235,7 @@ def build_config(
             kv_cache_memory_bytes=opts.kv_cache_memory_bytes,
             enable_prefix_caching=prefix_caching,
             calculate_kv_scales=opts.calculate_kv_scales,
+            mamba_ssm_cache_dtype=opts.mamba_ssm_cache_dtype,
         ),
         scheduler=SchedulerConfig(
             max_num_seqs=max_num_seqs,
@@ -308,7 +323,8 @@ def fit_hybrid_seqs(
     chunk = min(max_model_len, max_num_batched_tokens)
     one_seq = kv_bytes_per_sequence(arch, chunk, max_num_batched_tokens, kv_elem)
     given = opts.max_num_seqs is not None
-    return fit_state_seqs(arch, max_num_seqs, cache_bytes, prefix_caching, given, one_seq)
+    ssm_dtype = ssm_state_dtype(opts.mamba_ssm_cache_dtype)
+    return fit_state_seqs(arch, max_num_seqs, cache_bytes, prefix_caching, given, one_seq, ssm_dtype)
 
 
 def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRAConfig | None:

@@ -372,10 +372,11 @@ class ModelArch:
         ssm = (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
         return (self.linear_conv_kernel_dim - 1, conv_dim), ssm
 
-    def linear_state_bytes(self) -> int:
-        """Bytes of one request's states over every linear layer (float32)."""
+    def linear_state_bytes(self, ssm_dtype: torch.dtype = torch.float32) -> int:
+        """Bytes of one request's states over every linear layer: the conv state in float32, the
+        delta-rule state in ssm_dtype (CacheConfig.ssm_state_dtype; runner/state_cache.py says why)."""
         (k, c), (h, dk, dv) = self.linear_state_shapes()
-        return self.num_linear_layers * 4 * (k * c + h * dk * dv)
+        return self.num_linear_layers * (4 * k * c + ssm_dtype.itemsize * h * dk * dv)
 
     @property
     def holds_mxfp4_experts(self) -> bool:
@@ -663,6 +664,25 @@ class ModelConfig:
     pooler: PoolerConfig | None = None  # set when runner == "pooling"
 
 
+# mamba_ssm_cache_dtype -> the storage dtype of the delta-rule state. auto is float32, as transformers
+# keeps the state (and as overnight did before the option): a 16-bit state halves the state pool's bytes
+# at the cost of one rounding per step (the kernels compute in float32 and round as they store).
+SSM_STATE_DTYPES: dict[str, torch.dtype] = {
+    "auto": torch.float32,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def ssm_state_dtype(name: str) -> torch.dtype:
+    """The delta-rule state's storage dtype for a mamba_ssm_cache_dtype value; ValueError naming the
+    allowed values for any other (the option's choices refuse it earlier, for users)."""
+    if name not in SSM_STATE_DTYPES:
+        raise ValueError(f"mamba_ssm_cache_dtype must be one of {', '.join(SSM_STATE_DTYPES)}; got {name!r}")
+    return SSM_STATE_DTYPES[name]
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = DEFAULT_BLOCK_SIZE  # resolved from the option by options.block_size_for
@@ -671,6 +691,12 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = _Defaults.kv_cache_memory_bytes
     enable_prefix_caching: bool = _Defaults.enable_prefix_caching
     calculate_kv_scales: bool = _Defaults.calculate_kv_scales
+    # Hybrid models' delta-rule state storage (SSM_STATE_DTYPES); unused by models without linear layers.
+    mamba_ssm_cache_dtype: str = _Defaults.mamba_ssm_cache_dtype
+
+    @property
+    def ssm_state_dtype(self) -> torch.dtype:
+        return ssm_state_dtype(self.mamba_ssm_cache_dtype)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ T = TypeVar("T")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = ("auto", "bfloat16", "bf16", "float16", "half", "float32", "float")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# Storage of the linear-attention (Gated DeltaNet) state of hybrid models, vLLM's values (config.py
+# ssm_state_dtype maps them; auto: float32).
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)
 MXFP4_EXPERTS = ("auto", "mxfp4", "dense")  # how an MXFP4 checkpoint's experts are held (build.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -297,6 +300,15 @@ class EngineOptions:
     calculate_kv_scales: bool = option(
         False,
         "fp8 KV cache: set each layer's scales from the first prefill (default: checkpoint's, else 1.0)",
+    )
+    mamba_ssm_cache_dtype: str = option(
+        "auto",
+        "hybrid models (Qwen3.5, Qwen3-Next): storage of each request's linear-attention (delta-rule) "
+        "state; bfloat16 or float16 halve its bytes (so the default max_num_seqs doubles), each step "
+        "still computing in float32 and rounding once as it stores; auto: float32. Ignored (logged) for "
+        "models without linear-attention layers",
+        choices=MAMBA_SSM_CACHE_DTYPES,
+        normalize=_dtype_name,
     )
     enable_prefix_caching: bool = option(True, "reuse the KV of shared prompt prefixes")
     enable_chunked_prefill: bool = option(True, "split long prompts over steps")

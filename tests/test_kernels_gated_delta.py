@@ -117,6 +117,110 @@ def test_varlen_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
     assert torch.equal(ssm_pool[others], ref_ssm[others]) and torch.equal(conv_pool[others], ref_conv[others])
 
 
+# One rounding of a float32 value to a 16-bit state, relative: an ulp (2^-7 for bfloat16's 8 significant
+# bits, 2^-10 for float16's 11). Round-to-nearest needs half of it; the Triton interpreter's bfloat16
+# conversion is not round-to-nearest, so the tests allow the whole ulp. A state rounded at every token
+# (or at every element of the update) adds such an error each time, and the outputs, computed from the
+# unrounded float32 state, then miss float32's 1e-4: checked by rounding inside the kernel's loop.
+STATE_ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def _assert_one_rounding(state: torch.Tensor, ref: torch.Tensor, msg: str) -> None:
+    """state (16-bit) is ref (float32) rounded once: within an ulp of each value (float16's subnormal
+    range below 2^-14 is absolute)."""
+    bound = STATE_ULP[state.dtype] * ref.abs() + 2.0**-24
+    err = (state.float() - ref).abs()
+    assert (err <= bound).all(), f"{msg}: {(err / (ref.abs() + 1e-12)).max():.2e} relative, past one rounding"
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_decode_steps_with_a_16bit_state(state_dtype: torch.dtype) -> None:
+    """mamba_ssm_cache_dtype bfloat16 / float16: the decode kernel widens each slot's state, runs the
+    step in float32 (the output matches the float32 reference from the same stored state to float32's
+    tolerance) and stores the new state rounded once. Over several steps the 16-bit run stays within
+    one rounding a step of the all-float32 run (the decayed delta rule does not amplify an error: a
+    decay <= 1 and (I - beta k k^T) with |k| = 1, 0 < beta < 1 are contractions)."""
+    gen = torch.Generator().manual_seed(6)
+    _, _, A_log, dt_bias = _params(torch.float32, gen)
+    pool32 = torch.randn(NUM_SLOTS, HV, DK, DV, generator=gen).to(DEVICE)
+    pool = pool32.to(state_dtype)
+    pool[1] = float("nan")  # a fresh request's slot is never read
+    slots = torch.tensor([5, 1, 3], device=DEVICE)
+    has = torch.tensor([1.0, 0.0, 1.0], device=DEVICE)
+    ref_all32 = pool32.clone()
+    ref_all32[1] = 0.0
+    steps = 4
+    for step in range(steps):
+        q = torch.randn(3, HK, DK, generator=gen).to(DEVICE)
+        k = torch.randn(3, HK, DK, generator=gen).to(DEVICE)
+        v = torch.randn(3, HV, DV, generator=gen).to(DEVICE)
+        a = torch.randn(3, HV, generator=gen).to(DEVICE)
+        b = torch.randn(3, HV, generator=gen).to(DEVICE)
+        start = torch.where(has[:, None, None, None] != 0, pool[slots].float(), 0.0)  # the stored state
+        o = delta_step(q, k, v, a, b, A_log, dt_bias, pool, slots, has)
+
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
+        ref = (q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None])
+        o_ref, s_ref = recurrent_gated_delta_rule_ref(*ref, start)
+        torch.testing.assert_close(o, o_ref[:, 0], rtol=1e-4, atol=1e-4, msg=f"o, step {step}")
+        assert pool.dtype == state_dtype
+        _assert_one_rounding(pool[slots], s_ref, f"state, step {step}")
+
+        o32, s32 = recurrent_gated_delta_rule_ref(*ref, ref_all32[slots])
+        ref_all32[slots] = s32
+        drift = (step + 1) * STATE_ULP[state_dtype] * s32.abs().max()  # one rounding per step, at most
+        assert (pool[slots].float() - s32).abs().max() <= drift, f"state drift, step {step}"
+        assert (o - o32[:, 0]).abs().max() <= drift, f"o drift, step {step}"
+        has = torch.ones_like(has)
+    assert torch.equal(pool[[0, 2, 4, 6]], pool32[[0, 2, 4, 6]].to(state_dtype))  # other slots untouched
+
+
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_varlen_prefill_rounds_a_16bit_state_once_per_sequence(state_dtype: torch.dtype) -> None:
+    """The varlen kernel (prefill without fla), the torch path and (GPU machines with fla-core) fla's
+    chunked prefill with a 16-bit pool against the chunked float32 reference: each request's final state
+    is its float32 state rounded once (a state rounded at each of 40 tokens would be past the bound),
+    the outputs those of float32 from the stored state (fla: to its tf32 dots' 2e-3 besides)."""
+    from overnight.layers.gated_delta_ops import (
+        DeltaLayer,
+        PrefillRows,
+        TorchDeltaRuleOps,
+        TritonDeltaRuleOps,
+        fla_importable,
+    )
+
+    gen = torch.Generator().manual_seed(7)
+    conv_dim, weight, A_log, dt_bias = _params(torch.float32, gen)
+    layer = DeltaLayer(HK, HV, DK, DV, weight, A_log, dt_bias)
+    conv0 = torch.randn(NUM_SLOTS, KW - 1, conv_dim, generator=gen).to(DEVICE)
+    ssm0 = (0.1 * torch.randn(NUM_SLOTS, HV, DK, DV, generator=gen)).to(DEVICE, state_dtype)
+    ssm0[[0, 2]] = float("nan")
+    ops = {"triton": TritonDeltaRuleOps(fla_prefill=False), "torch": TorchDeltaRuleOps()}
+    if DEVICE == "cuda" and fla_importable():
+        ops["fla"] = TritonDeltaRuleOps(fla_prefill=True)
+    pools = {name: (conv0.clone(), ssm0.clone()) for name in ops}
+    for lens, slots, has in [
+        ([1, 9, 40, 5], [6, 0, 2, 4], [True, False, False, True]),
+        ([3, 20], [4, 0], [True] * 2),
+    ]:
+        rows = PrefillRows.of(lens, slots, has, DEVICE)
+        mixed, a, b = _step_inputs(rows.starts[-1], conv_dim, torch.float32, gen)
+        for name, (conv_pool, ssm_pool) in pools.items():
+            # the float32 reference from this path's own stored states (widened), conv states alike
+            ref_conv, ref_ssm = conv_pool.clone(), ssm_pool.float()
+            o = ops[name].prefill(layer, mixed, a, b, conv_pool, ssm_pool, rows)
+            o_ref = TorchDeltaRuleOps().prefill(layer, mixed, a, b, ref_conv, ref_ssm, rows)
+            assert ssm_pool.dtype == state_dtype
+            if name == "fla":  # its dots run in tf32 on fp32 inputs (test_fla_prefill_matches_reference)
+                torch.testing.assert_close(o, o_ref, rtol=2e-3, atol=2e-3, msg=name)
+                tol = 2e-3 + STATE_ULP[state_dtype]
+                torch.testing.assert_close(ssm_pool[slots].float(), ref_ssm[slots], rtol=tol, atol=tol)
+            else:
+                torch.testing.assert_close(o, o_ref, rtol=1e-4, atol=1e-4, msg=name)
+                _assert_one_rounding(ssm_pool[slots], ref_ssm[slots], f"{name}, {lens}")
+            torch.testing.assert_close(conv_pool[slots], ref_conv[slots], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_step_rejects_bad_inputs() -> None:
     gen = torch.Generator().manual_seed(1)
     conv_dim, weight, A_log, dt_bias = _params(torch.float32, gen)
@@ -125,7 +229,7 @@ def test_decode_step_rejects_bad_inputs() -> None:
     a = b = torch.randn(2, HV, device=DEVICE)
     slots, has = torch.tensor([0, 1], device=DEVICE), torch.ones(2, device=DEVICE)
     with pytest.raises(ValueError, match="float32"):
-        delta_step(*_split(y), a, b, A_log, dt_bias, pool.half(), slots, has)
+        delta_step(*_split(y), a, b, A_log, dt_bias, pool.double(), slots, has)
     with pytest.raises(ValueError, match="ssm_pool"):
         delta_step(*_split(y), a, b, A_log, dt_bias, pool[:, :, :, :8], slots, has)
     with pytest.raises(ValueError, match="slot_ids"):

@@ -4,7 +4,8 @@ A linear layer keeps no KV cache. Each running request owns one slot of a state 
 same slot in every linear layer (runner/state_cache.py):
 
     conv[layer]  [num_slots + 1, K - 1, conv_dim]   the last K-1 inputs of the causal conv   float32
-    ssm[layer]   [num_slots + 1, Hv, dk, dv]        the delta-rule state per value head      float32
+    ssm[layer]   [num_slots + 1, Hv, dk, dv]        the delta-rule state per value head      float32, or
+                                                    float16 / bfloat16 by mamba_ssm_cache_dtype
                   ^ slot; the last one is scratch: padding rows of a CUDA-graph batch read and write it
 
 Request i of the step (the metadata's order: decodes first) uses slot slot_ids[i]. has_state[i] is 1
@@ -12,6 +13,7 @@ when it continues from its slot (it computed tokens before this step), 0 when it
 (a new request, a resumed preemption, a recomputation): a slot is never cleared, the layer ignores its
 old contents instead. slot_ids and has_state are views of static device buffers, so decode graphs
 replay with new values; the host copies serve the prefill path, which loops over its requests.
+Whatever the ssm pool's dtype, a layer computes each step in float32 and rounds once, as it stores.
 """
 
 from __future__ import annotations

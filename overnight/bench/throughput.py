@@ -121,6 +121,8 @@ def run_ours(
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "kv_cache_dtype": kv_dtype,
+            # hybrids' delta-rule state storage (float32 unless --mamba-ssm-cache-dtype says otherwise)
+            "mamba_ssm_cache_dtype": engine.config.cache.mamba_ssm_cache_dtype,
             "quantization": engine.config.model.quantization,  # FP8 weights: the roofline still assumes bf16
             # Tokens of context the pool holds with every layer kind keeping all of them (each KV cache
             # group takes a block per block of its size: kv_groups.py); windows give back more past them.

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from overnight.config import CacheConfig, ModelArch, SchedulerConfig
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.errors import ConfigError
@@ -90,11 +92,13 @@ def state_snapshots(sched: SchedulerConfig, cache: CacheConfig) -> int:
 class StatePlan:
     """The linear-attention state pool of a hybrid model (runner/state_cache.py allocates exactly this):
     `slots` per-request states (max_num_seqs + a scratch slot) and `snapshots` prefix-cache copies,
-    bytes_per_seq each (float32, every linear layer). All zero for a model without linear layers."""
+    bytes_per_seq each (every linear layer: conv states in float32, delta-rule states in ssm_dtype, the
+    mamba_ssm_cache_dtype option's). All zero for a model without linear layers."""
 
     bytes_per_seq: int
     slots: int
     snapshots: int
+    ssm_dtype: torch.dtype = torch.float32
 
     @property
     def total_bytes(self) -> int:
@@ -104,18 +108,23 @@ class StatePlan:
 def plan_states(arch: ModelArch, sched: SchedulerConfig, cache: CacheConfig) -> StatePlan:
     if not arch.num_linear_layers:
         return StatePlan(0, 0, 0)
-    return StatePlan(arch.linear_state_bytes(), state_slots(sched), state_snapshots(sched, cache))
+    ssm = cache.ssm_state_dtype
+    return StatePlan(arch.linear_state_bytes(ssm), state_slots(sched), state_snapshots(sched, cache), ssm)
 
 
-def _state_pool_bytes(arch: ModelArch, max_num_seqs: int, prefix_caching: bool) -> int:
-    return arch.linear_state_bytes() * (max_num_seqs + 1 + _snapshots(max_num_seqs, prefix_caching))
+def _state_pool_bytes(
+    arch: ModelArch, max_num_seqs: int, prefix_caching: bool, ssm_dtype: torch.dtype = torch.float32
+) -> int:
+    per = arch.linear_state_bytes(ssm_dtype)
+    return per * (max_num_seqs + 1 + _snapshots(max_num_seqs, prefix_caching))
 
 
 # The most of the memory for caches (what is left after the weights and the largest step) that a default
 # max_num_seqs lets the state pool take: the rest is the KV pool of the full-attention layers. Half keeps
 # both useful: Qwen3.5-9B on an H100 (about 48 GiB for caches) gets 384 requests' states and a 24 GiB KV
 # pool of 786k tokens, 2 x 384 sequences of 1,024 tokens (vLLM takes states from the KV pool itself, so
-# there the pool's size bounds the running requests the same way).
+# there the pool's size bounds the running requests the same way). A bfloat16 delta-rule state
+# (mamba_ssm_cache_dtype) about halves a request's bytes, so about twice the requests fit the same share.
 STATE_SHARE = 0.5
 
 
@@ -126,49 +135,59 @@ def fit_state_seqs(
     prefix_caching: bool,
     given: bool,
     min_kv_bytes: int = 0,
+    ssm_dtype: torch.dtype = torch.float32,
 ) -> int:
     """max_num_seqs for a hybrid model whose state pool must fit beside a KV pool in cache_bytes (the
     memory left for caches, before anything is allocated). A default (given False) is lowered until the
     states take at most STATE_SHARE of it (a multiple of 16 from 16 on); a given value is refused when its
     states leave less than min_kv_bytes (the least useful KV pool: build.py passes one step's chunk of
-    one sequence) for the KV pool. Unchanged for a model without linear layers."""
+    one sequence) for the KV pool. ssm_dtype: the delta-rule states' storage (CacheConfig.ssm_state_dtype).
+    Unchanged for a model without linear layers."""
     if not arch.num_linear_layers:
         return max_num_seqs
-    need = _state_pool_bytes(arch, max_num_seqs, prefix_caching)
+    need = _state_pool_bytes(arch, max_num_seqs, prefix_caching, ssm_dtype)
     if given:
         if need + min_kv_bytes > cache_bytes:
             raise PoolMemoryError(
                 f"max_num_seqs {max_num_seqs} is too many for this model's linear-attention states: "
-                f"{arch.linear_state_bytes() / 2**20:.2f} MiB a request, {need / GIB:.2f} GiB for "
+                f"{arch.linear_state_bytes(ssm_dtype) / 2**20:.2f} MiB a request ({_ssm_text(ssm_dtype)}), "
+                f"{need / GIB:.2f} GiB for "
                 f"{max_num_seqs} requests and their prefix-cache snapshots ({need} bytes), but the caches "
                 f"have {cache_bytes / GIB:.2f} GiB ({cache_bytes} bytes) and the KV pool needs "
                 f"{min_kv_bytes / GIB:.2f} GiB of it for one step of one sequence: lower max_num_seqs "
-                f"to at most {_largest_fit(arch, cache_bytes - min_kv_bytes, prefix_caching)}"
+                f"to at most {_largest_fit(arch, cache_bytes - min_kv_bytes, prefix_caching, ssm_dtype)}"
             )
         return max_num_seqs
     room = min(int(cache_bytes * STATE_SHARE), cache_bytes - min_kv_bytes)
     if need <= room:
         return max_num_seqs
-    n = min(_largest_fit(arch, room, prefix_caching), max_num_seqs)
+    n = min(_largest_fit(arch, room, prefix_caching, ssm_dtype), max_num_seqs)
     if n < 1:
         raise PoolMemoryError(
             f"no room for the linear-attention states of even one request "
-            f"({_state_pool_bytes(arch, 1, prefix_caching) / GIB:.2f} GiB with its scratch slot and "
+            f"({_state_pool_bytes(arch, 1, prefix_caching, ssm_dtype) / GIB:.2f} GiB with its scratch slot and "
             f"snapshots) beside a KV pool in the {cache_bytes / GIB:.2f} GiB left for caches: raise "
             "gpu_memory_utilization, lower max_num_batched_tokens, or use a GPU with more memory"
         )
     return n if n < 16 else n - n % 16
 
 
-def _largest_fit(arch: ModelArch, room: int, prefix_caching: bool) -> int:
+def _largest_fit(
+    arch: ModelArch, room: int, prefix_caching: bool, ssm_dtype: torch.dtype = torch.float32
+) -> int:
     """The largest max_num_seqs whose state pool fits in room bytes (0: none)."""
-    per = arch.linear_state_bytes()
+    per = arch.linear_state_bytes(ssm_dtype)
     n = max(room // per, 0)  # an upper bound: every request needs at least its own slot
-    while n > 0 and _state_pool_bytes(arch, n, prefix_caching) > room:
+    while n > 0 and _state_pool_bytes(arch, n, prefix_caching, ssm_dtype) > room:
         n -= 1 + n // 64  # a few dozen steps at most: the bound is about n / 5 + 5 past the answer
-    while _state_pool_bytes(arch, n + 1, prefix_caching) <= room:
+    while _state_pool_bytes(arch, n + 1, prefix_caching, ssm_dtype) <= room:
         n += 1
     return n
+
+
+def _ssm_text(ssm_dtype: torch.dtype) -> str:
+    """How a message names the state's storage: "float32 delta-rule states", as the option spells it."""
+    return f"{str(ssm_dtype).removeprefix('torch.')} delta-rule states"
 
 
 def reserve_state_bytes(

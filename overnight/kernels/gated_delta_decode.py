@@ -11,9 +11,14 @@ read and write it once, where the torch path's gather, elementwise passes and sc
 times.
 
     conv_pool [num_slots + 1, K - 1, C]  float32     conv_step:   grid (sequence, channel block)
-    ssm_pool  [num_slots + 1, Hv, dk, dv] float32    delta_step:  grid (sequence, value head, dv block)
+    ssm_pool  [num_slots + 1, Hv, dk, dv] float32,   delta_step:  grid (sequence, value head, dv block)
+                                          float16 or bfloat16 (the engine's mamba_ssm_cache_dtype)
                                ^^^^^^ row-major, dv contiguous: a program owns the [dk, BLOCK_V] column
                                       block of one head, so programs never share state elements
+
+A 16-bit ssm_pool is widened to float32 as a program loads its tile, and the tile is rounded back once,
+when it is stored: once per decode step, once per sequence in the varlen form (never per token there,
+nor per element of the update), so a 16-bit state costs one rounding of the state per step.
 
 Sequence i uses slot slot_ids[i]; has_state[i] == 0 makes it start from zeros (the old slot contents
 are ignored, not read: a slot is never cleared). Padding rows of a CUDA-graph batch all point at the
@@ -144,6 +149,7 @@ def _delta_rule_kernel(
     keep = tl.load(has_ptr + n + 0 * offs_v) != 0
     p_s = pool_ptr + slot * stride_ps + h * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
     s = tl.load(p_s, mask=mask_k[:, None] & (mask_v & keep)[None, :], other=0.0)  # [BLOCK_K, BLOCK_V]
+    s = s.to(tl.float32)  # a 16-bit pool's state, widened: the recurrence runs in float32
     neg_A = -tl.exp(tl.load(A_log_ptr + h).to(tl.float32))
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
 
@@ -173,12 +179,27 @@ def _delta_rule_kernel(
         s = s + k[:, None] * r[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + t * stride_on + h * stride_oh + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
-    tl.store(p_s, s, mask=mask_k[:, None] & mask_v[None, :])
+    tl.store(p_s, s.to(pool_ptr.dtype.element_ty), mask=mask_k[:, None] & mask_v[None, :])  # one rounding
 
 
-def _check_slots(n: int, pool: torch.Tensor, slot_ids: torch.Tensor, has_state: torch.Tensor) -> None:
-    if pool.dtype != torch.float32 or not pool.is_contiguous():
-        raise ValueError(f"the state pool must be contiguous float32, got {pool.dtype}")
+# What each pool may hold: the conv state is always float32; the delta-rule state float32 or 16-bit.
+CONV_POOL_DTYPES = (torch.float32,)
+SSM_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_slots(
+    n: int,
+    pool: torch.Tensor,
+    slot_ids: torch.Tensor,
+    has_state: torch.Tensor,
+    dtypes: tuple[torch.dtype, ...],
+) -> None:
+    if pool.dtype not in dtypes or not pool.is_contiguous():
+        allowed = " / ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(
+            f"the state pool must be contiguous {allowed}, got {pool.dtype}"
+            + ("" if pool.is_contiguous() else " (not contiguous)")
+        )
     if slot_ids.shape != (n,) or slot_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_ids must be [{n}] int32/int64, got {tuple(slot_ids.shape)} {slot_ids.dtype}")
     if has_state.shape != (n,) or has_state.dtype != torch.float32:
@@ -207,7 +228,7 @@ def conv_step(
         raise ValueError(f"conv_pool must be [S, {k - 1}, {c}], got {tuple(conv_pool.shape)}")
     if x.stride(1) != 1:
         raise ValueError("x must have unit stride along channels")
-    _check_slots(n, conv_pool, slot_ids, has_state)
+    _check_slots(n, conv_pool, slot_ids, has_state, CONV_POOL_DTYPES)
     out = torch.empty(n, c, dtype=x.dtype, device=x.device)
     if n:
         block_c = min(block_c, triton.next_power_of_2(c))
@@ -247,7 +268,8 @@ def delta_step(
 
     q, k [N, Hk, dk]; v [N, Hv, dv] (any row/head strides, unit stride along d: views into the conv
     output); a, b [N, Hv] raw projections (unit stride along heads); A_log, dt_bias [Hv];
-    ssm_pool [S, Hv, dk, dv] float32. Returns o [N, Hv, dv] in v's dtype."""
+    ssm_pool [S, Hv, dk, dv] float32, float16 or bfloat16 (computed in float32, rounded once as each
+    state is stored). Returns o [N, Hv, dv] in v's dtype."""
     return _launch(q, k, v, a, b, A_log, dt_bias, ssm_pool, slot_ids, has_state, None, block_v, num_warps)
 
 
@@ -303,7 +325,7 @@ def _launch(
     n = t if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.device != q.device):
         raise ValueError(f"cu_seqlens must be [num_seqs + 1] on {q.device}")
-    _check_slots(n, ssm_pool, slot_ids, has_state)
+    _check_slots(n, ssm_pool, slot_ids, has_state, SSM_POOL_DTYPES)
     o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if n and t:
         block_v = min(block_v, triton.next_power_of_2(dv))

@@ -16,6 +16,11 @@ force) and by whether fla-core imports; fla is imported on first CUDA use only, 
 Both take the same inputs: the step's rows decodes first (attention/metadata.py), `mixed` the
 q|k|v projection [T, conv_dim] before the conv, a and b the raw decay/write projections [T, Hv], and
 the slot of each request (runner/state_cache.py). They return the rule's output [T, Hv, dv].
+
+The ssm pool may be 16-bit (mamba_ssm_cache_dtype): every path widens a request's state to float32
+when it reads it, runs the step in float32 and rounds once when it writes the final state back (the
+references compute in float32 whatever they are given; fla gets a float32 initial state and returns a
+float32 final one).
 """
 
 from __future__ import annotations
@@ -144,11 +149,12 @@ class TorchDeltaRuleOps:
         conv_pool.index_copy_(0, idx, conv_new)
         q, k, v = layer.split(y)
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
-        s0 = ssm_pool[idx] * keep[:, None, None, None]
+        # where, not a product: a slot's old contents are ignored, even a 16-bit state that overflowed
+        s0 = torch.where(keep[:, None, None, None] != 0, ssm_pool[idx].float(), 0.0)
         o, s = recurrent_gated_delta_rule_ref(
             q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], s0
         )
-        ssm_pool.index_copy_(0, idx, s)
+        ssm_pool.index_copy_(0, idx, s.to(ssm_pool.dtype))  # float32 -> the pool's dtype: one rounding
         return o[:, 0]
 
     def prefill(
@@ -169,7 +175,7 @@ class TorchDeltaRuleOps:
             conv_pool[slot] = conv_new
             q, k, v = layer.split(y)
             o, s = chunk_gated_delta_rule_ref(q, k, v, g[lo:hi], beta[lo:hi], ssm_pool[slot] if has else None)
-            ssm_pool[slot] = s
+            ssm_pool[slot] = s  # rounded once to the pool's dtype (the copy casts)
             out[lo:hi] = o
         return out
 
@@ -229,7 +235,9 @@ class TritonDeltaRuleOps:
 
         g, beta = gdn_gates(a, b, layer.A_log, layer.dt_bias)
         keep = rows.has_state_dev[:, None, None, None] != 0
-        h0 = torch.where(keep, ssm_pool[rows.slot_ids], 0.0)  # [n, Hv, dk, dv]: fla's layout, K before V
+        # [n, Hv, dk, dv]: fla's layout, K before V; float32 whatever the pool holds (fla then carries and
+        # returns the state in float32, rounded once below)
+        h0 = torch.where(keep, ssm_pool[rows.slot_ids].float(), 0.0)
         o, final = chunk_gated_delta_rule(
             q[None],
             k[None],

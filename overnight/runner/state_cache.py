@@ -46,22 +46,26 @@ class StateCache:
         self.scratch = max_num_seqs
         self.device = device
         n = plan.slots
-        # float32, as transformers keeps the delta-rule state (its torch and fla paths compute and return
-        # it in float32): it sums a decayed outer product every token, and bfloat16's 8 bits of mantissa
-        # would drift over thousands of tokens; the kernels (attention/linear_state.py) read and write
-        # float32. The conv state could be the model's dtype, but it is 4% of the bytes (3 x 8,192 of
-        # 32 x 128 x 128 values a layer for Qwen3.5), not worth a second dtype.
-        f32 = torch.float32
+        # The delta-rule state in plan.ssm_dtype (the mamba_ssm_cache_dtype option): float32 by default,
+        # as transformers keeps it (its torch and fla paths compute and return it in float32): it sums a
+        # decayed outer product every token, and a 16-bit state is rounded once per step (bfloat16: 8 bits
+        # of mantissa), which drifts over thousands of tokens; users trade that for half the bytes. Every
+        # reader computes in float32 and rounds only as it stores (kernels/gated_delta_decode.py, the
+        # torch path, fla's prefill). The conv state stays float32 whatever the option: it holds the last
+        # K-1 inputs exactly, and is 4% of the bytes (3 x 8,192 of 32 x 128 x 128 values a layer for
+        # Qwen3.5), not worth a second dtype.
+        f32, sdt = torch.float32, plan.ssm_dtype
         self.conv = [
             torch.zeros(n, k1, conv_dim, dtype=f32, device=device) for _ in range(arch.num_linear_layers)
         ]
-        self.ssm = [torch.zeros(n, *ssm, dtype=f32, device=device) for _ in range(arch.num_linear_layers)]
+        self.ssm = [torch.zeros(n, *ssm, dtype=sdt, device=device) for _ in range(arch.num_linear_layers)]
         # Prefix caching: states at block boundaries (engine/state_snapshots.py decides which), copied
-        # slot -> snapshot after the step that reaches one and snapshot -> slot for a hit.
+        # slot -> snapshot after the step that reaches one and snapshot -> slot for a hit (same dtypes:
+        # a snapshot is a bit-exact copy, never rounded again).
         self.conv_snapshots = [
             torch.zeros(num_snapshots, k1, conv_dim, dtype=f32, device=device) for _ in self.conv
         ]
-        self.ssm_snapshots = [torch.zeros(num_snapshots, *ssm, dtype=f32, device=device) for _ in self.ssm]
+        self.ssm_snapshots = [torch.zeros(num_snapshots, *ssm, dtype=sdt, device=device) for _ in self.ssm]
         # Static per-row buffers (CUDA graphs read them in place); unused rows point at the scratch slot.
         self.slot_ids = torch.full((max_num_seqs,), self.scratch, dtype=torch.int64, device=device)
         self.has_state = torch.zeros(max_num_seqs, dtype=f32, device=device)

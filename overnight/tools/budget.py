@@ -96,6 +96,7 @@ class Budget:
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
     state_pool_bytes: int = 0
+    state_dtype: str = "float32"  # the delta-rule states' storage (mamba_ssm_cache_dtype resolved)
     state_snapshots: int = 0
     caches_bytes: int = 0  # the memory for caches before the state pool is set aside (budget_bytes after)
     seqs_lowered_for_states: bool = False  # a mode's default max_num_seqs lowered below the table's
@@ -242,6 +243,7 @@ def plan_budget(
         ),
         state_bytes_per_seq=states.bytes_per_seq,
         state_pool_bytes=states.total_bytes,
+        state_dtype=str(states.ssm_dtype).removeprefix("torch."),
         state_snapshots=states.snapshots,
         caches_bytes=caches,
         seqs_lowered_for_states=lowered,
@@ -364,7 +366,8 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     if b.state_bytes_per_seq:
         lines.append(
             f"linear-attention states: {b.state_bytes_per_seq / 2**20:.1f} MiB per request "
-            f"({arch.num_linear_layers} layers, float32); state pool {b.state_pool_bytes / GIB:.2f} GiB "
+            f"({arch.num_linear_layers} layers, delta-rule states in {b.state_dtype}, conv states in "
+            f"float32); state pool {b.state_pool_bytes / GIB:.2f} GiB "
             f"({b.max_num_seqs} + 1 slots and {b.state_snapshots} prefix-cache snapshots), set aside "
             f"before the KV pool: {b.caches_bytes / GIB:.2f} GiB for caches - {b.state_pool_bytes / GIB:.2f} "
             f"GiB states = {b.budget_bytes / GIB:.2f} GiB for the KV pool"
