@@ -4,7 +4,8 @@ no GPU needed, so a tile choice that would only fail at the first launch on a GP
 compilation runs in a child process without TRITON_INTERPRET (under it the kernels' helpers are the
 interpreter's functions, which Triton's compiler cannot read): tests/sm90.py.
 
-The layer variants are on (window, softcap, sinks): the heaviest code each kernel has.
+The layer variants are on (window, softcap, sinks, Llama 4's attention chunk): the heaviest code each
+kernel has.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tests.sm90 import SHARED_LIMIT, child_report, compile_for_sm90, compile_sm9
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
-LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
+LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True, CHUNK=8192)
 
 
 def prefill_case(fp8: bool, d: int, key_limit: bool = False):

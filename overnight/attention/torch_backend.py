@@ -153,6 +153,8 @@ def paged_attention_ref(
         # A window's older positions may sit in blocks already given back (any contents, NaN too):
         # read from the first position the chunk's first query sees.
         lo = 0 if window is None else max(0, seq_len - qlen - window + 1)
+        if chunk is not None:  # and nothing before the first query's chunk is read
+            lo = max(lo, (seq_len - qlen) // chunk * chunk)
         qi = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, qlen, D]
         ki = _load(k[lo:], compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L - lo, D]
         vi = _load(v[lo:], compute_dtype, v_scale).transpose(0, 1)
