@@ -1,0 +1,266 @@
+"""Llama 4 (models/llama4.py, models/llama4_config.py) end to end on the CPU, against transformers, on
+tiny random checkpoints saved with save_pretrained: 4 layers, of which 0-2 are chunked RoPE layers
+(attention_chunk_size 8, q/k L2 norm) and 3 a global NoPE layer (temperature tuning with floor_scale 4,
+so the q scale changes every few positions), MoE in layers 1 and 3 (4 experts, a shared expert), dense
+MLPs of intermediate_size_mlp in 0 and 2, llama3 RoPE scaling. A second variant routes each token to
+two experts (top-2: each expert gets its own scaled input), lists moe_layers explicitly and turns the
+q/k norm and the temperature tuning off.
+
+Checked: greedy tokens identical to transformers' in fp32 through one engine run with prompts of up to
+four chunks, 16-token prefill chunks (chunk edges inside them) and prefix-cache hits; a
+Llama4ForConditionalGeneration checkpoint loaded text-only (its vision tower's tensors skipped) against
+transformers' own ConditionalGeneration model, and image prompts refused by name; the chat template
+through the tokenizer; the config reader's layer kinds and MoE layers and its refusals; the Scout preset's
+published size. The chunked attention itself is checked against a dense loop and the kernels in
+tests/test_kernels_attention_chunk.py.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from overnight import LLM, SamplingParams
+from overnight.errors import InvalidRequestError, ModelLoadError
+from overnight.loader.model_loader import build_model, load_model
+from overnight.loader.resolve import resolve_source
+from overnight.models.llama4 import Llama4MoE
+from overnight.models.registry import arch_from_hf_config
+from overnight.parallel.tp import TPShards
+from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
+from tests.parity_helpers import hf_greedy
+from tests.tiny_models import _spread_weights
+
+VOCAB = 272
+TEXT = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+    num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2, attention_chunk_size=8,
+    floor_scale=4, attn_scale=0.5, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    rope_parameters=dict(
+        rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=64,
+    ),
+)  # fmt: skip
+VARIANTS = {
+    "top1": {},
+    "top2": dict(num_experts_per_tok=2, moe_layers=[0, 2], use_qk_norm=False, attn_temperature_tuning=False),
+}
+ENGINE = dict(
+    dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
+    kv_cache_memory_bytes=1 << 20, enable_prefix_caching=True,
+)  # fmt: skip
+NEW_TOKENS = 8
+# Llama 4's chat format, its special tokens at the top of the synthetic vocabulary
+SPECIALS = {266: "<|begin_of_text|>", 267: "<|header_start|>", 268: "<|header_end|>", 269: "<|eot|>"}
+CHAT_TEMPLATE = (
+    "{{ '<|begin_of_text|>' }}{% for m in messages %}{{ '<|header_start|>' + m.role + '<|header_end|>\n\n' }}"
+    "{{ m.content }}{{ '<|eot|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|header_start|>assistant<|header_end|>\n\n' }}{% endif %}"
+)
+
+
+def make_llama4_checkpoint(folder: Path, conditional: bool = False, seed: int = 0, **overrides) -> Path:
+    import transformers
+
+    text = transformers.Llama4TextConfig(**{**TEXT, **overrides})
+    torch.manual_seed(seed)
+    if conditional:
+        vision = transformers.Llama4VisionConfig(
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+            patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
+        )  # fmt: skip
+        model = transformers.Llama4ForConditionalGeneration(
+            transformers.Llama4Config(text_config=text, vision_config=vision)
+        ).eval()
+    else:
+        model = transformers.Llama4ForCausalLM(text).eval()
+    with torch.no_grad():
+        _spread_weights(model, seed)
+    model.save_pretrained(folder)
+    save_synthetic_tokenizer_folder(folder, VOCAB, SPECIALS, eos_token="<|eot|>")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return folder
+
+
+def load_reference(folder: Path, conditional: bool = False):
+    import transformers
+
+    cls = transformers.Llama4ForConditionalGeneration if conditional else transformers.Llama4ForCausalLM
+    return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request, tmp_path_factory):
+    folder = make_llama4_checkpoint(tmp_path_factory.mktemp(request.param) / "l4", **VARIANTS[request.param])
+    return request.param, folder
+
+
+def _waves() -> tuple[list[list[int]], list[list[int]]]:
+    """Two rounds sharing a 21-token prefix (the second hits the prefix cache); prompts up to 30
+    tokens, four chunks of 8."""
+    rng = random.Random(0)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    prefix = toks(21)
+    return [toks(30), prefix + toks(5), toks(3)], [prefix + toks(9), prefix + toks(2), toks(19)]
+
+
+def test_engine_greedy_token_exact(variant):
+    """Token-exact with transformers in fp32, through 16-token prefill chunks and prefix-cache hits."""
+    name, folder = variant
+    llm = LLM(str(folder), **ENGINE)
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    arch = model.arch
+    moe = [isinstance(layer.mlp, Llama4MoE) for layer in model.model.layers]
+    assert moe == ([False, True, False, True] if name == "top1" else [True, False, True, False])
+    chunks = [layer.self_attn.layer_attention.attention_chunk for layer in model.model.layers]
+    assert chunks == [8, 8, 8, None] and arch.no_rope_layers == (3,)
+    ref = load_reference(folder)
+    assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
+    assert arch.num_parameters() == sum(p.numel() for p in ref.parameters())
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    first, second = _waves()
+    outs = llm.generate(first, params, use_tqdm=False)
+    hits = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+    outs += llm.generate(second, params, use_tqdm=False)
+    assert llm.engine.stats().prefix_cache_hits - hits >= 2 * 20  # type: ignore[attr-defined]
+    distinct = set()
+    for prompt, out in zip(first + second, outs):
+        tokens = list(out.outputs[0].token_ids)
+        assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)[0], f"prompt of {len(prompt)} tokens"
+        distinct.update(tokens)
+    assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
+
+
+@pytest.mark.slow  # the fused MoE and attention kernels through the Triton interpreter
+def test_forward_with_kernels_matches_pytorch_path(variant, monkeypatch):
+    """The Triton path (chunked paged prefill and decode, fused experts with routing weight 1, RoPE)
+    against the PyTorch path on the same model: prefills of 9 and 12 tokens (across a chunk edge),
+    then a decode step of both."""
+    from overnight.attention.triton_backend import TritonAttentionBackend
+    from overnight.kernels import dispatch
+    from overnight.kernels.paged_decode import DecodeConfig
+    from overnight.kernels.paged_prefill import PrefillConfig
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    _, folder = variant
+    model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run_steps(model, max_id=250)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    backend = TritonAttentionBackend(
+        4, 2, 16, max_num_seqs=4, max_model_len=512, device=DEVICE,
+        decode_config=DecodeConfig(block_n=16), prefill_config=PrefillConfig(16, 16, 4, 1),
+    )  # fmt: skip
+    got = run_steps(model, 250, backend)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def test_chat_template_through_the_tokenizer(variant):
+    """LLM.chat renders the checkpoint's chat template and generates what transformers generates from
+    the same template's ids."""
+    from transformers import AutoTokenizer
+
+    _, folder = variant
+    messages = [{"role": "user", "content": "How many experts does Scout have?"}]
+    llm = LLM(str(folder), **ENGINE)
+    out = llm.chat(messages, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))[0]
+    tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|begin_of_text|><|header_start|>user<|header_end|>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert out.prompt_token_ids == ids and ids[0] == 266
+    assert list(out.outputs[0].token_ids) == hf_greedy(load_reference(folder), ids, NEW_TOKENS)[0]
+
+
+def test_conditional_generation_runs_text_only(tmp_path, caplog):
+    """A Llama4ForConditionalGeneration checkpoint: the text model loads (the vision tower's and the
+    projector's tensors skipped, with one log line), tokens equal transformers' ConditionalGeneration
+    model's on text prompts, and a prompt with an image is refused by name."""
+    folder = make_llama4_checkpoint(tmp_path / "l4v", conditional=True, seed=3)
+    source = resolve_source(str(folder))
+    assert source.arch.architecture == "llama4" and source.arch.vision is None
+    with caplog.at_level("INFO"):
+        llm = LLM(str(folder), **ENGINE)
+    assert any("images are not supported for Llama 4 yet" in r.getMessage() for r in caplog.records)
+    ref = load_reference(folder, conditional=True)
+    prompts = _waves()[0]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, NEW_TOKENS)[0]
+    image = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": "https://example.com/cat.png"}}
+    with pytest.raises(InvalidRequestError, match="images are not supported for Llama 4 yet"):
+        llm.generate([image], params, use_tqdm=False)
+
+
+def test_config_reader_and_refusals():
+    text = {**TEXT, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text"}
+    arch = arch_from_hf_config(text)
+    assert arch.layer_types == ("chunked_attention",) * 3 + ("full_attention",)
+    assert [arch.layer_chunk(i) for i in range(4)] == [8, 8, 8, None]
+    assert [arch.layer_window(i) for i in range(4)] == [None] * 4  # the cache keeps every block
+    assert [arch.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (arch.intermediate_size, arch.moe_intermediate_size, arch.shared_expert_intermediate_size) == (
+        96,
+        32,
+        32,
+    )
+    assert (arch.rope_interleaved, arch.qk_l2_norm, arch.attn_floor_scale, arch.attn_scale) == (
+        True,
+        True,
+        4.0,
+        0.5,
+    )
+    # no_rope_layers as HF writes it (1: the layer rotates); without a chunk size every layer is full
+    custom = arch_from_hf_config({**text, "no_rope_layers": [1, 0, 1, 1], "attention_chunk_size": None})
+    assert custom.no_rope_layers == (1,) and custom.layer_types == () and custom.attention_chunk_size is None
+    nested = {
+        "architectures": ["Llama4ForConditionalGeneration"],
+        "model_type": "llama4",
+        "text_config": TEXT,
+    }
+    assert arch_from_hf_config(nested) == arch
+    bad = {
+        "hidden_act": ("gelu", "only silu"),
+        "num_experts_per_tok": (5, "num_experts_per_tok must be in 1..num_local_experts"),
+        "layer_types": (["sliding_attention"] * 4, "layer_types must name"),
+        "moe_layers": ([4], "moe_layers must name layers 0..3"),
+        "attention_chunk_size": (0, "attention_chunk_size must be positive"),
+        "no_rope_layers": ([1, 1], "no_rope_layers must have one entry per layer"),
+    }
+    for field, (value, words) in bad.items():
+        with pytest.raises(ModelLoadError, match=words):
+            arch_from_hf_config({**text, field: value})
+
+
+def test_scout_preset_has_the_published_shape():
+    """Llama-4-Scout-17B-16E's text model: 48 layers, every one MoE (16 experts + a shared one), every
+    fourth a global NoPE layer, chunks of 8192; 107.8B weights (109B with the vision tower)."""
+    source = resolve_source("llama-4-scout-17b-16e", load_format="dummy")
+    arch = source.arch
+    assert (arch.num_hidden_layers, arch.hidden_size, arch.num_experts, arch.num_experts_per_tok) == (
+        48,
+        5120,
+        16,
+        1,
+    )
+    assert all(arch.is_moe_layer(i) for i in range(48)) and arch.no_rope_layers == tuple(range(3, 48, 4))
+    assert {arch.layer_chunk(i) for i in range(48)} == {8192, None}
+    assert arch.rope_scaling_dict() == {
+        "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 8192.0
+    }  # fmt: skip
+    model = build_model(source, torch.bfloat16, "meta")
+    assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
+    assert arch.num_parameters() / 1e9 == pytest.approx(107.8, abs=0.1)
+    # 17B active: a token's experts (one routed, the shared one), attention and the embedding tables
+    active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
+    assert active / 1e9 == pytest.approx(17.2, abs=0.1)
+    TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
