@@ -264,3 +264,68 @@ def test_scout_preset_has_the_published_shape():
     active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
     assert active / 1e9 == pytest.approx(17.2, abs=0.1)
     TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
+
+
+# -- FP8 and tensor parallelism --------------------------------------------------------------------------
+
+MIN_TOP1, MAX_DLOGPROB = 0.75, 0.45  # tests/test_fp8_moe.py says why MoE bounds are looser
+
+
+@pytest.fixture(scope="module")
+def top1_folder(tmp_path_factory):
+    return make_llama4_checkpoint(tmp_path_factory.mktemp("top1") / "l4")
+
+
+def test_online_fp8_experts_at_load(top1_folder):
+    """quantization="fp8": the experts e4m3 from the build on, each transposed HF stack quantized per
+    row as it loads (the bytes of quantizing the loaded float stack); the router stays in the compute
+    dtype, the shared expert and the projections become FP8 layers; the model stays near the float one."""
+    import copy
+
+    from overnight.quant.apply import dequantize_model
+    from overnight.quant.fp8 import quantize_stacked_per_channel
+    from overnight.quant.linear import Fp8Linear
+    from tests.parity_helpers import compare
+
+    source = resolve_source(str(top1_folder), quantization="fp8")
+    model = load_model(source, torch.float32, "cpu")
+    moe = model.model.layers[1].mlp
+    assert type(moe.router) is torch.nn.Linear and isinstance(moe.shared_expert.gate_proj, Fp8Linear)
+    assert isinstance(model.model.layers[0].mlp.gate_up_proj, Fp8Linear)
+    float_experts = (
+        load_model(resolve_source(str(top1_folder)), torch.float32, "cpu").model.layers[1].mlp.experts
+    )
+    for name in ("gate_up_proj", "down_proj"):
+        data, scale = quantize_stacked_per_channel(getattr(float_experts, name))
+        assert torch.equal(getattr(moe.experts, name).view(torch.uint8), data.view(torch.uint8)), name
+        assert torch.equal(getattr(moe.experts, name.replace("_proj", "_scale")), scale), name
+    agree = compare(model, dequantize_model(copy.deepcopy(model)), [p[:12] for p in _waves()[0]])
+    assert agree.top1 >= MIN_TOP1 and agree.mean_dlogprob <= MAX_DLOGPROB, agree
+
+
+def test_tp_shards_equal_slices_of_the_whole_model(top1_folder):
+    """Loading rank by rank gives each rank what apply_tp cuts from the whole model: the experts (from
+    the transposed HF stacks) and the shared expert by their intermediate size, the dense MLPs by
+    intermediate_size_mlp, the router replicated."""
+    from tests.tp_helpers import streamed_equals_sliced
+
+    source = resolve_source(str(top1_folder))
+    for rank in range(2):
+        model = streamed_equals_sliced(source, rank)
+        moe = model.model.layers[1].mlp
+        assert moe.router.weight.shape == (4, 64) and moe.experts.gate_up_proj.shape == (4, 32, 64)
+        assert moe.shared_expert.gate_proj.weight.shape == (16, 64)
+        assert model.model.layers[0].mlp.gate_up_proj.weight.shape == (96, 64)
+        assert model.model.layers[3].self_attn.num_heads == 2
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tp2_matches_tp1(top1_folder):
+    from tests.tp_helpers import generate_split
+
+    first, second = _waves()
+    prompts = first + second
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    one = LLM(str(top1_folder), **ENGINE).generate(prompts, params, use_tqdm=False)
+    two = generate_split(top1_folder, prompts, params, **ENGINE)
+    assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
