@@ -26,6 +26,7 @@ import torch
 
 from overnight import LLM, SamplingParams
 from overnight.errors import InvalidRequestError, ModelLoadError
+from overnight.loader.fit import weight_bytes
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.llama4 import Llama4MoE
@@ -264,6 +265,10 @@ def test_scout_preset_has_the_published_shape():
     active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
     assert active / 1e9 == pytest.approx(17.2, abs=0.1)
     TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
+    # Under FP8 the experts are e4m3 as they load (never a bf16 stack): ~102 GiB, one H200's load check
+    loading = weight_bytes(arch, torch.bfloat16, fp8_linear=True)
+    assert loading == weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
+    assert loading < 110 * 2**30 < 200 * 2**30 < weight_bytes(arch, torch.bfloat16)  # bf16: 201 GiB
 
 
 # -- FP8 and tensor parallelism --------------------------------------------------------------------------
