@@ -271,6 +271,30 @@ def test_scout_preset_has_the_published_shape():
     assert loading < 110 * 2**30 < 200 * 2**30 < weight_bytes(arch, torch.bfloat16)  # bf16: 201 GiB
 
 
+def test_per_expert_checkpoint_layout_loads_the_same_model(top1_folder, tmp_path):
+    """Experts stored one tensor per expert and projection (feed_forward.experts.E.gate_proj.weight
+    [I, H], ...: the layout of per-expert conversions) load into the same stacks as the fused HF ones."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "per-expert"
+    shutil.copytree(top1_folder, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up, down = tensors.pop(name), tensors.pop(prefix + "down_proj")  # [E, H, 2I], [E, I, H]
+        gate, up = gate_up.transpose(1, 2).chunk(2, dim=1)
+        for e in range(gate_up.shape[0]):
+            tensors[f"{prefix}{e}.gate_proj.weight"] = gate[e].contiguous()
+            tensors[f"{prefix}{e}.up_proj.weight"] = up[e].contiguous()
+            tensors[f"{prefix}{e}.down_proj.weight"] = down[e].T.contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    a = dict(load_model(resolve_source(str(folder)), torch.float32, "cpu").named_parameters())
+    b = dict(load_model(resolve_source(str(top1_folder)), torch.float32, "cpu").named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 # -- FP8 and tensor parallelism --------------------------------------------------------------------------
 
 MIN_TOP1, MAX_DLOGPROB = 0.75, 0.45  # tests/test_fp8_moe.py says why MoE bounds are looser
