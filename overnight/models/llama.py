@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
@@ -154,9 +155,10 @@ class Attention(nn.Module):
 
 
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, in float32 and cast back (Llama 4's weightless q/k norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+    """x / rms(x) over the last dim, in float32 and cast back (Llama 4's weightless q/k norm). torch's
+    rms_norm without a weight: on the CPU bit for bit transformers' x * rsqrt(mean(x^2) + eps), on CUDA
+    one fused kernel instead of five."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
 def split_qkv(
