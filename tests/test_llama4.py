@@ -202,6 +202,28 @@ def test_conditional_generation_runs_text_only(tmp_path, caplog):
         llm.generate([image], params, use_tqdm=False)
 
 
+def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
+    """run-batch (the OpenAI-format path): a chat line with an image_url part fails with the Llama 4
+    reason, the text line beside it runs."""
+    from overnight.cli import main
+    from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
+    from tests.tiny_vl import cpu_flags, data_uri, image
+
+    picture = {"type": "image_url", "image_url": {"url": data_uri(image(32, 32, 1))}}
+    lines = [
+        chat_line("text", "how many experts", max_tokens=3, temperature=0),
+        chat_line("image", [picture, {"type": "text", "text": "what is this"}], max_tokens=3),
+    ]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_jsonl(inp, lines)
+    flags = [*cpu_flags(str(top1_folder)), "--max-model-len", "256", "--no-progress"]
+    assert main(["run-batch", "-i", str(inp), "-o", str(out), *flags]) == 0
+    records = {r["custom_id"]: r for r in read_jsonl(out)}
+    assert records["text"]["error"] is None and records["text"]["response"]["status_code"] == 200
+    assert records["image"]["response"]["status_code"] == 400
+    assert "images are not supported for Llama 4 yet" in records["image"]["error"]["message"]
+
+
 def test_config_reader_and_refusals():
     text = {**TEXT, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text"}
     arch = arch_from_hf_config(text)
