@@ -141,6 +141,9 @@ class ModelArch:
     # "rope_type" are llama3's four keys. None means plain RoPE.
     rope_scaling: tuple[tuple[str, RopeValue], ...] | None = None
     max_position_embeddings: int = 4096
+    # Positions the RoPE tables cover (models/layer_spec.py); 0: max_position_embeddings. build.py sets
+    # the engine's max_model_len when it is shorter (Llama 4's configs say 10M positions).
+    rope_positions: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)

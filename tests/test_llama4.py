@@ -224,6 +224,17 @@ def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
     assert "images are not supported for Llama 4 yet" in records["image"]["error"]["message"]
 
 
+def test_rope_tables_cover_max_model_len(top1_folder):
+    """A max_model_len below the model's context sizes the RoPE tables (Scout's config says 10M
+    positions: 5 GB of float32 table); the tokens stay transformers'."""
+    llm = LLM(str(top1_folder), **ENGINE, max_model_len=64)
+    rotary = llm.engine.runner.model.model.layers[0].self_attn.rotary_emb  # type: ignore[attr-defined]
+    assert rotary.cos_sin_cache.shape == (64, 16) and rotary.max_position == 512
+    prompt = _waves()[0][0]
+    out = llm.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(load_reference(top1_folder), prompt, NEW_TOKENS)[0]
+
+
 def test_config_reader_and_refusals():
     text = {**TEXT, "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text"}
     arch = arch_from_hf_config(text)

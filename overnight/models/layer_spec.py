@@ -61,5 +61,6 @@ def rotary_embeddings(arch: ModelArch, specs: list[LayerSpec]) -> dict[RopeSpec,
                 scaling,
                 rotary_dim=r.rotary_dim,
                 interleaved=r.interleaved,
+                table_positions=arch.rope_positions or None,
             )
     return tables
