@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -298,6 +299,15 @@ def test_scout_preset_has_the_published_shape():
     active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
     assert active / 1e9 == pytest.approx(17.2, abs=0.1)
     TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
+    # Dummy weights of the same shape, scaled down: they load and run
+    small = replace(
+        arch, num_hidden_layers=4, vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=4, max_position_embeddings=64, attention_chunk_size=8,
+    )  # fmt: skip
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    assert run_steps(load_model(replace(source, arch=small), torch.float32, DEVICE), 250).isfinite().all()
     # Under FP8 the experts are e4m3 as they load (never a bf16 stack): ~102 GiB, one H200's load check
     loading = weight_bytes(arch, torch.bfloat16, fp8_linear=True)
     assert loading == weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
