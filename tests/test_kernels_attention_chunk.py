@@ -19,7 +19,7 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata, paged_attention_ref
 from overnight.attention.triton_backend import TritonAttentionBackend, paged_attention
-from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref
+from overnight.kernels.attention_fp8_ref import decode_fp8_mma_ref, prefill_fp8_mma_ref
 from overnight.kernels.kv_layout import k_head_major, to_logical_layout, to_storage_layout
 from overnight.kernels.paged_decode import DecodeConfig
 from overnight.kernels.paged_prefill import PrefillConfig
@@ -175,9 +175,10 @@ def test_backend_mixed_step_with_chunk():
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_fp8_mma_decode_chunk(num_splits):
-    """The e4m3-dot decode (the FP8 caches' default kernel) with a chunk, against its rounding
-    emulation, blocks before each row's chunk NaN."""
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_fp8_mma_decode_chunk(num_splits, tma):
+    """The e4m3-dot decode (the FP8 caches' default kernel), tiles by pointers and by TMA copies, with
+    a chunk, against its rounding emulation, blocks before each row's chunk NaN."""
     page, d, hkv, group, chunk = 32, 32, 2, 2, 32
     lens = [6, 33, 64, 97]
     meta, q, cache = make_batch(
@@ -191,7 +192,7 @@ def test_fp8_mma_decode_chunk(num_splits):
     with exact_fp8_casts():
         out = paged_attention(
             q, cache, meta, 0.2, out=poisoned(q), layer=layer, kv_scale=kv_scale, num_splits=num_splits,
-            decode_config=DecodeConfig(block_n=32, fp8_mma=True),
+            decode_config=DecodeConfig(block_n=32, fp8_mma=True, tma=tma),
         )  # fmt: skip
     emulated = decode_fp8_mma_ref(
         q, cache, meta.block_tables, meta.seq_lens, 4, 0.2, kv_scale, 32, num_splits, chunk=chunk
@@ -199,3 +200,29 @@ def test_fp8_mma_decode_chunk(num_splits):
     torch.testing.assert_close(out, emulated, rtol=1e-5, atol=1e-5 if DEVICE == "cpu" else 5e-3)
     exact = paged_attention_ref(q, cache, meta, 0.2, kv_scale, layer=layer)
     assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1  # e4m3's roundings of q and P
+
+
+def test_fp8_mma_prefill_chunk():
+    """The e4m3-dot prefill (the e4m3 caches' default) with a chunk of 16 and query tiles of 16 rows
+    starting mid-chunk after cached prefixes, against its rounding emulation."""
+    query_lens, seq_lens, hkv, group, d, page, chunk = [40, 19, 9], [40, 45, 9], 2, 2, 32, 16, 16
+    meta, q, cache = make_batch(
+        query_lens, seq_lens, 0, hkv * group, hkv, d, page, F32, seed=15, cache_dtype=torch.float8_e4m3fn
+    )
+    cache = to_storage_layout(to_logical_layout(cache), head_major_k=True)
+    kv_scale = torch.tensor([0.5, 0.25], device=DEVICE)
+    q = q * 2
+    poison_before_chunks(cache, meta, chunk, keep_block_0=True)
+    layer = LayerAttention(attention_chunk=chunk)
+    cfg = PrefillConfig(16, 16 if DEVICE == "cpu" else 32, 4, 1, fp8_mma=True)
+    with exact_fp8_casts():
+        out = paged_attention(
+            q, cache, meta, 0.2, out=poisoned(q), layer=layer, kv_scale=kv_scale, prefill_config=cfg
+        )
+    emulated = prefill_fp8_mma_ref(
+        q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0, 3, 0.2, kv_scale, cfg.block_n,
+        chunk=chunk,
+    )  # fmt: skip
+    torch.testing.assert_close(out, emulated, rtol=1e-5, atol=1e-5 if DEVICE == "cpu" else 5e-3)
+    exact = paged_attention_ref(q, cache, meta, 0.2, kv_scale, layer=layer)
+    assert ((out - exact).abs().max() / exact.abs().max()).item() < 0.1

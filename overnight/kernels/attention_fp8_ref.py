@@ -140,9 +140,10 @@ def prefill_fp8_mma_ref(
         blocks = block_tables[r, keys // page].long()
         k = k_all[blocks, keys % page][:, kv_head].float()  # [L, Hq, D]
         v = v_all[blocks, keys % page][:, kv_head].float()
-        if window is not None:  # possibly given back: any contents
-            first = max(0, seq_len - (q1 - q0) - window + 1)
-            k[:first], v[:first] = 0.0, 0.0
+        first = 0 if window is None else max(0, seq_len - (q1 - q0) - window + 1)
+        if chunk is not None:  # the first row's chunk start
+            first = max(first, (seq_len - (q1 - q0)) // chunk * chunk)
+        k[:first], v[:first] = 0.0, 0.0  # never read (a window's may be given back: any contents)
         qf = q[q0:q1].float()  # [R, Hq, D]
         amax = qf.abs().amax(-1)
         q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
