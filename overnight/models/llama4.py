@@ -26,7 +26,11 @@ Checkpoints (both layouts, renamed before FP8 conversion and tensor-parallel sli
     language_model.lm_head.weight                      -> lm_head.weight
     ...experts.gate_up_proj [E, H, 2I] (gate | up)     -> [E, 2I, H] (transposed views, layers/moe.py's layout)
     ...experts.down_proj    [E, I, H]                  -> [E, H, I]
+    ...experts.E.{gate,up,down}_proj.weight            per expert, as they are (per-expert conversions)
     vision_model.*, multi_modal_projector.*            skipped
+
+A chunked layer's KV cache keeps every block of a request (ModelArch.layer_chunk says why); its
+attention reads only the query's chunk.
 """
 
 from __future__ import annotations
