@@ -71,6 +71,10 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
             "limit_mm_per_prompt image 0: %s runs text-only, without its vision tower", source.served_name
         )
     source = _with_expert_form(opts, source)
+    if opts.max_model_len and opts.max_model_len < source.arch.max_position_embeddings:
+        # The RoPE tables need only the positions a request can reach (a 10M-position Llama 4 config
+        # would build 5 GB of float32 table); build_config still checks max_model_len against the model.
+        source = replace(source, arch=replace(source.arch, rope_positions=opts.max_model_len))
     if opts.served_model_name:
         source = replace(source, served_name=opts.served_model_name)
     if opts.tokenizer:

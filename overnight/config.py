@@ -141,6 +141,9 @@ class ModelArch:
     # "rope_type" are llama3's four keys. None means plain RoPE.
     rope_scaling: tuple[tuple[str, RopeValue], ...] | None = None
     max_position_embeddings: int = 4096
+    # Positions the RoPE tables cover (models/layer_spec.py); 0: max_position_embeddings. build.py sets
+    # the engine's max_model_len when it is shorter (Llama 4's configs say 10M positions).
+    rope_positions: int = 0
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
@@ -155,9 +158,12 @@ class ModelArch:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     # Per-layer attention kinds, HF's `layer_types` names: "full_attention" or "sliding_attention" (a
-    # window of sliding_window tokens, the query's own included). () means every layer is full.
+    # window of sliding_window tokens, the query's own included), or "chunked_attention" (Llama 4: a
+    # query sees its own chunk of attention_chunk_size positions, up to itself). () means every layer
+    # is full.
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    attention_chunk_size: int | None = None
     # KV sharing (Gemma 4): the last num_kv_shared_layers layers write no cache of their own and read
     # the cache of the last earlier layer of their kind (kv_source_layer).
     num_kv_shared_layers: int = 0
@@ -229,12 +235,21 @@ class ModelArch:
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
     # times routed_scaling_factor (layers/moe_grouped_router.py); its shared experts (of
     # shared_expert_intermediate_size) have no gate (shared_expert_gated False).
-    # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group" (DeepSeek-V2)
+    # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group" (DeepSeek-V2) |
+    # "llama4" (above)
     router_scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_expert_gated: bool = True
+    # Llama 4 (models/llama4.py): the RoPE layers' q and k L2-normalized per head after the rotation,
+    # without a weight (qk_l2_norm, HF's use_qk_norm); the NoPE layers' q scaled by its position,
+    # 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)) (attn_temperature_tuning; floor_scale 0:
+    # off); each MoE layer's router scores the experts' inputs (router_scoring "llama4": the top-k
+    # logits' sigmoids multiply the token before the experts, whose outputs are summed unweighted).
+    qk_l2_norm: bool = False
+    attn_floor_scale: float = 0.0
+    attn_scale: float = 0.0
     # Multi-head latent attention (DeepSeek-V2 / V3, Kimi-K2, Moonlight, GLM-4.7-Flash; models/deepseek.py):
     # kv_lora_rank > 0 marks it. q from q_b(norm(q_a(x))) (q_proj when q_lora_rank is 0), per head
     # qk_nope_head_dim unrotated dims and qk_rope_head_dim rotated ones (head_dim is the rotated part, as
@@ -297,6 +312,15 @@ class ModelArch:
         """The sliding window of layer `layer_idx`, None for full attention."""
         if self.layer_types and self.layer_types[layer_idx] == "sliding_attention":
             return self.sliding_window
+        return None
+
+    def layer_chunk(self, layer_idx: int) -> int | None:
+        """The attention chunk of layer `layer_idx` (Llama 4's chunked layers), None for none. The KV
+        cache keeps every block of a chunked layer (its layers count as full attention for the memory
+        planner and the KV cache groups); giving back the blocks before a request's current chunk
+        would be a memory optimisation, not a correctness matter."""
+        if self.layer_types and self.layer_types[layer_idx] == "chunked_attention":
+            return self.attention_chunk_size
         return None
 
     def kv_source_layer(self, layer_idx: int) -> int:
@@ -460,7 +484,7 @@ class ModelArch:
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
         stay in dtype (dequantized at load)."""
         total = self.num_parameters() * dtype_bytes
-        if self.router_scoring != "softmax":  # GLM-4.5's and DeepSeek's routers stay float32
+        if self.router_scoring in ("sigmoid", "softmax_group"):  # GLM-4.5's and DeepSeek's: float32
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
             biased = self.router_scoring == "sigmoid"
             total += sparse * self.num_experts * (self.hidden_size + biased) * (4 - dtype_bytes)

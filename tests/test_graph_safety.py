@@ -7,7 +7,7 @@ wrappers also see the GPU's mix of dtypes (16-bit activations and norms, float32
 routing weights, e4m3 experts) rather than the CPU tests' all-float32.
 
 Families: GLM-4.5 (grouped sigmoid router kernel, shared experts; float and online FP8 with e4m3
-experts), MiniMax-M2 (whole-vector q/k norms, partial RoPE), Mistral 3 and InternVL (dense and MoE)
+experts), Llama 4 (chunked attention, input-scaled experts), MiniMax-M2 (whole-vector q/k norms, partial RoPE), Mistral 3 and InternVL (dense and MoE)
 decoding text after their towers, the Qwen3-Next hybrid under FP8 (the fused offset norms' dense and
 quantized outputs), and a decoder sequence classifier's pooling run.
 """
@@ -79,6 +79,15 @@ def test_glm4_moe_decode(tmp_path, monkeypatch, quantization):
 
     folder = make_glm_checkpoint(tmp_path / "glm", **VARIANTS["qk-norm"])
     decode_guarded(folder, monkeypatch, quantization=quantization)
+
+
+@pytest.mark.slow  # the fused MoE and chunked attention kernels through the Triton interpreter
+def test_llama4_decode(tmp_path, monkeypatch):
+    """Chunked layers (the decode kernel's CHUNK), the NoPE layers' position-scaled q, the weightless
+    q/k norm, the input-scaled experts through the fused MoE with weight 1."""
+    from tests.test_llama4 import make_llama4_checkpoint
+
+    decode_guarded(make_llama4_checkpoint(tmp_path / "l4"), monkeypatch)
 
 
 @pytest.mark.slow

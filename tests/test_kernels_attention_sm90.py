@@ -4,7 +4,8 @@ no GPU needed, so a tile choice that would only fail at the first launch on a GP
 compilation runs in a child process without TRITON_INTERPRET (under it the kernels' helpers are the
 interpreter's functions, which Triton's compiler cannot read): tests/sm90.py.
 
-The layer variants are on (window, softcap, sinks): the heaviest code each kernel has.
+The layer variants are on (window, softcap, sinks, Llama 4's attention chunk): the heaviest code each
+kernel has.
 """
 
 from __future__ import annotations
@@ -22,28 +23,31 @@ from tests.sm90 import SHARED_LIMIT, child_report, compile_for_sm90, compile_sm9
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
-LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True)
+LAYER = dict(WINDOW=1024, SOFTCAP=50.0 * 1.4426950408889634, HAS_SINKS=True, CHUNK=8192)
+# Llama 4's chunked layers: the chunk alone (the window's branches compiled out)
+CHUNKED = dict(WINDOW=0, SOFTCAP=0.0, HAS_SINKS=False, CHUNK=8192)
 
 
-def prefill_case(fp8: bool, d: int, key_limit: bool = False):
+def prefill_case(fp8: bool, d: int, key_limit: bool = False, layer: dict | None = None):
     page = 64 if fp8 else 16
     cfg = default_prefill_config(torch.float8_e4m3fn if fp8 else torch.bfloat16, d)
     cx = dict(
         GROUP=2, HEAD_DIM=d, BLOCK_D=d, PAGE=page, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         DOT_PRECISION="tf32", DOT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HAS_SCALE=fp8, V_TOKEN_MAJOR=fp8,
         V_RUN=min(page, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, FP8_MMA=cfg.fp8_mma, EXACT_CAST=False,
-        Q_MAX=448.0, P_SHIFT=8.0, HAS_KEY_LIMIT=key_limit, **LAYER,
+        Q_MAX=448.0, P_SHIFT=8.0, HAS_KEY_LIMIT=key_limit, **(layer or LAYER),
     )  # fmt: skip
     types = dict(cache_ptr="*fp8e4nv" if fp8 else "*bf16")
     return _prefill_kernel, types, cx, cfg.num_warps, cfg.num_stages
 
 
-def decode_case(d: int):
+def decode_case(d: int, layer: dict | None = None):
     cfg = default_decode_config(torch.bfloat16, 16, d)
     cx = dict(
         GROUP=4, BLOCK_G=16, HEAD_DIM=d, BLOCK_D=d, PAGE=16, BLOCK_N=cfg.block_n, SPLIT=True,
         DOT_PRECISION="tf32", DOT_DTYPE=tl.bfloat16, FP8_BITS=0, HAS_SCALE=False, V_TOKEN_MAJOR=False,
-        V_RUN=min(16, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, HEADS_FIRST=cfg.heads_first, **LAYER,
+        V_RUN=min(16, cfg.block_n), PREFETCH_PAGES=cfg.prefetch_pages, HEADS_FIRST=cfg.heads_first,
+        **(layer or LAYER),
     )  # fmt: skip
     return _decode_kernel, dict(cache_ptr="*bf16"), cx, cfg.num_warps, cfg.num_stages
 
@@ -74,6 +78,8 @@ CASES = {
     "decode-bf16-512": lambda: decode_case(512),
     "decode-e4m3-256-tma": lambda: fp8_decode_case(256),
     "decode-e4m3-512": lambda: fp8_decode_case(512),
+    "prefill-bf16-128-chunk": lambda: prefill_case(False, 128, layer=CHUNKED),
+    "decode-bf16-128-chunk": lambda: decode_case(128, layer=CHUNKED),
 }
 
 

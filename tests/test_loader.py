@@ -183,6 +183,7 @@ def test_dummy_presets_have_published_shapes(name):
         "internvl3.5-8b",  # tests/test_internvl_vision.py
         "deepseek-v2-lite",  # tests/test_deepseek.py
         "moonlight-16b-a3b",
+        "llama-4-scout-17b-16e",  # tests/test_llama4.py
     }
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere

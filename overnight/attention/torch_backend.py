@@ -68,13 +68,20 @@ def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> tor
 
 
 def _visible(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, limit: torch.Tensor | None = None
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None,
+    limit: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """[len(q_pos), len(k_pos)] bool: up to each row's limit (None: causal, its own position), and
-    within the last `window` positions before the row's own position when set."""
+    """[len(q_pos), len(k_pos)] bool: up to each row's limit (None: causal, its own position), within
+    the last `window` positions before the row's own position when set, and within the row's own
+    chunk of `chunk` positions when set (spec.py)."""
     mask = k_pos[None, :] <= (q_pos if limit is None else limit)[:, None]
     if window is not None:
         mask &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk is not None:
+        mask &= k_pos[None, :] >= torch.div(q_pos, chunk, rounding_mode="floor")[:, None] * chunk
     return mask
 
 
@@ -92,10 +99,10 @@ def paged_attention_ref(
 
     q: [T, Hq, D]; returns [T, Hq, D]. Rows past the real tokens (padding) are left as zeros.
     kv_scale: [2] (k_scale, v_scale) of a quantized cache, multiplied in after the cast.
-    layer: sliding window and logit softcap (spec.py); sinks: [Hq] learned sink logits.
+    layer: sliding window, attention chunk and logit softcap (spec.py); sinks: [Hq] learned sink logits.
     meta.key_limit: per-row last visible key of prefill rows (metadata.py); decode rows are causal.
     """
-    window, cap = layer.sliding_window, layer.logit_softcap
+    window, cap, chunk = layer.sliding_window, layer.logit_softcap, layer.attention_chunk
     k_scale, v_scale = (None, None) if kv_scale is None else (kv_scale[0], kv_scale[1])
     out = torch.zeros_like(q)
     compute_dtype = torch.float32 if q.device.type == "cpu" else q.dtype
@@ -123,6 +130,8 @@ def paged_attention_ref(
         qd = q[:nd].to(compute_dtype).view(nd, num_kv_heads, group, -1)
         if window is not None:  # the query sits at position len - 1
             pad |= key_pos <= lens[:, None] - 1 - window
+        if chunk is not None:  # its chunk starts at floor((len - 1) / C) * C
+            pad |= key_pos < torch.div(lens[:, None] - 1, chunk, rounding_mode="floor") * chunk
         scores = torch.einsum("bhgd,blhd->bhgl", qd, _load(k, compute_dtype, k_scale)) * scale
         if cap is not None:
             scores = cap * torch.tanh(scores / cap)
@@ -144,12 +153,15 @@ def paged_attention_ref(
         # A window's older positions may sit in blocks already given back (any contents, NaN too):
         # read from the first position the chunk's first query sees.
         lo = 0 if window is None else max(0, seq_len - qlen - window + 1)
+        if chunk is not None:  # and nothing before the first query's chunk is read
+            lo = max(lo, (seq_len - qlen) // chunk * chunk)
         qi = q[start:end].to(compute_dtype).transpose(0, 1)  # [Hq, qlen, D]
         ki = _load(k[lo:], compute_dtype, k_scale).transpose(0, 1)  # [Hkv, L - lo, D]
         vi = _load(v[lo:], compute_dtype, v_scale).transpose(0, 1)
         q_pos = torch.arange(seq_len - qlen, seq_len, device=q.device)
         limit = None if meta.key_limit is None else meta.key_limit[start:end].to(q_pos.dtype)
-        mask = _visible(q_pos, torch.arange(lo, seq_len, device=q.device), window, limit)  # [qlen, L - lo]
+        k_pos = torch.arange(lo, seq_len, device=q.device)
+        mask = _visible(q_pos, k_pos, window, limit, chunk)  # [qlen, L - lo]
         if cap is None and sinks is None:
             o = F.scaled_dot_product_attention(
                 qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=num_heads != num_kv_heads

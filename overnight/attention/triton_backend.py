@@ -91,11 +91,13 @@ class TritonAttentionBackend:
             self._workspaces[(num_heads, head_dim)] = ws
         return ws
 
-    def num_splits(self, num_decodes: int, window: int | None = None) -> int:
-        """Splits per decode: static per batch size and layer kind. A windowed layer reads at most
-        its window (plus part of a page) per request, so its splits are chosen for that length."""
-        length = self.max_model_len if window is None else min(self.max_model_len, window)
-        return choose_num_splits(num_decodes, self.num_kv_heads, length, self.num_sms)
+    def num_splits(self, num_decodes: int, window: int | None = None, chunk: int | None = None) -> int:
+        """Splits per decode: static per batch size and layer kind. A windowed (chunked) layer reads at
+        most its window (chunk) plus part of a page per request, so its splits are chosen for that
+        length."""
+        return choose_num_splits(
+            num_decodes, self.num_kv_heads, _read_len(self.max_model_len, window, chunk), self.num_sms
+        )
 
     def forward(
         self,
@@ -120,7 +122,7 @@ class TritonAttentionBackend:
             meta,
             scale,
             kv_scale=kv_scale,
-            num_splits=self.num_splits(meta.num_decodes, layer.sliding_window),
+            num_splits=self.num_splits(meta.num_decodes, layer.sliding_window, layer.attention_chunk),
             workspace=self.workspace_for(q.shape[1], q.shape[2]),
             decode_config=self.decode_config,
             prefill_config=self.prefill_config,
@@ -204,17 +206,15 @@ def paged_attention(
     kv_scale: [2] float32 (k_scale, v_scale) of an fp8 cache, on the device; None: unscaled.
     Rows owned by no request (CUDA-graph padding) are not written: nothing here may depend on where the
     real rows end, or a captured graph would bake in one step's count.
-    layer: the window and softcap (spec.py); sinks: [Hq] float32 sink logits on q's device, or None.
+    layer: the window, chunk and softcap (spec.py); sinks: [Hq] float32 sink logits on q's device, or None.
     """
-    window, softcap = layer.sliding_window, layer.logit_softcap
+    window, softcap, chunk = layer.sliding_window, layer.logit_softcap, layer.attention_chunk
     if out is None:
         out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd > 0:
         if num_splits is None:
-            length = max_model_len or meta.max_seq_len
-            if window is not None:
-                length = min(length, window)
+            length = _read_len(max_model_len or meta.max_seq_len, window, chunk)
             num_splits = choose_num_splits(nd, kv_cache.shape[3], length)
         paged_decode(
             q,
@@ -231,6 +231,7 @@ def paged_attention(
             window=window,
             softcap=softcap,
             sinks=sinks,
+            chunk=chunk,
         )
     if meta.num_prefills > 0:
         if meta.query_start_loc_cpu is not None:
@@ -254,5 +255,14 @@ def paged_attention(
             softcap=softcap,
             sinks=sinks,
             key_limit=meta.key_limit,
+            chunk=chunk,
         )
     return out
+
+
+def _read_len(length: int, window: int | None, chunk: int | None) -> int:
+    """The most context tokens a decode row of the layer reads: a window or chunk bounds it."""
+    for bound in (window, chunk):
+        if bound is not None:
+            length = min(length, bound)
+    return length

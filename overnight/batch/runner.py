@@ -36,7 +36,7 @@ from overnight.entrypoints.submission import FifoOrder, SubmissionOrder, max_out
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest, hash_root
 from overnight.multimodal.inputs import MultiModalInputs
-from overnight.multimodal.processor import ImageProcessor
+from overnight.multimodal.processor import ImageProcessor, no_images_reason
 from overnight.openai_api.convert import response_body
 from overnight.openai_api.embeddings import embedding_response
 from overnight.openai_api.errors import ApiError
@@ -222,6 +222,7 @@ class BatchRunner:
                 chat=self.chat,
                 images=self.images,
                 embedding_scores=self.embedding_scores,
+                no_images=no_images_reason(self.engine.source.arch),
             )
         except ApiError as e:
             self.timeline.add("tokenize", time.perf_counter() - t0)

@@ -16,7 +16,7 @@ from overnight.engine.validation import limits_of, validate_request
 from overnight.errors import ConfigError, InvalidRequestError, ModelLoadError
 from overnight.lora.adapter import check_adapter
 from overnight.lora.modules import lora_overrides, parse_lora_modules
-from overnight.multimodal.processor import image_processor_for
+from overnight.multimodal.processor import image_processor_for, no_images_reason
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import prepare, served_names
 from overnight.options import ChatOptions, from_args, options_from_args
@@ -80,6 +80,7 @@ def validate_file(args: argparse.Namespace) -> int:
                     chat=chat,
                     images=images,
                     embedding_scores=pooler is not None and pooler.classifier is None,
+                    no_images=no_images_reason(source.arch),
                 )
             except ApiError as e:
                 error = e

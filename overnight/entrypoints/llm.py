@@ -35,7 +35,7 @@ from overnight.layers.pooler import cosine
 from overnight.lora.adapter import AdapterChecks
 from overnight.lora.request import LoRARequest, hash_root
 from overnight.multimodal.inputs import MultiModalInputs
-from overnight.multimodal.processor import image_processor_for, split_images
+from overnight.multimodal.processor import NO_IMAGES, image_processor_for, no_images_reason, split_images
 from overnight.options import ChatOptions, EngineOptions
 from overnight.outputs import (
     ClassificationRequestOutput,
@@ -454,7 +454,11 @@ class LLM:
             if not images:
                 return text, ids, None
             if self._images is None:
-                raise InvalidRequestError(f"model {self.engine.source.served_name!r} does not take images")
+                reason = no_images_reason(self.engine.source.arch)
+                name = self.engine.source.served_name
+                raise InvalidRequestError(
+                    f"model {name!r} does not take images" if reason == NO_IMAGES else f"{name}: {reason}"
+                )
             ids, mm = self._images.process(ids, images)
             return text, ids, mm
         except InvalidRequestError as e:

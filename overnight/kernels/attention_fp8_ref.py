@@ -4,7 +4,8 @@ per tile after a 2**P_SHIFT shift, float32 otherwise, walked in the kernels' til
 
 paged_attention_ref (overnight/attention/torch_backend.py) is the exact answer; these are what the
 kernels must reproduce to float32 rounding, so a test can hold them to 1e-5 and keep the exact answer
-for a looser check of the roundings themselves. Windows, softcaps and sinks as score_mods.py says.
+for a looser check of the roundings themselves. Windows, chunks, softcaps and sinks as score_mods.py
+says.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ def decode_fp8_mma_ref(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """The kernel's arithmetic in PyTorch, roundings included: q per head and P per tile of block_n
     tokens (under the running maximum of its split) rounded to e4m3; float32 otherwise. Returns
     [num_decodes, Hq, D] float32. paged_attention_ref is the exact answer; this one is what the
-    kernel must reproduce to float32 rounding. With a window the tiles start where the kernel's do
-    (kv_tiles.decode_base) and nothing before it is read."""
+    kernel must reproduce to float32 rounding. With a window or a chunk the tiles start where the
+    kernel's do (kv_tiles.decode_base) and nothing before it is read."""
     e4m3 = torch.float8_e4m3fn
     page, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -50,6 +52,8 @@ def decode_fp8_mma_ref(
     for b in range(num_decodes):
         seq_len = int(seq_lens[b])
         lo = 0 if window is None else max(0, seq_len - window)
+        if chunk is not None:  # the row's chunk starts at floor((seq_len - 1) / chunk) * chunk
+            lo = max(lo, (max(seq_len, 1) - 1) // chunk * chunk)
         base = lo // align * align
         pos = torch.arange(base, seq_len, device=q.device)
         blocks = block_tables[b, pos // page].long()
@@ -112,6 +116,7 @@ def prefill_fp8_mma_ref(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """PrefillConfig.fp8_mma's arithmetic in PyTorch, roundings included: q per row and head, and P per
     tile of block_n keys (tiles from position 0, under each row's running maximum) rounded to e4m3;
@@ -135,9 +140,10 @@ def prefill_fp8_mma_ref(
         blocks = block_tables[r, keys // page].long()
         k = k_all[blocks, keys % page][:, kv_head].float()  # [L, Hq, D]
         v = v_all[blocks, keys % page][:, kv_head].float()
-        if window is not None:  # possibly given back: any contents
-            first = max(0, seq_len - (q1 - q0) - window + 1)
-            k[:first], v[:first] = 0.0, 0.0
+        first = 0 if window is None else max(0, seq_len - (q1 - q0) - window + 1)
+        if chunk is not None:  # the first row's chunk start
+            first = max(first, (seq_len - (q1 - q0)) // chunk * chunk)
+        k[:first], v[:first] = 0.0, 0.0  # never read (a window's may be given back: any contents)
         qf = q[q0:q1].float()  # [R, Hq, D]
         amax = qf.abs().amax(-1)
         q_scale = torch.where(amax > 0, amax / Q_MAX, torch.ones_like(amax))
@@ -158,6 +164,8 @@ def prefill_fp8_mma_ref(
             visible = keys[n0:n1][None, :] <= pos[:, None]  # [R, N]
             if window is not None:
                 visible &= keys[n0:n1][None, :] > pos[:, None] - window
+            if chunk is not None:
+                visible &= keys[n0:n1][None, :] >= (pos // chunk * chunk)[:, None]
             s = s.masked_fill(~visible[:, None, :], float("-inf"))
             m_new = torch.maximum(m, s.amax(-1))
             m_use = m_new.masked_fill(m_new == float("-inf"), 0.0)

@@ -42,17 +42,22 @@ def split_len(seq_len, num_splits, block_n):
 
 
 @triton.jit
-def decode_base(seq_len, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
-    """(lo, base) of a decode row at position seq_len - 1: lo its first visible token (0, or
-    max(0, seq_len - WINDOW) with a window), base the first token its tiles read, lo rounded down to
-    ALIGN = min(page, BLOCK_N). Every page from base on holds a visible token, so a page that lies
-    wholly before the window (the engine may have given it back: any contents, NaN included) is never
-    read, and tiles from base stay within pages (TMA) and keep whole-page runs."""
+def decode_base(seq_len, WINDOW: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr):
+    """(lo, base) of a decode row at position seq_len - 1: lo its first visible token (0; with a window
+    max(0, seq_len - WINDOW); with an attention chunk at least its chunk's start, floor((seq_len - 1) /
+    CHUNK) * CHUNK), base the first token its tiles read, lo rounded down to ALIGN = min(page,
+    BLOCK_N). Every page from base on holds a visible token, so a page that lies wholly before the
+    window (the engine may have given it back: any contents, NaN included) is never read, and tiles
+    from base stay within pages (TMA) and keep whole-page runs."""
     if WINDOW > 0:
         lo = tl.maximum(seq_len - WINDOW, 0)
-        base = lo // ALIGN * ALIGN
     else:
         lo = seq_len * 0
+    if CHUNK > 0:
+        lo = tl.maximum(lo, (tl.maximum(seq_len, 1) - 1) // CHUNK * CHUNK)
+    if WINDOW > 0 or CHUNK > 0:
+        base = lo // ALIGN * ALIGN
+    else:
         base = lo
     return lo, base
 
@@ -66,12 +71,14 @@ def decode_range(
     SPLIT: tl.constexpr,
     WINDOW: tl.constexpr,
     ALIGN: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """(lo, start, end): a decode program reads tokens [start, end) and sees those >= lo. The splits
     share [base, seq_len) (decode_base) in whole tiles: a windowed layer reads at most
-    min(seq_len, WINDOW + ALIGN - 1) tokens, however long the context."""
-    lo, base = decode_base(seq_len, WINDOW, ALIGN)
-    if WINDOW == 0:  # full attention: the expressions the kernels had before windows existed
+    min(seq_len, WINDOW + ALIGN - 1) tokens, however long the context, a chunked one at most
+    CHUNK + ALIGN - 1."""
+    lo, base = decode_base(seq_len, WINDOW, ALIGN, CHUNK)
+    if WINDOW == 0 and CHUNK == 0:  # full attention: the expressions the kernels had before windows existed
         if SPLIT:
             per_split = split_len(seq_len, num_splits, BLOCK_N)
             start = split * per_split
@@ -90,12 +97,14 @@ def decode_range(
 
 
 @triton.jit
-def active_splits(seq_len, num_splits, block_n, WINDOW: tl.constexpr, ALIGN: tl.constexpr):
+def active_splits(
+    seq_len, num_splits, block_n, WINDOW: tl.constexpr, ALIGN: tl.constexpr, CHUNK: tl.constexpr
+):
     """How many of decode_range's splits are non-empty (the others never ran)."""
-    if WINDOW == 0:
+    if WINDOW == 0 and CHUNK == 0:
         length = seq_len
     else:
-        _, base = decode_base(seq_len, WINDOW, ALIGN)
+        _, base = decode_base(seq_len, WINDOW, ALIGN, CHUNK)
         length = seq_len - base
     return tl.cdiv(length, tl.maximum(split_len(length, num_splits, block_n), 1))
 

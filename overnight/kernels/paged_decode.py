@@ -62,6 +62,7 @@ from overnight.kernels.paged_decode_fp8 import launch_decode_fp8_mma, tma_suppor
 from overnight.kernels.score_mods import (
     check_head_dim,
     check_sinks,
+    chunk_constexpr,
     gpu_dot_refusal,
     layer_constexprs,
     sink_init,
@@ -238,11 +239,12 @@ def _decode_kernel(
     WINDOW: tl.constexpr,  # sliding window in tokens, 0: none (score_mods.py)
     SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
     HAS_SINKS: tl.constexpr,
+    CHUNK: tl.constexpr,  # attention chunk in tokens, 0: none (score_mods.py)
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN)
+    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN, CHUNK)
     if SPLIT:
         if start >= end:
             return
@@ -272,7 +274,7 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        if WINDOW > 0:  # the first tile may start before the window: those slots are not loaded
+        if WINDOW > 0 or CHUNK > 0:  # the first tile may start before lo: those slots are not loaded
             n_mask = n_mask & (offs_n >= lo)
         if PREFETCH_PAGES:
             page = page_next.to(tl.int64)
@@ -326,15 +328,16 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    WINDOW: tl.constexpr,  # the decode kernel's, with its ALIGN (V_RUN): the same split ranges
+    WINDOW: tl.constexpr,  # the decode kernel's, with its ALIGN (V_RUN) and CHUNK: the same split ranges
     ALIGN: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     # Splits past the end of a short context never ran and left their workspace rows stale.
-    num_active = active_splits(seq_len, num_splits, block_n, WINDOW, ALIGN)
+    num_active = active_splits(seq_len, num_splits, block_n, WINDOW, ALIGN, CHUNK)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_active
@@ -398,6 +401,7 @@ def paged_decode(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> None:
     """out[b] = attention of q[b] over request b's first seq_lens[b] cached tokens, for b < num_decodes.
 
@@ -408,7 +412,8 @@ def paged_decode(
     cache its copies cannot read falls back to the same tiles by pointers, an explicit one raises.
     window: a query sees its last `window` positions (its own included); tokens before them are never
     read, and num_splits share the visible ones. softcap: cap * tanh(s / cap) on the scaled scores.
-    sinks: [Hq] float32 sink logits on q's device (score_mods.py).
+    sinks: [Hq] float32 sink logits on q's device (score_mods.py). chunk: a query at position p sees
+    positions floor(p / chunk) * chunk .. p (spec.py); tokens before its chunk are never read.
     """
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
@@ -417,6 +422,7 @@ def paged_decode(
     cfg = config or default_decode_config(kv_cache.dtype, page, head_dim)
     num_heads = q.shape[1]
     window_c, softcap_c = layer_constexprs(window, softcap)
+    chunk_c = chunk_constexpr(chunk)
     check_sinks(sinks, num_heads, q.device)
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
@@ -475,6 +481,7 @@ def paged_decode(
             window=window_c,
             softcap=softcap_c,
             sinks=sinks,
+            chunk=chunk_c,
         )
     else:
         _decode_kernel[grid](
@@ -516,6 +523,7 @@ def paged_decode(
             WINDOW=window_c,
             SOFTCAP=softcap_c,
             HAS_SINKS=sinks is not None,
+            CHUNK=chunk_c,
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
@@ -536,5 +544,6 @@ def paged_decode(
             WINDOW=window_c,
             ALIGN=min(page, cfg.block_n),
             HAS_SINKS=sinks is not None,
+            CHUNK=chunk_c,
             num_warps=4,
         )

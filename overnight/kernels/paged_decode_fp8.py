@@ -111,6 +111,7 @@ def _decode_fp8_mma_kernel(
     SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
     HAS_SINKS: tl.constexpr,
     MAX_IMPRECISE_ACC: tl.constexpr,  # None (Triton's sm_90 default) or PRECISE_ACC_STEP: see there
+    CHUNK: tl.constexpr,  # attention chunk in tokens, 0: none (score_mods.py)
 ):
     b, kvh, num_kv_heads = grid_coords(HEADS_FIRST)
     split = tl.program_id(2)
@@ -118,7 +119,7 @@ def _decode_fp8_mma_kernel(
     # With a window the tiles start at a page (TMA: a tile) holding the first visible token: no page
     # wholly before the window is read (kv_tiles.decode_base), and the slots before it in that page are
     # this request's own finite values, masked out of the scores like the slots past the end.
-    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN)
+    lo, start, end = decode_range(seq_len, split, num_splits, BLOCK_N, SPLIT, WINDOW, V_RUN, CHUNK)
     if SPLIT:
         if start >= end:
             return
@@ -157,7 +158,7 @@ def _decode_fp8_mma_kernel(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        if WINDOW > 0:
+        if WINDOW > 0 or CHUNK > 0:
             n_mask = n_mask & (offs_n >= lo)
         if TMA:
             head_page = page_next * num_kv_heads + kvh  # this (page, KV head)'s index among all of them
@@ -223,10 +224,12 @@ def launch_decode_fp8_mma(
     window: int = 0,
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> None:
     """The launch for paged_decode (which has checked every argument); same grid and workspace.
     tma: the K / V tiles by TMA copies (tma_supported must hold). window, softcap: the kernel's
-    WINDOW / SOFTCAP constexprs (score_mods.layer_constexprs); sinks: [Hq] float32 or None."""
+    WINDOW / SOFTCAP constexprs (score_mods.layer_constexprs); sinks: [Hq] float32 or None; chunk: the
+    CHUNK constexpr (score_mods.chunk_constexpr)."""
     _, num_blocks, page, num_kv_heads, head_dim = kv_cache.shape
     group = q.shape[1] // num_kv_heads
     k_desc = v_desc = None
@@ -277,6 +280,7 @@ def launch_decode_fp8_mma(
         SOFTCAP=softcap,
         HAS_SINKS=sinks is not None,
         MAX_IMPRECISE_ACC=min(PRECISE_ACC_STEP, block_n) if precise_acc else None,  # K >= the step
+        CHUNK=chunk,
         num_warps=num_warps,
         num_stages=num_stages,
     )

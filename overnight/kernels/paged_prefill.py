@@ -33,8 +33,11 @@ sees, in three runs (edge tiles masked by the window, tiles every row sees unmas
 diagonal), so a windowed layer's prefill costs about chunk_len * min(W + BLOCK_M, context) scores
 instead of chunk_len * context. Keys before every row's window are never loaded (their blocks may be
 given back); an edge tile's FP8 V is then loaded with a token mask. A softcap adds a tanh per score;
-sinks start each row's online softmax from its head's sink logit. Heads wider than 128 take smaller
-default tiles and 8 warps (default_prefill_config). None of these was timed on the GPU yet.
+sinks start each row's online softmax from its head's sink logit. An attention chunk of C tokens
+(Llama 4) bounds each row from below by its chunk's start, floor(p / C) * C, and takes the window's
+three runs (a tile may straddle a chunk boundary: its rows then see different first keys); both bounds
+together take the larger. Heads wider than 128 take smaller default tiles and 8 warps
+(default_prefill_config). None of these was timed on the GPU yet.
 
 FP8 cache: as in paged_decode.py, the scales are read from a device pointer (k_scale folds into the
 score scale, v_scale into the final normalization) and V is read token-major (kv_layout.py). By default
@@ -61,6 +64,7 @@ from overnight.kernels.paged_decode_fp8 import P_SHIFT, Q_MAX, to_e4m3
 from overnight.kernels.score_mods import (
     check_head_dim,
     check_sinks,
+    chunk_constexpr,
     gpu_dot_refusal,
     layer_constexprs,
     sink_init,
@@ -149,9 +153,10 @@ def _attend_tile(
     P_SHIFT: tl.constexpr,
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """One online-softmax step over keys n0 .. n0 + BLOCK_N (masked by position when CAUSAL: the
-    causal diagonal, and with a WINDOW the window's lower edge).
+    causal diagonal, and with a WINDOW or a CHUNK each row's lower edge).
 
     FP8_MMA: q is e4m3 already and qk_scale a [BLOCK_M, 1] column (each row's q scale folded in); the
     weights are scaled by 2**P_SHIFT before their rounding to e4m3, and l_i carries the same factor, so
@@ -159,7 +164,7 @@ def _attend_tile(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     n_mask = offs_n < kv_end
-    if CAUSAL and WINDOW > 0:  # keys before every row's window are not loaded (they may be given back)
+    if CAUSAL and (WINDOW > 0 or CHUNK > 0):  # keys before every row's bound are not loaded
         n_mask = n_mask & (offs_n >= kv_lo)
     kv_mask = n_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
     # Off the diagonal every key exists: load without masks unless head_dim needs padding.
@@ -176,13 +181,15 @@ def _attend_tile(
         visible = offs_n[None, :] <= limit[:, None]
         if WINDOW > 0:
             visible = visible & (offs_n[None, :] > pos[:, None] - WINDOW)
+        if CHUNK > 0:  # the row's own chunk only
+            visible = visible & (offs_n[None, :] >= (pos // CHUNK * CHUNK)[:, None])
         s = tl.where(visible, s, float("-inf"))
     # Without a window every row sees key 0, and the first visited tile holds a key <= every row's
     # position, so m_new is finite from the first tile on and exp2(-inf - m_new) is a clean 0. A
-    # window's edge tile may hold no key of some row: its maximum stays -inf, and exp2 is taken
-    # against 0 instead (weights 0, acc and l_i unchanged at 0).
+    # window's (or chunk's) edge tile may hold no key of some row: its maximum stays -inf, and exp2 is
+    # taken against 0 instead (weights 0, acc and l_i unchanged at 0).
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    if CAUSAL and WINDOW > 0:
+    if CAUSAL and (WINDOW > 0 or CHUNK > 0):
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
@@ -204,7 +211,7 @@ def _attend_tile(
             PAGE,
             V_RUN,
             n_mask,
-            CAUSAL and WINDOW > 0,
+            CAUSAL and (WINDOW > 0 or CHUNK > 0),
         )
     else:
         v = _load(kv_base + stride_ckv + tok[:, None] + offs_d[None, :], kv_mask, MASKED)
@@ -261,6 +268,7 @@ def _prefill_kernel(
     SOFTCAP: tl.constexpr,  # logit softcap in log2 units, 0.0: none
     HAS_SINKS: tl.constexpr,
     HAS_KEY_LIMIT: tl.constexpr,  # per-row key limits (images attending both ways), else causal
+    CHUNK: tl.constexpr,  # attention chunk in tokens, 0: none (score_mods.py)
 ):
     h = tl.program_id(0)
     # Launch the tiles in reverse: the last tiles of each request see the most keys, start them first.
@@ -335,9 +343,19 @@ def _prefill_kernel(
     else:
         limit = pos
         vis_end = kv_end
-    if WINDOW > 0:
-        kv_lo = tl.maximum(ctx_start + m0 - WINDOW + 1, 0)
-        mid_start = tl.cdiv(tl.maximum(kv_end - WINDOW, 0), BLOCK_N) * BLOCK_N
+    if WINDOW > 0 or CHUNK > 0:
+        # Row bounds rise with the row: the tile's first row has the lowest (kv_lo), its last the
+        # highest, from which on every row sees every key (mid_start, rounded up to a tile).
+        if WINDOW > 0:
+            kv_lo = tl.maximum(ctx_start + m0 - WINDOW + 1, 0)
+            last_lo = tl.maximum(kv_end - WINDOW, 0)
+        else:
+            kv_lo = ctx_start * 0
+            last_lo = ctx_start * 0
+        if CHUNK > 0:  # a chunk boundary inside the tile: its later rows see only keys from it on
+            kv_lo = tl.maximum(kv_lo, (ctx_start + m0) // CHUNK * CHUNK)
+            last_lo = tl.maximum(last_lo, (kv_end - 1) // CHUNK * CHUNK)
+        mid_start = tl.cdiv(last_lo, BLOCK_N) * BLOCK_N
         for n0 in range(kv_lo // BLOCK_N * BLOCK_N, tl.minimum(mid_start, kv_end), BLOCK_N):
             acc, m_i, l_i = _attend_tile(
                 q,
@@ -370,6 +388,7 @@ def _prefill_kernel(
                 P_SHIFT,
                 WINDOW,
                 SOFTCAP,
+                CHUNK,
             )
         diag_start = tl.maximum(full_end, mid_start)
     else:  # full attention: the walk from key 0 the kernel had before windows existed
@@ -414,6 +433,7 @@ def _prefill_kernel(
             P_SHIFT,
             WINDOW,
             SOFTCAP,
+            CHUNK,
         )
     for n0 in range(diag_start, vis_end, BLOCK_N):
         acc, m_i, l_i = _attend_tile(
@@ -447,8 +467,11 @@ def _prefill_kernel(
             P_SHIFT,
             WINDOW,
             SOFTCAP,
+            CHUNK,
         )
 
+    if CHUNK > 0:  # a padding row past the tile's rows may sit in a chunk none of its keys reach
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc * (v_scale / l_i)[:, None]
     dst = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -472,6 +495,7 @@ def paged_prefill(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_limit: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> None:
     """Causal attention of requests num_decodes .. num_reqs-1 over their cached contexts, into out.
 
@@ -483,6 +507,7 @@ def paged_prefill(
     are never read. softcap: cap * tanh(s / cap) on the scaled scores. sinks: [Hq] float32 sink logits
     on q's device (score_mods.py). key_limit: [>= T] int32 on q's device, the last key position each
     row sees (AttentionMetadata.key_limit: past its own position only within its chunk); None: causal.
+    chunk: a row at position p sees keys floor(p / chunk) * chunk .. p only (spec.py).
     """
     check_kv_cache(kv_cache)
     check_kv_scale(kv_scale, kv_cache)
@@ -491,6 +516,7 @@ def paged_prefill(
     cfg = config or default_prefill_config(kv_cache.dtype, head_dim)
     num_heads = q.shape[1]
     window_c, softcap_c = layer_constexprs(window, softcap)
+    chunk_c = chunk_constexpr(chunk)
     check_sinks(sinks, num_heads, q.device)
     if q.dim() != 3 or q.shape[2] != head_dim or num_heads % num_kv_heads != 0:
         raise ValueError(f"q {tuple(q.shape)} does not match kv_cache {tuple(kv_cache.shape)}")
@@ -569,6 +595,7 @@ def paged_prefill(
         SOFTCAP=softcap_c,
         HAS_SINKS=sinks is not None,
         HAS_KEY_LIMIT=key_limit is not None,
+        CHUNK=chunk_c,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

@@ -1,4 +1,5 @@
-"""What a layer may change in attention's scores: a sliding window, a logit softcap, learned sinks.
+"""What a layer may change in attention's scores: a sliding window, an attention chunk, a logit softcap,
+learned sinks.
 
 Shared by paged_decode.py, paged_decode_fp8.py and paged_prefill.py (reference: paged_attention_ref in
 overnight/attention/torch_backend.py; the layer's facts in overnight/attention/spec.py). The kernels
@@ -9,13 +10,15 @@ written for s2:
              in log2 units the same function with cap2 = cap * log2(e), since
              log2(e) * cap * tanh(s / cap) = cap2 * tanh(s2 / cap2)
     window   a query at position p sees keys p - W + 1 .. p (HF's convention)
+    chunk    a query at position p sees keys floor(p / C) * C .. p (Llama 4's chunked layers); with a
+             window too, a key must pass both bounds
     sinks    one more logit per query head in the softmax denominator, with no value: a running
              maximum that starts at sink2 = sink * log2(e) with a row sum of 1 (exp2(sink2 - sink2)),
              or, split over the context, counted once where the splits are combined
 
-Window and softcap are constexpr values (WINDOW = 0, SOFTCAP = 0.0: off), sinks a pointer behind a
-constexpr flag, so the full-attention variant compiles exactly as before they existed, and a model with
-two or three layer kinds compiles two or three variants of each kernel.
+Window, chunk and softcap are constexpr values (WINDOW = 0, CHUNK = 0, SOFTCAP = 0.0: off), sinks a
+pointer behind a constexpr flag, so the full-attention variant compiles exactly as before they existed,
+and a model with two or three layer kinds compiles two or three variants of each kernel.
 """
 
 from __future__ import annotations
@@ -59,6 +62,13 @@ def layer_constexprs(window: int | None, logit_softcap: float | None) -> tuple[i
     if logit_softcap is not None and not logit_softcap > 0:
         raise ValueError(f"softcap must be > 0, got {logit_softcap}")
     return (window or 0), (0.0 if logit_softcap is None else float(logit_softcap) * LOG2E)
+
+
+def chunk_constexpr(chunk: int | None) -> int:
+    """CHUNK of a launch: the attention chunk in tokens, 0 for none."""
+    if chunk is not None and chunk < 1:
+        raise ValueError(f"attention chunk must be >= 1, got {chunk}")
+    return chunk or 0
 
 
 def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:

@@ -156,11 +156,19 @@ def _longrope(
 
 
 def rope_table(
-    rotary_dim: int, max_position: int, theta: float, scaling: RopeScaling | None = None
+    rotary_dim: int,
+    max_position: int,
+    theta: float,
+    scaling: RopeScaling | None = None,
+    table_positions: int | None = None,
 ) -> torch.Tensor:
-    """[max_position, rotary_dim] float32 on the CPU: the cos | sin halves of every position (module doc)."""
+    """[table_positions, rotary_dim] float32 on the CPU: the cos | sin halves of every position (module
+    doc). max_position: the model's context (YaRN's and LongRoPE's default factor is max_position /
+    original); table_positions (default max_position): the positions the table covers."""
     kind = rope_type_of(scaling)
-    positions = torch.arange(max_position, dtype=torch.float32)
+    positions = torch.arange(
+        max_position if table_positions is None else table_positions, dtype=torch.float32
+    )
     attention_factor = 1.0
     if kind == "longrope":
         assert scaling is not None
@@ -196,7 +204,10 @@ class RotaryEmbedding(nn.Module):
         *,
         rotary_dim: int | None = None,
         interleaved: bool = False,
+        table_positions: int | None = None,
     ) -> None:
+        """table_positions: the positions the table covers (the engine's max_model_len when it is
+        shorter than max_position: Llama 4's configs say 10M positions, 5 GB of float32 table)."""
         super().__init__()
         self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
@@ -205,6 +216,7 @@ class RotaryEmbedding(nn.Module):
             )
         self.head_dim = head_dim
         self.max_position = max_position
+        self.table_positions = table_positions or max_position
         self.theta = theta
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         self.interleaved = interleaved
@@ -212,11 +224,13 @@ class RotaryEmbedding(nn.Module):
 
     def _table(self, device: torch.device) -> torch.Tensor:
         if device.type == "meta":
-            return torch.empty(self.max_position, self.rotary_dim, dtype=torch.float32, device=device)
+            return torch.empty(self.table_positions, self.rotary_dim, dtype=torch.float32, device=device)
         # Computed on the CPU in fp32 whatever the target, so every device gets the same numbers; kept in
         # fp32 and cast to q's dtype on use.
         with torch.device("cpu"):
-            table = rope_table(self.rotary_dim, self.max_position, self.theta, self.rope_scaling)
+            table = rope_table(
+                self.rotary_dim, self.max_position, self.theta, self.rope_scaling, self.table_positions
+            )
         return table.to(device)
 
     def reset_table(self) -> None:

@@ -1,5 +1,5 @@
-"""What each decoder layer is, read once from the architecture: its attention kind (window) and its RoPE
-table (theta, scaling, rotated dims, pair layout) or none. A family with windowed or RoPE-less layers
+"""What each decoder layer is, read once from the architecture: its attention kind (window or chunk) and
+its RoPE table (theta, scaling, rotated dims, pair layout) or none. A family with windowed or RoPE-less layers
 (Mistral, OLMo 3, SmolLM3) thus adds no flags to the blocks; the engine's memory planner reads the same
 windows from ModelArch.layer_window.
 """
@@ -25,7 +25,7 @@ class RopeSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    attention: LayerAttention  # the window (and softcap) of the layer's attention
+    attention: LayerAttention  # the window or chunk (and softcap) of the layer's attention
     rope: RopeSpec | None  # None: no position encoding at all (SmolLM3's NoPE layers)
 
 
@@ -42,7 +42,8 @@ def layer_specs(arch: ModelArch) -> list[LayerSpec]:
             else:
                 theta, scaling = arch.rope_theta, arch.rope_scaling
             rope = RopeSpec(theta, scaling, arch.rotary_dim, arch.rope_interleaved)
-        specs.append(LayerSpec(LayerAttention(sliding_window=window), rope))
+        attention = LayerAttention(sliding_window=window, attention_chunk=arch.layer_chunk(i))
+        specs.append(LayerSpec(attention, rope))
     return specs
 
 
@@ -60,5 +61,6 @@ def rotary_embeddings(arch: ModelArch, specs: list[LayerSpec]) -> dict[RopeSpec,
                 scaling,
                 rotary_dim=r.rotary_dim,
                 interleaved=r.interleaved,
+                table_positions=arch.rope_positions or None,
             )
     return tables

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
@@ -68,7 +69,8 @@ class Attention(nn.Module):
     """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
     q/k/v (Qwen2, some Llamas, GLM-4), a bias on o_proj (Llama's attention_bias covers it), an RMSNorm
     over each head of q and k before RoPE (Qwen3) or over the whole q and k projections (OLMo 2/3), and
-    the layer's own window and RoPE (LayerSpec)."""
+    the layer's own window or chunk and RoPE (LayerSpec); Llama 4's weightless q/k L2 norm after RoPE
+    and its NoPE layers' position-dependent q scale (ModelArch.qk_l2_norm, attn_floor_scale)."""
 
     def __init__(
         self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
@@ -102,6 +104,12 @@ class Attention(nn.Module):
             if isinstance(beta, float) and isinstance(original, float) and beta and rotary_emb is not None
             else None
         )
+        # Llama 4: the RoPE layers' q and k L2-normalized per head after the rotation (no weight); the
+        # NoPE layers' q scaled by 1 + attn_scale * ln(1 + floor((p + 1) / floor_scale)).
+        self.qk_l2_norm_eps = arch.rms_norm_eps if arch.qk_l2_norm and rotary_emb is not None else None
+        self.q_temperature = (
+            (arch.attn_floor_scale, arch.attn_scale) if arch.attn_floor_scale and rotary_emb is None else None
+        )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -128,6 +136,12 @@ class Attention(nn.Module):
             beta, original = self.q_position_scaling
             factor = 1 + beta * torch.log(1 + torch.floor(positions / original))
             q = q * factor.to(q.dtype)[:, None, None]
+        if self.qk_l2_norm_eps is not None:
+            q, k = l2_norm(q, self.qk_l2_norm_eps), l2_norm(k, self.qk_l2_norm_eps)
+        if self.q_temperature is not None:  # in float32, as transformers computes it
+            floor_scale, attn_scale = self.q_temperature
+            factor = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+            q = (q * factor[:, None, None]).to(q.dtype)
         o = attn(self.layer_idx, q, k, v, self.scale, layer=self.layer_attention)
         return self.o_proj(o.flatten(1))
 
@@ -138,6 +152,13 @@ class Attention(nn.Module):
     @property
     def k_norm_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dim, in float32 and cast back (Llama 4's weightless q/k norm). torch's
+    rms_norm without a weight: on the CPU bit for bit transformers' x * rsqrt(mean(x^2) + eps), on CUDA
+    one fused kernel instead of five."""
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
 def split_qkv(

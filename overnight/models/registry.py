@@ -29,6 +29,8 @@ from overnight.models.hf_config import (
 )
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
+from overnight.models.llama4 import Llama4ForCausalLM
+from overnight.models.llama4_config import llama4_arch
 from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
@@ -75,6 +77,10 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "glm4": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
+    # Llama 4: chunked local attention, NoPE layers, input-scaled MoE (models/llama4.py); the text model
+    # of either checkpoint (llama4: a ConditionalGeneration checkpoint, its vision tower skipped)
+    "llama4": Llama4ForCausalLM,
+    "llama4_text": Llama4ForCausalLM,
     # Multi-head latent attention (models/deepseek.py)
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
@@ -130,6 +136,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "Llama4ForCausalLM": "llama4_text",
+    "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
@@ -285,6 +293,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return arch
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
+    if family in ("llama4", "llama4_text"):
+        return llama4_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
     if family == "internvl":

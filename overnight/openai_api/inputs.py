@@ -153,13 +153,14 @@ def prepare(
     chat: ChatOptions | None = None,
     images: ImageProcessor | None = None,
     embedding_scores: bool = False,
+    no_images: str = "this model does not take images",
 ) -> EngineInputs:
     """Checks the model name (and, given the engine's runner, that it serves this kind of request),
     renders / tokenizes the prompts, checks their length and builds the SamplingParams or
     PoolingParams; `validate` (Engine.validate) runs the engine's own checks on each prompt. `chat`:
     the reasoning and tool-call parsers the engine was started with; `embedding_scores`: the engine runs
     an embedding model, which scores pairs by cosine similarity; `images`: the image processor of a
-    vision-language model (None: image parts are refused)."""
+    vision-language model (None: image parts are refused, with `no_images` as the reason)."""
     if isinstance(req, ResponsesRequest):
         req = req.as_chat()
     check_model(req.model, names)
@@ -185,9 +186,7 @@ def prepare(
             urls = conversation_images(req.conversation())
             if urls:
                 if images is None:
-                    raise ApiError(
-                        "invalid_request", "this model does not take images (image_url parts)", "messages"
-                    )
+                    raise ApiError("invalid_request", f"{no_images} (image_url parts)", "messages")
                 text, ids = prompts[0]
                 try:
                     ids, mm = images.process(ids, urls)

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from overnight.errors import EngineDeadError, InvalidRequestError
 from overnight.lora.request import LoRARequest
 from overnight.multimodal.inputs import MultiModalInputs
-from overnight.multimodal.processor import ImageProcessor
+from overnight.multimodal.processor import ImageProcessor, no_images_reason
 from overnight.openai_api.convert import ChatStream, CompletionStream, new_id, response_body
 from overnight.openai_api.errors import ApiError
 from overnight.openai_api.inputs import EngineInputs, prepare
@@ -121,6 +121,7 @@ class OpenAIServing:
                 core.validate,
                 chat=self.config.chat,
                 images=self.config.images,
+                no_images=no_images_reason(core.source.arch),
             )
         except (ApiError, InvalidRequestError):
             raise
