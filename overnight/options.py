@@ -288,9 +288,9 @@ class EngineOptions:
         "MXFP4 checkpoints' experts (gpt-oss): mxfp4 keeps them packed (a quarter of bf16's bytes, decoded "
         "in the GEMM); dense dequantizes them to the compute dtype at load (faster GEMMs, 4x the expert "
         "memory); fp8 dequantizes them at load and stores e4m3 with a scale per row (the FP8 fused MoE, "
-        "2x the expert memory; needs an FP8 GPU, compute capability 8.9+, or the CPU); auto: dense on a "
-        "GPU when the whole model in the compute dtype takes at most 0.55 of one GPU's memory (per "
-        "tensor-parallel rank), else mxfp4 (auto never picks fp8 yet)",
+        "half the dense expert memory; needs an FP8 GPU, compute capability 8.9+, or the CPU); auto: "
+        "dense on a GPU when the whole model in the compute dtype takes at most 0.55 of one GPU's memory "
+        "(per tensor-parallel rank), else mxfp4 (auto never picks fp8 yet)",
         choices=MXFP4_EXPERTS,
     )
     kv_cache_dtype: str = option(

@@ -12,9 +12,9 @@ form under auto (its experts are dequantized per step already, and RAM is what a
 
 The fp8 form runs through the FP8 fused MoE (e4m3 tiles converted in the GEMM, our fastest MoE path on
 Hopper) at half the dense form's expert bytes: gpt-oss-120b's experts take ~110 GiB, which one H200 holds
-where their ~218 GiB in bf16 fits no GPU. It is not exact: e4m3 keeps 3 mantissa bits over a row's range,
-so the e2m1 values of blocks whose power-of-two scales sit far below the row's largest lose bits (or
-flush to zero). auto does not pick it: it is chosen explicitly until the GPU has measured it against the
+where their ~218 GiB in bf16 fits no GPU. With power-of-two row scales the e4m3 values are the MXFP4
+values exactly, except in blocks whose power of two is below 2^-15 of their row's largest magnitude
+(e4m3's subnormal floor: those round, or flush to zero; quant/fp8.pow2_row_scales). auto does not pick it: it is chosen explicitly until the GPU has measured it against the
 other two forms (docs/performance.md's next GPU session). It needs FP8 (compute capability 8.9 or newer,
 build.py checks before loading) or the CPU, whose reference path dequantizes the e4m3 experts it runs.
 """
