@@ -94,7 +94,7 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
 def _with_expert_form(opts: EngineOptions, source: ModelSource) -> ModelSource:
     """The source with its MXFP4 experts' form chosen (loader/expert_form.py), in its arch, which the
     weight-fit check, `overnight budget`, the build and the load all read."""
-    from overnight.loader.expert_form import choose_expert_form
+    from overnight.loader.expert_form import check_expert_form_device, choose_expert_form
     from overnight.loader.model_loader import resolve_dtype
 
     if not source.arch.experts_mxfp4:
@@ -111,6 +111,7 @@ def _with_expert_form(opts: EngineOptions, source: ModelSource) -> ModelSource:
         opts.tensor_parallel_size,
         str(dtype).removeprefix("torch."),
     )
+    check_expert_form_device(form.arch, device)
     log.info("%s", form.reason)
     return replace(source, arch=form.arch)
 

@@ -169,13 +169,15 @@ class ModelArch:
     num_kv_shared_layers: int = 0
     # gpt-oss: a learned sink logit per attention head; experts with biases and the clamped SwiGLU
     # (limit swiglu_limit); experts_mxfp4: the checkpoint's experts are MXFP4 (quant/mxfp4.py), which the
-    # model keeps packed unless experts_mxfp4_dense: then each is dequantized to the compute dtype as it
-    # loads (the mxfp4_experts option, build.py) and runs through the 16-bit fused MoE.
+    # model keeps packed unless experts_mxfp4_dense: then each is dequantized as it loads (the
+    # mxfp4_experts option, build.py) and held in the compute dtype (the 16-bit fused MoE) or, with
+    # experts_mxfp4_fp8 too, requantized to e4m3 with one scale per row as it loads (the FP8 fused MoE).
     attention_sinks: bool = False
     expert_bias: bool = False
     swiglu_limit: float = 7.0
     experts_mxfp4: bool = False
     experts_mxfp4_dense: bool = False
+    experts_mxfp4_fp8: bool = False
     # Gemma (2/3/4, models/gemma.py and gemma4.py). attention_scale None: head_dim ** -0.5 (Gemma 2/3:
     # query_pre_attn_scalar ** -0.5; Gemma 4: 1.0). Softcaps: cap * tanh(x / cap) on the attention scores
     # and on the final logits. Sliding layers rotate with local_rope_theta; full layers with rope_theta,
@@ -404,7 +406,8 @@ class ModelArch:
 
     @property
     def holds_mxfp4_experts(self) -> bool:
-        """Whether the built model keeps its experts as MXFP4 blocks and scales (else in the compute dtype)."""
+        """Whether the built model keeps its experts as MXFP4 blocks and scales (else dequantized at load:
+        in the compute dtype, or as e4m3 with experts_mxfp4_fp8)."""
         return self.experts_mxfp4 and not self.experts_mxfp4_dense
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -482,7 +485,8 @@ class ModelArch:
         load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row, whether
         the experts are packed too): the projections packed at `bits` per weight plus a float32 scale
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
-        stay in dtype (dequantized at load)."""
+        stay in dtype (dequantized at load). MXFP4 experts count as the model holds them: packed, in dtype
+        (experts_mxfp4_dense) or e4m3 with row scales (experts_mxfp4_fp8), whatever fp8_experts says."""
         total = self.num_parameters() * dtype_bytes
         if self.router_scoring in ("sigmoid", "softmax_group"):  # GLM-4.5's and DeepSeek's: float32
             sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
@@ -495,6 +499,10 @@ class ModelArch:
             total -= (
                 sparse * self.num_experts * (per_expert * dtype_bytes - per_expert // 2 - per_expert // 32)
             )
+            fp8_experts = False
+        elif self.experts_mxfp4_fp8:  # e4m3 from the build on (models/gpt_oss.py): a byte a weight and a
+            # float32 scale per row, while loading too (each expert is requantized as it arrives)
+            total -= self._experts_fp8_saving(dtype_bytes)
             fp8_experts = False
         params, rows = self._dense_linear_shape()
         if int_linear is not None:
@@ -516,11 +524,16 @@ class ModelArch:
             params -= self.num_linear_layers * small * self.hidden_size
             rows -= self.num_linear_layers * small
         if fp8_experts:
-            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-            per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-            expert_rows = 2 * self.moe_intermediate_size + self.hidden_size
-            total -= sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * expert_rows)
+            total -= self._experts_fp8_saving(dtype_bytes)
         return total - params * (dtype_bytes - 1) + 4 * rows
+
+    def _experts_fp8_saving(self, dtype_bytes: int) -> int:
+        """Bytes the stacked experts' weights (not their biases) save as e4m3 with a float32 scale per
+        expert and row, against the compute dtype."""
+        sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+        expert_rows = 2 * self.moe_intermediate_size + self.hidden_size
+        return sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * expert_rows)
 
     def _dense_linear_shape(self) -> tuple[int, int]:
         """(weights, output rows) of the projections quantized layers replace: attention (a hybrid's Gated

@@ -31,7 +31,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # ssm_state_dtype maps them; auto: float32).
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)
-MXFP4_EXPERTS = ("auto", "mxfp4", "dense")  # how an MXFP4 checkpoint's experts are held (build.py)
+MXFP4_EXPERTS = ("auto", "mxfp4", "dense", "fp8")  # how an MXFP4 checkpoint's experts are held (build.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = (
     "default",
@@ -290,8 +290,10 @@ class EngineOptions:
         "auto",
         "MXFP4 checkpoints' experts (gpt-oss): mxfp4 keeps them packed (a quarter of bf16's bytes, decoded "
         "in the GEMM); dense dequantizes them to the compute dtype at load (faster GEMMs, 4x the expert "
-        "memory); auto: dense on a GPU when the whole model in the compute dtype takes at most "
-        "0.55 of one GPU's memory (per tensor-parallel rank), else mxfp4",
+        "memory); fp8 dequantizes them at load and stores e4m3 with a scale per row (the FP8 fused MoE, "
+        "half the dense expert memory; needs an FP8 GPU, compute capability 8.9+, or the CPU); auto: "
+        "dense on a GPU when the whole model in the compute dtype takes at most 0.55 of one GPU's memory "
+        "(per tensor-parallel rank), else mxfp4 (auto never picks fp8 yet)",
         choices=MXFP4_EXPERTS,
     )
     kv_cache_dtype: str = option(

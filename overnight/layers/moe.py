@@ -20,7 +20,8 @@ A model whose experts alone outgrow the device in the compute dtype (GLM-4.5-Air
 one H200; every MoE family now declares it) holds them as e4m3 from the start instead (store_fp8_, at
 build time): the loader quantizes each checkpoint expert tensor, per expert or a whole stack, per row as
 it arrives (load_fp8_rows_; models/checkpoint.copy_weight). Rows are quantized one by one either way,
-so both give the same bytes and scales.
+so both give the same bytes and scales. gpt-oss's MXFP4 experts held as e4m3 (its fp8 form) take
+power-of-two row scales (pow2_scales), which keep their e2m1 values exact.
 
 The PyTorch path loops over the experts that were hit (a host sync per layer), so it cannot be
 captured in a CUDA graph; the fused path can.
@@ -226,6 +227,9 @@ class Experts(nn.Module):
         self.gate_up_scale: torch.Tensor | None = None  # FP8: [E, 2I] float32 (quantize_fp8_)
         self.down_scale: torch.Tensor | None = None  # FP8: [E, H] float32
         self.compute_dtype: torch.dtype | None = None  # FP8: the projections' dtype before quantizing
+        # Row scales rounded up to powers of two (quant/fp8.pow2_row_scales): set by store_fp8_ for
+        # gpt-oss's MXFP4 experts, whose e2m1 values then requantize exactly.
+        self.pow2_scales = False
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         mx = self.gate_up_scales is not None
@@ -247,13 +251,14 @@ class Experts(nn.Module):
         """Whether the projections hold e4m3 values (after quantize_fp8_, or from store_fp8_ on)."""
         return self.gate_up_proj.dtype == torch.float8_e4m3fn
 
-    def store_fp8_(self) -> None:
+    def store_fp8_(self, pow2_scales: bool = False) -> None:
         """Hold the projections as e4m3 from now on (a model being built, on the meta device): loading
         then goes through load_fp8_rows_, and the compute-dtype stack never exists. MXFP4 experts stay
-        as they are."""
+        as they are. pow2_scales: every row's scale a power of two (quant/fp8.pow2_row_scales)."""
         if self.gate_up_scales is not None or self.stores_fp8:
             return
         self.compute_dtype = self.gate_up_proj.dtype
+        self.pow2_scales = pow2_scales
         for name in ("gate_up_proj", "down_proj"):
             w = getattr(self, name)
             e4m3 = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
@@ -275,11 +280,11 @@ class Experts(nn.Module):
             scale = torch.ones(weight.shape[:2], dtype=torch.float32, device=weight.device)
             setattr(self, scale_name, scale)
         if expert is None:
-            data, row_scale = quantize_stacked_per_channel(rows)
+            data, row_scale = quantize_stacked_per_channel(rows, self.pow2_scales)
             weight.copy_(data)
             scale.copy_(row_scale)
         else:
-            data, row_scale = quantize_weight_per_channel(rows)
+            data, row_scale = quantize_weight_per_channel(rows, self.pow2_scales)
             weight[expert].narrow(0, start, rows.shape[0]).copy_(data)
             scale[expert].narrow(0, start, rows.shape[0]).copy_(row_scale)
 

@@ -18,6 +18,7 @@ from torch import nn
 from overnight.errors import ModelLoadError
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.loader.dummy import init_dummy_weights
+from overnight.loader.expert_form import check_expert_form_device
 from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
 from overnight.models.interface import LoadsWeights
@@ -95,6 +96,7 @@ def build_model(
         return model
     if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
+    check_expert_form_device(source.arch, device)
     _materialize(model, device)
     return model
 

@@ -20,7 +20,15 @@ quantization_config says quant_method "mxfp4") keep their experts packed by defa
 decode them in registers on the GPU, the CPU path dequantizes the experts a step runs. With
 ModelArch.experts_mxfp4_dense (the mxfp4_experts option) each expert is dequantized to the compute dtype as
 its blocks and scales arrive (_dequantized_experts: one expert's rows at a time, after any tensor-parallel
-slicing, so each rank dequantizes only its share) and runs through the 16-bit fused MoE.
+slicing, so each rank dequantizes only its share) and runs through the 16-bit fused MoE. With
+experts_mxfp4_fp8 as well (mxfp4_experts fp8) the experts are e4m3 from the build on (Experts.store_fp8_):
+each expert's rows are dequantized to float32 (exact, whatever the compute dtype's range) and quantized per
+row as they arrive (Experts.load_fp8_rows_, through models/checkpoint.copy_weight), so no layer's experts
+are ever held in a float dtype; they run through the FP8 fused MoE with the biases (compute dtype) and the
+clamped SwiGLU in its epilogues. The row scales are powers of two (quant/fp8.pow2_row_scales): an e2m1
+value times its block's power of two 2^j then lands on an e4m3 value exactly unless 2^j is below 2^-15
+of its row's largest magnitude (e4m3's subnormal floor), so the e4m3 experts hold the dense form's
+weights, bit for bit, in all but such rows (tests/test_mxfp4_fp8_experts.py).
 """
 
 from __future__ import annotations
@@ -89,6 +97,8 @@ class GptOssMoE(nn.Module):
             activation=activation,
             mxfp4=arch.holds_mxfp4_experts,
         )
+        if arch.experts_mxfp4_fp8:  # mxfp4_experts fp8: requantized per row as they load (module docstring)
+            self.experts.store_fp8_(pow2_scales=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(self.router(x), self.top_k, True)
@@ -107,7 +117,9 @@ class GptOssForCausalLM(nn.Module):
     # (quant/apply.quantize_experts) rather than e4m3 from the build on: its published experts are
     # MXFP4, which stay packed either way, and its dense-expert forms (mxfp4_experts dense, a bf16
     # checkpoint) load through _to_stacked_layout / _dequantized_experts, which no test runs into e4m3
-    # stacks (the fit check counts their load in the compute dtype accordingly, loader/fit.py).
+    # stacks (the fit check counts their load in the compute dtype accordingly, loader/fit.py). The
+    # mxfp4_experts fp8 form is the exception, decided by the arch rather than by quantization: its
+    # experts are e4m3 from the build on (GptOssMoE), whatever the quantization option says.
     experts_fp8_at_load = False
 
     def __init__(self, arch: ModelArch) -> None:
@@ -127,7 +139,10 @@ class GptOssForCausalLM(nn.Module):
         stream = _to_stacked_layout(weights, self)
         if self.arch.experts_mxfp4_dense:
             experts = next(m for m in self.modules() if isinstance(m, Experts))
-            stream = _dequantized_experts(stream, experts.compute_dtype or experts.gate_up_proj.dtype)
+            # e4m3 experts take float32 rows (quantized per row as they are copied in); dense ones the
+            # compute dtype (exact for every e2m1 value times a power of two in bf16 and fp32)
+            dtype = torch.float32 if experts.stores_fp8 else experts.gate_up_proj.dtype
+            stream = _dequantized_experts(stream, dtype)
         load_packed_weights(self, stream)
 
     def checkpoint_layout(

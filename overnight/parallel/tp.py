@@ -418,6 +418,7 @@ def load_sharded_model(
     model there: the model is sharded while shapeless (meta), then each checkpoint tensor is sliced as
     it streams in. Dummy weights are drawn whole, tensor by tensor, exactly as the unsharded loader
     draws them, so every tensor_parallel_size runs the same random model."""
+    from overnight.loader.expert_form import check_expert_form_device
     from overnight.loader.model_loader import _materialize, build_model, checkpoint_weights
     from overnight.quant.apply import quantize_experts
     from overnight.quant.scheme import QuantScheme, check_fp8_device
@@ -425,6 +426,7 @@ def load_sharded_model(
     model = apply_tp(build_model(source, dtype, "meta", runs_on=device), rank, world, group)
     if isinstance(source.quantization, QuantScheme):
         check_fp8_device(device, source.quantization)
+    check_expert_form_device(source.arch, device)
     _materialize(model, device)
     shards = TPShards(source.arch, rank, world)
     if source.kind == "dummy":

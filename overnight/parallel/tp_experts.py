@@ -129,6 +129,7 @@ class RowParallelExperts(Experts):
             setattr(self, pname, None if sliced is None else nn.Parameter(sliced, requires_grad=False))
         self._init_fp8_state()
         self.compute_dtype = whole.compute_dtype  # experts held as e4m3 while loading keep theirs
+        self.pow2_scales = whole.pow2_scales  # and their row scales' rule
         self.group = group
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

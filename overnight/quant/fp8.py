@@ -109,20 +109,43 @@ def dequantize_activation_ref(qa: QuantizedActivation) -> torch.Tensor:
     return qa.data.float() * scale
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] -> (e4m3 [N, K], float32 scale [N]); on the weight's own device."""
+def quantize_weight_per_channel(
+    weight: torch.Tensor, power_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (e4m3 [N, K], float32 scale [N]); on the weight's own device. power_of_two: each
+    row's scale is the least power of two that brings its amax within 448 (pow2_row_scales) instead of
+    amax / 448."""
     w = weight.float()
-    data, scale = _quantize_rows(w, w.abs().amax(dim=1, keepdim=True))
-    return data, scale.view(-1)
+    amax = w.abs().amax(dim=1, keepdim=True)
+    if not power_of_two:
+        data, scale = _quantize_rows(w, amax)
+        return data, scale.view(-1)
+    scale = pow2_row_scales(amax)
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.view(-1)
 
 
-def quantize_stacked_per_channel(weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pow2_row_scales(amax: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(amax / 448)), exactly (frexp, no rounded logarithm); all-zero rows as MIN_AMAX.
+
+    Dividing by a power of two changes no mantissa, so a value with at most e4m3's 3 mantissa bits
+    stays exact down to e4m3's smallest subnormal, 2^-9 of the scale. MXFP4 weights (e2m1 values, one
+    mantissa bit, times a power of two 2^j per block of 32) requantized this way are exact in every
+    block with 2^j >= amax * 2^-15 (the scale is at most amax / 224, and 0.5 * 2^j must reach 2^-9 of
+    it); amax / 448 would round about half of them (models/gpt_oss.py's fp8 form)."""
+    mantissa, exponent = torch.frexp(amax.float().clamp(min=MIN_AMAX) / FP8_MAX)  # mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    return torch.ldexp(torch.ones_like(mantissa), exponent)
+
+
+def quantize_stacked_per_channel(
+    weights: torch.Tensor, power_of_two: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Stacked weights [E, N, K] (MoE experts) -> (e4m3 [E, N, K], float32 scale [E, N]): each one
     quantized per channel, one at a time so the float32 copy is one weight's, not the stack's."""
     data = torch.empty(weights.shape, dtype=FP8_DTYPE, device=weights.device)
     scale = torch.empty(weights.shape[:2], dtype=torch.float32, device=weights.device)
     for e in range(weights.shape[0]):
-        data[e], scale[e] = quantize_weight_per_channel(weights[e])
+        data[e], scale[e] = quantize_weight_per_channel(weights[e], power_of_two)
     return data, scale
 
 

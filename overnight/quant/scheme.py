@@ -104,20 +104,27 @@ def resolve_quantization(
 
 def check_fp8_device(device: torch.device | str, scheme: QuantScheme) -> None:
     """Refuse a CUDA GPU without FP8 tensor cores (compute capability below 8.9) with what to do."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return  # the CPU runs the reference path
-    major, minor = torch.cuda.get_device_capability(device)
-    if (major, minor) >= (8, 9):
-        return
-    name = torch.cuda.get_device_name(device)
     instead = (
         "use the model's bf16 checkpoint"
         if scheme.prequantized
         else "drop --quantization fp8 (quantization=None) to run bf16 weights"
     )
+    require_fp8_device(device, "FP8 weights", instead)
+
+
+def require_fp8_device(device: torch.device | str, what: str, instead: str) -> None:
+    """ConfigError on a CUDA GPU of compute capability below 8.9 (no FP8 conversions in hardware: Ada,
+    Hopper and Blackwell have them): `what` needs one, `instead` says what to do. The CPU passes: it
+    runs the reference path, which dequantizes e4m3 weights to the compute dtype."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (8, 9):
+        return
+    name = torch.cuda.get_device_name(device)
     raise ConfigError(
-        f"FP8 weights need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
+        f"{what} need an NVIDIA GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell); "
         f"{name} is {major}.{minor}. Either {instead}, or run on an FP8-capable GPU."
     )
 
