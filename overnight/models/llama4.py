@@ -110,8 +110,7 @@ class Llama4ForCausalLM(nn.Module):
     unquantized_linear: tuple[str, ...] = ("mlp.router",)
     dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.router")
     # Scout's experts are 100B weights (200 GB in bf16): under FP8 they are e4m3 from the build on,
-    # each checkpoint tensor quantized per row as it loads (layers/moe.py).
-    experts_fp8_at_load = True
+    # each checkpoint tensor quantized per row as it loads (layers/moe.py; quant/apply.py's default).
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
