@@ -78,7 +78,8 @@ def test_blocks_per_sequence_counts_only_the_chunk_and_the_step():
 def test_blocks_given_back_at_the_step_whose_first_query_enters_a_new_chunk():
     """C = 8, blocks of 4, prefill steps of 6 tokens: after every step a chunked group holds exactly
     the blocks from its first query's chunk start on. The step computing 6..11 crosses the boundary at
-    8 and still holds blocks 0, 1 (its query at 6 reads 0..6); the next one, from 12, gives them back (and holds 2..4)."""
+    8 and still holds blocks 0, 1 (its query at 6 reads 0..6); the next one, from 12, gives them back
+    (and holds 2..4)."""
     c, bs, step = 8, 4, 6
     engine, runner = make_engine(llama4_arch(c), 200, bs, max_num_batched_tokens=step)
     prompt = list(range(10, 40))  # 30 tokens

@@ -179,7 +179,8 @@ def test_chunked_layers_give_blocks_back_token_exact(top1_folder):
     # The prefix's 8 whole blocks (ending on a chunk edge: the chunked groups need none of them) for
     # the second of the wave's prefix prompts (the small pool evicted the first wave's copy).
     assert kv.prefix_hits - hits >= 32
-    assert llm.engine.scheduler.num_preemptions_total > 0 and kv.pool.num_evictions > 0  # type: ignore[attr-defined]
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions_total > 0 and kv.pool.num_evictions > 0  # type: ignore[attr-defined]
     assert peak[0] == 15 and max(peak[1:]) <= local_blocks(None, 8, 16, 4) < 15  # 60 tokens computed
     ref = load_reference(top1_folder)
     for prompt, out in zip(first + second, outs):

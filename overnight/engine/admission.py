@@ -7,9 +7,9 @@ tokens of work): 284 preemptions, 959,626 tokens computed for 785,408 needed (+2
 in bench/preemption_sim.py alike. With this check: 0 preemptions and the minimum token count.
 
 The plan, in blocks (a request of final length L holds cdiv(L, bs_g) per full-attention group g of
-block size bs_g, at most a window's (an attention chunk's) worth per windowed (chunked) group). Running request r holds c_r tokens
-and will grow by g_r more (one a step while decoding) before it finishes and frees them. At t steps
-from now the running set needs
+block size bs_g, at most a window's (an attention chunk's) worth per windowed (chunked) group).
+Running request r holds c_r tokens and will grow by g_r more (one a step while decoding) before it
+finishes and frees them. At t steps from now the running set needs
     need(t) = sum over r with g_r >= t of blocks(c_r + t),
 which peaks just as a request finishes (t = some g_k; one step later where a step runs ahead of the
 host, which frees a finished request's blocks only when its last token arrives): one pass over the

@@ -1,6 +1,8 @@
 """KV cache groups: how layers of different attention kinds share one pool of blocks.
 
-A sliding-window layer of window W needs only its last W tokens; a full-attention layer needs them all.
+A sliding-window layer of window W needs only its last W tokens; a chunked-attention layer of chunk C
+(Llama 4: a query at p reads floor(p / C) * C .. p) only the tokens of its query's chunk; a
+full-attention layer needs them all. A group declares its kind (KVGroup: window or chunk, never both).
 Layers of one kind form KV cache groups of G layers each, and every request has one block table per
 group. All groups draw from ONE pool: a block id is owned by one group at a time, and the pool's memory
 is G physical tensors, each holding one layer of every group (vLLM's layout):
@@ -21,12 +23,17 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
 
 A block is one slot of B x tensor_elems[j] elements in each of the G tensors, the same bytes for every
 group (B tokens, or k x B for a group of block scale k, below), so usage, the pool plan and a block's
-bytes stay one number. A windowed group's blocks lying wholly before position
-num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
-KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
+bytes stay one number. A windowed group's blocks lying wholly before position num_computed - W + 1
+are given back each step, a chunked group's those wholly before floor(num_computed / C) * C, the
+step's first query's chunk start (kv_cache_manager.py): a sequence then holds at most W (C) plus one
+step's tokens in such a group, in blocks (local_blocks). Layers that share another layer's KV (Gemma
+4's last layers) own no cache: they read their source layer's tensor through its group.
 Linear-attention layers (Qwen3.5's Gated DeltaNet) own no cache at all: they are in no group and
 no tensor (layer_tensor -1; their per-request state lives in runner/state_cache.py).
-A window at least max_model_len long never gives a block back, so such layers join the full groups.
+A window (chunk) at least max_model_len long never gives a block back, so such layers join the full
+groups. Llama-4-Scout (36 chunked layers of C = 8192, 12 global): groups of 12 layers, one full and three
+chunked; at 128K a sequence holds 8192 + 3 x 512 blocks of 16 tokens instead of 4 x 8192, and on an
+H200 with FP8 weights two such sequences fit the pool where none did (tests/test_budget.py).
 
 Layers of different cache shapes (Gemma 4: windowed layers 16 KV heads x 256, full layers 4 x 512,
 KV = K there) still share tensors: a tensor's block slot holds B x tensor_elems[j] elements for K and as
@@ -215,9 +222,10 @@ class KVCacheLayout:
         return total
 
     def blocks_for_sequences(self, num_seqs: int, num_tokens: int, chunk: int, block_size: int) -> int:
-        """Blocks num_seqs sequences of num_tokens hold at once: each its windows (or whole context),
-        plus one step's chunk of at most `chunk` tokens in the windowed and chunked groups (a step's tokens are
-        shared by all its sequences, so the chunk is paid once, not per sequence)."""
+        """Blocks num_seqs sequences of num_tokens hold at once: each its windows and attention chunks
+        (or whole context), plus one step's chunk of at most `chunk` tokens in the windowed and chunked
+        groups (a step's tokens are shared by all its sequences, so the chunk is paid once, not per
+        sequence)."""
         steady = self.blocks_per_sequence(num_tokens, 1, block_size)
         return num_seqs * steady + self.blocks_per_sequence(num_tokens, chunk, block_size) - steady
 

@@ -3,7 +3,7 @@ for the machine stops with a sentence saying what would fit instead of being kil
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
     weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 / int projections: quant/)
-    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed / chunked layers: their window / chunk)
+    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed, chunked layers: their window, chunk)
     layer_kv_shape(arch, i)          (KV heads, head size) of one layer's cache
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
