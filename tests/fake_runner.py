@@ -6,9 +6,9 @@ token id at each slot and checks, every step, that each scheduled request's bloc
 context to its own tokens: a wrong block table, a bad prefix-cache hit or a lost preemption shows up as
 an assertion here. With KV cache groups (windows and chunks, one per group), each group's table is
 checked over what its layers read: the whole context for full attention, the last W positions before
-each query for a window of W, from the first query's chunk start for an attention chunk (older entries
-may point at blocks given back and reused). A group of a larger block
-size (kv_groups.py: block scales) addresses its table in blocks of that size.
+each query for a window of W, from the step's first query's chunk start for an attention chunk (older
+entries may point at blocks given back and reused). A group of a larger block size (kv_groups.py: block
+scales) addresses its table in blocks of that size.
 """
 
 from __future__ import annotations

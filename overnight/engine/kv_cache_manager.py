@@ -379,9 +379,8 @@ class KVCacheManager:
                 # this call (start base blocks) were registered then.
                 for i in range(start // k, num_full // k):
                     block = row[i]
-                    if (
-                        block is not None
-                    ):  # None: a windowed (chunked) group gave it back before it was cached
+                    # None: a windowed (chunked) group gave it back before it was cached
+                    if block is not None:
                         cache(block, self._key(hashes[i * k + k - 1], g))
         req.num_cached_blocks = num_full
 

@@ -362,8 +362,8 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
         chunks = ", ".join(str(c) for c in b.chunks)
         lines.append(
             f"  chunked attention: {b.chunked_layers} of {b.kv_layers} layers keep only the current "
-            f"attention chunk of {chunks} tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
-            f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+            f"attention chunk of {chunks} tokens (+ the chunk being computed): a sequence of {b.seq_len} "
+            f"tokens holds {b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
         )
     if b.full_block_scale > 1:
         lines.append(
