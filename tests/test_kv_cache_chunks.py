@@ -17,6 +17,7 @@ from overnight.engine.block_pool import Block
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.kv_groups import KVCacheLayout, KVGroup, local_blocks
 from overnight.engine.request import Request
+from overnight.errors import ConfigError
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import reference_output
 from tests.test_kv_cache_windows import (
@@ -202,3 +203,12 @@ def test_prefix_hit_is_the_longest_every_chunked_group_serves(chunk, scales):
             first = want * bs // chunk * chunk // bs
             assert [b is None for b in hit.blocks[1]] == [True] * first + [False] * (want - first)
             assert len(hit.blocks[0]) == want // scales[0] and all(b is not None for b in hit.blocks[0])
+
+
+def test_pool_too_small_for_one_sequence_counts_chunks():
+    arch = llama4_arch(8)
+    need = KVCacheLayout.from_arch(arch, 256).blocks_per_sequence(256, 32, 4)
+    assert need == 64 + 3 * (-(-(7 + 32) // 4))  # chunk starts on block boundaries: no partial block
+    make_engine(arch, need, 4)  # exactly one sequence fits
+    with pytest.raises(ConfigError, match="less than one sequence of max_model_len 256 needs"):
+        make_engine(arch, need - 1, 4)
