@@ -317,10 +317,9 @@ class ModelArch:
         return None
 
     def layer_chunk(self, layer_idx: int) -> int | None:
-        """The attention chunk of layer `layer_idx` (Llama 4's chunked layers), None for none. The KV
-        cache keeps every block of a chunked layer (its layers count as full attention for the memory
-        planner and the KV cache groups); giving back the blocks before a request's current chunk
-        would be a memory optimisation, not a correctness matter."""
+        """The attention chunk of layer `layer_idx` (Llama 4's chunked layers), None for none. Chunked
+        layers form KV cache groups of their own, which give back the blocks before a request's
+        current chunk (engine/kv_groups.py)."""
         if self.layer_types and self.layer_types[layer_idx] == "chunked_attention":
             return self.attention_chunk_size
         return None

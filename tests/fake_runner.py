@@ -4,10 +4,11 @@ Its 'model' makes the next token a fixed function of the request's own tokens, s
 gives every request the same output whatever else is batched. It also keeps a fake KV cache holding the
 token id at each slot and checks, every step, that each scheduled request's block table maps its whole
 context to its own tokens: a wrong block table, a bad prefix-cache hit or a lost preemption shows up as
-an assertion here. With KV cache groups (windows, one per group), each group's table is checked over
-what its layers read: the whole context for full attention, the last W positions before each query for
-a window of W (older entries may point at blocks given back and reused). A group of a larger block
-size (kv_groups.py: block scales) addresses its table in blocks of that size.
+an assertion here. With KV cache groups (windows and chunks, one per group), each group's table is
+checked over what its layers read: the whole context for full attention, the last W positions before
+each query for a window of W, from the step's first query's chunk start for an attention chunk (older
+entries may point at blocks given back and reused). A group of a larger block size (kv_groups.py: block
+scales) addresses its table in blocks of that size.
 """
 
 from __future__ import annotations
@@ -70,10 +71,12 @@ class FakeRunner:
         async_mode: bool = False,
         windows: tuple[int | None, ...] = (None,),
         group_block_sizes: tuple[int, ...] | None = None,  # None: block_size for every group
+        chunks: tuple[int | None, ...] | None = None,  # None: no group has an attention chunk
     ) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.windows = windows
+        self.attention_chunks = chunks or (None,) * len(windows)
         self.sizes = group_block_sizes or (block_size,) * len(windows)
         self.cache = [-1] * (num_blocks * max(self.sizes))
         self.states = RequestStates(max_num_reqs=8, max_blocks_per_req=4, num_groups=len(windows))
@@ -114,9 +117,12 @@ class FakeRunner:
         for s in scheduled:  # "attend": the context each layer sees must read back as the request's tokens
             st = s.state
             end = s.start + s.num_tokens
-            for g, (w, bs) in enumerate(zip(self.windows, self.sizes, strict=True)):
+            kinds = zip(self.windows, self.attention_chunks, self.sizes, strict=True)
+            for g, (w, c, bs) in enumerate(kinds):
                 blocks = table[g, st.slot, : self.states.table_lens[g, st.slot]].tolist()
                 lo = 0 if w is None else max(0, s.start - w + 1)
+                if c is not None:  # the step's first query reads from its chunk's start
+                    lo = s.start // c * c
                 got = [self.cache[blocks[p // bs] * stride + p % bs] for p in range(lo, end)]
                 assert got == full[st.req_id][lo:end], f"{st.req_id}: KV cache of group {g} lost its tokens"
         ends = [s.state for s in scheduled if s.samples]

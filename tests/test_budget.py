@@ -210,6 +210,38 @@ def test_gemma4_windows_count_with_full_blocks_of_twice_the_tokens():
     )
 
 
+def test_llama4_chunked_layers_count_only_their_chunk():
+    """Llama-4-Scout (FP8 weights) on an H200 at 128K: its 36 chunked layers (C = 8192) hold only the
+    current attention chunk, so a sequence holds 12 layers x 128K + 36 x 8K tokens (groups of 12 layers:
+    8192 blocks of the global group + 3 x 512), and two sequences of 128K fit; keeping every block of
+    every layer, as before, not one does (the pool holds 100K tokens of all 48 layers)."""
+    from overnight.engine.kv_groups import KVCacheLayout
+
+    source = resolve_source("llama-4-scout-17b-16e", "dummy", quantization="fp8")
+    opts = EngineOptions(
+        model="llama-4-scout-17b-16e", load_format="dummy", dtype="bfloat16", quantization="fp8",
+        max_model_len=131072,
+    )  # fmt: skip
+    b = plan_budget(opts, source, H200)
+    kept = replace(source, arch=replace(source.arch, layer_types=(), attention_chunk_size=None))
+    every = plan_budget(opts, kept, H200)
+    per_layer = 2 * 8 * 128 * 2
+    assert (b.kv_layers, b.chunked_layers, b.chunks, b.windowed_layers) == (48, 36, (8192,), 0)
+    assert 4 * b.block_bytes == every.block_bytes == 16 * 48 * per_layer  # a block: 12 layers, or 48
+    assert b.budget_bytes == every.budget_bytes
+    assert b.seq_blocks == 8192 + 3 * 512 and every.seq_blocks == 8192
+    chunk = b.max_num_batched_tokens  # one step's chunk in the chunked groups, set aside once
+    chunk_blocks = 3 * (-(-(8191 + chunk) // 16)) - 3 * 512
+    assert b.seqs_fit == (b.num_blocks - chunk_blocks) // b.seq_blocks == 2
+    assert every.seqs_fit == every.num_blocks // 8192 == 0 and every.pool_tokens < 131072
+    assert b.seq_kv_bytes == (12 * 131072 + 36 * (8192 + chunk)) * per_layer
+    text = render(b, "llama-4-scout-17b-16e", source.arch, "bfloat16")
+    assert "chunked attention: 36 of 48 layers keep only the current attention chunk of 8192 tokens" in text
+    assert "sequences of 131072 tokens that fit: 2 (9728 blocks each)" in text
+    layout = KVCacheLayout.from_arch(source.arch, 131072)
+    assert layout.chunks == (None,) + (8192,) * 3 and layout.num_tensors == 12
+
+
 def test_cli_counts_the_windows_of_a_checkpoint(tmp_path, capsys):
     """`overnight budget --model <folder>` on a Gemma-3-shaped checkpoint (5 windowed : 1 full)."""
     import torch

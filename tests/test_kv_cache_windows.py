@@ -73,6 +73,7 @@ def make_engine(
         async_mode=async_mode,
         windows=layout.windows,
         group_block_sizes=layout.group_block_sizes(block_size),
+        chunks=layout.chunks,
     )
     source = ModelSource("dummy", "fake", arch, "LlamaForCausalLM", None, (EOS,), None, None, "fake")
     plan = PoolPlan(num_blocks, block_bytes=0, budget_bytes=0, capped=False)

@@ -7,7 +7,8 @@ two experts (top-2: each expert gets its own scaled input), lists moe_layers exp
 q/k norm and the temperature tuning off.
 
 Checked: greedy tokens identical to transformers' in fp32 through one engine run with prompts of up to
-four chunks, 16-token prefill chunks (chunk edges inside them) and prefix-cache hits; a
+four chunks, 16-token prefill chunks (chunk edges inside them) and prefix-cache hits, and again in a
+pool of 40 blocks that fits only because the chunked layers give blocks back; a
 Llama4ForConditionalGeneration checkpoint loaded text-only (its vision tower's tensors skipped) against
 transformers' own ConditionalGeneration model, and image prompts refused by name; the chat template
 through the tokenizer; the config reader's layer kinds and MoE layers and its refusals; the Scout preset's
@@ -142,6 +143,52 @@ def test_engine_greedy_token_exact(variant):
     assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
 
 
+def test_chunked_layers_give_blocks_back_token_exact(top1_folder):
+    """A pool of 40 blocks of 4 tokens (one layer each: groups of one layer, kv_groups.py) and
+    sequences of up to 61 tokens: keeping every block of every layer, one such sequence needs 64. The
+    chunked layers give back the blocks before each step's first query's chunk start, so it runs, with
+    preemptions, blocks reused, 16-token prefill steps across chunk edges and prefix hits on a shared
+    33-token prefix; greedy tokens stay transformers'."""
+    from overnight.engine.kv_groups import local_blocks
+
+    llm = LLM(str(top1_folder), **{**ENGINE, "kv_cache_memory_bytes": 40 * 1024, "max_model_len": 64})
+    kv = llm.engine.kv  # type: ignore[attr-defined]
+    assert kv.num_blocks == 40 and kv.chunks == (None, 8, 8, 8) and kv.group_block_sizes == (4,) * 4
+    peak = [0] * 4  # the most blocks one request held, per group
+    allocate = kv.allocate
+
+    def watch(req, n, hit=None):
+        out = allocate(req, n, hit)
+        for g, row in enumerate(kv.req_blocks.get(req.req_id, [])):
+            peak[g] = max(peak[g], sum(b is not None for b in row))
+        return out
+
+    kv.allocate = watch
+    rng = random.Random(1)
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 250) for _ in range(n)]
+
+    prefix = toks(33)
+    first = [toks(41), prefix + toks(4)]
+    second = [prefix + toks(3), prefix + toks(6), toks(35), toks(31)]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    outs = llm.generate(first, params, use_tqdm=False)
+    hits = kv.prefix_hits
+    outs += llm.generate(second, params, use_tqdm=False)
+    # The prefix's 8 whole blocks (ending on a chunk edge: the chunked groups need none of them) for
+    # the second of the wave's prefix prompts (the small pool evicted the first wave's copy).
+    assert kv.prefix_hits - hits >= 32
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions_total > 0 and kv.pool.num_evictions > 0  # type: ignore[attr-defined]
+    assert peak[0] == 15 and max(peak[1:]) <= local_blocks(None, 8, 16, 4) < 15  # 60 tokens computed
+    ref = load_reference(top1_folder)
+    for prompt, out in zip(first + second, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, 20)[0], (
+            f"prompt of {len(prompt)} tokens"
+        )
+
+
 @pytest.mark.slow  # the fused MoE and attention kernels through the Triton interpreter
 def test_forward_with_kernels_matches_pytorch_path(variant, monkeypatch):
     """The Triton path (chunked paged prefill and decode, fused experts with routing weight 1, RoPE)
@@ -241,7 +288,7 @@ def test_config_reader_and_refusals():
     arch = arch_from_hf_config(text)
     assert arch.layer_types == ("chunked_attention",) * 3 + ("full_attention",)
     assert [arch.layer_chunk(i) for i in range(4)] == [8, 8, 8, None]
-    assert [arch.layer_window(i) for i in range(4)] == [None] * 4  # the cache keeps every block
+    assert [arch.layer_window(i) for i in range(4)] == [None] * 4  # chunks, not windows
     assert [arch.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert (arch.intermediate_size, arch.moe_intermediate_size, arch.shared_expert_intermediate_size) == (
         96,

@@ -117,8 +117,12 @@ def paged_attention_ref(
         max_len = max(sl_list[:nd])
         block_size = kv_cache.shape[2]
         nblk = (max_len + block_size - 1) // block_size
-        # With a window, blocks before every request's window are not read at all (given back).
-        first = 0 if window is None else max(0, min(sl_list[:nd]) - window) // block_size
+        # With a window (chunk), blocks before every request's window (chunk start) are not read at
+        # all (given back: engine/kv_cache_manager.py); the shortest request's is the earliest.
+        shortest = min(sl_list[:nd])
+        first = 0 if window is None else max(0, shortest - window) // block_size
+        if chunk is not None:
+            first = max(first, (shortest - 1) // chunk * chunk // block_size)
         blocks = meta.block_tables[:nd, first:nblk].long()
         lo = first * block_size
         k = kv_cache[0, blocks].flatten(1, 2)[:, : max_len - lo]  # [nd, L - lo, Hkv, D]

@@ -7,9 +7,9 @@ tokens of work): 284 preemptions, 959,626 tokens computed for 785,408 needed (+2
 in bench/preemption_sim.py alike. With this check: 0 preemptions and the minimum token count.
 
 The plan, in blocks (a request of final length L holds cdiv(L, bs_g) per full-attention group g of
-block size bs_g, at most a window's worth per windowed group). Running request r holds c_r tokens
-and will grow by g_r more (one a step while decoding) before it finishes and frees them. At t steps
-from now the running set needs
+block size bs_g, at most a window's (an attention chunk's) worth per windowed (chunked) group).
+Running request r holds c_r tokens and will grow by g_r more (one a step while decoding) before it
+finishes and frees them. At t steps from now the running set needs
     need(t) = sum over r with g_r >= t of blocks(c_r + t),
 which peaks just as a request finishes (t = some g_k; one step later where a step runs ahead of the
 host, which frees a finished request's blocks only when its last token arrives): one pass over the
@@ -35,6 +35,7 @@ work (Qwen3-8B on an H200 with seed-512-256) schedules exactly as without the ch
 from __future__ import annotations
 
 from overnight.engine.kv_cache_manager import KVCacheManager, cdiv
+from overnight.engine.kv_groups import local_blocks
 from overnight.engine.request import Request
 
 RATIO_AFTER_PREEMPTION = 0.7
@@ -49,15 +50,16 @@ class Admission:
         sizes = kv.group_block_sizes
         # Full-attention groups by block size: (bs, how many groups of it).
         full: dict[int, int] = {}
-        for w, bs in zip(kv.windows, sizes, strict=True):
-            if w is None:
+        # Per windowed (chunked) group, (its block size, blocks one request can hold at most between
+        # prefill chunks: the window, or the attention chunk, plus partial blocks at the ends).
+        self.window_caps: list[tuple[int, int]] = []
+        for w, c, bs in zip(kv.windows, kv.chunks, sizes, strict=True):
+            cap = local_blocks(w, c, 1, bs)
+            if cap is None:
                 full[bs] = full.get(bs, 0) + 1
+            else:
+                self.window_caps.append((bs, cap))
         self.full_sizes = list(full.items())
-        # Per windowed group, (its block size, blocks one request can hold at most: the window plus the
-        # partial blocks at either end).
-        self.window_caps = [
-            (bs, cdiv(w, bs) + 1) for w, bs in zip(kv.windows, sizes, strict=True) if w is not None
-        ]
         self.ratio = 0.0  # planned share of the remaining max_tokens of a request that may stop early
         self._plan: list[tuple[int, int]] = []  # (g, c) of the running and this step's admitted
         self._total = 0  # blocks of the plan with every request at its final length

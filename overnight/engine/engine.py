@@ -78,10 +78,15 @@ class Engine:
         if pool_plan.block_scales:  # the runner's (one rank's) block sizes: tables must match its pages
             layout = replace(layout, block_scales=pool_plan.block_scales)
         self.kv = KVCacheManager(
-            num_blocks, bs, config.cache.enable_prefix_caching, layout.windows, layout.block_scales
+            num_blocks,
+            bs,
+            config.cache.enable_prefix_caching,
+            layout.windows,
+            layout.block_scales,
+            layout.chunks,
         )
-        # One sequence of max_model_len must fit, or it could never finish (windowed groups hold only
-        # their window and the chunk being computed).
+        # One sequence of max_model_len must fit, or it could never finish (windowed and chunked groups
+        # hold only their window or attention chunk and the chunk being computed).
         chunk = config.scheduler.max_num_batched_tokens
         need = layout.blocks_per_sequence(self.max_model_len, chunk, bs)
         if num_blocks < need:

@@ -13,10 +13,20 @@ starts fresh. (Hashing each group at its own block size would allow finer hits f
 groups, but a hit is only as long as every group serves: the coarsest group bounds it anyway.)
 
 A windowed group (window W) gives back, before each step's allocation, every block lying wholly before
-position num_computed - W + 1: the next query sees positions from there on. Its entry becomes None (the
-runner keeps the old id in its copy of the table, a "null" entry: kernels never read positions outside a
-window). So a windowed table is always  [None] * k + blocks.  Given-back blocks keep their hash and
-stay findable until the pool hands them out again.
+position num_computed - W + 1: the step's first query sees positions from there on, and its later
+queries from no earlier a position. A chunked group (attention chunk C, Llama 4) does the same before
+floor(num_computed / C) * C, the first query's chunk start: in a step whose tokens cross a chunk
+boundary the queries past it read from the new boundary, but the first still reads its own chunk, so
+those blocks are kept until a step starts in the new chunk (kv_groups.read_start):
+
+    C = 8, blocks of 4       positions 0..7 | 8..15 | 16..23        (| a chunk boundary)
+    step computes 14..17     first query 14 reads 8..14: blocks 0, 1 given back, 2..4 kept
+    next step from 18        reads 16..18: blocks 2, 3 (8..15) given back
+
+A given-back entry becomes None (the runner keeps the old id in its copy of the table, a "null" entry:
+kernels never read positions outside a window or before a chunk start). So such a table is always
+[None] * k + blocks.  Given-back blocks keep their hash and stay findable until the pool hands them
+out again.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from overnight.engine.block_pool import Block, BlockPool, hash_block
+from overnight.engine.kv_groups import read_start
 from overnight.engine.request import Request
 
 NULL_BLOCK_ID = 0  # what the runner's table holds for a None entry: any id works, it is never read
@@ -37,8 +48,8 @@ def cdiv(a: int, b: int) -> int:
 class PrefixHit:
     """Cached blocks a request that holds no blocks yet can start past: num_blocks base blocks
     (num_blocks x block_size tokens, a whole number of blocks of every group: num_blocks // k_g
-    entries in group g; None where a windowed group needs nothing: before the window of the first
-    token to compute)."""
+    entries in group g; None where a windowed or chunked group needs nothing: before the window or the
+    chunk start of the first token to compute)."""
 
     num_blocks: int
     blocks: list[list[Block | None]]  # per group, num_blocks // k_g entries
@@ -52,29 +63,48 @@ class KVCacheManager:
         enable_caching: bool,
         windows: tuple[int | None, ...] = (None,),
         scales: tuple[int, ...] | None = None,
+        chunks: tuple[int | None, ...] | None = None,
     ) -> None:
-        """windows, scales: per KV cache group, its window (None: full attention) and block scale k
-        (its blocks hold k x block_size tokens; None: 1 for every group)."""
+        """windows, chunks, scales: per KV cache group, its window and its attention chunk (at most one
+        of them; neither: full attention; chunks None: no group has one) and block scale k (its blocks
+        hold k x block_size tokens; None: 1 for every group)."""
         if scales is None:
             scales = (1,) * len(windows)
+        if chunks is None:
+            chunks = (None,) * len(windows)
         if len(scales) != len(windows) or any(k < 1 or k & (k - 1) for k in scales):
             raise ValueError(f"block scales {scales} must be powers of two, one per group ({len(windows)})")
+        if len(chunks) != len(windows) or any(
+            c is not None and (c < 1 or w is not None) for w, c in zip(windows, chunks, strict=True)
+        ):
+            raise ValueError(
+                f"attention chunks {chunks} must be positive, one per group ({len(windows)}), and only in "
+                "groups without a window"
+            )
         self.block_size = block_size  # the base block: the unit of hashes, hits and num_cached_blocks
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.windows = windows  # per group; None: full attention
+        self.windows = windows  # per group; None: no window
+        self.chunks = chunks  # per group; None: no attention chunk
         self.scales = scales
         self.group_block_sizes = tuple(block_size * k for k in scales)
         self.hit_unit = max(scales)  # a prefix hit is a multiple of this many base blocks
         self.num_groups = len(windows)
-        self._windowed: list[tuple[int, int]] = [(g, w) for g, w in enumerate(windows) if w is not None]
-        # Groups of one window and block size grow and give back in step: one look per such set tells
-        # whether any must.
-        by_window: dict[tuple[int, int], list[int]] = {}
-        for g, w in self._windowed:
-            by_window.setdefault((w, scales[g]), []).append(g)
-        self._window_groups = list(by_window.items())
-        self._full = [g for g, w in enumerate(windows) if w is None]
+        # The groups that give blocks back: (group, window, chunk), one of the two set.
+        self._local: list[tuple[int, int | None, int | None]] = [
+            (g, w, c)
+            for g, (w, c) in enumerate(zip(windows, chunks, strict=True))
+            if w is not None or c is not None
+        ]
+        # Groups of one window (chunk) and block size grow and give back in step: one look per such set
+        # tells whether any must.
+        by_kind: dict[tuple[int | None, int | None, int], list[int]] = {}
+        for g, w, c in self._local:
+            by_kind.setdefault((w, c, scales[g]), []).append(g)
+        self._local_sets = list(by_kind.items())
+        self._full = [
+            g for g, (w, c) in enumerate(zip(windows, chunks, strict=True)) if w is None and c is None
+        ]
         # Groups of one block size have tables of one length: (block size, a group of it, its groups).
         by_size: dict[int, list[int]] = {}
         for g, bs in enumerate(self.group_block_sizes):
@@ -127,9 +157,10 @@ class KVCacheManager:
 
         The hit is the longest h (in blocks) that every group can serve: a full group needs blocks
         0..h-1 cached, a windowed group the last cdiv(W - 1, block_size) of them (or all, back to block
-        0). Full groups scan left to right (their answer is an upper bound, and holds for any shorter
-        h); windowed groups, and an image the hit would end inside (whole_images), can only shorten
-        it, so they are asked again until none does."""
+        0), a chunked group those from the block of h's chunk start on (none when h ends on a chunk
+        boundary). Full groups scan left to right (their answer is an upper bound, and holds for any
+        shorter h); windowed and chunked groups, and an image the hit would end inside (whole_images),
+        can only shorten it, so they are asked again until none does."""
         if not self.enable_caching or req.params.prompt_logprobs is not None:
             # Prompt logprobs come from the hidden states of every prompt position: such a request
             # computes them all (its blocks are still cached for the requests after it).
@@ -137,7 +168,7 @@ class KVCacheManager:
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(req, max_blocks * self.block_size)
         lookup = self.pool.lookup
-        if self.num_groups == 1 and not self._windowed and self.hit_unit == 1:  # the common case
+        if self.num_groups == 1 and not self._local and self.hit_unit == 1:  # the common case
             hits: list[Block | None] = []
             for h in hashes:
                 block = lookup(h)
@@ -160,18 +191,24 @@ class KVCacheManager:
             n = self._unsplit(req, h) // unit * unit
             if n < h:
                 h, changed = n, True
-            for g, w in self._windowed:
+            for g, w, c in self._local:
                 k = scales[g]
-                n = self._window_hit(hashes, g, k, cdiv(w - 1, self.group_block_sizes[g]), h // k)
+                if c is not None:
+                    n = self._chunk_hit(hashes, g, k, c, h // k)
+                elif w is not None:
+                    n = self._window_hit(hashes, g, k, cdiv(w - 1, self.group_block_sizes[g]), h // k)
                 n = n * k // unit * unit
                 if n < h:
                     h, changed = n, True
         if h == 0:
             return None
         blocks: list[list[Block | None]] = []
-        for g, window in enumerate(self.windows):
-            k = scales[g]
-            first = 0 if window is None else max(0, h // k - cdiv(window - 1, self.group_block_sizes[g]))
+        for g, (window, chunk) in enumerate(zip(self.windows, self.chunks, strict=True)):
+            k, gbs = scales[g], self.group_block_sizes[g]
+            if window is not None:
+                first = max(0, h // k - cdiv(window - 1, gbs))
+            else:  # the block holding the first token's chunk start (0 for full attention)
+                first = read_start(h * self.block_size, None, chunk) // gbs
             row: list[Block | None] = [None] * first
             row += [lookup(key(hashes[i * k + k - 1], g)) for i in range(first, h // k)]
             blocks.append(row)
@@ -204,6 +241,23 @@ class KVCacheManager:
                 run = 0
         return run
 
+    def _chunk_hit(self, hashes: list[int], group: int, k: int, chunk: int, upto: int) -> int:
+        """The longest hit m <= upto blocks of `group` (scale k, attention chunk `chunk`) it serves:
+        blocks from the one holding m's chunk start up to m - 1 all cached. Scanning down from upto,
+        a missing block i rules out every m in (i, upto]: their chunk starts lie at or before i (a
+        chunk start past i would be one for upto too), so the next candidate is m = i."""
+        lookup, key, gbs = self.pool.lookup, self._key, self.group_block_sizes[group]
+        m, i = upto, upto - 1
+        while m > 0:
+            first = read_start(m * gbs, None, chunk) // gbs
+            while i >= first and lookup(key(hashes[i * k + k - 1], group)) is not None:
+                i -= 1
+            if i < first:
+                return m
+            m = i
+            i = m - 1
+        return 0
+
     # -- allocation -------------------------------------------------------------------------------
 
     def allocate(
@@ -216,8 +270,8 @@ class KVCacheManager:
         groups = self.req_blocks.get(req.req_id)
         if hit is None:  # the common case (a running request): often no new block at all
             computed = req.num_computed_tokens
-            if self._windowed and groups:
-                self._give_back_outside_windows(req, groups)
+            if self._local and groups:
+                self._give_back_unread(req, groups)
             end = computed + num_new_tokens
             if len(self._sizes) == 1:  # one block size: every table grows alike
                 num_new = cdiv(end, self.block_size * self.scales[0]) - (len(groups[0]) if groups else 0)
@@ -263,8 +317,9 @@ class KVCacheManager:
         self.req_blocks[req.req_id] = new_groups
         return added
 
-    def _give_back_outside_windows(self, req: Request, groups: list[list[Block | None]]) -> None:
-        """Free each windowed group's blocks lying wholly before the next query's window. Their
+    def _give_back_unread(self, req: Request, groups: list[list[Block | None]]) -> None:
+        """Free each windowed (chunked) group's blocks lying wholly before the step's first query's
+        window (chunk start): no query of this step or a later one reads them. Their
         prefixes are registered first, so they stay findable until the pool reuses them. Blocks that
         hold generated tokens are reused first: a decode gives one back every block_size tokens, and
         queued behind the cached prompts they would push those out (prompts are what later requests
@@ -273,11 +328,11 @@ class KVCacheManager:
         computed = req.num_computed_tokens
         if self.enable_caching and min(computed, len(req.all_token_ids)) // bs > req.num_cached_blocks:
             self.cache_computed_blocks(req)
-        for (w, k), same_window in self._window_groups:
+        for (w, c, k), same_window in self._local_sets:
             gbs = bs * k
-            last = max(0, computed - w + 1) // gbs - 1
+            last = read_start(computed, w, c) // gbs - 1
             if last < 0 or groups[same_window[0]][last] is None:
-                continue  # the common case: nothing left the window since the last step
+                continue  # the common case: nothing left the window (chunk) since the last step
             prompt_blocks = req.num_prompt_tokens // gbs  # blocks 0..prompt_blocks-1 hold only prompt
             gone: list[Block] = []
             generated: list[Block] = []
@@ -286,7 +341,7 @@ class KVCacheManager:
                 i = last
                 while i >= 0:
                     block = row[i]
-                    if block is None:  # a windowed row is [None] * k + blocks
+                    if block is None:  # a windowed (chunked) row is [None] * k + blocks
                         break
                     (gone if i < prompt_blocks else generated).append(block)
                     row[i] = None
@@ -324,7 +379,8 @@ class KVCacheManager:
                 # this call (start base blocks) were registered then.
                 for i in range(start // k, num_full // k):
                     block = row[i]
-                    if block is not None:  # None: a windowed group gave it back before it was cached
+                    # None: a windowed (chunked) group gave it back before it was cached
+                    if block is not None:
                         cache(block, self._key(hashes[i * k + k - 1], g))
         req.num_cached_blocks = num_full
 

@@ -1,6 +1,8 @@
 """KV cache groups: how layers of different attention kinds share one pool of blocks.
 
-A sliding-window layer of window W needs only its last W tokens; a full-attention layer needs them all.
+A sliding-window layer of window W needs only its last W tokens; a chunked-attention layer of chunk C
+(Llama 4: a query at p reads floor(p / C) * C .. p) only the tokens of its query's chunk; a
+full-attention layer needs them all. A group declares its kind (KVGroup: window or chunk, never both).
 Layers of one kind form KV cache groups of G layers each, and every request has one block table per
 group. All groups draw from ONE pool: a block id is owned by one group at a time, and the pool's memory
 is G physical tensors, each holding one layer of every group (vLLM's layout):
@@ -21,12 +23,17 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
 
 A block is one slot of B x tensor_elems[j] elements in each of the G tensors, the same bytes for every
 group (B tokens, or k x B for a group of block scale k, below), so usage, the pool plan and a block's
-bytes stay one number. A windowed group's blocks lying wholly before position
-num_computed - W + 1 are given back each step (kv_cache_manager.py). Layers that share another layer's
-KV (Gemma 4's last layers) own no cache: they read their source layer's tensor through its group.
+bytes stay one number. A windowed group's blocks lying wholly before position num_computed - W + 1
+are given back each step, a chunked group's those wholly before floor(num_computed / C) * C, the
+step's first query's chunk start (kv_cache_manager.py): a sequence then holds at most W (C) plus one
+step's tokens in such a group, in blocks (local_blocks). Layers that share another layer's KV (Gemma
+4's last layers) own no cache: they read their source layer's tensor through its group.
 Linear-attention layers (Qwen3.5's Gated DeltaNet) own no cache at all: they are in no group and
 no tensor (layer_tensor -1; their per-request state lives in runner/state_cache.py).
-A window at least max_model_len long never gives a block back, so such layers join the full groups.
+A window (chunk) at least max_model_len long never gives a block back, so such layers join the full
+groups. Llama-4-Scout (36 chunked layers of C = 8192, 12 global): groups of 12 layers, one full and three
+chunked; at 128K a sequence holds 8192 + 3 x 512 blocks of 16 tokens instead of 4 x 8192, and on an
+H200 with FP8 weights two such sequences fit the pool where none did (tests/test_budget.py).
 
 Layers of different cache shapes (Gemma 4: windowed layers 16 KV heads x 256, full layers 4 x 512,
 KV = K there) still share tensors: a tensor's block slot holds B x tensor_elems[j] elements for K and as
@@ -78,10 +85,52 @@ def _block_scale(ratios: list[int]) -> int:
     return k
 
 
+def read_start(pos: int, window: int | None, chunk: int | None) -> int:
+    """The first position a query at `pos` reads in a group of this window or attention chunk (at most
+    one of them set; neither: full attention, 0). Queries later in a step read from no earlier a
+    position: a step's first query bounds what the whole step reads."""
+    if window is not None:
+        return max(0, pos - window + 1)
+    if chunk is not None:
+        return pos // chunk * chunk
+    return 0
+
+
+def local_blocks(window: int | None, chunk: int | None, step: int, block_size: int) -> int | None:
+    """Most blocks of block_size tokens a sequence holds in a group of this window or attention chunk
+    while a step computes `step` of its tokens (None: full attention, its whole context): the positions
+    from the step's first query's read_start on. A window keeps the W - 1 before that query, in blocks
+    that may start mid-block; a chunk keeps up to C - 1, from a chunk start, which is a block boundary
+    when C is a multiple of block_size."""
+    if window is not None:
+        return cdiv(window - 1 + step, block_size) + 1
+    if chunk is not None:
+        return cdiv(chunk - 1 + step, block_size) + (chunk % block_size != 0)
+    return None
+
+
 @dataclass(frozen=True)
 class KVGroup:
-    window: int | None  # W of its layers; None: full attention
+    """One group's layers and their kind: full attention (window and chunk None), a sliding window of W
+    (window), or chunked attention of C (chunk: a query at p reads floor(p / C) * C .. p; Llama 4)."""
+
+    window: int | None  # W of its layers; None: no window
     layers: tuple[int, ...]  # the layers whose cache it holds (at most num_tensors of them)
+    chunk: int | None = None  # C of its layers; None: no attention chunk
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.chunk is not None:
+            raise ValueError(
+                f"a KV cache group has a window ({self.window}) or a chunk ({self.chunk}), not both"
+            )
+        for name, size in (("window", self.window), ("chunk", self.chunk)):
+            if size is not None and size < 1:
+                raise ValueError(f"a KV cache group's {name} must be >= 1, got {size}")
+
+    @property
+    def is_full(self) -> bool:
+        """Its layers read the whole context: it gives no block back."""
+        return self.window is None and self.chunk is None
 
 
 @dataclass(frozen=True)
@@ -147,27 +196,36 @@ class KVCacheLayout:
         return tuple(g.window for g in self.groups)
 
     @property
+    def chunks(self) -> tuple[int | None, ...]:
+        return tuple(g.chunk for g in self.groups)
+
+    @property
+    def gives_back(self) -> bool:
+        """Some group (a window or a chunk) gives blocks back before a sequence ends."""
+        return not all(g.is_full for g in self.groups)
+
+    @property
     def is_uniform(self) -> bool:
         """One group, no shared layers: every layer reads the step's one block table (the fast path)."""
         return self.num_groups == 1 and all(s == i for i, s in enumerate(self.layer_source))
 
     def blocks_per_sequence(self, num_tokens: int, chunk: int, block_size: int) -> int:
         """Most blocks one sequence of num_tokens holds at once, over all groups, with prefill chunks of
-        at most `chunk` tokens: a windowed group keeps the last W - 1 tokens plus the chunk being written."""
+        at most `chunk` tokens: a windowed group keeps the last W - 1 tokens plus the chunk being written,
+        a chunked group at most C - 1 plus that chunk (local_blocks)."""
         total = 0
         for g, k in zip(self.groups, self.block_scales, strict=True):
             bs = block_size * k
             full = cdiv(num_tokens, bs)
-            if g.window is None:
-                total += full
-            else:
-                total += min(full, cdiv(g.window - 1 + min(chunk, num_tokens), bs) + 1)
+            local = local_blocks(g.window, g.chunk, min(chunk, num_tokens), bs)
+            total += full if local is None else min(full, local)
         return total
 
     def blocks_for_sequences(self, num_seqs: int, num_tokens: int, chunk: int, block_size: int) -> int:
-        """Blocks num_seqs sequences of num_tokens hold at once: each its windows (or whole context),
-        plus one step's chunk of at most `chunk` tokens in the windowed groups (a step's tokens are
-        shared by all its sequences, so the chunk is paid once, not per sequence)."""
+        """Blocks num_seqs sequences of num_tokens hold at once: each its windows and attention chunks
+        (or whole context), plus one step's chunk of at most `chunk` tokens in the windowed and chunked
+        groups (a step's tokens are shared by all its sequences, so the chunk is paid once, not per
+        sequence)."""
         steady = self.blocks_per_sequence(num_tokens, 1, block_size)
         return num_seqs * steady + self.blocks_per_sequence(num_tokens, chunk, block_size) - steady
 
@@ -201,28 +259,32 @@ class KVCacheLayout:
         sources = tuple(arch.kv_source_layer(i) for i in range(n))
         shape = [layer_kv_shape(arch, i) for i in range(n)]
 
-        def window(i: int) -> int | None:
-            w = arch.layer_window(i)
-            return None if w is None or (max_model_len is not None and w >= max_model_len) else w
+        def bound(size: int | None) -> int | None:
+            # A window (chunk) at least max_model_len long never leaves a position behind: full attention.
+            return None if size is None or (max_model_len is not None and size >= max_model_len) else size
 
-        kinds: dict[int | None, list[int]] = {}
+        def kind(i: int) -> tuple[int | None, int | None]:
+            return bound(arch.layer_window(i)), bound(arch.layer_chunk(i))
+
+        kinds: dict[tuple[int | None, int | None], list[int]] = {}
         for i in range(n):
             if sources[i] == i:
-                kinds.setdefault(window(i), []).append(i)
+                kinds.setdefault(kind(i), []).append(i)
         size = min(len(v) for v in kinds.values())
-        order = sorted(kinds, key=lambda w: (w is not None, w or 0))
+        # full attention first, then windows, then chunks, each by size
+        order = sorted(kinds, key=lambda wc: (wc[1] is not None, wc[0] is not None, wc[0] or 0, wc[1] or 0))
         groups: list[KVGroup] = []
         group_of: dict[int, int] = {}
         tensor_of: dict[int, int] = {}
         slot = [0] * size
-        for kind in order:
-            layers = kinds[kind]
+        for window, chunk in order:
+            layers = kinds[window, chunk]
             for start in range(0, len(layers), size):
-                chunk = tuple(layers[start : start + size])
-                for j, layer in enumerate(chunk):
+                part = tuple(layers[start : start + size])
+                for j, layer in enumerate(part):
                     group_of[layer], tensor_of[layer] = len(groups), j
                     slot[j] = max(slot[j], _elems(shape[layer]))
-                groups.append(KVGroup(kind, chunk))
+                groups.append(KVGroup(window, part, chunk))
         return cls(
             tuple(groups),
             size,
@@ -263,7 +325,7 @@ class KVCacheLayout:
                 inner.layer_shapes[j],
             )
         return cls(
-            tuple(KVGroup(g.window, tuple(attn_layers[j] for j in g.layers)) for g in inner.groups),
+            tuple(KVGroup(g.window, tuple(attn_layers[j] for j in g.layers), g.chunk) for g in inner.groups),
             inner.num_tensors,
             tuple(group),
             tuple(tensor),

@@ -58,7 +58,7 @@ def plan_pool(
             "with more memory"
         )
     blocks = budget_bytes // block_bytes
-    if layout is None or layout.windows == (None,):
+    if layout is None or not layout.gives_back:
         cap = 2 * (-(-sched.max_num_seqs * sched.max_model_len // block_size))
     else:
         seqs, tokens, chunk = sched.max_num_seqs, sched.max_model_len, sched.max_num_batched_tokens

@@ -3,7 +3,7 @@ for the machine stops with a sentence saying what would fit instead of being kil
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
     weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 / int projections: quant/)
-    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed layers: only their window)
+    kv_bytes_per_sequence(...)       the KV one sequence holds (windowed, chunked layers: their window, chunk)
     layer_kv_shape(arch, i)          (KV heads, head size) of one layer's cache
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
@@ -81,15 +81,17 @@ def layer_kv_shape(arch: ModelArch, layer_idx: int) -> tuple[int, int]:
 def kv_bytes_per_sequence(arch: ModelArch, num_tokens: int, chunk: int, elem_bytes: int) -> int:
     """KV bytes one sequence of num_tokens holds at most, prefilled in chunks of at most `chunk` tokens:
     full-attention layers x num_tokens + windowed layers x min(num_tokens, W + chunk) (a window keeps
-    W - 1 tokens and the chunk being written); KV-shared layers hold none. Block rounding aside, this is
-    what the engine's pool gives the sequence (engine/kv_groups.py)."""
+    W - 1 tokens and the chunk being written) + chunked-attention layers x min(num_tokens, C + chunk)
+    (at most C - 1 tokens of the current attention chunk and the chunk being written); KV-shared layers
+    hold none. Block rounding aside, this is what the engine's pool gives the sequence
+    (engine/kv_groups.py)."""
     total, planes = 0, getattr(arch, "kv_planes", 2)
     for i in range(arch.num_hidden_layers):
         if arch.kv_source_layer(i) != i or arch.is_linear_layer(i):
             continue
-        window = arch.layer_window(i)
+        local = arch.layer_window(i) or arch.layer_chunk(i)  # a layer has at most one of them
         heads, dim = layer_kv_shape(arch, i)
-        total += (num_tokens if window is None else min(num_tokens, window + chunk)) * planes * heads * dim
+        total += (num_tokens if local is None else min(num_tokens, local + chunk)) * planes * heads * dim
     return total * elem_bytes
 
 

@@ -29,8 +29,10 @@ Checkpoints (both layouts, renamed before FP8 conversion and tensor-parallel sli
     ...experts.E.{gate,up,down}_proj.weight            per expert, as they are (per-expert conversions)
     vision_model.*, multi_modal_projector.*            skipped
 
-A chunked layer's KV cache keeps every block of a request (ModelArch.layer_chunk says why); its
-attention reads only the query's chunk.
+A chunked layer's attention reads only the query's chunk, and its KV cache holds only that: chunked
+layers form KV cache groups that give back each request's blocks wholly before its first query's chunk
+start (engine/kv_groups.py, engine/kv_cache_manager.py), so Scout's 36 chunked layers hold at most 8K
+tokens each and only its 12 global layers the whole context.
 """
 
 from __future__ import annotations

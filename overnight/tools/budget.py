@@ -7,7 +7,8 @@
 Prints max_num_seqs and max_num_batched_tokens for each mode on this device (the row of the defaults
 table that applies), the KV pool in tokens and GiB, and how many sequences of --seq-len fit in it.
 Sliding-window layers count as the engine holds them: only their window and the chunk being computed
-(engine/kv_groups.py), so a Gemma-3-shaped model fits several times the sequences at long contexts.
+(engine/kv_groups.py), so a Gemma-3-shaped model fits several times the sequences at long contexts;
+chunked-attention layers (Llama 4) likewise, only their current attention chunk and the chunk computed.
 The pool is sized as the engine sizes it: on the CPU a fixed budget; on a GPU gpu_memory_utilization
 of the total, less the memory others hold, the weights (from the architecture) and an estimate of the
 largest step's activations (the engine measures those at start-up).
@@ -86,6 +87,9 @@ class Budget:
     kv_layers: int  # layers holding a cache of their own (KV-shared layers hold none)
     windowed_layers: int  # of them, those with a sliding window (0: every one keeps the whole context)
     windows: tuple[int, ...]  # their windows, each once
+    # Of them, those with chunked attention (Llama 4), which keep only their current chunk; their chunks.
+    chunked_layers: int = 0
+    chunks: tuple[int, ...] = ()
     # Share of a full-attention block no layer uses: its layers' K/V smaller than the tensors' slots,
     # which the windowed layers' larger shape sets (Gemma 4; engine/kv_groups.py). 0: none.
     full_block_padding: float = 0.0
@@ -235,11 +239,13 @@ def plan_budget(
         kv_layers=cached_layers,
         windowed_layers=sum(len(g.layers) for g in layout.groups if g.window is not None),
         windows=tuple(sorted({g.window for g in layout.groups if g.window is not None})),
+        chunked_layers=sum(len(g.layers) for g in layout.groups if g.chunk is not None),
+        chunks=tuple(sorted({g.chunk for g in layout.groups if g.chunk is not None})),
         full_block_padding=max(
-            (layout.unused_share(i) for i, g in enumerate(layout.groups) if g.window is None), default=0.0
+            (layout.unused_share(i) for i, g in enumerate(layout.groups) if g.is_full), default=0.0
         ),
         full_block_scale=max(
-            (layout.block_scales[i] for i, g in enumerate(layout.groups) if g.window is None), default=1
+            (layout.block_scales[i] for i, g in enumerate(layout.groups) if g.is_full), default=1
         ),
         state_bytes_per_seq=states.bytes_per_seq,
         state_pool_bytes=states.total_bytes,
@@ -351,6 +357,13 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  sliding windows: {b.windowed_layers} of {b.kv_layers} layers keep only their last {windows} "
             f"tokens (+ the chunk being computed): a sequence of {b.seq_len} tokens holds "
             f"{b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
+        )
+    if b.chunked_layers:
+        chunks = ", ".join(str(c) for c in b.chunks)
+        lines.append(
+            f"  chunked attention: {b.chunked_layers} of {b.kv_layers} layers keep only the current "
+            f"attention chunk of {chunks} tokens (+ the chunk being computed): a sequence of {b.seq_len} "
+            f"tokens holds {b.seq_kv_bytes / 2**20:.1f} MiB, not {b.seq_len * b.kv_bytes_per_token / 2**20:.1f}"
         )
     if b.full_block_scale > 1:
         lines.append(
