@@ -28,10 +28,11 @@ SPECIALS = [
     "<|tile_x_separator|>",
     "<|tile_y_separator|>",
 ]
+ROLES = ["system", "user", "assistant"]  # in the vocabulary: an <unk> (id 0) would be HF generate's padding
 VOCAB = 256
-TOKENS = SPECIALS + [f"w{i}" for i in range(len(SPECIALS), VOCAB)]
+TOKENS = SPECIALS + ROLES + [f"w{i}" for i in range(len(SPECIALS) + len(ROLES), VOCAB)]
 IDS = {t: i for i, t in enumerate(TOKENS)}
-WORDS = TOKENS[len(SPECIALS) :]
+WORDS = TOKENS[len(SPECIALS) + len(ROLES) :]
 PATCH, TILE, MAX_TILES = 4, 16, 4
 PER_TILE = (TILE // PATCH // 2) ** 2  # 4
 CHAT_TEMPLATE = (
@@ -39,7 +40,7 @@ CHAT_TEMPLATE = (
     "{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}<|image|> {% elif p['type'] == 'text' %}{{ p['text'] }} {% endif %}"
     "{% endfor %}{% endif %}<|eot|> {% endfor %}"
-    "{% if add_generation_prompt %}<|header_start|> w20 <|header_end|> {% endif %}"
+    "{% if add_generation_prompt %}<|header_start|> assistant <|header_end|> {% endif %}"
 )
 TEXT: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
