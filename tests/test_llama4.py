@@ -8,8 +8,9 @@ q/k norm and the temperature tuning off.
 
 Checked: greedy tokens identical to transformers' in fp32 through one engine run with prompts of up to
 four chunks, 16-token prefill chunks (chunk edges inside them) and prefix-cache hits; a
-Llama4ForConditionalGeneration checkpoint loaded text-only (its vision tower's tensors skipped) against
-transformers' own ConditionalGeneration model, and image prompts refused by name; the chat template
+Llama4ForConditionalGeneration checkpoint (its tower loaded too) and the same run text-only
+(limit_mm_per_prompt image 0: the tower's tensors skipped) against transformers' own
+ConditionalGeneration model on text prompts (images: test_llama4_vision.py); the chat template
 through the tokenizer; the config reader's layer kinds and MoE layers and its refusals; the Scout preset's
 published size. The chunked attention itself is checked against a dense loop and the kernels in
 tests/test_kernels_attention_chunk.py.
@@ -73,7 +74,7 @@ def make_llama4_checkpoint(folder: Path, conditional: bool = False, seed: int = 
     torch.manual_seed(seed)
     if conditional:
         vision = transformers.Llama4VisionConfig(
-            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, image_size=28,
             patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
         )  # fmt: skip
         model = transformers.Llama4ForConditionalGeneration(
@@ -183,29 +184,29 @@ def test_chat_template_through_the_tokenizer(variant):
     assert list(out.outputs[0].token_ids) == hf_greedy(load_reference(folder), ids, NEW_TOKENS)[0]
 
 
-def test_conditional_generation_runs_text_only(tmp_path, caplog):
-    """A Llama4ForConditionalGeneration checkpoint: the text model loads (the vision tower's and the
-    projector's tensors skipped, with one log line), tokens equal transformers' ConditionalGeneration
-    model's on text prompts, and a prompt with an image is refused by name."""
+def test_conditional_generation_text_prompts(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint: with its tower and text-only (limit_mm_per_prompt
+    image 0: the tower's tensors skipped), tokens equal transformers' ConditionalGeneration model's on
+    text prompts; text-only refuses a prompt with an image, naming the limit."""
     folder = make_llama4_checkpoint(tmp_path / "l4v", conditional=True, seed=3)
     source = resolve_source(str(folder))
-    assert source.arch.architecture == "llama4" and source.arch.vision is None
-    with caplog.at_level("INFO"):
-        llm = LLM(str(folder), **ENGINE)
-    assert any("images are not supported for Llama 4 yet" in r.getMessage() for r in caplog.records)
+    assert source.arch.architecture == "llama4" and source.arch.vision is not None
     ref = load_reference(folder, conditional=True)
     prompts = _waves()[0]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, NEW_TOKENS)[0]
+    for limit in (None, {"image": 0}):
+        llm = LLM(str(folder), limit_mm_per_prompt=limit, **ENGINE)
+        assert llm.engine.runner.model.takes_images is (limit is None)  # type: ignore[attr-defined]
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, NEW_TOKENS)[0]
     image = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": "https://example.com/cat.png"}}
-    with pytest.raises(InvalidRequestError, match="images are not supported for Llama 4 yet"):
+    with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt image 0"):
         llm.generate([image], params, use_tqdm=False)
 
 
 def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
-    """run-batch (the OpenAI-format path): a chat line with an image_url part fails with the Llama 4
-    reason, the text line beside it runs."""
+    """run-batch (the OpenAI-format path) on the text model (Llama4ForCausalLM): a chat line with an
+    image_url part fails saying the model takes no images, the text line beside it runs."""
     from overnight.cli import main
     from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
     from tests.tiny_vl import cpu_flags, data_uri, image
@@ -222,7 +223,7 @@ def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
     records = {r["custom_id"]: r for r in read_jsonl(out)}
     assert records["text"]["error"] is None and records["text"]["response"]["status_code"] == 200
     assert records["image"]["response"]["status_code"] == 400
-    assert "images are not supported for Llama 4 yet" in records["image"]["error"]["message"]
+    assert "does not take images" in records["image"]["error"]["message"]
 
 
 def test_rope_tables_cover_max_model_len(top1_folder):

@@ -162,7 +162,9 @@ def test_tower_on_several_images_matches_transformers(setup):
     with torch.inference_mode():
         got = model.embed_images(pixels, [g for _, g, _ in ours]).embeds
         tiles = pixels.view(-1, 3, TILE, TILE)
-        feats = ref.model.get_image_features(tiles, vision_feature_select_strategy="default").last_hidden_state
+        feats = ref.model.get_image_features(
+            tiles, vision_feature_select_strategy="default"
+        ).last_hidden_state
         want = ref.model.multi_modal_projector(feats.flatten(0, 1))
     span = [t for _, g, _ in ours for t in Llama4Prompt(model.arch.vision, folder).span(g)]
     assert got.shape[0] == len(span) == sum(model.arch.vision.num_tokens(g) for _, g, _ in ours)
@@ -294,7 +296,9 @@ def test_online_fp8_keeps_the_tower_float(setup):
         if n.startswith(("vision_model.", "multi_modal_projector.")) and isinstance(m, torch.nn.Linear)
     }
     assert len(tower) == 2 * 6 + 2 + 1 + 1  # 2 blocks of q, k, v, o, fc1, fc2; unfold; adapter x 2; projector
-    assert all(type(m) is torch.nn.Linear and torch.equal(m.weight, whole[n].weight) for n, m in tower.items())
+    assert all(
+        type(m) is torch.nn.Linear and torch.equal(m.weight, whole[n].weight) for n, m in tower.items()
+    )
 
 
 @pytest.mark.slow

@@ -50,7 +50,7 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
             self.vision_model = Llama4VisionModel(arch.vision)
             self.multi_modal_projector = Llama4MultiModalProjector(arch.vision)
 
-    def forward(  # type: ignore[override]
+    def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
