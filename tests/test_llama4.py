@@ -279,7 +279,8 @@ def test_config_reader_and_refusals():
 
 def test_scout_preset_has_the_published_shape():
     """Llama-4-Scout-17B-16E's text model: 48 layers, every one MoE (16 experts + a shared one), every
-    fourth a global NoPE layer, chunks of 8192; 107.8B weights (109B with the vision tower)."""
+    fourth a global NoPE layer, chunks of 8192; 107.8B weights, 108.6B with the vision tower (34 blocks
+    of width 1408 on 336-pixel tiles, 144 tokens a tile)."""
     source = resolve_source("llama-4-scout-17b-16e", load_format="dummy")
     arch = source.arch
     assert (arch.num_hidden_layers, arch.hidden_size, arch.num_experts, arch.num_experts_per_tok) == (
@@ -295,14 +296,17 @@ def test_scout_preset_has_the_published_shape():
     }  # fmt: skip
     model = build_model(source, torch.bfloat16, "meta")
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
-    assert arch.num_parameters() / 1e9 == pytest.approx(107.8, abs=0.1)
+    vision = arch.vision
+    assert vision is not None and vision.num_tokens((1, 24, 24)) == 1 + 144
+    assert (arch.num_parameters() - vision.num_parameters()) / 1e9 == pytest.approx(107.8, abs=0.1)
+    assert arch.num_parameters() / 1e9 == pytest.approx(108.6, abs=0.1)
     # 17B active: a token's experts (one routed, the shared one), attention and the embedding tables
     active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
     assert active / 1e9 == pytest.approx(17.2, abs=0.1)
     TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
     # Dummy weights of the same shape, scaled down: they load and run
     small = replace(
-        arch, num_hidden_layers=4, vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        arch, vision=None, num_hidden_layers=4, vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         num_experts=4, max_position_embeddings=64, attention_chunk_size=8,
     )  # fmt: skip
