@@ -7,8 +7,8 @@ LLM.chat with image_url data: URIs; a prefix-cache hit on the same image and non
 different one; the tower over several images' tiles in one call against transformers' image features;
 the tiles against transformers' Llama4ImageProcessor (where torchvision, its backend, is installed) and
 the canvas choice on hand-worked sizes; the config reader and its refusals; the parameter count and the
-start-up encoder run; tensor-parallel shards (the tower whole on each rank); online FP8 with the tower
-float; and, slow, run-batch lines and the server. Text-only mode is in test_text_only_images.py."""
+start-up encoder run; tensor-parallel shards (the tower whole on each rank) and, slow, TP=2 generation;
+online FP8 with the tower float; and, slow, run-batch lines and the server. Text-only mode is in test_text_only_images.py."""
 
 from __future__ import annotations
 
@@ -278,6 +278,29 @@ def test_tensor_parallel_replicates_the_tower(setup):
         assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
         qkv = "model.layers.0.self_attn.qkv_proj.weight"
         assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_generation_with_images(setup):
+    from tests.tp_helpers import generate_split
+
+    folder, llm, ref = setup
+    cases = CASES[:3]
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = generate_split(
+        folder,
+        prompts,
+        PARAMS,
+        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=BUDGET,
+    )
+    for (text, imgs), out in zip(cases, outs):
+        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
 
 
 def test_online_fp8_keeps_the_tower_float(setup):
