@@ -88,6 +88,7 @@ def test_generate_with_images_token_exact(setup):
     start = ids.index(START)
     assert ids[start : start + PER_TILE + 3] == [START, IMG] + [PATCH] * PER_TILE + [END]
     ids = outs[1].prompt_token_ids  # a 1 x 3 canvas, then a 3 x 1 one
+    assert ids.index(START) < BUDGET < ids.index(END)  # the first prefill chunk ends inside the image
     first = ids[ids.index(START) + 1 : ids.index(END)]
     tile = [PATCH] * PER_TILE
     assert first == tile + [XSEP] + tile + [XSEP] + tile + [YSEP] + [IMG] + tile
