@@ -240,6 +240,34 @@ def test_config_reading_and_refusals(setup):
             arch_from_hf_config({**cfg, "vision_config": {**cfg["vision_config"], field: value}})
 
 
+def test_checkpoint_layouts():
+    """The published layout (vision_model.*, language_model.model.*) and a model.-prefixed one name the
+    same modules; built text-only the tower's tensors are dropped."""
+    from overnight.models.llama4 import llama4_names
+
+    t = torch.zeros(1)
+    names = [
+        "vision_model.model.layers.0.mlp.fc1.weight",
+        "model.vision_model.patch_embedding.linear.weight",
+        "model.multi_modal_projector.linear_1.weight",
+        "language_model.model.layers.0.feed_forward.router.weight",
+        "model.language_model.layers.0.self_attn.q_proj.weight",
+        "language_model.lm_head.weight",
+    ]
+    text = [
+        "model.layers.0.mlp.router.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "lm_head.weight",
+    ]
+    tower = [
+        "vision_model.model.layers.0.mlp.fc1.weight",
+        "vision_model.patch_embedding.linear.weight",
+        "multi_modal_projector.linear_1.weight",
+    ]
+    assert [n for n, _ in llama4_names([(n, t) for n in names], keep_tower=True)] == tower + text
+    assert [n for n, _ in llama4_names([(n, t) for n in names])] == text
+
+
 def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower, adapter and projector included; the start-up memory run encodes the image of most tiles."""
