@@ -29,7 +29,12 @@ class VisionArch:
     closed by [IMG_BREAK], the last by [IMG_END]) or "internvl" (InternVL 3 / 3.5: InternViT over
     image_size tiles of an image (the processor's crop_to_patches plus a thumbnail), pixel shuffle by
     spatial_merge_size = 1 / downsample_ratio and an MLP projector; the grid is (tiles, patches per tile
-    side, patches per tile side); vision_start / vision_end are <img> / </img>)."""
+    side, patches per tile side); vision_start / vision_end are <img> / </img>) or "llama4" (Llama 4:
+    its ViT over image_size tiles of an image (a canvas of at most max_patches tiles, plus the whole
+    image as one more past one tile), pixel shuffle by spatial_merge_size = 1 / pixel_shuffle_ratio, an
+    adapter MLP of projector_hidden_size and a linear projector; the grid is (tiles, patch rows of the
+    canvas, patch columns of the canvas); vision_start / vision_end are <|image_start|> /
+    <|image_end|>, image_token_id is <|patch|>)."""
 
     kind: str
     depth: int
@@ -66,6 +71,7 @@ class VisionArch:
     attention_bias: bool = False
     final_norm: bool = False
     position_embeddings: bool = True
+    projector_hidden_size: int = 0  # Llama 4: the adapter MLP's width (projector_input / output_dim)
 
     @property
     def bidirectional_images(self) -> bool:
@@ -75,6 +81,12 @@ class VisionArch:
     def num_parameters(self) -> int:
         """The tower's parameters (models/vision/qwen_vit.py, siglip.py), for the memory check."""
         h, i, out = self.hidden_size, self.intermediate_size, self.out_hidden_size
+        if self.kind == "llama4":  # unfold linear, cls + positions, LN pre / post, blocks, adapter, projector
+            tokens = (self.image_size // self.patch_size) ** 2 + 1
+            embed = self.in_channels * self.patch_size**2 * h + h + tokens * h + 4 * h
+            block = 4 * h + 4 * (h * h + h) + 2 * h * i + i + h
+            a = self.projector_hidden_size
+            return embed + self.depth * block + h * self.spatial_merge_size**2 * a + a * a + a * out
         if self.kind == "internvl":  # cls + conv + positions, blocks, final norm, LN + two linears
             norm = 2 * h if self.norm_type == "layer_norm" else h
             tokens = (self.image_size // self.patch_size) ** 2 + 1
@@ -113,11 +125,17 @@ class VisionArch:
 
     def num_tokens(self, grid_thw: tuple[int, int, int]) -> int:
         """Image tokens in the prompt for a patch grid (t, h, w): patches merged merge x merge (Mistral 3:
-        and a [IMG_BREAK] / [IMG_END] after each row of them; InternVL: t is the image's tile count)."""
+        and a [IMG_BREAK] / [IMG_END] after each row of them; InternVL: t is the image's tile count;
+        Llama 4: every tile's tokens and the separator after each, then <|image|> and the whole image's
+        tokens, multimodal/llama4_prompt.py)."""
         t, h, w = grid_thw
         m = self.spatial_merge_size
         if self.kind == "pixtral":
             return (h // m) * (w // m + 1)
+        if self.kind == "llama4":
+            side = self.image_size // self.patch_size
+            per_tile, local = (side // m) ** 2, (h // side) * (w // side)
+            return (local * (per_tile + 1) if local > 1 else 0) + 1 + per_tile
         return t * h * w // (m**2)
 
 

@@ -9,8 +9,9 @@ q/k norm and the temperature tuning off.
 Checked: greedy tokens identical to transformers' in fp32 through one engine run with prompts of up to
 four chunks, 16-token prefill chunks (chunk edges inside them) and prefix-cache hits, and again in a
 pool of 40 blocks that fits only because the chunked layers give blocks back; a
-Llama4ForConditionalGeneration checkpoint loaded text-only (its vision tower's tensors skipped) against
-transformers' own ConditionalGeneration model, and image prompts refused by name; the chat template
+Llama4ForConditionalGeneration checkpoint (its tower loaded too) and the same run text-only
+(limit_mm_per_prompt image 0: the tower's tensors skipped) against transformers' own
+ConditionalGeneration model on text prompts (images: test_llama4_vision.py); the chat template
 through the tokenizer; the config reader's layer kinds and MoE layers and its refusals; the Scout preset's
 published size. The chunked attention itself is checked against a dense loop and the kernels in
 tests/test_kernels_attention_chunk.py.
@@ -74,7 +75,7 @@ def make_llama4_checkpoint(folder: Path, conditional: bool = False, seed: int = 
     torch.manual_seed(seed)
     if conditional:
         vision = transformers.Llama4VisionConfig(
-            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+            hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128, image_size=28,
             patch_size=14, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
         )  # fmt: skip
         model = transformers.Llama4ForConditionalGeneration(
@@ -230,29 +231,29 @@ def test_chat_template_through_the_tokenizer(variant):
     assert list(out.outputs[0].token_ids) == hf_greedy(load_reference(folder), ids, NEW_TOKENS)[0]
 
 
-def test_conditional_generation_runs_text_only(tmp_path, caplog):
-    """A Llama4ForConditionalGeneration checkpoint: the text model loads (the vision tower's and the
-    projector's tensors skipped, with one log line), tokens equal transformers' ConditionalGeneration
-    model's on text prompts, and a prompt with an image is refused by name."""
+def test_conditional_generation_text_prompts(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint: with its tower and text-only (limit_mm_per_prompt
+    image 0: the tower's tensors skipped), tokens equal transformers' ConditionalGeneration model's on
+    text prompts; text-only refuses a prompt with an image, naming the limit."""
     folder = make_llama4_checkpoint(tmp_path / "l4v", conditional=True, seed=3)
     source = resolve_source(str(folder))
-    assert source.arch.architecture == "llama4" and source.arch.vision is None
-    with caplog.at_level("INFO"):
-        llm = LLM(str(folder), **ENGINE)
-    assert any("images are not supported for Llama 4 yet" in r.getMessage() for r in caplog.records)
+    assert source.arch.architecture == "llama4" and source.arch.vision is not None
     ref = load_reference(folder, conditional=True)
     prompts = _waves()[0]
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, NEW_TOKENS)[0]
+    for limit in (None, {"image": 0}):
+        llm = LLM(str(folder), limit_mm_per_prompt=limit, **ENGINE)
+        assert llm.engine.runner.model.takes_images is (limit is None)  # type: ignore[attr-defined]
+        for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+            assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, NEW_TOKENS)[0]
     image = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": "https://example.com/cat.png"}}
-    with pytest.raises(InvalidRequestError, match="images are not supported for Llama 4 yet"):
+    with pytest.raises(InvalidRequestError, match="limit_mm_per_prompt image 0"):
         llm.generate([image], params, use_tqdm=False)
 
 
 def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
-    """run-batch (the OpenAI-format path): a chat line with an image_url part fails with the Llama 4
-    reason, the text line beside it runs."""
+    """run-batch (the OpenAI-format path) on the text model (Llama4ForCausalLM): a chat line with an
+    image_url part fails saying the model takes no images, the text line beside it runs."""
     from overnight.cli import main
     from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
     from tests.tiny_vl import cpu_flags, data_uri, image
@@ -269,7 +270,7 @@ def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
     records = {r["custom_id"]: r for r in read_jsonl(out)}
     assert records["text"]["error"] is None and records["text"]["response"]["status_code"] == 200
     assert records["image"]["response"]["status_code"] == 400
-    assert "images are not supported for Llama 4 yet" in records["image"]["error"]["message"]
+    assert "does not take images" in records["image"]["error"]["message"]
 
 
 def test_rope_tables_cover_max_model_len(top1_folder):
@@ -325,7 +326,8 @@ def test_config_reader_and_refusals():
 
 def test_scout_preset_has_the_published_shape():
     """Llama-4-Scout-17B-16E's text model: 48 layers, every one MoE (16 experts + a shared one), every
-    fourth a global NoPE layer, chunks of 8192; 107.8B weights (109B with the vision tower)."""
+    fourth a global NoPE layer, chunks of 8192; 107.8B weights, 108.6B with the vision tower (34 blocks
+    of width 1408 on 336-pixel tiles, 144 tokens a tile)."""
     source = resolve_source("llama-4-scout-17b-16e", load_format="dummy")
     arch = source.arch
     assert (arch.num_hidden_layers, arch.hidden_size, arch.num_experts, arch.num_experts_per_tok) == (
@@ -341,14 +343,17 @@ def test_scout_preset_has_the_published_shape():
     }  # fmt: skip
     model = build_model(source, torch.bfloat16, "meta")
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
-    assert arch.num_parameters() / 1e9 == pytest.approx(107.8, abs=0.1)
+    vision = arch.vision
+    assert vision is not None and vision.num_tokens((1, 24, 24)) == 1 + 144
+    assert (arch.num_parameters() - vision.num_parameters()) / 1e9 == pytest.approx(107.8, abs=0.1)
+    assert arch.num_parameters() / 1e9 == pytest.approx(108.6, abs=0.1)
     # 17B active: a token's experts (one routed, the shared one), attention and the embedding tables
     active = arch.num_linear_parameters(active_only=True) + 2 * arch.vocab_size * arch.hidden_size
     assert active / 1e9 == pytest.approx(17.2, abs=0.1)
     TPShards(arch, 0, 8).check()  # 40 q heads, 8 KV heads, 8192 / 16384 wide MLPs: all split 8 ways
     # Dummy weights of the same shape, scaled down: they load and run
     small = replace(
-        arch, num_hidden_layers=4, vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+        arch, vision=None, num_hidden_layers=4, vocab_size=272, hidden_size=64, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         num_experts=4, max_position_embeddings=64, attention_chunk_size=8,
     )  # fmt: skip

@@ -1,6 +1,5 @@
 """Llama 4 (Scout 17B-16E, Maverick 17B-128E) text generation: Llama4ForCausalLM checkpoints and the text
-model of Llama4ForConditionalGeneration ones (the vision tower is not implemented: its tensors are
-skipped at load and image prompts refused).
+model of Llama4ForConditionalGeneration ones (with images: models/llama4_vl.py, which adds the tower).
 
 Attention, norms and the layer wiring are the dense decoder's (models/llama.py), driven by ModelArch
 fields (models/llama4_config.py): RoPE in interleaved pairs with llama3 scaling, and per layer either
@@ -27,7 +26,9 @@ Checkpoints (both layouts, renamed before FP8 conversion and tensor-parallel sli
     ...experts.gate_up_proj [E, H, 2I] (gate | up)     -> [E, 2I, H] (transposed views, layers/moe.py's layout)
     ...experts.down_proj    [E, I, H]                  -> [E, H, I]
     ...experts.E.{gate,up,down}_proj.weight            per expert, as they are (per-expert conversions)
-    vision_model.*, multi_modal_projector.*            skipped
+    [model.]vision_model.*, [model.]multi_modal_projector.*
+                                                       vision_model.*, multi_modal_projector.* with the
+                                                       tower (models/llama4_vl.py), else skipped
 
 A chunked layer's attention reads only the query's chunk, and its KV cache holds only that: chunked
 layers form KV cache groups that give back each request's blocks wholly before its first query's chunk
@@ -137,12 +138,18 @@ class Llama4ForCausalLM(nn.Module):
         load_packed_weights(self, weights)
 
 
-def llama4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Either layout's tensors under the names and layouts of the model above (module docstring)."""
+def llama4_names(
+    weights: Iterable[tuple[str, torch.Tensor]], keep_tower: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Either layout's tensors under the names and layouts of the model above (module docstring); the
+    vision tower's and projector's kept (keep_tower) or skipped."""
     skipped = 0
     for name, tensor in weights:
         if name.startswith(_VISION_PREFIXES):
-            skipped += 1
+            if keep_tower:
+                yield name.removeprefix("model."), tensor
+            else:
+                skipped += 1
             continue
         for old, new in _TEXT_PREFIXES:
             if name.startswith(old):
@@ -153,8 +160,4 @@ def llama4_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
             tensor = tensor.transpose(1, 2)  # [E, in, out] -> [E, out, in]
         yield name, tensor
     if skipped:
-        logger.info(
-            "skipped %d vision tensors of the checkpoint: images are not supported for Llama 4 yet, its "
-            "text model runs",
-            skipped,
-        )
+        logger.info("skipped %d vision tensors of the checkpoint: its text model runs", skipped)

@@ -9,17 +9,19 @@ transformers' Llama4TextConfig reads it (its defaults are the published models')
 
 MoE layers: moe_layers, else every interleave_moe_layer_step-th layer (HF's rule, is_moe_layer's with
 decoder_sparse_step); their experts are of `intermediate_size`, the shared expert too, and the dense
-layers' MLPs of `intermediate_size_mlp`. The vision tower is not implemented: a ConditionalGeneration
-checkpoint runs its text model (models/llama4.py skips the tower's tensors; image prompts are refused).
+layers' MLPs of `intermediate_size_mlp`. A ConditionalGeneration checkpoint with a vision_config also
+gets its vision tower (VisionArch kind "llama4", models/vision/config.py; models/llama4_vl.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.hf_config import checked_rope, rope_params
+from overnight.models.vision.config import llama4_vision_arch
 
 LAYER_KINDS = ("full_attention", "chunked_attention")
 
@@ -31,9 +33,12 @@ def llama4_arch(cfg: dict[str, Any]) -> ModelArch:
         raise ModelLoadError("config.json lacks required field 'text_config'")
     tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
     try:
-        return checked_rope(ModelArch(**_fields(text), tie_word_embeddings=bool(tie)))
+        arch = checked_rope(ModelArch(**_fields(text), tie_word_embeddings=bool(tie)))
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+    if "text_config" in cfg and isinstance(cfg.get("vision_config"), dict):
+        return replace(arch, vision=llama4_vision_arch(cfg, arch.hidden_size))
+    return arch
 
 
 def _fields(text: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from overnight.models.internvl import InternVLForConditionalGeneration, InternVL
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.llama4 import Llama4ForCausalLM
 from overnight.models.llama4_config import llama4_arch
+from overnight.models.llama4_vl import Llama4ForConditionalGeneration
 from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
@@ -78,7 +79,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
     # Llama 4: chunked local attention, NoPE layers, input-scaled MoE (models/llama4.py); the text model
-    # of either checkpoint (llama4: a ConditionalGeneration checkpoint, its vision tower skipped)
+    # of either checkpoint (llama4: a ConditionalGeneration checkpoint; with its vision_config the
+    # tower too, models/llama4_vl.py, model_class_for)
     "llama4": Llama4ForCausalLM,
     "llama4_text": Llama4ForCausalLM,
     # Multi-head latent attention (models/deepseek.py)
@@ -198,6 +200,8 @@ def model_class_for(arch: ModelArch) -> type[nn.Module]:
         return Gemma3ForConditionalGeneration
     if arch.vision is not None and arch.vision.kind == "pixtral":
         return Mistral3VLForConditionalGeneration
+    if arch.vision is not None and arch.vision.kind == "llama4":
+        return Llama4ForConditionalGeneration
     if arch.vision is not None and arch.vision.kind == "internvl" and arch.num_experts:
         return InternVLMoeForConditionalGeneration
     if arch.vision is not None and arch.architecture in _WITH_IMAGES:

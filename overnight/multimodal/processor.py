@@ -11,8 +11,9 @@ merged patches. The expansion and the M-RoPE positions here are the Qwen familie
 count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
 gemma_prompt.py and Mistral 3's (rows of [IMG] tokens closed by [IMG_BREAK] / [IMG_END],
 PixtralImageProcessorPil's pixels) in pixtral_prompt.py and InternVL's (<img>, the tiles' <IMG_CONTEXT>
-tokens, </img>; GotOcr2ImageProcessorPil's tiles) in internvl_prompt.py, chosen by VisionArch.kind; each
-returns the same MultiModalInputs.
+tokens, </img>; GotOcr2ImageProcessorPil's tiles) in internvl_prompt.py and Llama 4's (<|image|> becomes
+its tiles' <|patch|> tokens between separators; Llama4ImageProcessor's tiles) in llama4_prompt.py,
+chosen by VisionArch.kind; each returns the same MultiModalInputs.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs
 from overnight.multimodal.internvl_prompt import InternVLPrompt, internvl_image_processor
+from overnight.multimodal.llama4_prompt import Llama4Prompt, llama4_image_processor
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
 from overnight.multimodal.pixtral_prompt import PixtralPrompt, pixtral_image_processor
 from overnight.multimodal.qwen_pixels import qwen_image_processor
@@ -63,7 +65,9 @@ class ImageProcessor:
         self.gemma: GemmaPrompt | None = None
         self.pixtral: PixtralPrompt | None = None
         self.internvl: InternVLPrompt | None = None
+        self.llama4: Llama4Prompt | None = None
         self.hf_kwargs: dict[str, Any] = {}
+        self.hf: Any
         if vision.kind == "gemma3":
             self.hf = gemma3_image_processor(vision, model_path)
             self.gemma = GemmaPrompt(vision, tokenizer_path or model_path)
@@ -75,6 +79,9 @@ class ImageProcessor:
             self.hf = internvl_image_processor(vision, model_path)
             self.internvl = InternVLPrompt(vision, tokenizer_path or model_path)
             self.hf_kwargs = self.internvl.hf_kwargs
+        elif vision.kind == "llama4":
+            self.hf = llama4_image_processor(vision, model_path)
+            self.llama4 = Llama4Prompt(vision, tokenizer_path or model_path)
         else:
             self.hf = qwen_image_processor(vision, model_path)
         # Images of one prompt go to `pool`; whole prompts (each waiting on its images) to `prompt_pool`,
@@ -97,6 +104,8 @@ class ImageProcessor:
             pixels, (t, h, w) = self.pixtral.patch_rows(out["pixel_values"])
         elif self.internvl is not None:  # [tiles, C, S, S] -> a row per tile; grid (tiles, S / p, S / p)
             pixels, (t, h, w) = self.internvl.tile_rows(out["pixel_values"])
+        elif self.llama4 is not None:  # [tiles, C, S, S] -> a row per tile; grid (tiles, canvas patches)
+            pixels, (t, h, w) = self.llama4.tile_rows(out)
         elif self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
             pixels = out["pixel_values"].float().flatten(1).contiguous()
             t, h, w = self.gemma.grid(out["pixel_values"].shape)
@@ -121,6 +130,9 @@ class ImageProcessor:
             )
         gemma = self.gemma
         pad = self.vision.image_token_id if gemma is None else gemma.boi
+        if self.llama4 is not None:
+            self.llama4.check_tokens()
+            pad = self.llama4.placeholder
         slots = [i for i, t in enumerate(token_ids) if t == pad]
         if len(slots) != len(images):
             name = (
@@ -130,6 +142,8 @@ class ImageProcessor:
                 if self.pixtral
                 else "<IMG_CONTEXT>"
                 if self.internvl
+                else "<|image|>"
+                if self.llama4
                 else "<|image_pad|>"
             )
             raise InvalidRequestError(
@@ -149,6 +163,8 @@ class ImageProcessor:
             return self.pixtral.expand(token_ids, slots, processed)
         if self.internvl is not None:
             return self.internvl.expand(token_ids, slots, processed)
+        if self.llama4 is not None:
+            return self.llama4.expand(token_ids, slots, processed)
         return expand_placeholders(token_ids, slots, processed, self.vision)
 
     def _future(self, source: Any) -> Future[Pixels]:
@@ -227,10 +243,8 @@ def expand_placeholders(
 
 
 # Image models whose vision towers overnight does not implement yet: their text model runs (the tower's
-# tensors are skipped at load) and a prompt with images is refused with this reason.
-IMAGES_NOT_YET = {
-    "llama4": "images are not supported for Llama 4 yet: overnight runs its text model only",
-}
+# tensors are skipped at load) and a prompt with images is refused with this reason (none now).
+IMAGES_NOT_YET: dict[str, str] = {}
 NO_IMAGES = "this model does not take images"
 
 

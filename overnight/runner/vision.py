@@ -195,6 +195,14 @@ class VisionStep:
             pixels = torch.zeros(n * tiles, vision.in_channels * size * size, device=self.device)
             self.model.embed_images(pixels, [(tiles, side, side)] * n)
             return
+        if vision.kind == "llama4":  # the image of the most tiles, as many as one step's budget holds
+            from overnight.multimodal.llama4_prompt import largest_grid
+
+            grid = largest_grid(model_path, vision)
+            n = max(1, self.max_tokens // vision.num_tokens(grid))
+            pixels = torch.zeros(n * grid[0], vision.in_channels * vision.image_size**2, device=self.device)
+            self.model.embed_images(pixels, [grid] * n)
+            return
         max_pixels = 28 * 28 * 1280  # the HF processor's default
         path = os.path.join(model_path, "preprocessor_config.json") if model_path else None
         if path and os.path.isfile(path):

@@ -243,3 +243,77 @@ def internvl_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
         if act not in ("gelu", "silu", "gelu_pytorch_tanh"):
             raise ModelLoadError(f"unsupported {name} {act!r} (gelu, silu or gelu_pytorch_tanh)")
     return arch
+
+
+def llama4_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
+    """Llama 4's ViT (vision_config), its pixel-shuffle adapter and projector. The adapter's MLP reads
+    the shuffled patches at the tower's intermediate_size and keeps one width (projector_input_dim =
+    projector_output_dim = vision_output_dim, as every published checkpoint has them), which is what
+    transformers' modules can load. <|patch|> is image_token_index; <|image_start|> / <|image_end|> are
+    boi / eoi; the tile separators and <|image|> are the tokenizer's (multimodal/llama4_prompt.py)."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    params: dict[str, Any] = v.get("rope_parameters") or {}
+    ratio = float(v.get("pixel_shuffle_ratio", 0.5))
+    try:
+        hidden, heads = int(v.get("hidden_size", 768)), int(v.get("num_attention_heads", 16))
+        image_size, patch = (
+            _side(v.get("image_size", 448), "image_size"),
+            _side(v.get("patch_size", 14), "patch_size"),
+        )
+        merge = round(1 / ratio) if ratio > 0 else 0
+        widths = {k: int(v.get(k, 4096)) for k in ("projector_input_dim", "projector_output_dim")}
+        widths["vision_output_dim"] = int(v.get("vision_output_dim", 7680))
+        arch = VisionArch(
+            kind="llama4",
+            depth=int(v.get("num_hidden_layers", 34)),
+            hidden_size=hidden,
+            intermediate_size=int(v.get("intermediate_size", 5632)),
+            num_heads=heads,
+            out_hidden_size=text_hidden,
+            patch_size=patch,
+            temporal_patch_size=1,
+            spatial_merge_size=merge,
+            in_channels=int(v.get("num_channels", 3)),
+            hidden_act="gelu",  # transformers' Llama 4 tower uses exact GELU whatever hidden_act says
+            image_token_id=int(cfg.get("image_token_index", cfg.get("image_token_id", 200092))),
+            vision_start_token_id=int(cfg.get("boi_token_index", cfg.get("boi_token_id", 200080))),
+            vision_end_token_id=int(cfg.get("eoi_token_index", cfg.get("eoi_token_id", 200081))),
+            rope_theta=float(params.get("rope_theta") or v.get("rope_theta") or 10000.0),
+            image_size=image_size,
+            layer_norm_eps=1e-5,  # torch's LayerNorm default, as transformers builds them
+            projector_hidden_size=widths["projector_input_dim"],
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid Llama 4 vision_config: {e}") from None
+    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
+        raise ModelLoadError(f"pixel_shuffle_ratio must be 1 / n for a whole n (0.5: 2 x 2), got {ratio}")
+    side = image_size // patch
+    if image_size % patch or side % merge:
+        raise ModelLoadError(
+            f"Llama 4's image_size {image_size} must be whole patches ({patch}) whose count per side ({side}) "
+            f"divides by 1 / pixel_shuffle_ratio ({merge})"
+        )
+    if hidden % heads or (hidden // heads) % 4:
+        raise ModelLoadError(
+            f"Llama 4's vision hidden_size / num_attention_heads must be a multiple of 4 (2-D RoPE), got "
+            f"hidden_size {hidden}, {heads} heads"
+        )
+    if arch.intermediate_size != hidden * merge**2:
+        raise ModelLoadError(
+            f"Llama 4's vision intermediate_size ({arch.intermediate_size}) must equal hidden_size x "
+            f"(1 / pixel_shuffle_ratio)^2 ({hidden * merge**2}): the adapter reads the shuffled patches at it"
+        )
+    if len(set(widths.values())) != 1:
+        raise ModelLoadError(f"Llama 4's adapter widths must be equal, got {widths}")
+    if params.get("rope_type", "default") != "default":
+        raise ModelLoadError(f"unsupported Llama 4 vision rope_type {params['rope_type']!r} (only default)")
+    if (
+        cfg.get("vision_feature_select_strategy", v.get("vision_feature_select_strategy", "default"))
+        != "default"
+    ):
+        raise ModelLoadError(
+            "unsupported vision_feature_select_strategy (only default: the class token dropped)"
+        )
+    return arch

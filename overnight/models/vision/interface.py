@@ -3,7 +3,8 @@
 A vision-language model has a tower that turns preprocessed pixels into one embedding per image token,
 and a forward that takes the step's image rows. Qwen2.5-VL and Qwen3-VL implement it
 (models/qwen_vl.py), as does Qwen3.5 (models/qwen3_5_vl.py); Gemma 3's SigLIP (models/gemma_vl.py),
-Mistral 3's Pixtral (models/mistral3_vl.py) and InternVL's InternViT (models/internvl.py) plug in by
+Mistral 3's Pixtral (models/mistral3_vl.py), InternVL's InternViT (models/internvl.py) and Llama 4's ViT
+(models/llama4_vl.py) plug in by
 implementing the same:
 
     embed_images(pixel_values, grid_thw) -> VisionFeatures   (one row per image token, images concatenated)
@@ -29,13 +30,15 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 
 # Where every supported image model's checkpoint keeps its tower and projector, in each layout the
-# models' rename_checkpoint reads (Qwen's visual.*, the others' vision_tower.* / multi_modal_projector.*,
-# transformers 5 adding model.).
+# models' rename_checkpoint reads (Qwen's visual.*, Llama 4's vision_model.*, the others' vision_tower.*;
+# multi_modal_projector.*; transformers 5 adding model.).
 TOWER_CHECKPOINT_PREFIXES = (
     "visual.",
     "model.visual.",
     "vision_tower.",
     "model.vision_tower.",
+    "vision_model.",
+    "model.vision_model.",
     "multi_modal_projector.",
     "model.multi_modal_projector.",
 )
