@@ -100,12 +100,12 @@ class TorchMamba2Ops:
         st: LinearStateBatch,
     ) -> torch.Tensor:
         idx, keep = st.decode_slots(xbc.shape[0])
-        conv_in = conv_pool[idx] * keep[:, None, None]
+        # where, not a product: a slot's old contents are ignored, whatever they hold
+        conv_in = torch.where(keep[:, None, None] != 0, conv_pool[idx], 0.0)
         y, conv_new = causal_conv1d_step_ref(xbc, layer.conv_weight, conv_in, layer.conv_bias)
         conv_pool.index_copy_(0, idx, conv_new)
         x, B, C = layer.split(y)
         step = mamba2_dt(dt, layer.dt_bias, layer.dt_limit)
-        # where, not a product: a slot's old contents are ignored, even a 16-bit state that overflowed
         s0 = torch.where(keep[:, None, None, None] != 0, ssm_pool[idx].float(), 0.0)
         out, s = ssd_step_ref(x, step, -layer.A_log.float().exp(), B, C, layer.D, s0)
         ssm_pool.index_copy_(0, idx, s.to(ssm_pool.dtype))  # float32 -> the pool's dtype: one rounding
