@@ -104,6 +104,22 @@ def test_published_layer_names_and_limits_are_read() -> None:
     assert arch.mamba_dt_limit == (0.001, float("inf"))
 
 
+def test_the_h_small_preset_counts_its_published_sizes() -> None:
+    """ibm-granite/granite-4.0-h-small's config (32.2B parameters, 9B active; 36 Mamba2 layers, 4 NoPE
+    attention layers at 5, 15, 25, 35; tied embeddings)."""
+    from overnight.loader.resolve import resolve_source
+
+    arch = resolve_source("granite-4.0-h-small", load_format="dummy").arch
+    assert arch.architecture == "granitemoehybrid" and arch.num_linear_layers == 36
+    assert [i for i in range(40) if not arch.is_linear_layer(i)] == [5, 15, 25, 35]
+    assert arch.no_rope_layers == tuple(range(40)) and arch.tie_word_embeddings
+    assert 32.1e9 < arch.num_parameters() < 32.3e9
+    # a request's states: 36 x (conv 3 x 8,448 float32 + SSM 128 heads x 64 x 128)
+    assert arch.linear_state_bytes() == 36 * (4 * 3 * 8448 + 4 * 128 * 64 * 128)
+    assert arch.linear_state_bytes(torch.bfloat16) == 36 * (4 * 3 * 8448 + 2 * 128 * 64 * 128)
+    assert arch.kv_bytes_per_token(2) == 4 * 2 * 8 * 128 * 2  # 4 attention layers, K and V
+
+
 def test_tensor_parallelism_is_refused_by_name() -> None:
     from overnight.parallel.tp import TPShards
 
