@@ -232,3 +232,40 @@ def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
         assert got == hf_greedy(ref, prompt, 24)[0], f"{len(prompt)} tokens"
     assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
     assert_no_rows_held(llm, 7)
+
+
+@pytest.mark.slow
+def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
+    """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every layer on its GPU
+    path: the Mamba2 decode (conv step with its bias, the SSD step kernel), the fused MoE, NoPE
+    attention."""
+    from tests.test_graph_safety import decode_guarded
+
+    variant, folder, _ = checkpoint
+    if variant != "moe":
+        pytest.skip("the MoE variant covers every kernel the dense one runs")
+    decode_guarded(folder, monkeypatch)
+
+
+@pytest.mark.slow
+def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
+    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
+    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
+    from overnight.runner.cuda_graph import DecodeGraphs
+
+    variant, folder, ref = checkpoint
+    if variant != "dense":
+        pytest.skip("one variant is enough for the padding rows")
+    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    graphs = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 256)
+    replayed: list[int] = []
+
+    def replay(b: int):
+        replayed.append(b)
+        return graphs._forward(b)
+
+    graphs.replay = replay  # type: ignore[method-assign]
+    runner.graphs = graphs
+    check(llm, ref, prompts_of([3, 11, 6, 20, 1], seed=6), 9)  # five decodes in a bucket of 8, then fewer
+    assert 8 in replayed and any(b in replayed for b in (1, 2, 4))
