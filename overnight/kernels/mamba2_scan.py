@@ -32,6 +32,19 @@ import triton.language as tl
 
 
 @triton.jit
+def _load_token(
+    x_ptr, dt_ptr, b_ptr, c_ptr, t, h, g, offs_p, offs_n, mask_p, mask_n,
+    stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg,
+):  # fmt: skip
+    """Row t's inputs for head h (group g), in their own dtypes."""
+    x = tl.load(x_ptr + t * stride_xn + h * stride_xh + offs_p, mask=mask_p, other=0.0)
+    bv = tl.load(b_ptr + t * stride_bn + g * stride_bg + offs_n, mask=mask_n, other=0.0)
+    cv = tl.load(c_ptr + t * stride_cn + g * stride_cg + offs_n, mask=mask_n, other=0.0)
+    dt = tl.load(dt_ptr + t * stride_dtn + h)
+    return x, bv, cv, dt
+
+
+@triton.jit
 def _ssd_kernel(
     x_ptr,
     dt_ptr,
@@ -88,12 +101,20 @@ def _ssd_kernel(
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     D = tl.load(D_ptr + h).to(tl.float32)
 
+    # Software pipelining: token t+1's inputs load while token t computes (the last iteration reloads
+    # its own row, which is always in bounds), so the sequential loop does not wait on memory each step.
+    x_n, b_n, c_n, dt_n = _load_token(
+        x_ptr, dt_ptr, b_ptr, c_ptr, bos, h, g, offs_p, offs_n, mask_p, mask_n,
+        stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg,
+    )  # fmt: skip
     for t in range(bos, eos):
-        x = tl.load(x_ptr + t * stride_xn + h * stride_xh + offs_p, mask=mask_p, other=0.0).to(tl.float32)
-        bv = tl.load(b_ptr + t * stride_bn + g * stride_bg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        cv = tl.load(c_ptr + t * stride_cn + g * stride_cg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        x, bv, cv, dt = x_n.to(tl.float32), b_n.to(tl.float32), c_n.to(tl.float32), dt_n.to(tl.float32)
+        x_n, b_n, c_n, dt_n = _load_token(
+            x_ptr, dt_ptr, b_ptr, c_ptr, tl.minimum(t + 1, eos - 1), h, g, offs_p, offs_n, mask_p, mask_n,
+            stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg,
+        )  # fmt: skip
         # dt = softplus(dt_raw + dt_bias) (torch's softplus: linear past 20), clamped to the limit
-        dt = tl.load(dt_ptr + t * stride_dtn + h).to(tl.float32) + dt_bias
+        dt = dt + dt_bias
         dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
         if DT_LIMIT:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
