@@ -104,6 +104,34 @@ def test_published_layer_names_and_limits_are_read() -> None:
     assert arch.mamba_dt_limit == (0.001, float("inf"))
 
 
+def test_both_checkpoint_layouts_load() -> None:
+    """The published layout (block_sparse_moe.input_linear / output_linear / router.layer, as
+    save_pretrained writes it) and transformers 5's in-memory names (experts.gate_up_proj / down_proj,
+    router.weight) fill the same parameters."""
+    from overnight.models.granite_hybrid import GraniteMoeHybridForCausalLM
+
+    cfg, model = config_of("moe")
+    arch = arch_from_hf_config(cfg)
+    state = model.state_dict()
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj" in state  # transformers 5's names
+    published = {
+        k.replace("experts.gate_up_proj", "input_linear.weight")
+        .replace("experts.down_proj", "output_linear.weight")
+        .replace("router.weight", "router.layer.weight"): v
+        for k, v in state.items()
+    }
+    ours = []
+    for weights in (state, published):
+        m = GraniteMoeHybridForCausalLM(arch)
+        m.load_weights(weights.items())
+        ours.append(dict(m.named_parameters()))
+    for name, p in ours[0].items():
+        assert torch.equal(p, ours[1][name]), name
+    experts = ours[0]["model.layers.2.block_sparse_moe.experts.gate_up_proj"]
+    assert torch.equal(experts, state["model.layers.2.block_sparse_moe.experts.gate_up_proj"])
+    assert torch.equal(ours[0]["model.layers.0.mamba.conv1d.bias"], state["model.layers.0.mamba.conv1d.bias"])
+
+
 def test_the_h_small_preset_counts_its_published_sizes() -> None:
     """ibm-granite/granite-4.0-h-small's config (32.2B parameters, 9B active; 36 Mamba2 layers, 4 NoPE
     attention layers at 5, 15, 25, 35; tied embeddings)."""
