@@ -1,6 +1,7 @@
 """GPU check and benchmark of the Mamba2 mixer ops (Granite 4.0 hybrids): the torch reference path
 (layers/mamba2_ops.py TorchMamba2Ops: chunked SSD prefill, recurrent decode) against the Triton path
-(conv_step with the conv bias, then kernels/mamba2_scan.py's decode step and varlen prefill).
+(conv_step with the conv bias, then kernels/mamba2_scan.py's decode step and chunked varlen prefill;
+"tok-seq" rows: the token-by-token varlen prefill kernel instead).
 
 Run on the GPU machine from the repository root:  PYTHONPATH=. python bench/mamba2_gpu.py
 (--smoke: tiny shapes on the CPU through the Triton interpreter, to check the script itself.)
@@ -31,7 +32,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from overnight.attention.linear_state import LinearStateBatch  # noqa: E402
-from overnight.layers.gated_delta_ops import PrefillRows  # noqa: E402
+from overnight.layers.gated_delta_ops import PrefillRows, varlen_causal_conv1d  # noqa: E402
 from overnight.layers.mamba2_ops import Mamba2Layer, TorchMamba2Ops, TritonMamba2Ops  # noqa: E402
 
 H, P, N, G, KW = (4, 16, 8, 1, 4) if SMOKE else (128, 64, 128, 1, 4)
@@ -42,6 +43,31 @@ DECODE_BATCHES = [1, 4] if SMOKE else [1, 64, 256]
 PREFILLS = [(2, 16)] if SMOKE else [(16, 512), (4, 2048)]
 NUM_SLOTS = 8 if SMOKE else 300
 TORCH, TRITON = TorchMamba2Ops(), TritonMamba2Ops()
+
+
+class SequentialPrefill(TritonMamba2Ops):
+    """The Triton prefill with the token-by-token varlen kernel (ssd_varlen) instead of the chunked one."""
+
+    def prefill(self, layer, xbc, dt, conv_pool, ssm_pool, rows):  # type: ignore[no-untyped-def]
+        from overnight.kernels.mamba2_scan import ssd_varlen
+
+        y = varlen_causal_conv1d(
+            xbc, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state, layer.conv_bias
+        )
+        x, B, C = layer.split(y)
+        args = (
+            layer.A_log,
+            layer.dt_bias,
+            layer.D,
+            ssm_pool,
+            rows.slot_ids,
+            rows.has_state_dev,
+            rows.cu_seqlens,
+        )
+        return ssd_varlen(x, dt, B, C, *args, dt_limit=layer.dt_limit)
+
+
+SEQUENTIAL = SequentialPrefill()
 checks: list[tuple[str, bool]] = []
 rows: list[dict] = []
 
@@ -108,9 +134,12 @@ def check_chunks_then_decode(dtype: torch.dtype, tol: float) -> None:
         has = [i > 0 or s == 5 for s in slots]
         rows = PrefillRows.of(chunk, slots, has, DEV)
         xbc, dt = make_rows(sum(chunk), dtype, gen)
+        seq_conv, seq_ssm = conv.clone(), ssm.clone()
         y = TRITON.prefill(layer, xbc, dt, conv, ssm, rows)
         y_ref = TORCH.prefill(layer, xbc, dt, ref_conv, ref_ssm, rows)
         record(f"{dtype} prefill chunk {i + 1}", rel_err(y, y_ref), tol)
+        y_seq = SEQUENTIAL.prefill(layer, xbc, dt, seq_conv, seq_ssm, rows)
+        record(f"{dtype} prefill chunk {i + 1}, token-by-token kernel", rel_err(y_seq, y_ref), tol)
     st = state_batch(slots, [True] * 3)
     for step in range(3):
         xbc, dt = make_rows(3, dtype, gen)
@@ -197,7 +226,7 @@ def bench(ssm_dtype: torch.dtype) -> None:
     for n, length in PREFILLS:
         rws = PrefillRows.of([length] * n, list(range(n)), [False] * n, DEV)
         xbc, dt = make_rows(n * length, layer.conv_weight.dtype, gen)
-        for name, ops in (("torch", TORCH), ("triton", TRITON)):
+        for name, ops in (("torch", TORCH), ("triton", TRITON), ("tok-seq", SEQUENTIAL)):
             us = time_us(
                 lambda ops=ops, xbc=xbc, dt=dt, rws=rws: ops.prefill(layer, xbc, dt, conv, ssm, rws),
                 max(1, reps // 10),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from overnight.attention.linear_state import LinearStateBatch
-from overnight.kernels.mamba2_scan import ssd_step, ssd_varlen
+from overnight.kernels.mamba2_scan import ssd_step, ssd_varlen, ssd_varlen_chunked
 from overnight.layers.gated_delta_ops import PrefillRows
 from overnight.layers.mamba2 import mamba2_dt, ssd_chunk_ref, ssd_step_ref
 from overnight.layers.mamba2_ops import Mamba2Layer, TorchMamba2Ops, TritonMamba2Ops
@@ -123,13 +123,49 @@ def test_varlen_prefill_matches_chunked_reference(dtype: torch.dtype) -> None:
         assert torch.equal(ssm_pool[slot], ref_ssm[slot])
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["step", "varlen"])
-def test_limited_dt_and_a_16bit_pool_rounded_once(varlen: bool) -> None:
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("chunk", [16, 32])
+def test_chunked_varlen_matches_token_by_token(dtype: torch.dtype, chunk: int) -> None:
+    """The prefill kernel the engine runs (chunks as matrix products) against the token-by-token one:
+    sequences of 1, 9, 70 (several chunks, a ragged last one) and 5 tokens, two continuing from their
+    slots, one from zeros over a NaN slot; a float16 state pool."""
+    gen = torch.Generator().manual_seed(6)
+    layer = _layer(dtype, gen)
+    lens = [1, 9, 70, 5]
+    t = sum(lens)
+    x = torch.randn(t, H, P, generator=gen).to(DEVICE, dtype)
+    dt = torch.randn(t, H, generator=gen).to(DEVICE, dtype)
+    B, C = (torch.randn(t, G, N, generator=gen).to(DEVICE, dtype) for _ in range(2))
+    rows = PrefillRows.of(lens, [6, 0, 2, 4], [True, True, False, True], DEVICE)
+    args = (layer.A_log, layer.dt_bias, layer.D)
+    for pool_dtype in (torch.float32, torch.float16):
+        pool = (0.5 * torch.randn(NUM_SLOTS, H, P, N, generator=gen)).to(DEVICE, pool_dtype)
+        pool[2] = float("nan")
+        ref_pool = pool.clone()
+        y = ssd_varlen_chunked(
+            x, dt, B, C, *args, pool, rows.slot_ids, rows.has_state_dev, rows.cu_seqlens, chunk=chunk
+        )
+        y_ref = ssd_varlen(x, dt, B, C, *args, ref_pool, rows.slot_ids, rows.has_state_dev, rows.cu_seqlens)
+        tol = TOL[dtype] * 5
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol, msg=f"y, {pool_dtype} pool")
+        torch.testing.assert_close(
+            pool.float(), ref_pool.float(), rtol=tol, atol=tol, msg=f"{pool_dtype} pool"
+        )
+        assert torch.equal(pool[[1, 3, 5]], ref_pool[[1, 3, 5]])  # never scheduled
+    with pytest.raises(ValueError, match="powers of two, at least 16"):
+        ssd_varlen_chunked(
+            x, dt, B, C, *args, pool, rows.slot_ids, rows.has_state_dev, rows.cu_seqlens, chunk=8
+        )
+
+
+@pytest.mark.parametrize("mode", ["step", "varlen", "chunked"])
+def test_limited_dt_and_a_16bit_pool_rounded_once(mode: str) -> None:
     """dt clamped to time_step_limit (both ends reached); a float16 state pool computed in float32 and
     rounded once, as the state is stored: the reference run from the same float16 start, rounded."""
     gen = torch.Generator().manual_seed(3)
     limit = (0.05, 0.4)
     layer = _layer(torch.float32, gen, dt_limit=limit)
+    varlen = mode != "step"
     t = 6 if varlen else 2
     x = torch.randn(t, H, P, generator=gen).to(DEVICE)
     B, C = torch.randn(t, G, N, generator=gen).to(DEVICE), torch.randn(t, G, N, generator=gen).to(DEVICE)
@@ -143,9 +179,8 @@ def test_limited_dt_and_a_16bit_pool_rounded_once(varlen: bool) -> None:
     A = -layer.A_log.exp()
     bounds = ((0, 4), (4, 6)) if varlen else ((0, 1), (1, 2))
     if varlen:
-        y = ssd_varlen(
-            x, dt, B, C, *args, pool, slots, has, torch.tensor([0, 4, 6], device=DEVICE), dt_limit=limit
-        )
+        run = ssd_varlen_chunked if mode == "chunked" else ssd_varlen
+        y = run(x, dt, B, C, *args, pool, slots, has, torch.tensor([0, 4, 6], device=DEVICE), dt_limit=limit)
     else:
         y = ssd_step(x, dt, B, C, *args, pool, slots, has, dt_limit=limit)
     for (lo, hi), slot in zip(bounds, (2, 0)):

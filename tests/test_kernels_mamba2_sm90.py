@@ -27,7 +27,18 @@ def ssd_case(varlen: bool):
     return _ssd_kernel, BF16_SSD, cx, 4, 3
 
 
-CASES = {"ssd-decode": lambda: ssd_case(False), "ssd-varlen": lambda: ssd_case(True)}
+def chunked_case():
+    from overnight.kernels.mamba2_scan import _ssd_chunked_kernel
+
+    cx = dict(R=128, P=64, N=128, L=32, BLOCK_P=32, BLOCK_N=128, DT_LIMIT=False, DOT_PRECISION="tf32")
+    return _ssd_chunked_kernel, BF16_SSD, cx, 8, 1  # ssd_varlen_chunked's defaults
+
+
+CASES = {
+    "ssd-decode": lambda: ssd_case(False),
+    "ssd-varlen": lambda: ssd_case(True),
+    "ssd-chunked": chunked_case,
+}
 
 
 def report() -> None:

@@ -6,7 +6,8 @@ same pattern as layers/gated_delta_ops.py, whose conv ops and prefill bookkeepin
                      time with the chunked SSD form
     TritonMamba2Ops  kernels: decode rows through conv_step (kernels/gated_delta_decode.py) and ssd_step
                      (kernels/mamba2_scan.py), states updated in place at their slots (capturable);
-                     prefill rows of the whole step through one batched conv and one launch of ssd_varlen
+                     prefill rows of the whole step through one batched conv and one launch of
+                     ssd_varlen_chunked (chunks of 32 tokens as small matrix products)
 
 mamba2_ops(x) picks one by the input's device (kernels/dispatch.py's use_kernels, which tests can force).
 Both take the step's rows decodes first (attention/metadata.py): `xbc` the x|B|C projection [T, conv_dim]
@@ -166,13 +167,13 @@ class TritonMamba2Ops:
         ssm_pool: torch.Tensor,
         rows: PrefillRows,
     ) -> torch.Tensor:
-        from overnight.kernels.mamba2_scan import ssd_varlen
+        from overnight.kernels.mamba2_scan import ssd_varlen_chunked
 
         y = varlen_causal_conv1d(
             xbc, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state, layer.conv_bias
         )
         x, B, C = layer.split(y)
-        return ssd_varlen(
+        return ssd_varlen_chunked(
             x,
             dt,
             B,
