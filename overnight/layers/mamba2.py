@@ -13,6 +13,10 @@ ops with the mixer's conv bias). A sequence may be split anywhere: running the p
 each from the states the previous one left, gives the whole sequence's outputs (up to rounding). States
 are float32, and the references compute in float32 whatever they are given.
 
+dt_limit (config.json's time_step_limit) applies to every token, prefill and decode alike: transformers
+clamps in its chunked scan only, so the two differ on decode steps of a config with a finite limit; the
+default (0, inf), which the Granite 4.0 configs keep, makes the clamp a no-op in both.
+
 The chunked form (prefill) does `chunk` tokens at a time with matrix products: within a chunk the
 decay between positions j <= i is exp(G_i - G_j), G the cumulative sum of dt * A, so
 
