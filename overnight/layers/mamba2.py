@@ -15,7 +15,7 @@ are float32, and the references compute in float32 whatever they are given.
 
 dt_limit (config.json's time_step_limit) applies to every token, prefill and decode alike: transformers
 clamps in its chunked scan only, so the two differ on decode steps of a config with a finite limit; the
-default (0, inf), which the Granite 4.0 configs keep, makes the clamp a no-op in both.
+default (0, inf) makes the clamp a no-op in both (softplus is positive), and vLLM's Mamba2 ignores it.
 
 The chunked form (prefill) does `chunk` tokens at a time with matrix products: within a chunk the
 decay between positions j <= i is exp(G_i - G_j), G the cumulative sum of dt * A, so
