@@ -32,10 +32,13 @@ def test_arch_counts_every_parameter_and_the_state_shapes(variant: str) -> None:
     cfg, model = config_of(variant)
     arch = arch_from_hf_config(cfg)
     assert arch.architecture == "granitemoehybrid" and arch.is_mamba2
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert arch.no_rope_layers == (() if cfg["position_embedding_type"] == "rope" else (0, 1, 2, 3))
+    if variant == "attention-only":
+        assert arch.num_linear_layers == 0 and arch.kv_bytes_per_token(4) == 4 * 2 * (2 * 8) * 4
+        return
     assert arch.layer_types == ("linear_attention", "full_attention") * 2
     assert arch.num_linear_layers == 2 and arch.mamba_dt_limit == (0.0, float("inf"))
-    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
-    assert arch.no_rope_layers == (() if variant == "moe" else (0, 1, 2, 3))
     # conv: K - 1 = 3 rows of x|B|C (4 heads x 16 + 2 groups x 2 x 8 = 96); SSM: heads x d_head x d_state
     assert arch.linear_state_shapes() == ((3, 96), (4, 16, 8))
     ssm32, ssm16 = 4 * 4 * 16 * 8, 2 * 4 * 16 * 8

@@ -35,18 +35,22 @@ _CONFIG: dict[str, Any] = dict(
     max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
-# variant -> (num_local_experts, position_embedding_type)
-VARIANTS: dict[str, tuple[int, str | None]] = {"dense": (0, None), "moe": (3, "rope")}
+# variant -> its config changes: dense NoPE, MoE with RoPE, and attention only (granite-4.0-micro's shape:
+# a GraniteMoeHybrid config without Mamba2 layers: no state cache at all)
+VARIANTS: dict[str, dict[str, Any]] = {
+    "dense": dict(num_local_experts=0, position_embedding_type=None),
+    "moe": dict(num_local_experts=3, position_embedding_type="rope"),
+    "attention-only": dict(
+        num_local_experts=0, position_embedding_type="rope", layer_types=["attention"] * 4
+    ),
+}
 
 
 def make_granite_model(variant: str, seed: int = 0, **overrides: Any):
     """The transformers model (fp32, eval) of one of VARIANTS."""
     import transformers
 
-    experts, position = VARIANTS[variant]
-    cfg = transformers.GraniteMoeHybridConfig(
-        **{**_CONFIG, "num_local_experts": experts, "position_embedding_type": position, **overrides}
-    )
+    cfg = transformers.GraniteMoeHybridConfig(**{**_CONFIG, **VARIANTS[variant], **overrides})
     torch.manual_seed(seed)
     model = transformers.GraniteMoeHybridForCausalLM(cfg).eval()
     _spread_weights(model, seed)
