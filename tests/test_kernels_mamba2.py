@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from overnight.attention.linear_state import LinearStateBatch
-from overnight.kernels.mamba2_scan import ssd_step, ssd_varlen, ssd_varlen_chunked
+from overnight.kernels.mamba2_chunked import ssd_varlen_chunked
+from overnight.kernels.mamba2_scan import ssd_step, ssd_varlen
 from overnight.layers.gated_delta_ops import PrefillRows
 from overnight.layers.mamba2 import mamba2_dt, ssd_chunk_ref, ssd_step_ref
 from overnight.layers.mamba2_ops import Mamba2Layer, TorchMamba2Ops, TritonMamba2Ops

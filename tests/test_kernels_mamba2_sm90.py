@@ -28,7 +28,7 @@ def ssd_case(varlen: bool):
 
 
 def chunked_case():
-    from overnight.kernels.mamba2_scan import _ssd_chunked_kernel
+    from overnight.kernels.mamba2_chunked import _ssd_chunked_kernel
 
     cx = dict(R=128, P=64, N=128, L=32, BLOCK_P=32, BLOCK_N=128, DT_LIMIT=False, DOT_PRECISION="tf32")
     return _ssd_chunked_kernel, BF16_SSD, cx, 8, 1  # ssd_varlen_chunked's defaults

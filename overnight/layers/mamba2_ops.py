@@ -167,7 +167,7 @@ class TritonMamba2Ops:
         ssm_pool: torch.Tensor,
         rows: PrefillRows,
     ) -> torch.Tensor:
-        from overnight.kernels.mamba2_scan import ssd_varlen_chunked
+        from overnight.kernels.mamba2_chunked import ssd_varlen_chunked
 
         y = varlen_causal_conv1d(
             xbc, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state, layer.conv_bias
