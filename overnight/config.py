@@ -250,6 +250,19 @@ class ModelArch:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
     hybrid_rotary_dim: int = 0
+    # Mamba2 mixers instead of Gated DeltaNet in the "linear_attention" layers (Granite 4.0 hybrids,
+    # models/granite_hybrid.py; mamba_n_heads > 0 marks them): in_proj gives z (mamba_intermediate),
+    # x|B|C (the conv channels: mamba_intermediate + 2 * n_groups * d_state) and dt (one per head); the
+    # conv has a bias (mamba_conv_bias), the projections one with mamba_proj_bias; dt is clamped to
+    # mamba_dt_limit after its softplus. mamba_intermediate = mamba_n_heads * mamba_d_head.
+    mamba_n_heads: int = 0
+    mamba_d_head: int = 0
+    mamba_d_state: int = 0
+    mamba_n_groups: int = 1
+    mamba_d_conv: int = 0
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # GLM-4.5 / 4.6 (models/glm4_moe.py): the router's sigmoid scores plus a learned per-expert bias
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
@@ -408,8 +421,21 @@ class ModelArch:
     def num_linear_layers(self) -> int:
         return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
 
+    @property
+    def is_mamba2(self) -> bool:
+        """Whether the linear layers are Mamba2 mixers (else Gated DeltaNet)."""
+        return self.mamba_n_heads > 0
+
+    @property
+    def mamba_intermediate(self) -> int:
+        return self.mamba_n_heads * self.mamba_d_head
+
     def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
-        """One linear layer's state of one request: (conv (K - 1, conv channels), delta rule (Hv, dk, dv))."""
+        """One linear layer's state of one request: (conv (K - 1, conv channels), the recurrent state):
+        Gated DeltaNet's delta rule (Hv, dk, dv), or Mamba2's SSM state (heads, d_head, d_state)."""
+        if self.is_mamba2:
+            conv = self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
+            return (self.mamba_d_conv - 1, conv), (self.mamba_n_heads, self.mamba_d_head, self.mamba_d_state)
         conv_dim = 2 * self.linear_num_key_heads * self.linear_key_head_dim
         conv_dim += self.linear_num_value_heads * self.linear_value_head_dim
         ssm = (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
@@ -420,6 +446,28 @@ class ModelArch:
         delta-rule state in ssm_dtype (CacheConfig.ssm_state_dtype; runner/state_cache.py says why)."""
         (k, c), (h, dk, dv) = self.linear_state_shapes()
         return self.num_linear_layers * (4 * k * c + ssm_dtype.itemsize * h * dk * dv)
+
+    def _linear_mixer_shape(self) -> tuple[int, int]:
+        """(weights, output rows) of one linear layer's projections: Gated DeltaNet's in_proj (q|k|v, z,
+        b, a) and out_proj, or Mamba2's in_proj (z, x|B|C, dt) and out_proj."""
+        h = self.hidden_size
+        (_, conv), _ = self.linear_state_shapes()
+        if self.is_mamba2:
+            inner, heads = self.mamba_intermediate, self.mamba_n_heads
+            return h * (inner + conv + heads) + inner * h, inner + conv + heads + h
+        heads = self.linear_num_value_heads
+        value = heads * self.linear_value_head_dim
+        return h * (conv + value + 2 * heads) + value * h, conv + value + 2 * heads + h
+
+    def _linear_mixer_extra(self) -> int:
+        """One linear layer's weights beside its projections: the conv (and Mamba2's conv bias and
+        projection biases), A_log, dt_bias (Mamba2's D) and the output norm."""
+        (k1, conv), _ = self.linear_state_shapes()
+        if self.is_mamba2:
+            _, rows = self._linear_mixer_shape()
+            biases = conv * self.mamba_conv_bias + rows * self.mamba_proj_bias
+            return conv * (k1 + 1) + biases + 3 * self.mamba_n_heads + self.mamba_intermediate
+        return conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
 
     @property
     def holds_mxfp4_experts(self) -> bool:
@@ -480,13 +528,11 @@ class ModelArch:
         with only the experts one token goes through."""
         n = self.num_hidden_layers
         attention = sum(self._attention_linear(i)[0] for i in range(n) if not self.is_linear_layer(i))
-        if self.num_linear_layers:  # hybrid: gated attention (q_proj gives q and a gate) + DeltaNet layers
-            h = self.hidden_size
-            (_, conv), _ = self.linear_state_shapes()
-            heads = self.linear_num_value_heads
-            value = heads * self.linear_value_head_dim
-            gdn = h * (conv + value + 2 * heads) + value * h
-            attention += h * self.q_size * (n - self.num_linear_layers) + gdn * self.num_linear_layers
+        if self.num_linear_layers:  # hybrid: the linear layers' projections; Qwen's gated attention
+            # (q_proj gives q and a gate) too
+            if not self.is_mamba2:
+                attention += self.hidden_size * self.q_size * (n - self.num_linear_layers)
+            attention += self._linear_mixer_shape()[0] * self.num_linear_layers
         return attention + self.mlp_params(active_only)
 
     def weight_bytes(
@@ -558,15 +604,13 @@ class ModelArch:
         h = self.hidden_size
         params = rows = 0
         for i in range(self.num_hidden_layers):
-            if self.is_linear_layer(i):  # Gated DeltaNet: in_proj (q|k|v, z, b, a) and out_proj
-                (_, conv), _ = self.linear_state_shapes()
-                heads = self.linear_num_value_heads
-                value = heads * self.linear_value_head_dim
-                params += h * (conv + value + 2 * heads) + value * h
-                rows += conv + value + 2 * heads + h
+            if self.is_linear_layer(i):  # Gated DeltaNet's or Mamba2's in_proj and out_proj
+                mixer_params, mixer_rows = self._linear_mixer_shape()
+                params += mixer_params
+                rows += mixer_rows
             else:
                 attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
-                if self.num_linear_layers:  # a hybrid's gated attention: q_proj gives q and a gate
+                if self.num_linear_layers and not self.is_mamba2:  # Qwen's gated attention: q and a gate
                     attention_params += h * self.q_size
                     attention_rows += self.q_size
                 params += attention_params
@@ -597,10 +641,9 @@ class ModelArch:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         hybrid = 0
-        if self.num_linear_layers:  # DeltaNet layers: conv, A_log, dt_bias, output norm; no q/k norm
-            (k1, conv), _ = self.linear_state_shapes()
-            gdn = conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
-            hybrid = self.num_linear_layers * (gdn - (2 * self.head_dim if self.qk_norm else 0))
+        if self.num_linear_layers:  # linear layers: conv, A_log, dt_bias, output norm; no q/k norm
+            extra = self._linear_mixer_extra() - (2 * self.head_dim if self.qk_norm else 0)
+            hybrid = self.num_linear_layers * extra
         vision = self.vision.num_parameters() if self.vision is not None and not self.text_only else 0
         return hybrid + (
             self.vocab_size * h

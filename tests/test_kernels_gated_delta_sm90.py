@@ -19,8 +19,9 @@ BF16_DELTA = dict(
     scale="fp32", eps="fp32",
 )  # fmt: skip
 BF16_CONV = dict(
-    x_ptr="*bf16", w_ptr="*bf16", pool_ptr="*fp32", slot_ptr="*i64", has_ptr="*fp32", out_ptr="*bf16"
-)
+    x_ptr="*bf16", w_ptr="*bf16", bias_ptr="*bf16", pool_ptr="*fp32", slot_ptr="*i64", has_ptr="*fp32",
+    out_ptr="*bf16",
+)  # fmt: skip
 
 
 def delta_case(varlen: bool):
@@ -34,7 +35,7 @@ def delta_case(varlen: bool):
 def conv_case():
     from overnight.kernels.gated_delta_decode import _conv_step_kernel
 
-    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256), 4, 3
+    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256, HAS_BIAS=False), 4, 3
 
 
 CASES = {

@@ -184,6 +184,7 @@ def test_dummy_presets_have_published_shapes(name):
         "deepseek-v2-lite",  # tests/test_deepseek.py
         "moonlight-16b-a3b",
         "llama-4-scout-17b-16e",  # tests/test_llama4.py
+        "granite-4.0-h-small",  # tests/test_granite_hybrid.py
     }
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere

@@ -1,4 +1,4 @@
-"""What linear-attention layers (Gated DeltaNet) see of one engine step: their per-request states.
+"""What linear-attention layers (Gated DeltaNet, Mamba2) see of one engine step: their per-request states.
 
 A linear layer keeps no KV cache. Each running request owns one slot of a state pool instead, the
 same slot in every linear layer (runner/state_cache.py):
@@ -7,6 +7,9 @@ same slot in every linear layer (runner/state_cache.py):
     ssm[layer]   [num_slots + 1, Hv, dk, dv]        the delta-rule state per value head      float32, or
                                                     float16 / bfloat16 by mamba_ssm_cache_dtype
                   ^ slot; the last one is scratch: padding rows of a CUDA-graph batch read and write it
+
+A Mamba2 layer's (Granite 4.0) are the same pools with its own shapes (ModelArch.linear_state_shapes):
+conv [.., K - 1, d_inner + 2 * groups * d_state] and ssm [.., heads, head_dim, d_state].
 
 Request i of the step (the metadata's order: decodes first) uses slot slot_ids[i]. has_state[i] is 1
 when it continues from its slot (it computed tokens before this step), 0 when it starts from zeros

@@ -47,6 +47,7 @@ L2_EPS = 1e-6  # the q/k L2 norm's eps (layers/gated_delta.py's L2_EPS; kernels 
 def _conv_step_kernel(
     x_ptr,
     w_ptr,
+    bias_ptr,
     pool_ptr,
     slot_ptr,
     has_ptr,
@@ -57,6 +58,7 @@ def _conv_step_kernel(
     C: tl.constexpr,
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     n = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -78,6 +80,8 @@ def _conv_step_kernel(
         if j > 0:  # shift: row j-1 takes row j (all reads of row j happen before its write below)
             tl.store(state + (j - 1) * C + offs_c, s, mask=mask)
     tl.store(state + (K - 2) * C + offs_c, x.to(wdt).to(tl.float32), mask=mask)
+    if HAS_BIAS:  # Mamba2's conv bias, added before the activation
+        acc += tl.load(bias_ptr + offs_c, mask=mask, other=0.0).to(tl.float32)
     acc = acc.to(wdt).to(tl.float32)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(out_ptr + n.to(tl.int64) * stride_o + offs_c, y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -215,11 +219,13 @@ def conv_step(
     slot_ids: torch.Tensor,
     has_state: torch.Tensor,
     block_c: int = 256,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """silu(causal depthwise conv) of one token per sequence, shifting each slot's conv state in place.
+    """silu(causal depthwise conv + bias) of one token per sequence, shifting each slot's conv state in
+    place.
 
-    x [N, C] (unit stride along C); weight [C, K] contiguous; conv_pool [S, K-1, C] float32.
-    Returns [N, C] in x's dtype."""
+    x [N, C] (unit stride along C); weight [C, K] contiguous; bias [C] contiguous or None;
+    conv_pool [S, K-1, C] float32. Returns [N, C] in x's dtype."""
     n, c = x.shape
     if weight.dim() != 2 or weight.shape[0] != c or not weight.is_contiguous():
         raise ValueError(f"weight must be contiguous [{c}, K], got {tuple(weight.shape)}")
@@ -228,6 +234,8 @@ def conv_step(
         raise ValueError(f"conv_pool must be [S, {k - 1}, {c}], got {tuple(conv_pool.shape)}")
     if x.stride(1) != 1:
         raise ValueError("x must have unit stride along channels")
+    if bias is not None and (bias.shape != (c,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous [{c}], got {tuple(bias.shape)}")
     _check_slots(n, conv_pool, slot_ids, has_state, CONV_POOL_DTYPES)
     out = torch.empty(n, c, dtype=x.dtype, device=x.device)
     if n:
@@ -235,6 +243,7 @@ def conv_step(
         _conv_step_kernel[(n, triton.cdiv(c, block_c))](
             x,
             weight,
+            weight if bias is None else bias,  # unread without HAS_BIAS
             conv_pool,
             slot_ids,
             has_state,
@@ -245,6 +254,7 @@ def conv_step(
             C=c,
             K=k,
             BLOCK_C=block_c,
+            HAS_BIAS=bias is not None,
             num_warps=4,
         )
     return out

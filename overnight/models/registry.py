@@ -19,6 +19,7 @@ from overnight.models.gemma_encoder import GemmaEncoderModel
 from overnight.models.gemma_vl import Gemma3ForConditionalGeneration
 from overnight.models.glm4_moe import Glm4MoeForCausalLM
 from overnight.models.gpt_oss import GptOssForCausalLM
+from overnight.models.granite_hybrid import GraniteMoeHybridForCausalLM, granite_hybrid_arch
 from overnight.models.hf_config import (
     TEXT_CONFIG_FAMILIES,
     WINDOWED_FAMILIES,
@@ -96,6 +97,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_5": Qwen3NextForCausalLM,
     "qwen3_5_moe": Qwen3NextForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
+    # Mamba2 + attention hybrids (models/granite_hybrid.py), on the same state cache
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -153,6 +156,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "GraniteMoeHybridForCausalLM": "granitemoehybrid",
 }
 # Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
 # a vision tower and M-RoPE.
@@ -295,6 +299,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         if family in _WITH_IMAGES and conditional and isinstance(cfg.get("vision_config"), dict):
             return with_vision(cfg, arch)
         return arch
+    if family == "granitemoehybrid":
+        return granite_hybrid_arch(cfg)
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in ("llama4", "llama4_text"):

@@ -120,6 +120,10 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        if a.is_mamba2 and w > 1:  # its mixer's heads, groups and conv channels are not sharded yet
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Mamba2 hybrids (Granite 4.0): use 1"
+            )
         problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")

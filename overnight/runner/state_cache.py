@@ -1,8 +1,8 @@
 """The state cache of hybrid models: per-request states of the linear-attention layers, beside the paged
 KV cache of their attention layers.
 
-A Gated DeltaNet layer needs, per request, a fixed-size state (attention/linear_state.py has the
-layout) instead of KV blocks. The pool holds one slot per request the runner may hold at once, indexed
+A Gated DeltaNet or Mamba2 layer needs, per request, a fixed-size state (attention/linear_state.py has
+the layout) instead of KV blocks. The pool holds one slot per request the runner may hold at once, indexed
 by the request's runner row (RequestStates' `slot`), plus a scratch slot for padding rows:
 
     slots 0 .. max_num_seqs-1 : owned by the running request whose row it is, from the step that

@@ -1,0 +1,83 @@
+"""The Mamba2 token mixer of Granite 4.0's hybrid models, reading and writing its per-request states.
+
+    x -> in_proj -> z (gate, mamba_intermediate) | x|B|C (conv channels) | dt (one per head)
+      -> causal conv + bias + SiLU over x|B|C (conv state) -> SSD recurrence per head (ssm state)
+      -> RMSNorm(y * silu(z)) -> out_proj
+
+Attribute names are the checkpoint's (model.layers.N.mamba.*). The step's rows come decodes first
+(attention/metadata.py). Decode rows (one token each) run batched by the device tensor slot_ids, with no
+host sync: CUDA graphs capture this path. Prefill rows use host offsets (prefill steps are never
+captured). Every request starts from zeros when has_state is 0. How the conv and the SSM run (torch on
+the CPU, Triton kernels on the GPU) is layers/mamba2_ops.py's choice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from overnight.attention.metadata import AttentionBatch
+from overnight.config import ModelArch
+from overnight.layers.gated_delta_ops import prefill_rows
+from overnight.layers.mamba2 import MambaGatedRMSNorm
+from overnight.layers.mamba2_ops import Mamba2Layer, mamba2_ops
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, arch: ModelArch, state_index: int) -> None:
+        super().__init__()
+        self.state_index = state_index  # this layer's place among the model's linear layers
+        self.num_heads = arch.mamba_n_heads
+        self.head_dim = arch.mamba_d_head
+        self.n_groups = arch.mamba_n_groups
+        self.d_state = arch.mamba_d_state
+        self.intermediate_size = arch.mamba_intermediate
+        self.conv_dim = self.intermediate_size + 2 * self.n_groups * self.d_state
+        self.dt_limit = arch.mamba_dt_limit
+        h = arch.hidden_size
+        proj = self.intermediate_size + self.conv_dim + self.num_heads  # z | x|B|C | dt
+        self.in_proj = nn.Linear(h, proj, bias=arch.mamba_proj_bias)
+        k = arch.mamba_d_conv
+        self.conv1d = nn.Conv1d(
+            self.conv_dim, self.conv_dim, k, groups=self.conv_dim, bias=arch.mamba_conv_bias
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_heads))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = MambaGatedRMSNorm(self.intermediate_size, arch.rms_norm_eps)
+        self.out_proj = nn.Linear(self.intermediate_size, h, bias=arch.mamba_proj_bias)
+
+    def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
+        st = attn.states
+        if st is None:
+            raise RuntimeError("a Mamba2 layer needs the step's state batch (AttentionBatch.states)")
+        meta = attn.meta
+        z, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        layer = Mamba2Layer(
+            self.num_heads,
+            self.head_dim,
+            self.n_groups,
+            self.d_state,
+            self.conv1d.weight[:, 0],  # [C, K]
+            self.conv1d.bias,
+            self.A_log,
+            self.dt_bias,
+            self.D,
+            self.dt_limit,
+        )
+        ops = mamba2_ops(x)
+        conv_pool, ssm_pool = st.conv[self.state_index], st.ssm[self.state_index]
+        t = x.shape[0]
+        nd = meta.num_decodes
+        if nd == t:  # decode-only (the captured step): no host offsets, no copy of the output
+            y = ops.decode(layer, xbc, dt, conv_pool, ssm_pool, st)
+        else:  # rows past the last request's (padding) stay unwritten
+            y = x.new_empty(t, self.num_heads, self.head_dim)
+            if nd:
+                y[:nd] = ops.decode(layer, xbc[:nd], dt[:nd], conv_pool, ssm_pool, st)
+            if meta.num_reqs > nd:
+                rows = prefill_rows(meta, st)
+                hi = nd + rows.starts[-1]
+                y[nd:hi] = ops.prefill(layer, xbc[nd:hi], dt[nd:hi], conv_pool, ssm_pool, rows)
+        out = self.norm(y.reshape(t, self.intermediate_size), z)
+        return self.out_proj(out)

@@ -1,0 +1,58 @@
+"""The Mamba2 SSM kernel's defaults (kernels/mamba2_scan.py) compile for the H200 (sm_90) and fit it without
+register spills, at granite-4.0-h-small's sizes (head size 64, d_state 128). Triton lowers it with its
+bundled ptxas, no GPU needed; the compilations run in a child process without TRITON_INTERPRET
+(tests/sm90.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.sm90 import child_report, compile_sm90
+
+pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
+
+BF16_SSD = dict(
+    x_ptr="*bf16", dt_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", A_log_ptr="*fp32", dt_bias_ptr="*bf16",
+    D_ptr="*bf16", pool_ptr="*fp32", slot_ptr="*i64", has_ptr="*fp32", cu_ptr="*i64", y_ptr="*bf16",
+    dt_min="fp32", dt_max="fp32",
+)  # fmt: skip
+
+
+def ssd_case(varlen: bool):
+    from overnight.kernels.mamba2_scan import _ssd_kernel
+
+    cx = dict(R=128, P=64, N=128, BLOCK_P=16, BLOCK_N=128, VARLEN=varlen, DT_LIMIT=False)
+    return _ssd_kernel, BF16_SSD, cx, 4, 3
+
+
+def chunked_case():
+    from overnight.kernels.mamba2_chunked import _ssd_chunked_kernel
+
+    cx = dict(R=128, P=64, N=128, L=32, BLOCK_P=32, BLOCK_N=128, DT_LIMIT=False, DOT_PRECISION="tf32")
+    return _ssd_chunked_kernel, BF16_SSD, cx, 8, 1  # ssd_varlen_chunked's defaults
+
+
+CASES = {
+    "ssd-decode": lambda: ssd_case(False),
+    "ssd-varlen": lambda: ssd_case(True),
+    "ssd-chunked": chunked_case,
+}
+
+
+def report() -> None:
+    """The child process: compile every case, print their usage as one JSON object."""
+    print(json.dumps({name: compile_sm90(*case()) for name, case in CASES.items()}))
+
+
+@pytest.fixture(scope="module")
+def usage() -> dict[str, list[int]]:
+    return child_report("tests.test_kernels_mamba2_sm90")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_defaults_compile_for_sm90_without_spills(usage: dict[str, list[int]], name: str) -> None:
+    shared, regs, stack = usage[name]
+    assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
+    assert regs <= 255 and shared < 48 * 1024, (name, regs, shared)
