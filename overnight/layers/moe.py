@@ -289,6 +289,20 @@ class Experts(nn.Module):
             scale[expert].narrow(0, start, rows.shape[0]).copy_(row_scale)
 
     @torch.no_grad()
+    def load_fp8_scales_(self, name: str, scale: torch.Tensor) -> None:
+        """The row scales [E, rows] of e4m3 projection `name` loaded as it is from a checkpoint (its
+        values copied into the weight beforehand: models/checkpoint.copy_weight)."""
+        weight = getattr(self, name)
+        if not self.stores_fp8 or tuple(scale.shape) != tuple(weight.shape[:2]):
+            raise ValueError(
+                f"{name} scales {list(scale.shape)} need e4m3 experts of {list(weight.shape[:2])} rows"
+            )
+        scale_name = name.replace("_proj", "_scale")
+        if getattr(self, scale_name) is None:
+            setattr(self, scale_name, torch.empty(scale.shape, dtype=torch.float32, device=weight.device))
+        getattr(self, scale_name).copy_(scale)
+
+    @torch.no_grad()
     def quantize_fp8_(self) -> None:
         """Replace the loaded projections by e4m3 values and one scale per expert and row (the
         per-channel rule of quant/fp8.py)."""

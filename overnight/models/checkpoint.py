@@ -118,6 +118,7 @@ def _checkpoint_names(
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STACK_SCALES = ("gate_up_scale", "down_scale")  # e4m3 stacks' [E, rows] scales (Experts)
 _KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
@@ -184,6 +185,13 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
             continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue  # some tied checkpoints store a copy of the embedding
+        stack, _, leaf = name.rpartition(".")
+        if leaf in _STACK_SCALES and f"{stack}.{leaf.replace('_scale', '_proj')}" in params:
+            # an e4m3 expert stack's row scales, right after its weight (quant/checkpoint.py)
+            experts = model.get_submodule(stack)
+            assert isinstance(experts, Experts)
+            experts.load_fp8_scales_(leaf.replace("_scale", "_proj"), tensor)
+            continue
         if name not in expected:
             unexpected.append(name)
             continue
@@ -234,7 +242,8 @@ def copy_weight(
     fills: expert `expert`'s from row `start`, or the whole stack). A parameter of e4m3 experts (held
     as e4m3 while loading: layers/moe.py store_fp8_) takes float tensors only, per expert or stacked,
     quantized per row with their scales (Experts.load_fp8_rows_): the same bytes and scales as
-    quantizing the loaded float stack. Any other float tensor arriving for an e4m3 parameter would be
+    quantizing the loaded float stack; or e4m3 stacks whole, whose scales come next (quant/checkpoint.py's
+    stacked experts). Any other float tensor arriving for an e4m3 parameter would be
     cast without a scale (values off by the scale's factor): that is a ModelLoadError, never a copy."""
     if target.dtype != torch.float8_e4m3fn:
         target.copy_(tensor)
@@ -242,6 +251,11 @@ def copy_weight(
     stack, _, leaf = pname.rpartition(".")
     owner = model.get_submodule(stack)
     if isinstance(owner, Experts) and owner.stores_fp8 and leaf in ("gate_up_proj", "down_proj"):
+        if tensor.dtype == torch.float8_e4m3fn and expert is None:
+            # a checkpoint's e4m3 stack, as it is: quant/checkpoint.py yields its row scales next
+            # (`<stack>.gate_up_scale`), which load_packed_weights hands to the Experts
+            target.copy_(tensor)
+            return
         if tensor.dtype not in _FLOAT_DTYPES:
             raise ModelLoadError(
                 f"tensor {name} ({tensor.dtype}) arrives for experts held as e4m3 while loading: they "
