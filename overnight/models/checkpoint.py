@@ -173,6 +173,7 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
         expected[pname] = (pname, None, None)
 
     seen: set[str] = set()
+    unscaled: set[str] = set()  # e4m3 expert stacks copied as they are, until their scales come
     unexpected: list[str] = []
     kv_scales: dict[int, list[float]] = {}
     for name, tensor in weights:
@@ -191,6 +192,7 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
             experts = model.get_submodule(stack)
             assert isinstance(experts, Experts)
             experts.load_fp8_scales_(leaf.replace("_scale", "_proj"), tensor)
+            unscaled.discard(f"{stack}.{leaf.replace('_scale', '_proj')}")
             continue
         if name not in expected:
             unexpected.append(name)
@@ -208,11 +210,19 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
                 f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
                 f"the model expects {list(target.shape)} (does config.json match the weights?)"
             )
-        copy_weight(model, name, pname, target, tensor, expert, start)
+        e4m3_stack = tensor.dtype == torch.float8_e4m3fn and expert is None and pname in covers
+        copy_weight(model, name, pname, target, tensor, expert, start, e4m3_stack)
+        if e4m3_stack:
+            unscaled.add(pname)
         seen.add(name)
         seen.update(covers.get(name, ()))
 
     model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
+    if unscaled:
+        raise ModelLoadError(
+            f"e4m3 tensors arrived for experts held as e4m3 while loading without their row scales: "
+            f"{_listing(unscaled)} (an FP8 checkpoint's expert stacks need their _scale tensors)"
+        )
     problems = []
     missing = set(expected) - set(covers) - seen
     if missing:
@@ -237,13 +247,14 @@ def copy_weight(
     tensor: torch.Tensor,
     expert: int | None = None,
     start: int = 0,
+    e4m3_stack: bool = False,
 ) -> None:
     """Copy checkpoint tensor `name` into `target` (parameter `pname`, or the rows of it the tensor
     fills: expert `expert`'s from row `start`, or the whole stack). A parameter of e4m3 experts (held
     as e4m3 while loading: layers/moe.py store_fp8_) takes float tensors only, per expert or stacked,
     quantized per row with their scales (Experts.load_fp8_rows_): the same bytes and scales as
-    quantizing the loaded float stack; or e4m3 stacks whole, whose scales come next (quant/checkpoint.py's
-    stacked experts). Any other float tensor arriving for an e4m3 parameter would be
+    quantizing the loaded float stack; or, with e4m3_stack, an e4m3 stack whole, whose scales the caller
+    loads next (quant/checkpoint.py's stacked experts). Any other float tensor arriving for an e4m3 parameter would be
     cast without a scale (values off by the scale's factor): that is a ModelLoadError, never a copy."""
     if target.dtype != torch.float8_e4m3fn:
         target.copy_(tensor)
@@ -251,9 +262,9 @@ def copy_weight(
     stack, _, leaf = pname.rpartition(".")
     owner = model.get_submodule(stack)
     if isinstance(owner, Experts) and owner.stores_fp8 and leaf in ("gate_up_proj", "down_proj"):
-        if tensor.dtype == torch.float8_e4m3fn and expert is None:
+        if tensor.dtype == torch.float8_e4m3fn and e4m3_stack:
             # a checkpoint's e4m3 stack, as it is: quant/checkpoint.py yields its row scales next
-            # (`<stack>.gate_up_scale`), which load_packed_weights hands to the Experts
+            # (`<stack>.gate_up_scale`), which load_packed_weights hands to the Experts and requires
             target.copy_(tensor)
             return
         if tensor.dtype not in _FLOAT_DTYPES:
