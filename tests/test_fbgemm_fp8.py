@@ -299,3 +299,24 @@ def test_expert_scales_of_the_wrong_shape_or_missing_are_refused(llama4, tmp_pat
         )
         with pytest.raises(ModelLoadError, match=re.escape(expected)):
             load_model(resolve_source(str(folder)), torch.float32, "cpu")
+
+
+def test_budget_counts_e4m3_weights(llama4):
+    """`overnight budget` (and the fit check, through loader/fit.weight_bytes) sizes an fbgemm_fp8
+    checkpoint's weights as FP8: a byte per projection and expert weight plus float32 row scales."""
+    from overnight.loader.fit import weight_bytes
+    from overnight.options import EngineOptions
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    fp8, deq, _ = llama4
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    plans = {
+        folder: plan_budget(
+            EngineOptions(model=str(folder), dtype="bfloat16"), resolve_source(str(folder)), h200
+        )
+        for folder in (fp8, deq)
+    }
+    arch = resolve_source(str(fp8)).arch
+    assert plans[fp8].weights_bytes == weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
+    assert plans[deq].weights_bytes == weight_bytes(arch, torch.bfloat16)
+    assert plans[fp8].weights_bytes < 0.7 * plans[deq].weights_bytes
