@@ -20,12 +20,13 @@ Checkpoint formats understood (weights e4m3, scales float32, dequantized as weig
 
 fbgemm_fp8's modules_to_not_convert follows transformers' rule: an entry names a module, a dotted suffix
 of one, or a parent of it (a regular expression matched at the start of the name, then "."); its
-activation_scale_ub (1200 in Meta's releases) is read, checked and not applied. fbgemm clamps each
-token's amax to it before scaling, so values beyond +-ub saturate at ub; our per-token scale always
-covers the token's whole range. The two differ only for a token whose largest |activation| entering an
-FP8 linear exceeds the bound (hidden states after RMSNorm and SiLU-gated products of a normal forward
-stay far below 1200); vLLM passes the bound to its per-token quantization, which our fused norm,
-SiLU-and-mul and quantize kernels have no input for yet. Llama 4's experts run as every FP8 checkpoint's
+activation_scale_ub (1200 in Meta's releases) is read, checked and not applied. fbgemm (and vLLM, which
+passes it to its per-token quantization) clamps each token's amax to it before scaling, so values beyond
++-ub saturate at ub; our per-token scale always covers the token's whole range (our fused norm,
+SiLU-and-mul and quantize kernels have no input for a bound yet). The two give the same e4m3 values and
+scales for every token whose largest |activation| entering an FP8 linear is at most the bound, which
+normalized hidden states and typical SiLU-gated products are by far; a token beyond it (an outlier of
+the few layers that build massive activations) keeps its large values here where fbgemm clips them. Llama 4's experts run as every FP8 checkpoint's
 experts do here: weight-only FP8 (fbgemm quantizes their inputs too).
 
 input_scale tensors (static activation scales) are accepted and checked but not used: the kernel that
