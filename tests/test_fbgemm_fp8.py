@@ -202,6 +202,48 @@ def test_llama4_fused_experts_load_as_saved(llama4):
     assert isinstance(layers[0].mlp.gate_up_proj, Fp8Linear)  # a dense layer's MLP
 
 
+def test_llama4_per_expert_layout_loads_the_same_bytes(llama4, tmp_path):
+    """The experts stored one e4m3 tensor per expert and projection with weight_scale [rows, 1]
+    (experts.E.gate_proj.weight, ...) load into the same stacks, bytes and scales, as the fused ones."""
+    fp8, _, saved = llama4
+    folder = tmp_path / "per-expert"
+    folder.mkdir()
+    for extra in fp8.iterdir():
+        if extra.name != "model.safetensors":
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    tensors = dict(saved)
+    for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
+        prefix = name.removesuffix("gate_up_proj")
+        gate_up, down = tensors.pop(name).transpose(1, 2), tensors.pop(prefix + "down_proj").transpose(1, 2)
+        gate_up_scale = tensors.pop(name + "_scale")[:, 0, :]  # [E, 2I]
+        down_scale = tensors.pop(prefix + "down_proj_scale")[:, :, 0]  # [E, H]
+        half = gate_up.shape[1] // 2
+        for e in range(gate_up.shape[0]):
+            for proj, w, sc in (
+                ("gate_proj", gate_up[e, :half], gate_up_scale[e, :half]),
+                ("up_proj", gate_up[e, half:], gate_up_scale[e, half:]),
+                ("down_proj", down[e], down_scale[e]),
+            ):
+                tensors[f"{prefix}{e}.{proj}.weight"] = w.contiguous()
+                tensors[f"{prefix}{e}.{proj}.weight_scale"] = sc[:, None].contiguous()
+    save_file(tensors, str(folder / "model.safetensors"))
+    from overnight.parallel.tp import load_sharded_model
+
+    def load(folder: Path, rank: int | None) -> nn.Module:
+        source = resolve_source(str(folder))
+        if rank is None:
+            return load_model(source, torch.float32, "cpu")
+        return load_sharded_model(source, torch.float32, "cpu", rank, 2)
+
+    for rank in (None, 0, 1):  # whole, then each tensor-parallel rank's slices
+        fused, split = load(fp8, rank), load(folder, rank)
+        for i in (1, 3):
+            a, b = fused.model.layers[i].mlp.experts, split.model.layers[i].mlp.experts
+            for name in ("gate_up_proj", "down_proj"):
+                assert torch.equal(_bytes(getattr(a, name)), _bytes(getattr(b, name))), (rank, name)
+            assert torch.equal(a.gate_up_scale, b.gate_up_scale) and torch.equal(a.down_scale, b.down_scale)
+
+
 def test_llama4_greedy_matches_the_dequantized_reference(llama4):
     fp8, deq, _ = llama4
     model = load_model(resolve_source(str(fp8)), torch.float32, "cpu")

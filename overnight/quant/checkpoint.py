@@ -25,11 +25,15 @@ layout by the model's rename_checkpoint) come with one scale per expert and outp
 
 For experts held as e4m3 while loading (layers/moe.py store_fp8_) they pass as they are, each weight
 followed at once by `<stack>.gate_up_scale` / `down_scale` [E, rows] (models/checkpoint.py writes both
-into the Experts: no second rounding); other experts get the weight dequantized.
+into the Experts: no second rounding); other experts get the weight dequantized. Per-expert tensors
+(experts.N.gate_proj.weight) with per-row scales ([rows] or [rows, 1]: fbgemm_fp8, compressed-tensors
+channel) likewise pass as e4m3 with their `weight_scale` [rows] into such experts; per-tensor and
+block-scaled ones are dequantized (and requantized per row as they load).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -93,7 +97,11 @@ def fp8_checkpoint_weights(
                 del pending[module]
                 block_k = scheme.weight_block[1] if scheme.weight_block is not None else None
                 data, scale = _to_layout(module, parts["weight"], parts[scheme.scale_name], block_k, scheme)
-                yield f"{module}.weight", dequantize_weight(data, scale)
+                per_row = block_k is None and parts[scheme.scale_name].numel() > 1
+                if per_row and _held_as_e4m3(module, stacks):
+                    yield from _named(module, data, scale)  # as saved: already the stack's layout
+                else:
+                    yield f"{module}.weight", dequantize_weight(data, scale)
         elif module not in layouts:
             if tensor.dtype in _FP8_TYPES:
                 raise ModelLoadError(
@@ -127,6 +135,13 @@ def fp8_checkpoint_weights(
 
 
 _STACKED = ("gate_up_proj", "down_proj")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate|up|down)_proj")
+
+
+def _held_as_e4m3(module: str, stacks: dict[str, QuantizedAfterLoad]) -> bool:
+    """Whether `module` is one expert's projection (experts.N.gate_proj) of a stack held as e4m3."""
+    match = _PER_EXPERT.fullmatch(module)
+    return match is not None and getattr(stacks.get(match.group(1)), "stores_fp8", False)
 
 
 def _stack_to_layout(
