@@ -255,6 +255,42 @@ def test_llama4_greedy_matches_the_dequantized_reference(llama4):
     assert agree.top1 >= MIN_TOP1 and agree.mean_dlogprob <= MAX_DLOGPROB, agree
 
 
+def test_llama4_conditional_checkpoint_in_maverick_names(tmp_path):
+    """A Llama4ForConditionalGeneration checkpoint (language_model.model.layers.N.feed_forward.*, the
+    tower float and listed, as Maverick-FP8 has it): ignore entries in those names reach our modules,
+    the experts load as saved, and the dequantized model's greedy tokens are transformers'."""
+    from tests.test_llama4 import make_llama4_checkpoint
+
+    src = make_llama4_checkpoint(tmp_path / "l4", conditional=True)
+    ignore = [
+        "language_model.model.layers.3.self_attn",
+        "language_model.model.layers.1.feed_forward.shared_expert",
+        "vision_model",
+        "multi_modal_projector",
+        "language_model.lm_head",
+    ]
+    saved = write_fbgemm(src, tmp_path / "fp8", tmp_path / "deq", ignore)
+    assert any(n.startswith("language_model.model.layers.1.feed_forward.experts") for n in saved)
+    assert all(
+        t.dtype == torch.float32 for n, t in saved.items() if n.startswith(("vision_model", "multi_modal"))
+    )
+    model = load_model(resolve_source(str(tmp_path / "fp8")), torch.float32, "cpu")
+    layers = model.model.layers
+    assert type(layers[3].self_attn.qkv_proj) is nn.Linear and isinstance(
+        layers[2].self_attn.o_proj, Fp8Linear
+    )
+    assert type(layers[1].mlp.shared_expert.up_proj) is nn.Linear
+    assert isinstance(layers[3].mlp.shared_expert.up_proj, Fp8Linear)
+    ckpt = "language_model.model.layers.1.feed_forward.experts"
+    experts = layers[1].mlp.experts
+    assert torch.equal(_bytes(experts.gate_up_proj), _bytes(saved[f"{ckpt}.gate_up_proj"].transpose(1, 2)))
+    assert torch.equal(experts.down_scale, saved[f"{ckpt}.down_proj_scale"][:, :, 0])
+    prompts = prompts_for(model.arch.vocab_size, n=4)
+    _assert_dequantized_greedy_equals_hf(
+        model, _hf(tmp_path / "deq", "Llama4ForConditionalGeneration"), prompts
+    )
+
+
 def test_llama4_tp_shards_keep_the_saved_experts(llama4):
     """Rank by rank: each rank's experts are its rows (gate/up) and columns (down) of the saved e4m3
     stacks with the matching scales (down's rows keep all of theirs)."""

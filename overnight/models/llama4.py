@@ -144,7 +144,9 @@ class Llama4ForCausalLM(nn.Module):
             return (module,)
         ff = module.replace(".mlp.", ".feed_forward.")
         ff = ff.removesuffix(".mlp") + ".feed_forward" if ff.endswith(".mlp") else ff
-        return tuple(dict.fromkeys((module, ff, "language_model." + ff)))
+        names = [n for own in (module, ff) for n in (own, "language_model." + own)]
+        names += ["model.language_model." + own.removeprefix("model.") for own in (module, ff)]
+        return tuple(dict.fromkeys(names))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, weights)
