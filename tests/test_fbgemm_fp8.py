@@ -156,6 +156,27 @@ def test_llama_greedy_matches_the_dequantized_reference(llama):
     assert agree.ok, agree
 
 
+def test_llama_engine_runs_the_checkpoint(llama):
+    """Through LLM: the engine's greedy tokens are those of the loaded FP8 model run directly."""
+    from overnight import LLM, SamplingParams
+
+    fp8, _, _ = llama
+    llm = LLM(
+        str(fp8),
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory_bytes=1 << 20,
+        block_size=4,
+        skip_tokenizer_init=True,
+    )
+    model = llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[1].mlp.gate_up_proj, Fp8Linear)
+    prompts = prompts_for(model.arch.vocab_size, n=4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == greedy_tokens(model, prompts, 4)
+
+
 # -- Llama 4 -------------------------------------------------------------------------------------------
 
 # Maverick-FP8 style: attention of one layer, a shared expert's projection and the routers stay float
