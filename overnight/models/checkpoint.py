@@ -267,8 +267,9 @@ def copy_weight(
     as e4m3 while loading: layers/moe.py store_fp8_) takes float tensors only, per expert or stacked,
     quantized per row with their scales (Experts.load_fp8_rows_): the same bytes and scales as
     quantizing the loaded float stack; or, with e4m3_stack, e4m3 values as they are (a stack or one
-    expert's rows), whose scales the caller loads next (quant/checkpoint.py's stacked experts). Any other float tensor arriving for an e4m3 parameter would be
-    cast without a scale (values off by the scale's factor): that is a ModelLoadError, never a copy."""
+    expert's rows), whose scales the caller loads next (quant/checkpoint.py's e4m3 experts). Any other
+    tensor arriving for an e4m3 parameter would be cast without a scale (values off by the scale's
+    factor): that is a ModelLoadError, never a copy."""
     if target.dtype != torch.float8_e4m3fn:
         target.copy_(tensor)
         return
