@@ -105,6 +105,26 @@ def test_llama_greedy_matches_the_dequantized_reference(llama):
     assert agree.ok, agree
 
 
+def test_saved_input_scale_ub_tensors_are_accepted(llama, tmp_path):
+    """A writer that saved each layer's input_scale_ub (transformers 4.4x held it as a parameter) gives
+    the same model; the bound is not applied (quant/scheme.py)."""
+    fp8, _, saved = llama
+    folder = tmp_path / "with-ub"
+    folder.mkdir()
+    for extra in fp8.iterdir():
+        if extra.name != "model.safetensors":
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    ubs = {
+        n.replace("weight_scale", "input_scale_ub"): torch.tensor([1200.0])
+        for n in saved
+        if "weight_scale" in n
+    }
+    save_file({**saved, **ubs}, str(folder / "model.safetensors"))
+    a = dict(load_model(resolve_source(str(fp8)), torch.float32, "cpu").named_parameters())
+    b = dict(load_model(resolve_source(str(folder)), torch.float32, "cpu").named_parameters())
+    assert ubs and a.keys() == b.keys() and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
+
+
 def test_llama_engine_runs_the_checkpoint(llama):
     """Through LLM: the engine's greedy tokens are those of the loaded FP8 model run directly."""
     from overnight import LLM, SamplingParams

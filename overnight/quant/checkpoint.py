@@ -15,7 +15,8 @@ it fuses their weights (each shard keeps its own rows of scales):
 Layers a model keeps in the compute dtype but that FP8 checkpoints store in FP8 (its
 `dequantized_at_load`: Qwen3-MoE's stacked experts) get their weights dequantized with their scales
 here, in float32. A weight and its scale may arrive in either order (or different files): the first is
-held until the second comes. input_scale tensors are checked (positive, finite) and dropped (quant/scheme.py says why).
+held until the second comes. input_scale tensors (and fbgemm_fp8's input_scale_ub, where a writer saved
+it) are checked (positive, finite) and dropped (quant/scheme.py says why).
 
 Stacked experts stored e4m3 whole (fbgemm_fp8's Llama 4 experts, already transposed into the model's
 layout by the model's rename_checkpoint) come with one scale per expert and output row:
@@ -67,6 +68,9 @@ def fp8_checkpoint_weights(
     stacked: dict[str, dict[str, torch.Tensor]] = {}  # "<stack>.<proj>" -> its weight or scale, held
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
+        if kind == "input_scale_ub":  # fbgemm_fp8's activation bound, if a writer saved it: not applied
+            _check_input_scale(name, tensor)
+            continue
         if module in stacks and kind.removesuffix("_scale") in _STACKED:
             proj = kind.removesuffix("_scale")
             if kind == proj and tensor.dtype not in _FP8_TYPES:
