@@ -289,6 +289,28 @@ class Experts(nn.Module):
             scale[expert].narrow(0, start, rows.shape[0]).copy_(row_scale)
 
     @torch.no_grad()
+    def load_fp8_scales_(
+        self, name: str, scale: torch.Tensor, expert: int | None = None, start: int = 0
+    ) -> None:
+        """Row scales of e4m3 projection `name` loaded as they are from a checkpoint (its values copied
+        into the weight beforehand: models/checkpoint.copy_weight): the whole stack's [E, rows]
+        (expert None), or expert `expert`'s rows start .. start + len(scale)."""
+        weight = getattr(self, name)
+        fits = tuple(scale.shape) == tuple(weight.shape[:2]) if expert is None else scale.dim() == 1
+        if not self.stores_fp8 or not fits:
+            raise ValueError(
+                f"{name} scales {list(scale.shape)} do not fit e4m3 experts {list(weight.shape)}"
+            )
+        scale_name = name.replace("_proj", "_scale")
+        if getattr(self, scale_name) is None:
+            full = torch.ones(weight.shape[:2], dtype=torch.float32, device=weight.device)
+            setattr(self, scale_name, full)
+        target = getattr(self, scale_name)
+        if expert is not None:
+            target = target[expert].narrow(0, start, scale.shape[0])
+        target.copy_(scale)
+
+    @torch.no_grad()
     def quantize_fp8_(self) -> None:
         """Replace the loaded projections by e4m3 values and one scale per expert and row (the
         per-channel rule of quant/fp8.py)."""

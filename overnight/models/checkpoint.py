@@ -118,6 +118,7 @@ def _checkpoint_names(
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_STACK_SCALES = ("gate_up_scale", "down_scale")  # e4m3 stacks' [E, rows] scales (Experts)
 _KV_SCALE_NAME = re.compile(r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 
 
@@ -172,6 +173,7 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
         expected[pname] = (pname, None, None)
 
     seen: set[str] = set()
+    unscaled: set[str] = set()  # e4m3 expert tensors copied as they are, until their scales come
     unexpected: list[str] = []
     kv_scales: dict[int, list[float]] = {}
     for name, tensor in weights:
@@ -184,6 +186,27 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
             continue
         if name == "lm_head.weight" and arch.tie_word_embeddings:
             continue  # some tied checkpoints store a copy of the embedding
+        stack, _, leaf = name.rpartition(".")
+        if leaf in _STACK_SCALES and f"{stack}.{leaf.replace('_scale', '_proj')}" in params:
+            # an e4m3 expert stack's row scales, right after its weight (quant/checkpoint.py)
+            experts = model.get_submodule(stack)
+            assert isinstance(experts, Experts)
+            experts.load_fp8_scales_(leaf.replace("_scale", "_proj"), tensor)
+            unscaled.discard(f"{stack}.{leaf.replace('_scale', '_proj')}")
+            continue
+        if (
+            leaf == "weight_scale"
+            and f"{stack}.weight" in expected
+            and expected[f"{stack}.weight"][1] is not None
+        ):
+            # one checkpoint expert's row scales, right after its e4m3 weight (quant/checkpoint.py)
+            pname, expert, shard = expected[f"{stack}.weight"]
+            experts = model.get_submodule(pname.rpartition(".")[0])
+            assert isinstance(experts, Experts) and expert is not None
+            start = 0 if shard is None else _shard_range(arch, shard, in_expert=True)[0]
+            experts.load_fp8_scales_(pname.rpartition(".")[2], tensor, expert, start)
+            unscaled.discard(f"{stack}.weight")
+            continue
         if name not in expected:
             unexpected.append(name)
             continue
@@ -200,11 +223,19 @@ def load_packed_weights(model: PackedModel, weights: Iterable[tuple[str, torch.T
                 f"shape mismatch for tensor {name}: checkpoint has {list(tensor.shape)}, "
                 f"the model expects {list(target.shape)} (does config.json match the weights?)"
             )
-        copy_weight(model, name, pname, target, tensor, expert, start)
+        e4m3_stack = tensor.dtype == torch.float8_e4m3fn and pname in covers
+        copy_weight(model, name, pname, target, tensor, expert, start, e4m3_stack)
+        if e4m3_stack:
+            unscaled.add(name)
         seen.add(name)
         seen.update(covers.get(name, ()))
 
     model.checkpoint_kv_scales = {layer: (k, v) for layer, (k, v) in sorted(kv_scales.items())}
+    if unscaled:
+        raise ModelLoadError(
+            f"e4m3 tensors arrived for experts held as e4m3 while loading without their row scales: "
+            f"{_listing(unscaled)} (an FP8 checkpoint's expert stacks need their _scale tensors)"
+        )
     problems = []
     missing = set(expected) - set(covers) - seen
     if missing:
@@ -229,19 +260,28 @@ def copy_weight(
     tensor: torch.Tensor,
     expert: int | None = None,
     start: int = 0,
+    e4m3_stack: bool = False,
 ) -> None:
     """Copy checkpoint tensor `name` into `target` (parameter `pname`, or the rows of it the tensor
     fills: expert `expert`'s from row `start`, or the whole stack). A parameter of e4m3 experts (held
     as e4m3 while loading: layers/moe.py store_fp8_) takes float tensors only, per expert or stacked,
     quantized per row with their scales (Experts.load_fp8_rows_): the same bytes and scales as
-    quantizing the loaded float stack. Any other float tensor arriving for an e4m3 parameter would be
-    cast without a scale (values off by the scale's factor): that is a ModelLoadError, never a copy."""
+    quantizing the loaded float stack; or, with e4m3_stack, e4m3 values as they are (a stack or one
+    expert's rows), whose scales the caller loads next (quant/checkpoint.py's e4m3 experts). Any other
+    tensor arriving for an e4m3 parameter would be cast without a scale (values off by the scale's
+    factor): that is a ModelLoadError, never a copy."""
     if target.dtype != torch.float8_e4m3fn:
         target.copy_(tensor)
         return
     stack, _, leaf = pname.rpartition(".")
     owner = model.get_submodule(stack)
     if isinstance(owner, Experts) and owner.stores_fp8 and leaf in ("gate_up_proj", "down_proj"):
+        if tensor.dtype == torch.float8_e4m3fn and e4m3_stack:
+            # a checkpoint's e4m3 stack or expert, as it is: quant/checkpoint.py yields its row scales
+            # next (`<stack>.gate_up_scale`, `experts.N.gate_proj.weight_scale`), which
+            # load_packed_weights hands to the Experts and requires
+            target.copy_(tensor)
+            return
         if tensor.dtype not in _FLOAT_DTYPES:
             raise ModelLoadError(
                 f"tensor {name} ({tensor.dtype}) arrives for experts held as e4m3 while loading: they "

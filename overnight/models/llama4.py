@@ -134,6 +134,20 @@ class Llama4ForCausalLM(nn.Module):
         (loader/model_loader.checkpoint_weights)."""
         return llama4_names(weights)
 
+    @staticmethod
+    def checkpoint_names(module: str) -> tuple[str, ...]:
+        """The names a module may carry in a checkpoint and its quantization_config's ignore list
+        (Maverick-FP8's modules_to_not_convert names language_model.model.layers.N.feed_forward.*)."""
+        if module == "lm_head":
+            return module, "language_model.lm_head"
+        if not module.startswith("model."):
+            return (module,)
+        ff = module.replace(".mlp.", ".feed_forward.")
+        ff = ff.removesuffix(".mlp") + ".feed_forward" if ff.endswith(".mlp") else ff
+        names = [n for own in (module, ff) for n in (own, "language_model." + own)]
+        names += ["model.language_model." + own.removeprefix("model.") for own in (module, ff)]
+        return tuple(dict.fromkeys(names))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, weights)
 

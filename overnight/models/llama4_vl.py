@@ -98,9 +98,4 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         """The names a module of this model may carry in a checkpoint (and its ignore list)."""
         if module.startswith(_TOWER):
             return module, "model." + module
-        if module.startswith("model."):
-            rest = module.removeprefix("model.")
-            return module, "language_model." + module, "model.language_model." + rest
-        if module == "lm_head":
-            return module, "language_model.lm_head"
-        return (module,)
+        return Llama4ForCausalLM.checkpoint_names(module)  # feed_forward.*, language_model.* too

@@ -68,6 +68,8 @@ def shard_expert_tensor(
         return torch.cat([_take(gate, dim, start, n), _take(up, dim, start, n)], dim=dim)
     if name == "down_bias":
         return t if rank == 0 else torch.zeros_like(t)
+    if name == "down_scale" and t.dim() == 2:  # FP8 row scales [E, H]: down keeps its rows
+        return t
     # down's input columns. A stored column holds `per` of them: 1 (float), 2 (MXFP4 bytes), 32 / bits
     # (int32 words), a scale group's width (MXFP4 scales, integer scales and zeros)
     per = whole // t.shape[dim + 1]

@@ -15,18 +15,33 @@ it fuses their weights (each shard keeps its own rows of scales):
 Layers a model keeps in the compute dtype but that FP8 checkpoints store in FP8 (its
 `dequantized_at_load`: Qwen3-MoE's stacked experts) get their weights dequantized with their scales
 here, in float32. A weight and its scale may arrive in either order (or different files): the first is
-held until the second comes. input_scale tensors are checked (positive, finite) and dropped (quant/scheme.py says why).
+held until the second comes. input_scale tensors (and fbgemm_fp8's input_scale_ub, where a writer saved
+it) are checked (positive, finite) and dropped (quant/scheme.py says why).
+
+Stacked experts stored e4m3 whole (fbgemm_fp8's Llama 4 experts, already transposed into the model's
+layout by the model's rename_checkpoint) come with one scale per expert and output row:
+
+    <stack>.gate_up_proj e4m3 [E, 2I, H] + gate_up_proj_scale [E, 1, 2I] / [E, 2I, 1] / [E, 2I]
+    <stack>.down_proj    e4m3 [E, H, I]  + down_proj_scale    [E, H, 1] / [E, 1, H] / [E, H]
+
+For experts held as e4m3 while loading (layers/moe.py store_fp8_) they pass as they are, each weight
+followed at once by `<stack>.gate_up_scale` / `down_scale` [E, rows] (models/checkpoint.py writes both
+into the Experts: no second rounding); other experts get the weight dequantized. Per-expert tensors
+(experts.N.gate_proj.weight) with per-row scales ([rows] or [rows, 1]: fbgemm_fp8, compressed-tensors
+channel) likewise pass as e4m3 with their `weight_scale` [rows] into such experts; per-tensor and
+block-scaled ones are dequantized (and requantized per row as they load).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
 
 from overnight.errors import ModelLoadError
-from overnight.quant.apply import quantized_checkpoint_modules
+from overnight.quant.apply import QuantizedAfterLoad, quantized_checkpoint_modules
 from overnight.quant.fp8 import (
     FP8_DTYPE,
     dequantize_weight,
@@ -48,9 +63,25 @@ def fp8_checkpoint_weights(
     compute dtype."""
     layouts = quantized_checkpoint_modules(model)
     dequantized = getattr(model, "dequantized_at_load", ())
+    stacks = {n: m for n, m in model.named_modules() if isinstance(m, QuantizedAfterLoad)}
     pending: dict[str, dict[str, torch.Tensor]] = {}
+    stacked: dict[str, dict[str, torch.Tensor]] = {}  # "<stack>.<proj>" -> its weight or scale, held
     for name, tensor in weights:
         module, _, kind = name.rpartition(".")
+        if kind == "input_scale_ub":  # fbgemm_fp8's activation bound, if a writer saved it: not applied
+            _check_input_scale(name, tensor)
+            continue
+        if module in stacks and kind.removesuffix("_scale") in _STACKED:
+            proj = kind.removesuffix("_scale")
+            if kind == proj and tensor.dtype not in _FP8_TYPES:
+                yield name, tensor  # float experts: quantized as they load, or kept
+                continue
+            parts = stacked.setdefault(f"{module}.{proj}", {})
+            parts["scale" if kind != proj else "weight"] = tensor
+            if len(parts) == 2:
+                del stacked[f"{module}.{proj}"]
+                yield from _stack_to_layout(module, proj, parts["weight"], parts["scale"], stacks[module])
+            continue
         if (
             module not in layouts
             and kind in ("weight", scheme.scale_name, "input_scale")
@@ -70,7 +101,11 @@ def fp8_checkpoint_weights(
                 del pending[module]
                 block_k = scheme.weight_block[1] if scheme.weight_block is not None else None
                 data, scale = _to_layout(module, parts["weight"], parts[scheme.scale_name], block_k, scheme)
-                yield f"{module}.weight", dequantize_weight(data, scale)
+                per_row = block_k is None and parts[scheme.scale_name].numel() > 1
+                if per_row and _held_as_e4m3(module, stacks):
+                    yield from _named(module, data, scale)  # as saved: already the stack's layout
+                else:
+                    yield f"{module}.weight", dequantize_weight(data, scale)
         elif module not in layouts:
             if tensor.dtype in _FP8_TYPES:
                 raise ModelLoadError(
@@ -95,6 +130,47 @@ def fp8_checkpoint_weights(
             yield name, tensor  # a bias; anything else the loader reports as unexpected
     if pending:
         raise ModelLoadError(_unpaired(pending, scheme.scale_name))
+    if stacked:
+        missing = sorted(f"{n}_scale" if "weight" in p else n for n, p in stacked.items())
+        raise ModelLoadError(
+            "FP8 checkpoint is incomplete: every FP8 expert stack needs its scale tensor and the reverse; "
+            f"missing: {', '.join(missing[:6])}"
+        )
+
+
+_STACKED = ("gate_up_proj", "down_proj")
+_PER_EXPERT = re.compile(r"(.*\.experts)\.\d+\.(gate|up|down)_proj")
+
+
+def _held_as_e4m3(module: str, stacks: dict[str, QuantizedAfterLoad]) -> bool:
+    """Whether `module` is one expert's projection (experts.N.gate_proj) of a stack held as e4m3."""
+    match = _PER_EXPERT.fullmatch(module)
+    return match is not None and getattr(stacks.get(match.group(1)), "stores_fp8", False)
+
+
+def _stack_to_layout(
+    module: str, proj: str, weight: torch.Tensor, scale: torch.Tensor, stack: QuantizedAfterLoad
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An e4m3 expert stack [E, rows, in] and its per-row scales in the model's names (module docstring)."""
+    if weight.dtype != FP8_DTYPE or weight.dim() != 3:
+        raise ModelLoadError(
+            f"{module}.{proj} is {weight.dtype} {list(weight.shape)}; FP8 expert stacks must be "
+            "float8_e4m3fn [experts, rows, columns]"
+        )
+    e, n = weight.shape[:2]
+    if tuple(scale.shape) not in ((e, 1, n), (e, n, 1), (e, n)):
+        raise ModelLoadError(
+            f"{module}.{proj}_scale is {list(scale.shape)}; {e} experts of {n} output rows need one "
+            f"scale per expert and row: [{e}, 1, {n}], [{e}, {n}, 1] or [{e}, {n}]"
+        )
+    rows = scale.float().reshape(e, n).contiguous()
+    if not bool(torch.isfinite(rows).all()) or bool((rows < 0).any()):
+        raise ModelLoadError(f"{module}.{proj}_scale must hold non-negative finite scales")
+    if getattr(stack, "stores_fp8", False):
+        yield f"{module}.{proj}", weight
+        yield f"{module}.{proj.replace('_proj', '_scale')}", rows
+    else:
+        yield f"{module}.{proj}", weight.float() * rows[:, :, None]
 
 
 def _named(module: str, data: torch.Tensor, scale: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

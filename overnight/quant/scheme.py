@@ -13,6 +13,21 @@ Checkpoint formats understood (weights e4m3, scales float32, dequantized as weig
     quant_method "compressed-tensors",                weight + weight_scale per tensor ([] or [1]),
       format "float-quantized"                        per channel ([N, 1]) or per block
                                                       (strategy "block", block_structure [bn, bk])
+    quant_method "fbgemm_fp8"                         weight + weight_scale [N, 1] per channel; Llama 4's
+      (Meta's Llama-3.1-405B-Instruct-FP8,            fused experts gate_up_proj [E, H, 2I] with
+      Llama-4-Maverick-*-FP8)                         gate_up_proj_scale [E, 1, 2I], down_proj [E, I, H]
+                                                      with down_proj_scale [E, H, 1] (quant/checkpoint.py)
+
+fbgemm_fp8's modules_to_not_convert follows transformers' rule: an entry names a module, a dotted suffix
+of one, or a parent of it (a regular expression matched at the start of the name, then "."); its
+activation_scale_ub (1200 in Meta's releases) is read, checked and not applied. fbgemm (and vLLM, which
+passes it to its per-token quantization) clamps each token's amax to it before scaling, so values beyond
++-ub saturate at ub; our per-token scale always covers the token's whole range (our fused norm,
+SiLU-and-mul and quantize kernels have no input for a bound yet). The two give the same e4m3 values and
+scales for every token whose largest |activation| entering an FP8 linear is at most the bound, which
+normalized hidden states and typical SiLU-gated products are by far; a token beyond it (an outlier of
+the few layers that build massive activations) keeps its large values here where fbgemm clips them. Llama 4's experts run as every FP8 checkpoint's
+experts do here: weight-only FP8 (fbgemm quantizes their inputs too).
 
 input_scale tensors (static activation scales) are accepted and checked but not used: the kernel that
 produces each activation holds the whole row, so a per-token scale costs nothing, and it is never
@@ -21,6 +36,8 @@ coarser than one calibrated scale for all tokens.
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +62,8 @@ class QuantScheme:
     input_scales: bool = False  # the checkpoint ships static input_scale tensors (accepted, unused)
     ignore: tuple[str, ...] = ()  # checkpoint module names, or "re:" patterns, left unquantized
     keep_blocks: bool = KEEP_WEIGHT_BLOCKS
+    method: str = "fp8"  # "fbgemm_fp8" for Meta's releases; "fp8" for every other FP8 source
+    activation_scale_ub: float | None = None  # fbgemm_fp8's bound: read and not applied (docstring)
 
     @property
     def name(self) -> str:
@@ -77,7 +96,10 @@ class QuantScheme:
         if not self.prequantized:
             weights = "quantized at load, one scale per output channel"
         elif self.weight_block is None:
-            weights = f"FP8 checkpoint ({self.scale_name} per tensor or channel)"
+            if self.method == "fbgemm_fp8":
+                weights = "fbgemm_fp8 checkpoint (weight_scale per channel)"
+            else:
+                weights = f"FP8 checkpoint ({self.scale_name} per tensor or channel)"
         else:
             bn, bk = self.weight_block
             layout = f"kept as {bk}-column blocks" if self.keep_blocks else "requantized per output channel"
@@ -143,10 +165,13 @@ def scheme_from_hf_config(qc: dict[str, Any], where: str = "config.json") -> Qua
         return _fp8_method(qc, where)
     if method == "compressed-tensors":
         return _compressed_tensors(qc, where)
+    if method == "fbgemm_fp8":
+        return _fbgemm_fp8(qc, where)
     raise ModelLoadError(
         f"{where}: quantization method {method!r} is not supported; supported: fp8 (quant_method "
-        f"'fp8', e.g. the Qwen3-*-FP8 checkpoints), compressed-tensors (float-quantized FP8, "
-        f"pack-quantized W4A16/W8A16, int-quantized W8A8), awq (GEMM) and gptq"
+        f"'fp8', e.g. the Qwen3-*-FP8 checkpoints), fbgemm_fp8 (Meta's FP8 Llama 3.1 / Llama 4 "
+        f"releases), compressed-tensors (float-quantized FP8, pack-quantized W4A16/W8A16, "
+        f"int-quantized W8A8), awq (GEMM) and gptq"
     )
 
 
@@ -165,6 +190,43 @@ def _fp8_method(qc: dict[str, Any], where: str) -> QuantScheme:
         input_scales=activations == "static",
         ignore=tuple(ignore),
     )
+
+
+def _fbgemm_fp8(qc: dict[str, Any], where: str) -> QuantScheme:
+    """Meta's FP8 releases: per-channel e4m3 weights, per-token dynamic activations."""
+    unknown = sorted(set(qc) - {"quant_method", "activation_scale_ub", "modules_to_not_convert"})
+    if unknown:
+        raise ModelLoadError(f"{where}: fbgemm_fp8 quantization_config has unknown keys {unknown}")
+    ub = qc.get("activation_scale_ub", 1200.0)  # transformers' default
+    if isinstance(ub, bool) or not isinstance(ub, (int, float)) or not math.isfinite(ub) or ub <= 0:
+        raise ModelLoadError(
+            f"{where}: fbgemm_fp8 activation_scale_ub must be a positive finite number, got {ub!r}"
+        )
+    entries = qc.get("modules_to_not_convert") or []
+    if not isinstance(entries, list) or not all(isinstance(e, str) and e for e in entries):
+        raise ModelLoadError(
+            f"{where}: fbgemm_fp8 modules_to_not_convert must be a list of module names, got {entries!r}"
+        )
+    return QuantScheme(
+        prequantized=True,
+        scale_name="weight_scale",
+        ignore=tuple(p for e in entries for p in _parent_or_suffix(e, where)),
+        method="fbgemm_fp8",
+        activation_scale_ub=float(ub),
+    )
+
+
+def _parent_or_suffix(entry: str, where: str) -> tuple[str, str]:
+    """transformers' modules_to_not_convert rule in our pattern language: the name or a dotted suffix of
+    it (module_matches), or the entry as a regular expression matching the start of the name up to a
+    "." or its end (a parent: "model.layers.0" keeps every linear of layer 0)."""
+    try:
+        re.compile(entry)
+    except re.error as e:
+        raise ModelLoadError(
+            f"{where}: fbgemm_fp8 modules_to_not_convert entry {entry!r} is not a valid pattern: {e}"
+        ) from None
+    return entry, f"re:(?:{entry})(?:\\.|$)"
 
 
 def _compressed_tensors(qc: dict[str, Any], where: str) -> QuantScheme:
