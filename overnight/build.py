@@ -282,7 +282,9 @@ def cache_bytes_estimate(
         return CPU_DEFAULT_POOL_BYTES
     arch, weights_arch = _rank_archs(source, opts.tensor_parallel_size)
     fp8, int_linear = linear_formats(source.quantization, device)
-    weights = weight_bytes(weights_arch, dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear)
+    weights = weight_bytes(
+        weights_arch, dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear, scheme=source.quantization
+    )
     acts = activation_estimate(arch, max_num_batched_tokens, max_num_seqs, dtype.itemsize)
     return int(memory_gib * 2**30 * opts.gpu_memory_utilization) - weights - acts
 
@@ -474,6 +476,7 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         fp8_linear=fp8_linear,
         int_linear=int_linear,
         rank_arch=rank_arch,
+        scheme=source.quantization,
     )
     if source.arch.is_encoder:
         from overnight.encoder.engine import EncoderEngine

@@ -541,6 +541,7 @@ class ModelArch:
         fp8_linear: bool = False,
         fp8_experts: bool = False,
         int_linear: tuple[int, int, bool] | None = None,
+        dense_kept: tuple[int, int] = (0, 0),
     ) -> int:
         """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs)
         take one byte each plus a float32 scale per output row (quant/); fp8_experts: the stacked MoE
@@ -548,7 +549,9 @@ class ModelArch:
         load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row, whether
         the experts are packed too): the projections packed at `bits` per weight plus a float32 scale
         and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
-        stay in dtype (dequantized at load). MXFP4 experts count as the model holds them: packed, in dtype
+        stay in dtype (dequantized at load). dense_kept (weights, output rows): the projections (and
+        packed experts) those formats would cover that the checkpoint keeps in dtype, its ignore list's
+        (loader/fit.py finds them). MXFP4 experts count as the model holds them: packed, in dtype
         (experts_mxfp4_dense) or e4m3 with row scales (experts_mxfp4_fp8), whatever fp8_experts says."""
         total = self.num_parameters() * dtype_bytes
         if self.router_scoring in ("sigmoid", "softmax_group"):  # GLM-4.5's and DeepSeek's: float32
@@ -568,6 +571,7 @@ class ModelArch:
             total -= self._experts_fp8_saving(dtype_bytes)
             fp8_experts = False
         params, rows = self._dense_linear_shape()
+        params, rows = params - dense_kept[0], rows - dense_kept[1]
         if int_linear is not None:
             bits, group, experts = int_linear
             if experts:

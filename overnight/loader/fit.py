@@ -11,11 +11,13 @@ out-of-memory handler halfway through loading (a CPU machine has no allocator th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError
-from overnight.quant.apply import experts_fp8_at_load, keeps_int_packed
+from overnight.quant.apply import experts_fp8_at_load, int_experts_forms, keeps_int_packed, linear_forms
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme
 
@@ -29,16 +31,55 @@ def weight_bytes(
     fp8_linear: bool = False,
     loaded: bool = False,
     int_linear: tuple[int, int, bool] | None = None,
+    scheme: QuantScheme | IntScheme | None = None,
 ) -> int:
     """Bytes the weights of `arch` take while loading in `dtype`; fp8_linear: with FP8 projections (an
     FP8 checkpoint or quantization="fp8"; GGUF is dequantized to dtype); loaded: once loaded, when FP8
     MoE experts have been quantized (they load in dtype: layers/moe.py, unless the family holds them as
     e4m3 while loading: its experts_fp8_at_load); int_linear: (bits, group size or 0, experts packed)
-    of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU)."""
+    of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU);
+    scheme: the checkpoint's quantization, whose ignore list keeps some of those layers in dtype."""
     fp8_experts = fp8_linear and (loaded or _experts_fp8_at_load(arch))
+    kept = (0, 0)
+    if scheme is not None and (fp8_linear or int_linear is not None):
+        kept = dense_kept(arch, scheme, int_linear is not None and int_linear[2])
     return arch.weight_bytes(
-        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_experts, int_linear=int_linear
+        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_experts, int_linear=int_linear, dense_kept=kept
     )
+
+
+@functools.lru_cache(maxsize=16)
+def dense_kept(
+    arch: ModelArch, scheme: QuantScheme | IntScheme, packed_experts: bool = False
+) -> tuple[int, int]:
+    """(weights, output rows) of the layers a quantized format would cover that the checkpoint keeps in
+    the compute dtype: the nn.Linear layers its ignore list names (and, packed_experts, the stacks of
+    integer experts it names). Decided by quant/apply.py's own rule on the model built on the meta
+    device (no storage, no weights read), so the estimate and the loaded model cannot disagree on which
+    layers stay float, whatever the checkpoint's naming layout."""
+    if not scheme.ignore and not getattr(scheme, "quantized_only", ()):
+        return 0, 0
+    from overnight.errors import ModelLoadError
+    from overnight.models.registry import model_class_for
+
+    try:
+        cls = model_class_for(arch)
+    except ModelLoadError:  # an architecture no class implements (shape-only tests)
+        return 0, 0
+    with torch.device("meta"):
+        model = cls(arch)
+    params = rows = 0
+    for _, linear, quantized in linear_forms(model, scheme):
+        if not quantized:
+            params += linear.in_features * linear.out_features
+            rows += linear.out_features
+    if isinstance(scheme, IntScheme) and packed_experts:
+        for _, stack, packed in int_experts_forms(model, scheme):
+            if not packed:
+                experts, two_i, hidden = stack.gate_up_proj.shape
+                params += experts * 3 * hidden * (two_i // 2)
+                rows += experts * (two_i + hidden)
+    return params, rows
 
 
 def _experts_fp8_at_load(arch: ModelArch) -> bool:
@@ -131,6 +172,7 @@ def check_weights_fit(
     fp8_linear: bool = False,
     int_linear: tuple[int, int, bool] | None = None,
     rank_arch: ModelArch | None = None,
+    scheme: QuantScheme | IntScheme | None = None,
 ) -> None:
     """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
     memory; on the CPU, all of them against the RAM available. rank_arch: the shapes of the weights one
@@ -141,11 +183,11 @@ def check_weights_fit(
         first = device.index or 0
         places = [torch.device("cuda", first + r) for r in range(tp)]
         if tp > 1 and rank_arch is not None:
-            share = weight_bytes(rank_arch, dtype, fp8_linear, int_linear=int_linear)
+            share = weight_bytes(rank_arch, dtype, fp8_linear, int_linear=int_linear, scheme=scheme)
         else:
-            share = -(-weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear) // tp)
+            share = -(-weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear, scheme=scheme) // tp)
     else:
-        places, share = [device], weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear)
+        places, share = [device], weight_bytes(arch, dtype, fp8_linear, int_linear=int_linear, scheme=scheme)
     for place in places:
         free = available_memory_bytes(place)
         if free is None or share <= free:
@@ -156,7 +198,7 @@ def check_weights_fit(
             f"{model} does not fit: {what}its weights take {share / GIB:.1f} GiB in "
             f"{str(dtype).removeprefix('torch.')}{_format_note(fp8_linear, int_linear)} "
             f"({arch.num_parameters() / 1e9:.2f} B parameters), but "
-            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp, fp8_linear, int_linear)}"
+            f"{where} has {free / GIB:.1f} GiB free. {_what_fits(arch, dtype, place, free, tp, fp8_linear, int_linear, scheme)}"
         )
 
 
@@ -174,9 +216,10 @@ def _what_fits(
     tp: int,
     fp8_linear: bool,
     int_linear: tuple[int, int, bool] | None = None,
+    scheme: QuantScheme | IntScheme | None = None,
 ) -> str:
     def size(d: torch.dtype) -> int:
-        return weight_bytes(arch, d, fp8_linear, int_linear=int_linear)
+        return weight_bytes(arch, d, fp8_linear, int_linear=int_linear, scheme=scheme)
 
     options = [
         f"--dtype {str(d).removeprefix('torch.')} ({size(d) / tp / GIB:.1f} GiB)"

@@ -104,18 +104,9 @@ def quantize_model(
     ignores every checkpoint part of it."""
     if isinstance(scheme, IntScheme) and not keeps_int_packed(device):
         return model
-    mapping = getattr(model, "packed_modules_mapping", {})
-    kept = getattr(model, "unquantized_linear", ())
-    if isinstance(scheme, QuantScheme):  # what FP8 keeps besides (a hybrid's small DeltaNet projections)
-        kept = (*kept, *getattr(model, "fp8_unquantized_linear", ()))
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD:
-            continue
-        if module_matches(name, kept) or all(
-            ignored(model, scheme, part) for part in checkpoint_modules(name, mapping)
-        ):
-            continue
-        _set_module(model, name, _quantized(module, scheme))
+    for name, module, quantized in linear_forms(model, scheme):
+        if quantized:
+            _set_module(model, name, _quantized(module, scheme))
     if isinstance(scheme, IntScheme):
         _int_experts(model, scheme)
     elif experts_fp8_at_load(model):  # e4m3 from the start, quantized as they load (layers/moe.py)
@@ -124,6 +115,37 @@ def quantize_model(
                 module.store_fp8_()
     _set_producers(model, True)
     return model
+
+
+def linear_forms(model: nn.Module, scheme: QuantScheme | IntScheme) -> list[tuple[str, nn.Linear, bool]]:
+    """(name, layer, whether the scheme quantizes it) for every nn.Linear a quantized format covers: all
+    but the LM head and those the model keeps in the compute dtype (`unquantized_linear`, for FP8 also
+    `fp8_unquantized_linear`). False: the checkpoint's ignore list names every checkpoint part of it.
+    quantize_model and the pre-load memory estimate (loader/fit.py) both decide by this."""
+    mapping = getattr(model, "packed_modules_mapping", {})
+    kept = getattr(model, "unquantized_linear", ())
+    if isinstance(scheme, QuantScheme):  # what FP8 keeps besides (a hybrid's small DeltaNet projections)
+        kept = (*kept, *getattr(model, "fp8_unquantized_linear", ()))
+    forms = []
+    for name, module in model.named_modules():
+        if type(module) is not nn.Linear or name.rpartition(".")[2] == LM_HEAD or module_matches(name, kept):
+            continue
+        dense = all(ignored(model, scheme, part) for part in checkpoint_modules(name, mapping))
+        forms.append((name, module, not dense))
+    return forms
+
+
+def int_experts_forms(model: nn.Module, scheme: IntScheme) -> list[tuple[str, nn.Module, bool]]:
+    """(name, stack, whether it becomes IntExperts) for every stack of experts whose sizes the packed
+    kernels take (packs_experts); False: the ignore list names its experts."""
+    forms = []
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedAfterLoad):
+            continue
+        _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
+        if packs_experts(scheme, hidden, two_i // 2):
+            forms.append((name, cast(nn.Module, module), not ignored(model, scheme, f"{name}.0.gate_proj")))
+    return forms
 
 
 def experts_fp8_at_load(model: nn.Module | type) -> bool:
@@ -135,12 +157,8 @@ def experts_fp8_at_load(model: nn.Module | type) -> bool:
 def _int_experts(model: nn.Module, scheme: IntScheme) -> None:
     """Replace each stack of experts (layers/moe.py's Experts) by IntExperts where the kernels take the
     checkpoint's layout: weight-only, no act-order, groups of a multiple of 16 dividing both sizes."""
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, QuantizedAfterLoad):
-            continue
-        _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
-        if packs_experts(scheme, hidden, two_i // 2) and not ignored(model, scheme, f"{name}.0.gate_proj"):
-            stack = cast(nn.Module, module)
+    for name, stack, packed in int_experts_forms(model, scheme):
+        if packed:
             _set_module(
                 model, name, IntExperts.replacing(stack, scheme.bits, scheme.group_size, scheme.symmetric)
             )

@@ -186,7 +186,12 @@ def plan_budget(
             budget, pool_source = CPU_DEFAULT_POOL_BYTES, "the CPU default"
         else:
             weights = weight_bytes(
-                weights_arch, config.model.dtype, fp8_linear=fp8, loaded=True, int_linear=int_linear
+                weights_arch,
+                config.model.dtype,
+                fp8_linear=fp8,
+                loaded=True,
+                int_linear=int_linear,
+                scheme=source.quantization,
             )
             activations = activation_estimate(
                 arch, sched.max_num_batched_tokens, sched.max_num_seqs, dtype_bytes

@@ -1,0 +1,168 @@
+"""The pre-load weight estimate (loader/fit.py, `overnight budget`) counts each projection of a quantized
+checkpoint in the form the loaded model holds it: the layers a checkpoint's ignore list keeps float
+(compressed-tensors `ignore`, fbgemm_fp8 / AWQ `modules_to_not_convert`, GPTQ `dynamic` "-:" skips) in
+the compute dtype, the rest FP8 or packed. Each tiny checkpoint is loaded and the estimate compared with
+the bytes of the loaded model's parameters and its quantized layers' buffers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import overnight.quant.apply as apply
+from overnight.loader.fit import GIB, dense_kept, linear_formats, weight_bytes
+from overnight.loader.model_loader import load_model
+from overnight.loader.resolve import resolve_source
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
+from overnight.quant.linear import Fp8Linear
+from tests.fbgemm_checkpoints import write_fbgemm
+from tests.fp8_checkpoints import PROJECTIONS, make_fp8_checkpoint
+from tests.int_checkpoints import make_int_checkpoint
+from tests.tiny_models import make_tiny_checkpoint
+
+QUANTIZED = (Fp8Linear, WeightOnlyIntLinear, Int8Linear, IntExperts)
+
+
+def _held_bytes(model: nn.Module) -> int:
+    """What the estimate counts: every parameter (shared ones once) and the quantized layers' buffers."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(
+        b.numel() * b.element_size()
+        for m in model.modules()
+        if isinstance(m, QUANTIZED)
+        for b in m.buffers(recurse=False)
+    )
+    return params + buffers
+
+
+def _check_estimate(folder: Path, float_layers: int) -> None:
+    """Load `folder` on the CPU in float32; the estimate equals what the model holds, the checkpoint
+    keeps `float_layers` of its projections as nn.Linear, and without its ignore list the estimate
+    would be short by exactly their difference."""
+    source = resolve_source(str(folder))
+    scheme = source.quantization
+    assert scheme is not None
+    fp8, int_linear = linear_formats(scheme, "cpu")
+    assert fp8 or int_linear is not None
+    model = load_model(source, torch.float32, "cpu")
+    kept = [m for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
+    assert len(kept) == float_layers
+    estimate = weight_bytes(
+        source.arch, torch.float32, fp8, loaded=True, int_linear=int_linear, scheme=scheme
+    )
+    assert estimate == _held_bytes(model)
+    params, rows = dense_kept(source.arch, scheme, int_linear is not None and int_linear[2])
+    assert params == sum(m.weight.numel() for m in kept) and rows == sum(m.out_features for m in kept)
+    unaware = weight_bytes(source.arch, torch.float32, fp8, loaded=True, int_linear=int_linear)
+    assert unaware < estimate
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("fit-llama"), "llama")
+
+
+def test_fbgemm_modules_to_not_convert(tiny_llama, tmp_path):
+    """Meta's layout: a parent module (layer 0's attention: q/k/v fused and o_proj) and an exact name."""
+    ignore = ["model.layers.0.self_attn", "model.layers.1.mlp.down_proj", "lm_head"]
+    write_fbgemm(tiny_llama, tmp_path / "fp8", tmp_path / "deq", ignore)
+    _check_estimate(tmp_path / "fp8", float_layers=3)
+
+
+def test_compressed_tensors_fp8_ignore(tiny_llama, tmp_path):
+    """compressed-tensors' "re:" entries: every layer's down_proj left float."""
+    projections = tuple(p for p in PROJECTIONS if p != "down_proj")
+    out = make_fp8_checkpoint(
+        tiny_llama,
+        tmp_path / "ct",
+        "ct-channel-dynamic",
+        projections=projections,
+        config_extra={"ignore": ["lm_head", "re:.*down_proj$"]},
+    )
+    layers = json.loads((out / "config.json").read_text())["num_hidden_layers"]
+    _check_estimate(out, float_layers=layers)
+
+
+def _edit_quantization_config(folder: Path, **fields: object) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"].update(fields)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def packed_on_cpu(monkeypatch):
+    """The GPU's packed integer layers, on the CPU (what linear_formats then counts too)."""
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+
+
+def test_gptq_dynamic_skip(tiny_llama, tmp_path, packed_on_cpu):
+    quantized, _ = make_int_checkpoint(
+        tiny_llama, tmp_path / "gptq", "gptq-w8-g32-asym-v2", keep_float=("layers.1.mlp.down_proj",)
+    )
+    _edit_quantization_config(quantized, dynamic={r"-:.*layers\.1\.mlp\.down_proj": {}})
+    _check_estimate(quantized, float_layers=1)
+
+
+def test_awq_modules_to_not_convert(tiny_llama, tmp_path, packed_on_cpu):
+    quantized, _ = make_int_checkpoint(
+        tiny_llama, tmp_path / "awq", "awq-g32", keep_float=("layers.0.mlp.down_proj",)
+    )
+    _edit_quantization_config(quantized, modules_to_not_convert=["layers.0.mlp.down_proj"])
+    _check_estimate(quantized, float_layers=1)
+
+
+# Llama-3.1-405B's shapes (its config.json) with an fbgemm_fp8 quantization_config; the ignore list is
+# illustrative of Meta's release (attention of every layer and the first and last layers kept bf16).
+LLAMA_405B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=16384,
+    intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128, num_key_value_heads=8,
+    hidden_act="silu", max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_theta=500000.0, torch_dtype="bfloat16",
+)  # fmt: skip
+LLAMA_405B_IGNORE = [
+    *(
+        f"model.layers.{i}.self_attn.{p}"
+        for i in range(126)
+        for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+    ),
+    *(f"model.layers.{i}.mlp.{p}" for i in (0, 125) for p in ("gate_proj", "up_proj", "down_proj")),
+    "lm_head",
+]
+
+
+def test_budget_counts_a_405b_ignore_list(tmp_path):
+    """`overnight budget` on a 405B-shaped fbgemm_fp8 checkpoint whose ignore list keeps attention and
+    layers 0 and 125 in bf16: its weights count ~454 GiB (the MLPs of 124 layers in FP8), not the
+    ~382 GiB of every projection in FP8."""
+    from overnight.options import EngineOptions
+    from overnight.tools.budget import DeviceMemory, plan_budget
+
+    qc = {
+        "quant_method": "fbgemm_fp8",
+        "activation_scale_ub": 1200.0,
+        "modules_to_not_convert": LLAMA_405B_IGNORE,
+    }
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_405B, "quantization_config": qc}))
+    source = resolve_source(str(tmp_path), "dummy")
+    arch = source.arch
+    h, layers = arch.hidden_size, arch.num_hidden_layers
+    attention = h * (arch.q_size + 2 * arch.kv_size) + arch.q_size * h
+    mlp = 3 * h * arch.intermediate_size
+    assert dense_kept(arch, source.quantization) == (
+        layers * attention + 2 * mlp,
+        layers * (arch.q_size + 2 * arch.kv_size + h) + 2 * (2 * arch.intermediate_size + h),
+    )
+    every_fp8 = weight_bytes(arch, torch.bfloat16, True, loaded=True)
+    honoured = weight_bytes(arch, torch.bfloat16, True, loaded=True, scheme=source.quantization)
+    assert 375 * GIB < every_fp8 < 385 * GIB and 450 * GIB < honoured < 458 * GIB
+    b200x8 = DeviceMemory("8 x 60 GiB", total_bytes=int(60 * GIB), free_bytes=int(59.5 * GIB))
+    plan = plan_budget(
+        EngineOptions(model=str(tmp_path), dtype="bfloat16", tensor_parallel_size=8), source, b200x8
+    )
+    assert plan.weights_bytes is not None
+    assert abs(plan.weights_bytes - honoured / 8) < 0.2 * GIB
