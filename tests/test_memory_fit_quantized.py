@@ -140,7 +140,7 @@ def test_budget_counts_a_405b_ignore_list(tmp_path):
     layers 0 and 125 in bf16: its weights count ~454 GiB (the MLPs of 124 layers in FP8), not the
     ~382 GiB of every projection in FP8."""
     from overnight.options import EngineOptions
-    from overnight.tools.budget import DeviceMemory, plan_budget
+    from overnight.tools.budget import DeviceMemory, plan_budget, render
 
     qc = {
         "quant_method": "fbgemm_fp8",
@@ -160,9 +160,12 @@ def test_budget_counts_a_405b_ignore_list(tmp_path):
     every_fp8 = weight_bytes(arch, torch.bfloat16, True, loaded=True)
     honoured = weight_bytes(arch, torch.bfloat16, True, loaded=True, scheme=source.quantization)
     assert 375 * GIB < every_fp8 < 385 * GIB and 450 * GIB < honoured < 458 * GIB
-    b200x8 = DeviceMemory("8 x 60 GiB", total_bytes=int(60 * GIB), free_bytes=int(59.5 * GIB))
+    h100 = DeviceMemory("NVIDIA H100 80GB HBM3", total_bytes=int(79.1 * GIB), free_bytes=int(78.6 * GIB))
     plan = plan_budget(
-        EngineOptions(model=str(tmp_path), dtype="bfloat16", tensor_parallel_size=8), source, b200x8
+        EngineOptions(model=str(tmp_path), dtype="bfloat16", tensor_parallel_size=8), source, h100
     )
     assert plan.weights_bytes is not None
     assert abs(plan.weights_bytes - honoured / 8) < 0.2 * GIB
+    text = render(plan, "llama-405b-fp8", arch, "bfloat16")
+    assert f"{plan.weights_bytes / GIB:.1f} GiB FP8 weights" in text
+    assert f"{every_fp8 / 8 / GIB:.1f} GiB FP8 weights" not in text

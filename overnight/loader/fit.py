@@ -76,7 +76,7 @@ def dense_kept(
     if isinstance(scheme, IntScheme) and packed_experts:
         for _, stack, packed in int_experts_forms(model, scheme):
             if not packed:
-                experts, two_i, hidden = stack.gate_up_proj.shape
+                experts, two_i, hidden = getattr(stack, "gate_up_proj").shape  # noqa: B009 (an nn.Module's)
                 params += experts * 3 * hidden * (two_i // 2)
                 rows += experts * (two_i + hidden)
     return params, rows

@@ -104,9 +104,9 @@ def quantize_model(
     ignores every checkpoint part of it."""
     if isinstance(scheme, IntScheme) and not keeps_int_packed(device):
         return model
-    for name, module, quantized in linear_forms(model, scheme):
+    for name, linear, quantized in linear_forms(model, scheme):
         if quantized:
-            _set_module(model, name, _quantized(module, scheme))
+            _set_module(model, name, _quantized(linear, scheme))
     if isinstance(scheme, IntScheme):
         _int_experts(model, scheme)
     elif experts_fp8_at_load(model):  # e4m3 from the start, quantized as they load (layers/moe.py)
