@@ -384,7 +384,12 @@ def test_budget_counts_e4m3_weights(llama4):
         )
         for folder in (fp8, deq)
     }
-    arch = resolve_source(str(fp8)).arch
-    assert plans[fp8].weights_bytes == weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
+    source = resolve_source(str(fp8))
+    arch, scheme = source.arch, source.quantization
+    # the ignore list's layers (layer 3's attention, a shared expert's down_proj) counted in bf16
+    assert plans[fp8].weights_bytes == weight_bytes(
+        arch, torch.bfloat16, fp8_linear=True, loaded=True, scheme=scheme
+    )
+    assert plans[fp8].weights_bytes > weight_bytes(arch, torch.bfloat16, fp8_linear=True, loaded=True)
     assert plans[deq].weights_bytes == weight_bytes(arch, torch.bfloat16)
     assert plans[fp8].weights_bytes < 0.7 * plans[deq].weights_bytes

@@ -20,6 +20,7 @@ from overnight.loader.resolve import resolve_source
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_moe import IntExperts
 from overnight.quant.linear import Fp8Linear
+from overnight.quant.names import module_matches
 from tests.fbgemm_checkpoints import write_fbgemm
 from tests.fp8_checkpoints import PROJECTIONS, make_fp8_checkpoint
 from tests.int_checkpoints import make_int_checkpoint
@@ -29,7 +30,8 @@ QUANTIZED = (Fp8Linear, WeightOnlyIntLinear, Int8Linear, IntExperts)
 
 
 def _held_bytes(model: nn.Module) -> int:
-    """What the estimate counts: every parameter (shared ones once) and the quantized layers' buffers."""
+    """What the estimate counts: every parameter (shared ones once), the quantized layers' buffers and
+    FP8 experts' row scales (plain tensors of layers/moe.py's Experts)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     buffers = sum(
         b.numel() * b.element_size()
@@ -37,7 +39,13 @@ def _held_bytes(model: nn.Module) -> int:
         if isinstance(m, QUANTIZED)
         for b in m.buffers(recurse=False)
     )
-    return params + buffers
+    scales = [
+        getattr(m, name, None)
+        for m in model.modules()
+        if isinstance(m, apply.QuantizedAfterLoad)
+        for name in ("gate_up_scale", "down_scale")
+    ]
+    return params + buffers + sum(t.numel() * t.element_size() for t in scales if t is not None)
 
 
 def _check_estimate(folder: Path, float_layers: int) -> None:
@@ -50,7 +58,12 @@ def _check_estimate(folder: Path, float_layers: int) -> None:
     fp8, int_linear = linear_formats(scheme, "cpu")
     assert fp8 or int_linear is not None
     model = load_model(source, torch.float32, "cpu")
-    kept = [m for n, m in model.named_modules() if type(m) is nn.Linear and not n.endswith("lm_head")]
+    always = getattr(model, "unquantized_linear", ())  # a MoE router: float whatever the checkpoint
+    kept = [
+        m
+        for n, m in model.named_modules()
+        if type(m) is nn.Linear and not n.endswith("lm_head") and not module_matches(n, always)
+    ]
     assert len(kept) == float_layers
     estimate = weight_bytes(
         source.arch, torch.float32, fp8, loaded=True, int_linear=int_linear, scheme=scheme
@@ -60,6 +73,17 @@ def _check_estimate(folder: Path, float_layers: int) -> None:
     assert params == sum(m.weight.numel() for m in kept) and rows == sum(m.out_features for m in kept)
     unaware = weight_bytes(source.arch, torch.float32, fp8, loaded=True, int_linear=int_linear)
     assert unaware < estimate
+
+
+def test_fbgemm_llama4_experts_and_shared_expert(tmp_path):
+    """Llama 4's FP8 experts beside an ignore list naming a layer's attention and a shared expert's
+    down_proj (Maverick-FP8's kind of list)."""
+    from tests.test_fbgemm_fp8 import LLAMA4_IGNORE
+    from tests.test_llama4 import make_llama4_checkpoint
+
+    src = make_llama4_checkpoint(tmp_path / "l4")
+    write_fbgemm(src, tmp_path / "fp8", tmp_path / "deq", LLAMA4_IGNORE)
+    _check_estimate(tmp_path / "fp8", float_layers=3)
 
 
 @pytest.fixture(scope="module")
