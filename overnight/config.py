@@ -542,14 +542,16 @@ class ModelArch:
         fp8_experts: bool = False,
         int_linear: tuple[int, int, bool] | None = None,
         dense_kept: tuple[int, int] = (0, 0),
+        int_zeros: bool = True,
     ) -> int:
         """Bytes of every weight in dtype; fp8_linear: the nn.Linear projections (attention and dense MLPs)
         take one byte each plus a float32 scale per output row (quant/); fp8_experts: the stacked MoE
         experts too, as they are once loaded (they load in dtype and are quantized afterwards, so the
         load itself needs them in dtype). int_linear (bits, group size or 0 for one group per row, whether
         the experts are packed too): the projections packed at `bits` per weight plus a float32 scale
-        and zero point per row and group (quant/int_linear.py, quant/int_moe.py); unpacked experts
-        stay in dtype (dequantized at load). dense_kept (weights, output rows): the projections (and
+        and (int_zeros: an asymmetric checkpoint) zero point per row and group (quant/int_linear.py,
+        quant/int_moe.py; act-order's column order, 8 bytes per input column, is not counted);
+        unpacked experts stay in dtype (dequantized at load). dense_kept (weights, output rows): the projections (and
         packed experts) those formats would cover that the checkpoint keeps in dtype, its ignore list's
         (loader/fit.py finds them). MXFP4 experts count as the model holds them: packed, in dtype
         (experts_mxfp4_dense) or e4m3 with row scales (experts_mxfp4_fp8), whatever fp8_experts says."""
@@ -579,7 +581,7 @@ class ModelArch:
                 params += sparse * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
                 rows += sparse * self.num_experts * (2 * self.moe_intermediate_size + self.hidden_size)
             groups = params // group if group else rows
-            return total - params * dtype_bytes + params * bits // 8 + 8 * groups
+            return total - params * dtype_bytes + params * bits // 8 + (8 if int_zeros else 4) * groups
         if not fp8_linear:
             return total
         if self.is_mla:  # FP8 keeps kv_b_proj, which absorption reads as a weight (models/deepseek.py)

@@ -48,7 +48,7 @@ def _held_bytes(model: nn.Module) -> int:
     return params + buffers + sum(t.numel() * t.element_size() for t in scales if t is not None)
 
 
-def _check_estimate(folder: Path, float_layers: int) -> None:
+def _check_estimate(folder: Path, float_layers: int) -> nn.Module:
     """Load `folder` on the CPU in float32; the estimate equals what the model holds, the checkpoint
     keeps `float_layers` of its projections as nn.Linear, and without its ignore list the estimate
     would be short by exactly their difference."""
@@ -70,9 +70,14 @@ def _check_estimate(folder: Path, float_layers: int) -> None:
     )
     assert estimate == _held_bytes(model)
     params, rows = dense_kept(source.arch, scheme, int_linear is not None and int_linear[2])
+    if int_linear is not None and int_linear[2]:  # stacks of experts the ignore list keeps float
+        stacks = [m for m in model.modules() if isinstance(m, apply.QuantizedAfterLoad)]
+        params -= sum(m.gate_up_proj.numel() + m.down_proj.numel() for m in stacks)  # type: ignore[attr-defined]
+        rows -= sum(m.gate_up_proj.shape[0] * sum(m.gate_up_proj.shape[1:]) for m in stacks)  # type: ignore[attr-defined]
     assert params == sum(m.weight.numel() for m in kept) and rows == sum(m.out_features for m in kept)
     unaware = weight_bytes(source.arch, torch.float32, fp8, loaded=True, int_linear=int_linear)
     assert unaware < estimate
+    return model
 
 
 def test_fbgemm_llama4_experts_and_shared_expert(tmp_path):
@@ -193,3 +198,31 @@ def test_budget_counts_a_405b_ignore_list(tmp_path):
     text = render(plan, "llama-405b-fp8", arch, "bfloat16")
     assert f"{plan.weights_bytes / GIB:.1f} GiB FP8 weights" in text
     assert f"{every_fp8 / 8 / GIB:.1f} GiB FP8 weights" not in text
+
+
+def test_gptq_modules_in_block_to_quantize(tiny_llama, tmp_path, packed_on_cpu):
+    """An allowlist: only attention quantized, the MLPs float; symmetric (no zero points held)."""
+    mlp = tuple(f"layers.{i}.mlp.{p}" for i in range(3) for p in ("gate_proj", "up_proj", "down_proj"))
+    quantized, _ = make_int_checkpoint(tiny_llama, tmp_path / "gptq", "gptq-w4-g32-sym", keep_float=mlp)
+    blocks = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"]]
+    _edit_quantization_config(quantized, modules_in_block_to_quantize=blocks)
+    _check_estimate(quantized, float_layers=2 * 3)  # gate/up fused, down_proj: per layer
+
+
+def test_compressed_tensors_int_experts_ignored(tmp_path, packed_on_cpu):
+    """Packed integer experts (IntExperts) but layer 0's, which the ignore list keeps float, and a dense
+    projection: o_proj of layer 1."""
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3_moe")
+    experts = tuple(
+        f"layers.0.mlp.experts.{e}.{p}" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")
+    )
+    quantized, _ = make_int_checkpoint(
+        src, tmp_path / "ct", "ct-w8-g16-sym", keep_float=(*experts, "layers.1.self_attn.o_proj")
+    )
+    config = json.loads((quantized / "config.json").read_text())
+    ignore = config["quantization_config"]["ignore"]
+    extra = [r"re:.*layers\.0\.mlp\.experts\..*", "model.layers.1.self_attn.o_proj"]
+    _edit_quantization_config(quantized, ignore=[*ignore, *extra])
+    model = _check_estimate(quantized, float_layers=1)
+    packed = [type(layer.mlp.experts) is IntExperts for layer in model.model.layers]
+    assert packed == [False, True, True]

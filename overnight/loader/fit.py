@@ -38,13 +38,20 @@ def weight_bytes(
     MoE experts have been quantized (they load in dtype: layers/moe.py, unless the family holds them as
     e4m3 while loading: its experts_fp8_at_load); int_linear: (bits, group size or 0, experts packed)
     of packed integer projections (an AWQ / GPTQ / compressed-tensors int checkpoint on a GPU);
-    scheme: the checkpoint's quantization, whose ignore list keeps some of those layers in dtype."""
+    scheme: the checkpoint's quantization, whose ignore list keeps some of those layers in dtype (and a
+    symmetric integer one holds no zero points); without it every projection counts as quantized, with
+    zero points."""
     fp8_experts = fp8_linear and (loaded or _experts_fp8_at_load(arch))
     kept = (0, 0)
     if scheme is not None and (fp8_linear or int_linear is not None):
         kept = dense_kept(arch, scheme, int_linear is not None and int_linear[2])
     return arch.weight_bytes(
-        dtype.itemsize, fp8_linear=fp8_linear, fp8_experts=fp8_experts, int_linear=int_linear, dense_kept=kept
+        dtype.itemsize,
+        fp8_linear=fp8_linear,
+        fp8_experts=fp8_experts,
+        int_linear=int_linear,
+        dense_kept=kept,
+        int_zeros=not (isinstance(scheme, IntScheme) and scheme.symmetric),
     )
 
 
