@@ -3,10 +3,22 @@ for the machine stops with a sentence saying what would fit instead of being kil
 out-of-memory handler halfway through loading (a CPU machine has no allocator that fails politely).
 
     weight_bytes(arch, dtype, fp8)   what the weights take while loading (FP8 / int projections: quant/)
+    dense_kept(arch, scheme)         the projections a quantized checkpoint keeps in the compute dtype
     kv_bytes_per_sequence(...)       the KV one sequence holds (windowed, chunked layers: their window, chunk)
     layer_kv_shape(arch, i)          (KV heads, head size) of one layer's cache
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
+
+Quantized checkpoints keep some projections float: compressed-tensors' `ignore`, fbgemm_fp8's, AWQ's and
+GPTQ's `modules_to_not_convert`, GPTQ's `dynamic` "-:" skips and `modules_in_block_to_quantize`
+(Meta's Llama-3.1-405B-Instruct-FP8 keeps every layer's attention and its first and last layers in
+bf16). The estimate counts each projection in the form the loaded model holds it: dense_kept builds
+the model on the meta device (shapes only, no weights read, a second for a 405B) and asks
+quant/apply.linear_forms, the rule quantize_model itself follows with the checkpoint's own matcher
+(every naming layout of the model's checkpoints), which layers stay nn.Linear; ModelArch.weight_bytes
+counts those in the compute dtype. Tested against loaded tiny checkpoints of each scheme
+(tests/test_memory_fit_quantized.py): the estimate equals the bytes of the parameters, the quantized
+layers' buffers and FP8 experts' row scales.
 """
 
 from __future__ import annotations
