@@ -156,6 +156,39 @@ def test_tensor_parallelism_is_refused_by_name() -> None:
         TPShards(arch, 0, 2).check()
 
 
+def test_online_fp8_quantizes_every_block_and_counts_its_bytes(tmp_path) -> None:
+    """--quantization fp8: the Mamba2 in/out projections, attention and the MLP blocks become Fp8Linear
+    (the LM head stays), and ModelArch.weight_bytes (what the memory plan reserves) is what loads."""
+    from torch import nn
+
+    from overnight.loader.model_loader import load_model
+    from overnight.loader.resolve import resolve_source
+    from overnight.quant.linear import Fp8Linear
+
+    source = resolve_source(str(make_nemotron_h_checkpoint(tmp_path)), quantization="fp8")
+    model = load_model(source, torch.float32, "cpu")
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    by_kind = {"M": {"in_proj", "out_proj"}, "*": {"qkv_proj", "o_proj"}, "-": {"up_proj", "down_proj"}}
+    want = {f"model.layers.{i}.mixer.{p}" for i, c in enumerate(PATTERN) for p in by_kind[c]}
+    assert fp8 == want
+    assert [n for n, m in model.named_modules() if type(m) is nn.Linear] == ["lm_head"]
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert held == source.arch.weight_bytes(4, fp8_linear=True)
+
+
+def test_nano_v2_reasoning_switch_reads_with_the_think_parser() -> None:
+    """Nano v2's template ends the prompt with an open `<think>` block (/think, the default) or an empty
+    one (/no_think): the qwen3 parser decides from the prompt which the output starts in."""
+    from overnight.reasoning import get_reasoning_parser
+
+    parser = get_reasoning_parser("qwen3")
+    on, off = "<SPECIAL_11>Assistant\n<think>\n\n", "<SPECIAL_11>Assistant\n<think></think>"
+    assert parser.starts_in_reasoning(on) and not parser.starts_in_reasoning(off)
+    assert parser.split("Add them.\n</think>\n\n5", starts_in_reasoning=True) == ("Add them.", "5")
+    assert parser.split("5", starts_in_reasoning=False) == (None, "5")
+    assert parser.closed_in_prompt(off) and not parser.closed_in_prompt(on)
+
+
 # ---------------------------------------------------------------------------------------------------
 # tier (c): against transformers
 
@@ -253,3 +286,36 @@ def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
         assert got == hf_greedy(ref, prompt, 24)[0], f"{len(prompt)} tokens"
     assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
     assert_no_rows_held(llm, 7)
+
+
+@pytest.mark.slow
+def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
+    """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every block on its GPU
+    path: the Mamba2 decode (conv step with its bias, the SSD step kernel, the per-group norm), NoPE
+    attention, the squared-ReLU MLP."""
+    from tests.test_graph_safety import decode_guarded
+
+    folder, _ = checkpoint
+    decode_guarded(folder, monkeypatch)
+
+
+@pytest.mark.slow
+def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
+    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
+    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
+    from overnight.runner.cuda_graph import DecodeGraphs
+
+    folder, ref = checkpoint
+    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    graphs = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 256)
+    replayed: list[int] = []
+
+    def replay(b: int):
+        replayed.append(b)
+        return graphs._forward(b)
+
+    graphs.replay = replay  # type: ignore[method-assign]
+    runner.graphs = graphs
+    check(llm, ref, prompts_of([3, 11, 6, 20, 1], seed=6), 9)  # five decodes in a bucket of 8, then fewer
+    assert 8 in replayed and any(b in replayed for b in (1, 2, 4))

@@ -216,8 +216,9 @@ def _nemotron_h_arch(cfg: dict[str, Any]) -> ModelArch:
     conv = int(_first(cfg, ("conv_kernel", "mamba_d_conv"), 4))
     if conv < 2:
         raise ModelLoadError(f"conv_kernel must be at least 2, got {conv}")
-    # transformers clamps dt at time_step_min in its chunked prefill only (not in its decode step), as
-    # no other implementation does; time_step_limit (0, inf) in the published configs: no clamp here.
+    # dt's clamp is time_step_limit, as NVIDIA's own modeling code and vLLM take it ((0, inf) in the
+    # published configs: none). transformers 5 clamps at time_step_min instead, in its chunked prefill
+    # only (not its decode step); the two differ only where softplus(dt + dt_bias) < time_step_min.
     limit = _first(cfg, ("time_step_limit", "mamba_dt_limit"), (0.0, float("inf")))
     return ModelArch(
         architecture="nemotron_h",
