@@ -1,5 +1,6 @@
 """The Mamba2 SSM kernel's defaults (kernels/mamba2_scan.py) compile for the H200 (sm_90) and fit it without
-register spills, at granite-4.0-h-small's sizes (head size 64, d_state 128). Triton lowers it with its
+register spills, at granite-4.0-h-small's sizes (128 heads of 64 on one B/C group, d_state 128) and
+NVIDIA-Nemotron-Nano-9B-v2's (head size 80, not a power of two: 16 heads per group of 8). Triton lowers it with its
 bundled ptxas, no GPU needed; the compilations run in a child process without TRITON_INTERPRET
 (tests/sm90.py)."""
 
@@ -20,17 +21,17 @@ BF16_SSD = dict(
 )  # fmt: skip
 
 
-def ssd_case(varlen: bool):
+def ssd_case(varlen: bool, r: int = 128, p: int = 64):
     from overnight.kernels.mamba2_scan import _ssd_kernel
 
-    cx = dict(R=128, P=64, N=128, BLOCK_P=16, BLOCK_N=128, VARLEN=varlen, DT_LIMIT=False)
+    cx = dict(R=r, P=p, N=128, BLOCK_P=16, BLOCK_N=128, VARLEN=varlen, DT_LIMIT=False)
     return _ssd_kernel, BF16_SSD, cx, 4, 3
 
 
-def chunked_case():
+def chunked_case(r: int = 128, p: int = 64):
     from overnight.kernels.mamba2_chunked import _ssd_chunked_kernel
 
-    cx = dict(R=128, P=64, N=128, L=32, BLOCK_P=32, BLOCK_N=128, DT_LIMIT=False, DOT_PRECISION="tf32")
+    cx = dict(R=r, P=p, N=128, L=32, BLOCK_P=32, BLOCK_N=128, DT_LIMIT=False, DOT_PRECISION="tf32")
     return _ssd_chunked_kernel, BF16_SSD, cx, 8, 1  # ssd_varlen_chunked's defaults
 
 
@@ -38,6 +39,9 @@ CASES = {
     "ssd-decode": lambda: ssd_case(False),
     "ssd-varlen": lambda: ssd_case(True),
     "ssd-chunked": chunked_case,
+    "nano-v2-decode": lambda: ssd_case(False, 16, 80),
+    "nano-v2-varlen": lambda: ssd_case(True, 16, 80),
+    "nano-v2-chunked": lambda: chunked_case(16, 80),
 }
 
 
