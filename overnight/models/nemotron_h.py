@@ -22,7 +22,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
@@ -51,7 +50,8 @@ class NemotronHMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
+        h = self.up_proj(x)  # a fresh [T, I] tensor: the activation runs in place on it, no copies
+        return self.down_proj(torch.relu_(h).square_())
 
 
 class NemotronHBlock(nn.Module):
