@@ -1,5 +1,6 @@
-"""The ops of a Mamba2 mixer (Granite 4.0 hybrids), in plain PyTorch: the CPU path and the reference for
-the kernels (kernels/mamba2_scan.py).
+"""The ops of a Mamba2 mixer (Granite 4.0 and Nemotron-H hybrids), in plain PyTorch: the CPU path and the
+reference for the kernels (kernels/mamba2_scan.py, mamba2_chunked.py; the gated output norm's
+kernels/mamba2_gated_norm.py, which MambaGatedRMSNorm takes on the GPU).
 
 Per head h (H heads of P values; G groups of B/C, head h reads group h // (H / G)) the mixer keeps a
 state S (P x N, N = d_state) that every token updates (the SSD form, arXiv 2405.21060):
@@ -31,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from overnight.kernels.dispatch import use_kernels
 
 
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
@@ -138,4 +141,9 @@ class MambaGatedRMSNorm(nn.Module):
         self.groups = groups
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """y [T, W] (the SSM's output), z [T, W] (the gate, a view into in_proj's output)."""
+        if use_kernels(y):  # one pass (kernels/mamba2_gated_norm.py) instead of several fp32 temporaries
+            from overnight.kernels.mamba2_gated_norm import mamba_gated_norm  # triton loads on first use
+
+            return mamba_gated_norm(y, z, self.weight, self.variance_epsilon, self.groups)
         return mamba_gated_norm_ref(y, z, self.weight, self.variance_epsilon, self.groups)
