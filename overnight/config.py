@@ -500,6 +500,8 @@ class ModelArch:
     def mlp_params(self, active_only: bool = False) -> int:
         """Weights of all layers' MLPs, routers included. active_only: only the experts one token goes
         through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
+        if self.block_pattern:  # Nemotron-H: the MLP blocks only (up and down, no gate)
+            return self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
         expert = 3 * self.hidden_size * self.moe_intermediate_size
         if self.expert_bias:  # gate/up and down biases
             expert += 2 * self.moe_intermediate_size + self.hidden_size
@@ -507,8 +509,6 @@ class ModelArch:
         biased = self.expert_bias or self.router_scoring == "sigmoid"
         router = self.num_experts * (self.hidden_size + (1 if biased else 0))
         total = 0
-        if self.block_pattern:  # Nemotron-H: the MLP blocks only (up and down, no gate)
-            return self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
         for i in range(self.num_hidden_layers):
             moe = self.is_moe_layer(i)
             if moe:
