@@ -63,7 +63,10 @@ def test_the_published_config_spelling_is_read() -> None:
         cfg.pop(name)
     cfg.update(hybrid_override_pattern=PATTERN, mamba_n_groups=2, mamba_d_conv=4, mamba_d_state=8)
     cfg["mamba_dt_limit"] = [0.0, "inf"]
+    cfg["attention_head_dim"] = cfg.pop("head_dim")  # NVIDIA's own configuration class's name
     assert arch_from_hf_config(cfg) == arch_from_hf_config(config_of()[0])
+    cfg.pop("attention_head_dim")  # absent: 128, as transformers' default (not hidden / heads)
+    assert arch_from_hf_config(cfg).head_dim == 128
 
 
 @pytest.mark.parametrize(

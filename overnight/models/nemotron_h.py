@@ -206,7 +206,8 @@ def _nemotron_h_arch(cfg: dict[str, Any]) -> ModelArch:
     if "full_attention" not in mixers:
         raise ModelLoadError("a Nemotron-H pattern without attention blocks ('*') is not supported")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    m_heads, d_head = int(cfg["mamba_num_heads"]), int(cfg["mamba_head_dim"])
+    # Defaults are transformers' NemotronHConfig's (its configs always write these fields).
+    m_heads, d_head = int(cfg.get("mamba_num_heads", 128)), int(cfg.get("mamba_head_dim", 64))
     groups = int(_first(cfg, ("n_groups", "mamba_n_groups"), 8))
     if m_heads <= 0 or d_head <= 0 or groups <= 0 or m_heads % groups:
         raise ModelLoadError(
@@ -227,8 +228,10 @@ def _nemotron_h_arch(cfg: dict[str, Any]) -> ModelArch:
         intermediate_size=int(cfg["intermediate_size"]),  # the MLP blocks'
         num_hidden_layers=len(mixers),
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_key_value_heads=int(cfg.get("num_key_value_heads", 8) or heads),
+        # head_dim (NVIDIA's own configs: attention_head_dim) is 128 when absent, not hidden / heads
+        # (Nano-9B-v2: 4,480 / 40 = 112, its heads 128 wide)
+        head_dim=int(_first(cfg, ("head_dim", "attention_head_dim"), 128)),
         rms_norm_eps=float(cfg.get("layer_norm_epsilon", 1e-5)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         # transformers' NemotronHForCausalLM ties nothing (_tied_weights_keys is empty), whatever
