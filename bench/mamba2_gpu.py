@@ -6,7 +6,9 @@
 Run on the GPU machine from the repository root:  PYTHONPATH=. python bench/mamba2_gpu.py
 (--smoke: tiny shapes on the CPU through the Triton interpreter, to check the script itself.)
 Fixed seed; well under a minute. granite-4.0-h-small's Mamba2 layer (loader/presets/granite-4.0-h-small.json):
-128 heads of 64, d_state 128, one B/C group, conv kernel 4 over 8,448 channels; one layer.
+128 heads of 64, d_state 128, one B/C group, conv kernel 4 over 8,448 channels; one layer. --nano-v2:
+NVIDIA-Nemotron-Nano-9B-v2's instead (loader/presets/nemotron-nano-9b-v2.json): 128 heads of 80,
+d_state 128, 8 B/C groups, conv kernel 4 over 12,288 channels.
 
 1. Correctness (PASS/FAIL lines): the Triton path against the torch path on the same inputs, relative
    error ||out - ref|| / ||ref|| in float64, for bf16 and fp32 inputs: requests at slots that are not
@@ -35,7 +37,11 @@ from overnight.attention.linear_state import LinearStateBatch  # noqa: E402
 from overnight.layers.gated_delta_ops import PrefillRows, varlen_causal_conv1d  # noqa: E402
 from overnight.layers.mamba2_ops import Mamba2Layer, TorchMamba2Ops, TritonMamba2Ops  # noqa: E402
 
-H, P, N, G, KW = (4, 16, 8, 1, 4) if SMOKE else (128, 64, 128, 1, 4)
+NANO_V2 = "--nano-v2" in sys.argv
+if SMOKE:
+    H, P, N, G, KW = (4, 20, 8, 2, 4) if NANO_V2 else (4, 16, 8, 1, 4)
+else:
+    H, P, N, G, KW = (128, 80, 128, 8, 4) if NANO_V2 else (128, 64, 128, 1, 4)
 CONV_DIM = H * P + 2 * G * N
 HBM_GBPS = 4300.0
 DEV = torch.device("cpu" if SMOKE else "cuda")
@@ -247,6 +253,9 @@ def bench(ssm_dtype: torch.dtype) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (Triton interpreter)")
+    parser.add_argument(
+        "--nano-v2", action="store_true", help="NVIDIA-Nemotron-Nano-9B-v2's layer (head size 80, 8 groups)"
+    )
     parser.parse_args()
     torch.manual_seed(0)
     check_chunks_then_decode(torch.float32, 1e-4)
@@ -259,7 +268,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['kind']:8} {r['batch']!s:>8} {r['path']:>7} {r['ssm']:>9} {r['us']:>10} {r['gbps']:>11}")
     failed = [name for name, ok in checks if not ok]
-    print(json.dumps(dict(bench="mamba2_gpu", failed=failed, rows=rows, hbm_gbps=HBM_GBPS)))
+    shape = dict(heads=H, head_dim=P, d_state=N, groups=G)
+    print(json.dumps(dict(bench="mamba2_gpu", shape=shape, failed=failed, rows=rows, hbm_gbps=HBM_GBPS)))
     if failed:
         sys.exit(1)
 

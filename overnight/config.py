@@ -263,6 +263,15 @@ class ModelArch:
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
     mamba_dt_limit: tuple[float, float] = (0.0, float("inf"))
+    # The gated RMSNorm before out_proj normalizes each of mamba_norm_groups equal slices of the mixer's
+    # width on its own: 1 (Granite: the whole width) or n_groups (Nemotron-H).
+    mamba_norm_groups: int = 1
+    # Nemotron-H's layout (models/nemotron_h.py), its hybrid_override_pattern of "M" (Mamba2), "*"
+    # (attention) and "-" (MLP) blocks; "" for every other family. Set, each layer here is a single
+    # mixer (the pattern's M and * in order, layer_types) behind one RMSNorm and no MLP; the MLP blocks
+    # between them (each its own RMSNorm and up -> relu^2 -> down of intermediate_size, no gate) are no
+    # layers: they hold no KV cache and no state.
+    block_pattern: str = ""
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # GLM-4.5 / 4.6 (models/glm4_moe.py): the router's sigmoid scores plus a learned per-expert bias
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
@@ -422,6 +431,11 @@ class ModelArch:
         return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
 
     @property
+    def mlp_blocks(self) -> int:
+        """Nemotron-H's MLP blocks (block_pattern's "-"), which are no layers here."""
+        return self.block_pattern.count("-")
+
+    @property
     def is_mamba2(self) -> bool:
         """Whether the linear layers are Mamba2 mixers (else Gated DeltaNet)."""
         return self.mamba_n_heads > 0
@@ -486,6 +500,8 @@ class ModelArch:
     def mlp_params(self, active_only: bool = False) -> int:
         """Weights of all layers' MLPs, routers included. active_only: only the experts one token goes
         through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
+        if self.block_pattern:  # Nemotron-H: the MLP blocks only (up and down, no gate)
+            return self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
         expert = 3 * self.hidden_size * self.moe_intermediate_size
         if self.expert_bias:  # gate/up and down biases
             expert += 2 * self.moe_intermediate_size + self.hidden_size
@@ -621,18 +637,24 @@ class ModelArch:
                     attention_rows += self.q_size
                 params += attention_params
                 rows += attention_rows
+            if self.block_pattern:  # Nemotron-H: no MLP in a mixer layer (the MLP blocks come below)
+                continue
             if not self.is_moe_layer(i) or self.moe_beside_dense:
                 params += 3 * h * self.layer_intermediate_size(i)
                 rows += 2 * self.layer_intermediate_size(i) + h
             elif self.shared_expert_intermediate_size:  # the shared expert: a dense MLP beside the experts
                 params += 3 * h * self.shared_expert_intermediate_size
                 rows += 2 * self.shared_expert_intermediate_size + h
+        params += self.mlp_blocks * 2 * h * self.intermediate_size
+        rows += self.mlp_blocks * (self.intermediate_size + h)
         return params, rows
 
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
         per_layer = (4 if self.norm_placement == "sandwich" else 2) * h  # the RMSNorms
+        if self.block_pattern:  # Nemotron-H: one norm a layer, and one in each MLP block
+            per_layer = h
         if self.is_mla:  # q_a / kv_a norms; attention_bias: biases on q_a, kv_a_proj_with_mqa (and o_proj)
             per_layer += self.q_lora_rank + self.kv_lora_rank
             if self.attention_bias:
@@ -656,6 +678,7 @@ class ModelArch:
             + head
             + self.num_linear_parameters()
             + self.num_hidden_layers * per_layer
+            + self.mlp_blocks * h
             + h
             + self._gemma_parameters()
             + vision

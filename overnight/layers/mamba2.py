@@ -1,5 +1,6 @@
-"""The ops of a Mamba2 mixer (Granite 4.0 hybrids), in plain PyTorch: the CPU path and the reference for
-the kernels (kernels/mamba2_scan.py).
+"""The ops of a Mamba2 mixer (Granite 4.0 and Nemotron-H hybrids), in plain PyTorch: the CPU path and the
+reference for the kernels (kernels/mamba2_scan.py, mamba2_chunked.py; the gated output norm's
+kernels/mamba2_gated_norm.py, which MambaGatedRMSNorm takes on the GPU).
 
 Per head h (H heads of P values; G groups of B/C, head h reads group h // (H / G)) the mixer keeps a
 state S (P x N, N = d_state) that every token updates (the SSD form, arXiv 2405.21060):
@@ -31,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from overnight.kernels.dispatch import use_kernels
 
 
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
@@ -112,21 +115,35 @@ def ssd_step_ref(
     return y.to(x.dtype), s
 
 
-def mamba_gated_norm_ref(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * rms_norm(y * silu(z)) over the whole last dim (the gate before the norm, as
-    transformers' GraniteMoeHybridRMSNormGated: one norm over the mixer's width, whatever n_groups);
-    statistics in float32, the weight applied in y's dtype."""
+def mamba_gated_norm_ref(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, groups: int = 1
+) -> torch.Tensor:
+    """weight * rms_norm(y * silu(z)), the gate before the norm, the statistics taken over each of
+    `groups` equal slices of the last dim on its own: groups 1 is transformers'
+    GraniteMoeHybridRMSNormGated (one norm over the mixer's width, whatever n_groups), groups = n_groups
+    its Zamba2RMSNormGated with group_size = width / n_groups (Nemotron-H). Statistics in float32, the
+    weight applied in y's dtype."""
     dtype = y.dtype
     g = y.float() * F.silu(z.float())
+    if groups > 1:
+        g = g.unflatten(-1, (groups, -1))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.to(dtype)
+    return weight * g.flatten(-2).to(dtype) if groups > 1 else weight * g.to(dtype)
 
 
 class MambaGatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, groups: int = 1) -> None:
         super().__init__()
+        if dim % groups:
+            raise ValueError(f"the gated norm's width {dim} does not split into {groups} groups")
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
+        self.groups = groups
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return mamba_gated_norm_ref(y, z, self.weight, self.variance_epsilon)
+        """y [T, W] (the SSM's output), z [T, W] (the gate, a view into in_proj's output)."""
+        if use_kernels(y):  # one pass (kernels/mamba2_gated_norm.py) instead of several fp32 temporaries
+            from overnight.kernels.mamba2_gated_norm import mamba_gated_norm  # triton loads on first use
+
+            return mamba_gated_norm(y, z, self.weight, self.variance_epsilon, self.groups)
+        return mamba_gated_norm_ref(y, z, self.weight, self.variance_epsilon, self.groups)

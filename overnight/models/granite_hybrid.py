@@ -252,12 +252,12 @@ def _granite_hybrid_arch(cfg: dict[str, Any]) -> ModelArch:
         mamba_d_conv=int(cfg.get("mamba_d_conv", 4)),
         mamba_conv_bias=bool(cfg.get("mamba_conv_bias", True)),
         mamba_proj_bias=bool(cfg.get("mamba_proj_bias", False)),
-        mamba_dt_limit=(_json_float(limit[0]), _json_float(limit[1])),
+        mamba_dt_limit=(json_float(limit[0]), json_float(limit[1])),
         **moe,
     )
 
 
-def _json_float(v: Any) -> float:
+def json_float(v: Any) -> float:
     """A float of config.json: a number, "inf" / "Infinity", or transformers 5's {"__float__": "Infinity"}."""
     if isinstance(v, dict) and "__float__" in v:
         v = v["__float__"]

@@ -1,8 +1,9 @@
-"""The Mamba2 token mixer of Granite 4.0's hybrid models, reading and writing its per-request states.
+"""The Mamba2 token mixer of Granite 4.0's and Nemotron-H's hybrid models, reading and writing its
+per-request states.
 
     x -> in_proj -> z (gate, mamba_intermediate) | x|B|C (conv channels) | dt (one per head)
       -> causal conv + bias + SiLU over x|B|C (conv state) -> SSD recurrence per head (ssm state)
-      -> RMSNorm(y * silu(z)) -> out_proj
+      -> RMSNorm(y * silu(z)) over the whole width or per group (arch.mamba_norm_groups) -> out_proj
 
 Attribute names are the checkpoint's (model.layers.N.mamba.*). The step's rows come decodes first
 (attention/metadata.py). Decode rows (one token each) run batched by the device tensor slot_ids, with no
@@ -44,7 +45,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = MambaGatedRMSNorm(self.intermediate_size, arch.rms_norm_eps)
+        self.norm = MambaGatedRMSNorm(self.intermediate_size, arch.rms_norm_eps, arch.mamba_norm_groups)
         self.out_proj = nn.Linear(self.intermediate_size, h, bias=arch.mamba_proj_bias)
 
     def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:

@@ -37,6 +37,7 @@ from overnight.models.minimax_m2 import MiniMaxM2ForCausalLM
 from overnight.models.mistral3_vl import Mistral3VLForConditionalGeneration
 from overnight.models.mixtral import MixtralForCausalLM
 from overnight.models.modernbert import ModernBertForSequenceClassification, ModernBertModel, modernbert_arch
+from overnight.models.nemotron_h import NemotronHForCausalLM, nemotron_h_arch
 from overnight.models.nomic_bert import NomicBertModel, nomic_arch
 from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
@@ -99,6 +100,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_next": Qwen3NextForCausalLM,
     # Mamba2 + attention hybrids (models/granite_hybrid.py), on the same state cache
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -157,6 +159,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
+    "NemotronHForCausalLM": "nemotron_h",
 }
 # Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
 # a vision tower and M-RoPE.
@@ -301,6 +304,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return arch
     if family == "granitemoehybrid":
         return granite_hybrid_arch(cfg)
+    if family == "nemotron_h":
+        return nemotron_h_arch(cfg)
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in ("llama4", "llama4_text"):

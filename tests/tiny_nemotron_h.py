@@ -1,0 +1,57 @@
+"""Tiny random checkpoints of Nemotron-H hybrids (NemotronHForCausalLM): the pattern mixes Mamba2 ("M"),
+attention ("*") and MLP ("-") blocks, starting with an MLP block, two B/C groups (so the gated norm's
+per-group statistics differ from a whole-width norm), odd sizes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.tiny_models import _spread_weights
+
+PATTERN = "-M*-MM*M-"
+CONFIG: dict[str, Any] = dict(
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=24,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    mamba_num_heads=4,
+    mamba_head_dim=12,
+    n_groups=2,
+    ssm_state_size=8,
+    conv_kernel=4,
+    chunk_size=16,
+    layer_norm_epsilon=1e-5,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def make_nemotron_h_model(seed: int = 0, **overrides: Any):
+    """The transformers model (fp32, eval)."""
+    import transformers
+
+    fields = {**CONFIG, **overrides}
+    pattern = fields.pop("hybrid_override_pattern", PATTERN)
+    cfg = transformers.NemotronHConfig(hybrid_override_pattern=pattern, **fields)
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(cfg).eval()
+    _spread_weights(model, seed)
+    return model
+
+
+def make_nemotron_h_checkpoint(tmp_path: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
+    import transformers
+
+    folder = Path(tmp_path) / "tiny-nemotron-h"
+    make_nemotron_h_model(seed, **overrides).save_pretrained(folder)
+    transformers.GenerationConfig(eos_token_id=[], do_sample=False).save_pretrained(folder)
+    return folder
