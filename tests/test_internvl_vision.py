@@ -20,12 +20,18 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
+from tests.image_checks import (
+    check_chat_image_parts,
+    check_generate_cases,
+    check_prefix_cache_tells_images_apart,
+    cpu_vl_llm,
+    engine_of,
+)
 from tests.parity_helpers import cpu_model
 from tests.tiny_internvl import IDS, MAX_TILES, PER_TILE, WORDS, hf_reference, make_internvl_checkpoint
-from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
 
 NEW = 8
 BUDGET = 16  # max_num_batched_tokens: an image of 3 tiles (27 context tokens) takes several chunks
@@ -35,14 +41,7 @@ CTX, START, END = IDS["<IMG_CONTEXT>"], IDS["<img>"], IDS["</img>"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = make_internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
-    llm = LLM(
-        folder,
-        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=512,
-    )
+    llm = cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=512)
     return folder, llm, hf_reference(folder)
 
 
@@ -64,21 +63,9 @@ CASES = [
 PARAMS = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def _engine(llm: LLM) -> Engine:
-    engine = llm.engine
-    assert isinstance(engine, Engine)
-    return engine
-
-
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in CASES
-    ]
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    for (text, imgs), out in zip(CASES, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
+    outs = check_generate_cases(llm, ref, CASES, PARAMS, NEW)
     ids = outs[0].prompt_token_ids  # one tile, no thumbnail
     start = ids.index(START)
     assert ids[start : start + PER_TILE + 2] == [START] + [CTX] * PER_TILE + [END]
@@ -88,43 +75,15 @@ def test_generate_with_images_token_exact(setup):
 
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
-    imgs = [image(70, 35, 7), image(16, 40, 8)]
-    text = words(4, 9, WORDS)
-    conv = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[0])}},
-                {"type": "text", "text": text},
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[1])}},
-            ],
-        }
-    ]
-    out = llm.chat(conv, PARAMS, use_tqdm=False)[0]
-    rendered = llm.get_tokenizer().render_chat(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}, {"type": "image"}]}]
-    )
-    check_greedy(out, ref, rendered, imgs, NEW)
+    check_chat_image_parts(llm, ref, [image(70, 35, 7), words(4, 9, WORDS), image(16, 40, 8)], PARAMS, NEW)
 
 
 def test_prefix_cache_tells_images_apart(setup):
     """A repeated prompt hits the prefix cache past its image (the tower runs once for it); the same text
     with another image hits only the blocks before the image starts. Both still match transformers."""
     folder, llm, ref = setup
-    runner = _engine(llm).runner
     text = prompt(words(20, 20, WORDS), "<IMG_CONTEXT>", words(20, 21, WORDS))
-    first, other = image(40, 40, 11), image(40, 40, 12)
-    before = runner.vision.images_encoded  # type: ignore[attr-defined]
-    a = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    assert runner.vision.images_encoded - before == 1  # type: ignore[attr-defined]
-    start, end = a.prompt_token_ids.index(START), a.prompt_token_ids.index(END)
-    assert again.num_cached_tokens > end
-    b = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert 0 < b.num_cached_tokens <= start + 1
-    assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
-    check_greedy(again, ref, text, [first], NEW)
-    check_greedy(b, ref, text, [other], NEW)
+    check_prefix_cache_tells_images_apart(llm, ref, text, (START, END), PARAMS, NEW, opening_marker=True)
 
 
 def test_bad_image_prompts_are_refused(setup):
@@ -138,7 +97,7 @@ def test_bad_image_prompts_are_refused(setup):
         )
     from overnight.multimodal.internvl_prompt import InternVLPrompt
 
-    vision = _engine(llm).runner.model.arch.vision
+    vision = engine_of(llm).runner.model.arch.vision
     with pytest.raises(InvalidRequestError, match=r"no <img> / </img> token"):
         InternVLPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
 
@@ -205,7 +164,7 @@ def test_variants(variant, tmp_path):
     imgs = [image(44, 28, 42), image(20, 20, 43)]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
     check_greedy(out, ref, text, imgs, NEW)
-    model = _engine(llm).runner.model
+    model = engine_of(llm).runner.model
     moe = type(model).__name__ == "InternVLMoeForConditionalGeneration"
     assert moe == hasattr(model.model.layers[0].mlp, "experts") == (variant == "qwen3-moe")
 
@@ -226,7 +185,7 @@ def test_parameter_count_and_start_up_encoder_run(setup):
     count = arch.num_parameters()
     assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
 
-    vision = _engine(llm).runner.vision  # type: ignore[attr-defined]
+    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
     calls = []
     embed = vision.model.embed_images
     vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)

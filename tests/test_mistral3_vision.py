@@ -18,12 +18,18 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.models.registry import arch_from_hf_config, model_class_for
+from tests.image_checks import (
+    check_chat_image_parts,
+    check_generate_cases,
+    check_prefix_cache_tells_images_apart,
+    cpu_vl_llm,
+    engine_of,
+)
 from tests.parity_helpers import cpu_model
 from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, hf_reference, make_mistral3_vl_checkpoint
-from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
 
 NEW = 8
 BUDGET = 16  # max_num_batched_tokens: a 48 x 48 image's 6 rows of 7 tokens take three chunks
@@ -32,14 +38,7 @@ BUDGET = 16  # max_num_batched_tokens: a 48 x 48 image's 6 rows of 7 tokens take
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = make_mistral3_vl_checkpoint(tmp_path_factory.mktemp("mistral3_vl"))
-    llm = LLM(
-        folder,
-        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=256,
-    )
+    llm = cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=256)
     return folder, llm, hf_reference(folder)
 
 
@@ -59,13 +58,7 @@ PARAMS = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs
 
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in CASES
-    ]
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    for (text, imgs), out in zip(CASES, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
+    outs = check_generate_cases(llm, ref, CASES, PARAMS, NEW)
     # 30 x 40 (w x h) -> 32 x 40 pixels: 5 rows of 4 merged patches, each row closed by a break, the last by
     # the end
     ids = outs[0].prompt_token_ids
@@ -78,50 +71,17 @@ def test_generate_with_images_token_exact(setup):
 
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
-    imgs = [image(70, 35, 7), image(16, 40, 8)]
-    text = words(4, 9, WORDS)
-    conv = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[0])}},
-                {"type": "text", "text": text},
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[1])}},
-            ],
-        }
-    ]
-    out = llm.chat(conv, PARAMS, use_tqdm=False)[0]
-    rendered = llm.get_tokenizer().render_chat(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}, {"type": "image"}]}]
-    )
-    check_greedy(out, ref, rendered, imgs, NEW)
-
-
-def _engine(llm: LLM) -> Engine:
-    engine = llm.engine
-    assert isinstance(engine, Engine)
-    return engine
+    check_chat_image_parts(llm, ref, [image(70, 35, 7), words(4, 9, WORDS), image(16, 40, 8)], PARAMS, NEW)
 
 
 def test_prefix_cache_tells_images_apart(setup):
     """A repeated prompt hits the prefix cache past its image (the tower runs once for it); the same text
     with another image hits only the blocks before the image starts. Both still match transformers."""
     folder, llm, ref = setup
-    runner = _engine(llm).runner
     text = prompt(words(20, 20, WORDS), "[IMG]", words(20, 21, WORDS))
-    first, other = image(40, 40, 11), image(40, 40, 12)
-    before = runner.vision.images_encoded  # type: ignore[attr-defined]
-    a = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    assert runner.vision.images_encoded - before == 1  # type: ignore[attr-defined]
-    start = a.prompt_token_ids.index(IDS["[IMG]"])
-    end = a.prompt_token_ids.index(IDS["[IMG_END]"])
-    assert again.num_cached_tokens > end
-    b = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert 0 < b.num_cached_tokens <= start
-    assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
-    check_greedy(again, ref, text, [first], NEW)
-    check_greedy(b, ref, text, [other], NEW)
+    check_prefix_cache_tells_images_apart(
+        llm, ref, text, (IDS["[IMG]"], IDS["[IMG_END]"]), PARAMS, NEW, opening_marker=False
+    )
 
 
 def test_bad_image_prompts_are_refused(setup):
@@ -135,7 +95,7 @@ def test_bad_image_prompts_are_refused(setup):
         )
     from overnight.multimodal.pixtral_prompt import PixtralPrompt
 
-    vision = _engine(llm).runner.model.arch.vision
+    vision = engine_of(llm).runner.model.arch.vision
     with pytest.raises(InvalidRequestError, match=r"no \[IMG_BREAK\] / \[IMG_END\] token"):
         PixtralPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
 
@@ -155,7 +115,7 @@ def test_parameter_count_and_start_up_encoder_run(setup):
     count = arch.num_parameters()
     assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
 
-    vision = _engine(llm).runner.vision  # type: ignore[attr-defined]
+    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
     calls = []
     embed = vision.model.embed_images
     vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)

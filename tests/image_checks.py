@@ -1,0 +1,107 @@
+"""The test bodies every image family's tier (c) file runs on its own tiny checkpoint (InternVL, Mistral 3,
+Gemma 3, Llama 4): the engine they share, a batch of image prompts token-exact with transformers, a chat
+with image_url parts, and the prefix cache telling two images apart. Each family passes its prompts and
+its image span's tokens; the per-output check itself is tests/tiny_vl.py's check_greedy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from overnight import LLM, SamplingParams
+from overnight.engine.engine import Engine
+from overnight.outputs import RequestOutput
+from tests.tiny_vl import ProcessorReference, check_greedy, data_uri, image
+
+
+def cpu_vl_llm(folder: str, max_num_batched_tokens: int, max_model_len: int) -> LLM:
+    """The image tests' engine: float32 on the CPU (transformers' reference runs there: ours does too,
+    whatever the host has), an 8 MiB KV pool, prefill chunks of max_num_batched_tokens."""
+    return LLM(
+        folder,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+    )
+
+
+def engine_of(llm: LLM) -> Engine:
+    """The single in-process engine behind llm (its runner and scheduler are what the tests look at)."""
+    engine = llm.engine
+    assert isinstance(engine, Engine)
+    return engine
+
+
+def check_generate_cases(
+    llm: LLM,
+    ref: ProcessorReference,
+    cases: list[tuple[str, list[tuple[int, int, int]]]],
+    params: SamplingParams,
+    new_tokens: int,
+) -> list[RequestOutput]:
+    """The cases (a prompt and its images' (width, height, seed)) in one LLM.generate batch, a text-only
+    case as a plain string, each output token-exact with transformers'; the outputs, for the family's
+    own checks of its prompt ids."""
+    prompts = [
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+        for text, imgs in cases
+    ]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for (text, imgs), out in zip(cases, outs):
+        check_greedy(out, ref, text, [image(*s) for s in imgs], new_tokens)
+    return outs
+
+
+def check_chat_image_parts(
+    llm: LLM, ref: ProcessorReference, parts: list[Any], params: SamplingParams, new_tokens: int
+) -> None:
+    """LLM.chat on one user message of `parts` (a str is a text part, anything else a PIL image sent as
+    an image_url data: URI) token-exact with transformers' on the chat template's rendering of it."""
+    content = [
+        {"type": "text", "text": p}
+        if isinstance(p, str)
+        else {"type": "image_url", "image_url": {"url": data_uri(p)}}
+        for p in parts
+    ]
+    out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False)[0]
+    rendered = llm.get_tokenizer().render_chat(
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in parts
+                ],
+            }
+        ]
+    )
+    check_greedy(out, ref, rendered, [p for p in parts if not isinstance(p, str)], new_tokens)
+
+
+def check_prefix_cache_tells_images_apart(
+    llm: LLM,
+    ref: ProcessorReference,
+    text: str,
+    span: tuple[int, int],
+    params: SamplingParams,
+    new_tokens: int,
+    opening_marker: bool,
+) -> None:
+    """A repeated prompt (text with one image placeholder) hits the prefix cache past its image (the tower
+    runs once for it); the same text with another image hits only the blocks before the image starts.
+    Both still match transformers. span: the token ids at the image span's first and last prompt
+    positions; opening_marker: the first one is a marker the image's rows start after (<img>), not an
+    image token of its own ([IMG])."""
+    runner = engine_of(llm).runner
+    first, other = image(40, 40, 11), image(40, 40, 12)
+    before = runner.vision.images_encoded  # type: ignore[attr-defined]
+    a = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, params, use_tqdm=False)[0]
+    again = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, params, use_tqdm=False)[0]
+    assert runner.vision.images_encoded - before == 1  # type: ignore[attr-defined]
+    start, end = a.prompt_token_ids.index(span[0]), a.prompt_token_ids.index(span[1])
+    assert again.num_cached_tokens > end
+    b = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, params, use_tqdm=False)[0]
+    assert 0 < b.num_cached_tokens <= start + int(opening_marker)
+    assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
+    check_greedy(again, ref, text, [first], new_tokens)
+    check_greedy(b, ref, text, [other], new_tokens)
