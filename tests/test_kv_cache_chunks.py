@@ -22,6 +22,7 @@ from overnight.sampling_params import SamplingParams
 from tests.fake_runner import reference_output
 from tests.test_kv_cache_windows import (
     LONG_PROMPTS,
+    _cached_request,
     assert_no_leak,
     make_engine,
     peak_running,
@@ -151,14 +152,6 @@ def test_chunked_layers_hold_several_times_more_sequences_than_full_attention():
 
 
 # -- prefix hits ----------------------------------------------------------------------------------
-
-
-def _cached_request(kv: KVCacheManager, tokens: list[int], rid: str) -> Request:
-    req = Request(rid, tokens, SamplingParams(max_tokens=1), 0, frozenset(), len(tokens) + 1, 0.0)
-    assert kv.allocate(req, len(tokens)) is not None
-    req.num_computed_tokens = len(tokens)
-    kv.cache_computed_blocks(req)
-    return req
 
 
 @pytest.mark.parametrize("chunk,scales", [(12, (1, 1)), (8, (1, 1)), (10, (1, 1)), (16, (2, 1))])
