@@ -1,14 +1,24 @@
 """The test bodies every image family's tier (c) file runs on its own tiny checkpoint (InternVL, Mistral 3,
 Gemma 3, Llama 4): the engine they share, a batch of image prompts token-exact with transformers, a chat
-with image_url parts, and the prefix cache telling two images apart. Each family passes its prompts and
-its image span's tokens; the per-output check itself is tests/tiny_vl.py's check_greedy."""
+with image_url parts, the prefix cache telling two images apart, the parameter count, the start-up
+encoder run and the refusals of bad image prompts. Each family passes its prompts and its image span's tokens; the per-output check itself is
+tests/tiny_vl.py's check_greedy."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 from typing import Any
 
+import pytest
+import torch
+
 from overnight import LLM, SamplingParams
+from overnight.config import ModelArch
 from overnight.engine.engine import Engine
+from overnight.errors import InvalidRequestError
+from overnight.models.registry import arch_from_hf_config, model_class_for
 from overnight.outputs import RequestOutput
 from tests.tiny_vl import ProcessorReference, check_greedy, data_uri, image
 
@@ -105,3 +115,56 @@ def check_prefix_cache_tells_images_apart(
     assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
     check_greedy(again, ref, text, [first], new_tokens)
     check_greedy(b, ref, text, [other], new_tokens)
+
+
+def check_parameter_count(folder: str, ref: ProcessorReference) -> ModelArch:
+    """ModelArch.num_parameters (the memory check's count) of the folder's config.json equals the model
+    built from it and transformers' (both on the meta device), tower and projector included; the arch,
+    for the family's own checks of it."""
+    from transformers import AutoModelForImageTextToText
+
+    with open(os.path.join(folder, "config.json")) as f:
+        arch = arch_from_hf_config(json.load(f))
+    with torch.device("meta"):
+        ours = model_class_for(arch)(arch)
+        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
+    count = arch.num_parameters()
+    assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
+    return arch
+
+
+def start_up_encoder_grids(llm: LLM, folder: str) -> list[list[tuple[int, int, int]]]:
+    """The grids of each embed_images call the start-up memory run (run_largest_image) makes."""
+    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
+    calls: list[list[tuple[int, int, int]]] = []
+    embed = vision.model.embed_images
+
+    def recording(pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> Any:
+        calls.append(grids)
+        return embed(pixels, grids)
+
+    vision.model.embed_images = recording
+    try:
+        vision.run_largest_image(folder)
+    finally:
+        del vision.model.embed_images
+    return calls
+
+
+def check_bad_image_prompts_refused(
+    llm: LLM, text: str, placeholder: str, prompt_class: Any, missing: str
+) -> None:
+    """A prompt (text with one `placeholder`) sent two images is refused, naming the counts; the family's
+    prompt class (multimodal/*_prompt.py) built without a tokenizer refuses to run, its message matching
+    `missing` (the tokens it could not find)."""
+    with pytest.raises(
+        InvalidRequestError, match=rf"1 image placeholders \({re.escape(placeholder)}\) but 2 images"
+    ):
+        llm.generate(
+            {"prompt": text, "multi_modal_data": {"image": [image(9, 9, 0)] * 2}},
+            SamplingParams(max_tokens=2),
+            use_tqdm=False,
+        )
+    vision = engine_of(llm).runner.model.arch.vision  # type: ignore[attr-defined]
+    with pytest.raises(InvalidRequestError, match=missing):
+        prompt_class(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them

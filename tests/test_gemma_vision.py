@@ -18,6 +18,7 @@ from tests.image_checks import (
     check_generate_cases,
     cpu_vl_llm,
     engine_of,
+    start_up_encoder_grids,
 )
 from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, hf_reference, make_gemma_vl_checkpoint
 from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
@@ -142,15 +143,8 @@ def test_bad_image_prompts_are_refused(setup):
 def test_start_up_encoder_run_takes_gemma_images(setup):
     """The start-up memory check runs the tower on as many images as one step's budget holds."""
     folder, llm, ref = setup
-    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(1, 8, 8)]]  # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches
+    # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches
+    assert start_up_encoder_grids(llm, folder) == [[(1, 8, 8)]]
 
 
 def test_parameter_count_includes_the_tower(setup):

@@ -20,14 +20,17 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.models.registry import arch_from_hf_config, model_class_for
+from overnight.errors import ModelLoadError
+from overnight.models.registry import arch_from_hf_config
 from tests.image_checks import (
+    check_bad_image_prompts_refused,
     check_chat_image_parts,
     check_generate_cases,
+    check_parameter_count,
     check_prefix_cache_tells_images_apart,
     cpu_vl_llm,
     engine_of,
+    start_up_encoder_grids,
 )
 from tests.parity_helpers import cpu_model
 from tests.tiny_internvl import IDS, MAX_TILES, PER_TILE, WORDS, hf_reference, make_internvl_checkpoint
@@ -88,18 +91,11 @@ def test_prefix_cache_tells_images_apart(setup):
 
 def test_bad_image_prompts_are_refused(setup):
     folder, llm, ref = setup
-    params = SamplingParams(max_tokens=2)
-    with pytest.raises(InvalidRequestError, match=r"1 image placeholders \(<IMG_CONTEXT>\) but 2 images"):
-        llm.generate(
-            {"prompt": prompt("<IMG_CONTEXT> w20"), "multi_modal_data": {"image": [image(9, 9, 0)] * 2}},
-            params,
-            use_tqdm=False,
-        )
     from overnight.multimodal.internvl_prompt import InternVLPrompt
 
-    vision = engine_of(llm).runner.model.arch.vision
-    with pytest.raises(InvalidRequestError, match=r"no <img> / </img> token"):
-        InternVLPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
+    check_bad_image_prompts_refused(
+        llm, prompt("<IMG_CONTEXT> w20"), "<IMG_CONTEXT>", InternVLPrompt, r"no <img> / </img> token"
+    )
 
 
 def test_tower_on_several_images_matches_transformers(setup):
@@ -172,28 +168,12 @@ def test_variants(variant, tmp_path):
 def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower and projector included; the start-up memory run encodes the most tiles one step holds."""
-    from transformers import AutoModelForImageTextToText
-
     folder, llm, ref = setup
-    with open(f"{folder}/config.json") as f:
-        arch = arch_from_hf_config(json.load(f))
+    arch = check_parameter_count(folder, ref)
     assert arch.vision is not None and arch.vision.kind == "internvl" and arch.vision.spatial_merge_size == 2
     assert not arch.tie_word_embeddings and arch.qk_norm  # the Qwen3 decoder's flags
-    with torch.device("meta"):
-        ours = model_class_for(arch)(arch)
-        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
-    count = arch.num_parameters()
-    assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
-
-    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(MAX_TILES + 1, 6, 6)]]  # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
+    # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
+    assert start_up_encoder_grids(llm, folder) == [[(MAX_TILES + 1, 6, 6)]]
 
 
 def test_dummy_preset_has_the_published_shapes():

@@ -18,15 +18,17 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.models.registry import arch_from_hf_config, model_class_for
+from overnight.errors import ModelLoadError
+from overnight.models.registry import arch_from_hf_config
 from overnight.multimodal.llama4_prompt import Llama4Prompt, Llama4Tiles
 from tests.image_checks import (
+    check_bad_image_prompts_refused,
     check_chat_image_parts,
     check_generate_cases,
+    check_parameter_count,
     check_prefix_cache_tells_images_apart,
     cpu_vl_llm,
-    engine_of,
+    start_up_encoder_grids,
 )
 from tests.parity_helpers import cpu_model
 from tests.tiny_llama4_vl import (
@@ -98,16 +100,9 @@ def test_prefix_cache_tells_images_apart(setup):
 
 def test_bad_image_prompts_are_refused(setup):
     folder, llm, ref = setup
-    params = SamplingParams(max_tokens=2)
-    with pytest.raises(InvalidRequestError, match=r"1 image placeholders \(<\|image\|>\) but 2 images"):
-        llm.generate(
-            {"prompt": prompt("<|image|> w20"), "multi_modal_data": {"image": [image(9, 9, 0)] * 2}},
-            params,
-            use_tqdm=False,
-        )
-    vision = engine_of(llm).runner.model.arch.vision
-    with pytest.raises(InvalidRequestError, match=r"no <\|image\|> / <\|tile_x_separator\|> / "):
-        Llama4Prompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
+    check_bad_image_prompts_refused(
+        llm, prompt("<|image|> w20"), "<|image|>", Llama4Prompt, r"no <\|image\|> / <\|tile_x_separator\|> / "
+    )
 
 
 def test_tower_on_several_images_matches_transformers(setup):
@@ -230,26 +225,10 @@ def test_checkpoint_layouts():
 def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower, adapter and projector included; the start-up memory run encodes the image of most tiles."""
-    from transformers import AutoModelForImageTextToText
-
     folder, llm, ref = setup
-    with open(f"{folder}/config.json") as f:
-        arch = arch_from_hf_config(json.load(f))
-    with torch.device("meta"):
-        ours = model_class_for(arch)(arch)
-        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
-    count = arch.num_parameters()
-    assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
-
-    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(MAX_TILES + 1, 4, 4 * MAX_TILES)]]  # a 1 x 4 canvas and the whole image: 25 tokens
+    check_parameter_count(folder, ref)
+    # a 1 x 4 canvas and the whole image: 25 tokens
+    assert start_up_encoder_grids(llm, folder) == [[(MAX_TILES + 1, 4, 4 * MAX_TILES)]]
 
 
 def test_tensor_parallel_replicates_the_tower(setup):

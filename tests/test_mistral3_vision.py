@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.models.registry import arch_from_hf_config, model_class_for
+from overnight.errors import ModelLoadError
+from overnight.models.registry import arch_from_hf_config
 from tests.image_checks import (
+    check_bad_image_prompts_refused,
     check_chat_image_parts,
     check_generate_cases,
+    check_parameter_count,
     check_prefix_cache_tells_images_apart,
     cpu_vl_llm,
-    engine_of,
+    start_up_encoder_grids,
 )
 from tests.parity_helpers import cpu_model
 from tests.tiny_mistral3_vl import IDS, MERGE, PATCH, WORDS, hf_reference, make_mistral3_vl_checkpoint
@@ -86,44 +88,21 @@ def test_prefix_cache_tells_images_apart(setup):
 
 def test_bad_image_prompts_are_refused(setup):
     folder, llm, ref = setup
-    params = SamplingParams(max_tokens=2)
-    with pytest.raises(InvalidRequestError, match=r"1 image placeholders \(\[IMG\]\) but 2 images"):
-        llm.generate(
-            {"prompt": prompt("[IMG] w20"), "multi_modal_data": {"image": [image(9, 9, 0)] * 2}},
-            params,
-            use_tqdm=False,
-        )
     from overnight.multimodal.pixtral_prompt import PixtralPrompt
 
-    vision = engine_of(llm).runner.model.arch.vision
-    with pytest.raises(InvalidRequestError, match=r"no \[IMG_BREAK\] / \[IMG_END\] token"):
-        PixtralPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
+    check_bad_image_prompts_refused(
+        llm, prompt("[IMG] w20"), "[IMG]", PixtralPrompt, r"no \[IMG_BREAK\] / \[IMG_END\] token"
+    )
 
 
 def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower and projector included; the start-up memory run encodes the largest images one step holds."""
-    from transformers import AutoModelForImageTextToText
-
     folder, llm, ref = setup
-    with open(f"{folder}/config.json") as f:
-        arch = arch_from_hf_config(json.load(f))
+    arch = check_parameter_count(folder, ref)
     assert arch.vision is not None and arch.vision.kind == "pixtral" and not arch.vision.bidirectional_images
-    with torch.device("meta"):
-        ours = model_class_for(arch)(arch)
-        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
-    count = arch.num_parameters()
-    assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
-
-    vision = engine_of(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(1, 12, 12)]]  # 48 pixels a side: 12 patches, 6 x 7 = 42 tokens (budget 16: one)
+    # 48 pixels a side: 12 patches, 6 x 7 = 42 tokens (budget 16: one)
+    assert start_up_encoder_grids(llm, folder) == [[(1, 12, 12)]]
 
 
 def test_config_refusals(setup):
