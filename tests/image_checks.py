@@ -53,14 +53,61 @@ def check_generate_cases(
     """The cases (a prompt and its images' (width, height, seed)) in one LLM.generate batch, a text-only
     case as a plain string, each output token-exact with transformers'; the outputs, for the family's
     own checks of its prompt ids."""
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in cases
-    ]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(image_prompts(cases), params, use_tqdm=False)
     for (text, imgs), out in zip(cases, outs):
         check_greedy(out, ref, text, [image(*s) for s in imgs], new_tokens)
     return outs
+
+
+def image_prompts(cases: list[tuple[str, list[tuple[int, int, int]]]]) -> list[Any]:
+    """The cases as LLM.generate prompts: a text with its images' multi_modal_data, a plain string
+    when it has none."""
+    return [
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
+        for text, imgs in cases
+    ]
+
+
+def check_tensor_parallel_cases(
+    folder: str,
+    ref: ProcessorReference,
+    cases: list[tuple[str, list[tuple[int, int, int]]]],
+    params: SamplingParams,
+    new_tokens: int,
+    **engine: Any,
+) -> None:
+    """The cases through a TP=2 engine (two ranks over gloo on the CPU whatever the host has, as
+    cpu_vl_llm's settings and `engine`) token-exact with transformers' CPU run."""
+    from tests.tp_helpers import generate_split
+
+    outs = generate_split(
+        folder,
+        image_prompts(cases),
+        params,
+        device="cpu",
+        dtype="float32",
+        kv_cache_memory_bytes=8 << 20,
+        **engine,
+    )
+    for (text, imgs), out in zip(cases, outs):
+        check_greedy(out, ref, text, [image(*s) for s in imgs], new_tokens)
+
+
+def check_tower_replicated(folder: str, tower: tuple[str, ...]) -> None:
+    """Each TP=2 rank's share loaded as the checkpoint streams equals slicing the whole model; the
+    parameters named under `tower` (the tower and projector) are whole on every rank, the decoder's
+    qkv_proj halved."""
+    from overnight.loader.resolve import resolve_source
+    from tests.parity_helpers import cpu_model
+    from tests.tp_helpers import streamed_equals_sliced
+
+    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
+    for rank in range(2):
+        shard = dict(streamed_equals_sliced(resolve_source(folder), rank).named_parameters())
+        names = [k for k in shard if k.startswith(tower)]
+        assert names and all(torch.equal(shard[k], whole[k]) for k in names)
+        qkv = "model.layers.0.self_attn.qkv_proj.weight"
+        assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
 
 
 def check_chat_image_parts(

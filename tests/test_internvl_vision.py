@@ -22,16 +22,7 @@ import torch
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.models.registry import arch_from_hf_config
-from tests.image_checks import (
-    check_bad_image_prompts_refused,
-    check_chat_image_parts,
-    check_generate_cases,
-    check_parameter_count,
-    check_prefix_cache_tells_images_apart,
-    cpu_vl_llm,
-    engine_of,
-    start_up_encoder_grids,
-)
+from tests import image_checks
 from tests.parity_helpers import cpu_model
 from tests.tiny_internvl import IDS, MAX_TILES, PER_TILE, WORDS, hf_reference, make_internvl_checkpoint
 from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
@@ -44,7 +35,7 @@ CTX, START, END = IDS["<IMG_CONTEXT>"], IDS["<img>"], IDS["</img>"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = make_internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
-    llm = cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=512)
+    llm = image_checks.cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=512)
     return folder, llm, hf_reference(folder)
 
 
@@ -68,7 +59,7 @@ PARAMS = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs
 
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
-    outs = check_generate_cases(llm, ref, CASES, PARAMS, NEW)
+    outs = image_checks.check_generate_cases(llm, ref, CASES, PARAMS, NEW)
     ids = outs[0].prompt_token_ids  # one tile, no thumbnail
     start = ids.index(START)
     assert ids[start : start + PER_TILE + 2] == [START] + [CTX] * PER_TILE + [END]
@@ -78,7 +69,9 @@ def test_generate_with_images_token_exact(setup):
 
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
-    check_chat_image_parts(llm, ref, [image(70, 35, 7), words(4, 9, WORDS), image(16, 40, 8)], PARAMS, NEW)
+    image_checks.check_chat_image_parts(
+        llm, ref, [image(70, 35, 7), words(4, 9, WORDS), image(16, 40, 8)], PARAMS, NEW
+    )
 
 
 def test_prefix_cache_tells_images_apart(setup):
@@ -86,14 +79,16 @@ def test_prefix_cache_tells_images_apart(setup):
     with another image hits only the blocks before the image starts. Both still match transformers."""
     folder, llm, ref = setup
     text = prompt(words(20, 20, WORDS), "<IMG_CONTEXT>", words(20, 21, WORDS))
-    check_prefix_cache_tells_images_apart(llm, ref, text, (START, END), PARAMS, NEW, opening_marker=True)
+    image_checks.check_prefix_cache_tells_images_apart(
+        llm, ref, text, (START, END), PARAMS, NEW, opening_marker=True
+    )
 
 
 def test_bad_image_prompts_are_refused(setup):
     folder, llm, ref = setup
     from overnight.multimodal.internvl_prompt import InternVLPrompt
 
-    check_bad_image_prompts_refused(
+    image_checks.check_bad_image_prompts_refused(
         llm, prompt("<IMG_CONTEXT> w20"), "<IMG_CONTEXT>", InternVLPrompt, r"no <img> / </img> token"
     )
 
@@ -160,7 +155,7 @@ def test_variants(variant, tmp_path):
     imgs = [image(44, 28, 42), image(20, 20, 43)]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
     check_greedy(out, ref, text, imgs, NEW)
-    model = engine_of(llm).runner.model
+    model = image_checks.engine_of(llm).runner.model
     moe = type(model).__name__ == "InternVLMoeForConditionalGeneration"
     assert moe == hasattr(model.model.layers[0].mlp, "experts") == (variant == "qwen3-moe")
 
@@ -169,11 +164,11 @@ def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower and projector included; the start-up memory run encodes the most tiles one step holds."""
     folder, llm, ref = setup
-    arch = check_parameter_count(folder, ref)
+    arch = image_checks.check_parameter_count(folder, ref)
     assert arch.vision is not None and arch.vision.kind == "internvl" and arch.vision.spatial_merge_size == 2
     assert not arch.tie_word_embeddings and arch.qk_norm  # the Qwen3 decoder's flags
     # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
-    assert start_up_encoder_grids(llm, folder) == [[(MAX_TILES + 1, 6, 6)]]
+    assert image_checks.start_up_encoder_grids(llm, folder) == [[(MAX_TILES + 1, 6, 6)]]
 
 
 def test_dummy_preset_has_the_published_shapes():
@@ -229,17 +224,8 @@ def test_config_reading_and_refusals(setup):
 def test_tensor_parallel_replicates_the_tower(setup):
     """Each rank's share loaded as the checkpoint streams equals slicing the whole model; the tower and
     projector are whole on every rank (their q / k / v projections are not the decoder's)."""
-    from overnight.loader.resolve import resolve_source
-    from tests.tp_helpers import streamed_equals_sliced
-
     folder, llm, ref = setup
-    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
-    for rank in range(2):
-        shard = dict(streamed_equals_sliced(resolve_source(folder), rank).named_parameters())
-        tower = [k for k in shard if k.startswith(("vision_tower.", "multi_modal_projector."))]
-        assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
-        qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
+    image_checks.check_tower_replicated(folder, ("vision_tower.", "multi_modal_projector."))
 
 
 def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
@@ -259,25 +245,10 @@ def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
 
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tensor_parallel_generation_with_images(setup):
-    from tests.tp_helpers import generate_split
-
     folder, llm, ref = setup
-    cases = CASES[:3]
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in cases
-    ]
-    outs = generate_split(
-        folder,
-        prompts,
-        PARAMS,
-        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], PARAMS, NEW, max_num_batched_tokens=BUDGET
     )
-    for (text, imgs), out in zip(cases, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
 
 
 def _tower_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
