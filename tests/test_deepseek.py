@@ -37,7 +37,13 @@ from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.deepseek import DeepseekMoE, DeepseekV2TopkRouter
 from tests.parity_helpers import hf_greedy
-from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
+from tests.tiny_moe import (
+    ENGINE,
+    check_waves_token_exact,
+    load_moe_reference,
+    make_moe_checkpoint,
+    waves,
+)
 
 COMMON = dict(
     vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -84,17 +90,6 @@ def variant(request, tmp_path_factory):
     return request.param, folder, load_reference(folder, request.param)
 
 
-def _prompts(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Two rounds sharing a 21-token prefix, the second hitting the prefix cache."""
-    rng = random.Random(0)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    prefix = toks(21)
-    return [toks(29), prefix + toks(5), toks(3)], [prefix + toks(9), prefix + toks(2), toks(12)]
-
-
 def test_engine_greedy_token_exact(variant):
     """Token-exact with transformers in fp32, through 16-token prefill chunks and prefix-cache hits."""
     name, folder, ref = variant
@@ -116,18 +111,7 @@ def test_engine_greedy_token_exact(variant):
     assert arch.kv_bytes_per_token(4) == 3 * ROW * 4
     caches = llm.engine.runner.kv_caches  # type: ignore[attr-defined]
     assert caches[0].shape[0] == 1 and caches[0].shape[2:] == (4, 1, ROW)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    first, second = _prompts(arch.vocab_size)
-    outs = llm.generate(first, params, use_tqdm=False)
-    hits = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    outs += llm.generate(second, params, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits - hits >= 2 * 20  # type: ignore[attr-defined]
-    distinct = set()
-    for prompt, out in zip(first + second, outs):
-        tokens = list(out.outputs[0].token_ids)
-        assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)[0], f"prompt of {len(prompt)} tokens"
-        distinct.update(tokens)
-    assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
+    check_waves_token_exact(llm, ref, waves(arch.vocab_size))
 
 
 def test_preemption_on_a_small_pool_matches_transformers(tmp_path):
@@ -360,7 +344,7 @@ def test_tp2_matches_tp1(tmp_path):
     from tests.tp_helpers import generate_split
 
     folder = make_checkpoint(tmp_path / "v3", "v3")
-    first, second = _prompts(384)
+    first, second = waves(384)
     prompts = first + second
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     one = LLM(str(folder), **ENGINE).generate(prompts, params, use_tqdm=False)

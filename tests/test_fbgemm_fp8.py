@@ -38,6 +38,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def _resaved(src: Path, folder: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    """A new checkpoint folder: src's files (config, quantization_config, ...) with `tensors` as its
+    model.safetensors."""
+    folder.mkdir()
+    for extra in src.iterdir():
+        if extra.name != "model.safetensors":
+            (folder / extra.name).write_bytes(extra.read_bytes())
+    save_file(tensors, str(folder / "model.safetensors"))
+    return folder
+
+
 def _hf(folder: Path, cls_name: str) -> nn.Module:
     import transformers
 
@@ -109,17 +120,12 @@ def test_saved_input_scale_ub_tensors_are_accepted(llama, tmp_path):
     """A writer that saved each layer's input_scale_ub (transformers 4.4x held it as a parameter) gives
     the same model; the bound is not applied (quant/scheme.py)."""
     fp8, _, saved = llama
-    folder = tmp_path / "with-ub"
-    folder.mkdir()
-    for extra in fp8.iterdir():
-        if extra.name != "model.safetensors":
-            (folder / extra.name).write_bytes(extra.read_bytes())
     ubs = {
         n.replace("weight_scale", "input_scale_ub"): torch.tensor([1200.0])
         for n in saved
         if "weight_scale" in n
     }
-    save_file({**saved, **ubs}, str(folder / "model.safetensors"))
+    folder = _resaved(fp8, tmp_path / "with-ub", {**saved, **ubs})
     a = dict(load_model(resolve_source(str(fp8)), torch.float32, "cpu").named_parameters())
     b = dict(load_model(resolve_source(str(folder)), torch.float32, "cpu").named_parameters())
     assert ubs and a.keys() == b.keys() and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
@@ -196,11 +202,6 @@ def test_llama4_per_expert_layout_loads_the_same_bytes(llama4, tmp_path):
     """The experts stored one e4m3 tensor per expert and projection with weight_scale [rows, 1]
     (experts.E.gate_proj.weight, ...) load into the same stacks, bytes and scales, as the fused ones."""
     fp8, _, saved = llama4
-    folder = tmp_path / "per-expert"
-    folder.mkdir()
-    for extra in fp8.iterdir():
-        if extra.name != "model.safetensors":
-            (folder / extra.name).write_bytes(extra.read_bytes())
     tensors = dict(saved)
     for name in [n for n in tensors if n.endswith("experts.gate_up_proj")]:
         prefix = name.removesuffix("gate_up_proj")
@@ -216,7 +217,7 @@ def test_llama4_per_expert_layout_loads_the_same_bytes(llama4, tmp_path):
             ):
                 tensors[f"{prefix}{e}.{proj}.weight"] = w.contiguous()
                 tensors[f"{prefix}{e}.{proj}.weight_scale"] = sc[:, None].contiguous()
-    save_file(tensors, str(folder / "model.safetensors"))
+    folder = _resaved(fp8, tmp_path / "per-expert", tensors)
     from overnight.parallel.tp import load_sharded_model
 
     def load(folder: Path, rank: int | None) -> nn.Module:
@@ -352,16 +353,11 @@ def test_expert_scales_of_the_wrong_shape_or_missing_are_refused(llama4, tmp_pat
     fp8, _, saved = llama4
     ckpt = "model.layers.1.feed_forward.experts"
     for case, edit in (("shape", lambda t: t[:, :, :-1]), ("missing", None)):
-        folder = tmp_path / case
-        folder.mkdir()
-        for extra in fp8.iterdir():
-            if extra.name != "model.safetensors":
-                (folder / extra.name).write_bytes(extra.read_bytes())
         tensors = dict(saved)
         scale = tensors.pop(f"{ckpt}.gate_up_proj_scale")
         if edit is not None:
             tensors[f"{ckpt}.gate_up_proj_scale"] = edit(scale).contiguous()
-        save_file(tensors, str(folder / "model.safetensors"))
+        folder = _resaved(fp8, tmp_path / case, tensors)
         expected = (
             "gate_up_proj_scale is" if edit is not None else f"missing: {ckpt.replace('feed_forward', 'mlp')}"
         )

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError
+from tests import image_checks
 from tests.tiny_gemma_vl import IDS, TOKENS_PER_IMAGE, WINDOW, WORDS, hf_reference, make_gemma_vl_checkpoint
-from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
 
 NEW = 8
 BUDGET = 24  # max_num_batched_tokens: chunks of 24 tokens, images of 16
@@ -24,14 +24,7 @@ BUDGET = 24  # max_num_batched_tokens: chunks of 24 tokens, images of 16
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = make_gemma_vl_checkpoint(tmp_path_factory.mktemp("gemma3_vl"))
-    llm = LLM(
-        folder,
-        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=256,
-    )
+    llm = image_checks.cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=256)
     return folder, llm, hf_reference(folder)
 
 
@@ -49,14 +42,8 @@ CASES = [
 
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in CASES
-    ]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    for (text, imgs), out in zip(CASES, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
+    outs = image_checks.check_generate_cases(llm, ref, CASES, params, NEW)
     assert len(outs[3].prompt_token_ids) > 3 * WINDOW
     assert outs[2].prompt_token_ids.count(IDS["<image_soft_token>"]) == 2 * TOKENS_PER_IMAGE
 
@@ -76,35 +63,14 @@ def test_bidirectional_image_attention_matters(setup):
 
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
-    img = image(70, 35, 7)
-    text = words(4, 9, WORDS)
-    conv = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(img)}},
-                {"type": "text", "text": text},
-            ],
-        }
-    ]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
-    out = llm.chat(conv, params, use_tqdm=False)[0]
-    rendered = llm.get_tokenizer().render_chat(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
-    )
-    check_greedy(out, ref, rendered, [img], NEW)
-
-
-def _engine(llm: LLM) -> Engine:
-    engine = llm.engine
-    assert isinstance(engine, Engine)
-    return engine
+    image_checks.check_chat_image_parts(llm, ref, [image(70, 35, 7), words(4, 9, WORDS)], params, NEW)
 
 
 def test_chunk_boundary_inside_an_image_moves_before_it(setup):
     """The image of this prompt covers 43 .. 59: the second 24-token chunk would end at 48, inside it."""
     folder, llm, ref = setup
-    engine = _engine(llm)
+    engine = image_checks.engine_of(llm)
     chunks: list[tuple[int, int]] = []
     schedule = engine.scheduler.schedule
 
@@ -142,7 +108,7 @@ def test_prefix_cache_hit_and_repeated_image(setup):
     """The same image over several prompts runs the tower once; a repeated prompt hits the prefix cache
     (never inside its image) and still matches transformers."""
     folder, llm, ref = setup
-    runner = _engine(llm).runner
+    runner = image_checks.engine_of(llm).runner
     img = image(40, 40, 11)
     before = runner.vision.images_encoded  # type: ignore[attr-defined]
     texts = [f"<bos> {words(i + 30, 20, WORDS)} <start_of_image> {words(3, i, WORDS)}" for i in range(4)]
@@ -171,15 +137,8 @@ def test_bad_image_prompts_are_refused(setup):
 def test_start_up_encoder_run_takes_gemma_images(setup):
     """The start-up memory check runs the tower on as many images as one step's budget holds."""
     folder, llm, ref = setup
-    vision = _engine(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(1, 8, 8)]]  # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches
+    # 24 tokens of budget: one image of 16 tokens, 8 x 8 patches
+    assert image_checks.start_up_encoder_grids(llm, folder) == [[(1, 8, 8)]]
 
 
 def test_parameter_count_includes_the_tower(setup):
@@ -252,23 +211,8 @@ def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
 def test_tensor_parallel_keeps_the_tower_whole(setup):
     """TP=2: the decoder sharded, the SigLIP tower and projector whole on each rank (their q_proj /
     k_proj / v_proj / fc names must not take the decoder's split rules)."""
-    from tests.tp_helpers import generate_split
-
     folder, _, ref = setup
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in CASES[:3]
-    ]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
-    outs = generate_split(
-        folder,
-        prompts,
-        params,
-        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=256,
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], params, NEW, max_num_batched_tokens=BUDGET, max_model_len=256
     )
-    for (text, imgs), out in zip(CASES, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)

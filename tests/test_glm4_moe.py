@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import random
 import shutil
 from pathlib import Path
 
@@ -41,8 +40,14 @@ from overnight.quant.apply import dequantize_model
 from overnight.quant.fp8 import quantize_stacked_per_channel
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import make_fp8_checkpoint
-from tests.parity_helpers import compare, hf_greedy
-from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
+from tests.parity_helpers import compare
+from tests.tiny_moe import (
+    ENGINE,
+    check_waves_token_exact,
+    load_moe_reference,
+    make_moe_checkpoint,
+    waves,
+)
 from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 # n_shared_experts 0: transformers initializes (and loads) a zero-width shared MLP, and torch says so
@@ -79,17 +84,6 @@ def glm_folder(tmp_path_factory):
     return make_glm_checkpoint(tmp_path_factory.mktemp("glm") / "glm", **VARIANTS["qk-norm"])
 
 
-def _waves(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
-    """Two rounds sharing a 21-token prefix, the second hitting the prefix cache."""
-    rng = random.Random(0)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(n)]
-
-    prefix = toks(21)
-    return [toks(29), prefix + toks(5), toks(3)], [prefix + toks(9), prefix + toks(2), toks(12)]
-
-
 def test_engine_greedy_token_exact(variant):
     """Token-exact with transformers in fp32, through 16-token prefill chunks and prefix-cache hits."""
     name, folder = variant
@@ -103,18 +97,7 @@ def test_engine_greedy_token_exact(variant):
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
     ref = load_reference(folder)
     assert arch.num_parameters() == sum(p.numel() for p in ref.parameters()) + 2 * arch.num_experts
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    first, second = _waves(arch.vocab_size)
-    outs = llm.generate(first, params, use_tqdm=False)
-    hits = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    outs += llm.generate(second, params, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits - hits >= 2 * 20  # type: ignore[attr-defined]
-    distinct = set()
-    for prompt, out in zip(first + second, outs):
-        tokens = list(out.outputs[0].token_ids)
-        assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)[0], f"prompt of {len(prompt)} tokens"
-        distinct.update(tokens)
-    assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
+    check_waves_token_exact(llm, ref, waves(arch.vocab_size))
 
 
 @pytest.mark.slow  # the fused MoE kernels through the Triton interpreter
@@ -290,7 +273,7 @@ def test_tp_shards_equal_slices_of_the_whole_model(glm_folder):
 
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tp2_matches_tp1(glm_folder):
-    first, second = _waves(384)
+    first, second = waves(384)
     prompts = first + second
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     one = LLM(str(glm_folder), **ENGINE).generate(prompts, params, use_tqdm=False)

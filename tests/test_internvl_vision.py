@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.engine.engine import Engine
-from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.models.registry import arch_from_hf_config, model_class_for
+from overnight.errors import ModelLoadError
+from overnight.models.registry import arch_from_hf_config
+from tests import image_checks
 from tests.parity_helpers import cpu_model
 from tests.tiny_internvl import IDS, MAX_TILES, PER_TILE, WORDS, hf_reference, make_internvl_checkpoint
-from tests.tiny_vl import check_greedy, check_run_batch_and_server, data_uri, image, words
+from tests.tiny_vl import check_greedy, check_run_batch_and_server, image, words
 
 NEW = 8
 BUDGET = 16  # max_num_batched_tokens: an image of 3 tiles (27 context tokens) takes several chunks
@@ -35,14 +35,7 @@ CTX, START, END = IDS["<IMG_CONTEXT>"], IDS["<img>"], IDS["</img>"]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = make_internvl_checkpoint(tmp_path_factory.mktemp("internvl"))
-    llm = LLM(
-        folder,
-        device="cpu",  # transformers' reference runs on the CPU: ours does too, whatever the host has
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
-        max_model_len=512,
-    )
+    llm = image_checks.cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=512)
     return folder, llm, hf_reference(folder)
 
 
@@ -64,21 +57,9 @@ CASES = [
 PARAMS = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True, logprobs=0)
 
 
-def _engine(llm: LLM) -> Engine:
-    engine = llm.engine
-    assert isinstance(engine, Engine)
-    return engine
-
-
 def test_generate_with_images_token_exact(setup):
     folder, llm, ref = setup
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in CASES
-    ]
-    outs = llm.generate(prompts, PARAMS, use_tqdm=False)
-    for (text, imgs), out in zip(CASES, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
+    outs = image_checks.check_generate_cases(llm, ref, CASES, PARAMS, NEW)
     ids = outs[0].prompt_token_ids  # one tile, no thumbnail
     start = ids.index(START)
     assert ids[start : start + PER_TILE + 2] == [START] + [CTX] * PER_TILE + [END]
@@ -88,59 +69,28 @@ def test_generate_with_images_token_exact(setup):
 
 def test_chat_image_url_parts(setup):
     folder, llm, ref = setup
-    imgs = [image(70, 35, 7), image(16, 40, 8)]
-    text = words(4, 9, WORDS)
-    conv = [
-        {
-            "role": "user",
-            "content": [
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[0])}},
-                {"type": "text", "text": text},
-                {"type": "image_url", "image_url": {"url": data_uri(imgs[1])}},
-            ],
-        }
-    ]
-    out = llm.chat(conv, PARAMS, use_tqdm=False)[0]
-    rendered = llm.get_tokenizer().render_chat(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}, {"type": "image"}]}]
+    image_checks.check_chat_image_parts(
+        llm, ref, [image(70, 35, 7), words(4, 9, WORDS), image(16, 40, 8)], PARAMS, NEW
     )
-    check_greedy(out, ref, rendered, imgs, NEW)
 
 
 def test_prefix_cache_tells_images_apart(setup):
     """A repeated prompt hits the prefix cache past its image (the tower runs once for it); the same text
     with another image hits only the blocks before the image starts. Both still match transformers."""
     folder, llm, ref = setup
-    runner = _engine(llm).runner
     text = prompt(words(20, 20, WORDS), "<IMG_CONTEXT>", words(20, 21, WORDS))
-    first, other = image(40, 40, 11), image(40, 40, 12)
-    before = runner.vision.images_encoded  # type: ignore[attr-defined]
-    a = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    again = llm.generate({"prompt": text, "multi_modal_data": {"image": first}}, PARAMS, use_tqdm=False)[0]
-    assert runner.vision.images_encoded - before == 1  # type: ignore[attr-defined]
-    start, end = a.prompt_token_ids.index(START), a.prompt_token_ids.index(END)
-    assert again.num_cached_tokens > end
-    b = llm.generate({"prompt": text, "multi_modal_data": {"image": other}}, PARAMS, use_tqdm=False)[0]
-    assert 0 < b.num_cached_tokens <= start + 1
-    assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].token_ids != a.outputs[0].token_ids
-    check_greedy(again, ref, text, [first], NEW)
-    check_greedy(b, ref, text, [other], NEW)
+    image_checks.check_prefix_cache_tells_images_apart(
+        llm, ref, text, (START, END), PARAMS, NEW, opening_marker=True
+    )
 
 
 def test_bad_image_prompts_are_refused(setup):
     folder, llm, ref = setup
-    params = SamplingParams(max_tokens=2)
-    with pytest.raises(InvalidRequestError, match=r"1 image placeholders \(<IMG_CONTEXT>\) but 2 images"):
-        llm.generate(
-            {"prompt": prompt("<IMG_CONTEXT> w20"), "multi_modal_data": {"image": [image(9, 9, 0)] * 2}},
-            params,
-            use_tqdm=False,
-        )
     from overnight.multimodal.internvl_prompt import InternVLPrompt
 
-    vision = _engine(llm).runner.model.arch.vision
-    with pytest.raises(InvalidRequestError, match=r"no <img> / </img> token"):
-        InternVLPrompt(vision, None).check_tokens()  # a checkpoint without a tokenizer that has them
+    image_checks.check_bad_image_prompts_refused(
+        llm, prompt("<IMG_CONTEXT> w20"), "<IMG_CONTEXT>", InternVLPrompt, r"no <img> / </img> token"
+    )
 
 
 def test_tower_on_several_images_matches_transformers(setup):
@@ -205,7 +155,7 @@ def test_variants(variant, tmp_path):
     imgs = [image(44, 28, 42), image(20, 20, 43)]
     out = llm.generate({"prompt": text, "multi_modal_data": {"image": imgs}}, PARAMS, use_tqdm=False)[0]
     check_greedy(out, ref, text, imgs, NEW)
-    model = _engine(llm).runner.model
+    model = image_checks.engine_of(llm).runner.model
     moe = type(model).__name__ == "InternVLMoeForConditionalGeneration"
     assert moe == hasattr(model.model.layers[0].mlp, "experts") == (variant == "qwen3-moe")
 
@@ -213,28 +163,12 @@ def test_variants(variant, tmp_path):
 def test_parameter_count_and_start_up_encoder_run(setup):
     """ModelArch.num_parameters (the memory check's count) equals the built model's and transformers',
     tower and projector included; the start-up memory run encodes the most tiles one step holds."""
-    from transformers import AutoModelForImageTextToText
-
     folder, llm, ref = setup
-    with open(f"{folder}/config.json") as f:
-        arch = arch_from_hf_config(json.load(f))
+    arch = image_checks.check_parameter_count(folder, ref)
     assert arch.vision is not None and arch.vision.kind == "internvl" and arch.vision.spatial_merge_size == 2
     assert not arch.tie_word_embeddings and arch.qk_norm  # the Qwen3 decoder's flags
-    with torch.device("meta"):
-        ours = model_class_for(arch)(arch)
-        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
-    count = arch.num_parameters()
-    assert count == sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs.parameters())
-
-    vision = _engine(llm).runner.vision  # type: ignore[attr-defined]
-    calls = []
-    embed = vision.model.embed_images
-    vision.model.embed_images = lambda pixels, grids: calls.append(grids) or embed(pixels, grids)
-    try:
-        vision.run_largest_image(folder)
-    finally:
-        del vision.model.embed_images
-    assert calls == [[(MAX_TILES + 1, 6, 6)]]  # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
+    # 4 tiles and the thumbnail: 45 tokens (budget 16: one)
+    assert image_checks.start_up_encoder_grids(llm, folder) == [[(MAX_TILES + 1, 6, 6)]]
 
 
 def test_dummy_preset_has_the_published_shapes():
@@ -290,17 +224,8 @@ def test_config_reading_and_refusals(setup):
 def test_tensor_parallel_replicates_the_tower(setup):
     """Each rank's share loaded as the checkpoint streams equals slicing the whole model; the tower and
     projector are whole on every rank (their q / k / v projections are not the decoder's)."""
-    from overnight.loader.resolve import resolve_source
-    from tests.tp_helpers import streamed_equals_sliced
-
     folder, llm, ref = setup
-    whole = dict(cpu_model(folder).named_parameters())  # the shards are loaded on the CPU
-    for rank in range(2):
-        shard = dict(streamed_equals_sliced(resolve_source(folder), rank).named_parameters())
-        tower = [k for k in shard if k.startswith(("vision_tower.", "multi_modal_projector."))]
-        assert tower and all(torch.equal(shard[k], whole[k]) for k in tower)
-        qkv = "model.layers.0.self_attn.qkv_proj.weight"
-        assert shard[qkv].shape[0] == whole[qkv].shape[0] // 2
+    image_checks.check_tower_replicated(folder, ("vision_tower.", "multi_modal_projector."))
 
 
 def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
@@ -320,25 +245,10 @@ def test_tensor_parallel_splits_the_moe_experts_only(tmp_path):
 
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tensor_parallel_generation_with_images(setup):
-    from tests.tp_helpers import generate_split
-
     folder, llm, ref = setup
-    cases = CASES[:3]
-    prompts = [
-        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}} if imgs else text
-        for text, imgs in cases
-    ]
-    outs = generate_split(
-        folder,
-        prompts,
-        PARAMS,
-        device="cpu",  # two ranks over gloo whatever the host has; token-exact with transformers' CPU run
-        dtype="float32",
-        kv_cache_memory_bytes=8 << 20,
-        max_num_batched_tokens=BUDGET,
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], PARAMS, NEW, max_num_batched_tokens=BUDGET
     )
-    for (text, imgs), out in zip(cases, outs):
-        check_greedy(out, ref, text, [image(*s) for s in imgs], NEW)
 
 
 def _tower_linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

@@ -21,13 +21,14 @@ from overnight.errors import ConfigError
 from overnight.sampling_params import SamplingParams
 from tests.fake_runner import reference_output
 from tests.test_kv_cache_windows import (
-    EOS,
     LONG_PROMPTS,
+    _cached_request,
     assert_no_leak,
     make_engine,
     peak_running,
+    run_with_an_abort,
 )
-from tests.test_scheduler import VOCAB, random_prompts, run_all
+from tests.test_scheduler import VOCAB, random_prompts
 
 CHUNKED, FULL = "chunked_attention", "full_attention"
 LLAMA4_SHAPE = (CHUNKED,) * 3 + (FULL,)  # every fourth layer global
@@ -135,16 +136,7 @@ def test_same_outputs_and_no_leak_with_preemption_aborts_and_prefix_hits(num_blo
     engine, _ = make_engine(
         llama4_arch(8), num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode
     )
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=m))
-    engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-    engine.abort_request("gone")
-    results = run_all(engine)
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        assert results[str(i)] == reference_output(p, min(m, 128 - len(p)), VOCAB, EOS), i
-    assert (engine.scheduler.num_preemptions_total > 0) == (num_blocks < 3000)
+    run_with_an_abort(engine, prompts, max_tokens, preempts=num_blocks < 3000)
     assert engine.kv.prefix_hits >= 11 * 36  # the shared 36 tokens (9 blocks), after the first
     assert_no_leak(engine)
 
@@ -160,14 +152,6 @@ def test_chunked_layers_hold_several_times_more_sequences_than_full_attention():
 
 
 # -- prefix hits ----------------------------------------------------------------------------------
-
-
-def _cached_request(kv: KVCacheManager, tokens: list[int], rid: str) -> Request:
-    req = Request(rid, tokens, SamplingParams(max_tokens=1), 0, frozenset(), len(tokens) + 1, 0.0)
-    assert kv.allocate(req, len(tokens)) is not None
-    req.num_computed_tokens = len(tokens)
-    kv.cache_computed_blocks(req)
-    return req
 
 
 @pytest.mark.parametrize("chunk,scales", [(12, (1, 1)), (8, (1, 1)), (10, (1, 1)), (16, (2, 1))])

@@ -80,6 +80,23 @@ def make_engine(
     return Engine(config, runner, source, plan), runner
 
 
+def run_with_an_abort(
+    engine: Engine, prompts: list[list[int]], max_tokens: list[int], preempts: bool
+) -> None:
+    """The prompts (max_model_len 128) to the end beside one long request aborted after three steps:
+    each output is the fake runner's reference, and requests were preempted exactly when `preempts`."""
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=m))
+    engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.abort_request("gone")
+    results = run_all(engine)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[str(i)] == reference_output(p, min(m, 128 - len(p)), VOCAB, EOS), i
+    assert (engine.scheduler.num_preemptions_total > 0) == preempts
+
+
 def assert_no_leak(engine: Engine) -> None:
     pool = engine.kv.pool
     assert engine.kv.req_blocks == {}
@@ -207,16 +224,7 @@ def test_same_outputs_and_no_leak_with_preemption_and_aborts(num_blocks, async_m
     scales = {"gemma3": (1,) * 6, "gemma4": (2,) + (1,) * 5, "wide-full": (1,) + (4,) * 5}[shape]
     assert KVCacheLayout.from_arch(arch, 128).block_scales == scales
     engine, _ = make_engine(arch, num_blocks, 4, max_num_seqs=32, max_model_len=128, async_mode=async_mode)
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=m))
-    engine.add_request("gone", prompts[0] * 2, SamplingParams(max_tokens=50, ignore_eos=True))
-    for _ in range(3):
-        engine.step()
-    engine.abort_request("gone")
-    results = run_all(engine)
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        assert results[str(i)] == reference_output(p, min(m, 128 - len(p)), VOCAB, EOS), i
-    assert (engine.scheduler.num_preemptions_total > 0) == (num_blocks < 3000)
+    run_with_an_abort(engine, prompts, max_tokens, preempts=num_blocks < 3000)
     assert_no_leak(engine)
 
 

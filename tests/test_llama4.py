@@ -38,6 +38,8 @@ from overnight.parallel.tp import TPShards
 from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 from tests.parity_helpers import hf_greedy
 from tests.tiny_models import _spread_weights
+from tests.tiny_moe import ENGINE as MOE_ENGINE
+from tests.tiny_moe import NEW_TOKENS, check_waves_token_exact, waves
 
 VOCAB = 272
 TEXT = dict(
@@ -54,11 +56,8 @@ VARIANTS = {
     "top1": {},
     "top2": dict(num_experts_per_tok=2, moe_layers=[0, 2], use_qk_norm=False, attn_temperature_tuning=False),
 }
-ENGINE = dict(
-    dtype="float32", device="cpu", block_size=4, max_num_batched_tokens=16, max_num_seqs=4,
-    kv_cache_memory_bytes=1 << 20, enable_prefix_caching=True,
-)  # fmt: skip
-NEW_TOKENS = 8
+# The MoE tests' engine settings, with the tokenizer (the chat template test reads it)
+ENGINE = {k: v for k, v in MOE_ENGINE.items() if k != "skip_tokenizer_init"}
 # Llama 4's chat format, its special tokens at the top of the synthetic vocabulary
 SPECIALS = {266: "<|begin_of_text|>", 267: "<|header_start|>", 268: "<|header_end|>", 269: "<|eot|>"}
 CHAT_TEMPLATE = (
@@ -108,13 +107,7 @@ def variant(request, tmp_path_factory):
 def _waves() -> tuple[list[list[int]], list[list[int]]]:
     """Two rounds sharing a 21-token prefix (the second hits the prefix cache); prompts up to 30
     tokens, four chunks of 8."""
-    rng = random.Random(0)
-
-    def toks(n: int) -> list[int]:
-        return [rng.randrange(3, 250) for _ in range(n)]
-
-    prefix = toks(21)
-    return [toks(30), prefix + toks(5), toks(3)], [prefix + toks(9), prefix + toks(2), toks(19)]
+    return waves(250, first=30, last=19)  # ids below the chat format's specials (266-269)
 
 
 def test_engine_greedy_token_exact(variant):
@@ -130,18 +123,7 @@ def test_engine_greedy_token_exact(variant):
     ref = load_reference(folder)
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
     assert arch.num_parameters() == sum(p.numel() for p in ref.parameters())
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    first, second = _waves()
-    outs = llm.generate(first, params, use_tqdm=False)
-    hits = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    outs += llm.generate(second, params, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits - hits >= 2 * 20  # type: ignore[attr-defined]
-    distinct = set()
-    for prompt, out in zip(first + second, outs):
-        tokens = list(out.outputs[0].token_ids)
-        assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)[0], f"prompt of {len(prompt)} tokens"
-        distinct.update(tokens)
-    assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
+    check_waves_token_exact(llm, ref, _waves())
 
 
 def test_chunked_layers_give_blocks_back_token_exact(top1_folder):

@@ -36,9 +36,15 @@ from overnight.models.glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
 from overnight.quant.apply import dequantize_model
 from overnight.quant.linear import Fp8Linear
 from tests.fp8_checkpoints import PROJECTIONS, make_fp8_checkpoint
-from tests.parity_helpers import compare, greedy_tokens, hf_greedy
-from tests.test_glm4_moe import MAX_DLOGPROB, MIN_TOP1, _waves
-from tests.tiny_moe import ENGINE, NEW_TOKENS, load_moe_reference, make_moe_checkpoint
+from tests.parity_helpers import compare, greedy_tokens
+from tests.test_glm4_moe import MAX_DLOGPROB, MIN_TOP1
+from tests.tiny_moe import (
+    ENGINE,
+    check_waves_token_exact,
+    load_moe_reference,
+    make_moe_checkpoint,
+    waves,
+)
 from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 PUBLISHED_KEYS = dict(
@@ -94,18 +100,7 @@ def test_engine_greedy_token_exact(mm_folder):
     ref = load_reference(mm_folder)
     assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
     assert arch.num_parameters() == sum(p.numel() for p in ref.parameters()) + 2 * arch.num_experts  # + bias
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    first, second = _waves(arch.vocab_size)
-    outs = llm.generate(first, params, use_tqdm=False)
-    hits = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    outs += llm.generate(second, params, use_tqdm=False)
-    assert llm.engine.stats().prefix_cache_hits - hits >= 2 * 20  # type: ignore[attr-defined]
-    distinct = set()
-    for prompt, out in zip(first + second, outs):
-        tokens = list(out.outputs[0].token_ids)
-        assert tokens == hf_greedy(ref, prompt, NEW_TOKENS)[0], f"prompt of {len(prompt)} tokens"
-        distinct.update(tokens)
-    assert len(distinct) > 15  # varied outputs: a mixed-up batch would show
+    check_waves_token_exact(llm, ref, waves(arch.vocab_size))
 
 
 class _HalvesNorm(nn.Module):
@@ -128,7 +123,7 @@ def test_rank_local_qk_norm_changes_the_tokens(mm_folder):
     """The TP=2 test's prompts tell a whole-vector q/k norm from one over a rank's heads only: with the
     latter the greedy tokens differ, so test_tp2_matches_tp1 fails if the statistics are not summed."""
     model = load_model(resolve_source(str(mm_folder)), torch.float32, "cpu")
-    first, second = _waves(384)
+    first, second = waves(384)
     prompts = first + second
     whole = greedy_tokens(model, prompts, 6)
     for layer in model.model.layers:
@@ -218,7 +213,7 @@ def test_published_block_fp8_checkpoint_loads_and_runs(mm_folder, tmp_path):
     _assert_fp8_layout(model)
     llm = LLM(str(folder), **ENGINE)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    prompts = _waves(384)[0]
+    prompts = waves(384)[0]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == greedy_tokens(model, prompts, 4)
 
@@ -256,7 +251,7 @@ def test_forward_with_kernels_matches_pytorch_path(mm_folder, monkeypatch):
 
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tp2_matches_tp1(mm_folder):
-    first, second = _waves(384)
+    first, second = waves(384)
     prompts = first + second
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     one = LLM(str(mm_folder), **ENGINE).generate(prompts, params, use_tqdm=False)

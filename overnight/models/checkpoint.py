@@ -19,6 +19,11 @@ from overnight.layers.moe import Experts
 
 logger = logging.getLogger(__name__)
 
+# A stacked-experts MoE's per-expert checkpoint tensors (layers/moe.py's Experts, no nn.Linear): every MoE
+# family lists them in dequantized_at_load, so an FP8 checkpoint's are dequantized with their scales as
+# they load (quant/checkpoint.py) before the experts take them.
+EXPERT_TENSORS = r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$"
+
 
 _VISION_PREFIXES = (
     "vision_tower.",

@@ -41,6 +41,7 @@ from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.glm4_moe import Glm4MoeTopkRouter, without_mtp_layers
 from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import LlamaMLP, LlamaModel, MlpFactory, load_packed_weights, make_lm_head
@@ -202,7 +203,7 @@ class DeepseekForCausalLM(nn.Module):
     # attention/mla.py), never called: FP8 leaves it in the compute dtype.
     unquantized_linear: tuple[str, ...] = ("mlp.gate", "self_attn.kv_b_proj")
     dequantized_at_load: tuple[str, ...] = (
-        r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$",
+        EXPERT_TENSORS,
         "mlp.gate",
         "self_attn.kv_b_proj",
     )

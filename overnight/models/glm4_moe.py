@@ -34,6 +34,7 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.moe_grouped_router import GroupedRouting, select_grouped_experts
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
     PACKED_MODULES_MAPPING,
@@ -102,7 +103,7 @@ class Glm4MoeForCausalLM(nn.Module):
     # checkpoint's expert (and router) tensors are dequantized with their scales as they load
     # (quant/checkpoint.py), then quantized per row into the e4m3 stacks (quant/apply.py).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
-    dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -22,7 +22,7 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
-from overnight.models.checkpoint import load_packed_weights
+from overnight.models.checkpoint import EXPERT_TENSORS, load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
 from overnight.models.qwen3_moe import qwen3_moe_mlp
 from overnight.models.vision.checkpoint import rename_tower_checkpoint, tower_checkpoint_names
@@ -105,4 +105,4 @@ class InternVLMoeForConditionalGeneration(InternVLForConditionalGeneration):
     experts are quantized as Qwen3-MoE's (models/qwen3_moe.py says how)."""
 
     unquantized_linear = (*_TOWER_MODULES, "mlp.gate")
-    dequantized_at_load = (*_TOWER_MODULES, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    dequantized_at_load = (*_TOWER_MODULES, EXPERT_TENSORS, "mlp.gate")

@@ -47,6 +47,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
     PACKED_MODULES_MAPPING,
@@ -111,7 +112,7 @@ class Llama4ForCausalLM(nn.Module):
     linear_input_producers = LINEAR_INPUT_PRODUCERS
     # The router stays in the compute dtype (its top-k decides which expert runs), as in Qwen3-MoE.
     unquantized_linear: tuple[str, ...] = ("mlp.router",)
-    dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.router")
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.router")
     # Scout's experts are 100B weights (200 GB in bf16): under FP8 they are e4m3 from the build on,
     # each checkpoint tensor quantized per row as it loads (layers/moe.py; quant/apply.py's default).
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.models.llama4 import Llama4ForCausalLM, llama4_names
-from overnight.models.vision.interface import VisionFeatures, VisionRows
+from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_token_rows
 from overnight.models.vision.llama4_vit import Llama4MultiModalProjector, Llama4VisionModel, check_tiles
 
 _TOWER = ("vision_model.", "multi_modal_projector.")
@@ -57,13 +57,8 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         attn: AttentionBatch,
         vision: VisionRows | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if (
-            vision is not None
-        ):  # the spans' rows: the tower's embedding at <|patch|>, the token's own elsewhere
-            own = x.index_select(0, vision.rows)
-            is_patch = (input_ids.index_select(0, vision.rows) == self.image_token_id)[:, None]
-            x = x.index_copy(0, vision.rows, torch.where(is_patch, vision.embeds.to(x.dtype), own))
+        # the spans' rows: the tower's embedding at <|patch|>, the token's own elsewhere
+        x = merge_image_token_rows(self.model.embed_tokens(input_ids), input_ids, vision, self.image_token_id)
         return self.model.decode(x, positions, attn)
 
     def embed_images(

@@ -27,7 +27,7 @@ from overnight.config import ModelArch
 from overnight.models.checkpoint import load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
 from overnight.models.vision.checkpoint import rename_tower_checkpoint, tower_checkpoint_names
-from overnight.models.vision.interface import VisionFeatures, VisionRows
+from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_token_rows
 from overnight.models.vision.pixtral import (
     Mistral3MultiModalProjector,
     PixtralVisionModel,
@@ -66,11 +66,8 @@ class Mistral3VLForConditionalGeneration(nn.Module):
         attn: AttentionBatch,
         vision: VisionRows | None = None,
     ) -> torch.Tensor:
-        x = self.model.embed_tokens(input_ids)
-        if vision is not None:  # the spans' rows: the tower's embedding at [IMG], the token's own elsewhere
-            own = x.index_select(0, vision.rows)
-            is_image = (input_ids.index_select(0, vision.rows) == self.image_token_id)[:, None]
-            x = x.index_copy(0, vision.rows, torch.where(is_image, vision.embeds.to(x.dtype), own))
+        # the spans' rows: the tower's embedding at [IMG], the token's own elsewhere
+        x = merge_image_token_rows(self.model.embed_tokens(input_ids), input_ids, vision, self.image_token_id)
         return self.model.decode(x, positions, attn)
 
     def embed_images(

@@ -21,6 +21,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts, select_experts
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import (
     PACKED_MODULES_MAPPING,
     LlamaModel,
@@ -56,7 +57,7 @@ class Qwen3MoeForCausalLM(nn.Module):
     # build on, are quantized per row as each tensor arrives (quant/apply.py; the router stays in the
     # compute dtype).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
-    dequantized_at_load: tuple[str, ...] = (r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

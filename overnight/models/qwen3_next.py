@@ -38,6 +38,7 @@ from overnight.layers.moe import Experts, select_experts
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import OffsetRMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.llama import LlamaMLP, load_packed_weights, make_lm_head
 from overnight.models.vision.interface import VisionRows, merge_image_rows
@@ -70,7 +71,7 @@ FP8_UNQUANTIZED_LINEAR = (
 # dequantized, then quantized per row into the e4m3 stack as they arrive: quant/apply.py), and the
 # small layers above in a checkpoint that stored them in FP8 anyway.
 DEQUANTIZED_AT_LOAD = (
-    r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$",
+    EXPERT_TENSORS,
     *UNQUANTIZED_LINEAR,
     *FP8_UNQUANTIZED_LINEAR[:3],
 )

@@ -31,6 +31,7 @@ from overnight.config import ModelArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
@@ -161,7 +162,7 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
     router and experts are quantized as Qwen3-MoE's (models/qwen3_moe.py says how)."""
 
     unquantized_linear = (VISION_TOWER, "mlp.gate")
-    dequantized_at_load = (VISION_TOWER, r"re:.*\.mlp\.experts\.\d+\.(gate|up|down)_proj$", "mlp.gate")
+    dequantized_at_load = (VISION_TOWER, EXPERT_TENSORS, "mlp.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)

@@ -19,9 +19,8 @@ import torch
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.inputs import ImageInput, MultiModalInputs, Pixels
 
-Pixels = tuple[torch.Tensor, tuple[int, int, int], str]
 _MAX_NEWLINES = 31  # Gemma's vocabulary has newline runs up to this length
 
 

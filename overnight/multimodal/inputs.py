@@ -9,13 +9,18 @@ stay cached (runner/vision.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from overnight.config import VisionArch
+
 # Engines that do not carry images yet (the encoder-only engine).
 IMAGES_UNSUPPORTED_HERE = "images are not supported on encoder models yet"
+
+Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -54,3 +59,32 @@ class MultiModalInputs:
     def hashes_in(self, start: int, end: int) -> tuple[str, ...]:
         """Hashes of the images with tokens in prompt[start:end] (a KV block's extra hash key)."""
         return tuple(im.content_hash for im in self.images if im.offset < end and im.end > start)
+
+
+def expand_spans(
+    token_ids: list[int],
+    slots: list[int],
+    processed: list[Pixels],
+    vision: VisionArch,
+    span: Callable[[tuple[int, int, int]], list[int]],
+    markers: tuple[int, int] | None = None,
+) -> tuple[list[int], MultiModalInputs]:
+    """Each placeholder at `slots` becomes its image's span(grid) (VisionArch.num_tokens of it: a row of
+    the tower's output each), between the `markers` (start, end) tokens where the model has them (text
+    rows, outside the ImageInput); 1-D positions. The prompt form of InternVL, Mistral 3 and Llama 4."""
+    ids: list[int] = []
+    images: list[ImageInput] = []
+    prev = 0
+    for slot, (pixels, grid, digest) in zip(slots, processed):
+        ids.extend(token_ids[prev:slot])
+        if markers is not None:
+            ids.append(markers[0])
+        tokens = span(grid)
+        assert len(tokens) == vision.num_tokens(grid)
+        images.append(ImageInput(len(ids), len(tokens), digest, pixels, grid))
+        ids.extend(tokens)
+        if markers is not None:
+            ids.append(markers[1])
+        prev = slot + 1
+    ids.extend(token_ids[prev:])
+    return ids, MultiModalInputs(tuple(images), np.zeros((3, 0), dtype=np.int64), 0)

@@ -19,15 +19,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.pixtral_prompt import special_ids
 
-Pixels = tuple[torch.Tensor, tuple[int, int, int], str]
 START, END, CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 # The published preprocessor_config.json (OpenGVLab/InternVL3-*-hf): ImageNet's mean and std, bicubic,
 # 1 to 12 tiles of the tower's image_size.
@@ -104,17 +102,9 @@ class InternVLPrompt:
     def expand(
         self, token_ids: list[int], slots: list[int], processed: list[Pixels]
     ) -> tuple[list[int], MultiModalInputs]:
-        context, start, end = self.vision.image_token_id, self.ids[START], self.ids[END]
-        ids: list[int] = []
-        images: list[ImageInput] = []
-        prev = 0
-        for slot, (pixels, grid, digest) in zip(slots, processed):
-            ids.extend(token_ids[prev:slot])
-            ids.append(start)
-            n = self.vision.num_tokens(grid)
-            images.append(ImageInput(len(ids), n, digest, pixels, grid))
-            ids.extend([context] * n)
-            ids.append(end)
-            prev = slot + 1
-        ids.extend(token_ids[prev:])
-        return ids, MultiModalInputs(tuple(images), np.zeros((3, 0), dtype=np.int64), 0)
+        v = self.vision
+
+        def span(grid: tuple[int, int, int]) -> list[int]:
+            return [v.image_token_id] * v.num_tokens(grid)
+
+        return expand_spans(token_ids, slots, processed, v, span, (self.ids[START], self.ids[END]))

@@ -42,10 +42,9 @@ import torch.nn.functional as F
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.pixtral_prompt import special_ids
 
-Pixels = tuple[torch.Tensor, tuple[int, int, int], str]
 IMAGE, X_SEP, Y_SEP = "<|image|>", "<|tile_x_separator|>", "<|tile_y_separator|>"
 _BILINEAR = 2  # PIL's Resampling.BILINEAR, as preprocessor_config.json writes `resample`
 
@@ -232,17 +231,4 @@ class Llama4Prompt:
     ) -> tuple[list[int], MultiModalInputs]:
         start, end = self.vision.vision_start_token_id, self.vision.vision_end_token_id
         assert start is not None and end is not None
-        ids: list[int] = []
-        images: list[ImageInput] = []
-        prev = 0
-        for slot, (pixels, grid, digest) in zip(slots, processed):
-            ids.extend(token_ids[prev:slot])
-            ids.append(start)
-            span = self.span(grid)
-            assert len(span) == self.vision.num_tokens(grid)
-            images.append(ImageInput(len(ids), len(span), digest, pixels, grid))
-            ids.extend(span)
-            ids.append(end)
-            prev = slot + 1
-        ids.extend(token_ids[prev:])
-        return ids, MultiModalInputs(tuple(images), np.zeros((3, 0), dtype=np.int64), 0)
+        return expand_spans(token_ids, slots, processed, self.vision, self.span, (start, end))

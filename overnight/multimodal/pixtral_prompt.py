@@ -20,15 +20,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
-from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.qwen_pixels import CLIP_MEAN, CLIP_STD
 
-Pixels = tuple[torch.Tensor, tuple[int, int, int], str]
 BREAK, END = "[IMG_BREAK]", "[IMG_END]"
 
 
@@ -114,18 +112,11 @@ class PixtralPrompt:
     ) -> tuple[list[int], MultiModalInputs]:
         m = self.vision.spatial_merge_size
         img, brk, end = self.vision.image_token_id, self.ids[BREAK], self.ids[END]
-        ids: list[int] = []
-        images: list[ImageInput] = []
-        prev = 0
-        for slot, (pixels, grid, digest) in zip(slots, processed):
-            ids.extend(token_ids[prev:slot])
+
+        def span(grid: tuple[int, int, int]) -> list[int]:
             _, h, w = grid
-            rows, cols = h // m, w // m
-            span = ([img] * cols + [brk]) * rows
-            span[-1] = end
-            assert len(span) == self.vision.num_tokens(grid)
-            images.append(ImageInput(len(ids), len(span), digest, pixels, grid))
-            ids.extend(span)
-            prev = slot + 1
-        ids.extend(token_ids[prev:])
-        return ids, MultiModalInputs(tuple(images), np.zeros((3, 0), dtype=np.int64), 0)
+            tokens = ([img] * (w // m) + [brk]) * (h // m)
+            tokens[-1] = end
+            return tokens
+
+        return expand_spans(token_ids, slots, processed, self.vision, span)

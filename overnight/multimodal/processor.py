@@ -27,12 +27,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
-from overnight.multimodal.inputs import ImageInput, MultiModalInputs
+from overnight.multimodal.inputs import ImageInput, MultiModalInputs, Pixels
 from overnight.multimodal.internvl_prompt import InternVLPrompt, internvl_image_processor
 from overnight.multimodal.llama4_prompt import Llama4Prompt, llama4_image_processor
 from overnight.multimodal.media import MediaError, MediaPolicy, load_image
@@ -41,7 +40,6 @@ from overnight.multimodal.qwen_pixels import qwen_image_processor
 from overnight.options import DEFAULT_IMAGE_LIMIT, image_limit
 
 T = TypeVar("T")
-Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t, h, w), content hash
 
 
 def parse_image_limit(value: str | int | None) -> int:

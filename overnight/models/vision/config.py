@@ -174,6 +174,21 @@ def _side(value: Any, name: str) -> int:
     return int(sides[0])
 
 
+def _check_pixel_shuffle(
+    family: str, ratio_name: str, ratio: float, merge: int, image_size: int, patch: int
+) -> None:
+    """InternVL's and Llama 4's pixel shuffle: `merge` x `merge` patches into one token (ratio 1 / merge)
+    over square tiles of whole patches, their count per side a multiple of merge."""
+    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
+        raise ModelLoadError(f"{ratio_name} must be 1 / n for a whole n (0.5: 2 x 2), got {ratio}")
+    side = image_size // patch
+    if image_size % patch or side % merge:
+        raise ModelLoadError(
+            f"{family}'s image_size {image_size} must be whole patches ({patch}) whose count per side ({side}) "
+            f"divides by 1 / {ratio_name} ({merge})"
+        )
+
+
 def internvl_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
     """InternVL's InternViT tower (vision_config) and projector (the top level's downsample_ratio,
     projector_hidden_act, vision_feature_layer). <img> / </img> are the tokenizer's
@@ -215,14 +230,7 @@ def internvl_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"invalid InternVL vision_config: {e}") from None
-    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
-        raise ModelLoadError(f"downsample_ratio must be 1 / n for a whole n (0.5: 2 x 2), got {ratio}")
-    side = image_size // patch
-    if image_size % patch or side % merge:
-        raise ModelLoadError(
-            f"InternVL's image_size {image_size} must be whole patches ({patch}) whose count per side "
-            f"({side}) divides by 1 / downsample_ratio ({merge})"
-        )
+    _check_pixel_shuffle("InternVL", "downsample_ratio", ratio, merge, image_size, patch)
     if arch.hidden_size % arch.num_heads:
         raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
     if arch.norm_type not in ("layer_norm", "rms_norm"):
@@ -287,14 +295,7 @@ def llama4_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
         )
     except (TypeError, ValueError) as e:
         raise ModelLoadError(f"invalid Llama 4 vision_config: {e}") from None
-    if merge < 1 or abs(merge * ratio - 1) > 1e-6:
-        raise ModelLoadError(f"pixel_shuffle_ratio must be 1 / n for a whole n (0.5: 2 x 2), got {ratio}")
-    side = image_size // patch
-    if image_size % patch or side % merge:
-        raise ModelLoadError(
-            f"Llama 4's image_size {image_size} must be whole patches ({patch}) whose count per side ({side}) "
-            f"divides by 1 / pixel_shuffle_ratio ({merge})"
-        )
+    _check_pixel_shuffle("Llama 4", "pixel_shuffle_ratio", ratio, merge, image_size, patch)
     if hidden % heads or (hidden // heads) % 4:
         raise ModelLoadError(
             f"Llama 4's vision hidden_size / num_attention_heads must be a multiple of 4 (2-D RoPE), got "

@@ -69,6 +69,20 @@ def merge_image_rows(x: torch.Tensor, vision: VisionRows | None) -> torch.Tensor
     return x.index_copy(0, vision.rows, vision.embeds.to(x.dtype))
 
 
+def merge_image_token_rows(
+    x: torch.Tensor, input_ids: torch.Tensor, vision: VisionRows | None, image_token_id: int
+) -> torch.Tensor:
+    """merge_image_rows for models whose image span also holds marker tokens (Pixtral's [IMG_BREAK] /
+    [IMG_END], Llama 4's tile separators and <|image|>): of the spans' rows, those whose token is
+    image_token_id take the tower's embedding, the others keep their own token embedding (as
+    transformers scatters at image_token_id); the tower gives a row per span token, markers included."""
+    if vision is None:
+        return x
+    own = x.index_select(0, vision.rows)
+    is_image = (input_ids.index_select(0, vision.rows) == image_token_id)[:, None]
+    return x.index_copy(0, vision.rows, torch.where(is_image, vision.embeds.to(x.dtype), own))
+
+
 class ImageModel(Protocol):
     arch: ModelArch
     takes_images: bool

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import VisionArch
-from overnight.models.vision.qwen_vit import VisionRMSNorm, _act
+from overnight.models.vision.qwen_vit import VisionMLP, VisionRMSNorm, _act
 
 Grid = tuple[int, int, int]  # (tiles, patches per tile side, patches per tile side)
 
@@ -99,17 +99,6 @@ class InternVLVisionAttention(nn.Module):
         return self.projection_layer(out.transpose(1, 2).reshape(n, length, -1))
 
 
-class InternVLVisionMLP(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-        self.act = _act(v.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class InternVLVisionLayer(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -117,7 +106,7 @@ class InternVLVisionLayer(nn.Module):
         self.attention = InternVLVisionAttention(v)
         self.lambda_1 = nn.Parameter(torch.ones(v.hidden_size))  # layer scale
         self.layernorm_after = _norm(v, v.hidden_size)
-        self.mlp = InternVLVisionMLP(v)
+        self.mlp = VisionMLP(v)
         self.lambda_2 = nn.Parameter(torch.ones(v.hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

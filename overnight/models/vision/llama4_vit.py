@@ -35,6 +35,7 @@ from torch import nn
 
 from overnight.config import VisionArch
 from overnight.models.vision.internvit import pixel_shuffle
+from overnight.models.vision.qwen_vit import VisionMLP
 
 Grid = tuple[int, int, int]  # (tiles, patch rows of the tile canvas, patch columns of the tile canvas)
 
@@ -93,23 +94,13 @@ class Llama4VisionAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, length, -1))
 
 
-class Llama4VisionMLP(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
 class Llama4VisionEncoderLayer(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.input_layernorm = nn.LayerNorm(v.hidden_size)
         self.self_attn = Llama4VisionAttention(v)
         self.post_attention_layernorm = nn.LayerNorm(v.hidden_size)
-        self.mlp = Llama4VisionMLP(v)
+        self.mlp = VisionMLP(v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)

@@ -122,6 +122,20 @@ class SwiGLU(nn.Module):  # Qwen2.5-VL's block MLP
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
+class VisionMLP(nn.Module):
+    """fc1, the tower's hidden_act, fc2 (both with bias): the block MLP of SigLIP (gelu_pytorch_tanh),
+    InternViT and Llama 4's ViT (exact gelu), whose checkpoints name them fc1 / fc2."""
+
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
+        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
+        self.act = _act(v.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
 class FcMLP(nn.Module):  # Qwen3-VL's block MLP
     def __init__(self, v: VisionArch) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ from torch import nn
 
 from overnight.config import VisionArch
 from overnight.layers.norm import RMSNorm
+from overnight.models.vision.qwen_vit import VisionMLP
 
 
 class SiglipVisionEmbeddings(nn.Module):
@@ -63,23 +64,13 @@ class SiglipAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(n, p, h))
 
 
-class SiglipMLP(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(v.hidden_size, v.intermediate_size)
-        self.fc2 = nn.Linear(v.intermediate_size, v.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
-
-
 class SiglipEncoderLayer(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.layer_norm1 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
         self.self_attn = SiglipAttention(v)
         self.layer_norm2 = nn.LayerNorm(v.hidden_size, eps=v.layer_norm_eps)
-        self.mlp = SiglipMLP(v)
+        self.mlp = VisionMLP(v)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
