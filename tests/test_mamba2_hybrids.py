@@ -15,7 +15,15 @@ import torch
 
 from overnight import LLM
 from tests.test_engine_parity import hf_greedy
-from tests.test_hybrid_models import ENGINE, VOCAB, assert_no_rows_held, check, prompts_of, run_engine
+from tests.test_hybrid_models import (
+    ENGINE,
+    VOCAB,
+    assert_no_rows_held,
+    check,
+    check_padded_decodes,
+    prompts_of,
+    run_engine,
+)
 from tests.tiny_granite import make_granite_checkpoint
 from tests.tiny_nemotron_h import make_nemotron_h_checkpoint
 
@@ -125,22 +133,6 @@ def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
 
 
 def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
-    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
-    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
-    from overnight.runner.cuda_graph import DecodeGraphs
-
     model, folder, ref = checkpoint
     only(model, "granite-dense", "nemotron-h", why="one Granite variant is enough for the padding rows")
-    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)
-    runner = llm.engine.runner  # type: ignore[attr-defined]
-    graphs = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 256)
-    replayed: list[int] = []
-
-    def replay(b: int):
-        replayed.append(b)
-        return graphs._forward(b)
-
-    graphs.replay = replay  # type: ignore[method-assign]
-    runner.graphs = graphs
-    check(llm, ref, prompts_of([3, 11, 6, 20, 1], seed=6), 9)  # five decodes in a bucket of 8, then fewer
-    assert 8 in replayed and any(b in replayed for b in (1, 2, 4))
+    check_padded_decodes(folder, ref)
