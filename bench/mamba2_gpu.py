@@ -34,7 +34,7 @@ if SMOKE:
 import torch  # noqa: E402
 
 from overnight.attention.linear_state import LinearStateBatch  # noqa: E402
-from overnight.layers.gated_delta_ops import PrefillRows, varlen_causal_conv1d  # noqa: E402
+from overnight.layers.gated_delta_ops import PrefillRows  # noqa: E402
 from overnight.layers.mamba2_ops import Mamba2Layer, TorchMamba2Ops, TritonMamba2Ops  # noqa: E402
 
 NANO_V2 = "--nano-v2" in sys.argv
@@ -51,29 +51,7 @@ NUM_SLOTS = 8 if SMOKE else 300
 TORCH, TRITON = TorchMamba2Ops(), TritonMamba2Ops()
 
 
-class SequentialPrefill(TritonMamba2Ops):
-    """The Triton prefill with the token-by-token varlen kernel (ssd_varlen) instead of the chunked one."""
-
-    def prefill(self, layer, xbc, dt, conv_pool, ssm_pool, rows):  # type: ignore[no-untyped-def]
-        from overnight.kernels.mamba2_scan import ssd_varlen
-
-        y = varlen_causal_conv1d(
-            xbc, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state, layer.conv_bias
-        )
-        x, B, C = layer.split(y)
-        args = (
-            layer.A_log,
-            layer.dt_bias,
-            layer.D,
-            ssm_pool,
-            rows.slot_ids,
-            rows.has_state_dev,
-            rows.cu_seqlens,
-        )
-        return ssd_varlen(x, dt, B, C, *args, dt_limit=layer.dt_limit)
-
-
-SEQUENTIAL = SequentialPrefill()
+SEQUENTIAL = TritonMamba2Ops(chunked_prefill=False)  # the token-by-token varlen kernel
 checks: list[tuple[str, bool]] = []
 rows: list[dict] = []
 

@@ -1,24 +1,20 @@
 """Granite 4.0 hybrids (GraniteMoeHybridForCausalLM: Mamba2 + attention layers, dense or MoE with the
 shared MLP). Tier (a), in seconds: config.json -> ModelArch (every parameter counted as transformers
 holds it, the state shapes and bytes the pool plan reserves, the runner's state cache allocating that
-plan), bad configs refused by name. Tier (c), slow: fp32 greedy token-exact against transformers through
-the LLM API, on the torch path and on the Triton path (interpreter), with prefill chunks cut inside
-prompts, a prefix-cache hit through state snapshots, and preemption with a tiny pool."""
+plan), bad configs refused by name. Tier (c), against transformers through the LLM API, is
+tests/test_mamba2_hybrids.py (shared with Nemotron-H)."""
 
 from __future__ import annotations
 
 import json
-import random
 
 import pytest
 import torch
 
-from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.models.registry import arch_from_hf_config
 from tests.tiny_granite import VARIANTS, make_granite_checkpoint, make_granite_model
 
-VOCAB = 101
 ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4)
 
 
@@ -158,145 +154,3 @@ def test_tensor_parallelism_is_refused_by_name() -> None:
     with pytest.raises(ModelLoadError, match="not supported yet for Mamba2"):
         TPShards(arch, 0, 2).check()
     TPShards(arch, 0, 1).check()
-
-
-# ---------------------------------------------------------------------------------------------------
-# tier (c): against transformers
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-
-
-def prompts_of(lengths: list[int], seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(n)] for n in lengths]
-
-
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def checkpoint(request, tmp_path_factory):
-    import transformers
-
-    folder = make_granite_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return request.param, folder, ref
-
-
-def check(llm: LLM, ref, prompts: list[list[int]], new_tokens: int) -> None:
-    from tests.test_engine_parity import hf_greedy
-
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(new_tokens), use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        assert list(out.outputs[0].token_ids) == hf_greedy(ref, prompt, new_tokens)[0], (
-            f"{len(prompt)} tokens"
-        )
-
-
-@pytest.mark.slow
-def test_token_exact_with_chunked_prefill(checkpoint) -> None:
-    """Chunks of 24 tokens: the longer prompts are cut inside, mixed with other requests' decodes."""
-    from tests.test_hybrid_models import assert_no_rows_held
-
-    _, folder, ref = checkpoint
-    llm = LLM(str(folder), max_num_batched_tokens=24, max_num_seqs=6, max_model_len=512, **ENGINE)
-    check(llm, ref, prompts_of([1, 2, 5, 23, 40, 150], seed=1), 10)
-    assert_no_rows_held(llm, 6)
-
-
-@pytest.mark.slow
-def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
-    """Every layer on its GPU path (the Mamba2 decode step and varlen prefill kernels, conv step with
-    its bias), through the Triton interpreter."""
-    from overnight.kernels import dispatch
-
-    variant, folder, ref = checkpoint
-    if variant != "moe":
-        pytest.skip("the interpreter is slow: one variant (MoE, RoPE) runs every kernel")
-    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    llm = LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, **ENGINE)
-    check(llm, ref, prompts_of([1, 9, 30], seed=2), 6)
-
-
-@pytest.mark.slow
-def test_shared_prefix_hits_through_state_snapshots(checkpoint) -> None:
-    from tests.test_hybrid_models import assert_no_rows_held
-
-    variant, folder, ref = checkpoint
-    if variant != "dense":
-        pytest.skip("snapshots are the mixer's states: one variant is enough")
-    rng = random.Random(5)
-    system = [rng.randrange(3, VOCAB) for _ in range(90)]
-    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (9, 4)]
-    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (6, 1, 13)]
-    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, **ENGINE)
-    check(llm, ref, first, 6)
-    before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-    check(llm, ref, second, 6)
-    hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
-    assert hits >= 3 * 88  # every second-wave prompt starts past the system prompt's 22 full blocks
-    assert_no_rows_held(llm, 4)
-
-
-@pytest.mark.slow
-def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
-    from tests.test_engine_parity import hf_greedy
-    from tests.test_hybrid_models import assert_no_rows_held, run_engine
-
-    variant, folder, ref = checkpoint
-    if variant != "moe":
-        pytest.skip("preemption runs on the MoE variant")
-    prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
-    state_bytes = 2 * (4 * 3 * 96 + 4 * 4 * 16 * 8) * (7 + 1)  # 2 Mamba2 layers x (max_num_seqs + 1)
-    block_bytes = 4 * 2 * 2 * 8 * 2 * 4  # 4 tokens x (K, V) x 2 heads of 8 x 2 attention layers x fp32
-    llm = LLM(
-        str(folder),
-        kv_cache_memory_bytes=state_bytes + 40 * block_bytes,
-        max_num_batched_tokens=16,
-        max_num_seqs=7,
-        max_model_len=128,
-        enable_prefix_caching=False,
-        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
-        **ENGINE,
-    )
-    assert llm.engine.pool_plan.num_blocks == 40  # type: ignore[attr-defined]
-    for prompt, got in zip(prompts, run_engine(llm, prompts, 24)):
-        assert got == hf_greedy(ref, prompt, 24)[0], f"{len(prompt)} tokens"
-    assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
-    assert_no_rows_held(llm, 7)
-
-
-@pytest.mark.slow
-def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
-    """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every layer on its GPU
-    path: the Mamba2 decode (conv step with its bias, the SSD step kernel), the fused MoE, NoPE
-    attention."""
-    from tests.test_graph_safety import decode_guarded
-
-    variant, folder, _ = checkpoint
-    if variant != "moe":
-        pytest.skip("the MoE variant covers every kernel the dense one runs")
-    decode_guarded(folder, monkeypatch)
-
-
-@pytest.mark.slow
-def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
-    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
-    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
-    from overnight.runner.cuda_graph import DecodeGraphs
-
-    variant, folder, ref = checkpoint
-    if variant != "dense":
-        pytest.skip("one variant is enough for the padding rows")
-    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)
-    runner = llm.engine.runner  # type: ignore[attr-defined]
-    graphs = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 256)
-    replayed: list[int] = []
-
-    def replay(b: int):
-        replayed.append(b)
-        return graphs._forward(b)
-
-    graphs.replay = replay  # type: ignore[method-assign]
-    runner.graphs = graphs
-    check(llm, ref, prompts_of([3, 11, 6, 20, 1], seed=6), 9)  # five decodes in a bucket of 8, then fewer
-    assert 8 in replayed and any(b in replayed for b in (1, 2, 4))

@@ -191,11 +191,15 @@ def test_shared_prefix_hits_through_state_snapshots(checkpoint):
 
 
 def test_padded_decode_batches_leave_real_states_alone(checkpoint):
-    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
-    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
     variant, folder, ref = checkpoint
     if variant != "qwen3_5_moe":
         pytest.skip("one family is enough for the padding rows")
+    check_padded_decodes(folder, ref)
+
+
+def check_padded_decodes(folder, ref) -> None:
+    """The CUDA-graph path on the CPU: decode steps run as DecodeGraphs would replay them (batch padded
+    to a bucket, padding rows on the scratch slot, metadata from the static buffers), eagerly."""
     from overnight.runner.cuda_graph import DecodeGraphs
 
     llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256, **ENGINE)

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tests.tiny_hybrid import save_checkpoint
 from tests.tiny_models import _spread_weights
 
 _CONFIG: dict[str, Any] = dict(
@@ -60,9 +61,6 @@ def make_granite_model(variant: str, seed: int = 0, **overrides: Any):
 def make_granite_checkpoint(
     tmp_path: str | os.PathLike, variant: str, seed: int = 0, **overrides: Any
 ) -> Path:
-    import transformers
-
-    folder = Path(tmp_path) / f"tiny-granite-{variant}"
-    make_granite_model(variant, seed, **overrides).save_pretrained(folder)
-    transformers.GenerationConfig(eos_token_id=[], do_sample=False).save_pretrained(folder)
-    return folder
+    return save_checkpoint(
+        make_granite_model(variant, seed, **overrides), Path(tmp_path) / f"tiny-granite-{variant}"
+    )

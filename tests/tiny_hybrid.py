@@ -72,10 +72,13 @@ def make_hybrid_model(variant: str, seed: int = 0, **overrides: Any):
 def make_hybrid_checkpoint(
     tmp_path: str | os.PathLike, variant: str, seed: int = 0, **overrides: Any
 ) -> Path:
+    return save_checkpoint(make_hybrid_model(variant, seed, **overrides), Path(tmp_path) / f"tiny-{variant}")
+
+
+def save_checkpoint(model: Any, folder: Path) -> Path:
+    """model saved in folder with a generation config that never stops early (no eos, greedy)."""
     import transformers
 
-    folder = Path(tmp_path) / f"tiny-{variant}"
-    model = make_hybrid_model(variant, seed, **overrides)
     model.save_pretrained(folder)
     transformers.GenerationConfig(eos_token_id=[], do_sample=False).save_pretrained(folder)
     return folder

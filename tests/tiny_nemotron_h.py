@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from tests.tiny_hybrid import save_checkpoint
 from tests.tiny_models import _spread_weights
 
 PATTERN = "-M*-MM*M-"
@@ -49,9 +50,4 @@ def make_nemotron_h_model(seed: int = 0, **overrides: Any):
 
 
 def make_nemotron_h_checkpoint(tmp_path: str | os.PathLike, seed: int = 0, **overrides: Any) -> Path:
-    import transformers
-
-    folder = Path(tmp_path) / "tiny-nemotron-h"
-    make_nemotron_h_model(seed, **overrides).save_pretrained(folder)
-    transformers.GenerationConfig(eos_token_id=[], do_sample=False).save_pretrained(folder)
-    return folder
+    return save_checkpoint(make_nemotron_h_model(seed, **overrides), Path(tmp_path) / "tiny-nemotron-h")

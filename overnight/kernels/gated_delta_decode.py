@@ -88,6 +88,24 @@ def _conv_step_kernel(
 
 
 @triton.jit
+def seq_rows(cu_ptr, n, VARLEN: tl.constexpr):
+    """Rows bos .. eos of sequence n: cu[n] .. cu[n+1] in the varlen form, else the one row n."""
+    if VARLEN:
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    else:
+        bos = n
+        eos = n + 1
+    return bos, eos
+
+
+@triton.jit
+def softplus(x):
+    """torch's softplus (linear past 20), in x's float32."""
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+
+
+@triton.jit
 def _load_token(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, t, h, hk, offs_k, offs_v, mask_k, mask_v,
     stride_qn, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_an, stride_bn,
@@ -141,12 +159,7 @@ def _delta_rule_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     mask_k, mask_v = offs_k < DK, offs_v < DV
     hk = h // R
-    if VARLEN:  # sequence n owns rows cu[n] .. cu[n+1]
-        bos = tl.load(cu_ptr + n).to(tl.int64)
-        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-    else:  # one row per sequence
-        bos = n
-        eos = n + 1
+    bos, eos = seq_rows(cu_ptr, n, VARLEN)
 
     slot = tl.load(slot_ptr + n).to(tl.int64)
     # without a state the old contents are not even read (they may be garbage); a tile for the mask
@@ -174,11 +187,10 @@ def _delta_rule_kernel(
         q = q * tl.math.rsqrt(tl.sum(q * q) + eps) * scale
         k = k * tl.math.rsqrt(tl.sum(k * k) + eps)
         # g = -exp(A_log) * softplus(a + dt_bias) (torch's softplus: linear past 20); beta = sigmoid(b)
-        a = a.to(tl.float32) + dt_bias
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
+        dt = softplus(a.to(tl.float32) + dt_bias)
         beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
 
-        s = s * tl.exp(neg_A * softplus)
+        s = s * tl.exp(neg_A * dt)
         r = (v.to(tl.float32) - tl.sum(s * k[:, None], axis=0)) * beta  # what S mispredicts for k
         s = s + k[:, None] * r[None, :]
         o = tl.sum(s * q[:, None], axis=0)
@@ -191,7 +203,7 @@ CONV_POOL_DTYPES = (torch.float32,)
 SSM_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_slots(
+def check_slots(
     n: int,
     pool: torch.Tensor,
     slot_ids: torch.Tensor,
@@ -236,7 +248,7 @@ def conv_step(
         raise ValueError("x must have unit stride along channels")
     if bias is not None and (bias.shape != (c,) or not bias.is_contiguous()):
         raise ValueError(f"bias must be contiguous [{c}], got {tuple(bias.shape)}")
-    _check_slots(n, conv_pool, slot_ids, has_state, CONV_POOL_DTYPES)
+    check_slots(n, conv_pool, slot_ids, has_state, CONV_POOL_DTYPES)
     out = torch.empty(n, c, dtype=x.dtype, device=x.device)
     if n:
         block_c = min(block_c, triton.next_power_of_2(c))
@@ -335,7 +347,7 @@ def _launch(
     n = t if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.device != q.device):
         raise ValueError(f"cu_seqlens must be [num_seqs + 1] on {q.device}")
-    _check_slots(n, ssm_pool, slot_ids, has_state, SSM_POOL_DTYPES)
+    check_slots(n, ssm_pool, slot_ids, has_state, SSM_POOL_DTYPES)
     o = torch.empty(t, hv, dv, dtype=v.dtype, device=v.device)
     if n and t:
         block_v = min(block_v, triton.next_power_of_2(dv))

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.kernels.gated_delta_decode import softplus
 from overnight.kernels.mamba2_scan import check_inputs
 
 
@@ -106,8 +107,8 @@ def _ssd_chunked_kernel(
         )
         bm = bm.to(tl.float32)
         cm = cm.to(tl.float32)
-        dt = tl.load(dt_ptr + rows * stride_dtn + h, mask=mask_t, other=0.0).to(tl.float32) + dt_bias
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
+        dt = tl.load(dt_ptr + rows * stride_dtn + h, mask=mask_t, other=0.0).to(tl.float32)
+        dt = softplus(dt + dt_bias)
         if DT_LIMIT:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         dt = tl.where(mask_t, dt, 0.0)  # rows past the sequence neither decay nor write

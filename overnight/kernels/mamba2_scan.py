@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.kernels.gated_delta_decode import SSM_POOL_DTYPES, check_slots, seq_rows, softplus
+
 
 @triton.jit
 def _load_token(
@@ -84,12 +86,7 @@ def _ssd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < P, offs_n < N
     g = h // R
-    if VARLEN:  # sequence n owns rows cu[n] .. cu[n+1]
-        bos = tl.load(cu_ptr + n).to(tl.int64)
-        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
-    else:  # one row per sequence
-        bos = n
-        eos = n + 1
+    bos, eos = seq_rows(cu_ptr, n, VARLEN)
 
     slot = tl.load(slot_ptr + n).to(tl.int64)
     # without a state the old contents are not even read (they may be garbage); a tile for the mask
@@ -114,17 +111,13 @@ def _ssd_kernel(
             stride_xn, stride_xh, stride_dtn, stride_bn, stride_bg, stride_cn, stride_cg,
         )  # fmt: skip
         # dt = softplus(dt_raw + dt_bias) (torch's softplus: linear past 20), clamped to the limit
-        dt = dt + dt_bias
-        dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(tl.minimum(dt, 20.0))))
+        dt = softplus(dt + dt_bias)
         if DT_LIMIT:
             dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         s = s * tl.exp(dt * A) + (dt * x)[:, None] * bv[None, :]
         y = tl.sum(s * cv[None, :], axis=1) + D * x
         tl.store(y_ptr + t * stride_yn + h * stride_yh + offs_p, y.to(y_ptr.dtype.element_ty), mask=mask_p)
     tl.store(p_s, s.to(pool_ptr.dtype.element_ty), mask=mask_p[:, None] & mask_n[None, :])  # one rounding
-
-
-SSM_POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def ssd_step(
@@ -172,36 +165,8 @@ def ssd_varlen(
     """ssd_step over whole sequences: sequence i is rows cu_seqlens[i] .. cu_seqlens[i+1] of the T-row
     inputs (shapes as ssd_step's with T for N), run token by token from its slot's state, which is left
     there. One launch for the step, no Python per token; sequential within a sequence."""
-    return _launch(
-        x,
-        dt,
-        B,
-        C,
-        A_log,
-        dt_bias,
-        D,
-        ssm_pool,
-        slot_ids,
-        has_state,
-        cu_seqlens,
-        dt_limit,
-        block_p,
-        num_warps,
-    )
-
-
-def _check_slots(n: int, pool: torch.Tensor, slot_ids: torch.Tensor, has_state: torch.Tensor) -> None:
-    if pool.dtype not in SSM_POOL_DTYPES or not pool.is_contiguous():
-        raise ValueError(
-            f"the state pool must be contiguous float32 / float16 / bfloat16, got {pool.dtype}"
-            + ("" if pool.is_contiguous() else " (not contiguous)")
-        )
-    if slot_ids.shape != (n,) or slot_ids.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"slot_ids must be [{n}] int32/int64, got {tuple(slot_ids.shape)} {slot_ids.dtype}")
-    if has_state.shape != (n,) or has_state.dtype != torch.float32:
-        raise ValueError(f"has_state must be [{n}] float32, got {tuple(has_state.shape)} {has_state.dtype}")
-    if not (pool.device == slot_ids.device == has_state.device):
-        raise ValueError("the pool, slot_ids and has_state must be on one device")
+    seqs = (slot_ids, has_state, cu_seqlens)
+    return _launch(x, dt, B, C, A_log, dt_bias, D, ssm_pool, *seqs, dt_limit, block_p, num_warps)
 
 
 def check_inputs(
@@ -233,7 +198,7 @@ def check_inputs(
     n = t if cu_seqlens is None else cu_seqlens.shape[0] - 1
     if cu_seqlens is not None and (cu_seqlens.dim() != 1 or cu_seqlens.device != x.device):
         raise ValueError(f"cu_seqlens must be [num_seqs + 1] on {x.device}")
-    _check_slots(n, ssm_pool, slot_ids, has_state)
+    check_slots(n, ssm_pool, slot_ids, has_state, SSM_POOL_DTYPES)
     lo, hi = dt_limit
     return n, g, d_state, lo > 0.0 or hi != float("inf")
 

@@ -74,6 +74,15 @@ def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[t
     return q, k
 
 
+def to_chunks(m: torch.Tensor, chunk: int) -> torch.Tensor:
+    """One sequence's [T, H, ...] -> [H, n, chunk, ...] in float32, n = ceil(T / chunk), zeros past T:
+    the chunked references' layout (here and layers/mamba2.py's ssd_chunk_ref)."""
+    m = m.transpose(0, 1).float()
+    pad = -m.shape[1] % chunk
+    m = F.pad(m, (0, 0) * (m.dim() - 2) + (0, pad))
+    return m.reshape(m.shape[0], -1, chunk, *m.shape[2:])
+
+
 def chunk_gated_delta_rule_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -89,16 +98,11 @@ def chunk_gated_delta_rule_ref(
     t, hv, dv = v.shape
     q, k = _expand_heads(q, k, hv)
     dk = q.shape[-1]
-    # [Hv, T, d] in float32, padded to whole chunks (padding: g = 0, beta = 0, so it changes nothing)
-    q, k, v = (x.transpose(0, 1).float() for x in (q, k, v))
-    g, beta = g.t().float(), beta.t().float()
-    q, k = l2norm(q) * dk**-0.5, l2norm(k)
-    pad = -t % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    g, beta = F.pad(g, (0, pad)), F.pad(beta, (0, pad))
-    n = (t + pad) // chunk
-    q, k, v = (x.reshape(hv, n, chunk, -1) for x in (q, k, v))
-    g, beta = g.reshape(hv, n, chunk), beta.reshape(hv, n, chunk)
+    # [Hv, n, L, d] chunks in float32 (padding: g = 0, beta = 0, so it changes nothing)
+    q, k, v = (to_chunks(x, chunk) for x in (q, k, v))
+    g, beta = to_chunks(g, chunk), to_chunks(beta, chunk)
+    q, k = l2norm(q) * dk**-0.5, l2norm(k)  # per row: the zero padding stays zero
+    n = q.shape[1]
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
 
     # Within a chunk: decay between positions j <= i is exp(G_i - G_j), G the cumulative log decay.

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -323,6 +323,35 @@ def prefill_rows(meta: AttentionMetadata, st: LinearStateBatch) -> PrefillRows:
         slot_ids=st.slot_ids[nd:nr],
         has_state_dev=st.has_state[nd:nr],
     )
+
+
+def decode_then_prefill(
+    ops: Any,
+    layer: Any,
+    inputs: tuple[torch.Tensor, ...],
+    pools: tuple[torch.Tensor, torch.Tensor],
+    meta: AttentionMetadata,
+    st: LinearStateBatch,
+    out: tuple[torch.Tensor, tuple[int, ...]],
+) -> torch.Tensor:
+    """A linear mixer's core over one step's rows, decodes first: `ops` a DeltaRuleOps or Mamba2Ops
+    (layers/mamba2_ops.py) and its `layer`, `inputs` the row-aligned [T, ...] tensors its decode and
+    prefill take before the (conv, ssm) `pools`; `out` = (like, shape): the result is [T, *shape] in
+    like's dtype and device."""
+    conv_pool, ssm_pool = pools
+    like, shape = out
+    t = like.shape[0]
+    nd = meta.num_decodes
+    if nd == t:  # decode-only (the captured step): no host offsets, no copy of the output
+        return ops.decode(layer, *inputs, conv_pool, ssm_pool, st)
+    y = like.new_empty(t, *shape)  # rows past the last request's (padding) stay unwritten
+    if nd:
+        y[:nd] = ops.decode(layer, *(m[:nd] for m in inputs), conv_pool, ssm_pool, st)
+    if meta.num_reqs > nd:
+        rows = prefill_rows(meta, st)
+        hi = nd + rows.starts[-1]
+        y[nd:hi] = ops.prefill(layer, *(m[nd:hi] for m in inputs), conv_pool, ssm_pool, rows)
+    return y
 
 
 @functools.cache

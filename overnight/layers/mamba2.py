@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overnight.kernels.dispatch import use_kernels
+from overnight.layers.gated_delta import to_chunks
 
 
 def mamba2_dt(dt: torch.Tensor, dt_bias: torch.Tensor, dt_limit: tuple[float, float]) -> torch.Tensor:
@@ -67,15 +68,9 @@ def ssd_chunk_ref(
     t, h, p = x.shape
     B, C = _expand_groups(B, h), _expand_groups(C, h)
     n_state = B.shape[-1]
-    # [H, T, .] in float32, padded to whole chunks (padding: dt = 0, so it neither decays nor writes)
-    xs, Bs, Cs = (m.transpose(0, 1).float() for m in (x, B, C))
-    dts = dt.t().float()
-    pad = -t % chunk
-    xs, Bs, Cs = (F.pad(m, (0, 0, 0, pad)) for m in (xs, Bs, Cs))
-    dts = F.pad(dts, (0, pad))
-    n = (t + pad) // chunk
-    xs, Bs, Cs = (m.reshape(h, n, chunk, -1) for m in (xs, Bs, Cs))
-    dts = dts.reshape(h, n, chunk)
+    # [H, n, L, .] chunks in float32 (padding: dt = 0, so it neither decays nor writes)
+    xs, Bs, Cs, dts = (to_chunks(m, chunk) for m in (x, B, C, dt))
+    n = xs.shape[1]
     G = (dts * A.float()[:, None, None]).cumsum(-1)  # [H, n, L], non-increasing
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).triu(1)
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(future, float("-inf")).exp()

@@ -139,6 +139,11 @@ class TorchMamba2Ops:
 class TritonMamba2Ops:
     name = "triton"
 
+    def __init__(self, chunked_prefill: bool = True) -> None:
+        # False: prefill through the token-by-token ssd_varlen, the chunked kernel's reference on the GPU
+        # and bench/mamba2_gpu.py's baseline (same arguments, same result up to rounding)
+        self.chunked_prefill = chunked_prefill
+
     def decode(
         self,
         layer: Mamba2Layer,
@@ -168,12 +173,14 @@ class TritonMamba2Ops:
         rows: PrefillRows,
     ) -> torch.Tensor:
         from overnight.kernels.mamba2_chunked import ssd_varlen_chunked
+        from overnight.kernels.mamba2_scan import ssd_varlen
 
         y = varlen_causal_conv1d(
             xbc, layer.conv_weight, conv_pool, rows.starts, rows.slots, rows.has_state, layer.conv_bias
         )
         x, B, C = layer.split(y)
-        return ssd_varlen_chunked(
+        scan = ssd_varlen_chunked if self.chunked_prefill else ssd_varlen
+        return scan(
             x,
             dt,
             B,

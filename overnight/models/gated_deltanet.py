@@ -25,7 +25,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.gated_delta import GatedRMSNorm
-from overnight.layers.gated_delta_ops import DeltaLayer, delta_rule_ops, prefill_rows
+from overnight.layers.gated_delta_ops import DeltaLayer, decode_then_prefill, delta_rule_ops
 from overnight.quant.fp8 import QuantizedActivation, dense_input, num_tokens
 
 
@@ -83,7 +83,6 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError(
                 "a linear-attention layer needs the step's state batch (AttentionBatch.states)"
             )
-        meta = attn.meta
         mixed, z, b, a = self.project(x)
         x = dense_input(x)  # its device, dtype and rows
         layer = DeltaLayer(
@@ -95,19 +94,9 @@ class GatedDeltaNet(nn.Module):
             self.A_log,
             self.dt_bias,
         )
-        ops = delta_rule_ops(x)
-        conv_pool, ssm_pool = st.conv[self.state_index], st.ssm[self.state_index]
+        pools = st.conv[self.state_index], st.ssm[self.state_index]
+        shape = (self.num_v_heads, self.head_v_dim)
+        core = decode_then_prefill(delta_rule_ops(x), layer, (mixed, a, b), pools, attn.meta, st, (x, shape))
         t = x.shape[0]
-        nd = meta.num_decodes
-        if nd == t:  # decode-only (the captured step): no host offsets, no copy of the output
-            core = ops.decode(layer, mixed, a, b, conv_pool, ssm_pool, st)
-        else:  # rows past the last request's (padding) stay unwritten
-            core = x.new_empty(t, self.num_v_heads, self.head_v_dim)
-            if nd:
-                core[:nd] = ops.decode(layer, mixed[:nd], a[:nd], b[:nd], conv_pool, ssm_pool, st)
-            if meta.num_reqs > nd:
-                rows = prefill_rows(meta, st)
-                hi = nd + rows.starts[-1]
-                core[nd:hi] = ops.prefill(layer, mixed[nd:hi], a[nd:hi], b[nd:hi], conv_pool, ssm_pool, rows)
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(t, self.value_dim))

@@ -19,7 +19,7 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
-from overnight.layers.gated_delta_ops import prefill_rows
+from overnight.layers.gated_delta_ops import decode_then_prefill
 from overnight.layers.mamba2 import MambaGatedRMSNorm
 from overnight.layers.mamba2_ops import Mamba2Layer, mamba2_ops
 
@@ -52,7 +52,6 @@ class Mamba2Mixer(nn.Module):
         st = attn.states
         if st is None:
             raise RuntimeError("a Mamba2 layer needs the step's state batch (AttentionBatch.states)")
-        meta = attn.meta
         z, xbc, dt = self.in_proj(x).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         layer = Mamba2Layer(
             self.num_heads,
@@ -66,19 +65,9 @@ class Mamba2Mixer(nn.Module):
             self.D,
             self.dt_limit,
         )
-        ops = mamba2_ops(x)
-        conv_pool, ssm_pool = st.conv[self.state_index], st.ssm[self.state_index]
+        pools = st.conv[self.state_index], st.ssm[self.state_index]
+        shape = (self.num_heads, self.head_dim)
+        y = decode_then_prefill(mamba2_ops(x), layer, (xbc, dt), pools, attn.meta, st, (x, shape))
         t = x.shape[0]
-        nd = meta.num_decodes
-        if nd == t:  # decode-only (the captured step): no host offsets, no copy of the output
-            y = ops.decode(layer, xbc, dt, conv_pool, ssm_pool, st)
-        else:  # rows past the last request's (padding) stay unwritten
-            y = x.new_empty(t, self.num_heads, self.head_dim)
-            if nd:
-                y[:nd] = ops.decode(layer, xbc[:nd], dt[:nd], conv_pool, ssm_pool, st)
-            if meta.num_reqs > nd:
-                rows = prefill_rows(meta, st)
-                hi = nd + rows.starts[-1]
-                y[nd:hi] = ops.prefill(layer, xbc[nd:hi], dt[nd:hi], conv_pool, ssm_pool, rows)
         out = self.norm(y.reshape(t, self.intermediate_size), z)
         return self.out_proj(out)

@@ -29,16 +29,11 @@ from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.norm import RMSNorm
 from overnight.models.checkpoint import load_packed_weights
-from overnight.models.granite_hybrid import json_float
+from overnight.models.granite_hybrid import PACKED_MODULES_MAPPING, json_float  # q/k/v -> qkv_proj
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import Attention, make_lm_head
 from overnight.models.mamba2_mixer import Mamba2Mixer
 
-PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-}
 # pattern character -> block kind (transformers' layers_block_type names)
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 
