@@ -76,10 +76,13 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
 # memory (st.shared per step) before the dot (mma.sync up to 32 rows). "bits" removes the conversions;
 # the loads and the layout round trip remain (kernels/w4a16_moe.py's K-contiguous words and in-register
 # unpacking are the rewrite that fixes those: "v2", kernels/mxfp4_moe.py, with 16-byte copies of
-# K-contiguous words, unpacked and scaled in registers). Not yet measured on a GPU: bench/mxfp4_moe_gpu.py
-# times all three against the bf16 fused MoE and prints the default to set here.
+# K-contiguous words, unpacked and scaled in registers). bench/mxfp4_moe_gpu.py on an H200 (session I, SM
+# 1980 MHz; gpt-oss-20b and -120b shapes, x the bf16 fused MoE at 1 / 16 / 128 / 512 / 1,024 / 4,096 / 8,192
+# tokens): v1 0.33-0.45x, bits 0.37-0.64x, v2 0.38-0.61x; v2 best at 5 of 7 sizes (bits at 1 and 16
+# tokens, by 5-12%), 1.3-2.2x v1 everywhere, the same error. Still well below bf16: where the bf16 experts
+# fit, the mxfp4_experts option dequantizes them (loader/expert_form.py).
 MXFP4_DECODES = ("v1", "bits", "v2")
-MXFP4_DECODE = "v1"
+MXFP4_DECODE = "v2"
 
 
 # Sizes that change with the batch are not specialized on (divisibility by 16), so one compiled kernel per

@@ -41,6 +41,7 @@ from overnight.layers.gated_delta import (
     causal_conv1d_step_ref,
     chunk_gated_delta_rule_ref,
     gdn_gates,
+    l2norm,
     recurrent_gated_delta_rule_ref,
 )
 
@@ -238,6 +239,11 @@ class TritonDeltaRuleOps:
         # [n, Hv, dk, dv]: fla's layout, K before V; float32 whatever the pool holds (fla then carries and
         # returns the state in float32, rounded once below)
         h0 = torch.where(keep, ssm_pool[rows.slot_ids].float(), 0.0)
+        # The q/k L2 norm here, in float32 as fla computes it, not fla's (use_qk_l2norm_in_kernel):
+        # fla autotunes that kernel on its first call, 25 compiles that landed inside a timed Qwen3.5-9B
+        # run on an H200 (session I, jit_watch), each a stall of the whole batch.
+        q = l2norm(q.float()).to(q.dtype)
+        k = l2norm(k.float()).to(k.dtype)
         o, final = chunk_gated_delta_rule(
             q[None],
             k[None],
@@ -247,7 +253,7 @@ class TritonDeltaRuleOps:
             scale=layer.head_k_dim**-0.5,
             initial_state=h0,
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
+            use_qk_l2norm_in_kernel=False,
             cu_seqlens=rows.cu_seqlens,
             cu_seqlens_cpu=torch.tensor(rows.starts, dtype=torch.int64),
         )
