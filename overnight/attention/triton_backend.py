@@ -19,11 +19,11 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.mla import (
     absorb_query,
     latent_attention_ref,
-    latent_prefill_ref,
     mla_decode_supported,
     row_contexts,
     write_latent_ref,
 )
+from overnight.attention.mla_prefill import latent_prefill
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
 from overnight.kernels.kv_write import kv_write
 from overnight.kernels.mla_decode import latent_write, mla_decode, mla_rows
@@ -79,7 +79,6 @@ class TritonAttentionBackend:
         self._workspaces = {(num_heads, head_dim): self.workspace}
         self._mla_logged = False
         self.mla_prefill_kernel = mla_prefill_kernel  # attention/variants.py's mla-prefill-kernel
-        self._mla_prefill_logged = False
 
     def workspace_for(self, num_heads: int, head_dim: int) -> DecodeWorkspace:
         """The split workspace of layers with these head counts and sizes. One the constructor did not
@@ -143,9 +142,10 @@ class TritonAttentionBackend:
         kv_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Latent attention (attention/mla.py): the rows written and the decodes attended by the Triton
-        kernels of kernels/mla_decode.py (captured in decode graphs); prefill chunks decompressed in
-        PyTorch (eager steps only). Widths the kernel does not take run wholly on the PyTorch path,
-        eagerly (model_runner.capture_graphs), with one log line. kv_scale: an FP8 cache's (latent,
+        kernels of kernels/mla_decode.py (captured in decode graphs); prefill chunks decompressed and
+        attended all at once by attention/mla_prefill.py's kernels (eager steps only). Widths the decode
+        kernel does not take run wholly on the PyTorch path, eagerly (model_runner.capture_graphs), with
+        one log line. kv_scale: an FP8 cache's (latent,
         rope) scales on the device, read by every path."""
         rank = w_uk.shape[2]
         if not mla_decode_supported(rank, q_pe.shape[-1]):
@@ -166,14 +166,8 @@ class TritonAttentionBackend:
             q_lat = absorb_query(q_nope, q_pe, w_uk)
             o_lat = mla_rows(q_lat, kv_cache, meta.block_tables, row_req, row_lens, scale, rank, kv_scale)
             return torch.einsum("thr,hvr->thv", o_lat, w_uv)
-        if meta.num_prefills:
-            if not self._mla_prefill_logged:
-                self._mla_prefill_logged = True
-                log.info(
-                    "latent attention: prefill chunks run decompressed in PyTorch (no Triton prefill "
-                    "kernel yet), decodes in the Triton kernel"
-                )
-            out = latent_prefill_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
+        if meta.num_prefills:  # batched and decompressed (attention/mla_prefill.py)
+            out = latent_prefill(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
         else:
             out = q_nope.new_empty(q_nope.shape[0], w_uv.shape[0], w_uv.shape[1])
         if nd:
