@@ -221,9 +221,9 @@ def test_unsupported_options_are_refused_before_loading(tmp_path):
 
 @pytest.mark.slow  # the fused MoE and router kernels through the Triton interpreter
 def test_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
-    """The GPU path (Triton backend: latent write and absorbed decode kernels; RMSNorm, RoPE, grouped
-    router and fused-MoE kernels), interpreted on the CPU, against the PyTorch path on the same V3 model
-    with kernel-sized widths (rope 16): a prefill of two requests and a decode step of both."""
+    """The GPU path (Triton backend: latent write, batched prefill and absorbed decode kernels; RMSNorm,
+    RoPE, grouped router and fused-MoE kernels), interpreted on the CPU, against the PyTorch path on the
+    same V3 model with kernel-sized widths (rope 16): a prefill of two requests and a decode step of both."""
     from overnight.attention.triton_backend import TritonAttentionBackend
     from overnight.kernels import dispatch
     from tests.kernel_helpers import DEVICE, run_steps
@@ -234,7 +234,7 @@ def test_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
     expected = run_steps(model)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
-    for prefill_kernel in (False, True):  # prefills decompressed in PyTorch, or absorbed in the kernel
+    for prefill_kernel in (False, True):  # prefills decompressed (mla_prefill.py), or absorbed in the kernel
         backend = TritonAttentionBackend(
             4, 4, 16, max_num_seqs=4, max_model_len=64, device=DEVICE, mla_prefill_kernel=prefill_kernel
         )

@@ -80,7 +80,7 @@ def test_latent_write_matches_reference(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_backend_matches_cpu_backend_on_a_mixed_batch(dtype: torch.dtype) -> None:
     """Two decodes and two prefill chunks after cached context (the chunk's queries attend to cached
-    latents and to each other causally): the Triton backend (kernel write and decode, PyTorch prefill)
+    latents and to each other causally): the Triton backend (kernel write, batched prefill and decode)
     against the PyTorch backend, the same cache afterwards."""
     gen = torch.Generator().manual_seed(7)
     nope, v_dim, page = 16, 24, 4

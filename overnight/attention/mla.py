@@ -21,7 +21,9 @@ Two forms of the same numbers, chosen per row kind:
   - decompressed (prefill chunks): a request's cached rows become per-head K [L, H, Dn + P] and
     V [L, H, Dv] (kv_b_proj), then ordinary causal attention: a chunk of many queries pays the
     decompression once. Those K and V live for one layer of one request, L x H x (Dn + P + Dv) values
-    (DeepSeek-V2-Lite at a 32K context: 470 MB in bf16), outside the pool plan's measured peak.
+    (DeepSeek-V2-Lite at a 32K context: 470 MB in bf16), outside the pool plan's measured peak. On the
+    GPU every prefill request of a step is decompressed and attended at once (attention/mla_prefill.py,
+    latent_prefill_ref here its reference), in groups of bounded size.
   - absorbed (decodes): q_lat = [W_UK^T q_nope | q_pe] (R + P wide per head), attention as MQA over the
     rows (one KV head for all H query heads), the values being the first R values of the same rows (no
     second copy), then W_UV maps each head's R-wide output to Dv: one query pays no decompression.

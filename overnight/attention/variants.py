@@ -14,8 +14,8 @@ e.g. in the side-by-side runs against vLLM) before it becomes a kernel default.
               (DecodeConfig.tma), tiles of 64 or 128 tokens: needs --block-size a multiple of the
               tile; prefill as default; a 16-bit cache as default
     mla-prefill-kernel  latent attention (DeepSeek) attends prefill chunks absorbed, row by row, in
-              the decode kernel (kernels/mla_decode.py) instead of decompressing them in PyTorch;
-              other models as default
+              the decode kernel (kernels/mla_decode.py) instead of decompressing them
+              (kernels/mla_prefill.py); other models as default
 
 The tile shapes are the candidates bench/attention_gpu.py times; once it has picked winners, they
 belong in the kernels' defaults and these names can go. Configs are built on use: this module is

@@ -19,7 +19,7 @@ rows it sees (row_lens): a decode row sees its whole context; a prefill row at p
 absorbed like a decode (mla_rows; the `mla-prefill-kernel` attention variant routes prefills here).
 Each row re-reads its context (the rows of one chunk share it through L2): a chunk of T rows reads its
 context T times, where a kernel tiling BLOCK_M query rows per program would read it T / BLOCK_M times.
-Whether that beats the PyTorch path's decompression (attention/mla.py) is not measured yet: a variant,
+Whether that beats the batched decompression (kernels/mla_prefill.py) is not measured yet: a variant,
 not the default.
 
 A program holds BLOCK_H heads (>= 16 rows, so both products are tensor-core dots) and walks the context
