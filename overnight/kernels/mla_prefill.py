@@ -51,8 +51,8 @@ GATHER_TOKENS = 32  # rows per gather program
 @dataclass(frozen=True)
 class MlaPrefillConfig:
     """Tiles of mla_prefill_attention. Defaults from default_mla_prefill_config; compiled for sm_90 on the
-    CPU (tests/test_kernels_mla_sm90.py: no spills, shared memory within the limit), not yet timed on a
-    GPU (bench/mla_prefill_gpu.py compares them)."""
+    CPU (tests/test_kernels_mla_prefill_sm90.py: no spills, shared memory within the limit), not yet
+    timed on a GPU (bench/mla_prefill_gpu.py compares them)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -61,10 +61,11 @@ class MlaPrefillConfig:
 
 
 def default_mla_prefill_config(nope: int, rope: int, v_dim: int) -> MlaPrefillConfig:
-    """DeepSeek's 128 + 64 keys and 128-wide values: 64 x 64 tiles on 4 warps, the tiles paged_prefill
-    runs at 128-wide heads (a [64, 128] fp32 accumulator is 64 values a thread; three stages of a
-    key and value tile, 40 KB each in bf16). Wider heads (GLM-4.7-Flash's 192 + 64 keys, 256-wide
-    values): 64 x 32 tiles on 8 warps keep the accumulator at 64 values a thread."""
+    """DeepSeek's 128 + 64 keys and 128-wide values: 64 x 64 tiles on 4 warps, three stages, the tiles
+    paged_prefill runs at 128-wide heads (a [64, 128] fp32 accumulator is 64 values a thread); compiled
+    for sm_90: 198 registers, 144 KB of shared memory. Wider heads (GLM-4.7-Flash's 192 + 64 keys,
+    256-wide values): 64 x 32 tiles on 8 warps, two stages keep the accumulator at 64 values a thread
+    (183 registers, 112 KB). The rope width only pads the score dots; it does not change the choice."""
     if max(triton.next_power_of_2(nope), triton.next_power_of_2(v_dim)) <= 128:
         return MlaPrefillConfig()
     return MlaPrefillConfig(64, 32, 8, 2)
@@ -73,7 +74,9 @@ def default_mla_prefill_config(nope: int, rope: int, v_dim: int) -> MlaPrefillCo
 # ---------------------------------------------------------------- the gather
 
 
-@triton.jit
+# first_req is the step's decode count: specializing on it (== 1, a multiple of 16) would compile a
+# new variant mid-run.
+@triton.jit(do_not_specialize=["first_req"])
 def _latent_gather_kernel(
     cache_ptr,  # rows of RANK + ROPE values, blocks stride_cblk apart, slots stride_cslot
     block_tables_ptr,
