@@ -30,8 +30,9 @@ import triton
 from overnight.attention.mla import absorb_query, latent_prefill_ref, row_contexts, split_kv_b
 from overnight.attention.mla_prefill import kv_b_weight, latent_prefill
 from overnight.attention.torch_backend import build_metadata
+from overnight.kernels.latent_gather import latent_gather
 from overnight.kernels.mla_decode import latent_write, mla_rows
-from overnight.kernels.mla_prefill import MlaPrefillConfig, latent_gather, mla_prefill_attention
+from overnight.kernels.mla_prefill import MlaPrefillConfig, mla_prefill_attention
 
 HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 16, 512, 64, 128, 128, 64
 CASES = [(16, 512, 0), (4, 2048, 2048)]  # requests, new tokens each, cached prefix each

@@ -18,7 +18,8 @@ from overnight.attention.metadata import AttentionMetadata
 from overnight.attention.mla import latent_prefill_ref, load_rows, split_kv_b
 from overnight.attention.mla_prefill import kv_b_weight, latent_prefill, prefill_groups
 from overnight.attention.torch_backend import build_metadata
-from overnight.kernels.mla_prefill import MlaPrefillConfig, latent_gather, mla_prefill_attention
+from overnight.kernels.latent_gather import latent_gather
+from overnight.kernels.mla_prefill import MlaPrefillConfig, mla_prefill_attention
 from tests.kernel_helpers import DEVICE, DTYPES, TOL, assert_close
 
 RANK, ROPE, HEADS, NOPE, V_DIM, PAGE = 32, 16, 3, 24, 40, 4

@@ -12,6 +12,7 @@ import json
 import pytest
 import triton
 
+from overnight.kernels import latent_gather as g
 from overnight.kernels import mla_prefill as k
 from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90
 
@@ -37,11 +38,11 @@ def gather_case(cache: str):
         BLOCK_R=512,
         BLOCK_P=64,
         PAGE=64,
-        BLOCK_T=k.GATHER_TOKENS,
+        BLOCK_T=g.GATHER_TOKENS,
         HAS_SCALE=cache != "bf16",
     )
     types = dict(cache_ptr=f"*{cache}", out_ptr="*bf16", kv_loc_ptr="*i32")
-    return k._latent_gather_kernel, types, cx, 4, 1
+    return g._latent_gather_kernel, types, cx, 4, 1
 
 
 CASES = {

@@ -25,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from overnight.attention.metadata import AttentionMetadata
-from overnight.kernels.mla_prefill import MlaPrefillConfig, latent_gather, mla_prefill_attention
+from overnight.kernels.latent_gather import latent_gather
+from overnight.kernels.mla_prefill import MlaPrefillConfig, mla_prefill_attention
 
 MAX_DECOMPRESSED_BYTES = 512 << 20
 
