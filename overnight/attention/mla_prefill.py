@@ -2,7 +2,7 @@
 prefill request of a step at once, no Python work or host read per request.
 
     1. gather   each request's cached rows (its chunk's own included, already written; an FP8 cache's
-                dequantized) into one buffer [sum L, R + P] (kernels/mla_prefill.latent_gather)
+                dequantized) into one buffer [sum L, R + P] (kernels/latent_gather.py)
     2. expand   latent [sum L, R] @ kv_b_proj's weight^T -> [sum L, H, Dn + Dv]: K_nope is each
                 head's first Dn values, V the other Dv (W_UK and W_UV in one GEMM: both are views
                 of that weight, split_kv_b)
