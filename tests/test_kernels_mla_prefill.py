@@ -1,8 +1,8 @@
 """Latent attention's batched prefill (kernels/latent_gather.py, kernels/mla_prefill.py,
-attention/mla_prefill.py) against the PyTorch references, through the Triton interpreter on the CPU in fp32 / fp16 (bf16 too on a GPU), at
-small widths: a 32-value latent and 16 rope values, 3 heads, key widths that are no powers of two (24
-nope values, 40 value values), tiles of 16 so that contexts up to 45 tokens span several query and key
-tiles. Batches are ragged: a decode first, a chunk starting mid-context (cached rows before it), a
+attention/mla_prefill.py) against the PyTorch references, through the Triton interpreter on the CPU in
+fp32 / fp16 (bf16 too on a GPU), at small widths: a 32-value latent and 16 rope values, 3 heads, key
+widths that are no powers of two (24 nope values, 40 value values), tiles of 16 so that contexts up to
+45 tokens span several query and key tiles. Batches are ragged: a decode first, a chunk starting mid-context (cached rows before it), a
 whole prompt, a one-token chunk, and NaN in every cache slot nothing wrote (the engine allocates the
 cache uninitialized). FP8 caches: the gather's dequantized rows bit for bit against load_rows's.
 """
