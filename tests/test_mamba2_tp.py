@@ -98,7 +98,9 @@ def test_sharded_gated_norm_equals_the_whole(world, norm_groups):
     pieces = [(y[:, r * share : (r + 1) * share], z[:, r * share : (r + 1) * share]) for r in range(world)]
     seen: list[torch.Tensor] = []
     for r, (yr, zr) in enumerate(pieces):  # pass 1: what each rank contributes to the all-reduce
-        sharded_gated_norm(yr, zr, w[:share], 1e-5, GatedNormShare(r, world, world // norm_groups, seen.append))
+        sharded_gated_norm(
+            yr, zr, w[:share], 1e-5, GatedNormShare(r, world, world // norm_groups, seen.append)
+        )
     total = torch.stack(seen).sum(0)
     for r, (yr, zr) in enumerate(pieces):  # pass 2: every rank sees the sum
         share_r = GatedNormShare(r, world, world // norm_groups, lambda x: x.copy_(total))
@@ -125,6 +127,23 @@ def test_shards_streamed_equal_sliced(tmp_path, model):
         assert mixer.norm.share is not None and mixer.norm.share.span == 2
     else:
         assert mixer.norm.share is None and mixer.norm.groups == 1  # its own group, on its own rank
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_published_presets_split_their_states(world):
+    """granite-4.0-h-small (128 heads x 64, 1 group of 128: replicated) and Nemotron Nano 9B v2 (128
+    heads x 80, 8 groups of 128: split; its norm per group stays on one rank) at 2, 4 and 8 ranks: each
+    rank's state is its heads' SSM state and its x|B|C conv channels."""
+    for preset, d_head, groups in (("granite-4.0-h-small", 64, 1), ("nemotron-nano-9b-v2", 80, 8)):
+        arch = resolve_source(preset, load_format="dummy").arch
+        s = TPShards(arch, world - 1, world)
+        s.check()
+        local = s.local_arch
+        (_, conv), ssm = local.linear_state_shapes()
+        mine = max(1, groups // world)
+        assert ssm == (128 // world, d_head, 128)
+        assert conv == 128 // world * d_head + 2 * mine * 128
+        assert local.mamba_norm_groups == max(1, groups // world)
 
 
 def test_sizes_that_do_not_split_are_refused_by_name(tmp_path):

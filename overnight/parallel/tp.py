@@ -93,7 +93,7 @@ from overnight.parallel.tp_int import (
 from overnight.parallel.tp_mamba2 import COLUMN_PARALLEL as MAMBA2_COLUMN_PARALLEL
 from overnight.parallel.tp_mamba2 import ROW_PARALLEL as MAMBA2_ROW_PARALLEL
 from overnight.parallel.tp_mamba2 import (
-    local_mamba2_sizes,
+    local_mamba2_arch,
     mamba2_problems,
     shard_mamba2_mixer,
     shard_mamba2_tensor,
@@ -173,10 +173,8 @@ class TPShards:
     def local_arch(self) -> ModelArch:
         """The shape of one rank's share; vocab_size stays whole, as the logits are gathered."""
         a, w = self.arch, self.world
-        mamba2 = local_mamba2_sizes(a, w) if a.is_mamba2 else {}
         return replace(
-            a,
-            **mamba2,
+            local_mamba2_arch(a, w) if a.is_mamba2 else a,
             num_attention_heads=a.num_attention_heads // w,
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,

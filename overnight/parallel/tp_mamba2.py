@@ -34,6 +34,7 @@ blocks of a rank's heads. Packed integer layers are refused under tensor paralle
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -71,10 +72,12 @@ def mamba2_problems(a: ModelArch, world: int) -> list[str]:
     return problems
 
 
-def local_mamba2_sizes(a: ModelArch, world: int) -> dict[str, int]:
-    """One rank's Mamba2 sizes (ModelArch fields): its heads, the groups it holds, its norm slices."""
+def local_mamba2_arch(a: ModelArch, world: int) -> ModelArch:
+    """a with one rank's Mamba2 sizes: its heads, the groups it holds, its norm slices (1 when a slice
+    spans several ranks: GatedNormShare)."""
     g, norm = a.mamba_n_groups, a.mamba_norm_groups
-    return dict(
+    return replace(
+        a,
         mamba_n_heads=a.mamba_n_heads // world,
         mamba_n_groups=g // world if g % world == 0 else 1,
         mamba_norm_groups=norm // world if norm % world == 0 else 1,
