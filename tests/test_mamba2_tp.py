@@ -86,10 +86,15 @@ def test_in_proj_and_conv_rows_follow_heads_and_groups(tmp_path, groups, world):
         assert heads.long().tolist() == list(range(rank * h // world, (rank + 1) * h // world))
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "triton"])
 @pytest.mark.parametrize(("world", "norm_groups"), [(2, 1), (4, 2), (4, 1)])
-def test_sharded_gated_norm_equals_the_whole(world, norm_groups):
+def test_sharded_gated_norm_equals_the_whole(world, norm_groups, kernels, monkeypatch):
     """Each rank's share of a norm slice spanning several ranks: its sums of squares all-reduced (played
-    here by two passes) give the whole norm's output, to rounding."""
+    here by two passes) give the whole norm's output, to rounding; on the CPU path and the GPU's
+    kernels (kernels/mamba2_gated_norm.py, through the interpreter here)."""
+    from overnight.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", kernels)
     torch.manual_seed(0)
     t, width = 5, 48
     y, z, w = torch.randn(t, width), torch.randn(t, width), torch.randn(width)

@@ -152,14 +152,22 @@ def sharded_gated_norm(
     the ranks that share its slice. Every share has the same width, so the slice's mean is that sum
     over span * W. Rounding otherwise follows mamba_gated_norm_ref (fp32 statistics, cast back before
     the weight); only the order of the sum differs."""
+    squares = y.new_zeros(y.shape[0], share.world, dtype=torch.float32)
+    first = share.rank // share.span * share.span
+    count = share.span * y.shape[-1]
+    if use_kernels(y):  # two passes of kernels/mamba2_gated_norm.py around the all-reduce
+        from overnight.kernels.mamba2_gated_norm import gated_sum_squares, mamba_gated_norm
+
+        gated_sum_squares(y, z, squares[:, share.rank])
+        share.reduce(squares)
+        total = squares[:, first : first + share.span].sum(-1)
+        return mamba_gated_norm(y, z, weight, eps, 1, sum_squares=total, count=count)
     dtype = y.dtype
     g = y.float() * F.silu(z.float())
-    squares = g.new_zeros(g.shape[0], share.world)
     squares[:, share.rank] = g.pow(2).sum(-1)
     share.reduce(squares)
-    first = share.rank // share.span * share.span
     total = squares[:, first : first + share.span].sum(-1, keepdim=True)
-    g = g * torch.rsqrt(total / (share.span * g.shape[-1]) + eps)
+    g = g * torch.rsqrt(total / count + eps)
     return weight * g.to(dtype)
 
 
