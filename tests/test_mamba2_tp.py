@@ -5,11 +5,12 @@ groups, groups split, replicated, or shared by neighbouring ranks); the gated no
 over the ranks against the whole norm; the sharded loading of each family both ways (streamed and
 sliced, checkpoint and dummy weights); sizes that do not split refused by name before any process starts.
 
-Slow (2 gloo rank processes each): Granite dense (2 B/C groups, the norm over the whole width summed
-over the ranks), Granite MoE (1 group on both ranks, routed experts, RoPE) and Nemotron-H (M / * / -
-blocks, 2 groups, the norm per group on its own rank) give the tokens of one process and of
-transformers, fp32 greedy, through chunked prefill (16-token steps) and a second wave restored from state
-snapshots at a shared prefix (prefix-cache hits).
+Slow (2 gloo rank processes each): Granite MoE (1 B/C group on both ranks, the norm over the whole
+width summed over the ranks, routed experts, RoPE) and Nemotron-H (M / * / - blocks, 2 groups, the norm
+per group on its own rank) give the tokens of one process and of transformers, fp32 greedy, through
+chunked prefill (16-token steps) and a second wave restored from state snapshots at a shared prefix
+(prefix-cache hits); Granite dense (2 groups split) with both ranks on their Triton kernels (the
+interpreter) gives transformers' tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from overnight.parallel.tp_mamba2 import check_mamba2_quantized_tp
 from tests.test_engine_parity import hf_greedy
 from tests.tiny_granite import make_granite_checkpoint
 from tests.tiny_nemotron_h import make_nemotron_h_checkpoint
-from tests.tp_helpers import streamed_equals_sliced
+from tests.tp_helpers import generate_split, streamed_equals_sliced
 
 VOCAB = 101
 ENGINE = dict(
@@ -178,7 +179,7 @@ def _waves() -> tuple[list[list[int]], list[list[int]]]:
 
 
 @pytest.mark.slow  # starts tensor-parallel processes
-@pytest.mark.parametrize("model", list(MAKERS))
+@pytest.mark.parametrize("model", ["granite-moe", "nemotron-h"])  # Granite dense: the Triton test below
 def test_tp2_matches_tp1_and_transformers(tmp_path, model):
     import transformers
 
@@ -200,3 +201,30 @@ def test_tp2_matches_tp1_and_transformers(tmp_path, model):
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         assert tokens == [list(o.outputs[0].token_ids) for o in ones]
         assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+
+
+def kernels_worker_main(*args: object) -> None:
+    """A tensor-parallel rank process on the GPU's path: every layer's Triton kernels (the interpreter
+    on the CPU; a spawned process does not see the test's FORCE_KERNELS)."""
+    from overnight.kernels import dispatch
+    from overnight.parallel import workers
+
+    dispatch.FORCE_KERNELS = True
+    workers._worker_main(*args)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # starts tensor-parallel processes; the Triton interpreter
+def test_tp2_on_the_triton_path_matches_transformers(tmp_path, monkeypatch):
+    """Granite dense at TP=2 with every rank on its kernels: the Mamba2 decode and chunked varlen
+    prefill on each rank's heads and group, and the whole-width gated norm's two passes around the
+    all-reduce of its statistics."""
+    import transformers
+
+    from overnight.parallel import workers
+
+    folder = MAKERS["granite-dense"](tmp_path)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    monkeypatch.setattr(workers, "_worker_main", kernels_worker_main)
+    prompts = _waves()[0][1:]  # 53 tokens (chunked by 16) and 3
+    outs = generate_split(folder, prompts, _greedy(4), **ENGINE)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref, p, 4)[0] for p in prompts]
