@@ -152,6 +152,21 @@ def test_published_presets_split_their_states(world):
         assert local.mamba_norm_groups == max(1, groups // world)
 
 
+def test_fp8_shards_take_their_scales_with_their_rows(tmp_path):
+    """Online FP8 (Nemotron-H: every mixer and MLP projection): in_proj's per-row scales go with its
+    rows, out_proj keeps its per-channel scales whole; streamed and sliced shares agree."""
+    from overnight.parallel.tp_modules import RowParallelFp8Linear
+    from overnight.quant.linear import Fp8Linear
+
+    folder = make_nemotron_h_checkpoint(tmp_path)
+    for rank in range(2):
+        model = streamed_equals_sliced(resolve_source(str(folder), quantization="fp8"), rank)
+    mixer = model.model.layers[1].mixer
+    assert isinstance(mixer.in_proj, Fp8Linear) and isinstance(mixer.out_proj, RowParallelFp8Linear)
+    assert mixer.in_proj.weight.shape == (66, 32) and mixer.in_proj.weight_scale.shape == (66,)
+    assert mixer.out_proj.weight.shape == (32, 24) and mixer.out_proj.weight_scale.shape == (32,)
+
+
 def test_sizes_that_do_not_split_are_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match="mamba_n_heads 6"):
         folder = make_nemotron_h_checkpoint(tmp_path, mamba_num_heads=6, n_groups=2)
