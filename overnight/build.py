@@ -380,7 +380,8 @@ def check_int_parallel(
     source: ModelSource, tensor_parallel_size: int, int_linear: tuple[int, int, bool] | None
 ) -> None:
     """Raise ModelLoadError for a quantized checkpoint the tensor-parallel shares cannot hold exactly:
-    integer ones (parallel/tp_int.py), and Gemma 4's per-layer sizes (parallel/tp_gemma4.py). int_linear:
+    integer ones (parallel/tp_int.py), Gemma 4's per-layer sizes (parallel/tp_gemma4.py) and the Mamba2
+    hybrids' projections (parallel/tp_mamba2.py). int_linear:
     linear_formats' answer for the device (None: dequantized there)."""
     from overnight.quant.int_scheme import IntScheme
     from overnight.quant.scheme import QuantScheme
@@ -398,6 +399,9 @@ def check_int_parallel(
 
     block_k = source.quantization.block_k if isinstance(source.quantization, QuantScheme) else None
     check_gemma4_quantized_tp(source.arch, tensor_parallel_size, block_k, int_linear)
+    from overnight.parallel.tp_mamba2 import check_mamba2_quantized_tp
+
+    check_mamba2_quantized_tp(source.arch, tensor_parallel_size, block_k, int_linear)
 
 
 def build_engine(opts: EngineOptions) -> EngineClient:

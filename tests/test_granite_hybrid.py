@@ -145,12 +145,3 @@ def test_the_h_small_preset_counts_its_published_sizes() -> None:
     assert arch.linear_state_bytes() == 36 * (4 * 3 * 8448 + 4 * 128 * 64 * 128)
     assert arch.linear_state_bytes(torch.bfloat16) == 36 * (4 * 3 * 8448 + 2 * 128 * 64 * 128)
     assert arch.kv_bytes_per_token(2) == 4 * 2 * 8 * 128 * 2  # 4 attention layers, K and V
-
-
-def test_tensor_parallelism_is_refused_by_name() -> None:
-    from overnight.parallel.tp import TPShards
-
-    arch = arch_from_hf_config(config_of("dense")[0])
-    with pytest.raises(ModelLoadError, match="not supported yet for Mamba2"):
-        TPShards(arch, 0, 2).check()
-    TPShards(arch, 0, 1).check()

@@ -145,14 +145,6 @@ def test_the_nano_9b_v2_preset_counts_its_published_sizes() -> None:
     assert arch.kv_bytes_per_token(2) == 4 * 2 * 8 * 128 * 2  # 4 attention layers, K and V
 
 
-def test_tensor_parallelism_is_refused_by_name() -> None:
-    from overnight.parallel.tp import TPShards
-
-    arch = arch_from_hf_config(config_of()[0])
-    with pytest.raises(ModelLoadError, match="not supported yet for Mamba2"):
-        TPShards(arch, 0, 2).check()
-
-
 def test_online_fp8_quantizes_every_block_and_counts_its_bytes(tmp_path) -> None:
     """--quantization fp8: the Mamba2 in/out projections, attention and the MLP blocks become Fp8Linear
     (the LM head stays), and ModelArch.weight_bytes (what the memory plan reserves) is what loads."""

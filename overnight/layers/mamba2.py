@@ -29,6 +29,9 @@ The recurrent form (decode) is the first formula, batched over sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -126,6 +129,48 @@ def mamba_gated_norm_ref(
     return weight * g.flatten(-2).to(dtype) if groups > 1 else weight * g.to(dtype)
 
 
+@dataclass(frozen=True)
+class GatedNormShare:
+    """Where a rank's width sits when each norm slice spans several ranks (tensor parallelism with fewer
+    norm slices than ranks, parallel/tp_mamba2.py): rank `rank` of `world`, each slice the widths of
+    `span` consecutive ranks (span = world: one norm over the whole width). reduce sums a tensor over
+    the ranks in place (an all-reduce)."""
+
+    rank: int
+    world: int
+    span: int
+    reduce: Callable[[torch.Tensor], object]
+
+
+def sharded_gated_norm(
+    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, share: GatedNormShare
+) -> torch.Tensor:
+    """mamba_gated_norm_ref's one slice when y, z [T, W] and weight [W] are one rank's share of it.
+
+    Each rank writes its per-token sum of squares into its own column of a [T, world] float32 tensor
+    of zeros; one all-reduce gives every rank every rank's sums, and a rank adds the `span` columns of
+    the ranks that share its slice. Every share has the same width, so the slice's mean is that sum
+    over span * W. Rounding otherwise follows mamba_gated_norm_ref (fp32 statistics, cast back before
+    the weight); only the order of the sum differs."""
+    squares = y.new_zeros(y.shape[0], share.world, dtype=torch.float32)
+    first = share.rank // share.span * share.span
+    count = share.span * y.shape[-1]
+    if use_kernels(y):  # two passes of kernels/mamba2_gated_norm.py around the all-reduce
+        from overnight.kernels.mamba2_gated_norm import gated_sum_squares, mamba_gated_norm
+
+        gated_sum_squares(y, z, squares[:, share.rank])
+        share.reduce(squares)
+        total = squares[:, first : first + share.span].sum(-1)
+        return mamba_gated_norm(y, z, weight, eps, 1, sum_squares=total, count=count)
+    dtype = y.dtype
+    g = y.float() * F.silu(z.float())
+    squares[:, share.rank] = g.pow(2).sum(-1)
+    share.reduce(squares)
+    total = squares[:, first : first + share.span].sum(-1, keepdim=True)
+    g = g * torch.rsqrt(total / count + eps)
+    return weight * g.to(dtype)
+
+
 class MambaGatedRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, groups: int = 1) -> None:
         super().__init__()
@@ -134,9 +179,15 @@ class MambaGatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
         self.groups = groups
+        # Set by tensor parallelism when this rank holds a share of one norm slice (groups is then 1):
+        # the statistics are summed over the ranks of the slice. Fixed at load: capture and replay
+        # take the same branch.
+        self.share: GatedNormShare | None = None
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y [T, W] (the SSM's output), z [T, W] (the gate, a view into in_proj's output)."""
+        if self.share is not None:
+            return sharded_gated_norm(y, z, self.weight, self.variance_epsilon, self.share)
         if use_kernels(y):  # one pass (kernels/mamba2_gated_norm.py) instead of several fp32 temporaries
             from overnight.kernels.mamba2_gated_norm import mamba_gated_norm  # triton loads on first use
 

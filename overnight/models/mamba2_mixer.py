@@ -10,6 +10,9 @@ Attribute names are the checkpoint's (model.layers.N.mamba.*). The step's rows c
 host sync: CUDA graphs capture this path. Prefill rows use host offsets (prefill steps are never
 captured). Every request starts from zeros when has_state is 0. How the conv and the SSM run (torch on
 the CPU, Triton kernels on the GPU) is layers/mamba2_ops.py's choice.
+
+Under tensor parallelism (parallel/tp_mamba2.py) the sizes below become one rank's (its heads, the B/C
+groups they read, their conv channels) and out_proj sums the ranks' outputs.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
                 sharded_rms_norm_pair)
     other norms, rotary table: replicated
 
-Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py.
+Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py;
+the Mamba2 hybrids (Granite 4.0-H, Nemotron-H) their mixers' heads and B/C groups: parallel/tp_mamba2.py.
 Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py. Latent attention
 (DeepSeek-V2 / V3) by heads, its latent cache replicated: parallel/tp_mla.py.
 
@@ -62,6 +63,7 @@ from overnight.loader.source import ModelSource
 from overnight.models.deepseek import MLAttention
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.models.interface import CausalLM, as_causal_lm
+from overnight.models.mamba2_mixer import Mamba2Mixer
 from overnight.parallel.tp_experts import (
     MXFP4_GROUP,
     RowParallelExperts,
@@ -88,6 +90,14 @@ from overnight.parallel.tp_int import (
     RowParallelWeightOnlyIntLinear,
     int_row_columns,
 )
+from overnight.parallel.tp_mamba2 import COLUMN_PARALLEL as MAMBA2_COLUMN_PARALLEL
+from overnight.parallel.tp_mamba2 import ROW_PARALLEL as MAMBA2_ROW_PARALLEL
+from overnight.parallel.tp_mamba2 import (
+    local_mamba2_arch,
+    mamba2_problems,
+    shard_mamba2_mixer,
+    shard_mamba2_tensor,
+)
 from overnight.parallel.tp_mla import COLUMN_PARALLEL as MLA_COLUMN_PARALLEL
 from overnight.parallel.tp_mla import shard_mla_tensor
 from overnight.parallel.tp_modules import (
@@ -103,7 +113,7 @@ from overnight.quant.linear import Fp8Linear
 
 # Row-parallel projections: module name -> the column-parallel section whose output they read.
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
-VOCAB_PARALLEL = ("embed_tokens", "lm_head")
+VOCAB_PARALLEL = ("embed_tokens", "embeddings", "lm_head")  # embeddings: Nemotron-H's input embedding
 # The image models' vision towers and projectors (Qwen's visual.*, Gemma 3's, Mistral 3's and InternVL's
 # vision_tower.*, Llama 4's vision_model.*, and multi_modal_projector.*): replicated, never sharded;
 # their own q_proj / o_proj / down_proj are not the decoder's.
@@ -120,11 +130,9 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
-        if a.is_mamba2 and w > 1:  # its mixer's heads, groups and conv channels are not sharded yet
-            raise ModelLoadError(
-                f"tensor_parallel_size {w} is not supported yet for Mamba2 hybrids (Granite 4.0): use 1"
-            )
         problems = gemma4_problems(a, w) if is_gemma4(a) else []
+        if a.is_mamba2:
+            problems += mamba2_problems(a, w)
         if a.num_attention_heads % w:
             problems.append(f"num_attention_heads {a.num_attention_heads}")
         hkv = a.num_key_value_heads
@@ -166,7 +174,7 @@ class TPShards:
         """The shape of one rank's share; vocab_size stays whole, as the logits are gathered."""
         a, w = self.arch, self.world
         return replace(
-            a,
+            local_mamba2_arch(a, w) if a.is_mamba2 else a,
             num_attention_heads=a.num_attention_heads // w,
             num_key_value_heads=max(1, a.num_key_value_heads // w),
             intermediate_size=a.intermediate_size // w,
@@ -242,7 +250,11 @@ class TPShards:
             latent = shard_mla_tensor(a, self.rank, self.world, module, kind, t)
             if latent is not None:
                 return latent
-        if a.num_linear_layers:
+        if a.is_mamba2:
+            mamba2 = shard_mamba2_tensor(a, self.rank, self.world, self.section("ffn"), parts, t)
+            if mamba2 is not None:
+                return mamba2
+        elif a.num_linear_layers:
             linear = shard_hybrid_tensor(a, self.rank, self.world, self.section, module, kind, t)
             if linear is not None:
                 return linear
@@ -325,7 +337,10 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     shards.check()
     fused = {fused_name for fused_name, _ in lm.packed_modules_mapping.values()}
     row_parallel = set(ROW_PARALLEL)
-    if lm.arch.num_linear_layers:
+    if lm.arch.is_mamba2:  # Mamba2 mixers and the Granite / Nemotron-H MLPs: tp_mamba2.py
+        fused |= set(MAMBA2_COLUMN_PARALLEL)
+        row_parallel |= set(MAMBA2_ROW_PARALLEL)
+    elif lm.arch.num_linear_layers:
         fused |= set(COLUMN_PARALLEL)
         row_parallel.add("out_proj")
     if is_gemma4(lm.arch):
@@ -335,7 +350,11 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
     if lm.arch.is_mla:  # latent attention's per-head projections: tp_mla.py
         fused |= set(MLA_COLUMN_PARALLEL)
     head = getattr(model, "lm_head", None)
-    embed_name = next(n for n, m in model.named_modules() if n.endswith("embed_tokens"))
+    embed_name = next(
+        n
+        for n, m in model.named_modules()
+        if n.endswith("embed_tokens") or (n.endswith(".embeddings") and isinstance(m, nn.Embedding))
+    )
     embed = model.get_submodule(embed_name)
     assert isinstance(embed, nn.Embedding)
     tied = head is not None and head.weight is embed.weight
@@ -346,6 +365,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             continue
         if isinstance(module, GatedDeltaNet):  # its conv channels and per-head parameters
             shard_gated_deltanet(module, name, shards.shard, shards.local_arch)
+        if isinstance(module, Mamba2Mixer):  # its conv channels, per-head parameters, gated norm
+            shard_mamba2_mixer(module, name, shards.shard, shards.local_arch, rank, world, group)
         if isinstance(module, IntExperts):  # packed integer experts: tp_int.py
             _set_module(model, name, RowParallelIntExperts(module, name, shards.shard, group))
         if leaf in fused and isinstance(module, (nn.Linear, Fp8Linear, WeightOnlyIntLinear, Int8Linear)):
