@@ -619,7 +619,7 @@ class ModelArch:
         params, rows = params - dense_kept[0], rows - dense_kept[1]
         if int_linear is not None:
             bits, group, experts = int_linear
-            if experts:
+            if experts and self.experts_gated:  # ungated experts stay unpacked (quant/apply.py)
                 expert_params, expert_rows = self._expert_shape()
                 params += self.num_sparse_mlps * self.num_experts * expert_params
                 rows += self.num_sparse_mlps * self.num_experts * expert_rows

@@ -144,6 +144,33 @@ def test_online_fp8_quantizes_experts_per_row_as_they_load(tmp_path) -> None:
     assert held == source.arch.weight_bytes(4)
 
 
+def test_awq_checkpoint_keeps_the_ungated_experts_dequantized(tmp_path, monkeypatch) -> None:
+    """An AWQ checkpoint as a GPU loads it (packed layers kept on the CPU): the packed MoE kernels are
+    gated, so the relu^2 experts load dequantized (the values the checkpoint decodes to) while the shared
+    experts, MLP, Mamba2 and attention projections stay packed; the pre-load estimate counts that."""
+    from overnight.loader.fit import linear_formats, weight_bytes
+    from overnight.quant import apply
+    from overnight.quant.int_linear import WeightOnlyIntLinear
+    from tests.int_checkpoints import make_int_checkpoint
+    from tests.test_memory_fit_quantized import _held_bytes
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    sizes = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64)
+    sizes |= dict(moe_shared_expert_intermediate_size=64, mamba_num_heads=8, mamba_head_dim=8)
+    src = make_nemotron_h_moe_checkpoint(tmp_path / "src", **sizes)
+    awq, dequantized = make_int_checkpoint(src, tmp_path / "awq", "awq-g32")
+    source = resolve_source(str(awq))
+    model = load_model(source, torch.float32, "cpu")
+    reference = load_model(resolve_source(str(dequantized)), torch.float32, "cpu")
+    moe = model.model.layers[4].mixer
+    assert type(moe.experts) is Experts and isinstance(moe.shared_experts.up_proj, WeightOnlyIntLinear)
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(moe.experts, name), getattr(reference.model.layers[4].mixer.experts, name))
+    fp8, int_linear = linear_formats(source.quantization, "cuda")
+    estimate = weight_bytes(source.arch, torch.float32, fp8, True, int_linear, source.quantization)
+    assert int_linear is not None and int_linear[2] and estimate == _held_bytes(model)
+
+
 def test_dummy_weights_load_for_a_shrunk_preset() -> None:
     preset = resolve_source("nemotron-3-nano-30b-a3b", load_format="dummy")
     arch = replace(
