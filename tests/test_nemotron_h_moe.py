@@ -144,6 +144,31 @@ def test_online_fp8_quantizes_experts_per_row_as_they_load(tmp_path) -> None:
     assert held == source.arch.weight_bytes(4)
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # e4m3 has no torch.equal
+
+
+def test_fp8_checkpoint_loads_as_online_fp8(tmp_path) -> None:
+    """A per-channel FP8 checkpoint (compressed-tensors; the router float): its expert tensors are
+    dequantized with their scales as they load, then quantized per row into the e4m3 stacks (an e4m3
+    row requantizes to itself), the shared experts load as Fp8Linear: the model equals online FP8's."""
+    from tests.fp8_checkpoints import make_fp8_checkpoint
+
+    src = make_nemotron_h_moe_checkpoint(tmp_path / "src")
+    fp8 = make_fp8_checkpoint(src, tmp_path / "fp8", "ct-channel-dynamic")
+    model = load_model(resolve_source(str(fp8)), torch.float32, "cpu")
+    online = load_model(resolve_source(str(src), quantization="fp8"), torch.float32, "cpu")
+    assert isinstance(model.model.layers[4].mixer.shared_experts.down_proj, Fp8Linear)
+    ours, theirs = model.state_dict(), online.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, t in ours.items():
+        assert torch.equal(_bits(t), _bits(theirs[name])), name
+    for block in (1, 4, 7):
+        a, b = model.model.layers[block].mixer.experts, online.model.layers[block].mixer.experts
+        assert a.stores_fp8 and torch.equal(a.gate_up_scale, b.gate_up_scale)
+        assert torch.equal(a.down_scale, b.down_scale)
+
+
 def test_awq_checkpoint_keeps_the_ungated_experts_dequantized(tmp_path, monkeypatch) -> None:
     """An AWQ checkpoint as a GPU loads it (packed layers kept on the CPU): the packed MoE kernels are
     gated, so the relu^2 experts load dequantized (the values the checkpoint decodes to) while the shared
