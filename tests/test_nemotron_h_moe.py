@@ -234,6 +234,10 @@ def test_tensor_parallelism_is_refused_by_name() -> None:
     arch = arch_from_hf_config(config_of()[0])
     with pytest.raises(ModelLoadError, match="not supported yet for Mamba2"):
         TPShards(arch, 0, 2).check()
+    # the experts' own refusal, should the Mamba2 mixers be sharded one day
+    with pytest.raises(ModelLoadError, match="not supported yet for ungated experts"):
+        TPShards(replace(arch, mamba_n_heads=0), 0, 2).check()
+    TPShards(arch, 0, 1).check()
 
 
 def test_the_nano_30b_a3b_preset_counts_its_published_sizes() -> None:
