@@ -196,7 +196,13 @@ def test_awq_checkpoint_keeps_the_ungated_experts_dequantized(tmp_path, monkeypa
     assert int_linear is not None and int_linear[2] and estimate == _held_bytes(model)
 
 
-def test_dummy_weights_load_for_a_shrunk_preset() -> None:
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+def test_dummy_weights_load_for_a_shrunk_preset(fp8: bool) -> None:
+    """Dummy weights (the budget's and benchmarks' load format) fill every parameter, the FP8 experts
+    quantized as they are drawn; what loads is what the pre-load estimate counts."""
+    from overnight.loader.fit import weight_bytes
+    from overnight.quant.scheme import QuantScheme
+
     preset = resolve_source("nemotron-3-nano-30b-a3b", load_format="dummy")
     arch = replace(
         preset.arch, block_pattern="ME*E", layer_types=("linear_attention", "full_attention"),
@@ -205,10 +211,20 @@ def test_dummy_weights_load_for_a_shrunk_preset() -> None:
         mamba_norm_groups=2, mamba_d_state=8, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=16, shared_expert_intermediate_size=24,
     )  # fmt: skip
-    model = load_model(replace(preset, arch=arch), torch.float32, "cpu", seed=1)
-    experts = model.model.layers[1].mixer.experts.gate_up_proj
-    assert experts.shape == (8, 16, 32) and experts.abs().sum() > 0
-    assert sum(p.numel() for p in model.parameters()) == arch.num_parameters()
+    source = replace(preset, arch=arch, quantization=QuantScheme() if fp8 else None)
+    model = load_model(source, torch.float32, "cpu", seed=1)
+    experts = model.model.layers[1].mixer.experts
+    assert experts.gate_up_proj.shape == (8, 16, 32) and experts.stores_fp8 == fp8
+    assert experts.gate_up_proj.float().abs().sum() > 0
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    scales = [
+        getattr(m, n)
+        for m in model.modules()
+        if isinstance(m, Experts)
+        for n in ("gate_up_scale", "down_scale")
+    ]
+    held += sum(t.numel() * 4 for t in scales if t is not None)
+    assert held == weight_bytes(arch, torch.float32, fp8_linear=fp8)
 
 
 @pytest.mark.parametrize(
