@@ -277,6 +277,9 @@ class ModelArch:
     # The routed experts' form: gate and up rows (silu(gate) * up and the like), or up rows alone
     # (False: Nemotron-H's relu(up)^2; an expert then has two projections, not three).
     experts_gated: bool = True
+    # Latent experts (Nemotron 3 Super): the routed experts run at this width between a down projection
+    # from hidden_size and an up projection back (two nn.Linear per MoE block); 0: at hidden_size.
+    moe_latent_size: int = 0
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # GLM-4.5 / 4.6 (models/glm4_moe.py): the router's sigmoid scores plus a learned per-expert bias
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
@@ -453,8 +456,9 @@ class ModelArch:
         return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
 
     def _expert_shape(self) -> tuple[int, int]:
-        """(weights, output rows) of one routed expert's projections (gate/up and down, or up and down)."""
-        h, i = self.hidden_size, self.moe_intermediate_size
+        """(weights, output rows) of one routed expert's projections (gate/up and down, or up and down),
+        at the experts' width (moe_latent_size when latent)."""
+        h, i = self.moe_latent_size or self.hidden_size, self.moe_intermediate_size
         return (3 * h * i, 2 * i + h) if self.experts_gated else (2 * h * i, i + h)
 
     @property
@@ -533,7 +537,8 @@ class ModelArch:
         if self.block_pattern:  # Nemotron-H: the MLP blocks (up and down, no gate) and the MoE blocks
             used = self.num_experts_per_tok if active_only else self.num_experts
             shared = 2 * self.hidden_size * self.shared_expert_intermediate_size  # ungated too
-            moe = self.moe_blocks * (router + used * expert + shared)
+            latent = 2 * self.hidden_size * self.moe_latent_size  # into and out of the latent width
+            moe = self.moe_blocks * (router + used * expert + shared + latent)
             return moe + self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
         total = 0
         for i in range(self.num_hidden_layers):
@@ -673,9 +678,10 @@ class ModelArch:
                 rows += 2 * self.shared_expert_intermediate_size + h
         params += self.mlp_blocks * 2 * h * self.intermediate_size
         rows += self.mlp_blocks * (self.intermediate_size + h)
-        shared = self.shared_expert_intermediate_size  # Nemotron-H's MoE blocks: the ungated shared expert
-        params += self.moe_blocks * 2 * h * shared
-        rows += self.moe_blocks * (shared + h)
+        # Nemotron-H's MoE blocks: the ungated shared expert and the latent projections
+        shared, latent = self.shared_expert_intermediate_size, self.moe_latent_size
+        params += self.moe_blocks * 2 * h * (shared + latent)
+        rows += self.moe_blocks * (shared + h + (latent + h if latent else 0))
         return params, rows
 
     def num_parameters(self) -> int:

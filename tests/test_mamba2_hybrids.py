@@ -36,6 +36,8 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "granite-attention-only": lambda d: make_granite_checkpoint(d, "attention-only"),
     "nemotron-h": make_nemotron_h_checkpoint,  # two B/C groups, MLP blocks between the mixers
     "nemotron-3": make_nemotron_h_moe_checkpoint,  # MoE blocks: grouped sigmoid router, relu^2 experts
+    # Nemotron 3 Super's latent experts (12 wide in a 32-wide model): the chunked-prefill test only
+    "nemotron-3-latent": lambda d: make_nemotron_h_moe_checkpoint(d, moe_latent_size=12),
 }
 # One request's float32 states: Mamba2 layers x (conv K - 1 rows of x|B|C + SSM heads x d_head x d_state)
 STATE_BYTES = {

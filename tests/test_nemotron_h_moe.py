@@ -67,14 +67,19 @@ def test_arch_counts_every_parameter_and_only_the_mixers_are_layers() -> None:
     [
         dict(),  # the published one: a single group
         dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3, norm_topk_prob=False),
+        dict(moe_latent_size=12),  # Nemotron 3 Super's latent experts
     ],
-    ids=["one-group", "4-groups-keep-2"],
+    ids=["one-group", "4-groups-keep-2", "latent"],
 )
 def test_the_moe_block_matches_transformers(routing: dict) -> None:
     """Router (choices by score + bias among the kept groups, weights the unbiased scores), experts
-    (relu^2, no gate), shared expert: our block against transformers' NemotronHMoE, fp32."""
+    (relu^2, no gate; between the latent projections when latent), shared expert: our block against
+    transformers' NemotronHMoE, fp32, and every parameter counted."""
     cfg, model = config_of(**routing)
-    ours = loaded(model, arch_from_hf_config(cfg))
+    arch = arch_from_hf_config(cfg)
+    biases = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters()) + biases
+    ours = loaded(model, arch)
     theirs, mine = model.model.layers[1].mixer, ours.model.layers[1].mixer
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(3))
     _, ref_w, ref_ids = theirs.gate(x)
@@ -230,7 +235,7 @@ def test_dummy_weights_load_for_a_shrunk_preset(fp8: bool) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(moe_latent_size=16), "moe_latent_size 16 .* not supported yet"),
+        (dict(moe_latent_size=-4), "moe_latent_size must be positive"),
         (dict(n_group=3), "n_group 3 must split num_experts 8"),
         (dict(n_group=2, topk_group=3), r"topk_group must be in 1..n_group \(2\)"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok must be in 1..8"),

@@ -2,8 +2,14 @@
 mixture-of-experts block ("E", Nemotron 3: NVIDIA-Nemotron-3-Nano-30B-A3B and its siblings).
 
     "-"  up_proj -> relu(x)^2 -> down_proj, no gate, of intermediate_size
-    "E"  gate (float32 router) --> (weights, ids) --> experts (stacked, ungated: up -> relu^2 -> down) --+
-          \\-> shared_experts (one "-" MLP of moe_shared_expert_intermediate_size) ----------------------+
+    "E"  x --> gate (float32 router) --> (weights, ids)
+                                                 v
+         x --> [fc1_latent_proj] --> experts (stacked, ungated: up -> relu^2 -> down) --> [fc2_latent_proj]
+                                                                                                 + --> out
+         x --> shared_experts (one "-" MLP of moe_shared_expert_intermediate_size) ------------------+
+
+    The latent projections (H -> moe_latent_size -> H, no bias) exist with moe_latent_size only
+    (Nemotron 3 Super): the experts then run at that width; the router and shared expert never do.
 
 The router is GLM-4.5's (models/glm4_moe.py, layers/moe_grouped_router.py), as transformers'
 NemotronHTopkRouter computes it: sigmoid scores of float32 logits; the scores plus
@@ -13,9 +19,6 @@ routed_scaling_factor. The routed experts are layers/moe.py's stack with the ung
 (the fused Triton path on the GPU, the per-expert torch loop on the CPU); their checkpoint tensors are
 experts.{e}.up_proj / down_proj (the published layout; transformers 5 stacks them as experts.up_proj
 [E, I, H]), which load into gate_up_proj (the up rows alone here) and down_proj.
-
-Nemotron 3 Super's latent experts (moe_latent_size: the experts run in a smaller width between two
-projections) are refused by the config reader, not supported yet.
 """
 
 from __future__ import annotations
@@ -53,24 +56,26 @@ class NemotronHMoE(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.gate = Glm4MoeTopkRouter(arch)
-        self.experts = Experts(
-            arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, activation="relu2"
-        )
-        self.shared_experts = NemotronHMLP(arch.hidden_size, arch.shared_expert_intermediate_size)
+        h, latent = arch.hidden_size, arch.moe_latent_size
+        self.experts = Experts(arch.num_experts, latent or h, arch.moe_intermediate_size, activation="relu2")
+        self.shared_experts = NemotronHMLP(h, arch.shared_expert_intermediate_size)
+        self.fc1_latent_proj = nn.Linear(h, latent, bias=False) if latent else None
+        self.fc2_latent_proj = nn.Linear(latent, h, bias=False) if latent else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        weights, ids = self.gate(x)  # the router reads the full width, latent or not
+        if self.fc1_latent_proj is None or self.fc2_latent_proj is None:
+            return self.experts(x, weights, ids) + self.shared_experts(x)
+        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
+        return routed + self.shared_experts(x)
 
 
 def nemotron_h_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """The ModelArch fields of a pattern's MoE blocks, from config.json (defaults: transformers'
     NemotronHConfig's). Raises ModelLoadError naming what does not fit or is not supported."""
-    if cfg.get("moe_latent_size") is not None:
-        raise ModelLoadError(
-            f"moe_latent_size {cfg['moe_latent_size']} (latent experts, Nemotron 3 Super) is not supported "
-            "yet for Nemotron-H"
-        )
+    latent = int(cfg.get("moe_latent_size") or 0)
+    if latent < 0:
+        raise ModelLoadError(f"moe_latent_size must be positive (or null: none), got {latent}")
     experts = int(cfg.get("n_routed_experts", cfg.get("num_local_experts", 8)))
     top_k = int(cfg.get("num_experts_per_tok", 2))
     inter = int(cfg.get("moe_intermediate_size", 7688))
@@ -97,4 +102,5 @@ def nemotron_h_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         topk_group=topk_group,
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        moe_latent_size=latent,
     )
