@@ -116,11 +116,12 @@ def test_both_checkpoint_layouts_load(tmp_path) -> None:
     assert torch.equal(stack[5], published["backbone.layers.4.mixer.experts.5.up_proj.weight"])
 
 
-def test_online_fp8_quantizes_experts_per_row_as_they_load(tmp_path) -> None:
+@pytest.mark.parametrize("latent", [0, 12])
+def test_online_fp8_quantizes_experts_per_row_as_they_load(tmp_path, latent: int) -> None:
     """--quantization fp8: the experts are e4m3 from the build on (each checkpoint expert quantized per
-    row as it arrives: the bytes of quantizing the float stack), the shared experts, MLP, Mamba2 and
-    attention projections Fp8Linear, the router float32; what loads is what weight_bytes counts."""
-    folder = make_nemotron_h_moe_checkpoint(tmp_path)
+    row as it arrives: the bytes of quantizing the float stack), the shared experts, latent, MLP, Mamba2
+    and attention projections Fp8Linear, the router float32; what loads is what weight_bytes counts."""
+    folder = make_nemotron_h_moe_checkpoint(tmp_path, moe_latent_size=latent or None)
     source = resolve_source(str(folder), quantization="fp8")
     model = load_model(source, torch.float32, "cpu")
     float_model = load_model(resolve_source(str(folder)), torch.float32, "cpu")
