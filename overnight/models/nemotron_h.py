@@ -14,9 +14,10 @@ its own RMSNorm and residual, the kind of each one character of config.json's `h
 
 Only the Mamba2 and attention blocks are layers of the ModelArch (layer_types "linear_attention" /
 "full_attention": the state cache and the KV cache are indexed by them); the MLP and MoE blocks sit
-between them and count in ModelArch.mlp_blocks / moe_blocks. Checkpoint names are transformers' (model.layers.N.mixer.*,
-N the block's index in the pattern); the published checkpoints' `backbone.` prefix is read as `model.`,
-and their multi-token-prediction tensors (`mtp.*`, which generation does not use) are skipped.
+between them and count in ModelArch.mlp_blocks / moe_blocks. Checkpoint names are transformers'
+(model.layers.N.mixer.*, N the block's index in the pattern); the published checkpoints' `backbone.`
+prefix is read as `model.`, and their multi-token-prediction tensors (`mtp.*`, which generation does
+not use) are skipped.
 """
 
 from __future__ import annotations
