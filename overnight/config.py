@@ -267,11 +267,19 @@ class ModelArch:
     # width on its own: 1 (Granite: the whole width) or n_groups (Nemotron-H).
     mamba_norm_groups: int = 1
     # Nemotron-H's layout (models/nemotron_h.py), its hybrid_override_pattern of "M" (Mamba2), "*"
-    # (attention) and "-" (MLP) blocks; "" for every other family. Set, each layer here is a single
-    # mixer (the pattern's M and * in order, layer_types) behind one RMSNorm and no MLP; the MLP blocks
-    # between them (each its own RMSNorm and up -> relu^2 -> down of intermediate_size, no gate) are no
-    # layers: they hold no KV cache and no state.
+    # (attention), "-" (MLP) and "E" (mixture of experts, Nemotron 3) blocks; "" for every other family.
+    # Set, each layer here is a single mixer (the pattern's M and * in order, layer_types) behind one
+    # RMSNorm and no MLP; the MLP blocks between them (each its own RMSNorm and up -> relu^2 -> down of
+    # intermediate_size, no gate) and the MoE blocks (moe_blocks: its RMSNorm, the grouped sigmoid router,
+    # num_experts ungated experts and one ungated shared expert of shared_expert_intermediate_size) are no
+    # layers: they hold no KV cache and no state, and is_moe_layer names none.
     block_pattern: str = ""
+    # The routed experts' form: gate and up rows (silu(gate) * up and the like), or up rows alone
+    # (False: Nemotron-H's relu(up)^2; an expert then has two projections, not three).
+    experts_gated: bool = True
+    # Latent experts (Nemotron 3 Super): the routed experts run at this width between a down projection
+    # from hidden_size and an up projection back (two nn.Linear per MoE block); 0: at hidden_size.
+    moe_latent_size: int = 0
     shared_expert_intermediate_size: int = 0  # a sigmoid-gated shared expert beside the routed ones
     # GLM-4.5 / 4.6 (models/glm4_moe.py): the router's sigmoid scores plus a learned per-expert bias
     # choose the experts (among the topk_group best of n_group groups), the unbiased scores weigh them,
@@ -436,6 +444,24 @@ class ModelArch:
         return self.block_pattern.count("-")
 
     @property
+    def moe_blocks(self) -> int:
+        """Nemotron-H's mixture-of-experts blocks (block_pattern's "E"), which are no layers either."""
+        return self.block_pattern.count("E")
+
+    @property
+    def num_sparse_mlps(self) -> int:
+        """The stacks of routed experts: Nemotron-H's MoE blocks, else one per layer is_moe_layer names."""
+        if self.block_pattern:
+            return self.moe_blocks
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def _expert_shape(self) -> tuple[int, int]:
+        """(weights, output rows) of one routed expert's projections (gate/up and down, or up and down),
+        at the experts' width (moe_latent_size when latent)."""
+        h, i = self.moe_latent_size or self.hidden_size, self.moe_intermediate_size
+        return (3 * h * i, 2 * i + h) if self.experts_gated else (2 * h * i, i + h)
+
+    @property
     def is_mamba2(self) -> bool:
         """Whether the linear layers are Mamba2 mixers (else Gated DeltaNet)."""
         return self.mamba_n_heads > 0
@@ -490,9 +516,11 @@ class ModelArch:
         return self.experts_mxfp4 and not self.experts_mxfp4_dense
 
     def is_moe_layer(self, layer_idx: int) -> bool:
-        """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE)."""
+        """Whether layer `layer_idx` has the sparse MLP (HF's rule for Qwen3-MoE; never with a
+        block_pattern, whose MoE blocks are no layers)."""
         return (
             self.num_experts > 0
+            and not self.block_pattern
             and (layer_idx + 1) % self.decoder_sparse_step == 0
             and layer_idx not in self.mlp_only_layers
         )
@@ -500,14 +528,18 @@ class ModelArch:
     def mlp_params(self, active_only: bool = False) -> int:
         """Weights of all layers' MLPs, routers included. active_only: only the experts one token goes
         through (num_experts_per_tok per sparse layer), the weights its forward pass multiplies by."""
-        if self.block_pattern:  # Nemotron-H: the MLP blocks only (up and down, no gate)
-            return self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
-        expert = 3 * self.hidden_size * self.moe_intermediate_size
+        expert, expert_rows = self._expert_shape()
         if self.expert_bias:  # gate/up and down biases
-            expert += 2 * self.moe_intermediate_size + self.hidden_size
+            expert += expert_rows
         # The router: a row per expert, and a bias per expert (gpt-oss's, GLM-4.5's correction bias)
         biased = self.expert_bias or self.router_scoring == "sigmoid"
         router = self.num_experts * (self.hidden_size + (1 if biased else 0))
+        if self.block_pattern:  # Nemotron-H: the MLP blocks (up and down, no gate) and the MoE blocks
+            used = self.num_experts_per_tok if active_only else self.num_experts
+            shared = 2 * self.hidden_size * self.shared_expert_intermediate_size  # ungated too
+            latent = 2 * self.hidden_size * self.moe_latent_size  # into and out of the latent width
+            moe = self.moe_blocks * (router + used * expert + shared + latent)
+            return moe + self.mlp_blocks * 2 * self.hidden_size * self.intermediate_size
         total = 0
         for i in range(self.num_hidden_layers):
             moe = self.is_moe_layer(i)
@@ -573,13 +605,13 @@ class ModelArch:
         (experts_mxfp4_dense) or e4m3 with row scales (experts_mxfp4_fp8), whatever fp8_experts says."""
         total = self.num_parameters() * dtype_bytes
         if self.router_scoring in ("sigmoid", "softmax_group"):  # GLM-4.5's and DeepSeek's: float32
-            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+            sparse = self.num_sparse_mlps
             biased = self.router_scoring == "sigmoid"
             total += sparse * self.num_experts * (self.hidden_size + biased) * (4 - dtype_bytes)
         if self.holds_mxfp4_experts:  # the stacked experts' weights (not their biases) stay packed: half
             # a byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading
-            sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-            per_expert = 3 * self.hidden_size * self.moe_intermediate_size
+            sparse = self.num_sparse_mlps
+            per_expert = self._expert_shape()[0]
             total -= (
                 sparse * self.num_experts * (per_expert * dtype_bytes - per_expert // 2 - per_expert // 32)
             )
@@ -592,10 +624,10 @@ class ModelArch:
         params, rows = params - dense_kept[0], rows - dense_kept[1]
         if int_linear is not None:
             bits, group, experts = int_linear
-            if experts:
-                sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-                params += sparse * self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
-                rows += sparse * self.num_experts * (2 * self.moe_intermediate_size + self.hidden_size)
+            if experts and self.experts_gated:  # ungated experts stay unpacked (quant/apply.py)
+                expert_params, expert_rows = self._expert_shape()
+                params += self.num_sparse_mlps * self.num_experts * expert_params
+                rows += self.num_sparse_mlps * self.num_experts * expert_rows
             groups = params // group if group else rows
             return total - params * dtype_bytes + params * bits // 8 + (8 if int_zeros else 4) * groups
         if not fp8_linear:
@@ -615,9 +647,8 @@ class ModelArch:
     def _experts_fp8_saving(self, dtype_bytes: int) -> int:
         """Bytes the stacked experts' weights (not their biases) save as e4m3 with a float32 scale per
         expert and row, against the compute dtype."""
-        sparse = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
-        per_expert = 3 * self.hidden_size * self.moe_intermediate_size
-        expert_rows = 2 * self.moe_intermediate_size + self.hidden_size
+        sparse = self.num_sparse_mlps
+        per_expert, expert_rows = self._expert_shape()
         return sparse * self.num_experts * (per_expert * (dtype_bytes - 1) - 4 * expert_rows)
 
     def _dense_linear_shape(self) -> tuple[int, int]:
@@ -647,13 +678,17 @@ class ModelArch:
                 rows += 2 * self.shared_expert_intermediate_size + h
         params += self.mlp_blocks * 2 * h * self.intermediate_size
         rows += self.mlp_blocks * (self.intermediate_size + h)
+        # Nemotron-H's MoE blocks: the ungated shared expert and the latent projections
+        shared, latent = self.shared_expert_intermediate_size, self.moe_latent_size
+        params += self.moe_blocks * 2 * h * (shared + latent)
+        rows += self.moe_blocks * (shared + h + (latent + h if latent else 0))
         return params, rows
 
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
         per_layer = (4 if self.norm_placement == "sandwich" else 2) * h  # the RMSNorms
-        if self.block_pattern:  # Nemotron-H: one norm a layer, and one in each MLP block
+        if self.block_pattern:  # Nemotron-H: one norm a layer, and one in each MLP and MoE block
             per_layer = h
         if self.is_mla:  # q_a / kv_a norms; attention_bias: biases on q_a, kv_a_proj_with_mqa (and o_proj)
             per_layer += self.q_lora_rank + self.kv_lora_rank
@@ -678,7 +713,7 @@ class ModelArch:
             + head
             + self.num_linear_parameters()
             + self.num_hidden_layers * per_layer
-            + self.mlp_blocks * h
+            + (self.mlp_blocks + self.moe_blocks) * h
             + h
             + self._gemma_parameters()
             + vision

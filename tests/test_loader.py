@@ -186,6 +186,7 @@ def test_dummy_presets_have_published_shapes(name):
         "llama-4-scout-17b-16e",  # tests/test_llama4.py
         "granite-4.0-h-small",  # tests/test_granite_hybrid.py
         "nemotron-nano-9b-v2",  # tests/test_nemotron_h.py
+        "nemotron-3-nano-30b-a3b",  # tests/test_nemotron_h_moe.py
     }
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere

@@ -1,4 +1,5 @@
-"""Tier (c), slow: the Mamba2 hybrids (Granite 4.0 dense, MoE and attention-only; Nemotron-H) against
+"""Tier (c), slow: the Mamba2 hybrids (Granite 4.0 dense, MoE and attention-only; Nemotron-H, and Nemotron 3
+with its MoE blocks) against
 transformers, fp32 greedy token-exact through the LLM API: prefill chunks cut inside prompts, the Triton
 path (interpreter), prefix-cache hits through state snapshots, preemption with a tiny pool, decode steps
 without host syncs, decode batches padded as CUDA graphs run them. Nemotron-H runs every test; Granite's
@@ -25,7 +26,7 @@ from tests.test_hybrid_models import (
     run_engine,
 )
 from tests.tiny_granite import make_granite_checkpoint
-from tests.tiny_nemotron_h import make_nemotron_h_checkpoint
+from tests.tiny_nemotron_h import make_nemotron_h_checkpoint, make_nemotron_h_moe_checkpoint
 
 pytestmark = pytest.mark.slow  # real engines beside transformers
 
@@ -34,11 +35,15 @@ MAKERS: dict[str, Callable[[Path], Path]] = {
     "granite-moe": lambda d: make_granite_checkpoint(d, "moe"),  # RoPE
     "granite-attention-only": lambda d: make_granite_checkpoint(d, "attention-only"),
     "nemotron-h": make_nemotron_h_checkpoint,  # two B/C groups, MLP blocks between the mixers
+    "nemotron-3": make_nemotron_h_moe_checkpoint,  # MoE blocks: grouped sigmoid router, relu^2 experts
+    # Nemotron 3 Super's latent experts (12 wide in a 32-wide model): the chunked-prefill test only
+    "nemotron-3-latent": lambda d: make_nemotron_h_moe_checkpoint(d, moe_latent_size=12),
 }
 # One request's float32 states: Mamba2 layers x (conv K - 1 rows of x|B|C + SSM heads x d_head x d_state)
 STATE_BYTES = {
     "granite-moe": 2 * (4 * 3 * 96 + 4 * 4 * 16 * 8),
     "nemotron-h": 4 * (4 * 3 * 80 + 4 * 4 * 12 * 8),
+    "nemotron-3": 2 * (4 * 3 * 80 + 4 * 4 * 12 * 8),
 }
 
 
@@ -74,6 +79,7 @@ def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
         model,
         "granite-moe",
         "nemotron-h",
+        "nemotron-3",
         why="the interpreter is slow: Granite's MoE variant runs every kernel",
     )
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
@@ -83,7 +89,13 @@ def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
 
 def test_shared_prefix_hits_through_state_snapshots(checkpoint) -> None:
     model, folder, ref = checkpoint
-    only(model, "granite-dense", "nemotron-h", why="snapshots are the mixer's states: one Granite is enough")
+    only(
+        model,
+        "granite-dense",
+        "nemotron-h",
+        "nemotron-3",
+        why="snapshots are the mixer's states: one Granite is enough",
+    )
     rng = random.Random(5)
     system = [rng.randrange(3, VOCAB) for _ in range(90)]
     first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (9, 4)]
@@ -127,7 +139,11 @@ def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
 
     model, folder, _ = checkpoint
     only(
-        model, "granite-moe", "nemotron-h", why="Granite's MoE variant covers every kernel the dense one runs"
+        model,
+        "granite-moe",
+        "nemotron-h",
+        "nemotron-3",
+        why="Granite's MoE variant covers every kernel the dense one runs",
     )
     decode_guarded(folder, monkeypatch)
 

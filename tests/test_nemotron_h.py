@@ -66,7 +66,6 @@ def test_the_published_config_spelling_is_read() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(layers_block_type=["mlp", "linear_attention", "moe"]), "mixture-of-experts blocks"),
         (
             dict(layers_block_type=None, hybrid_override_pattern="M*X"),
             r"hybrid_override_pattern holds \['X'\]",

@@ -4,7 +4,9 @@ Reference: fused_experts_ref in overnight/layers/moe.py (the layer's CPU path).
 
     topk_ids [T, k] ──moe_align──► runs: pair ids sorted by expert, padded per expert to BLOCK_M
     x [T, H]  ──moe_gemm, gated──►  h [P, N] = silu(x W_gate^T) * (x W_up^T)          P = T * k pairs
-              (activation "gelu_tanh", Gemma 4: the GEMM writes [P, 2N] and torch applies gelu * up)
+              (activation "gelu_tanh", Gemma 4: the GEMM writes [P, 2N] and torch applies gelu * up;
+              "relu2", Nemotron-H: no gate, gate_up_proj holds the up rows alone [E, N, H] and the
+              GEMM's epilogue stores relu(x W_up^T)^2)
     h         ──moe_gemm, × w──►    y [P, H] = topk_weight * h W_down^T
     y.view(T, k, H).sum(1)  ──►     out [T, H]
 
@@ -42,16 +44,20 @@ def fused_experts(
     their per-row scales, gate_up_scale [E, 2N] and down_scale [E, H] float32; MXFP4 experts: uint8
     [E, 2N, H/2] and [E, H, N/2] with uint8 scales [E, 2N, H/32] and [E, H, N/32] (moe_gemm.py). Biases
     [E, 2N] and [E, H] and the gate/up activation (kind, alpha, limit): "silu" and "swiglu_oai" are fused
-    into the first GEMM's epilogue; "gelu_tanh" (Gemma 4) runs as torch ops on the GEMM's [gate | up]."""
-    if activation[0] not in ("silu", "swiglu_oai", "gelu_tanh"):
-        raise ValueError(f"unknown expert activation {activation[0]!r} (silu, swiglu_oai, gelu_tanh)")
+    into the first GEMM's epilogue; "gelu_tanh" (Gemma 4) runs as torch ops on the GEMM's [gate | up];
+    "relu2" (Nemotron-H) has no gate: gate_up_proj is [E, N, H] (biases [E, N]), relu(up)^2 fused."""
+    kind = activation[0]
+    if kind not in ("silu", "swiglu_oai", "gelu_tanh", "relu2"):
+        raise ValueError(f"unknown expert activation {kind!r} (silu, swiglu_oai, gelu_tanh, relu2)")
+    gated = kind != "relu2"
     num_tokens, hidden = x.shape
     num_experts, two_n, _ = gate_up_proj.shape
     top_k = topk_ids.shape[1]
     packed = 2 if gate_up_proj.dtype == torch.uint8 else 1  # MXFP4: two weights a byte
-    if down_proj.shape != (num_experts, hidden, two_n // 2 // packed):
+    inter = two_n // 2 if gated else two_n
+    if down_proj.shape != (num_experts, hidden, inter // packed):
         raise ValueError(
-            f"down_proj must be {(num_experts, hidden, two_n // 2 // packed)}, got {tuple(down_proj.shape)}"
+            f"down_proj must be {(num_experts, hidden, inter // packed)}, got {tuple(down_proj.shape)}"
         )
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError("topk_weights and topk_ids must both be [T, k]")
@@ -59,7 +65,7 @@ def fused_experts(
         return torch.zeros_like(x)
     if config is None:
         config = get_config(
-            num_tokens, num_experts, two_n // 2, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
+            num_tokens, num_experts, inter, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
         )
     runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
     if activation[0] == "gelu_tanh":
@@ -74,7 +80,7 @@ def fused_experts(
             gate_up_proj,
             runs,
             config.gemm1,
-            gated=True,
+            gated=gated,
             w_scale=gate_up_scale,
             bias=gate_up_bias,
             activation=activation,

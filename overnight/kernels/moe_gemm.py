@@ -15,9 +15,12 @@ Two uses:
                     and the up columns of the same N range, and stores silu(gate) * up: the SiLU-and-mul
                     is the epilogue, and the [P, 2N] gate/up activations are never written.
   down (MUL_WEIGHT) w = [E, H, N]; the epilogue scales each row by its pair's routing weight.
+  up (ACTIVATION 2) w = [E, N, K], no gate (Nemotron-H's experts): the epilogue stores relu(acc)^2, so
+                    the [P, N] pre-activations are never written either.
 Bias (HAS_BIAS, gpt-oss): bias [E, rows of w] added to the accumulators before the epilogue's activation
-or routing weight. ACTIVATION (GATED): 0 = silu(gate) * up; 1 = gpt-oss's clamped SwiGLU,
-g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1).
+or routing weight. ACTIVATION: 0 = silu(gate) * up (GATED; ungated: none); 1 = gpt-oss's clamped
+SwiGLU (GATED), g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha * g) * (u + 1);
+2 = squared ReLU of the single accumulator (not GATED).
 FP8 experts (W_FP8): w holds e4m3 values with one float32 scale per expert and weight row (w_scale
 [E, rows of w]); each tile is converted to a's dtype for the dot (the activations stay as they are:
 weight-only FP8, half the bytes a decode step reads), and the scales multiply the accumulators in the
@@ -261,6 +264,9 @@ def _moe_gemm_kernel(
             g = tl.minimum(acc, limit)
             u = tl.minimum(tl.maximum(acc_up, -limit), limit)
             acc = g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
+    elif ACTIVATION == 2:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pair, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -285,6 +291,8 @@ def moe_gemm(
 
     gated:         act(first N columns, last N columns), with w [E, 2N, K]: out [P, N]; activation =
                    (kind, alpha, limit), kind "silu" (silu(gate) * up) or "swiglu_oai" (module docstring)
+    not gated:     activation kind "relu2": relu(row)^2, with w [E, N, K]: out [P, N]; any other kind
+                   (the default "silu") leaves the rows as they are (the down GEMM)
     topk_weights:  times topk_weights.flatten()[p]: out [P, N] with w [E, N, K]
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
@@ -335,8 +343,12 @@ def moe_gemm(
     if bias is not None and (bias.shape != w.shape[:2] or bias.stride(1) != 1):
         raise ValueError(f"bias must be {tuple(w.shape[:2])}, rows contiguous")
     kind, alpha, limit = activation
-    if kind not in ("silu", "swiglu_oai"):
-        raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai)")
+    if kind not in ("silu", "swiglu_oai", "relu2"):
+        raise ValueError(f"unknown activation {kind!r} (silu, swiglu_oai, relu2)")
+    if kind == "relu2" and gated:
+        raise ValueError("relu2 is an ungated activation: its w holds the up rows alone, gated=False")
+    if kind == "relu2" and w_mxfp4:
+        raise ValueError("relu2 experts in MXFP4 are not supported")
 
     if w_mxfp4 and w_scale is not None and decode == "v2":
         from overnight.kernels.mxfp4_moe import mxfp4_moe_gemm
@@ -378,7 +390,7 @@ def moe_gemm(
         A_DIV=num_pairs // a_rows,
         GATED=gated,
         HAS_BIAS=bias is not None,
-        ACTIVATION=0 if kind == "silu" else 1,
+        ACTIVATION={"silu": 0, "swiglu_oai": 1, "relu2": 2}[kind],
         MUL_WEIGHT=topk_weights is not None,
         W_FP8=w_fp8,
         W_MXFP4=w_mxfp4,
@@ -433,7 +445,9 @@ def moe_gemm_ref(
         y = rows[sel] @ w[expert].float().T
         if bias is not None:
             y = y + bias[expert].float()
-        if gated and activation[0] == "silu":
+        if not gated and activation[0] == "relu2":
+            y = torch.relu(y).square()
+        elif gated and activation[0] == "silu":
             y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
         elif gated:
             _, alpha, limit = activation

@@ -7,6 +7,10 @@ loader):
     gate_up_proj  [E, 2I, H]   rows of expert e: [gate | up]
     down_proj     [E, H, I]
 
+Ungated experts (Nemotron-H's: up -> relu^2 -> down, activation "relu2") keep the same two names, with
+gate_up_proj [E, I, H] holding the up rows alone: FP8 row scales, dummy weights, tensor-parallel shards
+and the fused kernels then treat every stack alike.
+
 A token t goes through the experts topk_ids[t, :] and its output is sum_j topk_weights[t, j] *
 expert_j(x_t). Path choice as for the small ops (norm.py's use_kernels): the fused Triton path
 (overnight/kernels/fused_moe.py) on CUDA; on the CPU the PyTorch code here, which is also the kernels'
@@ -58,6 +62,7 @@ class ExpertActivation:
     swiglu_oai:  g = min(gate, limit); u = clamp(up, -limit, limit);
                  g * sigmoid(alpha * g) * (u + 1)                   (gpt-oss, its reference's SwiGLU)
     gelu_tanh:   gelu(gate, tanh approximation) * up                (Gemma 4's experts)
+    relu2:       relu(up)^2, no gate                                (Nemotron-H's experts)
     """
 
     kind: str = "silu"
@@ -65,8 +70,20 @@ class ExpertActivation:
     limit: float = 7.0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("silu", "swiglu_oai", "gelu_tanh"):
-            raise ValueError(f"unknown expert activation {self.kind!r} (silu, swiglu_oai, gelu_tanh)")
+        if self.kind not in ("silu", "swiglu_oai", "gelu_tanh", "relu2"):
+            raise ValueError(f"unknown expert activation {self.kind!r} (silu, swiglu_oai, gelu_tanh, relu2)")
+
+    @property
+    def gated(self) -> bool:
+        """Whether the first projection gives [gate | up] rows (else the up rows alone)."""
+        return self.kind != "relu2"
+
+    def on_rows(self, h: torch.Tensor) -> torch.Tensor:
+        """The activation of the first projection's output rows h [.., 2I] (gated) or [.., I]."""
+        if not self.gated:
+            return torch.relu(h).square()
+        gate, up = h.chunk(2, dim=-1)
+        return self(gate, up)
 
     def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         if self.kind == "silu":
@@ -95,7 +112,7 @@ def fused_experts_ref(
     activation: ExpertActivation = SILU,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
-    Returns [T, H] in x's dtype. FP8 experts (e4m3 projections with per-row scales [E, rows]) and MXFP4
+    Returns [T, H] in x's dtype (ungated activations: gate_up_proj [E, I, H]). FP8 experts (e4m3 projections with per-row scales [E, rows]) and MXFP4
     experts (uint8 [E, rows, in/2] with uint8 scales [E, rows, in/32]) are dequantized to x's dtype
     expert by expert. Biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H],
     added before the activation and before the routing weight.
@@ -117,8 +134,8 @@ def fused_experts_ref(
             w2 = (w2.float() * down_scale[expert, :, None]).to(x.dtype)
         b1 = None if gate_up_bias is None else gate_up_bias[expert]
         b2 = None if down_bias is None else down_bias[expert]
-        gate, up = F.linear(x[token], w1, b1).chunk(2, dim=-1)
-        y = F.linear(activation(gate, up), w2, b2) * weights[token, slot, None]
+        h = activation.on_rows(F.linear(x[token], w1, b1))
+        y = F.linear(h, w2, b2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
 
@@ -183,7 +200,8 @@ def run_experts(
 
 
 class Experts(nn.Module):
-    """num_experts gated MLPs of hidden_size -> intermediate_size -> hidden_size, stacked.
+    """num_experts gated MLPs of hidden_size -> intermediate_size -> hidden_size, stacked (ungated ones
+    with an ungated activation: gate_up_proj then holds intermediate_size rows an expert).
 
     Tensor parallelism shrinks intermediate_size (each rank keeps every expert's slice of it) and sums
     the ranks' outputs from outside (parallel/tp.py)."""
@@ -201,7 +219,10 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.activation = ExpertActivation(activation) if isinstance(activation, str) else activation
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        first_rows = (2 if self.activation.gated else 1) * intermediate_size
+        if mxfp4 and not self.activation.gated:
+            raise ValueError("MXFP4 experts must be gated")
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, first_rows, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # MXFP4 (gpt-oss's published experts, quant/mxfp4.py): kept packed on every device, two weights
         # a byte with one power-of-two scale per 32 inputs; the GPU kernels decode tiles in registers.
@@ -219,7 +240,7 @@ class Experts(nn.Module):
             self.gate_up_scales = nn.Parameter(torch.empty(e, 2 * i, h // 32, dtype=u8), requires_grad=False)
             self.down_scales = nn.Parameter(torch.empty(e, h, i // 32, dtype=u8), requires_grad=False)
         # Biases (gpt-oss): one per expert and output row, kept in the compute dtype under FP8.
-        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.gate_up_bias = nn.Parameter(torch.empty(num_experts, first_rows)) if bias else None
         self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self._init_fp8_state()
 
@@ -336,6 +357,8 @@ class Experts(nn.Module):
         self.gate_up_scale = self.down_scale = None
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.gate_up_proj.shape
+        e, rows, h = self.gate_up_proj.shape
         fp8 = ", fp8" if self.gate_up_scale is not None else ""
-        return f"num_experts={e}, hidden_size={h}, intermediate_size={two_i // 2}{fp8}"
+        inter = rows // 2 if self.activation.gated else rows
+        ungated = "" if self.activation.gated else f", {self.activation.kind}"
+        return f"num_experts={e}, hidden_size={h}, intermediate_size={inter}{ungated}{fp8}"

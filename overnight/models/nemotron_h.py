@@ -1,23 +1,28 @@
 """NVIDIA Nemotron-H hybrids (`NemotronHForCausalLM`: Nemotron-H-8B / 47B / 56B, NVIDIA-Nemotron-Nano-9B-v2
-and -12B-v2): a stack of blocks, each a single mixer behind its own RMSNorm and residual, the kind of each
-one character of config.json's `hybrid_override_pattern` (transformers 5 saves it as `layers_block_type`):
+and -12B-v2, Nemotron 3's NVIDIA-Nemotron-3-Nano-30B-A3B): a stack of blocks, each a single mixer behind
+its own RMSNorm and residual, the kind of each one character of config.json's `hybrid_override_pattern`
+(transformers 5 saves it as `layers_block_type`):
 
     "M" Mamba2 (models/mamba2_mixer.py; its gated RMSNorm per group of B/C: mamba_norm_groups = n_groups)
     "*" attention without any position encoding (Llama's attention, NoPE, no bias)
-    "-" MLP: up_proj -> relu(x)^2 -> down_proj, no gate
-    "E" mixture of experts (Nemotron 3): not supported yet, refused by the config reader
+    "-" MLP: up_proj -> relu(x)^2 -> down_proj, no gate (models/nemotron_h_mlp.py)
+    "E" mixture of experts (Nemotron 3): grouped sigmoid router, ungated relu^2 experts and a shared
+        expert (models/nemotron_h_mlp.py)
 
     block = x + mixer(norm(x));  model = norm_f(blocks(embeddings(ids)));  lm_head (never tied, as in
     transformers, whose NemotronHForCausalLM ignores tie_word_embeddings)
 
 Only the Mamba2 and attention blocks are layers of the ModelArch (layer_types "linear_attention" /
-"full_attention": the state cache and the KV cache are indexed by them); the MLP blocks sit between
-them and count in ModelArch.mlp_blocks. Checkpoint names are transformers' (model.layers.N.mixer.*,
-N the block's index in the pattern); the published checkpoints' `backbone.` prefix is read as `model.`.
+"full_attention": the state cache and the KV cache are indexed by them); the MLP and MoE blocks sit
+between them and count in ModelArch.mlp_blocks / moe_blocks. Checkpoint names are transformers'
+(model.layers.N.mixer.*, N the block's index in the pattern); the published checkpoints' `backbone.`
+prefix is read as `model.`, and their multi-token-prediction tensors (`mtp.*`, which generation does
+not use) are skipped.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,20 +38,18 @@ from overnight.models.granite_hybrid import PACKED_MODULES_MAPPING, json_float  
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import Attention, make_lm_head
 from overnight.models.mamba2_mixer import Mamba2Mixer
+from overnight.models.nemotron_h_mlp import (
+    EXPERT_PACKING,
+    EXPERT_TENSORS,
+    NemotronHMLP,
+    NemotronHMoE,
+    nemotron_h_moe_fields,
+)
+
+logger = logging.getLogger(__name__)
 
 # pattern character -> block kind (transformers' layers_block_type names)
 _PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
-
-
-class NemotronHMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up_proj(x)  # a fresh [T, I] tensor: the activation runs in place on it, no copies
-        return self.down_proj(torch.relu_(h).square_())
 
 
 class NemotronHBlock(nn.Module):
@@ -89,6 +92,8 @@ class NemotronHModel(nn.Module):
             elif kind == "full_attention":
                 mixer = Attention(arch, layer, specs[layer], None)
                 layer += 1
+            elif kind == "moe":
+                mixer = NemotronHMoE(arch)
             else:
                 mixer = NemotronHMLP(arch.hidden_size, arch.intermediate_size)
             blocks.append(NemotronHBlock(kind, mixer, arch.hidden_size, arch.rms_norm_eps))
@@ -105,7 +110,9 @@ class NemotronHModel(nn.Module):
 
 
 class NemotronHForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+    packed_modules_mapping = {**PACKED_MODULES_MAPPING, **EXPERT_PACKING}
+    # The router (mixer.gate) is no nn.Linear: it stays float32 under any quantization.
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mixer.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -133,10 +140,20 @@ class NemotronHForCausalLM(nn.Module):
 
 
 def _nemotron_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    skipped = 0
     for name, tensor in weights:
+        if name.startswith("mtp."):  # multi-token prediction (speculative decoding): not used here
+            skipped += 1
+            continue
         if name.startswith("backbone."):  # the published checkpoints' prefix (transformers renames it too)
             name = "model." + name.removeprefix("backbone.")
+        if name.endswith(".mixer.experts.up_proj"):  # transformers 5's stack [E, I, H]: the up rows
+            name = name.removesuffix("up_proj") + "gate_up_proj"
         yield name, tensor
+    if skipped:
+        logger.info(
+            "skipped %d multi-token-prediction tensors (mtp.*): generation does not use them", skipped
+        )
 
 
 def block_kinds_of(arch: ModelArch) -> tuple[str, ...]:
@@ -190,14 +207,13 @@ def _first(cfg: dict[str, Any], names: tuple[str, ...], default: Any) -> Any:
 
 def _nemotron_h_arch(cfg: dict[str, Any]) -> ModelArch:
     kinds = _block_kinds(cfg)
-    if "moe" in kinds:
-        raise ModelLoadError("Nemotron-H mixture-of-experts blocks ('E', Nemotron 3) are not supported yet")
+    moe = nemotron_h_moe_fields(cfg) if "moe" in kinds else {}
     for field, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if cfg.get(field, want) != want:
             raise ModelLoadError(f"unsupported {field} {cfg[field]!r} (only {want})")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("mlp_bias true is not supported yet for Nemotron-H")
-    mixers = tuple(k for k in kinds if k != "mlp")
+    mixers = tuple(k for k in kinds if k not in ("mlp", "moe"))
     if "full_attention" not in mixers:
         raise ModelLoadError("a Nemotron-H pattern without attention blocks ('*') is not supported")
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -244,4 +260,5 @@ def _nemotron_h_arch(cfg: dict[str, Any]) -> ModelArch:
         mamba_conv_bias=bool(_first(cfg, ("use_conv_bias", "mamba_conv_bias"), True)),
         mamba_proj_bias=bool(cfg.get("use_bias", False)),  # in_proj and out_proj
         mamba_dt_limit=(json_float(limit[0]), json_float(limit[1])),
+        **moe,
     )

@@ -142,6 +142,8 @@ def int_experts_forms(model: nn.Module, scheme: IntScheme) -> list[tuple[str, nn
     for name, module in model.named_modules():
         if not isinstance(module, QuantizedAfterLoad):
             continue
+        if not getattr(getattr(module, "activation", None), "gated", True):
+            continue  # ungated experts (Nemotron-H's relu^2): the packed kernels are gated; loaded dequantized
         _, two_i, hidden = module.gate_up_proj.shape  # type: ignore[attr-defined]
         if packs_experts(scheme, hidden, two_i // 2):
             forms.append((name, cast(nn.Module, module), not ignored(model, scheme, f"{name}.0.gate_proj")))
