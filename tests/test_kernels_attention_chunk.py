@@ -104,6 +104,8 @@ DECODE_LENS = [3, 16, 17, 33, 40, 48, 49]
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("block_n", [8, 16])
 def test_decode_chunk(num_splits, block_n):
+    if block_n < 16 and torch.cuda.is_available():
+        pytest.skip("8-token tiles are for the interpreter: a GPU dot contracts at least 16")
     hkv, group, d, bs, chunk = 2, 2, 16, 8, 16
     n = len(DECODE_LENS)
     meta, q, cache = make_batch([1] * n, DECODE_LENS, n, hkv * group, hkv, d, bs, F32, seed=7)

@@ -124,7 +124,7 @@ def test_attention_matches_sdpa(dtype: torch.dtype) -> None:
     ref = _sdpa_ref(q_nope.cpu(), q_pe.cpu(), kv[..., :NOPE].cpu(), k_pe.cpu(), kv[..., NOPE:].cpu(),
                     meta.query_start_loc.cpu(), loc.cpu(), 1, 0.2)  # fmt: skip
     assert out[0].isnan().all()  # the decode's row is not written
-    assert_close(out[1:], ref[1:].to(dtype), dtype)
+    assert_close(out[1:], ref[1:].to(DEVICE, dtype), dtype)
     with pytest.raises(ValueError, match="k_pe"):
         mla_prefill_attention(q_nope, q_pe, kv[..., :NOPE], k_pe[:, :8], *args[4:])
 

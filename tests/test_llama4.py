@@ -236,6 +236,7 @@ def test_conditional_generation_text_prompts(tmp_path):
 def test_run_batch_refuses_the_image_line_by_name(top1_folder, tmp_path):
     """run-batch (the OpenAI-format path) on the text model (Llama4ForCausalLM): a chat line with an
     image_url part fails saying the model takes no images, the text line beside it runs."""
+    pytest.importorskip("pydantic")  # run-batch's request models (the server extra)
     from overnight.cli import main
     from tests.batch_helpers import chat_line, read_jsonl, write_jsonl
     from tests.tiny_vl import cpu_flags, data_uri, image

@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
         args.model = workload.model
         if args.load_format == "auto":
             args.load_format = "dummy"
+    elif args.model is not None:
+        from dataclasses import replace
+
+        workload = replace(workload, model=args.model)  # the JSON line names the model that ran
     opts = options_from_args(args, mode="offline")
     if args.json_schema:
         from overnight.bench import structured

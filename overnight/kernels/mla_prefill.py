@@ -40,8 +40,8 @@ LOG2E = 1.4426950408889634
 @dataclass(frozen=True)
 class MlaPrefillConfig:
     """Tiles of mla_prefill_attention. Defaults from default_mla_prefill_config; compiled for sm_90 on the
-    CPU (tests/test_kernels_mla_prefill_sm90.py: no spills, shared memory within the limit), not yet
-    timed on a GPU (bench/mla_prefill_gpu.py compares them)."""
+    CPU (tests/test_kernels_mla_prefill_sm90.py: no spills, shared memory within the limit), timed on a
+    GPU by bench/mla_prefill_gpu.py."""
 
     block_m: int = 64
     block_n: int = 64
@@ -50,13 +50,14 @@ class MlaPrefillConfig:
 
 
 def default_mla_prefill_config(nope: int, rope: int, v_dim: int) -> MlaPrefillConfig:
-    """DeepSeek's 128 + 64 keys and 128-wide values: 64 x 64 tiles on 4 warps, three stages, the tiles
-    paged_prefill runs at 128-wide heads (a [64, 128] fp32 accumulator is 64 values a thread); compiled
-    for sm_90: 198 registers, 144 KB of shared memory. Wider heads (GLM-4.7-Flash's 192 + 64 keys,
+    """DeepSeek's 128 + 64 keys and 128-wide values: 128 x 64 tiles on 8 warps, three stages (a [128, 128]
+    fp32 accumulator is 64 values a thread), the fastest of bench/mla_prefill_gpu.py's four on an H200
+    (session J: 1.05-1.25x the 64 x 64 / 4-warp tiles, 16 x 512 and 4 x 2,048-after-2,048 tokens, bf16
+    and e4m3 caches). Wider heads (GLM-4.7-Flash's 192 + 64 keys,
     256-wide values): 64 x 32 tiles on 8 warps, two stages keep the accumulator at 64 values a thread
     (183 registers, 112 KB). The rope width only pads the score dots; it does not change the choice."""
     if max(triton.next_power_of_2(nope), triton.next_power_of_2(v_dim)) <= 128:
-        return MlaPrefillConfig()
+        return MlaPrefillConfig(128, 64, 8, 3)
     return MlaPrefillConfig(64, 32, 8, 2)
 
 
