@@ -121,7 +121,7 @@ def test_states_larger_than_free_memory_are_refused_before_allocating(monkeypatc
 
 
 @pytest.mark.parametrize(
-    ("name", "gib", "seqs"), [("qwen3.5-9b", H100_GIB, 384), ("qwen3.5-35b-a3b", 139.8, 368)]
+    ("name", "gib", "seqs"), [("qwen3.5-9b", H100_GIB, 400), ("qwen3.5-35b-a3b", 139.8, 384)]
 )
 def test_a_default_max_num_seqs_is_lowered_so_states_and_pool_fit(name, gib, seqs, caplog):
     source = resolve_source(name, "dummy")
