@@ -7,7 +7,8 @@ row scales), the router and latent projections whole; the sharded loading both w
 dummy weights, latent or not) against apply_tp's cut; FP8 experts' scales with their rows; the ranks'
 partial sums of a block, after its single all-reduce, equal to the whole block's output (latent too);
 every rank's weight bytes as the pre-load estimate counts them; the nemotron-3-nano-30b-a3b preset's
-budget at 2, 4 and 8 GPUs equal to what apply_tp leaves a rank.
+budget at 2, 4 and 8 GPUs equal to what apply_tp leaves a rank; a shared expert's block-scaled
+down_proj cut by the shared width.
 
 Slow (2 gloo rank processes): a tiny Nemotron 3 at TP=2 gives one process's tokens and transformers',
 fp32 greedy, through chunked prefill and a second wave restored from prefix-cache state snapshots.
@@ -96,6 +97,17 @@ def test_each_rank_holds_its_slices_of_experts_shared_expert_and_router(tmp_path
         local = s.local_arch
         assert (local.moe_intermediate_size, local.shared_expert_intermediate_size) == (i_share, s_share)
         assert local.num_experts == E and local.moe_latent_size == arch.moe_latent_size
+
+
+def test_shared_expert_block_scales_split_by_the_shared_width(tmp_path):
+    """A block-scaled FP8 shared down_proj [H, 64 / 32 columns]: each rank keeps the scale column of its
+    32 input columns of the shared expert's width, not of the MLP blocks' intermediate size (24)."""
+    arch = resolve_source(str(make_nemotron_h_moe_checkpoint(tmp_path))).arch
+    arch = replace(arch, shared_expert_intermediate_size=64)
+    scale = _labelled(H, 2, dim=1)
+    for rank in range(2):
+        got = TPShards(arch, rank, 2).shard(f"{BLOCK}.shared_experts.down_proj.weight_scale", scale)
+        assert got.shape == (H, 1) and _rows(got, 1) == [rank]
 
 
 @pytest.mark.parametrize("latent", [0, 12], ids=["plain", "latent"])
