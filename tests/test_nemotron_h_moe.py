@@ -250,18 +250,6 @@ def test_bad_moe_configs_are_refused_by_name(change: dict, message: str) -> None
         arch_from_hf_config({**cfg, **change})
 
 
-def test_tensor_parallelism_is_refused_by_name() -> None:
-    from overnight.parallel.tp import TPShards
-
-    arch = arch_from_hf_config(config_of()[0])
-    # whichever comes first: the Mamba2 mixers' refusal (where they are not sharded) or the experts'
-    with pytest.raises(ModelLoadError, match="not supported yet for (Mamba2|ungated experts)"):
-        TPShards(arch, 0, 2).check()
-    with pytest.raises(ModelLoadError, match="not supported yet for ungated experts"):
-        TPShards(replace(arch, mamba_n_heads=0), 0, 2).check()  # the experts' own refusal
-    TPShards(arch, 0, 1).check()
-
-
 def test_the_nano_30b_a3b_preset_counts_its_published_sizes() -> None:
     """nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B's config: 52 blocks (23 Mamba2, 23 MoE, 6 attention), 128
     experts of which 6 a token plus a shared one, 31.6B parameters of which 3.6B active (3.5B on the

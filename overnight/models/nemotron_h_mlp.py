@@ -23,6 +23,7 @@ experts.{e}.up_proj / down_proj (the published layout; transformers 5 stacks the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,13 +62,21 @@ class NemotronHMoE(nn.Module):
         self.shared_experts = NemotronHMLP(h, arch.shared_expert_intermediate_size)
         self.fc1_latent_proj = nn.Linear(h, latent, bias=False) if latent else None
         self.fc2_latent_proj = nn.Linear(latent, h, bias=False) if latent else None
+        # Tensor parallelism (parallel/tp_mamba2.py) sets it: the experts and the shared expert's
+        # down_proj then return each rank's partial sums, and their total is all-reduced here, once.
+        # Fixed once built: the branch is the same in capture and replay.
+        self.reduce_output: Callable[[torch.Tensor], object] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # the router reads the full width, latent or not
         if self.fc1_latent_proj is None or self.fc2_latent_proj is None:
-            return self.experts(x, weights, ids) + self.shared_experts(x)
-        routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
-        return routed + self.shared_experts(x)
+            out = self.experts(x, weights, ids) + self.shared_experts(x)
+        else:  # fc2 is linear: on a rank's partial sum it gives that rank's share of the output
+            routed = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), weights, ids))
+            out = routed + self.shared_experts(x)
+        if self.reduce_output is not None:
+            self.reduce_output(out)  # in place
+        return out
 
 
 def nemotron_h_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:

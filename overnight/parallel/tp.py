@@ -6,9 +6,9 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     o_proj      columns of r's q heads; partial outputs all-reduced, bias added once   row-parallel
     gate_up     rows [gate | up]     -> [gate rows of r | up rows of r]                 column-parallel
     down_proj   columns of r's intermediate slice; all-reduced                          row-parallel
-    experts     every expert's gate/up rows and down columns of r's slice of the expert
-                intermediate size (like gate_up / down_proj); the weighted sum all-reduced; biases,
-                MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
+    experts     every expert's gate/up rows (ungated: up rows) and down columns of r's slice of the
+                expert intermediate size (like gate_up / down_proj); the weighted sum all-reduced;
+                biases, MXFP4 blocks and scales with their rows and columns (parallel/tp_experts.py)
     shared experts  (Qwen3-Next's shared_expert, GLM-4.5's shared_experts) their gate/up rows and
                 down columns of r's slice of shared_expert_intermediate_size
     router      (mlp.gate, mlp.router; GLM-4.5's correction bias) replicated: every rank routes
@@ -23,7 +23,8 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py;
-the Mamba2 hybrids (Granite 4.0-H, Nemotron-H) their mixers' heads and B/C groups: parallel/tp_mamba2.py.
+the Mamba2 hybrids (Granite 4.0-H, Nemotron-H) their mixers' heads and B/C groups, and Nemotron 3's
+MoE blocks their one all-reduce of routed + shared: parallel/tp_mamba2.py.
 Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py. Latent attention
 (DeepSeek-V2 / V3) by heads, its latent cache replicated: parallel/tp_mla.py.
 
@@ -95,6 +96,7 @@ from overnight.parallel.tp_mamba2 import ROW_PARALLEL as MAMBA2_ROW_PARALLEL
 from overnight.parallel.tp_mamba2 import (
     local_mamba2_arch,
     mamba2_problems,
+    reduce_moe_blocks_once,
     shard_mamba2_mixer,
     shard_mamba2_tensor,
 )
@@ -156,13 +158,6 @@ class TPShards:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} is more than the {groups} {MXFP4_GROUP}-column scale groups of "
                 f"the MXFP4 experts' intermediate size {a.moe_intermediate_size}; use a smaller one"
-            )
-        # Ungated experts' first projection is the up rows alone, not the [gate | up] halves the expert
-        # shards take; refused on its own, whatever becomes of the Mamba2 check above.
-        if a.num_experts and not a.experts_gated and w > 1:
-            raise ModelLoadError(
-                f"tensor_parallel_size {w} is not supported yet for ungated experts (Nemotron 3's MoE "
-                "blocks): use 1"
             )
 
     @property
@@ -266,8 +261,8 @@ class TPShards:
             if linear is not None:
                 return linear
         expert = shard_expert_tensor(
-            self.section("moe"), a.moe_intermediate_size, self.rank, parts, t
-        )  # stacked or per-expert: tp_experts.py
+            self.section("moe"), a.moe_intermediate_size, self.rank, parts, t, a.experts_gated
+        )  # stacked or per-expert, gated or not: tp_experts.py
         if expert is not None:
             return expert
         if kind == "sinks":  # one learned sink per attention head (gpt-oss)
@@ -294,7 +289,7 @@ class TPShards:
             start, n = self.section(ffn if module == "down_proj" else ROW_PARALLEL[module])
             return int_row_columns(module, kind, t, start, n, self.world)
         if module in ROW_PARALLEL and kind == "weight_scale" and t.dim() == 2:
-            return self._column_blocks(module, t)
+            return self._column_blocks(module, t, ffn if module == "down_proj" else ROW_PARALLEL[module])
         if module in VOCAB_PARALLEL and kind == "weight":
             rows = t.narrow(
                 0, self.vocab_start, max(0, min(self.vocab_per_rank, a.vocab_size - self.vocab_start))
@@ -309,10 +304,11 @@ class TPShards:
         start, n = self.section(section)
         return t.narrow(0, start, n)
 
-    def _column_blocks(self, module: str, scale: torch.Tensor) -> torch.Tensor:
-        """This rank's columns of a row-parallel layer's block scales [N, KB]."""
-        section = ROW_PARALLEL[module]
-        whole = self.arch.q_size if section == "q" else self.arch.intermediate_size
+    def _column_blocks(self, module: str, scale: torch.Tensor, section: str) -> torch.Tensor:
+        """This rank's columns of a row-parallel layer's block scales [N, KB], its input the `section`
+        ("q", "ffn", or a shared expert's "shared")."""
+        a = self.arch
+        whole = {"q": a.q_size, "shared": a.shared_expert_intermediate_size}.get(section, a.intermediate_size)
         block = columns_per_scale(whole, scale.shape[1])
         start, n = self.section(section)
         if start % block or n % block:
@@ -419,6 +415,8 @@ def apply_tp(model: nn.Module, rank: int, world: int, group: dist.ProcessGroup |
             module.num_kv_heads = max(1, module.num_kv_heads // world)
             local_fused_shards(module)  # Gemma 4's per-layer q | k | v rows
 
+    if lm.arch.is_mamba2 and lm.arch.moe_blocks:  # Nemotron 3: routed + shared reduced once a block
+        reduce_moe_blocks_once(model, group)
     new_embed = VocabParallelEmbedding(
         keep(shards.shard(f"{embed_name}.weight", embed.weight)), shards.vocab_start, group
     )

@@ -2,6 +2,8 @@
 dimension (parallel/tp.py decides which slice; this file cuts the experts' tensors by it).
 
     gate_up (weights, biases, MXFP4 blocks and scales)  rows [gate | up] -> [gate rows of r | up rows of r]
+                                                         ungated (Nemotron 3's relu^2: the up rows alone)
+                                                         -> the up rows of r
     down weights                                         columns of r's slice (MXFP4: r's bytes, 2 a byte)
     down MXFP4 scales                                    r's column groups (one scale per 32 columns)
     down bias                                            rank 0 only; zeros elsewhere
@@ -19,6 +21,10 @@ any slicing, so rank r's gate row i and up row i are the same intermediate unit.
 Tensors come in two namings: the model's stacked parameters (experts.gate_up_proj [E, 2I, ...],
 sliced in dim 1) and a checkpoint's per-expert ones (experts.N.gate_proj.weight, experts.N.gate_up_bias.weight
 [2I], ..., sliced in dim 0).
+
+A block whose output is the sum of several row-parallel parts (Nemotron 3's MoE: routed experts plus
+a shared expert) reduces once (reduce_once): its parts return their partial sums, and the block
+all-reduces their total; the sum of the ranks' totals is the same, one collective instead of two.
 """
 
 from __future__ import annotations
@@ -42,12 +48,18 @@ PER_EXPERT_PARTS = ("weight", "group_scale", "group_zero")
 
 
 def shard_expert_tensor(
-    section: tuple[int, int], whole: int, rank: int, parts: list[str], t: torch.Tensor
+    section: tuple[int, int],
+    whole: int,
+    rank: int,
+    parts: list[str],
+    t: torch.Tensor,
+    gated: bool = True,
 ) -> torch.Tensor | None:
     """Rank `rank`'s slice of one expert tensor named by `parts` (its dotted name, split), given its
     (first unit, units) of the expert intermediate size (TPShards.section("moe")) and that whole
     size, or None when `parts` names no expert tensor this file cuts (FP8 scales: the common rules
-    of TPShards.shard)."""
+    of TPShards.shard). gated: whether a stacked gate_up holds [gate | up] rows (ModelArch.experts_gated;
+    else the up rows alone, one per intermediate unit)."""
     if "experts" not in parts or len(parts) < 2:
         return None
     module, kind = parts[-2], parts[-1]
@@ -62,6 +74,8 @@ def shard_expert_tensor(
     if name not in EXPERT_TENSORS + INT_EXPERT_TENSORS:
         return None
     start, n = section
+    if name.startswith("gate_up") and not gated:  # one up row per unit: r's rows, as a checkpoint's
+        return _take(t, dim, start, n)
     if name.startswith("gate_up"):
         half = t.shape[dim] // 2
         gate, up = t.split([half, half], dim=dim)
@@ -133,6 +147,10 @@ class RowParallelExperts(Experts):
         self.compute_dtype = whole.compute_dtype  # experts held as e4m3 while loading keep theirs
         self.pow2_scales = whole.pow2_scales  # and their row scales' rule
         self.group = group
+        # False inside a block that reduces once (tp_modules.reduce_once): the partial sum is returned
+        # (the down bias is rank 0's alone, so it still enters the block's sum once).
+        self.reduces = True
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return reduce_partial(super().forward(x, topk_weights, topk_ids), None, self.group)
+        y = super().forward(x, topk_weights, topk_ids)
+        return reduce_partial(y, None, self.group) if self.reduces else y

@@ -26,6 +26,21 @@ of intermediate_size) and Nemotron-H's MLP blocks (up_proj rows, down_proj colum
 rules); Granite's routed experts and router as every MoE's (parallel/tp_experts.py). Nemotron-H's
 input embedding is `embeddings` (vocab-parallel, as embed_tokens).
 
+Nemotron 3's MoE blocks ("E", models/nemotron_h_mlp.py):
+
+    gate (router weight, e_score_correction_bias)   replicated: every rank routes every token alike
+    experts.gate_up_proj [E, I, H]  (up rows alone)  each expert's up rows of r's slice of I
+    experts.down_proj    [E, H, I]                   each expert's columns of r's slice
+    shared_experts.up_proj / down_proj               rows / columns of r's slice of the shared size
+    fc1_latent_proj, fc2_latent_proj (latent, H <-> L)  replicated
+
+The block reduces once (tp_modules.reduce_once): the experts and the shared expert's down_proj return
+their partial sums, and routed + shared is all-reduced as one [tokens, H] tensor. Latent blocks stay
+exact so: every rank computes fc1(x) whole (its experts need all L inputs), its experts' partial sum
+at width L, and fc2 of it, a partial sum at width H because fc2 is linear. Splitting the latent
+projections instead would need a second collective (an all-gather of fc1's rows, or a reduce at L);
+they are 2 H L weights a block, small beside the experts' 2 E I L.
+
 FP8 layers follow the float rows: in_proj's per-row (and per-row block) scales are rows like its weight's;
 out_proj keeps per-channel scales whole and takes the column blocks of block scales, which must be whole
 blocks of a rank's heads. Packed integer layers are refused under tensor parallelism for now.
@@ -45,8 +60,10 @@ from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.mamba2 import GatedNormShare
 from overnight.models.mamba2_mixer import Mamba2Mixer
+from overnight.models.nemotron_h_mlp import NemotronHMoE
 from overnight.parallel.tp_experts import keep
 from overnight.parallel.tp_int import INT_PACKED_PARTS
+from overnight.parallel.tp_modules import reduce_once
 from overnight.quant.fp8 import columns_per_scale
 
 # The column- and row-parallel linears of a Mamba2 hybrid beyond a plain decoder's (apply_tp slices them).
@@ -206,3 +223,11 @@ def check_mamba2_quantized_tp(
             f"tensor_parallel_size {world} gives each rank {n} input columns of the Mamba2 out_proj, not "
             f"whole {block_k}-column FP8 weight-scale blocks; use a smaller tensor_parallel_size"
         )
+
+
+def reduce_moe_blocks_once(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Nemotron 3's MoE blocks, once apply_tp has made their experts and shared down_proj row-parallel:
+    one all-reduce a block, of routed + shared."""
+    for module in model.modules():
+        if isinstance(module, NemotronHMoE):
+            reduce_once(module, ("experts", "shared_experts.down_proj"), group)

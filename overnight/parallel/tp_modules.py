@@ -1,15 +1,18 @@
 """The modules tensor parallelism puts in place of a model's own (parallel/tp.py): row-parallel linears
 (float and FP8) whose partial products are all-reduced, the vocab-parallel embedding and the LM head
-whose logits are all-gathered."""
+whose logits are all-gathered; reduce_once, for a block whose output sums several row-parallel parts."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.parallel.tp_experts import reduce_partial
+from overnight.errors import ModelLoadError
+from overnight.parallel.tp_experts import RowParallelExperts, reduce_partial
 from overnight.quant.fp8 import QuantizedActivation
 from overnight.quant.linear import Fp8Linear
 
@@ -24,9 +27,11 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.group = group
+        self.reduces = True  # False: the partial product alone (reduce_once; no bias then)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_partial(F.linear(x, self.weight), self.bias, self.group)
+        y = F.linear(x, self.weight)
+        return reduce_partial(y, self.bias, self.group) if self.reduces else y
 
 
 class RowParallelFp8Linear(Fp8Linear):
@@ -48,9 +53,11 @@ class RowParallelFp8Linear(Fp8Linear):
         self.weight_scale = nn.Parameter(weight_scale, requires_grad=False)
         self.bias = layer.bias
         self.group = group
+        self.reduces = True  # False: the partial product alone (reduce_once; no bias then)
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        return reduce_partial(self.matmul(x), self.bias, self.group)
+        y = self.matmul(x)
+        return reduce_partial(y, self.bias, self.group) if self.reduces else y
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -89,3 +96,28 @@ class ParallelLMHead(nn.Module):
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(parts, local, group=self.group)
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+ROW_PARALLEL_PARTS = (RowParallelExperts, RowParallelLinear, RowParallelFp8Linear)
+
+
+def reduce_once(block: nn.Module, parts: tuple[str, ...], group: dist.ProcessGroup | None) -> None:
+    """Make a block whose output is the sum of row-parallel `parts` (their names inside it) all-reduce
+    once: each part returns its partial sum, and the block's `reduce_output` hook all-reduces the total
+    in place (sum over ranks of (a_r + b_r) = sum of a_r + sum of b_r: one collective, not one a part).
+    Biases would then be added on every rank, so a part with a bias is refused (the experts' down bias
+    is rank 0's alone: it passes)."""
+    for name in parts:
+        part = block.get_submodule(name)
+        if not isinstance(part, ROW_PARALLEL_PARTS):
+            raise ModelLoadError(
+                f"tensor parallelism cannot sum {name} ({type(part).__name__}) into one all-reduce with the "
+                "rest of its block; use tensor_parallel_size 1"
+            )
+        if getattr(part, "bias", None) is not None:
+            raise ModelLoadError(
+                f"tensor parallelism cannot sum {name}, which has a bias, into one all-reduce with the rest "
+                "of its block; use tensor_parallel_size 1"
+            )
+        part.reduces = False
+    setattr(block, "reduce_output", partial(dist.all_reduce, group=group))  # noqa: B010 (a plain attribute)
