@@ -15,7 +15,6 @@ interpreter) gives transformers' tokens.
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
@@ -30,7 +29,7 @@ from overnight.parallel.tp_mamba2 import check_mamba2_quantized_tp
 from tests.test_engine_parity import hf_greedy
 from tests.tiny_granite import make_granite_checkpoint
 from tests.tiny_nemotron_h import make_nemotron_h_checkpoint
-from tests.tp_helpers import generate_split, streamed_equals_sliced
+from tests.tp_helpers import check_tp2_two_waves, generate_split, prefix_waves, streamed_equals_sliced
 
 VOCAB = 101
 ENGINE = dict(
@@ -185,37 +184,10 @@ def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
 
-def _waves() -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(5)
-    system = [rng.randrange(3, VOCAB) for _ in range(41)]
-    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (5, 12)] + [[7, 8, 9]]
-    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (3, 9)]
-    return first, second
-
-
 @pytest.mark.slow  # starts tensor-parallel processes
 @pytest.mark.parametrize("model", ["granite-moe", "nemotron-h"])  # Granite dense: the Triton test below
 def test_tp2_matches_tp1_and_transformers(tmp_path, model):
-    import transformers
-
-    folder = MAKERS[model](tmp_path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    first, second = _waves()
-    one = LLM(str(folder), **ENGINE)
-    expected = [one.generate(w, _greedy(6), use_tqdm=False) for w in (first, second)]
-    llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
-    try:
-        got = llm.generate(first, _greedy(6), use_tqdm=False)
-        before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-        got_second = llm.generate(second, _greedy(6), use_tqdm=False)
-        hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
-    finally:
-        llm.engine.shutdown()  # type: ignore[attr-defined]
-    assert hits >= 2 * 40  # both second-wave prompts restored past the shared 41-token prefix
-    for prompts, outs, ones in ((first, got, expected[0]), (second, got_second, expected[1])):
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        assert tokens == [list(o.outputs[0].token_ids) for o in ones]
-        assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+    check_tp2_two_waves(MAKERS[model](tmp_path), ENGINE, VOCAB, seed=5)
 
 
 def kernels_worker_main(*args: object) -> None:
@@ -240,6 +212,6 @@ def test_tp2_on_the_triton_path_matches_transformers(tmp_path, monkeypatch):
     folder = MAKERS["granite-dense"](tmp_path)
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     monkeypatch.setattr(workers, "_worker_main", kernels_worker_main)
-    prompts = _waves()[0][1:]  # 53 tokens (chunked by 16) and 3
+    prompts = prefix_waves(VOCAB, 5)[0][1:]  # 53 tokens (chunked by 16) and 3
     outs = generate_split(folder, prompts, _greedy(4), **ENGINE)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref, p, 4)[0] for p in prompts]

@@ -233,27 +233,7 @@ def test_the_nano_30b_a3b_preset_splits_over_2_4_and_8_gpus():
 def test_tp2_matches_tp1_and_transformers(tmp_path):
     """Token-exact, fp32 greedy: one process, two ranks and transformers, through 16-token prefill
     chunks and a second wave whose shared 41-token prefix is restored from state snapshots."""
-    import transformers
+    from tests.test_mamba2_tp import ENGINE, VOCAB
+    from tests.tp_helpers import check_tp2_two_waves
 
-    from overnight import LLM
-    from tests.test_engine_parity import hf_greedy
-    from tests.test_mamba2_tp import ENGINE, _greedy, _waves
-
-    folder = make_nemotron_h_moe_checkpoint(tmp_path)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    first, second = _waves()
-    one = LLM(str(folder), **ENGINE)
-    expected = [one.generate(w, _greedy(6), use_tqdm=False) for w in (first, second)]
-    llm = LLM(str(folder), tensor_parallel_size=2, **ENGINE)
-    try:
-        got = llm.generate(first, _greedy(6), use_tqdm=False)
-        before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-        got_second = llm.generate(second, _greedy(6), use_tqdm=False)
-        hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
-    finally:
-        llm.engine.shutdown()  # type: ignore[attr-defined]
-    assert hits >= 2 * 40
-    for prompts, outs, ones in ((first, got, expected[0]), (second, got_second, expected[1])):
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        assert tokens == [list(o.outputs[0].token_ids) for o in ones]
-        assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+    check_tp2_two_waves(make_nemotron_h_moe_checkpoint(tmp_path), ENGINE, VOCAB, seed=5)

@@ -17,7 +17,6 @@ dequantized-at-load path end to end; splits the packed layout cannot hold exactl
 
 from __future__ import annotations
 
-import random
 from dataclasses import replace
 
 import pytest
@@ -33,7 +32,6 @@ from overnight.quant import apply
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_scheme import IntScheme
 from tests.int_checkpoints import make_int_checkpoint
-from tests.test_engine_parity import hf_greedy
 from tests.test_gpt_oss import (  # noqa: F401
     _config,
     _hf_greedy,
@@ -46,7 +44,7 @@ from tests.test_gpt_oss import (  # noqa: F401
     write_mxfp4,
 )
 from tests.tiny_hybrid import make_hybrid_checkpoint
-from tests.tp_helpers import generate_split, streamed_equals_sliced
+from tests.tp_helpers import check_tp2_two_waves, generate_split, streamed_equals_sliced
 
 VOCAB = 101
 HYBRID = dict(
@@ -59,14 +57,6 @@ HEADS = dict(num_attention_heads=4)
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-
-
-def _waves() -> tuple[list[list[int]], list[list[int]]]:
-    rng = random.Random(3)
-    system = [rng.randrange(3, VOCAB) for _ in range(41)]
-    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (5, 12)] + [[7, 8, 9]]
-    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (3, 9)]
-    return first, second
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5_moe", "qwen3_next"])
@@ -112,28 +102,8 @@ def test_hybrid_indivisible_linear_heads_are_refused(tmp_path):
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_hybrid_tp2_matches_tp1_and_transformers(tmp_path):
     """Qwen3.5-MoE (the dense MLP runs in the image test below)."""
-    import transformers
-
-    variant = "qwen3_5_moe"
-
-    folder = make_hybrid_checkpoint(tmp_path, variant, **HEADS)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    first, second = _waves()
-    one = LLM(str(folder), **HYBRID)
-    expected = [one.generate(w, _greedy(6), use_tqdm=False) for w in (first, second)]
-    llm = LLM(str(folder), tensor_parallel_size=2, **HYBRID)
-    try:
-        got = llm.generate(first, _greedy(6), use_tqdm=False)
-        before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
-        got_second = llm.generate(second, _greedy(6), use_tqdm=False)
-        hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
-    finally:
-        llm.engine.shutdown()
-    assert hits >= 2 * 40  # both second-wave prompts restored past the shared 41-token prefix
-    for prompts, outs, ones in ((first, got, expected[0]), (second, got_second, expected[1])):
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        assert tokens == [list(o.outputs[0].token_ids) for o in ones]
-        assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
+    folder = make_hybrid_checkpoint(tmp_path, "qwen3_5_moe", **HEADS)
+    check_tp2_two_waves(folder, HYBRID, VOCAB, seed=3)
 
 
 @pytest.mark.slow  # starts tensor-parallel processes

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from overnight import LLM
+from overnight import LLM, SamplingParams
 from overnight.loader.model_loader import load_model
 from overnight.loader.source import ModelSource
 from overnight.parallel.tp import apply_tp, load_sharded_model
@@ -67,3 +68,40 @@ def packed_int_worker_main(*args: object) -> None:
 
     apply.PACKED_INT_ON_CPU = True
     workers._worker_main(*args)  # type: ignore[arg-type]
+
+
+def prefix_waves(vocab: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Two waves of prompts sharing a 41-token system prefix (the second wave hits the prefix cache),
+    plus a 3-token prompt in the first."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(41)]
+    first = [system + [rng.randrange(3, vocab) for _ in range(k)] for k in (5, 12)] + [[7, 8, 9]]
+    second = [system + [rng.randrange(3, vocab) for _ in range(k)] for k in (3, 9)]
+    return first, second
+
+
+def check_tp2_two_waves(folder: object, engine: dict[str, Any], vocab: int, seed: int) -> None:
+    """The two prefix waves at TP=2 give the tokens of one process and of transformers (fp32 greedy, 6
+    tokens), and the second wave restores both of its prompts past the shared prefix."""
+    import transformers
+
+    from tests.test_engine_parity import hf_greedy
+
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first, second = prefix_waves(vocab, seed)
+    one = LLM(str(folder), **engine)
+    expected = [one.generate(w, params, use_tqdm=False) for w in (first, second)]
+    llm = LLM(str(folder), tensor_parallel_size=2, **engine)
+    try:
+        got = llm.generate(first, params, use_tqdm=False)
+        before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+        got_second = llm.generate(second, params, use_tqdm=False)
+        hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
+    finally:
+        llm.engine.shutdown()  # type: ignore[attr-defined]
+    assert hits >= 2 * 40  # both second-wave prompts restored past the shared 41-token prefix
+    for prompts, outs, ones in ((first, got, expected[0]), (second, got_second, expected[1])):
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        assert tokens == [list(o.outputs[0].token_ids) for o in ones]
+        assert tokens == [hf_greedy(ref, p, 6)[0] for p in prompts]
