@@ -259,6 +259,24 @@ def _routed_experts(cfg: dict[str, Any], dense_layers: tuple[int, ...]) -> dict[
     )
 
 
+def _qwen2_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen1.5-MoE / Qwen2-57B-A14B (models/qwen3_moe.py): Qwen2's attention (q/k/v biases as qkv_bias
+    says, none on o_proj), Qwen3-MoE's routed experts and dense layers (registry._moe_fields: softmax
+    top-k, norm_topk_prob, decoder_sparse_step, mlp_only_layers), and in every sparse layer a shared
+    expert of shared_expert_intermediate_size behind its own sigmoid gate."""
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared <= 0:
+        raise ModelLoadError(
+            f"Qwen2-MoE needs a positive shared_expert_intermediate_size, got {shared} (a shared expert)"
+        )
+    return dict(
+        attention_bias=bool(cfg.get("qkv_bias", True)),
+        o_proj_bias=False,
+        shared_expert_intermediate_size=shared,
+        shared_expert_gated=True,
+    )
+
+
 def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniMax-M2 / M2.1 (models/minimax_m2.py): every layer sparse, intermediate_size the width of each
     of num_local_experts experts, no shared expert; the sigmoid router with its correction bias over one
@@ -392,6 +410,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4": _glm4_fields,
     "glm4_moe": _glm4_moe_fields,
     "minimax_m2": _minimax_m2_fields,
+    "qwen2_moe": _qwen2_moe_fields,
     "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),

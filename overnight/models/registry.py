@@ -58,6 +58,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen3MoeForCausalLM,  # with Qwen2's attention and a gated shared expert (flags)
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
@@ -108,6 +109,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
@@ -357,6 +359,8 @@ def _decoder_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         )
         fields["num_labels"] = num_labels_of(cfg)  # a ...ForSequenceClassification (models/for_pooling.py)
         if family == "qwen3_moe":
+            fields.update(_moe_fields(cfg))
+        if family == "qwen2_moe":
             fields.update(_moe_fields(cfg))
         fields.update(family_fields(family, cfg))
         return checked_rope(ModelArch(**fields))
