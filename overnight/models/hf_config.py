@@ -277,6 +277,63 @@ def _qwen2_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _ernie4_5_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE 4.5 (dense 0.3B, and the MoE models' attention): RoPE in interleaved pairs, biases on
+    every attention projection when use_bias (the MLPs' biases, the same switch, are refused: no
+    published checkpoint sets it)."""
+    if cfg.get("use_bias"):
+        raise ModelLoadError("unsupported ERNIE 4.5 config: use_bias=true (biases on the MLP projections)")
+    return dict(rope_interleaved=True, attention_bias=False, o_proj_bias=False)
+
+
+def _ernie4_5_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ERNIE-4.5-21B-A3B / 300B-A47B (models/ernie4_5_moe.py): the dense model's attention; layers
+    moe_layer_start_index .. moe_layer_end_index (-1: the last), every moe_layer_interval-th, sparse with
+    moe_num_experts experts of moe_intermediate_size, moe_k a token, chosen by softmax plus the
+    correction bias, and moe_num_shared_experts ungated shared experts; the others dense. The
+    vision-language model's per-modality lists are refused by name."""
+    fields = _ernie4_5_fields(cfg)
+    n = int(cfg["num_hidden_layers"])
+    keys = ("moe_num_experts", "moe_k", "moe_layer_start_index", "moe_layer_end_index", "moe_layer_interval")
+    lists = [k for k in keys if isinstance(cfg.get(k), (list, tuple))]
+    if lists:
+        raise ModelLoadError(
+            f"unsupported ERNIE 4.5 config: per-modality {', '.join(lists)} (the vision-language model's)"
+        )
+    experts, top_k = int(cfg.get("moe_num_experts") or 0), int(cfg.get("moe_k") or 0)
+    inter = int(cfg.get("moe_intermediate_size") or 0)
+    shared = int(cfg.get("moe_num_shared_experts") or 0)
+    start, interval = int(cfg.get("moe_layer_start_index", 1)), int(cfg.get("moe_layer_interval", 1))
+    end = int(cfg.get("moe_layer_end_index", -1))
+    end = n - 1 if end == -1 else end
+    problems = []
+    if not 0 < top_k <= experts:
+        problems.append(f"moe_k must be in 1..moe_num_experts ({experts}), got {top_k}")
+    if inter <= 0 or shared < 0 or interval <= 0 or start < 0:
+        problems.append(
+            "moe_intermediate_size and moe_layer_interval must be positive, moe_num_shared_experts and "
+            "moe_layer_start_index not negative"
+        )
+    if float(cfg.get("moe_norm_min", 1e-12)) != 1e-12:
+        problems.append(f"moe_norm_min {cfg['moe_norm_min']} (only 1e-12)")
+    if cfg.get("moe_gate", "topk") != "topk":
+        problems.append(f"moe_gate {cfg['moe_gate']!r} (only topk)")
+    if problems:
+        raise ModelLoadError("unsupported ERNIE 4.5 MoE config: " + "; ".join(problems))
+    sparse = [(i + 1) % interval == 0 and start <= i <= end for i in range(n)]
+    return dict(
+        fields,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        norm_topk_prob=True,
+        mlp_only_layers=tuple(i for i in range(n) if not sparse[i]),
+        shared_expert_intermediate_size=shared * inter,
+        shared_expert_gated=False,
+        router_scoring="softmax_bias",
+    )
+
+
 def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniMax-M2 / M2.1 (models/minimax_m2.py): every layer sparse, intermediate_size the width of each
     of num_local_experts experts, no shared expert; the sigmoid router with its correction bias over one
@@ -411,6 +468,8 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "glm4_moe": _glm4_moe_fields,
     "minimax_m2": _minimax_m2_fields,
     "qwen2_moe": _qwen2_moe_fields,
+    "ernie4_5": _ernie4_5_fields,
+    "ernie4_5_moe": _ernie4_5_moe_fields,
     "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),

@@ -12,6 +12,7 @@ from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
 from overnight.models.bert_classifier import BertForSequenceClassification
 from overnight.models.deepseek import DeepseekForCausalLM
+from overnight.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -59,6 +60,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
     "qwen2_moe": Qwen3MoeForCausalLM,  # with Qwen2's attention and a gated shared expert (flags)
+    "ernie4_5": LlamaForCausalLM,  # interleaved RoPE (a flag)
+    "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
@@ -110,6 +113,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
