@@ -334,6 +334,31 @@ def _ernie4_5_moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _olmoe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """OLMoE (models/qwen3_moe.py's model with flags): pre-norm blocks (not OLMo 2's post-norm) with
+    RMSNorms over the whole q and k projections, every layer sparse, intermediate_size the width of each
+    of num_experts experts, softmax top-k without renormalization unless norm_topk_prob. clip_qkv
+    (clamping q, k, v) is refused: the published checkpoints leave it null."""
+    experts, top_k = int(cfg.get("num_experts") or 0), int(cfg.get("num_experts_per_tok") or 0)
+    problems = []
+    if not 0 < top_k <= experts:
+        problems.append(f"num_experts_per_tok must be in 1..num_experts ({experts}), got {top_k}")
+    if cfg.get("clip_qkv") is not None:
+        problems.append(f"clip_qkv {cfg['clip_qkv']} (only null)")
+    if cfg.get("head_dim") not in (None, cfg["hidden_size"] // cfg["num_attention_heads"]):
+        problems.append("head_dim other than hidden_size / num_attention_heads")
+    if problems:
+        raise ModelLoadError("unsupported OLMoE config: " + "; ".join(problems))
+    return dict(
+        qk_norm=True,
+        qk_norm_whole=True,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
 def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniMax-M2 / M2.1 (models/minimax_m2.py): every layer sparse, intermediate_size the width of each
     of num_local_experts experts, no shared expert; the sigmoid router with its correction bias over one
@@ -470,6 +495,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen2_moe": _qwen2_moe_fields,
     "ernie4_5": _ernie4_5_fields,
     "ernie4_5_moe": _ernie4_5_moe_fields,
+    "olmoe": _olmoe_fields,
     "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),

@@ -62,6 +62,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2_moe": Qwen3MoeForCausalLM,  # with Qwen2's attention and a gated shared expert (flags)
     "ernie4_5": LlamaForCausalLM,  # interleaved RoPE (a flag)
     "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
+    "olmoe": Qwen3MoeForCausalLM,  # whole-projection q/k norms, every layer sparse (flags)
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
@@ -115,6 +116,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "OlmoeForCausalLM": "olmoe",
     "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
