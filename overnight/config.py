@@ -166,6 +166,7 @@ class ModelArch:
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    qk_norm_after_rope: bool = False  # ...applied to the rotated q and k instead (Hunyuan)
     # Mixture of experts (Qwen3-MoE). num_experts == 0: every layer has the dense MLP of
     # intermediate_size; otherwise the layers that is_moe_layer() names route each token to
     # num_experts_per_tok of num_experts MLPs of moe_intermediate_size, the others stay dense.

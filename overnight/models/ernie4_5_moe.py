@@ -45,8 +45,9 @@ from overnight.models.qwen3_next import SplitMLP
 logger = logging.getLogger(__name__)
 
 
-class Ernie4_5_MoeRouter(nn.Module):
-    """mlp.gate: one float32 logit per expert."""
+class Float32Router(nn.Module):
+    """mlp.gate: one float32 logit per expert, from float32 inputs (ERNIE 4.5's and Hunyuan's routers,
+    which transformers keeps in float32 whatever the compute dtype)."""
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -68,7 +69,7 @@ class Ernie4_5_MoeSparseMoeBlock(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.top_k = arch.num_experts_per_tok
-        self.gate = Ernie4_5_MoeRouter(arch)
+        self.gate = Float32Router(arch)
         self.moe_statics = Ernie4_5_MoeStatics(arch)
         self.experts = Experts(arch.num_experts, arch.hidden_size, arch.moe_intermediate_size)
         shared = arch.shared_expert_intermediate_size

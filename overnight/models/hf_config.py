@@ -359,6 +359,57 @@ def _olmoe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _hunyuan_fields(cfg: dict[str, Any], moe: bool) -> dict[str, Any]:
+    """Hunyuan dense and MoE (models/hunyuan.py): per-head q/k RMSNorms after RoPE; dynamic RoPE with an
+    `alpha` read as transformers does, a base of theta * alpha^(d / (d - 2)) (factor 1 only); MoE: every
+    layer sparse with num_experts experts of intermediate_size, moe_topk a token (softmax, renormalized)
+    and one shared MLP of intermediate_size. Per-layer lists must repeat one value; cross-layer attention
+    (use_cla) and other shared-expert counts are refused by name."""
+    problems = []
+    if cfg.get("use_cla"):
+        problems.append("use_cla=true (cross-layer attention)")
+    if cfg.get("use_qk_norm") is False:
+        problems.append("use_qk_norm=false")
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    fields: dict[str, Any] = dict(qk_norm=True, qk_norm_after_rope=True)
+    alpha = params.get("alpha")
+    if params.get("rope_type", params.get("type")) == "dynamic" and alpha:
+        if float(params.get("factor") or 1.0) != 1.0:
+            problems.append(f"dynamic RoPE with alpha and factor {params['factor']} (only 1.0)")
+        theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
+        d = int(cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+        fields.update(rope_theta=theta * float(alpha) ** (d / (d - 2)), rope_scaling=None)
+
+    def one_value(key: str, default: int) -> int:
+        value = cfg.get(key, default)
+        values = value if isinstance(value, list) else [value]
+        if len(set(values)) != 1:
+            problems.append(f"{key} differing between layers")
+            return int(values[0])
+        return int(values[0] or 0)
+
+    if moe:
+        experts, top_k = one_value("num_experts", 0), one_value("moe_topk", 1)
+        inter = int(cfg["intermediate_size"])
+        if not 0 < top_k <= experts:
+            problems.append(f"moe_topk must be in 1..num_experts ({experts}), got {top_k}")
+        if one_value("moe_intermediate_size", inter) != inter:
+            problems.append("moe_intermediate_size other than intermediate_size")
+        if one_value("num_shared_expert", 1) != 1 or cfg.get("use_mixed_mlp_moe") is False:
+            problems.append("a shared MLP count other than one (num_shared_expert, use_mixed_mlp_moe)")
+        fields.update(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=inter,
+            norm_topk_prob=True,
+            shared_expert_intermediate_size=inter,
+            shared_expert_gated=False,
+        )
+    if problems:
+        raise ModelLoadError("unsupported Hunyuan config: " + "; ".join(problems))
+    return fields
+
+
 def _minimax_m2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """MiniMax-M2 / M2.1 (models/minimax_m2.py): every layer sparse, intermediate_size the width of each
     of num_local_experts experts, no shared expert; the sigmoid router with its correction bias over one
@@ -496,6 +547,8 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ernie4_5": _ernie4_5_fields,
     "ernie4_5_moe": _ernie4_5_moe_fields,
     "olmoe": _olmoe_fields,
+    "hunyuan_v1_dense": partial(_hunyuan_fields, moe=False),
+    "hunyuan_v1_moe": partial(_hunyuan_fields, moe=True),
     "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),

@@ -29,6 +29,7 @@ from overnight.models.hf_config import (
     rope_params,
     text_config,
 )
+from overnight.models.hunyuan import HunYuanForCausalLM
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.llama4 import Llama4ForCausalLM
@@ -63,6 +64,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "ernie4_5": LlamaForCausalLM,  # interleaved RoPE (a flag)
     "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
     "olmoe": Qwen3MoeForCausalLM,  # whole-projection q/k norms, every layer sparse (flags)
+    "hunyuan_v1_dense": HunYuanForCausalLM,
+    "hunyuan_v1_moe": HunYuanForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
@@ -117,6 +120,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Ernie4_5ForCausalLM": "ernie4_5",
     "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
     "OlmoeForCausalLM": "olmoe",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+    "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
