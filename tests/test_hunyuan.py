@@ -144,3 +144,21 @@ def test_hunyuan_a13b_preset_has_published_size():
     assert 79.5e9 < total < 80.5e9  # "80B total" on the model card
     active = total - arch.mlp_params() + arch.mlp_params(active_only=True)
     assert 12.5e9 < active < 14e9  # "13B active"
+
+
+def test_hunyuan_a13b_fp8_budget_on_an_h200():
+    """`overnight budget`'s arithmetic: in FP8 the 80B weights take about 75 GiB and one H200 holds 10+
+    sequences of 32K beside them (8 KV heads of 128, 32 layers); in bf16 (150 GiB) nothing fits."""
+    from dataclasses import replace
+
+    from overnight.options import EngineOptions
+    from overnight.quant.scheme import QuantScheme
+    from overnight.tools.budget import GIB, DeviceMemory, plan_budget
+
+    h200 = DeviceMemory("NVIDIA H200", total_bytes=int(139.8 * GIB), free_bytes=int(139.3 * GIB))
+    source = resolve_source("hunyuan-a13b", load_format="dummy")
+    opts = EngineOptions(model="hunyuan-a13b", load_format="dummy", dtype="bfloat16", max_model_len=32768)
+    fp8 = plan_budget(replace(opts, quantization="fp8"), replace(source, quantization=QuantScheme()), h200)
+    assert 74 * GIB < fp8.weights_bytes < 77 * GIB
+    assert fp8.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2 and fp8.seqs_fit >= 10
+    assert plan_budget(opts, source, h200).num_blocks == 0
