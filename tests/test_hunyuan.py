@@ -6,7 +6,8 @@ per-head q/k norms after RoPE, dynamic RoPE with alpha 1000) and the dense one
 Checked: greedy tokens identical to transformers' in fp32 through 16-token prefill chunks and
 prefix-cache hits; parameter counts equal to transformers'; the q/k norms' place (before RoPE gives
 other tokens); unsupported configs refused by name; online FP8 near the dequantized model and running;
-TP=2 shards; the hunyuan-a13b preset's published size.
+TP=2 shards; the Triton path against the PyTorch path; the hunyuan-a13b preset's published size and
+FP8 budget.
 """
 
 from __future__ import annotations
@@ -131,6 +132,21 @@ def test_tp_shards_equal_slices_of_the_whole_model(hy_folder):
         assert moe.gate.weight.shape == (8, 64) and moe.experts.gate_up_proj.shape == (8, 32, 64)
         assert moe.shared_mlp.gate_proj.weight.shape == (16, 64)
         assert moe.shared_mlp.down_proj.weight.shape == (64, 16)
+
+
+@pytest.mark.slow  # the fused MoE kernels through the Triton interpreter
+def test_forward_with_kernels_matches_pytorch_path(hy_folder, monkeypatch):
+    """The Triton path (rotation kernel without the norms, then the RMSNorm kernel on each head; router
+    top-k, fused experts) against the PyTorch path: a prefill of two requests and a decode step."""
+    from overnight.kernels import dispatch
+    from tests.kernel_helpers import DEVICE, run_steps
+
+    model = load_model(resolve_source(str(hy_folder)), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    expected = run_steps(model)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    got = run_steps(model)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
 
 
 def test_hunyuan_a13b_preset_has_published_size():
