@@ -69,9 +69,9 @@ class Attention(nn.Module):
     """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
     q/k/v (Qwen2, some Llamas, GLM-4), a bias on o_proj (Llama's attention_bias covers it), an RMSNorm
     over each head of q and k before RoPE (Qwen3; after it with qk_norm_after_rope: Hunyuan) or over the
-    whole q and k projections (OLMo 2/3), and
-    the layer's own window or chunk and RoPE (LayerSpec); Llama 4's weightless q/k L2 norm after RoPE
-    and its NoPE layers' position-dependent q scale (ModelArch.qk_l2_norm, attn_floor_scale)."""
+    whole q and k projections (OLMo 2/3), and the layer's own window or chunk and RoPE (LayerSpec);
+    Llama 4's weightless q/k L2 norm after RoPE and its NoPE layers' position-dependent q scale
+    (ModelArch.qk_l2_norm, attn_floor_scale)."""
 
     def __init__(
         self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
