@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
@@ -99,6 +100,25 @@ def test_dense_ernie_greedy_token_exact(tmp_path):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == [hf_greedy(ref, p, 6)[0] for p in prompts]
+
+
+def test_mtp_block_is_skipped(tmp_path, ernie_folder):
+    """The 300B's multi-token-prediction tensors (model.mtp_block.N.*, mtp_emb_norm, ...) load as
+    nothing; a stray tensor elsewhere is still refused."""
+    folder = tmp_path / "mtp"
+    shutil.copytree(ernie_folder, folder)
+    tensors = load_file(folder / "model.safetensors")
+    mtp = {
+        "model.mtp_emb_norm.0.weight": torch.ones(64),
+        "model.mtp_block.0.mlp.gate_proj.weight": torch.ones(96, 64),
+    }
+    save_file({**tensors, **mtp}, folder / "model.safetensors")
+    a = dict(load_model(resolve_source(str(folder)), torch.float32, "cpu").named_parameters())
+    b = dict(load_model(resolve_source(str(ernie_folder)), torch.float32, "cpu").named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    save_file({**tensors, "model.stray.weight": torch.ones(4)}, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="model.stray.weight"):
+        load_model(resolve_source(str(folder)), torch.float32, "cpu")
 
 
 def test_router_bias_chooses_and_the_probabilities_weigh():
