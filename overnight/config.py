@@ -166,6 +166,7 @@ class ModelArch:
     attention_bias: bool = False  # bias on the q/k/v projections (Qwen2; Llama's attention_bias)
     o_proj_bias: bool = False  # bias on o_proj (Llama's attention_bias; never Qwen2)
     qk_norm: bool = False  # RMSNorm on each head of q and k (Qwen3)
+    qk_norm_after_rope: bool = False  # ...applied to the rotated q and k instead (Hunyuan)
     # Mixture of experts (Qwen3-MoE). num_experts == 0: every layer has the dense MLP of
     # intermediate_size; otherwise the layers that is_moe_layer() names route each token to
     # num_experts_per_tok of num_experts MLPs of moe_intermediate_size, the others stay dense.
@@ -286,7 +287,8 @@ class ModelArch:
     # times routed_scaling_factor (layers/moe_grouped_router.py); its shared experts (of
     # shared_expert_intermediate_size) have no gate (shared_expert_gated False).
     # "softmax" | "sigmoid" (with the correction bias and groups) | "softmax_group" (DeepSeek-V2) |
-    # "llama4" (above)
+    # "llama4" (above) | "softmax_bias" (ERNIE 4.5: softmax, the correction bias added for the choice
+    # alone, a float32 router; models/ernie4_5_moe.py)
     router_scoring: str = "softmax"
     n_group: int = 1
     topk_group: int = 1
@@ -532,7 +534,7 @@ class ModelArch:
         if self.expert_bias:  # gate/up and down biases
             expert += expert_rows
         # The router: a row per expert, and a bias per expert (gpt-oss's, GLM-4.5's correction bias)
-        biased = self.expert_bias or self.router_scoring == "sigmoid"
+        biased = self.expert_bias or self.router_scoring in ("sigmoid", "softmax_bias")
         router = self.num_experts * (self.hidden_size + (1 if biased else 0))
         if self.block_pattern:  # Nemotron-H: the MLP blocks (up and down, no gate) and the MoE blocks
             used = self.num_experts_per_tok if active_only else self.num_experts
@@ -604,9 +606,10 @@ class ModelArch:
         (loader/fit.py finds them). MXFP4 experts count as the model holds them: packed, in dtype
         (experts_mxfp4_dense) or e4m3 with row scales (experts_mxfp4_fp8), whatever fp8_experts says."""
         total = self.num_parameters() * dtype_bytes
-        if self.router_scoring in ("sigmoid", "softmax_group"):  # GLM-4.5's and DeepSeek's: float32
+        if self.router_scoring in ("sigmoid", "softmax_group", "softmax_bias"):  # GLM-4.5's, DeepSeek's and
+            # ERNIE 4.5's: float32
             sparse = self.num_sparse_mlps
-            biased = self.router_scoring == "sigmoid"
+            biased = self.router_scoring in ("sigmoid", "softmax_bias")
             total += sparse * self.num_experts * (self.hidden_size + biased) * (4 - dtype_bytes)
         if self.holds_mxfp4_experts:  # the stacked experts' weights (not their biases) stay packed: half
             # a byte each plus one scale byte per 32 (quant/mxfp4.py), on every device and while loading

@@ -188,6 +188,10 @@ def test_dummy_presets_have_published_shapes(name):
         "nemotron-nano-9b-v2",  # tests/test_nemotron_h.py
         "nemotron-3-nano-30b-a3b",  # tests/test_nemotron_h_moe.py
     }
+    elsewhere |= {"qwen1.5-moe-a2.7b"}  # tests/test_qwen2_moe.py
+    elsewhere |= {"ernie-4.5-21b-a3b"}  # tests/test_ernie4_5.py
+    elsewhere |= {"olmoe-1b-7b"}  # tests/test_olmoe.py
+    elsewhere |= {"hunyuan-a13b"}  # tests/test_hunyuan.py
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere
 

@@ -54,6 +54,20 @@ def router_topk_ref(logits: torch.Tensor, top_k: int, renormalize: bool) -> tupl
     return weights, ids.to(torch.int32)
 
 
+def router_softmax_biased_topk(
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, norm_min: float = 1e-12
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ERNIE 4.5's choice: logits [T, E] -> (weights [T, k] float32, ids [T, k] int32). Softmax over all
+    experts in fp32; the k largest of probabilities + bias [E] (the correction bias chooses, nothing
+    more) are taken, weighed by their unbiased probabilities rescaled to sum to 1 (the sum at least
+    norm_min). Plain tensor ops, no host sync: it runs as it is inside a captured CUDA graph."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ids = torch.topk(probs + bias.float(), top_k, dim=-1).indices
+    weights = probs.gather(-1, ids)
+    weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=norm_min)
+    return weights, ids.to(torch.int32)
+
+
 @dataclass(frozen=True)
 class ExpertActivation:
     """How an expert combines its gate and up rows.

@@ -14,6 +14,7 @@ from typing import Any
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.layers.rotary import ROPE_TYPES, rope_table
+from overnight.models.moe_config import MOE_FAMILY_FIELDS
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -395,6 +396,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "deepseek_v2": partial(_deepseek_fields, family="deepseek_v2"),
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),
+    **MOE_FAMILY_FIELDS,  # Qwen2-MoE, ERNIE 4.5, OLMoE, Hunyuan (models/moe_config.py)
 }
 TEXT_CONFIG_FAMILIES = ("mistral3",)
 WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)

@@ -68,9 +68,10 @@ def dense_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
 class Attention(nn.Module):
     """Grouped-query attention of every dense family, driven by the architecture's flags: a bias on
     q/k/v (Qwen2, some Llamas, GLM-4), a bias on o_proj (Llama's attention_bias covers it), an RMSNorm
-    over each head of q and k before RoPE (Qwen3) or over the whole q and k projections (OLMo 2/3), and
-    the layer's own window or chunk and RoPE (LayerSpec); Llama 4's weightless q/k L2 norm after RoPE
-    and its NoPE layers' position-dependent q scale (ModelArch.qk_l2_norm, attn_floor_scale)."""
+    over each head of q and k before RoPE (Qwen3; after it with qk_norm_after_rope: Hunyuan) or over the
+    whole q and k projections (OLMo 2/3), and the layer's own window or chunk and RoPE (LayerSpec);
+    Llama 4's weightless q/k L2 norm after RoPE and its NoPE layers' position-dependent q scale
+    (ModelArch.qk_l2_norm, attn_floor_scale)."""
 
     def __init__(
         self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
@@ -91,6 +92,7 @@ class Attention(nn.Module):
         q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
         self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        self.qk_norm_after_rope = arch.qk_norm_after_rope and not self.qk_norm_whole
         # Whole norms under tensor parallelism (parallel/tp.py sets these): this rank holds 1/world of
         # the heads, and qk_norm_reduce sums the per-token squares over the ranks (layers/norm.py).
         self.qk_norm_world = 1
@@ -127,9 +129,13 @@ class Attention(nn.Module):
             q_norm = k_norm = None
         else:
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
-        if self.rotary_emb is not None:
+        if self.rotary_emb is not None and not self.qk_norm_after_rope:
             # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
             q, k = self.rotary_emb(positions, q, k, q_norm=q_norm, k_norm=k_norm)
+        elif self.rotary_emb is not None:  # Hunyuan: rotate, then normalize each head
+            q, k = self.rotary_emb(positions, q, k)
+            if q_norm is not None and k_norm is not None:
+                q, k = q_norm(q), k_norm(k)
         elif q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         if self.q_position_scaling is not None:

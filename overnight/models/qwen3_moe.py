@@ -9,6 +9,11 @@ A sparse MLP routes each token to num_experts_per_tok of num_experts experts: a 
 weights are rescaled to sum to 1 when norm_topk_prob. The experts' weights are stacked
 (layers/moe.py); the checkpoint's per-expert tensors (mlp.experts.N.{gate,up,down}_proj.weight) are
 copied into them by load_packed_weights.
+
+Qwen1.5-MoE / Qwen2-MoE (model_type "qwen2_moe") is this model with Qwen2's attention (q/k/v biases,
+no qk-norm) and a shared expert in every sparse layer (shared_expert_intermediate_size > 0): an MLP all
+tokens go through, scaled by sigmoid(shared_expert_gate(x)) and added to the routed experts' sum
+(models/qwen3_next.SharedExpertMoe, the same block as Qwen3-Next's).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from overnight.models.llama import (
     load_packed_weights,
     make_lm_head,
 )
+from overnight.models.qwen3_next import UNQUANTIZED_LINEAR, SharedExpertMoe
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -45,7 +51,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
 
 def qwen3_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
-    return Qwen3MoeSparseMoeBlock(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
+    if not arch.is_moe_layer(layer_idx):
+        return dense_mlp(arch, layer_idx)
+    if arch.shared_expert_intermediate_size:  # Qwen2-MoE
+        return SharedExpertMoe(arch)
+    return Qwen3MoeSparseMoeBlock(arch)
 
 
 class Qwen3MoeForCausalLM(nn.Module):
@@ -55,9 +65,9 @@ class Qwen3MoeForCausalLM(nn.Module):
     # The stacked experts are not nn.Linear: an FP8 checkpoint's expert (and router) tensors are
     # dequantized with their scales as they load (quant/checkpoint.py), and the experts, e4m3 from the
     # build on, are quantized per row as each tensor arrives (quant/apply.py; the router stays in the
-    # compute dtype).
-    unquantized_linear: tuple[str, ...] = ("mlp.gate",)
-    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
+    # compute dtype). Qwen2-MoE's shared expert gate (one output row) stays so too.
+    unquantized_linear: tuple[str, ...] = UNQUANTIZED_LINEAR
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, *UNQUANTIZED_LINEAR)
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()

@@ -12,6 +12,7 @@ from overnight.errors import ModelLoadError
 from overnight.models.bert import BertModel
 from overnight.models.bert_classifier import BertForSequenceClassification
 from overnight.models.deepseek import DeepseekForCausalLM
+from overnight.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -28,6 +29,7 @@ from overnight.models.hf_config import (
     rope_params,
     text_config,
 )
+from overnight.models.hunyuan import HunYuanForCausalLM
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.llama4 import Llama4ForCausalLM
@@ -58,6 +60,12 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "qwen2_moe": Qwen3MoeForCausalLM,  # with Qwen2's attention and a gated shared expert (flags)
+    "ernie4_5": LlamaForCausalLM,  # interleaved RoPE (a flag)
+    "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
+    "olmoe": Qwen3MoeForCausalLM,  # whole-projection q/k norms, every layer sparse (flags)
+    "hunyuan_v1_dense": HunYuanForCausalLM,
+    "hunyuan_v1_moe": HunYuanForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "bert": BertModel,
     "xlm-roberta": BertModel,  # BERT's blocks; positions past the padding id (ModelArch.position_offset)
@@ -108,6 +116,12 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Ernie4_5ForCausalLM": "ernie4_5",
+    "Ernie4_5_MoeForCausalLM": "ernie4_5_moe",
+    "OlmoeForCausalLM": "olmoe",
+    "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense",
+    "HunYuanMoEV1ForCausalLM": "hunyuan_v1_moe",
     "GptOssForCausalLM": "gpt_oss",
     # Checkpoints of the bare decoder (sentence-transformers saves Qwen3-Embedding this way).
     "Qwen3Model": "qwen3",
@@ -357,6 +371,8 @@ def _decoder_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         )
         fields["num_labels"] = num_labels_of(cfg)  # a ...ForSequenceClassification (models/for_pooling.py)
         if family == "qwen3_moe":
+            fields.update(_moe_fields(cfg))
+        if family == "qwen2_moe":
             fields.update(_moe_fields(cfg))
         fields.update(family_fields(family, cfg))
         return checked_rope(ModelArch(**fields))
