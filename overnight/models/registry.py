@@ -29,6 +29,7 @@ from overnight.models.hf_config import (
     text_config,
 )
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
+from overnight.models.lfm2 import Lfm2ForCausalLM, lfm2_arch
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.llama4 import Llama4ForCausalLM
 from overnight.models.llama4_config import llama4_arch
@@ -101,6 +102,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     # Mamba2 + attention hybrids (models/granite_hybrid.py), on the same state cache
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    # LFM2: gated short convs + attention (models/lfm2.py), on the same state cache (conv states only)
+    "lfm2": Lfm2ForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -160,6 +163,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "Lfm2ForCausalLM": "lfm2",
 }
 # Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
 # a vision tower and M-RoPE.
@@ -306,6 +310,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return granite_hybrid_arch(cfg)
     if family == "nemotron_h":
         return nemotron_h_arch(cfg)
+    if family == "lfm2":
+        return lfm2_arch(cfg)
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in ("llama4", "llama4_text"):
