@@ -35,7 +35,7 @@ def delta_case(varlen: bool):
 def conv_case():
     from overnight.kernels.gated_delta_decode import _conv_step_kernel
 
-    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256, HAS_BIAS=False), 4, 3
+    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256, HAS_BIAS=False, SILU=True), 4, 3
 
 
 CASES = {

@@ -1,0 +1,313 @@
+"""LFM2 hybrids (Lfm2ForCausalLM: gated short convs + attention with QK norm).
+
+Tier (a), in seconds: config.json -> ModelArch (every parameter counted as transformers holds it, the
+feed-forward width by transformers' own rule, the conv-only state shapes, the older config keys), bad
+configs and tensor parallelism refused by name, the published 1.2B preset. Tier (b): the short conv's
+ops, torch against Triton (the interpreter on a CPU), split sequences continuing from their states.
+Tier (c), slow: fp32 greedy token-exact with transformers through the LLM API (chunked prefill cut
+inside prompts, the Triton path, prefix-cache hits through state snapshots, preemption with a tiny pool,
+padded decode batches, decode steps without host syncs)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from overnight import LLM
+from overnight.attention.linear_state import LinearStateBatch
+from overnight.errors import ModelLoadError
+from overnight.layers.gated_delta_ops import PrefillRows
+from overnight.layers.short_conv_ops import ShortConvLayer, TorchShortConvOps, TritonShortConvOps
+from overnight.models.registry import arch_from_hf_config
+from tests.kernel_helpers import DEVICE, DTYPES, TOL
+from tests.tiny_lfm2 import VARIANTS, make_lfm2_checkpoint, make_lfm2_model
+
+ENGINE = dict(skip_tokenizer_init=True, dtype="float32", device="cpu", block_size=4)
+
+
+def config_of(variant: str, **overrides) -> tuple[dict, torch.nn.Module]:
+    model = make_lfm2_model(variant, **overrides)
+    return json.loads(model.config.to_json_string()), model
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_arch_counts_every_parameter_and_the_state_shapes(variant: str) -> None:
+    cfg, model = config_of(variant)
+    arch = arch_from_hf_config(cfg)
+    assert arch.architecture == "lfm2" and arch.is_short_conv and not arch.is_mamba2
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert arch.intermediate_size == model.model.layers[0].feed_forward.w1.out_features == 96
+    assert arch.tie_word_embeddings == (variant == "tied") and arch.short_conv_bias == (variant == "biased")
+    linear, full = "linear_attention", "full_attention"
+    assert arch.layer_types == (linear, full, linear, full, linear) and arch.num_linear_layers == 3
+    # a conv state of K - 1 = 2 rows of hidden_size, no recurrent state
+    assert arch.linear_state_shapes() == ((2, 40), (0, 0, 0))
+    assert arch.linear_state_bytes() == arch.linear_state_bytes(torch.bfloat16) == 3 * 4 * 2 * 40
+    assert arch.kv_bytes_per_token(4) == 2 * 2 * (2 * 10) * 4  # 2 attention layers, K and V
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        dict(),  # Lfm2Config's defaults: 2/3 of 12288, a multiple of 256
+        dict(intermediate_size=1000, block_multiple_of=64, block_ffn_dim_multiplier=1.3),
+        dict(intermediate_size=1000, block_ffn_dim_multiplier=None),  # 2/3, not rounded up (older configs)
+        dict(intermediate_size=1000, block_auto_adjust_ff_dim=False),  # as given
+        dict(block_ff_dim=4000),  # the older configs' name for intermediate_size
+    ],
+)
+def test_the_feed_forward_width_follows_transformers(sizes: dict) -> None:
+    import transformers
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2MLP
+
+    no_multiplier = "block_ffn_dim_multiplier" in sizes and sizes["block_ffn_dim_multiplier"] is None
+    if no_multiplier:
+        sizes = {k: v for k, v in sizes.items() if k != "block_ffn_dim_multiplier"}
+    cfg = transformers.Lfm2Config(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, **sizes)
+    if no_multiplier:  # transformers 5 refuses None as an argument, and still reads it in Lfm2MLP
+        object.__setattr__(cfg, "block_ffn_dim_multiplier", None)
+    with torch.device("meta"):
+        width = Lfm2MLP(cfg).w1.out_features
+    ours = arch_from_hf_config({**json.loads(cfg.to_json_string()), "architectures": ["Lfm2ForCausalLM"]})
+    assert ours.intermediate_size == width
+
+
+def test_older_config_keys_are_read_as_transformers_reads_them() -> None:
+    """full_attn_idxs without layer_types, tie_embedding, block_ff_dim, rope_theta at the top level."""
+    cfg, model = config_of("biased")
+    for key in ("layer_types", "tie_word_embeddings", "intermediate_size", "rope_parameters"):
+        cfg.pop(key)
+    cfg.update(full_attn_idxs=[1, 3], tie_embedding=False, block_ff_dim=90, rope_theta=10000.0)
+    arch = arch_from_hf_config(cfg)
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert arch.rope_theta == 10000.0 and not arch.tie_word_embeddings
+    assert [arch.is_linear_layer(i) for i in range(5)] == [True, False, True, False, True]
+    cfg.pop("rope_theta")
+    assert arch_from_hf_config(cfg).rope_theta == 1e6  # Lfm2Config's default theta
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(layer_types=["conv", "mamba", "conv", "full_attention", "conv"]), "layer_types must name 5"),
+        (dict(layer_types=["conv"] * 4), "layer_types must name 5"),
+        (dict(conv_L_cache=1), "conv_L_cache must be at least 2"),
+        (dict(num_attention_heads=3), "hidden_size 40 does not split into 3"),
+        (dict(block_multiple_of=0), "block_multiple_of must be positive"),
+    ],
+)
+def test_bad_configs_are_refused_by_name(change: dict, message: str) -> None:
+    cfg, _ = config_of("tied")
+    with pytest.raises(ModelLoadError, match=message):
+        arch_from_hf_config({**cfg, **change})
+    cfg.pop("vocab_size")
+    with pytest.raises(ModelLoadError, match="lacks required field 'vocab_size'"):
+        arch_from_hf_config(cfg)
+
+
+def test_tensor_parallelism_is_refused_by_name() -> None:
+    from overnight.parallel.tp import TPShards
+
+    cfg, _ = config_of("tied")
+    arch = arch_from_hf_config(cfg)
+    TPShards(arch, 0, 1).check()
+    with pytest.raises(ModelLoadError, match="tensor_parallel_size 2 is not supported yet for LFM2"):
+        TPShards(arch, 0, 2).check()
+
+
+def test_the_published_checkpoint_layout_loads() -> None:
+    """save_pretrained's names (operator_norm, feed_forward.w1/w3/w2, self_attn.out_proj, q_layernorm,
+    embedding_norm, conv.conv) land in Llama's blocks, every tensor used once."""
+    from overnight.models.lfm2 import Lfm2ForCausalLM
+
+    cfg, model = config_of("biased")
+    ours = Lfm2ForCausalLM(arch_from_hf_config(cfg))
+    ours.load_weights(model.state_dict().items())
+    state = model.state_dict()
+    params = dict(ours.named_parameters())
+    assert torch.equal(params["model.norm.weight"], state["model.embedding_norm.weight"])
+    assert torch.equal(params["model.layers.0.conv.conv.weight"], state["model.layers.0.conv.conv.weight"])
+    gate_up = params["model.layers.1.mlp.gate_up_proj.weight"]
+    w1, w3 = state["model.layers.1.feed_forward.w1.weight"], state["model.layers.1.feed_forward.w3.weight"]
+    assert torch.equal(gate_up, torch.cat([w1, w3]))
+    assert torch.equal(
+        params["model.layers.1.self_attn.q_norm.weight"], state["model.layers.1.self_attn.q_layernorm.weight"]
+    )
+
+
+def test_the_1_2b_preset_counts_its_published_sizes() -> None:
+    """LiquidAI/LFM2-1.2B's config (1.17B parameters; 10 conv layers, attention at 2, 5, 8, 10, 12, 14;
+    feed-forward 8192 = 2/3 of block_ff_dim 12288; tied embeddings)."""
+    from overnight.loader.resolve import resolve_source
+
+    arch = resolve_source("lfm2-1.2b", load_format="dummy").arch
+    assert arch.architecture == "lfm2" and arch.num_linear_layers == 10
+    assert [i for i in range(16) if not arch.is_linear_layer(i)] == [2, 5, 8, 10, 12, 14]
+    assert arch.intermediate_size == 8192 and arch.tie_word_embeddings and arch.rope_theta == 1e6
+    assert (arch.head_dim, arch.num_key_value_heads, arch.rms_norm_eps) == (64, 8, 1e-5)
+    assert 1.16e9 < arch.num_parameters() < 1.18e9
+    assert arch.linear_state_bytes() == 10 * 4 * 2 * 2048  # two rows of 2,048 float32 per conv layer
+    assert arch.kv_bytes_per_token(2) == 6 * 2 * 8 * 64 * 2
+
+
+# ----------------------------------------------------------------------------- the short conv's ops
+
+C, K, SLOTS = 24, 3, 6
+
+
+def _states(slots: list[int], has: list[bool]) -> LinearStateBatch:
+    flags = torch.tensor([1.0 if h else 0.0 for h in has], device=DEVICE)
+    return LinearStateBatch([], [], torch.tensor(slots, device=DEVICE), flags, slots, has)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_ops_match_the_torch_ops_across_split_sequences(dtype: torch.dtype, bias: bool) -> None:
+    """Prefill pieces (one from zeros over a NaN slot, one continuing), then two decode steps, on both
+    backends from equal pools: outputs (no activation) and pools agree; split anywhere, each sequence's
+    outputs equal one causal conv over it."""
+    gen = torch.Generator().manual_seed(0)
+    weight = (torch.randn(C, K, generator=gen) * 0.5).to(DEVICE, dtype)
+    b = (0.2 * torch.randn(C, generator=gen)).to(DEVICE, dtype) if bias else None
+    layer = ShortConvLayer(weight, b)
+    pools = []
+    outs: list[list[torch.Tensor]] = []
+    lens, slots = [5, 3], [4, 1]
+    prefill_1 = torch.randn(sum(lens), C, generator=gen).to(DEVICE, dtype)
+    prefill_2 = torch.randn(sum(lens), C, generator=gen).to(DEVICE, dtype)
+    steps = [torch.randn(2, C, generator=gen).to(DEVICE, dtype) for _ in range(2)]
+    for ops in (TorchShortConvOps(), TritonShortConvOps()):
+        pool = torch.full((SLOTS, K - 1, C), float("nan"), device=DEVICE)
+        ssm = torch.zeros(SLOTS, 0, 0, 0, device=DEVICE)
+        got = [ops.prefill(layer, prefill_1, pool, ssm, PrefillRows.of(lens, slots, [False, False], DEVICE))]
+        got.append(
+            ops.prefill(layer, prefill_2, pool, ssm, PrefillRows.of(lens, slots, [True, True], DEVICE))
+        )
+        for u in steps:
+            got.append(ops.decode(layer, u, pool, ssm, _states(slots, [True, True])))
+        pools.append(pool[slots])
+        outs.append(got)
+    for a, c in zip(*outs):
+        torch.testing.assert_close(a, c, rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(pools[0], pools[1], rtol=TOL[dtype], atol=TOL[dtype])
+    # sequence 0, whole: its rows of each piece, then its decode rows
+    whole = torch.cat([prefill_1[:5], prefill_2[:5], steps[0][:1], steps[1][:1]]).float()
+    ref = torch.nn.functional.conv1d(
+        torch.nn.functional.pad(whole.t(), (K - 1, 0))[None],
+        weight.float()[:, None],
+        None if b is None else b.float(),
+        groups=C,
+    )[0].t()
+    mine = torch.cat([outs[0][0][:5], outs[0][1][:5], outs[0][2][:1], outs[0][3][:1]]).float()
+    torch.testing.assert_close(mine, ref, rtol=TOL[dtype] * 4, atol=TOL[dtype] * 4)
+
+
+# ----------------------------------------------------------------------------- against transformers
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def checkpoint(request, tmp_path_factory):
+    import transformers
+
+    folder = make_lfm2_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return request.param, folder, ref
+
+
+@pytest.mark.slow
+def test_token_exact_with_chunked_prefill(checkpoint) -> None:
+    """Chunks of 24 tokens: the longer prompts are cut inside, mixed with other requests' decodes."""
+    from tests.test_hybrid_models import assert_no_rows_held, check, prompts_of
+
+    _, folder, ref = checkpoint
+    llm = LLM(str(folder), max_num_batched_tokens=24, max_num_seqs=6, max_model_len=512, **ENGINE)
+    check(llm, ref, prompts_of([1, 2, 5, 23, 40, 150], seed=1), 10)
+    assert_no_rows_held(llm, 6)
+
+
+@pytest.mark.slow
+def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
+    """Every layer on its GPU path (conv step without activation, the batched prefill conv, attention
+    with the fused QK norm + RoPE, the norms), through the Triton interpreter."""
+    from overnight.kernels import dispatch
+    from tests.test_hybrid_models import check, prompts_of
+
+    variant, folder, ref = checkpoint
+    if variant != "biased":
+        pytest.skip("the interpreter is slow: the biased variant runs every kernel")
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    llm = LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, **ENGINE)
+    check(llm, ref, prompts_of([1, 9, 30], seed=2), 6)
+
+
+@pytest.mark.slow
+def test_shared_prefix_hits_through_state_snapshots(checkpoint) -> None:
+    from tests.test_hybrid_models import VOCAB, assert_no_rows_held, check
+
+    variant, folder, ref = checkpoint
+    if variant != "tied":
+        pytest.skip("snapshots are the conv states: one variant is enough")
+    rng = random.Random(5)
+    system = [rng.randrange(3, VOCAB) for _ in range(90)]
+    first = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (9, 4)]
+    second = [system + [rng.randrange(3, VOCAB) for _ in range(k)] for k in (6, 1, 13)]
+    llm = LLM(str(folder), max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256, **ENGINE)
+    check(llm, ref, first, 6)
+    before = llm.engine.stats().prefix_cache_hits  # type: ignore[attr-defined]
+    check(llm, ref, second, 6)
+    hits = llm.engine.stats().prefix_cache_hits - before  # type: ignore[attr-defined]
+    assert hits >= 3 * 88  # every second-wave prompt starts past the system prompt's 22 full blocks
+    assert_no_rows_held(llm, 4)
+
+
+@pytest.mark.slow
+def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
+    from tests.test_engine_parity import hf_greedy
+    from tests.test_hybrid_models import assert_no_rows_held, prompts_of, run_engine
+
+    variant, folder, ref = checkpoint
+    if variant != "biased":
+        pytest.skip("preemption runs on one variant")
+    prompts = prompts_of([5, 13, 40, 57, 9, 30, 21], seed=3)
+    state_bytes = 3 * 4 * 2 * 40  # a request's conv states: 3 layers x 2 rows x 40 float32
+    block_bytes = 4 * 2 * 2 * 10 * 2 * 4  # 4 tokens x (K, V) x 2 heads of 10 x 2 attention layers x fp32
+    llm = LLM(
+        str(folder),
+        kv_cache_memory_bytes=state_bytes * (7 + 1) + 40 * block_bytes,  # max_num_seqs + 1 slots
+        max_num_batched_tokens=16,
+        max_num_seqs=7,
+        max_model_len=128,
+        enable_prefix_caching=False,
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
+        **ENGINE,
+    )
+    assert llm.engine.pool_plan.num_blocks == 40  # type: ignore[attr-defined]
+    for prompt, got in zip(prompts, run_engine(llm, prompts, 24)):
+        assert got == hf_greedy(ref, prompt, 24)[0], f"{len(prompt)} tokens"
+    assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
+    assert_no_rows_held(llm, 7)
+
+
+@pytest.mark.slow
+def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
+    from tests.test_hybrid_models import check_padded_decodes
+
+    variant, folder, ref = checkpoint
+    if variant != "tied":
+        pytest.skip("one variant is enough for the padding rows")
+    check_padded_decodes(folder, ref)
+
+
+@pytest.mark.slow
+def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
+    """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every layer on its GPU
+    path: the conv step kernel with its bias, QK-normed attention."""
+    from tests.test_graph_safety import decode_guarded
+
+    variant, folder, _ = checkpoint
+    if variant != "biased":
+        pytest.skip("the biased variant covers every kernel")
+    decode_guarded(folder, monkeypatch)
