@@ -4,7 +4,7 @@ Tier (a), in seconds: config.json -> ModelArch (every parameter counted as trans
 feed-forward width by transformers' own rule, the conv-only state shapes, the older config keys), bad
 configs and tensor parallelism refused by name, the published 1.2B preset. Tier (b): the short conv's
 ops, torch against Triton (the interpreter on a CPU), split sequences continuing from their states.
-Tier (c), slow: fp32 greedy token-exact with transformers through the LLM API (chunked prefill cut
+Tier (c), about a second each (the Triton interpreter's two marked slow): fp32 greedy token-exact with transformers through the LLM API (chunked prefill cut
 inside prompts, the Triton path, prefix-cache hits through state snapshots, preemption with a tiny pool,
 padded decode batches, decode steps without host syncs)."""
 
@@ -217,7 +217,6 @@ def checkpoint(request, tmp_path_factory):
     return request.param, folder, ref
 
 
-@pytest.mark.slow
 def test_token_exact_with_chunked_prefill(checkpoint) -> None:
     """Chunks of 24 tokens: the longer prompts are cut inside, mixed with other requests' decodes."""
     from tests.test_hybrid_models import assert_no_rows_held, check, prompts_of
@@ -243,7 +242,6 @@ def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
     check(llm, ref, prompts_of([1, 9, 30], seed=2), 6)
 
 
-@pytest.mark.slow
 def test_shared_prefix_hits_through_state_snapshots(checkpoint) -> None:
     from tests.test_hybrid_models import VOCAB, assert_no_rows_held, check
 
@@ -263,7 +261,6 @@ def test_shared_prefix_hits_through_state_snapshots(checkpoint) -> None:
     assert_no_rows_held(llm, 4)
 
 
-@pytest.mark.slow
 def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
     from tests.test_engine_parity import hf_greedy
     from tests.test_hybrid_models import assert_no_rows_held, prompts_of, run_engine
@@ -291,7 +288,6 @@ def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
     assert_no_rows_held(llm, 7)
 
 
-@pytest.mark.slow
 def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
     from tests.test_hybrid_models import check_padded_decodes
 
