@@ -298,6 +298,9 @@ class ModelArch:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # what the sigmoid router's renormalization adds to the chosen weights' sum: GLM's 1e-20, LFM2-MoE's
+    # 1e-6 (each as transformers computes it)
+    router_renorm_eps: float = 1e-20
     shared_expert_gated: bool = True
     # Llama 4 (models/llama4.py): the RoPE layers' q and k L2-normalized per head after the rotation,
     # without a weight (qk_l2_norm, HF's use_qk_norm); the NoPE layers' q scaled by its position,

@@ -1,11 +1,16 @@
-"""Liquid AI's LFM2 hybrids (`Lfm2ForCausalLM`: LFM2-350M, -700M, -1.2B, -2.6B): most layers are gated
-short convolutions, a few (config.json's layer_types "full_attention", or full_attn_idxs) are attention.
+"""Liquid AI's LFM2 hybrids (`Lfm2ForCausalLM`: LFM2-350M, -700M, -1.2B, -2.6B; `Lfm2MoeForCausalLM`:
+LFM2-8B-A1B): most layers are gated short convolutions, a few (config.json's layer_types
+"full_attention", or full_attn_idxs) are attention.
 
     layer = x + mixer(operator_norm(x)), then + feed_forward(ffn_norm(.))
     mixer: the short conv   in_proj -> B | C | x (hidden each); u = B * x;
                             y = C * (depthwise causal conv of K = conv_L_cache taps over u); out_proj(y)
            or attention     Llama's (models/llama.py) with RMSNorm over each head of q and k before RoPE
-    feed_forward: SwiGLU, w2(silu(w1 x) * w3 x), its width auto-adjusted from intermediate_size
+    feed_forward: SwiGLU, w2(silu(w1 x) * w3 x), its width auto-adjusted from intermediate_size; in
+           LFM2-MoE the first num_dense_layers keep it (intermediate_size as given), the others route
+           each token to top-k experts (sigmoid scores; a learned expert_bias only chooses; the chosen
+           scores renormalized with eps 1e-6, times routed_scaling_factor): GLM-4.5's grouped sigmoid
+           router with one group (layers/moe_grouped_router.py) and the stacked experts (layers/moe.py)
     final norm (embedding_norm), LM head tied to the embeddings
 
 The conv's state per request is its last K - 1 inputs (u, not x), held in the hybrid models' state cache
@@ -13,13 +18,15 @@ The conv's state per request is its last K - 1 inputs (u, not x), held in the hy
 Gated DeltaNet conv ops without their SiLU (layers/short_conv_ops.py).
 
 The blocks are Llama's (LlamaModel with this file's decoder layer): the checkpoint's names are renamed as
-they load (_RENAMES: operator_norm -> input_layernorm, feed_forward.w1 / w3 / w2 -> mlp.gate / up / down,
+they load (_RENAMES: operator_norm -> input_layernorm, feed_forward -> mlp and its w1 / w3 / w2 (an
+expert's too) -> gate / up / down_proj, expert_bias -> the router's e_score_correction_bias,
 self_attn.out_proj -> o_proj, q_layernorm -> q_norm, embedding_norm -> the final norm), so fused qkv and
-gate/up projections, quantization and the attention backends apply unchanged.
+gate/up projections, stacked experts, quantization and the attention backends apply unchanged.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -33,7 +40,8 @@ from overnight.layers.gated_delta_ops import decode_then_prefill
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.layers.short_conv_ops import ShortConvLayer, short_conv_ops
-from overnight.models.checkpoint import load_packed_weights
+from overnight.models.checkpoint import EXPERT_TENSORS, load_packed_weights
+from overnight.models.glm4_moe import Glm4MoeMoE
 from overnight.models.hf_config import rope_params
 from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import (
@@ -45,18 +53,20 @@ from overnight.models.llama import (
     make_lm_head,
 )
 
-# checkpoint name part -> this model's (Llama's blocks)
+# checkpoint name part -> this model's (Llama's blocks), each applied in turn
 _RENAMES = {
     ".operator_norm.": ".input_layernorm.",
     ".ffn_norm.": ".post_attention_layernorm.",
-    ".feed_forward.w1.": ".mlp.gate_proj.",
-    ".feed_forward.w3.": ".mlp.up_proj.",
-    ".feed_forward.w2.": ".mlp.down_proj.",
+    ".feed_forward.": ".mlp.",
+    ".mlp.expert_bias": ".mlp.gate.e_score_correction_bias",
     ".self_attn.out_proj.": ".self_attn.o_proj.",
     ".self_attn.q_layernorm.": ".self_attn.q_norm.",
     ".self_attn.k_layernorm.": ".self_attn.k_norm.",
     "model.embedding_norm.": "model.norm.",
 }
+# the SwiGLU's projections, the dense MLP's and each expert's (mlp.experts.N.w1)
+_PROJECTION = re.compile(r"(\.mlp(?:\.experts\.\d+)?)\.w([123])\.")
+_PROJECTIONS = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
 
 
 class Lfm2ShortConv(nn.Module):
@@ -123,8 +133,19 @@ class Lfm2DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def lfm2_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
+    """LFM2-MoE's sparse block past its dense layers (its router in float32, as GLM-4.5's); else SwiGLU."""
+    return Glm4MoeMoE(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
+
+
 class Lfm2ForCausalLM(nn.Module):
+    """LFM2 and LFM2-MoE (the architecture's num_experts says which)."""
+
     packed_modules_mapping = PACKED_MODULES_MAPPING
+    # The router is no nn.Linear, so quantization passes leave it (and its bias) in float32; an FP8
+    # checkpoint's expert and router tensors are dequantized as they load (as GLM-4.5's).
+    unquantized_linear: tuple[str, ...] = ("mlp.gate",)
+    dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -132,7 +153,7 @@ class Lfm2ForCausalLM(nn.Module):
             raise ModelLoadError("an LFM2 architecture needs its short conv's size (conv_L_cache)")
         self.arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch, make_layer=Lfm2DecoderLayer)
+        self.model = LlamaModel(arch, make_mlp=lfm2_mlp, make_layer=Lfm2DecoderLayer)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
@@ -154,9 +175,8 @@ class Lfm2ForCausalLM(nn.Module):
 def lfm2_names(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
         for old, new in _RENAMES.items():
-            if old in name:
-                name = name.replace(old, new)
-                break
+            name = name.replace(old, new)
+        name = _PROJECTION.sub(lambda m: f"{m.group(1)}.{_PROJECTIONS[m.group(2)]}.", name)
         yield name, tensor
 
 
@@ -182,15 +202,39 @@ def lfm2_ff_dim(cfg: dict[str, Any]) -> int:
     return size
 
 
-def lfm2_arch(cfg: dict[str, Any]) -> ModelArch:
-    """ModelArch of an Lfm2 config. Raises ModelLoadError naming what is missing or unsupported."""
+def lfm2_arch(cfg: dict[str, Any], moe: bool = False) -> ModelArch:
+    """ModelArch of an Lfm2 config (moe: an Lfm2Moe one). Raises ModelLoadError naming what is missing or
+    unsupported."""
     try:
-        return _lfm2_arch(cfg)
+        return _lfm2_arch(cfg, moe)
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
 
 
-def _lfm2_arch(cfg: dict[str, Any]) -> ModelArch:
+def _lfm2_moe_fields(cfg: dict[str, Any], n: int) -> dict[str, Any]:
+    """LFM2-MoE's experts and router; its dense layers' MLP is intermediate_size wide as given."""
+    experts, top_k = int(cfg.get("num_experts", 32)), int(cfg.get("num_experts_per_tok", 4))
+    if experts < 2 or not 0 < top_k <= experts:
+        raise ModelLoadError(
+            f"num_experts_per_tok {top_k} must be in 1..num_experts, and num_experts ({experts}) at least 2"
+        )
+    if not cfg.get("use_expert_bias", True):
+        raise ModelLoadError("use_expert_bias false is not supported yet (the published LFM2-MoE have one)")
+    dense = int(cfg.get("num_dense_layers", 2))
+    return dict(
+        intermediate_size=int(cfg.get("intermediate_size", 7168)),
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size", 1792)),
+        mlp_only_layers=tuple(range(min(max(dense, 0), n))),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        router_scoring="sigmoid",
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        router_renorm_eps=1e-6,
+    )
+
+
+def _lfm2_arch(cfg: dict[str, Any], moe: bool) -> ModelArch:
     n, hidden = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
     types = cfg.get("layer_types")
     if types is None:  # older configs: the attention layers' indices (transformers' default: all)
@@ -209,11 +253,11 @@ def _lfm2_arch(cfg: dict[str, Any]) -> ModelArch:
         cfg = {**cfg, "rope_theta": 1e6}  # Lfm2Config's default_theta
     theta, scaling = rope_params(cfg)
     tied = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))  # the older name wins, as there
+    mlp = _lfm2_moe_fields(cfg, n) if moe else dict(intermediate_size=lfm2_ff_dim(cfg))
     return ModelArch(
-        architecture="lfm2",
+        architecture="lfm2_moe" if moe else "lfm2",
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
-        intermediate_size=lfm2_ff_dim(cfg),
         num_hidden_layers=n,
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -227,4 +271,5 @@ def _lfm2_arch(cfg: dict[str, Any]) -> ModelArch:
         layer_types=tuple("linear_attention" if t == "conv" else t for t in types),
         short_conv_kernel=k,
         short_conv_bias=bool(cfg.get("conv_bias", False)),
+        **mlp,
     )

@@ -104,6 +104,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "nemotron_h": NemotronHForCausalLM,
     # LFM2: gated short convs + attention (models/lfm2.py), on the same state cache (conv states only)
     "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2ForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -164,6 +165,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
     "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
 }
 # Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
 # a vision tower and M-RoPE.
@@ -310,8 +312,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return granite_hybrid_arch(cfg)
     if family == "nemotron_h":
         return nemotron_h_arch(cfg)
-    if family == "lfm2":
-        return lfm2_arch(cfg)
+    if family in ("lfm2", "lfm2_moe"):
+        return lfm2_arch(cfg, moe=family == "lfm2_moe")
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in ("llama4", "llama4_text"):
