@@ -33,7 +33,7 @@ def config_of(variant: str, **overrides) -> tuple[dict, torch.nn.Module]:
     return json.loads(model.config.to_json_string()), model
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", ["tied", "biased"])
 def test_arch_counts_every_parameter_and_the_state_shapes(variant: str) -> None:
     cfg, model = config_of(variant)
     arch = arch_from_hf_config(cfg)
@@ -47,6 +47,33 @@ def test_arch_counts_every_parameter_and_the_state_shapes(variant: str) -> None:
     assert arch.linear_state_shapes() == ((2, 40), (0, 0, 0))
     assert arch.linear_state_bytes() == arch.linear_state_bytes(torch.bfloat16) == 3 * 4 * 2 * 40
     assert arch.kv_bytes_per_token(4) == 2 * 2 * (2 * 10) * 4  # 2 attention layers, K and V
+
+
+def test_moe_arch_counts_every_parameter_and_routes_as_transformers() -> None:
+    """LFM2-MoE: two dense layers (intermediate_size as given), then experts; expert_bias is a buffer in
+    transformers and a parameter of our router, so it is counted on both sides."""
+    cfg, model = config_of("moe")
+    arch = arch_from_hf_config(cfg)
+    assert arch.architecture == "lfm2_moe" and arch.is_short_conv and arch.num_experts == 6
+    biases = sum(b.numel() for name, b in model.named_buffers() if name.endswith("expert_bias"))
+    assert arch.num_parameters() == sum(p.numel() for p in model.parameters()) + biases
+    assert [arch.is_moe_layer(i) for i in range(5)] == [False, False, True, True, True]
+    assert arch.intermediate_size == model.model.layers[0].feed_forward.w1.out_features == 36
+    assert (arch.router_scoring, arch.routed_scaling_factor, arch.router_renorm_eps) == ("sigmoid", 1.5, 1e-6)
+    assert arch.linear_state_shapes() == ((2, 40), (0, 0, 0))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(use_expert_bias=False), "use_expert_bias false is not supported yet"),
+        (dict(num_experts_per_tok=7), "num_experts_per_tok 7 must be in 1..num_experts"),
+    ],
+)
+def test_bad_moe_configs_are_refused_by_name(change: dict, message: str) -> None:
+    cfg, _ = config_of("moe")
+    with pytest.raises(ModelLoadError, match=message):
+        arch_from_hf_config({**cfg, **change})
 
 
 @pytest.mark.parametrize(
@@ -136,6 +163,56 @@ def test_the_published_checkpoint_layout_loads() -> None:
     assert torch.equal(
         params["model.layers.1.self_attn.q_norm.weight"], state["model.layers.1.self_attn.q_layernorm.weight"]
     )
+
+
+def test_both_moe_checkpoint_layouts_load() -> None:
+    """The published layout (feed_forward.experts.N.w1 / w3 / w2, as save_pretrained writes it) and
+    transformers 5's in-memory stacks (experts.gate_up_proj / down_proj) fill the same parameters; the
+    expert_bias buffer lands in the router."""
+    from overnight.models.lfm2 import Lfm2ForCausalLM
+
+    cfg, model = config_of("moe")
+    arch = arch_from_hf_config(cfg)
+    stacked = model.state_dict()
+    assert "model.layers.2.feed_forward.experts.gate_up_proj" in stacked
+    published = {}
+    for name, t in stacked.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            for e in range(t.shape[0]):
+                published[name.replace("gate_up_proj", f"{e}.w1.weight")] = gate[e]
+                published[name.replace("gate_up_proj", f"{e}.w3.weight")] = up[e]
+        elif name.endswith("experts.down_proj"):
+            for e in range(t.shape[0]):
+                published[name.replace("down_proj", f"{e}.w2.weight")] = t[e]
+        else:
+            published[name] = t
+    ours = []
+    for weights in (stacked, published):
+        m = Lfm2ForCausalLM(arch)
+        m.load_weights(weights.items())
+        ours.append(dict(m.named_parameters()))
+    for name, p in ours[0].items():
+        assert torch.equal(p, ours[1][name]), name
+    experts = ours[0]["model.layers.3.mlp.experts.gate_up_proj"]
+    assert torch.equal(experts, stacked["model.layers.3.feed_forward.experts.gate_up_proj"])
+    bias = ours[0]["model.layers.4.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(bias, stacked["model.layers.4.feed_forward.expert_bias"]) and bias.abs().sum() > 0
+
+
+def test_the_8b_a1b_preset_counts_its_published_sizes() -> None:
+    """LiquidAI/LFM2-8B-A1B's config (8.3B parameters, 1.5B active; 18 conv and 6 attention layers at
+    2, 6, 10, 14, 18, 21; two dense layers, then 32 experts of 1,792, 4 a token)."""
+    from overnight.loader.resolve import resolve_source
+
+    arch = resolve_source("lfm2-8b-a1b", load_format="dummy").arch
+    assert arch.architecture == "lfm2_moe" and arch.num_linear_layers == 18
+    assert [i for i in range(24) if not arch.is_linear_layer(i)] == [2, 6, 10, 14, 18, 21]
+    assert [i for i in range(24) if not arch.is_moe_layer(i)] == [0, 1]
+    assert arch.intermediate_size == 7168 and arch.tie_word_embeddings
+    assert 8.3e9 < arch.num_parameters() < 8.4e9
+    active = arch.num_linear_parameters(active_only=True) + arch.vocab_size * arch.hidden_size
+    assert 1.5e9 < active < 1.6e9
 
 
 def test_the_1_2b_preset_counts_its_published_sizes() -> None:
@@ -230,13 +307,14 @@ def test_token_exact_with_chunked_prefill(checkpoint) -> None:
 @pytest.mark.slow
 def test_token_exact_on_the_triton_path(checkpoint, monkeypatch) -> None:
     """Every layer on its GPU path (conv step without activation, the batched prefill conv, attention
-    with the fused QK norm + RoPE, the norms), through the Triton interpreter."""
+    with the fused QK norm + RoPE, the norms; the sigmoid router kernel and fused MoE), through the
+    Triton interpreter."""
     from overnight.kernels import dispatch
     from tests.test_hybrid_models import check, prompts_of
 
     variant, folder, ref = checkpoint
-    if variant != "biased":
-        pytest.skip("the interpreter is slow: the biased variant runs every kernel")
+    if variant == "tied":
+        pytest.skip("the interpreter is slow: the biased variant runs every kernel the tied one does")
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     llm = LLM(str(folder), max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, **ENGINE)
     check(llm, ref, prompts_of([1, 9, 30], seed=2), 6)
@@ -300,10 +378,10 @@ def test_padded_decode_batches_leave_real_states_alone(checkpoint) -> None:
 @pytest.mark.slow
 def test_decode_steps_have_no_host_syncs(checkpoint, monkeypatch) -> None:
     """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every layer on its GPU
-    path: the conv step kernel with its bias, QK-normed attention."""
+    path: the conv step kernel with its bias, QK-normed attention, the sigmoid router and fused MoE."""
     from tests.test_graph_safety import decode_guarded
 
     variant, folder, _ = checkpoint
-    if variant != "biased":
-        pytest.skip("the biased variant covers every kernel")
+    if variant == "tied":
+        pytest.skip("the biased variant covers every kernel the tied one runs")
     decode_guarded(folder, monkeypatch)
