@@ -200,6 +200,41 @@ def test_both_moe_checkpoint_layouts_load() -> None:
     assert torch.equal(bias, stacked["model.layers.4.feed_forward.expert_bias"]) and bias.abs().sum() > 0
 
 
+def test_the_router_renormalizes_as_transformers_on_both_paths() -> None:
+    """Tiny sigmoid scores (logits near -14: the chosen scores sum to about 1e-6), where the eps of the
+    renormalization (1e-6, GLM's is 1e-20) shrinks the weights: the kernel (interpreter) and the
+    reference both give transformers' Lfm2MoeTopKRouter weights for its experts."""
+    import transformers
+    from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+
+    from overnight.kernels.moe_router import grouped_router_topk
+    from overnight.layers.moe_grouped_router import GroupedRouting, grouped_router_topk_ref
+
+    gen = torch.Generator().manual_seed(3)
+    e, k, h = 8, 3, 16
+    cfg = transformers.Lfm2MoeConfig(
+        num_experts=e, num_experts_per_tok=k, hidden_size=h, routed_scaling_factor=1.5
+    )
+    router = Lfm2MoeTopKRouter(cfg)
+    x = torch.randn(7, h, generator=gen)
+    x[:, -1] = 1.0  # a constant input whose weight shifts every logit to about -14
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(e, h, generator=gen) / h**0.5)
+        router.weight[:, -1] = -14.0
+    bias = 0.5 * torch.randn(e, generator=gen)
+    logits, expect, chosen = router(x, bias)
+    assert (expect.sum(-1) < 1.45).all()  # the eps matters here: without it the weights would sum to 1.5
+    routing = GroupedRouting(k, e, renormalize=True, scaling=1.5, renorm_eps=1e-6)
+    want = chosen.sort(-1)
+    for weights, ids in (
+        grouped_router_topk_ref(logits, bias, routing),
+        grouped_router_topk(logits.to(DEVICE), bias.to(DEVICE), k, 1, 1, True, 1.5, 1e-6),
+    ):
+        order = ids.long().cpu().sort(-1).indices
+        assert torch.equal(ids.long().cpu().gather(1, order), want.values)
+        torch.testing.assert_close(weights.cpu().gather(1, order), expect.gather(1, want.indices))
+
+
 def test_the_8b_a1b_preset_counts_its_published_sizes() -> None:
     """LiquidAI/LFM2-8B-A1B's config (8.3B parameters, 1.5B active; 18 conv and 6 attention layers at
     2, 6, 10, 14, 18, 21; two dense layers, then 32 experts of 1,792, 4 a token)."""
