@@ -73,6 +73,8 @@ CASES = {
     "router-glm-4.5-air": lambda: router_case(128, 8, 1, 1),
     # MiniMax-M2: 256 experts, top 8, one group
     "router-minimax-m2": lambda: router_case(256, 8, 1, 1),
+    # LFM2-8B-A1B: 32 experts, top 4, one group
+    "router-lfm2-8b-a1b": lambda: router_case(32, 4, 1, 1),
     # the grouped choice (DeepSeek-V3's shape: 8 groups, the best 4 kept)
     "router-grouped": lambda: router_case(256, 8, 8, 4),
     # the softmax router: Qwen3-Next-80B-A3B / Qwen3.5-MoE (512 experts, top 10), Qwen3-235B-A22B (128)
