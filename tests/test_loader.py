@@ -188,6 +188,7 @@ def test_dummy_presets_have_published_shapes(name):
         "nemotron-nano-9b-v2",  # tests/test_nemotron_h.py
         "nemotron-3-nano-30b-a3b",  # tests/test_nemotron_h_moe.py
         "lfm2-1.2b",  # tests/test_lfm2.py
+        "lfm2-8b-a1b",
     }
     elsewhere |= set(QUANTIZED_PRESETS)
     assert set(preset_names()) == set(PRESETS) | elsewhere
