@@ -123,6 +123,7 @@ def test_older_config_keys_are_read_as_transformers_reads_them() -> None:
         (dict(layer_types=["conv"] * 4), "layer_types must name 5"),
         (dict(conv_L_cache=1), "conv_L_cache must be at least 2"),
         (dict(num_attention_heads=3), "hidden_size 40 does not split into 3"),
+        (dict(num_key_value_heads=3), "num_key_value_heads 3 must divide num_attention_heads 4"),
         (dict(block_multiple_of=0), "block_multiple_of must be positive"),
     ],
 )

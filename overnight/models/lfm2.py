@@ -247,8 +247,12 @@ def _lfm2_arch(cfg: dict[str, Any], moe: bool) -> ModelArch:
     if k < 2:
         raise ModelLoadError(f"conv_L_cache must be at least 2, got {k}")
     heads = int(cfg["num_attention_heads"])
-    if hidden % heads:
+    head_dim = cfg.get("head_dim")  # not an Lfm2Config field, but LlamaAttention reads one if given
+    if not head_dim and hidden % heads:
         raise ModelLoadError(f"hidden_size {hidden} does not split into {heads} attention heads")
+    kv_heads = int(cfg.get("num_key_value_heads") or 8)  # Lfm2Config's default
+    if kv_heads <= 0 or heads % kv_heads:
+        raise ModelLoadError(f"num_key_value_heads {kv_heads} must divide num_attention_heads {heads}")
     if "rope_theta" not in (cfg.get("rope_parameters") or {}) and "rope_theta" not in cfg:
         cfg = {**cfg, "rope_theta": 1e6}  # Lfm2Config's default_theta
     theta, scaling = rope_params(cfg)
@@ -260,8 +264,8 @@ def _lfm2_arch(cfg: dict[str, Any], moe: bool) -> ModelArch:
         hidden_size=hidden,
         num_hidden_layers=n,
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=hidden // heads,
+        num_key_value_heads=kv_heads,
+        head_dim=int(head_dim or hidden // heads),
         rms_norm_eps=float(cfg.get("norm_eps", 1e-5)),
         rope_theta=theta,
         rope_scaling=scaling,
