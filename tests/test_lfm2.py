@@ -93,7 +93,9 @@ def test_the_feed_forward_width_follows_transformers(sizes: dict) -> None:
     no_multiplier = "block_ffn_dim_multiplier" in sizes and sizes["block_ffn_dim_multiplier"] is None
     if no_multiplier:
         sizes = {k: v for k, v in sizes.items() if k != "block_ffn_dim_multiplier"}
-    cfg = transformers.Lfm2Config(hidden_size=8, num_hidden_layers=2, num_attention_heads=2, **sizes)
+    cfg = transformers.Lfm2Config(
+        hidden_size=8, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, **sizes
+    )
     if no_multiplier:  # transformers 5 refuses None as an argument, and still reads it in Lfm2MLP
         object.__setattr__(cfg, "block_ffn_dim_multiplier", None)
     with torch.device("meta"):
