@@ -238,6 +238,14 @@ def test_the_router_renormalizes_as_transformers_on_both_paths() -> None:
         torch.testing.assert_close(weights.cpu().gather(1, order), expect.gather(1, want.indices))
 
 
+def _built_parameters(arch) -> int:
+    """Parameters of our model class built on the meta device (no memory)."""
+    from overnight.models.lfm2 import Lfm2ForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Lfm2ForCausalLM(arch).parameters())
+
+
 def test_the_8b_a1b_preset_counts_its_published_sizes() -> None:
     """LiquidAI/LFM2-8B-A1B's config (8.3B parameters, 1.5B active; 18 conv and 6 attention layers at
     2, 6, 10, 14, 18, 21; two dense layers, then 32 experts of 1,792, 4 a token)."""
@@ -249,6 +257,7 @@ def test_the_8b_a1b_preset_counts_its_published_sizes() -> None:
     assert [i for i in range(24) if not arch.is_moe_layer(i)] == [0, 1]
     assert arch.intermediate_size == 7168 and arch.tie_word_embeddings
     assert 8.3e9 < arch.num_parameters() < 8.4e9
+    assert arch.num_parameters() == _built_parameters(arch)
     active = arch.num_linear_parameters(active_only=True) + arch.vocab_size * arch.hidden_size
     assert 1.5e9 < active < 1.6e9
 
@@ -264,6 +273,7 @@ def test_the_1_2b_preset_counts_its_published_sizes() -> None:
     assert arch.intermediate_size == 8192 and arch.tie_word_embeddings and arch.rope_theta == 1e6
     assert (arch.head_dim, arch.num_key_value_heads, arch.rms_norm_eps) == (64, 8, 1e-5)
     assert 1.16e9 < arch.num_parameters() < 1.18e9
+    assert arch.num_parameters() == _built_parameters(arch)
     assert arch.linear_state_bytes() == 10 * 4 * 2 * 2048  # two rows of 2,048 float32 per conv layer
     assert arch.kv_bytes_per_token(2) == 6 * 2 * 8 * 64 * 2
 
