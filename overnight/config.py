@@ -267,6 +267,13 @@ class ModelArch:
     # The gated RMSNorm before out_proj normalizes each of mamba_norm_groups equal slices of the mixer's
     # width on its own: 1 (Granite: the whole width) or n_groups (Nemotron-H).
     mamba_norm_groups: int = 1
+    # LFM2's gated short convolutions in the "linear_attention" layers (models/lfm2.py; short_conv_kernel
+    # > 0 marks them, config.json's conv_L_cache): in_proj gives B, C and x (hidden_size each), the layer
+    # returns out_proj(C * conv(B * x)), a depthwise causal conv of short_conv_kernel taps without an
+    # activation. Its state is the conv's alone (the last K - 1 values of B * x); no recurrent state.
+    # short_conv_bias: biases on in_proj, the conv and out_proj (config.json's conv_bias).
+    short_conv_kernel: int = 0
+    short_conv_bias: bool = False
     # Nemotron-H's layout (models/nemotron_h.py), its hybrid_override_pattern of "M" (Mamba2), "*"
     # (attention), "-" (MLP) and "E" (mixture of experts, Nemotron 3) blocks; "" for every other family.
     # Set, each layer here is a single mixer (the pattern's M and * in order, layer_types) behind one
@@ -293,6 +300,9 @@ class ModelArch:
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    # what the sigmoid router's renormalization adds to the chosen weights' sum: GLM's 1e-20, LFM2-MoE's
+    # 1e-6 (each as transformers computes it)
+    router_renorm_eps: float = 1e-20
     shared_expert_gated: bool = True
     # Llama 4 (models/llama4.py): the RoPE layers' q and k L2-normalized per head after the rotation,
     # without a weight (qk_l2_norm, HF's use_qk_norm); the NoPE layers' q scaled by its position,
@@ -469,12 +479,25 @@ class ModelArch:
         return self.mamba_n_heads > 0
 
     @property
+    def is_short_conv(self) -> bool:
+        """Whether the linear layers are LFM2's gated short convolutions (a conv state, no recurrence)."""
+        return self.short_conv_kernel > 0
+
+    @property
+    def is_gated_delta(self) -> bool:
+        """Whether the linear layers are Gated DeltaNet's (Qwen3.5 / Qwen3-Next, whose attention layers
+        carry an output gate in q_proj)."""
+        return bool(self.num_linear_layers) and not self.is_mamba2 and not self.is_short_conv
+
+    @property
     def mamba_intermediate(self) -> int:
         return self.mamba_n_heads * self.mamba_d_head
 
     def linear_state_shapes(self) -> tuple[tuple[int, int], tuple[int, int, int]]:
         """One linear layer's state of one request: (conv (K - 1, conv channels), the recurrent state):
         Gated DeltaNet's delta rule (Hv, dk, dv), or Mamba2's SSM state (heads, d_head, d_state)."""
+        if self.is_short_conv:  # the conv over B * x, and no recurrent state (an empty one)
+            return (self.short_conv_kernel - 1, self.hidden_size), (0, 0, 0)
         if self.is_mamba2:
             conv = self.mamba_intermediate + 2 * self.mamba_n_groups * self.mamba_d_state
             return (self.mamba_d_conv - 1, conv), (self.mamba_n_heads, self.mamba_d_head, self.mamba_d_state)
@@ -494,6 +517,8 @@ class ModelArch:
         b, a) and out_proj, or Mamba2's in_proj (z, x|B|C, dt) and out_proj."""
         h = self.hidden_size
         (_, conv), _ = self.linear_state_shapes()
+        if self.is_short_conv:  # in_proj (B, C, x) and out_proj
+            return 4 * h * h, 4 * h
         if self.is_mamba2:
             inner, heads = self.mamba_intermediate, self.mamba_n_heads
             return h * (inner + conv + heads) + inner * h, inner + conv + heads + h
@@ -505,6 +530,8 @@ class ModelArch:
         """One linear layer's weights beside its projections: the conv (and Mamba2's conv bias and
         projection biases), A_log, dt_bias (Mamba2's D) and the output norm."""
         (k1, conv), _ = self.linear_state_shapes()
+        if self.is_short_conv:  # the conv's taps; with short_conv_bias, the conv's and projections' biases
+            return conv * (k1 + 1) + (conv + 4 * self.hidden_size) * self.short_conv_bias
         if self.is_mamba2:
             _, rows = self._linear_mixer_shape()
             biases = conv * self.mamba_conv_bias + rows * self.mamba_proj_bias
@@ -580,7 +607,7 @@ class ModelArch:
         attention = sum(self._attention_linear(i)[0] for i in range(n) if not self.is_linear_layer(i))
         if self.num_linear_layers:  # hybrid: the linear layers' projections; Qwen's gated attention
             # (q_proj gives q and a gate) too
-            if not self.is_mamba2:
+            if self.is_gated_delta:
                 attention += self.hidden_size * self.q_size * (n - self.num_linear_layers)
             attention += self._linear_mixer_shape()[0] * self.num_linear_layers
         return attention + self.mlp_params(active_only)
@@ -666,7 +693,7 @@ class ModelArch:
                 rows += mixer_rows
             else:
                 attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
-                if self.num_linear_layers and not self.is_mamba2:  # Qwen's gated attention: q and a gate
+                if self.is_gated_delta:  # Qwen's gated attention: q and a gate
                     attention_params += h * self.q_size
                     attention_rows += self.q_size
                 params += attention_params

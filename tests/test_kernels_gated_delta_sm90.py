@@ -32,16 +32,18 @@ def delta_case(varlen: bool):
     return _delta_rule_kernel, BF16_DELTA, cx, 4, 3
 
 
-def conv_case():
+def conv_case(channels: int = 8192, k: int = 4, silu: bool = True):
     from overnight.kernels.gated_delta_decode import _conv_step_kernel
 
-    return _conv_step_kernel, BF16_CONV, dict(C=8192, K=4, BLOCK_C=256, HAS_BIAS=False), 4, 3
+    cx = dict(C=channels, K=k, BLOCK_C=256, HAS_BIAS=False, SILU=silu)
+    return _conv_step_kernel, BF16_CONV, cx, 4, 3
 
 
 CASES = {
     "delta-decode": lambda: delta_case(False),
     "delta-varlen": lambda: delta_case(True),
     "conv": conv_case,
+    "conv-lfm2": lambda: conv_case(2048, 3, silu=False),  # LFM2's short conv: 3 taps, no activation
 }
 
 

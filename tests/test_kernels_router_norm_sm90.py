@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 ROUTER = dict(
     logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i32", scaling="fp32"
 )  # fmt: skip
+GROUPED_ROUTER = {**ROUTER, "renorm_eps": "fp32"}  # the grouped kernel's renormalization eps
 NORM = dict(
     x_ptr="*bf16", res_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp8e4nv", res_out_ptr="*bf16",
     scale_ptr="*fp32", dense_ptr="*bf16", eps="fp32",
@@ -35,7 +36,7 @@ def router_case(experts: int, top_k: int, n_group: int, topk_group: int):
         N_GROUP=n_group, G_P2=triton.next_power_of_2(n_group), GROUP=experts // n_group,
         TOPK_GROUP=topk_group, BLOCK_T=ROUTER_BLOCK_T, RENORMALIZE=True,
     )  # fmt: skip
-    return _grouped_router_kernel, ROUTER, cx, router_warps(cx["E_P2"], topk_group < n_group), 3
+    return _grouped_router_kernel, GROUPED_ROUTER, cx, router_warps(cx["E_P2"], topk_group < n_group), 3
 
 
 def softmax_router_case(experts: int, top_k: int):
@@ -72,6 +73,8 @@ CASES = {
     "router-glm-4.5-air": lambda: router_case(128, 8, 1, 1),
     # MiniMax-M2: 256 experts, top 8, one group
     "router-minimax-m2": lambda: router_case(256, 8, 1, 1),
+    # LFM2-8B-A1B: 32 experts, top 4, one group
+    "router-lfm2-8b-a1b": lambda: router_case(32, 4, 1, 1),
     # the grouped choice (DeepSeek-V3's shape: 8 groups, the best 4 kept)
     "router-grouped": lambda: router_case(256, 8, 8, 4),
     # the softmax router: Qwen3-Next-80B-A3B / Qwen3.5-MoE (512 experts, top 10), Qwen3-235B-A22B (128)

@@ -187,6 +187,8 @@ def test_dummy_presets_have_published_shapes(name):
         "granite-4.0-h-small",  # tests/test_granite_hybrid.py
         "nemotron-nano-9b-v2",  # tests/test_nemotron_h.py
         "nemotron-3-nano-30b-a3b",  # tests/test_nemotron_h_moe.py
+        "lfm2-1.2b",  # tests/test_lfm2.py
+        "lfm2-8b-a1b",
     }
     elsewhere |= {"qwen1.5-moe-a2.7b"}  # tests/test_qwen2_moe.py
     elsewhere |= {"ernie-4.5-21b-a3b"}  # tests/test_ernie4_5.py

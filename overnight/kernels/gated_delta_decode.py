@@ -59,6 +59,7 @@ def _conv_step_kernel(
     K: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
 ):
     n = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -83,7 +84,7 @@ def _conv_step_kernel(
     if HAS_BIAS:  # Mamba2's conv bias, added before the activation
         acc += tl.load(bias_ptr + offs_c, mask=mask, other=0.0).to(tl.float32)
     acc = acc.to(wdt).to(tl.float32)
-    y = acc / (1.0 + tl.exp(-acc))
+    y = acc / (1.0 + tl.exp(-acc)) if SILU else acc  # LFM2's short conv has no activation
     tl.store(out_ptr + n.to(tl.int64) * stride_o + offs_c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -232,9 +233,10 @@ def conv_step(
     has_state: torch.Tensor,
     block_c: int = 256,
     bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> torch.Tensor:
-    """silu(causal depthwise conv + bias) of one token per sequence, shifting each slot's conv state in
-    place.
+    """silu(causal depthwise conv + bias) of one token per sequence (silu False: without the
+    activation, LFM2's short conv), shifting each slot's conv state in place.
 
     x [N, C] (unit stride along C); weight [C, K] contiguous; bias [C] contiguous or None;
     conv_pool [S, K-1, C] float32. Returns [N, C] in x's dtype."""
@@ -267,6 +269,7 @@ def conv_step(
             K=k,
             BLOCK_C=block_c,
             HAS_BIAS=bias is not None,
+            SILU=silu,
             num_warps=4,
         )
     return out

@@ -113,6 +113,7 @@ def _grouped_router_kernel(
     num_tokens,
     stride_lt,
     scaling,
+    renorm_eps,
     E: tl.constexpr,
     E_P2: tl.constexpr,
     TOP_K: tl.constexpr,
@@ -168,7 +169,7 @@ def _grouped_router_kernel(
         top_id = tl.where(offs_j[None, :] == j, best[:, None].to(tl.int32), top_id)
         choice = tl.where(hit, float("-inf"), choice)
     if RENORMALIZE:
-        top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + 1e-20)  # lanes j >= TOP_K hold 0
+        top_w = top_w / (tl.sum(top_w, axis=1)[:, None] + renorm_eps)  # lanes j >= TOP_K hold 0
     top_w = top_w * scaling
 
     out = offs_t[:, None].to(tl.int64) * TOP_K + offs_j[None, :]
@@ -185,10 +186,12 @@ def grouped_router_topk(
     topk_group: int,
     renormalize: bool,
     scaling: float,
+    renorm_eps: float = 1e-20,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (unit stride along E), bias [E] -> (weights [T, k] float32, expert ids [T, k]
     int32), by decreasing biased score: sigmoid scores plus bias choose among the topk_group best of
-    n_group groups, the unbiased scores weigh (renormalized, times scaling)."""
+    n_group groups, the unbiased scores weigh (renormalized: divided by their sum + renorm_eps, GLM's
+    1e-20 or LFM2-MoE's 1e-6; times scaling)."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be [T, E] with unit stride along E, got {tuple(logits.shape)}")
     num_tokens, num_experts = logits.shape
@@ -214,6 +217,7 @@ def grouped_router_topk(
         num_tokens,
         logits.stride(0),
         float(scaling),
+        float(renorm_eps),
         E=num_experts,
         E_P2=triton.next_power_of_2(num_experts),
         TOP_K=top_k,

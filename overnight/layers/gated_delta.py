@@ -42,29 +42,37 @@ def gdn_gates(
 
 
 def causal_conv1d_ref(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. x [T, C]; weight [C, K]; state [K-1, C] (the K-1 inputs before x; None: zeros);
-    bias [C] or None (Mamba2's conv has one). Returns (silu(conv + bias) [T, C] in x's dtype, the new
-    state [K-1, C] float32: the last K-1 inputs)."""
+    bias [C] or None (Mamba2's conv has one). Returns (silu(conv + bias) [T, C] in x's dtype (silu
+    False: conv + bias, LFM2's short conv), the new state [K-1, C] float32: the last K-1 inputs)."""
     t, c = x.shape
     k = weight.shape[1]
     if state is None:
         state = x.new_zeros(k - 1, c, dtype=torch.float32)
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype)], dim=0)  # [K-1+T, C]
     out = F.conv1d(window.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=c)[0].t()  # [T, C]
-    return F.silu(out).to(x.dtype), window[-(k - 1) :].float()
+    return (F.silu(out) if silu else out).to(x.dtype), window[-(k - 1) :].float()
 
 
 def causal_conv1d_step_ref(
-    x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    state: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of each of N sequences. x [N, C]; state [N, K-1, C]; bias [C] or None. Returns
-    (silu(conv + bias) [N, C], the shifted state [N, K-1, C] float32)."""
+    (silu(conv + bias) [N, C] (silu False: conv + bias), the shifted state [N, K-1, C] float32)."""
     window = torch.cat([state.to(weight.dtype), x.to(weight.dtype).unsqueeze(1)], dim=1)  # [N, K, C]
     c = x.shape[1]
     out = F.conv1d(window.transpose(1, 2), weight.unsqueeze(1), bias, groups=c)[:, :, -1]
-    return F.silu(out).to(x.dtype), window[:, 1:].float()
+    return (F.silu(out) if silu else out).to(x.dtype), window[:, 1:].float()
 
 
 def _expand_heads(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:

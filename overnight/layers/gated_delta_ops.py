@@ -282,10 +282,12 @@ def varlen_causal_conv1d(
     slots: list[int],
     has_state: list[bool],
     bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> torch.Tensor:
     """causal_conv1d_ref over n sequences packed in x [T, C] (sequence i: rows starts[i] .. starts[i+1])
     in one conv call, each starting from its slot's conv state (zeros without one) and leaving its last
-    K-1 inputs there. Returns silu(conv + bias) [T, C] in x's dtype (bias [C]: Mamba2's; None: none).
+    K-1 inputs there. Returns silu(conv + bias) [T, C] in x's dtype (bias [C]: Mamba2's; None: none;
+    silu False: conv + bias, LFM2's short conv).
 
     Each sequence gets its K-1 state rows in front of it in one long buffer; a window of K then never
     reaches into the previous sequence, so one unpadded conv over the buffer gives every sequence's
@@ -309,7 +311,8 @@ def varlen_causal_conv1d(
     ext[tok_pos] = x.to(wdt)
     ext[state_pos] = torch.where(keep, conv_pool[slot_t], 0.0).to(wdt).reshape(n * k1, c)
     out = F.conv1d(ext.t().unsqueeze(0), weight.unsqueeze(1), bias, groups=c)[0].t()  # row p: ext p .. p+k1
-    y = F.silu(out[tok_pos - k1]).to(x.dtype)
+    y = out[tok_pos - k1]
+    y = (F.silu(y) if silu else y).to(x.dtype)
     seg_end = seg_start + k1 + lens  # exclusive
     conv_pool.index_copy_(0, slot_t, ext[(seg_end[:, None] - k1 + window).reshape(-1)].view(n, k1, c).float())
     return y

@@ -9,7 +9,8 @@ each token, from its router logits [E] (float32),
     groups  = the E experts in n_group runs of E / n_group; a group's score is the sum of its two
               largest choice values; the topk_group best groups stay, the other experts drop out
     ids     = the top_k largest choice values among the experts left
-    weights = scores[ids], divided by their sum (+ 1e-20) when renormalize, times scaling
+    weights = scores[ids], divided by their sum (+ renorm_eps: GLM's 1e-20, LFM2-MoE's 1e-6) when
+              renormalize, times scaling
 
 as transformers' Glm4MoeTopkRouter computes them. The result is (weights [T, k] float32, ids [T, k]
 int32), ids by decreasing choice value (the experts' weighted sum does not depend on the order).
@@ -37,6 +38,7 @@ class GroupedRouting:
     topk_group: int = 1
     renormalize: bool = True
     scaling: float = 1.0
+    renorm_eps: float = 1e-20
 
     def __post_init__(self) -> None:
         e, g = self.num_experts, self.n_group
@@ -67,7 +69,7 @@ def grouped_router_topk_ref(
     ids = choice.topk(routing.top_k, dim=-1).indices
     weights = scores.gather(1, ids)
     if routing.renormalize:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + routing.renorm_eps)
     return weights * routing.scaling, ids.to(torch.int32)
 
 
@@ -86,5 +88,6 @@ def select_grouped_experts(
             routing.topk_group,
             routing.renormalize,
             routing.scaling,
+            routing.renorm_eps,
         )
     return grouped_router_topk_ref(logits, bias, routing)

@@ -65,6 +65,7 @@ class Glm4MoeTopkRouter(nn.Module):
             arch.topk_group,
             arch.norm_topk_prob,
             arch.routed_scaling_factor,
+            arch.router_renorm_eps,
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,6 +31,7 @@ from overnight.models.hf_config import (
 )
 from overnight.models.hunyuan import HunYuanForCausalLM
 from overnight.models.internvl import InternVLForConditionalGeneration, InternVLMoeForConditionalGeneration
+from overnight.models.lfm2 import Lfm2ForCausalLM, lfm2_arch
 from overnight.models.llama import LlamaForCausalLM, Mistral3ForConditionalGeneration
 from overnight.models.llama4 import Llama4ForCausalLM
 from overnight.models.llama4_config import llama4_arch
@@ -109,6 +110,9 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     # Mamba2 + attention hybrids (models/granite_hybrid.py), on the same state cache
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    # LFM2: gated short convs + attention (models/lfm2.py), on the same state cache (conv states only)
+    "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2ForCausalLM,
 }
 # HF `architectures` entry -> family
 _HF_ARCHITECTURES: dict[str, str] = {
@@ -174,6 +178,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "Lfm2ForCausalLM": "lfm2",
+    "Lfm2MoeForCausalLM": "lfm2_moe",
 }
 # Families whose checkpoints with a vision_config (arch.vision set) use another class: the decoder with
 # a vision tower and M-RoPE.
@@ -320,6 +326,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return granite_hybrid_arch(cfg)
     if family == "nemotron_h":
         return nemotron_h_arch(cfg)
+    if family in ("lfm2", "lfm2_moe"):
+        return lfm2_arch(cfg, moe=family == "lfm2_moe")
     if family == "gpt_oss":
         return _gpt_oss_arch(cfg)
     if family in ("llama4", "llama4_text"):

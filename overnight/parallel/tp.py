@@ -132,6 +132,13 @@ class TPShards:
 
     def check(self) -> None:
         a, w = self.arch, self.world
+        # LFM2's short convs: in_proj's B | C | x thirds and the conv channels would split by rank, but
+        # the state cache sizes a conv state by the whole hidden_size; refused until that is sharded too.
+        if a.is_short_conv and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for LFM2's short-conv layers: use 1 "
+                "(data_parallel_size runs several copies)"
+            )
         problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.is_mamba2:
             problems += mamba2_problems(a, w)

@@ -382,9 +382,11 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"{b.full_block_padding:.0%} of it unused (counted in the sequences that fit)"
         )
     if b.state_bytes_per_seq:
+        # LFM2's short convs keep no recurrent state
+        kinds = "" if arch.is_short_conv else f"delta-rule states in {b.state_dtype}, "
         lines.append(
             f"linear-attention states: {b.state_bytes_per_seq / 2**20:.1f} MiB per request "
-            f"({arch.num_linear_layers} layers, delta-rule states in {b.state_dtype}, conv states in "
+            f"({arch.num_linear_layers} layers, {kinds}conv states in "
             f"float32); state pool {b.state_pool_bytes / GIB:.2f} GiB "
             f"({b.max_num_seqs} + 1 slots and {b.state_snapshots} prefix-cache snapshots), set aside "
             f"before the KV pool: {b.caches_bytes / GIB:.2f} GiB for caches - {b.state_pool_bytes / GIB:.2f} "
