@@ -21,6 +21,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.activation import SiluAndMul
+from overnight.layers.layer_norm import LayerNormNoBias
 from overnight.layers.norm import RMSNorm, sharded_rms_norm_pair
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import load_packed_weights, split_fused_tensors, text_model_tensors
@@ -233,7 +234,7 @@ class LlamaModel(nn.Module):
             make_layer(arch, i, spec, tables[spec.rope] if spec.rope else None, make_mlp)
             for i, spec in enumerate(specs)
         )
-        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.norm = final_norm(arch)
         self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
@@ -274,7 +275,16 @@ class LlamaForCausalLM(nn.Module):
 
 
 def scaled_logits(arch: ModelArch, logits: torch.Tensor) -> torch.Tensor:
+    if arch.logit_scale != 1.0:  # Cohere
+        logits = logits * arch.logit_scale
     return logits if arch.logits_scaling == 1.0 else logits / arch.logits_scaling  # Granite
+
+
+def final_norm(arch: ModelArch) -> nn.Module:
+    """The norm after the last layer: RMSNorm, or Cohere's bias-free LayerNorm (norm_type "layer")."""
+    if arch.norm_type == "layer":
+        return LayerNormNoBias(arch.hidden_size, eps=arch.layer_norm_eps)
+    return RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
 
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):
