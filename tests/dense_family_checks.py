@@ -173,3 +173,20 @@ def kernels_match_pytorch_path(folder: Path, monkeypatch) -> None:
     )  # fmt: skip
     got = run_steps(model, a.vocab_size, backend)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * float(expected.abs().max()))
+
+
+def preset_has_published_shape(
+    name: str, layers: int, heads: int, kv_heads: int, head_dim: int, mlp: int, vocab: int, count: int
+) -> torch.nn.Module:
+    """The preset (dummy weights, on meta) has the published checkpoint's shapes and parameter count,
+    ModelArch's count equal to the built model's."""
+    source = resolve_source(name, load_format="dummy")
+    model = build_model(source, torch.bfloat16, "meta")
+    assert sum(p.numel() for p in model.parameters()) == count == source.arch.num_parameters()
+    attn = model.model.layers[0].self_attn
+    assert (len(model.model.layers), attn.num_heads, attn.num_kv_heads, attn.head_dim) == (
+        layers, heads, kv_heads, head_dim,
+    )  # fmt: skip
+    assert model.model.layers[0].mlp.down_proj.weight.shape[1] == mlp
+    assert model.lm_head.weight.shape[0] == vocab
+    return model

@@ -11,7 +11,12 @@ from overnight.errors import ModelLoadError
 from overnight.layers.xielu import XIELU
 from overnight.models.apertus import ApertusForCausalLM
 from overnight.models.registry import arch_from_hf_config
-from tests.dense_family_checks import engine_matches_transformers, make_checkpoint, parameter_count_matches
+from tests.dense_family_checks import (
+    engine_matches_transformers,
+    make_checkpoint,
+    parameter_count_matches,
+    preset_has_published_shape,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +71,17 @@ def test_other_activations_are_refused():
     )  # fmt: skip
     with pytest.raises(ModelLoadError, match="hidden_act 'silu' for Apertus"):
         arch_from_hf_config(cfg)
+
+
+def test_preset_has_the_published_shape():
+    """swiss-ai/Apertus-8B-Instruct-2509: 8.05B parameters, no gate projection."""
+    model = preset_has_published_shape("apertus-8b", 32, 32, 8, 128, 21504, 131072, 8_053_338_176)
+    assert not hasattr(model.model.layers[0].mlp, "gate_up_proj")
+
+
+def test_tensor_parallelism_is_refused_by_name(checkpoint):
+    from overnight.loader.resolve import resolve_source
+    from overnight.parallel.tp import TPShards
+
+    with pytest.raises(ModelLoadError, match="not supported yet for Apertus"):
+        TPShards(resolve_source(str(checkpoint)).arch, 0, 2).check()

@@ -16,6 +16,7 @@ from tests.dense_family_checks import (
     kernels_match_pytorch_path,
     make_checkpoint,
     parameter_count_matches,
+    preset_has_published_shape,
 )
 
 
@@ -61,3 +62,33 @@ def test_command_r_rotates_every_layer():
 def test_qk_norm_is_refused():
     with pytest.raises(ModelLoadError, match="use_qk_norm"):
         arch_from_hf_config({**_BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
+
+
+def test_preset_has_the_published_shape():
+    """CohereLabs/c4ai-command-r7b-12-2024: 8.03B parameters, tied embeddings, logits times 0.25."""
+    model = preset_has_published_shape("command-r7b", 32, 32, 8, 128, 14336, 256000, 8_028_033_024)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.arch.logit_scale == 0.25
+
+
+@pytest.mark.slow  # two rank processes
+def test_tensor_parallel_matches_transformers(tmp_path):
+    """TP=2 under the shared rules (parallel/tp.py): each rank holds half the heads and MLP columns; the
+    parallel block's two row-parallel outputs are each reduced, the tied head split by vocabulary."""
+    from overnight import LLM, SamplingParams
+    from tests.dense_family_checks import reference
+    from tests.test_families import _hf_greedy
+
+    variant = "cohere2"  # windows, NoPE layers and the tied head
+    folder = make_checkpoint(tmp_path, variant)
+    prompts = [list(range(5, 5 + n)) for n in (9, 3 * WINDOW + 2)]
+    llm = LLM(str(folder), tensor_parallel_size=2, skip_tokenizer_init=True, dtype="float32", device="cpu",
+              block_size=4, max_num_batched_tokens=11, max_model_len=64)  # fmt: skip
+    try:
+        params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.engine.runner.shutdown()  # type: ignore[attr-defined]
+    ref = reference(folder, variant)
+    for prompt, out in zip(prompts, outs):
+        expected, _ = _hf_greedy(ref, prompt, stepwise=False)
+        assert out.outputs[0].token_ids == expected[:8], f"{variant}: prompt of {len(prompt)} tokens"

@@ -15,6 +15,7 @@ from tests.dense_family_checks import (
     kernels_match_pytorch_path,
     make_checkpoint,
     parameter_count_matches,
+    preset_has_published_shape,
 )
 
 
@@ -60,3 +61,11 @@ def test_without_a_window_every_layer_is_full_and_rotated():
 def test_bad_pattern_is_refused():
     with pytest.raises(ModelLoadError, match="sliding_window_pattern"):
         arch_from_hf_config({**_BASE, "sliding_window": WINDOW, "sliding_window_pattern": "LXG"})
+
+
+def test_preset_has_the_published_shape():
+    """LGAI-EXAONE/EXAONE-4.0-32B: 32.0B parameters (30.95B without the embeddings); layers 3, 7, ...
+    full and unrotated."""
+    model = preset_has_published_shape("exaone-4.0-32b", 64, 40, 8, 128, 27392, 102400, 32_003_216_384)
+    assert model.model.layers[3].self_attn.rotary_emb is None
+    assert model.model.layers[2].self_attn.rotary_emb is not None

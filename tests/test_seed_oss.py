@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from overnight.models.registry import arch_from_hf_config
-from tests.dense_family_checks import engine_matches_transformers, make_checkpoint, parameter_count_matches
+from tests.dense_family_checks import (
+    engine_matches_transformers,
+    make_checkpoint,
+    parameter_count_matches,
+    preset_has_published_shape,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,3 +36,10 @@ def test_bias_flags_are_read_apart():
     assert default.attention_bias and not default.o_proj_bias
     swapped = arch_from_hf_config({**base, "attention_bias": False, "attention_out_bias": True})
     assert not swapped.attention_bias and swapped.o_proj_bias
+
+
+def test_preset_has_the_published_shape():
+    """ByteDance-Seed/Seed-OSS-36B-Instruct: 36.15B parameters."""
+    model = preset_has_published_shape("seed-oss-36b", 64, 80, 8, 128, 27648, 155136, 36_151_104_512)
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None

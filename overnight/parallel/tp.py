@@ -157,6 +157,11 @@ class TPShards:
                 f"tensor_parallel_size {w} is more than the {groups} {MXFP4_GROUP}-column scale groups of "
                 f"the MXFP4 experts' intermediate size {a.moe_intermediate_size}; use a smaller one"
             )
+        # Apertus' ungated MLP (up_proj alone, and xIELU's per-layer scalars) has no column rule here.
+        if a.hidden_act == "xielu" and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Apertus (its ungated xIELU MLP): use 1"
+            )
         # Ungated experts' first projection is the up rows alone, not the [gate | up] halves the expert
         # shards take; refused on its own, whatever becomes of the Mamba2 check above.
         if a.num_experts and not a.experts_gated and w > 1:
