@@ -85,3 +85,10 @@ def test_tensor_parallelism_is_refused_by_name(checkpoint):
 
     with pytest.raises(ModelLoadError, match="not supported yet for Apertus"):
         TPShards(resolve_source(str(checkpoint)).arch, 0, 2).check()
+
+
+@pytest.mark.slow  # the Triton interpreter
+def test_kernels_match_pytorch_path(tmp_path, monkeypatch):
+    from tests.dense_family_checks import kernels_match_pytorch_path
+
+    kernels_match_pytorch_path(make_checkpoint(tmp_path, "apertus"), monkeypatch)

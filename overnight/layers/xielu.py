@@ -7,7 +7,8 @@
 with a_p, a_n learned per layer (one value each, the checkpoint's mlp.act_fn.alpha_p / alpha_n) and
 beta = 0.5, eps = -1e-6 fixed: transformers builds every Apertus layer with these and the checkpoints'
 beta / eps buffers hold them (models/apertus.py checks that and drops them). Both branches are computed
-and one is selected per element, so the op has no data-dependent control flow (CUDA graphs capture it).
+and one is selected per element, so the op has no data-dependent control flow (CUDA graphs capture it);
+on the GPU one Triton pass does it all (kernels/xielu.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from overnight.kernels.dispatch import use_kernels
 
 XIELU_BETA = 0.5
 XIELU_EPS = -1e-6
@@ -40,6 +43,10 @@ class XIELU(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_kernels(x) and x.is_contiguous():
+            from overnight.kernels.xielu import xielu  # triton loads on first use
+
+            return xielu(x, self.alpha_p, self.alpha_n, self.beta, self.eps)
         return xielu_ref(x, self.alpha_p, self.alpha_n, self.beta, self.eps)
 
     def extra_repr(self) -> str:
