@@ -713,7 +713,8 @@ class ModelArch:
         if self.o_proj_bias:
             per_layer += h
         if self.qk_norm:
-            per_layer += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
+            whole = self.qk_norm_whole or self.norm_type == "layer"  # OLMo; Command R+: a row per head
+            per_layer += self.q_size + self.kv_size if whole else 2 * self.head_dim
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h

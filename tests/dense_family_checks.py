@@ -70,6 +70,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {
     ),
     "apertus": ("ApertusConfig", "ApertusForCausalLM", dict(hidden_act="xielu")),
     "cohere": ("CohereConfig", "CohereForCausalLM", dict(logit_scale=0.25, tie_word_embeddings=True)),
+    # Command R+: per-head q/k LayerNorms, a weight row per head.
+    "cohere-plus": ("CohereConfig", "CohereForCausalLM", dict(use_qk_norm=True, tie_word_embeddings=True)),
     "cohere2": (
         "Cohere2Config",
         "Cohere2ForCausalLM",

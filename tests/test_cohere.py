@@ -1,7 +1,7 @@
-"""Cohere Command R (CohereForCausalLM) and R7B / A (Cohere2ForCausalLM) against transformers on tiny
-random checkpoints (tests/dense_family_checks.py): parallel attention + MLP on one bias-free LayerNorm,
-interleaved RoPE, logit_scale, tied embeddings (Command R), and Cohere 2's sliding layers with an
-unrotated full layer."""
+"""Cohere Command R / R+ (CohereForCausalLM) and R7B / A (Cohere2ForCausalLM) against transformers on
+tiny random checkpoints (tests/dense_family_checks.py): parallel attention + MLP on one bias-free
+LayerNorm, interleaved RoPE, logit_scale, tied embeddings, Command R+'s per-head q/k LayerNorms, and
+Cohere 2's sliding layers with an unrotated full layer."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from tests.dense_family_checks import (
 )
 
 
-@pytest.fixture(scope="module", params=["cohere", "cohere2"])
+@pytest.fixture(scope="module", params=["cohere", "cohere-plus", "cohere2"])
 def checkpoint(request, tmp_path_factory):
     return request.param, make_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
 
@@ -36,8 +36,9 @@ def test_parameter_count_matches_transformers(checkpoint):
 
 
 @pytest.mark.slow  # the Triton interpreter
-def test_kernels_match_pytorch_path(tmp_path, monkeypatch):
-    kernels_match_pytorch_path(make_checkpoint(tmp_path, "cohere2"), monkeypatch)
+@pytest.mark.parametrize("variant", ["cohere-plus", "cohere2"])  # R+'s q/k LayerNorms stay out of the
+def test_kernels_match_pytorch_path(variant, tmp_path, monkeypatch):  # fused RMSNorm + RoPE kernel
+    kernels_match_pytorch_path(make_checkpoint(tmp_path, variant), monkeypatch)
 
 
 _BASE = dict(
@@ -59,9 +60,17 @@ def test_command_r_rotates_every_layer():
     assert all(s.rope is not None and s.attention.sliding_window is None for s in specs)
 
 
-def test_qk_norm_is_refused():
-    with pytest.raises(ModelLoadError, match="use_qk_norm"):
-        arch_from_hf_config({**_BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
+def test_qk_norms_are_command_r_plus_only_and_refuse_tensor_parallelism():
+    from overnight.parallel.tp import TPShards
+
+    plus = arch_from_hf_config({**_BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
+    assert plus.qk_norm
+    with pytest.raises(ModelLoadError, match="Command R\\+'s per-head q/k LayerNorms"):
+        TPShards(plus, 0, 2).check()
+    # Cohere 2 has no such option: transformers ignores the key, and so do we.
+    assert not arch_from_hf_config(
+        {**_BASE, "architectures": ["Cohere2ForCausalLM"], "use_qk_norm": True}
+    ).qk_norm
 
 
 def test_preset_has_the_published_shape():

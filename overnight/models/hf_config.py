@@ -429,9 +429,8 @@ def _cohere_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """Command R (cohere) and R7B / A (cohere2): attention and MLP side by side on one bias-free
     LayerNorm (models/cohere.py), RoPE in interleaved pairs, logits times logit_scale, head_dim =
     hidden_size / heads; Cohere 2 adds windowed layers (_hybrid_kinds, default every 4th full) whose
-    full layers take no RoPE. Command R+'s per-head q/k LayerNorms (use_qk_norm) are refused."""
-    if cfg.get("use_qk_norm"):
-        raise ModelLoadError("unsupported: use_qk_norm=true (Command R+'s q/k LayerNorms)")
+    full layers take no RoPE. Command R+ (use_qk_norm, Command R's config only) adds a bias-free
+    LayerNorm over each head of q and k before RoPE, a weight row per head."""
     n, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
     fields: dict[str, Any] = dict(
         norm_placement="parallel",
@@ -442,7 +441,9 @@ def _cohere_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         head_dim=int(cfg["hidden_size"]) // heads,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
     )
-    if cfg.get("model_type") == "cohere2" or "Cohere2ForCausalLM" in (cfg.get("architectures") or ()):
+    cohere2 = cfg.get("model_type") == "cohere2" or "Cohere2ForCausalLM" in (cfg.get("architectures") or ())
+    fields["qk_norm"] = bool(cfg.get("use_qk_norm")) and not cohere2
+    if cohere2:
         kinds = _hybrid_kinds(cfg, 4)
         if kinds is None:  # no window: transformers rotates no layer at all
             fields["no_rope_layers"] = tuple(range(n))

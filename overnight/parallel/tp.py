@@ -162,6 +162,12 @@ class TPShards:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} is not supported yet for Apertus (its ungated xIELU MLP): use 1"
             )
+        # Command R+'s q / k LayerNorms hold a weight row per head, which no rule here splits yet.
+        if a.qk_norm and a.norm_type == "layer" and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Command R+'s per-head q/k LayerNorms "
+                "(use_qk_norm): use 1"
+            )
         # Ungated experts' first projection is the up rows alone, not the [gate | up] halves the expert
         # shards take; refused on its own, whatever becomes of the Mamba2 check above.
         if a.num_experts and not a.experts_gated and w > 1:
