@@ -92,14 +92,17 @@ class Attention(nn.Module):
         # Whole (OLMo): over all heads of q (and of k) together.
         self.qk_norm_whole = arch.qk_norm and arch.qk_norm_whole
         q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
-        self.q_norm: nn.Module | None = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm: nn.Module | None = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
         # Command R+ (norm_type "layer"): a bias-free LayerNorm over each head with a weight row per head,
         # applied before RoPE outside the rotary layer (whose fused kernel is RMSNorm's).
         self.qk_layer_norm = arch.qk_norm and arch.norm_type == "layer"
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if self.qk_layer_norm:
             self.q_norm = LayerNormNoBias((self.num_heads, self.head_dim), eps=arch.layer_norm_eps)
             self.k_norm = LayerNormNoBias((self.num_kv_heads, self.head_dim), eps=arch.layer_norm_eps)
+        elif arch.qk_norm:
+            self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps)
         # Whole norms under tensor parallelism (parallel/tp.py sets these): this rank holds 1/world of
         # the heads, and qk_norm_reduce sums the per-token squares over the ranks (layers/norm.py).
         self.qk_norm_world = 1
