@@ -92,3 +92,9 @@ def test_kernels_match_pytorch_path(tmp_path, monkeypatch):
     from tests.dense_family_checks import kernels_match_pytorch_path
 
     kernels_match_pytorch_path(make_checkpoint(tmp_path, "apertus"), monkeypatch)
+
+
+def test_bf16_close_to_transformers(checkpoint):
+    from tests.dense_family_checks import bf16_close_to_transformers
+
+    bf16_close_to_transformers(checkpoint, "apertus")

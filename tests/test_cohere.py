@@ -101,3 +101,10 @@ def test_tensor_parallel_matches_transformers(tmp_path):
     for prompt, out in zip(prompts, outs):
         expected, _ = _hf_greedy(ref, prompt, stepwise=False)
         assert out.outputs[0].token_ids == expected[:8], f"{variant}: prompt of {len(prompt)} tokens"
+
+
+def test_bf16_close_to_transformers(checkpoint):
+    from tests.dense_family_checks import bf16_close_to_transformers
+
+    variant, folder = checkpoint
+    bf16_close_to_transformers(folder, variant)

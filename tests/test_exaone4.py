@@ -69,3 +69,10 @@ def test_preset_has_the_published_shape():
     model = preset_has_published_shape("exaone-4.0-32b", 64, 40, 8, 128, 27392, 102400, 32_003_216_384)
     assert model.model.layers[3].self_attn.rotary_emb is None
     assert model.model.layers[2].self_attn.rotary_emb is not None
+
+
+def test_bf16_close_to_transformers(checkpoint):
+    from tests.dense_family_checks import bf16_close_to_transformers
+
+    variant, folder = checkpoint
+    bf16_close_to_transformers(folder, variant)

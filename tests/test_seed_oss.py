@@ -43,3 +43,9 @@ def test_preset_has_the_published_shape():
     model = preset_has_published_shape("seed-oss-36b", 64, 80, 8, 128, 27648, 155136, 36_151_104_512)
     attn = model.model.layers[0].self_attn
     assert attn.qkv_proj.bias is not None and attn.o_proj.bias is None
+
+
+def test_bf16_close_to_transformers(checkpoint):
+    from tests.dense_family_checks import bf16_close_to_transformers
+
+    bf16_close_to_transformers(checkpoint, "seed_oss")
