@@ -368,6 +368,7 @@ def _seed_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return dict(
         attention_bias=bool(cfg.get("attention_bias", True)),
         o_proj_bias=bool(cfg.get("attention_out_bias", False)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 524288)),  # transformers' default
     )
 
 
@@ -405,7 +406,12 @@ def _exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     RoPE everywhere)."""
     kinds = _hybrid_kinds(cfg, 4)
     n = int(cfg["num_hidden_layers"])
-    fields: dict[str, Any] = dict(norm_placement="post", qk_norm=True)
+    fields: dict[str, Any] = dict(
+        norm_placement="post",
+        qk_norm=True,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),  # transformers' defaults
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+    )
     if kinds is not None:
         fields.update(_window(cfg, kinds), no_rope_layers=_nope_full_layers(kinds, n))
     return fields
@@ -416,7 +422,12 @@ def _apertus_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     transformers' default RoPE is llama3's (theta 12M, factor 8 over 8192 positions)."""
     if cfg.get("hidden_act", "xielu") != "xielu":
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} for Apertus (only xielu)")
-    fields: dict[str, Any] = dict(qk_norm=True, hidden_act="xielu")
+    fields: dict[str, Any] = dict(
+        qk_norm=True,
+        hidden_act="xielu",
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),  # transformers' defaults
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 65536)),
+    )
     if not cfg.get("rope_parameters") and not cfg.get("rope_scaling") and not cfg.get("rope_theta"):
         default = dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, low_freq_factor=1.0,
                        high_freq_factor=4.0, original_max_position_embeddings=8192)  # fmt: skip
@@ -440,6 +451,7 @@ def _cohere_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         logit_scale=float(cfg.get("logit_scale", 0.0625) or 1.0),
         head_dim=int(cfg["hidden_size"]) // heads,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),  # transformers' default
     )
     cohere2 = cfg.get("model_type") == "cohere2" or "Cohere2ForCausalLM" in (cfg.get("architectures") or ())
     fields["qk_norm"] = bool(cfg.get("use_qk_norm")) and not cohere2
