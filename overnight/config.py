@@ -241,6 +241,15 @@ class ModelArch:
     #   q and k projections (OLMo 2/3) instead of each head (Qwen3).
     norm_placement: str = "pre"
     qk_norm_whole: bool = False
+    #   Seed-OSS, EXAONE 4, Apertus, Cohere (Command R / R7B / A). norm_placement "parallel" (Cohere):
+    #   one norm feeds attention and MLP side by side, x + attn(n) + mlp(n) with n = norm(x); norm_type
+    #   "layer": that norm (and the final one) is a mean-centred LayerNorm without bias, of
+    #   layer_norm_eps (else RMSNorm of rms_norm_eps). hidden_act "xielu" (Apertus): the MLP is
+    #   down(xielu(up(x))), no gate, with the learned alpha_p / alpha_n of each layer (layers/xielu.py);
+    #   "silu": the gated SwiGLU. The logits are multiplied by logit_scale (Cohere).
+    norm_type: str = "rms"
+    hidden_act: str = "silu"
+    logit_scale: float = 1.0
     # Hybrid linear attention (Qwen3.5 / Qwen3.6, Qwen3-Next; models/qwen3_next.py): the layers that
     # layer_types names "linear_attention" are Gated DeltaNet layers, which keep a fixed-size state per
     # request (runner/state_cache.py) and no KV cache; the others are full attention with an output
@@ -579,7 +588,10 @@ class ModelArch:
                     total += 3 * self.hidden_size * self.shared_expert_intermediate_size
                     total += self.hidden_size if self.shared_expert_gated else 0
             if not moe or self.moe_beside_dense:
-                total += 3 * self.hidden_size * self.layer_intermediate_size(i)
+                if self.hidden_act == "xielu":  # up and down, and the activation's alpha_p, alpha_n
+                    total += 2 * self.hidden_size * self.layer_intermediate_size(i) + 2
+                else:
+                    total += 3 * self.hidden_size * self.layer_intermediate_size(i)
         return total
 
     def rope_scaling_dict(self) -> dict[str, RopeValue] | None:
@@ -701,8 +713,9 @@ class ModelArch:
             if self.block_pattern:  # Nemotron-H: no MLP in a mixer layer (the MLP blocks come below)
                 continue
             if not self.is_moe_layer(i) or self.moe_beside_dense:
-                params += 3 * h * self.layer_intermediate_size(i)
-                rows += 2 * self.layer_intermediate_size(i) + h
+                gated = self.hidden_act != "xielu"  # Apertus: up and down only
+                params += (3 if gated else 2) * h * self.layer_intermediate_size(i)
+                rows += (2 if gated else 1) * self.layer_intermediate_size(i) + h
             elif self.shared_expert_intermediate_size:  # the shared expert: a dense MLP beside the experts
                 params += 3 * h * self.shared_expert_intermediate_size
                 rows += 2 * self.shared_expert_intermediate_size + h
@@ -717,7 +730,8 @@ class ModelArch:
     def num_parameters(self) -> int:
         """Every parameter: embeddings, LM head (unless tied), projections, biases and norms."""
         h = self.hidden_size
-        per_layer = (4 if self.norm_placement == "sandwich" else 2) * h  # the RMSNorms
+        norms = {"sandwich": 4, "parallel": 1}.get(self.norm_placement, 2)
+        per_layer = norms * h  # the RMSNorms (Cohere: one LayerNorm without bias)
         if self.block_pattern:  # Nemotron-H: one norm a layer, and one in each MLP and MoE block
             per_layer = h
         if self.is_mla:  # q_a / kv_a norms; attention_bias: biases on q_a, kv_a_proj_with_mqa (and o_proj)
@@ -729,7 +743,8 @@ class ModelArch:
         if self.o_proj_bias:
             per_layer += h
         if self.qk_norm:
-            per_layer += self.q_size + self.kv_size if self.qk_norm_whole else 2 * self.head_dim
+            whole = self.qk_norm_whole or self.norm_type == "layer"  # OLMo; Command R+: a row per head
+            per_layer += self.q_size + self.kv_size if whole else 2 * self.head_dim
         if self.attention_sinks:
             per_layer += self.num_attention_heads
         head = 0 if self.tie_word_embeddings else self.vocab_size * h

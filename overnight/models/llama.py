@@ -13,6 +13,7 @@ mixture-of-experts families (models/qwen3_moe.py, models/mixtral.py) reuse these
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,7 @@ from torch import nn
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.activation import SiluAndMul
+from overnight.layers.layer_norm import LayerNormNoBias
 from overnight.layers.norm import RMSNorm, sharded_rms_norm_pair
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import load_packed_weights, split_fused_tensors, text_model_tensors
@@ -71,7 +73,8 @@ class Attention(nn.Module):
     over each head of q and k before RoPE (Qwen3; after it with qk_norm_after_rope: Hunyuan) or over the
     whole q and k projections (OLMo 2/3), and the layer's own window or chunk and RoPE (LayerSpec);
     Llama 4's weightless q/k L2 norm after RoPE and its NoPE layers' position-dependent q scale
-    (ModelArch.qk_l2_norm, attn_floor_scale)."""
+    (ModelArch.qk_l2_norm, attn_floor_scale); Command R+'s bias-free LayerNorm over each head of q and
+    k, a weight row per head (norm_type "layer")."""
 
     def __init__(
         self, arch: ModelArch, layer_idx: int, spec: LayerSpec, rotary_emb: RotaryEmbedding | None
@@ -90,8 +93,17 @@ class Attention(nn.Module):
         # Whole (OLMo): over all heads of q (and of k) together.
         self.qk_norm_whole = arch.qk_norm and arch.qk_norm_whole
         q_dim, k_dim = (arch.q_size, arch.kv_size) if self.qk_norm_whole else (arch.head_dim, arch.head_dim)
-        self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps) if arch.qk_norm else None
+        # Command R+ (norm_type "layer"): a bias-free LayerNorm over each head with a weight row per head,
+        # applied before RoPE outside the rotary layer (whose fused kernel is RMSNorm's).
+        self.qk_layer_norm = arch.qk_norm and arch.norm_type == "layer"
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
+        if self.qk_layer_norm:
+            self.q_norm = LayerNormNoBias((self.num_heads, self.head_dim), eps=arch.layer_norm_eps)
+            self.k_norm = LayerNormNoBias((self.num_kv_heads, self.head_dim), eps=arch.layer_norm_eps)
+        elif arch.qk_norm:
+            self.q_norm = RMSNorm(q_dim, eps=arch.rms_norm_eps)
+            self.k_norm = RMSNorm(k_dim, eps=arch.rms_norm_eps)
         self.qk_norm_after_rope = arch.qk_norm_after_rope and not self.qk_norm_whole
         # Whole norms under tensor parallelism (parallel/tp.py sets these): this rank holds 1/world of
         # the heads, and qk_norm_reduce sums the per-token squares over the ranks (layers/norm.py).
@@ -122,16 +134,23 @@ class Attention(nn.Module):
             if self.qk_norm_reduce is None:
                 q, k = q_norm(q), k_norm(k)
             else:
-                q, k = sharded_rms_norm_pair(q, k, q_norm, k_norm, self.qk_norm_world, self.qk_norm_reduce)
+                rms_q, rms_k = cast(RMSNorm, q_norm), cast(RMSNorm, k_norm)  # whole norms are RMSNorms
+                q, k = sharded_rms_norm_pair(q, k, rms_q, rms_k, self.qk_norm_world, self.qk_norm_reduce)
             q = q.view(n, -1, self.head_dim)
             k = k.view(n, -1, self.head_dim)
             v = v.view(n, -1, self.head_dim)
             q_norm = k_norm = None
         else:
             q, k, v = split_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim)
+        if self.qk_layer_norm and q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+            q_norm = k_norm = None
         if self.rotary_emb is not None and not self.qk_norm_after_rope:
             # The norms run inside the rotary layer, so the GPU path fuses norm + rotation into one kernel.
-            q, k = self.rotary_emb(positions, q, k, q_norm=q_norm, k_norm=k_norm)
+            # (Any norm left here is an RMSNorm: Command R+'s LayerNorms ran above.)
+            q, k = self.rotary_emb(
+                positions, q, k, q_norm=cast("RMSNorm | None", q_norm), k_norm=cast("RMSNorm | None", k_norm)
+            )
         elif self.rotary_emb is not None:  # Hunyuan: rotate, then normalize each head
             q, k = self.rotary_emb(positions, q, k)
             if q_norm is not None and k_norm is not None:
@@ -239,7 +258,7 @@ class LlamaModel(nn.Module):
             make_layer(arch, i, spec, tables[spec.rope] if spec.rope else None, make_mlp)
             for i, spec in enumerate(specs)
         )
-        self.norm = RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
+        self.norm = final_norm(arch)
         self.embedding_multiplier = arch.embedding_multiplier  # Granite
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
@@ -280,7 +299,16 @@ class LlamaForCausalLM(nn.Module):
 
 
 def scaled_logits(arch: ModelArch, logits: torch.Tensor) -> torch.Tensor:
+    if arch.logit_scale != 1.0:  # Cohere
+        logits = logits * arch.logit_scale
     return logits if arch.logits_scaling == 1.0 else logits / arch.logits_scaling  # Granite
+
+
+def final_norm(arch: ModelArch) -> nn.Module:
+    """The norm after the last layer: RMSNorm, or Cohere's bias-free LayerNorm (norm_type "layer")."""
+    if arch.norm_type == "layer":
+        return LayerNormNoBias(arch.hidden_size, eps=arch.layer_norm_eps)
+    return RMSNorm(arch.hidden_size, eps=arch.rms_norm_eps)
 
 
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):

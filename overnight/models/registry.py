@@ -9,8 +9,10 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
+from overnight.models.apertus import ApertusForCausalLM
 from overnight.models.bert import BertModel
 from overnight.models.bert_classifier import BertForSequenceClassification
+from overnight.models.cohere import CohereForCausalLM
 from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
 from overnight.models.gemma import GemmaForCausalLM
@@ -89,6 +91,13 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "glm4": LlamaForCausalLM,
     "glm4_moe": Glm4MoeForCausalLM,
     "minimax_m2": MiniMaxM2ForCausalLM,
+    # Llama's attention with other blocks: Seed-OSS (o_proj's own bias flag), EXAONE 4 (OLMo's post-norm
+    # blocks, per-head q/k norms, NoPE full layers), Apertus (xIELU MLP), Cohere (parallel blocks)
+    "seed_oss": LlamaForCausalLM,
+    "exaone4": OlmoForCausalLM,
+    "apertus": ApertusForCausalLM,
+    "cohere": CohereForCausalLM,
+    "cohere2": CohereForCausalLM,
     # Llama 4: chunked local attention, NoPE layers, input-scaled MoE (models/llama4.py); the text model
     # of either checkpoint (llama4: a ConditionalGeneration checkpoint; with its vision_config the
     # tower too, models/llama4_vl.py, model_class_for)
@@ -161,6 +170,11 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Glm4ForCausalLM": "glm4",
     "Glm4MoeForCausalLM": "glm4_moe",
     "MiniMaxM2ForCausalLM": "minimax_m2",
+    "SeedOssForCausalLM": "seed_oss",
+    "Exaone4ForCausalLM": "exaone4",
+    "ApertusForCausalLM": "apertus",
+    "CohereForCausalLM": "cohere",
+    "Cohere2ForCausalLM": "cohere2",
     "Llama4ForCausalLM": "llama4_text",
     "Llama4ForConditionalGeneration": "llama4",
     "DeepseekV2ForCausalLM": "deepseek_v2",
@@ -346,7 +360,7 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
 
 def _decoder_arch(cfg: dict[str, Any], family: str) -> ModelArch:
     """The dense decoder families' ModelArch (Llama's blocks and the families' flags)."""
-    if cfg.get("hidden_act", "silu") != "silu":
+    if cfg.get("hidden_act", "silu") != "silu" and family != "apertus":  # Apertus': its own reader
         raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} (only silu)")
     if cfg.get("mlp_bias"):
         raise ModelLoadError("unsupported: mlp_bias=true")

@@ -166,6 +166,17 @@ class TPShards:
                 f"tensor_parallel_size {w} is more than the {groups} {MXFP4_GROUP}-column scale groups of "
                 f"the MXFP4 experts' intermediate size {a.moe_intermediate_size}; use a smaller one"
             )
+        # Apertus' ungated MLP (up_proj alone, and xIELU's per-layer scalars) has no column rule here.
+        if a.hidden_act == "xielu" and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Apertus (its ungated xIELU MLP): use 1"
+            )
+        # Command R+'s q / k LayerNorms hold a weight row per head, which no rule here splits yet.
+        if a.qk_norm and a.norm_type == "layer" and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Command R+'s per-head q/k LayerNorms "
+                "(use_qk_norm): use 1"
+            )
 
     @property
     def moe_share(self) -> int:
