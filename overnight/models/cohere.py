@@ -5,7 +5,7 @@ LayerNorm feeds attention and the MLP side by side,
 
 with Llama's attention (RoPE in interleaved pairs, as GLM-4's) and gated MLP, tied embeddings and the
 logits times logit_scale. Cohere 2's windowed layers and RoPE-less full layers are ModelArch's per-layer
-description (models/layer_spec.py), read by models/hf_config._cohere_fields.
+description (models/layer_spec.py), read by models/dense_config._cohere_fields.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from overnight.layers.moe import Experts, select_experts
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import load_packed_weights
-from overnight.models.hf_config import rope_params
+from overnight.models.field_readers import rope_params
 from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import Attention, LlamaModel, MlpFactory, make_lm_head, scaled_logits
 from overnight.models.mamba2_mixer import Mamba2Mixer

@@ -1,8 +1,9 @@
-"""The ModelArch fields of config.json where a dense family differs from Llama: RoPE (every scaling type,
-per layer kind), windows, partial / interleaved rotation, NoPE layers, norm placement, Granite's
-multipliers, Mixtral's, GLM-4.5's and MiniMax-M2's experts, and the text model of a Mistral 3
-checkpoint. One small function per family (FAMILY_FIELDS); models/registry.py reads the fields all
-families share.
+"""The ModelArch fields of config.json where a family differs from Llama: per layer kind RoPE, windows,
+partial / interleaved rotation, NoPE layers, norm placement, Granite's multipliers, Mixtral's, GLM-4.5's,
+MiniMax-M2's and DeepSeek's experts, and the text model of a Mistral 3 checkpoint. One small function
+per family (FAMILY_FIELDS), the newer families' in models/dense_config.py and moe_config.py; the RoPE and
+window readers they share in models/field_readers.py; models/registry.py reads the fields all families
+share.
 """
 
 from __future__ import annotations
@@ -11,92 +12,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
-from overnight.layers.rotary import ROPE_TYPES, rope_table
+from overnight.models.dense_config import DENSE_FAMILY_FIELDS
+from overnight.models.field_readers import rope_params, window_fields
 from overnight.models.moe_config import MOE_FAMILY_FIELDS
-
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def rope_params(
-    cfg: dict[str, Any], params: dict[str, Any] | None = None, *, scaled: bool = True
-) -> tuple[float, tuple[tuple[str, RopeValue], ...] | None]:
-    """(theta, scaling) from a rope parameter dict: `params` when given (one layer kind's), else the
-    config's `rope_parameters` (transformers 5) or `rope_theta` + `rope_scaling` (older configs).
-    scaled=False: the theta alone (OLMo 3's sliding layers of an older config)."""
-    if params is None:
-        params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in ("su", "yarn") and cfg.get("model_type") == "phi3":
-        rope_type = "longrope"  # Phi-3's early names for it, as transformers reads them
-    if rope_type in (None, "default") or not scaled:
-        return theta, None
-    if rope_type not in ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported RoPE scaling type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})"
-        )
-    keys = dict(params)
-    for k in ("rope_theta", "type", "partial_rotary_factor", "rope_type"):
-        keys.pop(k, None)
-    if rope_type in ("llama3", "yarn", "longrope"):
-        # transformers' rule: a top-level original_max_position_embeddings (Phi-3) wins
-        original = cfg.get("original_max_position_embeddings") or keys.get("original_max_position_embeddings")
-        keys["original_max_position_embeddings"] = original or cfg.get("max_position_embeddings", 4096)
-    required = {
-        "llama3": _LLAMA3_KEYS,
-        "linear": ("factor",),
-        "dynamic": ("factor",),
-        "longrope": ("short_factor", "long_factor"),
-    }.get(rope_type, ())
-    missing = [k for k in required if keys.get(k) is None]
-    if missing:
-        raise ModelLoadError(f"{rope_type} RoPE scaling is missing {', '.join(missing)}")
-    if rope_type == "llama3":  # kept in the older form: the four keys alone
-        return theta, tuple((k, float(keys[k])) for k in _LLAMA3_KEYS)
-    items: list[tuple[str, RopeValue]] = [("rope_type", str(rope_type))]
-    for k, v in sorted(keys.items()):
-        if isinstance(v, list):
-            items.append((k, tuple(float(x) for x in v)))
-        elif isinstance(v, bool) or isinstance(v, (int, float)):
-            items.append((k, v if isinstance(v, bool) else float(v)))
-        elif v is not None:
-            raise ModelLoadError(f"unsupported value {v!r} of RoPE parameter {k!r}")
-    return theta, tuple(items)
-
-
-def checked_rope(arch: ModelArch) -> ModelArch:
-    """Every RoPE table of the architecture computes (one position of it), so a bad scaling parameter
-    (LongRoPE factors of the wrong length, a non-number) is refused before anything is built."""
-    for theta, scaling in (
-        (arch.rope_theta, arch.rope_scaling),
-        (arch.sliding_rope_theta, arch.sliding_rope_scaling),
-    ):
-        if theta is None:
-            continue
-        try:
-            rope_table(arch.rotary_dim, 1, theta, dict(scaling) if scaling else None)
-        except ValueError as e:
-            raise ModelLoadError(f"bad RoPE parameters in config.json: {e}") from None
-    return arch
-
-
-def _window(cfg: dict[str, Any], kinds: list[str] | None) -> dict[str, Any]:
-    """layer_types and sliding_window: every layer windowed when kinds is None (Mistral's one
-    sliding_window for all), else HF's per-layer names; no window at all without a sliding_window."""
-    window = cfg.get("sliding_window")
-    if not window:
-        return {}
-    n = cfg["num_hidden_layers"]
-    kinds = kinds if kinds is not None else ["sliding_attention"] * n
-    if len(kinds) != n or not set(kinds) <= {"full_attention", "sliding_attention"}:
-        raise ModelLoadError(
-            f"layer_types must name full_attention or sliding_attention for each of {n} layers"
-        )
-    if "sliding_attention" not in kinds:
-        return {}
-    return dict(layer_types=tuple(kinds), sliding_window=int(window))
 
 
 def _partial_rotary(cfg: dict[str, Any]) -> float:
@@ -114,7 +33,7 @@ def _partial_rotary(cfg: dict[str, Any]) -> float:
 def _mistral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     # Mistral (and Ministral 3, Mixtral) window every layer when sliding_window is set; transformers
     # ignores a layer_types in these configs.
-    return _window(cfg, None)
+    return window_fields(cfg, None)
 
 
 def _mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -131,11 +50,11 @@ def _mixtral_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         moe_intermediate_size=int(cfg["intermediate_size"]),
         norm_topk_prob=True,
     )
-    return {**moe, **_window(cfg, None)}
+    return {**moe, **window_fields(cfg, None)}
 
 
 def _phi3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    return dict(partial_rotary_factor=_partial_rotary(cfg), **_window(cfg, None))
+    return dict(partial_rotary_factor=_partial_rotary(cfg), **window_fields(cfg, None))
 
 
 def _olmo2_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +66,7 @@ def _olmo3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     kinds = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(n)
     ]
-    fields = {**_olmo2_fields(cfg), **_window(cfg, list(kinds))}
+    fields = {**_olmo2_fields(cfg), **window_fields(cfg, list(kinds))}
     params = cfg.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one per kind
         theta, scaling = rope_params(cfg, params.get("full_attention") or {})
@@ -173,7 +92,7 @@ def _smollm3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         kinds = cfg.get("layer_types") or [
             "full_attention" if uses_rope[i] else "sliding_attention" for i in range(n)
         ]
-        fields.update(_window(cfg, list(kinds)))
+        fields.update(window_fields(cfg, list(kinds)))
     return fields
 
 
@@ -363,108 +282,6 @@ def _deepseek_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     )
 
 
-def _seed_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Seed-OSS: Llama's blocks with a bias on q/k/v (attention_bias, default true) and, apart, on
-    o_proj (attention_out_bias, default false)."""
-    return dict(
-        attention_bias=bool(cfg.get("attention_bias", True)),
-        o_proj_bias=bool(cfg.get("attention_out_bias", False)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 524288)),  # transformers' default
-    )
-
-
-def _hybrid_kinds(cfg: dict[str, Any], default_pattern: int) -> list[str] | None:
-    """EXAONE 4's and Cohere 2's per-layer kinds: layer_types, else sliding_window_pattern (an int p:
-    every p-th layer full, the others sliding; or a string such as "LLLG" repeated over the layers, L
-    sliding and G full); None without a sliding_window (every layer full)."""
-    if not cfg.get("sliding_window"):
-        return None
-    n = int(cfg["num_hidden_layers"])
-    if cfg.get("layer_types"):
-        return list(cfg["layer_types"])
-    pattern = cfg.get("sliding_window_pattern", default_pattern)
-    if isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
-        return [
-            "sliding_attention" if pattern[i % len(pattern)] == "L" else "full_attention" for i in range(n)
-        ]
-    if isinstance(pattern, int) and not isinstance(pattern, bool) and pattern > 0:
-        return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    raise ModelLoadError(
-        f"sliding_window_pattern must be a positive int or a string of L and G, got {pattern!r}"
-    )
-
-
-def _nope_full_layers(kinds: list[str] | None, n: int) -> tuple[int, ...]:
-    """EXAONE 4 / Cohere 2: with a sliding_window, the full-attention layers take no RoPE (transformers
-    rotates only where the layer is sliding or the config has no window at all)."""
-    return () if kinds is None else tuple(i for i in range(n) if kinds[i] != "sliding_attention")
-
-
-def _exaone4_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """EXAONE 4.0: OLMo's post-norm blocks (a norm on each sub-block's output, none before), an RMSNorm
-    over each head of q and k before RoPE, and with a sliding_window the hybrid layers of
-    _hybrid_kinds (32B: three sliding, one full), the full ones without RoPE (the 1.2B: no window,
-    RoPE everywhere)."""
-    kinds = _hybrid_kinds(cfg, 4)
-    n = int(cfg["num_hidden_layers"])
-    fields: dict[str, Any] = dict(
-        norm_placement="post",
-        qk_norm=True,
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),  # transformers' defaults
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-    )
-    if kinds is not None:
-        fields.update(_window(cfg, kinds), no_rope_layers=_nope_full_layers(kinds, n))
-    return fields
-
-
-def _apertus_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Apertus: an RMSNorm over each head of q and k, and the ungated xIELU MLP (models/apertus.py);
-    transformers' default RoPE is llama3's (theta 12M, factor 8 over 8192 positions)."""
-    if cfg.get("hidden_act", "xielu") != "xielu":
-        raise ModelLoadError(f"unsupported hidden_act {cfg['hidden_act']!r} for Apertus (only xielu)")
-    fields: dict[str, Any] = dict(
-        qk_norm=True,
-        hidden_act="xielu",
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),  # transformers' defaults
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 65536)),
-    )
-    if not cfg.get("rope_parameters") and not cfg.get("rope_scaling") and not cfg.get("rope_theta"):
-        default = dict(rope_type="llama3", rope_theta=12000000.0, factor=8.0, low_freq_factor=1.0,
-                       high_freq_factor=4.0, original_max_position_embeddings=8192)  # fmt: skip
-        theta, scaling = rope_params(cfg, default)
-        fields.update(rope_theta=theta, rope_scaling=scaling)
-    return fields
-
-
-def _cohere_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Command R (cohere) and R7B / A (cohere2): attention and MLP side by side on one bias-free
-    LayerNorm (models/cohere.py), RoPE in interleaved pairs, logits times logit_scale, head_dim =
-    hidden_size / heads; Cohere 2 adds windowed layers (_hybrid_kinds, default every 4th full) whose
-    full layers take no RoPE. Command R+ (use_qk_norm, Command R's config only) adds a bias-free
-    LayerNorm over each head of q and k before RoPE, a weight row per head."""
-    n, heads = int(cfg["num_hidden_layers"]), int(cfg["num_attention_heads"])
-    fields: dict[str, Any] = dict(
-        norm_placement="parallel",
-        norm_type="layer",
-        layer_norm_eps=float(cfg.get("layer_norm_eps") or 1e-5),
-        rope_interleaved=True,
-        logit_scale=float(cfg.get("logit_scale", 0.0625) or 1.0),
-        head_dim=int(cfg["hidden_size"]) // heads,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 8192)),  # transformers' default
-    )
-    cohere2 = cfg.get("model_type") == "cohere2" or "Cohere2ForCausalLM" in (cfg.get("architectures") or ())
-    fields["qk_norm"] = bool(cfg.get("use_qk_norm")) and not cohere2
-    if cohere2:
-        kinds = _hybrid_kinds(cfg, 4)
-        if kinds is None:  # no window: transformers rotates no layer at all
-            fields["no_rope_layers"] = tuple(range(n))
-        else:
-            fields.update(_window(cfg, kinds), no_rope_layers=_nope_full_layers(kinds, n))
-    return fields
-
-
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The text model's config of a multimodal checkpoint (Mistral 3: Mistral or Ministral 3 inside).
     Whether the LM head is tied is the top level's say (transformers ties by it, default true)."""
@@ -499,11 +316,7 @@ FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "deepseek_v3": partial(_deepseek_fields, family="deepseek_v3"),
     "glm4_moe_lite": partial(_deepseek_fields, family="glm4_moe_lite"),
     **MOE_FAMILY_FIELDS,  # Qwen2-MoE, ERNIE 4.5, OLMoE, Hunyuan (models/moe_config.py)
-    "seed_oss": _seed_oss_fields,
-    "exaone4": _exaone4_fields,
-    "apertus": _apertus_fields,
-    "cohere": _cohere_fields,
-    "cohere2": _cohere_fields,
+    **DENSE_FAMILY_FIELDS,  # Seed-OSS, EXAONE 4, Apertus, Cohere (models/dense_config.py)
 }
 TEXT_CONFIG_FAMILIES = ("mistral3",)
 WINDOWED_FAMILIES = ("smollm3",)  # where use_sliding_window=true is read (the others refuse it)

@@ -41,8 +41,8 @@ from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.layers.short_conv_ops import ShortConvLayer, short_conv_ops
 from overnight.models.checkpoint import EXPERT_TENSORS, load_packed_weights
+from overnight.models.field_readers import rope_params
 from overnight.models.glm4_moe import Glm4MoeMoE
-from overnight.models.hf_config import rope_params
 from overnight.models.layer_spec import LayerSpec
 from overnight.models.llama import (
     PACKED_MODULES_MAPPING,

@@ -20,7 +20,7 @@ from typing import Any
 
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
-from overnight.models.hf_config import checked_rope, rope_params
+from overnight.models.field_readers import checked_rope, rope_params
 from overnight.models.vision.config import llama4_vision_arch
 
 LAYER_KINDS = ("full_attention", "chunked_attention")

@@ -58,7 +58,7 @@ class OlmoDecoderLayer(nn.Module):
 
 class OlmoForCausalLM(nn.Module):
     """OLMo 2 (Olmo2ForCausalLM), OLMo 3 (Olmo3ForCausalLM) and EXAONE 4.0 (Exaone4ForCausalLM: per-head
-    q/k norms, its hybrid layers' full ones without RoPE; models/hf_config._exaone4_fields)."""
+    q/k norms, its hybrid layers' full ones without RoPE; models/dense_config._exaone4_fields)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     # No norm feeds a projection directly (the norms sit after them), so no producer hands over its
