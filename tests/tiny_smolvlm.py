@@ -41,7 +41,10 @@ CHAT_TEMPLATE = (
 
 
 def make_smolvlm_checkpoint(
-    root: str | os.PathLike, seed: int = 0, architecture: str = "Idefics3ForConditionalGeneration", **changes: Any
+    root: str | os.PathLike,
+    seed: int = 0,
+    architecture: str = "Idefics3ForConditionalGeneration",
+    **changes: Any,
 ) -> str:
     """The checkpoint folder (Idefics3ForConditionalGeneration, or SmolVLMForConditionalGeneration: the
     same model under SmolVLM2's name); `changes` override the top level's config fields."""
@@ -51,7 +54,9 @@ def make_smolvlm_checkpoint(
     from tests.tiny_models import _spread_weights
 
     folder = os.path.join(str(root), f"smolvlm_{architecture}_{seed}")
-    config_class = transformers.SmolVLMConfig if architecture.startswith("SmolVLM") else transformers.Idefics3Config
+    config_class = (
+        transformers.SmolVLMConfig if architecture.startswith("SmolVLM") else transformers.Idefics3Config
+    )
     cfg = config_class(
         text_config={
             "model_type": "llama",

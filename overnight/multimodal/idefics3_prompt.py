@@ -106,9 +106,7 @@ class Idefics3Prompt:
         if key not in self._spans:
             from transformers.models.smolvlm.processing_smolvlm import get_image_prompt_string
 
-            text = get_image_prompt_string(
-                rows, cols, self.vision.mm_tokens_per_image, FAKE, IMAGE, GLOBAL
-            )
+            text = get_image_prompt_string(rows, cols, self.vision.mm_tokens_per_image, FAKE, IMAGE, GLOBAL)
             self._spans[key] = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
         return self._spans[key]
 
@@ -136,7 +134,9 @@ class Idefics3Prompt:
                 )
             for k, start in enumerate(starts):
                 hash_k = f"{digest}:{k}"  # a frame's own encoder-cache / prefix-cache key
-                images.append(ImageInput(len(ids) + start, per_frame, hash_k, pixels[k : k + 1], (1, side, side)))
+                images.append(
+                    ImageInput(len(ids) + start, per_frame, hash_k, pixels[k : k + 1], (1, side, side))
+                )
             ids.extend(span)
             prev = slot + 1
         ids.extend(token_ids[prev:])

@@ -120,7 +120,9 @@ VOCAB_PARALLEL = ("embed_tokens", "embeddings", "lm_head")  # embeddings: Nemotr
 # vision_tower.*, Llama 4's and Idefics3's vision_model.*, multi_modal_projector.* and Idefics3's
 # connector.*): replicated, never sharded;
 # their own q_proj / o_proj / down_proj are not the decoder's.
-TOWER_MODULES = frozenset((VISION_TOWER, "vision_tower", "vision_model", "multi_modal_projector", "connector"))
+TOWER_MODULES = frozenset(
+    (VISION_TOWER, "vision_tower", "vision_model", "multi_modal_projector", "connector")
+)
 
 
 @dataclass(frozen=True)
