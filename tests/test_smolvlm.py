@@ -189,6 +189,56 @@ def test_config_reading_and_refusals(setup, tmp_path):
         idefics3_image_processor(vision, str(bad))
 
 
+def test_global_image_only_without_splitting(setup, tmp_path):
+    """A processor with do_image_splitting off makes one frame an image (rows = cols = 0): <image> becomes
+    <fake_token_around_image> <global-img>, its tokens and <fake_token_around_image>, as transformers'
+    processor writes it."""
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    from overnight.multimodal.media import MediaPolicy
+    from overnight.multimodal.processor import ImageProcessor
+
+    folder, llm, ref = setup
+    whole = tmp_path / "whole"
+    shutil.copytree(folder, whole)
+    pre = json.loads((whole / "preprocessor_config.json").read_text())
+    (whole / "preprocessor_config.json").write_text(json.dumps({**pre, "do_image_splitting": False}))
+    vision = image_checks.engine_of(llm).runner.model.arch.vision  # type: ignore[attr-defined]
+    images = ImageProcessor(vision, str(whole), MediaPolicy(), tokenizer_path=str(whole))
+    try:
+        text = prompt("w30 <image> w31")
+        ids = llm.get_tokenizer().encode(text)
+        got, mm = images.process(ids, [image(60, 25, 4)])
+    finally:
+        images.close()
+    ref.processor.image_processor = Idefics3ImageProcessorPil.from_pretrained(str(whole))
+    try:
+        want = ref.processor(text=text, images=[image(60, 25, 4)])["input_ids"][0]
+    finally:
+        ref.processor.image_processor = Idefics3ImageProcessorPil.from_pretrained(folder)
+    assert got == list(want)
+    start = got.index(FAKE)
+    assert got[start : start + PER_FRAME + 3] == [FAKE, GLOBAL, *[IMG] * PER_FRAME, FAKE]
+    assert [(im.offset, im.num_tokens, im.grid_thw) for im in mm.images] == [
+        (start + 2, PER_FRAME, (1, 8, 8))
+    ]
+
+
+def test_tensor_parallel_replicates_the_tower(setup):
+    """Each rank's share loaded as the checkpoint streams equals slicing the whole model; the tower and
+    connector are whole on every rank (their q / k / v projections are not the decoder's)."""
+    folder, llm, ref = setup
+    image_checks.check_tower_replicated(folder, ("vision_model.", "connector."))
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_generation_with_images(setup):
+    folder, llm, ref = setup
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], PARAMS, NEW, max_num_batched_tokens=BUDGET
+    )
+
+
 @pytest.mark.slow
 def test_run_batch_lines_and_the_server_with_images(setup, tmp_path):
     folder, llm, ref = setup
