@@ -231,6 +231,31 @@ def test_tensor_parallel_replicates_the_tower(setup):
     image_checks.check_tower_replicated(folder, ("vision_model.", "connector."))
 
 
+def test_online_fp8_keeps_the_tower_float(setup):
+    """Online FP8 quantizes the decoder only: the tower's and connector's linears stay float (and still run
+    an image prompt)."""
+    from overnight import LLM
+    from overnight.quant.linear import Fp8Linear
+
+    folder, llm, ref = setup
+    engine = dict(device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+    fp8_llm = LLM(folder, quantization="fp8", **engine)
+    model = fp8_llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    leaves = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "proj")
+    tower = [
+        m
+        for n, m in model.named_modules()
+        if n.startswith(("vision_model.", "connector.")) and n.rsplit(".", 1)[-1] in leaves
+    ]
+    assert tower and all(type(m) is torch.nn.Linear for m in tower)
+    text, imgs = CASES[0]
+    out = fp8_llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}}, PARAMS, use_tqdm=False
+    )[0]
+    assert out.prompt_token_ids.count(IMG) == 3 * PER_FRAME and len(out.outputs[0].token_ids) == NEW
+
+
 @pytest.mark.slow  # starts tensor-parallel processes
 def test_tensor_parallel_generation_with_images(setup):
     folder, llm, ref = setup
