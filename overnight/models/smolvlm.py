@@ -18,7 +18,7 @@ quantized them anyway is dequantized at load.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
+from overnight.errors import ModelLoadError
 from overnight.models.checkpoint import load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
 from overnight.models.vision.config import idefics3_vision_arch
@@ -120,12 +121,12 @@ class Idefics3ForConditionalGeneration(nn.Module):
         load_packed_weights(self, self.rename_checkpoint(weights))
 
 
-def idefics3_arch(cfg: dict[str, Any], family: str, text_arch: Any) -> ModelArch:
+def idefics3_arch(
+    cfg: dict[str, Any], family: str, text_arch: Callable[[dict[str, Any]], ModelArch]
+) -> ModelArch:
     """Idefics3 / SmolVLM: text_config's Llama decoder (read by `text_arch`, the registry's reader of a
     text family's config.json) and the SigLIP tower. The LM head is tied when the top level says so,
     else as the text model says."""
-    from overnight.errors import ModelLoadError
-
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError("config.json lacks required field 'text_config'")
