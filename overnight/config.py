@@ -34,7 +34,10 @@ class VisionArch:
     image as one more past one tile), pixel shuffle by spatial_merge_size = 1 / pixel_shuffle_ratio, an
     adapter MLP of projector_hidden_size and a linear projector; the grid is (tiles, patch rows of the
     canvas, patch columns of the canvas); vision_start / vision_end are <|image_start|> /
-    <|image_end|>, image_token_id is <|patch|>)."""
+    <|image_end|>, image_token_id is <|patch|>) or "idefics3" (Idefics3 / SmolVLM: SigLIP over
+    image_size frames of an image (a grid of tiles plus the whole image, each its own ImageInput of grid
+    (1, patches per side, patches per side)), a pixel shuffle by spatial_merge_size = scale_factor and a
+    linear connector: mm_tokens_per_image <image> tokens a frame)."""
 
     kind: str
     depth: int
@@ -103,6 +106,11 @@ class VisionArch:
             bias = 2 * out if self.projector_bias else 0
             projector = h + h * m * m * h + h * out + out * out + bias
             return self.in_channels * self.patch_size**2 * h + h + self.depth * block + projector
+        if self.kind == "idefics3":  # conv + positions, pre-LN blocks, post-LN, the connector's matrix
+            patches = (self.image_size // self.patch_size) ** 2
+            embed = self.in_channels * self.patch_size**2 * h + h + patches * h
+            block = 4 * h + 4 * (h * h + h) + 2 * h * i + i + h
+            return embed + self.depth * block + 2 * h + h * self.spatial_merge_size**2 * out
         if self.kind == "gemma3":  # conv + positions, pre-LN blocks, post-LN, projector norm + matrix
             patches = (self.image_size // self.patch_size) ** 2
             embed = self.in_channels * self.patch_size**2 * h + h + patches * h

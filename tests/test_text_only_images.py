@@ -1,5 +1,5 @@
 """Text-only mode of image models (limit_mm_per_prompt image 0, ModelArch.text_only): for each image
-family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, on the tiny random checkpoints of
+family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, on the tiny random checkpoints of
 their own tests) the model is built without its tower and projector, the checkpoint's tower tensors are not read,
 no encoder step is set up, text prompts give the same greedy tokens as the full model (chunked prefill
 and decode), and an image prompt is refused naming the limit; the budget counts fewer weight bytes and
@@ -18,6 +18,7 @@ from tests.tiny_gemma_vl import make_gemma_vl_checkpoint
 from tests.tiny_internvl import make_internvl_checkpoint
 from tests.tiny_llama4_vl import make_llama4_vl_checkpoint
 from tests.tiny_mistral3_vl import make_mistral3_vl_checkpoint
+from tests.tiny_smolvlm import make_smolvlm_checkpoint
 from tests.tiny_vl import data_uri, image, make_vl_checkpoint
 
 MAKERS: dict[str, Callable[[Any], str]] = {
@@ -28,6 +29,7 @@ MAKERS: dict[str, Callable[[Any], str]] = {
     "mistral3": make_mistral3_vl_checkpoint,
     "internvl": make_internvl_checkpoint,
     "llama4": make_llama4_vl_checkpoint,
+    "idefics3": make_smolvlm_checkpoint,
 }
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(

@@ -43,6 +43,7 @@ from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vi
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
+from overnight.models.smolvlm import Idefics3ForConditionalGeneration, idefics3_arch
 from overnight.models.vision.config import (
     internvl_vision_arch,
     mistral3_vision_arch,
@@ -106,6 +107,9 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     # InternViT + a Qwen2 / Qwen3 / Llama decoder (models/internvl.py)
     "internvl": InternVLForConditionalGeneration,
+    # SigLIP + a pixel-shuffle connector + a Llama decoder (models/smolvlm.py)
+    "idefics3": Idefics3ForConditionalGeneration,
+    "smolvlm": Idefics3ForConditionalGeneration,
     # Hybrid linear attention (models/qwen3_next.py)
     "qwen3_5": Qwen3NextForCausalLM,
     "qwen3_5_moe": Qwen3NextForCausalLM,
@@ -178,6 +182,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "InternVLForConditionalGeneration": "internvl",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "SmolVLMForConditionalGeneration": "smolvlm",
     # Hybrid linear attention; the ConditionalGeneration checkpoints take images (model_class_for).
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
@@ -344,6 +350,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return _vision_language_arch(cfg, family)
     if family == "internvl":
         return _internvl_arch(cfg)
+    if family in ("idefics3", "smolvlm"):
+        return idefics3_arch(cfg, family, arch_from_hf_config)
     if family in TEXT_CONFIG_FAMILIES:  # Mistral 3: its text model's config, and with vision_config the tower
         arch = _decoder_arch(text_config(cfg), family)
         if not isinstance(cfg.get("vision_config"), dict):

@@ -11,7 +11,9 @@ merged patches. The expansion and the M-RoPE positions here are the Qwen familie
 count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
 gemma_prompt.py and Mistral 3's (rows of [IMG] tokens closed by [IMG_BREAK] / [IMG_END],
 PixtralImageProcessorPil's pixels) in pixtral_prompt.py and InternVL's (<img>, the tiles' <IMG_CONTEXT>
-tokens, </img>; GotOcr2ImageProcessorPil's tiles) in internvl_prompt.py and Llama 4's (<|image|> becomes
+tokens, </img>; GotOcr2ImageProcessorPil's tiles) in internvl_prompt.py and Idefics3 / SmolVLM's
+(<image> becomes its tiles' and global image's frames between markers, each frame its own ImageInput;
+Idefics3ImageProcessorPil's frames) in idefics3_prompt.py and Llama 4's (<|image|> becomes
 its tiles' <|patch|> tokens between separators; Llama4ImageProcessor's tiles) in llama4_prompt.py,
 chosen by VisionArch.kind; each returns the same MultiModalInputs.
 """
@@ -31,6 +33,7 @@ import numpy as np
 from overnight.config import VisionArch
 from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
+from overnight.multimodal.idefics3_prompt import Idefics3Prompt, idefics3_image_processor
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs, Pixels
 from overnight.multimodal.internvl_prompt import InternVLPrompt, internvl_image_processor
 from overnight.multimodal.llama4_prompt import Llama4Prompt, llama4_image_processor
@@ -64,6 +67,7 @@ class ImageProcessor:
         self.pixtral: PixtralPrompt | None = None
         self.internvl: InternVLPrompt | None = None
         self.llama4: Llama4Prompt | None = None
+        self.idefics3: Idefics3Prompt | None = None
         self.hf_kwargs: dict[str, Any] = {}
         self.hf: Any
         if vision.kind == "gemma3":
@@ -77,6 +81,10 @@ class ImageProcessor:
             self.hf = internvl_image_processor(vision, model_path)
             self.internvl = InternVLPrompt(vision, tokenizer_path or model_path)
             self.hf_kwargs = self.internvl.hf_kwargs
+        elif vision.kind == "idefics3":
+            self.hf = idefics3_image_processor(vision, model_path)
+            self.idefics3 = Idefics3Prompt(vision, tokenizer_path or model_path)
+            self.hf_kwargs = self.idefics3.hf_kwargs
         elif vision.kind == "llama4":
             self.hf = llama4_image_processor(vision, model_path)
             self.llama4 = Llama4Prompt(vision, tokenizer_path or model_path)
@@ -102,6 +110,8 @@ class ImageProcessor:
             pixels, (t, h, w) = self.pixtral.patch_rows(out["pixel_values"])
         elif self.internvl is not None:  # [tiles, C, S, S] -> a row per tile; grid (tiles, S / p, S / p)
             pixels, (t, h, w) = self.internvl.tile_rows(out["pixel_values"])
+        elif self.idefics3 is not None:  # [1, F, C, S, S] -> a row per frame; grid (F, tile rows, tile cols)
+            pixels, (t, h, w) = self.idefics3.frame_rows(out)
         elif self.llama4 is not None:  # [tiles, C, S, S] -> a row per tile; grid (tiles, canvas patches)
             pixels, (t, h, w) = self.llama4.tile_rows(out)
         elif self.gemma is not None:  # [1, C, S, S] -> one row; its grid is the tower's patch grid
@@ -142,6 +152,8 @@ class ImageProcessor:
                 if self.internvl
                 else "<|image|>"
                 if self.llama4
+                else "<image>"
+                if self.idefics3
                 else "<|image_pad|>"
             )
             raise InvalidRequestError(
@@ -153,6 +165,8 @@ class ImageProcessor:
             self.pixtral.check_tokens()
         if self.internvl is not None:
             self.internvl.check_tokens()
+        if self.idefics3 is not None:
+            self.idefics3.check_tokens()
         futures = [self._future(source) for source in images]
         processed = [f.result() for f in futures]  # (waited on here, never inside a worker)
         if gemma is not None:
@@ -163,6 +177,8 @@ class ImageProcessor:
             return self.internvl.expand(token_ids, slots, processed)
         if self.llama4 is not None:
             return self.llama4.expand(token_ids, slots, processed)
+        if self.idefics3 is not None:
+            return self.idefics3.expand(token_ids, slots, processed)
         return expand_placeholders(token_ids, slots, processed, self.vision)
 
     def _future(self, source: Any) -> Future[Pixels]:

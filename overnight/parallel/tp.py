@@ -117,9 +117,12 @@ from overnight.quant.linear import Fp8Linear
 ROW_PARALLEL = {"o_proj": "q", "down_proj": "ffn"}
 VOCAB_PARALLEL = ("embed_tokens", "embeddings", "lm_head")  # embeddings: Nemotron-H's input embedding
 # The image models' vision towers and projectors (Qwen's visual.*, Gemma 3's, Mistral 3's and InternVL's
-# vision_tower.*, Llama 4's vision_model.*, and multi_modal_projector.*): replicated, never sharded;
+# vision_tower.*, Llama 4's and Idefics3's vision_model.*, multi_modal_projector.* and Idefics3's
+# connector.*): replicated, never sharded;
 # their own q_proj / o_proj / down_proj are not the decoder's.
-TOWER_MODULES = frozenset((VISION_TOWER, "vision_tower", "vision_model", "multi_modal_projector"))
+TOWER_MODULES = frozenset(
+    (VISION_TOWER, "vision_tower", "vision_model", "multi_modal_projector", "connector")
+)
 
 
 @dataclass(frozen=True)

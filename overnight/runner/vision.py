@@ -170,6 +170,12 @@ class VisionStep:
         max_pixels, as a square), so the start-up peak-memory step counts the encoder's activations."""
         vision = self.model.arch.vision
         assert vision is not None
+        if vision.kind == "idefics3":  # frames of one size: a step's budget of them, one more cut at each end
+            side = vision.image_size // vision.patch_size
+            n = self.max_tokens // vision.mm_tokens_per_image + 2
+            pixels = torch.zeros(n, vision.in_channels * vision.image_size**2, device=self.device)
+            self.model.embed_images(pixels, [(1, side, side)] * n)
+            return
         if vision.kind == "gemma3":  # one size: the most one step encodes is every image in its budget
             side = vision.image_size // vision.patch_size
             n = max(1, self.max_tokens // max(1, vision.mm_tokens_per_image))

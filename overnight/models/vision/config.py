@@ -318,3 +318,48 @@ def llama4_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
             "unsupported vision_feature_select_strategy (only default: the class token dropped)"
         )
     return arch
+
+
+def idefics3_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
+    """Idefics3 / SmolVLM's SigLIP tower (vision_config) and connector (the top level's scale_factor: a
+    scale x scale pixel shuffle, then one linear). Every frame the image processor makes (the tiles and
+    the global image) is image_size square, so the tower's patch grid is fixed and a frame gives
+    mm_tokens_per_image = (image_size / patch / scale)^2 tokens (HF's image_seq_len). <image> is
+    image_token_id; <fake_token_around_image>, <global-img> and <row_r_col_c> are the tokenizer's
+    (multimodal/idefics3_prompt.py)."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    try:
+        image_size, patch = int(v.get("image_size", 224)), int(v.get("patch_size", 32))
+        scale = int(cfg.get("scale_factor", 2))
+        arch = VisionArch(
+            kind="idefics3",
+            depth=int(v.get("num_hidden_layers", 12)),
+            hidden_size=int(v.get("hidden_size", 1152)),
+            intermediate_size=int(v.get("intermediate_size", 3072)),
+            num_heads=int(v.get("num_attention_heads", 16)),
+            out_hidden_size=text_hidden,
+            patch_size=patch,
+            temporal_patch_size=1,
+            spatial_merge_size=scale,
+            in_channels=int(v.get("num_channels", 3)),
+            hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+            image_token_id=int(cfg.get("image_token_id", cfg.get("image_token_index", 128257))),
+            image_size=image_size,
+            mm_tokens_per_image=(image_size // patch // max(scale, 1)) ** 2,
+            layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid Idefics3 / SmolVLM vision_config: {e}") from None
+    side = image_size // patch
+    if scale < 1 or image_size % patch or side % scale:
+        raise ModelLoadError(
+            f"Idefics3 / SmolVLM's image_size {image_size} must be whole patches ({patch}) whose count per "
+            f"side ({side}) divides by scale_factor ({scale})"
+        )
+    if arch.hidden_act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ModelLoadError(f"unsupported SigLIP hidden_act {arch.hidden_act!r} (gelu_pytorch_tanh or gelu)")
+    if arch.hidden_size % arch.num_heads:
+        raise ModelLoadError("vision_config.hidden_size must be a multiple of num_attention_heads")
+    return arch

@@ -31,7 +31,7 @@ from overnight.config import ModelArch
 
 # Where every supported image model's checkpoint keeps its tower and projector, in each layout the
 # models' rename_checkpoint reads (Qwen's visual.*, Llama 4's vision_model.*, the others' vision_tower.*;
-# multi_modal_projector.*; transformers 5 adding model.).
+# multi_modal_projector.* or Idefics3's connector.*; transformers 5 adding model.).
 TOWER_CHECKPOINT_PREFIXES = (
     "visual.",
     "model.visual.",
@@ -41,6 +41,8 @@ TOWER_CHECKPOINT_PREFIXES = (
     "model.vision_model.",
     "multi_modal_projector.",
     "model.multi_modal_projector.",
+    "connector.",
+    "model.connector.",
 )
 
 

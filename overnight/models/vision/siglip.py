@@ -1,5 +1,6 @@
 """Gemma 3's vision tower: SigLIP's encoder over a fixed-size image, and Gemma 3's projector into the
-language model (as HF's modeling_siglip.py and modeling_gemma3.py compute them).
+language model (as HF's modeling_siglip.py and modeling_gemma3.py compute them); Idefics3 / SmolVLM run
+the same tower on each image_size frame and their own connector (pixel shuffle + linear, below).
 
     pixels [N, C, S, S]  (every image resized to image_size S by the processor)
       -> patch_embedding: a conv of kernel = stride = patch, so P = (S / patch)^2 patches, + position_embedding[p]
@@ -84,7 +85,8 @@ class SiglipEncoder(nn.Module):
 
 
 class SiglipVisionModel(nn.Module):
-    """The `vision_tower` of a Gemma 3 checkpoint."""
+    """The `vision_tower` of a Gemma 3 checkpoint; the `vision_model` of an Idefics3 / SmolVLM one, whose
+    NaViT position ids are the identity on the image_size frames its processor makes."""
 
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -114,6 +116,32 @@ class Gemma3MultiModalProjector(nn.Module):
         grid = features.transpose(1, 2).reshape(n, h, self.per_side, self.per_side)
         pooled = F.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         return (self.mm_soft_emb_norm(pooled) @ self.mm_input_projection_weight).to(features.dtype)
+
+
+class Idefics3SimpleMLP(nn.Module):
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.proj = nn.Linear(v.hidden_size * v.spatial_merge_size**2, v.out_hidden_size, bias=False)
+
+
+class Idefics3Connector(nn.Module):
+    """Idefics3 / SmolVLM's connector: the P patch features of a frame as a (side x side) grid, each
+    k x k block (k = scale_factor = VisionArch.spatial_merge_size) concatenated into one row of
+    k^2 * hidden (HF's pixel_shuffle order: the block's rows outer, its columns inner), then one linear
+    (modality_projection.proj) into the text model's width."""
+
+    def __init__(self, v: VisionArch) -> None:
+        super().__init__()
+        self.scale = v.spatial_merge_size
+        self.modality_projection = Idefics3SimpleMLP(v)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[N, P, vision hidden] -> [N, P / k^2, text hidden]."""
+        n, p, h = features.shape
+        k, side = self.scale, int(round(p**0.5))
+        x = features.reshape(n, side, side // k, h * k).transpose(1, 2)  # [N, side / k, side, k * h]
+        x = x.reshape(n, side // k, side // k, h * k * k).transpose(1, 2)
+        return self.modality_projection.proj(x.reshape(n, p // (k * k), h * k * k))
 
 
 def check_pixels(pixels: torch.Tensor, v: VisionArch, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
