@@ -58,12 +58,50 @@ def _tiny(family: str) -> torch.nn.Module:
     return make_family_model({"mistral": "mistral-window"}.get(family, family))
 
 
+# MoE families whose tests save their checkpoints: family -> (transformers prefix, writer)
+def _moe_writers() -> dict[str, tuple[str, Any]]:
+    from tests.test_ernie4_5 import make_ernie_moe_checkpoint
+    from tests.test_glm4_moe import make_glm_checkpoint
+    from tests.test_olmoe import FIELDS as OLMOE
+    from tests.test_qwen2_moe import make_qwen2_moe_checkpoint
+    from tests.tiny_moe import make_moe_checkpoint
+
+    return {
+        "qwen2_moe": ("Qwen2Moe", make_qwen2_moe_checkpoint),
+        "olmoe": ("Olmoe", lambda folder: make_moe_checkpoint(folder, "Olmoe", OLMOE)),
+        "glm4_moe": ("Glm4Moe", make_glm_checkpoint),
+        "ernie4_5_moe": ("Ernie4_5_Moe", make_ernie_moe_checkpoint),
+    }
+
+
+def _checkpoint(family: str, folder: Path) -> tuple[int, Any]:
+    """Save the tiny `family` model in folder; (its vocabulary size, a loader of it as transformers')."""
+    moe = _moe_writers().get(family)
+    if moe is not None:
+        import transformers
+
+        prefix, write = moe
+        write(folder)
+        cls = getattr(transformers, f"{prefix}ForCausalLM")
+    else:
+        model = _tiny(family)
+        model.save_pretrained(folder)
+        cls = type(model)
+    vocab = json.loads((folder / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    return vocab, _loader(cls)
+
+
 # family -> PEFT target_modules (a regex over module paths where an image model's tower must stay out)
 CASES: dict[str, str] = {
     "mistral": f"{_ATTN}|{_MLP}",
     "ministral3": f"{_ATTN}|{_MLP}",
     "mixtral": _ATTN,  # experts: refused (test_expert_and_router_targets_are_refused)
     "gpt_oss": _ATTN,
+    "qwen2_moe": _ATTN,
+    "olmoe": _ATTN,
+    "glm4_moe": _ATTN,
+    "ernie4_5_moe": _ATTN,
     "phi3": "qkv_proj|o_proj|gate_up_proj|down_proj",
     "glm4": f"{_ATTN}|gate_up_proj|down_proj",
     "olmo2": f"{_ATTN}|{_MLP}",
@@ -96,17 +134,14 @@ def _loader(cls: type):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", list(CASES))
 def test_family_adapter_matches_peft(family: str, tmp_path: Path) -> None:
-    model = _tiny(family)
     base = tmp_path / "base"
-    model.save_pretrained(base)
-    load = _loader(type(model))
+    vocab, load = _checkpoint(family, base)
     adapters = [make_adapter(base, tmp_path / "a0", r=8, alpha=16, targets=_regex(CASES[family]), load=load)]
     if family == "phi3":  # a second adapter beside the first and the base model: fused qkv only, rsLoRA
         adapters.append(
             make_adapter(base, tmp_path / "a1", r=4, alpha=8, targets=".*qkv_proj", use_rslora=True,
                          seed=1, load=load)
         )  # fmt: skip
-    vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 13)]
     llm = LLM(
@@ -166,6 +201,8 @@ def _pair(
         (_MIXTRAL, _pair("block_sparse_moe.experts.0.w1", 16, 8), {}, "'block_sparse_moe.experts.0.w1' of layer 0: adapting a mixture of experts"),
         (_MIXTRAL, _pair("mlp.gate", 16, 4), {}, "'mlp.gate' of layer 0: adapting a mixture of experts"),
         (_MIXTRAL, _pair("mlp.gate_proj", 16, 24, layer=1), {}, "adapting a mixture of experts .*supported: q_proj, k_proj, v_proj, o_proj on mixtral"),
+        (replace(_MIXTRAL, architecture="qwen2_moe"), _pair("mlp.shared_expert.up_proj", 16, 24), {}, "'mlp.shared_expert.up_proj' of layer 0: adapting a mixture of experts"),
+        (replace(_DENSE, architecture="glm4_moe"), _pair("mlp.gate_proj", 16, 24), {}, r"'gate_proj' is not supported \(layer 0 mlp.gate_proj; supported: q_proj, k_proj, v_proj, o_proj on glm4_moe"),
         (replace(_MIXTRAL, architecture="gpt_oss"), _pair("self_attn.q_proj", 16, 16), {"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
         (replace(_DENSE, architecture="phi3"), _pair("self_attn.q_proj", 16, 16), {}, r"'q_proj' is not supported \(layer 0 self_attn.q_proj; supported: qkv_proj, o_proj, gate_up_proj, down_proj on phi3"),
         (replace(_DENSE, architecture="glm4"), _pair("mlp.gate_proj", 16, 24), {}, "'gate_proj' is not supported .*gate_up_proj"),
@@ -264,3 +301,17 @@ def test_fused_phi3_adapter_on_the_kernel_path(tmp_path: Path, monkeypatch) -> N
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got[~rows], plain[~rows])
         assert not torch.allclose(got[rows], plain[rows]), path
+
+
+def test_image_checkpoint_key_layouts_map_to_the_decoder_layers(tmp_path: Path) -> None:
+    """transformers 5 saves an image model's decoder as model.language_model.layers, 4.x as
+    language_model.model.layers: both name our model.layers."""
+    arch = replace(_DENSE, architecture="gemma3")
+    tensors = _pair("self_attn.q_proj", 16, 16, prefix="model.language_model.") | _pair(
+        "mlp.down_proj", 24, 16, layer=1, prefix="language_model.model."
+    )
+    spec = check_adapter(_write(tmp_path / "g", arch, tensors), arch, max_lora_rank=2)
+    assert [(t.layer, t.module, t.slices) for t in spec.tensors] == [
+        (0, "self_attn.qkv_proj", (0,)),
+        (1, "mlp.down_proj", (0,)),
+    ]

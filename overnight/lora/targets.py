@@ -83,9 +83,9 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     **dict.fromkeys(_STANDARD_FAMILIES, PROJECTIONS),
     # Dense layers' MLPs adaptable, sparse layers' not (check_adapter asks arch.is_moe_layer).
     "qwen3_moe": PROJECTIONS,
-    # Every layer sparse: attention only.
-    "mixtral": _ATTENTION,
-    "gpt_oss": _ATTENTION,
+    # Attention only: every layer sparse, or the dense layers' MLPs left out as well (shared experts,
+    # a dense first layer: adapters for these families train attention, and a refusal names the rest).
+    **dict.fromkeys(("mixtral", "gpt_oss", "qwen2_moe", "olmoe", "glm4_moe", "ernie4_5_moe"), _ATTENTION),
     "phi3": {
         "qkv_proj": Projection("self_attn.qkv_proj", (0, 1, 2), "attention"),
         "o_proj": _ATTENTION["o_proj"],
