@@ -199,7 +199,7 @@ def _check_tensors(
             raise _refuse(
                 req,
                 f"target module {path!r} of layer {layer}: adapting a mixture of experts (its experts "
-                f"or router) is not supported (supported: {supported}, on attention and dense MLPs)",
+                f"or router) is not supported (supported: {supported})",
             )
         if proj is None:
             leaf = path.rpartition(".")[2]
