@@ -338,7 +338,7 @@ def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRACo
     """The LoRA config when enable_lora; ConfigError for options or a model LoRA cannot work with."""
     if not opts.enable_lora:
         return None
-    from overnight.lora.adapter import SUPPORTED_ARCHITECTURES
+    from overnight.lora.targets import SUPPORTED_ARCHITECTURES
 
     if runner != "generate" or source.arch.architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(

@@ -17,18 +17,21 @@ def make_adapter(
     *,
     r: int = 8,
     alpha: float = 16,
-    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    targets: tuple[str, ...] | str = ("q_proj", "v_proj"),
     use_rslora: bool = False,
     seed: int = 0,
+    load=load_reference,
     **extra,
 ) -> Path:
-    """A LoRA of rank r on `targets` of the model in `base`, with random A and B (PEFT starts B at zero,
-    which would change nothing) large enough to change greedy outputs."""
+    """A LoRA of rank r on `targets` of the model in `base` (as `load` reads it), with random A and B
+    (PEFT starts B at zero, which would change nothing) large enough to change greedy outputs. `targets`
+    may be a str: PEFT's regex over module paths."""
     from peft import LoraConfig, get_peft_model
 
-    model = load_reference(base)
+    model = load(base)
+    modules = targets if isinstance(targets, str) else list(targets)
     config = LoraConfig(
-        r=r, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0, use_rslora=use_rslora, **extra
+        r=r, lora_alpha=alpha, target_modules=modules, lora_dropout=0.0, use_rslora=use_rslora, **extra
     )
     peft_model = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
@@ -42,9 +45,9 @@ def make_adapter(
     return Path(folder)
 
 
-def merged_reference(base: str | os.PathLike, adapter: str | os.PathLike):
+def merged_reference(base: str | os.PathLike, adapter: str | os.PathLike, load=load_reference):
     """The base model with the adapter merged into its weights (PEFT's merge_and_unload)."""
     from peft import PeftModel
 
-    model = PeftModel.from_pretrained(load_reference(base), str(adapter))
+    model = PeftModel.from_pretrained(load(base), str(adapter))
     return model.merge_and_unload().eval()

@@ -1,7 +1,8 @@
 """LoRA under tensor parallelism on the CPU: 2 gloo rank processes, each holding its share of every
 adapter (B split by output rows on column-parallel layers, A by input columns on row-parallel ones, the
 partial x @ A^T summed over ranks), give the tokens of one process for a mixed batch of adapters and the
-base model. With one KV head, both ranks hold a copy of its k/v adapter rows."""
+base model. With one KV head, both ranks hold a copy of its k/v adapter rows; Phi-3's adapters on its
+fused qkv_proj / gate_up_proj are split into our slices before each rank takes its share."""
 
 from __future__ import annotations
 
@@ -9,12 +10,19 @@ import pytest
 
 from overnight import LLM, LoRARequest, SamplingParams
 from tests.lora_adapters import make_adapter
+from tests.tiny_families import make_family_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
 from tests.tp_helpers import generate_split
 
 pytestmark = pytest.mark.slow  # starts tensor-parallel processes
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Each adapter's targets by family: every projection, k/v-ish + down, o + up-ish.
+TARGETS = {
+    "qwen3": (ALL, ("k_proj", "v_proj", "down_proj"), ("o_proj", "up_proj")),
+    "llama": (ALL, ("k_proj", "v_proj", "down_proj"), ("o_proj", "up_proj")),
+    "phi3": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("qkv_proj", "down_proj"), ("o_proj", "gate_up_proj")),
+}  # fmt: skip
 PROMPTS = [[5, 6, 7, 8, 9, 10] * k + [20 + k] for k in range(1, 5)] + [[3, 1, 4, 1, 5, 9, 2, 6]] * 2
 OPTIONS = dict(
     device="cpu", dtype="float32", skip_tokenizer_init=True, max_num_batched_tokens=16,
@@ -22,13 +30,17 @@ OPTIONS = dict(
 )  # fmt: skip
 
 
-@pytest.mark.parametrize("family, kv_heads", [("qwen3", 2), ("llama", 1)])
+@pytest.mark.parametrize("family, kv_heads", [("qwen3", 2), ("llama", 1), ("phi3", 2)])
 def test_tp2_with_adapters_matches_tp1(tmp_path, family: str, kv_heads: int) -> None:
-    base = make_tiny_checkpoint(tmp_path, family, num_key_value_heads=kv_heads)
+    if family == "phi3":
+        base = make_family_checkpoint(tmp_path, "phi3")
+    else:
+        base = make_tiny_checkpoint(tmp_path, family, num_key_value_heads=kv_heads)
+    every, kv, o = TARGETS[family]
     loras = [
-        LoRARequest("all", 1, str(make_adapter(base, tmp_path / "all", r=8, targets=ALL, seed=1))),
-        LoRARequest("kv", 2, str(make_adapter(base, tmp_path / "kv", r=4, targets=("k_proj", "v_proj", "down_proj"), seed=2))),
-        LoRARequest("o", 3, str(make_adapter(base, tmp_path / "o", r=8, targets=("o_proj", "up_proj"), use_rslora=True, seed=3))),
+        LoRARequest("all", 1, str(make_adapter(base, tmp_path / "all", r=8, targets=every, seed=1))),
+        LoRARequest("kv", 2, str(make_adapter(base, tmp_path / "kv", r=4, targets=kv, seed=2))),
+        LoRARequest("o", 3, str(make_adapter(base, tmp_path / "o", r=8, targets=o, use_rslora=True, seed=3))),
     ]  # fmt: skip
     requests = [loras[i % 3] if i % 4 != 3 else None for i in range(len(PROMPTS))]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)

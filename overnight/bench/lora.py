@@ -17,11 +17,10 @@ import torch
 from overnight.bench.throughput import RunResult, run_ours
 from overnight.bench.workloads import Workload
 from overnight.config import ModelArch
-from overnight.lora.adapter import PROJECTIONS, WEIGHTS_FILE
+from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
+from overnight.lora.targets import family_targets
 from overnight.options import EngineOptions
-
-TARGETS = tuple(PROJECTIONS)
 
 
 def write_random_adapters(
@@ -31,13 +30,14 @@ def write_random_adapters(
     from safetensors.torch import save_file
 
     gen = torch.Generator().manual_seed(seed)
+    targets = family_targets(arch)
     adapters = []
     for i in range(n):
         path = os.path.join(folder, f"adapter{i}")
         os.makedirs(path, exist_ok=True)
         tensors = {}
         for layer in range(arch.num_hidden_layers):
-            for name, proj in PROJECTIONS.items():
+            for name, proj in targets.items():
                 if proj.kind == "mlp" and arch.is_moe_layer(layer):
                     continue
                 d_in, d_out = proj.dims(arch, name)
@@ -45,7 +45,7 @@ def write_random_adapters(
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
                 tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=gen) / rank**0.5
         save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_FILE))
-        config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(TARGETS)}
+        config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(targets)}
         with open(os.path.join(path, "adapter_config.json"), "w") as f:
             json.dump(config, f)
         adapters.append(LoRARequest(f"adapter{i}", i + 1, path))

@@ -6,7 +6,8 @@ A PEFT checkpoint stores, per adapted projection of layer i,
     base_model.model.model.layers.{i}.self_attn.q_proj.lora_B.weight   [out, r]
 and the layer computes W x + s * B (A x), with s = lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)).
 Our models fuse q/k/v into qkv_proj and gate/up into gate_up_proj: an adapted q_proj is slice 0 of
-qkv_proj's LoRA, k_proj slice 1, and so on (PROJECTIONS). Loading folds s into B, so the kernels
+qkv_proj's LoRA, k_proj slice 1, and so on; a checkpoint's fused projection (Phi-3's qkv_proj) covers
+all of a module's slices (targets.py has each family's table). Loading folds s into B, so the kernels
 never see a scale.
 """
 
@@ -23,61 +24,30 @@ from typing import TYPE_CHECKING
 from overnight.config import ModelArch
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest
+from overnight.lora.targets import SUPPORTED_ARCHITECTURES, family_targets, slice_sizes
 
 if TYPE_CHECKING:
     import torch
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# Architectures whose projections PROJECTIONS describes (the dense decoder blocks of models/llama.py;
-# Qwen3-MoE shares its attention, and its sparse layers have no gate/up/down projection to adapt).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
 
-
-@dataclass(frozen=True)
-class Projection:
-    """Where a checkpoint projection lives in our model: module (under model.layers.N), its slice index
-    inside the fused module's LoRA, and its input / output sizes."""
-
-    module: str
-    slice: int
-    kind: str  # "attention" | "mlp"
-
-    def dims(self, arch: ModelArch, name: str) -> tuple[int, int]:
-        h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
-        return {
-            "q_proj": (h, q),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (q, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-        }[name]
-
-
-PROJECTIONS: dict[str, Projection] = {
-    "q_proj": Projection("self_attn.qkv_proj", 0, "attention"),
-    "k_proj": Projection("self_attn.qkv_proj", 1, "attention"),
-    "v_proj": Projection("self_attn.qkv_proj", 2, "attention"),
-    "o_proj": Projection("self_attn.o_proj", 0, "attention"),
-    "gate_proj": Projection("mlp.gate_up_proj", 0, "mlp"),
-    "up_proj": Projection("mlp.gate_up_proj", 1, "mlp"),
-    "down_proj": Projection("mlp.down_proj", 0, "mlp"),
-}
-
-# Output slices of each wrapped module, in the fused layout (their sizes come from ModelArch).
-MODULE_SLICES: dict[str, tuple[str, ...]] = {
-    "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "self_attn.o_proj": ("o_proj",),
-    "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-    "mlp.down_proj": ("down_proj",),
-}
-
+# A decoder layer's projection, under the text model's own prefix or an image checkpoint's language model
+# (transformers 5 saves model.language_model.layers, 4.x language_model.model.layers).
 _KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+    r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])\.weight"
 )
-_UNSUPPORTED_TARGETS = {"embed_tokens": "the embeddings", "lm_head": "the LM head"}
+_UNSUPPORTED_TARGETS = {
+    "embed_tokens": "the embeddings",
+    "lm_head": "the LM head",
+    "vision_tower": "the vision tower",
+    "vision_model": "the vision tower",
+    "multi_modal_projector": "the multimodal projector",
+}
+# Paths inside a layer that belong to a mixture of experts (Mixtral's block_sparse_moe in older
+# transformers, experts.N.{w1,w2,w3} or stacked experts, the router: mlp.gate / mlp.router).
+_EXPERT_PARTS = ("expert", "block_sparse_moe", "router")
 
 
 @dataclass(frozen=True)
@@ -87,7 +57,19 @@ class AdapterSpec:
     request: LoRARequest
     rank: int
     scaling: float
-    tensors: tuple[tuple[str, int, str], ...]  # (checkpoint key of lora_A, layer, projection name)
+    tensors: tuple[AdaptedTensor, ...]
+
+
+@dataclass(frozen=True)
+class AdaptedTensor:
+    """One adapted projection of one layer: its lora_A key, and where its A / B go in our model."""
+
+    key_a: str
+    layer: int
+    name: str  # the checkpoint projection (q_proj, Phi-3's fused qkv_proj, ...)
+    module: str  # our wrapped module (MODULE_SLICES)
+    slices: tuple[int, ...]  # the module's output slices it covers
+    rows: tuple[int, ...]  # B's rows per slice, in order (a fused projection's B is split at these)
 
 
 @dataclass
@@ -160,8 +142,18 @@ def check_adapter(req: LoRARequest, arch: ModelArch, max_lora_rank: int) -> Adap
         for name, what in _UNSUPPORTED_TARGETS.items():
             if name in target:
                 raise _refuse(req, f"target module {target!r} ({what}) is not supported")
-    if arch.architecture not in SUPPORTED_ARCHITECTURES:
-        raise _refuse(req, f"LoRA is not supported on {arch.architecture!r} models")
+    if cfg.get("target_parameters"):
+        raise _refuse(
+            req,
+            f"target_parameters {cfg['target_parameters']} (LoRA on parameters such as stacked MoE experts) "
+            "is not supported",
+        )
+    if not family_targets(arch):
+        raise _refuse(
+            req,
+            f"LoRA is not supported on {arch.architecture!r} models (supported families: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})",
+        )
 
     weights_path = os.path.join(folder, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
@@ -178,7 +170,11 @@ def check_adapter(req: LoRARequest, arch: ModelArch, max_lora_rank: int) -> Adap
 
 def _check_tensors(
     req: LoRARequest, header: dict[str, dict], arch: ModelArch, rank: int
-) -> tuple[tuple[str, int, str], ...]:
+) -> tuple[AdaptedTensor, ...]:
+    targets = family_targets(arch)
+    # "self_attn.q_proj" -> "q_proj": the path inside a layer at which the family's checkpoints hold it
+    by_path = {f"{where.module.partition('.')[0]}.{name}": name for name, where in targets.items()}
+    supported = f"{', '.join(targets)} on {arch.architecture} models"
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     keys: dict[tuple[int, str], str] = {}
     for key, info in header.items():
@@ -190,19 +186,26 @@ def _check_tensors(
             if "lora_magnitude" in key:
                 raise _refuse(req, "DoRA (use_dora) adapters are not supported")
             raise _refuse(req, f"tensor {key} is not a LoRA weight of a decoder layer's projection")
-        layer, _, proj, ab = int(match.group(1)), match.group(2), match.group(3), match.group(4)
-        if proj not in PROJECTIONS:
-            raise _refuse(
-                req, f"target module {proj!r} is not supported (supported: {', '.join(PROJECTIONS)})"
-            )
+        layer, path, ab = int(match.group(1)), match.group(2), match.group(3)
         if layer >= arch.num_hidden_layers:
             raise _refuse(
                 req,
                 f"tensor {key} is for layer {layer}, but the base model has {arch.num_hidden_layers} "
                 "layers: the adapter was trained for another base model",
             )
-        if PROJECTIONS[proj].kind == "mlp" and arch.is_moe_layer(layer):
-            raise _refuse(req, f"target module {proj!r} of layer {layer}: adapting experts is not supported")
+        proj = by_path.get(path)
+        sparse = arch.is_moe_layer(layer) and not path.startswith("self_attn.")
+        if sparse or any(part in path for part in _EXPERT_PARTS):
+            raise _refuse(
+                req,
+                f"target module {path!r} of layer {layer}: adapting a mixture of experts (its experts "
+                f"or router) is not supported (supported: {supported})",
+            )
+        if proj is None:
+            leaf = path.rpartition(".")[2]
+            raise _refuse(
+                req, f"target module {leaf!r} is not supported (layer {layer} {path}; supported: {supported})"
+            )
         pairs.setdefault((layer, proj), {})[ab] = list(info["shape"])
         if ab == "A":
             keys[(layer, proj)] = key
@@ -210,7 +213,8 @@ def _check_tensors(
     for (layer, proj), shapes in sorted(pairs.items()):
         if set(shapes) != {"A", "B"}:
             raise _refuse(req, f"layer {layer} {proj}: lora_A and lora_B must both be present")
-        d_in, d_out = PROJECTIONS[proj].dims(arch, proj)
+        where = targets[proj]
+        d_in, d_out = where.dims(arch, proj)
         want = {"A": [rank, d_in], "B": [d_out, rank]}
         for ab in "AB":
             if shapes[ab] != want[ab]:
@@ -219,7 +223,10 @@ def _check_tensors(
                     f"layer {layer} {proj}.lora_{ab} has shape {shapes[ab]}, this base model needs "
                     f"{want[ab]} (rank {rank}): the adapter does not match the base model's architecture",
                 )
-        out.append((keys[(layer, proj)], layer, proj))
+        sizes = slice_sizes(arch, where.module)
+        rows = tuple(sizes[s] for s in where.slices)
+        assert sum(rows) == d_out, (proj, rows, d_out)  # a fused projection covers its slices exactly
+        out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, where.module, where.slices, rows))
     if not out:
         raise _refuse(req, f"{WEIGHTS_FILE} holds no LoRA weights")
     return tuple(out)
@@ -232,11 +239,13 @@ def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> LoadedAdapter:
     path = os.path.join(spec.request.lora_path, WEIGHTS_FILE)
     weights: dict[tuple[int, str], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
     with safe_open(path, framework="pt") as f:
-        for key_a, layer, proj in spec.tensors:
-            a = f.get_tensor(key_a).float()
-            b = f.get_tensor(key_a.replace("lora_A", "lora_B")).float() * spec.scaling
-            where = PROJECTIONS[proj]
-            weights.setdefault((layer, where.module), []).append((where.slice, a.to(dtype), b.to(dtype)))
+        for t in spec.tensors:
+            a = f.get_tensor(t.key_a).float().to(dtype)
+            b = f.get_tensor(t.key_a.replace("lora_A", "lora_B")).float() * spec.scaling
+            # A fused projection's one A serves each slice; B's rows go to their slices.
+            parts = weights.setdefault((t.layer, t.module), [])
+            for s, b_s in zip(t.slices, b.split(list(t.rows))):
+                parts.append((s, a, b_s.to(dtype).contiguous()))
     return LoadedAdapter(spec, weights)
 
 

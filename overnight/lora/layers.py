@@ -21,7 +21,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from overnight.lora.adapter import MODULE_SLICES, PROJECTIONS
+from overnight.lora.targets import MODULE_SLICES, slice_sizes
 
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
@@ -177,10 +177,6 @@ class LoRALinear(nn.Module):
         else:
             lora_expand_ref(y, h, self.lora_b, slots, self.offsets)
         return y
-
-
-def slice_sizes(arch: ModelArch, module: str) -> list[int]:
-    return [PROJECTIONS[name].dims(arch, name)[1] for name in MODULE_SLICES[module]]
 
 
 def apply_lora(

@@ -16,9 +16,10 @@ import torch
 from torch import nn
 
 from overnight.config import LoRAConfig, ModelArch
-from overnight.lora.adapter import MODULE_SLICES, LoadedAdapter, check_adapter, load_adapter
+from overnight.lora.adapter import LoadedAdapter, check_adapter, load_adapter
 from overnight.lora.layers import LoRABatch, LoRALinear, apply_lora
 from overnight.lora.request import LoRARequest
+from overnight.lora.targets import MODULE_SLICES
 
 # Row-parallel layers under tensor parallelism: each rank holds some input columns, so A is split by
 # its columns and the partial x @ A^T summed over ranks; the others are column-parallel: B split by rows.

@@ -1,0 +1,317 @@
+"""LoRA beyond Llama / Qwen: each family's checkpoint projection names mapped onto our fused modules
+(overnight/lora/targets.py).
+
+  - tier (c), slow: per family a tiny random transformers model and a random PEFT adapter (rank 8, every
+    projection the family lets LoRA adapt, B non-zero), our engine in fp32 token-exact against PEFT's
+    merged model, the base model's requests in the same batch against the base model; Phi-3's adapter on
+    its fused qkv_proj / gate_up_proj with a second adapter (unfused-order check: q, k, v and gate, up
+    rows as Phi-3 fuses them); Gemma 3's and Mistral 3's image checkpoints through language_model. keys;
+  - fast: the refusals (experts and routers of MoE layers, target_parameters, a vision tower, names of
+    another family, families without LoRA) on adapters written by hand, and a fused projection's B split
+    across our slices.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from overnight import LLM, LoRARequest, SamplingParams
+from overnight.config import ModelArch
+from overnight.errors import ConfigError, InvalidRequestError
+from overnight.lora.adapter import check_adapter, load_adapter
+from overnight.lora.targets import FAMILY_TARGETS
+from tests.lora_adapters import make_adapter, merged_reference
+from tests.parity_helpers import hf_greedy
+
+NEW_TOKENS = 6
+_ATTN = "q_proj|k_proj|v_proj|o_proj"
+_MLP = "gate_proj|up_proj|down_proj"
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    """transformers' tiny random model of `family`, from the families' own test helpers."""
+    if family in ("gemma2", "gemma3", "gemma3-multimodal"):
+        from tests.test_gemma import tiny_gemma
+
+        return tiny_gemma(family)
+    if family in ("seed_oss", "exaone4", "apertus", "cohere", "cohere2"):
+        from tests.dense_family_checks import make_model
+
+        return make_model(family)
+    if family == "gpt_oss":
+        import transformers
+
+        from tests.test_gpt_oss import _config, _spread
+
+        torch.manual_seed(0)
+        model = transformers.GptOssForCausalLM(_config()).eval()
+        _spread(model, 0)
+        return model
+    from tests.tiny_families import make_family_model
+
+    return make_family_model({"mistral": "mistral-window"}.get(family, family))
+
+
+# MoE families whose tests save their checkpoints: family -> (transformers prefix, writer)
+def _moe_writers() -> dict[str, tuple[str, Any]]:
+    from tests.test_ernie4_5 import make_ernie_moe_checkpoint
+    from tests.test_glm4_moe import make_glm_checkpoint
+    from tests.test_olmoe import FIELDS as OLMOE
+    from tests.test_qwen2_moe import make_qwen2_moe_checkpoint
+    from tests.tiny_moe import make_moe_checkpoint
+
+    return {
+        "qwen2_moe": ("Qwen2Moe", make_qwen2_moe_checkpoint),
+        "olmoe": ("Olmoe", lambda folder: make_moe_checkpoint(folder, "Olmoe", OLMOE)),
+        "glm4_moe": ("Glm4Moe", make_glm_checkpoint),
+        "ernie4_5_moe": ("Ernie4_5_Moe", make_ernie_moe_checkpoint),
+    }
+
+
+def _checkpoint(family: str, folder: Path) -> tuple[int, Any]:
+    """Save the tiny `family` model in folder; (its vocabulary size, a loader of it as transformers')."""
+    moe = _moe_writers().get(family)
+    if moe is not None:
+        import transformers
+
+        prefix, write = moe
+        write(folder)
+        cls = getattr(transformers, f"{prefix}ForCausalLM")
+    else:
+        model = _tiny(family)
+        model.save_pretrained(folder)
+        cls = type(model)
+    vocab = json.loads((folder / "config.json").read_text())
+    vocab = vocab.get("vocab_size") or vocab["text_config"]["vocab_size"]
+    return vocab, _loader(cls)
+
+
+# family -> PEFT target_modules (a regex over module paths where an image model's tower must stay out)
+CASES: dict[str, str] = {
+    "mistral": f"{_ATTN}|{_MLP}",
+    "ministral3": f"{_ATTN}|{_MLP}",
+    "mixtral": _ATTN,  # experts: refused (test_expert_and_router_targets_are_refused)
+    "gpt_oss": _ATTN,
+    "qwen2_moe": _ATTN,
+    "olmoe": _ATTN,
+    "glm4_moe": _ATTN,
+    "ernie4_5_moe": _ATTN,
+    "phi3": "qkv_proj|o_proj|gate_up_proj|down_proj",
+    "glm4": f"{_ATTN}|gate_up_proj|down_proj",
+    "olmo2": f"{_ATTN}|{_MLP}",
+    "olmo3": f"{_ATTN}|{_MLP}",
+    "smollm3": f"{_ATTN}|{_MLP}",
+    "granite": f"{_ATTN}|{_MLP}",
+    "seed_oss": f"{_ATTN}|{_MLP}",
+    "exaone4": f"{_ATTN}|{_MLP}",
+    "apertus": f"{_ATTN}|up_proj|down_proj",
+    "cohere": f"{_ATTN}|{_MLP}",
+    "cohere2": f"{_ATTN}|{_MLP}",
+    "gemma2": f"{_ATTN}|{_MLP}",
+    "gemma3": f"{_ATTN}|{_MLP}",
+    "gemma3-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
+    "mistral3": f".*language_model.*\\.({_ATTN}|{_MLP})",
+}
+
+
+def _regex(targets: str) -> str:
+    return targets if targets.startswith(".*") else f".*\\.({targets})"
+
+
+def _loader(cls: type):
+    def load(folder: Any) -> torch.nn.Module:
+        return cls.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+
+    return load
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(CASES))
+def test_family_adapter_matches_peft(family: str, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    vocab, load = _checkpoint(family, base)
+    adapters = [make_adapter(base, tmp_path / "a0", r=8, alpha=16, targets=_regex(CASES[family]), load=load)]
+    if family == "phi3":  # a second adapter beside the first and the base model: fused qkv only, rsLoRA
+        adapters.append(
+            make_adapter(base, tmp_path / "a1", r=4, alpha=8, targets=".*qkv_proj", use_rslora=True,
+                         seed=1, load=load)
+        )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 13)]
+    llm = LLM(
+        str(base), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=8 << 20,
+        enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    loras = [LoRARequest(f"a{i}", i + 1, str(folder)) for i, folder in enumerate(adapters)]
+    batch = [(p, lora) for lora in [*loras, None] for p in prompts]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([p for p, _ in batch], params, use_tqdm=False, lora_request=[r for _, r in batch])
+    refs = {None: load(base)} | {
+        lora.lora_int_id: merged_reference(base, lora.lora_path, load) for lora in loras
+    }
+    got: dict[int | None, list[list[int]]] = {}
+    for (prompt, lora), out in zip(batch, outs):
+        key = lora.lora_int_id if lora else None
+        want, _ = hf_greedy(refs[key], prompt, NEW_TOKENS)
+        assert out.outputs[0].token_ids == want, f"{family}: adapter {key}, prompt of {len(prompt)} tokens"
+        got.setdefault(key, []).append(want)
+    for lora in loras:
+        assert got[lora.lora_int_id] != got[None], f"{family}: adapter {lora.lora_int_id} changes nothing"
+
+
+# --- fast checks on hand-written adapters ---------------------------------------------------------------
+
+_DENSE = ModelArch("llama", 64, 16, 24, 2, 4, 2, 4)  # vocab, hidden, inter, layers, heads, kv heads, head_dim
+_MIXTRAL = replace(
+    _DENSE, architecture="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
+)
+
+
+def _write(folder: Path, arch: ModelArch, tensors: dict[str, tuple[int, int]], **config: Any) -> LoRARequest:
+    """An adapter folder of rank 2 holding `tensors` (key -> shape), random."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(0)
+    save_file(
+        {k: torch.randn(s, generator=gen) for k, s in tensors.items()}, folder / "adapter_model.safetensors"
+    )
+    (folder / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4, **config})
+    )
+    return LoRARequest(folder.name, 1, str(folder))
+
+
+def _pair(
+    path: str, d_in: int, d_out: int, layer: int = 0, prefix: str = "model."
+) -> dict[str, tuple[int, int]]:
+    key = f"base_model.model.{prefix}layers.{layer}.{path}"
+    return {f"{key}.lora_A.weight": (2, d_in), f"{key}.lora_B.weight": (d_out, 2)}
+
+
+@pytest.mark.parametrize(
+    "arch,tensors,config,match",
+    [
+        (_MIXTRAL, _pair("block_sparse_moe.experts.0.w1", 16, 8), {}, "'block_sparse_moe.experts.0.w1' of layer 0: adapting a mixture of experts"),
+        (_MIXTRAL, _pair("mlp.gate", 16, 4), {}, "'mlp.gate' of layer 0: adapting a mixture of experts"),
+        (_MIXTRAL, _pair("mlp.gate_proj", 16, 24, layer=1), {}, "adapting a mixture of experts .*supported: q_proj, k_proj, v_proj, o_proj on mixtral"),
+        (replace(_MIXTRAL, architecture="qwen2_moe"), _pair("mlp.shared_expert.up_proj", 16, 24), {}, "'mlp.shared_expert.up_proj' of layer 0: adapting a mixture of experts"),
+        (replace(_DENSE, architecture="glm4_moe"), _pair("mlp.gate_proj", 16, 24), {}, r"'gate_proj' is not supported \(layer 0 mlp.gate_proj; supported: q_proj, k_proj, v_proj, o_proj on glm4_moe"),
+        (replace(_MIXTRAL, architecture="gpt_oss"), _pair("self_attn.q_proj", 16, 16), {"target_parameters": ["mlp.experts.gate_up_proj"]}, "target_parameters"),
+        (replace(_DENSE, architecture="phi3"), _pair("self_attn.q_proj", 16, 16), {}, r"'q_proj' is not supported \(layer 0 self_attn.q_proj; supported: qkv_proj, o_proj, gate_up_proj, down_proj on phi3"),
+        (replace(_DENSE, architecture="glm4"), _pair("mlp.gate_proj", 16, 24), {}, "'gate_proj' is not supported .*gate_up_proj"),
+        (replace(_DENSE, architecture="apertus"), _pair("mlp.gate_proj", 16, 24), {}, "'gate_proj' is not supported \\(layer 0 mlp.gate_proj; supported: q_proj, k_proj, v_proj, o_proj, up_proj, down_proj on apertus"),
+        (replace(_DENSE, architecture="gemma3"), _pair("encoder.layers.0.self_attn.q_proj", 16, 16, prefix="model.vision_tower.vision_model."), {}, "adapts the vision tower"),
+        (replace(_DENSE, architecture="phi3"), _pair("self_attn.qkv_proj", 16, 17), {}, r"qkv_proj.lora_B has shape \[17, 2\], this base model needs \[32, 2\]"),
+        (replace(_DENSE, architecture="lfm2"), _pair("self_attn.q_proj", 16, 16), {}, "LoRA is not supported on 'lfm2' models \\(supported families: llama, .*phi3"),
+    ],
+)  # fmt: skip
+def test_refusals_name_the_problem(arch, tensors, config, match, tmp_path: Path) -> None:
+    req = _write(tmp_path / "adapter", arch, tensors, **config)
+    with pytest.raises(InvalidRequestError, match=match):
+        check_adapter(req, arch, max_lora_rank=8)
+
+
+def test_fused_projection_splits_b_across_our_slices(tmp_path: Path) -> None:
+    """Phi-3's qkv_proj LoRA: one A in each of q, k, v's slices, B's rows cut at q | k | v (sizes 16, 8,
+    8); gate_up_proj's at gate | up; language_model. keys (an image checkpoint's) land on the same layers."""
+    arch = replace(_DENSE, architecture="phi3")
+    tensors = _pair("self_attn.qkv_proj", 16, 32) | _pair(
+        "mlp.gate_up_proj", 16, 48, layer=1, prefix="model.language_model."
+    )
+    spec = check_adapter(_write(tmp_path / "phi", arch, tensors), arch, max_lora_rank=2)
+    adapter = load_adapter(spec, torch.float32)
+    from safetensors.torch import load_file
+
+    raw = load_file(str(tmp_path / "phi" / "adapter_model.safetensors"))
+    scale = 4 / 2
+    for layer, module, name, edges in [
+        (0, "self_attn.qkv_proj", "model.layers.0.self_attn.qkv_proj", (0, 16, 24, 32)),
+        (1, "mlp.gate_up_proj", "model.language_model.layers.1.mlp.gate_up_proj", (0, 24, 48)),
+    ]:
+        parts = adapter.weights[(layer, module)]
+        a, b = raw[f"base_model.model.{name}.lora_A.weight"], raw[f"base_model.model.{name}.lora_B.weight"]
+        assert [s for s, _, _ in parts] == list(range(len(edges) - 1))
+        for s, a_s, b_s in parts:
+            assert torch.equal(a_s, a)
+            assert torch.allclose(b_s, scale * b[edges[s] : edges[s + 1]])
+
+
+def test_every_family_table_is_writable_and_checks(tmp_path: Path) -> None:
+    """bench's random adapters (every target of the family) pass the checks on each supported family."""
+    from overnight.bench.lora import write_random_adapters
+
+    for family, targets in FAMILY_TARGETS.items():
+        arch = replace(
+            _MIXTRAL if family in ("mixtral", "gpt_oss", "qwen3_moe") else _DENSE, architecture=family
+        )
+        (lora,) = write_random_adapters(arch, 1, 2, str(tmp_path / family))
+        spec = check_adapter(lora, arch, max_lora_rank=2)
+        per_layer = sum(1 for w in targets.values() if w.kind == "attention" or not arch.num_experts)
+        assert len(spec.tensors) == arch.num_hidden_layers * per_layer, family
+
+
+def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None:
+    from overnight.build import lora_config
+    from overnight.options import EngineOptions
+
+    class Source:
+        arch = replace(_DENSE, architecture="lfm2")
+
+    with pytest.raises(
+        ConfigError, match="LoRA adapters run on generating llama, .*gemma3.*phi3.* models, not on 'lfm2'"
+    ):
+        lora_config(EngineOptions(model="x", enable_lora=True), Source(), "generate")  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # the interpreter compiles the SGMV shrink and expand kernels (~5 s on two shared cores)
+def test_fused_phi3_adapter_on_the_kernel_path(tmp_path: Path, monkeypatch) -> None:
+    """Phi-3's fused-projection adapter in a device slot: every wrapped layer's SGMV kernels (through the
+    Triton interpreter without a GPU) equal the torch path on a batch of adapter and base rows."""
+    from overnight.config import LoRAConfig
+    from overnight.kernels import dispatch
+    from overnight.lora.slots import DeviceLoRA
+    from tests.parity_helpers import cpu_model
+    from tests.tiny_families import make_family_model
+
+    model = make_family_model("phi3", num_hidden_layers=1)
+    model.save_pretrained(tmp_path / "base")
+    folder = make_adapter(tmp_path / "base", tmp_path / "a", r=8, alpha=16, targets=_regex(CASES["phi3"]),
+                          load=_loader(type(model)))  # fmt: skip
+    ours = cpu_model(tmp_path / "base")
+    device = next(ours.parameters()).device
+    lora = DeviceLoRA(ours, ours.arch, LoRAConfig(2, 8, 2), torch.float32, device, max_tokens=16, max_reqs=4)
+    lora.load([(1, LoRARequest("a", 7, str(folder)))])
+    lora.map_rows([7, 0, 7], [5, 3, 2], 10, decode_only=False)
+    rows = torch.tensor([1] * 5 + [0] * 3 + [1] * 2, dtype=torch.bool)
+    gen = torch.Generator().manual_seed(0)
+    for (_, path), module in lora.modules.items():
+        x = torch.randn(10, module.in_features, generator=gen)
+        with torch.no_grad():
+            monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+            got = module(x)
+            monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+            want, plain = module(x), module.base(x)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[~rows], plain[~rows])
+        assert not torch.allclose(got[rows], plain[rows]), path
+
+
+def test_image_checkpoint_key_layouts_map_to_the_decoder_layers(tmp_path: Path) -> None:
+    """transformers 5 saves an image model's decoder as model.language_model.layers, 4.x as
+    language_model.model.layers: both name our model.layers."""
+    arch = replace(_DENSE, architecture="gemma3")
+    tensors = _pair("self_attn.q_proj", 16, 16, prefix="model.language_model.") | _pair(
+        "mlp.down_proj", 24, 16, layer=1, prefix="language_model.model."
+    )
+    spec = check_adapter(_write(tmp_path / "g", arch, tensors), arch, max_lora_rank=2)
+    assert [(t.layer, t.module, t.slices) for t in spec.tensors] == [
+        (0, "self_attn.qkv_proj", (0,)),
+        (1, "mlp.down_proj", (0,)),
+    ]
