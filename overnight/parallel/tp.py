@@ -139,6 +139,13 @@ class TPShards:
                 f"tensor_parallel_size {w} is not supported yet for LFM2's short-conv layers: use 1 "
                 "(data_parallel_size runs several copies)"
             )
+        # Falcon-H1: its hybrid layers (attention and a Mamba2 mixer in one layer) are not under test
+        # with the Mamba2 sharding rules yet.
+        if a.architecture == "falcon_h1" and w > 1:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for Falcon-H1: use 1 "
+                "(data_parallel_size runs several copies)"
+            )
         problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.is_mamba2:
             problems += mamba2_problems(a, w)
