@@ -15,6 +15,7 @@ from overnight.models.bert_classifier import BertForSequenceClassification
 from overnight.models.cohere import CohereForCausalLM
 from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from overnight.models.falcon_h1 import FalconH1ForCausalLM, falcon_h1_arch
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
 from overnight.models.gemma_config import gemma_arch
@@ -22,7 +23,6 @@ from overnight.models.gemma_encoder import GemmaEncoderModel
 from overnight.models.gemma_vl import Gemma3ForConditionalGeneration
 from overnight.models.glm4_moe import Glm4MoeForCausalLM
 from overnight.models.gpt_oss import GptOssForCausalLM
-from overnight.models.falcon_h1 import FalconH1ForCausalLM, falcon_h1_arch
 from overnight.models.granite_hybrid import GraniteMoeHybridForCausalLM, granite_hybrid_arch
 from overnight.models.hf_config import (
     TEXT_CONFIG_FAMILIES,
