@@ -3,7 +3,7 @@ folded into the weights at load). Tier (a), in seconds: config.json -> ModelArch
 as transformers holds it, the state and KV shapes, the hybrid layers' cache keys), bad configs refused by
 name, the 7B preset's published sizes. Tier (c), slow: fp32 greedy token-exact with transformers through
 the LLM API on the torch path and the Triton interpreter path, prefill chunks cut inside prompts, a
-prefix-cache hit through state snapshots, preemption with a tiny pool."""
+prefix-cache hit through state snapshots, preemption with a tiny pool, tensor parallelism (2 gloo ranks)."""
 
 from __future__ import annotations
 
@@ -165,12 +165,15 @@ def test_bad_configs_are_refused_by_name(change: dict, message: str) -> None:
         arch_from_hf_config({**cfg, **change})
 
 
-def test_tensor_parallelism_is_refused_by_name() -> None:
+def test_tensor_parallelism_without_whole_norm_groups_is_refused_by_name() -> None:
+    """The norm before the gate sums no statistics over ranks: 2 groups split over 2 ranks, not 4."""
     from overnight.parallel.tp import TPShards
 
-    cfg, _ = config_of("g1")
-    with pytest.raises(ModelLoadError, match="not supported yet for Falcon-H1"):
-        TPShards(arch_from_hf_config(cfg), 0, 2).check()
+    cfg, _ = config_of("g2-norm")
+    arch = arch_from_hf_config(cfg)
+    TPShards(arch, 0, 2).check()
+    with pytest.raises(ModelLoadError, match="mamba_norm_before_gate"):
+        TPShards(arch, 0, 4).check()
 
 
 def test_the_7b_preset_counts_its_published_sizes() -> None:
@@ -287,3 +290,17 @@ def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
     for prompt, got in zip(prompts, run_engine(llm, prompts, 20)):
         assert got == hf_greedy(ref, prompt, 20)[0], f"{len(prompt)} tokens"
     assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+@pytest.mark.parametrize("variant", ["g1", "g2-norm"])
+def test_tp2_matches_tp1_and_transformers(tmp_path, variant: str) -> None:
+    """parallel/tp_mamba2.py's rules with the attention ones: the mixer's heads split (its one B/C group
+    on both ranks, no norm; or the two groups split, each rank normalizing its own group before the
+    gate), the attention's heads split,
+    the MLP split; both prefix waves (chunked prefill, a second wave restored from state snapshots) give
+    the tokens of one process and of transformers."""
+    from tests.tp_helpers import check_tp2_two_waves
+
+    engine = dict(ENGINE, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=256)
+    check_tp2_two_waves(make_falcon_h1_checkpoint(tmp_path, variant), engine, VOCAB, seed=5)

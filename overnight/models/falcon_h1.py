@@ -17,7 +17,8 @@ them. In float32 the folded products differ from transformers' order of operatio
 Every layer is both kinds (ModelArch.layer_types "hybrid"): the KV cache keys it by its layer index like
 any attention layer, the state cache (runner/state_cache.py) by its place among the layers with a state
 (ModelArch.linear_state_index; here the same index). Checkpoint names are transformers' but for the final
-norm (model.final_layernorm -> model.norm) and the fused q/k/v and gate/up projections.
+norm (model.final_layernorm -> model.norm) and the fused q/k/v and gate/up projections. Tensor
+parallelism takes parallel/tp_mamba2.py's rules for the mixer and the dense ones for attention and MLP.
 """
 
 from __future__ import annotations
@@ -103,6 +104,9 @@ class FalconH1ForCausalLM(nn.Module):
         if not arch.is_mamba2 or set(arch.layer_types) != {"hybrid"}:
             raise ModelLoadError("a Falcon-H1 architecture needs its Mamba2 sizes and hybrid layers")
         self.arch = arch
+        # The checkpoint's sizes: tensor parallelism shrinks self.arch to one rank's share, but the
+        # multipliers fold into whole tensors, before they are sliced.
+        self.checkpoint_arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
         self.model = LlamaModel(arch, make_layer=FalconH1DecoderLayer)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
@@ -118,7 +122,7 @@ class FalconH1ForCausalLM(nn.Module):
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint stream with the final norm renamed and the multipliers folded in (applied once,
         by loader/model_loader.checkpoint_weights, before FP8 conversion and tensor-parallel slicing)."""
-        return fold_multipliers(self.arch, weights)
+        return fold_multipliers(self.checkpoint_arch, weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """weights: rename_checkpoint's stream (the multipliers already folded: folding is not idempotent)."""
