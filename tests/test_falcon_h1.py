@@ -292,6 +292,49 @@ def test_preemption_restarts_from_a_zero_state(checkpoint) -> None:
     assert llm.engine.stats().num_preemptions_total > 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
+def test_bf16_close_to_transformers(checkpoint) -> None:
+    """bf16 on both sides, the house rule: greedy tokens equal up to the first divergence, there each
+    side's token among the other's top 5; and at least half the steps before divergences, with the chosen
+    tokens' logprobs 0.05 apart on average (so a model that diverges at once fails)."""
+    import transformers
+
+    from overnight import LLM, SamplingParams
+    from tests.parity_helpers import hf_greedy
+
+    model, folder, _ = checkpoint
+    if model != "g1":
+        pytest.skip("one variant: the published models' form")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    llm = LLM(str(folder), **dict(ENGINE, dtype="bfloat16"), max_model_len=128, max_num_batched_tokens=16)
+    prompts, new = prompts_of([1, 4, 9, 17, 30, 41], seed=7), 8
+    params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True, logprobs=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    gaps: list[float] = []
+    for prompt, out in zip(prompts, outs):
+        theirs, scores = hf_greedy(ref, prompt, new)
+        ours, logprobs = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert logprobs is not None
+        for a, b, their_lp, lp in zip(ours, theirs, scores, logprobs):
+            if a != b:
+                assert b in lp and a in their_lp.topk(5).indices.tolist(), f"{ours} vs {theirs}"
+                break
+            gaps.append(abs(lp[a].logprob - float(their_lp[a])))
+    assert len(gaps) >= len(prompts) * new / 2, f"{len(gaps)} steps before divergences"
+    assert sum(gaps) / len(gaps) < 0.05, f"mean logprob gap {sum(gaps) / len(gaps):.3f}"
+
+
+@pytest.mark.slow  # the Triton interpreter
+@pytest.mark.parametrize("variant", ["g1", "g2-norm"])
+def test_decode_steps_have_no_host_syncs(tmp_path, monkeypatch, variant: str) -> None:
+    """What CUDA-graph capture forbids (tests/sync_guard.py), in float16 with every layer on its GPU
+    path: the Mamba2 decode step beside paged attention, y * silu(z) without a norm, or the norm
+    before the gate."""
+    from tests.test_graph_safety import decode_guarded
+
+    decode_guarded(make_falcon_h1_checkpoint(tmp_path, variant), monkeypatch)
+
+
 @pytest.mark.slow  # starts tensor-parallel processes
 @pytest.mark.parametrize("variant", ["g1", "g2-norm"])
 def test_tp2_matches_tp1_and_transformers(tmp_path, variant: str) -> None:

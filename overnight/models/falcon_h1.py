@@ -161,7 +161,9 @@ def fold_multipliers(
     arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     m = dict(arch.weight_multipliers)
-    rows = ssm_row_scales(arch, m)
+    rows: torch.Tensor | None = ssm_row_scales(arch, m)
+    if rows is not None and bool((rows == 1.0).all()):
+        rows = None  # in_proj's rows keep their values
     for name, t in weights:
         if name == "model.final_layernorm.weight":
             yield "model.norm.weight", t
@@ -174,7 +176,7 @@ def fold_multipliers(
         if kind == "weight" and suffix in _INPUT_SIDE:
             scale *= m[_INPUT_SIDE[suffix]]
         row_scale = rows if suffix == "mamba.in_proj" and kind in ("weight", "bias") else None
-        if scale == 1.0 and (row_scale is None or bool((row_scale == 1.0).all())):
+        if scale == 1.0 and row_scale is None:
             yield name, t
             continue
         if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
