@@ -175,14 +175,14 @@ def fold_multipliers(
             scale *= m[key]
         if kind == "weight" and suffix in _INPUT_SIDE:
             scale *= m[_INPUT_SIDE[suffix]]
-        row_scale = rows if suffix == "mamba.in_proj" and kind in ("weight", "bias") else None
+        row_scale = rows if suffix == "mamba.in_proj" else None
         if scale == 1.0 and row_scale is None:
             yield name, t
             continue
-        if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        if kind not in ("weight", "bias") or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ModelLoadError(
                 f"{name} is stored as {t.dtype}: Falcon-H1's multipliers fold into 16- or 32-bit float "
-                "weights only (pre-quantized Falcon-H1 checkpoints are not supported yet)"
+                "weights and biases only (pre-quantized Falcon-H1 checkpoints are not supported yet)"
             )
         f = t.float() * scale
         if row_scale is not None:
