@@ -347,3 +347,18 @@ def test_tp2_matches_tp1_and_transformers(tmp_path, variant: str) -> None:
 
     engine = dict(ENGINE, max_num_batched_tokens=16, max_num_seqs=4, max_model_len=256)
     check_tp2_two_waves(make_falcon_h1_checkpoint(tmp_path, variant), engine, VOCAB, seed=5)
+
+
+def test_pre_quantized_tensors_are_refused_by_name() -> None:
+    """A scale or a packed weight of a multiplied projection cannot take the multiplier as a float
+    weight does: refused, naming the tensor."""
+    from overnight.models.falcon_h1 import fold_multipliers
+
+    cfg, _ = config_of("g1")
+    arch = arch_from_hf_config(cfg)
+    for name, t in [
+        ("model.layers.0.self_attn.k_proj.weight_scale", torch.ones(24)),
+        ("model.layers.0.mamba.in_proj.qweight", torch.ones(4, 100, dtype=torch.int32)),
+    ]:
+        with pytest.raises(ModelLoadError, match=name.replace(".", r"\.")):
+            list(fold_multipliers(arch, [(name, t)]))

@@ -160,10 +160,12 @@ def ssm_row_scales(arch: ModelArch, m: dict[str, float]) -> torch.Tensor:
 def fold_multipliers(
     arch: ModelArch, weights: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint stream with each multiplied projection's weight (and bias) scaled, in float32 and
+    rounded once to the tensor's dtype, and the final norm under Llama's name. arch: the checkpoint's
+    whole sizes (in_proj's row sections)."""
     m = dict(arch.weight_multipliers)
-    rows: torch.Tensor | None = ssm_row_scales(arch, m)
-    if rows is not None and bool((rows == 1.0).all()):
-        rows = None  # in_proj's rows keep their values
+    sections = ssm_row_scales(arch, m)
+    rows = None if bool(torch.all(sections == 1.0)) else sections  # None: in_proj's rows keep their values
     for name, t in weights:
         if name == "model.final_layernorm.weight":
             yield "model.norm.weight", t
@@ -181,8 +183,8 @@ def fold_multipliers(
             continue
         if kind not in ("weight", "bias") or t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             raise ModelLoadError(
-                f"{name} is stored as {t.dtype}: Falcon-H1's multipliers fold into 16- or 32-bit float "
-                "weights and biases only (pre-quantized Falcon-H1 checkpoints are not supported yet)"
+                f"cannot fold Falcon-H1's multipliers into {name} ({t.dtype}): only into 16- or 32-bit "
+                "float weights and biases (pre-quantized Falcon-H1 checkpoints are not supported yet)"
             )
         f = t.float() * scale
         if row_scale is not None:
