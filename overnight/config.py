@@ -179,7 +179,8 @@ class ModelArch:
     # Per-layer attention kinds, HF's `layer_types` names: "full_attention" or "sliding_attention" (a
     # window of sliding_window tokens, the query's own included), or "chunked_attention" (Llama 4: a
     # query sees its own chunk of attention_chunk_size positions, up to itself). () means every layer
-    # is full.
+    # is full. Hybrid models add "linear_attention" (a state, no KV cache) and "hybrid" (Falcon-H1:
+    # full attention and a Mamba2 state in one layer; has_linear_state, linear_state_index).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
