@@ -187,7 +187,8 @@ class ModelArch:
     # Per-layer attention kinds, HF's `layer_types` names: "full_attention" or "sliding_attention" (a
     # window of sliding_window tokens, the query's own included), or "chunked_attention" (Llama 4: a
     # query sees its own chunk of attention_chunk_size positions, up to itself). () means every layer
-    # is full.
+    # is full. Hybrid models add "linear_attention" (a state, no KV cache) and "hybrid" (Falcon-H1:
+    # full attention and a Mamba2 state in one layer; has_linear_state, linear_state_index).
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
@@ -284,6 +285,13 @@ class ModelArch:
     # The gated RMSNorm before out_proj normalizes each of mamba_norm_groups equal slices of the mixer's
     # width on its own: 1 (Granite: the whole width) or n_groups (Nemotron-H).
     mamba_norm_groups: int = 1
+    # Falcon-H1's variations (models/falcon_h1.py): no gated norm at all (mamba_rms_norm False: the output
+    # is y * silu(z)), or the norm before the gate (weight * rms_norm(y) * silu(z), per group).
+    mamba_rms_norm: bool = True
+    mamba_norm_before_gate: bool = False
+    # Constants folded into projection weights as the checkpoint loads, by name (Falcon-H1's muP
+    # multipliers, models/falcon_h1.py MULTIPLIERS); () for every other family.
+    weight_multipliers: tuple[tuple[str, float], ...] = ()
     # LFM2's gated short convolutions in the "linear_attention" layers (models/lfm2.py; short_conv_kernel
     # > 0 marks them, config.json's conv_L_cache): in_proj gives B, C and x (hidden_size each), the layer
     # returns out_proj(C * conv(B * x)), a depthwise causal conv of short_conv_kernel taps without an
@@ -463,9 +471,19 @@ class ModelArch:
         """Whether layer `layer_idx` is linear attention (a state per request, no KV cache)."""
         return bool(self.layer_types) and self.layer_types[layer_idx] == "linear_attention"
 
+    def has_linear_state(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` keeps a linear layer's state per request: a linear-attention layer,
+        or a "hybrid" one (Falcon-H1: attention with its KV cache and a Mamba2 mixer side by side)."""
+        return bool(self.layer_types) and self.layer_types[layer_idx] in ("linear_attention", "hybrid")
+
+    def linear_state_index(self, layer_idx: int) -> int:
+        """Layer `layer_idx`'s place among the layers with a state (the state cache's index)."""
+        return sum(self.has_linear_state(i) for i in range(layer_idx))
+
     @property
     def num_linear_layers(self) -> int:
-        return sum(self.is_linear_layer(i) for i in range(self.num_hidden_layers))
+        """The layers with a linear layer's state (the state cache's layers; hybrid ones included)."""
+        return sum(self.has_linear_state(i) for i in range(self.num_hidden_layers))
 
     @property
     def mlp_blocks(self) -> int:
@@ -552,7 +570,8 @@ class ModelArch:
         if self.is_mamba2:
             _, rows = self._linear_mixer_shape()
             biases = conv * self.mamba_conv_bias + rows * self.mamba_proj_bias
-            return conv * (k1 + 1) + biases + 3 * self.mamba_n_heads + self.mamba_intermediate
+            norm = self.mamba_intermediate if self.mamba_rms_norm else 0  # the gated norm's weight
+            return conv * (k1 + 1) + biases + 3 * self.mamba_n_heads + norm
         return conv * (k1 + 1) + 2 * self.linear_num_value_heads + self.linear_value_head_dim
 
     @property
@@ -707,11 +726,11 @@ class ModelArch:
         h = self.hidden_size
         params = rows = 0
         for i in range(self.num_hidden_layers):
-            if self.is_linear_layer(i):  # Gated DeltaNet's or Mamba2's in_proj and out_proj
+            if self.has_linear_state(i):  # Gated DeltaNet's or Mamba2's in_proj and out_proj
                 mixer_params, mixer_rows = self._linear_mixer_shape()
                 params += mixer_params
                 rows += mixer_rows
-            else:
+            if not self.is_linear_layer(i):  # (a hybrid layer has both)
                 attention_params, attention_rows = self._attention_linear(i)  # q/k/v rows and o_proj's
                 if self.is_gated_delta:  # Qwen's gated attention: q and a gate
                     attention_params += h * self.q_size

@@ -311,7 +311,8 @@ class KVCacheLayout:
             replace(
                 arch,
                 num_hidden_layers=len(attn_layers),
-                layer_types=tuple(arch.layer_types[i] for i in attn_layers),
+                # a hybrid layer (Falcon-H1) is a full-attention layer here; its state is the state cache's
+                layer_types=tuple(_attention_kind(arch.layer_types[i]) for i in attn_layers),
             ),
             max_model_len,
         )
@@ -334,3 +335,7 @@ class KVCacheLayout:
             tuple(shapes),
             inner.block_scales,
         )
+
+
+def _attention_kind(kind: str) -> str:
+    return "full_attention" if kind == "hybrid" else kind

@@ -114,19 +114,29 @@ def ssd_step_ref(
 
 
 def mamba_gated_norm_ref(
-    y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, groups: int = 1
+    y: torch.Tensor,
+    z: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    groups: int = 1,
+    norm_before_gate: bool = False,
 ) -> torch.Tensor:
     """weight * rms_norm(y * silu(z)), the gate before the norm, the statistics taken over each of
     `groups` equal slices of the last dim on its own: groups 1 is transformers'
     GraniteMoeHybridRMSNormGated (one norm over the mixer's width, whatever n_groups), groups = n_groups
     its Zamba2RMSNormGated with group_size = width / n_groups (Nemotron-H). Statistics in float32, the
-    weight applied in y's dtype."""
+    weight applied in y's dtype. norm_before_gate (Falcon-H1's FalconH1RMSNormGated): the gate multiplies
+    the normed, weighted y instead, all in float32 until the final cast (as transformers)."""
     dtype = y.dtype
-    g = y.float() * F.silu(z.float())
+    g = y.float() if norm_before_gate else y.float() * F.silu(z.float())
     if groups > 1:
         g = g.unflatten(-1, (groups, -1))
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * g.flatten(-2).to(dtype) if groups > 1 else weight * g.to(dtype)
+    if groups > 1:
+        g = g.flatten(-2)
+    if norm_before_gate:
+        return (weight.float() * g * F.silu(z.float())).to(dtype)
+    return weight * g.to(dtype)
 
 
 @dataclass(frozen=True)
@@ -172,13 +182,15 @@ def sharded_gated_norm(
 
 
 class MambaGatedRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, groups: int = 1) -> None:
+    def __init__(self, dim: int, eps: float, groups: int = 1, norm_before_gate: bool = False) -> None:
         super().__init__()
         if dim % groups:
             raise ValueError(f"the gated norm's width {dim} does not split into {groups} groups")
         self.weight = nn.Parameter(torch.ones(dim))
         self.variance_epsilon = eps
         self.groups = groups
+        # The gate after the norm (Falcon-H1): torch ops only, no kernel, no tensor-parallel share.
+        self.norm_before_gate = norm_before_gate
         # Set by tensor parallelism when this rank holds a share of one norm slice (groups is then 1):
         # the statistics are summed over the ranks of the slice. Fixed at load: capture and replay
         # take the same branch.
@@ -186,6 +198,8 @@ class MambaGatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """y [T, W] (the SSM's output), z [T, W] (the gate, a view into in_proj's output)."""
+        if self.norm_before_gate:
+            return mamba_gated_norm_ref(y, z, self.weight, self.variance_epsilon, self.groups, True)
         if self.share is not None:
             return sharded_gated_norm(y, z, self.weight, self.variance_epsilon, self.share)
         if use_kernels(y):  # one pass (kernels/mamba2_gated_norm.py) instead of several fp32 temporaries

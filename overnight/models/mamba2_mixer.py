@@ -4,6 +4,7 @@ per-request states.
     x -> in_proj -> z (gate, mamba_intermediate) | x|B|C (conv channels) | dt (one per head)
       -> causal conv + bias + SiLU over x|B|C (conv state) -> SSD recurrence per head (ssm state)
       -> RMSNorm(y * silu(z)) over the whole width or per group (arch.mamba_norm_groups) -> out_proj
+         (Falcon-H1: RMSNorm(y) * silu(z) with mamba_norm_before_gate, or y * silu(z) without a norm)
 
 Attribute names are the checkpoint's (model.layers.N.mamba.*). The step's rows come decodes first
 (attention/metadata.py). Decode rows (one token each) run batched by the device tensor slot_ids, with no
@@ -18,6 +19,7 @@ groups they read, their conv channels) and out_proj sums the ranks' outputs.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
@@ -48,7 +50,14 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_heads))
         self.D = nn.Parameter(torch.ones(self.num_heads))
-        self.norm = MambaGatedRMSNorm(self.intermediate_size, arch.rms_norm_eps, arch.mamba_norm_groups)
+        # Falcon-H1 may have no norm (mamba_rms_norm False: y * silu(z)) or the norm before the gate.
+        self.norm = (
+            MambaGatedRMSNorm(
+                self.intermediate_size, arch.rms_norm_eps, arch.mamba_norm_groups, arch.mamba_norm_before_gate
+            )
+            if arch.mamba_rms_norm
+            else None
+        )
         self.out_proj = nn.Linear(self.intermediate_size, h, bias=arch.mamba_proj_bias)
 
     def forward(self, x: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
@@ -72,5 +81,6 @@ class Mamba2Mixer(nn.Module):
         shape = (self.num_heads, self.head_dim)
         y = decode_then_prefill(mamba2_ops(x), layer, (xbc, dt), pools, attn.meta, st, (x, shape))
         t = x.shape[0]
-        out = self.norm(y.reshape(t, self.intermediate_size), z)
+        y = y.reshape(t, self.intermediate_size)
+        out = self.norm(y, z) if self.norm is not None else y * F.silu(z)
         return self.out_proj(out)

@@ -15,6 +15,7 @@ from overnight.models.bert_classifier import BertForSequenceClassification
 from overnight.models.cohere import CohereForCausalLM
 from overnight.models.deepseek import DeepseekForCausalLM
 from overnight.models.ernie4_5_moe import Ernie4_5_MoeForCausalLM
+from overnight.models.falcon_h1 import FalconH1ForCausalLM, falcon_h1_arch
 from overnight.models.field_readers import checked_rope, rope_params
 from overnight.models.gemma import GemmaForCausalLM
 from overnight.models.gemma4 import Gemma4ForCausalLM
@@ -117,6 +118,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     # Mamba2 + attention hybrids (models/granite_hybrid.py), on the same state cache
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    # attention and a Mamba2 mixer side by side in every layer (models/falcon_h1.py)
+    "falcon_h1": FalconH1ForCausalLM,
     # LFM2: gated short convs + attention (models/lfm2.py), on the same state cache (conv states only)
     "lfm2": Lfm2ForCausalLM,
     "lfm2_moe": Lfm2ForCausalLM,
@@ -192,6 +195,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3NextForCausalLM": "qwen3_next",
     "GraniteMoeHybridForCausalLM": "granitemoehybrid",
     "NemotronHForCausalLM": "nemotron_h",
+    "FalconH1ForCausalLM": "falcon_h1",
     "Lfm2ForCausalLM": "lfm2",
     "Lfm2MoeForCausalLM": "lfm2_moe",
 }
@@ -340,6 +344,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return granite_hybrid_arch(cfg)
     if family == "nemotron_h":
         return nemotron_h_arch(cfg)
+    if family == "falcon_h1":
+        return falcon_h1_arch(cfg)
     if family in ("lfm2", "lfm2_moe"):
         return lfm2_arch(cfg, moe=family == "lfm2_moe")
     if family == "gpt_oss":

@@ -23,7 +23,7 @@ How one rank r of `world` holds a decoder (the model files stay unaware of it):
     other norms, rotary table: replicated
 
 Hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next) add their Gated DeltaNet layers' rules: parallel/tp_hybrid.py;
-the Mamba2 hybrids (Granite 4.0-H, Nemotron-H) their mixers' heads and B/C groups, and Nemotron 3's
+the Mamba2 hybrids (Granite 4.0-H, Nemotron-H, Falcon-H1) their mixers' heads and B/C groups, and Nemotron 3's
 MoE blocks their one all-reduce of routed + shared: parallel/tp_mamba2.py.
 Gemma 4's per-layer head sizes, KV heads and MLP widths: parallel/tp_gemma4.py. Latent attention
 (DeepSeek-V2 / V3) by heads, its latent cache replicated: parallel/tp_mla.py.
@@ -141,6 +141,13 @@ class TPShards:
             raise ModelLoadError(
                 f"tensor_parallel_size {w} is not supported yet for LFM2's short-conv layers: use 1 "
                 "(data_parallel_size runs several copies)"
+            )
+        # Falcon-H1's norm before the gate (layers/mamba2.py) has no statistics summed over ranks: each
+        # rank must hold whole norm slices.
+        if a.mamba_rms_norm and a.mamba_norm_before_gate and w > 1 and a.mamba_norm_groups % w:
+            raise ModelLoadError(
+                f"tensor_parallel_size {w} is not supported yet for a Mamba2 norm before the gate "
+                f"(mamba_norm_before_gate) over {a.mamba_norm_groups} group(s): use a size that divides them"
             )
         problems = gemma4_problems(a, w) if is_gemma4(a) else []
         if a.is_mamba2:

@@ -193,11 +193,13 @@ def shard_mamba2_mixer(
     for pname in HEAD_PARAMS:
         sliced = keep(shard(f"{name}.{pname}", getattr(module, pname)))
         setattr(module, pname, nn.Parameter(sliced, requires_grad=False))
-    norm = module.norm
-    norm.weight = nn.Parameter(keep(shard(f"{name}.norm.weight", norm.weight)), requires_grad=False)
     module.num_heads, module.n_groups = local.mamba_n_heads, local.mamba_n_groups
     module.intermediate_size = local.mamba_intermediate
     module.conv_dim = module.intermediate_size + 2 * module.n_groups * module.d_state
+    norm = module.norm
+    if norm is None:  # no gated norm (Falcon-H1's mamba_rms_norm False): y * silu(z) is per channel
+        return
+    norm.weight = nn.Parameter(keep(shard(f"{name}.norm.weight", norm.weight)), requires_grad=False)
     whole_groups = norm.groups
     norm.groups = local.mamba_norm_groups
     if whole_groups % world:  # each norm slice spans world / whole_groups ranks
