@@ -5,8 +5,9 @@ M-RoPE sections [2, 3, 3] not interleaved): the expanded prompt ids equal the pr
 prompt, one image and two images of different sizes in one batch through LLM.generate, with prefill
 chunks that end inside an image; LLM.chat with image_url data: URIs; the prefix cache telling two
 images apart; the tower over several images against transformers' image features; the parameter count
-(ours, transformers', ModelArch.num_parameters); the qwen2-vl-7b preset's shapes; config reading and
-refusals; and, slow, run-batch lines and the server. Text-only mode (limit_mm_per_prompt image 0) is in
+(ours, transformers', ModelArch.num_parameters) and the start-up encoder run; the qwen2-vl-7b preset's
+shapes; config reading and refusals; an AWQ checkpoint (the tower kept float); and, slow, run-batch
+lines and the server. Text-only mode (limit_mm_per_prompt image 0) is in
 tests/test_text_only_images.py, the caption workload on the preset in tests/test_bench_caption.py."""
 
 from __future__ import annotations
@@ -144,6 +145,8 @@ def test_parameter_count_and_config(setup):
     assert (v.kind, v.hidden_size, v.intermediate_size, v.out_hidden_size) == ("qwen2_vl", 32, 64, 64)
     assert v.hidden_act == "quick_gelu" and v.window_size == 0 and v.fullatt_block_indexes == ()
     assert arch.mrope_section == (2, 3, 3) and not arch.mrope_interleaved
+    # the start-up memory run: one image of the processor's max_pixels, (8 P)^2: 8 x 8 patches
+    assert image_checks.start_up_encoder_grids(llm, folder) == [[(1, 8, 8)]]
 
 
 def test_config_refusals(setup):
@@ -203,3 +206,36 @@ def test_run_batch_and_server(setup, tmp_path):
     from tests.tiny_vl import WORDS
 
     check_run_batch_and_server(llm, folder, WORDS, tmp_path, max_model_len=256, new_tokens=NEW)
+
+
+def test_awq_checkpoint_keeps_the_tower_float(setup, tmp_path, monkeypatch):
+    """An AWQ checkpoint (ignoring "visual", as Qwen2-VL-*-AWQ): only the language model quantized (the
+    GPU's packed layers), the tower's linears the checkpoint's float tensors; greedy tokens with and
+    without an image equal transformers' on the dequantized twin."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from overnight import LLM
+    from overnight.quant import apply
+    from overnight.quant.int_linear import WeightOnlyIntLinear
+    from tests.int_checkpoints import make_int_checkpoint
+    from tests.tiny_vl import hf_greedy
+
+    folder, llm, ref = setup
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)  # the names must meet before packing
+    quantized, twin = make_int_checkpoint(Path(folder), tmp_path / "awq", "awq-g32")
+    engine = LLM(str(quantized), dtype="float32", kv_cache_memory_bytes=4 << 20, max_model_len=128)
+    model = image_checks.engine_of(engine).runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WeightOnlyIntLinear)
+    stored = {k.removeprefix("model."): v for k, v in load_file(quantized / "model.safetensors").items()}
+    linears = {n: m for n, m in model.visual.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert len(linears) == 2 * 4 + 2 and all(type(m) is torch.nn.Linear for m in linears.values())
+    for name, module in linears.items():
+        assert torch.equal(module.weight, stored[f"visual.{name}.weight"].float()), name
+    theirs = AutoModelForImageTextToText.from_pretrained(twin, dtype=torch.float32).eval()
+    cases = [(words(6, 0), []), (f"{words(3, 1)} {PLACEHOLDER} {words(4, 2)}", [image(4 * P, 2 * P, 1)])]
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else t for t, i in cases]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True))
+    tok = engine.get_tokenizer()
+    for (text, imgs), out in zip(cases, outs):
+        assert list(out.outputs[0].token_ids) == hf_greedy(str(twin), tok.encode(text), imgs, NEW, theirs)
