@@ -6,8 +6,8 @@ prompt, one image and two images of different sizes in one batch through LLM.gen
 chunks that end inside an image; LLM.chat with image_url data: URIs; the prefix cache telling two
 images apart; the tower over several images against transformers' image features; the parameter count
 (ours, transformers', ModelArch.num_parameters) and the start-up encoder run; the qwen2-vl-7b preset's
-shapes; config reading and refusals; an AWQ checkpoint (the tower kept float); and, slow, run-batch
-lines and the server. Text-only mode (limit_mm_per_prompt image 0) is in
+shapes; config reading and refusals; an AWQ checkpoint (the tower kept float); tensor parallelism (the tower
+replicated; slow: TP=2 generation token-exact); and, slow, run-batch lines and the server. Text-only mode (limit_mm_per_prompt image 0) is in
 tests/test_text_only_images.py, the caption workload on the preset in tests/test_bench_caption.py."""
 
 from __future__ import annotations
@@ -198,6 +198,21 @@ def test_dummy_preset_has_the_published_shapes():
     assert vision.num_parameters() == sum(p.numel() for p in theirs.model.visual.parameters()) == 675_759_104
     hf = qwen_image_processor(vision, None)
     assert (hf.size.shortest_edge, hf.size.longest_edge) == (3136, 12845056)
+
+
+def test_tensor_parallel_replicates_the_tower(setup):
+    """Each TP=2 rank's share loaded as the checkpoint streams equals slicing the whole model; the tower
+    (merger included) is whole on every rank, the decoder's qkv_proj halved."""
+    folder, llm, ref = setup
+    image_checks.check_tower_replicated(folder, ("visual.",))
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_generation_with_images(setup):
+    folder, llm, ref = setup
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], PARAMS, NEW, max_num_batched_tokens=BUDGET, max_model_len=256
+    )
 
 
 @pytest.mark.slow
