@@ -507,8 +507,8 @@ def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
 
 
 def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
-    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads it), with
-    M-RoPE's sections and the vision tower (models/vision/config.py)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads
+    it), with M-RoPE's sections and the vision tower (models/vision/config.py)."""
     text = text_config_of(cfg)
     text_family = _VL_TEXT_FAMILY[family]
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}

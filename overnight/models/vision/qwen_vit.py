@@ -1,6 +1,6 @@
-"""The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames, with 2-D
-RoPE inside attention, whose output merges each 2x2 block of patches into one token of the language
-model's width.
+"""The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames,
+with 2-D RoPE inside attention, whose output merges each 2x2 block of patches into one token of the
+language model's width.
 
 Patches arrive in "merge-block order" (the image processor's layout): the merge x merge patches of one
 output token are consecutive, so merging is a reshape.
