@@ -20,7 +20,8 @@ RopeValue = float | str | bool | tuple[float, ...]
 @dataclass(frozen=True)
 class VisionArch:
     """A vision tower and how its image tokens sit in the prompt, named as in HF vision_config.
-    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU), "qwen3_vl" (learned position embeddings,
+    kind: "qwen2_5_vl" (window attention, RMSNorm, SwiGLU), "qwen2_vl" (2.5's tower without windows,
+    with LayerNorms and a quick_gelu fc1 / fc2 MLP), "qwen3_vl" (learned position embeddings,
     LayerNorm, deepstack features), "gemma3" (SigLIP at a fixed image_size, its patch features
     average-pooled to mm_tokens_per_image; the prompt brackets them with vision_start / vision_end,
     Gemma's boi / eoi tokens, and they attend to each other both ways: bidirectional_images) or
@@ -118,13 +119,14 @@ class VisionArch:
             return embed + self.depth * block + 2 * h + h + h * out
         wide = h * self.spatial_merge_size**2
         qwen3 = self.kind == "qwen3_vl"
-        norms = 4 * h if qwen3 else 2 * h  # LayerNorms have a bias
-        mlp = 2 * h * i + i + h if qwen3 else 3 * h * i + 2 * i + h
+        layer_norm = self.kind != "qwen2_5_vl"  # LayerNorms have a bias, Qwen2.5-VL's RMSNorms none
+        norms = 4 * h if layer_norm else 2 * h
+        mlp = 3 * h * i + 2 * i + h if self.kind == "qwen2_5_vl" else 2 * h * i + i + h  # gated or not
         block = norms + 3 * h * h + 3 * h + h * h + h + mlp
         patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + (h if qwen3 else 0)
 
         def merger(norm_width: int) -> int:
-            return norm_width * (2 if qwen3 else 1) + wide * wide + wide + wide * out + out
+            return norm_width * (2 if layer_norm else 1) + wide * wide + wide + wide * out + out
 
         total = patch + self.depth * block + merger(h)
         if qwen3:

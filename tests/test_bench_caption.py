@@ -2,7 +2,7 @@
 same work: deterministic prompts and pixels, the published image preprocessing for presets that ship no
 preprocessor_config.json (multimodal/qwen_pixels.py), the processor folder bench/vllm_throughput.py
 hands vLLM (bench/processor_folder.py), and `overnight bench throughput --workload caption-448` on a
-reduced Qwen2.5-VL / Qwen3-VL config with dummy weights on the CPU."""
+reduced Qwen2-VL / Qwen2.5-VL / Qwen3-VL config with dummy weights on the CPU."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from overnight.multimodal.media import MediaPolicy
 from overnight.multimodal.processor import ImageProcessor
 from tests.tiny_vl import image
 
-PRESETS = ["qwen2.5-vl-7b", "qwen3-vl-8b"]
-# Image tokens of one 448 x 448 image: (448 / 28)^2 on Qwen2.5-VL (patch 14), (448 / 32)^2 on Qwen3-VL.
-TOKENS_448 = {"qwen2.5-vl-7b": 256, "qwen3-vl-8b": 196}
+PRESETS = ["qwen2-vl-7b", "qwen2.5-vl-7b", "qwen3-vl-8b"]
+# Image tokens of one 448 x 448 image: (448 / 28)^2 on Qwen2(.5)-VL (patch 14), (448 / 32)^2 on Qwen3-VL.
+TOKENS_448 = {"qwen2-vl-7b": 256, "qwen2.5-vl-7b": 256, "qwen3-vl-8b": 196}
 PAD, START, END = 151655, 151652, 151653
 
 
@@ -83,7 +83,7 @@ def test_presets_without_preprocessor_config_preprocess_as_published(preset):
     proc = ImageProcessor(vision, None, MediaPolicy())
     size, mean = proc.hf.size, list(proc.hf.image_mean)
     proc.close()
-    if preset == "qwen2.5-vl-7b":
+    if preset in ("qwen2-vl-7b", "qwen2.5-vl-7b"):
         assert (size.shortest_edge, size.longest_edge) == (3136, 12845056)
         assert mean == pytest.approx([0.48145466, 0.4578275, 0.40821073])
         # 1400 x 1400 fits the published max (12.8M pixels) as it is: 50 x 50 patches of 28 px
@@ -101,6 +101,7 @@ def _hf_processor(folder, kind, monkeypatch):
     sent); bench/vllm_throughput.py repeats this check with AutoProcessor on the GPU machine."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_5_vl import Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     from transformers.models.qwen3_vl import Qwen3VLProcessor
     from transformers.processing_utils import ProcessorMixin
@@ -111,7 +112,7 @@ def _hf_processor(folder, kind, monkeypatch):
         return None if name == "video_processor" and arg is None else check(self, name, arg)
 
     monkeypatch.setattr(ProcessorMixin, "check_argument_for_proper_class", without_video)
-    cls = Qwen2_5_VLProcessor if kind == "qwen2_5_vl" else Qwen3VLProcessor
+    cls = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(kind, Qwen3VLProcessor)
     tok = AutoTokenizer.from_pretrained(folder)
     return cls(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(folder), tokenizer=tok, video_processor=None
@@ -135,8 +136,8 @@ def test_processor_folder_for_vllm_expands_like_ours(preset, tmp_path, monkeypat
     assert max(tok.get_vocab().values()) == arch.vocab_size - 1
     with open(os.path.join(folder, "video_preprocessor_config.json")) as f:
         assert json.load(f)["video_processor_type"].endswith("VideoProcessor")
-    # vLLM's dummy text for one image: Qwen2.5-VL the pad alone, Qwen3-VL with its start / end tokens
-    text = hf.image_token if preset == "qwen2.5-vl-7b" else "<|vision_start|><|image_pad|><|vision_end|>"
+    # vLLM's dummy text for one image: Qwen2(.5)-VL the pad alone, Qwen3-VL with its start / end tokens
+    text = hf.image_token if preset != "qwen3-vl-8b" else "<|vision_start|><|image_pad|><|vision_end|>"
     ids = caption_prompt_ids(arch)
     for img in (image(448, 448, 0), image(640, 360, 1)):
         out = hf(text=[text], images=[img], return_tensors="pt")
@@ -163,7 +164,10 @@ def _reduced_config(preset: str, folder: str) -> str:
     if "head_dim" in text:
         text["head_dim"] = 16
     v = cfg["vision_config"]
-    v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    if "embed_dim" in v:  # Qwen2-VL: the tower's width is embed_dim, hidden_size its output's
+        v.update(depth=2, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=64)
+    else:
+        v.update(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
     if "fullatt_block_indexes" in v:
         v["fullatt_block_indexes"] = [1]
     if "deepstack_visual_indexes" in v:
@@ -279,7 +283,11 @@ def test_vllm_side_of_a_text_workload_is_unchanged(vllm_stand_in, capsys):
 
 # Parameters of the published checkpoints (their safetensors, as transformers builds them from the
 # config), and the tower's share.
-PARAMETERS = {"qwen2.5-vl-7b": (8_292_166_656, 676_550_144), "qwen3-vl-8b": (8_767_123_696, 576_388_336)}
+PARAMETERS = {
+    "qwen2-vl-7b": (8_291_375_616, 675_759_104),
+    "qwen2.5-vl-7b": (8_292_166_656, 676_550_144),
+    "qwen3-vl-8b": (8_767_123_696, 576_388_336),
+}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -301,8 +309,7 @@ def test_vl_presets_have_published_shapes(preset):
         hf = AutoModelForImageTextToText.from_config(cfg)
     assert sum(p.numel() for p in hf.parameters()) == total
     assert source.arch.vision.image_token_id == PAD
-    rope = {"qwen2.5-vl-7b": (1e6, (16, 24, 24), False), "qwen3-vl-8b": (5e6, (24, 20, 20), True)}[preset]
+    qwen2 = preset in ("qwen2-vl-7b", "qwen2.5-vl-7b")  # Qwen2's decoder, else Qwen3's
+    rope = (1e6, (16, 24, 24), False) if qwen2 else (5e6, (24, 20, 20), True)
     assert (source.arch.rope_theta, source.arch.mrope_section, source.arch.mrope_interleaved) == rope
-    assert source.arch.attention_bias == (preset == "qwen2.5-vl-7b") and source.arch.qk_norm == (
-        preset != "qwen2.5-vl-7b"
-    )
+    assert source.arch.attention_bias == qwen2 and source.arch.qk_norm == (not qwen2)

@@ -176,6 +176,7 @@ def test_dummy_presets_have_published_shapes(name):
         "gpt-oss-120b",
         "qwen3.5-9b",
         "qwen3.5-35b-a3b",
+        "qwen2-vl-7b",  # tests/test_qwen2_vl.py
         "qwen2.5-vl-7b",
         "qwen3-vl-8b",
         "glm-4.5-air",  # tests/test_glm4_moe.py

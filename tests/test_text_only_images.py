@@ -1,5 +1,5 @@
 """Text-only mode of image models (limit_mm_per_prompt image 0, ModelArch.text_only): for each image
-family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, on the tiny random checkpoints of
+family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, on the tiny random checkpoints of
 their own tests) the model is built without its tower and projector, the checkpoint's tower tensors are not read,
 no encoder step is set up, text prompts give the same greedy tokens as the full model (chunked prefill
 and decode), and an image prompt is refused naming the limit; the budget counts fewer weight bytes and
@@ -22,6 +22,7 @@ from tests.tiny_smolvlm import make_smolvlm_checkpoint
 from tests.tiny_vl import data_uri, image, make_vl_checkpoint
 
 MAKERS: dict[str, Callable[[Any], str]] = {
+    "qwen2_vl": lambda root: make_vl_checkpoint(root, "qwen2_vl"),
     "qwen2_5_vl": lambda root: make_vl_checkpoint(root, "qwen2_5_vl"),
     "qwen3_vl": lambda root: make_vl_checkpoint(root, "qwen3_vl"),
     "qwen3_5": lambda root: make_vl_checkpoint(root, "qwen3_5"),

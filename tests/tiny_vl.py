@@ -1,6 +1,6 @@
 """What the image tests share: a word-level tokenizer builder, transformers' processor-and-generate
 reference, the token-exact check against it, and one run-batch / server test body (InternVL, Mistral 3,
-Gemma 3 and Qwen use them); images, data URIs, words and CLI flags. And the tiny random Qwen2.5-VL /
+Gemma 3 and Qwen use them); images, data URIs, words and CLI flags. And the tiny random Qwen2-VL / Qwen2.5-VL /
 Qwen3-VL / Qwen3.5 (dense and MoE) checkpoints (vision towers of depth 2, width 32) with a tokenizer
 holding Qwen's image special tokens and a chat template that renders image parts as
 <|vision_start|><|image_pad|><|vision_end|>, plus the image processor's preprocessor_config.json."""
@@ -41,7 +41,14 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}{% endif %} <|im_end|> {% endfor %}"
     "{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
 )
-PATCH = {"qwen2_5_vl": 14, "qwen3_vl": 16, "qwen3_vl_moe": 16, "qwen3_5": 16, "qwen3_5_moe": 16}
+PATCH = {
+    "qwen2_vl": 14,
+    "qwen2_5_vl": 14,
+    "qwen3_vl": 16,
+    "qwen3_vl_moe": 16,
+    "qwen3_5": 16,
+    "qwen3_5_moe": 16,
+}
 # Qwen3.5's hybrid decoder: linear and full attention layers; M-RoPE over half of each head (rotary 16,
 # sections [2, 3, 3] fill its 8 frequencies, so all three axes turn some).
 HYBRID_TEXT: dict[str, Any] = dict(
@@ -156,7 +163,26 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
         depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, spatial_merge_size=2
     )
     torch.manual_seed(seed)
-    if kind == "qwen2_5_vl":
+    if kind == "qwen2_vl":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+        # Qwen2-VL's vision_config: embed_dim is the tower's width, hidden_size the merger's output.
+        cfg = Qwen2VLConfig(
+            text_config=text,
+            vision_config=dict(
+                depth=2,
+                embed_dim=32,
+                mlp_ratio=2,
+                num_heads=2,
+                hidden_size=64,
+                spatial_merge_size=2,
+                patch_size=14,
+            ),
+            **common,
+        )
+        model: Any = Qwen2VLForConditionalGeneration(cfg)
+    elif kind == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
@@ -165,7 +191,7 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
             vision_config={**vision, "patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1]},
             **common,
         )
-        model: Any = Qwen2_5_VLForConditionalGeneration(cfg)
+        model = Qwen2_5_VLForConditionalGeneration(cfg)
     elif kind in ("qwen3_5", "qwen3_5_moe"):
         import transformers
 

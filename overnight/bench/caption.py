@@ -1,7 +1,7 @@
 """Captioning requests: one synthetic image per request in a fixed Qwen chat prompt, as token ids.
 
 The prompt is what the Qwen2.5-VL chat template renders for a user turn of one image and "Describe this
-image.", tokenized by the Qwen2 / Qwen3 tokenizer (Qwen2.5-VL and Qwen3-VL share its ids):
+image.", tokenized by the Qwen2 / Qwen3 tokenizer (Qwen2-VL, Qwen2.5-VL and Qwen3-VL share its ids):
 
     <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n<|im_start|>user\\n
     <|vision_start|><|image_pad|><|vision_end|>Describe this image.<|im_end|>\\n<|im_start|>assistant\\n
@@ -37,7 +37,7 @@ def caption_prompt_ids(arch: ModelArch) -> list[int]:
         raise ValueError(
             f"{arch.architecture} takes no images: an image workload needs a vision-language model"
         )
-    if v.kind not in ("qwen2_5_vl", "qwen3_vl"):
+    if v.kind not in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
         raise ValueError(f"caption prompts are Qwen chat prompts; a {v.kind!r} tower is not supported")
     if v.vision_start_token_id is None or v.vision_end_token_id is None:
         raise ValueError("config.json lacks vision_start_token_id / vision_end_token_id")

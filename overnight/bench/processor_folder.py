@@ -2,7 +2,7 @@
 a folder that holds only the preset's config.json (bench/vllm_throughput.py on an image workload).
 
 vLLM runs the HF processor even on token-id prompts (vLLM 0.26, multimodal/processing/processor.py): the
-images go through it with a dummy text of placeholders (`<|image_pad|>` per image for Qwen2.5-VL,
+images go through it with a dummy text of placeholders (`<|image_pad|>` per image for Qwen2(.5)-VL,
 `<|vision_start|><|image_pad|><|vision_end|>` for Qwen3-VL) to get the pixels and patch grids, and the
 prompt's single pad per image is then replaced by grid_t * grid_h * grid_w / merge_size**2 pads, the pad
 id looked up in the tokenizer (`vocab["<|image_pad|>"]`, or the encoding of that string). So the
@@ -25,7 +25,11 @@ from overnight.config import ModelArch
 from overnight.models.registry import arch_from_hf_config
 from overnight.multimodal.qwen_pixels import published_preprocessor_config
 
-VIDEO_PROCESSOR = {"qwen2_5_vl": "Qwen2VLVideoProcessor", "qwen3_vl": "Qwen3VLVideoProcessor"}
+VIDEO_PROCESSOR = {
+    "qwen2_vl": "Qwen2VLVideoProcessor",
+    "qwen2_5_vl": "Qwen2VLVideoProcessor",
+    "qwen3_vl": "Qwen3VLVideoProcessor",
+}
 
 
 def special_tokens(cfg: dict[str, Any], arch: ModelArch) -> dict[str, int]:

@@ -94,7 +94,8 @@ WORKLOADS = {
         # The CPU check: the embedded default model, mixed lengths (continuous batching's home ground).
         Workload("cpu-64", "default", 64, (16, 192), (8, 96)),
         # Captioning: 448 px is a multiple of both towers' merged patch (28 and 32 px), so no resize: 256
-        # image tokens per request on Qwen2.5-VL, 196 on Qwen3-VL (--model qwen3-vl-8b).
+        # image tokens per request on Qwen2.5-VL (and Qwen2-VL: --model qwen2-vl-7b), 196 on Qwen3-VL
+        # (--model qwen3-vl-8b).
         Workload("caption-448", "qwen2.5-vl-7b", 1024, (0, 0), (128, 128), image_size=(448, 448)),
     ]
 }

@@ -1,5 +1,5 @@
-"""Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision/qwen_vit.py) whose image embeddings replace the
-image-pad tokens' input embeddings, and the Qwen2 / Qwen3 decoder of models/llama.py with M-RoPE
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision/qwen_vit.py) whose image embeddings
+replace the image-pad tokens' input embeddings, and the Qwen2 / Qwen3 decoder of models/llama.py with M-RoPE
 (layers/mrope.py) instead of RoPE. Qwen3-VL also adds "deepstack" features of the tower's early blocks
 to the image tokens' hidden states after each of the first decoder layers.
 
@@ -7,9 +7,9 @@ The runner hands the step's image rows in as VisionRows: the rows of the flatten
 tokens and their embeddings (a prefill chunk may hold only part of an image: the rows it covers). Decode
 steps and text-only prompts pass none and run exactly as the text model (CUDA graphs included).
 
-Checkpoint names: Qwen2.5-VL ships `model.layers.*` / `visual.*`, Qwen3-VL `model.language_model.*` /
-`model.visual.*` (and transformers 5 saves either in the second layout); both load into `model.*` /
-`visual.*` here. The renaming happens in rename_checkpoint, before quantized checkpoints' tensors are
+Checkpoint names: Qwen2-VL and Qwen2.5-VL ship `model.layers.*` / `visual.*`, Qwen3-VL
+`model.language_model.*` / `model.visual.*` (and transformers 5 saves either in the second layout); both
+load into `model.*` / `visual.*` here. The renaming happens in rename_checkpoint, before quantized checkpoints' tensors are
 converted (they are looked up by the model's names), and a quantization_config's ignore list may name
 modules in either layout (checkpoint_names).
 
@@ -94,8 +94,9 @@ VISION_TOWER = r"re:visual\."
 
 
 class QwenVLForConditionalGeneration(nn.Module):
-    """Qwen2_5_VLForConditionalGeneration and Qwen3VLForConditionalGeneration (arch.vision.kind says
-    which tower; the decoder's flags come from the text config as for Qwen2 / Qwen3)."""
+    """Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration and
+    Qwen3VLForConditionalGeneration (arch.vision.kind says which tower; the decoder's flags come from
+    the text config as for Qwen2 / Qwen3)."""
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     unquantized_linear: tuple[str, ...] = (VISION_TOWER,)

@@ -103,6 +103,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "deepseek_v2": DeepseekForCausalLM,
     "deepseek_v3": DeepseekForCausalLM,
     "glm4_moe_lite": DeepseekForCausalLM,
+    "qwen2_vl": QwenVLForConditionalGeneration,
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
@@ -181,6 +182,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "deepseek_v2",
     "DeepseekV3ForCausalLM": "deepseek_v3",
     "Glm4MoeLiteForCausalLM": "glm4_moe_lite",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
@@ -207,7 +209,12 @@ _WITH_IMAGES: dict[str, type[nn.Module]] = {
 }
 _GEMMA = ("gemma2", "gemma3", "gemma4")  # config readers in models/gemma_config.py
 # Vision-language families: their text config is a Qwen2 / Qwen3 decoder's (the flags of that family).
-_VL_TEXT_FAMILY = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+_VL_TEXT_FAMILY = {
+    "qwen2_vl": "qwen2",
+    "qwen2_5_vl": "qwen2",
+    "qwen3_vl": "qwen3",
+    "qwen3_vl_moe": "qwen3_moe",
+}
 _INTERNVL_TEXT = ("qwen2", "qwen3", "qwen3_moe", "llama")  # InternVL's decoders (text_config.model_type)
 _ENCODERS = ("bert", "xlm-roberta")
 
@@ -506,8 +513,8 @@ def _gpt_oss_arch(cfg: dict[str, Any]) -> ModelArch:
 
 
 def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
-    """Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads it), with
-    M-RoPE's sections and the vision tower (models/vision/config.py)."""
+    """Qwen2-VL / Qwen2.5-VL / Qwen3-VL: the decoder from text_config (as its Qwen2 / Qwen3 family reads
+    it), with M-RoPE's sections and the vision tower (models/vision/config.py)."""
     text = text_config_of(cfg)
     text_family = _VL_TEXT_FAMILY[family]
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}
@@ -527,7 +534,8 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         architecture=family,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         mrope_section=section,
-        mrope_interleaved=bool(params.get("mrope_interleaved", family != "qwen2_5_vl")),
+        # Qwen2-VL and Qwen2.5-VL give each axis a contiguous run of frequencies; Qwen3-VL interleaves them.
+        mrope_interleaved=bool(params.get("mrope_interleaved", family not in ("qwen2_vl", "qwen2_5_vl"))),
         vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
     )
 

@@ -4,7 +4,8 @@ and the same number of image tokens as with the real files.
 
 transformers' own defaults (min 56 x 56, max 28 x 28 x 1280 pixels, CLIP's mean and std) are Qwen2-VL's;
 the published files differ (each value read from the checkpoints' preprocessor_config.json):
-- Qwen2.5-VL (3B / 7B / 32B / 72B-Instruct): min_pixels 3136, max_pixels 12845056, CLIP mean / std;
+- Qwen2-VL (2B / 7B / 72B-Instruct) and Qwen2.5-VL (3B / 7B / 32B / 72B-Instruct): min_pixels 3136,
+  max_pixels 12845056, CLIP mean / std;
 - Qwen3-VL (dense and MoE) and Qwen3.5: size {shortest_edge: 65536, longest_edge: 16777216}, mean and
   std 0.5 per channel.
 Patch, temporal patch and merge sizes always come from the model's vision_config (VisionArch).
@@ -22,6 +23,7 @@ CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # VisionArch.kind -> (min_pixels, max_pixels, image_mean, image_std, the HF processor class)
 PUBLISHED: dict[str, tuple[int, int, list[float], list[float], str]] = {
+    "qwen2_vl": (3136, 12845056, CLIP_MEAN, CLIP_STD, "Qwen2VLProcessor"),
     "qwen2_5_vl": (3136, 12845056, CLIP_MEAN, CLIP_STD, "Qwen2_5_VLProcessor"),
     "qwen3_vl": (65536, 16777216, [0.5, 0.5, 0.5], [0.5, 0.5, 0.5], "Qwen3VLProcessor"),
 }

@@ -21,31 +21,51 @@ def vision_arch_from_hf(cfg: dict[str, Any], kind: str) -> VisionArch:
     if not isinstance(image_token, int):
         raise ModelLoadError("config.json lacks image_token_id")
     try:
-        hidden = int(v.get("hidden_size") or v["embed_dim"])
+        if kind == "qwen2_vl":
+            # Qwen2-VL names the tower's width embed_dim, its MLP's mlp_ratio x that, and the merger's
+            # output width (the decoder's) hidden_size.
+            hidden = int(v.get("embed_dim", 1280))
+            inter = int(hidden * float(v.get("mlp_ratio", 4)))
+            out = int(v.get("hidden_size") or text_config_of(cfg)["hidden_size"])
+            act = str(v.get("hidden_act", "quick_gelu"))
+        else:
+            hidden = int(v.get("hidden_size") or v["embed_dim"])
+            inter = int(v["intermediate_size"])
+            out = int(v.get("out_hidden_size") or text_config_of(cfg)["hidden_size"] or 0)
+            act = str(v.get("hidden_act", "silu"))
         theta = float((v.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        windowed = kind == "qwen2_5_vl"  # Qwen2-VL has no windows whatever its file says
         arch = VisionArch(
             kind=kind,
             depth=int(v["depth"]),
             hidden_size=hidden,
-            intermediate_size=int(v["intermediate_size"]),
+            intermediate_size=inter,
             num_heads=int(v["num_heads"]),
-            out_hidden_size=int(v.get("out_hidden_size") or text_config_of(cfg)["hidden_size"] or 0),
+            out_hidden_size=out,
             patch_size=int(v.get("patch_size", 14)),
             temporal_patch_size=int(v.get("temporal_patch_size", 2)),
             spatial_merge_size=int(v.get("spatial_merge_size", 2)),
             in_channels=int(v.get("in_channels") or v.get("in_chans") or 3),
-            hidden_act=str(v.get("hidden_act", "silu")),
+            hidden_act=act,
             image_token_id=image_token,
             vision_start_token_id=cfg.get("vision_start_token_id"),
             vision_end_token_id=cfg.get("vision_end_token_id"),
             rope_theta=theta,
-            window_size=int(v.get("window_size", 0)),
-            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes") or ()),
+            window_size=int(v.get("window_size", 0)) if windowed else 0,
+            fullatt_block_indexes=tuple(int(i) for i in v.get("fullatt_block_indexes") or ())
+            if windowed
+            else (),
             num_position_embeddings=int(v.get("num_position_embeddings", 0)),
             deepstack_visual_indexes=tuple(int(i) for i in v.get("deepstack_visual_indexes") or ()),
         )
     except KeyError as e:
         raise ModelLoadError(f"vision_config lacks required field {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid {kind} vision_config: {e}") from None
+    if kind == "qwen2_vl" and (arch.intermediate_size <= 0 or arch.out_hidden_size <= 0):
+        raise ModelLoadError("Qwen2-VL's vision_config needs a positive embed_dim, mlp_ratio and hidden_size")
+    if kind == "qwen2_vl" and arch.hidden_act not in ("quick_gelu", "gelu", "gelu_pytorch_tanh", "silu"):
+        raise ModelLoadError(f"unsupported Qwen2-VL vision hidden_act {arch.hidden_act!r}")
     if arch.hidden_size % arch.num_heads or (arch.hidden_size // arch.num_heads) % 4:
         raise ModelLoadError("vision hidden_size / num_heads must be a multiple of 4 (2-D RoPE)")
     if kind == "qwen2_5_vl" and arch.window_size < arch.patch_size * arch.spatial_merge_size:

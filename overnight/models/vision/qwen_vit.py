@@ -1,6 +1,6 @@
-"""The vision towers of Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames, with 2-D
-RoPE inside attention, whose output merges each 2x2 block of patches into one token of the language
-model's width.
+"""The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames,
+with 2-D RoPE inside attention, whose output merges each 2x2 block of patches into one token of the
+language model's width.
 
 Patches arrive in "merge-block order" (the image processor's layout): the merge x merge patches of one
 output token are consecutive, so merging is a reshape.
@@ -9,6 +9,10 @@ output token are consecutive, so merging is a reshape.
 
 Several images may go through one call: attention never crosses an image (cu_seqlens), and Qwen2.5-VL's
 window blocks never cross a window. Attribute names follow the checkpoint keys (visual.*).
+
+Qwen2-VL's tower is Qwen2.5-VL's without windows (every block attends over its whole image), with
+LayerNorms (and biases) where 2.5 has RMSNorms: in the blocks and the merger's ln_q, and the plain
+fc1 / quick_gelu / fc2 MLP instead of the gated one.
 
 A tower takes (pixel_values, grid_thw) and returns VisionFeatures (models/vision/interface.py); other
 families' towers plug in through build_vision_tower by returning the same.
@@ -26,7 +30,16 @@ from overnight.config import VisionArch
 from overnight.models.vision.interface import VisionFeatures
 
 
+class QuickGELU(nn.Module):
+    """x * sigmoid(1.702 x): CLIP's GELU approximation (Qwen2-VL's tower MLP, HF's "quick_gelu")."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
 def _act(name: str) -> nn.Module:
+    if name == "quick_gelu":
+        return QuickGELU()
     if name == "silu":
         return nn.SiLU()
     if name in ("gelu_pytorch_tanh", "gelu_tanh"):
@@ -124,7 +137,8 @@ class SwiGLU(nn.Module):  # Qwen2.5-VL's block MLP
 
 class VisionMLP(nn.Module):
     """fc1, the tower's hidden_act, fc2 (both with bias): the block MLP of SigLIP (gelu_pytorch_tanh),
-    InternViT and Llama 4's ViT (exact gelu), whose checkpoints name them fc1 / fc2."""
+    InternViT and Llama 4's ViT (exact gelu) and Qwen2-VL's tower (quick_gelu), whose checkpoints name
+    them fc1 / fc2."""
 
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
@@ -147,18 +161,26 @@ class FcMLP(nn.Module):  # Qwen3-VL's block MLP
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
 
 
+def _norm(v: VisionArch) -> nn.Module:
+    """The blocks' and the merger's norm: RMSNorm in Qwen2.5-VL's tower, LayerNorm in the others."""
+    return VisionRMSNorm(v.hidden_size) if v.kind == "qwen2_5_vl" else nn.LayerNorm(v.hidden_size, eps=1e-6)
+
+
+def _block_mlp(v: VisionArch) -> nn.Module:
+    if v.kind == "qwen3_vl":
+        return FcMLP(v)
+    if v.kind == "qwen2_vl":
+        return VisionMLP(v)
+    return SwiGLU(v)
+
+
 class VisionBlock(nn.Module):
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
-        qwen3 = v.kind == "qwen3_vl"
-        self.norm1: nn.Module = (
-            nn.LayerNorm(v.hidden_size, eps=1e-6) if qwen3 else VisionRMSNorm(v.hidden_size)
-        )
-        self.norm2: nn.Module = (
-            nn.LayerNorm(v.hidden_size, eps=1e-6) if qwen3 else VisionRMSNorm(v.hidden_size)
-        )
+        self.norm1 = _norm(v)
+        self.norm2 = _norm(v)
         self.attn = VisionAttention(v)
-        self.mlp: nn.Module = FcMLP(v) if qwen3 else SwiGLU(v)
+        self.mlp = _block_mlp(v)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
@@ -168,10 +190,12 @@ class VisionBlock(nn.Module):
 
 
 class Qwen25PatchMerger(nn.Module):
+    """Qwen2-VL's and Qwen2.5-VL's merger: ln_q over each patch, then an MLP over each merged group."""
+
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.width = v.hidden_size * v.spatial_merge_size**2
-        self.ln_q = VisionRMSNorm(v.hidden_size)
+        self.ln_q = _norm(v)
         self.mlp = nn.Sequential(
             nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, v.out_hidden_size)
         )
@@ -227,6 +251,8 @@ def window_order(v: VisionArch, grid_thw: list[tuple[int, int, int]]) -> tuple[t
 
 
 class Qwen25VisionTransformer(nn.Module):
+    """Qwen2.5-VL's tower, and Qwen2-VL's (window_size 0: no windows, every block sees whole images)."""
+
     def __init__(self, v: VisionArch) -> None:
         super().__init__()
         self.v = v
@@ -239,20 +265,25 @@ class Qwen25VisionTransformer(nn.Module):
         unit = v.spatial_merge_size**2
         x = self.patch_embed(pixel_values)
         n = x.shape[0]
-        order, cu_window = window_order(v, grid_thw)
-        order = order.to(x.device)
         angles = rotary_angles(v, grid_thw, x.device)
-        # Blocks run with merged tokens grouped by window; full-attention blocks see whole images, which
-        # the reordering keeps contiguous (windows never cross images).
-        x = x.view(n // unit, unit, -1)[order].view(n, -1)
-        angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
+        cu_images = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])  # per frame
+        order: torch.Tensor | None = None
+        cu_window = cu_images
+        if v.window_size:
+            order, cu_window = window_order(v, grid_thw)
+            order = order.to(x.device)
+            # Blocks run with merged tokens grouped by window; full-attention blocks see whole images,
+            # which the reordering keeps contiguous (windows never cross images).
+            x = x.view(n // unit, unit, -1)[order].view(n, -1)
+            angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        cu_images = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])  # per frame
         for i, block in enumerate(self.blocks):
             x = block(x, cu_images if i in v.fullatt_block_indexes else cu_window, cos, sin)
         merged = self.merger(x)
-        return VisionFeatures(embeds=merged[torch.argsort(order)], deepstack=[])
+        if order is not None:
+            merged = merged[torch.argsort(order)]
+        return VisionFeatures(embeds=merged, deepstack=[])
 
 
 def interpolation_taps(
@@ -321,7 +352,7 @@ def tower_features(
 
 
 def build_vision_tower(v: VisionArch) -> nn.Module:
-    if v.kind == "qwen2_5_vl":
+    if v.kind in ("qwen2_vl", "qwen2_5_vl"):
         return Qwen25VisionTransformer(v)
     if v.kind == "qwen3_vl":
         return Qwen3VisionModel(v)
