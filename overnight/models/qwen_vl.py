@@ -1,5 +1,6 @@
-"""Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision/qwen_vit.py) whose image embeddings replace the
-image-pad tokens' input embeddings, and the Qwen2 / Qwen3 decoder of models/llama.py with M-RoPE
+"""Qwen2.5-VL and Qwen3-VL (and GLM-4.1V, on GLM-4's decoder): a vision tower (models/vision/qwen_vit.py,
+vision/glm4v_vit.py) whose image embeddings replace the image-pad tokens' input embeddings, and the
+Qwen2 / Qwen3 / GLM-4 decoder of models/llama.py with M-RoPE
 (layers/mrope.py) instead of RoPE. Qwen3-VL also adds "deepstack" features of the tower's early blocks
 to the image tokens' hidden states after each of the first decoder layers.
 
@@ -31,7 +32,7 @@ from overnight.config import ModelArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
-from overnight.models.checkpoint import EXPERT_TENSORS
+from overnight.models.checkpoint import EXPERT_TENSORS, split_fused_tensors
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
@@ -58,6 +59,8 @@ class QwenVLTextModel(nn.Module):
             arch.rope_theta,
             (section[0], section[1], section[2]),
             interleaved=arch.mrope_interleaved,
+            rotary_dim=arch.rotary_dim,
+            pair_interleaved=arch.rope_interleaved,
         )
         # The decoder layers take a RotaryEmbedding; M-RoPE has its call signature.
         self.layers = nn.ModuleList(
@@ -166,6 +169,17 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
+
+
+class Glm4vForConditionalGeneration(QwenVLForConditionalGeneration):
+    """GLM-4.1V-Thinking: GLM-4's decoder (sandwich norms, fused gate_up_proj, partial RoPE in
+    interleaved pairs: ModelArch flags of the glm4 family) with M-RoPE over its rotated dims, and
+    GLM-4.1V's tower (models/vision/glm4v_vit.py, built by arch.vision.kind). Its checkpoints use
+    transformers 5's layout (model.language_model.*, model.visual.*), renamed as Qwen3-VL's; the
+    decoder's fused mlp.gate_up_proj is split as GLM-4's is (the tower's tensors keep their names)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, split_fused_tensors(self.arch, self.rename_checkpoint(weights)))
 
 
 def vl_checkpoint_names(module: str) -> tuple[str, ...]:

@@ -42,9 +42,14 @@ from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
-from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
+from overnight.models.qwen_vl import (
+    Glm4vForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
+    QwenVLForConditionalGeneration,
+)
 from overnight.models.smolvlm import Idefics3ForConditionalGeneration, idefics3_arch
 from overnight.models.vision.config import (
+    glm4v_vision_arch,
     internvl_vision_arch,
     mistral3_vision_arch,
     text_config_of,
@@ -105,6 +110,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+    "glm4v": Glm4vForConditionalGeneration,  # GLM-4's decoder, M-RoPE, GLM-4.1V's tower
     # InternViT + a Qwen2 / Qwen3 / Llama decoder (models/internvl.py)
     "internvl": InternVLForConditionalGeneration,
     # SigLIP + a pixel-shuffle connector + a Llama decoder (models/smolvlm.py)
@@ -181,6 +187,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "Glm4vForConditionalGeneration": "glm4v",
     "InternVLForConditionalGeneration": "internvl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "smolvlm",
@@ -348,6 +355,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return llama4_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
+    if family == "glm4v":
+        return _glm4v_arch(cfg)
     if family == "internvl":
         return _internvl_arch(cfg)
     if family in ("idefics3", "smolvlm"):
@@ -523,6 +532,44 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         mrope_section=section,
         mrope_interleaved=bool(params.get("mrope_interleaved", family != "qwen2_5_vl")),
         vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
+    )
+
+
+def _glm4v_arch(cfg: dict[str, Any]) -> ModelArch:
+    """GLM-4.1V: text_config is GLM-4's decoder (read as the glm4 family: sandwich norms, partial RoPE in
+    interleaved pairs), with q / k / v biases whatever attention_bias says (transformers' Glm4vText
+    attention always has them), partial_rotary_factor as transformers reads it for GLM-4.1V (1 when
+    unset; the published config says 0.5) and M-RoPE's sections over the rotated dims' frequencies;
+    the tower from vision_config (models/vision/config.py)."""
+    text = text_config_of(cfg)
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    plain = {
+        **text,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_scaling": None,
+        "partial_rotary_factor": factor,
+    }
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise ModelLoadError(f"unsupported GLM-4.1V rope_type {params.get('rope_type')!r} (only default)")
+    base = arch_from_hf_config({**plain, "architectures": [], "model_type": "glm4"})
+    section = tuple(int(s) for s in params.get("mrope_section") or ())
+    if len(section) != 3 or 2 * sum(section) != base.rotary_dim:
+        raise ModelLoadError(
+            "rope_parameters.mrope_section must be three sizes summing to the rotated dims / 2 "
+            f"({base.rotary_dim // 2}: head_dim {base.head_dim} x partial_rotary_factor {factor} / 2), "
+            f"got {list(section)}"
+        )
+    return replace(
+        base,
+        architecture="glm4v",
+        attention_bias=True,
+        o_proj_bias=False,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        mrope_section=section,
+        mrope_interleaved=False,
+        vision=glm4v_vision_arch(cfg, base.hidden_size),
     )
 
 
