@@ -119,14 +119,14 @@ class VisionArch:
             embed = self.in_channels * self.patch_size**2 * h + h + patches * h
             block = 4 * h + 4 * (h * h + h) + 2 * h * i + i + h
             return embed + self.depth * block + 2 * h + h + h * out
-        if self.kind == "glm4v":  # conv, positions, blocks, three RMSNorms, downsample, merger
+        if self.kind == "glm4v":  # conv, positions, blocks, two RMSNorms, downsample, merger
             m, side = self.spatial_merge_size, self.image_size // self.patch_size
             patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + h
             qkv = 3 * h * h + (3 * h if self.attention_bias else 0)
             block = 2 * h + qkv + h * h + 3 * h * out
             downsample = h * m * m * out + out
             merger = out * out + 2 * out + 3 * out * i
-            return patch + side * side * h + self.depth * block + 3 * h + downsample + merger
+            return patch + side * side * h + self.depth * block + 2 * h + downsample + merger
         wide = h * self.spatial_merge_size**2
         qwen3 = self.kind == "qwen3_vl"
         norms = 4 * h if qwen3 else 2 * h  # LayerNorms have a bias

@@ -49,7 +49,7 @@ TEXT: dict[str, Any] = dict(
     intermediate_size=96,
     num_hidden_layers=2,
     num_attention_heads=2,
-    num_key_value_heads=1,
+    num_key_value_heads=2,
     max_position_embeddings=1024,
     rms_norm_eps=1e-5,
     rope_parameters={
@@ -82,8 +82,10 @@ def _spread(model: torch.nn.Module, seed: int) -> None:
             p.copy_(1.0 + 0.2 * (torch.rand(p.shape, generator=gen) - 0.5))
         elif name.endswith("bias"):
             p.copy_(0.2 * torch.randn(p.shape, generator=gen))
-        elif "embed" in name or "lm_head" in name:
+        elif "embed" in name:
             p.copy_(torch.randn(p.shape, generator=gen))
+        elif "lm_head" in name:  # logits of std ~3: greedy picks vary, never collapse onto one token
+            p.copy_(3 * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
         else:
             p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
+from overnight.config import ModelArch, VisionArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
@@ -43,6 +43,7 @@ from overnight.models.llama import (
     load_packed_weights,
     make_lm_head,
 )
+from overnight.models.vision.glm4v_vit import Glm4vVisionModel
 from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_rows
 from overnight.models.vision.qwen_vit import build_vision_tower, tower_features
 
@@ -115,8 +116,12 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.model = QwenVLTextModel(arch, make_mlp)
         self.takes_images = not arch.text_only
         if self.takes_images:
-            self.visual = build_vision_tower(arch.vision)
+            self.visual = self.build_tower(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    @staticmethod
+    def build_tower(v: VisionArch) -> nn.Module:
+        return build_vision_tower(v)
 
     def forward(
         self,
@@ -174,9 +179,13 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 class Glm4vForConditionalGeneration(QwenVLForConditionalGeneration):
     """GLM-4.1V-Thinking: GLM-4's decoder (sandwich norms, fused gate_up_proj, partial RoPE in
     interleaved pairs: ModelArch flags of the glm4 family) with M-RoPE over its rotated dims, and
-    GLM-4.1V's tower (models/vision/glm4v_vit.py, built by arch.vision.kind). Its checkpoints use
+    GLM-4.1V's tower (models/vision/glm4v_vit.py). Its checkpoints use
     transformers 5's layout (model.language_model.*, model.visual.*), renamed as Qwen3-VL's; the
     decoder's fused mlp.gate_up_proj is split as GLM-4's is (the tower's tensors keep their names)."""
+
+    @staticmethod
+    def build_tower(v: VisionArch) -> nn.Module:
+        return Glm4vVisionModel(v)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed_weights(self, split_fused_tensors(self.arch, self.rename_checkpoint(weights)))

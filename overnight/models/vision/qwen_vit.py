@@ -349,8 +349,4 @@ def build_vision_tower(v: VisionArch) -> nn.Module:
         return Qwen25VisionTransformer(v)
     if v.kind == "qwen3_vl":
         return Qwen3VisionModel(v)
-    if v.kind == "glm4v":
-        from overnight.models.vision.glm4v_vit import Glm4vVisionModel  # it builds on this file's blocks
-
-        return Glm4vVisionModel(v)
     raise ValueError(f"unsupported vision tower {v.kind!r}")
