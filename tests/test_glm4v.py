@@ -1,12 +1,13 @@
-"""Tier (c) for GLM-4.1V (Glm4vForConditionalGeneration) with images: against transformers' own model and
+"""Tier (c) for GLM-4.1V (Glm4vForConditionalGeneration) and GLM-4.5V (Glm4vMoeForConditionalGeneration) with images: against transformers' own model and
 its Glm4vProcessor, token-exact greedy in fp32 (each token's logprob within 1e-4 too), on a tiny random
 checkpoint (tests/tiny_glm4v.py): the expanded prompt ids equal the processor's (each image's <|image|>
 count); one image, two images of different sizes in one prompt and a text-only prompt in one batch
 through LLM.generate, with prefill chunks that end inside an image's tokens; LLM.chat with image_url
 data: URIs; a repeated image encoded once; the tower on several images against transformers' image
 features; the M-RoPE rotation (partial, interleaved pairs) against transformers' text rotary; the
-parameter count and the start-up encoder run; the glm-4.1v-9b preset's shapes; config refusals; and,
-slow, run-batch lines and the server. Text-only mode (limit_mm_per_prompt image 0) is in
+parameter count and the start-up encoder run; the glm-4.1v-9b preset's shapes; config refusals; GLM-4.5V's
+MoE decoder token-exact on the same cases with its parameter count; and, slow, run-batch lines and the
+server. Text-only mode (limit_mm_per_prompt image 0) is in
 tests/test_text_only_images.py."""
 
 from __future__ import annotations
@@ -211,6 +212,48 @@ def test_bad_image_prompts_are_refused(setup):
 def test_tensor_parallel_replicates_the_tower(setup):
     folder, llm, ref = setup
     image_checks.check_tower_replicated(folder, ("visual.",))
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory):
+    folder = make_glm4v_checkpoint(tmp_path_factory.mktemp("glm4v_moe"), moe=True)
+    llm = image_checks.cpu_vl_llm(folder, max_num_batched_tokens=BUDGET, max_model_len=512)
+    return folder, llm, hf_reference(folder)
+
+
+def test_glm45v_moe_generate_token_exact(moe_setup):
+    """GLM-4.5V (Glm4vMoeForConditionalGeneration): the same tower before GLM-4.5's decoder (a dense first
+    layer, routed and shared experts, rotate-half partial M-RoPE), token-exact on the same cases, chunks
+    ending inside images; the image is read."""
+    folder, llm, ref = moe_setup
+    arch = image_checks.engine_of(llm).runner.model.arch  # type: ignore[attr-defined]
+    assert (arch.architecture, arch.num_experts, arch.rope_interleaved) == ("glm4v_moe", 4, False)
+    outs = image_checks.check_generate_cases(llm, ref, CASES, PARAMS, NEW)
+    other = llm.generate(
+        {"prompt": CASES[0][0], "multi_modal_data": {"image": [image(40, 20, 9)]}}, PARAMS, use_tqdm=False
+    )[0]
+    assert {tuple(o.outputs[0].token_ids) for o in (outs[0], outs[3], other)} != {
+        tuple(outs[0].outputs[0].token_ids)
+    }
+
+
+def test_glm45v_moe_parameter_count(moe_setup):
+    """Ours, built from config.json, and ModelArch.num_parameters count transformers' parameters plus the
+    router's e_score_correction_bias, a buffer there (4 experts x 1 sparse layer)."""
+    from transformers import AutoModelForImageTextToText
+
+    from overnight.models.registry import model_class_for
+
+    folder, llm, ref = moe_setup
+    with open(Path(folder) / "config.json") as f:
+        arch = arch_from_hf_config(json.load(f))
+    with torch.device("meta"):
+        ours = model_class_for(arch)(arch)
+        theirs = AutoModelForImageTextToText.from_config(ref.model.config)
+    bias = sum(b.numel() for n, b in theirs.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert bias == 4
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == arch.num_parameters() == sum(p.numel() for p in theirs.parameters()) + bias
 
 
 @pytest.mark.slow

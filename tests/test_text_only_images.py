@@ -1,5 +1,5 @@
 """Text-only mode of image models (limit_mm_per_prompt image 0, ModelArch.text_only): for each image
-family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, GLM-4.1V, on the
+family (Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, GLM-4.1V / 4.5V, on the
 tiny random checkpoints of their own tests) the model is built without its tower and projector, the checkpoint's tower tensors are not read,
 no encoder step is set up, text prompts give the same greedy tokens as the full model (chunked prefill
 and decode), and an image prompt is refused naming the limit; the budget counts fewer weight bytes and
@@ -32,6 +32,7 @@ MAKERS: dict[str, Callable[[Any], str]] = {
     "llama4": make_llama4_vl_checkpoint,
     "idefics3": make_smolvlm_checkpoint,
     "glm4v": make_glm4v_checkpoint,
+    "glm4v_moe": lambda root: make_glm4v_checkpoint(root, moe=True),
 }
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(

@@ -1,4 +1,4 @@
-"""A tiny random GLM-4.1V checkpoint (Glm4vForConditionalGeneration): a tower of 2 blocks, width 32, on
+"""A tiny random GLM-4.1V checkpoint (Glm4vForConditionalGeneration; GLM-4.5V's with moe): a tower of 2 blocks, width 32, on
 4-pixel patches with an 4 x 4 learned position table (image_size 16), merged 2 x 2 into the decoder's
 width; a 2-layer GLM-4 decoder (head_dim 32, half of it rotated in interleaved pairs, M-RoPE sections
 [2, 3, 3]); images resized to at most 48 x 48 pixels (36 image tokens). A word-level tokenizer holds
@@ -90,13 +90,29 @@ def _spread(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) / p[0].numel() ** 0.5)
 
 
-def make_glm4v_checkpoint(root: str | os.PathLike, seed: int = 0) -> str:
+# GLM-4.5V's decoder (Glm4vMoeForConditionalGeneration): the first layer dense, the second 4 routed
+# experts (2 a token, the grouped sigmoid router) and a shared one; rotate-half partial RoPE.
+MOE_TEXT: dict[str, Any] = dict(
+    TEXT,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=1.5,
+    attention_bias=True,
+)
+
+
+def make_glm4v_checkpoint(root: str | os.PathLike, seed: int = 0, moe: bool = False) -> str:
+    """GLM-4.1V's checkpoint folder, or with moe GLM-4.5V's (the same tower, MOE_TEXT's decoder)."""
     import transformers
     from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
 
-    folder = os.path.join(str(root), f"glm4v_{seed}")
-    cfg = transformers.Glm4vConfig(
-        text_config=TEXT,
+    folder = os.path.join(str(root), f"glm4v{'_moe' if moe else ''}_{seed}")
+    config_class = transformers.Glm4vMoeConfig if moe else transformers.Glm4vConfig
+    cfg = config_class(
+        text_config=MOE_TEXT if moe else TEXT,
         vision_config=VISION,
         image_token_id=IDS["<|image|>"],
         video_token_id=IDS["<|video|>"],
@@ -107,7 +123,10 @@ def make_glm4v_checkpoint(root: str | os.PathLike, seed: int = 0) -> str:
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = transformers.Glm4vForConditionalGeneration(cfg).eval()
+    model_class = (
+        transformers.Glm4vMoeForConditionalGeneration if moe else transformers.Glm4vForConditionalGeneration
+    )
+    model = model_class(cfg).eval()
     with torch.no_grad():
         _spread(model, seed)
     model.config.eos_token_id = IDS["<|user|>"]

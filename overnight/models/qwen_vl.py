@@ -33,6 +33,7 @@ from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import EXPERT_TENSORS, split_fused_tensors
+from overnight.models.glm4_moe import glm4_moe_mlp, without_mtp_layers
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
@@ -237,3 +238,21 @@ def _per_expert(
                 yield f"{prefix}{e}.down_proj.weight", tensor[e]
         else:
             yield name, tensor
+
+
+class Glm4vMoeForConditionalGeneration(Glm4vForConditionalGeneration):
+    """GLM-4.5V / GLM-4.6V: GLM-4.1V's tower and GLM-4.5's decoder (pre-norm blocks, rotate-half partial
+    RoPE under M-RoPE, the first first_k_dense_replace layers dense, the others Glm4MoeMoE: the grouped
+    sigmoid router in float32, stacked routed experts, shared experts; models/glm4_moe.py says how they
+    quantize). The checkpoint's multi-token-prediction layers are dropped as GLM-4.5's are."""
+
+    unquantized_linear = (VISION_TOWER, "mlp.gate")
+    dequantized_at_load = (VISION_TOWER, EXPERT_TENSORS, "mlp.gate")
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch, make_mlp=glm4_moe_mlp)
+
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return without_mtp_layers(super().rename_checkpoint(weights), self.arch.num_hidden_layers)

@@ -44,6 +44,7 @@ from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
 from overnight.models.qwen_vl import (
     Glm4vForConditionalGeneration,
+    Glm4vMoeForConditionalGeneration,
     Qwen3VLMoeForConditionalGeneration,
     QwenVLForConditionalGeneration,
 )
@@ -111,6 +112,7 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
     "glm4v": Glm4vForConditionalGeneration,  # GLM-4's decoder, M-RoPE, GLM-4.1V's tower
+    "glm4v_moe": Glm4vMoeForConditionalGeneration,  # GLM-4.5's decoder, M-RoPE, the same tower
     # InternViT + a Qwen2 / Qwen3 / Llama decoder (models/internvl.py)
     "internvl": InternVLForConditionalGeneration,
     # SigLIP + a pixel-shuffle connector + a Llama decoder (models/smolvlm.py)
@@ -188,6 +190,7 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
     "Glm4vForConditionalGeneration": "glm4v",
+    "Glm4vMoeForConditionalGeneration": "glm4v_moe",
     "InternVLForConditionalGeneration": "internvl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "smolvlm",
@@ -355,8 +358,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return llama4_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
-    if family == "glm4v":
-        return _glm4v_arch(cfg)
+    if family in ("glm4v", "glm4v_moe"):
+        return _glm4v_arch(cfg, family)
     if family == "internvl":
         return _internvl_arch(cfg)
     if family in ("idefics3", "smolvlm"):
@@ -535,25 +538,29 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
     )
 
 
-def _glm4v_arch(cfg: dict[str, Any]) -> ModelArch:
-    """GLM-4.1V: text_config is GLM-4's decoder (read as the glm4 family: sandwich norms, partial RoPE in
-    interleaved pairs), with q / k / v biases whatever attention_bias says (transformers' Glm4vText
-    attention always has them), partial_rotary_factor as transformers reads it for GLM-4.1V (1 when
-    unset; the published config says 0.5) and M-RoPE's sections over the rotated dims' frequencies;
-    the tower from vision_config (models/vision/config.py)."""
+def _glm4v_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """GLM-4.1V (glm4v) and GLM-4.5V / 4.6V (glm4v_moe): text_config is GLM-4's decoder (read as the glm4
+    family: sandwich norms, partial RoPE in interleaved pairs; q / k / v biases whatever attention_bias
+    says, as transformers' Glm4vText attention always has them) or GLM-4.5's (glm4_moe: rotate-half
+    partial RoPE, routed and shared experts, the grouped sigmoid router), with partial_rotary_factor as
+    transformers reads it for each (unset: 1 for GLM-4.1V, 0.5 for GLM-4.5V; the published configs say
+    0.5) and M-RoPE's sections over the rotated dims' frequencies; the tower from vision_config
+    (models/vision/config.py)."""
+    moe = family == "glm4v_moe"
     text = text_config_of(cfg)
     params = text.get("rope_parameters") or text.get("rope_scaling") or {}
     theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
-    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
+    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.5 if moe else 1.0))
     plain = {
         **text,
         "rope_parameters": {"rope_type": "default", "rope_theta": theta},
         "rope_scaling": None,
         "partial_rotary_factor": factor,
+        "attention_bias": bool(text.get("attention_bias", True)) if moe else True,
     }
     if params.get("rope_type", params.get("type", "default")) != "default":
-        raise ModelLoadError(f"unsupported GLM-4.1V rope_type {params.get('rope_type')!r} (only default)")
-    base = arch_from_hf_config({**plain, "architectures": [], "model_type": "glm4"})
+        raise ModelLoadError(f"unsupported GLM-V rope_type {params.get('rope_type')!r} (only default)")
+    base = arch_from_hf_config({**plain, "architectures": [], "model_type": "glm4_moe" if moe else "glm4"})
     section = tuple(int(s) for s in params.get("mrope_section") or ())
     if len(section) != 3 or 2 * sum(section) != base.rotary_dim:
         raise ModelLoadError(
@@ -563,9 +570,7 @@ def _glm4v_arch(cfg: dict[str, Any]) -> ModelArch:
         )
     return replace(
         base,
-        architecture="glm4v",
-        attention_bias=True,
-        o_proj_bias=False,
+        architecture=family,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
         mrope_section=section,
         mrope_interleaved=False,
