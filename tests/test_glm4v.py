@@ -175,6 +175,34 @@ def test_dummy_preset_has_the_published_shapes():
     assert vision.num_parameters() == sum(p.numel() for p in theirs.model.visual.parameters())
 
 
+def test_published_preprocessing_without_a_preprocessor_config(setup):
+    """A GLM-4.1V model without preprocessor_config.json (the dummy preset) preprocesses with transformers'
+    Glm4vImageProcessorPil at the published settings (112 x 112 to 9633792 pixels over 2 frames, CLIP's
+    mean / std), as the checkpoint's own file would: the same grid as that file's processor."""
+    from transformers.models.glm4v.image_processing_pil_glm4v import Glm4vImageProcessorPil
+
+    from overnight.loader.resolve import resolve_source
+    from overnight.multimodal.qwen_pixels import published_preprocessor_config, qwen_image_processor
+
+    vision = resolve_source("glm-4.1v-9b", load_format="dummy").arch.vision
+    assert vision is not None
+    proc = qwen_image_processor(vision, None)
+    published = published_preprocessor_config(vision)
+    assert isinstance(proc, Glm4vImageProcessorPil)
+    assert published["image_processor_type"] == "Glm4vImageProcessor"
+    assert published["size"] == {"shortest_edge": 12544, "longest_edge": 9633792}
+    keep = ("size", "patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std")
+    reference = Glm4vImageProcessorPil(**{k: published[k] for k in keep})
+    for w, h in ((640, 480), (50, 3000), (3000, 2000)):
+        ours = proc(images=[image(w, h, 0)], return_tensors="pt")["image_grid_thw"]
+        assert (
+            ours.tolist()
+            == reference(images=[image(w, h, 0)], return_tensors="pt")["image_grid_thw"].tolist()
+        )
+        t, gh, gw = ours[0].tolist()
+        assert t == 1 and 2 * gh * gw * 14 * 14 <= 9633792
+
+
 def test_config_reading_and_refusals(setup):
     folder, llm, ref = setup
     with open(Path(folder) / "config.json") as f:
