@@ -242,6 +242,37 @@ def test_tensor_parallel_replicates_the_tower(setup):
     image_checks.check_tower_replicated(folder, ("visual.",))
 
 
+def test_online_fp8_keeps_the_tower_float(setup):
+    """Online FP8 quantizes the decoder only: the tower's and merger's linears stay float (and still run
+    an image prompt)."""
+    from overnight import LLM
+    from overnight.quant.linear import Fp8Linear
+
+    folder, llm, ref = setup
+    engine = dict(device="cpu", dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=512)
+    fp8_llm = LLM(folder, quantization="fp8", **engine)
+    model = fp8_llm.engine.runner.model  # type: ignore[attr-defined]
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    tower = [
+        m for n, m in model.named_modules() if n.startswith("visual.") and isinstance(m, torch.nn.Linear)
+    ]
+    assert tower and all(type(m) is torch.nn.Linear for m in tower)
+    text, imgs = CASES[0]
+    out = fp8_llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": [image(*s) for s in imgs]}}, PARAMS, use_tqdm=False
+    )[0]
+    assert out.prompt_token_ids.count(IMG) == processor_tokens(ref, *imgs[0][:2])
+    assert len(out.outputs[0].token_ids) == NEW
+
+
+@pytest.mark.slow  # starts tensor-parallel processes
+def test_tensor_parallel_generation_with_images(setup):
+    folder, llm, ref = setup
+    image_checks.check_tensor_parallel_cases(
+        folder, ref, CASES[:3], PARAMS, NEW, max_num_batched_tokens=BUDGET
+    )
+
+
 @pytest.fixture(scope="module")
 def moe_setup(tmp_path_factory):
     folder = make_glm4v_checkpoint(tmp_path_factory.mktemp("glm4v_moe"), moe=True)

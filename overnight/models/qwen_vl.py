@@ -32,7 +32,7 @@ from overnight.config import ModelArch, VisionArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
-from overnight.models.checkpoint import EXPERT_TENSORS, split_fused_tensors
+from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.glm4_moe import glm4_moe_mlp, without_mtp_layers
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import (
@@ -180,16 +180,37 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
 class Glm4vForConditionalGeneration(QwenVLForConditionalGeneration):
     """GLM-4.1V-Thinking: GLM-4's decoder (sandwich norms, fused gate_up_proj, partial RoPE in
     interleaved pairs: ModelArch flags of the glm4 family) with M-RoPE over its rotated dims, and
-    GLM-4.1V's tower (models/vision/glm4v_vit.py). Its checkpoints use
-    transformers 5's layout (model.language_model.*, model.visual.*), renamed as Qwen3-VL's; the
-    decoder's fused mlp.gate_up_proj is split as GLM-4's is (the tower's tensors keep their names)."""
+    GLM-4.1V's tower (models/vision/glm4v_vit.py). Its checkpoints use transformers 5's layout
+    (model.language_model.*, model.visual.*), renamed as Qwen3-VL's; the decoder's fused
+    mlp.gate_up_proj is split into gate_proj / up_proj in the same pass, so online FP8 and
+    tensor-parallel slicing see the separate tensors (the tower's names never match)."""
 
     @staticmethod
     def build_tower(v: VisionArch) -> nn.Module:
         return Glm4vVisionModel(v)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, split_fused_tensors(self.arch, self.rename_checkpoint(weights)))
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return _split_gate_up(super().rename_checkpoint(weights))
+
+
+def _split_gate_up(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A decoder layer's fused mlp.gate_up_proj [2I, H] as gate_proj (the first I rows) and up_proj.
+    Split in halves, never by arch's intermediate size: a tensor-parallel rank's model (its arch a
+    share) renames the whole checkpoint tensors before slicing them."""
+    for name, tensor in weights:
+        if (
+            name.startswith("model.layers.")
+            and name.endswith("mlp.gate_up_proj.weight")
+            and tensor.dim() == 2
+        ):
+            base = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{base}gate_proj.weight", gate
+            yield f"{base}up_proj.weight", up
+        else:
+            yield name, tensor
 
 
 def vl_checkpoint_names(module: str) -> tuple[str, ...]:
