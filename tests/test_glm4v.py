@@ -291,9 +291,8 @@ def test_glm45v_moe_generate_token_exact(moe_setup):
     other = llm.generate(
         {"prompt": CASES[0][0], "multi_modal_data": {"image": [image(40, 20, 9)]}}, PARAMS, use_tqdm=False
     )[0]
-    assert {tuple(o.outputs[0].token_ids) for o in (outs[0], outs[3], other)} != {
-        tuple(outs[0].outputs[0].token_ids)
-    }
+    # the image is read: of three images behind the same text, some answer differently
+    assert len({tuple(o.outputs[0].token_ids) for o in (outs[0], outs[3], other)}) > 1
 
 
 def test_glm45v_moe_parameter_count(moe_setup):
