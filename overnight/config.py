@@ -38,7 +38,10 @@ class VisionArch:
     <|image_end|>, image_token_id is <|patch|>) or "idefics3" (Idefics3 / SmolVLM: SigLIP over
     image_size frames of an image (a grid of tiles plus the whole image, each its own ImageInput of grid
     (1, patches per side, patches per side)), a pixel shuffle by spatial_merge_size = scale_factor and a
-    linear connector: mm_tokens_per_image <image> tokens a frame)."""
+    linear connector: mm_tokens_per_image <image> tokens a frame) or "glm4v" (GLM-4.1V: Qwen2-VL's
+    patches and prompt layout, RMSNorm blocks, a learned position table of (image_size / patch)^2
+    resampled per image, a strided-conv merge and a SwiGLU merger; vision_start / vision_end are
+    <|begin_of_image|> / <|end_of_image|>, image_token_id is <|image|>)."""
 
     kind: str
     depth: int
@@ -117,6 +120,14 @@ class VisionArch:
             embed = self.in_channels * self.patch_size**2 * h + h + patches * h
             block = 4 * h + 4 * (h * h + h) + 2 * h * i + i + h
             return embed + self.depth * block + 2 * h + h + h * out
+        if self.kind == "glm4v":  # conv, positions, blocks, two RMSNorms, downsample, merger
+            m, side = self.spatial_merge_size, self.image_size // self.patch_size
+            patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h + h
+            qkv = 3 * h * h + (3 * h if self.attention_bias else 0)
+            block = 2 * h + qkv + h * h + 3 * h * out
+            downsample = h * m * m * out + out
+            merger = out * out + 2 * out + 3 * out * i
+            return patch + side * side * h + self.depth * block + 2 * h + downsample + merger
         wide = h * self.spatial_merge_size**2
         qwen3 = self.kind == "qwen3_vl"
         layer_norm = self.kind != "qwen2_5_vl"  # LayerNorms have a bias, Qwen2.5-VL's RMSNorms none

@@ -516,7 +516,7 @@ def block_size_for(kv_cache_dtype: str, block_size: int | None) -> int:
 
 # Names of the parsers (overnight/reasoning, overnight/tool_calls), kept here so this module stays light;
 # tests/test_chat_messages.py checks them against the registries.
-REASONING_PARSER_NAMES = ("deepseek_r1", "qwen3")
+REASONING_PARSER_NAMES = ("deepseek_r1", "glm45", "qwen3")
 TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "qwen", "qwen3_coder")
 
 

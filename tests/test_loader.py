@@ -183,6 +183,7 @@ def test_dummy_presets_have_published_shapes(name):
         "minimax-m2",  # tests/test_minimax_m2.py
         "internvl3.5-8b",  # tests/test_internvl_vision.py
         "smolvlm-256m",  # tests/test_smolvlm.py
+        "glm-4.1v-9b",  # tests/test_glm4v.py
         "deepseek-v2-lite",  # tests/test_deepseek.py
         "moonlight-16b-a3b",
         "llama-4-scout-17b-16e",  # tests/test_llama4.py

@@ -1,4 +1,5 @@
-"""Reasoning parsers against outputs in the formats Qwen3 and DeepSeek-R1 write (from their model cards),
+"""Reasoning parsers against outputs in the formats Qwen3, DeepSeek-R1 and GLM-4.1V-Thinking write (from
+their model cards),
 whole and streamed: for every cut of the text into two or three deltas, the streamed deltas concatenated
 equal the whole-text split."""
 
@@ -16,6 +17,8 @@ QWEN3_PLAIN = "The answer is 4."
 # DeepSeek-R1's template ends the prompt with "<think>\n": the output starts inside the block.
 R1_OPENED_IN_PROMPT = "Okay, so I need to add 2 and 2.\nThat gives 4.\n</think>\n\n**Answer:** 4"
 R1_CUT = "Okay, so I need to add 2 and 2. Let me think about </thi"
+# GLM-4.1V-Thinking: the output opens its block and wraps the answer in <answer> tags (kept in the answer).
+GLM41V = "<think>The image shows two apples and two pears: 4 fruits.</think><answer>There are **4** fruits.</answer>"
 
 CASES = [
     # (parser, output, starts in reasoning, reasoning, content)
@@ -46,6 +49,14 @@ CASES = [
     ),
     ("deepseek_r1", R1_CUT, True, R1_CUT, ""),
     ("qwen3", "<think>\nstill thinking   \n", False, "still thinking", ""),
+    (
+        "glm45",
+        GLM41V,
+        False,
+        "The image shows two apples and two pears: 4 fruits.",
+        "<answer>There are **4** fruits.</answer>",
+    ),
+    ("glm45", "\n<answer>4</answer>", False, None, "\n<answer>4</answer>"),  # thinking off
 ]
 
 
@@ -90,8 +101,11 @@ def test_the_prompt_decides_where_the_output_starts():
     assert p.closed_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not p.starts_in_reasoning("<|im_start|>assistant\n")
     assert get_reasoning_parser("deepseek_r1").starts_in_reasoning("<｜Assistant｜>")
+    glm = get_reasoning_parser("glm45")  # GLM's templates with thinking off close an empty block
+    assert glm.closed_in_prompt("<|assistant|>\n<think></think>\n")
+    assert not glm.starts_in_reasoning("<|assistant|>\n")
 
 
 def test_unknown_parser_names_the_known_ones():
-    with pytest.raises(ValueError, match="deepseek_r1, qwen3"):
+    with pytest.raises(ValueError, match="deepseek_r1, glm45, qwen3"):
         get_reasoning_parser("nope")

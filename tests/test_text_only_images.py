@@ -1,6 +1,7 @@
 """Text-only mode of image models (limit_mm_per_prompt image 0, ModelArch.text_only): for each image
-family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, on the tiny random checkpoints of
-their own tests) the model is built without its tower and projector, the checkpoint's tower tensors are not read,
+family (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3, Mistral 3, InternVL, Llama 4, Idefics3, GLM-4.1V /
+4.5V, on the tiny random checkpoints of their own tests) the model is built without its tower and projector,
+the checkpoint's tower tensors are not read,
 no encoder step is set up, text prompts give the same greedy tokens as the full model (chunked prefill
 and decode), and an image prompt is refused naming the limit; the budget counts fewer weight bytes and
 a larger pool, and the weight-fit check passes the decoder alone; in run-batch only the image line fails."""
@@ -15,6 +16,7 @@ import pytest
 from overnight import LLM, SamplingParams
 from overnight.models.vision.interface import TOWER_CHECKPOINT_PREFIXES
 from tests.tiny_gemma_vl import make_gemma_vl_checkpoint
+from tests.tiny_glm4v import make_glm4v_checkpoint
 from tests.tiny_internvl import make_internvl_checkpoint
 from tests.tiny_llama4_vl import make_llama4_vl_checkpoint
 from tests.tiny_mistral3_vl import make_mistral3_vl_checkpoint
@@ -31,6 +33,8 @@ MAKERS: dict[str, Callable[[Any], str]] = {
     "internvl": make_internvl_checkpoint,
     "llama4": make_llama4_vl_checkpoint,
     "idefics3": make_smolvlm_checkpoint,
+    "glm4v": make_glm4v_checkpoint,
+    "glm4v_moe": lambda root: make_glm4v_checkpoint(root, moe=True),
 }
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 ENGINE = dict(

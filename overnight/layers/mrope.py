@@ -7,7 +7,9 @@
 The head's D/2 frequencies take their angle from one axis each. Qwen2.5-VL's layout is sectioned
 (mrope_section [s_t, s_h, s_w]: the first s_t frequencies from t, the next s_h from h, the rest from w);
 Qwen3-VL's is interleaved (frequency j from h when j % 3 == 1 and j < 3 s_h, from w when j % 3 == 2
-and j < 3 s_w, else from t).
+and j < 3 s_w, else from t). GLM-4.1V rotates only the first rotary_dim dims of a head (GLM-4's partial
+RoPE), its R = rotary_dim / 2 frequencies sectioned, and in GLM-4's pairs (2i, 2i + 1) rather than
+rotate-half's (i, i + R): `pair_interleaved` (layers/rotary.py draws both layouts).
 
 A token whose three positions are equal rotates exactly as plain RoPE does, so 1-D positions [T] (decode
 steps, text-only prompts: the runner passes position + the request's rope delta) go through the ordinary
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from overnight.layers.norm import RMSNorm
-from overnight.layers.rotary import RotaryEmbedding
+from overnight.layers.rotary import RotaryEmbedding, rotate
 
 
 class MRotaryEmbedding(nn.Module):
@@ -31,23 +33,31 @@ class MRotaryEmbedding(nn.Module):
         theta: float,
         mrope_section: tuple[int, int, int],
         interleaved: bool = False,
+        *,
+        rotary_dim: int | None = None,
+        pair_interleaved: bool = False,
     ) -> None:
         super().__init__()
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
         # Interleaved sections need not fill the head: Qwen3.5's layout takes h / w only for j < 3 s_h /
         # 3 s_w and t everywhere else (as transformers' recomposition does), so any three sizes are valid.
-        if not interleaved and sum(mrope_section) != head_dim // 2:
+        if not interleaved and sum(mrope_section) != rotary_dim // 2:
             raise ValueError(
-                f"mrope_section {list(mrope_section)} must sum to head_dim / 2 = {head_dim // 2}"
+                f"mrope_section {list(mrope_section)} must sum to rotary_dim / 2 = {rotary_dim // 2}"
             )
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.pair_interleaved = pair_interleaved
         self.theta = theta
         self.mrope_section = mrope_section
         self.interleaved = interleaved
-        self.rotary = RotaryEmbedding(head_dim, max_position, theta)
+        self.rotary = RotaryEmbedding(
+            head_dim, max_position, theta, rotary_dim=rotary_dim, interleaved=pair_interleaved
+        )
 
     def axis_of_frequency(self, device: torch.device) -> torch.Tensor:
-        """[D/2] int64: which of the three positions (0 t, 1 h, 2 w) drives each frequency."""
-        half = self.head_dim // 2
+        """[R] int64: which of the three positions (0 t, 1 h, 2 w) drives each frequency."""
+        half = self.rotary_dim // 2
         s_t, s_h, s_w = self.mrope_section
         if not self.interleaved:
             return torch.cat(
@@ -76,21 +86,23 @@ class MRotaryEmbedding(nn.Module):
         if q_norm is not None and k_norm is not None:
             q, k = q_norm(q), k_norm(k)
         device = positions.device
+        dim = self.rotary_dim
         inv_freq = 1.0 / (
-            self.theta
-            ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim)
+            self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim)
         )
-        freqs = positions.float()[:, :, None] * inv_freq  # [3, T, D/2]
+        freqs = positions.float()[:, :, None] * inv_freq  # [3, T, R]
         axis = self.axis_of_frequency(device)
-        angle = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]  # [T, D/2]
-        cos = torch.cat([angle.cos(), angle.cos()], dim=-1)[:, None, :].to(q.dtype)
-        sin = torch.cat([angle.sin(), angle.sin()], dim=-1)[:, None, :].to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        angle = freqs.gather(0, axis.view(1, 1, -1).expand(1, freqs.shape[1], -1))[0]  # [T, R]
+        cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
+        return (
+            rotate(q, cos.to(q.dtype), sin.to(q.dtype), self.pair_interleaved),
+            rotate(k, cos.to(k.dtype), sin.to(k.dtype), self.pair_interleaved),
+        )
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, mrope_section={list(self.mrope_section)}, interleaved={self.interleaved}"
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        extra = f", rotary_dim={self.rotary_dim}" if self.rotary_dim != self.head_dim else ""
+        extra += ", pair_interleaved" if self.pair_interleaved else ""
+        return (
+            f"head_dim={self.head_dim}, mrope_section={list(self.mrope_section)}, "
+            f"interleaved={self.interleaved}{extra}"
+        )

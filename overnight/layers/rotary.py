@@ -298,12 +298,14 @@ def rotary_ref(
     as the HF reference does."""
     cos, sin = cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, R] each
     return (
-        _rotate(q, cos.to(q.dtype), sin.to(q.dtype), interleaved),
-        _rotate(k, cos.to(k.dtype), sin.to(k.dtype), interleaved),
+        rotate(q, cos.to(q.dtype), sin.to(q.dtype), interleaved),
+        rotate(k, cos.to(k.dtype), sin.to(k.dtype), interleaved),
     )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [..., D] with its first 2R dims rotated by cos / sin [..., R] (either pair layout), the rest
+    passed through (also M-RoPE's per-token angles, layers/mrope.py)."""
     rotary_dim = 2 * cos.shape[-1]
     rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
     if interleaved:  # pairs (2i, 2i + 1)

@@ -1,5 +1,6 @@
-"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a vision tower (models/vision/qwen_vit.py) whose image embeddings
-replace the image-pad tokens' input embeddings, and the Qwen2 / Qwen3 decoder of models/llama.py with M-RoPE
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL (and GLM-4.1V / 4.5V, on GLM-4's decoders): a vision tower
+(models/vision/qwen_vit.py, vision/glm4v_vit.py) whose image embeddings replace the image-pad tokens'
+input embeddings, and the Qwen2 / Qwen3 / GLM-4 decoder of models/llama.py with M-RoPE
 (layers/mrope.py) instead of RoPE. Qwen3-VL also adds "deepstack" features of the tower's early blocks
 to the image tokens' hidden states after each of the first decoder layers.
 
@@ -27,11 +28,12 @@ import torch
 from torch import nn
 
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
+from overnight.config import ModelArch, VisionArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.checkpoint import EXPERT_TENSORS
+from overnight.models.glm4_moe import glm4_moe_mlp, without_mtp_layers
 from overnight.models.layer_spec import layer_specs
 from overnight.models.llama import (
     LINEAR_INPUT_PRODUCERS,
@@ -42,6 +44,7 @@ from overnight.models.llama import (
     load_packed_weights,
     make_lm_head,
 )
+from overnight.models.vision.glm4v_vit import Glm4vVisionModel
 from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_rows
 from overnight.models.vision.qwen_vit import build_vision_tower, tower_features
 
@@ -58,6 +61,8 @@ class QwenVLTextModel(nn.Module):
             arch.rope_theta,
             (section[0], section[1], section[2]),
             interleaved=arch.mrope_interleaved,
+            rotary_dim=arch.rotary_dim,
+            pair_interleaved=arch.rope_interleaved,
         )
         # The decoder layers take a RotaryEmbedding; M-RoPE has its call signature.
         self.layers = nn.ModuleList(
@@ -113,8 +118,12 @@ class QwenVLForConditionalGeneration(nn.Module):
         self.model = QwenVLTextModel(arch, make_mlp)
         self.takes_images = not arch.text_only
         if self.takes_images:
-            self.visual = build_vision_tower(arch.vision)
+            self.visual = self.build_tower(arch.vision)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
+
+    @staticmethod
+    def build_tower(v: VisionArch) -> nn.Module:
+        return build_vision_tower(v)
 
     def forward(
         self,
@@ -169,6 +178,42 @@ class Qwen3VLMoeForConditionalGeneration(QwenVLForConditionalGeneration):
         super().__init__(arch, make_mlp=qwen3_vl_moe_mlp)
 
 
+class Glm4vForConditionalGeneration(QwenVLForConditionalGeneration):
+    """GLM-4.1V-Thinking: GLM-4's decoder (sandwich norms, fused gate_up_proj, partial RoPE in
+    interleaved pairs: ModelArch flags of the glm4 family) with M-RoPE over its rotated dims, and
+    GLM-4.1V's tower (models/vision/glm4v_vit.py). Its checkpoints use transformers 5's layout
+    (model.language_model.*, model.visual.*), renamed as Qwen3-VL's; the decoder's fused
+    mlp.gate_up_proj is split into gate_proj / up_proj in the same pass, so online FP8 and
+    tensor-parallel slicing see the separate tensors (the tower's names never match)."""
+
+    @staticmethod
+    def build_tower(v: VisionArch) -> nn.Module:
+        return Glm4vVisionModel(v)
+
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return _split_gate_up(super().rename_checkpoint(weights))
+
+
+def _split_gate_up(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A decoder layer's fused mlp.gate_up_proj [2I, H] as gate_proj (the first I rows) and up_proj.
+    Split in halves, never by arch's intermediate size: a tensor-parallel rank's model (its arch a
+    share) renames the whole checkpoint tensors before slicing them."""
+    for name, tensor in weights:
+        if (
+            name.startswith("model.layers.")
+            and name.endswith("mlp.gate_up_proj.weight")
+            and tensor.dim() == 2
+        ):
+            base = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2, dim=0)
+            yield f"{base}gate_proj.weight", gate
+            yield f"{base}up_proj.weight", up
+        else:
+            yield name, tensor
+
+
 def vl_checkpoint_names(module: str) -> tuple[str, ...]:
     """A module's own name (model.*, visual.*) and its name in transformers 5's layout
     (model.language_model.*, model.visual.*): the two names _renamed maps to it."""
@@ -215,3 +260,21 @@ def _per_expert(
                 yield f"{prefix}{e}.down_proj.weight", tensor[e]
         else:
             yield name, tensor
+
+
+class Glm4vMoeForConditionalGeneration(Glm4vForConditionalGeneration):
+    """GLM-4.5V / GLM-4.6V: GLM-4.1V's tower and GLM-4.5's decoder (pre-norm blocks, rotate-half partial
+    RoPE under M-RoPE, the first first_k_dense_replace layers dense, the others Glm4MoeMoE: the grouped
+    sigmoid router in float32, stacked routed experts, shared experts; models/glm4_moe.py says how they
+    quantize). The checkpoint's multi-token-prediction layers are dropped as GLM-4.5's are."""
+
+    unquantized_linear = (VISION_TOWER, "mlp.gate")
+    dequantized_at_load = (VISION_TOWER, EXPERT_TENSORS, "mlp.gate")
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__(arch, make_mlp=glm4_moe_mlp)
+
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        return without_mtp_layers(super().rename_checkpoint(weights), self.arch.num_hidden_layers)

@@ -43,9 +43,15 @@ from overnight.models.olmo import OlmoForCausalLM
 from overnight.models.qwen3_5_vl import Qwen3_5ForConditionalGeneration, with_vision
 from overnight.models.qwen3_moe import Qwen3MoeForCausalLM
 from overnight.models.qwen3_next import HYBRID_FAMILIES, Qwen3NextForCausalLM, hybrid_arch
-from overnight.models.qwen_vl import Qwen3VLMoeForConditionalGeneration, QwenVLForConditionalGeneration
+from overnight.models.qwen_vl import (
+    Glm4vForConditionalGeneration,
+    Glm4vMoeForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
+    QwenVLForConditionalGeneration,
+)
 from overnight.models.smolvlm import Idefics3ForConditionalGeneration, idefics3_arch
 from overnight.models.vision.config import (
+    glm4v_vision_arch,
     internvl_vision_arch,
     mistral3_vision_arch,
     text_config_of,
@@ -107,6 +113,8 @@ _FAMILIES: dict[str, type[nn.Module]] = {
     "qwen2_5_vl": QwenVLForConditionalGeneration,
     "qwen3_vl": QwenVLForConditionalGeneration,
     "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+    "glm4v": Glm4vForConditionalGeneration,  # GLM-4's decoder, M-RoPE, GLM-4.1V's tower
+    "glm4v_moe": Glm4vMoeForConditionalGeneration,  # GLM-4.5's decoder, M-RoPE, the same tower
     # InternViT + a Qwen2 / Qwen3 / Llama decoder (models/internvl.py)
     "internvl": InternVLForConditionalGeneration,
     # SigLIP + a pixel-shuffle connector + a Llama decoder (models/smolvlm.py)
@@ -186,6 +194,8 @@ _HF_ARCHITECTURES: dict[str, str] = {
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe",
+    "Glm4vForConditionalGeneration": "glm4v",
+    "Glm4vMoeForConditionalGeneration": "glm4v_moe",
     "InternVLForConditionalGeneration": "internvl",
     "Idefics3ForConditionalGeneration": "idefics3",
     "SmolVLMForConditionalGeneration": "smolvlm",
@@ -361,6 +371,8 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
         return llama4_arch(cfg)
     if family in _VL_TEXT_FAMILY:
         return _vision_language_arch(cfg, family)
+    if family in ("glm4v", "glm4v_moe"):
+        return _glm4v_arch(cfg, family)
     if family == "internvl":
         return _internvl_arch(cfg)
     if family in ("idefics3", "smolvlm"):
@@ -537,6 +549,46 @@ def _vision_language_arch(cfg: dict[str, Any], family: str) -> ModelArch:
         # Qwen2-VL and Qwen2.5-VL give each axis a contiguous run of frequencies; Qwen3-VL interleaves them.
         mrope_interleaved=bool(params.get("mrope_interleaved", family not in ("qwen2_vl", "qwen2_5_vl"))),
         vision=vision_arch_from_hf(cfg, "qwen3_vl" if family == "qwen3_vl_moe" else family),
+    )
+
+
+def _glm4v_arch(cfg: dict[str, Any], family: str) -> ModelArch:
+    """GLM-4.1V (glm4v) and GLM-4.5V / 4.6V (glm4v_moe): text_config is GLM-4's decoder (read as the glm4
+    family: sandwich norms, partial RoPE in interleaved pairs; q / k / v biases whatever attention_bias
+    says, as transformers' Glm4vText attention always has them) or GLM-4.5's (glm4_moe: rotate-half
+    partial RoPE, routed and shared experts, the grouped sigmoid router), with partial_rotary_factor as
+    transformers reads it for each (unset: 1 for GLM-4.1V, 0.5 for GLM-4.5V; the published configs say
+    0.5) and M-RoPE's sections over the rotated dims' frequencies; the tower from vision_config
+    (models/vision/config.py)."""
+    moe = family == "glm4v_moe"
+    text = text_config_of(cfg)
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", text.get("rope_theta", 10000.0)))
+    factor = params.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.5 if moe else 1.0))
+    plain = {
+        **text,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_scaling": None,
+        "partial_rotary_factor": factor,
+        "attention_bias": bool(text.get("attention_bias", True)) if moe else True,
+    }
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        raise ModelLoadError(f"unsupported GLM-V rope_type {params.get('rope_type')!r} (only default)")
+    base = arch_from_hf_config({**plain, "architectures": [], "model_type": "glm4_moe" if moe else "glm4"})
+    section = tuple(int(s) for s in params.get("mrope_section") or ())
+    if len(section) != 3 or 2 * sum(section) != base.rotary_dim:
+        raise ModelLoadError(
+            "rope_parameters.mrope_section must be three sizes summing to the rotated dims / 2 "
+            f"({base.rotary_dim // 2}: head_dim {base.head_dim} x partial_rotary_factor {factor} / 2), "
+            f"got {list(section)}"
+        )
+    return replace(
+        base,
+        architecture=family,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        mrope_section=section,
+        mrope_interleaved=False,
+        vision=glm4v_vision_arch(cfg, base.hidden_size),
     )
 
 

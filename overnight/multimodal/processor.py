@@ -6,8 +6,8 @@ which needs neither torchvision nor a GPU. Images are preprocessed in a pool of 
 resizing release the GIL), so the device does not wait on JPEG decoding.
 
 A prompt marks each image with one image-pad token (`<|vision_start|><|image_pad|><|vision_end|>`, as
-the chat template writes it and vLLM's prompts do); it becomes as many pad tokens as the image has
-merged patches. The expansion and the M-RoPE positions here are the Qwen families'; Gemma 3's (a fixed
+the chat template writes it and vLLM's prompts do; GLM-4.1V's <|begin_of_image|><|image|><|end_of_image|>
+the same way); it becomes as many pad tokens as the image has merged patches. The expansion and the M-RoPE positions here are the Qwen families'; Gemma 3's (a fixed
 count of soft tokens between begin / end markers, Gemma3ImageProcessorPil's pixels) is in
 gemma_prompt.py and Mistral 3's (rows of [IMG] tokens closed by [IMG_BREAK] / [IMG_END],
 PixtralImageProcessorPil's pixels) in pixtral_prompt.py and InternVL's (<img>, the tiles' <IMG_CONTEXT>
@@ -154,6 +154,8 @@ class ImageProcessor:
                 if self.llama4
                 else "<image>"
                 if self.idefics3
+                else "<|image|>"
+                if self.vision.kind == "glm4v"
                 else "<|image_pad|>"
             )
             raise InvalidRequestError(

@@ -1,4 +1,4 @@
-"""`<think>...</think>` reasoning, as Qwen3 and DeepSeek-R1 write it, and the registry of parsers by name.
+"""`<think>...</think>` reasoning, as Qwen3, DeepSeek-R1 and GLM write it, and the registry of parsers by name.
 
 A block is open at the start of the output when the prompt left one open (a template that writes
 `<think>\\n` after the assistant's header: DeepSeek-R1, Qwen3 thinking-2507), or when the output itself
@@ -11,6 +11,10 @@ reasoning. The reasoning is stripped of surrounding whitespace and the answer of
                  skipped thinking)
     deepseek_r1  no marker at all: the whole output is reasoning cut short, as R1's templates always open
                  the block (older ones in the output, newer ones in the prompt)
+    glm45        GLM-4.5 / 4.6, GLM-4.5V / 4.6V and GLM-4.1V-Thinking (vLLM's name for their format): the
+                 output opens its own <think> block (a template with thinking off writes an empty one
+                 into the prompt), else it is all answer, as qwen3. GLM-4.1V-Thinking wraps its answer in
+                 <answer> ... </answer>, which stays in the answer text, as vLLM's glm45 parser leaves it.
 """
 
 from __future__ import annotations
@@ -159,6 +163,7 @@ def partial_suffix(text: str, marker: str) -> int:
 REASONING_PARSERS: dict[str, ReasoningParser] = {
     "qwen3": ReasoningParser("qwen3"),
     "deepseek_r1": ReasoningParser("deepseek_r1", implicit_open=True),
+    "glm45": ReasoningParser("glm45"),
 }
 
 

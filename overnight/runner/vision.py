@@ -217,6 +217,8 @@ class VisionStep:
             max_pixels = int(
                 cfg.get("max_pixels") or (cfg.get("size") or {}).get("longest_edge") or max_pixels
             )
+        if vision.kind == "glm4v":  # GLM-4.1V's processor bounds t x h x w, t an image's 2 frames
+            max_pixels //= vision.temporal_patch_size
         unit = vision.patch_size * vision.spatial_merge_size
         side = max(1, int(max_pixels**0.5) // unit) * vision.spatial_merge_size  # patches on a side
         width = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2

@@ -75,6 +75,58 @@ def vision_arch_from_hf(cfg: dict[str, Any], kind: str) -> VisionArch:
     return arch
 
 
+def glm4v_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
+    """GLM-4.1V's tower (models/vision/glm4v_vit.py) and its image tokens: <|begin_of_image|>, the
+    image's <|image|> tokens (image_token_id, one per merged patch), <|end_of_image|>. image_size /
+    patch_size is the side of the learned position table; rms_norm_eps its RMSNorms'; attention_bias
+    the qkv bias; out_hidden_size (the downsample conv's and the merger's width) must be the text
+    model's hidden size."""
+    v = cfg.get("vision_config")
+    if not isinstance(v, dict):
+        raise ModelLoadError("config.json lacks vision_config")
+    params: dict[str, Any] = v.get("rope_parameters") or {}
+    try:
+        arch = VisionArch(
+            kind="glm4v",
+            depth=int(v.get("depth", 24)),
+            hidden_size=int(v.get("hidden_size", 1536)),
+            intermediate_size=int(v.get("intermediate_size", 13696)),
+            num_heads=int(v.get("num_heads", 12)),
+            out_hidden_size=int(v.get("out_hidden_size", 4096)),
+            patch_size=int(v.get("patch_size", 14)),
+            temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+            spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+            in_channels=int(v.get("in_channels", 3)),
+            hidden_act=str(v.get("hidden_act", "silu")),
+            image_token_id=int(cfg.get("image_token_id", 151343)),
+            vision_start_token_id=int(cfg.get("image_start_token_id", 151339)),
+            vision_end_token_id=int(cfg.get("image_end_token_id", 151340)),
+            rope_theta=float(params.get("rope_theta") or v.get("rope_theta") or 10000.0),
+            image_size=int(v.get("image_size", 336)),
+            layer_norm_eps=float(v.get("rms_norm_eps", 1e-5)),
+            attention_bias=bool(v.get("attention_bias", False)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"invalid GLM-4.1V vision_config: {e}") from None
+    if arch.hidden_size % arch.num_heads or (arch.hidden_size // arch.num_heads) % 4:
+        raise ModelLoadError("GLM-4.1V's vision hidden_size / num_heads must be a multiple of 4 (2-D RoPE)")
+    if arch.image_size < arch.patch_size or arch.image_size % arch.patch_size:
+        raise ModelLoadError(
+            f"GLM-4.1V's vision image_size {arch.image_size} must be whole patches ({arch.patch_size}): "
+            "the position table's side"
+        )
+    if arch.out_hidden_size != text_hidden:
+        raise ModelLoadError(
+            f"GLM-4.1V's vision out_hidden_size ({arch.out_hidden_size}) must equal the text model's "
+            f"hidden_size ({text_hidden})"
+        )
+    if params.get("rope_type", "axial") != "axial":
+        raise ModelLoadError(f"unsupported GLM-4.1V vision rope_type {params['rope_type']!r} (only axial)")
+    if arch.hidden_act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"unsupported GLM-4.1V vision hidden_act {arch.hidden_act!r}")
+    return arch
+
+
 def gemma3_vision_arch(cfg: dict[str, Any], text_hidden: int) -> VisionArch:
     """Gemma 3's SigLIP tower (vision_config) and its image tokens: boi, mm_tokens_per_image soft tokens,
     eoi. spatial_merge_size is the projector's pooling kernel (patches per side / tokens per side), so

@@ -1,6 +1,6 @@
 """The vision towers of Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a ViT over 14x14 (16x16) patches of 2 frames,
 with 2-D RoPE inside attention, whose output merges each 2x2 block of patches into one token of the
-language model's width.
+language model's width. GLM-4.1V's tower (vision/glm4v_vit.py) is built from the same blocks.
 
 Patches arrive in "merge-block order" (the image processor's layout): the merge x merge patches of one
 output token are consecutive, so merging is a reshape.
@@ -82,6 +82,15 @@ def rotary_angles(v: VisionArch, grid_thw: list[tuple[int, int, int]], device: t
     inv_freq = 1.0 / (
         v.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float, device=device) / quarter)
     )
+    r_all, c_all = (pos.float() for pos in patch_rows_cols(v, grid_thw, device))
+    return torch.cat([r_all[:, None] * inv_freq, c_all[:, None] * inv_freq], dim=-1)
+
+
+def patch_rows_cols(
+    v: VisionArch, grid_thw: list[tuple[int, int, int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """([patches] row, [patches] column) of each patch in its image's grid, patches in merge-block order
+    (every frame of an image repeats its grid)."""
     m = v.spatial_merge_size
     rows: list[torch.Tensor] = []
     cols: list[torch.Tensor] = []
@@ -90,8 +99,7 @@ def rotary_angles(v: VisionArch, grid_thw: list[tuple[int, int, int]], device: t
         c = torch.arange(w, device=device)[None, :].expand(h, w)
         for pos, out in ((r, rows), (c, cols)):
             out.append(pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t))
-    r_all, c_all = torch.cat(rows).float(), torch.cat(cols).float()
-    return torch.cat([r_all[:, None] * inv_freq, c_all[:, None] * inv_freq], dim=-1)
+    return torch.cat(rows), torch.cat(cols)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,12 +109,15 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, v: VisionArch) -> None:
+    """qkv_bias / proj_bias: the Qwen towers have both; GLM-4.1V's has vision_config.attention_bias on
+    qkv and none on proj."""
+
+    def __init__(self, v: VisionArch, qkv_bias: bool = True, proj_bias: bool = True) -> None:
         super().__init__()
         self.num_heads = v.num_heads
         self.head_dim = v.hidden_size // v.num_heads
-        self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=True)
-        self.proj = nn.Linear(v.hidden_size, v.hidden_size)
+        self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=qkv_bias)
+        self.proj = nn.Linear(v.hidden_size, v.hidden_size, bias=proj_bias)
 
     def forward(
         self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
@@ -123,12 +134,16 @@ class VisionAttention(nn.Module):
         return self.proj(out.reshape(n, -1))
 
 
-class SwiGLU(nn.Module):  # Qwen2.5-VL's block MLP
-    def __init__(self, v: VisionArch) -> None:
+class SwiGLU(nn.Module):
+    """Qwen2.5-VL's block MLP (with biases); GLM-4.1V's block MLP (no biases, out_hidden_size wide) and
+    its merger's (dim out_hidden_size, width intermediate_size)."""
+
+    def __init__(self, v: VisionArch, dim: int = 0, width: int = 0, bias: bool = True) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(v.hidden_size, v.intermediate_size, bias=True)
-        self.up_proj = nn.Linear(v.hidden_size, v.intermediate_size, bias=True)
-        self.down_proj = nn.Linear(v.intermediate_size, v.hidden_size, bias=True)
+        dim, width = dim or v.hidden_size, width or v.intermediate_size
+        self.gate_proj = nn.Linear(dim, width, bias=bias)
+        self.up_proj = nn.Linear(dim, width, bias=bias)
+        self.down_proj = nn.Linear(width, dim, bias=bias)
         self.act_fn = _act(v.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,7 +177,10 @@ class FcMLP(nn.Module):  # Qwen3-VL's block MLP
 
 
 def _norm(v: VisionArch) -> nn.Module:
-    """The blocks' and the merger's norm: RMSNorm in Qwen2.5-VL's tower, LayerNorm in the others."""
+    """The blocks' and the merger's norm: RMSNorm in Qwen2.5-VL's and GLM-4.1V's towers (GLM's at its
+    rms_norm_eps), LayerNorm in the others."""
+    if v.kind == "glm4v":
+        return VisionRMSNorm(v.hidden_size, v.layer_norm_eps)
     return VisionRMSNorm(v.hidden_size) if v.kind == "qwen2_5_vl" else nn.LayerNorm(v.hidden_size, eps=1e-6)
 
 
@@ -171,6 +189,8 @@ def _block_mlp(v: VisionArch) -> nn.Module:
         return FcMLP(v)
     if v.kind == "qwen2_vl":
         return VisionMLP(v)
+    if v.kind == "glm4v":  # a bias-free SwiGLU as wide as the tower's output
+        return SwiGLU(v, width=v.out_hidden_size, bias=False)
     return SwiGLU(v)
 
 
@@ -179,7 +199,11 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1 = _norm(v)
         self.norm2 = _norm(v)
-        self.attn = VisionAttention(v)
+        # GLM-4.1V: a bias on qkv only (attention_bias), none on the output projection
+        glm = v.kind == "glm4v"
+        self.attn = (
+            VisionAttention(v, qkv_bias=v.attention_bias, proj_bias=False) if glm else VisionAttention(v)
+        )
         self.mlp = _block_mlp(v)
 
     def forward(
@@ -221,7 +245,7 @@ class Qwen3PatchMerger(nn.Module):
         return self.linear_fc2(self.act_fn(self.linear_fc1(x)))
 
 
-def _cu_seqlens(sizes: list[int]) -> list[int]:
+def cu_seqlens_of(sizes: list[int]) -> list[int]:
     out = [0]
     for s in sizes:
         out.append(out[-1] + s)
@@ -247,7 +271,7 @@ def window_order(v: VisionArch, grid_thw: list[tuple[int, int, int]]) -> tuple[t
                     order.append(win + base)
                     sizes.append(win.numel() * m * m)
         base += t * gh * gw
-    return torch.cat(order), _cu_seqlens(sizes)
+    return torch.cat(order), cu_seqlens_of(sizes)
 
 
 class Qwen25VisionTransformer(nn.Module):
@@ -266,7 +290,7 @@ class Qwen25VisionTransformer(nn.Module):
         x = self.patch_embed(pixel_values)
         n = x.shape[0]
         angles = rotary_angles(v, grid_thw, x.device)
-        cu_images = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])  # per frame
+        cu_images = cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)])  # per frame
         order: torch.Tensor | None = None
         cu_window = cu_images
         if v.window_size:
@@ -333,7 +357,7 @@ class Qwen3VisionModel(nn.Module):
         angles = rotary_angles(v, grid_thw, x.device)
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        cu = _cu_seqlens([h * w for t, h, w in grid_thw for _ in range(t)])
+        cu = cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)])
         deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, cu, cos, sin)
