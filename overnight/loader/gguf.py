@@ -34,6 +34,7 @@ from gguf.quants import dequantize
 
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
+from overnight.loader.gguf_families import CONFIG_FAMILIES, LAYER_NAMES, ExpertStacks, hf_config, reshaped
 from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
@@ -187,10 +188,17 @@ def read_gguf(path: str) -> GGUFInfo:
     f = read_gguf_file(path)
     md = f.metadata
     name = md.get("general.architecture")
-    if name not in HF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: GGUF architecture {name!r} is not supported (supported: {', '.join(HF_ARCHITECTURES)})"
-        )
+    if name not in HF_ARCHITECTURES and name not in CONFIG_FAMILIES:
+        supported = ", ".join([*HF_ARCHITECTURES, *CONFIG_FAMILIES])
+        raise ModelLoadError(f"{path}: GGUF architecture {name!r} is not supported (supported: {supported})")
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    if name in CONFIG_FAMILIES:
+        from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
+
+        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0])
+        return _info(md, arch_from_hf_config(cfg), CONFIG_FAMILIES[name])
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{name}.{key}", default)
@@ -212,9 +220,6 @@ def read_gguf(path: str) -> GGUFInfo:
     head_dim = int(md.get(f"{name}.attention.key_length") or rotary_dims or hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
-    embd = f.tensors.get("token_embd.weight")
-    if embd is None:
-        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
     moe = _moe_fields(f, name)
     family = "mixtral" if name == "llama" and moe else _FAMILIES.get(name, name)
@@ -247,6 +252,14 @@ def read_gguf(path: str) -> GGUFInfo:
             **_family_fields(f, name, head_dim, theta, scaling),
         )
     )
+    hf_architecture = {"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
+        family, HF_ARCHITECTURES[name]
+    )
+    return _info(md, arch, hf_architecture)
+
+
+def _info(md: dict[str, Any], arch: ModelArch, hf_architecture: str) -> GGUFInfo:
+    """The GGUFInfo of a file whose ModelArch is known: stop ids and chat template from the metadata."""
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -255,14 +268,12 @@ def read_gguf(path: str) -> GGUFInfo:
     bos = md.get("tokenizer.ggml.bos_token_id")
     return GGUFInfo(
         arch=arch,
-        hf_architecture={"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
-            family, HF_ARCHITECTURES[name]
-        ),
+        hf_architecture=hf_architecture,
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         chat_template=md.get("tokenizer.chat_template"),
-        max_position_embeddings=context,
-        tie_word_embeddings=tie,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
     )
 
 
@@ -597,7 +608,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
     info = read_gguf(path)
     f = read_gguf_file(path)
-    permute = read_gguf_file(path).metadata.get("general.architecture") in _PERMUTED
+    if f.metadata["general.architecture"] in CONFIG_FAMILIES:
+        yield from _config_family_weights(f)
+        return
+    permute = f.metadata.get("general.architecture") in _PERMUTED
     gemma = info.arch.architecture in _GEMMA
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
@@ -623,3 +637,28 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 w = _unpermute_rope_rows(w, info.arch.num_key_value_heads)
             yield name, torch.from_numpy(np.ascontiguousarray(w))
         del data  # the mapping cannot close while a numpy view of it is alive
+
+
+def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a gguf_families.CONFIG_FAMILIES file under HF names (no row permutation)."""
+    names = LAYER_NAMES[f.metadata["general.architecture"]]
+    experts = ExpertStacks()
+    with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        data = np.frombuffer(buf, dtype=np.uint8)
+        for t in f.tensors.values():
+            m = _LAYER_RE.fullmatch(t.name)
+            if m and ExpertStacks.handles(m.group(2)):
+                pairs = experts.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
+            elif m and m.group(2) in names:
+                hf = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+                pairs = [(hf, reshaped(hf, _weights_of(data, t, f.path)))]
+            elif t.name in _GLOBAL_NAMES:
+                pairs = [(_GLOBAL_NAMES[t.name], _weights_of(data, t, f.path))]
+            elif t.name in _SKIPPED:
+                continue
+            else:
+                raise ModelLoadError(f"{f.path}: unexpected GGUF tensor {t.name!r}")
+            for name, w in pairs:
+                yield name, torch.from_numpy(np.ascontiguousarray(w))
+        del data  # the mapping cannot close while a numpy view of it is alive
+    experts.check_done(f.path)

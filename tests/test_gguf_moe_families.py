@@ -1,0 +1,271 @@
+"""GGUF files of gpt-oss and Qwen1.5-MoE / Qwen2-MoE (loader/gguf_families.py), written here from tiny
+random transformers models the way llama.cpp's converter writes them: tensor names from gguf-py's own
+tensor map, gpt-oss's gate/up de-interleaved (or fused, gate rows then up rows) and its experts in
+ggml's MXFP4, Qwen2-MoE's stacked experts, some tensors in Q8_0. The quantized tensors of the reference
+model are replaced by their round trip through the same quantizer first, so the engine on the GGUF file
+must give transformers' greedy tokens exactly (fp32), and the arch read back must equal the one read
+from the HF folder."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from overnight import LLM
+from overnight.errors import ModelLoadError
+from overnight.loader.gguf import iter_gguf_weights, read_gguf
+from overnight.loader.resolve import resolve_source
+from tests.test_gpt_oss import _config, _engine_tokens, _hf_greedy, _prompts, _spread
+from tests.test_qwen2_moe import FIELDS as QWEN2_MOE_FIELDS
+from tests.tiny_models import _spread_weights
+from tests.tiny_moe import ENGINE, check_waves_token_exact, waves
+
+pytestmark = pytest.mark.slow  # engines beside transformers
+
+
+def _round_trip(a: np.ndarray, qtype: Q) -> np.ndarray:
+    """`a` through ggml's quantizer and back (blocks along the last axis, as the file stores them);
+    quantizing the result again gives the same bytes, so the file holds exactly these values."""
+    out = gguf.quants.dequantize(gguf.quants.quantize(a, qtype), qtype)
+    again = gguf.quants.dequantize(gguf.quants.quantize(out, qtype), qtype)
+    assert np.array_equal(again, out)
+    return out
+
+
+@torch.no_grad()
+def _quantize_in_place(param: torch.Tensor, qtype: Q, transposed: bool) -> None:
+    """The reference's parameter as the file will hold it; `transposed`: the file stores its last two
+    axes swapped (gpt-oss's [E, in, out] experts)."""
+    a = param.numpy()
+    a = (
+        _round_trip(a.swapaxes(-1, -2).copy(), qtype).swapaxes(-1, -2)
+        if transposed
+        else _round_trip(a, qtype)
+    )
+    param.copy_(torch.from_numpy(np.ascontiguousarray(a)))
+
+
+def _writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
+    """The metadata the converter's base class writes for any decoder."""
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_eos_token_id(2)
+    w.add_bos_token_id(1)
+    return w
+
+
+def _finish(w: gguf.GGUFWriter, tensors: dict[str, np.ndarray], quant: dict[str, Q]) -> None:
+    for name, a in tensors.items():
+        a = np.ascontiguousarray(a, dtype=np.float32)
+        if name in quant:
+            w.add_tensor(name, gguf.quants.quantize(a, quant[name]), raw_dtype=quant[name])
+        else:
+            w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _mapped(sd: dict[str, torch.Tensor], arch: gguf.MODEL_ARCH, layers: int, special: Callable) -> dict:
+    """GGUF name -> array: `special(name, array)` first (the family's reshapes; None: not handled),
+    then gguf-py's tensor map for the rest."""
+    names = gguf.get_tensor_name_map(arch, layers)
+    out: dict[str, np.ndarray] = {}
+    for name, t in sd.items():
+        a = t.numpy().astype(np.float32)
+        handled = special(name, a)
+        if handled is not None:
+            out.update(handled)
+            continue
+        key = name if name.endswith((".weight", ".bias")) else name + ".weight"  # gpt-oss's sinks
+        new = names.get_name(key, try_suffixes=(".weight", ".bias"))
+        assert new is not None, name
+        out[new] = a
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- gpt-oss
+
+
+def write_gpt_oss_gguf(path: Path, model, fused: bool, drop: str = "") -> None:
+    """As convert_hf_to_gguf.py's GptOssModel: gate/up de-interleaved ([E, in, out] -> [E, out, in]),
+    split into ffn_gate_exps / ffn_up_exps or fused gate-then-up, biases likewise; experts in MXFP4."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    w = _writer(path, "gpt-oss", cfg)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        if ".mlp.experts." not in name:
+            return None
+        blk = f"blk.{name.split('.')[2]}"
+        leaf = name.rpartition(".")[2]
+        if leaf == "down_proj":
+            return {f"{blk}.ffn_down_exps.weight": a.swapaxes(1, 2)}
+        if leaf == "down_proj_bias":
+            return {f"{blk}.ffn_down_exps.bias": a}
+        if leaf == "gate_up_proj":
+            a = a.swapaxes(1, 2)
+            gate, up = a[:, 0::2], a[:, 1::2]
+            if fused:
+                return {f"{blk}.ffn_gate_up_exps.weight": np.concatenate([gate, up], axis=1)}
+            return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        assert leaf == "gate_up_proj_bias", name
+        gate, up = a[:, 0::2], a[:, 1::2]
+        if fused:
+            return {f"{blk}.ffn_gate_up_exps.bias": np.concatenate([gate, up], axis=1)}
+        return {f"{blk}.ffn_gate_exps.bias": gate, f"{blk}.ffn_up_exps.bias": up}
+
+    tensors = _mapped(model.state_dict(), gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers, special)
+    tensors.pop(drop, None)
+    quant = {n: Q.MXFP4 for n in tensors if "_exps.weight" in n}
+    quant["blk.1.attn_q.weight"] = Q.Q8_0
+    _finish(w, tensors, quant)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    """(the reference model with the file's quantized values, its HF folder, the two GGUF files)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(_config()).eval()
+    _spread(model, 0)
+    for layer in model.model.layers:
+        _quantize_in_place(layer.mlp.experts.gate_up_proj, Q.MXFP4, transposed=True)
+        _quantize_in_place(layer.mlp.experts.down_proj, Q.MXFP4, transposed=True)
+    _quantize_in_place(model.model.layers[1].self_attn.q_proj.weight, Q.Q8_0, transposed=False)
+    root = tmp_path_factory.mktemp("gpt-oss-gguf")
+    model.save_pretrained(root / "hf")
+    files = {}
+    for fused in (False, True):
+        files[fused] = root / f"gpt-oss-{'fused' if fused else 'split'}.gguf"
+        write_gpt_oss_gguf(files[fused], model, fused)
+    return model, root / "hf", files
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpt_oss_gguf_token_exact(gpt_oss, fused):
+    model, folder, files = gpt_oss
+    info = read_gguf(str(files[fused]))
+    assert info.hf_architecture == "GptOssForCausalLM"
+    assert info.arch == resolve_source(str(folder)).arch
+    assert info.arch.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
+    assert dict(info.arch.rope_scaling or ())["truncate"] is False
+    prompts = _prompts(model.config.vocab_size)
+    expected = [_hf_greedy(model, p) for p in prompts]
+    assert len({tuple(e) for e in expected}) > 1
+    assert _engine_tokens(files[fused], prompts, kv_cache_memory_bytes=16 << 20) == expected
+
+
+def test_gpt_oss_gguf_lonely_expert_bias_is_refused(gpt_oss, tmp_path):
+    """A file with an expert gate bias and no up bias is refused by name."""
+    model, _, _ = gpt_oss
+    path = tmp_path / "broken.gguf"
+    write_gpt_oss_gguf(path, model, fused=False, drop="blk.2.ffn_up_exps.bias")
+    with pytest.raises(ModelLoadError, match=r"layers\.2\.mlp\.experts: gate bias only"):
+        list(iter_gguf_weights(str(path)))
+
+
+# ----------------------------------------------------------------------------------------- Qwen2-MoE
+
+
+def write_qwen2_moe_gguf(path: Path, model) -> None:
+    """As convert_hf_to_gguf.py's Qwen2MoeModel: experts stacked [E, out, in] (transformers 5 keeps
+    gate and up fused, gate rows first), the shared expert's widths in the metadata, its gate squeezed
+    to a vector as the quantized files hold it."""
+    cfg = model.config
+    w = _writer(path, "qwen2moe", cfg)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        blk = f"blk.{name.split('.')[2]}" if name.startswith("model.layers.") else ""
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(a, 2, axis=1)
+            return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        if name.endswith("mlp.experts.down_proj"):
+            return {f"{blk}.ffn_down_exps.weight": a}
+        if name.endswith("shared_expert_gate.weight"):
+            return {f"{blk}.ffn_gate_inp_shexp.weight": a.reshape(-1)}
+        return None
+
+    tensors = _mapped(model.state_dict(), gguf.MODEL_ARCH.QWEN2MOE, cfg.num_hidden_layers, special)
+    quant = {
+        "blk.0.ffn_down_exps.weight": Q.Q8_0,
+        "blk.1.attn_k.weight": Q.Q8_0,
+        "blk.2.ffn_up_shexp.weight": Q.Q8_0,
+    }
+    _finish(w, tensors, quant)
+
+
+def test_qwen2_moe_gguf_token_exact(tmp_path):
+    import transformers
+
+    # llama.cpp's qwen2moe has no dense layers: every layer sparse
+    cfg = transformers.Qwen2MoeConfig(**{**QWEN2_MOE_FIELDS, "mlp_only_layers": []})
+    torch.manual_seed(0)
+    model = transformers.Qwen2MoeForCausalLM(cfg).eval()
+    _spread_weights(model, 0)
+    _quantize_in_place(model.model.layers[0].mlp.experts.down_proj, Q.Q8_0, transposed=False)
+    _quantize_in_place(model.model.layers[1].self_attn.k_proj.weight, Q.Q8_0, transposed=False)
+    _quantize_in_place(model.model.layers[2].mlp.shared_expert.up_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "qwen2moe.gguf"
+    write_qwen2_moe_gguf(path, model)
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "Qwen2MoeForCausalLM"
+    hf_arch = resolve_source(str(tmp_path / "hf")).arch
+    assert info.arch == hf_arch
+    assert (info.arch.shared_expert_gated, info.arch.norm_topk_prob, info.arch.attention_bias) == (
+        True,
+        False,
+        True,
+    )
+    llm = LLM(str(path), **ENGINE)
+    check_waves_token_exact(llm, model, waves(cfg.vocab_size))
+
+
+def test_qwen2_moe_gguf_without_shared_width_is_refused(tmp_path):
+    path = tmp_path / "bad.gguf"
+    cfg = SimpleNamespace(**{**QWEN2_MOE_FIELDS, "rope_parameters": {"rope_theta": 1e4}})
+    w = _writer(path, "qwen2moe", cfg)
+    w.add_expert_feed_forward_length(32)
+    _finish(w, {"token_embd.weight": np.zeros((cfg.vocab_size, 64), np.float32)}, {})
+    with pytest.raises(ModelLoadError, match="lacks qwen2moe.expert_shared_feed_forward_length"):
+        read_gguf(str(path))
+
+
+def test_unsupported_gguf_architecture_names_the_supported_ones(tmp_path):
+    path = tmp_path / "x.gguf"
+    w = gguf.GGUFWriter(str(path), "rwkv7")
+    _finish(w, {"token_embd.weight": np.zeros((8, 8), np.float32)}, {})
+    with pytest.raises(ModelLoadError, match=r"'rwkv7' is not supported \(supported: .*gpt-oss.*qwen2moe"):
+        read_gguf(str(path))
