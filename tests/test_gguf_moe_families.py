@@ -63,7 +63,9 @@ def _writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    w.add_expert_count(
+        getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
+    )
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
@@ -99,7 +101,9 @@ def _mapped(sd: dict[str, torch.Tensor], arch: gguf.MODEL_ARCH, layers: int, spe
         if handled is not None:
             out.update(handled)
             continue
-        key = name if name.endswith((".weight", ".bias")) else name + ".weight"  # gpt-oss's sinks
+        # the converter's renames: gpt-oss's sinks gain .weight, the router's correction bias becomes .bias
+        key = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        key = key if key.endswith((".weight", ".bias")) else key + ".weight"
         new = names.get_name(key, try_suffixes=(".weight", ".bias"))
         assert new is not None, name
         out[new] = a
@@ -269,3 +273,88 @@ def test_unsupported_gguf_architecture_names_the_supported_ones(tmp_path):
     _finish(w, {"token_embd.weight": np.zeros((8, 8), np.float32)}, {})
     with pytest.raises(ModelLoadError, match=r"'rwkv7' is not supported \(supported: .*gpt-oss.*qwen2moe"):
         read_gguf(str(path))
+
+
+# --------------------------------------------------------------------------------------- DeepSeek-V2/V3
+
+
+def write_deepseek2_gguf(path: Path, model, split_kv_b: bool) -> None:
+    """As convert_hf_to_gguf.py's DeepseekV2Model: MLA as one latent KV head (key_length = kv_lora_rank +
+    rope dims, the per-head widths in key_length_mla / value_length_mla), experts stacked, V3's sigmoid
+    router as expert_gating_func 2 (the base class writes it from scoring_func), the YaRN log multiplier
+    0.1 * mscale_all_dim; kv_b_proj split into attn_k_b / attn_v_b (newer converters) or kept whole."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    w = _writer(
+        path, "deepseek2", SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": 1, "head_dim": None})
+    )
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    w.add_vocab_size(cfg.vocab_size)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.kv_lora_rank)
+    w.add_key_length_mla(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length_mla(cfg.v_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(cfg.routed_scaling_factor)
+    w.add_expert_group_count(cfg.n_group)
+    w.add_expert_group_used_count(cfg.topk_group)
+    v3 = cfg.model_type == "deepseek_v3"
+    if v3:
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        if cfg.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        blk = f"blk.{name.split('.')[2]}" if name.startswith("model.layers.") else ""
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(a, 2, axis=1)
+            return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        if name.endswith("mlp.experts.down_proj"):
+            return {f"{blk}.ffn_down_exps.weight": a}
+        if name.endswith("kv_b_proj.weight") and split_kv_b:
+            kv_b = a.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+            k_b, v_b = np.split(kv_b, [cfg.qk_nope_head_dim], axis=1)
+            return {f"{blk}.attn_k_b.weight": k_b.transpose(0, 2, 1), f"{blk}.attn_v_b.weight": v_b}
+        return None
+
+    tensors = _mapped(model.state_dict(), gguf.MODEL_ARCH.DEEPSEEK2, cfg.num_hidden_layers, special)
+    quant = {"blk.1.ffn_down_exps.weight": Q.Q8_0, "blk.2.attn_output.weight": Q.Q8_0}
+    _finish(w, tensors, quant)
+
+
+@pytest.mark.parametrize("variant,split_kv_b", [("v3", True), ("v2", False)])
+def test_deepseek2_gguf_token_exact(tmp_path, variant, split_kv_b):
+    import transformers
+
+    from tests.test_deepseek import COMMON, VARIANTS
+
+    family, fields = VARIANTS[variant]
+    cfg = getattr(transformers, f"{family}Config")(**{**COMMON, **fields})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    _spread_weights(model, 0)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.3 * torch.randn(buffer.shape))
+    _quantize_in_place(model.model.layers[1].mlp.experts.down_proj, Q.Q8_0, transposed=False)
+    _quantize_in_place(model.model.layers[2].self_attn.o_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"{variant}.gguf"
+    write_deepseek2_gguf(path, model, split_kv_b)
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == f"{family}ForCausalLM"
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    llm = LLM(str(path), **ENGINE)
+    check_waves_token_exact(llm, model, waves(cfg.vocab_size))

@@ -34,7 +34,14 @@ from gguf.quants import dequantize
 
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
-from overnight.loader.gguf_families import CONFIG_FAMILIES, LAYER_NAMES, ExpertStacks, hf_config, reshaped
+from overnight.loader.gguf_families import (
+    CONFIG_FAMILIES,
+    LAYER_NAMES,
+    ExpertStacks,
+    LatentPairs,
+    hf_config,
+    reshaped,
+)
 from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
@@ -198,7 +205,7 @@ def read_gguf(path: str) -> GGUFInfo:
         from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
 
         cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0])
-        return _info(md, arch_from_hf_config(cfg), CONFIG_FAMILIES[name])
+        return _info(md, arch_from_hf_config(cfg), cfg["architectures"][0])
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{name}.{key}", default)
@@ -643,12 +650,15 @@ def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a gguf_families.CONFIG_FAMILIES file under HF names (no row permutation)."""
     names = LAYER_NAMES[f.metadata["general.architecture"]]
     experts = ExpertStacks()
+    latent = LatentPairs()
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
             m = _LAYER_RE.fullmatch(t.name)
             if m and ExpertStacks.handles(m.group(2)):
                 pairs = experts.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
+            elif m and LatentPairs.handles(m.group(2)):
+                pairs = latent.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
             elif m and m.group(2) in names:
                 hf = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
                 pairs = [(hf, reshaped(hf, _weights_of(data, t, f.path)))]
@@ -662,3 +672,4 @@ def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, torch.from_numpy(np.ascontiguousarray(w))
         del data  # the mapping cannot close while a numpy view of it is alive
     experts.check_done(f.path)
+    latent.check_done(f.path)

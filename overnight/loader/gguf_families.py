@@ -1,4 +1,5 @@
-"""GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE):
+"""GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
+DeepSeek-V2 / V3 / Kimi):
 the file's metadata written back as the config.json dict models/registry.arch_from_hf_config reads, so
 their ModelArch has one source of truth; and their tensor names, as llama.cpp's converter writes them
 (gguf-py's tensor map and convert_hf_to_gguf.py), taken back to HF checkpoint names.
@@ -15,6 +16,12 @@ Converter facts these rely on:
   - qwen2moe: experts as ffn_*_exps, the shared expert as ffn_*_shexp and its one-row sigmoid gate as
     ffn_gate_inp_shexp (a vector where the converter squeezed it); expert_feed_forward_length and
     expert_shared_feed_forward_length give the two widths.
+  - deepseek2: MLA's tensors as attn_q or attn_q_a / attn_q_a_norm / attn_q_b, attn_kv_a_mqa,
+    attn_kv_a_norm, and kv_b_proj either whole (attn_kv_b, older converters) or split per head into
+    attn_k_b (transposed) and attn_v_b (newer ones, for llama.cpp's absorbed attention); no row
+    permutation (llama.cpp rotates DeepSeek's adjacent pairs, as HF does); the router's correction
+    bias as exp_probs_b.bias; the leading dense layers, shared experts, groups, gating function and
+    routed scale in the metadata.
 """
 
 from __future__ import annotations
@@ -27,11 +34,14 @@ import numpy as np
 from overnight.errors import ModelLoadError
 
 # GGUF general.architecture -> the HF architecture whose config.json reader takes the rebuilt config
+# (deepseek2: DeepseekV3ForCausalLM where the router is sigmoid, the file's expert_gating_func 2)
 CONFIG_FAMILIES = {
     "gpt-oss": "GptOssForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
+    "deepseek2": "DeepseekV2ForCausalLM",
 }
-_MODEL_TYPES = {"gpt-oss": "gpt_oss", "qwen2moe": "qwen2_moe"}
+_MODEL_TYPES = {"gpt-oss": "gpt_oss", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2"}
+_SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
 # Per decoder layer: GGUF name suffix -> HF name suffix (stacked experts are handled apart).
 _ATTENTION = {
@@ -66,6 +76,26 @@ LAYER_NAMES = {
         "ffn_up.weight": "mlp.up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     },
+    "deepseek2": {
+        "attn_norm.weight": "input_layernorm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_q_a.weight": "self_attn.q_a_proj.weight",
+        "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+        "attn_q_b.weight": "self_attn.q_b_proj.weight",
+        "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+        "attn_kv_b.weight": "self_attn.kv_b_proj.weight",  # older files; newer split it (LatentPairs)
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",  # the leading dense layers
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    },
 }
 
 
@@ -82,6 +112,8 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
 
     heads = int(get("attention.head_count"))
     kv_heads = get("attention.head_count_kv", heads)
+    if name == "deepseek2":  # newer files state MLA's latent as one KV head; the checkpoint's are per head
+        kv_heads = heads
     if isinstance(kv_heads, list):
         if len(set(kv_heads)) != 1:
             raise ModelLoadError(
@@ -107,7 +139,13 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
     )
     scaling = _rope_scaling(md, name, path)
     experts = int(get("expert_count"))
-    if name == "gpt-oss":
+    if name == "deepseek2":
+        cfg.update(_deepseek_config(md, path, experts))
+        if scaling is not None and f"{name}.rope.scaling.yarn_log_multiplier" in md:
+            # the converter writes 0.1 * mscale_all_dim; mscale equals it in the published configs
+            mscale = round(float(md[f"{name}.rope.scaling.yarn_log_multiplier"]) / 0.1, 6)
+            scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    elif name == "gpt-oss":
         if scaling is not None:
             scaling["truncate"] = False  # gpt-oss's YaRN keeps the unrounded correction range (as HF's)
         cfg.update(
@@ -129,6 +167,51 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
         )
     if scaling is not None:
         cfg["rope_scaling"] = scaling
+    return cfg
+
+
+def _deepseek_config(md: dict[str, Any], path: str, experts: int) -> dict[str, Any]:
+    """DeepSeek-V2 / V3 / Kimi (deepseek2 files): MLA's widths, the routed and shared experts, the
+    router. Newer converters write MLA as one latent KV head (key_length = kv_lora_rank + rope dims) and
+    the per-head widths in key_length_mla / value_length_mla; older ones the per-head widths in
+    key_length / value_length."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"deepseek2.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks deepseek2.{key}")
+        return value
+
+    mla = "deepseek2.attention.key_length_mla" in md
+    rope = int(get("rope.dimension_count"))
+    qk_head = int(get("attention.key_length_mla" if mla else "attention.key_length"))
+    v3 = int(md.get("deepseek2.expert_gating_func", 1)) == _SIGMOID
+    groups = int(md.get("deepseek2.expert_group_count") or 1)
+    cfg: dict[str, Any] = dict(
+        kv_lora_rank=int(get("attention.kv_lora_rank")),
+        q_lora_rank=int(md.get("deepseek2.attention.q_lora_rank") or 0) or None,
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=qk_head - rope,
+        v_head_dim=int(get("attention.value_length_mla" if mla else "attention.value_length")),
+        intermediate_size=int(get("feed_forward_length")),
+        first_k_dense_replace=int(md.get("deepseek2.leading_dense_block_count") or 0),
+        n_routed_experts=experts,
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        n_shared_experts=int(md.get("deepseek2.expert_shared_count") or 0),
+        routed_scaling_factor=_f32(md.get("deepseek2.expert_weights_scale") or 1.0),
+        n_group=groups,
+        topk_group=int(md.get("deepseek2.expert_group_used_count") or 1),
+    )
+    if v3:  # the converter writes expert_weights_norm only when true
+        cfg.update(
+            architectures=["DeepseekV3ForCausalLM"],
+            model_type="deepseek_v3",
+            scoring_func="sigmoid",
+            norm_topk_prob=bool(md.get("deepseek2.expert_weights_norm", False)),
+            rope_interleave=True,  # llama.cpp rotates DeepSeek's adjacent pairs; the rows are not permuted
+        )
+    else:
+        cfg["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
     return cfg
 
 
@@ -207,6 +290,42 @@ class ExpertStacks:
         if self._half_biases:
             lonely = sorted(f"{p}: {', '.join(h)} bias only" for p, h in self._half_biases.items())
             raise ModelLoadError(f"{path}: expert gate and up biases come in pairs ({'; '.join(lonely)})")
+
+
+class LatentPairs:
+    """DeepSeek's kv_b_proj from newer converters' split form: attn_k_b [H, kv_lora_rank, nope] (each
+    head's key rows, transposed) and attn_v_b [H, v_head_dim, kv_lora_rank]; the checkpoint's kv_b_proj
+    is [H * (nope + v_head_dim), kv_lora_rank], each head's key rows then its value rows. The first of
+    a layer's pair waits here for the second."""
+
+    _SUFFIXES = ("attn_k_b.weight", "attn_v_b.weight")
+
+    def __init__(self) -> None:
+        self._halves: dict[str, dict[str, np.ndarray]] = {}
+
+    @classmethod
+    def handles(cls, suffix: str) -> bool:
+        return suffix in cls._SUFFIXES
+
+    def tensors(self, layer: str, suffix: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        halves = self._halves.setdefault(layer, {})
+        halves[suffix[5]] = w  # "k" or "v"
+        if len(halves) < 2:
+            return []
+        del self._halves[layer]
+        k_b, v_b = halves["k"], halves["v"]
+        if k_b.ndim != 3 or v_b.ndim != 3 or k_b.shape[:2] != (v_b.shape[0], v_b.shape[2]):
+            raise ModelLoadError(
+                f"blk.{layer}.attn_k_b {list(k_b.shape)} and attn_v_b {list(v_b.shape)} do not pair up "
+                "as [heads, kv_lora_rank, nope] and [heads, v_head_dim, kv_lora_rank]"
+            )
+        kv_b = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+        return [(f"model.layers.{layer}.self_attn.kv_b_proj.weight", kv_b)]
+
+    def check_done(self, path: str) -> None:
+        if self._halves:
+            lonely = sorted(f"blk.{layer}: attn_{''.join(h)}_b only" for layer, h in self._halves.items())
+            raise ModelLoadError(f"{path}: attn_k_b and attn_v_b come in pairs ({'; '.join(lonely)})")
 
 
 def reshaped(hf: str, w: np.ndarray) -> np.ndarray:
