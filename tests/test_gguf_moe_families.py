@@ -63,10 +63,10 @@ def _writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(
-        getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or cfg.n_routed_experts
-    )
-    w.add_expert_used_count(cfg.num_experts_per_tok)
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if experts or getattr(cfg, "n_routed_experts", None):
+        w.add_expert_count(experts or cfg.n_routed_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     if getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -352,6 +352,72 @@ def test_deepseek2_gguf_token_exact(tmp_path, variant, split_kv_b):
     model.save_pretrained(tmp_path / "hf")
     path = tmp_path / f"{variant}.gguf"
     write_deepseek2_gguf(path, model, split_kv_b)
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == f"{family}ForCausalLM"
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    llm = LLM(str(path), **ENGINE)
+    check_waves_token_exact(llm, model, waves(cfg.vocab_size))
+
+
+# ------------------------------------------------------------------------------------ OLMoE, Seed-OSS
+
+DENSE_AND_MOE = {
+    # OLMoE: whole-projection q/k norms, 8 experts top-2 without renormalization
+    "olmoe": (
+        "Olmoe",
+        gguf.MODEL_ARCH.OLMOE,
+        dict(
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    # Seed-OSS: biases on q/k/v and on o_proj, head_dim apart from hidden / heads
+    "seed_oss": (
+        "SeedOss",
+        gguf.MODEL_ARCH.SEED_OSS,
+        dict(
+            intermediate_size=96, head_dim=24, attention_bias=True, attention_out_bias=True, rms_norm_eps=1e-6
+        ),
+    ),
+}
+
+
+def _split_experts(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+    """transformers 5's stacked experts ([E, 2I, H] gate rows first, [E, H, I]) as the converter stacks
+    the per-expert tensors."""
+    blk = f"blk.{name.split('.')[2]}" if name.startswith("model.layers.") else ""
+    if name.endswith("mlp.experts.gate_up_proj"):
+        gate, up = np.split(a, 2, axis=1)
+        return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+    if name.endswith("mlp.experts.down_proj"):
+        return {f"{blk}.ffn_down_exps.weight": a}
+    return None
+
+
+@pytest.mark.parametrize("variant", sorted(DENSE_AND_MOE))
+def test_dense_and_moe_gguf_token_exact(tmp_path, variant):
+    import transformers
+
+    family, gguf_arch, fields = DENSE_AND_MOE[variant]
+    common = dict(
+        vocab_size=384, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )  # fmt: skip
+    cfg = getattr(transformers, f"{family}Config")(**{**common, **fields})
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    _spread_weights(model, 0)
+    _quantize_in_place(model.model.layers[1].self_attn.v_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"{variant}.gguf"
+    w = _writer(path, gguf.MODEL_ARCH_NAMES[gguf_arch], cfg)
+    tensors = _mapped(model.state_dict(), gguf_arch, cfg.num_hidden_layers, _split_experts)
+    _finish(w, tensors, {"blk.1.attn_v.weight": Q.Q8_0})
 
     info = read_gguf(str(path))
     assert info.hf_architecture == f"{family}ForCausalLM"

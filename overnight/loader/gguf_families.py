@@ -39,8 +39,16 @@ CONFIG_FAMILIES = {
     "gpt-oss": "GptOssForCausalLM",
     "qwen2moe": "Qwen2MoeForCausalLM",
     "deepseek2": "DeepseekV2ForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
 }
-_MODEL_TYPES = {"gpt-oss": "gpt_oss", "qwen2moe": "qwen2_moe", "deepseek2": "deepseek_v2"}
+_MODEL_TYPES = {
+    "gpt-oss": "gpt_oss",
+    "qwen2moe": "qwen2_moe",
+    "deepseek2": "deepseek_v2",
+    "olmoe": "olmoe",
+    "seed_oss": "seed_oss",
+}
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
 # Per decoder layer: GGUF name suffix -> HF name suffix (stacked experts are handled apart).
@@ -54,6 +62,11 @@ _ATTENTION = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
     "attn_output.bias": "self_attn.o_proj.bias",
+}
+_DENSE_MLP = {
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
 }
 LAYER_NAMES = {
     "gpt-oss": {
@@ -76,6 +89,14 @@ LAYER_NAMES = {
         "ffn_up.weight": "mlp.up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
     },
+    "olmoe": {
+        **_ATTENTION,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",  # over the whole projection
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+    },
+    "seed_oss": {**_ATTENTION, "post_attention_norm.weight": "post_attention_layernorm.weight", **_DENSE_MLP},
     "deepseek2": {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -135,9 +156,18 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
         rope_theta=_f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
-        num_experts_per_tok=int(get("expert_used_count")),
     )
     scaling = _rope_scaling(md, name, path)
+    if name == "seed_oss":  # dense: biases on q/k/v, and on o_proj where the file has one
+        cfg.update(
+            intermediate_size=int(get("feed_forward_length")),
+            attention_bias="blk.0.attn_q.bias" in tensors,
+            attention_out_bias="blk.0.attn_output.bias" in tensors,
+        )
+        if scaling is not None:
+            cfg["rope_scaling"] = scaling
+        return cfg
+    cfg["num_experts_per_tok"] = int(get("expert_used_count"))
     experts = int(get("expert_count"))
     if name == "deepseek2":
         cfg.update(_deepseek_config(md, path, experts))
@@ -145,6 +175,12 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
             # the converter writes 0.1 * mscale_all_dim; mscale equals it in the published configs
             mscale = round(float(md[f"{name}.rope.scaling.yarn_log_multiplier"]) / 0.1, 6)
             scaling.update(mscale=mscale, mscale_all_dim=mscale)
+    elif name == "olmoe":  # each expert is intermediate_size wide; no renormalization unless the file says
+        cfg.update(
+            num_experts=experts,
+            intermediate_size=int(md.get(f"{name}.expert_feed_forward_length") or get("feed_forward_length")),
+            norm_topk_prob=bool(md.get(f"{name}.expert_weights_norm", False)),
+        )
     elif name == "gpt-oss":
         if scaling is not None:
             scaling["truncate"] = False  # gpt-oss's YaRN keeps the unrounded correction range (as HF's)
