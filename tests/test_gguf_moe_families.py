@@ -360,7 +360,7 @@ def test_deepseek2_gguf_token_exact(tmp_path, variant, split_kv_b):
     check_waves_token_exact(llm, model, waves(cfg.vocab_size))
 
 
-# ------------------------------------------------------------------------------------ OLMoE, Seed-OSS
+# ------------------------------------------------------------------------ OLMoE, Seed-OSS, ERNIE 4.5
 
 DENSE_AND_MOE = {
     # OLMoE: whole-projection q/k norms, 8 experts top-2 without renormalization
@@ -383,7 +383,40 @@ DENSE_AND_MOE = {
             intermediate_size=96, head_dim=24, attention_bias=True, attention_out_bias=True, rms_norm_eps=1e-6
         ),
     ),
+    "ernie4_5": (
+        "Ernie4_5",
+        gguf.MODEL_ARCH.ERNIE4_5,
+        dict(intermediate_size=96, head_dim=16, use_bias=False),
+    ),
+    # ERNIE 4.5 MoE: the first layer dense, then experts plus a shared one, the softmax + correction-bias
+    # router (every layer from the start sparse: llama.cpp's rule)
+    "ernie4_5_moe": (
+        "Ernie4_5_Moe",
+        gguf.MODEL_ARCH.ERNIE4_5_MOE,
+        dict(
+            intermediate_size=96,
+            head_dim=16,
+            use_bias=False,
+            moe_num_experts=8,
+            moe_k=2,
+            moe_intermediate_size=32,
+            moe_num_shared_experts=1,
+            moe_layer_start_index=1,
+            moe_layer_end_index=-1,
+            moe_layer_interval=1,
+        ),
+    ),
 }
+
+
+def _ernie_moe_metadata(w: gguf.GGUFWriter, cfg) -> None:
+    """What convert_hf_to_gguf.py's Ernie4_5MoeModel adds to the base metadata."""
+    w.add_expert_count(cfg.moe_num_experts)
+    w.add_expert_used_count(cfg.moe_k)
+    w.add_interleave_moe_layer_step(cfg.moe_layer_interval)
+    w.add_leading_dense_block_count(cfg.moe_layer_start_index)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_shared_count(cfg.moe_num_shared_experts)
 
 
 def _split_experts(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
@@ -395,6 +428,8 @@ def _split_experts(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
         return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
     if name.endswith("mlp.experts.down_proj"):
         return {f"{blk}.ffn_down_exps.weight": a}
+    if name.endswith("gate.moe_statics.e_score_correction_bias"):  # transformers 5's name for ERNIE's
+        return {f"{blk}.exp_probs_b.bias": a}
     return None
 
 
@@ -412,10 +447,16 @@ def test_dense_and_moe_gguf_token_exact(tmp_path, variant):
     torch.manual_seed(0)
     model = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
     _spread_weights(model, 0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):  # transformers starts it at zeros
+                param.copy_(0.05 * torch.randn(param.shape))
     _quantize_in_place(model.model.layers[1].self_attn.v_proj.weight, Q.Q8_0, transposed=False)
     model.save_pretrained(tmp_path / "hf")
     path = tmp_path / f"{variant}.gguf"
     w = _writer(path, gguf.MODEL_ARCH_NAMES[gguf_arch], cfg)
+    if variant == "ernie4_5_moe":
+        _ernie_moe_metadata(w, cfg)
     tensors = _mapped(model.state_dict(), gguf_arch, cfg.num_hidden_layers, _split_experts)
     _finish(w, tensors, {"blk.1.attn_v.weight": Q.Q8_0})
 

@@ -41,6 +41,8 @@ CONFIG_FAMILIES = {
     "deepseek2": "DeepseekV2ForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -48,6 +50,8 @@ _MODEL_TYPES = {
     "deepseek2": "deepseek_v2",
     "olmoe": "olmoe",
     "seed_oss": "seed_oss",
+    "ernie4_5": "ernie4_5",
+    "ernie4_5-moe": "ernie4_5_moe",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -97,6 +101,17 @@ LAYER_NAMES = {
         "ffn_gate_inp.weight": "mlp.gate.weight",
     },
     "seed_oss": {**_ATTENTION, "post_attention_norm.weight": "post_attention_layernorm.weight", **_DENSE_MLP},
+    "ernie4_5": {**_ATTENTION, "ffn_norm.weight": "post_attention_layernorm.weight", **_DENSE_MLP},
+    "ernie4_5-moe": {
+        **_ATTENTION,
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        **_DENSE_MLP,  # the leading dense layers
+        "ffn_gate_inp.weight": "mlp.gate.weight",
+        "exp_probs_b.bias": "mlp.moe_statics.e_score_correction_bias",
+        "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+        "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+        "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+    },
     "deepseek2": {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -164,6 +179,11 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
             attention_bias="blk.0.attn_q.bias" in tensors,
             attention_out_bias="blk.0.attn_output.bias" in tensors,
         )
+    if name.startswith("ernie4_5"):  # no projection biases (use_bias) in any published checkpoint
+        cfg.update(intermediate_size=int(get("feed_forward_length")), use_bias="blk.0.attn_q.bias" in tensors)
+    if name == "ernie4_5-moe":
+        cfg.update(_ernie_moe_config(md, tensors, path, layers))
+    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe"):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
@@ -249,6 +269,29 @@ def _deepseek_config(md: dict[str, Any], path: str, experts: int) -> dict[str, A
     else:
         cfg["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
     return cfg
+
+
+def _ernie_moe_config(md: dict[str, Any], tensors: Collection[str], path: str, layers: int) -> dict[str, Any]:
+    """ERNIE 4.5 MoE: the converter writes moe_layer_start_index as leading_dense_block_count and
+    moe_layer_interval as interleave_moe_layer_step, and not moe_layer_end_index (llama.cpp runs every
+    layer from the start sparse); the last layer with a router is taken as the end."""
+
+    def get(key: str) -> Any:
+        value = md.get(f"ernie4_5-moe.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks ernie4_5-moe.{key}")
+        return value
+
+    routed = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in tensors]
+    return dict(
+        moe_num_experts=int(get("expert_count")),
+        moe_k=int(get("expert_used_count")),
+        moe_intermediate_size=int(get("expert_feed_forward_length")),
+        moe_num_shared_experts=int(md.get("ernie4_5-moe.expert_shared_count") or 0),
+        moe_layer_start_index=int(md.get("ernie4_5-moe.leading_dense_block_count") or 0),
+        moe_layer_interval=int(md.get("ernie4_5-moe.interleave_moe_layer_step") or 1),
+        moe_layer_end_index=routed[-1] if routed else -1,
+    )
 
 
 def _rope_scaling(md: dict[str, Any], name: str, path: str) -> dict[str, Any] | None:
@@ -365,7 +408,8 @@ class LatentPairs:
 
 
 def reshaped(hf: str, w: np.ndarray) -> np.ndarray:
-    """The checkpoint's shape where the converter squeezed it: Qwen2-MoE's shared expert gate is [1, H]."""
-    if hf.endswith("shared_expert_gate.weight") and w.ndim == 1:
+    """The checkpoint's shape where a file holds a vector: Qwen2-MoE's shared expert gate is [1, H], ERNIE
+    4.5's correction bias [1, E]."""
+    if hf.endswith(("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")) and w.ndim == 1:
         return w[None, :]
     return w
