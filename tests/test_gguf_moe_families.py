@@ -8,6 +8,7 @@ from the HF folder."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -463,5 +464,70 @@ def test_dense_and_moe_gguf_token_exact(tmp_path, variant):
     info = read_gguf(str(path))
     assert info.hf_architecture == f"{family}ForCausalLM"
     assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    llm = LLM(str(path), **ENGINE)
+    check_waves_token_exact(llm, model, waves(cfg.vocab_size))
+
+
+# ------------------------------------------------------------------------------------------ EXAONE 4.0
+
+
+def _llama3_rope_freqs(cfg) -> np.ndarray:
+    """The per-frequency divisors the converter writes as rope_freqs.weight for Llama 3 RoPE scaling."""
+    rope = cfg.rope_parameters
+    dim = cfg.head_dim
+    freqs = 1.0 / (rope["rope_theta"] ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in freqs:
+        wavelen = 2 * np.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+def test_exaone4_gguf_token_exact(tmp_path):
+    """The 32B's shape: sliding / full without RoPE / sliding, Llama 3 RoPE as rope_freqs."""
+    variant = "exaone4"
+    from tests.dense_family_checks import make_model
+
+    # Llama 3 scaling with two frequencies between its bands, the least rope_freqs recovers it from
+    changes = {}
+    if variant == "exaone4":
+        rope = dict(
+            rope_type="llama3", rope_theta=10000.0, factor=4.0, low_freq_factor=1.0, high_freq_factor=8.0
+        )
+        changes["rope_parameters"] = {**rope, "original_max_position_embeddings": 128}
+    model = make_model(variant, **changes)
+    cfg = model.config
+    _quantize_in_place(model.model.layers[2].mlp.down_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"{variant}.gguf"
+    w = _writer(path, "exaone4", cfg)
+    w.add_vocab_size(cfg.vocab_size)
+    extra = {}
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+    if cfg.rope_parameters.get("rope_type") == "llama3":
+        extra["rope_freqs.weight"] = _llama3_rope_freqs(cfg)
+    sd = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")  # a tied checkpoint has none
+    tensors = _mapped(sd, gguf.MODEL_ARCH.EXAONE4, cfg.num_hidden_layers, lambda name, a: None)
+    _finish(w, {**tensors, **extra}, {"blk.2.ffn_down.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "Exaone4ForCausalLM"
+    hf = resolve_source(str(tmp_path / "hf")).arch
+    # The divisors fix Llama 3's band only up to an equivalent (orig, low, high): the factor is the same,
+    # and the frequencies it gives (every position's rotation) are checked by the tokens.
+    assert dict(info.arch.rope_scaling or {}).get("factor") == dict(hf.rope_scaling or {}).get("factor")
+    assert dataclasses.replace(info.arch, rope_scaling=hf.rope_scaling) == hf
     llm = LLM(str(path), **ENGINE)
     check_waves_token_exact(llm, model, waves(cfg.vocab_size))

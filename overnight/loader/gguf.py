@@ -204,7 +204,7 @@ def read_gguf(path: str) -> GGUFInfo:
     if name in CONFIG_FAMILIES:
         from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
 
-        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0])
+        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0], _llama3_config(f, name))
         return _info(md, arch_from_hf_config(cfg), cfg["architectures"][0])
 
     def get(key: str, default: Any = None) -> Any:
@@ -282,6 +282,17 @@ def _info(md: dict[str, Any], arch: ModelArch, hf_architecture: str) -> GGUFInfo
         max_position_embeddings=arch.max_position_embeddings,
         tie_word_embeddings=arch.tie_word_embeddings,
     )
+
+
+def _llama3_config(f: GGUFFile, name: str) -> dict[str, Any] | None:
+    """Llama 3 RoPE scaling as config.json states it, recovered from a rope_freqs tensor (_rope_scaling)."""
+    if "rope_freqs.weight" not in f.tensors:
+        return None
+    md = f.metadata
+    heads = int(md[f"{name}.attention.head_count"])
+    head_dim = int(md.get(f"{name}.attention.key_length") or int(md[f"{name}.embedding_length"]) // heads)
+    scaling = _rope_scaling(f, name, head_dim, _f32(md.get(f"{name}.rope.freq_base", 10000.0)))
+    return None if scaling is None else {"rope_type": "llama3", **dict(scaling)}
 
 
 def _gemma_config(md: dict[str, Any], name: str, vocab: int, tie: bool) -> dict[str, Any]:

@@ -43,6 +43,7 @@ CONFIG_FAMILIES = {
     "seed_oss": "SeedOssForCausalLM",
     "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -52,6 +53,7 @@ _MODEL_TYPES = {
     "seed_oss": "seed_oss",
     "ernie4_5": "ernie4_5",
     "ernie4_5-moe": "ernie4_5_moe",
+    "exaone4": "exaone4",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -112,6 +114,14 @@ LAYER_NAMES = {
         "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
     },
+    "exaone4": {  # post-norms only, per-head q/k norms
+        **_ATTENTION,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        **_DENSE_MLP,
+    },
     "deepseek2": {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -135,9 +145,12 @@ LAYER_NAMES = {
 }
 
 
-def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: int) -> dict[str, Any]:
+def hf_config(
+    md: dict[str, Any], tensors: Collection[str], path: str, vocab: int, llama3: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The config.json dict of a `CONFIG_FAMILIES` file. `vocab` is the embedding's row count (the
-    converter pads the token list to it); `tensors` the file's tensor names."""
+    converter pads the token list to it); `tensors` the file's tensor names; `llama3` the Llama 3 RoPE
+    scaling recovered from a rope_freqs tensor (gguf.py), if any."""
     name = md["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
@@ -172,7 +185,18 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
     )
-    scaling = _rope_scaling(md, name, path)
+    scaling = _rope_scaling(md, name, path) or llama3
+    if name == "exaone4":  # windowed layers as the file lists them (the full ones then take no RoPE)
+        cfg["intermediate_size"] = int(get("feed_forward_length"))
+        window = int(md.get(f"{name}.attention.sliding_window") or 0)
+        pattern = md.get(f"{name}.attention.sliding_window_pattern")
+        if window:
+            if not isinstance(pattern, list) or len(pattern) != layers:
+                raise ModelLoadError(f"{path}: {name}.attention.sliding_window_pattern must list every layer")
+            cfg.update(
+                sliding_window=window,
+                layer_types=["sliding_attention" if p else "full_attention" for p in pattern],
+            )
     if name == "seed_oss":  # dense: biases on q/k/v, and on o_proj where the file has one
         cfg.update(
             intermediate_size=int(get("feed_forward_length")),
@@ -183,7 +207,7 @@ def hf_config(md: dict[str, Any], tensors: Collection[str], path: str, vocab: in
         cfg.update(intermediate_size=int(get("feed_forward_length")), use_bias="blk.0.attn_q.bias" in tensors)
     if name == "ernie4_5-moe":
         cfg.update(_ernie_moe_config(md, tensors, path, layers))
-    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe"):
+    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4"):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
