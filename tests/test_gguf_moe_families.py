@@ -63,7 +63,8 @@ def _writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if getattr(cfg, "rms_norm_eps", None) is not None:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
     if experts or getattr(cfg, "n_routed_experts", None):
         w.add_expert_count(experts or cfg.n_routed_experts)
@@ -468,6 +469,25 @@ def test_dense_and_moe_gguf_token_exact(tmp_path, variant):
     check_waves_token_exact(llm, model, waves(cfg.vocab_size))
 
 
+def _check_tokens(llm: LLM, ref, rounds) -> None:
+    """tiny_moe.check_waves_token_exact for the tiny tied models, whose greedy tokens vary too little for
+    its variety check: every prompt's tokens equal transformers', and so do the chosen tokens' logprobs
+    (logit scale, norms and RoPE show there, not only in the argmax)."""
+    from overnight import SamplingParams
+    from tests.parity_helpers import hf_greedy
+    from tests.tiny_moe import NEW_TOKENS
+
+    prompts = [*rounds[0], *rounds[1]]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=0)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        expected, scores = hf_greedy(ref, prompt, NEW_TOKENS)
+        got = out.outputs[0]
+        assert list(got.token_ids) == expected, f"prompt of {len(prompt)} tokens"
+        assert got.logprobs is not None
+        for token, theirs, ours in zip(expected, scores, got.logprobs):
+            assert ours[token].logprob == pytest.approx(float(theirs[token]), abs=1e-4)
+
+
 # ------------------------------------------------------------------------------------------ EXAONE 4.0
 
 
@@ -531,3 +551,44 @@ def test_exaone4_gguf_token_exact(tmp_path):
     assert dataclasses.replace(info.arch, rope_scaling=hf.rope_scaling) == hf
     llm = LLM(str(path), **ENGINE)
     check_waves_token_exact(llm, model, waves(cfg.vocab_size))
+
+
+# ----------------------------------------------------------------------------- Command R, Cohere 2
+
+
+@pytest.mark.parametrize("variant", ["cohere", "cohere-plus", "cohere2"])
+def test_cohere_gguf_token_exact(tmp_path, variant):
+    """Command R (tied, logit scale), R+ (per-head q/k norms) and Cohere 2 with llama.cpp's fixed window
+    pattern (three sliding layers, then a full one without RoPE)."""
+    from tests.dense_family_checks import make_model
+
+    # Cohere 2's files are always tied (llama.cpp's cohere2 has no output tensor)
+    changes = (
+        dict(num_hidden_layers=4, sliding_window_pattern=4, tie_word_embeddings=True)
+        if variant == "cohere2"
+        else {}
+    )
+    model = make_model(variant, **changes)
+    cfg = model.config
+    _quantize_in_place(model.model.layers[1].self_attn.o_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"{variant}.gguf"
+    arch = "cohere2" if variant == "cohere2" else "command-r"
+    w = _writer(path, arch, SimpleNamespace(**{**cfg.to_dict(), "head_dim": None}))
+    w.add_layer_norm_eps(cfg.layer_norm_eps)
+    w.add_logit_scale(cfg.logit_scale)
+    if variant == "cohere2":
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_vocab_size(cfg.vocab_size)
+        w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    sd = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight")
+    gguf_arch = gguf.MODEL_ARCH.COHERE2 if variant == "cohere2" else gguf.MODEL_ARCH.COMMAND_R
+    tensors = _mapped(sd, gguf_arch, cfg.num_hidden_layers, lambda name, a: None)
+    _finish(w, tensors, {"blk.1.attn_output.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == ("Cohere2ForCausalLM" if variant == "cohere2" else "CohereForCausalLM")
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    _check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))

@@ -44,6 +44,8 @@ CONFIG_FAMILIES = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "ernie4_5-moe": "Ernie4_5_MoeForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
+    "command-r": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -54,6 +56,8 @@ _MODEL_TYPES = {
     "ernie4_5": "ernie4_5",
     "ernie4_5-moe": "ernie4_5_moe",
     "exaone4": "exaone4",
+    "command-r": "cohere",
+    "cohere2": "cohere2",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -122,6 +126,14 @@ LAYER_NAMES = {
         "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
         **_DENSE_MLP,
     },
+    # Cohere: one LayerNorm before attention and MLP side by side; Command R+'s per-head q/k norms
+    "command-r": {
+        **_ATTENTION,
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        **_DENSE_MLP,
+    },
+    "cohere2": {**_ATTENTION, **_DENSE_MLP},
     "deepseek2": {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -207,7 +219,21 @@ def hf_config(
         cfg.update(intermediate_size=int(get("feed_forward_length")), use_bias="blk.0.attn_q.bias" in tensors)
     if name == "ernie4_5-moe":
         cfg.update(_ernie_moe_config(md, tensors, path, layers))
-    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4"):
+    if name in ("command-r", "cohere2"):  # both always tied: llama.cpp's files have no output tensor
+        cfg.update(
+            intermediate_size=int(get("feed_forward_length")),
+            layer_norm_eps=_f32(get("attention.layer_norm_epsilon", 1e-5)),
+            logit_scale=_f32(get("logit_scale", 1.0)),
+            use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        )
+        rotary = md.get(f"{name}.rope.dimension_count")
+        if rotary is not None and int(rotary) != hidden // heads:
+            raise ModelLoadError(
+                f"{path}: partial rotary ({rotary} of {hidden // heads} dims) is not supported"
+            )
+        if name == "cohere2":  # llama.cpp's fixed rule: every 4th layer full (and without RoPE)
+            cfg.update(sliding_window=int(get("attention.sliding_window")), sliding_window_pattern=4)
+    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2"):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
