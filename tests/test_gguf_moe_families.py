@@ -592,3 +592,26 @@ def test_cohere_gguf_token_exact(tmp_path, variant):
     assert info.hf_architecture == ("Cohere2ForCausalLM" if variant == "cohere2" else "CohereForCausalLM")
     assert info.arch == resolve_source(str(tmp_path / "hf")).arch
     _check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))
+
+
+def test_unsupported_tensor_type_is_refused_before_loading(tmp_path):
+    """A tensor type the gguf package cannot dequantize (Q8_1, llama.cpp's activation-only type) is named
+    when the file is read, before any model is built."""
+    from tests.dense_family_checks import make_model
+
+    model = make_model("seed_oss")
+    path = tmp_path / "q8_1.gguf"
+    w = _writer(path, "seed_oss", model.config)
+    tensors = _mapped(
+        model.state_dict(), gguf.MODEL_ARCH.SEED_OSS, model.config.num_hidden_layers, lambda n, a: None
+    )
+    raw = np.zeros((96, 64 // 32 * 40), dtype=np.uint8)  # [96, 64] in Q8_1 blocks of 32 values, 40 bytes
+    del tensors["blk.1.ffn_up.weight"]
+    for name, a in tensors.items():
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.add_tensor("blk.1.ffn_up.weight", raw, raw_dtype=Q.Q8_1)
+    _finish(w, {}, {})
+    with pytest.raises(
+        ModelLoadError, match=r"type Q8_1 cannot be dequantized \(first: blk\.1\.ffn_up\.weight\)"
+    ):
+        read_gguf(str(path))

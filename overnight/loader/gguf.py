@@ -185,6 +185,17 @@ def _read_gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
+@functools.cache
+def _dequantizable(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants.dequantize reads this type (tried on one zero block)."""
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _f32(value: float) -> float:
     """The shortest decimal that rounds to the same float32: files store 1e-5 as 9.99999975e-06."""
     return float(str(np.float32(value)))
@@ -201,6 +212,14 @@ def read_gguf(path: str) -> GGUFInfo:
     embd = f.tensors.get("token_embd.weight")
     if embd is None:
         raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    unreadable = sorted({t.ggml_type.name for t in f.tensors.values() if not _dequantizable(t.ggml_type)})
+    if unreadable:  # refused before the model is built rather than midway through its weights
+        first = next(t.name for t in f.tensors.values() if t.ggml_type.name in unreadable)
+        raise ModelLoadError(
+            f"{path}: GGUF tensor type {', '.join(unreadable)} cannot be dequantized (first: {first}); "
+            "re-quantize the file to a type the gguf package reads (F32, F16, BF16, Q4_0..Q8_0, K- or "
+            "I-quants, MXFP4)"
+        )
     if name in CONFIG_FAMILIES:
         from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
 
