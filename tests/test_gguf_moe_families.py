@@ -615,3 +615,46 @@ def test_unsupported_tensor_type_is_refused_before_loading(tmp_path):
         ModelLoadError, match=r"type Q8_1 cannot be dequantized \(first: blk\.1\.ffn_up\.weight\)"
     ):
         read_gguf(str(path))
+
+
+# ------------------------------------------------------------------------------------------------ LFM2
+
+
+def test_lfm2_gguf_token_exact(tmp_path):
+    """LFM2 as convert_hf_to_gguf.py's LFM2Model writes it: a KV head count per layer (0 for the short-conv
+    layers), the conv cache length, the adjusted feed-forward width, the conv kernel squeezed to [C, L],
+    the final norm as token_embd_norm; tied embeddings."""
+    import transformers
+
+    cfg = transformers.Lfm2Config(
+        vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        block_auto_adjust_ff_dim=False, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Lfm2ForCausalLM(cfg).eval()
+    _spread_weights(model, 0)
+    _quantize_in_place(model.model.layers[0].conv.in_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "lfm2.gguf"
+    counts = [cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types]
+    w = _writer(path, "lfm2", SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": counts}))
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        if name.endswith("conv.conv.weight"):
+            return {f"blk.{name.split('.')[2]}.shortconv.conv.weight": a.squeeze(1)}
+        return None
+
+    sd = dict(model.state_dict())
+    sd.pop("lm_head.weight")  # tied
+    tensors = _mapped(sd, gguf.MODEL_ARCH.LFM2, cfg.num_hidden_layers, special)
+    _finish(w, tensors, {"blk.0.shortconv.in_proj.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "Lfm2ForCausalLM"
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    _check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))

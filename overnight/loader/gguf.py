@@ -36,6 +36,7 @@ from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf_families import (
     CONFIG_FAMILIES,
+    GLOBAL_NAMES,
     LAYER_NAMES,
     ExpertStacks,
     LatentPairs,
@@ -679,6 +680,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a gguf_families.CONFIG_FAMILIES file under HF names (no row permutation)."""
     names = LAYER_NAMES[f.metadata["general.architecture"]]
+    globals_ = {**_GLOBAL_NAMES, **GLOBAL_NAMES.get(f.metadata["general.architecture"], {})}
     experts = ExpertStacks()
     latent = LatentPairs()
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
@@ -692,8 +694,8 @@ def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
             elif m and m.group(2) in names:
                 hf = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
                 pairs = [(hf, reshaped(hf, _weights_of(data, t, f.path)))]
-            elif t.name in _GLOBAL_NAMES:
-                pairs = [(_GLOBAL_NAMES[t.name], _weights_of(data, t, f.path))]
+            elif t.name in globals_:
+                pairs = [(globals_[t.name], _weights_of(data, t, f.path))]
             elif t.name in _SKIPPED:
                 continue
             else:

@@ -1,5 +1,5 @@
 """GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
-DeepSeek-V2 / V3 / Kimi):
+DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2):
 the file's metadata written back as the config.json dict models/registry.arch_from_hf_config reads, so
 their ModelArch has one source of truth; and their tensor names, as llama.cpp's converter writes them
 (gguf-py's tensor map and convert_hf_to_gguf.py), taken back to HF checkpoint names.
@@ -22,6 +22,10 @@ Converter facts these rely on:
     permutation (llama.cpp rotates DeepSeek's adjacent pairs, as HF does); the router's correction
     bias as exp_probs_b.bias; the leading dense layers, shared experts, groups, gating function and
     routed scale in the metadata.
+  - the dense families and OLMoE / ERNIE 4.5 MoE: gguf-py's names, no permutation (ERNIE's and
+    Cohere's interleaved RoPE is llama.cpp's normal mode; the others rotate halves); Cohere 2's windows
+    by llama.cpp's fixed rule (every 4th layer full), EXAONE 4's from the per-layer pattern; LFM2's
+    conv layers marked by 0 KV heads, its kernel squeezed to [C, L], its final norm token_embd_norm.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ CONFIG_FAMILIES = {
     "exaone4": "Exaone4ForCausalLM",
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "lfm2": "Lfm2ForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -58,6 +63,7 @@ _MODEL_TYPES = {
     "exaone4": "exaone4",
     "command-r": "cohere",
     "cohere2": "cohere2",
+    "lfm2": "lfm2",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -134,6 +140,24 @@ LAYER_NAMES = {
         **_DENSE_MLP,
     },
     "cohere2": {**_ATTENTION, **_DENSE_MLP},
+    # LFM2: HF's own names (models/lfm2.py renames them as they load); the conv kernel is squeezed to
+    # [channels, L] in the file (reshaped back by `reshaped`)
+    "lfm2": {
+        "attn_norm.weight": "operator_norm.weight",
+        "ffn_norm.weight": "ffn_norm.weight",
+        "shortconv.conv.weight": "conv.conv.weight",
+        "shortconv.in_proj.weight": "conv.in_proj.weight",
+        "shortconv.out_proj.weight": "conv.out_proj.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.out_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_layernorm.weight",
+        "attn_k_norm.weight": "self_attn.k_layernorm.weight",
+        "ffn_gate.weight": "feed_forward.w1.weight",
+        "ffn_up.weight": "feed_forward.w3.weight",
+        "ffn_down.weight": "feed_forward.w2.weight",
+    },
     "deepseek2": {
         "attn_norm.weight": "input_layernorm.weight",
         "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -157,6 +181,10 @@ LAYER_NAMES = {
 }
 
 
+# Whole-model tensors named apart from gguf.py's _GLOBAL_NAMES: LFM2's final norm sits by the embedding.
+GLOBAL_NAMES = {"lfm2": {"token_embd_norm.weight": "model.embedding_norm.weight"}}
+
+
 def hf_config(
     md: dict[str, Any], tensors: Collection[str], path: str, vocab: int, llama3: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -175,6 +203,11 @@ def hf_config(
     kv_heads = get("attention.head_count_kv", heads)
     if name == "deepseek2":  # newer files state MLA's latent as one KV head; the checkpoint's are per head
         kv_heads = heads
+    lfm2_kinds = None
+    if name == "lfm2":  # per layer: 0 KV heads marks a short-conv layer
+        counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * int(get("block_count"))
+        lfm2_kinds = ["full_attention" if c else "conv" for c in counts]
+        kv_heads = [c for c in counts if c] or [heads]
     if isinstance(kv_heads, list):
         if len(set(kv_heads)) != 1:
             raise ModelLoadError(
@@ -233,7 +266,17 @@ def hf_config(
             )
         if name == "cohere2":  # llama.cpp's fixed rule: every 4th layer full (and without RoPE)
             cfg.update(sliding_window=int(get("attention.sliding_window")), sliding_window_pattern=4)
-    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2"):
+    if name == "lfm2":  # the file's feed_forward_length is the width already adjusted
+        ff = int(get("feed_forward_length"))
+        cfg.update(
+            layer_types=lfm2_kinds,
+            conv_L_cache=int(get("shortconv.l_cache")),
+            norm_eps=cfg["rms_norm_eps"],
+            intermediate_size=ff,
+            block_ff_dim=ff,
+            block_auto_adjust_ff_dim=False,
+        )
+    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2", "lfm2"):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
@@ -459,7 +502,9 @@ class LatentPairs:
 
 def reshaped(hf: str, w: np.ndarray) -> np.ndarray:
     """The checkpoint's shape where a file holds a vector: Qwen2-MoE's shared expert gate is [1, H], ERNIE
-    4.5's correction bias [1, E]."""
+    4.5's correction bias [1, E]; LFM2's conv kernel [C, 1, L]."""
     if hf.endswith(("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")) and w.ndim == 1:
         return w[None, :]
+    if hf.endswith("conv.conv.weight") and w.ndim == 2:  # LFM2's depthwise kernel: [C, 1, L]
+        return w[:, None, :]
     return w
