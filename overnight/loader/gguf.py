@@ -34,15 +34,8 @@ from gguf.quants import dequantize
 
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
-from overnight.loader.gguf_families import (
-    CONFIG_FAMILIES,
-    GLOBAL_NAMES,
-    LAYER_NAMES,
-    ExpertStacks,
-    LatentPairs,
-    hf_config,
-    reshaped,
-)
+from overnight.loader.gguf_families import CONFIG_FAMILIES, hf_config
+from overnight.loader.gguf_tensors import GLOBAL_NAMES, LAYER_NAMES, ExpertStacks, LatentPairs, reshaped
 from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
