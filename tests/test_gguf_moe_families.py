@@ -9,6 +9,7 @@ folder."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,12 +19,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from overnight import LLM
+from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
+from overnight.layers.moe import Experts
 from overnight.loader.gguf import iter_gguf_weights, read_gguf
+from overnight.loader.gguf_tensors import mxfp4_to_checkpoint
 from overnight.loader.resolve import resolve_source
+from overnight.quant.mxfp4 import dequantize_mxfp4
 from tests.gguf_writers import converter_writer, finish, mapped, quantize_in_place
-from tests.test_gpt_oss import _config, _engine_tokens, _hf_greedy, _prompts, _spread
+from tests.test_gpt_oss import NEW_TOKENS, _config, _hf_greedy, _prompts, _spread
 from tests.test_qwen2_moe import FIELDS as QWEN2_MOE_FIELDS
 from tests.tiny_models import _spread_weights
 from tests.tiny_moe import ENGINE, check_waves_token_exact, waves
@@ -33,9 +37,10 @@ pytestmark = pytest.mark.slow  # engines beside transformers
 # ---------------------------------------------------------------------------------------------- gpt-oss
 
 
-def write_gpt_oss_gguf(path: Path, model, fused: bool, drop: str = "") -> None:
+def write_gpt_oss_gguf(path: Path, model, fused: bool, drop: str = "", mxfp4: bool = True) -> None:
     """As convert_hf_to_gguf.py's GptOssModel: gate/up de-interleaved ([E, in, out] -> [E, out, in]),
-    split into ffn_gate_exps / ffn_up_exps or fused gate-then-up, biases likewise; experts in MXFP4."""
+    split into ffn_gate_exps / ffn_up_exps or fused gate-then-up, biases likewise; experts in MXFP4
+    (or, mxfp4=False, in float32 as a file whose experts were requantized away from MXFP4)."""
     cfg = model.config
     rope = cfg.rope_parameters
     w = converter_writer(path, "gpt-oss", cfg)
@@ -68,7 +73,7 @@ def write_gpt_oss_gguf(path: Path, model, fused: bool, drop: str = "") -> None:
 
     tensors = mapped(model.state_dict(), gguf.MODEL_ARCH.GPT_OSS, cfg.num_hidden_layers, special)
     tensors.pop(drop, None)
-    quant = {n: Q.MXFP4 for n in tensors if "_exps.weight" in n}
+    quant = {n: Q.MXFP4 for n in tensors if "_exps.weight" in n and mxfp4}
     quant["blk.1.attn_q.weight"] = Q.Q8_0
     finish(w, tensors, quant)
 
@@ -88,24 +93,50 @@ def gpt_oss(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpt-oss-gguf")
     model.save_pretrained(root / "hf")
     files = {}
-    for fused in (False, True):
-        files[fused] = root / f"gpt-oss-{'fused' if fused else 'split'}.gguf"
-        write_gpt_oss_gguf(files[fused], model, fused)
+    for fused, mxfp4 in LAYOUTS:
+        files[fused, mxfp4] = (
+            root / f"gpt-oss-{'fused' if fused else 'split'}-{'mxfp4' if mxfp4 else 'f32'}.gguf"
+        )
+        write_gpt_oss_gguf(files[fused, mxfp4], model, fused, mxfp4=mxfp4)
     return model, root / "hf", files
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_gpt_oss_gguf_token_exact(gpt_oss, fused):
+LAYOUTS = [(False, True), (True, True), (False, False)]  # (fused gate/up, MXFP4 experts)
+
+
+@pytest.mark.parametrize("fused,mxfp4", LAYOUTS)
+def test_gpt_oss_gguf_token_exact(gpt_oss, fused, mxfp4):
+    """MXFP4 experts stay packed (the published checkpoints' form: uint8 blocks in the model), others
+    are dequantized; either way the tokens are transformers'."""
     model, folder, files = gpt_oss
-    info = read_gguf(str(files[fused]))
+    info = read_gguf(str(files[fused, mxfp4]))
     assert info.hf_architecture == "GptOssForCausalLM"
-    assert info.arch == resolve_source(str(folder)).arch
+    assert info.arch.experts_mxfp4 is mxfp4
+    assert dataclasses.replace(info.arch, experts_mxfp4=False) == resolve_source(str(folder)).arch
     assert info.arch.layer_types == ("sliding_attention", "full_attention", "sliding_attention")
     assert dict(info.arch.rope_scaling or ())["truncate"] is False
     prompts = _prompts(model.config.vocab_size)
     expected = [_hf_greedy(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) > 1
-    assert _engine_tokens(files[fused], prompts, kv_cache_memory_bytes=16 << 20) == expected
+    llm = LLM(
+        str(files[fused, mxfp4]), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=16 << 20
+    )
+    experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, Experts))  # type: ignore[attr-defined]
+    assert (experts.gate_up_proj.dtype == torch.uint8) is mxfp4
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_ggml_mxfp4_repacks_to_the_checkpoint_layout():
+    """ggml's MXFP4 bytes -> the OCP checkpoint's blocks and scales: the same values as both
+    dequantizers give (gguf's and quant/mxfp4.py's)."""
+    a = np.random.default_rng(0).standard_normal((3, 5, 64)).astype(np.float32) * 3
+    raw = gguf.quants.quantize(a, Q.MXFP4)  # [3, 5, 2 * 17]
+    blocks, scales = mxfp4_to_checkpoint(raw)
+    assert blocks.shape == (3, 5, 2, 16) and scales.shape == (3, 5, 2)
+    ours = dequantize_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales), torch.float32)
+    np.testing.assert_array_equal(ours.numpy(), gguf.quants.dequantize(raw, Q.MXFP4))
 
 
 def test_gpt_oss_gguf_lonely_expert_bias_is_refused(gpt_oss, tmp_path):

@@ -217,7 +217,9 @@ def read_gguf(path: str) -> GGUFInfo:
     if name in CONFIG_FAMILIES:
         from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
 
-        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0], _llama3_config(f, name))
+        experts = [t.ggml_type for t in f.tensors.values() if re.search(r"\.ffn_\w+_exps\.weight$", t.name)]
+        mxfp4 = bool(experts) and all(t == GGMLQuantizationType.MXFP4 for t in experts)
+        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0], _llama3_config(f, name), mxfp4)
         return _info(md, arch_from_hf_config(cfg), cfg["architectures"][0])
 
     def get(key: str, default: Any = None) -> Any:
@@ -640,7 +642,7 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
     info = read_gguf(path)
     f = read_gguf_file(path)
     if f.metadata["general.architecture"] in CONFIG_FAMILIES:
-        yield from _config_family_weights(f)
+        yield from _config_family_weights(f, info.arch)
         return
     permute = f.metadata.get("general.architecture") in _PERMUTED
     gemma = info.arch.architecture in _GEMMA
@@ -670,9 +672,10 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         del data  # the mapping cannot close while a numpy view of it is alive
 
 
-def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
+def _config_family_weights(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
     """The weights of a gguf_families.CONFIG_FAMILIES file under HF names (no row permutation)."""
     names = LAYER_NAMES[f.metadata["general.architecture"]]
+    packed = arch.experts_mxfp4  # gpt-oss's MXFP4 experts stay packed (gguf_families.hf_config)
     globals_ = {**_GLOBAL_NAMES, **GLOBAL_NAMES.get(f.metadata["general.architecture"], {})}
     experts = ExpertStacks()
     latent = LatentPairs()
@@ -680,7 +683,17 @@ def _config_family_weights(f: GGUFFile) -> Iterator[tuple[str, torch.Tensor]]:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
             m = _LAYER_RE.fullmatch(t.name)
-            if m and ExpertStacks.handles(m.group(2)):
+            if (
+                m
+                and packed
+                and ExpertStacks.handles(m.group(2))
+                and t.ggml_type == GGMLQuantizationType.MXFP4
+            ):
+                # (the bytes' view is not kept: the mapping cannot close while one is alive)
+                pairs = experts.packed(
+                    m.group(1), m.group(2), data[t.offset : t.offset + t.nbytes].reshape(*t.shape[:-1], -1)
+                )
+            elif m and ExpertStacks.handles(m.group(2)):
                 pairs = experts.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
             elif m and LatentPairs.handles(m.group(2)):
                 pairs = latent.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))

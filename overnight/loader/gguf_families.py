@@ -69,11 +69,19 @@ _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is sof
 
 
 def hf_config(
-    md: dict[str, Any], tensors: Collection[str], path: str, vocab: int, llama3: dict[str, Any] | None = None
+    md: dict[str, Any],
+    tensors: Collection[str],
+    path: str,
+    vocab: int,
+    llama3: dict[str, Any] | None = None,
+    mxfp4_experts: bool = False,
 ) -> dict[str, Any]:
     """The config.json dict of a `CONFIG_FAMILIES` file. `vocab` is the embedding's row count (the
     converter pads the token list to it); `tensors` the file's tensor names; `llama3` the Llama 3 RoPE
-    scaling recovered from a rope_freqs tensor (gguf.py), if any."""
+    scaling recovered from a rope_freqs tensor (gguf.py), if any. `mxfp4_experts`: every expert weight
+    of the file is MXFP4, which gpt-oss then keeps packed as its published checkpoints are (the
+    config says quant_method mxfp4; gguf_tensors.mxfp4_to_checkpoint repacks the blocks); a file
+    whose experts were requantized to other types is dequantized instead."""
     name = md["general.architecture"]
 
     def get(key: str, default: Any = None) -> Any:
@@ -186,6 +194,8 @@ def hf_config(
             sliding_window=int(get("attention.sliding_window")),
             attention_bias="blk.0.attn_q.bias" in tensors,
         )
+        if mxfp4_experts:
+            cfg["quantization_config"] = {"quant_method": "mxfp4"}
     else:  # qwen2moe; llama.cpp renormalizes the top-k weights only where the file asks
         cfg.update(
             num_experts=experts,

@@ -139,6 +139,7 @@ class ExpertStacks:
 
     def __init__(self) -> None:
         self._half_biases: dict[str, dict[str, np.ndarray]] = {}  # layer prefix -> {"gate"|"up": [E, I]}
+        self._half_packed: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}  # -> (blocks, scales)
 
     @classmethod
     def handles(cls, suffix: str) -> bool:
@@ -168,10 +169,55 @@ class ExpertStacks:
         del self._half_biases[prefix]
         return [(f"{prefix}.gate_up_bias", np.concatenate([halves["gate"], halves["up"]], axis=1))]
 
+    def packed(self, layer: str, suffix: str, raw: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        """gpt-oss's MXFP4 expert weights kept packed: ggml's blocks -> the published checkpoint's
+        <proj>_blocks [E, out, in/32, 16] and <proj>_scales [E, out, in/32] (gate and up rows
+        interleaved, gate first, as models/gpt_oss.py takes them). `raw` is the tensor's bytes as
+        [E, out, in/32 * 17]; separate gate and up tensors wait here for each other."""
+        proj = suffix.rpartition(".")[0].removeprefix("ffn_").removesuffix("_exps")
+        prefix = f"model.layers.{layer}.mlp.experts"
+        blocks, scales = mxfp4_to_checkpoint(raw)
+        if proj == "down":
+            return [(f"{prefix}.down_proj_blocks", blocks), (f"{prefix}.down_proj_scales", scales)]
+        if proj == "gate_up":  # gate rows, then up rows
+            gate, up = (np.split(blocks, 2, axis=1), np.split(scales, 2, axis=1))
+            halves = {"gate": (gate[0], up[0]), "up": (gate[1], up[1])}
+        else:
+            pending = self._half_packed.setdefault(prefix, {})
+            pending[proj] = (blocks, scales)
+            if len(pending) < 2:
+                return []
+            halves = self._half_packed.pop(prefix)
+        out = []
+        for i, kind in enumerate(("blocks", "scales")):
+            g, u = halves["gate"][i], halves["up"][i]
+            both = np.empty((g.shape[0], 2 * g.shape[1], *g.shape[2:]), dtype=np.uint8)
+            both[:, 0::2], both[:, 1::2] = g, u
+            out.append((f"{prefix}.gate_up_proj_{kind}", both))
+        return out
+
     def check_done(self, path: str) -> None:
         if self._half_biases:
             lonely = sorted(f"{p}: {', '.join(h)} bias only" for p, h in self._half_biases.items())
             raise ModelLoadError(f"{path}: expert gate and up biases come in pairs ({'; '.join(lonely)})")
+        if self._half_packed:
+            lonely = sorted(f"{p}: {', '.join(h)} only" for p, h in self._half_packed.items())
+            raise ModelLoadError(f"{path}: expert gate and up weights come in pairs ({'; '.join(lonely)})")
+
+
+def mxfp4_to_checkpoint(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 rows [..., G * 17] -> (blocks [..., G, 16], scales [..., G]) in the OCP checkpoints'
+    layout. Both store 32 e2m1 codes and one e8m0 scale a block, with the same code and scale meaning;
+    ggml puts the scale byte first and codes 0..15 in the low nibbles, 16..31 in the high ones, the
+    checkpoints codes 2j and 2j+1 in byte j's low and high nibble:
+
+        ggml   [e | q0+q16<<4 | q1+q17<<4 | ... | q15+q31<<4]
+        HF     scales[g] = e,  blocks[g] = [q0+q1<<4 | q2+q3<<4 | ... | q30+q31<<4]
+    """
+    blocks = raw.reshape(*raw.shape[:-1], -1, 17)
+    qs = blocks[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # [..., G, 32] in element order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), np.ascontiguousarray(blocks[..., 0])
 
 
 class LatentPairs:
