@@ -295,3 +295,57 @@ def test_lfm2_gguf_token_exact(tmp_path):
     assert info.hf_architecture == "Lfm2ForCausalLM"
     assert info.arch == resolve_source(str(tmp_path / "hf")).arch
     check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))
+
+
+def test_lfm2_moe_gguf_token_exact(tmp_path):
+    """LFM2-MoE as convert_hf_to_gguf.py's LFM2MoeModel writes it: LFM2's layout, the leading dense
+    layer count, the experts stacked, the router's bias as exp_probs_b.bias."""
+    import transformers
+
+    cfg = transformers.Lfm2MoeConfig(
+        vocab_size=211, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention", "conv", "full_attention"],
+        num_dense_layers=1, num_experts=8, num_experts_per_tok=2, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Lfm2MoeForCausalLM(cfg).eval()
+    _spread_weights(model, 0)
+    with torch.no_grad():
+        for name, buffer in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("expert_bias"):  # transformers starts it at zeros
+                buffer.copy_(0.3 * torch.randn(buffer.shape))
+    quantize_in_place(model.model.layers[2].feed_forward.experts.down_proj, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "lfm2moe.gguf"
+    counts = [cfg.num_key_value_heads if t != "conv" else 0 for t in cfg.layer_types]
+    w = converter_writer(path, "lfm2moe", SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": counts}))
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_leading_dense_block_count(cfg.num_dense_layers)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_shortconv_l_cache(cfg.conv_L_cache)
+    w.add_layer_norm_rms_eps(cfg.norm_eps)
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        blk = f"blk.{name.split('.')[2]}" if name.startswith("model.layers.") else ""
+        if name.endswith("conv.conv.weight"):
+            return {f"{blk}.shortconv.conv.weight": a.squeeze(1)}
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = np.split(a, 2, axis=1)
+            return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        if name.endswith("experts.down_proj"):
+            return {f"{blk}.ffn_down_exps.weight": a}
+        if name.endswith("feed_forward.expert_bias"):
+            return {f"{blk}.exp_probs_b.bias": a}
+        return None
+
+    sd = dict(model.state_dict())
+    sd.pop("lm_head.weight")  # tied
+    tensors = mapped(sd, gguf.MODEL_ARCH.LFM2MOE, cfg.num_hidden_layers, special)
+    finish(w, tensors, {"blk.2.ffn_down_exps.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "Lfm2MoeForCausalLM"
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))

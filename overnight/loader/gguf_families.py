@@ -1,5 +1,6 @@
 """GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
-DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2):
+DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2 /
+LFM2-MoE):
 the file's metadata written back as the config.json dict models/registry.arch_from_hf_config reads, so
 their ModelArch has one source of truth. Their tensors, as llama.cpp's converter names them (gguf-py's
 tensor map and convert_hf_to_gguf.py), go back to HF checkpoint names in gguf_tensors.py.
@@ -51,6 +52,7 @@ CONFIG_FAMILIES = {
     "command-r": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
+    "lfm2moe": "Lfm2MoeForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -64,6 +66,7 @@ _MODEL_TYPES = {
     "command-r": "cohere",
     "cohere2": "cohere2",
     "lfm2": "lfm2",
+    "lfm2moe": "lfm2_moe",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -95,7 +98,7 @@ def hf_config(
     if name == "deepseek2":  # newer files state MLA's latent as one KV head; the checkpoint's are per head
         kv_heads = heads
     lfm2_kinds = None
-    if name == "lfm2":  # per layer: 0 KV heads marks a short-conv layer
+    if name in ("lfm2", "lfm2moe"):  # per layer: 0 KV heads marks a short-conv layer
         counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * int(get("block_count"))
         lfm2_kinds = ["full_attention" if c else "conv" for c in counts]
         kv_heads = [c for c in counts if c] or [heads]
@@ -157,7 +160,20 @@ def hf_config(
             )
         if name == "cohere2":  # llama.cpp's fixed rule: every 4th layer full (and without RoPE)
             cfg.update(sliding_window=int(get("attention.sliding_window")), sliding_window_pattern=4)
-    if name == "lfm2":  # the file's feed_forward_length is the width already adjusted
+    if name == "lfm2moe":  # llama.cpp's fixed routing: sigmoid plus the expert bias, renormalized
+        if not any(t.endswith("exp_probs_b.bias") for t in tensors):
+            raise ModelLoadError(
+                f"{path}: LFM2-MoE files without an expert bias (exp_probs_b) are not supported"
+            )
+        cfg.update(
+            num_experts=int(get("expert_count")),
+            num_experts_per_tok=int(get("expert_used_count")),
+            moe_intermediate_size=int(get("expert_feed_forward_length")),
+            num_dense_layers=int(md.get(f"{name}.leading_dense_block_count") or 0),
+            use_expert_bias=True,
+            norm_topk_prob=True,
+        )
+    if name in ("lfm2", "lfm2moe"):  # the file's feed_forward_length is the width already adjusted
         ff = int(get("feed_forward_length"))
         cfg.update(
             layer_types=lfm2_kinds,
@@ -167,7 +183,7 @@ def hf_config(
             block_ff_dim=ff,
             block_auto_adjust_ff_dim=False,
         )
-    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2", "lfm2"):
+    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2", "lfm2", "lfm2moe"):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg

@@ -123,8 +123,14 @@ LAYER_NAMES = {
 }
 
 
+LAYER_NAMES["lfm2moe"] = {  # LFM2's, and the router with its bias (the leading layers keep LFM2's MLP)
+    **LAYER_NAMES["lfm2"],
+    "ffn_gate_inp.weight": "feed_forward.gate.weight",
+    "exp_probs_b.bias": "feed_forward.expert_bias",
+}
 # Whole-model tensors named apart from gguf.py's _GLOBAL_NAMES: LFM2's final norm sits by the embedding.
-GLOBAL_NAMES = {"lfm2": {"token_embd_norm.weight": "model.embedding_norm.weight"}}
+_LFM2_GLOBALS = {"token_embd_norm.weight": "model.embedding_norm.weight"}
+GLOBAL_NAMES = {"lfm2": _LFM2_GLOBALS, "lfm2moe": _LFM2_GLOBALS}
 
 
 class ExpertStacks:
