@@ -118,14 +118,20 @@ def test_gpt_oss_gguf_token_exact(gpt_oss, fused, mxfp4):
     prompts = _prompts(model.config.vocab_size)
     expected = [_hf_greedy(model, p) for p in prompts]
     assert len({tuple(e) for e in expected}) > 1
-    llm = LLM(
-        str(files[fused, mxfp4]), skip_tokenizer_init=True, dtype="float32", kv_cache_memory_bytes=16 << 20
-    )
-    experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, Experts))  # type: ignore[attr-defined]
-    assert (experts.gate_up_proj.dtype == torch.uint8) is mxfp4
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == expected
+    # packed, and (MXFP4 files) dequantized at load as mxfp4_experts dense does on a GPU with room
+    for form in ("auto", "dense") if mxfp4 else ("auto",):
+        llm = LLM(
+            str(files[fused, mxfp4]),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            kv_cache_memory_bytes=16 << 20,
+            mxfp4_experts=form,
+        )
+        experts = next(m for m in llm.engine.runner.model.modules() if isinstance(m, Experts))  # type: ignore[attr-defined]
+        assert (experts.gate_up_proj.dtype == torch.uint8) is (mxfp4 and form == "auto")
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected, form
 
 
 def test_ggml_mxfp4_repacks_to_the_checkpoint_layout():

@@ -1,6 +1,5 @@
 """GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
-DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2 /
-LFM2-MoE):
+DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2, LFM2-MoE):
 the file's metadata written back as the config.json dict models/registry.arch_from_hf_config reads, so
 their ModelArch has one source of truth. Their tensors, as llama.cpp's converter names them (gguf-py's
 tensor map and convert_hf_to_gguf.py), go back to HF checkpoint names in gguf_tensors.py.
