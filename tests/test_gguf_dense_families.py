@@ -349,3 +349,90 @@ def test_lfm2_moe_gguf_token_exact(tmp_path):
     assert info.hf_architecture == "Lfm2MoeForCausalLM"
     assert info.arch == resolve_source(str(tmp_path / "hf")).arch
     check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))
+
+
+# -------------------------------------------------------------------------------------- Granite 4.0-H
+
+
+@pytest.mark.parametrize("variant", ["dense", "moe"])
+def test_granite_hybrid_gguf_token_exact(tmp_path, variant):
+    """Granite 4.0-H as convert_hf_to_gguf.py's GraniteHybridModel writes it: Mamba2 layers with A as
+    -exp(A_log) and A, D, the gated norm reshaped, the conv kernel squeezed; q/k rows permuted as for
+    llama; the shared MLP (and the experts') gate / up split; Granite's multipliers; a KV head count
+    per layer (0 for Mamba2 layers); no RoPE (the converter's rule for hybrids)."""
+    from tests.test_gguf import converter_permute
+    from tests.tiny_granite import make_granite_model
+
+    model = make_granite_model(variant, position_embedding_type="nope")
+    cfg = model.config
+    quantize_in_place(model.model.layers[0].mamba.out_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / f"granite-{variant}.gguf"
+    attn = [t == "full_attention" for t in cfg.layer_types]
+    counts = [cfg.num_key_value_heads if a else 0 for a in attn]
+    w = converter_writer(
+        path, "granitehybrid", SimpleNamespace(**{**cfg.to_dict(), "num_key_value_heads": counts})
+    )
+    w.add_float32("granitehybrid.attention.scale", cfg.attention_multiplier)
+    w.add_float32("granitehybrid.embedding_scale", cfg.embedding_multiplier)
+    w.add_float32("granitehybrid.residual_scale", cfg.residual_multiplier)
+    w.add_float32("granitehybrid.logit_scale", cfg.logits_scaling)
+    w.add_expert_shared_feed_forward_length(cfg.shared_intermediate_size)
+    inner = cfg.mamba_expand * cfg.hidden_size
+    w.add_ssm_conv_kernel(cfg.mamba_d_conv)
+    w.add_ssm_state_size(cfg.mamba_d_state)
+    w.add_ssm_group_count(cfg.mamba_n_groups)
+    w.add_ssm_inner_size(inner)
+    w.add_ssm_time_step_rank(cfg.mamba_n_heads)
+    w.add_rope_scaling_finetuned(False)
+    moe = bool(cfg.num_local_experts)
+
+    def special(name: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
+        if not name.startswith("model.layers."):
+            return None
+        _, _, layer, rest = name.split(".", 3)
+        blk = f"blk.{layer}"
+        if rest == "self_attn.q_proj.weight":
+            return {f"{blk}.attn_q.weight": converter_permute(a, cfg.num_attention_heads)}
+        if rest == "self_attn.k_proj.weight":
+            return {f"{blk}.attn_k.weight": converter_permute(a, cfg.num_key_value_heads)}
+        if rest == "block_sparse_moe.experts.gate_up_proj":
+            gate, up = np.split(a, 2, axis=1)
+            return {f"{blk}.ffn_gate_exps.weight": gate, f"{blk}.ffn_up_exps.weight": up}
+        if rest == "block_sparse_moe.experts.down_proj":
+            return {f"{blk}.ffn_down_exps.weight": a}
+        if rest == "block_sparse_moe.router.weight":
+            return {f"{blk}.ffn_gate_inp.weight": a}
+        if rest == "shared_mlp.input_linear.weight":
+            gate, up = np.split(a, 2, axis=0)
+            kind = "shexp" if moe else ""
+            return {
+                f"{blk}.ffn_gate{'_' + kind if kind else ''}.weight": gate,
+                f"{blk}.ffn_up{'_' + kind if kind else ''}.weight": up,
+            }
+        if rest == "shared_mlp.output_linear.weight":
+            return {f"{blk}.ffn_down{'_shexp' if moe else ''}.weight": a}
+        mamba = {  # the converter's Mamba2 reshapes, and A = -exp(A_log)
+            "mamba.in_proj.weight": ("ssm_in.weight", lambda: a),
+            "mamba.conv1d.weight": ("ssm_conv1d.weight", lambda: a.squeeze(1)),
+            "mamba.conv1d.bias": ("ssm_conv1d.bias", lambda: a),
+            "mamba.dt_bias": ("ssm_dt.bias", lambda: a),
+            "mamba.A_log": ("ssm_a", lambda: -np.exp(a).reshape(-1, 1)),
+            "mamba.D": ("ssm_d", lambda: a.reshape(-1, 1)),
+            "mamba.norm.weight": ("ssm_norm.weight", lambda: a.reshape(cfg.mamba_n_groups, -1)),
+            "mamba.out_proj.weight": ("ssm_out.weight", lambda: a),
+        }
+        if rest in mamba:
+            new, value = mamba[rest]
+            return {f"{blk}.{new}": value()}
+        return None
+
+    tensors = mapped(dict(model.state_dict()), gguf.MODEL_ARCH.GRANITE_HYBRID, cfg.num_hidden_layers, special)
+    finish(w, tensors, {"blk.0.ssm_out.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "GraniteMoeHybridForCausalLM"
+    hf = resolve_source(str(tmp_path / "hf")).arch
+    assert dataclasses.replace(info.arch, max_position_embeddings=hf.max_position_embeddings) == hf
+    engine = {**ENGINE, "max_model_len": 256}
+    check_tokens(LLM(str(path), **engine), model, waves(cfg.vocab_size))

@@ -35,7 +35,16 @@ from gguf.quants import dequantize
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf_families import CONFIG_FAMILIES, hf_config
-from overnight.loader.gguf_tensors import GLOBAL_NAMES, LAYER_NAMES, ExpertStacks, LatentPairs, reshaped
+from overnight.loader.gguf_tensors import (
+    GLOBAL_NAMES,
+    HALF_PAIRS,
+    LAYER_NAMES,
+    PERMUTED,
+    ExpertStacks,
+    HalfPairs,
+    LatentPairs,
+    reshaped,
+)
 from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
@@ -673,33 +682,35 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _config_family_weights(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """The weights of a gguf_families.CONFIG_FAMILIES file under HF names (no row permutation)."""
-    names = LAYER_NAMES[f.metadata["general.architecture"]]
+    """The weights of a gguf_families.CONFIG_FAMILIES file under HF names."""
+    family = f.metadata["general.architecture"]
+    names = LAYER_NAMES[family]
     packed = arch.experts_mxfp4  # gpt-oss's MXFP4 experts stay packed (gguf_families.hf_config)
-    globals_ = {**_GLOBAL_NAMES, **GLOBAL_NAMES.get(f.metadata["general.architecture"], {})}
-    experts = ExpertStacks()
-    latent = LatentPairs()
+    globals_ = {**_GLOBAL_NAMES, **GLOBAL_NAMES.get(family, {})}
+    experts, latent, halves = ExpertStacks(), LatentPairs(), HalfPairs(HALF_PAIRS.get(family, {}))
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
         for t in f.tensors.values():
             m = _LAYER_RE.fullmatch(t.name)
-            if (
-                m
-                and packed
-                and ExpertStacks.handles(m.group(2))
-                and t.ggml_type == GGMLQuantizationType.MXFP4
-            ):
+            suffix = m.group(2) if m else ""
+            if m and suffix in halves.table:
+                pairs = halves.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and packed and ExpertStacks.handles(suffix) and t.ggml_type == GGMLQuantizationType.MXFP4:
                 # (the bytes' view is not kept: the mapping cannot close while one is alive)
-                pairs = experts.packed(
-                    m.group(1), m.group(2), data[t.offset : t.offset + t.nbytes].reshape(*t.shape[:-1], -1)
-                )
-            elif m and ExpertStacks.handles(m.group(2)):
-                pairs = experts.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
-            elif m and LatentPairs.handles(m.group(2)):
-                pairs = latent.tensors(m.group(1), m.group(2), _weights_of(data, t, f.path))
-            elif m and m.group(2) in names:
-                hf = f"model.layers.{m.group(1)}.{names[m.group(2)]}"
-                pairs = [(hf, reshaped(hf, _weights_of(data, t, f.path)))]
+                raw_bytes = data[t.offset : t.offset + t.nbytes]
+                pairs = experts.packed(m.group(1), suffix, raw_bytes.reshape(*t.shape[:-1], -1))
+                del raw_bytes
+            elif m and ExpertStacks.handles(suffix) and suffix not in names:
+                pairs = experts.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and LatentPairs.handles(suffix):
+                pairs = latent.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and suffix in names:
+                hf = f"model.layers.{m.group(1)}.{names[suffix]}"
+                w = reshaped(hf, _weights_of(data, t, f.path))
+                if family in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = arch.num_attention_heads if "q_proj" in hf else arch.num_key_value_heads
+                    w = _unpermute_rope_rows(w, heads)
+                pairs = [(hf, w)]
             elif t.name in globals_:
                 pairs = [(globals_[t.name], _weights_of(data, t, f.path))]
             elif t.name in _SKIPPED:
@@ -711,3 +722,4 @@ def _config_family_weights(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, 
         del data  # the mapping cannot close while a numpy view of it is alive
     experts.check_done(f.path)
     latent.check_done(f.path)
+    halves.check_done(f.path)

@@ -1,7 +1,7 @@
 """GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
-DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2, LFM2-MoE):
-the file's metadata written back as the config.json dict models/registry.arch_from_hf_config reads, so
-their ModelArch has one source of truth. Their tensors, as llama.cpp's converter names them (gguf-py's
+DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2, LFM2-MoE,
+Granite 4.0-H): the file's metadata written back as the config.json dict that
+models/registry.arch_from_hf_config reads, so their ModelArch has one source of truth. Their tensors, as llama.cpp's converter names them (gguf-py's
 tensor map and convert_hf_to_gguf.py), go back to HF checkpoint names in gguf_tensors.py.
 
 Converter facts these rely on:
@@ -26,6 +26,10 @@ Converter facts these rely on:
     Cohere's interleaved RoPE is llama.cpp's normal mode; the others rotate halves); Cohere 2's windows
     by llama.cpp's fixed rule (every 4th layer full), EXAONE 4's from the per-layer pattern; LFM2's
     conv layers marked by 0 KV heads, its kernel squeezed to [C, L], its final norm token_embd_norm.
+  - granitehybrid: Mamba2 layers marked by 0 KV heads (ssm_* tensors: A stored as -exp(A_log), A and D
+    as [heads, 1], the gated norm as [groups, inner / groups], the conv kernel squeezed), q/k rows
+    permuted as for llama, the shared MLP's and the experts' fused gate/up split in two, RoPE only
+    where rope.scaling.finetuned is set (the converter sets it for Bamba and attention-only models).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ CONFIG_FAMILIES = {
     "cohere2": "Cohere2ForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2moe": "Lfm2MoeForCausalLM",
+    "granitehybrid": "GraniteMoeHybridForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -66,6 +71,7 @@ _MODEL_TYPES = {
     "cohere2": "cohere2",
     "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
+    "granitehybrid": "granitemoehybrid",
 }
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
@@ -97,7 +103,7 @@ def hf_config(
     if name == "deepseek2":  # newer files state MLA's latent as one KV head; the checkpoint's are per head
         kv_heads = heads
     lfm2_kinds = None
-    if name in ("lfm2", "lfm2moe"):  # per layer: 0 KV heads marks a short-conv layer
+    if name in ("lfm2", "lfm2moe", "granitehybrid"):  # per layer: 0 KV heads marks a conv / Mamba2 layer
         counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * int(get("block_count"))
         lfm2_kinds = ["full_attention" if c else "conv" for c in counts]
         kv_heads = [c for c in counts if c] or [heads]
@@ -159,6 +165,8 @@ def hf_config(
             )
         if name == "cohere2":  # llama.cpp's fixed rule: every 4th layer full (and without RoPE)
             cfg.update(sliding_window=int(get("attention.sliding_window")), sliding_window_pattern=4)
+    if name == "granitehybrid":
+        cfg.update(_granite_hybrid_config(md, tensors, path, lfm2_kinds or [], hidden))
     if name == "lfm2moe":  # llama.cpp's fixed routing: sigmoid plus the expert bias, renormalized
         if not any(t.endswith("exp_probs_b.bias") for t in tensors):
             raise ModelLoadError(
@@ -182,7 +190,17 @@ def hf_config(
             block_ff_dim=ff,
             block_auto_adjust_ff_dim=False,
         )
-    if name in ("seed_oss", "ernie4_5", "ernie4_5-moe", "exaone4", "command-r", "cohere2", "lfm2", "lfm2moe"):
+    if name in (
+        "seed_oss",
+        "ernie4_5",
+        "ernie4_5-moe",
+        "exaone4",
+        "command-r",
+        "cohere2",
+        "lfm2",
+        "lfm2moe",
+        "granitehybrid",
+    ):
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
@@ -269,6 +287,48 @@ def _deepseek_config(md: dict[str, Any], path: str, experts: int) -> dict[str, A
         )
     else:
         cfg["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    return cfg
+
+
+def _granite_hybrid_config(
+    md: dict[str, Any], tensors: Collection[str], path: str, kinds: list[str], hidden: int
+) -> dict[str, Any]:
+    """Granite 4.0-H (granitehybrid files): Mamba2 layers where the KV head count is 0; Granite's
+    multipliers; the experts of feed_forward_length and the shared MLP of
+    expert_shared_feed_forward_length; RoPE only where rope.scaling.finetuned says (the converter's
+    flag for it; Granite 4.0-H has none)."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"granitehybrid.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks granitehybrid.{key}")
+        return value
+
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    experts = int(md.get("granitehybrid.expert_count") or 0)
+    cfg: dict[str, Any] = dict(
+        layer_types=["attention" if k == "full_attention" else "mamba" for k in kinds],
+        position_embedding_type="rope" if md.get("granitehybrid.rope.scaling.finetuned") else "nope",
+        mamba_n_heads=heads,
+        mamba_d_head=inner // heads,
+        mamba_n_groups=int(get("ssm.group_count")),
+        mamba_d_state=int(get("ssm.state_size")),
+        mamba_d_conv=int(get("ssm.conv_kernel")),
+        mamba_expand=inner // hidden,
+        mamba_conv_bias=any(t.endswith("ssm_conv1d.bias") for t in tensors),
+        mamba_proj_bias=any(t.endswith("ssm_in.bias") for t in tensors),
+        attention_multiplier=_f32(get("attention.scale", 1.0)),
+        embedding_multiplier=_f32(get("embedding_scale", 1.0)),
+        residual_multiplier=_f32(get("residual_scale", 1.0)),
+        logits_scaling=_f32(get("logit_scale", 1.0)),
+        intermediate_size=int(get("feed_forward_length")),
+        shared_intermediate_size=int(get("expert_shared_feed_forward_length", get("feed_forward_length"))),
+        num_local_experts=experts,
+    )
+    if inner % hidden or inner % heads:
+        raise ModelLoadError(f"{path}: ssm.inner_size {inner} must be a multiple of the width and the heads")
+    if experts:
+        cfg["num_experts_per_tok"] = int(get("expert_used_count"))
     return cfg
 
 

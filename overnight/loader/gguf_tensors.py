@@ -128,6 +128,44 @@ LAYER_NAMES["lfm2moe"] = {  # LFM2's, and the router with its bias (the leading 
     "ffn_gate_inp.weight": "feed_forward.gate.weight",
     "exp_probs_b.bias": "feed_forward.expert_bias",
 }
+# Granite 4.0-H: the checkpoint's names (models/granite_hybrid.py renames them as they load); the
+# converter permutes q/k rows as for llama (PERMUTED), turns A_log into A = -exp(A_log) and reshapes A,
+# D and the gated norm (`reshaped` undoes both).
+LAYER_NAMES["granitehybrid"] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate_inp.weight": "block_sparse_moe.router.weight",
+    "ffn_down_exps.weight": "block_sparse_moe.experts.down_proj",
+    "ffn_down_shexp.weight": "shared_mlp.output_linear.weight",
+    "ffn_down.weight": "shared_mlp.output_linear.weight",  # a model without experts
+    "ssm_in.weight": "mamba.in_proj.weight",
+    "ssm_in.bias": "mamba.in_proj.bias",
+    "ssm_conv1d.weight": "mamba.conv1d.weight",
+    "ssm_conv1d.bias": "mamba.conv1d.bias",
+    "ssm_dt.bias": "mamba.dt_bias",
+    "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D",
+    "ssm_norm.weight": "mamba.norm.weight",
+    "ssm_out.weight": "mamba.out_proj.weight",
+    "ssm_out.bias": "mamba.out_proj.bias",
+}
+PERMUTED = ("granitehybrid",)  # q/k rows in llama.cpp's interleaved-RoPE order
+# Tensors the checkpoint holds fused that the converter split in two: GGUF suffix -> (HF name, which
+# half, axis); the first half waits for the second (HalfPairs).
+HALF_PAIRS = {
+    "granitehybrid": {
+        "ffn_gate_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 0, 1),
+        "ffn_up_exps.weight": ("block_sparse_moe.experts.gate_up_proj", 1, 1),
+        "ffn_gate_shexp.weight": ("shared_mlp.input_linear.weight", 0, 0),
+        "ffn_up_shexp.weight": ("shared_mlp.input_linear.weight", 1, 0),
+        "ffn_gate.weight": ("shared_mlp.input_linear.weight", 0, 0),
+        "ffn_up.weight": ("shared_mlp.input_linear.weight", 1, 0),
+    }
+}
 # Whole-model tensors named apart from gguf.py's _GLOBAL_NAMES: LFM2's final norm sits by the embedding.
 _LFM2_GLOBALS = {"token_embd_norm.weight": "model.embedding_norm.weight"}
 GLOBAL_NAMES = {"lfm2": _LFM2_GLOBALS, "lfm2moe": _LFM2_GLOBALS}
@@ -226,6 +264,30 @@ def mxfp4_to_checkpoint(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes[..., 0::2] | (codes[..., 1::2] << 4), np.ascontiguousarray(blocks[..., 0])
 
 
+class HalfPairs:
+    """HALF_PAIRS' tensors put back together: gate then up, along the pair's axis."""
+
+    def __init__(self, table: dict[str, tuple[str, int, int]]) -> None:
+        self.table = table
+        self._halves: dict[str, dict[int, np.ndarray]] = {}
+
+    def tensors(self, layer: str, suffix: str, w: np.ndarray) -> list[tuple[str, np.ndarray]]:
+        target, half, axis = self.table[suffix]
+        name = f"model.layers.{layer}.{target}"
+        halves = self._halves.setdefault(name, {})
+        halves[half] = w
+        if len(halves) < 2:
+            return []
+        del self._halves[name]
+        return [(name, np.concatenate([halves[0], halves[1]], axis=axis))]
+
+    def check_done(self, path: str) -> None:
+        if self._halves:
+            raise ModelLoadError(
+                f"{path}: gate and up tensors come in pairs ({', '.join(sorted(self._halves))} lack one)"
+            )
+
+
 class LatentPairs:
     """DeepSeek's kv_b_proj from newer converters' split form: attn_k_b [H, kv_lora_rank, nope] (each
     head's key rows, transposed) and attn_v_b [H, v_head_dim, kv_lora_rank]; the checkpoint's kv_b_proj
@@ -267,6 +329,10 @@ def reshaped(hf: str, w: np.ndarray) -> np.ndarray:
     4.5's correction bias [1, E]; LFM2's conv kernel [C, 1, L]."""
     if hf.endswith(("shared_expert_gate.weight", "moe_statics.e_score_correction_bias")) and w.ndim == 1:
         return w[None, :]
-    if hf.endswith("conv.conv.weight") and w.ndim == 2:  # LFM2's depthwise kernel: [C, 1, L]
+    if hf.endswith(("conv.conv.weight", "conv1d.weight")) and w.ndim == 2:  # depthwise kernels: [C, 1, L]
         return w[:, None, :]
+    if hf.endswith("mamba.A_log"):  # the file holds A = -exp(A_log), [heads, 1]
+        return np.log(-w.astype(np.float64)).astype(np.float32).reshape(-1)
+    if hf.endswith(("mamba.D", "mamba.norm.weight")):  # [heads, 1]; [groups, inner / groups]
+        return w.reshape(-1)
     return w
