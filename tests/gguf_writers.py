@@ -44,7 +44,8 @@ def converter_writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta") is not None:  # as the base converter
+        w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     if getattr(cfg, "rms_norm_eps", None) is not None:
         w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)

@@ -436,3 +436,67 @@ def test_granite_hybrid_gguf_token_exact(tmp_path, variant):
     assert dataclasses.replace(info.arch, max_position_embeddings=hf.max_position_embeddings) == hf
     engine = {**ENGINE, "max_model_len": 256}
     check_tokens(LLM(str(path), **engine), model, waves(cfg.vocab_size))
+
+
+def test_nemotron_h_gguf_token_exact(tmp_path):
+    """Nemotron-H as the converter writes it (Granite 4.0-H's converter underneath): the block pattern
+    only in the per-layer KV head counts and feed-forward widths, the Mamba2 forms, q/k permuted."""
+    from tests.test_gguf import converter_permute
+    from tests.tiny_nemotron_h import make_nemotron_h_model
+
+    model = make_nemotron_h_model()
+    cfg = model.config
+    quantize_in_place(model.model.layers[1].mixer.in_proj.weight, Q.Q8_0, transposed=False)
+    model.save_pretrained(tmp_path / "hf")
+    path = tmp_path / "nemotron-h.gguf"
+    pattern = cfg.hybrid_override_pattern
+    n = len(pattern)
+    fields = {**cfg.to_dict(), "num_hidden_layers": n, "intermediate_size": 0}
+    fields["num_key_value_heads"] = [cfg.num_key_value_heads if c == "*" else 0 for c in pattern]
+    w = converter_writer(path, "nemotron_h", SimpleNamespace(**fields))
+    w.add_feed_forward_length([cfg.intermediate_size if c == "-" else 0 for c in pattern])
+    w.add_layer_norm_rms_eps(cfg.layer_norm_epsilon)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_ssm_conv_kernel(cfg.conv_kernel)
+    w.add_ssm_state_size(cfg.ssm_state_size)
+    w.add_ssm_group_count(cfg.n_groups)
+    w.add_ssm_inner_size(cfg.mamba_num_heads * cfg.mamba_head_dim)
+    w.add_ssm_time_step_rank(cfg.mamba_num_heads)
+    w.add_rope_scaling_finetuned(False)
+    gguf_names = {
+        "norm.weight": "attn_norm.weight", "mixer.q_proj.weight": "attn_q.weight",
+        "mixer.k_proj.weight": "attn_k.weight", "mixer.v_proj.weight": "attn_v.weight",
+        "mixer.o_proj.weight": "attn_output.weight", "mixer.up_proj.weight": "ffn_up.weight",
+        "mixer.down_proj.weight": "ffn_down.weight", "mixer.in_proj.weight": "ssm_in.weight",
+        "mixer.conv1d.weight": "ssm_conv1d.weight", "mixer.conv1d.bias": "ssm_conv1d.bias",
+        "mixer.dt_bias": "ssm_dt.bias", "mixer.A_log": "ssm_a", "mixer.D": "ssm_d",
+        "mixer.norm.weight": "ssm_norm.weight", "mixer.out_proj.weight": "ssm_out.weight",
+    }  # fmt: skip
+    tensors = {}
+    for name, t in model.state_dict().items():
+        a = t.numpy().astype(np.float32)
+        if not name.startswith("model.layers."):
+            glob = {"model.embeddings.weight": "token_embd", "model.norm_f.weight": "output_norm"}
+            tensors[glob.get(name, "output") + ".weight"] = a
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        if rest == "mixer.q_proj.weight":
+            a = converter_permute(a, cfg.num_attention_heads)
+        elif rest == "mixer.k_proj.weight":
+            a = converter_permute(a, cfg.num_key_value_heads)
+        elif rest == "mixer.conv1d.weight":
+            a = a.squeeze(1)
+        elif rest == "mixer.A_log":
+            a = -np.exp(a).reshape(-1, 1)
+        elif rest == "mixer.D":
+            a = a.reshape(-1, 1)
+        elif rest == "mixer.norm.weight":
+            a = a.reshape(cfg.n_groups, -1)
+        tensors[f"blk.{layer}.{gguf_names[rest]}"] = a
+    finish(w, tensors, {"blk.1.ssm_in.weight": Q.Q8_0})
+
+    info = read_gguf(str(path))
+    assert info.hf_architecture == "NemotronHForCausalLM"
+    assert info.arch == resolve_source(str(tmp_path / "hf")).arch
+    check_tokens(LLM(str(path), **ENGINE), model, waves(cfg.vocab_size))

@@ -1,6 +1,6 @@
 """GGUF files of the families read through their config.json reader (gpt-oss, Qwen1.5-MoE / Qwen2-MoE,
 DeepSeek-V2 / V3 / Kimi, OLMoE, Seed-OSS, ERNIE 4.5, EXAONE 4.0, Command R / Cohere 2, LFM2, LFM2-MoE,
-Granite 4.0-H): the file's metadata written back as the config.json dict that
+Granite 4.0-H, Nemotron-H): the file's metadata written back as the config.json dict that
 models/registry.arch_from_hf_config reads, so their ModelArch has one source of truth. Their tensors, as llama.cpp's converter names them (gguf-py's
 tensor map and convert_hf_to_gguf.py), go back to HF checkpoint names in gguf_tensors.py.
 
@@ -29,7 +29,9 @@ Converter facts these rely on:
   - granitehybrid: Mamba2 layers marked by 0 KV heads (ssm_* tensors: A stored as -exp(A_log), A and D
     as [heads, 1], the gated norm as [groups, inner / groups], the conv kernel squeezed), q/k rows
     permuted as for llama, the shared MLP's and the experts' fused gate/up split in two, RoPE only
-    where rope.scaling.finetuned is set (the converter sets it for Bamba and attention-only models).
+    where rope.scaling.finetuned is set (the converter sets it for Bamba and attention-only models);
+    nemotron_h goes through the same converter, its block pattern only in the per-layer KV head
+    counts and feed-forward widths (the MoE nemotron_h_moe files are not supported).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ CONFIG_FAMILIES = {
     "lfm2": "Lfm2ForCausalLM",
     "lfm2moe": "Lfm2MoeForCausalLM",
     "granitehybrid": "GraniteMoeHybridForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 _MODEL_TYPES = {
     "gpt-oss": "gpt_oss",
@@ -72,7 +75,10 @@ _MODEL_TYPES = {
     "lfm2": "lfm2",
     "lfm2moe": "lfm2_moe",
     "granitehybrid": "granitemoehybrid",
+    "nemotron_h": "nemotron_h",
 }
+# The families whose routed experts take the shared metadata keys below (expert_count, expert_used_count)
+_ROUTED = ("gpt-oss", "qwen2moe", "deepseek2", "olmoe")
 _SIGMOID = 2  # gguf.ExpertGatingFuncType.SIGMOID; a file without the key is softmax (llama.cpp's rule)
 
 
@@ -103,7 +109,7 @@ def hf_config(
     if name == "deepseek2":  # newer files state MLA's latent as one KV head; the checkpoint's are per head
         kv_heads = heads
     lfm2_kinds = None
-    if name in ("lfm2", "lfm2moe", "granitehybrid"):  # per layer: 0 KV heads marks a conv / Mamba2 layer
+    if name in ("lfm2", "lfm2moe", "granitehybrid", "nemotron_h"):  # per layer: 0 KV heads, no attention
         counts = kv_heads if isinstance(kv_heads, list) else [kv_heads] * int(get("block_count"))
         lfm2_kinds = ["full_attention" if c else "conv" for c in counts]
         kv_heads = [c for c in counts if c] or [heads]
@@ -167,6 +173,8 @@ def hf_config(
             cfg.update(sliding_window=int(get("attention.sliding_window")), sliding_window_pattern=4)
     if name == "granitehybrid":
         cfg.update(_granite_hybrid_config(md, tensors, path, lfm2_kinds or [], hidden))
+    if name == "nemotron_h":
+        cfg.update(_nemotron_h_config(md, tensors, path, lfm2_kinds or []))
     if name == "lfm2moe":  # llama.cpp's fixed routing: sigmoid plus the expert bias, renormalized
         if not any(t.endswith("exp_probs_b.bias") for t in tensors):
             raise ModelLoadError(
@@ -190,17 +198,7 @@ def hf_config(
             block_ff_dim=ff,
             block_auto_adjust_ff_dim=False,
         )
-    if name in (
-        "seed_oss",
-        "ernie4_5",
-        "ernie4_5-moe",
-        "exaone4",
-        "command-r",
-        "cohere2",
-        "lfm2",
-        "lfm2moe",
-        "granitehybrid",
-    ):
+    if name not in _ROUTED:  # the others' configs are complete here
         if scaling is not None:
             cfg["rope_scaling"] = scaling
         return cfg
@@ -330,6 +328,43 @@ def _granite_hybrid_config(
     if experts:
         cfg["num_experts_per_tok"] = int(get("expert_used_count"))
     return cfg
+
+
+def _nemotron_h_config(
+    md: dict[str, Any], tensors: Collection[str], path: str, kinds: list[str]
+) -> dict[str, Any]:
+    """Nemotron-H (nemotron_h files; the MoE nemotron_h_moe ones are refused by name): the block pattern
+    from the per-layer counts (KV heads: attention "*", feed-forward width: MLP "-", neither: Mamba2
+    "M"), the Mamba2 sizes, attention without position encoding."""
+
+    def get(key: str, default: Any = None) -> Any:
+        value = md.get(f"nemotron_h.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks nemotron_h.{key}")
+        return value
+
+    ff = get("feed_forward_length")
+    ff = ff if isinstance(ff, list) else [ff] * len(kinds)
+    widths = {int(w) for w in ff if w}
+    if len(widths) != 1:
+        raise ModelLoadError(f"{path}: MLP widths {sorted(widths)} (one width for every MLP block expected)")
+    inner, heads = int(get("ssm.inner_size")), int(get("ssm.time_step_rank"))
+    pattern = "".join(
+        "*" if k == "full_attention" else "-" if w else "M" for k, w in zip(kinds, ff, strict=True)
+    )
+    return dict(
+        hybrid_override_pattern=pattern,
+        intermediate_size=widths.pop(),
+        mamba_num_heads=heads,
+        mamba_head_dim=inner // heads,
+        n_groups=int(get("ssm.group_count")),
+        ssm_state_size=int(get("ssm.state_size")),
+        conv_kernel=int(get("ssm.conv_kernel")),
+        use_conv_bias=any(t.endswith("ssm_conv1d.bias") for t in tensors),
+        use_bias=any(t.endswith("ssm_in.bias") for t in tensors),
+        layer_norm_epsilon=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        tie_word_embeddings=False,
+    )
 
 
 def _ernie_moe_config(md: dict[str, Any], tensors: Collection[str], path: str, layers: int) -> dict[str, Any]:

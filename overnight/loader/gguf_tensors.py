@@ -153,7 +153,22 @@ LAYER_NAMES["granitehybrid"] = {
     "ssm_out.weight": "mamba.out_proj.weight",
     "ssm_out.bias": "mamba.out_proj.bias",
 }
-PERMUTED = ("granitehybrid",)  # q/k rows in llama.cpp's interleaved-RoPE order
+# Nemotron-H: its converter is Granite 4.0-H's (the same Mamba2 forms and q/k permutation)
+LAYER_NAMES["nemotron_h"] = {
+    "attn_norm.weight": "norm.weight",
+    "attn_q.weight": "mixer.q_proj.weight",
+    "attn_k.weight": "mixer.k_proj.weight",
+    "attn_v.weight": "mixer.v_proj.weight",
+    "attn_output.weight": "mixer.o_proj.weight",
+    "ffn_up.weight": "mixer.up_proj.weight",
+    "ffn_down.weight": "mixer.down_proj.weight",
+    **{
+        k: v.replace("mamba.", "mixer.")
+        for k, v in LAYER_NAMES["granitehybrid"].items()
+        if k.startswith("ssm_")
+    },
+}
+PERMUTED = ("granitehybrid", "nemotron_h")  # q/k rows in llama.cpp's interleaved-RoPE order
 # Tensors the checkpoint holds fused that the converter split in two: GGUF suffix -> (HF name, which
 # half, axis); the first half waits for the second (HalfPairs).
 HALF_PAIRS = {
@@ -168,7 +183,14 @@ HALF_PAIRS = {
 }
 # Whole-model tensors named apart from gguf.py's _GLOBAL_NAMES: LFM2's final norm sits by the embedding.
 _LFM2_GLOBALS = {"token_embd_norm.weight": "model.embedding_norm.weight"}
-GLOBAL_NAMES = {"lfm2": _LFM2_GLOBALS, "lfm2moe": _LFM2_GLOBALS}
+GLOBAL_NAMES = {
+    "lfm2": _LFM2_GLOBALS,
+    "lfm2moe": _LFM2_GLOBALS,
+    "nemotron_h": {
+        "token_embd.weight": "model.embeddings.weight",
+        "output_norm.weight": "model.norm_f.weight",
+    },
+}
 
 
 class ExpertStacks:
@@ -331,8 +353,10 @@ def reshaped(hf: str, w: np.ndarray) -> np.ndarray:
         return w[None, :]
     if hf.endswith(("conv.conv.weight", "conv1d.weight")) and w.ndim == 2:  # depthwise kernels: [C, 1, L]
         return w[:, None, :]
-    if hf.endswith("mamba.A_log"):  # the file holds A = -exp(A_log), [heads, 1]
+    if hf.endswith((".mamba.A_log", ".mixer.A_log")):  # the file holds A = -exp(A_log), [heads, 1]
         return np.log(-w.astype(np.float64)).astype(np.float32).reshape(-1)
-    if hf.endswith(("mamba.D", "mamba.norm.weight")):  # [heads, 1]; [groups, inner / groups]
+    if hf.endswith(
+        ("mamba.D", "mamba.norm.weight", "mixer.D", "mixer.norm.weight")
+    ):  # [H, 1]; [G, inner / G]
         return w.reshape(-1)
     return w
