@@ -1,5 +1,6 @@
 """GGUF checkpoints: the architecture, stop ids and chat template from the metadata, and the weights as
-HF-named float32 tensors.
+HF-named float32 tensors (gpt-oss's MXFP4 experts as the published checkpoints' uint8 blocks and
+scales). The families read through their config.json reader are in gguf_families.py / gguf_tensors.py.
 
 The header is parsed here with `struct` rather than `gguf.GGUFReader`: the reader builds a numpy view per
 array element, which costs about 4 s for the 98k strings of a 49k-token vocabulary; this parser takes a
@@ -647,7 +648,8 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
+    """Yield (HF name, tensor in HF layout) for every weight of a GGUF checkpoint: float32, but for
+    gpt-oss's MXFP4 experts (uint8 blocks and scales, kept packed)."""
     info = read_gguf(path)
     f = read_gguf_file(path)
     if f.metadata["general.architecture"] in CONFIG_FAMILIES:
