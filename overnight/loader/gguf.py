@@ -1,5 +1,6 @@
 """GGUF checkpoints: the architecture, stop ids and chat template from the metadata, and the weights as
-HF-named float32 tensors.
+HF-named float32 tensors (gpt-oss's MXFP4 experts as the published checkpoints' uint8 blocks and
+scales). The families read through their config.json reader are in gguf_families.py / gguf_tensors.py.
 
 The header is parsed here with `struct` rather than `gguf.GGUFReader`: the reader builds a numpy view per
 array element, which costs about 4 s for the 98k strings of a 49k-token vocabulary; this parser takes a
@@ -34,6 +35,17 @@ from gguf.quants import dequantize
 
 from overnight.config import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
+from overnight.loader.gguf_families import CONFIG_FAMILIES, hf_config
+from overnight.loader.gguf_tensors import (
+    GLOBAL_NAMES,
+    HALF_PAIRS,
+    LAYER_NAMES,
+    PERMUTED,
+    ExpertStacks,
+    HalfPairs,
+    LatentPairs,
+    reshaped,
+)
 from overnight.models.gemma_config import gemma_arch
 
 HF_ARCHITECTURES = {
@@ -177,6 +189,17 @@ def _read_gguf_file(path: str, size: int, mtime_ns: int) -> GGUFFile:
     return GGUFFile(path, metadata, tensors)
 
 
+@functools.cache
+def _dequantizable(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether gguf.quants.dequantize reads this type (tried on one zero block)."""
+    _, type_size = GGML_QUANT_SIZES[ggml_type]
+    try:
+        dequantize(np.zeros((1, type_size), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _f32(value: float) -> float:
     """The shortest decimal that rounds to the same float32: files store 1e-5 as 9.99999975e-06."""
     return float(str(np.float32(value)))
@@ -187,10 +210,27 @@ def read_gguf(path: str) -> GGUFInfo:
     f = read_gguf_file(path)
     md = f.metadata
     name = md.get("general.architecture")
-    if name not in HF_ARCHITECTURES:
+    if name not in HF_ARCHITECTURES and name not in CONFIG_FAMILIES:
+        supported = ", ".join([*HF_ARCHITECTURES, *CONFIG_FAMILIES])
+        raise ModelLoadError(f"{path}: GGUF architecture {name!r} is not supported (supported: {supported})")
+    embd = f.tensors.get("token_embd.weight")
+    if embd is None:
+        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
+    unreadable = sorted({t.ggml_type.name for t in f.tensors.values() if not _dequantizable(t.ggml_type)})
+    if unreadable:  # refused before the model is built rather than midway through its weights
+        first = next(t.name for t in f.tensors.values() if t.ggml_type.name in unreadable)
         raise ModelLoadError(
-            f"{path}: GGUF architecture {name!r} is not supported (supported: {', '.join(HF_ARCHITECTURES)})"
+            f"{path}: GGUF tensor type {', '.join(unreadable)} cannot be dequantized (first: {first}); "
+            "re-quantize the file to a type the gguf package reads (F32, F16, BF16, Q4_0..Q8_0, K- or "
+            "I-quants, MXFP4)"
         )
+    if name in CONFIG_FAMILIES:
+        from overnight.models.registry import arch_from_hf_config  # the families' config.json reader
+
+        experts = [t.ggml_type for t in f.tensors.values() if re.search(r"\.ffn_\w+_exps\.weight$", t.name)]
+        mxfp4 = bool(experts) and all(t == GGMLQuantizationType.MXFP4 for t in experts)
+        cfg = hf_config(md, f.tensors.keys(), path, embd.shape[0], _llama3_config(f, name), mxfp4)
+        return _info(md, arch_from_hf_config(cfg), cfg["architectures"][0])
 
     def get(key: str, default: Any = None) -> Any:
         value = md.get(f"{name}.{key}", default)
@@ -212,9 +252,6 @@ def read_gguf(path: str) -> GGUFInfo:
     head_dim = int(md.get(f"{name}.attention.key_length") or rotary_dims or hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
     context = int(get("context_length"))
-    embd = f.tensors.get("token_embd.weight")
-    if embd is None:
-        raise ModelLoadError(f"{path}: GGUF file has no token_embd.weight tensor")
     tie = "output.weight" not in f.tensors
     moe = _moe_fields(f, name)
     family = "mixtral" if name == "llama" and moe else _FAMILIES.get(name, name)
@@ -247,6 +284,14 @@ def read_gguf(path: str) -> GGUFInfo:
             **_family_fields(f, name, head_dim, theta, scaling),
         )
     )
+    hf_architecture = {"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
+        family, HF_ARCHITECTURES[name]
+    )
+    return _info(md, arch, hf_architecture)
+
+
+def _info(md: dict[str, Any], arch: ModelArch, hf_architecture: str) -> GGUFInfo:
+    """The GGUFInfo of a file whose ModelArch is known: stop ids and chat template from the metadata."""
     # Stop on end-of-sequence and, where the file names them, end-of-turn / end-of-message.
     eos: list[int] = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
@@ -255,15 +300,24 @@ def read_gguf(path: str) -> GGUFInfo:
     bos = md.get("tokenizer.ggml.bos_token_id")
     return GGUFInfo(
         arch=arch,
-        hf_architecture={"mixtral": "MixtralForCausalLM", "olmo3": "Olmo3ForCausalLM"}.get(
-            family, HF_ARCHITECTURES[name]
-        ),
+        hf_architecture=hf_architecture,
         eos_token_ids=tuple(eos),
         bos_token_id=None if bos is None else int(bos),
         chat_template=md.get("tokenizer.chat_template"),
-        max_position_embeddings=context,
-        tie_word_embeddings=tie,
+        max_position_embeddings=arch.max_position_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings,
     )
+
+
+def _llama3_config(f: GGUFFile, name: str) -> dict[str, Any] | None:
+    """Llama 3 RoPE scaling as config.json states it, recovered from a rope_freqs tensor (_rope_scaling)."""
+    if "rope_freqs.weight" not in f.tensors:
+        return None
+    md = f.metadata
+    heads = int(md[f"{name}.attention.head_count"])
+    head_dim = int(md.get(f"{name}.attention.key_length") or int(md[f"{name}.embedding_length"]) // heads)
+    scaling = _rope_scaling(f, name, head_dim, _f32(md.get(f"{name}.rope.freq_base", 10000.0)))
+    return None if scaling is None else {"rope_type": "llama3", **dict(scaling)}
 
 
 def _gemma_config(md: dict[str, Any], name: str, vocab: int, tie: bool) -> dict[str, Any]:
@@ -594,10 +648,14 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor in HF layout) for every weight of a GGUF checkpoint."""
+    """Yield (HF name, tensor in HF layout) for every weight of a GGUF checkpoint: float32, but for
+    gpt-oss's MXFP4 experts (uint8 blocks and scales, kept packed)."""
     info = read_gguf(path)
     f = read_gguf_file(path)
-    permute = read_gguf_file(path).metadata.get("general.architecture") in _PERMUTED
+    if f.metadata["general.architecture"] in CONFIG_FAMILIES:
+        yield from _config_family_weights(f, info.arch)
+        return
+    permute = f.metadata.get("general.architecture") in _PERMUTED
     gemma = info.arch.architecture in _GEMMA
     with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         data = np.frombuffer(buf, dtype=np.uint8)
@@ -623,3 +681,47 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
                 w = _unpermute_rope_rows(w, info.arch.num_key_value_heads)
             yield name, torch.from_numpy(np.ascontiguousarray(w))
         del data  # the mapping cannot close while a numpy view of it is alive
+
+
+def _config_family_weights(f: GGUFFile, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a gguf_families.CONFIG_FAMILIES file under HF names."""
+    family = f.metadata["general.architecture"]
+    names = LAYER_NAMES[family]
+    packed = arch.experts_mxfp4  # gpt-oss's MXFP4 experts stay packed (gguf_families.hf_config)
+    globals_ = {**_GLOBAL_NAMES, **GLOBAL_NAMES.get(family, {})}
+    experts, latent, halves = ExpertStacks(), LatentPairs(), HalfPairs(HALF_PAIRS.get(family, {}))
+    with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        data = np.frombuffer(buf, dtype=np.uint8)
+        for t in f.tensors.values():
+            m = _LAYER_RE.fullmatch(t.name)
+            suffix = m.group(2) if m else ""
+            if m and suffix in halves.table:
+                pairs = halves.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and packed and ExpertStacks.handles(suffix) and t.ggml_type == GGMLQuantizationType.MXFP4:
+                # (the bytes' view is not kept: the mapping cannot close while one is alive)
+                raw_bytes = data[t.offset : t.offset + t.nbytes]
+                pairs = experts.packed(m.group(1), suffix, raw_bytes.reshape(*t.shape[:-1], -1))
+                del raw_bytes
+            elif m and ExpertStacks.handles(suffix) and suffix not in names:
+                pairs = experts.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and LatentPairs.handles(suffix):
+                pairs = latent.tensors(m.group(1), suffix, _weights_of(data, t, f.path))
+            elif m and suffix in names:
+                hf = f"model.layers.{m.group(1)}.{names[suffix]}"
+                w = reshaped(hf, _weights_of(data, t, f.path))
+                if family in PERMUTED and hf.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = arch.num_attention_heads if "q_proj" in hf else arch.num_key_value_heads
+                    w = _unpermute_rope_rows(w, heads)
+                pairs = [(hf, w)]
+            elif t.name in globals_:
+                pairs = [(globals_[t.name], _weights_of(data, t, f.path))]
+            elif t.name in _SKIPPED:
+                continue
+            else:
+                raise ModelLoadError(f"{f.path}: unexpected GGUF tensor {t.name!r}")
+            for name, w in pairs:
+                yield name, torch.from_numpy(np.ascontiguousarray(w))
+        del data  # the mapping cannot close while a numpy view of it is alive
+    experts.check_done(f.path)
+    latent.check_done(f.path)
+    halves.check_done(f.path)
