@@ -329,3 +329,21 @@ def test_tensor_parallel_shards_of_renamed_and_fused_checkpoints(name, tmp_path)
         a, b = dict(whole.named_parameters()), dict(streamed.named_parameters())
         assert a.keys() == b.keys()
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["phi3", "glm4"])
+def test_fused_checkpoints_load_with_online_fp8(name, tmp_path):
+    """Phi-3's fused qkv_proj / gate_up_proj and GLM-4's gate_up_proj are split before online FP8 sees
+    them (rename_checkpoint), so each fused parameter gets e4m3 rows with per-row scales that dequantize
+    to the float model's weights within e4m3's rounding."""
+    from overnight.quant.linear import Fp8Linear
+
+    folder = make_family_checkpoint(tmp_path, name)
+    model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, "cpu")
+    plain = load_model(resolve_source(str(folder)), torch.float32, "cpu")
+    for module in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
+        fp8 = model.model.layers[0].get_submodule(module)
+        ref = plain.model.layers[0].get_submodule(module).weight
+        assert isinstance(fp8, Fp8Linear) and fp8.weight.dtype == torch.float8_e4m3fn
+        dequantized = fp8.weight.float() * fp8.weight_scale.view(-1, 1)
+        assert (dequantized - ref).abs().max() <= 2**-4 * ref.abs().max()

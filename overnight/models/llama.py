@@ -284,6 +284,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
         self.arch = arch
+        # The checkpoint's sizes: tensor parallelism replaces self.arch with one rank's (parallel/tp.py)
+        self.checkpoint_arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
         self.model = LlamaModel(arch)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
@@ -294,7 +296,16 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return scaled_logits(self.arch, self.lm_head(hidden))
 
+    def rename_checkpoint(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Applied to the checkpoint stream before FP8 conversion and tensor-parallel slicing
+        (loader/model_loader.checkpoint_weights): Phi-3's and GLM-4's fused tensors become the separate
+        q/k/v and gate/up ones, which online FP8 quantizes into the fused parameter's row scales."""
+        return split_fused_tensors(self.checkpoint_arch, weights)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # split again for callers that bypass checkpoint_weights (split names pass unchanged)
         load_packed_weights(self, split_fused_tensors(self.arch, weights))
 
 
