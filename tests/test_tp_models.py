@@ -44,7 +44,7 @@ from tests.test_gpt_oss import (  # noqa: F401
     write_mxfp4,
 )
 from tests.tiny_hybrid import make_hybrid_checkpoint
-from tests.tp_helpers import check_tp2_two_waves, generate_split, streamed_equals_sliced
+from tests.tp_helpers import check_tp2_two_waves, generate_split, prefix_waves, streamed_equals_sliced
 
 VOCAB = 101
 HYBRID = dict(
@@ -57,6 +57,11 @@ HEADS = dict(num_attention_heads=4)
 
 def _greedy(n: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+
+def _waves() -> tuple[list[list[int]], list[list[int]]]:
+    """The hybrid tests' two prefix waves (test_fp8_hybrid, test_ssm_cache_dtype, test_tp_int_hybrid)."""
+    return prefix_waves(VOCAB, 3)
 
 
 @pytest.mark.parametrize("variant", ["qwen3_5_moe", "qwen3_next"])
