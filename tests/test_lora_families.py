@@ -32,6 +32,8 @@ from tests.parity_helpers import hf_greedy
 NEW_TOKENS = 6
 _ATTN = "q_proj|k_proj|v_proj|o_proj"
 _MLP = "gate_proj|up_proj|down_proj"
+_GATED_DELTA = "in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj"
+HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def _tiny(family: str) -> torch.nn.Module:
@@ -44,6 +46,10 @@ def _tiny(family: str) -> torch.nn.Module:
         from tests.dense_family_checks import make_model
 
         return make_model(family)
+    if family in HYBRIDS:
+        from tests.tiny_hybrid import make_hybrid_model
+
+        return make_hybrid_model(family)
     if family == "gpt_oss":
         import transformers
 
@@ -117,6 +123,10 @@ CASES: dict[str, str] = {
     "gemma3": f"{_ATTN}|{_MLP}",
     "gemma3-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
     "mistral3": f".*language_model.*\\.({_ATTN}|{_MLP})",
+    # q_proj's rows are [q | gate] per head; the linear layers' Gated DeltaNet projections
+    "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
+    "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
+    "qwen3_next": f"{_ATTN}|in_proj_qkvz|in_proj_ba|out_proj",  # fused by key head, as the checkpoint
 }
 
 
@@ -171,6 +181,14 @@ _DENSE = ModelArch("llama", 64, 16, 24, 2, 4, 2, 4)  # vocab, hidden, inter, lay
 _MIXTRAL = replace(
     _DENSE, architecture="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8
 )
+
+
+def _hybrid(arch: ModelArch) -> ModelArch:
+    """`arch` as a Qwen3.5-style hybrid: layer 0 linear attention, layer 1 full attention."""
+    return replace(
+        arch, layer_types=("linear_attention", "full_attention"), linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=4, linear_value_head_dim=3, linear_conv_kernel_dim=4,
+    )  # fmt: skip
 
 
 def _write(folder: Path, arch: ModelArch, tensors: dict[str, tuple[int, int]], **config: Any) -> LoRARequest:
@@ -248,13 +266,19 @@ def test_every_family_table_is_writable_and_checks(tmp_path: Path) -> None:
     from overnight.bench.lora import write_random_adapters
 
     for family, targets in FAMILY_TARGETS.items():
-        arch = replace(
-            _MIXTRAL if family in ("mixtral", "gpt_oss", "qwen3_moe") else _DENSE, architecture=family
-        )
+        moe = family in ("mixtral", "gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_next")
+        arch = replace(_MIXTRAL if moe else _DENSE, architecture=family)
+        if family in HYBRIDS:
+            arch = _hybrid(arch)
         (lora,) = write_random_adapters(arch, 1, 2, str(tmp_path / family))
         spec = check_adapter(lora, arch, max_lora_rank=2)
-        per_layer = sum(1 for w in targets.values() if w.kind == "attention" or not arch.num_experts)
-        assert len(spec.tensors) == arch.num_hidden_layers * per_layer, family
+        want = sum(w.in_layer(arch, i) for w in targets.values() for i in range(arch.num_hidden_layers))
+        assert len(spec.tensors) == want, family
+        kinds = {(t.layer, targets[t.name].kind) for t in spec.tensors}
+        has_mlp = any(w.kind == "mlp" for w in targets.values())
+        for i in range(arch.num_hidden_layers):  # a hybrid's layer: attention or its mixer
+            assert ((i, "attention") in kinds) != ((i, "mixer") in kinds) or family not in HYBRIDS
+            assert ((i, "mlp") in kinds) == (has_mlp and not arch.is_moe_layer(i)), (family, i)
 
 
 def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def write_random_adapters(
         tensors = {}
         for layer in range(arch.num_hidden_layers):
             for name, proj in targets.items():
-                if proj.kind == "mlp" and arch.is_moe_layer(layer):
+                if not proj.in_layer(arch, layer):
                     continue
                 d_in, d_out = proj.dims(arch, name)
                 prefix = f"base_model.model.model.layers.{layer}.{proj.module.split('.')[0]}.{name}"

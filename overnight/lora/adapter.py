@@ -43,6 +43,7 @@ _UNSUPPORTED_TARGETS = {
     "lm_head": "the LM head",
     "vision_tower": "the vision tower",
     "vision_model": "the vision tower",
+    "visual": "the vision tower",
     "multi_modal_projector": "the multimodal projector",
 }
 # Paths inside a layer that belong to a mixture of experts (Mixtral's block_sparse_moe in older
@@ -175,6 +176,11 @@ def _check_tensors(
     # "self_attn.q_proj" -> "q_proj": the path inside a layer at which the family's checkpoints hold it
     by_path = {f"{where.module.partition('.')[0]}.{name}": name for name, where in targets.items()}
     supported = f"{', '.join(targets)} on {arch.architecture} models"
+    # a MoE layer's attention / linear-attention part: not under its mixture of experts
+    mixers = (
+        "self_attn.",
+        *{w.module.partition(".")[0] + "." for w in targets.values() if w.kind == "mixer"},
+    )
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     keys: dict[tuple[int, str], str] = {}
     for key, info in header.items():
@@ -194,7 +200,7 @@ def _check_tensors(
                 "layers: the adapter was trained for another base model",
             )
         proj = by_path.get(path)
-        sparse = arch.is_moe_layer(layer) and not path.startswith("self_attn.")
+        sparse = arch.is_moe_layer(layer) and not path.startswith(mixers)
         if sparse or any(part in path for part in _EXPERT_PARTS):
             raise _refuse(
                 req,
@@ -205,6 +211,14 @@ def _check_tensors(
             leaf = path.rpartition(".")[2]
             raise _refuse(
                 req, f"target module {leaf!r} is not supported (layer {layer} {path}; supported: {supported})"
+            )
+        where = targets[proj]
+        if not where.in_layer(arch, layer):
+            kind = "a linear-attention" if arch.is_linear_layer(layer) else "a full-attention"
+            raise _refuse(
+                req,
+                f"tensor {key} adapts {path}, but layer {layer} of the base model is {kind} layer "
+                "without it: the adapter was trained for another base model",
             )
         pairs.setdefault((layer, proj), {})[ab] = list(info["shape"])
         if ab == "A":

@@ -21,7 +21,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from overnight.lora.targets import MODULE_SLICES, slice_sizes
+from overnight.lora.targets import family_modules, slice_sizes
 
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
@@ -182,13 +182,15 @@ class LoRALinear(nn.Module):
 def apply_lora(
     model: nn.Module, arch: ModelArch, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
 ) -> dict[tuple[int, str], LoRALinear]:
-    """Wrap every adaptable projection of every decoder layer (MODULE_SLICES; a sparse layer's experts
-    are not linear layers and stay as they are) and return them by (layer, module path)."""
+    """Wrap every projection of every decoder layer that the family's adapters may target
+    (targets.family_modules; a sparse layer's experts are not linear layers and stay as they are, a
+    hybrid's layer has attention or a mixer) and return them by (layer, module path)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     layers = model.get_submodule("model.layers")
+    paths = family_modules(arch)
     layer: nn.Module
     for i, layer in enumerate(layers.children()):
-        for path in MODULE_SLICES:
+        for path in paths:
             try:
                 base = layer.get_submodule(path)
             except AttributeError:

@@ -6,10 +6,15 @@ lists each wrapped module's output slices, in its fused row order). A checkpoint
     a whole fused module:      Phi-3's qkv_proj / gate_up_proj, GLM-4's gate_up_proj: one A for every
                                slice, B's rows split at the slices' edges (Phi-3 and GLM-4 fuse in the
                                same order, q|k|v and gate|up, with the same sizes; load_adapter splits)
-    a module of its own:       Apertus' ungated up_proj (its MLP has no gate: mlp.up_proj).
+    a module of its own:       Apertus' ungated up_proj (its MLP has no gate: mlp.up_proj); every
+                               projection of the Qwen3.5 / Qwen3-Next hybrids (models/qwen3_next.py
+                               keeps the checkpoint's linears: q/k/v/o_proj unfused, the Gated DeltaNet
+                               layers' in_proj_* and out_proj with the checkpoint's row order).
 FAMILY_TARGETS names what each family's checkpoints call their projections; a family not in it has no
 LoRA. The MoE families adapt attention only (and Qwen3-MoE's dense layers' MLPs): experts and routers
 are no linear layers of ours (stacked or quantized expert weights), so adapters on them are refused.
+In a hybrid, a layer holds either attention or a linear-attention mixer: Projection.in_layer says which
+layers have a projection (an adapter's tensor for a layer without it was trained for another model).
 """
 
 from __future__ import annotations
@@ -26,17 +31,36 @@ class Projection:
 
     module: str
     slices: tuple[int, ...]
-    kind: str  # "attention" | "mlp"
+    kind: str  # "attention" | "mlp" | "mixer" (a hybrid's linear-attention layers)
 
     def dims(self, arch: ModelArch, name: str) -> tuple[int, int]:
         return projection_dims(arch, name)
+
+    def in_layer(self, arch: ModelArch, layer: int) -> bool:
+        """Whether layer `layer` of `arch` has this projection (as a linear layer LoRA can wrap)."""
+        if self.kind == "mlp":
+            return not arch.is_moe_layer(layer)
+        if self.kind == "mixer":
+            return arch.is_linear_layer(layer)
+        return not arch.is_linear_layer(layer)
+
+
+# Qwen3.5 / Qwen3-Next's full attention has an output gate: q_proj's rows are [q | gate] per head, twice
+# the query's size, and an adapter's lora_B follows those rows.
+GATED_QUERY_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def projection_dims(arch: ModelArch, name: str) -> tuple[int, int]:
     """(in, out) of the checkpoint projection `name`: the shapes its lora_A / lora_B must have."""
     h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    # Gated DeltaNet (models/gated_deltanet.py): key / value widths and value heads
+    key, value, heads = (
+        arch.linear_num_key_heads * arch.linear_key_head_dim,
+        arch.linear_num_value_heads * arch.linear_value_head_dim,
+        arch.linear_num_value_heads,
+    )
     return {
-        "q_proj": (h, q),
+        "q_proj": (h, 2 * q if arch.architecture in GATED_QUERY_FAMILIES else q),
         "k_proj": (h, kv),
         "v_proj": (h, kv),
         "qkv_proj": (h, q + 2 * kv),
@@ -45,6 +69,13 @@ def projection_dims(arch: ModelArch, name: str) -> tuple[int, int]:
         "up_proj": (h, inter),
         "gate_up_proj": (h, 2 * inter),
         "down_proj": (inter, h),
+        "in_proj_qkv": (h, 2 * key + value),
+        "in_proj_z": (h, value),
+        "in_proj_b": (h, heads),
+        "in_proj_a": (h, heads),
+        "in_proj_qkvz": (h, 2 * key + 2 * value),  # Qwen3-Next: rows grouped by key head
+        "in_proj_ba": (h, 2 * heads),
+        "out_proj": (value, h),
     }[name]
 
 
@@ -55,6 +86,20 @@ MODULE_SLICES: dict[str, tuple[str, ...]] = {
     "mlp.gate_up_proj": ("gate_proj", "up_proj"),
     "mlp.up_proj": ("up_proj",),  # an ungated MLP (Apertus)
     "mlp.down_proj": ("down_proj",),
+    # the hybrids' unfused attention and Gated DeltaNet projections, each a module of its own
+    **{f"self_attn.{name}": (name,) for name in ("q_proj", "k_proj", "v_proj")},
+    **{
+        f"linear_attn.{name}": (name,)
+        for name in (
+            "in_proj_qkv",
+            "in_proj_z",
+            "in_proj_b",
+            "in_proj_a",
+            "in_proj_qkvz",
+            "in_proj_ba",
+            "out_proj",
+        )
+    },
 }
 
 _ATTENTION: dict[str, Projection] = {
@@ -69,6 +114,25 @@ _GATED_MLP = {
     "up_proj": Projection("mlp.gate_up_proj", (1,), "mlp"),
     **_DOWN,
 }
+_UNFUSED_ATTENTION = {
+    name: Projection(f"self_attn.{name}", (0,), "attention")
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+}
+
+
+def _mixer(*names: str) -> dict[str, Projection]:
+    return {name: Projection(f"linear_attn.{name}", (0,), "mixer") for name in names}
+
+
+# Qwen3.5 (dense and MoE) and Qwen3-Next: attention, the Gated DeltaNet projections (four of them, or
+# Qwen3-Next's fused two) and the MLP of dense layers; a MoE layer's experts, router and shared expert
+# are refused as on the other MoE families.
+_QWEN3_5 = {
+    **_UNFUSED_ATTENTION,
+    **_mixer("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+    **_GATED_MLP,
+}
+_QWEN3_NEXT = {**_UNFUSED_ATTENTION, **_mixer("in_proj_qkvz", "in_proj_ba", "out_proj"), **_GATED_MLP}
 _FUSED_GATE_UP = {"gate_up_proj": Projection("mlp.gate_up_proj", (0, 1), "mlp"), **_DOWN}
 # The projections of models/llama.py's dense decoder layer, as most checkpoints name them.
 PROJECTIONS: dict[str, Projection] = {**_ATTENTION, **_GATED_MLP}
@@ -93,13 +157,24 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     },
     "glm4": {**_ATTENTION, **_FUSED_GATE_UP},
     "apertus": {**_ATTENTION, "up_proj": Projection("mlp.up_proj", (0,), "mlp"), **_DOWN},
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
+    "qwen3_next": _QWEN3_NEXT,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_TARGETS)
+# Families whose adapters run on one device only: their projections are sharded under tensor
+# parallelism by rules (parallel/tp_hybrid.py) that LoRASharding does not follow yet.
+SINGLE_DEVICE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
 def family_targets(arch: ModelArch) -> dict[str, Projection]:
     """The projections adapters may target on `arch`'s family (empty: LoRA unsupported)."""
     return FAMILY_TARGETS.get(arch.architecture, {})
+
+
+def family_modules(arch: ModelArch) -> list[str]:
+    """The modules (under model.layers.N) that LoRA wraps on `arch`: those its family's targets land in."""
+    return list(dict.fromkeys(where.module for where in family_targets(arch).values()))
 
 
 def slice_sizes(arch: ModelArch, module: str) -> list[int]:
