@@ -228,6 +228,12 @@ def _pair(
         (replace(_DENSE, architecture="gemma3"), _pair("encoder.layers.0.self_attn.q_proj", 16, 16, prefix="model.vision_tower.vision_model."), {}, "adapts the vision tower"),
         (replace(_DENSE, architecture="phi3"), _pair("self_attn.qkv_proj", 16, 17), {}, r"qkv_proj.lora_B has shape \[17, 2\], this base model needs \[32, 2\]"),
         (replace(_DENSE, architecture="lfm2"), _pair("self_attn.q_proj", 16, 16), {}, "LoRA is not supported on 'lfm2' models \\(supported families: llama, .*phi3"),
+        (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("self_attn.q_proj", 16, 32), {}, "adapts self_attn.q_proj, but layer 0 of the base model is a linear-attention layer without it"),
+        (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("linear_attn.out_proj", 12, 16, layer=1), {}, "layer 1 of the base model is a full-attention layer without it"),
+        (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),
+        (_hybrid(replace(_DENSE, architecture="qwen3_next")), _pair("linear_attn.in_proj_qkv", 16, 28), {}, r"'in_proj_qkv' is not supported \(layer 0 linear_attn.in_proj_qkv; supported: .*in_proj_qkvz, in_proj_ba, out_proj"),
+        (_hybrid(replace(_MIXTRAL, architecture="qwen3_5_moe")), _pair("mlp.shared_expert.gate_proj", 16, 8), {}, "'mlp.shared_expert.gate_proj' of layer 0: adapting a mixture of experts"),
+        (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("blocks.0.attn.qkv", 16, 48, prefix="model.visual."), {}, "adapts the vision tower"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_problem(arch, tensors, config, match, tmp_path: Path) -> None:
@@ -295,18 +301,25 @@ def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None
 
 
 @pytest.mark.slow  # the interpreter compiles the SGMV shrink and expand kernels (~5 s on two shared cores)
-def test_fused_phi3_adapter_on_the_kernel_path(tmp_path: Path, monkeypatch) -> None:
-    """Phi-3's fused-projection adapter in a device slot: every wrapped layer's SGMV kernels (through the
-    Triton interpreter without a GPU) equal the torch path on a batch of adapter and base rows."""
+@pytest.mark.parametrize("family", ["phi3", "qwen3_5"])
+def test_adapter_on_the_kernel_path(family: str, tmp_path: Path, monkeypatch) -> None:
+    """Phi-3's fused-projection adapter, and Qwen3.5's on a hybrid's two kinds of layer (gated attention,
+    Gated DeltaNet), in a device slot: every wrapped layer's SGMV kernels (through the Triton interpreter
+    without a GPU) equal the torch path on a batch of adapter and base rows."""
     from overnight.config import LoRAConfig
     from overnight.kernels import dispatch
     from overnight.lora.slots import DeviceLoRA
     from tests.parity_helpers import cpu_model
     from tests.tiny_families import make_family_model
+    from tests.tiny_hybrid import make_hybrid_model
 
-    model = make_family_model("phi3", num_hidden_layers=1)
+    if family == "phi3":
+        model = make_family_model("phi3", num_hidden_layers=1)
+    else:
+        layers = ["linear_attention", "full_attention"]
+        model = make_hybrid_model(family, num_hidden_layers=2, layer_types=layers)
     model.save_pretrained(tmp_path / "base")
-    folder = make_adapter(tmp_path / "base", tmp_path / "a", r=8, alpha=16, targets=_regex(CASES["phi3"]),
+    folder = make_adapter(tmp_path / "base", tmp_path / "a", r=8, alpha=16, targets=_regex(CASES[family]),
                           load=_loader(type(model)))  # fmt: skip
     ours = cpu_model(tmp_path / "base")
     device = next(ours.parameters()).device
@@ -325,6 +338,22 @@ def test_fused_phi3_adapter_on_the_kernel_path(tmp_path: Path, monkeypatch) -> N
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got[~rows], plain[~rows])
         assert not torch.allclose(got[rows], plain[rows]), path
+    if family != "phi3":  # every projection of both layer kinds wrapped
+        assert {path for _, path in lora.modules} == {w.module for w in FAMILY_TARGETS[family].values()}
+
+
+def test_tensor_parallel_lora_on_a_hybrid_is_refused() -> None:
+    from overnight.build import lora_config
+    from overnight.options import EngineOptions
+
+    class Source:
+        arch = _hybrid(replace(_DENSE, architecture="qwen3_next"))
+
+    opts = EngineOptions(model="x", enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(
+        ConfigError, match="LoRA on 'qwen3_next' models with tensor_parallel_size > 1 is not supported"
+    ):
+        lora_config(opts, Source(), "generate")  # type: ignore[arg-type]
 
 
 def test_image_checkpoint_key_layouts_map_to_the_decoder_layers(tmp_path: Path) -> None:
