@@ -25,7 +25,7 @@ from overnight import LLM, LoRARequest, SamplingParams
 from overnight.config import ModelArch
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.lora.adapter import check_adapter, load_adapter
-from overnight.lora.targets import FAMILY_TARGETS
+from overnight.lora.targets import FAMILY_TARGETS, locate
 from tests.lora_adapters import make_adapter, merged_reference
 from tests.parity_helpers import hf_greedy
 
@@ -38,7 +38,7 @@ HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 def _tiny(family: str) -> torch.nn.Module:
     """transformers' tiny random model of `family`, from the families' own test helpers."""
-    if family in ("gemma2", "gemma3", "gemma3-multimodal"):
+    if family.startswith(("gemma2", "gemma3", "gemma4")):
         from tests.test_gemma import tiny_gemma
 
         return tiny_gemma(family)
@@ -123,6 +123,11 @@ CASES: dict[str, str] = {
     "gemma3": f"{_ATTN}|{_MLP}",
     "gemma3-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
     "mistral3": f".*language_model.*\\.({_ATTN}|{_MLP})",
+    # KV-shared layers (q_proj alone), K=V full layers (no v_proj), a double-wide MLP; the MoE layers'
+    # dense MLP beside their experts
+    "gemma4": f"{_ATTN}|{_MLP}",
+    "gemma4-moe": f"{_ATTN}|{_MLP}",
+    "gemma4-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
     # q_proj's rows are [q | gate] per head; the linear layers' Gated DeltaNet projections
     "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
     "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
@@ -191,6 +196,14 @@ def _hybrid(arch: ModelArch) -> ModelArch:
     )  # fmt: skip
 
 
+# Gemma 4's layer kinds: sliding, full (head size 8, one KV head, values = keys), KV-shared sliding.
+_GEMMA4 = replace(
+    _DENSE, architecture="gemma4", num_hidden_layers=3, sliding_window=8, num_kv_shared_layers=1,
+    layer_types=("sliding_attention", "full_attention", "sliding_attention"), attention_k_eq_v=True,
+    global_head_dim=8, num_global_key_value_heads=1,
+)  # fmt: skip
+
+
 def _write(folder: Path, arch: ModelArch, tensors: dict[str, tuple[int, int]], **config: Any) -> LoRARequest:
     """An adapter folder of rank 2 holding `tensors` (key -> shape), random."""
     from safetensors.torch import save_file
@@ -234,6 +247,10 @@ def _pair(
         (_hybrid(replace(_DENSE, architecture="qwen3_next")), _pair("linear_attn.in_proj_qkv", 16, 28), {}, r"'in_proj_qkv' is not supported \(layer 0 linear_attn.in_proj_qkv; supported: .*in_proj_qkvz, in_proj_ba, out_proj"),
         (_hybrid(replace(_MIXTRAL, architecture="qwen3_5_moe")), _pair("mlp.shared_expert.gate_proj", 16, 8), {}, "'mlp.shared_expert.gate_proj' of layer 0: adapting a mixture of experts"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("blocks.0.attn.qkv", 16, 48, prefix="model.visual."), {}, "adapts the vision tower"),
+        (_GEMMA4, _pair("self_attn.k_proj", 16, 8, layer=2), {}, r"layer 2 of the base model is a KV-shared layer \(its keys and values are layer 0's\) without it"),
+        (_GEMMA4, _pair("self_attn.v_proj", 16, 8, layer=1), {}, r"layer 1 of the base model is a full-attention layer whose values are its keys"),
+        (_GEMMA4, _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),
+        (_GEMMA4, _pair("per_layer_input_gate", 16, 8), {}, r"'per_layer_input_gate' is not supported \(layer 0 per_layer_input_gate; supported: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj on gemma4"),
     ],
 )  # fmt: skip
 def test_refusals_name_the_problem(arch, tensors, config, match, tmp_path: Path) -> None:
@@ -278,7 +295,7 @@ def test_every_family_table_is_writable_and_checks(tmp_path: Path) -> None:
             arch = _hybrid(arch)
         (lora,) = write_random_adapters(arch, 1, 2, str(tmp_path / family))
         spec = check_adapter(lora, arch, max_lora_rank=2)
-        want = sum(w.in_layer(arch, i) for w in targets.values() for i in range(arch.num_hidden_layers))
+        want = sum(locate(arch, n, i) is not None for n in targets for i in range(arch.num_hidden_layers))
         assert len(spec.tensors) == want, family
         kinds = {(t.layer, targets[t.name].kind) for t in spec.tensors}
         has_mlp = any(w.kind == "mlp" for w in targets.values())
@@ -354,6 +371,26 @@ def test_tensor_parallel_lora_on_a_hybrid_is_refused() -> None:
         ConfigError, match="LoRA on 'qwen3_next' models with tensor_parallel_size > 1 is not supported"
     ):
         lora_config(opts, Source(), "generate")  # type: ignore[arg-type]
+
+
+def test_gemma4_layers_place_each_projection_by_kind(tmp_path: Path) -> None:
+    """q_proj: a slice of qkv_proj (q | k | v, or q | k where values are keys), or q_proj of its own in
+    a KV-shared layer; B's rows follow each layer's head size."""
+    tensors = (
+        _pair("self_attn.q_proj", 16, 16) | _pair("self_attn.k_proj", 16, 8) | _pair("self_attn.v_proj", 16, 8)
+        | _pair("self_attn.q_proj", 16, 32, layer=1) | _pair("self_attn.k_proj", 16, 8, layer=1)
+        | _pair("self_attn.q_proj", 16, 16, layer=2) | _pair("mlp.down_proj", 24, 16, layer=2)
+    )  # fmt: skip
+    spec = check_adapter(_write(tmp_path / "g4", _GEMMA4, tensors), _GEMMA4, max_lora_rank=2)
+    assert [(t.layer, t.name, t.module, t.slices, t.rows) for t in spec.tensors] == [
+        (0, "k_proj", "self_attn.qkv_proj", (1,), (8,)),
+        (0, "q_proj", "self_attn.qkv_proj", (0,), (16,)),
+        (0, "v_proj", "self_attn.qkv_proj", (2,), (8,)),
+        (1, "k_proj", "self_attn.qkv_proj", (1,), (8,)),
+        (1, "q_proj", "self_attn.qkv_proj", (0,), (32,)),
+        (2, "down_proj", "mlp.down_proj", (0,), (16,)),
+        (2, "q_proj", "self_attn.q_proj", (0,), (16,)),
+    ]
 
 
 def test_image_checkpoint_key_layouts_map_to_the_decoder_layers(tmp_path: Path) -> None:

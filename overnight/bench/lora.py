@@ -19,7 +19,7 @@ from overnight.bench.workloads import Workload
 from overnight.config import ModelArch
 from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import family_targets
+from overnight.lora.targets import family_targets, locate, projection_dims
 from overnight.options import EngineOptions
 
 
@@ -38,9 +38,9 @@ def write_random_adapters(
         tensors = {}
         for layer in range(arch.num_hidden_layers):
             for name, proj in targets.items():
-                if not proj.in_layer(arch, layer):
+                if locate(arch, name, layer) is None:
                     continue
-                d_in, d_out = proj.dims(arch, name)
+                d_in, d_out = projection_dims(arch, name, layer)
                 prefix = f"base_model.model.model.layers.{layer}.{proj.module.split('.')[0]}.{name}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
                 tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=gen) / rank**0.5

@@ -24,7 +24,13 @@ from typing import TYPE_CHECKING
 from overnight.config import ModelArch
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import SUPPORTED_ARCHITECTURES, family_targets, slice_sizes
+from overnight.lora.targets import (
+    SUPPORTED_ARCHITECTURES,
+    family_targets,
+    locate,
+    projection_dims,
+    slice_sizes,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -200,7 +206,7 @@ def _check_tensors(
                 "layers: the adapter was trained for another base model",
             )
         proj = by_path.get(path)
-        sparse = arch.is_moe_layer(layer) and not path.startswith(mixers)
+        sparse = arch.is_moe_layer(layer) and not arch.moe_beside_dense and not path.startswith(mixers)
         if sparse or any(part in path for part in _EXPERT_PARTS):
             raise _refuse(
                 req,
@@ -212,13 +218,11 @@ def _check_tensors(
             raise _refuse(
                 req, f"target module {leaf!r} is not supported (layer {layer} {path}; supported: {supported})"
             )
-        where = targets[proj]
-        if not where.in_layer(arch, layer):
-            kind = "a linear-attention" if arch.is_linear_layer(layer) else "a full-attention"
+        if locate(arch, proj, layer) is None:
             raise _refuse(
                 req,
-                f"tensor {key} adapts {path}, but layer {layer} of the base model is {kind} layer "
-                "without it: the adapter was trained for another base model",
+                f"tensor {key} adapts {path}, but layer {layer} of the base model is "
+                f"{_layer_kind(arch, layer)} without it: the adapter was trained for another base model",
             )
         pairs.setdefault((layer, proj), {})[ab] = list(info["shape"])
         if ab == "A":
@@ -227,8 +231,10 @@ def _check_tensors(
     for (layer, proj), shapes in sorted(pairs.items()):
         if set(shapes) != {"A", "B"}:
             raise _refuse(req, f"layer {layer} {proj}: lora_A and lora_B must both be present")
-        where = targets[proj]
-        d_in, d_out = where.dims(arch, proj)
+        found = locate(arch, proj, layer)
+        assert found is not None  # checked above
+        module, slices = found
+        d_in, d_out = projection_dims(arch, proj, layer)
         want = {"A": [rank, d_in], "B": [d_out, rank]}
         for ab in "AB":
             if shapes[ab] != want[ab]:
@@ -237,13 +243,25 @@ def _check_tensors(
                     f"layer {layer} {proj}.lora_{ab} has shape {shapes[ab]}, this base model needs "
                     f"{want[ab]} (rank {rank}): the adapter does not match the base model's architecture",
                 )
-        sizes = slice_sizes(arch, where.module)
-        rows = tuple(sizes[s] for s in where.slices)
+        sizes = slice_sizes(arch, module, layer)
+        rows = tuple(sizes[s] for s in slices)
         assert sum(rows) == d_out, (proj, rows, d_out)  # a fused projection covers its slices exactly
-        out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, where.module, where.slices, rows))
+        out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, module, slices, rows))
     if not out:
         raise _refuse(req, f"{WEIGHTS_FILE} holds no LoRA weights")
     return tuple(out)
+
+
+def _layer_kind(arch: ModelArch, layer: int) -> str:
+    if arch.is_linear_layer(layer):
+        return "a linear-attention layer"
+    if arch.is_moe_layer(layer):
+        return "a mixture-of-experts layer"
+    if arch.kv_source_layer(layer) != layer:
+        return f"a KV-shared layer (its keys and values are layer {arch.kv_source_layer(layer)}'s)"
+    if arch.attention_k_eq_v and arch.layer_window(layer) is None:
+        return "a full-attention layer whose values are its keys (attention_k_eq_v)"
+    return "a full-attention layer" if arch.layer_types else "a layer"
 
 
 def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> LoadedAdapter:

@@ -33,13 +33,10 @@ class Projection:
     slices: tuple[int, ...]
     kind: str  # "attention" | "mlp" | "mixer" (a hybrid's linear-attention layers)
 
-    def dims(self, arch: ModelArch, name: str) -> tuple[int, int]:
-        return projection_dims(arch, name)
-
     def in_layer(self, arch: ModelArch, layer: int) -> bool:
-        """Whether layer `layer` of `arch` has this projection (as a linear layer LoRA can wrap)."""
-        if self.kind == "mlp":
-            return not arch.is_moe_layer(layer)
+        """Whether layer `layer` of `arch` has this kind of projection (locate() says where)."""
+        if self.kind == "mlp":  # Gemma 4's MoE layers run their experts beside a dense MLP
+            return arch.moe_beside_dense or not arch.is_moe_layer(layer)
         if self.kind == "mixer":
             return arch.is_linear_layer(layer)
         return not arch.is_linear_layer(layer)
@@ -50,9 +47,13 @@ class Projection:
 GATED_QUERY_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-def projection_dims(arch: ModelArch, name: str) -> tuple[int, int]:
-    """(in, out) of the checkpoint projection `name`: the shapes its lora_A / lora_B must have."""
-    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+def projection_dims(arch: ModelArch, name: str, layer: int = 0) -> tuple[int, int]:
+    """(in, out) of the checkpoint projection `name` of layer `layer`: the shapes its lora_A / lora_B
+    must have (Gemma 4's full-attention layers have their own head size and KV heads, its KV-shared
+    layers may have a double-wide MLP)."""
+    d = arch.layer_head_dim(layer)
+    h, q, kv = arch.hidden_size, arch.num_attention_heads * d, arch.layer_num_kv_heads(layer) * d
+    inter = arch.layer_intermediate_size(layer)
     # Gated DeltaNet (models/gated_deltanet.py): key / value widths and value heads
     key, value, heads = (
         arch.linear_num_key_heads * arch.linear_key_head_dim,
@@ -160,11 +161,15 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     "qwen3_5": _QWEN3_5,
     "qwen3_5_moe": _QWEN3_5,
     "qwen3_next": _QWEN3_NEXT,
+    # Per layer (locate): KV-shared layers hold q_proj alone, K=V full layers no v_proj; the dense MLP
+    # beside a MoE layer's experts is adaptable. The per-layer-input gate / projection are not.
+    "gemma4": PROJECTIONS,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_TARGETS)
 # Families whose adapters run on one device only: their projections are sharded under tensor
-# parallelism by rules (parallel/tp_hybrid.py) that LoRASharding does not follow yet.
-SINGLE_DEVICE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+# parallelism by rules (parallel/tp_hybrid.py, Gemma 4's per-layer shapes) that LoRASharding does not
+# follow yet.
+SINGLE_DEVICE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma4")
 
 
 def family_targets(arch: ModelArch) -> dict[str, Projection]:
@@ -172,11 +177,44 @@ def family_targets(arch: ModelArch) -> dict[str, Projection]:
     return FAMILY_TARGETS.get(arch.architecture, {})
 
 
-def family_modules(arch: ModelArch) -> list[str]:
-    """The modules (under model.layers.N) that LoRA wraps on `arch`: those its family's targets land in."""
-    return list(dict.fromkeys(where.module for where in family_targets(arch).values()))
+def layer_slices(arch: ModelArch, layer: int, module: str) -> tuple[str, ...]:
+    """The output slices of `module` in layer `layer`: MODULE_SLICES's, but a Gemma 4 full-attention
+    layer with attention_k_eq_v has no v_proj (its values are its keys) and fuses q | k alone."""
+    names = MODULE_SLICES[module]
+    if module == "self_attn.qkv_proj" and arch.attention_k_eq_v and arch.layer_window(layer) is None:
+        return names[:2]
+    return names
 
 
-def slice_sizes(arch: ModelArch, module: str) -> list[int]:
-    """Output rows of each of `module`'s slices (MODULE_SLICES order)."""
-    return [projection_dims(arch, name)[1] for name in MODULE_SLICES[module]]
+def locate(arch: ModelArch, name: str, layer: int) -> tuple[str, tuple[int, ...]] | None:
+    """(module, its output slices) that the checkpoint projection `name` of layer `layer` lands in; None
+    when that layer has no such projection (a hybrid's other kind of layer, a sparse layer's MLP,
+    Gemma 4's KV-shared layers' k/v and K=V layers' v_proj)."""
+    where = family_targets(arch)[name]
+    if not where.in_layer(arch, layer):
+        return None
+    module = where.module
+    if module == "self_attn.qkv_proj" and arch.kv_source_layer(layer) != layer:
+        # A KV-shared layer (Gemma 4) projects q alone; its keys and values are an earlier layer's.
+        return ("self_attn.q_proj", (0,)) if name == "q_proj" else None
+    names = [MODULE_SLICES[module][s] for s in where.slices]
+    here = layer_slices(arch, layer, module)
+    if any(n not in here for n in names):
+        return None
+    return module, tuple(here.index(n) for n in names)
+
+
+def layer_modules(arch: ModelArch, layer: int) -> dict[str, list[int]]:
+    """The modules of layer `layer` that LoRA wraps on `arch` (those its family's targets land in) and
+    their slices' output rows."""
+    modules: dict[str, list[int]] = {}
+    for name in family_targets(arch):
+        found = locate(arch, name, layer)
+        if found is not None and found[0] not in modules:
+            modules[found[0]] = slice_sizes(arch, found[0], layer)
+    return modules
+
+
+def slice_sizes(arch: ModelArch, module: str, layer: int = 0) -> list[int]:
+    """Output rows of each of `module`'s slices in layer `layer` (layer_slices order)."""
+    return [projection_dims(arch, name, layer)[1] for name in layer_slices(arch, layer, module)]
