@@ -68,6 +68,7 @@ def _tiny(family: str) -> torch.nn.Module:
 def _moe_writers() -> dict[str, tuple[str, Any]]:
     from tests.test_ernie4_5 import make_ernie_moe_checkpoint
     from tests.test_glm4_moe import make_glm_checkpoint
+    from tests.test_llama4 import make_llama4_checkpoint
     from tests.test_olmoe import FIELDS as OLMOE
     from tests.test_qwen2_moe import make_qwen2_moe_checkpoint
     from tests.tiny_moe import make_moe_checkpoint
@@ -77,6 +78,7 @@ def _moe_writers() -> dict[str, tuple[str, Any]]:
         "olmoe": ("Olmoe", lambda folder: make_moe_checkpoint(folder, "Olmoe", OLMOE)),
         "glm4_moe": ("Glm4Moe", make_glm_checkpoint),
         "ernie4_5_moe": ("Ernie4_5_Moe", make_ernie_moe_checkpoint),
+        "llama4": ("Llama4", make_llama4_checkpoint),
     }
 
 
@@ -128,6 +130,8 @@ CASES: dict[str, str] = {
     "gemma4": f"{_ATTN}|{_MLP}",
     "gemma4-moe": f"{_ATTN}|{_MLP}",
     "gemma4-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
+    # the dense layers' MLPs (feed_forward in the checkpoint), not the MoE layers' shared expert
+    "llama4": f".*layers\\.\\d+\\.(self_attn\\.({_ATTN})|feed_forward\\.({_MLP}))",
     # q_proj's rows are [q | gate] per head; the linear layers' Gated DeltaNet projections
     "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
     "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
@@ -247,6 +251,9 @@ def _pair(
         (_hybrid(replace(_DENSE, architecture="qwen3_next")), _pair("linear_attn.in_proj_qkv", 16, 28), {}, r"'in_proj_qkv' is not supported \(layer 0 linear_attn.in_proj_qkv; supported: .*in_proj_qkvz, in_proj_ba, out_proj"),
         (_hybrid(replace(_MIXTRAL, architecture="qwen3_5_moe")), _pair("mlp.shared_expert.gate_proj", 16, 8), {}, "'mlp.shared_expert.gate_proj' of layer 0: adapting a mixture of experts"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("blocks.0.attn.qkv", 16, 48, prefix="model.visual."), {}, "adapts the vision tower"),
+        (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.shared_expert.up_proj", 16, 8), {}, "'feed_forward.shared_expert.up_proj' of layer 0: adapting a mixture of experts"),
+        (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.down_proj", 24, 16), {}, "'feed_forward.down_proj' of layer 0: adapting a mixture of experts"),
+        (replace(_DENSE, architecture="llama4"), _pair("mlp.down_proj", 24, 16), {}, r"'down_proj' is not supported \(layer 0 mlp.down_proj; supported: q_proj, .*down_proj on llama4"),
         (_GEMMA4, _pair("self_attn.k_proj", 16, 8, layer=2), {}, r"layer 2 of the base model is a KV-shared layer \(its keys and values are layer 0's\) without it"),
         (_GEMMA4, _pair("self_attn.v_proj", 16, 8, layer=1), {}, r"layer 1 of the base model is a full-attention layer whose values are its keys"),
         (_GEMMA4, _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),

@@ -41,7 +41,7 @@ def write_random_adapters(
                 if locate(arch, name, layer) is None:
                     continue
                 d_in, d_out = projection_dims(arch, name, layer)
-                prefix = f"base_model.model.model.layers.{layer}.{proj.module.split('.')[0]}.{name}"
+                prefix = f"base_model.model.model.layers.{layer}.{proj.path(name)}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
                 tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=gen) / rank**0.5
         save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_FILE))

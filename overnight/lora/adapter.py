@@ -180,12 +180,12 @@ def _check_tensors(
 ) -> tuple[AdaptedTensor, ...]:
     targets = family_targets(arch)
     # "self_attn.q_proj" -> "q_proj": the path inside a layer at which the family's checkpoints hold it
-    by_path = {f"{where.module.partition('.')[0]}.{name}": name for name, where in targets.items()}
+    by_path = {where.path(name): name for name, where in targets.items()}
     supported = f"{', '.join(targets)} on {arch.architecture} models"
     # a MoE layer's attention / linear-attention part: not under its mixture of experts
     mixers = (
         "self_attn.",
-        *{w.module.partition(".")[0] + "." for w in targets.values() if w.kind == "mixer"},
+        *{w.path(n).partition(".")[0] + "." for n, w in targets.items() if w.kind == "mixer"},
     )
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     keys: dict[tuple[int, str], str] = {}

@@ -19,7 +19,7 @@ layers have a projection (an adapter's tensor for a layer without it was trained
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from overnight.config import ModelArch
 
@@ -32,6 +32,13 @@ class Projection:
     module: str
     slices: tuple[int, ...]
     kind: str  # "attention" | "mlp" | "mixer" (a hybrid's linear-attention layers)
+    # Where the checkpoint holds it inside a layer when not where we do ("feed_forward.gate_proj" of
+    # Llama 4, whose MLP we call mlp); "": module's parent and the projection's name.
+    checkpoint: str = ""
+
+    def path(self, name: str) -> str:
+        """The projection's path inside a checkpoint's layer (an adapter's key between layers.N. and .lora_)."""
+        return self.checkpoint or f"{self.module.partition('.')[0]}.{name}"
 
     def in_layer(self, arch: ModelArch, layer: int) -> bool:
         """Whether layer `layer` of `arch` has this kind of projection (locate() says where)."""
@@ -134,6 +141,12 @@ _QWEN3_5 = {
     **_GATED_MLP,
 }
 _QWEN3_NEXT = {**_UNFUSED_ATTENTION, **_mixer("in_proj_qkvz", "in_proj_ba", "out_proj"), **_GATED_MLP}
+# Llama 4: the MLP is feed_forward in the checkpoint; a dense layer's MLP adaptable, a MoE layer's
+# experts, router and shared expert not.
+_LLAMA4 = {
+    **_ATTENTION,
+    **{name: replace(where, checkpoint=f"feed_forward.{name}") for name, where in _GATED_MLP.items()},
+}
 _FUSED_GATE_UP = {"gate_up_proj": Projection("mlp.gate_up_proj", (0, 1), "mlp"), **_DOWN}
 # The projections of models/llama.py's dense decoder layer, as most checkpoints name them.
 PROJECTIONS: dict[str, Projection] = {**_ATTENTION, **_GATED_MLP}
@@ -164,6 +177,7 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     # Per layer (locate): KV-shared layers hold q_proj alone, K=V full layers no v_proj; the dense MLP
     # beside a MoE layer's experts is adaptable. The per-layer-input gate / projection are not.
     "gemma4": PROJECTIONS,
+    "llama4": _LLAMA4,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_TARGETS)
 # Families whose adapters run on one device only: their projections are sharded under tensor
