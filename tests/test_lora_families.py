@@ -50,6 +50,14 @@ def _tiny(family: str) -> torch.nn.Module:
         from tests.tiny_hybrid import make_hybrid_model
 
         return make_hybrid_model(family)
+    if family.startswith("granitemoehybrid"):
+        from tests.tiny_granite import make_granite_model
+
+        return make_granite_model("moe" if family.endswith("moe") else "dense")
+    if family.startswith("lfm2"):
+        from tests.tiny_lfm2 import make_lfm2_model
+
+        return make_lfm2_model("moe" if family == "lfm2_moe" else "biased")
     if family == "gpt_oss":
         import transformers
 
@@ -132,6 +140,12 @@ CASES: dict[str, str] = {
     "gemma4-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
     # the dense layers' MLPs (feed_forward in the checkpoint), not the MoE layers' shared expert
     "llama4": f".*layers\\.\\d+\\.(self_attn\\.({_ATTN})|feed_forward\\.({_MLP}))",
+    # Mamba2 layers' in_proj / out_proj, the shared MLP (beside the routed experts in the MoE variant)
+    "granitemoehybrid": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
+    "granitemoehybrid-moe": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
+    # attention's out_proj, feed_forward w1 / w3 / w2, the short conv's in_proj / out_proj (with biases)
+    "lfm2": "q_proj|k_proj|v_proj|out_proj|w1|w2|w3|in_proj",
+    "lfm2_moe": r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|conv\.(in_proj|out_proj)|feed_forward\.(w1|w2|w3))",
     # q_proj's rows are [q | gate] per head; the linear layers' Gated DeltaNet projections
     "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
     "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
@@ -244,7 +258,7 @@ def _pair(
         (replace(_DENSE, architecture="apertus"), _pair("mlp.gate_proj", 16, 24), {}, "'gate_proj' is not supported \\(layer 0 mlp.gate_proj; supported: q_proj, k_proj, v_proj, o_proj, up_proj, down_proj on apertus"),
         (replace(_DENSE, architecture="gemma3"), _pair("encoder.layers.0.self_attn.q_proj", 16, 16, prefix="model.vision_tower.vision_model."), {}, "adapts the vision tower"),
         (replace(_DENSE, architecture="phi3"), _pair("self_attn.qkv_proj", 16, 17), {}, r"qkv_proj.lora_B has shape \[17, 2\], this base model needs \[32, 2\]"),
-        (replace(_DENSE, architecture="lfm2"), _pair("self_attn.q_proj", 16, 16), {}, "LoRA is not supported on 'lfm2' models \\(supported families: llama, .*phi3"),
+        (replace(_DENSE, architecture="minimax_m2"), _pair("self_attn.q_proj", 16, 16), {}, "LoRA is not supported on 'minimax_m2' models \\(supported families: llama, .*phi3"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("self_attn.q_proj", 16, 32), {}, "adapts self_attn.q_proj, but layer 0 of the base model is a linear-attention layer without it"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("linear_attn.out_proj", 12, 16, layer=1), {}, "layer 1 of the base model is a full-attention layer without it"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),
@@ -316,10 +330,10 @@ def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None
     from overnight.options import EngineOptions
 
     class Source:
-        arch = replace(_DENSE, architecture="lfm2")
+        arch = replace(_DENSE, architecture="minimax_m2")
 
     with pytest.raises(
-        ConfigError, match="LoRA adapters run on generating llama, .*gemma3.*phi3.* models, not on 'lfm2'"
+        ConfigError, match="LoRA adapters run on generating llama, .*gemma3.*phi3.* models, not on 'minimax_m2'"
     ):
         lora_config(EngineOptions(model="x", enable_lora=True), Source(), "generate")  # type: ignore[arg-type]
 

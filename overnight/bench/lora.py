@@ -19,7 +19,7 @@ from overnight.bench.workloads import Workload
 from overnight.config import ModelArch
 from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import family_targets, locate, projection_dims
+from overnight.lora.targets import family_targets, locate, module_dims
 from overnight.options import EngineOptions
 
 
@@ -38,9 +38,11 @@ def write_random_adapters(
         tensors = {}
         for layer in range(arch.num_hidden_layers):
             for name, proj in targets.items():
-                if locate(arch, name, layer) is None:
+                found = locate(arch, name, layer)
+                if found is None:
                     continue
-                d_in, d_out = projection_dims(arch, name, layer)
+                d_in, sizes = module_dims(arch, found[0], layer)
+                d_out = sum(sizes[s] for s in found[1])
                 prefix = f"base_model.model.model.layers.{layer}.{proj.path(name)}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
                 tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=gen) / rank**0.5

@@ -28,8 +28,7 @@ from overnight.lora.targets import (
     SUPPORTED_ARCHITECTURES,
     family_targets,
     locate,
-    projection_dims,
-    slice_sizes,
+    module_dims,
 )
 
 if TYPE_CHECKING:
@@ -207,6 +206,7 @@ def _check_tensors(
             )
         proj = by_path.get(path)
         sparse = arch.is_moe_layer(layer) and not arch.moe_beside_dense and not path.startswith(mixers)
+        sparse = sparse and (proj is None or targets[proj].kind == "mlp")  # not an MLP beside the experts
         if sparse or any(part in path for part in _EXPERT_PARTS):
             raise _refuse(
                 req,
@@ -234,7 +234,9 @@ def _check_tensors(
         found = locate(arch, proj, layer)
         assert found is not None  # checked above
         module, slices = found
-        d_in, d_out = projection_dims(arch, proj, layer)
+        d_in, sizes = module_dims(arch, module, layer)
+        rows = tuple(sizes[s] for s in slices)  # a fused projection's B covers its slices' rows
+        d_out = sum(rows)
         want = {"A": [rank, d_in], "B": [d_out, rank]}
         for ab in "AB":
             if shapes[ab] != want[ab]:
@@ -243,9 +245,6 @@ def _check_tensors(
                     f"layer {layer} {proj}.lora_{ab} has shape {shapes[ab]}, this base model needs "
                     f"{want[ab]} (rank {rank}): the adapter does not match the base model's architecture",
                 )
-        sizes = slice_sizes(arch, module, layer)
-        rows = tuple(sizes[s] for s in slices)
-        assert sum(rows) == d_out, (proj, rows, d_out)  # a fused projection covers its slices exactly
         out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, module, slices, rows))
     if not out:
         raise _refuse(req, f"{WEIGHTS_FILE} holds no LoRA weights")

@@ -31,7 +31,9 @@ class Projection:
 
     module: str
     slices: tuple[int, ...]
-    kind: str  # "attention" | "mlp" | "mixer" (a hybrid's linear-attention layers)
+    # "attention" | "mlp" (none in a sparse layer) | "mixer" (a hybrid's linear-attention, Mamba2 or
+    # short-conv layers) | "dense_mlp" (an MLP in every layer, beside any experts: Granite's shared_mlp)
+    kind: str
     # Where the checkpoint holds it inside a layer when not where we do ("feed_forward.gate_proj" of
     # Llama 4, whose MLP we call mlp); "": module's parent and the projection's name.
     checkpoint: str = ""
@@ -46,6 +48,8 @@ class Projection:
             return arch.moe_beside_dense or not arch.is_moe_layer(layer)
         if self.kind == "mixer":
             return arch.is_linear_layer(layer)
+        if self.kind == "dense_mlp":
+            return True
         return not arch.is_linear_layer(layer)
 
 
@@ -54,37 +58,50 @@ class Projection:
 GATED_QUERY_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 
-def projection_dims(arch: ModelArch, name: str, layer: int = 0) -> tuple[int, int]:
-    """(in, out) of the checkpoint projection `name` of layer `layer`: the shapes its lora_A / lora_B
-    must have (Gemma 4's full-attention layers have their own head size and KV heads, its KV-shared
-    layers may have a double-wide MLP)."""
+def module_dims(arch: ModelArch, module: str, layer: int = 0) -> tuple[int, list[int]]:
+    """(input features, output rows of each slice) of our `module` in layer `layer` (Gemma 4's
+    full-attention layers have their own head size and KV heads, its KV-shared layers may have a
+    double-wide MLP): the shapes an adapter's lora_A / lora_B must have."""
+    h = arch.hidden_size
+    parent, _, leaf = module.partition(".")
+    if parent == "linear_attn":  # Gated DeltaNet (models/gated_deltanet.py)
+        key = arch.linear_num_key_heads * arch.linear_key_head_dim
+        value = arch.linear_num_value_heads * arch.linear_value_head_dim
+        heads = arch.linear_num_value_heads
+        if leaf == "out_proj":
+            return value, [h]
+        out = {
+            "in_proj_qkv": 2 * key + value,
+            "in_proj_z": value,
+            "in_proj_b": heads,
+            "in_proj_a": heads,
+            "in_proj_qkvz": 2 * key + 2 * value,  # Qwen3-Next: rows grouped by key head
+            "in_proj_ba": 2 * heads,
+        }[leaf]
+        return h, [out]
+    if parent == "mamba":  # Mamba2 (models/mamba2_mixer.py): in_proj gives z | x|B|C | dt
+        inner = arch.mamba_intermediate
+        conv = inner + 2 * arch.mamba_n_groups * arch.mamba_d_state
+        return (h, [inner + conv + arch.mamba_n_heads]) if leaf == "in_proj" else (inner, [h])
+    if parent == "conv":  # LFM2's short conv: in_proj gives B | C | x
+        return h, [3 * h if leaf == "in_proj" else h]
+    if parent == "shared_mlp":  # Granite's: input_linear gives gate | up
+        inter = arch.shared_expert_intermediate_size if arch.num_experts else arch.intermediate_size
+        return (h, [2 * inter]) if leaf == "input_linear" else (inter, [h])
     d = arch.layer_head_dim(layer)
-    h, q, kv = arch.hidden_size, arch.num_attention_heads * d, arch.layer_num_kv_heads(layer) * d
+    q, kv = arch.num_attention_heads * d, arch.layer_num_kv_heads(layer) * d
     inter = arch.layer_intermediate_size(layer)
-    # Gated DeltaNet (models/gated_deltanet.py): key / value widths and value heads
-    key, value, heads = (
-        arch.linear_num_key_heads * arch.linear_key_head_dim,
-        arch.linear_num_value_heads * arch.linear_value_head_dim,
-        arch.linear_num_value_heads,
-    )
-    return {
-        "q_proj": (h, 2 * q if arch.architecture in GATED_QUERY_FAMILIES else q),
-        "k_proj": (h, kv),
-        "v_proj": (h, kv),
-        "qkv_proj": (h, q + 2 * kv),
-        "o_proj": (q, h),
-        "gate_proj": (h, inter),
-        "up_proj": (h, inter),
-        "gate_up_proj": (h, 2 * inter),
-        "down_proj": (inter, h),
-        "in_proj_qkv": (h, 2 * key + value),
-        "in_proj_z": (h, value),
-        "in_proj_b": (h, heads),
-        "in_proj_a": (h, heads),
-        "in_proj_qkvz": (h, 2 * key + 2 * value),  # Qwen3-Next: rows grouped by key head
-        "in_proj_ba": (h, 2 * heads),
-        "out_proj": (value, h),
-    }[name]
+    rows = {
+        "q_proj": 2 * q if arch.architecture in GATED_QUERY_FAMILIES else q,
+        "k_proj": kv,
+        "v_proj": kv,
+        "o_proj": h,
+        "gate_proj": inter,
+        "up_proj": inter,
+        "down_proj": h,
+    }
+    d_in = {"self_attn.o_proj": q, "mlp.down_proj": inter}.get(module, h)
+    return d_in, [rows[name] for name in layer_slices(arch, layer, module)]
 
 
 # Output slices of each module we wrap, in the fused layout (their sizes: slice_sizes).
@@ -108,6 +125,10 @@ MODULE_SLICES: dict[str, tuple[str, ...]] = {
             "out_proj",
         )
     },
+    # Mamba2 (Granite 4.0-H) and LFM2's short conv: in_proj / out_proj as the checkpoints hold them
+    **{f"{mixer}.{name}": (name,) for mixer in ("mamba", "conv") for name in ("in_proj", "out_proj")},
+    "shared_mlp.input_linear": ("input_linear",),  # Granite's fused gate | up, one projection
+    "shared_mlp.output_linear": ("output_linear",),
 }
 
 _ATTENTION: dict[str, Projection] = {
@@ -147,6 +168,27 @@ _LLAMA4 = {
     **_ATTENTION,
     **{name: replace(where, checkpoint=f"feed_forward.{name}") for name, where in _GATED_MLP.items()},
 }
+# Granite 4.0-H: attention (q/k/v fused here), the Mamba2 layers' in_proj / out_proj and the shared MLP
+# beside the routed experts (input_linear holds gate | up as our module does).
+_GRANITE_HYBRID = {
+    **_ATTENTION,
+    "in_proj": Projection("mamba.in_proj", (0,), "mixer"),
+    "out_proj": Projection("mamba.out_proj", (0,), "mixer"),
+    "input_linear": Projection("shared_mlp.input_linear", (0,), "dense_mlp"),
+    "output_linear": Projection("shared_mlp.output_linear", (0,), "dense_mlp"),
+}
+# LFM2: the checkpoint's attention out_proj and feed_forward w1 / w3 / w2 are our o_proj and gate / up /
+# down (models/lfm2.py renames them); its short conv's in_proj / out_proj. Keys name the parent where a
+# leaf would be ambiguous (two out_proj).
+_LFM2 = {
+    **{name: _ATTENTION[name] for name in ("q_proj", "k_proj", "v_proj")},
+    "self_attn.out_proj": replace(_ATTENTION["o_proj"], checkpoint="self_attn.out_proj"),
+    "w1": replace(_GATED_MLP["gate_proj"], checkpoint="feed_forward.w1"),
+    "w3": replace(_GATED_MLP["up_proj"], checkpoint="feed_forward.w3"),
+    "w2": replace(_GATED_MLP["down_proj"], checkpoint="feed_forward.w2"),
+    "conv.in_proj": Projection("conv.in_proj", (0,), "mixer", checkpoint="conv.in_proj"),
+    "conv.out_proj": Projection("conv.out_proj", (0,), "mixer", checkpoint="conv.out_proj"),
+}
 _FUSED_GATE_UP = {"gate_up_proj": Projection("mlp.gate_up_proj", (0, 1), "mlp"), **_DOWN}
 # The projections of models/llama.py's dense decoder layer, as most checkpoints name them.
 PROJECTIONS: dict[str, Projection] = {**_ATTENTION, **_GATED_MLP}
@@ -178,12 +220,23 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     # beside a MoE layer's experts is adaptable. The per-layer-input gate / projection are not.
     "gemma4": PROJECTIONS,
     "llama4": _LLAMA4,
+    "granitemoehybrid": _GRANITE_HYBRID,
+    "lfm2": _LFM2,
+    "lfm2_moe": _LFM2,  # the first num_dense_layers' MLPs; the experts refused
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_TARGETS)
 # Families whose adapters run on one device only: their projections are sharded under tensor
 # parallelism by rules (parallel/tp_hybrid.py, Gemma 4's per-layer shapes) that LoRASharding does not
 # follow yet.
-SINGLE_DEVICE_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "gemma4")
+SINGLE_DEVICE_FAMILIES = (
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "gemma4",
+    "granitemoehybrid",
+    "lfm2",
+    "lfm2_moe",
+)
 
 
 def family_targets(arch: ModelArch) -> dict[str, Projection]:
@@ -231,4 +284,4 @@ def layer_modules(arch: ModelArch, layer: int) -> dict[str, list[int]]:
 
 def slice_sizes(arch: ModelArch, module: str, layer: int = 0) -> list[int]:
     """Output rows of each of `module`'s slices in layer `layer` (layer_slices order)."""
-    return [projection_dims(arch, name, layer)[1] for name in layer_slices(arch, layer, module)]
+    return module_dims(arch, module, layer)[1]
