@@ -333,7 +333,8 @@ def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None
         arch = replace(_DENSE, architecture="minimax_m2")
 
     with pytest.raises(
-        ConfigError, match="LoRA adapters run on generating llama, .*gemma3.*phi3.* models, not on 'minimax_m2'"
+        ConfigError,
+        match="LoRA adapters run on generating llama, .*gemma3.*phi3.* models, not on 'minimax_m2'",
     ):
         lora_config(EngineOptions(model="x", enable_lora=True), Source(), "generate")  # type: ignore[arg-type]
 
