@@ -54,6 +54,11 @@ def _tiny(family: str) -> torch.nn.Module:
         from tests.tiny_granite import make_granite_model
 
         return make_granite_model("moe" if family.endswith("moe") else "dense")
+    if family.startswith("nemotron_h"):
+        from tests import tiny_nemotron_h
+
+        make = "make_nemotron_h_moe_model" if family.endswith("moe") else "make_nemotron_h_model"
+        return getattr(tiny_nemotron_h, make)()
     if family.startswith("lfm2"):
         from tests.tiny_lfm2 import make_lfm2_model
 
@@ -143,6 +148,10 @@ CASES: dict[str, str] = {
     # Mamba2 layers' in_proj / out_proj, the shared MLP (beside the routed experts in the MoE variant)
     "granitemoehybrid": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
     "granitemoehybrid-moe": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
+    # blocks, each one mixer: attention, Mamba2, the ungated MLP; MoE blocks (their shared experts) not.
+    # PEFT refuses Mamba's out_proj on nemotron_h (Granite's case covers Mamba2's out_proj).
+    "nemotron_h": r".*mixer\.(q_proj|k_proj|v_proj|o_proj|in_proj|up_proj|down_proj)",
+    "nemotron_h_moe": r".*mixer\.(q_proj|k_proj|v_proj|o_proj|in_proj|up_proj|down_proj)",
     # attention's out_proj, feed_forward w1 / w3 / w2, the short conv's in_proj / out_proj (with biases)
     "lfm2": "q_proj|k_proj|v_proj|out_proj|w1|w2|w3|in_proj",
     "lfm2_moe": r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|conv\.(in_proj|out_proj)|feed_forward\.(w1|w2|w3))",
@@ -222,6 +231,17 @@ _GEMMA4 = replace(
 )  # fmt: skip
 
 
+_MAMBA = dict(mamba_n_heads=2, mamba_d_head=4, mamba_d_state=2, mamba_d_conv=4)  # in_proj: 8 + 12 + 2 rows
+_GRANITE_H = replace(
+    _DENSE, architecture="granitemoehybrid", layer_types=("linear_attention", "full_attention"), **_MAMBA
+)
+# Nemotron-H's blocks Mamba2, attention, MLP, MoE: two ModelArch layers, four model.layers
+_NEMOTRON_H = replace(
+    _DENSE, architecture="nemotron_h", block_pattern="M*-E", layer_types=("linear_attention", "full_attention"),
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, **_MAMBA,
+)  # fmt: skip
+
+
 def _write(folder: Path, arch: ModelArch, tensors: dict[str, tuple[int, int]], **config: Any) -> LoRARequest:
     """An adapter folder of rank 2 holding `tensors` (key -> shape), random."""
     from safetensors.torch import save_file
@@ -268,6 +288,17 @@ def _pair(
         (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.shared_expert.up_proj", 16, 8), {}, "'feed_forward.shared_expert.up_proj' of layer 0: adapting a mixture of experts"),
         (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.down_proj", 24, 16), {}, "'feed_forward.down_proj' of layer 0: adapting a mixture of experts"),
         (replace(_DENSE, architecture="llama4"), _pair("mlp.down_proj", 24, 16), {}, r"'down_proj' is not supported \(layer 0 mlp.down_proj; supported: q_proj, .*down_proj on llama4"),
+        (_GRANITE_H, _pair("self_attn.q_proj", 16, 16), {}, "layer 0 of the base model is a linear-attention layer without it"),
+        (_GRANITE_H, _pair("mamba.in_proj", 16, 21), {}, r"in_proj.lora_B has shape \[21, 2\], this base model needs \[22, 2\]"),
+        (_GRANITE_H, _pair("block_sparse_moe.router.layer", 16, 4), {}, "'block_sparse_moe.router.layer' of layer 0: adapting a mixture of experts"),
+        (_GRANITE_H, _pair("mamba.conv1d", 4, 12), {}, r"'conv1d' is not supported \(layer 0 mamba.conv1d; supported: q_proj, k_proj, v_proj, o_proj, in_proj, out_proj, input_linear, output_linear on granitemoehybrid"),
+        (replace(_DENSE, architecture="lfm2"), _pair("self_attn.o_proj", 16, 16), {}, r"'o_proj' is not supported \(layer 0 self_attn.o_proj; supported: q_proj, k_proj, v_proj, self_attn.out_proj, w1, w3, w2, conv.in_proj, conv.out_proj on lfm2"),
+        (replace(_DENSE, architecture="lfm2"), _pair("conv.in_proj", 16, 48), {}, "layer 0 of the base model is a layer without it"),
+        (_NEMOTRON_H, _pair("mixer.q_proj", 16, 16), {}, "layer 0 of the base model is a Mamba2 block without it"),
+        (_NEMOTRON_H, _pair("mixer.in_proj", 16, 22, layer=2), {}, "layer 2 of the base model is an MLP block without it"),
+        (_NEMOTRON_H, _pair("mixer.up_proj", 16, 24, layer=3), {}, "'mixer.up_proj' of layer 3: adapting a mixture of experts"),
+        (_NEMOTRON_H, _pair("mixer.gate", 16, 4, layer=3), {}, "'mixer.gate' of layer 3: adapting a mixture of experts"),
+        (_NEMOTRON_H, _pair("mixer.up_proj", 16, 24, layer=4), {}, "is for layer 4, but the base model has 4 layers"),
         (_GEMMA4, _pair("self_attn.k_proj", 16, 8, layer=2), {}, r"layer 2 of the base model is a KV-shared layer \(its keys and values are layer 0's\) without it"),
         (_GEMMA4, _pair("self_attn.v_proj", 16, 8, layer=1), {}, r"layer 1 of the base model is a full-attention layer whose values are its keys"),
         (_GEMMA4, _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),
@@ -412,6 +443,25 @@ def test_gemma4_layers_place_each_projection_by_kind(tmp_path: Path) -> None:
         (1, "q_proj", "self_attn.qkv_proj", (0,), (32,)),
         (2, "down_proj", "mlp.down_proj", (0,), (16,)),
         (2, "q_proj", "self_attn.q_proj", (0,), (16,)),
+    ]
+
+
+def test_nemotron_h_blocks_place_each_mixer(tmp_path: Path) -> None:
+    """Nemotron-H's adapter keys index blocks (published ones under backbone.): block 0's Mamba2 in_proj,
+    block 1's attention (q/k/v fused here), block 2's ungated MLP, each in its block's own module."""
+    tensors = (
+        _pair("mixer.in_proj", 16, 22, prefix="backbone.") | _pair("mixer.out_proj", 8, 16)
+        | _pair("mixer.v_proj", 16, 8, layer=1) | _pair("mixer.o_proj", 16, 16, layer=1)
+        | _pair("mixer.up_proj", 16, 24, layer=2) | _pair("mixer.down_proj", 24, 16, layer=2)
+    )  # fmt: skip
+    spec = check_adapter(_write(tmp_path / "nh", _NEMOTRON_H, tensors), _NEMOTRON_H, max_lora_rank=2)
+    assert [(t.layer, t.module, t.slices, t.rows) for t in spec.tensors] == [
+        (0, "mixer.in_proj", (0,), (22,)),
+        (0, "mixer.out_proj", (0,), (16,)),
+        (1, "mixer.o_proj", (0,), (16,)),
+        (1, "mixer.qkv_proj", (2,), (8,)),
+        (2, "mixer.down_proj", (0,), (16,)),
+        (2, "mixer.up_proj", (0,), (24,)),
     ]
 
 

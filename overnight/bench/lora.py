@@ -19,7 +19,7 @@ from overnight.bench.workloads import Workload
 from overnight.config import ModelArch
 from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import family_targets, locate, module_dims
+from overnight.lora.targets import family_targets, locate, module_dims, num_layers
 from overnight.options import EngineOptions
 
 
@@ -36,7 +36,7 @@ def write_random_adapters(
         path = os.path.join(folder, f"adapter{i}")
         os.makedirs(path, exist_ok=True)
         tensors = {}
-        for layer in range(arch.num_hidden_layers):
+        for layer in range(num_layers(arch)):
             for name, proj in targets.items():
                 found = locate(arch, name, layer)
                 if found is None:

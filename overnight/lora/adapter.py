@@ -27,8 +27,10 @@ from overnight.lora.request import LoRARequest
 from overnight.lora.targets import (
     SUPPORTED_ARCHITECTURES,
     family_targets,
+    is_sparse,
     locate,
     module_dims,
+    num_layers,
 )
 
 if TYPE_CHECKING:
@@ -38,9 +40,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A decoder layer's projection, under the text model's own prefix or an image checkpoint's language model
-# (transformers 5 saves model.language_model.layers, 4.x language_model.model.layers).
+# (transformers 5 saves model.language_model.layers, 4.x language_model.model.layers; Nemotron-H's
+# published checkpoints backbone.layers).
 _KEY = re.compile(
-    r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.|backbone\.)"
     r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])\.weight"
 )
 _UNSUPPORTED_TARGETS = {
@@ -198,15 +201,17 @@ def _check_tensors(
                 raise _refuse(req, "DoRA (use_dora) adapters are not supported")
             raise _refuse(req, f"tensor {key} is not a LoRA weight of a decoder layer's projection")
         layer, path, ab = int(match.group(1)), match.group(2), match.group(3)
-        if layer >= arch.num_hidden_layers:
+        if layer >= num_layers(arch):
             raise _refuse(
                 req,
-                f"tensor {key} is for layer {layer}, but the base model has {arch.num_hidden_layers} "
+                f"tensor {key} is for layer {layer}, but the base model has {num_layers(arch)} "
                 "layers: the adapter was trained for another base model",
             )
         proj = by_path.get(path)
-        sparse = arch.is_moe_layer(layer) and not arch.moe_beside_dense and not path.startswith(mixers)
-        sparse = sparse and (proj is None or targets[proj].kind == "mlp")  # not an MLP beside the experts
+        # a sparse layer's MLP or unknown parts of it (not an MLP beside the experts, nor attention or
+        # a linear mixer; every part of a Nemotron-H MoE block)
+        sparse = is_sparse(arch, layer) and (proj is None or targets[proj].kind == "mlp")
+        sparse = sparse and (bool(arch.block_pattern) or not path.startswith(mixers))
         if sparse or any(part in path for part in _EXPERT_PARTS):
             raise _refuse(
                 req,
@@ -252,6 +257,9 @@ def _check_tensors(
 
 
 def _layer_kind(arch: ModelArch, layer: int) -> str:
+    if arch.block_pattern:
+        kind = {"M": "a Mamba2", "*": "an attention", "-": "an MLP", "E": "a mixture-of-experts"}
+        return f"{kind[arch.block_pattern[layer]]} block"
     if arch.is_linear_layer(layer):
         return "a linear-attention layer"
     if arch.is_moe_layer(layer):

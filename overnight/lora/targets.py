@@ -44,6 +44,8 @@ class Projection:
 
     def in_layer(self, arch: ModelArch, layer: int) -> bool:
         """Whether layer `layer` of `arch` has this kind of projection (locate() says where)."""
+        if arch.block_pattern:  # Nemotron-H: block `layer` is one mixer of its pattern's kind
+            return _BLOCK_KINDS[arch.block_pattern[layer]] == self.kind
         if self.kind == "mlp":  # Gemma 4's MoE layers run their experts beside a dense MLP
             return arch.moe_beside_dense or not arch.is_moe_layer(layer)
         if self.kind == "mixer":
@@ -51,6 +53,40 @@ class Projection:
         if self.kind == "dense_mlp":
             return True
         return not arch.is_linear_layer(layer)
+
+
+# Nemotron-H: model.layers.N is block N of block_pattern, a single mixer; only its Mamba2 and attention
+# blocks are ModelArch layers (the KV / state caches' index), its MLP and MoE blocks sit between them.
+_BLOCK_KINDS = {"M": "mixer", "*": "attention", "-": "mlp", "E": "moe"}
+# Nemotron-H's blocks' modules, and the module of the other families each is shaped as
+_BLOCK_MODULES = {
+    "mixer.qkv_proj": "self_attn.qkv_proj",
+    "mixer.o_proj": "self_attn.o_proj",
+    "mixer.in_proj": "mamba.in_proj",
+    "mixer.out_proj": "mamba.out_proj",
+    "mixer.up_proj": "mlp.up_proj",
+    "mixer.down_proj": "mlp.down_proj",
+}
+
+
+def num_layers(arch: ModelArch) -> int:
+    """How many model.layers an adapter's keys may index: Nemotron-H's blocks, else the layers."""
+    return len(arch.block_pattern) or arch.num_hidden_layers
+
+
+def arch_layer(arch: ModelArch, layer: int) -> int:
+    """The ModelArch layer of model.layers[layer]: itself, or Nemotron-H's Mamba2 / attention blocks
+    before block `layer` counted (per-layer shapes read it only for those blocks)."""
+    if not arch.block_pattern:
+        return layer
+    return sum(c in "M*" for c in arch.block_pattern[:layer])
+
+
+def is_sparse(arch: ModelArch, layer: int) -> bool:
+    """Whether model.layers[layer] has a mixture of experts in place of a dense MLP."""
+    if arch.block_pattern:
+        return arch.block_pattern[layer] == "E"
+    return arch.is_moe_layer(layer) and not arch.moe_beside_dense
 
 
 # Qwen3.5 / Qwen3-Next's full attention has an output gate: q_proj's rows are [q | gate] per head, twice
@@ -62,6 +98,8 @@ def module_dims(arch: ModelArch, module: str, layer: int = 0) -> tuple[int, list
     """(input features, output rows of each slice) of our `module` in layer `layer` (Gemma 4's
     full-attention layers have their own head size and KV heads, its KV-shared layers may have a
     double-wide MLP): the shapes an adapter's lora_A / lora_B must have."""
+    if module in _BLOCK_MODULES:
+        return module_dims(arch, _BLOCK_MODULES[module], arch_layer(arch, layer))
     h = arch.hidden_size
     parent, _, leaf = module.partition(".")
     if parent == "linear_attn":  # Gated DeltaNet (models/gated_deltanet.py)
@@ -130,6 +168,7 @@ MODULE_SLICES: dict[str, tuple[str, ...]] = {
     "shared_mlp.input_linear": ("input_linear",),  # Granite's fused gate | up, one projection
     "shared_mlp.output_linear": ("output_linear",),
 }
+MODULE_SLICES.update({block: MODULE_SLICES[like] for block, like in _BLOCK_MODULES.items()})
 
 _ATTENTION: dict[str, Projection] = {
     "q_proj": Projection("self_attn.qkv_proj", (0,), "attention"),
@@ -189,6 +228,18 @@ _LFM2 = {
     "conv.in_proj": Projection("conv.in_proj", (0,), "mixer", checkpoint="conv.in_proj"),
     "conv.out_proj": Projection("conv.out_proj", (0,), "mixer", checkpoint="conv.out_proj"),
 }
+# Nemotron-H: each block's mixer (attention, Mamba2 or the ungated MLP) under mixer.*, as our blocks hold
+# them (q/k/v fused); the MoE blocks' experts, router and shared experts refused.
+_NEMOTRON_H = {
+    **{
+        name: replace(where, module=f"mixer.{where.module.partition('.')[2]}")
+        for name, where in _ATTENTION.items()
+    },
+    "in_proj": Projection("mixer.in_proj", (0,), "mixer"),
+    "out_proj": Projection("mixer.out_proj", (0,), "mixer"),
+    "up_proj": Projection("mixer.up_proj", (0,), "mlp"),
+    "down_proj": Projection("mixer.down_proj", (0,), "mlp"),
+}
 _FUSED_GATE_UP = {"gate_up_proj": Projection("mlp.gate_up_proj", (0, 1), "mlp"), **_DOWN}
 # The projections of models/llama.py's dense decoder layer, as most checkpoints name them.
 PROJECTIONS: dict[str, Projection] = {**_ATTENTION, **_GATED_MLP}
@@ -223,6 +274,7 @@ FAMILY_TARGETS: dict[str, dict[str, Projection]] = {
     "granitemoehybrid": _GRANITE_HYBRID,
     "lfm2": _LFM2,
     "lfm2_moe": _LFM2,  # the first num_dense_layers' MLPs; the experts refused
+    "nemotron_h": _NEMOTRON_H,
 }
 SUPPORTED_ARCHITECTURES = tuple(FAMILY_TARGETS)
 # Families whose adapters run on one device only: their projections are sharded under tensor
