@@ -5,10 +5,15 @@
     projection the family lets LoRA adapt, B non-zero), our engine in fp32 token-exact against PEFT's
     merged model, the base model's requests in the same batch against the base model; Phi-3's adapter on
     its fused qkv_proj / gate_up_proj with a second adapter (unfused-order check: q, k, v and gate, up
-    rows as Phi-3 fuses them); Gemma 3's and Mistral 3's image checkpoints through language_model. keys;
+    rows as Phi-3 fuses them); Gemma 3's, Mistral 3's and Qwen3.5's image checkpoints through
+    language_model. keys; the hybrids on every kind of layer they have (Qwen3.5 / Qwen3-Next's gated
+    attention and Gated DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba2, LFM2's short conv), Gemma 4's
+    KV-shared and K=V layers, Llama 4's and LFM2's checkpoint names (feed_forward, w1 / w3 / w2);
+    Phi-3's and Qwen3.5's adapters through the Triton interpreter's SGMV kernels;
   - fast: the refusals (experts and routers of MoE layers, target_parameters, a vision tower, names of
-    another family, families without LoRA) on adapters written by hand, and a fused projection's B split
-    across our slices.
+    another family, families without LoRA, a projection on a layer of the other kind, B rows of an
+    ungated q_proj, LoRA with tensor parallelism on the single-device families) on adapters written by
+    hand, a fused projection's B split across our slices, Gemma 4's and Nemotron-H's per-layer placement.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ def _tiny(family: str) -> torch.nn.Module:
         from tests.dense_family_checks import make_model
 
         return make_model(family)
-    if family in HYBRIDS:
+    if family in (*HYBRIDS, "qwen3_5_vl"):
         from tests.tiny_hybrid import make_hybrid_model
 
         return make_hybrid_model(family)
@@ -159,6 +164,8 @@ CASES: dict[str, str] = {
     "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
     "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
     "qwen3_next": f"{_ATTN}|in_proj_qkvz|in_proj_ba|out_proj",  # fused by key head, as the checkpoint
+    # an image checkpoint's language model (the tower's attention refused: its keys are model.visual.)
+    "qwen3_5_vl": f".*language_model.*\\.({_ATTN}|{_GATED_DELTA}|{_MLP})",
 }
 
 
