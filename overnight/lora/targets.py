@@ -9,12 +9,19 @@ lists each wrapped module's output slices, in its fused row order). A checkpoint
     a module of its own:       Apertus' ungated up_proj (its MLP has no gate: mlp.up_proj); every
                                projection of the Qwen3.5 / Qwen3-Next hybrids (models/qwen3_next.py
                                keeps the checkpoint's linears: q/k/v/o_proj unfused, the Gated DeltaNet
-                               layers' in_proj_* and out_proj with the checkpoint's row order).
-FAMILY_TARGETS names what each family's checkpoints call their projections; a family not in it has no
-LoRA. The MoE families adapt attention only (and Qwen3-MoE's dense layers' MLPs): experts and routers
-are no linear layers of ours (stacked or quantized expert weights), so adapters on them are refused.
-In a hybrid, a layer holds either attention or a linear-attention mixer: Projection.in_layer says which
-layers have a projection (an adapter's tensor for a layer without it was trained for another model).
+                               layers' in_proj_* and out_proj with the checkpoint's row order); the
+                               Mamba2 / short-conv in_proj and out_proj; Granite's shared_mlp.
+FAMILY_TARGETS names what each family's checkpoints call their projections (Projection.checkpoint where
+the checkpoint holds one elsewhere than we do: Llama 4's and LFM2's feed_forward); a family not in it
+has no LoRA. The MoE families adapt attention only (and their dense layers' MLPs where the table lists
+them): experts and routers are no linear layers of ours (stacked or quantized expert weights), so
+adapters on them are refused.
+
+Which layers hold a projection, and where, depends on the layer (locate): a hybrid's layer holds either
+attention or a linear mixer, a sparse layer no dense MLP (unless beside its experts: Gemma 4, Granite),
+a Gemma 4 KV-shared layer only q_proj (a module of its own), a K=V layer no v_proj, and Nemotron-H's
+model.layers are its blocks, one mixer each. An adapter's tensor for a layer without it was trained for
+another model. module_dims gives each module's input and slice sizes per layer.
 """
 
 from __future__ import annotations
