@@ -347,20 +347,32 @@ def test_every_family_table_is_writable_and_checks(tmp_path: Path) -> None:
     """bench's random adapters (every target of the family) pass the checks on each supported family."""
     from overnight.bench.lora import write_random_adapters
 
+    layered = {  # families whose layers differ: their kinds of layer (blocks) as the tests above build them
+        "gemma4": _GEMMA4,
+        "granitemoehybrid": _GRANITE_H,
+        "nemotron_h": _NEMOTRON_H,
+        "lfm2": replace(_GRANITE_H, architecture="lfm2"),
+    }
     for family, targets in FAMILY_TARGETS.items():
         moe = family in ("mixtral", "gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_next")
-        arch = replace(_MIXTRAL if moe else _DENSE, architecture=family)
+        arch = layered.get(family) or replace(_MIXTRAL if moe else _DENSE, architecture=family)
         if family in HYBRIDS:
             arch = _hybrid(arch)
         (lora,) = write_random_adapters(arch, 1, 2, str(tmp_path / family))
         spec = check_adapter(lora, arch, max_lora_rank=2)
-        want = sum(locate(arch, n, i) is not None for n in targets for i in range(arch.num_hidden_layers))
+        layers = range(len(arch.block_pattern) or arch.num_hidden_layers)
+        want = sum(locate(arch, n, i) is not None for n in targets for i in layers)
         assert len(spec.tensors) == want, family
         kinds = {(t.layer, targets[t.name].kind) for t in spec.tensors}
         has_mlp = any(w.kind == "mlp" for w in targets.values())
-        for i in range(arch.num_hidden_layers):  # a hybrid's layer: attention or its mixer
-            assert ((i, "attention") in kinds) != ((i, "mixer") in kinds) or family not in HYBRIDS
-            assert ((i, "mlp") in kinds) == (has_mlp and not arch.is_moe_layer(i)), (family, i)
+        for i in layers:  # a hybrid's layer: attention or its mixer; Nemotron-H's block: one of three
+            found = [kind for kind in ("attention", "mixer", "mlp") if (i, kind) in kinds]
+            if arch.block_pattern:
+                assert len(found) == (arch.block_pattern[i] != "E"), (family, i)
+                continue
+            if arch.layer_types and family != "gemma4":
+                assert ("attention" in found) != ("mixer" in found), (family, i)
+            assert ("mlp" in found) == (has_mlp and not arch.is_moe_layer(i)), (family, i)
 
 
 def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None:
