@@ -148,8 +148,8 @@ CASES: dict[str, str] = {
     "gemma4": f"{_ATTN}|{_MLP}",
     "gemma4-moe": f"{_ATTN}|{_MLP}",
     "gemma4-multimodal": f".*language_model.*\\.({_ATTN}|{_MLP})",
-    # the dense layers' MLPs (feed_forward in the checkpoint), not the MoE layers' shared expert
-    "llama4": f".*layers\\.\\d+\\.(self_attn\\.({_ATTN})|feed_forward\\.({_MLP}))",
+    # the dense layers' MLPs and the MoE layers' shared expert (feed_forward in the checkpoint)
+    "llama4": f".*layers\\.\\d+\\.(self_attn\\.({_ATTN})|feed_forward\\.(shared_expert\\.)?({_MLP}))",
     # Mamba2 layers' in_proj / out_proj, the shared MLP (beside the routed experts in the MoE variant)
     "granitemoehybrid": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
     "granitemoehybrid-moe": f"{_ATTN}|in_proj|out_proj|input_linear|output_linear",
@@ -162,8 +162,12 @@ CASES: dict[str, str] = {
     "lfm2_moe": r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|conv\.(in_proj|out_proj)|feed_forward\.(w1|w2|w3))",
     # q_proj's rows are [q | gate] per head; the linear layers' Gated DeltaNet projections
     "qwen3_5": f"{_ATTN}|{_GATED_DELTA}|{_MLP}",
-    "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}",  # every layer sparse: experts and shared expert refused
-    "qwen3_next": f"{_ATTN}|in_proj_qkvz|in_proj_ba|out_proj",  # fused by key head, as the checkpoint
+    # every layer sparse: the shared expert's gate/up/down_proj beside the stacked routed experts. Not on
+    # Qwen3-Next: PEFT resolves a regex to leaf names and adds its routed experts' stacked tensors as
+    # target_parameters (refused) for any gate_proj / up_proj / down_proj. Its in_proj_qkvz / in_proj_ba
+    # are fused by key head, as the checkpoint holds them.
+    "qwen3_5_moe": f"{_ATTN}|{_GATED_DELTA}|shared_expert\\.({_MLP})",
+    "qwen3_next": f"{_ATTN}|in_proj_qkvz|in_proj_ba|out_proj",
     # an image checkpoint's language model (the tower's attention refused: its keys are model.visual.)
     "qwen3_5_vl": f".*language_model.*\\.({_ATTN}|{_GATED_DELTA}|{_MLP})",
 }
@@ -290,9 +294,10 @@ def _pair(
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("linear_attn.out_proj", 12, 16, layer=1), {}, "layer 1 of the base model is a full-attention layer without it"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("self_attn.q_proj", 16, 16, layer=1), {}, r"q_proj.lora_B has shape \[16, 2\], this base model needs \[32, 2\]"),
         (_hybrid(replace(_DENSE, architecture="qwen3_next")), _pair("linear_attn.in_proj_qkv", 16, 28), {}, r"'in_proj_qkv' is not supported \(layer 0 linear_attn.in_proj_qkv; supported: .*in_proj_qkvz, in_proj_ba, out_proj"),
-        (_hybrid(replace(_MIXTRAL, architecture="qwen3_5_moe")), _pair("mlp.shared_expert.gate_proj", 16, 8), {}, "'mlp.shared_expert.gate_proj' of layer 0: adapting a mixture of experts"),
+        (_hybrid(replace(_MIXTRAL, architecture="qwen3_5_moe")), _pair("mlp.shared_expert_gate", 16, 1), {}, "'mlp.shared_expert_gate' of layer 0: adapting a mixture of experts"),
         (_hybrid(replace(_DENSE, architecture="qwen3_5")), _pair("blocks.0.attn.qkv", 16, 48, prefix="model.visual."), {}, "adapts the vision tower"),
-        (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.shared_expert.up_proj", 16, 8), {}, "'feed_forward.shared_expert.up_proj' of layer 0: adapting a mixture of experts"),
+        (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.router", 16, 4), {}, "'feed_forward.router' of layer 0: adapting a mixture of experts"),
+        (replace(_DENSE, architecture="llama4"), _pair("feed_forward.shared_expert.up_proj", 16, 8), {}, "layer 0 of the base model is a layer without it"),
         (replace(_MIXTRAL, architecture="llama4"), _pair("feed_forward.down_proj", 24, 16), {}, "'feed_forward.down_proj' of layer 0: adapting a mixture of experts"),
         (replace(_DENSE, architecture="llama4"), _pair("mlp.down_proj", 24, 16), {}, r"'down_proj' is not supported \(layer 0 mlp.down_proj; supported: q_proj, .*down_proj on llama4"),
         (_GRANITE_H, _pair("self_attn.q_proj", 16, 16), {}, "layer 0 of the base model is a linear-attention layer without it"),
@@ -354,8 +359,9 @@ def test_every_family_table_is_writable_and_checks(tmp_path: Path) -> None:
         "lfm2": replace(_GRANITE_H, architecture="lfm2"),
     }
     for family, targets in FAMILY_TARGETS.items():
-        moe = family in ("mixtral", "gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_next")
-        arch = layered.get(family) or replace(_MIXTRAL if moe else _DENSE, architecture=family)
+        moe = family in ("mixtral", "gpt_oss", "qwen3_moe", "qwen3_5_moe", "qwen3_next", "llama4")
+        moe_arch = replace(_MIXTRAL, shared_expert_intermediate_size=12)
+        arch = layered.get(family) or replace(moe_arch if moe else _DENSE, architecture=family)
         if family in HYBRIDS:
             arch = _hybrid(arch)
         (lora,) = write_random_adapters(arch, 1, 2, str(tmp_path / family))
@@ -427,8 +433,9 @@ def test_adapter_on_the_kernel_path(family: str, tmp_path: Path, monkeypatch) ->
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(got[~rows], plain[~rows])
         assert not torch.allclose(got[rows], plain[rows]), path
-    if family != "phi3":  # every projection of both layer kinds wrapped
-        assert {path for _, path in lora.modules} == {w.module for w in FAMILY_TARGETS[family].values()}
+    if family != "phi3":  # every projection of both layer kinds wrapped (a dense model: no shared expert)
+        targets = FAMILY_TARGETS[family].values()
+        assert {path for _, path in lora.modules} == {w.module for w in targets if w.kind != "shared_expert"}
 
 
 def test_tensor_parallel_lora_on_a_hybrid_is_refused() -> None:

@@ -3,7 +3,7 @@ adapter (B split by output rows on column-parallel layers, A by input columns on
 partial x @ A^T summed over ranks), give the tokens of one process for a mixed batch of adapters and the
 base model. With one KV head, both ranks hold a copy of its k/v adapter rows; Phi-3's adapters on its
 fused qkv_proj / gate_up_proj are split into our slices before each rank takes its share; Llama 4's
-(feed_forward in the checkpoint) land on its dense layers' MLPs, beside the MoE layers."""
+(feed_forward in the checkpoint) land on its dense layers' MLPs and its MoE layers' shared experts."""
 
 from __future__ import annotations
 
@@ -23,11 +23,11 @@ TARGETS = {
     "qwen3": (ALL, ("k_proj", "v_proj", "down_proj"), ("o_proj", "up_proj")),
     "llama": (ALL, ("k_proj", "v_proj", "down_proj"), ("o_proj", "up_proj")),
     "phi3": (("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), ("qkv_proj", "down_proj"), ("o_proj", "gate_up_proj")),
-    # Llama 4: attention and the dense layers' feed_forward (PEFT regexes: the MoE layers' shared expert
-    # is refused)
+    # Llama 4: attention, the dense layers' feed_forward and the MoE layers' shared expert (its down_proj
+    # row-parallel)
     "llama4": (
-        r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|feed_forward\.(gate_proj|up_proj|down_proj))",
-        r".*self_attn\.(k_proj|v_proj)|.*layers\.\d+\.feed_forward\.down_proj",
+        r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|feed_forward\.(shared_expert\.)?(gate_proj|up_proj|down_proj))",
+        r".*self_attn\.(k_proj|v_proj)|.*feed_forward\.(shared_expert\.)?down_proj",
         r".*self_attn\.o_proj|.*layers\.\d+\.feed_forward\.up_proj",
     ),
 }  # fmt: skip

@@ -212,7 +212,7 @@ def _check_tensors(
         # a linear mixer; every part of a Nemotron-H MoE block)
         sparse = is_sparse(arch, layer) and (proj is None or targets[proj].kind == "mlp")
         sparse = sparse and (bool(arch.block_pattern) or not path.startswith(mixers))
-        if sparse or any(part in path for part in _EXPERT_PARTS):
+        if sparse or (proj is None and any(part in path for part in _EXPERT_PARTS)):
             raise _refuse(
                 req,
                 f"target module {path!r} of layer {layer}: adapting a mixture of experts (its experts "

@@ -23,7 +23,7 @@ from overnight.lora.targets import MODULE_SLICES
 
 # Row-parallel layers under tensor parallelism: each rank holds some input columns, so A is split by
 # its columns and the partial x @ A^T summed over ranks; the others are column-parallel: B split by rows.
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj")
 
 
 @dataclass(frozen=True)

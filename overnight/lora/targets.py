@@ -40,6 +40,7 @@ class Projection:
     slices: tuple[int, ...]
     # "attention" | "mlp" (none in a sparse layer) | "mixer" (a hybrid's linear-attention, Mamba2 or
     # short-conv layers) | "dense_mlp" (an MLP in every layer, beside any experts: Granite's shared_mlp)
+    # | "shared_expert" (a sparse layer's shared expert, beside its routed ones)
     kind: str
     # Where the checkpoint holds it inside a layer when not where we do ("feed_forward.gate_proj" of
     # Llama 4, whose MLP we call mlp); "": module's parent and the projection's name.
@@ -59,6 +60,8 @@ class Projection:
             return arch.is_linear_layer(layer)
         if self.kind == "dense_mlp":
             return True
+        if self.kind == "shared_expert":
+            return arch.is_moe_layer(layer)
         return not arch.is_linear_layer(layer)
 
 
@@ -130,6 +133,9 @@ def module_dims(arch: ModelArch, module: str, layer: int = 0) -> tuple[int, list
         return (h, [inner + conv + arch.mamba_n_heads]) if leaf == "in_proj" else (inner, [h])
     if parent == "conv":  # LFM2's short conv: in_proj gives B | C | x
         return h, [3 * h if leaf == "in_proj" else h]
+    if module.startswith("mlp.shared_expert."):  # a gated MLP of its own width (models/qwen3_next.py)
+        inter = arch.shared_expert_intermediate_size
+        return (inter, [h]) if leaf == "shared_expert.down_proj" else (h, [inter])
     if parent == "shared_mlp":  # Granite's: input_linear gives gate | up
         inter = arch.shared_expert_intermediate_size if arch.num_experts else arch.intermediate_size
         return (h, [2 * inter]) if leaf == "input_linear" else (inter, [h])
@@ -174,6 +180,11 @@ MODULE_SLICES: dict[str, tuple[str, ...]] = {
     **{f"{mixer}.{name}": (name,) for mixer in ("mamba", "conv") for name in ("in_proj", "out_proj")},
     "shared_mlp.input_linear": ("input_linear",),  # Granite's fused gate | up, one projection
     "shared_mlp.output_linear": ("output_linear",),
+    # a sparse layer's shared expert (SplitMLP: unfused, its checkpoint's names)
+    **{
+        f"mlp.shared_expert.{name}": (f"shared_expert.{name}",)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    },
 }
 MODULE_SLICES.update({block: MODULE_SLICES[like] for block, like in _BLOCK_MODULES.items()})
 
@@ -202,17 +213,31 @@ def _mixer(*names: str) -> dict[str, Projection]:
 # Qwen3.5 (dense and MoE) and Qwen3-Next: attention, the Gated DeltaNet projections (four of them, or
 # Qwen3-Next's fused two) and the MLP of dense layers; a MoE layer's experts, router and shared expert
 # are refused as on the other MoE families.
+# A sparse layer's shared expert: keyed shared_expert.gate_proj etc. (its leaves are the dense MLP's).
+_SHARED_EXPERT = {
+    f"shared_expert.{name}": Projection(
+        f"mlp.shared_expert.{name}", (0,), "shared_expert", f"mlp.shared_expert.{name}"
+    )
+    for name in ("gate_proj", "up_proj", "down_proj")
+}
 _QWEN3_5 = {
     **_UNFUSED_ATTENTION,
     **_mixer("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
     **_GATED_MLP,
+    **_SHARED_EXPERT,
 }
-_QWEN3_NEXT = {**_UNFUSED_ATTENTION, **_mixer("in_proj_qkvz", "in_proj_ba", "out_proj"), **_GATED_MLP}
-# Llama 4: the MLP is feed_forward in the checkpoint; a dense layer's MLP adaptable, a MoE layer's
-# experts, router and shared expert not.
+_QWEN3_NEXT = {
+    **_UNFUSED_ATTENTION,
+    **_mixer("in_proj_qkvz", "in_proj_ba", "out_proj"),
+    **_GATED_MLP,
+    **_SHARED_EXPERT,
+}
+# Llama 4: the MLP is feed_forward in the checkpoint: a dense layer's MLP and a MoE layer's shared
+# expert adaptable, its routed experts and router not.
 _LLAMA4 = {
     **_ATTENTION,
     **{name: replace(where, checkpoint=f"feed_forward.{name}") for name, where in _GATED_MLP.items()},
+    **{name: replace(where, checkpoint=f"feed_forward.{name}") for name, where in _SHARED_EXPERT.items()},
 }
 # Granite 4.0-H: attention (q/k/v fused here), the Mamba2 layers' in_proj / out_proj and the shared MLP
 # beside the routed experts (input_linear holds gate | up as our module does).
