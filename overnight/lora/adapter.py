@@ -55,7 +55,8 @@ _UNSUPPORTED_TARGETS = {
     "multi_modal_projector": "the multimodal projector",
 }
 # Paths inside a layer that belong to a mixture of experts (Mixtral's block_sparse_moe in older
-# transformers, experts.N.{w1,w2,w3} or stacked experts, the router: mlp.gate / mlp.router).
+# transformers, experts.N.{w1,w2,w3} or stacked experts, the router: mlp.gate / mlp.router), unless the
+# family's table lists them (a shared expert of Llama 4 or Qwen3.5-MoE).
 _EXPERT_PARTS = ("expert", "block_sparse_moe", "router")
 
 
