@@ -338,12 +338,17 @@ def lora_config(opts: EngineOptions, source: ModelSource, runner: str) -> LoRACo
     """The LoRA config when enable_lora; ConfigError for options or a model LoRA cannot work with."""
     if not opts.enable_lora:
         return None
-    from overnight.lora.targets import SUPPORTED_ARCHITECTURES
+    from overnight.lora.targets import SINGLE_DEVICE_FAMILIES, SUPPORTED_ARCHITECTURES
 
     if runner != "generate" or source.arch.architecture not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(
             f"enable_lora: LoRA adapters run on generating {', '.join(SUPPORTED_ARCHITECTURES)} models, "
             f"not on {source.arch.architecture!r} with runner {runner!r}"
+        )
+    if opts.tensor_parallel_size > 1 and source.arch.architecture in SINGLE_DEVICE_FAMILIES:
+        raise ConfigError(
+            f"enable_lora: LoRA on {source.arch.architecture!r} models with tensor_parallel_size > 1 is "
+            "not supported yet (use tensor_parallel_size 1, or data parallelism)"
         )
     if opts.max_loras < 1 or opts.max_lora_rank < 1:
         raise ConfigError(

@@ -19,7 +19,7 @@ from overnight.bench.workloads import Workload
 from overnight.config import ModelArch
 from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import family_targets
+from overnight.lora.targets import family_targets, locate, module_dims, num_layers
 from overnight.options import EngineOptions
 
 
@@ -36,12 +36,14 @@ def write_random_adapters(
         path = os.path.join(folder, f"adapter{i}")
         os.makedirs(path, exist_ok=True)
         tensors = {}
-        for layer in range(arch.num_hidden_layers):
+        for layer in range(num_layers(arch)):
             for name, proj in targets.items():
-                if proj.kind == "mlp" and arch.is_moe_layer(layer):
+                found = locate(arch, name, layer)
+                if found is None:
                     continue
-                d_in, d_out = proj.dims(arch, name)
-                prefix = f"base_model.model.model.layers.{layer}.{proj.module.split('.')[0]}.{name}"
+                d_in, sizes = module_dims(arch, found[0], layer)
+                d_out = sum(sizes[s] for s in found[1])
+                prefix = f"base_model.model.model.layers.{layer}.{proj.path(name)}"
                 tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) / d_in**0.5
                 tensors[f"{prefix}.lora_B.weight"] = 0.1 * torch.randn(d_out, rank, generator=gen) / rank**0.5
         save_file({k: v.to(torch.bfloat16) for k, v in tensors.items()}, os.path.join(path, WEIGHTS_FILE))

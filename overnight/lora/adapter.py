@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING
 from overnight.config import ModelArch
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest
-from overnight.lora.targets import SUPPORTED_ARCHITECTURES, family_targets, slice_sizes
+from overnight.lora.targets import (
+    SUPPORTED_ARCHITECTURES,
+    family_targets,
+    is_sparse,
+    locate,
+    module_dims,
+    num_layers,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -33,9 +40,10 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 
 # A decoder layer's projection, under the text model's own prefix or an image checkpoint's language model
-# (transformers 5 saves model.language_model.layers, 4.x language_model.model.layers).
+# (transformers 5 saves model.language_model.layers, 4.x language_model.model.layers; Nemotron-H's
+# published checkpoints backbone.layers).
 _KEY = re.compile(
-    r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.)"
+    r"(?:base_model\.model\.)?(?:model\.language_model\.|language_model\.model\.|model\.|backbone\.)"
     r"layers\.(\d+)\.([\w.]+?)\.lora_([AB])\.weight"
 )
 _UNSUPPORTED_TARGETS = {
@@ -43,10 +51,12 @@ _UNSUPPORTED_TARGETS = {
     "lm_head": "the LM head",
     "vision_tower": "the vision tower",
     "vision_model": "the vision tower",
+    "visual": "the vision tower",
     "multi_modal_projector": "the multimodal projector",
 }
 # Paths inside a layer that belong to a mixture of experts (Mixtral's block_sparse_moe in older
-# transformers, experts.N.{w1,w2,w3} or stacked experts, the router: mlp.gate / mlp.router).
+# transformers, experts.N.{w1,w2,w3} or stacked experts, the router: mlp.gate / mlp.router), unless the
+# family's table lists them (a shared expert of Llama 4 or Qwen3.5-MoE).
 _EXPERT_PARTS = ("expert", "block_sparse_moe", "router")
 
 
@@ -173,8 +183,13 @@ def _check_tensors(
 ) -> tuple[AdaptedTensor, ...]:
     targets = family_targets(arch)
     # "self_attn.q_proj" -> "q_proj": the path inside a layer at which the family's checkpoints hold it
-    by_path = {f"{where.module.partition('.')[0]}.{name}": name for name, where in targets.items()}
+    by_path = {where.path(name): name for name, where in targets.items()}
     supported = f"{', '.join(targets)} on {arch.architecture} models"
+    # a MoE layer's attention / linear-attention part: not under its mixture of experts
+    mixers = (
+        "self_attn.",
+        *{w.path(n).partition(".")[0] + "." for n, w in targets.items() if w.kind == "mixer"},
+    )
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     keys: dict[tuple[int, str], str] = {}
     for key, info in header.items():
@@ -187,15 +202,18 @@ def _check_tensors(
                 raise _refuse(req, "DoRA (use_dora) adapters are not supported")
             raise _refuse(req, f"tensor {key} is not a LoRA weight of a decoder layer's projection")
         layer, path, ab = int(match.group(1)), match.group(2), match.group(3)
-        if layer >= arch.num_hidden_layers:
+        if layer >= num_layers(arch):
             raise _refuse(
                 req,
-                f"tensor {key} is for layer {layer}, but the base model has {arch.num_hidden_layers} "
+                f"tensor {key} is for layer {layer}, but the base model has {num_layers(arch)} "
                 "layers: the adapter was trained for another base model",
             )
         proj = by_path.get(path)
-        sparse = arch.is_moe_layer(layer) and not path.startswith("self_attn.")
-        if sparse or any(part in path for part in _EXPERT_PARTS):
+        # a sparse layer's MLP or unknown parts of it (not an MLP beside the experts, nor attention or
+        # a linear mixer; every part of a Nemotron-H MoE block)
+        sparse = is_sparse(arch, layer) and (proj is None or targets[proj].kind == "mlp")
+        sparse = sparse and (bool(arch.block_pattern) or not path.startswith(mixers))
+        if sparse or (proj is None and any(part in path for part in _EXPERT_PARTS)):
             raise _refuse(
                 req,
                 f"target module {path!r} of layer {layer}: adapting a mixture of experts (its experts "
@@ -206,6 +224,12 @@ def _check_tensors(
             raise _refuse(
                 req, f"target module {leaf!r} is not supported (layer {layer} {path}; supported: {supported})"
             )
+        if locate(arch, proj, layer) is None:
+            raise _refuse(
+                req,
+                f"tensor {key} adapts {path}, but layer {layer} of the base model is "
+                f"{_layer_kind(arch, layer)} without it: the adapter was trained for another base model",
+            )
         pairs.setdefault((layer, proj), {})[ab] = list(info["shape"])
         if ab == "A":
             keys[(layer, proj)] = key
@@ -213,8 +237,12 @@ def _check_tensors(
     for (layer, proj), shapes in sorted(pairs.items()):
         if set(shapes) != {"A", "B"}:
             raise _refuse(req, f"layer {layer} {proj}: lora_A and lora_B must both be present")
-        where = targets[proj]
-        d_in, d_out = where.dims(arch, proj)
+        found = locate(arch, proj, layer)
+        assert found is not None  # checked above
+        module, slices = found
+        d_in, sizes = module_dims(arch, module, layer)
+        rows = tuple(sizes[s] for s in slices)  # a fused projection's B covers its slices' rows
+        d_out = sum(rows)
         want = {"A": [rank, d_in], "B": [d_out, rank]}
         for ab in "AB":
             if shapes[ab] != want[ab]:
@@ -223,13 +251,25 @@ def _check_tensors(
                     f"layer {layer} {proj}.lora_{ab} has shape {shapes[ab]}, this base model needs "
                     f"{want[ab]} (rank {rank}): the adapter does not match the base model's architecture",
                 )
-        sizes = slice_sizes(arch, where.module)
-        rows = tuple(sizes[s] for s in where.slices)
-        assert sum(rows) == d_out, (proj, rows, d_out)  # a fused projection covers its slices exactly
-        out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, where.module, where.slices, rows))
+        out.append(AdaptedTensor(keys[(layer, proj)], layer, proj, module, slices, rows))
     if not out:
         raise _refuse(req, f"{WEIGHTS_FILE} holds no LoRA weights")
     return tuple(out)
+
+
+def _layer_kind(arch: ModelArch, layer: int) -> str:
+    if arch.block_pattern:
+        kind = {"M": "a Mamba2", "*": "an attention", "-": "an MLP", "E": "a mixture-of-experts"}
+        return f"{kind[arch.block_pattern[layer]]} block"
+    if arch.is_linear_layer(layer):
+        return "a linear-attention layer"
+    if arch.is_moe_layer(layer):
+        return "a mixture-of-experts layer"
+    if arch.kv_source_layer(layer) != layer:
+        return f"a KV-shared layer (its keys and values are layer {arch.kv_source_layer(layer)}'s)"
+    if arch.attention_k_eq_v and arch.layer_window(layer) is None:
+        return "a full-attention layer whose values are its keys (attention_k_eq_v)"
+    return "a full-attention layer" if arch.layer_types else "a layer"
 
 
 def load_adapter(spec: AdapterSpec, dtype: torch.dtype) -> LoadedAdapter:

@@ -21,7 +21,7 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
-from overnight.lora.targets import MODULE_SLICES, slice_sizes
+from overnight.lora.targets import layer_modules
 
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
@@ -182,13 +182,14 @@ class LoRALinear(nn.Module):
 def apply_lora(
     model: nn.Module, arch: ModelArch, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
 ) -> dict[tuple[int, str], LoRALinear]:
-    """Wrap every adaptable projection of every decoder layer (MODULE_SLICES; a sparse layer's experts
-    are not linear layers and stay as they are) and return them by (layer, module path)."""
+    """Wrap every projection of every decoder layer that the family's adapters may target
+    (targets.layer_modules; a sparse layer's experts are not linear layers and stay as they are, a
+    hybrid's layer has attention or a mixer) and return them by (layer, module path)."""
     wrapped: dict[tuple[int, str], LoRALinear] = {}
     layers = model.get_submodule("model.layers")
     layer: nn.Module
     for i, layer in enumerate(layers.children()):
-        for path in MODULE_SLICES:
+        for path, sizes in layer_modules(arch, i).items():
             try:
                 base = layer.get_submodule(path)
             except AttributeError:
@@ -197,7 +198,7 @@ def apply_lora(
                 continue  # not a linear layer (a sparse layer's experts)
             if isinstance(base, LoRALinear):
                 continue
-            module = LoRALinear(base, batch, slice_sizes(arch, path), max_loras, max_rank, dtype)
+            module = LoRALinear(base, batch, sizes, max_loras, max_rank, dtype)
             parent, _, leaf = path.rpartition(".")
             setattr(layer.get_submodule(parent), leaf, module)
             wrapped[(i, path)] = module

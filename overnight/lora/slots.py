@@ -23,7 +23,7 @@ from overnight.lora.targets import MODULE_SLICES
 
 # Row-parallel layers under tensor parallelism: each rank holds some input columns, so A is split by
 # its columns and the partial x @ A^T summed over ranks; the others are column-parallel: B split by rows.
-ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_proj")
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,16 @@ class DeviceLoRA:
 
     @torch.inference_mode()
     def _compile_prefill_kernels(self) -> None:
-        """One row through each kind of wrapped layer with a prefill step's map (slot 0, all zeros
+        """One row through each shape of wrapped layer with a prefill step's map (slot 0, all zeros
         yet): the SGMV kernels compile now, not in the middle of a job (the memory profile and graph
         capture compile the BGMV ones)."""
-        seen: set[str] = set()
-        for (_, path), module in self.modules.items():
-            if path in seen:
+        seen: set[tuple[int, int, tuple[int, ...]]] = set()
+        for module in self.modules.values():
+            # one per shape: a module's size may differ between layers (Gemma 4's full / sliding layers)
+            shape = (module.in_features, module.out_features, module.offsets)
+            if shape in seen:
                 continue
-            seen.add(path)
+            seen.add(shape)
             self.batch.map_rows([0], [1], 1, decode_only=False)
             module(torch.zeros(1, module.in_features, dtype=module.lora_a.dtype, device=self.batch.device))
 
