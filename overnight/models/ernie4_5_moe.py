@@ -29,17 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts, router_softmax_biased_topk
 from overnight.models.checkpoint import EXPERT_TENSORS
-from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    dense_mlp,
-    load_packed_weights,
-    make_lm_head,
-)
+from overnight.models.llama import LlamaForCausalLM, dense_mlp
 from overnight.models.qwen3_next import SplitMLP
 
 logger = logging.getLogger(__name__)
@@ -86,26 +79,15 @@ def ernie4_5_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
     return Ernie4_5_MoeSparseMoeBlock(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
 
 
-class Ernie4_5_MoeForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+class Ernie4_5_MoeForCausalLM(LlamaForCausalLM):
     # The router and its bias are no nn.Linear: quantization leaves them in float32. An FP8
     # checkpoint's expert (and router) tensors are dequantized with their scales as they load
     # (quant/checkpoint.py), then quantized per row into the e4m3 stacks (quant/apply.py).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
+    linear_input_producers: dict[str, str] = {}  # no FP8 hand-over from the norms (not measured here)
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch, make_mlp=ernie4_5_moe_mlp)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    make_mlp = staticmethod(ernie4_5_moe_mlp)
 
     @staticmethod
     def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -119,6 +101,3 @@ class Ernie4_5_MoeForCausalLM(nn.Module):
             yield name, tensor
         if skipped:
             logger.info("skipped %d multi-token-prediction tensor(s): generation does not use them", skipped)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)

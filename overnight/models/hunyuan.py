@@ -22,18 +22,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts, select_experts
 from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.ernie4_5_moe import Float32Router
-from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    dense_mlp,
-    load_packed_weights,
-    make_lm_head,
-)
+from overnight.models.llama import LlamaForCausalLM, dense_mlp
 from overnight.models.qwen3_next import SplitMLP
 
 _RENAMES = (
@@ -60,27 +53,16 @@ def hunyuan_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
     return HunYuanMoEV1Moe(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
 
 
-class HunYuanForCausalLM(nn.Module):
+class HunYuanForCausalLM(LlamaForCausalLM):
     """Both families: without experts (num_experts 0) every layer keeps the dense MLP."""
 
-    packed_modules_mapping = PACKED_MODULES_MAPPING
     # The float32 router is no nn.Linear: quantization leaves it. An FP8 checkpoint's expert (and
     # router) tensors are dequantized with their scales as they load, then quantized per row.
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
+    linear_input_producers: dict[str, str] = {}  # no FP8 hand-over from the norms (not measured here)
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch, make_mlp=hunyuan_mlp)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    make_mlp = staticmethod(hunyuan_mlp)
 
     @staticmethod
     def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -88,6 +70,3 @@ class HunYuanForCausalLM(nn.Module):
             for old, new in _RENAMES:
                 name = name.replace(old, new)
             yield name, tensor
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)

@@ -280,6 +280,8 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
+    # Each layer's MLP: a mixture-of-experts family on these blocks names its own (ERNIE 4.5, Hunyuan)
+    make_mlp: MlpFactory = staticmethod(dense_mlp)
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -287,7 +289,7 @@ class LlamaForCausalLM(nn.Module):
         # The checkpoint's sizes: tensor parallelism replaces self.arch with one rank's (parallel/tp.py)
         self.checkpoint_arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch)
+        self.model = LlamaModel(arch, make_mlp=self.make_mlp)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
