@@ -1,27 +1,32 @@
 #!/bin/bash
 # On the GPU machine: vLLM 0.26 (unpacked by ../shared/bench/vllm's side_by_side.sh into $HOME/vsite) and
 # overnight on the same preset and workload, one after the other in one call (docs/performance.md).
-#   bash bench/pairs_gpu.sh PRESET:WORKLOAD[:fp8] ...      e.g. gemma-3-27b:seed-512-256 gpt-oss-20b:long-1024-1024
+#   bash bench/pairs_gpu.sh PRESET:WORKLOAD[,WORKLOAD...][:fp8] ...   e.g. gemma-3-27b:seed-512-256 gpt-oss-20b:long-1024-1024
+#   (several workloads of one preset: vLLM starts once and runs each, ours runs each in turn; then both
+#    engines' lines of a workload sit in one call, vLLM's before ours)
 #   (image workloads too: qwen2.5-vl-7b:caption-448 qwen3-vl-8b:caption-448; both JSON lines carry images_s)
 # Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1, ONLY_VLLM=1,
-#      PAIR_TIMEOUT (seconds per engine run, default 240). One line per engine goes to stdout and $OUT/pairs.log.
+#      PAIR_TIMEOUT (seconds per engine run, default 240; vLLM's run of several workloads gets it per workload). One line per engine and workload goes to stdout and $OUT/pairs.log.
 export PYTHONUNBUFFERED=1
 log=${OUT:-/tmp}/pairs.log
 site=$HOME/vsite
-nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$log"
+nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$log"
 for spec in "$@"; do
-  IFS=: read -r preset workload kv <<< "$spec"; kv=${kv:-auto}
-  tag="$preset $workload kv=$kv"
+  IFS=: read -r preset workloads kv <<< "$spec"; kv=${kv:-auto}
+  tag="$preset $workloads kv=$kv"
+  n=$(( $(tr -cd , <<< "$workloads" | wc -c) + 1 ))
   if [ -z "${ONLY_OURS:-}" ]; then
-    PYTHONPATH=$site/a:$site/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout "${PAIR_TIMEOUT:-240}" python3 bench/vllm_throughput.py \
-      --model "$preset" --workload "$workload" --kv-cache-dtype "$kv" ${VB_ARGS:-} > /tmp/v.log 2>&1
-    rc=$?; echo "== vllm rc=$rc $tag" | tee -a "$log"
-    { grep '^{' /tmp/v.log | tail -1 || true; grep -E 'GPU KV cache size|Maximum concurrency' /tmp/v.log | tail -2 || true
+    PYTHONPATH=$site/a:$site/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout $(( ${PAIR_TIMEOUT:-240} * n )) python3 bench/vllm_throughput.py \
+      --model "$preset" --workload "$workloads" --kv-cache-dtype "$kv" ${VB_ARGS:-} > /tmp/v.log 2>&1
+    rc=$?; echo "== vllm rc=$rc $tag ${VB_ARGS:-}" | tee -a "$log"
+    { grep '^{' /tmp/v.log || true; grep -E 'GPU KV cache size|Maximum concurrency' /tmp/v.log | tail -2 || true
       [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
   fi
   [ -n "${ONLY_VLLM:-}" ] && continue
-  PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
-    --load-format dummy --kv-cache-dtype "$kv" ${OV_ARGS:-} > /tmp/o.log 2>&1
-  rc=$?; echo "== ours rc=$rc $tag" | tee -a "$log"
-  { grep '^{' /tmp/o.log | tail -1 || true; [ $rc -ne 0 ] && tail -12 /tmp/o.log; } | tee -a "$log"
+  for workload in ${workloads//,/ }; do
+    PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
+      --load-format dummy --kv-cache-dtype "$kv" ${OV_ARGS:-} > /tmp/o.log 2>&1
+    rc=$?; echo "== ours rc=$rc $preset $workload kv=$kv ${OV_ARGS:-}" | tee -a "$log"
+    { grep '^{' /tmp/o.log | tail -1 || true; [ $rc -ne 0 ] && tail -12 /tmp/o.log; } | tee -a "$log"
+  done
 done

@@ -1,6 +1,7 @@
 """vLLM's offline throughput on the same requests as `overnight bench throughput` (docs/performance.md).
     python bench/vllm_throughput.py --workload seed-512-256 [--kv-cache-dtype fp8] [--quantization fp8]
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-30b-a3b
+    python bench/vllm_throughput.py --workload seed-512-256,long-1024-1024   (one start-up, a line each)
     python bench/vllm_throughput.py --workload seed-512-256 --lora-adapters 8     (the adapters ours uses)
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-8b-awq  (Marlin, from the config)
     python bench/vllm_throughput.py --workload caption-448 [--model qwen3-vl-8b]  (one image per request)
@@ -172,7 +173,9 @@ def lora_requests(model: str, n: int, rank: int, folder: str) -> list[object]:
 
 
 def add_engine_flags(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workload", default="seed-512-256", choices=sorted(WORKLOADS))
+    ap.add_argument(
+        "--workload", default="seed-512-256", help="one workload, or several of one model: A,B (one start-up)"
+    )
     ap.add_argument("--model", default=None, help="a preset other than the workload's model")
     ap.add_argument("--num-prompts", type=int, default=None, help="the workload's first N requests")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
@@ -192,73 +195,89 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def workloads_of(arg: str, num_prompts: int | None) -> list[Workload]:
+    """--workload A[,B...]: several workloads of one model run on one LLM, one start-up for all (a row of
+    the table per workload, the start-up paid once: it is vLLM's largest fixed cost)."""
+    names = arg.split(",")
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown:
+        raise SystemExit(f"unknown workload {', '.join(unknown)}; known: {', '.join(sorted(WORKLOADS))}")
+    picked = [WORKLOADS[n] for n in names]
+    if len(picked) > 1 and any(w.image_size is not None for w in picked):
+        raise SystemExit("an image workload runs alone: one --workload")
+    if num_prompts:
+        picked = [replace(w, num_requests=num_prompts) for w in picked]
+    return picked
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(ap)
     args = ap.parse_args()
     import torch
 
-    workload = WORKLOADS[args.workload]
-    if args.num_prompts:
-        workload = replace(workload, num_requests=args.num_prompts)
-    images = workload.image_size is not None
+    workloads = workloads_of(args.workload, args.num_prompts)
+    images = workloads[0].image_size is not None
     if images:
         require_torchvision()
-    folder = preset_folder(args.model or workload.model, images)
+    model = args.model or workloads[0].model
+    folder = preset_folder(model, images)
     arch = model_arch(folder)
-    prompts, params = workload_inputs(workload, arch)
-    image_tokens = check_expansion(folder, prompts[0], arch) if images else 0
     extra = engine_extra(args)
-    t0 = time.perf_counter()
-    llm = vllm_engine(folder, images, args.max_model_len, **extra)
-    init_s = time.perf_counter() - t0
-    loras = None
-    if args.lora_adapters:
-        adapters = lora_requests(
-            args.model or WORKLOADS[args.workload].model,
-            args.lora_adapters,
-            args.lora_rank,
-            tempfile.mkdtemp(prefix="vllm-lora-"),
-        )
-        loras = [adapters[i % len(adapters)] for i in range(len(prompts))]
-    # Warm-up: the first requests' lengths (and adapters); an image workload's with other images.
-    warm_prompts = workload.warmup_prompts(arch)
-    first = range(len(warm_prompts))
-    warm = [loras[i % len(loras)] for i in first] if loras else None
-    llm.generate(warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm)
-    torch.cuda.synchronize()
-    with ClockSampler() as clocks:
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    n_in = sum(len(o.prompt_token_ids) for o in outs)  # an image's pads expanded
-    clock = clocks.samples.summary()
-    per_image = f", {len(prompts) / seconds:,.2f} images/s" if images else ""
-    print(
-        f"vLLM {args.workload}: {n_out} output tokens in {seconds:.2f} s = {n_out / seconds:,.0f} tok/s{per_image} "
-        f"(SM clock {clock['sm_clock_mhz_median']} / {clock['sm_clock_mhz_min']} MHz; start-up {init_s:.0f} s)"
+    llm = None
+    init_s = 0.0
+    adapters = (
+        lora_requests(model, args.lora_adapters, args.lora_rank, tempfile.mkdtemp(prefix="vllm-lora-"))
+        if args.lora_adapters
+        else []
     )
-    record = {
-        "bench": "vllm_throughput",
-        "workload": args.workload,
-        "model": args.model or workload.model,
-        "requests": len(prompts),
-        "extra": extra,
-        "output_tok_s": round(n_out / seconds, 1),
-        "input_tokens": n_in,
-        "seconds": round(seconds, 3),
-        "init_s": round(init_s, 1),
-        "max_model_len": args.max_model_len,
-        "kv_pool_tokens": kv_pool_tokens(llm),
-        **clock,
-    }
-    if images:
-        record.update(
-            images=len(prompts), images_s=round(len(prompts) / seconds, 2), image_tokens=image_tokens
+    for workload in workloads:
+        prompts, params = workload_inputs(workload, arch)
+        image_tokens = check_expansion(folder, prompts[0], arch) if images else 0
+        if llm is None:
+            t0 = time.perf_counter()
+            llm = vllm_engine(folder, images, args.max_model_len, **extra)
+            init_s = time.perf_counter() - t0
+        loras = [adapters[i % len(adapters)] for i in range(len(prompts))] if adapters else None
+        # Warm-up: the first requests' lengths (and adapters); an image workload's with other images.
+        warm_prompts = workload.warmup_prompts(arch)
+        first = range(len(warm_prompts))
+        warm = [loras[i % len(loras)] for i in first] if loras else None
+        llm.generate(warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm)
+        torch.cuda.synchronize()
+        with ClockSampler() as clocks:
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(o.prompt_token_ids) for o in outs)  # an image's pads expanded
+        clock = clocks.samples.summary()
+        per_image = f", {len(prompts) / seconds:,.2f} images/s" if images else ""
+        print(
+            f"vLLM {workload.name}: {n_out} output tokens in {seconds:.2f} s = {n_out / seconds:,.0f} tok/s"
+            f"{per_image} (SM clock {clock['sm_clock_mhz_median']} / {clock['sm_clock_mhz_min']} MHz; "
+            f"start-up {init_s:.0f} s)"
         )
-    print(json.dumps(record))
+        record = {
+            "bench": "vllm_throughput",
+            "workload": workload.name,
+            "model": model,
+            "requests": len(prompts),
+            "extra": extra,
+            "output_tok_s": round(n_out / seconds, 1),
+            "input_tokens": n_in,
+            "seconds": round(seconds, 3),
+            "init_s": round(init_s, 1),  # the one start-up, repeated on each workload's line
+            "max_model_len": args.max_model_len,
+            "kv_pool_tokens": kv_pool_tokens(llm),
+            **clock,
+        }
+        if images:
+            record.update(
+                images=len(prompts), images_s=round(len(prompts) / seconds, 2), image_tokens=image_tokens
+            )
+        print(json.dumps(record), flush=True)
     return 0
 
 

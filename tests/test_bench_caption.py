@@ -281,6 +281,24 @@ def test_vllm_side_of_a_text_workload_is_unchanged(vllm_stand_in, capsys):
     assert "images" not in record and record["output_tok_s"] > 0
 
 
+def test_vllm_side_runs_several_workloads_on_one_engine(vllm_stand_in, capsys):
+    """--workload A,B: one LLM (one start-up), each workload warmed and timed, a JSON line each."""
+    argv = ["--workload", "seed-512-256,long-1024-1024", "--num-prompts", "2"]
+    kwargs, seen, last = vllm_stand_in(argv, capsys)
+    assert kwargs["skip_tokenizer_init"] is True
+    assert len(seen) == 4  # warm-up and timed run of each workload
+    seed = [i for i, _ in replace(WORKLOADS["seed-512-256"], num_requests=2).requests(151936)]
+    long = [i for i, _ in replace(WORKLOADS["long-1024-1024"], num_requests=2).requests(151936)]
+    assert [p["prompt_token_ids"] for p in seen[1]] == seed
+    assert [p["prompt_token_ids"] for p in seen[3]] == long
+    assert last["workload"] == "long-1024-1024" and last["requests"] == 2
+
+
+def test_vllm_side_refuses_an_unknown_workload(vllm_stand_in, capsys):
+    with pytest.raises(SystemExit, match="unknown workload nope"):
+        vllm_stand_in(["--workload", "seed-512-256,nope"], capsys)
+
+
 # Parameters of the published checkpoints (their safetensors, as transformers builds them from the
 # config), and the tower's share.
 PARAMETERS = {
