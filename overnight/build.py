@@ -293,7 +293,7 @@ def _rank_archs(source: ModelSource, tp: int) -> tuple[ModelArch, ModelArch]:
     """(the shapes one rank computes with, the shapes of the weights it holds); the model's when tp 1."""
     if tp == 1:
         return source.arch, source.arch
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     shards = TPShards(source.arch, 0, tp)
     return shards.local_arch, shards.rank_weights_arch
@@ -376,7 +376,7 @@ def check_parallel(opts: EngineOptions, source: ModelSource) -> None:
     """Raise ModelLoadError for sizes the model's heads cannot be split into, before any process starts
     or any weight loads (sizes below 1 are refused when the options are made)."""
     if opts.tensor_parallel_size > 1:
-        from overnight.parallel.tp import TPShards
+        from overnight.parallel.tp_shards import TPShards
 
         TPShards(source.arch, 0, opts.tensor_parallel_size).check()
 
@@ -473,7 +473,7 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
     tp = config.parallel.tensor_parallel_size
     rank_arch = None
     if tp > 1:  # one rank's weights, as apply_tp leaves them (replicated parts whole)
-        from overnight.parallel.tp import TPShards
+        from overnight.parallel.tp_shards import TPShards
 
         rank_arch = TPShards(source.arch, 0, tp).rank_weights_arch
     check_weights_fit(
@@ -507,7 +507,7 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # One rank's shapes under tensor parallelism: its block scales are the runners' (kv_groups.py).
         arch = source.arch
         if config.parallel.tensor_parallel_size > 1:
-            from overnight.parallel.tp import TPShards
+            from overnight.parallel.tp_shards import TPShards
 
             arch = TPShards(source.arch, 0, config.parallel.tensor_parallel_size).local_arch
         layout = KVCacheLayout.from_arch(arch, sched.max_model_len)

@@ -81,7 +81,7 @@ def test_preset_has_the_published_shape():
 
 def test_tensor_parallelism_is_refused_by_name(checkpoint):
     from overnight.loader.resolve import resolve_source
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     with pytest.raises(ModelLoadError, match="not supported yet for Apertus"):
         TPShards(resolve_source(str(checkpoint)).arch, 0, 2).check()

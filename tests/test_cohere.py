@@ -61,7 +61,7 @@ def test_command_r_rotates_every_layer():
 
 
 def test_qk_norms_are_command_r_plus_only_and_refuse_tensor_parallelism():
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     plus = arch_from_hf_config({**_BASE, "architectures": ["CohereForCausalLM"], "use_qk_norm": True})
     assert plus.qk_norm
@@ -81,7 +81,7 @@ def test_preset_has_the_published_shape():
 
 @pytest.mark.slow  # two rank processes
 def test_tensor_parallel_matches_transformers(tmp_path):
-    """TP=2 under the shared rules (parallel/tp.py): each rank holds half the heads and MLP columns; the
+    """TP=2 under the shared rules (parallel/tp_shards.py): each rank holds half the heads and MLP columns; the
     parallel block's two row-parallel outputs are each reduced, the tied head split by vocabulary."""
     from overnight import LLM, SamplingParams
     from tests.dense_family_checks import reference

@@ -309,7 +309,8 @@ def test_tp_shards_equal_slices_of_the_whole_model(tmp_path):
     """Loading rank by rank gives each rank the weights apply_tp cuts from the whole model: q_b / kv_b
     rows and o_proj columns of its heads, the latent projections and norms whole, experts and shared
     experts by their intermediate sizes; the latent cache row stays whole on every rank."""
-    from overnight.parallel.tp import TPShards, load_sharded_model
+    from overnight.parallel.tp_load import load_sharded_model
+    from overnight.parallel.tp_shards import TPShards
     from tests.fp8_checkpoints import make_fp8_checkpoint
     from tests.tp_helpers import streamed_equals_sliced
 
@@ -402,7 +403,7 @@ def test_deepseek_v3_counts_671b_and_fits_eight_h200_in_fp8():
     70 KB a token (71x smaller than 128 heads of per-head K and V), and each of 8 ranks holding about
     80 GiB of FP8 weights (kv_b_proj and the routers in bf16 / float32)."""
     from overnight.models.registry import arch_from_hf_config
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     yarn = dict(beta_fast=32, beta_slow=1, factor=40, mscale=1.0, mscale_all_dim=1.0, type="yarn",
                 original_max_position_embeddings=4096)  # fmt: skip

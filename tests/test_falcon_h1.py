@@ -167,7 +167,7 @@ def test_bad_configs_are_refused_by_name(change: dict, message: str) -> None:
 
 def test_tensor_parallelism_without_whole_norm_groups_is_refused_by_name() -> None:
     """The norm before the gate sums no statistics over ranks: 2 groups split over 2 ranks, not 4."""
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     cfg, _ = config_of("g2-norm")
     arch = arch_from_hf_config(cfg)

@@ -320,7 +320,8 @@ def test_checkpoint_names_are_renamed_before_fp8_and_sharding(name, theirs, tmp_
 def test_tensor_parallel_shards_of_renamed_and_fused_checkpoints(name, tmp_path):
     """Loading rank by rank (each checkpoint tensor sliced as it streams) gives each rank what slicing the
     whole loaded model gives: Phi-3's and GLM-4's fused tensors, Mixtral's renamed experts and OLMo's whole q/k norms included."""
-    from overnight.parallel.tp import apply_tp, load_sharded_model
+    from overnight.parallel.tp import apply_tp
+    from overnight.parallel.tp_load import load_sharded_model
 
     source = resolve_source(str(make_family_checkpoint(tmp_path, name)))
     for rank in range(2):

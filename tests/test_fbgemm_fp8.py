@@ -218,7 +218,7 @@ def test_llama4_per_expert_layout_loads_the_same_bytes(llama4, tmp_path):
                 tensors[f"{prefix}{e}.{proj}.weight"] = w.contiguous()
                 tensors[f"{prefix}{e}.{proj}.weight_scale"] = sc[:, None].contiguous()
     folder = _resaved(fp8, tmp_path / "per-expert", tensors)
-    from overnight.parallel.tp import load_sharded_model
+    from overnight.parallel.tp_load import load_sharded_model
 
     def load(folder: Path, rank: int | None) -> nn.Module:
         source = resolve_source(str(folder))
@@ -285,7 +285,7 @@ def test_llama4_conditional_checkpoint_in_maverick_names(tmp_path):
 def test_llama4_tp_shards_keep_the_saved_experts(llama4):
     """Rank by rank: each rank's experts are its rows (gate/up) and columns (down) of the saved e4m3
     stacks with the matching scales (down's rows keep all of theirs)."""
-    from overnight.parallel.tp import load_sharded_model
+    from overnight.parallel.tp_load import load_sharded_model
 
     fp8, _, saved = llama4
     source = resolve_source(str(fp8))

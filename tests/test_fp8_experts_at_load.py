@@ -25,7 +25,8 @@ from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.checkpoint import copy_weight
 from overnight.models.qwen3_next import Qwen3NextForCausalLM
-from overnight.parallel.tp import TPShards, load_sharded_model
+from overnight.parallel.tp_load import load_sharded_model
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant.fp8 import quantize_stacked_per_channel
 
 FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_5_moe_vl", "internvl_moe", "gemma4_moe", "qwen3_vl_moe")

@@ -40,7 +40,8 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.options import EngineOptions
-from overnight.parallel.tp import TPShards, apply_tp
+from overnight.parallel.tp import apply_tp
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant.apply import dequantize_model
 from overnight.quant.fp8 import quantize_weight_blocks
 from overnight.quant.linear import Fp8Linear

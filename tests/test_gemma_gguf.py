@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.loader.gguf import iter_gguf_weights, read_gguf
+from overnight.loader.gguf import iter_gguf_weights
+from overnight.loader.gguf_config import read_gguf
 from tests.test_engine_parity import hf_greedy
 from tests.test_gguf import gguf_writer
 

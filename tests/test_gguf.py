@@ -15,7 +15,9 @@ import torch
 import transformers
 
 from overnight.errors import ModelLoadError
-from overnight.loader.gguf import iter_gguf_weights, read_gguf, read_gguf_file
+from overnight.loader.gguf import iter_gguf_weights
+from overnight.loader.gguf_config import read_gguf
+from overnight.loader.gguf_file import read_gguf_file
 from tests.parity_helpers import to_gguf_name
 
 pytestmark = pytest.mark.slow  # reads and runs the real GGUF

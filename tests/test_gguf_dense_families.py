@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 
 from overnight import LLM
 from overnight.errors import ModelLoadError
-from overnight.loader.gguf import read_gguf
+from overnight.loader.gguf_config import read_gguf
 from overnight.loader.resolve import resolve_source
 from tests.gguf_writers import (
     check_tokens,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from overnight.loader.gguf import read_gguf
+from overnight.loader.gguf_config import read_gguf
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from tests.parity_helpers import GLOBAL_TO_GGUF, LAYER_TO_GGUF

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from overnight import LLM
-from overnight.loader.gguf import read_gguf
+from overnight.loader.gguf_config import read_gguf
 from overnight.loader.resolve import resolve_source
 from tests.gguf_writers import check_tokens, converter_writer, finish, mapped, quantize_in_place
 from tests.tiny_models import _spread_weights

@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType as Q
 from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
-from overnight.loader.gguf import iter_gguf_weights, read_gguf
+from overnight.loader.gguf import iter_gguf_weights
+from overnight.loader.gguf_config import read_gguf
 from overnight.loader.gguf_tensors import mxfp4_to_checkpoint
 from overnight.loader.resolve import resolve_source
 from overnight.quant.mxfp4 import dequantize_mxfp4

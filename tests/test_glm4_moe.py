@@ -35,7 +35,7 @@ from overnight.layers.moe import Experts
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
-from overnight.parallel.tp import load_sharded_model
+from overnight.parallel.tp_load import load_sharded_model
 from overnight.quant.apply import dequantize_model
 from overnight.quant.fp8 import quantize_stacked_per_channel
 from overnight.quant.linear import Fp8Linear

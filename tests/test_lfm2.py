@@ -136,7 +136,7 @@ def test_bad_configs_are_refused_by_name(change: dict, message: str) -> None:
 
 
 def test_tensor_parallelism_is_refused_by_name() -> None:
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     cfg, _ = config_of("tied")
     arch = arch_from_hf_config(cfg)

@@ -34,7 +34,7 @@ from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
 from overnight.models.llama4 import Llama4MoE
 from overnight.models.registry import arch_from_hf_config
-from overnight.parallel.tp import TPShards
+from overnight.parallel.tp_shards import TPShards
 from overnight.tokenizer.synthetic import save_synthetic_tokenizer_folder
 from tests.parity_helpers import hf_greedy
 from tests.tiny_models import _spread_weights

@@ -24,8 +24,8 @@ from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.layers.mamba2 import GatedNormShare, mamba_gated_norm_ref, sharded_gated_norm
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import TPShards
 from overnight.parallel.tp_mamba2 import check_mamba2_quantized_tp
+from overnight.parallel.tp_shards import TPShards
 from tests.test_engine_parity import hf_greedy
 from tests.tiny_granite import make_granite_checkpoint
 from tests.tiny_nemotron_h import make_nemotron_h_checkpoint

@@ -170,7 +170,7 @@ def test_a_rank_share_counts_what_the_rank_really_holds(monkeypatch):
     (KV heads when there are fewer than ranks, norms): qwen3-8b over 16 GPUs, 0.954 GiB by division but
     0.989 GiB on rank 0 (TPShards.rank_weights_arch, what apply_tp leaves). A GPU with 0.97 GiB free
     passes the division and must fail the real share."""
-    from overnight.parallel.tp import TPShards
+    from overnight.parallel.tp_shards import TPShards
 
     arch = resolve_source("qwen3-8b", "dummy").arch
     rank_arch = TPShards(arch, 0, 16).rank_weights_arch

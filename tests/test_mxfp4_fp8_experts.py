@@ -257,7 +257,7 @@ def test_each_rank_requantizes_its_share(mxfp4_pair):  # noqa: F811
     """Under tensor parallelism each rank dequantizes its slice of the packed rows (whole 32-column
     groups; rank 1's last one zero padding) and quantizes it per row: the dense form's rank share,
     requantized, bit for bit."""
-    from overnight.parallel.tp import load_sharded_model
+    from overnight.parallel.tp_load import load_sharded_model
 
     source = resolve_source(str(mxfp4_pair[0]))
     for rank in range(2):

@@ -25,9 +25,11 @@ import torch.distributed as dist
 from overnight.layers.moe import Experts
 from overnight.loader.model_loader import build_model, load_model
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp import apply_tp
 from overnight.parallel.tp_experts import RowParallelExperts
+from overnight.parallel.tp_load import load_sharded_model
 from overnight.parallel.tp_modules import RowParallelLinear
+from overnight.parallel.tp_shards import TPShards
 from tests.tiny_nemotron_h import make_nemotron_h_moe_checkpoint
 from tests.tp_helpers import streamed_equals_sliced
 

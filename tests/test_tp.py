@@ -17,8 +17,10 @@ from overnight.entrypoints.llm import LLM
 from overnight.errors import EngineDeadError, ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import TPShards, apply_tp, load_sharded_model
+from overnight.parallel.tp import apply_tp
+from overnight.parallel.tp_load import load_sharded_model
 from overnight.parallel.tp_modules import RowParallelFp8Linear
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant.linear import Fp8Linear
 from overnight.quant.scheme import QuantScheme
 from overnight.sampling_params import SamplingParams

@@ -16,7 +16,7 @@ from overnight import LLM, SamplingParams
 from overnight.errors import ModelLoadError
 from overnight.layers.norm import RMSNorm, sharded_rms_norm_pair
 from overnight.loader.resolve import resolve_source
-from overnight.parallel.tp import TPShards
+from overnight.parallel.tp_shards import TPShards
 from tests.parity_helpers import hf_greedy, prompts_for
 from tests.tiny_families import load_family_reference, make_family_checkpoint
 from tests.tp_helpers import generate_split
@@ -126,7 +126,8 @@ def test_gemma4_shards_streamed_equal_sliced(gemma4):
     """Each rank's weights streamed from the checkpoint (or drawn whole as dummies) equal those apply_tp
     cuts from the whole loaded model, and hold the layer's own head sizes and widths."""
     from overnight.loader.model_loader import load_model
-    from overnight.parallel.tp import apply_tp, load_sharded_model
+    from overnight.parallel.tp import apply_tp
+    from overnight.parallel.tp_load import load_sharded_model
 
     variant, folder, _ = gemma4
     for kind in ("auto", "dummy"):

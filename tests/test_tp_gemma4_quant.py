@@ -17,10 +17,10 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel import workers
-from overnight.parallel.tp import TPShards
 from overnight.parallel.tp_gemma4 import check_gemma4_quantized_tp, shard_gemma4_tensor
 from overnight.parallel.tp_int import RowParallelWeightOnlyIntLinear
 from overnight.parallel.tp_modules import RowParallelFp8Linear
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant import apply
 from overnight.quant.int_linear import WeightOnlyIntLinear
 from overnight.quant.linear import Fp8Linear

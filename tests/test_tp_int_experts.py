@@ -19,8 +19,9 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel import workers
-from overnight.parallel.tp import TPShards, apply_tp
+from overnight.parallel.tp import apply_tp
 from overnight.parallel.tp_int import RowParallelIntExperts, check_int_tp
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant import apply
 from overnight.quant.int_moe import IntExperts
 from overnight.quant.int_scheme import IntScheme

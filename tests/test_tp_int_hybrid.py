@@ -20,8 +20,8 @@ from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.parallel import workers
-from overnight.parallel.tp import TPShards
 from overnight.parallel.tp_int import RowParallelInt8Linear, RowParallelWeightOnlyIntLinear, check_int_tp
+from overnight.parallel.tp_shards import TPShards
 from overnight.quant import apply
 from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
 from overnight.quant.int_moe import IntExperts

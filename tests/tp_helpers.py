@@ -12,7 +12,8 @@ from torch import nn
 from overnight import LLM, SamplingParams
 from overnight.loader.model_loader import load_model
 from overnight.loader.source import ModelSource
-from overnight.parallel.tp import apply_tp, load_sharded_model
+from overnight.parallel.tp import apply_tp
+from overnight.parallel.tp_load import load_sharded_model
 
 
 def streamed_equals_sliced(source: ModelSource, rank: int, world: int = 2, seed: int = 0) -> nn.Module:

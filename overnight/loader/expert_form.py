@@ -86,7 +86,7 @@ def choose_expert_form(
 def check_expert_form_device(arch: ModelArch, device: torch.device | str) -> None:
     """ConfigError when the arch's expert form cannot run on `device`: the fp8 form on a GPU without FP8
     (compute capability below 8.9). Checked before anything loads (build.py) and again when a model is
-    built (loader/model_loader.py, parallel/tp.py)."""
+    built (loader/model_loader.py, parallel/tp_load.py)."""
     if arch.experts_mxfp4_fp8:
         require_fp8_device(
             device, "mxfp4_experts fp8 (e4m3 experts)", "use --mxfp4-experts mxfp4 or dense (or auto)"

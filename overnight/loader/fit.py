@@ -195,7 +195,7 @@ def check_weights_fit(
 ) -> None:
     """Raise ConfigError when the weights cannot fit: on a GPU, each rank's share against that GPU's free
     memory; on the CPU, all of them against the RAM available. rank_arch: the shapes of the weights one
-    rank holds (parallel/tp.py TPShards.rank_weights_arch: replicated norms, routers and KV heads
+    rank holds (parallel/tp_shards.py TPShards.rank_weights_arch: replicated norms, routers and KV heads
     whole), else the whole model's divided by tensor_parallel_size."""
     tp = tensor_parallel_size
     if device.type == "cuda":

@@ -39,9 +39,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from typing import Any
 
-import numpy as np
-
 from overnight.errors import ModelLoadError
+from overnight.loader.gguf_file import f32
+from overnight.loader.gguf_rope import yarn_rope_config
 
 # GGUF general.architecture -> the HF architecture whose config.json reader takes the rebuilt config
 # (deepseek2: DeepseekV3ForCausalLM where the router is sigmoid, the file's expert_gating_func 2)
@@ -92,7 +92,7 @@ def hf_config(
 ) -> dict[str, Any]:
     """The config.json dict of a `CONFIG_FAMILIES` file. `vocab` is the embedding's row count (the
     converter pads the token list to it); `tensors` the file's tensor names; `llama3` the Llama 3 RoPE
-    scaling recovered from a rope_freqs tensor (gguf.py), if any. `mxfp4_experts`: every expert weight
+    scaling recovered from a rope_freqs tensor (gguf_rope.py), if any. `mxfp4_experts`: every expert weight
     of the file is MXFP4, which gpt-oss then keeps packed as its published checkpoints are (the
     config says quant_method mxfp4; gguf_tensors.mxfp4_to_checkpoint repacks the blocks); a file
     whose experts were requantized to other types is dequantized instead."""
@@ -130,12 +130,12 @@ def hf_config(
         num_attention_heads=heads,
         num_key_value_heads=int(kv_heads),
         head_dim=int(md.get(f"{name}.attention.key_length") or hidden // heads),
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=f32(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=f32(get("rope.freq_base", 10000.0)),
         max_position_embeddings=int(get("context_length")),
         tie_word_embeddings="output.weight" not in tensors,
     )
-    scaling = _rope_scaling(md, name, path) or llama3
+    scaling = yarn_rope_config(md, name, path) or llama3
     if name == "exaone4":  # windowed layers as the file lists them (the full ones then take no RoPE)
         cfg["intermediate_size"] = int(get("feed_forward_length"))
         window = int(md.get(f"{name}.attention.sliding_window") or 0)
@@ -160,8 +160,8 @@ def hf_config(
     if name in ("command-r", "cohere2"):  # both always tied: llama.cpp's files have no output tensor
         cfg.update(
             intermediate_size=int(get("feed_forward_length")),
-            layer_norm_eps=_f32(get("attention.layer_norm_epsilon", 1e-5)),
-            logit_scale=_f32(get("logit_scale", 1.0)),
+            layer_norm_eps=f32(get("attention.layer_norm_epsilon", 1e-5)),
+            logit_scale=f32(get("logit_scale", 1.0)),
             use_qk_norm="blk.0.attn_q_norm.weight" in tensors,
         )
         rotary = md.get(f"{name}.rope.dimension_count")
@@ -271,7 +271,7 @@ def _deepseek_config(md: dict[str, Any], path: str, experts: int) -> dict[str, A
         n_routed_experts=experts,
         moe_intermediate_size=int(get("expert_feed_forward_length")),
         n_shared_experts=int(md.get("deepseek2.expert_shared_count") or 0),
-        routed_scaling_factor=_f32(md.get("deepseek2.expert_weights_scale") or 1.0),
+        routed_scaling_factor=f32(md.get("deepseek2.expert_weights_scale") or 1.0),
         n_group=groups,
         topk_group=int(md.get("deepseek2.expert_group_used_count") or 1),
     )
@@ -315,10 +315,10 @@ def _granite_hybrid_config(
         mamba_expand=inner // hidden,
         mamba_conv_bias=any(t.endswith("ssm_conv1d.bias") for t in tensors),
         mamba_proj_bias=any(t.endswith("ssm_in.bias") for t in tensors),
-        attention_multiplier=_f32(get("attention.scale", 1.0)),
-        embedding_multiplier=_f32(get("embedding_scale", 1.0)),
-        residual_multiplier=_f32(get("residual_scale", 1.0)),
-        logits_scaling=_f32(get("logit_scale", 1.0)),
+        attention_multiplier=f32(get("attention.scale", 1.0)),
+        embedding_multiplier=f32(get("embedding_scale", 1.0)),
+        residual_multiplier=f32(get("residual_scale", 1.0)),
+        logits_scaling=f32(get("logit_scale", 1.0)),
         intermediate_size=int(get("feed_forward_length")),
         shared_intermediate_size=int(get("expert_shared_feed_forward_length", get("feed_forward_length"))),
         num_local_experts=experts,
@@ -362,7 +362,7 @@ def _nemotron_h_config(
         conv_kernel=int(get("ssm.conv_kernel")),
         use_conv_bias=any(t.endswith("ssm_conv1d.bias") for t in tensors),
         use_bias=any(t.endswith("ssm_in.bias") for t in tensors),
-        layer_norm_epsilon=_f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        layer_norm_epsilon=f32(get("attention.layer_norm_rms_epsilon", 1e-5)),
         tie_word_embeddings=False,
     )
 
@@ -388,33 +388,3 @@ def _ernie_moe_config(md: dict[str, Any], tensors: Collection[str], path: str, l
         moe_layer_interval=int(md.get("ernie4_5-moe.interleave_moe_layer_step") or 1),
         moe_layer_end_index=routed[-1] if routed else -1,
     )
-
-
-def _rope_scaling(md: dict[str, Any], name: str, path: str) -> dict[str, Any] | None:
-    kind = md.get(f"{name}.rope.scaling.type", "none")
-    if kind == "none":
-        return None
-    if kind != "yarn":
-        raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported for {name} GGUF files")
-    keys = {
-        "factor": "rope.scaling.factor",
-        "original_max_position_embeddings": "rope.scaling.original_context_length",
-        "attention_factor": "rope.scaling.attn_factor",
-        "beta_fast": "rope.scaling.yarn_beta_fast",
-        "beta_slow": "rope.scaling.yarn_beta_slow",
-    }
-    # transformers' YaRN betas where the file leaves them out (the published gpt-oss configs state these)
-    out: dict[str, Any] = {"rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0}
-    for k, key in keys.items():
-        if f"{name}.{key}" in md:
-            out[k] = _f32(md[f"{name}.{key}"])
-    for required in ("factor", "original_max_position_embeddings"):
-        if required not in out:
-            raise ModelLoadError(f"{path}: YaRN RoPE scaling without {name}.{keys[required]}")
-    out["original_max_position_embeddings"] = int(out["original_max_position_embeddings"])
-    return out
-
-
-def _f32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32 (files store 1e-5 as 9.99999975e-06)."""
-    return float(str(np.float32(value)))

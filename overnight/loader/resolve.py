@@ -96,7 +96,7 @@ def default_gguf_path() -> str:
 
 
 def _gguf_source(path: str, served_name: str, dummy: bool) -> ModelSource:
-    from overnight.loader.gguf import read_gguf  # written alongside; imported only when a GGUF is used
+    from overnight.loader.gguf_config import read_gguf  # written alongside; imported only when a GGUF is used
 
     info = read_gguf(path)
     return ModelSource(

@@ -29,7 +29,7 @@ ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj", "mlp.shared_expert.down_pro
 @dataclass(frozen=True)
 class LoRASharding:
     """A tensor-parallel rank's view: the whole model's arch (adapters are checked against it), the
-    rank's share of a tensor by its projection name (parallel/tp.py TPShards.shard, which slices
+    rank's share of a tensor by its projection name (parallel/tp_shards.py TPShards.shard, which slices
     checkpoint weights the same way), and the sum over ranks (in place)."""
 
     whole_arch: ModelArch

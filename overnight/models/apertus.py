@@ -14,12 +14,11 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.xielu import XIELU, XIELU_BETA, XIELU_EPS
 from overnight.models.checkpoint import load_packed_weights
-from overnight.models.llama import LlamaModel, make_lm_head, scaled_logits
+from overnight.models.llama import LlamaForCausalLM
 
 # Only q/k/v fuse: the MLP has no gate to pair up_proj with.
 PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {
@@ -47,7 +46,7 @@ def apertus_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
     return ApertusMLP(arch.hidden_size, arch.intermediate_size)
 
 
-class ApertusForCausalLM(nn.Module):
+class ApertusForCausalLM(LlamaForCausalLM):
     packed_modules_mapping = PACKED_MODULES_MAPPING
     # The norms feed one projection each; xIELU hands over no quantized output.
     linear_input_producers: dict[str, str] = {
@@ -55,18 +54,7 @@ class ApertusForCausalLM(nn.Module):
         "post_attention_layernorm": "mlp.up_proj",
     }
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch, make_mlp=apertus_mlp)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return scaled_logits(self.arch, self.lm_head(hidden))
+    make_mlp = staticmethod(apertus_mlp)
 
     @staticmethod
     def rename_checkpoint(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

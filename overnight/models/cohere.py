@@ -10,8 +10,6 @@ description (models/layer_spec.py), read by models/dense_config._cohere_fields.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -19,17 +17,8 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.layer_norm import LayerNormNoBias
 from overnight.layers.rotary import RotaryEmbedding
-from overnight.models.checkpoint import load_packed_weights
 from overnight.models.layer_spec import LayerSpec
-from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    Attention,
-    LlamaModel,
-    MlpFactory,
-    dense_mlp,
-    make_lm_head,
-    scaled_logits,
-)
+from overnight.models.llama import Attention, LlamaForCausalLM, MlpFactory, dense_mlp
 
 
 class CohereDecoderLayer(nn.Module):
@@ -58,23 +47,8 @@ class CohereDecoderLayer(nn.Module):
         return self.self_attn(positions, n, attn) + self.mlp(n), residual
 
 
-class CohereForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+class CohereForCausalLM(LlamaForCausalLM):
     # The one norm feeds two projections (qkv and gate/up) and hands over no quantized output.
     linear_input_producers: dict[str, str] = {"mlp.act_fn": "mlp.down_proj"}
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch, make_layer=CohereDecoderLayer)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return scaled_logits(self.arch, self.lm_head(hidden))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+    make_layer = CohereDecoderLayer

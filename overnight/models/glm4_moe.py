@@ -30,19 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.moe_grouped_router import GroupedRouting, select_grouped_experts
 from overnight.models.checkpoint import EXPERT_TENSORS
-from overnight.models.llama import (
-    LINEAR_INPUT_PRODUCERS,
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    dense_mlp,
-    load_packed_weights,
-    make_lm_head,
-)
+from overnight.models.llama import LlamaForCausalLM, dense_mlp
 from overnight.models.qwen3_next import SplitMLP
 
 logger = logging.getLogger(__name__)
@@ -95,29 +87,17 @@ def glm4_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
     return Glm4MoeMoE(arch) if arch.is_moe_layer(layer_idx) else dense_mlp(arch, layer_idx)
 
 
-class Glm4MoeForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+class Glm4MoeForCausalLM(LlamaForCausalLM):
     # Under FP8 the norms before qkv_proj (and the dense layers' gate_up_proj) hand over quantized
     # outputs; a sparse layer's norm feeds the router and the experts, which take the compute dtype.
-    linear_input_producers = LINEAR_INPUT_PRODUCERS
+    # (LlamaForCausalLM's linear_input_producers.)
     # The router is no nn.Linear, so quantization passes leave it (and its bias) in float32. An FP8
     # checkpoint's expert (and router) tensors are dequantized with their scales as they load
     # (quant/checkpoint.py), then quantized per row into the e4m3 stacks (quant/apply.py).
     unquantized_linear: tuple[str, ...] = ("mlp.gate",)
     dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, "mlp.gate")
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch, make_mlp=glm4_moe_mlp)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    make_mlp = staticmethod(glm4_moe_mlp)
 
     def rename_checkpoint(
         self, weights: Iterable[tuple[str, torch.Tensor]]
@@ -127,9 +107,6 @@ class Glm4MoeForCausalLM(nn.Module):
         still writes; applied before FP8 conversion and tensor-parallel slicing
         (loader/model_loader.checkpoint_weights)."""
         return without_mtp_layers(weights, self.arch.num_hidden_layers)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
 
 
 def without_mtp_layers(

@@ -149,7 +149,7 @@ class GptOssForCausalLM(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors under the per-expert names load_weights takes (gate and up
-        de-interleaved), for tensor parallelism to slice before loading (parallel/tp.py). load_weights
+        de-interleaved), for tensor parallelism to slice before loading (parallel/tp_load.py). load_weights
         passes tensors already in this layout through unchanged."""
         return _to_stacked_layout(weights, self)
 

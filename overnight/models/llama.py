@@ -6,8 +6,9 @@ checkpoint's separate q/k/v and gate/up tensors into them through packed_modules
 checkpoints that store them fused: Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj). The families
 differ only in ModelArch fields, read into one LayerSpec per layer (models/layer_spec.py: its attention
 kind and its RoPE) and a few block options (bias flags, norms, Granite's multipliers); loading lives in
-models/checkpoint.py. OLMo 2/3 (models/olmo.py) and the
-mixture-of-experts families (models/qwen3_moe.py, models/mixtral.py) reuse these blocks.
+models/checkpoint.py. OLMo 2/3 (models/olmo.py), Cohere (models/cohere.py), Apertus (models/apertus.py) and
+the mixture-of-experts families (models/qwen3_moe.py, models/mixtral.py, models/glm4_moe.py, ...) are
+LlamaForCausalLM with their own layer or MLP factory (LlamaForCausalLM.make_layer / make_mlp).
 """
 
 from __future__ import annotations
@@ -280,8 +281,12 @@ class LlamaForCausalLM(nn.Module):
 
     packed_modules_mapping = PACKED_MODULES_MAPPING
     linear_input_producers = LINEAR_INPUT_PRODUCERS
-    # Each layer's MLP: a mixture-of-experts family on these blocks names its own (ERNIE 4.5, Hunyuan)
+    # Each layer's MLP: a mixture-of-experts family on these blocks names its own (Qwen3-MoE, GLM-4.5,
+    # ERNIE 4.5, Hunyuan; Apertus' xIELU MLP)
     make_mlp: MlpFactory = staticmethod(dense_mlp)
+    # Each decoder layer: a family with other residual wiring names its own (OLMo's post-norm blocks,
+    # Cohere's parallel ones)
+    make_layer: LayerFactory = LlamaDecoderLayer
 
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -289,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
         # The checkpoint's sizes: tensor parallelism replaces self.arch with one rank's (parallel/tp.py)
         self.checkpoint_arch = arch
         self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch, make_mlp=self.make_mlp)
+        self.model = LlamaModel(arch, make_mlp=self.make_mlp, make_layer=self.make_layer)
         self.lm_head = make_lm_head(arch, self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:

@@ -15,7 +15,7 @@ RoPE layers). Decode steps and text-only prompts run exactly as the text model.
 
 Quantization: only the language model; the tower, adapter and projector stay in the compute dtype
 (published FP8 Llama 4 checkpoints leave them unquantized), and one that quantized them anyway is
-dequantized at load. Tensor parallelism keeps them whole on every rank (parallel/tp.py).
+dequantized at load. Tensor parallelism keeps them whole on every rank (parallel/tp_shards.py).
 """
 
 from __future__ import annotations

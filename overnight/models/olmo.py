@@ -10,8 +10,6 @@ description (models/llama.py's LayerSpec), so only the block wiring lives here.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
@@ -19,16 +17,8 @@ from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
-from overnight.models.checkpoint import load_packed_weights
 from overnight.models.layer_spec import LayerSpec
-from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    Attention,
-    LlamaModel,
-    MlpFactory,
-    dense_mlp,
-    make_lm_head,
-)
+from overnight.models.llama import Attention, LlamaForCausalLM, MlpFactory, dense_mlp
 
 
 class OlmoDecoderLayer(nn.Module):
@@ -56,27 +46,12 @@ class OlmoDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(h)), h
 
 
-class OlmoForCausalLM(nn.Module):
+class OlmoForCausalLM(LlamaForCausalLM):
     """OLMo 2 (Olmo2ForCausalLM), OLMo 3 (Olmo3ForCausalLM) and EXAONE 4.0 (Exaone4ForCausalLM: per-head
     q/k norms, its hybrid layers' full ones without RoPE; models/dense_config._exaone4_fields)."""
 
-    packed_modules_mapping = PACKED_MODULES_MAPPING
     # No norm feeds a projection directly (the norms sit after them), so no producer hands over its
     # output already quantized.
     linear_input_producers: dict[str, str] = {"mlp.act_fn": "mlp.down_proj"}
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}
-        self.model = LlamaModel(arch, make_layer=OlmoDecoderLayer)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+    make_layer = OlmoDecoderLayer

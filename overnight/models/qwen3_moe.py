@@ -18,22 +18,13 @@ tokens go through, scaled by sigmoid(shared_expert_gate(x)) and added to the rou
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
-from overnight.attention.metadata import AttentionBatch
 from overnight.config import ModelArch
 from overnight.layers.moe import Experts, select_experts
 from overnight.models.checkpoint import EXPERT_TENSORS
-from overnight.models.llama import (
-    PACKED_MODULES_MAPPING,
-    LlamaModel,
-    dense_mlp,
-    load_packed_weights,
-    make_lm_head,
-)
+from overnight.models.llama import LlamaForCausalLM, dense_mlp
 from overnight.models.qwen3_next import UNQUANTIZED_LINEAR, SharedExpertMoe
 
 
@@ -58,8 +49,7 @@ def qwen3_moe_mlp(arch: ModelArch, layer_idx: int) -> nn.Module:
     return Qwen3MoeSparseMoeBlock(arch)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
-    packed_modules_mapping = PACKED_MODULES_MAPPING
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
     # With FP8 weights (quant/): the router stays in the compute dtype, as published FP8 MoE checkpoints
     # keep it (its top-k decides which experts run; its GEMM, hidden x num_experts, is a small share).
     # The stacked experts are not nn.Linear: an FP8 checkpoint's expert (and router) tensors are
@@ -68,19 +58,8 @@ class Qwen3MoeForCausalLM(nn.Module):
     # compute dtype). Qwen2-MoE's shared expert gate (one output row) stays so too.
     unquantized_linear: tuple[str, ...] = UNQUANTIZED_LINEAR
     dequantized_at_load: tuple[str, ...] = (EXPERT_TENSORS, *UNQUANTIZED_LINEAR)
+    # No FP8 hand-over from the norms: a sparse layer's norm feeds the router and the experts, which
+    # take the compute dtype.
+    linear_input_producers: dict[str, str] = {}
 
-    def __init__(self, arch: ModelArch) -> None:
-        super().__init__()
-        self.arch = arch
-        self.checkpoint_kv_scales: dict[int, tuple[float, float]] = {}  # filled by load_weights
-        self.model = LlamaModel(arch, make_mlp=qwen3_moe_mlp)
-        self.lm_head = make_lm_head(arch, self.model.embed_tokens)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights)
+    make_mlp = staticmethod(qwen3_moe_mlp)

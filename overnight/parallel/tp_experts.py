@@ -1,5 +1,5 @@
 """Tensor parallelism for stacked experts: each rank keeps every expert's slice of the intermediate
-dimension (parallel/tp.py decides which slice; this file cuts the experts' tensors by it).
+dimension (parallel/tp_shards.py decides which slice; this file cuts the experts' tensors by it).
 
     gate_up (weights, biases, MXFP4 blocks and scales)  rows [gate | up] -> [gate rows of r | up rows of r]
                                                          ungated (Nemotron 3's relu^2: the up rows alone)

@@ -1,5 +1,5 @@
-"""Gemma 4's tensor-parallel rules (parallel/tp.py applies them): every size that the common rules read
-from the whole model is per layer here.
+"""Gemma 4's tensor-parallel rules (parallel/tp_shards.py and tp.py apply them): every size that the
+common rules read from the whole model is per layer here.
 
     q_proj / qkv_proj   r's q heads of the layer's head size (global_head_dim in full layers), then r's
                         kv heads of the layer's kind (num_global_key_value_heads in full layers; fewer
@@ -16,7 +16,7 @@ from the whole model is per layer here.
                         whole hidden state each rank holds after every all-reduce, with no collective)
     q/k/v norms         per head: replicated
 
-Quantized layers by the other families' rules (parallel/tp.py, tp_int.py): FP8 / W8A8 scales and packed
+Quantized layers by the other families' rules (parallel/tp_shards.py, tp_int.py): FP8 / W8A8 scales and packed
 codes, scales and zeros of column-parallel layers with their rows; in row-parallel ones per-channel
 scales whole, block scales and packed integers by whole blocks, groups and int32 words of the layer's
 own input (check_gemma4_quantized_tp refuses other splits by name before any process starts).

@@ -1,4 +1,4 @@
-"""Tensor parallelism for the hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): parallel/tp.py's rules for
+"""Tensor parallelism for the hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next): parallel/tp_shards.py's rules for
 what a plain decoder lacks.
 
 Each rank holds linear_num_key_heads / world key heads of every Gated DeltaNet layer and the value

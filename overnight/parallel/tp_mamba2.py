@@ -1,4 +1,4 @@
-"""Tensor parallelism for the Mamba2 hybrids (Granite 4.0-H, Nemotron-H): parallel/tp.py's rules for
+"""Tensor parallelism for the Mamba2 hybrids (Granite 4.0-H, Nemotron-H): parallel/tp_shards.py's rules for
 their mixers and MLPs. Heads split across ranks; B / C groups follow the heads that read them.
 
 How rank r of `world` holds one mixer of H heads (P values each), G groups of B / C (N = d_state each):

@@ -11,7 +11,7 @@ How rank r of `world` holds a latent-attention layer of H heads (H / world of th
 The latent cache is replicated: each rank writes and reads every token's [latent | k_pe] row (the
 same values on every rank), so a rank's pool holds as many tokens as one GPU's would; its heads absorb
 their own W_UK / W_UV slices. Experts, shared experts, dense MLPs, the router, embeddings and LM head
-follow parallel/tp.py's rules, as for GLM-4.5 and Qwen3-MoE.
+follow parallel/tp_shards.py's rules, as for GLM-4.5 and Qwen3-MoE.
 """
 
 from __future__ import annotations

@@ -208,7 +208,8 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def _start_rank(init: WorkerInit):
-    from overnight.parallel.tp import TPShards, load_sharded_model
+    from overnight.parallel.tp_load import load_sharded_model
+    from overnight.parallel.tp_shards import TPShards
     from overnight.runner.model_runner import ModelRunner
 
     config = init.config
@@ -316,7 +317,7 @@ class TPRunner:
     """The engine's Runner over `tensor_parallel_size` rank processes (see the module docstring)."""
 
     def __init__(self, config: EngineConfig, source: ModelSource) -> None:
-        from overnight.parallel.tp import TPShards
+        from overnight.parallel.tp_shards import TPShards
 
         self.config = config
         self.world = config.parallel.tensor_parallel_size

@@ -35,7 +35,7 @@ from tokenizers.models import BPE
 from transformers import PreTrainedTokenizerFast
 
 from overnight.errors import ModelLoadError
-from overnight.loader.gguf import read_gguf_file
+from overnight.loader.gguf_file import read_gguf_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -12,7 +12,7 @@ chunked-attention layers (Llama 4) likewise, only their current attention chunk 
 The pool is sized as the engine sizes it: on the CPU a fixed budget; on a GPU gpu_memory_utilization
 of the total, less the memory others hold, the weights (from the architecture) and an estimate of the
 largest step's activations (the engine measures those at start-up).
-With --tensor-parallel-size N every number is one GPU's: its share of the weights (parallel/tp.py:
+With --tensor-parallel-size N every number is one GPU's: its share of the weights (parallel/tp_shards.py:
 sharded layers / N, vocab-parallel embeddings / N, replicated parts whole), its KV heads (at least one:
 with fewer KV heads than GPUs each is replicated) and its linear-attention state heads, and the pool
 of the tightest of the N GPUs; a sequence's blocks are held on every GPU at once.
@@ -141,7 +141,7 @@ def plan_budget(
     # and its weights; the whole model's when unsplit.
     arch, weights_arch = source.arch, source.arch
     if tp > 1:
-        from overnight.parallel.tp import TPShards
+        from overnight.parallel.tp_shards import TPShards
 
         shards = TPShards(source.arch, 0, tp)
         arch, weights_arch = shards.local_arch, shards.rank_weights_arch
@@ -317,7 +317,7 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     kv_name = dtype if b.kv_dtype == "auto" else b.kv_dtype
     whole, tp = arch, b.tensor_parallel_size
     if tp > 1:
-        from overnight.parallel.tp import TPShards
+        from overnight.parallel.tp_shards import TPShards
 
         arch = TPShards(whole, 0, tp).local_arch
     elem = b.kv_bytes_per_token // arch.kv_bytes_per_token(1)
