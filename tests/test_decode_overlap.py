@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
+from overnight.attention.torch_backend import TorchAttentionBackend
 from overnight.config import (
     CacheConfig,
     EngineConfig,
@@ -72,6 +73,33 @@ def test_half_inputs_are_views_of_each_half_s_rows() -> None:
     # An odd bucket (max_num_seqs is one): half 1 takes the extra row.
     odd = half_inputs(buf, 9, 1, 64, arange)
     assert odd.rows == slice(4, 9) and odd.group_metas[1].slot_mapping.tolist() == list(range(13, 18))
+
+
+def test_triton_twin_splits_alike_into_a_workspace_of_its_own() -> None:
+    """Half 1's backend (AttentionBackend.twin): the same splits and outputs, none of the split-decode
+    scratch shared. A half of 128 rows of a layer with 2 KV heads splits (256 programs, under 4 per SM
+    of an H100), so the halves would otherwise race on one workspace."""
+    from overnight.attention.triton_backend import TritonAttentionBackend
+    from overnight.kernels.paged_decode import DecodeConfig
+    from tests.kernel_helpers import DEVICE, make_batch
+
+    backend = TritonAttentionBackend(
+        4, 2, 16, max_num_seqs=8, max_model_len=4096, device=DEVICE, decode_config=DecodeConfig(block_n=16)
+    )
+    twin = backend.twin()
+    assert backend.num_splits(128) > 1 and twin.num_splits(2) == backend.num_splits(2) > 1
+    for a, b in (
+        (backend.workspace, twin.workspace),
+        (backend.workspace_for(8, 32), twin.workspace_for(8, 32)),
+    ):
+        assert a is not b and a.part_out.data_ptr() != b.part_out.data_ptr()
+        assert a.part_lse.data_ptr() != b.part_lse.data_ptr() and a.max_rows == b.max_rows
+    meta, q, cache = make_batch([1, 1], [37, 20], 2, 4, 2, 16, 16, torch.float32, seed=4)
+    torch.testing.assert_close(
+        twin.forward(q, None, None, cache, meta, 0.25), backend.forward(q, None, None, cache, meta, 0.25)
+    )
+    torch_backend = TorchAttentionBackend()
+    assert torch_backend.twin() is torch_backend  # no scratch: every forward allocates its own
 
 
 def run_through_halves(folder, prompts: list[list[int]], new_tokens: int, groups: int) -> list[int]:
@@ -262,7 +290,7 @@ def test_gpu_tokens_equal_with_and_without_overlap(tmp_path) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         assert 320 in replayed
         results.append([list(o.outputs[0].token_ids) for o in outs])
-        del llm, runner, graphs
+        del llm, runner, graphs, counted, replay
         gc.collect()
         torch.cuda.empty_cache()
     assert results[0] == results[1]

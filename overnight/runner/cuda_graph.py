@@ -144,7 +144,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()  # one memory pool for every graph (but split halves 1)
         if self.split_from is not None:
             pools = (pool, torch.cuda.graph_pool_handle())
-            streams = (torch.cuda.Stream(), torch.cuda.Stream())
+            device = buf.ids.device
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         for b in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its memory
             if self.is_split(b):
                 self._capture_split(b, pools, streams)
