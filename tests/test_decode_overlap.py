@@ -256,20 +256,20 @@ def test_every_command_has_the_flag() -> None:
 def test_gpu_tokens_equal_with_and_without_overlap(tmp_path) -> None:
     """300 concurrent greedy requests (decode batches of 300, 200 and 100: the first in a split bucket
     of 320) give the same tokens with the halves' graphs replayed on two streams as with one graph. The
-    tiny model's 2 KV heads make the halves' decode kernel split rows over the SMs, so half 1's own
-    workspace matters."""
+    tiny model's 2 KV heads and the long max_model_len make the halves' decode kernel split each row's
+    context over several programs (the full bucket's does not), so half 1's own workspace matters."""
     from overnight.runner.decode_overlap import SplitGraph
 
-    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", max_position_embeddings=2048)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 384) for _ in range(rng.randint(4, 40))] for _ in range(300)]
-    params = [greedy(6 * (1 + i % 3)) for i in range(300)]
+    params = [greedy(8 * (1 + i % 3)) for i in range(300)]
     kw = dict(
         skip_tokenizer_init=True,
         dtype="float32",
         max_num_seqs=320,
-        max_num_batched_tokens=2048,
-        max_model_len=256,
+        max_num_batched_tokens=8192,  # every prompt prefilled in a step or two: then 300 decodes
+        max_model_len=2048,
         kv_cache_memory_bytes=256 * 2**20,
     )
     results = []
@@ -279,6 +279,7 @@ def test_gpu_tokens_equal_with_and_without_overlap(tmp_path) -> None:
         graphs = runner.graphs
         assert isinstance(graphs.graphs[320], SplitGraph) == overlap
         assert isinstance(graphs.graphs[224], SplitGraph) is False
+        assert runner.backend.num_splits(160) > 1 and runner.backend.num_splits(320) == 1
         replayed: list[int] = []
         replay = graphs.replay
 

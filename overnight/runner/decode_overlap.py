@@ -138,14 +138,19 @@ class SplitGraph:
     def __init__(self, graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph], streams: tuple) -> None:
         self.graphs = graphs
         self.streams = streams  # two side streams, created once and shared by every bucket
+        # Recorded anew each step (a wait waits for the latest record), so a replay creates no events.
+        self._inputs_ready = torch.cuda.Event()
+        self._halves_done = (torch.cuda.Event(), torch.cuda.Event())
 
     def replay(self) -> None:
         # Each side stream starts after the step's inputs are on the device (the current stream copied
         # them); the current stream goes on (logits, sampling, the next step's copies) after both.
         main = torch.cuda.current_stream()
-        for stream, graph in zip(self.streams, self.graphs):
-            stream.wait_stream(main)
+        self._inputs_ready.record(main)
+        for stream, graph, done in zip(self.streams, self.graphs, self._halves_done):
+            stream.wait_event(self._inputs_ready)
             with torch.cuda.stream(stream):
                 graph.replay()
-        for stream in self.streams:
-            main.wait_stream(stream)
+            done.record(stream)
+        for done in self._halves_done:
+            main.wait_event(done)
