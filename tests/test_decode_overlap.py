@@ -120,6 +120,8 @@ def run_through_halves(folder, prompts: list[list[int]], new_tokens: int, groups
         second_backend=runner.backend.twin(),
     )
     assert graphs.sizes == [1, 2, 4, 8] and graphs.is_split(4) and not graphs.is_split(2)
+    plain = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, runner.buffers, 8, 128)
+    assert not any(plain.is_split(b) for b in plain.sizes)  # the option off: one graph per bucket
     split: list[int] = []
 
     def replay(b: int) -> torch.Tensor:
