@@ -19,8 +19,8 @@ What two concurrent halves must not share: intermediate memory (each half is cap
 pool of its own: half 0 shares the single graphs' pool, which never runs at the same time as it, half
 1 has its own) and scratch that a forward writes outside its outputs and the KV cache. The audit:
 the attention backend's split-decode workspace (Triton: used whenever num_decodes x KV heads is below
-4 programs per SM, e.g. a half of 128 rows of a model with 4 KV heads) is given to half 1 separately
-(AttentionBackend.twin). Rows never touch each other's KV slots (a slot belongs to one request).
+4 programs per SM and contexts may reach 1,024 tokens, e.g. a half of 128 rows of a model with 4 KV
+heads) is given to half 1 separately (AttentionBackend.twin). Rows never touch each other's KV slots (a slot belongs to one request).
 LoRA's slot map and buffers, the hybrids' state-cache batch, latent attention's paths and
 tensor-parallel all-reduces are whole-batch state or collectives and are refused with the option
 (check_decode_overlap). Gemma 4's per-layer inputs, the MoE kernels' routing and GEMM buffers and
@@ -38,8 +38,8 @@ from overnight.config import EngineConfig
 from overnight.errors import ConfigError
 from overnight.runner.inputs import StepBuffers
 
-# The smallest bucket captured as two halves: below it a half's GEMMs are too small to hide attention
-# behind (and the decode kernel starts splitting rows over the SMs).
+# The smallest bucket captured as two halves: a smaller step's GEMMs are mostly weight reads, which two
+# halves would each repeat, with little attention to hide behind them (a guess for the GPU to settle).
 SPLIT_FROM = 256
 
 
