@@ -114,15 +114,21 @@ class DecodeGraphs:
         """Bucket b as two graphs in separate pools (they run at the same time), each ending with a copy
         of its hidden states into its rows of the shared output."""
         graphs = []
-        for half, (rows, pool) in enumerate(zip(split_rows(b), pools)):
-            hidden = self._forward_half(b, half)  # warm-up: compiles kernels, makes half 1's workspaces
+        for half, (rows, pool, stream) in enumerate(zip(split_rows(b), pools, streams)):
+            # Warm-up (compiles kernels, makes half 1's split workspaces) and capture on the stream the
+            # half replays on: cuBLAS keeps a workspace per stream, so the halves' GEMMs get their own.
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                hidden = self._forward_half(b, half)
             if self._split_out is None:  # sized by the largest bucket, captured first
-                n = max(self.sizes)
-                self._split_out = hidden.new_empty((n, hidden.shape[-1]))
+                self._split_out = torch.empty(
+                    (max(self.sizes), hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device
+                )
             out = self._split_out
+            del hidden
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
                 out[rows].copy_(self._forward_half(b, half))
             graphs.append(graph)
         assert self._split_out is not None

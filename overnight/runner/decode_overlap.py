@@ -20,7 +20,8 @@ pool of its own: half 0 shares the single graphs' pool, which never runs at the 
 1 has its own) and scratch that a forward writes outside its outputs and the KV cache. The audit:
 the attention backend's split-decode workspace (Triton: used whenever num_decodes x KV heads is below
 4 programs per SM and contexts may reach 1,024 tokens, e.g. a half of 128 rows of a model with 4 KV
-heads) is given to half 1 separately (AttentionBackend.twin). Rows never touch each other's KV slots (a slot belongs to one request).
+heads) is given to half 1 separately (AttentionBackend.twin); cuBLAS's workspace is kept per stream,
+so each half is captured on the stream it replays on (DecodeGraphs._capture_split). Rows never touch each other's KV slots (a slot belongs to one request).
 LoRA's slot map and buffers, the hybrids' state-cache batch, latent attention's paths and
 tensor-parallel all-reduces are whole-batch state or collectives and are refused with the option
 (check_decode_overlap). Gemma 4's per-layer inputs, the MoE kernels' routing and GEMM buffers and
@@ -137,7 +138,8 @@ class SplitGraph:
 
     def __init__(self, graphs: tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph], streams: tuple) -> None:
         self.graphs = graphs
-        self.streams = streams  # two side streams, created once and shared by every bucket
+        # Two side streams, created once and shared by every bucket; each half was captured on its own.
+        self.streams = streams
         # Recorded anew each step (a wait waits for the latest record), so a replay creates no events.
         self._inputs_ready = torch.cuda.Event()
         self._halves_done = (torch.cuda.Event(), torch.cuda.Event())
