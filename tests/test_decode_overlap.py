@@ -169,6 +169,125 @@ def test_halves_read_each_kv_cache_group_at_their_offset(tmp_path) -> None:
     assert 8 in split
 
 
+class FakeCuda:
+    """Just enough of torch.cuda to run DecodeGraphs.capture and SplitGraph.replay on the CPU: a
+    "captured" block runs once, eagerly, and every stream, event and replay call is logged in order."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+        self.main = self.Stream()
+        self.current = self.main
+        self._pools = 0
+
+    def install(self, monkeypatch) -> None:
+        from contextlib import contextmanager
+
+        fake = self
+
+        class Graph:
+            def replay(self) -> None:
+                fake.log.append(("replay", self, fake.current))
+
+        class Event:
+            def record(self, stream=None) -> None:
+                fake.log.append(("record", self, stream))
+
+        @contextmanager
+        def on(stream):
+            before, fake.current = fake.current, stream
+            try:
+                yield
+            finally:
+                fake.current = before
+
+        @contextmanager
+        def graph(g, pool=None, stream=None):
+            fake.log.append(("capture", g, pool, stream))
+            with on(stream if stream is not None else "capture stream"):
+                yield
+
+        def pool_handle():
+            fake._pools += 1
+            return ("pool", fake._pools)
+
+        for name, value in dict(
+            CUDAGraph=Graph,
+            Event=Event,
+            Stream=self.Stream,
+            graph=graph,
+            stream=on,
+            current_stream=lambda: fake.current,
+            graph_pool_handle=pool_handle,
+            synchronize=lambda *a: None,
+        ).items():
+            monkeypatch.setattr(torch.cuda, name, value)
+
+    class Stream:
+        def __init__(self, device=None) -> None:
+            self.waits: list = []
+
+        def wait_stream(self, other) -> None:
+            self.waits.append(other)
+
+        def wait_event(self, event) -> None:
+            self.waits.append(event)
+
+
+def test_capture_gives_each_half_its_pool_and_stream_and_replay_orders_them(tmp_path, monkeypatch) -> None:
+    """The capture and replay plumbing, with torch.cuda faked (FakeCuda): split buckets are captured as
+    two graphs, half 0 in the single graphs' pool and half 1 in another, each on the side stream it
+    replays on; both write their rows of one output; a replay starts both halves after the current
+    stream's inputs and makes the current stream wait for both."""
+    from overnight.runner.decode_overlap import SplitGraph
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3")
+    llm = LLM(str(folder), max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, **ENGINE)
+    runner = llm.engine.runner  # type: ignore[attr-defined]
+    fake = FakeCuda()
+    fake.install(monkeypatch)
+    graphs = DecodeGraphs(
+        runner.model,
+        runner.attention_batch,
+        runner.kv_caches,
+        runner.buffers,
+        8,
+        128,
+        4,
+        runner.backend.twin(),
+    )
+    graphs.capture()
+    captures = [entry[1:] for entry in fake.log if entry[0] == "capture"]
+    single_pool = captures[-1][1]  # bucket 1, captured last
+    assert all(isinstance(graphs.graphs[b], SplitGraph) for b in (4, 8))
+    assert not any(isinstance(graphs.graphs[b], SplitGraph) for b in (1, 2))
+    split, four = graphs.graphs[8], graphs.graphs[4]
+    s0, s1 = split.streams
+    assert four.streams == (s0, s1)
+    halves = {split.graphs[0]: 0, four.graphs[0]: 0, split.graphs[1]: 1, four.graphs[1]: 1}
+    assert len(captures) == 2 + 2 + 2
+    for g, pool, stream in captures:
+        if g in halves:
+            assert stream is (s0, s1)[halves[g]] and (pool == single_pool) == (halves[g] == 0)
+        else:
+            assert stream is None and pool == single_pool
+    out8, out4 = graphs.outputs[8], graphs.outputs[4]
+    assert out8.shape == (8, 64) and out4.shape == (4, 64) and out4.data_ptr() == out8.data_ptr()
+    # Bucket 4, captured last, left its halves' rows of the shared output: the full batch's rows.
+    torch.testing.assert_close(out4, graphs._forward(4), rtol=1e-5, atol=1e-5, equal_nan=True)
+
+    fake.log.clear()
+    assert graphs.replay(8) is out8
+    ready, done0, done1 = split._inputs_ready, *split._halves_done
+    assert fake.log == [
+        ("record", ready, fake.main),
+        ("replay", split.graphs[0], s0),
+        ("record", done0, s0),
+        ("replay", split.graphs[1], s1),
+        ("record", done1, s1),
+    ]
+    assert s0.waits[-1] is ready and s1.waits[-1] is ready and fake.main.waits[-2:] == [done0, done1]
+
+
 # ---------------------------------------------------------------- refusals
 
 
