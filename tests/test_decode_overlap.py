@@ -3,9 +3,11 @@
 On the CPU: the halves' inputs (decode_overlap.half_inputs over StepBuffers that a real
 StepBuffers.build of each decode step filled) run eagerly through the model give the full batch's
 hidden states, and the engine's greedy tokens through the halves equal transformers', with one KV cache
-group and with several (sliding-window layers, so each group's slot run of stride b is read at the half's
-offset); the option is refused, by name, wherever it cannot run. On a GPU: greedy tokens with and
-without the option are equal for 300 concurrent requests (the halves' graphs replayed on two streams).
+group and with several (sliding-window layers, so each group's slot run of stride b is read at the
+half's offset); half 1's Triton backend has workspaces of its own; capture and replay, with torch.cuda
+faked, give each half its own pool and stream and order the streams' waits; the option is refused, by
+name, wherever it cannot run. On a GPU: greedy tokens with and without the option are equal for 300
+concurrent requests (the halves' graphs replayed on two streams).
 """
 
 from __future__ import annotations
