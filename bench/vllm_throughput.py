@@ -243,7 +243,9 @@ def main() -> int:
         warm_prompts = workload.warmup_prompts(arch)
         first = range(len(warm_prompts))
         warm = [loras[i % len(loras)] for i in first] if loras else None
-        llm.generate(warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm)
+        llm.generate(
+            warm_prompts, [params[i % len(params)] for i in first], use_tqdm=False, lora_request=warm
+        )
         torch.cuda.synchronize()
         with ClockSampler() as clocks:
             start = time.perf_counter()
