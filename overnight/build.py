@@ -71,6 +71,7 @@ def resolve_model(opts: EngineOptions) -> ResolvedModel:
             "limit_mm_per_prompt image 0: %s runs text-only, without its vision tower", source.served_name
         )
     source = _with_expert_form(opts, source)
+    source = _with_int_form(opts, source)
     if opts.max_model_len and opts.max_model_len < source.arch.max_position_embeddings:
         # The RoPE tables need only the positions a request can reach (a 10M-position Llama 4 config
         # would build 5 GB of float32 table); build_config still checks max_model_len against the model.
@@ -95,25 +96,56 @@ def _with_expert_form(opts: EngineOptions, source: ModelSource) -> ModelSource:
     """The source with its MXFP4 experts' form chosen (loader/expert_form.py), in its arch, which the
     weight-fit check, `overnight budget`, the build and the load all read."""
     from overnight.loader.expert_form import check_expert_form_device, choose_expert_form
-    from overnight.loader.model_loader import resolve_dtype
 
     if not source.arch.experts_mxfp4:
         choose_expert_form(source.arch, opts.mxfp4_experts, 2, None)  # refuses a form it cannot take
         return source
-    device = pick_device(opts.device)
-    dtype = resolve_dtype(opts.dtype, source, device)
-    memory = device_memory_gib(device)
+    device, dtype, memory = _device_facts(opts, source)
     form = choose_expert_form(
         source.arch,
         opts.mxfp4_experts,
         dtype.itemsize,
-        None if memory is None else int(memory * 2**30),
+        memory,
         opts.tensor_parallel_size,
         str(dtype).removeprefix("torch."),
     )
     check_expert_form_device(form.arch, device)
     log.info("%s", form.reason)
     return replace(source, arch=form.arch)
+
+
+def _with_int_form(opts: EngineOptions, source: ModelSource) -> ModelSource:
+    """The source with its integer checkpoint's form chosen (loader/int_form.py: packed, or dequantized
+    at load), in its quantization scheme, which the weight-fit check, `overnight budget`, the build, the
+    tensor-parallel checks and the load all read."""
+    from overnight.loader.int_form import choose_int_form
+    from overnight.quant.int_scheme import IntScheme
+
+    if not isinstance(source.quantization, IntScheme):
+        choose_int_form(source.arch, source.quantization, opts.int_weights, 2, None)  # refuses a form
+        return source
+    _, dtype, memory = _device_facts(opts, source)
+    form = choose_int_form(
+        source.arch,
+        source.quantization,
+        opts.int_weights,
+        dtype.itemsize,
+        memory,
+        opts.tensor_parallel_size,
+        str(dtype).removeprefix("torch."),
+    )
+    log.info("%s", form.reason)
+    return replace(source, quantization=form.scheme)
+
+
+def _device_facts(opts: EngineOptions, source: ModelSource) -> tuple[torch.device, torch.dtype, int | None]:
+    """(the device the engine runs on, the compute dtype, one GPU's total memory in bytes or None on the
+    CPU): what the dense-at-load forms' auto decides by."""
+    from overnight.loader.model_loader import resolve_dtype
+
+    device = pick_device(opts.device)
+    memory = device_memory_gib(device)
+    return device, resolve_dtype(opts.dtype, source, device), None if memory is None else int(memory * 2**30)
 
 
 def _with_head_token_ids(source: ModelSource, tokenizer: Tokenizer | None) -> ModelSource:

@@ -32,6 +32,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATIONS = ("fp8",)
 MXFP4_EXPERTS = ("auto", "mxfp4", "dense", "fp8")  # how an MXFP4 checkpoint's experts are held (build.py)
+INT_WEIGHTS = ("auto", "packed", "dense")  # how a weight-only integer checkpoint is held (loader/int_form.py)
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 ATTENTION_VARIANTS = (
     "default",
@@ -296,6 +297,17 @@ class EngineOptions:
         "dense on a GPU when the whole model in the compute dtype takes at most 0.55 of one GPU's memory "
         "(per tensor-parallel rank), else mxfp4 (auto never picks fp8 yet)",
         choices=MXFP4_EXPERTS,
+    )
+    int_weights: str = option(
+        "auto",
+        "weight-only integer checkpoints (AWQ, GPTQ, compressed-tensors W4A16 / W8A16): packed keeps the "
+        "integer weights (a quarter / half of bf16's bytes, dequantized inside the GEMM: fastest at small "
+        "batches, most room for the KV cache); dense dequantizes them to the compute dtype at load (bf16 "
+        "GEMMs: fastest at the large batches of batch jobs); auto: dense on a GPU when the whole model in "
+        "the compute dtype takes at most 0.55 of one GPU's memory (per tensor-parallel rank), else packed. "
+        "The CPU always runs them dense. W8A8 checkpoints (int8 activations too, an int8 GEMM) are not "
+        "weight-only and keep their int8 layers under every choice",
+        choices=INT_WEIGHTS,
     )
     kv_cache_dtype: str = option(
         "auto", "KV-cache storage (fp8: e4m3, half the bytes)", choices=KV_CACHE_DTYPES

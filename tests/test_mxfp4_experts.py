@@ -16,7 +16,8 @@ import torch
 
 from overnight import LLM, SamplingParams
 from overnight.errors import ConfigError
-from overnight.loader.expert_form import DENSE_FRACTION, choose_expert_form
+from overnight.loader.expert_form import choose_expert_form
+from overnight.loader.fit import DENSE_FRACTION
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import PRESETS_DIR, resolve_source
 from overnight.models.registry import arch_from_hf_config

@@ -6,7 +6,8 @@ option.
 The dense form runs through the 16-bit fused MoE, which is about twice as fast as decoding MXFP4 in the
 GEMM's K loop (gpt-oss-20b on an H100), at four times the experts' bytes. "auto" takes it where those bytes
 leave the GPU room for a KV cache: the whole model in the compute dtype (one tensor-parallel rank's
-share of it) at most DENSE_FRACTION of one GPU's memory. gpt-oss-20b in bf16 (39 GiB) is 49% of an 80-GB
+share of it) at most DENSE_FRACTION of one GPU's memory (loader/fit.dense_fit, the rule int_weights'
+auto follows too). gpt-oss-20b in bf16 (39 GiB) is 49% of an 80-GB
 H100 and 28% of an H200; gpt-oss-120b (218 GiB) fits neither and stays packed. The CPU keeps the packed
 form under auto (its experts are dequantized per step already, and RAM is what a CPU run lacks).
 
@@ -27,11 +28,9 @@ import torch
 
 from overnight.config import ModelArch
 from overnight.errors import ConfigError
+from overnight.loader.fit import dense_fit
 from overnight.options import MXFP4_EXPERTS
 from overnight.quant.scheme import require_fp8_device
-
-DENSE_FRACTION = 0.55
-GIB = 2**30
 
 
 @dataclass(frozen=True)
@@ -61,7 +60,6 @@ def choose_expert_form(
             )
         return ExpertForm(arch, "")
     dense = replace(arch, experts_mxfp4_dense=True)
-    share = dense.weight_bytes(dtype_bytes) / tensor_parallel_size
     if choice == "dense":
         return ExpertForm(dense, f"mxfp4_experts dense: experts dequantized to {dtype_name} at load")
     if choice == "fp8":
@@ -75,12 +73,10 @@ def choose_expert_form(
     # auto: dense or packed only; fp8 joins the rule once the GPU has timed it (module docstring).
     if device_bytes is None:
         return ExpertForm(arch, "mxfp4_experts auto: experts kept packed on the CPU")
-    on = "each GPU's share" if tensor_parallel_size > 1 else "the model"
-    ratio = share / device_bytes
-    words = f"{on} in {dtype_name} is {share / GIB:.1f} GiB, {ratio:.0%} of {device_bytes / GIB:.1f} GiB"
-    if ratio <= DENSE_FRACTION:
-        return ExpertForm(dense, f"mxfp4_experts auto: experts dequantized to {dtype_name} ({words})")
-    return ExpertForm(arch, f"mxfp4_experts auto: experts kept packed ({words}, over {DENSE_FRACTION:.0%})")
+    fit = dense_fit(dense.weight_bytes(dtype_bytes), device_bytes, tensor_parallel_size, dtype_name)
+    if fit.dense:
+        return ExpertForm(dense, f"mxfp4_experts auto: experts dequantized to {dtype_name} ({fit.words})")
+    return ExpertForm(arch, f"mxfp4_experts auto: experts kept packed ({fit.words})")
 
 
 def check_expert_form_device(arch: ModelArch, device: torch.device | str) -> None:

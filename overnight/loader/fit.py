@@ -8,6 +8,9 @@ out-of-memory handler halfway through loading (a CPU machine has no allocator th
     layer_kv_shape(arch, i)          (KV heads, head size) of one layer's cache
     available_memory_bytes(device)   free GPU memory, or the RAM the OS can hand out on the CPU
     check_weights_fit(...)           ConfigError naming the gap and the dtypes / GPU counts that fit
+    dense_fit(model_bytes, ...)      whether a model held in the compute dtype leaves a GPU room for its
+                                     KV cache: the rule of the dense-at-load options' auto (mxfp4_experts,
+                                     int_weights)
 
 Quantized checkpoints keep some projections float: compressed-tensors' `ignore`, fbgemm_fp8's, AWQ's and
 GPTQ's `modules_to_not_convert`, GPTQ's `dynamic` "-:" skips and `modules_in_block_to_quantize`
@@ -24,6 +27,7 @@ layers' buffers and FP8 experts' row scales.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,6 +39,32 @@ from overnight.quant.scheme import QuantScheme
 
 GIB = 2**30
 _SMALLER_DTYPES = (torch.bfloat16, torch.float16)
+
+# The share of one GPU's memory the whole model in the compute dtype (one tensor-parallel rank's share
+# of it) may take for a packed format's "auto" to dequantize it at load: below it the 16-bit GEMMs'
+# speed is worth the bytes, and the rest still holds a KV cache for large batches (gpt-oss-20b in bf16,
+# 49% of an 80-GB H100: 1.43x vLLM dense against 0.49x packed; Qwen3-8B, 20%).
+DENSE_FRACTION = 0.55
+
+
+@dataclass(frozen=True)
+class DenseFit:
+    dense: bool  # the model's compute-dtype share is at most DENSE_FRACTION of the GPU
+    words: str  # for the load's log line: "the model in bfloat16 is 15.3 GiB, 19% of 79.2 GiB"
+
+
+def dense_fit(
+    model_bytes: int, device_bytes: int, tensor_parallel_size: int = 1, dtype_name: str = "bf16"
+) -> DenseFit:
+    """Whether a model whose weights take model_bytes in the compute dtype (all of them, unsplit) is held
+    dense on GPUs of device_bytes each, tensor_parallel_size of them sharing it."""
+    share = model_bytes / tensor_parallel_size
+    ratio = share / device_bytes
+    on = "each GPU's share" if tensor_parallel_size > 1 else "the model"
+    words = f"{on} in {dtype_name} is {share / GIB:.1f} GiB, {ratio:.0%} of {device_bytes / GIB:.1f} GiB"
+    if ratio <= DENSE_FRACTION:
+        return DenseFit(True, words)
+    return DenseFit(False, f"{words}, over {DENSE_FRACTION:.0%}")
 
 
 def weight_bytes(
@@ -115,10 +145,11 @@ def linear_formats(
     scheme: QuantScheme | IntScheme | None, device: torch.device | str
 ) -> tuple[bool, tuple[int, int, bool] | None]:
     """(fp8_linear, int_linear) for weight_bytes and check_weights_fit, from a source's quantization
-    and where it runs (integer checkpoints are dequantized to dtype on the CPU: quant/apply.py)."""
+    and where it runs (integer checkpoints are dequantized to dtype on the CPU, and on a GPU when their
+    scheme was chosen dense: quant/apply.keeps_int_packed)."""
     if isinstance(scheme, QuantScheme):
         return True, None
-    if scheme is None or not keeps_int_packed(device):
+    if scheme is None or not keeps_int_packed(device, scheme):
         return False, None
     # experts packed unless act-order / W8A8 or groups the kernels do not take (quant/apply.py)
     group = scheme.group_size
@@ -254,6 +285,11 @@ def _what_fits(
         fp8 = weight_bytes(arch, dtype, True) / tp
         if fp8 <= free:  # FP8 projections (quant/): Ada and Hopper GPUs have the tensor cores for them
             options.append(f"--quantization fp8 ({fp8 / GIB:.1f} GiB)")
+    if device.type == "cuda" and isinstance(scheme, IntScheme) and scheme.dense:
+        packed = replace(scheme, dense=False)  # int_weights dense was chosen: the packed form's bytes
+        packed_bytes = weight_bytes(arch, dtype, int_linear=linear_formats(packed, device)[1], scheme=packed)
+        if packed_bytes / tp <= free:
+            options.append(f"--int-weights packed ({packed_bytes / tp / GIB:.1f} GiB)")
     if device.type == "cuda":
         gpus = torch.cuda.device_count()
         fits = [

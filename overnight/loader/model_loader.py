@@ -4,7 +4,8 @@ A source with a quantization scheme gets its FP8 layers when it is built (quant/
 device), and its checkpoint tensors converted to their layout as they stream in (quant/checkpoint.py);
 stacked MoE experts load in the compute dtype and are quantized once loaded (quantize_experts).
 Integer checkpoints (AWQ, GPTQ, compressed-tensors int) likewise: packed integer layers (and experts,
-quant/int_moe.py) on a GPU, everything dequantized at load on the CPU (quant/int_checkpoint.py).
+quant/int_moe.py) on a GPU, everything dequantized at load on the CPU and, when the int_weights option
+chose so (loader/int_form.py), on a GPU too (quant/int_checkpoint.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Tensor parallelism for integer checkpoints (quant/int_linear.py's packed layers on the GPU).
 
-On the CPU these checkpoints are dequantized while they stream in, so their tensors shard like float
-ones. On the GPU the layers keep their codes packed along the input dimension (32 / bits codes per
+On the CPU (and on a GPU under int_weights dense: IntScheme.dense) these checkpoints are dequantized
+while they stream in, so their tensors shard like float ones. On the GPU the layers keep their codes packed along the input dimension (32 / bits codes per
 int32, consecutive columns) with one scale (and zero point) per output row and group of group_size
 input columns:
 

@@ -26,7 +26,9 @@ Integer-weight checkpoints (quant/int_scheme.py) get WeightOnlyIntLinear / Int8L
 (quant/int_linear.py) in place of the same nn.Linear layers when the model runs on a GPU, and their
 stacked experts become IntExperts (quant/int_moe.py: packed W4A16/W8A16 grouped GEMMs), except for
 act-order or W8A8 checkpoints, whose experts load dequantized to the compute dtype. On the CPU the
-linears stay nn.Linear and the experts Experts, all loaded dequantized (the plain-torch path).
+linears stay nn.Linear and the experts Experts, all loaded dequantized (the plain-torch path); so on a
+GPU too for a weight-only scheme chosen dense (IntScheme.dense, the int_weights option: bf16 GEMMs at
+large batches), while a W8A8 scheme keeps its Int8Linear layers on a GPU whatever that option says.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def ignored(model: nn.Module, scheme: QuantScheme | IntScheme, module: str) -> b
     return scheme.ignores(*(names(module) if names is not None else (module,)))
 
 
-def keeps_int_packed(device: torch.device | str) -> bool:
-    """Whether integer checkpoints keep packed layers on `device` (else: nn.Linear, dequantized at load)."""
+def keeps_int_packed(device: torch.device | str, scheme: IntScheme | None = None) -> bool:
+    """Whether an integer checkpoint keeps packed layers on `device` (else: nn.Linear and float experts,
+    dequantized at load): on a GPU, unless its scheme was chosen dense (the int_weights option)."""
+    if scheme is not None and scheme.dense:
+        return False
     return torch.device(device).type != "cpu" or PACKED_INT_ON_CPU
 
 
@@ -102,7 +107,7 @@ def quantize_model(
     """Make `model`'s linear layers FP8 or integer in place (see the module docstring) and return it;
     device: where the model will run. A fused layer stays in the compute dtype only when the scheme
     ignores every checkpoint part of it."""
-    if isinstance(scheme, IntScheme) and not keeps_int_packed(device):
+    if isinstance(scheme, IntScheme) and not keeps_int_packed(device, scheme):
         return model
     for name, linear, quantized in linear_forms(model, scheme):
         if quantized:

@@ -14,8 +14,10 @@ or file, then unpacked into the canonical form (quant/int_formats.py) and either
       `<module>.weight` (stacked by the loader like a float expert's) and its scales and zeros written
       into the stack's buffers;
     - or dequantized to `<module>.weight` in float32 (the loader casts to the compute dtype): every
-      linear and expert on the CPU, act-order and W8A8 experts everywhere, and any quantized tensor of
-      a layer kept in float.
+      linear and expert on the CPU, and on a GPU under int_weights dense (IntScheme.dense: the model
+      was built without integer layers, so none is in `layers` / `experts` here), act-order and W8A8
+      experts everywhere, and any quantized tensor of a layer kept in float. An act-order weight's
+      columns come back in the input's order (IntWeight.dequantize reads g_idx).
 
 Other tensors pass through. A float weight for a layer built as an integer one means the config's
 ignore list does not match the weights: refused by name, as are unpaired parts at the end.

@@ -49,6 +49,15 @@ class IntScheme:
     # GPTQ's modules_in_block_to_quantize, flattened: when given, only modules one of these names
     # (or prefixes) occurs in are quantized (vLLM's rule: a substring of the module's name)
     quantized_only: tuple[str, ...] = ()
+    # Not the checkpoint's: how this run holds it (the int_weights option, loader/int_form.py). True:
+    # every quantized layer and expert is dequantized to the compute dtype at load on every device,
+    # into plain nn.Linear layers and float experts (quant/apply.keeps_int_packed); False: packed on a
+    # GPU. The CPU dequantizes either way. Weight-only schemes only: W8A8 keeps its int8 GEMM.
+    dense: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dense and self.int8_activations:
+            raise ValueError("a W8A8 scheme keeps its int8 layers: dense applies to weight-only schemes")
 
     def ignores(self, *names: str) -> bool:
         """Whether the checkpoint leaves a module unquantized; names: the module's names in the
@@ -103,7 +112,8 @@ class IntScheme:
         groups = f"groups of {self.group_size}" if self.group_size else "per output channel"
         zeros = "symmetric" if self.symmetric else "with zero points"
         order = ", act-order g_idx" if self.act_order else ""
-        return f"{self.method} int{self.bits} weights ({groups}, {zeros}{order}), 16-bit activations"
+        held = ", dequantized to the compute dtype at load" if self.dense else ""
+        return f"{self.method} int{self.bits} weights ({groups}, {zeros}{order}){held}, 16-bit activations"
 
 
 def int_scheme_from_hf_config(qc: dict[str, Any], where: str) -> IntScheme:
