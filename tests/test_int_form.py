@@ -13,7 +13,7 @@ Checked on the CPU:
   checks count, and tensor parallelism's checks taking the float rules for the dense form;
 - loaded dense where the GPU's packed layout is otherwise kept (PACKED_INT_ON_CPU), tiny AWQ and
   act-order GPTQ checkpoints (tests/int_checkpoints.py) hold their dequantized twin's weights bit for
-  bit, and give its greedy tokens in fp32 exactly (the engine against transformers on the twin: slow);
+  bit, and give its greedy tokens in fp32 exactly (the engine against transformers on the twin);
   `packed` on the CPU still loads (dequantized: the CPU always runs dense).
 
 On a GPU (skipped without CUDA): the packed and dense forms of a tiny AWQ checkpoint in bf16 give the
@@ -281,7 +281,6 @@ def _engine_tokens(folder: Path, prompts: list[list[int]], **kwargs) -> list[lis
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["awq-g32", "gptq-w4-g16-asym-descact", "moe-awq-g32"])
 def test_engine_dense_greedy_equals_transformers(checkpoints, name, monkeypatch):
     """The engine with --int-weights dense where packed layers would otherwise be built (resolve_model
@@ -337,3 +336,21 @@ def test_packed_and_dense_agree_on_a_gpu(checkpoints):
             gaps.append(abs(lp_a[a].logprob - lp_b[b].logprob))
     assert len(gaps) >= len(prompts) * 12 / 2, f"{len(gaps)} steps before divergences"
     assert sum(gaps) / len(gaps) < 0.05, f"mean logprob gap {sum(gaps) / len(gaps):.3f}"
+
+
+def test_too_large_dense_names_the_packed_form(monkeypatch):
+    """An explicit dense form that does not fit a GPU: the refusal offers the packed form's bytes (and
+    not fp8, which an integer checkpoint refuses)."""
+    from overnight.loader import fit
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    arch = _preset("qwen3-8b")  # 15.3 GiB in bf16, ~6 GiB packed
+    dense = replace(AWQ, dense=True)
+    words = fit._what_fits(arch, torch.bfloat16, torch.device("cuda"), 8 * 2**30, 1, False, None, dense)
+    packed = weight_bytes(arch, torch.bfloat16, int_linear=linear_formats(AWQ, "cuda")[1], scheme=AWQ)
+    assert f"--int-weights packed ({packed / 2**30:.1f} GiB)" in words
+    assert "fp8" not in words
+    assert "--int-weights" not in fit._what_fits(
+        arch, torch.bfloat16, torch.device("cuda"), 8 * 2**30, 1, False
+    )

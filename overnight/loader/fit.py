@@ -280,6 +280,7 @@ def _what_fits(
         device.type == "cuda"
         and not fp8_linear
         and int_linear is None
+        and not isinstance(scheme, IntScheme)  # an integer checkpoint refuses fp8, held dense too
         and torch.cuda.get_device_capability(device) >= (8, 9)
     ):
         fp8 = weight_bytes(arch, dtype, True) / tp
