@@ -354,3 +354,23 @@ def test_too_large_dense_names_the_packed_form(monkeypatch):
     assert "--int-weights" not in fit._what_fits(
         arch, torch.bfloat16, torch.device("cuda"), 8 * 2**30, 1, False
     )
+
+
+def test_budget_counts_the_form_held(checkpoints):
+    """`overnight budget` and the weight-fit check read the resolved scheme: dense weights count their
+    compute-dtype bytes (the plain model's), packed ones their codes, scales and zeros."""
+    from overnight.build import resolve_model
+    from overnight.tools.budget import DeviceMemory, plan_budget
+
+    gpu = DeviceMemory("H200", H200, H200)
+    quantized, _ = checkpoints["awq-g32"]
+    weights = {}
+    for choice in ("packed", "dense"):
+        opts = EngineOptions(
+            model=str(quantized), int_weights=choice, device="cpu", dtype="bfloat16", skip_tokenizer_init=True
+        )
+        source = resolve_model(opts).source
+        assert isinstance(source.quantization, IntScheme) and source.quantization.dense == (choice == "dense")
+        weights[choice] = plan_budget(opts, source, gpu).weights_bytes
+    assert weights["dense"] == resolve_source(str(quantized)).arch.weight_bytes(2)
+    assert weights["packed"] is not None and weights["packed"] < weights["dense"]
