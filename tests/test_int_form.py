@@ -10,7 +10,7 @@ Checked on the CPU:
 - the option round-trips through the command line (--int-weights) and a wrong value stops a command;
 - the module selection (quant/apply.py) for a model built to run on a GPU (the meta device, no CUDA
   needed): packed WeightOnlyIntLinear / IntExperts, or none of them when dense; the sizes the memory
-  checks count, and tensor parallelism's checks taking the float rules for the dense form;
+  checks count, and tensor parallelism's checks and shards taking the float rules for the dense form;
 - loaded dense where the GPU's packed layout is otherwise kept (PACKED_INT_ON_CPU), tiny AWQ and
   act-order GPTQ checkpoints (tests/int_checkpoints.py) hold their dequantized twin's weights bit for
   bit, and give its greedy tokens in fp32 exactly (the engine against transformers on the twin);
@@ -253,6 +253,27 @@ def test_dense_load_is_the_twin(checkpoints, name, monkeypatch):
     assert all(torch.equal(t, reference[k]) for k, t in model.state_dict().items())
     ref = load_model(resolve_source(str(twin)), torch.float32, "cpu")
     assert greedy_tokens(model, PROMPTS[:4], 4) == greedy_tokens(ref, PROMPTS[:4], 4)
+
+
+@pytest.mark.parametrize("name", ["gptq-w4-g16-asym-descact", "moe-awq-g32"])
+def test_dense_shards_are_the_float_shards(checkpoints, name, monkeypatch):
+    """Tensor parallelism of the dense form (act-order included, which the packed form refuses): each
+    rank, streamed in, holds plain layers with exactly the dequantized twin's float shares."""
+    from overnight.parallel.tp_load import load_sharded_model
+    from tests.tp_helpers import streamed_equals_sliced
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    quantized, twin = checkpoints[name]
+    source = resolve_source(str(quantized))
+    assert isinstance(source.quantization, IntScheme)
+    dense = replace(source, quantization=replace(source.quantization, dense=True))
+    for rank in range(2):
+        streamed = streamed_equals_sliced(dense, rank)
+        assert not any(isinstance(m, (WeightOnlyIntLinear, IntExperts)) for m in streamed.modules())
+        float_share = load_sharded_model(resolve_source(str(twin)), torch.float32, "cpu", rank, 2)
+        ours, theirs = streamed.state_dict(), float_share.state_dict()
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(t, theirs[k]) for k, t in ours.items())
 
 
 def test_packed_on_the_cpu_still_loads(checkpoints):
