@@ -42,8 +42,8 @@ _SMALLER_DTYPES = (torch.bfloat16, torch.float16)
 
 # The share of one GPU's memory the whole model in the compute dtype (one tensor-parallel rank's share
 # of it) may take for a packed format's "auto" to dequantize it at load: below it the 16-bit GEMMs'
-# speed is worth the bytes, and the rest still holds a KV cache for large batches (gpt-oss-20b in bf16,
-# 49% of an 80-GB H100: 1.43x vLLM dense against 0.49x packed; Qwen3-8B, 20%).
+# speed is worth the bytes, and the rest still holds a KV cache for large batches (gpt-oss-20b in bf16 is
+# 49% of an 80-GB H100, where its dense experts ran 2.5x its MXFP4 ones; Qwen3-8B is 20%).
 DENSE_FRACTION = 0.55
 
 

@@ -1,9 +1,9 @@
 """Tensor parallelism for integer checkpoints (quant/int_linear.py's packed layers on the GPU).
 
 On the CPU (and on a GPU under int_weights dense: IntScheme.dense) these checkpoints are dequantized
-while they stream in, so their tensors shard like float ones. On the GPU the layers keep their codes packed along the input dimension (32 / bits codes per
-int32, consecutive columns) with one scale (and zero point) per output row and group of group_size
-input columns:
+while they stream in, so their tensors shard like float ones. Packed on the GPU, the layers keep their
+codes packed along the input dimension (32 / bits codes per int32, consecutive columns) with one scale
+(and zero point) per output row and group of group_size input columns:
 
     column-parallel (q/k/v, gate/up)  packed_weight, group_scale, group_zero: this rank's rows, like a
                                       float weight's; an act-order input_perm stays whole (the input is)
