@@ -343,7 +343,7 @@ def test_packed_and_dense_agree_on_a_gpu(checkpoints):
         assert any(isinstance(m, WeightOnlyIntLinear) for m in model.modules()) == (choice == "packed")
         results[choice] = [o.outputs[0] for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
-        llm.close()
+        llm.engine.shutdown()
         del llm, model
         gc.collect()
         torch.cuda.empty_cache()
