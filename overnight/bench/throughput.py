@@ -49,7 +49,27 @@ class RunResult:
 def run_ours(
     opts: EngineOptions, workload: Workload, warmup: bool = True, lora_requests: list | None = None
 ) -> tuple[RunResult, list[list[int]]]:
-    """lora_requests: one LoRARequest (or None) per request of the workload (bench/lora.py)."""
+    """lora_requests: one LoRARequest (or None) per request of the workload (bench/lora.py).
+
+    When this returns the engine is gone and its GPU memory is back with the driver: a second engine in
+    the same process (--lora-adapters runs the base model, then the adapters) sizes its weights check and
+    KV pool from the free memory. So the engine lives only inside _measure, and the collection and the
+    allocator's release run after it has returned (inside it, its locals still held the engine)."""
+    result, tokens = _measure(opts, workload, warmup, lora_requests)
+    gc.collect()  # the engine's reference cycles (a step handle and its runner)
+    release_gpu_cache()
+    return result, tokens
+
+
+def release_gpu_cache() -> None:
+    """The allocator's cached blocks (a freed engine's pool, graphs and weights) back to the driver."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _measure(
+    opts: EngineOptions, workload: Workload, warmup: bool, lora_requests: list | None
+) -> tuple[RunResult, list[list[int]]]:
     from overnight import LLM, SamplingParams
 
     llm = LLM(**opts.__dict__)
@@ -138,10 +158,6 @@ def run_ours(
             "jit_compiles": [c[:600] for c in compiled],
         },
     )
-    del llm
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return result, tokens
 
 
