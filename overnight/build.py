@@ -255,7 +255,7 @@ def build_config(
             opts.mamba_ssm_cache_dtype,
             source.arch.architecture,
         )
-    config = EngineConfig(
+    return EngineConfig(
         model=ModelConfig(
             model=source.path,
             arch=source.arch,
@@ -287,15 +287,9 @@ def build_config(
             attention_backend=opts.attention_backend,
             attention_variant=opts.attention_variant,
             enforce_eager=opts.enforce_eager,
-            decode_overlap=opts.decode_overlap,
         ),
         lora=lora,
     )
-    if config.runner.decode_overlap:  # refused here, before any weight loads, where it cannot run
-        from overnight.runner.decode_overlap import check_decode_overlap
-
-        check_decode_overlap(config)
-    return config
 
 
 def cache_bytes_estimate(

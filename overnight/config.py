@@ -966,8 +966,6 @@ class RunnerConfig:
     attention_backend: str = _Defaults.attention_backend
     attention_variant: str = _Defaults.attention_variant  # kernel configs by name (attention/variants.py)
     enforce_eager: bool = _Defaults.enforce_eager
-    # Decode buckets of >= 256 rows as two half graphs replayed concurrently (runner/decode_overlap.py).
-    decode_overlap: bool = _Defaults.decode_overlap
     # Decode steps up to this batch size replay CUDA graphs; larger ones run eagerly, where launching
     # hundreds of kernels from Python costs tens of milliseconds a step. Capped by max_num_seqs.
     max_capture_batch_size: int = 1024

@@ -350,13 +350,6 @@ class EngineOptions:
         normalize=_device_text,
     )
     enforce_eager: bool = option(False, "no CUDA graphs")
-    decode_overlap: bool = option(
-        False,
-        "run each decode step of 256 or more requests as two half-batches whose CUDA graphs replay at once "
-        "on two streams, so one half's attention overlaps the other's GEMMs; for large decode batches on "
-        "a GPU (refused on the CPU, with enforce_eager, LoRA, tensor parallelism, latent attention and "
-        "linear-attention / Mamba hybrids)",
-    )
     attention_backend: str = option(
         "auto", "auto: triton on CUDA, torch elsewhere", choices=ATTENTION_BACKENDS
     )

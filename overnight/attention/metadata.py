@@ -111,12 +111,6 @@ class AttentionBackend(Protocol):
         one in the compute dtype. Returns [T, H, Dv]."""
         ...
 
-    def twin(self) -> AttentionBackend:
-        """A backend with the same kernels and configs but none of the scratch memory a forward writes
-        (the split-decode workspaces), for a forward that runs at the same time as one of this
-        backend's on another stream (runner/decode_overlap.py). A backend without scratch returns itself."""
-        ...
-
 
 @dataclass
 class AttentionBatch:

@@ -218,9 +218,6 @@ class TorchAttentionBackend:
         write_latent_ref(rows, kv_cache, meta.slot_mapping, kv_scale, w_uk.shape[2])
         return latent_attention_ref(q_nope, q_pe, kv_cache, meta, scale, w_uk, w_uv, kv_scale)
 
-    def twin(self) -> TorchAttentionBackend:
-        return self  # every forward allocates its own temporaries
-
 
 def build_metadata(
     query_lens: list[int],

@@ -11,7 +11,6 @@ kind, kernels/score_mods.py); its sinks travel as a device pointer.
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
@@ -77,8 +76,7 @@ class TritonAttentionBackend:
         self.device = device
         self.max_split_rows = max(split_rows, default=0)
         self.workspace = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, device)
-        self._model_heads = (num_heads, head_dim)
-        self._workspaces = {self._model_heads: self.workspace}
+        self._workspaces = {(num_heads, head_dim): self.workspace}
         self._mla_logged = False
         self.mla_prefill_kernel = mla_prefill_kernel  # attention/variants.py's mla-prefill-kernel
 
@@ -91,14 +89,6 @@ class TritonAttentionBackend:
             ws = DecodeWorkspace(self.max_split_rows, num_heads, head_dim, self.device)
             self._workspaces[(num_heads, head_dim)] = ws
         return ws
-
-    def twin(self) -> TritonAttentionBackend:
-        """The same backend with split workspaces of its own (allocated as this one's: the first for
-        the model's heads now, others on first use)."""
-        other = copy.copy(self)
-        other.workspace = DecodeWorkspace(self.max_split_rows, *self._model_heads, self.device)
-        other._workspaces = {self._model_heads: other.workspace}
-        return other
 
     def num_splits(self, num_decodes: int, window: int | None = None, chunk: int | None = None) -> int:
         """Splits per decode: static per batch size and layer kind. A windowed (chunked) layer reads at

@@ -126,10 +126,6 @@ class ModelRunner:
         grammars: GrammarCompiler | None = None,  # None: structured outputs are never masked here
         lora_sharding: LoRASharding | None = None,  # a tensor-parallel rank's share of each adapter
     ) -> None:
-        if config.runner.decode_overlap:  # also here for runners built without build_config
-            from overnight.runner.decode_overlap import check_decode_overlap
-
-            check_decode_overlap(config)
         self.config = config
         self.source = source
         self.device = torch.device(config.runner.device)
@@ -350,12 +346,10 @@ class ModelRunner:
         if arch.is_mla and not mla_decode_supported(arch.kv_lora_rank, arch.qk_rope_head_dim):
             return  # latent attention without its kernel: the PyTorch path reads host lengths
         from overnight.runner.cuda_graph import DecodeGraphs
-        from overnight.runner.decode_overlap import SPLIT_FROM
 
         max_batch = min(self.config.runner.max_capture_batch_size, self.config.scheduler.max_num_seqs)
         if self.lora is not None:
             self.lora.batch.for_capture()  # the graphs record the LoRA kernels, which read the slot map
-        overlap = self.config.runner.decode_overlap
         self.graphs = DecodeGraphs(
             self.model,
             self.attention_batch,
@@ -363,8 +357,6 @@ class ModelRunner:
             self.buffers,
             max_batch,
             self.config.scheduler.max_model_len,
-            split_from=SPLIT_FROM if overlap else None,
-            second_backend=self.backend.twin() if overlap else None,
         )
         self.graphs.capture()
 
