@@ -80,6 +80,22 @@ def test_outputs_to_max_tokens_need_no_recompute_and_keep_the_batch_full():
     assert len(planned["per_step"]) <= len(greedy["per_step"])
 
 
+def test_the_last_few_requests_do_not_make_a_wave_of_their_own():
+    """Qwen3-8B's pool on an H100 at max_num_batched_tokens 32,768 (390,240 tokens) / 8: 48,780 tokens
+    hold 63 of the 768-token requests, so held to the plan 128 requests ran as 63 + 63 + 2, the last 2
+    alone for 256 steps (on the GPU: 776 steps where 535 ran on a 3% larger pool, -4.4%). As the job's
+    tail (at most 1/16 of the running set) they start past the plan, within 1/16 of the pool: two waves,
+    and at most the tail is recomputed, near the end of a wave."""
+    full = 128 * (512 + 256 - 1)
+    tail = drive("planned", pool_tokens=48_780)
+    steps = len(tail["per_step"])
+    assert steps < 2 * 256 + 40, steps  # two waves of decodes and the prefill steps (three: 768+)
+    assert tail["preemptions"] <= 2 and tail["tokens"] <= full + 2 * 768
+    # A queue that is no tail is still held to the plan: 46 + 46 + 36 requests, never preempted.
+    waves = drive("planned", pool_tokens=36_000)
+    assert waves["preemptions"] == 0 and waves["tokens"] == full
+
+
 def test_windowed_groups_are_planned_too():
     """Gemma 3 27B's layout scaled down: one full-attention group and six windowed ones, a pool of a
     sixth of the work. A window longer than the context holds every token (as on seed-512-256); a
@@ -105,7 +121,9 @@ def test_groups_of_a_larger_block_size_are_planned_in_it():
     scaled = {a: drive(a, windows=windows, scales=(2,) + (1,) * 5, **kw) for a in ("greedy", "planned")}
     padded = drive("planned", windows=windows, **kw)
     assert scaled["greedy"]["preemptions"] > 0
-    assert scaled["planned"]["preemptions"] == 0 and scaled["planned"]["tokens"] == 64 * (256 + 256 - 1)
+    # At most the job's tail (admission.py: the last request, started past the plan) is recomputed.
+    assert scaled["planned"]["preemptions"] <= 1
+    assert scaled["planned"]["tokens"] <= 64 * (256 + 256 - 1) + 512
     assert padded["preemptions"] == 0
     # 15.9 against 12.7 (a sequence of 512 tokens: 16 + 5 x 4 blocks against 32 + 5 x 4, 1.44x at
     # the end; less on the way there)

@@ -219,7 +219,7 @@ class Scheduler:
                 assert admission is not None
                 admission.begin(self.running)
                 planned = True
-            if admission is not None and not admission.admits(req):
+            if admission is not None and not admission.admits(req, len(self.waiting) + len(lora_waits)):
                 break
             hit = self.kv.find_cached_prefix(req)
             restore = None
