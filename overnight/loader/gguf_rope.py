@@ -71,17 +71,21 @@ def rope_scaling(
     )
 
 
+# YaRN's parameters (transformers' names) and the GGUF metadata keys, after "<arch>.", that state them.
+YARN_KEYS = {
+    "factor": "rope.scaling.factor",
+    "original_max_position_embeddings": "rope.scaling.original_context_length",
+    "attention_factor": "rope.scaling.attn_factor",
+    "beta_fast": "rope.scaling.yarn_beta_fast",
+    "beta_slow": "rope.scaling.yarn_beta_slow",
+}
+
+
 def _yarn_scaling(f: GGUFFile, name: str) -> tuple[tuple[str, RopeValue], ...]:
     """YaRN from the metadata (the factor and original context; the attention factor and the betas where
     the file states them, transformers' defaults otherwise)."""
     md = f.metadata
-    keys = {
-        "factor": "rope.scaling.factor",
-        "original_max_position_embeddings": "rope.scaling.original_context_length",
-        "attention_factor": "rope.scaling.attn_factor",
-        "beta_fast": "rope.scaling.yarn_beta_fast",
-        "beta_slow": "rope.scaling.yarn_beta_slow",
-    }
+    keys = YARN_KEYS
     items = {k: f32(md[f"{name}.{key}"]) for k, key in keys.items() if f"{name}.{key}" in md}
     for required in ("factor", "original_max_position_embeddings"):
         if required not in items:
@@ -119,13 +123,7 @@ def yarn_rope_config(md: dict[str, Any], name: str, path: str) -> dict[str, Any]
         return None
     if kind != "yarn":
         raise ModelLoadError(f"{path}: RoPE scaling type {kind!r} is not supported for {name} GGUF files")
-    keys = {
-        "factor": "rope.scaling.factor",
-        "original_max_position_embeddings": "rope.scaling.original_context_length",
-        "attention_factor": "rope.scaling.attn_factor",
-        "beta_fast": "rope.scaling.yarn_beta_fast",
-        "beta_slow": "rope.scaling.yarn_beta_slow",
-    }
+    keys = YARN_KEYS
     # transformers' YaRN betas where the file leaves them out (the published gpt-oss configs state these)
     out: dict[str, Any] = {"rope_type": "yarn", "beta_fast": 32.0, "beta_slow": 1.0}
     for k, key in keys.items():
