@@ -10,10 +10,15 @@ when B x C exceeds it: the bytes read are the same), and times, for each case, r
   serial   the graph of B/2 rows, then a second graph of B/2 rows on other buffers, one stream;
   overlap  the same two graphs on two streams at once;
   overlap+ the same with the second stream starting a fixed delay later (half of one half-batch layer), so one
-           half's attention meets the other's GEMMs instead of both doing the same thing at once.
+           half's attention meets the other's GEMMs instead of both doing the same thing at once;
+  green    (--green) each half captured and replayed in a CUDA green context of its own share of the SMs
+           (torch.cuda.GreenContext): the two halves cannot take every SM in turn, so one half's
+           memory-bound attention must run beside the other's GEMMs. Session K measured the variants
+           above (each kernel fills the GPU, so two plain streams take turns); this is the next question.
 Each variant runs back to back for --seconds (the power limit settles within a second), with the SM
 clock and power sampled. The halves' outputs are checked against the full graph's rows first.
 `--eager` runs the same variants without graphs or streams (a CPU check of the script on a tiny model).
+Rows print as each case finishes; a variant the GPU or torch cannot run prints its error in its row.
 """
 
 from __future__ import annotations
@@ -72,7 +77,38 @@ def timed(run, seconds: float, cuda: bool) -> tuple[float, dict]:
     return 1e3 * elapsed / iters, clocks.samples.summary()
 
 
-def run_case(llm: LLM, batch: int, context: int, seconds: float, cuda: bool) -> list[str]:
+def green_halves(graphs: tuple[DecodeGraphs, DecodeGraphs], h: int):
+    """A run() replaying half A's and half B's graphs, each captured on the stream of a green context of
+    half the SMs (rounded down to 8: Hopper partitions SMs in groups of 8)."""
+    from torch.cuda.green_contexts import GreenContext
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    share = sms // 2 // 8 * 8
+    streams = [GreenContext.create(num_sms=share).Stream() for _ in range(2)]
+    captured = []
+    for dg, stream in zip(graphs, streams):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            dg._forward(h)  # warm-up on the green stream (its kernels compiled already)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            dg._forward(h)
+        captured.append(graph)
+
+    def run() -> None:
+        cur = torch.cuda.current_stream()
+        for stream, graph in zip(streams, captured):
+            stream.wait_stream(cur)
+            with torch.cuda.stream(stream):
+                graph.replay()
+        for stream in streams:
+            cur.wait_stream(stream)
+
+    return run, share
+
+
+def run_case(llm: LLM, batch: int, context: int, seconds: float, cuda: bool, green: bool) -> list[str]:
     """The table rows of one case: the full graph, then the two halves serial, overlapped, offset."""
     runner = llm.engine.runner
     vocab = llm.engine.config.model.arch.vocab_size
@@ -145,6 +181,16 @@ def run_case(llm: LLM, batch: int, context: int, seconds: float, cuda: bool) -> 
     ):
         ms, clk = timed(fn, seconds, cuda)
         variants.append((name, ms, clk))
+    if green and cuda:
+        try:
+            half_a = DecodeGraphs(runner.model, runner.attention_batch, runner.kv_caches, buf_a, h, max_len)
+            run, share = green_halves((half_a, half_b), h)
+            ms, clk = timed(run, seconds, cuda)
+            variants.append((f"green {share}+{share} SMs", ms, clk))
+        except Exception as e:  # an old driver, torch without green contexts, a capture it refuses
+            out.append(
+                f"| {batch} x {context} | green | failed: {type(e).__name__}: {str(e)[:200]} | | | | |"
+            )
     for name, ms, clk in variants:
         out.append(
             f"| {batch} x {context} | {name} | {ms:.2f} | {batch / ms * 1e3:,.0f} | {t_full / ms:.3f}x "
@@ -159,6 +205,7 @@ def main() -> int:
     ap.add_argument("--cases", default="1024x640,512x1536", help="BATCHxCONTEXT, comma-separated")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--eager", action="store_true", help="no graphs or streams (CPU check)")
+    ap.add_argument("--green", action="store_true", help="also the halves in green contexts of half the SMs")
     args = ap.parse_args()
     cases = [tuple(int(x) for x in c.split("x")) for c in args.cases.split(",")]
     max_batch = max(b for b, _ in cases)
@@ -176,12 +223,10 @@ def main() -> int:
     num_blocks = runner.kv_caches[0].shape[1]
     max_len = llm.engine.config.scheduler.max_model_len
     print(f"{args.model}: pool {num_blocks} blocks of {runner.block_size}; max_model_len {max_len}")
-    rows: list[str] = []
-    for batch, context in cases:
-        rows += run_case(llm, batch, context, args.seconds, cuda)
     print("| case | variant | ms / step | decode tok/s | x full | SM MHz median (min) | W |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for batch, context in cases:
+        print("\n".join(run_case(llm, batch, context, args.seconds, cuda, args.green)), flush=True)
     return 0
 
 
