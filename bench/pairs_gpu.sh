@@ -10,6 +10,9 @@
 export PYTHONUNBUFFERED=1
 log=${OUT:-/tmp}/pairs.log
 site=$HOME/vsite
+# vLLM's MoE kernels (part three, copied to $HOME/vkeep by an earlier call): unpacked once, as side_by_side.sh does
+[ -f $HOME/vkeep/moe.so.xz ] && [ -d $site/a/vllm ] && [ ! -f $site/a/vllm/_moe_C_stable_libtorch.abi3.so ] && \
+  xz -T0 -dc $HOME/vkeep/moe.so.xz > $site/a/vllm/_moe_C_stable_libtorch.abi3.so
 nvidia-smi --query-gpu=name,clocks.sm,power.draw,temperature.gpu --format=csv,noheader | tee -a "$log"
 for spec in "$@"; do
   IFS=: read -r preset workloads kv <<< "$spec"; kv=${kv:-auto}
