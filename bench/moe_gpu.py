@@ -5,7 +5,9 @@ Run on the GPU machine from the repository root:
     PYTHONPATH=. python bench/moe_gpu.py            # check, tune, print the configs to commit
     PYTHONPATH=. python bench/moe_gpu.py --install  # the same, and write them into
                                                     # overnight/kernels/moe_configs.json
-    PYTHONPATH=. python bench/moe_gpu.py --fp8 --install   # tune FP8 experts' tiles (their own key)
+    PYTHONPATH=. python bench/moe_gpu.py --fp8 --install   # tune FP8 experts' tiles (their own key;
+                                                           # W8A8, as the GPU runs them: layers/moe.py)
+    ... --buckets 256,512,1024 --deadline 60              # fewer token counts, a shorter sweep
 
 Needs torch + triton; about 3 minutes, most of it compiling tile configurations (a deadline cuts the
 sweep short rather than overrun). Fixed seed. Shapes: hidden 2048, expert intermediate 768, 128
@@ -22,7 +24,8 @@ experts, top-8 (one H200, no tensor parallelism), bf16.
 3. The whole MoE layer (router GEMM, top-k, alignment, two GEMMs, sum) with the tuned configs against
    the PyTorch loop over experts (and vLLM's fused_experts when it imports), as TFLOP/s and GB/s (GB:
    the weights of the experts actually hit, what a decode step must read), and the same layer with FP8
-   experts ("fp8 us"; their own tuned tiles when installed, else the bf16 ones).
+   experts ("fp8 us": W8A8, e4m3 activations too, as the GPU runs them; "fp8 w-only": the weight-only
+   form that converts every weight tile to bf16; their own tuned tiles when installed, else bf16's).
 A table, then one line of JSON.
 """
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -42,7 +46,7 @@ import triton
 
 from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels import moe_configs
-from overnight.kernels.fused_moe import fused_experts
+from overnight.kernels.fused_moe import fused_experts, gemm_operand
 from overnight.kernels.moe_align import moe_align, moe_align_ref
 from overnight.kernels.moe_configs import MoeConfig, default_config, device_name, get_config, shape_key
 from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
@@ -168,21 +172,29 @@ def fp8_weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def moe_layer_fp8(
-    x: torch.Tensor, q: dict[str, torch.Tensor], config: MoeConfig | None = None
+    x: torch.Tensor, q: dict[str, torch.Tensor], config: MoeConfig | None = None, w8a8: bool = True
 ) -> torch.Tensor:
     weights, ids = router_topk(F.linear(x, q["gate"]), TOP_K, True)
-    return fused_experts(x, q["w13"], q["w2"], weights, ids, config, q["w13_scale"], q["w2_scale"])
+    return fused_experts(
+        x, q["w13"], q["w2"], weights, ids, config, q["w13_scale"], q["w2_scale"], fp8_activations=w8a8
+    )
 
 
 def check_fp8_layer(gen: torch.Generator, w: dict[str, torch.Tensor], q: dict[str, torch.Tensor]) -> None:
-    """FP8 experts: the fused layer against the PyTorch path on the same e4m3 weights (which dequantizes
-    them), and against the bf16 experts they came from (e4m3's rounding only)."""
+    """FP8 experts, W8A8 and weight-only: the fused layer against the PyTorch path's same arithmetic on
+    the same e4m3 weights, and against the bf16 experts they came from (e4m3's rounding only)."""
     for num_tokens in (1, 256, 4096):
         x, weights, ids = make_batch(num_tokens, w["gate"], gen)
-        out = fused_experts(x, q["w13"], q["w2"], weights, ids, None, q["w13_scale"], q["w2_scale"])
-        ref = fused_experts_ref(x, q["w13"], q["w2"], weights, ids, q["w13_scale"], q["w2_scale"])
-        err = float((out.float() - ref.float()).norm() / ref.float().norm())
-        check(f"fp8 experts vs PyTorch loop T={num_tokens}", err < 2e-2, f"relative L2 error {err:.1e}")
+        for w8a8 in (False, True):
+            out = fused_experts(
+                x, q["w13"], q["w2"], weights, ids, None, q["w13_scale"], q["w2_scale"], fp8_activations=w8a8
+            )
+            ref = fused_experts_ref(
+                x, q["w13"], q["w2"], weights, ids, q["w13_scale"], q["w2_scale"], fp8_activations=w8a8
+            )
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            form = "w8a8" if w8a8 else "w-only"
+            check(f"fp8 {form} vs PyTorch loop T={num_tokens}", err < 2e-2, f"relative L2 error {err:.1e}")
         exact = fused_experts_ref(x, w["w13"], w["w2"], weights, ids)
         err = float((out.float() - exact.float()).norm() / exact.float().norm())
         check(f"fp8 experts vs bf16 experts T={num_tokens}", err < 8e-2, f"relative L2 error {err:.1e}")
@@ -270,8 +282,12 @@ def fits(block_m: int, bn: int, bk: int, warps: int, stages: int, gated: bool) -
     return smem <= SMEM_LIMIT and acc_per_thread <= 128
 
 
-def candidate_block_ms(num_tokens: int) -> list[int]:
+def candidate_block_ms(num_tokens: int, fp8: bool = False) -> list[int]:
+    """fp8 (W8A8): 64 rows too, the least that runs its dots as Hopper's e4m3 warpgroup MMA (below it
+    Triton converts both operands to 16 bits: tests/test_kernels_sm90_fit.py)."""
     r = rows_per_expert(num_tokens)
+    if fp8 and r <= 64:
+        return [16, 32, 64] if r > 4 else [16, 64]
     if r <= 4:
         return [16]
     if r <= 16:
@@ -283,19 +299,22 @@ def candidate_block_ms(num_tokens: int) -> list[int]:
 
 def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generator, deadline: float):
     """Best (config, times) for one bucket, or None when nothing ran; rows: (BLOCK_M, gemm, tiles, ms).
-    w may hold FP8 experts (fp8_weights): their scales go along."""
+    w may hold FP8 experts (fp8_weights): their scales go along, and both GEMMs read e4m3 rows with a
+    scale each (W8A8, fused_moe.py's fp8_activations), quantized once here: the sweep times the GEMMs."""
     s13, s2 = w.get("w13_scale"), w.get("w2_scale")
+    fp8 = s13 is not None
     x, weights, ids = make_batch(num_tokens, w["gate"], gen)
     pairs = num_tokens * TOP_K
     h = torch.empty(pairs, I, dtype=DT, device=DEV)
     y = torch.empty(pairs, H, dtype=DT, device=DEV)
+    x_in, x_scale = gemm_operand(x, fp8)
     best = None
-    for block_m in candidate_block_ms(num_tokens):
+    for block_m in candidate_block_ms(num_tokens, fp8):
         runs = moe_align(ids, E, block_m)
         t_align = bench(lambda runs=runs, bm=block_m: moe_align(ids, E, bm))
-        moe_gemm(
-            x, w["w13"], runs, default_config(num_tokens, TOP_K, E).gemm1, gated=True, out=h, w_scale=s13
-        )
+        tiles0 = default_config(num_tokens, TOP_K, E).gemm1
+        moe_gemm(x_in, w["w13"], runs, tiles0, gated=True, out=h, w_scale=s13, a_scale=x_scale)
+        h_in, h_scale = gemm_operand(h, fp8)
         per_gemm = {}
         for gemm in ("gemm1", "gemm2"):
             gated = gemm == "gemm1"
@@ -307,11 +326,14 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
                     continue
                 tiles = GemmTiles(bn, bk, 8, warps, stages)
                 if gated:
-                    fn = lambda t=tiles, r=runs: moe_gemm(x, w["w13"], r, t, gated=True, out=h, w_scale=s13)  # noqa: E731
-                else:
-                    fn = lambda t=tiles, r=runs: moe_gemm(  # noqa: E731
-                        h, w["w2"], r, t, topk_weights=weights, out=y, w_scale=s2
+                    fn = functools.partial(
+                        moe_gemm, x_in, w["w13"], runs, tiles, gated=True, out=h, w_scale=s13, a_scale=x_scale
                     )
+                else:
+                    fn = functools.partial(
+                        moe_gemm, h_in, w["w2"], runs, tiles, topk_weights=weights, out=y, w_scale=s2,
+                        a_scale=h_scale,
+                    )  # fmt: skip
                 try:
                     results.append((bench(fn), tiles))
                 except Exception as e:  # a tile shape the GPU cannot run (resources): skip it
@@ -328,14 +350,24 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
     total, config, t_align, t1, t2 = best
     # GROUP_M on the winners, time permitting (it orders tiles for L2 reuse of an expert's weights).
     runs = moe_align(ids, E, config.block_m)
+    moe_gemm(x_in, w["w13"], runs, config.gemm1, gated=True, out=h, w_scale=s13, a_scale=x_scale)
+    h_in, h_scale = gemm_operand(h, fp8)
     for group_m in (1, 16):
         if time.perf_counter() > deadline:
             break
         g1 = dataclasses.replace(config.gemm1, group_m=group_m)
         g2 = dataclasses.replace(config.gemm2, group_m=group_m)
         try:
-            n1 = bench(lambda g=g1: moe_gemm(x, w["w13"], runs, g, gated=True, out=h, w_scale=s13))
-            n2 = bench(lambda g=g2: moe_gemm(h, w["w2"], runs, g, topk_weights=weights, out=y, w_scale=s2))
+            n1 = bench(
+                lambda g=g1: moe_gemm(
+                    x_in, w["w13"], runs, g, gated=True, out=h, w_scale=s13, a_scale=x_scale
+                )
+            )
+            n2 = bench(
+                lambda g=g2: moe_gemm(
+                    h_in, w["w2"], runs, g, topk_weights=weights, out=y, w_scale=s2, a_scale=h_scale
+                )
+            )
         except Exception:
             continue
         if n1 < t1:
@@ -344,10 +376,16 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
             config, t2 = MoeConfig(config.block_m, config.gemm1, g2), n2
     # The winner must compute the right thing.
     runs = moe_align(ids, E, config.block_m)
-    h_ok = moe_gemm(x, w["w13"], runs, config.gemm1, gated=True, w_scale=s13)
-    y_ok = moe_gemm(h_ok, w["w2"], runs, config.gemm2, topk_weights=weights, w_scale=s2)
-    e1 = rel_err(h_ok, moe_gemm_ref(x, w["w13"], ids, gated=True, w_scale=s13))
-    e2 = rel_err(y_ok, moe_gemm_ref(h_ok, w["w2"], ids, topk_weights=weights, w_scale=s2))
+    h_ok = moe_gemm(
+        x_in, w["w13"], runs, config.gemm1, gated=True, w_scale=s13, a_scale=x_scale, out_dtype=DT
+    )
+    h_q, h_scale = gemm_operand(h_ok, fp8)
+    y_ok = moe_gemm(
+        h_q, w["w2"], runs, config.gemm2, topk_weights=weights, w_scale=s2, a_scale=h_scale, out_dtype=DT
+    )
+    ref1 = moe_gemm_ref(x_in, w["w13"], ids, gated=True, w_scale=s13, a_scale=x_scale, out_dtype=DT)
+    ref2 = moe_gemm_ref(h_q, w["w2"], ids, topk_weights=weights, w_scale=s2, a_scale=h_scale, out_dtype=DT)
+    e1, e2 = rel_err(h_ok, ref1), rel_err(y_ok, ref2)
     check(
         f"tuned config T={num_tokens} matches the reference", e1 < 1e-2 and e2 < 1e-2, f"{e1:.1e} / {e2:.1e}"
     )
@@ -371,6 +409,7 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
         t_fused = bench(lambda x=x, c=config: moe_layer(x, w, c), rep=50)
         config8 = get_config(num_tokens, E, I, H, TOP_K, DT, DEV, torch.float8_e4m3fn)  # bf16's until tuned
         t_fp8 = bench(lambda x=x, c=config8: moe_layer_fp8(x, q, c), rep=50)
+        t_wonly = bench(lambda x=x, c=config8: moe_layer_fp8(x, q, c, w8a8=False), rep=50)
         t_torch = bench(lambda x=x: torch_layer(x, w), warmup=2, rep=50)
         t_vllm = None
         if vllm_fused is not None:
@@ -387,6 +426,7 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
                 block_m=config.block_m,
                 fused_us=round(1e3 * t_fused, 1),
                 fp8_us=round(1e3 * t_fp8, 1),
+                fp8_wonly_us=round(1e3 * t_wonly, 1),
                 torch_us=round(1e3 * t_torch, 1),
                 vllm_experts_us=None if t_vllm is None else round(1e3 * t_vllm, 1),
                 speedup_vs_torch=round(t_torch / t_fused, 2),
@@ -405,7 +445,12 @@ def main() -> None:
     parser.add_argument(
         "--fp8", action="store_true", help="tune (and install) the tiles of FP8 experts instead of bf16 ones"
     )
+    parser.add_argument(
+        "--buckets", default=None, help="token counts to tune, e.g. 256,512,1024 (default: all)"
+    )
+    parser.add_argument("--deadline", type=float, default=SWEEP_DEADLINE_S, help="seconds the sweep may take")
     args = parser.parse_args()
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else BUCKETS
     start = time.time()
     gpu = device_name(DEV)
     print(
@@ -433,12 +478,12 @@ def main() -> None:
             check(f"{name} check raised", False, f"{type(e).__name__}: {e}")
             traceback.print_exc()
 
-    print(f"tuning (median of do_bench, L2 flushed; deadline {SWEEP_DEADLINE_S:.0f} s):", flush=True)
+    print(f"tuning (median of do_bench, L2 flushed; deadline {args.deadline:.0f} s):", flush=True)
     sweep_start = time.perf_counter()
-    deadline = sweep_start + SWEEP_DEADLINE_S
+    deadline = sweep_start + args.deadline
     tuned: dict[str, dict] = {}
     table = []
-    for num_tokens in BUCKETS:
+    for num_tokens in buckets:
         if time.perf_counter() > deadline:
             print(f"  deadline reached: buckets from T={num_tokens} on keep the defaults")
             break
@@ -477,7 +522,9 @@ def main() -> None:
         print(f"  wrote {moe_configs.CONFIG_FILE}")
     moe_configs._table.cache_clear()
     if tuned and not args.install:  # time the layer with the configs just found, package file untouched
-        moe_configs._table = lambda: entry  # type: ignore[assignment]
+        merged = {g: dict(shapes) for g, shapes in moe_configs._table().items()}
+        merged.setdefault(gpu, {})[key] = tuned
+        moe_configs._table = lambda: merged  # type: ignore[assignment]
 
     vllm_fused = None
     try:
@@ -512,12 +559,12 @@ def main() -> None:
         print(f"{num_tokens:>6} {config.block_m:>7} {1e3 * t_align:>9.1f} {1e3 * t1:>9.1f} {1e3 * t2:>9.1f}")
     print()
     print(
-        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'fp8 us':>8} {'torch us':>9} {'vllm us':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
+        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'fp8 us':>8} {'fp8 w-only':>10} {'torch us':>9} {'vllm us':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
     )
     for r in layer:
         vllm = "n/a" if r["vllm_experts_us"] is None else f"{r['vllm_experts_us']:.1f}"
         print(
-            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['fp8_us']:>8.1f} {r['torch_us']:>9.1f} {vllm:>8} "
+            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['fp8_us']:>8.1f} {r['fp8_wonly_us']:>10.1f} {r['torch_us']:>9.1f} {vllm:>8} "
             f"{r['speedup_vs_torch']:>7.2f} {r['tflops']:>8.1f} {r['weight_gbps']:>6.0f}"
         )
     failed = [name for name, ok, _ in checks if not ok]

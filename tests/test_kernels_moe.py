@@ -11,23 +11,34 @@ import pytest
 import torch
 
 from overnight.kernels import dispatch, moe_configs
+from overnight.kernels.fp8_quant import quantize_fp8
 from overnight.kernels.fused_moe import fused_experts
 from overnight.kernels.moe_align import max_padded, moe_align, moe_align_ref
 from overnight.kernels.moe_configs import MoeConfig, default_config, get_config, shape_key
 from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
 from overnight.kernels.moe_router import router_topk
-from overnight.layers.moe import fused_experts_ref, router_topk_ref
+from overnight.kernels.moe_sum import moe_sum, moe_sum_ref
+from overnight.layers.moe import ExpertActivation, fused_experts_ref, router_topk_ref, runs_w8a8
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 from overnight.quant.fp8 import quantize_stacked_per_channel
 from tests.kernel_helpers import run_steps
 from tests.tiny_models import make_tiny_checkpoint
+from tests.triton_fp8 import exact_fp8_casts
 
 pytestmark = pytest.mark.slow  # long Triton-interpreter runs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 SMALL = GemmTiles(block_n=16, block_k=16, group_m=2, num_warps=4, num_stages=2)
+
+
+@pytest.fixture
+def exact_casts():
+    """The interpreter's fp32 -> e4m3 conversions rounded as the GPU's (tests/triton_fp8.py), so the
+    kernels' quantized activations equal the reference's."""
+    with exact_fp8_casts():
+        yield
 
 
 def randn(*shape: int, seed: int, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -208,6 +219,92 @@ def test_fused_fp8_experts_match_the_layer_reference():
     assert float((out - exact).abs().max()) < 0.1 * float(exact.abs().max())  # e4m3's rounding, no more
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", GEMM_CASES[:2], ids=lambda c: f"T{c[0]}-k{c[1]}-E{c[2]}")
+def test_grouped_gemms_with_fp8_activations_match_reference(dtype, case, exact_casts):
+    """W8A8: e4m3 rows (each with its own scale) times e4m3 weights, both scales in the epilogue; rows
+    of very different sizes, so a scale applied to the wrong row shows."""
+    num_tokens, top_k, num_experts, hidden, inter, block_m, tiles = case
+    x = randn(num_tokens, hidden, seed=41) * torch.logspace(-1, 1, num_tokens, device=DEVICE)[:, None]
+    w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=42)
+    w13 = w13 * torch.linspace(0.1, 3.0, 2 * inter, device=DEVICE)[None, :, None]
+    (q13, s13), (q2, s2) = quantize_stacked_per_channel(w13), quantize_stacked_per_channel(w2)
+    xq, xs = quantize_fp8(x)
+    ids = random_ids(num_tokens, top_k, num_experts, seed=43)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    runs = moe_align(ids, num_experts, block_m)
+
+    h = moe_gemm(xq, q13, runs, tiles, gated=True, w_scale=s13, a_scale=xs.view(-1), out_dtype=dtype)
+    assert torch.isfinite(h).all()  # the scales keep fp16 in range, so the comparison below means something
+    ref = moe_gemm_ref(xq, q13, ids, gated=True, w_scale=s13, a_scale=xs.view(-1), out_dtype=dtype)
+    assert_close(h, ref)
+    hq, hs = quantize_fp8(h)
+    y = moe_gemm(hq, q2, runs, tiles, topk_weights=weights, w_scale=s2, a_scale=hs.view(-1), out_dtype=dtype)
+    ref = moe_gemm_ref(hq, q2, ids, topk_weights=weights, w_scale=s2, a_scale=hs.view(-1), out_dtype=dtype)
+    assert_close(y, ref)
+    # Each row takes its own scale: the scales in reverse row order give another result
+    swapped = moe_gemm(
+        xq, q13, runs, tiles, gated=True, w_scale=s13, a_scale=xs.view(-1).flip(0), out_dtype=dtype
+    )
+    assert torch.isfinite(swapped).all()
+    assert float((swapped.float() - h.float()).abs().max()) > 0.1 * float(h.float().abs().max())
+    with pytest.raises(ValueError, match="needs a_scale"):
+        moe_gemm(xq, q13, runs, tiles, gated=True, w_scale=s13, out_dtype=dtype)
+    with pytest.raises(ValueError, match="a_scale must be float32"):
+        moe_gemm(xq, q13, runs, tiles, gated=True, w_scale=s13, a_scale=xs, out_dtype=dtype)
+    with pytest.raises(ValueError, match="need out_dtype"):
+        moe_gemm(xq, q13, runs, tiles, gated=True, w_scale=s13, a_scale=xs.view(-1))
+    with pytest.raises(ValueError, match="need e4m3 weights"):
+        moe_gemm(xq, w13, runs, tiles, gated=True, a_scale=xs.view(-1), out_dtype=dtype)
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_tanh", "relu2"])
+def test_fused_w8a8_experts_match_the_reference(kind, exact_casts):
+    """The fused layer with fp8_activations against fused_experts_ref's W8A8 arithmetic, and both near
+    the weight-only result (the activations' e4m3 rounding, no more)."""
+    num_tokens, num_experts, top_k, hidden, inter = 23, 8, 2, 32, 16
+    gated = kind != "relu2"
+    x = randn(num_tokens, hidden, seed=50)
+    w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=51)
+    if not gated:
+        w13 = w13[:, :inter].contiguous()
+    (q13, s13), (q2, s2) = quantize_stacked_per_channel(w13), quantize_stacked_per_channel(w2)
+    weights, ids = router_topk_ref(randn(num_tokens, num_experts, seed=52), top_k, renormalize=True)
+    config = MoeConfig(16, SMALL, GemmTiles(16, 16, 1, 4, 2))
+    act = ExpertActivation(kind)
+    out = fused_experts(
+        x,
+        q13,
+        q2,
+        weights,
+        ids,
+        config,
+        s13,
+        s2,
+        activation=(kind, act.alpha, act.limit),
+        fp8_activations=True,
+    )
+    ref = fused_experts_ref(x, q13, q2, weights, ids, s13, s2, activation=act, fp8_activations=True)
+    # h is requantized: where the two sides' fp32 sums differ by an ulp next to an e4m3 rounding
+    # boundary, that element moves by an e4m3 step. Most rows agree to fp32 ulps, none by more than
+    # such a step carries through the down projection.
+    scale = float(ref.abs().max())
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-3 * scale)
+    assert float(((out - ref).abs() <= 1e-5 * scale).float().mean()) > 0.95
+    weight_only = fused_experts_ref(x, q13, q2, weights, ids, s13, s2, activation=act)
+    err = float((out - weight_only).abs().max())
+    assert 0 < err < 0.1 * float(weight_only.abs().max())
+    with pytest.raises(ValueError, match="needs e4m3 experts"):
+        fused_experts(x, w13, w2, weights, ids, config, activation=(kind, 0.0, 0.0), fp8_activations=True)
+
+
+def test_fp8_experts_run_w8a8_on_a_gpu_only():
+    """The choice follows the weights' device: the CPU path stays weight-only (HF's arithmetic)."""
+    e4m3 = torch.zeros(2, 4, 8, dtype=torch.float8_e4m3fn, device=DEVICE)
+    assert runs_w8a8(e4m3) == (DEVICE == "cuda")
+    assert not runs_w8a8(torch.zeros(2, 4, 8, device=DEVICE))
+
+
 def test_gemm_tiles_past_num_padded_are_not_run():
     """The reference alignment fills the unused tail with -1 (a real kernel would leave it unwritten);
     a tile that ran anyway would read pair -1 and write outside its rows."""
@@ -228,6 +325,26 @@ def test_gemm_rejects_bad_shapes():
         moe_gemm(torch.zeros(3, 16, device=DEVICE), w, runs, SMALL)
     with pytest.raises(ValueError, match=r"w must be \[E, N, 24\]"):
         moe_gemm(torch.zeros(4, 24, device=DEVICE), w, runs, SMALL)
+
+
+# -- the top-k sum ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_tokens", "top_k", "hidden"), [(5, 8, 40), (3, 2, 1500), (1, 1, 16)])
+def test_moe_sum_matches_reference(dtype, num_tokens, top_k, hidden):
+    """Each token's k rows added in float32 and rounded once; H past one block (1,500 > 1,024) and not
+    a power of two, so the column mask and the second block count."""
+    y = randn(num_tokens * top_k, hidden, seed=60, dtype=dtype)
+    out = moe_sum(y, top_k)
+    ref = moe_sum_ref(y, top_k)
+    assert out.dtype == dtype and out.shape == (num_tokens, hidden)
+    torch.testing.assert_close(
+        out.float(), ref.float(), rtol=1e-6, atol=1e-6 * float(ref.float().abs().max())
+    )
+    assert torch.equal(moe_sum(y, top_k), out)  # one fixed order: the same bits every time
+    with pytest.raises(ValueError, match="not a multiple of top_k"):
+        moe_sum(y[:-1], top_k) if top_k > 1 else moe_sum(y, 0)
 
 
 # -- the fused layer ---------------------------------------------------------------------------------
@@ -261,7 +378,31 @@ def test_model_forward_with_fp8_expert_kernels_matches_pytorch_path(tmp_path, mo
     expected = run_steps(model)
     monkeypatch.setattr(moe, "use_kernels", lambda x: True)
     got = run_steps(model)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    # On a GPU both paths run W8A8 (layers/moe.py runs_w8a8): the experts' h is requantized, and an
+    # element whose fp32 sums differ by an ulp next to an e4m3 rounding boundary moves by a step.
+    tol = 1e-3 if DEVICE == "cuda" else 1e-5
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * float(expected.abs().max()))
+
+
+def test_model_forward_with_w8a8_experts_matches_its_pytorch_path(tmp_path, monkeypatch, exact_casts):
+    """The layer's wiring of W8A8 (what a GPU runs): with runs_w8a8 on for e4m3 experts here too, the
+    fused kernels and the PyTorch path both quantize the experts' inputs and agree; the logits move off
+    the weight-only ones by the activations' rounding, no more."""
+    import overnight.layers.moe as moe
+
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
+    model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
+    weight_only = run_steps(model) if DEVICE == "cpu" else None
+    monkeypatch.setattr(moe, "runs_w8a8", lambda w: w.dtype == torch.float8_e4m3fn)
+    expected = run_steps(model)
+    monkeypatch.setattr(moe, "use_kernels", lambda x: True)
+    got = run_steps(model)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * scale)
+    if weight_only is not None:
+        err = float((expected - weight_only).abs().max())
+        assert 2e-3 * scale < err < 0.1 * scale  # so the comparison above would see a path left weight-only
 
 
 def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):
@@ -299,14 +440,17 @@ def test_configs_nearest_tuned_batch_and_defaults(monkeypatch):
     # An untuned shape (another tensor-parallel split) falls back to the defaults.
     assert block_m(1, inter=384) == default_config(1, 8, 128).block_m == 16
     assert default_config(16384, 8, 128).block_m == 128
-    # FP8 experts: their own entries once tuned, the compute dtype's until then.
+    # FP8 experts: their own entries once tuned, the compute dtype's until then, with at least 64 rows
+    # a tile (W8A8's e4m3 warpgroup MMA); an untuned shape's defaults too.
     fp8 = torch.float8_e4m3fn
     key = shape_key(128, 768, 2048, 8, torch.bfloat16, fp8)
     assert (
         key.endswith(",w=float8_e4m3fn")
         and shape_key(128, 768, 2048, 8, torch.bfloat16, torch.bfloat16) in key
     )
-    assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 32
+    assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8) == MoeConfig(64, tiles, tiles)
+    assert get_config(1, 128, 384, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 64
+    assert get_config(5000, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 64
     table["cpu"][key] = {"64": MoeConfig(16, tiles, tiles).to_json()}
     assert get_config(64, 128, 768, 2048, 8, torch.bfloat16, cpu, fp8).block_m == 16
 

@@ -7,36 +7,44 @@ interpreter does not raise) and the largest gated MoE tile in fp32 needing 240 K
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import pytest
 import torch
 
-from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90
+from tests.sm90 import SHARED_LIMIT, child_report, compile_sm90, ptx_sm90
 
 pytestmark = pytest.mark.slow  # a few seconds of compilation per kernel
 
 MOE_POINTERS = (
-    "a_ptr", "w_ptr", "w_scale_ptr", "bias_ptr", "out_ptr", "topk_weights_ptr", "sorted_ids_ptr",
+    "a_ptr", "w_ptr", "w_scale_ptr", "a_scale_ptr", "bias_ptr", "out_ptr", "topk_weights_ptr", "sorted_ids_ptr",
     "expert_ids_ptr", "num_padded_ptr",
 )  # fmt: skip
 
 
-def moe_case(dtype: str, rows_per_expert: int, mxfp4: bool = False):
-    """A default tile (by rows per expert), gated with bias and gpt-oss's activation."""
-    from overnight.kernels.moe_configs import default_config
+def moe_case(dtype: str, rows_per_expert: int, mxfp4: bool = False, w8a8: bool = False):
+    """A default tile (by rows per expert), gated with bias and gpt-oss's activation. w8a8: e4m3 rows
+    and weights with their scales, a bf16 output (the GPU's FP8 experts, fused_moe.py)."""
+    from overnight.kernels.moe_configs import W8A8_MIN_BLOCK_M, default_config
     from overnight.kernels.moe_gemm import _moe_gemm_kernel, fit_operand_size
 
     cfg = default_config(num_tokens=rows_per_expert * 8, top_k=8, num_experts=64)
+    if w8a8:  # as get_config gives FP8 experts
+        cfg = dataclasses.replace(cfg, block_m=max(cfg.block_m, W8A8_MIN_BLOCK_M))
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     tiles = fit_operand_size(cfg.gemm1, torch_dtype)
     types = {name: f"*{dtype}" for name in MOE_POINTERS}
     types.update(
         sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_padded_ptr="*i32", alpha="fp32", limit="fp32",
-        w_ptr="*u8" if mxfp4 else f"*{dtype}", w_scale_ptr="*u8" if mxfp4 else "*fp32",
+        w_ptr="*u8" if mxfp4 else f"*{dtype}", w_scale_ptr="*u8" if mxfp4 else "*fp32", a_scale_ptr="*fp32",
     )  # fmt: skip
+    if w8a8:
+        types.update(a_ptr="*fp8e4nv", w_ptr="*fp8e4nv")
     cx = dict(
-        A_DIV=1, GATED=True, HAS_BIAS=True, ACTIVATION=1, MUL_WEIGHT=False, W_FP8=False, W_MXFP4=mxfp4, MXFP4_BITS=False,
+        A_DIV=1, GATED=True, HAS_BIAS=True, ACTIVATION=1, MUL_WEIGHT=False, W_FP8=w8a8, A_FP8=w8a8,
+        W_MXFP4=mxfp4, MXFP4_BITS=False,
         EVEN_K=True, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", BLOCK_M=cfg.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, GROUP_M=tiles.group_m,
     )  # fmt: skip
@@ -60,6 +68,7 @@ CASES = {
     **{f"moe-gated-fp32-{r}": (lambda r=r: moe_case("fp32", r)) for r in TIERS},
     **{f"moe-gated-bf16-{r}": (lambda r=r: moe_case("bf16", r)) for r in TIERS},
     "moe-gated-mxfp4-bf16": lambda: moe_case("bf16", 1000, mxfp4=True),
+    **{f"moe-gated-w8a8-{r}": (lambda r=r: moe_case("bf16", r, w8a8=True)) for r in TIERS},
     "lora-sgmv-shrink": lambda: sgmv_case("shrink"),
     "lora-sgmv-expand": lambda: sgmv_case("expand"),
 }
@@ -80,12 +89,26 @@ def report() -> None:
             out[name] = compile_sm90(kernel, with_int_pointers(kernel, types), cx, warps, stages, sizes)
         except Exception as e:  # reported per case, so one failure does not hide the others
             out[name] = f"{type(e).__name__}: {str(e)[-600:]}"
+    # What the W8A8 tiles' dots run as: Hopper's e4m3 warpgroup MMA, with no e4m3 -> bf16 conversion
+    # of a weight tile on the way (the weight-only path's cost).
+    for r in (16, 1000):
+        kernel, types, cx, warps, stages = moe_case("bf16", r, w8a8=True)
+        ptx = ptx_sm90(kernel, with_int_pointers(kernel, types), cx, num_stages=stages)
+        out[f"ptx-w8a8-{r}"] = dict(
+            wgmma_e4m3=bool(re.search(r"wgmma\.mma_async\S*\.e4m3\.e4m3", ptx)),
+            e4m3_to_16bit=len(re.findall(r"cvt\.rn\.(?:f16x2|bf16x2)\.e4m3x2", ptx)),
+        )
     print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
 def usage() -> dict[str, object]:
     return child_report("tests.test_kernels_sm90_fit")
+
+
+@pytest.mark.parametrize("rows", [16, 1000])
+def test_w8a8_experts_multiply_e4m3_on_tensor_cores(usage: dict[str, object], rows: int) -> None:
+    assert usage[f"ptx-w8a8-{rows}"] == {"wgmma_e4m3": True, "e4m3_to_16bit": 0}
 
 
 @pytest.mark.parametrize("name", list(CASES))

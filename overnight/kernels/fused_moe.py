@@ -8,21 +8,27 @@ Reference: fused_experts_ref in overnight/layers/moe.py (the layer's CPU path).
               "relu2", Nemotron-H: no gate, gate_up_proj holds the up rows alone [E, N, H] and the
               GEMM's epilogue stores relu(x W_up^T)^2)
     h         ──moe_gemm, × w──►    y [P, H] = topk_weight * h W_down^T
-    y.view(T, k, H).sum(1)  ──►     out [T, H]
+    moe_sum(y, k)  ──►              out [T, H]  (each token's k rows, fp32 sum, kernels/moe_sum.py)
 
 The k outputs of a token are summed by a reduction, not by atomic adds, so the result does not depend
 on the order in which tiles finish. Five launches after the router; all sizes follow from T, nothing
 is read back to the host, so a decode step that runs it can be captured in a CUDA graph. Tile
 configurations come from moe_configs.py (tuned per GPU and batch size).
+
+FP8 experts with fp8_activations (W8A8, the GPU's way: layers/moe.py): x, then h, are quantized per row
+(kernels/fp8_quant.py, one scale a row) before their GEMM, and the GEMMs multiply e4m3 by e4m3 on the
+FP8 tensor cores, both scales applied in the epilogue. Two more launches; no weight tile is converted.
 """
 
 from __future__ import annotations
 
 import torch
 
+from overnight.kernels.fp8_quant import quantize_fp8
 from overnight.kernels.moe_align import moe_align
 from overnight.kernels.moe_configs import MoeConfig, get_config
 from overnight.kernels.moe_gemm import moe_gemm
+from overnight.kernels.moe_sum import moe_sum
 
 
 def fused_experts(
@@ -38,6 +44,7 @@ def fused_experts(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2N, H] ([gate | up] rows); down_proj [E, H, N]; topk_weights [T, k]
     float32; topk_ids [T, k] int32. Returns [T, H] in x's dtype. FP8 experts: e4m3 projections with
@@ -45,7 +52,8 @@ def fused_experts(
     [E, 2N, H/2] and [E, H, N/2] with uint8 scales [E, 2N, H/32] and [E, H, N/32] (moe_gemm.py). Biases
     [E, 2N] and [E, H] and the gate/up activation (kind, alpha, limit): "silu" and "swiglu_oai" are fused
     into the first GEMM's epilogue; "gelu_tanh" (Gemma 4) runs as torch ops on the GEMM's [gate | up];
-    "relu2" (Nemotron-H) has no gate: gate_up_proj is [E, N, H] (biases [E, N]), relu(up)^2 fused."""
+    "relu2" (Nemotron-H) has no gate: gate_up_proj is [E, N, H] (biases [E, N]), relu(up)^2 fused.
+    fp8_activations (FP8 experts only): x and h quantized per row, e4m3 GEMMs (module docstring)."""
     kind = activation[0]
     if kind not in ("silu", "swiglu_oai", "gelu_tanh", "relu2"):
         raise ValueError(f"unknown expert activation {kind!r} (silu, swiglu_oai, gelu_tanh, relu2)")
@@ -61,6 +69,8 @@ def fused_experts(
         )
     if topk_weights.shape != topk_ids.shape or topk_ids.shape[0] != num_tokens:
         raise ValueError("topk_weights and topk_ids must both be [T, k]")
+    if fp8_activations and gate_up_proj.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"fp8_activations needs e4m3 experts, got {gate_up_proj.dtype}")
     if num_tokens == 0:
         return torch.zeros_like(x)
     if config is None:
@@ -68,15 +78,17 @@ def fused_experts(
             num_tokens, num_experts, inter, hidden, top_k, x.dtype, x.device, gate_up_proj.dtype
         )
     runs = moe_align(topk_ids.int().contiguous(), num_experts, config.block_m)
+    a, a_scale = gemm_operand(x.contiguous(), fp8_activations)
     if activation[0] == "gelu_tanh":
         gate_up = moe_gemm(
-            x.contiguous(), gate_up_proj, runs, config.gemm1, w_scale=gate_up_scale, bias=gate_up_bias
-        )
+            a, gate_up_proj, runs, config.gemm1, w_scale=gate_up_scale, bias=gate_up_bias,
+            a_scale=a_scale, out_dtype=x.dtype,
+        )  # fmt: skip
         gate, up = gate_up.chunk(2, dim=-1)
         h = torch.nn.functional.gelu(gate, approximate="tanh") * up
     else:
         h = moe_gemm(
-            x.contiguous(),
+            a,
             gate_up_proj,
             runs,
             config.gemm1,
@@ -84,14 +96,27 @@ def fused_experts(
             w_scale=gate_up_scale,
             bias=gate_up_bias,
             activation=activation,
+            a_scale=a_scale,
+            out_dtype=x.dtype,
         )
+    a, a_scale = gemm_operand(h, fp8_activations)
     y = moe_gemm(
-        h,
+        a,
         down_proj,
         runs,
         config.gemm2,
         topk_weights=topk_weights.float().contiguous(),
         w_scale=down_scale,
         bias=down_bias,
+        a_scale=a_scale,
+        out_dtype=x.dtype,
     )
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_sum(y, top_k)
+
+
+def gemm_operand(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM's activations as it reads them: x itself, or (W8A8) e4m3 rows and their scales [rows]."""
+    if not fp8:
+        return x, None
+    data, scale = quantize_fp8(x)
+    return data, scale.view(-1)

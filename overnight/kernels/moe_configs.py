@@ -18,7 +18,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,11 @@ import torch
 from overnight.kernels.moe_gemm import GemmTiles
 
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "moe_configs.json")
+# FP8 experts run W8A8 on a GPU (fused_moe.py): e4m3 x e4m3 dots become Hopper's warpgroup MMA only in
+# tiles of 64 rows or more; below that Triton converts both operands to 16 bits first
+# (tests/test_kernels_sm90_fit.py reads it in the PTX). Padding a few rows per expert up to 64 costs MMA
+# work the memory-bound decode GEMMs have to spare.
+W8A8_MIN_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,20 @@ def get_config(
     weight_dtype: torch.dtype | None = None,
 ) -> MoeConfig:
     """The tuned entry for this GPU and shape nearest to num_tokens (experts of another weight dtype
-    without entries of their own: the compute dtype's), else default_config()."""
+    without entries of their own: the compute dtype's), else default_config(). FP8 experts borrowing
+    another entry get at least W8A8_MIN_BLOCK_M rows a tile."""
     shapes = _table().get(device_name(device), {})
-    entries = shapes.get(shape_key(num_experts, inter, hidden, top_k, dtype, weight_dtype)) or shapes.get(
-        shape_key(num_experts, inter, hidden, top_k, dtype)
-    )
-    if not entries:
-        return default_config(num_tokens, top_k, num_experts)
+    own = shapes.get(shape_key(num_experts, inter, hidden, top_k, dtype, weight_dtype))
+    if own:
+        return _nearest(own, num_tokens)
+    entries = shapes.get(shape_key(num_experts, inter, hidden, top_k, dtype))
+    config = _nearest(entries, num_tokens) if entries else default_config(num_tokens, top_k, num_experts)
+    if weight_dtype == torch.float8_e4m3fn and config.block_m < W8A8_MIN_BLOCK_M:
+        config = replace(config, block_m=W8A8_MIN_BLOCK_M)
+    return config
+
+
+def _nearest(entries: dict[str, dict[str, Any]], num_tokens: int) -> MoeConfig:
     target = math.log(max(1, num_tokens))
     nearest = min(entries, key=lambda m: abs(math.log(int(m)) - target))
     return MoeConfig.from_json(entries[nearest])

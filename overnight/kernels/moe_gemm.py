@@ -25,6 +25,11 @@ FP8 experts (W_FP8): w holds e4m3 values with one float32 scale per expert and w
 [E, rows of w]); each tile is converted to a's dtype for the dot (the activations stay as they are:
 weight-only FP8, half the bytes a decode step reads), and the scales multiply the accumulators in the
 epilogue, the gate's and the up's each by its own rows' before the SiLU.
+FP8 activations too (A_FP8, W8A8: what the GPU runs for FP8 experts, layers/moe.py): a holds e4m3 rows
+with one float32 scale per row (a_scale [A], kernels/fp8_quant.py); the tiles go to the dot as stored
+(e4m3 x e4m3 on FP8 tensor cores, products exact in the fp32 accumulator), and the epilogue multiplies
+each row by its a_scale beside the weight rows' scales. Weight-only FP8 converts every weight tile to
+a's dtype first, which made FP8 experts slower than bf16 ones (docs/performance.md, session L).
 MXFP4 experts (W_MXFP4, gpt-oss): w is uint8 [E, rows, K/2], two e2m1 values a byte (the low nibble the
 even column), and w_scale uint8 [E, rows, K/32] holds one e8m0 exponent per 32 columns (quant/mxfp4.py).
 Each [BLOCK_K, BLOCK_N] tile is read as BLOCK_K/2 bytes a column, decoded and scaled in registers and
@@ -139,6 +144,7 @@ def _moe_gemm_kernel(
     a_ptr,
     w_ptr,
     w_scale_ptr,  # W_FP8: [E, rows of w] float32; W_MXFP4: [E, rows of w, K / 32] uint8
+    a_scale_ptr,  # A_FP8: [rows of a] float32
     bias_ptr,  # HAS_BIAS: [E, rows of w]
     out_ptr,
     topk_weights_ptr,
@@ -167,6 +173,7 @@ def _moe_gemm_kernel(
     ACTIVATION: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     W_FP8: tl.constexpr,
+    A_FP8: tl.constexpr,
     W_MXFP4: tl.constexpr,
     MXFP4_BITS: tl.constexpr,
     EVEN_K: tl.constexpr,
@@ -227,7 +234,7 @@ def _moe_gemm_kernel(
             w = w.to(a_ptr.dtype.element_ty)
         else:
             w = tl.load(w_ptrs, mask=w_mask, other=0.0)
-            if W_FP8:
+            if W_FP8 and not A_FP8:
                 w = w.to(a_ptr.dtype.element_ty)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
@@ -237,7 +244,7 @@ def _moe_gemm_kernel(
                 ).to(a_ptr.dtype.element_ty)
             else:
                 up = tl.load(w_ptrs + up_offset, mask=w_mask, other=0.0)
-                if W_FP8:
+                if W_FP8 and not A_FP8:
                     up = up.to(a_ptr.dtype.element_ty)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -247,6 +254,11 @@ def _moe_gemm_kernel(
         else:
             w_ptrs += BLOCK_K * stride_wk
 
+    if A_FP8:
+        a_scale = tl.load(a_scale_ptr + pair // A_DIV, mask=row_mask, other=0.0)[:, None]
+        acc = acc * a_scale
+        if GATED:
+            acc_up = acc_up * a_scale
     if W_FP8:
         scale_ptrs = w_scale_ptr + expert * stride_se + offs_n
         acc = acc * tl.load(scale_ptrs, mask=n_mask, other=0.0)[None, :]
@@ -286,6 +298,8 @@ def moe_gemm(
     bias: torch.Tensor | None = None,
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
     mxfp4_decode: str | None = None,
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Pair p's output row: out[p] = a[p // (P / a_rows)] @ w[expert of p]^T (+ bias[expert of p]), then
 
@@ -297,7 +311,8 @@ def moe_gemm(
 
     a [A, K] holds either one row per token (A = T, P = T * k) or one per pair (A = P); rows and w must
     have unit stride along K. An e4m3 w comes with w_scale [E, rows of w] float32 (w[e, r] * w_scale[e, r]
-    is the weight). MXFP4 w (uint8) comes with w_scale [E, rows, K/32] uint8; mxfp4_decode names the
+    is the weight); its a may be e4m3 too, with a_scale [A] float32 (a[i] * a_scale[i] is the row: W8A8),
+    and then out_dtype (or out) says the output's dtype. MXFP4 w (uint8) comes with w_scale [E, rows, K/32] uint8; mxfp4_decode names the
     decoding (MXFP4_DECODES; None: MXFP4_DECODE)."""
     decode = MXFP4_DECODE if mxfp4_decode is None else mxfp4_decode
     if decode not in MXFP4_DECODES:
@@ -316,8 +331,18 @@ def moe_gemm(
     if gated and w.shape[1] % 2:
         raise ValueError(f"gated: w must hold [gate | up] rows, got {w.shape[1]} rows")
     n = w.shape[1] // 2 if gated else w.shape[1]
+    a_fp8 = a.dtype == torch.float8_e4m3fn
+    if a_fp8 != (a_scale is not None):
+        raise ValueError("an e4m3 a needs a_scale, and only it takes one")
+    if a_fp8 and w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"e4m3 activations need e4m3 weights, got {w.dtype}")
+    if a_scale is not None and (a_scale.shape != (a_rows,) or a_scale.dtype != torch.float32):
+        raise ValueError(f"a_scale must be float32 [{a_rows}], got {a_scale.dtype} {tuple(a_scale.shape)}")
     if out is None:
-        out = torch.empty(num_pairs, n, dtype=a.dtype, device=a.device)
+        dtype = out_dtype or (None if a_fp8 else a.dtype)
+        if dtype is None:
+            raise ValueError("e4m3 activations need out_dtype (or out)")
+        out = torch.empty(num_pairs, n, dtype=dtype, device=a.device)
     if out.shape != (num_pairs, n) or out.stride(1) != 1:
         raise ValueError(f"out must be [{num_pairs}, {n}] with unit stride, got {tuple(out.shape)}")
     if topk_weights is not None and topk_weights.numel() != num_pairs:
@@ -365,6 +390,7 @@ def moe_gemm(
         a,
         w,
         w_scale if w_scale is not None else out,  # unread without W_FP8
+        a_scale if a_scale is not None else out,  # unread without A_FP8
         bias if bias is not None else out,  # unread without HAS_BIAS
         out,
         topk_weights if topk_weights is not None else out,  # unread without MUL_WEIGHT
@@ -393,6 +419,7 @@ def moe_gemm(
         ACTIVATION={"silu": 0, "swiglu_oai": 1, "relu2": 2}[kind],
         MUL_WEIGHT=topk_weights is not None,
         W_FP8=w_fp8,
+        A_FP8=a_fp8,
         W_MXFP4=w_mxfp4,
         MXFP4_BITS=decode == "bits",
         EVEN_K=k_dim % tiles.block_k == 0,
@@ -429,15 +456,19 @@ def moe_gemm_ref(
     w_scale: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     activation: tuple[str, float, float] = ("silu", 0.0, 0.0),
+    a_scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end."""
+    """What moe_gemm computes, pair by pair in fp32 (one matmul per expert), rounded once at the end
+    (to out_dtype, by default a's dtype; e4m3 rows are scaled by a_scale first)."""
     if w.dtype == torch.uint8 and w_scale is not None:  # MXFP4
         w = mxfp4_to_float(w, w_scale)
     elif w_scale is not None:
         w = w.float() * w_scale[:, :, None]
     ids = topk_ids.flatten().long()
     num_pairs = ids.numel()
-    rows = a[torch.arange(num_pairs, device=a.device) // (num_pairs // a.shape[0])].float()
+    source = a.float() if a_scale is None else a.float() * a_scale[:, None]
+    rows = source[torch.arange(num_pairs, device=a.device) // (num_pairs // a.shape[0])]
     n = w.shape[1] // 2 if gated else w.shape[1]
     out = torch.zeros(num_pairs, n, dtype=torch.float32, device=a.device)
     for expert in torch.unique(ids).tolist():
@@ -456,4 +487,4 @@ def moe_gemm_ref(
         out[sel] = y
     if topk_weights is not None:
         out *= topk_weights.flatten().float()[:, None]
-    return out.to(a.dtype)
+    return out.to(out_dtype or a.dtype)

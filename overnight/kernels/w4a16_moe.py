@@ -41,6 +41,7 @@ import triton.language as tl
 
 from overnight.kernels.int_unpack import _int_weight_step
 from overnight.kernels.moe_align import ExpertRuns, moe_align
+from overnight.kernels.moe_sum import moe_sum
 from overnight.kernels.tile_order import grouped_tile
 from overnight.kernels.w4a16_moe_baseline import _w4a16_moe_kernel_v1
 
@@ -315,7 +316,7 @@ def w4a16_fused_experts(
     """x [T, H] -> [T, H]: fused_moe.py's pipeline (align, gated GEMM, weighted GEMM, sum over k) on
     (packed, scale, zero) expert weights: gate_up [E, 2I, H/P], down [E, H, I/P]. config:
     default_config's when None; block_m, when given, overrides its alignment."""
-    num_tokens, hidden = x.shape
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
     num_experts = gate_up[0].shape[0]
@@ -331,7 +332,7 @@ def w4a16_fused_experts(
     y = w4a16_moe_gemm(
         h, *down, bits, groups[1], runs, topk_weights=weights, tiles=cfg.gemm2, kernel=cfg.kernel
     )
-    return y.view(num_tokens, top_k, hidden).sum(dim=1)
+    return moe_sum(y, top_k)
 
 
 def dequantize_experts_ref(

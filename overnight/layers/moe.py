@@ -18,8 +18,13 @@ reference.
 
 With FP8 weights (quantization="fp8", FP8 checkpoints) the stacked projections are quantized once they
 are loaded (quantize_fp8_): e4m3 values with one float32 scale per expert and row, per channel like
-the dense FP8 layers; the GEMMs convert the weight tiles to the activations' dtype (weight-only FP8:
-half the expert bytes in memory and in every step). The CPU path dequantizes the experts it runs.
+the dense FP8 layers. On a GPU (every CUDA GPU that takes FP8 has FP8 tensor cores: quant/scheme.py)
+they run W8A8 like the dense FP8 layers: each GEMM's input rows are quantized per row and the GEMMs
+multiply e4m3 by e4m3 (fused_experts' fp8_activations; converting every weight tile to bf16 instead ran
+FP8 experts slower than bf16 ones: docs/performance.md, session L). On the CPU they stay weight-only:
+the PyTorch path dequantizes the experts it runs, as HF's reference does. Which one is decided by the
+weights' device (runs_w8a8 below), so both paths of one device compute the same thing, and
+fused_experts_ref(fp8_activations=True) is the GPU arithmetic's reference.
 A model whose experts alone outgrow the device in the compute dtype (GLM-4.5-Air's 100B of experts on
 one H200; every MoE family now declares it) holds them as e4m3 from the start instead (store_fp8_, at
 build time): the loader quantizes each checkpoint expert tensor, per expert or a whole stack, per row as
@@ -124,6 +129,7 @@ def fused_experts_ref(
     gate_up_bias: torch.Tensor | None = None,
     down_bias: torch.Tensor | None = None,
     activation: ExpertActivation = SILU,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """x [T, H]; gate_up_proj [E, 2I, H]; down_proj [E, H, I]; topk_weights [T, k]; topk_ids [T, k].
     Returns [T, H] in x's dtype (ungated activations: gate_up_proj [E, I, H]). FP8 experts (e4m3 projections with per-row scales [E, rows]) and MXFP4
@@ -133,7 +139,15 @@ def fused_experts_ref(
 
     The HF computation step for step (so fp32 results match it to the last bit on the same rows): each
     expert that was hit runs on its tokens in x's dtype, its output is scaled by the routing weight
-    (cast to x's dtype) and added into the result."""
+    (cast to x's dtype) and added into the result. fp8_activations (FP8 experts; the fused kernels' W8A8
+    arithmetic): each GEMM's input rows quantized per row (quant/fp8.quantize_activation_ref), the GEMMs
+    in float32 on the dequantized values, the activation's output and each expert's rows rounded to
+    x's dtype, as the kernels store them."""
+    if fp8_activations:
+        return _w8a8_experts_ref(
+            x, gate_up_proj, down_proj, topk_weights, topk_ids, gate_up_scale, down_scale,
+            gate_up_bias, down_bias, activation,
+        )  # fmt: skip
     out = torch.zeros_like(x)
     weights = topk_weights.to(x.dtype)
     ids = topk_ids.long()
@@ -151,6 +165,46 @@ def fused_experts_ref(
         h = activation.on_rows(F.linear(x[token], w1, b1))
         y = F.linear(h, w2, b2) * weights[token, slot, None]
         out.index_add_(0, token, y)
+    return out
+
+
+def runs_w8a8(weight: torch.Tensor) -> bool:
+    """Whether experts stored as `weight` run W8A8 (module docstring): e4m3 experts on a GPU."""
+    return weight.dtype == torch.float8_e4m3fn and weight.is_cuda
+
+
+def _w8a8_experts_ref(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    gate_up_scale: torch.Tensor | None,
+    down_scale: torch.Tensor | None,
+    gate_up_bias: torch.Tensor | None,
+    down_bias: torch.Tensor | None,
+    activation: ExpertActivation,
+) -> torch.Tensor:
+    from overnight.quant.fp8 import quantize_activation_ref
+
+    if gate_up_proj.dtype != torch.float8_e4m3fn or gate_up_scale is None or down_scale is None:
+        raise ValueError("fp8_activations needs e4m3 experts with their row scales")
+
+    def quantized(rows: torch.Tensor) -> torch.Tensor:
+        data, scale = quantize_activation_ref(rows)
+        return data.float() * scale
+
+    out = torch.zeros_like(x)
+    ids = topk_ids.long()
+    for expert in torch.unique(ids).tolist():
+        token, slot = torch.where(ids == expert)
+        w1 = gate_up_proj[expert].float() * gate_up_scale[expert, :, None]
+        w2 = down_proj[expert].float() * down_scale[expert, :, None]
+        b1 = None if gate_up_bias is None else gate_up_bias[expert].float()
+        b2 = None if down_bias is None else down_bias[expert].float()
+        h = activation.on_rows(F.linear(quantized(x[token]), w1, b1)).to(x.dtype)
+        y = F.linear(quantized(h), w2, b2) * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, y.to(x.dtype))
     return out
 
 
@@ -198,6 +252,7 @@ def run_experts(
             gate_up_bias=gate_up_bias,
             down_bias=down_bias,
             activation=(activation.kind, activation.alpha, activation.limit),
+            fp8_activations=runs_w8a8(gate_up_proj),
         )
     return fused_experts_ref(
         x,
@@ -210,6 +265,7 @@ def run_experts(
         gate_up_bias=gate_up_bias,
         down_bias=down_bias,
         activation=activation,
+        fp8_activations=runs_w8a8(gate_up_proj),
     )
 
 
