@@ -84,7 +84,10 @@ def green_halves(graphs: tuple[DecodeGraphs, DecodeGraphs], h: int):
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     share = sms // 2 // 8 * 8
-    streams = [GreenContext.create(num_sms=share).Stream() for _ in range(2)]
+    # The contexts must outlive their streams and graphs: a context only the list comprehension held
+    # was freed at once, and the first launch failed with "context is destroyed" (session L).
+    contexts = [GreenContext.create(num_sms=share) for _ in range(2)]
+    streams = [ctx.Stream() for ctx in contexts]
     captured = []
     for dg, stream in zip(graphs, streams):
         stream.wait_stream(torch.cuda.current_stream())
@@ -96,7 +99,7 @@ def green_halves(graphs: tuple[DecodeGraphs, DecodeGraphs], h: int):
             dg._forward(h)
         captured.append(graph)
 
-    def run() -> None:
+    def run(_keep=contexts) -> None:
         cur = torch.cuda.current_stream()
         for stream, graph in zip(streams, captured):
             stream.wait_stream(cur)
