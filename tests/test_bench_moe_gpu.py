@@ -1,0 +1,82 @@
+"""bench/moe_gpu.py runs end to end on the CPU (Triton interpreter, fp32, tiny experts, a fake timer;
+conftest.py sets TRITON_INTERPRET on a CPU machine; its e4m3 casts rounded as the GPU's,
+tests/triton_fp8.py), with and without --fp8: every correctness check
+passes, the sweep tunes every bucket it is given and prints the JSON to merge, the layer table has a
+row per size with the W8A8 and weight-only FP8 columns. The next GPU session's first call runs this
+script; a typo found there costs device minutes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from overnight.kernels import moe_configs
+from tests.triton_fp8 import exact_fp8_casts
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_gpu.py"
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the script itself")
+
+
+def load_bench(monkeypatch):
+    spec = importlib.util.spec_from_file_location("moe_gpu", BENCH)
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "moe_gpu", bench)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "DEV", torch.device("cpu"))
+    monkeypatch.setattr(bench, "DT", torch.float32)
+    monkeypatch.setattr(bench, "H", 64)
+    monkeypatch.setattr(bench, "I", 32)
+    monkeypatch.setattr(bench, "E", 8)
+    monkeypatch.setattr(bench, "TOP_K", 2)
+    monkeypatch.setattr(bench, "LAYER_SIZES", [3, 16])
+    tiles = [(32, 32, 4, 2), (64, 32, 4, 2)]
+    monkeypatch.setattr(bench, "TILES", {16: tiles, 32: tiles, 64: tiles, 128: tiles})
+    monkeypatch.setattr(bench, "checks", [])
+    # main() points moe_configs at the configs it just tuned: undone after the test.
+    monkeypatch.setattr(moe_configs, "_table", moe_configs._table)
+    timed = []
+
+    def fake_bench(fn, warmup=5, rep=20):
+        fn()
+        timed.append(1)
+        return 0.01 * (1 + len(timed) % 5)  # milliseconds, varied so the sweep has a winner to pick
+
+    monkeypatch.setattr(bench, "bench", fake_bench)
+    # The CUDA-graph capture needs a GPU; everything else in the correctness pass runs here.
+    monkeypatch.setattr(bench, "check_graph", lambda gen, w: bench.check("graph (GPU only)", True))
+    return bench, timed
+
+
+@pytest.mark.slow
+def test_moe_bench_fp8_runs_on_cpu(monkeypatch, capsys, tmp_path):
+    """--fp8, as the plan's call runs it (the bf16 sweep is the same code with unquantized operands;
+    the correctness pass covers both forms either way)."""
+    bench, timed = load_bench(monkeypatch)
+    # Small buckets: 2 pairs an expert (BLOCK_M 16 and 64) and 8 (16, 32 and 64).
+    argv = ["moe_gpu.py", "--fp8", "--skip-engine", "--buckets", "8,32", "--deadline", "600"]
+    monkeypatch.setattr(sys, "argv", argv)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    with exact_fp8_casts():
+        bench.main()
+    out = capsys.readouterr().out
+    failed = [name for name, ok, _ in bench.checks if not ok]
+    assert not failed, out
+    assert any(name.startswith("fp8 w8a8") for name, _, _ in bench.checks), out
+    assert timed, "nothing was timed"
+
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["checks_failed"] == []
+    key = bench.shape_key(8, 32, 64, 2, torch.float32, torch.float8_e4m3fn)
+    tuned = summary["configs"]["cpu"][key]
+    assert set(tuned) == {"8", "32"}
+    written = json.loads((tmp_path / "moe_configs.json").read_text())
+    assert written == summary["configs"]
+    assert [r["tokens"] for r in summary["layer"]] == [3, 16]
+    assert all(r["fp8_us"] > 0 and r["fp8_wonly_us"] > 0 for r in summary["layer"])
