@@ -7,28 +7,21 @@ script; a typo found there costs device minutes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from overnight.kernels import moe_configs
+from tests.bench_scripts import load_bench_script
 from tests.triton_fp8 import exact_fp8_casts
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "moe_gpu.py"
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs the script itself")
 
 
 def load_bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("moe_gpu", BENCH)
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "moe_gpu", bench)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script(monkeypatch, "moe_gpu.py")
     monkeypatch.setattr(bench, "DEV", torch.device("cpu"))
     monkeypatch.setattr(bench, "DT", torch.float32)
     monkeypatch.setattr(bench, "H", 64)

@@ -4,23 +4,14 @@ table, and the summary names a default, so the one GPU call it is written for do
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from overnight.kernels.moe_gemm import MXFP4_DECODES
-
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "mxfp4_moe_gpu.py"
+from tests.bench_scripts import load_bench_script
 
 
 def test_mxfp4_bench_runs_on_cpu(monkeypatch, capsys):
-    spec = importlib.util.spec_from_file_location("mxfp4_moe_gpu", BENCH)
-    assert spec and spec.loader
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "mxfp4_moe_gpu", bench)
-    spec.loader.exec_module(bench)
+    bench = load_bench_script(monkeypatch, "mxfp4_moe_gpu.py")
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "DTYPE", torch.float32)
     monkeypatch.setattr(bench, "MODELS", {"tiny": 2})

@@ -4,23 +4,15 @@ one GPU call it is written for does not fail on a typo."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench" / "w4a16_variants_gpu.py"
+from tests.bench_scripts import load_bench_script
 
 
 @pytest.fixture()
 def bench(monkeypatch):
-    spec = importlib.util.spec_from_file_location("w4a16_variants_gpu", BENCH)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "w4a16_variants_gpu", module)
-    spec.loader.exec_module(module)
+    module = load_bench_script(monkeypatch, "w4a16_variants_gpu.py")
     monkeypatch.setattr(module, "DEVICE", "cpu")
     monkeypatch.setattr(module, "DTYPE", torch.float32)
     monkeypatch.setattr(module, "SHAPES", {"o": (40, 256), "down": (24, 384)})
