@@ -41,6 +41,11 @@ def kernel_times(prof) -> tuple[dict[str, float], dict[str, float]]:
     return by_cat, top
 
 
+# Enough rows that a small category's kernels show one by one (session L's MoE routing: 985 ms over
+# four kernels, which the category total alone cannot split).
+TOP_KERNELS = 30
+
+
 def print_breakdown(title: str, wall_s: float, by_cat: dict[str, float], top: dict[str, float]) -> None:
     gpu_ms = sum(by_cat.values())
     print(f"\n{title}")
@@ -48,5 +53,5 @@ def print_breakdown(title: str, wall_s: float, by_cat: dict[str, float], top: di
     for cat, ms in sorted(by_cat.items(), key=lambda kv: -kv[1]):
         print(f"  {cat:<16} {ms:9.1f} ms  {ms / gpu_ms:6.1%}")
     print("top kernels:")
-    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:15]:
+    for name, ms in sorted(top.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]:
         print(f"  {ms:9.1f} ms  {category(name):<15} {name[:90]}")
