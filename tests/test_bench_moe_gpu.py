@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from overnight.kernels import moe_configs
+from overnight.kernels.moe_align import ALIGN_VARIANTS
 from tests.bench_scripts import load_bench_script
 from tests.triton_fp8 import exact_fp8_casts
 
@@ -42,8 +43,16 @@ def load_bench(monkeypatch):
         return 0.01 * (1 + len(timed) % 5)  # milliseconds, varied so the sweep has a winner to pick
 
     monkeypatch.setattr(bench, "bench", fake_bench)
-    # The CUDA-graph capture needs a GPU; everything else in the correctness pass runs here.
+    monkeypatch.setattr(bench, "ROUTING_SIZES", [3, 16])
+    # The CUDA-graph captures need a GPU; everything else runs here, the graph-timed calls once each.
     monkeypatch.setattr(bench, "check_graph", lambda gen, w: bench.check("graph (GPU only)", True))
+
+    def fake_graph_us(fn, calls=20, replays=10):
+        fn()
+        timed.append(1)
+        return 1.0 + len(timed) % 3
+
+    monkeypatch.setattr(bench, "graph_us", fake_graph_us)
     return bench, timed
 
 
@@ -73,3 +82,10 @@ def test_moe_bench_fp8_runs_on_cpu(monkeypatch, capsys, tmp_path):
     assert written == summary["configs"]
     assert [r["tokens"] for r in summary["layer"]] == [3, 16]
     assert all(r["fp8_us"] > 0 and r["fp8_wonly_us"] > 0 for r in summary["layer"])
+    # the routing table: the router and every alignment variant at each size
+    assert [r["tokens"] for r in summary["routing"]] == [3, 16]
+    for row in summary["routing"]:
+        assert row["router_us"] > 0 and all(row[f"align_{v}_us"] > 0 for v in ALIGN_VARIANTS)
+    assert {f"align {v} T=1024 BLOCK_M=64" for v in ALIGN_VARIANTS} <= {
+        name.split(":")[0] for name, _, _ in bench.checks
+    }

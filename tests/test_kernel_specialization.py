@@ -15,6 +15,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 
 from overnight.kernels.fp8_gemm import _fp8_gemm_kernel
 from overnight.kernels.moe_align import (
+    _moe_align_atomic_count_kernel,
+    _moe_align_atomic_finish_kernel,
     _moe_align_count_kernel,
     _moe_align_offsets_kernel,
     _moe_align_scatter_kernel,
@@ -69,6 +71,8 @@ def _specialized(x_ptr, n):  # a control: a plain count is specialized
         (_moe_align_count_kernel, ["num_pairs"]),
         (_moe_align_offsets_kernel, ["num_chunks", "num_pairs"]),
         (_moe_align_scatter_kernel, ["num_pairs"]),
+        (_moe_align_atomic_count_kernel, ["num_pairs"]),
+        (_moe_align_atomic_finish_kernel, ["num_pairs", "max_tiles"]),
         (_moe_gemm_kernel, ["num_pairs", "num_tiles_m"]),
         (_fp8_gemm_kernel, ["M"]),
     ],

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from overnight.kernels import dispatch, moe_configs
+from overnight.kernels import moe_align as moe_align_module
 from overnight.kernels.fp8_quant import quantize_fp8
 from overnight.kernels.fused_moe import fused_experts
-from overnight.kernels.moe_align import max_padded, moe_align, moe_align_ref
+from overnight.kernels.moe_align import ALIGN_VARIANTS, ExpertRuns, max_padded, moe_align, moe_align_ref
 from overnight.kernels.moe_configs import MoeConfig, default_config, get_config, shape_key
 from overnight.kernels.moe_gemm import GemmTiles, moe_gemm, moe_gemm_ref
 from overnight.kernels.moe_router import router_topk
@@ -121,27 +122,85 @@ ALIGN_CASES = [
 ]
 
 
+def assert_same_runs(runs: ExpertRuns, ref: ExpertRuns, stable: bool) -> None:
+    """The same padded runs and tile experts as the reference; the stable variant also keeps each run's
+    pairs in order, the atomic one may list them in any order (each run the same set)."""
+    n, block_m = int(ref.num_padded), ref.block_m
+    assert int(runs.num_padded) == n and n % block_m == 0
+    assert torch.equal(runs.expert_ids[: n // block_m], ref.expert_ids[: n // block_m])
+    got, want = runs.sorted_ids[:n].long(), ref.sorted_ids[:n].long()
+    if stable:
+        assert torch.equal(got, want)
+        return
+    # each position keyed by its run's expert: equal sorted keys <=> each run holds the same pairs and as
+    # many sentinels
+    expert = ref.expert_ids[: n // block_m].long().repeat_interleave(block_m)
+    key = expert * (ref.num_pairs + 1)
+    assert torch.equal((key + got).sort().values, (key + want).sort().values)
+    assert bool((got[got < ref.num_pairs].sort().values == torch.arange(ref.num_pairs, device=DEVICE)).all())
+
+
+@pytest.mark.parametrize("variant", ALIGN_VARIANTS)
 @pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", ALIGN_CASES)
-def test_align_matches_reference(num_tokens, top_k, num_experts, block_m):
+def test_align_matches_reference(num_tokens, top_k, num_experts, block_m, variant):
     if num_tokens == 64:  # every run a multiple of block_m: no padding slot at all
         ids = (torch.arange(64, device=DEVICE) // 16).to(torch.int32).view(64, 1)
     else:
         ids = random_ids(num_tokens, top_k, num_experts, seed=num_tokens)
-    runs = moe_align(ids, num_experts, block_m)
+    runs = moe_align(ids, num_experts, block_m, variant)
     ref = moe_align_ref(ids, num_experts, block_m)
-    n = int(ref.num_padded)
-    assert int(runs.num_padded) == n and n % block_m == 0
-    assert runs.sorted_ids.numel() == max_padded(ids.numel(), num_experts, block_m) >= n
-    assert torch.equal(runs.sorted_ids[:n], ref.sorted_ids[:n])
-    assert torch.equal(runs.expert_ids[: n // block_m], ref.expert_ids[: n // block_m])
+    assert runs.sorted_ids.numel() == max_padded(ids.numel(), num_experts, block_m) >= int(ref.num_padded)
+    assert_same_runs(runs, ref, stable=variant == "stable")
 
 
-def test_align_puts_everything_on_one_expert():
+def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch):
+    monkeypatch.setattr(moe_align_module, "ATOMIC_MAX_PAIRS", 16)
+    ids = random_ids(37, 2, 8, seed=3)  # 74 pairs
+    assert_same_runs(moe_align(ids, 8, 16, "atomic"), moe_align_ref(ids, 8, 16), stable=True)
+    with pytest.raises(ValueError, match="unknown alignment variant"):
+        moe_align(ids, 8, 16, "sorted")
+
+
+@pytest.mark.parametrize("variant", ALIGN_VARIANTS)
+def test_align_puts_everything_on_one_expert(variant):
     ids = torch.full((40, 1), 5, dtype=torch.int32, device=DEVICE)
-    runs = moe_align(ids, 8, 16)
+    runs = moe_align(ids, 8, 16, variant)
     assert int(runs.num_padded) == 48
-    assert runs.sorted_ids[:40].tolist() == list(range(40)) and runs.sorted_ids[40:48].tolist() == [40] * 8
+    assert sorted(runs.sorted_ids[:40].tolist()) == list(range(40))
+    assert runs.sorted_ids[40:48].tolist() == [40] * 8
     assert runs.expert_ids[:3].tolist() == [5, 5, 5]
+    if variant == "stable":
+        assert runs.sorted_ids[:40].tolist() == list(range(40))
+
+
+def shuffled_within_runs(runs: ExpertRuns, seed: int) -> ExpertRuns:
+    """The same runs with each expert's pairs and sentinels in another order (what the atomic variant
+    may produce on a GPU; the interpreter runs its atomic adds in pair order)."""
+    n, block_m = int(runs.num_padded), runs.block_m
+    expert = runs.expert_ids[: n // block_m].long().repeat_interleave(block_m)
+    noise = torch.rand(n, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    order = torch.sort(expert.double() + noise.double()).indices  # stays within each run
+    sorted_ids = runs.sorted_ids.clone()
+    sorted_ids[:n] = runs.sorted_ids[:n][order]
+    assert not torch.equal(sorted_ids[:n], runs.sorted_ids[:n])
+    return runs._replace(sorted_ids=sorted_ids)
+
+
+def test_gemms_do_not_depend_on_the_order_within_a_run():
+    """Why the atomic variant may number an expert's pairs in any order: every row is computed on its own
+    and stored at its pair's index, so both GEMMs give the same bits for any order within the runs."""
+    num_tokens, top_k, num_experts, hidden, inter = 29, 2, 4, 32, 16
+    x = randn(num_tokens, hidden, seed=60)
+    w13, w2 = experts_weights(num_experts, inter, hidden, torch.float32, seed=61)
+    ids = random_ids(num_tokens, top_k, num_experts, seed=62)
+    weights = torch.rand(num_tokens, top_k, generator=torch.Generator().manual_seed(63)).to(DEVICE)
+    runs = moe_align(ids, num_experts, 16, "stable")
+    mixed = shuffled_within_runs(runs, seed=64)
+    assert_same_runs(mixed, runs, stable=False)
+    h = moe_gemm(x, w13, runs, SMALL, gated=True)
+    assert torch.equal(moe_gemm(x, w13, mixed, SMALL, gated=True), h)
+    y = moe_gemm(h, w2, runs, SMALL, topk_weights=weights)
+    assert torch.equal(moe_gemm(h, w2, mixed, SMALL, topk_weights=weights), y)
 
 
 def test_max_padded_bounds_every_routing():

@@ -1,4 +1,4 @@
-"""The fused-MoE GEMM and the LoRA SGMV kernels compile for the H200 (sm_90) and fit it, as
+"""The fused-MoE GEMM, the atomic alignment and the LoRA SGMV kernels compile for the H200 (sm_90) and fit it, as
 tests/test_kernels_attention_sm90.py checks the attention kernels: Triton's bundled compiler builds the
 cubin on the CPU, so what only a GPU's first launch used to refuse fails here. Two faults of that kind
 were first seen on an H200: the SGMV kernels' `slot` changing type inside an `if` (a compile error the
@@ -62,6 +62,20 @@ def sgmv_case(kind: str):
     return lora._sgmv_expand_kernel, types, cx, 4, 3
 
 
+def align_case(kind: str, experts: int = 128, block_m: int = 64):
+    """The atomic alignment's two kernels, as moe_align launches them (moe_align.py)."""
+    from overnight.kernels import moe_align as m
+
+    if kind == "count":
+        return m._moe_align_atomic_count_kernel, {}, dict(BLOCK=m.ATOMIC_BLOCK), 4, 1
+    e_p2 = 1 << (experts - 1).bit_length()
+    cx = dict(
+        E=experts, E_P2=e_p2, BLOCK_M=block_m, BLOCK=m.ATOMIC_BLOCK, TILES=max(16, m.TILE_ELEMENTS // e_p2),
+        SLOTS=min(block_m, max(1, m.TILE_ELEMENTS // e_p2)),
+    )  # fmt: skip
+    return m._moe_align_atomic_finish_kernel, {}, cx, 8, 1
+
+
 # The default configs' tiers (moe_configs.default_config): up to 8, 24, 96 rows per expert, and more.
 TIERS = (4, 16, 64, 1000)
 CASES = {
@@ -69,6 +83,9 @@ CASES = {
     **{f"moe-gated-bf16-{r}": (lambda r=r: moe_case("bf16", r)) for r in TIERS},
     "moe-gated-mxfp4-bf16": lambda: moe_case("bf16", 1000, mxfp4=True),
     **{f"moe-gated-w8a8-{r}": (lambda r=r: moe_case("bf16", r, w8a8=True)) for r in TIERS},
+    "align-atomic-count": lambda: align_case("count"),
+    "align-atomic-finish-128-64": lambda: align_case("finish", 128, 64),  # Qwen3-30B-A3B, a W8A8 tile
+    "align-atomic-finish-512-16": lambda: align_case("finish", 512, 16),  # Qwen3.5-MoE's 512 experts
     "lora-sgmv-shrink": lambda: sgmv_case("shrink"),
     "lora-sgmv-expand": lambda: sgmv_case("expand"),
 }

@@ -26,6 +26,18 @@ Three launches, the pairs cut into chunks of CHUNK:
                                      runs that end at or before the tile's first row
 Ranks come from a cumulative sum over a [CHUNK, E] one-hot tile: no atomics. The one program of step 2
 only walks the [chunks, E] counts; everything per pair or per tile is spread over the chunks.
+
+The "atomic" variant (ALIGN_VARIANT; up to ATOMIC_MAX_PAIRS pairs, decode-sized steps) trades the
+stable order for fewer passes over the pairs: a zeroed [E] count, then
+  1. count    (a program per BLOCK pairs)  rank[p] = atomic_add(counts[e], 1): e's pairs numbered in
+                                           whatever order the adds land
+  2. finish   (one program)                offsets, sentinels, expert_ids, then sorted_ids[start[e] +
+                                           rank[p]] = p for every pair
+Within an expert the pairs then come in any order. The results do not change: moe_gemm.py computes
+each row on its own and stores it at its pair's index. The one-hot cumulative sums of the stable
+variant are the cost this removes. Session L's profile (docs/performance.md) put the router and the
+three stable launches at ~19 us a layer, against ~5.5 us for vLLM's routing. bench/moe_gpu.py times
+both variants; the faster one becomes the default.
 """
 
 from __future__ import annotations
@@ -38,6 +50,14 @@ import triton.language as tl
 
 TILE_ELEMENTS = 4096  # size of the 2-D tiles the offsets kernel loops over
 ONEHOT_ELEMENTS = 16384  # size of the [CHUNK, E] one-hot tiles of steps 1 and 3
+# "stable": the three launches above (pairs in order within an expert); "atomic": counts and ranks by
+# atomic adds, one program for the rest (module docstring). Kept at stable until a GPU measures both
+# (bench/moe_gpu.py prints them side by side).
+ALIGN_VARIANTS = ("stable", "atomic")
+ALIGN_VARIANT = "stable"
+# The atomic variant's finish is one program walking every pair: past this many, the stable variant.
+ATOMIC_MAX_PAIRS = 16384
+ATOMIC_BLOCK = 1024  # pairs per program of its count, and per iteration of its finish
 
 
 class ExpertRuns(NamedTuple):
@@ -148,13 +168,78 @@ def _moe_align_scatter_kernel(
     tl.store(expert_ids_ptr + offs_b, expert, mask=offs_b < num_tiles)
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRuns:
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_align_atomic_count_kernel(ids_ptr, counts_ptr, ranks_ptr, num_pairs, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    rank = tl.atomic_add(counts_ptr + ids, 1, mask=mask, sem="relaxed")  # the count before this pair's
+    tl.store(ranks_ptr + offs, rank, mask=mask)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_tiles"])
+def _moe_align_atomic_finish_kernel(
+    ids_ptr,
+    counts_ptr,
+    ranks_ptr,
+    starts_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_padded_ptr,
+    num_pairs,
+    max_tiles,
+    E: tl.constexpr,
+    E_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr,  # pairs per iteration of the scatter
+    TILES: tl.constexpr,  # expert_ids entries per iteration
+    SLOTS: tl.constexpr,  # padding slots per expert per iteration
+):
+    offs_e = tl.arange(0, E_P2)
+    e_mask = offs_e < E
+    counts = tl.load(counts_ptr + offs_e, mask=e_mask, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    starts = ends - padded
+    total = tl.sum(padded, axis=0)
+    tl.store(starts_ptr + offs_e, starts, mask=e_mask)
+    tl.store(num_padded_ptr, total)
+
+    fill_from = starts + counts
+    for s0 in tl.static_range(0, BLOCK_M, SLOTS):
+        slot = fill_from[:, None] + s0 + tl.arange(0, SLOTS)[None, :]
+        sentinel = tl.full([E_P2, SLOTS], 0, tl.int32) + num_pairs
+        tl.store(sorted_ids_ptr + slot, sentinel, mask=e_mask[:, None] & (slot < ends[:, None]))
+
+    last = tl.where(e_mask, ends, 2147483647)  # padding lanes end never
+    num_tiles = total // BLOCK_M
+    for t0 in range(0, max_tiles, TILES):
+        offs_b = t0 + tl.arange(0, TILES)
+        expert = tl.sum((last[None, :] <= offs_b[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(expert_ids_ptr + offs_b, expert, mask=offs_b < num_tiles)
+
+    tl.debug_barrier()  # the starts stored above are read back below, by other threads of the program
+    for p0 in range(0, num_pairs, BLOCK):
+        offs = p0 + tl.arange(0, BLOCK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        dest = tl.load(starts_ptr + ids, mask=mask, other=0) + tl.load(ranks_ptr + offs, mask=mask, other=0)
+        tl.store(sorted_ids_ptr + dest, offs, mask=mask)
+
+
+def moe_align(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, variant: str | None = None
+) -> ExpertRuns:
     """topk_ids [T, k] int32 (contiguous) -> the pairs sorted by expert, runs padded to block_m (a
-    power of two)."""
+    power of two). variant: ALIGN_VARIANTS (None: ALIGN_VARIANT); "atomic" past ATOMIC_MAX_PAIRS
+    pairs runs as "stable"."""
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
+    variant = ALIGN_VARIANT if variant is None else variant
+    if variant not in ALIGN_VARIANTS:
+        raise ValueError(f"unknown alignment variant {variant!r} ({', '.join(ALIGN_VARIANTS)})")
     device = topk_ids.device
     num_pairs = topk_ids.numel()
     size = max_padded(num_pairs, num_experts, block_m)
@@ -165,6 +250,9 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
         return ExpertRuns(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
 
     e_p2 = triton.next_power_of_2(num_experts)
+    if variant == "atomic" and num_pairs <= ATOMIC_MAX_PAIRS:
+        _align_atomic(topk_ids, num_experts, block_m, sorted_ids, expert_ids, num_padded)
+        return ExpertRuns(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
     chunk = _chunk(e_p2)
     num_chunks = triton.cdiv(num_pairs, chunk)
     counts = torch.empty(num_chunks, num_experts, dtype=torch.int32, device=device)
@@ -208,6 +296,43 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertR
         num_warps=warps,
     )
     return ExpertRuns(sorted_ids, expert_ids, num_padded, block_m, num_pairs)
+
+
+def _align_atomic(
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    block_m: int,
+    sorted_ids: torch.Tensor,
+    expert_ids: torch.Tensor,
+    num_padded: torch.Tensor,
+) -> None:
+    num_pairs = topk_ids.numel()
+    device = topk_ids.device
+    e_p2 = triton.next_power_of_2(num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    ranks = torch.empty(num_pairs, dtype=torch.int32, device=device)
+    starts = torch.empty(num_experts, dtype=torch.int32, device=device)
+    _moe_align_atomic_count_kernel[(triton.cdiv(num_pairs, ATOMIC_BLOCK),)](
+        topk_ids, counts, ranks, num_pairs, BLOCK=ATOMIC_BLOCK, num_warps=4
+    )
+    _moe_align_atomic_finish_kernel[(1,)](
+        topk_ids,
+        counts,
+        ranks,
+        starts,
+        sorted_ids,
+        expert_ids,
+        num_padded,
+        num_pairs,
+        expert_ids.numel(),
+        E=num_experts,
+        E_P2=e_p2,
+        BLOCK_M=block_m,
+        BLOCK=ATOMIC_BLOCK,
+        TILES=max(16, TILE_ELEMENTS // e_p2),
+        SLOTS=min(block_m, max(1, TILE_ELEMENTS // e_p2)),
+        num_warps=8,
+    )
 
 
 def moe_align_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> ExpertRuns:
