@@ -10,8 +10,8 @@ expert by expert, each run padded with the sentinel P:
     expert_ids  [ e0          | e2  | e2 | ...                          ]   one per BLOCK_M tile
     num_padded  [ sum over experts of round_up(count, BLOCK_M) ]             a device scalar
 
-Experts nobody chose get no tile. Within an expert the pairs keep their order (a stable sort), so the
-result is deterministic. Only the first num_padded entries of sorted_ids and num_padded / BLOCK_M of
+Experts nobody chose get no tile. Within an expert the pairs keep their order (a stable sort; the
+atomic variant below lists them in any order, with the same results). Only the first num_padded entries of sorted_ids and num_padded / BLOCK_M of
 expert_ids are written; GEMM tiles past num_padded exit at once. Every size is a function of (P, E,
 BLOCK_M), never of the data, and nothing is read back to the host: capturable in a CUDA graph.
 
