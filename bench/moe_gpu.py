@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from bench.gpu_timing import graph_time
 from overnight.bench.gpu_info import sm_clock_now
 from overnight.kernels import moe_configs
 from overnight.kernels.fused_moe import fused_experts, gemm_operand
@@ -159,25 +160,6 @@ def check_align(gen: torch.Generator, gate: torch.Tensor) -> None:
             check(f"align {variant} T={num_tokens} BLOCK_M={block_m}: {how}", ok, f"{n} padded rows")
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Microseconds a call of fn takes replayed from a CUDA graph of `calls` calls, as the engine's
-    decode graphs run it (do_bench's time of a single call includes its Python launches)."""
-    fn()  # compiled outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
-
-
 def routing_rows(gen: torch.Generator, gate: torch.Tensor) -> list[dict]:
     """The routing's launches at decode sizes, each variant of the alignment beside the router, at the
     BLOCK_M FP8 experts run with (session L's profile: ~19 us a layer for the router and the stable
@@ -189,9 +171,10 @@ def routing_rows(gen: torch.Generator, gate: torch.Tensor) -> list[dict]:
         _, ids = router_topk(logits, TOP_K, True)
         block_m = get_config(num_tokens, E, I, H, TOP_K, DT, DEV, torch.float8_e4m3fn).block_m
         row: dict[str, object] = dict(tokens=num_tokens, block_m=block_m)
-        row["router_us"] = round(graph_us(lambda lg=logits: router_topk(lg, TOP_K, True)), 2)
+        # 20 calls a graph: do_bench's time of one call would include its Python launches
+        row["router_us"] = round(graph_time([lambda lg=logits: router_topk(lg, TOP_K, True)] * 20), 2)
         for variant in ALIGN_VARIANTS:
-            us = graph_us(lambda i=ids, b=block_m, v=variant: moe_align(i, E, b, v))
+            us = graph_time([lambda i=ids, b=block_m, v=variant: moe_align(i, E, b, v)] * 20)
             row[f"align_{variant}_us"] = round(us, 2)
         rows.append(row)
         print(f"    routing T={num_tokens}: {row}", flush=True)

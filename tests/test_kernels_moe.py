@@ -154,9 +154,17 @@ def test_align_matches_reference(num_tokens, top_k, num_experts, block_m, varian
 
 
 def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch):
-    monkeypatch.setattr(moe_align_module, "ATOMIC_MAX_PAIRS", 16)
+    atomic_calls = []
+    run_atomic = moe_align_module._align_atomic
+    monkeypatch.setattr(
+        moe_align_module, "_align_atomic", lambda *args: atomic_calls.append(1) or run_atomic(*args)
+    )
     ids = random_ids(37, 2, 8, seed=3)  # 74 pairs
+    moe_align(ids, 8, 16, "atomic")
+    assert atomic_calls == [1]  # within the limit: the atomic kernels
+    monkeypatch.setattr(moe_align_module, "ATOMIC_MAX_PAIRS", 16)
     assert_same_runs(moe_align(ids, 8, 16, "atomic"), moe_align_ref(ids, 8, 16), stable=True)
+    assert atomic_calls == [1]  # past it: the stable kernels
     with pytest.raises(ValueError, match="unknown alignment variant"):
         moe_align(ids, 8, 16, "sorted")
 
