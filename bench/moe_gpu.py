@@ -21,14 +21,15 @@ experts, top-8 (one H200, no tensor parallelism), bf16.
 2. Tuning: per token count in BUCKETS, each BLOCK_M candidate with a few tile shapes per GEMM, median
    of triton's do_bench (L2 flushed); the best per bucket is checked against the reference, printed as
    the JSON for overnight/kernels/moe_configs.json, and written to $OUT/moe_configs.json (OUT set).
-3. The whole MoE layer (router GEMM, top-k, alignment, two GEMMs, sum) with the tuned configs against
-   the PyTorch loop over experts (and vLLM's fused_experts when it imports), as TFLOP/s and GB/s (GB:
+3. The whole MoE layer (router GEMM, top-k, alignment, two GEMMs, sum) with the tuned configs, timed
+   from CUDA graphs, against the PyTorch loop over experts (and vLLM's fused_experts when it imports;
+   both timed eagerly: the loop reads counts back to the host), as TFLOP/s and GB/s (GB:
    the weights of the experts actually hit, what a decode step must read), and the same layer with FP8
    experts ("fp8 us": W8A8, e4m3 activations too, as the GPU runs them; "fp8 w-only": the weight-only
    form that converts every weight tile to bf16; their own tuned tiles when installed, else bf16's).
 4. The routing at decode sizes: the router and each alignment variant (moe_align.py's ALIGN_VARIANTS)
-   in microseconds a call, from CUDA graphs as the engine runs them; the faster variant is the one to
-   make moe_align.ALIGN_VARIANT.
+   in microseconds a call, from CUDA graphs as the engine runs them; where they cross is
+   moe_align.ATOMIC_DEFAULT_PAIRS.
 Tables, then one line of JSON.
 """
 
@@ -446,10 +447,12 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
         _, ids = router_topk(F.linear(x, w["gate"]), TOP_K, True)
         hit = int(torch.unique(ids).numel())
         config = get_config(num_tokens, E, I, H, TOP_K, DT, DEV)
-        t_fused = bench(lambda x=x, c=config: moe_layer(x, w, c), rep=50)
         config8 = get_config(num_tokens, E, I, H, TOP_K, DT, DEV, torch.float8_e4m3fn)  # bf16's until tuned
-        t_fp8 = bench(lambda x=x, c=config8: moe_layer_fp8(x, q, c), rep=50)
-        t_wonly = bench(lambda x=x, c=config8: moe_layer_fp8(x, q, c, w8a8=False), rep=50)
+        # ours from CUDA graphs, as the engine runs the layer: timed eagerly, the Python launches of its
+        # 7-9 kernels decide the small rows (session N's eager T=1 row had w-only at half bf16's time)
+        t_fused = graph_time([lambda x=x, c=config: moe_layer(x, w, c)] * 5) / 1e3
+        t_fp8 = graph_time([lambda x=x, c=config8: moe_layer_fp8(x, q, c)] * 5) / 1e3
+        t_wonly = graph_time([lambda x=x, c=config8: moe_layer_fp8(x, q, c, w8a8=False)] * 5) / 1e3
         t_torch = bench(lambda x=x: torch_layer(x, w), warmup=2, rep=50)
         t_vllm = None
         if vllm_fused is not None:

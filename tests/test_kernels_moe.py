@@ -169,6 +169,21 @@ def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch):
         moe_align(ids, 8, 16, "sorted")
 
 
+def test_default_align_is_atomic_up_to_its_measured_crossover(monkeypatch):
+    atomic_calls = []
+    run_atomic = moe_align_module._align_atomic
+    monkeypatch.setattr(
+        moe_align_module, "_align_atomic", lambda *args: atomic_calls.append(1) or run_atomic(*args)
+    )
+    monkeypatch.setattr(moe_align_module, "ATOMIC_DEFAULT_PAIRS", 74)
+    ids = random_ids(37, 2, 8, seed=4)  # 74 pairs: at the crossover, atomic
+    assert_same_runs(moe_align(ids, 8, 16), moe_align_ref(ids, 8, 16), stable=False)
+    assert atomic_calls == [1]
+    more = random_ids(38, 2, 8, seed=5)  # 76 pairs: past it, stable (in order within each expert)
+    assert_same_runs(moe_align(more, 8, 16), moe_align_ref(more, 8, 16), stable=True)
+    assert atomic_calls == [1]
+
+
 @pytest.mark.parametrize("variant", ALIGN_VARIANTS)
 def test_align_puts_everything_on_one_expert(variant):
     ids = torch.full((40, 1), 5, dtype=torch.int32, device=DEVICE)

@@ -27,7 +27,7 @@ Three launches, the pairs cut into chunks of CHUNK:
 Ranks come from a cumulative sum over a [CHUNK, E] one-hot tile: no atomics. The one program of step 2
 only walks the [chunks, E] counts; everything per pair or per tile is spread over the chunks.
 
-The "atomic" variant (ALIGN_VARIANT; up to ATOMIC_MAX_PAIRS pairs, decode-sized steps) trades the
+The "atomic" variant (the default up to ATOMIC_DEFAULT_PAIRS pairs, decode-sized steps) trades the
 stable order for fewer passes over the pairs: a zeroed [E] count, then
   1. count    (a program per BLOCK pairs)  rank[p] = atomic_add(counts[e], 1): e's pairs numbered in
                                            whatever order the adds land
@@ -37,7 +37,7 @@ Within an expert the pairs then come in any order. The results do not change: mo
 each row on its own and stores it at its pair's index. The one-hot cumulative sums of the stable
 variant are the cost this removes. Session L's profile (docs/performance.md) put the router and the
 three stable launches at ~19 us a layer, against ~5.5 us for vLLM's routing. bench/moe_gpu.py times
-both variants; the faster one becomes the default.
+both variants: atomic is faster up to ~2,048 pairs, stable past them (ATOMIC_DEFAULT_PAIRS).
 """
 
 from __future__ import annotations
@@ -51,10 +51,13 @@ import triton.language as tl
 TILE_ELEMENTS = 4096  # size of the 2-D tiles the offsets kernel loops over
 ONEHOT_ELEMENTS = 16384  # size of the [CHUNK, E] one-hot tiles of steps 1 and 3
 # "stable": the three launches above (pairs in order within an expert); "atomic": counts and ranks by
-# atomic adds, one program for the rest (module docstring). Kept at stable until a GPU measures both
-# (bench/moe_gpu.py prints them side by side).
+# atomic adds, one program for the rest (module docstring).
 ALIGN_VARIANTS = ("stable", "atomic")
-ALIGN_VARIANT = "stable"
+# The default (variant None): atomic up to this many pairs, stable past it. Timed from CUDA graphs on an
+# H100 at Qwen3-30B-A3B's routing (128 experts, top-8, bench/moe_gpu.py, session N): atomic 6.4 / 8.7 /
+# 11.2 us at 8 / 512 / 2,048 pairs against stable's 12.3 / 13.7 / 13.5; from 4,096 pairs the atomic adds
+# on one counter an expert contend and stable wins (13.5 against 15.3; 22.7 against 38.8 at 16,384).
+ATOMIC_DEFAULT_PAIRS = 2048
 # The atomic variant's finish is one program walking every pair: past this many, the stable variant.
 ATOMIC_MAX_PAIRS = 16384
 ATOMIC_BLOCK = 1024  # pairs per program of its count, and per iteration of its finish
@@ -231,17 +234,18 @@ def moe_align(
     topk_ids: torch.Tensor, num_experts: int, block_m: int, variant: str | None = None
 ) -> ExpertRuns:
     """topk_ids [T, k] int32 (contiguous) -> the pairs sorted by expert, runs padded to block_m (a
-    power of two). variant: ALIGN_VARIANTS (None: ALIGN_VARIANT); "atomic" past ATOMIC_MAX_PAIRS
-    pairs runs as "stable"."""
+    power of two). variant: ALIGN_VARIANTS (None: "atomic" up to ATOMIC_DEFAULT_PAIRS pairs, else
+    "stable"); "atomic" past ATOMIC_MAX_PAIRS pairs runs as "stable"."""
     if topk_ids.dtype != torch.int32 or not topk_ids.is_contiguous():
         raise ValueError(f"topk_ids must be contiguous int32, got {topk_ids.dtype}")
     if block_m & (block_m - 1):
         raise ValueError(f"block_m must be a power of two, got {block_m}")
-    variant = ALIGN_VARIANT if variant is None else variant
+    num_pairs = topk_ids.numel()
+    if variant is None:
+        variant = "atomic" if num_pairs <= ATOMIC_DEFAULT_PAIRS else "stable"
     if variant not in ALIGN_VARIANTS:
         raise ValueError(f"unknown alignment variant {variant!r} ({', '.join(ALIGN_VARIANTS)})")
     device = topk_ids.device
-    num_pairs = topk_ids.numel()
     size = max_padded(num_pairs, num_experts, block_m)
     sorted_ids = torch.empty(size, dtype=torch.int32, device=device)
     expert_ids = torch.empty(size // block_m, dtype=torch.int32, device=device)
