@@ -1,7 +1,7 @@
 """Timing as the engine runs kernels: captured in a CUDA graph (no Python launch cost between them),
 median of the graph's replays. Shared by the kernel-variant benches (bench/w4a16_variants_gpu.py,
-bench/mxfp4_moe_gpu.py, bench/moe_gpu.py's routing table); their CPU tests replace graph_time with a
-fake timer."""
+bench/mxfp4_moe_gpu.py, bench/moe_gpu.py's layer and routing tables); their CPU tests replace
+graph_time with a fake timer."""
 
 from __future__ import annotations
 

@@ -153,12 +153,16 @@ def test_align_matches_reference(num_tokens, top_k, num_experts, block_m, varian
     assert_same_runs(runs, ref, stable=variant == "stable")
 
 
-def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch):
-    atomic_calls = []
+@pytest.fixture
+def atomic_calls(monkeypatch) -> list[int]:
+    """A 1 appended each time moe_align runs the atomic kernels."""
+    calls: list[int] = []
     run_atomic = moe_align_module._align_atomic
-    monkeypatch.setattr(
-        moe_align_module, "_align_atomic", lambda *args: atomic_calls.append(1) or run_atomic(*args)
-    )
+    monkeypatch.setattr(moe_align_module, "_align_atomic", lambda *args: calls.append(1) or run_atomic(*args))
+    return calls
+
+
+def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch, atomic_calls):
     ids = random_ids(37, 2, 8, seed=3)  # 74 pairs
     moe_align(ids, 8, 16, "atomic")
     assert atomic_calls == [1]  # within the limit: the atomic kernels
@@ -169,12 +173,7 @@ def test_atomic_align_past_its_limit_runs_the_stable_variant(monkeypatch):
         moe_align(ids, 8, 16, "sorted")
 
 
-def test_default_align_is_atomic_up_to_its_measured_crossover(monkeypatch):
-    atomic_calls = []
-    run_atomic = moe_align_module._align_atomic
-    monkeypatch.setattr(
-        moe_align_module, "_align_atomic", lambda *args: atomic_calls.append(1) or run_atomic(*args)
-    )
+def test_default_align_is_atomic_up_to_its_measured_crossover(monkeypatch, atomic_calls):
     monkeypatch.setattr(moe_align_module, "ATOMIC_DEFAULT_PAIRS", 74)
     ids = random_ids(37, 2, 8, seed=4)  # 74 pairs: at the crossover, atomic
     assert_same_runs(moe_align(ids, 8, 16), moe_align_ref(ids, 8, 16), stable=False)
