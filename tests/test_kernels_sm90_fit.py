@@ -24,17 +24,21 @@ MOE_POINTERS = (
 )  # fmt: skip
 
 
-def moe_case(dtype: str, rows_per_expert: int, mxfp4: bool = False, w8a8: bool = False):
+def moe_case(
+    dtype: str, rows_per_expert: int, mxfp4: bool = False, w8a8: bool = False, block_k: int | None = None
+):
     """A default tile (by rows per expert), gated with bias and gpt-oss's activation. w8a8: e4m3 rows
-    and weights with their scales, a bf16 output (the GPU's FP8 experts, fused_moe.py)."""
+    and weights with their scales, a bf16 output (the GPU's FP8 experts, fused_moe.py). block_k: the
+    tile's K step before moe_gemm fits it to the operands (the kernel tests' shallow 16)."""
     from overnight.kernels.moe_configs import W8A8_MIN_BLOCK_M, default_config
     from overnight.kernels.moe_gemm import _moe_gemm_kernel, fit_operand_size
 
     cfg = default_config(num_tokens=rows_per_expert * 8, top_k=8, num_experts=64)
     if w8a8:  # as get_config gives FP8 experts
         cfg = dataclasses.replace(cfg, block_m=max(cfg.block_m, W8A8_MIN_BLOCK_M))
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    tiles = fit_operand_size(cfg.gemm1, torch_dtype)
+    gemm1 = cfg.gemm1 if block_k is None else dataclasses.replace(cfg.gemm1, block_k=block_k)
+    operand = torch.float8_e4m3fn if w8a8 else {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    tiles = fit_operand_size(gemm1, operand)  # as moe_gemm fits them, by its a's dtype
     types = {name: f"*{dtype}" for name in MOE_POINTERS}
     types.update(
         sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_padded_ptr="*i32", alpha="fp32", limit="fp32",
@@ -83,6 +87,9 @@ CASES = {
     **{f"moe-gated-bf16-{r}": (lambda r=r: moe_case("bf16", r)) for r in TIERS},
     "moe-gated-mxfp4-bf16": lambda: moe_case("bf16", 1000, mxfp4=True),
     **{f"moe-gated-w8a8-{r}": (lambda r=r: moe_case("bf16", r, w8a8=True)) for r in TIERS},
+    # The kernel tests' 16-deep K steps: an FP8 dot needs 32 (fit_operand_size deepens them; an H100
+    # refused the shallow tile before it did)
+    "moe-gated-w8a8-k16": lambda: moe_case("bf16", 16, w8a8=True, block_k=16),
     "align-atomic-count": lambda: align_case("count"),
     "align-atomic-finish-128-64": lambda: align_case("finish", 128, 64),  # Qwen3-30B-A3B, a W8A8 tile
     "align-atomic-finish-512-16": lambda: align_case("finish", 512, 16),  # Qwen3.5-MoE's 512 experts

@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from overnight.kernels.fp8_gemm import MIN_BLOCK_K
 from overnight.kernels.moe_align import ExpertRuns
 from overnight.kernels.tile_order import grouped_tile
 
@@ -67,7 +68,10 @@ def fit_operand_size(tiles: GemmTiles, dtype: torch.dtype) -> GemmTiles:
     """The tiles for operands of `dtype`. The configs are sized for 16-bit operands; fp32 ones (exactness
     checks, never a fast path) take twice their shared memory: the largest gated tile, 128 x 128 x 64 in
     three stages, needs 240 KB on sm_90, past the 227 KB a block may use. Two stages of 32-deep tiles fit
-    (tests/test_kernels_sm90_fit.py compiles both for sm_90)."""
+    (tests/test_kernels_sm90_fit.py compiles both for sm_90). e4m3 operands (W8A8) need K steps of at
+    least MIN_BLOCK_K, the K of the GPU's FP8 MMA: Triton refuses to compile a shallower FP8 dot."""
+    if dtype == torch.float8_e4m3fn and tiles.block_k < MIN_BLOCK_K:
+        return replace(tiles, block_k=MIN_BLOCK_K)
     if dtype == torch.float32:
         return replace(tiles, block_k=min(tiles.block_k, 32), num_stages=min(tiles.num_stages, 2))
     return tiles
