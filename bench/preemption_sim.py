@@ -11,6 +11,10 @@ A = 10 ms (48 GB of weights read at ~4.8 TB/s: the decode floor), B = 80 us/toke
     python bench/preemption_sim.py --pool-tokens 1000000                # a Qwen3-8B-like pool
     python bench/preemption_sim.py --pool-tokens 508000 --eos-at 0.3    # outputs end early
     python bench/preemption_sim.py --pool-tokens 132800 --windowed-groups 6  # gemma-3-27b on an H200
+    # Qwen3-30B-A3B, FP8, long-1024-1024 on an H100's pool; its step times (16 ms a step with the host's
+    # share, 11 us a token computed, 29 ns a token attended); its tail share (engine/admission.py)
+    python bench/preemption_sim.py --requests 512 --prompt-len 1024 --max-tokens 1024 --pool-tokens 456176 \
+        --step-ms 16 --token-us 11 --context-ns 29 --tail-share 0.5
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import argparse
 import json
 import random
 
-from overnight.config import SchedulerConfig
+from overnight.config import DENSE_TAIL_SHARE, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler
@@ -43,11 +47,15 @@ def simulate(
     planned: bool = True,
     windowed_groups: int = 0,
     window: int = 1024,
+    tail_share: float = DENSE_TAIL_SHARE,
+    step_times: tuple[float, float, float] = (A, B, C),
 ) -> dict[str, float]:
     """pool_tokens is per sequence-equivalent: with windowed_groups, the pool holds one full-attention
     group and that many groups of `window` (Gemma 3 27B: 6 of 1,024), each a block per block_size tokens.
     eos_at None: ignore_eos (every request runs to max_tokens); else each request emits EOS after
-    uniform(1, 2 * eos_at * max_tokens) tokens (mean eos_at * max_tokens), capped by max_tokens."""
+    uniform(1, 2 * eos_at * max_tokens) tokens (mean eos_at * max_tokens), capped by max_tokens.
+    step_times: the proxy's (A, B, C) in seconds."""
+    a, b, c = step_times
     rng = random.Random(seed)
     config = SchedulerConfig(
         max_num_seqs,
@@ -55,6 +63,7 @@ def simulate(
         prompt_len + max_tokens,
         True,
         "planned" if planned else "greedy",
+        tail_share,
     )
     windows = (None,) + (window,) * windowed_groups
     num_blocks = pool_tokens // block_size * len(windows)
@@ -74,7 +83,7 @@ def simulate(
         n = out.total_num_scheduled_tokens
         assert n > 0, "the scheduler made no progress"
         context = sum(sched.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
-        proxy += max(A, B * n) + C * context
+        proxy += max(a, b * n) + c * context
         steps += 1
         tokens += n
         running += len(sched.running)
@@ -109,6 +118,12 @@ def main() -> None:
     p.add_argument(
         "--greedy", action="store_true", help="admission greedy: start whatever fits now (the old rule)"
     )
+    p.add_argument(
+        "--tail-share", type=float, default=DENSE_TAIL_SHARE, help="engine/admission.py tail_share"
+    )
+    p.add_argument("--step-ms", type=float, default=A * 1e3, help="A: a step's floor (weights read)")
+    p.add_argument("--token-us", type=float, default=B * 1e6, help="B: a token computed")
+    p.add_argument("--context-ns", type=float, default=C * 1e9, help="C: a context token attended")
     a = p.parse_args()
     r = simulate(
         a.requests,
@@ -121,6 +136,8 @@ def main() -> None:
         a.eos_at,
         planned=not a.greedy,
         windowed_groups=a.windowed_groups,
+        tail_share=a.tail_share,
+        step_times=(a.step_ms * 1e-3, a.token_us * 1e-6, a.context_ns * 1e-9),
     )
     print(json.dumps(r))
 

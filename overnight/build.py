@@ -34,6 +34,7 @@ from overnight.config import (
     SchedulerConfig,
     ssm_state_dtype,
 )
+from overnight.engine.admission import tail_share
 from overnight.engine.engine import Engine
 from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
@@ -280,6 +281,7 @@ def build_config(
             max_model_len=max_model_len,
             enable_chunked_prefill=opts.enable_chunked_prefill,
             admission=opts.admission,
+            admission_tail_share=tail_share(source.arch),
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         runner=RunnerConfig(

@@ -945,6 +945,9 @@ class CacheConfig:
         return ssm_state_dtype(self.mamba_ssm_cache_dtype)
 
 
+DENSE_TAIL_SHARE = 1 / 16  # a dense model's admission tail share (engine/admission.py)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Resolved limits (the options' None means "by device and mode"; limits.py decides).
@@ -953,6 +956,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = _Defaults.enable_chunked_prefill
     admission: str = _Defaults.admission  # "planned": engine/admission.py; "greedy": whatever fits now
+    # Planned admission's tail (engine/admission.py tail_share, from the model): the waiting requests
+    # may overcommit the pool by this share when they are fewer than this share of the running ones.
+    admission_tail_share: float = DENSE_TAIL_SHARE
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from overnight.config import SchedulerConfig
+from overnight.config import DENSE_TAIL_SHARE, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler
@@ -35,11 +35,12 @@ def drive(
     answer_mean: int | None = None,
     windows: tuple[int | None, ...] = (None,),
     scales: tuple[int, ...] | None = None,
+    tail_share: float = DENSE_TAIL_SHARE,
 ) -> dict[str, float | list[int]]:
     """Run the workload on a Scheduler with a stand-in for the runner (a constant token; with
     answer_mean, EOS after uniform(1, 2 * answer_mean) tokens and ignore_eos off)."""
     rng = random.Random(0)
-    config = SchedulerConfig(max_num_seqs, budget, prompt_len + max_tokens, True, admission)
+    config = SchedulerConfig(max_num_seqs, budget, prompt_len + max_tokens, True, admission, tail_share)
     num_blocks = pool_tokens // BLOCK * len(windows)  # pool_tokens: per sequence-equivalent
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, windows=windows, scales=scales)
     sched = Scheduler(config, kv)
@@ -96,6 +97,31 @@ def test_the_last_few_requests_do_not_make_a_wave_of_their_own():
     assert waves["preemptions"] == 0 and waves["tokens"] == full
 
 
+def test_a_sparse_models_larger_tail_joins_the_last_full_wave():
+    """Qwen3-30B-A3B's long-1024-1024 on an H100 scaled down: a pool of 27 of the 64 requests at their
+    end. A dense model's plan runs them as 27 + 27 + 10 (three waves, the last 10 alone for a whole
+    output length); a mixture of experts, whose tail share is 1/2 (tail_share), lets the 10 join the
+    second wave: about a wave's steps fewer, for at most the tail recomputed."""
+    kw = dict(num_requests=64, prompt_len=256, max_tokens=256, pool_tokens=27 * 512 + 200, max_num_seqs=64)
+    dense = drive("planned", **kw)
+    sparse = drive("planned", tail_share=0.5, **kw)
+    assert dense["preemptions"] == 0 and len(dense["per_step"]) > 3 * 256
+    assert sparse["preemptions"] <= 10 and sparse["tokens"] <= dense["tokens"] + 10 * 512
+    assert len(sparse["per_step"]) < len(dense["per_step"]) - 100, (
+        len(sparse["per_step"]),
+        len(dense["per_step"]),
+    )
+
+
+def test_the_tail_share_grows_with_the_weights_a_step_reads_per_weight_a_token_uses():
+    from overnight.engine.admission import MAX_TAIL_SHARE, tail_share
+    from overnight.loader.resolve import resolve_source
+
+    assert tail_share(resolve_source("qwen3-8b", "dummy").arch) == DENSE_TAIL_SHARE
+    assert tail_share(resolve_source("qwen3-30b-a3b", "dummy").arch) == MAX_TAIL_SHARE  # ~11x
+    assert DENSE_TAIL_SHARE < tail_share(resolve_source("granite-4.0-h-small", "dummy").arch) < 0.25  # ~3.8x
+
+
 def test_windowed_groups_are_planned_too():
     """Gemma 3 27B's layout scaled down: one full-attention group and six windowed ones, a pool of a
     sixth of the work. A window longer than the context holds every token (as on seed-512-256); a
@@ -108,7 +134,9 @@ def test_windowed_groups_are_planned_too():
         greedy = drive("greedy", windows=(None,) + (window,) * 6, **kw)
         planned = drive("planned", windows=(None,) + (window,) * 6, **kw)
         assert greedy["preemptions"] >= 5, window
-        assert planned["preemptions"] == 0 and planned["tokens"] == 64 * (128 + 64 - 1), window
+        # At most what a pool 1/16 larger holds (admission.py: waves), where it saves a wave (256:
+        # 437 steps against 449, 4 requests recomputed)
+        assert planned["preemptions"] <= 4 and planned["tokens"] <= 1.01 * 64 * (128 + 64 - 1), window
         assert planned["mean_running"] >= 0.8 * greedy["mean_running"], window
 
 

@@ -31,32 +31,62 @@ tokens it found cached (shared blocks stay held while any holder runs; this errs
 When the whole plan (every request at its final length) fits, nothing is sorted: a pool larger than the
 work (Qwen3-8B on an H200 with seed-512-256) schedules exactly as without the check.
 
-The tail. Held to the plan, the last few requests of a job can be left to a wave of their own: on an
-H100 Qwen3-8B's pool (390,240 tokens at max_num_batched_tokens 32,768) holds 508 of seed-512-256's
-768-token requests, so 1,024 requests ran as 508 + 508 + 8, the last 8 alone for 256 steps (776 steps
-where 535 ran with 402,080 tokens, -4.4%). When everything still waiting is under 1/TAIL_SHARE of the
-running set, the plan may overcommit the pool by 1/TAIL_SHARE: at worst a few requests are preempted
-near the wave's end and recomputed with a few tokens left, instead of running a whole output length at
-a tiny batch. The bound keeps a server, whose queue is often short, from sliding back to admission
+Waves. Held to the plan, a job larger than the pool runs in waves, and the last can be a few requests
+alone: on an H100 Qwen3-8B's pool (390,240 tokens at max_num_batched_tokens 32,768) holds 508 of
+seed-512-256's 768-token requests, so 1,024 requests ran as 508 + 508 + 8, the last 8 alone for 256
+steps (776 steps where 535 ran with 402,080 tokens, -4.4%). So the plan counts the job in pools: the
+running requests and those waiting (each taken as large as the one at hand) at their ends. Where a pool
+larger by at most the model's tail share would hold them in one wave fewer, the plan may fill that
+larger pool: the requests past the real one are preempted near a wave's end (the newest first) and
+recomputed with most of their tokens made, instead of a last wave running a whole output length at a
+small batch. The bound keeps a server, whose queue is often short, from sliding back to admission
 without a plan.
+
+The tail share depends on the model (tail_share). A preemption costs a recompute: prefill FLOPs, which
+scale with the weights a token is multiplied by. A wave saved saves decode steps, each of which reads
+every weight. For a dense model the two are the same weights, and 1/16 is where the saving still pays
+(the 8 requests above). A mixture of experts reads all its experts every step but computes a token
+through a few: Qwen3-30B-A3B reads ~11x the weights it multiplies a token by. On an H100 its FP8 pool
+(456,176 tokens) holds 222 of long-1024-1024's 2,048-token requests, so 512 requests ran as 222 + 222 +
+68 (3,084 steps, 78.5 s, 0.68x vLLM, whose admission takes whatever fits and preempts). With the tail
+share scaled by the model's total-to-active weight ratio (capped at MAX_TAIL_SHARE: 1/2 for that model)
+the pool counts 1.15x, two waves. bench/preemption_sim.py on that shape, with that model's step times
+on an H100 (16 ms a step, 11 us a token computed, 29 ns a token attended), gives 2,337 steps where the
+plan alone took 3,076 (77.9 s, against the GPU's 78.5), for 68 preemptions and 12% more tokens computed:
+67.3 s (taking whatever fits: 64.9 s; the sim's seed-512-256 on that pool is unchanged by the larger
+share, 18.7 s, and 20.3 s taking whatever fits). On the same long shape a dense model's 1/16 changes
+nothing: there the recompute would cost more than the steps it saves (with Qwen3-8B's step times on an
+H200, 3.8 ms + 25 us + 33 ns, taking whatever fits runs 60.5 s against the plan's 54.9).
 """
 
 from __future__ import annotations
 
+from overnight.config import DENSE_TAIL_SHARE, ModelArch
 from overnight.engine.kv_cache_manager import KVCacheManager, cdiv
 from overnight.engine.kv_groups import local_blocks
 from overnight.engine.request import Request
 
 RATIO_AFTER_PREEMPTION = 0.7
 RATIO_DECAY_STEPS = 600
-TAIL_SHARE = 16  # the waiting requests are a tail when fewer than 1/16 of the running ones
+MAX_TAIL_SHARE = 0.5  # a sparse model's at most, however few of its weights a token passes through
+
+
+def tail_share(arch: ModelArch) -> float:
+    """DENSE_TAIL_SHARE scaled by how many more weights a step reads than a token is multiplied by
+    (module docstring): 1/16 for a dense model, MAX_TAIL_SHARE for Qwen3-30B-A3B."""
+    total = arch.num_linear_parameters()
+    active = arch.num_linear_parameters(active_only=True)
+    if active <= 0 or total <= active:
+        return DENSE_TAIL_SHARE
+    return min(MAX_TAIL_SHARE, DENSE_TAIL_SHARE * total / active)
 
 
 class Admission:
     """Per step: begin(running), then admits(req) for each candidate in order, then end_step()."""
 
-    def __init__(self, kv: KVCacheManager) -> None:
+    def __init__(self, kv: KVCacheManager, tail: float = DENSE_TAIL_SHARE) -> None:
         self.kv = kv
+        self.tail = tail  # tail_share(): the share of the running set a tail may be, and overcommit
         sizes = kv.group_block_sizes
         # Full-attention groups by block size: (bs, how many groups of it).
         full: dict[int, int] = {}
@@ -99,8 +129,12 @@ class Admission:
         g, c = self._growth(req)
         final = self._blocks(c + g)
         num_blocks = self.kv.num_blocks
-        if num_waiting * TAIL_SHARE < len(self._plan):  # the tail may overcommit by 1/TAIL_SHARE
-            num_blocks += num_blocks // TAIL_SHARE
+        # Waves: the plan and the waiting (as many more like req) at their ends, in pools. Where a
+        # pool larger by at most the tail share would take them in one wave fewer, the plan may fill it.
+        job = self._total + num_waiting * final
+        waves = cdiv(job, num_blocks)
+        if waves > 1 and cdiv(job, waves - 1) <= num_blocks * (1 + self.tail):
+            num_blocks = cdiv(job, waves - 1)
         # Alone it always starts: one whose end is larger than the pool would otherwise wait forever
         # (it may still preempt itself, as before this check).
         if not self._plan or self._total + final <= num_blocks:

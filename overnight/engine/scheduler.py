@@ -56,7 +56,8 @@ class Scheduler:
         self._sent_to_runner: set[str] = set()  # requests whose state the runner holds
         self.num_preemptions_total = 0
         # Planned admission: start only what the pool can grow to its end (None: whatever fits now).
-        self.admission = Admission(kv) if config.admission == "planned" else None
+        planned = config.admission == "planned"
+        self.admission = Admission(kv, config.admission_tail_share) if planned else None
 
     # -- queue management -------------------------------------------------------------------------
 
