@@ -956,8 +956,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = _Defaults.enable_chunked_prefill
     admission: str = _Defaults.admission  # "planned": engine/admission.py; "greedy": whatever fits now
-    # Planned admission's tail (engine/admission.py tail_share, from the model): the waiting requests
-    # may overcommit the pool by this share when they are fewer than this share of the running ones.
+    # Planned admission's tail share (engine/admission.py tail_share, from the model): where a pool
+    # larger by this share holds the job in one wave fewer, the plan may overcommit the real one.
     admission_tail_share: float = DENSE_TAIL_SHARE
 
 

@@ -8,7 +8,14 @@ import time
 import torch
 
 from overnight import SamplingParams
-from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+from overnight.config import (
+    DENSE_TAIL_SHARE,
+    CacheConfig,
+    EngineConfig,
+    ModelArch,
+    ModelConfig,
+    SchedulerConfig,
+)
 from overnight.engine.engine import Engine
 from overnight.engine.pool_plan import PoolPlan
 from overnight.loader.source import ModelSource
@@ -34,6 +41,7 @@ def make_engine(
     chunked: bool = True,
     async_mode: bool = False,
     admission: str = "planned",
+    tail_share: float = DENSE_TAIL_SHARE,
 ) -> tuple[Engine, FakeRunner]:
     arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
     import torch
@@ -47,6 +55,7 @@ def make_engine(
             max_model_len=max_model_len,
             enable_chunked_prefill=chunked,
             admission=admission,
+            admission_tail_share=tail_share,
         ),
     )
     runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)

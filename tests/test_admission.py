@@ -135,8 +135,8 @@ def test_windowed_groups_are_planned_too():
         planned = drive("planned", windows=(None,) + (window,) * 6, **kw)
         assert greedy["preemptions"] >= 5, window
         # At most what a pool 1/16 larger holds (admission.py: waves), where it saves a wave (256:
-        # 437 steps against 449, 4 requests recomputed)
-        assert planned["preemptions"] <= 4 and planned["tokens"] <= 1.01 * 64 * (128 + 64 - 1), window
+        # 413 steps against 449 held to the pool, 4 requests recomputed)
+        assert planned["preemptions"] <= 4 and planned["tokens"] <= 1.02 * 64 * (128 + 64 - 1), window
         assert planned["mean_running"] >= 0.8 * greedy["mean_running"], window
 
 
@@ -206,12 +206,18 @@ def test_requests_longer_than_the_room_left_wait_for_it():
 
 def test_engine_outputs_are_unchanged_and_nothing_is_preempted_one_step_ahead():
     """Through the engine with the fake runner, which checks every block table against the tokens: a
-    tight pool, mixed lengths, one step run ahead."""
+    tight pool, mixed lengths, one step run ahead. Held to the pool (tail share 0: no wave may be saved
+    by overcommitting it) the plan preempts nothing; with a dense model's share it may preempt a request
+    it started past the pool, and the outputs are the same."""
     rng = random.Random(4)
     prompts = [[rng.randrange(10, VOCAB) for _ in range(rng.randint(4, 40))] for _ in range(48)]
     max_tokens = [rng.randint(8, 40) for _ in prompts]
     outs = {}
-    for admission in ("greedy", "planned"):
+    for name, admission, share in (
+        ("greedy", "greedy", 0.0),
+        ("exact", "planned", 0.0),
+        ("planned", "planned", 1 / 16),
+    ):
         engine, runner = make_engine(
             num_blocks=60,
             block_size=4,
@@ -219,17 +225,19 @@ def test_engine_outputs_are_unchanged_and_nothing_is_preempted_one_step_ahead():
             max_model_len=96,
             async_mode=True,
             admission=admission,
+            tail_share=share,
         )
         for i, (p, m) in enumerate(zip(prompts, max_tokens)):
             engine.add_request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
-        outs[admission] = run_all(engine)
+        outs[name] = run_all(engine)
         assert engine.kv.pool.num_free == 60 and engine.kv.req_blocks == {}
-        if admission == "greedy":
-            assert engine.scheduler.num_preemptions_total > 0
-        else:
-            assert engine.scheduler.num_preemptions_total == 0
+        preemptions = engine.scheduler.num_preemptions_total
+        assert (
+            preemptions > 0 if name == "greedy" else preemptions == 0 if name == "exact" else preemptions <= 2
+        )
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        assert outs["planned"][str(i)] == outs["greedy"][str(i)] == reference_output(p, m, VOCAB, None)
+        expected = reference_output(p, m, VOCAB, None)
+        assert outs["planned"][str(i)] == outs["exact"][str(i)] == outs["greedy"][str(i)] == expected
 
 
 def test_deferrals_are_counted_and_served_as_a_counter():

@@ -36,11 +36,12 @@ alone: on an H100 Qwen3-8B's pool (390,240 tokens at max_num_batched_tokens 32,7
 seed-512-256's 768-token requests, so 1,024 requests ran as 508 + 508 + 8, the last 8 alone for 256
 steps (776 steps where 535 ran with 402,080 tokens, -4.4%). So the plan counts the job in pools: the
 running requests and those waiting (each taken as large as the one at hand) at their ends. Where a pool
-larger by at most the model's tail share would hold them in one wave fewer, the plan may fill that
-larger pool: the requests past the real one are preempted near a wave's end (the newest first) and
-recomputed with most of their tokens made, instead of a last wave running a whole output length at a
-small batch. The bound keeps a server, whose queue is often short, from sliding back to admission
-without a plan.
+larger by at most the model's tail share would hold them in one wave fewer, the plan may fill a pool
+halfway from that one to the share's: the requests past the real pool are preempted near a wave's end
+(the newest first) and recomputed with most of their tokens made, instead of a last wave running a
+whole output length at a small batch; the margin past the smallest such pool is room for them in the
+next wave (without it, the sim below runs them as a short wave of their own: 2,337 steps). The bound
+keeps a server, whose queue is often short, from sliding back to admission without a plan.
 
 The tail share depends on the model (tail_share). A preemption costs a recompute: prefill FLOPs, which
 scale with the weights a token is multiplied by. A wave saved saves decode steps, each of which reads
@@ -50,12 +51,12 @@ through a few: Qwen3-30B-A3B reads ~11x the weights it multiplies a token by. On
 (456,176 tokens) holds 222 of long-1024-1024's 2,048-token requests, so 512 requests ran as 222 + 222 +
 68 (3,084 steps, 78.5 s, 0.68x vLLM, whose admission takes whatever fits and preempts). With the tail
 share scaled by the model's total-to-active weight ratio (capped at MAX_TAIL_SHARE: 1/2 for that model)
-the pool counts 1.15x, two waves. bench/preemption_sim.py on that shape, with that model's step times
-on an H100 (16 ms a step, 11 us a token computed, 29 ns a token attended), gives 2,337 steps where the
-plan alone took 3,076 (77.9 s, against the GPU's 78.5), for 68 preemptions and 12% more tokens computed:
-67.3 s (taking whatever fits: 64.9 s; the sim's seed-512-256 on that pool is unchanged by the larger
-share, 18.7 s, and 20.3 s taking whatever fits). On the same long shape a dense model's 1/16 changes
-nothing: there the recompute would cost more than the steps it saves (with Qwen3-8B's step times on an
+two waves fit a pool 1.15x the real one, and the plan fills 1.32x. bench/preemption_sim.py on that
+shape, with that model's step times on an H100 (16 ms a step, 11 us a token computed, 29 ns a token
+attended), gives 2,069 steps where the plan alone took 3,076 (77.9 s, against the GPU's 78.5), for 73
+preemptions and 12% more tokens computed: 63.0 s (taking whatever fits: 2,071 steps, 214 preemptions,
+64.9 s; the sim's seed-512-256 on that pool is unchanged by the larger share, 18.7 s, and 20.3 s taking
+whatever fits). On the same long shape a dense model's 1/16 changes nothing: there the recompute would cost more than the steps it saves (with Qwen3-8B's step times on an
 H200, 3.8 ms + 25 us + 33 ns, taking whatever fits runs 60.5 s against the plan's 54.9).
 """
 
@@ -86,7 +87,7 @@ class Admission:
 
     def __init__(self, kv: KVCacheManager, tail: float = DENSE_TAIL_SHARE) -> None:
         self.kv = kv
-        self.tail = tail  # tail_share(): the share of the running set a tail may be, and overcommit
+        self.tail = tail  # tail_share(): how much larger than the pool a plan may be, to save a wave
         sizes = kv.group_block_sizes
         # Full-attention groups by block size: (bs, how many groups of it).
         full: dict[int, int] = {}
@@ -130,11 +131,14 @@ class Admission:
         final = self._blocks(c + g)
         num_blocks = self.kv.num_blocks
         # Waves: the plan and the waiting (as many more like req) at their ends, in pools. Where a
-        # pool larger by at most the tail share would take them in one wave fewer, the plan may fill it.
+        # pool larger by at most the tail share would take them in one wave fewer, the plan may fill a
+        # pool halfway from that one to the share's: the margin is room for the requests preempted
+        # near a wave's end, which go into the next.
         job = self._total + num_waiting * final
         waves = cdiv(job, num_blocks)
-        if waves > 1 and cdiv(job, waves - 1) <= num_blocks * (1 + self.tail):
-            num_blocks = cdiv(job, waves - 1)
+        largest = int(num_blocks * (1 + self.tail))
+        if waves > 1 and cdiv(job, waves - 1) <= largest:
+            num_blocks = (cdiv(job, waves - 1) + largest) // 2
         # Alone it always starts: one whose end is larger than the pool would otherwise wait forever
         # (it may still preempt itself, as before this check).
         if not self._plan or self._total + final <= num_blocks:
