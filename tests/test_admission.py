@@ -97,20 +97,20 @@ def test_the_last_few_requests_do_not_make_a_wave_of_their_own():
     assert waves["preemptions"] == 0 and waves["tokens"] == full
 
 
-def test_a_sparse_models_larger_tail_joins_the_last_full_wave():
+def test_a_sparse_models_larger_tail_share_saves_a_wave():
     """Qwen3-30B-A3B's long-1024-1024 on an H100 scaled down: a pool of 27 of the 64 requests at their
     end. A dense model's plan runs them as 27 + 27 + 10 (three waves, the last 10 alone for a whole
-    output length); a mixture of experts, whose tail share is 1/2 (tail_share), lets the 10 join the
-    second wave: about a wave's steps fewer, for at most the tail recomputed."""
+    output length); a mixture of experts, whose tail share is 1/2 (tail_share), fills a larger pool and
+    runs two waves, for at most the 10 requests past the pool recomputed."""
     kw = dict(num_requests=64, prompt_len=256, max_tokens=256, pool_tokens=27 * 512 + 200, max_num_seqs=64)
     dense = drive("planned", **kw)
     sparse = drive("planned", tail_share=0.5, **kw)
     assert dense["preemptions"] == 0 and len(dense["per_step"]) > 3 * 256
     assert sparse["preemptions"] <= 10 and sparse["tokens"] <= dense["tokens"] + 10 * 512
-    assert len(sparse["per_step"]) < len(dense["per_step"]) - 100, (
-        len(sparse["per_step"]),
-        len(dense["per_step"]),
-    )
+    # 531 steps against 769; 658 where the plan filled only the smallest pool that saves a wave (the
+    # requests it preempted then ran as a short wave of their own)
+    steps = len(sparse["per_step"]), len(dense["per_step"])
+    assert steps[0] < 0.75 * steps[1], steps
 
 
 def test_the_tail_share_grows_with_the_weights_a_step_reads_per_weight_a_token_uses():
