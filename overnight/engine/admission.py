@@ -56,8 +56,9 @@ shape, with that model's step times on an H100 (16 ms a step, 11 us a token comp
 attended), gives 2,069 steps where the plan alone took 3,076 (77.9 s, against the GPU's 78.5), for 73
 preemptions and 12% more tokens computed: 63.0 s (taking whatever fits: 2,071 steps, 214 preemptions,
 64.9 s; the sim's seed-512-256 on that pool is unchanged by the larger share, 18.7 s, and 20.3 s taking
-whatever fits). On the same long shape a dense model's 1/16 changes nothing: there the recompute would cost more than the steps it saves (with Qwen3-8B's step times on an
-H200, 3.8 ms + 25 us + 33 ns, taking whatever fits runs 60.5 s against the plan's 54.9).
+whatever fits). On the same long shape a dense model's 1/16 changes nothing: there the recompute would
+cost more than the steps it saves (with Qwen3-8B's step times on an H200, 3.8 ms + 25 us + 33 ns, taking
+whatever fits runs 60.5 s against the plan's 54.9).
 """
 
 from __future__ import annotations
