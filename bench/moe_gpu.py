@@ -43,6 +43,7 @@ import os
 import tempfile
 import time
 import traceback
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -481,6 +482,18 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
     return rows
 
 
+def merge_tuned(
+    table: dict[str, dict[str, dict[str, Any]]], gpu: str, key: str, tuned: dict[str, Any]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """The config table with this sweep's buckets in place: a bucket tuned now replaces its old entry,
+    the shape's other buckets stay (a --buckets sweep of a few sizes keeps the rest). table is not
+    changed."""
+    merged = {g: dict(shapes) for g, shapes in table.items()}
+    shapes = merged.setdefault(gpu, {})
+    shapes[key] = {**shapes.get(key, {}), **tuned}
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--install", action="store_true", help="write the tuned configs into the package")
@@ -557,16 +570,13 @@ def main() -> None:
         with open(os.path.join(out_dir, "moe_configs.json"), "w") as f:
             f.write(text + "\n")
     if args.install and tuned:
-        table_now = dict(moe_configs._table())
-        table_now.setdefault(gpu, {})[key] = tuned
         with open(moe_configs.CONFIG_FILE, "w") as f:
-            json.dump(table_now, f, indent=1, sort_keys=True)
+            json.dump(merge_tuned(moe_configs._table(), gpu, key, tuned), f, indent=1, sort_keys=True)
             f.write("\n")
         print(f"  wrote {moe_configs.CONFIG_FILE}")
     moe_configs._table.cache_clear()
     if tuned and not args.install:  # time the layer with the configs just found, package file untouched
-        merged = {g: dict(shapes) for g, shapes in moe_configs._table().items()}
-        merged.setdefault(gpu, {})[key] = tuned
+        merged = merge_tuned(moe_configs._table(), gpu, key, tuned)
         moe_configs._table = lambda: merged  # type: ignore[assignment]
 
     vllm_fused = None

@@ -47,8 +47,15 @@ def main() -> int:
         action="store_true",
         help="profile every step from the first to the last (no warm-up steps; compare with profile_vllm.py)",
     )
+    ap.add_argument(
+        "--timeline",
+        default=None,
+        metavar="CSV",
+        help="run the whole workload without the profiler and write each step's mix and wall to CSV "
+        "(the wall of a step is the call that waited for its tokens: launches run one step ahead)",
+    )
     args = ap.parse_args()
-    if args.whole_run:
+    if args.whole_run or args.timeline:
         args.warmup_steps = 0
     w = WORKLOADS[args.workload]
     llm = LLM(
@@ -82,6 +89,8 @@ def main() -> int:
     engine.scheduler.schedule = schedule
     if args.cprofile:
         return host_profile(engine, args.steps, sched_tokens)
+    if args.timeline:
+        return timeline(engine, sched_tokens, args.timeline)
     from torch.profiler import ProfilerActivity, profile
 
     step_wall: list[float] = []  # per step of a whole run, to split the wall by step kind
@@ -146,6 +155,55 @@ def main() -> int:
         ),
     )
     return 0
+
+
+def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
+    """Every step's mix and wall, no profiler: where a whole run's time goes by kind of step."""
+    walls = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    rows = list(zip(sched_tokens, charged_walls(walls, engine._async)))
+    with open(path, "w") as f:
+        f.write("step,tokens,requests,wall_ms\n")
+        for i, ((tok, nreq), dt) in enumerate(rows):
+            f.write(f"{i},{tok},{nreq},{1e3 * dt:.3f}\n")
+    print(f"timeline: {len(rows)} steps, {wall:.2f} s wall; {path}")
+    for kind, steps, secs, extra in step_kinds(rows):
+        print(
+            f"{kind:>24}: {steps:5d} steps, {secs:7.2f} s, {1e3 * secs / steps:6.1f} ms/step, "
+            f"{extra} tokens past one a request"
+        )
+    print("host per step:", engine.timings.summary())
+    return 0
+
+
+def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:
+    """Each step's wall. A runner that launches one step ahead spends engine.step() call k launching
+    step k and waiting for step k - 1's tokens, so the wait (the GPU's time) of step k is in call k + 1."""
+    return walls[1:] + [0.0] if launches_ahead else list(walls)
+
+
+def step_kinds(rows: list[tuple[tuple[int, int], float]]) -> list[tuple[str, int, float, int]]:
+    """((tokens, requests), seconds) a step -> (kind, steps, seconds, tokens past one a request) by
+    kind, most seconds first. Decode-only steps (a token a request) by 64 requests; steps carrying
+    prefill by powers of two of their extra tokens."""
+    kinds: dict[str, list[tuple[int, float]]] = {}
+    for (tok, nreq), dt in rows:
+        if tok == nreq:
+            lo = nreq // 64 * 64
+            kind = f"decode {lo}-{lo + 63} requests"
+        else:
+            lo = 1 << (tok - nreq).bit_length() - 1
+            kind = f"prefill {lo}-{2 * lo - 1} tokens"
+        kinds.setdefault(kind, []).append((tok - nreq, dt))
+    table = [(k, len(v), sum(dt for _, dt in v), sum(x for x, _ in v)) for k, v in kinds.items()]
+    return sorted(table, key=lambda row: -row[2])
 
 
 def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int:

@@ -90,3 +90,15 @@ def test_moe_bench_fp8_runs_on_cpu(monkeypatch, capsys, tmp_path):
     assert {f"align {v} T=1024 BLOCK_M=64" for v in ALIGN_VARIANTS} <= {
         name.split(":")[0] for name, _, _ in bench.checks
     }
+
+
+def test_installing_a_few_buckets_keeps_the_shapes_other_buckets(monkeypatch):
+    """--install --buckets 4096,16384 must not drop the 64 and 256 entries tuned before (it did:
+    the shape's entry was replaced whole)."""
+    bench = load_bench_script(monkeypatch, "moe_gpu.py")
+    old = {"gpu": {"k": {"64": {"block_m": 16}, "4096": {"block_m": 64}}, "other": {"x": {}}}, "gpu2": {}}
+    merged = bench.merge_tuned(old, "gpu", "k", {"4096": {"block_m": 128}, "16384": {"block_m": 128}})
+    assert merged["gpu"]["k"] == {"64": {"block_m": 16}, "4096": {"block_m": 128}, "16384": {"block_m": 128}}
+    assert merged["gpu"]["other"] == {"x": {}} and merged["gpu2"] == {}
+    assert old["gpu"]["k"] == {"64": {"block_m": 16}, "4096": {"block_m": 64}}  # the input is left alone
+    assert bench.merge_tuned({}, "new", "k", {"8": {}}) == {"new": {"k": {"8": {}}}}

@@ -459,10 +459,27 @@ def test_model_forward_with_fp8_expert_kernels_matches_pytorch_path(tmp_path, mo
     expected = run_steps(model)
     monkeypatch.setattr(moe, "use_kernels", lambda x: True)
     got = run_steps(model)
-    # On a GPU both paths run W8A8 (layers/moe.py runs_w8a8): the experts' h is requantized, and an
-    # element whose fp32 sums differ by an ulp next to an e4m3 rounding boundary moves by a step.
-    tol = 1e-3 if DEVICE == "cuda" else 1e-5
-    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * float(expected.abs().max()))
+    if DEVICE == "cuda":  # both paths run W8A8 there (layers/moe.py runs_w8a8)
+        monkeypatch.setattr(moe, "use_kernels", lambda x: False)
+        monkeypatch.setattr(moe, "runs_w8a8", lambda w: False)
+        assert_w8a8_close(got, expected, weight_only=run_steps(model))
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
+def assert_w8a8_close(got: torch.Tensor, expected: torch.Tensor, weight_only: torch.Tensor) -> None:
+    """The W8A8 kernels against the W8A8 PyTorch path on a GPU, where they cannot agree bit for bit.
+    The FP8 tensor cores sum in another order than torch, so elements of the experts' h next to an
+    e4m3 rounding boundary land a step away, which in this tiny model moves a row's logits by up to a
+    few percent (an H100: up to 2.6% of the largest logit; 9 of 23 rows over 0.1%). Neither path is exact:
+    both round the activations. So the kernels must stay as close to the unrounded result (weight-only
+    FP8) as the PyTorch path is, and differ from it by less than that rounding costs; a wrong scale or a
+    misrouted row misses both by far."""
+    scale = float(expected.abs().max())
+    rounding = float((expected - weight_only).abs().max())
+    assert 0 < rounding < 0.1 * scale  # the activations' rounding shows, and is a rounding
+    assert float((got - weight_only).abs().max()) <= 1.25 * rounding
+    assert float((got - expected).abs().max()) <= rounding
 
 
 def test_model_forward_with_w8a8_experts_matches_its_pytorch_path(tmp_path, monkeypatch, exact_casts):
@@ -474,16 +491,19 @@ def test_model_forward_with_w8a8_experts_matches_its_pytorch_path(tmp_path, monk
     folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", num_hidden_layers=2, mlp_only_layers=[1])
     model = load_model(resolve_source(str(folder), quantization="fp8"), torch.float32, DEVICE)
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)
-    weight_only = run_steps(model) if DEVICE == "cpu" else None
+    monkeypatch.setattr(moe, "runs_w8a8", lambda w: False)
+    weight_only = run_steps(model)
     monkeypatch.setattr(moe, "runs_w8a8", lambda w: w.dtype == torch.float8_e4m3fn)
     expected = run_steps(model)
     monkeypatch.setattr(moe, "use_kernels", lambda x: True)
     got = run_steps(model)
+    if DEVICE == "cuda":
+        assert_w8a8_close(got, expected, weight_only)
+        return
     scale = float(expected.abs().max())
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * scale)
-    if weight_only is not None:
-        err = float((expected - weight_only).abs().max())
-        assert 2e-3 * scale < err < 0.1 * scale  # so the comparison above would see a path left weight-only
+    err = float((expected - weight_only).abs().max())
+    assert 2e-3 * scale < err < 0.1 * scale  # so the comparison above would see a path left weight-only
 
 
 def test_model_forward_with_kernels_matches_pytorch_path(tmp_path, monkeypatch):

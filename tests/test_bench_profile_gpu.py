@@ -1,0 +1,60 @@
+"""bench/profile_gpu.py's --timeline: every step of a whole run charged to its kind, no profiler."""
+
+from __future__ import annotations
+
+from tests.bench_scripts import load_bench_script
+
+
+def test_a_runner_that_launches_ahead_has_its_waits_charged_one_step_back(monkeypatch):
+    bench = load_bench_script(monkeypatch, "profile_gpu.py")
+    assert bench.charged_walls([0.1, 0.2, 0.3], launches_ahead=True) == [0.2, 0.3, 0.0]
+    assert bench.charged_walls([0.1, 0.2, 0.3], launches_ahead=False) == [0.1, 0.2, 0.3]
+
+
+def test_steps_are_grouped_by_decode_batch_and_prefill_size(monkeypatch):
+    bench = load_bench_script(monkeypatch, "profile_gpu.py")
+    rows = [
+        ((16384, 72), 0.28),  # a prefill chunk of 16,312 tokens past one a request
+        ((9000, 200), 0.15),
+        ((256, 256), 0.027),
+        ((300, 300), 0.028),
+        ((63, 63), 0.006),
+        ((16000, 100), 0.27),
+    ]
+    table = bench.step_kinds(rows)
+    assert [kind for kind, *_ in table] == [
+        "prefill 8192-16383 tokens",
+        "decode 256-319 requests",
+        "decode 0-63 requests",
+    ]
+    kind, steps, secs, extra = table[0]
+    assert steps == 3 and abs(secs - 0.70) < 1e-9 and extra == (16384 - 72) + (9000 - 200) + (16000 - 100)
+    assert table[1][1:] == (2, 0.027 + 0.028, 0)
+
+
+def test_timeline_writes_every_step(monkeypatch, tmp_path, capsys):
+    bench = load_bench_script(monkeypatch, "profile_gpu.py")
+    mixes = [(1024, 1), (2, 2), (2, 2)]
+    sched: list[tuple[int, int]] = []
+
+    class Engine:
+        _async = True
+
+        class timings:
+            @staticmethod
+            def summary() -> dict:
+                return {}
+
+        def has_unfinished_requests(self) -> bool:
+            return len(sched) < len(mixes)
+
+        def step(self) -> None:
+            sched.append(mixes[len(sched)])
+
+    path = tmp_path / "steps.csv"
+    assert bench.timeline(Engine(), sched, str(path)) == 0
+    lines = path.read_text().splitlines()
+    assert lines[0] == "step,tokens,requests,wall_ms"
+    assert [line.split(",")[1:3] for line in lines[1:]] == [["1024", "1"], ["2", "2"], ["2", "2"]]
+    out = capsys.readouterr().out
+    assert "timeline: 3 steps" in out and "prefill 512-1023 tokens" in out and "decode 0-63 requests" in out
