@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
+from bench.step_timeline import charged_walls, print_step_kinds, write_csv  # noqa: E402
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
@@ -169,41 +170,11 @@ def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
     rows = list(zip(sched_tokens, charged_walls(walls, engine._async)))
-    with open(path, "w") as f:
-        f.write("step,tokens,requests,wall_ms\n")
-        for i, ((tok, nreq), dt) in enumerate(rows):
-            f.write(f"{i},{tok},{nreq},{1e3 * dt:.3f}\n")
+    write_csv(path, rows)
     print(f"timeline: {len(rows)} steps, {wall:.2f} s wall; {path}")
-    for kind, steps, secs, extra in step_kinds(rows):
-        print(
-            f"{kind:>24}: {steps:5d} steps, {secs:7.2f} s, {1e3 * secs / steps:6.1f} ms/step, "
-            f"{extra} tokens past one a request"
-        )
+    print_step_kinds(rows)
     print("host per step:", engine.timings.summary())
     return 0
-
-
-def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:
-    """Each step's wall. A runner that launches one step ahead spends engine.step() call k launching
-    step k and waiting for step k - 1's tokens, so the wait (the GPU's time) of step k is in call k + 1."""
-    return walls[1:] + [0.0] if launches_ahead else list(walls)
-
-
-def step_kinds(rows: list[tuple[tuple[int, int], float]]) -> list[tuple[str, int, float, int]]:
-    """((tokens, requests), seconds) a step -> (kind, steps, seconds, tokens past one a request) by
-    kind, most seconds first. Decode-only steps (a token a request) by 64 requests; steps carrying
-    prefill by powers of two of their extra tokens."""
-    kinds: dict[str, list[tuple[int, float]]] = {}
-    for (tok, nreq), dt in rows:
-        if tok == nreq:
-            lo = nreq // 64 * 64
-            kind = f"decode {lo}-{lo + 63} requests"
-        else:
-            lo = 1 << (tok - nreq).bit_length() - 1
-            kind = f"prefill {lo}-{2 * lo - 1} tokens"
-        kinds.setdefault(kind, []).append((tok - nreq, dt))
-    table = [(k, len(v), sum(dt for _, dt in v), sum(x for x, _ in v)) for k, v in kinds.items()]
-    return sorted(table, key=lambda row: -row[2])
 
 
 def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int:

@@ -8,6 +8,13 @@ with its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so torch
 kernels, CUDA-graph replays included. After the same 8-request warm-up, the whole timed generate is
 profiled (kernels only); the categories are bench/kernel_categories.py's, shared with profile_gpu.py.
 Wall time under the profiler is longer than an unprofiled run: compare the categories' GPU time.
+
+Two cheaper forms drive vLLM's engine step by step (LLMEngine.add_request, then step()):
+    ... profile_vllm.py long-1024-1024 --warmup-steps 900 --steps 30   # a window, as profile_gpu.py's
+    ... profile_vllm.py long-1024-1024 --timeline steps.csv             # every step's wall, no profiler
+Each step's mix (tokens, requests) is read off vLLM's scheduler as it plans the step. Where vLLM
+schedules ahead of execution (async scheduling), a wall may belong to the step planned before it; the
+long decode runs that dominate a timeline are unmoved by that.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import time
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
+from bench.step_timeline import charged_walls, print_step_kinds, write_csv  # noqa: E402
 from bench.vllm_throughput import (  # noqa: E402
     engine_extra,
     model_arch,
@@ -37,6 +45,20 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="a preset other than the workload's model")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     ap.add_argument("--quantization", default=None, choices=["fp8"])
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="profile this many engine steps after --warmup-steps (profile_gpu.py's window) instead of the whole run",
+    )
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument(
+        "--timeline",
+        default=None,
+        metavar="CSV",
+        help="run the whole workload without the profiler and write each step's mix and wall to CSV "
+        "(as profile_gpu.py --timeline: bench/step_timeline.py)",
+    )
     args = ap.parse_args()
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
         print("set VLLM_ENABLE_V1_MULTIPROCESSING=0: the profiler only sees kernels of this process")
@@ -51,6 +73,8 @@ def main() -> int:
     prompts, params = workload_inputs(w, model_arch(folder))
     llm.generate(prompts[:8], params[:8], use_tqdm=False)  # warm-up, as vllm_throughput.py
     torch.cuda.synchronize()
+    if args.timeline or args.steps:
+        return by_step(llm, prompts, params, args)
     start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -72,6 +96,80 @@ def main() -> int:
         ),
     )
     return 0
+
+
+def by_step(llm, prompts, params, args) -> int:
+    """The workload's requests added to vLLM's engine, then its steps driven one by one (what
+    LLM.generate does inside): each step's mix read off its scheduler, and either a profile of the
+    window --warmup-steps .. + --steps or, with --timeline, every step's wall with no profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    mixes = record_schedules(engine)
+    for i, (prompt, param) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, param)
+    if args.timeline:
+        walls = []
+        start = time.perf_counter()
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        # vLLM's step() schedules, runs and returns a step's outputs in one call: no shift to undo.
+        rows = list(zip(mixes, charged_walls(walls, launches_ahead=False)))
+        write_csv(args.timeline, rows)
+        print(
+            f"vLLM timeline: {len(walls)} steps ({len(mixes)} scheduled), {wall:.2f} s wall; {args.timeline}"
+        )
+        print_step_kinds(rows)
+        return 0
+    for _ in range(args.warmup_steps):
+        engine.step()
+    torch.cuda.synchronize()
+    first = len(mixes)
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    window = mixes[first:]
+    by_cat, top = kernel_times(prof)
+    what = f"{args.steps} steps of {args.workload} after {args.warmup_steps}"
+    print_breakdown(f"vLLM: {what}", wall, by_cat, top)
+    if window:
+        tokens = sum(t for t, _ in window)
+        print(
+            f"steps: {len(window)}, tokens/step {tokens / len(window):.0f}, "
+            f"requests/step {sum(r for _, r in window) / len(window):.0f}"
+        )
+    return 0
+
+
+def record_schedules(engine) -> list[tuple[int, int]]:
+    """(tokens, requests) of each step vLLM's scheduler plans, appended as it plans them. Reaches its
+    in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0: LLMEngine.engine_core is then an
+    in-process client holding the EngineCore); if vLLM moved it, no mixes and a note."""
+    mixes: list[tuple[int, int]] = []
+    try:
+        scheduler = engine.engine_core.engine_core.scheduler
+        plan = scheduler.schedule
+    except AttributeError as e:
+        print(f"no step mixes: vLLM's scheduler not found ({e})")
+        return mixes
+
+    def schedule(*a, **kw):
+        out = plan(*a, **kw)
+        if out.total_num_scheduled_tokens:
+            mixes.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        return out
+
+    scheduler.schedule = schedule
+    return mixes
 
 
 if __name__ == "__main__":

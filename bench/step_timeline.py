@@ -1,0 +1,45 @@
+"""A whole run's steps by kind, for bench/profile_gpu.py --timeline and bench/profile_vllm.py --timeline:
+each step's mix (tokens scheduled, requests) and wall, no profiler, so both engines' runs split the same
+way (decode-only steps by batch size, steps with prefill by their prompt tokens)."""
+
+from __future__ import annotations
+
+Row = tuple[tuple[int, int], float]  # ((tokens, requests), seconds) of one step
+
+
+def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:
+    """Each step's wall. A runner that launches one step ahead spends engine.step() call k launching
+    step k and waiting for step k - 1's tokens, so the wait (the GPU's time) of step k is in call k + 1."""
+    return walls[1:] + [0.0] if launches_ahead else list(walls)
+
+
+def step_kinds(rows: list[Row]) -> list[tuple[str, int, float, int]]:
+    """((tokens, requests), seconds) a step -> (kind, steps, seconds, tokens past one a request) by
+    kind, most seconds first. Decode-only steps (a token a request) by 64 requests; steps carrying
+    prefill by powers of two of their extra tokens."""
+    kinds: dict[str, list[tuple[int, float]]] = {}
+    for (tok, nreq), dt in rows:
+        if tok == nreq:
+            lo = nreq // 64 * 64
+            kind = f"decode {lo}-{lo + 63} requests"
+        else:
+            lo = 1 << (tok - nreq).bit_length() - 1
+            kind = f"prefill {lo}-{2 * lo - 1} tokens"
+        kinds.setdefault(kind, []).append((tok - nreq, dt))
+    table = [(k, len(v), sum(dt for _, dt in v), sum(x for x, _ in v)) for k, v in kinds.items()]
+    return sorted(table, key=lambda row: -row[2])
+
+
+def write_csv(path: str, rows: list[Row]) -> None:
+    with open(path, "w") as f:
+        f.write("step,tokens,requests,wall_ms\n")
+        for i, ((tok, nreq), dt) in enumerate(rows):
+            f.write(f"{i},{tok},{nreq},{1e3 * dt:.3f}\n")
+
+
+def print_step_kinds(rows: list[Row]) -> None:
+    for kind, steps, secs, extra in step_kinds(rows):
+        print(
+            f"{kind:>24}: {steps:5d} steps, {secs:7.2f} s, {1e3 * secs / steps:6.1f} ms/step, "
+            f"{extra} tokens past one a request"
+        )
