@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
-from bench.step_timeline import charged_walls, print_step_kinds, write_csv  # noqa: E402
+from bench.step_timeline import charged_walls, print_step_kinds, run_to_end, write_csv  # noqa: E402
 from bench.vllm_throughput import (  # noqa: E402
     engine_extra,
     model_arch,
@@ -110,15 +110,7 @@ def by_step(llm, prompts, params, args) -> int:
     for i, (prompt, param) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, param)
     if args.timeline:
-        walls = []
-        start = time.perf_counter()
-        while engine.has_unfinished_requests():
-            t0 = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t0)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - start
+        walls, wall = run_to_end(engine)
         # vLLM's step() schedules, runs and returns a step's outputs in one call: no shift to undo.
         rows = list(zip(mixes, charged_walls(walls, launches_ahead=False)))
         write_csv(args.timeline, rows)

@@ -4,7 +4,25 @@ way (decode-only steps by batch size, steps with prefill by their prompt tokens)
 
 from __future__ import annotations
 
+import time
+
 Row = tuple[tuple[int, int], float]  # ((tokens, requests), seconds) of one step
+
+
+def run_to_end(engine) -> tuple[list[float], float]:
+    """Step an engine (ours or vLLM's: has_unfinished_requests(), step()) until its requests are done:
+    (each step() call's wall, the whole run's wall), the device drained at the end."""
+    import torch
+
+    walls = []
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return walls, time.perf_counter() - start
 
 
 def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:
