@@ -69,7 +69,7 @@ def main() -> int:
     engine = llm.engine
     reqs = w.requests(engine.config.model.arch.vocab_size)
     if (
-        args.whole_run or args.cprofile
+        args.whole_run or args.cprofile or args.timeline
     ):  # kernels compiled and the allocator warm before the profiled run, as profile_vllm.py does
         warm = [{"prompt_token_ids": ids} for ids, _ in reqs[:8]]
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
