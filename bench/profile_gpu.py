@@ -160,7 +160,7 @@ def main() -> int:
 
 def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
     """Every step's mix and wall, no profiler: where a whole run's time goes by kind of step."""
-    walls, wall = run_to_end(engine)
+    walls, _, wall = run_to_end(engine)
     rows = list(zip(sched_tokens, charged_walls(walls, engine._async)))
     write_csv(path, rows)
     print(f"timeline: {len(rows)} steps, {wall:.2f} s wall; {path}")

@@ -12,9 +12,9 @@ Wall time under the profiler is longer than an unprofiled run: compare the categ
 Two cheaper forms drive vLLM's engine step by step (LLMEngine.add_request, then step()):
     ... profile_vllm.py long-1024-1024 --warmup-steps 900 --steps 30   # a window, as profile_gpu.py's
     ... profile_vllm.py long-1024-1024 --timeline steps.csv             # every step's wall, no profiler
-Each step's mix (tokens, requests) is read off vLLM's scheduler as it plans the step. Where vLLM
-schedules ahead of execution (async scheduling), a wall may belong to the step planned before it; the
-long decode runs that dominate a timeline are unmoved by that.
+Each step's mix (tokens, requests) is read off vLLM's scheduler as it plans the step, and each step()
+call's wall goes to the step it waited for (with async scheduling, the one planned before the call's
+own: step_timeline.walls_by_plan).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
-from bench.step_timeline import charged_walls, print_step_kinds, run_to_end, write_csv  # noqa: E402
+from bench.step_timeline import print_step_kinds, run_to_end, walls_by_plan, write_csv  # noqa: E402
 from bench.vllm_throughput import (  # noqa: E402
     engine_extra,
     model_arch,
@@ -110,9 +110,8 @@ def by_step(llm, prompts, params, args) -> int:
     for i, (prompt, param) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, param)
     if args.timeline:
-        walls, wall = run_to_end(engine)
-        # vLLM's step() schedules, runs and returns a step's outputs in one call: no shift to undo.
-        rows = list(zip(mixes, charged_walls(walls, launches_ahead=False)))
+        walls, planned, wall = run_to_end(engine, planned=lambda: len(mixes))
+        rows = list(zip(mixes, walls_by_plan(walls, planned, schedules_ahead(engine))))
         write_csv(args.timeline, rows)
         print(
             f"vLLM timeline: {len(walls)} steps ({len(mixes)} scheduled), {wall:.2f} s wall; {args.timeline}"
@@ -140,6 +139,13 @@ def by_step(llm, prompts, params, args) -> int:
             f"requests/step {sum(r for _, r in window) / len(window):.0f}"
         )
     return 0
+
+
+def schedules_ahead(engine) -> bool:
+    """Whether vLLM plans step N + 1 before step N's tokens are back (its async scheduling): then a
+    step() call's wait is the step planned before it."""
+    config = getattr(engine, "vllm_config", None)
+    return bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
 
 
 def record_schedules(engine) -> list[tuple[int, int]]:

@@ -5,24 +5,43 @@ way (decode-only steps by batch size, steps with prefill by their prompt tokens)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 Row = tuple[tuple[int, int], float]  # ((tokens, requests), seconds) of one step
 
 
-def run_to_end(engine) -> tuple[list[float], float]:
+def run_to_end(engine, planned: Callable[[], int] | None = None) -> tuple[list[float], list[int], float]:
     """Step an engine (ours or vLLM's: has_unfinished_requests(), step()) until its requests are done:
-    (each step() call's wall, the whole run's wall), the device drained at the end."""
+    (each step() call's wall, planned() after each call (the steps planned so far), the run's wall),
+    the device drained at the end."""
     import torch
 
-    walls = []
+    walls, counts = [], []
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
         walls.append(time.perf_counter() - t0)
+        counts.append(planned() if planned else len(walls))
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return walls, time.perf_counter() - start
+    return walls, counts, time.perf_counter() - start
+
+
+def walls_by_plan(walls: list[float], planned_after: list[int], launches_ahead: bool) -> list[float]:
+    """Each planned step's wall, for engines whose step() calls need not plan one step each (vLLM's
+    can plan none, or plan ahead). A call's wall goes to the step it waited for: the latest step
+    planned by its end, except that a call which planned a step while another was in flight
+    (launches_ahead) waited for the one before. Returns one wall per planned step."""
+    per_step = [0.0] * (planned_after[-1] if planned_after else 0)
+    before = 0
+    for wall, planned in zip(walls, planned_after):
+        ahead = launches_ahead and planned > before
+        target = planned - (2 if ahead else 1)
+        if target >= 0:
+            per_step[target] += wall
+        before = planned
+    return per_step
 
 
 def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:

@@ -106,3 +106,13 @@ def test_vllms_timeline_reads_each_steps_mix_off_its_scheduler(monkeypatch, tmp_
     assert [line.split(",")[1:3] for line in lines[1:]] == [["1024", "1"], ["2", "2"], ["2", "2"]]
     out = capsys.readouterr().out
     assert "vLLM timeline: 4 steps (3 scheduled)" in out and "prefill 512-1023 tokens" in out
+
+
+def test_walls_go_to_the_step_each_call_waited_for(monkeypatch):
+    timeline = load_bench_script(monkeypatch, "step_timeline.py")
+    # one step planned and run per call
+    assert timeline.walls_by_plan([1.0, 2.0, 3.0], [1, 2, 3], launches_ahead=False) == [1.0, 2.0, 3.0]
+    # a call that plans nothing still waits for the latest step
+    assert timeline.walls_by_plan([1.0, 2.0, 3.0], [1, 1, 2], launches_ahead=False) == [3.0, 3.0]
+    # planning ahead: call k plans step k and waits for step k - 1; the last call only waits
+    assert timeline.walls_by_plan([0.1, 2.0, 3.0, 4.0], [1, 2, 3, 3], launches_ahead=True) == [2.0, 3.0, 4.0]
