@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
-from bench.step_timeline import charged_walls, print_step_kinds, run_to_end, write_csv  # noqa: E402
+from bench.step_timeline import print_step_kinds, run_to_end, walls_by_plan, write_csv  # noqa: E402
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
@@ -160,8 +160,8 @@ def main() -> int:
 
 def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
     """Every step's mix and wall, no profiler: where a whole run's time goes by kind of step."""
-    walls, _, wall = run_to_end(engine)
-    rows = list(zip(sched_tokens, charged_walls(walls, engine._async)))
+    walls, planned, wall = run_to_end(engine)
+    rows = list(zip(sched_tokens, walls_by_plan(walls, planned, engine._async)))
     write_csv(path, rows)
     print(f"timeline: {len(rows)} steps, {wall:.2f} s wall; {path}")
     print_step_kinds(rows)

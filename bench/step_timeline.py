@@ -29,10 +29,10 @@ def run_to_end(engine, planned: Callable[[], int] | None = None) -> tuple[list[f
 
 
 def walls_by_plan(walls: list[float], planned_after: list[int], launches_ahead: bool) -> list[float]:
-    """Each planned step's wall, for engines whose step() calls need not plan one step each (vLLM's
-    can plan none, or plan ahead). A call's wall goes to the step it waited for: the latest step
-    planned by its end, except that a call which planned a step while another was in flight
-    (launches_ahead) waited for the one before. Returns one wall per planned step."""
+    """Each planned step's wall. A call's wall goes to the step it waited for: the latest step planned
+    by its end, except that a call which planned a step while another was in flight (launches_ahead:
+    our CUDA runner, vLLM's async scheduling) waited for the one before. Ours plans one step a call;
+    vLLM's calls may plan none. Returns one wall per planned step."""
     per_step = [0.0] * (planned_after[-1] if planned_after else 0)
     before = 0
     for wall, planned in zip(walls, planned_after):
@@ -42,12 +42,6 @@ def walls_by_plan(walls: list[float], planned_after: list[int], launches_ahead: 
             per_step[target] += wall
         before = planned
     return per_step
-
-
-def charged_walls(walls: list[float], launches_ahead: bool) -> list[float]:
-    """Each step's wall. A runner that launches one step ahead spends engine.step() call k launching
-    step k and waiting for step k - 1's tokens, so the wait (the GPU's time) of step k is in call k + 1."""
-    return walls[1:] + [0.0] if launches_ahead else list(walls)
 
 
 def step_kinds(rows: list[Row]) -> list[tuple[str, int, float, int]]:

@@ -8,8 +8,8 @@ from tests.bench_scripts import load_bench_script
 
 def test_a_runner_that_launches_ahead_has_its_waits_charged_one_step_back(monkeypatch):
     bench = load_bench_script(monkeypatch, "step_timeline.py")
-    assert bench.charged_walls([0.1, 0.2, 0.3], launches_ahead=True) == [0.2, 0.3, 0.0]
-    assert bench.charged_walls([0.1, 0.2, 0.3], launches_ahead=False) == [0.1, 0.2, 0.3]
+    assert bench.walls_by_plan([0.1, 0.2, 0.3], [1, 2, 3], launches_ahead=True) == [0.2, 0.3, 0.0]
+    assert bench.walls_by_plan([0.1, 0.2, 0.3], [1, 2, 3], launches_ahead=False) == [0.1, 0.2, 0.3]
 
 
 def test_steps_are_grouped_by_decode_batch_and_prefill_size(monkeypatch):
