@@ -4,7 +4,10 @@ behind; and LLM.generate submits through it while returning outputs in input ord
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -51,6 +54,27 @@ def test_prefix_key_is_the_chained_block_hashes():
     assert shared_blocks(prefix_key(a, BS), prefix_key(b, BS)) == 3  # the system prompt's blocks
     assert shared_blocks(prefix_key(a, BS), prefix_key(prompt(1, 1), BS)) == 0
     assert prefix_key([1, 2, 3], BS) == ()  # no full block
+
+
+KEYS = """
+from overnight.entrypoints.submission import prefix_key
+from overnight.lora import LoRARequest
+from overnight.lora.request import hash_root
+root = hash_root(LoRARequest("a", 3, "/nowhere"))
+print(prefix_key(list(range(12)), 4), prefix_key(list(range(12)), 4, root))
+"""
+
+
+def test_the_order_is_the_same_in_every_process():
+    # The look-ahead order sorts by these keys, so a job's schedule repeats only if they do: hash(None)
+    # (the base model's root before Python 3.12) and a str's hash change from one process to the next.
+    def keys(seed: str) -> str:
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        return subprocess.run(
+            [sys.executable, "-c", KEYS], env=env, capture_output=True, text=True, check=True
+        ).stdout
+
+    assert keys("1") == keys("2") == keys("3")
 
 
 def test_steady_state_groups_by_prefix_and_submits_every_request_once():

@@ -23,9 +23,16 @@ class Block:
         return f"Block({self.id}, ref={self.ref_cnt}, hash={self.block_hash})"
 
 
+# Where a chain without a root (the base model's) starts. An int, not None: before Python 3.12 hash(None)
+# is its address, so the chain, and with it the order a job's requests are submitted in (submission.py
+# sorts them by it), would change from one run to the next.
+NO_ROOT = 0x6F76_6E74
+
+
 def hash_block(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained with its parent so equal blocks match only under equal prefixes."""
-    return hash((parent_hash, token_ids))
+    """Hash of a full block, chained with its parent so equal blocks match only under equal prefixes.
+    Ints only, so the same in every process (str and bytes hashes change with PYTHONHASHSEED)."""
+    return hash((NO_ROOT if parent_hash is None else parent_hash, token_ids))
 
 
 class BlockPool:

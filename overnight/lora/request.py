@@ -42,7 +42,12 @@ class LoRARequest:
         return self.lora_path
 
 
+LORA_ROOT = 0x6C6F_7261  # tags an adapter's root apart from the base model's chain (block_pool.NO_ROOT)
+
+
 def hash_root(lora: LoRARequest | None) -> int | None:
     """Where a prompt's chain of KV block hashes starts: None for the base model, else its adapter's
     own root, so no two adapters (nor an adapter and the base model) ever share a cached block."""
-    return None if lora is None else hash(("lora", lora.lora_int_id))
+    # Ints only (a str's hash changes with PYTHONHASHSEED): the chain, and the submission order sorted by
+    # it, are the same in every run.
+    return None if lora is None else hash((LORA_ROOT, lora.lora_int_id))
