@@ -19,7 +19,15 @@ import torch
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
-from bench.step_timeline import print_step_kinds, run_to_end, walls_by_plan, write_csv  # noqa: E402
+from bench.step_timeline import (  # noqa: E402
+    Mix,
+    planned_mix,
+    print_step_kinds,
+    print_window,
+    run_to_end,
+    walls_by_plan,
+    write_csv,
+)
 from overnight import LLM, SamplingParams  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
@@ -79,12 +87,14 @@ def main() -> int:
         engine.step()
     torch.cuda.synchronize()
     engine.timings = StepTimings()
-    sched_tokens = []
+    sched_tokens: list[Mix] = []
     orig_schedule = engine.scheduler.schedule
 
     def schedule():
         out = orig_schedule()
-        sched_tokens.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+        sched_tokens.append(
+            planned_mix(out.total_num_scheduled_tokens, out.num_scheduled_tokens, engine.scheduler.requests)
+        )
         return out
 
     engine.scheduler.schedule = schedule
@@ -114,16 +124,12 @@ def main() -> int:
     print_breakdown(
         f"profile of {what} of {args.workload} (after {args.warmup_steps} warm-up steps)", wall, by_cat, _top
     )
-    tokens = sum(t for t, _ in sched_tokens)
-    print(
-        f"steps: {len(sched_tokens)}, tokens/step {tokens / max(len(sched_tokens), 1):.0f}, "
-        f"requests/step {sum(r for _, r in sched_tokens) / max(len(sched_tokens), 1):.0f}"
-    )
+    print_window(sched_tokens)
     if step_wall:
         # A step with more tokens than requests carries prefill; the rest are decode-only steps.
         kinds: dict[str, list[float]] = {"with prefill": [], "decode only": []}
-        for (tok, nreq), dt in zip(sched_tokens, step_wall):
-            kinds["with prefill" if tok > nreq else "decode only"].append(dt)
+        for mix, dt in zip(sched_tokens, step_wall):
+            kinds["with prefill" if mix.tokens > mix.requests else "decode only"].append(dt)
         for kind, dts in kinds.items():
             print(
                 f"{kind:>13}: {len(dts)} steps, {sum(dts):.2f} s wall, {1e3 * sum(dts) / max(len(dts), 1):.1f} ms/step"
@@ -158,7 +164,7 @@ def main() -> int:
     return 0
 
 
-def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
+def timeline(engine, sched_tokens: list[Mix], path: str) -> int:
     """Every step's mix and wall, no profiler: where a whole run's time goes by kind of step."""
     walls, planned, wall = run_to_end(engine)
     rows = list(zip(sched_tokens, walls_by_plan(walls, planned, engine._async)))
@@ -169,7 +175,7 @@ def timeline(engine, sched_tokens: list[tuple[int, int]], path: str) -> int:
     return 0
 
 
-def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int:
+def host_profile(engine, steps: int, sched_tokens: list[Mix]) -> int:
     """Each step's wall and the host's Python profile of `steps` steps (a JIT compile or a slow input
     build shows here; torch.profiler's host ops do not name them)."""
     import cProfile
@@ -187,8 +193,8 @@ def host_profile(engine, steps: int, sched_tokens: list[tuple[int, int]]) -> int
         torch.cuda.synchronize()
     for c in compiled:
         print("JIT compile:", c[:400])
-    for (tok, nreq), dt in zip(sched_tokens, walls):
-        print(f"step: {tok} tokens, {nreq} requests, {dt * 1e3:.1f} ms")
+    for mix, dt in zip(sched_tokens, walls):
+        print(f"step: {mix.tokens} tokens, {mix.requests} requests, {mix.context} context, {dt * 1e3:.1f} ms")
     stats = pstats.Stats(prof)
     stats.sort_stats("cumulative").print_stats(40)
     stats.sort_stats("tottime").print_stats(25)

@@ -12,7 +12,7 @@ Wall time under the profiler is longer than an unprofiled run: compare the categ
 Two cheaper forms drive vLLM's engine step by step (LLMEngine.add_request, then step()):
     ... profile_vllm.py long-1024-1024 --warmup-steps 900 --steps 30   # a window, as profile_gpu.py's
     ... profile_vllm.py long-1024-1024 --timeline steps.csv             # every step's wall, no profiler
-Each step's mix (tokens, requests) is read off vLLM's scheduler as it plans the step, and each step()
+Each step's mix (tokens, requests, context attended) is read off vLLM's scheduler as it plans the step, and each step()
 call's wall goes to the step it waited for (with async scheduling, the one planned before the call's
 own: step_timeline.walls_by_plan).
 """
@@ -28,7 +28,15 @@ import time
 sys.path.insert(0, ".")
 
 from bench.kernel_categories import kernel_times, print_breakdown  # noqa: E402
-from bench.step_timeline import print_step_kinds, run_to_end, walls_by_plan, write_csv  # noqa: E402
+from bench.step_timeline import (  # noqa: E402
+    Mix,
+    planned_mix,
+    print_step_kinds,
+    print_window,
+    run_to_end,
+    walls_by_plan,
+    write_csv,
+)
 from bench.vllm_throughput import (  # noqa: E402
     engine_extra,
     model_arch,
@@ -133,11 +141,7 @@ def by_step(llm, prompts, params, args) -> int:
     what = f"{args.steps} steps of {args.workload} after {args.warmup_steps}"
     print_breakdown(f"vLLM: {what}", wall, by_cat, top)
     if window:
-        tokens = sum(t for t, _ in window)
-        print(
-            f"steps: {len(window)}, tokens/step {tokens / len(window):.0f}, "
-            f"requests/step {sum(r for _, r in window) / len(window):.0f}"
-        )
+        print_window(window)
     return 0
 
 
@@ -148,11 +152,12 @@ def schedules_ahead(engine) -> bool:
     return bool(getattr(getattr(config, "scheduler_config", None), "async_scheduling", False))
 
 
-def record_schedules(engine) -> list[tuple[int, int]]:
-    """(tokens, requests) of each step vLLM's scheduler plans, appended as it plans them. Reaches its
+def record_schedules(engine) -> list[Mix]:
+    """The mix of each step vLLM's scheduler plans (step_timeline.planned_mix: its scheduler advances
+    num_computed_tokens when it plans, as ours does), appended as it plans them. Reaches its
     in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0: LLMEngine.engine_core is then an
     in-process client holding the EngineCore); if vLLM moved it, no mixes and a note."""
-    mixes: list[tuple[int, int]] = []
+    mixes: list[Mix] = []
     try:
         scheduler = engine.engine_core.engine_core.scheduler
         plan = scheduler.schedule
@@ -163,7 +168,9 @@ def record_schedules(engine) -> list[tuple[int, int]]:
     def schedule(*a, **kw):
         out = plan(*a, **kw)
         if out.total_num_scheduled_tokens:
-            mixes.append((out.total_num_scheduled_tokens, len(out.num_scheduled_tokens)))
+            mixes.append(
+                planned_mix(out.total_num_scheduled_tokens, out.num_scheduled_tokens, scheduler.requests)
+            )
         return out
 
     scheduler.schedule = schedule

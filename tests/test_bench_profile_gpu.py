@@ -14,29 +14,49 @@ def test_a_runner_that_launches_ahead_has_its_waits_charged_one_step_back(monkey
 
 def test_steps_are_grouped_by_decode_batch_and_prefill_size(monkeypatch):
     step_timeline = load_bench_script(monkeypatch, "step_timeline.py")
+    Mix = step_timeline.Mix
     rows = [
-        ((16384, 72), 0.28),  # a prefill chunk of 16,312 tokens past one a request
-        ((9000, 200), 0.15),
-        ((256, 256), 0.027),
-        ((300, 300), 0.028),
-        ((63, 63), 0.006),
-        ((16000, 100), 0.27),
+        (Mix(16384, 72, 20000), 0.28),  # a prefill chunk of 16,312 tokens past one a request
+        (Mix(9000, 200, 30000), 0.15),
+        (Mix(256, 256, 300_000), 0.027),
+        (Mix(300, 300, 400_000), 0.028),
+        (Mix(63, 63, 1000), 0.006),
+        (Mix(16000, 100, 25000), 0.27),
     ]
     table = step_timeline.step_kinds(rows)
-    assert [kind for kind, *_ in table] == [
+    assert [kind.name for kind in table] == [
         "prefill 8192-16383 tokens",
         "decode 256-319 requests",
         "decode 0-63 requests",
     ]
-    kind, steps, secs, extra = table[0]
-    assert steps == 3 and abs(secs - 0.70) < 1e-9 and extra == (16384 - 72) + (9000 - 200) + (16000 - 100)
-    assert table[1][1:] == (2, 0.027 + 0.028, 0)
+    first = table[0]
+    assert first.steps == 3 and abs(first.seconds - 0.70) < 1e-9
+    assert first.extra_tokens == (16384 - 72) + (9000 - 200) + (16000 - 100)
+    assert table[1][1:] == (2, 0.027 + 0.028, 0, 700_000)
+
+
+def test_a_steps_context_is_what_its_requests_have_computed_once_it_runs(monkeypatch):
+    """Both schedulers advance num_computed_tokens when they plan a step, so the sum over the scheduled
+    requests is the context the step attends; a request not scheduled this step is not counted."""
+    step_timeline = load_bench_script(monkeypatch, "step_timeline.py")
+
+    class Req:
+        def __init__(self, n: int) -> None:
+            self.num_computed_tokens = n
+
+    requests = {"a": Req(1025), "b": Req(300), "idle": Req(5000)}
+    assert step_timeline.planned_mix(2, {"a": 1, "b": 1}, requests) == step_timeline.Mix(2, 2, 1325)
 
 
 def test_timeline_writes_every_step(monkeypatch, tmp_path, capsys):
     bench = load_bench_script(monkeypatch, "profile_gpu.py")
-    mixes = [(1024, 1), (2, 2), (2, 2)]
-    sched: list[tuple[int, int]] = []
+    timeline_module = load_bench_script(monkeypatch, "step_timeline.py")
+    mixes = [
+        timeline_module.Mix(1024, 1, 1024),
+        timeline_module.Mix(2, 2, 2050),
+        timeline_module.Mix(2, 2, 2052),
+    ]
+    sched: list = []
 
     class Engine:
         _async = True
@@ -55,8 +75,12 @@ def test_timeline_writes_every_step(monkeypatch, tmp_path, capsys):
     path = tmp_path / "steps.csv"
     assert bench.timeline(Engine(), sched, str(path)) == 0
     lines = path.read_text().splitlines()
-    assert lines[0] == "step,tokens,requests,wall_ms"
-    assert [line.split(",")[1:3] for line in lines[1:]] == [["1024", "1"], ["2", "2"], ["2", "2"]]
+    assert lines[0] == "step,tokens,requests,context,wall_ms"
+    assert [line.split(",")[1:4] for line in lines[1:]] == [
+        ["1024", "1", "1024"],
+        ["2", "2", "2050"],
+        ["2", "2", "2052"],
+    ]
     out = capsys.readouterr().out
     assert "timeline: 3 steps" in out and "prefill 512-1023 tokens" in out and "decode 0-63 requests" in out
 
@@ -72,9 +96,19 @@ def test_vllms_timeline_reads_each_steps_mix_off_its_scheduler(monkeypatch, tmp_
             self.total_num_scheduled_tokens = tokens
             self.num_scheduled_tokens = {f"r{i}": 1 for i in range(requests)}
 
+    class Req:  # vLLM's Request: num_computed_tokens advanced as the step is planned
+        num_computed_tokens = 0
+
     class Scheduler:
+        def __init__(self) -> None:
+            self.requests: dict[str, Req] = {}
+
         def schedule(self) -> Plan:
-            return Plan(*plans[len(added_steps)])
+            plan = Plan(*plans[len(added_steps)])
+            for rid in plan.num_scheduled_tokens:
+                req = self.requests.setdefault(rid, Req())
+                req.num_computed_tokens += 1000 if plan.total_num_scheduled_tokens > 2 else 1
+            return plan
 
     class Engine:
         def __init__(self) -> None:
@@ -103,7 +137,11 @@ def test_vllms_timeline_reads_each_steps_mix_off_its_scheduler(monkeypatch, tmp_
     )
     assert requests == ["r0", "r1"]
     lines = (tmp_path / "v.csv").read_text().splitlines()
-    assert [line.split(",")[1:3] for line in lines[1:]] == [["1024", "1"], ["2", "2"], ["2", "2"]]
+    assert [line.split(",")[1:4] for line in lines[1:]] == [
+        ["1024", "1", "1000"],
+        ["2", "2", "1002"],
+        ["2", "2", "1004"],
+    ]
     out = capsys.readouterr().out
     assert "vLLM timeline: 4 steps (3 scheduled)" in out and "prefill 512-1023 tokens" in out
 
