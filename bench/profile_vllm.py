@@ -61,6 +61,14 @@ def main() -> int:
     )
     ap.add_argument("--warmup-steps", type=int, default=0)
     ap.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        choices=["PIECEWISE", "NONE"],
+        help="vLLM's CUDA-graph mode (default: its own, FULL_AND_PIECEWISE). Its FULL decode graphs gave "
+        "kernel times that do not add up (docs/performance.md, session R); PIECEWISE leaves attention "
+        "outside the graphs, at the price of its launches",
+    )
+    ap.add_argument(
         "--timeline",
         default=None,
         metavar="CSV",
@@ -75,7 +83,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     w = WORKLOADS[args.workload]
-    extra = engine_extra(args)
+    extra = profile_extra(args)
     folder = preset_folder(args.model or w.model)
     llm = vllm_engine(folder, **extra)
     prompts, params = workload_inputs(w, model_arch(folder))
@@ -104,6 +112,14 @@ def main() -> int:
         ),
     )
     return 0
+
+
+def profile_extra(args: argparse.Namespace) -> dict[str, object]:
+    """vLLM's engine arguments: bench/vllm_throughput.py's, and the CUDA-graph mode when one is asked."""
+    extra = engine_extra(args)
+    if args.cudagraph_mode:
+        extra["compilation_config"] = {"cudagraph_mode": args.cudagraph_mode}
+    return extra
 
 
 def by_step(llm, prompts, params, args) -> int:

@@ -154,3 +154,11 @@ def test_walls_go_to_the_step_each_call_waited_for(monkeypatch):
     assert timeline.walls_by_plan([1.0, 2.0, 3.0], [1, 1, 2], launches_ahead=False) == [3.0, 3.0]
     # planning ahead: call k plans step k and waits for step k - 1; the last call only waits
     assert timeline.walls_by_plan([0.1, 2.0, 3.0, 4.0], [1, 2, 3, 3], launches_ahead=True) == [2.0, 3.0, 4.0]
+
+
+def test_vllms_graph_mode_reaches_its_engine_only_when_asked(monkeypatch):
+    bench = load_bench_script(monkeypatch, "profile_vllm.py")
+    args = type("Args", (), {"kv_cache_dtype": "fp8", "quantization": "fp8", "cudagraph_mode": None})
+    assert bench.profile_extra(args) == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
+    args.cudagraph_mode = "PIECEWISE"
+    assert bench.profile_extra(args)["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}

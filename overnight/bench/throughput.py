@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from overnight.bench.gpu_info import ClockSampler
-from overnight.bench.roofline import estimate
+from overnight.bench.roofline import estimate, loaded_weight_bytes
 from overnight.bench.workloads import Workload
 from overnight.engine.interfaces import StepTimings
 from overnight.kernels.jit_watch import watch_compiles
@@ -118,7 +118,17 @@ def _measure(
     sched = engine.config.scheduler
     kv_dtype = engine.config.cache.kv_cache_dtype
     kv_elem = 1 if kv_dtype.startswith("fp8") else engine.config.model.dtype.itemsize
-    roof = estimate(arch, lengths, sched.max_num_seqs, kv_elem)
+    pool_tokens = int(engine.pool_plan.num_blocks / sum(1 / bs for bs in engine.kv.group_block_sizes))
+    # The weights as loaded (FP8, int4) where this process holds the model; else bf16's count.
+    model = getattr(engine.runner, "model", None)
+    roof = estimate(
+        arch,
+        lengths,
+        sched.max_num_seqs,
+        kv_elem,
+        weights=loaded_weight_bytes(model, arch) if isinstance(model, torch.nn.Module) else None,
+        pool_tokens=pool_tokens,
+    )
     # The roofline counts the decoder only: with images its fractions would leave the tower out.
     has_roof = device.type == "cuda" and not images
     result = RunResult(
@@ -143,12 +153,10 @@ def _measure(
             "kv_cache_dtype": kv_dtype,
             # hybrids' delta-rule state storage (float32 unless --mamba-ssm-cache-dtype says otherwise)
             "mamba_ssm_cache_dtype": engine.config.cache.mamba_ssm_cache_dtype,
-            "quantization": engine.config.model.quantization,  # FP8 weights: the roofline still assumes bf16
+            "quantization": engine.config.model.quantization,
             # Tokens of context the pool holds with every layer kind keeping all of them (each KV cache
             # group takes a block per block of its size: kv_groups.py); windows give back more past them.
-            "kv_pool_tokens": int(
-                engine.pool_plan.num_blocks / sum(1 / bs for bs in engine.kv.group_block_sizes)
-            ),
+            "kv_pool_tokens": pool_tokens,
             "steps": engine.num_steps,
             "preemptions": engine.stats().num_preemptions_total,
             "lora_swaps": engine.stats().lora_swaps_total,
