@@ -7,6 +7,8 @@
 #   (image workloads too: qwen2.5-vl-7b:caption-448 qwen3-vl-8b:caption-448; both JSON lines carry images_s)
 # Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1, ONLY_VLLM=1,
 #      PAIR_TIMEOUT (seconds per engine run, default 240; vLLM's run of several workloads gets it per workload). One line per engine and workload goes to stdout and $OUT/pairs.log.
+# vLLM's whole log lands in $OUT/vllm-PRESET-KV.log, and each Triton compile it reported while serving is listed
+# beside its JSON lines (their "timed" span tells whether the timed run paid for it).
 export PYTHONUNBUFFERED=1
 log=${OUT:-/tmp}/pairs.log
 site=$HOME/vsite
@@ -22,7 +24,10 @@ for spec in "$@"; do
     PYTHONPATH=$site/a:$site/b:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 timeout $(( ${PAIR_TIMEOUT:-240} * n )) python3 bench/vllm_throughput.py \
       --model "$preset" --workload "$workloads" --kv-cache-dtype "$kv" ${VB_ARGS:-} > /tmp/v.log 2>&1
     rc=$?; echo "== vllm rc=$rc $tag ${VB_ARGS:-}" | tee -a "$log"
+    cp /tmp/v.log "${OUT:-/tmp}/vllm-${preset}-${kv}.log"  # its whole log comes back with the results
+    # Triton compiles vLLM reported while serving (warm-up or timed run: compare with the line's "timed")
     { grep '^{' /tmp/v.log || true; grep -E 'GPU KV cache size|Maximum concurrency' /tmp/v.log | tail -2 || true
+      grep 'JIT compilation during inference' /tmp/v.log | sed -E 's/.*([0-9]{2}-[0-9]{2} [0-9:]{8}).*inference: ([^.]*).*/vllm jit compile at \1: \2/' || true
       [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
   fi
   [ -n "${ONLY_VLLM:-}" ] && continue
