@@ -40,7 +40,6 @@ from overnight.bench.gpu_info import ClockSampler  # noqa: E402
 from overnight.bench.workloads import WORKLOADS, Workload  # noqa: E402
 from overnight.loader.resolve import PRESETS_DIR, preset_names  # noqa: E402
 
-
 LOG_TIME = "%m-%d %H:%M:%S"  # vLLM's log lines' time stamp
 
 
