@@ -15,6 +15,10 @@ A = 10 ms (48 GB of weights read at ~4.8 TB/s: the decode floor), B = 80 us/toke
     # share, 11 us a token computed, 29 ns a token attended); its tail share (engine/admission.py)
     python bench/preemption_sim.py --requests 512 --prompt-len 1024 --max-tokens 1024 --pool-tokens 456176 \
         --step-ms 16 --token-us 11 --context-ns 29 --tail-share 0.5
+The result's "decode_bands" give, per band of 64 requests, the decode-only steps and the mean context
+they attend (the tokens a step's attention reads). With --greedy and vLLM's pool the replay is vLLM's
+schedule: on Qwen3-30B-A3B FP8's H100 pool (433,872 tokens) its band counts match vLLM's own timeline
+within 2 steps a band (docs/performance.md, session R), so it gives the context vLLM's steps attend.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from typing import Any
 
 from overnight.config import DENSE_TAIL_SHARE, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
@@ -49,7 +54,7 @@ def simulate(
     window: int = 1024,
     tail_share: float = DENSE_TAIL_SHARE,
     step_times: tuple[float, float, float] = (A, B, C),
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """pool_tokens is per sequence-equivalent: with windowed_groups, the pool holds one full-attention
     group and that many groups of `window` (Gemma 3 27B: 6 of 1,024), each a block per block_size tokens.
     eos_at None: ignore_eos (every request runs to max_tokens); else each request emits EOS after
@@ -78,11 +83,16 @@ def simulate(
             ends[rid] = rng.randint(1, max(1, int(2 * eos_at * max_tokens)))
     steps = tokens = 0
     proxy = running = 0.0
+    bands: dict[int, list[int]] = {}  # decode-only steps by 64 requests: (steps, context summed)
     while sched.has_unfinished:
         out = sched.schedule()
         n = out.total_num_scheduled_tokens
         assert n > 0, "the scheduler made no progress"
         context = sum(sched.requests[r].num_computed_tokens for r in out.num_scheduled_tokens)
+        if n == len(out.num_scheduled_tokens):
+            band = bands.setdefault(n // 64 * 64, [0, 0])
+            band[0] += 1
+            band[1] += context
         proxy += max(a, b * n) + c * context
         steps += 1
         tokens += n
@@ -100,6 +110,10 @@ def simulate(
         "min_tokens": work if work is not None else -1,
         "mean_running": round(running / steps, 1),
         "proxy_s": round(proxy, 2),
+        "decode_bands": {
+            f"{lo}-{lo + 63}": {"steps": k, "mean_context": round(ctx / k)}
+            for lo, (k, ctx) in sorted(bands.items())
+        },
     }
 
 
