@@ -3,7 +3,7 @@ FlashAttention-3 (vLLM 0.26's build) on the same shapes when its library is at h
 
 Run on the GPU machine from the repository root:
 
-    PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210] [--only decode|prefill]
+    PYTHONPATH=. python bench/attention_gpu.py [--fa3 PATH] [--budget-s 210] [--only decode|prefill|moe]
 
 --fa3: vLLM's `_vllm_fa3_C.abi3.so` (or an .xz of it); without it the script takes the one of the
 installed vLLM (vllm/vllm_flash_attn/). No FA3: its rows are skipped. Needs torch + triton only. About 3-4 minutes on an H200, a minute
@@ -13,7 +13,8 @@ Order: correctness of every variant (bf16 cache, fp8 e4m3 and e5m2 caches; fresh
 poisoned outputs; a CUDA-graph replay of the fp8-MMA decode), then timings, most important first, each
 skipped once --budget-s is spent: decode at Qwen3-8B's shape (32 q / 8 KV heads x 128, pages of 16)
 b512 ctx2048, b256 ctx768, b1024 ctx640, b8 ctx32768 (split); prefill 16 x 1024 after a 512-token
-prefix; decode at Qwen3-0.6B's (16 / 8 x 128). GB/s counts the bytes a kernel must read and write (K/V
+prefix; decode at Qwen3-30B-A3B's (32 / 4 x 128: b296 ctx1312 and b512 ctx1536, the MoE long row's
+steps; --only moe runs these alone, with their checks); decode at Qwen3-0.6B's (16 / 8 x 128). GB/s counts the bytes a kernel must read and write (K/V
 of every context token, q, out, block table). Ends with a table per case (old default = "base") and
 one JSON line. Variants (configs of overnight/kernels/paged_decode.py and paged_prefill.py):
 
@@ -66,7 +67,8 @@ from overnight.kernels.paged_prefill import (
 DEV = torch.device("cuda")
 BF16, E4M3, E5M2 = torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2
 PAGE, D = 16, 128
-MODELS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8)}  # (query heads, KV heads), head_dim 128
+# (query heads, KV heads), head_dim 128; Qwen3-30B-A3B's group of 8 query heads a KV head is the MoE rows'
+MODELS = {"qwen3-8b": (32, 8), "qwen3-0.6b": (16, 8), "qwen3-30b-a3b": (32, 4)}
 MAX_MODEL_LEN = 40960
 KV_SCALES = (0.05, 0.02)
 HBM_GBPS = 4300.0  # the H200's measured copy bandwidth
@@ -153,6 +155,9 @@ DECODE_CASES = [
     ("qwen3-8b", 8, 32768),
 ]
 SMALL_MODEL_CASES = [("qwen3-0.6b", 256, 768), ("qwen3-0.6b", 512, 2048), ("qwen3-0.6b", 1024, 640)]
+# The MoE FP8 long row's decode steps (docs/performance.md, session R): ~296 requests at ~1,312 tokens
+# on the H100's pool, all 512 at ~1,536 on the H200's
+MOE_CASES = [("qwen3-30b-a3b", 296, 1312), ("qwen3-30b-a3b", 512, 1536)]
 
 checks: list[tuple[str, float, bool]] = []
 rows: list[dict] = []
@@ -359,7 +364,8 @@ def run_decode(meta, q, cache, kv_scale, cfg: DecodeConfig, num_splits: int, ws=
 
 def decode_variants(model: str, cache_dtype: torch.dtype) -> list[tuple[str, DecodeConfig]]:
     variants = DECODE[E4M3 if is_fp8(cache_dtype) else BF16]
-    return variants if model == "qwen3-8b" else [v for v in variants if v[0] in SMALL_MODEL_VARIANTS]
+    full = model in ("qwen3-8b", "qwen3-30b-a3b")  # the shapes being tuned get every variant
+    return variants if full else [v for v in variants if v[0] in SMALL_MODEL_VARIANTS]
 
 
 def with_head_major(
@@ -411,10 +417,10 @@ def check_decode_case(
         try_run(tag, partial(check_fa3_one, tag, fa3, meta, q, cache, kv_scale, exact))
 
 
-def check_decode_variants(fa3: Callable | None) -> None:
+def check_decode_variants(fa3: Callable | None, models: tuple[str, ...]) -> None:
     gen = torch.Generator().manual_seed(2)
     seq_lens = torch.randint(1, 3000, (24,), generator=gen).tolist() + [1, 15, 16, 17, 4096]
-    for model in MODELS:
+    for model in models:
         for cache_dtype in (BF16, E4M3, E5M2):
             check_decode_case(model, cache_dtype, seq_lens, fa3)
 
@@ -649,10 +655,15 @@ def main() -> None:
     ap.add_argument("--fa3", default=None, help="path of vLLM's _vllm_fa3_C.abi3.so (.xz, or vrest.tar.xz)")
     ap.add_argument("--budget-s", type=float, default=210.0, help="skip remaining timings after this")
     ap.add_argument(
-        "--only", choices=("decode", "prefill"), default=None, help="check and time one kernel's variants"
+        "--only",
+        choices=("decode", "prefill", "moe"),
+        default=None,
+        help="check and time one kernel's variants (moe: decode at Qwen3-30B-A3B's heads only)",
     )
     args = ap.parse_args()
     decode, prefill = args.only in (None, "decode"), args.only in (None, "prefill")
+    moe = args.only in (None, "moe")
+    checked = tuple(m for m in MODELS if (decode and m != "qwen3-30b-a3b") or (moe and m == "qwen3-30b-a3b"))
     props = torch.cuda.get_device_properties(DEV)
     print(
         f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}"
@@ -660,8 +671,8 @@ def main() -> None:
     print(f"SM clock (now, max) at start: {sm_clock_now()}", flush=True)
     fa3 = load_fa3(args.fa3)
     print("correctness (against the fp32 reference on the dequantized cache):", flush=True)
-    if decode:
-        try_run("decode checks", lambda: check_decode_variants(fa3))
+    if checked:
+        try_run("decode checks", lambda: check_decode_variants(fa3, checked))
     if prefill:
         try_run("prefill checks", lambda: check_prefill_variants(fa3))
     if decode:
@@ -676,6 +687,12 @@ def main() -> None:
     if prefill and not over_budget(args.budget_s, "prefill"):
         try_run("prefill timings", lambda: bench_prefill(fa3))
     print(f"SM clock (now, max) after the 8B cases: {sm_clock_now()}", flush=True)
+    for model, batch, ctx in MOE_CASES if moe else []:
+        if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
+            try_run(
+                f"decode {model} b{batch}",
+                lambda m=model, b=batch, c=ctx: bench_decode(m, b, c, fa3, props.multi_processor_count),
+            )
     for model, batch, ctx in SMALL_MODEL_CASES if decode else []:
         if not over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
             try_run(

@@ -26,7 +26,11 @@ experts, top-8 (one H200, no tensor parallelism), bf16.
    both timed eagerly: the loop reads counts back to the host), as TFLOP/s and GB/s (GB:
    the weights of the experts actually hit, what a decode step must read), and the same layer with FP8
    experts ("fp8 us": W8A8, e4m3 activations too, as the GPU runs them; "fp8 w-only": the weight-only
-   form that converts every weight tile to bf16; their own tuned tiles when installed, else bf16's).
+   form that converts every weight tile to bf16; their own tuned tiles when installed, else bf16's),
+   and vLLM's W8A8 fused_experts ("vllm fp8", from CUDA graphs as ours: its experts alone, without the
+   router GEMM and top-k that "fp8 us" includes, ~10 us; e4m3 weights a scale an expert and projection
+   and activations a scale a tensor, as its online FP8 holds and runs them; its error against the bf16
+   PyTorch layer in the JSON, vllm_fp8_err, so a wrong call cannot pass for a fast one).
 4. The routing at decode sizes: the router and each alignment variant (moe_align.py's ALIGN_VARIANTS)
    in microseconds a call, from CUDA graphs as the engine runs them; where they cross is
    moe_align.ATOMIC_DEFAULT_PAIRS.
@@ -209,6 +213,26 @@ def fp8_weights(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for name in ("w13", "w2"):
         out[name], out[name + "_scale"] = quantize_stacked_per_channel(w[name])
     return out
+
+
+def per_expert_fp8(w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The experts as vLLM's online FP8 (`quantization="fp8"`) holds them: e4m3 with one float32 scale
+    an expert and projection (per tensor); its kernel quantizes the activations per tensor as they come."""
+    out = {}
+    for name in ("w13", "w2"):
+        t = w[name].float()
+        scale = t.abs().amax(dim=(1, 2)).clamp_min(1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        out[name] = (t / scale[:, None, None]).to(torch.float8_e4m3fn)
+        out[name + "_scale"] = scale
+    return out
+
+
+def vllm_fp8_experts(
+    vllm_fused, make_quant_config, x, v: dict[str, torch.Tensor], weights, ids
+) -> torch.Tensor:
+    """vLLM's fused_experts on per_expert_fp8's weights, W8A8 as its online FP8 layer calls it."""
+    config = make_quant_config(w1_scale=v["w13_scale"], w2_scale=v["w2_scale"])
+    return vllm_fused(x, v["w13"], v["w2"], weights, ids, quant_config=config)
 
 
 def moe_layer_fp8(
@@ -439,9 +463,15 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
 # -- 3. the layer ------------------------------------------------------------------------------------
 
 
-def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> list[dict]:
+def layer_rows(
+    w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused, vllm_fp8_config=None
+) -> list[dict]:
+    """vllm_fused / vllm_fp8_config: vLLM's fused_experts and fp8_w8a8_moe_quant_config where vLLM
+    imports (its columns: bf16 timed eagerly, W8A8 from CUDA graphs as ours, with its error against
+    the bf16 PyTorch layer so a wrong call shows), else None."""
     rows = []
     q = fp8_weights(w)
+    v8 = per_expert_fp8(w) if vllm_fused is not None and vllm_fp8_config is not None else None
     expert_bytes = 3 * H * I * 2
     for num_tokens in LAYER_SIZES:
         x = torch.randn(num_tokens, H, generator=gen, device=DEV).to(DT)
@@ -462,6 +492,15 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
                 t_vllm = bench(lambda x=x, a=weights, b=ids32: vllm_fused(x, w["w13"], w["w2"], a, b), rep=50)
             except Exception as e:
                 print(f"    vLLM fused_experts failed: {type(e).__name__}: {str(e)[:120]}")
+        t_vllm8 = err_vllm8 = None
+        if v8 is not None:
+            try:
+                weights, ids32 = router_topk(F.linear(x, w["gate"]), TOP_K, True)
+                call = functools.partial(vllm_fp8_experts, vllm_fused, vllm_fp8_config, x, v8, weights, ids32)
+                err_vllm8 = rel_err(call(), torch_layer(x, w))
+                t_vllm8 = graph_time([call] * 5) / 1e3
+            except Exception as e:
+                print(f"    vLLM fp8 fused_experts failed: {type(e).__name__}: {str(e)[:160]}")
         flops = 2.0 * num_tokens * TOP_K * 3 * H * I
         rows.append(
             dict(
@@ -473,6 +512,8 @@ def layer_rows(w: dict[str, torch.Tensor], gen: torch.Generator, vllm_fused) -> 
                 fp8_wonly_us=round(1e3 * t_wonly, 1),
                 torch_us=round(1e3 * t_torch, 1),
                 vllm_experts_us=None if t_vllm is None else round(1e3 * t_vllm, 1),
+                vllm_fp8_us=None if t_vllm8 is None else round(1e3 * t_vllm8, 1),
+                vllm_fp8_err=None if err_vllm8 is None else round(err_vllm8, 4),
                 speedup_vs_torch=round(t_torch / t_fused, 2),
                 tflops=round(flops / (t_fused * 1e-3) / 1e12, 1),
                 weight_gbps=round(hit * expert_bytes / (t_fused * 1e-3) / 1e9, 0),
@@ -579,9 +620,12 @@ def main() -> None:
         merged = merge_tuned(moe_configs._table(), gpu, key, tuned)
         moe_configs._table = lambda: merged  # type: ignore[assignment]
 
-    vllm_fused = None
+    vllm_fused = vllm_fp8_config = None
     try:
         from vllm.model_executor.layers.fused_moe import fused_experts as vllm_fused  # type: ignore
+        from vllm.model_executor.layers.fused_moe.config import (  # type: ignore
+            fp8_w8a8_moe_quant_config as vllm_fp8_config,
+        )
     except Exception:
         pass
     print(
@@ -589,7 +633,7 @@ def main() -> None:
     )
     layer = []
     try:
-        layer = layer_rows(w, gen, vllm_fused)
+        layer = layer_rows(w, gen, vllm_fused, vllm_fp8_config)
     except Exception as e:
         check("layer benchmark raised", False, f"{type(e).__name__}: {e}")
         traceback.print_exc()
@@ -620,12 +664,13 @@ def main() -> None:
         print(f"{num_tokens:>6} {config.block_m:>7} {1e3 * t_align:>9.1f} {1e3 * t1:>9.1f} {1e3 * t2:>9.1f}")
     print()
     print(
-        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'fp8 us':>8} {'fp8 w-only':>10} {'torch us':>9} {'vllm us':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
+        f"{'tokens':>6} {'hit':>4} {'fused us':>9} {'fp8 us':>8} {'fp8 w-only':>10} {'torch us':>9} {'vllm us':>8} {'vllm fp8':>8} {'x torch':>7} {'TFLOP/s':>8} {'GB/s':>6}"
     )
     for r in layer:
         vllm = "n/a" if r["vllm_experts_us"] is None else f"{r['vllm_experts_us']:.1f}"
+        vllm8 = "n/a" if r["vllm_fp8_us"] is None else f"{r['vllm_fp8_us']:.1f}"
         print(
-            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['fp8_us']:>8.1f} {r['fp8_wonly_us']:>10.1f} {r['torch_us']:>9.1f} {vllm:>8} "
+            f"{r['tokens']:>6} {r['experts_hit']:>4} {r['fused_us']:>9.1f} {r['fp8_us']:>8.1f} {r['fp8_wonly_us']:>10.1f} {r['torch_us']:>9.1f} {vllm:>8} {vllm8:>8} "
             f"{r['speedup_vs_torch']:>7.2f} {r['tflops']:>8.1f} {r['weight_gbps']:>6.0f}"
         )
     print()

@@ -102,3 +102,31 @@ def test_installing_a_few_buckets_keeps_the_shapes_other_buckets(monkeypatch):
     assert merged["gpu"]["other"] == {"x": {}} and merged["gpu2"] == {}
     assert old["gpu"]["k"] == {"64": {"block_m": 16}, "4096": {"block_m": 64}}  # the input is left alone
     assert bench.merge_tuned({}, "new", "k", {"8": {}}) == {"new": {"k": {"8": {}}}}
+
+
+def test_vllms_fp8_experts_are_held_per_expert_and_called_w8a8(monkeypatch):
+    """The "vllm fp8" column's operands: e4m3 with one scale an expert and projection, each expert's
+    largest weight at e4m3's largest value, and vLLM's fused_experts called with a W8A8 quant config
+    of those scales (a stand-in for vLLM records the call)."""
+    bench = load_bench_script(monkeypatch, "moe_gpu.py")
+    gen = torch.Generator().manual_seed(0)
+    w = {"w13": torch.randn(4, 6, 8, generator=gen), "w2": 3 * torch.randn(4, 8, 3, generator=gen)}
+    v = bench.per_expert_fp8(w)
+    for name in ("w13", "w2"):
+        assert v[name].dtype == torch.float8_e4m3fn and v[name + "_scale"].shape == (4,)
+        back = v[name].float() * v[name + "_scale"][:, None, None]
+        assert torch.allclose(back, w[name], rtol=0.07, atol=1e-3 * float(w[name].abs().max()))
+        assert torch.all(v[name].float().abs().amax(dim=(1, 2)) == 448.0)
+    seen = {}
+
+    def fused(x, w1, w2, weights, ids, quant_config):
+        seen.update(w1=w1, w2=w2, config=quant_config)
+        return x
+
+    def make_config(w1_scale, w2_scale):
+        return ("w8a8", w1_scale, w2_scale)
+
+    x = torch.ones(2, 8)
+    assert bench.vllm_fp8_experts(fused, make_config, x, v, None, None) is x
+    assert seen["w1"] is v["w13"] and seen["w2"] is v["w2"]
+    assert seen["config"] == ("w8a8", v["w13_scale"], v["w2_scale"])
