@@ -78,6 +78,15 @@ TILES = {
     64: [(64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (64, 64, 4, 4), (128, 128, 8, 3)],
     128: [(128, 64, 8, 4), (128, 128, 8, 3), (64, 128, 4, 3), (256, 64, 8, 3)],
 }
+# W8A8 (e4m3 operands, half the bytes a stage): deeper pipelines and K tiles that bf16 cannot fit, for
+# the memory-bound decode buckets (session R: the H100's decode-sized expert GEMMs read at ~75% of its
+# bandwidth with the tiles above); swept after TILES, so a short deadline tries those first.
+FP8_EXTRA_TILES = {
+    16: [(64, 256, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4)],
+    32: [(64, 256, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4)],
+    64: [(64, 256, 4, 4), (64, 128, 4, 6), (128, 128, 4, 4)],
+    128: [(128, 128, 8, 4)],
+}
 SMEM_LIMIT = 220 * 1024
 
 checks: list[tuple[str, bool, str]] = []
@@ -341,9 +350,11 @@ def check_engine() -> dict[str, object]:
 # -- 2. tuning ---------------------------------------------------------------------------------------
 
 
-def fits(block_m: int, bn: int, bk: int, warps: int, stages: int, gated: bool) -> bool:
+def fits(block_m: int, bn: int, bk: int, warps: int, stages: int, gated: bool, elem_bytes: int = 2) -> bool:
+    """Whether the tile's pipeline stages fit in shared memory (operands of elem_bytes: 1 for W8A8)
+    and its accumulators in registers."""
     b_cols = 2 * bn if gated else bn
-    smem = stages * (block_m * bk + bk * b_cols) * 2
+    smem = stages * (block_m * bk + bk * b_cols) * elem_bytes
     acc_per_thread = block_m * b_cols / (32 * warps)
     return smem <= SMEM_LIMIT and acc_per_thread <= 128
 
@@ -385,10 +396,10 @@ def sweep_bucket(num_tokens: int, w: dict[str, torch.Tensor], gen: torch.Generat
         for gemm in ("gemm1", "gemm2"):
             gated = gemm == "gemm1"
             results: list[tuple[float, GemmTiles]] = []
-            for bn, bk, warps, stages in TILES[block_m]:
+            for bn, bk, warps, stages in TILES[block_m] + (FP8_EXTRA_TILES.get(block_m, []) if fp8 else []):
                 if time.perf_counter() > deadline and results:
                     break
-                if not fits(block_m, bn, bk, warps, stages, gated):
+                if not fits(block_m, bn, bk, warps, stages, gated, 1 if fp8 else 2):
                     continue
                 tiles = GemmTiles(bn, bk, 8, warps, stages)
                 if gated:

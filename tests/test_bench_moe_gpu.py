@@ -32,6 +32,8 @@ def load_bench(monkeypatch):
     monkeypatch.setattr(bench, "LAYER_SIZES", [3, 16])
     tiles = [(32, 32, 4, 2), (64, 32, 4, 2)]
     monkeypatch.setattr(bench, "TILES", {16: tiles, 32: tiles, 64: tiles, 128: tiles})
+    extra = [(32, 32, 4, 3)]  # the W8A8 sweep's deeper pipelines, one small stand-in
+    monkeypatch.setattr(bench, "FP8_EXTRA_TILES", {16: extra, 32: extra, 64: extra, 128: extra})
     monkeypatch.setattr(bench, "checks", [])
     # main() points moe_configs at the configs it just tuned: undone after the test.
     monkeypatch.setattr(moe_configs, "_table", moe_configs._table)
@@ -130,3 +132,16 @@ def test_vllms_fp8_experts_are_held_per_expert_and_called_w8a8(monkeypatch):
     assert bench.vllm_fp8_experts(fused, make_config, x, v, None, None) is x
     assert seen["w1"] is v["w13"] and seen["w2"] is v["w2"]
     assert seen["config"] == ("w8a8", v["w13_scale"], v["w2_scale"])
+
+
+def test_e4m3_operands_fit_twice_the_pipeline(monkeypatch):
+    """The W8A8 sweep counts its stages at a byte an element: a 64 x 256 K tile four stages deep fits
+    shared memory for e4m3 (196 KB) and not for bf16 (393 KB)."""
+    bench = load_bench_script(monkeypatch, "moe_gpu.py")
+    assert bench.fits(64, 64, 256, 4, 4, gated=True, elem_bytes=1)
+    assert not bench.fits(64, 64, 256, 4, 4, gated=True)
+    assert all(
+        bench.fits(bm, bn, bk, w, st, gated=True, elem_bytes=1)
+        for bm, t in bench.FP8_EXTRA_TILES.items()
+        for bn, bk, w, st in t
+    )
