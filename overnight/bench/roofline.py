@@ -78,11 +78,12 @@ def config_weight_bytes(arch: ModelArch, dtype_bytes: int = 2) -> WeightBytes:
 
 
 def loaded_weight_bytes(model: nn.Module, arch: ModelArch) -> WeightBytes:
-    """The weights as the model holds them, quantized or not: an expert stack is a module holding 3-D
-    gate_up_proj and down_proj (its scales with it: parameters, buffers or plain tensor attributes,
-    as the FP8 stacks keep theirs); the dense part is every
-    other parameter, less the input embedding where it is not the LM head (a step reads only its
-    tokens' rows of it). Other buffers (rotary tables, LoRA slots) are not weights a step must read."""
+    """The weights as the model holds them, quantized or not.
+    Experts: every module holding 3-D gate_up_proj and down_proj, with its scales (parameters, buffers
+    or plain tensor attributes, as the FP8 stacks keep theirs).
+    Dense: every other parameter, less the input embedding where it is not the LM head (a step reads
+    only its tokens' rows of it). Other buffers (rotary tables, LoRA slots) are not weights a step must
+    read."""
     experts = 0
     stacks: set[int] = set()
     for m in model.modules():
