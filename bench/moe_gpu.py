@@ -496,17 +496,15 @@ def layer_rows(
         t_fp8 = graph_time([lambda x=x, c=config8: moe_layer_fp8(x, q, c)] * 5) / 1e3
         t_wonly = graph_time([lambda x=x, c=config8: moe_layer_fp8(x, q, c, w8a8=False)] * 5) / 1e3
         t_torch = bench(lambda x=x: torch_layer(x, w), warmup=2, rep=50)
-        t_vllm = None
-        if vllm_fused is not None:
+        t_vllm = t_vllm8 = err_vllm8 = None
+        if vllm_fused is not None:  # vLLM's columns route once, with our router (the same picks)
+            weights, ids32 = router_topk(F.linear(x, w["gate"]), TOP_K, True)
             try:
-                weights, ids32 = router_topk(F.linear(x, w["gate"]), TOP_K, True)
                 t_vllm = bench(lambda x=x, a=weights, b=ids32: vllm_fused(x, w["w13"], w["w2"], a, b), rep=50)
             except Exception as e:
                 print(f"    vLLM fused_experts failed: {type(e).__name__}: {str(e)[:120]}")
-        t_vllm8 = err_vllm8 = None
         if v8 is not None:
             try:
-                weights, ids32 = router_topk(F.linear(x, w["gate"]), TOP_K, True)
                 call = functools.partial(vllm_fp8_experts, vllm_fused, vllm_fp8_config, x, v8, weights, ids32)
                 err_vllm8 = rel_err(call(), torch_layer(x, w))
                 t_vllm8 = graph_time([call] * 5) / 1e3

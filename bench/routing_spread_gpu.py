@@ -66,10 +66,7 @@ def main() -> int:
         llm = LLM(args.model, load_format="dummy", quantization=args.quantization, enforce_eager=True)
         arch = llm.engine.config.model.arch
         seen = router_hooks(llm.engine.runner.model, arch.num_experts_per_tok, args.requests)
-        ids = [ids for ids, _ in w.requests(arch.vocab_size)[: args.requests]]
         params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-        outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-        experts = arch.num_experts
     else:
         from bench.vllm_throughput import model_arch, preset_folder, vllm_engine
 
@@ -89,10 +86,10 @@ def main() -> int:
         holder: list[dict[str, list[int]]] = []
         llm.apply_model(lambda m: holder.append(router_hooks(m, arch.num_experts_per_tok, args.requests)))
         seen = holder[0]
-        ids = [ids for ids, _ in w.requests(arch.vocab_size)[: args.requests]]
         params = VParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-        outs = llm.generate([{"prompt_token_ids": i} for i in ids], params, use_tqdm=False)
-        experts = arch.num_experts
+    prompts = [{"prompt_token_ids": ids} for ids, _ in w.requests(arch.vocab_size)[: args.requests]]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    experts = arch.num_experts
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     distinct = {p: len({t[p] for t in tokens if len(t) > p}) for p in POSITIONS if p < args.max_tokens}
     spread = {name: round(sum(v) / len(v), 1) if v else None for name, v in seen.items()}
