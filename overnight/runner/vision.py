@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from overnight.models.vision.interface import ImageModel, VisionFeatures, VisionRows
+from overnight.models.vision.segments import to_device
 
 if TYPE_CHECKING:
     from overnight.multimodal.inputs import ImageInput
@@ -70,12 +71,7 @@ class VisionStep:
         self.images_encoded = 0  # images run through the tower (a test counts them)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the device without waiting for the GPU: staged through pinned memory (a
-        copy from pageable memory would wait for the work queued before it, losing the overlap of host
-        and device that the runner keeps)."""
-        if self.device.type != "cuda":
-            return t
-        return t.pin_memory().to(self.device, non_blocking=True)
+        return to_device(t, self.device)  # without waiting for the steps queued ahead
 
     def positions(
         self, scheduled: list[ScheduledRequest], positions: torch.Tensor, decode_only: bool

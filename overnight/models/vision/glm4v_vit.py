@@ -36,6 +36,7 @@ from overnight.models.vision.qwen_vit import (
     patch_rows_cols,
     rotary_angles,
 )
+from overnight.models.vision.segments import Segments
 
 
 class Glm4vVisionEmbeddings(nn.Module):
@@ -104,9 +105,9 @@ class Glm4vVisionModel(nn.Module):
         angles = rotary_angles(v, grid_thw, x.device)
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        cu = cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)])  # attention per frame
-        for block in self.blocks:
-            x = block(x, cu, cos, sin)
+        per_frame_segments = Segments.of(cu_seqlens_of([h * w for h, w in frames]), x.device)
+        for block in self.blocks:  # attention per frame
+            x = block(x, per_frame_segments, cos, sin)
         x = self.post_layernorm(x).view(-1, m, m, v.hidden_size).permute(0, 3, 1, 2)
         x = self.downsample(x).view(-1, v.out_hidden_size)
         return VisionFeatures(embeds=self.merger(x), deepstack=[])

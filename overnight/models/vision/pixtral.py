@@ -24,11 +24,11 @@ feed_forward.*_proj}}` and `multi_modal_projector.{norm,patch_merger.merging_lay
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import VisionArch
-from overnight.models.vision.qwen_vit import VisionRMSNorm, _act
+from overnight.models.vision.qwen_vit import VisionRMSNorm, _act, cu_seqlens_of
+from overnight.models.vision.segments import Segments, segment_attention
 
 Grid = tuple[int, int, int]  # (1, patch rows, patch columns)
 _EPS = 1e-5  # Pixtral's RMSNorms
@@ -66,18 +66,12 @@ class PixtralAttention(nn.Module):
         self.o_proj = nn.Linear(h, h, bias=False)
 
     def forward(
-        self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, images: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, val = (p(x).view(n, self.num_heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.cat(
-            [
-                F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in qkv))[0].transpose(0, 1)
-                for qkv in zip(q.split(sizes), k.split(sizes), val.split(sizes))
-            ]
-        )
-        return self.o_proj(out.reshape(n, -1))
+        return self.o_proj(segment_attention(q, k, val, images).reshape(n, -1))
 
 
 class PixtralMLP(nn.Module):
@@ -101,9 +95,9 @@ class PixtralAttentionLayer(nn.Module):
         self.feed_forward = PixtralMLP(v)
 
     def forward(
-        self, x: torch.Tensor, sizes: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, images: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), sizes, cos, sin)
+        x = x + self.attention(self.attention_norm(x), images, cos, sin)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -132,10 +126,10 @@ class PixtralVisionModel(nn.Module):
         v = self.v
         x = pixel_rows.view(-1, v.in_channels, v.patch_size, v.patch_size).to(self.patch_conv.weight.dtype)
         x = self.ln_pre(self.patch_conv(x).flatten(1))
-        sizes = [h * w for _, h, w in grid_thw]
+        images = Segments.of(cu_seqlens_of([h * w for _, h, w in grid_thw]), x.device)
         cos, sin = rotary_cos_sin(v, grid_thw, x.device)
         for layer in self.transformer.layers[: self.blocks_run]:
-            x = layer(x, sizes, cos, sin)
+            x = layer(x, images, cos, sin)
         return x
 
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import VisionArch
 from overnight.models.vision.interface import VisionFeatures
+from overnight.models.vision.segments import Segments, segment_attention, to_device
 
 
 class QuickGELU(nn.Module):
@@ -92,14 +92,14 @@ def patch_rows_cols(
     """([patches] row, [patches] column) of each patch in its image's grid, patches in merge-block order
     (every frame of an image repeats its grid)."""
     m = v.spatial_merge_size
-    rows: list[torch.Tensor] = []
-    cols: list[torch.Tensor] = []
-    for t, h, w in grid_thw:
+    # once per distinct grid: a step's images are mostly one size
+    per_grid: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for t, h, w in dict.fromkeys(grid_thw):
         r = torch.arange(h, device=device)[:, None].expand(h, w)
         c = torch.arange(w, device=device)[None, :].expand(h, w)
-        for pos, out in ((r, rows), (c, cols)):
-            out.append(pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t))
-    return torch.cat(rows), torch.cat(cols)
+        r, c = (pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t) for pos in (r, c))
+        per_grid[(t, h, w)] = (r, c)
+    return torch.cat([per_grid[g][0] for g in grid_thw]), torch.cat([per_grid[g][1] for g in grid_thw])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,18 +120,13 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(v.hidden_size, v.hidden_size, bias=proj_bias)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, val = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        out = torch.empty_like(q)
         # Bidirectional attention inside each segment (an image, or a window of one).
-        for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]):
-            if b > a:
-                qs, ks, vs = (t[a:b].transpose(0, 1)[None] for t in (q, k, val))
-                out[a:b] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
-        return self.proj(out.reshape(n, -1))
+        return self.proj(segment_attention(q, k, val, segments).reshape(n, -1))
 
 
 class SwiGLU(nn.Module):
@@ -207,9 +202,9 @@ class VisionBlock(nn.Module):
         self.mlp = _block_mlp(v)
 
     def forward(
-        self, x: torch.Tensor, cu_seqlens: list[int], cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        x = x + self.attn(self.norm1(x), segments, cos, sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -258,19 +253,25 @@ def window_order(v: VisionArch, grid_thw: list[tuple[int, int, int]]) -> tuple[t
     side; the image's last row and column of windows may be partial."""
     m = v.spatial_merge_size
     side = v.window_size // m // v.patch_size
+    per_grid: dict[tuple[int, int, int], tuple[torch.Tensor, list[int]]] = {}
+    for t, h, w in dict.fromkeys(grid_thw):  # once per distinct grid
+        gh, gw = h // m, w // m
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        wins = [
+            idx[f, r0 : r0 + side, c0 : c0 + side].flatten()
+            for f in range(t)
+            for r0 in range(0, gh, side)
+            for c0 in range(0, gw, side)
+        ]
+        per_grid[(t, h, w)] = (torch.cat(wins), [win.numel() * m * m for win in wins])
     order: list[torch.Tensor] = []
     sizes: list[int] = []
     base = 0
     for t, h, w in grid_thw:
-        gh, gw = h // m, w // m
-        idx = torch.arange(t * gh * gw).view(t, gh, gw)
-        for f in range(t):
-            for r0 in range(0, gh, side):
-                for c0 in range(0, gw, side):
-                    win = idx[f, r0 : r0 + side, c0 : c0 + side].flatten()
-                    order.append(win + base)
-                    sizes.append(win.numel() * m * m)
-        base += t * gh * gw
+        local, local_sizes = per_grid[(t, h, w)]
+        order.append(local + base)
+        sizes += local_sizes
+        base += t * (h // m) * (w // m)
     return torch.cat(order), cu_seqlens_of(sizes)
 
 
@@ -295,15 +296,17 @@ class Qwen25VisionTransformer(nn.Module):
         cu_window = cu_images
         if v.window_size:
             order, cu_window = window_order(v, grid_thw)
-            order = order.to(x.device)
+            order = to_device(order, x.device)
             # Blocks run with merged tokens grouped by window; full-attention blocks see whole images,
             # which the reordering keeps contiguous (windows never cross images).
             x = x.view(n // unit, unit, -1)[order].view(n, -1)
             angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
+        images = Segments.of(cu_images, x.device)
+        windows = Segments.of(cu_window, x.device) if v.window_size else images
         for i, block in enumerate(self.blocks):
-            x = block(x, cu_images if i in v.fullatt_block_indexes else cu_window, cos, sin)
+            x = block(x, images if i in v.fullatt_block_indexes else windows, cos, sin)
         merged = self.merger(x)
         if order is not None:
             merged = merged[torch.argsort(order)]
@@ -317,9 +320,8 @@ def interpolation_taps(
     image's patch grid: (indices [patches, 4] into the table, weights [patches, 4]), merge-block order."""
     side = int(v.num_position_embeddings**0.5)
     m = v.spatial_merge_size
-    idx_all: list[torch.Tensor] = []
-    w_all: list[torch.Tensor] = []
-    for t, h, w in grid_thw:
+    per_grid: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for t, h, w in dict.fromkeys(grid_thw):  # once per distinct grid
 
         def axis(n: int) -> tuple[torch.Tensor, torch.Tensor]:
             src = torch.arange(n, dtype=torch.float32, device=device) * (side - 1) / max(n - 1, 1)
@@ -331,10 +333,12 @@ def interpolation_taps(
         (ht, hw), (wt, ww) = axis(h), axis(w)
         idx = (ht[:, None, :, None] * side + wt[None, :, None, :]).reshape(h, w, 4)
         wgt = (hw[:, None, :, None] * ww[None, :, None, :]).reshape(h, w, 4)
-        for table, out in ((idx, idx_all), (wgt, w_all)):
-            blocks = table.view(h // m, m, w // m, m, 4).transpose(1, 2).reshape(-1, 4)
-            out.append(blocks.repeat(t, 1))
-    return torch.cat(idx_all), torch.cat(w_all)
+        idx, wgt = (
+            table.view(h // m, m, w // m, m, 4).transpose(1, 2).reshape(-1, 4).repeat(t, 1)
+            for table in (idx, wgt)
+        )
+        per_grid[(t, h, w)] = (idx, wgt)
+    return torch.cat([per_grid[g][0] for g in grid_thw]), torch.cat([per_grid[g][1] for g in grid_thw])
 
 
 class Qwen3VisionModel(nn.Module):
@@ -357,10 +361,10 @@ class Qwen3VisionModel(nn.Module):
         angles = rotary_angles(v, grid_thw, x.device)
         emb = torch.cat([angles, angles], dim=-1)[:, None, :]
         cos, sin = emb.cos(), emb.sin()
-        cu = cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)])
+        frames = Segments.of(cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)]), x.device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cu, cos, sin)
+            x = block(x, frames, cos, sin)
             if i in v.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return VisionFeatures(embeds=self.merger(x), deepstack=deepstack)
