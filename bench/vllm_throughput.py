@@ -20,6 +20,10 @@ overnight/bench/processor_folder.py (a tokenizer of the model's special tokens a
 published preprocessor_config.json), the tokenizer is loaded (skip_tokenizer_init=False; outputs stay
 token ids: detokenize=False) and one image per prompt is allowed (limit_mm_per_prompt). Before the
 timed run the script checks that AutoProcessor on that folder expands an image to as many pads as ours.
+
+With images or LoRA adapters vLLM's engine core runs in the calling process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0, unless set): in its own process it hung at start-up on the GPU
+machine (main() says more). The JSON line's "engine_core" says which ran.
 """
 
 from __future__ import annotations
@@ -222,6 +226,12 @@ def main() -> int:
     images = workloads[0].image_size is not None
     if images:
         require_torchvision()
+    if (images or args.lora_adapters) and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        # vLLM's engine-core process, with images or LoRA adapters, never got past "Using V2 Model
+        # Runner" in 270-300 s (an H100, 2026-12-06: twice with 8 adapters, once with images); in the
+        # calling process the image run started in 64 s. An explicit setting is kept.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
     model = args.model or workloads[0].model
     folder = preset_folder(model, images)
     arch = model_arch(folder)
@@ -276,6 +286,7 @@ def main() -> int:
             "seconds": round(seconds, 3),
             "init_s": round(init_s, 1),  # the one start-up, repeated on each workload's line
             "max_model_len": args.max_model_len,
+            "engine_core": "in-process" if in_process else "own process",
             "kv_pool_tokens": kv_pool_tokens(llm),
             # the timed run's span in vLLM's log format: a "JIT compilation during inference" warning
             # stamped inside it is a Triton compile the timed run paid for (pairs_gpu.sh lists them)

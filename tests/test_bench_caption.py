@@ -246,6 +246,9 @@ def vllm_stand_in(monkeypatch):
         return ours(arch.vision, folder, prompt["prompt_token_ids"], image).count(PAD)
 
     monkeypatch.setattr(vt, "check_expansion", check)
+    # unset for the script, and whatever main() sets is undone after the test (setenv records the original)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
 
     def run(argv: list[str], capsys) -> tuple[dict, list[list], dict]:
         monkeypatch.setattr(sys, "argv", ["vllm_throughput.py", *argv])
@@ -268,6 +271,8 @@ def test_vllm_side_gets_our_images_and_a_tokenizer(vllm_stand_in, capsys):
         assert np.array_equal(np.asarray(a), np.asarray(b))
     assert record["images"] == 3 and record["images_s"] > 0 and record["image_tokens"] == 256
     assert record["model"] == "qwen2.5-vl-7b" and record["requests"] == 3
+    # vLLM's engine core hung at start-up in its own process with images: it runs in this one
+    assert record["engine_core"] == "in-process" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 def test_vllm_side_of_a_text_workload_is_unchanged(vllm_stand_in, capsys):
@@ -279,6 +284,7 @@ def test_vllm_side_of_a_text_workload_is_unchanged(vllm_stand_in, capsys):
     ids = [i for i, _ in replace(WORKLOADS["seed-512-256"], num_requests=8).requests(151936)]
     assert [p["prompt_token_ids"] for p in timed] == ids[:2] and [p["prompt_token_ids"] for p in warm] == ids
     assert "images" not in record and record["output_tok_s"] > 0
+    assert record["engine_core"] == "own process"  # vLLM's default, as in every text row
 
 
 def test_vllm_side_runs_several_workloads_on_one_engine(vllm_stand_in, capsys):
