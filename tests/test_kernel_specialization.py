@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
-from triton.runtime.jit import JITFunction, create_function_from_signature
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 from overnight.kernels.fp8_gemm import _fp8_gemm_kernel
 from overnight.kernels.moe_align import (
@@ -89,8 +89,39 @@ def test_control_plain_count_specializes():
     assert len(keys) == 3
 
 
+def fire_compile_hook(kernel, *args, **constexprs) -> None:
+    """What Triton 3.6 does on a cache miss for these arguments on sm_90, up to the compile: bind them,
+    build the cache key and call the installed jit_cache_hook with the real record (no GPU needed)."""
+    jit = as_jit(kernel)
+    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    kwargs = {**constexprs, "debug": False, "instrumentation_mode": ""}
+    bound, spec, options = binder(*args, **kwargs)
+    key = compute_cache_key({}, spec, options)
+    options, signature, constants, attrs = jit._pack_args(backend, kwargs, bound, spec, options)
+    jit._call_hook(triton.knobs.runtime.jit_cache_hook, key, signature, 0, constants, options, [attrs], False)
+
+
+@triton.jit
+def _step_kernel(x_ptr, n, BLOCK: tl.constexpr):  # a kernel to compile in the tests below
+    tl.store(x_ptr, n + BLOCK)
+
+
+def test_tritons_own_repr_does_not_name_the_arguments():
+    """Why jit_watch reads the compile record: Triton 3.6's repr lists one "argument" cut from a
+    character of the cache key, the same for every variant."""
+    seen: list[str] = []
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: seen.append(kw["repr"])
+    try:
+        fire_compile_hook(_step_kernel, torch.zeros(64), 16, BLOCK=64)
+        fire_compile_hook(_step_kernel, torch.zeros(64), 17, BLOCK=128)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert seen[0] == seen[1] and seen[0].endswith("](x_ptr: ()")
+
+
 def test_watch_compiles_collects_and_restores():
-    from overnight.kernels.jit_watch import watch_compiles
+    from overnight.kernels import jit_watch
 
     runtime = triton.knobs.runtime
     before: list[str] = []
@@ -99,58 +130,100 @@ def test_watch_compiles_collects_and_restores():
         before.append(kw["repr"])
         return True
 
+    jit_watch._FIRST_ARGS.pop("_step_kernel", None)
     runtime.jit_cache_hook = earlier
     try:
-        with watch_compiles() as compiled:
+        with jit_watch.watch_compiles() as compiled:
             hook = runtime.jit_cache_hook
             kw = dict(key="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-            assert hook(repr="_prefill_kernel[num_warps=4](...)", **kw) is True
-        assert compiled == ["_prefill_kernel(...)"] and before == ["_prefill_kernel[num_warps=4](...)"]
+            assert hook(repr="_prefill_kernel[num_warps=4](x: ()", **kw) is True
+            fire_compile_hook(_step_kernel, torch.zeros(64), 16, BLOCK=64)
+        assert compiled == ["_prefill_kernel()", "_step_kernel(x_ptr: *fp32D, n: i32D, BLOCK=64)"]
+        assert len(before) == 2 and before[0] == "_prefill_kernel[num_warps=4](x: ()"
         assert runtime.jit_cache_hook is earlier
     finally:
         runtime.jit_cache_hook = None
+        jit_watch._FIRST_ARGS.pop("_step_kernel", None)
 
 
 def test_compiles_after_startup_are_logged(caplog):
-    """A second variant of one kernel mid-run is a warning; a kernel's first use is only information."""
+    """A second variant of one kernel mid-run is a warning naming what changed; a kernel's first use is
+    only information."""
     import logging
 
-    from overnight.kernels.jit_watch import log_compiles_after_startup
+    from overnight.kernels import jit_watch
 
+    jit_watch._FIRST_ARGS.pop("_step_kernel", None)
     log = logging.getLogger("overnight.test_jit")
-    remove = log_compiles_after_startup(log)
-    assert log_compiles_after_startup(log) is remove  # a second engine in the process adds no hook
+    remove = jit_watch.log_compiles_after_startup(log)
+    assert jit_watch.log_compiles_after_startup(log) is remove  # a second engine in the process adds no hook
     try:
-        hook = triton.knobs.runtime.jit_cache_hook
-        kw = dict(key="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
         with caplog.at_level(logging.INFO, logger="overnight.test_jit"):
-            hook(repr="_prefill_kernel[num_warps=4](num_decodes: i32D)", **kw)
-            hook(repr="_apply_token_bitmask_kernel[num_warps=4](...)", **kw)
-            hook(repr="_prefill_kernel[num_warps=4](num_decodes: i32)", **kw)
+            fire_compile_hook(_step_kernel, torch.zeros(64), 16, BLOCK=64)
+            fire_compile_hook(_specialized, torch.zeros(64), 3)
+            fire_compile_hook(_step_kernel, torch.zeros(64), 17, BLOCK=64)
         assert [r.levelname for r in caplog.records] == ["INFO", "INFO", "WARNING"]
-        assert "variant 2 of _prefill_kernel" in caplog.records[-1].getMessage()
+        message = caplog.records[-1].getMessage()
+        assert "variant 2 of _step_kernel" in message and message.endswith("_step_kernel(n: i32D -> i32)")
     finally:
         remove()
+        jit_watch._FIRST_ARGS.pop("_step_kernel", None)
     assert triton.knobs.runtime.jit_cache_hook is None
 
 
 def test_a_later_variant_is_described_by_what_changed():
-    """The report of a mid-run compile names the argument whose specialization changed (Triton's own
-    repr is mostly options and was cut before the arguments)."""
+    """The report of a mid-run compile names the argument whose specialization changed: a pointer's
+    alignment, a constexpr's value, the options; an identical variant (another process) says so."""
     from overnight.kernels import jit_watch
 
     jit_watch._FIRST_ARGS.pop("_step_kernel", None)
-    kw = dict(key="k", fn=None, compile={}, is_manual_warmup=False, already_compiled=False)
-    opts = "num_warps=4, num_ctas=1, num_stages=3, enable_fp_fusion=True, launch_cooperative_grid=False"
+    buf = torch.zeros(64)
     try:
         with jit_watch.watch_compiles() as compiled:
-            hook = triton.knobs.runtime.jit_cache_hook
-            hook(repr=f"_step_kernel[{opts}](x_ptr: *fp32D, n: i32D, BLOCK: 64)", **kw)
-            hook(repr=f"_step_kernel[{opts}](x_ptr: *fp32, n: i32D, BLOCK: 64)", **kw)
-        assert compiled == [
-            "_step_kernel(x_ptr: *fp32D, n: i32D, BLOCK: 64)",
+            fire_compile_hook(_step_kernel, buf, 16, BLOCK=64)
+            fire_compile_hook(_step_kernel, buf[1:], 16, BLOCK=64)  # 4 bytes past an aligned address
+            fire_compile_hook(_step_kernel, buf, 16, BLOCK=128)
+            fire_compile_hook(_step_kernel, buf, 16, BLOCK=64, num_warps=8)
+            fire_compile_hook(_step_kernel, buf, 16, BLOCK=64)
+        assert compiled[1:] == [
             "_step_kernel(x_ptr: *fp32D -> *fp32)",
+            "_step_kernel(BLOCK=64 -> BLOCK=128)",
+            "_step_kernel([num_warps=4, num_ctas=1, num_stages=3, enable_fp_fusion=True, "
+            "launch_cooperative_grid=False] -> [num_warps=8, num_ctas=1, num_stages=3, "
+            "enable_fp_fusion=True, launch_cooperative_grid=False])",
+            "_step_kernel(same)",
         ]
     finally:
         jit_watch._FIRST_ARGS.pop("_step_kernel", None)
         triton.knobs.runtime.jit_cache_hook = None
+
+
+def test_lora_segments_do_not_specialize_on_the_request_count():
+    """The SGMV kernels read a step's segments as three int32 arrays packed in one buffer; Triton
+    specializes a pointer on 16-byte alignment, so arrays packed back to back (each n long) gave a new
+    variant whenever n % 4 changed (an H100 LoRA run compiled 4 mid-run). Each array now starts
+    aligned: every request count binds the same variant."""
+    from overnight.kernels.lora import _sgmv_expand_kernel, _sgmv_shrink_kernel
+    from overnight.lora.layers import LoRABatch
+
+    batch = LoRABatch(max_tokens=256, max_reqs=16, device=torch.device("cpu"))
+    for kernel in (_sgmv_shrink_kernel, _sgmv_expand_kernel):
+        jit = as_jit(kernel)
+        binder = create_function_from_signature(
+            jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32))
+        )
+        keys = set()
+        for n in range(1, 10):
+            batch.map_rows(list(range(n)), [3] * n, num_rows=3 * n, decode_only=False)
+            assert batch.segments is not None
+            starts, lens, slots, _ = batch.segments
+            assert lens.tolist() == [3] * n and starts.tolist() == [3 * i for i in range(n)]
+            buf = torch.zeros(64)
+            seg = {"seg_start_ptr": starts, "seg_len_ptr": lens, "seg_slot_ptr": slots}
+            args = [
+                seg.get(p.name, buf) if "ptr" in p.name else 128 for p in jit.params if not p.is_constexpr
+            ]
+            consts = {p.name: 16 for p in jit.params if p.is_constexpr}
+            consts["PRECISION"] = "tf32"
+            keys.add(str(binder(*args, **consts)[1]))
+        assert len(keys) == 1, f"{jit.fn.__name__}: {len(keys)} variants over request counts 1-9"

@@ -19,39 +19,54 @@ from contextlib import contextmanager
 from typing import Any
 
 # Kernel name -> the arguments of its first variant seen in this process: a later variant is reported
-# by what differs from it, which names the argument that specializes (a bare repr is mostly options).
+# by what differs from it, which names the argument that specializes.
 _FIRST_ARGS: dict[str, list[str]] = {}
 
 
-def _split(repr_: str) -> tuple[str, list[str]]:
-    """("name", ["arg: type", ...]) of Triton's "name[options](arg: type, ...)"."""
+def _variant(kwargs: dict[str, Any]) -> tuple[str, list[str]]:
+    """("name", ["[options]", "arg: type", "CONST=value", ...]) of the variant a hook call compiles.
+
+    The arguments come from the call's `compile` record (its signature, constexpr values and
+    specialization attributes), not from Triton's repr, whose argument list Triton 3.6 builds from a
+    character of the cache key ("x_ptr: (" whatever the arguments): every variant would read alike."""
+    repr_ = kwargs["repr"]  # "name[options](...)"
     name = repr_.split("[", 1)[0].split("(", 1)[0]
-    args = repr_[repr_.find("(") + 1 : repr_.rfind(")")] if "(" in repr_ else ""
-    return name, [a.strip() for a in args.split(", ")] if args else []
+    options = repr_[repr_.find("[") : repr_.find("]") + 1] if "[" in repr_ else ""
+    record = kwargs.get("compile") or {}
+    signature: dict[str, str] = record.get("signature") or {}
+    constants: dict[tuple[int, ...], Any] = record.get("constants") or {}
+    attrs: dict[tuple[int, ...], Any] = (record.get("configs") or [{}])[0]
+    args = [options]
+    for i, (arg, ty) in enumerate(signature.items()):
+        if (i,) in constants:
+            args.append(f"{arg}={constants[(i,)]}")
+        else:  # D: divisible by 16 (an integer's value, a pointer's address)
+            args.append(f"{arg}: {ty}{'D' if attrs.get((i,)) else ''}")
+    return name, args
 
 
-def describe(repr_: str) -> str:
-    """A compile in one line: "name(a: i32 -> i32D, ...)", the arguments that differ from the kernel's
-    first variant, or with none seen yet "name(every argument)"; the compile options are left out."""
-    name, args = _split(repr_)
+def describe(name: str, args: list[str]) -> str:
+    """A compile in one line: "name(a: i32 -> i32D, ...)", what differs from the kernel's first variant
+    (its options, an argument's type or divisibility, a constexpr's value), or with none seen yet
+    "name(every argument)", options left out. "name(same)": identical to the first variant, which
+    compiles again in a new process or on another device."""
     first = _FIRST_ARGS.get(name)
     if first is None or len(first) != len(args):
-        return f"{name}({', '.join(args)})"
-    changed = [f"{a} -> {b.split(': ', 1)[-1]}" for a, b in zip(first, args) if a != b]
-    return f"{name}({', '.join(changed) or 'options only'})"
+        return f"{name}({', '.join(args[1:])})"
+    changed = [f"{a} -> {b.split(': ', 1)[-1] if ': ' in a else b}" for a, b in zip(first, args) if a != b]
+    return f"{name}({', '.join(changed) or 'same'})"
 
 
-def _install(on_compile: Callable[[str], None]) -> Callable[[], None]:
-    """Call on_compile(repr) before each compile; returns the function that takes the hook out."""
+def _install(on_compile: Callable[[str, list[str]], None]) -> Callable[[], None]:
+    """Call on_compile(name, args) before each compile; returns the function that takes the hook out."""
     import triton
 
     runtime = triton.knobs.runtime
     previous = runtime.jit_cache_hook
 
     def hook(**kwargs: Any) -> bool | None:
-        repr_ = kwargs["repr"]  # "name[options](arg: type and specialization, ...)"
-        on_compile(repr_)
-        name, args = _split(repr_)
+        name, args = _variant(kwargs)
+        on_compile(name, args)
         _FIRST_ARGS.setdefault(name, args)
         return previous(**kwargs) if previous is not None else None
 
@@ -71,7 +86,7 @@ def remember_compiles() -> None:
     """From now on, remember each kernel's first variant (once per process), so that a later variant
     is described by the arguments that changed. Call before the first kernel runs."""
     if not _REMEMBERING:
-        _REMEMBERING.append(_install(lambda _repr: None))
+        _REMEMBERING.append(_install(lambda _name, _args: None))
 
 
 @contextmanager
@@ -79,7 +94,7 @@ def watch_compiles() -> Iterator[list[str]]:
     """Yield a list that collects one line per kernel variant compiled inside the block: describe()'s
     line (the kernel's name and what differs from its first variant)."""
     compiled: list[str] = []
-    remove = _install(lambda repr_: compiled.append(describe(repr_)))
+    remove = _install(lambda name, args: compiled.append(describe(name, args)))
     try:
         yield compiled
     finally:
@@ -99,8 +114,7 @@ def log_compiles_after_startup(log: logging.Logger) -> Callable[[], None]:
         return _LOGGING[log.name]
     variants: dict[str, int] = {}
 
-    def on_compile(repr_: str) -> None:
-        name = repr_.split("[", 1)[0]
+    def on_compile(name: str, args: list[str]) -> None:
         variants[name] = variants.get(name, 0) + 1
         if variants[name] == 1:
             log.info("Triton compiled %s (first use since start-up)", name)
@@ -110,7 +124,7 @@ def log_compiles_after_startup(log: logging.Logger) -> Callable[[], None]:
                 "idle; a per-step value is specializing it: %s",
                 variants[name],
                 name,
-                describe(repr_)[:600],
+                describe(name, args)[:600],
             )
 
     remove_hook = _install(on_compile)

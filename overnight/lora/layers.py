@@ -26,6 +26,10 @@ from overnight.lora.targets import layer_modules
 Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
+def _aligned(n: int) -> int:
+    return -(-n // 4) * 4  # int32 elements in a whole number of 16 bytes
+
+
 class LoRABatch:
     """Row -> slot of the step being run. map_rows() fills it before each forward pass: token_slots
     for every row (padding rows -1), and for steps with prefills the runs of rows per request
@@ -37,11 +41,13 @@ class LoRABatch:
         cuda = device.type == "cuda"
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         # SGMV segments, packed [starts | lens | slots] of n each: one contiguous copy (a strided copy
-        # from host memory would be staged through pageable memory, waiting for the GPU).
-        self.seg = torch.zeros(3 * max_reqs, dtype=torch.int32, device=device)
+        # from host memory would be staged through pageable memory, waiting for the GPU). Each of the
+        # three starts at a multiple of 16 bytes (n rounded up to 4): Triton specializes a pointer on
+        # that, and a step count's remainder would otherwise compile new variants mid-run.
+        self.seg = torch.zeros(3 * _aligned(max_reqs), dtype=torch.int32, device=device)
         # Host staging, pinned and double-buffered on CUDA (a copy may still be in flight).
         self._hosts = [
-            torch.full((max_tokens + 3 * max_reqs,), -1, dtype=torch.int32, pin_memory=cuda)
+            torch.full((max_tokens + 3 * _aligned(max_reqs),), -1, dtype=torch.int32, pin_memory=cuda)
             for _ in range(2 if cuda else 1)
         ]
         self._events: list[torch.cuda.Event | None] = [None] * len(self._hosts)
@@ -77,8 +83,9 @@ class LoRABatch:
         rows[:num_tokens] = np.repeat(slots, counts) if not decode_only else slots
         rows[num_tokens:] = -1
         n = len(slots)
+        width = _aligned(n)
         if not decode_only:
-            packed = host[self.max_tokens : self.max_tokens + 3 * n].reshape(3, n)
+            packed = host[self.max_tokens : self.max_tokens + 3 * width].reshape(3, width)[:, :n]
             packed[0, 0] = 0
             np.cumsum(counts[:-1], out=packed[0, 1:])
             packed[1], packed[2] = counts, slots
@@ -88,8 +95,10 @@ class LoRABatch:
         if decode_only:
             self.segments = None
         else:
-            self.seg[: 3 * n].copy_(host_t[self.max_tokens : self.max_tokens + 3 * n], non_blocking=cuda)
-            seg = self.seg[: 3 * n].view(3, n)
+            self.seg[: 3 * width].copy_(
+                host_t[self.max_tokens : self.max_tokens + 3 * width], non_blocking=cuda
+            )
+            seg = self.seg[: 3 * width].view(3, width)[:, :n]
             self.segments = (seg[0], seg[1], seg[2], int(counts.max()))
         if cuda:
             ev = torch.cuda.Event()
