@@ -14,6 +14,8 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
 
 from overnight.kernels.fp8_gemm import _fp8_gemm_kernel
+from overnight.kernels.kv_write import _kv_write_kernel
+from overnight.kernels.mla_decode import _latent_write_kernel
 from overnight.kernels.moe_align import (
     _moe_align_atomic_count_kernel,
     _moe_align_atomic_finish_kernel,
@@ -227,3 +229,24 @@ def test_lora_segments_do_not_specialize_on_the_request_count():
             consts["PRECISION"] = "tf32"
             keys.add(str(binder(*args, **consts)[1]))
         assert len(keys) == 1, f"{jit.fn.__name__}: {len(keys)} variants over request counts 1-9"
+
+
+@pytest.mark.parametrize(
+    "kernel,slot_arg", [(_kv_write_kernel, "slot_ptr"), (_latent_write_kernel, "slot_mapping_ptr")]
+)
+def test_cache_writes_do_not_specialize_on_a_groups_slot_offset(kernel, slot_arg):
+    """Group g's slot mapping starts g * rows int64s into one buffer (runner/inputs.py): with an odd row
+    count the second group's pointer is 8 bytes off 16; the write kernels bind one variant either way."""
+    jit = as_jit(kernel)
+    binder = create_function_from_signature(jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32)))
+    slots = torch.zeros(64, dtype=torch.int64)
+    buf = torch.zeros(64)
+    keys = set()
+    for rows in (16, 17):  # group 1's slots of a step of this many rows
+        args = [
+            slots[rows:] if p.name == slot_arg else buf if "ptr" in p.name else 128
+            for p in jit.params
+            if not p.is_constexpr
+        ]
+        keys.add(str(binder(*args, **{p.name: 16 for p in jit.params if p.is_constexpr})[1]))
+    assert len(keys) == 1

@@ -28,7 +28,10 @@ from overnight.kernels.kv_layout import FP8_MAX, v_token_major
 KV_WRITE_NUM_WARPS = 4
 
 
-@triton.jit
+# A model with several KV cache groups reads group g's slots at g * rows of one packed buffer, so the
+# pointer's 16-byte alignment changes with a step's row count: not specialized on (its loads are scalar),
+# or each new alignment would compile a variant mid-run.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _kv_write_kernel(
     k_ptr,
     v_ptr,

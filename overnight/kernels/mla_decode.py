@@ -225,7 +225,7 @@ def mla_rows(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])  # as kv_write.py's slots
 def _latent_write_kernel(
     rows_ptr,
     cache_ptr,
