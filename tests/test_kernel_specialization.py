@@ -200,30 +200,30 @@ def test_a_later_variant_is_described_by_what_changed():
         triton.knobs.runtime.jit_cache_hook = None
 
 
-def test_lora_segments_do_not_specialize_on_the_request_count():
-    """The SGMV kernels read a step's segments as three int32 arrays packed in one buffer; Triton
-    specializes a pointer on 16-byte alignment, so arrays packed back to back (each n long) gave a new
-    variant whenever n % 4 changed (an H100 LoRA run compiled 4 mid-run). Each array now starts
-    aligned: every request count binds the same variant."""
-    from overnight.kernels.lora import _sgmv_expand_kernel, _sgmv_shrink_kernel
+def test_lora_rows_do_not_specialize_on_the_request_count():
+    """The LoRA kernels read a step's slot groups from one packed int32 buffer; Triton specializes a
+    pointer on 16-byte alignment, and segments packed back to back (n requests each) once gave a new
+    variant whenever n % 4 changed (an H100 LoRA run compiled 4 mid-run). The groups now sit at fixed,
+    aligned offsets: every request count and mix binds the same variant."""
+    from overnight.kernels.lora import _expand_kernel, _shrink_kernel
     from overnight.lora.layers import LoRABatch
 
-    batch = LoRABatch(max_tokens=256, max_reqs=16, device=torch.device("cpu"))
-    for kernel in (_sgmv_shrink_kernel, _sgmv_expand_kernel):
+    batch = LoRABatch(max_tokens=256, max_slots=6, device=torch.device("cpu"))
+    for kernel in (_shrink_kernel, _expand_kernel):
         jit = as_jit(kernel)
         binder = create_function_from_signature(
             jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32))
         )
         keys = set()
         for n in range(1, 10):
-            batch.map_rows(list(range(n)), [3] * n, num_rows=3 * n, decode_only=False)
-            assert batch.segments is not None
-            starts, lens, slots, _ = batch.segments
-            assert lens.tolist() == [3] * n and starts.tolist() == [3 * i for i in range(n)]
+            decode = n % 2 == 0  # a row a request, and a padding row
+            rows_each = 1 if decode else 3
+            batch.map_rows([i % 7 - 1 for i in range(n)], [rows_each] * n, rows_each * n + decode, decode)
+            rows = batch.rows
             buf = torch.zeros(64)
-            seg = {"seg_start_ptr": starts, "seg_len_ptr": lens, "seg_slot_ptr": slots}
+            by_name = {"order_ptr": rows.order, "starts_ptr": rows.starts, "lens_ptr": rows.lens}
             args = [
-                seg.get(p.name, buf) if "ptr" in p.name else 128 for p in jit.params if not p.is_constexpr
+                by_name.get(p.name, buf) if "ptr" in p.name else 128 for p in jit.params if not p.is_constexpr
             ]
             consts = {p.name: 16 for p in jit.params if p.is_constexpr}
             consts["PRECISION"] = "tf32"

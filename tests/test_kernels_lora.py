@@ -1,13 +1,16 @@
-"""The batched LoRA kernels (shrink / expand, BGMV and SGMV launches) against their torch references,
-on mixed-slot batches with base rows (-1), padded ranks and fused slices of unequal sizes. Without a
-GPU they run through the Triton interpreter (conftest.py): tiny shapes, fp32 / fp16."""
+"""The batched LoRA kernels (shrink / expand over rows grouped by slot) against their torch references,
+on mixed-slot batches with base rows (-1), padded ranks and fused slices of unequal sizes, as prefill
+and as decode (a graph's grid over every row); and LoRABatch's grouping. Without a GPU they run
+through the Triton interpreter (conftest.py): tiny shapes, fp32 / fp16."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
 
-from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref, slot_rows_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -25,45 +28,62 @@ def setup(dtype: torch.dtype, seed: int, lens: list[int], seg_slots: list[int], 
     token_slots = torch.tensor(
         [s for n, s in zip(lens, seg_slots) for _ in range(n)], dtype=torch.int32, device=DEVICE
     )
-    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()], dtype=torch.int32, device=DEVICE)
-    segments = (
-        starts,
-        torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        torch.tensor(seg_slots, dtype=torch.int32, device=DEVICE),
-        max(lens),
-    )
     y = torch.randn(sum(lens), sum(slices), generator=gen).to(DEVICE, dtype)
-    return x, a, b, y, token_slots, segments, offsets
+    return x, a, b, y, token_slots, offsets
 
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 
 
+def test_rows_group_by_slot_in_row_order() -> None:
+    token_slots = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
+    rows = slot_rows_ref(token_slots, num_slots=4)
+    assert rows.lens.tolist() == [2, 0, 3, 0] and rows.starts.tolist() == [0, 2, 2, 5]
+    assert rows.order.tolist() == [2, 6, 0, 3, 4] and rows.max_len == 3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("launch", ["bgmv", "sgmv"])
-def test_shrink_and_expand_match_reference(dtype: torch.dtype, launch: str) -> None:
-    # Segments: a 19-row prefill (two M tiles), decodes, base rows between adapters, a repeated slot.
-    lens, seg_slots = [19, 1, 3, 1, 5], [2, -1, 0, 1, 2]
-    if launch == "bgmv":
-        lens, seg_slots = [1] * 6, [0, -1, 2, 2, 1, -1]
-    x, a, b, y, token_slots, segments, offsets = setup(dtype, 0, lens, seg_slots)
-    segs = segments if launch == "sgmv" else None
-    h = lora_shrink(x, a, token_slots, segs)
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+def test_shrink_and_expand_match_reference(dtype: torch.dtype, step: str) -> None:
+    # prefill: a 19-row request (two M tiles), decodes, base rows between adapters, a slot twice, an
+    # idle slot; decode: a row each, the grid over every row (as a graph captures it)
+    lens, seg_slots = [19, 1, 3, 1, 5], [2, -1, 0, 2, 2]
+    if step == "decode":
+        lens, seg_slots = [1] * 6, [0, -1, 2, 2, 0, -1]
+    x, a, b, y, token_slots, offsets = setup(dtype, 0, lens, seg_slots)
+    rows = slot_rows_ref(token_slots, a.shape[0])
+    if step == "decode":
+        rows = replace(rows, max_len=None)
+    h = lora_shrink(x, a, rows)
     h_ref = lora_shrink_ref(x, a, token_slots)
     adapted = token_slots >= 0
     torch.testing.assert_close(h, h_ref, atol=TOL[dtype], rtol=TOL[dtype])  # zeros on base rows
+    unzeroed = lora_shrink(x, a, rows, zero_base_rows=False)  # base rows unwritten: the expand skips them
+    torch.testing.assert_close(unzeroed[adapted], h_ref[adapted], atol=TOL[dtype], rtol=TOL[dtype])
 
     y_ref = y.clone()
     lora_expand_ref(y_ref, h_ref, b, token_slots, offsets)
     off_dev = torch.tensor(offsets, dtype=torch.int32, device=DEVICE)
-    lora_expand(y, h_ref, b, token_slots, off_dev, max_slice=24, segments=segs)
+    lora_expand(y, h_ref, b, off_dev, max_slice=24, rows=rows)
     torch.testing.assert_close(y, y_ref, atol=TOL[dtype], rtol=TOL[dtype])
     # Base rows are untouched, adapter rows changed.
+    assert torch.equal(y[~adapted], setup(dtype, 0, lens, seg_slots)[3][~adapted])
     assert not torch.equal(y_ref[adapted], setup(dtype, 0, lens, seg_slots)[3][adapted])
 
 
+def test_no_adapter_rows_change_nothing() -> None:
+    """A decode graph's replay of a step of base rows only: every count 0, y untouched, h zero."""
+    x, a, b, y, token_slots, offsets = setup(torch.float32, 4, [1] * 5, [-1] * 5)
+    rows = replace(slot_rows_ref(token_slots, a.shape[0]), max_len=None)
+    assert rows.lens.tolist() == [0, 0, 0]
+    h = lora_shrink(x, a, rows)
+    before = y.clone()
+    lora_expand(y, torch.ones_like(h), b, torch.tensor(offsets, dtype=torch.int32, device=DEVICE), 24, rows)
+    assert torch.equal(h, torch.zeros_like(h)) and torch.equal(y, before)
+
+
 def test_reference_is_the_per_row_formula() -> None:
-    x, a, b, y, token_slots, _, offsets = setup(torch.float32, 1, [1] * 4, [1, -1, 0, 1])
+    x, a, b, y, token_slots, offsets = setup(torch.float32, 1, [1] * 4, [1, -1, 0, 1])
     h = lora_shrink_ref(x, a, token_slots)
     out = y.clone()
     lora_expand_ref(out, h, b, token_slots, offsets)
@@ -77,18 +97,21 @@ def test_reference_is_the_per_row_formula() -> None:
 
 
 def test_shapes_are_checked() -> None:
-    x, a, _, _, token_slots, _, _ = setup(torch.float32, 2, [2], [0])
+    x, a, _, _, token_slots, _ = setup(torch.float32, 2, [2], [0])
+    rows = slot_rows_ref(token_slots, a.shape[0])
     with pytest.raises(ValueError, match="do not fit"):
-        lora_shrink(x[:, :-1], a, token_slots)
+        lora_shrink(x[:, :-1], a, rows)
     with pytest.raises(ValueError, match="int32"):
-        lora_shrink(x, a, token_slots.long())
+        lora_shrink(x, a, replace(rows, lens=rows.lens.long()))
+    with pytest.raises(ValueError, match="cover 2 slots"):
+        lora_shrink(x, a, replace(rows, starts=rows.starts[:2], lens=rows.lens[:2]))
 
 
-@pytest.mark.parametrize("decode_only", [False, True], ids=["sgmv-step", "bgmv-step"])
+@pytest.mark.parametrize("decode_only", [False, True], ids=["prefill-step", "decode-step"])
 def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkeypatch) -> None:
     """A wrapped fused layer (3 slices) through LoRABatch.map_rows, kernels forced on, against the same
-    layer on the torch path; a step without adapters afterwards leaves the slot map all -1 (what a decode
-    graph would read)."""
+    layer on the torch path; a step without adapters afterwards leaves every count 0 and the slot map
+    all -1 (what a decode graph would read)."""
     from torch import nn
 
     from overnight.kernels import dispatch
@@ -96,7 +119,7 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
 
     gen = torch.Generator().manual_seed(3)
     base = nn.Linear(32, 40, bias=False).to(DEVICE)
-    batch = LoRABatch(max_tokens=64, max_reqs=8, device=torch.device(DEVICE))
+    batch = LoRABatch(max_tokens=64, max_slots=2, device=torch.device(DEVICE))
     layer = LoRALinear(base, batch, [24, 8, 8], max_loras=2, max_rank=8, dtype=torch.float32)
     layer.set_slot(0, [(0, torch.randn(4, 32, generator=gen), torch.randn(24, 4, generator=gen))])
     layer.set_slot(1, [(1, torch.randn(8, 32, generator=gen), torch.randn(8, 8, generator=gen)),
@@ -106,7 +129,9 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     num_rows = sum(lens) + (1 if decode_only else 0)  # a padding row, as a graph bucket has
     x = torch.randn(num_rows, 32, generator=gen).to(DEVICE)
     batch.map_rows(slots, lens, num_rows, decode_only)
-    assert (batch.segments is None) == decode_only
+    assert batch.rows.max_len == (None if decode_only else 10)  # slot 1: 7 + 3 rows
+    want_lens = [1, 1] if decode_only else [1, 10]
+    assert batch.rows.lens.tolist() == want_lens and batch.rows.starts.tolist() == [0, want_lens[0]]
     with torch.no_grad():
         monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
         got = layer(x)
@@ -119,11 +144,12 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     assert not torch.allclose(got[rows >= 0], plain[rows >= 0])
     batch.map_rows([-1, -1], [1, 1], 2, True)
     assert not batch.active and bool((batch.token_slots == -1).all())
+    assert batch.rows.lens.tolist() == [0, 0]
 
 
 @pytest.mark.slow  # the interpreter compiles four kernels: ~10 s on two shared cores
 def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_path, monkeypatch) -> None:
-    """DeviceLoRA on a tiny Qwen3: the four projections of each layer wrapped, the start-up SGMV pass
+    """DeviceLoRA on a tiny Qwen3: the four projections of each layer wrapped, the start-up kernel pass
     (run on CUDA; forced here through the interpreter) leaves the map in its capture state."""
     from overnight.config import LoRAConfig
     from overnight.kernels import dispatch
@@ -135,14 +161,12 @@ def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_pat
     folder = make_tiny_checkpoint(tmp_path, "qwen3", num_hidden_layers=1)
     model = load_model(resolve_source(str(folder)), torch.float32, DEVICE)
     config = LoRAConfig(max_loras=2, max_lora_rank=8, max_cpu_loras=2)
-    lora = DeviceLoRA(
-        model, model.arch, config, torch.float32, torch.device(DEVICE), max_tokens=32, max_reqs=4
-    )
+    lora = DeviceLoRA(model, model.arch, config, torch.float32, torch.device(DEVICE), max_tokens=32)
     assert sorted(path for _, path in lora.modules) == [
         "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj",
     ]  # fmt: skip
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     lora._compile_prefill_kernels()
     lora.batch.for_capture()
-    assert lora.batch.active and lora.batch.segments is None
-    assert bool((lora.batch.token_slots == -1).all())
+    assert lora.batch.active and lora.batch.rows.max_len is None
+    assert bool((lora.batch.token_slots == -1).all()) and lora.batch.rows.lens.tolist() == [0, 0]

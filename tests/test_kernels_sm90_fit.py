@@ -1,4 +1,4 @@
-"""The fused-MoE GEMM, the atomic alignment and the LoRA SGMV kernels compile for the H200 (sm_90) and fit it, as
+"""The fused-MoE GEMM, the atomic alignment and the LoRA kernels compile for the H200 (sm_90) and fit it, as
 tests/test_kernels_attention_sm90.py checks the attention kernels: Triton's bundled compiler builds the
 cubin on the CPU, so what only a GPU's first launch used to refuse fails here. Two faults of that kind
 were first seen on an H200: the SGMV kernels' `slot` changing type inside an `if` (a compile error the
@@ -55,15 +55,15 @@ def moe_case(
     return _moe_gemm_kernel, types, cx, tiles.num_warps, tiles.num_stages
 
 
-def sgmv_case(kind: str):
+def lora_case(kind: str):
     from overnight.kernels import lora
 
     types = dict(x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", y_ptr="*bf16", b_ptr="*bf16")
     if kind == "shrink":
-        cx = dict(PRECISION="tf32", BLOCK_M=16, BLOCK_R=16, BLOCK_K=64)
-        return lora._sgmv_shrink_kernel, types, cx, 4, 3
-    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=16, BLOCK_R=16, BLOCK_N=64)
-    return lora._sgmv_expand_kernel, types, cx, 4, 3
+        cx = dict(PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_K=64)
+        return lora._shrink_kernel, types, cx, 4, 3
+    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_N=64)
+    return lora._expand_kernel, types, cx, 4, 3
 
 
 def align_case(kind: str, experts: int = 128, block_m: int = 64):
@@ -93,8 +93,8 @@ CASES = {
     "align-atomic-count": lambda: align_case("count"),
     "align-atomic-finish-128-64": lambda: align_case("finish", 128, 64),  # Qwen3-30B-A3B, a W8A8 tile
     "align-atomic-finish-512-16": lambda: align_case("finish", 512, 16),  # Qwen3.5-MoE's 512 experts
-    "lora-sgmv-shrink": lambda: sgmv_case("shrink"),
-    "lora-sgmv-expand": lambda: sgmv_case("expand"),
+    "lora-shrink": lambda: lora_case("shrink"),
+    "lora-expand": lambda: lora_case("expand"),
 }
 
 

@@ -9,7 +9,7 @@
     language_model. keys; the hybrids on every kind of layer they have (Qwen3.5 / Qwen3-Next's gated
     attention and Gated DeltaNet, Granite 4.0-H's and Nemotron-H's Mamba2, LFM2's short conv), Gemma 4's
     KV-shared and K=V layers, Llama 4's and LFM2's checkpoint names (feed_forward, w1 / w3 / w2);
-    Phi-3's and Qwen3.5's adapters through the Triton interpreter's SGMV kernels;
+    Phi-3's and Qwen3.5's adapters through the Triton interpreter's LoRA kernels;
   - fast: the refusals (experts and routers of MoE layers, target_parameters, a vision tower, names of
     another family, families without LoRA, a projection on a layer of the other kind, B rows of an
     ungated q_proj, LoRA with tensor parallelism on the single-device families) on adapters written by
@@ -395,11 +395,11 @@ def test_enable_lora_on_a_family_without_lora_is_refused(tmp_path: Path) -> None
         lora_config(EngineOptions(model="x", enable_lora=True), Source(), "generate")  # type: ignore[arg-type]
 
 
-@pytest.mark.slow  # the interpreter compiles the SGMV shrink and expand kernels (~5 s on two shared cores)
+@pytest.mark.slow  # the interpreter compiles the LoRA shrink and expand kernels (~5 s on two shared cores)
 @pytest.mark.parametrize("family", ["phi3", "qwen3_5"])
 def test_adapter_on_the_kernel_path(family: str, tmp_path: Path, monkeypatch) -> None:
     """Phi-3's fused-projection adapter, and Qwen3.5's on a hybrid's two kinds of layer (gated attention,
-    Gated DeltaNet), in a device slot: every wrapped layer's SGMV kernels (through the Triton interpreter
+    Gated DeltaNet), in a device slot: every wrapped layer's LoRA kernels (through the Triton interpreter
     without a GPU) equal the torch path on a batch of adapter and base rows."""
     from overnight.config import LoRAConfig
     from overnight.kernels import dispatch
@@ -418,7 +418,7 @@ def test_adapter_on_the_kernel_path(family: str, tmp_path: Path, monkeypatch) ->
                           load=_loader(type(model)))  # fmt: skip
     ours = cpu_model(tmp_path / "base")
     device = next(ours.parameters()).device
-    lora = DeviceLoRA(ours, ours.arch, LoRAConfig(2, 8, 2), torch.float32, device, max_tokens=16, max_reqs=4)
+    lora = DeviceLoRA(ours, ours.arch, LoRAConfig(2, 8, 2), torch.float32, device, max_tokens=16)
     lora.load([(1, LoRARequest("a", 7, str(folder)))])
     lora.map_rows([7, 0, 7], [5, 3, 2], 10, decode_only=False)
     rows = torch.tensor([1] * 5 + [0] * 3 + [1] * 2, dtype=torch.bool)

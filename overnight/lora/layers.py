@@ -20,10 +20,8 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
-from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from overnight.kernels.lora import SlotRows, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
 from overnight.lora.targets import layer_modules
-
-Segments = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
 
 
 def _aligned(n: int) -> int:
@@ -31,31 +29,38 @@ def _aligned(n: int) -> int:
 
 
 class LoRABatch:
-    """Row -> slot of the step being run. map_rows() fills it before each forward pass: token_slots
-    for every row (padding rows -1), and for steps with prefills the runs of rows per request
-    (SGMV segments). A step without adapter rows skips LoRA (active False), except while decode graphs
-    are captured: the captured kernels then read token_slots at every replay."""
+    """Row -> slot of the step being run, in static device buffers. map_rows() fills it before each
+    forward pass: token_slots (every row; -1 for base and padding rows: the torch path's map) and rows
+    (SlotRows: the adapter rows grouped by slot, what the kernels read). A step without adapter rows
+    skips LoRA (active False), except while decode graphs are captured: the captured kernels read the
+    groups at every replay, and a step without adapter rows leaves every count 0."""
 
-    def __init__(self, max_tokens: int, max_reqs: int, device: torch.device) -> None:
+    def __init__(self, max_tokens: int, max_slots: int, device: torch.device) -> None:
         self.device = device
+        self.max_tokens = max_tokens
+        self.max_slots = max_slots
         cuda = device.type == "cuda"
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
-        # SGMV segments, packed [starts | lens | slots] of n each: one contiguous copy (a strided copy
-        # from host memory would be staged through pageable memory, waiting for the GPU). Each of the
-        # three starts at a multiple of 16 bytes (n rounded up to 4): Triton specializes a pointer on
-        # that, and a step count's remainder would otherwise compile new variants mid-run.
-        self.seg = torch.zeros(3 * _aligned(max_reqs), dtype=torch.int32, device=device)
-        # Host staging, pinned and double-buffered on CUDA (a copy may still be in flight).
+        self.order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
+        # [starts | lens], each at a multiple of 16 bytes: Triton specializes a pointer on that.
+        self._width = _aligned(max_slots)
+        self.seg = torch.zeros(2 * self._width, dtype=torch.int32, device=device)
+        # Host staging [token_slots | order | starts | lens], pinned and double-buffered on CUDA (a
+        # copy may still be in flight): contiguous copies (a strided one from host memory would be
+        # staged through pageable memory, waiting for the GPU).
         self._hosts = [
-            torch.full((max_tokens + 3 * _aligned(max_reqs),), -1, dtype=torch.int32, pin_memory=cuda)
+            torch.full((2 * max_tokens + 2 * self._width,), -1, dtype=torch.int32, pin_memory=cuda)
             for _ in range(2 if cuda else 1)
         ]
         self._events: list[torch.cuda.Event | None] = [None] * len(self._hosts)
         self._turn = 0
-        self.segments: Segments | None = None  # None: BGMV over token_slots
+        self.rows = self._slot_rows(None)
         self.active = False
-        self._dirty = True  # token_slots may hold a step's slots (a graph replay would read them)
-        self.max_tokens = max_tokens
+        self._dirty = True  # the buffers may hold a step's groups (a graph replay would read them)
+
+    def _slot_rows(self, max_len: int | None) -> SlotRows:
+        w, n = self._width, self.max_slots
+        return SlotRows(self.order, self.seg[:n], self.seg[w : w + n], max_len)
 
     def map_rows(
         self, req_slots: Sequence[int], lens: Sequence[int], num_rows: int, decode_only: bool
@@ -65,9 +70,9 @@ class LoRABatch:
         slots = np.asarray(req_slots, dtype=np.int32)
         self.active = bool((slots >= 0).any())
         if not self.active:
-            self.segments = None
-            if self._dirty:  # a decode graph reads the map whatever `active` says
+            if self._dirty:  # a decode graph runs the kernels whatever `active` says: counts 0
                 self.token_slots.fill_(-1)
+                self.seg.zero_()
                 self._dirty = False
             return
         self._dirty = True
@@ -78,38 +83,39 @@ class LoRABatch:
         event = self._events[turn]
         if event is not None:
             event.synchronize()
-        host = self._hosts[turn].numpy()
-        rows = host[:num_rows]
-        rows[:num_tokens] = np.repeat(slots, counts) if not decode_only else slots
-        rows[num_tokens:] = -1
-        n = len(slots)
-        width = _aligned(n)
-        if not decode_only:
-            packed = host[self.max_tokens : self.max_tokens + 3 * width].reshape(3, width)[:, :n]
-            packed[0, 0] = 0
-            np.cumsum(counts[:-1], out=packed[0, 1:])
-            packed[1], packed[2] = counts, slots
         host_t = self._hosts[turn]
+        host = host_t.numpy()
+        t, w = self.max_tokens, self._width
+        row_slots = host[:num_rows]
+        row_slots[:num_tokens] = slots if decode_only else np.repeat(slots, counts)
+        row_slots[num_tokens:] = -1
+        adapted = np.flatnonzero(row_slots[:num_tokens] >= 0)
+        by_slot = row_slots[adapted]
+        order = adapted[np.argsort(by_slot, kind="stable")]
+        per_slot = np.bincount(by_slot, minlength=self.max_slots)
+        host[t : t + len(order)] = order
+        starts, seg_lens = host[2 * t : 2 * t + w], host[2 * t + w : 2 * t + 2 * w]
+        starts[: self.max_slots] = np.cumsum(per_slot) - per_slot
+        seg_lens[: self.max_slots] = per_slot
         cuda = self.device.type == "cuda"
         self.token_slots[:num_rows].copy_(host_t[:num_rows], non_blocking=cuda)
-        if decode_only:
-            self.segments = None
-        else:
-            self.seg[: 3 * width].copy_(
-                host_t[self.max_tokens : self.max_tokens + 3 * width], non_blocking=cuda
-            )
-            seg = self.seg[: 3 * width].view(3, width)[:, :n]
-            self.segments = (seg[0], seg[1], seg[2], int(counts.max()))
+        self.order[: len(order)].copy_(host_t[t : t + len(order)], non_blocking=cuda)
+        self.seg.copy_(host_t[2 * t :], non_blocking=cuda)
+        # decode: tiles over every row, as the graph of this bucket was captured
+        self.rows = self._slot_rows(None if decode_only else int(per_slot.max()))
         if cuda:
             ev = torch.cuda.Event()
             ev.record()
             self._events[turn] = ev
 
     def for_capture(self) -> None:
-        """Decode graphs record the BGMV kernels: every row of the base model until a replay's map."""
+        """Decode graphs record the kernels with every count 0 (all rows of the base model) until a
+        replay's groups; their grid covers the bucket's rows."""
         self.token_slots.fill_(-1)
-        self.segments = None
+        self.seg.zero_()
+        self.rows = self._slot_rows(None)
         self.active = True
+        self._dirty = False
 
 
 class LoRALinear(nn.Module):
@@ -172,19 +178,18 @@ class LoRALinear(nn.Module):
         batch = self.batch
         if not batch.active:
             return y
-        slots = batch.token_slots
         kernels = use_kernels(x)
         h = (
-            lora_shrink(x, self.lora_a, slots, batch.segments)
+            lora_shrink(x, self.lora_a, batch.rows, zero_base_rows=self.reduce is not None)
             if kernels
-            else lora_shrink_ref(x, self.lora_a, slots)
+            else lora_shrink_ref(x, self.lora_a, batch.token_slots)
         )
         if self.reduce is not None:
             self.reduce(h)
         if kernels:
-            lora_expand(y, h, self.lora_b, slots, self.offsets_dev, self.max_slice, batch.segments)
+            lora_expand(y, h, self.lora_b, self.offsets_dev, self.max_slice, batch.rows)
         else:
-            lora_expand_ref(y, h, self.lora_b, slots, self.offsets)
+            lora_expand_ref(y, h, self.lora_b, batch.token_slots, self.offsets)
         return y
 
 

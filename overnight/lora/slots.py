@@ -82,13 +82,12 @@ class DeviceLoRA:
         dtype: torch.dtype,
         device: torch.device,
         max_tokens: int,
-        max_reqs: int,
         sharding: LoRASharding | None = None,
     ) -> None:
         """arch: the model as this device holds it (a tensor-parallel rank's share, with `sharding`)."""
         self.config = config
         self.sharding = sharding
-        self.batch = LoRABatch(max_tokens, max_reqs, device)
+        self.batch = LoRABatch(max_tokens, config.max_loras, device)
         self.modules: dict[tuple[int, str], LoRALinear] = apply_lora(
             model, arch, self.batch, config.max_loras, config.max_lora_rank, dtype
         )
@@ -107,8 +106,8 @@ class DeviceLoRA:
     @torch.inference_mode()
     def _compile_prefill_kernels(self) -> None:
         """One row through each shape of wrapped layer with a prefill step's map (slot 0, all zeros
-        yet): the SGMV kernels compile now, not in the middle of a job (the memory profile and graph
-        capture compile the BGMV ones)."""
+        yet): the kernels compile now, not in the middle of a job (prefill and decode launch the same
+        variant)."""
         seen: set[tuple[int, int, tuple[int, ...]]] = set()
         for module in self.modules.values():
             # one per shape: a module's size may differ between layers (Gemma 4's full / sliding layers)

@@ -190,7 +190,6 @@ class ModelRunner:
                 config.model.dtype,
                 self.device,
                 max_tokens=max(sched.max_num_batched_tokens, sched.max_num_seqs),
-                max_reqs=sched.max_num_seqs,
                 sharding=lora_sharding,
             )
         self.kv_caches: list[torch.Tensor] = []
