@@ -27,7 +27,7 @@ Pixels = tuple[torch.Tensor, tuple[int, int, int], str]  # pixel_values, grid (t
 class ImageInput:
     offset: int  # index of the image's first token in the prompt
     num_tokens: int  # its tokens (merged patches): prompt[offset : offset + num_tokens]
-    content_hash: str  # sha256 of the preprocessed pixels and grid
+    content_hash: str  # sha256 of the decoded image (mode, size, pixels): processor.py
     pixel_values: torch.Tensor  # [patches, C * temporal_patch * patch * patch] float32, on the host
     grid_thw: tuple[int, int, int]  # patch grid (frames, rows, columns)
 

@@ -100,10 +100,14 @@ class ImageProcessor:
         self.max_ahead = 256
 
     def pixels(self, source: Any) -> Pixels:
-        """(pixel_values, grid (t, h, w), content hash) of one image."""
+        """(pixel_values, grid (t, h, w), content hash) of one image. The hash is of the decoded image
+        (its mode, size and pixels), which this engine's processor turns into the same pixel values
+        every time: a 448 x 448 image hashes 0.6 MB, its float32 patches 4.8 MB (3 ms of sha256)."""
         image = load_image(source, self.policy)
         try:
             out = self.hf(images=[image], return_tensors="pt", **self.hf_kwargs)
+            digest = hashlib.sha256(f"{image.mode} {image.size}".encode())
+            digest.update(image.tobytes())  # decoded by now: a broken file has failed above
         except Exception as e:
             raise MediaError(f"cannot preprocess image: {type(e).__name__}: {e}") from None
         if self.pixtral is not None:  # [1, C, H, W] -> patch rows; its grid (1, H / patch, W / patch)
@@ -120,8 +124,6 @@ class ImageProcessor:
         else:
             pixels = out["pixel_values"].float().contiguous()
             t, h, w = (int(x) for x in out["image_grid_thw"][0].tolist())
-        digest = hashlib.sha256(pixels.numpy().tobytes())
-        digest.update(np.asarray([t, h, w], dtype=np.int64).tobytes())
         return pixels, (t, h, w), digest.hexdigest()
 
     def process(self, token_ids: list[int], images: list[Any]) -> tuple[list[int], MultiModalInputs]:
