@@ -39,8 +39,9 @@ def as_jit(kernel) -> JITFunction:
     return JITFunction(kernel.fn, **{k: v for k, v in kernel.kwargs.items() if k in keep})
 
 
-def specialization(kernel, varying: dict[str, int]) -> list:
-    """The specialization Triton would compile `kernel` for, with the named arguments set."""
+def specialization(kernel, varying: dict[str, object], constexprs: dict | None = None) -> list:
+    """The specialization Triton would compile `kernel` for, with the named arguments set (counts or
+    tensors) and constexprs 16 unless named."""
     kernel = as_jit(kernel)
     binder = create_function_from_signature(
         kernel.signature, kernel.params, CUDABackend(GPUTarget("cuda", 90, 32))
@@ -49,7 +50,7 @@ def specialization(kernel, varying: dict[str, int]) -> list:
     args, kwargs = [], {}
     for p in kernel.params:
         if p.is_constexpr:
-            kwargs[p.name] = 16
+            kwargs[p.name] = (constexprs or {}).get(p.name, 16)
         elif p.name in varying:
             args.append(varying[p.name])
         elif "ptr" in p.name:
@@ -210,25 +211,15 @@ def test_lora_rows_do_not_specialize_on_the_request_count():
 
     batch = LoRABatch(max_tokens=256, max_slots=6, device=torch.device("cpu"))
     for kernel in (_shrink_kernel, _expand_kernel):
-        jit = as_jit(kernel)
-        binder = create_function_from_signature(
-            jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32))
-        )
         keys = set()
         for n in range(1, 10):
             decode = n % 2 == 0  # a row a request, and a padding row
             rows_each = 1 if decode else 3
             batch.map_rows([i % 7 - 1 for i in range(n)], [rows_each] * n, rows_each * n + decode, decode)
             rows = batch.rows
-            buf = torch.zeros(64)
-            by_name = {"order_ptr": rows.order, "starts_ptr": rows.starts, "lens_ptr": rows.lens}
-            args = [
-                by_name.get(p.name, buf) if "ptr" in p.name else 128 for p in jit.params if not p.is_constexpr
-            ]
-            consts = {p.name: 16 for p in jit.params if p.is_constexpr}
-            consts["PRECISION"] = "tf32"
-            keys.add(str(binder(*args, **consts)[1]))
-        assert len(keys) == 1, f"{jit.fn.__name__}: {len(keys)} variants over request counts 1-9"
+            groups = {"order_ptr": rows.order, "starts_ptr": rows.starts, "lens_ptr": rows.lens}
+            keys.add(str(specialization(kernel, groups, {"PRECISION": "tf32"})))
+        assert len(keys) == 1, f"{kernel.fn.__name__}: {len(keys)} variants over request counts 1-9"
 
 
 @pytest.mark.parametrize(
@@ -237,16 +228,7 @@ def test_lora_rows_do_not_specialize_on_the_request_count():
 def test_cache_writes_do_not_specialize_on_a_groups_slot_offset(kernel, slot_arg):
     """Group g's slot mapping starts g * rows int64s into one buffer (runner/inputs.py): with an odd row
     count the second group's pointer is 8 bytes off 16; the write kernels bind one variant either way."""
-    jit = as_jit(kernel)
-    binder = create_function_from_signature(jit.signature, jit.params, CUDABackend(GPUTarget("cuda", 90, 32)))
     slots = torch.zeros(64, dtype=torch.int64)
-    buf = torch.zeros(64)
-    keys = set()
-    for rows in (16, 17):  # group 1's slots of a step of this many rows
-        args = [
-            slots[rows:] if p.name == slot_arg else buf if "ptr" in p.name else 128
-            for p in jit.params
-            if not p.is_constexpr
-        ]
-        keys.add(str(binder(*args, **{p.name: 16 for p in jit.params if p.is_constexpr})[1]))
+    # group 1's slots of a step of 16 or 17 rows
+    keys = {str(specialization(kernel, {slot_arg: slots[rows:]})) for rows in (16, 17)}
     assert len(keys) == 1

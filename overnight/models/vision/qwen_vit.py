@@ -20,6 +20,7 @@ families' towers plug in through build_vision_tower by returning the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -92,14 +93,24 @@ def patch_rows_cols(
     """([patches] row, [patches] column) of each patch in its image's grid, patches in merge-block order
     (every frame of an image repeats its grid)."""
     m = v.spatial_merge_size
-    # once per distinct grid: a step's images are mostly one size
-    per_grid: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for t, h, w in dict.fromkeys(grid_thw):
+
+    def one(t: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         r = torch.arange(h, device=device)[:, None].expand(h, w)
         c = torch.arange(w, device=device)[None, :].expand(h, w)
         r, c = (pos.reshape(h // m, m, w // m, m).transpose(1, 2).flatten().repeat(t) for pos in (r, c))
-        per_grid[(t, h, w)] = (r, c)
-    return torch.cat([per_grid[g][0] for g in grid_thw]), torch.cat([per_grid[g][1] for g in grid_thw])
+        return r, c
+
+    return per_grid(grid_thw, one)
+
+
+def per_grid(
+    grid_thw: list[tuple[int, int, int]],
+    build: Callable[[int, int, int], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """build(t, h, w)'s two tensors for each image, concatenated in image order; built once per distinct
+    grid (a step's images are mostly one size, and each build is several small kernels)."""
+    built = {g: build(*g) for g in dict.fromkeys(grid_thw)}
+    return torch.cat([built[g][0] for g in grid_thw]), torch.cat([built[g][1] for g in grid_thw])
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -320,16 +331,15 @@ def interpolation_taps(
     image's patch grid: (indices [patches, 4] into the table, weights [patches, 4]), merge-block order."""
     side = int(v.num_position_embeddings**0.5)
     m = v.spatial_merge_size
-    per_grid: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-    for t, h, w in dict.fromkeys(grid_thw):  # once per distinct grid
 
-        def axis(n: int) -> tuple[torch.Tensor, torch.Tensor]:
-            src = torch.arange(n, dtype=torch.float32, device=device) * (side - 1) / max(n - 1, 1)
-            lo = src.floor()
-            taps = torch.stack([lo, lo + 1], dim=-1).long().clamp(0, side - 1)
-            frac = src - lo
-            return taps, torch.stack([1 - frac, frac], dim=-1)
+    def axis(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        src = torch.arange(n, dtype=torch.float32, device=device) * (side - 1) / max(n - 1, 1)
+        lo = src.floor()
+        taps = torch.stack([lo, lo + 1], dim=-1).long().clamp(0, side - 1)
+        frac = src - lo
+        return taps, torch.stack([1 - frac, frac], dim=-1)
 
+    def one(t: int, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         (ht, hw), (wt, ww) = axis(h), axis(w)
         idx = (ht[:, None, :, None] * side + wt[None, :, None, :]).reshape(h, w, 4)
         wgt = (hw[:, None, :, None] * ww[None, :, None, :]).reshape(h, w, 4)
@@ -337,8 +347,9 @@ def interpolation_taps(
             table.view(h // m, m, w // m, m, 4).transpose(1, 2).reshape(-1, 4).repeat(t, 1)
             for table in (idx, wgt)
         )
-        per_grid[(t, h, w)] = (idx, wgt)
-    return torch.cat([per_grid[g][0] for g in grid_thw]), torch.cat([per_grid[g][1] for g in grid_thw])
+        return idx, wgt
+
+    return per_grid(grid_thw, one)
 
 
 class Qwen3VisionModel(nn.Module):
