@@ -202,11 +202,12 @@ def test_a_later_variant_is_described_by_what_changed():
 
 
 def test_lora_rows_do_not_specialize_on_the_request_count():
-    """The LoRA kernels read a step's slot groups from one packed int32 buffer; Triton specializes a
-    pointer on 16-byte alignment, and segments packed back to back (n requests each) once gave a new
-    variant whenever n % 4 changed (an H100 LoRA run compiled 4 mid-run). The groups now sit at fixed,
-    aligned offsets: every request count and mix binds the same variant."""
-    from overnight.kernels.lora import _expand_kernel, _shrink_kernel
+    """The LoRA kernels read a step's tiles from int32 buffers; Triton specializes a pointer on 16-byte
+    alignment and an int on being 1 or a multiple of 16. Segments packed back to back (n requests
+    each) once gave a new variant whenever n % 4 changed (an H100 LoRA run compiled 4 mid-run), and
+    the shrink's split of K changes with the step's rows (1 on a large prefill step). Every request
+    count, mix and split binds the same variant."""
+    from overnight.kernels.lora import _expand_kernel, _shrink_kernel, shrink_splits
     from overnight.lora.layers import LoRABatch
 
     batch = LoRABatch(max_tokens=256, max_slots=6, device=torch.device("cpu"))
@@ -215,10 +216,13 @@ def test_lora_rows_do_not_specialize_on_the_request_count():
         for n in range(1, 10):
             decode = n % 2 == 0  # a row a request, and a padding row
             rows_each = 1 if decode else 3
-            batch.map_rows([i % 7 - 1 for i in range(n)], [rows_each] * n, rows_each * n + decode, decode)
-            rows = batch.rows
-            groups = {"order_ptr": rows.order, "starts_ptr": rows.starts, "lens_ptr": rows.lens}
-            keys.add(str(specialization(kernel, groups, {"PRECISION": "tf32"})))
+            num_rows = rows_each * n + decode
+            batch.map_rows([i % 7 - 1 for i in range(n)], [rows_each] * n, num_rows, decode)
+            varying: dict[str, object] = {"order_ptr": batch.rows.order, "tiles_ptr": batch.rows.tiles}
+            if kernel is _shrink_kernel:
+                splits, width = shrink_splits(4096, 1024 * n if n > 5 else num_rows, 3)
+                varying.update(NUM_SPLITS=splits, K_SPLIT=width)
+            keys.add(str(specialization(kernel, varying, {"PRECISION": "tf32"})))
         assert len(keys) == 1, f"{kernel.fn.__name__}: {len(keys)} variants over request counts 1-9"
 
 

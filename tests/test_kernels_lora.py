@@ -7,10 +7,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
-from overnight.kernels.lora import lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref, slot_rows_ref
+from overnight.kernels.lora import (
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+    max_tiles,
+    shrink_splits,
+    slot_rows_ref,
+    tile_table,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -38,8 +48,21 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 5e-2}
 def test_rows_group_by_slot_in_row_order() -> None:
     token_slots = torch.tensor([2, -1, 0, 2, 2, -1, 0], dtype=torch.int32)
     rows = slot_rows_ref(token_slots, num_slots=4)
-    assert rows.lens.tolist() == [2, 0, 3, 0] and rows.starts.tolist() == [0, 2, 2, 5]
-    assert rows.order.tolist() == [2, 6, 0, 3, 4] and rows.max_len == 3
+    assert rows.order.tolist() == [2, 6, 0, 3, 4] and rows.num_tiles == 2
+    assert rows.tiles.tolist() == [[0, 2], [0, 2], [2, 3]]  # (slot, start, length) by column
+    padded = slot_rows_ref(token_slots, num_slots=4, padded=True)
+    assert padded.num_tiles is None and padded.tiles.shape == (3, 1 + 4)  # cdiv(7, 16) + slots
+    assert torch.equal(padded.tiles[:, :2], rows.tiles) and not padded.tiles[:, 2:].any()
+
+
+def test_tiles_cut_each_slot_at_block_m() -> None:
+    """Slots of 0, 35, 16 and 1 rows: 3 + 1 + 1 tiles, each inside one slot, covering its rows once."""
+    table = tile_table(np.array([0, 35, 16, 1]))
+    assert table.tolist() == [[1, 1, 1, 2, 3], [0, 16, 32, 35, 51], [16, 16, 3, 16, 1]]
+    assert tile_table(np.array([0, 35, 16, 1]), 9)[:, 5:].tolist() == [[0] * 4] * 3
+    assert max_tiles(52, 4) == 8 and tile_table(np.zeros(3, dtype=np.int64)).shape == (3, 0)
+    with pytest.raises(ValueError, match="5 tiles do not fit a table of 4"):
+        tile_table(np.array([0, 35, 16, 1]), 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,9 +74,7 @@ def test_shrink_and_expand_match_reference(dtype: torch.dtype, step: str) -> Non
     if step == "decode":
         lens, seg_slots = [1] * 6, [0, -1, 2, 2, 0, -1]
     x, a, b, y, token_slots, offsets = setup(dtype, 0, lens, seg_slots)
-    rows = slot_rows_ref(token_slots, a.shape[0])
-    if step == "decode":
-        rows = replace(rows, max_len=None)
+    rows = slot_rows_ref(token_slots, a.shape[0], padded=step == "decode")
     h = lora_shrink(x, a, rows)
     h_ref = lora_shrink_ref(x, a, token_slots)
     adapted = token_slots >= 0
@@ -71,11 +92,46 @@ def test_shrink_and_expand_match_reference(dtype: torch.dtype, step: str) -> Non
     assert not torch.equal(y_ref[adapted], setup(dtype, 0, lens, seg_slots)[3][adapted])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("splits", [2, 4])
+def test_shrink_split_along_k_matches_reference(dtype: torch.dtype, splits: int) -> None:
+    """K = 200 cut into parts 128 / 64 wide (the last one short: 64 + 64 + 64 + 8), partial sums
+    added: the same h as one pass, as prefill and as a decode graph's grid; base rows zero."""
+    gen = torch.Generator().manual_seed(7)
+    lens, seg_slots = [19, 1, 3, 1, 5], [2, -1, 0, 2, 2]
+    x = torch.randn(sum(lens), 200, generator=gen).to(DEVICE, dtype)
+    a = (0.1 * torch.randn(3, 2, 8, 200, generator=gen)).to(DEVICE, dtype)
+    token_slots = torch.tensor(
+        [s for n, s in zip(lens, seg_slots) for _ in range(n)], dtype=torch.int32, device=DEVICE
+    )
+    h_ref = lora_shrink_ref(x, a, token_slots)
+    one = lora_shrink(x, a, slot_rows_ref(token_slots, 3), splits=1)
+    for rows in (slot_rows_ref(token_slots, 3), slot_rows_ref(token_slots, 3, padded=True)):
+        h = lora_shrink(x, a, rows, splits=splits)
+        torch.testing.assert_close(h, h_ref, atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(h, one, atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(h[token_slots < 0], torch.zeros_like(h[token_slots < 0]))
+
+
+def test_shrink_splits_fill_the_gpu_on_decode_only() -> None:
+    """Qwen3-8B's projections: a decode step of 1,024 rows splits K so the grid has ~1,024 programs
+    (parts at least 256 wide, multiples of 64, covering K once); a 16,384-row prefill step, and an
+    input narrower than two parts, do not split."""
+    for k, n in ((4096, 3), (4096, 1), (4096, 2), (12288, 1)):
+        splits, width = shrink_splits(k, 1024, n)
+        assert width % 64 == 0 and width >= 256 and (splits - 1) * width < k <= splits * width
+        assert 1024 <= 64 * n * splits < 2 * 1024 + 64 * n * 2 or width == 256
+        assert shrink_splits(k, 16384, n) == (1, k)
+    assert shrink_splits(12288, 1024, 1) == (16, 768)
+    assert shrink_splits(4096, 1024, 3) == (6, 704)
+    assert shrink_splits(300, 8, 1)[0] == 1
+
+
 def test_no_adapter_rows_change_nothing() -> None:
     """A decode graph's replay of a step of base rows only: every count 0, y untouched, h zero."""
     x, a, b, y, token_slots, offsets = setup(torch.float32, 4, [1] * 5, [-1] * 5)
-    rows = replace(slot_rows_ref(token_slots, a.shape[0]), max_len=None)
-    assert rows.lens.tolist() == [0, 0, 0]
+    rows = slot_rows_ref(token_slots, a.shape[0], padded=True)
+    assert not rows.tiles.any()
     h = lora_shrink(x, a, rows)
     before = y.clone()
     lora_expand(y, torch.ones_like(h), b, torch.tensor(offsets, dtype=torch.int32, device=DEVICE), 24, rows)
@@ -102,9 +158,11 @@ def test_shapes_are_checked() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         lora_shrink(x[:, :-1], a, rows)
     with pytest.raises(ValueError, match="int32"):
-        lora_shrink(x, a, replace(rows, lens=rows.lens.long()))
-    with pytest.raises(ValueError, match="cover 2 slots"):
-        lora_shrink(x, a, replace(rows, starts=rows.starts[:2], lens=rows.lens[:2]))
+        lora_shrink(x, a, replace(rows, tiles=rows.tiles.long()))
+    with pytest.raises(ValueError, match="is not \\[3, tiles\\]"):
+        lora_shrink(x, a, replace(rows, tiles=rows.tiles[:2]))
+    with pytest.raises(ValueError, match="4 tiles for a table of 1"):
+        lora_shrink(x, a, replace(rows, num_tiles=None))  # a decode grid needs cdiv(2, 16) + 3
 
 
 @pytest.mark.parametrize("decode_only", [False, True], ids=["prefill-step", "decode-step"])
@@ -129,9 +187,10 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     num_rows = sum(lens) + (1 if decode_only else 0)  # a padding row, as a graph bucket has
     x = torch.randn(num_rows, 32, generator=gen).to(DEVICE)
     batch.map_rows(slots, lens, num_rows, decode_only)
-    assert batch.rows.max_len == (None if decode_only else 10)  # slot 1: 7 + 3 rows
-    want_lens = [1, 1] if decode_only else [1, 10]
-    assert batch.rows.lens.tolist() == want_lens and batch.rows.starts.tolist() == [0, want_lens[0]]
+    # decode: the bucket's grid, cdiv(4, 16) + 2 tiles; prefill: slot 0's row, slot 1's 7 + 3
+    assert batch.rows.num_tiles == (None if decode_only else 2)
+    want = [[0, 1], [0, 1], [1, 1]] if decode_only else [[0, 1], [0, 1], [1, 10]]
+    assert batch.rows.tiles[:, :2].tolist() == want and not batch.rows.tiles[:, 2:].any()
     with torch.no_grad():
         monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
         got = layer(x)
@@ -144,7 +203,7 @@ def test_lora_linear_kernel_path_equals_reference_path(decode_only: bool, monkey
     assert not torch.allclose(got[rows >= 0], plain[rows >= 0])
     batch.map_rows([-1, -1], [1, 1], 2, True)
     assert not batch.active and bool((batch.token_slots == -1).all())
-    assert batch.rows.lens.tolist() == [0, 0]
+    assert not batch.rows.tiles.any()
 
 
 @pytest.mark.slow  # the interpreter compiles four kernels: ~10 s on two shared cores
@@ -168,5 +227,5 @@ def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_pat
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
     lora._compile_prefill_kernels()
     lora.batch.for_capture()
-    assert lora.batch.active and lora.batch.rows.max_len is None
-    assert bool((lora.batch.token_slots == -1).all()) and lora.batch.rows.lens.tolist() == [0, 0]
+    assert lora.batch.active and lora.batch.rows.num_tiles is None
+    assert bool((lora.batch.token_slots == -1).all()) and not lora.batch.rows.tiles.any()

@@ -8,19 +8,21 @@ S device slots, n output slices of a fused layer (q/k/v: 3, gate/up: 2, else 1),
 (an adapter of lower rank sits zero-padded in its slot), out = sum of the slices' sizes (slice_offsets,
 n + 1 entries). token_slots[t] is row t's slot, -1 for the base model (rows that add nothing).
 
-One launch shape for prefill and decode: the step's adapter rows grouped by slot (SlotRows: a row
-order, and per slot the start and count of its rows in it), one program per tile of BLOCK_M rows of
-one slot (gathered through the order), a tensor-core dot per tile. A slot's weights are read once per
+One launch shape for prefill and decode: the step's adapter rows grouped by slot and cut into tiles
+of at most BLOCK_M rows of one slot (SlotRows: a row order and a tile table), one program per tile
+(rows gathered through the order), a tensor-core dot per tile. A slot's weights are read once per
 tile, not once per row (a decode step of 1,024 rows over 8 adapters reads each adapter 16 times, not
-128), and the grid depends only on the slot count and `max_len`, so a CUDA graph captured at a bucket's
-row count replays for any mix of slots: programs past their slot's count return at once. Each op has a
-plain torch reference (`..._ref`) beside it, over token_slots.
+128). The grid is the table's width: a decode graph's bucket of T rows captures cdiv(T, BLOCK_M) +
+slots tiles, as many as any mix of slots needs, and replays for every mix (tiles past the step's
+count have no rows and return at once), so no program waits on a slot it has no rows of. Each op has
+a plain torch reference (`..._ref`) beside it, over token_slots.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 try:
@@ -30,29 +32,55 @@ except ImportError:  # the references below still work
     triton = None  # type: ignore[assignment]
 
 
+BLOCK_M = 16  # rows of one slot per tile: a decode step's slots hold tens to hundreds of rows
+
+
 @dataclass(frozen=True)
 class SlotRows:
-    """A step's adapter rows grouped by slot, int32 on the device: slot j's rows are
-    order[starts[j] : starts[j] + lens[j]] (lens[j] 0: a slot without rows); base rows are in no group.
-    max_len: the grid's tiles per slot cover this many rows, at least the largest count; None: every
-    row of the input (a decode graph's bucket, so one captured launch serves every replay)."""
+    """A step's adapter rows grouped by slot (base rows are in none), int32 on the device. Tile i
+    covers the rows order[start_i : start_i + len_i], all of slot slot_i, len_i <= BLOCK_M, with
+    (slot_i, start_i, len_i) = tiles[:, i]; a tile of length 0 does nothing. The kernels' grid has a
+    program for each of the first num_tiles tiles; None: max_tiles(the input's rows, the weights'
+    slots), what a decode graph's bucket captures."""
 
     order: torch.Tensor  # [>= adapter rows]
-    starts: torch.Tensor  # [slots]
-    lens: torch.Tensor  # [slots]
-    max_len: int | None
+    tiles: torch.Tensor  # [3, >= num_tiles]: slot, start, length
+    num_tiles: int | None
 
 
-def slot_rows_ref(token_slots: torch.Tensor, num_slots: int) -> SlotRows:
-    """SlotRows of a row -> slot map (-1: base), rows of a slot in row order (what LoRABatch builds on
-    the host)."""
+def max_tiles(num_rows: int, num_slots: int) -> int:
+    """Tiles any grouping of num_rows rows over num_slots slots needs: each slot's last tile may be short."""
+    return -(-num_rows // BLOCK_M) + num_slots
+
+
+def tile_table(counts: np.ndarray, width: int | None = None) -> np.ndarray:
+    """int32 [3, width] tiles of slots with counts[j] rows each, grouped in slot order (slot j's rows
+    start at sum(counts[:j]) in the order); width None: exactly as many tiles as the rows need, else
+    padded with empty tiles (a decode graph's fixed grid)."""
+    per = -(-counts // BLOCK_M)
+    total = int(per.sum())
+    width = total if width is None else width
+    if total > width:
+        raise ValueError(f"lora: {total} tiles do not fit a table of {width}")
+    out = np.zeros((3, width), dtype=np.int32)
+    slot = np.repeat(np.arange(len(counts)), per)
+    within = np.arange(total) - np.repeat(np.cumsum(per) - per, per)  # tile index inside its slot
+    out[0, :total] = slot
+    out[1, :total] = (np.cumsum(counts) - counts)[slot] + BLOCK_M * within
+    out[2, :total] = np.minimum(BLOCK_M, counts[slot] - BLOCK_M * within)
+    return out
+
+
+def slot_rows_ref(token_slots: torch.Tensor, num_slots: int, padded: bool = False) -> SlotRows:
+    """SlotRows of a row -> slot map (-1: base), rows of a slot in row order, as LoRABatch builds them
+    on the host; padded: as a decode graph's (num_tiles None, the table padded with empty tiles)."""
     slots = token_slots.long()
     adapted = (slots >= 0).nonzero().squeeze(1)
     order = adapted[torch.sort(slots[adapted], stable=True).indices]
-    lens = torch.bincount(slots[adapted], minlength=num_slots)[:num_slots]
-    starts = torch.cumsum(lens, 0) - lens
-    longest = int(lens.max()) if num_slots else 0
-    return SlotRows(order.int(), starts.int(), lens.int(), max(longest, 1))
+    counts = torch.bincount(slots[adapted], minlength=num_slots)[:num_slots].cpu().numpy()
+    width = max_tiles(len(slots), num_slots) if padded else None
+    tiles = torch.from_numpy(tile_table(counts, width)).to(token_slots.device)
+    return SlotRows(order.int(), tiles, None if padded else tiles.shape[1])
 
 
 # -- references ---------------------------------------------------------------------------------------
@@ -96,53 +124,57 @@ def lora_expand_ref(
 # -- kernels ------------------------------------------------------------------------------------------
 
 if triton is not None:
-
-    @triton.jit
+    # The split count and its width change with the step's row count: specializing on them would
+    # compile a variant mid-run.
+    @triton.jit(do_not_specialize=["K_SPLIT", "NUM_SPLITS"])
     def _shrink_kernel(
-        x_ptr, a_ptr, order_ptr, starts_ptr, lens_ptr, h_ptr, K, R,
-        stride_xt, stride_as, stride_an, stride_ar, stride_ht, stride_hn,
+        x_ptr, a_ptr, order_ptr, tiles_ptr, h_ptr, K, R, K_SPLIT, NUM_SPLITS,
+        stride_xt, stride_as, stride_an, stride_ar, stride_hp, stride_ht, stride_hn, stride_tiles,
         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        slot = tl.program_id(0)
-        m = tl.program_id(1)
-        s = tl.program_id(2)
-        length = tl.load(lens_ptr + slot)
-        if m * BLOCK_M < length:
-            start = tl.load(starts_ptr + slot)
-            idx = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        tile = tl.program_id(0)
+        pid = tl.program_id(1)  # (slice, split of K)
+        s = pid // NUM_SPLITS
+        p = pid % NUM_SPLITS
+        length = tl.load(tiles_ptr + 2 * stride_tiles + tile)
+        if length > 0:
+            slot = tl.load(tiles_ptr + tile)
+            start = tl.load(tiles_ptr + stride_tiles + tile)
+            idx = tl.arange(0, BLOCK_M)
             rmask = idx < length
             rows = tl.load(order_ptr + start + idx, mask=rmask, other=0).to(tl.int64)
             offs_r = tl.arange(0, BLOCK_R)
             acc = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
             x_rows = x_ptr + rows[:, None] * stride_xt
             a_base = a_ptr + slot.to(tl.int64) * stride_as + s * stride_an + offs_r[None, :] * stride_ar
-            for k0 in range(0, K, BLOCK_K):
+            k_lo = p * K_SPLIT  # K_SPLIT is a multiple of BLOCK_K: no block crosses into the next split
+            for k0 in range(k_lo, tl.minimum(k_lo + K_SPLIT, K), BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 kmask = offs_k < K
                 xt = tl.load(x_rows + offs_k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
                 at = tl.load(a_base + offs_k[:, None], mask=kmask[:, None] & (offs_r < R)[None, :], other=0.0)
                 acc += tl.dot(xt, at.to(xt.dtype), input_precision=PRECISION)
-            h_rows = h_ptr + rows[:, None] * stride_ht + s * stride_hn
+            h_rows = h_ptr + p.to(tl.int64) * stride_hp + rows[:, None] * stride_ht + s * stride_hn
             tl.store(h_rows + offs_r[None, :], acc, mask=rmask[:, None] & (offs_r < R)[None, :])
 
     @triton.jit
     def _expand_kernel(
-        y_ptr, h_ptr, b_ptr, order_ptr, starts_ptr, lens_ptr, offsets_ptr, R,
-        stride_yt, stride_ht, stride_hn, stride_bs, stride_bn,
+        y_ptr, h_ptr, b_ptr, order_ptr, tiles_ptr, offsets_ptr, R,
+        stride_yt, stride_ht, stride_hn, stride_bs, stride_bn, stride_tiles,
         NUM_SLICES: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        slot = tl.program_id(0)
-        m = tl.program_id(1)
-        pid = tl.program_id(2)  # (column tile, slice)
-        length = tl.load(lens_ptr + slot)
+        tile = tl.program_id(0)
+        pid = tl.program_id(1)  # (column tile, slice)
+        length = tl.load(tiles_ptr + 2 * stride_tiles + tile)
         s = pid % NUM_SLICES
         pn = pid // NUM_SLICES
         lo = tl.load(offsets_ptr + s)
         size = tl.load(offsets_ptr + s + 1) - lo
-        if m * BLOCK_M < length and pn * BLOCK_N < size:
-            start = tl.load(starts_ptr + slot)
-            idx = m * BLOCK_M + tl.arange(0, BLOCK_M)
+        if length > 0 and pn * BLOCK_N < size:
+            slot = tl.load(tiles_ptr + tile)
+            start = tl.load(tiles_ptr + stride_tiles + tile)
+            idx = tl.arange(0, BLOCK_M)
             rmask = idx < length
             rows = tl.load(order_ptr + start + idx, mask=rmask, other=0).to(tl.int64)
             cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,7 +200,10 @@ if triton is not None:
 
 # -- wrappers -----------------------------------------------------------------------------------------
 
-BLOCK_M = 16  # rows of one slot per program: a decode step's slots hold tens to hundreds of rows
+_SHRINK_BLOCK_K = 64
+EXPAND_BLOCK_N = 64  # output columns a program adds to (bench/lora_gpu.py times the others)
+_SHRINK_PROGRAMS = 1024  # ~8 a streaming multiprocessor on an H100 / H200 (132)
+_MIN_K_SPLIT = 256
 
 
 def _block_r(r: int) -> int:
@@ -179,20 +214,38 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # fp32 models stay exact; tf32 is unused in 16-bit
 
 
-def _check_rows(rows: SlotRows, num_slots: int) -> None:
-    for name in ("order", "starts", "lens"):
+def _grid_tiles(rows: SlotRows, num_rows: int, num_slots: int) -> int:
+    """The programs along the tiles: the checked table's count, or a decode graph's for this input."""
+    for name in ("order", "tiles"):
         if getattr(rows, name).dtype != torch.int32:
             raise ValueError(f"lora: SlotRows.{name} must be int32")
-    if rows.starts.shape[0] < num_slots or rows.lens.shape[0] < num_slots:
-        raise ValueError(f"lora: SlotRows cover {rows.lens.shape[0]} slots, the weights {num_slots}")
+    if rows.tiles.dim() != 2 or rows.tiles.shape[0] != 3 or rows.tiles.stride(1) != 1:
+        raise ValueError(f"lora: SlotRows.tiles {list(rows.tiles.shape)} is not [3, tiles] by columns")
+    count = max_tiles(num_rows, num_slots) if rows.num_tiles is None else rows.num_tiles
+    if count > rows.tiles.shape[1]:
+        raise ValueError(f"lora: {count} tiles for a table of {rows.tiles.shape[1]}")
+    return count
+
+
+def shrink_splits(k: int, num_rows: int, n: int) -> tuple[int, int]:
+    """(splits, width) of the input dimension: a decode step's adapter rows make few 16-row tiles
+    (1,024 rows: 64), and one program per tile walking all of K (4,096 to 12,288) leaves most SMs idle
+    and each program waiting on its loads, so K is split until the grid has about _SHRINK_PROGRAMS
+    programs, each split at least _MIN_K_SPLIT wide. Depends only on the shapes: a graph's bucket
+    replays the split it was captured with."""
+    tiles = triton.cdiv(num_rows, BLOCK_M) * n
+    splits = max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), k // _MIN_K_SPLIT))
+    width = triton.cdiv(triton.cdiv(k, splits), _SHRINK_BLOCK_K) * _SHRINK_BLOCK_K
+    return triton.cdiv(k, width), width
 
 
 def lora_shrink(
-    x: torch.Tensor, a: torch.Tensor, rows: SlotRows, zero_base_rows: bool = True
+    x: torch.Tensor, a: torch.Tensor, rows: SlotRows, zero_base_rows: bool = True, splits: int | None = None
 ) -> torch.Tensor:
     """h [T, n, R] float32 = per adapter row, A[slot] @ x (lora_shrink_ref). Other rows are zeros, or
     left unwritten without zero_base_rows (the expand never reads them; a tensor-parallel sum over the
-    ranks would)."""
+    ranks would). splits: how many parts K is cut into (None: shrink_splits; the parts' partial sums
+    are added in a fixed order, so a row's h does not depend on the split's timing)."""
     if x.dim() != 2 or a.dim() != 4 or x.shape[1] != a.shape[3]:
         raise ValueError(
             f"lora shrink: x {list(x.shape)} and A {list(a.shape)} do not fit ([T, in], [S, n, R, in])"
@@ -200,20 +253,25 @@ def lora_shrink(
     if x.stride(1) != 1 or a.stride(3) != 1:
         raise ValueError("lora shrink: x and A must be contiguous along the input dimension")
     num_slots, n, r, k = a.shape
-    _check_rows(rows, num_slots)
-    h = (torch.zeros if zero_base_rows else torch.empty)(
-        x.shape[0], n, r, dtype=torch.float32, device=x.device
+    num_tiles = _grid_tiles(rows, x.shape[0], num_slots)
+    if splits is None:
+        splits, width = shrink_splits(k, x.shape[0], n)
+    else:
+        width = triton.cdiv(triton.cdiv(k, splits), _SHRINK_BLOCK_K) * _SHRINK_BLOCK_K
+        splits = triton.cdiv(k, width)
+    parts = (torch.zeros if zero_base_rows else torch.empty)(
+        splits, x.shape[0], n, r, dtype=torch.float32, device=x.device
     )
-    if x.shape[0] == 0:
-        return h
-    grid = (num_slots, triton.cdiv(rows.max_len or x.shape[0], BLOCK_M), n)
+    if x.shape[0] == 0 or num_tiles == 0:
+        return parts[0] if splits == 1 else parts.sum(0)
+    grid = (num_tiles, n * splits)
     _shrink_kernel[grid](
-        x, a, rows.order, rows.starts, rows.lens, h, k, r,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2), h.stride(0), h.stride(1),
-        PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r),
-        BLOCK_K=min(64, max(16, triton.next_power_of_2(k))),
+        x, a, rows.order, rows.tiles, parts, k, r, width, splits,
+        x.stride(0), a.stride(0), a.stride(1), a.stride(2), parts.stride(0), parts.stride(1), parts.stride(2),
+        rows.tiles.stride(0),
+        PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r), BLOCK_K=_SHRINK_BLOCK_K,
     )  # fmt: skip
-    return h
+    return parts[0] if splits == 1 else parts.sum(0)
 
 
 def lora_expand(
@@ -226,13 +284,13 @@ def lora_expand(
     num_slots, _, r = b.shape
     if b.dim() != 3 or b.shape[1] != n_out or h.shape[2] != r or y.stride(1) != 1 or b.stride(2) != 1:
         raise ValueError(f"lora expand: y {list(y.shape)}, h {list(h.shape)}, B {list(b.shape)} do not fit")
-    _check_rows(rows, num_slots)
-    if num_tokens == 0:
+    num_tiles = _grid_tiles(rows, num_tokens, num_slots)
+    if num_tokens == 0 or num_tiles == 0:
         return
-    block_n = 64
-    grid = (num_slots, triton.cdiv(rows.max_len or num_tokens, BLOCK_M), n * triton.cdiv(max_slice, block_n))
+    grid = (num_tiles, n * triton.cdiv(max_slice, EXPAND_BLOCK_N))
     _expand_kernel[grid](
-        y, h, b, rows.order, rows.starts, rows.lens, offsets, r,
-        y.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1),
-        NUM_SLICES=n, PRECISION=_precision(b.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r), BLOCK_N=block_n,
+        y, h, b, rows.order, rows.tiles, offsets, r,
+        y.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1), rows.tiles.stride(0),
+        NUM_SLICES=n, PRECISION=_precision(b.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r),
+        BLOCK_N=EXPAND_BLOCK_N,
     )  # fmt: skip

@@ -20,7 +20,15 @@ from torch import nn
 
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
-from overnight.kernels.lora import SlotRows, lora_expand, lora_expand_ref, lora_shrink, lora_shrink_ref
+from overnight.kernels.lora import (
+    SlotRows,
+    lora_expand,
+    lora_expand_ref,
+    lora_shrink,
+    lora_shrink_ref,
+    max_tiles,
+    tile_table,
+)
 from overnight.lora.targets import layer_modules
 
 
@@ -31,9 +39,9 @@ def _aligned(n: int) -> int:
 class LoRABatch:
     """Row -> slot of the step being run, in static device buffers. map_rows() fills it before each
     forward pass: token_slots (every row; -1 for base and padding rows: the torch path's map) and rows
-    (SlotRows: the adapter rows grouped by slot, what the kernels read). A step without adapter rows
-    skips LoRA (active False), except while decode graphs are captured: the captured kernels read the
-    groups at every replay, and a step without adapter rows leaves every count 0."""
+    (SlotRows: the adapter rows grouped by slot in tiles, what the kernels read). A step without
+    adapter rows skips LoRA (active False), except while decode graphs are captured: the captured
+    kernels read the table at every replay, and a step without adapter rows leaves every tile empty."""
 
     def __init__(self, max_tokens: int, max_slots: int, device: torch.device) -> None:
         self.device = device
@@ -42,25 +50,22 @@ class LoRABatch:
         cuda = device.type == "cuda"
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.order = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        # [starts | lens], each at a multiple of 16 bytes: Triton specializes a pointer on that.
-        self._width = _aligned(max_slots)
-        self.seg = torch.zeros(2 * self._width, dtype=torch.int32, device=device)
-        # Host staging [token_slots | order | starts | lens], pinned and double-buffered on CUDA (a
-        # copy may still be in flight): contiguous copies (a strided one from host memory would be
-        # staged through pageable memory, waiting for the GPU).
+        # The tile table's rows (slot, start, length) each at a multiple of 16 bytes: Triton
+        # specializes the row stride on that.
+        self._width = _aligned(max_tiles(max_tokens, max_slots))
+        self.tiles = torch.zeros(3, self._width, dtype=torch.int32, device=device)
+        # Host staging [token_slots | order | tiles], pinned and double-buffered on CUDA (a copy may
+        # still be in flight): contiguous copies (a strided one from host memory would be staged
+        # through pageable memory, waiting for the GPU).
         self._hosts = [
-            torch.full((2 * max_tokens + 2 * self._width,), -1, dtype=torch.int32, pin_memory=cuda)
+            torch.full((2 * max_tokens + 3 * self._width,), -1, dtype=torch.int32, pin_memory=cuda)
             for _ in range(2 if cuda else 1)
         ]
         self._events: list[torch.cuda.Event | None] = [None] * len(self._hosts)
         self._turn = 0
-        self.rows = self._slot_rows(None)
+        self.rows = SlotRows(self.order, self.tiles, None)
         self.active = False
-        self._dirty = True  # the buffers may hold a step's groups (a graph replay would read them)
-
-    def _slot_rows(self, max_len: int | None) -> SlotRows:
-        w, n = self._width, self.max_slots
-        return SlotRows(self.order, self.seg[:n], self.seg[w : w + n], max_len)
+        self._dirty = True  # the buffers may hold a step's tiles (a graph replay would read them)
 
     def map_rows(
         self, req_slots: Sequence[int], lens: Sequence[int], num_rows: int, decode_only: bool
@@ -70,9 +75,9 @@ class LoRABatch:
         slots = np.asarray(req_slots, dtype=np.int32)
         self.active = bool((slots >= 0).any())
         if not self.active:
-            if self._dirty:  # a decode graph runs the kernels whatever `active` says: counts 0
+            if self._dirty:  # a decode graph runs the kernels whatever `active` says: no tiles
                 self.token_slots.fill_(-1)
-                self.seg.zero_()
+                self.tiles.zero_()
                 self._dirty = False
             return
         self._dirty = True
@@ -85,7 +90,7 @@ class LoRABatch:
             event.synchronize()
         host_t = self._hosts[turn]
         host = host_t.numpy()
-        t, w = self.max_tokens, self._width
+        t = self.max_tokens
         row_slots = host[:num_rows]
         row_slots[:num_tokens] = slots if decode_only else np.repeat(slots, counts)
         row_slots[num_tokens:] = -1
@@ -94,26 +99,25 @@ class LoRABatch:
         order = adapted[np.argsort(by_slot, kind="stable")]
         per_slot = np.bincount(by_slot, minlength=self.max_slots)
         host[t : t + len(order)] = order
-        starts, seg_lens = host[2 * t : 2 * t + w], host[2 * t + w : 2 * t + 2 * w]
-        starts[: self.max_slots] = np.cumsum(per_slot) - per_slot
-        seg_lens[: self.max_slots] = per_slot
+        # decode: the bucket's tile count, as its graph was captured (empty tiles pad the table)
+        table = tile_table(per_slot, self._width)
+        host[2 * t :].reshape(3, self._width)[:] = table
         cuda = self.device.type == "cuda"
         self.token_slots[:num_rows].copy_(host_t[:num_rows], non_blocking=cuda)
         self.order[: len(order)].copy_(host_t[t : t + len(order)], non_blocking=cuda)
-        self.seg.copy_(host_t[2 * t :], non_blocking=cuda)
-        # decode: tiles over every row, as the graph of this bucket was captured
-        self.rows = self._slot_rows(None if decode_only else int(per_slot.max()))
+        self.tiles.view(-1).copy_(host_t[2 * t :], non_blocking=cuda)
+        self.rows = SlotRows(self.order, self.tiles, None if decode_only else int((table[2] > 0).sum()))
         if cuda:
             ev = torch.cuda.Event()
             ev.record()
             self._events[turn] = ev
 
     def for_capture(self) -> None:
-        """Decode graphs record the kernels with every count 0 (all rows of the base model) until a
-        replay's groups; their grid covers the bucket's rows."""
+        """Decode graphs record the kernels with every tile empty (all rows of the base model) until a
+        replay's table; their grid is the bucket's max_tiles."""
         self.token_slots.fill_(-1)
-        self.seg.zero_()
-        self.rows = self._slot_rows(None)
+        self.tiles.zero_()
+        self.rows = SlotRows(self.order, self.tiles, None)
         self.active = True
         self._dirty = False
 
