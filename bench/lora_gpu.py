@@ -31,7 +31,9 @@ HIDDEN, INTER, Q, KV = 4096, 12288, 4096, 1024
 PROJECTIONS = [("qkv", HIDDEN, (Q, KV, KV)), ("o", Q, (HIDDEN,)), ("gate_up", HIDDEN, (INTER, INTER)),
                ("down", INTER, (HIDDEN,))]  # fmt: skip
 SLOTS, RANK, LAYERS = 8, 16, 36
-DEV = torch.device("cuda")
+DEV, DT = torch.device("cuda"), torch.bfloat16
+CASES = (("decode", 256, True), ("decode", 1024, True), ("prefill", 4096, False))  # (step, rows, decode grid)
+EXPAND_COLUMNS = (64, 128, 256)
 
 
 def case(num_rows: int, decode: bool, splits: int | None, seed: int = 0) -> tuple[float, float, bool]:
@@ -42,10 +44,10 @@ def case(num_rows: int, decode: bool, splits: int | None, seed: int = 0) -> tupl
     rows = slot_rows_ref(token_slots, SLOTS, padded=decode)
     shrinks, expands, ok = [], [], True
     for _, k, slices in PROJECTIONS:
-        x = torch.randn(num_rows, k, device=DEV, generator=gen, dtype=torch.bfloat16)
-        a = 0.02 * torch.randn(SLOTS, len(slices), RANK, k, device=DEV, generator=gen, dtype=torch.bfloat16)
-        b = 0.02 * torch.randn(SLOTS, sum(slices), RANK, device=DEV, generator=gen, dtype=torch.bfloat16)
-        y = torch.zeros(num_rows, sum(slices), device=DEV, dtype=torch.bfloat16)
+        x = torch.randn(num_rows, k, device=DEV, generator=gen, dtype=DT)
+        a = 0.02 * torch.randn(SLOTS, len(slices), RANK, k, device=DEV, generator=gen, dtype=DT)
+        b = 0.02 * torch.randn(SLOTS, sum(slices), RANK, device=DEV, generator=gen, dtype=DT)
+        y = torch.zeros(num_rows, sum(slices), device=DEV, dtype=DT)
         offs = [0]
         for s in slices:
             offs.append(offs[-1] + s)
@@ -64,26 +66,26 @@ def case(num_rows: int, decode: bool, splits: int | None, seed: int = 0) -> tupl
 
 
 def main() -> None:
-    print(f"{torch.cuda.get_device_name()}, SM clock (now, max): {sm_clock_now()}")
+    gpu = torch.cuda.get_device_name() if DEV.type == "cuda" else str(DEV)
+    print(f"{gpu}, SM clock (now, max): {sm_clock_now()}")
     head = ["step", "rows", "shrink splits (qkv, o, gate_up, down)", "expand columns", "shrink us/layer"]
     head += ["expand us/layer", "per step, 36 layers (ms)", "check"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     out = []
     default_n = lora.EXPAND_BLOCK_N
-    for label, num_rows, decode in (("decode", 256, True), ("decode", 1024, True), ("prefill", 4096, False)):
-        for mode, block_n in (("one pass", default_n), ("split", 64), ("split", 128), ("split", 256)):
+    for label, num_rows, decode in CASES:
+        for mode, block_n in (("one pass", default_n), *(("split", n) for n in EXPAND_COLUMNS)):
             lora.EXPAND_BLOCK_N = block_n
             splits = 1 if mode == "one pass" else None
             s_us, e_us, ok = case(num_rows, decode, splits)
             chosen = [shrink_splits(k, num_rows, len(sl))[0] for _, k, sl in PROJECTIONS]
-            chosen = [1] * 4 if splits == 1 else chosen
+            chosen = [1] * len(chosen) if splits == 1 else chosen
             ms = (s_us + e_us) * LAYERS / 1e3
             cells = [label, num_rows, f"{mode} {chosen}", block_n, f"{s_us:.1f}", f"{e_us:.1f}", f"{ms:.2f}"]
             print("| " + " | ".join(map(str, cells)) + f" | {'ok' if ok else 'FAIL'} |")
             out.append(dict(step=label, rows=num_rows, mode=mode, splits=chosen, expand_block_n=block_n,
                             shrink_us=round(s_us, 1), expand_us=round(e_us, 1), step_ms=round(ms, 2), ok=ok))  # fmt: skip
     lora.EXPAND_BLOCK_N = default_n
-    gpu = torch.cuda.get_device_name()
     print(json.dumps({"bench": "lora_gpu", "gpu": gpu, "sm_clock": sm_clock_now(), "cases": out}))
 
 
