@@ -29,9 +29,18 @@ from bench.step_timeline import (  # noqa: E402
     write_csv,
 )
 from overnight import LLM, SamplingParams  # noqa: E402
-from overnight.bench.workloads import WORKLOADS  # noqa: E402
+from overnight.bench.workloads import WORKLOADS, Workload  # noqa: E402
 from overnight.engine.interfaces import StepTimings  # noqa: E402
 from overnight.kernels.jit_watch import watch_compiles  # noqa: E402
+
+
+def submit(llm: LLM, w: Workload) -> None:
+    """Every request of the workload added to the engine, unrun; an image workload's pictures
+    preprocessed first, as LLM.generate does (in the image processor's threads)."""
+    prompts = w.prompts(llm.engine.config.model.arch)
+    for i, (_, ids, mm) in enumerate(llm._prepare_all([p for p, _ in prompts])):
+        params = SamplingParams(max_tokens=prompts[i][1], ignore_eos=True, temperature=0)
+        llm.engine.add_request(f"r{i}", ids, params, multi_modal=mm)
 
 
 def main() -> int:
@@ -75,14 +84,12 @@ def main() -> int:
         attention_variant=args.attention_variant,
     )
     engine = llm.engine
-    reqs = w.requests(engine.config.model.arch.vocab_size)
     if (
         args.whole_run or args.cprofile or args.timeline
     ):  # kernels compiled and the allocator warm before the profiled run, as profile_vllm.py does
-        warm = [{"prompt_token_ids": ids} for ids, _ in reqs[:8]]
+        warm = w.warmup_prompts(engine.config.model.arch, 8)
         llm.generate(warm, SamplingParams(max_tokens=8, ignore_eos=True, temperature=0), use_tqdm=False)
-    for i, (ids, n_out) in enumerate(reqs):
-        engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0))
+    submit(llm, w)
     for _ in range(args.warmup_steps):
         engine.step()
     torch.cuda.synchronize()

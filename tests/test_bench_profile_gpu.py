@@ -162,3 +162,28 @@ def test_vllms_graph_mode_reaches_its_engine_only_when_asked(monkeypatch):
     assert bench.profile_extra(args) == {"kv_cache_dtype": "fp8", "quantization": "fp8"}
     args.cudagraph_mode = "PIECEWISE"
     assert bench.profile_extra(args)["compilation_config"] == {"cudagraph_mode": "PIECEWISE"}
+
+
+def test_an_image_workload_is_submitted_with_its_pictures(monkeypatch, tmp_path):
+    """submit() adds caption-448's requests with their preprocessed images (the image pad expanded to
+    the picture's 256 tokens on Qwen2.5-VL), unrun; they then run to their 128 tokens."""
+    from dataclasses import replace
+
+    from overnight import LLM
+    from overnight.bench.workloads import WORKLOADS
+    from tests.test_bench_caption import PAD, TOKENS_448, _reduced_config
+
+    bench = load_bench_script(monkeypatch, "profile_gpu.py")
+    folder = _reduced_config("qwen2.5-vl-7b", str(tmp_path / "m"))
+    llm = LLM(folder, load_format="dummy", device="cpu", dtype="float32", max_model_len=4096,
+              kv_cache_memory_bytes=32 << 20)  # fmt: skip
+    engine = llm.engine
+    bench.submit(llm, replace(WORKLOADS["caption-448"], num_requests=2))
+    reqs = engine.scheduler.requests
+    assert sorted(reqs) == ["r0", "r1"]
+    for r in reqs.values():
+        assert r.prompt_token_ids.count(PAD) == TOKENS_448["qwen2.5-vl-7b"] and r.num_computed_tokens == 0
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert sorted(len(o.outputs[0].token_ids) for o in done) == [128, 128]
