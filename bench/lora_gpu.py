@@ -78,7 +78,7 @@ def main() -> None:
             lora.EXPAND_BLOCK_N = block_n
             splits = 1 if mode == "one pass" else None
             s_us, e_us, ok = case(num_rows, decode, splits)
-            chosen = [shrink_splits(k, num_rows, len(sl))[0] for _, k, sl in PROJECTIONS]
+            chosen = [shrink_splits(k, num_rows, 1)[0] for _, k, _ in PROJECTIONS]  # slices fold into one dot
             chosen = [1] * len(chosen) if splits == 1 else chosen
             ms = (s_us + e_us) * LAYERS / 1e3
             cells = [label, num_rows, f"{mode} {chosen}", block_n, f"{s_us:.1f}", f"{e_us:.1f}", f"{ms:.2f}"]

@@ -114,17 +114,31 @@ def test_shrink_split_along_k_matches_reference(dtype: torch.dtype, splits: int)
 
 
 def test_shrink_splits_fill_the_gpu_on_decode_only() -> None:
-    """Qwen3-8B's projections: a decode step of 1,024 rows splits K so the grid has ~1,024 programs
-    (parts at least 256 wide, multiples of 64, covering K once); a 16,384-row prefill step, and an
-    input narrower than two parts, do not split."""
-    for k, n in ((4096, 3), (4096, 1), (4096, 2), (12288, 1)):
+    """Qwen3-8B's projections (a fused layer's slices fold into one dot: n = 1): a decode step of 1,024
+    rows splits K so the grid has ~1,024 programs (parts at least 256 wide, multiples of 64, covering
+    K once); a 16,384-row prefill step, and an input narrower than two parts, do not split."""
+    for k, n in ((4096, 1), (12288, 1), (4096, 3)):
         splits, width = shrink_splits(k, 1024, n)
         assert width % 64 == 0 and width >= 256 and (splits - 1) * width < k <= splits * width
-        assert 1024 <= 64 * n * splits < 2 * 1024 + 64 * n * 2 or width == 256
+        assert 64 * n * splits >= 1024 or width == 256
         assert shrink_splits(k, 16384, n) == (1, k)
     assert shrink_splits(12288, 1024, 1) == (16, 768)
-    assert shrink_splits(4096, 1024, 3) == (6, 704)
+    assert shrink_splits(4096, 1024, 1) == (16, 256)
+    assert shrink_splits(4096, 1024, 3) == (6, 704)  # slices that do not fold: a program each
     assert shrink_splits(300, 8, 1)[0] == 1
+
+
+def test_fused_slices_fold_into_one_dot_only_when_back_to_back() -> None:
+    """A's slices contiguous (LoRALinear's buffers): one dot of n x R columns; a strided A (slices
+    apart) takes a program a slice. Both give the reference's h."""
+    x, a, _, _, token_slots, _ = setup(torch.float32, 5, [19, 1, 3, 1, 5], [2, -1, 0, 2, 2])
+    rows = slot_rows_ref(token_slots, a.shape[0])
+    apart = torch.zeros(a.shape[0], a.shape[1], a.shape[2] + 2, a.shape[3], device=DEVICE)[:, :, :-2]
+    apart.copy_(a)
+    assert apart.stride(1) != apart.shape[2] * apart.stride(2)
+    want = lora_shrink_ref(x, a, token_slots)
+    for weights in (a, apart):
+        torch.testing.assert_close(lora_shrink(x, weights, rows), want, atol=1e-4, rtol=1e-4)
 
 
 def test_no_adapter_rows_change_nothing() -> None:

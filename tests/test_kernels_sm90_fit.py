@@ -55,12 +55,12 @@ def moe_case(
     return _moe_gemm_kernel, types, cx, tiles.num_warps, tiles.num_stages
 
 
-def lora_case(kind: str):
+def lora_case(kind: str, block_r: int = 16):
     from overnight.kernels import lora
 
     types = dict(x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", y_ptr="*bf16", b_ptr="*bf16")
-    if kind == "shrink":
-        cx = dict(PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_K=64)
+    if kind == "shrink":  # block_r 64: a q/k/v layer's three rank-16 slices in one dot
+        cx = dict(PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=block_r, BLOCK_K=64)
         return lora._shrink_kernel, types, cx, 4, 3
     cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_N=64)
     return lora._expand_kernel, types, cx, 4, 3
@@ -94,6 +94,7 @@ CASES = {
     "align-atomic-finish-128-64": lambda: align_case("finish", 128, 64),  # Qwen3-30B-A3B, a W8A8 tile
     "align-atomic-finish-512-16": lambda: align_case("finish", 512, 16),  # Qwen3.5-MoE's 512 experts
     "lora-shrink": lambda: lora_case("shrink"),
+    "lora-shrink-qkv": lambda: lora_case("shrink", 64),
     "lora-expand": lambda: lora_case("expand"),
 }
 

@@ -254,6 +254,11 @@ def lora_shrink(
         raise ValueError("lora shrink: x and A must be contiguous along the input dimension")
     num_slots, n, r, k = a.shape
     num_tiles = _grid_tiles(rows, x.shape[0], num_slots)
+    parts_shape = (x.shape[0], n, r)
+    # A fused layer's slices lie back to back in its A (LoRALinear's buffers do): one dot of n * R
+    # columns covers them all, so each tile reads its rows of x once, not once a slice.
+    if n > 1 and a.stride(1) == r * a.stride(2):
+        a, n, r = a.view(num_slots, 1, n * r, k), 1, n * r
     if splits is None:
         splits, width = shrink_splits(k, x.shape[0], n)
     else:
@@ -262,16 +267,14 @@ def lora_shrink(
     parts = (torch.zeros if zero_base_rows else torch.empty)(
         splits, x.shape[0], n, r, dtype=torch.float32, device=x.device
     )
-    if x.shape[0] == 0 or num_tiles == 0:
-        return parts[0] if splits == 1 else parts.sum(0)
-    grid = (num_tiles, n * splits)
-    _shrink_kernel[grid](
-        x, a, rows.order, rows.tiles, parts, k, r, width, splits,
-        x.stride(0), a.stride(0), a.stride(1), a.stride(2), parts.stride(0), parts.stride(1), parts.stride(2),
-        rows.tiles.stride(0),
-        PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r), BLOCK_K=_SHRINK_BLOCK_K,
-    )  # fmt: skip
-    return parts[0] if splits == 1 else parts.sum(0)
+    if x.shape[0] > 0 and num_tiles > 0:
+        _shrink_kernel[(num_tiles, n * splits)](
+            x, a, rows.order, rows.tiles, parts, k, r, width, splits,
+            x.stride(0), a.stride(0), a.stride(1), a.stride(2), parts.stride(0), parts.stride(1),
+            parts.stride(2), rows.tiles.stride(0),
+            PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r), BLOCK_K=_SHRINK_BLOCK_K,
+        )  # fmt: skip
+    return (parts[0] if splits == 1 else parts.sum(0)).view(parts_shape)
 
 
 def lora_expand(
