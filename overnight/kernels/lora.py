@@ -234,7 +234,12 @@ def shrink_splits(k: int, num_rows: int, n: int) -> tuple[int, int]:
     programs, each split at least _MIN_K_SPLIT wide. Depends only on the shapes: a graph's bucket
     replays the split it was captured with."""
     tiles = triton.cdiv(num_rows, BLOCK_M) * n
-    splits = max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), k // _MIN_K_SPLIT))
+    return _split(k, max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), k // _MIN_K_SPLIT)))
+
+
+def _split(k: int, splits: int) -> tuple[int, int]:
+    """(parts, width): K cut into at most `splits` parts of a whole number of BLOCK_K columns (so no
+    block crosses into the next part); the last may be short."""
     width = triton.cdiv(triton.cdiv(k, splits), _SHRINK_BLOCK_K) * _SHRINK_BLOCK_K
     return triton.cdiv(k, width), width
 
@@ -259,11 +264,7 @@ def lora_shrink(
     # columns covers them all, so each tile reads its rows of x once, not once a slice.
     if n > 1 and a.stride(1) == r * a.stride(2):
         a, n, r = a.view(num_slots, 1, n * r, k), 1, n * r
-    if splits is None:
-        splits, width = shrink_splits(k, x.shape[0], n)
-    else:
-        width = triton.cdiv(triton.cdiv(k, splits), _SHRINK_BLOCK_K) * _SHRINK_BLOCK_K
-        splits = triton.cdiv(k, width)
+    splits, width = shrink_splits(k, x.shape[0], n) if splits is None else _split(k, splits)
     parts = (torch.zeros if zero_base_rows else torch.empty)(
         splits, x.shape[0], n, r, dtype=torch.float32, device=x.device
     )
