@@ -3,6 +3,7 @@ and the errors a user sees when something is wrong."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -11,14 +12,22 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from overnight.errors import ModelLoadError
 from overnight.layers.norm import RMSNorm
-from overnight.loader.dummy import DUMMY_RANGE
+from overnight.loader.dummy import DUMMY_RANGE, init_dummy_weights
 from overnight.loader.model_loader import build_model, load_model, resolve_dtype
 from overnight.loader.resolve import DEFAULT_SERVED_NAME, preset_names, resolve_source
 from overnight.models.llama import LlamaForCausalLM
 from overnight.models.registry import arch_from_hf_config, get_model_class
+from overnight.quant import apply
+from overnight.quant.apply import dequantize_model
+from overnight.quant.int_formats import unpack_along_last
+from overnight.quant.int_linear import Int8Linear, WeightOnlyIntLinear
+from overnight.quant.int_moe import IntExperts
+from overnight.quant.int_scheme import IntScheme
+from tests.int_checkpoints import make_int_checkpoint
 from tests.tiny_models import make_tiny_checkpoint
 
 
@@ -249,6 +258,92 @@ def test_dummy_weights_are_seeded_and_in_range(qwen3_folder):
             assert p.abs().max() <= DUMMY_RANGE and p.std() > DUMMY_RANGE / 4, name
             assert torch.equal(p, b[name]) and not torch.equal(p, c[name]), name
     assert sum(isinstance(m, RMSNorm) for m in a.modules()) == 2 * 2 + 2 * 2 + 1
+
+
+@pytest.fixture(scope="module")
+def int_folders(tmp_path_factory, qwen3_folder):
+    """Tiny Qwen3 in AWQ, act-order GPTQ and W8A8, tiny Qwen3-MoE in AWQ (tests/int_checkpoints.py)."""
+    root = tmp_path_factory.mktemp("int")
+    folders = {
+        name: make_int_checkpoint(qwen3_folder, root / name, name)[0]
+        for name in ("awq-g32", "gptq-w4-g16-asym-descact", "ct-w8a8")
+    }
+    moe = make_tiny_checkpoint(root / "src-moe", "qwen3_moe")
+    folders["moe-awq-g32"] = make_int_checkpoint(moe, root / "moe-awq-g32", "awq-g32")[0]
+    return folders
+
+
+@pytest.mark.parametrize("name", ["awq-g32", "gptq-w4-g16-asym-descact", "ct-w8a8", "moe-awq-g32"])
+def test_dummy_int_weights_are_seeded_codes_in_range(int_folders, name, monkeypatch):
+    """--load-format dummy on an integer checkpoint, in the GPU's packed layout (PACKED_INT_ON_CPU): the
+    codes are seeded random bits (every int4 code taken, both signs of int8), the scales and zero points
+    constants (IntExperts' buffers too) that keep the dequantized weights in the float dummy range, an
+    act-order layer's input order a permutation; the model's logits are finite."""
+    from tests.parity_helpers import logprobs
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    source = resolve_source(str(int_folders[name]), load_format="dummy")
+    assert source.kind == "dummy" and isinstance(source.quantization, IntScheme)
+    model = load_model(source, torch.float32, "cpu", seed=0)
+    same = load_model(source, torch.float32, "cpu", seed=0).state_dict()
+    other = load_model(source, torch.float32, "cpu", seed=1).state_dict()
+    kinds = {type(m) for m in model.modules()}
+    assert (Int8Linear if name == "ct-w8a8" else WeightOnlyIntLinear) in kinds
+    assert (IntExperts in kinds) == name.startswith("moe")
+    state = model.state_dict()  # buffers included
+    assert all(torch.equal(t, same[key]) for key, t in state.items())
+    codes = {key: t for key, t in state.items() if not t.dtype.is_floating_point and "input_perm" not in key}
+    assert codes
+    for key, t in codes.items():
+        assert not torch.equal(t, other[key]), key
+        if t.dtype == torch.int8:
+            assert t.min() < -100 and t.max() > 100, key
+        else:
+            assert torch.bincount(unpack_along_last(t, 4).flatten(), minlength=16).min() > 0, key
+    perms = [m.input_perm for m in model.modules() if getattr(m, "input_perm", None) is not None]
+    assert bool(perms) == name.endswith("descact")
+    for perm in perms:
+        assert torch.equal(perm.sort().values, torch.arange(perm.numel()))
+    # the scale is DUMMY_RANGE / 2^(b-1) rounded to float32: the extreme code may land a rounding above
+    dense = dequantize_model(copy.deepcopy(model))
+    for key, p in dense.named_parameters():
+        if not key.endswith("norm.weight"):
+            assert p.abs().max() <= DUMMY_RANGE * (1 + 1e-6) and p.std() > DUMMY_RANGE / 4, key
+    for lp in logprobs(model, [[1, 2, 3, 4, 5, 6], [7, 8, 9]]):
+        assert torch.isfinite(lp).all()
+
+
+def test_dummy_weights_of_any_dtype():
+    """A parameter outside the quantized layers: integers random over their whole range, bool 0 or 1,
+    float8 drawn in the dummy range and rounded to it; seeded."""
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn):
+                name = str(dtype).removeprefix("torch.")
+                self.register_parameter(
+                    name, nn.Parameter(torch.empty(4096, dtype=dtype), requires_grad=False)
+                )
+            self.float32 = nn.Parameter(torch.empty(4096), requires_grad=False)
+
+    a, b, c = Mixed(), Mixed(), Mixed()
+    init_dummy_weights(a, seed=3)
+    init_dummy_weights(b, seed=3)
+    init_dummy_weights(c, seed=4)
+    for (key, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), key
+        assert not torch.equal(p.view(torch.uint8), r.view(torch.uint8)), key
+    for dtype in (torch.int8, torch.uint8, torch.int32, torch.int64):
+        p, info = a.get_parameter(str(dtype).removeprefix("torch.")), torch.iinfo(dtype)
+        assert (
+            p.min() < info.min + (info.max - info.min) // 16
+            and p.max() > info.max - (info.max - info.min) // 16
+        )
+    assert set(a.bool.tolist()) == {False, True}
+    f8 = a.float8_e4m3fn.float()
+    assert torch.isfinite(f8).all() and f8.abs().max() <= 2**-9  # the dummy range, rounded to e4m3
+    assert a.float32.abs().max() <= DUMMY_RANGE
 
 
 def test_pickle_only_folder_is_refused(tmp_path, qwen3_folder):
