@@ -188,7 +188,14 @@ def make_vl_checkpoint(root: str | os.PathLike, kind: str, seed: int = 0) -> str
         text["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
         cfg = Qwen2_5_VLConfig(
             text_config=text,
-            vision_config={**vision, "patch_size": 14, "window_size": 56, "fullatt_block_indexes": [1]},
+            # MLP width 58 (7B's is 3420): not a multiple of qwen_vit.WIDTH_MULTIPLE, so loading pads it
+            vision_config={
+                **vision,
+                "intermediate_size": 58,
+                "patch_size": 14,
+                "window_size": 56,
+                "fullatt_block_indexes": [1],
+            },
             **common,
         )
         model = Qwen2_5_VLForConditionalGeneration(cfg)

@@ -47,6 +47,7 @@ def _rotate_heads(
     NORM: tl.constexpr,
     STEP: tl.constexpr,
     OFF: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -65,10 +66,16 @@ def _rotate_heads(
         w2 = tl.load(w_ptr + OFF + offs_d * STEP, mask=offs_d < HALF, other=0.0).to(tl.float32)[None, :]
         f1 = (w1 * (f1 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         f2 = (w2 * (f2 * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    c = cos.to(dtype).to(tl.float32)[None, :]
-    s = sin.to(dtype).to(tl.float32)[None, :]
-    o1 = (f1 * c).to(dtype).to(tl.float32) - (f2 * s).to(dtype).to(tl.float32)
-    o2 = (f2 * c).to(dtype).to(tl.float32) + (f1 * s).to(dtype).to(tl.float32)
+    if WIDE:  # fp32 from the load to the store, cos and sin unrounded (the vision towers' reference)
+        c = cos.to(tl.float32)[None, :]
+        s = sin.to(tl.float32)[None, :]
+        o1 = f1 * c - f2 * s
+        o2 = f2 * c + f1 * s
+    else:
+        c = cos.to(dtype).to(tl.float32)[None, :]
+        s = sin.to(dtype).to(tl.float32)[None, :]
+        o1 = (f1 * c).to(dtype).to(tl.float32) - (f2 * s).to(dtype).to(tl.float32)
+        o2 = (f2 * c).to(dtype).to(tl.float32) + (f1 * s).to(dtype).to(tl.float32)
     tl.store(p1, o1.to(dtype), mask=mask)
     tl.store(p1 + OFF, o2.to(dtype), mask=mask)
 
@@ -96,6 +103,7 @@ def _rotary_kernel(
     NORM: tl.constexpr,
     STEP: tl.constexpr,
     OFF: tl.constexpr,
+    WIDE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -117,6 +125,7 @@ def _rotary_kernel(
         NORM,
         STEP,
         OFF,
+        WIDE,
     )
     _rotate_heads(
         k_ptr + t * stride_kt,
@@ -132,6 +141,7 @@ def _rotary_kernel(
         NORM,
         STEP,
         OFF,
+        WIDE,
     )
 
 
@@ -171,6 +181,7 @@ def _launch(
     eps: float,
     num_warps: int | None,
     interleaved: bool,
+    wide: bool = False,
 ) -> None:
     num_tokens, num_heads, head_dim = q.shape
     if num_tokens == 0:
@@ -201,6 +212,7 @@ def _launch(
         NORM=norm,
         STEP=2 if interleaved else 1,
         OFF=1 if interleaved else half,
+        WIDE=wide,
         num_warps=num_warps or _num_warps(2 * (block_hq + block_hkv) * block_half),
         **COMPILE_OPTIONS,
     )
@@ -214,13 +226,16 @@ def rotary_inplace(
     num_warps: int | None = None,
     *,
     interleaved: bool = False,
+    wide: bool = False,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place by positions [T]; cos_sin_cache [max_pos, rotary_dim]
     (fp32; the first rotary_dim dims of each head rotate, the rest pass); interleaved: pairs (2i, 2i + 1)
-    instead of (i, i + rotary_dim / 2). Positions are not range-checked (that would need a host sync):
-    they must be < max_pos."""
+    instead of (i, i + rotary_dim / 2); wide: every step in fp32 and only the result rounded to q's
+    dtype, as the vision towers' reference computes (models/vision/qwen_vit.py), instead of the decoder
+    reference's rounding after each step. Positions are not range-checked (that would need a host
+    sync): they must be < max_pos."""
     _check(positions, q, k, cos_sin_cache)
-    _launch(positions, q, k, cos_sin_cache, None, None, 0.0, num_warps, interleaved)
+    _launch(positions, q, k, cos_sin_cache, None, None, 0.0, num_warps, interleaved, wide)
 
 
 def qk_norm_rotary_inplace(

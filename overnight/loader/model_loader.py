@@ -22,7 +22,7 @@ from overnight.loader.dummy import init_dummy_weights
 from overnight.loader.expert_form import check_expert_form_device
 from overnight.loader.hf import iter_safetensors
 from overnight.loader.source import ModelSource
-from overnight.models.interface import LoadsWeights
+from overnight.models.interface import LoadsWeights, finish_loading
 from overnight.models.registry import model_class_for
 from overnight.models.vision.interface import TOWER_CHECKPOINT_PREFIXES
 from overnight.quant.apply import quantize_experts, quantize_model
@@ -134,6 +134,7 @@ def load_model(
         model.load_weights(checkpoint_weights(source, model, device))
     else:
         raise TypeError(f"{type(model).__name__} has no load_weights (models/interface.py)")
+    finish_loading(model)
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
     return model.requires_grad_(False).eval()

@@ -39,6 +39,22 @@ class LoadsWeights(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
+@runtime_checkable
+class AfterLoad(Protocol):
+    """A module that changes its own layout once its weights are in, for speed, keeping its outputs
+    (models/vision/qwen_vit.py's SwiGLU fuses gate and up and pads its width): the loaders call
+    after_load_ on every such module of a loaded model (finish_loading)."""
+
+    def after_load_(self) -> None: ...
+
+
+def finish_loading(model: nn.Module) -> None:
+    """after_load_ on each AfterLoad module of `model`, its weights loaded (real or dummy)."""
+    for module in list(model.modules()):  # listed first: after_load_ may replace a module's children
+        if isinstance(module, AfterLoad):
+            module.after_load_()
+
+
 def as_causal_lm(model: nn.Module) -> CausalLM:
     """`model` held to the CausalLM contract (its members are checked, once, when it is built): raises
     TypeError naming those a model class lacks."""

@@ -29,6 +29,7 @@ from overnight.config import VisionArch
 from overnight.models.vision.interface import VisionFeatures
 from overnight.models.vision.qwen_vit import (
     PatchEmbed,
+    PatchRope,
     VisionBlock,
     VisionRMSNorm,
     _act,
@@ -102,12 +103,10 @@ class Glm4vVisionModel(nn.Module):
         per_frame = torch.tensor([h * w for h, w in frames], device=x.device)
         sizes = torch.tensor(frames, device=x.device).repeat_interleave(per_frame, dim=0)
         x = self.embeddings(x, rows, cols, sizes)
-        angles = rotary_angles(v, grid_thw, x.device)
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        rope = PatchRope.of(rotary_angles(v, grid_thw, x.device))
         per_frame_segments = Segments.of(cu_seqlens_of([h * w for h, w in frames]), x.device)
         for block in self.blocks:  # attention per frame
-            x = block(x, per_frame_segments, cos, sin)
+            x = block(x, per_frame_segments, rope)
         x = self.post_layernorm(x).view(-1, m, m, v.hidden_size).permute(0, 3, 1, 2)
         x = self.downsample(x).view(-1, v.out_hidden_size)
         return VisionFeatures(embeds=self.merger(x), deepstack=[])

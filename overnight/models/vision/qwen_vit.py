@@ -21,12 +21,16 @@ families' towers plug in through build_vision_tower by returning the same.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import cast
 
 import torch
 from torch import nn
 
 from overnight.config import VisionArch
+from overnight.kernels.dispatch import use_kernels
+from overnight.layers.activation import SiluAndMul
+from overnight.layers.norm import rms_norm_ref
 from overnight.models.vision.interface import VisionFeatures
 from overnight.models.vision.segments import Segments, segment_attention, to_device
 
@@ -57,9 +61,13 @@ class VisionRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # The decoder's RMSNorm arithmetic (layers/norm.py): one kernel instead of torch's six passes in
+        # fp32, 2 of a block's ~20 elementwise passes over every patch.
+        if use_kernels(x):
+            from overnight.kernels.rmsnorm import rms_norm  # triton loads on first use
+
+            return rms_norm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)
 
 
 class PatchEmbed(nn.Module):
@@ -113,6 +121,34 @@ def per_grid(
     return torch.cat([built[g][0] for g in grid_thw]), torch.cat([built[g][1] for g in grid_thw])
 
 
+@dataclass(frozen=True)
+class PatchRope:
+    """The patches' 2-D RoPE, built once per tower call: cos_sin [patches, head_dim] fp32, row p
+    [cos(angles_p) | sin(angles_p)] (the rotary kernel's table, one row a patch), and positions =
+    arange(patches) into it."""
+
+    cos_sin: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def of(angles: torch.Tensor) -> PatchRope:
+        positions = torch.arange(angles.shape[0], device=angles.device)
+        return PatchRope(torch.cat([angles.cos(), angles.sin()], dim=-1), positions)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, rope: PatchRope) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k [patches, heads, head_dim] rotated as the reference does it: in fp32, rotate-half over the
+    whole head, the result rounded to their dtype. On the GPU in place, in one kernel (torch's version
+    is ~10 elementwise passes over q and k in fp32)."""
+    if use_kernels(q):
+        from overnight.kernels.rotary import rotary_inplace  # triton loads on first use
+
+        rotary_inplace(rope.positions, q, k, rope.cos_sin, wide=True)
+        return q, k
+    cos, sin = (half.repeat(1, 2)[:, None, :] for half in rope.cos_sin.chunk(2, dim=-1))
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
@@ -130,19 +166,30 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(v.hidden_size, 3 * v.hidden_size, bias=qkv_bias)
         self.proj = nn.Linear(v.hidden_size, v.hidden_size, bias=proj_bias)
 
-    def forward(
-        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, rope: PatchRope) -> torch.Tensor:
         n = x.shape[0]
         q, k, val = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_qk(q, k, rope)
         # Bidirectional attention inside each segment (an image, or a window of one).
         return self.proj(segment_attention(q, k, val, segments).reshape(n, -1))
 
 
+# The tower MLPs' width is padded to a multiple of this after loading (SwiGLU.after_load_). A GEMM
+# whose inner or output dimension is not a multiple of 8 bf16 elements (16 bytes) misses the aligned
+# Hopper kernels: cuBLAS falls back to sm80 ones. Qwen2.5-VL's 3420-wide MLP took two thirds of its
+# caption run's GEMM time that way; on an H100 at 65,536 patches its down projection ran 2,838 us at
+# width 3420 and 861 us at 3424 (session U, docs/performance.md).
+WIDTH_MULTIPLE = 32
+
+
 class SwiGLU(nn.Module):
     """Qwen2.5-VL's block MLP (with biases); GLM-4.1V's block MLP (no biases, out_hidden_size wide) and
-    its merger's (dim out_hidden_size, width intermediate_size)."""
+    its merger's (dim out_hidden_size, width intermediate_size).
+
+    Loaded as the checkpoint names it (gate_proj, up_proj, down_proj); after_load_ then fuses gate and
+    up into one projection (gate_up: x read once, one GEMM) and pads the width with zeros to
+    WIDTH_MULTIPLE. Exact: a zero gate row and up row give act(0) * 0 = 0 (act(0) is finite), and a zero
+    down column adds nothing."""
 
     def __init__(self, v: VisionArch, dim: int = 0, width: int = 0, bias: bool = True) -> None:
         super().__init__()
@@ -151,9 +198,38 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(dim, width, bias=bias)
         self.down_proj = nn.Linear(width, dim, bias=bias)
         self.act_fn = _act(v.hidden_act)
+        self.gate_up: nn.Linear | None = None  # after_load_
+
+    def after_load_(self) -> None:
+        if self.gate_up is not None:
+            return
+        gate, up, down = self.gate_proj, self.up_proj, self.down_proj
+        width = gate.out_features
+        pad = -width % WIDTH_MULTIPLE
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [width, ...] -> [width + pad, ...], zeros below
+            return torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+
+        fused = nn.Linear(gate.in_features, 2 * (width + pad), bias=gate.bias is not None, device="meta")
+        fused.weight = nn.Parameter(torch.cat([rows(gate.weight), rows(up.weight)]), requires_grad=False)
+        if gate.bias is not None and up.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([rows(gate.bias), rows(up.bias)]), requires_grad=False)
+        padded_down = nn.Parameter(rows(down.weight.t()).t().contiguous(), requires_grad=False)
+        down.weight, down.in_features = padded_down, width + pad
+        self.gate_up = fused
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:  # as built (before after_load_)
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up(x)
+        if isinstance(self.act_fn, nn.SiLU):
+            return self.down_proj(cast(torch.Tensor, _SILU_AND_MUL(gate_up)))
+        g, u = gate_up.chunk(2, dim=-1)
+        return self.down_proj(self.act_fn(g) * u)
+
+
+_SILU_AND_MUL = SiluAndMul()  # a tower's own (no quantization pass sees it): its kernel on the GPU
 
 
 class VisionMLP(nn.Module):
@@ -212,10 +288,8 @@ class VisionBlock(nn.Module):
         )
         self.mlp = _block_mlp(v)
 
-    def forward(
-        self, x: torch.Tensor, segments: Segments, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), segments, cos, sin)
+    def forward(self, x: torch.Tensor, segments: Segments, rope: PatchRope) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), segments, rope)
         return x + self.mlp(self.norm2(x))
 
 
@@ -312,12 +386,11 @@ class Qwen25VisionTransformer(nn.Module):
             # which the reordering keeps contiguous (windows never cross images).
             x = x.view(n // unit, unit, -1)[order].view(n, -1)
             angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        rope = PatchRope.of(angles)
         images = Segments.of(cu_images, x.device)
         windows = Segments.of(cu_window, x.device) if v.window_size else images
         for i, block in enumerate(self.blocks):
-            x = block(x, images if i in v.fullatt_block_indexes else windows, cos, sin)
+            x = block(x, images if i in v.fullatt_block_indexes else windows, rope)
         merged = self.merger(x)
         if order is not None:
             merged = merged[torch.argsort(order)]
@@ -369,13 +442,11 @@ class Qwen3VisionModel(nn.Module):
         x = self.patch_embed(pixel_values)
         idx, wgt = interpolation_taps(v, grid_thw, x.device)
         x = x + (self.pos_embed(idx) * wgt[:, :, None].to(x.dtype)).sum(1)
-        angles = rotary_angles(v, grid_thw, x.device)
-        emb = torch.cat([angles, angles], dim=-1)[:, None, :]
-        cos, sin = emb.cos(), emb.sin()
+        rope = PatchRope.of(rotary_angles(v, grid_thw, x.device))
         frames = Segments.of(cu_seqlens_of([h * w for t, h, w in grid_thw for _ in range(t)]), x.device)
         deepstack = []
         for i, block in enumerate(self.blocks):
-            x = block(x, frames, cos, sin)
+            x = block(x, frames, rope)
             if i in v.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[v.deepstack_visual_indexes.index(i)](x))
         return VisionFeatures(embeds=self.merger(x), deepstack=deepstack)
