@@ -19,6 +19,8 @@ def test_vision_tower_bench_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "SIDE", 8)
     monkeypatch.setattr(bench, "REPEATS", 1)
     monkeypatch.setattr(bench, "sm_clock_now", lambda: "n/a")
+    monkeypatch.setattr(bench, "GEMM_ROWS", 16)
+    monkeypatch.setattr(bench, "WIDTHS", (58, 64))
     tiny = dict(depth=2, hidden_size=32, intermediate_size=58, num_heads=2, out_hidden_size=64,
                 patch_size=14, spatial_merge_size=2, window_size=56, fullatt_block_indexes=[1],
                 hidden_act="silu", temporal_patch_size=2)  # fmt: skip
@@ -26,3 +28,4 @@ def test_vision_tower_bench_runs_on_cpu(monkeypatch, capsys):
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["ok"] and result["rel_err"] < 1e-5 and len(result["ms"]) == 2, out
+    assert list(result["gemm_us"]) == ["58", "64"] and "| 58 |" in out
