@@ -2,7 +2,9 @@
 pages of 16 tokens against the TMA kernel (DecodeConfig.tma, kernels/paged_decode_fp8.py), which needs
 pages of a multiple of its tile (64 or 128 tokens) and fetches each K and V tile with one copy.
 
-    PYTHONPATH=. python bench/decode_pages_gpu.py [--budget-s 150]
+    PYTHONPATH=. python bench/decode_pages_gpu.py [--budget-s 150] [--moe]
+
+(--moe: the timings at Qwen3-30B-A3B's heads, attention_gpu.py's MOE_CASES, instead of CASES.)
 
 Why: the e4m3-dot kernel reads ~3.2 TB/s at 1980 MHz and less at the engine's power-capped clock
 (~2.7 TB/s at ~1650 MHz in bench/profile_gpu.py's whole-run profile), while a read-only probe of the same gather managed
@@ -117,6 +119,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=150.0)
     parser.add_argument("--checks-only", action="store_true", help="the correctness checks, no timings")
+    parser.add_argument("--moe", action="store_true", help="time attention_gpu.py's MOE_CASES instead")
     parser.add_argument(
         "--formats", default="e4m3", help="cache formats to check: e4m3, e5m2 or both (comma)"
     )
@@ -130,7 +133,7 @@ def main() -> None:
                       (128, DecodeConfig(128, 4, 3, fp8_mma=True, tma=True))):  # fmt: skip
         ag.try_run(f"graph p{page}", partial(ag.check_fp8_mma_graph, cfg, page))
     print("timings:", flush=True)
-    for model, batch, ctx in [] if args.checks_only else CASES:
+    for model, batch, ctx in [] if args.checks_only else ag.MOE_CASES if args.moe else CASES:
         if not ag.over_budget(args.budget_s, f"{model} b{batch} ctx{ctx}"):
             bench_case(model, batch, ctx)
     base = {r["case"]: r["us"] for r in ag.rows if r["variant"].startswith("base")}
