@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from overnight.config import VisionArch
@@ -79,8 +80,11 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.view(-1, *self.shape).to(self.proj.weight.dtype)
-        return self.proj(x).view(-1, self.hidden)
+        # The kernel covers the whole patch at stride = kernel, so the convolution is one GEMM of the
+        # flattened patches: cuDNN ran it as a generic implicit-GEMM convolution, ~7.5 ms for a caption
+        # step's 59,392 patches on an H100 (session U), the GEMM a fraction of that.
+        weight = self.proj.weight.view(self.hidden, -1)
+        return F.linear(x.view(-1, weight.shape[1]).to(weight.dtype), weight, self.proj.bias)
 
 
 def rotary_angles(v: VisionArch, grid_thw: list[tuple[int, int, int]], device: torch.device) -> torch.Tensor:
