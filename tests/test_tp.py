@@ -148,6 +148,20 @@ def test_streamed_shards_equal_apply_tp_on_loaded_model(folders, kind):
             assert down.weight_scale.shape == blocks
 
 
+def test_dummy_shards_fill_layer_norms_as_the_unsharded_init(tmp_path):
+    """Dummy weights at TP 2 of a model with LayerNorms (SmolVLM's SigLIP tower, replicated): weights 1
+    and biases 0, drawing nothing, as the unsharded init fills them, so every later draw matches too."""
+    from torch import nn
+
+    from tests.tiny_smolvlm import make_smolvlm_checkpoint
+
+    source = resolve_source(make_smolvlm_checkpoint(tmp_path), "dummy")
+    for rank in range(2):
+        streamed = streamed_equals_sliced(source, rank, seed=3)
+        norms = [m for m in streamed.modules() if isinstance(m, nn.LayerNorm)]
+        assert norms and all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in norms)
+
+
 # -- end to end: 2 gloo processes against one -----------------------------------------------------------
 
 

@@ -88,6 +88,27 @@ def test_packed_expert_shares_through_the_kernel_sum_to_the_whole(folders, layou
     torch.testing.assert_close(parts[0] + parts[1], whole(x, weights, ids.int()), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("layout", ["awq-g32", "ct-w4-channel-asym", "ct-w8-g16-sym"])
+def test_packed_expert_dummy_shards_are_the_unsharded_dummy_model(folders, layout, packed):
+    """--load-format dummy at TP 2: each rank's packed experts hold the share apply_tp cuts from the
+    unsharded dummy model, bit for bit: codes drawn whole and cut, the scale and zero buffers
+    loader/dummy.py's constants (a channel-wise down scale whole)."""
+    from overnight.loader.dummy import DUMMY_RANGE
+
+    source = resolve_source(str(folders[layout]), "dummy")
+    mid = 1 << ((8 if "w8" in layout else 4) - 1)
+    for rank in range(2):
+        mine = streamed_equals_sliced(source, rank, seed=3).get_submodule(STACK)
+        assert isinstance(mine, RowParallelIntExperts) and mine.intermediate_size == 32
+        for codes in (mine.gate_up_proj, mine.down_proj):
+            assert len(codes.unique()) > codes.numel() // 2  # random int32 words
+        for part in ("gate_up_scale", "down_scale", "gate_up_zero", "down_zero"):
+            t = getattr(mine, part)
+            value = DUMMY_RANGE / mid if part.endswith("scale") else mid
+            assert (t is None) == (layout == "ct-w8-g16-sym" and part.endswith("zero")), part
+            assert t is None or torch.all(t == torch.tensor(value)), part
+
+
 def test_expert_share_cuts_scales_and_zeros(folders, packed):
     """The per-expert cuts the checkpoint conversion applies (IntExperts.expert_share): gate/up scale
     rows, down scale groups, a channel-wise down scale kept whole."""

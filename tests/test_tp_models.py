@@ -17,6 +17,7 @@ dequantized-at-load path end to end; splits the packed layout cannot hold exactl
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -264,6 +265,62 @@ def test_int_packed_shards_hold_their_share_of_the_weights(int_folders, layout, 
             assert isinstance(mine, (RowParallelWeightOnlyIntLinear, RowParallelInt8Linear)) == row
             share = shards.shard(f"{name}.weight", layer.dequantized_weight())
             assert torch.equal(mine.dequantized_weight(), share), name
+
+
+@pytest.mark.parametrize("layout", INT_LAYOUTS[:-1])
+def test_int_packed_dummy_shards_are_the_unsharded_dummy_model(int_folders, layout, monkeypatch):
+    """--load-format dummy on a packed integer checkpoint at TP 2: each rank's codes (drawn whole in the
+    unsharded init's order, then cut: rows, int32 columns, int8 weights), scales and zero points
+    (constants) are those apply_tp cuts from the unsharded dummy model, bit for bit; the ranks' codes
+    are random and their scales and zero points loader/dummy.py's constants."""
+    from overnight.loader.dummy import DUMMY_RANGE
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    source = resolve_source(str(int_folders[layout]), "dummy")
+    bits = 8 if "w8" in layout else 4
+    for rank in range(2):
+        streamed = streamed_equals_sliced(source, rank, seed=3)
+        layers = [m for m in streamed.modules() if isinstance(m, (WeightOnlyIntLinear, Int8Linear))]
+        assert len(layers) == 8 and any(isinstance(m, RowParallelInt8Linear) for m in layers) == (
+            layout == "ct-w8a8"
+        )
+        for m in layers:
+            if isinstance(m, Int8Linear):
+                assert m.weight.min() < -100 and m.weight.max() > 100
+                assert torch.all(m.weight_scale == torch.tensor(DUMMY_RANGE / 128))
+                continue
+            assert len(m.packed_weight.unique()) > m.packed_weight.numel() // 2  # random words
+            assert torch.all(m.group_scale == torch.tensor(DUMMY_RANGE / (1 << (bits - 1))))
+            assert m.group_zero is None or torch.all(m.group_zero == 1 << (bits - 1))
+
+
+def test_int_act_order_dummy_shards_keep_the_whole_permutation(tmp_path, monkeypatch):
+    """Act-order column-parallel layers (the row-parallel o_proj and down_proj left float, as an
+    act-order one cannot be split) under dummy weights at TP 2: each rank's input permutations are
+    the unsharded dummy model's, whole, drawn after every parameter."""
+    from tests.tiny_models import make_tiny_checkpoint
+
+    monkeypatch.setattr(apply, "PACKED_INT_ON_CPU", True)
+    rows = ("o_proj", "down_proj")
+    src = make_tiny_checkpoint(tmp_path / "src", "qwen3")
+    folder = make_int_checkpoint(src, tmp_path / "descact", "gptq-w4-g16-asym-descact", keep_float=rows)[0]
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["modules_to_not_convert"] = list(rows)
+    (folder / "config.json").write_text(json.dumps(config))
+    source = resolve_source(str(folder), "dummy")
+    perms = []
+    for rank in range(2):
+        streamed = streamed_equals_sliced(source, rank, seed=3)
+        mine = {n: b for n, b in streamed.named_buffers() if n.endswith("input_perm")}
+        assert len(mine) == 4 and all(
+            n.endswith(("qkv_proj.input_perm", "gate_up_proj.input_perm")) for n in mine
+        )
+        for perm in mine.values():
+            assert torch.equal(perm.sort().values, torch.arange(64)) and not torch.equal(
+                perm, torch.arange(64)
+            )
+        perms.append(mine)
+    assert all(torch.equal(perms[0][n], perms[1][n]) for n in perms[0])
 
 
 def test_int_splits_the_packed_layout_cannot_hold_are_refused(int_folders, monkeypatch):

@@ -8,7 +8,7 @@ Integer tensors (the packed codes of W4A16 / W8A16 layers and experts, quant/int
 quant/int_moe.py; W8A8's int8 weights; MXFP4's uint8 blocks) are random bits over their dtype's whole
 range from the same generator, so every code is as likely as any other; their scales and zero points
 are constants, drawing nothing, that keep the dequantized weights within the float model's range
-(_constants). A float8 tensor outside FP8 layers and experts is drawn in float32 and rounded to it.
+(dummy_constants). A float8 tensor outside FP8 layers and experts is drawn in float32 and rounded to it.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ DUMMY_RANGE = 1e-3
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Fill every parameter in place, on its own device: RMSNorm weights 1, float tensors
-    uniform(-DUMMY_RANGE, DUMMY_RANGE) and integer ones random bits, from a generator seeded with `seed`
-    (same seed, same weights); LayerNorm weights 1 and biases 0; quantized layers' scales and zero points
-    (buffers included) constants (_constants), act-order layers' input permutations random."""
-    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, (RMSNorm, nn.LayerNorm))}
-    norm_biases = {id(m.bias) for m in model.modules() if isinstance(m, nn.LayerNorm) and m.bias is not None}
+    """Fill every parameter in place, on its own device: float tensors uniform(-DUMMY_RANGE, DUMMY_RANGE)
+    and integer ones random bits (draw_), from a generator seeded with `seed` (same seed, same weights);
+    norm weights, LayerNorm biases and quantized layers' scales and zero points (buffers included)
+    constants drawing nothing (dummy_constants); act-order layers' input permutations random, drawn
+    after every parameter. parallel/tp_load.py replays these draws for one tensor-parallel rank."""
     fp8_layers = {id(m.weight): m for m in model.modules() if isinstance(m, Fp8Linear)}
     fp8_scales = {id(m.weight_scale) for m in fp8_layers.values()}
     fp8_experts = _fp8_expert_stacks(model)
-    constants = _constants(model)
+    constants = dummy_constants(model)
     generators: dict[torch.device, torch.Generator] = {}
 
     def generator(device: torch.device) -> torch.Generator:
@@ -52,9 +51,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     for param in model.parameters():  # a tied weight is visited once
         if param.is_meta or id(param) in fp8_scales or id(param) in constants:
             continue  # shape-only models (tests) have nothing to fill; scales come with their weight
-        if id(param) in norm_weights or id(param) in norm_biases:
-            param.fill_(1.0 if id(param) in norm_weights else 0.0)
-            continue
         gen = generator(param.device)
         layer = fp8_layers.get(id(param))
         stack = fp8_experts.get(id(param))
@@ -66,15 +62,14 @@ def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             dense = torch.empty(param.shape, dtype=layer.out_dtype, device=param.device)
             layer.load_dense_(dense.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen))
         else:
-            _draw_(param, gen)
-    for module in model.modules():  # act-order layers gather their input by a permutation: any one
-        perm = module.input_perm if isinstance(module, WeightOnlyIntLinear) else None
-        if perm is not None and not perm.is_meta:
+            draw_(param, gen)
+    for perm in input_perms(model).values():  # act-order layers gather their input by a permutation
+        if not perm.is_meta:
             gen = generator(perm.device)
             perm.copy_(torch.randperm(perm.numel(), generator=gen, device=perm.device))
 
 
-def _draw_(t: torch.Tensor, gen: torch.Generator) -> None:
+def draw_(t: torch.Tensor, gen: torch.Generator) -> None:
     """Fill `t` from `gen`: floating point uniform(-DUMMY_RANGE, DUMMY_RANGE) (float8, which uniform_
     does not take, drawn in float32 and rounded: without a scale of its own most values round to 0),
     integers uniform over their dtype's whole range (packed int4 codes: any nibble), bool 0 or 1."""
@@ -90,14 +85,15 @@ def _draw_(t: torch.Tensor, gen: torch.Generator) -> None:
         t.random_(info.min, info.max + 1 if info.max < torch.iinfo(torch.int64).max else None, generator=gen)
 
 
-def _constants(model: nn.Module) -> dict[int, tuple[torch.Tensor, float]]:
-    """id(tensor) -> (tensor, its value) for the quantized weights' scales and zero points, filled
-    without a draw.
+def dummy_constants(model: nn.Module) -> dict[int, tuple[torch.Tensor, float]]:
+    """id(tensor) -> (tensor, its value) for the tensors filled without a draw: RMSNorm and LayerNorm
+    weights 1, LayerNorm biases 0, and the quantized weights' scales and zero points (parameters or
+    buffers), below.
 
     MXFP4 experts' scales: 2^-10 (e8m0 exponent 117), so weights (e2m1 values up to 6) stay below
     6 * 2^-10, near DUMMY_RANGE.
 
-    Integer codes are uniform over their whole range (_draw_), so a b-bit code may sit anywhere in
+    Integer codes are uniform over their whole range (draw_), so a b-bit code may sit anywhere in
     [0, 2^b). Drawn like the float parameters, a zero point would be ~0 and a scale in [-R, R]
     (R = DUMMY_RANGE): weights up to (2^b - 1) R (15 R in int4, 255 R in int8), every weight of a group
     of the scale's sign. Instead the zero point is the middle code 2^(b-1) (the symmetric formats' own,
@@ -112,7 +108,10 @@ def _constants(model: nn.Module) -> dict[int, tuple[torch.Tensor, float]]:
             out[id(t)] = (t, value)
 
     for m in model.modules():
-        if isinstance(m, Experts):
+        if isinstance(m, (RMSNorm, nn.LayerNorm)):
+            put(m.weight, 1.0)
+            put(m.bias if isinstance(m, nn.LayerNorm) else None, 0.0)
+        elif isinstance(m, Experts):
             put(m.gate_up_scales, 127 - 10)
             put(m.down_scales, 127 - 10)
         elif isinstance(m, WeightOnlyIntLinear):
@@ -128,6 +127,15 @@ def _constants(model: nn.Module) -> dict[int, tuple[torch.Tensor, float]]:
         elif isinstance(m, Int8Linear):
             put(m.weight_scale, DUMMY_RANGE / 128)
     return out
+
+
+def input_perms(model: nn.Module) -> dict[str, torch.Tensor]:
+    """name -> input_perm of the act-order layers, in the order the dummy init draws them."""
+    return {
+        f"{name}.input_perm": m.input_perm
+        for name, m in model.named_modules()
+        if isinstance(m, WeightOnlyIntLinear) and m.input_perm is not None
+    }
 
 
 def _fp8_expert_stacks(model: nn.Module) -> dict[int, tuple[Experts, str]]:

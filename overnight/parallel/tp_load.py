@@ -11,9 +11,8 @@ import torch.distributed as dist
 from torch import nn
 
 from overnight.layers.moe import Experts
-from overnight.layers.norm import RMSNorm
 from overnight.loader.source import ModelSource
-from overnight.models.interface import CausalLM, as_causal_lm
+from overnight.models.interface import CausalLM, as_causal_lm, finish_loading
 from overnight.parallel.tp import apply_tp
 from overnight.parallel.tp_shards import TPShards
 from overnight.quant.linear import Fp8Linear
@@ -55,53 +54,67 @@ def load_sharded_model(
         if layout is not None:
             weights = layout(weights)
         as_causal_lm(model).load_weights((n, shards.shard(n, t)) for n, t in weights)
+    finish_loading(model)
     if isinstance(source.quantization, QuantScheme):
         quantize_experts(model)
     return as_causal_lm(model.requires_grad_(False).eval())
 
 
 def _fill_dummy(model: nn.Module, whole: nn.Module, shards: TPShards, seed: int) -> None:
-    """The unsharded dummy init, replayed: walk the whole (meta) model's parameters in the same order,
-    draw each whole tensor from one seeded generator, keep this rank's slice."""
-    from overnight.loader.dummy import DUMMY_RANGE
+    """The unsharded dummy init (loader/dummy.py init_dummy_weights) replayed by its rules: the
+    constants (dummy_constants: norms, quantized layers' scales and zero points, buffers included)
+    filled on this rank, drawing nothing; then the whole (meta) model's parameters walked in the same
+    order, each whole tensor drawn from one seeded generator (draw_: floats, and integer codes such as
+    packed int32 words, int8 weights, MXFP4 blocks) and this rank's slice kept; then the act-order
+    input permutations drawn, which stay whole on every rank (parallel/tp_int.py)."""
+    from overnight.loader.dummy import DUMMY_RANGE, draw_, dummy_constants, input_perms
     from overnight.quant.fp8 import quantize_weight
 
     local = dict(model.named_parameters())
-    norms = {id(m.weight) for m in whole.modules() if isinstance(m, RMSNorm)}
+    local_buffers = dict(model.named_buffers())  # packed experts' scales and zeros, input_perm
+    names = {id(t): n for n, t in (*whole.named_parameters(), *whole.named_buffers())}
+    constants = {names[id(t)]: (t, value) for t, value in dummy_constants(whole).values()}
     fp8_layers = {f"{n}.weight": m for n, m in whole.named_modules() if isinstance(m, Fp8Linear)}
-    gen = None
+    gen: torch.Generator | None = None
+
+    def generator(device: torch.device) -> torch.Generator:
+        nonlocal gen
+        if gen is None:
+            gen = torch.Generator(device=device).manual_seed(seed)
+        return gen
+
+    for name, (t, value) in constants.items():
+        target = local[name] if name in local else local_buffers[name]
+        if isinstance(whole.get_submodule(name.rpartition(".")[0]), Experts):
+            # MXFP4 scales: cut from a whole one, as apply_tp cuts the unsharded model's, so that a
+            # padded tail (TPShards.moe_share) stays zero
+            target.copy_(shards.shard(name, torch.full(t.shape, value, dtype=t.dtype, device=target.device)))
+        else:
+            target.fill_(value)
     for name, param in whole.named_parameters():
-        target = local[name]
-        if id(param) in norms:
-            target.fill_(1.0)
+        if name in constants:
             continue
         if name.endswith(".weight_scale") and name.removesuffix("_scale") in fp8_layers:
             continue  # filled with its weight
-        if param.dtype == torch.uint8 and name.endswith(("gate_up_scales", "down_scales")):
-            # MXFP4 scales: loader/dummy.py's constant, no draw (sliced: a padded tail stays zero)
-            target.copy_(
-                shards.shard(name, torch.full(param.shape, 127 - 10, dtype=torch.uint8, device=target.device))
-            )
-            continue
-        if gen is None:
-            gen = torch.Generator(device=target.device).manual_seed(seed)
-        if param.dtype == torch.uint8:  # MXFP4 codes: any byte, as loader/dummy.py draws them
-            codes = torch.empty(param.shape, dtype=torch.uint8, device=target.device)
-            target.copy_(shards.shard(name, codes.random_(0, 256, generator=gen)))
-            continue
+        target = local[name]
+        g = generator(target.device)
         layer = fp8_layers.get(name)
         stack = model.get_submodule(name.rpartition(".")[0])
         if isinstance(stack, Experts) and stack.stores_fp8:  # e4m3 while loading: the float stack drawn
             full = torch.empty(param.shape, dtype=stack.compute_dtype, device=target.device)
-            full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+            full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=g)
             stack.load_fp8_rows_(name.rpartition(".")[2], shards.shard(name, full))
-            continue
-        dtype = param.dtype if layer is None else layer.out_dtype
-        full = torch.empty(param.shape, dtype=dtype, device=target.device)
-        full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
-        if layer is None:
+        elif layer is not None:
+            full = torch.empty(param.shape, dtype=layer.out_dtype, device=target.device)
+            data, scale = quantize_weight(
+                full.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=g), layer.block_k
+            )
+            target.copy_(shards.shard(name, data))
+            local[f"{name}_scale"].copy_(shards.shard(f"{name}_scale", scale))
+        else:
+            full = torch.empty(param.shape, dtype=param.dtype, device=target.device)
+            draw_(full, g)
             target.copy_(shards.shard(name, full))
-            continue
-        data, scale = quantize_weight(full, layer.block_k)
-        target.copy_(shards.shard(name, data))
-        local[f"{name}_scale"].copy_(shards.shard(f"{name}_scale", scale))
+    for name, perm in input_perms(whole).items():
+        target = local_buffers[name]
+        target.copy_(torch.randperm(perm.numel(), generator=generator(target.device), device=target.device))
