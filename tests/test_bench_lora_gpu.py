@@ -19,7 +19,7 @@ def test_lora_bench_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "PROJECTIONS", [("qkv", 64, (32, 16, 16)), ("down", 576, (64,))])
     monkeypatch.setattr(bench, "SLOTS", 3)
     monkeypatch.setattr(bench, "RANK", 8)
-    monkeypatch.setattr(bench, "CASES", (("decode", 16, True), ("prefill", 40, False)))
+    monkeypatch.setattr(bench, "CASES", (("decode", 16, True, 16), ("prefill", 40, False, 64)))
     monkeypatch.setattr(bench, "EXPAND_COLUMNS", (64, 128))
     monkeypatch.setattr(bench, "sm_clock_now", lambda: "n/a")
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from overnight.kernels.lora import (
+    BLOCK_M,
+    PREFILL_BLOCK_M,
     lora_expand,
     lora_expand_ref,
     lora_shrink,
@@ -63,14 +65,21 @@ def test_tiles_cut_each_slot_at_block_m() -> None:
     assert max_tiles(52, 4) == 8 and tile_table(np.zeros(3, dtype=np.int64)).shape == (3, 0)
     with pytest.raises(ValueError, match="5 tiles do not fit a table of 4"):
         tile_table(np.array([0, 35, 16, 1]), 4)
+    # a prefill step's tiles: 64 rows (PREFILL_BLOCK_M)
+    table = tile_table(np.array([0, 135, 16]), block_m=PREFILL_BLOCK_M)
+    assert table.tolist() == [[1, 1, 1, 2], [0, 64, 128, 135], [64, 64, 7, 16]]
+    assert max_tiles(135 + 16, 3, PREFILL_BLOCK_M) == 6
+    rows = slot_rows_ref(torch.tensor([1] * 70 + [0] * 3, dtype=torch.int32), 2)
+    assert rows.block_m == PREFILL_BLOCK_M and rows.tiles.tolist() == [[0, 1, 1], [0, 3, 67], [3, 64, 6]]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_shrink_and_expand_match_reference(dtype: torch.dtype, step: str) -> None:
-    # prefill: a 19-row request (two M tiles), decodes, base rows between adapters, a slot twice, an
-    # idle slot; decode: a row each, the grid over every row (as a graph captures it)
-    lens, seg_slots = [19, 1, 3, 1, 5], [2, -1, 0, 2, 2]
+    # prefill: a 70-row request (two 64-row tiles, the second short), decodes, base rows between
+    # adapters, a slot twice, an idle slot; decode: a row each, the grid over every row (as a graph
+    # captures it)
+    lens, seg_slots = [70, 1, 3, 1, 5], [2, -1, 0, 2, 2]
     if step == "decode":
         lens, seg_slots = [1] * 6, [0, -1, 2, 2, 0, -1]
     x, a, b, y, token_slots, offsets = setup(dtype, 0, lens, seg_slots)
@@ -239,7 +248,16 @@ def test_device_lora_wraps_every_projection_and_compiles_prefill_kernels(tmp_pat
         "mlp.down_proj", "mlp.gate_up_proj", "self_attn.o_proj", "self_attn.qkv_proj",
     ]  # fmt: skip
     monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    tiles: list[int] = []  # each pass's rows a tile: a prefill step's variant and a decode step's
+    map_rows = lora.batch.map_rows
+
+    def recording(*args, **kwargs) -> None:
+        map_rows(*args, **kwargs)
+        tiles.append(lora.batch.rows.block_m)
+
+    monkeypatch.setattr(lora.batch, "map_rows", recording)
     lora._compile_prefill_kernels()
+    assert tiles == [PREFILL_BLOCK_M, BLOCK_M] * 4  # four shapes of wrapped layer
     lora.batch.for_capture()
     assert lora.batch.active and lora.batch.rows.num_tiles is None
     assert bool((lora.batch.token_slots == -1).all()) and not lora.batch.rows.tiles.any()

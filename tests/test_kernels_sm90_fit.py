@@ -55,14 +55,15 @@ def moe_case(
     return _moe_gemm_kernel, types, cx, tiles.num_warps, tiles.num_stages
 
 
-def lora_case(kind: str, block_r: int = 16):
+def lora_case(kind: str, block_r: int = 16, prefill: bool = False):
     from overnight.kernels import lora
 
     types = dict(x_ptr="*bf16", a_ptr="*bf16", h_ptr="*fp32", y_ptr="*bf16", b_ptr="*bf16")
+    block_m = lora.PREFILL_BLOCK_M if prefill else lora.BLOCK_M  # a prefill step's tiles, or a decode step's
     if kind == "shrink":  # block_r 64: a q/k/v layer's three rank-16 slices in one dot
-        cx = dict(PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=block_r, BLOCK_K=64)
+        cx = dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64)
         return lora._shrink_kernel, types, cx, 4, 3
-    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=lora.BLOCK_M, BLOCK_R=16, BLOCK_N=64)
+    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=block_m, BLOCK_R=16, BLOCK_N=64)
     return lora._expand_kernel, types, cx, 4, 3
 
 
@@ -96,6 +97,8 @@ CASES = {
     "lora-shrink": lambda: lora_case("shrink"),
     "lora-shrink-qkv": lambda: lora_case("shrink", 64),
     "lora-expand": lambda: lora_case("expand"),
+    "lora-shrink-qkv-prefill": lambda: lora_case("shrink", 64, prefill=True),
+    "lora-expand-prefill": lambda: lora_case("expand", prefill=True),
 }
 
 

@@ -9,10 +9,10 @@ S device slots, n output slices of a fused layer (q/k/v: 3, gate/up: 2, else 1),
 n + 1 entries). token_slots[t] is row t's slot, -1 for the base model (rows that add nothing).
 
 One launch shape for prefill and decode: the step's adapter rows grouped by slot and cut into tiles
-of at most BLOCK_M rows of one slot (SlotRows: a row order and a tile table), one program per tile
+of at most block_m rows of one slot (SlotRows: a row order and a tile table), one program per tile
 (rows gathered through the order), a tensor-core dot per tile. A slot's weights are read once per
 tile, not once per row (a decode step of 1,024 rows over 8 adapters reads each adapter 16 times, not
-128). The grid is the table's width: a decode graph's bucket of T rows captures cdiv(T, BLOCK_M) +
+128). Decode steps cut 16-row tiles (BLOCK_M), other steps 64-row ones (PREFILL_BLOCK_M). The grid is the table's width: a decode graph's bucket of T rows captures cdiv(T, BLOCK_M) +
 slots tiles, as many as any mix of slots needs, and replays for every mix (tiles past the step's
 count have no rows and return at once), so no program waits on a slot it has no rows of. Each op has
 a plain torch reference (`..._ref`) beside it, over token_slots.
@@ -32,13 +32,17 @@ except ImportError:  # the references below still work
     triton = None  # type: ignore[assignment]
 
 
-BLOCK_M = 16  # rows of one slot per tile: a decode step's slots hold tens to hundreds of rows
+BLOCK_M = 16  # rows of one slot per tile in a decode step: its slots hold tens to hundreds of rows
+# In a prefill step a slot holds thousands of rows. With 16-row tiles each program read its slot's A
+# for 16 rows of x only, three times x's bytes, and the shrink took 291.5 us a layer at 4,096 rows
+# on an H100 where x's ~200 MB need ~60 (session U); 64-row tiles read A a quarter as often.
+PREFILL_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
 class SlotRows:
     """A step's adapter rows grouped by slot (base rows are in none), int32 on the device. Tile i
-    covers the rows order[start_i : start_i + len_i], all of slot slot_i, len_i <= BLOCK_M, with
+    covers the rows order[start_i : start_i + len_i], all of slot slot_i, len_i <= block_m, with
     (slot_i, start_i, len_i) = tiles[:, i]; a tile of length 0 does nothing. The kernels' grid has a
     program for each of the first num_tiles tiles; None: max_tiles(the input's rows, the weights'
     slots), what a decode graph's bucket captures."""
@@ -46,18 +50,19 @@ class SlotRows:
     order: torch.Tensor  # [>= adapter rows]
     tiles: torch.Tensor  # [3, >= num_tiles]: slot, start, length
     num_tiles: int | None
+    block_m: int = BLOCK_M  # a tile's most rows (the kernels' BLOCK_M)
 
 
-def max_tiles(num_rows: int, num_slots: int) -> int:
+def max_tiles(num_rows: int, num_slots: int, block_m: int = BLOCK_M) -> int:
     """Tiles any grouping of num_rows rows over num_slots slots needs: each slot's last tile may be short."""
-    return -(-num_rows // BLOCK_M) + num_slots
+    return -(-num_rows // block_m) + num_slots
 
 
-def tile_table(counts: np.ndarray, width: int | None = None) -> np.ndarray:
-    """int32 [3, width] tiles of slots with counts[j] rows each, grouped in slot order (slot j's rows
-    start at sum(counts[:j]) in the order); width None: exactly as many tiles as the rows need, else
-    padded with empty tiles (a decode graph's fixed grid)."""
-    per = -(-counts // BLOCK_M)
+def tile_table(counts: np.ndarray, width: int | None = None, block_m: int = BLOCK_M) -> np.ndarray:
+    """int32 [3, width] tiles of at most block_m rows of slots with counts[j] rows each, grouped in slot
+    order (slot j's rows start at sum(counts[:j]) in the order); width None: exactly as many tiles as
+    the rows need, else padded with empty tiles (a decode graph's fixed grid)."""
+    per = -(-counts // block_m)
     total = int(per.sum())
     width = total if width is None else width
     if total > width:
@@ -66,21 +71,26 @@ def tile_table(counts: np.ndarray, width: int | None = None) -> np.ndarray:
     slot = np.repeat(np.arange(len(counts)), per)
     within = np.arange(total) - np.repeat(np.cumsum(per) - per, per)  # tile index inside its slot
     out[0, :total] = slot
-    out[1, :total] = (np.cumsum(counts) - counts)[slot] + BLOCK_M * within
-    out[2, :total] = np.minimum(BLOCK_M, counts[slot] - BLOCK_M * within)
+    out[1, :total] = (np.cumsum(counts) - counts)[slot] + block_m * within
+    out[2, :total] = np.minimum(block_m, counts[slot] - block_m * within)
     return out
 
 
-def slot_rows_ref(token_slots: torch.Tensor, num_slots: int, padded: bool = False) -> SlotRows:
+def slot_rows_ref(
+    token_slots: torch.Tensor, num_slots: int, padded: bool = False, block_m: int | None = None
+) -> SlotRows:
     """SlotRows of a row -> slot map (-1: base), rows of a slot in row order, as LoRABatch builds them
-    on the host; padded: as a decode graph's (num_tiles None, the table padded with empty tiles)."""
+    on the host; padded: as a decode graph's (BLOCK_M rows a tile, num_tiles None, the table padded
+    with empty tiles), else a prefill step's (PREFILL_BLOCK_M rows a tile); block_m: other tiles (the
+    bench's comparison)."""
     slots = token_slots.long()
     adapted = (slots >= 0).nonzero().squeeze(1)
     order = adapted[torch.sort(slots[adapted], stable=True).indices]
     counts = torch.bincount(slots[adapted], minlength=num_slots)[:num_slots].cpu().numpy()
+    block_m = block_m or (BLOCK_M if padded else PREFILL_BLOCK_M)
     width = max_tiles(len(slots), num_slots) if padded else None
-    tiles = torch.from_numpy(tile_table(counts, width)).to(token_slots.device)
-    return SlotRows(order.int(), tiles, None if padded else tiles.shape[1])
+    tiles = torch.from_numpy(tile_table(counts, width, block_m)).to(token_slots.device)
+    return SlotRows(order.int(), tiles, None if padded else tiles.shape[1], block_m)
 
 
 # -- references ---------------------------------------------------------------------------------------
@@ -221,19 +231,19 @@ def _grid_tiles(rows: SlotRows, num_rows: int, num_slots: int) -> int:
             raise ValueError(f"lora: SlotRows.{name} must be int32")
     if rows.tiles.dim() != 2 or rows.tiles.shape[0] != 3 or rows.tiles.stride(1) != 1:
         raise ValueError(f"lora: SlotRows.tiles {list(rows.tiles.shape)} is not [3, tiles] by columns")
-    count = max_tiles(num_rows, num_slots) if rows.num_tiles is None else rows.num_tiles
+    count = max_tiles(num_rows, num_slots, rows.block_m) if rows.num_tiles is None else rows.num_tiles
     if count > rows.tiles.shape[1]:
         raise ValueError(f"lora: {count} tiles for a table of {rows.tiles.shape[1]}")
     return count
 
 
-def shrink_splits(k: int, num_rows: int, n: int) -> tuple[int, int]:
+def shrink_splits(k: int, num_rows: int, n: int, block_m: int = BLOCK_M) -> tuple[int, int]:
     """(splits, width) of the input dimension: a decode step's adapter rows make few 16-row tiles
     (1,024 rows: 64), and one program per tile walking all of K (4,096 to 12,288) leaves most SMs idle
     and each program waiting on its loads, so K is split until the grid has about _SHRINK_PROGRAMS
     programs, each split at least _MIN_K_SPLIT wide. Depends only on the shapes: a graph's bucket
     replays the split it was captured with."""
-    tiles = triton.cdiv(num_rows, BLOCK_M) * n
+    tiles = triton.cdiv(num_rows, block_m) * n
     return _split(k, max(1, min(triton.cdiv(_SHRINK_PROGRAMS, tiles), k // _MIN_K_SPLIT)))
 
 
@@ -264,7 +274,7 @@ def lora_shrink(
     # columns covers them all, so each tile reads its rows of x once, not once a slice.
     if n > 1 and a.stride(1) == r * a.stride(2):
         a, n, r = a.view(num_slots, 1, n * r, k), 1, n * r
-    splits, width = shrink_splits(k, x.shape[0], n) if splits is None else _split(k, splits)
+    splits, width = shrink_splits(k, x.shape[0], n, rows.block_m) if splits is None else _split(k, splits)
     parts = (torch.zeros if zero_base_rows else torch.empty)(
         splits, x.shape[0], n, r, dtype=torch.float32, device=x.device
     )
@@ -273,7 +283,7 @@ def lora_shrink(
             x, a, rows.order, rows.tiles, parts, k, r, width, splits,
             x.stride(0), a.stride(0), a.stride(1), a.stride(2), parts.stride(0), parts.stride(1),
             parts.stride(2), rows.tiles.stride(0),
-            PRECISION=_precision(x.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r), BLOCK_K=_SHRINK_BLOCK_K,
+            PRECISION=_precision(x.dtype), BLOCK_M=rows.block_m, BLOCK_R=_block_r(r), BLOCK_K=_SHRINK_BLOCK_K,
         )  # fmt: skip
     return (parts[0] if splits == 1 else parts.sum(0)).view(parts_shape)
 
@@ -295,6 +305,6 @@ def lora_expand(
     _expand_kernel[grid](
         y, h, b, rows.order, rows.tiles, offsets, r,
         y.stride(0), h.stride(0), h.stride(1), b.stride(0), b.stride(1), rows.tiles.stride(0),
-        NUM_SLICES=n, PRECISION=_precision(b.dtype), BLOCK_M=BLOCK_M, BLOCK_R=_block_r(r),
+        NUM_SLICES=n, PRECISION=_precision(b.dtype), BLOCK_M=rows.block_m, BLOCK_R=_block_r(r),
         BLOCK_N=EXPAND_BLOCK_N,
     )  # fmt: skip

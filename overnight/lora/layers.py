@@ -21,6 +21,8 @@ from torch import nn
 from overnight.config import ModelArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.kernels.lora import (
+    BLOCK_M,
+    PREFILL_BLOCK_M,
     SlotRows,
     lora_expand,
     lora_expand_ref,
@@ -100,13 +102,15 @@ class LoRABatch:
         per_slot = np.bincount(by_slot, minlength=self.max_slots)
         host[t : t + len(order)] = order
         # decode: the bucket's tile count, as its graph was captured (empty tiles pad the table)
-        table = tile_table(per_slot, self._width)
+        block_m = BLOCK_M if decode_only else PREFILL_BLOCK_M
+        table = tile_table(per_slot, self._width, block_m)
         host[2 * t :].reshape(3, self._width)[:] = table
         cuda = self.device.type == "cuda"
         self.token_slots[:num_rows].copy_(host_t[:num_rows], non_blocking=cuda)
         self.order[: len(order)].copy_(host_t[t : t + len(order)], non_blocking=cuda)
         self.tiles.view(-1).copy_(host_t[2 * t :], non_blocking=cuda)
-        self.rows = SlotRows(self.order, self.tiles, None if decode_only else int((table[2] > 0).sum()))
+        num_tiles = None if decode_only else int((table[2] > 0).sum())
+        self.rows = SlotRows(self.order, self.tiles, num_tiles, block_m)
         if cuda:
             ev = torch.cuda.Event()
             ev.record()

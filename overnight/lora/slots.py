@@ -105,9 +105,10 @@ class DeviceLoRA:
 
     @torch.inference_mode()
     def _compile_prefill_kernels(self) -> None:
-        """One row through each shape of wrapped layer with a prefill step's map (slot 0, all zeros
-        yet): the kernels compile now, not in the middle of a job (prefill and decode launch the same
-        variant)."""
+        """One row through each shape of wrapped layer with a prefill step's map and a decode step's
+        (slot 0, all zeros yet): the kernels compile now, not in the middle of a job (the two maps'
+        tiles differ in rows, kernels/lora.py PREFILL_BLOCK_M: two variants; decode graphs capture
+        the second again, an eager decode step runs it)."""
         seen: set[tuple[int, int, tuple[int, ...]]] = set()
         for module in self.modules.values():
             # one per shape: a module's size may differ between layers (Gemma 4's full / sliding layers)
@@ -115,8 +116,10 @@ class DeviceLoRA:
             if shape in seen:
                 continue
             seen.add(shape)
-            self.batch.map_rows([0], [1], 1, decode_only=False)
-            module(torch.zeros(1, module.in_features, dtype=module.lora_a.dtype, device=self.batch.device))
+            for decode_only in (False, True):
+                self.batch.map_rows([0], [1], 1, decode_only)
+                x = torch.zeros(1, module.in_features, dtype=module.lora_a.dtype, device=self.batch.device)
+                module(x)
 
     def load(self, loads: Sequence[tuple[int, LoRARequest]]) -> None:
         """Put each adapter into its slot (the scheduler evicted the slot's occupant, if any, when no
