@@ -19,7 +19,8 @@ def test_lora_bench_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "PROJECTIONS", [("qkv", 64, (32, 16, 16)), ("down", 576, (64,))])
     monkeypatch.setattr(bench, "SLOTS", 3)
     monkeypatch.setattr(bench, "RANK", 8)
-    monkeypatch.setattr(bench, "CASES", (("decode", 16, True, 16), ("prefill", 40, False, 64)))
+    cases = (("decode", 16, True, 16), ("decode", 40, True, 32), ("prefill", 40, False, 64))
+    monkeypatch.setattr(bench, "CASES", cases)
     monkeypatch.setattr(bench, "EXPAND_COLUMNS", (64, 128))
     monkeypatch.setattr(bench, "sm_clock_now", lambda: "n/a")
 
@@ -32,7 +33,8 @@ def test_lora_bench_runs_on_cpu(monkeypatch, capsys):
     bench.main()
     out = capsys.readouterr().out
     cases = json.loads(out.strip().splitlines()[-1])["cases"]
-    assert len(cases) == 2 * 3 and all(c["ok"] for c in cases), out
+    assert len(cases) == 3 * 3 and all(c["ok"] for c in cases), out
+    assert [c["block_m"] for c in cases[::3]] == [16, 32, 64]
     assert [c["expand_block_n"] for c in cases[:3]] == [64, 64, 128]
     # one pass against the split: the decode grid of 16 rows splits the 576-wide down projection
     assert cases[0]["splits"] == [1, 1] and cases[1]["splits"][1] > 1
