@@ -12,7 +12,10 @@ exactly --requests tokens is a decode step of the whole batch). Prints, per laye
 experts a decode step hit (of the model's num_experts; uniform routing of R tokens x k picks hits
 nearly all), and the distinct output tokens across requests at a few output positions; one JSON line.
 Session R (H200, Qwen3-30B-A3B FP8): ours 123-127 of 128 experts a step, vLLM 123 (its own draw) and
-123-126 (drawn as ours), 64 distinct tokens at every position: both route as widely.
+123-126 (drawn as ours), 64 distinct tokens at every position: both route as widely, over 256 tokens.
+Session U's vLLM window (FP8, steps 300-330 of long-1024-1024) had its expert GEMMs at 2.6 ms a step,
+which only a few experts' weights fit in: run with --max-tokens 1024 --requests 256 to see the late
+steps (the last quarter's spread is printed apart).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ sys.path.insert(0, ".")
 from bench.vllm_dummy import SCHEMES, install  # noqa: E402
 from overnight.bench.workloads import WORKLOADS  # noqa: E402
 
-POSITIONS = (0, 15, 63, 127, 255)
+POSITIONS = (0, 15, 63, 127, 255, 511, 1023)
 
 
 def router_hooks(model, top_k: int, batch: int) -> dict[str, list[int]]:
@@ -48,6 +51,10 @@ def router_hooks(model, top_k: int, batch: int) -> dict[str, list[int]]:
     for name, module in picked:
         module.register_forward_hook(hook(name))
     return seen
+
+
+def mean_of(counts: list[int]) -> float | None:
+    return round(sum(counts) / len(counts), 1) if counts else None
 
 
 def main() -> int:
@@ -92,11 +99,15 @@ def main() -> int:
     experts = arch.num_experts
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     distinct = {p: len({t[p] for t in tokens if len(t) > p}) for p in POSITIONS if p < args.max_tokens}
-    spread = {name: round(sum(v) / len(v), 1) if v else None for name, v in seen.items()}
+    spread = {name: mean_of(v) for name, v in seen.items()}
+    # the last quarter of the decode steps alone: a batch whose outputs collapse late (every request
+    # on the same tokens) routes narrowly only there, which the mean over all steps would hide
+    late = {name: mean_of(v[-max(1, len(v) // 4) :]) for name, v in seen.items()}
     who = args.engine + (f" (dummy weights drawn as {args.dummy_weights})" if args.engine == "vllm" else "")
     print(f"{who}: {args.requests} requests, {args.model}, {args.quantization or 'bf16'}")
     for name, mean in spread.items():
-        print(f"  {name}: {mean} of {experts} experts hit a decode step (steps seen: {len(seen[name])})")
+        print(f"  {name}: {mean} of {experts} experts hit a decode step, {late[name]} in the last quarter "
+              f"(steps seen: {len(seen[name])})")  # fmt: skip
     print(f"  distinct output tokens at positions {distinct}")
     record = {
         "bench": "routing_spread",
@@ -107,6 +118,7 @@ def main() -> int:
         "requests": args.requests,
         "experts": experts,
         "experts_hit_per_decode_step": spread,
+        "experts_hit_last_quarter": late,
         "distinct_tokens_at": distinct,
     }
     print(json.dumps(record))

@@ -80,4 +80,6 @@ def test_routing_spread_counts_the_experts_a_decode_step_hits(monkeypatch, tmp_p
     hits = record["experts_hit_per_decode_step"]
     assert len(hits) == 3 and record["experts"] == 8
     assert all(2 <= h <= 6 for h in hits.values())  # top-2 of 8 for 3 tokens: at least 2, at most 6
+    late = record["experts_hit_last_quarter"]
+    assert late.keys() == hits.keys() and all(2 <= h <= 6 for h in late.values())
     assert record["distinct_tokens_at"]["0"] <= 3
