@@ -12,10 +12,11 @@ One launch shape for prefill and decode: the step's adapter rows grouped by slot
 of at most block_m rows of one slot (SlotRows: a row order and a tile table), one program per tile
 (rows gathered through the order), a tensor-core dot per tile. A slot's weights are read once per
 tile, not once per row (a decode step of 1,024 rows over 8 adapters reads each adapter 16 times, not
-128). Decode steps cut 16-row tiles (BLOCK_M), other steps 64-row ones (PREFILL_BLOCK_M). The grid is the table's width: a decode graph's bucket of T rows captures cdiv(T, BLOCK_M) +
-slots tiles, as many as any mix of slots needs, and replays for every mix (tiles past the step's
-count have no rows and return at once), so no program waits on a slot it has no rows of. Each op has
-a plain torch reference (`..._ref`) beside it, over token_slots.
+128). Decode steps cut 16-row tiles (BLOCK_M), other steps 64-row ones (PREFILL_BLOCK_M). The grid
+is the table's width: a decode graph's bucket of T rows captures cdiv(T, BLOCK_M) + slots tiles, as
+many as any mix of slots needs, and replays for every mix (tiles past the step's count have no rows
+and return at once), so no program waits on a slot it has no rows of. Each op has a plain torch
+reference (`..._ref`) beside it, over token_slots.
 """
 
 from __future__ import annotations

@@ -74,9 +74,8 @@ class VisionRMSNorm(nn.Module):
 class PatchEmbed(nn.Module):
     def __init__(self, v: VisionArch, bias: bool) -> None:
         super().__init__()
-        self.shape = (v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
         self.hidden = v.hidden_size
-        kernel = self.shape[1:]
+        kernel = (v.temporal_patch_size, v.patch_size, v.patch_size)
         self.proj = nn.Conv3d(v.in_channels, v.hidden_size, kernel_size=kernel, stride=kernel, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
