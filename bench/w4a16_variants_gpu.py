@@ -2,6 +2,7 @@
 with Triton's compilation (the MoE section alone, --moe: under 2 minutes).
 
 Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants_gpu.py [--skip-int8]
+                                        PYTHONPATH=. python bench/w4a16_variants_gpu.py --mid
                                         PYTHONPATH=. python bench/w4a16_variants_gpu.py --moe
 
 1. Correctness (bf16): every W4A16 variant against w4a16_gemm_ref at the o shape (4096 x 4096), int4
@@ -29,6 +30,10 @@ Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants
    us and x bf16 per (tokens, variant) with and without zero points, the best variant per token count
    and its W4A16MoeConfig as a TIERS line (rows per expert = tokens * 8 / 128). A deadline
    (MOE_DEADLINE_S) skips the variants not yet timed rather than overrun.
+
+5. --mid instead of 1-4: W4A16 at 128-384 rows and Qwen3-32B's shapes (MID_VARIANTS: the swapped
+   fused tiles up to 256 rows wide against the default dequantize + cuBLAS), checked and timed as in
+   1-3; about 2 minutes.
 
 Prints tables, then one JSON line.
 """
@@ -68,6 +73,7 @@ from overnight.kernels.w4a16_moe import default_config as moe_default_config  # 
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 MS = (1, 16, 64, 256, 1024)
+CHECK_MS = (1, 16, 64, 256)  # the correctness section's rows
 SMALL_M = 64  # variants of the small-M regime run up to here, the large-M ones from 256 on
 ROTATE_BYTES = 256 << 20
 GROUP = 128
@@ -121,6 +127,23 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
         W4A16Config(128, 256, 1, 8, 3, 64, scale_after=False) if m > SMALL_M else None
     ),
 }
+# --mid instead of 1-3: the decode batches of a large model (~100-400 rows a step: the 32B AWQ run's) at
+# Qwen3-32B's shapes, where the default dequantizes the whole weight for cuBLAS (4.5 bytes a weight
+# moved against the packed form's 0.5): the swapped fused tiles with BLOCK_M up to 256 (wgmma's widest
+# N) against it. Each M-tile reads the packed weight once, so 64-row tiles read it M/64 times.
+MID_SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120), "down": (5120, 25600)}
+MID_MS = (128, 192, 256, 384)
+MID_CHECK_MS = (1, 192, 384)
+MID_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
+    "default": lambda m: None,
+    "swap-64x64": lambda m: W4A16Config(64, 64, swap_ab=True),
+    "swap-64x128": lambda m: W4A16Config(64, 128, swap_ab=True),
+    "swap-128x64": lambda m: W4A16Config(128, 64, swap_ab=True),
+    "swap-128x64-w8": lambda m: W4A16Config(128, 64, num_warps=8, swap_ab=True),
+    "swap-128x128-w8": lambda m: W4A16Config(128, 128, num_warps=8, num_stages=3, swap_ab=True),
+    "swap-256x64-w8": lambda m: W4A16Config(256, 64, num_warps=8, num_stages=3, swap_ab=True),
+    "fused-64x128x128-w4": lambda m: W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False),
+}
 INT8_PATHS = {"int_mm": lambda m: True, "triton": lambda m: True, "w8a16": lambda m: m <= SMALL_M}
 RESULTS: dict[str, object] = {}
 
@@ -169,7 +192,7 @@ def correctness(skip_int8: bool) -> None:
     bad, worst = [], 0.0
     for zeros in (True, False):
         qw, scale, zero = int4_weight(n, k, zeros)
-        for m in (1, 16, 64, 256):
+        for m in CHECK_MS:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
             ref = w4a16_gemm_ref(x, qw, scale, zero, 4, GROUP)
             for name, make in W4A16_VARIANTS.items():
@@ -426,6 +449,9 @@ if __name__ == "__main__":
         moe_times()
         print(f"SM clock (now, max): {sm_clock_now()}", flush=True)
     else:
+        if "--mid" in sys.argv:  # the module's tables swapped for section --mid's (no int8 there)
+            SHAPES, MS, CHECK_MS, W4A16_VARIANTS = MID_SHAPES, MID_MS, MID_CHECK_MS, MID_VARIANTS
+            skip = True
         correctness(skip)
         times(skip)
     print(f"total {time.time() - t0:.0f} s")

@@ -68,3 +68,16 @@ def test_moe_section_runs_on_cpu(bench, monkeypatch, capsys):
     assert all("us_zero" in r and "us_sym" in r for r in table if r["variant"] != "bf16")
     assert set(bench.RESULTS["moe_best"]) == {1, 40}
     assert out.count("W4A16MoeConfig(block_m=") >= 2
+
+
+def test_mid_section_runs_on_cpu(bench, monkeypatch, capsys):
+    """--mid's variants (swapped tiles up to 256 rows wide) pass the check and land in the tables."""
+    monkeypatch.setattr(bench, "W4A16_VARIANTS", bench.MID_VARIANTS)
+    monkeypatch.setattr(bench, "MS", (70,))
+    monkeypatch.setattr(bench, "CHECK_MS", (5, 70))
+    bench.correctness(True)
+    assert bench.RESULTS["correctness"] == "ok", bench.RESULTS["correctness"]
+    bench.times(True)
+    out = capsys.readouterr().out
+    assert "failed" not in out, out
+    assert {r["variant"] for r in bench.RESULTS["times"]} == set(bench.MID_VARIANTS) | {"bf16"}
