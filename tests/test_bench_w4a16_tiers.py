@@ -1,0 +1,63 @@
+"""bench/w4a16_tiers_gpu.py's tier planning on the CPU: the winners per M from a timing table, the tiers
+built from them (and what the kernel's default_config then picks), and --apply's round trip."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from overnight.kernels import w4a16_gemm
+from overnight.kernels.w4a16_gemm import W4A16Config
+from tests.bench_scripts import load_bench_script
+
+
+@pytest.fixture()
+def tiers(monkeypatch):
+    monkeypatch.setattr(w4a16_gemm, "TIERS", w4a16_gemm.TIERS)
+    monkeypatch.setattr(w4a16_gemm, "DEQUANT_GEMM_MIN_M", w4a16_gemm.DEQUANT_GEMM_MIN_M)
+    return load_bench_script(monkeypatch, "w4a16_tiers_gpu.py")
+
+
+VARIANTS = {
+    "default": lambda m: None,
+    "swap-a": lambda m: W4A16Config(64, 64, swap_ab=True),
+    "swap-b": lambda m: W4A16Config(128, 64, num_warps=8, swap_ab=True),
+}
+
+
+def table(speedups: dict[int, dict[str, tuple[float, float]]]) -> list[dict]:
+    return [
+        {"M": m, "variant": name, "x_bf16": x, "shape": shape}
+        for m, by_name in speedups.items()
+        for name, xs in by_name.items()
+        for shape, x in zip(("o", "down"), xs)
+    ]
+
+
+def test_winners_take_the_geometric_mean_over_every_shape(tiers):
+    t = table(
+        {
+            # swap-a's arithmetic mean is the larger (.65), swap-b's geometric mean (.62 against .6)
+            128: {"default": (0.5, 0.5), "swap-a": (0.9, 0.4), "swap-b": (0.62, 0.62)},
+            256: {"default": (0.5, 0.5), "swap-a": (2.0, 0.1), "swap-b": (0.55, 0.55)},
+        }
+    )
+    t.append({"M": 256, "variant": "swap-a", "x_bf16": 9.0, "shape": "o"})  # a third shape: not all ran
+    best = tiers.winners(t, VARIANTS, (128, 256), shapes=2)
+    assert best == {128: "swap-b", 256: "swap-b"}
+
+
+def test_new_tiers_stop_at_the_first_m_the_default_wins(tiers):
+    planned = tiers.new_tiers({128: "swap-a", 192: "swap-b", 256: "default", 384: "swap-a"}, VARIANTS)
+    assert planned is not None
+    spec, min_m = planned
+    assert min_m == 193
+    tiers.apply(json.dumps(planned))
+    assert w4a16_gemm.DEQUANT_GEMM_MIN_M == 193
+    assert w4a16_gemm.default_config(100) == W4A16Config(64, 64, swap_ab=True)  # the old tier below 128
+    assert w4a16_gemm.default_config(128) == VARIANTS["swap-a"](128)
+    assert w4a16_gemm.default_config(150) == VARIANTS["swap-b"](150)
+    assert w4a16_gemm.default_config(193).path == "dequant"
+    assert w4a16_gemm.default_config(4096).path == "dequant"
+    assert tiers.new_tiers({128: "default", 192: "swap-a"}, VARIANTS) is None
