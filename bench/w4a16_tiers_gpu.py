@@ -4,9 +4,10 @@ Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_g
                                         [--model qwen3-32b-awq] [--num-prompts 512]
 
 1. bench/w4a16_variants_gpu.py's --mid section: every swapped fused tile against the default
-   (dequantize + cuBLAS) at 128-384 rows and Qwen3-32B's shapes, checked against the reference first.
+   (dequantize + cuBLAS) at 96-384 rows and Qwen3-32B's shapes, checked against the reference first.
 2. From its geometric means: the winner at each M, and the tiers that use the winners from 128 rows up
    to the last M in a row where a fused tile beat the default (DEQUANT_GEMM_MIN_M just past it).
+   Rows below DEQUANT_GEMM_MIN_M (96) compare the tiles with the current fused tier there.
 3. Ours on the model (seed-512-256, dummy weights, `--int-weights packed`) twice, each in its own
    process: the current tiers, then the new ones. Prints both JSON lines and the ratio: what putting
    the new tiers into kernels/w4a16_gemm.py would gain.
@@ -47,12 +48,15 @@ def winners(table: list[dict], variants: dict, ms: tuple[int, ...], shapes: int)
 
 
 def new_tiers(best: dict[int, str], variants: dict) -> tuple[list[tuple[int, dict]], int] | None:
-    """(tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M) using the fused winners from the
-    smallest M up to the first M the default wins; None when the default wins at the smallest."""
+    """(tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M) using the fused winners up to the
+    first M where the default wins and is dequantize + cuBLAS (below DEQUANT_GEMM_MIN_M the default is
+    a fused tier, which then stays); None when no other variant wins before that."""
     fused = []
     for m in sorted(best):
         if best[m] == "default":
-            break
+            if m >= w4a16_gemm.DEQUANT_GEMM_MIN_M:
+                break
+            continue
         fused.append((m, variants[best[m]](m)))
     if not fused:
         return None

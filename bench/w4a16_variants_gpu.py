@@ -31,7 +31,7 @@ Run on a GPU from the repository root:  PYTHONPATH=. python bench/w4a16_variants
    and its W4A16MoeConfig as a TIERS line (rows per expert = tokens * 8 / 128). A deadline
    (MOE_DEADLINE_S) skips the variants not yet timed rather than overrun.
 
-5. --mid instead of 1-4: W4A16 at 128-384 rows and Qwen3-32B's shapes (MID_VARIANTS: the swapped
+5. --mid instead of 1-4: W4A16 at 96-384 rows and Qwen3-32B's shapes (MID_VARIANTS: the swapped
    fused tiles up to 256 rows wide against the default dequantize + cuBLAS), checked and timed as in
    1-3; about 2 minutes.
 
@@ -132,8 +132,8 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
 # moved against the packed form's 0.5): the swapped fused tiles with BLOCK_M up to 256 (wgmma's widest
 # N) against it. Each M-tile reads the packed weight once, so 64-row tiles read it M/64 times.
 MID_SHAPES = {"qkv": (10240, 5120), "o": (5120, 8192), "gate_up": (51200, 5120), "down": (5120, 25600)}
-MID_MS = (128, 192, 256, 384)
-MID_CHECK_MS = (1, 192, 384)
+MID_MS = (96, 128, 160, 192, 256, 384)
+MID_CHECK_MS = (1, 96, 192, 384)
 MID_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     "default": lambda m: None,
     "swap-64x64": lambda m: W4A16Config(64, 64, swap_ab=True),

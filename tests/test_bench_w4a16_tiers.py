@@ -49,6 +49,7 @@ def test_winners_take_the_geometric_mean_over_every_shape(tiers):
 
 
 def test_new_tiers_stop_at_the_first_m_the_default_wins(tiers):
+    assert tiers.new_tiers({128: "default", 192: "swap-a"}, VARIANTS) is None  # dequantize wins first
     planned = tiers.new_tiers({128: "swap-a", 192: "swap-b", 256: "default", 384: "swap-a"}, VARIANTS)
     assert planned is not None
     spec, min_m = planned
@@ -60,4 +61,11 @@ def test_new_tiers_stop_at_the_first_m_the_default_wins(tiers):
     assert w4a16_gemm.default_config(150) == VARIANTS["swap-b"](150)
     assert w4a16_gemm.default_config(193).path == "dequant"
     assert w4a16_gemm.default_config(4096).path == "dequant"
-    assert tiers.new_tiers({128: "default", 192: "swap-a"}, VARIANTS) is None
+    # below DEQUANT_GEMM_MIN_M (128 again) the default is the fused 64-row tier: its win is no stop
+    w4a16_gemm.DEQUANT_GEMM_MIN_M = 128
+    planned = tiers.new_tiers({96: "default", 128: "swap-b", 160: "default"}, VARIANTS)
+    assert planned is not None and planned[1] == 129
+    tiers.apply(json.dumps(planned))
+    assert w4a16_gemm.default_config(120) == W4A16Config(64, 64, swap_ab=True)  # the tier to 127 stays
+    assert w4a16_gemm.default_config(128) == VARIANTS["swap-b"](128)
+    assert w4a16_gemm.default_config(129).path == "dequant"
