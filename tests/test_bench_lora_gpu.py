@@ -8,6 +8,7 @@ import json
 
 import torch
 
+from overnight.kernels import lora
 from tests.bench_scripts import load_bench_script
 
 
@@ -35,7 +36,7 @@ def test_lora_bench_runs_on_cpu(monkeypatch, capsys):
     cases = json.loads(out.strip().splitlines()[-1])["cases"]
     assert len(cases) == 3 * 3 and all(c["ok"] for c in cases), out
     assert [c["block_m"] for c in cases[::3]] == [16, 32, 64]
-    assert [c["expand_block_n"] for c in cases[:3]] == [64, 64, 128]
+    assert [c["expand_block_n"] for c in cases[:3]] == [lora.EXPAND_BLOCK_N, 64, 128]  # the default first
     # one pass against the split: the decode grid of 16 rows splits the 576-wide down projection
     assert cases[0]["splits"] == [1, 1] and cases[1]["splits"][1] > 1
     assert cases[0]["shrink_us"] == 2 * 2.0 and "| FAIL |" not in out

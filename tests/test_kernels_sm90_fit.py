@@ -63,7 +63,7 @@ def lora_case(kind: str, block_r: int = 16, prefill: bool = False):
     if kind == "shrink":  # block_r 64: a q/k/v layer's three rank-16 slices in one dot
         cx = dict(PRECISION="tf32", BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64)
         return lora._shrink_kernel, types, cx, 4, 3
-    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=block_m, BLOCK_R=16, BLOCK_N=64)
+    cx = dict(NUM_SLICES=3, PRECISION="tf32", BLOCK_M=block_m, BLOCK_R=16, BLOCK_N=lora.EXPAND_BLOCK_N)
     return lora._expand_kernel, types, cx, 4, 3
 
 
