@@ -109,6 +109,16 @@ def test_every_variant_matches_reference(variant, bits, group, zeros, dtype):
     _assert_within_rounding(y, ref, x, qw, scale, zero, bits, group)
 
 
+@pytest.mark.parametrize("bound", [b for b, _ in gemm_module.TIERS])
+def test_every_tier_matches_reference(bound):
+    """Each tier's tile (the 128-row swapped one of the 128-row graph bucket too) on a few rows."""
+    cfg = dict(gemm_module.TIERS)[bound]
+    qw, scale, zero = _weight(40, 128, 4, 32, True, seed=5)
+    x = torch.randn(6, 128, generator=torch.Generator().manual_seed(bound % 97)).to(DEVICE)
+    y = w4a16_gemm(x, qw, scale, zero, 4, 32, config=cfg)
+    _assert_within_rounding(y, w4a16_gemm_ref(x, qw, scale, zero, 4, 32), x, qw, scale, zero, 4, 32)
+
+
 @pytest.mark.parametrize("kernel", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits,group,zeros", [(4, 32, True), (4, 16, False), (8, 64, True)])
@@ -139,15 +149,16 @@ def test_large_m_paths(path, kernel, monkeypatch):
 
 
 def test_default_config_follows_the_module_choices(monkeypatch):
-    assert [default_config(m) for m in (1, 16, 17, 64, 65, DEQUANT_GEMM_MIN_M - 1)] == [
-        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 3)
+    assert [default_config(m) for m in (1, 16, 17, 64, 65, 127, 128, DEQUANT_GEMM_MIN_M - 1)] == [
+        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 3, 4, 4)
     ]
+    assert default_config(128).block_m == 128 and default_config(128).swap_ab
     assert default_config(1).kernel == "v2" and default_config(1).scale_after
     # From DEQUANT_GEMM_MIN_M rows on the module's large-M path: dequantize + cuBLAS (the H100's winner)
     assert {default_config(m).path for m in (DEQUANT_GEMM_MIN_M, 256, 512, 4096)} == {"dequant"}
     monkeypatch.setattr(gemm_module, "LARGE_M_PATH", "fused")
     assert [default_config(m) for m in (256, 511, 512, 4096)] == [
-        gemm_module.TIERS[i][1] for i in (4, 4, 5, 5)
+        gemm_module.TIERS[i][1] for i in (5, 5, 6, 6)
     ]
     monkeypatch.setattr(gemm_module, "KERNEL", "v1")
     assert default_config(16) == W4A16Config(16, 64, kernel="v1")

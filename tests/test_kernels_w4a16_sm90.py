@@ -95,13 +95,21 @@ def usage() -> dict[str, object]:
     return child_report("tests.test_kernels_w4a16_sm90")
 
 
+# Tiers chosen on the GPU with a small spill, at the stack they had there: the 128-row swapped tile (8
+# warps, 128 x 128) spills 216 bytes and still ran 1.17x dequantize + cuBLAS at 128 rows (session V).
+MEASURED_SPILLS = {"w4a16-m128": 216}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> None:
     result = usage[name]
     assert isinstance(result, list), f"{name} does not compile for sm_90: {result}"
     shared, regs, stack, wide, wgmma = result
     assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
-    assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
+    if name in MEASURED_SPILLS:
+        assert stack <= MEASURED_SPILLS[name], f"{name}: {stack} bytes of stack, more than when measured"
+    else:
+        assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
     if name.startswith(("w4a16-m", "w4a16-swap", "w8a16", "int8")):
         assert wide > 0, f"{name}: no 16-byte global-to-shared copies (scalar loads)"
     if name in ("w4a16-m256", "w4a16-m1024", "w4a16-swap-m16", "w4a16-swap-m1024", "int8-m1024"):

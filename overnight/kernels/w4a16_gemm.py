@@ -58,8 +58,11 @@ from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v
 # geometric mean over qkv / o / gate_up / down, x bf16 F.linear): swap_ab 1.38x at M=1, 1.40x at 16,
 # 0.83x at 64 (unswapped 1.27x, 1.27x, 0.78x); from 256 rows dequantize + cuBLAS 0.50x at 256 and 0.74x
 # at 1024 against the fused large tiles' 0.38x and 0.41x. Rows 65-127 take the 64-row swapped tile
-# (between the measured points; no bench row there).
-DEQUANT_GEMM_MIN_M = 128  # from this many rows on: the large-M path (the tiers' bound too)
+# (between the measured points; no bench row there). At Qwen3-32B's shapes on an H200 (session V,
+# bench/w4a16_tiers_gpu.py): at 128 rows, a decode graph bucket, the 128-row swapped tile 0.49x against
+# dequantize + cuBLAS's 0.42x (the 64-row one 0.35x); from 192 rows dequantize wins (0.47-0.58x against
+# at best 0.40x).
+DEQUANT_GEMM_MIN_M = 129  # from this many rows on: the large-M path
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
@@ -111,7 +114,8 @@ TIERS: tuple[tuple[int, W4A16Config], ...] = (
     (16, W4A16Config(16, 64, swap_ab=True)),
     (32, W4A16Config(32, 64, swap_ab=True)),
     (64, W4A16Config(64, 64, swap_ab=True)),
-    (DEQUANT_GEMM_MIN_M - 1, W4A16Config(64, 64, swap_ab=True)),
+    (127, W4A16Config(64, 64, swap_ab=True)),
+    (128, W4A16Config(128, 128, num_warps=8, num_stages=3, swap_ab=True)),  # the 128-row graph bucket
     # the fused large tiles (LARGE_M_PATH "fused"), kept for the bench and for LARGE_M_PATH's other value
     (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
     (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
