@@ -18,7 +18,6 @@ Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_g
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, ".")
 
+import bench.w4a16_variants_gpu as vb  # noqa: E402
 from overnight.kernels import w4a16_gemm  # noqa: E402
 from overnight.kernels.w4a16_gemm import W4A16Config  # noqa: E402
 
@@ -37,11 +37,7 @@ def winners(table: list[dict], variants: dict, ms: tuple[int, ...], shapes: int)
     """Per M, the variant with the best geometric mean of x bf16 over the shapes (run at all of them)."""
     best = {}
     for m in ms:
-        means = {}
-        for name in variants:
-            xs = [r["x_bf16"] for r in table if r["M"] == m and r["variant"] == name]
-            if len(xs) == shapes:
-                means[name] = math.exp(sum(map(math.log, xs)) / len(xs))
+        means = vb.geometric_means(table, m, variants, shapes)
         if means:
             best[m] = max(means, key=lambda n: means[n])
     return best
@@ -94,7 +90,6 @@ def main(argv: list[str]) -> None:
     model = argv[argv.index("--model") + 1] if "--model" in argv else "qwen3-32b-awq"
     prompts = argv[argv.index("--num-prompts") + 1] if "--num-prompts" in argv else "512"
     import torch
-    import w4a16_variants_gpu as vb  # bench/ is on the path as this script's folder
 
     print(torch.cuda.get_device_name(), flush=True)
     t0 = time.time()

@@ -257,6 +257,17 @@ def times(skip_int8: bool) -> None:
     summary(table)
 
 
+def geometric_means(table: list[dict], m: int, names, shapes: int) -> dict[str, float]:
+    """Per variant of `names`, the geometric mean of its x bf16 at M rows over the shapes, for the
+    variants that ran at all `shapes` of them."""
+    means = {}
+    for name in names:
+        xs = [r["x_bf16"] for r in table if r["M"] == m and r["variant"] == name]
+        if len(xs) == shapes:
+            means[name] = math.exp(sum(map(math.log, xs)) / len(xs))
+    return means
+
+
 def summary(table: list[dict]) -> None:
     print("\n== best per (shape, M) ==")
     best: dict[str, object] = {}
@@ -278,11 +289,7 @@ def summary(table: list[dict]) -> None:
         print(f"-- {family}: per M, geometric mean of x bf16 over the shapes (variants run at all four) --")
         for m in MS:
             names = {r["variant"] for r in table if r["M"] == m and keep(r["variant"])}
-            means = {}
-            for name in names:
-                xs = [r["x_bf16"] for r in table if r["M"] == m and r["variant"] == name]
-                if len(xs) == len(SHAPES):
-                    means[name] = math.exp(sum(map(math.log, xs)) / len(xs))
+            means = geometric_means(table, m, names, len(SHAPES))
             ranked = sorted(means.items(), key=lambda kv: -kv[1])
             print(f"M={m:5d}  " + "  ".join(f"{name} {gm:.2f}" for name, gm in ranked[:6]))
             if ranked and ranked[0][0] in W4A16_VARIANTS:
