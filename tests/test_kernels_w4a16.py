@@ -41,18 +41,19 @@ def _tol(dtype: torch.dtype) -> float:
     return 1e-4 if dtype == torch.float32 else 2e-2
 
 
-def _assert_within_rounding(y, ref, x, qw, scale, zero, bits: int, group: int) -> None:
+def _assert_within_rounding(y, ref, x, qw, scale, zero, bits: int, group: int, roundings: int = 3) -> None:
     """|y - ref| within what the two roundings allow, per output: the reference rounds each dequantized
     weight to x's dtype, then its fp32 sum; a scale_after kernel scales exact (code - zero) products in
     fp32 instead; both round the sum once. So they differ by up to u * sum |x| |w| (the weights'
     rounding, u = x's unit roundoff) plus u * |y| on each side: 3u * sum |x| |w|, plus the fp32 sums'
     order. The bound follows the terms' size, not the output's: an output near zero by cancellation
     keeps the whole absolute difference (in bf16, a fixed atol plus a relative one failed about one
-    random input in 20, the split-K sum in fp32 or not)."""
+    random input in 20, the split-K sum in fp32 or not). The "half" unpack rounds the scale to x's
+    dtype before the weight: one rounding more (roundings=4)."""
     w = dequantize_int_weight_ref(qw, scale, zero, bits, group, torch.float32)
     size = x.float().abs() @ w.abs().t()
     unit = torch.finfo(x.dtype).eps / 2
-    bound = (3 * unit + 16 * torch.finfo(torch.float32).eps / 2) * size
+    bound = (roundings * unit + 16 * torch.finfo(torch.float32).eps / 2) * size
     apart = (y.float() - ref.float()).abs()
     assert not y.isnan().any() and (apart <= bound).all(), float((apart / size).max() / unit)
 
@@ -93,6 +94,9 @@ VARIANTS = {
     "v2-bk16": W4A16Config(32, 16, block_k=16),
     "v2-swap": W4A16Config(16, 32, swap_ab=True),
     "v2-swap-scale-weight-split": W4A16Config(16, 64, split_k=2, scale_after=False, swap_ab=True),
+    "v2-half": W4A16Config(16, 32, scale_after=False, unpack="half"),
+    "v2-half-swap-split": W4A16Config(16, 64, split_k=2, scale_after=False, swap_ab=True, unpack="half"),
+    "v2-half-large": W4A16Config(64, 64, 1, 8, 3, 64, scale_after=False, unpack="half"),
 }
 
 
@@ -106,7 +110,36 @@ def test_every_variant_matches_reference(variant, bits, group, zeros, dtype):
     y = w4a16_gemm(x, qw, scale, zero, bits, group, config=VARIANTS[variant])
     ref = w4a16_gemm_ref(x, qw, scale, zero, bits, group)
     assert y.dtype == dtype and y.shape == (m, n)
-    _assert_within_rounding(y, ref, x, qw, scale, zero, bits, group)
+    roundings = 4 if VARIANTS[variant].unpack == "half" else 3
+    _assert_within_rounding(y, ref, x, qw, scale, zero, bits, group, roundings)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("swap", [False, True])
+@pytest.mark.parametrize("zeros", [True, False])
+def test_half_unpack_is_exact_for_scales_in_x_dtype(zeros, swap, dtype):
+    """With the scales already values of x's dtype (a checkpoint's fp16 / bf16 scales), the "half"
+    unpack makes the reference's weights bit for bit: only the fp32 sums' order differs. On a GPU this
+    runs the paired PTX instructions (FAST), in the interpreter the float32 path."""
+    m, n, k, group = 20, 48, 256, 64
+    qw, scale, zero = _weight(n, k, 4, group, zeros, seed=7)
+    scale = scale.to(dtype).float()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(11)).to(DEVICE, dtype)
+    cfg = W4A16Config(16, 32, split_k=1, scale_after=False, swap_ab=swap, unpack="half")
+    y = w4a16_gemm(x, qw, scale, zero, 4, group, config=cfg).float()
+    w = dequantize_int_weight_ref(qw, scale, zero, 4, group, dtype).float()
+    ref = x.float() @ w.t()
+    size = x.float().abs() @ w.abs().t()
+    # the output's own rounding to x's dtype, plus the fp32 sums' order
+    bound = (torch.finfo(dtype).eps / 2 + 16 * torch.finfo(torch.float32).eps / 2) * size
+    assert ((y - ref).abs() <= bound).all()
+
+
+def test_half_unpack_needs_the_scale_before_the_dot():
+    with pytest.raises(ValueError, match="scale_after=False"):
+        W4A16Config(16, 32, unpack="half")
+    with pytest.raises(ValueError, match="unknown unpack"):
+        W4A16Config(16, 32, scale_after=False, unpack="f16")
 
 
 @pytest.mark.parametrize("bound", [b for b, _ in gemm_module.TIERS])

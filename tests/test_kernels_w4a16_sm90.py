@@ -24,15 +24,19 @@ SIZES = ("N", "K", "k_per_split")  # model sizes: multiples of 16, as Triton see
 
 
 def w4a16_case(
-    m: int, bits: int = 4, group: int = 128, signed: bool = False, atomic: bool = False, swap: bool = False
-):
+    m: int, bits: int = 4, group: int = 128, signed: bool = False, atomic: bool = False, swap: bool = False,
+    config=None,
+):  # fmt: skip
+    """The fused kernel's case for M rows: default_config(m) with swap_ab=swap, or `config` as given."""
     from dataclasses import replace
 
     from overnight.kernels.w4a16_gemm import _block_k, _w4a16_kernel, default_config
 
-    cfg = replace(default_config(m), swap_ab=swap)
+    cfg = config or replace(default_config(m), swap_ab=swap)
+    half = cfg.unpack == "half"
     cx = dict(
         BITS=bits, GROUP=group, HAS_ZERO=not signed, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
+        HALF=half, FAST=half and bits == 4 and not signed,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=_block_k(group, cfg.block_k), DOT_PRECISION="tf32",
     )  # fmt: skip
     types = dict(TYPES, out_ptr="*fp32") if atomic else TYPES
@@ -62,12 +66,30 @@ def int8_case(m: int):
     return _int8_gemm_kernel, TYPES, cx, cfg.num_warps, cfg.num_stages
 
 
+def _half_tiles() -> dict:
+    """bench/w4a16_variants_gpu.py's "half" tiles (the --mid section's candidates, timed on the GPU)."""
+    import importlib.util
+
+    from tests.bench_scripts import BENCH_DIR
+
+    spec = importlib.util.spec_from_file_location("_w4a16_variants", BENCH_DIR / "w4a16_variants_gpu.py")
+    assert spec and spec.loader
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return {name: make for name, make in bench.MID_VARIANTS.items() if name.startswith("half")}
+
+
+HALF_TILES = _half_tiles()
 CASES = {
     **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256, 1024)},
     "w4a16-atomic-m16": lambda: w4a16_case(16, atomic=True),
     "w4a16-swap-m16": lambda: w4a16_case(16, swap=True),
     "w4a16-swap-m1024": lambda: w4a16_case(1024, swap=True),
     "w8a16-signed-m16": lambda: w4a16_case(16, bits=8, group=4096, signed=True),
+    **{
+        f"w4a16-{name}": (lambda make=make: w4a16_case(128, config=make(128)))
+        for name, make in HALF_TILES.items()
+    },
     "w4a16-v1-m16": lambda: v1_case(16),
     "dequant-v2": dequant_case,
     **{f"int8-m{m}": (lambda m=m: int8_case(m)) for m in (32, 64, 1024)},
@@ -114,3 +136,5 @@ def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> N
         assert wide > 0, f"{name}: no 16-byte global-to-shared copies (scalar loads)"
     if name in ("w4a16-m256", "w4a16-m1024", "w4a16-swap-m16", "w4a16-swap-m1024", "int8-m1024"):
         assert wgmma > 0, f"{name}: the large-M tile does not use wgmma"
+    if name.startswith("w4a16-half"):
+        assert wgmma > 0, f"{name}: the half tile does not use wgmma"

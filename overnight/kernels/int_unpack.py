@@ -107,3 +107,78 @@ def _sum_partials_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
     for i in range(1, split):
         acc += tl.load(part_ptr + i * numel + offs, mask=ok, other=0.0)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# The fast dequantization to 16-bit values ("half" unpack), on the GPU for 4-bit codes. Per word, one
+# shift and per pair of neighbouring codes one byte permute and one and-or put codes 2i and 2i+1 under
+# the exponent of a 16-bit float (MAGIC: 128 in bf16, 1024 in fp16, whose last mantissa bits then hold
+# the code), so the register holds (MAGIC + code) for both halves; two paired multiply-adds leave
+# (code - zero) * scale. Two integer and two float instructions per two values, where the float32 path
+# (_unpack, then a conversion) takes about six a value.
+_HALF_ASM = """{
+    .reg .b32 t, a, b, c, d, one, nz;
+    mov.b32 one, ONE;
+    mov.b32 nz, NEG0;
+    shr.u32 t, $4, 4;
+    prmt.b32 a, $4, t, 0x0400; prmt.b32 b, $4, t, 0x0501;
+    prmt.b32 c, $4, t, 0x0602; prmt.b32 d, $4, t, 0x0703;
+    lop3.b32 a, a, 0x000F000F, MAGIC, 0xea; lop3.b32 b, b, 0x000F000F, MAGIC, 0xea;
+    lop3.b32 c, c, 0x000F000F, MAGIC, 0xea; lop3.b32 d, d, 0x000F000F, MAGIC, 0xea;
+    fma.rn.T a, a, one, $5; fma.rn.T b, b, one, $5; fma.rn.T c, c, one, $5; fma.rn.T d, d, one, $5;
+    fma.rn.T $0, a, $6, nz; fma.rn.T $1, b, $6, nz; fma.rn.T $2, c, $6, nz; fma.rn.T $3, d, $6, nz;
+}"""
+# MAGIC, 1.0 and -0.0 (the product's addend) paired, by dtype; the paired instructions exist from sm_80
+_BF16_ASM: tl.constexpr = tl.constexpr(
+    _HALF_ASM.replace("MAGIC", "0x43004300").replace("ONE", "0x3F803F80")
+    .replace("NEG0", "0x80008000").replace(".T ", ".bf16x2 ")
+)  # fmt: skip
+_FP16_ASM: tl.constexpr = tl.constexpr(
+    _HALF_ASM.replace("MAGIC", "0x64006400").replace("ONE", "0x3C003C00")
+    .replace("NEG0", "0x80008000").replace(".T ", ".f16x2 ")
+)  # fmt: skip
+
+
+@triton.jit
+def _paired(v, DT: tl.constexpr):
+    """[R] float32 -> [R] int32: the value rounded to DT (16 bits) in both halves of a word."""
+    h = v.to(DT).to(tl.uint16, bitcast=True).to(tl.uint32)
+    return (h | (h << 16)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _unpack_scaled(words, scale, zero, BITS: tl.constexpr, SIGNED: tl.constexpr, HAS_ZERO: tl.constexpr,
+                   DT: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """[R, W] int32 words -> [R, W * P] values in DT (the packed order, as _unpack): (code - zero) *
+    scale, the scale [R] first rounded to DT, then the exact difference times it rounded once. Equal
+    to the reference's weight when the scale is a DT value (a checkpoint's fp16 / bf16 scales in its
+    own dtype); otherwise the scale's rounding is the difference (as in other 16-bit int4 kernels).
+    FAST (4-bit unsigned codes, fp16 / bf16, compiled for the GPU): the paired instructions above, the
+    pairs then interleaved into the packed order; else the float32 path, rounded the same way (how the
+    interpreter runs it: the same results)."""
+    if FAST:
+        BIAS: tl.constexpr = 128.0 if DT == tl.bfloat16 else 1024.0
+        if HAS_ZERO:
+            neg = _paired(-(zero + BIAS), DT)
+        else:
+            neg = _paired(tl.full(scale.shape, -(BIAS + 8.0), tl.float32), DT)
+        neg = tl.broadcast_to(neg[:, None], words.shape)
+        s2 = tl.broadcast_to(_paired(scale, DT)[:, None], words.shape)
+        if DT == tl.bfloat16:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _BF16_ASM, "=r,=r,=r,=r,r,r,r", [words, neg, s2], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+            )
+        else:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _FP16_ASM, "=r,=r,=r,=r,r,r,r", [words, neg, s2], dtype=(tl.int32,) * 4, is_pure=True, pack=1
+            )
+        # pair i of word w holds values 2i and 2i+1: pairs in order, then each split into its halves
+        q = tl.interleave(tl.interleave(p0, p2), tl.interleave(p1, p3)).to(tl.uint32, bitcast=True)
+        lo = (q & 0xFFFF).to(tl.uint16).to(DT, bitcast=True)
+        hi = (q >> 16).to(tl.uint16).to(DT, bitcast=True)
+        return tl.interleave(lo, hi)
+    else:
+        if HAS_ZERO:
+            vals = _unpack(words, BITS, SIGNED, zero[:, None])
+        else:
+            vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
+        return vals.to(DT) * scale.to(DT)[:, None]

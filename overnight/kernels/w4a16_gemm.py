@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack
+from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack, _unpack_scaled
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
@@ -82,6 +82,9 @@ class W4A16Config:
                  registers)
     reduce       split-K's partial sums: "sum" (deterministic) or "atomic"
     path         "fused", or "dequant" (w4a16_linear: the whole weight dequantized, then cuBLAS)
+    unpack       v2: "f32" (codes to float32 values, then x's dtype), or "half" (kernels/int_unpack.py's
+                 _unpack_scaled: 4-bit codes straight to scaled 16-bit weights in paired instructions,
+                 the scale rounded to x's dtype first; needs scale_after False)
     """
 
     block_m: int
@@ -95,14 +98,19 @@ class W4A16Config:
     swap_ab: bool = False
     reduce: str = "sum"
     path: str = "fused"
+    unpack: str = "f32"
 
     def __post_init__(self) -> None:
         if self.kernel not in ("v1", "v2") or self.reduce not in ("sum", "atomic"):
             raise ValueError(f"unknown kernel {self.kernel!r} or split-K reduce {self.reduce!r}")
         if self.path not in ("fused", "dequant"):
             raise ValueError(f"unknown path {self.path!r}: 'fused' or 'dequant'")
-        if self.kernel == "v1" and (self.reduce == "atomic" or self.swap_ab):
-            raise ValueError("the v1 kernel has no atomic reduce and no swap_ab (v2 options)")
+        if self.kernel == "v1" and (self.reduce == "atomic" or self.swap_ab or self.unpack != "f32"):
+            raise ValueError("the v1 kernel has no atomic reduce, no swap_ab and no unpack (v2 options)")
+        if self.unpack not in ("f32", "half"):
+            raise ValueError(f"unknown unpack {self.unpack!r}: 'f32' or 'half'")
+        if self.unpack == "half" and self.scale_after:
+            raise ValueError("unpack 'half' scales the weights before the dot: needs scale_after=False")
 
 
 # The default variant by M: the first tier whose bound is >= M. bench/w4a16_variants_gpu.py prints each
@@ -163,6 +171,8 @@ def _w4a16_kernel(
     SCALE_AFTER: tl.constexpr,
     SWAP_AB: tl.constexpr,
     ATOMIC: tl.constexpr,
+    HALF: tl.constexpr,
+    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -209,9 +219,16 @@ def _w4a16_kernel(
             zero = tl.load(z_ptr + rows_n * stride_sn + g)
         else:
             zero = scale  # unread
-        acc = _int_weight_step(
-            acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION
-        )
+        if HALF:  # the weights scaled in x's dtype: the dots chain (no per-step read of acc)
+            w = _unpack_scaled(words, scale, zero, BITS, SIGNED, HAS_ZERO, x.dtype, FAST)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        else:
+            acc = _int_weight_step(
+                acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION
+            )
     if SWAP_AB:
         acc = tl.trans(acc)
     ok = m_ok[:, None] & (offs_n[None, :] < N)
@@ -346,9 +363,14 @@ def w4a16_gemm(
     if cfg.kernel == "v1":
         _w4a16_kernel_v1[grid](*args, **common)
     else:
+        half = cfg.unpack == "half"
+        # the paired instructions are PTX: compiled code only, 4-bit unsigned codes, 16-bit x
+        fast = half and bits == 4 and not signed and x.dtype in (torch.float16, torch.bfloat16)
+        fast = fast and not triton.knobs.runtime.interpret
         _w4a16_kernel[grid](
-            *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic, **common
-        )
+            *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
+            HALF=half, FAST=fast, **common,
+        )  # fmt: skip
     if split_k == 1:
         return out
     if atomic:
