@@ -103,6 +103,9 @@ W4A16_VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {
     "v2-bn64-s6": lambda m: W4A16Config(_bm(m), 64, num_stages=6) if m <= SMALL_M else None,
     "v2-swap": lambda m: W4A16Config(_bm(m), 64, swap_ab=True) if m <= SMALL_M else None,
     "v2-swap-bn128": lambda m: W4A16Config(_bm(m), 128, swap_ab=True) if m <= SMALL_M else None,
+    "v2-half-swap": lambda m: (
+        W4A16Config(_bm(m), 64, scale_after=False, swap_ab=True, unpack="half") if m <= SMALL_M else None
+    ),
     # large M: fused tiles against dequantize (v2) + cuBLAS
     "dequant-v2": lambda m: W4A16Config(128, 128, path="dequant") if m > SMALL_M else None,
     "fused-128x128x64": lambda m: (
