@@ -336,6 +336,10 @@ def _swapped(tiles: tuple[IntMoeTiles, IntMoeTiles]) -> tuple[IntMoeTiles, IntMo
     return replace(tiles[0], swap_ab=True), replace(tiles[1], swap_ab=True)
 
 
+def _halved(tiles: tuple[IntMoeTiles, IntMoeTiles]) -> tuple[IntMoeTiles, IntMoeTiles]:
+    return tuple(replace(t, scale_after=False, unpack="half") for t in tiles)  # type: ignore[return-value]
+
+
 # name -> config for a token count (None: not run there). "default" is default_config's tier; "v1" the
 # first version (BLOCK_M 16, scalar shared stores, cvt). The others pin one BLOCK_M with its options, in
 # the token range where that BLOCK_M is a candidate (by rows per expert).
@@ -357,6 +361,10 @@ MOE_VARIANTS: dict[str, Callable[[int], W4A16MoeConfig | None]] = {
     "m128": lambda t: W4A16MoeConfig(128, *_B128) if 32 <= _rows(t) else None,
     "m128-n64": lambda t: W4A16MoeConfig(128, *_B128_N64) if 32 <= _rows(t) else None,
     "m128-swap": lambda t: W4A16MoeConfig(128, *_swapped(_B128)) if 32 <= _rows(t) else None,
+    # the "half" unpack (kernels/int_unpack.py's _unpack_scaled) on the large tiers' tiles
+    "m64-k64-half": lambda t: W4A16MoeConfig(64, *_halved(_B64_K64)) if 8 <= _rows(t) else None,
+    "m128-half": lambda t: W4A16MoeConfig(128, *_halved(_B128)) if 32 <= _rows(t) else None,
+    "m128-swap-half": lambda t: W4A16MoeConfig(128, *_halved(_swapped(_B128))) if 32 <= _rows(t) else None,
 }
 
 

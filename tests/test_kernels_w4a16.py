@@ -140,6 +140,12 @@ def test_half_unpack_needs_the_scale_before_the_dot():
         W4A16Config(16, 32, unpack="half")
     with pytest.raises(ValueError, match="unknown unpack"):
         W4A16Config(16, 32, scale_after=False, unpack="f16")
+    from overnight.kernels.w4a16_moe import IntMoeTiles
+
+    with pytest.raises(ValueError, match="scale_after=False"):
+        IntMoeTiles(unpack="half")
+    with pytest.raises(ValueError, match="unknown unpack"):
+        IntMoeTiles(scale_after=False, unpack="f16")
 
 
 @pytest.mark.parametrize("bound", [b for b, _ in gemm_module.TIERS])
@@ -298,17 +304,20 @@ def test_fused_experts_match_reference(bits, groups, zeros, tokens, dtype):
 
 def _moe_variants() -> dict:
     """Every tier, the first version, and the options the tiers leave out (swap_ab with the scale
-    before and after the dot, grouped tile order at 16 rows), at tiles the tiny shapes exercise."""
+    before and after the dot, grouped tile order at 16 rows, the "half" unpack), at tiles the tiny
+    shapes exercise."""
     from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG, IntMoeTiles, W4A16MoeConfig
 
     swap_after = IntMoeTiles(32, 64, 4, 4, 3, True, True)
     swap_before = IntMoeTiles(64, 32, 2, 4, 2, False, True)
+    half_swap = IntMoeTiles(64, 32, 2, 4, 2, False, True, unpack="half")
     return {
         "v1": V1_CONFIG,
         **{f"tier-m{cfg.block_m}": cfg for _, cfg in TIERS},
         "swap-after-m16": W4A16MoeConfig(16, swap_after, swap_after),
         "swap-before-m64": W4A16MoeConfig(64, swap_before, swap_before),
         "before-grouped-m16": W4A16MoeConfig(16, IntMoeTiles(32, 32, 2, 4, 2, False), swap_before),
+        "half-m64": W4A16MoeConfig(64, IntMoeTiles(32, 32, 2, 4, 2, False, unpack="half"), half_swap),
     }
 
 

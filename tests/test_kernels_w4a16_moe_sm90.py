@@ -33,11 +33,15 @@ def moe_case(block_m: int, tiles, gated: bool, kernel: str = "v2", has_zero: boo
         DOT_PRECISION="tf32",
     )  # fmt: skip
     if kernel != "v1":
+        half = tiles.unpack == "half"
         cx.update(SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, GROUP_M=tiles.group_m)
+        cx.update(HALF=half, FAST=half)
     return fn, types, cx, tiles.num_warps, tiles.num_stages
 
 
 def tier_cases() -> dict:
+    from dataclasses import replace
+
     from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG
 
     cases = {}
@@ -47,6 +51,11 @@ def tier_cases() -> dict:
                 name = f"m{cfg.block_m}-{gemm}-{'zero' if zeros else 'sym'}"
                 cases[name] = (cfg.block_m, tiles, gated, "v2", zeros)
     cases["v1-m16-gate_up"] = (V1_CONFIG.block_m, V1_CONFIG.gemm1, True, "v1", True)
+    # the "half" unpack on the largest tier's tiles (bench/w4a16_variants_gpu.py's MoE candidates)
+    big = TIERS[-1][1]
+    for gemm, tiles, gated in (("gate_up", big.gemm1, True), ("down", big.gemm2, False)):
+        half = replace(tiles, scale_after=False, unpack="half")
+        cases[f"half-m{big.block_m}-{gemm}"] = (big.block_m, half, gated, "v2", True)
     return cases
 
 
@@ -90,5 +99,6 @@ def test_moe_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) 
     assert wide > 0, f"{name}: no 16-byte global-to-shared copies"
     assert cvt == 0, f"{name}: {cvt} int-to-float conversions (the exponent trick is lost)"
     assert scalar_stores == 0, f"{name}: {scalar_stores} scalar 16-bit stores to shared memory"
-    if int(name.split("-")[0][1:]) >= 64:
-        assert wgmma > 0, f"{name}: a {name.split('-')[0][1:]}-row tile without wgmma"
+    rows = int(name.removeprefix("half-").split("-")[0][1:])
+    if rows >= 64:
+        assert wgmma > 0, f"{name}: a {rows}-row tile without wgmma"

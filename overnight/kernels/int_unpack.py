@@ -57,58 +57,6 @@ def _unpack(words, BITS: tl.constexpr, SIGNED: tl.constexpr, offset):
     return tl.interleave(even, odd)
 
 
-@triton.jit
-def _int_weight_step(
-    acc,
-    x,
-    words,
-    scale,
-    zero,
-    BITS: tl.constexpr,
-    SIGNED: tl.constexpr,
-    HAS_ZERO: tl.constexpr,
-    SCALE_AFTER: tl.constexpr,
-    SWAP_AB: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """acc plus one K step of x [BM, BK] times the integer weight tile's transpose: words [BN, BK / P]
-    (K contiguous), scale [BN] (one group covers the step), zero [BN] (read only with HAS_ZERO). acc is
-    [BM, BN], or [BN, BM] with SWAP_AB (out^T = W x^T: the dequantized tile is the dot's first operand,
-    which Hopper's wgmma reads from registers). SCALE_AFTER: the dot runs on (code - zero), small
-    integers exact in x's dtype, and its fp32 product is scaled per weight row (BM * BN multiplies
-    instead of BN * BK, but the accumulator is read back each step, so wgmma cannot chain); otherwise
-    each weight is scaled and rounded to x's dtype first (the reference's rounding)."""
-    if HAS_ZERO:
-        vals = _unpack(words, BITS, SIGNED, zero[:, None])
-    else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
-        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
-    if SCALE_AFTER:
-        w = vals.to(x.dtype)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
-    else:
-        w = (vals * scale[:, None]).to(x.dtype)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
-        else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
-    return acc
-
-
-@triton.jit
-def _sum_partials_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
-    """out = sum over the split fp32 partial products [split, numel], in order, cast to out's dtype:
-    the split-K reduce in one launch (torch's sum and cast are two)."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
-    for i in range(1, split):
-        acc += tl.load(part_ptr + i * numel + offs, mask=ok, other=0.0)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 # The fast dequantization to 16-bit values ("half" unpack), on the GPU for 4-bit codes. Per word, one
 # shift and per pair of neighbouring codes one byte permute and one and-or put codes 2i and 2i+1 under
 # the exponent of a 16-bit float (MAGIC: 128 in bf16, 1024 in fp16, whose last mantissa bits then hold
@@ -182,3 +130,63 @@ def _unpack_scaled(words, scale, zero, BITS: tl.constexpr, SIGNED: tl.constexpr,
         else:
             vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
         return vals.to(DT) * scale.to(DT)[:, None]
+
+
+@triton.jit
+def _int_weight_step(
+    acc,
+    x,
+    words,
+    scale,
+    zero,
+    BITS: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    HALF: tl.constexpr = False,
+    FAST: tl.constexpr = False,
+):
+    """acc plus one K step of x [BM, BK] times the integer weight tile's transpose: words [BN, BK / P]
+    (K contiguous), scale [BN] (one group covers the step), zero [BN] (read only with HAS_ZERO). acc is
+    [BM, BN], or [BN, BM] with SWAP_AB (out^T = W x^T: the dequantized tile is the dot's first operand,
+    which Hopper's wgmma reads from registers). SCALE_AFTER: the dot runs on (code - zero), small
+    integers exact in x's dtype, and its fp32 product is scaled per weight row (BM * BN multiplies
+    instead of BN * BK, but the accumulator is read back each step, so wgmma cannot chain); otherwise
+    each weight is scaled and rounded to x's dtype first (the reference's rounding). HALF (SCALE_AFTER
+    off): the weights made by _unpack_scaled (below; FAST: its paired PTX instructions)."""
+    if HALF:
+        w = _unpack_scaled(words, scale, zero, BITS, SIGNED, HAS_ZERO, x.dtype, FAST)
+        if SWAP_AB:
+            return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+        return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_ZERO:
+        vals = _unpack(words, BITS, SIGNED, zero[:, None])
+    else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
+        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
+    if SCALE_AFTER:
+        w = vals.to(x.dtype)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+    else:
+        w = (vals * scale[:, None]).to(x.dtype)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _sum_partials_kernel(part_ptr, out_ptr, numel, split, BLOCK: tl.constexpr):
+    """out = sum over the split fp32 partial products [split, numel], in order, cast to out's dtype:
+    the split-K reduce in one launch (torch's sum and cast are two)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.load(part_ptr + offs, mask=ok, other=0.0)
+    for i in range(1, split):
+        acc += tl.load(part_ptr + i * numel + offs, mask=ok, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)

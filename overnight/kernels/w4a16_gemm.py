@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack, _unpack_scaled
+from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
@@ -219,16 +219,10 @@ def _w4a16_kernel(
             zero = tl.load(z_ptr + rows_n * stride_sn + g)
         else:
             zero = scale  # unread
-        if HALF:  # the weights scaled in x's dtype: the dots chain (no per-step read of acc)
-            w = _unpack_scaled(words, scale, zero, BITS, SIGNED, HAS_ZERO, x.dtype, FAST)
-            if SWAP_AB:
-                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-            else:
-                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        else:
-            acc = _int_weight_step(
-                acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION
-            )
+        acc = _int_weight_step(
+            acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION,
+            HALF, FAST,
+        )  # fmt: skip
     if SWAP_AB:
         acc = tl.trans(acc)
     ok = m_ok[:, None] & (offs_n[None, :] < N)

@@ -61,6 +61,13 @@ class IntMoeTiles:
     num_stages: int = 3
     scale_after: bool = True
     swap_ab: bool = False
+    unpack: str = "f32"  # or "half": kernels/w4a16_gemm.py's W4A16Config says what each does
+
+    def __post_init__(self) -> None:
+        if self.unpack not in ("f32", "half"):
+            raise ValueError(f"unknown unpack {self.unpack!r}: 'f32' or 'half'")
+        if self.unpack == "half" and self.scale_after:
+            raise ValueError("unpack 'half' scales the weights before the dot: needs scale_after=False")
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ def _w4a16_moe_kernel(
     HAS_ZERO: tl.constexpr,
     SCALE_AFTER: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    HALF: tl.constexpr,
+    FAST: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -201,8 +210,9 @@ def _w4a16_moe_kernel(
             scale = tl.load(s_rows + g)
         zero = tl.load(z_rows + g) if HAS_ZERO else scale  # unread without HAS_ZERO
         acc = _int_weight_step(
-            acc, a, words, scale, zero, BITS, False, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION
-        )
+            acc, a, words, scale, zero, BITS, False, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION,
+            HALF, FAST,
+        )  # fmt: skip
         if GATED:
             up_words = tl.load(q_rows + up_q + kw[None, :])
             if SCALE_AFTER:
@@ -213,7 +223,7 @@ def _w4a16_moe_kernel(
             up_zero = tl.load(z_rows + up_s + g) if HAS_ZERO else up_scale
             acc_up = _int_weight_step(
                 acc_up, a, up_words, up_scale, up_zero, BITS, False, HAS_ZERO, SCALE_AFTER, SWAP_AB,
-                DOT_PRECISION,
+                DOT_PRECISION, HALF, FAST,
             )  # fmt: skip
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -294,11 +304,18 @@ def w4a16_moe_gemm(
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )  # fmt: skip
     if kernel == "v1":
+        if tiles.unpack != "f32":
+            raise ValueError("the v1 MoE kernel has no unpack option (a v2 option)")
         _w4a16_moe_kernel_v1[grid](*args, n, **common)
     else:
+        half = tiles.unpack == "half"
+        # the paired instructions are PTX: compiled code only, 4-bit codes, 16-bit activations
+        fast = half and bits == 4 and a.dtype in (torch.float16, torch.bfloat16)
+        fast = fast and not triton.knobs.runtime.interpret
         _w4a16_moe_kernel[grid](
-            *args, SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, GROUP_M=tiles.group_m, **common
-        )
+            *args, SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, HALF=half, FAST=fast,
+            GROUP_M=tiles.group_m, **common,
+        )  # fmt: skip
     return out
 
 
