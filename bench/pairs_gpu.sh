@@ -5,7 +5,7 @@
 #   (several workloads of one preset: vLLM starts once and runs each, ours runs each in turn; then both
 #    engines' lines of a workload sit in one call, vLLM's before ours)
 #   (image workloads too: qwen2.5-vl-7b:caption-448 qwen3-vl-8b:caption-448; both JSON lines carry images_s)
-# Env: OV_ARGS (extra flags for ours), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1, ONLY_VLLM=1,
+# Env: OV_ARGS (extra flags for ours), OV_W4A16_TIERS (ours with the W4A16 tiers in that file, bench/w4a16_tiers_gpu.py --save), OV_PATH (more PYTHONPATH for ours, e.g. $HOME/vsite/b for compressed-tensors), VB_ARGS (extra flags for bench/vllm_throughput.py), ONLY_OURS=1, ONLY_VLLM=1,
 #      PAIR_TIMEOUT (seconds per engine run, default 240; vLLM's run of several workloads gets it per workload). One line per engine and workload goes to stdout and $OUT/pairs.log.
 # vLLM's whole log lands in $OUT/vllm-PRESET-KV.log, and each Triton compile it reported while serving is listed
 # beside its JSON lines (their "timed" span tells whether the timed run paid for it).
@@ -32,7 +32,9 @@ for spec in "$@"; do
   fi
   [ -n "${ONLY_VLLM:-}" ] && continue
   for workload in ${workloads//,/ }; do
-    PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 -m overnight bench throughput --model "$preset" --workload "$workload" \
+    # OV_W4A16_TIERS (a file bench/w4a16_tiers_gpu.py wrote): ours with those W4A16 tiers, through its --apply
+    ov=(-m overnight); [ -n "${OV_W4A16_TIERS:-}" ] && ov=(bench/w4a16_tiers_gpu.py --apply "$(cat "$OV_W4A16_TIERS")" --)
+    PYTHONPATH=$PWD${OV_PATH:+:$OV_PATH} timeout "${PAIR_TIMEOUT:-240}" python3 "${ov[@]}" bench throughput --model "$preset" --workload "$workload" \
       --load-format dummy --kv-cache-dtype "$kv" ${OV_ARGS:-} > /tmp/o.log 2>&1
     rc=$?; echo "== ours rc=$rc $preset $workload kv=$kv ${OV_ARGS:-}" | tee -a "$log"
     { grep '^{' /tmp/o.log | tail -1 || true; [ $rc -ne 0 ] && tail -12 /tmp/o.log; } | tee -a "$log"

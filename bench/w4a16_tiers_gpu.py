@@ -1,7 +1,7 @@
 """W4A16's decode-batch tiers chosen on the GPU and tried end to end in one call (~7 minutes).
 
 Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_gpu.py
-                                        [--model qwen3-32b-awq] [--num-prompts 512]
+                                        [--model qwen3-32b-awq] [--num-prompts 512] [--save FILE]
 
 1. bench/w4a16_variants_gpu.py's --mid section: every swapped fused tile against the default
    (dequantize + cuBLAS) at 96-384 rows and Qwen3-32B's shapes, checked against the reference first.
@@ -12,6 +12,7 @@ Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_g
    process: the current tiers, then the new ones. Prints both JSON lines and the ratio: what putting
    the new tiers into kernels/w4a16_gemm.py would gain.
 
+`--save FILE` writes the new tiers' JSON there (bench/pairs_gpu.sh's OV_W4A16_TIERS runs ours with them).
 `--apply TIERS_JSON -- ARGS` (used by step 3): set the tiers, then run `overnight ARGS` in this process.
 """
 
@@ -112,6 +113,9 @@ def main(argv: list[str]) -> None:
         return
     spec = json.dumps(planned)
     print(f"new tiers (bound, config), DEQUANT_GEMM_MIN_M: {spec}", flush=True)
+    if "--save" in argv:  # for bench/pairs_gpu.sh's OV_W4A16_TIERS
+        with open(argv[argv.index("--save") + 1], "w") as f:
+            f.write(spec)
     args = ["bench", "throughput", "--model", model, "--workload", "seed-512-256", "--num-prompts", prompts]
     args += ["--load-format", "dummy", "--int-weights", "packed"]
     before = ours(args, None)
