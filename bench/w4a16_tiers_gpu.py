@@ -2,6 +2,7 @@
 
 Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_gpu.py
                                         [--model qwen3-32b-awq] [--num-prompts 512] [--save FILE]
+                                        [--no-runs]  (steps 1-2 only)
 
 1. bench/w4a16_variants_gpu.py's --mid section: every swapped fused tile against the default
    (dequantize + cuBLAS) at 96-384 rows and Qwen3-32B's shapes, checked against the reference first.
@@ -116,6 +117,8 @@ def main(argv: list[str]) -> None:
     if "--save" in argv:  # for bench/pairs_gpu.sh's OV_W4A16_TIERS
         with open(argv[argv.index("--save") + 1], "w") as f:
             f.write(spec)
+    if "--no-runs" in argv:  # the tiles and the plan only (the pair then runs ours with them)
+        return
     args = ["bench", "throughput", "--model", model, "--workload", "seed-512-256", "--num-prompts", prompts]
     args += ["--load-format", "dummy", "--int-weights", "packed"]
     before = ours(args, None)
