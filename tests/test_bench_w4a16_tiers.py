@@ -11,10 +11,18 @@ from overnight.kernels import w4a16_gemm
 from overnight.kernels.w4a16_gemm import W4A16Config
 from tests.bench_scripts import load_bench_script
 
+# the tiers the plans below start from (session V's: the 64-row swapped tile to 127 rows)
+START_TIERS = (
+    (64, W4A16Config(64, 64, swap_ab=True)),
+    (127, W4A16Config(64, 64, swap_ab=True)),
+    (128, W4A16Config(128, 128, num_warps=8, num_stages=3, swap_ab=True)),
+    (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
+)
+
 
 @pytest.fixture()
 def tiers(monkeypatch):
-    monkeypatch.setattr(w4a16_gemm, "TIERS", w4a16_gemm.TIERS)
+    monkeypatch.setattr(w4a16_gemm, "TIERS", START_TIERS)
     monkeypatch.setattr(w4a16_gemm, "DEQUANT_GEMM_MIN_M", w4a16_gemm.DEQUANT_GEMM_MIN_M)
     return load_bench_script(monkeypatch, "w4a16_tiers_gpu.py")
 

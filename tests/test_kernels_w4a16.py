@@ -189,9 +189,10 @@ def test_large_m_paths(path, kernel, monkeypatch):
 
 def test_default_config_follows_the_module_choices(monkeypatch):
     assert [default_config(m) for m in (1, 16, 17, 64, 65, 127, 128, DEQUANT_GEMM_MIN_M - 1)] == [
-        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 3, 4, 4)
+        gemm_module.TIERS[i][1] for i in (0, 0, 1, 2, 3, 3, 3, 4)
     ]
     assert default_config(128).block_m == 128 and default_config(128).swap_ab
+    assert default_config(65).unpack == "half" and default_config(64).unpack == "f32"
     assert default_config(1).kernel == "v2" and default_config(1).scale_after
     # From DEQUANT_GEMM_MIN_M rows on the module's large-M path: dequantize + cuBLAS (the H100's winner)
     assert {default_config(m).path for m in (DEQUANT_GEMM_MIN_M, 256, 512, 4096)} == {"dequant"}

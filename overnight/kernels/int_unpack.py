@@ -159,24 +159,26 @@ def _int_weight_step(
     if HALF:
         w = _unpack_scaled(words, scale, zero, BITS, SIGNED, HAS_ZERO, x.dtype, FAST)
         if SWAP_AB:
-            return tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
-        return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    if HAS_ZERO:
-        vals = _unpack(words, BITS, SIGNED, zero[:, None])
-    else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
-        vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
-    if SCALE_AFTER:
-        w = vals.to(x.dtype)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
-    else:
-        w = (vals * scale[:, None]).to(x.dtype)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:  # if / else, not an early return: Triton traces what follows a constexpr branch's return
+        if HAS_ZERO:
+            vals = _unpack(words, BITS, SIGNED, zero[:, None])
+        else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
+            vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
+        if SCALE_AFTER:
+            w = vals.to(x.dtype)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
         else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+            w = (vals * scale[:, None]).to(x.dtype)
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     return acc
 
 

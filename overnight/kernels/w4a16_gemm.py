@@ -57,12 +57,13 @@ from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v
 # tiles by M are TIERS below. Measured on an H100 (2026-12-05, Qwen3-8B shapes, int4 groups of 128,
 # geometric mean over qkv / o / gate_up / down, x bf16 F.linear): swap_ab 1.38x at M=1, 1.40x at 16,
 # 0.83x at 64 (unswapped 1.27x, 1.27x, 0.78x); from 256 rows dequantize + cuBLAS 0.50x at 256 and 0.74x
-# at 1024 against the fused large tiles' 0.38x and 0.41x. Rows 65-127 take the 64-row swapped tile
-# (between the measured points; no bench row there). At Qwen3-32B's shapes on an H200 (session V,
+# at 1024 against the fused large tiles' 0.38x and 0.41x. At Qwen3-32B's shapes on an H200 (session V,
 # bench/w4a16_tiers_gpu.py): at 128 rows, a decode graph bucket, the 128-row swapped tile 0.49x against
 # dequantize + cuBLAS's 0.42x (the 64-row one 0.35x); from 192 rows dequantize wins (0.47-0.58x against
-# at best 0.40x).
-DEQUANT_GEMM_MIN_M = 129  # from this many rows on: the large-M path
+# at best 0.40x). Session W (H100, the same shapes, bench/w4a16_tiers_gpu.py at 96 / 128 / 192 rows, SM
+# 1,980 MHz): the "half" unpack's swapped 128-row tile took 65-128 rows and the 64-row swapped tile
+# 129-192 (TIERS' comments); from 256 rows dequantize + cuBLAS still wins (0.45x at 256, 0.57x at 512, against at best 0.43x and 0.39x).
+DEQUANT_GEMM_MIN_M = 193  # from this many rows on: the large-M path
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
@@ -122,8 +123,11 @@ TIERS: tuple[tuple[int, W4A16Config], ...] = (
     (16, W4A16Config(16, 64, swap_ab=True)),
     (32, W4A16Config(32, 64, swap_ab=True)),
     (64, W4A16Config(64, 64, swap_ab=True)),
-    (127, W4A16Config(64, 64, swap_ab=True)),
-    (128, W4A16Config(128, 128, num_warps=8, num_stages=3, swap_ab=True)),  # the 128-row graph bucket
+    # rows 65-128: the 128-row swapped tile with the "half" unpack (session W, H100, Qwen3-32B shapes:
+    # 0.74x bf16 at 96 rows and 0.70x at 128, against 0.66x / 0.65x for the same tile on the float32
+    # unpack and at most 0.52x / 0.64x for the 64-row tile and dequantize + cuBLAS)
+    (128, W4A16Config(128, 128, 0, 8, 3, 128, scale_after=False, swap_ab=True, unpack="half")),
+    (192, W4A16Config(64, 64, swap_ab=True)),  # 0.48x against dequantize's 0.45x at 192 rows (session W)
     # the fused large tiles (LARGE_M_PATH "fused"), kept for the bench and for LARGE_M_PATH's other value
     (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
     (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
