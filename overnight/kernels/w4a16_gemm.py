@@ -62,7 +62,8 @@ from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v
 # dequantize + cuBLAS's 0.42x (the 64-row one 0.35x); from 192 rows dequantize wins (0.47-0.58x against
 # at best 0.40x). Session W (H100, the same shapes, bench/w4a16_tiers_gpu.py at 96 / 128 / 192 rows, SM
 # 1,980 MHz): the "half" unpack's swapped 128-row tile took 65-128 rows and the 64-row swapped tile
-# 129-192 (TIERS' comments); from 256 rows dequantize + cuBLAS still wins (0.45x at 256, 0.57x at 512, against at best 0.43x and 0.39x).
+# 129-192 (TIERS' comments); from 256 rows dequantize + cuBLAS still wins (0.45x at 256, 0.57x at
+# 512, against at best 0.43x and 0.39x for a fused tile).
 DEQUANT_GEMM_MIN_M = 193  # from this many rows on: the large-M path
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
