@@ -5,8 +5,26 @@ nothing at run time."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+
+def check_unpack(unpack: str, scale_after: bool) -> None:
+    """The `unpack` option of W4A16Config and IntMoeTiles: "f32" or "half" (_unpack_scaled below)."""
+    if unpack not in ("f32", "half"):
+        raise ValueError(f"unknown unpack {unpack!r}: 'f32' or 'half'")
+    if unpack == "half" and scale_after:
+        raise ValueError("unpack 'half' scales the weights before the dot: needs scale_after=False")
+
+
+def fast_half(unpack: str, bits: int, signed: bool, dtype: torch.dtype) -> bool:
+    """Whether the half unpack takes its paired instructions: they are PTX (compiled code only, not
+    the interpreter) for 4-bit unsigned codes and 16-bit activations; otherwise it computes the same
+    values from the float32 unpack."""
+    if unpack != "half" or bits != 4 or signed or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    return not triton.knobs.runtime.interpret
 
 
 @triton.jit

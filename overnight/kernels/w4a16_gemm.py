@@ -50,7 +50,13 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.int_unpack import _int_weight_step, _sum_partials_kernel, _unpack
+from overnight.kernels.int_unpack import (
+    _int_weight_step,
+    _sum_partials_kernel,
+    _unpack,
+    check_unpack,
+    fast_half,
+)
 from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v1
 
 # Defaults, chosen on the GPU (bench/w4a16_variants_gpu.py prints the winners per shape and M); the
@@ -109,10 +115,7 @@ class W4A16Config:
             raise ValueError(f"unknown path {self.path!r}: 'fused' or 'dequant'")
         if self.kernel == "v1" and (self.reduce == "atomic" or self.swap_ab or self.unpack != "f32"):
             raise ValueError("the v1 kernel has no atomic reduce, no swap_ab and no unpack (v2 options)")
-        if self.unpack not in ("f32", "half"):
-            raise ValueError(f"unknown unpack {self.unpack!r}: 'f32' or 'half'")
-        if self.unpack == "half" and self.scale_after:
-            raise ValueError("unpack 'half' scales the weights before the dot: needs scale_after=False")
+        check_unpack(self.unpack, self.scale_after)
 
 
 # The default variant by M: the first tier whose bound is >= M. bench/w4a16_variants_gpu.py prints each
@@ -362,13 +365,9 @@ def w4a16_gemm(
     if cfg.kernel == "v1":
         _w4a16_kernel_v1[grid](*args, **common)
     else:
-        half = cfg.unpack == "half"
-        # the paired instructions are PTX: compiled code only, 4-bit unsigned codes, 16-bit x
-        fast = half and bits == 4 and not signed and x.dtype in (torch.float16, torch.bfloat16)
-        fast = fast and not triton.knobs.runtime.interpret
         _w4a16_kernel[grid](
             *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
-            HALF=half, FAST=fast, **common,
+            HALF=cfg.unpack == "half", FAST=fast_half(cfg.unpack, bits, signed, x.dtype), **common,
         )  # fmt: skip
     if split_k == 1:
         return out

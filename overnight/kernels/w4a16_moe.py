@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from overnight.kernels.int_unpack import _int_weight_step
+from overnight.kernels.int_unpack import _int_weight_step, check_unpack, fast_half
 from overnight.kernels.moe_align import ExpertRuns, moe_align
 from overnight.kernels.moe_sum import moe_sum
 from overnight.kernels.tile_order import grouped_tile
@@ -64,10 +64,7 @@ class IntMoeTiles:
     unpack: str = "f32"  # or "half": kernels/w4a16_gemm.py's W4A16Config says what each does
 
     def __post_init__(self) -> None:
-        if self.unpack not in ("f32", "half"):
-            raise ValueError(f"unknown unpack {self.unpack!r}: 'f32' or 'half'")
-        if self.unpack == "half" and self.scale_after:
-            raise ValueError("unpack 'half' scales the weights before the dot: needs scale_after=False")
+        check_unpack(self.unpack, self.scale_after)
 
 
 @dataclass(frozen=True)
@@ -308,12 +305,9 @@ def w4a16_moe_gemm(
             raise ValueError("the v1 MoE kernel has no unpack option (a v2 option)")
         _w4a16_moe_kernel_v1[grid](*args, n, **common)
     else:
-        half = tiles.unpack == "half"
-        # the paired instructions are PTX: compiled code only, 4-bit codes, 16-bit activations
-        fast = half and bits == 4 and a.dtype in (torch.float16, torch.bfloat16)
-        fast = fast and not triton.knobs.runtime.interpret
         _w4a16_moe_kernel[grid](
-            *args, SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, HALF=half, FAST=fast,
+            *args, SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, HALF=tiles.unpack == "half",
+            FAST=fast_half(tiles.unpack, bits, False, a.dtype),  # MoE codes are never signed
             GROUP_M=tiles.group_m, **common,
         )  # fmt: skip
     return out
