@@ -14,7 +14,8 @@ Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_g
    the new tiers into kernels/w4a16_gemm.py would gain.
 
 `--save FILE` writes the new tiers' JSON there (bench/pairs_gpu.sh's OV_W4A16_TIERS runs ours with them).
-`--apply TIERS_JSON -- ARGS` (used by step 3): set the tiers, then run `overnight ARGS` in this process.
+`--apply TIERS_JSON -- ARGS` (used by step 3): set the tiers, then run `overnight ARGS` in this process
+(TIERS_JSON: [tiers, DEQUANT_GEMM_MIN_M], or with a third item, MMA_ORDER).
 """
 
 from __future__ import annotations
@@ -66,9 +67,12 @@ def new_tiers(best: dict[int, str], variants: dict) -> tuple[list[tuple[int, dic
 
 
 def apply(spec: str) -> None:
-    tiers, min_m = json.loads(spec)
+    """Set the tiers from [tiers, DEQUANT_GEMM_MIN_M] or [tiers, DEQUANT_GEMM_MIN_M, MMA_ORDER]."""
+    tiers, min_m, *mma = json.loads(spec)
     w4a16_gemm.TIERS = tuple((b, W4A16Config(**c)) for b, c in tiers)
     w4a16_gemm.DEQUANT_GEMM_MIN_M = min_m
+    if mma:
+        w4a16_gemm.MMA_ORDER = bool(mma[0])
 
 
 def ours(args: list[str], spec: str | None) -> dict | None:

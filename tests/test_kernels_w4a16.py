@@ -239,6 +239,91 @@ def test_wrapper_checks_shapes():
         w4a16_gemm(x, qw, scale, zero[:, :1].contiguous(), 4, 32)
 
 
+def test_mma_order_layout():
+    """Word 4t + c of each 128-column block holds columns 32c + 16s + 8h + 2t + e as value 4s + 2h + e
+    (the module's comment), read back from a weight whose two rows spell each column's index; the
+    inverse restores the words."""
+    k = 256
+    cols = torch.arange(k)
+    codes = torch.stack([cols % 16, (cols // 16) % 8 + 8 * (cols // 128)])  # row 1: the 16-column chunk
+    qw = pack_along_last(codes, 4)
+    mma = gemm_module.to_mma_order(qw)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    held = (mma[:, :, None] >> shifts) & 0xF  # [2, K/8 words, 8 values]
+    column = held[1] % 8 * 16 + held[0] + 128 * (held[1] // 8)
+    for word in range(k // 8):
+        block, t, c = word // 16, word % 16 // 4, word % 4
+        expected = [
+            128 * block + 32 * c + 16 * s + 8 * h + 2 * t + e for s in (0, 1) for h in (0, 1) for e in (0, 1)
+        ]
+        assert column[word].tolist() == expected, word
+    assert torch.equal(gemm_module.to_mma_order(mma, inverse=True), qw)
+
+
+MMA_CONFIGS = {
+    **{f"tier-{bound}": cfg for bound, cfg in gemm_module.TIERS},
+    "half": W4A16Config(16, 32, scale_after=False, unpack="half"),
+    "half-swap-split": W4A16Config(16, 64, split_k=2, scale_after=False, swap_ab=True, unpack="half"),
+    "swap-scale-weight": W4A16Config(16, 32, scale_after=False, swap_ab=True),
+    "atomic": W4A16Config(16, 16, split_k=2, reduce="atomic"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(MMA_CONFIGS))
+@pytest.mark.parametrize("group,zeros", [(128, True), (256, False)])
+def test_mma_order_kernels_match_reference(name, group, zeros, dtype):
+    """Every tier and unpack on words in MMA order equals the reference on the same weight in column
+    order; the whole-weight dequantization is bit-exact."""
+    m, n, k = 6, 40, 512
+    qw, scale, zero = _weight(n, k, 4, group, zeros, seed=9)
+    mma = gemm_module.to_mma_order(qw)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(group)).to(DEVICE, dtype)
+    cfg = MMA_CONFIGS[name]
+    y = w4a16_gemm(x, mma, scale, zero, 4, group, config=cfg, mma_order=True)
+    ref = w4a16_gemm_ref(x, qw, scale, zero, 4, group)
+    assert torch.equal(w4a16_gemm_ref(x, mma, scale, zero, 4, group, mma_order=True), ref)
+    _assert_within_rounding(y, ref, x, qw, scale, zero, 4, group, 4 if cfg.unpack == "half" else 3)
+    if name == "half":
+        w = dequantize_int_weight(mma, scale, zero, 4, group, dtype, mma_order=True)
+        assert torch.equal(w, dequantize_int_weight_ref(qw, scale, zero, 4, group, dtype))
+
+
+def test_mma_order_needs_4_bit_codes_and_128_column_groups():
+    qw, scale, zero = _weight(8, 256, 4, 64, True)
+    x = torch.randn(2, 256).to(DEVICE)
+    with pytest.raises(ValueError, match="MMA order needs"):
+        w4a16_gemm(x, qw, scale, zero, 4, 64, mma_order=True)
+    qw8, scale8, zero8 = _weight(8, 256, 8, 128, True)
+    with pytest.raises(ValueError, match="MMA order needs"):
+        dequantize_int_weight(qw8, scale8, zero8, 8, 128, torch.float32, mma_order=True)
+    qw, scale, zero = _weight(8, 256, 4, 128, True)
+    with pytest.raises(ValueError, match="v2 kernel"):
+        w4a16_gemm(x, qw, scale, zero, 4, 128, config=W4A16Config(16, 32, kernel="v1"), mma_order=True)
+
+
+@pytest.mark.parametrize("group", [128, 64])
+def test_layer_in_mma_order_keeps_its_products(group, monkeypatch):
+    """WeightOnlyIntLinear.use_mma_order_: the same forward and dequantized weight; a layer whose groups
+    are not a multiple of 128 columns keeps the column order."""
+    n, k = 24, 256
+    qw, scale, zero = _weight(n, k, 4, group, True, seed=2)
+    layer = WeightOnlyIntLinear(k, n, False, 4, group, False, False, torch.float32, DEVICE)
+    for param, value in ((layer.packed_weight, qw), (layer.group_scale, scale), (layer.group_zero, zero)):
+        assert param is not None
+        param.data.copy_(value)
+    x = torch.randn(3, k, device=DEVICE)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", True)
+    before, dense = layer(x), layer.dequantized_weight()
+    layer.use_mma_order_()
+    assert layer.mma_order == (group == 128)
+    assert torch.equal(layer.packed_weight, gemm_module.to_mma_order(qw) if group == 128 else qw)
+    assert torch.equal(layer.dequantized_weight(), dense)
+    torch.testing.assert_close(layer(x), before, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(dispatch, "FORCE_KERNELS", False)  # the reference path reads the order too
+    torch.testing.assert_close(layer(x), before, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_act_order_layer_with_kernels(bits, monkeypatch):
     """A layer built from a g_idx weight: columns sorted by group at load, the input gathered by the same

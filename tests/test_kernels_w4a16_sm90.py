@@ -25,9 +25,10 @@ SIZES = ("N", "K", "k_per_split")  # model sizes: multiples of 16, as Triton see
 
 def w4a16_case(
     m: int, bits: int = 4, group: int = 128, signed: bool = False, atomic: bool = False, swap: bool = False,
-    config=None,
+    config=None, mma: bool = False,
 ):  # fmt: skip
-    """The fused kernel's case for M rows: default_config(m) with swap_ab=swap, or `config` as given."""
+    """The fused kernel's case for M rows: default_config(m) with swap_ab=swap, or `config` as given;
+    mma: the words in MMA order (128-column K steps)."""
     from dataclasses import replace
 
     from overnight.kernels.w4a16_gemm import _block_k, _w4a16_kernel, default_config
@@ -36,8 +37,9 @@ def w4a16_case(
     half = cfg.unpack == "half"
     cx = dict(
         BITS=bits, GROUP=group, HAS_ZERO=not signed, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
-        HALF=half, FAST=half and bits == 4 and not signed,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=_block_k(group, cfg.block_k), DOT_PRECISION="tf32",
+        HALF=half, FAST=half and bits == 4 and not signed, MMA_ORDER=mma,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=128 if mma else _block_k(group, cfg.block_k),
+        DOT_PRECISION="tf32",
     )  # fmt: skip
     types = dict(TYPES, out_ptr="*fp32") if atomic else TYPES
     return _w4a16_kernel, types, cx, cfg.num_warps, cfg.num_stages
@@ -54,7 +56,7 @@ def v1_case(m: int):
 def dequant_case():
     from overnight.kernels.w4a16_gemm import _dequant_kernel
 
-    cx = dict(BITS=4, GROUP=128, HAS_ZERO=True, SIGNED=False, BLOCK_N=32, BLOCK_K=128)
+    cx = dict(BITS=4, GROUP=128, HAS_ZERO=True, SIGNED=False, MMA_ORDER=False, BLOCK_N=32, BLOCK_K=128)
     return _dequant_kernel, TYPES, cx, 4, 1
 
 
@@ -79,6 +81,12 @@ def _half_tiles() -> dict:
     return {name: make for name, make in bench.MID_VARIANTS.items() if name.startswith("half")}
 
 
+def _tier(m: int):
+    from overnight.kernels.w4a16_gemm import default_config
+
+    return default_config(m)
+
+
 HALF_TILES = _half_tiles()
 CASES = {
     **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256, 1024)},
@@ -89,6 +97,17 @@ CASES = {
     **{
         f"w4a16-{name}": (lambda make=make: w4a16_case(128, config=make(128)))
         for name, make in HALF_TILES.items()
+    },
+    # the words in MMA order: every default tier, the half tiles swapped (their weights are wgmma's
+    # register operand as unpacked: no ldmatrix)
+    **{
+        f"w4a16-mma-m{m}": (lambda m=m: w4a16_case(m, config=_tier(m), mma=True))
+        for m in (16, 32, 64, 128, 192)
+    },
+    **{
+        f"w4a16-mma-{name}": (lambda make=make: w4a16_case(128, config=make(128), mma=True))
+        for name, make in HALF_TILES.items()
+        if "swap" in name
     },
     "w4a16-v1-m16": lambda: v1_case(16),
     "dequant-v2": dequant_case,
@@ -106,7 +125,7 @@ def report() -> None:
             options = dict(num_warps=warps, num_stages=stages)
             ptx = compile_for_sm90(kernel, types, cx, options, SIZES).asm["ptx"]
             wide = len(re.findall(r"cp\.async\.cg\.shared\.global[^;]*, 0x10", ptx))
-            out[name] = [shared, regs, stack, wide, ptx.count("wgmma.mma_async")]
+            out[name] = [shared, regs, stack, wide, ptx.count("wgmma.mma_async"), ptx.count("ldmatrix")]
         except Exception as e:  # reported per case, so one failure does not hide the others
             out[name] = f"{type(e).__name__}: {str(e)[-600:]}"
     print(json.dumps(out))
@@ -126,7 +145,7 @@ MEASURED_SPILLS: dict[str, int] = {}
 def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> None:
     result = usage[name]
     assert isinstance(result, list), f"{name} does not compile for sm_90: {result}"
-    shared, regs, stack, wide, wgmma = result
+    shared, regs, stack, wide, wgmma, ldmatrix = result
     assert shared <= SHARED_LIMIT, f"{name}: {shared} bytes of shared memory"
     if name in MEASURED_SPILLS:
         assert stack <= MEASURED_SPILLS[name], f"{name}: {stack} bytes of stack, more than when measured"
@@ -138,3 +157,5 @@ def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> N
         assert wgmma > 0, f"{name}: the large-M tile does not use wgmma"
     if name.startswith("w4a16-half"):
         assert wgmma > 0, f"{name}: the half tile does not use wgmma"
+    if name.startswith("w4a16-mma-") and ("swap" in name or name.startswith("w4a16-mma-m")):
+        assert wgmma > 0 and ldmatrix == 0, f"{name}: MMA-ordered weights go through shared memory"

@@ -151,6 +151,18 @@ def _unpack_scaled(words, scale, zero, BITS: tl.constexpr, SIGNED: tl.constexpr,
 
 
 @triton.jit
+def _from_mma_order(t, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] values unpacked from words in MMA order (kernels/w4a16_gemm.py's to_mma_order: within each
+    128-column block, position 8w + j, w = 4t + c and j = 4s + 2h + e, holds column 32c + 16s + 8h + 2t +
+    e) -> columns in natural order. A reshape and a permute: the compiler relabels the registers, so a
+    swapped tile's weights come out in the wgmma register operand's layout as they stand (each thread's
+    word holds the eight values it needs there)."""
+    t = tl.reshape(t, (R, C // 128, 4, 4, 2, 2, 2))  # [R, block, t, c, s, h, e]
+    t = tl.permute(t, (0, 1, 3, 4, 5, 2, 6))  # [R, block, c, s, h, t, e]
+    return tl.reshape(t, (R, C))
+
+
+@triton.jit
 def _int_weight_step(
     acc,
     x,
@@ -165,6 +177,7 @@ def _int_weight_step(
     DOT_PRECISION: tl.constexpr,
     HALF: tl.constexpr = False,
     FAST: tl.constexpr = False,
+    MMA_ORDER: tl.constexpr = False,
 ):
     """acc plus one K step of x [BM, BK] times the integer weight tile's transpose: words [BN, BK / P]
     (K contiguous), scale [BN] (one group covers the step), zero [BN] (read only with HAS_ZERO). acc is
@@ -173,9 +186,14 @@ def _int_weight_step(
     integers exact in x's dtype, and its fp32 product is scaled per weight row (BM * BN multiplies
     instead of BN * BK, but the accumulator is read back each step, so wgmma cannot chain); otherwise
     each weight is scaled and rounded to x's dtype first (the reference's rounding). HALF (SCALE_AFTER
-    off): the weights made by _unpack_scaled (below; FAST: its paired PTX instructions)."""
+    off): the weights made by _unpack_scaled (above; FAST: its paired PTX instructions). MMA_ORDER: the
+    words are in MMA order (_from_mma_order; BK a multiple of 128)."""
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = x.shape[1]
     if HALF:
         w = _unpack_scaled(words, scale, zero, BITS, SIGNED, HAS_ZERO, x.dtype, FAST)
+        if MMA_ORDER:
+            w = _from_mma_order(w, R, C)
         if SWAP_AB:
             acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
         else:
@@ -185,6 +203,8 @@ def _int_weight_step(
             vals = _unpack(words, BITS, SIGNED, zero[:, None])
         else:  # symmetric (or signed, moved to offset binary) codes: centred on 2^(BITS-1)
             vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
+        if MMA_ORDER:
+            vals = _from_mma_order(vals, R, C)
         if SCALE_AFTER:
             w = vals.to(x.dtype)
             if SWAP_AB:

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from overnight.kernels.int_unpack import (
+    _from_mma_order,
     _int_weight_step,
     _sum_partials_kernel,
     _unpack,
@@ -74,6 +75,7 @@ DEQUANT_GEMM_MIN_M = 193  # from this many rows on: the large-M path
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
+MMA_ORDER = False  # the layers hold their 4-bit words in MMA order (below) where they fit
 _SMS = 132  # an H100/H200 SXM
 _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 
@@ -181,6 +183,7 @@ def _w4a16_kernel(
     ATOMIC: tl.constexpr,
     HALF: tl.constexpr,
     FAST: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -229,7 +232,7 @@ def _w4a16_kernel(
             zero = scale  # unread
         acc = _int_weight_step(
             acc, x, words, scale, zero, BITS, SIGNED, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION,
-            HALF, FAST,
+            HALF, FAST, MMA_ORDER,
         )  # fmt: skip
     if SWAP_AB:
         acc = tl.trans(acc)
@@ -255,11 +258,12 @@ def _dequant_kernel(
     GROUP: tl.constexpr,
     HAS_ZERO: tl.constexpr,
     SIGNED: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile (BLOCK_K divides the group): words read once as 16-byte vectors, one
-    scale per row, the tile stored row-contiguous."""
+    scale per row, the tile stored row-contiguous (MMA_ORDER: put back in column order first)."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,16 +276,26 @@ def _dequant_kernel(
         vals = _unpack(words, BITS, SIGNED, tl.load(z_ptr + rows_n * stride_sn + g)[:, None])
     else:
         vals = _unpack(words, BITS, SIGNED, (1 << (BITS - 1)) * 1.0)
+    if MMA_ORDER:
+        vals = _from_mma_order(vals, BLOCK_N, BLOCK_K)
     w = vals * tl.load(s_ptr + rows_n * stride_sn + g)[:, None]
     out = w_ptr + offs_n[:, None] * stride_wn + (k0 + tl.arange(0, BLOCK_K))[None, :]
     tl.store(out, w.to(w_ptr.dtype.element_ty), mask=offs_n[:, None] < N)
 
 
 def _check(
-    qw: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int, k: int
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    k: int,
+    mma_order: bool = False,
 ) -> None:
     if bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if mma_order and not mma_order_fits(bits, group, k):
+        raise ValueError(f"MMA order needs 4-bit codes and groups of a multiple of {MMA_BLOCK} columns")
     n = qw.shape[0]
     if qw.dtype != torch.int32 or qw.dim() != 2 or qw.shape[1] * (32 // bits) != k or qw.stride(1) != 1:
         raise ValueError(
@@ -316,6 +330,53 @@ def _split_k(cfg: W4A16Config, tiles: int, steps: int) -> int:
     return max(1, min(steps, triton.cdiv(_TARGET_PROGRAMS, tiles), 16))
 
 
+# MMA order (mma_order=True; 4-bit codes, groups a multiple of 128 columns). In the natural order a
+# word holds 8 neighbouring columns, so a swapped tile's unpacked weights sit in the wrong threads for
+# wgmma's register operand and go through shared memory to get there (a store, a barrier and ldmatrix
+# each K step). In MMA order each row's words are permuted within every 128-column block so that a
+# thread's word holds the 8 values it holds of the operand (two register pairs in each of two k16
+# steps): word 4t + c of a block holds columns 32c + 16s + 8h + 2t + e as value 4s + 2h + e (t: the
+# thread's place in its quad; c: the block's 32-column chunk; s, h: the k16 step and register half;
+# e: the pair's element), and a thread's four words of a block are one 16-byte shared-memory load.
+# The kernels unpack as usual and put the columns back with a reshape and a permute that the compiler
+# resolves in registers (kernels/int_unpack.py's _from_mma_order); x keeps its order.
+MMA_BLOCK = 128
+
+
+def mma_order_fits(bits: int, group: int, k: int) -> bool:
+    """Whether a weight can be held in MMA order: 4-bit codes, every K step inside one group."""
+    return bits == 4 and group % MMA_BLOCK == 0 and k % MMA_BLOCK == 0
+
+
+def _mma_columns(device: torch.device) -> torch.Tensor:
+    """Position p = 8w + j of a 128-column block in MMA order -> the column it holds."""
+    p = torch.arange(MMA_BLOCK, device=device)
+    w, j = p // 8, p % 8
+    t, c, s, h, e = w // 4, w % 4, j // 4, (j // 2) % 2, j % 2
+    return 32 * c + 16 * s + 8 * h + 2 * t + e
+
+
+def to_mma_order(qw: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """int32 [N, K/8] words of 4-bit codes (value j of a word at bits 4j) in column order -> MMA order;
+    inverse: back. Row chunks bound the temporaries (the largest layers are ~100 MB packed)."""
+    n, words = qw.shape
+    cols = _mma_columns(qw.device)
+    if inverse:
+        cols = torch.argsort(cols)
+    shifts = torch.arange(0, 32, 4, device=qw.device, dtype=torch.int32)
+    out = torch.empty_like(qw)
+    rows = max(1, (32 << 20) // max(1, words * 8))
+    for r in range(0, n, rows):
+        chunk = qw[r : r + rows]
+        codes = ((chunk[:, :, None] >> shifts) & 0xF).reshape(chunk.shape[0], -1, MMA_BLOCK)[:, :, cols]
+        fields = codes.reshape(chunk.shape[0], words, 8) << shifts  # the top field wraps into the sign
+        word = fields[..., 0]
+        for i in range(1, 8):
+            word = word | fields[..., i]
+        out[r : r + rows] = word
+    return out
+
+
 def w4a16_gemm(
     x: torch.Tensor,
     qw: torch.Tensor,
@@ -326,19 +387,23 @@ def w4a16_gemm(
     split_k: int | None = None,
     config: W4A16Config | None = None,
     signed: bool = False,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """x [M, K] @ dequant(qw)^T -> [M, N] in x's dtype, the fused kernel (see the module docstring);
     split_k: None picks (or config.split_k when set). signed: two's complement codes with no zero point
-    (int8 weights viewed as words; v2 only)."""
+    (int8 weights viewed as words; v2 only). mma_order: qw is in MMA order (to_mma_order; the K step is
+    then 128 columns whatever the config's cap)."""
     m, k = x.shape
     n = qw.shape[0]
-    _check(qw, scale, zero, bits, group, k)
+    _check(qw, scale, zero, bits, group, k, mma_order)
     if x.stride(1) != 1:
         x = x.contiguous()
     cfg = config or default_config(m)
     if signed and (cfg.kernel != "v2" or zero is not None):
         raise ValueError("signed codes need the v2 kernel and no zero points")
-    block_k = _block_k(group, cfg.block_k)
+    if mma_order and cfg.kernel != "v2":
+        raise ValueError("words in MMA order need the v2 kernel")
+    block_k = MMA_BLOCK if mma_order else _block_k(group, cfg.block_k)
     block_m, block_n = cfg.block_m, cfg.block_n
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     steps = triton.cdiv(k, block_k)
@@ -367,7 +432,8 @@ def w4a16_gemm(
     else:
         _w4a16_kernel[grid](
             *args, SIGNED=signed, SCALE_AFTER=cfg.scale_after, SWAP_AB=cfg.swap_ab, ATOMIC=atomic,
-            HALF=cfg.unpack == "half", FAST=fast_half(cfg.unpack, bits, signed, x.dtype), **common,
+            HALF=cfg.unpack == "half", FAST=fast_half(cfg.unpack, bits, signed, x.dtype), MMA_ORDER=mma_order,
+            **common,
         )  # fmt: skip
     if split_k == 1:
         return out
@@ -389,15 +455,18 @@ def dequantize_int_weight(
     group: int,
     dtype: torch.dtype,
     kernel: str | None = None,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """The whole weight [N, K] in `dtype` (the "dequant" path's first half); kernel: DEQUANT_KERNEL
-    when None."""
+    when None. mma_order: qw is in MMA order (to_mma_order; the v2 kernel)."""
     n = qw.shape[0]
     k = qw.shape[1] * (32 // bits)
-    _check(qw, scale, zero, bits, group, k)
+    _check(qw, scale, zero, bits, group, k, mma_order)
     w = torch.empty(n, k, dtype=dtype, device=qw.device)
     z = zero if zero is not None else scale
     if (kernel or DEQUANT_KERNEL) == "v1":
+        if mma_order:
+            raise ValueError("words in MMA order need the v2 dequantization")
         grid = (triton.cdiv(n, 32), triton.cdiv(k, 128))
         args = (qw, scale, z, w, n, k, qw.stride(0), scale.stride(0), w.stride(0))
         _dequant_kernel_v1[grid](
@@ -419,6 +488,7 @@ def dequantize_int_weight(
         GROUP=group,
         HAS_ZERO=zero is not None,
         SIGNED=False,
+        MMA_ORDER=mma_order,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
@@ -433,14 +503,15 @@ def w4a16_linear(
     bits: int,
     group: int,
     config: W4A16Config | None = None,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """The layer's GEMM: the variant default_config(M) names (or `config`): the fused kernel, or for
-    path "dequant" the whole weight dequantized and a cuBLAS GEMM."""
+    path "dequant" the whole weight dequantized and a cuBLAS GEMM. mma_order: qw is in MMA order."""
     cfg = config or default_config(x.shape[0])
     if cfg.path == "dequant":
         kernel = "v1" if cfg.kernel == "v1" else None
-        return x @ dequantize_int_weight(qw, scale, zero, bits, group, x.dtype, kernel).t()
-    return w4a16_gemm(x, qw, scale, zero, bits, group, config=cfg)
+        return x @ dequantize_int_weight(qw, scale, zero, bits, group, x.dtype, kernel, mma_order).t()
+    return w4a16_gemm(x, qw, scale, zero, bits, group, config=cfg, mma_order=mma_order)
 
 
 def dequantize_int_weight_ref(
@@ -450,7 +521,10 @@ def dequantize_int_weight_ref(
     bits: int,
     group: int,
     dtype: torch.dtype,
+    mma_order: bool = False,
 ) -> torch.Tensor:
+    if mma_order:
+        qw = to_mma_order(qw, inverse=True)
     per = 32 // bits
     shifts = torch.arange(0, 32, bits, device=qw.device, dtype=torch.int32)
     codes = ((qw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(qw.shape[0], -1)
@@ -460,8 +534,14 @@ def dequantize_int_weight_ref(
 
 
 def w4a16_gemm_ref(
-    x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group: int
+    x: torch.Tensor,
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """x @ W^T with W dequantized to x's dtype and the product accumulated in fp32."""
-    w = dequantize_int_weight_ref(qw, scale, zero, bits, group, x.dtype)
+    w = dequantize_int_weight_ref(qw, scale, zero, bits, group, x.dtype, mma_order)
     return (x.float() @ w.float().t()).to(x.dtype)

@@ -67,6 +67,7 @@ class WeightOnlyIntLinear(nn.Module):
             if bias
             else None
         )
+        self.mma_order = False  # the packed words' order (use_mma_order_)
         self.input_perm: torch.Tensor | None
         if act_order:
             self.register_buffer("input_perm", torch.empty(in_features, dtype=torch.int64, device=device))
@@ -90,13 +91,34 @@ class WeightOnlyIntLinear(nn.Module):
             w.device,
         )
 
+    def after_load_(self) -> None:
+        """On the GPU, the words in MMA order where they fit (kernels/w4a16_gemm.py's MMA_ORDER)."""
+        if not self.packed_weight.is_cuda:
+            return
+        from overnight.kernels.w4a16_gemm import MMA_ORDER  # triton loads on first use
+
+        if MMA_ORDER:
+            self.use_mma_order_()
+
+    def use_mma_order_(self) -> None:
+        """The packed words put in MMA order (kernels/w4a16_gemm.py's to_mma_order: a swapped tile's
+        unpacked weights are then wgmma's register operand as they stand), where the codes are 4-bit
+        and the groups a multiple of 128 columns; the products stay the same."""
+        from overnight.kernels.w4a16_gemm import mma_order_fits, to_mma_order
+
+        if self.mma_order or not mma_order_fits(self.bits, self.group_size, self.in_features):
+            return
+        self.packed_weight.copy_(to_mma_order(self.packed_weight))
+        self.mma_order = True
+
     def dequantized_weight(self) -> torch.Tensor:
         """W [out, in] in the compute dtype, columns in the checkpoint's order."""
         from overnight.kernels.w4a16_gemm import dequantize_int_weight_ref
 
         w = dequantize_int_weight_ref(
-            self.packed_weight, self.group_scale, self.group_zero, self.bits, self.group_size, self.out_dtype
-        )
+            self.packed_weight, self.group_scale, self.group_zero, self.bits, self.group_size, self.out_dtype,
+            self.mma_order,
+        )  # fmt: skip
         if self.input_perm is None:
             return w
         out = torch.empty_like(w)
@@ -116,11 +138,11 @@ class WeightOnlyIntLinear(nn.Module):
         if use_kernels(rows) and self.group_size % 16 == 0:
             from overnight.kernels.w4a16_gemm import w4a16_linear  # triton loads on first use
 
-            y = w4a16_linear(rows, *args)
+            y = w4a16_linear(rows, *args, mma_order=self.mma_order)
         else:
             from overnight.kernels.w4a16_gemm import w4a16_gemm_ref
 
-            y = w4a16_gemm_ref(rows, *args)
+            y = w4a16_gemm_ref(rows, *args, self.mma_order)
         return y.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
