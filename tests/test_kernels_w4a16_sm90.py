@@ -68,17 +68,25 @@ def int8_case(m: int):
     return _int8_gemm_kernel, TYPES, cx, cfg.num_warps, cfg.num_stages
 
 
-def _half_tiles() -> dict:
-    """bench/w4a16_variants_gpu.py's "half" tiles (the --mid section's candidates, timed on the GPU)."""
+def _bench(filename: str):
     import importlib.util
 
     from tests.bench_scripts import BENCH_DIR
 
-    spec = importlib.util.spec_from_file_location("_w4a16_variants", BENCH_DIR / "w4a16_variants_gpu.py")
+    spec = importlib.util.spec_from_file_location(f"_{filename[:-3]}", BENCH_DIR / filename)
     assert spec and spec.loader
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    return {name: make for name, make in bench.MID_VARIANTS.items() if name.startswith("half")}
+    return bench
+
+
+def _half_tiles() -> dict:
+    """bench/w4a16_variants_gpu.py's "half" tiles (the --mid section's candidates, timed on the GPU)."""
+    return {
+        name: make
+        for name, make in _bench("w4a16_variants_gpu.py").MID_VARIANTS.items()
+        if name.startswith("half")
+    }
 
 
 def _tier(m: int):
@@ -108,6 +116,10 @@ CASES = {
         f"w4a16-mma-{name}": (lambda make=make: w4a16_case(128, config=make(128), mma=True))
         for name, make in HALF_TILES.items()
         if "swap" in name
+    },
+    **{  # bench/w4a16_mma_gpu.py's fused tiles
+        f"w4a16-{name}-swap": (lambda make=make: w4a16_case(256, config=make(256), mma=True))
+        for name, make in _bench("w4a16_mma_gpu.py").TILES.items()
     },
     "w4a16-v1-m16": lambda: v1_case(16),
     "dequant-v2": dequant_case,

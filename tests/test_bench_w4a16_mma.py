@@ -1,0 +1,66 @@
+"""bench/w4a16_mma_gpu.py's plan on the CPU: MMA order only where it is at least as fast on every fused
+tier, then the tiers from the fused tiles' wins, as the spec bench/pairs_gpu.sh takes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from overnight.kernels import w4a16_gemm
+from overnight.kernels.w4a16_gemm import W4A16Config
+from tests.bench_scripts import load_bench_script
+
+
+@pytest.fixture()
+def bench(monkeypatch):
+    monkeypatch.setattr(w4a16_gemm, "DEQUANT_GEMM_MIN_M", 193)
+    monkeypatch.setattr(w4a16_gemm, "MMA_ORDER", False)
+    monkeypatch.setattr(w4a16_gemm, "TIERS", w4a16_gemm.TIERS)
+    return load_bench_script(monkeypatch, "w4a16_mma_gpu.py")
+
+
+def table(bench, speedups: dict[str, dict[int, float]]) -> list[dict]:
+    """Rows of x bf16 per variant and M, the same at both shapes; variants not named did not run."""
+    return [
+        {"M": m, "variant": name, "x_bf16": x, "shape": shape}
+        for name, by_m in speedups.items()
+        for m, x in by_m.items()
+        for shape in ("o", "down")
+    ]
+
+
+def test_mma_order_and_the_tiles_that_win(bench):
+    t = table(
+        bench,
+        {
+            "current": {m: 0.5 for m in bench.MS},
+            # at least as fast on every fused tier (16-128 rows), dequantize from 193 rows
+            "default": {16: 0.6, 64: 0.5, 128: 0.7, 192: 0.5, 256: 0.5, 384: 0.6, 512: 0.6, 1024: 0.6},
+            "mma-128x128-w8": {128: 0.65, 192: 0.7, 256: 0.55, 384: 0.5, 512: 0.5, 1024: 0.5},
+            "mma-256x128-w8": {128: 0.6, 192: 0.6, 256: 0.65, 384: 0.55, 512: 0.7, 1024: 0.5},
+        },
+    )
+    tiers, min_m, mma = bench.plan(t, shapes=2)
+    assert mma is True and min_m == 257  # dequantize wins at 384 rows: the fused tiers end there
+    w4a16_gemm.TIERS = tuple((b, W4A16Config(**c)) for b, c in tiers)
+    w4a16_gemm.DEQUANT_GEMM_MIN_M = min_m
+    assert w4a16_gemm.default_config(192) == bench.TILES["mma-128x128-w8"](192)
+    assert w4a16_gemm.default_config(256) == bench.TILES["mma-256x128-w8"](256)
+    assert w4a16_gemm.default_config(384).path == "dequant"
+    assert w4a16_gemm.default_config(512).path == "dequant"  # a tile's win past the first loss: no tier
+    json.dumps([tiers, min_m, mma])  # the spec is JSON
+
+
+def test_no_mma_order_when_it_loses_on_a_fused_tier(bench):
+    t = table(
+        bench,
+        {
+            "current": {m: 0.5 for m in bench.MS},
+            "default": {16: 0.6, 64: 0.45, 128: 0.7, 192: 0.5},  # 64 rows: slower than today
+            "mma-128x128-w8": {128: 0.9, 192: 0.9},
+        },
+    )
+    tiers, min_m, mma = bench.plan(t, shapes=2)
+    assert mma is False and min_m == 193
+    assert [b for b, _ in tiers] == [b for b, _ in w4a16_gemm.TIERS]
