@@ -232,6 +232,8 @@ def measure_level(
         "request_rate": spec.request_rate,
         "ramp_s": round(ramp_s, 2),
         "warmup_s": round(float(res["warmup_s"]), 2),
+        # when the measured window began: after the warm-up and any window judged unsteady before it
+        "window_start_s": round(w0 - float(res["t0"]), 2),
         "lifetime_s": None if res["lifetime_s"] is None else round(float(res["lifetime_s"]), 2),
         "window_s": round(w1 - w0, 2),
         "windows": res["windows"],
