@@ -4,6 +4,7 @@
 Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_mma_gpu.py
                                         [--model qwen3-32b-awq] [--save FILE] [--no-runs]
                                         [--runs FILE]  (step 4 alone, with a plan --save wrote)
+                                        [--ms 64,128,256]  (other rows than MS)
 
 MMA order (kernels/w4a16_gemm.py's to_mma_order) lets a swapped tile use its unpacked weights as wgmma's
 register operand with no round trip through shared memory; what that is worth is measured here.
@@ -135,7 +136,10 @@ def summary(table: list[dict]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    global MS
     model = argv[argv.index("--model") + 1] if "--model" in argv else "qwen3-32b-awq"
+    if "--ms" in argv:  # fewer rows for a short call
+        MS = tuple(int(m) for m in argv[argv.index("--ms") + 1].split(","))
     print(torch.cuda.get_device_name(), flush=True)
     if "--runs" in argv:  # step 4 alone, with a plan saved by an earlier call (a call is 10 minutes)
         with open(argv[argv.index("--runs") + 1]) as f:
