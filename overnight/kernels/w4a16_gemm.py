@@ -4,6 +4,7 @@ Reference: w4a16_gemm_ref below. Layout (made once at load, quant/int_formats.ke
 
     x      [M, K] fp16/bf16/fp32, rows contiguous     activations, columns already in group order
     qw     [N, K / P] int32 (P = 32 / BITS)            row n's codes, value j of a word at bits j*BITS
+                                                       (or, 4-bit, permuted in MMA order: below)
     scale  [N, K / G] float32                          one per output row and group of G columns
     zero   [N, K / G] float32                          zero points (codes), or none: 2^(BITS-1)
 
