@@ -47,6 +47,7 @@ from overnight.kernels.w4a16_gemm import W4A16Config, to_mma_order, w4a16_gemm_r
 MS = (16, 64, 128, 192, 256, 384, 512, 1024)
 CHECK_MS = (1, 100, 192, 300)
 TILES_FROM = 96  # the fused tiles are timed from this many rows (below, the tiers' small tiles win)
+CHECK_DTYPES = (torch.bfloat16, torch.float16)
 RUN_TIMEOUT_S = 280  # one run end to end (Qwen3-32B on an H100: ~4 minutes with its start)
 
 
@@ -68,7 +69,7 @@ VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {"default": lambda m:
 def correctness() -> list:
     n, k = vb.MID_SHAPES["o"]
     bad = []
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in CHECK_DTYPES:
         qw, scale, zero = vb.int4_weight(n, k, True)
         scale = scale.to(dtype).float()
         mma = to_mma_order(qw)

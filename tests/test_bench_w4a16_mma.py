@@ -64,3 +64,37 @@ def test_no_mma_order_when_it_loses_on_a_fused_tier(bench):
     tiers, min_m, mma = bench.plan(t, shapes=2)
     assert mma is False and min_m == 193
     assert [b for b, _ in tiers] == [b for b, _ in w4a16_gemm.TIERS]
+
+
+def test_bench_runs_on_cpu(bench, monkeypatch, capsys):
+    """Steps 1-3 end to end on the CPU (Triton interpreter, fp32, tiny shapes, a fake timer): every
+    variant passes its check on MMA-ordered words and lands in the table, so the one GPU call the
+    bench is written for does not fail on a typo."""
+    import torch
+
+    import bench.w4a16_variants_gpu as vb
+
+    monkeypatch.setattr(vb, "DEVICE", "cpu")
+    monkeypatch.setattr(vb, "DTYPE", torch.float32)
+    monkeypatch.setattr(vb, "MID_SHAPES", {"o": (40, 256), "down": (24, 384)})
+    monkeypatch.setattr(vb, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(bench, "MS", (3, 100))
+    monkeypatch.setattr(bench, "CHECK_MS", (1, 100))
+    monkeypatch.setattr(bench, "CHECK_DTYPES", (torch.float32, torch.float16))
+    timed = []
+
+    def fake_time(calls, replays=10):
+        for call in calls:
+            call()
+        timed.append(len(calls))
+        return 10.0 + len(timed) % 5
+
+    monkeypatch.setattr(bench, "graph_time", fake_time)
+    assert bench.correctness() == []
+    table = bench.times()
+    bench.summary(table)
+    names = {r["variant"] for r in table}
+    assert names == {"bf16", "current", "default", *bench.TILES}
+    assert len(table) == 2 * (3 + 3 + len(bench.TILES))  # 3 rows: bf16, current, default; tiles at 100
+    tiers, min_m, mma = bench.plan(table, shapes=2)
+    assert isinstance(mma, bool) and min_m >= 1 and tiers
