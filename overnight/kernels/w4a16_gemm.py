@@ -349,6 +349,12 @@ def mma_order_fits(bits: int, group: int, k: int) -> bool:
     return bits == 4 and group % MMA_BLOCK == 0 and k % MMA_BLOCK == 0
 
 
+def _codes(qw: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 [N, W] words -> [N, W * 32 / bits] codes, value j of word w at column w * (32 / bits) + j."""
+    shifts = torch.arange(0, 32, bits, device=qw.device, dtype=torch.int32)
+    return ((qw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(qw.shape[0], -1)
+
+
 def _mma_columns(device: torch.device) -> torch.Tensor:
     """Position p = 8w + j of a 128-column block in MMA order -> the column it holds."""
     p = torch.arange(MMA_BLOCK, device=device)
@@ -369,7 +375,7 @@ def to_mma_order(qw: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     rows = max(1, (32 << 20) // max(1, words * 8))
     for r in range(0, n, rows):
         chunk = qw[r : r + rows]
-        codes = ((chunk[:, :, None] >> shifts) & 0xF).reshape(chunk.shape[0], -1, MMA_BLOCK)[:, :, cols]
+        codes = _codes(chunk, 4).reshape(chunk.shape[0], -1, MMA_BLOCK)[:, :, cols]
         fields = codes.reshape(chunk.shape[0], words, 8) << shifts  # the top field wraps into the sign
         word = fields[..., 0]
         for i in range(1, 8):
@@ -527,8 +533,7 @@ def dequantize_int_weight_ref(
     if mma_order:
         qw = to_mma_order(qw, inverse=True)
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, device=qw.device, dtype=torch.int32)
-    codes = ((qw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(qw.shape[0], -1)
+    codes = _codes(qw, bits)
     z = zero if zero is not None else torch.full_like(scale, float(1 << (bits - 1)))
     g = torch.arange(qw.shape[1] * per, device=qw.device) // group
     return ((codes.float() - z[:, g]) * scale[:, g]).to(dtype)
