@@ -121,9 +121,9 @@ def plan(table: list[dict], shapes: int) -> list:
     if not mma:
         return [current, w4a16_gemm.DEQUANT_GEMM_MIN_M, False]
     best = tb.winners(table, VARIANTS, tuple(m for m in MS if m >= TILES_FROM), shapes)
-    planned = tb.new_tiers(best, VARIANTS)
+    planned = tb.new_tiers(best, VARIANTS, mma_order=True)
     if planned is None:
-        return [current, w4a16_gemm.DEQUANT_GEMM_MIN_M, True]
+        return [current, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M, True]
     return [planned[0], planned[1], True]
 
 

@@ -15,7 +15,8 @@ Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_tiers_g
 
 `--save FILE` writes the new tiers' JSON there (bench/pairs_gpu.sh's OV_W4A16_TIERS runs ours with them).
 `--apply TIERS_JSON -- ARGS` (used by step 3): set the tiers, then run `overnight ARGS` in this process
-(TIERS_JSON: [tiers, DEQUANT_GEMM_MIN_M], or with a third item, MMA_ORDER).
+(TIERS_JSON: [tiers, DEQUANT_GEMM_MIN_M] on words in column order, or with a third item, MMA_ORDER:
+then the threshold is MMA_DEQUANT_GEMM_MIN_M).
 """
 
 from __future__ import annotations
@@ -46,15 +47,21 @@ def winners(table: list[dict], variants: dict, ms: tuple[int, ...], shapes: int)
     return best
 
 
-def new_tiers(best: dict[int, str], variants: dict) -> tuple[list[tuple[int, dict]], int] | None:
-    """(tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M) using the fused winners up to the
-    first M where the default wins and is dequantize + cuBLAS (below DEQUANT_GEMM_MIN_M the default is
-    a fused tier, which then stays); None when no other variant wins before that."""
-    fused = []
+def new_tiers(
+    best: dict[int, str], variants: dict, mma_order: bool = False
+) -> tuple[list[tuple[int, dict]], int] | None:
+    """(tiers as (bound, W4A16Config fields), the dequantize threshold) using the fused winners up to
+    the first M where the default wins and is dequantize + cuBLAS; None when no other variant wins
+    before that. Below the threshold (MMA_DEQUANT_GEMM_MIN_M for words in MMA order) the default is a
+    fused tier: where it wins after a fused winner, its tier at that M is kept in the middle."""
+    min_m = w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M if mma_order else w4a16_gemm.DEQUANT_GEMM_MIN_M
+    fused: list[tuple[int, W4A16Config]] = []
     for m in sorted(best):
         if best[m] == "default":
-            if m >= w4a16_gemm.DEQUANT_GEMM_MIN_M:
+            if m >= min_m:
                 break
+            if fused:  # the tiers kept below the first fused winner already cover the earlier ones
+                fused.append((m, w4a16_gemm.default_config(m, mma_order)))
             continue
         fused.append((m, variants[best[m]](m)))
     if not fused:
@@ -67,12 +74,16 @@ def new_tiers(best: dict[int, str], variants: dict) -> tuple[list[tuple[int, dic
 
 
 def apply(spec: str) -> None:
-    """Set the tiers from [tiers, DEQUANT_GEMM_MIN_M] or [tiers, DEQUANT_GEMM_MIN_M, MMA_ORDER]."""
+    """Set the tiers from [tiers, DEQUANT_GEMM_MIN_M] (words in column order, as this bench times
+    them) or [tiers, threshold, MMA_ORDER] (bench/w4a16_mma_gpu.py's plan: the threshold is
+    MMA_DEQUANT_GEMM_MIN_M when MMA_ORDER is on)."""
     tiers, min_m, *mma = json.loads(spec)
     w4a16_gemm.TIERS = tuple((b, W4A16Config(**c)) for b, c in tiers)
-    w4a16_gemm.DEQUANT_GEMM_MIN_M = min_m
-    if mma:
-        w4a16_gemm.MMA_ORDER = bool(mma[0])
+    w4a16_gemm.MMA_ORDER = bool(mma and mma[0])
+    if w4a16_gemm.MMA_ORDER:
+        w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M = min_m
+    else:
+        w4a16_gemm.DEQUANT_GEMM_MIN_M = min_m
 
 
 def ours(args: list[str], spec: str | None) -> dict | None:

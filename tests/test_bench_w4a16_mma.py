@@ -15,6 +15,7 @@ from tests.bench_scripts import load_bench_script
 @pytest.fixture()
 def bench(monkeypatch):
     monkeypatch.setattr(w4a16_gemm, "DEQUANT_GEMM_MIN_M", 193)
+    monkeypatch.setattr(w4a16_gemm, "MMA_DEQUANT_GEMM_MIN_M", 193)  # the module before session Y
     monkeypatch.setattr(w4a16_gemm, "MMA_ORDER", False)
     monkeypatch.setattr(w4a16_gemm, "TIERS", w4a16_gemm.TIERS)
     return load_bench_script(monkeypatch, "w4a16_mma_gpu.py")
@@ -50,6 +51,46 @@ def test_mma_order_and_the_tiles_that_win(bench):
     assert w4a16_gemm.default_config(384).path == "dequant"
     assert w4a16_gemm.default_config(512).path == "dequant"  # a tile's win past the first loss: no tier
     json.dumps([tiers, min_m, mma])  # the spec is JSON
+
+
+def test_session_y_table_plans_the_module_tiers(bench):
+    """The geometric means session Y measured on an H100 (docs/performance.md) plan exactly the tiers
+    and threshold the module now holds: MMA order, the default's 64-row tile kept at 129-192 rows where
+    it beat every fused tile, 256 x 128 tiles to 256 rows, 128 x 128 to 384, dequantize from 385."""
+    t = table(
+        bench,
+        {
+            "current": {
+                16: 1.38,
+                64: 0.85,
+                128: 0.67,
+                192: 0.46,
+                256: 0.45,
+                384: 0.50,
+                512: 0.57,
+                1024: 0.72,
+            },
+            "default": {
+                16: 1.76,
+                64: 1.18,
+                128: 0.80,
+                192: 0.68,
+                256: 0.45,
+                384: 0.50,
+                512: 0.56,
+                1024: 0.70,
+            },
+            "mma-128x128-w8": {128: 0.803, 192: 0.51, 256: 0.52, 384: 0.51, 512: 0.42, 1024: 0.45},
+            "mma-128x128-w8-s2": {128: 0.63, 192: 0.40, 256: 0.40, 384: 0.40, 512: 0.32, 1024: 0.37},
+            "mma-256x128-w8": {128: 0.57, 192: 0.60, 256: 0.58, 384: 0.43, 512: 0.52, 1024: 0.52},
+            "mma-128x256-w8": {128: 0.68, 192: 0.47, 256: 0.46, 384: 0.42, 512: 0.40, 1024: 0.38},
+        },
+    )
+    tiers, min_m, mma = bench.plan(t, shapes=2)
+    assert mma is True and min_m == 385
+    module = dict(bench.w4a16_gemm.TIERS)  # the fixture's copy of the module's tiers
+    assert [b for b, _ in tiers] == [16, 32, 64, 128, 192, 256, 384, 511, 1 << 62] == list(module)
+    assert [W4A16Config(**c) for _, c in tiers] == list(module.values())
 
 
 def test_no_mma_order_when_it_loses_on_a_fused_tier(bench):

@@ -3,6 +3,7 @@ built from them (and what the kernel's default_config then picks), and --apply's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -24,6 +25,8 @@ START_TIERS = (
 def tiers(monkeypatch):
     monkeypatch.setattr(w4a16_gemm, "TIERS", START_TIERS)
     monkeypatch.setattr(w4a16_gemm, "DEQUANT_GEMM_MIN_M", w4a16_gemm.DEQUANT_GEMM_MIN_M)
+    monkeypatch.setattr(w4a16_gemm, "MMA_DEQUANT_GEMM_MIN_M", w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M)
+    monkeypatch.setattr(w4a16_gemm, "MMA_ORDER", w4a16_gemm.MMA_ORDER)
     return load_bench_script(monkeypatch, "w4a16_tiers_gpu.py")
 
 
@@ -78,3 +81,31 @@ def test_new_tiers_stop_at_the_first_m_the_default_wins(tiers):
     assert w4a16_gemm.default_config(120) == W4A16Config(64, 64, swap_ab=True)  # the tier to 127 stays
     assert w4a16_gemm.default_config(128) == VARIANTS["swap-b"](128)
     assert w4a16_gemm.default_config(129).path == "dequant"
+
+
+def test_a_default_win_between_fused_winners_keeps_its_tier(tiers):
+    """Below the threshold the default is a fused tier: a win there after a fused winner keeps that
+    tier for its rows (it was once dropped, giving those rows the next winner's tile)."""
+    w4a16_gemm.DEQUANT_GEMM_MIN_M = 300
+    planned = tiers.new_tiers({128: "swap-b", 192: "default", 256: "swap-a", 384: "default"}, VARIANTS)
+    assert planned is not None and planned[1] == 257
+    tiers.apply(json.dumps(planned))
+    assert w4a16_gemm.default_config(128) == VARIANTS["swap-b"](128)
+    assert w4a16_gemm.default_config(150) == START_TIERS[3][1]  # the default's tier at 192 rows
+    assert w4a16_gemm.default_config(200) == VARIANTS["swap-a"](200)
+    assert w4a16_gemm.default_config(257).path == "dequant"
+
+
+def test_apply_sets_the_threshold_of_the_words_order(tiers):
+    """[tiers, threshold] is this bench's column-order plan; a third item true is an MMA-order plan,
+    whose threshold is MMA_DEQUANT_GEMM_MIN_M; the other order's threshold is left alone."""
+    column, mma = w4a16_gemm.DEQUANT_GEMM_MIN_M, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M
+    spec = [[[b, dataclasses.asdict(c)] for b, c in START_TIERS]]
+    tiers.apply(json.dumps([*spec, 150, True]))
+    assert (w4a16_gemm.MMA_ORDER, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M) == (True, 150)
+    assert w4a16_gemm.DEQUANT_GEMM_MIN_M == column
+    assert w4a16_gemm.default_config(150, mma_order=True).path == "dequant"
+    assert w4a16_gemm.default_config(149, mma_order=True).path == "fused"
+    tiers.apply(json.dumps([*spec, 140]))
+    assert (w4a16_gemm.MMA_ORDER, w4a16_gemm.DEQUANT_GEMM_MIN_M) == (False, 140)
+    assert w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M == 150 != mma

@@ -196,9 +196,17 @@ def test_default_config_follows_the_module_choices(monkeypatch):
     assert default_config(1).kernel == "v2" and default_config(1).scale_after
     # From DEQUANT_GEMM_MIN_M rows on the module's large-M path: dequantize + cuBLAS (the H100's winner)
     assert {default_config(m).path for m in (DEQUANT_GEMM_MIN_M, 256, 512, 4096)} == {"dequant"}
-    monkeypatch.setattr(gemm_module, "LARGE_M_PATH", "fused")
-    assert [default_config(m) for m in (256, 511, 512, 4096)] == [
+    # words in MMA order keep the fused tiles to MMA_DEQUANT_GEMM_MIN_M - 1 rows (session Y)
+    mma_min = gemm_module.MMA_DEQUANT_GEMM_MIN_M
+    assert [default_config(m, mma_order=True) for m in (DEQUANT_GEMM_MIN_M, 256, 257, mma_min - 1)] == [
         gemm_module.TIERS[i][1] for i in (5, 5, 6, 6)
+    ]
+    assert default_config(256, mma_order=True).block_m == 256
+    assert default_config(128, mma_order=True) == default_config(128)
+    assert {default_config(m, mma_order=True).path for m in (mma_min, 512, 4096)} == {"dequant"}
+    monkeypatch.setattr(gemm_module, "LARGE_M_PATH", "fused")
+    assert [default_config(m) for m in (256, 385, 511, 512, 4096)] == [
+        gemm_module.TIERS[i][1] for i in (5, 7, 7, 8, 8)
     ]
     monkeypatch.setattr(gemm_module, "KERNEL", "v1")
     assert default_config(16) == W4A16Config(16, 64, kernel="v1")

@@ -97,7 +97,8 @@ def _tier(m: int):
 
 HALF_TILES = _half_tiles()
 CASES = {
-    **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 256, 1024)},
+    # column order: every tier it runs fused (to 192 rows), and the large tiles past the MMA-order tiers
+    **{f"w4a16-m{m}": (lambda m=m: w4a16_case(m)) for m in (1, 16, 32, 64, 128, 512, 1024)},
     "w4a16-atomic-m16": lambda: w4a16_case(16, atomic=True),
     "w4a16-swap-m16": lambda: w4a16_case(16, swap=True),
     "w4a16-swap-m1024": lambda: w4a16_case(1024, swap=True),
@@ -110,7 +111,7 @@ CASES = {
     # register operand as unpacked: no ldmatrix)
     **{
         f"w4a16-mma-m{m}": (lambda m=m: w4a16_case(m, config=_tier(m), mma=True))
-        for m in (16, 32, 64, 128, 192)
+        for m in (16, 32, 64, 128, 192, 256, 384)
     },
     **{
         f"w4a16-mma-{name}": (lambda make=make: w4a16_case(128, config=make(128), mma=True))
@@ -165,7 +166,7 @@ def test_kernel_compiles_and_fits_sm90(usage: dict[str, object], name: str) -> N
         assert stack == 0, f"{name}: spills, {stack} bytes of stack ({regs} registers)"
     if name.startswith(("w4a16-m", "w4a16-swap", "w8a16", "int8")):
         assert wide > 0, f"{name}: no 16-byte global-to-shared copies (scalar loads)"
-    if name in ("w4a16-m256", "w4a16-m1024", "w4a16-swap-m16", "w4a16-swap-m1024", "int8-m1024"):
+    if name in ("w4a16-m512", "w4a16-m1024", "w4a16-swap-m16", "w4a16-swap-m1024", "int8-m1024"):
         assert wgmma > 0, f"{name}: the large-M tile does not use wgmma"
     if name.startswith("w4a16-half"):
         assert wgmma > 0, f"{name}: the half tile does not use wgmma"

@@ -71,12 +71,17 @@ from overnight.kernels.w4a16_baseline import _dequant_kernel_v1, _w4a16_kernel_v
 # at best 0.40x). Session W (H100, the same shapes, bench/w4a16_tiers_gpu.py at 96 / 128 / 192 rows, SM
 # 1,980 MHz): the "half" unpack's swapped 128-row tile took 65-128 rows and the 64-row swapped tile
 # 129-192 (TIERS' comments); from 256 rows dequantize + cuBLAS still wins (0.45x at 256, 0.57x at
-# 512, against at best 0.43x and 0.39x for a fused tile).
-DEQUANT_GEMM_MIN_M = 193  # from this many rows on: the large-M path
+# 512, against at best 0.43x and 0.39x for a fused tile). Session Y (H100, bench/w4a16_mma_gpu.py, the
+# same shapes, SM 1,980 MHz, x bf16 F.linear): words in MMA order took every fused tier up (16 rows
+# 1.38x -> 1.76x, 64 0.85x -> 1.18x, 128 0.67x -> 0.80x, 192 0.46x -> 0.68x) and made fused tiles beat
+# dequantize + cuBLAS up to 384 rows (256: 0.58x against 0.45x; 384: 0.51x against 0.50x; 512: 0.52x
+# against 0.57x), hence a threshold per order.
+DEQUANT_GEMM_MIN_M = 193  # from this many rows on: the large-M path (words in column order)
+MMA_DEQUANT_GEMM_MIN_M = 385  # the same for words in MMA order
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
-MMA_ORDER = False  # the layers hold their 4-bit words in MMA order (below) where they fit
+MMA_ORDER = True  # the layers hold their 4-bit words in MMA order (below) where they fit
 _SMS = 132  # an H100/H200 SXM
 _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
 
@@ -135,6 +140,10 @@ TIERS: tuple[tuple[int, W4A16Config], ...] = (
     # unpack and at most 0.52x / 0.64x for the 64-row tile and dequantize + cuBLAS)
     (128, W4A16Config(128, 128, 0, 8, 3, 128, scale_after=False, swap_ab=True, unpack="half")),
     (192, W4A16Config(64, 64, swap_ab=True)),  # 0.48x against dequantize's 0.45x at 192 rows (session W)
+    # rows 193-384, reached on words in MMA order only (MMA_DEQUANT_GEMM_MIN_M; session Y): 256 x 128
+    # swapped tiles to 256 rows (0.58x bf16, dequantize + cuBLAS 0.45x), 128 x 128 to 384 (0.51x, 0.50x)
+    (256, W4A16Config(256, 128, 0, 8, 3, 128, scale_after=False, swap_ab=True, unpack="half")),
+    (384, W4A16Config(128, 128, 0, 8, 3, 128, scale_after=False, swap_ab=True, unpack="half")),
     # the fused large tiles (LARGE_M_PATH "fused"), kept for the bench and for LARGE_M_PATH's other value
     (511, W4A16Config(64, 128, 1, 4, 4, 128, scale_after=False)),
     (1 << 62, W4A16Config(128, 128, 1, 8, 3, 64, scale_after=False)),
@@ -149,12 +158,14 @@ V1_TIERS: tuple[tuple[int, W4A16Config], ...] = (
 )
 
 
-def default_config(m: int) -> W4A16Config:
+def default_config(m: int, mma_order: bool = False) -> W4A16Config:
     """The variant for M rows: KERNEL's tiers; with LARGE_M_PATH "dequant", from DEQUANT_GEMM_MIN_M rows
-    on the whole weight is dequantized for cuBLAS instead."""
+    (MMA_DEQUANT_GEMM_MIN_M for words in MMA order) on the whole weight is dequantized for cuBLAS
+    instead."""
     tiers = V1_TIERS if KERNEL == "v1" else TIERS
     cfg = next(c for bound, c in tiers if m <= bound)
-    if KERNEL != "v1" and m >= DEQUANT_GEMM_MIN_M and LARGE_M_PATH == "dequant":
+    min_m = MMA_DEQUANT_GEMM_MIN_M if mma_order else DEQUANT_GEMM_MIN_M
+    if KERNEL != "v1" and m >= min_m and LARGE_M_PATH == "dequant":
         return replace(cfg, path="dequant")
     return cfg
 
@@ -405,7 +416,7 @@ def w4a16_gemm(
     _check(qw, scale, zero, bits, group, k, mma_order)
     if x.stride(1) != 1:
         x = x.contiguous()
-    cfg = config or default_config(m)
+    cfg = config or default_config(m, mma_order)
     if signed and (cfg.kernel != "v2" or zero is not None):
         raise ValueError("signed codes need the v2 kernel and no zero points")
     if mma_order and cfg.kernel != "v2":
@@ -514,7 +525,7 @@ def w4a16_linear(
 ) -> torch.Tensor:
     """The layer's GEMM: the variant default_config(M) names (or `config`): the fused kernel, or for
     path "dequant" the whole weight dequantized and a cuBLAS GEMM. mma_order: qw is in MMA order."""
-    cfg = config or default_config(x.shape[0])
+    cfg = config or default_config(x.shape[0], mma_order)
     if cfg.path == "dequant":
         kernel = "v1" if cfg.kernel == "v1" else None
         return x @ dequantize_int_weight(qw, scale, zero, bits, group, x.dtype, kernel, mma_order).t()
