@@ -14,14 +14,14 @@ register operand with no round trip through shared memory; what that is worth is
 2. Times at Qwen3-32B's shapes (bench/w4a16_variants_gpu.py's MID_SHAPES, int4 groups of 128 with zero
    points) and M in MS, timed as that bench does (CUDA graphs over weight copies that miss L2):
    bf16 F.linear; "current" (the module's tiers on column-order words: what runs without MMA order);
-   "default" (the same tiers and paths on MMA-ordered words: what MMA_ORDER alone changes); and
+   "default" (the module's choice on MMA-ordered words: its tiers to MMA_DEQUANT_GEMM_MIN_M); and
    TILES, fused swapped tiles on MMA-ordered words at every M (no dequantize + cuBLAS).
 3. The plan (plan()): MMA order when "default" is at least as fast as "current" (geometric mean of x
-   bf16 over the shapes) at every M below DEQUANT_GEMM_MIN_M, where both run fused tiers; then the
+   bf16 over the shapes) at every M below both thresholds, where both run fused tiers; then the
    tiers from the winners among "default" and TILES, as bench/w4a16_tiers_gpu.py plans them (fused up
-   to the last M where a tile wins, dequantize + cuBLAS after). Printed as [tiers,
-   DEQUANT_GEMM_MIN_M, MMA_ORDER], the spec bench/pairs_gpu.sh's OV_W4A16_TIERS takes (--save FILE).
-4. Unless --no-runs: ours on the model (seed-512-256, dummy weights, packed), the current settings,
+   to the last M where a tile or a fused default wins, dequantize + cuBLAS after). Printed as [tiers,
+   threshold, MMA_ORDER] (the threshold is MMA_DEQUANT_GEMM_MIN_M when MMA_ORDER), the spec bench/pairs_gpu.sh's OV_W4A16_TIERS takes (--save FILE).
+4. Unless --no-runs: ours on the model (seed-512-256, dummy weights, packed), the module's settings,
    then the plan's, each in its own process; the ratio of output tok/s.
 """
 
@@ -114,7 +114,10 @@ def plan(table: list[dict], shapes: int) -> list:
     """[tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M, MMA_ORDER] from the timing table."""
     means = {m: vb.geometric_means(table, m, ("current", *VARIANTS), shapes) for m in MS}
     fused_ms = [
-        m for m in MS if m < w4a16_gemm.DEQUANT_GEMM_MIN_M and {"current", "default"} <= set(means[m])
+        m
+        for m in MS
+        if m < min(w4a16_gemm.DEQUANT_GEMM_MIN_M, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M)
+        and {"current", "default"} <= set(means[m])
     ]
     mma = bool(fused_ms) and all(means[m]["default"] >= means[m]["current"] for m in fused_ms)
     current = [[b, asdict(c)] for b, c in w4a16_gemm.TIERS]
