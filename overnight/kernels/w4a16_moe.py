@@ -27,6 +27,11 @@ rows, so the tiers below grow it with the rows each expert gets (the first versi
 size), and GROUP_M row tiles of one expert sweep a column tile together (kernels/tile_order.py) so its
 words come from L2.
 
+MMA order (mma_order=True; kernels/w4a16_gemm.py's to_mma_order on each expert's rows, 4-bit codes in
+groups of a multiple of 128 columns): the same kernel with 128-deep K steps puts each thread's unpacked
+values in wgmma's register-operand layout, as the dense kernel does (where it measured 1.2-1.5x on
+every swapped tier); quant/int_moe.py's IntExperts converts after loading when MMA_ORDER is on.
+
 Which variant runs: default_config (TIERS; KERNEL "v1" for the first version), set from
 bench/w4a16_variants_gpu.py's MoE section.
 """
@@ -43,9 +48,14 @@ from overnight.kernels.int_unpack import _int_weight_step, check_unpack, fast_ha
 from overnight.kernels.moe_align import ExpertRuns, moe_align
 from overnight.kernels.moe_sum import moe_sum
 from overnight.kernels.tile_order import grouped_tile
+from overnight.kernels.w4a16_gemm import MMA_BLOCK, mma_order_fits, to_mma_order
 from overnight.kernels.w4a16_moe_baseline import _w4a16_moe_kernel_v1
 
 KERNEL = "v2"  # "v2", or "v1" (the first version, at its one tile)
+# The experts hold their 4-bit words in MMA order where they fit (module docstring). Off until
+# bench/w4a16_moe_mma_gpu.py has measured it: the 64-row tier's measured best K step is 64 deep, and
+# MMA order needs 128.
+MMA_ORDER = False
 
 
 @dataclass(frozen=True)
@@ -121,9 +131,12 @@ def default_config(num_tokens: int, top_k: int, num_experts: int) -> W4A16MoeCon
     return next(cfg for bound, cfg in TIERS if rows <= bound)
 
 
-def _fit_operand_size(tiles: IntMoeTiles, dtype: torch.dtype) -> IntMoeTiles:
+def _fit_operand_size(tiles: IntMoeTiles, dtype: torch.dtype, mma_order: bool) -> IntMoeTiles:
     """fp32 activations (exactness checks, never a fast path) take twice the shared memory of the
-    16-bit ones the tiles are sized for: 32-deep steps in two stages fit every tier."""
+    16-bit ones the tiles are sized for: 32-deep steps in two stages fit every tier; MMA order's
+    128-deep steps fit in one stage."""
+    if dtype == torch.float32 and mma_order:
+        return replace(tiles, num_stages=1)
     if dtype == torch.float32:
         return replace(tiles, block_k=min(tiles.block_k, 32), num_stages=min(tiles.num_stages, 2))
     return tiles
@@ -160,6 +173,7 @@ def _w4a16_moe_kernel(
     SWAP_AB: tl.constexpr,
     HALF: tl.constexpr,
     FAST: tl.constexpr,
+    MMA_ORDER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -208,7 +222,7 @@ def _w4a16_moe_kernel(
         zero = tl.load(z_rows + g) if HAS_ZERO else scale  # unread without HAS_ZERO
         acc = _int_weight_step(
             acc, a, words, scale, zero, BITS, False, HAS_ZERO, SCALE_AFTER, SWAP_AB, DOT_PRECISION,
-            HALF, FAST,
+            HALF, FAST, MMA_ORDER,
         )  # fmt: skip
         if GATED:
             up_words = tl.load(q_rows + up_q + kw[None, :])
@@ -220,7 +234,7 @@ def _w4a16_moe_kernel(
             up_zero = tl.load(z_rows + up_s + g) if HAS_ZERO else up_scale
             acc_up = _int_weight_step(
                 acc_up, a, up_words, up_scale, up_zero, BITS, False, HAS_ZERO, SCALE_AFTER, SWAP_AB,
-                DOT_PRECISION, HALF, FAST,
+                DOT_PRECISION, HALF, FAST, MMA_ORDER,
             )  # fmt: skip
     if GATED:
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
@@ -254,9 +268,11 @@ def w4a16_moe_gemm(
     block_n: int | None = None,
     tiles: IntMoeTiles | None = None,
     kernel: str = "v2",
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """Pair p's row: a[p // (P / A)] @ dequant(qw[expert of p])^T, gated or weighted (module docstring).
-    tiles: IntMoeTiles() when None (block_n, when given, overrides its block_n); kernel "v2" or "v1"."""
+    tiles: IntMoeTiles() when None (block_n, when given, overrides its block_n); kernel "v2" or "v1".
+    mma_order: qw's rows are in MMA order (experts_to_mma_order; the K step is then 128 columns)."""
     num_pairs = runs.num_pairs
     a_rows, k = a.shape
     e, rows, words = qw.shape
@@ -278,10 +294,14 @@ def w4a16_moe_gemm(
         raise ValueError(f"gated: qw must hold [gate | up] rows, got {rows}")
     if topk_weights is not None and topk_weights.numel() != num_pairs:
         raise ValueError(f"topk_weights must hold one weight per pair ({num_pairs})")
+    if mma_order and not mma_order_fits(bits, group, k):
+        raise ValueError(f"MMA order needs 4-bit codes in groups of a multiple of {MMA_BLOCK} columns")
+    if mma_order and kernel != "v2":
+        raise ValueError("words in MMA order need the v2 kernel")
     tiles = tiles or IntMoeTiles()
     if block_n is not None:
         tiles = replace(tiles, block_n=block_n)
-    tiles = _fit_operand_size(tiles, a.dtype)
+    tiles = _fit_operand_size(tiles, a.dtype, mma_order)
     if a.stride(1) != 1:
         a = a.contiguous()
     n = rows // 2 if gated else rows
@@ -295,7 +315,7 @@ def w4a16_moe_gemm(
     common = dict(
         A_DIV=num_pairs // a_rows, GATED=gated, MUL_WEIGHT=topk_weights is not None, BITS=bits,
         GROUP=group, HAS_ZERO=zero is not None, BLOCK_M=runs.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=_block_k(group, tiles.block_k),
+        BLOCK_K=MMA_BLOCK if mma_order else _block_k(group, tiles.block_k),
         # fp32 models get fp32 products (torch's default for fp32 matmuls), not TF32
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
@@ -308,7 +328,7 @@ def w4a16_moe_gemm(
         _w4a16_moe_kernel[grid](
             *args, SCALE_AFTER=tiles.scale_after, SWAP_AB=tiles.swap_ab, HALF=tiles.unpack == "half",
             FAST=fast_half(tiles.unpack, bits, False, a.dtype),  # MoE codes are never signed
-            GROUP_M=tiles.group_m, **common,
+            MMA_ORDER=mma_order, GROUP_M=tiles.group_m, **common,
         )  # fmt: skip
     return out
 
@@ -323,10 +343,12 @@ def w4a16_fused_experts(
     topk_ids: torch.Tensor,
     block_m: int | None = None,
     config: W4A16MoeConfig | None = None,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """x [T, H] -> [T, H]: fused_moe.py's pipeline (align, gated GEMM, weighted GEMM, sum over k) on
     (packed, scale, zero) expert weights: gate_up [E, 2I, H/P], down [E, H, I/P]. config:
-    default_config's when None; block_m, when given, overrides its alignment."""
+    default_config's when None; block_m, when given, overrides its alignment. mma_order: both
+    projections' words are in MMA order (experts_to_mma_order)."""
     num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
@@ -337,13 +359,21 @@ def w4a16_fused_experts(
         cfg = replace(cfg, block_m=block_m)
     runs = moe_align(topk_ids.int().contiguous(), num_experts, cfg.block_m)
     h = w4a16_moe_gemm(
-        x.contiguous(), *gate_up, bits, groups[0], runs, gated=True, tiles=cfg.gemm1, kernel=cfg.kernel
-    )
+        x.contiguous(), *gate_up, bits, groups[0], runs, gated=True, tiles=cfg.gemm1, kernel=cfg.kernel,
+        mma_order=mma_order,
+    )  # fmt: skip
     weights = topk_weights.float().contiguous()
     y = w4a16_moe_gemm(
-        h, *down, bits, groups[1], runs, topk_weights=weights, tiles=cfg.gemm2, kernel=cfg.kernel
-    )
+        h, *down, bits, groups[1], runs, topk_weights=weights, tiles=cfg.gemm2, kernel=cfg.kernel,
+        mma_order=mma_order,
+    )  # fmt: skip
     return moe_sum(y, top_k)
+
+
+def experts_to_mma_order(qw: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """int32 [E, N, K/8] words of every expert -> MMA order (inverse: back), row by row as
+    kernels/w4a16_gemm.py's to_mma_order."""
+    return to_mma_order(qw.reshape(-1, qw.shape[-1]), inverse).view(qw.shape)
 
 
 def dequantize_experts_ref(
@@ -353,8 +383,12 @@ def dequantize_experts_ref(
     bits: int,
     group: int,
     dtype: torch.dtype,
+    mma_order: bool = False,
 ) -> torch.Tensor:
-    """[E, N, K] in dtype: every expert's weight dequantized (the reference's first half)."""
+    """[E, N, K] in dtype: every expert's weight dequantized (the reference's first half); mma_order:
+    qw's rows are in MMA order, put back first."""
+    if mma_order:
+        qw = experts_to_mma_order(qw, inverse=True)
     shifts = torch.arange(0, 32, bits, device=qw.device, dtype=torch.int32)
     codes = ((qw.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).reshape(*qw.shape[:2], -1)
     z = zero if zero is not None else torch.full_like(scale, float(1 << (bits - 1)))
@@ -370,10 +404,11 @@ def w4a16_fused_experts_ref(
     groups: tuple[int, int],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    mma_order: bool = False,
 ) -> torch.Tensor:
     """The same in torch, fp32, one matmul per (token, expert) group of rows."""
-    w1 = dequantize_experts_ref(*gate_up, bits, groups[0], x.dtype).float()
-    w2 = dequantize_experts_ref(*down, bits, groups[1], x.dtype).float()
+    w1 = dequantize_experts_ref(*gate_up, bits, groups[0], x.dtype, mma_order).float()
+    w2 = dequantize_experts_ref(*down, bits, groups[1], x.dtype, mma_order).float()
     inter = w1.shape[1] // 2
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     xf = x.float()

@@ -14,6 +14,10 @@ packed codes as `experts.N.gate_proj.weight`); scales and zeros are buffers the 
 writes directly (cut to a tensor-parallel rank's share by expert_share), rows placed as the loader
 places the codes'. Act-order checkpoints are not packed here (each expert would need its own input
 permutation): their experts load dequantized.
+
+On the GPU, after loading, the words may be put in MMA order (after_load_; kernels/w4a16_moe.py's
+MMA_ORDER): both projections or neither, where the codes are 4-bit and every group a multiple of 128
+columns. The products and dequantized weights stay the same.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ class IntExperts(nn.Module):
         else:
             self.register_buffer("gate_up_zero", torch.empty(e, 2 * i, g1, **f32))  # type: ignore[arg-type]
             self.register_buffer("down_zero", torch.empty(e, h, g2, **f32))  # type: ignore[arg-type]
+        self.mma_order = False  # the packed words' order (use_mma_order_)
 
     @classmethod
     def replacing(cls, experts: nn.Module, bits: int, group_size: int | None, symmetric: bool) -> IntExperts:
@@ -82,6 +87,31 @@ class IntExperts(nn.Module):
         all of it here; a tensor-parallel stack (parallel/tp_int.py) keeps its rows or groups."""
         return t
 
+    def after_load_(self) -> None:
+        """On the GPU, the words in MMA order where they fit (kernels/w4a16_moe.py's MMA_ORDER)."""
+        if not self.gate_up_proj.is_cuda:
+            return
+        from overnight.kernels.w4a16_moe import MMA_ORDER  # triton loads on first use
+
+        if MMA_ORDER:
+            self.use_mma_order_()
+
+    def use_mma_order_(self) -> None:
+        """Both projections' words put in MMA order (kernels/w4a16_moe.py's experts_to_mma_order),
+        where both fit: 4-bit codes, groups a multiple of 128 columns (a tensor-parallel share of the
+        intermediate size may not)."""
+        from overnight.kernels.w4a16_gemm import mma_order_fits
+        from overnight.kernels.w4a16_moe import experts_to_mma_order
+
+        fits = mma_order_fits(self.bits, self.groups[0], self.hidden_size) and mma_order_fits(
+            self.bits, self.groups[1], self.intermediate_size
+        )
+        if self.mma_order or not fits:
+            return
+        for proj in (self.gate_up_proj, self.down_proj):
+            proj.copy_(experts_to_mma_order(proj))
+        self.mma_order = True
+
     def _weights(self) -> tuple[Packed, Packed]:
         gate_up = (self.gate_up_proj, self.gate_up_scale, self.gate_up_zero)
         down = (self.down_proj, self.down_scale, self.down_zero)
@@ -92,10 +122,14 @@ class IntExperts(nn.Module):
         if use_kernels(x) and all(g % 16 == 0 for g in self.groups):
             from overnight.kernels.w4a16_moe import w4a16_fused_experts  # triton loads on first use
 
-            return w4a16_fused_experts(x, gate_up, down, self.bits, self.groups, topk_weights, topk_ids)
+            return w4a16_fused_experts(
+                x, gate_up, down, self.bits, self.groups, topk_weights, topk_ids, mma_order=self.mma_order
+            )
         from overnight.kernels.w4a16_moe import w4a16_fused_experts_ref
 
-        return w4a16_fused_experts_ref(x, gate_up, down, self.bits, self.groups, topk_weights, topk_ids)
+        return w4a16_fused_experts_ref(
+            x, gate_up, down, self.bits, self.groups, topk_weights, topk_ids, self.mma_order
+        )
 
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [E, 2I, H], down [E, H, I]) in dtype."""
@@ -103,8 +137,8 @@ class IntExperts(nn.Module):
 
         gate_up, down = self._weights()
         return (
-            dequantize_experts_ref(*gate_up, self.bits, self.groups[0], dtype),
-            dequantize_experts_ref(*down, self.bits, self.groups[1], dtype),
+            dequantize_experts_ref(*gate_up, self.bits, self.groups[0], dtype, self.mma_order),
+            dequantize_experts_ref(*down, self.bits, self.groups[1], dtype, self.mma_order),
         )
 
     def extra_repr(self) -> str:
