@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -23,3 +24,18 @@ def load_bench_script(monkeypatch: pytest.MonkeyPatch, filename: str) -> ModuleT
     monkeypatch.setitem(sys.modules, name, module)
     spec.loader.exec_module(module)
     return module
+
+
+def fake_graph_time(period: int) -> Callable[..., float]:
+    """A stand-in for bench/gpu_timing.py's graph_time on the CPU: it runs each call once (so every
+    variant a bench times is exercised) and returns times that cycle with the count of timings, so the
+    bench's winners and ratios vary."""
+    timed: list[int] = []
+
+    def fake(calls, replays: int = 10) -> float:
+        for call in calls:
+            call()
+        timed.append(len(calls))
+        return 10.0 + len(timed) % period
+
+    return fake

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from overnight.kernels.moe_gemm import MXFP4_DECODES
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import fake_graph_time, load_bench_script
 
 
 def test_mxfp4_bench_runs_on_cpu(monkeypatch, capsys):
@@ -21,15 +21,7 @@ def test_mxfp4_bench_runs_on_cpu(monkeypatch, capsys):
     monkeypatch.setattr(bench, "TOKENS", (3, 16))
     monkeypatch.setattr(bench, "COPIES", 1)
     monkeypatch.setattr(bench, "CALLS", 1)
-    timed = []
-
-    def fake_time(calls, replays=10):
-        for call in calls:
-            call()
-        timed.append(len(calls))
-        return 10.0 + len(timed) % 3
-
-    monkeypatch.setattr(bench, "graph_time", fake_time)
+    monkeypatch.setattr(bench, "graph_time", fake_graph_time(3))
     bench.main()
     out = capsys.readouterr().out
     assert bench.RESULTS["correctness"] == "ok", out

@@ -9,7 +9,7 @@ import pytest
 
 from overnight.kernels import w4a16_gemm
 from overnight.kernels.w4a16_gemm import W4A16Config
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import fake_graph_time, load_bench_script
 
 
 @pytest.fixture()
@@ -122,15 +122,7 @@ def test_bench_runs_on_cpu(bench, monkeypatch, capsys):
     monkeypatch.setattr(bench, "MS", (3, 100))
     monkeypatch.setattr(bench, "CHECK_MS", (1, 100))
     monkeypatch.setattr(bench, "CHECK_DTYPES", (torch.float32, torch.float16))
-    timed = []
-
-    def fake_time(calls, replays=10):
-        for call in calls:
-            call()
-        timed.append(len(calls))
-        return 10.0 + len(timed) % 5
-
-    monkeypatch.setattr(bench, "graph_time", fake_time)
+    monkeypatch.setattr(bench, "graph_time", fake_graph_time(5))
     assert bench.correctness() == []
     table = bench.times()
     bench.summary(table)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import fake_graph_time, load_bench_script
 
 
 @pytest.fixture()
@@ -44,15 +44,7 @@ def test_verdict_turns_mma_order_on_only_where_it_never_loses(bench):
 
 @pytest.mark.slow  # ~20 s of the interpreter
 def test_bench_runs_on_cpu(bench, monkeypatch, capsys):
-    timed = []
-
-    def fake_time(calls, replays=10):
-        for call in calls:
-            call()
-        timed.append(len(calls))
-        return 10.0 + len(timed) % 3
-
-    monkeypatch.setattr(bench, "graph_time", fake_time)
+    monkeypatch.setattr(bench, "graph_time", fake_graph_time(3))
     assert bench.correctness() == []
     table = bench.times()
     names = {r["variant"] for r in table}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.bench_scripts import load_bench_script
+from tests.bench_scripts import fake_graph_time, load_bench_script
 
 
 @pytest.fixture()
@@ -19,15 +19,7 @@ def bench(monkeypatch):
     monkeypatch.setattr(module, "MS", (3, 70))
     monkeypatch.setattr(module, "SMALL_M", 16)
     monkeypatch.setattr(module, "ROTATE_BYTES", 1)
-    calls_seen = []
-
-    def fake_time(calls, replays=10):
-        for call in calls:
-            call()
-        calls_seen.append(len(calls))
-        return 10.0 + len(calls_seen) % 7
-
-    monkeypatch.setattr(module, "graph_time", fake_time)
+    monkeypatch.setattr(module, "graph_time", fake_graph_time(7))
     return module
 
 
