@@ -2,20 +2,21 @@
 
 Run on a GPU from the repository root:  PYTHONPATH=. python3 bench/w4a16_moe_mma_gpu.py
 
-kernels/w4a16_moe.py's MMA_ORDER (off until this has run) puts each expert's words in MMA order at
-load, as the dense W4A16 layers do (where it made every swapped tier 1.2-1.5x faster on an H100,
-docs/performance.md's session Y). Here, at Qwen3-30B-A3B's shapes (bench/w4a16_variants_gpu.py's
-MOE_SHAPE: 128 experts, top-8, hidden 2048, expert intermediate 768, int4 groups of 128):
+kernels/w4a16_moe.py's MMA_ORDER puts each expert's words in MMA order at load (with MMA_TIERS), as
+the dense W4A16 layers do. This bench decided it (an H100, 2026-12-07: docs/performance.md's session
+Z) and checks it again on a new card or after a change to the kernel, at Qwen3-30B-A3B's shapes
+(bench/w4a16_variants_gpu.py's MOE_SHAPE: 128 experts, top-8, hidden 2048, expert intermediate 768,
+int4 groups of 128):
 
-1. Correctness, bf16 and fp16: every variant below on MMA-ordered experts against
-   w4a16_fused_experts_ref on the same experts in column order (relative error < 1e-2 of the largest
-   output), at 1, 100 and 600 tokens.
+1. Correctness, bf16 and fp16: every variant below on its words against w4a16_fused_experts_ref on
+   the same experts in column order (relative error < 1e-2 of the largest output), at 1, 100 and 600
+   tokens.
 2. Times at MOE_TOKENS, as that bench's --moe section times them (the whole layer in a CUDA graph over
-   weight copies that miss L2, zero points and symmetric): the bf16 fused MoE; "current" (the tiers on
-   column-order words: what runs now); "mma" (the same tiers on MMA-ordered words: what MMA_ORDER alone
-   changes); and MMA_TILES, the 64-row tier swapped on MMA-ordered words (MMA order helps the swapped
-   tiles, whose weights are wgmma's register operand; the 64-row tier is the one unswapped).
-3. The verdict: MMA_ORDER on when "mma" is at least as fast as "current" (geometric mean of zero and
+   weight copies that miss L2, zero points and symmetric): the bf16 fused MoE; "column" (TIERS on
+   column-order words: what runs where MMA order does not fit); "mma" (MMA_TIERS on MMA-ordered words:
+   what runs with MMA_ORDER on); "mma-column-tiers" (TIERS on MMA-ordered words: what MMA_TIERS' own
+   tiers add); and MMA_TILES, other 64-row tiles on MMA-ordered words.
+3. The verdict: MMA_ORDER on when "mma" is at least as fast as "column" (geometric mean of zero and
    symmetric x bf16) at every token count, and the token counts where an MMA tile beats both.
 """
 
@@ -34,7 +35,8 @@ import bench.w4a16_variants_gpu as vb  # noqa: E402
 from bench.gpu_timing import graph_time  # noqa: E402
 from overnight.kernels.fused_moe import fused_experts  # noqa: E402
 from overnight.kernels.w4a16_moe import (  # noqa: E402
-    TIERS,
+    MMA_ORDER,
+    MMA_TIERS,
     W4A16MoeConfig,
     default_config,
     dequantize_experts_ref,
@@ -47,33 +49,27 @@ CHECK_TOKENS = (1, 100, 600)
 CHECK_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _tier64_swapped(tokens: int) -> W4A16MoeConfig | None:
-    """The 64-row tier with both GEMMs swapped (the weights wgmma's register operand)."""
-    cfg = next(c for _, c in TIERS if c.block_m == 64)
-    gemm1, gemm2 = (replace(t, swap_ab=True) for t in (cfg.gemm1, cfg.gemm2))
-    return replace(cfg, gemm1=gemm1, gemm2=gemm2) if 8 <= vb._rows(tokens) <= 64 else None
-
-
-def _tier64_swapped_half(tokens: int) -> W4A16MoeConfig | None:
-    cfg = _tier64_swapped(tokens)
-    if cfg is None:
-        return None
-    gemm1, gemm2 = (replace(t, unpack="half") for t in (cfg.gemm1, cfg.gemm2))
-    return replace(cfg, gemm1=gemm1, gemm2=gemm2)
-
-
-def _default(tokens: int) -> W4A16MoeConfig:
+def _column(tokens: int) -> W4A16MoeConfig:
     return default_config(tokens, vb.MOE_SHAPE[3], vb.MOE_SHAPE[0])
 
 
-MMA_TILES: dict[str, Callable[[int], W4A16MoeConfig | None]] = {
-    "mma-m64-swap": _tier64_swapped,
-    "mma-m64-swap-half": _tier64_swapped_half,
-}
+def _mma(tokens: int) -> W4A16MoeConfig:
+    return default_config(tokens, vb.MOE_SHAPE[3], vb.MOE_SHAPE[0], mma_order=True)
+
+
+def _tier64_swapped_half(tokens: int) -> W4A16MoeConfig | None:
+    """MMA_TIERS' 64-row tier (both GEMMs swapped) with the "half" unpack."""
+    cfg = next(c for _, c in MMA_TIERS if c.block_m == 64)
+    gemm1, gemm2 = (replace(t, unpack="half") for t in (cfg.gemm1, cfg.gemm2))
+    return replace(cfg, gemm1=gemm1, gemm2=gemm2) if 8 <= vb._rows(tokens) <= 64 else None
+
+
+MMA_TILES: dict[str, Callable[[int], W4A16MoeConfig | None]] = {"mma-m64-swap-half": _tier64_swapped_half}
 # name -> (config for a token count or None, words in MMA order)
 VARIANTS: dict[str, tuple[Callable[[int], W4A16MoeConfig | None], bool]] = {
-    "current": (_default, False),
-    "mma": (_default, True),
+    "column": (_column, False),
+    "mma": (_mma, True),
+    "mma-column-tiers": (_column, True),
     **{name: (make, True) for name, make in MMA_TILES.items()},
 }
 
@@ -158,14 +154,14 @@ def means(table: list[dict], tokens: int) -> dict[str, float]:
 
 
 def verdict(table: list[dict]) -> tuple[bool, dict[int, str]]:
-    """(MMA_ORDER, {tokens: an MMA tile that beats both "current" and "mma" there})."""
+    """(MMA_ORDER, {tokens: an MMA tile that beats both "column" and "mma" there})."""
     by_tokens = {t: means(table, t) for t in vb.MOE_TOKENS}
-    timed = [t for t, m in by_tokens.items() if {"current", "mma"} <= set(m)]
-    mma = bool(timed) and all(by_tokens[t]["mma"] >= by_tokens[t]["current"] for t in timed)
+    timed = [t for t, m in by_tokens.items() if {"column", "mma"} <= set(m)]
+    mma = bool(timed) and all(by_tokens[t]["mma"] >= by_tokens[t]["column"] for t in timed)
     tiles = {}
     for t, m in by_tokens.items():
         best = max((n for n in MMA_TILES if n in m), key=lambda n: m[n], default=None)
-        if best is not None and m[best] > max(m.get("current", 0.0), m.get("mma", 0.0)):
+        if best is not None and m[best] > max(m.get("column", 0.0), m.get("mma", 0.0)):
             tiles[t] = best
     return mma, tiles
 
@@ -181,7 +177,9 @@ def main() -> None:
         m = means(table, t)
         print(f"{t:6d} " + "".join(f"{m[n]:20.2f}" if n in m else f"{'-':>20s}" for n in VARIANTS))
     mma, tiles = verdict(table)
-    print(f"\nMMA_ORDER (kernels/w4a16_moe.py): {mma}; MMA tiles that win: {tiles or 'none'}")
+    print(
+        f"\nMMA_ORDER (kernels/w4a16_moe.py, now {MMA_ORDER}): {mma}; MMA tiles that win: {tiles or 'none'}"
+    )
 
 
 if __name__ == "__main__":

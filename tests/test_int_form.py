@@ -157,7 +157,7 @@ def test_option_round_trips_through_the_command_line(capsys):
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """(quantized folder, dequantized twin) by name: Qwen3 in AWQ, act-order GPTQ and W8A8; Qwen3-MoE
-    in AWQ."""
+    in AWQ and in symmetric GPTQ (as Qwen/Qwen3-30B-A3B-GPTQ-Int4)."""
     root = tmp_path_factory.mktemp("int-form")
     dense_src = make_tiny_checkpoint(root / "src", "qwen3")
     moe_src = make_tiny_checkpoint(root / "src-moe", "qwen3_moe")
@@ -166,7 +166,11 @@ def checkpoints(tmp_path_factory):
         for name in ("awq-g32", "gptq-w4-g16-asym-descact", "ct-w8a8")
     }
     out["moe-awq-g32"] = make_int_checkpoint(moe_src, root / "moe-awq-g32", "awq-g32")
+    out["moe-gptq-w4-g32-sym"] = make_int_checkpoint(moe_src, root / "moe-gptq", "gptq-w4-g32-sym")
     return out
+
+
+PACKED = ["awq-g32", "gptq-w4-g16-asym-descact", "moe-awq-g32", "moe-gptq-w4-g32-sym"]  # packed on a GPU
 
 
 def _kinds(model: nn.Module) -> dict[type, int]:
@@ -176,7 +180,7 @@ def _kinds(model: nn.Module) -> dict[type, int]:
     return counts
 
 
-@pytest.mark.parametrize("name", ["awq-g32", "gptq-w4-g16-asym-descact", "moe-awq-g32"])
+@pytest.mark.parametrize("name", PACKED)
 def test_module_selection_for_a_gpu(checkpoints, name):
     """Built shapeless to run on CUDA (the seam the loader and tensor parallelism use): the packed
     scheme's integer layers, and none with the dense one; the bytes the memory checks count for each
@@ -232,7 +236,7 @@ def _same_weights(model: nn.Module, twin: Path) -> None:
         assert torch.equal(ours[name], tensor), name
 
 
-@pytest.mark.parametrize("name", ["awq-g32", "gptq-w4-g16-asym-descact", "moe-awq-g32"])
+@pytest.mark.parametrize("name", PACKED)
 def test_dense_load_is_the_twin(checkpoints, name, monkeypatch):
     """Where the GPU's packed layout is kept (PACKED_INT_ON_CPU), the dense scheme still loads plain
     layers holding the dequantized twin's weights bit for bit (act-order columns in the input's order),
@@ -255,7 +259,7 @@ def test_dense_load_is_the_twin(checkpoints, name, monkeypatch):
     assert greedy_tokens(model, PROMPTS[:4], 4) == greedy_tokens(ref, PROMPTS[:4], 4)
 
 
-@pytest.mark.parametrize("name", ["gptq-w4-g16-asym-descact", "moe-awq-g32"])
+@pytest.mark.parametrize("name", ["gptq-w4-g16-asym-descact", "moe-awq-g32", "moe-gptq-w4-g32-sym"])
 def test_dense_shards_are_the_float_shards(checkpoints, name, monkeypatch):
     """Tensor parallelism of the dense form (act-order included, which the packed form refuses): each
     rank, streamed in, holds plain layers with exactly the dequantized twin's float shares."""
@@ -302,7 +306,7 @@ def _engine_tokens(folder: Path, prompts: list[list[int]], **kwargs) -> list[lis
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-@pytest.mark.parametrize("name", ["awq-g32", "gptq-w4-g16-asym-descact", "moe-awq-g32"])
+@pytest.mark.parametrize("name", PACKED)
 def test_engine_dense_greedy_equals_transformers(checkpoints, name, monkeypatch):
     """The engine with --int-weights dense where packed layers would otherwise be built (resolve_model
     decides, the runner loads): fp32 greedy tokens equal transformers' on the dequantized twin."""

@@ -12,6 +12,7 @@ from overnight.kernels import dispatch
 from overnight.kernels.moe_align import moe_align
 from overnight.kernels.w4a16_gemm import to_mma_order
 from overnight.kernels.w4a16_moe import (
+    MMA_TIERS,
     TIERS,
     V1_CONFIG,
     IntMoeTiles,
@@ -56,10 +57,12 @@ def test_experts_to_mma_order_is_each_experts_rows():
 
 
 def _variants() -> dict[str, W4A16MoeConfig]:
-    """Every tier (their K steps become 128 deep) and the options the tiers leave out."""
+    """Every tier of MMA_TIERS and TIERS (their K steps become 128 deep) and the options the tiers
+    leave out."""
     half_swap = IntMoeTiles(64, 32, 2, 4, 2, False, True, unpack="half")
     return {
         **{f"tier-m{cfg.block_m}": cfg for _, cfg in TIERS},
+        **{f"mma-tier-m{cfg.block_m}": cfg for _, cfg in MMA_TIERS if cfg not in [c for _, c in TIERS]},
         "half-m64": W4A16MoeConfig(64, IntMoeTiles(32, 32, 2, 4, 2, False, unpack="half"), half_swap),
         "swap-before-m16": W4A16MoeConfig(16, IntMoeTiles(32, 32, 1, 4, 2, False, True), half_swap),
     }
@@ -172,3 +175,40 @@ def test_dequantize_reads_mma_order_back():
     mma = experts_to_mma_order(qw)
     want = dequantize_experts_ref(qw, scale, zero, 4, 128, torch.float32)
     assert torch.equal(dequantize_experts_ref(mma, scale, zero, 4, 128, torch.float32, True), want)
+
+
+def test_default_config_takes_mma_tiers_on_mma_words():
+    """At Qwen3-30B-A3B's routing (top-8 of 128) MMA_TIERS keeps TIERS' alignments; its 64-row tier is
+    swapped (the words wgmma's register operand) where column order keeps the unswapped tier."""
+    from overnight.kernels.w4a16_moe import default_config
+
+    for tokens in (1, 100, 512, 1024, 4096):
+        column, mma = default_config(tokens, 8, 128), default_config(tokens, 8, 128, mma_order=True)
+        assert mma.block_m == column.block_m
+        assert mma.gemm1.swap_ab and mma.gemm2.swap_ab, tokens
+    assert default_config(1024, 8, 128, mma_order=True).block_m == 64
+    assert not default_config(1024, 8, 128).gemm1.swap_ab
+
+
+@pytest.mark.parametrize("mma_order", [False, True])
+def test_fused_experts_default_follows_the_word_order(mma_order, monkeypatch):
+    """With no config, w4a16_fused_experts takes the tier for its words' order: 100 tokens x top-2 over
+    4 experts is 50 rows an expert, the 64-row tier."""
+    from overnight.kernels import w4a16_moe
+
+    seen = []
+
+    def spy(*args, tiles, mma_order, **kwargs):
+        seen.append((tiles, mma_order))
+        raise StopIteration
+
+    monkeypatch.setattr(w4a16_moe, "w4a16_moe_gemm", spy)
+    qw, scale, zero = _stack(2 * INTER, HIDDEN, 128, True, 0)
+    ids = torch.arange(200, device=DEVICE).remainder(EXPERTS).int().view(100, 2)
+    with pytest.raises(StopIteration):
+        w4a16_fused_experts(
+            torch.randn(100, HIDDEN, device=DEVICE), (qw, scale, zero), (qw, scale, zero), 4, (128, 128),
+            torch.ones(100, 2, device=DEVICE), ids, mma_order=mma_order,
+        )  # fmt: skip
+    tiers = MMA_TIERS if mma_order else TIERS
+    assert seen == [(dict(tiers)[64].gemm1, mma_order)]

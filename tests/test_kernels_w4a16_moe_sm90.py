@@ -4,8 +4,8 @@ compiler builds each cubin on the CPU (tests/sm90.py). Besides shared memory and
 made the first version slow (kernels/w4a16_moe_baseline.py's docstring): the packed words and a's rows
 must come by 16-byte copies, no code may be converted by cvt (the exponent trick instead), no
 dequantized tile stored to shared memory as scalars, and the tiles of 64 rows and more must use wgmma.
-On words in MMA order (every tier, 128-deep K steps) the swapped tiles must also feed wgmma from
-registers as unpacked: no ldmatrix.
+On words in MMA order (MMA_TIERS, 128-deep K steps) the swapped tiles, the 64-row tier's included,
+must also feed wgmma from registers as unpacked: no ldmatrix.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def moe_case(
 def tier_cases() -> dict:
     from dataclasses import replace
 
-    from overnight.kernels.w4a16_moe import TIERS, V1_CONFIG
+    from overnight.kernels.w4a16_moe import MMA_TIERS, TIERS, V1_CONFIG
 
     cases = {}
     for _, cfg in TIERS:
@@ -61,7 +61,7 @@ def tier_cases() -> dict:
     for gemm, tiles, gated in (("gate_up", big.gemm1, True), ("down", big.gemm2, False)):
         half = replace(tiles, scale_after=False, unpack="half")
         cases[f"half-m{big.block_m}-{gemm}"] = (big.block_m, half, gated, "v2", True)
-    for _, cfg in TIERS:  # MMA order (zero points: the larger kernel)
+    for _, cfg in MMA_TIERS:  # MMA order (zero points: the larger kernel)
         for gemm, tiles, gated in (("gate_up", cfg.gemm1, True), ("down", cfg.gemm2, False)):
             cases[f"mma-m{cfg.block_m}-{gemm}"] = (cfg.block_m, tiles, gated, "v2", True, 128, True)
     return cases

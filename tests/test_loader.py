@@ -218,11 +218,13 @@ def test_dummy_presets_have_published_shapes(name):
 
 
 # The published quantized checkpoints' configs (Qwen/Qwen3-8B-AWQ, Qwen/Qwen3-32B-AWQ,
-# RedHatAI/Qwen3-8B-quantized.w8a8): the float preset's shapes with its quantization_config.
+# RedHatAI/Qwen3-8B-quantized.w8a8, Qwen/Qwen3-30B-A3B-GPTQ-Int4): the float preset's shapes with its
+# quantization_config.
 QUANTIZED_PRESETS = {
     "qwen3-8b-awq": ("qwen3-8b", "awq", 4, 128, False, False),
     "qwen3-32b-awq": ("qwen3-32b", "awq", 4, 128, False, False),
     "qwen3-8b-w8a8": ("qwen3-8b", "compressed-tensors", 8, None, True, True),
+    "qwen3-30b-a3b-gptq-int4": ("qwen3-30b-a3b", "gptq", 4, 128, True, False),
 }
 
 

@@ -30,10 +30,11 @@ words come from L2.
 MMA order (mma_order=True; kernels/w4a16_gemm.py's to_mma_order on each expert's rows, 4-bit codes in
 groups of a multiple of 128 columns): the same kernel with 128-deep K steps puts each thread's unpacked
 values in wgmma's register-operand layout, as the dense kernel does (where it measured 1.2-1.5x on
-every swapped tier); quant/int_moe.py's IntExperts converts after loading when MMA_ORDER is on.
+every swapped tier); quant/int_moe.py's IntExperts converts after loading when MMA_ORDER is on, and default_config
+then takes MMA_TIERS.
 
-Which variant runs: default_config (TIERS; KERNEL "v1" for the first version), set from
-bench/w4a16_variants_gpu.py's MoE section.
+Which variant runs: default_config (TIERS, or MMA_TIERS on words in MMA order; KERNEL "v1" for the
+first version), set from bench/w4a16_variants_gpu.py's MoE section and bench/w4a16_moe_mma_gpu.py.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ from overnight.kernels.w4a16_gemm import MMA_BLOCK, mma_order_fits, to_mma_order
 from overnight.kernels.w4a16_moe_baseline import _w4a16_moe_kernel_v1
 
 KERNEL = "v2"  # "v2", or "v1" (the first version, at its one tile)
-# The experts hold their 4-bit words in MMA order where they fit (module docstring). Off until
-# bench/w4a16_moe_mma_gpu.py has measured it: the 64-row tier's measured best K step is 64 deep, and
-# MMA order needs 128.
-MMA_ORDER = False
+# The experts hold their 4-bit words in MMA order where they fit (module docstring), with MMA_TIERS.
+# bench/w4a16_moe_mma_gpu.py on an H100 (2026-12-07, docs/performance.md's session Z): faster at every
+# token count than column order with TIERS, 1.20 -> 1.50x bf16 at 1 token, 1.79 -> 2.32x at 128,
+# 1.43 -> 1.57x at 512, 0.71 -> 0.85x at 4,096.
+MMA_ORDER = True
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,32 @@ TIERS: tuple[tuple[float, W4A16MoeConfig], ...] = (
 )
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> W4A16MoeConfig:
-    """The variant for a batch: KERNEL "v1" -> V1_CONFIG, else the tier of its rows per expert."""
+# On words in MMA order the 64-row tier is swapped too (its weights wgmma's register operand, where
+# MMA order puts them with no shuffle). Measured on an H100 (2026-12-07, the same shapes and means as
+# above): 1.57x at 512 tokens and 1.16x at 1,024, where TIERS' unswapped 64-row tier gives 1.33x and
+# 0.99x on MMA-ordered words (its 64-deep K step, its best, is not open to them) and 1.43x and 1.11x on
+# column-order words. The other tiers are TIERS' own: MMA order made each faster (1.50x at 1 token,
+# 2.23x at 16, 2.32x at 128, 0.85x at 4,096).
+MMA_TIERS: tuple[tuple[float, W4A16MoeConfig], ...] = (
+    TIERS[0],
+    TIERS[1],
+    (
+        64,
+        W4A16MoeConfig(
+            64, IntMoeTiles(64, 64, 8, 4, 4, False, True), IntMoeTiles(128, 64, 8, 4, 4, False, True)
+        ),
+    ),
+    TIERS[3],
+)
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int, mma_order: bool = False) -> W4A16MoeConfig:
+    """The variant for a batch: KERNEL "v1" -> V1_CONFIG, else the tier of its rows per expert, from
+    MMA_TIERS where the words are in MMA order."""
     if KERNEL == "v1":
         return V1_CONFIG
     rows = num_tokens * top_k / num_experts
-    return next(cfg for bound, cfg in TIERS if rows <= bound)
+    return next(cfg for bound, cfg in (MMA_TIERS if mma_order else TIERS) if rows <= bound)
 
 
 def _fit_operand_size(tiles: IntMoeTiles, dtype: torch.dtype, mma_order: bool) -> IntMoeTiles:
@@ -354,7 +376,7 @@ def w4a16_fused_experts(
         return torch.zeros_like(x)
     num_experts = gate_up[0].shape[0]
     top_k = topk_ids.shape[1]
-    cfg = config or default_config(num_tokens, top_k, num_experts)
+    cfg = config or default_config(num_tokens, top_k, num_experts, mma_order)
     if block_m is not None:
         cfg = replace(cfg, block_m=block_m)
     runs = moe_align(topk_ids.int().contiguous(), num_experts, cfg.block_m)

@@ -91,9 +91,9 @@ class IntExperts(nn.Module):
         """On the GPU, the words in MMA order where they fit (kernels/w4a16_moe.py's MMA_ORDER)."""
         if not self.gate_up_proj.is_cuda:
             return
-        from overnight.kernels.w4a16_moe import MMA_ORDER  # triton loads on first use
+        from overnight.kernels.w4a16_moe import KERNEL, MMA_ORDER  # triton loads on first use
 
-        if MMA_ORDER:
+        if MMA_ORDER and KERNEL == "v2":  # the first version ("v1") reads column order only
             self.use_mma_order_()
 
     def use_mma_order_(self) -> None:
