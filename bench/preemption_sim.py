@@ -28,7 +28,7 @@ import json
 import random
 from typing import Any
 
-from overnight.config import DENSE_TAIL_SHARE, SchedulerConfig
+from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler
@@ -53,6 +53,7 @@ def simulate(
     windowed_groups: int = 0,
     window: int = 1024,
     tail_share: float = DENSE_TAIL_SHARE,
+    step_tokens: float = DENSE_STEP_TOKENS,
     step_times: tuple[float, float, float] = (A, B, C),
 ) -> dict[str, Any]:
     """pool_tokens is per sequence-equivalent: with windowed_groups, the pool holds one full-attention
@@ -69,6 +70,7 @@ def simulate(
         True,
         "planned" if planned else "greedy",
         tail_share,
+        step_tokens,
     )
     windows = (None,) + (window,) * windowed_groups
     num_blocks = pool_tokens // block_size * len(windows)
@@ -135,6 +137,9 @@ def main() -> None:
     p.add_argument(
         "--tail-share", type=float, default=DENSE_TAIL_SHARE, help="engine/admission.py tail_share"
     )
+    p.add_argument(
+        "--step-tokens", type=float, default=DENSE_STEP_TOKENS, help="engine/admission.py step_tokens"
+    )
     p.add_argument("--step-ms", type=float, default=A * 1e3, help="A: a step's floor (weights read)")
     p.add_argument("--token-us", type=float, default=B * 1e6, help="B: a token computed")
     p.add_argument("--context-ns", type=float, default=C * 1e9, help="C: a context token attended")
@@ -151,6 +156,7 @@ def main() -> None:
         planned=not a.greedy,
         windowed_groups=a.windowed_groups,
         tail_share=a.tail_share,
+        step_tokens=a.step_tokens,
         step_times=(a.step_ms * 1e-3, a.token_us * 1e-6, a.context_ns * 1e-9),
     )
     print(json.dumps(r))

@@ -34,7 +34,7 @@ from overnight.config import (
     SchedulerConfig,
     ssm_state_dtype,
 )
-from overnight.engine.admission import tail_share
+from overnight.engine.admission import step_tokens, tail_share
 from overnight.engine.engine import Engine
 from overnight.engine.interfaces import EngineClient
 from overnight.errors import ConfigError, ModelLoadError
@@ -282,6 +282,7 @@ def build_config(
             enable_chunked_prefill=opts.enable_chunked_prefill,
             admission=opts.admission,
             admission_tail_share=tail_share(source.arch),
+            admission_step_tokens=step_tokens(source.arch),
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         runner=RunnerConfig(

@@ -946,6 +946,9 @@ class CacheConfig:
 
 
 DENSE_TAIL_SHARE = 1 / 16  # a dense model's admission tail share (engine/admission.py)
+# Tokens computed that cost what one step's weight reads cost, for a dense model (engine/admission.py
+# step_tokens): Qwen3-8B on an H200, 3.8 ms a step over 25 us a token.
+DENSE_STEP_TOKENS = 150.0
 
 
 @dataclass(frozen=True)
@@ -959,6 +962,9 @@ class SchedulerConfig:
     # Planned admission's tail share (engine/admission.py tail_share, from the model): where a pool
     # larger by this share holds the job in one wave fewer, the plan may overcommit the real one.
     admission_tail_share: float = DENSE_TAIL_SHARE
+    # And the tokens computed a step's weight reads are worth (engine/admission.py step_tokens): the
+    # overcommit is taken only where the steps it saves outweigh what it recomputes.
+    admission_step_tokens: float = DENSE_STEP_TOKENS
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 
-from overnight.config import DENSE_TAIL_SHARE, SchedulerConfig
+from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE, SchedulerConfig
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request
 from overnight.engine.scheduler import Scheduler
@@ -21,6 +21,7 @@ from tests.engine_helpers import EOS, VOCAB, make_engine, run_all
 from tests.fake_runner import reference_output
 
 BLOCK = 16
+SPARSE_STEP_TOKENS = 1643.0  # engine/admission.py step_tokens for Qwen3-30B-A3B
 
 
 def drive(
@@ -36,11 +37,14 @@ def drive(
     windows: tuple[int | None, ...] = (None,),
     scales: tuple[int, ...] | None = None,
     tail_share: float = DENSE_TAIL_SHARE,
+    step_tokens: float = DENSE_STEP_TOKENS,
 ) -> dict[str, float | list[int]]:
     """Run the workload on a Scheduler with a stand-in for the runner (a constant token; with
     answer_mean, EOS after uniform(1, 2 * answer_mean) tokens and ignore_eos off)."""
     rng = random.Random(0)
-    config = SchedulerConfig(max_num_seqs, budget, prompt_len + max_tokens, True, admission, tail_share)
+    config = SchedulerConfig(
+        max_num_seqs, budget, prompt_len + max_tokens, True, admission, tail_share, step_tokens
+    )
     num_blocks = pool_tokens // BLOCK * len(windows)  # pool_tokens: per sequence-equivalent
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching=True, windows=windows, scales=scales)
     sched = Scheduler(config, kv)
@@ -104,13 +108,40 @@ def test_a_sparse_models_larger_tail_share_saves_a_wave():
     runs two waves, for at most the 10 requests past the pool recomputed."""
     kw = dict(num_requests=64, prompt_len=256, max_tokens=256, pool_tokens=27 * 512 + 200, max_num_seqs=64)
     dense = drive("planned", **kw)
-    sparse = drive("planned", tail_share=0.5, **kw)
+    sparse = drive("planned", tail_share=0.5, step_tokens=SPARSE_STEP_TOKENS, **kw)
     assert dense["preemptions"] == 0 and len(dense["per_step"]) > 3 * 256
     assert sparse["preemptions"] <= 10 and sparse["tokens"] <= dense["tokens"] + 10 * 512
     # 531 steps against 769; 658 where the plan filled only the smallest pool that saves a wave (the
     # requests it preempted then ran as a short wave of their own)
     steps = len(sparse["per_step"]), len(dense["per_step"])
     assert steps[0] < 0.75 * steps[1], steps
+
+
+def test_a_sparse_model_does_not_overcommit_where_the_pool_fills_early():
+    """Qwen3-30B-A3B in int4 on an H100, seed-512-256 at full size (the recompute grows with the
+    requests, the steps saved do not): the job is 1.31 pools, so the tail share's larger pool would run
+    it in one wave; but that pool fills after ~74 of the 256 output tokens, and a quarter of the
+    requests would be recomputed for ~47 steps saved (on the GPU: 238 preemptions, docs/performance.md's
+    session Z). The cost check keeps the plan: two waves, nothing recomputed; without it (a step worth
+    any recompute) the same plan preempts as the GPU did."""
+    kw = dict(num_requests=1024, pool_tokens=599_648, max_num_seqs=1024, budget=16384)
+    full = 1024 * (512 + 256 - 1)
+    costed = drive("planned", tail_share=0.5, step_tokens=SPARSE_STEP_TOKENS, **kw)
+    assert costed["preemptions"] == 0 and costed["tokens"] == full
+    blind = drive("planned", tail_share=0.5, step_tokens=1e12, **kw)
+    assert 200 < blind["preemptions"] < 280 and blind["tokens"] > full + 200 * 512
+
+
+def test_the_step_is_worth_more_tokens_the_more_weights_it_reads_per_weight_a_token_uses():
+    from overnight.engine.admission import step_tokens
+    from overnight.loader.resolve import resolve_source
+
+    assert step_tokens(resolve_source("qwen3-8b", "dummy").arch) == DENSE_STEP_TOKENS
+    assert (
+        10 * DENSE_STEP_TOKENS
+        < step_tokens(resolve_source("qwen3-30b-a3b", "dummy").arch)
+        < 12 * DENSE_STEP_TOKENS
+    )
 
 
 def test_the_tail_share_grows_with_the_weights_a_step_reads_per_weight_a_token_uses():

@@ -59,11 +59,26 @@ preemptions and 12% more tokens computed: 63.0 s (taking whatever fits: 2,071 st
 whatever fits). On the same long shape a dense model's 1/16 changes nothing: there the recompute would
 cost more than the steps it saves (with Qwen3-8B's step times on an H200, 3.8 ms + 25 us + 33 ns, taking
 whatever fits runs 60.5 s against the plan's 54.9).
+
+Cost. A larger pool saves steps only if the requests it preempts were far along: on an H100 the int4
+Qwen3-30B-A3B's pool (599,648 tokens) holds seed-512-256 (1,024 x 768 tokens) in 1.31 pools, so the
+share's pool would run it in one wave; but that pool fills after ~74 of the 256 output tokens, and
+the GPU run preempted 238 requests (the sim: 237, 937,549 tokens computed for 785,408) to save 47
+steps. So the overcommit is taken only where it pays (_overcommit_pays): with n requests like the one
+at hand running at once in the larger pool, each has made m = g * (pool / n - c) / (final - c) of its
+g tokens when the real pool fills; the steps that saves, about m, each worth step_tokens tokens
+computed (a step's weight reads against a token's multiplies: ~150 for a dense model, Qwen3-8B on an
+H200 at 3.8 ms a step and 25 us a token; times the total-to-active weight ratio for a mixture of
+experts), must outweigh the recompute of the n - pool / final requests past the pool, c + m tokens
+each. The recompute grows with the requests, the steps saved do not. bench/preemption_sim.py over
+pools of 300k-1M tokens, both workloads, with the FP8 MoE's step times above and with a 9 ms step
+floor: the check keeps every win of the share (long-1024-1024 1.01-1.19x) and takes back its losses
+(seed-512-256 at 300k and 600k: 4-10%); dense models schedule exactly as before at every pool.
 """
 
 from __future__ import annotations
 
-from overnight.config import DENSE_TAIL_SHARE, ModelArch
+from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE, ModelArch
 from overnight.engine.kv_cache_manager import KVCacheManager, cdiv
 from overnight.engine.kv_groups import local_blocks
 from overnight.engine.request import Request
@@ -83,12 +98,23 @@ def tail_share(arch: ModelArch) -> float:
     return min(MAX_TAIL_SHARE, DENSE_TAIL_SHARE * total / active)
 
 
+def step_tokens(arch: ModelArch) -> float:
+    """DENSE_STEP_TOKENS scaled by how many more weights a step reads than a token is multiplied by:
+    ~150 tokens for a dense model, ~1,700 for Qwen3-30B-A3B."""
+    total = arch.num_linear_parameters()
+    active = arch.num_linear_parameters(active_only=True)
+    return DENSE_STEP_TOKENS * max(1.0, total / active) if active > 0 else DENSE_STEP_TOKENS
+
+
 class Admission:
     """Per step: begin(running), then admits(req) for each candidate in order, then end_step()."""
 
-    def __init__(self, kv: KVCacheManager, tail: float = DENSE_TAIL_SHARE) -> None:
+    def __init__(
+        self, kv: KVCacheManager, tail: float = DENSE_TAIL_SHARE, step_tokens: float = DENSE_STEP_TOKENS
+    ) -> None:
         self.kv = kv
         self.tail = tail  # tail_share(): how much larger than the pool a plan may be, to save a wave
+        self.step_tokens = step_tokens  # step_tokens(): a step's weight reads in tokens computed
         sizes = kv.group_block_sizes
         # Full-attention groups by block size: (bs, how many groups of it).
         full: dict[int, int] = {}
@@ -139,7 +165,9 @@ class Admission:
         waves = cdiv(job, num_blocks)
         largest = int(num_blocks * (1 + self.tail))
         if waves > 1 and cdiv(job, waves - 1) <= largest:
-            num_blocks = (cdiv(job, waves - 1) + largest) // 2
+            grown = (cdiv(job, waves - 1) + largest) // 2
+            if self._overcommit_pays(min(grown, job), g, c, final):
+                num_blocks = grown
         # Alone it always starts: one whose end is larger than the pool would otherwise wait forever
         # (it may still preempt itself, as before this check).
         if not self._plan or self._total + final <= num_blocks:
@@ -166,6 +194,18 @@ class Admission:
                 return False
         self._admit(g, c, final)
         return True
+
+    def _overcommit_pays(self, grown: int, g: int, c: int, final: int) -> bool:
+        """Whether filling `grown` blocks with requests like this one (c tokens held, g to come,
+        `final` blocks at the end) saves more than it recomputes (module docstring, "Cost"): the pool
+        fills when each has made `made` of its g tokens; each step those saved is worth step_tokens
+        tokens computed; each request past the pool recomputes c + made."""
+        pool = self.kv.num_blocks
+        at_once = grown / final
+        held = self._blocks(c)
+        made = g * max(0.0, pool / at_once - held) / max(1, final - held)
+        preempted = at_once - pool / final
+        return made * self.step_tokens >= preempted * (c + made)
 
     def _admit(self, g: int, c: int, final: int) -> None:
         self._plan.append((g, c))

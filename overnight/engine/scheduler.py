@@ -57,7 +57,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         # Planned admission: start only what the pool can grow to its end (None: whatever fits now).
         planned = config.admission == "planned"
-        self.admission = Admission(kv, config.admission_tail_share) if planned else None
+        self.admission = (
+            Admission(kv, config.admission_tail_share, config.admission_step_tokens) if planned else None
+        )
 
     # -- queue management -------------------------------------------------------------------------
 
