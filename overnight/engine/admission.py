@@ -201,10 +201,10 @@ class Admission:
         fills when each has made `made` of its g tokens; each step those saved is worth step_tokens
         tokens computed; each request past the pool recomputes c + made."""
         pool = self.kv.num_blocks
-        at_once = grown / final
+        at_once = grown / max(final, 1)  # final 0: a request with nothing to hold (its prompt cached)
         held = self._blocks(c)
         made = g * max(0.0, pool / at_once - held) / max(1, final - held)
-        preempted = at_once - pool / final
+        preempted = at_once - pool / max(final, 1)
         return made * self.step_tokens >= preempted * (c + made)
 
     def _admit(self, g: int, c: int, final: int) -> None:
