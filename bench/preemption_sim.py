@@ -12,9 +12,10 @@ A = 10 ms (48 GB of weights read at ~4.8 TB/s: the decode floor), B = 80 us/toke
     python bench/preemption_sim.py --pool-tokens 508000 --eos-at 0.3    # outputs end early
     python bench/preemption_sim.py --pool-tokens 132800 --windowed-groups 6  # gemma-3-27b on an H200
     # Qwen3-30B-A3B, FP8, long-1024-1024 on an H100's pool; its step times (16 ms a step with the host's
-    # share, 11 us a token computed, 29 ns a token attended); its tail share (engine/admission.py)
+    # share, 11 us a token computed, 29 ns a token attended); its admission (engine/admission.py's
+    # tail_share and step_tokens, from the preset: --model sets both)
     python bench/preemption_sim.py --requests 512 --prompt-len 1024 --max-tokens 1024 --pool-tokens 456176 \
-        --step-ms 16 --token-us 11 --context-ns 29 --tail-share 0.5
+        --step-ms 16 --token-us 11 --context-ns 29 --model qwen3-30b-a3b
 The result's "decode_bands" give, per band of 64 requests, the decode-only steps and the mean context
 they attend (the tokens a step's attention reads). With --greedy and vLLM's pool the replay is vLLM's
 schedule: on Qwen3-30B-A3B FP8's H100 pool (433,872 tokens) its band counts match vLLM's own timeline
@@ -119,6 +120,18 @@ def simulate(
     }
 
 
+def admission_of(model: str | None) -> tuple[float, float]:
+    """(tail share, step tokens) the engine plans with for a preset (engine/admission.py), a dense
+    model's without one."""
+    if model is None:
+        return DENSE_TAIL_SHARE, DENSE_STEP_TOKENS
+    from overnight.engine.admission import step_tokens, tail_share
+    from overnight.loader.resolve import resolve_source
+
+    arch = resolve_source(model, load_format="dummy").arch
+    return tail_share(arch), step_tokens(arch)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1024)
@@ -135,15 +148,19 @@ def main() -> None:
         "--greedy", action="store_true", help="admission greedy: start whatever fits now (the old rule)"
     )
     p.add_argument(
-        "--tail-share", type=float, default=DENSE_TAIL_SHARE, help="engine/admission.py tail_share"
+        "--tail-share", type=float, default=None, help="engine/admission.py tail_share (default: --model's)"
     )
     p.add_argument(
-        "--step-tokens", type=float, default=DENSE_STEP_TOKENS, help="engine/admission.py step_tokens"
+        "--step-tokens", type=float, default=None, help="engine/admission.py step_tokens (default: --model's)"
+    )
+    p.add_argument(
+        "--model", default=None, help="a preset whose admission to replay (default: a dense model's)"
     )
     p.add_argument("--step-ms", type=float, default=A * 1e3, help="A: a step's floor (weights read)")
     p.add_argument("--token-us", type=float, default=B * 1e6, help="B: a token computed")
     p.add_argument("--context-ns", type=float, default=C * 1e9, help="C: a context token attended")
     a = p.parse_args()
+    tail, step = admission_of(a.model)
     r = simulate(
         a.requests,
         a.prompt_len,
@@ -155,8 +172,8 @@ def main() -> None:
         a.eos_at,
         planned=not a.greedy,
         windowed_groups=a.windowed_groups,
-        tail_share=a.tail_share,
-        step_tokens=a.step_tokens,
+        tail_share=tail if a.tail_share is None else a.tail_share,
+        step_tokens=step if a.step_tokens is None else a.step_tokens,
         step_times=(a.step_ms * 1e-3, a.token_us * 1e-6, a.context_ns * 1e-9),
     )
     print(json.dumps(r))

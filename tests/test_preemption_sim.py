@@ -21,3 +21,15 @@ def test_a_pool_too_small_for_all_splits_the_decode_steps_by_batch(monkeypatch):
     bands = r["decode_bands"]
     assert sum(b["steps"] for b in bands.values()) < r["steps"]  # prefill steps are not in a band
     assert all(b["mean_context"] <= 64 * 96 for b in bands.values())  # never more than the pool holds
+
+
+def test_model_sets_the_admission_the_engine_plans_with(monkeypatch):
+    """--model: the preset's tail share and step tokens (engine/admission.py), a dense model's without."""
+    from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE
+    from overnight.engine.admission import MAX_TAIL_SHARE
+
+    sim = load_bench_script(monkeypatch, "preemption_sim.py")
+    assert sim.admission_of(None) == (DENSE_TAIL_SHARE, DENSE_STEP_TOKENS)
+    assert sim.admission_of("qwen3-8b") == (DENSE_TAIL_SHARE, DENSE_STEP_TOKENS)
+    share, step = sim.admission_of("qwen3-30b-a3b")
+    assert share == MAX_TAIL_SHARE and step > 10 * DENSE_STEP_TOKENS
