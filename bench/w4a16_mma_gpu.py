@@ -62,6 +62,9 @@ TILES: dict[str, Callable[[int], W4A16Config | None]] = {
     "mma-128x128-w8-s2": lambda m: _swapped_half(128, 128, 8, 2),  # two programs an SM
     "mma-256x128-w8": lambda m: _swapped_half(256, 128, 8, 3),  # 215 KB, 255 registers
     "mma-128x256-w8": lambda m: _swapped_half(128, 256, 8, 3),
+    # the module's 64-row tier (f32 unpack, scale after the dot) past 192 rows: Qwen3-32B-AWQ's decode
+    # steps carry ~265 rows on an H100 (session Z), 5 of its row tiles against 3 of 128 x 128
+    "mma-64x64-w4": lambda m: W4A16Config(64, 64, 0, 4, 4, scale_after=True, swap_ab=True),
 }
 VARIANTS: dict[str, Callable[[int], W4A16Config | None]] = {"default": lambda m: None, **TILES}
 

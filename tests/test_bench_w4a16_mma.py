@@ -93,6 +93,32 @@ def test_session_y_table_plans_the_module_tiers(bench):
     assert [W4A16Config(**c) for _, c in tiers] == list(module.values())
 
 
+def test_the_64_row_tile_gets_the_rows_past_256_where_it_wins(bench, monkeypatch):
+    """Rows between session Y's points (--ms): where the module's 64-row tile beats the 128 x 128 one
+    at 257-320 rows (Qwen3-32B-AWQ's ~265-row decode steps), the plan gives it those rows and keeps
+    the 256 x 128 tile below and the 128 x 128 one above."""
+    ms = (16, 64, 128, 192, 256, 288, 320, 384, 512, 1024)
+    monkeypatch.setattr(bench, "MS", ms)
+    t = table(
+        bench,
+        {
+            "current": dict(zip(ms, (1.38, 0.85, 0.67, 0.46, 0.45, 0.47, 0.48, 0.50, 0.57, 0.72))),
+            "default": dict(zip(ms, (1.76, 1.18, 0.80, 0.68, 0.45, 0.46, 0.47, 0.50, 0.56, 0.70))),
+            "mma-128x128-w8": {128: 0.79, 192: 0.51, 256: 0.52, 288: 0.45, 320: 0.47, 384: 0.51, 512: 0.42},
+            "mma-256x128-w8": {128: 0.57, 192: 0.60, 256: 0.58, 288: 0.50, 320: 0.50, 384: 0.43, 512: 0.52},
+            "mma-64x64-w4": {128: 0.7, 192: 0.68, 256: 0.55, 288: 0.60, 320: 0.56, 384: 0.48, 512: 0.45},
+        },
+    )
+    tiers, min_m, mma = bench.plan(t, shapes=2)
+    assert mma is True and min_m == 385
+    monkeypatch.setattr(w4a16_gemm, "TIERS", tuple((b, W4A16Config(**c)) for b, c in tiers))
+    monkeypatch.setattr(w4a16_gemm, "MMA_DEQUANT_GEMM_MIN_M", min_m)
+    at = {m: w4a16_gemm.default_config(m, mma_order=True) for m in (192, 256, 265, 320, 384)}
+    assert at[192] == at[265] == at[320] == bench.TILES["mma-64x64-w4"](265)
+    assert at[256] == bench.TILES["mma-256x128-w8"](256)
+    assert at[384] == bench.TILES["mma-128x128-w8"](384)
+
+
 def test_no_mma_order_when_it_loses_on_a_fused_tier(bench):
     t = table(
         bench,
