@@ -88,22 +88,24 @@ RATIO_DECAY_STEPS = 600
 MAX_TAIL_SHARE = 0.5  # a sparse model's at most, however few of its weights a token passes through
 
 
-def tail_share(arch: ModelArch) -> float:
-    """DENSE_TAIL_SHARE scaled by how many more weights a step reads than a token is multiplied by
-    (module docstring): 1/16 for a dense model, MAX_TAIL_SHARE for Qwen3-30B-A3B."""
+def weight_ratio(arch: ModelArch) -> float:
+    """How many more weights a step reads than a token is multiplied by: 1 for a dense model, ~11 for
+    Qwen3-30B-A3B."""
     total = arch.num_linear_parameters()
     active = arch.num_linear_parameters(active_only=True)
-    if active <= 0 or total <= active:
-        return DENSE_TAIL_SHARE
-    return min(MAX_TAIL_SHARE, DENSE_TAIL_SHARE * total / active)
+    return total / active if 0 < active < total else 1.0
+
+
+def tail_share(arch: ModelArch) -> float:
+    """DENSE_TAIL_SHARE scaled by weight_ratio (module docstring): 1/16 for a dense model,
+    MAX_TAIL_SHARE for Qwen3-30B-A3B."""
+    return min(MAX_TAIL_SHARE, DENSE_TAIL_SHARE * weight_ratio(arch))
 
 
 def step_tokens(arch: ModelArch) -> float:
-    """DENSE_STEP_TOKENS scaled by how many more weights a step reads than a token is multiplied by:
-    ~150 tokens for a dense model, ~1,700 for Qwen3-30B-A3B."""
-    total = arch.num_linear_parameters()
-    active = arch.num_linear_parameters(active_only=True)
-    return DENSE_STEP_TOKENS * max(1.0, total / active) if active > 0 else DENSE_STEP_TOKENS
+    """DENSE_STEP_TOKENS scaled by weight_ratio: ~150 tokens for a dense model, ~1,640 for
+    Qwen3-30B-A3B."""
+    return DENSE_STEP_TOKENS * weight_ratio(arch)
 
 
 class Admission:
@@ -201,10 +203,11 @@ class Admission:
         fills when each has made `made` of its g tokens; each step those saved is worth step_tokens
         tokens computed; each request past the pool recomputes c + made."""
         pool = self.kv.num_blocks
-        at_once = grown / max(final, 1)  # final 0: a request with nothing to hold (its prompt cached)
+        final = max(final, 1)  # 0: a request with nothing to hold (its prompt cached)
+        at_once = grown / final
         held = self._blocks(c)
         made = g * max(0.0, pool / at_once - held) / max(1, final - held)
-        preempted = at_once - pool / max(final, 1)
+        preempted = at_once - pool / final
         return made * self.step_tokens >= preempted * (c + made)
 
     def _admit(self, g: int, c: int, final: int) -> None:

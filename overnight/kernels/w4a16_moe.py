@@ -30,8 +30,8 @@ words come from L2.
 MMA order (mma_order=True; kernels/w4a16_gemm.py's to_mma_order on each expert's rows, 4-bit codes in
 groups of a multiple of 128 columns): the same kernel with 128-deep K steps puts each thread's unpacked
 values in wgmma's register-operand layout, as the dense kernel does (where it measured 1.2-1.5x on
-every swapped tier); quant/int_moe.py's IntExperts converts after loading when MMA_ORDER is on, and default_config
-then takes MMA_TIERS.
+every swapped tier); quant/int_moe.py's IntExperts converts after loading when MMA_ORDER is on, and
+default_config then takes MMA_TIERS.
 
 Which variant runs: default_config (TIERS, or MMA_TIERS on words in MMA order; KERNEL "v1" for the
 first version), set from bench/w4a16_variants_gpu.py's MoE section and bench/w4a16_moe_mma_gpu.py.
