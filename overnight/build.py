@@ -283,6 +283,7 @@ def build_config(
             admission=opts.admission,
             admission_tail_share=tail_share(source.arch),
             admission_step_tokens=step_tokens(source.arch),
+            decode_row_caps=decode_row_caps(opts, source, device),
         ),
         parallel=ParallelConfig(tensor_parallel_size=opts.tensor_parallel_size),
         runner=RunnerConfig(
@@ -293,6 +294,30 @@ def build_config(
         ),
         lora=lora,
     )
+
+
+def decode_row_caps(
+    opts: EngineOptions, source: ModelSource, device: torch.device
+) -> tuple[tuple[int, int], ...]:
+    """The scheduler's decode row caps (SchedulerConfig.decode_row_caps) under decode_row_caps "auto": the
+    W4A16 kernel's (kernels/w4a16_gemm.py decode_row_caps) where a step's GEMMs are its packed int4
+    layers on a GPU, words in MMA order (4-bit codes, groups a multiple of 128). None for an MoE, whose
+    steps are its experts' GEMMs, tiled by the rows each expert gets."""
+    from overnight.engine.admission import weight_ratio
+    from overnight.quant.int_scheme import IntScheme
+
+    q = source.quantization
+    if opts.decode_row_caps == "off" or device.type != "cuda" or not isinstance(q, IntScheme):
+        return ()
+    if q.dense or q.int8_activations or q.bits != 4 or not q.group_size or q.group_size % 128:
+        return ()
+    if weight_ratio(source.arch) > 1:
+        return ()
+    from overnight.kernels import w4a16_gemm  # triton: a GPU run with packed layers loads it anyway
+
+    if w4a16_gemm.KERNEL != "v2" or not w4a16_gemm.MMA_ORDER:
+        return ()
+    return w4a16_gemm.decode_row_caps()
 
 
 def cache_bytes_estimate(

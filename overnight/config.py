@@ -965,6 +965,10 @@ class SchedulerConfig:
     # And the tokens computed a step's weight reads are worth (engine/admission.py step_tokens): the
     # overcommit is taken only where the steps it saves outweigh what it recomputes.
     admission_step_tokens: float = DENSE_STEP_TOKENS
+    # (cap, upto) pairs: a step of D decodes, cap < D <= upto, while requests wait, computes cap of them
+    # and the last admitted wait a step: where the GEMMs pad D to whole row tiles, fewer rows cost less
+    # time per token (kernels/w4a16_gemm.py decode_row_caps; build.py sets them from the model's layers).
+    decode_row_caps: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ ATTENTION_VARIANTS = (
 )  # named kernel configs (attention/variants.py)
 SCHEDULES = ("lookahead", "fifo")
 ADMISSIONS = ("planned", "greedy")  # engine/admission.py
+DECODE_ROW_CAPS = ("auto", "off")  # build.py decode_row_caps
 # Tokens per KV-cache block when --block-size is not given. An FP8 cache takes 64: its decode kernel read
 # 1.28-1.36x faster from pages of 64 tokens (one KV head's page an 8-KB run) than from pages of 16 (2 KB)
 # on the H200 (bench/decode_pages_gpu.py); a 16-bit cache already reads at the copy bandwidth from pages
@@ -332,6 +333,13 @@ class EngineOptions:
         "when a waiting request starts: planned, only if the running ones can still grow to their end in "
         "the KV pool (no preemption when outputs run to max_tokens); greedy, whenever its prompt fits now",
         choices=ADMISSIONS,
+    )
+    decode_row_caps: str = option(
+        "auto",
+        "auto: where the model's packed int4 GEMMs pad a decode batch to whole row tiles, a step that "
+        "would pay for a nearly empty tile (e.g. 265 decodes padded to 384 rows) runs the rows of the "
+        "full tiles and the last admitted requests wait a step; off: every running request every step",
+        choices=DECODE_ROW_CAPS,
     )
     tensor_parallel_size: int = option(1, "GPUs one model is split over", minimum=1, flags=("-tp",))
     data_parallel_size: int = option(

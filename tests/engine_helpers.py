@@ -42,6 +42,7 @@ def make_engine(
     async_mode: bool = False,
     admission: str = "planned",
     tail_share: float = DENSE_TAIL_SHARE,
+    decode_row_caps: tuple[tuple[int, int], ...] = (),
 ) -> tuple[Engine, FakeRunner]:
     arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)
     import torch
@@ -56,6 +57,7 @@ def make_engine(
             enable_chunked_prefill=chunked,
             admission=admission,
             admission_tail_share=tail_share,
+            decode_row_caps=decode_row_caps,
         ),
     )
     runner = FakeRunner(num_blocks, block_size, VOCAB, async_mode=async_mode)

@@ -165,8 +165,10 @@ class Scheduler:
         now = time.monotonic()
 
         preemptions_before = self.num_preemptions_total
+        # Past a row cap this step, only the first `served` running requests are computed (_decode_rows).
+        served = self._decode_rows()
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < min(served, len(self.running)) and budget > 0:
             req = self.running[i]
             n = min(req.num_remaining, budget)
             if n <= 0:
@@ -287,6 +289,21 @@ class Scheduler:
             lora_loads=lora.take_loads() if lora is not None else [],
             state_saves=saves,
         )
+
+    def _decode_rows(self) -> int:
+        """How many of the running requests this step may compute: all of them, or a row cap's
+        (SchedulerConfig.decode_row_caps) where every running request decodes one token, their count
+        is past the cap and within its reach, and requests wait. Those past the cap, the last admitted,
+        wait a step (their KV stays; they decode when those ahead finish): where the GEMMs pad rows to
+        whole tiles, the cap's rows take less time per token. Not while nothing waits: then those left
+        behind would finish alone in a tail of small steps."""
+        running = len(self.running)
+        if not self.waiting or not self.config.decode_row_caps:
+            return running
+        cap = next((c for c, upto in self.config.decode_row_caps if c < running <= upto), None)
+        if cap is None or any(r.num_remaining > 1 for r in self.running):
+            return running
+        return cap
 
     @staticmethod
     def _advance(req: Request, n: int) -> None:

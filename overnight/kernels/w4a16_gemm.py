@@ -170,6 +170,44 @@ def default_config(m: int, mma_order: bool = False) -> W4A16Config:
     return cfg
 
 
+# Speed-up over a bf16 F.linear of the same rows, each tier's tile at its bound, on MMA-ordered words
+# (session Y, H100, SM 1,980 MHz, bench/w4a16_mma_gpu.py: geometric mean over Qwen3-32B's qkv / o /
+# gate_up / down, int4 groups of 128 with zero points). decode_row_caps reads them.
+MMA_TIER_SPEEDUPS: dict[int, float] = {64: 1.18, 128: 0.80, 192: 0.68, 256: 0.58, 384: 0.51}
+
+
+def decode_row_caps(
+    tiers: tuple[tuple[int, W4A16Config], ...] = TIERS,
+    speedups: dict[int, float] | None = None,
+) -> tuple[tuple[int, int], ...]:
+    """(cap, upto) pairs for the scheduler (SchedulerConfig.decode_row_caps): a decode step of
+    cap < D <= upto rows computes cap of them, the rest the next step.
+
+    Why: a tier whose rows (cap, B] all take the same number of row tiles takes one time for any D
+    there, about its time at B (the tile computes its padding rows too; at decode sizes the weight is
+    read once per row tile). Qwen3-32B-AWQ on an H100 decodes ~265 requests a step (its KV pool's
+    limit), which the 128 x 128 tier pads to 384 rows; 256 of them run one 256 x 128 tile.
+    When is it worth serving fewer rows: the step's time, normalised to 1 at cap rows, is s k + (1 - s) x
+    at x = D / cap, where s is the GEMMs' share and k their time at B over their time at cap; the rest
+    grows with the rows. Fewer rows pay while x / t(x) < 1 / 1, i.e. x < k, whatever s. The bench gives
+    k's lower bound: k = (speedup at cap / speedup at B) (t_bf16(B) / t_bf16(cap)), the second factor
+    at least 1 (a bf16 GEMM of more rows is not faster), so upto = cap * speedup(cap) / speedup(B),
+    rounded down and within the tier. Words in MMA order only (the tiers past 192 rows need them); a
+    tier boundary without both measured speed-ups gives no cap."""
+    speedups = MMA_TIER_SPEEDUPS if speedups is None else speedups
+    caps = []
+    for (cap, _), (bound, cfg) in zip(tiers, tiers[1:]):
+        tiles = -(-bound // cfg.block_m)
+        if -(-(cap + 1) // cfg.block_m) != tiles or cap not in speedups or bound not in speedups:
+            continue  # the tier's time grows with the rows, or is not measured
+        if bound >= MMA_DEQUANT_GEMM_MIN_M:
+            break
+        upto = min(bound, int(cap * speedups[cap] / speedups[bound] - 1e-9))
+        if upto > cap:
+            caps.append((cap, upto))
+    return tuple(caps)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr,
