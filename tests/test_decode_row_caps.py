@@ -148,3 +148,26 @@ def test_the_build_turns_caps_on_for_packed_int4_on_a_gpu_only():
         moe_intermediate_size=32,
     )
     assert build_caps(opts, _source(awq, moe), gpu) == ()
+
+
+def test_capped_steps_are_counted_on_metrics_and_by_check():
+    from overnight.bench.metrics_reader import WindowMetrics
+    from overnight.metrics.prometheus import PrometheusObserver
+    from overnight.tools.check import describe
+
+    engine, runner = make_engine(max_num_seqs=5, max_num_batched_tokens=64, decode_row_caps=((4, 5),))
+    metrics = PrometheusObserver("m")
+    engine.observers.append(metrics)
+    for i in range(9):
+        engine.add_request(str(i), [11 + i, 12, 13], SamplingParams(max_tokens=12, ignore_eos=True))
+    run_all(engine)
+    capped = engine.stats().decode_row_capped_total
+    # each capped step computed four of the five running decodes (a step of four decodes may also
+    # be one with four running)
+    assert 0 < capped <= sum(1 for tokens, reqs in runner.step_log if tokens == reqs == 4)
+    assert capped + 1 >= sum(1 for tokens, reqs in runner.step_log if tokens == reqs == 4)
+    assert f'overnight:decode_row_caps_total{{model_name="m"}} {float(capped)}' in metrics.render().decode()
+
+    window = WindowMetrics(10.0, 5, 5.0, 2.0, 0.9, 1.0, 1.0, 0.0, None, 5, row_capped=7.0)
+    assert "7 decode steps at a row cap" in describe(window)
+    assert "row cap" not in describe(WindowMetrics(10.0, 5, 5.0, 2.0, 0.9, 1.0, 1.0, 0.0, None, 5))

@@ -128,6 +128,8 @@ class WindowMetrics:
     scheduled_tokens: float | None = None  # tokens those steps computed (its sum)
     # steps in which planned admission held a request back for the pool (None: not served, e.g. vLLM)
     kv_deferrals: float | None = None
+    # decode steps a row cap held (scheduler.py _decode_rows; None: not served)
+    row_capped: float | None = None
 
     @property
     def generation_tok_s(self) -> float | None:
@@ -186,4 +188,5 @@ def summarize(snaps: list[Snapshot]) -> WindowMetrics:
         steps=increase("iteration_tokens_total_count"),
         scheduled_tokens=increase("iteration_tokens_total_sum"),
         kv_deferrals=increase("kv_admission_deferrals_total"),
+        row_capped=increase("decode_row_caps_total"),
     )

@@ -33,6 +33,9 @@ class SchedulerStats:
     # Steps in which planned admission held a waiting request back to keep room in the KV pool for the
     # running requests' growth (admission.py): the pool is the limit even where its usage is not high.
     kv_admission_deferrals_total: int = 0
+    # Decode steps that computed a row cap's requests and left the newest to the next step
+    # (SchedulerConfig.decode_row_caps: the int4 GEMM's whole row tiles).
+    decode_row_capped_total: int = 0
 
 
 class Scheduler:
@@ -55,6 +58,7 @@ class Scheduler:
         self._gone_since_last_step: set[str] = set()
         self._sent_to_runner: set[str] = set()  # requests whose state the runner holds
         self.num_preemptions_total = 0
+        self.decode_row_capped_total = 0  # steps a decode row cap held (_decode_rows)
         # Planned admission: start only what the pool can grow to its end (None: whatever fits now).
         planned = config.admission == "planned"
         self.admission = (
@@ -134,6 +138,7 @@ class Scheduler:
             lora_loads_total=self.lora.num_loads if self.lora else 0,
             lora_swaps_total=self.lora.num_swaps if self.lora else 0,
             kv_admission_deferrals_total=self.admission.deferrals if self.admission else 0,
+            decode_row_capped_total=self.decode_row_capped_total,
         )
 
     # -- the step ---------------------------------------------------------------------------------
@@ -303,6 +308,7 @@ class Scheduler:
         cap = next((c for c, upto in self.config.decode_row_caps if c < running <= upto), None)
         if cap is None or any(r.num_remaining > 1 for r in self.running):
             return running
+        self.decode_row_capped_total += 1
         return cap
 
     @staticmethod

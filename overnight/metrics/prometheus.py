@@ -150,6 +150,11 @@ class PrometheusObserver:
             "kv_admission_deferrals",
             "Steps in which a waiting request was held back to keep KV room for the running ones' growth.",
         )
+        self.decode_row_caps = counter(
+            "decode_row_caps",
+            "Decode steps that computed a row cap's requests (whole int4 GEMM row tiles) and left the "
+            "newest to the next step.",
+        )
         self._request_success = Counter(
             name("request_success"),
             "Finished requests, by finish reason.",
@@ -193,7 +198,7 @@ class PrometheusObserver:
             )
             info.labels(model_name).info({k: str(v) for k, v in limits.items()})
 
-        self._last_totals = (0, 0, 0, 0, 0)  # the scheduler's running totals at the previous step
+        self._last_totals = (0, 0, 0, 0, 0, 0)  # the scheduler's running totals at the previous step
 
     # -- StatsObserver ----------------------------------------------------------------------------
 
@@ -236,6 +241,7 @@ class PrometheusObserver:
             s.prefix_cache_hits,
             s.lora_swaps_total,
             s.kv_admission_deferrals_total,
+            s.decode_row_capped_total,
         )
         counters = (
             self.num_preemptions,
@@ -243,6 +249,7 @@ class PrometheusObserver:
             self.prefix_cache_hits,
             self.lora_swaps,
             self.kv_admission_deferrals,
+            self.decode_row_caps,
         )
         for counter, now, before in zip(counters, totals, self._last_totals, strict=True):
             if now > before:

@@ -132,9 +132,11 @@ def suggest_max_num_seqs(m: WindowMetrics) -> int:
 def describe(m: WindowMetrics) -> str:
     seats = f" / max_num_seqs {m.max_num_seqs}" if m.max_num_seqs is not None else ""
     rate = f", generation {m.generation_tok_s:.1f} tok/s" if m.generation_tok_s is not None else ""
+    # A row cap computes fewer than the running requests in those steps (a whole int4 GEMM tile's rows)
+    capped = f", {m.row_capped:.0f} decode steps at a row cap" if m.row_capped else ""
     return (
         f"running {m.mean_running:.1f}{seats}, waiting {m.mean_waiting:.1f}, KV usage "
-        f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}{rate}"
+        f"{m.mean_kv_usage:.0%} (max {m.max_kv_usage:.0%}), preemptions +{m.preemptions:.0f}{rate}{capped}"
     )
 
 
