@@ -114,7 +114,9 @@ def times() -> list[dict]:
 
 
 def plan(table: list[dict], shapes: int) -> list:
-    """[tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M, MMA_ORDER] from the timing table."""
+    """[tiers as (bound, W4A16Config fields), DEQUANT_GEMM_MIN_M, MMA_ORDER] from the timing table; the
+    module's own settings where the sweep has no rows to judge the order by (session AA's 256-384 rows
+    had planned column order for want of them)."""
     means = {m: vb.geometric_means(table, m, ("current", *VARIANTS), shapes) for m in MS}
     fused_ms = [
         m
@@ -122,8 +124,11 @@ def plan(table: list[dict], shapes: int) -> list:
         if m < min(w4a16_gemm.DEQUANT_GEMM_MIN_M, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M)
         and {"current", "default"} <= set(means[m])
     ]
-    mma = bool(fused_ms) and all(means[m]["default"] >= means[m]["current"] for m in fused_ms)
     current = [[b, asdict(c)] for b, c in w4a16_gemm.TIERS]
+    if not fused_ms:  # a short sweep (--ms) with no rows where both orders run fused tiers: no verdict
+        keep = w4a16_gemm.MMA_ORDER
+        return [current, w4a16_gemm.MMA_DEQUANT_GEMM_MIN_M if keep else w4a16_gemm.DEQUANT_GEMM_MIN_M, keep]
+    mma = all(means[m]["default"] >= means[m]["current"] for m in fused_ms)
     if not mma:
         return [current, w4a16_gemm.DEQUANT_GEMM_MIN_M, False]
     best = tb.winners(table, VARIANTS, tuple(m for m in MS if m >= TILES_FROM), shapes)

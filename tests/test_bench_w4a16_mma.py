@@ -157,3 +157,21 @@ def test_bench_runs_on_cpu(bench, monkeypatch, capsys):
     assert len(table) == 2 * (3 + 3 + len(bench.TILES))  # 3 rows: bf16, current, default; tiles at 100
     tiers, min_m, mma = bench.plan(table, shapes=2)
     assert isinstance(mma, bool) and min_m >= 1 and tiers
+
+
+def test_a_sweep_without_fused_rows_keeps_the_module_settings(bench, monkeypatch):
+    """Session AA's short sweep (256-384 rows, all past the column order's fused tiers) planned column
+    order: with no rows where both orders run fused tiles there is nothing to judge it by."""
+    monkeypatch.setattr(w4a16_gemm, "MMA_ORDER", True)
+    monkeypatch.setattr(w4a16_gemm, "MMA_DEQUANT_GEMM_MIN_M", 385)
+    monkeypatch.setattr(bench, "MS", (256, 288, 320, 352, 384))
+    t = table(
+        bench,
+        {
+            "current": {256: 0.44, 288: 0.47, 320: 0.54, 352: 0.50, 384: 0.51},
+            "default": {256: 0.57, 288: 0.46, 320: 0.59, 352: 0.52, 384: 0.52},
+        },
+    )
+    tiers, min_m, mma = bench.plan(t, shapes=2)
+    assert mma is True and min_m == 385
+    assert [b for b, _ in tiers] == [b for b, _ in w4a16_gemm.TIERS]
