@@ -171,3 +171,25 @@ def test_capped_steps_are_counted_on_metrics_and_by_check():
     window = WindowMetrics(10.0, 5, 5.0, 2.0, 0.9, 1.0, 1.0, 0.0, None, 5, row_capped=7.0)
     assert "7 decode steps at a row cap" in describe(window)
     assert "row cap" not in describe(WindowMetrics(10.0, 5, 5.0, 2.0, 0.9, 1.0, 1.0, 0.0, None, 5))
+
+
+def test_a_real_model_decodes_the_same_under_caps(monkeypatch, batch_model):
+    """The CPU runner with a cap forced (the build sets none on the CPU): requests left out of a step
+    resume where they were, and greedy outputs are those of a run without caps."""
+    import overnight.build as build
+    from overnight import LLM
+
+    prompts = [f"w{10 + i} w20 w{30 + 2 * i}" for i in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+    def run(caps):
+        monkeypatch.setattr(build, "decode_row_caps", lambda *args: caps)
+        llm = LLM(batch_model, max_model_len=96, dtype="float32", device="cpu", max_num_seqs=4)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.config.scheduler.decode_row_caps == caps
+        return [o.outputs[0].token_ids for o in outs], llm.engine.stats().decode_row_capped_total
+
+    capped, steps = run(((3, 4),))
+    plain, none = run(())
+    assert steps > 0 and none == 0
+    assert capped == plain
