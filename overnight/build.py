@@ -313,8 +313,10 @@ def decode_row_caps(
         return ()
     if weight_ratio(source.arch) > 1:
         return ()
-    from overnight.kernels import w4a16_gemm  # triton: a GPU run with packed layers loads it anyway
-
+    try:  # triton: a GPU run with packed layers loads it anyway; `overnight budget` may plan without it
+        from overnight.kernels import w4a16_gemm
+    except ImportError:
+        return ()
     if w4a16_gemm.KERNEL != "v2" or not w4a16_gemm.MMA_ORDER:
         return ()
     return w4a16_gemm.decode_row_caps()

@@ -193,3 +193,15 @@ def test_a_real_model_decodes_the_same_under_caps(monkeypatch, batch_model):
     plain, none = run(())
     assert steps > 0 and none == 0
     assert capped == plain
+
+
+def test_the_build_plans_without_triton(monkeypatch):
+    """`overnight budget` plans a GPU's limits on any machine: without triton there are no caps, and no
+    error."""
+    import sys
+
+    from overnight.build import decode_row_caps as build_caps
+
+    monkeypatch.setitem(sys.modules, "overnight.kernels.w4a16_gemm", None)  # import fails
+    monkeypatch.delattr("overnight.kernels.w4a16_gemm", raising=False)
+    assert build_caps(EngineOptions(), _source(IntScheme("awq", 4, 128, False)), torch.device("cuda")) == ()
