@@ -400,3 +400,19 @@ def test_packed_int_hybrid_weights_are_what_a_gpu_holds(name, monkeypatch):
         assert bool(experts) == (name == "qwen3.5-35b-a3b")
         held = [*model.parameters(), *(t for m in experts for t in m.buffers())]
         assert b.weights_bytes == sum(t.numel() * t.element_size() for t in held)
+
+
+def test_packed_int4_prints_its_decode_row_caps(qwen3_8b):
+    """Qwen3-32B-AWQ packed on an H100: the caps the engine would schedule with, and what they do to
+    the sequences at once (scheduler.py _decode_rows); a bf16 model has none."""
+    h100 = DeviceMemory("NVIDIA H100 80GB HBM3", total_bytes=int(79.19 * GIB), free_bytes=int(78.7 * GIB))
+    source = resolve_source("qwen3-32b-awq", "dummy")
+    opts = EngineOptions(model="qwen3-32b-awq", load_format="dummy", dtype="bfloat16", mode="batch")
+    b = plan_budget(opts, source, h100, seq_len=700)
+    assert b.decode_row_caps == ((64, 94), (128, 150), (192, 225), (256, 291))
+    assert 256 < b.seqs_at_once <= 291
+    text = render(b, source.served_name, source.arch, "bfloat16")
+    assert "257-291 -> 256" in text and f"at {b.seqs_at_once} at once, 256 decode a step" in text
+    off = plan_budget(replace(opts, decode_row_caps="off"), source, h100, seq_len=700)
+    assert off.decode_row_caps == () and "decode row caps" not in render(off, "m", source.arch, "bf16")
+    assert plan_budget(options(), qwen3_8b, H200).decode_row_caps == ()

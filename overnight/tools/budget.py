@@ -106,6 +106,9 @@ class Budget:
     seqs_lowered_for_states: bool = False  # a mode's default max_num_seqs lowered below the table's
     # Every byte above is one GPU's share when the model is split over tensor_parallel_size GPUs.
     tensor_parallel_size: int = 1
+    # (cap, upto): a decode step of cap < D <= upto requests computes cap of them while requests wait
+    # (SchedulerConfig.decode_row_caps: packed int4 GEMMs' row tiles)
+    decode_row_caps: tuple[tuple[int, int], ...] = ()
 
     @property
     def pool_bytes(self) -> int:
@@ -259,6 +262,7 @@ def plan_budget(
         caches_bytes=caches,
         seqs_lowered_for_states=lowered,
         tensor_parallel_size=tp,
+        decode_row_caps=sched.decode_row_caps,
     )
 
 
@@ -408,4 +412,11 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
         f"sequences of {b.seq_len} tokens that fit: {b.seqs_fit} ({b.seq_blocks} blocks each); "
         f"at once with max_num_seqs {b.max_num_seqs}: {b.seqs_at_once}"
     )
+    if b.decode_row_caps:
+        ranges = ", ".join(f"{cap + 1}-{upto} -> {cap}" for cap, upto in b.decode_row_caps)
+        held = next((cap for cap, upto in b.decode_row_caps if cap < b.seqs_at_once <= upto), None)
+        at_once = f"; at {b.seqs_at_once} at once, {held} decode a step" if held is not None else ""
+        lines.append(
+            f"decode row caps (the int4 GEMM's whole row tiles, while requests wait): {ranges}{at_once}"
+        )
     return "\n".join(lines)
