@@ -309,15 +309,14 @@ def decode_row_caps(
     q = source.quantization
     if opts.decode_row_caps == "off" or device.type != "cuda" or not isinstance(q, IntScheme):
         return ()
-    if q.dense or q.int8_activations or q.bits != 4 or not q.group_size or q.group_size % 128:
-        return ()
-    if weight_ratio(source.arch) > 1:
+    if q.dense or q.int8_activations or not q.group_size or weight_ratio(source.arch) > 1:
         return ()
     try:  # triton: a GPU run with packed layers loads it anyway; `overnight budget` may plan without it
         from overnight.kernels import w4a16_gemm
     except ImportError:
         return ()
-    if w4a16_gemm.KERNEL != "v2" or not w4a16_gemm.MMA_ORDER:
+    fits = w4a16_gemm.mma_order_fits(q.bits, q.group_size, w4a16_gemm.MMA_BLOCK)  # the layers' own rule
+    if w4a16_gemm.KERNEL != "v2" or not w4a16_gemm.MMA_ORDER or not fits:
         return ()
     return w4a16_gemm.decode_row_caps()
 

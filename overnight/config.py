@@ -951,6 +951,12 @@ DENSE_TAIL_SHARE = 1 / 16  # a dense model's admission tail share (engine/admiss
 DENSE_STEP_TOKENS = 150.0
 
 
+def decode_row_cap(caps: tuple[tuple[int, int], ...], rows: int) -> int | None:
+    """The cap of SchedulerConfig.decode_row_caps that holds a decode step of `rows` requests (cap < rows
+    <= upto), or None."""
+    return next((cap for cap, upto in caps if cap < rows <= upto), None)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     # Resolved limits (the options' None means "by device and mode"; limits.py decides).

@@ -6,7 +6,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from overnight.config import SchedulerConfig
+from overnight.config import SchedulerConfig, decode_row_cap
 from overnight.engine.admission import Admission
 from overnight.engine.kv_cache_manager import KVCacheManager
 from overnight.engine.request import Request, RequestStatus
@@ -305,7 +305,7 @@ class Scheduler:
         running = len(self.running)
         if not self.waiting or not self.config.decode_row_caps:
             return running
-        cap = next((c for c, upto in self.config.decode_row_caps if c < running <= upto), None)
+        cap = decode_row_cap(self.config.decode_row_caps, running)
         if cap is None or any(r.num_remaining > 1 for r in self.running):
             return running
         self.decode_row_capped_total += 1

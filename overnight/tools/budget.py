@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from overnight.attention.kv_quant import kv_cache_torch_dtype
-from overnight.config import ModelArch
+from overnight.config import ModelArch, decode_row_cap
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import (
     PoolMemoryError,
@@ -414,7 +414,7 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
     )
     if b.decode_row_caps:
         ranges = ", ".join(f"{cap + 1}-{upto} -> {cap}" for cap, upto in b.decode_row_caps)
-        held = next((cap for cap, upto in b.decode_row_caps if cap < b.seqs_at_once <= upto), None)
+        held = decode_row_cap(b.decode_row_caps, b.seqs_at_once)
         at_once = f"; at {b.seqs_at_once} at once, {held} decode a step" if held is not None else ""
         lines.append(
             f"decode row caps (the int4 GEMM's whole row tiles, while requests wait): {ranges}{at_once}"
