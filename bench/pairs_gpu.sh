@@ -26,7 +26,9 @@ for spec in "$@"; do
     rc=$?; echo "== vllm rc=$rc $tag ${VB_ARGS:-}" | tee -a "$log"
     cp /tmp/v.log "${OUT:-/tmp}/vllm-${preset}-${kv}.log"  # its whole log comes back with the results
     # Triton compiles vLLM reported while serving (warm-up or timed run: compare with the line's "timed")
+    # the kernels vLLM chose for quantized layers (on Hopper its AWQ "Marlin" method runs Machete)
     { grep '^{' /tmp/v.log || true; grep -E 'GPU KV cache size|Maximum concurrency' /tmp/v.log | tail -2 || true
+      grep -oE 'Using [A-Za-z]+LinearKernel for [A-Za-z]+|Using .[A-Z_]+. [A-Za-z0-9]+ MoE backend' /tmp/v.log | sort -u | sed 's/^/vllm kernel: /' || true
       grep 'JIT compilation during inference' /tmp/v.log | sed -E 's/.*([0-9]{2}-[0-9]{2} [0-9:]{8}).*inference: ([^.]*).*/vllm jit compile at \1: \2/' || true
       [ $rc -ne 0 ] && grep -v '^\(INFO\|DEBUG\)' /tmp/v.log | tail -12; } | tee -a "$log"
   fi
