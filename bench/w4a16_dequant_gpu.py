@@ -11,7 +11,8 @@ Qwen3-32B's shapes (bench/w4a16_variants_gpu.py's MID_SHAPES, int4 groups of 128
 
 1. the dequantization alone (and its bandwidth beside a bf16 copy of the same size), cuBLAS on its
    output, the two together (the module's path), and the fused kernel's 128 x 128 and 128 x 256 tiles;
-2. the dequantization's tile (BLOCK_N x warps), each output checked bit-equal to the module's;
+2. the dequantization's tile (BLOCK_N x warps) and program order (the grid walking N first, as the
+   module does by default, or K first: DEQUANT_K_MAJOR), each output checked bit-equal to the module's;
 3. LAYERS layers one after the other, the next layer's weight dequantized on a second stream while
    cuBLAS multiplies this one (two buffers, events), against the same serially.
 
@@ -38,7 +39,7 @@ GROUP = 128
 REPS = 20
 LAYERS = 8
 FUSED_TILES = ((128, 128), (128, 256))
-DEQUANT_TILES = tuple((bn, warps) for bn in (32, 64, 128) for warps in (2, 4, 8))
+DEQUANT_TILES = tuple((bn, warps, km) for km in (False, True) for bn in (32, 64, 128) for warps in (2, 4, 8))
 
 
 def event_us(fn: Callable[[], object], reps: int = REPS) -> float:
@@ -54,13 +55,17 @@ def event_us(fn: Callable[[], object], reps: int = REPS) -> float:
     return start.elapsed_time(end) * 1e3 / reps
 
 
-def dequant_into(w: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bn: int, warps: int) -> None:
-    """The module's dequantization kernel (symmetric codes, MMA order) with another tile, into w."""
+def dequant_into(
+    w: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bn: int, warps: int, k_major: bool = False
+) -> None:
+    """The module's dequantization kernel (symmetric codes, MMA order) with another tile and program
+    order (k_major: the grid walks K first), into w."""
     n, k = w.shape
-    wg._dequant_kernel[(triton.cdiv(n, bn), k // GROUP)](
+    grid = (k // GROUP, triton.cdiv(n, bn)) if k_major else (triton.cdiv(n, bn), k // GROUP)
+    wg._dequant_kernel[grid](
         words, scale, scale, w, n, words.stride(0), scale.stride(0), w.stride(0),
         BITS=4, GROUP=GROUP, HAS_ZERO=False, SIGNED=False, MMA_ORDER=True, BLOCK_N=bn, BLOCK_K=GROUP,
-        num_warps=warps,
+        K_MAJOR=k_major, num_warps=warps,
     )  # fmt: skip
 
 
@@ -112,15 +117,19 @@ def dequant_tiles() -> None:
         words, scale = weights(n, k)
         ref = wg.dequantize_int_weight(words, scale, None, 4, GROUP, torch.bfloat16, mma_order=True)
         cells = []
-        for bn, warps in DEQUANT_TILES:
+        for bn, warps, km in DEQUANT_TILES:
             w = torch.empty_like(ref)
-            us = tile_us(w, words, scale, bn, warps)
-            cells.append(f"{bn}x{warps}w {us:.0f}{'' if torch.equal(w, ref) else ' MISMATCH'}")
+            us = tile_us(w, words, scale, bn, warps, km)
+            cells.append(
+                f"{'K' if km else 'N'}-first {bn}x{warps}w {us:.0f}{'' if torch.equal(w, ref) else ' MISMATCH'}"
+            )
         print(f"{name}: " + ", ".join(cells), flush=True)
 
 
-def tile_us(w: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bn: int, warps: int) -> float:
-    return event_us(lambda: dequant_into(w, words, scale, bn, warps))
+def tile_us(
+    w: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bn: int, warps: int, km: bool
+) -> float:
+    return event_us(lambda: dequant_into(w, words, scale, bn, warps, km))
 
 
 def two_streams(m: int) -> None:

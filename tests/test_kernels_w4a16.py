@@ -167,6 +167,19 @@ def test_dequantize_kernel_is_bit_exact(bits, group, zeros, dtype, kernel):
     assert torch.equal(ours, dequantize_int_weight_ref(qw, scale, zero, bits, group, dtype))
 
 
+@pytest.mark.parametrize("mma_order", [False, True])
+@pytest.mark.parametrize("k_major", [False, True])
+def test_dequantize_program_order_is_bit_exact(k_major, mma_order, monkeypatch):
+    """Either grid order (DEQUANT_K_MAJOR) writes every tile of the weight: 72 rows (a last tile of 8),
+    K of two 128-column blocks, the words in column or MMA order."""
+    monkeypatch.setattr(gemm_module, "DEQUANT_K_MAJOR", k_major)
+    qw, scale, zero = _weight(72, 256, 4, 128, True, seed=3)
+    ref = dequantize_int_weight_ref(qw, scale, zero, 4, 128, torch.float16)
+    words = gemm_module.to_mma_order(qw) if mma_order else qw
+    ours = dequantize_int_weight(words, scale, zero, 4, 128, torch.float16, mma_order=mma_order)
+    assert torch.equal(ours, ref)
+
+
 @pytest.mark.parametrize("path,kernel", [("dequant", "v1"), ("dequant", "v2"), ("fused", "v2")])
 def test_large_m_paths(path, kernel, monkeypatch):
     """From DEQUANT_GEMM_MIN_M rows the module's choice runs: dequantize + matmul, or the fused kernel

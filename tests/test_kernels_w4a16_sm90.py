@@ -53,10 +53,19 @@ def v1_case(m: int):
     return _w4a16_kernel_v1, TYPES, cx, 4, 4
 
 
-def dequant_case():
+def dequant_case(mma: bool = False, k_major: bool = False):
     from overnight.kernels.w4a16_gemm import _dequant_kernel
 
-    cx = dict(BITS=4, GROUP=128, HAS_ZERO=True, SIGNED=False, MMA_ORDER=False, BLOCK_N=32, BLOCK_K=128)
+    cx = dict(
+        BITS=4,
+        GROUP=128,
+        HAS_ZERO=True,
+        SIGNED=False,
+        MMA_ORDER=mma,
+        BLOCK_N=32,
+        BLOCK_K=128,
+        K_MAJOR=k_major,
+    )
     return _dequant_kernel, TYPES, cx, 4, 1
 
 
@@ -124,6 +133,7 @@ CASES = {
     },
     "w4a16-v1-m16": lambda: v1_case(16),
     "dequant-v2": dequant_case,
+    "dequant-v2-mma-k-major": lambda: dequant_case(mma=True, k_major=True),  # bench/w4a16_dequant_gpu.py's
     **{f"int8-m{m}": (lambda m=m: int8_case(m)) for m in (32, 64, 1024)},
 }
 

@@ -81,6 +81,10 @@ MMA_DEQUANT_GEMM_MIN_M = 385  # the same for words in MMA order
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
+# v2's program order: False walks N first (2.2-2.5 TB/s at Qwen3-32B's shapes on an H100, session AB,
+# whatever the tile); True walks K first, so consecutive programs write along the same rows
+# (bench/w4a16_dequant_gpu.py times both; not yet measured)
+DEQUANT_K_MAJOR = False
 MMA_ORDER = True  # the layers hold their 4-bit words in MMA order (below) where they fit
 _SMS = 132  # an H100/H200 SXM
 _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
@@ -312,14 +316,19 @@ def _dequant_kernel(
     MMA_ORDER: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    K_MAJOR: tl.constexpr = False,
 ):
     """One [BLOCK_N, BLOCK_K] tile (BLOCK_K divides the group): words read once as 16-byte vectors, one
-    scale per row, the tile stored row-contiguous (MMA_ORDER: put back in column order first)."""
+    scale per row, the tile stored row-contiguous (MMA_ORDER: put back in column order first).
+    K_MAJOR: the grid's first axis walks K (programs launched one after another write along the same
+    rows) instead of N (they write the same columns of rows BLOCK_N apart)."""
     PER: tl.constexpr = 32 // BITS
     WORDS: tl.constexpr = BLOCK_K // PER
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1) if K_MAJOR else tl.program_id(0)
+    pid_k = tl.program_id(0) if K_MAJOR else tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = tl.minimum(offs_n, N - 1)
-    k0 = tl.multiple_of(tl.program_id(1) * BLOCK_K, BLOCK_K)
+    k0 = tl.multiple_of(pid_k * BLOCK_K, BLOCK_K)
     kw = tl.multiple_of(k0 // PER, WORDS)
     words = tl.load(qw_ptr + rows_n[:, None] * stride_qn + (kw + tl.arange(0, WORDS))[None, :])
     g = k0 // GROUP
@@ -532,7 +541,7 @@ def dequantize_int_weight(
         return w
     block_n, block_k = 32, _block_k(group)
     grid = (triton.cdiv(n, block_n), k // block_k)
-    _dequant_kernel[grid](
+    _dequant_kernel[grid[::-1] if DEQUANT_K_MAJOR else grid](
         qw,
         scale,
         z,
@@ -548,6 +557,7 @@ def dequantize_int_weight(
         MMA_ORDER=mma_order,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        K_MAJOR=DEQUANT_K_MAJOR,
     )
     return w
 
