@@ -220,9 +220,19 @@ def test_gemms_do_not_depend_on_the_order_within_a_run():
     mixed = shuffled_within_runs(runs, seed=64)
     assert_same_runs(mixed, runs, stable=False)
     h = moe_gemm(x, w13, runs, SMALL, gated=True)
-    assert torch.equal(moe_gemm(x, w13, mixed, SMALL, gated=True), h)
+    assert_row_independent(moe_gemm(x, w13, mixed, SMALL, gated=True), h)
     y = moe_gemm(h, w2, runs, SMALL, topk_weights=weights)
-    assert torch.equal(moe_gemm(h, w2, mixed, SMALL, topk_weights=weights), y)
+    assert_row_independent(moe_gemm(h, w2, mixed, SMALL, topk_weights=weights), y)
+
+
+def assert_row_independent(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same bits on a GPU (a tensor-core tile computes each row on its own). The interpreter's dot
+    is a BLAS matmul, whose result for a row may move by an ulp with the row's place in the tile on
+    some CPUs (OpenBLAS takes other code paths for the tile's edge rows): rounding-close there."""
+    if DEVICE == "cuda":
+        assert torch.equal(ours, ref)
+    else:
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_max_padded_bounds_every_routing():
