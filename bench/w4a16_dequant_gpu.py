@@ -58,15 +58,9 @@ def event_us(fn: Callable[[], object], reps: int = REPS) -> float:
 def dequant_into(
     w: torch.Tensor, words: torch.Tensor, scale: torch.Tensor, bn: int, warps: int, k_major: bool = False
 ) -> None:
-    """The module's dequantization kernel (symmetric codes, MMA order) with another tile and program
-    order (k_major: the grid walks K first), into w."""
-    n, k = w.shape
-    grid = (k // GROUP, triton.cdiv(n, bn)) if k_major else (triton.cdiv(n, bn), k // GROUP)
-    wg._dequant_kernel[grid](
-        words, scale, scale, w, n, words.stride(0), scale.stride(0), w.stride(0),
-        BITS=4, GROUP=GROUP, HAS_ZERO=False, SIGNED=False, MMA_ORDER=True, BLOCK_N=bn, BLOCK_K=GROUP,
-        K_MAJOR=k_major, num_warps=warps,
-    )  # fmt: skip
+    """The module's dequantization (symmetric codes, MMA order) with another tile and program order
+    (k_major: the grid walks K first), into w."""
+    wg.dequantize_into(w, words, scale, None, 4, GROUP, True, block_n=bn, num_warps=warps, k_major=k_major)
 
 
 def weights(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -539,12 +539,32 @@ def dequantize_int_weight(
             *args, BITS=bits, GROUP=group, HAS_ZERO=zero is not None, BLOCK_N=32, BLOCK_K=128
         )
         return w
-    block_n, block_k = 32, _block_k(group)
+    dequantize_into(w, qw, scale, zero, bits, group, mma_order)
+    return w
+
+
+def dequantize_into(
+    w: torch.Tensor,
+    qw: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bits: int,
+    group: int,
+    mma_order: bool = False,
+    block_n: int = 32,
+    num_warps: int = 4,
+    k_major: bool | None = None,
+) -> None:
+    """The v2 dequantization into w [N, K] (checked by the caller). block_n, num_warps and k_major
+    (DEQUANT_K_MAJOR when None) are the tile and program order; bench/w4a16_dequant_gpu.py varies them."""
+    n, k = w.shape
+    block_k = _block_k(group)
+    k_first = DEQUANT_K_MAJOR if k_major is None else k_major
     grid = (triton.cdiv(n, block_n), k // block_k)
-    _dequant_kernel[grid[::-1] if DEQUANT_K_MAJOR else grid](
+    _dequant_kernel[grid[::-1] if k_first else grid](
         qw,
         scale,
-        z,
+        zero if zero is not None else scale,
         w,
         n,
         qw.stride(0),
@@ -557,9 +577,9 @@ def dequantize_int_weight(
         MMA_ORDER=mma_order,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        K_MAJOR=DEQUANT_K_MAJOR,
+        K_MAJOR=k_first,
+        num_warps=num_warps,
     )
-    return w
 
 
 def w4a16_linear(
