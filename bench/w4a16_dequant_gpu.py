@@ -11,8 +11,8 @@ Qwen3-32B's shapes (bench/w4a16_variants_gpu.py's MID_SHAPES, int4 groups of 128
 
 1. the dequantization alone (and its bandwidth beside a bf16 copy of the same size), cuBLAS on its
    output, the two together (the module's path), and the fused kernel's 128 x 128 and 128 x 256 tiles;
-2. the dequantization's tile (BLOCK_N x warps) and program order (the grid walking N first, as the
-   module does by default, or K first: DEQUANT_K_MAJOR), each output checked bit-equal to the module's;
+2. the dequantization's tile (BLOCK_N x warps) and program order (the grid walking K first, as the
+   module does by default since session AC, or N first), each output checked bit-equal to the module's;
 3. LAYERS layers one after the other, the next layer's weight dequantized on a second stream while
    cuBLAS multiplies this one (two buffers, events), against the same serially.
 

@@ -81,10 +81,11 @@ MMA_DEQUANT_GEMM_MIN_M = 385  # the same for words in MMA order
 LARGE_M_PATH = "dequant"  # "fused": the fused kernel with large tiles; "dequant": dequantize + cuBLAS
 KERNEL = "v2"  # the fused kernel: "v2" (vector loads) or "v1" (the first version)
 DEQUANT_KERNEL = "v2"  # the whole-weight dequantization: "v2" (tiles, vector loads) or "v1"
-# v2's program order: False walks N first (2.2-2.5 TB/s at Qwen3-32B's shapes on an H100, session AB,
-# whatever the tile); True walks K first, so consecutive programs write along the same rows
-# (bench/w4a16_dequant_gpu.py times both; not yet measured)
-DEQUANT_K_MAJOR = False
+# v2's program order: True walks K first, so consecutive programs write along the same output rows;
+# False walks N first. At Qwen3-32B's shapes and 530 rows on an H100 (bench/w4a16_dequant_gpu.py,
+# session AC) K first dequantizes gate_up in 237 us against 295 (2.76 against 2.22 TB/s) and down in
+# 120 against 132, whatever the tile; the 32B AWQ FP8-cache pair went 1.02x -> 1.06x vLLM.
+DEQUANT_K_MAJOR = True
 MMA_ORDER = True  # the layers hold their 4-bit words in MMA order (below) where they fit
 _SMS = 132  # an H100/H200 SXM
 _TARGET_PROGRAMS = 264  # split-K aims at ~2 waves
