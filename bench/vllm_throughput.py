@@ -5,13 +5,17 @@
     python bench/vllm_throughput.py --workload seed-512-256 --lora-adapters 8     (the adapters ours uses)
     python bench/vllm_throughput.py --workload seed-512-256 --model qwen3-8b-awq  (Marlin, from the config)
     python bench/vllm_throughput.py --workload caption-448 [--model qwen3-vl-8b]  (one image per request)
+    python bench/vllm_throughput.py --workload long-1024-1024 --model qwen3-30b-a3b --dummy-weights overnight
 Needs vLLM (0.26 for the published figures) in the environment, and this repository on PYTHONPATH (the
 script puts "." there). vLLM runs with its defaults but for what makes the two runs the same work:
 LLM(model=<a folder holding the preset's config.json>, load_format="dummy", dtype="bfloat16", seed=0,
 max_model_len=4096, skip_tokenizer_init=True); the token ids, lengths and order of
 overnight/bench/workloads.py; greedy, ignore_eos, max_tokens = each request's output length. After an
 8-request warm-up, one LLM.generate over the whole workload is timed, the SM clock sampled during it.
-Prints the rate, then one JSON line.
+Prints the rate, then one JSON line; its distinct_tokens (as in ours) counts the distinct tokens the
+requests emitted at a few output positions: dummy weights are each engine's own random draw, and a
+mixture of experts whose outputs collapse onto few tokens reads few experts a step (--dummy-weights
+overnight draws vLLM's weights as ours are drawn).
 
 An image workload (caption-448) gives vLLM the same prompt dicts as ours, {"prompt_token_ids": ids,
 "multi_modal_data": {"image": PIL image}}, the same images. vLLM's multimodal processor needs the HF
@@ -41,7 +45,7 @@ from dataclasses import replace
 sys.path.insert(0, ".")
 
 from overnight.bench.gpu_info import ClockSampler  # noqa: E402
-from overnight.bench.workloads import WORKLOADS, Workload  # noqa: E402
+from overnight.bench.workloads import WORKLOADS, Workload, output_spread  # noqa: E402
 from overnight.loader.resolve import PRESETS_DIR, preset_names  # noqa: E402
 
 LOG_TIME = "%m-%d %H:%M:%S"  # vLLM's log lines' time stamp
@@ -193,6 +197,13 @@ def add_engine_flags(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument(
+        "--dummy-weights",
+        default="vllm",
+        choices=["vllm", "overnight"],
+        help="vLLM's own dummy draw, or ours (bench/vllm_dummy.py: norms 1, a seed a tensor), so that both "
+        "engines' models emit and route alike (the JSON line's distinct_tokens says how they did)",
+    )
+    ap.add_argument(
         "--max-model-len",
         type=int,
         default=4096,
@@ -232,6 +243,10 @@ def main() -> int:
         # calling process the image run started in 64 s. An explicit setting is kept.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    if args.dummy_weights == "overnight":
+        from bench.vllm_dummy import install
+
+        install()  # a vLLM plugin, found by this process and the engine core's
     model = args.model or workloads[0].model
     folder = preset_folder(model, images)
     arch = model_arch(folder)
@@ -287,6 +302,9 @@ def main() -> int:
             "init_s": round(init_s, 1),  # the one start-up, repeated on each workload's line
             "max_model_len": args.max_model_len,
             "engine_core": "in-process" if in_process else "own process",
+            "dummy_weights": args.dummy_weights,
+            # distinct tokens across requests at a few output positions (the work dummy weights do)
+            "distinct_tokens": output_spread([list(o.outputs[0].token_ids) for o in outs]),
             "kv_pool_tokens": kv_pool_tokens(llm),
             # the timed run's span in vLLM's log format: a "JIT compilation during inference" warning
             # stamped inside it is a Triton compile the timed run paid for (pairs_gpu.sh lists them)

@@ -337,3 +337,18 @@ def test_vl_presets_have_published_shapes(preset):
     rope = (1e6, (16, 24, 24), False) if qwen2 else (5e6, (24, 20, 20), True)
     assert (source.arch.rope_theta, source.arch.mrope_section, source.arch.mrope_interleaved) == rope
     assert source.arch.attention_bias == qwen2 and source.arch.qk_norm == (not qwen2)
+
+
+def test_vllm_side_reports_its_output_spread_and_can_draw_weights_as_ours(vllm_stand_in, capsys, monkeypatch):
+    """The JSON line counts the distinct tokens emitted at a few positions (the stand-in emits 7 for
+    every request: one), and --dummy-weights overnight installs the plugin that draws vLLM's dummy
+    weights as ours (bench/vllm_dummy.py) before the engine is built."""
+    from bench import vllm_dummy
+
+    installed: list[bool] = []
+    monkeypatch.setattr(vllm_dummy, "install", lambda: installed.append(True) or "folder")
+    argv = ["--workload", "seed-512-256", "--num-prompts", "3", "--dummy-weights", "overnight"]
+    _, _, record = vllm_stand_in(argv, capsys)
+    assert installed == [True]
+    assert record["dummy_weights"] == "overnight"
+    assert record["distinct_tokens"] == {"0": 1, "255": 1}  # 256 outputs: position 511 is past them

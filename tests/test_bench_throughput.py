@@ -34,3 +34,14 @@ def test_run_ours_releases_its_engine_before_emptying_the_cache(tmp_path, monkey
     assert alive_at_release == [0]
     second, again = run_ours(opts, workload)
     assert again == tokens and alive_at_release == [0, 0]
+
+
+def test_run_ours_reports_its_output_spread(tmp_path):
+    """The run's extra counts the distinct tokens its requests emitted at each output position they
+    reach, from the very tokens it returns (bench/vllm_throughput.py reports the same for vLLM)."""
+    folder = make_tiny_checkpoint(tmp_path, "qwen3", vocab_size=1536)
+    workload = Workload("tiny", str(folder), num_requests=4, input_len=(4, 8), output_len=(2, 3))
+    opts = EngineOptions(model=str(folder), skip_tokenizer_init=True, max_model_len=64)
+    result, tokens = run_ours(opts, workload)
+    assert result.extra is not None
+    assert result.extra["distinct_tokens"] == {"0": len({t[0] for t in tokens})}

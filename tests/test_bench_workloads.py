@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from overnight.bench.workloads import WORKLOADS, Workload
+from overnight.bench.workloads import WORKLOADS, Workload, output_spread
 
 
 def test_text_workload_draws_lengths_then_ids_per_request() -> None:
@@ -27,3 +27,12 @@ def test_shared_prefix_workload_starts_every_prompt_with_one_system_prompt() -> 
     # The own parts differ: the prefix cache can share the 2,000 tokens and nothing after them.
     assert len({tuple(ids[2000:2016]) for ids, _ in reqs}) == 1024
     assert "2000 shared" in w.describe()
+
+
+def test_output_spread_counts_distinct_tokens_where_outputs_reach():
+    tokens = [[5, 6, 7], [5, 8], [9], []]
+    assert output_spread(tokens, (0, 1, 2, 3)) == {"0": 2, "1": 2, "2": 1}
+    assert output_spread([], (0,)) == {}
+    # the default positions: early, middle and late in long-1024-1024's outputs
+    long = [[i % 3] * 1024 for i in range(10)]
+    assert output_spread(long) == {"0": 3, "255": 3, "511": 3, "1023": 3}

@@ -12,7 +12,7 @@ import torch
 
 from overnight.bench.gpu_info import ClockSampler
 from overnight.bench.roofline import estimate, loaded_weight_bytes
-from overnight.bench.workloads import Workload
+from overnight.bench.workloads import Workload, output_spread
 from overnight.engine.interfaces import StepTimings
 from overnight.kernels.jit_watch import watch_compiles
 from overnight.options import EngineOptions
@@ -164,6 +164,8 @@ def _measure(
             "host_per_step": engine.timings.summary() if engine.timings is not None else None,
             # Triton variants compiled inside the timed run (each ~1 s of host time, the GPU idle).
             "jit_compiles": [c[:600] for c in compiled],
+            # distinct tokens across requests at a few output positions (the work dummy weights do)
+            "distinct_tokens": output_spread(tokens),
         },
     )
     return result, tokens

@@ -105,3 +105,25 @@ def custom(
     num_requests: int, input_len: tuple[int, int], output_len: tuple[int, int], seed: int = 0
 ) -> Workload:
     return Workload("custom", "", num_requests, input_len, output_len, seed)
+
+
+# Output positions where output_spread counts distinct tokens: early, middle and late in the longest
+# workload's 1,024 outputs.
+SPREAD_POSITIONS = (0, 255, 511, 1023)
+
+
+def output_spread(tokens: list[list[int]], positions: tuple[int, ...] = SPREAD_POSITIONS) -> dict[str, int]:
+    """How many distinct tokens the requests emitted at each of `positions` (requests whose output
+    reaches it), keyed by position as a string for JSON; positions no request reaches are left out.
+
+    On dummy weights the work a step does depends on the tokens the model happens to emit: each engine
+    draws its own random weights, a greedy model's outputs may collapse onto a few tokens, and a
+    mixture of experts routes every copy of a token to the same experts, so a step of few distinct
+    tokens reads few experts' weights. Both engines' benches report this beside their throughput, so a
+    pair's rows say whether they did the same work."""
+    spread: dict[str, int] = {}
+    for p in positions:
+        seen = {t[p] for t in tokens if len(t) > p}
+        if seen:
+            spread[str(p)] = len(seen)
+    return spread
