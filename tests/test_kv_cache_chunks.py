@@ -71,7 +71,7 @@ def test_blocks_per_sequence_counts_only_the_chunk_and_the_step():
     assert local_blocks(None, 10, 1, 4) == 4 and local_blocks(None, 8, 1, 4) == 2
     assert local_blocks(8, None, 1, 4) == 3 and local_blocks(None, None, 1, 4) is None
     kv = KVCacheManager(10, 4, True, windows=(None,) * 4, chunks=layout.chunks)
-    assert Admission(kv).window_caps == [(4, 4)] * 3 and Admission(kv).full_sizes == [(4, 1)]
+    assert Admission(kv).window_caps == [(4, 4, 3)] and Admission(kv).full_sizes == [(4, 1)]
 
 
 # -- blocks given back ----------------------------------------------------------------------------

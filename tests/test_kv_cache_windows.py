@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+from overnight.engine import kv_groups
 from overnight.engine.block_pool import Block
 from overnight.engine.engine import Engine
 from overnight.engine.kv_cache_manager import KVCacheManager
-from overnight.engine.kv_groups import KVCacheLayout
+from overnight.engine.kv_groups import MAX_PAD_SHARE, KVCacheLayout, group_size
 from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.request import Request
 from overnight.errors import ConfigError
@@ -111,11 +112,14 @@ def test_layout_groups_layers_by_kind_and_shares_tensors():
     one = KVCacheLayout.from_arch(arch_of())  # 5 windowed : 1 full -> six one-layer groups
     assert one.num_tensors == 1 and one.windows == (None, 8, 8, 8, 8, 8)
     assert one.layer_group == (1, 2, 3, 4, 5, 0) and one.layer_tensor == (0,) * 6
-    # 52 windowed + 10 full (Gemma-3-27B's counts): groups of 10, the last windowed one half empty.
+    # 52 windowed + 10 full (Gemma-3-27B's counts): groups of 5, not 10 (group_size: 3 of 65 slots
+    # empty, not 8 of 70), the full ones exactly filled.
     kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, SW)
     big = KVCacheLayout.from_arch(arch_of(kinds, window=1024))
-    assert big.num_tensors == 10 and big.windows == (None,) + (1024,) * 6
-    assert [len(g.layers) for g in big.groups] == [10, 10, 10, 10, 10, 10, 2]
+    assert big.num_tensors == 5 and big.windows == (None,) * 2 + (1024,) * 11
+    assert [len(g.layers) for g in big.groups] == [5] * 12 + [2]
+    assert big.groups[0].layers == (5, 11, 17, 23, 29) and big.groups[-1].layers == (60, 61)
+    assert sorted(layer for g in big.groups for layer in g.layers) == list(range(62))
     # Only full layers (or a window no shorter than max_model_len): one group, today's layout.
     four_full = arch_of((FULL,) * 4)
     assert KVCacheLayout.from_arch(four_full) == KVCacheLayout.uniform(four_full)
@@ -126,6 +130,37 @@ def test_layout_groups_layers_by_kind_and_shares_tensors():
     assert shared.layer_source == (0, 1, 2, 3, 2, 3)
     assert shared.windows == (None, 8) and shared.num_tensors == 2
     assert shared.layer_group[4] == shared.layer_group[2] and shared.layer_tensor[5] == shared.layer_tensor[3]
+
+
+def test_smaller_groups_hold_more_sequences_in_the_same_bytes(monkeypatch):
+    """Gemma-3-27B's counts at 768 tokens (within the window, every group holds every token): groups of
+    5 hold 70 / 65 the sequences groups of 10 (the smallest kind's count, vLLM's choice) would."""
+    kinds = tuple(FULL if i % 6 == 5 else SW for i in range(60)) + (SW, SW)
+    arch = arch_of(kinds, window=1024)
+    layouts = [KVCacheLayout.from_arch(arch)]
+    monkeypatch.setattr(kv_groups, "MAX_PAD_SHARE", 1.0)  # any padding: groups of 10
+    layouts.append(KVCacheLayout.from_arch(arch))
+    assert [(x.num_tensors, x.num_groups) for x in layouts] == [(5, 13), (10, 7)]
+    pool = 10_000 * 48 * 7 * 16 * (2 * 10 * 8)  # elements: 10,000 sequences in groups of 10
+    fits = [pool // (x.blocks_per_sequence(768, 1, 16) * 16 * x.token_elems) for x in layouts]
+    assert fits == [10_769, 10_000]  # 10,000 x 70 / 65, rounded down
+
+
+def test_group_size_keeps_padding_small_and_the_smallest_kind_exact():
+    """G is the largest divisor of the smallest kind's count that leaves at most 10% of the slots
+    empty while every group holds every token."""
+    assert group_size([10, 52]) == 5  # Gemma-3-27B: 10 would leave 8 of 70 empty (11.4%), 5 leaves 3 of 65
+    assert group_size([4, 22]) == 4  # Gemma-3-1B: 2 of 28 (7.1%) is within the share
+    assert group_size([5, 29]) == 5  # Gemma-3-4B: 1 of 35 (2.9%)
+    assert group_size([3, 7, 11]) == 1  # groups of 3 would leave 3 of 24 (12.5%)
+    assert group_size([6, 25]) == 3  # 6: 5 of 36 (13.9%); 3: 2 of 33 (6.1%)
+    assert group_size([8, 40]) == 8 and group_size([10, 50]) == 10  # Gemma-3-12B, Gemma-4-31B: exact
+    assert group_size([12, 36]) == 12 and group_size([18, 18]) == 18  # Llama-4-Scout, gpt-oss-120b
+    assert group_size([1, 5]) == 1 and group_size([7]) == 7
+    for counts in ([10, 52], [4, 22], [3, 7, 11], [6, 25]):
+        g = group_size(counts)
+        slots = sum(-(-c // g) * g for c in counts)
+        assert min(counts) % g == 0 and slots - sum(counts) <= MAX_PAD_SHARE * slots
 
 
 def test_layers_of_different_cache_shapes_form_groups_of_their_own():

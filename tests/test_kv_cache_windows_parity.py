@@ -138,6 +138,39 @@ def test_two_full_groups_on_one_tensor_match_transformers(tmp_path, monkeypatch)
     assert stats.num_preemptions_total > 0 and stats.prefix_cache_hits > 0
 
 
+def test_groups_of_several_layers_with_a_padded_last_group_match_transformers(tmp_path):
+    """27 layers, 4 full (every sixth, as Gemma 3 places them) and 23 windowed: groups of 4 layers
+    (group_size), the last windowed group 3 layers in 4 slots, every tensor shared by seven groups.
+    Token-exact with transformers while windowed blocks are given back and the pool runs short."""
+    kinds = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(27)]
+    folder = make_tiny_checkpoint(
+        tmp_path, "qwen3", num_hidden_layers=27, use_sliding_window=True, sliding_window=W, layer_types=kinds
+    )
+    layout = KVCacheLayout.from_arch(load_arch(folder), 96)
+    assert layout.num_tensors == 4 and [len(g.layers) for g in layout.groups] == [4, 4, 4, 4, 4, 4, 3]
+    assert layout.windows == (None,) + (W,) * 6
+    rng = random.Random(4)
+    prefix = [rng.randrange(3, 384) for _ in range(20)]
+    prompts = [prefix + [rng.randrange(3, 384) for _ in range(k)] for k in (2, 9)]
+    prompts += [[rng.randrange(3, 384) for _ in range(k)] for k in (6, 17, 33)]
+    block = 4 * 4 * 2 * 2 * 16 * 4  # 4 tokens x 4 tensors x K/V x 2 heads x 16 x fp32
+    llm = LLM(
+        str(folder),
+        kv_cache_memory_bytes=90 * block,
+        max_num_batched_tokens=16,
+        max_model_len=96,
+        admission="greedy",  # start whatever fits now, so that running requests outgrow the pool
+        **ENGINE,
+    )
+    assert llm.engine.pool_plan.num_blocks == 90
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(20), use_tqdm=False)
+    ref = load_reference(folder)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(ref, prompt, 20)[0], f"prompt of {len(prompt)} tokens"
+    assert llm.engine.stats().num_preemptions_total > 0
+    assert llm.engine.kv.pool.num_free == 90  # type: ignore[attr-defined]
+
+
 def test_tensor_parallel_ranks_give_window_blocks_back_alike(windowed):
     """Two ranks, each with its share of the KV heads: the same groups, tables and tokens."""
     folder, ref, _, _ = windowed

@@ -120,16 +120,18 @@ class Admission:
         sizes = kv.group_block_sizes
         # Full-attention groups by block size: (bs, how many groups of it).
         full: dict[int, int] = {}
-        # Per windowed (chunked) group, (its block size, blocks one request can hold at most between
-        # prefill chunks: the window, or the attention chunk, plus partial blocks at the ends).
-        self.window_caps: list[tuple[int, int]] = []
+        # Windowed (chunked) groups by (block size, blocks one request can hold at most between prefill
+        # chunks: the window, or the attention chunk, plus partial blocks at the ends): how many groups of
+        # each. Counted, not listed, so that a plan costs the same for 2 windowed groups or 20.
+        caps: dict[tuple[int, int], int] = {}
         for w, c, bs in zip(kv.windows, kv.chunks, sizes, strict=True):
             cap = local_blocks(w, c, 1, bs)
             if cap is None:
                 full[bs] = full.get(bs, 0) + 1
             else:
-                self.window_caps.append((bs, cap))
+                caps[bs, cap] = caps.get((bs, cap), 0) + 1
         self.full_sizes = list(full.items())
+        self.window_caps = [(bs, cap, n) for (bs, cap), n in caps.items()]
         self.ratio = 0.0  # planned share of the remaining max_tokens of a request that may stop early
         self._plan: list[tuple[int, int]] = []  # (g, c) of the running and this step's admitted
         self._total = 0  # blocks of the plan with every request at its final length
@@ -137,7 +139,7 @@ class Admission:
 
     def _blocks(self, tokens: int) -> int:
         full = sum(count * cdiv(tokens, bs) for bs, count in self.full_sizes)
-        return full + sum(min(cdiv(tokens, bs), cap) for bs, cap in self.window_caps)
+        return full + sum(n * min(cdiv(tokens, bs), cap) for bs, cap, n in self.window_caps)
 
     def _growth(self, req: Request) -> tuple[int, int]:
         """(g, c): tokens req still adds to its KV (as planned) and tokens it holds, own ones only."""
@@ -190,7 +192,7 @@ class Admission:
             # sum of cdiv(c_r + t + 1, bs) <= (sum c_r + count * (t + bs)) / bs per full group of
             # block size bs; a windowed group holds no more than that, nor more than its cap per request.
             need = sum(n * ((tokens + count * (t + bs)) // bs) for bs, n in full)
-            need += sum(min((tokens + count * (t + bs)) // bs, count * cap) for bs, cap in caps)
+            need += sum(n * min((tokens + count * (t + bs)) // bs, count * cap) for bs, cap, n in caps)
             if need > num_blocks:
                 self.deferrals += 1
                 return False

@@ -14,10 +14,11 @@ is G physical tensors, each holding one layer of every group (vLLM's layout):
                  table[w0] = - - - 8 19        (-: wholly before the window, given back; the runner's
                                                 copy keeps an old id or 0 there, which nothing reads)
 
-    62 layers, 52 windowed + 10 full: G = 10, groups f (10 layers), w0..w5 (10 layers; w5 holds 2 and
-    leaves 8 of its tensor slots unused)
+    62 layers, 52 windowed + 10 full (Gemma-3-27B): G = 5, groups f0, f1 (5 layers each), w0..w10
+    (5 layers each; w10 holds 2 and leaves 3 of its tensor slots unused: 3 of 65 slots, where groups of
+    10, the smallest kind's count, would leave 8 of 70: group_size)
 
-      tensor j (j < 10) holds layer j of each group: kv_caches[layer] = tensors[layer_tensor[layer]]
+      tensor j (j < 5) holds layer j of each group: kv_caches[layer] = tensors[layer_tensor[layer]]
 
     a model with only full layers: one group of every layer, G = num_layers: today's layout exactly
 
@@ -107,6 +108,33 @@ def local_blocks(window: int | None, chunk: int | None, step: int, block_size: i
     if chunk is not None:
         return cdiv(chunk - 1 + step, block_size) + (chunk % block_size != 0)
     return None
+
+
+# The largest share of a block's tensor slots a layout may leave empty to keep its groups few and large.
+# An empty slot costs its bytes for every token a sequence holds in that group; each group costs host work
+# every step (a block table per request to grow and give back, a slot mapping: bench/preemption_sim.py's
+# scheduler alone takes ~0.1 ms a step more per windowed group at 170 running requests), which a large
+# model's long steps hide and a small model's short ones may not. Gemma-3-27B's 11.4% is above this and
+# Gemma-3-1B's 7.1% (a model whose pool is rarely what limits it) below.
+MAX_PAD_SHARE = 0.10
+
+
+def group_size(counts: list[int]) -> int:
+    """G, the layers per group, for kinds of these layer counts: the largest divisor of the smallest
+    count whose padding (the empty slots of each kind's last group) is at most MAX_PAD_SHARE of all slots
+    while every group holds every token (contexts within the window, where padding costs the most).
+    Divisors of the smallest count only: that kind (full attention, in every model so far) then fills its
+    groups exactly, so long contexts, which the full groups dominate, waste nothing.
+    Gemma-3-27B (10 full, 52 windowed): G = 10 leaves 8 of 70 slots empty (11.4%), G = 5 3 of 65 (4.6%),
+    so G = 5, 13 groups instead of 7: at contexts within the window a pool holds 70 / 65 = 1.077x the
+    sequences. Gemma-3-1B (4, 22): G = 4 leaves 2 of 28 (7.1%), within the share: 7 groups."""
+    least = min(counts)
+    for size in range(least, 0, -1):
+        if least % size == 0:
+            slots = sum(cdiv(c, size) * size for c in counts)
+            if slots - sum(counts) <= MAX_PAD_SHARE * slots:
+                return size
+    raise AssertionError("unreachable: a group of one layer pads nothing")
 
 
 @dataclass(frozen=True)
@@ -270,7 +298,7 @@ class KVCacheLayout:
         for i in range(n):
             if sources[i] == i:
                 kinds.setdefault(kind(i), []).append(i)
-        size = min(len(v) for v in kinds.values())
+        size = group_size([len(v) for v in kinds.values()])
         # full attention first, then windows, then chunks, each by size
         order = sorted(kinds, key=lambda wc: (wc[1] is not None, wc[0] is not None, wc[0] or 0, wc[1] or 0))
         groups: list[KVGroup] = []
