@@ -291,11 +291,15 @@ class KVCacheManager:
             if groups is None:
                 groups = [[] for _ in range(self.num_groups)]
                 self.req_blocks[req.req_id] = groups
+            # One draw for every group (the same blocks, in the same order, as one draw per group).
+            new_blocks = self.pool.allocate(sum(counts))
             added = []
+            start = 0
             for row, n in zip(groups, counts, strict=True):
-                new_blocks = self.pool.allocate(n) if n else []
-                row.extend(new_blocks)
-                added.append([b.id for b in new_blocks])
+                part = new_blocks[start : start + n]
+                start += n
+                row.extend(part)
+                added.append([b.id for b in part])
             return added
         computed = req.num_computed_tokens + hit.num_blocks * self.block_size
         counts = [
