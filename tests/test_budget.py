@@ -210,6 +210,27 @@ def test_gemma4_windows_count_with_full_blocks_of_twice_the_tokens():
     )
 
 
+def test_gemma3_27b_groups_of_five_and_their_empty_slots():
+    """Gemma-3-27B (10 full, 52 windowed): 13 groups of 5 layers, 3 of 65 slots empty, said and counted;
+    Gemma-4-31B's groups of 10 are exact, so no such line."""
+    from overnight.tools.budget import render
+
+    source = resolve_source("gemma-3-27b", "dummy")
+    opts = EngineOptions(model="gemma-3-27b", load_format="dummy", dtype="bfloat16", max_model_len=4096)
+    b = plan_budget(opts, source, H200)
+    assert (b.num_groups, b.group_layers, b.empty_slots) == (13, 5, (3, 65))
+    assert b.block_bytes == 16 * 5 * 2 * 16 * 128 * 2  # 16 tokens x 5 tensors x K/V x 2048 x bf16
+    # A sequence of 4,096: 256 blocks in each full group, 65 in each windowed one (its window + 1).
+    assert b.seq_blocks == 2 * 256 + 11 * 65 and 0 < b.seqs_fit <= b.num_blocks // b.seq_blocks
+    text = render(b, "gemma-3-27b", source.arch, "bfloat16")
+    assert (
+        "13 KV cache groups of 5 layers, one block table each: 3 of 65 cache slots stay empty (4.6%" in text
+    )
+    g4 = resolve_source("gemma-4-31b", "dummy")
+    b4 = plan_budget(replace(opts, model="gemma-4-31b"), g4, H200)
+    assert b4.empty_slots == (0, 60) and "cache slots stay empty" not in render(b4, "g4", g4.arch, "bfloat16")
+
+
 def test_llama4_chunked_layers_count_only_their_chunk():
     """Llama-4-Scout (FP8 weights) on an H200 at 128K: its 36 chunked layers (C = 8192) hold only the
     current attention chunk, so a sequence holds 12 layers x 128K + 36 x 8K tokens (groups of 12 layers:

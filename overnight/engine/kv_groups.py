@@ -199,6 +199,13 @@ class KVCacheLayout:
         block_size x token_elems elements."""
         return sum(self.planes * e for e in self.tensor_elems)
 
+    @property
+    def empty_slots(self) -> tuple[int, int]:
+        """(empty, all): the tensor slots of one block of every group that no layer fills (each kind's
+        last group holding fewer than G layers: group_size), out of all of them."""
+        slots = self.num_tensors * self.num_groups
+        return slots - sum(len(g.layers) for g in self.groups), slots
+
     def unused_share(self, group: int) -> float:
         """Share of a block of `group` that none of its layers uses (its shape smaller than the slots
         by more than its block scale makes up for)."""

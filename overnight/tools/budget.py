@@ -96,6 +96,11 @@ class Budget:
     # Block scale of the full-attention groups: their blocks hold this many times block_size tokens,
     # their layers needing that fraction of a slot per token (Gemma 4: 2; engine/kv_groups.py). 1: none.
     full_block_scale: int = 1
+    # KV cache groups and their layers (G), and the tensor slots of a block of every group no layer fills
+    # (each kind's last group holding fewer than G layers; engine/kv_groups.group_size): (empty, all).
+    num_groups: int = 1
+    group_layers: int = 0
+    empty_slots: tuple[int, int] = (0, 0)
     # Hybrid models: bytes of one request's linear-attention states, and of the whole state pool
     # (max_num_seqs + 1 slots and the prefix-cache snapshots), set aside before the KV pool
     state_bytes_per_seq: int = 0
@@ -255,6 +260,9 @@ def plan_budget(
         full_block_scale=max(
             (layout.block_scales[i] for i, g in enumerate(layout.groups) if g.is_full), default=1
         ),
+        num_groups=layout.num_groups,
+        group_layers=layout.num_tensors,
+        empty_slots=layout.empty_slots,
         state_bytes_per_seq=states.bytes_per_seq,
         state_pool_bytes=states.total_bytes,
         state_dtype=str(states.ssm_dtype).removeprefix("torch."),
@@ -379,6 +387,13 @@ def render(b: Budget, model: str, arch: ModelArch, dtype: str) -> str:
             f"  cache shapes differ: a full-attention layer needs 1/{b.full_block_scale} of a windowed "
             f"layer's bytes per token, so its blocks hold {b.full_block_scale * b.block_size} tokens "
             "(counted in the sequences that fit)"
+        )
+    if b.empty_slots[0]:
+        empty, slots = b.empty_slots
+        lines.append(
+            f"  {b.num_groups} KV cache groups of {b.group_layers} layers, one block table each: "
+            f"{empty} of {slots} cache slots stay empty ({empty / slots:.1%}; the last group of a kind "
+            "holds fewer layers), counted in the sequences that fit"
         )
     if b.full_block_padding:
         lines.append(
