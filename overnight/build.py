@@ -513,7 +513,7 @@ def build_ray_engine(
 
 
 def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
-    from overnight.engine.kv_groups import KVCacheLayout
+    from overnight.engine.kv_groups import KVCacheLayout, pool_tokens
     from overnight.loader.fit import check_weights_fit, linear_formats
     from overnight.runner.kv_pool import set_up_kv_pool
     from overnight.runner.model_runner import ModelRunner
@@ -588,12 +588,10 @@ def _single_engine(opts: EngineOptions, model: ResolvedModel) -> EngineClient:
         # Start-up ran every kernel the model needs (the peak-memory step, the decode graphs): a compile
         # from here on is a new feature's first use, or a kernel specializing on a per-step value.
         log_compiles_after_startup(log)
-    # Tokens the pool holds while every group holds every token (a sequence within its windows: a
-    # token takes 1 / its group's block size of a block in each group, empty slots included, as the
-    # throughput bench's kv_pool_tokens counts them), and the sequences of max_model_len (windowed
-    # layers hold only their window: engine/kv_groups.py).
+    # Tokens the pool holds within the windows, and the sequences of max_model_len (windowed layers
+    # hold only their window: engine/kv_groups.py).
     bs = config.cache.block_size
-    tokens = int(plan.num_blocks / sum(1 / gbs for gbs in layout.group_block_sizes(bs)))
+    tokens = pool_tokens(plan.num_blocks, layout.group_block_sizes(bs))
     per_seq = layout.blocks_per_sequence(sched.max_model_len, 1, bs)
     log.info(
         "KV pool: %d blocks = %d tokens, %.2f GiB, dtype %s; up to %.1f sequences of max_model_len %d",

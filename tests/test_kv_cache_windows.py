@@ -16,7 +16,7 @@ from overnight.engine import kv_groups
 from overnight.engine.block_pool import Block
 from overnight.engine.engine import Engine
 from overnight.engine.kv_cache_manager import KVCacheManager
-from overnight.engine.kv_groups import MAX_PAD_SHARE, KVCacheLayout, group_size
+from overnight.engine.kv_groups import MAX_PAD_SHARE, KVCacheLayout, group_size, pool_tokens
 from overnight.engine.pool_plan import PoolPlan
 from overnight.engine.request import Request
 from overnight.errors import ConfigError
@@ -161,6 +161,15 @@ def test_group_size_keeps_padding_small_and_the_smallest_kind_exact():
         g = group_size(counts)
         slots = sum(-(-c // g) * g for c in counts)
         assert min(counts) % g == 0 and slots - sum(counts) <= MAX_PAD_SHARE * slots
+
+
+def test_pool_tokens_count_a_token_once_in_every_group():
+    """A token takes 1 / its group's block size of a block in each group: 100 blocks over groups of
+    16, 16 and 32 tokens a block hold 100 / (5 / 32) = 640 tokens; one group holds num_blocks x B."""
+    assert pool_tokens(100, (16, 16, 32)) == 640
+    assert pool_tokens(100, (16,)) == 1600
+    # Gemma-3-27B's 13 groups of one block size: the pool's tokens are a thirteenth of one group's.
+    assert pool_tokens(13 * 1000, (16,) * 13) == 16000
 
 
 def test_layers_of_different_cache_shapes_form_groups_of_their_own():

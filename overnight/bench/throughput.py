@@ -13,6 +13,7 @@ import torch
 from overnight.bench.gpu_info import ClockSampler
 from overnight.bench.roofline import estimate, loaded_weight_bytes
 from overnight.bench.workloads import Workload, output_spread
+from overnight.engine import kv_groups
 from overnight.engine.interfaces import StepTimings
 from overnight.kernels.jit_watch import watch_compiles
 from overnight.options import EngineOptions
@@ -118,7 +119,7 @@ def _measure(
     sched = engine.config.scheduler
     kv_dtype = engine.config.cache.kv_cache_dtype
     kv_elem = 1 if kv_dtype.startswith("fp8") else engine.config.model.dtype.itemsize
-    pool_tokens = int(engine.pool_plan.num_blocks / sum(1 / bs for bs in engine.kv.group_block_sizes))
+    pool_tokens = kv_groups.pool_tokens(engine.pool_plan.num_blocks, engine.kv.group_block_sizes)
     # The weights as loaded (FP8, int4) where this process holds the model; else bf16's count.
     model = getattr(engine.runner, "model", None)
     roof = estimate(

@@ -119,6 +119,13 @@ def local_blocks(window: int | None, chunk: int | None, step: int, block_size: i
 MAX_PAD_SHARE = 0.10
 
 
+def pool_tokens(num_blocks: int, group_block_sizes: tuple[int, ...]) -> int:
+    """Tokens a pool of num_blocks holds while every group holds every token (a sequence within its
+    windows): a token takes 1 / its group's block size of a block in each group, a padded group's
+    empty slots included (group_size). The engine's pool log line and the throughput bench both say it."""
+    return int(num_blocks / sum(1 / bs for bs in group_block_sizes))
+
+
 def group_size(counts: list[int]) -> int:
     """G, the layers per group, for kinds of these layer counts: the largest divisor of the smallest
     count whose padding (the empty slots of each kind's last group) is at most MAX_PAD_SHARE of all slots
