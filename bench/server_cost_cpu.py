@@ -91,7 +91,7 @@ class EmulatedDevice:
 
 def _source():
     """The model an emulated engine reports: token ids only (no tokenizer), EOS id 2."""
-    from overnight.config import ModelArch
+    from overnight.arch import ModelArch
     from overnight.loader.source import ModelSource
 
     arch = ModelArch("llama", VOCAB, 8, 16, 1, 1, 1, 8)

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from overnight.arch import ModelArch
 from overnight.attention.variants import TMA_TILES
 from overnight.config import (
     CacheConfig,
     EngineConfig,
     LoRAConfig,
-    ModelArch,
     ModelConfig,
     ParallelConfig,
     PoolerConfig,

@@ -8,14 +8,8 @@ import time
 import torch
 
 from overnight import SamplingParams
-from overnight.config import (
-    DENSE_TAIL_SHARE,
-    CacheConfig,
-    EngineConfig,
-    ModelArch,
-    ModelConfig,
-    SchedulerConfig,
-)
+from overnight.arch import ModelArch
+from overnight.config import DENSE_TAIL_SHARE, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from overnight.engine.engine import Engine
 from overnight.engine.pool_plan import PoolPlan
 from overnight.loader.source import ModelSource

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from overnight import LLM, SamplingParams
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.engine.engine import Engine
 from overnight.errors import InvalidRequestError
 from overnight.models.registry import arch_from_hf_config, model_class_for

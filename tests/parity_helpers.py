@@ -9,10 +9,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.linear_state import LinearStateBatch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
-from overnight.config import ModelArch
 from overnight.loader.model_loader import load_model
 from overnight.loader.resolve import resolve_source
 

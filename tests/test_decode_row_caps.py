@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.kernels import w4a16_gemm
 from overnight.kernels.w4a16_gemm import W4A16Config, decode_row_caps
 from overnight.loader.source import ModelSource

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from overnight import LLM, PoolingParams, SamplingParams
-from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, PoolerConfig, SchedulerConfig
+from overnight.arch import ModelArch
+from overnight.config import CacheConfig, EngineConfig, ModelConfig, PoolerConfig, SchedulerConfig
 from overnight.encoder.batching import EncoderRequest, LengthQueue
 from overnight.engine.engine import Engine
 from overnight.engine.kv_cache_manager import KVCacheManager

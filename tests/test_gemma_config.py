@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.loader.model_loader import build_model
 from overnight.loader.resolve import PRESETS_DIR, resolve_source

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.engine.admission import Admission
 from overnight.engine.block_pool import Block
 from overnight.engine.kv_cache_manager import KVCacheManager

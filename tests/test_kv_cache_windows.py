@@ -11,7 +11,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from overnight.config import CacheConfig, EngineConfig, ModelArch, ModelConfig, SchedulerConfig
+from overnight.arch import ModelArch
+from overnight.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from overnight.engine import kv_groups
 from overnight.engine.block_pool import Block
 from overnight.engine.engine import Engine

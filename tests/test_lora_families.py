@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from overnight import LLM, LoRARequest, SamplingParams
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ConfigError, InvalidRequestError
 from overnight.lora.adapter import check_adapter, load_adapter
 from overnight.lora.targets import FAMILY_TARGETS, locate

@@ -202,8 +202,8 @@ def test_missing_folder_and_files(tmp_path: Path) -> None:
 def test_bench_adapters_pass_the_checks(tmp_path: Path) -> None:
     """bench throughput --lora-adapters writes adapters the engine takes (every projection, a MoE
     model's sparse layers skipped)."""
+    from overnight.arch import ModelArch
     from overnight.bench.lora import write_random_adapters
-    from overnight.config import ModelArch
     from overnight.lora.adapter import check_adapter
 
     dense = ModelArch("qwen3", VOCAB, 8, 16, 2, 2, 1, 4)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import overnight.loader.fit as fit
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ConfigError
 from overnight.loader.resolve import resolve_source
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.torch_backend import TorchAttentionBackend, build_metadata
-from overnight.config import ModelArch
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.loader.model_loader import load_model

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from overnight import LLM, SamplingParams
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts, fused_experts_ref, router_topk_ref
 from overnight.loader.dummy import DUMMY_RANGE, init_dummy_weights

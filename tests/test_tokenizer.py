@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.models import BPE, WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.loader.source import ModelSource
 from overnight.tokenizer import gguf_tokenizer

@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.entrypoints.llm import LLM
 from overnight.errors import EngineDeadError, ModelLoadError
 from overnight.loader.model_loader import load_model

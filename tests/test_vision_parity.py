@@ -95,7 +95,7 @@ def test_repeated_image_is_encoded_once(vl):
 def test_fused_experts_load_from_either_layout():
     """Qwen3-VL-MoE's fused experts: transformers 5 saves [E, 2I, H] / [E, H, I], the published
     checkpoints [E, H, 2I] / [E, I, H]; both split into the same per-expert tensors."""
-    from overnight.config import ModelArch
+    from overnight.arch import ModelArch
     from overnight.models.qwen_vl import _per_expert
 
     arch = ModelArch("qwen3_vl_moe", 10, 8, 16, 1, 2, 2, 4, num_experts=3, moe_intermediate_size=6)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 
 # <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n
 SYSTEM_AND_USER = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.loader.source import ModelSource
 
 

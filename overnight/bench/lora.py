@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import torch
 
+from overnight.arch import ModelArch
 from overnight.bench.throughput import RunResult, run_ours
 from overnight.bench.workloads import Workload
-from overnight.config import ModelArch
 from overnight.lora.adapter import WEIGHTS_FILE
 from overnight.lora.request import LoRARequest
 from overnight.lora.targets import family_targets, locate, module_dims, num_layers

@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.models.registry import arch_from_hf_config
 from overnight.multimodal.qwen_pixels import published_preprocessor_config
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Any
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 
 Prompt = dict[
     str, Any

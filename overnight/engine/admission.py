@@ -78,7 +78,8 @@ floor: the check keeps every win of the share (long-1024-1024 1.01-1.19x) and ta
 
 from __future__ import annotations
 
-from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE, ModelArch
+from overnight.arch import ModelArch
+from overnight.config import DENSE_STEP_TOKENS, DENSE_TAIL_SHARE
 from overnight.engine.kv_cache_manager import KVCacheManager, cdiv
 from overnight.engine.kv_groups import local_blocks
 from overnight.engine.request import Request

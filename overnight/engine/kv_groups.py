@@ -65,7 +65,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.loader.fit import layer_kv_shape
 
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from overnight.config import CacheConfig, ModelArch, SchedulerConfig
+from overnight.arch import ModelArch
+from overnight.config import CacheConfig, SchedulerConfig
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.errors import ConfigError
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ConfigError
 from overnight.loader.fit import dense_fit
 from overnight.options import MXFP4_EXPERTS

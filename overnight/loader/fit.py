@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ConfigError
 from overnight.quant.apply import experts_fp8_at_load, int_experts_forms, keeps_int_packed, linear_forms
 from overnight.quant.int_scheme import IntScheme

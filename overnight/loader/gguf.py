@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf_config import GEMMA_FAMILIES, read_gguf
 from overnight.loader.gguf_families import CONFIG_FAMILIES

@@ -12,7 +12,7 @@ from typing import Any
 
 from gguf import GGMLQuantizationType
 
-from overnight.config import ModelArch, RopeValue
+from overnight.arch import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf_families import CONFIG_FAMILIES, hf_config
 from overnight.loader.gguf_file import GGUFFile, dequantizable, f32, read_gguf_file

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from overnight.config import RopeValue
+from overnight.arch import RopeValue
 from overnight.errors import ModelLoadError
 from overnight.loader.gguf_file import GGUFFile, dequantize_tensor, f32
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ConfigError
 from overnight.loader.fit import dense_fit
 from overnight.options import INT_WEIGHTS

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from overnight.config import LMHeadClassifier, ModelArch
+from overnight.arch import ModelArch
+from overnight.config import LMHeadClassifier
 from overnight.quant.int_scheme import IntScheme
 from overnight.quant.scheme import QuantScheme
 

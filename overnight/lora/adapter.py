@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import InvalidRequestError
 from overnight.lora.request import LoRARequest
 from overnight.lora.targets import (

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.kernels.lora import (
     BLOCK_M,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from overnight.config import LoRAConfig, ModelArch
+from overnight.arch import ModelArch
+from overnight.config import LoRAConfig
 from overnight.lora.adapter import LoadedAdapter, check_adapter, load_adapter
 from overnight.lora.layers import LoRABatch, LoRALinear, apply_lora
 from overnight.lora.request import LoRARequest

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 
 
 @dataclass(frozen=True)

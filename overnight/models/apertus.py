@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.xielu import XIELU, XIELU_BETA, XIELU_EPS
 from overnight.models.checkpoint import load_packed_weights

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.models.llama import load_packed_weights, split_qkv
 
 PACKED_MODULES_MAPPING: dict[str, tuple[str, str | int]] = {

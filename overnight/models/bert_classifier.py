@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.models.bert import PACKED_MODULES_MAPPING, BertModel, EncoderBatch
 from overnight.models.checkpoint import load_packed_weights
 

@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
 

@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.mla import split_kv_b
-from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.layers.moe import Experts, router_softmax_biased_topk
 from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import LlamaForCausalLM, dense_mlp

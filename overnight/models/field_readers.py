@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from overnight.config import ModelArch, RopeValue
+from overnight.arch import ModelArch, RopeValue
 from overnight.errors import ModelLoadError
 from overnight.layers.rotary import ROPE_TYPES, rope_table
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import LMHeadClassifier, ModelArch
+from overnight.config import LMHeadClassifier
 from overnight.errors import ModelLoadError
 from overnight.models.interface import as_causal_lm
 

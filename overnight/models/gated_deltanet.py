@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.gated_delta import GatedRMSNorm
 from overnight.layers.gated_delta_ops import DeltaLayer, decode_then_prefill, delta_rule_ops
 from overnight.quant.fp8 import QuantizedActivation, dense_input, num_tokens

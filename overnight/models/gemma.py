@@ -27,9 +27,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
-from overnight.config import ModelArch
 from overnight.layers.gemma import GeluAndMul, GemmaRotaryEmbedding, fold_gemma_norms, softcap
 from overnight.layers.norm import RMSNorm
 from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, make_lm_head, split_qkv

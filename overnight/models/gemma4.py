@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
 from overnight.attention.spec import LayerAttention
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.gemma import GemmaRotaryEmbedding, ScalelessRMSNorm, softcap
 from overnight.layers.moe import Experts, select_experts

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.vision.config import gemma3_vision_arch
 

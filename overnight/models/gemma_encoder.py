@@ -14,8 +14,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.spec import FULL_ATTENTION, LayerAttention
-from overnight.config import ModelArch
 from overnight.layers.gemma import fold_gemma_norms
 from overnight.models.bert import EncoderBatch, encoder_attention
 from overnight.models.gemma import GemmaModel, text_weights

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.gemma import fold_gemma_norms, softcap
 from overnight.models.gemma import GemmaModel, gemma_checkpoint_names, text_weights
 from overnight.models.llama import PACKED_MODULES_MAPPING, load_packed_weights, make_lm_head

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.layers.moe import Experts
 from overnight.layers.moe_grouped_router import GroupedRouting, select_grouped_experts
 from overnight.models.checkpoint import EXPERT_TENSORS

@@ -38,8 +38,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import ExpertActivation, Experts, select_experts
 from overnight.layers.rotary import RotaryEmbedding

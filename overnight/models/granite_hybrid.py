@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.moe import Experts, select_experts

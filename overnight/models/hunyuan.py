@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.layers.moe import Experts, select_experts
 from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.ernie4_5_moe import Float32Router

@@ -9,8 +9,8 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 
 
 @runtime_checkable

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.models.checkpoint import EXPERT_TENSORS, load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head
 from overnight.models.qwen3_moe import qwen3_moe_mlp

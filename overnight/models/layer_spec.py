@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from overnight.arch import ModelArch, RopeValue
 from overnight.attention.spec import LayerAttention
-from overnight.config import ModelArch, RopeValue
 from overnight.layers.rotary import RotaryEmbedding
 
 

@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.gated_delta_ops import decode_then_prefill
 from overnight.layers.norm import RMSNorm

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.layer_norm import LayerNormNoBias
 from overnight.layers.norm import RMSNorm, sharded_rms_norm_pair

@@ -44,8 +44,8 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.moe import Experts
 from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import (

@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.models.llama4 import Llama4ForCausalLM, llama4_names
 from overnight.models.vision.interface import VisionFeatures, VisionRows, merge_image_token_rows
 from overnight.models.vision.llama4_vit import Llama4MultiModalProjector, Llama4VisionModel, check_tiles

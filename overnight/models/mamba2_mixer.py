@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.gated_delta_ops import decode_then_prefill
 from overnight.layers.mamba2 import MambaGatedRMSNorm
 from overnight.layers.mamba2_ops import Mamba2Layer, mamba2_ops

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.gemma import GeluAndMul
 from overnight.layers.rotary import RotaryEmbedding

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.norm import RMSNorm
 from overnight.models.checkpoint import load_packed_weights

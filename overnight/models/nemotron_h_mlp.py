@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.moe import Experts
 from overnight.layers.moe_grouped_router import GroupedRouting

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.rotary import RotaryEmbedding

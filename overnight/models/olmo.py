@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding
 from overnight.models.layer_spec import LayerSpec

@@ -32,8 +32,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.llama import load_packed_weights, make_lm_head
 from overnight.models.qwen3_next import PACKED_MODULES_MAPPING, HybridModel, Qwen3NextForCausalLM

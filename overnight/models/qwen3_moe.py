@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.layers.moe import Experts, select_experts
 from overnight.models.checkpoint import EXPERT_TENSORS
 from overnight.models.llama import LlamaForCausalLM, dense_mlp

@@ -27,8 +27,8 @@ from typing import cast
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch, VisionArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch, VisionArch
 from overnight.layers.mrope import MRotaryEmbedding
 from overnight.layers.norm import RMSNorm
 from overnight.layers.rotary import RotaryEmbedding

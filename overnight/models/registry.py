@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.apertus import ApertusForCausalLM
 from overnight.models.bert import BertModel

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.checkpoint import load_packed_weights
 from overnight.models.llama import LINEAR_INPUT_PRODUCERS, PACKED_MODULES_MAPPING, LlamaModel, make_lm_head

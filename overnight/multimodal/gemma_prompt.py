@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.multimodal.inputs import ImageInput, MultiModalInputs, Pixels
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 
 # Engines that do not carry images yet (the encoder-only engine).
 IMAGES_UNSUPPORTED_HERE = "images are not supported on encoder models yet"

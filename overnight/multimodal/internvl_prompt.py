@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.pixtral_prompt import special_ids

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.pixtral_prompt import special_ids

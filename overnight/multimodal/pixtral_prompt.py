@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import InvalidRequestError, ModelLoadError
 from overnight.multimodal.inputs import MultiModalInputs, Pixels, expand_spans
 from overnight.multimodal.qwen_pixels import CLIP_MEAN, CLIP_STD

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import InvalidRequestError
 from overnight.multimodal.gemma_prompt import GemmaPrompt, gemma3_image_processor
 from overnight.multimodal.idefics3_prompt import Idefics3Prompt, idefics3_image_processor

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.gemma4 import Gemma4Attention
 from overnight.parallel.tp_int import INT_PACKED_PARTS, int_row_columns

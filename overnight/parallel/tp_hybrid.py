@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.models.gated_deltanet import GatedDeltaNet
 from overnight.parallel.tp_experts import keep

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.layers.mamba2 import GatedNormShare
 from overnight.models.mamba2_mixer import Mamba2Mixer

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.quant.fp8 import columns_per_scale
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from overnight.config import ModelArch
+from overnight.arch import ModelArch
 from overnight.errors import ModelLoadError
 from overnight.parallel.tp_experts import MXFP4_GROUP, shard_expert_tensor
 from overnight.parallel.tp_gemma4 import gemma4_problems, is_gemma4, shard_gemma4_tensor

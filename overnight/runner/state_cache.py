@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from overnight.arch import ModelArch
 from overnight.attention.linear_state import LinearStateBatch
-from overnight.config import ModelArch
 from overnight.engine.pool_plan import StatePlan
 from overnight.engine.step_io import SchedulerOutput
 from overnight.runner.request_state import RequestStates, ScheduledRequest

@@ -26,8 +26,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from overnight.arch import ModelArch
 from overnight.attention.kv_quant import kv_cache_torch_dtype
-from overnight.config import ModelArch, decode_row_cap
+from overnight.config import decode_row_cap
 from overnight.engine.kv_groups import KVCacheLayout
 from overnight.engine.pool_plan import (
     PoolMemoryError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.errors import ModelLoadError
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.models.vision.interface import VisionFeatures
 from overnight.models.vision.qwen_vit import (
     PatchEmbed,

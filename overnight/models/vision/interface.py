@@ -26,8 +26,8 @@ from typing import Protocol
 
 import torch
 
+from overnight.arch import ModelArch
 from overnight.attention.metadata import AttentionBatch
-from overnight.config import ModelArch
 
 # Where every supported image model's checkpoint keeps its tower and projector, in each layout the
 # models' rename_checkpoint reads (Qwen's visual.*, Llama 4's vision_model.*, the others' vision_tower.*;

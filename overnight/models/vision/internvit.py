@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.models.vision.qwen_vit import VisionMLP, VisionRMSNorm, _act
 
 Grid = tuple[int, int, int]  # (tiles, patches per tile side, patches per tile side)

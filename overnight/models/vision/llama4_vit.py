@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.models.vision.internvit import pixel_shuffle
 from overnight.models.vision.qwen_vit import VisionMLP
 

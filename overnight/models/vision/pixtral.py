@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.models.vision.qwen_vit import VisionRMSNorm, _act, cu_seqlens_of
 from overnight.models.vision.segments import Segments, segment_attention
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.kernels.dispatch import use_kernels
 from overnight.layers.activation import SiluAndMul
 from overnight.layers.norm import rms_norm_ref

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from overnight.config import VisionArch
+from overnight.arch import VisionArch
 from overnight.layers.norm import RMSNorm
 from overnight.models.vision.qwen_vit import VisionMLP
 
