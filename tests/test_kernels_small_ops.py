@@ -75,6 +75,25 @@ def test_rms_norm_matches_reference(dtype: torch.dtype, n: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_3d_activations_wider_than_one_program(dtype: torch.dtype) -> None:
+    """A vision tower's [images, tokens, width] (Gemma 3's projector: 256 x 1152) is rows, not heads:
+    more than MAX_ROW_ELEMENTS per leading index are normalized row by row, as the reference does."""
+    from overnight.kernels.rmsnorm import MAX_ROW_ELEMENTS
+
+    x = rand(2, 129, 260, dtype=dtype, seed=6)  # 256 x 512 padded: past MAX_ROW_ELEMENTS
+    assert 256 * 512 > MAX_ROW_ELEMENTS
+    w = norm_weight(260, dtype, seed=7)
+    out = rms_norm(x, w, EPS)
+    assert out.shape == x.shape
+    assert_matches(out, rms_norm_ref(x, w, EPS))
+    residual = rand(2, 129, 260, dtype=dtype, seed=8)
+    normed, new_residual = add_rms_norm(x, residual, w, EPS)
+    ref_normed, ref_residual = add_rms_norm_ref(x, residual, w, EPS)
+    assert_matches(normed, ref_normed)
+    assert_matches(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 16), (3, 1, 24)])
 def test_rms_norm_per_head_on_qkv_views(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:
     qkv, q, k = qkv_views(7, hq, hkv, d, dtype, seed=4)

@@ -106,8 +106,13 @@ def _num_warps(elements: int) -> int:
 
 def _as_rows(x: torch.Tensor) -> torch.Tensor:
     """x as [T, H, D] without copying when it is 2-D or 3-D with unit stride along D (the shapes the
-    models pass); other ranks are flattened to [T, 1, D] (a copy only where a view is impossible)."""
-    if x.dim() == 3:
+    models pass); other ranks, and 3-D ones whose H x D exceed one program's MAX_ROW_ELEMENTS (a
+    vision tower's [images, tokens, width]: no heads, just rows), are flattened to [T, 1, D] (a copy
+    only where a view is impossible)."""
+    if (
+        x.dim() == 3
+        and triton.next_power_of_2(x.shape[1]) * triton.next_power_of_2(x.shape[2]) <= MAX_ROW_ELEMENTS
+    ):
         return x
     if x.dim() == 2:
         return x.unsqueeze(1)
